@@ -1,0 +1,271 @@
+"""Pydantic models of every kvgate setting. Unknown keys are errors (``extra="forbid"``).
+
+Two files carry them (DESIGN.md, Contracts): ``config/kvgate.yaml`` -> :class:`Settings`
+(gateway, upstreams, models, quotas, verifier, backend) and ``config/tenants.yaml`` ->
+:class:`TenantsFile`.
+"""
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TokenizerConfig(_Strict):
+    """How a model's prompts are counted.
+
+    ``kind``: ``tiktoken`` (``name`` an encoding, e.g. ``cl100k_base``), ``bundled`` (cl100k_base
+    + ChatML specials, the bundled backend's own), ``hf`` (``path`` a folder with tokenizer.json
+    and tokenizer_config.json), ``engine`` (the upstream's /tokenize; ``url`` its base).
+    ``chat_template``: ``chatml`` (the bundled backend's template) or ``hf`` (the Jinja template
+    of tokenizer_config.json). ``image_tokens``: what one image content part costs (never 0).
+    """
+
+    kind: Literal["tiktoken", "bundled", "hf", "engine"] = "bundled"
+    name: str = "cl100k_base"
+    path: str | None = None
+    url: str | None = None
+    engine_api: Literal["sglang", "vllm"] = "sglang"
+    chat_template: Literal["chatml", "hf"] = "chatml"
+    image_tokens: int = Field(default=765, ge=1)
+
+    @model_validator(mode="after")
+    def _needs(self) -> "TokenizerConfig":
+        if self.kind == "hf" and not self.path:
+            raise ValueError("kind 'hf' needs 'path' (a folder with tokenizer.json)")
+        if self.kind == "engine" and not self.url:
+            raise ValueError("kind 'engine' needs 'url' (the engine's base URL)")
+        return self
+
+
+class ModelConfig(_Strict):
+    """A model the gateway serves. ``id`` is the public name; ``aliases`` other accepted names;
+    ``upstream_model`` the name sent upstream (default ``id``); ``context_length`` in tokens."""
+
+    id: str
+    aliases: list[str] = Field(default_factory=list)
+    upstream_model: str | None = None
+    context_length: int = Field(ge=2)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+
+
+class UpstreamConfig(_Strict):
+    """An engine deployment (DESIGN.md, "Upstream entry").
+
+    ``api_url``: OpenAI base URL (ending in ``/v1``). ``pool_source``: where the live pool is
+    read. ``pool_urls``: server-info URLs of every prefill node (sglang/kvgate) or the
+    ``/v1/models`` URL (vllm). ``static_pool_tokens``: the pool for ``pool_source: static``.
+    ``models``: model ids (or aliases) it serves.
+    """
+
+    name: str
+    api_url: str
+    pool_source: Literal["sglang", "vllm", "kvgate", "static"] = "kvgate"
+    pool_urls: list[str] = Field(default_factory=list)
+    static_pool_tokens: int | None = Field(default=None, ge=1)
+    models: list[str]
+    api_key: SecretStr | None = None
+    weight: int = Field(default=1, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be 1-64 characters of letters, digits, '.', '_' or '-'")
+        return v
+
+    @model_validator(mode="after")
+    def _pool_needs(self) -> "UpstreamConfig":
+        if self.pool_source == "static" and self.static_pool_tokens is None:
+            raise ValueError("pool_source 'static' needs 'static_pool_tokens'")
+        if self.pool_source != "static" and not self.pool_urls:
+            raise ValueError(f"pool_source '{self.pool_source}' needs at least one entry in 'pool_urls'")
+        return self
+
+
+class PoolSettings(_Strict):
+    """Live-pool watcher: ``headroom`` divides the pool (runbook: 1.25); polling and staleness in seconds."""
+
+    headroom: float = Field(default=1.25, ge=1.0)
+    poll_interval_seconds: float = Field(default=5.0, gt=0)
+    max_staleness_seconds: float = Field(default=30.0, gt=0)
+    request_timeout_seconds: float = Field(default=2.0, gt=0)
+
+
+class GatewaySettings(_Strict):
+    """The HTTP edge: bind address, body limit, upstream timeouts (seconds), drain on SIGTERM."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=1, le=65535)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    connect_timeout_seconds: float = Field(default=5.0, gt=0)
+    read_timeout_seconds: float = Field(default=300.0, gt=0)
+    drain_timeout_seconds: float = Field(default=30.0, ge=0)
+    max_connections: int = Field(default=512, ge=1)
+    offload_count_chars: int = Field(default=32_768, ge=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class QuotaSettings(_Strict):
+    """Per-tenant quota enforcement. Windows in seconds (a minute by default; tests shorten them).
+
+    ``redis_failure_policy``: ``fail_closed`` (503 + Retry-After) or ``local_fallback``
+    (per-replica limits of limit / ``replicas``). ``redis_timeout_seconds`` bounds every Redis call.
+    """
+
+    enabled: bool = True
+    window_seconds: float = Field(default=60.0, gt=0)
+    lease_ttl_seconds: float = Field(default=120.0, gt=0)
+    redis_timeout_seconds: float = Field(default=0.25, gt=0)
+    redis_failure_policy: Literal["fail_closed", "local_fallback"] = "fail_closed"
+    replicas: int = Field(default=1, ge=1)
+    retry_after_on_failure_seconds: int = Field(default=1, ge=1)
+
+
+class VerifierSettings(_Strict):
+    """Response verification (DESIGN.md, Verifier). Lengths in tokens, times in seconds."""
+
+    enabled: bool = True
+    shingle_k: int = Field(default=16, ge=4)
+    winnow_w: int = Field(default=35, ge=1)
+    leak_index_ttl_seconds: float = Field(default=3600.0, gt=0)
+    leak_min_shingles: int = Field(default=1, ge=1)
+    leak_confirm_shingles: int = Field(default=4, ge=1)
+    usage_drift_tolerance_tokens: int = Field(default=0, ge=0)
+    latency_min_samples: int = Field(default=50, ge=1)
+    latency_quantile: float = Field(default=0.001, gt=0, lt=0.5)
+    latency_margin: float = Field(default=0.5, gt=0, le=1.0)
+    latency_min_prompt_tokens: int = Field(default=512, ge=1)
+    strict_holdback_tokens: int = Field(default=64, ge=1)
+    quarantine_min_prompt_tokens: int = Field(default=1024, ge=1)
+    probe_interval_seconds: float | None = Field(default=None, gt=0)
+    probe_tenant: str | None = None
+    incident_log: str | None = None
+    queue_size: int = Field(default=10_000, ge=1)
+
+
+class BackendSettings(_Strict):
+    """The bundled engine (``python -m gpu_backend``); names follow DESIGN.md's backend flags."""
+
+    role: Literal["all", "prefill", "decode", "router"] = "all"
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, ge=1, le=65535)
+    prefill_url: str = "http://127.0.0.1:30001"
+    decode_url: str = "http://127.0.0.1:30002"
+    model: str = "tiny-random"
+    served_model_name: str = "kvgate-tiny"
+    device: str = "auto"
+    context_length: int = Field(default=8192, ge=16)
+    page_size: int = Field(default=16, ge=1)
+    max_total_tokens: int | None = Field(default=None, ge=16)
+    prefill_max_total_tokens: int = Field(default=4096, ge=16)
+    decode_max_total_tokens: int = Field(default=16384, ge=16)
+    mem_budget_bytes: int | None = Field(default=None, ge=1)
+    mem_fraction_static: float = Field(default=0.88, gt=0, le=1)
+    pool_wait_timeout_seconds: float = Field(default=10.0, gt=0)
+    transfer_timeout_seconds: float = Field(default=30.0, gt=0)
+    seed: int = 0
+
+
+class Settings(_Strict):
+    """Everything in ``kvgate.yaml``. ``redis_url``: one URL (``redis://``, ``rediss://``,
+    ``redis+sentinel://``); ``None`` keeps quotas and the leak index in process.
+    ``state_dir``: where generated secrets and incident records live."""
+
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    pool: PoolSettings = Field(default_factory=PoolSettings)
+    quotas: QuotaSettings = Field(default_factory=QuotaSettings)
+    verifier: VerifierSettings = Field(default_factory=VerifierSettings)
+    backend: BackendSettings = Field(default_factory=BackendSettings)
+    models: list[ModelConfig] = Field(default_factory=list)
+    upstreams: list[UpstreamConfig] = Field(default_factory=list)
+    redis_url: str | None = None
+    state_dir: str = ".kvgate"
+
+    @model_validator(mode="after")
+    def _cross_refs(self) -> "Settings":
+        names: dict[str, str] = {}
+        for m in self.models:
+            for n in [m.id, *m.aliases]:
+                if n in names:
+                    raise ValueError(f"model name '{n}' is used twice (by '{names[n]}' and '{m.id}')")
+                names[n] = m.id
+        seen: set[str] = set()
+        for u in self.upstreams:
+            if u.name in seen:
+                raise ValueError(f"upstream name '{u.name}' is used twice")
+            seen.add(u.name)
+            for n in u.models:
+                if n not in names:
+                    raise ValueError(f"upstream '{u.name}' serves unknown model '{n}'")
+        return self
+
+    def model_by_name(self, name: str) -> ModelConfig | None:
+        """The model whose id or alias is ``name``, else ``None``."""
+        for m in self.models:
+            if name == m.id or name in m.aliases:
+                return m
+        return None
+
+
+class TenantConfig(_Strict):
+    """A tenant (DESIGN.md, "Tenant entry"). Limits: ``rpm`` requests/window, ``tpm`` prompt +
+    completion tokens/window, ``max_concurrent`` in-flight requests, ``max_context_tokens``
+    prompt + completion per request; ``None`` means unlimited. ``api_key_sha256``: lowercase hex
+    SHA-256 of each valid key. ``verify_sample_rate`` in [0, 1]."""
+
+    id: str
+    api_key_sha256: list[str] = Field(default_factory=list)
+    rpm: int | None = Field(default=None, ge=0)
+    tpm: int | None = Field(default=None, ge=0)
+    max_concurrent: int | None = Field(default=None, ge=0)
+    max_context_tokens: int | None = Field(default=None, ge=2)
+    max_tokens_cap: int | None = Field(default=None, ge=1)
+    default_max_tokens: int = Field(default=256, ge=1)
+    allowed_models: list[str] = Field(default_factory=list)
+    verify_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    strict_verify: bool = False
+    honeypot: bool = False
+
+    @field_validator("id")
+    @classmethod
+    def _id_ok(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("must be 1-64 characters of letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hashes_ok(cls, v: list[str]) -> list[str]:
+        for h in v:
+            if not _SHA256_HEX.match(h):
+                raise ValueError("each entry must be 64 lowercase hex digits (the SHA-256 of a key)")
+        return v
+
+
+class TenantsFile(_Strict):
+    """Everything in ``tenants.yaml``: ``tenants`` (a list)."""
+
+    tenants: list[TenantConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "TenantsFile":
+        ids: set[str] = set()
+        hashes: dict[str, str] = {}
+        for t in self.tenants:
+            if t.id in ids:
+                raise ValueError(f"tenant id '{t.id}' is used twice")
+            ids.add(t.id)
+            for h in t.api_key_sha256:
+                if h in hashes:
+                    raise ValueError(f"an API key hash is shared by tenants '{hashes[h]}' and '{t.id}'")
+                hashes[h] = t.id
+        return self

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install everything into .venv, make sure Redis answers, run the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+bash scripts/ensure_redis.sh
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,48 @@
+"""Exact prompt-token counting for OpenAI requests (DESIGN.md, step 4).
+
+``make_counter(TokenizerConfig)`` gives a :class:`PromptCounter`; ``count_prompt`` /
+``count_chat`` (and their async twins) return exact counts or raise the typed errors of
+:mod:`tokenizer.errors`. Imports neither torch nor the gateway.
+"""
+from __future__ import annotations
+
+from config.models import TokenizerConfig
+from tokenizer.base import PromptCount, PromptCounter, split_completion_prompt
+from tokenizer.chat import RenderedChat, render_chatml
+from tokenizer.encodings import IM_END_ID, IM_START_ID, bundled_encoding, get_encoding
+from tokenizer.errors import (
+    EngineTokenizeError,
+    ImagesNotSupportedError,
+    InvalidPromptError,
+    InvalidTokenIdError,
+    TokenizerError,
+    UnknownContentPartError,
+)
+from tokenizer.tiktoken_counter import TiktokenCounter, bundled_counter
+
+
+def make_counter(cfg: TokenizerConfig, model: str = "") -> PromptCounter:
+    """Build the counter a model's :class:`~config.models.TokenizerConfig` describes.
+
+    Raises ``ValueError`` for an encoding not available offline, ``FileNotFoundError`` for a
+    missing HF folder, ``ImportError`` when the ``hf`` extra is not installed.
+    """
+    if cfg.kind == "bundled":
+        return bundled_counter(cfg.image_tokens)
+    if cfg.kind == "tiktoken":
+        return TiktokenCounter(cfg.name, image_tokens=cfg.image_tokens)
+    if cfg.kind == "hf":
+        from tokenizer.hf_counter import HFCounter
+
+        return HFCounter(cfg.path or "", image_tokens=cfg.image_tokens)
+    from tokenizer.engine_counter import EngineCounter
+
+    return EngineCounter(cfg.url or "", model, api=cfg.engine_api, image_tokens=cfg.image_tokens)
+
+
+__all__ = [
+    "EngineTokenizeError", "IM_END_ID", "IM_START_ID", "ImagesNotSupportedError", "InvalidPromptError",
+    "InvalidTokenIdError", "PromptCount", "PromptCounter", "RenderedChat", "TiktokenCounter",
+    "TokenizerError", "UnknownContentPartError", "bundled_counter", "bundled_encoding", "get_encoding",
+    "make_counter", "render_chatml", "split_completion_prompt",
+]

@@ -1,0 +1,181 @@
+"""OpenAI chat messages: validation and the ChatML template of the bundled backend.
+
+The template is defined here once and used by both the gateway (to count) and the bundled
+backend (to build the prompt), so for that backend the two counts are equal by construction::
+
+    [tools block, folded into the first system message or a system message of its own]
+    <|im_start|>{role}[ name={name}]\n{content}[\n<tool_call>...</tool_call>...]<|im_end|>\n   (per message)
+    <|im_start|>assistant\n                                                                  (generation prompt)
+
+Special tokens are produced only here, never from user text (user text is encoded "ordinary").
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from tokenizer.errors import ImagesNotSupportedError, InvalidPromptError, UnknownContentPartError
+
+TEXT_PART_TYPES = ("text", "refusal")
+IMAGE_PART_TYPES = ("image_url", "input_image")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _dumps(obj: Any) -> str:
+    """Deterministic JSON for tool definitions and tool calls (key order as given)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
+
+
+@dataclass
+class RenderedChat:
+    """A chat rendered as ChatML pieces.
+
+    ``pieces``: a list where a ``str`` is ordinary text to encode and an ``int`` a special token id
+    placeholder: ``0`` = ``<|im_start|>``, ``1`` = ``<|im_end|>``. ``images``: number of image parts.
+    """
+
+    pieces: list[str | int] = field(default_factory=list)
+    images: int = 0
+
+
+IM_START_PIECE = 0
+IM_END_PIECE = 1
+
+
+def _text_of_content(content: Any, param: str) -> tuple[list[str], int]:
+    """Texts (split around images) and the image count of one message's ``content``."""
+    if content is None:
+        return [""], 0
+    if isinstance(content, str):
+        return [content], 0
+    if not isinstance(content, list):
+        raise InvalidPromptError(f"'{param}' must be a string, a list of content parts or null.", param)
+    texts: list[str] = [""]
+    images = 0
+    for j, part in enumerate(content):
+        pparam = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise InvalidPromptError(f"'{pparam}' must be an object with a 'type'.", pparam)
+        ptype = part.get("type")
+        if ptype in TEXT_PART_TYPES:
+            text = part.get(ptype)
+            if not isinstance(text, str):
+                raise InvalidPromptError(f"'{pparam}.{ptype}' must be a string.", f"{pparam}.{ptype}")
+            texts[-1] += text
+        elif ptype in IMAGE_PART_TYPES:
+            images += 1
+            texts.append("")
+        else:
+            raise UnknownContentPartError(ptype, f"{pparam}.type")
+    return texts, images
+
+
+def _tool_calls_text(tool_calls: Any, param: str) -> str:
+    if tool_calls is None:
+        return ""
+    if not isinstance(tool_calls, list):
+        raise InvalidPromptError(f"'{param}' must be a list.", param)
+    out = []
+    for j, call in enumerate(tool_calls):
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise InvalidPromptError(f"'{param}[{j}]' must be an object with a 'function'.", f"{param}[{j}]")
+        fn = call["function"]
+        name, args = fn.get("name"), fn.get("arguments", "")
+        if not isinstance(name, str) or not isinstance(args, str):
+            raise InvalidPromptError(
+                f"'{param}[{j}].function' needs a string 'name' and string 'arguments'.", f"{param}[{j}].function")
+        out.append(f"<tool_call>\n{_dumps({'name': name, 'arguments': args})}\n</tool_call>")
+    return "\n".join(out)
+
+
+def _tools_block(tools: Any) -> str:
+    if tools is None:
+        return ""
+    if not isinstance(tools, list):
+        raise InvalidPromptError("'tools' must be a list.", "tools")
+    for j, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise InvalidPromptError(f"'tools[{j}]' must be an object.", f"tools[{j}]")
+    if not tools:
+        return ""
+    return "# Tools\n\n<tools>\n" + "\n".join(_dumps(t) for t in tools) + "\n</tools>"
+
+
+def render_chatml(messages: Any, tools: Any = None) -> RenderedChat:
+    """Validate OpenAI ``messages`` (and ``tools``) and render them with the ChatML template.
+
+    Raises :class:`InvalidPromptError` for a wrong shape or type and
+    :class:`UnknownContentPartError` for a content part of unknown ``type``; ``param`` names
+    the field (``messages[1].content[0].type``).
+    """
+    if not isinstance(messages, list) or not messages:
+        raise InvalidPromptError("'messages' must be a non-empty list of message objects.", "messages")
+    out = RenderedChat()
+    tools_text = _tools_block(tools)
+    first_system = next((i for i, m in enumerate(messages)
+                         if isinstance(m, dict) and m.get("role") in ("system", "developer")), None)
+    if tools_text and first_system != 0:
+        out.pieces += [IM_START_PIECE, "system\n" + tools_text, IM_END_PIECE, "\n"]
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise InvalidPromptError(f"'{param}' must be an object.", param)
+        role = m.get("role")
+        if role not in ROLES:
+            raise InvalidPromptError(
+                f"'{param}.role' must be one of {', '.join(ROLES)}; got {role!r}.", f"{param}.role")
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise InvalidPromptError(f"'{param}.name' must be a string.", f"{param}.name")
+        texts, images = _text_of_content(m.get("content"), f"{param}.content")
+        calls = _tool_calls_text(m.get("tool_calls"), f"{param}.tool_calls")
+        if calls:
+            texts[-1] += ("\n" if texts[-1] else "") + calls
+        if tools_text and i == first_system == 0:
+            texts[-1] += ("\n\n" if any(texts) else "") + tools_text
+        header = role + (f" name={name}" if name else "") + "\n"
+        texts[0] = header + texts[0]
+        out.pieces.append(IM_START_PIECE)
+        out.pieces.extend(t for t in texts if t)
+        out.pieces += [IM_END_PIECE, "\n"]
+        out.images += images
+    out.pieces += [IM_START_PIECE, "assistant\n"]
+    return out
+
+
+def chatml_token_ids(rendered: RenderedChat, encode_ordinary: Callable[[str], list[int]],
+                     im_start_id: int, im_end_id: int) -> list[int]:
+    """Token ids of a rendered chat for a text-only engine. Raises
+    :class:`ImagesNotSupportedError` when the chat holds an image part."""
+    if rendered.images:
+        raise ImagesNotSupportedError("This model does not accept image content parts.", "messages")
+    ids: list[int] = []
+    for piece in rendered.pieces:
+        if piece == IM_START_PIECE:
+            ids.append(im_start_id)
+        elif piece == IM_END_PIECE:
+            ids.append(im_end_id)
+        else:
+            ids.extend(encode_ordinary(piece))
+    return ids
+
+
+def chatml_token_count(rendered: RenderedChat, count_ordinary: Callable[[str], int], image_tokens: int) -> int:
+    """Token count of a rendered chat: specials count 1, images ``image_tokens`` each."""
+    total = rendered.images * image_tokens
+    for piece in rendered.pieces:
+        total += 1 if isinstance(piece, int) else count_ordinary(piece)
+    return total
+
+
+def chat_text_length(messages: Sequence[Any]) -> int:
+    """Rough character length of a chat (to decide whether to count off the event loop)."""
+    n = 0
+    for m in messages if isinstance(messages, list) else ():
+        c = m.get("content") if isinstance(m, dict) else None
+        if isinstance(c, str):
+            n += len(c)
+        elif isinstance(c, list):
+            n += sum(len(p.get("text", "")) for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n

@@ -1,0 +1,62 @@
+"""Counting with tiktoken encodings (cl100k_base by default) and the bundled backend's ChatML."""
+from __future__ import annotations
+
+from typing import Any
+
+import tiktoken
+
+from tokenizer.base import PromptCounter
+from tokenizer.chat import chatml_token_count, chatml_token_ids, render_chatml
+from tokenizer.encodings import IM_END_ID, IM_START_ID, bundled_encoding, get_encoding, valid_id_mask
+from tokenizer.parallel import parallel_count
+
+
+class TiktokenCounter(PromptCounter):
+    """Exact counts with a tiktoken encoding; chats with the ChatML template of :mod:`tokenizer.chat`.
+
+    ``encoding``: a name (``cl100k_base``) or an ``Encoding``. User text is encoded with
+    ``encode_ordinary``, so ``<|endoftext|>`` typed by a user is text, never a special token.
+    Long texts are counted on several cores (:mod:`tokenizer.parallel`) for cl100k-family encodings.
+    """
+
+    def __init__(self, encoding: str | tiktoken.Encoding = "cl100k_base", image_tokens: int = 765) -> None:
+        self.encoding = get_encoding(encoding) if isinstance(encoding, str) else encoding
+        self.vocab_size = self.encoding.n_vocab
+        self.image_tokens = image_tokens
+        self._mask = valid_id_mask(self.encoding)
+        self._parallel = "cl100k" in self.encoding.name or self.encoding.name == bundled_encoding().name
+        specials = self.encoding._special_tokens
+        self.im_start_id = specials.get("<|im_start|>", IM_START_ID)
+        self.im_end_id = specials.get("<|im_end|>", IM_END_ID)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ordinary text."""
+        return self.encoding.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (invalid UTF-8 replaced)."""
+        return self.encoding.decode(ids, errors="replace")
+
+    def _count_one(self, text: str) -> int:
+        return len(self.encoding.encode_ordinary(text))
+
+    def count_text(self, text: str) -> int:
+        if self._parallel:
+            return parallel_count(text, self._count_one)
+        return self._count_one(text)
+
+    def is_valid_id(self, token_id: int) -> bool:
+        return 0 <= token_id < len(self._mask) and self._mask[token_id] == 1
+
+    def count_chat(self, messages: Any, tools: Any = None) -> int:
+        return chatml_token_count(render_chatml(messages, tools), self.count_text, self.image_tokens)
+
+    def encode_chat(self, messages: Any, tools: Any = None) -> list[int]:
+        """Token ids of a chat for a text-only engine (the bundled backend's prompt).
+        Raises :class:`~tokenizer.errors.ImagesNotSupportedError` on image parts."""
+        return chatml_token_ids(render_chatml(messages, tools), self.encode_text, self.im_start_id, self.im_end_id)
+
+
+def bundled_counter(image_tokens: int = 765) -> TiktokenCounter:
+    """The counter of the bundled backend's tokenizer (cl100k_base + ChatML specials)."""
+    return TiktokenCounter(bundled_encoding(), image_tokens=image_tokens)
