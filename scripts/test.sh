@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 bash scripts/ensure_redis.sh
+bash scripts/ensure_tools.sh
 exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,19 @@
+# The gateway image: kvgate without torch (the gateway never imports it).
+# Base pinned to an exact release; pin by digest in your registry mirror if you need byte-identical builds.
+FROM python:3.11.9-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY config ./config
+COPY tokenizer ./tokenizer
+COPY gateway ./gateway
+COPY verifier ./verifier
+COPY gpu_backend ./gpu_backend
+RUN pip install . \
+ && useradd --system --uid 10001 --home-dir /var/lib/kvgate --create-home kvgate
+USER kvgate
+WORKDIR /var/lib/kvgate
+EXPOSE 8080
+ENTRYPOINT ["kvgate"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8080"]

@@ -1,0 +1,151 @@
+"""docker-compose.yml proven without a Docker engine (none runs here).
+
+1. The file validates against the Compose schema (`docker-compose config`, Debian's package, which
+   scripts/test.sh installs when missing).
+2. Every service of the default (CPU) profile is started from the file itself: its image's ENTRYPOINT
+   (read from its Dockerfile) + its `command`, with its `environment`, as local processes on loopback
+   (service host names and 0.0.0.0 mapped to 127.0.0.1, ports as in the file, Redis the real server);
+   each health check (its own CMD, run here) must pass; then a chat request through the gateway gets a
+   200 below the limit and a 400 `context_length_exceeded` one token over it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+COMPOSE = ROOT / "docker-compose.yml"
+VENV_BIN = Path(sys.executable).parent
+DEMO_KEY = "sk-demo-a"
+TEST_REDIS_DB = 11
+
+
+def _compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _entrypoint(service: dict) -> list[str]:
+    dockerfile = ROOT / service["build"]["dockerfile"]
+    m = re.search(r"^ENTRYPOINT\s+(\[.*\])\s*$", dockerfile.read_text(), re.M)
+    assert m, f"{dockerfile} has no exec-form ENTRYPOINT"
+    return yaml.safe_load(m.group(1))
+
+
+def _active(services: dict, profile: str) -> list[str]:
+    return [n for n, s in services.items() if not s.get("profiles") or profile in s["profiles"]]
+
+
+def _map_hosts(value: str, names: list[str]) -> str:
+    value = value.replace("0.0.0.0", "127.0.0.1")
+    for n in names:
+        value = re.sub(rf"(?<=//){re.escape(n)}(?=[:/])", "127.0.0.1", value)
+    value = value.replace("/app/config/", f"{ROOT / 'config'}/")
+    value = value.replace("redis://127.0.0.1:6379/0", f"redis://127.0.0.1:6379/{TEST_REDIS_DB}")
+    return value
+
+
+def _order(services: dict, active: list[str]) -> list[str]:
+    done: list[str] = []
+    while len(done) < len(active):
+        for n in active:
+            deps = [d for d in services[n].get("depends_on", {}) if d in active]
+            if n not in done and all(d in done for d in deps):
+                done.append(n)
+    return done
+
+
+def _health_ok(test: list[str], names: list[str]) -> bool:
+    assert test[0] == "CMD", "health checks use the exec form"
+    argv = [_map_hosts(a, names) for a in test[1:]]
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+
+
+def test_compose_file_validates() -> None:
+    exe = shutil.which("docker-compose")
+    assert exe, "docker-compose (Debian's package) is missing: scripts/test.sh installs it"
+    out = subprocess.run([exe, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    services = _compose()["services"]
+    assert set(services) >= {"redis", "prefill", "decode", "router", "gateway"}
+    published = {n for n, s in services.items() if s.get("ports")}
+    assert published == {"gateway"}
+    for n in ("prefill-gpu", "decode-gpu"):
+        devices = services[n]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"] and services[n]["profiles"] == ["gpu"]
+    for n, s in services.items():
+        assert "healthcheck" in s, f"service {n} has no health check"
+
+
+@pytest.mark.timeout(300)
+def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
+    compose = _compose()
+    services = compose["services"]
+    profile = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().split())["COMPOSE_PROFILES"]
+    active = _active(services, profile)
+    names = list(services)
+    procs: list[subprocess.Popen] = []
+    try:
+        for name in _order(services, active):
+            svc = services[name]
+            if name == "redis":  # the real server scripts/test.sh keeps on 127.0.0.1:6379
+                assert _health_ok(["CMD", "redis-cli", "-p", "6379", "ping"], names)
+                continue
+            argv = [_map_hosts(a, names) for a in _entrypoint(svc) + list(svc.get("command", []))]
+            argv[0] = str(VENV_BIN / argv[0])
+            env = {**os.environ, **{k: _map_hosts(str(v), names) for k, v in (svc.get("environment") or {}).items()}}
+            if "KVGATE_STATE_DIR" in env:
+                env["KVGATE_STATE_DIR"] = str(tmp_path / f"{name}-state")
+            log = open(tmp_path / f"{name}.log", "wb")
+            procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          cwd=tmp_path, start_new_session=True))
+            hc = svc["healthcheck"]
+            deadline = time.monotonic() + 180
+            while not _health_ok(hc["test"], names):
+                assert procs[-1].poll() is None, (name, (tmp_path / f"{name}.log").read_text()[-3000:])
+                assert time.monotonic() < deadline, f"{name} never became healthy"
+                time.sleep(0.5)
+
+        base = "http://127.0.0.1:8080/v1"
+        headers = {"Authorization": f"Bearer {DEMO_KEY}"}
+        with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
+            models = c.get("/models").json()["data"]
+            model = models[0]["id"]
+            limit = models[0]["max_model_len"]
+            ok = c.post("/chat/completions", json={"model": model, "max_tokens": 4,
+                                                   "messages": [{"role": "user", "content": "Say hello."}]})
+            assert ok.status_code == 200, ok.text
+            prompt_tokens = ok.json()["usage"]["prompt_tokens"]
+            # one token over: a prompt of `prompt_tokens` asking for exactly the rest + 1
+            over = c.post("/chat/completions", json={"model": model, "max_tokens": limit - prompt_tokens + 1,
+                                                     "messages": [{"role": "user", "content": "Say hello."}]})
+            assert over.status_code == 400, over.text
+            err = over.json()["error"]
+            assert err["code"] == "context_length_exceeded"
+            assert err["message"] == (
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{limit + 1} tokens ({prompt_tokens} in the messages, {limit - prompt_tokens + 1} in the "
+                f"completion). Please reduce the length of the messages or completion.")
+    finally:
+        for p in reversed(procs):
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
