@@ -1,0 +1,256 @@
+"""``kvgate tenant ACTION ...``: edit the tenants file (``config/tenants.yaml`` or ``--tenants``).
+
+Actions are argparse sub-subcommands. Each one is registered by a function in :data:`ACTIONS`
+that adds its parser to the subparsers and sets ``handler`` (``handler(args) -> int``); adding an
+action is one such function plus one line in :data:`ACTIONS`. Helpers shared by the actions:
+
+- :func:`tenants_option` adds ``--tenants PATH`` to an action's parser;
+- :func:`edit_tenants` opens the file for a locked read-modify-write that keeps comments, key
+  order and flow style (ruamel.yaml round trip), validates the result as
+  :class:`config.models.TenantsFile` before anything is written, and replaces the file atomically;
+- :func:`new_api_key` / :func:`key_sha256` make a key and the hash that is stored (never the key).
+
+A running gateway reads the file at start and on reload; an edit changes nothing until then.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import io
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from pydantic import ValidationError
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedMap, CommentedSeq
+from ruamel.yaml.error import YAMLError
+
+from config.loader import DEFAULT_TENANTS, _format_validation
+from config.models import TenantConfig, TenantsFile
+
+#: Prefix of generated keys (``sk-kvg-`` + 43 url-safe base64 characters = 256 random bits).
+KEY_PREFIX = "sk-kvg-"
+
+_NEW_FILE_HEADER = ("# kvgate tenants. Keys are stored only as SHA-256 hashes; "
+                    "`kvgate tenant ...` edits this file.\n")
+
+
+class TenantFileError(Exception):
+    """The tenants file cannot be read, parsed, validated or written; ``str()`` says which and why."""
+
+
+def new_api_key() -> str:
+    """A fresh API key: :data:`KEY_PREFIX` + 256 random bits (``secrets.token_urlsafe(32)``)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def key_sha256(key: str) -> str:
+    """Lowercase hex SHA-256 of the key's UTF-8 bytes: the form stored in ``api_key_sha256``
+    and compared (constant-time) by the gateway's authentication."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def default_tenants_path() -> Path:
+    """``$KVGATE_TENANTS`` when set, else the ``config/tenants.yaml`` beside the config package
+    (the file ``kvgate up`` and ``kvgate serve`` read by default)."""
+    return Path(os.environ.get("KVGATE_TENANTS") or DEFAULT_TENANTS)
+
+
+def _yaml() -> YAML:
+    y = YAML()  # round-trip mode: comments, key order and flow style survive
+    y.indent(mapping=2, sequence=4, offset=2)
+    y.width = 4096  # never fold a 64-digit hash onto a second line
+    y.preserve_quotes = True
+    y.representer.add_representer(
+        type(None), lambda r, _d: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    return y
+
+
+def _tenants_seq(doc: Any, path: Path) -> CommentedSeq:
+    if not isinstance(doc, CommentedMap):
+        raise TenantFileError(f"{path}: (top level): expected a mapping with a 'tenants' list")
+    seq = doc.get("tenants")
+    if seq is None:
+        seq = CommentedSeq()
+        doc["tenants"] = seq
+    if not isinstance(seq, CommentedSeq):
+        raise TenantFileError(f"{path}: tenants: expected a list of tenant entries")
+    if seq.fa.flow_style() and not seq:  # `tenants: []` -> block style once entries arrive
+        seq.fa.set_block_style()
+    return seq
+
+
+@contextlib.contextmanager
+def edit_tenants(path: str | os.PathLike[str]) -> Iterator[CommentedSeq]:
+    """Locked read-modify-write of a tenants file; yields the ``tenants`` list to change in place.
+
+    The list holds ruamel ``CommentedMap`` entries (use them like dicts). On normal exit the whole
+    document is validated as :class:`~config.models.TenantsFile` and written atomically (temporary
+    file + ``os.replace``, the old file's mode kept); if the block raises, nothing is written.
+    A missing file is created. Raises :class:`TenantFileError` (file unreadable, not YAML, invalid
+    after the edit, or not writable). Concurrent editors are serialised with ``flock`` on the
+    file's directory (no lock file is left behind).
+    """
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        lock_fd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise TenantFileError(f"{p}: cannot lock for writing: {e.strerror or e}") from e
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        y = _yaml()
+        try:
+            text = p.read_text(encoding="utf-8") if p.exists() else _NEW_FILE_HEADER + "tenants: []\n"
+            doc = y.load(text)
+        except OSError as e:
+            raise TenantFileError(f"{p}: cannot read: {e.strerror or e}") from e
+        except UnicodeDecodeError as e:
+            raise TenantFileError(f"{p}: not UTF-8 text: {e.reason} at byte {e.start}") from e
+        except YAMLError as e:
+            raise TenantFileError(f"{p}: invalid YAML: {e}") from e
+        if doc is None:
+            doc = CommentedMap()
+        seq = _tenants_seq(doc, p)
+        yield seq
+        try:
+            TenantsFile.model_validate(_plain(doc))
+        except ValidationError as e:
+            raise TenantFileError("\n".join(f"{p}: {problem}" for problem in _format_validation(e))) from None
+        buf = io.StringIO()
+        y.dump(doc, buf)
+        _atomic_write(p, buf.getvalue())
+    finally:
+        os.close(lock_fd)  # releases the flock
+
+
+def _plain(node: Any) -> Any:
+    """ruamel containers -> plain dicts/lists for pydantic."""
+    if isinstance(node, dict):
+        return {str(k): _plain(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    return node
+
+
+def _atomic_write(p: Path, text: str) -> None:
+    mode = p.stat().st_mode & 0o777 if p.exists() else 0o600
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, p)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise TenantFileError(f"{p}: cannot write: {e.strerror or e}") from e
+
+
+def find_tenant(seq: CommentedSeq, tenant_id: str) -> CommentedMap | None:
+    """The entry of ``seq`` whose ``id`` is ``tenant_id``, else ``None``."""
+    for entry in seq:
+        if isinstance(entry, dict) and entry.get("id") == tenant_id:
+            return entry
+    return None
+
+
+def tenants_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--tenants PATH`` (default :func:`default_tenants_path`) to an action's parser."""
+    parser.add_argument("--tenants", type=Path, default=None, metavar="PATH",
+                        help="tenants file to edit (default: $KVGATE_TENANTS or config/tenants.yaml)")
+
+
+def limit_options(parser: argparse.ArgumentParser) -> None:
+    """Add the tenant-limit flags (``--rpm``, ``--tpm``, ``--max-concurrent``,
+    ``--max-context-tokens``, ``--max-tokens-cap``, ``--default-max-tokens``, ``--model``) whose
+    values :func:`limits_from_args` collects. Unset flags leave the field as it is."""
+    g = parser.add_argument_group("limits (DESIGN.md, tenant entry)")
+    g.add_argument("--rpm", type=int, help="requests per quota window")
+    g.add_argument("--tpm", type=int, help="prompt + completion tokens per quota window")
+    g.add_argument("--max-concurrent", type=int, help="requests in flight at once")
+    g.add_argument("--max-context-tokens", type=int, help="prompt + completion tokens per request")
+    g.add_argument("--max-tokens-cap", type=int, help="largest max_tokens a request may ask for")
+    g.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none")
+    g.add_argument("--model", dest="models", action="append", metavar="MODEL",
+                   help="a model the tenant may use (repeat for several)")
+
+
+def limits_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The tenant fields given on the command line by :func:`limit_options` (unset ones omitted)."""
+    out: dict[str, Any] = {}
+    for name in ("rpm", "tpm", "max_concurrent", "max_context_tokens", "max_tokens_cap", "default_max_tokens"):
+        value = getattr(args, name, None)
+        if value is not None:
+            out[name] = value
+    if getattr(args, "models", None):
+        out["allowed_models"] = _flow(list(args.models))
+    return out
+
+
+def _flow(items: list[Any]) -> CommentedSeq:
+    seq = CommentedSeq(items)
+    seq.fa.set_flow_style()  # `[a, b]`, like the shipped file
+    return seq
+
+
+# ---------------------------------------------------------------- actions
+def _cmd_add(args: argparse.Namespace) -> int:
+    path = args.tenants or default_tenants_path()
+    try:
+        TenantConfig(id=args.name)
+    except ValidationError as e:
+        print(f"kvgate tenant add: invalid tenant name {args.name!r}: {e.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    key = new_api_key()
+    try:
+        with edit_tenants(path) as seq:
+            if find_tenant(seq, args.name) is not None:
+                raise TenantFileError(f"{path}: tenant '{args.name}' already exists "
+                                      "(to give it another key: kvgate tenant add-key)")
+            entry = CommentedMap(id=args.name, api_key_sha256=_flow([key_sha256(key)]))
+            entry.update(limits_from_args(args))
+            seq.append(entry)
+    except TenantFileError as e:
+        print(f"kvgate tenant add: {e}", file=sys.stderr)
+        return 1
+    print(f"kvgate: tenant '{args.name}' added to {path}. Its API key is printed below, once: "
+          "only its SHA-256 is stored. A running gateway uses it after a reload or restart.",
+          file=sys.stderr)
+    print(key)
+    sys.stdout.flush()
+    return 0
+
+
+def _register_add(sub: Any) -> None:
+    p = sub.add_parser("add", help="add a tenant and print its new API key (once)",
+                       description="Add tenant NAME with a new API key. The key goes to stdout (once; "
+                                   "messages go to stderr), only its SHA-256 to the tenants file.")
+    p.add_argument("name", metavar="NAME", help="tenant id: 1-64 letters, digits, '.', '_' or '-'")
+    tenants_option(p)
+    limit_options(p)
+    p.set_defaults(handler=_cmd_add)
+
+
+#: One registering function per action, in ``--help`` order.
+ACTIONS: list[Callable[[Any], None]] = [_register_add]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register every action of :data:`ACTIONS` as a sub-subcommand of ``kvgate tenant``."""
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for register in ACTIONS:
+        register(sub)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen action; returns the exit status (0 ok, 1 file problem, 2 bad arguments)."""
+    return int(args.handler(args))

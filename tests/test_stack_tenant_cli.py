@@ -1,0 +1,130 @@
+"""`kvgate tenant add NAME`: a new key printed once, only its SHA-256 stored, the rest of the file
+(comments, other tenants, flow style) kept byte for byte."""
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from config.loader import DEFAULT_TENANTS, load_tenants
+from gateway.cli import main
+
+KEY_RE = re.compile(r"^sk-kvg-[A-Za-z0-9_-]{43}$")
+
+
+@pytest.fixture()
+def tenants_file(tmp_path: Path) -> Path:
+    p = tmp_path / "tenants.yaml"
+    shutil.copy(DEFAULT_TENANTS, p)
+    return p
+
+
+def _add(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["tenant", "add", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_add_appends_one_entry_and_keeps_the_rest(capsys, tenants_file: Path) -> None:
+    before = tenants_file.read_text()
+    rc, out, err = _add(capsys, "acme", "--tenants", str(tenants_file))
+    assert rc == 0
+    key = out.strip()
+    assert out == key + "\n"  # stdout holds the key and nothing else
+    assert KEY_RE.match(key), key
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    after = tenants_file.read_text()
+    assert after == before + f"  - id: acme\n    api_key_sha256: [{digest}]\n"
+    assert key not in after and key not in err
+    assert "tenant 'acme' added" in err and "once" in err
+    loaded = load_tenants(tenants_file)
+    assert [t.id for t in loaded.tenants] == ["demo-a", "demo-b", "acme"]
+    assert loaded.tenants[2].api_key_sha256 == [digest]
+    assert loaded.tenants[2].default_max_tokens == 256  # the model's default, not written
+
+
+def test_add_with_limits_writes_them(capsys, tenants_file: Path) -> None:
+    before = tenants_file.read_text()
+    rc, out, _ = _add(capsys, "team-1", "--tenants", str(tenants_file), "--rpm", "30", "--tpm", "9000",
+                      "--max-concurrent", "2", "--max-context-tokens", "2048", "--max-tokens-cap", "512",
+                      "--default-max-tokens", "32", "--model", "kvgate-tiny")
+    assert rc == 0
+    digest = hashlib.sha256(out.strip().encode()).hexdigest()
+    assert tenants_file.read_text() == before + (
+        f"  - id: team-1\n    api_key_sha256: [{digest}]\n    rpm: 30\n    tpm: 9000\n    max_concurrent: 2\n"
+        "    max_context_tokens: 2048\n    max_tokens_cap: 512\n    default_max_tokens: 32\n"
+        "    allowed_models: [kvgate-tiny]\n")
+    t = load_tenants(tenants_file).tenants[2]
+    assert (t.rpm, t.tpm, t.max_concurrent, t.max_context_tokens, t.max_tokens_cap, t.default_max_tokens,
+            t.allowed_models) == (30, 9000, 2, 2048, 512, 32, ["kvgate-tiny"])
+
+
+def test_two_adds_give_different_keys(capsys, tenants_file: Path) -> None:
+    _, k1, _ = _add(capsys, "one", "--tenants", str(tenants_file))
+    _, k2, _ = _add(capsys, "two", "--tenants", str(tenants_file))
+    assert k1 != k2
+    hashes = [t.api_key_sha256 for t in load_tenants(tenants_file).tenants[2:]]
+    assert hashes == [[hashlib.sha256(k1.strip().encode()).hexdigest()],
+                      [hashlib.sha256(k2.strip().encode()).hexdigest()]]
+
+
+def test_existing_name_is_refused_and_file_untouched(capsys, tenants_file: Path) -> None:
+    before = tenants_file.read_text()
+    rc, out, err = _add(capsys, "demo-a", "--tenants", str(tenants_file))
+    assert (rc, out) == (1, "")
+    assert f"{tenants_file}: tenant 'demo-a' already exists" in err
+    assert tenants_file.read_text() == before
+
+
+@pytest.mark.parametrize("name", ["a b", "_x", "x/y", "", "x" * 65, "é"])
+def test_invalid_name_is_refused(capsys, tenants_file: Path, name: str) -> None:
+    before = tenants_file.read_text()
+    rc, out, err = _add(capsys, name, "--tenants", str(tenants_file))
+    assert (rc, out) == (2, "")
+    assert f"invalid tenant name {name!r}" in err
+    assert tenants_file.read_text() == before
+
+
+def test_invalid_limit_is_refused_before_writing(capsys, tenants_file: Path) -> None:
+    before = tenants_file.read_text()
+    rc, out, err = _add(capsys, "neg", "--tenants", str(tenants_file), "--rpm", "-1")
+    assert (rc, out) == (1, "")
+    assert f"{tenants_file}: tenants[2].rpm: Input should be greater than or equal to 0" in err
+    assert tenants_file.read_text() == before
+
+
+def test_missing_file_is_created(capsys, tmp_path: Path) -> None:
+    p = tmp_path / "sub" / "t.yaml"
+    rc, out, _ = _add(capsys, "first", "--tenants", str(p))
+    assert rc == 0
+    digest = hashlib.sha256(out.strip().encode()).hexdigest()
+    assert p.read_text() == ("# kvgate tenants. Keys are stored only as SHA-256 hashes; `kvgate tenant ...` "
+                             f"edits this file.\ntenants:\n  - id: first\n    api_key_sha256: [{digest}]\n")
+    assert p.stat().st_mode & 0o777 == 0o600
+    assert sorted(x.name for x in p.parent.iterdir()) == ["t.yaml"]  # no lock or temp file left
+
+
+def test_not_yaml_is_reported(capsys, tmp_path: Path) -> None:
+    p = tmp_path / "t.yaml"
+    p.write_text("tenants: [\n")
+    rc, out, err = _add(capsys, "x", "--tenants", str(p))
+    assert (rc, out) == (1, "")
+    assert f"{p}: invalid YAML" in err
+    assert p.read_text() == "tenants: [\n"
+
+
+def test_env_names_the_default_file(capsys, tenants_file: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KVGATE_TENANTS", str(tenants_file))
+    rc, out, _ = _add(capsys, "via-env")
+    assert rc == 0
+    assert load_tenants(tenants_file).tenants[-1].id == "via-env"
+
+
+def test_action_is_required(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["tenant"])
+    assert e.value.code == 2
+    assert "ACTION" in capsys.readouterr().err
