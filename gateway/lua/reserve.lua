@@ -1,0 +1,123 @@
+-- kvgate quota reservation (DESIGN.md step 6): one request (RPM), its tokens (TPM) and a
+-- concurrency lease, admitted together or not at all. A refusal changes nothing.
+--
+-- Window algorithm: sliding-window log. An admission is logged at the server's own clock (TIME,
+-- so replicas' clocks do not matter) and counts while now - admitted_at < window; the log is
+-- trimmed lazily on every call. At most `limit` requests / tokens are admitted in ANY window.
+--
+-- KEYS[1] rpm log      ZSET  lease id -> admission time (ms)
+-- KEYS[2] tpm log      ZSET  lease id -> admission time (ms)
+-- KEYS[3] tpm debits   HASH  lease id -> tokens debited
+-- KEYS[4] tpm sum      STRING the sum of KEYS[3]
+-- KEYS[5] leases       ZSET  lease id -> lease expiry (ms)
+-- All five carry the {tenant} hash tag, so the script runs on Redis Cluster.
+-- ARGV: lease_id, rpm, tpm, max_concurrent (-1 = unlimited), tokens, window_ms, lease_ttl_ms
+-- Returns {admitted 1|0, refused "rpm,tpm,concurrency" subset, retry_after_ms,
+--          remaining_requests (-1 = unlimited), remaining_tokens (-1 = unlimited), too_large 1|0}
+local id = ARGV[1]
+local rpm = tonumber(ARGV[2])
+local tpm = tonumber(ARGV[3])
+local maxc = tonumber(ARGV[4])
+local tokens = tonumber(ARGV[5])
+local window = tonumber(ARGV[6])
+local ttl = tonumber(ARGV[7])
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cutoff = now - window
+local BATCH = 256
+
+local count, used, inflight = 0, 0, 0
+if rpm >= 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff)
+  count = redis.call('ZCARD', KEYS[1])
+end
+if tpm >= 0 then
+  while true do
+    local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', cutoff, 'LIMIT', 0, BATCH)
+    if #old == 0 then break end
+    local debits = redis.call('HMGET', KEYS[3], unpack(old))
+    local freed = 0
+    for i = 1, #debits do freed = freed + (tonumber(debits[i]) or 0) end
+    redis.call('ZREM', KEYS[2], unpack(old))
+    redis.call('HDEL', KEYS[3], unpack(old))
+    if freed ~= 0 then redis.call('DECRBY', KEYS[4], freed) end
+    if #old < BATCH then break end
+  end
+  used = tonumber(redis.call('GET', KEYS[4]) or '0')
+end
+if maxc >= 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+  inflight = redis.call('ZCARD', KEYS[5])
+end
+
+local refused = {}
+local retry = 0
+local too_large = 0
+if rpm >= 0 and count + 1 > rpm then
+  table.insert(refused, 'rpm')
+  if rpm == 0 then
+    retry = math.max(retry, window)
+  else
+    -- the (count - rpm + 1)-th oldest entry leaving the window makes room for one more
+    local e = redis.call('ZRANGE', KEYS[1], count - rpm, count - rpm, 'WITHSCORES')
+    retry = math.max(retry, tonumber(e[2]) + window - now)
+  end
+end
+if tpm >= 0 and used + tokens > tpm then
+  table.insert(refused, 'tpm')
+  if tokens > tpm then
+    too_large = 1
+    retry = math.max(retry, window)
+  else
+    local need = used + tokens - tpm
+    local freed = 0
+    local start = 0
+    local at = nil
+    while at == nil do
+      local batch = redis.call('ZRANGE', KEYS[2], start, start + BATCH - 1, 'WITHSCORES')
+      if #batch == 0 then break end
+      local ids = {}
+      for i = 1, #batch, 2 do table.insert(ids, batch[i]) end
+      local debits = redis.call('HMGET', KEYS[3], unpack(ids))
+      for i = 1, #ids do
+        freed = freed + (tonumber(debits[i]) or 0)
+        if freed >= need then at = tonumber(batch[2 * i]) break end
+      end
+      start = start + BATCH
+    end
+    if at == nil then at = now end
+    retry = math.max(retry, at + window - now)
+  end
+end
+if maxc >= 0 and inflight + 1 > maxc then
+  table.insert(refused, 'concurrency')
+  -- a lease ends when its request does, which no clock here can tell: ask to retry in a second
+  retry = math.max(retry, 1000)
+end
+
+if #refused > 0 then
+  local rr, rt = -1, -1
+  if rpm >= 0 then rr = math.max(0, rpm - count) end
+  if tpm >= 0 then rt = math.max(0, tpm - used) end
+  return {0, table.concat(refused, ','), math.max(1, retry), rr, rt, too_large}
+end
+
+local rr, rt = -1, -1
+if rpm >= 0 then
+  redis.call('ZADD', KEYS[1], now, id)
+  redis.call('PEXPIRE', KEYS[1], window + 1000)
+  rr = rpm - count - 1
+end
+if tpm >= 0 then
+  redis.call('ZADD', KEYS[2], now, id)
+  redis.call('HSET', KEYS[3], id, tokens)
+  redis.call('INCRBY', KEYS[4], tokens)
+  for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window + 1000) end
+  rt = tpm - used - tokens
+end
+if maxc >= 0 then
+  redis.call('ZADD', KEYS[5], now + ttl, id)
+  redis.call('PEXPIRE', KEYS[5], ttl + 1000)
+end
+return {1, '', 0, rr, rt, 0}

@@ -1,0 +1,36 @@
+-- kvgate quota settlement: release the request's concurrency lease and correct its TPM debit
+-- from the reservation (prompt + n x max_tokens) to the tokens actually used.
+-- KEYS: as reserve.lua (rpm log, tpm log, tpm debits, tpm sum, leases).
+-- ARGV: lease_id, used_tokens, reserved_tokens, window_ms, track_tpm 1|0
+-- If the debit already left the window (a request longer than the window), the window has
+-- already carried the reservation; only usage above the reservation is debited, now.
+-- Returns the change to the tpm sum (tokens; negative = refunded).
+local id = ARGV[1]
+local used = tonumber(ARGV[2])
+local reserved = tonumber(ARGV[3])
+local window = tonumber(ARGV[4])
+redis.call('ZREM', KEYS[5], id)
+if ARGV[5] ~= '1' then return 0 end
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local at = redis.call('ZSCORE', KEYS[2], id)
+local cur = redis.call('HGET', KEYS[3], id)
+if at and cur and tonumber(at) > now - window then
+  local delta = used - tonumber(cur)
+  if delta ~= 0 then
+    redis.call('HSET', KEYS[3], id, used)
+    redis.call('INCRBY', KEYS[4], delta)
+  end
+  return delta
+end
+if used > reserved then
+  local extra = used - reserved
+  local xid = id .. ':x'
+  redis.call('ZADD', KEYS[2], now, xid)
+  redis.call('HSET', KEYS[3], xid, extra)
+  redis.call('INCRBY', KEYS[4], extra)
+  for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window + 1000) end
+  return extra
+end
+return 0

@@ -1,0 +1,332 @@
+"""Per-tenant quotas (DESIGN.md step 6): the :class:`~gateway.stages.QuotaStage` the request path
+calls, built from settings by :func:`build_quota_stage`.
+
+- RPM, TPM (prompt + completion) and concurrent requests per tenant, in one atomic reservation
+  (``gateway/lua/reserve.lua``): all three or none. ``settle`` corrects TPM to the real usage and
+  releases the concurrency lease (``settle.lua``). Window algorithm: sliding-window log,
+  ``QuotaSettings.window_seconds`` long (``docs/quotas.md``).
+- Leases have a TTL (``lease_ttl_seconds``); this process renews its live leases every TTL / 3,
+  so a replica that dies frees its slots within one TTL.
+- Over quota: :class:`~config.errors.OpenAIError` 429 ``rate_limit_exceeded`` with ``Retry-After``
+  (whole seconds until the window admits the request, rounded up) and the OpenAI rate-limit
+  headers; the same headers (``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
+  ``x-ratelimit-limit-tokens``, ``x-ratelimit-remaining-tokens``) are in
+  :attr:`QuotaLease.headers` of every admitted request, one pair per limited dimension (header
+  names as in the OpenAI API reference, "Rate limits").
+- Redis refused or hanging: every Redis call is bounded by socket timeouts and an overall
+  deadline under 1 s. ``fail_closed``: 503 ``quota_backend_unavailable`` with ``Retry-After``.
+  ``local_fallback``: this replica enforces ``limit // replicas`` in its own memory. After a
+  failure Redis is tried again within :data:`PROBE_INTERVAL_SECONDS`, so limits resume by
+  themselves. No Redis URL: limits kept in process memory (a warning says they are per process).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from config.errors import ErrorCode, OpenAIError
+from config.models import QuotaSettings, Settings, TenantConfig
+from gateway.quota_stores import (
+    LocalQuotaStore,
+    QuotaDecision,
+    QuotaLimits,
+    QuotaStore,
+    QuotaStoreUnavailable,
+    RedisQuotaStore,
+)
+from gateway.stages import NullQuotas, QuotaLease, QuotaStage
+
+log = logging.getLogger("kvgate.quotas")
+
+#: After a failed Redis call, requests are decided by the failure policy without asking Redis
+#: for this long (seconds); the first request after it tries Redis again.
+PROBE_INTERVAL_SECONDS = 0.5
+#: No Redis decision waits longer than this (seconds), whatever the socket timeouts.
+MAX_DECISION_SECONDS = 0.9
+
+
+@dataclass
+class _Held:
+    """``QuotaLease.state``: which store holds the lease and what to settle."""
+
+    store: QuotaStore
+    tenant_id: str
+    limits: QuotaLimits
+    lease_id: str
+    window_ms: int
+    settled: bool = False
+
+
+def rate_limit_headers(limits: QuotaLimits, decision: QuotaDecision) -> dict[str, str]:
+    """``x-ratelimit-limit-*`` / ``x-ratelimit-remaining-*`` for each limited dimension
+    (requests: RPM, tokens: TPM); values are decimal integers, remaining never negative."""
+    h: dict[str, str] = {}
+    if limits.rpm is not None:
+        h["x-ratelimit-limit-requests"] = str(limits.rpm)
+        h["x-ratelimit-remaining-requests"] = str(max(0, decision.remaining_requests))
+    if limits.tpm is not None:
+        h["x-ratelimit-limit-tokens"] = str(limits.tpm)
+        h["x-ratelimit-remaining-tokens"] = str(max(0, decision.remaining_tokens))
+    return h
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s:g}s"
+
+
+def refusal_error(tenant: TenantConfig, limits: QuotaLimits, decision: QuotaDecision, tokens: int,
+                  window_seconds: float) -> OpenAIError:
+    """The 429 ``rate_limit_exceeded`` for a refused reservation, worded like the OpenAI API's
+    ("Rate limit reached for ... Limit L, Used U, Requested R. Please try again in Ns.")."""
+    retry_s = max(1, math.ceil(decision.retry_after_ms / 1000))
+    window = _fmt_seconds(window_seconds)
+    parts = []
+    if "rpm" in decision.refused:
+        used = (limits.rpm or 0) - max(0, decision.remaining_requests)
+        parts.append(f"requests per {window} window (RPM): Limit {limits.rpm}, Used {used}, Requested 1")
+    if "tpm" in decision.refused:
+        used = (limits.tpm or 0) - max(0, decision.remaining_tokens)
+        parts.append(f"tokens per {window} window (TPM): Limit {limits.tpm}, Used {used}, Requested {tokens}")
+    if "concurrency" in decision.refused:
+        parts.append(f"concurrent requests: Limit {limits.max_concurrent}")
+    if decision.too_large:
+        msg = (f"Request too large for tenant '{tenant.id}' on tokens per {window} window (TPM): "
+               f"Limit {limits.tpm}, Requested {tokens} (prompt + max_tokens). "
+               "Reduce the prompt or max_tokens.")
+    else:
+        msg = (f"Rate limit reached for tenant '{tenant.id}' on " + "; ".join(parts)
+               + f". Please try again in {retry_s}s.")
+    headers = {"Retry-After": str(retry_s), **rate_limit_headers(limits, decision)}
+    return OpenAIError(429, msg, code=ErrorCode.RATE_LIMIT_EXCEEDED, headers=headers)
+
+
+class TenantQuotas:
+    """The quota stage (implements :class:`~gateway.stages.QuotaStage`).
+
+    ``store``: where limits are kept (:class:`RedisQuotaStore` shared by replicas, or
+    :class:`LocalQuotaStore`). ``fallback``: the store used under ``local_fallback`` while
+    ``store`` is unavailable (``None`` = fail closed). Tenants without any limit skip the
+    store. ``settings``: windows, lease TTL, Redis timeout and failure policy.
+    """
+
+    def __init__(self, settings: QuotaSettings, store: QuotaStore, *,
+                 fallback: LocalQuotaStore | None = None) -> None:
+        self.settings = settings
+        self.store = store
+        self.fallback = fallback
+        self.window_ms = max(1, round(settings.window_seconds * 1000))
+        self.lease_ttl_ms = max(1, round(settings.lease_ttl_seconds * 1000))
+        self.deadline_seconds = min(MAX_DECISION_SECONDS, 3 * settings.redis_timeout_seconds + 0.05)
+        self._retry_store_at = 0.0  # monotonic; before it, the store is taken as unavailable
+        self._store_down = False
+        self._live: dict[str, _Held] = {}
+        self._renewer: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ store health
+    def _store_usable(self) -> bool:
+        return self.store is self.fallback or time.monotonic() >= self._retry_store_at
+
+    def _mark_down(self, err: Exception) -> None:
+        self._retry_store_at = time.monotonic() + PROBE_INTERVAL_SECONDS
+        if not self._store_down:
+            self._store_down = True
+            action = ("per-replica local limits (limit // %d)" % self.settings.replicas
+                      if self.fallback is not None else "refusing requests with 503 (fail closed)")
+            log.warning("quota store %s unavailable (%s): %s until it answers again",
+                        self.store.name, err, action)
+
+    def _mark_up(self) -> None:
+        if self._store_down:
+            self._store_down = False
+            log.warning("quota store %s answers again: limits are shared across replicas again",
+                        self.store.name)
+
+    async def _bounded(self, coro: Any) -> Any:
+        try:
+            async with asyncio.timeout(self.deadline_seconds):
+                return await coro
+        except TimeoutError as e:
+            raise QuotaStoreUnavailable(f"no answer within {self.deadline_seconds:g}s") from e
+
+    # ------------------------------------------------------------------ the stage
+    async def reserve(self, tenant: TenantConfig, reserve_tokens: int, request_id: str) -> QuotaLease:
+        """Reserve one request, ``reserve_tokens`` tokens (prompt + n x max_tokens) and a lease.
+
+        Returns a :class:`QuotaLease` whose ``headers`` carry the rate-limit headers. Raises
+        :class:`OpenAIError` 429 ``rate_limit_exceeded`` (``Retry-After``, rate-limit headers) or,
+        when Redis is unavailable and the policy is ``fail_closed``, 503
+        ``quota_backend_unavailable`` (``Retry-After``: ``retry_after_on_failure_seconds``)."""
+        limits = QuotaLimits.of(tenant)
+        tokens = max(0, int(reserve_tokens))
+        if limits.unlimited:
+            return QuotaLease(tenant.id, request_id, tokens)
+        lease_id = uuid.uuid4().hex
+        store: QuotaStore = self.store
+        decision: QuotaDecision | None = None
+        if isinstance(store, LocalQuotaStore):
+            decision = store.reserve_now(tenant.id, limits, lease_id, tokens, self.window_ms,
+                                         self.lease_ttl_ms)
+        elif self._store_usable():
+            try:
+                decision = await self._bounded(store.reserve(
+                    tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms))
+                self._mark_up()
+            except QuotaStoreUnavailable as e:
+                self._mark_down(e)
+        if decision is None:
+            if self.fallback is None:
+                raise OpenAIError(
+                    503, "The quota store is unavailable, so the request cannot be admitted. "
+                    "Please try again shortly.", code=ErrorCode.QUOTA_BACKEND_UNAVAILABLE,
+                    headers={"Retry-After": str(self.settings.retry_after_on_failure_seconds)})
+            store = self.fallback
+            limits = limits.divided(self.settings.replicas)
+            decision = self.fallback.reserve_now(tenant.id, limits, lease_id, tokens,
+                                                 self.window_ms, self.lease_ttl_ms)
+        if not decision.admitted:
+            raise refusal_error(tenant, limits, decision, tokens, self.settings.window_seconds)
+        held = _Held(store, tenant.id, limits, lease_id, self.window_ms)
+        if limits.max_concurrent is not None:
+            self._live[lease_id] = held
+            self._ensure_renewer()
+        return QuotaLease(tenant.id, request_id, tokens, rate_limit_headers(limits, decision), held)
+
+    async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
+        """Release the lease and set the request's TPM debit to ``used_tokens``. Never raises;
+        a second call for the same lease does nothing. If the store is unavailable the lease
+        ends by its TTL and the debit stays at the reservation (an overcharge, never an
+        undercharge, as reservations are upper bounds)."""
+        held = lease.state
+        if not isinstance(held, _Held) or held.settled:
+            return
+        held.settled = True
+        self._live.pop(held.lease_id, None)
+        if held.store is self.store and held.store is not self.fallback and not self._store_usable():
+            return
+        try:
+            await self._bounded(held.store.settle(held.tenant_id, held.limits, held.lease_id,
+                                                  max(0, int(used_tokens)), lease.reserved_tokens,
+                                                  held.window_ms))
+        except QuotaStoreUnavailable as e:
+            if held.store is self.store:
+                self._mark_down(e)
+        except Exception:  # settle never raises into the request path
+            log.exception("quota settle failed for tenant %s", held.tenant_id)
+
+    # ------------------------------------------------------------------ lease heartbeats
+    def _ensure_renewer(self) -> None:
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
+
+    async def renew_now(self) -> int:
+        """Extend every live lease of this process to now + TTL; returns how many were renewed.
+        Called every TTL / 3 by a background task; leases a store no longer has stay gone."""
+        groups: dict[tuple[int, str], list[_Held]] = defaultdict(list)
+        for h in list(self._live.values()):
+            groups[(id(h.store), h.tenant_id)].append(h)
+        renewed = 0
+        for held in groups.values():
+            store = held[0].store
+            if store is self.store and not self._store_usable():
+                continue
+            try:
+                renewed += await self._bounded(store.renew(
+                    held[0].tenant_id, [h.lease_id for h in held], self.lease_ttl_ms))
+            except QuotaStoreUnavailable as e:
+                if store is self.store:
+                    self._mark_down(e)
+        return renewed
+
+    async def _renew_loop(self) -> None:
+        interval = max(0.05, self.settings.lease_ttl_seconds / 3)
+        while self._live:
+            await asyncio.sleep(interval)
+            try:
+                await self.renew_now()
+            except Exception:  # a heartbeat must never kill the loop
+                log.exception("quota lease renewal failed")
+
+    async def aclose(self) -> None:
+        """Stop lease renewal and close the store's connections."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            try:
+                await self._renewer
+            except BaseException:
+                pass
+            self._renewer = None
+        await self.store.aclose()
+
+
+# ---------------------------------------------------------------------- construction
+def redis_client_from_url(url: str, timeout_seconds: float) -> Any:
+    """A ``redis.asyncio`` client for ``url`` whose every connect and read is bounded by
+    ``timeout_seconds`` and never retried (the failure policy decides, within 1 s).
+
+    Schemes: ``redis://``, ``rediss://``, ``unix://`` (redis-py's ``from_url``) and
+    ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db]``
+    (``rediss+sentinel://`` for TLS to the master; sentinel port default 26379; query
+    ``sentinel_password=`` authenticates to the sentinels; the password in the URL is the
+    master's). Raises ``ValueError`` for a malformed sentinel URL."""
+    from redis.asyncio import Redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    opts: dict[str, Any] = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
+                                retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis+sentinel", "rediss+sentinel"):
+        return Redis.from_url(url, **opts)
+    from redis.asyncio.sentinel import Sentinel
+
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if userinfo:
+        user, _, pw = userinfo.partition(":")
+        username, password = unquote(user) or None, unquote(pw) or None
+    hosts: list[tuple[str, int]] = []
+    for item in filter(None, hostlist.split(",")):
+        host, sep, port = item.rpartition(":") if not item.endswith("]") else (item, "", "")
+        if not sep:
+            host, port = item, "26379"
+        try:
+            hosts.append((host.strip("[]"), int(port)))
+        except ValueError:
+            raise ValueError(f"sentinel URL: bad port in '{item}'") from None
+    path = [p for p in parts.path.split("/") if p]
+    if not hosts or not path:
+        raise ValueError("sentinel URL needs hosts and a service name: "
+                         "redis+sentinel://host:26379[,host:26379]/service_name[/db]")
+    db = int(path[1]) if len(path) > 1 else 0
+    query = parse_qs(parts.query)
+    sentinel_kwargs = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
+    if "sentinel_password" in query:
+        sentinel_kwargs["password"] = query["sentinel_password"][0]
+    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **opts)
+    return sentinel.master_for(path[0], db=db, username=username, password=password,
+                               ssl=parts.scheme.startswith("rediss"), **opts)
+
+
+def build_quota_stage(settings: Settings, *, key_prefix: str = "kvgate:q") -> QuotaStage:
+    """The quota stage ``settings`` ask for: :class:`NullQuotas` when ``quotas.enabled`` is
+    false; :class:`TenantQuotas` over Redis when ``redis_url`` is set (with a local fallback
+    store under ``local_fallback``); otherwise over process memory, logging a warning that the
+    limits are per process. ``key_prefix``: the Redis key prefix (``kvgate:q``)."""
+    q = settings.quotas
+    if not q.enabled:
+        return NullQuotas()
+    if not settings.redis_url:
+        log.warning("quotas: no redis_url is configured, so limits are kept in this process: "
+                    "each gateway process admits a tenant's full limits on its own")
+        local = LocalQuotaStore()
+        return TenantQuotas(q, local, fallback=local)
+    client = redis_client_from_url(settings.redis_url, q.redis_timeout_seconds)
+    fallback = LocalQuotaStore() if q.redis_failure_policy == "local_fallback" else None
+    return TenantQuotas(q, RedisQuotaStore(client, prefix=key_prefix), fallback=fallback)
