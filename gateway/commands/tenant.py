@@ -240,8 +240,135 @@ def _register_add(sub: Any) -> None:
     p.set_defaults(handler=_cmd_add)
 
 
+#: Fields ``kvgate tenant set --clear FIELD`` may set to null (unlimited / none).
+CLEARABLE = ("rpm", "tpm", "max_concurrent", "max_context_tokens", "max_tokens_cap")
+#: Shortest hash prefix ``revoke-key`` accepts (hex digits of the key's SHA-256).
+MIN_HASH_PREFIX = 8
+
+
+def _cmd_set(args: argparse.Namespace) -> int:
+    path = args.tenants or default_tenants_path()
+    changes = limits_from_args(args)
+    for name in args.clear or []:
+        if name in changes:
+            print(f"kvgate tenant set: --clear {name} and a value for it contradict each other", file=sys.stderr)
+            return 2
+        changes[name] = None
+    if not changes:
+        print("kvgate tenant set: nothing to change (give --rpm, --tpm, ... or --clear FIELD)", file=sys.stderr)
+        return 2
+    try:
+        with edit_tenants(path) as seq:
+            entry = find_tenant(seq, args.name)
+            if entry is None:
+                raise TenantFileError(f"{path}: no tenant '{args.name}' (add it with: kvgate tenant add)")
+            entry.update(changes)
+    except TenantFileError as e:
+        print(f"kvgate tenant set: {e}", file=sys.stderr)
+        return 1
+    shown = ", ".join(f"{k}={'null' if v is None else (list(v) if isinstance(v, list) else v)}"
+                      for k, v in changes.items())
+    print(f"kvgate: tenant '{args.name}' in {path}: {shown}. A running gateway applies it when it "
+          "reloads the file (on change, or SIGHUP).", file=sys.stderr)
+    return 0
+
+
+def _register_set(sub: Any) -> None:
+    p = sub.add_parser("set", help="change a tenant's limits (rpm, tpm, concurrency, models, ...)",
+                       description="Change limits of tenant NAME; fields not given stay as they are. "
+                                   "A running gateway applies the change when it reloads the file.")
+    p.add_argument("name", metavar="NAME", help="the tenant's id")
+    tenants_option(p)
+    limit_options(p)
+    p.add_argument("--clear", action="append", choices=CLEARABLE, metavar="FIELD",
+                   help=f"set FIELD to null (no limit); one of {', '.join(CLEARABLE)}; repeatable")
+    p.set_defaults(handler=_cmd_set)
+
+
+def _cmd_add_key(args: argparse.Namespace) -> int:
+    path = args.tenants or default_tenants_path()
+    key = new_api_key()
+    digest = key_sha256(key)
+    try:
+        with edit_tenants(path) as seq:
+            entry = find_tenant(seq, args.name)
+            if entry is None:
+                raise TenantFileError(f"{path}: no tenant '{args.name}' (add it with: kvgate tenant add)")
+            hashes = entry.get("api_key_sha256")
+            if isinstance(hashes, list):
+                hashes.append(digest)
+            else:
+                entry["api_key_sha256"] = _flow([digest])
+    except TenantFileError as e:
+        print(f"kvgate tenant add-key: {e}", file=sys.stderr)
+        return 1
+    print(f"kvgate: tenant '{args.name}' has a new API key (its SHA-256 begins {digest[:12]}; revoke "
+          f"it with: kvgate tenant revoke-key {args.name} {digest[:12]}). The key is printed below, "
+          "once: only its SHA-256 is stored. Its other keys keep working until revoked.", file=sys.stderr)
+    print(key)
+    sys.stdout.flush()
+    return 0
+
+
+def _register_add_key(sub: Any) -> None:
+    p = sub.add_parser("add-key", help="give a tenant another API key and print it (once)",
+                       description="Add a new API key to tenant NAME (keys rotate: a tenant may hold "
+                                   "several). The key goes to stdout once; only its SHA-256 is stored.")
+    p.add_argument("name", metavar="NAME", help="the tenant's id")
+    tenants_option(p)
+    p.set_defaults(handler=_cmd_add_key)
+
+
+def _cmd_revoke_key(args: argparse.Namespace) -> int:
+    path = args.tenants or default_tenants_path()
+    given = args.key_prefix.strip()
+    full_key_hash = key_sha256(given)
+    prefix = given.lower()
+    if not (len(prefix) >= MIN_HASH_PREFIX and all(c in "0123456789abcdef" for c in prefix)):
+        prefix = ""
+    revoked: list[str] = []
+    left = 0
+    try:
+        with edit_tenants(path) as seq:
+            entry = find_tenant(seq, args.name)
+            if entry is None:
+                raise TenantFileError(f"{path}: no tenant '{args.name}'")
+            hashes = entry.get("api_key_sha256") or []
+            matches = [h for h in hashes if h == full_key_hash] or (
+                [h for h in hashes if prefix and str(h).startswith(prefix)])
+            if not matches:
+                shown = f" '{prefix}'" if prefix else ""  # never echo what may be a key
+                raise TenantFileError(
+                    f"tenant '{args.name}' holds no key matching{shown} (give the key itself, or at "
+                    f"least {MIN_HASH_PREFIX} leading hex digits of its SHA-256)")
+            if len(matches) > 1:
+                raise TenantFileError(f"'{prefix}' matches {len(matches)} keys of tenant '{args.name}': "
+                                      "give more digits")
+            hashes.remove(matches[0])
+            revoked, left = matches, len(hashes)
+    except TenantFileError as e:
+        print(f"kvgate tenant revoke-key: {e}", file=sys.stderr)
+        return 1
+    note = "" if left else " The tenant now has no key: nobody can use it until add-key."
+    print(f"kvgate: revoked the key of tenant '{args.name}' whose SHA-256 begins {revoked[0][:12]} "
+          f"({left} key(s) left).{note} A running gateway refuses it once it reloads the file.",
+          file=sys.stderr)
+    return 0
+
+
+def _register_revoke_key(sub: Any) -> None:
+    p = sub.add_parser("revoke-key", help="revoke one of a tenant's API keys",
+                       description="Remove one API key of tenant NAME. KEY_PREFIX is the key itself or "
+                                   f"at least {MIN_HASH_PREFIX} leading hex digits of its SHA-256 (as "
+                                   "add-key prints); it must match exactly one key.")
+    p.add_argument("name", metavar="NAME", help="the tenant's id")
+    p.add_argument("key_prefix", metavar="KEY_PREFIX", help="the key, or a prefix of its SHA-256 (hex)")
+    tenants_option(p)
+    p.set_defaults(handler=_cmd_revoke_key)
+
+
 #: One registering function per action, in ``--help`` order.
-ACTIONS: list[Callable[[Any], None]] = [_register_add]
+ACTIONS: list[Callable[[Any], None]] = [_register_add, _register_set, _register_add_key, _register_revoke_key]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
