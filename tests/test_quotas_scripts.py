@@ -1,0 +1,275 @@
+"""The quota scripts against the real Redis on 127.0.0.1:6379 (each test has its own key prefix),
+and the in-process store against the same expectations: all-or-none reservation, settle,
+lease TTL, Retry-After values, key layout."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from config.errors import OpenAIError
+from config.models import QuotaSettings, TenantConfig
+from gateway.quota_stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
+from gateway.quotas import TenantQuotas, redis_client_from_url
+from quota_fixtures import spare_redis  # noqa: F401 (fixture)
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+WINDOW_MS = 60_000
+TTL_MS = 120_000
+
+
+@pytest.fixture()
+async def redis_store():
+    prefix = f"kvgate-test-q-{uuid.uuid4().hex[:10]}"
+    client = redis_client_from_url(REDIS_URL, 0.5)
+    store = RedisQuotaStore(client, prefix=prefix)
+    yield store
+    keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
+    if keys:
+        await client.delete(*keys)
+    await store.aclose()
+
+
+@pytest.fixture(params=["redis", "local"])
+async def store(request, redis_store):
+    """Both stores must give the same answers to the same calls."""
+    return redis_store if request.param == "redis" else LocalQuotaStore()
+
+
+async def test_tpm_refusal_spends_no_rpm_slot_and_no_lease(store) -> None:
+    lim = QuotaLimits(rpm=3, tpm=1000, max_concurrent=5)
+    d = await store.reserve("t", lim, "a", 900, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.refused, d.remaining_requests, d.remaining_tokens) == (True, (), 2, 100)
+    d = await store.reserve("t", lim, "b", 200, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.refused, d.remaining_requests, d.remaining_tokens) == (False, ("tpm",), 2, 100)
+    # the refusal took nothing: two more requests fit the RPM, and the TPM still has 100
+    d = await store.reserve("t", lim, "c", 100, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.remaining_requests, d.remaining_tokens) == (True, 1, 0)
+    d = await store.reserve("t", lim, "d", 0, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.remaining_requests, d.remaining_tokens) == (True, 0, 0)
+    d = await store.reserve("t", lim, "e", 0, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.refused) == (False, ("rpm",))
+
+
+async def test_concurrency_refusal_spends_nothing_and_settle_frees_the_lease(store) -> None:
+    lim = QuotaLimits(rpm=10, tpm=None, max_concurrent=2)
+    assert (await store.reserve("t", lim, "a", 5, WINDOW_MS, TTL_MS)).admitted
+    assert (await store.reserve("t", lim, "b", 5, WINDOW_MS, TTL_MS)).admitted
+    d = await store.reserve("t", lim, "c", 5, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.refused, d.retry_after_ms, d.remaining_requests, d.remaining_tokens) == (
+        False, ("concurrency",), 1000, 8, -1)
+    await store.settle("t", lim, "a", 5, 5, WINDOW_MS)
+    d = await store.reserve("t", lim, "c", 5, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.remaining_requests) == (True, 7)
+
+
+async def test_all_refused_dimensions_are_named(store) -> None:
+    lim = QuotaLimits(rpm=1, tpm=100, max_concurrent=1)
+    assert (await store.reserve("t", lim, "a", 100, WINDOW_MS, TTL_MS)).admitted
+    d = await store.reserve("t", lim, "b", 1, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.refused, d.too_large) == (False, ("rpm", "tpm", "concurrency"), False)
+
+
+async def test_settle_corrects_tpm_to_real_usage(store) -> None:
+    lim = QuotaLimits(rpm=None, tpm=1000, max_concurrent=None)
+    assert (await store.reserve("t", lim, "a", 700, WINDOW_MS, TTL_MS)).remaining_tokens == 300
+    await store.settle("t", lim, "a", 250, 700, WINDOW_MS)  # refund 450
+    d = await store.reserve("t", lim, "b", 750, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.remaining_tokens, d.remaining_requests) == (True, 0, -1)
+    await store.settle("t", lim, "b", 760, 750, WINDOW_MS)  # usage above the reservation is debited too
+    d = await store.reserve("t", lim, "c", 1, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.remaining_tokens) == (False, 0)
+
+
+async def test_settle_after_the_debit_left_the_window_charges_only_the_excess(store) -> None:
+    lim = QuotaLimits(rpm=None, tpm=100, max_concurrent=None)
+    assert (await store.reserve("t", lim, "a", 60, 200, TTL_MS)).admitted
+    await asyncio.sleep(0.25)  # the 200 ms window has moved past the debit
+    await store.settle("t", lim, "a", 70, 60, 200)  # 10 tokens over the reservation
+    d = await store.reserve("t", lim, "b", 90, 200, TTL_MS)
+    assert (d.admitted, d.remaining_tokens) == (True, 0)
+    d = await store.reserve("t", lim, "c", 1, 200, TTL_MS)
+    assert d.admitted is False
+
+
+async def test_request_larger_than_tpm_and_rpm_zero_are_refused_for_a_whole_window(store) -> None:
+    d = await store.reserve("t", QuotaLimits(None, 100, None), "a", 101, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.refused, d.too_large, d.retry_after_ms, d.remaining_tokens) == (
+        False, ("tpm",), True, WINDOW_MS, 100)
+    d = await store.reserve("t", QuotaLimits(0, None, None), "b", 1, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.refused, d.retry_after_ms, d.remaining_requests) == (False, ("rpm",), WINDOW_MS, 0)
+
+
+async def test_lease_expires_after_its_ttl_without_settle(store) -> None:
+    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
+    assert (await store.reserve("t", lim, "dead-replica", 1, WINDOW_MS, 300)).admitted
+    assert (await store.reserve("t", lim, "b", 1, WINDOW_MS, 300)).refused == ("concurrency",)
+    await asyncio.sleep(0.35)
+    assert (await store.reserve("t", lim, "b", 1, WINDOW_MS, 300)).admitted
+    # renewing a live lease keeps it; renewing an expired one does not bring it back
+    assert await store.renew("t", ["b", "dead-replica"], 300) == 1
+    await asyncio.sleep(0.2)
+    assert await store.renew("t", ["b"], 300) == 1
+    await asyncio.sleep(0.2)  # 400 ms after b was admitted, but renewed 200 ms ago
+    assert (await store.reserve("t", lim, "c", 1, WINDOW_MS, 300)).refused == ("concurrency",)
+
+
+async def test_retry_after_is_when_the_window_admits_the_request(redis_store) -> None:
+    store, client = redis_store, redis_store.client
+
+    async def server_ms() -> float:
+        s, us = await client.time()
+        return s * 1000 + us // 1000
+
+    lim = QuotaLimits(rpm=2, tpm=1000, max_concurrent=None)
+    assert (await store.reserve("t", lim, "a", 400, WINDOW_MS, TTL_MS)).admitted
+    await asyncio.sleep(0.3)
+    assert (await store.reserve("t", lim, "b", 400, WINDOW_MS, TTL_MS)).admitted
+    (_, t_a), (_, t_b) = await client.zrange(store.keys("t")[0], 0, -1, withscores=True)
+    assert t_b - t_a >= 300
+    # RPM: a third request waits until a's admission leaves the window
+    before = await server_ms()
+    d = await store.reserve("t", lim, "c", 1, WINDOW_MS, TTL_MS)
+    after = await server_ms()
+    assert d.refused == ("rpm",)
+    assert t_a + WINDOW_MS - after <= d.retry_after_ms <= t_a + WINDOW_MS - before
+    # TPM: 800 used, 500 asked, 1000 allowed -> 300 must leave; a's 400 is enough, so a's time counts
+    lim2 = QuotaLimits(rpm=None, tpm=1000, max_concurrent=None)
+    before = await server_ms()
+    d = await store.reserve("t", lim2, "c", 500, WINDOW_MS, TTL_MS)
+    after = await server_ms()
+    assert (d.refused, d.remaining_tokens) == (("tpm",), 200)
+    assert t_a + WINDOW_MS - after <= d.retry_after_ms <= t_a + WINDOW_MS - before
+    # 700 must leave: a's 400 is not enough, b's admission is the one that makes room
+    before = await server_ms()
+    d = await store.reserve("t", lim2, "c", 900, WINDOW_MS, TTL_MS)
+    after = await server_ms()
+    assert t_b + WINDOW_MS - after <= d.retry_after_ms <= t_b + WINDOW_MS - before
+
+
+async def test_keys_carry_the_tenant_hash_tag_and_expire(redis_store) -> None:
+    store, client = redis_store, redis_store.client
+    lim = QuotaLimits(rpm=5, tpm=50, max_concurrent=2)
+    assert (await store.reserve("acme.prod", lim, "a", 10, WINDOW_MS, TTL_MS)).admitted
+    keys = sorted(k.decode() for k in await client.keys(f"{store.prefix}:*"))
+    base = f"{store.prefix}:{{acme.prod}}"
+    assert keys == sorted([f"{base}:rpm", f"{base}:tpm", f"{base}:tpm:debits", f"{base}:tpm:sum",
+                           f"{base}:leases"])
+    for k in keys:
+        limit = TTL_MS if k.endswith(":leases") else WINDOW_MS
+        assert limit < await client.pttl(k) <= limit + 1000
+    assert int(await client.get(f"{base}:tpm:sum")) == 10
+
+
+async def test_reservations_are_atomic_across_clients(redis_store) -> None:
+    """50 reservations from 5 separate connections at once: exactly the RPM is admitted."""
+    clients = [aioredis.Redis.from_url(REDIS_URL) for _ in range(5)]
+    stores = [RedisQuotaStore(c, prefix=redis_store.prefix) for c in clients]
+    try:
+        lim = QuotaLimits(rpm=7, tpm=None, max_concurrent=None)
+        ds = await asyncio.gather(*(stores[i % 5].reserve("t", lim, f"r{i}", 1, WINDOW_MS, TTL_MS)
+                                    for i in range(50)))
+        assert sum(d.admitted for d in ds) == 7
+        assert sorted(d.remaining_requests for d in ds if d.admitted) == [0, 1, 2, 3, 4, 5, 6]
+    finally:
+        for s in stores:
+            await s.aclose()
+
+
+# ---------------------------------------------------------------- the stage over Redis
+def _tenant(**kw) -> TenantConfig:
+    return TenantConfig(id=f"t-{uuid.uuid4().hex[:8]}", **kw)
+
+
+async def test_stage_headers_429_body_and_settle_once(redis_store) -> None:
+    q = TenantQuotas(QuotaSettings(window_seconds=60), redis_store)
+    t = _tenant(rpm=2, tpm=1000, max_concurrent=3)
+    lease = await q.reserve(t, 300, "req-1")
+    assert (lease.tenant_id, lease.request_id, lease.reserved_tokens) == (t.id, "req-1", 300)
+    assert lease.headers == {"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "1",
+                             "x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "700"}
+    await q.settle(lease, 120)
+    await q.settle(lease, 999)  # a second settle does nothing
+    lease2 = await q.reserve(t, 880, "req-2")
+    assert lease2.headers["x-ratelimit-remaining-tokens"] == "0"
+    with pytest.raises(OpenAIError) as ei:
+        await q.reserve(t, 1, "req-3")
+    e = ei.value
+    assert (e.status, e.code, e.type, e.param) == (429, "rate_limit_exceeded", None, None)
+    assert e.body()["error"]["type"] == "rate_limit_error"
+    assert e.headers is not None and 58 <= int(e.headers["Retry-After"]) <= 60
+    retry = e.headers["Retry-After"]
+    assert e.headers == {"Retry-After": retry, "x-ratelimit-limit-requests": "2",
+                         "x-ratelimit-remaining-requests": "0", "x-ratelimit-limit-tokens": "1000",
+                         "x-ratelimit-remaining-tokens": "0"}
+    assert e.message == (f"Rate limit reached for tenant '{t.id}' on requests per 60s window (RPM): Limit 2, "
+                         f"Used 2, Requested 1; tokens per 60s window (TPM): Limit 1000, Used 1000, "
+                         f"Requested 1. Please try again in {retry}s.")
+    await q.settle(lease2, 880)
+    await q.aclose()
+
+
+async def test_stage_too_large_message_and_unlimited_tenant_skips_the_store(redis_store) -> None:
+    q = TenantQuotas(QuotaSettings(window_seconds=30), redis_store)
+    t = _tenant(tpm=100)
+    with pytest.raises(OpenAIError) as ei:
+        await q.reserve(t, 101, "r")
+    assert ei.value.message == (f"Request too large for tenant '{t.id}' on tokens per 30s window (TPM): "
+                                "Limit 100, Requested 101 (prompt + max_tokens). Reduce the prompt or max_tokens.")
+    assert ei.value.headers == {"Retry-After": "30", "x-ratelimit-limit-tokens": "100",
+                                "x-ratelimit-remaining-tokens": "100"}
+    free = _tenant()
+    lease = await q.reserve(free, 10**9, "r")
+    assert (lease.headers, lease.state) == ({}, None)
+    assert await redis_store.client.keys(f"{redis_store.prefix}:{{{free.id}}}*") == []
+    await q.aclose()
+
+
+async def test_stage_renews_live_leases_so_long_requests_keep_their_slot(redis_store) -> None:
+    q = TenantQuotas(QuotaSettings(window_seconds=60, lease_ttl_seconds=0.3), redis_store)
+    t = _tenant(max_concurrent=1)
+    lease = await q.reserve(t, 1, "long")
+    await asyncio.sleep(0.7)  # > 2 TTLs: the background renewal (every 0.1 s) kept the lease
+    with pytest.raises(OpenAIError) as ei:
+        await q.reserve(t, 1, "second")
+    assert ei.value.headers == {"Retry-After": "1"}
+    await q.settle(lease, 1)
+    await q.settle(await q.reserve(t, 1, "third"), 1)
+    await q.aclose()
+
+
+async def test_sentinel_url_finds_the_master(tmp_path, spare_redis) -> None:
+    """A real redis-server in sentinel mode monitoring the spare server: ``redis+sentinel://``."""
+    sentinel = spare_redis.start_sentinel(tmp_path, "kvgmaster")
+    url = f"redis+sentinel://127.0.0.1:{sentinel},127.0.0.1:1/kvgmaster/0"  # a dead sentinel is skipped
+    q = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(url, 0.25), prefix="kvgate-test-s"))
+    t = _tenant(rpm=1)
+    lease = await q.reserve(t, 1, "r")
+    assert lease.headers["x-ratelimit-remaining-requests"] == "0"
+    with pytest.raises(OpenAIError):
+        await q.reserve(t, 1, "r2")
+    spare = aioredis.Redis(port=spare_redis.port)
+    assert await spare.zcard(f"kvgate-test-s:{{{t.id}}}:rpm") == 1
+    await spare.aclose()
+    await q.aclose()
+
+
+def test_sentinel_url_errors() -> None:
+    with pytest.raises(ValueError, match="needs hosts and a service name"):
+        redis_client_from_url("redis+sentinel://127.0.0.1:26379", 0.25)
+    with pytest.raises(ValueError, match="bad port"):
+        redis_client_from_url("redis+sentinel://127.0.0.1:x/m", 0.25)
+
+
+def test_local_store_trims_by_its_clock() -> None:
+    now = [0.0]
+    s = LocalQuotaStore(clock=lambda: now[0])
+    lim = QuotaLimits(rpm=1, tpm=None, max_concurrent=None)
+    assert s.reserve_now("t", lim, "a", 1, 1000, TTL_MS).admitted
+    now[0] = 400.0
+    d = s.reserve_now("t", lim, "b", 1, 1000, TTL_MS)
+    assert (d.admitted, d.retry_after_ms) == (False, 600)
+    now[0] = 1000.0  # exactly one window after a: a no longer counts
+    assert s.reserve_now("t", lim, "b", 1, 1000, TTL_MS).admitted
