@@ -1,0 +1,54 @@
+"""``kvgate upstream list`` / ``kvgate upstream clear NAME``: show or lift the quarantine a
+confirmed leak put on an upstream (verifier, DESIGN.md "Actions").
+
+The state is where the running gateways read it: Redis when the config has ``redis_url``, else
+``<state_dir>/quarantine.json``; gateways pick a change up within a second. Exit status: 0 done,
+1 ``clear`` of an upstream that was not quarantined, 2 configuration or store error.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``list`` or ``clear NAME``; ``--config`` picks kvgate.yaml (redis_url, state_dir)."""
+    parser.add_argument("--config", default=None, help="kvgate.yaml (default: KVGATE_CONFIG or the embedded one)")
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("list", help="show quarantined upstreams")
+    clear = sub.add_parser("clear", help="lift an upstream's quarantine")
+    clear.add_argument("name", help="the upstream's name (as in kvgate.yaml)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point; returns the exit status."""
+    from config.loader import ConfigError, load_settings
+    from verifier.quarantine import Quarantine, backend_for
+
+    try:
+        settings = load_settings(args.config)
+    except ConfigError as e:
+        print(f"kvgate upstream: {e}", file=sys.stderr)
+        return 2
+    q = Quarantine(backend_for(settings.redis_url, settings.state_dir))
+    try:
+        if args.action == "list":
+            recs = q.backend.load()
+            if not recs:
+                print("no upstream is quarantined")
+            for name, r in sorted(recs.items()):
+                since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.since))
+                print(f"{name}: quarantined since {since} for prompts above {r.min_prompt_tokens} tokens "
+                      f"(incident {r.incident_id}, detector {r.detector})")
+            return 0
+        known = {u.name for u in settings.upstreams}
+        if q.clear(args.name):
+            print(f"upstream '{args.name}': quarantine cleared")
+            return 0
+        hint = "" if args.name in known else " (and it is not an upstream of this config)"
+        print(f"upstream '{args.name}' is not quarantined{hint}", file=sys.stderr)
+        return 1
+    except Exception as e:  # store unreachable
+        print(f"kvgate upstream: cannot reach the quarantine store: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,121 @@
+"""Structured incident records (DESIGN.md, Verifier: "Actions").
+
+An incident names its id, time, tenant, upstream, detector and evidence made only of counts,
+keyed hashes and request ids (never prompt or response text). Each one is appended to a JSONL
+file (when configured), logged on the ``kvgate.verifier`` logger, and counted in the Prometheus
+counter ``kvgate_verifier_incidents_total{detector, upstream}``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from prometheus_client import Counter
+
+log = logging.getLogger("kvgate.verifier")
+
+#: Detectors: ``canary`` (a planted canary in another request's response), ``leak_index``
+#: (another tenant's prompt shingles), ``latency`` (TTFT below the calibrated bound),
+#: ``usage_drift``, ``finish_abort``, ``probe`` (a canary probe surfaced a canary).
+DETECTORS = ("canary", "leak_index", "latency", "usage_drift", "finish_abort", "probe")
+
+INCIDENTS = Counter("kvgate_verifier_incidents_total", "Verifier incidents by detector and upstream",
+                    ["detector", "upstream"])
+CHECKS = Counter("kvgate_verifier_checks_total", "Responses checked by the verifier", ["upstream", "mode"])
+DROPPED = Counter("kvgate_verifier_dropped_total", "Verifier work dropped (queue full or store error)",
+                  ["reason"])
+QUARANTINES = Counter("kvgate_verifier_quarantines_total", "Upstreams quarantined after a confirmed leak",
+                      ["upstream"])
+
+_ALLOWED_EVIDENCE = (int, float, bool, type(None))
+
+
+def _check_evidence(value: Any, path: str = "evidence") -> None:
+    """Evidence holds counts, hex hashes, ids and names: strings are capped at 80 characters so
+    no text can ride along. Raises ``ValueError`` otherwise."""
+    if isinstance(value, _ALLOWED_EVIDENCE):
+        return
+    if isinstance(value, str):
+        if len(value) > 80:
+            raise ValueError(f"{path}: strings in evidence are ids or hashes (<= 80 chars), not text")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_evidence(k, path)
+            _check_evidence(v, f"{path}.{k}")
+        return
+    if isinstance(value, (list, tuple)):
+        if len(value) > 64:
+            raise ValueError(f"{path}: at most 64 items")
+        for i, v in enumerate(value):
+            _check_evidence(v, f"{path}[{i}]")
+        return
+    raise ValueError(f"{path}: unsupported type {type(value).__name__}")
+
+
+@dataclass
+class Incident:
+    """One detection. ``time``: UNIX seconds; ``confirmed``: a canary, or leak-index evidence
+    at or above the confirm threshold (quarantines the upstream); ``withheld``: a strict
+    response was held back or cut."""
+
+    detector: str
+    tenant: str
+    upstream: str
+    request_id: str
+    evidence: dict[str, Any]
+    confirmed: bool = False
+    withheld: bool = False
+    id: str = field(default_factory=lambda: "inc_" + uuid.uuid4().hex[:20])
+    time: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.detector not in DETECTORS:
+            raise ValueError(f"unknown detector {self.detector!r}")
+        _check_evidence(self.evidence)
+
+    def to_json(self) -> bytes:
+        """One JSONL line (with the trailing newline)."""
+        return orjson.dumps(asdict(self)) + b"\n"
+
+
+class IncidentSink:
+    """Writes incidents: JSONL file (``path``; ``None`` = none), log line, counters. Keeps the
+    last ``keep`` in memory (:attr:`recent`) for tests and the admin view. Thread-safe."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, keep: int = 1000) -> None:
+        self.path = Path(path) if path else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self.recent: list[Incident] = []
+        self._lock = threading.Lock()
+
+    def emit(self, incident: Incident) -> Incident:
+        """Record ``incident`` everywhere; returns it."""
+        INCIDENTS.labels(incident.detector, incident.upstream).inc()
+        line = incident.to_json()
+        with self._lock:
+            self.recent.append(incident)
+            if len(self.recent) > self.keep:
+                del self.recent[: len(self.recent) - self.keep]
+            if self.path is not None:
+                with open(self.path, "ab") as f:
+                    f.write(line)
+        log.warning("verifier incident %s", line.decode().rstrip())
+        return incident
+
+
+def read_incidents(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Parse a JSONL incident file (missing file: ``[]``)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [orjson.loads(line) for line in p.read_bytes().splitlines() if line.strip()]

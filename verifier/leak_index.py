@@ -1,0 +1,220 @@
+"""The passive leak index (DESIGN.md, Verifier): which tenants recently sent which shingles.
+
+For each tenant's prompt the index stores its *winnowed* keyed shingle fingerprints
+(:mod:`verifier.shingles`, k = 16, w = 35) with a TTL; for a response it looks up *every*
+shingle. A response shingle counts as foreign evidence when exactly one tenant sent it and that
+tenant is not the response's own tenant (and it is not in the response's own prompt). Shingles
+sent by two or more tenants are public (a shared system prompt, a quoted passage) and ignored.
+Because every response shingle is looked up and every window of ``w`` prompt shingles keeps
+one, any run of ``w + k - 1`` (= 50) tokens of another tenant's prompt in a response is found.
+
+Stores: :class:`MemoryLeakStore` (one process) and :class:`RedisLeakStore` (shared by gateway
+replicas; one pipelined round trip per ingest or lookup). Both store only 64-bit keyed hashes
+and tenant ids, never text.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from verifier.shingles import ShingleHasher, encode, fingerprints, iter_distinct
+
+
+class LeakStore(Protocol):
+    """Fingerprint -> set of tenant ids, each entry expiring ``ttl_seconds`` after its last add."""
+
+    def add(self, tenant: str, fps: Iterable[int]) -> None:
+        """Record that ``tenant`` sent these fingerprints now."""
+        ...
+
+    def owners(self, fps: list[int]) -> list[set[str]]:
+        """For each fingerprint (same order), the tenants that sent it within the TTL."""
+        ...
+
+
+class MemoryLeakStore:
+    """In-process store: ``{fingerprint: {tenant: expiry_monotonic}}``; expired entries are
+    purged lazily on read and by a sweep every ``sweep_every`` adds. ``clock`` is injectable
+    for tests (seconds)."""
+
+    def __init__(self, ttl_seconds: float, clock=time.monotonic, sweep_every: int = 10_000) -> None:
+        self.ttl_seconds = ttl_seconds
+        self.clock = clock
+        self._data: dict[int, dict[str, float]] = {}
+        self._adds = 0
+        self._sweep_every = sweep_every
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def add(self, tenant: str, fps: Iterable[int]) -> None:
+        exp = self.clock() + self.ttl_seconds
+        data = self._data
+        for fp in fps:
+            owners = data.get(fp)
+            if owners is None:
+                data[fp] = {tenant: exp}
+            else:
+                owners[tenant] = exp
+            self._adds += 1
+        if self._adds >= self._sweep_every:
+            self._adds = 0
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Drop every expired entry."""
+        now = self.clock()
+        for fp in list(self._data):
+            owners = {t: e for t, e in self._data[fp].items() if e > now}
+            if owners:
+                self._data[fp] = owners
+            else:
+                del self._data[fp]
+
+    def owners(self, fps: list[int]) -> list[set[str]]:
+        now = self.clock()
+        out = []
+        for fp in fps:
+            owners = self._data.get(fp)
+            out.append({t for t, e in owners.items() if e > now} if owners else set())
+        return out
+
+
+class RedisLeakStore:
+    """Redis store shared by gateway replicas: one SET of tenant ids per fingerprint, key
+    ``<prefix>fp:<16 hex digits>``, whose TTL is renewed on every add (so an entry lives
+    ``ttl_seconds`` after the last time any tenant sent it; a tenant seen once in that time
+    keeps the shingle public). ``client``: a synchronous ``redis.Redis``; calls are pipelined
+    (one round trip per :meth:`add` / :meth:`owners`). Raises ``redis.RedisError`` when Redis
+    is down (the service counts it and skips the check)."""
+
+    def __init__(self, client, ttl_seconds: float, prefix: str = "kvgate:leak:") -> None:
+        self.client = client
+        self.ttl_ms = max(1, int(ttl_seconds * 1000))
+        self.prefix = prefix
+
+    def _key(self, fp: int) -> str:
+        return f"{self.prefix}fp:{fp:016x}"
+
+    def add(self, tenant: str, fps: Iterable[int]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        n = 0
+        for fp in fps:
+            k = self._key(fp)
+            pipe.sadd(k, tenant)
+            pipe.pexpire(k, self.ttl_ms)
+            n += 1
+        if n:
+            pipe.execute()
+
+    def owners(self, fps: list[int]) -> list[set[str]]:
+        if not fps:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for fp in fps:
+            pipe.smembers(self._key(fp))
+        res = pipe.execute()
+        return [{m.decode() if isinstance(m, bytes) else m for m in r} for r in res]
+
+
+@dataclass
+class LeakVerdict:
+    """What a lookup found. Counts are of distinct response shingles.
+
+    ``checked``: shingles looked up; ``own``: in the tenant's own prompt or sent by the tenant;
+    ``public``: sent by >= 2 tenants; ``foreign``: sent by exactly one other tenant (evidence);
+    ``foreign_by_tenant``: evidence per source tenant; ``evidence_hashes``: up to 8 of the
+    foreign fingerprints as hex (safe to log: keyed hashes, no text)."""
+
+    checked: int = 0
+    own: int = 0
+    public: int = 0
+    foreign: int = 0
+    foreign_by_tenant: dict[str, int] = field(default_factory=dict)
+    evidence_hashes: list[str] = field(default_factory=list)
+
+    def merge(self, other: "LeakVerdict") -> None:
+        """Add ``other``'s counts (incremental stream checks)."""
+        self.checked += other.checked
+        self.own += other.own
+        self.public += other.public
+        self.foreign += other.foreign
+        for t, n in other.foreign_by_tenant.items():
+            self.foreign_by_tenant[t] = self.foreign_by_tenant.get(t, 0) + n
+        room = 8 - len(self.evidence_hashes)
+        if room > 0:
+            self.evidence_hashes.extend(other.evidence_hashes[:room])
+
+    @property
+    def source_tenant(self) -> str | None:
+        """The tenant with the most evidence, or ``None``."""
+        if not self.foreign_by_tenant:
+            return None
+        return max(sorted(self.foreign_by_tenant), key=self.foreign_by_tenant.__getitem__)
+
+
+class LeakIndex:
+    """Ingest prompts, check responses. ``hasher`` holds the key and ``k``; ``w`` the window.
+
+    Thread-safety: none needed; the service calls it from one thread at a time.
+    """
+
+    def __init__(self, store: LeakStore, hasher: ShingleHasher, w: int = 35) -> None:
+        self.store = store
+        self.hasher = hasher
+        self.w = w
+
+    def prompt_fingerprints(self, text: str) -> set[int]:
+        """Winnowed fingerprints of a prompt's text."""
+        return fingerprints(self.hasher, encode(text), self.w)
+
+    def ingest(self, tenant: str, text: str) -> int:
+        """Record ``tenant``'s prompt; returns how many fingerprints were stored."""
+        fps = self.prompt_fingerprints(text)
+        self.store.add(tenant, fps)
+        return len(fps)
+
+    def own_shingles(self, text: str) -> set[int]:
+        """Every shingle fingerprint of a prompt (kept in memory by a guard for the life of one
+        response, never stored): a response quoting its own prompt is never evidence."""
+        return set(self.hasher.hashes(encode(text)))
+
+    def check_hashes(self, tenant: str, hashes: list[int], own: set[int] | frozenset[int] = frozenset(),
+                     seen: set[int] | None = None) -> LeakVerdict:
+        """Classify response shingle fingerprints (see :class:`LeakVerdict`). ``seen``: shingles
+        already checked for this response (updated in place; repeats are not counted twice)."""
+        v = LeakVerdict()
+        todo = []
+        for h in iter_distinct(hashes):
+            if seen is not None:
+                if h in seen:
+                    continue
+                seen.add(h)
+            if h in own:
+                v.checked += 1
+                v.own += 1
+            else:
+                todo.append(h)
+        if not todo:
+            return v
+        for h, owners in zip(todo, self.store.owners(todo)):
+            v.checked += 1
+            if not owners:
+                continue
+            if tenant in owners:
+                v.own += 1
+            elif len(owners) >= 2:
+                v.public += 1
+            else:
+                (src,) = owners
+                v.foreign += 1
+                v.foreign_by_tenant[src] = v.foreign_by_tenant.get(src, 0) + 1
+                if len(v.evidence_hashes) < 8:
+                    v.evidence_hashes.append(f"{h:016x}")
+        return v
+
+    def check_text(self, tenant: str, text: str, own: set[int] | frozenset[int] = frozenset()) -> LeakVerdict:
+        """Check a whole response's text."""
+        return self.check_hashes(tenant, self.hasher.hashes(encode(text)), own)

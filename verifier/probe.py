@@ -1,0 +1,287 @@
+"""``kvgate probe``: the runbook's signal 2, a canary probe at the live limit.
+
+Steps (``L`` = the live limit, prompt + ``max_tokens`` tokens; ``@n`` = a prompt of
+``n - max_tokens`` tokens, so prompt + completion is ``n``):
+
+1. ``plant@L/2`` - canaries in a prompt that fits any sane pool, so the KV pages it leaves behind
+   hold canaries;
+2. ``plant@L``, then ``fresh@L`` - canaries at the boundary, then a fresh long prompt;
+3. ``plant@L+1``, then ``fresh@L+1`` - one past the boundary (the rejection path), then fresh.
+
+Every response BODY (never the status: a 200 proves nothing, a 400 is fine) is searched for
+canaries its own prompt does not hold. Prompts are sized exactly with the bundled cl100k
+tokenizer (exact for the bundled backend and cl100k engines). Runs through the gateway as a
+probe tenant (``--base-url http://gw:8080/v1 --api-key ...``) or straight at an engine's OpenAI
+base URL. Exit status: 0 clean, 1 a canary surfaced, 2 could not tell (no limit, transport
+errors, or no step got a 2xx).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from config.pool import effective_pool_limit
+from verifier.canary import find_canaries, new_canary
+from verifier.shingles import encode
+
+EXIT_CLEAN, EXIT_LEAK, EXIT_UNKNOWN = 0, 1, 2
+
+_WORDS = ("river stone garden window market silver morning letter bridge paper orange yellow winter "
+          "summer forest coffee engine rocket planet castle doctor farmer island mirror pencil pocket "
+          "rabbit saddle shadow signal spring square summit table temple ticket timber tower travel "
+          "valley velvet violin wagon water weather wheel whistle wonder yard anchor basket blanket "
+          "bottle button candle canvas carpet cattle circle cotton copper cradle crystal dragon "
+          "feather fiddle finger flower garlic ginger hammer harbor helmet honey insect jacket jungle "
+          "kettle kitchen ladder lantern lemon lizard magnet marble meadow monkey needle noodle "
+          "orchard oyster palace parrot pepper pillow pirate puzzle quarter ribbon saddle sailor "
+          "salmon scarf shovel shelter sugar tiger tunnel turtle umbrella village walnut").split()
+
+
+def _one_token_words() -> list[str]:
+    return [w for w in dict.fromkeys(_WORDS) if len(encode(" " + w)) == 1]
+
+
+_FILLER: list[str] | None = None
+
+
+def filler_words() -> list[str]:
+    """Words that are one cl100k token each with their leading space."""
+    global _FILLER
+    if _FILLER is None:
+        _FILLER = _one_token_words()
+    return _FILLER
+
+
+PROMPT_HEAD = "Summarize this:"
+
+
+def build_prompt(n_tokens: int, canary: str | None, rng: random.Random, every_tokens: int = 48) -> str:
+    """A prompt of exactly ``n_tokens`` cl100k tokens: ``Summarize this:`` and random one-token
+    words, with ``canary`` (when given) repeated every ``every_tokens`` tokens. Raises
+    ``ValueError`` when ``n_tokens`` is too small to hold the head (and one canary)."""
+    words = filler_words()
+    head = len(encode(PROMPT_HEAD))
+    can_piece = f" {canary}" if canary else ""
+    can_tokens = len(encode(can_piece)) if canary else 0
+    if n_tokens < head + can_tokens + 1:
+        raise ValueError(f"a probe prompt needs at least {head + can_tokens + 1} tokens")
+    parts = [PROMPT_HEAD]
+    used = head
+    since = every_tokens  # plant first canary right away
+    while used < n_tokens:
+        if canary and since >= every_tokens and n_tokens - used >= can_tokens:
+            parts.append(can_piece)
+            used += can_tokens
+            since = 0
+            continue
+        parts.append(" " + rng.choice(words))
+        used += 1
+        since += 1
+    text = "".join(parts)
+    got = len(encode(text))
+    if got != n_tokens:  # cannot happen with one-token words on pre-token boundaries; be loud
+        raise AssertionError(f"probe prompt sized {got} tokens, wanted {n_tokens}")
+    return text
+
+
+@dataclass
+class ProbeStep:
+    """One request: ``label`` (e.g. ``fresh@L+1``), prompt and completion sizes, HTTP status
+    (``None`` on a transport error), ``surfaced``: canaries in the body not planted in it (count)."""
+
+    label: str
+    prompt_tokens: int
+    max_tokens: int
+    status: int | None = None
+    surfaced: int = 0
+    error: str | None = None
+
+
+@dataclass
+class ProbeResult:
+    """``outcome``: ``clean``, ``leak`` or ``unknown``; ``surfaced``: canaries found in bodies
+    that did not plant them; ``limit``: the live limit probed."""
+
+    outcome: str
+    limit: int | None
+    surfaced: int = 0
+    steps: list[ProbeStep] = field(default_factory=list)
+    reason: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return {"clean": EXIT_CLEAN, "leak": EXIT_LEAK}.get(self.outcome, EXIT_UNKNOWN)
+
+
+@dataclass
+class ProbeTarget:
+    """Where a probe goes: ``base_url`` (OpenAI base, ending in ``/v1``), ``model``, optional
+    ``api_key``; ``limit`` (tokens) or ``server_info_urls`` + ``context_length`` + ``headroom``
+    to read it live. ``upstream``: the upstream's name (for incidents)."""
+
+    base_url: str
+    model: str | None = None
+    api_key: str | None = None
+    limit: int | None = None
+    server_info_urls: list[str] = field(default_factory=list)
+    context_length: int | None = None
+    headroom: float = 1.25
+    upstream: str = "direct"
+
+
+async def live_limit(client: httpx.AsyncClient, target: ProbeTarget) -> int | None:
+    """``target.limit``, else the minimum :func:`config.pool.effective_pool_limit` over its
+    server-info URLs (``None`` when any is unreachable or lacks the pool field)."""
+    if target.limit:
+        return target.limit
+    if not target.server_info_urls:
+        return None
+    from verifier.deploy_gate import pool_tokens_of
+
+    limits = []
+    for url in target.server_info_urls:
+        try:
+            r = await client.get(url)
+            r.raise_for_status()
+            info = r.json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not isinstance(info, dict):
+            return None
+        found = pool_tokens_of(info)
+        ctx = target.context_length or info.get("context_length")
+        if found is None or not isinstance(ctx, int):
+            return None
+        mril = info.get("max_req_input_len") if isinstance(info.get("max_req_input_len"), int) else None
+        limits.append(effective_pool_limit(ctx, found[0], mril, target.headroom))
+    return min(limits) if limits else None
+
+
+async def run_probe(client: httpx.AsyncClient, target: ProbeTarget, *, max_tokens: int = 64,
+                    rng: random.Random | None = None,
+                    register: Callable[[list[str]], Any] | None = None) -> ProbeResult:
+    """Run the five steps against ``target`` (see module doc). ``register`` is called with the
+    canaries before they are sent (the gateway's verifier records them as honeypot canaries)."""
+    rng = rng or random.Random()
+    limit = await live_limit(client, target)
+    if limit is None:
+        return ProbeResult("unknown", None, reason="live limit unknown (no --limit and no readable pool)")
+    plan: list[tuple[str, int, bool]] = [("plant@L/2", limit // 2, True), ("plant@L", limit, True),
+                                         ("fresh@L", limit, False), ("plant@L+1", limit + 1, True),
+                                         ("fresh@L+1", limit + 1, False)]
+    headers = {"content-type": "application/json"}
+    if target.api_key:
+        headers["authorization"] = f"Bearer {target.api_key}"
+    url = target.base_url.rstrip("/") + "/completions"
+    result = ProbeResult("clean", limit)
+    any_2xx = False
+    for label, total, plant in plan:
+        prompt_tokens = total - max_tokens
+        step = ProbeStep(label, prompt_tokens, max_tokens)
+        result.steps.append(step)
+        canary = new_canary() if plant else None
+        try:
+            prompt = build_prompt(prompt_tokens, canary, rng)
+        except ValueError as e:
+            step.error = str(e)
+            continue
+        if canary and register is not None:
+            register([canary])
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        if target.model:
+            body["model"] = target.model
+        try:
+            r = await client.post(url, json=body, headers=headers)
+        except httpx.HTTPError as e:
+            step.error = f"{type(e).__name__}: {e}"[:300]
+            continue
+        step.status = r.status_code
+        any_2xx = any_2xx or 200 <= r.status_code < 300
+        found = [c for c in find_canaries(r.text) if c != canary]
+        step.surfaced = len(found)
+        result.surfaced += len(found)
+    if result.surfaced:
+        result.outcome = "leak"
+    elif any(s.error for s in result.steps):
+        result.outcome, result.reason = "unknown", "some probe requests failed"
+    elif not any_2xx:
+        result.outcome, result.reason = "unknown", "no probe request was answered with a 2xx"
+    return result
+
+
+def targets_from_settings(settings) -> list[ProbeTarget]:
+    """One engine-direct target per upstream of a :class:`~config.models.Settings` (the
+    gateway's periodic probe): its first model, its pool URLs (or static pool)."""
+    out = []
+    for u in settings.upstreams:
+        m = settings.model_by_name(u.models[0]) if u.models else None
+        model = (m.upstream_model or m.id) if m else None
+        ctx = m.context_length if m else None
+        limit = None
+        if u.pool_source == "static" and u.static_pool_tokens and ctx:
+            limit = effective_pool_limit(ctx, u.static_pool_tokens, None, settings.pool.headroom)
+        out.append(ProbeTarget(u.api_url, model, u.api_key.get_secret_value() if u.api_key else None, limit,
+                               list(u.pool_urls) if u.pool_source in ("sglang", "kvgate") else [], ctx,
+                               settings.pool.headroom, u.name))
+    return out
+
+
+async def run_probe_targets(targets: list[ProbeTarget], *, max_tokens: int = 64, timeout_seconds: float = 120.0,
+                            register: Callable[[list[str]], Any] | None = None) -> list[tuple[ProbeTarget, ProbeResult]]:
+    """Probe each target in turn."""
+    out = []
+    async with httpx.AsyncClient(timeout=timeout_seconds) as client:
+        for t in targets:
+            out.append((t, await run_probe(client, t, max_tokens=max_tokens, register=register)))
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """CLI flags of ``kvgate probe``."""
+    parser.add_argument("--base-url", required=True,
+                        help="OpenAI base URL: the gateway's (http://host:8080/v1) or an engine's")
+    parser.add_argument("--api-key", default=None, help="the probe tenant's API key (through the gateway)")
+    parser.add_argument("--model", default=None, help="model to ask for")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="the live limit in tokens (prompt + completion); default: read --server-info-url")
+    parser.add_argument("--server-info-url", nargs="*", default=[], metavar="URL",
+                        help="prefill nodes' server info URLs to read the live limit from")
+    parser.add_argument("--context-length", type=int, default=None, help="context length (default: the engine's)")
+    parser.add_argument("--headroom", type=float, default=1.25, help="pool headroom divisor (default 1.25)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="completion tokens per probe request (default 64)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point; returns 0 clean, 1 leak, 2 could not tell."""
+    if args.max_tokens < 1 or (args.limit is not None and args.limit < 2):
+        print("kvgate probe: --max-tokens must be >= 1 and --limit >= 2", file=sys.stderr)
+        return EXIT_UNKNOWN
+    target = ProbeTarget(args.base_url, args.model, args.api_key, args.limit, list(args.server_info_url),
+                         args.context_length, args.headroom)
+
+    async def go() -> ProbeResult:
+        async with httpx.AsyncClient(timeout=args.timeout) as client:
+            return await run_probe(client, target, max_tokens=args.max_tokens)
+
+    result = asyncio.run(go())
+    if args.json:
+        print(json.dumps({**asdict(result), "exit_code": result.exit_code}))
+    else:
+        print(f"probe of {args.base_url}: live limit {result.limit}")
+        for s in result.steps:
+            what = f"HTTP {s.status}" if s.status is not None else f"error: {s.error}"
+            print(f"  {s.label:<10} prompt={s.prompt_tokens} max_tokens={s.max_tokens} {what} "
+                  f"surfaced_canaries={s.surfaced}")
+        print({"clean": "probe: CLEAN (no canary surfaced)",
+               "leak": f"probe: LEAK ({result.surfaced} canaries surfaced in responses that did not plant them)",
+               "unknown": f"probe: UNKNOWN ({result.reason})"}[result.outcome])
+    return result.exit_code

@@ -1,0 +1,140 @@
+"""Upstream quarantine after a confirmed leak, shared with the ``kvgate upstream clear`` CLI.
+
+A quarantined upstream receives no prompt longer than ``min_prompt_tokens`` (the gateway
+answers those from another upstream or fails them) until an operator runs
+``kvgate upstream clear NAME``. The state lives in Redis (hash ``<prefix>quarantine``, field =
+upstream name, value = JSON record) when ``redis_url`` is configured, else in
+``<state_dir>/quarantine.json``, so the CLI can clear it for running gateways. Gateways re-read
+it at most every ``refresh_seconds``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class QuarantineRecord:
+    """``since``: UNIX seconds; ``min_prompt_tokens``: prompts longer than this are refused."""
+
+    upstream: str
+    incident_id: str
+    detector: str
+    min_prompt_tokens: int
+    since: float
+
+
+class FileQuarantineBackend:
+    """``quarantine.json`` in the state directory: ``{upstream: record}``, replaced atomically."""
+
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(state_dir) / "quarantine.json"
+        self._lock = threading.Lock()
+
+    def load(self) -> dict[str, QuarantineRecord]:
+        try:
+            raw = json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+        return {k: QuarantineRecord(**v) for k, v in raw.items()}
+
+    def _write(self, data: dict[str, QuarantineRecord]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".quarantine.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps({k: asdict(v) for k, v in data.items()}, indent=1))
+        os.replace(tmp, self.path)
+
+    def put(self, rec: QuarantineRecord) -> None:
+        with self._lock:
+            data = self.load()
+            if rec.upstream not in data:
+                data[rec.upstream] = rec
+                self._write(data)
+
+    def clear(self, upstream: str) -> bool:
+        with self._lock:
+            data = self.load()
+            if upstream not in data:
+                return False
+            del data[upstream]
+            self._write(data)
+            return True
+
+
+class RedisQuarantineBackend:
+    """Redis hash ``<prefix>quarantine``; ``client`` a synchronous ``redis.Redis``."""
+
+    def __init__(self, client, prefix: str = "kvgate:") -> None:
+        self.client = client
+        self.key = f"{prefix}quarantine"
+
+    def load(self) -> dict[str, QuarantineRecord]:
+        raw = self.client.hgetall(self.key)
+        out = {}
+        for k, v in raw.items():
+            k = k.decode() if isinstance(k, bytes) else k
+            out[k] = QuarantineRecord(**json.loads(v))
+        return out
+
+    def put(self, rec: QuarantineRecord) -> None:
+        self.client.hsetnx(self.key, rec.upstream, json.dumps(asdict(rec)))
+
+    def clear(self, upstream: str) -> bool:
+        return bool(self.client.hdel(self.key, upstream))
+
+
+class Quarantine:
+    """Cached view of the quarantine state. :meth:`is_quarantined` is cheap (a dict lookup; the
+    backend is re-read at most every ``refresh_seconds``, and a read error keeps the last view)."""
+
+    def __init__(self, backend, refresh_seconds: float = 1.0, clock=time.monotonic) -> None:
+        self.backend = backend
+        self.refresh_seconds = refresh_seconds
+        self.clock = clock
+        self._view: dict[str, QuarantineRecord] = {}
+        self._read_at = float("-inf")
+
+    def refresh(self) -> None:
+        """Re-read the backend now."""
+        try:
+            self._view = self.backend.load()
+        except Exception:  # keep the last view; a flapping store must not lift a quarantine
+            pass
+        self._read_at = self.clock()
+
+    def records(self) -> dict[str, QuarantineRecord]:
+        """Current records by upstream."""
+        if self.clock() - self._read_at >= self.refresh_seconds:
+            self.refresh()
+        return dict(self._view)
+
+    def is_quarantined(self, upstream: str, prompt_tokens: int) -> bool:
+        """Whether ``upstream`` is quarantined for a prompt of ``prompt_tokens`` tokens."""
+        rec = self.records().get(upstream)
+        return rec is not None and prompt_tokens > rec.min_prompt_tokens
+
+    def put(self, upstream: str, incident_id: str, detector: str, min_prompt_tokens: int) -> QuarantineRecord:
+        """Quarantine ``upstream`` (the first record stays when it already is)."""
+        rec = QuarantineRecord(upstream, incident_id, detector, min_prompt_tokens, time.time())
+        self.backend.put(rec)
+        self._view.setdefault(upstream, rec)
+        return rec
+
+    def clear(self, upstream: str) -> bool:
+        """Lift the quarantine; ``False`` when there was none."""
+        ok = self.backend.clear(upstream)
+        self._view.pop(upstream, None)
+        return ok
+
+
+def backend_for(redis_url: str | None, state_dir: str | os.PathLike[str], prefix: str = "kvgate:"):
+    """The backend a configuration implies: Redis when ``redis_url`` is set, else the state file."""
+    if redis_url:
+        import redis
+
+        return RedisQuarantineBackend(redis.Redis.from_url(redis_url, socket_timeout=1.0), prefix)
+    return FileQuarantineBackend(state_dir)

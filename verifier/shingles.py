@@ -1,0 +1,201 @@
+"""Keyed token shingles and winnowing (Schleimer, Wilkerson, Aiken: "Winnowing: local algorithms
+for document fingerprinting", SIGMOD 2003).
+
+Text is tokenized with the bundled cl100k encoding (the verifier's own, whatever the model's:
+both sides of a comparison only need the same tokenizer). A *shingle* is ``k`` consecutive token
+ids; its fingerprint is a 64-bit keyed BLAKE2b hash (the key is the ``leak_index_key`` secret,
+so stored fingerprints cannot be tested against guessed text without it). Winnowing keeps, from
+every window of ``w`` consecutive shingle hashes, the minimum (rightmost on ties), which
+guarantees: any run of at least ``w + k - 1`` tokens shared by two texts contains a shingle kept
+by the winnowing of either text (k = 16, w = 35 -> 50 tokens).
+
+Nothing here keeps text; callers get integers.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+
+from tokenizer.tiktoken_counter import TiktokenCounter, bundled_counter
+
+_COUNTER: TiktokenCounter | None = None
+
+
+def _counter() -> TiktokenCounter:
+    global _COUNTER
+    if _COUNTER is None:
+        _COUNTER = bundled_counter()
+    return _COUNTER
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of ``text`` (cl100k_base, ordinary text: special-token look-alikes are text)."""
+    return _counter().encode_text(text)
+
+
+def guaranteed_run_tokens(k: int, w: int) -> int:
+    """The shortest shared run (tokens) that winnowing with ``k``/``w`` is sure to find: ``w + k - 1``."""
+    return w + k - 1
+
+
+class ShingleHasher:
+    """Keyed 64-bit fingerprints of ``k``-token shingles.
+
+    ``key``: the leak-index secret (bytes, at most 64 used by BLAKE2b's key parameter; longer
+    keys are first hashed to 64 bytes). Raises ``ValueError`` for an empty key or ``k < 1``.
+    """
+
+    def __init__(self, key: bytes, k: int = 16) -> None:
+        if not key:
+            raise ValueError("the leak-index key must not be empty")
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        if len(key) > 64:
+            key = hashlib.blake2b(key).digest()
+        self.k = k
+        self._base = hashlib.blake2b(key=key, digest_size=8, person=b"kvgate-shingle")
+
+    def hash_ids(self, window: Sequence[int]) -> int:
+        """The fingerprint of one shingle (``k`` token ids) as an unsigned 64-bit int."""
+        h = self._base.copy()
+        h.update(b"".join(t.to_bytes(4, "little") for t in window))
+        return int.from_bytes(h.digest(), "little")
+
+    def hashes(self, ids: Sequence[int]) -> list[int]:
+        """Fingerprints of every shingle of ``ids``, in order (``len(ids) - k + 1`` of them, or none)."""
+        k = self.k
+        if len(ids) < k:
+            return []
+        raw = b"".join(t.to_bytes(4, "little") for t in ids)
+        base = self._base
+        out = []
+        for i in range(len(ids) - k + 1):
+            h = base.copy()
+            h.update(raw[4 * i: 4 * (i + k)])
+            out.append(int.from_bytes(h.digest(), "little"))
+        return out
+
+
+def winnow(hashes: Sequence[int], w: int) -> set[int]:
+    """Fingerprints selected by winnowing ``hashes`` with window ``w``: the minimum of every
+    window of ``w`` consecutive hashes (rightmost minimum on ties). A sequence shorter than ``w``
+    contributes its minimum (so short prompts are still indexed). Returns a set of ints."""
+    n = len(hashes)
+    if n == 0:
+        return set()
+    if n <= w:
+        return {min(hashes)}
+    selected: set[int] = set()
+    # monotone deque of indices with increasing hash values -> O(n)
+    from collections import deque
+
+    dq: deque[int] = deque()
+    for i, h in enumerate(hashes):
+        while dq and hashes[dq[-1]] >= h:  # >= keeps the rightmost minimum
+            dq.pop()
+        dq.append(i)
+        if dq[0] <= i - w:
+            dq.popleft()
+        if i >= w - 1:
+            selected.add(hashes[dq[0]])
+    return selected
+
+
+def fingerprints(hasher: ShingleHasher, ids: Sequence[int], w: int) -> set[int]:
+    """Winnowed fingerprints of a token sequence (what the leak index stores for a prompt)."""
+    return winnow(hasher.hashes(ids), w)
+
+
+def is_cut_point(text: str, p: int) -> bool:
+    """Whether cl100k's pre-tokenizer always splits ``text`` at index ``p``, whatever follows.
+
+    True when ``text[p-1]`` is a letter, ``text[p]`` is neither a letter, a digit nor a line
+    break, and ``text[p+1]`` is a letter: the letter run before ends at ``p`` and a new
+    pre-token (``[^\\r\\n\\p{L}\\p{N}]?\\p{L}+`` or a contraction) starts at ``p``. BPE never
+    merges across pre-tokens, so encoding ``text[:p]`` and ``text[p:]`` separately gives the
+    same ids as encoding ``text`` (this is what makes incremental stream shingling exact).
+    """
+    if p <= 0 or p + 1 >= len(text):
+        return False
+    a, c, b = text[p - 1], text[p], text[p + 1]
+    return a.isalpha() and b.isalpha() and not c.isalpha() and not c.isnumeric() and c not in "\r\n"
+
+
+def last_cut_point(text: str, start: int = 0) -> int:
+    """The largest ``p > start`` with :func:`is_cut_point`, or ``-1`` when there is none."""
+    for p in range(len(text) - 2, start, -1):
+        if is_cut_point(text, p):
+            return p
+    return -1
+
+
+class IncrementalShingler:
+    """Shingles a text that arrives in pieces (a stream) exactly as if it were whole.
+
+    Pieces are buffered; :meth:`push` encodes the buffered text up to its last safe cut point
+    (:func:`is_cut_point`) and returns the fingerprints of the shingles completed so far;
+    :meth:`flush` encodes the rest. Keeps only the last ``k - 1`` token ids and the unencoded
+    tail of the text. ``max_pending_chars`` bounds the tail: past it the tail is encoded anyway
+    (at worst a shingle or two around that cut differs from whole-text encoding).
+    """
+
+    def __init__(self, hasher: ShingleHasher, max_pending_chars: int = 4096) -> None:
+        self.hasher = hasher
+        self.max_pending_chars = max_pending_chars
+        self._pending = ""
+        self._carry: list[int] = []
+        self.tokens_seen = 0
+
+    def _emit(self, text: str) -> list[int]:
+        ids = encode(text)
+        self.tokens_seen += len(ids)
+        seq = self._carry + ids
+        out = self.hasher.hashes(seq)
+        self._carry = seq[-(self.hasher.k - 1):] if self.hasher.k > 1 else []
+        return out
+
+    def push(self, piece: str) -> list[int]:
+        """Add ``piece``; returns the fingerprints of newly completed shingles (maybe none)."""
+        self._pending += piece
+        p = last_cut_point(self._pending)
+        if p < 0:
+            if len(self._pending) <= self.max_pending_chars:
+                return []
+            p = len(self._pending)
+        head, self._pending = self._pending[:p], self._pending[p:]
+        return self._emit(head)
+
+    def flush(self) -> list[int]:
+        """Encode whatever is buffered; returns the fingerprints of the last shingles."""
+        if not self._pending:
+            return []
+        head, self._pending = self._pending, ""
+        return self._emit(head)
+
+
+def longest_common_run(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest contiguous run of ids present in both ``a`` and ``b`` (dynamic
+    programming, O(len(a) * len(b)); for tests and evaluation, not the request path)."""
+    best = 0
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0] * (len(b) + 1)
+        for j, y in enumerate(b, 1):
+            if x == y:
+                v = prev[j - 1] + 1
+                cur[j] = v
+                if v > best:
+                    best = v
+        prev = cur
+    return best
+
+
+def iter_distinct(values: Iterable[int]) -> list[int]:
+    """``values`` without repeats, first occurrence order kept."""
+    seen: set[int] = set()
+    out = []
+    for v in values:
+        if v not in seen:
+            seen.add(v)
+            out.append(v)
+    return out
