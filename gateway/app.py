@@ -1,0 +1,209 @@
+"""The gateway app factory (DESIGN.md, "A request's way through the gateway").
+
+``create_app(settings, tenants, *, quotas=None, verifier=None, secrets=None) -> FastAPI``. The
+app's lifespan owns ONE pooled ``httpx.AsyncClient`` (every upstream call and pool poll goes
+through it) and one :class:`~gateway.pool_watcher.PoolWatcher` task per upstream. The stages are
+the contracts of :mod:`gateway.stages` / :mod:`verifier.stage`; ``None`` means switched off
+(:class:`NullQuotas` / :class:`NullVerifier`), and a stage with ``aclose`` is closed at shutdown.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /healthz``, ``GET /readyz``, ``GET /metrics``. Every error is OpenAI-shaped
+(:mod:`gateway.errors`). ``app.state.gateway`` is the :class:`Gateway`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import httpx
+import orjson
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+
+from config.errors import ErrorCode, openai_error_bytes
+from config.models import Settings
+from gateway import errors
+from gateway.admission import ModelIndex
+from gateway.handlers import handle_completion, handle_models
+from gateway.metrics import GatewayMetrics
+from gateway.pool_watcher import PoolWatcher
+from gateway.stages import NullQuotas, QuotaStage
+from gateway.tenants import TenantRegistry
+from gateway.upstreams import UpstreamSet, make_upstream
+from verifier.stage import NullVerifier, VerifierStage
+
+log = logging.getLogger("kvgate.app")
+
+#: paths that keep answering while the gateway drains
+_ALWAYS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+class Gateway:
+    """Everything one gateway app shares across requests: settings, tenants, models, upstreams
+    with their pool watchers, the pooled HTTP client, metrics, the stages, the secrets, and the
+    drain state (``draining``; ``in_flight`` HTTP requests)."""
+
+    def __init__(self, settings: Settings, tenants: TenantRegistry, quotas: QuotaStage | None,
+                 verifier: VerifierStage | None, secrets: dict[str, bytes] | None) -> None:
+        self.settings = settings
+        self.tenants = tenants
+        self.quotas: QuotaStage = quotas if quotas is not None else NullQuotas()
+        self.verifier: VerifierStage = verifier if verifier is not None else NullVerifier()
+        if secrets is None:
+            from config.secrets import load_secrets
+
+            secrets = load_secrets(settings.state_dir)
+        if not secrets.get("cache_salt_key"):
+            raise ValueError("secrets must hold 'cache_salt_key'")
+        self._salt_key = secrets["cache_salt_key"]
+        self._salts: dict[str, str] = {}
+        self.metrics = GatewayMetrics()
+        self.models = ModelIndex(settings, settings.gateway.offload_count_chars)
+        g = settings.gateway
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=g.connect_timeout_seconds, read=g.read_timeout_seconds,
+                                  write=g.read_timeout_seconds, pool=g.connect_timeout_seconds),
+            limits=httpx.Limits(max_connections=g.max_connections, max_keepalive_connections=g.max_connections),
+            trust_env=False)
+        ups = []
+        for u in settings.upstreams:
+            ctx = max((m.context_length for n in u.models if (m := settings.model_by_name(n))), default=None)
+            w = PoolWatcher(u, settings.pool, self.client, ctx, self.metrics.pool_updater(u.name))
+            ups.append(make_upstream(u, w))
+        self.upstreams = UpstreamSet(settings, ups)
+        self.started_at = int(time.time())
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+
+    def cache_salt(self, tenant_id: str) -> str:
+        """The tenant's ``cache_salt``: hex HMAC-SHA256 of its id under the ``cache_salt_key`` secret."""
+        s = self._salts.get(tenant_id)
+        if s is None:
+            s = hmac.new(self._salt_key, tenant_id.encode(), hashlib.sha256).hexdigest()
+            self._salts[tenant_id] = s
+        return s
+
+    async def start(self) -> None:
+        """Poll every live pool once (so a healthy gateway is ready at once), then start the watchers."""
+        await asyncio.gather(*(u.watcher.poll_once() for u in self.upstreams.all), return_exceptions=True)
+        for u in self.upstreams.all:
+            u.watcher.start()
+
+    async def stop(self) -> None:
+        """Stop watchers, close the stages and the HTTP client."""
+        for u in self.upstreams.all:
+            await u.watcher.stop()
+        for stage in (self.quotas, self.verifier):
+            close = getattr(stage, "aclose", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+        await self.client.aclose()
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        """``(ready, report)``: ready when not draining and every upstream's limit is known and fresh."""
+        ups = [u.watcher.status() for u in self.upstreams.all]
+        ok = not self.draining and bool(ups) and all(s["known"] for s in ups)
+        return ok, {"status": "ready" if ok else "not_ready", "draining": self.draining, "upstreams": ups}
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight (or ``timeout`` seconds); True when idle."""
+        if self.in_flight == 0:
+            return True
+        self._idle.clear()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return self.in_flight == 0
+
+
+class DrainMiddleware:
+    """Pure ASGI middleware: counts HTTP requests in flight (until their response is fully sent,
+    streams included) and, once the gateway drains, answers new API requests 503
+    ``server_shutting_down`` (health, readiness and metrics keep answering)."""
+
+    def __init__(self, app: Any, gw: Gateway | None = None) -> None:
+        self.app = app
+        self.gw = gw
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        gw = self.gw
+        if scope["type"] != "http" or gw is None:
+            await self.app(scope, receive, send)
+            return
+        if gw.draining and scope["path"] not in _ALWAYS:
+            body = openai_error_bytes("The gateway is shutting down; retry on another replica.", status=503,
+                                      code=ErrorCode.SERVER_SHUTTING_DOWN)
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                    (b"retry-after", b"1"), (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            gw.metrics.rejections.labels(ErrorCode.SERVER_SHUTTING_DOWN).inc()
+            return
+        gw.in_flight += 1
+        gw.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            gw.in_flight -= 1
+            gw.metrics.in_flight.dec()
+            if gw.in_flight == 0:
+                gw._idle.set()
+
+
+def create_app(settings: Settings, tenants: TenantRegistry, *, quotas: QuotaStage | None = None,
+               verifier: VerifierStage | None = None, secrets: dict[str, bytes] | None = None) -> FastAPI:
+    """Build the gateway app. ``secrets``: ``{"cache_salt_key": bytes, ...}`` (default:
+    ``config.secrets.load_secrets(settings.state_dir)``). The :class:`Gateway` is built at once
+    (``app.state.gateway``); its HTTP client and watchers start with the app's lifespan."""
+    gw = Gateway(settings, tenants, quotas, verifier, secrets)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gw
+    errors.install(app)
+
+    # Plain Starlette routes (no FastAPI dependency solving or response serialization per request).
+    async def chat_completions(request: Request) -> Response:
+        return await handle_completion(gw, request, "chat")
+
+    async def completions(request: Request) -> Response:
+        return await handle_completion(gw, request, "completions")
+
+    async def models(request: Request) -> Response:
+        return await handle_models(gw, request)
+
+    async def healthz(request: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    async def readyz(request: Request) -> Response:
+        ok, report = gw.ready()
+        return Response(orjson.dumps(report), status_code=200 if ok else 503, media_type="application/json")
+
+    async def metrics(request: Request) -> Response:
+        return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+
+    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.router.add_route("/v1/completions", completions, methods=["POST"])
+    app.router.add_route("/v1/models", models, methods=["GET"])
+    app.router.add_route("/healthz", healthz, methods=["GET"])
+    app.router.add_route("/readyz", readyz, methods=["GET"])
+    app.router.add_route("/metrics", metrics, methods=["GET"])
+
+    app.add_middleware(DrainMiddleware, gw=gw)
+    return app

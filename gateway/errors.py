@@ -1,0 +1,61 @@
+"""Exception handlers: every error the app answers is OpenAI-shaped JSON (DESIGN.md, "Error
+bodies"), unknown routes included (404 ``not_found``); an unexpected exception is a 500 whose
+body is OpenAI-shaped too and names no internals."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from config.errors import ErrorCode, OpenAIError, openai_error_bytes
+
+log = logging.getLogger("kvgate.errors")
+
+JSON = "application/json"
+
+
+def error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> Response:
+    """The HTTP response for ``err`` (its status, body and headers, plus ``headers``)."""
+    h = dict(err.headers or {})
+    if headers:
+        h.update(headers)
+    return Response(err.body_bytes(), status_code=err.status, media_type=JSON, headers=h)
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers on ``app``."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(request: Request, exc: OpenAIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            msg = f"Unknown request URL: {request.method} {request.url.path}. Please check the URL."
+            code = ErrorCode.NOT_FOUND
+        elif exc.status_code == 405:
+            msg = f"Method {request.method} is not allowed for {request.url.path}."
+            code = "method_not_allowed"
+        else:
+            msg, code = str(exc.detail), None
+        return Response(openai_error_bytes(msg, status=exc.status_code, code=code),
+                        status_code=exc.status_code, media_type=JSON, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        errs = exc.errors()
+        param = ".".join(str(p) for p in errs[0]["loc"][1:]) if errs else None
+        return Response(openai_error_bytes("Invalid request.", status=400, code=ErrorCode.INVALID_REQUEST,
+                                           param=param or None), status_code=400, media_type=JSON)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s %s: %s", request.method, request.url.path, type(exc).__name__,
+                  exc_info=exc)
+        return Response(openai_error_bytes("The server had an error while processing your request.",
+                                           status=500, code=ErrorCode.INTERNAL_ERROR),
+                        status_code=500, media_type=JSON)

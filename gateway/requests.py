@@ -1,0 +1,266 @@
+"""Steps 1 and 3: read and parse the body strictly, then validate it against the OpenAI request
+schemas of ``/v1/completions`` and ``/v1/chat/completions`` (DESIGN.md).
+
+Validation is by hand (a table of field checks), not by building pydantic models per request: it
+is on the hot path. Every failure is a 400 ``invalid_request_error`` whose ``param`` names the
+field; a body above the limit is a 413. Message and prompt *contents* are validated by the
+tokenizer while counting (it raises typed errors naming ``messages[i].content[j].type`` etc.).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import orjson
+
+from config.errors import ErrorCode, OpenAIError
+
+Check = Callable[[Any], str | None]  # returns a problem ("must be ...") or None
+
+
+def _bad(param: str, problem: str) -> OpenAIError:
+    return OpenAIError(400, f"Invalid value for '{param}': {problem}", code=ErrorCode.INVALID_REQUEST,
+                       param=param)
+
+
+def parse_json_body(body: bytes) -> dict[str, Any]:
+    """Decode a request body as one strict JSON object.
+
+    orjson rejects ``NaN``/``Infinity``, invalid UTF-8 and lone surrogates. Raises
+    :class:`OpenAIError` 400 (``param`` ``None``) for an empty body, malformed JSON or a
+    non-object top level.
+    """
+    if not body:
+        raise OpenAIError(400, "The request body is empty; expected a JSON object.",
+                          code=ErrorCode.INVALID_REQUEST)
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        msg = str(e)
+        if "utf-8" in msg.lower() or "surrogate" in msg.lower():
+            text = "The request body is not valid UTF-8 JSON."
+        else:
+            text = f"We could not parse the JSON body of your request ({msg})."
+        raise OpenAIError(400, text, code=ErrorCode.INVALID_REQUEST) from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "The request body must be a JSON object.", code=ErrorCode.INVALID_REQUEST)
+    return data
+
+
+def too_large(limit: int) -> OpenAIError:
+    """The 413 for a body above ``limit`` bytes."""
+    return OpenAIError(413, f"The request body is larger than {limit} bytes.", code=ErrorCode.REQUEST_TOO_LARGE)
+
+
+async def read_body(receive: Any, headers_content_length: str | None, limit: int) -> bytes:
+    """Read the ASGI request body, refusing more than ``limit`` bytes (413) before reading it all
+    when ``Content-Length`` says so, and while reading when it does not."""
+    if headers_content_length is not None:
+        try:
+            if int(headers_content_length) > limit:
+                raise too_large(limit)
+        except ValueError:
+            raise OpenAIError(400, "Invalid Content-Length header.", code=ErrorCode.INVALID_REQUEST) from None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+# ------------------------------------------------------------------ field checks
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float))) and not isinstance(v, bool)
+
+
+def int_in(lo: int | None = None, hi: int | None = None) -> Check:
+    def check(v: Any) -> str | None:
+        if not _is_int(v):
+            return "must be an integer"
+        if lo is not None and v < lo:
+            return f"must be >= {lo}"
+        if hi is not None and v > hi:
+            return f"must be <= {hi}"
+        return None
+    return check
+
+
+def num_in(lo: float | None = None, hi: float | None = None) -> Check:
+    def check(v: Any) -> str | None:
+        if not _is_num(v):
+            return "must be a number"
+        if lo is not None and v < lo:
+            return f"must be >= {lo}"
+        if hi is not None and v > hi:
+            return f"must be <= {hi}"
+        return None
+    return check
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "must be a boolean"
+
+
+def _str(v: Any) -> str | None:
+    return None if isinstance(v, str) else "must be a string"
+
+
+def _obj(v: Any) -> str | None:
+    return None if isinstance(v, dict) else "must be an object"
+
+
+def _list(v: Any) -> str | None:
+    return None if isinstance(v, list) else "must be an array"
+
+
+def _str_or_obj(v: Any) -> str | None:
+    return None if isinstance(v, (str, dict)) else "must be a string or an object"
+
+
+def _any(v: Any) -> str | None:
+    return None
+
+
+def _stop(v: Any) -> str | None:
+    if isinstance(v, str):
+        return None
+    if isinstance(v, list) and len(v) <= 16 and all(isinstance(s, str) for s in v):
+        return None
+    return "must be a string or an array of at most 16 strings"
+
+
+def _logit_bias(v: Any) -> str | None:
+    if not isinstance(v, dict):
+        return "must be an object mapping token ids to numbers"
+    for k, b in v.items():
+        if not k.lstrip("-").isdigit() or not _is_num(b):
+            return "must be an object mapping token ids to numbers"
+    return None
+
+
+def _stream_options(v: Any) -> str | None:
+    if not isinstance(v, dict):
+        return "must be an object"
+    for k, b in v.items():
+        if k in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
+            if not isinstance(b, bool):
+                return f"'{k}' must be a boolean"
+        else:
+            return f"unknown option '{k}'"
+    return None
+
+
+_COMMON: dict[str, Check] = {
+    "model": _str,
+    "max_tokens": int_in(0),
+    "n": int_in(1, 128),
+    "stream": _bool,
+    "stream_options": _stream_options,
+    "temperature": num_in(0, 2),
+    "top_p": num_in(0, 1),
+    "stop": _stop,
+    "seed": int_in(),
+    "presence_penalty": num_in(-2, 2),
+    "frequency_penalty": num_in(-2, 2),
+    "logit_bias": _logit_bias,
+    "user": _str,
+    "cache_salt": _str,  # dropped: the gateway sets the tenant's own
+    # engine sampling extensions (SGLang and vLLM accept these beside the OpenAI fields)
+    "top_k": int_in(-1),
+    "min_p": num_in(0, 1),
+    "repetition_penalty": num_in(0),
+    "min_tokens": int_in(0),
+    "ignore_eos": _bool,
+    "skip_special_tokens": _bool,
+    "spaces_between_special_tokens": _bool,
+    "stop_token_ids": _list,
+    "no_stop_trim": _bool,
+    "regex": _str,
+    "ebnf": _str,
+    "json_schema": _str,
+    "return_hidden_states": _bool,
+    "separate_reasoning": _bool,
+    "metadata": _obj,
+    "store": _bool,
+    "service_tier": _str,
+    "prompt_cache_key": _str,
+    "safety_identifier": _str,
+}
+
+CHAT_FIELDS: dict[str, Check] = {
+    **_COMMON,
+    "messages": _list,  # contents: validated by the tokenizer
+    "max_completion_tokens": int_in(0),
+    "logprobs": _bool,
+    "top_logprobs": int_in(0, 20),
+    "tools": _list,
+    "tool_choice": _str_or_obj,
+    "parallel_tool_calls": _bool,
+    "response_format": _obj,
+    "functions": _list,
+    "function_call": _str_or_obj,
+    "reasoning_effort": _str,
+    "modalities": _list,
+    "chat_template_kwargs": _obj,
+    "continue_final_message": _bool,
+    "add_generation_prompt": _bool,
+    "verbosity": _str,
+    "prediction": _obj,
+    "audio": _obj,
+    "web_search_options": _obj,
+}
+
+COMPLETION_FIELDS: dict[str, Check] = {
+    **_COMMON,
+    "prompt": _any,  # shape: validated by the tokenizer (string, strings, ids, id lists)
+    "echo": _bool,
+    "logprobs": int_in(0, 5),
+    "best_of": int_in(1, 128),
+    "suffix": _str,
+}
+
+REQUIRED = {"chat": ("messages",), "completions": ("prompt",)}
+
+
+def validate(body: dict[str, Any], route: str) -> None:
+    """Check every top-level field of an OpenAI request body for ``route`` (``chat`` or
+    ``completions``): required fields present, known fields of the right type and range (``null``
+    is accepted for optional fields), unknown fields refused. Raises :class:`OpenAIError` 400 with
+    ``param`` the field name."""
+    fields = CHAT_FIELDS if route == "chat" else COMPLETION_FIELDS
+    for name in REQUIRED[route]:
+        if body.get(name) is None:
+            raise OpenAIError(400, f"Missing required parameter: '{name}'.", code=ErrorCode.INVALID_REQUEST,
+                              param=name)
+    for key, value in body.items():
+        check = fields.get(key)
+        if check is None:
+            raise OpenAIError(400, f"Unrecognized request argument supplied: {key}",
+                              code=ErrorCode.INVALID_REQUEST, param=key)
+        if value is None:
+            continue
+        problem = check(value)
+        if problem is not None:
+            raise _bad(key, problem)
+    if body.get("best_of") is not None and body.get("n") is not None and body["best_of"] < body["n"]:
+        raise _bad("best_of", "must be >= 'n'")
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise OpenAIError(400, "'stream_options' is only allowed when 'stream' is true.",
+                          code=ErrorCode.INVALID_REQUEST, param="stream_options")

@@ -1,0 +1,63 @@
+"""Run the gateway app under uvicorn with a draining shutdown (DESIGN.md, Contracts: "SIGTERM
+drains in-flight requests before exit").
+
+On the first SIGTERM or SIGINT the gateway starts draining: requests in flight run to their end
+(streams included), new API requests get 503 ``server_shutting_down`` (``/readyz`` turns 503 so a
+load balancer stops sending), and once nothing is in flight, or after ``drain_timeout_seconds``,
+uvicorn stops. A second signal stops at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import uvicorn
+
+log = logging.getLogger("kvgate.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """``uvicorn.Server`` whose exit signal first drains the :class:`gateway.app.Gateway`."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Any, drain_timeout_seconds: float) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.drain_timeout_seconds = drain_timeout_seconds
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._draining or self._loop is None:
+            self.force_exit = self._draining
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self.gateway.draining = True
+        log.info("draining: %d request(s) in flight", self.gateway.in_flight)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        idle = await self.gateway.wait_idle(self.drain_timeout_seconds)
+        log.info("drained" if idle else "drain timed out; stopping with requests in flight")
+        self.should_exit = True
+
+
+def run_server(app: Any, host: str, port: int, *, drain_timeout_seconds: float = 30.0,
+               log_level: str = "info") -> int:
+    """Serve ``app`` (built by :func:`gateway.app.create_app`) on ``host:port`` until a signal
+    has drained it. Returns the exit status (0)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            log_config=None, timeout_graceful_shutdown=max(drain_timeout_seconds, 1.0),
+                            lifespan="on", server_header=False)
+    server = DrainingServer(config, app.state.gateway, drain_timeout_seconds)
+    server.run()
+    return 0

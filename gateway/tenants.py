@@ -1,0 +1,98 @@
+"""Tenants and their API keys (DESIGN.md, "Tenant entry").
+
+Keys are stored only as lowercase hex SHA-256 hashes. :class:`TenantRegistry` maps a presented
+key to its tenant; :meth:`TenantRegistry.reload` re-reads ``tenants.yaml`` and swaps the whole
+table in one assignment, so a request sees either the old table or the new one, never a mix.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from config.loader import load_tenants
+from config.models import TenantConfig, TenantsFile
+
+
+def hash_key(api_key: str) -> str:
+    """Lowercase hex SHA-256 of an API key (the form ``tenants.yaml`` stores)."""
+    return hashlib.sha256(api_key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Table:
+    by_hash: dict[str, TenantConfig]
+    by_id: dict[str, TenantConfig]
+    tenants: tuple[TenantConfig, ...]
+
+
+def _build(tenants: TenantsFile) -> _Table:
+    by_hash: dict[str, TenantConfig] = {}
+    by_id: dict[str, TenantConfig] = {}
+    for t in tenants.tenants:
+        by_id[t.id] = t
+        for h in t.api_key_sha256:
+            by_hash[h] = t
+    return _Table(by_hash, by_id, tuple(tenants.tenants))
+
+
+class TenantRegistry:
+    """The tenant table of one gateway process.
+
+    ``lookup(key)`` hashes the key and finds the tenant; the match is confirmed with
+    ``hmac.compare_digest`` on the full hash (a dict probe on a SHA-256 digest reveals nothing
+    usable about the key itself). ``path``: the ``tenants.yaml`` that :meth:`reload` reads.
+    """
+
+    def __init__(self, tenants: TenantsFile, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self._table = _build(tenants)
+        self.version = 1
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str] | None = None) -> "TenantRegistry":
+        """Load ``tenants.yaml`` (``config.loader.load_tenants`` rules). Raises ``ConfigError``."""
+        p = Path(path) if path is not None else None
+        tf = load_tenants(p)
+        if p is None:
+            from config.loader import DEFAULT_TENANTS
+
+            p = Path(os.environ.get("KVGATE_TENANTS") or DEFAULT_TENANTS)
+        return cls(tf, p)
+
+    def reload(self, tenants: TenantsFile | None = None) -> None:
+        """Swap in a new table: ``tenants`` when given, else re-read :attr:`path`.
+        Raises ``ConfigError`` (the old table stays) when the file is invalid."""
+        if tenants is None:
+            if self.path is None:
+                raise ValueError("this registry has no tenants file to reload")
+            tenants = load_tenants(self.path)
+        self._table = _build(tenants)  # one reference assignment: atomic for readers
+        self.version += 1
+
+    def lookup(self, api_key: str) -> TenantConfig | None:
+        """The tenant whose hash list holds ``sha256(api_key)``, else ``None``."""
+        digest = hash_key(api_key)
+        table = self._table
+        tenant = table.by_hash.get(digest)
+        if tenant is None:
+            return None
+        for h in tenant.api_key_sha256:
+            if hmac.compare_digest(h, digest):
+                return tenant
+        return None
+
+    def get(self, tenant_id: str) -> TenantConfig | None:
+        """The tenant with this id, else ``None``."""
+        return self._table.by_id.get(tenant_id)
+
+    @property
+    def tenants(self) -> tuple[TenantConfig, ...]:
+        """Every tenant, in file order."""
+        return self._table.tenants
+
+    def has_key_hash(self, digest: str) -> bool:
+        """Whether some tenant accepts the key with this SHA-256 hex digest."""
+        return digest in self._table.by_hash

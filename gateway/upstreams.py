@@ -1,0 +1,84 @@
+"""Upstreams (DESIGN.md, "Upstream entry"): several may serve one model; the gateway balances
+them (least requests in flight, ties broken round-robin) and, on a connect failure, retries on
+another before any byte is sent (see :mod:`gateway.proxy`).
+
+Only upstreams whose pool limit is known and fresh are eligible; the limit a request of a model
+is gated against is the smallest limit among them, so a retry on any of them still fits. An
+upstream the verifier has quarantined for prompts of this length is skipped.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from config.models import Settings, UpstreamConfig
+from gateway.pool_watcher import PoolWatcher
+
+
+@dataclass(eq=False)
+class Upstream:
+    """One engine deployment: its config, pool watcher, request URLs and in-flight count."""
+
+    config: UpstreamConfig
+    watcher: PoolWatcher
+    in_flight: int = 0
+    chat_url: str = ""
+    completions_url: str = ""
+    auth_header: str | None = None
+    seq: int = field(default=0)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def url_for(self, route: str) -> str:
+        """The upstream URL of ``route`` (``chat`` or ``completions``)."""
+        return self.chat_url if route == "chat" else self.completions_url
+
+
+def make_upstream(cfg: UpstreamConfig, watcher: PoolWatcher) -> Upstream:
+    """An :class:`Upstream` with its URLs (``api_url`` + ``/chat/completions``, ``/completions``)
+    and bearer header (from ``api_key``) precomputed."""
+    base = cfg.api_url.rstrip("/")
+    key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
+    return Upstream(cfg, watcher, chat_url=base + "/chat/completions", completions_url=base + "/completions",
+                    auth_header=f"Bearer {key}" if key else None)
+
+
+class UpstreamSet:
+    """Model id -> the upstreams serving it (``models`` in an upstream entry may name aliases)."""
+
+    def __init__(self, settings: Settings, upstreams: list[Upstream]) -> None:
+        self.all = upstreams
+        self.by_model: dict[str, list[Upstream]] = {}
+        for u in upstreams:
+            for name in u.config.models:
+                m = settings.model_by_name(name)
+                if m is None:
+                    continue
+                lst = self.by_model.setdefault(m.id, [])
+                if u not in lst:
+                    lst.append(u)
+        self._rr = itertools.count()
+
+    def eligible(self, model_id: str) -> tuple[list[Upstream], int | None]:
+        """``(upstreams with a known, fresh pool limit, the smallest such limit)``; the limit is
+        ``None`` when there are none (fail closed)."""
+        out: list[Upstream] = []
+        limit: int | None = None
+        for u in self.by_model.get(model_id, ()):
+            lim = u.watcher.limit_now()
+            if lim is None:
+                continue
+            out.append(u)
+            limit = lim if limit is None else min(limit, lim)
+        return out, limit
+
+    def order(self, candidates: list[Upstream]) -> list[Upstream]:
+        """Candidates in the order to try them: fewest in flight first, ties round-robin."""
+        if len(candidates) <= 1:
+            return list(candidates)
+        start = next(self._rr)
+        n = len(candidates)
+        rotated = [candidates[(start + i) % n] for i in range(n)]
+        return sorted(rotated, key=lambda u: u.in_flight)  # stable: rotation breaks ties
