@@ -1,0 +1,235 @@
+"""``kvgate demo``: the embedded stack on real input.
+
+Starts the stack (as ``kvgate up``), reads the tenant's effective limit from the gateway's
+``GET /v1/models`` (``max_model_len``) and the prefill pool from the backend's ``/server_info``,
+then sends real text (:mod:`gateway.demo_corpus`: public-domain prose, kvgate's own source, a
+generated log) as chat and as completion, streamed and not, at four sizes:
+
+==================  ===========================================  ==================================
+size                prompt tokens                                expected answer
+==================  ===========================================  ==================================
+short               a few dozen                                  200
+at limit            ``limit - max_tokens`` (exactly at the gate)  200
+limit + 1           one token over                               400 ``context_length_exceeded``
+> prefill pool      ``pool + 1`` (the runbook's incident prompt)  400 ``context_length_exceeded``
+==================  ===========================================  ==================================
+
+and prints a table: request, prompt tokens, effective limit, status, latency, result. Exit status:
+0 when every answer is the expected one, 1 otherwise (or when the stack fails). Without
+``--once`` the stack then keeps serving until Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+import orjson
+
+from config.loader import ConfigError
+from gateway.commands.up import add_stack_arguments, banner, effective_limit, stack_options, start_stack
+from gateway.demo_corpus import fit_chat, fit_prompt, generated_log, project_source, prose
+from gateway.stack import DEMO_KEYS, EmbeddedStack, StackError, serve_until_interrupted, terminate_as_interrupt
+from tokenizer import bundled_counter
+
+
+@dataclass
+class Case:
+    """One demo request: ``route`` is ``chat`` or ``completion``; ``body`` the JSON sent (without
+    ``model``/``stream``); ``prompt_tokens`` the count it was built to; ``expect`` the status
+    (and for 400 the error code) the gateway must answer."""
+
+    route: str
+    size: str
+    stream: bool
+    body: dict[str, Any]
+    prompt_tokens: int
+    expect_status: int
+    expect_code: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``chat stream  at limit`` style name of the request."""
+        return f"{self.route:<10} {'stream' if self.stream else '      '} {self.size}"
+
+
+@dataclass
+class Result:
+    """What came back: HTTP ``status``, ``latency_ms`` (request sent -> last byte), the error
+    ``code`` and ``message`` (non-200), ``text`` and ``finish_reason``/``usage`` (200)."""
+
+    case: Case
+    status: int
+    latency_ms: float
+    code: str | None = None
+    message: str | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the answer is the expected one (for 200: the engine counted the same prompt tokens)."""
+        if self.status != self.case.expect_status or self.code != self.case.expect_code:
+            return False
+        if self.status == 200 and self.usage and self.usage.get("prompt_tokens") != self.case.prompt_tokens:
+            return False
+        return True
+
+
+def build_cases(limit: int, pool_tokens: int, max_tokens: int) -> list[Case]:
+    """The 16 requests of the demo (see the module docstring), their prompts built to exact
+    token counts with the bundled tokenizer. Raises ``ValueError`` when ``limit <= max_tokens + 32``."""
+    if limit <= max_tokens + 32:
+        raise ValueError(f"the effective limit ({limit}) leaves no room for a prompt beside max_tokens={max_tokens}")
+    counter = bundled_counter()
+    text = prose()
+    moby = text[text.index("Call me Ishmael"):]
+    poems = text[text.index("Litwo!"):]
+    code = project_source()
+    log = generated_log(max(400, pool_tokens // 20))
+    at_limit = limit - max_tokens
+    sizes: list[tuple[str, int, int, str | None]] = [
+        ("short", 0, 200, None),
+        ("at limit", at_limit, 200, None),
+        ("limit + 1", at_limit + 1, 400, "context_length_exceeded"),
+        ("> prefill pool", pool_tokens + 1, 400, "context_length_exceeded"),
+    ]
+    cases: list[Case] = []
+    for stream in (False, True):
+        for size, target, status, code_expected in sizes:
+            # chat: prose and kvgate's source; completion: kvgate's source and a generated log
+            if size == "short":
+                messages = [{"role": "system", "content": "You are a concise assistant."},
+                            {"role": "user", "content": "Summarise in one sentence:\n\n"
+                             + (poems if stream else moby.split("\n\n")[0])}]
+                prompt = ("Continue this passage:\n\n" + (poems if stream else moby.split("\n\n")[1]))
+                chat_tokens, prompt_tokens = counter.count_chat(messages), counter.count_text(prompt)
+            else:
+                source_chat = (moby + "\n\n" + code) if size != "> prefill pool" else code[len(code) // 3:]
+                messages = fit_chat(source_chat, target, counter, system="You review Python code.",
+                                    instruction="Explain what this text and code do:\n\n")
+                source_completion = (code if size != "> prefill pool" else log)
+                prompt = fit_prompt(source_completion, target, counter)
+                chat_tokens = prompt_tokens = target
+            cases.append(Case("chat", size, stream, {"messages": messages, "max_tokens": max_tokens,
+                                                     "temperature": 0}, chat_tokens, status, code_expected))
+            cases.append(Case("completion", size, stream, {"prompt": prompt, "max_tokens": max_tokens,
+                                                           "temperature": 0}, prompt_tokens, status, code_expected))
+    cases.sort(key=lambda c: (c.route != "chat", c.stream))
+    return cases
+
+
+def send(client: httpx.Client, base_url: str, key: str, model: str, case: Case) -> Result:
+    """Send one case through the gateway; streams are read to the end (``data: [DONE]``)."""
+    path = "/v1/chat/completions" if case.route == "chat" else "/v1/completions"
+    body = {"model": model, **case.body, "stream": case.stream}
+    if case.stream:
+        body["stream_options"] = {"include_usage": True}
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    t0 = time.perf_counter()
+    with client.stream("POST", base_url + path, content=orjson.dumps(body), headers=headers) as r:
+        raw = r.read()
+    latency_ms = (time.perf_counter() - t0) * 1000
+    res = Result(case, r.status_code, latency_ms)
+    if r.status_code != 200:
+        try:
+            err = orjson.loads(raw).get("error", {})
+        except (orjson.JSONDecodeError, AttributeError):
+            err = {}
+        res.code, res.message = err.get("code"), err.get("message") or raw[:200].decode("utf-8", "replace")
+        return res
+    chunks = [orjson.loads(raw)] if not case.stream else [
+        orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    for chunk in chunks:
+        if chunk.get("usage"):
+            res.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            piece = (choice.get("message") or choice.get("delta") or {}).get("content") if case.route == "chat" \
+                else choice.get("text")
+            res.text += piece or ""
+            res.finish_reason = choice.get("finish_reason") or res.finish_reason
+    return res
+
+
+def table(results: list[Result], limit: int) -> str:
+    """The demo's table (fixed-width text)."""
+    head = f"{'request':<34} {'prompt tokens':>13} {'limit':>6} {'status':>6} {'latency ms':>10}  result"
+    lines = [head, "-" * (len(head) + 40)]
+    for r in results:
+        if r.status == 200:
+            used = r.usage.get("completion_tokens", "?")
+            result = f"{r.finish_reason}, {used} completion tokens: {r.text[:28]!r}"
+        else:
+            result = f"{r.code}" if r.code else (r.message or "")[:60]
+        mark = "" if r.ok else "   <-- expected " + (
+            f"{r.case.expect_status} {r.case.expect_code or ''}".strip() if r.status != r.case.expect_status
+            or r.code != r.case.expect_code else f"usage.prompt_tokens {r.case.prompt_tokens}")
+        lines.append(f"{r.case.label:<34} {r.case.prompt_tokens:>13} {limit:>6} {r.status:>6} "
+                     f"{r.latency_ms:>10.1f}  {result}{mark}")
+    return "\n".join(lines)
+
+
+def run_demo(stack: EmbeddedStack, *, key: str = DEMO_KEYS["demo-a"], max_tokens: int = 16,
+             out: Callable[[str], None] = print) -> list[Result]:
+    """Send the demo's requests through a running stack and print the table with ``out``.
+    Returns the results (tests check them). Raises ``httpx.HTTPError`` when the gateway is
+    unreachable and ``StackError`` when it reports no limit."""
+    limit = effective_limit(stack, key)
+    if limit is None:
+        raise StackError(f"the gateway's /v1/models does not list {stack.model} with a max_model_len")
+    pool = int(stack.server_info["max_total_num_tokens"])
+    out(f"effective limit for this tenant: {limit} tokens (gateway /v1/models max_model_len); "
+        f"prefill pool: {pool} tokens (backend /server_info max_total_num_tokens); max_tokens={max_tokens}\n")
+    results = []
+    with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0), trust_env=False) as client:
+        for case in build_cases(limit, pool, max_tokens):
+            results.append(send(client, stack.gateway_url, key, stack.model, case))
+    out(table(results, limit))
+    over = next((r for r in results if r.case.size == "limit + 1" and r.message), None)
+    if over is not None:
+        out(f"\nthe gateway's answer to one token over the limit ({over.case.label.split()[0]}):\n  "
+            f"{over.status} {over.code}: {over.message}")
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvgate demo``: those of ``kvgate up`` plus ``--once`` and ``--max-tokens``."""
+    add_stack_arguments(parser)
+    parser.add_argument("--once", action="store_true", help="stop the stack after the table instead of serving on")
+    parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request (default 16)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; returns 0 when every request got its expected answer."""
+    with terminate_as_interrupt():
+        stack: EmbeddedStack | None = None
+        try:
+            stack = start_stack(stack_options(args), "kvgate demo")
+            results = run_demo(stack, max_tokens=args.max_tokens)
+            bad = [r for r in results if not r.ok]
+            if bad:
+                print(f"\nkvgate demo: FAILED: {len(bad)} of {len(results)} requests did not get the expected "
+                      "answer (marked above).", flush=True)
+            else:
+                print(f"\nkvgate demo: OK: all {len(results)} requests got the expected answer: prompts up to the "
+                      "limit were served, and one token over it or larger than the prefill pool got an explicit "
+                      "400 context_length_exceeded at the edge.", flush=True)
+            if args.once:
+                return 1 if bad else 0
+            print(banner(stack, effective_limit(stack, DEMO_KEYS["demo-a"])), flush=True)
+            status = serve_until_interrupted(stack)
+            return status or (1 if bad else 0)
+        except KeyboardInterrupt:
+            print("kvgate demo: interrupted", file=sys.stderr)
+            return 130
+        except (StackError, ConfigError, httpx.HTTPError, ValueError) as e:
+            print(f"kvgate demo: {e}", file=sys.stderr)
+            return 1
+        finally:
+            if stack is not None:
+                stack.stop()
+                print("kvgate demo: stack stopped.", file=sys.stderr, flush=True)

@@ -1,0 +1,379 @@
+"""The embedded stack: the bundled backend and the gateway as two child processes on loopback.
+
+Used by ``kvgate up``, ``kvgate demo`` and the tests. :class:`EmbeddedStack` starts
+
+1. the bundled engine, ``python -m gpu_backend --role all`` (DESIGN.md backend flags), on the
+   configured backend port (30000) or a free one, and waits until its ``/health`` answers 200 and
+   its ``/server_info`` carries ``max_total_num_tokens``;
+2. the gateway, ``python -m gateway.cli serve --demo`` with a generated ``kvgate.yaml`` whose one
+   upstream is that backend (``pool_source: kvgate``), ``redis_url: null`` (quotas in process),
+   and the tenants file (by default ``config/tenants.yaml``: tenants ``demo-a`` and ``demo-b``
+   with the documented demo keys ``sk-demo-a`` / ``sk-demo-b``); it waits for ``/readyz`` 200
+   (the live pool limit is known).
+
+Torch loads only in the backend's process, as in production. Each child runs in a session of
+its own (a terminal's Ctrl-C reaches the supervisor only, which then stops the gateway first,
+letting it drain, and the backend second) and is told by the kernel to exit if the supervisor
+dies (``PR_SET_PDEATHSIG``). :meth:`EmbeddedStack.stop` signals each child's whole process group,
+so engine worker processes go too. Children's output goes to ``backend.log`` and
+``gateway.log`` in the stack's run directory; start-up errors quote their last lines.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+import yaml
+
+from config.loader import DEFAULT_TENANTS, env_overrides, load_settings
+from config.models import ModelConfig, Settings, UpstreamConfig
+
+#: The documented demo keys of ``config/tenants.yaml`` (``kvgate serve`` accepts them only with ``--demo``).
+DEMO_KEYS: dict[str, str] = {"demo-a": "sk-demo-a", "demo-b": "sk-demo-b"}
+LOOPBACK = "127.0.0.1"
+
+
+class StackError(RuntimeError):
+    """The embedded stack could not start (a child exited, a port is taken, a health check timed
+    out). ``str()`` says which part and quotes the end of its log."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    """Whether ``host:port`` can be bound now (``SO_REUSEADDR``, as uvicorn binds)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    tail = text.rstrip("\n").splitlines()[-lines:]
+    return "\n".join("    " + line for line in tail) or "    (empty log)"
+
+
+@dataclass
+class Child:
+    """A child process of the stack: ``name``, the ``Popen``, its log file and base URL."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    url: str
+
+    def alive(self) -> bool:
+        """Whether the process is still running."""
+        return self.proc.poll() is None
+
+    def stop(self, timeout_seconds: float) -> int | None:
+        """SIGTERM the child's process group, wait up to ``timeout_seconds``, then SIGKILL it.
+        Returns the exit status (negative: killed by that signal)."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_seconds)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers in the group (engine workers)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        return self.proc.returncode
+
+
+@dataclass
+class StackOptions:
+    """How to run the embedded stack.
+
+    ``config``/``tenants``: the settings and tenants files (``None``: the shipped
+    ``config/kvgate.yaml`` and ``config/tenants.yaml``, or ``$KVGATE_CONFIG``/``$KVGATE_TENANTS``).
+    ``gateway_port``/``backend_port``: ``None`` = the configured port (gateway 8080; backend 30000,
+    or a free one if 30000 is taken), ``0`` = a free port. ``backend_args``: extra flags for
+    ``python -m gpu_backend``. ``backend_cmd``: replaces the whole backend command (an engine
+    of one's own that serves the same routes); ``{host}`` and ``{port}`` in it are filled in.
+    ``run_dir``: where the generated config and logs go (``None``: a new temporary directory,
+    removed by :meth:`EmbeddedStack.stop`). ``startup_timeout_seconds`` bounds each wait.
+    ``echo_logs``: children write to this process's stdout/stderr instead of log files.
+    """
+
+    config: Path | None = None
+    tenants: Path | None = None
+    host: str = LOOPBACK
+    gateway_port: int | None = None
+    backend_port: int | None = None
+    backend_args: Sequence[str] = ()
+    backend_cmd: Sequence[str] | None = None
+    run_dir: Path | None = None
+    startup_timeout_seconds: float = 180.0
+    drain_timeout_seconds: float = 10.0
+    echo_logs: bool = False
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class EmbeddedStack:
+    """The bundled backend and the gateway, started and stopped together.
+
+    Use as a context manager (``with EmbeddedStack(opts) as stack: ...``) or call :meth:`start`
+    and :meth:`stop`. After start: :attr:`gateway_url` (``http://host:port``, OpenAI base is
+    ``gateway_url + "/v1"``), :attr:`backend_url`, :attr:`server_info` (the backend's
+    ``/server_info`` dict), :attr:`settings` (the gateway's effective settings), :attr:`model`
+    (the served model id) and :attr:`keys` (tenant id -> demo key). Raises :class:`StackError`.
+    """
+
+    def __init__(self, options: StackOptions | None = None) -> None:
+        self.options = options or StackOptions()
+        self.backend: Child | None = None
+        self.gateway: Child | None = None
+        self.server_info: dict[str, Any] = {}
+        self.settings: Settings | None = None
+        self.keys: dict[str, str] = dict(DEMO_KEYS)
+        self._own_run_dir = self.options.run_dir is None
+        self.run_dir = Path(self.options.run_dir or tempfile.mkdtemp(prefix="kvgate-stack-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.tenants_path = Path(self.options.tenants or os.environ.get("KVGATE_TENANTS") or DEFAULT_TENANTS)
+        self.config_path = self.run_dir / "kvgate.yaml"
+
+    # ------------------------------------------------------------ properties
+    @property
+    def gateway_url(self) -> str:
+        """``http://host:port`` of the gateway."""
+        assert self.gateway is not None, "stack not started"
+        return self.gateway.url
+
+    @property
+    def backend_url(self) -> str:
+        """``http://host:port`` of the bundled backend's router."""
+        assert self.backend is not None, "stack not started"
+        return self.backend.url
+
+    @property
+    def model(self) -> str:
+        """The model id the gateway serves (the backend's served model name)."""
+        assert self.settings is not None, "stack not started"
+        return self.settings.backend.served_model_name
+
+    # ------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "EmbeddedStack":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> "EmbeddedStack":
+        """Start the backend, wait for it, start the gateway, wait for ``/readyz``. On any
+        failure both children are stopped and :class:`StackError` is raised."""
+        try:
+            base = load_settings(self.options.config)
+            host = self.options.host
+            backend_port = self._pick_backend_port(base)
+            gateway_port = self._pick_gateway_port(base)
+            self.backend = self._spawn("backend", self._backend_cmd(base, host, backend_port),
+                                       f"http://{host}:{backend_port}")
+            self.server_info = self._wait_backend()
+            self.settings = self._gateway_settings(base, host, backend_port, gateway_port)
+            self.config_path.write_text(yaml.safe_dump(self.settings.model_dump(mode="json"), sort_keys=False))
+            self.gateway = self._spawn("gateway", self._gateway_cmd(host, gateway_port),
+                                       f"http://{host}:{gateway_port}")
+            self._wait_gateway()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop the gateway (SIGTERM: it drains) and then the backend; idempotent. Removes the
+        run directory when the stack made it."""
+        if self.gateway is not None:
+            self.gateway.stop(self.options.drain_timeout_seconds)
+        if self.backend is not None:
+            self.backend.stop(10.0)
+        if self._own_run_dir and not self.options.echo_logs:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def reload_tenants(self) -> None:
+        """Ask the gateway to re-read its tenants file (SIGHUP, as ``kvgate serve`` handles it)."""
+        assert self.gateway is not None and self.gateway.alive(), "gateway not running"
+        os.kill(self.gateway.proc.pid, signal.SIGHUP)
+
+    def check_alive(self) -> None:
+        """Raise :class:`StackError` when a child has exited (with the end of its log)."""
+        for child in (self.backend, self.gateway):
+            if child is not None and not child.alive():
+                raise self._died(child)
+
+    # ------------------------------------------------------------ pieces
+    def _pick_backend_port(self, base: Settings) -> int:
+        p = self.options.backend_port
+        if p is None:
+            p = base.backend.port if port_is_free(base.backend.port, self.options.host) else 0
+        return p or free_port(self.options.host)
+
+    def _pick_gateway_port(self, base: Settings) -> int:
+        p = self.options.gateway_port
+        if p is None:
+            p = base.gateway.port
+            if not port_is_free(p, self.options.host):
+                raise StackError(f"gateway port {p} on {self.options.host} is in use "
+                                 "(pick another with --port, or --port 0 for a free one)")
+        return p or free_port(self.options.host)
+
+    def _backend_cmd(self, base: Settings, host: str, port: int) -> list[str]:
+        if self.options.backend_cmd:
+            return [a.format(host=host, port=port) for a in self.options.backend_cmd]
+        b = base.backend
+        cmd = [sys.executable, "-m", "gpu_backend", "--role", "all", "--host", host, "--port", str(port),
+               "--model", b.model, "--served-model-name", b.served_model_name, "--device", b.device,
+               "--context-length", str(b.context_length), "--page-size", str(b.page_size)]
+        if b.max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(b.max_total_tokens)]
+        if b.mem_budget_bytes is not None:
+            cmd += ["--mem-budget-bytes", str(b.mem_budget_bytes)]
+        return cmd + list(self.options.backend_args)
+
+    def _gateway_cmd(self, host: str, port: int) -> list[str]:
+        return [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config_path),
+                "--tenants", str(self.tenants_path), "--host", host, "--port", str(port), "--demo"]
+
+    def _gateway_settings(self, base: Settings, host: str, backend_port: int, gateway_port: int) -> Settings:
+        """The gateway's settings: ``base`` with one upstream (this backend), the bind address,
+        ``redis_url`` null (in-process quotas) and ``state_dir`` kept."""
+        data = base.model_dump(mode="json", exclude={"upstreams", "models"})
+        served = base.backend.served_model_name
+        models = [m.model_dump(mode="json") for m in base.models]
+        if base.model_by_name(served) is None:
+            models.append(ModelConfig(id=served, context_length=base.backend.context_length).model_dump(mode="json"))
+        backend = f"http://{host}:{backend_port}"
+        upstream = UpstreamConfig(name="embedded", api_url=f"{backend}/v1", pool_source="kvgate",
+                                  pool_urls=[f"{backend}/server_info"], models=[served])
+        data.update(models=models, upstreams=[upstream.model_dump(mode="json")], redis_url=None)
+        data["gateway"].update(host=host, port=gateway_port)
+        data["state_dir"] = str(Path(base.state_dir).resolve())
+        return Settings.model_validate(data)
+
+    def _spawn(self, name: str, cmd: list[str], url: str) -> Child:
+        log_path = self.run_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.options.extra_env}
+        if name == "gateway":  # KVGATE_<SECTION>__<KEY> overrides are already in the generated file
+            for var in list(env):
+                if env_overrides(Settings, {var: env[var]}):
+                    del env[var]
+        root = str(Path(__file__).resolve().parent.parent)  # the checkout, for `-m gateway.cli`
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if self.options.echo_logs:
+            out: Any = None
+        else:
+            out = open(log_path, "wb")  # noqa: SIM115 - handed to the child, closed below
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        except OSError as e:
+            raise StackError(f"{name}: cannot start {cmd[0]}: {e.strerror or e}") from e
+        finally:
+            if out is not None:
+                out.close()
+        return Child(name, proc, log_path, url)
+
+    def _died(self, child: Child) -> StackError:
+        where = "" if self.options.echo_logs else f" (log: {child.log_path})\n{_log_tail(child.log_path)}"
+        return StackError(f"{child.name} exited with status {child.proc.returncode} during start-up{where}")
+
+    def _poll(self, child: Child, path: str, accept: Any, what: str) -> Any:
+        deadline = time.monotonic() + self.options.startup_timeout_seconds
+        last = "no answer yet"
+        with httpx.Client(timeout=5.0, trust_env=False) as client:
+            while True:
+                if not child.alive():
+                    raise self._died(child)
+                try:
+                    r = client.get(child.url + path)
+                    ok = accept(r)
+                    if ok is not None:
+                        return ok
+                    last = f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as e:
+                    last = f"{type(e).__name__}"
+                if time.monotonic() > deadline:
+                    where = "" if self.options.echo_logs else f"\n{_log_tail(child.log_path)}"
+                    raise StackError(f"{child.name}: {what} not ready after {self.options.startup_timeout_seconds:.0f} s "
+                                     f"({child.url}{path}: {last}){where}")
+                time.sleep(0.1)
+
+    def _wait_backend(self) -> dict[str, Any]:
+        assert self.backend is not None
+        self._poll(self.backend, "/health", lambda r: True if r.status_code == 200 else None, "/health")
+
+        def info(r: httpx.Response) -> dict[str, Any] | None:
+            if r.status_code != 200:
+                return None
+            body = r.json()
+            return body if isinstance(body, dict) and isinstance(body.get("max_total_num_tokens"), int) else None
+
+        return self._poll(self.backend, "/server_info", info, "/server_info (max_total_num_tokens)")
+
+    def _wait_gateway(self) -> None:
+        assert self.gateway is not None
+        self._poll(self.gateway, "/readyz", lambda r: True if r.status_code == 200 else None, "/readyz")
+
+
+# ---------------------------------------------------------------- supervising from a CLI command
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Any:
+    """While active, SIGTERM raises ``KeyboardInterrupt`` in the main thread (as Ctrl-C does), so
+    a supervisor stopped by either signal runs its ``finally`` blocks and stops its children."""
+    def _raise(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def serve_until_interrupted(stack: EmbeddedStack, *, poll_seconds: float = 0.5) -> int:
+    """Block while the stack serves. Returns 0 on Ctrl-C/SIGTERM (inside
+    :func:`terminate_as_interrupt`), 1 when a child exits on its own (its log tail is printed to
+    stderr). SIGHUP meanwhile makes the gateway re-read its tenants file."""
+    old_hup = signal.signal(signal.SIGHUP, lambda _s, _f: stack.reload_tenants())
+    try:
+        while True:
+            time.sleep(poll_seconds)
+            stack.check_alive()
+    except KeyboardInterrupt:
+        return 0
+    except StackError as e:
+        print(f"kvgate: {e}".replace("during start-up", "while serving"), file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGHUP, old_hup)
