@@ -95,6 +95,11 @@ class QuotaStore(Protocol):
         Raises :class:`QuotaStoreUnavailable`."""
         ...
 
+    async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
+        """Undo these reservations if they were made (a reserve that timed out may have run);
+        returns how many were undone. Raises :class:`QuotaStoreUnavailable`."""
+        ...
+
     async def aclose(self) -> None:
         """Release connections."""
         ...
@@ -115,7 +120,8 @@ def load_script(name: str) -> str:
 
 class RedisQuotaStore:
     """Quota state in Redis, shared by all replicas; two Lua scripts (``reserve.lua``,
-    ``settle.lua``) and ``renew.lua`` for lease heartbeats.
+    ``settle.lua``), ``renew.lua`` for lease heartbeats and ``cancel.lua`` to undo reservations
+    whose call timed out.
 
     Keys (``prefix`` default ``kvgate:q``), all with the ``{tenant}`` hash tag (Redis Cluster
     safe): ``kvgate:q:{t}:rpm``, ``:tpm``, ``:tpm:debits``, ``:tpm:sum``, ``:leases``. Every key
@@ -133,6 +139,7 @@ class RedisQuotaStore:
         self._reserve = client.register_script(load_script("reserve"))
         self._settle = client.register_script(load_script("settle"))
         self._renew = client.register_script(load_script("renew"))
+        self._cancel = client.register_script(load_script("cancel"))
 
     def keys(self, tenant_id: str) -> list[str]:
         """The five keys of a tenant: rpm log, tpm log, tpm debits, tpm sum, leases."""
@@ -166,6 +173,11 @@ class RedisQuotaStore:
             return 0
         n = await self._call(self._renew, [self.keys(tenant_id)[4]], [int(lease_ttl_ms), *lease_ids])
         return int(n)
+
+    async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
+        if not lease_ids:
+            return 0
+        return int(await self._call(self._cancel, self.keys(tenant_id), list(lease_ids)))
 
     async def aclose(self) -> None:
         try:
@@ -288,6 +300,9 @@ class LocalQuotaStore:
                 log.leases[lid] = now + lease_ttl_ms
                 n += 1
         return n
+
+    async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
+        return 0  # in-process calls never time out half-way
 
     async def aclose(self) -> None:
         return None

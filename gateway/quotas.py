@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -50,6 +50,8 @@ log = logging.getLogger("kvgate.quotas")
 PROBE_INTERVAL_SECONDS = 0.5
 #: No Redis decision waits longer than this (seconds), whatever the socket timeouts.
 MAX_DECISION_SECONDS = 0.9
+#: At most this many failed reservations are remembered for undoing after an outage.
+UNCERTAIN_MAX = 10_000
 
 
 @dataclass
@@ -127,6 +129,9 @@ class TenantQuotas:
         self._retry_store_at = 0.0  # monotonic; before it, the store is taken as unavailable
         self._store_down = False
         self._live: dict[str, _Held] = {}
+        # reservations whose call failed but may have run (tenant id, lease id): undone when
+        # the store answers again
+        self._uncertain: deque[tuple[str, str]] = deque(maxlen=UNCERTAIN_MAX)
         self._renewer: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ store health
@@ -142,11 +147,32 @@ class TenantQuotas:
             log.warning("quota store %s unavailable (%s): %s until it answers again",
                         self.store.name, err, action)
 
-    def _mark_up(self) -> None:
+    async def _mark_up(self) -> None:
         if self._store_down:
             self._store_down = False
             log.warning("quota store %s answers again: limits are shared across replicas again",
                         self.store.name)
+        if self._uncertain:
+            await self._cancel_uncertain()
+
+    async def _cancel_uncertain(self) -> None:
+        """Undo the reservations whose call failed during the outage (Redis may have run them
+        late); they were refused or handled locally, so they must not count in Redis."""
+        groups: dict[str, list[str]] = defaultdict(list)
+        while self._uncertain:
+            tenant_id, lease_id = self._uncertain.popleft()
+            groups[tenant_id].append(lease_id)
+        undone = 0
+        for tenant_id, ids in groups.items():
+            try:
+                undone += await self._bounded(self.store.cancel(tenant_id, ids))
+            except QuotaStoreUnavailable as e:
+                self._uncertain.extend((tenant_id, i) for i in ids)
+                self._mark_down(e)
+                return
+        if undone:
+            log.warning("quota store %s: undid %d reservation(s) it ran after their call had "
+                        "timed out", self.store.name, undone)
 
     async def _bounded(self, coro: Any) -> Any:
         try:
@@ -177,9 +203,12 @@ class TenantQuotas:
             try:
                 decision = await self._bounded(store.reserve(
                     tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms))
-                self._mark_up()
             except QuotaStoreUnavailable as e:
+                self._uncertain.append((tenant.id, lease_id))
                 self._mark_down(e)
+            else:
+                if self._store_down or self._uncertain:
+                    await self._mark_up()
         if decision is None:
             if self.fallback is None:
                 raise OpenAIError(

@@ -116,6 +116,17 @@ async def test_lease_expires_after_its_ttl_without_settle(store) -> None:
     assert (await store.reserve("t", lim, "c", 1, WINDOW_MS, 300)).refused == ("concurrency",)
 
 
+async def test_cancel_undoes_a_reservation_and_skips_unknown_ones(redis_store) -> None:
+    store = redis_store
+    lim = QuotaLimits(rpm=2, tpm=100, max_concurrent=1)
+    assert (await store.reserve("t", lim, "a", 60, WINDOW_MS, TTL_MS)).admitted
+    assert (await store.reserve("t", lim, "b", 60, WINDOW_MS, TTL_MS)).refused == ("tpm", "concurrency")
+    assert await store.cancel("t", ["a", "never-reserved"]) == 1
+    d = await store.reserve("t", lim, "b", 100, WINDOW_MS, TTL_MS)
+    assert (d.admitted, d.remaining_requests, d.remaining_tokens) == (True, 1, 0)
+    assert int(await store.client.get(store.keys("t")[3])) == 100
+
+
 async def test_retry_after_is_when_the_window_admits_the_request(redis_store) -> None:
     store, client = redis_store, redis_store.client
 
