@@ -1,4 +1,16 @@
 """kvgate's verifier: deploy gate, canary probes, leak index, usage-drift and latency detectors.
 
-Depends on ``tokenizer`` and ``config`` only (DESIGN.md).
+Depends on ``tokenizer`` and ``config`` only (DESIGN.md). The gateway builds its stage with
+:func:`from_settings`; everything heavier is imported only then.
 """
+from __future__ import annotations
+
+
+def from_settings(settings, secrets: dict[str, bytes] | None = None, **kwargs):
+    """The gateway's verifier stage (:class:`verifier.service.VerifierService`) for ``settings``
+    (``verifier`` section, ``redis_url``, ``state_dir``); ``secrets`` as returned by
+    ``config.secrets.load_secrets`` (loaded from ``state_dir`` when ``None``). Extra keyword
+    arguments go to the service (``redis_client``, ``key_prefix``, ``rng``, ``incident_path``)."""
+    from verifier.service import VerifierService
+
+    return VerifierService(settings, secrets=secrets, **kwargs)

@@ -1,0 +1,293 @@
+"""Unit tests of the verifier's detectors, with exact values."""
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+import redis
+
+from conftest import SEEDS
+from verifier.canary import CANARY_RE, CanaryRegistry, CanaryScanner, find_canaries, new_canary, surfaced
+from verifier.drift import check_finish, check_usage
+from verifier.incidents import INCIDENTS, Incident, IncidentSink, read_incidents
+from verifier.latency import LatencyModel, bucket_of
+from verifier.leak_index import LeakIndex, MemoryLeakStore, RedisLeakStore
+from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
+from verifier.shingles import (IncrementalShingler, ShingleHasher, encode, fingerprints, guaranteed_run_tokens,
+                               is_cut_point, longest_common_run, winnow)
+
+KEY = b"unit-test-leak-index-key"
+SEED_ZH = (SEEDS / "000_cd7ee3cfd92e9ff1.txt").read_text()
+SEED_PL = (SEEDS / "001_85707760a0179a93.txt").read_text()
+
+
+# ------------------------------------------------------------------ shingles and winnowing
+def test_winnow_exact_selection():
+    # windows of 3: [5,1,4]->1 [1,4,2]->1 [4,2,8]->2 [2,8,6]->2
+    assert winnow([5, 1, 4, 2, 8, 6], 3) == {1, 2}
+    # ties: rightmost minimum; a sequence shorter than w keeps its minimum
+    assert winnow([3, 3, 3], 2) == {3}
+    assert winnow([9, 7], 35) == {7}
+    assert winnow([], 35) == set()
+    assert guaranteed_run_tokens(16, 35) == 50
+
+
+def test_hasher_counts_and_key():
+    ids = list(range(100, 140))
+    h = ShingleHasher(KEY, 16)
+    hs = h.hashes(ids)
+    assert len(hs) == 40 - 16 + 1 == 25
+    assert hs[0] == h.hash_ids(ids[:16]) and hs[-1] == h.hash_ids(ids[-16:])
+    assert all(0 <= x < 2 ** 64 for x in hs)
+    assert ShingleHasher(b"another key", 16).hashes(ids) != hs
+    assert h.hashes(ids[:15]) == []
+    with pytest.raises(ValueError):
+        ShingleHasher(b"", 16)
+
+
+def test_any_shared_run_of_50_tokens_is_found():
+    """The winnowing guarantee, k=16, w=35: a run of exactly 50 shared tokens, placed at random
+    offsets between unrelated random contexts, always shares a stored fingerprint (2,000 trials);
+    runs of 15 tokens (shorter than a shingle) never do."""
+    h = ShingleHasher(KEY, 16)
+    rng = random.Random(7)
+    missed_49 = 0
+    for trial in range(2000):
+        run = [rng.randrange(100_000) for _ in range(50)]
+        a = [rng.randrange(100_000) for _ in range(rng.randrange(0, 300))]
+        a = a + run + [rng.randrange(100_000) for _ in range(rng.randrange(0, 300))]
+        b = [rng.randrange(100_000) for _ in range(rng.randrange(0, 200))]
+        b = b + run + [rng.randrange(100_000) for _ in range(rng.randrange(0, 200))]
+        stored = fingerprints(h, a, 35)
+        assert stored & set(h.hashes(b)), f"trial {trial}: a 50-token run was missed"
+        # the bound is tight: the same placement with only 49 shared tokens is sometimes missed
+        run49 = run[:49]
+        a49 = a[:a.index(run[0])] + run49 + [rng.randrange(100_000) for _ in range(100)]
+        b49 = [rng.randrange(100_000) for _ in range(100)] + run49 + [rng.randrange(100_000) for _ in range(100)]
+        if not (fingerprints(h, a49, 35) & set(h.hashes(b49))):
+            missed_49 += 1
+        short = run[:15]
+        assert not (stored & set(h.hashes(short)))
+    assert missed_49 > 0
+
+
+def test_incremental_shingler_matches_whole_text():
+    h = ShingleHasher(KEY, 16)
+    for text, step in ((SEED_PL, 7), (SEED_ZH, 3), (SEED_PL[:3000], 1)):
+        whole = h.hashes(encode(text))
+        inc = IncrementalShingler(h, max_pending_chars=256)
+        got = []
+        for i in range(0, len(text), step):
+            got += inc.push(text[i:i + step])
+        got += inc.flush()
+        assert got == whole
+        assert inc.tokens_seen == len(encode(text))
+
+
+def test_cut_points():
+    assert is_cut_point("ab cd", 2)
+    assert not is_cut_point("ab  cd", 2)  # double space: whitespace run
+    assert not is_cut_point("a1 cd", 2)
+    assert not is_cut_point("ab\ncd", 2)
+    assert is_cut_point("ab,cd", 2)
+
+
+def test_longest_common_run():
+    assert longest_common_run([1, 2, 3, 4, 5], [9, 2, 3, 4, 8]) == 3
+    assert longest_common_run([1], [2]) == 0
+
+
+# ------------------------------------------------------------------ leak index
+def _index(store) -> LeakIndex:
+    return LeakIndex(store, ShingleHasher(KEY, 16), 35)
+
+
+def _leak_index_cases(index: LeakIndex):
+    a_prompt = SEED_PL[:4000]
+    c_prompt = SEED_ZH[:3000]
+    n = index.ingest("tenant-a", a_prompt)
+    assert n == len(index.prompt_fingerprints(a_prompt)) > 0
+    index.ingest("tenant-c", c_prompt)
+    a_ids = encode(a_prompt)
+    # B's response holds 60 tokens of A's prompt
+    run_text = SEED_PL[1000:1400]
+    v = index.check_text("tenant-b", "Sure. " + run_text + " Thanks.")
+    assert v.foreign >= 1 and v.source_tenant == "tenant-a" and v.public == 0
+    assert v.evidence_hashes and all(len(x) == 16 for x in v.evidence_hashes)
+    # A's own response quoting its prompt is never evidence
+    v_own = index.check_text("tenant-a", run_text)
+    assert v_own.foreign == 0 and v_own.own >= 1
+    # ... nor is B quoting its own current prompt (own shingles from the exchange)
+    own = index.own_shingles("Please repeat: " + run_text)
+    v_self = index.check_text("tenant-b", run_text, own)
+    # one shingle differs: the slice starts mid-word, which tokenizes differently after "repeat: "
+    assert (v_self.foreign, v_self.checked - v_self.own) == (0, 1)
+    # a text that both A and C sent is public
+    index.ingest("tenant-c", a_prompt)
+    v_pub = index.check_text("tenant-b", run_text)
+    assert v_pub.foreign == 0 and v_pub.public >= 1
+    # unrelated text: nothing
+    v_none = index.check_text("tenant-b", "the quick brown fox jumps over the lazy dog " * 8)
+    assert (v_none.foreign, v_none.public, v_none.own) == (0, 0, 0)
+    assert len(a_ids) > 500
+
+
+def test_leak_index_memory():
+    _leak_index_cases(_index(MemoryLeakStore(3600)))
+
+
+def test_leak_index_memory_ttl():
+    now = [1000.0]
+    store = MemoryLeakStore(60, clock=lambda: now[0])
+    idx = _index(store)
+    idx.ingest("a", SEED_PL[:2000])
+    assert idx.check_text("b", SEED_PL[200:800]).foreign >= 1
+    now[0] += 61
+    assert idx.check_text("b", SEED_PL[200:800]).foreign == 0
+    store.sweep()
+    assert len(store) == 0
+
+
+@pytest.fixture
+def redis_client():
+    c = redis.Redis(host="127.0.0.1", port=6379, db=0)
+    prefix = f"test-verifier-{uuid.uuid4().hex[:8]}:"
+    yield c, prefix
+    keys = list(c.scan_iter(match=prefix + "*"))
+    if keys:
+        c.delete(*keys)
+    c.close()
+
+
+def test_leak_index_redis(redis_client):
+    c, prefix = redis_client
+    store = RedisLeakStore(c, 3600, prefix + "leak:")
+    _leak_index_cases(_index(store))
+    keys = list(c.scan_iter(match=prefix + "leak:fp:*"))
+    assert keys and all(len(k.decode().rsplit(":", 1)[1]) == 16 for k in keys)
+    k = keys[0]
+    assert 0 < c.pttl(k) <= 3_600_000
+    # nothing stored is text: members are tenant ids only
+    members = set().union(*(c.smembers(k) for k in keys))
+    assert members <= {b"tenant-a", b"tenant-c"}
+
+
+# ------------------------------------------------------------------ canaries
+def test_canary_shape_and_scan():
+    c = new_canary()
+    assert CANARY_RE.fullmatch(c) and len(c) == 30
+    assert find_canaries(f"x {c} y {c} KVGATE-CANARY-0123") == [c]
+    other = new_canary()
+    assert surfaced(f"{c} and {other}", own_prompt_text=f"plant {c}") == [other]
+    sc = CanaryScanner()
+    got = []
+    for i in range(0, 40, 4):
+        got += sc.push(("ab " + c + " cd")[i:i + 4])
+    assert got == [c]
+
+
+def test_canary_registry_memory():
+    reg = CanaryRegistry(MemoryLeakStore(3600), KEY)
+    c1, c2 = new_canary(), new_canary()
+    assert reg.register("honeypot", [c1]) == 1
+    m = reg.lookup([c1, c2])
+    assert m[0].owners == {"honeypot"} and m[1].owners == set()
+    assert m[0].fingerprint == f"{reg.fingerprint(c1):016x}"
+
+
+# ------------------------------------------------------------------ drift, latency
+def test_usage_drift_exact():
+    assert check_usage(624, {"prompt_tokens": 624}, 0) is None
+    f = check_usage(624, {"prompt_tokens": 1, "completion_tokens": 5}, 0)
+    assert f.detector == "usage_drift"
+    assert f.evidence == {"gateway_prompt_tokens": 624, "engine_prompt_tokens": 1, "difference_tokens": -623,
+                          "tolerance_tokens": 0}
+    assert check_usage(624, {"prompt_tokens": 626}, 2) is None
+    assert check_usage(624, {"prompt_tokens": 627}, 2).evidence["difference_tokens"] == 3
+    assert check_usage(624, None, 0) is None
+    assert check_usage(624, {"prompt_tokens": "1"}, 0) is None
+    assert check_finish("abort").evidence == {"status_code": 200}
+    assert check_finish("stop") is None and check_finish("abort", 500) is None
+
+
+def test_latency_buckets_and_bound():
+    assert [bucket_of(n) for n in (0, 1, 2, 3, 512, 1023, 1024, 5000)] == [0, 0, 1, 1, 9, 9, 10, 12]
+    m = LatencyModel(quantile=0.001, margin=0.5, min_samples=50, min_prompt_tokens=512, relative_accuracy=0.01)
+    # uncalibrated: never an anomaly (and the sample calibrates: the bound is a low quantile)
+    assert m.observe("fresh", 3000, 0.0001).anomaly is False
+    assert m.samples("fresh", 11) == 1
+    for i in range(50):
+        m.observe("u", 3000, 0.200 + i * 0.001)   # bucket 11: 200..249 ms
+    bound = m.bound("u", 3000)
+    assert bound == pytest.approx(0.100, rel=0.011)   # q(0.001) = min = 200 ms, x 0.5
+    v = m.observe("u", 3000, 0.050)
+    assert v.anomaly and v.bucket == 11
+    assert m.samples("u", 11) == 50  # the anomaly was kept out of calibration
+    # a longer prompt, in a bucket with no clean sample, is held to the shorter bucket's bound
+    v2 = m.observe("u", 6000, 0.010)
+    assert v2.anomaly and v2.bound_seconds == pytest.approx(bound)
+    assert m.observe("u", 6000, 0.300).anomaly is False
+    # short prompts are never flagged; other upstreams are separate
+    assert m.observe("u", 100, 0.00001).anomaly is False
+    assert m.observe("other", 3000, 0.001).anomaly is False
+
+
+# ------------------------------------------------------------------ incidents, quarantine
+def test_incident_records(tmp_path):
+    sink = IncidentSink(tmp_path / "inc.jsonl")
+    before = INCIDENTS.labels("canary", "up-x")._value.get()
+    inc = sink.emit(Incident("canary", "t1", "up-x", "req-1", {"canaries": 1, "canary_hashes": ["00ff" * 4]},
+                             confirmed=True))
+    assert INCIDENTS.labels("canary", "up-x")._value.get() == before + 1
+    rows = read_incidents(tmp_path / "inc.jsonl")
+    assert len(rows) == 1
+    r = rows[0]
+    assert set(r) == {"detector", "tenant", "upstream", "request_id", "evidence", "confirmed", "withheld", "id", "time"}
+    assert (r["id"], r["detector"], r["tenant"], r["upstream"], r["confirmed"]) == (inc.id, "canary", "t1", "up-x", True)
+    with pytest.raises(ValueError):
+        Incident("canary", "t", "u", "r", {"text": "x" * 81})
+    with pytest.raises(ValueError):
+        Incident("nope", "t", "u", "r", {})
+
+
+def _quarantine_cases(q: Quarantine):
+    assert not q.is_quarantined("up1", 5000)
+    rec = q.put("up1", "inc_1", "canary", 1024)
+    assert rec.min_prompt_tokens == 1024
+    q.refresh()
+    assert q.is_quarantined("up1", 1025) and not q.is_quarantined("up1", 1024)
+    assert not q.is_quarantined("up2", 5000)
+    q.put("up1", "inc_2", "leak_index", 10)  # the first record stays
+    q.refresh()
+    assert q.records()["up1"].incident_id == "inc_1"
+    assert q.clear("up1") is True and q.clear("up1") is False
+    q.refresh()
+    assert not q.is_quarantined("up1", 5000)
+
+
+def test_quarantine_file(tmp_path):
+    _quarantine_cases(Quarantine(FileQuarantineBackend(tmp_path)))
+
+
+def test_quarantine_redis(redis_client):
+    c, prefix = redis_client
+    _quarantine_cases(Quarantine(RedisQuarantineBackend(c, prefix)))
+
+
+def test_upstream_clear_cli(tmp_path, capsys):
+    from gateway.cli import main
+
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text(f"state_dir: {tmp_path}\nmodels: [{{id: m, context_length: 8192}}]\n"
+                   "upstreams: [{name: local, api_url: 'http://127.0.0.1:1/v1', pool_source: static, "
+                   "static_pool_tokens: 4096, models: [m]}]\n")
+    Quarantine(FileQuarantineBackend(tmp_path)).put("local", "inc_abc", "canary", 1024)
+    assert main(["upstream", "--config", str(cfg), "list"]) == 0
+    out = capsys.readouterr().out
+    assert "local: quarantined since" in out and "above 1024 tokens (incident inc_abc, detector canary)" in out
+    assert main(["upstream", "--config", str(cfg), "clear", "local"]) == 0
+    assert capsys.readouterr().out == "upstream 'local': quarantine cleared\n"
+    assert main(["upstream", "--config", str(cfg), "clear", "local"]) == 1
+    assert capsys.readouterr().err == "upstream 'local' is not quarantined\n"
+    assert Quarantine(FileQuarantineBackend(tmp_path)).records() == {}
