@@ -17,10 +17,22 @@ results go back with ``loop.call_soon_threadsafe`` into per-request ``asyncio.Qu
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import torch
+
+from gpu_backend import pool_sizing
+from gpu_backend.model_runner import ModelRunner
+from gpu_backend.scheduler import Scheduler
+from gpu_backend.sequence import Sequence, SeqState
+from gpu_backend.weights import DTYPES, build_model, weight_bytes
+from tokenizer import bundled_counter
 
 from gpu_backend.errors import (  # noqa: F401  (re-exported for callers)
     EngineError,
@@ -33,6 +45,18 @@ from gpu_backend.errors import (  # noqa: F401  (re-exported for callers)
 )
 from gpu_backend.kv_pool import KVPool, PageHandle
 from gpu_backend.sampling import SamplingParams
+
+log = logging.getLogger("gpu_backend.engine")
+
+#: Version reported by ``server_info``.
+VERSION = "kvgate-backend-0.1.0"
+#: ``<|endoftext|>`` of cl100k_base; also ends a completion (with ``<|im_end|>``).
+ENDOFTEXT_ID = 100257
+#: Retired requests remembered by ``request_state``.
+RETIRED_MEMORY = 8192
+#: The one-token prompt an over-length prompt is replaced with under ``admit_rejected`` (SGLang's
+#: rejection path sets ``origin_input_ids = [0]``).
+PLACEHOLDER_PROMPT = [0]
 
 #: Faults the engine understands (test use only; see ``gpu_backend.faults``).
 ENGINE_FAULTS = frozenset({"admit_rejected", "skip_transfer_check", "no_scrub"})
@@ -132,29 +156,124 @@ class Engine:
         """Build model + pool on the chosen device; pool size derived as SGLang does
         (:mod:`gpu_backend.pool_sizing`). Raises ``ValueError`` for bad config / unknown model /
         not enough memory for one page, ``FileNotFoundError`` for a missing checkpoint folder."""
-        raise NotImplementedError
+        unknown = set(cfg.faults) - ENGINE_FAULTS
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}")
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"dtype '{cfg.dtype}' not one of {sorted(DTYPES)}")
+        if cfg.page_size < 1 or cfg.context_length < 16:
+            raise ValueError("page_size must be >= 1 and context_length >= 16")
+        self.cfg = cfg
+        self.faults = frozenset(cfg.faults)
+        self.device = _resolve_device(cfg.device)
+        self.dtype = DTYPES[cfg.dtype]
+        self.context_length = cfg.context_length
+        self.page_size = cfg.page_size
+        free_bytes = pool_sizing.free_device_memory(self.device, cfg.mem_budget_bytes)
+        self.model = build_model(cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
+        self.weight_bytes = weight_bytes(self.model)
+        layers, kv_heads, head_dim = self.model.kv_geometry
+        cell = pool_sizing.kv_cell_bytes(layers, kv_heads, head_dim, self.dtype)
+        self.max_total_num_tokens = pool_sizing.max_total_num_tokens(
+            free_bytes, self.weight_bytes, cell, cfg.mem_fraction_static, cfg.page_size, cfg.max_total_tokens)
+        self.max_req_len = min(cfg.context_length - 1, self.max_total_num_tokens - 1)
+        self.max_req_input_len = pool_sizing.max_req_input_len(cfg.context_length, self.max_total_num_tokens)
+        if self.max_req_input_len < 1:
+            raise ValueError(f"pool of {self.max_total_num_tokens} tokens leaves no room for a prompt")
+        self.pool = KVPool(self.max_total_num_tokens // cfg.page_size, cfg.page_size, layers, kv_heads, head_dim,
+                           self.dtype, self.device, scrub="no_scrub" not in self.faults)
+        self.counter = bundled_counter()
+        self.eos_token_id = self.counter.im_end_id
+        self.eos_ids = {self.counter.im_end_id, ENDOFTEXT_ID}
+        self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0)
+                              or self.model.vocab_size)
+        enc = self.counter.encoding
+        bias = torch.full((self.vocab_size,), float("-inf"))
+        valid = [i for i in range(min(self.vocab_size, enc.n_vocab)) if self.counter.is_valid_id(i)]
+        bias[torch.tensor(valid, dtype=torch.long)] = 0.0
+        self._token_bytes_cache: dict[int, bytes] = {}
+        self.runner = ModelRunner(self.model, self.pool, bias)
+        self.scheduler = Scheduler(
+            self.runner, self.pool, max_batch_tokens=cfg.max_batch_tokens,
+            max_running_requests=cfg.max_running_requests,
+            pool_wait_timeout_seconds=cfg.pool_wait_timeout_seconds, token_bytes=self._token_bytes,
+            eos_ids=self.eos_ids, make_event=_make_event, on_retire=self._on_retire)
+        self.stats = self.scheduler.stats
+        self._rng = torch.Generator().manual_seed(cfg.seed)
+        self._live: dict[str, Sequence] = {}
+        self._retired: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._reservations: dict[str, _Reservation] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ready = False
 
+    # ---- info --------------------------------------------------------------------------------
     def server_info(self) -> dict:
         """SGLang ``/server_info`` fields: ``max_total_num_tokens``, ``max_req_input_len``,
         ``context_length``, ``page_size``, ``disaggregation_mode`` (``"null"``; issue 4 overrides
         per role), ``status`` (``"ready"``/``"starting"``), ``version``, plus ``free_tokens`` /
         ``used_tokens`` read from the live pool and ``model_path``, ``device``."""
-        raise NotImplementedError
+        st = self.pool.stats()
+        return {
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_req_input_len": self.max_req_input_len,
+            "context_length": self.context_length,
+            "page_size": self.page_size,
+            "disaggregation_mode": "null",
+            "status": "ready" if self._ready else "starting",
+            "version": VERSION,
+            "model_path": self.cfg.model,
+            "device": str(self.device),
+            "free_tokens": st["free_pages"] * self.page_size,
+            "used_tokens": st["used_pages"] * self.page_size,
+        }
 
     def pool_stats(self) -> dict:
         """``{"total_pages", "free_pages", "used_pages", "page_size"}`` from the live pool;
         ``free_pages + used_pages == total_pages`` always (invariant 4)."""
-        raise NotImplementedError
+        return self.pool.stats()
 
+    # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the worker thread that steps the scheduler. Idempotent."""
-        raise NotImplementedError
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._worker, name="kvgate-engine", daemon=True)
+        self._thread.start()
+        self._ready = True
 
     async def stop(self) -> None:
         """Abort everything in flight (iterators end with ``"abort"``), free every page, join the
         worker thread (off the event loop). Idempotent."""
-        raise NotImplementedError
+        if self._thread is None:
+            return
+        self._ready = False
+        self._stopping = True
+        self.scheduler.submit("abort_all", None)
+        thread, self._thread = self._thread, None
+        await asyncio.to_thread(thread.join)
+        for rid in list(self._reservations):
+            self.release(rid)
 
+    def _worker(self) -> None:
+        sched = self.scheduler
+        while True:
+            if self._stopping:
+                sched.submit("abort_all", None)
+                sched.step()
+                return
+            try:
+                ran = sched.step()
+            except Exception:  # never let the worker die: the step already failed its batch
+                log.exception("scheduler step failed")
+                ran = False
+            if not ran:
+                with sched.cond:
+                    if not sched._inbox and not self._stopping:
+                        sched.cond.wait(timeout=0.02 if sched.waiting else 0.5)
+
+    # ---- single-engine path ------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """Prefill + decode one request; yields a :class:`TokenEvent` per token, the last with
@@ -170,19 +289,108 @@ class Engine:
         for prompt + max_new_tokens are allocated at admission. Closing the iterator early (client
         gone) aborts the request and frees its pages.
         """
-        raise NotImplementedError
-        yield  # pragma: no cover
+        queue: asyncio.Queue = asyncio.Queue()
+        seq = self._admit(request_id, prompt_ids, params, _emitter(queue), pages_for_output=True)
+        self.scheduler.submit("add", seq)
+        async for ev in self._drain(seq, queue):
+            yield ev
+
+    async def _drain(self, seq: Sequence, queue: asyncio.Queue) -> AsyncIterator[TokenEvent]:
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.finished:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(seq.request_id)
+
+    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit,
+               *, pages_for_output: bool, placeholder_ok: bool = False) -> Sequence:
+        """Validate and build a WAITING sequence (nothing allocated). A prompt over
+        ``max_req_input_len`` is REJECTED here (terminal) and its PromptTooLongError raised."""
+        if not self._ready:
+            raise RequestAbortedError("engine is not running", request_id=request_id, status=503)
+        if request_id in self._live or request_id in self._reservations:
+            raise InvalidRequestError(f"request id '{request_id}' is already in flight", request_id=request_id)
+        params.validate()
+        prompt_ids = list(prompt_ids)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", request_id=request_id, param="prompt")
+        for t in prompt_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size \
+                    or not self.counter.is_valid_id(t):
+                raise InvalidRequestError(f"token id {t!r} is not in the model's vocabulary",
+                                          request_id=request_id, param="prompt")
+        original = len(prompt_ids)
+        if original > self.max_req_input_len:
+            if not placeholder_ok:
+                seq = Sequence(request_id, prompt_ids, params, emit)
+                seq.error = PromptTooLongError(original, self.max_req_input_len, request_id=request_id)
+                seq.set_state(SeqState.REJECTED)
+                self._on_retire(seq)
+                raise seq.error
+            prompt_ids = list(PLACEHOLDER_PROMPT)
+        max_new = min(params.max_new_tokens, self.max_req_len - len(prompt_ids) - 1)
+        params = dataclasses.replace(params, max_new_tokens=max_new, stop=list(params.stop),
+                                     stop_token_ids=list(params.stop_token_ids))
+        seq = Sequence(request_id, prompt_ids, params, emit, reported_prompt_tokens=original)
+        seq.stop_token_ids = set(params.stop_token_ids)
+        seq.generator = self._generator(params)
+        seq.pages_needed = self.pool.pages_for(len(prompt_ids) + (max_new if pages_for_output else 0))
+        self._live[request_id] = seq
+        return seq
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.temperature <= 0.0:
+            return None
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        return torch.Generator().manual_seed(seed)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (waiting, prefilling, decoding or a reservation): every page is freed
         by the worker at the next step boundary; its iterator ends with a ``"abort"`` event.
         Unknown ids are ignored."""
-        raise NotImplementedError
+        if request_id in self._reservations:
+            self.release(request_id)
+            return
+        if request_id in self._live:
+            self.scheduler.submit("abort", request_id)
 
     def request_state(self, request_id: str) -> str | None:
         """State name of a live or recently retired request (``"waiting"``, ``"prefilling"``,
         ``"decoding"``, ``"finished"``, ``"rejected"``, ``"aborted"``), ``None`` if unknown."""
-        raise NotImplementedError
+        seq = self._live.get(request_id)
+        if seq is not None:
+            return seq.state.value
+        if request_id in self._reservations:
+            return "reserved"
+        return self._retired.get(request_id)
+
+    def _on_retire(self, seq: Sequence) -> None:
+        # may run in the worker thread; dict ops are atomic under the GIL
+        if self._live.get(seq.request_id) is seq:
+            self._live.pop(seq.request_id, None)
+        self._retired[seq.request_id] = seq.state.value
+        while len(self._retired) > RETIRED_MEMORY:
+            self._retired.popitem(last=False)
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        b = self._token_bytes_cache.get(token_id)
+        if b is None:
+            try:
+                b = self.counter.encoding.decode_single_token_bytes(token_id)
+            except KeyError:
+                b = b""
+            self._token_bytes_cache[token_id] = b
+        return b
 
     # ---- disaggregation hooks: prefill side -------------------------------------------------
     async def prefill_export(self, request_id: str, prompt_ids: list[int],
@@ -195,7 +403,34 @@ class Engine:
         token. Waits for pages like ``generate`` (:class:`PoolExhaustedError` after the timeout).
         Cancelling the await aborts the request and frees its pages.
         """
-        raise NotImplementedError
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        t0 = time.monotonic()
+        original = len(prompt_ids)
+        params = params or SamplingParams(max_new_tokens=1)
+        seq = self._admit(request_id, prompt_ids, dataclasses.replace(params, max_new_tokens=1),
+                          _future_setter(loop, fut), pages_for_output=False,
+                          placeholder_ok="admit_rejected" in self.faults)
+        placeholder = seq.prompt_ids != list(prompt_ids)
+        pool = self.pool
+
+        def export(s: Sequence) -> None:  # worker thread, before the pages are freed
+            n = s.num_context_tokens
+            kv = pool.read_pages(s.pages[: pool.pages_for(n)])
+            s.emit(PrefillResult(kv=kv, num_tokens=n, first_token_id=s.completion_ids[0],
+                                 prefill_seconds=time.monotonic() - t0, placeholder=placeholder,
+                                 original_prompt_tokens=original))
+
+        seq.on_prefilled = export
+        self.scheduler.submit("add", seq)
+        try:
+            result = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     # ---- disaggregation hooks: decode side --------------------------------------------------
     async def reserve(self, request_id: str, prompt_tokens: int, max_new_tokens: int) -> list[PageHandle]:
@@ -203,7 +438,23 @@ class Engine:
         Waits while the pool is momentarily full; :class:`PoolExhaustedError` (503) after
         ``pool_wait_timeout_seconds`` (never a 400). :class:`InvalidRequestError` for a duplicate id
         or non-positive sizes."""
-        raise NotImplementedError
+        if prompt_tokens < 1 or max_new_tokens < 1:
+            raise InvalidRequestError("prompt_tokens and max_new_tokens must be >= 1", request_id=request_id)
+        if request_id in self._reservations or request_id in self._live:
+            raise InvalidRequestError(f"request id '{request_id}' is already in flight", request_id=request_id)
+        n = self.pool.pages_for(prompt_tokens + max_new_tokens)
+        deadline = time.monotonic() + self.cfg.pool_wait_timeout_seconds
+        while True:
+            pages = self.pool.try_alloc(n, request_id)
+            if pages is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise PoolExhaustedError(
+                    f"KV pool full: no room for {n} pages ({n * self.page_size} tokens) within "
+                    f"{self.cfg.pool_wait_timeout_seconds:g} s; retry later", request_id=request_id)
+            await asyncio.sleep(0.005)
+        self._reservations[request_id] = _Reservation(pages, prompt_tokens, max_new_tokens)
+        return list(pages)
 
     def load_pages(self, request_id: str, kv: torch.Tensor, num_tokens: int) -> None:
         """Write received pages into the reservation, page i into handle i.
@@ -211,7 +462,14 @@ class Engine:
         pool's). Raises ``KeyError`` for an unknown reservation, ``ValueError`` for a shape that does
         not fit (more pages than reserved, wrong dims, ``num_tokens > n * page_size``),
         :class:`StaleHandleError` through a stale handle."""
-        raise NotImplementedError
+        res = self._reservations[request_id]
+        n = int(kv.shape[0]) if kv.dim() > 0 else 0
+        if n < 1 or n > len(res.pages):
+            raise ValueError(f"{n} pages received, {len(res.pages)} reserved")
+        if not 0 < num_tokens <= n * self.page_size:
+            raise ValueError(f"num_tokens {num_tokens} does not fit {n} pages of {self.page_size}")
+        self.pool.write_pages(res.pages[:n], kv)
+        res.loaded_tokens = num_tokens
 
     async def decode_reserved(self, request_id: str, prompt_ids: list[int], first_token_id: int,
                               params: SamplingParams, context_tokens: int) -> AsyncIterator[TokenEvent]:
@@ -226,9 +484,111 @@ class Engine:
         :class:`InvalidRequestError` when ``context_tokens + max_new_tokens`` exceeds it;
         :class:`StaleHandleError` if a handle went stale (unless ``no_scrub``).
         """
-        raise NotImplementedError
-        yield  # pragma: no cover
+        res = self._reservations.pop(request_id)
+        try:
+            params.validate()
+            if not self._ready:
+                raise RequestAbortedError("engine is not running", request_id=request_id, status=503)
+            if not 1 <= context_tokens <= self.max_req_len - 1:
+                raise InvalidRequestError(f"context_tokens {context_tokens} out of range", request_id=request_id)
+            max_new = min(params.max_new_tokens, self.max_req_len - context_tokens - 1)
+            if context_tokens + max_new - 1 > len(res.pages) * self.page_size:
+                raise InvalidRequestError(
+                    f"reservation of {len(res.pages) * self.page_size} tokens cannot hold {context_tokens} "
+                    f"context + {max_new} new tokens", request_id=request_id)
+            self.pool.check(res.pages)
+        except BaseException:
+            self.pool.free(res.pages, ignore_stale=True)
+            raise
+        params = dataclasses.replace(params, max_new_tokens=max_new, stop=list(params.stop),
+                                     stop_token_ids=list(params.stop_token_ids))
+        queue: asyncio.Queue = asyncio.Queue()
+        seq = Sequence(request_id, prompt_ids, params, _emitter(queue), reported_prompt_tokens=len(prompt_ids))
+        seq.stop_token_ids = set(params.stop_token_ids)
+        seq.generator = self._generator(params)
+        seq.num_context_tokens = context_tokens
+        seq.num_cached = context_tokens
+        seq.pages = list(res.pages)
+        seq.pages_needed = len(res.pages)
+        self._live[request_id] = seq
+        text, reason = seq.append_token(first_token_id, self._token_bytes(first_token_id), self.eos_ids)
+        if reason is not None:
+            seq.set_state(SeqState.DECODING)
+            seq.set_state(SeqState.FINISHED)
+            seq.finish_reason = reason
+            self.pool.free(seq.pages, ignore_stale=True)
+            seq.pages = []
+            self._on_retire(seq)
+            yield _make_event(seq, first_token_id, text, reason)
+            return
+        self.scheduler.submit("add_decoding", seq)
+        first = _make_event(seq, first_token_id, text, None)
+        done = False
+        try:
+            yield first
+            async for ev in self._drain(seq, queue):
+                yield ev
+            done = True
+        finally:
+            if not done:
+                self.abort(request_id)
 
     def release(self, request_id: str) -> None:
         """Free a reservation (or abort the decode running on it). Idempotent; unknown ids ignored."""
-        raise NotImplementedError
+        res = self._reservations.pop(request_id, None)
+        if res is not None:
+            self.pool.free(res.pages, ignore_stale=True)
+            self.scheduler.submit("wake", None)
+            return
+        seq = self._live.get(request_id)
+        if seq is not None and seq.on_prefilled is None:
+            self.scheduler.submit("abort", request_id)
+
+
+@dataclass
+class _Reservation:
+    pages: list[PageHandle]
+    prompt_tokens: int
+    max_new_tokens: int
+    loaded_tokens: int = 0
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return dev
+
+
+def _make_event(seq: Sequence, token_id: int, text: str, finish_reason: str | None) -> TokenEvent:
+    return TokenEvent(token_id=token_id, text=text, finished=finish_reason is not None,
+                      finish_reason=finish_reason, prompt_tokens=seq.reported_prompt_tokens,
+                      completion_tokens=len(seq.completion_ids))
+
+
+def _emitter(queue: asyncio.Queue):
+    """An ``emit`` for the worker thread: hands items to ``queue`` on its event loop."""
+    loop = asyncio.get_running_loop()
+
+    def emit(item: object) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # loop closed: nobody is listening any more
+            pass
+
+    return emit
+
+
+def _future_setter(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
+    def set_result(item: object) -> None:
+        def _set() -> None:
+            if not fut.done():
+                fut.set_result(item)
+        try:
+            loop.call_soon_threadsafe(_set)
+        except RuntimeError:
+            pass
+
+    return set_result

@@ -45,5 +45,25 @@ class SamplingParams:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """Next token per row. ``logits``: [B, V] (any device/dtype); ``params``/``generators``: B each
-    (a generator is needed for rows with temperature > 0). Returns B token ids."""
-    raise NotImplementedError
+    (a generator is needed for rows with temperature > 0). Returns B token ids.
+
+    Greedy rows: ``argmax``. Other rows, each on CPU in fp32 with its own generator: softmax of
+    ``logits / temperature``, keep the smallest prefix of tokens (by descending probability) whose
+    mass reaches ``top_p`` (the top token always kept), renormalise, ``torch.multinomial``."""
+    out = logits.argmax(dim=-1).tolist()
+    for b, p in enumerate(params):
+        if p.temperature <= 0.0:
+            continue
+        row = logits[b].float().cpu() / float(p.temperature)
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sp, si = probs.sort(descending=True)
+            cum = sp.cumsum(0)
+            keep = (cum - sp) < p.top_p
+            keep[0] = True
+            sp = torch.where(keep, sp, torch.zeros_like(sp))
+            choice = torch.multinomial(sp / sp.sum(), 1, generator=generators[b])
+            out[b] = int(si[choice])
+        else:
+            out[b] = int(torch.multinomial(probs, 1, generator=generators[b]))
+    return out

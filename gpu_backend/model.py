@@ -1,0 +1,199 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) whose attention reads
+K/V through the paged cache (:mod:`gpu_backend.attention`).
+
+Numerics follow Hugging Face ``transformers``' ``LlamaForCausalLM`` (RMSNorm in fp32, rotate-half
+RoPE, optional ``llama3`` RoPE scaling, ``attention_bias`` / ``mlp_bias``), so a checkpoint gives the
+same logits (tests: max abs difference <= 1e-4 in fp32).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family model (HF ``config.json`` names in comments)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # num_hidden_layers
+    num_heads: int  # num_attention_heads
+    num_kv_heads: int  # num_key_value_heads
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor", ...} or None
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """From a HF ``config.json`` dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x
+        ``rope_parameters``). Raises ``ValueError`` for a non-Llama model or an unsupported RoPE type."""
+        mt = hf.get("model_type", "llama")
+        if mt != "llama":
+            raise ValueError(f"model_type '{mt}' is not supported (Llama-family 'llama' only)")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act '{hf.get('hidden_act')}' is not supported (silu only)")
+        rope = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling") or None
+        if scaling:
+            rope.update(scaling)
+        theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if rtype not in ("default", "llama3"):
+            raise ValueError(f"rope_type '{rtype}' is not supported (default, llama3)")
+        heads = int(hf["num_attention_heads"])
+        return cls(
+            vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            rope_scaling=rope if rtype == "llama3" else None,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
+        )
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] (fp32), with ``llama3`` scaling as transformers does."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if not s:
+        return inv
+    factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old = float(s["original_max_position_embeddings"])
+    low_wl, high_wl = old / lo, old / hi
+    wl = 2 * math.pi / inv
+    out = torch.where(wl > low_wl, inv / factor, inv)
+    smooth = (old / wl - lo) / (hi - lo)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wl < high_wl) & ~(wl > low_wl)
+    return torch.where(medium, smoothed, out)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (as transformers' LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dt)
+
+
+class Attention(nn.Module):
+    """GQA self-attention; K/V storage and lookup are the ``attn`` object's (paged or contiguous)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        b = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=b)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=b)
+        self.scale = self.hd ** -0.5
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        T = h.shape[0]
+        q = self.q_proj(h).view(T, self.nh, self.hd)
+        k = self.k_proj(h).view(T, self.nkv, self.hd)
+        v = self.v_proj(h).view(T, self.nkv, self.hd)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        o = attn.attend(self.layer, q, k, v, self.scale)
+        return self.o_proj(o.reshape(T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        b = cfg.mlp_bias
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Llama-family causal LM. Parameter names match HF checkpoints (``model.layers.N...``,
+    ``lm_head.weight``), so ``load_state_dict`` takes a HF state dict as is.
+
+    ``forward(input_ids [T], attn) -> hidden [T, hidden]`` (positions come from ``attn.positions``);
+    ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` fp32.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    # KV geometry the pool needs
+    @property
+    def kv_geometry(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) of the KV cache."""
+        c = self.config
+        return c.num_layers, c.num_kv_heads, c.head_dim
+
+    def forward(self, input_ids: torch.Tensor, attn) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        freqs = attn.positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(h.dtype)[:, None, :]
+        sin = emb.sin().to(h.dtype)[:, None, :]
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, attn)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

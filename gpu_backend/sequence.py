@@ -1,0 +1,139 @@
+"""One request inside the engine: its tokens, pages, state, sampling and output stream.
+
+States (DESIGN.md invariant 1): WAITING -> PREFILLING -> DECODING -> FINISHED, or ABORTED from any
+live state; REJECTED only from WAITING at admission, before any page. FINISHED, ABORTED and REJECTED
+are terminal: leaving them raises ``RuntimeError``.
+"""
+from __future__ import annotations
+
+import codecs
+import enum
+import time
+from typing import Callable
+
+import torch
+
+from gpu_backend.kv_pool import PageHandle
+from gpu_backend.sampling import SamplingParams
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+
+TERMINAL = frozenset({SeqState.FINISHED, SeqState.ABORTED, SeqState.REJECTED})
+_ALLOWED = {
+    SeqState.WAITING: {SeqState.PREFILLING, SeqState.DECODING, SeqState.REJECTED, SeqState.ABORTED},
+    SeqState.PREFILLING: {SeqState.DECODING, SeqState.FINISHED, SeqState.ABORTED},
+    SeqState.DECODING: {SeqState.FINISHED, SeqState.ABORTED},
+}
+
+
+class Sequence:
+    """A request's engine-side record.
+
+    ``prompt_ids``: the prompt as admitted; ``num_context_tokens``: positions the prompt occupies in
+    the cache (normally ``len(prompt_ids)``; for a decode reservation, the ``context_tokens`` given);
+    ``completion_ids``: generated tokens; ``num_cached``: positions whose KV is in the pages;
+    ``pages``: page handles (its page table); ``emit``: called (in the worker thread) with each
+    output item (a ``TokenEvent`` or an exception).
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 emit: Callable[[object], None], *, reported_prompt_tokens: int | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.emit = emit
+        self.state = SeqState.WAITING
+        self.num_context_tokens = len(self.prompt_ids)
+        self.reported_prompt_tokens = len(self.prompt_ids) if reported_prompt_tokens is None else reported_prompt_tokens
+        self.completion_ids: list[int] = []
+        self.num_cached = 0
+        self.pages: list[PageHandle] = []
+        self.pages_needed = 0
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.generator: torch.Generator | None = None
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+        self.abort_requested = False
+        # export (prefill node): called in the worker with the sequence before its pages are freed
+        self.on_prefilled: Callable[["Sequence"], None] | None = None
+        self.stop_token_ids: set[int] = set()
+        # incremental detokenization
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending_text = ""
+
+    # ---- state ------------------------------------------------------------------------------
+    def set_state(self, new: SeqState) -> None:
+        """Move to ``new``; ``RuntimeError`` for a transition the state machine forbids."""
+        if new not in _ALLOWED.get(self.state, ()):  # terminal states allow nothing
+            raise RuntimeError(f"request {self.request_id}: illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    # ---- positions --------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Positions the sequence spans: context + generated."""
+        return self.num_context_tokens + len(self.completion_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.completion_ids[-1] if self.completion_ids else self.prompt_ids[-1]
+
+    @property
+    def page_indices(self) -> list[int]:
+        return [h.index for h in self.pages]
+
+    # ---- output -----------------------------------------------------------------------------
+    def append_token(self, token_id: int, token_bytes: bytes, eos_ids: set[int]) -> tuple[str, str | None]:
+        """Record a sampled token; returns (text to emit now, finish_reason or None).
+
+        EOS / stop ids finish with ``stop`` and add no text; a stop string finishes with ``stop`` and
+        is cut out (text after it too); reaching ``max_new_tokens`` finishes with ``length``. While a
+        stop string may be forming, the matching tail of the text is held back.
+        """
+        self.completion_ids.append(token_id)
+        p = self.params
+        if token_id in self.stop_token_ids or (not p.ignore_eos and token_id in eos_ids):
+            return self._flush(), "stop"
+        self._pending_text += self._utf8.decode(token_bytes)
+        if p.stop:
+            hits = [(self._pending_text.find(s), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i = min(hits)[0]
+                out, self._pending_text = self._pending_text[:i], ""
+                return out, "stop"
+        if len(self.completion_ids) >= p.max_new_tokens:
+            return self._flush(), "length"
+        keep = self._stop_prefix_len() if p.stop else 0
+        out = self._pending_text[: len(self._pending_text) - keep]
+        self._pending_text = self._pending_text[len(out):]
+        return out, None
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of the pending text that is a proper prefix of a stop string."""
+        t = self._pending_text
+        best = 0
+        for s in self.params.stop:
+            for n in range(min(len(s) - 1, len(t)), best, -1):
+                if t.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def _flush(self) -> str:
+        out = self._pending_text + self._utf8.decode(b"", final=True)
+        self._pending_text = ""
+        return out
