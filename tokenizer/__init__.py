@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from config.models import TokenizerConfig
-from tokenizer.base import PromptCount, PromptCounter, split_completion_prompt
+from tokenizer.base import PromptCount, PromptCounter, prompt_param, split_completion_prompt
 from tokenizer.chat import RenderedChat, render_chatml
 from tokenizer.encodings import IM_END_ID, IM_START_ID, bundled_encoding, get_encoding
 from tokenizer.errors import (
@@ -44,5 +44,5 @@ __all__ = [
     "EngineTokenizeError", "IM_END_ID", "IM_START_ID", "ImagesNotSupportedError", "InvalidPromptError",
     "InvalidTokenIdError", "PromptCount", "PromptCounter", "RenderedChat", "TiktokenCounter",
     "TokenizerError", "UnknownContentPartError", "bundled_counter", "bundled_encoding", "get_encoding",
-    "make_counter", "render_chatml", "split_completion_prompt",
+    "make_counter", "prompt_param", "render_chatml", "split_completion_prompt",
 ]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenizer.chat import chat_text_length
-from tokenizer.errors import InvalidPromptError
+from tokenizer.errors import InvalidPromptError, InvalidTokenIdError
 
 #: Above this many characters, the async API counts in a worker thread.
 OFFLOAD_CHARS = 32_768
@@ -22,10 +22,12 @@ class PromptCount:
 
     @property
     def total(self) -> int:
+        """Sum over the prompts, in tokens."""
         return sum(self.per_prompt)
 
     @property
     def largest(self) -> int:
+        """The longest prompt, in tokens."""
         return max(self.per_prompt)
 
 
@@ -33,8 +35,8 @@ def split_completion_prompt(prompt: Any) -> list[str | list[int]]:
     """Normalise an OpenAI ``prompt`` into a list of prompts (each a string or a list of ids).
 
     Accepts a string, a list of strings, a list of ints (one token-id prompt) or a list of int
-    lists. Raises :class:`InvalidPromptError` (``param`` ``prompt``) for anything else, mixed lists,
-    booleans posing as ints, or an empty list.
+    lists. Raises :class:`InvalidPromptError` (``param`` ``prompt`` or ``prompt[i]``) for anything
+    else, mixed lists, booleans posing as ints, or an empty list.
     """
     if isinstance(prompt, str):
         return [prompt]
@@ -57,6 +59,14 @@ def split_completion_prompt(prompt: Any) -> list[str | list[int]]:
         "(not a mix).", "prompt")
 
 
+def prompt_param(prompt: Any, index: int) -> str:
+    """The ``param`` naming prompt ``index`` of ``prompt``: ``prompt`` when the request holds a
+    single prompt (a string or a flat list of ids), else ``prompt[index]``."""
+    single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
+                                         and not isinstance(prompt[0], (str, list)))
+    return "prompt" if single else f"prompt[{index}]"
+
+
 def _prompt_chars(prompt: Any) -> int:
     if isinstance(prompt, str):
         return len(prompt)
@@ -69,7 +79,8 @@ class PromptCounter(ABC):
     """Counts prompt tokens exactly as the engine will see them (never fewer).
 
     Subclasses implement the synchronous ``count_*`` methods; the ``acount_*`` coroutines run them
-    in a worker thread when the input is long, so the event loop is never blocked.
+    in a worker thread when the input is long (over ``offload_chars`` characters), so the event
+    loop is never blocked.
     """
 
     #: model's vocabulary size (ids are valid in ``[0, vocab_size)`` when defined)
@@ -80,7 +91,13 @@ class PromptCounter(ABC):
 
     @abstractmethod
     def count_text(self, text: str) -> int:
-        """Tokens of ordinary text (special-token look-alikes count as text)."""
+        """Tokens of ordinary text (special-token look-alikes count as text), no BOS/EOS."""
+
+    def count_prompt_text(self, text: str) -> int:
+        """Tokens of a ``/v1/completions`` string prompt as the engine encodes it: ordinary text
+        plus whatever the tokenizer adds around a prompt (a BOS for Llama-family HF tokenizers).
+        Defaults to :meth:`count_text` (tiktoken adds nothing)."""
+        return self.count_text(text)
 
     @abstractmethod
     def is_valid_id(self, token_id: int) -> bool:
@@ -92,33 +109,36 @@ class PromptCounter(ABC):
         :mod:`tokenizer.errors` for bad shapes, unknown parts."""
 
     def check_ids(self, ids: list[int], param: str) -> None:
-        """Raise :class:`InvalidTokenIdError` for the first id that is negative or undefined."""
-        from tokenizer.errors import InvalidTokenIdError
-
+        """Raise :class:`InvalidTokenIdError` (with ``param``) for the first id that is negative or
+        undefined. Ids are ints (:func:`split_completion_prompt` checked that)."""
         for t in ids:
             if t < 0 or not self.is_valid_id(t):
                 raise InvalidTokenIdError(t, self.vocab_size, param)
 
     def count_prompt(self, prompt: Any) -> PromptCount:
-        """Prompt tokens of a ``/v1/completions`` ``prompt`` (ids are counted, not re-tokenized)."""
+        """Prompt tokens of a ``/v1/completions`` ``prompt``, one count per prompt.
+
+        Strings are encoded (:meth:`count_prompt_text`); token ids are validated
+        (:meth:`check_ids`) and counted, not re-tokenized. Raises :class:`InvalidPromptError` for
+        a wrong shape and :class:`InvalidTokenIdError` (``param`` ``prompt`` or ``prompt[i]``)."""
         prompts = split_completion_prompt(prompt)
         counts = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
-                counts.append(self.count_text(p))
+                counts.append(self.count_prompt_text(p))
             else:
-                self.check_ids(p, "prompt" if len(prompts) == 1 and not isinstance(prompt[0], list) else f"prompt[{i}]")
+                self.check_ids(p, prompt_param(prompt, i))
                 counts.append(len(p))
         return PromptCount(tuple(counts))
 
     async def acount_prompt(self, prompt: Any) -> PromptCount:
-        """:meth:`count_prompt`, off the event loop for long input."""
+        """:meth:`count_prompt`, in a worker thread for long input."""
         if _prompt_chars(prompt) > self.offload_chars:
             return await asyncio.to_thread(self.count_prompt, prompt)
         return self.count_prompt(prompt)
 
     async def acount_chat(self, messages: Any, tools: Any = None) -> int:
-        """:meth:`count_chat`, off the event loop for long input."""
-        if chat_text_length(messages) > self.offload_chars:
+        """:meth:`count_chat`, in a worker thread for long input."""
+        if chat_text_length(messages, tools) > self.offload_chars:
             return await asyncio.to_thread(self.count_chat, messages, tools)
         return self.count_chat(messages, tools)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from tokenizer.errors import ImagesNotSupportedError, InvalidPromptError, UnknownContentPartError
 
@@ -169,13 +169,28 @@ def chatml_token_count(rendered: RenderedChat, count_ordinary: Callable[[str], i
     return total
 
 
-def chat_text_length(messages: Sequence[Any]) -> int:
-    """Rough character length of a chat (to decide whether to count off the event loop)."""
+def string_chars(obj: Any, limit: int | None = None) -> int:
+    """Total length of every string (keys included) inside ``obj`` (dicts, lists, strings);
+    stops early once ``limit`` is passed. Iterative, so deep nesting cannot overflow the stack."""
     n = 0
-    for m in messages if isinstance(messages, list) else ():
-        c = m.get("content") if isinstance(m, dict) else None
-        if isinstance(c, str):
-            n += len(c)
-        elif isinstance(c, list):
-            n += sum(len(p.get("text", "")) for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            n += len(x)
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+        else:
+            n += 1
+        if limit is not None and n > limit:
+            break
     return n
+
+
+def chat_text_length(messages: Any, tools: Any = None, limit: int | None = 1 << 20) -> int:
+    """Character length of a chat's strings (contents, names, tool calls, tool definitions), to
+    decide whether to count off the event loop; stops counting above ``limit``."""
+    return string_chars([messages, tools], limit)

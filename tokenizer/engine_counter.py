@@ -1,10 +1,18 @@
 """Counting with the engine's own tokenize endpoint (exact by definition; costs a round trip).
 
-Shapes (request -> response):
-- SGLang ``POST {base}/v1/tokenize`` ``{"model", "prompt"}`` -> ``{"tokens": [...], "count": n}``
-- vLLM ``POST {base}/tokenize`` ``{"model", "prompt"}`` or ``{"model", "messages",
-  "add_generation_prompt": true}`` -> ``{"count": n, "tokens": [...], "max_model_len": m}``
-The bundled backend serves the SGLang path and accepts ``messages`` too.
+Shapes (request -> response), as the engines define them:
+
+- SGLang ``POST {base}/v1/tokenize`` (``serving_tokenize.py``): ``{"model", "prompt": str |
+  [str], "add_special_tokens": true}`` -> ``{"tokens": [...] | [[...]], "count": n | [n...],
+  "max_model_len": m}``. SGLang takes no ``messages`` there; the bundled backend serves the same
+  path and also takes ``{"model", "messages", "add_generation_prompt", "tools"}``.
+- vLLM ``POST {base}/tokenize`` (``serving_tokenization.py``): ``{"model", "prompt": str,
+  "add_special_tokens": true}`` or ``{"model", "messages", "add_generation_prompt": true,
+  "tools"}`` -> ``{"count": n, "max_model_len": m, "tokens": [...]}``.
+
+Image parts are removed from the messages sent and cost ``image_tokens`` each, as with the other
+counters. A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError`
+(502): the engine's fault, never the client's 400 and never a 500.
 """
 from __future__ import annotations
 
@@ -12,18 +20,57 @@ from typing import Any
 
 import httpx
 
-from tokenizer.base import PromptCount, PromptCounter, split_completion_prompt
-from tokenizer.chat import render_chatml
+from tokenizer.base import PromptCount, PromptCounter, prompt_param, split_completion_prompt
+from tokenizer.chat import IMAGE_PART_TYPES, render_chatml
 from tokenizer.errors import EngineTokenizeError
+
+ENGINE_APIS = ("sglang", "vllm")
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _counts_of(data: Any, expected: int) -> list[int]:
+    """Counts from a tokenize answer: ``count`` (an int, or a list for a batch) or else the length
+    of ``tokens``. Raises :class:`EngineTokenizeError` for any other shape."""
+    if not isinstance(data, dict):
+        raise EngineTokenizeError("engine tokenize answered JSON that is not an object")
+    count, tokens = data.get("count"), data.get("tokens")
+    if expected == 1:
+        if _is_count(count):
+            return [count]
+        if isinstance(tokens, list):
+            return [len(tokens)]
+    else:
+        if isinstance(count, list) and len(count) == expected and all(map(_is_count, count)):
+            return list(count)
+        if isinstance(tokens, list) and len(tokens) == expected and all(isinstance(t, list) for t in tokens):
+            return [len(t) for t in tokens]
+    raise EngineTokenizeError(f"engine tokenize answered without a usable 'count' or 'tokens' for {expected} prompt(s)")
+
+
+def _without_images(messages: list[Any]) -> list[Any]:
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            m = {**m, "content": [p for p in content if p.get("type") not in IMAGE_PART_TYPES]}
+        out.append(m)
+    return out
 
 
 class EngineCounter(PromptCounter):
-    """Asks the engine. Only the async API is available (it is network I/O); the sync methods
-    raise ``NotImplementedError``. ``vocab_size`` bounds token-id validation."""
+    """Asks the engine at ``base_url`` (no ``/v1``) for ``model``'s counts; ``api`` is ``sglang``
+    (``/v1/tokenize``) or ``vllm`` (``/tokenize``). Only the async API is available (network I/O);
+    the sync methods raise ``NotImplementedError``. ``vocab_size`` bounds token-id validation (the
+    engine's vocabulary is not known here). Token ids are validated locally, never sent."""
 
     def __init__(self, base_url: str, model: str, api: str = "sglang", vocab_size: int = 1 << 31,
                  image_tokens: int = 765, timeout_seconds: float = 5.0,
                  client: httpx.AsyncClient | None = None) -> None:
+        if api not in ENGINE_APIS:
+            raise ValueError(f"engine api must be one of {ENGINE_APIS}, not {api!r}")
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.api = api
@@ -39,39 +86,53 @@ class EngineCounter(PromptCounter):
         raise NotImplementedError("EngineCounter counts only through its async API")
 
     def is_valid_id(self, token_id: int) -> bool:
+        """Ids in ``[0, vocab_size)``."""
         return 0 <= token_id < self.vocab_size
 
-    async def _ask(self, payload: dict[str, Any]) -> int:
+    async def _ask(self, payload: dict[str, Any], expected: int = 1) -> list[int]:
         try:
             r = await self._client.post(self.url, json={"model": self.model, **payload})
         except httpx.HTTPError as e:
-            raise EngineTokenizeError(f"engine tokenize failed: {type(e).__name__}") from e
+            raise EngineTokenizeError(f"engine tokenize at {self.url} failed: {type(e).__name__}") from None
         if r.status_code != 200:
-            raise EngineTokenizeError(f"engine tokenize answered {r.status_code}")
-        data = r.json()
-        if isinstance(data.get("count"), int):
-            return data["count"]
-        if isinstance(data.get("tokens"), list):
-            return len(data["tokens"])
-        raise EngineTokenizeError("engine tokenize answered without 'count' or 'tokens'")
+            raise EngineTokenizeError(f"engine tokenize at {self.url} answered HTTP {r.status_code}")
+        try:
+            data = r.json()
+        except ValueError:
+            raise EngineTokenizeError(f"engine tokenize at {self.url} answered a body that is not JSON") from None
+        return _counts_of(data, expected)
 
     async def acount_prompt(self, prompt: Any) -> PromptCount:
-        counts = []
+        """Counts of a completions ``prompt``: ids validated and counted here, strings asked of
+        the engine (SGLang: one request for all of them; vLLM: one per string). Raises the typed
+        errors of :mod:`tokenizer.errors`."""
         prompts = split_completion_prompt(prompt)
+        counts: list[int | None] = []
+        texts: list[tuple[int, str]] = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
-                counts.append(await self._ask({"prompt": p}))
+                texts.append((i, p))
+                counts.append(None)
             else:
-                self.check_ids(p, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+                self.check_ids(p, prompt_param(prompt, i))
                 counts.append(len(p))
-        return PromptCount(tuple(counts))
+        if texts and self.api == "sglang" and len(texts) > 1:
+            answers = await self._ask({"prompt": [t for _, t in texts], "add_special_tokens": True}, len(texts))
+        else:
+            answers = [(await self._ask({"prompt": t, "add_special_tokens": True}))[0] for _, t in texts]
+        for (i, _), n in zip(texts, answers):
+            counts[i] = n
+        return PromptCount(tuple(int(c) for c in counts if c is not None))
 
     async def acount_chat(self, messages: Any, tools: Any = None) -> int:
+        """Tokens of a chat as the engine renders it with the generation prompt, plus
+        ``image_tokens`` per image part (image parts are not sent)."""
         rendered = render_chatml(messages, tools)  # validates shapes and part types first
-        payload: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
+        payload: dict[str, Any] = {"messages": _without_images(messages), "add_generation_prompt": True}
         if tools:
             payload["tools"] = tools
-        return await self._ask(payload) + rendered.images * self.image_tokens
+        return (await self._ask(payload))[0] + rendered.images * self.image_tokens
 
     async def aclose(self) -> None:
+        """Close the HTTP client."""
         await self._client.aclose()

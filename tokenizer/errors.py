@@ -1,10 +1,24 @@
-"""Typed errors of prompt counting. The gateway turns each into a 400 in the OpenAI shape;
-``param`` names the offending field as the OpenAI API does (``messages[2].content[1].type``)."""
+"""Typed errors of prompt counting. The gateway turns each into an OpenAI-shaped error with the
+error's ``status`` (400 for the request's own faults) and ``code``; ``param`` names the offending
+field as the OpenAI API does (``messages[2].content[1].type``, ``prompt[1]``)."""
 from __future__ import annotations
 
 
+def _short(value: object) -> str:
+    """``repr`` of a value for a message, bounded (huge ints cannot even be printed in full)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<a {value.bit_length()}-bit integer>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class TokenizerError(ValueError):
-    """Base class. ``param``: the request field at fault (or ``None``)."""
+    """Base class. ``param``: the request field at fault (or ``None``). ``status``: the HTTP status
+    the gateway answers with (400: the request is wrong). ``code``: the OpenAI ``code`` (``None``
+    for plain validation errors, as OpenAI sends)."""
+
+    status: int = 400
+    code: str | None = None
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -17,11 +31,14 @@ class InvalidPromptError(TokenizerError):
 
 
 class InvalidTokenIdError(TokenizerError):
-    """A token-id prompt holds an id that is negative or not in the vocabulary."""
+    """A token-id prompt holds an id that is negative or not defined by the model's tokenizer.
+
+    ``param`` is ``prompt`` for a single token-id prompt and ``prompt[i]`` for prompt ``i`` of a
+    list of token-id lists; ``token_id`` is the first bad id, ``vocab_size`` the id bound."""
 
     def __init__(self, token_id: object, vocab_size: int, param: str) -> None:
         super().__init__(
-            f"Invalid token id {token_id!r} in '{param}': ids must be integers in [0, {vocab_size}) "
+            f"Invalid token id {_short(token_id)} in '{param}': ids must be integers in [0, {vocab_size}) "
             "that the model's tokenizer defines.",
             param,
         )
@@ -30,11 +47,12 @@ class InvalidTokenIdError(TokenizerError):
 
 
 class UnknownContentPartError(TokenizerError):
-    """A chat content part has a ``type`` this model cannot take (or none at all)."""
+    """A chat content part has a ``type`` this model cannot take (or none at all).
+    ``param`` is ``messages[i].content[j].type``."""
 
     def __init__(self, part_type: object, param: str) -> None:
         super().__init__(
-            f"Unknown content part type {part_type!r} at '{param}'; expected one of "
+            f"Unknown content part type {_short(part_type)} at '{param}'; expected one of "
             "'text', 'image_url', 'input_image', 'refusal'.",
             param,
         )
@@ -46,4 +64,8 @@ class ImagesNotSupportedError(TokenizerError):
 
 
 class EngineTokenizeError(TokenizerError):
-    """The engine's tokenize endpoint failed or answered an unexpected shape."""
+    """The engine's tokenize endpoint failed or answered an unexpected shape: the engine's fault,
+    not the request's, so it is a 502 ``upstream_unavailable``."""
+
+    status = 502
+    code = "upstream_unavailable"

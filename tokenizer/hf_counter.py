@@ -1,87 +1,166 @@
 """Counting with a Hugging Face ``tokenizer.json`` and the Jinja chat template of
-``tokenizer_config.json`` (extra ``hf``: tokenizers, jinja2). Loads only from a local folder.
+``tokenizer_config.json`` (extra ``hf``: tokenizers, jinja2). Loads only from a local folder and
+never imports ``transformers`` (nor, through it, torch).
 
-The chat is rendered as ``transformers``' ``apply_chat_template`` does (``add_generation_prompt``
-true, ``tokenize`` with ``add_special_tokens=False``). A special-token look-alike in user text is
-counted as ordinary text (its text encoding), so the count never falls below the engine's.
+What is counted, and why it is never fewer than what the engine sees:
+
+- chats are rendered as ``transformers``' ``apply_chat_template(..., add_generation_prompt=True,
+  tokenize=True)`` does (same Jinja environment: ``trim_blocks``, ``lstrip_blocks``, loop
+  controls, its ``tojson``, ``raise_exception``, ``strftime_now``; the tokenizer's special tokens
+  as variables) and the rendered text is encoded without added BOS/EOS, as vLLM and SGLang do for
+  chats. Text content parts are joined with ``"\\n"`` (vLLM's rule for string-content templates);
+  each image part costs ``image_tokens`` instead;
+- a ``/v1/completions`` string prompt is encoded with the tokenizer's post-processor (BOS for
+  Llama-family tokenizers), as the engines' ``tokenizer.encode(prompt)`` does;
+- a special-token look-alike (``<|im_start|>``) in any request string is counted as ordinary text:
+  the engine's tokenizer would read it as one special token, kvgate adds the difference to its
+  text encoding (so the count is the engine's plus that surcharge, never less).
 """
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from tokenizer.base import PromptCounter
-from tokenizer.chat import _text_of_content, render_chatml
+from tokenizer.chat import IMAGE_PART_TYPES, render_chatml
 from tokenizer.errors import InvalidPromptError
+
+#: tokenizer_config.json keys passed to the template as variables (transformers' special_tokens_map).
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _strings(obj: Any) -> Iterator[str]:
+    """Every string (dict keys included) inside ``obj``, iteratively."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            yield x
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+
+
+def _compile_template(source: str) -> Any:
+    """The chat template compiled in transformers' sandboxed Jinja environment."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 class HFCounter(PromptCounter):
-    """A Hugging Face tokenizer folder. Raises ``FileNotFoundError`` when ``tokenizer.json`` is
-    missing and ``ImportError`` without the ``hf`` extra."""
+    """A Hugging Face tokenizer folder (``tokenizer.json``, optional ``tokenizer_config.json`` with
+    ``chat_template`` and the special tokens). Raises ``FileNotFoundError`` when ``tokenizer.json``
+    is missing and ``ImportError`` without the ``hf`` extra."""
 
     def __init__(self, path: str | Path, image_tokens: int = 765) -> None:
         from tokenizers import Tokenizer  # extra "hf"
 
         folder = Path(path)
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{tok_file}: no tokenizer.json in the model's tokenizer folder")
+        self.tokenizer = Tokenizer.from_file(str(tok_file))
+        #: the same tokenizer, reading special-token text as ordinary text
+        self._text_tokenizer = Tokenizer.from_file(str(tok_file))
+        self._text_tokenizer.encode_special_tokens = True
         cfg_path = folder / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.config: dict[str, Any] = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self._holes = frozenset(range(self.vocab_size)) - frozenset(vocab.values())
         self.image_tokens = image_tokens
-        self.special_tokens = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        specials = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        #: special token -> extra tokens when read as text (only those costing more than 1)
+        self._surcharge: dict[str, int] = {}
+        for s in specials:
+            extra = len(self._text_tokenizer.encode(s, add_special_tokens=False).ids) - 1
+            if extra > 0:
+                self._surcharge[s] = extra
+        self._by_prefix: dict[str, list[str]] = {}
+        for s in sorted(self._surcharge, key=len, reverse=True):
+            self._by_prefix.setdefault(s[:2], []).append(s)
         template = self.config.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self._template = None
-        if template:
-            import jinja2
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+        self._template = _compile_template(template) if isinstance(template, str) and template else None
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-
-            def raise_exception(msg: str) -> None:
-                raise jinja2.exceptions.TemplateError(msg)
-
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(template)
-
-    def _tok(self, name: str) -> str:
+    def _special_value(self, name: str) -> str | None:
         v = self.config.get(name)
-        return v.get("content", "") if isinstance(v, dict) else (v or "")
+        return v.get("content") if isinstance(v, dict) else v
 
-    def count_text(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids) + self._special_surcharge(text)
-
-    def _special_surcharge(self, text: str) -> int:
-        """Extra tokens so special look-alikes in user text count as text, not as one token."""
+    def special_surcharge(self, text: str) -> int:
+        """Extra tokens so that special-token look-alikes in ``text`` count as their text
+        encoding rather than as one special token (occurrences found left to right, longest first)."""
         extra = 0
-        for s in self.special_tokens:
-            n = text.count(s)
-            if n:
-                as_text = len(self.tokenizer.encode(s, add_special_tokens=False).ids)
-                # encode() of the literal gives the special id (1 token); as text it is longer
-                chars = sum(len(self.tokenizer.encode(ch, add_special_tokens=False).ids) for ch in s)
-                extra += n * max(0, max(as_text, chars) - 1)
+        for prefix, candidates in self._by_prefix.items():
+            i = text.find(prefix)
+            while i != -1:
+                step = 1
+                for s in candidates:
+                    if text.startswith(s, i):
+                        extra += self._surcharge[s]
+                        step = len(s)
+                        break
+                i = text.find(prefix, i + step)
         return extra
 
-    def is_valid_id(self, token_id: int) -> bool:
-        return 0 <= token_id < self.vocab_size and self.tokenizer.id_to_token(token_id) is not None
+    def count_text(self, text: str) -> int:
+        """Tokens of ``text`` as ordinary text (no BOS/EOS)."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids) + self.special_surcharge(text)
 
-    def count_chat(self, messages: Any, tools: Any = None) -> int:
+    def count_prompt_text(self, text: str) -> int:
+        """Tokens of a completions prompt, with the post-processor's BOS/EOS as engines add them."""
+        return len(self.tokenizer.encode(text, add_special_tokens=True).ids) + self.special_surcharge(text)
+
+    def is_valid_id(self, token_id: int) -> bool:
+        """Whether ``token_id`` is in the vocabulary (added tokens included)."""
+        return 0 <= token_id < self.vocab_size and token_id not in self._holes
+
+    def render_chat(self, messages: Any, tools: Any = None) -> tuple[str, int]:
+        """``(prompt text, image parts)``: the chat rendered with the model's template and the
+        generation prompt. Raises :class:`InvalidPromptError` for a bad shape, no template, or a
+        template that rejects the chat; :class:`~tokenizer.errors.UnknownContentPartError` for an
+        unknown part type."""
         rendered = render_chatml(messages, tools)  # validation (shapes, part types) only
         if self._template is None:
-            raise InvalidPromptError("This model's tokenizer has no chat template.", "messages")
+            raise InvalidPromptError("This model's tokenizer has no chat template; use /v1/completions.", "messages")
         plain = []
-        user_text = ""
-        for i, m in enumerate(messages):
-            texts, _ = _text_of_content(m.get("content"), f"messages[{i}].content")
-            text = "".join(texts)
-            user_text += text
-            plain.append({**m, "content": text})
-        prompt = self._template.render(messages=plain, tools=tools, add_generation_prompt=True,
-                                       bos_token=self._tok("bos_token"), eos_token=self._tok("eos_token"))
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "\n".join(p.get(p["type"]) for p in content if p["type"] not in IMAGE_PART_TYPES)
+            plain.append({**m, "content": content})
+        variables = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
+        try:
+            prompt = self._template.render(messages=plain, tools=tools or None, add_generation_prompt=True,
+                                           **variables)
+        except Exception as e:  # jinja2 TemplateError, or a template tripping over a value's type
+            raise InvalidPromptError(f"The model's chat template rejected the messages: {e}", "messages") from None
+        return prompt, rendered.images
+
+    def count_chat(self, messages: Any, tools: Any = None) -> int:
+        """Prompt tokens of a chat: the rendered template encoded without added BOS/EOS, plus the
+        special-token surcharge of every request string, plus ``image_tokens`` per image part."""
+        prompt, images = self.render_chat(messages, tools)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        return len(ids) + self._special_surcharge(user_text) + rendered.images * self.image_tokens
+        surcharge = sum(self.special_surcharge(s) for s in _strings([messages, tools]))
+        return len(ids) + surcharge + images * self.image_tokens
