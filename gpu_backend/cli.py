@@ -1,0 +1,273 @@
+"""``python -m gpu_backend`` (also ``kvgate backend``): flags, role wiring, uvicorn.
+
+Flags (DESIGN.md, "Backend flags"): ``--role all|prefill|decode|router``, ``--host``, ``--port``,
+``--prefill-url``, ``--decode-url``, ``--model``, ``--served-model-name``, ``--device``,
+``--context-length``, ``--page-size``, ``--max-total-tokens``, ``--mem-budget-bytes``; plus
+``--prefill-max-total-tokens`` / ``--decode-max-total-tokens`` (the two pools of ``--role all``),
+timeouts, ``--seed``, ``--dtype`` and ``--enable-debug-endpoints`` (test use). Defaults come from
+``config.models.BackendSettings`` as loaded from ``kvgate.yaml`` + ``KVGATE_BACKEND__*``
+(``--config`` picks the file): context 8,192, prefill pool 4,096 tokens, decode pool 16,384.
+
+Roles:
+- ``all``: one process; a prefill engine and a decode engine in process, transfer in process,
+  one port (default 30000) serving the router API and ``/server_info`` of the **prefill** pool.
+- ``prefill`` (default port 30001) / ``decode`` (30002): one engine each; prefill sends pages to
+  ``--decode-url`` over HTTP.
+- ``router`` (30000): no model, no torch; talks to ``--prefill-url`` and ``--decode-url``.
+
+Faults: ``KVGATE_FAULTS`` (see :mod:`gpu_backend.faults`), test use only.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from config.models import BackendSettings
+from gpu_backend.faults import UnknownFaultError, faults_from_env
+
+ROLE_PORTS = {"all": 30000, "router": 30000, "prefill": 30001, "decode": 30002}
+log = logging.getLogger("gpu_backend")
+
+
+def load_backend_settings(path: str | None) -> BackendSettings:
+    """The ``backend`` section of ``kvgate.yaml`` (+ env overrides). Raises ``ConfigError``."""
+    from config.loader import load_settings
+
+    return load_settings(path).backend
+
+
+def _pool_arg(value: str) -> int | None:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be >= 0 (0: derive the pool from memory)")
+    return n or None
+
+
+def build_parser(d: BackendSettings) -> argparse.ArgumentParser:
+    """The argument parser, defaults from ``d``."""
+    p = argparse.ArgumentParser(prog="python -m gpu_backend", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default=None, help="kvgate.yaml to read the backend defaults from")
+    p.add_argument("--role", choices=["all", "prefill", "decode", "router"], default=d.role)
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=None, help="default: 30000 (all, router), 30001 (prefill), "
+                                                          "30002 (decode)")
+    p.add_argument("--prefill-url", default=d.prefill_url, help="router: the prefill node")
+    p.add_argument("--decode-url", default=d.decode_url, help="router and prefill: the decode node")
+    p.add_argument("--model", default=d.model, help="tiny-random, copy-probe or a local HF Llama folder")
+    p.add_argument("--served-model-name", default=d.served_model_name)
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--context-length", type=int, default=d.context_length)
+    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--max-total-tokens", type=_pool_arg, default=d.max_total_tokens,
+                   help="this node's KV pool cap in tokens (role all: the prefill pool); 0: from memory. "
+                        "Default: 4,096 for prefill, 16,384 for decode")
+    p.add_argument("--prefill-max-total-tokens", type=_pool_arg, default=d.prefill_max_total_tokens)
+    p.add_argument("--decode-max-total-tokens", type=_pool_arg, default=d.decode_max_total_tokens)
+    p.add_argument("--mem-budget-bytes", type=int, default=d.mem_budget_bytes,
+                   help="on CPU: stands in for free device memory when sizing the pool")
+    p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    p.add_argument("--pool-wait-timeout-seconds", type=float, default=d.pool_wait_timeout_seconds)
+    p.add_argument("--transfer-timeout-seconds", type=float, default=d.transfer_timeout_seconds)
+    p.add_argument("--request-timeout-seconds", type=float, default=None,
+                   help="router: arrival to first token (default: 2 x pool wait + transfer timeout + 30)")
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--enable-debug-endpoints", action="store_true",
+                   help="serve /debug/pool (pool free/used pages and a zero check); test use only")
+    return p
+
+
+@dataclass
+class Options:
+    """Resolved flags (see :func:`build_parser`)."""
+
+    ns: argparse.Namespace
+    faults: frozenset[str]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ns, name)
+
+    @property
+    def port_resolved(self) -> int:
+        return self.ns.port if self.ns.port is not None else ROLE_PORTS[self.ns.role]
+
+    @property
+    def open_timeout(self) -> float:
+        t = self.ns.request_timeout_seconds
+        return t if t else 2 * self.ns.pool_wait_timeout_seconds + self.ns.transfer_timeout_seconds + 30.0
+
+    def pool_tokens(self, side: str) -> int | None:
+        """The pool cap of ``side`` (``prefill``/``decode``) for this role."""
+        if self.ns.role == side:
+            if self.ns.max_total_tokens is not None:
+                return self.ns.max_total_tokens
+            return self.ns.prefill_max_total_tokens if side == "prefill" else self.ns.decode_max_total_tokens
+        if side == "prefill" and self.ns.max_total_tokens is not None:
+            return self.ns.max_total_tokens
+        return self.ns.prefill_max_total_tokens if side == "prefill" else self.ns.decode_max_total_tokens
+
+
+def parse_args(argv: list[str] | None = None) -> Options:
+    """Parse flags (defaults from ``--config``/``KVGATE_CONFIG``'s backend section and env).
+    Raises ``SystemExit`` on bad flags, ``ConfigError``/``UnknownFaultError`` on bad config."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    ns = build_parser(load_backend_settings(known.config)).parse_args(argv)
+    return Options(ns, faults_from_env())
+
+
+def make_engine(opts: Options, side: str) -> Any:
+    """An :class:`~gpu_backend.engine.Engine` for ``side`` (imports torch)."""
+    from gpu_backend.engine import Engine, EngineConfig
+
+    cfg = EngineConfig(model=opts.model, device=opts.device, context_length=opts.context_length,
+                       page_size=opts.page_size, max_total_tokens=opts.pool_tokens(side),
+                       mem_budget_bytes=opts.mem_budget_bytes, mem_fraction_static=opts.mem_fraction_static,
+                       pool_wait_timeout_seconds=opts.pool_wait_timeout_seconds,
+                       max_running_requests=opts.max_running_requests, seed=opts.seed, dtype=opts.dtype,
+                       faults=opts.faults)
+    return Engine(cfg)
+
+
+def _router_config(opts: Options) -> Any:
+    from gpu_backend.servers import RouterConfig
+    from tokenizer import bundled_counter
+
+    return RouterConfig(counter=bundled_counter(), context_length=opts.context_length,
+                        served_model_name=opts.served_model_name, model_names=[opts.model])
+
+
+def _http_client(opts: Options) -> Any:
+    import httpx
+
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
+                             timeout=httpx.Timeout(opts.open_timeout, connect=10.0))
+
+
+def build_app(opts: Options) -> Any:
+    """The FastAPI app of ``opts.role``, with a lifespan that starts/stops engines and clients."""
+    from gpu_backend import servers
+    from gpu_backend.servers import pool_report
+
+    role = opts.role
+    if role == "all":
+        from gpu_backend.decode_node import DecodeNode
+        from gpu_backend.prefill_node import LocalSink, PrefillNode
+        from gpu_backend.router import LocalDecodeClient, LocalPrefillClient, Router
+
+        pe, de = make_engine(opts, "prefill"), make_engine(opts, "decode")
+        dnode = DecodeNode(de, faults=opts.faults, transfer_timeout_seconds=opts.transfer_timeout_seconds)
+        pnode = PrefillNode(pe, LocalSink(dnode), transfer_timeout_seconds=opts.transfer_timeout_seconds)
+        router = Router(LocalPrefillClient(pnode), LocalDecodeClient(dnode), open_timeout=opts.open_timeout)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: Any) -> AsyncIterator[None]:
+            await pe.start()
+            await de.start()
+            try:
+                yield
+            finally:
+                await router.drain()
+                await pe.stop()
+                await de.stop()
+
+        async def info() -> dict[str, Any]:
+            return pnode.server_info()
+
+        debug = (lambda: {"prefill": pool_report(pe), "decode": pool_report(de)}) \
+            if opts.enable_debug_endpoints else None
+        app = servers.build_router_app(router, _router_config(opts), server_info=info, debug_pools=debug,
+                                       lifespan=lifespan)
+        app.state.engines = {"prefill": pe, "decode": de}
+        app.state.nodes = {"prefill": pnode, "decode": dnode}
+        return app
+    if role == "router":
+        from gpu_backend.router import HttpDecodeClient, HttpPrefillClient, Router, remote_error
+
+        holder: dict[str, Any] = {}
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: Any) -> AsyncIterator[None]:
+            client = holder["client"] = _http_client(opts)
+            router.prefill = HttpPrefillClient(opts.prefill_url, client, opts.open_timeout)
+            router.decode = HttpDecodeClient(opts.decode_url, client, opts.open_timeout)
+            try:
+                yield
+            finally:
+                await router.drain()
+                await client.aclose()
+
+        router = Router(None, None, open_timeout=opts.open_timeout)  # type: ignore[arg-type]
+
+        async def info() -> dict[str, Any]:
+            r = await holder["client"].get(opts.prefill_url.rstrip("/") + "/server_info", timeout=5.0)
+            if r.status_code != 200:
+                raise remote_error(r.status_code, r.json() if r.content else None)
+            return r.json()
+
+        return servers.build_router_app(router, _router_config(opts), server_info=info, lifespan=lifespan)
+    engine = make_engine(opts, role)
+    debug = (lambda: {role: pool_report(engine)}) if opts.enable_debug_endpoints else None
+    if role == "prefill":
+        from gpu_backend.prefill_node import HttpSink, PrefillNode
+
+        pnode = PrefillNode(engine, None, transfer_timeout_seconds=opts.transfer_timeout_seconds)  # type: ignore
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: Any) -> AsyncIterator[None]:
+            client = _http_client(opts)
+            pnode.sink = HttpSink(opts.decode_url, client, opts.transfer_timeout_seconds)
+            await engine.start()
+            try:
+                yield
+            finally:
+                await engine.stop()
+                await client.aclose()
+
+        app = servers.build_prefill_app(pnode, debug_pools=debug, lifespan=lifespan)
+        app.state.engines, app.state.nodes = {"prefill": engine}, {"prefill": pnode}
+        return app
+    from gpu_backend.decode_node import DecodeNode
+
+    dnode = DecodeNode(engine, faults=opts.faults, transfer_timeout_seconds=opts.transfer_timeout_seconds)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = servers.build_decode_app(dnode, debug_pools=debug, lifespan=lifespan)
+    app.state.engines, app.state.nodes = {"decode": engine}, {"decode": dnode}
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, build the role's app, serve it with uvicorn until SIGINT/SIGTERM."""
+    from config.loader import ConfigError
+
+    try:
+        opts = parse_args(argv)
+    except (ConfigError, UnknownFaultError) as e:
+        print(f"gpu_backend: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = build_app(opts)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"gpu_backend: cannot start the {opts.role} role: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    uvicorn.run(app, host=opts.host, port=opts.port_resolved, log_level=opts.log_level, access_log=False,
+                timeout_graceful_shutdown=10)
+    return 0

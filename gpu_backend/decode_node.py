@@ -1,0 +1,229 @@
+"""The decode node: reserves pages per bootstrap room, accepts a transfer only when it matches the
+reservation (DESIGN.md invariant 2), then generates over the received KV.
+
+A room's life (see :mod:`gpu_backend.bootstrap`): the router's generate call reserves
+``prompt_tokens + max_new_tokens`` (waiting while the pool is momentarily full; 503
+``pool_exhausted`` after the engine's timeout, never a 400) and waits up to
+``transfer_timeout_seconds`` for prefill's pages. A transfer whose ``num_tokens`` differs from the
+reserved prompt length is refused: the room fails with :class:`TransferMismatchError` (500
+``transfer_mismatch``), the reservation is freed and nothing is generated. Under the test-only
+fault ``skip_transfer_check`` the mismatch is accepted and decode attends over every reserved
+prompt position, as in the incident. Every exit path (finish, abort, release, timeout, client
+gone) frees the reservation.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, AsyncIterator
+
+import torch
+
+from config.errors import ErrorCode
+from gpu_backend.bootstrap import RoomClosedError, RoomState, RoomTable
+from gpu_backend.engine import Engine, TokenEvent
+from gpu_backend.errors import EngineError, InvalidRequestError, RequestAbortedError, TransferMismatchError
+from gpu_backend.sampling import SamplingParams
+from gpu_backend.transfer import Manifest, verify_pages
+
+log = logging.getLogger("gpu_backend.decode")
+
+
+class TransferTimeoutError(EngineError):
+    """504 ``upstream_timeout``: prefill's pages did not arrive within ``transfer_timeout_seconds``
+    (or no reservation appeared for a transfer); the room is released."""
+
+    status = 504
+    code = ErrorCode.UPSTREAM_TIMEOUT
+
+
+class RoomGoneError(EngineError):
+    """410 ``room_closed``: a transfer or generate call for a room that was already released,
+    finished or failed (e.g. the router released it after a client disconnect)."""
+
+    status = 410
+    code = "room_closed"
+
+
+class DuplicateTransferError(EngineError):
+    """409 ``duplicate_transfer``: a second transfer for a room that already received one."""
+
+    status = 409
+    code = "duplicate_transfer"
+
+
+def sampling_params(params: dict[str, Any]) -> SamplingParams:
+    """Build and validate :class:`SamplingParams` from the router's dict (400 on bad values)."""
+    allowed = set(SamplingParams.__dataclass_fields__)
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", param="sampling_params")
+    try:
+        sp = SamplingParams(**params)
+    except TypeError as e:
+        raise InvalidRequestError(f"bad sampling parameters: {e}", param="sampling_params") from e
+    sp.validate()
+    return sp
+
+
+class DecodeNode:
+    """Wraps a decode-side :class:`Engine` with the room table and the transfer check.
+
+    ``faults``: the process's fault set (only ``skip_transfer_check`` matters here; ``no_scrub``
+    is the engine's). ``transfer_timeout_seconds``: how long a reservation waits for its pages and a
+    transfer waits for its reservation.
+    """
+
+    def __init__(self, engine: Engine, *, faults: frozenset[str] = frozenset(),
+                 transfer_timeout_seconds: float = 30.0) -> None:
+        self.engine = engine
+        self.skip_transfer_check = "skip_transfer_check" in faults
+        self.transfer_timeout = transfer_timeout_seconds
+        self.rooms = RoomTable(tombstone_seconds=max(120.0, 4 * transfer_timeout_seconds))
+        self.counters = {"transfers_accepted": 0, "transfers_refused": 0, "transfer_mismatches": 0,
+                         "transfer_timeouts": 0, "released": 0}
+
+    def server_info(self) -> dict[str, Any]:
+        """The engine's SGLang fields with ``disaggregation_mode`` ``"decode"`` and live room count."""
+        info = dict(self.engine.server_info())
+        info["disaggregation_mode"] = "decode"
+        info["live_rooms"] = len(self.rooms)
+        return info
+
+    @staticmethod
+    def engine_request_id(request_id: str, room: int) -> str:
+        """The engine-side id of a room's request (unique per room)."""
+        return f"{request_id}@{room:016x}"
+
+    async def generate(self, room: int, request_id: str, prompt_ids: list[int],
+                       params: dict[str, Any]) -> AsyncIterator[TokenEvent]:
+        """Reserve, wait for the transfer, then yield the engine's :class:`TokenEvent` s.
+
+        Raises :class:`PoolExhaustedError` (503), :class:`TransferMismatchError` (500),
+        :class:`TransferTimeoutError` (504), :class:`RoomGoneError` (410) or
+        :class:`RequestAbortedError` (499, released meanwhile) before the first event.
+        """
+        sp = sampling_params(params)
+        if not prompt_ids:
+            raise InvalidRequestError("prompt_ids must not be empty", param="prompt")
+        try:
+            r = self.rooms.open(room)
+        except RoomClosedError as e:
+            raise RoomGoneError(str(e)) from None
+        if r.request_id is not None:
+            raise InvalidRequestError(f"room {room} already has a generate call", param="room")
+        rid = self.engine_request_id(request_id, room)
+        r.request_id, r.prompt_tokens, r.max_new_tokens = rid, len(prompt_ids), sp.max_new_tokens
+        reserve = asyncio.ensure_future(self.engine.reserve(rid, len(prompt_ids), sp.max_new_tokens))
+        reason = "finished"
+        try:
+            closed = asyncio.ensure_future(r.closed.wait())
+            try:
+                await asyncio.wait({reserve, closed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                closed.cancel()
+            if not reserve.done():
+                raise r.error or RequestAbortedError(f"room {room} was released while reserving")
+            reserve.result()  # PoolExhaustedError / InvalidRequestError propagate
+            if r.closed.is_set():
+                raise r.error or RequestAbortedError(f"room {room} was released")
+            r.state = RoomState.RESERVED
+            r.reserved.set()
+            try:
+                loaded = await r.wait_for(r.loaded, self.transfer_timeout)
+            except asyncio.TimeoutError:
+                self.counters["transfer_timeouts"] += 1
+                raise TransferTimeoutError(
+                    f"no KV transfer arrived for room {room} within {self.transfer_timeout:g} s") from None
+            if not loaded:
+                raise r.error or RequestAbortedError(f"room {room} was released")
+            r.state = RoomState.DECODING
+            events = self.engine.decode_reserved(rid, prompt_ids, r.manifest.first_token_id, sp, r.context_tokens)
+            async with contextlib.aclosing(events) as evs:
+                async for ev in evs:
+                    yield ev
+                    if ev.finished:
+                        return
+        except BaseException as e:
+            reason = f"failed: {type(e).__name__}"
+            raise
+        finally:
+            if not reserve.done():
+                reserve.cancel()
+                # a reservation completing despite the cancel is freed as soon as it lands
+                reserve.add_done_callback(lambda _f: self.engine.release(rid))
+            self.engine.release(rid)
+            self.rooms.close(room, reason)
+
+    async def accept_transfer(self, manifest: Manifest, kv: torch.Tensor, *, verified: bool = False) -> int:
+        """Accept prefill's pages for ``manifest.room``; returns the context tokens decode will
+        attend over. Waits up to ``transfer_timeout_seconds`` for the reservation.
+
+        ``verified``: the payload's checksums were already checked (HTTP path); otherwise they are
+        checked here. Raises :class:`RoomGoneError` (410), :class:`DuplicateTransferError` (409),
+        :class:`TransferMismatchError` (500; the room fails and its pages are freed),
+        :class:`TransferTimeoutError` (504), ``TransferFormatError`` (400).
+        """
+        if not verified:
+            verify_pages(manifest, kv)
+        try:
+            r = self.rooms.open(manifest.room)
+        except RoomClosedError as e:
+            self.counters["transfers_refused"] += 1
+            raise RoomGoneError(str(e)) from None
+        if r.manifest is not None:
+            self.counters["transfers_refused"] += 1
+            raise DuplicateTransferError(f"room {manifest.room} already received a transfer")
+        r.manifest = manifest
+        try:
+            reserved = await r.wait_for(r.reserved, self.transfer_timeout)
+        except asyncio.TimeoutError:
+            self.counters["transfer_timeouts"] += 1
+            err = TransferTimeoutError(f"no reservation for room {manifest.room} within {self.transfer_timeout:g} s")
+            self._fail(manifest.room, r, "transfer without reservation", err)
+            raise err from None
+        if not reserved:
+            self.counters["transfers_refused"] += 1
+            raise RoomGoneError(f"bootstrap room {manifest.room} is closed ({r.close_reason})")
+        assert r.prompt_tokens is not None and r.request_id is not None
+        if manifest.num_tokens != r.prompt_tokens:
+            self.counters["transfer_mismatches"] += 1
+            if not self.skip_transfer_check:
+                err = TransferMismatchError(
+                    f"decode reserved {r.prompt_tokens} prompt tokens for room {manifest.room} but the transfer "
+                    f"holds {manifest.num_tokens}; the request is aborted and nothing is generated")
+                self._fail(manifest.room, r, "transfer mismatch", err)
+                raise err
+            log.warning("fault skip_transfer_check: room %d accepted %d of %d tokens; decode attends over all "
+                        "%d reserved positions", manifest.room, manifest.num_tokens, r.prompt_tokens, r.prompt_tokens)
+            context = r.prompt_tokens
+        else:
+            context = manifest.num_tokens
+        try:
+            self.engine.load_pages(r.request_id, kv, manifest.num_tokens)
+        except Exception as e:
+            self._fail(manifest.room, r, "load_pages failed", e)
+            raise
+        r.context_tokens = context
+        r.state = RoomState.LOADED
+        r.loaded.set()
+        self.counters["transfers_accepted"] += 1
+        return context
+
+    def _fail(self, room: int, r: Any, reason: str, err: BaseException) -> None:
+        self.rooms.close(room, reason, err)
+        if r.request_id is not None:
+            self.engine.release(r.request_id)
+
+    def release(self, room: int) -> bool:
+        """Release ``room`` (router: prefill rejected it, the client left, an abort): frees the
+        reservation or aborts the running decode; later transfers for it are refused. Idempotent;
+        True if the room was live."""
+        r = self.rooms.close(room, "released", RequestAbortedError(f"room {room} was released"))
+        if r is None:
+            return False
+        self.counters["released"] += 1
+        if r.request_id is not None:
+            self.engine.release(r.request_id)
+        return True

@@ -1,0 +1,136 @@
+"""The prefill node: admits or rejects a prompt, runs the forward pass, and sends the written pages
+with a manifest to the decode node (in process, or over HTTP as safetensors).
+
+Admission is the engine's (:meth:`Engine.prefill_export`): a prompt over ``max_req_input_len`` is
+retired there with :class:`PromptTooLongError` before any page, bootstrap or transfer (DESIGN.md
+invariant 1), and the router answers the 400. Only the ``admit_rejected`` fault (test use) lets
+it through as a one-token placeholder, which is then sent as one page, as in the incident.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Protocol
+
+import httpx
+import torch
+
+from gpu_backend.engine import Engine
+from gpu_backend.errors import PromptTooLongError, RequestAbortedError
+from gpu_backend.router import remote_error
+from gpu_backend.transfer import CONTENT_TYPE, Manifest, build_manifest, encode_transfer
+
+log = logging.getLogger("gpu_backend.prefill")
+
+#: Above this many bytes of KV, hashing and serialising run in a worker thread.
+_OFFLOAD_BYTES = 256 * 1024
+
+
+class TransferSink(Protocol):
+    """Where prefill sends pages: a decode node in process or over HTTP."""
+
+    async def send(self, manifest: Manifest, kv: torch.Tensor) -> None:
+        """Deliver the pages; raises the decode node's error when it refuses them."""
+
+
+class LocalSink:
+    """In-process transfer (``--role all``): hands manifest + tensor to the decode node."""
+
+    def __init__(self, decode_node: Any) -> None:
+        self.decode_node = decode_node
+
+    async def send(self, manifest: Manifest, kv: torch.Tensor) -> None:
+        await self.decode_node.accept_transfer(manifest, kv)
+
+
+class HttpSink:
+    """Transfer over HTTP: ``POST {decode_url}/disagg/transfer`` with the safetensors payload of
+    :func:`gpu_backend.transfer.encode_transfer` (content type :data:`CONTENT_TYPE`)."""
+
+    def __init__(self, decode_url: str, client: httpx.AsyncClient, timeout_seconds: float) -> None:
+        self.url = decode_url.rstrip("/") + "/disagg/transfer"
+        self.client = client
+        self.timeout = timeout_seconds
+
+    async def send(self, manifest: Manifest, kv: torch.Tensor) -> None:
+        big = kv.numel() * kv.element_size() > _OFFLOAD_BYTES
+        payload = await asyncio.to_thread(encode_transfer, manifest, kv) if big else encode_transfer(manifest, kv)
+        r = await self.client.post(self.url, content=payload, headers={"content-type": CONTENT_TYPE},
+                                   timeout=self.timeout)
+        if r.status_code != 200:
+            try:
+                body = r.json()
+            except ValueError:
+                body = None
+            raise remote_error(r.status_code, body)
+
+
+class PrefillNode:
+    """Wraps a prefill-side :class:`Engine` and a :class:`TransferSink`.
+
+    ``transfer_timeout_seconds`` bounds the send (the decode node may wait for its reservation).
+    ``abort(request_id)`` stops a request at any point: during the forward pass the engine frees
+    its pages; afterwards the pages are already freed and the transfer is not sent.
+    """
+
+    def __init__(self, engine: Engine, sink: TransferSink, *, transfer_timeout_seconds: float = 30.0) -> None:
+        self.engine = engine
+        self.sink = sink
+        self.transfer_timeout = transfer_timeout_seconds
+        self._live: dict[str, str] = {}
+        self._aborted: dict[str, float] = {}
+        self.counters = {"prefilled": 0, "rejected": 0, "placeholders": 0, "aborted": 0}
+
+    def server_info(self) -> dict[str, Any]:
+        """The engine's SGLang fields with ``disaggregation_mode`` ``"prefill"``."""
+        info = dict(self.engine.server_info())
+        info["disaggregation_mode"] = "prefill"
+        return info
+
+    def _was_aborted(self, request_id: str) -> bool:
+        now = time.monotonic()
+        for k in [k for k, t in self._aborted.items() if now - t > 300]:
+            del self._aborted[k]
+        return request_id in self._aborted
+
+    async def prefill(self, room: int, request_id: str, prompt_ids: list[int], *,
+                      param: str = "prompt") -> dict[str, Any]:
+        """Admit + prefill + send. Returns ``{num_tokens, first_token_id, prefill_seconds,
+        placeholder, original_prompt_tokens}``. Raises :class:`PromptTooLongError` (400,
+        ``param`` as given: ``prompt`` or ``messages``), :class:`PoolExhaustedError` (503),
+        :class:`RequestAbortedError` (499), or the decode node's refusal."""
+        if self._was_aborted(request_id):
+            raise RequestAbortedError(f"request {request_id} was aborted")
+        rid = f"{request_id}@{room:016x}"
+        self._live[request_id] = rid
+        try:
+            res = await self.engine.prefill_export(rid, prompt_ids)
+        except PromptTooLongError as e:
+            self.counters["rejected"] += 1
+            raise PromptTooLongError(e.prompt_tokens, e.max_req_input_len, request_id=request_id,
+                                     param=param) from None
+        finally:
+            if self._live.get(request_id) == rid:
+                del self._live[request_id]
+        if self._was_aborted(request_id):
+            self.counters["aborted"] += 1
+            raise RequestAbortedError(f"request {request_id} was aborted")
+        self.counters["prefilled"] += 1
+        self.counters["placeholders"] += int(res.placeholder)
+        kw = dict(room=room, request_id=request_id, kv=res.kv, num_tokens=res.num_tokens,
+                  first_token_id=res.first_token_id, prefill_seconds=res.prefill_seconds,
+                  placeholder=res.placeholder, original_prompt_tokens=res.original_prompt_tokens)
+        big = res.kv.numel() * res.kv.element_size() > _OFFLOAD_BYTES
+        manifest = await asyncio.to_thread(lambda: build_manifest(**kw)) if big else build_manifest(**kw)
+        await asyncio.wait_for(self.sink.send(manifest, res.kv), self.transfer_timeout)
+        return {"num_tokens": res.num_tokens, "first_token_id": res.first_token_id,
+                "prefill_seconds": res.prefill_seconds, "placeholder": res.placeholder,
+                "original_prompt_tokens": res.original_prompt_tokens}
+
+    def abort(self, request_id: str) -> None:
+        """Abort ``request_id`` (idempotent; also before it arrives: it is then refused)."""
+        self._aborted[request_id] = time.monotonic()
+        rid = self._live.get(request_id)
+        if rid is not None:
+            self.engine.abort(rid)

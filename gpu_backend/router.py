@@ -1,0 +1,396 @@
+"""The router: one request's way through prefill and decode (no torch here).
+
+Per request (DESIGN.md, "The bundled backend"; SGLang's PD router):
+
+1. draw a bootstrap room (:func:`gpu_backend.bootstrap.new_room`);
+2. at once, ask decode to **generate** in that room (decode reserves pages for prompt +
+   max_new_tokens, waits for the transfer, then streams tokens) and ask prefill to **prefill** it
+   (admit or reject, forward pass, send pages + manifest to decode);
+3. prefill rejected (400 ``context_length_exceeded``) or failed: decode is told to release the
+   room and its reservation is freed; decode failed (pool exhausted 503, transfer mismatch 500,
+   timeout): prefill is told to abort;
+4. otherwise stream decode's tokens. Client disconnect, ``/abort_request`` and timeouts release
+   the room on decode and abort the request on prefill.
+
+Nodes are reached through :class:`PrefillClient` / :class:`DecodeClient`: in process for
+``--role all`` (:class:`LocalPrefillClient`, :class:`LocalDecodeClient`) or over HTTP between
+processes (:class:`HttpPrefillClient`, :class:`HttpDecodeClient`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Protocol
+
+import httpx
+import orjson
+
+from config.errors import ErrorCode, OpenAIError
+from gpu_backend.bootstrap import new_room
+
+log = logging.getLogger("gpu_backend.router")
+
+
+@dataclass
+class Token:
+    """One generated token as the router sees it (the engine's ``TokenEvent`` fields)."""
+
+    token_id: int
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class PrefillOutcome:
+    """What prefill reports back after sending the pages: tokens written, first token, prefill
+    seconds, whether the prompt was a rejection placeholder, the prompt's own length."""
+
+    num_tokens: int
+    first_token_id: int
+    prefill_seconds: float
+    placeholder: bool
+    original_prompt_tokens: int
+
+
+def as_openai_error(exc: BaseException) -> OpenAIError:
+    """Map any engine/node error to :class:`OpenAIError` (engine errors keep status, code, param)."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    to_openai = getattr(exc, "to_openai", None)
+    if callable(to_openai):
+        return to_openai()
+    if isinstance(exc, asyncio.TimeoutError):
+        return OpenAIError(status=504, message="The backend timed out.", code=ErrorCode.UPSTREAM_TIMEOUT)
+    if isinstance(exc, httpx.HTTPError):
+        return OpenAIError(status=502, message=f"A backend node is unreachable: {type(exc).__name__}.",
+                           code=ErrorCode.UPSTREAM_UNAVAILABLE)
+    return OpenAIError(status=500, message=f"Internal error: {type(exc).__name__}.", code=ErrorCode.INTERNAL_ERROR)
+
+
+def remote_error(status: int, body: Any) -> OpenAIError:
+    """Rebuild an :class:`OpenAIError` from a node's JSON error body (OpenAI shape)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return OpenAIError(status=status, message=err["message"], code=err.get("code"), param=err.get("param"),
+                           type=err.get("type"))
+    return OpenAIError(status=status if status >= 400 else 502, message=f"Backend node answered {status}.",
+                       code=ErrorCode.UPSTREAM_UNAVAILABLE)
+
+
+class PrefillClient(Protocol):
+    """How the router reaches a prefill node."""
+
+    async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
+        """Admit + prefill + send pages to decode. Raises the node's error (e.g. 400 context_length_exceeded)."""
+
+    async def abort(self, request_id: str) -> None:
+        """Abort the request on prefill (frees its pages); idempotent."""
+
+
+class DecodeClient(Protocol):
+    """How the router reaches a decode node."""
+
+    def generate(self, room: int, request_id: str, prompt_ids: list[int],
+                 params: dict[str, Any]) -> AsyncIterator[Token]:
+        """Reserve, wait for the transfer, stream tokens. Closing the iterator frees the room."""
+
+    async def release(self, room: int) -> None:
+        """Release the room: frees a reservation, aborts a running decode; idempotent."""
+
+
+class LocalPrefillClient:
+    """In-process prefill (``--role all``): calls :class:`gpu_backend.prefill_node.PrefillNode`."""
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+
+    async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
+        out = await self.node.prefill(room, request_id, prompt_ids, param=param)
+        return PrefillOutcome(**out)
+
+    async def abort(self, request_id: str) -> None:
+        self.node.abort(request_id)
+
+
+class LocalDecodeClient:
+    """In-process decode (``--role all``): calls :class:`gpu_backend.decode_node.DecodeNode`."""
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+
+    async def generate(self, room: int, request_id: str, prompt_ids: list[int],
+                       params: dict[str, Any]) -> AsyncIterator[Token]:
+        async with contextlib.aclosing(self.node.generate(room, request_id, prompt_ids, params)) as events:
+            async for ev in events:
+                yield Token(ev.token_id, ev.text, ev.finished, ev.finish_reason, ev.prompt_tokens,
+                            ev.completion_tokens)
+
+    async def release(self, room: int) -> None:
+        self.node.release(room)
+
+
+class HttpPrefillClient:
+    """Prefill node over HTTP: ``POST /disagg/prefill`` and ``/disagg/abort`` (JSON)."""
+
+    def __init__(self, base_url: str, client: httpx.AsyncClient, timeout_seconds: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.client = client
+        self.timeout = timeout_seconds
+
+    async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
+        r = await self.client.post(f"{self.base_url}/disagg/prefill", timeout=self.timeout,
+                                   content=orjson.dumps({"room": room, "request_id": request_id,
+                                                         "prompt_ids": prompt_ids, "param": param}),
+                                   headers={"content-type": "application/json"})
+        body = _json_or_none(r.content)
+        if r.status_code != 200:
+            raise remote_error(r.status_code, body)
+        return PrefillOutcome(**body)
+
+    async def abort(self, request_id: str) -> None:
+        await self.client.post(f"{self.base_url}/disagg/abort", json={"request_id": request_id}, timeout=10.0)
+
+
+class HttpDecodeClient:
+    """Decode node over HTTP: ``POST /disagg/generate`` (NDJSON stream of tokens, an in-band
+    ``{"error": ..., "status": n}`` line on failure) and ``POST /disagg/release``."""
+
+    def __init__(self, base_url: str, client: httpx.AsyncClient, timeout_seconds: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.client = client
+        self.timeout = timeout_seconds
+
+    async def generate(self, room: int, request_id: str, prompt_ids: list[int],
+                       params: dict[str, Any]) -> AsyncIterator[Token]:
+        payload = orjson.dumps({"room": room, "request_id": request_id, "prompt_ids": prompt_ids, "params": params})
+        async with self.client.stream("POST", f"{self.base_url}/disagg/generate", content=payload,
+                                      headers={"content-type": "application/json"}, timeout=self.timeout) as r:
+            if r.status_code != 200:
+                raise remote_error(r.status_code, _json_or_none(await r.aread()))
+            async for line in r.aiter_lines():
+                if not line:
+                    continue
+                obj = orjson.loads(line)
+                if "error" in obj:
+                    raise remote_error(int(obj.get("status", 500)), obj)
+                tok = Token(**obj)
+                yield tok
+                if tok.finished:
+                    return
+        raise OpenAIError(status=502, message="Decode node closed the stream early.",
+                          code=ErrorCode.UPSTREAM_UNAVAILABLE)
+
+    async def release(self, room: int) -> None:
+        await self.client.post(f"{self.base_url}/disagg/release", json={"room": room}, timeout=10.0)
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+class RouterStream:
+    """An admitted request: ``outcome`` (prefill's report), then async iteration over decode's
+    :class:`Token` s (the last has ``finished``). ``abort()`` ends it with ``finish_reason``
+    ``"abort"``; ``aclose()`` (or leaving early) releases the room on decode and aborts prefill."""
+
+    def __init__(self, router: "Router", room: int, request_id: str, tokens: AsyncIterator[Token],
+                 prompt_tokens: int) -> None:
+        self.router = router
+        self.room = room
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.outcome: PrefillOutcome | None = None
+        self.aborted = False
+        self.finished = False
+        self._tokens = tokens
+        self._first: asyncio.Future[Token] | None = None
+        self._pending_first: Token | None = None
+        self._closed = False
+        self.completion_tokens = 0
+
+    def __aiter__(self) -> "RouterStream":
+        return self
+
+    def _abort_event(self) -> Token:
+        self.finished = True
+        return Token(-1, "", True, "abort", self.prompt_tokens, self.completion_tokens)
+
+    async def __anext__(self) -> Token:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            if self._pending_first is not None:
+                tok, self._pending_first = self._pending_first, None
+            else:
+                tok = await asyncio.wait_for(self._tokens.__anext__(), self.router.token_timeout)
+        except StopAsyncIteration:
+            self.finished = True
+            self.router._forget(self)
+            if self.aborted:
+                return self._abort_event()
+            raise OpenAIError(status=502, message="Decode ended without a final token.",
+                              code=ErrorCode.UPSTREAM_UNAVAILABLE)
+        except BaseException as e:
+            if self.aborted and not isinstance(e, asyncio.CancelledError):
+                self.close_now()
+                return self._abort_event()
+            self.close_now()
+            raise
+        self.completion_tokens = tok.completion_tokens
+        if tok.finished:
+            self.finished = True
+            self.router._forget(self)
+        return tok
+
+    def abort(self) -> None:
+        """Abort (``/abort_request``): decode ends the request with ``finish_reason`` ``"abort"``."""
+        if self.finished or self.aborted:
+            return
+        self.aborted = True
+        self.router._spawn(self.router.decode.release(self.room))
+        self.router._spawn(self.router.prefill.abort(self.request_id))
+
+    def close_now(self) -> None:
+        """Release both sides without awaiting (safe inside a cancelled task): the network calls
+        run as detached tasks."""
+        if self._closed:
+            return
+        self._closed = True
+        self.router._forget(self)
+        if self._first is not None and not self._first.done():
+            self._first.cancel()
+        if not self.finished:
+            self.router._spawn(self.router.decode.release(self.room))
+            self.router._spawn(self.router.prefill.abort(self.request_id))
+        self.router._spawn(_close_iter(self._tokens, self._first))
+
+    async def aclose(self) -> None:
+        """Same as :meth:`close_now` (awaitable for ``async with``-style use)."""
+        self.close_now()
+
+
+async def _close_iter(it: AsyncIterator[Token], first: asyncio.Future | None) -> None:
+    if first is not None:
+        try:
+            await first
+        except BaseException:  # noqa: BLE001 - only waiting for it to stop running
+            pass
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+class Router:
+    """Routes requests through a prefill and a decode node (see the module docstring).
+
+    ``open_timeout``: seconds from arrival to the first token (prefill + transfer + pool waits);
+    ``token_timeout``: seconds between two tokens. Both end in 504 ``upstream_timeout`` with both
+    sides released.
+    """
+
+    def __init__(self, prefill: PrefillClient, decode: DecodeClient, *, open_timeout: float = 120.0,
+                 token_timeout: float = 60.0) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.open_timeout = open_timeout
+        self.token_timeout = token_timeout
+        self.inflight: dict[str, RouterStream] = {}
+        self._bg: set[asyncio.Task] = set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(_quiet(coro))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    def _forget(self, stream: RouterStream) -> None:
+        if self.inflight.get(stream.request_id) is stream:
+            del self.inflight[stream.request_id]
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an in-flight request by id; False if unknown (SGLang ``/abort_request``)."""
+        s = self.inflight.get(request_id)
+        if s is None:
+            return False
+        s.abort()
+        return True
+
+    async def drain(self) -> None:
+        """Wait for the detached release/abort calls (shutdown, tests)."""
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    async def open(self, request_id: str, prompt_ids: list[int], params: dict[str, Any], *,
+                   param: str = "prompt") -> RouterStream:
+        """Run prefill and decode's reservation concurrently; return once prefill has sent the pages
+        and decode produced the first token. Raises :class:`OpenAIError`: prefill's rejection
+        (400 ``context_length_exceeded``, ``param`` as given), decode's 503 ``pool_exhausted`` or
+        500 ``transfer_mismatch``, 504 on timeout, 499 when aborted meanwhile."""
+        if request_id in self.inflight:
+            raise OpenAIError(status=400, message=f"Request id '{request_id}' is already in flight.",
+                              code=ErrorCode.INVALID_REQUEST, param="rid")
+        room = new_room()
+        tokens = self.decode.generate(room, request_id, prompt_ids, params)
+        stream = RouterStream(self, room, request_id, tokens, len(prompt_ids))
+        self.inflight[request_id] = stream
+        first = asyncio.ensure_future(tokens.__anext__())
+        stream._first = first
+        pre = asyncio.ensure_future(self.prefill.prefill(room, request_id, prompt_ids, param))
+        try:
+            outcome, tok = await self._both(pre, first)
+        except BaseException as e:
+            if not pre.done():
+                pre.cancel()
+            stream.close_now()
+            if stream.aborted and not isinstance(e, asyncio.CancelledError):
+                stream.outcome = None
+                stream._pending_first = stream._abort_event()
+                stream.finished = False
+                return stream
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise as_openai_error(e) from e
+        stream.outcome = outcome
+        stream._first = None
+        stream._pending_first = tok
+        return stream
+
+    async def _both(self, pre: asyncio.Future, first: asyncio.Future) -> tuple[PrefillOutcome, Token]:
+        deadline = time.monotonic() + self.open_timeout
+        pending = {pre, first}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError()
+            done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise asyncio.TimeoutError()
+            if pre in done and pre.exception() is not None:
+                err = as_openai_error(pre.exception())
+                if err.status >= 500 and not first.done():
+                    # prefill failed because decode did (e.g. a refused transfer): prefer decode's reason
+                    await asyncio.wait({first}, timeout=2.0)
+                if first.done() and not first.cancelled() and first.exception() is not None and err.status >= 500:
+                    raise first.exception()
+                raise pre.exception()
+            if first in done and first.exception() is not None:
+                raise first.exception()
+        return pre.result(), first.result()
+
+
+async def _quiet(coro: Any) -> None:
+    try:
+        await coro
+    except Exception as e:  # noqa: BLE001 - best-effort cleanup call; the node has its own timeouts
+        log.debug("cleanup call failed: %r", e)
