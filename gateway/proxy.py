@@ -33,6 +33,7 @@ from config.errors import ErrorCode, OpenAIError, error_type_for_status, openai_
 from config.models import TenantConfig
 from gateway import logging as glog
 from gateway.admission import Admission
+from gateway.quotas import completion_tokens_of
 from gateway.sse import DONE_EVENT, SSESplitter, inspect, is_error_payload, strip_usage_null
 from gateway.stages import QuotaLease
 from gateway.upstreams import Upstream
@@ -128,6 +129,7 @@ class ProxyCall(Response):
     disconnected: bool = False
     forwarded: bool = False
     error_code: str | None = None
+    texts: dict[int, list[str]] = field(default_factory=dict)  # choice index -> text produced
 
     # ------------------------------------------------------------------ ASGI entry
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -297,6 +299,7 @@ class ProxyCall(Response):
                 if self.finish_reason is None and isinstance(c.get("finish_reason"), str):
                     self.finish_reason = c["finish_reason"]
             text = "".join(texts)
+            self.texts = {i: [t] for i, t in enumerate(texts)}
         prefill = resp.headers.get("x-prefill-seconds")
         if prefill:
             try:
@@ -349,6 +352,8 @@ class ProxyCall(Response):
                     if info.kind == "chunk":
                         if info.usage is not None:
                             self.usage = info.usage
+                        if info.text:
+                            self._note_text(info.data)
                         if info.finish_reason is not None:
                             self.finish_reason = info.finish_reason
                         if strip:
@@ -397,6 +402,16 @@ class ProxyCall(Response):
             await start()
         await send({"type": "http.response.body", "body": b"".join(tail) + DONE_EVENT, "more_body": False})
 
+    def _note_text(self, chunk: dict[str, Any]) -> None:
+        """Keep each choice's streamed text: what a settle without usage counts."""
+        for c in chunk.get("choices") or ():
+            if isinstance(c, dict):
+                d = c.get("delta")
+                t = d.get("content") if isinstance(d, dict) else c.get("text")
+                if isinstance(t, str) and t:
+                    i = c.get("index")
+                    self.texts.setdefault(i if isinstance(i, int) else 0, []).append(t)
+
     # ------------------------------------------------------------------ bookkeeping
     async def _finish(self) -> None:
         gw = self.gw
@@ -413,9 +428,11 @@ class ProxyCall(Response):
             used = (pt if isinstance(pt, int) else a.prompt_tokens_total) + (ct if isinstance(ct, int) else 0)
         elif not self.forwarded:
             used = 0
-        else:
-            used = a.reserve_tokens
+        else:  # no usage report (none sent, or the stream was cut/cancelled): count what was produced
+            used = -1
         try:
+            if used < 0:
+                used = a.prompt_tokens_total + await completion_tokens_of(a.model.counter, self.texts.values())
             await gw.quotas.settle(self.lease, used)
         except Exception:
             log.exception("quota settle failed")
