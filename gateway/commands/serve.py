@@ -31,16 +31,13 @@ def demo_tenants(registry) -> list[str]:
 
 
 def build_stages(settings, secrets):
-    """The quota and verifier stages for ``settings``: each package's ``from_settings`` factory
+    """The quota and verifier stages for ``settings``: quotas from
+    :func:`gateway.quotas.build_quota_stage`; the verifier package's ``from_settings`` factory
     when it provides one and the stage is enabled, else ``None`` (switched off)."""
-    quotas = verifier = None
-    if settings.quotas.enabled:
-        try:
-            from gateway import quotas as qmod  # type: ignore[attr-defined]
-        except ImportError:
-            qmod = None
-        if qmod is not None and hasattr(qmod, "from_settings"):
-            quotas = qmod.from_settings(settings)
+    from gateway.quotas import build_quota_stage
+
+    verifier = None
+    quotas = build_quota_stage(settings)  # NullQuotas when quotas.enabled is false
     if settings.verifier.enabled:
         import verifier as vmod
 
@@ -74,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
     from gateway.server import run_server
 
     app = create_app(settings, registry, quotas=quotas, verifier=verifier, secrets=secrets)
+    from gateway.tenant_reload import TenantFileWatcher
+
+    watcher = TenantFileWatcher(registry).start()  # tenant edits apply without a restart
+    watcher.install_sighup()
     host = args.host or settings.gateway.host
     port = args.port if args.port is not None else settings.gateway.port
     return run_server(app, host, port, drain_timeout_seconds=settings.gateway.drain_timeout_seconds,
