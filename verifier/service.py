@@ -167,6 +167,7 @@ class VerifierService:
         except RuntimeError:  # no running loop: synchronous use (tests, benchmarks)
             pass
         tenant = exchange.tenant
+        self.tenants[tenant.id] = tenant  # honeypot flags come with the exchanges
         self._enqueue(_Ingest(tenant.id, exchange.prompt_text))
         if tenant.strict_verify:
             return _StrictGuard(self, exchange)
@@ -296,7 +297,7 @@ class VerifierService:
 
     def _record(self, incidents: list[Incident], withheld: bool = False) -> None:
         for inc in incidents:
-            inc.withheld = withheld and inc.detector in ("canary", "leak_index")
+            inc.withheld = withheld
             self.incidents.emit(inc)
             self.stats[f"incident_{inc.detector}"] += 1
             if inc.confirmed:
@@ -315,9 +316,13 @@ class VerifierService:
                   inc.upstream, self.cfg.quarantine_min_prompt_tokens, inc.id)
 
     def _check_whole(self, job: _Check) -> list[Incident]:
-        """Run every detector on a whole response (background or strict non-streamed)."""
+        """Run every detector on a whole response (background or strict non-streamed). Returns
+        the incidents that withhold a strict response: content findings (canary, leak index)
+        and, for strict tenants, a latency anomaly (a long prompt answered impossibly fast is
+        most likely someone else's KV)."""
         ex = job.exchange
-        CHECKS.labels(ex.upstream, "strict" if ex.tenant.strict_verify else "sampled").inc()
+        strict = ex.tenant.strict_verify
+        CHECKS.labels(ex.upstream, "strict" if strict else "sampled").inc()
         self.stats["checked"] += 1
         content = self._canary_findings(ex, find_canaries(job.text))
         own = self.index.own_shingles(ex.prompt_text)
@@ -325,9 +330,27 @@ class VerifierService:
         if leak:
             content.append(leak)
         tail = self._tail_findings(ex, job.usage, job.finish_reason, job.ttft_seconds)
-        self._record(content, withheld=ex.tenant.strict_verify)
+        if strict:
+            content += [i for i in tail if i.detector == "latency"]
+            tail = [i for i in tail if i.detector != "latency"]
+        self._record(content, withheld=strict)
         self._record(tail)
         return content
+
+    def latency_precheck(self, exchange: Exchange, ttft_seconds: float) -> Incident | None:
+        """A strict stream's first text arrived ``ttft_seconds`` after the request: an incident
+        (not yet recorded) when that is below the calibrated bound; calibration is not touched."""
+        with self._lock:
+            if exchange.prompt_tokens < self.latency.min_prompt_tokens:
+                return None
+            bound = self.latency.bound(exchange.upstream, exchange.prompt_tokens)
+        if bound is None or ttft_seconds >= bound:
+            return None
+        from verifier.latency import bucket_of
+
+        return self._incident("latency", exchange, {"ttft_ms": round(ttft_seconds * 1000, 3),
+                                                    "bound_ms": round(bound * 1000, 3),
+                                                    "length_bucket": bucket_of(exchange.prompt_tokens)})
 
     # used by the strict guard, on the request path
     def strict_check_body(self, job: _Check) -> list[Incident]:
@@ -419,6 +442,7 @@ class _StrictGuard:
         self._shingler = IncrementalShingler(service.hasher, max_pending_chars=256)
         self._scanner = CanaryScanner()
         self._cut: ResponseWithheld | None = None
+        self._first_text_seen = False
 
     def _own_shingles(self) -> set[int]:
         if self._own is None:
@@ -438,6 +462,11 @@ class _StrictGuard:
         tokens = len(encode(delta_text)) if delta_text else 0
         self._held.append((raw_event, tokens))
         self._held_tokens += tokens
+        if delta_text and not self._first_text_seen:
+            self._first_text_seen = True
+            inc = self.service.latency_precheck(self.exchange, time.monotonic() - self.exchange.started_monotonic)
+            if inc is not None:
+                self._withhold([inc])
         if delta_text:
             cans = self._scanner.push(delta_text)
             hashes = self._shingler.push(delta_text)

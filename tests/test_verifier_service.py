@@ -1,0 +1,245 @@
+"""The verifier stage driven directly (no HTTP): sampling, background checks, strict mode,
+honeypot canaries, quarantine, drift, and two replicas sharing Redis."""
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+
+import pytest
+import redis
+
+from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+from conftest import SEEDS
+from verifier.canary import new_canary
+from verifier.incidents import read_incidents
+from verifier.service import VerifierService
+from verifier.shingles import encode
+from verifier.stage import Exchange, ResponseWithheld
+
+SEED_PL = (SEEDS / "001_85707760a0179a93.txt").read_text()
+SEED_ZH = (SEEDS / "000_cd7ee3cfd92e9ff1.txt").read_text()
+SECRETS = {"leak_index_key": b"service-test-key", "cache_salt_key": b"x", "admin_key": b"y"}
+
+
+def settings(tmp_path, **verifier) -> Settings:
+    v = {"latency_min_samples": 5, "latency_min_prompt_tokens": 100, **verifier}
+    return Settings(state_dir=str(tmp_path), verifier=VerifierSettings(**v),
+                    models=[ModelConfig(id="m", context_length=8192)],
+                    upstreams=[UpstreamConfig(name="up", api_url="http://127.0.0.1:1/v1", pool_source="static",
+                                              static_pool_tokens=4096, models=["m"])])
+
+
+def tenant(tid: str, **kw) -> TenantConfig:
+    return TenantConfig(id=tid, verify_sample_rate=kw.pop("rate", 1.0), **kw)
+
+
+def ex(t: TenantConfig, prompt: str, *, stream: bool = False, rid: str | None = None) -> Exchange:
+    return Exchange(rid or f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", "/v1/completions", prompt,
+                    len(encode(prompt)), stream, time.monotonic())
+
+
+def sse(text: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"index": 0, "text": text}]}).encode() + b"\n\n"
+
+
+A, B, C = tenant("a"), tenant("b"), tenant("c")
+STRICT = tenant("s", strict_verify=True)
+A_PROMPT = SEED_PL[:5000]
+LEAK = SEED_PL[2000:2600]  # ~150 tokens of A's prompt
+
+
+async def test_background_check_flags_leak_and_quarantines(tmp_path):
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    try:
+        assert svc.begin(ex(A, A_PROMPT)) is not None
+        g = svc.begin(ex(B, "Tell me a story about rivers and stones."))
+        assert g.feed("Once upon a time ", b"e1") == [b"e1"]  # non-strict: passes at once
+        assert g.feed(LEAK, b"e2") == [b"e2"]
+        assert g.finish_stream(usage=None, finish_reason="length", ttft_seconds=None) == []
+        await svc.drain()
+        incs = [i for i in svc.incidents.recent if i.detector == "leak_index"]
+        assert len(incs) == 1
+        inc = incs[0]
+        assert (inc.tenant, inc.upstream, inc.confirmed, inc.withheld) == ("b", "up", True, False)
+        assert inc.evidence["source_tenant"] == "a" and inc.evidence["shingles_foreign"] >= 4
+        # quarantine: prompts above quarantine_min_prompt_tokens (1024) only
+        assert svc.is_quarantined("up", 1025) and not svc.is_quarantined("up", 1024)
+        # the record on disk holds no text
+        rows = read_incidents(tmp_path / "incidents.jsonl")
+        assert len(rows) == 1 and LEAK[:20] not in json.dumps(rows) and A_PROMPT[:20] not in json.dumps(rows)
+        assert json.loads((tmp_path / "quarantine.json").read_text())["up"]["incident_id"] == inc.id
+    finally:
+        await svc.aclose()
+
+
+async def test_unsampled_tenant_is_indexed_but_not_checked(tmp_path):
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    try:
+        quiet = tenant("quiet", rate=0.0)
+        assert svc.begin(ex(quiet, A_PROMPT)) is None
+        g = svc.begin(ex(B, "hello"))
+        g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
+        await svc.drain()
+        (inc,) = svc.incidents.recent
+        assert inc.detector == "leak_index" and inc.evidence["source_tenant"] == "quiet"
+        assert svc.stats["ingested"] == 2 and svc.stats["checked"] == 1
+    finally:
+        await svc.aclose()
+
+
+async def test_public_text_and_own_prompt_are_not_leaks(tmp_path):
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    try:
+        boiler = "You are a helpful assistant. " + SEED_PL[:1500]
+        for t in (A, C):
+            svc.begin(ex(t, boiler + f" Question from {t.id}: what is a river?"))
+        g = svc.begin(ex(B, "Summarize: " + SEED_ZH[:800]))
+        g.check_body(SEED_PL[300:900] + SEED_ZH[100:400], usage=None, finish_reason="stop", ttft_seconds=None)
+        await svc.drain()
+        assert svc.incidents.recent == []
+        assert svc.stats["checked"] == 1
+    finally:
+        await svc.aclose()
+
+
+async def test_strict_body_withheld_with_incident_id(tmp_path):
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    try:
+        svc.begin(ex(A, A_PROMPT))
+        g = svc.begin(ex(STRICT, "hello there"))
+        with pytest.raises(ResponseWithheld) as ei:
+            g.check_body("Sure: " + LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
+        inc = svc.incidents.recent[-1]
+        assert ei.value.incident_id == inc.id and ei.value.detector == "leak_index"
+        assert inc.withheld is True and inc.tenant == "s"
+        # a clean strict body passes
+        g2 = svc.begin(ex(STRICT, "hello again"))
+        assert g2.check_body("General Kenobi. " * 10, usage=None, finish_reason="stop", ttft_seconds=None) is None
+    finally:
+        await svc.aclose()
+
+
+async def test_strict_stream_holdback_and_cut(tmp_path):
+    svc = VerifierService(settings(tmp_path, strict_holdback_tokens=64), secrets=SECRETS)
+    try:
+        # clean stream: nothing is sent until 64 tokens follow it; everything arrives, in order
+        words = [f" word{i}" for i in range(100)]
+        g = svc.begin(ex(STRICT, "count words", stream=True))
+        sent = []
+        for i, w in enumerate(words):
+            sent += g.feed(w, sse(w))
+            held_tokens = sum(len(encode(x)) for x in words[len(sent):i + 1])
+            assert held_tokens >= 64 or len(sent) == 0
+        sent += g.finish_stream(usage={"prompt_tokens": 2}, finish_reason="stop", ttft_seconds=0.01)
+        assert sent == [sse(w) for w in words]
+        # leaking stream: cut before the leaked run leaves
+        svc.begin(ex(A, A_PROMPT))
+        g = svc.begin(ex(STRICT, "tell me something", stream=True))
+        lead = [" Here", " is", " an", " answer", ":"]
+        leak_ids = encode(LEAK)
+        pieces = lead + [_dec(leak_ids[i:i + 1]) for i in range(len(leak_ids))]
+        released: list[bytes] = []
+        with pytest.raises(ResponseWithheld) as ei:
+            for p in pieces:
+                released += g.feed(p, sse(p))
+        inc = svc.incidents.recent[-1]
+        assert ei.value.incident_id == inc.id and inc.withheld
+        assert released == []  # the 5 lead-in events were still inside the 64-token window
+        with pytest.raises(ResponseWithheld):
+            g.finish_stream(usage=None, finish_reason="length", ttft_seconds=None)
+    finally:
+        await svc.aclose()
+
+
+def _dec(ids: list[int]) -> str:
+    from tokenizer.encodings import bundled_encoding
+
+    return bundled_encoding().decode(ids)
+
+
+async def test_honeypot_canary_in_another_tenant(tmp_path):
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    try:
+        hp = tenant("honey", honeypot=True, rate=0.0)
+        can = new_canary()
+        svc.begin(ex(hp, f"Remember the code {can}. " + SEED_ZH[:300]))
+        g = svc.begin(ex(B, "what's up"))
+        g.check_body(f"I recall {can} from somewhere.", usage=None, finish_reason="stop", ttft_seconds=None)
+        # the honeypot itself echoing its canary is no leak; nor is B planting and echoing its own
+        own = new_canary()
+        g2 = svc.begin(ex(B, f"repeat {own}"))
+        g2.check_body(own, usage=None, finish_reason="stop", ttft_seconds=None)
+        await svc.drain()
+        (inc,) = svc.incidents.recent
+        assert inc.detector == "canary" and inc.confirmed
+        assert inc.evidence["source_tenants"] == ["honey"] and inc.evidence["honeypot"] is True
+        assert inc.evidence["known_origin"] == 1 and can not in json.dumps(inc.evidence)
+    finally:
+        await svc.aclose()
+
+
+async def test_drift_abort_and_latency(tmp_path):
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    try:
+        prompt = SEED_PL[:1200]
+        n = len(encode(prompt))
+        g = svc.begin(ex(A, prompt))
+        g.check_body("ok", usage={"prompt_tokens": 1, "completion_tokens": 1}, finish_reason="abort",
+                     ttft_seconds=None)
+        rng = random.Random(3)
+        samples = [0.1 + rng.uniform(0, 0.01) for _ in range(5)]
+        for t in samples:  # calibrate: ~100 ms for this length
+            svc.begin(ex(A, prompt)).check_body("ok", usage={"prompt_tokens": n}, finish_reason="stop",
+                                                ttft_seconds=t)
+        svc.begin(ex(A, prompt)).check_body("ok", usage={"prompt_tokens": n}, finish_reason="stop",
+                                            ttft_seconds=0.001)
+        await svc.drain()
+        det = [i.detector for i in svc.incidents.recent]
+        assert det == ["usage_drift", "finish_abort", "latency"]
+        d = svc.incidents.recent[0].evidence
+        assert (d["gateway_prompt_tokens"], d["engine_prompt_tokens"], d["difference_tokens"]) == (n, 1, 1 - n)
+        lat = svc.incidents.recent[2].evidence
+        # bound = q(0.001) x 0.5 = the smallest sample x 0.5 (DDSketch: within 1%)
+        assert lat["ttft_ms"] == 1.0 and lat["bound_ms"] == pytest.approx(min(samples) * 500, rel=0.01)
+        assert not svc.is_quarantined("up", 5000)  # anomalies alone do not quarantine
+    finally:
+        await svc.aclose()
+
+
+@pytest.fixture
+def redis_prefix():
+    c = redis.Redis(host="127.0.0.1", port=6379)
+    prefix = f"test-vsvc-{uuid.uuid4().hex[:8]}:"
+    yield c, prefix
+    keys = list(c.scan_iter(match=prefix + "*"))
+    if keys:
+        c.delete(*keys)
+    c.close()
+
+
+async def test_two_replicas_share_the_index_and_quarantine(tmp_path, redis_prefix):
+    c, prefix = redis_prefix
+    s = settings(tmp_path)
+    r1 = VerifierService(s, secrets=SECRETS, redis_client=c, key_prefix=prefix, incident_path=str(tmp_path / "1.jsonl"))
+    r2 = VerifierService(s, secrets=SECRETS, redis_client=c, key_prefix=prefix, incident_path=str(tmp_path / "2.jsonl"))
+    try:
+        r1.begin(ex(A, A_PROMPT))
+        await r1.drain()
+        g = r2.begin(ex(B, "hi"))
+        g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
+        await r2.drain()
+        (inc,) = r2.incidents.recent
+        assert inc.detector == "leak_index" and inc.confirmed
+        r1.quarantine.refresh()
+        assert r1.is_quarantined("up", 2000)  # replica 1 sees replica 2's quarantine
+        assert c.hexists(prefix + "quarantine", "up")
+        from verifier.quarantine import Quarantine, RedisQuarantineBackend
+
+        assert Quarantine(RedisQuarantineBackend(c, prefix)).clear("up")
+        r1.quarantine.refresh()
+        assert not r1.is_quarantined("up", 2000)
+    finally:
+        await r1.aclose()
+        await r2.aclose()
