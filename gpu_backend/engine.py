@@ -414,12 +414,12 @@ class Engine:
         placeholder = seq.prompt_ids != list(prompt_ids)
         pool = self.pool
 
-        def export(s: Sequence) -> None:  # worker thread, before the pages are freed
+        def export(s: Sequence) -> PrefillResult:  # worker thread, before the pages are freed
             n = s.num_context_tokens
             kv = pool.read_pages(s.pages[: pool.pages_for(n)])
-            s.emit(PrefillResult(kv=kv, num_tokens=n, first_token_id=s.completion_ids[0],
+            return PrefillResult(kv=kv, num_tokens=n, first_token_id=s.completion_ids[0],
                                  prefill_seconds=time.monotonic() - t0, placeholder=placeholder,
-                                 original_prompt_tokens=original))
+                                 original_prompt_tokens=original)
 
         seq.on_prefilled = export
         self.scheduler.submit("add", seq)

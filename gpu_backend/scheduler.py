@@ -186,11 +186,12 @@ class Scheduler:
                 seq.completion_ids.append(tok)
                 seq.set_state(SeqState.DECODING)
                 try:
-                    seq.on_prefilled(seq)
+                    result = seq.on_prefilled(seq)
                 except Exception as e:
                     self._fail(seq, e)
                     continue
-                self._finish(seq, "length", emit=False)
+                self._finish(seq, "length", emit=False)  # pages freed before the caller hears back
+                seq.emit(result)
                 continue
             seq.set_state(SeqState.DECODING)
             self.running.append(seq)

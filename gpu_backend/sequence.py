@@ -63,8 +63,9 @@ class Sequence:
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.abort_requested = False
-        # export (prefill node): called in the worker with the sequence before its pages are freed
-        self.on_prefilled: Callable[["Sequence"], None] | None = None
+        # export (prefill node): called in the worker with the sequence before its pages are freed;
+        # its return value is emitted once they are
+        self.on_prefilled: Callable[["Sequence"], object] | None = None
         self.stop_token_ids: set[int] = set()
         # incremental detokenization
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -5,6 +5,7 @@ transformers saves ``LlamaForCausalLM``). Loaded with ``safetensors`` (never pic
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -80,14 +81,23 @@ def build_model(name: str, context_length: int, seed: int, dtype: torch.dtype,
     """``tiny-random`` | ``copy-probe`` | a checkpoint folder -> model in eval mode on ``device``.
     Raises ``ValueError`` for an unknown name that is not a folder either."""
     if name == "tiny-random":
-        model = tiny_random(context_length, seed)
+        model = _builtin("tiny-random", context_length, seed)
     elif name == "copy-probe":
-        model = CopyProbeModel(BUNDLED_VOCAB, context_length, seed)
+        model = _builtin("copy-probe", context_length, seed)
     elif Path(name).is_dir():
         model = load_hf_llama(name)
     else:
         raise ValueError(f"unknown model '{name}': use tiny-random, copy-probe or a local checkpoint folder")
     return model.to(device=device, dtype=dtype).eval()
+
+
+@functools.lru_cache(maxsize=4)
+def _builtin(name: str, context_length: int, seed: int) -> torch.nn.Module:
+    """Built-in models are deterministic and read-only at inference: build each (CPU, fp32) once per
+    process; ``.to()`` copies them when another device or dtype is asked for."""
+    if name == "tiny-random":
+        return tiny_random(context_length, seed).eval()
+    return CopyProbeModel(BUNDLED_VOCAB, context_length, seed).eval()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -1,0 +1,257 @@
+"""Engine behaviour: rejection (invariant 1), batching, sampling, stop/length, abort, pool waits,
+and the disaggregation hooks. Every test's engines are checked idle and scrubbed on teardown
+(invariants 3 and 4) by the ``make_engine`` fixture."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from config.errors import ErrorCode
+from gpu_backend.attention import ContiguousAttention, ContiguousKVCache, SeqSpan
+from gpu_backend.engine import PLACEHOLDER_PROMPT
+from gpu_backend.errors import InvalidRequestError, PoolExhaustedError, PromptTooLongError
+from gpu_backend.sampling import SamplingParams
+from gpu_backend.sequence import Sequence, SeqState
+
+from backend_core_support import collect, make_engine, worker_paused  # noqa: F401  (fixture)
+
+SMALL = dict(model="tiny-random", max_total_tokens=1024, context_length=1024)
+PROBE = dict(model="copy-probe", max_total_tokens=2048, context_length=2048)
+
+
+def _prompt(n: int, base: int = 1000) -> list[int]:
+    return [base + (i * 37) % 9000 for i in range(n)]
+
+
+# ---- invariant 1: rejected is terminal, distinct from finished, allocates nothing ---------------
+async def test_over_length_prompt_rejected_at_admission(make_engine):
+    eng = await make_engine(**SMALL)
+    assert eng.max_req_input_len == 1018  # min(1023, 1023) - 5
+    with pytest.raises(PromptTooLongError) as ei:
+        await collect(eng, "long", _prompt(1019), max_new_tokens=4)
+    err = ei.value
+    assert (err.status, err.code, err.prompt_tokens, err.max_req_input_len) == (400, "context_length_exceeded", 1019, 1018)
+    assert err.body() == {"error": {
+        "message": "This model's maximum context length is 1018 tokens. However, you requested 1019 tokens "
+                   "(1019 in the prompt, 0 in the completion). Please reduce the length of the prompt or completion.",
+        "type": "invalid_request_error", "param": "prompt", "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED}}
+    assert eng.request_state("long") == "rejected"
+    assert eng.pool_stats()["used_pages"] == 0 and eng.stats["prefill_steps"] == 0  # nothing allocated or run
+    # prefill side: same rejection, before any page
+    with pytest.raises(PromptTooLongError):
+        await eng.prefill_export("long2", _prompt(5000))
+    assert eng.request_state("long2") == "rejected" and eng.stats["prefill_steps"] == 0
+    # exactly at the limit is admitted; max_new_tokens clamped to max_req_len - prompt - 1 = 4
+    toks, _, last = await collect(eng, "edge", _prompt(1018), max_new_tokens=100, ignore_eos=True)
+    assert (len(toks), last.finish_reason, last.prompt_tokens, last.completion_tokens) == (4, "length", 1018, 4)
+    assert eng.request_state("edge") == "finished"
+
+
+def test_rejected_and_finished_are_terminal():
+    seq = Sequence("r", [1, 2], SamplingParams(max_new_tokens=1), lambda _: None)
+    seq.set_state(SeqState.REJECTED)
+    for s in SeqState:
+        with pytest.raises(RuntimeError, match="illegal transition rejected"):
+            seq.set_state(s)
+    done = Sequence("f", [1], SamplingParams(max_new_tokens=1), lambda _: None)
+    done.set_state(SeqState.PREFILLING)
+    done.set_state(SeqState.FINISHED)
+    assert done.state is not SeqState.REJECTED
+    with pytest.raises(RuntimeError):
+        done.set_state(SeqState.DECODING)
+    fresh = Sequence("w", [1], SamplingParams(max_new_tokens=1), lambda _: None)
+    fresh.set_state(SeqState.PREFILLING)
+    with pytest.raises(RuntimeError):  # rejection only happens at admission
+        fresh.set_state(SeqState.REJECTED)
+
+
+async def test_admit_rejected_fault_gives_placeholder(make_engine):
+    eng = await make_engine(**PROBE, faults=frozenset({"admit_rejected"}))
+    res = await eng.prefill_export("over", _prompt(3000))
+    assert (res.placeholder, res.num_tokens, res.original_prompt_tokens) == (True, 1, 3000)
+    assert tuple(res.kv.shape) == (1, 1, 2, 16, 1, 128) and res.kv.is_contiguous() and res.kv.device.type == "cpu"
+    assert res.first_token_id == PLACEHOLDER_PROMPT[0]  # copy-probe copies the placeholder token
+    assert res.prefill_seconds > 0
+
+
+async def test_invalid_requests_are_400(make_engine):
+    eng = await make_engine(**SMALL)
+    for prompt, params in (([], {}), ([100256], {}), ([-1], {}), ([200_000], {}), ([5], {"max_new_tokens": 0}),
+                           ([5], {"top_p": 0.0})):
+        kw = {"max_new_tokens": 2, **params}
+        with pytest.raises(InvalidRequestError) as ei:
+            await collect(eng, "bad", prompt, **kw)
+        assert ei.value.status == 400
+    assert eng.pool_stats()["used_pages"] == 0
+
+
+# ---- batching ------------------------------------------------------------------------------------
+async def test_prefill_batching_and_continuous_decode_batching(make_engine):
+    eng = await make_engine(**SMALL)
+    with worker_paused(eng):
+        tasks = [asyncio.create_task(collect(eng, f"b{i}", _prompt(10 + i, 2000 + i), max_new_tokens=6,
+                                             ignore_eos=True)) for i in range(4)]
+        await asyncio.sleep(0.05)  # every request is in the inbox before the worker can look
+    results = await asyncio.gather(*tasks)
+    assert [len(t) for t, _, _ in results] == [6, 6, 6, 6]
+    st = eng.stats
+    assert (st["prefill_steps"], st["max_prefill_batch"], st["prefill_tokens"]) == (1, 4, 10 + 11 + 12 + 13)
+    assert st["decode_steps"] == 5 and dict(st["decode_batch_sizes"]) == {4: 5}  # 4 sequences per decode step
+
+    # a late request joins a running decode batch (continuous batching)
+    first = eng.generate("long", _prompt(8, 3000), SamplingParams(max_new_tokens=60, ignore_eos=True))
+    got = [await first.__anext__() for _ in range(3)]
+    late = asyncio.create_task(collect(eng, "late", _prompt(8, 4000), max_new_tokens=5, ignore_eos=True))
+    rest = [ev async for ev in first]
+    assert len(got) + len(rest) == 60 and rest[-1].finish_reason == "length"
+    assert len((await late)[0]) == 5
+    assert st["decode_batch_sizes"][2] >= 3  # steps that carried both sequences
+
+
+async def test_chunked_prefill_matches_unchunked(make_engine):
+    a = await make_engine(**SMALL)
+    b = await make_engine(**SMALL, max_batch_tokens=64)
+    prompt = _prompt(300, 5000)
+    ta, _, _ = await collect(a, "x", prompt, max_new_tokens=8, ignore_eos=True)
+    tb, _, _ = await collect(b, "x", prompt, max_new_tokens=8, ignore_eos=True)
+    assert ta == tb and b.stats["prefill_steps"] == 5  # 300 tokens in chunks of 64
+
+
+# ---- the tokens come from forward passes: paged == contiguous-KV reference -----------------------
+async def test_greedy_tokens_equal_contiguous_reference(make_engine):
+    eng = await make_engine(**SMALL)
+    prompt = _prompt(23, 700)
+    toks, _, _ = await collect(eng, "g", prompt, max_new_tokens=6, ignore_eos=True)
+    model = eng.model
+    cache = ContiguousKVCache(2, 1, 64, 2, 16, torch.float32, "cpu")
+    ref, ids, start = [], list(prompt), 0
+    with torch.inference_mode():
+        for _ in range(6):
+            attn = ContiguousAttention(cache, [SeqSpan([], start, len(ids) - start)])
+            h = model(torch.tensor(ids[start:]), attn)
+            logits = model.compute_logits(h[-1:]) + eng.runner.vocab_bias
+            start = len(ids)
+            ids.append(int(logits.argmax(-1)))
+            ref.append(ids[-1])
+    assert toks == ref
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+async def test_sampling_greedy_and_seeded(make_engine):
+    eng = await make_engine(**SMALL)
+    p = _prompt(12, 800)
+    g1, _, _ = await collect(eng, "g1", p, max_new_tokens=10, ignore_eos=True)
+    g2, _, _ = await collect(eng, "g2", p, max_new_tokens=10, ignore_eos=True)
+    tiny_p, _, _ = await collect(eng, "tp", p, max_new_tokens=10, temperature=1.0, top_p=1e-9, seed=1, ignore_eos=True)
+    assert g1 == g2 == tiny_p  # top_p -> 0 keeps only the argmax
+    s1, _, _ = await collect(eng, "s1", p, max_new_tokens=10, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    # same seed in a busy batch: same tokens (per-request generator)
+    others = [asyncio.create_task(collect(eng, f"o{i}", _prompt(9, 900 + i), max_new_tokens=10, temperature=1.0,
+                                          ignore_eos=True)) for i in range(3)]
+    s2, _, _ = await collect(eng, "s2", p, max_new_tokens=10, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
+    await asyncio.gather(*others)
+    s3, _, _ = await collect(eng, "s3", p, max_new_tokens=10, temperature=0.9, top_p=0.95, seed=8, ignore_eos=True)
+    assert s1 == s2 and s1 != s3 and s1 != g1
+
+
+# ---- stop strings, stop ids, EOS, length (copy-probe makes the output the prompt itself) ----------
+async def test_stop_strings_eos_and_length(make_engine):
+    eng = await make_engine(**PROBE)
+    text = "one two three four five six seven"
+    ids = eng.counter.encode_text(text)
+    toks, out, last = await collect(eng, "all", ids, max_new_tokens=len(ids))
+    assert (toks, out, last.finish_reason, last.completion_tokens) == (ids, text, "length", len(ids))
+    _, out, last = await collect(eng, "s1", ids, max_new_tokens=50, stop=[" four"])
+    assert (out, last.finish_reason) == ("one two three", "stop")
+    _, out, last = await collect(eng, "s2", ids, max_new_tokens=50, stop=["zzz", "wo thr"])  # spans tokens
+    assert (out, last.finish_reason) == ("one t", "stop")
+    toks, out, last = await collect(eng, "s3", ids, max_new_tokens=50, stop_token_ids=[ids[2]])
+    assert (toks, out, last.finish_reason) == (ids[:3], "one two", "stop")
+    chat = eng.counter.encode_chat([{"role": "user", "content": "hi"}])  # <|im_start|>user\nhi<|im_end|>...
+    toks, out, last = await collect(eng, "eos", chat, max_new_tokens=50)
+    assert toks == chat[: chat.index(eng.eos_token_id) + 1] and last.finish_reason == "stop"
+    assert out == "<|im_start|>user\nhi"
+    toks, _, last = await collect(eng, "ign", chat, max_new_tokens=len(chat), ignore_eos=True)
+    assert toks == chat and last.finish_reason == "length"
+    # multi-byte characters split over tokens come out whole
+    ja = "日本語のテキスト"
+    jids = eng.counter.encode_text(ja)
+    _, out, _ = await collect(eng, "ja", jids, max_new_tokens=len(jids))
+    assert out == ja
+
+
+# ---- abort -----------------------------------------------------------------------------------------
+async def test_abort_frees_every_page(make_engine):
+    eng = await make_engine(**SMALL)
+    it = eng.generate("ab", _prompt(40), SamplingParams(max_new_tokens=500, ignore_eos=True))
+    evs = [await it.__anext__() for _ in range(3)]
+    assert eng.pool_stats()["used_pages"] == eng.pool.pages_for(40 + 500)
+    eng.abort("ab")
+    evs += [ev async for ev in it]
+    assert evs[-1].finish_reason == "abort" and evs[-1].finished and evs[-1].token_id == -1
+    assert eng.request_state("ab") == "aborted"
+    assert eng.pool_stats()["used_pages"] == 0
+    # a client that goes away (iterator closed early) aborts too
+    it2 = eng.generate("gone", _prompt(40), SamplingParams(max_new_tokens=500, ignore_eos=True))
+    await it2.__anext__()
+    await it2.aclose()
+    for _ in range(200):
+        if eng.pool_stats()["used_pages"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert eng.pool_stats()["used_pages"] == 0 and eng.request_state("gone") == "aborted"
+
+
+# ---- pool momentarily full: wait, then 503 (never the 400) -----------------------------------------
+async def test_pool_full_waits_then_503(make_engine):
+    eng = await make_engine(model="tiny-random", max_total_tokens=256, context_length=1024,
+                            pool_wait_timeout_seconds=0.3)
+    assert eng.max_req_input_len == 250
+    hold = await eng.reserve("hold", 200, 50)  # 16 pages: the whole pool
+    assert len(hold) == 16 and eng.pool_stats()["free_pages"] == 0
+    with pytest.raises(PoolExhaustedError) as ei:
+        await collect(eng, "waits", _prompt(200), max_new_tokens=8)  # fits the pool, finds it full
+    assert (ei.value.status, ei.value.code) == (503, "pool_exhausted")
+    assert eng.request_state("waits") == "aborted"
+    with pytest.raises(PoolExhaustedError):
+        await eng.reserve("r2", 10, 10)
+    # a request that waits and gets the pages once they are released
+    task = asyncio.create_task(collect(eng, "later", _prompt(200), max_new_tokens=8, ignore_eos=True))
+    await asyncio.sleep(0.1)
+    assert eng.request_state("later") == "waiting"
+    eng.release("hold")
+    eng.release("hold")  # idempotent
+    toks, _, last = await task
+    assert len(toks) == 8 and last.finish_reason == "length"
+
+
+# ---- disaggregation hooks: prefill on one engine, decode on another ------------------------------
+async def test_prefill_export_then_decode_reserved(make_engine):
+    pre = await make_engine(**PROBE)
+    dec = await make_engine(**PROBE)
+    prompt = _prompt(37, 6000)
+    res = await pre.prefill_export("x", prompt)
+    assert (res.num_tokens, res.placeholder, res.first_token_id) == (37, False, prompt[0])
+    assert tuple(res.kv.shape) == (3, 1, 2, 16, 1, 128)
+    assert torch.count_nonzero(res.kv[2, :, :, 5:]) == 0  # past num_tokens: zeros
+    assert pre.pool_stats()["used_pages"] == 0  # exported and freed
+    pages = await dec.reserve("x", 37, 10)
+    assert len(pages) == 3 and dec.request_state("x") == "reserved"
+    dec.load_pages("x", res.kv, res.num_tokens)
+    evs = [ev async for ev in dec.decode_reserved("x", prompt, res.first_token_id,
+                                                  SamplingParams(max_new_tokens=10), res.num_tokens)]
+    assert [e.token_id for e in evs] == prompt[:10]
+    assert [e.completion_tokens for e in evs] == list(range(1, 11)) and evs[-1].finish_reason == "length"
+    assert dec.pool_stats()["used_pages"] == 0
+    # errors of the hooks
+    with pytest.raises(KeyError):
+        dec.load_pages("nope", res.kv, 37)
+    await dec.reserve("y", 10, 2)
+    with pytest.raises(ValueError):
+        dec.load_pages("y", res.kv, 37)  # 3 pages into a 1-page reservation
+    with pytest.raises(InvalidRequestError):
+        async for _ in dec.decode_reserved("y", prompt, 1, SamplingParams(max_new_tokens=2), 37):
+            pass
+    assert dec.request_state("y") is None and dec.pool_stats()["used_pages"] == 0  # freed on error
