@@ -1,0 +1,87 @@
+"""Helpers for the gateway tests: settings for mock engines, and a gateway app served by uvicorn
+in a thread on a free loopback port."""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import httpx
+
+from config.models import Settings, TenantsFile
+from gateway.app import create_app
+from gateway.tenants import TenantRegistry, hash_key
+from tests.mock_engine import MockEngine, ServerThread
+
+KEY_A = "sk-test-tenant-a"
+KEY_B = "sk-test-tenant-b"
+SECRETS = {"cache_salt_key": b"test-cache-salt-key", "leak_index_key": b"l", "admin_key": b"a"}
+MODEL = "kvgate-tiny"
+
+
+def closed_port_url() -> str:
+    """A loopback URL where nothing listens (connection refused)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}"
+
+
+def upstream(name: str, engine: MockEngine | None = None, *, api_url: str | None = None,
+             pool_urls: list[str] | None = None, **kw: Any) -> dict[str, Any]:
+    """An upstream entry for ``engine`` (its API and server_info), overridable."""
+    return {"name": name, "api_url": api_url or engine.api_url, "pool_source": kw.pop("pool_source", "sglang"),
+            "pool_urls": pool_urls if pool_urls is not None else [engine.info_url], "models": [MODEL], **kw}
+
+
+def settings_for(upstreams: list[dict[str, Any]], *, gateway: dict | None = None, pool: dict | None = None,
+                 context_length: int = 8192, aliases: list[str] | None = None) -> Settings:
+    """Settings with one model (bundled tokenizer) and the given upstream entries."""
+    return Settings.model_validate({
+        "gateway": {"max_body_bytes": 4096, "connect_timeout_seconds": 1, "read_timeout_seconds": 5, **(gateway or {})},
+        "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 0.5,
+                 **(pool or {})},
+        "models": [{"id": MODEL, "aliases": aliases or ["tiny-alias"], "context_length": context_length}],
+        "upstreams": upstreams,
+        "verifier": {"enabled": False},
+        "quotas": {"enabled": False},
+    })
+
+
+def tenants(**a_overrides: Any) -> TenantRegistry:
+    """Tenant ``a`` (key :data:`KEY_A`, overridable limits) and tenant ``b`` (key :data:`KEY_B`,
+    no models allowed but an unknown one)."""
+    return TenantRegistry(TenantsFile.model_validate({"tenants": [
+        {"id": "tenant-a", "api_key_sha256": [hash_key(KEY_A)], "default_max_tokens": 16,
+         "max_tokens_cap": 4096, "allowed_models": [MODEL], **a_overrides},
+        {"id": "tenant-b", "api_key_sha256": [hash_key(KEY_B)], "allowed_models": ["other-model"]},
+    ]}))
+
+
+class Gateway(ServerThread):
+    """A gateway app on a free port; ``client(key)`` gives an ``httpx.Client`` for it."""
+
+    def __init__(self, settings: Settings, registry: TenantRegistry | None = None, **kw: Any) -> None:
+        self.app = create_app(settings, registry or tenants(), secrets=SECRETS, **kw)
+        self.gw = self.app.state.gateway
+        super().__init__(self.app)
+
+    def client(self, key: str | None = KEY_A, **kw: Any) -> httpx.Client:
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=kw.pop("timeout", 10), **kw)
+
+
+def wait_for(pred, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    """Poll ``pred()`` until true or ``timeout`` seconds; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(interval)
+
+
+def chat(content: str = "Say hello.", **kw: Any) -> dict[str, Any]:
+    """A chat request body (11 prompt tokens for the default content with the bundled tokenizer)."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}

@@ -1,0 +1,248 @@
+"""Fault behaviour of the gateway against the mock engine: upstreams down, hanging, resetting;
+pools unreachable, without the field, stale, shrinking; clients that disconnect."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.gateway_harness import MODEL, Gateway, chat, closed_port_url, settings_for, upstream, wait_for
+from tests.mock_engine import MockEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def engine():
+    e = MockEngine().start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture
+def engine2():
+    e = MockEngine().start()
+    yield e
+    e.stop()
+
+
+def err(r: httpx.Response) -> tuple[int, str | None]:
+    return r.status_code, r.json()["error"]["code"]
+
+
+# ---------------------------------------------------------------- upstreams
+def test_upstream_down_is_503(engine):
+    g = Gateway(settings_for([upstream("u1", engine, api_url=closed_port_url() + "/v1")])).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+            assert err(r) == (503, "upstream_unavailable")
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
+            assert err(r) == (503, "upstream_unavailable")
+            assert 'kvgate_upstream_errors_total{kind="connect",upstream="u1"} 2.0' in c.get("/metrics").text
+    finally:
+        g.stop()
+
+
+def test_connect_failure_retried_on_another_upstream(engine, engine2):
+    s = settings_for([upstream("dead", engine2, api_url=closed_port_url() + "/v1"), upstream("live", engine)])
+    g = Gateway(s).start()
+    try:
+        with g.client() as c:
+            for _ in range(4):
+                assert c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code == 200
+    finally:
+        g.stop()
+    assert len(engine.state.requests) == 4
+    assert engine2.state.requests == []
+
+
+def test_two_live_upstreams_share_the_load(engine, engine2):
+    g = Gateway(settings_for([upstream("a", engine), upstream("b", engine2)])).start()
+    try:
+        with g.client() as c:
+            for _ in range(6):
+                assert c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code == 200
+    finally:
+        g.stop()
+    assert (len(engine.state.requests), len(engine2.state.requests)) == (3, 3)
+
+
+def test_hanging_upstream_is_504_and_cancelled(engine):
+    engine.state.mode = "hang"
+    g = Gateway(settings_for([upstream("u1", engine)], gateway={"read_timeout_seconds": 0.5})).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5), headers={"x-request-id": "hang-1"})
+            assert err(r) == (504, "upstream_timeout")
+        assert wait_for(lambda: engine.state.cancelled, 2.0)
+        assert engine.state.cancelled[0][0] == "hang-1"
+    finally:
+        g.stop()
+
+
+def test_reset_mid_stream_ends_with_error_event_and_one_done(engine):
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}\n\n'
+    engine.state.stream_chunks = [first]
+    engine.state.mode = "reset"
+    g = Gateway(settings_for([upstream("u1", engine)])).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
+    finally:
+        g.stop()
+    assert r.status_code == 200
+    assert r.content.startswith(first)
+    rest = r.content[len(first):]
+    assert rest.startswith(b'data: {"error":{"message":"The upstream engine broke the connection (')
+    assert b'"code":"upstream_unavailable"}}\n\n' in rest
+    assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"[DONE]") == 1
+
+
+def test_reset_before_any_content_is_502(engine):
+    engine.state.stream_chunks = [b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n']
+    engine.state.mode = "reset"
+    g = Gateway(settings_for([upstream("u1", engine)])).start()
+    try:
+        with g.client() as c:
+            assert err(c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))) == (502, "upstream_unavailable")
+    finally:
+        g.stop()
+
+
+# ---------------------------------------------------------------- pools
+def _limit(c: httpx.Client) -> int | None:
+    return c.get("/v1/models").json()["data"][0]["max_model_len"]
+
+
+def test_pool_unreachable_fails_closed(engine):
+    g = Gateway(settings_for([upstream("u1", engine, pool_urls=[closed_port_url() + "/server_info"])])).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+            assert err(r) == (503, "pool_size_unknown") and r.headers["retry-after"] == "1"
+            ready = c.get("/readyz")
+            assert ready.status_code == 503
+            assert ready.json()["upstreams"][0]["known"] is False
+            assert "unreachable" in ready.json()["upstreams"][0]["error"]
+            assert _limit(c) is None
+            assert 'kvgate_pool_tokens{upstream="u1"} -1.0' in c.get("/metrics").text
+    finally:
+        g.stop()
+    assert engine.state.requests == []
+
+
+def test_pool_without_the_field_fails_closed(engine):
+    engine.state.info_mode = "missing"
+    g = Gateway(settings_for([upstream("u1", engine)])).start()
+    try:
+        with g.client() as c:
+            assert err(c.post("/v1/chat/completions", json=chat(max_tokens=5))) == (503, "pool_size_unknown")
+            assert c.get("/readyz").json()["upstreams"][0]["error"] == "server_info has no max_total_num_tokens"
+            engine.state.info_mode = "ok"  # the field comes back: the next poll recovers
+            assert wait_for(lambda: c.get("/readyz").status_code == 200, 3.0)
+            assert c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code == 200
+    finally:
+        g.stop()
+
+
+def test_stale_pool_fails_closed(engine):
+    # one poll at start, the next not before 60 s: the reading goes stale after 0.5 s
+    g = Gateway(settings_for([upstream("u1", engine)], pool={"poll_interval_seconds": 60,
+                                                             "max_staleness_seconds": 0.5})).start()
+    try:
+        with g.client() as c:
+            assert c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code == 200
+            time.sleep(0.6)
+            assert err(c.post("/v1/chat/completions", json=chat(max_tokens=5))) == (503, "pool_size_unknown")
+            assert c.get("/readyz").status_code == 503
+    finally:
+        g.stop()
+
+
+def test_shrinking_pool_lowers_the_limit_at_the_next_poll(engine):
+    g = Gateway(settings_for([upstream("u1", engine)])).start()
+    try:
+        with g.client() as c:
+            assert _limit(c) == 3276
+            body = {"model": MODEL, "prompt": "Say hello.", "max_tokens": 2000}
+            assert c.post("/v1/completions", json=body).status_code == 200
+            engine.state.pool_tokens = 2000  # the engine restarted with a smaller pool
+            assert wait_for(lambda: _limit(c) == 1600, 3.0)
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 400
+            assert r.json()["error"]["message"].startswith("This model's maximum context length is 1600 tokens. "
+                                                           "However, you requested 2003 tokens")
+    finally:
+        g.stop()
+
+
+def test_every_prefill_node_is_read_and_the_minimum_taken(engine, engine2):
+    engine2.state.pool_tokens = 1000  # a second prefill node with a smaller pool
+    g = Gateway(settings_for([upstream("u1", engine, pool_urls=[engine.info_url, engine2.info_url])])).start()
+    try:
+        with g.client() as c:
+            assert _limit(c) == 800
+            engine2.state.info_mode = "500"  # one node unreadable: the whole upstream is unknown
+            assert wait_for(lambda: _limit(c) is None, 3.0)
+    finally:
+        g.stop()
+
+
+def test_get_server_info_fallback_vllm_and_static(engine, engine2):
+    engine.state.info_mode = "404"  # only /get_server_info answers (older SGLang)
+    engine.state.max_req_input_len = 3000
+    engine2.state.vllm_max_model_len = 2500
+    ups = [upstream("sg", engine),
+           upstream("vl", engine2, pool_source="vllm", pool_urls=[engine2.url + "/v1/models"]),
+           upstream("st", engine2, pool_source="static", pool_urls=[], static_pool_tokens=10_000)]
+    g = Gateway(settings_for(ups)).start()
+    try:
+        with g.client() as c:
+            rows = {u["upstream"]: u for u in c.get("/readyz").json()["upstreams"]}
+    finally:
+        g.stop()
+    assert (rows["sg"]["limit_tokens"], rows["vl"]["limit_tokens"], rows["st"]["limit_tokens"]) == (3000, 2000, 8000)
+    assert (rows["sg"]["live"], rows["st"]["live"]) == (True, False)
+
+
+# ---------------------------------------------------------------- client disconnects
+def test_client_disconnect_mid_stream_cancels_upstream_within_1s(engine):
+    engine.state.stream_chunks = [b'data: {"choices":[{"index":0,"delta":{"content":"one"}}]}\n\n',
+                                  b'data: {"choices":[{"index":0,"delta":{"content":" two"}}]}\n\n']
+    engine.state.chunk_interval_seconds = 3  # one chunk, then a long wait (read timeout is 5 s)
+    g = Gateway(settings_for([upstream("u1", engine)])).start()
+    try:
+        with httpx.Client(base_url=g.url, headers={"authorization": "Bearer sk-test-tenant-a"}, timeout=10) as c:
+            with c.stream("POST", "/v1/chat/completions", json=chat(max_tokens=20, stream=True),
+                          headers={"x-request-id": "gone-1"}) as r:
+                assert r.status_code == 200
+                first = next(r.iter_raw())
+                assert first == b'data: {"choices":[{"index":0,"delta":{"content":"one"}}]}\n\n'
+                time.sleep(0.1)
+            closed_at = time.monotonic()
+        assert wait_for(lambda: engine.state.cancelled, 2.0)
+        rid, at = engine.state.cancelled[0]
+        assert rid == "gone-1"
+        assert at - closed_at < 1.0
+        with g.client() as c2:
+            assert wait_for(lambda: 'kvgate_client_disconnects_total{route="chat"} 1.0' in c2.get("/metrics").text, 2)
+    finally:
+        g.stop()
+
+
+def test_client_disconnect_while_waiting_for_a_whole_answer(engine):
+    engine.state.mode = "hang"
+    g = Gateway(settings_for([upstream("u1", engine)])).start()
+    try:
+        with httpx.Client(base_url=g.url, headers={"authorization": "Bearer sk-test-tenant-a"}, timeout=0.5) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/chat/completions", json=chat(max_tokens=5), headers={"x-request-id": "gone-2"})
+            closed_at = time.monotonic()
+        assert wait_for(lambda: engine.state.cancelled, 2.0)
+        assert engine.state.cancelled[0][0] == "gone-2"
+        assert engine.state.cancelled[0][1] - closed_at < 1.0
+    finally:
+        g.stop()

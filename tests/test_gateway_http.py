@@ -1,0 +1,324 @@
+"""The gateway over real HTTP against the mock engine (tests/mock_engine.py): the context gate at
+the boundary, bad input (nothing forwarded), the forwarded request, stream relaying, engine
+errors, and the official openai SDK."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, chat, settings_for, tenants, upstream
+from tests.mock_engine import MockEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+CTX_MSG = ("This model's maximum context length is 200 tokens. However, you requested 201 tokens "
+           "({p} in the {w}, {c} in the completion). Please reduce the length of the {w} or completion.")
+
+
+@pytest.fixture
+def engine():
+    e = MockEngine().start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture
+def gw(engine):
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(max_context_tokens=200)).start()
+    yield g
+    g.stop()
+
+
+def error_of(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+# ---------------------------------------------------------------- the context gate
+def test_chat_boundary_200_then_400_with_exact_message(gw, engine):
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=189))  # 11 + 189 == 200
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"]["content"] == "Hello from the mock."
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=190))
+    assert r.status_code == 400
+    assert error_of(r) == {"message": CTX_MSG.format(p=11, c=190, w="messages"), "type": "invalid_request_error",
+                           "param": "messages", "code": "context_length_exceeded"}
+    assert len(engine.state.requests) == 1
+
+
+def test_completions_boundary_and_default_max_tokens(gw, engine):
+    with gw.client() as c:
+        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "Say hello.", "max_tokens": 197}).status_code == 200
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Say hello.", "max_completion_tokens": 1,
+                                            "max_tokens": 198})
+        assert r.status_code == 400 and error_of(r)["param"] == "max_completion_tokens"  # not a completions field
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Say hello.", "max_tokens": 198})
+        assert error_of(r)["message"] == CTX_MSG.format(p=3, c=198, w="prompt")
+        assert error_of(r)["param"] == "prompt"
+        # no max_tokens: min(default 16, 200 - 3) is sent upstream
+        assert c.post("/v1/completions", json={"prompt": "Say hello."}).status_code == 200
+    assert engine.state.requests[-1]["body"]["max_tokens"] == 16
+    assert engine.state.requests[-1]["body"]["model"] == MODEL  # the tenant's only model
+
+
+def test_max_tokens_above_cap_is_400(gw, engine):
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=4097))
+    assert r.status_code == 400 and error_of(r)["param"] == "max_tokens"
+    assert engine.state.requests == []
+
+
+# ---------------------------------------------------------------- bad input: 4xx, nothing forwarded
+BAD = [
+    (b"{not json", 400, None),
+    (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, None),
+    (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
+    (b'{"model": "kvgate-tiny", "messages": "hi"}', 400, "messages"),
+    (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}', 400, "max_tokens"),
+    (b'{"model": 7, "messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
+    (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
+    (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]}',
+     400, "messages[0].content[0].type"),
+    (b'{"model": "kvgate-tiny", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0].role"),
+    (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "hi"}], "surprise": 1}', 400, "surprise"),
+    (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
+]
+
+
+@pytest.mark.parametrize("raw,status,param", BAD)
+def test_bad_chat_bodies(gw, engine, raw, status, param):
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = error_of(r)
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
+    assert err["code"] == ("model_not_found" if status == 404 else "invalid_request")
+    assert engine.state.requests == []
+
+
+@pytest.mark.parametrize("prompt,param", [([1, 2, 100_300], "prompt"), ([-1], "prompt"), ([[5], [100_261]], "prompt[1]"),
+                                          ([[5], []], "prompt[1]"), ([1, "a"], "prompt")])
+def test_invalid_token_ids(gw, engine, prompt, param):
+    with gw.client() as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 400 and error_of(r)["param"] == param
+    assert engine.state.requests == []
+
+
+def test_oversized_body_is_413(gw, engine):
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(content="x" * 5000))
+    assert r.status_code == 413
+    assert error_of(r)["code"] == "request_too_large"
+    assert engine.state.requests == []
+
+
+def test_auth_errors(gw, engine):
+    with gw.client(key=None) as c:
+        r = c.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+    with gw.client(key="sk-wrong-secret") as c:
+        r = c.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 401 and error_of(r)["type"] == "authentication_error"
+        assert "sk-wrong-secret" not in r.text
+        assert c.get("/v1/models").status_code == 401
+    with gw.client(key=KEY_B) as c:  # a tenant without this model
+        r = c.post("/v1/chat/completions", json=chat())
+        assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
+    assert engine.state.requests == []
+
+
+def test_unknown_route_and_method_are_openai_shaped(gw):
+    with gw.client() as c:
+        r = c.get("/v1/nothing-here")
+        assert r.status_code == 404 and error_of(r)["code"] == "not_found"
+        r = c.get("/v1/chat/completions")
+        assert r.status_code == 405 and error_of(r)["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------- what is forwarded
+def test_forwarded_request_salt_request_id_alias(gw, engine):
+    import hashlib
+    import hmac
+
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(model="tiny-alias", cache_salt="client-salt", max_tokens=5),
+                   headers={"x-request-id": "req-42"})
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "req-42"
+    assert float(r.headers["x-kvgate-overhead-ms"]) > 0
+    got = engine.state.requests[0]
+    want_salt = hmac.new(SECRETS["cache_salt_key"], b"tenant-a", hashlib.sha256).hexdigest()
+    assert got["body"] == {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}],
+                           "cache_salt": want_salt, "max_tokens": 5}
+    assert got["headers"]["x-request-id"] == "req-42"
+    assert "authorization" not in got["headers"]  # the client's key never goes upstream
+    assert got["path"] == "/v1/chat/completions"
+
+
+def test_upstream_api_key_and_upstream_model(engine):
+    s = settings_for([upstream("u1", engine, api_key="sk-upstream")])
+    s.models[0].upstream_model = "served-name"
+    g = Gateway(s).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=3))
+        assert r.status_code == 200
+        got = engine.state.requests[0]
+        assert got["headers"]["authorization"] == "Bearer sk-upstream"
+        assert got["body"]["model"] == "served-name"
+        assert len(got["headers"]["x-request-id"]) == 32 == len(r.headers["x-request-id"])
+        assert got["headers"]["x-request-id"] == r.headers["x-request-id"]
+    finally:
+        g.stop()
+
+
+def test_models_readyz_healthz_metrics(gw, engine):
+    with gw.client() as c:
+        m = c.get("/v1/models").json()
+        assert [(d["id"], d["max_model_len"]) for d in m["data"]] == [(MODEL, 200)]
+        assert c.get("/healthz").json() == {"status": "ok"}
+        ready = c.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["upstreams"][0]["limit_tokens"] == 3276
+        c.post("/v1/chat/completions", json=chat(max_tokens=5))
+        c.post("/v1/chat/completions", json=chat(max_tokens=500))
+        text = c.get("/metrics").text
+    assert 'kvgate_requests_total{route="chat",status="200",tenant="tenant-a"} 1.0' in text
+    assert 'kvgate_requests_total{route="chat",status="400",tenant="tenant-a"} 1.0' in text
+    assert 'kvgate_rejections_total{reason="context_length_exceeded"} 1.0' in text
+    assert 'kvgate_prompt_tokens_total{tenant="tenant-a"} 11.0' in text
+    assert 'kvgate_completion_tokens_total{tenant="tenant-a"} 4.0' in text
+    assert 'kvgate_pool_tokens{upstream="u1"} 4096.0' in text
+    assert 'kvgate_effective_limit_tokens{upstream="u1"} 3276.0' in text
+    assert "kvgate_gateway_overhead_seconds_count" in text
+    assert KEY_A not in text and "Say hello" not in text
+
+
+# ---------------------------------------------------------------- streams
+def _chunk(content: str, usage_null: bool, finish=None) -> bytes:
+    obj = {"id": "c1", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"content": content}, "finish_reason": finish}]}
+    if usage_null:
+        obj["usage"] = None
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _usage_chunk() -> bytes:
+    return b'data: {"id": "c1", "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3}}\n\n'
+
+
+TEXTS = ["caf\u00e9 \u2028 ", "\U0001F600 \u4e2d\u6587", "\u2029end"]
+
+
+def _cut(stream: bytes, step: int) -> list[bytes]:
+    return [stream[i:i + step] for i in range(0, len(stream), step)]
+
+
+def test_stream_is_byte_exact_when_client_asks_usage(gw, engine):
+    events = [_chunk(t, True) for t in TEXTS] + [_chunk("", True, "stop"), _usage_chunk(), b"data: [DONE]\n\n"]
+    stream = b"".join(events)
+    engine.state.stream_chunks = _cut(stream, 5)  # cuts through multi-byte characters
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.content == stream
+    assert r.content.count(b"[DONE]") == 1
+
+
+def test_stream_strips_usage_the_client_did_not_ask_for(gw, engine):
+    asked = [_chunk(t, True) for t in TEXTS] + [_chunk("", True, "stop"), _usage_chunk(), b"data: [DONE]\n\n"]
+    engine.state.stream_chunks = _cut(b"".join(asked), 3)
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
+    plain = [_chunk(t, False) for t in TEXTS] + [_chunk("", False, "stop"), b"data: [DONE]\n\n"]
+    assert r.content == b"".join(plain)
+    assert engine.state.requests[0]["body"]["stream_options"] == {"include_usage": True}
+    with gw.client() as c:  # the engine's usage still reached the metrics (quota settle uses it too)
+        assert 'kvgate_completion_tokens_total{tenant="tenant-a"} 3.0' in c.get("/metrics").text
+
+
+def test_stream_without_done_gets_one(gw, engine):
+    engine.state.stream_chunks = [_chunk("hi", False, "stop")]
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    assert r.content == _chunk("hi", False, "stop") + b"data: [DONE]\n\n"
+
+
+def test_error_event_before_content_is_mapped(gw, engine):
+    engine.state.stream_chunks = [
+        b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
+        b'data: {"object":"error","message":"The input (5000 tokens) is longer than the model","type":"BadRequestError","param":null,"code":400}\n\n',
+        b"data: [DONE]\n\n"]
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
+    assert r.status_code == 400
+    assert error_of(r) == {"message": "The input (5000 tokens) is longer than the model",
+                           "type": "invalid_request_error", "param": None, "code": None}
+
+
+def test_error_event_after_content_passes_as_openai_event(gw, engine):
+    engine.state.stream_chunks = [_chunk("partial", False),
+                                  b'data: {"error":{"message":"engine died","code":500}}\n\n', b"data: [DONE]\n\n"]
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
+    assert r.status_code == 200
+    assert r.content == (_chunk("partial", False) + b'data: {"error":{"message":"engine died","type":"server_error",'
+                         b'"param":null,"code":null}}\n\n' + b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("status,body,want", [
+    (400, b'{"object":"error","message":"bad","type":"BadRequestError","param":"top_p","code":400}',
+     {"message": "bad", "type": "invalid_request_error", "param": "top_p", "code": None}),
+    (400, b'{"error":{"message":"This model\'s maximum context length is 10 tokens.","type":"BadRequestError","param":null,"code":400}}',
+     {"message": "This model's maximum context length is 10 tokens.", "type": "invalid_request_error", "param": None,
+      "code": "context_length_exceeded"}),
+    (500, b'{"error":{"message":"boom"}}', {"message": "boom", "type": "server_error", "param": None, "code": None}),
+    (503, b'{"object":"error","message":"pool full, retry","code":503}',
+     {"message": "pool full, retry", "type": "server_error", "param": None, "code": None}),
+])
+def test_engine_error_bodies(gw, engine, status, body, want):
+    engine.state.mode = "error"
+    engine.state.error_status = status
+    engine.state.error_body = body
+    with gw.client() as c:
+        for stream in (False, True):
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=stream))
+            assert r.status_code == status
+            assert error_of(r) == want
+
+
+def test_abort_under_200_is_counted(gw, engine):
+    engine.state.finish_reason = "abort"
+    with gw.client() as c:
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}).status_code == 200
+        assert 'kvgate_finish_reason_abort_total{upstream="u1"} 1.0' in c.get("/metrics").text
+
+
+# ---------------------------------------------------------------- the official openai SDK
+def test_openai_sdk(gw, engine):
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY_A, max_retries=0)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=189)
+    assert r.choices[0].message.content == "Hello from the mock."
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=190)
+    assert e.value.code == "context_length_exceeded"
+    assert e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Say hello.", max_tokens=198)
+    assert e.value.code == "context_length_exceeded"
+    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=5, stream=True) if ch.choices]
+    assert "".join(parts) == "Hello from the mock."
+    c = client.completions.create(model=MODEL, prompt="Say hello.", max_tokens=5)
+    assert c.choices[0].text == "Hello from the mock."
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=gw.url + "/v1", api_key="sk-nope", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.code == "model_not_found"

@@ -1,0 +1,211 @@
+"""Unit tests of the gateway's pieces that need no server: the pool formula, SSE splitting on
+bytes, usage stripping, engine error mapping, request validation, tenants, admission."""
+from __future__ import annotations
+
+import pytest
+
+from config.errors import OpenAIError
+from config.models import Settings, TenantConfig
+from config.pool import effective_pool_limit, pool_limit_from_headroom
+from gateway.admission import ModelIndex, decide
+from gateway.handlers import request_id_of
+from gateway.pool_watcher import PoolReadError, limit_from_server_info, limit_from_vllm_models
+from gateway.proxy import engine_error
+from gateway.requests import parse_json_body, validate
+from gateway.sse import SSESplitter, data_of, inspect, strip_usage_null
+from gateway.tenants import TenantRegistry, hash_key
+
+
+# ---------------------------------------------------------------- pool formula
+def test_incident_pool_gives_runbook_limit():
+    assert effective_pool_limit(1_048_576, 681_280, None, 1.25) == 545_024
+
+
+def test_fixed_pool_gives_context_less_sglang_reserve():
+    # ~2.04 M pool: floor(2_040_000 / 1.25) = 1_632_000 > context, so max_req_input_len decides
+    assert effective_pool_limit(1_048_576, 2_040_000, 1_048_570, 1.25) == 1_048_570
+    assert effective_pool_limit(1_048_576, 2_040_000, None, 1.25) == 1_048_576
+
+
+def test_headroom_floor_is_exact():
+    assert pool_limit_from_headroom(4096, 1.25) == 3276
+    assert pool_limit_from_headroom(5, 1.25) == 4
+    assert pool_limit_from_headroom(100, 1.1) == 90  # 90.909 -> 90; float 100/1.1 = 90.90909...
+    assert pool_limit_from_headroom(110, 1.1) == 100  # float 110/1.1 = 99.99999999999999
+    with pytest.raises(ValueError):
+        pool_limit_from_headroom(10, 0.5)
+
+
+def test_server_info_fields():
+    assert limit_from_server_info({"max_total_num_tokens": 4096, "context_length": 8192}, 1.25) == (4096, 3276)
+    assert limit_from_server_info({"max_total_num_tokens": 10_000, "max_req_input_len": 2000}, 1.25) == (10_000, 2000)
+    assert limit_from_server_info({"internal_states": [{"max_total_num_tokens": 400}]}, 1.0, 8192) == (400, 400)
+    with pytest.raises(PoolReadError):
+        limit_from_server_info({"context_length": 8192}, 1.25)
+    with pytest.raises(PoolReadError):
+        limit_from_server_info({"max_total_num_tokens": True}, 1.25)
+    assert limit_from_vllm_models({"data": [{"id": "m", "max_model_len": 4000}]}, 1.25, 8192) == (4000, 3200)
+    with pytest.raises(PoolReadError):
+        limit_from_vllm_models({"data": [{"id": "m"}]}, 1.25)
+
+
+# ---------------------------------------------------------------- SSE on bytes
+EVENTS = [
+    b'data: {"choices":[{"delta":{"content":"caf\xc3\xa9 \xe2\x80\xa8 line"}}]}\n\n',  # U+00E9 and raw U+2028
+    b'data: {"choices":[{"delta":{"content":"\\u2028 escaped, \xf0\x9f\x98\x80"}}]}\n\n',  # 4-byte emoji
+    b": a comment\n\n",
+    b"data: [DONE]\n\n",
+]
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 7, 64])
+def test_splitter_keeps_every_byte_whatever_the_cuts(step):
+    stream = b"".join(EVENTS)
+    sp = SSESplitter()
+    got = []
+    for i in range(0, len(stream), step):
+        got += sp.feed(stream[i:i + step])
+    assert got == EVENTS
+    assert sp.tail() == b""
+
+
+def test_splitter_crlf_and_multiline_data():
+    sp = SSESplitter()
+    got = sp.feed(b'data: {"a":\r\ndata: 1}\r\n\r\ndata: x\n\nincomplete')
+    assert got == [b'data: {"a":\r\ndata: 1}\r\n\r\n', b"data: x\n\n"]
+    assert data_of(got[0]) == b'{"a":\n1}'
+    assert sp.tail() == b"incomplete"
+
+
+def test_inspect_kinds():
+    assert inspect(EVENTS[0]).text == "caf\u00e9 \u2028 line"
+    assert inspect(EVENTS[3]).kind == "done"
+    assert inspect(EVENTS[2]).kind == "other"
+    e = inspect(b'data: {"object":"error","message":"bad","code":400}\n\n')
+    assert e.kind == "error"
+    u = inspect(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n')
+    assert (u.kind, u.usage_only, u.usage) == ("chunk", True, {"prompt_tokens": 3, "completion_tokens": 2})
+    f = inspect(b'data: {"choices":[{"text":"","finish_reason":"abort"}]}\n\n')
+    assert f.finish_reason == "abort"
+
+
+def test_strip_usage_null_leaves_other_bytes():
+    ev = b'data: {"id": "c1", "choices": [{"delta": {"content": "\\"usage\\": null"}}], "usage": null}\n\n'
+    assert strip_usage_null(ev) == b'data: {"id": "c1", "choices": [{"delta": {"content": "\\"usage\\": null"}}]}\n\n'
+    ev2 = b'data: {"usage":null,"id":"x"}\n\n'
+    assert strip_usage_null(ev2) == b'data: {"id":"x"}\n\n'
+    ev3 = b'data: {"id":"x","usage":{"prompt_tokens":1}}\n\n'
+    assert strip_usage_null(ev3) == ev3
+
+
+# ---------------------------------------------------------------- engine errors
+def test_engine_error_shapes():
+    sglang = engine_error(400, b'{"object":"error","message":"bad temp","type":"BadRequestError","param":null,"code":400}')
+    assert (sglang.status, sglang.body()) == (400, {"error": {"message": "bad temp", "type": "invalid_request_error",
+                                                              "param": None, "code": None}})
+    vllm = engine_error(422, b'{"error":{"message":"nope","type":"BadRequestError","param":"n","code":422}}')
+    assert (vllm.status, vllm.body()["error"]) == (422, {"message": "nope", "type": "invalid_request_error",
+                                                         "param": "n", "code": None})
+    gen = engine_error(500, b'{"error":{"message":"CUDA out of memory"}}')
+    assert (gen.status, gen.body()["error"]["type"], gen.message) == (500, "server_error", "CUDA out of memory")
+    text = engine_error(503, b"upstream connect error")
+    assert (text.status, text.message) == (503, "The upstream engine answered 503: upstream connect error")
+    in_stream = engine_error(200, {"error": {"message": "The input is too long", "code": 400}})
+    assert in_stream.status == 400
+    no_code = engine_error(200, {"object": "error", "message": "x"})
+    assert no_code.status == 502
+
+
+# ---------------------------------------------------------------- parsing and validation
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b'{"a": NaN}', b'{"a": Infinity}', b'{"a": "\xff"}',
+                                 b'{"a": "\\ud800"}'])
+def test_parse_rejects(raw):
+    with pytest.raises(OpenAIError) as e:
+        parse_json_body(raw)
+    assert e.value.status == 400
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [], "max_tokens": "5"}, "max_tokens"),
+    ({"messages": [], "max_tokens": True}, "max_tokens"),
+    ({"messages": [], "temperature": 3}, "temperature"),
+    ({"messages": [], "stream": "yes"}, "stream"),
+    ({"messages": [], "n": 0}, "n"),
+    ({"messages": [], "stop": [1]}, "stop"),
+    ({"messages": [], "bogus": 1}, "bogus"),
+    ({"model": "m"}, "messages"),
+    ({"messages": [], "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_validate_names_param(body, param):
+    with pytest.raises(OpenAIError) as e:
+        validate(body, "chat")
+    assert (e.value.status, e.value.param) == (400, param)
+
+
+def test_validate_accepts_nulls_and_engine_extensions():
+    validate({"messages": [], "max_tokens": None, "top_k": 20, "stream": True,
+              "stream_options": {"include_usage": False}}, "chat")
+    validate({"prompt": "x", "echo": False, "logprobs": 2}, "completions")
+
+
+# ---------------------------------------------------------------- tenants
+def test_registry_lookup_and_atomic_reload(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"tenants:\n  - id: one\n    api_key_sha256: [{hash_key('k1')}]\n")
+    reg = TenantRegistry.from_path(path)
+    assert reg.lookup("k1").id == "one"
+    assert reg.lookup("k2") is None
+    path.write_text(f"tenants:\n  - id: two\n    api_key_sha256: [{hash_key('k2')}]\n")
+    reg.reload()
+    assert reg.lookup("k1") is None and reg.lookup("k2").id == "two"
+    path.write_text("tenants: [{id: 'bad id!'}]\n")
+    with pytest.raises(Exception):
+        reg.reload()
+    assert reg.lookup("k2").id == "two"  # the old table stays
+
+
+def test_request_id():
+    assert request_id_of("abc-123") == "abc-123"
+    generated = request_id_of("bad id with spaces")
+    assert len(generated) == 32 and generated != request_id_of(None)
+
+
+# ---------------------------------------------------------------- admission
+def _setup(**tenant):
+    s = Settings.model_validate({"models": [{"id": "m", "context_length": 8192}]})
+    idx = ModelIndex(s)
+    t = TenantConfig.model_validate({"id": "t", "default_max_tokens": 64, **tenant})
+    return idx, t
+
+
+def test_gate_boundary_and_message():
+    idx, t = _setup()
+    e = idx.resolve(t, "m")
+    a = decide(e, t, {"max_tokens": 189}, "chat", (11, 11, 1), 200)
+    assert (a.limit, a.max_tokens, a.reserve_tokens, a.defaulted) == (200, 189, 200, False)
+    with pytest.raises(OpenAIError) as err:
+        decide(e, t, {"max_tokens": 190}, "chat", (11, 11, 1), 200)
+    assert err.value.body() == {"error": {
+        "message": "This model's maximum context length is 200 tokens. However, you requested 201 tokens "
+                   "(11 in the messages, 190 in the completion). Please reduce the length of the messages "
+                   "or completion.", "type": "invalid_request_error", "param": "messages",
+        "code": "context_length_exceeded"}}
+
+
+def test_max_tokens_rules():
+    idx, t = _setup(max_tokens_cap=100, max_context_tokens=150)
+    e = idx.resolve(t, None)  # the tenant's only model
+    assert decide(e, t, {}, "completions", (100, 100, 1), 3276).max_tokens == 50  # min(64, 150 - 100)
+    assert decide(e, t, {}, "completions", (10, 10, 1), 3276).max_tokens == 64
+    a = decide(e, t, {"max_tokens": 5, "n": 3}, "completions", (10, 25, 2), 3276)
+    assert a.reserve_tokens == 25 + 2 * 3 * 5
+    assert decide(e, t, {"max_tokens": 500, "max_completion_tokens": 7}, "chat", (1, 1, 1), 3276).max_tokens == 7
+    with pytest.raises(OpenAIError) as err:
+        decide(e, t, {"max_tokens": 101}, "chat", (1, 1, 1), 3276)
+    assert (err.value.status, err.value.param) == (400, "max_tokens")
+    with pytest.raises(OpenAIError) as err:  # max_tokens 0 still needs room for one token
+        decide(e, t, {"max_tokens": 0}, "completions", (150, 150, 1), 3276)
+    assert "(150 in the prompt, 1 in the completion)" in err.value.message
+    with pytest.raises(OpenAIError) as err:
+        idx.resolve(t, "other")
+    assert (err.value.status, err.value.code) == (404, "model_not_found")
