@@ -4,7 +4,7 @@ and the wire shapes every part shares (the OpenAI error body).
 Dependency rule: ``config`` imports nothing else of kvgate.
 """
 from config.errors import ErrorCode, openai_error, openai_error_bytes, OpenAIError
-from config.loader import ConfigError, load_settings, load_tenants, load_yaml_model
+from config.loader import ConfigError, check_tenant_models, load_settings, load_tenants, load_yaml_model
 from config.models import (
     BackendSettings,
     GatewaySettings,
@@ -22,6 +22,6 @@ from config.models import (
 __all__ = [
     "BackendSettings", "ConfigError", "ErrorCode", "GatewaySettings", "ModelConfig", "OpenAIError",
     "PoolSettings", "QuotaSettings", "Settings", "TenantConfig", "TenantsFile", "TokenizerConfig",
-    "UpstreamConfig", "VerifierSettings", "load_settings", "load_tenants", "load_yaml_model",
+    "UpstreamConfig", "VerifierSettings", "check_tenant_models", "load_settings", "load_tenants", "load_yaml_model",
     "openai_error", "openai_error_bytes",
 ]

@@ -1,8 +1,10 @@
 """Load :class:`~config.models.Settings` and :class:`~config.models.TenantsFile` from YAML.
 
-Errors name the file, the key path and the problem, e.g.::
+Errors name the file, the line, the key path and the problem, e.g.::
 
-    config/kvgate.yaml: gateway.port: Input should be a valid integer (got 'eighty')
+    config/kvgate.yaml: line 3: gateway.port: Input should be a valid integer, unable to parse string as an integer (got 'eighty')
+
+A key that is not a setting, and a key given twice in one mapping, are errors, never ignored.
 
 Environment overrides (DESIGN.md, Contracts): ``KVGATE_<SECTION>__<KEY>=value`` sets
 ``section.key`` (values parsed as YAML scalars, so ``8081`` is an int and ``[a, b]`` a list);
@@ -12,6 +14,7 @@ a settings key (``KVGATE_FAULTS``, ``KVGATE_CONFIG``) are not settings and are l
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
@@ -48,63 +51,154 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def _format_validation(err: ValidationError) -> list[str]:
+_LEADING_PATH = re.compile(r"^([A-Za-z_][\w]*(?:\[\d+\]|\.[A-Za-z_]\w*)*): ")
+
+
+def _parse_loc(text: str) -> tuple[Any, ...]:
+    """``"upstreams[0].models[1]"`` -> ``("upstreams", 0, "models", 1)`` (inverse of :func:`_loc`)."""
+    return tuple(int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"\[\d+\]|[^.\[\]]+", text))
+
+
+def _format_validation(err: ValidationError, lines: Mapping[tuple[Any, ...], int] | None = None,
+                       env_vars: Mapping[tuple[str, ...], str] | None = None) -> list[str]:
+    """One line per problem: ``[line N: ]key.path: problem[ (got value)][ (from VARIABLE)]``.
+
+    ``lines`` maps key paths to the line they are on in the file (the deepest known ancestor of
+    the path is used); ``env_vars`` maps the key paths set by environment overrides to their
+    variable names."""
     problems = []
     for e in err.errors(include_url=False):
-        loc = _loc(tuple(p for p in e["loc"] if p not in ("function-after",)))
+        path = tuple(p for p in e["loc"] if p not in ("function-after",))
+        loc = _loc(path)
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (not a kvgate setting; check the spelling)"
-        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], (dict, list)):
+        elif e["type"] == "value_error" and msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if "input" in e and e["type"] not in ("missing", "extra_forbidden") and not isinstance(e["input"], (dict, list)):
             msg = f"{msg} (got {e['input']!r})"
-        problems.append(f"{loc}: {msg}")
+        var = next((v for p, v in (env_vars or {}).items() if path[:len(p)] == p), None)
+        if var:
+            msg = f"{msg} (from environment variable {var})"
+        line = None
+        if lines and not var:
+            for n in range(len(path), 0, -1):
+                if path[:n] in lines:
+                    line = lines[path[:n]]
+                    break
+        if not path and lines and not var and (m := _LEADING_PATH.match(msg)):
+            line = lines.get(_parse_loc(m.group(1)))
+        prefix = f"line {line}: " if line else ""
+        problems.append(f"{prefix}{loc}: {msg}" if path else f"{prefix}{msg}")
     return problems
 
 
-def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a YAML mapping. Raises :class:`ConfigError` naming the file (and line) when it is
-    unreadable, not YAML, or not a mapping. An empty file is ``{}``."""
-    p = Path(path)
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.get(key)
+        except TypeError:  # unhashable key: construct_mapping reports it
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=True)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _line_map(node: yaml.Node | None, path: tuple[Any, ...] = (), out: dict[tuple[Any, ...], int] | None = None
+              ) -> dict[tuple[Any, ...], int]:
+    """``{key path: 1-based line}`` for every mapping key and sequence item under ``node``."""
+    out = {} if out is None else out
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                sub = (*path, key_node.value)
+                out[sub] = key_node.start_mark.line + 1
+                _line_map(value_node, sub, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            sub = (*path, i)
+            out[sub] = item.start_mark.line + 1
+            _line_map(item, sub, out)
+    return out
+
+
+def _parse(path: Path) -> tuple[dict[str, Any], dict[tuple[Any, ...], int]]:
     try:
-        text = p.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise ConfigError(str(p), [f"cannot read: {e.strerror or e}"]) from e
+        raise ConfigError(str(path), [f"cannot read: {e.strerror or e}"]) from e
     except UnicodeDecodeError as e:
-        raise ConfigError(str(p), [f"not UTF-8 text: {e.reason} at byte {e.start}"]) from e
+        raise ConfigError(str(path), [f"not UTF-8 text: {e.reason} at byte {e.start}"]) from e
+    loader = _Loader(text)
     try:
-        data = yaml.safe_load(text)
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(str(p), [f"invalid YAML: {where}{problem}"]) from e
+        raise ConfigError(str(path), [f"invalid YAML: {where}{problem}"]) from e
+    finally:
+        loader.dispose()
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
-        raise ConfigError(str(p), [f"(top level): expected a mapping of keys, got {type(data).__name__}"])
-    return data
+        raise ConfigError(str(path), [f"(top level): expected a mapping of keys, got {type(data).__name__}"])
+    return data, _line_map(node)
 
 
-def env_overrides(model: type[BaseModel], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Collect ``KVGATE_<SECTION>__<KEY>`` overrides that name fields of ``model``, as a nested dict."""
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a YAML mapping. Raises :class:`ConfigError` naming the file (and line) when it is
+    unreadable, not YAML, not a mapping, or gives a key twice. An empty file is ``{}``."""
+    return _parse(Path(path))[0]
+
+
+def env_override_items(model: type[BaseModel], environ: Mapping[str, str] | None = None
+                       ) -> list[tuple[tuple[str, ...], str, Any]]:
+    """``(key path, variable name, value)`` for each ``KVGATE_<SECTION>__<KEY>`` (or
+    ``KVGATE_<KEY>``) variable whose first part is a field of ``model``, sorted by name.
+    Values are parsed as YAML scalars/flow collections (``9000`` -> int, ``[a, b]`` -> list,
+    ``null`` or the empty string -> ``None``); text that is not YAML stays a string."""
     environ = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
     fields = set(model.model_fields)
-    for name, raw in environ.items():
+    items = []
+    for name in sorted(environ):
         if not name.startswith(ENV_PREFIX):
             continue
-        parts = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
-        if not parts[0] or parts[0] not in fields:
+        parts = tuple(p.lower() for p in name[len(ENV_PREFIX):].split("__"))
+        if not parts[0] or parts[0] not in fields or not all(parts):
             continue
+        raw = environ[name]
         try:
             value = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError:
             value = raw
+        items.append((parts, name, value))
+    return items
+
+
+def env_overrides(model: type[BaseModel], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Collect ``KVGATE_<SECTION>__<KEY>`` overrides that name fields of ``model``, as a nested dict."""
+    out: dict[str, Any] = {}
+    for parts, _, value in env_override_items(model, environ):
         node = out
         for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):  # a scalar override of the section itself wins
                 break
+            node = nxt
         else:
             node[parts[-1]] = value
     return out
@@ -124,19 +218,20 @@ def load_yaml_model(path: str | os.PathLike[str], model: type[M], *, use_env: bo
                     environ: Mapping[str, str] | None = None) -> M:
     """Read ``path`` and validate it as ``model``; with ``use_env``, apply environment overrides.
 
-    Raises :class:`ConfigError` naming the file and the key path of every problem.
+    Raises :class:`ConfigError` naming the file and, for every problem, its line, key path and,
+    for a value set by the environment, the variable.
     """
-    data = read_yaml(path)
-    source = str(path)
+    data, lines = _parse(Path(path))
+    env_vars: dict[tuple[str, ...], str] = {}
     if use_env:
         over = env_overrides(model, environ)
         if over:
             data = _merge(data, over)
-            source = f"{path} (with KVGATE_* environment overrides)"
+            env_vars = {parts: name for parts, name, _ in env_override_items(model, environ)}
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(source, _format_validation(e)) from None
+        raise ConfigError(str(path), _format_validation(e, lines, env_vars)) from None
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, *,
@@ -152,3 +247,17 @@ def load_tenants(path: str | os.PathLike[str] | None = None) -> TenantsFile:
     """Load ``tenants.yaml`` (default beside this module; ``KVGATE_TENANTS`` names another)."""
     path = path or os.environ.get("KVGATE_TENANTS") or DEFAULT_TENANTS
     return load_yaml_model(path, TenantsFile)
+
+
+def check_tenant_models(settings: Settings, tenants: TenantsFile, source: str | os.PathLike[str] = "tenants") -> None:
+    """Cross-file check: every tenant's ``allowed_models`` entry is a model id or alias of
+    ``settings``. Raises :class:`ConfigError` (source: the tenants file) listing each unknown one
+    as ``tenants[i].allowed_models[j]: unknown model 'x'``."""
+    problems = []
+    for i, t in enumerate(tenants.tenants):
+        for j, name in enumerate(t.allowed_models):
+            if settings.model_by_name(name) is None:
+                problems.append(f"tenants[{i}].allowed_models[{j}]: unknown model '{name}' "
+                                "(not the id or an alias of any model in the settings)")
+    if problems:
+        raise ConfigError(str(source), problems)

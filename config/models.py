@@ -192,20 +192,23 @@ class Settings(_Strict):
 
     @model_validator(mode="after")
     def _cross_refs(self) -> "Settings":
+        """Model ids and aliases are unique; upstream names are unique; every model an upstream
+        serves is a model id or alias. Messages start with the key path at fault."""
         names: dict[str, str] = {}
-        for m in self.models:
+        for i, m in enumerate(self.models):
             for n in [m.id, *m.aliases]:
                 if n in names:
-                    raise ValueError(f"model name '{n}' is used twice (by '{names[n]}' and '{m.id}')")
+                    raise ValueError(f"models[{i}]: model name '{n}' is already used by model '{names[n]}'")
                 names[n] = m.id
         seen: set[str] = set()
-        for u in self.upstreams:
+        for i, u in enumerate(self.upstreams):
             if u.name in seen:
-                raise ValueError(f"upstream name '{u.name}' is used twice")
+                raise ValueError(f"upstreams[{i}].name: upstream name '{u.name}' is used twice")
             seen.add(u.name)
-            for n in u.models:
+            for j, n in enumerate(u.models):
                 if n not in names:
-                    raise ValueError(f"upstream '{u.name}' serves unknown model '{n}'")
+                    raise ValueError(f"upstreams[{i}].models[{j}]: unknown model '{n}' "
+                                     "(not the id or an alias of any entry in 'models')")
         return self
 
     def model_by_name(self, name: str) -> ModelConfig | None:
@@ -258,14 +261,16 @@ class TenantsFile(_Strict):
 
     @model_validator(mode="after")
     def _unique(self) -> "TenantsFile":
+        """Tenant ids are unique and no API key hash belongs to two tenants."""
         ids: set[str] = set()
         hashes: dict[str, str] = {}
-        for t in self.tenants:
+        for i, t in enumerate(self.tenants):
             if t.id in ids:
-                raise ValueError(f"tenant id '{t.id}' is used twice")
+                raise ValueError(f"tenants[{i}].id: tenant id '{t.id}' is used twice")
             ids.add(t.id)
-            for h in t.api_key_sha256:
+            for j, h in enumerate(t.api_key_sha256):
                 if h in hashes:
-                    raise ValueError(f"an API key hash is shared by tenants '{hashes[h]}' and '{t.id}'")
+                    raise ValueError(f"tenants[{i}].api_key_sha256[{j}]: this API key hash also belongs to "
+                                     f"tenant '{hashes[h]}'")
                 hashes[h] = t.id
         return self

@@ -1,0 +1,274 @@
+"""config/: YAML loading with exact error messages, environment overrides, secrets."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from config import (
+    ConfigError,
+    Settings,
+    TenantConfig,
+    TokenizerConfig,
+    UpstreamConfig,
+    check_tenant_models,
+    load_settings,
+    load_tenants,
+)
+from config.loader import DEFAULT_CONFIG, DEFAULT_TENANTS, env_overrides
+from config.secrets import SECRET_NAMES, load_secrets
+
+UPSTREAM = """\
+upstreams:
+  - name: local
+    api_url: http://127.0.0.1:30000/v1
+    pool_urls: [http://127.0.0.1:30000/server_info]
+    models: [m1]
+"""
+MODELS = """\
+models:
+  - id: m1
+    aliases: [m1-alias]
+    context_length: 8192
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "kvgate.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text), encoding="utf-8")
+    return p
+
+
+def problems(path: Path, environ: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as ei:
+        load_settings(path, environ=environ or {})
+    assert ei.value.source == str(path)
+    return str(ei.value)
+
+
+# ---------------------------------------------------------------- the shipped files
+def test_default_files_load_and_agree():
+    s = load_settings(environ={})
+    assert (s.gateway.host, s.gateway.port, s.gateway.max_body_bytes) == ("127.0.0.1", 8080, 8 * 1024 * 1024)
+    assert s.pool.headroom == 1.25 and s.redis_url is None
+    assert [m.id for m in s.models] == ["kvgate-tiny"]
+    assert s.model_by_name("tiny-random").id == "kvgate-tiny"
+    assert s.model_by_name("nope") is None
+    assert s.models[0].tokenizer == TokenizerConfig(kind="bundled", chat_template="chatml", image_tokens=765)
+    assert s.upstreams[0].pool_urls == ["http://127.0.0.1:30000/server_info"]
+    assert (s.backend.context_length, s.backend.prefill_max_total_tokens, s.backend.decode_max_total_tokens) \
+        == (8192, 4096, 16384)
+    t = load_tenants()
+    assert [x.id for x in t.tenants] == ["demo-a", "demo-b"]
+    assert t.tenants[0].api_key_sha256 == [hashlib.sha256(b"sk-demo-a").hexdigest()]
+    assert t.tenants[1].api_key_sha256 == [hashlib.sha256(b"sk-demo-b").hexdigest()]
+    assert (t.tenants[0].strict_verify, t.tenants[1].strict_verify) == (False, True)
+    check_tenant_models(s, t, DEFAULT_TENANTS)
+    assert DEFAULT_CONFIG.parent == ROOT / "config"
+
+
+def test_process_environment_is_used_by_default(monkeypatch):
+    monkeypatch.setenv("KVGATE_GATEWAY__PORT", "8181")
+    assert load_settings().gateway.port == 8181
+    monkeypatch.setenv("KVGATE_CONFIG", str(DEFAULT_CONFIG))
+    assert load_settings().gateway.port == 8181
+
+
+def test_empty_file_is_all_defaults(tmp_path):
+    s = load_settings(write(tmp_path, ""), environ={})
+    assert s == Settings()
+    assert (s.gateway.port, s.quotas.window_seconds, s.verifier.shingle_k, s.state_dir) == (8080, 60.0, 16, ".kvgate")
+
+
+# ---------------------------------------------------------------- one test per failure kind
+def test_bad_yaml_names_file_and_line(tmp_path):
+    p = write(tmp_path, "gateway:\n  port: 8080\n  host: [127.0.0.1\n")
+    assert problems(p) == f"{p}: invalid YAML: line 4, column 1: expected ',' or ']', but got '<stream end>'"
+    p = write(tmp_path, "gateway:\n  port: 8080\n\tdrain_timeout_seconds: 1\n")
+    assert problems(p).startswith(f"{p}: invalid YAML: line 3, column 1: found character '\\t'")
+
+
+def test_unknown_key_names_its_path_and_line(tmp_path):
+    p = write(tmp_path, "gateway:\n  host: 127.0.0.1\n  prot: 9000\n")
+    assert problems(p) == f"{p}: line 3: gateway.prot: unknown key (not a kvgate setting; check the spelling)"
+    p = write(tmp_path, MODELS + "    tokeniser: {kind: bundled}\n")
+    assert problems(p) == f"{p}: line 5: models[0].tokeniser: unknown key (not a kvgate setting; check the spelling)"
+    p = write(tmp_path, "verbose: true\n")
+    assert problems(p) == f"{p}: line 1: verbose: unknown key (not a kvgate setting; check the spelling)"
+
+
+def test_wrong_type_names_path_and_value(tmp_path):
+    p = write(tmp_path, "gateway:\n  port: eighty\npool:\n  headroom: 0.5\n")
+    assert problems(p) == (
+        f"{p}: line 2: gateway.port: Input should be a valid integer, unable to parse string as an integer "
+        f"(got 'eighty')\n"
+        f"{p}: line 4: pool.headroom: Input should be greater than or equal to 1 (got 0.5)")
+    p = write(tmp_path, "gateway: 5\n")
+    assert problems(p) == f"{p}: line 1: gateway: Input should be a valid dictionary or instance of GatewaySettings (got 5)"
+    p = write(tmp_path, "- a\n- b\n")
+    assert problems(p) == f"{p}: (top level): expected a mapping of keys, got list"
+
+
+def test_missing_field_and_rule_violations(tmp_path):
+    p = write(tmp_path, "models:\n  - id: m1\n")
+    assert problems(p) == f"{p}: line 2: models[0].context_length: Field required"
+    p = write(tmp_path, MODELS + "upstreams:\n  - name: s\n    api_url: http://x/v1\n    pool_source: static\n"
+                                 "    models: [m1]\n")
+    assert problems(p) == f"{p}: line 6: upstreams[0]: pool_source 'static' needs 'static_pool_tokens'"
+    p = write(tmp_path, MODELS + "    tokenizer: {kind: hf}\n")
+    assert problems(p) == f"{p}: line 5: models[0].tokenizer: kind 'hf' needs 'path' (a folder with tokenizer.json)"
+
+
+def test_missing_file(tmp_path):
+    p = tmp_path / "nope.yaml"
+    assert problems(p) == f"{p}: cannot read: No such file or directory"
+    with pytest.raises(ConfigError, match="cannot read: No such file or directory"):
+        load_tenants(tmp_path / "tenants.yaml")
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    p = write(tmp_path, "gateway:\n  port: 8080\n  host: 0.0.0.0\n  port: 9090\n")
+    assert problems(p) == f"{p}: invalid YAML: line 4, column 3: duplicate key 'port' (first given on line 2)"
+
+
+def test_not_utf8(tmp_path):
+    p = tmp_path / "kvgate.yaml"
+    p.write_bytes(b"gateway:\n  host: caf\xe9\n")
+    assert problems(p) == f"{p}: not UTF-8 text: invalid continuation byte at byte 20"
+
+
+# ---------------------------------------------------------------- cross references
+def test_upstream_serving_an_unknown_model(tmp_path):
+    p = write(tmp_path, MODELS + UPSTREAM.replace("models: [m1]", "models: [m1, m2]"))
+    assert problems(p) == (f"{p}: line 9: upstreams[0].models[1]: unknown model 'm2' "
+                           "(not the id or an alias of any entry in 'models')")
+    ok = load_settings(write(tmp_path, MODELS + UPSTREAM.replace("models: [m1]", "models: [m1-alias]")), environ={})
+    assert ok.upstreams[0].models == ["m1-alias"]
+
+
+def test_names_used_twice(tmp_path):
+    p = write(tmp_path, MODELS + "  - id: m1-alias\n    context_length: 10\n")
+    assert problems(p) == f"{p}: line 5: models[1]: model name 'm1-alias' is already used by model 'm1'"
+    p = write(tmp_path, MODELS + UPSTREAM + UPSTREAM.replace("upstreams:\n", ""))
+    assert problems(p) == f"{p}: line 10: upstreams[1].name: upstream name 'local' is used twice"
+
+
+def test_tenants_file_cross_references(tmp_path):
+    h = hashlib.sha256(b"k").hexdigest()
+    p = write(tmp_path, f"tenants:\n  - id: a\n    api_key_sha256: [{h}]\n  - id: b\n    api_key_sha256: [{h}]\n",
+              "tenants.yaml")
+    with pytest.raises(ConfigError) as ei:
+        load_tenants(p)
+    assert str(ei.value) == f"{p}: line 5: tenants[1].api_key_sha256[0]: this API key hash also belongs to tenant 'a'"
+    p = write(tmp_path, "tenants:\n  - id: a\n  - id: a\n", "tenants.yaml")
+    with pytest.raises(ConfigError) as ei:
+        load_tenants(p)
+    assert str(ei.value) == f"{p}: line 3: tenants[1].id: tenant id 'a' is used twice"
+    p = write(tmp_path, "tenants:\n  - id: a\n    api_key_sha256: [ABC]\n    rpm: -1\n", "tenants.yaml")
+    with pytest.raises(ConfigError) as ei:
+        load_tenants(p)
+    assert str(ei.value) == (
+        f"{p}: line 3: tenants[0].api_key_sha256: each entry must be 64 lowercase hex digits (the SHA-256 of a key)\n"
+        f"{p}: line 4: tenants[0].rpm: Input should be greater than or equal to 0 (got -1)")
+    settings = load_settings(write(tmp_path, MODELS), environ={})
+    tenants = load_tenants(write(tmp_path, "tenants:\n  - id: a\n    allowed_models: [m1-alias, m9]\n", "t.yaml"))
+    with pytest.raises(ConfigError) as ei:
+        check_tenant_models(settings, tenants, "t.yaml")
+    assert str(ei.value) == ("t.yaml: tenants[0].allowed_models[1]: unknown model 'm9' "
+                             "(not the id or an alias of any model in the settings)")
+
+
+def test_tenant_entry_carries_every_contract_field():
+    t = TenantConfig(id="acme", api_key_sha256=[hashlib.sha256(b"sk").hexdigest()], rpm=60, tpm=1000,
+                     max_concurrent=2, max_context_tokens=4096, max_tokens_cap=512, default_max_tokens=64,
+                     allowed_models=["m1"], verify_sample_rate=0.5, strict_verify=True, honeypot=True)
+    assert t.model_dump()["max_context_tokens"] == 4096
+    with pytest.raises(ValueError):
+        TenantConfig(id="bad name!")
+    with pytest.raises(ValueError):
+        TenantConfig(id="a", verify_sample_rate=1.5)
+    with pytest.raises(ValueError):
+        UpstreamConfig(name="u", api_url="http://x/v1", models=["m"])  # kvgate pool source needs pool_urls
+
+
+# ---------------------------------------------------------------- environment overrides
+def test_env_overrides(tmp_path):
+    p = write(tmp_path, "gateway:\n  port: 8080\n  host: 127.0.0.1\n")
+    env = {"KVGATE_GATEWAY__PORT": "9000", "KVGATE_REDIS_URL": "redis://127.0.0.1:6379/5",
+           "KVGATE_POOL__HEADROOM": "1.5", "KVGATE_QUOTAS__ENABLED": "false",
+           "KVGATE_FAULTS": "admit_rejected,no_scrub", "KVGATE_STATE_DIR_FOR_TESTS": "1", "KVGATE_CONFIG": str(p),
+           "KVGATE_SECRET_ADMIN_KEY": "x", "OTHER": "1"}
+    s = load_settings(p, environ=env)
+    assert (s.gateway.port, s.gateway.host) == (9000, "127.0.0.1")  # the file's other keys stay
+    assert s.redis_url == "redis://127.0.0.1:6379/5"
+    assert (s.pool.headroom, s.quotas.enabled) == (1.5, False)
+    assert env_overrides(Settings, env) == {"gateway": {"port": 9000}, "redis_url": "redis://127.0.0.1:6379/5",
+                                            "pool": {"headroom": 1.5}, "quotas": {"enabled": False}}
+    assert load_settings(environ={"KVGATE_CONFIG": str(p)}).gateway.port == 8080
+    assert load_settings(p, environ={"KVGATE_REDIS_URL": ""}).redis_url is None
+
+
+def test_bad_env_override_names_the_variable(tmp_path):
+    p = write(tmp_path, "gateway:\n  port: 8080\n")
+    assert problems(p, {"KVGATE_GATEWAY__PORT": "ninety"}) == (
+        f"{p}: gateway.port: Input should be a valid integer, unable to parse string as an integer (got 'ninety') "
+        "(from environment variable KVGATE_GATEWAY__PORT)")
+    assert problems(p, {"KVGATE_GATEWAY__PROT": "1"}) == (
+        f"{p}: gateway.prot: unknown key (not a kvgate setting; check the spelling) "
+        "(from environment variable KVGATE_GATEWAY__PROT)")
+
+
+# ---------------------------------------------------------------- secrets
+def test_secrets_generated_once_with_mode_0600(tmp_path):
+    state = tmp_path / "state"
+    first = load_secrets(state, environ={})
+    assert set(first) == set(SECRET_NAMES)
+    assert all(len(v) == 64 and int(v, 16) >= 0 for v in first.values())  # 32 random bytes, hex
+    assert len(set(first.values())) == 3
+    path = state / "secrets.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    stored = json.loads(path.read_text())
+    mtime = path.stat().st_mtime_ns
+    assert load_secrets(state, environ={}) == first  # same keys on the next start, file untouched
+    assert path.stat().st_mtime_ns == mtime and json.loads(path.read_text()) == stored
+    env = load_secrets(state, environ={"KVGATE_SECRET_ADMIN_KEY": "from-env"})
+    assert env["admin_key"] == b"from-env" and env["cache_salt_key"] == first["cache_salt_key"]
+    all_env = {f"KVGATE_SECRET_{n.upper()}": n for n in SECRET_NAMES}
+    assert load_secrets(tmp_path / "unused", environ=all_env) == {n: n.encode() for n in SECRET_NAMES}
+    assert not (tmp_path / "unused").exists()  # nothing written when the environment has them all
+
+
+def test_secrets_file_missing_a_key_is_completed(tmp_path):
+    (tmp_path / "secrets.json").write_text(json.dumps({"admin_key": "aa"}))
+    out = load_secrets(tmp_path, environ={})
+    assert out["admin_key"] == b"aa" and len(out["leak_index_key"]) == 64
+    assert json.loads((tmp_path / "secrets.json").read_text())["admin_key"] == "aa"
+    (tmp_path / "secrets.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a kvgate secrets file"):
+        load_secrets(tmp_path, environ={})
+
+
+@pytest.mark.timeout(60)
+def test_processes_starting_together_agree_on_secrets(tmp_path):
+    code = ("import json, sys; from config.secrets import load_secrets; "
+            "print(json.dumps({k: v.decode() for k, v in load_secrets(sys.argv[1], environ={}).items()}))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_SECRET_")}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "s")], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    try:
+        outs = [json.loads(p.communicate(timeout=30)[0]) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(o == outs[0] for o in outs)
+    assert outs[0] == json.loads((tmp_path / "s" / "secrets.json").read_text())
