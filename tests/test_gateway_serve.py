@@ -1,5 +1,5 @@
 """``kvgate serve`` as a real process: it refuses the documented demo keys without ``--demo``,
-and SIGTERM drains (requests in flight finish, new ones get 503, then it exits 0)."""
+SIGHUP re-reads the tenants file, and SIGTERM drains (requests in flight finish, new ones get 503, then it exits 0)."""
 from __future__ import annotations
 
 import os
@@ -63,6 +63,14 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
             except httpx.HTTPError:
                 return proc.poll() is not None
         assert wait_for(ready, 30, 0.1) and proc.poll() is None
+        # SIGHUP re-reads the tenants file: a key added there works without a restart
+        new = {"authorization": "Bearer sk-added-later"}
+        assert client.get("/v1/models", headers=new).status_code == 401
+        ten.write_text(yaml.safe_dump({"tenants": [
+            {"id": "t1", "api_key_sha256": [hash_key(KEY_A)]},
+            {"id": "t2", "api_key_sha256": [hash_key("sk-added-later")]}]}))
+        proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: client.get("/v1/models", headers=new).status_code == 200, 5)
         started = threading.Event()
 
         def in_flight() -> None:

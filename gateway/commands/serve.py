@@ -31,18 +31,17 @@ def demo_tenants(registry) -> list[str]:
 
 
 def build_stages(settings, secrets):
-    """The quota and verifier stages for ``settings``: quotas from
-    :func:`gateway.quotas.build_quota_stage`; the verifier package's ``from_settings`` factory
-    when it provides one and the stage is enabled, else ``None`` (switched off)."""
+    """The quota and verifier stages ``settings`` ask for: ``gateway.quotas.build_quota_stage``
+    (``NullQuotas`` when ``quotas.enabled`` is false) and ``verifier.from_settings`` (``None``,
+    i.e. ``NullVerifier``, when ``verifier.enabled`` is false)."""
     from gateway.quotas import build_quota_stage
 
+    quotas = build_quota_stage(settings)
     verifier = None
-    quotas = build_quota_stage(settings)  # NullQuotas when quotas.enabled is false
     if settings.verifier.enabled:
         import verifier as vmod
 
-        if hasattr(vmod, "from_settings"):
-            verifier = vmod.from_settings(settings, secrets)
+        verifier = vmod.from_settings(settings, secrets)
     return quotas, verifier
 
 
