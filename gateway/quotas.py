@@ -125,7 +125,7 @@ class TenantQuotas:
         self.fallback = fallback
         self.window_ms = max(1, round(settings.window_seconds * 1000))
         self.lease_ttl_ms = max(1, round(settings.lease_ttl_seconds * 1000))
-        self.deadline_seconds = min(MAX_DECISION_SECONDS, 3 * settings.redis_timeout_seconds + 0.05)
+        self.deadline_seconds = min(MAX_DECISION_SECONDS, 2 * settings.redis_timeout_seconds + 0.05)
         self._retry_store_at = 0.0  # monotonic; before it, the store is taken as unavailable
         self._store_down = False
         self._live: dict[str, _Held] = {}

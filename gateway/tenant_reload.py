@@ -62,7 +62,7 @@ class TenantFileWatcher:
             return False
         self.reloads += 1
         self.last_error = None
-        log.warning("tenants reloaded from %s: %d tenant(s)", self.registry.path, len(self.registry.tenants))
+        log.info("tenants reloaded from %s: %d tenant(s)", self.registry.path, len(self.registry.tenants))
         return True
 
     def poke(self) -> None:
