@@ -322,3 +322,102 @@ def test_openai_sdk(gw, engine):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
     assert e.value.code == "model_not_found"
+
+
+# ---------------------------------------------------------------- the stage contracts (quotas, verifier)
+class RecordingQuotas:
+    """A QuotaStage that records calls; refuses when ``refuse`` is set."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.reserved: list[int] = []
+        self.settled: list[int] = []
+
+    async def reserve(self, tenant, reserve_tokens, request_id):
+        from config.errors import OpenAIError
+        from gateway.stages import QuotaLease
+
+        if self.refuse:
+            raise OpenAIError(429, "Rate limit reached for requests.", code="rate_limit_exceeded",
+                              headers={"Retry-After": "7"})
+        self.reserved.append(reserve_tokens)
+        return QuotaLease(tenant.id, request_id, reserve_tokens, headers={"x-ratelimit-remaining-requests": "9"})
+
+    async def settle(self, lease, used_tokens):
+        self.settled.append(used_tokens)
+
+    async def aclose(self):
+        return None
+
+
+class WithholdingVerifier:
+    """A VerifierStage whose guard withholds every response; ``quarantined`` upstream names."""
+
+    def __init__(self, quarantined=()) -> None:
+        self.quarantined = set(quarantined)
+        self.exchanges = []
+
+    def begin(self, exchange):
+        from verifier.stage import ResponseWithheld
+
+        self.exchanges.append(exchange)
+
+        class Guard:
+            def feed(self, delta_text, raw_event):
+                if delta_text:
+                    raise ResponseWithheld("inc-1", "leak_index")
+                return [raw_event]
+
+            def finish_stream(self, **kw):
+                return []
+
+            def check_body(self, text, **kw):
+                raise ResponseWithheld("inc-2", "canary")
+        return Guard()
+
+    def is_quarantined(self, upstream, prompt_tokens):
+        return upstream in self.quarantined
+
+    async def aclose(self):
+        return None
+
+
+def test_quota_stage_reserve_settle_and_refusal(engine):
+    q = RecordingQuotas()
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, n=2))
+            assert r.status_code == 200 and r.headers["x-ratelimit-remaining-requests"] == "9"
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
+            assert r.status_code == 200
+            q.refuse = True
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+            assert r.status_code == 429 and r.headers["retry-after"] == "7"
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        g.stop()
+    assert q.reserved == [11 + 2 * 5, 11 + 5]
+    assert q.settled == [7 + 4, 7 + 4]  # the engine's usage (the mock reports 7 prompt tokens, 4 words)
+    assert len(engine.state.requests) == 2
+
+
+def test_verifier_withholds_and_quarantine_skips(engine):
+    v = WithholdingVerifier()
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), verifier=v).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+            assert r.status_code == 502 and r.json()["error"]["code"] == "response_withheld"
+            assert "inc-2" in r.json()["error"]["message"]
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
+            assert r.status_code == 502 and r.json()["error"]["code"] == "response_withheld"
+            v.quarantined.add("u1")
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable"
+    finally:
+        g.stop()
+    ex = v.exchanges[0]
+    assert (ex.tenant.id, ex.upstream, ex.model, ex.route, ex.prompt_text, ex.prompt_tokens, ex.stream) == (
+        "tenant-a", "u1", MODEL, "chat", "Say hello.", 11, False)
+    assert len(engine.state.requests) == 2
