@@ -1,0 +1,99 @@
+"""Small parts of the quota stage: tenant-file reload (poll and SIGHUP), counting completion text
+when the engine reports no usage, per-replica limits, rate-limit headers."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.quota_stores import QuotaDecision, QuotaLimits
+from gateway.quotas import completion_tokens_of, rate_limit_headers
+from gateway.tenant_reload import TenantFileWatcher
+from gateway.tenants import TenantRegistry, hash_key
+from tokenizer import bundled_counter
+
+
+def _write(path: Path, rpm: int, key: str = "sk-one") -> None:
+    path.write_text(yaml.safe_dump({"tenants": [{"id": "acme", "api_key_sha256": [hash_key(key)], "rpm": rpm}]}))
+
+
+def test_watcher_reloads_on_change_and_keeps_the_old_table_when_the_file_is_invalid(tmp_path: Path) -> None:
+    p = tmp_path / "tenants.yaml"
+    _write(p, 5)
+    reg = TenantRegistry.from_path(p)
+    w = TenantFileWatcher(reg, interval_seconds=3600)
+    assert w.check() is False  # unchanged
+    _write(p, 7, key="sk-two")
+    assert w.check() is True
+    assert (reg.get("acme").rpm, reg.lookup("sk-one"), reg.lookup("sk-two").id, w.reloads) == (7, None, "acme", 1)
+    p.write_text("tenants:\n  - id: acme\n    rpm: -1\n")
+    assert w.check() is False
+    assert reg.get("acme").rpm == 7 and reg.lookup("sk-two") is not None  # the previous table stays
+    assert w.last_error is not None and "tenants[0].rpm: Input should be greater than or equal to 0" in w.last_error
+    assert w.check() is False  # the same bad file is not re-read
+    _write(p, 9, key="sk-two")
+    assert w.check() is True and reg.get("acme").rpm == 9 and w.last_error is None
+
+
+def test_watcher_polls_and_sighup_forces_a_reload(tmp_path: Path) -> None:
+    p = tmp_path / "tenants.yaml"
+    _write(p, 5)
+    reg = TenantRegistry.from_path(p)
+    w = TenantFileWatcher(reg, interval_seconds=0.05).start()
+    old = signal.getsignal(signal.SIGHUP)
+    try:
+        _write(p, 6)
+        deadline = time.monotonic() + 5
+        while reg.get("acme").rpm != 6 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert reg.get("acme").rpm == 6
+        w.interval_seconds = 3600  # from now on only SIGHUP reloads
+        time.sleep(0.1)
+        w.install_sighup()
+        before = w.reloads
+        os.kill(os.getpid(), signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while w.reloads == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.reloads == before + 1  # forced, though the file did not change
+    finally:
+        signal.signal(signal.SIGHUP, old)
+        w.stop()
+
+
+def test_watcher_needs_a_file() -> None:
+    from config.models import TenantsFile
+
+    with pytest.raises(ValueError, match="no file to watch"):
+        TenantFileWatcher(TenantRegistry(TenantsFile()))
+
+
+async def test_completion_tokens_counted_per_choice() -> None:
+    counter = bundled_counter()
+    a, b = "Hello there, general Kenobi.", " naïve café — ok"
+    assert await completion_tokens_of(counter, [[a[:7], a[7:]], b, ""]) == counter.count_text(a) + counter.count_text(b)
+    assert await completion_tokens_of(counter, []) == 0
+
+    class EngineOnly:
+        offload_chars = 10
+
+        def count_text(self, text: str) -> int:
+            raise NotImplementedError
+
+    assert await completion_tokens_of(EngineOnly(), ["naïve"]) == 6  # UTF-8 bytes: never fewer than tokens
+    counter.offload_chars = 4  # long text is counted in a worker thread, same answer
+    assert await completion_tokens_of(counter, [a]) == counter.count_text(a)
+
+
+def test_per_replica_limits_and_headers() -> None:
+    lim = QuotaLimits(rpm=5, tpm=1001, max_concurrent=1)
+    assert lim.divided(2) == QuotaLimits(2, 500, 0)  # floor: replicas together never exceed the limit
+    assert QuotaLimits(None, 10, None).divided(3) == QuotaLimits(None, 3, None)
+    d = QuotaDecision(True, (), 0, 4, -7)
+    assert rate_limit_headers(lim, d) == {"x-ratelimit-limit-requests": "5", "x-ratelimit-remaining-requests": "4",
+                                          "x-ratelimit-limit-tokens": "1001", "x-ratelimit-remaining-tokens": "0"}
+    assert rate_limit_headers(QuotaLimits(None, None, 3), d) == {}
