@@ -244,6 +244,14 @@ class ProxyCall(Response):
                     raw = b""
                 self.gw.metrics.upstream_errors.labels(self.upstream.name, f"http_{resp.status_code}").inc()
                 raise engine_error(resp.status_code, raw)
+            if self.stream and not resp.headers.get("content-type", "").startswith("text/event-stream"):
+                # an engine that answers a stream request with a JSON body is reporting an error
+                try:
+                    raw = await resp.aread()
+                except httpx.HTTPError as e:
+                    raise self._read_error(e) from None
+                self.gw.metrics.upstream_errors.labels(self.upstream.name, "not_a_stream").inc()
+                raise engine_error(200, raw)
             guard = self._begin_guard()
             if self.stream:
                 await self._relay_stream(resp, send, guard)

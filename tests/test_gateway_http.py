@@ -293,6 +293,16 @@ def test_engine_error_bodies(gw, engine, status, body, want):
             assert error_of(r) == want
 
 
+def test_json_answer_to_a_stream_request_is_mapped(gw, engine):
+    engine.state.mode = "error"
+    engine.state.error_status = 200
+    engine.state.error_body = b'{"object":"error","message":"stream refused","code":429}'
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
+    assert r.status_code == 429
+    assert error_of(r) == {"message": "stream refused", "type": "rate_limit_error", "param": None, "code": None}
+
+
 def test_abort_under_200_is_counted(gw, engine):
     engine.state.finish_reason = "abort"
     with gw.client() as c:
