@@ -120,8 +120,12 @@ def build_app(st: EngineState) -> Starlette:
             text = body["prompt"]
         ids = enc.encode_ordinary(text)
         max_tokens = int(body.get("max_tokens") or 16)
-        st.requests.append({"prompt_tokens": len(ids), "max_tokens": max_tokens})
+        rec = {"prompt_tokens": len(ids), "max_tokens": max_tokens,
+               "x_request_id": request.headers.get("x-request-id"), "output_text": ""}
+        st.requests.append(rec)
         out, secs, finish = core.run(ids, max_tokens)
+        if out:
+            rec["output_text"] = enc.decode(out, errors="replace")
         if out is None:
             msg = (f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
                    f"({st.pool_tokens} tokens). Use a shorter input or enable --allow-auto-truncate.")

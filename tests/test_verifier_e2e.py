@@ -1,0 +1,284 @@
+"""End to end: the incident through the real gateway app, detected by content.
+
+An engine that reproduces the incident token for token (tests/test_verifier_leaky_engine.py:
+paged KV, never scrubbed, rejected prompts admitted on a one-token placeholder, the copy-probe
+model) sits behind the gateway (``gateway.app.create_app``, served by uvicorn on loopback) with
+the verifier stage. With the faults on and a static pool limit larger than the real pool (as in
+the incident), a workload of tenants with canaries and distinct texts leaks; the test's own
+records give the ground truth, and every detector's recall is measured against it. With the
+faults off and the live pool limit, the same workload plus 5,000 clean responses of 8 tenants
+sharing boilerplate give no false positive. (The 5,000 clean responses are driven into the
+verifier stage directly, as synthetic exchanges with TTFTs from the engine's timing model:
+through HTTP they would not fit the test budget on 2 cores.) The counts are printed (``-s``).
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import random
+import re
+import time
+import uuid
+
+import httpx
+import pytest
+
+from config.models import (ModelConfig, PoolSettings, Settings, TenantConfig, TenantsFile, UpstreamConfig,
+                           VerifierSettings)
+from conftest import SEEDS
+from gateway.app import create_app
+from gateway.tenants import TenantRegistry
+from test_verifier_leaky_engine import LeakyEngine, ServerThread
+from verifier.canary import find_canaries, new_canary
+from verifier.probe import filler_words
+from verifier.service import VerifierService
+from verifier.shingles import encode
+from verifier.stage import Exchange
+
+SECRETS = {"leak_index_key": b"e2e-leak-key", "cache_salt_key": b"e2e-salt", "admin_key": b"e2e-admin"}
+TEXTS = [(SEEDS / "001_85707760a0179a93.txt").read_text(), (SEEDS / "000_cd7ee3cfd92e9ff1.txt").read_text()]
+NORMAL = [f"t{i}" for i in range(6)]
+STRICT = ["s0", "s1"]
+
+
+def key_of(tid: str) -> str:
+    return f"sk-e2e-{tid}"
+
+
+def tenants() -> TenantsFile:
+    out = []
+    for tid in NORMAL + STRICT:
+        out.append(TenantConfig(id=tid, api_key_sha256=[hashlib.sha256(key_of(tid).encode()).hexdigest()],
+                                max_tokens_cap=512, verify_sample_rate=1.0, strict_verify=tid in STRICT))
+    return TenantsFile(tenants=out)
+
+
+def gw_settings(tmp_path, engine: LeakyEngine, *, static_pool: int | None) -> Settings:
+    if static_pool is not None:  # the incident: a configured pool larger than the real one
+        up = UpstreamConfig(name="leaky", api_url=engine.api_url, pool_source="static",
+                            static_pool_tokens=static_pool, models=["m"])
+    else:  # the fix: the live pool, read from the engine
+        up = UpstreamConfig(name="leaky", api_url=engine.api_url, pool_source="kvgate",
+                            pool_urls=[engine.info_url], models=["m"])
+    return Settings(state_dir=str(tmp_path), pool=PoolSettings(poll_interval_seconds=1.0),
+                    verifier=VerifierSettings(latency_min_samples=10, latency_min_prompt_tokens=512,
+                                              quarantine_min_prompt_tokens=100_000),
+                    models=[ModelConfig(id="m", context_length=8192)], upstreams=[up])
+
+
+class TenantText:
+    """Each tenant's own distinct text: a seed translation or its own random one-token words,
+    with fresh canaries planted at random offsets."""
+
+    def __init__(self, tid: str, idx: int) -> None:
+        self.tid = tid
+        self.rng = random.Random(1000 + idx)
+        if idx < len(TEXTS):
+            self.ids = encode(TEXTS[idx] * 3)
+        else:
+            words = filler_words()
+            mine = self.rng.sample(words, 40)
+            self.ids = encode("".join(" " + self.rng.choice(mine) + (f" {idx}{self.rng.randrange(1000)}" if
+                                                                     self.rng.random() < 0.2 else "")
+                                      for _ in range(6000)))
+
+    def prompt(self, n_tokens: int, canaries: dict[str, str]) -> str:
+        """About ``n_tokens`` tokens: a slice of the tenant's text with a canary every ~120 tokens
+        from a random first offset."""
+        start = self.rng.randrange(0, len(self.ids) - n_tokens)
+        body = self.ids[start:start + n_tokens]
+        from verifier.shingles import _counter
+
+        out = []
+        first = self.rng.randrange(0, 60)
+        out.append(_counter().decode(body[:first]))
+        for p in range(first, len(body), 120):
+            c = new_canary()
+            canaries[c] = self.tid
+            out.append(f" {c} ")
+            out.append(_counter().decode(body[p:p + 120]))
+        return "".join(out)
+
+
+@pytest.fixture
+def leaky_stack(tmp_path):
+    engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=True, per_token_seconds=5e-5).start()
+    svc = VerifierService(gw_settings(tmp_path, engine, static_pool=16384), secrets=SECRETS)
+    app = create_app(gw_settings(tmp_path, engine, static_pool=16384), TenantRegistry(tenants()),
+                     verifier=svc, secrets=SECRETS)
+    gw = ServerThread(app).start()
+    try:
+        yield engine, svc, gw
+    finally:
+        gw.stop()
+        engine.stop()
+
+
+def _send(client: httpx.Client, gw_url: str, tid: str, prompt: str, max_tokens: int, stream: bool,
+          rid: str) -> dict:
+    """One request; returns what the client received: status, text, error code."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    h = {"authorization": f"Bearer {key_of(tid)}", "x-request-id": rid}
+    if not stream:
+        r = client.post(gw_url + "/v1/completions", json=body, headers=h)
+        j = r.json()
+        text = j["choices"][0]["text"] if r.status_code == 200 else ""
+        return {"status": r.status_code, "text": text, "error": j.get("error"), "raw": r.text}
+    text, error, raw = [], None, []
+    with client.stream("POST", gw_url + "/v1/completions", json=body, headers=h) as r:
+        status = r.status_code
+        for line in r.iter_lines():
+            raw.append(line)
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            import json
+
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                error = obj["error"]
+                continue
+            for ch in obj.get("choices") or ():
+                text.append(ch.get("text") or "")
+            if "error" in obj:
+                error = obj["error"]
+    if status != 200 and not raw:
+        error = {"code": "?"}
+    full_raw = "\n".join(raw)
+    if status != 200:
+        import json
+
+        try:
+            error = json.loads(full_raw)["error"]
+        except Exception:
+            pass
+    return {"status": status, "text": "".join(text), "error": error, "raw": full_raw}
+
+
+class Truth:
+    """Ground truth from the test's own records: which tenant planted which canary, every
+    prompt's token ids by tenant."""
+
+    def __init__(self) -> None:
+        self.canaries: dict[str, str] = {}
+        self.prompts: list[tuple[str, list[int]]] = []
+        self._matchers: list[tuple[str, difflib.SequenceMatcher]] = []
+
+    def add_prompt(self, tid: str, text: str) -> None:
+        ids = encode(text)
+        self.prompts.append((tid, ids))
+        sm = difflib.SequenceMatcher(None, autojunk=False)
+        sm.set_seq2(ids)
+        self._matchers.append((tid, sm))
+
+    def foreign_canaries(self, tid: str, text: str) -> list[str]:
+        return [c for c in find_canaries(text) if self.canaries.get(c) not in (None, tid)]
+
+    def longest_foreign_run(self, tid: str, text: str) -> int:
+        r = encode(text)
+        best = 0
+        for owner, sm in self._matchers:
+            if owner == tid:
+                continue
+            sm.set_seq1(r)
+            m = sm.find_longest_match(0, len(r), 0, len(sm.b))
+            best = max(best, m.size)
+        return best
+
+
+def _wait_idle(svc: VerifierService, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while svc._jobs or svc.stats["in_flight"]:
+        assert time.monotonic() < deadline, "verifier queue did not drain"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(150)
+def test_incident_detected_end_to_end(leaky_stack, tmp_path):
+    engine, svc, gw = leaky_stack
+    truth = Truth()
+    texts = {tid: TenantText(tid, i) for i, tid in enumerate(NORMAL + STRICT)}
+    rng = random.Random(42)
+    records = []  # (rid, tid, prompt_tokens, leaking, received)
+    order = NORMAL + STRICT
+    with httpx.Client(timeout=60) as client:
+        # the probe, through the gateway as a tenant: fails (exit 1)
+        from gateway.cli import main
+
+        assert main(["probe", "--base-url", gw.url + "/v1", "--api-key", key_of("t5"), "--model", "m",
+                     "--limit", "8192", "--max-tokens", "64"]) == 1
+
+        def one(tid: str, n: int, max_tokens: int, stream: bool) -> None:
+            prompt = texts[tid].prompt(n, truth.canaries)
+            rid = f"e2e-{uuid.uuid4().hex[:12]}"
+            got = _send(client, gw.url, tid, prompt, max_tokens, stream, rid)
+            truth.add_prompt(tid, prompt)
+            records.append((rid, tid, len(encode(prompt)), len(encode(prompt)) > engine.state.pool_tokens, got,
+                            max_tokens, stream))
+
+        # calibration: admitted prompts of ~2,000-3,700 tokens (canaries included), under the pool
+        for i in range(14):
+            one(order[i % len(order)], rng.randrange(1800, 3300), 16, i % 2 == 0)
+        # rounds: an admitted prompt from one tenant, then an over-pool prompt from another
+        for i in range(40):
+            a = order[i % len(order)]
+            b = order[(i + 3) % len(order)]
+            one(a, rng.randrange(1800, 3300), 16, False)
+            one(b, rng.randrange(4300, 6800), rng.choice([24, 40, 64, 128, 200]), i % 3 == 0)
+    _wait_idle(svc)
+    incidents = {}
+    for inc in svc.incidents.recent:
+        incidents.setdefault(inc.request_id, set()).add(inc.detector)
+    # ground truth: what the ENGINE produced for each request (the client of a strict tenant may
+    # have received nothing); the engine echoes the admitted prompts, leaks for the others
+    produced = {r["x_request_id"]: r for r in engine.state.requests if r.get("x_request_id")}
+    leaking = [rec for rec in records if rec[3]]
+    admitted = [rec for rec in records if not rec[3]]
+    n_canary = n_canary_hit = n_long = n_long_hit = n_short = n_short_hit = n_lat = 0
+    strict_leaks = strict_clean_received = 0
+    strict_by = {"canary": 0, "leak_index": 0, "latency": 0}
+    for rid, tid, n, _, got, mt, stream in leaking:
+        out_text = produced[rid]["output_text"]
+        det = incidents.get(rid, set())
+        n_lat += "latency" in det
+        if tid in STRICT:
+            # strict: withheld (a stream is cut at its first text by the latency check, so the
+            # content detectors never see the rest); the client received no leaked text at all
+            strict_leaks += 1
+            for d in strict_by:
+                strict_by[d] += d in det
+            assert not truth.foreign_canaries(tid, got["text"]) and truth.longest_foreign_run(tid, got["text"]) == 0
+            assert got["status"] == 502 or stream
+            if got["status"] == 502:
+                assert got["error"]["code"] == "response_withheld" and "incident inc_" in got["error"]["message"]
+            strict_clean_received += got["text"] == ""
+            continue
+        # non-strict: the verifier saw the whole text (sampled at 100%, checked in the background)
+        assert got["text"] == out_text
+        cans = truth.foreign_canaries(tid, out_text)
+        run = truth.longest_foreign_run(tid, out_text)
+        if cans:
+            n_canary += 1
+            n_canary_hit += "canary" in det
+        if run >= 50:
+            n_long += 1
+            n_long_hit += "leak_index" in det
+        elif run >= 8 and not cans:
+            n_short += 1
+            n_short_hit += bool(det & {"leak_index", "canary"})
+    false_pos = [(rid, incidents[rid]) for rid, *_ in admitted if rid in incidents]
+    print(f"\nfaults on: {len(records)} responses, {len(leaking)} leaking (over the pool), {len(admitted)} admitted;"
+          f" non-strict leaking: {len(leaking) - strict_leaks}")
+    print(f"  whole foreign canary: {n_canary}, flagged by the canary scan: {n_canary_hit}")
+    print(f"  run >= 50 tokens of another tenant's prompt: {n_long}, flagged by the leak index: {n_long_hit}")
+    print(f"  only shorter runs (8-49 tokens, no canary): {n_short}, caught by content checks: {n_short_hit}")
+    print(f"  flagged too fast by the latency detector: {n_lat}/{len(leaking)}")
+    print(f"  strict tenants: {strict_leaks} leaking responses, {strict_clean_received} received no text at all; "
+          f"flagged by {strict_by}")
+    print(f"  incidents on admitted responses: {len(false_pos)}")
+    assert n_canary > 0 and n_long > 0
+    assert n_canary_hit == n_canary and n_long_hit == n_long
+    assert n_lat == len(leaking)
+    assert strict_leaks > 0 and strict_clean_received == strict_leaks
+    assert false_pos == []
+    # a confirmed leak quarantined the upstream (threshold 100,000 here so the workload ran on)
+    assert svc.quarantine.records()["leaky"].min_prompt_tokens == 100_000
