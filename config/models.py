@@ -7,7 +7,7 @@ Two files carry them (DESIGN.md, Contracts): ``config/kvgate.yaml`` -> :class:`S
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -20,13 +20,15 @@ class _Strict(BaseModel):
 
 
 class TokenizerConfig(_Strict):
-    """How a model's prompts are counted.
+    """How a model's prompts are counted (docs/tokenizer.md).
 
     ``kind``: ``tiktoken`` (``name`` an encoding, e.g. ``cl100k_base``), ``bundled`` (cl100k_base
     + ChatML specials, the bundled backend's own), ``hf`` (``path`` a folder with tokenizer.json
-    and tokenizer_config.json), ``engine`` (the upstream's /tokenize; ``url`` its base).
-    ``chat_template``: ``chatml`` (the bundled backend's template) or ``hf`` (the Jinja template
-    of tokenizer_config.json). ``image_tokens``: what one image content part costs (never 0).
+    and tokenizer_config.json), ``engine`` (the upstream's tokenize endpoint; ``url`` its base URL
+    without ``/v1``, ``engine_api`` its shape). ``chat_template``: ``chatml`` (kvgate's ChatML, for
+    ``tiktoken`` and ``bundled``) or ``hf`` (the Jinja template of tokenizer_config.json, for
+    ``hf``); left out, it follows ``kind``. ``image_tokens``: what one image content part costs
+    (never 0).
     """
 
     kind: Literal["tiktoken", "bundled", "hf", "engine"] = "bundled"
@@ -37,12 +39,23 @@ class TokenizerConfig(_Strict):
     chat_template: Literal["chatml", "hf"] = "chatml"
     image_tokens: int = Field(default=765, ge=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _template_follows_kind(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("chat_template") is None:
+            data = {**data, "chat_template": "hf" if data.get("kind") == "hf" else "chatml"}
+        return data
+
     @model_validator(mode="after")
     def _needs(self) -> "TokenizerConfig":
         if self.kind == "hf" and not self.path:
             raise ValueError("kind 'hf' needs 'path' (a folder with tokenizer.json)")
         if self.kind == "engine" and not self.url:
             raise ValueError("kind 'engine' needs 'url' (the engine's base URL)")
+        if self.kind == "hf" and self.chat_template != "hf":
+            raise ValueError("kind 'hf' counts chats with the template of tokenizer_config.json (chat_template: hf)")
+        if self.kind in ("tiktoken", "bundled") and self.chat_template != "chatml":
+            raise ValueError(f"kind '{self.kind}' counts chats with kvgate's ChatML template (chat_template: chatml)")
         return self
 
 

@@ -125,6 +125,11 @@ def test_missing_field_and_rule_violations(tmp_path):
     assert problems(p) == f"{p}: line 6: upstreams[0]: pool_source 'static' needs 'static_pool_tokens'"
     p = write(tmp_path, MODELS + "    tokenizer: {kind: hf}\n")
     assert problems(p) == f"{p}: line 5: models[0].tokenizer: kind 'hf' needs 'path' (a folder with tokenizer.json)"
+    p = write(tmp_path, MODELS + "    tokenizer: {kind: tiktoken, chat_template: hf}\n")
+    assert problems(p) == (f"{p}: line 5: models[0].tokenizer: kind 'tiktoken' counts chats with kvgate's ChatML "
+                           "template (chat_template: chatml)")
+    hf = load_settings(write(tmp_path, MODELS + "    tokenizer: {kind: hf, path: /models/x}\n"), environ={})
+    assert hf.models[0].tokenizer.chat_template == "hf"  # follows the kind when left out
 
 
 def test_missing_file(tmp_path):

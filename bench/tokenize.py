@@ -1,0 +1,151 @@
+"""Exact prompt counting throughput: kvgate's counter next to raw single-thread tiktoken.
+
+Usage::
+
+    .venv/bin/python bench/tokenize.py [--sizes 1000,100000,1000000] [--seconds 2] [--pieces N]
+
+For each prompt size it builds a prompt from real text (the incident runbook's Chinese and Polish
+translations in ../shared/seeds, DESIGN.md, and Python standard-library source as English prose
+and code), interleaved paragraph by paragraph, and times in the same process:
+
+- ``tiktoken``: ``len(Encoding.encode_ordinary(text))`` on one thread (cl100k_base);
+- ``kvgate``: ``bundled_counter().count_prompt(text)`` (validation included; long text is split at
+  provably safe pre-token boundaries and counted on every usable core, tokenizer/parallel.py);
+- ``kvgate async``: ``await acount_prompt(text)`` (the gateway's path: a worker thread, then the
+  same multi-core count).
+
+Every count is checked to be identical to tiktoken's. Prints a table of tokens/s and the ratio
+(kvgate / tiktoken; above 1 means faster). Times are medians over repeated runs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# This file is named like the standard library's ``tokenize``; run as a script, its folder comes
+# first on sys.path and would shadow it. Drop that entry before anything imports ``tokenize``.
+if sys.path and os.path.abspath(sys.path[0] or os.curdir) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]
+
+import argparse
+import asyncio
+import statistics
+import sysconfig
+import time
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tokenizer import bundled_counter, get_encoding  # noqa: E402
+from tokenizer import parallel  # noqa: E402
+
+
+def corpus_paragraphs() -> list[str]:
+    """Paragraphs of real text in several scripts, interleaved so every prompt mixes them."""
+    sources: list[list[str]] = []
+    shared = ROOT.parent / "shared"
+    for path in sorted((shared / "seeds").glob("0*.txt")) + [shared / "DESIGN.md"]:
+        if path.is_file():
+            sources.append([p for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()])
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("argparse.py", "asyncio/base_events.py", "json/decoder.py", "textwrap.py", "statistics.py"):
+        path = stdlib / name
+        if path.is_file():
+            sources.append([p for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()])
+    if not sources:
+        raise SystemExit("bench/tokenize.py: no input text found (seeds, DESIGN.md, stdlib sources)")
+    out = []
+    for i in range(max(len(s) for s in sources)):
+        out.extend(s[i] for s in sources if i < len(s))
+    return out
+
+
+def build_prompt(tokens: int, paragraphs: list[str], count: Callable[[str], int]) -> str:
+    """Whole paragraphs (cycled) until the text has at least ``tokens`` tokens."""
+    parts: list[str] = []
+    have = 0
+    i = 0
+    while have < tokens:
+        p = paragraphs[i % len(paragraphs)]
+        parts.append(p)
+        have += count(p + "\n\n")  # an upper-bound estimate; the exact count is taken below
+        i += 1
+    text = "\n\n".join(parts)
+    while count(text) > tokens * 1.02 and len(parts) > 1:  # trim back towards the target
+        parts.pop()
+        text = "\n\n".join(parts)
+    return text
+
+
+def interleaved(fns: dict[str, Callable[[], int]], seconds: float, min_rounds: int = 3) -> dict[str, tuple[float, int]]:
+    """``{name: (median seconds per call, result)}``. The functions run in turns, one call each
+    per round, so a change in machine load hits them alike. Results must not change."""
+    results = {name: fn() for name, fn in fns.items()}  # warm-up (thread pool start, caches)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < min_rounds or time.perf_counter() - start < seconds:
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            r = fn()
+            times[name].append(time.perf_counter() - t0)
+            if r != results[name]:
+                raise SystemExit(f"bench/tokenize.py: unstable result for {name}: {r} != {results[name]}")
+        rounds += 1
+    return {name: (statistics.median(times[name]), results[name]) for name in fns}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="1000,100000,1000000", help="prompt sizes in tokens, comma-separated")
+    ap.add_argument("--seconds", type=float, default=2.0, help="time budget per measurement")
+    ap.add_argument("--pieces", type=int, default=None, help="pieces per long text (default: usable cores)")
+    args = ap.parse_args(argv)
+
+    enc = get_encoding("cl100k_base")
+    counter = bundled_counter()
+    if args.pieces:
+        base_count = counter._count_one
+        counter.count_text = lambda text: parallel.parallel_count(text, base_count, pieces=args.pieces)  # type: ignore[method-assign]
+    paragraphs = corpus_paragraphs()
+
+    def raw(text: str) -> int:
+        return len(enc.encode_ordinary(text))
+
+    loop = asyncio.new_event_loop()
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        text = build_prompt(size, paragraphs, raw)
+        m = interleaved({
+            "raw": lambda: raw(text),
+            "kvgate": lambda: counter.count_prompt(text).per_prompt[0],
+            "async": lambda: loop.run_until_complete(counter.acount_prompt(text)).per_prompt[0],
+        }, args.seconds * (3 if size >= 500_000 else 1))
+        (t_raw, n_raw), (t_kv, n_kv), (t_async, n_async) = m["raw"], m["kvgate"], m["async"]
+        exact = n_raw == n_kv == n_async
+        rows.append((n_raw, len(text), n_raw / t_raw, n_kv / t_kv, n_async / t_async, t_raw, t_kv, exact))
+    loop.close()
+
+    cores = parallel.usable_cores()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"exact prompt counting, cl100k_base; {cores} usable core(s), load average {load:.2f} at the end; "
+          f"multi-core above {parallel.PARALLEL_MIN_CHARS:,} characters; medians of interleaved runs")
+    header = ("prompt tokens", "chars", "tiktoken 1-thread tok/s", "kvgate tok/s", "ratio", "kvgate async tok/s",
+              "ratio", "tiktoken ms", "kvgate ms", "exact")
+    table = [header]
+    for n, chars, raw_tps, kv_tps, async_tps, t_raw, t_kv, exact in rows:
+        table.append((f"{n:,}", f"{chars:,}", f"{raw_tps:,.0f}", f"{kv_tps:,.0f}", f"{kv_tps / raw_tps:.2f}x",
+                      f"{async_tps:,.0f}", f"{async_tps / raw_tps:.2f}x", f"{t_raw * 1000:.2f}",
+                      f"{t_kv * 1000:.2f}", "yes" if exact else "NO"))
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for j, r in enumerate(table):
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+        if j == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return 0 if all(r[-1] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
