@@ -9,7 +9,11 @@ Lua script for the POST body; a Python load process when ``wrk`` is absent):
 - ``relay``: through a featureless FastAPI + httpx relay (this file, ``--relay``): the floor of
   this stack (same framework, server and client as the gateway, nothing else);
 - ``gateway``: ``kvgate serve`` with auth, exact counting, the context gate on the live pool and
-  metrics on (quotas and verification off: those are scenarios of their own).
+  metrics on (quotas and verification off: those are scenarios of their own);
+- ``quotas-redis`` / ``quotas-local``: the same gateway with quotas on (RPM, TPM and concurrency
+  limits high enough never to refuse) kept in Redis (``$KVGATE_BENCH_REDIS_URL``, default
+  ``redis://127.0.0.1:6379/0``; skipped when it does not answer) or in process. The ``+p50-gw``
+  column is what the quota stage adds at p50 over ``gateway`` (target: under 0.5 ms).
 
 Per scenario: p50 and p99 latency at 1 connection, requests/s at ``--connections`` (64), and the
 added p50/p99 over ``direct``. Target: gateway rps >= relay rps, and gateway p50 added within
@@ -196,10 +200,12 @@ def _relay(env: Env) -> Iterator[Target]:
 
 
 @contextlib.contextmanager
-def gateway_target(env: Env, *, name: str = "gateway", log_level: str = "warning", **overrides: Any) -> Iterator[Target]:
+def gateway_target(env: Env, *, name: str = "gateway", log_level: str = "warning",
+                   tenant: dict[str, Any] | None = None, **overrides: Any) -> Iterator[Target]:
     """Run ``kvgate serve`` in front of the mock with settings ``overrides`` (top-level keys of
     ``kvgate.yaml``, sections merged: e.g. ``quotas={"enabled": True}``, ``redis_url=...``)
-    and one bench tenant with a fresh key; yield its :class:`Target`."""
+    and one bench tenant with a fresh key (``tenant``: fields added to its entry, e.g. limits);
+    yield its :class:`Target`."""
     port = free_port()
     key = "sk-bench-" + secrets.token_hex(16)
     settings: dict[str, Any] = {
@@ -213,7 +219,7 @@ def gateway_target(env: Env, *, name: str = "gateway", log_level: str = "warning
     for k, v in overrides.items():
         settings[k] = {**settings[k], **v} if isinstance(v, dict) and isinstance(settings.get(k), dict) else v
     tenants = {"tenants": [{"id": "bench", "api_key_sha256": [hashlib.sha256(key.encode()).hexdigest()],
-                            "default_max_tokens": 16, "allowed_models": [MODEL]}]}
+                            "default_max_tokens": 16, "allowed_models": [MODEL], **(tenant or {})}]}
     (env.tmp / f"{name}.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     (env.tmp / f"{name}-tenants.yaml").write_text(yaml.safe_dump(tenants, sort_keys=False))
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
@@ -231,6 +237,31 @@ def gateway_target(env: Env, *, name: str = "gateway", log_level: str = "warning
 @scenario("gateway", "kvgate serve: auth, exact counting, context gate, metrics (quotas, verifier off)")
 def _gateway(env: Env) -> Iterator[Target]:
     with gateway_target(env) as t:
+        yield t
+
+
+#: limits that the bench load never reaches, so every request runs the whole quota stage
+BENCH_LIMITS = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
+
+
+@scenario("quotas-redis", "gateway + quotas in Redis (reserve + settle scripts per request)")
+def _quotas_redis(env: Env) -> Iterator[Target]:
+    import redis
+
+    url = os.environ.get("KVGATE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping()
+    except redis.RedisError as e:
+        raise Skip(f"Redis at {url} does not answer ({type(e).__name__})") from None
+    tenant = {"id": f"bench-{secrets.token_hex(4)}", **BENCH_LIMITS}  # own keys; they expire after the window
+    with gateway_target(env, name="quotas-redis", tenant=tenant, redis_url=url,
+                        quotas={"enabled": True}) as t:
+        yield t
+
+
+@scenario("quotas-local", "gateway + quotas in process (no Redis URL)")
+def _quotas_local(env: Env) -> Iterator[Target]:
+    with gateway_target(env, name="quotas-local", tenant=BENCH_LIMITS, quotas={"enabled": True}) as t:
         yield t
 
 
@@ -369,8 +400,9 @@ def fmt_table(rows: list[tuple[str, Load | str, str]]) -> str:
     """The side-by-side table: latency at 1 connection, rps at N, added over direct, ratio to relay."""
     base = next((r for n, r, _ in rows if n == "direct" and isinstance(r, Load)), None)
     relay = next((r for n, r, _ in rows if n == "relay" and isinstance(r, Load)), None)
+    gw = next((r for n, r, _ in rows if n == "gateway" and isinstance(r, Load)), None)
     head = (f"{'scenario':<16} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'rps':>9} "
-            f"{'rps/relay':>9} {'+p50-relay':>10} {'errors':>6}  note")
+            f"{'rps/relay':>9} {'+p50-relay':>10} {'+p50-gw':>8} {'rps/gw':>6} {'errors':>6}  note")
     lines = [head, "-" * len(head)]
     for name, r, note in rows:
         if not isinstance(r, Load):
@@ -381,8 +413,10 @@ def fmt_table(rows: list[tuple[str, Load | str, str]]) -> str:
         add99 = f"{lat1.p99_ms - base.p99_ms:8.3f}" if base else f"{'':>8}"
         ratio = f"{r.rps / relay.rps:9.2f}" if relay else f"{'':>9}"
         vs_relay = f"{lat1.p50_ms - relay.p50_ms:10.3f}" if relay else f"{'':>10}"
+        vs_gw = f"{lat1.p50_ms - gw.p50_ms:8.3f}" if gw else f"{'':>8}"
+        rps_gw = f"{r.rps / gw.rps:6.2f}" if gw else f"{'':>6}"
         lines.append(f"{name:<16} {lat1.p50_ms:8.3f} {lat1.p99_ms:8.3f} {add50} {add99} {r.rps:9.0f} {ratio} "
-                     f"{vs_relay} {r.errors:6d}  {note}")
+                     f"{vs_relay} {vs_gw} {rps_gw} {r.errors:6d}  {note}")
     return "\n".join(lines)
 
 
