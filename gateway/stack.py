@@ -243,9 +243,9 @@ class EmbeddedStack:
         p = self.options.gateway_port
         if p is None:
             p = base.gateway.port
-            if not port_is_free(p, self.options.host):
-                raise StackError(f"gateway port {p} on {self.options.host} is in use "
-                                 "(pick another with --port, or --port 0 for a free one)")
+        if p and not port_is_free(p, self.options.host):
+            raise StackError(f"gateway port {p} on {self.options.host} is in use "
+                             "(pick another with --port, or --port 0 for a free one)")
         return p or free_port(self.options.host)
 
     def _backend_cmd(self, base: Settings, host: str, port: int) -> list[str]:
@@ -254,7 +254,9 @@ class EmbeddedStack:
         b = base.backend
         cmd = [sys.executable, "-m", "gpu_backend", "--role", "all", "--host", host, "--port", str(port),
                "--model", b.model, "--served-model-name", b.served_model_name, "--device", b.device,
-               "--context-length", str(b.context_length), "--page-size", str(b.page_size)]
+               "--context-length", str(b.context_length), "--page-size", str(b.page_size),
+               "--prefill-max-total-tokens", str(b.prefill_max_total_tokens),
+               "--decode-max-total-tokens", str(b.decode_max_total_tokens), "--seed", str(b.seed)]
         if b.max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(b.max_total_tokens)]
         if b.mem_budget_bytes is not None:

@@ -53,7 +53,7 @@ class Case:
     @property
     def label(self) -> str:
         """``chat stream  at limit`` style name of the request."""
-        return f"{self.route:<10} {'stream' if self.stream else '      '} {self.size}"
+        return f"{self.route:<10} {'streamed' if self.stream else 'whole':<8} {self.size}"
 
 
 @dataclass
