@@ -115,11 +115,10 @@ async def test_counts_equal_the_engine(engine, api, path):
         engine.requests.clear()
         batch = await counter.acount_prompt(["hello world", "hi", "<|im_start|>"])
         assert batch.per_prompt == (2, 1, 6)
-        if api == "sglang":  # one request carrying the batch
-            assert engine.requests == [(path, {"model": "m1", "prompt": ["hello world", "hi", "<|im_start|>"],
-                                               "add_special_tokens": True})]
-        else:  # vLLM takes one string per request
-            assert [b["prompt"] for _, b in engine.requests] == ["hello world", "hi", "<|im_start|>"]
+        # one string per request, the shape every engine takes
+        assert sorted(b["prompt"] for _, b in engine.requests) == ["<|im_start|>", "hello world", "hi"]
+        assert {p for p, _ in engine.requests} == {path}
+        assert all(b["model"] == "m1" and b["add_special_tokens"] is True for _, b in engine.requests)
         engine.requests.clear()
         count = await counter.acount_chat(CHAT, TOOLS)
         text_only = [CHAT[0], {**CHAT[1], "content": [CHAT[1]["content"][0]]}]
@@ -148,6 +147,15 @@ async def test_ids_and_shapes_are_checked_before_any_request(engine):
         assert engine.requests == []
     finally:
         await counter.aclose()
+
+
+async def test_sglang_batch_answer_shape_is_understood():
+    from tokenizer.engine_counter import _counts_of
+
+    assert _counts_of({"tokens": [[1, 2], [3]], "count": [2, 1], "max_model_len": 8}, 2) == [2, 1]
+    assert _counts_of({"tokens": [[1, 2], [3]]}, 2) == [2, 1]
+    with pytest.raises(EngineTokenizeError):
+        _counts_of({"count": [2]}, 2)
 
 
 async def test_tokens_only_answer_is_counted(engine):

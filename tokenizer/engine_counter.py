@@ -10,12 +10,14 @@ Shapes (request -> response), as the engines define them:
   "add_special_tokens": true}`` or ``{"model", "messages", "add_generation_prompt": true,
   "tools"}`` -> ``{"count": n, "max_model_len": m, "tokens": [...]}``.
 
-Image parts are removed from the messages sent and cost ``image_tokens`` each, as with the other
+kvgate sends one string per request (SGLang's list form is not served by every engine that
+offers the path). Image parts are removed from the messages sent and cost ``image_tokens`` each, as with the other
 counters. A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError`
 (502): the engine's fault, never the client's 400 and never a 500.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -25,6 +27,8 @@ from tokenizer.chat import IMAGE_PART_TYPES, render_chatml
 from tokenizer.errors import EngineTokenizeError
 
 ENGINE_APIS = ("sglang", "vllm")
+#: tokenize requests in flight for one batch prompt
+MAX_CONCURRENT_REQUESTS = 8
 
 
 def _is_count(x: Any) -> bool:
@@ -103,9 +107,10 @@ class EngineCounter(PromptCounter):
         return _counts_of(data, expected)
 
     async def acount_prompt(self, prompt: Any) -> PromptCount:
-        """Counts of a completions ``prompt``: ids validated and counted here, strings asked of
-        the engine (SGLang: one request for all of them; vLLM: one per string). Raises the typed
-        errors of :mod:`tokenizer.errors`."""
+        """Counts of a completions ``prompt``: ids validated and counted here, each string asked
+        of the engine in a request of its own (a single string is the shape every engine takes;
+        up to :data:`MAX_CONCURRENT_REQUESTS` at once). Raises the typed errors of
+        :mod:`tokenizer.errors`."""
         prompts = split_completion_prompt(prompt)
         counts: list[int | None] = []
         texts: list[tuple[int, str]] = []
@@ -116,10 +121,13 @@ class EngineCounter(PromptCounter):
             else:
                 self.check_ids(p, prompt_param(prompt, i))
                 counts.append(len(p))
-        if texts and self.api == "sglang" and len(texts) > 1:
-            answers = await self._ask({"prompt": [t for _, t in texts], "add_special_tokens": True}, len(texts))
-        else:
-            answers = [(await self._ask({"prompt": t, "add_special_tokens": True}))[0] for _, t in texts]
+        sem = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
+
+        async def one(text: str) -> int:
+            async with sem:
+                return (await self._ask({"prompt": text, "add_special_tokens": True}))[0]
+
+        answers = await asyncio.gather(*(one(t) for _, t in texts))
         for (i, _), n in zip(texts, answers):
             counts[i] = n
         return PromptCount(tuple(int(c) for c in counts if c is not None))
