@@ -194,7 +194,7 @@ class EmbeddedStack:
         """Start the backend, wait for it, start the gateway, wait for ``/readyz``. On any
         failure both children are stopped and :class:`StackError` is raised."""
         try:
-            base = load_settings(self.options.config)
+            base = load_settings(self.options.config, environ={**os.environ, **self.options.extra_env})
             host = self.options.host
             backend_port = self._pick_backend_port(base)
             gateway_port = self._pick_gateway_port(base)
@@ -250,7 +250,7 @@ class EmbeddedStack:
 
     def _backend_cmd(self, base: Settings, host: str, port: int) -> list[str]:
         if self.options.backend_cmd:
-            return [a.format(host=host, port=port) for a in self.options.backend_cmd]
+            return [a.replace("{host}", host).replace("{port}", str(port)) for a in self.options.backend_cmd]
         b = base.backend
         cmd = [sys.executable, "-m", "gpu_backend", "--role", "all", "--host", host, "--port", str(port),
                "--model", b.model, "--served-model-name", b.served_model_name, "--device", b.device,
