@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable
 
-from gpu_backend.errors import PoolExhaustedError, StaleHandleError
+from gpu_backend.errors import PoolExhaustedError, RequestAbortedError, StaleHandleError
 from gpu_backend.kv_pool import KVPool
 from gpu_backend.model_runner import ModelRunner
 from gpu_backend.sequence import Sequence, SeqState
@@ -239,13 +239,12 @@ class Scheduler:
         seq.finish_reason = reason
         seq.set_state(SeqState.ABORTED if reason == "abort" else SeqState.FINISHED)
         self._release_pages(seq)
+        self.on_retire(seq)  # before the caller hears back: the id is free to reuse once it does
         if emit:
             if seq.on_prefilled is not None:  # an export that never completed
-                from gpu_backend.errors import RequestAbortedError
                 seq.emit(RequestAbortedError("request aborted", request_id=seq.request_id))
             else:
                 seq.emit(self.make_event(seq, token_id, text, reason))
-        self.on_retire(seq)
 
     def _fail(self, seq: Sequence, err: BaseException) -> None:
         """Retire with an error (state ABORTED, ``seq.error``), free every page, emit the error."""
@@ -254,5 +253,5 @@ class Scheduler:
         if not seq.is_terminal:
             seq.set_state(SeqState.ABORTED)
         self._release_pages(seq)
-        seq.emit(err)
         self.on_retire(seq)
+        seq.emit(err)

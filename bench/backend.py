@@ -1,0 +1,227 @@
+"""Backend benchmark: prefill and decode tokens/s, paged KV cache vs a contiguous-KV run of the same
+model and batch, on CPU (and CUDA when present), printed as one side-by-side table with ratios.
+
+    .venv/bin/python bench/backend.py [--batch 8] [--prompt-tokens 512] [--decode-tokens 64] [--device cpu,cuda]
+
+Structure: one function per scenario, each returning :class:`Row` s (a name, a device and a dict of
+columns); :func:`print_table` prints any rows with the union of their columns, plus ratio columns
+against the baseline row of the same device. New scenarios (e.g. the disaggregated runs) append
+functions to :data:`SCENARIOS`; they may fill other columns (``req/s``, ``s/request``).
+Not a test: numbers vary with the machine; nothing here asserts speed.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# Run as ``python bench/backend.py``: bench/ must not shadow stdlib modules (bench/tokenize.py would
+# replace ``tokenize``), so drop the script folder from the path and put the repository root first.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch  # noqa: E402
+
+from gpu_backend.attention import ContiguousAttention, ContiguousKVCache, PagedAttention, SeqSpan  # noqa: E402
+from gpu_backend.kv_pool import KVPool  # noqa: E402
+from gpu_backend.weights import build_model  # noqa: E402
+
+
+@dataclass
+class Row:
+    """One benchmark result: ``columns`` maps a column name to a number (tokens/s, seconds...)."""
+
+    scenario: str
+    device: str
+    columns: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Setup:
+    """Workload shared by every scenario of one run."""
+
+    batch: int = 8
+    prompt_tokens: int = 512
+    decode_tokens: int = 64
+    page_size: int = 16
+    model: str = "tiny-random"
+    context_length: int = 8192
+    repeats: int = 3
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prompts(s: Setup) -> list[list[int]]:
+    return [[1000 + (b * 7919 + i * 31) % 50_000 for i in range(s.prompt_tokens)] for b in range(s.batch)]
+
+
+def _run_model(s: Setup, device: torch.device, make_attn: Callable[[list[SeqSpan]], object]) -> dict[str, float]:
+    """Greedy prefill of the whole batch in one pass, then ``decode_tokens`` batched decode steps;
+    one warm-up, then the best of ``s.repeats`` runs per phase."""
+    model = build_model(s.model, s.context_length, 0, torch.float32, device)
+    prompts = _prompts(s)
+    pages_per_seq = -(-(s.prompt_tokens + s.decode_tokens) // s.page_size)
+    best_prefill = best_decode = float("inf")
+    with torch.inference_mode():
+        for rep in range(s.repeats + 1):
+            spans = [SeqSpan(list(range(b * pages_per_seq, (b + 1) * pages_per_seq)), 0, s.prompt_tokens,
+                             s.prompt_tokens) for b in range(s.batch)]
+            ids = torch.tensor([t for p in prompts for t in p], device=device)
+            _sync(device)
+            t0 = time.perf_counter()
+            attn = make_attn(spans)
+            h = model(ids, attn)
+            last = torch.arange(1, s.batch + 1, device=device) * s.prompt_tokens - 1
+            nxt = model.compute_logits(h[last]).argmax(-1)
+            _sync(device)
+            t_prefill = time.perf_counter() - t0
+            steps = 3 if rep == 0 else s.decode_tokens
+            t0 = time.perf_counter()
+            for j in range(steps):
+                spans = [SeqSpan(sp.pages, s.prompt_tokens + j, 1, s.prompt_tokens) for sp in spans]
+                attn = make_attn(spans)
+                nxt = model.compute_logits(model(nxt, attn)).argmax(-1)
+            _sync(device)
+            t_decode = time.perf_counter() - t0
+            if rep:
+                best_prefill, best_decode = min(best_prefill, t_prefill), min(best_decode, t_decode)
+    return {"prefill tok/s": s.batch * s.prompt_tokens / best_prefill,
+            "decode tok/s": s.batch * s.decode_tokens / best_decode}
+
+
+def scenario_core_paged(s: Setup, device: torch.device) -> list[Row]:
+    """The engine's path: K/V written to and gathered from a paged pool through page tables."""
+    pages = s.batch * -(-(s.prompt_tokens + s.decode_tokens) // s.page_size)
+    model = build_model(s.model, s.context_length, 0, torch.float32, device)
+    layers, kv_heads, head_dim = model.kv_geometry
+    pool = KVPool(pages, s.page_size, layers, kv_heads, head_dim, torch.float32, device)
+    cols = _run_model(s, device, lambda spans: PagedAttention(pool, spans))
+    return [Row("core: paged KV", str(device), cols)]
+
+
+def scenario_core_contiguous(s: Setup, device: torch.device) -> list[Row]:
+    """Baseline: the same model and batch over one contiguous [B, max_len] cache per layer."""
+    model = build_model(s.model, s.context_length, 0, torch.float32, device)
+    layers, kv_heads, head_dim = model.kv_geometry
+    cache = ContiguousKVCache(layers, s.batch, s.prompt_tokens + s.decode_tokens, kv_heads, head_dim,
+                              torch.float32, device)
+    cols = _run_model(s, device, lambda spans: ContiguousAttention(cache, spans))
+    return [Row("core: contiguous KV (baseline)", str(device), cols)]
+
+
+def scenario_core_engine(s: Setup, device: torch.device) -> list[Row]:
+    """The full single engine (scheduler, sampling, detokenization, asyncio bridge): ``generate``
+    for the whole batch at once; decode tok/s counts the tokens after the first."""
+    from gpu_backend.engine import Engine, EngineConfig
+    from gpu_backend.sampling import SamplingParams
+
+    async def run() -> dict[str, float]:
+        eng = Engine(EngineConfig(model=s.model, device=str(device), context_length=s.context_length,
+                                  max_total_tokens=s.batch * (s.prompt_tokens + s.decode_tokens + s.page_size),
+                                  max_batch_tokens=s.batch * s.prompt_tokens))
+        await eng.start()
+        try:
+            firsts: list[float] = []
+
+            async def one(i: int, prompt: list[int]) -> None:
+                n = 0
+                async for _ in eng.generate(f"b{i}", prompt, SamplingParams(max_new_tokens=s.decode_tokens + 1,
+                                                                          ignore_eos=True)):
+                    n += 1
+                    if n == 1:
+                        firsts.append(time.perf_counter())
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(_prompts(s)[:2])))  # warm-up
+            best: dict[str, float] = {}
+            for _ in range(s.repeats):
+                firsts.clear()
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one(i, p) for i, p in enumerate(_prompts(s))))
+                t1 = time.perf_counter()
+                t_first = max(firsts)
+                got = {"prefill tok/s": s.batch * s.prompt_tokens / (t_first - t0),
+                       "decode tok/s": s.batch * s.decode_tokens / (t1 - t_first), "s/request": t1 - t0}
+                best = {k: (max if "tok/s" in k else min)(v, best.get(k, v)) for k, v in got.items()}
+        finally:
+            await eng.stop()
+        return best
+
+    return [Row("core: Engine.generate (paged)", str(device), asyncio.run(run()))]
+
+
+#: (function, is_baseline). Disaggregated scenarios are appended after these.
+SCENARIOS: list[tuple[Callable[[Setup, torch.device], list[Row]], bool]] = [
+    (scenario_core_contiguous, True),
+    (scenario_core_paged, False),
+    (scenario_core_engine, False),
+]
+
+
+def print_table(rows: list[Row], baselines: dict[str, Row], ratio_of: tuple[str, ...] = ("prefill tok/s", "decode tok/s")) -> str:
+    """Print (and return) a Markdown table: every column of every row, then ``x baseline`` ratios
+    of ``ratio_of`` columns against the baseline row of the same device."""
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r.columns if c not in cols]
+    ratio_cols = [c for c in ratio_of if c in cols]
+    head = ["scenario", "device"] + cols + [f"{c.split()[0]} x baseline" for c in ratio_cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        cells = [r.scenario, r.device] + [_fmt(r.columns.get(c)) for c in cols]
+        base = baselines.get(r.device)
+        for c in ratio_cols:
+            b = base.columns.get(c) if base else None
+            v = r.columns.get(c)
+            cells.append(f"{v / b:.2f}" if v and b else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    out = "\n".join(lines)
+    print(out)
+    return out
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return ""
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per scenario (best is reported)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--device", default=None, help="comma-separated (default: cpu, plus cuda when available)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    s = Setup(batch=args.batch, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
+              repeats=args.repeats)
+    devices = args.device.split(",") if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    rows: list[Row] = []
+    baselines: dict[str, Row] = {}
+    print(f"model {s.model}, batch {s.batch}, prompt {s.prompt_tokens} tokens, decode {s.decode_tokens} tokens, "
+          f"page {s.page_size}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
+          f"best of {s.repeats}\n", flush=True)
+    for dev in devices:
+        device = torch.device(dev)
+        for fn, is_base in SCENARIOS:
+            for row in fn(s, device):
+                rows.append(row)
+                if is_base:
+                    baselines.setdefault(row.device, row)
+    print_table(rows, baselines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
