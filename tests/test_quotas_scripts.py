@@ -104,16 +104,16 @@ async def test_request_larger_than_tpm_and_rpm_zero_are_refused_for_a_whole_wind
 
 async def test_lease_expires_after_its_ttl_without_settle(store) -> None:
     lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
-    assert (await store.reserve("t", lim, "dead-replica", 1, WINDOW_MS, 300)).admitted
-    assert (await store.reserve("t", lim, "b", 1, WINDOW_MS, 300)).refused == ("concurrency",)
-    await asyncio.sleep(0.35)
-    assert (await store.reserve("t", lim, "b", 1, WINDOW_MS, 300)).admitted
+    assert (await store.reserve("t", lim, "dead-replica", 1, WINDOW_MS, 600)).admitted
+    assert (await store.reserve("t", lim, "b", 1, WINDOW_MS, 600)).refused == ("concurrency",)
+    await asyncio.sleep(0.65)
+    assert (await store.reserve("t", lim, "b", 1, WINDOW_MS, 600)).admitted
     # renewing a live lease keeps it; renewing an expired one does not bring it back
-    assert await store.renew("t", ["b", "dead-replica"], 300) == 1
-    await asyncio.sleep(0.2)
-    assert await store.renew("t", ["b"], 300) == 1
-    await asyncio.sleep(0.2)  # 400 ms after b was admitted, but renewed 200 ms ago
-    assert (await store.reserve("t", lim, "c", 1, WINDOW_MS, 300)).refused == ("concurrency",)
+    assert await store.renew("t", ["b", "dead-replica"], 600) == 1
+    await asyncio.sleep(0.4)
+    assert await store.renew("t", ["b"], 600) == 1
+    await asyncio.sleep(0.4)  # 800 ms after b was admitted, but renewed 400 ms ago
+    assert (await store.reserve("t", lim, "c", 1, WINDOW_MS, 600)).refused == ("concurrency",)
 
 
 async def test_cancel_undoes_a_reservation_and_skips_unknown_ones(redis_store) -> None:
@@ -239,10 +239,10 @@ async def test_stage_too_large_message_and_unlimited_tenant_skips_the_store(redi
 
 
 async def test_stage_renews_live_leases_so_long_requests_keep_their_slot(redis_store) -> None:
-    q = TenantQuotas(QuotaSettings(window_seconds=60, lease_ttl_seconds=0.3), redis_store)
+    q = TenantQuotas(QuotaSettings(window_seconds=60, lease_ttl_seconds=0.6), redis_store)
     t = _tenant(max_concurrent=1)
     lease = await q.reserve(t, 1, "long")
-    await asyncio.sleep(0.7)  # > 2 TTLs: the background renewal (every 0.1 s) kept the lease
+    await asyncio.sleep(1.3)  # > 2 TTLs: the background renewal (every 0.2 s) kept the lease
     with pytest.raises(OpenAIError) as ei:
         await q.reserve(t, 1, "second")
     assert ei.value.headers == {"Retry-After": "1"}
