@@ -89,7 +89,7 @@ FRAGMENTS = [
 ]
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=80))
 def test_random_text_every_safe_cut_keeps_the_count(fragments):
     text = "".join(fragments)
@@ -99,7 +99,7 @@ def test_random_text_every_safe_cut_keeps_the_count(fragments):
     assert parallel_count(text, count, pieces=max(2, len(text) // 3), min_chars=0) == total
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, database=None)
 @given(st.text(min_size=1, max_size=200))
 def test_arbitrary_unicode_parallel_count_is_exact(text):
     total = count(text)
