@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import threading
 from typing import Any
 
 import uvicorn
@@ -32,17 +30,7 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
-        if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP"):
-            self._loop.add_signal_handler(signal.SIGHUP, self.reload_tenants)
         await super().serve(sockets)
-
-    def reload_tenants(self) -> None:
-        """SIGHUP: re-read the tenants file (an invalid file keeps the old table and is logged)."""
-        try:
-            self.gateway.tenants.reload()
-            log.info("tenants reloaded (%d tenants)", len(self.gateway.tenants.tenants))
-        except Exception as e:  # ConfigError names file and key; never a key itself
-            log.error("tenants reload failed, keeping the previous table: %s", e)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._draining or self._loop is None:
