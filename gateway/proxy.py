@@ -29,7 +29,7 @@ import httpx
 import orjson
 from starlette.responses import Response
 
-from config.errors import ErrorCode, OpenAIError, error_type_for_status, openai_error_bytes
+from config.errors import ErrorCode, OpenAIError, error_type_for_status
 from config.models import TenantConfig
 from gateway import logging as glog
 from gateway.admission import Admission

@@ -2,7 +2,6 @@
 pools unreachable, without the field, stale, shrinking; clients that disconnect."""
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
