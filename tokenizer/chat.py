@@ -3,11 +3,19 @@
 The template is defined here once and used by both the gateway (to count) and the bundled
 backend (to build the prompt), so for that backend the two counts are equal by construction::
 
-    [tools block, folded into the first system message or a system message of its own]
-    <|im_start|>{role}[ name={name}]\n{content}[\n<tool_call>...</tool_call>...]<|im_end|>\n   (per message)
-    <|im_start|>assistant\n                                                                  (generation prompt)
+    <|im_start|>{role}[ name={name}]\n{content}[\n{tool calls}]<|im_end|>\n   (per message)
+    <|im_start|>assistant\n                                              (generation prompt)
+
+- ``content``: a string, ``null`` or parts; ``text``/``refusal`` parts are concatenated as they
+  are, image parts (``image_url``, ``input_image``) cost a configured number of tokens instead.
+- tool calls: ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` per call, joined by
+  ``\n``, after the content (``\n`` between when the content is not empty).
+- ``tools``: ``# Tools\n\n<tools>\n`` + one JSON object per line + ``\n</tools>``, appended after
+  ``\n\n`` to the first message when it is a system/developer message, else a system message of
+  its own placed first. JSON uses ``", "``/``": "`` separators, keys as given, non-ASCII kept.
 
 Special tokens are produced only here, never from user text (user text is encoded "ordinary").
+docs/tokenizer.md describes the template for users.
 """
 from __future__ import annotations
 
