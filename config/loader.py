@@ -32,8 +32,9 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
-    """A configuration file (or environment override) is wrong. ``str()`` names the source,
-    the key path and the problem; ``source`` is the file path or ``"environment"``."""
+    """A configuration file (or an environment override applied to it) is wrong. ``str()`` is one
+    line per problem, ``SOURCE: [line N: ]key.path: problem``; ``source`` is the file path and
+    ``problems`` the lines without it. A problem from the environment names its variable."""
 
     def __init__(self, source: str, problems: list[str]) -> None:
         self.source = source
