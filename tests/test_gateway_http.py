@@ -431,3 +431,27 @@ def test_verifier_withholds_and_quarantine_skips(engine):
     assert (ex.tenant.id, ex.upstream, ex.model, ex.route, ex.prompt_text, ex.prompt_tokens, ex.stream) == (
         "tenant-a", "u1", MODEL, "chat", "Say hello.", 11, False)
     assert len(engine.state.requests) == 2
+
+
+# ---------------------------------------------------------------- real text, counted off the event loop
+def test_long_runbook_prompt_is_counted_exactly_off_loop(engine):
+    from tests.conftest import SEEDS
+
+    text = "\n".join([(SEEDS / "001_85707760a0179a93.txt").read_text(encoding="utf-8")] * 3)  # 44,528 chars
+    engine.state.pool_tokens = 20_000  # limit floor(20000 / 1.25) = 16000
+    engine.state.context_length = 32_768  # the engine reports its own context too (and it bounds the limit)
+    g = Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 1 << 20},
+                             context_length=32_768)).start()
+    try:
+        with g.client() as c:
+            ok = c.post("/v1/chat/completions", json=chat(content=text, max_tokens=16_000 - 14_842))
+            assert ok.status_code == 200
+            r = c.post("/v1/chat/completions", json=chat(content=text, max_tokens=16_000 - 14_842 + 1))
+    finally:
+        g.stop()
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        "This model's maximum context length is 16000 tokens. However, you requested 16001 tokens (14842 in "
+        "the messages, 1159 in the completion). Please reduce the length of the messages or completion.")
+    assert engine.state.requests[0]["body"]["messages"][0]["content"] == text
+    assert len(engine.state.requests) == 1
