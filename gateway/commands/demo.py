@@ -183,7 +183,9 @@ def run_demo(stack: EmbeddedStack, *, key: str = DEMO_KEYS["demo-a"], max_tokens
         raise StackError(f"the gateway's /v1/models does not list {stack.model} with a max_model_len")
     pool = int(stack.server_info["max_total_num_tokens"])
     out(f"effective limit for this tenant: {limit} tokens (gateway /v1/models max_model_len); "
-        f"prefill pool: {pool} tokens (backend /server_info max_total_num_tokens); max_tokens={max_tokens}\n")
+        f"prefill pool: {pool} tokens (backend /server_info max_total_num_tokens); max_tokens={max_tokens}")
+    out(f"model {stack.model} ({stack.server_info.get('model_path', 'bundled backend')}): with random weights "
+        "its text is noise; what matters is which requests reach it.\n")
     results = []
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0), trust_env=False) as client:
         for case in build_cases(limit, pool, max_tokens):

@@ -223,7 +223,8 @@ def _cmd_add(args: argparse.Namespace) -> int:
         print(f"kvgate tenant add: {e}", file=sys.stderr)
         return 1
     print(f"kvgate: tenant '{args.name}' added to {path}. Its API key is printed below, once: "
-          "only its SHA-256 is stored. A running gateway uses it after a reload or restart.",
+          "only its SHA-256 is stored. A running gateway picks it up when it re-reads the file (it watches "
+          "it; SIGHUP reloads at once).",
           file=sys.stderr)
     print(key)
     sys.stdout.flush()
