@@ -5,6 +5,7 @@ transformers saves ``LlamaForCausalLM``). Loaded with ``safetensors`` (never pic
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from pathlib import Path
@@ -80,10 +81,10 @@ def build_model(name: str, context_length: int, seed: int, dtype: torch.dtype,
                 device: torch.device) -> torch.nn.Module:
     """``tiny-random`` | ``copy-probe`` | a checkpoint folder -> model in eval mode on ``device``.
     Raises ``ValueError`` for an unknown name that is not a folder either."""
-    if name == "tiny-random":
-        model = _builtin("tiny-random", context_length, seed)
-    elif name == "copy-probe":
-        model = _builtin("copy-probe", context_length, seed)
+    if name in ("tiny-random", "copy-probe"):
+        model = _builtin(name, context_length, seed)
+        if device.type != "cpu" or dtype != torch.float32:
+            model = copy.deepcopy(model)  # .to() works in place: never move the shared CPU copy
     elif Path(name).is_dir():
         model = load_hf_llama(name)
     else:
