@@ -146,6 +146,12 @@ class ProxyCall(Response):
                 await self._run(send_)
             except OpenAIError as e:
                 await self._send_error(send_, e)
+            except (Exception, ExceptionGroup) as e:  # a bug (ours or a stage's): still an OpenAI body
+                if isinstance(e, OSError) and self.started:
+                    raise  # the client's socket is gone mid-response: nothing left to tell it
+                log.error("request %s failed: %s", self.request_id, type(e).__name__, exc_info=e)
+                await self._send_error(send_, OpenAIError(500, "The server had an error while processing your "
+                                                          "request.", code=ErrorCode.INTERNAL_ERROR))
         except asyncio.CancelledError:
             if not self.disconnected or task is None:
                 raise

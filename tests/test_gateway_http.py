@@ -455,3 +455,27 @@ def test_long_runbook_prompt_is_counted_exactly_off_loop(engine):
         "the messages, 1159 in the completion). Please reduce the length of the messages or completion.")
     assert engine.state.requests[0]["body"]["messages"][0]["content"] == text
     assert len(engine.state.requests) == 1
+
+
+def test_a_failing_stage_still_answers_openai_shaped_500(engine):
+    class BrokenVerifier:
+        def begin(self, exchange):
+            raise RuntimeError("verifier bug")
+
+        def is_quarantined(self, upstream, prompt_tokens):
+            return False
+
+        async def aclose(self):
+            return None
+
+    q = RecordingQuotas()
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q, verifier=BrokenVerifier()).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+    finally:
+        g.stop()
+    assert r.status_code == 500
+    assert error_of(r) == {"message": "The server had an error while processing your request.",
+                           "type": "server_error", "param": None, "code": "internal_error"}
+    assert len(q.settled) == 1  # the lease is released all the same
