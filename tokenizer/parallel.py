@@ -54,6 +54,16 @@ _SAFE_CUT = re.compile(
 _POOL: ThreadPoolExecutor | None = None
 
 
+def _forget_pool() -> None:
+    """After ``fork`` the parent's worker threads do not exist in the child: start afresh."""
+    global _POOL
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (``sched_getaffinity`` where the OS has it)."""
     try:
