@@ -26,18 +26,24 @@ settings overrides (e.g. quotas on Redis, verification sampled at 100%).
 Run: ``.venv/bin/python bench/gateway.py [--duration 5] [--connections 64] [--only gateway,relay]``.
 """
 
+import os
+import sys
+
+# Run as a script, this folder is sys.path[0]; a bench named like a stdlib module (bench/tokenize.py)
+# would shadow it. Benches import nothing from their own folder, so drop it.
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
 import argparse
 import contextlib
 import hashlib
 import json
-import os
 import re
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field

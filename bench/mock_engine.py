@@ -16,6 +16,14 @@ Run: ``python bench/mock_engine.py --port 30000 [--model kvgate-tiny] [--count]`
 """
 from __future__ import annotations
 
+import os
+import sys
+
+# Run as a script, this folder is sys.path[0]; a bench named like a stdlib module (bench/tokenize.py)
+# would shadow it. Benches import nothing from their own folder, so drop it.
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
 import argparse
 import asyncio
 import json
