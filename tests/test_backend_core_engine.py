@@ -101,13 +101,21 @@ async def test_prefill_batching_and_continuous_decode_batching(make_engine):
     assert st["decode_steps"] == 5 and dict(st["decode_batch_sizes"]) == {4: 5}  # 4 sequences per decode step
 
     # a late request joins a running decode batch (continuous batching)
-    first = eng.generate("long", _prompt(8, 3000), SamplingParams(max_new_tokens=60, ignore_eos=True))
+    first = eng.generate("long", _prompt(8, 3000), SamplingParams(max_new_tokens=400, ignore_eos=True))
     got = [await first.__anext__() for _ in range(3)]
-    late = asyncio.create_task(collect(eng, "late", _prompt(8, 4000), max_new_tokens=5, ignore_eos=True))
+    with worker_paused(eng):  # the worker is between steps: "long" cannot finish meanwhile
+        assert eng.request_state("long") == "decoding"
+        remaining = 400 - len(eng._live["long"].completion_ids)
+        late = asyncio.create_task(collect(eng, "late", _prompt(8, 4000), max_new_tokens=5, ignore_eos=True))
+        await asyncio.sleep(0.05)
+    assert remaining > 5
+    toks_late, _, last_late = await late
+    assert len(toks_late) == 5 and last_late.finish_reason == "length"
+    eng.abort("long")
     rest = [ev async for ev in first]
-    assert len(got) + len(rest) == 60 and rest[-1].finish_reason == "length"
-    assert len((await late)[0]) == 5
-    assert st["decode_batch_sizes"][2] >= 3  # steps that carried both sequences
+    assert rest[-1].finish_reason == "abort"
+    # the late request's 4 decode steps all carried both sequences
+    assert dict(st["decode_batch_sizes"])[2] == 4
 
 
 async def test_chunked_prefill_matches_unchunked(make_engine):
@@ -185,10 +193,12 @@ async def test_stop_strings_eos_and_length(make_engine):
 # ---- abort -----------------------------------------------------------------------------------------
 async def test_abort_frees_every_page(make_engine):
     eng = await make_engine(**SMALL)
-    it = eng.generate("ab", _prompt(40), SamplingParams(max_new_tokens=500, ignore_eos=True))
+    it = eng.generate("ab", _prompt(40), SamplingParams(max_new_tokens=900, ignore_eos=True))
     evs = [await it.__anext__() for _ in range(3)]
-    assert eng.pool_stats()["used_pages"] == eng.pool.pages_for(40 + 500)
-    eng.abort("ab")
+    with worker_paused(eng):
+        assert eng.request_state("ab") == "decoding"
+        assert eng.pool_stats()["used_pages"] == eng.pool.pages_for(40 + 900)
+        eng.abort("ab")
     evs += [ev async for ev in it]
     assert evs[-1].finish_reason == "abort" and evs[-1].finished and evs[-1].token_id == -1
     assert eng.request_state("ab") == "aborted"
@@ -218,6 +228,7 @@ async def test_pool_full_waits_then_503(make_engine):
     with pytest.raises(PoolExhaustedError):
         await eng.reserve("r2", 10, 10)
     # a request that waits and gets the pages once they are released
+    eng.scheduler.pool_wait_timeout_seconds = 30.0  # no timing race on a busy machine
     task = asyncio.create_task(collect(eng, "later", _prompt(200), max_new_tokens=8, ignore_eos=True))
     await asyncio.sleep(0.1)
     assert eng.request_state("later") == "waiting"
