@@ -211,7 +211,7 @@ class Engine:
     def server_info(self) -> dict:
         """SGLang ``/server_info`` fields: ``max_total_num_tokens``, ``max_req_input_len``,
         ``context_length``, ``page_size``, ``disaggregation_mode`` (``"null"``; issue 4 overrides
-        per role), ``status`` (``"ready"``/``"starting"``), ``version``, plus ``free_tokens`` /
+        per role), ``status`` (``"starting"`` before ``start``, ``"ready"``, ``"stopped"``), ``version``, plus ``free_tokens`` /
         ``used_tokens`` read from the live pool and ``model_path``, ``device``."""
         st = self.pool.stats()
         return {
@@ -220,7 +220,7 @@ class Engine:
             "context_length": self.context_length,
             "page_size": self.page_size,
             "disaggregation_mode": "null",
-            "status": "ready" if self._ready else "starting",
+            "status": "ready" if self._ready else ("stopped" if self._stopping else "starting"),
             "version": VERSION,
             "model_path": self.cfg.model,
             "device": str(self.device),

@@ -266,3 +266,21 @@ async def test_prefill_export_then_decode_reserved(make_engine):
         async for _ in dec.decode_reserved("y", prompt, 1, SamplingParams(max_new_tokens=2), 37):
             pass
     assert dec.request_state("y") is None and dec.pool_stats()["used_pages"] == 0  # freed on error
+
+
+# ---- lifecycle and ids ---------------------------------------------------------------------------
+async def test_ids_reusable_after_finish_duplicates_refused_and_stop_aborts(make_engine):
+    eng = await make_engine(**SMALL)
+    for _ in range(3):  # the id is free again as soon as the final event arrives
+        toks, _, _ = await collect(eng, "same", _prompt(5), max_new_tokens=2, ignore_eos=True)
+        assert len(toks) == 2
+    it = eng.generate("dup", _prompt(5), SamplingParams(max_new_tokens=900, ignore_eos=True))
+    await it.__anext__()
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        await collect(eng, "dup", _prompt(5), max_new_tokens=2)
+    with pytest.raises(InvalidRequestError):
+        await eng.reserve("dup", 5, 5)
+    await eng.stop()  # in-flight work ends with "abort" and every page is freed
+    rest = [ev async for ev in it]
+    assert rest[-1].finish_reason == "abort"
+    assert eng.pool_stats()["used_pages"] == 0 and eng.server_info()["status"] == "stopped"
