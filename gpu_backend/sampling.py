@@ -32,15 +32,31 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        """Raise :class:`~gpu_backend.errors.InvalidRequestError` (400) on out-of-range values."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InvalidRequestError("max_new_tokens must be an integer >= 1.", param="max_tokens")
-        if not 0.0 <= float(self.temperature) <= 100.0:
-            raise InvalidRequestError("temperature must be in [0, 100].", param="temperature")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise InvalidRequestError("top_p must be in (0, 1].", param="top_p")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop must be a list of non-empty strings.", param="stop")
+        """Raise :class:`~gpu_backend.errors.InvalidRequestError` (400) on ill-typed or out-of-range
+        values (never a TypeError that would surface as a 500)."""
+        def bad(msg: str, param: str) -> InvalidRequestError:
+            return InvalidRequestError(msg, param=param)
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise bad("max_new_tokens must be an integer >= 1.", "max_tokens")
+        if not _is_num(self.temperature) or not 0.0 <= float(self.temperature) <= 100.0:
+            raise bad("temperature must be a number in [0, 100].", "temperature")
+        if not _is_num(self.top_p) or not 0.0 < float(self.top_p) <= 1.0:
+            raise bad("top_p must be a number in (0, 1].", "top_p")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed must be an integer.", "seed")
+        if not isinstance(self.stop, list) or any(not isinstance(x, str) or not x for x in self.stop):
+            raise bad("stop must be a list of non-empty strings.", "stop")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be a list of integers.", "stop_token_ids")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # NaN is not a number here
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:

@@ -78,8 +78,9 @@ async def test_admit_rejected_fault_gives_placeholder(make_engine):
 
 async def test_invalid_requests_are_400(make_engine):
     eng = await make_engine(**SMALL)
-    for prompt, params in (([], {}), ([100256], {}), ([-1], {}), ([200_000], {}), ([5], {"max_new_tokens": 0}),
-                           ([5], {"top_p": 0.0})):
+    for prompt, params in (([], {}), ([100256], {}), ([-1], {}), ([200_000], {}), (["a"], {}),
+                           ([5], {"max_new_tokens": 0}), ([5], {"top_p": 0.0}), ([5], {"temperature": "hot"}),
+                           ([5], {"temperature": float("nan")}), ([5], {"stop": "x"}), ([5], {"seed": 1.5})):
         kw = {"max_new_tokens": 2, **params}
         with pytest.raises(InvalidRequestError) as ei:
             await collect(eng, "bad", prompt, **kw)
