@@ -402,6 +402,16 @@ def relay_app(upstream: str) -> Any:
 
 
 # ---------------------------------------------------------------- main
+def median_load(runs: list[tuple[Load, Load]]) -> Load:
+    """Medians over rounds of (1-connection run, N-connection run): p50/p99 from the former,
+    requests/s from the latter; errors and requests summed."""
+    import statistics
+
+    return Load(statistics.median(m.rps for _, m in runs), statistics.median(o.p50_ms for o, _ in runs),
+                statistics.median(o.p99_ms for o, _ in runs), sum(o.errors + m.errors for o, m in runs),
+                sum(o.requests + m.requests for o, m in runs))
+
+
 def fmt_table(rows: list[tuple[str, Load | str, str]]) -> str:
     """The side-by-side table: latency at 1 connection, rps at N, added over direct, ratio to relay."""
     base = next((r for n, r, _ in rows if n == "direct" and isinstance(r, Load)), None)
@@ -430,6 +440,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per load run (default 5)")
     ap.add_argument("--connections", type=int, default=64, help="connections for the requests/s run (default 64)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds over all scenarios; the table shows medians (default 3)")
     ap.add_argument("--only", default="", help="comma-separated scenarios (default: all): " + ", ".join(SCENARIOS))
     ap.add_argument("--load", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)
@@ -458,7 +470,7 @@ def main() -> int:
     load = run_wrk if shutil.which("wrk") else run_py_load
     print(f"load generator: {'wrk (Lua POST script)' if load is run_wrk else 'Python load process (wrk not installed)'}; "
           f"{args.duration:.0f} s per run; latency at 1 connection, requests/s at {args.connections}; "
-          f"{os.cpu_count()} CPUs", flush=True)
+          f"{args.rounds} interleaved round(s), medians; {os.cpu_count()} CPUs", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
     os.chmod(tmp, 0o755)
     mock_port = free_port()
@@ -466,29 +478,37 @@ def main() -> int:
     mock = env.spawn("mock", [sys.executable, str(HERE / "mock_engine.py"), "--port", str(mock_port),
                               "--model", MODEL])
     rows: list[tuple[str, Load | str, str]] = []
+    runs: dict[str, list[tuple[Load, Load]]] = {}
     try:
         wait_http(env.mock_url + "/health", mock)
-        for name in names:
-            fn, help_ = SCENARIOS[name]
-            started = len(env.procs)
-            try:
-                with fn(env) as target:
-                    probe = httpx.post(target.url, json=BODY, headers=target.headers, timeout=10, trust_env=False)
-                    if probe.status_code != 200:
-                        raise RuntimeError(f"probe request answered {probe.status_code}: {probe.text[:300]}")
-                    load(target, 1, 1.0, tmp)  # warm-up
+        with contextlib.ExitStack() as running:
+            targets: dict[str, tuple[Target, str]] = {}
+            skipped: dict[str, str] = {}
+            for name in names:  # start every scenario's processes; they idle while others are measured
+                fn, help_ = SCENARIOS[name]
+                try:
+                    target = running.enter_context(fn(env))
+                except Skip as e:
+                    skipped[name] = str(e)
+                    print(f"  {name}: skipped ({e})", flush=True)
+                    continue
+                probe = httpx.post(target.url, json=BODY, headers=target.headers, timeout=10, trust_env=False)
+                if probe.status_code != 200:
+                    raise RuntimeError(f"{name}: probe request answered {probe.status_code}: {probe.text[:300]}")
+                load(target, 1, 1.0, tmp)  # warm-up
+                targets[name] = (target, target.note or help_)
+            for rnd in range(1, args.rounds + 1):  # interleaved rounds: a noisy neighbour hits all alike
+                for name, (target, _) in targets.items():
                     one = load(target, 1, args.duration, tmp)
                     many = load(target, args.connections, args.duration, tmp)
-                    res = Load(many.rps, one.p50_ms, one.p99_ms, one.errors + many.errors, one.requests + many.requests)
-                    rows.append((name, res, target.note or help_))
-                    print(f"  {name}: p50 {one.p50_ms:.3f} ms, p99 {one.p99_ms:.3f} ms, {many.rps:.0f} req/s", flush=True)
-            except Skip as e:
-                rows.append((name, str(e), ""))
-                print(f"  {name}: skipped ({e})", flush=True)
-            finally:
-                for p in env.procs[started:]:
-                    stop(p)
-                del env.procs[started:]
+                    runs.setdefault(name, []).append((one, many))
+                    print(f"  round {rnd} {name}: p50 {one.p50_ms:.3f} ms, p99 {one.p99_ms:.3f} ms, "
+                          f"{many.rps:.0f} req/s", flush=True)
+            for name in names:
+                if name in skipped:
+                    rows.append((name, skipped[name], ""))
+                elif name in runs:
+                    rows.append((name, median_load(runs[name]), targets[name][1]))
     finally:
         for p in env.procs:
             stop(p)
