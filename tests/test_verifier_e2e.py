@@ -102,7 +102,7 @@ class TenantText:
 
 @pytest.fixture
 def leaky_stack(tmp_path):
-    engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=True, per_token_seconds=5e-5).start()
+    engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=True, per_token_seconds=1e-4).start()
     svc = VerifierService(gw_settings(tmp_path, engine, static_pool=16384), secrets=SECRETS)
     app = create_app(gw_settings(tmp_path, engine, static_pool=16384), TenantRegistry(tenants()),
                      verifier=svc, secrets=SECRETS)
@@ -240,6 +240,8 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
         out_text = produced[rid]["output_text"]
         det = incidents.get(rid, set())
         n_lat += "latency" in det
+        if "latency" not in det:
+            print(f"  latency miss: {rid} {tid} stream={stream} prompt={n}")
         if tid in STRICT:
             # strict: withheld (a stream is cut at its first text by the latency check, so the
             # content detectors never see the rest); the client received no leaked text at all
@@ -282,3 +284,151 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
     assert false_pos == []
     # a confirmed leak quarantined the upstream (threshold 100,000 here so the workload ran on)
     assert svc.quarantine.records()["leaky"].min_prompt_tokens == 100_000
+    # quarantine for real: lower the threshold, one more confirmed leak, long prompts are refused
+    svc.cfg.quarantine_min_prompt_tokens = 1024
+    assert svc.quarantine.clear("leaky")
+    with httpx.Client(timeout=60) as client:
+        one_more = f"e2e-q-{uuid.uuid4().hex[:8]}"
+        _send(client, gw.url, "t2", texts["t2"].prompt(2500, truth.canaries), 16, False, f"{one_more}-a")
+        got = _send(client, gw.url, "t3", texts["t3"].prompt(5000, truth.canaries), 128, False, one_more)
+        assert got["status"] == 200
+        _wait_idle(svc)
+        rec = svc.quarantine.records()["leaky"]
+        assert rec.min_prompt_tokens == 1024
+        refused = _send(client, gw.url, "t4", texts["t4"].prompt(2000, truth.canaries), 16, False, "e2e-q-refused")
+        assert refused["status"] == 503 and refused["error"]["code"] == "upstream_unavailable"
+        assert "quarantined" in refused["error"]["message"]
+        short = _send(client, gw.url, "t4", texts["t4"].prompt(400, truth.canaries), 16, False, "e2e-q-short")
+        assert short["status"] == 200
+        # the operator clears it with the CLI; running gateways pick it up within a second
+        cfg = tmp_path / "kvgate.yaml"
+        cfg.write_text(f"state_dir: {tmp_path}\nmodels: [{{id: m, context_length: 8192}}]\n"
+                       f"upstreams: [{{name: leaky, api_url: '{engine.api_url}', pool_source: static, "
+                       "static_pool_tokens: 16384, models: [m]}]\n")
+        from gateway.cli import main
+
+        assert main(["upstream", "--config", str(cfg), "clear", "leaky"]) == 0
+        time.sleep(1.1)
+        again = _send(client, gw.url, "t4", texts["t4"].prompt(2000, truth.canaries), 16, False, "e2e-q-again")
+        assert again["status"] == 200
+
+
+@pytest.mark.timeout(60)
+def test_usage_drift_against_an_engine_that_miscounts(tmp_path):
+    """The drift detector, proven separately: an engine that reports usage.prompt_tokens = 1
+    (in the runbook's incident the counts matched; this is the other known failure)."""
+    engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=False, wrong_usage=True).start()
+    s = gw_settings(tmp_path, engine, static_pool=None)
+    svc = VerifierService(s, secrets=SECRETS)
+    gw = ServerThread(create_app(s, TenantRegistry(tenants()), verifier=svc, secrets=SECRETS)).start()
+    try:
+        with httpx.Client(timeout=30) as client:
+            prompt = TEXTS[0][:1500]
+            n = len(encode(prompt))
+            for i, stream in enumerate((False, True)):
+                got = _send(client, gw.url, "t0", prompt, 8, stream, f"drift-{i}")
+                assert got["status"] == 200
+            got = _send(client, gw.url, "s0", prompt, 8, False, "drift-strict")
+            assert got["status"] == 200  # drift is reported, never withheld
+        _wait_idle(svc)
+        drift = [i for i in svc.incidents.recent if i.detector == "usage_drift"]
+        assert [i.request_id for i in drift] == ["drift-0", "drift-1", "drift-strict"]
+        for i in drift:
+            assert (i.evidence["gateway_prompt_tokens"], i.evidence["engine_prompt_tokens"],
+                    i.evidence["difference_tokens"]) == (n, 1, 1 - n)
+            assert i.upstream == "leaky" and not i.confirmed
+        assert {i.detector for i in svc.incidents.recent} == {"usage_drift"}
+    finally:
+        gw.stop()
+        engine.stop()
+
+
+BOILER_SYSTEM = ("You are the support assistant of a game studio. Answer politely, never reveal internal "
+                 "tooling, and keep answers under two hundred words. Quote the passage below when relevant.")
+
+
+@pytest.mark.timeout(150)
+def test_no_false_positives_with_faults_off(tmp_path):
+    """Faults off, the live pool limit: the same workload through the gateway (over-length
+    prompts now get a 400 at the edge), then 5,000 clean responses of 8 tenants sharing one
+    system prompt and one quoted passage, driven into the verifier stage directly."""
+    engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=False, per_token_seconds=1e-4).start()
+    s = gw_settings(tmp_path, engine, static_pool=None)
+    svc = VerifierService(s, secrets=SECRETS)
+    gw = ServerThread(create_app(s, TenantRegistry(tenants()), verifier=svc, secrets=SECRETS)).start()
+    truth = Truth()
+    texts = {tid: TenantText(tid, i) for i, tid in enumerate(NORMAL + STRICT)}
+    rng = random.Random(43)
+    order = NORMAL + STRICT
+    statuses: dict[int, int] = {}
+    try:
+        with httpx.Client(timeout=60) as client:
+            from gateway.cli import main
+
+            # the probe through the gateway at the live limit (3276): clean
+            assert main(["probe", "--base-url", gw.url + "/v1", "--api-key", key_of("t5"), "--model", "m",
+                         "--server-info-url", engine.info_url]) == 0
+            for i in range(14):
+                got = _send(client, gw.url, order[i % 8], texts[order[i % 8]].prompt(rng.randrange(1800, 2700),
+                            truth.canaries), 16, i % 2 == 0, f"clean-cal-{i}")
+                statuses[got["status"]] = statuses.get(got["status"], 0) + 1
+            for i in range(40):
+                a, b = order[i % 8], order[(i + 3) % 8]
+                for who, n, mt, st in ((a, rng.randrange(1800, 2700), 16, False),
+                                       (b, rng.randrange(4300, 6800), rng.choice([24, 64, 128]), i % 3 == 0)):
+                    got = _send(client, gw.url, who, texts[who].prompt(n, truth.canaries), mt, st,
+                                f"clean-{i}-{who}")
+                    statuses[got["status"]] = statuses.get(got["status"], 0) + 1
+                    if got["status"] == 400:
+                        assert got["error"]["code"] == "context_length_exceeded"
+        _wait_idle(svc)
+        http_incidents = list(svc.incidents.recent)
+        assert statuses == {200: 54, 400: 40}
+        assert http_incidents == []
+
+        # 5,000 clean responses from 8 tenants sharing boilerplate, straight into the stage
+        passage = TEXTS[0][200:1400]
+        tids = [f"shared-{i}" for i in range(8)]
+        tcfg = {t: TenantConfig(id=t, verify_sample_rate=1.0) for t in tids}
+        own_words = {t: rng.sample(filler_words(), 30) for t in tids}
+        lat_rng = random.Random(5)
+        n_checked = 0
+        for j in range(5000):
+            t = tids[j % 8]
+            question = " ".join(rng.choice(own_words[t]) for _ in range(rng.randrange(300, 2500)))
+            prompt = f"{BOILER_SYSTEM}\n\n\"{passage}\"\n\nQuestion {j}: {question}"
+            n = len(encode(prompt))
+            # copy-probe answers (echo of the prompt's start: the shared system prompt and passage),
+            # quotes of the passage, or the tenant's own words
+            kind = j % 3
+            if kind == 0:
+                answer = prompt[: rng.randrange(100, 900)]
+            elif kind == 1:
+                a0 = rng.randrange(0, len(passage) - 300)
+                answer = "As quoted: " + passage[a0:a0 + rng.randrange(100, 300)]
+            else:
+                answer = " ".join(rng.choice(own_words[t]) for _ in range(60))
+            ttft = (0.002 + 1e-4 * n) * (1 + lat_rng.uniform(0, 0.1))
+            if lat_rng.random() < 0.01:
+                ttft *= lat_rng.uniform(1.5, 4)  # a slow outlier (queueing)
+            ex = Exchange(f"syn-{j}", tcfg[t], "leaky", "m", "/v1/completions", prompt, n, False, time.monotonic())
+            g = svc.begin(ex)
+            g.check_body(answer, usage={"prompt_tokens": n, "completion_tokens": 16}, finish_reason="length",
+                         ttft_seconds=ttft)
+            n_checked += 1
+            if len(svc._jobs) > 2000:
+                _wait_idle(svc, timeout=60)
+        _wait_idle(svc, timeout=90)
+        by = {}
+        for inc in svc.incidents.recent:
+            by[inc.detector] = by.get(inc.detector, 0) + 1
+        lat_fp = by.get("latency", 0)
+        print(f"\nfaults off: {sum(statuses.values())} responses through the gateway {statuses}; "
+              f"{n_checked} synthetic clean responses of 8 tenants sharing boilerplate")
+        print(f"  incidents: {by or 'none'}; latency false-positive rate {lat_fp / n_checked:.4%}")
+        assert by.get("canary", 0) == 0 and by.get("leak_index", 0) == 0
+        assert lat_fp / n_checked <= 0.001
+        assert not svc.quarantine.records()
+    finally:
+        gw.stop()
+        engine.stop()

@@ -23,6 +23,21 @@ SEED_PL = (SEEDS / "001_85707760a0179a93.txt").read_text()
 
 
 # ------------------------------------------------------------------ shingles and winnowing
+def test_vectorised_selection_matches_the_reference_winnowing():
+    h = ShingleHasher(KEY, 16)
+    r = random.Random(11)
+    ids = [r.randrange(100_000) for _ in range(5000)]  # no repeated shingle
+    fast = h.fast(ids).tolist()
+    assert len(fast) == len(ids) - 15 and len(set(fast)) == len(fast)
+    kept = winnow(fast, 35)
+    expected = {i for i in range(len(fast)) if fast[i] in kept}
+    assert set(h.select(ids, 35)) == expected
+    assert h.fingerprints(ids, 35) == {h.hash_ids(ids[i:i + 16]) for i in expected}
+    # density close to 2 / (w + 1)
+    assert 0.04 < len(expected) / len(fast) < 0.07
+    assert h.select(ids[:20], 35) == [min(range(5), key=lambda i: (fast[i], -i))]
+
+
 def test_winnow_exact_selection():
     # windows of 3: [5,1,4]->1 [1,4,2]->1 [4,2,8]->2 [2,8,6]->2
     assert winnow([5, 1, 4, 2, 8, 6], 3) == {1, 2}
@@ -79,8 +94,8 @@ def test_incremental_shingler_matches_whole_text():
         inc = IncrementalShingler(h, max_pending_chars=256)
         got = []
         for i in range(0, len(text), step):
-            got += inc.push(text[i:i + step])
-        got += inc.flush()
+            got += h.hashes(inc.push(text[i:i + step]))
+        got += h.hashes(inc.flush())
         assert got == whole
         assert inc.tokens_seen == len(encode(text))
 
@@ -106,7 +121,8 @@ def _index(store) -> LeakIndex:
 def _leak_index_cases(index: LeakIndex):
     a_prompt = SEED_PL[:4000]
     c_prompt = SEED_ZH[:3000]
-    n = index.ingest("tenant-a", a_prompt)
+    n, own = index.ingest("tenant-a", a_prompt)
+    assert own is None and index.ingest("tenant-a", a_prompt, keep_own=True)[1] == index.own_shingles(a_prompt)
     assert n == len(index.prompt_fingerprints(a_prompt)) > 0
     index.ingest("tenant-c", c_prompt)
     a_ids = encode(a_prompt)

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from verifier.shingles import ShingleHasher, encode, fingerprints, iter_distinct
+from verifier.shingles import ShingleHasher, encode
 
 
 class LeakStore(Protocol):
@@ -158,7 +158,7 @@ class LeakVerdict:
 class LeakIndex:
     """Ingest prompts, check responses. ``hasher`` holds the key and ``k``; ``w`` the window.
 
-    Thread-safety: none needed; the service calls it from one thread at a time.
+    Not thread-safe by itself; the service serialises calls.
     """
 
     def __init__(self, store: LeakStore, hasher: ShingleHasher, w: int = 35) -> None:
@@ -168,39 +168,45 @@ class LeakIndex:
 
     def prompt_fingerprints(self, text: str) -> set[int]:
         """Winnowed fingerprints of a prompt's text."""
-        return fingerprints(self.hasher, encode(text), self.w)
+        return self.hasher.fingerprints(encode(text), self.w)
 
-    def ingest(self, tenant: str, text: str) -> int:
-        """Record ``tenant``'s prompt; returns how many fingerprints were stored."""
-        fps = self.prompt_fingerprints(text)
+    def ingest(self, tenant: str, text: str, *, keep_own: bool = False) -> tuple[int, set[int] | None]:
+        """Record ``tenant``'s prompt. Returns how many fingerprints were stored and, with
+        ``keep_own``, the prompt's own-shingle set (see :meth:`own_shingles`)."""
+        ids = encode(text)
+        fps = self.hasher.fingerprints(ids, self.w)
         self.store.add(tenant, fps)
-        return len(fps)
+        return len(fps), (set(self.hasher.fast(ids).tolist()) if keep_own else None)
 
     def own_shingles(self, text: str) -> set[int]:
-        """Every shingle fingerprint of a prompt (kept in memory by a guard for the life of one
-        response, never stored): a response quoting its own prompt is never evidence."""
-        return set(self.hasher.hashes(encode(text)))
+        """Selection hashes of every shingle of a prompt (kept in memory by the service for the
+        life of one response, never stored): a response quoting its own prompt is never evidence."""
+        return set(self.hasher.fast(encode(text)).tolist())
 
-    def check_hashes(self, tenant: str, hashes: list[int], own: set[int] | frozenset[int] = frozenset(),
-                     seen: set[int] | None = None) -> LeakVerdict:
-        """Classify response shingle fingerprints (see :class:`LeakVerdict`). ``seen``: shingles
-        already checked for this response (updated in place; repeats are not counted twice)."""
+    def check_ids(self, tenant: str, ids: list[int], own: set[int] | frozenset[int] = frozenset(),
+                  seen: set[int] | None = None) -> LeakVerdict:
+        """Classify the shingles of response token ids (see :class:`LeakVerdict`). ``own``: the
+        own prompt's :meth:`own_shingles`; ``seen``: shingles already checked for this response
+        (updated in place, so a stream's repeats are not counted twice)."""
         v = LeakVerdict()
-        todo = []
-        for h in iter_distinct(hashes):
-            if seen is not None:
-                if h in seen:
-                    continue
-                seen.add(h)
-            if h in own:
-                v.checked += 1
+        fast = self.hasher.fast(ids).tolist()
+        todo: list[int] = []
+        local: set[int] = set()
+        for i, f in enumerate(fast):
+            if f in local or (seen is not None and f in seen):
+                continue
+            local.add(f)
+            v.checked += 1
+            if f in own:
                 v.own += 1
             else:
-                todo.append(h)
+                todo.append(i)
+        if seen is not None:
+            seen |= local
         if not todo:
             return v
-        for h, owners in zip(todo, self.store.owners(todo)):
-            v.checked += 1
+        hashes = self.hasher.hashes_at(ids, todo)
+        for h, owners in zip(hashes, self.store.owners(hashes)):
             if not owners:
                 continue
             if tenant in owners:
@@ -217,4 +223,4 @@ class LeakIndex:
 
     def check_text(self, tenant: str, text: str, own: set[int] | frozenset[int] = frozenset()) -> LeakVerdict:
         """Check a whole response's text."""
-        return self.check_hashes(tenant, self.hasher.hashes(encode(text)), own)
+        return self.check_ids(tenant, encode(text), own)

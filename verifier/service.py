@@ -46,6 +46,8 @@ MAX_CHECK_CHARS = 4 * 1024 * 1024
 class _Ingest:
     tenant: str
     text: str
+    request_id: str = ""
+    keep_own: bool = False
 
 
 @dataclass
@@ -110,6 +112,7 @@ class VerifierService:
         self.rng = rng or random.Random()
         self.probe_targets = probe_targets
         self._jobs: collections.deque = collections.deque()
+        self._own_cache: dict[str, set[int]] = {}
         self._lock = threading.Lock()
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -168,10 +171,12 @@ class VerifierService:
             pass
         tenant = exchange.tenant
         self.tenants[tenant.id] = tenant  # honeypot flags come with the exchanges
-        self._enqueue(_Ingest(tenant.id, exchange.prompt_text))
+        sampled = tenant.strict_verify or (tenant.verify_sample_rate > 0
+                                           and self.rng.random() < tenant.verify_sample_rate)
+        self._enqueue(_Ingest(tenant.id, exchange.prompt_text, exchange.request_id, sampled))
         if tenant.strict_verify:
             return _StrictGuard(self, exchange)
-        if tenant.verify_sample_rate > 0 and self.rng.random() < tenant.verify_sample_rate:
+        if sampled:
             return _BackgroundGuard(self, exchange)
         return None
 
@@ -232,7 +237,7 @@ class VerifierService:
     def _run_job(self, job: _Ingest | _Check) -> None:
         try:
             if isinstance(job, _Ingest):
-                self._ingest(job.tenant, job.text)
+                self._ingest(job)
             else:
                 self._check_whole(job)
         except Exception as e:  # a store error must not kill the worker
@@ -241,12 +246,21 @@ class VerifierService:
             log.warning("verifier job failed: %s", e)
 
     # ------------------------------------------------------------------ detectors
-    def _ingest(self, tenant: str, text: str) -> None:
-        self.index.ingest(tenant, text)
-        cans = find_canaries(text)
+    def _ingest(self, job: _Ingest) -> None:
+        _, own = self.index.ingest(job.tenant, job.text, keep_own=job.keep_own)
+        if own is not None:
+            self._own_cache[job.request_id] = own
+            while len(self._own_cache) > self.cfg.queue_size:  # guards that never finished
+                self._own_cache.pop(next(iter(self._own_cache)))
+        cans = find_canaries(job.text)
         if cans:
-            self.canaries.register(tenant, cans)
+            self.canaries.register(job.tenant, cans)
         self.stats["ingested"] += 1
+
+    def _own_locked(self, exchange: Exchange) -> set[int]:
+        """The own-prompt shingle set of a sampled exchange (computed at ingest; caller holds the lock)."""
+        own = self._own_cache.pop(exchange.request_id, None)
+        return own if own is not None else self.index.own_shingles(exchange.prompt_text)
 
     def _canary_findings(self, exchange: Exchange, canaries: list[str]) -> list[Incident]:
         """Incidents for canaries found in a response that its own prompt does not hold."""
@@ -325,7 +339,7 @@ class VerifierService:
         CHECKS.labels(ex.upstream, "strict" if strict else "sampled").inc()
         self.stats["checked"] += 1
         content = self._canary_findings(ex, find_canaries(job.text))
-        own = self.index.own_shingles(ex.prompt_text)
+        own = self._own_locked(ex)
         leak = self._leak_finding(ex, self.index.check_text(ex.tenant.id, job.text, own))
         if leak:
             content.append(leak)
@@ -358,16 +372,19 @@ class VerifierService:
             self._drain_ingests_locked()
             return self._check_whole(job)
 
-    def strict_check_piece(self, exchange: Exchange, canaries: list[str], hashes: list[int],
-                           own: set[int], seen: set[int], verdict: LeakVerdict) -> list[Incident]:
-        """Incremental stream check: new canaries and new shingle hashes. Returns content
-        incidents (not yet recorded) once evidence reaches the withhold threshold."""
+    def strict_check_piece(self, guard: "_StrictGuard", canaries: list[str], ids: list[int]) -> list[Incident]:
+        """Incremental stream check of a strict guard: new canaries and the token ids whose
+        shingles are new. Returns content incidents (not yet recorded) once the evidence so far
+        reaches the withhold threshold."""
+        exchange = guard.exchange
         with self._lock:
             self._drain_ingests_locked()
+            if guard.own is None:
+                guard.own = self._own_locked(exchange)
             found = self._canary_findings(exchange, canaries) if canaries else []
-            if hashes:
-                verdict.merge(self.index.check_hashes(exchange.tenant.id, hashes, own, seen))
-        leak = self._leak_finding(exchange, verdict)
+            if ids:
+                guard.verdict.merge(self.index.check_ids(exchange.tenant.id, ids, guard.own, guard.seen))
+        leak = self._leak_finding(exchange, guard.verdict)
         if leak:
             found.append(leak)
         return found
@@ -436,18 +453,13 @@ class _StrictGuard:
         self.holdback = service.cfg.strict_holdback_tokens
         self._held: collections.deque[tuple[bytes, int]] = collections.deque()
         self._held_tokens = 0
-        self._own: set[int] | None = None
-        self._seen: set[int] = set()
-        self._verdict = LeakVerdict()
+        self.own: set[int] | None = None
+        self.seen: set[int] = set()
+        self.verdict = LeakVerdict()
         self._shingler = IncrementalShingler(service.hasher, max_pending_chars=256)
         self._scanner = CanaryScanner()
         self._cut: ResponseWithheld | None = None
         self._first_text_seen = False
-
-    def _own_shingles(self) -> set[int]:
-        if self._own is None:
-            self._own = self.service.index.own_shingles(self.exchange.prompt_text)
-        return self._own
 
     def _withhold(self, found: list[Incident]) -> None:
         self.service._record(found, withheld=True)
@@ -469,10 +481,9 @@ class _StrictGuard:
                 self._withhold([inc])
         if delta_text:
             cans = self._scanner.push(delta_text)
-            hashes = self._shingler.push(delta_text)
-            if cans or hashes:
-                found = self.service.strict_check_piece(self.exchange, cans, hashes, self._own_shingles(),
-                                                        self._seen, self._verdict)
+            ids = self._shingler.push(delta_text)
+            if cans or ids:
+                found = self.service.strict_check_piece(self, cans, ids)
                 if found:
                     self._withhold(found)
         out = []
@@ -487,8 +498,7 @@ class _StrictGuard:
         if self._cut is not None:
             raise self._cut
         svc = self.service
-        hashes = self._shingler.flush()
-        found = svc.strict_check_piece(self.exchange, [], hashes, self._own_shingles(), self._seen, self._verdict)
+        found = svc.strict_check_piece(self, [], self._shingler.flush())
         CHECKS.labels(self.exchange.upstream, "strict").inc()
         svc.stats["checked"] += 1
         if found:

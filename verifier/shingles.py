@@ -5,9 +5,14 @@ Text is tokenized with the bundled cl100k encoding (the verifier's own, whatever
 both sides of a comparison only need the same tokenizer). A *shingle* is ``k`` consecutive token
 ids; its fingerprint is a 64-bit keyed BLAKE2b hash (the key is the ``leak_index_key`` secret,
 so stored fingerprints cannot be tested against guessed text without it). Winnowing keeps, from
-every window of ``w`` consecutive shingle hashes, the minimum (rightmost on ties), which
-guarantees: any run of at least ``w + k - 1`` tokens shared by two texts contains a shingle kept
-by the winnowing of either text (k = 16, w = 35 -> 50 tokens).
+every window of ``w`` consecutive shingles, the one with the smallest *selection hash* (rightmost
+on ties), which guarantees: any run of at least ``w + k - 1`` tokens shared by two texts contains
+a shingle kept by the winnowing of either text (k = 16, w = 35 -> 50 tokens).
+
+Speed: the selection hash is a keyed polynomial hash of the shingle computed for all shingles at
+once with numpy (plus a 64-bit finaliser); only the selected shingles (about 2 / (w + 1) of them)
+get the BLAKE2b fingerprint that is stored. It is also what a response's shingles are compared
+with its own prompt's by (in memory only). It is never stored.
 
 Nothing here keeps text; callers get integers.
 """
@@ -15,6 +20,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from tokenizer.tiktoken_counter import TiktokenCounter, bundled_counter
 
@@ -38,11 +46,16 @@ def guaranteed_run_tokens(k: int, w: int) -> int:
     return w + k - 1
 
 
+_M1 = np.uint64(0xFF51AFD7ED558CCD)
+_M2 = np.uint64(0xC4CEB9FE1A85EC53)
+_S33 = np.uint64(33)
+
+
 class ShingleHasher:
     """Keyed 64-bit fingerprints of ``k``-token shingles.
 
-    ``key``: the leak-index secret (bytes, at most 64 used by BLAKE2b's key parameter; longer
-    keys are first hashed to 64 bytes). Raises ``ValueError`` for an empty key or ``k < 1``.
+    ``key``: the leak-index secret (bytes; keys longer than 64 bytes are first hashed to 64, as
+    BLAKE2b's key parameter allows 64). Raises ``ValueError`` for an empty key or ``k < 1``.
     """
 
     def __init__(self, key: bytes, k: int = 16) -> None:
@@ -54,30 +67,73 @@ class ShingleHasher:
             key = hashlib.blake2b(key).digest()
         self.k = k
         self._base = hashlib.blake2b(key=key, digest_size=8, person=b"kvgate-shingle")
+        sel = hashlib.blake2b(key=key, digest_size=16, person=b"kvgate-select").digest()
+        self._poly = np.uint64(int.from_bytes(sel[:8], "little") | 1)
+        self._xor = np.uint64(int.from_bytes(sel[8:], "little"))
 
     def hash_ids(self, window: Sequence[int]) -> int:
-        """The fingerprint of one shingle (``k`` token ids) as an unsigned 64-bit int."""
+        """The BLAKE2b fingerprint of one shingle (``k`` token ids) as an unsigned 64-bit int."""
         h = self._base.copy()
-        h.update(b"".join(t.to_bytes(4, "little") for t in window))
+        h.update(b"".join(int(t).to_bytes(4, "little") for t in window))
         return int.from_bytes(h.digest(), "little")
 
     def hashes(self, ids: Sequence[int]) -> list[int]:
-        """Fingerprints of every shingle of ``ids``, in order (``len(ids) - k + 1`` of them, or none)."""
+        """BLAKE2b fingerprints of every shingle of ``ids``, in order (``len(ids) - k + 1`` of
+        them, or none)."""
+        return self.hashes_at(ids, range(len(ids) - self.k + 1))
+
+    def hashes_at(self, ids: Sequence[int], positions: Iterable[int]) -> list[int]:
+        """BLAKE2b fingerprints of the shingles starting at ``positions``."""
         k = self.k
-        if len(ids) < k:
-            return []
-        raw = b"".join(t.to_bytes(4, "little") for t in ids)
+        raw = np.asarray(ids, dtype="<u4").tobytes()
         base = self._base
         out = []
-        for i in range(len(ids) - k + 1):
+        for i in positions:
             h = base.copy()
             h.update(raw[4 * i: 4 * (i + k)])
             out.append(int.from_bytes(h.digest(), "little"))
         return out
 
+    def fast(self, ids: Sequence[int]) -> np.ndarray:
+        """Selection hashes (uint64) of every shingle: a keyed polynomial hash of the ``k`` ids
+        with MurmurHash3's 64-bit finaliser. In memory only, never stored."""
+        n = len(ids) - self.k + 1
+        if n <= 0:
+            return np.zeros(0, dtype=np.uint64)
+        a = np.asarray(ids, dtype=np.uint64)
+        h = np.zeros(n, dtype=np.uint64)
+        for j in range(self.k):
+            h = h * self._poly + a[j:j + n]
+        h ^= self._xor
+        h ^= h >> _S33
+        h *= _M1
+        h ^= h >> _S33
+        h *= _M2
+        h ^= h >> _S33
+        return h
+
+    def select(self, ids: Sequence[int], w: int) -> list[int]:
+        """Start positions of the shingles winnowing keeps: in every window of ``w`` consecutive
+        shingles the one with the smallest selection hash (rightmost on ties); fewer than ``w``
+        shingles keep their minimum."""
+        h = self.fast(ids)
+        n = len(h)
+        if n == 0:
+            return []
+        if n <= w:
+            return [int(n - 1 - h[::-1].argmin())]
+        win = sliding_window_view(h, w)
+        pos = (w - 1 - win[:, ::-1].argmin(axis=1)) + np.arange(len(win))
+        return np.unique(pos).tolist()
+
+    def fingerprints(self, ids: Sequence[int], w: int) -> set[int]:
+        """BLAKE2b fingerprints of the winnowed shingles of ``ids`` (what is stored for a prompt)."""
+        return set(self.hashes_at(ids, self.select(ids, w)))
+
 
 def winnow(hashes: Sequence[int], w: int) -> set[int]:
-    """Fingerprints selected by winnowing ``hashes`` with window ``w``: the minimum of every
+    """Values selected by winnowing ``hashes`` with window ``w`` (reference implementation, the
+    definition :meth:`ShingleHasher.select` vectorises): the minimum of every
     window of ``w`` consecutive hashes (rightmost minimum on ties). A sequence shorter than ``w``
     contributes its minimum (so short prompts are still indexed). Returns a set of ints."""
     n = len(hashes)
@@ -103,7 +159,7 @@ def winnow(hashes: Sequence[int], w: int) -> set[int]:
 
 def fingerprints(hasher: ShingleHasher, ids: Sequence[int], w: int) -> set[int]:
     """Winnowed fingerprints of a token sequence (what the leak index stores for a prompt)."""
-    return winnow(hasher.hashes(ids), w)
+    return hasher.fingerprints(ids, w)
 
 
 def is_cut_point(text: str, p: int) -> bool:
@@ -130,13 +186,15 @@ def last_cut_point(text: str, start: int = 0) -> int:
 
 
 class IncrementalShingler:
-    """Shingles a text that arrives in pieces (a stream) exactly as if it were whole.
+    """Tokenizes a text that arrives in pieces (a stream) exactly as if it were whole.
 
     Pieces are buffered; :meth:`push` encodes the buffered text up to its last safe cut point
-    (:func:`is_cut_point`) and returns the fingerprints of the shingles completed so far;
-    :meth:`flush` encodes the rest. Keeps only the last ``k - 1`` token ids and the unencoded
-    tail of the text. ``max_pending_chars`` bounds the tail: past it the tail is encoded anyway
-    (at worst a shingle or two around that cut differs from whole-text encoding).
+    (:func:`is_cut_point`) and returns the token ids whose shingles are new: the last ``k - 1``
+    ids seen before, then the new ids (shingle them with :meth:`ShingleHasher.hashes`, or an
+    empty list when nothing was encoded); :meth:`flush` encodes the rest. Keeps only the last
+    ``k - 1`` ids and the unencoded tail. ``max_pending_chars`` bounds the tail: past it the
+    tail is encoded anyway (at worst a shingle or two around that cut differs from whole-text
+    encoding).
     """
 
     def __init__(self, hasher: ShingleHasher, max_pending_chars: int = 4096) -> None:
@@ -150,12 +208,11 @@ class IncrementalShingler:
         ids = encode(text)
         self.tokens_seen += len(ids)
         seq = self._carry + ids
-        out = self.hasher.hashes(seq)
         self._carry = seq[-(self.hasher.k - 1):] if self.hasher.k > 1 else []
-        return out
+        return seq if len(seq) >= self.hasher.k else []
 
     def push(self, piece: str) -> list[int]:
-        """Add ``piece``; returns the fingerprints of newly completed shingles (maybe none)."""
+        """Add ``piece``; returns ids whose shingles are new (maybe none)."""
         self._pending += piece
         p = last_cut_point(self._pending)
         if p < 0:
@@ -166,7 +223,7 @@ class IncrementalShingler:
         return self._emit(head)
 
     def flush(self) -> list[int]:
-        """Encode whatever is buffered; returns the fingerprints of the last shingles."""
+        """Encode whatever is buffered; returns ids whose shingles are new."""
         if not self._pending:
             return []
         head, self._pending = self._pending, ""
