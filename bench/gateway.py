@@ -16,7 +16,9 @@ Lua script for the POST body; a Python load process when ``wrk`` is absent):
   column is what the quota stage adds at p50 over ``gateway`` (target: under 0.5 ms).
 
 Per scenario: p50 and p99 latency at 1 connection, requests/s at ``--connections`` (64), and the
-added p50/p99 over ``direct``. Target: gateway rps >= relay rps, and gateway p50 added within
+added p50/p99 over ``direct``; every scenario is started once and measured in ``--rounds``
+interleaved rounds (the table shows medians), so a noisy neighbour on a shared machine hits every
+column alike. Target: gateway rps >= relay rps, and gateway p50 added within
 0.5 ms of the relay's.
 
 Adding a scenario is one function: decorate ``f(env) -> ContextManager[Target]`` with

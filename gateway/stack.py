@@ -125,6 +125,8 @@ class StackOptions:
     ``run_dir``: where the generated config and logs go (``None``: a new temporary directory,
     removed by :meth:`EmbeddedStack.stop`). ``startup_timeout_seconds`` bounds each wait.
     ``echo_logs``: children write to this process's stdout/stderr instead of log files.
+    ``drain_timeout_seconds``: how long the gateway may take to exit after SIGTERM (at least the
+    settings' ``gateway.drain_timeout_seconds`` + 5 s) before it is killed.
     """
 
     config: Path | None = None
@@ -215,10 +217,11 @@ class EmbeddedStack:
         """Stop the gateway (SIGTERM: it drains) and then the backend; idempotent. Removes the
         run directory when the stack made it."""
         if self.gateway is not None:
-            self.gateway.stop(self.options.drain_timeout_seconds)
+            drain = self.settings.gateway.drain_timeout_seconds if self.settings is not None else 0.0
+            self.gateway.stop(max(self.options.drain_timeout_seconds, drain + 5.0))
         if self.backend is not None:
             self.backend.stop(10.0)
-        if self._own_run_dir and not self.options.echo_logs:
+        if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def reload_tenants(self) -> None:
