@@ -354,16 +354,19 @@ class EmbeddedStack:
 # ---------------------------------------------------------------- supervising from a CLI command
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Any:
-    """While active, SIGTERM raises ``KeyboardInterrupt`` in the main thread (as Ctrl-C does), so
-    a supervisor stopped by either signal runs its ``finally`` blocks and stops its children."""
+    """While active, SIGTERM and SIGINT raise ``KeyboardInterrupt`` in the main thread, so a
+    supervisor stopped by either runs its ``finally`` blocks and stops its children. SIGINT is
+    handled even when the parent left it ignored (a background job of a non-interactive shell)."""
     def _raise(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, _raise)
+    old_term = signal.signal(signal.SIGTERM, _raise)
+    old_int = signal.signal(signal.SIGINT, _raise)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
 
 
 def serve_until_interrupted(stack: EmbeddedStack, *, poll_seconds: float = 0.5) -> int:

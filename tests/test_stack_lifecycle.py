@@ -165,3 +165,28 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
     finally:
         if sup.poll() is None:
             sup.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_sigint_and_sigterm_interrupt_a_supervisor_even_if_sigint_was_ignored(sig: int) -> None:
+    script = textwrap.dedent("""
+        import time
+        from gateway.stack import terminate_as_interrupt
+        with terminate_as_interrupt():
+            try:
+                print("ready", flush=True)
+                time.sleep(60)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+    """)
+    # a background job of a non-interactive shell starts with SIGINT ignored
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert p.stdout.readline() == "ready\n"  # type: ignore[union-attr]
+        p.send_signal(sig)
+        out, _ = p.communicate(timeout=20)
+        assert (p.returncode, out) == (0, "interrupted\n")
+    finally:
+        if p.poll() is None:
+            p.kill()
