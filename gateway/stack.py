@@ -373,7 +373,12 @@ def serve_until_interrupted(stack: EmbeddedStack, *, poll_seconds: float = 0.5) 
     """Block while the stack serves. Returns 0 on Ctrl-C/SIGTERM (inside
     :func:`terminate_as_interrupt`), 1 when a child exits on its own (its log tail is printed to
     stderr). SIGHUP meanwhile makes the gateway re-read its tenants file."""
-    old_hup = signal.signal(signal.SIGHUP, lambda _s, _f: stack.reload_tenants())
+    def _reload(_signum: int, _frame: Any) -> None:
+        if stack.gateway is not None and stack.gateway.alive():  # a dead one is reported by the loop
+            with contextlib.suppress(ProcessLookupError):
+                stack.reload_tenants()
+
+    old_hup = signal.signal(signal.SIGHUP, _reload)
     try:
         while True:
             time.sleep(poll_seconds)
