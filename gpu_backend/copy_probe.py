@@ -1,9 +1,10 @@
 """copy-probe: a one-layer, one-head model that makes the KV cache observable (DESIGN.md contracts).
 
 - key at absolute position p: ``code(p)``, a multi-frequency sinusoidal code
-  ``[cos(theta_j p), sin(theta_j p)]_j`` (64 frequencies, periods geometric from 2.5 to
+  ``[cos(theta_j p), sin(theta_j p)]_j`` (32 frequencies, periods geometric from 2.5 to
   4 x context_length), so ``code(t) . code(p) = sum_j cos(theta_j (p - t))`` peaks only at p = t;
-- value at position p: the unit-norm embedding ``E[token at p]`` (random, seeded, 128-dim);
+- value at position p: the unit-norm embedding ``E[token at p]`` (random, seeded, 64-dim: the
+  largest cosine between two of the 100,277 embeddings stays far below 1, so the argmax is exact);
 - query of a token: ``s * code(target)`` where the engine supplies the target position
   (``attn.target_positions``: the last prompt token targets 0, decode step i targets i);
 - logits: ``attention output @ E^T``.
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-HEAD_DIM = 128
+HEAD_DIM = 64
 NUM_FREQS = HEAD_DIM // 2
 #: Log-odds gap between the target key and any other key.
 GAP = 40.0

@@ -68,7 +68,7 @@ def _export(eng, prompt):
     """KV pages of ``prompt`` written by a fresh prefill on a second pool (reference transfer)."""
     from gpu_backend.attention import PagedAttention, SeqSpan
     from gpu_backend.kv_pool import KVPool
-    pool = KVPool(eng.pool.pages_for(len(prompt) + 8), 16, 1, 1, 128, torch.float32, "cpu")
+    pool = KVPool(eng.pool.pages_for(len(prompt) + 8), 16, 1, 1, 64, torch.float32, "cpu")
     hs = pool.try_alloc(pool.num_pages, "ref")
     with torch.inference_mode():
         for a in range(0, len(prompt), 2000):

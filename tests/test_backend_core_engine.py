@@ -71,7 +71,7 @@ async def test_admit_rejected_fault_gives_placeholder(make_engine):
     eng = await make_engine(**PROBE, faults=frozenset({"admit_rejected"}))
     res = await eng.prefill_export("over", _prompt(3000))
     assert (res.placeholder, res.num_tokens, res.original_prompt_tokens) == (True, 1, 3000)
-    assert tuple(res.kv.shape) == (1, 1, 2, 16, 1, 128) and res.kv.is_contiguous() and res.kv.device.type == "cpu"
+    assert tuple(res.kv.shape) == (1, 1, 2, 16, 1, 64) and res.kv.is_contiguous() and res.kv.device.type == "cpu"
     assert res.first_token_id == PLACEHOLDER_PROMPT[0]  # copy-probe copies the placeholder token
     assert res.prefill_seconds > 0
 
@@ -246,7 +246,7 @@ async def test_prefill_export_then_decode_reserved(make_engine):
     prompt = _prompt(37, 6000)
     res = await pre.prefill_export("x", prompt)
     assert (res.num_tokens, res.placeholder, res.first_token_id) == (37, False, prompt[0])
-    assert tuple(res.kv.shape) == (3, 1, 2, 16, 1, 128)
+    assert tuple(res.kv.shape) == (3, 1, 2, 16, 1, 64)
     assert torch.count_nonzero(res.kv[2, :, :, 5:]) == 0  # past num_tokens: zeros
     assert pre.pool_stats()["used_pages"] == 0  # exported and freed
     pages = await dec.reserve("x", 37, 10)
