@@ -2,15 +2,17 @@
 
 Usage::
 
-    .venv/bin/python bench/tokenize.py [--sizes 1000,100000,1000000] [--seconds 2] [--pieces N]
+    .venv/bin/python bench/tokenize.py [--sizes 1000,100000,1000000] [--seconds 2]
 
 For each prompt size it builds a prompt from real text (the incident runbook's Chinese and Polish
 translations in ../shared/seeds, DESIGN.md, and Python standard-library source as English prose
 and code), interleaved paragraph by paragraph, and times in the same process:
 
 - ``tiktoken``: ``len(Encoding.encode_ordinary(text))`` on one thread (cl100k_base);
-- ``kvgate``: ``bundled_counter().count_prompt(text)`` (validation included; long text is split at
-  provably safe pre-token boundaries and counted on every usable core, tokenizer/parallel.py);
+- ``kvgate 1 thread``: kvgate's cutting at provably safe pre-token boundaries
+  (tokenizer/parallel.py), every piece counted on the calling thread;
+- ``kvgate N threads``: ``bundled_counter().count_prompt(text)`` (validation included; the
+  pieces are counted on every usable core);
 - ``kvgate async``: ``await acount_prompt(text)`` (the gateway's path: a worker thread, then the
   same multi-core count).
 
@@ -100,19 +102,19 @@ def interleaved(fns: dict[str, Callable[[], int]], seconds: float, min_rounds: i
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1000,100000,1000000", help="prompt sizes in tokens, comma-separated")
-    ap.add_argument("--seconds", type=float, default=2.0, help="time budget per measurement")
-    ap.add_argument("--pieces", type=int, default=None, help="pieces per long text (default: usable cores)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="time budget per measurement (x3 for >= 500k tokens)")
     args = ap.parse_args(argv)
 
     enc = get_encoding("cl100k_base")
     counter = bundled_counter()
-    if args.pieces:
-        base_count = counter._count_one
-        counter.count_text = lambda text: parallel.parallel_count(text, base_count, pieces=args.pieces)  # type: ignore[method-assign]
     paragraphs = corpus_paragraphs()
+    cores = parallel.usable_cores()
 
     def raw(text: str) -> int:
         return len(enc.encode_ordinary(text))
+
+    def one_thread(text: str) -> int:  # kvgate's cutting, all pieces on the calling thread
+        return parallel.parallel_count(text, raw, workers=1)
 
     loop = asyncio.new_event_loop()
     rows = []
@@ -120,25 +122,29 @@ def main(argv: list[str] | None = None) -> int:
         text = build_prompt(size, paragraphs, raw)
         m = interleaved({
             "raw": lambda: raw(text),
+            "one": lambda: one_thread(text),
             "kvgate": lambda: counter.count_prompt(text).per_prompt[0],
             "async": lambda: loop.run_until_complete(counter.acount_prompt(text)).per_prompt[0],
         }, args.seconds * (3 if size >= 500_000 else 1))
-        (t_raw, n_raw), (t_kv, n_kv), (t_async, n_async) = m["raw"], m["kvgate"], m["async"]
-        exact = n_raw == n_kv == n_async
-        rows.append((n_raw, len(text), n_raw / t_raw, n_kv / t_kv, n_async / t_async, t_raw, t_kv, exact))
+        n = m["raw"][1]
+        exact = all(r == n for _, r in m.values())
+        rows.append((n, len(text), {k: n / t for k, (t, _) in m.items()}, m["raw"][0], m["kvgate"][0], exact))
     loop.close()
 
-    cores = parallel.usable_cores()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"exact prompt counting, cl100k_base; {cores} usable core(s), load average {load:.2f} at the end; "
-          f"multi-core above {parallel.PARALLEL_MIN_CHARS:,} characters; medians of interleaved runs")
-    header = ("prompt tokens", "chars", "tiktoken 1-thread tok/s", "kvgate tok/s", "ratio", "kvgate async tok/s",
-              "ratio", "tiktoken ms", "kvgate ms", "exact")
+    print(f"exact prompt counting, cl100k_base; {cores} usable core(s), 1-minute load average {load:.2f} "
+          f"at the end; kvgate cuts texts of {parallel.PARALLEL_MIN_CHARS:,}+ characters into "
+          f"~{parallel.PIECE_CHARS // 1024}k-character pieces; medians of interleaved runs")
+    header = ("prompt tokens", "chars", "tiktoken 1 thread tok/s", "kvgate 1 thread tok/s", "ratio",
+              f"kvgate {cores} threads tok/s", "ratio", "kvgate async tok/s", "ratio", "tiktoken ms", "kvgate ms",
+              "exact")
     table = [header]
-    for n, chars, raw_tps, kv_tps, async_tps, t_raw, t_kv, exact in rows:
-        table.append((f"{n:,}", f"{chars:,}", f"{raw_tps:,.0f}", f"{kv_tps:,.0f}", f"{kv_tps / raw_tps:.2f}x",
-                      f"{async_tps:,.0f}", f"{async_tps / raw_tps:.2f}x", f"{t_raw * 1000:.2f}",
-                      f"{t_kv * 1000:.2f}", "yes" if exact else "NO"))
+    for n, chars, tps, t_raw, t_kv, exact in rows:
+        table.append((f"{n:,}", f"{chars:,}", f"{tps['raw']:,.0f}",
+                      f"{tps['one']:,.0f}", f"{tps['one'] / tps['raw']:.2f}x",
+                      f"{tps['kvgate']:,.0f}", f"{tps['kvgate'] / tps['raw']:.2f}x",
+                      f"{tps['async']:,.0f}", f"{tps['async'] / tps['raw']:.2f}x",
+                      f"{t_raw * 1000:.2f}", f"{t_kv * 1000:.2f}", "yes" if exact else "NO"))
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for j, r in enumerate(table):
         print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
