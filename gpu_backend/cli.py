@@ -147,7 +147,10 @@ def _router_config(opts: Options) -> Any:
 def _http_client(opts: Options) -> Any:
     import httpx
 
-    return httpx.AsyncClient(limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512),
+    # keep-alive expiry well below the servers' timeout_keep_alive (60 s), so a pooled connection is
+    # never reused just as the server closes it
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512,
+                                                 keepalive_expiry=20.0),
                              timeout=httpx.Timeout(opts.open_timeout, connect=10.0))
 
 
@@ -269,5 +272,5 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     uvicorn.run(app, host=opts.host, port=opts.port_resolved, log_level=opts.log_level, access_log=False,
-                timeout_graceful_shutdown=10)
+                timeout_keep_alive=60, timeout_graceful_shutdown=10)
     return 0

@@ -71,8 +71,9 @@ class DecodeNode:
     """Wraps a decode-side :class:`Engine` with the room table and the transfer check.
 
     ``faults``: the process's fault set (only ``skip_transfer_check`` matters here; ``no_scrub``
-    is the engine's). ``transfer_timeout_seconds``: how long a reservation waits for its pages and a
-    transfer waits for its reservation.
+    is the engine's). ``transfer_timeout_seconds``: how long a reservation waits for its pages; a
+    transfer waits for its reservation that long plus the engine's ``pool_wait_timeout_seconds``
+    (the reservation itself may be waiting for pages).
     """
 
     def __init__(self, engine: Engine, *, faults: frozenset[str] = frozenset(),
@@ -80,6 +81,7 @@ class DecodeNode:
         self.engine = engine
         self.skip_transfer_check = "skip_transfer_check" in faults
         self.transfer_timeout = transfer_timeout_seconds
+        self.reservation_wait = transfer_timeout_seconds + float(engine.cfg.pool_wait_timeout_seconds)
         self.rooms = RoomTable(tombstone_seconds=max(120.0, 4 * transfer_timeout_seconds))
         self.counters = {"transfers_accepted": 0, "transfers_refused": 0, "transfer_mismatches": 0,
                          "transfer_timeouts": 0, "released": 0}
@@ -177,10 +179,10 @@ class DecodeNode:
             raise DuplicateTransferError(f"room {manifest.room} already received a transfer")
         r.manifest = manifest
         try:
-            reserved = await r.wait_for(r.reserved, self.transfer_timeout)
+            reserved = await r.wait_for(r.reserved, self.reservation_wait)
         except asyncio.TimeoutError:
             self.counters["transfer_timeouts"] += 1
-            err = TransferTimeoutError(f"no reservation for room {manifest.room} within {self.transfer_timeout:g} s")
+            err = TransferTimeoutError(f"no reservation for room {manifest.room} within {self.reservation_wait:g} s")
             self._fail(manifest.room, r, "transfer without reservation", err)
             raise err from None
         if not reserved:

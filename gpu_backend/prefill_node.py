@@ -69,7 +69,8 @@ class HttpSink:
 class PrefillNode:
     """Wraps a prefill-side :class:`Engine` and a :class:`TransferSink`.
 
-    ``transfer_timeout_seconds`` bounds the send (the decode node may wait for its reservation).
+    ``transfer_timeout_seconds`` plus the engine's ``pool_wait_timeout_seconds`` bounds the send
+    (the decode node may first wait for pages to reserve).
     ``abort(request_id)`` stops a request at any point: during the forward pass the engine frees
     its pages; afterwards the pages are already freed and the transfer is not sent.
     """
@@ -123,7 +124,8 @@ class PrefillNode:
                   placeholder=res.placeholder, original_prompt_tokens=res.original_prompt_tokens)
         big = res.kv.numel() * res.kv.element_size() > _OFFLOAD_BYTES
         manifest = await asyncio.to_thread(lambda: build_manifest(**kw)) if big else build_manifest(**kw)
-        await asyncio.wait_for(self.sink.send(manifest, res.kv), self.transfer_timeout)
+        await asyncio.wait_for(self.sink.send(manifest, res.kv),
+                               self.transfer_timeout + float(self.engine.cfg.pool_wait_timeout_seconds))
         return {"num_tokens": res.num_tokens, "first_token_id": res.first_token_id,
                 "prefill_seconds": res.prefill_seconds, "placeholder": res.placeholder,
                 "original_prompt_tokens": res.original_prompt_tokens}

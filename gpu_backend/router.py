@@ -360,7 +360,10 @@ class Router:
                 return stream
             if isinstance(e, asyncio.CancelledError):
                 raise
-            raise as_openai_error(e) from e
+            err = as_openai_error(e)
+            if err.status >= 500:
+                log.warning("request %s failed: %s (%r)", request_id, err.message, e)
+            raise err from e
         stream.outcome = outcome
         stream._first = None
         stream._pending_first = tok
