@@ -1,13 +1,23 @@
 """Multi-core counting (tokenizer/parallel.py) gives exactly the single-thread count."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import SEEDS
 from tokenizer import bundled_counter, get_encoding
-from tokenizer.parallel import _SAFE_CUT, parallel_count, safe_cuts, split_for_count
+from tokenizer.parallel import (
+    _SAFE_CUT,
+    PARALLEL_MIN_CHARS,
+    PIECE_CHARS,
+    parallel_count,
+    safe_cuts,
+    split_for_count,
+    usable_cores,
+)
 
 ENC = get_encoding("cl100k_base")
 
@@ -54,9 +64,38 @@ def test_parallel_count_equals_single_thread_on_seeds(pieces):
 
 def test_counter_uses_parallel_path_on_long_text():
     text = "\n\n".join(seed_texts() * 12)  # ~270k characters: above PARALLEL_MIN_CHARS
-    assert len(text) > 200_000
-    assert len(split_for_count(text, 2)) == 2
+    assert len(text) > PARALLEL_MIN_CHARS
+    pieces: list[str] = []
+
+    def recording(piece: str) -> int:
+        pieces.append(piece)
+        return count(piece)
+
+    assert parallel_count(text, recording) == count(text)
+    assert len(pieces) == max(usable_cores(), -(-len(text) // PIECE_CHARS))  # cut, not counted whole
+    assert sorted(pieces) == sorted(split_for_count(text, len(pieces)))
     assert bundled_counter().count_text(text) == count(text)
+
+
+@pytest.mark.timeout(60)
+def test_pieces_are_counted_on_two_threads_at_once():
+    """The first piece each thread takes waits at a barrier for a second thread: with one thread
+    only, the barrier would time out and the count raise."""
+    text = "\n\n".join(seed_texts() * 12)
+    barrier = threading.Barrier(2, timeout=20)
+    lock = threading.Lock()
+    threads: set[int] = set()
+
+    def counting(piece: str) -> int:
+        with lock:
+            new = threading.get_ident() not in threads and len(threads) < 2
+            threads.add(threading.get_ident())
+        if new:
+            barrier.wait()
+        return count(piece)
+
+    assert parallel_count(text, counting, workers=2) == count(text)
+    assert len(threads) == 2
 
 
 def test_cut_rules_by_example():
