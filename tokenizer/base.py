@@ -139,6 +139,6 @@ class PromptCounter(ABC):
 
     async def acount_chat(self, messages: Any, tools: Any = None) -> int:
         """:meth:`count_chat`, in a worker thread for long input."""
-        if chat_text_length(messages, tools) > self.offload_chars:
+        if chat_text_length(messages, tools, limit=self.offload_chars) > self.offload_chars:
             return await asyncio.to_thread(self.count_chat, messages, tools)
         return self.count_chat(messages, tools)
