@@ -352,6 +352,8 @@ class Router:
         except BaseException as e:
             if not pre.done():
                 pre.cancel()
+            pre.add_done_callback(_consume)
+            first.add_done_callback(_consume)
             stream.close_now()
             if stream.aborted and not isinstance(e, asyncio.CancelledError):
                 stream.outcome = None
@@ -390,6 +392,12 @@ class Router:
             if first in done and first.exception() is not None:
                 raise first.exception()
         return pre.result(), first.result()
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Mark a loser's outcome as retrieved (its error was superseded by the one raised)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _quiet(coro: Any) -> None:
