@@ -248,6 +248,12 @@ def _gateway(env: Env) -> Iterator[Target]:
         yield t
 
 
+@scenario("gateway-logged", "the gateway scenario with its JSON access log on (log level info, to a file)")
+def _gateway_logged(env: Env) -> Iterator[Target]:
+    with gateway_target(env, name="gateway-logged", log_level="info") as t:
+        yield t
+
+
 #: limits that the bench load never reaches, so every request runs the whole quota stage
 BENCH_LIMITS = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
 
@@ -308,6 +314,7 @@ def run_wrk(target: Target, connections: int, duration: float, tmp: Path) -> Loa
     lua.write_text(WRK_LUA.format(body=json.dumps(json.dumps(BODY)), headers=headers))
     threads = max(1, min(2, connections // 32))
     out = subprocess.run(["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration:.0f}s", "--latency",
+                          "--timeout", "10s",
                           "-s", str(lua), target.url], capture_output=True, text=True, timeout=duration + 60)
     text = out.stdout
     if out.returncode != 0 or "Requests/sec" not in text:
