@@ -117,7 +117,7 @@ def leaky_stack(tmp_path):
 def _send(client: httpx.Client, gw_url: str, tid: str, prompt: str, max_tokens: int, stream: bool,
           rid: str) -> dict:
     """One request; returns what the client received: status, text, error code."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "stream": stream, "temperature": 0}
     h = {"authorization": f"Bearer {key_of(tid)}", "x-request-id": rid}
     if not stream:
         r = client.post(gw_url + "/v1/completions", json=body, headers=h)
@@ -216,13 +216,13 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
                             max_tokens, stream))
 
         # calibration: admitted prompts of ~2,000-3,700 tokens (canaries included), under the pool
-        for i in range(14):
+        for i in range(20):
             one(order[i % len(order)], rng.randrange(1800, 3300), 16, i % 2 == 0)
         # rounds: an admitted prompt from one tenant, then an over-pool prompt from another
         for i in range(40):
             a = order[i % len(order)]
             b = order[(i + 3) % len(order)]
-            one(a, rng.randrange(1800, 3300), 16, False)
+            one(a, rng.randrange(1800, 3300), 16, i % 2 == 1)
             one(b, rng.randrange(4300, 6800), rng.choice([24, 40, 64, 128, 200]), i % 3 == 0)
     _wait_idle(svc)
     incidents = {}

@@ -247,6 +247,8 @@ def test_latency_buckets_and_bound():
     # short prompts are never flagged; other upstreams are separate
     assert m.observe("u", 100, 0.00001).anomaly is False
     assert m.observe("other", 3000, 0.001).anomaly is False
+    # streamed TTFTs (gateway-measured) are calibrated apart from engine-reported prefill times
+    assert m.bound("u", 3000, "stream") is None and m.observe("u", 3000, 0.001, "stream").anomaly is False
 
 
 # ------------------------------------------------------------------ incidents, quarantine

@@ -1,6 +1,8 @@
 """Time to first token against prompt length (the runbook's signal 3: "too good to be true").
 
-Per upstream, prompts are bucketed by length (powers of two: bucket ``b`` holds lengths in
+Per upstream and kind of measurement (``stream``: time to the first streamed token, measured by
+the gateway; ``whole``: the engine's reported prefill time of a non-streamed response; the two
+are never mixed), prompts are bucketed by length (powers of two: bucket ``b`` holds lengths in
 ``[2**b, 2**(b+1))``); each bucket keeps a DDSketch (Datadog's relative-error quantile sketch,
 the ``ddsketch`` package) of TTFT in seconds. Once a bucket has ``min_samples`` samples its
 *calibrated lower bound* is ``quantile(q) * margin``. Prefill time never shrinks as prompts get
@@ -48,13 +50,13 @@ class LatencyModel:
         self.min_samples = min_samples
         self.min_prompt_tokens = min_prompt_tokens
         self.relative_accuracy = relative_accuracy
-        self._sketches: dict[tuple[str, int], DDSketch] = {}
+        self._sketches: dict[tuple[str, str, int], DDSketch] = {}
 
-    def bound(self, upstream: str, prompt_tokens: int) -> float | None:
+    def bound(self, upstream: str, prompt_tokens: int, kind: str = "whole") -> float | None:
         """The lower bound (seconds) for a prompt of this length, or ``None`` when uncalibrated."""
         best: float | None = None
         for b in range(bucket_of(prompt_tokens), -1, -1):
-            s = self._sketches.get((upstream, b))
+            s = self._sketches.get((upstream, kind, b))
             if s is None or s.count < self.min_samples:
                 continue
             q = s.get_quantile_value(self.quantile)
@@ -63,28 +65,30 @@ class LatencyModel:
                 best = v if best is None else max(best, v)
         return best
 
-    def record(self, upstream: str, prompt_tokens: int, ttft_seconds: float) -> None:
+    def record(self, upstream: str, prompt_tokens: int, ttft_seconds: float, kind: str = "whole") -> None:
         """Add a sample that was not an anomaly (anomalies are kept out of calibration)."""
         if ttft_seconds <= 0:
             return
-        key = (upstream, bucket_of(prompt_tokens))
+        key = (upstream, kind, bucket_of(prompt_tokens))
         s = self._sketches.get(key)
         if s is None:
             s = self._sketches[key] = DDSketch(relative_accuracy=self.relative_accuracy)
         s.add(ttft_seconds)
 
-    def observe(self, upstream: str, prompt_tokens: int, ttft_seconds: float | None) -> LatencyVerdict:
-        """Judge one TTFT and, when it is no anomaly, add it to calibration."""
+    def observe(self, upstream: str, prompt_tokens: int, ttft_seconds: float | None,
+                kind: str = "whole") -> LatencyVerdict:
+        """Judge one TTFT (``kind``: ``stream`` or ``whole``) and, when it is no anomaly, add it
+        to calibration."""
         b = bucket_of(prompt_tokens)
         if ttft_seconds is None or ttft_seconds < 0:
             return LatencyVerdict(False, None, b)
-        bound = self.bound(upstream, prompt_tokens)
+        bound = self.bound(upstream, prompt_tokens, kind)
         anomaly = (prompt_tokens >= self.min_prompt_tokens and bound is not None and ttft_seconds < bound)
         if not anomaly:
-            self.record(upstream, prompt_tokens, ttft_seconds)
+            self.record(upstream, prompt_tokens, ttft_seconds, kind)
         return LatencyVerdict(anomaly, bound, b)
 
-    def samples(self, upstream: str, bucket: int) -> int:
+    def samples(self, upstream: str, bucket: int, kind: str = "whole") -> int:
         """How many samples a bucket holds."""
-        s = self._sketches.get((upstream, bucket))
+        s = self._sketches.get((upstream, kind, bucket))
         return int(s.count) if s is not None else 0

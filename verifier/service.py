@@ -302,7 +302,8 @@ class VerifierService:
         f = check_finish(finish_reason)
         if f:
             out.append(self._incident(f.detector, exchange, f.evidence))
-        lv = self.latency.observe(exchange.upstream, exchange.prompt_tokens, ttft_seconds)
+        lv = self.latency.observe(exchange.upstream, exchange.prompt_tokens, ttft_seconds,
+                                  "stream" if exchange.stream else "whole")
         if lv.anomaly:
             out.append(self._incident("latency", exchange, {
                 "ttft_ms": round(ttft_seconds * 1000, 3), "bound_ms": round(lv.bound_seconds * 1000, 3),
@@ -357,7 +358,7 @@ class VerifierService:
         with self._lock:
             if exchange.prompt_tokens < self.latency.min_prompt_tokens:
                 return None
-            bound = self.latency.bound(exchange.upstream, exchange.prompt_tokens)
+            bound = self.latency.bound(exchange.upstream, exchange.prompt_tokens, "stream")
         if bound is None or ttft_seconds >= bound:
             return None
         from verifier.latency import bucket_of
