@@ -480,9 +480,12 @@ class Engine:
         feeds the previous token at position ``context_tokens + j - 1`` and attends over positions
         ``0 .. context_tokens + j - 1`` of the reservation's pages. ``prompt_tokens`` of the events
         is ``len(prompt_ids)``. Frees the reservation when finished or aborted (also when the
-        iterator is closed early). Raises ``KeyError`` for an unknown reservation,
-        :class:`InvalidRequestError` when ``context_tokens + max_new_tokens`` exceeds it;
-        :class:`StaleHandleError` if a handle went stale (unless ``no_scrub``).
+        iterator is closed early). Raises (on the first ``__anext__``, the reservation then freed)
+        ``KeyError`` for an unknown reservation, :class:`InvalidRequestError` when
+        ``context_tokens + max_new_tokens`` exceeds it, :class:`StaleHandleError` if a handle went
+        stale (unless ``no_scrub``), and :class:`TransferMismatchError` when ``context_tokens`` differs
+        from the ``num_tokens`` given to ``load_pages`` (invariant 2 held by the engine too; the
+        ``skip_transfer_check`` fault lifts this check).
         """
         res = self._reservations.pop(request_id)
         try:
@@ -497,6 +500,10 @@ class Engine:
                     f"reservation of {len(res.pages) * self.page_size} tokens cannot hold {context_tokens} "
                     f"context + {max_new} new tokens", request_id=request_id)
             self.pool.check(res.pages)
+            if context_tokens != res.loaded_tokens and "skip_transfer_check" not in self.faults:
+                raise TransferMismatchError(
+                    f"decode over {context_tokens} context tokens but {res.loaded_tokens} were loaded into the "
+                    f"reservation; nothing is generated", request_id=request_id)
         except BaseException:
             self.pool.free(res.pages, ignore_stale=True)
             raise

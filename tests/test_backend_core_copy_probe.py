@@ -95,7 +95,7 @@ async def _stale_scenario(eng):
 
 async def test_stale_page_leaks_another_requests_tokens_without_scrub(make_engine):
     eng = await make_engine(model="copy-probe", max_total_tokens=80, context_length=2048,
-                            faults=frozenset({"no_scrub"}))
+                            faults=frozenset({"no_scrub", "skip_transfer_check"}))
     assert eng.pool.num_pages == 5
     a_prompt, evs = await _stale_scenario(eng)
     toks = [e.token_id for e in evs]
@@ -106,7 +106,9 @@ async def test_stale_page_leaks_another_requests_tokens_without_scrub(make_engin
 
 
 async def test_stale_page_handle_is_refused_with_scrub(make_engine):
-    eng = await make_engine(model="copy-probe", max_total_tokens=80, context_length=2048)
+    # skip_transfer_check alone (scrub and generation check on) cannot leak
+    eng = await make_engine(model="copy-probe", max_total_tokens=80, context_length=2048,
+                            faults=frozenset({"skip_transfer_check"}))
     with pytest.raises(StaleHandleError):
         await _stale_scenario(eng)
     assert eng.pool_stats()["used_pages"] == 0

@@ -11,7 +11,7 @@ import torch
 from config.errors import ErrorCode
 from gpu_backend.attention import ContiguousAttention, ContiguousKVCache, SeqSpan
 from gpu_backend.engine import PLACEHOLDER_PROMPT
-from gpu_backend.errors import InvalidRequestError, PoolExhaustedError, PromptTooLongError
+from gpu_backend.errors import InvalidRequestError, PoolExhaustedError, PromptTooLongError, TransferMismatchError
 from gpu_backend.sampling import SamplingParams
 from gpu_backend.sequence import Sequence, SeqState
 
@@ -267,6 +267,13 @@ async def test_prefill_export_then_decode_reserved(make_engine):
         async for _ in dec.decode_reserved("y", prompt, 1, SamplingParams(max_new_tokens=2), 37):
             pass
     assert dec.request_state("y") is None and dec.pool_stats()["used_pages"] == 0  # freed on error
+    # decoding over more positions than were loaded is refused by the engine too (invariant 2)
+    await dec.reserve("z", 37, 4)
+    dec.load_pages("z", res.kv[:1], 16)
+    with pytest.raises(TransferMismatchError):
+        async for _ in dec.decode_reserved("z", prompt, prompt[0], SamplingParams(max_new_tokens=4), 37):
+            pass
+    assert dec.request_state("z") is None and dec.pool_stats()["used_pages"] == 0
 
 
 # ---- lifecycle and ids ---------------------------------------------------------------------------
