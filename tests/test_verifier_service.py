@@ -243,3 +243,35 @@ async def test_two_replicas_share_the_index_and_quarantine(tmp_path, redis_prefi
     finally:
         await r1.aclose()
         await r2.aclose()
+
+
+async def test_periodic_probe_quarantines_a_leaking_upstream(tmp_path):
+    """``verifier.probe_interval_seconds``: the gateway probes each upstream straight at the
+    engine; a surfaced canary is a confirmed ``probe`` incident and quarantines the upstream, and
+    the probe's canaries are registered as honeypot canaries."""
+    import asyncio
+
+    from test_verifier_leaky_engine import LeakyEngine
+
+    engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=True).start()
+    try:
+        s = Settings(state_dir=str(tmp_path), verifier=VerifierSettings(probe_interval_seconds=0.2),
+                     models=[ModelConfig(id="m", context_length=8192)],
+                     upstreams=[UpstreamConfig(name="leaky", api_url=engine.api_url, pool_source="static",
+                                               static_pool_tokens=16384, models=["m"])])
+        svc = VerifierService(s, secrets=SECRETS)
+        svc.start()
+        deadline = time.monotonic() + 30
+        while not svc.incidents.recent and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await svc.aclose()
+        inc = svc.incidents.recent[0]
+        assert (inc.detector, inc.tenant, inc.upstream, inc.confirmed) == ("probe", "kvgate-probe", "leaky", True)
+        assert inc.evidence["limit_tokens"] == 8192 and inc.evidence["surfaced_canaries"] >= 1
+        assert svc.is_quarantined("leaky", 1025)
+        # the five probe requests went straight to the engine, sized at the static limit
+        assert [r["prompt_tokens"] for r in engine.state.requests[:5]] == [4032, 8128, 8128, 8129, 8129]
+        probe_canaries = svc.canaries.store  # registered under the probe tenant
+        assert len(probe_canaries) == 3
+    finally:
+        engine.stop()
