@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -292,8 +293,9 @@ class Engine:
         queue: asyncio.Queue = asyncio.Queue()
         seq = self._admit(request_id, prompt_ids, params, _emitter(queue), pages_for_output=True)
         self.scheduler.submit("add", seq)
-        async for ev in self._drain(seq, queue):
-            yield ev
+        async with contextlib.aclosing(self._drain(seq, queue)) as events:  # closing us closes it now
+            async for ev in events:
+                yield ev
 
     async def _drain(self, seq: Sequence, queue: asyncio.Queue) -> AsyncIterator[TokenEvent]:
         done = False
@@ -533,8 +535,9 @@ class Engine:
         done = False
         try:
             yield first
-            async for ev in self._drain(seq, queue):
-                yield ev
+            async with contextlib.aclosing(self._drain(seq, queue)) as events:
+                async for ev in events:
+                    yield ev
             done = True
         finally:
             if not done:
