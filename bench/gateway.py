@@ -279,6 +279,25 @@ def _quotas_local(env: Env) -> Iterator[Target]:
         yield t
 
 
+@scenario("verify-0", "gateway + verifier on, sampling 0% (every prompt still goes into the leak index)")
+def _verify_0(env: Env) -> Iterator[Target]:
+    with gateway_target(env, name="verify-0", tenant={"verify_sample_rate": 0.0}, verifier={"enabled": True}) as t:
+        yield t
+
+
+@scenario("verify-100", "gateway + verifier on, sampling 100% (every response checked in the background)")
+def _verify_100(env: Env) -> Iterator[Target]:
+    with gateway_target(env, name="verify-100", tenant={"verify_sample_rate": 1.0}, verifier={"enabled": True}) as t:
+        yield t
+
+
+@scenario("verify-strict", "gateway + verifier on, strict tenant (checked before release)")
+def _verify_strict(env: Env) -> Iterator[Target]:
+    with gateway_target(env, name="verify-strict", tenant={"strict_verify": True},
+                        verifier={"enabled": True}) as t:
+        yield t
+
+
 # ---------------------------------------------------------------- load
 @dataclass
 class Load:
