@@ -311,7 +311,10 @@ class EmbeddedStack:
 
     def _died(self, child: Child) -> StackError:
         where = "" if self.options.echo_logs else f" (log: {child.log_path})\n{_log_tail(child.log_path)}"
-        return StackError(f"{child.name} exited with status {child.proc.returncode} during start-up{where}")
+        hint = ""
+        if child.name == "backend" and "No module named 'torch'" in where:
+            hint = "\nThe bundled backend needs PyTorch: pip install 'kvgate[backend]' (or run scripts/bootstrap.sh)."
+        return StackError(f"{child.name} exited with status {child.proc.returncode} during start-up{where}{hint}")
 
     def _poll(self, child: Child, path: str, accept: Any, what: str) -> Any:
         deadline = time.monotonic() + self.options.startup_timeout_seconds

@@ -190,3 +190,12 @@ def test_sigint_and_sigterm_interrupt_a_supervisor_even_if_sigint_was_ignored(si
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_a_backend_without_torch_gets_an_install_hint(tmp_path: Path) -> None:
+    opts = _opts(tmp_path)
+    opts.backend_cmd = [sys.executable, "-c", "raise ModuleNotFoundError(\"No module named 'torch'\")"]
+    with pytest.raises(StackError) as e:
+        EmbeddedStack(opts).start()
+    assert str(e.value).endswith("\nThe bundled backend needs PyTorch: pip install 'kvgate[backend]' "
+                                 "(or run scripts/bootstrap.sh).")
