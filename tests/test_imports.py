@@ -1,13 +1,18 @@
 """Import hygiene (DESIGN.md, Layout): dependencies point ``gateway -> verifier -> tokenizer ->
 config``; ``gpu_backend`` imports only ``config`` and ``tokenizer``; the gateway never imports
 ``gpu_backend``; importing gateway, tokenizer or verifier never imports torch; nothing imports
-``tests/`` or ``bench/``."""
+``tests/`` or ``bench/``; and what the gateway's packages import is installed by the core
+dependencies of pyproject.toml (the ``hf`` extra too for ``tokenizer``), so a gateway install
+without the ``backend`` extra runs."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata as md
 import json
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -23,21 +28,76 @@ ALLOWED = {
     "gateway": {"gateway", "verifier", "tokenizer", "config"},
     "gpu_backend": {"gpu_backend", "tokenizer", "config"},
 }
-#: third-party modules only the `backend` extra (or the dev extra) installs: never in the gateway's process
-BACKEND_ONLY = {"torch", "safetensors", "numpy", "transformers", "triton"}
+#: never in the gateway's process, whatever pyproject.toml says
+NEVER_IN_GATEWAY = {"torch", "triton", "transformers"}
 NEVER_IMPORTED = {"tests", "bench", "conftest"}
+#: extras (besides the core dependencies) a package may import from
+EXTRAS_ALLOWED = {"tokenizer": ("hf",)}
+
+
+def _dist(req: str) -> tuple[str, set[str]]:
+    m = re.match(r"\s*([A-Za-z0-9._-]+)\s*(?:\[([^\]]*)\])?", req)
+    assert m, req
+    return m.group(1).lower().replace("_", "-"), {e.strip() for e in (m.group(2) or "").split(",") if e.strip()}
+
+
+def installed_by(requirements: list[str]) -> set[str]:
+    """Distribution names (normalised) that installing ``requirements`` brings, transitively
+    (requirements behind an extra count only when that extra is asked for)."""
+    seen: set[str] = set()
+    stack = [_dist(r) for r in requirements]
+    while stack:
+        name, extras = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        for r in reqs:
+            marker = r.split(";", 1)[1] if ";" in r else ""
+            wanted = re.findall(r"extra\s*==\s*['\"]([^'\"]+)['\"]", marker)
+            if not wanted or set(wanted) & extras:
+                stack.append(_dist(r.split(";", 1)[0]))
+    return seen
+
+
+def allowed_distributions(package: str) -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    reqs = list(project["dependencies"])
+    for extra in EXTRAS_ALLOWED.get(package, ()):
+        reqs += project["optional-dependencies"][extra]
+    return installed_by(reqs)
+
+
+def _optional(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether an import sits in a ``try`` that catches ImportError (an optional dependency)."""
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.Try):
+            for h in node.handlers:
+                names = ({n.id for n in ast.walk(h.type) if isinstance(n, ast.Name)} if h.type is not None
+                         else {"ImportError"})
+                if names & {"ImportError", "ModuleNotFoundError", "Exception"}:
+                    return True
+    return False
 
 
 def modules_of(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
 
-def imported_top_levels(path: Path, package: str) -> set[tuple[str, int]]:
+def imported_top_levels(path: Path, package: str, include_optional: bool = True) -> set[tuple[str, int]]:
     """``(top-level module name, line)`` of every import in ``path`` (function-level included);
-    relative imports resolve inside ``package``."""
+    relative imports resolve inside ``package``. ``include_optional=False`` leaves out imports
+    guarded by ``try: ... except ImportError``."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     out = set()
     for node in ast.walk(tree):
+        if not include_optional and isinstance(node, (ast.Import, ast.ImportFrom)) and _optional(node, parents):
+            continue
         if isinstance(node, ast.Import):
             out |= {(a.name.split(".")[0], node.lineno) for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -53,11 +113,13 @@ def test_every_package_exists():
         assert (ROOT / package / "__init__.py").is_file(), package
 
 
-def test_dependency_direction_and_no_backend_only_imports():
+def test_dependency_direction_and_declared_dependencies():
     kvgate = set(PACKAGES)
+    dists_of = md.packages_distributions()
     violations = []
     edges: dict[str, set[str]] = {p: set() for p in PACKAGES}
     for package in PACKAGES:
+        allowed = allowed_distributions(package)
         for path in modules_of(package):
             rel = path.relative_to(ROOT)
             for name, line in imported_top_levels(path, package):
@@ -67,8 +129,17 @@ def test_dependency_direction_and_no_backend_only_imports():
                         violations.append(f"{rel}:{line}: {package} must not import {name}")
                 if name in NEVER_IMPORTED:
                     violations.append(f"{rel}:{line}: imports {name} (nothing imports tests/ or bench/)")
-                if package != "gpu_backend" and name in BACKEND_ONLY:
-                    violations.append(f"{rel}:{line}: {package} imports {name} (backend extra only)")
+                if package != "gpu_backend" and name in NEVER_IN_GATEWAY:
+                    violations.append(f"{rel}:{line}: {package} imports {name} (never in the gateway's process)")
+            if package == "gpu_backend":
+                continue  # the backend extra installs what it needs
+            for name, line in imported_top_levels(path, package, include_optional=False):
+                if name in kvgate or name in sys.stdlib_module_names or name in NEVER_IN_GATEWAY:
+                    continue
+                dists = {d.lower().replace("_", "-") for d in dists_of.get(name, [])}
+                if not dists & allowed:
+                    violations.append(f"{rel}:{line}: {package} imports {name}, which the core dependencies "
+                                      f"{'and the hf extra ' if package in EXTRAS_ALLOWED else ''}do not install")
     assert violations == []
     # the package graph is acyclic (a cycle would need an edge against the direction above)
     state: dict[str, int] = {}
@@ -90,8 +161,15 @@ def test_checker_sees_violations(tmp_path):
     """Control: the AST walk finds plain, from-, relative and function-level imports."""
     src = tmp_path / "m.py"
     src.write_text("import torch.nn\nfrom gpu_backend.engine import X\nfrom . import sibling\n"
-                   "def f():\n    import numpy as np\n", encoding="utf-8")
-    assert imported_top_levels(src, "gateway") == {("torch", 1), ("gpu_backend", 2), ("gateway", 3), ("numpy", 5)}
+                   "def f():\n    import numpy as np\n"
+                   "try:\n    import uvloop\nexcept ImportError:\n    uvloop = None\n", encoding="utf-8")
+    assert imported_top_levels(src, "gateway") == {("torch", 1), ("gpu_backend", 2), ("gateway", 3), ("numpy", 5),
+                                                   ("uvloop", 7)}
+    assert ("uvloop", 7) not in imported_top_levels(src, "gateway", include_optional=False)
+    core = allowed_distributions("gateway")
+    assert {"fastapi", "starlette", "httpx", "tiktoken", "pyyaml", "redis"} <= core  # starlette: via fastapi
+    assert not {"torch", "safetensors", "transformers", "tokenizers", "pytest"} & core
+    assert {"tokenizers", "jinja2"} <= allowed_distributions("tokenizer")
 
 
 @pytest.mark.timeout(120)
