@@ -9,7 +9,7 @@ Because every response shingle is looked up and every window of ``w`` prompt shi
 one, any run of ``w + k - 1`` (= 50) tokens of another tenant's prompt in a response is found.
 
 Stores: :class:`MemoryLeakStore` (one process) and :class:`RedisLeakStore` (shared by gateway
-replicas; one pipelined round trip per ingest or lookup). Both store only 64-bit keyed hashes
+replicas; one round trip per ingest or lookup). Both store only 64-bit keyed hashes
 and tenant ids, never text.
 """
 from __future__ import annotations
@@ -82,41 +82,54 @@ class MemoryLeakStore:
         return out
 
 
+_ADD_LUA = """
+for i, k in ipairs(KEYS) do
+  redis.call('SADD', k, ARGV[1])
+  redis.call('PEXPIRE', k, ARGV[2])
+end
+return #KEYS
+"""
+
+_OWNERS_LUA = """
+local out = {}
+for i, k in ipairs(KEYS) do out[i] = redis.call('SMEMBERS', k) end
+return out
+"""
+
+
 class RedisLeakStore:
     """Redis store shared by gateway replicas: one SET of tenant ids per fingerprint, key
     ``<prefix>fp:<16 hex digits>``, whose TTL is renewed on every add (so an entry lives
     ``ttl_seconds`` after the last time any tenant sent it; a tenant seen once in that time
-    keeps the shingle public). ``client``: a synchronous ``redis.Redis``; calls are pipelined
-    (one round trip per :meth:`add` / :meth:`owners`). Raises ``redis.RedisError`` when Redis
-    is down (the service counts it and skips the check)."""
+    keeps the shingle public). ``client``: a synchronous ``redis.Redis``. Each :meth:`add` /
+    :meth:`owners` is one round trip: a Lua script over all its keys (much cheaper in the client
+    than a pipeline of one command per key), in batches of ``batch`` keys. The keys of one call
+    span hash slots, so this needs a single Redis (or Sentinel), not Redis Cluster. Raises
+    ``redis.RedisError`` when Redis is down (the service counts it and skips the check)."""
 
-    def __init__(self, client, ttl_seconds: float, prefix: str = "kvgate:leak:") -> None:
+    def __init__(self, client, ttl_seconds: float, prefix: str = "kvgate:leak:", batch: int = 2000) -> None:
         self.client = client
         self.ttl_ms = max(1, int(ttl_seconds * 1000))
         self.prefix = prefix
+        self.batch = batch
+        self._add = client.register_script(_ADD_LUA)
+        self._owners = client.register_script(_OWNERS_LUA)
 
     def _key(self, fp: int) -> str:
         return f"{self.prefix}fp:{fp:016x}"
 
     def add(self, tenant: str, fps: Iterable[int]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        n = 0
-        for fp in fps:
-            k = self._key(fp)
-            pipe.sadd(k, tenant)
-            pipe.pexpire(k, self.ttl_ms)
-            n += 1
-        if n:
-            pipe.execute()
+        keys = [self._key(fp) for fp in fps]
+        for i in range(0, len(keys), self.batch):
+            self._add(keys=keys[i:i + self.batch], args=[tenant, self.ttl_ms])
 
     def owners(self, fps: list[int]) -> list[set[str]]:
-        if not fps:
-            return []
-        pipe = self.client.pipeline(transaction=False)
-        for fp in fps:
-            pipe.smembers(self._key(fp))
-        res = pipe.execute()
-        return [{m.decode() if isinstance(m, bytes) else m for m in r} for r in res]
+        out: list[set[str]] = []
+        keys = [self._key(fp) for fp in fps]
+        for i in range(0, len(keys), self.batch):
+            for r in self._owners(keys=keys[i:i + self.batch]):
+                out.append({m.decode() if isinstance(m, bytes) else m for m in r})
+        return out
 
 
 @dataclass
