@@ -275,3 +275,33 @@ async def test_periodic_probe_quarantines_a_leaking_upstream(tmp_path):
         assert len(probe_canaries) == 3
     finally:
         engine.stop()
+
+
+async def test_store_down_fails_open_and_counts(tmp_path):
+    """Redis unreachable: checks that need the index are skipped and counted, never a crash;
+    a strict response is released (the latency check still applies)."""
+    import socket
+
+    s_ = socket.socket()
+    s_.bind(("127.0.0.1", 0))
+    dead_port = s_.getsockname()[1]
+    s_.close()
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    dead = redis.Redis(host="127.0.0.1", port=dead_port, socket_connect_timeout=0.2, socket_timeout=0.2,
+                       retry=Retry(NoBackoff(), 0))
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS, redis_client=dead, key_prefix="dead:")
+    try:
+        svc.begin(ex(A, A_PROMPT))
+        g = svc.begin(ex(STRICT, "hello"))
+        assert g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None) is None
+        g2 = svc.begin(ex(B, "hi"))
+        g2.check_body(LEAK, usage={"prompt_tokens": 999}, finish_reason="stop", ttft_seconds=None)
+        await svc.drain()
+        # the first store call fails (A's ingest); everything after it skips the store for 5 s
+        assert (svc.stats["store_errors"], svc.stats["errors"]) == (1, 1)
+        assert svc.stats["store_skipped"] >= 2
+        assert [i.detector for i in svc.incidents.recent] == ["usage_drift"]
+    finally:
+        await svc.aclose()

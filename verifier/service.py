@@ -42,6 +42,10 @@ log = logging.getLogger("kvgate.verifier")
 MAX_CHECK_CHARS = 4 * 1024 * 1024
 
 
+class _StoreSkipped(Exception):
+    """The store is in its back-off after an error."""
+
+
 @dataclass
 class _Ingest:
     tenant: str
@@ -88,9 +92,12 @@ class VerifierService:
         key = secrets["leak_index_key"]
         if redis_client is None and settings.redis_url:
             import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
 
-            redis_client = redis.Redis.from_url(settings.redis_url, socket_timeout=1.0,
-                                                socket_connect_timeout=1.0)
+            # strict checks call the store on the request path: short timeouts, no retries
+            redis_client = redis.Redis.from_url(settings.redis_url, socket_timeout=0.25,
+                                                socket_connect_timeout=0.25, retry=Retry(NoBackoff(), 0))
         self.redis = redis_client
         if redis_client is not None:
             leak_store = RedisLeakStore(redis_client, cfg.leak_index_ttl_seconds, key_prefix + "leak:")
@@ -118,6 +125,9 @@ class VerifierService:
         self._worker: asyncio.Task | None = None
         self._prober: asyncio.Task | None = None
         self._closed = False
+        #: after a store error, skip the store until this monotonic time (a down Redis must not
+        #: cost every request a timeout)
+        self._store_down_until = 0.0
         #: counts for tests, benchmarks and the admin view
         self.stats = collections.Counter()
 
@@ -237,13 +247,14 @@ class VerifierService:
     def _run_job(self, job: _Ingest | _Check) -> None:
         try:
             if isinstance(job, _Ingest):
+                if not self._store_up():
+                    return
                 self._ingest(job)
             else:
                 self._check_whole(job)
         except Exception as e:  # a store error must not kill the worker
-            DROPPED.labels(type(e).__name__).inc()
             self.stats["errors"] += 1
-            log.warning("verifier job failed: %s", e)
+            self._store_error(e)
 
     # ------------------------------------------------------------------ detectors
     def _ingest(self, job: _Ingest) -> None:
@@ -279,6 +290,25 @@ class VerifierService:
               "source_tenants": sources[:8], "honeypot": honeypot,
               "canary_hashes": [m.fingerprint for m in (foreign + unknown)[:8]]}
         return [self._incident("canary", exchange, ev, confirmed=bool(foreign))]
+
+    #: seconds the store is skipped after an error
+    STORE_BACKOFF_SECONDS = 5.0
+
+    def _store_error(self, e: Exception) -> None:
+        """A leak-index or canary-registry call failed (Redis down): counted, logged, and the
+        store is skipped for :attr:`STORE_BACKOFF_SECONDS`."""
+        DROPPED.labels("store_error").inc()
+        self.stats["store_errors"] += 1
+        self._store_down_until = time.monotonic() + self.STORE_BACKOFF_SECONDS
+        log.warning("verifier: leak-index store error, checks skip the store for %.0f s: %s",
+                    self.STORE_BACKOFF_SECONDS, e)
+
+    def _store_up(self) -> bool:
+        if time.monotonic() < self._store_down_until:
+            DROPPED.labels("store_down").inc()
+            self.stats["store_skipped"] += 1
+            return False
+        return True
 
     def _leak_finding(self, exchange: Exchange, verdict: LeakVerdict) -> Incident | None:
         if verdict.foreign < self.cfg.leak_min_shingles:
@@ -339,11 +369,19 @@ class VerifierService:
         strict = ex.tenant.strict_verify
         CHECKS.labels(ex.upstream, "strict" if strict else "sampled").inc()
         self.stats["checked"] += 1
-        content = self._canary_findings(ex, find_canaries(job.text))
-        own = self._own_locked(ex)
-        leak = self._leak_finding(ex, self.index.check_text(ex.tenant.id, job.text, own))
-        if leak:
-            content.append(leak)
+        content: list[Incident] = []
+        try:
+            if not self._store_up():
+                raise _StoreSkipped
+            content += self._canary_findings(ex, find_canaries(job.text))
+            own = self._own_locked(ex)
+            leak = self._leak_finding(ex, self.index.check_text(ex.tenant.id, job.text, own))
+            if leak:
+                content.append(leak)
+        except _StoreSkipped:
+            pass
+        except Exception as e:  # the store is down: the other detectors still run
+            self._store_error(e)
         tail = self._tail_findings(ex, job.usage, job.finish_reason, job.ttft_seconds)
         if strict:
             content += [i for i in tail if i.detector == "latency"]
@@ -382,9 +420,18 @@ class VerifierService:
             self._drain_ingests_locked()
             if guard.own is None:
                 guard.own = self._own_locked(exchange)
-            found = self._canary_findings(exchange, canaries) if canaries else []
-            if ids:
-                guard.verdict.merge(self.index.check_ids(exchange.tenant.id, ids, guard.own, guard.seen))
+            found: list[Incident] = []
+            try:
+                if (canaries or ids) and not self._store_up():
+                    raise _StoreSkipped
+                if canaries:
+                    found += self._canary_findings(exchange, canaries)
+                if ids:
+                    guard.verdict.merge(self.index.check_ids(exchange.tenant.id, ids, guard.own, guard.seen))
+            except _StoreSkipped:
+                pass
+            except Exception as e:  # the store is down: fail open (counted), latency still applies
+                self._store_error(e)
         leak = self._leak_finding(exchange, guard.verdict)
         if leak:
             found.append(leak)
