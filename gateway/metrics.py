@@ -56,5 +56,8 @@ class GatewayMetrics:
         return update
 
     def render(self) -> bytes:
-        """The text exposition format."""
-        return generate_latest(self.registry)
+        """The text exposition format (the gateway's metrics, then the verifier's process-wide
+        counters, ``kvgate_verifier_*``)."""
+        from verifier.incidents import REGISTRY as VERIFIER_REGISTRY
+
+        return generate_latest(self.registry) + generate_latest(VERIFIER_REGISTRY)
