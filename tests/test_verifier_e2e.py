@@ -284,6 +284,11 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
     assert false_pos == []
     # a confirmed leak quarantined the upstream (threshold 100,000 here so the workload ran on)
     assert svc.quarantine.records()["leaky"].min_prompt_tokens == 100_000
+    # the gateway's /metrics carries the verifier's counters
+    metrics = httpx.get(gw.url + "/metrics").text
+    for det in ("canary", "leak_index", "latency"):
+        assert f'kvgate_verifier_incidents_total{{detector="{det}",upstream="leaky"}}' in metrics
+    assert 'kvgate_verifier_quarantines_total{upstream="leaky"}' in metrics
     # quarantine for real: lower the threshold, one more confirmed leak, long prompts are refused
     svc.cfg.quarantine_min_prompt_tokens = 1024
     assert svc.quarantine.clear("leaky")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 
 log = logging.getLogger("kvgate.verifier")
 
@@ -26,13 +26,16 @@ log = logging.getLogger("kvgate.verifier")
 #: ``usage_drift``, ``finish_abort``, ``probe`` (a canary probe surfaced a canary).
 DETECTORS = ("canary", "leak_index", "latency", "usage_drift", "finish_abort", "probe")
 
+#: the verifier's own registry; the gateway's ``/metrics`` renders it after its own
+REGISTRY = CollectorRegistry(auto_describe=True)
 INCIDENTS = Counter("kvgate_verifier_incidents_total", "Verifier incidents by detector and upstream",
-                    ["detector", "upstream"])
-CHECKS = Counter("kvgate_verifier_checks_total", "Responses checked by the verifier", ["upstream", "mode"])
+                    ["detector", "upstream"], registry=REGISTRY)
+CHECKS = Counter("kvgate_verifier_checks_total", "Responses checked by the verifier", ["upstream", "mode"],
+                 registry=REGISTRY)
 DROPPED = Counter("kvgate_verifier_dropped_total", "Verifier work dropped (queue full or store error)",
-                  ["reason"])
+                  ["reason"], registry=REGISTRY)
 QUARANTINES = Counter("kvgate_verifier_quarantines_total", "Upstreams quarantined after a confirmed leak",
-                      ["upstream"])
+                      ["upstream"], registry=REGISTRY)
 
 _ALLOWED_EVIDENCE = (int, float, bool, type(None))
 
