@@ -225,8 +225,10 @@ class EmbeddedStack:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def reload_tenants(self) -> None:
-        """Ask the gateway to re-read its tenants file (SIGHUP, as ``kvgate serve`` handles it)."""
-        assert self.gateway is not None and self.gateway.alive(), "gateway not running"
+        """Ask the gateway to re-read its tenants file (SIGHUP, as ``kvgate serve`` handles it).
+        Raises :class:`StackError` when the gateway is not running."""
+        if self.gateway is None or not self.gateway.alive():
+            raise StackError("the gateway is not running")
         os.kill(self.gateway.proc.pid, signal.SIGHUP)
 
     def check_alive(self) -> None:
