@@ -40,11 +40,11 @@ def load_backend_settings(path: str | None) -> BackendSettings:
     return load_settings(path).backend
 
 
-def _pool_arg(value: str) -> int | None:
+def _pool_arg(value: str) -> int:
     n = int(value)
     if n < 0:
         raise argparse.ArgumentTypeError("must be >= 0 (0: derive the pool from memory)")
-    return n or None
+    return n
 
 
 def build_parser(d: BackendSettings) -> argparse.ArgumentParser:
@@ -103,14 +103,13 @@ class Options:
         return t if t else 2 * self.ns.pool_wait_timeout_seconds + self.ns.transfer_timeout_seconds + 30.0
 
     def pool_tokens(self, side: str) -> int | None:
-        """The pool cap of ``side`` (``prefill``/``decode``) for this role."""
-        if self.ns.role == side:
-            if self.ns.max_total_tokens is not None:
-                return self.ns.max_total_tokens
-            return self.ns.prefill_max_total_tokens if side == "prefill" else self.ns.decode_max_total_tokens
-        if side == "prefill" and self.ns.max_total_tokens is not None:
-            return self.ns.max_total_tokens
-        return self.ns.prefill_max_total_tokens if side == "prefill" else self.ns.decode_max_total_tokens
+        """The pool cap of ``side`` (``prefill``/``decode``) for this role: ``--max-total-tokens``
+        when given (role ``all``: for the prefill pool), else the side's own default; ``0`` and
+        ``None`` mean "size the pool from memory" (SGLang's rule)."""
+        own = self.ns.prefill_max_total_tokens if side == "prefill" else self.ns.decode_max_total_tokens
+        if self.ns.max_total_tokens is not None and (self.ns.role == side or side == "prefill"):
+            own = self.ns.max_total_tokens
+        return own or None
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
@@ -264,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_backend: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per internal call otherwise
     try:
         app = build_app(opts)
     except (ValueError, FileNotFoundError) as e:

@@ -364,7 +364,7 @@ class Router:
                 raise
             err = as_openai_error(e)
             if err.status >= 500:
-                log.warning("request %s failed: %s (%r)", request_id, err.message, e)
+                log.warning("request %s failed: %s (%r)", request_id, err.message, e, exc_info=e)
             raise err from e
         stream.outcome = outcome
         stream._first = None

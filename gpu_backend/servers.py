@@ -29,10 +29,12 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from config.errors import ErrorCode, OpenAIError
 from gpu_backend import openai_api as api
+from gpu_backend.errors import EngineError
 from gpu_backend.router import Router, RouterStream, as_openai_error
 from tokenizer import TiktokenCounter
 
@@ -64,6 +66,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError) -> Response:
         return error_response(exc)
+
+    @app.exception_handler(ClientDisconnected)
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: Exception) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError) -> Response:
+        return error_response(exc.to_openai())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -115,9 +126,13 @@ async def until_disconnect(request: Request) -> None:
             return
 
 
+class ClientDisconnected(Exception):
+    """The client went away before the answer; the work was cancelled (answered 499, unread)."""
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Run ``work``; if the client disconnects first, cancel it (its cleanup frees the pages) and
-    raise ``asyncio.CancelledError``. vLLM's ``with_cancellation`` does the same."""
+    raise :class:`ClientDisconnected`. vLLM's ``with_cancellation`` does the same."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(until_disconnect(request))
     try:
@@ -128,7 +143,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        raise asyncio.CancelledError("client disconnected")
+        raise ClientDisconnected()
     return task.result()
 
 
