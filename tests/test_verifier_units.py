@@ -251,6 +251,24 @@ def test_latency_buckets_and_bound():
     assert m.bound("u", 3000, "stream") is None and m.observe("u", 3000, 0.001, "stream").anomaly is False
 
 
+def test_latency_floor_takes_the_fixed_overhead_out_of_the_margin():
+    m = LatencyModel(quantile=0.001, margin=0.5, min_samples=10, min_prompt_tokens=512)
+    for i in range(10):
+        m.observe("u", 100, 0.050 + i * 0.001, "stream")   # bucket 6: the fixed cost, 50 ms
+        m.observe("u", 3000, 0.200 + i * 0.001, "stream")  # bucket 11: 200 ms
+    # floor 50 ms + 0.5 x (200 - 50) = 125 ms (DDSketch: within 1%)
+    assert m.bound("u", 3000, "stream") == pytest.approx(0.125, rel=0.01)
+    assert m.bound("u", 6000, "stream") == pytest.approx(0.125, rel=0.01)
+    assert m.observe("u", 6000, 0.110, "stream").anomaly       # overhead + a placeholder prefill
+    assert not m.observe("u", 3000, 0.150, "stream").anomaly
+    # the floor is capped at 0.8 x the top level: 0.8 x 200 + 0.5 x 40 = 180 ms
+    m2 = LatencyModel(quantile=0.001, margin=0.5, min_samples=10, min_prompt_tokens=512)
+    for i in range(10):
+        m2.observe("u", 100, 0.190, "stream")
+        m2.observe("u", 3000, 0.200, "stream")
+    assert m2.bound("u", 3000, "stream") == pytest.approx(0.180, rel=0.01)
+
+
 # ------------------------------------------------------------------ incidents, quarantine
 def test_incident_records(tmp_path):
     sink = IncidentSink(tmp_path / "inc.jsonl")

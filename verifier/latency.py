@@ -53,17 +53,29 @@ class LatencyModel:
         self._sketches: dict[tuple[str, str, int], DDSketch] = {}
 
     def bound(self, upstream: str, prompt_tokens: int, kind: str = "whole") -> float | None:
-        """The lower bound (seconds) for a prompt of this length, or ``None`` when uncalibrated."""
-        best: float | None = None
-        for b in range(bucket_of(prompt_tokens), -1, -1):
+        """The lower bound (seconds) for a prompt of this length, or ``None`` when uncalibrated.
+
+        ``L(b)`` = the ``quantile`` of calibrated bucket ``b``; ``top`` = the largest ``L`` of the
+        prompt's bucket and every shorter one; ``floor`` = the smallest ``L`` of the calibrated
+        buckets shorter than ``top``'s (the fixed cost every request pays: network, queueing,
+        first decode step), capped at ``0.8 x top``, else 0. The bound is
+        ``floor + margin x (top - floor)``: the margin applies to the length-dependent part, so a
+        fixed overhead (large in streamed TTFTs) cannot hide a prefill that did not happen.
+        """
+        levels: list[tuple[int, float]] = []
+        for b in range(bucket_of(prompt_tokens) + 1):
             s = self._sketches.get((upstream, kind, b))
             if s is None or s.count < self.min_samples:
                 continue
             q = s.get_quantile_value(self.quantile)
             if q is not None:
-                v = q * self.margin
-                best = v if best is None else max(best, v)
-        return best
+                levels.append((b, q))
+        if not levels:
+            return None
+        top_b, top = max(levels, key=lambda x: (x[1], x[0]))
+        shorter = [q for b, q in levels if b < top_b]
+        floor = min(min(shorter), 0.8 * top) if shorter else 0.0
+        return floor + self.margin * (top - floor)
 
     def record(self, upstream: str, prompt_tokens: int, ttft_seconds: float, kind: str = "whole") -> None:
         """Add a sample that was not an anomaly (anomalies are kept out of calibration)."""
