@@ -91,10 +91,16 @@ class Gateway:
         return s
 
     async def start(self) -> None:
-        """Poll every live pool once (so a healthy gateway is ready at once), then start the watchers."""
+        """Poll every live pool once (so a healthy gateway is ready at once), then start the watchers
+        and a stage's background tasks (``start()``, when it has one: the verifier's worker and
+        periodic probe)."""
         await asyncio.gather(*(u.watcher.poll_once() for u in self.upstreams.all), return_exceptions=True)
         for u in self.upstreams.all:
             u.watcher.start()
+        for stage in (self.quotas, self.verifier):
+            start = getattr(stage, "start", None)
+            if callable(start) and not asyncio.iscoroutinefunction(start):
+                start()
 
     async def stop(self) -> None:
         """Stop watchers, close the stages and the HTTP client."""
