@@ -437,3 +437,27 @@ def test_no_false_positives_with_faults_off(tmp_path):
     finally:
         gw.stop()
         engine.stop()
+
+
+@pytest.mark.timeout(60)
+def test_gateway_runs_the_periodic_probe_without_traffic(tmp_path):
+    """``verifier.probe_interval_seconds``: the gateway starts the probe with the app; with no
+    client request at all, the leaking upstream is found and quarantined."""
+    engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=True).start()
+    s = gw_settings(tmp_path, engine, static_pool=16384)
+    s.verifier.probe_interval_seconds = 0.3
+    s.verifier.quarantine_min_prompt_tokens = 1024
+    svc = VerifierService(s, secrets=SECRETS)
+    gw = ServerThread(create_app(s, TenantRegistry(tenants()), verifier=svc, secrets=SECRETS)).start()
+    try:
+        deadline = time.monotonic() + 30
+        while not svc.quarantine.records() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (inc,) = [i for i in svc.incidents.recent if i.detector == "probe"][:1]
+        assert (inc.upstream, inc.confirmed, inc.tenant) == ("leaky", True, "kvgate-probe")
+        with httpx.Client(timeout=30) as client:
+            got = _send(client, gw.url, "t0", TEXTS[0][:8000], 16, False, "after-probe")
+        assert got["status"] == 503 and got["error"]["code"] == "upstream_unavailable"
+    finally:
+        gw.stop()
+        engine.stop()
