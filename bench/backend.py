@@ -158,11 +158,137 @@ def scenario_core_engine(s: Setup, device: torch.device) -> list[Row]:
     return [Row("core: Engine.generate (paged)", str(device), asyncio.run(run()))]
 
 
+# ---- disaggregated runs (issue 4): the same batch through the router's HTTP API -----------------
+_BACKENDS: dict[tuple[str, str], "_Backend"] = {}
+
+
+class _Backend:
+    """``python -m gpu_backend`` processes on free loopback ports (``all``: one process; ``three``:
+    decode, prefill, router), started once per run and stopped at exit."""
+
+    def __init__(self, kind: str, s: Setup, device: torch.device) -> None:
+        import atexit
+        import socket
+        import subprocess
+
+        def port() -> int:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                return sock.getsockname()[1]
+
+        root = os.path.dirname(_HERE)
+        env = {**os.environ, "PYTHONPATH": root}
+        env.pop("KVGATE_FAULTS", None)
+        prefill_pool = s.batch * (s.prompt_tokens + s.page_size)
+        decode_pool = s.batch * (s.prompt_tokens + s.decode_tokens + 2 * s.page_size)
+        common = ["--model", s.model, "--device", str(device), "--context-length", str(s.context_length),
+                  "--page-size", str(s.page_size), "--log-level", "error"]
+        self.procs: list[subprocess.Popen] = []
+
+        def spawn(*args: str) -> None:
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "gpu_backend", *args, *common], cwd=root,
+                                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+        if kind == "all":
+            p = port()
+            spawn("--role", "all", "--port", str(p), "--prefill-max-total-tokens", str(prefill_pool),
+                  "--decode-max-total-tokens", str(decode_pool))
+            self.urls = [f"http://127.0.0.1:{p}"]
+        else:
+            pp, dp, rp = port(), port(), port()
+            spawn("--role", "decode", "--port", str(dp), "--max-total-tokens", str(decode_pool))
+            spawn("--role", "prefill", "--port", str(pp), "--max-total-tokens", str(prefill_pool),
+                  "--decode-url", f"http://127.0.0.1:{dp}")
+            spawn("--role", "router", "--port", str(rp), "--prefill-url", f"http://127.0.0.1:{pp}",
+                  "--decode-url", f"http://127.0.0.1:{dp}")
+            self.urls = [f"http://127.0.0.1:{x}" for x in (rp, pp, dp)]
+        self.url = self.urls[0]
+        atexit.register(self.stop)
+        self._wait()
+
+    def _wait(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + 120
+        for u in self.urls:
+            while True:
+                if any(p.poll() is not None for p in self.procs):
+                    raise RuntimeError("a backend process exited at start-up")
+                try:
+                    if httpx.get(u + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{u} never became healthy")
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except Exception:  # noqa: BLE001
+                p.kill()
+
+
+def _disagg(kind: str, label: str, s: Setup, device: torch.device) -> list[Row]:
+    """The whole batch at once through ``/generate`` (streamed, greedy, ``ignore_eos``): prefill
+    tok/s up to the last request's first token, decode tok/s after it, s/request (arrival to last
+    token, all requests concurrent), and total tokens/s."""
+    import httpx
+    import orjson
+
+    key = (kind, str(device))
+    if key not in _BACKENDS:
+        _BACKENDS[key] = _Backend(kind, s, device)
+    url = _BACKENDS[key].url
+
+    async def run() -> dict[str, float]:
+        firsts: list[float] = []
+        async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+            async def one(prompt: list[int], n: int) -> None:
+                body = {"input_ids": prompt, "stream": True,
+                        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+                async with c.stream("POST", "/generate", content=orjson.dumps(body)) as r:
+                    r.raise_for_status()
+                    seen = False
+                    async for chunk in r.aiter_bytes():
+                        if not seen and chunk:
+                            seen = True
+                            firsts.append(time.perf_counter())
+            await asyncio.gather(*(one(p, 3) for p in _prompts(s)[:2]))  # warm-up
+            firsts.clear()
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(p, s.decode_tokens + 1) for p in _prompts(s)))
+            t1 = time.perf_counter()
+        t_first = max(firsts)
+        return {"prefill tok/s": s.batch * s.prompt_tokens / (t_first - t0),
+                "decode tok/s": s.batch * s.decode_tokens / (t1 - t_first), "s/request": t1 - t0,
+                "tokens/s": s.batch * (s.prompt_tokens + s.decode_tokens + 1) / (t1 - t0)}
+
+    return [Row(label, str(device), asyncio.run(run()))]
+
+
+def scenario_disagg_all(s: Setup, device: torch.device) -> list[Row]:
+    """``--role all``: prefill and decode engines in one process, in-process transfer, HTTP API."""
+    return _disagg("all", "disagg: --role all (1 process)", s, device)
+
+
+def scenario_disagg_three(s: Setup, device: torch.device) -> list[Row]:
+    """Three processes: router, prefill node, decode node; KV over HTTP (safetensors + manifest)."""
+    return _disagg("three", "disagg: router + prefill + decode (3 processes)", s, device)
+
+
 #: (function, is_baseline). Disaggregated scenarios are appended after these.
 SCENARIOS: list[tuple[Callable[[Setup, torch.device], list[Row]], bool]] = [
     (scenario_core_contiguous, True),
     (scenario_core_paged, False),
     (scenario_core_engine, False),
+    (scenario_disagg_all, False),
+    (scenario_disagg_three, False),
 ]
 
 
