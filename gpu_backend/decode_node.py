@@ -163,7 +163,8 @@ class DecodeNode:
         attend over. Waits up to ``transfer_timeout_seconds`` for the reservation.
 
         ``verified``: the payload's checksums were already checked (HTTP path); otherwise they are
-        checked here. Raises :class:`RoomGoneError` (410), :class:`DuplicateTransferError` (409),
+        checked here. Idempotent: the same manifest again gets the first call's answer. Raises
+        :class:`RoomGoneError` (410), :class:`DuplicateTransferError` (409, a different transfer),
         :class:`TransferMismatchError` (500; the room fails and its pages are freed),
         :class:`TransferTimeoutError` (504), ``TransferFormatError`` (400).
         """
@@ -175,8 +176,15 @@ class DecodeNode:
             self.counters["transfers_refused"] += 1
             raise RoomGoneError(str(e)) from None
         if r.manifest is not None:
+            if r.manifest == manifest:  # the same transfer again (prefill retrying a lost connection)
+                try:
+                    if await r.wait_for(r.loaded, self.reservation_wait):
+                        return r.context_tokens
+                except asyncio.TimeoutError:
+                    pass
+                raise RoomGoneError(f"bootstrap room {manifest.room} is closed ({r.close_reason})")
             self.counters["transfers_refused"] += 1
-            raise DuplicateTransferError(f"room {manifest.room} already received a transfer")
+            raise DuplicateTransferError(f"room {manifest.room} already received a different transfer")
         r.manifest = manifest
         try:
             reserved = await r.wait_for(r.reserved, self.reservation_wait)

@@ -18,7 +18,7 @@ import torch
 
 from gpu_backend.engine import Engine
 from gpu_backend.errors import PromptTooLongError, RequestAbortedError
-from gpu_backend.router import remote_error
+from gpu_backend.router import post_retrying, remote_error
 from gpu_backend.transfer import CONTENT_TYPE, Manifest, build_manifest, encode_transfer
 
 log = logging.getLogger("gpu_backend.prefill")
@@ -46,7 +46,8 @@ class LocalSink:
 
 class HttpSink:
     """Transfer over HTTP: ``POST {decode_url}/disagg/transfer`` with the safetensors payload of
-    :func:`gpu_backend.transfer.encode_transfer` (content type :data:`CONTENT_TYPE`)."""
+    :func:`gpu_backend.transfer.encode_transfer` (content type :data:`CONTENT_TYPE`); sent once more
+    after a lost connection (the decode node accepts the same manifest twice idempotently)."""
 
     def __init__(self, decode_url: str, client: httpx.AsyncClient, timeout_seconds: float) -> None:
         self.url = decode_url.rstrip("/") + "/disagg/transfer"
@@ -56,8 +57,8 @@ class HttpSink:
     async def send(self, manifest: Manifest, kv: torch.Tensor) -> None:
         big = kv.numel() * kv.element_size() > _OFFLOAD_BYTES
         payload = await asyncio.to_thread(encode_transfer, manifest, kv) if big else encode_transfer(manifest, kv)
-        r = await self.client.post(self.url, content=payload, headers={"content-type": CONTENT_TYPE},
-                                   timeout=self.timeout)
+        r = await post_retrying(self.client, self.url, content=payload, headers={"content-type": CONTENT_TYPE},
+                                timeout=self.timeout)
         if r.status_code != 200:
             try:
                 body = r.json()
@@ -81,6 +82,7 @@ class PrefillNode:
         self.transfer_timeout = transfer_timeout_seconds
         self._live: dict[str, str] = {}
         self._aborted: dict[str, float] = {}
+        self._by_room: dict[int, tuple[float, asyncio.Future]] = {}
         self.counters = {"prefilled": 0, "rejected": 0, "placeholders": 0, "aborted": 0}
 
     def server_info(self) -> dict[str, Any]:
@@ -100,7 +102,22 @@ class PrefillNode:
         """Admit + prefill + send. Returns ``{num_tokens, first_token_id, prefill_seconds,
         placeholder, original_prompt_tokens}``. Raises :class:`PromptTooLongError` (400,
         ``param`` as given: ``prompt`` or ``messages``), :class:`PoolExhaustedError` (503),
-        :class:`RequestAbortedError` (499), or the decode node's refusal."""
+        :class:`RequestAbortedError` (499), or the decode node's refusal.
+
+        Idempotent per room: a repeated call for a room (the router retrying after a lost
+        connection) gets the first call's outcome; the work runs once. Cancelling the caller does
+        not cancel the work (the router aborts explicitly; pages are freed either way)."""
+        now = time.monotonic()
+        for k in [k for k, (t, f) in self._by_room.items() if f.done() and now - t > 120]:
+            del self._by_room[k]
+        entry = self._by_room.get(room)
+        if entry is None:
+            fut = asyncio.ensure_future(self._prefill(room, request_id, prompt_ids, param))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            entry = self._by_room[room] = (now, fut)
+        return await asyncio.shield(entry[1])
+
+    async def _prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> dict[str, Any]:
         if self._was_aborted(request_id):
             raise RequestAbortedError(f"request {request_id} was aborted")
         rid = f"{request_id}@{room:016x}"

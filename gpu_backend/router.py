@@ -144,7 +144,7 @@ class HttpPrefillClient:
         self.timeout = timeout_seconds
 
     async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
-        r = await self.client.post(f"{self.base_url}/disagg/prefill", timeout=self.timeout,
+        r = await post_retrying(self.client, f"{self.base_url}/disagg/prefill", timeout=self.timeout,
                                    content=orjson.dumps({"room": room, "request_id": request_id,
                                                          "prompt_ids": prompt_ids, "param": param}),
                                    headers={"content-type": "application/json"})
@@ -154,7 +154,7 @@ class HttpPrefillClient:
         return PrefillOutcome(**body)
 
     async def abort(self, request_id: str) -> None:
-        await self.client.post(f"{self.base_url}/disagg/abort", json={"request_id": request_id}, timeout=10.0)
+        await post_retrying(self.client, f"{self.base_url}/disagg/abort", json={"request_id": request_id}, timeout=10.0)
 
 
 class HttpDecodeClient:
@@ -187,7 +187,22 @@ class HttpDecodeClient:
                           code=ErrorCode.UPSTREAM_UNAVAILABLE)
 
     async def release(self, room: int) -> None:
-        await self.client.post(f"{self.base_url}/disagg/release", json={"room": room}, timeout=10.0)
+        await post_retrying(self.client, f"{self.base_url}/disagg/release", json={"room": room}, timeout=10.0)
+
+
+#: Transport failures after which an idempotent internal call is sent once more.
+RETRYABLE = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectError)
+
+
+async def post_retrying(client: httpx.AsyncClient, url: str, **kw: Any) -> httpx.Response:
+    """POST an idempotent internal call; on a lost connection (:data:`RETRYABLE`) send it once more
+    on a fresh connection. Only for calls the nodes make idempotent (prefill per room, release,
+    abort)."""
+    try:
+        return await client.post(url, **kw)
+    except RETRYABLE as e:
+        log.info("retrying %s after %r", url, e)
+        return await client.post(url, **kw)
 
 
 def _json_or_none(raw: bytes) -> Any:

@@ -292,3 +292,33 @@ async def test_prefill_abort_before_arrival_is_refused(stack):
     assert e.value.status == 499 and e.value.code == "aborted"
     await stack.router.drain()
     await wait_idle(stack.pe, stack.de)
+
+
+async def test_the_same_transfer_twice_is_idempotent_a_different_one_is_refused(stack):
+    from gpu_backend.decode_node import DuplicateTransferError
+
+    room = new_room()
+    gen = stack.dnode.generate(room, "r", prompt(20, 5000), greedy(3))
+    first = asyncio.ensure_future(gen.__anext__())
+    await wait_state(stack.dnode, room, RoomState.RESERVED)
+    manifest, kv = await _export(stack, 20, room)
+    assert await stack.dnode.accept_transfer(manifest, kv) == 20
+    assert await stack.dnode.accept_transfer(manifest, kv) == 20  # a retry after a lost connection
+    other, kv2 = await _export(stack, 20, room)
+    other.first_token_id += 1
+    with pytest.raises(DuplicateTransferError):
+        await stack.dnode.accept_transfer(other, kv2)
+    toks = [await first] + [t async for t in gen]
+    assert [t.token_id for t in toks] == prompt(20, 5000)[:3]
+    assert stack.dnode.counters["transfers_accepted"] == 1
+    await wait_idle(stack.pe, stack.de)
+
+
+async def test_prefill_is_idempotent_per_room(stack):
+    room = new_room()
+    gen = stack.dnode.generate(room, "r", prompt(20), greedy(2))
+    first = asyncio.ensure_future(gen.__anext__())
+    a, b = await asyncio.gather(stack.pnode.prefill(room, "r", prompt(20)), stack.pnode.prefill(room, "r", prompt(20)))
+    assert a == b and stack.pnode.counters["prefilled"] == 1 and stack.pe.stats["prefill_tokens"] == 20
+    assert [t.token_id for t in [await first] + [t async for t in gen]] == prompt(20)[:2]
+    await wait_idle(stack.pe, stack.de)
