@@ -82,30 +82,33 @@ class MemoryLeakStore:
         return out
 
 
+#: the value a fingerprint key takes once two tenants sent it (tenant ids never contain "*")
+PUBLIC = "*"
+
 _ADD_LUA = """
+local t, ttl = ARGV[1], ARGV[2]
 for i, k in ipairs(KEYS) do
-  redis.call('SADD', k, ARGV[1])
-  redis.call('PEXPIRE', k, ARGV[2])
+  local v = redis.call('GET', k)
+  if (not v) or v == t then
+    redis.call('SET', k, t, 'PX', ttl)
+  else
+    redis.call('SET', k, '*', 'PX', ttl)
+  end
 end
 return #KEYS
 """
 
-_OWNERS_LUA = """
-local out = {}
-for i, k in ipairs(KEYS) do out[i] = redis.call('SMEMBERS', k) end
-return out
-"""
-
 
 class RedisLeakStore:
-    """Redis store shared by gateway replicas: one SET of tenant ids per fingerprint, key
-    ``<prefix>fp:<16 hex digits>``, whose TTL is renewed on every add (so an entry lives
-    ``ttl_seconds`` after the last time any tenant sent it; a tenant seen once in that time
-    keeps the shingle public). ``client``: a synchronous ``redis.Redis``. Each :meth:`add` /
-    :meth:`owners` is one round trip: a Lua script over all its keys (much cheaper in the client
-    than a pipeline of one command per key), in batches of ``batch`` keys. The keys of one call
-    span hash slots, so this needs a single Redis (or Sentinel), not Redis Cluster. Raises
-    ``redis.RedisError`` when Redis is down (the service counts it and skips the check)."""
+    """Redis store shared by gateway replicas: one string key per fingerprint,
+    ``<prefix>fp:<16 hex digits>``, holding the one tenant that sent it, or ``*`` once a second
+    tenant did (public); its TTL is renewed on every add, so an entry lives ``ttl_seconds``
+    after the last time any tenant sent it. About 100 bytes of Redis memory per stored
+    fingerprint (~5.6 per 100 prompt tokens: size ``leak_index_ttl_seconds`` to the prompt
+    volume). ``client``: a synchronous ``redis.Redis``. :meth:`add` is one Lua call and
+    :meth:`owners` one ``MGET`` per ``batch`` keys. The keys of one call span hash slots, so this
+    needs a single Redis (or Sentinel), not Redis Cluster. Raises ``redis.RedisError`` when
+    Redis is down (the service counts it and skips the check)."""
 
     def __init__(self, client, ttl_seconds: float, prefix: str = "kvgate:leak:", batch: int = 2000) -> None:
         self.client = client
@@ -113,22 +116,29 @@ class RedisLeakStore:
         self.prefix = prefix
         self.batch = batch
         self._add = client.register_script(_ADD_LUA)
-        self._owners = client.register_script(_OWNERS_LUA)
 
     def _key(self, fp: int) -> str:
         return f"{self.prefix}fp:{fp:016x}"
 
     def add(self, tenant: str, fps: Iterable[int]) -> None:
+        if tenant == PUBLIC:
+            raise ValueError("'*' is not a tenant id")
         keys = [self._key(fp) for fp in fps]
         for i in range(0, len(keys), self.batch):
             self._add(keys=keys[i:i + self.batch], args=[tenant, self.ttl_ms])
 
     def owners(self, fps: list[int]) -> list[set[str]]:
+        """Owners per fingerprint: ``{tenant}``, an empty set, or (public) two placeholder
+        owners ``{"*", "**"}`` (callers only count them)."""
         out: list[set[str]] = []
         keys = [self._key(fp) for fp in fps]
         for i in range(0, len(keys), self.batch):
-            for r in self._owners(keys=keys[i:i + self.batch]):
-                out.append({m.decode() if isinstance(m, bytes) else m for m in r})
+            for v in self.client.mget(keys[i:i + self.batch]):
+                if v is None:
+                    out.append(set())
+                else:
+                    v = v.decode() if isinstance(v, bytes) else v
+                    out.append({PUBLIC, PUBLIC * 2} if v == PUBLIC else {v})
         return out
 
 
