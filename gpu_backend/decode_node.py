@@ -16,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any, AsyncIterator
 
+import orjson
 import torch
 
 from config.errors import ErrorCode
@@ -237,3 +239,104 @@ class DecodeNode:
         if r.request_id is not None:
             self.engine.release(r.request_id)
         return True
+
+
+def event_line(ev: TokenEvent) -> bytes:
+    """One NDJSON line of the decode stream for a token event."""
+    return orjson.dumps({"token_id": ev.token_id, "text": ev.text, "finished": ev.finished,
+                         "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
+                         "completion_tokens": ev.completion_tokens}) + b"\n"
+
+
+def error_line(exc: BaseException) -> bytes:
+    """The in-band error line of the decode stream: the OpenAI body plus ``status``."""
+    from gpu_backend.router import as_openai_error
+
+    err = as_openai_error(exc)
+    return orjson.dumps({**err.body(), "status": err.status}) + b"\n"
+
+
+class DecodeStream:
+    """One room's generation, decoupled from the HTTP response that carries it (decode node over
+    HTTP). A pump task runs :meth:`DecodeNode.generate` and records NDJSON lines; any number of
+    followers read them from an index. So a router whose connection was lost re-attaches with the
+    count of lines it already has and loses nothing. With no follower for ``grace_seconds`` the
+    pump is cancelled, which releases the room (the router normally releases it at once)."""
+
+    def __init__(self, node: "DecodeNode", room: int, request_id: str, prompt_ids: list[int],
+                 params: dict[str, Any], grace_seconds: float) -> None:
+        self.room = room
+        self.lines: list[bytes] = []
+        self.done = False
+        self.finished_at: float | None = None
+        self.followers = 0
+        self.grace = grace_seconds
+        self._changed = asyncio.Event()
+        self._gen = node.generate(room, request_id, prompt_ids, params)
+        self.task = asyncio.ensure_future(self._pump())
+        # a follower that never starts reading does not count: check once the grace period is over
+        asyncio.get_running_loop().call_later(self.grace, self._orphan_check)
+
+    async def _pump(self) -> None:
+        try:
+            async with contextlib.aclosing(self._gen) as evs:
+                async for ev in evs:
+                    self._add(event_line(ev))
+        except asyncio.CancelledError:
+            self._add(error_line(RequestAbortedError(f"room {self.room}: no reader left")))
+        except Exception as e:  # noqa: BLE001 - reported in band
+            self._add(error_line(e))
+        finally:
+            self.done = True
+            self.finished_at = time.monotonic()
+            self._changed.set()
+
+    def _add(self, line: bytes) -> None:
+        self.lines.append(line)
+        self._changed.set()
+
+    async def follow(self, start: int) -> AsyncIterator[bytes]:
+        """Lines from index ``start`` on, until the stream ends."""
+        self.followers += 1
+        i = start
+        try:
+            while True:
+                while i < len(self.lines):
+                    yield self.lines[i]
+                    i += 1
+                if self.done:
+                    return
+                self._changed.clear()
+                if i < len(self.lines) or self.done:
+                    continue
+                await self._changed.wait()
+        finally:
+            self.followers -= 1
+            if self.followers == 0 and not self.done:
+                asyncio.get_running_loop().call_later(self.grace, self._orphan_check)
+
+    def _orphan_check(self) -> None:
+        if self.followers == 0 and not self.done:
+            self.task.cancel()
+
+
+class DecodeStreams:
+    """The decode node's :class:`DecodeStream` s by room: ``open`` starts one or re-attaches to the
+    live one (idempotent per room); finished streams are kept ``keep_seconds`` for late re-attach."""
+
+    def __init__(self, node: "DecodeNode", grace_seconds: float = 5.0, keep_seconds: float = 30.0) -> None:
+        self.node = node
+        self.grace = grace_seconds
+        self.keep = keep_seconds
+        self._streams: dict[int, DecodeStream] = {}
+
+    def open(self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any],
+             start: int = 0) -> AsyncIterator[bytes]:
+        """Follow room ``room`` from line ``start``, starting its generation if it is new."""
+        now = time.monotonic()
+        for k in [k for k, s in self._streams.items() if s.done and now - (s.finished_at or now) > self.keep]:
+            del self._streams[k]
+        s = self._streams.get(room)
+        if s is None:
+            s = self._streams[room] = DecodeStream(self.node, room, request_id, prompt_ids, params, self.grace)
+        return s.follow(start)

@@ -159,7 +159,8 @@ class HttpPrefillClient:
 
 class HttpDecodeClient:
     """Decode node over HTTP: ``POST /disagg/generate`` (NDJSON stream of tokens, an in-band
-    ``{"error": ..., "status": n}`` line on failure) and ``POST /disagg/release``."""
+    ``{"error": ..., "status": n}`` line on failure; after a lost connection the same call with
+    ``from`` = lines received re-attaches to the room's stream) and ``POST /disagg/release``."""
 
     def __init__(self, base_url: str, client: httpx.AsyncClient, timeout_seconds: float) -> None:
         self.base_url = base_url.rstrip("/")
@@ -168,23 +169,35 @@ class HttpDecodeClient:
 
     async def generate(self, room: int, request_id: str, prompt_ids: list[int],
                        params: dict[str, Any]) -> AsyncIterator[Token]:
-        payload = orjson.dumps({"room": room, "request_id": request_id, "prompt_ids": prompt_ids, "params": params})
-        async with self.client.stream("POST", f"{self.base_url}/disagg/generate", content=payload,
-                                      headers={"content-type": "application/json"}, timeout=self.timeout) as r:
-            if r.status_code != 200:
-                raise remote_error(r.status_code, _json_or_none(await r.aread()))
-            async for line in r.aiter_lines():
-                if not line:
-                    continue
-                obj = orjson.loads(line)
-                if "error" in obj:
-                    raise remote_error(int(obj.get("status", 500)), obj)
-                tok = Token(**obj)
-                yield tok
-                if tok.finished:
-                    return
-        raise OpenAIError(status=502, message="Decode node closed the stream early.",
-                          code=ErrorCode.UPSTREAM_UNAVAILABLE)
+        received, lost = 0, 0
+        while True:
+            payload = orjson.dumps({"room": room, "request_id": request_id, "prompt_ids": prompt_ids,
+                                    "params": params, "from": received})
+            try:
+                async with self.client.stream("POST", f"{self.base_url}/disagg/generate", content=payload,
+                                              headers={"content-type": "application/json"},
+                                              timeout=self.timeout) as r:
+                    if r.status_code != 200:
+                        raise remote_error(r.status_code, _json_or_none(await r.aread()))
+                    async for line in r.aiter_lines():
+                        if not line:
+                            continue
+                        obj = orjson.loads(line)
+                        if "error" in obj:
+                            raise remote_error(int(obj.get("status", 500)), obj)
+                        tok = Token(**obj)
+                        received += 1
+                        yield tok
+                        if tok.finished:
+                            return
+            except RETRYABLE as e:  # lost connection: re-attach to the room's stream where we were
+                lost += 1
+                if lost > 2:
+                    raise
+                log.info("decode stream of room %d lost (%r); re-attaching at line %d", room, e, received)
+                continue
+            raise OpenAIError(status=502, message="Decode node closed the stream early.",
+                              code=ErrorCode.UPSTREAM_UNAVAILABLE)
 
     async def release(self, room: int) -> None:
         await post_retrying(self.client, f"{self.base_url}/disagg/release", json={"room": room}, timeout=10.0)

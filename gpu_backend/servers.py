@@ -373,28 +373,20 @@ def build_decode_app(node: Any, *, debug_pools: Callable[[], dict[str, Any]] | N
 
     add_common_routes(app, info, debug_pools)
 
+    from gpu_backend.decode_node import DecodeStreams
+
+    streams = DecodeStreams(node)
+
     @app.post("/disagg/generate")
     async def generate(request: Request) -> Response:
+        """Start (or re-attach to) a room's generation: NDJSON token lines from line ``from``."""
         body = await read_json(request)
         room, rid, ids, params = body.get("room"), body.get("request_id"), body.get("prompt_ids"), body.get("params")
+        start = body.get("from", 0)
         if not isinstance(room, int) or not isinstance(rid, str) or not isinstance(ids, list) \
-                or not isinstance(params, dict):
-            raise api.bad_request("body needs 'room', 'request_id', 'prompt_ids' and 'params'.")
-
-        async def lines() -> AsyncIterator[bytes]:
-            agen = node.generate(room, rid, ids, params)
-            try:
-                async for ev in agen:
-                    yield orjson.dumps({"token_id": ev.token_id, "text": ev.text, "finished": ev.finished,
-                                        "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
-                                        "completion_tokens": ev.completion_tokens}) + b"\n"
-            except Exception as e:  # noqa: BLE001 - in band: the 200 is already sent
-                err = as_openai_error(e)
-                yield orjson.dumps({**err.body(), "status": err.status}) + b"\n"
-            finally:
-                await agen.aclose()
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+                or not isinstance(params, dict) or not isinstance(start, int) or start < 0:
+            raise api.bad_request("body needs 'room', 'request_id', 'prompt_ids', 'params' (and optional 'from').")
+        return StreamingResponse(streams.open(room, rid, ids, params, start), media_type="application/x-ndjson")
 
     @app.post("/disagg/transfer")
     async def transfer(request: Request) -> Response:

@@ -322,3 +322,41 @@ async def test_prefill_is_idempotent_per_room(stack):
     assert a == b and stack.pnode.counters["prefilled"] == 1 and stack.pe.stats["prefill_tokens"] == 20
     assert [t.token_id for t in [await first] + [t async for t in gen]] == prompt(20)[:2]
     await wait_idle(stack.pe, stack.de)
+
+
+async def test_decode_stream_survives_a_lost_connection_by_reattaching(stack):
+    """The HTTP decode stream: a follower that goes away and comes back with the number of lines it
+    had reads the rest; nothing is generated twice."""
+    import orjson
+
+    from gpu_backend.decode_node import DecodeStreams
+
+    streams = DecodeStreams(stack.dnode, grace_seconds=5.0)
+    room, p = new_room(), prompt(30, 7000)
+    follower = streams.open(room, "r", p, greedy(6))
+    pre = asyncio.ensure_future(stack.pnode.prefill(room, "r", p))
+    got = [orjson.loads(await follower.__anext__()) for _ in range(2)]
+    await follower.aclose()  # the connection is lost
+    again = streams.open(room, "r", p, greedy(6), start=2)  # the router re-attaches
+    got += [orjson.loads(line) async for line in again]
+    await pre
+    assert [g["token_id"] for g in got] == p[:6] and [g["completion_tokens"] for g in got] == [1, 2, 3, 4, 5, 6]
+    assert got[-1]["finished"] and got[-1]["finish_reason"] == "length"
+    assert stack.dnode.counters["transfers_accepted"] == 1
+    await wait_idle(stack.pe, stack.de)
+
+
+async def test_a_decode_stream_nobody_reads_is_released_after_the_grace_period(stack):
+    import orjson
+
+    from gpu_backend.decode_node import DecodeStreams
+
+    streams = DecodeStreams(stack.dnode, grace_seconds=0.2)
+    room = new_room()
+    follower = streams.open(room, "r", prompt(30), greedy(400))
+    await follower.aclose()  # the router vanished before reading anything (and never released the room)
+    await asyncio.sleep(0.5)
+    await wait_idle(stack.de)
+    late = [orjson.loads(line) async for line in streams.open(room, "r", prompt(30), greedy(400))]
+    assert late == [{"error": {"message": f"room {room}: no reader left", "type": "invalid_request_error",
+                               "param": None, "code": "aborted"}, "status": 499}]
