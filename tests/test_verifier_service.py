@@ -165,14 +165,17 @@ async def test_honeypot_canary_in_another_tenant(tmp_path):
         hp = tenant("honey", honeypot=True, rate=0.0)
         can = new_canary()
         svc.begin(ex(hp, f"Remember the code {can}. " + SEED_ZH[:300]))
-        g = svc.begin(ex(B, "what's up"))
+        g = svc.begin(ex(B, "what's up", rid="req-leaked"))
         g.check_body(f"I recall {can} from somewhere.", usage=None, finish_reason="stop", ttft_seconds=None)
         # the honeypot itself echoing its canary is no leak; nor is B planting and echoing its own
         own = new_canary()
         g2 = svc.begin(ex(B, f"repeat {own}"))
         g2.check_body(own, usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
-        (inc,) = svc.incidents.recent
+        # (when the canary tokenizes into 16+ tokens its shingle is also leak-index evidence)
+        assert {i.request_id for i in svc.incidents.recent} == {"req-leaked"}
+        assert {i.detector for i in svc.incidents.recent} <= {"canary", "leak_index"}
+        (inc,) = [i for i in svc.incidents.recent if i.detector == "canary"]
         assert inc.detector == "canary" and inc.confirmed
         assert inc.evidence["source_tenants"] == ["honey"] and inc.evidence["honeypot"] is True
         assert inc.evidence["known_origin"] == 1 and can not in json.dumps(inc.evidence)
