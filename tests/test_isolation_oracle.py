@@ -11,7 +11,7 @@ original prompt's token count: the oracle can fail.
 
 Sizes are scaled down from the embedded defaults to keep the suite fast on 2 cores, with the same
 shape as the incident (prefill pool smaller than the context window): context 1,024, prefill pool
-512 tokens (max_req_input_len 506), decode pool 4,096.
+512 tokens (max_req_input_len 506), decode pool 8,192.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tests.backend_procs import Backend
 
 N_REQUESTS = 2000
 N_TENANTS = 8
-POOLS = (512, 4096)
+POOLS = (512, 8192)
 EXTRA = ["--context-length", "1024", "--pool-wait-timeout-seconds", "60"]
 FAULTS = "admit_rejected,skip_transfer_check,no_scrub"
 
