@@ -108,7 +108,7 @@ class PrefillNode:
         connection) gets the first call's outcome; the work runs once. Cancelling the caller does
         not cancel the work (the router aborts explicitly; pages are freed either way)."""
         now = time.monotonic()
-        for k in [k for k, (t, f) in self._by_room.items() if f.done() and now - t > 120]:
+        for k in [k for k, (t, f) in self._by_room.items() if f.done() and now - t > 30]:
             del self._by_room[k]
         entry = self._by_room.get(room)
         if entry is None:
