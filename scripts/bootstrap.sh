@@ -1,18 +1,37 @@
 #!/usr/bin/env bash
 # Create .venv and install kvgate with every extra. Installs torch==2.13.0 first when the venv
-# has no torch (the `backend` extra's range admits it, so pip then adds nothing).
+# has no torch (the `backend` extra's range admits it, so pip then adds nothing). pip's output goes
+# to .venv/install.log and is shown only when a step fails. A second run with an unchanged
+# pyproject.toml skips the install (stamp: .venv/.kvgate-installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
+LOG=.venv/install.log
+
+step() {  # step "what" cmd...: run quietly, show the log on failure
+  local what=$1; shift
+  if ! "$@" >>"$LOG" 2>&1; then
+    echo "kvgate: $what failed; pip's output:" >&2
+    tail -n 40 "$LOG" >&2
+    exit 1
+  fi
+}
+
 if [ ! -x .venv/bin/python ]; then
   echo "kvgate: creating .venv with $($PY --version)"
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+STAMP=.venv/.kvgate-installed
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && .venv/bin/python -c "import torch, gateway" >/dev/null 2>&1; then
+  exit 0
+fi
+: >"$LOG"
+step "upgrading pip" .venv/bin/python -m pip install --disable-pip-version-check --upgrade pip
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   echo "kvgate: installing torch==2.13.0 (CPU build)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+  step "installing torch==2.13.0" .venv/bin/python -m pip install --disable-pip-version-check torch==2.13.0
 fi
-echo "kvgate: installing kvgate[backend,hf,dev] (editable)"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[backend,hf,dev]"
+echo "kvgate: installing kvgate[backend,hf,dev] (editable) into .venv"
+step "installing kvgate" .venv/bin/python -m pip install --disable-pip-version-check -e ".[backend,hf,dev]"
+touch "$STAMP"
