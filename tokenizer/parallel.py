@@ -39,9 +39,9 @@ from typing import Callable
 
 #: Texts shorter than this (characters) are counted on the calling thread.
 PARALLEL_MIN_CHARS = 200_000
-#: Long texts are cut into pieces of about this many characters. Encoding pieces of this size costs
-#: less CPU than encoding the whole text at once (smaller buffers and token lists; about 10% on a
-#: 1M-token prompt, see bench/tokenize.py's CPU columns), and many pieces balance the threads.
+#: Long texts are cut into pieces of about this many characters: many pieces balance the threads'
+#: load, and counting them one after another costs the same CPU as one whole encode (measured by
+#: bench/tokenize.py's "1 thread" and CPU columns).
 PIECE_CHARS = 128 * 1024
 
 #: Punctuation after which (rule 2) a letter or digit run certainly ends: ASCII and CJK marks.
