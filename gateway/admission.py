@@ -110,8 +110,11 @@ class Admission:
 
 
 def tokenizer_error(e: TokenizerError) -> OpenAIError:
-    """A counting error as a 400 naming the field."""
-    return OpenAIError(400, e.message, code=ErrorCode.INVALID_REQUEST, param=e.param)
+    """A counting error as an OpenAI error: the request's own faults are 400s naming the field
+    (``param``); an engine tokenize failure keeps its own status and code (502 ``upstream_unavailable``)."""
+    if e.status >= 500:
+        return OpenAIError(e.status, e.message, code=e.code)
+    return OpenAIError(e.status, e.message, code=e.code or ErrorCode.INVALID_REQUEST, param=e.param)
 
 
 async def count_prompt(entry: ModelEntry, body: dict[str, Any], route: str) -> tuple[int, int, int]:

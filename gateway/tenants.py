@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.loader import load_tenants
-from config.models import TenantConfig, TenantsFile
+from config.loader import check_tenant_models, load_tenants
+from config.models import Settings, TenantConfig, TenantsFile
 
 
 def hash_key(api_key: str) -> str:
@@ -44,23 +44,34 @@ class TenantRegistry:
     ``lookup(key)`` hashes the key and finds the tenant; the match is confirmed with
     ``hmac.compare_digest`` on the full hash (a dict probe on a SHA-256 digest reveals nothing
     usable about the key itself). ``path``: the ``tenants.yaml`` that :meth:`reload` reads.
+    ``settings``: when given, every load (and reload) also checks that each tenant's
+    ``allowed_models`` names a configured model (``config.loader.check_tenant_models``).
     """
 
-    def __init__(self, tenants: TenantsFile, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, tenants: TenantsFile, path: str | os.PathLike[str] | None = None,
+                 settings: Settings | None = None) -> None:
         self.path = Path(path) if path is not None else None
+        self.settings = settings
+        self._check(tenants)
         self._table = _build(tenants)
         self.version = 1
 
+    def _check(self, tenants: TenantsFile) -> None:
+        if self.settings is not None:
+            check_tenant_models(self.settings, tenants, self.path or "tenants")
+
     @classmethod
-    def from_path(cls, path: str | os.PathLike[str] | None = None) -> "TenantRegistry":
-        """Load ``tenants.yaml`` (``config.loader.load_tenants`` rules). Raises ``ConfigError``."""
+    def from_path(cls, path: str | os.PathLike[str] | None = None,
+                  settings: Settings | None = None) -> "TenantRegistry":
+        """Load ``tenants.yaml`` (``config.loader.load_tenants`` rules). Raises ``ConfigError``,
+        also for an ``allowed_models`` entry unknown to ``settings`` when given."""
         p = Path(path) if path is not None else None
         tf = load_tenants(p)
         if p is None:
             from config.loader import DEFAULT_TENANTS
 
             p = Path(os.environ.get("KVGATE_TENANTS") or DEFAULT_TENANTS)
-        return cls(tf, p)
+        return cls(tf, p, settings)
 
     def reload(self, tenants: TenantsFile | None = None) -> None:
         """Swap in a new table: ``tenants`` when given, else re-read :attr:`path`.
@@ -69,6 +80,7 @@ class TenantRegistry:
             if self.path is None:
                 raise ValueError("this registry has no tenants file to reload")
             tenants = load_tenants(self.path)
+        self._check(tenants)
         self._table = _build(tenants)  # one reference assignment: atomic for readers
         self.version += 1
 

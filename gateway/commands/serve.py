@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = load_settings(args.config)
-        registry = TenantRegistry.from_path(args.tenants)
+        registry = TenantRegistry.from_path(args.tenants, settings)
     except ConfigError as e:
         print(f"kvgate serve: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,50 @@
+"""Admission edge cases: tokenizer failures keep their status, tenants naming unknown models are
+refused at start-up and on reload (the old table stays)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from config.errors import ErrorCode
+from config.loader import ConfigError, load_settings
+from gateway.admission import tokenizer_error
+from gateway.tenants import TenantRegistry, hash_key
+from tokenizer.errors import EngineTokenizeError, InvalidTokenIdError, UnknownContentPartError
+
+TENANT = """tenants:
+  - id: t1
+    api_key_sha256: [{h}]
+    allowed_models: [{model}]
+"""
+
+
+def test_request_faults_are_400_naming_the_field() -> None:
+    e = tokenizer_error(UnknownContentPartError("input_audio", "messages[0].content[1].type"))
+    assert (e.status, e.code, e.param) == (400, ErrorCode.INVALID_REQUEST, "messages[0].content[1].type")
+    e = tokenizer_error(InvalidTokenIdError(-1, 100277, "prompt[2]"))
+    assert (e.status, e.param) == (400, "prompt[2]")
+
+
+def test_engine_tokenize_failure_is_502_upstream_unavailable_not_a_400() -> None:
+    e = tokenizer_error(EngineTokenizeError("engine tokenize answered 500"))
+    assert (e.status, e.code, e.param) == (502, "upstream_unavailable", None)
+    assert e.body()["error"]["type"] == "server_error"
+
+
+def test_unknown_allowed_model_refused_at_load_and_reload(tmp_path: Path) -> None:
+    settings = load_settings()
+    path = tmp_path / "tenants.yaml"
+    path.write_text(TENANT.format(h=hash_key("sk-t1"), model="no-such-model"))
+    with pytest.raises(ConfigError) as err:
+        TenantRegistry.from_path(path, settings)
+    assert str(err.value) == (f"{path}: tenants[0].allowed_models[0]: unknown model 'no-such-model' "
+                              "(not the id or an alias of any model in the settings)")
+
+    path.write_text(TENANT.format(h=hash_key("sk-t1"), model="kvgate-tiny"))
+    reg = TenantRegistry.from_path(path, settings)
+    assert reg.lookup("sk-t1").id == "t1"
+    path.write_text(TENANT.format(h=hash_key("sk-t2"), model="typo-model"))
+    with pytest.raises(ConfigError):
+        reg.reload()
+    assert reg.lookup("sk-t1").id == "t1" and reg.lookup("sk-t2") is None and reg.version == 1
