@@ -322,7 +322,7 @@ class ProxyCall(Response):
                 pass
         if guard is not None:
             try:
-                guard.check_body(text, usage=self.usage, finish_reason=self.finish_reason, ttft_seconds=self.ttft)
+                await guard.check_body(text, usage=self.usage, finish_reason=self.finish_reason, ttft_seconds=self.ttft)
             except ResponseWithheld as w:
                 raise OpenAIError(502, f"The response was withheld by verification (incident {w.incident_id}).",
                                   code=ErrorCode.RESPONSE_WITHHELD) from None
@@ -377,7 +377,7 @@ class ProxyCall(Response):
                         if info.text and self.ttft is None:
                             self.ttft = time.perf_counter() - t0
                     if guard is not None:
-                        out.extend(guard.feed(info.text, ev))
+                        out.extend(await guard.feed(info.text, ev))
                     else:
                         out.append(ev)
                     if not self.started and (info.text or info.finish_reason):
@@ -406,7 +406,8 @@ class ProxyCall(Response):
         tail: list[bytes] = held
         if guard is not None:
             try:
-                tail += guard.finish_stream(usage=self.usage, finish_reason=self.finish_reason, ttft_seconds=self.ttft)
+                tail += await guard.finish_stream(usage=self.usage, finish_reason=self.finish_reason,
+                                                  ttft_seconds=self.ttft)
             except ResponseWithheld as w:
                 raise OpenAIError(502, f"The response was withheld by verification (incident {w.incident_id}).",
                                   code=ErrorCode.RESPONSE_WITHHELD) from None

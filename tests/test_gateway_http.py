@@ -373,15 +373,15 @@ class WithholdingVerifier:
         self.exchanges.append(exchange)
 
         class Guard:
-            def feed(self, delta_text, raw_event):
+            async def feed(self, delta_text, raw_event):
                 if delta_text:
                     raise ResponseWithheld("inc-1", "leak_index")
                 return [raw_event]
 
-            def finish_stream(self, **kw):
+            async def finish_stream(self, **kw):
                 return []
 
-            def check_body(self, text, **kw):
+            async def check_body(self, text, **kw):
                 raise ResponseWithheld("inc-2", "canary")
         return Guard()
 

@@ -13,6 +13,7 @@ through HTTP they would not fit the test budget on 2 cores.) The counts are prin
 """
 from __future__ import annotations
 
+import asyncio
 import difflib
 import hashlib
 import random
@@ -398,6 +399,7 @@ def test_no_false_positives_with_faults_off(tmp_path):
         own_words = {t: rng.sample(filler_words(), 30) for t in tids}
         lat_rng = random.Random(5)
         n_checked = 0
+        runner = asyncio.Runner()  # the guard's methods are coroutines; this thread has no loop
         for j in range(5000):
             t = tids[j % 8]
             question = " ".join(rng.choice(own_words[t]) for _ in range(rng.randrange(300, 2500)))
@@ -418,11 +420,12 @@ def test_no_false_positives_with_faults_off(tmp_path):
                 ttft *= lat_rng.uniform(1.5, 4)  # a slow outlier (queueing)
             ex = Exchange(f"syn-{j}", tcfg[t], "leaky", "m", "/v1/completions", prompt, n, False, time.monotonic())
             g = svc.begin(ex)
-            g.check_body(answer, usage={"prompt_tokens": n, "completion_tokens": 16}, finish_reason="length",
-                         ttft_seconds=ttft)
+            runner.run(g.check_body(answer, usage={"prompt_tokens": n, "completion_tokens": 16},
+                                    finish_reason="length", ttft_seconds=ttft))
             n_checked += 1
             if len(svc._jobs) > 2000:
                 _wait_idle(svc, timeout=60)
+        runner.close()
         _wait_idle(svc, timeout=90)
         by = {}
         for inc in svc.incidents.recent:

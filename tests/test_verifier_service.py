@@ -55,9 +55,9 @@ async def test_background_check_flags_leak_and_quarantines(tmp_path):
     try:
         assert svc.begin(ex(A, A_PROMPT)) is not None
         g = svc.begin(ex(B, "Tell me a story about rivers and stones."))
-        assert g.feed("Once upon a time ", b"e1") == [b"e1"]  # non-strict: passes at once
-        assert g.feed(LEAK, b"e2") == [b"e2"]
-        assert g.finish_stream(usage=None, finish_reason="length", ttft_seconds=None) == []
+        assert await g.feed("Once upon a time ", b"e1") == [b"e1"]  # non-strict: passes at once
+        assert await g.feed(LEAK, b"e2") == [b"e2"]
+        assert await g.finish_stream(usage=None, finish_reason="length", ttft_seconds=None) == []
         await svc.drain()
         incs = [i for i in svc.incidents.recent if i.detector == "leak_index"]
         assert len(incs) == 1
@@ -80,7 +80,7 @@ async def test_unsampled_tenant_is_indexed_but_not_checked(tmp_path):
         quiet = tenant("quiet", rate=0.0)
         assert svc.begin(ex(quiet, A_PROMPT)) is None
         g = svc.begin(ex(B, "hello"))
-        g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
+        await g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
         (inc,) = svc.incidents.recent
         assert inc.detector == "leak_index" and inc.evidence["source_tenant"] == "quiet"
@@ -96,7 +96,7 @@ async def test_public_text_and_own_prompt_are_not_leaks(tmp_path):
         for t in (A, C):
             svc.begin(ex(t, boiler + f" Question from {t.id}: what is a river?"))
         g = svc.begin(ex(B, "Summarize: " + SEED_ZH[:800]))
-        g.check_body(SEED_PL[300:900] + SEED_ZH[100:400], usage=None, finish_reason="stop", ttft_seconds=None)
+        await g.check_body(SEED_PL[300:900] + SEED_ZH[100:400], usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
         assert svc.incidents.recent == []
         assert svc.stats["checked"] == 1
@@ -110,13 +110,13 @@ async def test_strict_body_withheld_with_incident_id(tmp_path):
         svc.begin(ex(A, A_PROMPT))
         g = svc.begin(ex(STRICT, "hello there"))
         with pytest.raises(ResponseWithheld) as ei:
-            g.check_body("Sure: " + LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
+            await g.check_body("Sure: " + LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
         inc = svc.incidents.recent[-1]
         assert ei.value.incident_id == inc.id and ei.value.detector == "leak_index"
         assert inc.withheld is True and inc.tenant == "s"
         # a clean strict body passes
         g2 = svc.begin(ex(STRICT, "hello again"))
-        assert g2.check_body("General Kenobi. " * 10, usage=None, finish_reason="stop", ttft_seconds=None) is None
+        assert await g2.check_body("General Kenobi. " * 10, usage=None, finish_reason="stop", ttft_seconds=None) is None
     finally:
         await svc.aclose()
 
@@ -129,10 +129,10 @@ async def test_strict_stream_holdback_and_cut(tmp_path):
         g = svc.begin(ex(STRICT, "count words", stream=True))
         sent = []
         for i, w in enumerate(words):
-            sent += g.feed(w, sse(w))
+            sent += await g.feed(w, sse(w))
             held_tokens = sum(len(encode(x)) for x in words[len(sent):i + 1])
             assert held_tokens >= 64 or len(sent) == 0
-        sent += g.finish_stream(usage={"prompt_tokens": 2}, finish_reason="stop", ttft_seconds=0.01)
+        sent += await g.finish_stream(usage={"prompt_tokens": 2}, finish_reason="stop", ttft_seconds=0.01)
         assert sent == [sse(w) for w in words]
         # leaking stream: cut before the leaked run leaves
         svc.begin(ex(A, A_PROMPT))
@@ -143,12 +143,12 @@ async def test_strict_stream_holdback_and_cut(tmp_path):
         released: list[bytes] = []
         with pytest.raises(ResponseWithheld) as ei:
             for p in pieces:
-                released += g.feed(p, sse(p))
+                released += await g.feed(p, sse(p))
         inc = svc.incidents.recent[-1]
         assert ei.value.incident_id == inc.id and inc.withheld
         assert released == []  # the 5 lead-in events were still inside the 64-token window
         with pytest.raises(ResponseWithheld):
-            g.finish_stream(usage=None, finish_reason="length", ttft_seconds=None)
+            await g.finish_stream(usage=None, finish_reason="length", ttft_seconds=None)
     finally:
         await svc.aclose()
 
@@ -166,11 +166,11 @@ async def test_honeypot_canary_in_another_tenant(tmp_path):
         can = new_canary()
         svc.begin(ex(hp, f"Remember the code {can}. " + SEED_ZH[:300]))
         g = svc.begin(ex(B, "what's up", rid="req-leaked"))
-        g.check_body(f"I recall {can} from somewhere.", usage=None, finish_reason="stop", ttft_seconds=None)
+        await g.check_body(f"I recall {can} from somewhere.", usage=None, finish_reason="stop", ttft_seconds=None)
         # the honeypot itself echoing its canary is no leak; nor is B planting and echoing its own
         own = new_canary()
         g2 = svc.begin(ex(B, f"repeat {own}"))
-        g2.check_body(own, usage=None, finish_reason="stop", ttft_seconds=None)
+        await g2.check_body(own, usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
         # (when the canary tokenizes into 16+ tokens its shingle is also leak-index evidence)
         assert {i.request_id for i in svc.incidents.recent} == {"req-leaked"}
@@ -189,15 +189,15 @@ async def test_drift_abort_and_latency(tmp_path):
         prompt = SEED_PL[:1200]
         n = len(encode(prompt))
         g = svc.begin(ex(A, prompt))
-        g.check_body("ok", usage={"prompt_tokens": 1, "completion_tokens": 1}, finish_reason="abort",
-                     ttft_seconds=None)
+        await g.check_body("ok", usage={"prompt_tokens": 1, "completion_tokens": 1}, finish_reason="abort",
+                           ttft_seconds=None)
         rng = random.Random(3)
         samples = [0.1 + rng.uniform(0, 0.01) for _ in range(5)]
         for t in samples:  # calibrate: ~100 ms for this length
-            svc.begin(ex(A, prompt)).check_body("ok", usage={"prompt_tokens": n}, finish_reason="stop",
-                                                ttft_seconds=t)
-        svc.begin(ex(A, prompt)).check_body("ok", usage={"prompt_tokens": n}, finish_reason="stop",
-                                            ttft_seconds=0.001)
+            await svc.begin(ex(A, prompt)).check_body("ok", usage={"prompt_tokens": n}, finish_reason="stop",
+                                                      ttft_seconds=t)
+        await svc.begin(ex(A, prompt)).check_body("ok", usage={"prompt_tokens": n}, finish_reason="stop",
+                                                  ttft_seconds=0.001)
         await svc.drain()
         det = [i.detector for i in svc.incidents.recent]
         assert det == ["usage_drift", "finish_abort", "latency"]
@@ -231,7 +231,7 @@ async def test_two_replicas_share_the_index_and_quarantine(tmp_path, redis_prefi
         r1.begin(ex(A, A_PROMPT))
         await r1.drain()
         g = r2.begin(ex(B, "hi"))
-        g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
+        await g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
         await r2.drain()
         (inc,) = r2.incidents.recent
         assert inc.detector == "leak_index" and inc.confirmed
@@ -298,9 +298,9 @@ async def test_store_down_fails_open_and_counts(tmp_path):
     try:
         svc.begin(ex(A, A_PROMPT))
         g = svc.begin(ex(STRICT, "hello"))
-        assert g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None) is None
+        assert await g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None) is None
         g2 = svc.begin(ex(B, "hi"))
-        g2.check_body(LEAK, usage={"prompt_tokens": 999}, finish_reason="stop", ttft_seconds=None)
+        await g2.check_body(LEAK, usage={"prompt_tokens": 999}, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
         # the first store call fails (A's ingest); everything after it skips the store for 5 s
         assert (svc.stats["store_errors"], svc.stats["errors"]) == (1, 1)

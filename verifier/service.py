@@ -8,7 +8,11 @@
 - Strict guards (``strict_verify``) check before release: a non-streamed body is checked in
   :meth:`check_body` (raises :class:`ResponseWithheld`); a stream is held back by
   ``strict_holdback_tokens`` tokens, checked incrementally (canaries and leak-index shingles as
-  they complete) and cut on detection, so no detected text leaves.
+  they complete) and cut on detection, so no detected text leaves. Their blocking work
+  (tokenizing, hashing, the store round trip, the service lock the worker may hold for a whole
+  batch, incident records) runs in a small dedicated thread pool (:attr:`STRICT_THREADS`), so a
+  strict request never blocks the event loop; each guard call awaits its own work, so order
+  and withholding are unchanged.
 - Detectors: canary scan (:mod:`verifier.canary`), leak index (:mod:`verifier.leak_index`),
   usage drift and ``finish_reason: abort`` (:mod:`verifier.drift`), TTFT lower bounds
   (:mod:`verifier.latency`). Findings become incidents (:mod:`verifier.incidents`); a confirmed
@@ -18,6 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextvars
+import functools
 import logging
 import random
 import threading
@@ -124,6 +131,7 @@ class VerifierService:
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._prober: asyncio.Task | None = None
+        self._strict_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         #: after a store error, skip the store until this monotonic time (a down Redis must not
         #: cost every request a timeout)
@@ -169,6 +177,26 @@ class VerifierService:
                 except (asyncio.CancelledError, Exception):
                     pass
         self._worker = self._prober = None
+        pool, self._strict_pool = self._strict_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    #: threads for strict guards' checks (they serialize on the service lock for the store
+    #: part; the pool is separate from the loop's default executor, so strict requests waiting
+    #: on the lock never starve other ``to_thread`` users such as prompt counting)
+    STRICT_THREADS = 4
+
+    async def run_strict(self, fn, /, *args, **kwargs):
+        """Run ``fn(*args, **kwargs)`` (a strict guard's blocking step) in the strict thread
+        pool and return its result or raise its exception (:class:`ResponseWithheld`
+        included). The caller's context variables go with it (as :func:`asyncio.to_thread`).
+        Needs a running event loop."""
+        loop = asyncio.get_running_loop()
+        if self._strict_pool is None:
+            self._strict_pool = concurrent.futures.ThreadPoolExecutor(
+                self.STRICT_THREADS, thread_name_prefix="kvgate-verifier-strict")
+        ctx = contextvars.copy_context()
+        return await loop.run_in_executor(self._strict_pool, functools.partial(ctx.run, fn, *args, **kwargs))
 
     # ------------------------------------------------------------------ stage API
     def begin(self, exchange: Exchange) -> "_BackgroundGuard | _StrictGuard | None":
@@ -229,20 +257,20 @@ class VerifierService:
 
     def _drain_ingests_locked(self) -> None:
         """Process queued prompt ingests now (a strict check must see every earlier prompt).
-        Caller holds the lock. Checks stay queued."""
-        if not any(isinstance(j, _Ingest) for j in self._jobs):
+        Caller holds the lock (so no other consumer pops); runs in a strict-pool thread while
+        the event loop may append (:meth:`_enqueue`) at the right end. Checks stay queued, in
+        order, ahead of anything appended meanwhile."""
+        if not any(isinstance(j, _Ingest) for j in list(self._jobs)):
             return
-        keep = collections.deque()
-        while self._jobs:
+        keep: list[_Check] = []
+        for _ in range(len(self._jobs)):  # the jobs queued now; later appends stay queued
             job = self._jobs.popleft()
             if isinstance(job, _Ingest):
                 self._run_job(job)
             else:
                 keep.append(job)
-        # re-queue checks in front of anything appended meanwhile (same thread holds the lock)
-        keep.extend(self._jobs)
-        self._jobs.clear()
-        self._jobs.extend(keep)
+        # only the left end is touched here and only the right end by appends: no lost job
+        self._jobs.extendleft(reversed(keep))
 
     def _run_job(self, job: _Ingest | _Check) -> None:
         try:
@@ -392,7 +420,8 @@ class VerifierService:
 
     def latency_precheck(self, exchange: Exchange, ttft_seconds: float) -> Incident | None:
         """A strict stream's first text arrived ``ttft_seconds`` after the request: an incident
-        (not yet recorded) when that is below the calibrated bound; calibration is not touched."""
+        (not yet recorded) when that is below the calibrated bound; calibration is not touched.
+        Takes the service lock: call it off the event loop (the strict guard does)."""
         with self._lock:
             if exchange.prompt_tokens < self.latency.min_prompt_tokens:
                 return None
@@ -405,8 +434,10 @@ class VerifierService:
                                                     "bound_ms": round(bound * 1000, 3),
                                                     "length_bucket": bucket_of(exchange.prompt_tokens)})
 
-    # used by the strict guard, on the request path
+    # used by the strict guard, in the strict thread pool (these block: lock, store, hashing)
     def strict_check_body(self, job: _Check) -> list[Incident]:
+        """A strict non-streamed body, checked whole after the queued ingests: the content
+        incidents that withhold it (recorded). Blocking; run it via :meth:`run_strict`."""
         with self._lock:
             self._drain_ingests_locked()
             return self._check_whole(job)
@@ -414,7 +445,7 @@ class VerifierService:
     def strict_check_piece(self, guard: "_StrictGuard", canaries: list[str], ids: list[int]) -> list[Incident]:
         """Incremental stream check of a strict guard: new canaries and the token ids whose
         shingles are new. Returns content incidents (not yet recorded) once the evidence so far
-        reaches the withhold threshold."""
+        reaches the withhold threshold. Blocking; run it via :meth:`run_strict`."""
         exchange = guard.exchange
         with self._lock:
             self._drain_ingests_locked()
@@ -467,7 +498,8 @@ class VerifierService:
 
 
 class _BackgroundGuard:
-    """Sampled, non-strict: passes everything at once; the check runs in the background."""
+    """Sampled, non-strict: passes everything at once; the check runs in the background. Its
+    coroutines never suspend (no thread hop per event): they only append to a list or queue."""
 
     def __init__(self, service: VerifierService, exchange: Exchange) -> None:
         self.service = service
@@ -475,25 +507,30 @@ class _BackgroundGuard:
         self._parts: list[str] = []
         self._chars = 0
 
-    def feed(self, delta_text: str, raw_event: bytes) -> list[bytes]:
+    async def feed(self, delta_text: str, raw_event: bytes) -> list[bytes]:
         if delta_text and self._chars < MAX_CHECK_CHARS:
             self._parts.append(delta_text)
             self._chars += len(delta_text)
         return [raw_event]
 
-    def finish_stream(self, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                      ttft_seconds: float | None) -> list[bytes]:
+    async def finish_stream(self, *, usage: dict[str, Any] | None, finish_reason: str | None,
+                            ttft_seconds: float | None) -> list[bytes]:
         self.service._enqueue(_Check(self.exchange, "".join(self._parts), usage, finish_reason, ttft_seconds))
         return []
 
-    def check_body(self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                   ttft_seconds: float | None) -> None:
+    async def check_body(self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None,
+                         ttft_seconds: float | None) -> None:
         self.service._enqueue(_Check(self.exchange, text[:MAX_CHECK_CHARS], usage, finish_reason, ttft_seconds))
 
 
 class _StrictGuard:
     """Strict tenant: nothing detected leaves. Streams are held back by
-    ``strict_holdback_tokens`` tokens and checked as shingles and canaries complete."""
+    ``strict_holdback_tokens`` tokens and checked as shingles and canaries complete.
+
+    Each call's blocking part runs in the service's strict thread pool
+    (:meth:`VerifierService.run_strict`) and the call returns only when it is done; calls are
+    awaited one at a time, so the guard's state is touched by one thread at a time. An event
+    without text needs no check and is handled on the loop."""
 
     def __init__(self, service: VerifierService, exchange: Exchange) -> None:
         self.service = service
@@ -513,27 +550,12 @@ class _StrictGuard:
         self.service._record(found, withheld=True)
         self.service.stats["withheld"] += 1
         self._held.clear()
+        self._held_tokens = 0
         self._cut = ResponseWithheld(found[0].id, found[0].detector)
         raise self._cut
 
-    def feed(self, delta_text: str, raw_event: bytes) -> list[bytes]:
-        if self._cut is not None:
-            raise self._cut
-        tokens = len(encode(delta_text)) if delta_text else 0
-        self._held.append((raw_event, tokens))
-        self._held_tokens += tokens
-        if delta_text and not self._first_text_seen:
-            self._first_text_seen = True
-            inc = self.service.latency_precheck(self.exchange, time.monotonic() - self.exchange.started_monotonic)
-            if inc is not None:
-                self._withhold([inc])
-        if delta_text:
-            cans = self._scanner.push(delta_text)
-            ids = self._shingler.push(delta_text)
-            if cans or ids:
-                found = self.service.strict_check_piece(self, cans, ids)
-                if found:
-                    self._withhold(found)
+    def _release(self) -> list[bytes]:
+        """The held events that have at least ``holdback`` tokens behind them, in order."""
         out = []
         while self._held and self._held_tokens - self._held[0][1] >= self.holdback:
             raw, n = self._held.popleft()
@@ -541,10 +563,42 @@ class _StrictGuard:
             out.append(raw)
         return out
 
-    def finish_stream(self, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                      ttft_seconds: float | None) -> list[bytes]:
+    async def feed(self, delta_text: str, raw_event: bytes) -> list[bytes]:
         if self._cut is not None:
             raise self._cut
+        if not delta_text:  # no tokens, nothing to check: no thread hop
+            self._held.append((raw_event, 0))
+            return self._release()
+        # the first text's arrival time is taken here, not after the hop
+        return await self.service.run_strict(self._feed_text, delta_text, raw_event, time.monotonic())
+
+    def _feed_text(self, delta_text: str, raw_event: bytes, now: float) -> list[bytes]:
+        """:meth:`feed`'s blocking part (strict pool thread): count, pre-check, check, release."""
+        tokens = len(encode(delta_text))
+        self._held.append((raw_event, tokens))
+        self._held_tokens += tokens
+        if not self._first_text_seen:
+            self._first_text_seen = True
+            inc = self.service.latency_precheck(self.exchange, now - self.exchange.started_monotonic)
+            if inc is not None:
+                self._withhold([inc])
+        cans = self._scanner.push(delta_text)
+        ids = self._shingler.push(delta_text)
+        if cans or ids:
+            found = self.service.strict_check_piece(self, cans, ids)
+            if found:
+                self._withhold(found)
+        return self._release()
+
+    async def finish_stream(self, *, usage: dict[str, Any] | None, finish_reason: str | None,
+                            ttft_seconds: float | None) -> list[bytes]:
+        if self._cut is not None:
+            raise self._cut
+        return await self.service.run_strict(self._finish_stream, usage, finish_reason, ttft_seconds)
+
+    def _finish_stream(self, usage: dict[str, Any] | None, finish_reason: str | None,
+                       ttft_seconds: float | None) -> list[bytes]:
+        """:meth:`finish_stream`'s blocking part (strict pool thread)."""
         svc = self.service
         found = svc.strict_check_piece(self, [], self._shingler.flush())
         CHECKS.labels(self.exchange.upstream, "strict").inc()
@@ -559,10 +613,11 @@ class _StrictGuard:
         self._held_tokens = 0
         return out
 
-    def check_body(self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                   ttft_seconds: float | None) -> None:
-        found = self.service.strict_check_body(_Check(self.exchange, text[:MAX_CHECK_CHARS], usage,
-                                                      finish_reason, ttft_seconds))
+    async def check_body(self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None,
+                         ttft_seconds: float | None) -> None:
+        found = await self.service.run_strict(self.service.strict_check_body,
+                                              _Check(self.exchange, text[:MAX_CHECK_CHARS], usage,
+                                                     finish_reason, ttft_seconds))
         if found:
             self.service.stats["withheld"] += 1
             raise ResponseWithheld(found[0].id, found[0].detector)

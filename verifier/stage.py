@@ -40,21 +40,31 @@ class ResponseWithheld(Exception):
 
 class ResponseGuard(Protocol):
     """Watches one response. For non-strict tenants it never holds anything back and does its
-    work off the request path; for strict tenants it holds back a window of tokens."""
+    work off the request path; for strict tenants it holds back a window of tokens.
 
-    def feed(self, delta_text: str, raw_event: bytes) -> list[bytes]:
-        """A stream event (its raw SSE bytes) and the text it adds. Returns the events that may
-        be sent now, in order. Raises :class:`ResponseWithheld`."""
+    The methods are coroutines and are awaited on the gateway's event loop, one at a time per
+    guard, in stream order (a guard is not safe for concurrent calls). An implementation must
+    not block the loop: blocking work (tokenizing, hashing, store round trips, locks shared
+    with a worker thread) runs in a worker thread, and the awaited call returns (or raises)
+    only once that work is done, so ordering and withholding are as if it ran inline."""
+
+    async def feed(self, delta_text: str, raw_event: bytes) -> list[bytes]:
+        """A stream event (its raw SSE bytes) and the text it adds (``""`` for an event without
+        text). Returns the events that may be sent now, in order (for a strict tenant possibly
+        none: they stay in the hold-back window). Raises :class:`ResponseWithheld` once
+        detected text must not leave; every later call raises it again."""
         ...
 
-    def finish_stream(self, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                      ttft_seconds: float | None) -> list[bytes]:
-        """End of stream: returns the held-back events. Raises :class:`ResponseWithheld`."""
+    async def finish_stream(self, *, usage: dict[str, Any] | None, finish_reason: str | None,
+                            ttft_seconds: float | None) -> list[bytes]:
+        """End of stream: runs the final checks and returns the held-back events, in order.
+        ``usage``: the engine's usage object, if sent; ``ttft_seconds``: seconds from forwarding
+        to the first text. Raises :class:`ResponseWithheld`."""
         ...
 
-    def check_body(self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                   ttft_seconds: float | None) -> None:
-        """A whole non-streamed response's text. Strict: checked now, raises
+    async def check_body(self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None,
+                         ttft_seconds: float | None) -> None:
+        """A whole non-streamed response's text. Strict: checked before this returns, raises
         :class:`ResponseWithheld`; otherwise queued for the background checker."""
         ...
 
