@@ -308,3 +308,88 @@ async def test_store_down_fails_open_and_counts(tmp_path):
         assert [i.detector for i in svc.incidents.recent] == ["usage_drift"]
     finally:
         await svc.aclose()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["body", "stream"])
+async def test_strict_check_leaves_the_event_loop_free(tmp_path, kind):
+    """Another thread holds the service lock (as the background worker does for a long batch)
+    for at least 0.5 s while a strict check that needs it is awaited: the check waits in a
+    worker thread, a ticker on the same loop keeps ticking meanwhile, and the check's outcome
+    is unchanged once the lock is free (body: withheld with its incident; stream: the first
+    event held back, 64-token window)."""
+    import asyncio
+    import threading
+
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    holding, enough = threading.Event(), threading.Event()
+    check_done = threading.Event()
+    done_while_held: list[bool] = []
+
+    def hold_lock() -> None:
+        with svc._lock:
+            holding.set()
+            t0 = time.monotonic()
+            enough.wait(10)  # the ticker says it ticked (never, if the loop were blocked)
+            time.sleep(max(0.0, 0.5 - (time.monotonic() - t0)))
+            done_while_held.append(check_done.is_set())
+            holding.clear()
+
+    ticks_while_held = 0
+
+    async def ticker() -> None:
+        nonlocal ticks_while_held
+        while not check_done.is_set():
+            if holding.is_set():
+                ticks_while_held += 1
+                if ticks_while_held >= 5:
+                    enough.set()
+            await asyncio.sleep(0.01)
+
+    try:
+        svc.begin(ex(A, A_PROMPT))
+        g = svc.begin(ex(STRICT, "hello there", stream=kind == "stream"))
+        holder = threading.Thread(target=hold_lock)
+        holder.start()
+        await asyncio.to_thread(holding.wait, 10)
+        tick = asyncio.create_task(ticker())
+        try:
+            if kind == "body":
+                with pytest.raises(ResponseWithheld) as ei:
+                    await g.check_body("Sure: " + LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
+                inc = svc.incidents.recent[-1]
+                assert (ei.value.incident_id, ei.value.detector) == (inc.id, "leak_index") and inc.withheld
+            else:
+                assert await g.feed(" Hello", sse(" Hello")) == []
+        finally:
+            check_done.set()
+            await tick
+            await asyncio.to_thread(holder.join, 10)
+        assert done_while_held == [False]  # the check really waited for the lock
+        assert ticks_while_held >= 5  # ... and the loop ran while it waited
+    finally:
+        enough.set()
+        await svc.aclose()
+
+
+async def test_background_guard_calls_never_suspend(tmp_path):
+    """The non-strict guard's coroutines finish on their first step (no thread hop, no await):
+    driving them with ``send(None)`` ends in ``StopIteration`` carrying the result."""
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    try:
+        g = svc.begin(ex(B, "hi", stream=True))
+
+        def step(coro):
+            with pytest.raises(StopIteration) as si:
+                coro.send(None)
+            return si.value.value
+
+        assert step(g.feed("Once", b"e1")) == [b"e1"]
+        assert step(g.feed("", b"e2")) == [b"e2"]
+        assert step(g.finish_stream(usage=None, finish_reason="stop", ttft_seconds=None)) == []
+        assert step(svc.begin(ex(B, "hi")).check_body("ok", usage=None, finish_reason="stop",
+                                                       ttft_seconds=None)) is None
+        await svc.drain()
+        assert svc.stats["checked"] == 2
+    finally:
+        await svc.aclose()
