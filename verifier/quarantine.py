@@ -89,14 +89,32 @@ class RedisQuarantineBackend:
 
 class Quarantine:
     """Cached view of the quarantine state. :meth:`is_quarantined` is cheap (a dict lookup; the
-    backend is re-read at most every ``refresh_seconds``, and a read error keeps the last view)."""
+    backend is re-read at most every ``refresh_seconds``, and a read error keeps the last view).
+
+    ``inline_refresh``: when true (the default, for CLI use), a stale view is re-read on the
+    caller's thread; a server sets it false and runs :meth:`refresh_loop` instead, so the
+    request path never waits on the store (a Redis read or a file read)."""
 
     def __init__(self, backend, refresh_seconds: float = 1.0, clock=time.monotonic) -> None:
         self.backend = backend
         self.refresh_seconds = refresh_seconds
         self.clock = clock
+        self.inline_refresh = True
         self._view: dict[str, QuarantineRecord] = {}
         self._read_at = float("-inf")
+
+    async def refresh_loop(self) -> None:
+        """Re-read the backend every ``refresh_seconds`` in a worker thread, forever (cancel to
+        stop). The caller switches :attr:`inline_refresh` off when it schedules this; it is
+        switched back on when the loop ends."""
+        import asyncio
+
+        try:
+            while True:
+                await asyncio.to_thread(self.refresh)
+                await asyncio.sleep(self.refresh_seconds)
+        finally:
+            self.inline_refresh = True
 
     def refresh(self) -> None:
         """Re-read the backend now."""
@@ -108,7 +126,7 @@ class Quarantine:
 
     def records(self) -> dict[str, QuarantineRecord]:
         """Current records by upstream."""
-        if self.clock() - self._read_at >= self.refresh_seconds:
+        if self.inline_refresh and self.clock() - self._read_at >= self.refresh_seconds:
             self.refresh()
         return dict(self._view)
 

@@ -131,6 +131,7 @@ class VerifierService:
         self._wake: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._prober: asyncio.Task | None = None
+        self._quarantine_refresher: asyncio.Task | None = None
         self._strict_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         #: after a store error, skip the store until this monotonic time (a down Redis must not
@@ -148,6 +149,10 @@ class VerifierService:
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._worker = loop.create_task(self._work(), name="kvgate-verifier")
+        self.quarantine.refresh()  # once at start-up; from now on only the refresher reads the store
+        self.quarantine.inline_refresh = False
+        self._quarantine_refresher = loop.create_task(self.quarantine.refresh_loop(),
+                                                      name="kvgate-verifier-quarantine")
         if self.cfg.probe_interval_seconds:
             self._prober = loop.create_task(self._probe_loop(), name="kvgate-verifier-probe")
 
@@ -169,14 +174,14 @@ class VerifierService:
             except TimeoutError:
                 log.warning("verifier: %d jobs dropped at shutdown", len(self._jobs))
         self._closed = True
-        for task in (self._worker, self._prober):
+        for task in (self._worker, self._prober, self._quarantine_refresher):
             if task is not None:
                 task.cancel()
                 try:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
-        self._worker = self._prober = None
+        self._worker = self._prober = self._quarantine_refresher = None
         pool, self._strict_pool = self._strict_pool, None
         if pool is not None:
             pool.shutdown(wait=False)
