@@ -90,28 +90,26 @@ def _is_num(v: Any) -> bool:
     return (isinstance(v, (int, float))) and not isinstance(v, bool)
 
 
-def int_in(lo: int | None = None, hi: int | None = None) -> Check:
+def _in_range(is_kind: Callable[[Any], bool], kind: str, lo: float | None, hi: float | None) -> Check:
     def check(v: Any) -> str | None:
-        if not _is_int(v):
-            return "must be an integer"
+        if not is_kind(v):
+            return f"must be {kind}"
         if lo is not None and v < lo:
             return f"must be >= {lo}"
         if hi is not None and v > hi:
             return f"must be <= {hi}"
         return None
     return check
+
+
+def int_in(lo: int | None = None, hi: int | None = None) -> Check:
+    """A check: an integer (not a bool) in ``[lo, hi]``."""
+    return _in_range(_is_int, "an integer", lo, hi)
 
 
 def num_in(lo: float | None = None, hi: float | None = None) -> Check:
-    def check(v: Any) -> str | None:
-        if not _is_num(v):
-            return "must be a number"
-        if lo is not None and v < lo:
-            return f"must be >= {lo}"
-        if hi is not None and v > hi:
-            return f"must be <= {hi}"
-        return None
-    return check
+    """A check: a number (int or float, not a bool) in ``[lo, hi]``."""
+    return _in_range(_is_num, "a number", lo, hi)
 
 
 def _bool(v: Any) -> str | None:
