@@ -200,7 +200,7 @@ class ServerThread:
 
     def start(self) -> "ServerThread":
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 15
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("server did not start")

@@ -22,13 +22,12 @@ import asyncio
 import codecs
 import json
 import random
-import socket
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import uvicorn
+from tests.mock_engine import ServerThread  # noqa: F401  (re-exported for the verifier tests)
+
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -168,34 +167,6 @@ def build_app(st: EngineState) -> Starlette:
         Route("/v1/completions", completion, methods=["POST"]),
         Route("/v1/chat/completions", completion, methods=["POST"]),
     ])
-
-
-class ServerThread:
-    """An ASGI app under uvicorn in a daemon thread on a free loopback port."""
-
-    def __init__(self, app: Any) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def start(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 15
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
-        self.sock.close()
 
 
 class LeakyEngine(ServerThread):
