@@ -1,7 +1,7 @@
-"""The contracts between the gateway's request path and its pluggable stages: quotas (DESIGN.md
-step 6) and verification (step 8). The request path calls only these; ``gateway/quotas.py`` and
-the ``verifier`` package implement them. The null implementations here admit everything and
-check nothing (used when a stage is switched off).
+"""The contract between the gateway's request path and its quota stage (DESIGN.md step 6);
+``gateway/quotas.py`` implements it and :class:`NullQuotas` admits everything (quotas off).
+The verification stage's contract (step 8) lives in ``verifier/stage.py``, since dependencies
+point ``gateway -> verifier``.
 """
 from __future__ import annotations
 
@@ -57,7 +57,3 @@ class NullQuotas:
 
     async def aclose(self) -> None:
         return None
-
-
-# Verification (step 8): the contract lives in verifier/stage.py (verifier must not import gateway).
-from verifier.stage import Exchange, NullVerifier, ResponseGuard, ResponseWithheld, VerifierStage  # noqa: E402,F401
