@@ -216,9 +216,10 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
             records.append((rid, tid, len(encode(prompt)), len(encode(prompt)) > engine.state.pool_tokens, got,
                             max_tokens, stream))
 
-        # calibration: admitted prompts of ~2,000-3,700 tokens (canaries included), under the pool
-        for i in range(20):
-            one(order[i % len(order)], rng.randrange(1800, 3300), 16, i % 2 == 0)
+        # calibration: admitted prompts of 2,100-3,300 tokens (one length bucket), under the pool;
+        # 20 streamed and 20 whole, so both kinds are calibrated (min_samples 10) before any leak
+        for i in range(40):
+            one(order[i % len(order)], rng.randrange(2100, 3300), 16, i % 2 == 0)
         # rounds: an admitted prompt from one tenant, then an over-pool prompt from another
         for i in range(40):
             a = order[i % len(order)]
@@ -242,7 +243,8 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
         det = incidents.get(rid, set())
         n_lat += "latency" in det
         if "latency" not in det:
-            print(f"  latency miss: {rid} {tid} stream={stream} prompt={n}")
+            bound = svc.latency.bound("leaky", n, "stream" if stream else "whole")
+            print(f"  latency miss: {rid} {tid} stream={stream} prompt={n} bound now={bound}")
         if tid in STRICT:
             # strict: withheld (a stream is cut at its first text by the latency check, so the
             # content detectors never see the rest); the client received no leaked text at all
