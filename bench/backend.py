@@ -9,6 +9,7 @@ against the baseline row of the same device. New scenarios (e.g. the disaggregat
 functions to :data:`SCENARIOS`; they may fill other columns (``req/s``, ``s/request``).
 Not a test: numbers vary with the machine; nothing here asserts speed.
 """
+
 from __future__ import annotations
 
 import os
@@ -74,8 +75,10 @@ def _run_model(s: Setup, device: torch.device, make_attn: Callable[[list[SeqSpan
     best_prefill = best_decode = float("inf")
     with torch.inference_mode():
         for rep in range(2):
-            spans = [SeqSpan(list(range(b * pages_per_seq, (b + 1) * pages_per_seq)), 0, s.prompt_tokens,
-                             s.prompt_tokens) for b in range(s.batch)]
+            spans = [
+                SeqSpan(list(range(b * pages_per_seq, (b + 1) * pages_per_seq)), 0, s.prompt_tokens, s.prompt_tokens)
+                for b in range(s.batch)
+            ]
             ids = torch.tensor([t for p in prompts for t in p], device=device)
             _sync(device)
             t0 = time.perf_counter()
@@ -95,8 +98,10 @@ def _run_model(s: Setup, device: torch.device, make_attn: Callable[[list[SeqSpan
             t_decode = time.perf_counter() - t0
             if rep:
                 best_prefill, best_decode = min(best_prefill, t_prefill), min(best_decode, t_decode)
-    return {"prefill tok/s": s.batch * s.prompt_tokens / best_prefill,
-            "decode tok/s": s.batch * s.decode_tokens / best_decode}
+    return {
+        "prefill tok/s": s.batch * s.prompt_tokens / best_prefill,
+        "decode tok/s": s.batch * s.decode_tokens / best_decode,
+    }
 
 
 def scenario_core_paged(s: Setup, device: torch.device) -> list[Row]:
@@ -113,8 +118,9 @@ def scenario_core_contiguous(s: Setup, device: torch.device) -> list[Row]:
     """Baseline: the same model and batch over one contiguous [B, max_len] cache per layer."""
     model = build_model(s.model, s.context_length, 0, torch.float32, device)
     layers, kv_heads, head_dim = model.kv_geometry
-    cache = ContiguousKVCache(layers, s.batch, s.prompt_tokens + s.decode_tokens, kv_heads, head_dim,
-                              torch.float32, device)
+    cache = ContiguousKVCache(
+        layers, s.batch, s.prompt_tokens + s.decode_tokens, kv_heads, head_dim, torch.float32, device
+    )
     cols = _run_model(s, device, lambda spans: ContiguousAttention(cache, spans))
     return [Row("core: contiguous KV (baseline)", str(device), cols)]
 
@@ -126,20 +132,28 @@ def scenario_core_engine(s: Setup, device: torch.device) -> list[Row]:
     from gpu_backend.sampling import SamplingParams
 
     async def run() -> dict[str, float]:
-        eng = Engine(EngineConfig(model=s.model, device=str(device), context_length=s.context_length,
-                                  max_total_tokens=s.batch * (s.prompt_tokens + s.decode_tokens + s.page_size),
-                                  max_batch_tokens=s.batch * s.prompt_tokens))
+        eng = Engine(
+            EngineConfig(
+                model=s.model,
+                device=str(device),
+                context_length=s.context_length,
+                max_total_tokens=s.batch * (s.prompt_tokens + s.decode_tokens + s.page_size),
+                max_batch_tokens=s.batch * s.prompt_tokens,
+            )
+        )
         await eng.start()
         try:
             firsts: list[float] = []
 
             async def one(i: int, prompt: list[int]) -> None:
                 n = 0
-                async for _ in eng.generate(f"b{i}", prompt, SamplingParams(max_new_tokens=s.decode_tokens + 1,
-                                                                          ignore_eos=True)):
+                async for _ in eng.generate(
+                    f"b{i}", prompt, SamplingParams(max_new_tokens=s.decode_tokens + 1, ignore_eos=True)
+                ):
                     n += 1
                     if n == 1:
                         firsts.append(time.perf_counter())
+
             await asyncio.gather(*(one(i, p) for i, p in enumerate(_prompts(s)[:2])))  # warm-up
             best: dict[str, float] = {}
             for _ in range(1):
@@ -148,8 +162,11 @@ def scenario_core_engine(s: Setup, device: torch.device) -> list[Row]:
                 await asyncio.gather(*(one(i, p) for i, p in enumerate(_prompts(s))))
                 t1 = time.perf_counter()
                 t_first = max(firsts)
-                got = {"prefill tok/s": s.batch * s.prompt_tokens / (t_first - t0),
-                       "decode tok/s": s.batch * s.decode_tokens / (t1 - t_first), "s/request": t1 - t0}
+                got = {
+                    "prefill tok/s": s.batch * s.prompt_tokens / (t_first - t0),
+                    "decode tok/s": s.batch * s.decode_tokens / (t1 - t_first),
+                    "s/request": t1 - t0,
+                }
                 best = {k: (max if "tok/s" in k else min)(v, best.get(k, v)) for k, v in got.items()}
         finally:
             await eng.stop()
@@ -181,26 +198,67 @@ class _Backend:
         env.pop("KVGATE_FAULTS", None)
         prefill_pool = s.batch * (s.prompt_tokens + s.page_size)
         decode_pool = s.batch * (s.prompt_tokens + s.decode_tokens + 2 * s.page_size)
-        common = ["--model", s.model, "--device", str(device), "--context-length", str(s.context_length),
-                  "--page-size", str(s.page_size), "--log-level", "error"]
+        common = [
+            "--model",
+            s.model,
+            "--device",
+            str(device),
+            "--context-length",
+            str(s.context_length),
+            "--page-size",
+            str(s.page_size),
+            "--log-level",
+            "error",
+        ]
         self.procs: list[subprocess.Popen] = []
 
         def spawn(*args: str) -> None:
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "gpu_backend", *args, *common], cwd=root,
-                                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "gpu_backend", *args, *common],
+                    cwd=root,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
 
         if kind == "all":
             p = port()
-            spawn("--role", "all", "--port", str(p), "--prefill-max-total-tokens", str(prefill_pool),
-                  "--decode-max-total-tokens", str(decode_pool))
+            spawn(
+                "--role",
+                "all",
+                "--port",
+                str(p),
+                "--prefill-max-total-tokens",
+                str(prefill_pool),
+                "--decode-max-total-tokens",
+                str(decode_pool),
+            )
             self.urls = [f"http://127.0.0.1:{p}"]
         else:
             pp, dp, rp = port(), port(), port()
             spawn("--role", "decode", "--port", str(dp), "--max-total-tokens", str(decode_pool))
-            spawn("--role", "prefill", "--port", str(pp), "--max-total-tokens", str(prefill_pool),
-                  "--decode-url", f"http://127.0.0.1:{dp}")
-            spawn("--role", "router", "--port", str(rp), "--prefill-url", f"http://127.0.0.1:{pp}",
-                  "--decode-url", f"http://127.0.0.1:{dp}")
+            spawn(
+                "--role",
+                "prefill",
+                "--port",
+                str(pp),
+                "--max-total-tokens",
+                str(prefill_pool),
+                "--decode-url",
+                f"http://127.0.0.1:{dp}",
+            )
+            spawn(
+                "--role",
+                "router",
+                "--port",
+                str(rp),
+                "--prefill-url",
+                f"http://127.0.0.1:{pp}",
+                "--decode-url",
+                f"http://127.0.0.1:{dp}",
+            )
             self.urls = [f"http://127.0.0.1:{x}" for x in (rp, pp, dp)]
         self.url = self.urls[0]
         atexit.register(self.stop)
@@ -249,9 +307,13 @@ def _disagg(kind: str, label: str, s: Setup, device: torch.device) -> list[Row]:
     async def run() -> dict[str, float]:
         firsts: list[float] = []
         async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+
             async def one(prompt: list[int], n: int) -> None:
-                body = {"input_ids": prompt, "stream": True,
-                        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+                body = {
+                    "input_ids": prompt,
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+                }
                 async with c.stream("POST", "/generate", content=orjson.dumps(body)) as r:
                     r.raise_for_status()
                     seen = False
@@ -259,15 +321,19 @@ def _disagg(kind: str, label: str, s: Setup, device: torch.device) -> list[Row]:
                         if not seen and chunk:
                             seen = True
                             firsts.append(time.perf_counter())
+
             await asyncio.gather(*(one(p, 3) for p in _prompts(s)[:2]))  # warm-up
             firsts.clear()
             t0 = time.perf_counter()
             await asyncio.gather(*(one(p, s.decode_tokens + 1) for p in _prompts(s)))
             t1 = time.perf_counter()
         t_first = max(firsts)
-        return {"prefill tok/s": s.batch * s.prompt_tokens / (t_first - t0),
-                "decode tok/s": s.batch * s.decode_tokens / (t1 - t_first), "s/request": t1 - t0,
-                "tokens/s": s.batch * (s.prompt_tokens + s.decode_tokens + 1) / (t1 - t0)}
+        return {
+            "prefill tok/s": s.batch * s.prompt_tokens / (t_first - t0),
+            "decode tok/s": s.batch * s.decode_tokens / (t1 - t_first),
+            "s/request": t1 - t0,
+            "tokens/s": s.batch * (s.prompt_tokens + s.decode_tokens + 1) / (t1 - t0),
+        }
 
     return [Row(label, str(device), asyncio.run(run()))]
 
@@ -292,7 +358,9 @@ SCENARIOS: list[tuple[Callable[[Setup, torch.device], list[Row]], bool]] = [
 ]
 
 
-def print_table(rows: list[Row], baselines: dict[str, Row], ratio_of: tuple[str, ...] = ("prefill tok/s", "decode tok/s")) -> str:
+def print_table(
+    rows: list[Row], baselines: dict[str, Row], ratio_of: tuple[str, ...] = ("prefill tok/s", "decode tok/s")
+) -> str:
     """Print (and return) a Markdown table: every column of every row, then ``x baseline`` ratios
     of ``ratio_of`` columns against the baseline row of the same device."""
     cols: list[str] = []
@@ -338,14 +406,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    s = Setup(batch=args.batch, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
-              repeats=args.repeats)
+    s = Setup(
+        batch=args.batch, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats
+    )
     devices = args.device.split(",") if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     rows: list[Row] = []
     baselines: dict[str, Row] = {}
-    print(f"model {s.model}, batch {s.batch}, prompt {s.prompt_tokens} tokens, decode {s.decode_tokens} tokens, "
-          f"page {s.page_size}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
-          f"best of {s.repeats} interleaved rounds\n", flush=True)
+    print(
+        f"model {s.model}, batch {s.batch}, prompt {s.prompt_tokens} tokens, decode {s.decode_tokens} tokens, "
+        f"page {s.page_size}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
+        f"best of {s.repeats} interleaved rounds\n",
+        flush=True,
+    )
     # Rounds interleave the scenarios (load on a shared machine drifts alike for all of them); every
     # scenario runs in the same kind of thread as the engine's step loop; the best round is kept.
     best: dict[tuple[str, str], Row] = {}

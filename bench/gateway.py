@@ -58,10 +58,18 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODEL = "kvgate-tiny"
-BODY = {"model": MODEL, "messages": [{"role": "system", "content": "You are a concise assistant."},
-                                     {"role": "user", "content": "Call me Ishmael. Some years ago, never mind how "
-                                                                 "long precisely, I thought I would sail about."}],
-        "max_tokens": 16, "temperature": 0}
+BODY = {
+    "model": MODEL,
+    "messages": [
+        {"role": "system", "content": "You are a concise assistant."},
+        {
+            "role": "user",
+            "content": "Call me Ishmael. Some years ago, never mind how long precisely, I thought I would sail about.",
+        },
+    ],
+    "max_tokens": 16,
+    "temperature": 0,
+}
 
 
 # ---------------------------------------------------------------- processes
@@ -84,8 +92,14 @@ class Env:
     def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start ``cmd`` (output to ``<tmp>/<name>.log``) in its own process group."""
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **(env or {})}, start_new_session=True)
+        p = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         log.close()
         self.procs.append(p)
         return p
@@ -111,8 +125,9 @@ def stop(p: subprocess.Popen[bytes]) -> None:
             p.wait(5)
 
 
-def wait_http(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 60.0,
-              headers: dict[str, str] | None = None) -> None:
+def wait_http(
+    url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 60.0, headers: dict[str, str] | None = None
+) -> None:
     """Poll ``url`` until it answers 200; raise ``RuntimeError`` if ``proc`` exits or on timeout."""
     deadline = time.monotonic() + timeout
     while True:
@@ -147,10 +162,12 @@ SCENARIOS: dict[str, tuple[Scenario, str]] = {}
 def scenario(name: str, help_: str) -> Callable[[Callable[[Env], Iterator[Target]]], Scenario]:
     """Register a scenario: a generator function ``f(env)`` that starts what it needs, yields a
     :class:`Target`, and stops it afterwards (raise :class:`Skip` to leave the column out)."""
+
     def register(fn: Callable[[Env], Iterator[Target]]) -> Scenario:
         cm = contextlib.contextmanager(fn)
         SCENARIOS[name] = (cm, help_)
         return cm
+
     return register
 
 
@@ -185,14 +202,21 @@ http {{
 
 @scenario("nginx", "through nginx (1 worker, upstream keep-alive)")
 def _nginx(env: Env) -> Iterator[Target]:
-    nginx = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
-                                           if os.access(p, os.X_OK)), None)
+    nginx = shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
     if nginx is None:
         raise Skip("nginx is not installed (apt-get install -y nginx)")
     port = free_port()
     conf = env.tmp / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(tmp=env.tmp, port=port, upstream=env.mock_url.removeprefix("http://"),
-                                      user="user root;" if os.geteuid() == 0 else ""))
+    conf.write_text(
+        NGINX_CONF.format(
+            tmp=env.tmp,
+            port=port,
+            upstream=env.mock_url.removeprefix("http://"),
+            user="user root;" if os.geteuid() == 0 else "",
+        )
+    )
     p = env.spawn("nginx", [nginx, "-p", str(env.tmp), "-c", str(conf), "-g", "daemon off;"])
     wait_http(f"http://127.0.0.1:{port}/health", p)
     yield Target(f"http://127.0.0.1:{port}/v1/chat/completions")
@@ -201,15 +225,23 @@ def _nginx(env: Env) -> Iterator[Target]:
 @scenario("relay", "featureless FastAPI + httpx relay (the floor of this stack)")
 def _relay(env: Env) -> Iterator[Target]:
     port = free_port()
-    p = env.spawn("relay", [sys.executable, str(Path(__file__).resolve()), "--relay", "--port", str(port),
-                            "--upstream", env.mock_url])
+    p = env.spawn(
+        "relay",
+        [sys.executable, str(Path(__file__).resolve()), "--relay", "--port", str(port), "--upstream", env.mock_url],
+    )
     wait_http(f"http://127.0.0.1:{port}/health", p)
     yield Target(f"http://127.0.0.1:{port}/v1/chat/completions")
 
 
 @contextlib.contextmanager
-def gateway_target(env: Env, *, name: str = "gateway", log_level: str = "warning",
-                   tenant: dict[str, Any] | None = None, **overrides: Any) -> Iterator[Target]:
+def gateway_target(
+    env: Env,
+    *,
+    name: str = "gateway",
+    log_level: str = "warning",
+    tenant: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Iterator[Target]:
     """Run ``kvgate serve`` in front of the mock with settings ``overrides`` (top-level keys of
     ``kvgate.yaml``, sections merged: e.g. ``quotas={"enabled": True}``, ``redis_url=...``)
     and one bench tenant with a fresh key (``tenant``: fields added to its entry, e.g. limits);
@@ -218,28 +250,60 @@ def gateway_target(env: Env, *, name: str = "gateway", log_level: str = "warning
     key = "sk-bench-" + secrets.token_hex(16)
     settings: dict[str, Any] = {
         "gateway": {"host": "127.0.0.1", "port": port, "log_level": log_level},
-        "quotas": {"enabled": False}, "verifier": {"enabled": False}, "redis_url": None,
+        "quotas": {"enabled": False},
+        "verifier": {"enabled": False},
+        "redis_url": None,
         "state_dir": str(env.tmp / f"{name}-state"),
         "models": [{"id": MODEL, "context_length": 8192, "tokenizer": {"kind": "bundled"}}],
-        "upstreams": [{"name": "mock", "api_url": env.mock_url + "/v1", "pool_source": "kvgate",
-                       "pool_urls": [env.mock_url + "/server_info"], "models": [MODEL]}],
+        "upstreams": [
+            {
+                "name": "mock",
+                "api_url": env.mock_url + "/v1",
+                "pool_source": "kvgate",
+                "pool_urls": [env.mock_url + "/server_info"],
+                "models": [MODEL],
+            }
+        ],
     }
     for k, v in overrides.items():
         settings[k] = {**settings[k], **v} if isinstance(v, dict) and isinstance(settings.get(k), dict) else v
-    tenants = {"tenants": [{"id": "bench", "api_key_sha256": [hashlib.sha256(key.encode()).hexdigest()],
-                            "default_max_tokens": 16, "allowed_models": [MODEL], **(tenant or {})}]}
+    tenants = {
+        "tenants": [
+            {
+                "id": "bench",
+                "api_key_sha256": [hashlib.sha256(key.encode()).hexdigest()],
+                "default_max_tokens": 16,
+                "allowed_models": [MODEL],
+                **(tenant or {}),
+            }
+        ]
+    }
     (env.tmp / f"{name}.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     (env.tmp / f"{name}-tenants.yaml").write_text(yaml.safe_dump(tenants, sort_keys=False))
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    p = env.spawn(name, [sys.executable, "-m", "gateway.cli", "serve", "--config", str(env.tmp / f"{name}.yaml"),
-                         "--tenants", str(env.tmp / f"{name}-tenants.yaml")],
-                  env={**clean, "PYTHONPATH": str(ROOT)})
+    p = env.spawn(
+        name,
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--config",
+            str(env.tmp / f"{name}.yaml"),
+            "--tenants",
+            str(env.tmp / f"{name}-tenants.yaml"),
+        ],
+        env={**clean, "PYTHONPATH": str(ROOT)},
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", p)
     except RuntimeError as e:
         raise RuntimeError(f"{e}\n{env.log_tail(name)}") from None
-    yield Target(f"http://127.0.0.1:{port}/v1/chat/completions", {"Authorization": f"Bearer {key}"},
-                 note=f"log level {log_level}")
+    yield Target(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        {"Authorization": f"Bearer {key}"},
+        note=f"log level {log_level}",
+    )
 
 
 @scenario("gateway", "kvgate serve: auth, exact counting, context gate, metrics (quotas, verifier off)")
@@ -268,8 +332,7 @@ def _quotas_redis(env: Env) -> Iterator[Target]:
     except redis.RedisError as e:
         raise Skip(f"Redis at {url} does not answer ({type(e).__name__})") from None
     tenant = {"id": f"bench-{secrets.token_hex(4)}", **BENCH_LIMITS}  # own keys; they expire after the window
-    with gateway_target(env, name="quotas-redis", tenant=tenant, redis_url=url,
-                        quotas={"enabled": True}) as t:
+    with gateway_target(env, name="quotas-redis", tenant=tenant, redis_url=url, quotas={"enabled": True}) as t:
         yield t
 
 
@@ -293,8 +356,7 @@ def _verify_100(env: Env) -> Iterator[Target]:
 
 @scenario("verify-strict", "gateway + verifier on, strict tenant (checked before release)")
 def _verify_strict(env: Env) -> Iterator[Target]:
-    with gateway_target(env, name="verify-strict", tenant={"strict_verify": True},
-                        verifier={"enabled": True}) as t:
+    with gateway_target(env, name="verify-strict", tenant={"strict_verify": True}, verifier={"enabled": True}) as t:
         yield t
 
 
@@ -332,9 +394,26 @@ def run_wrk(target: Target, connections: int, duration: float, tmp: Path) -> Loa
     headers = "\n".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in target.headers.items())
     lua.write_text(WRK_LUA.format(body=json.dumps(json.dumps(BODY)), headers=headers))
     threads = max(1, min(2, connections // 32))
-    out = subprocess.run(["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration:.0f}s", "--latency",
-                          "--timeout", "10s",
-                          "-s", str(lua), target.url], capture_output=True, text=True, timeout=duration + 60)
+    out = subprocess.run(
+        [
+            "wrk",
+            "-t",
+            str(threads),
+            "-c",
+            str(connections),
+            "-d",
+            f"{duration:.0f}s",
+            "--latency",
+            "--timeout",
+            "10s",
+            "-s",
+            str(lua),
+            target.url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=duration + 60,
+    )
     text = out.stdout
     if out.returncode != 0 or "Requests/sec" not in text:
         raise RuntimeError(f"wrk failed: {out.stderr or text}")
@@ -352,10 +431,24 @@ def run_wrk(target: Target, connections: int, duration: float, tmp: Path) -> Loa
 
 def run_py_load(target: Target, connections: int, duration: float, tmp: Path) -> Load:
     """The same load from a separate Python process (this file, ``--load``) when wrk is absent."""
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--load", "--url", target.url,
-                          "--connections", str(connections), "--duration", str(duration),
-                          "--headers", json.dumps(target.headers)],
-                         capture_output=True, text=True, timeout=duration + 60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--load",
+            "--url",
+            target.url,
+            "--connections",
+            str(connections),
+            "--duration",
+            str(duration),
+            "--headers",
+            json.dumps(target.headers),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=duration + 60,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"load process failed: {out.stderr[-2000:]}")
     return Load(**json.loads(out.stdout.strip().splitlines()[-1]))
@@ -366,9 +459,11 @@ async def _py_load(url: str, connections: int, duration: float, headers: dict[st
 
     u = httpx.URL(url)
     body = json.dumps(BODY).encode()
-    head = (f"POST {u.raw_path.decode()} HTTP/1.1\r\nHost: {u.host}:{u.port}\r\nContent-Type: application/json\r\n"
-            + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-            + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    head = (
+        f"POST {u.raw_path.decode()} HTTP/1.1\r\nHost: {u.host}:{u.port}\r\nContent-Type: application/json\r\n"
+        + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        + f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     lat: list[float] = []
     errors = 0
     end = time.perf_counter() + duration
@@ -412,8 +507,12 @@ def relay_app(upstream: str) -> Any:
     returns the answer: no auth, no parsing, no counting, no metrics."""
     from fastapi import FastAPI, Request, Response
 
-    client = httpx.AsyncClient(base_url=upstream, timeout=30, limits=httpx.Limits(max_connections=512,
-                               max_keepalive_connections=512), trust_env=False)
+    client = httpx.AsyncClient(
+        base_url=upstream,
+        timeout=30,
+        limits=httpx.Limits(max_connections=512, max_keepalive_connections=512),
+        trust_env=False,
+    )
     app = FastAPI()
 
     @app.get("/health")
@@ -422,8 +521,11 @@ def relay_app(upstream: str) -> Any:
 
     @app.post("/v1/{path:path}")
     async def forward(path: str, request: Request) -> Response:
-        r = await client.post("/v1/" + path, content=await request.body(),
-                              headers={"content-type": request.headers.get("content-type", "application/json")})
+        r = await client.post(
+            "/v1/" + path,
+            content=await request.body(),
+            headers={"content-type": request.headers.get("content-type", "application/json")},
+        )
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
     return app
@@ -435,9 +537,13 @@ def median_load(runs: list[tuple[Load, Load]]) -> Load:
     requests/s from the latter; errors and requests summed."""
     import statistics
 
-    return Load(statistics.median(m.rps for _, m in runs), statistics.median(o.p50_ms for o, _ in runs),
-                statistics.median(o.p99_ms for o, _ in runs), sum(o.errors + m.errors for o, m in runs),
-                sum(o.requests + m.requests for o, m in runs))
+    return Load(
+        statistics.median(m.rps for _, m in runs),
+        statistics.median(o.p50_ms for o, _ in runs),
+        statistics.median(o.p99_ms for o, _ in runs),
+        sum(o.errors + m.errors for o, m in runs),
+        sum(o.requests + m.requests for o, m in runs),
+    )
 
 
 def fmt_table(rows: list[tuple[str, Load | str, str]]) -> str:
@@ -445,8 +551,10 @@ def fmt_table(rows: list[tuple[str, Load | str, str]]) -> str:
     base = next((r for n, r, _ in rows if n == "direct" and isinstance(r, Load)), None)
     relay = next((r for n, r, _ in rows if n == "relay" and isinstance(r, Load)), None)
     gw = next((r for n, r, _ in rows if n == "gateway" and isinstance(r, Load)), None)
-    head = (f"{'scenario':<16} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'rps':>9} "
-            f"{'rps/relay':>9} {'+p50-relay':>10} {'+p50-gw':>8} {'rps/gw':>6} {'errors':>6}  note")
+    head = (
+        f"{'scenario':<16} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'rps':>9} "
+        f"{'rps/relay':>9} {'+p50-relay':>10} {'+p50-gw':>8} {'rps/gw':>6} {'errors':>6}  note"
+    )
     lines = [head, "-" * len(head)]
     for name, r, note in rows:
         if not isinstance(r, Load):
@@ -459,8 +567,10 @@ def fmt_table(rows: list[tuple[str, Load | str, str]]) -> str:
         vs_relay = f"{lat1.p50_ms - relay.p50_ms:10.3f}" if relay else f"{'':>10}"
         vs_gw = f"{lat1.p50_ms - gw.p50_ms:8.3f}" if gw else f"{'':>8}"
         rps_gw = f"{r.rps / gw.rps:6.2f}" if gw else f"{'':>6}"
-        lines.append(f"{name:<16} {lat1.p50_ms:8.3f} {lat1.p99_ms:8.3f} {add50} {add99} {r.rps:9.0f} {ratio} "
-                     f"{vs_relay} {vs_gw} {rps_gw} {r.errors:6d}  {note}")
+        lines.append(
+            f"{name:<16} {lat1.p50_ms:8.3f} {lat1.p99_ms:8.3f} {add50} {add99} {r.rps:9.0f} {ratio} "
+            f"{vs_relay} {vs_gw} {rps_gw} {r.errors:6d}  {note}"
+        )
     return "\n".join(lines)
 
 
@@ -468,8 +578,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per load run (default 5)")
     ap.add_argument("--connections", type=int, default=64, help="connections for the requests/s run (default 64)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="interleaved rounds over all scenarios; the table shows medians (default 3)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds over all scenarios; the table shows medians (default 3)",
+    )
     ap.add_argument("--only", default="", help="comma-separated scenarios (default: all): " + ", ".join(SCENARIOS))
     ap.add_argument("--load", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)
@@ -487,8 +601,14 @@ def main() -> int:
     if args.relay:
         import uvicorn
 
-        uvicorn.run(relay_app(args.upstream), host="127.0.0.1", port=args.port, log_level="warning",
-                    access_log=False, server_header=False)
+        uvicorn.run(
+            relay_app(args.upstream),
+            host="127.0.0.1",
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            server_header=False,
+        )
         return 0
 
     names = [n for n in (args.only.split(",") if args.only else SCENARIOS) if n]
@@ -496,15 +616,17 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     load = run_wrk if shutil.which("wrk") else run_py_load
-    print(f"load generator: {'wrk (Lua POST script)' if load is run_wrk else 'Python load process (wrk not installed)'}; "
-          f"{args.duration:.0f} s per run; latency at 1 connection, requests/s at {args.connections}; "
-          f"{args.rounds} interleaved round(s), medians; {os.cpu_count()} CPUs", flush=True)
+    print(
+        f"load generator: {'wrk (Lua POST script)' if load is run_wrk else 'Python load process (wrk not installed)'}; "
+        f"{args.duration:.0f} s per run; latency at 1 connection, requests/s at {args.connections}; "
+        f"{args.rounds} interleaved round(s), medians; {os.cpu_count()} CPUs",
+        flush=True,
+    )
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
     os.chmod(tmp, 0o755)
     mock_port = free_port()
     env = Env(f"http://127.0.0.1:{mock_port}", tmp)
-    mock = env.spawn("mock", [sys.executable, str(HERE / "mock_engine.py"), "--port", str(mock_port),
-                              "--model", MODEL])
+    mock = env.spawn("mock", [sys.executable, str(HERE / "mock_engine.py"), "--port", str(mock_port), "--model", MODEL])
     rows: list[tuple[str, Load | str, str]] = []
     runs: dict[str, list[tuple[Load, Load]]] = {}
     try:
@@ -530,8 +652,10 @@ def main() -> int:
                     one = load(target, 1, args.duration, tmp)
                     many = load(target, args.connections, args.duration, tmp)
                     runs.setdefault(name, []).append((one, many))
-                    print(f"  round {rnd} {name}: p50 {one.p50_ms:.3f} ms, p99 {one.p99_ms:.3f} ms, "
-                          f"{many.rps:.0f} req/s", flush=True)
+                    print(
+                        f"  round {rnd} {name}: p50 {one.p50_ms:.3f} ms, p99 {one.p99_ms:.3f} ms, {many.rps:.0f} req/s",
+                        flush=True,
+                    )
             for name in names:
                 if name in skipped:
                     rows.append((name, skipped[name], ""))

@@ -14,6 +14,7 @@ DESIGN.md "The bundled backend"):
 
 Run: ``python bench/mock_engine.py --port 30000 [--model kvgate-tiny] [--count]``.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,6 +39,7 @@ try:
 
     _loads = orjson.loads
 except ImportError:  # pragma: no cover
+
     def _dumps(obj: object) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -54,13 +56,32 @@ class Engine:
         self.context_length = context_length
         self.pool_tokens = pool_tokens
         self.count = count
-        self.server_info = _dumps({
-            "max_total_num_tokens": pool_tokens, "max_req_input_len": context_length - 6,
-            "context_length": context_length, "page_size": 16, "disaggregation_mode": "null",
-            "status": "ready", "version": "mock-0", "served_model_name": model})
-        self.models = _dumps({"object": "list", "data": [
-            {"id": model, "object": "model", "created": 0, "owned_by": "kvgate-mock",
-             "max_model_len": context_length}]})
+        self.server_info = _dumps(
+            {
+                "max_total_num_tokens": pool_tokens,
+                "max_req_input_len": context_length - 6,
+                "context_length": context_length,
+                "page_size": 16,
+                "disaggregation_mode": "null",
+                "status": "ready",
+                "version": "mock-0",
+                "served_model_name": model,
+            }
+        )
+        self.models = _dumps(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "kvgate-mock",
+                        "max_model_len": context_length,
+                    }
+                ],
+            }
+        )
 
     def _prompt_tokens(self, req: dict, chat: bool) -> int:
         if self.count is None:
@@ -82,35 +103,57 @@ class Engine:
         rid = "chatcmpl-mock" if chat else "cmpl-mock"
         if not req.get("stream"):
             text = " tok" * n
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                      if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
-            return 200, _dumps({"id": rid, "object": obj, "created": created, "model": self.model,
-                                "choices": [choice], "usage": usage})
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                if chat
+                else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            )
+            return 200, _dumps(
+                {"id": rid, "object": obj, "created": created, "model": self.model, "choices": [choice], "usage": usage}
+            )
         events = []
         cobj = "chat.completion.chunk" if chat else "text_completion"
         for i in range(n):
             last = i == n - 1
-            choice = ({"index": 0, "delta": ({"role": "assistant", "content": " tok"} if i == 0 else {"content": " tok"}),
-                       "finish_reason": finish if last else None}
-                      if chat else {"index": 0, "text": " tok", "logprobs": None, "finish_reason": finish if last else None})
-            events.append(b"data: " + _dumps({"id": rid, "object": cobj, "created": created, "model": self.model,
-                                              "choices": [choice]}) + b"\n\n")
+            choice = (
+                {
+                    "index": 0,
+                    "delta": ({"role": "assistant", "content": " tok"} if i == 0 else {"content": " tok"}),
+                    "finish_reason": finish if last else None,
+                }
+                if chat
+                else {"index": 0, "text": " tok", "logprobs": None, "finish_reason": finish if last else None}
+            )
+            events.append(
+                b"data: "
+                + _dumps({"id": rid, "object": cobj, "created": created, "model": self.model, "choices": [choice]})
+                + b"\n\n"
+            )
         opts = req.get("stream_options") or {}
         if isinstance(opts, dict) and opts.get("include_usage"):
-            events.append(b"data: " + _dumps({"id": rid, "object": cobj, "created": created, "model": self.model,
-                                              "choices": [], "usage": usage}) + b"\n\n")
+            events.append(
+                b"data: "
+                + _dumps(
+                    {"id": rid, "object": cobj, "created": created, "model": self.model, "choices": [], "usage": usage}
+                )
+                + b"\n\n"
+            )
         events.append(b"data: [DONE]\n\n")
         return 200, events
 
 
 def _response(status: int, body: bytes, ctype: bytes = b"application/json") -> bytes:
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
-            % (status, _REASONS.get(status, b"Error"), ctype, len(body))) + body
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+        % (status, _REASONS.get(status, b"Error"), ctype, len(body))
+    ) + body
 
 
 def _error(status: int, message: str) -> bytes:
-    return _response(status, _dumps({"object": "error", "message": message, "type": "BadRequestError",
-                                     "param": None, "code": status}))
+    return _response(
+        status,
+        _dumps({"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": status}),
+    )
 
 
 class Http(asyncio.Protocol):
@@ -142,8 +185,8 @@ class Http(asyncio.Protocol):
                     close = True
             if len(self.buf) < end + 4 + length:
                 return
-            body = self.buf[end + 4:end + 4 + length]
-            self.buf = self.buf[end + 4 + length:]
+            body = self.buf[end + 4 : end + 4 + length]
+            self.buf = self.buf[end + 4 + length :]
             parts = head[0].split(b" ")
             method, path = parts[0], parts[1].split(b"?")[0] if len(parts) > 1 else b"/"
             self.handle(method, path, body)
@@ -178,8 +221,10 @@ class Http(asyncio.Protocol):
         if isinstance(out, bytes):
             t.write(_response(status, out))
             return
-        chunks = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-                  b"transfer-encoding: chunked\r\n\r\n"]
+        chunks = [
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        ]
         chunks += [b"%x\r\n%s\r\n" % (len(ev), ev) for ev in out]
         chunks.append(b"0\r\n\r\n")
         t.write(b"".join(chunks))

@@ -11,6 +11,7 @@ Prints p50 / p99 in ms and the p50 added over ``null``; the target is under 0.5 
 (The end-to-end view, the gateway under load with quotas on and off, is ``bench/gateway.py
 --only gateway,quotas-redis,quotas-local``.)
 """
+
 from __future__ import annotations
 
 import os
@@ -80,10 +81,14 @@ async def main_async(args: argparse.Namespace) -> int:
             await client.delete(*keys)
     await stage.aclose()
     base_r, base_b = (pct(xs, 0.5) for xs in rows[0][1])  # type: ignore[union-attr]
-    print(f"{args.requests} sequential requests per row, ms; the reserve is on the request's path, "
-          "the settle runs after the response was sent")
-    head = (f"{'stage':<22} {'reserve p50':>11} {'reserve p99':>11} {'+p50 vs null':>12} "
-            f"{'res+settle p50':>14} {'res+settle p99':>14}")
+    print(
+        f"{args.requests} sequential requests per row, ms; the reserve is on the request's path, "
+        "the settle runs after the response was sent"
+    )
+    head = (
+        f"{'stage':<22} {'reserve p50':>11} {'reserve p99':>11} {'+p50 vs null':>12} "
+        f"{'res+settle p50':>14} {'res+settle p99':>14}"
+    )
     print(head)
     print("-" * len(head))
     for name, xs in rows:
@@ -91,8 +96,10 @@ async def main_async(args: argparse.Namespace) -> int:
             print(f"{name:<22} {xs}")
             continue
         r, b = xs
-        print(f"{name:<22} {pct(r, 0.5):11.3f} {pct(r, 0.99):11.3f} {pct(r, 0.5) - base_r:12.3f} "
-              f"{pct(b, 0.5):14.3f} {pct(b, 0.99):14.3f}")
+        print(
+            f"{name:<22} {pct(r, 0.5):11.3f} {pct(r, 0.99):11.3f} {pct(r, 0.5) - base_r:12.3f} "
+            f"{pct(b, 0.5):14.3f} {pct(b, 0.99):14.3f}"
+        )
     return 0
 
 

@@ -21,6 +21,7 @@ the ratio (kvgate / tiktoken; above 1 means faster), and the CPU time each count
 threads), medians over interleaved runs. On a machine whose cores are busy with other work the
 wall-clock gain of several threads shrinks to nothing; the CPU columns still show the work.
 """
+
 from __future__ import annotations
 
 import os
@@ -83,8 +84,9 @@ def build_prompt(tokens: int, paragraphs: list[str], count: Callable[[str], int]
     return text
 
 
-def interleaved(fns: dict[str, Callable[[], int]], seconds: float, min_rounds: int = 3
-                ) -> dict[str, tuple[float, float, int]]:
+def interleaved(
+    fns: dict[str, Callable[[], int]], seconds: float, min_rounds: int = 3
+) -> dict[str, tuple[float, float, int]]:
     """``{name: (median wall seconds, median CPU seconds of the process, result)}`` per call. The
     functions run in turns, one call each per round (in rotating order), so a change in machine
     load hits them alike.
@@ -129,33 +131,62 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         text = build_prompt(size, paragraphs, raw)
-        m = interleaved({
-            "raw": lambda: raw(text),
-            "one": lambda: one_thread(text),
-            "kvgate": lambda: counter.count_prompt(text).per_prompt[0],
-            "async": lambda: loop.run_until_complete(counter.acount_prompt(text)).per_prompt[0],
-        }, args.seconds * (3 if size >= 500_000 else 1))
+        m = interleaved(
+            {
+                "raw": lambda: raw(text),
+                "one": lambda: one_thread(text),
+                "kvgate": lambda: counter.count_prompt(text).per_prompt[0],
+                "async": lambda: loop.run_until_complete(counter.acount_prompt(text)).per_prompt[0],
+            },
+            args.seconds * (3 if size >= 500_000 else 1),
+        )
         n = m["raw"][2]
         exact = all(r == n for _, _, r in m.values())
-        rows.append((n, len(text), {k: n / t for k, (t, _, _) in m.items()}, {k: c for k, (_, c, _) in m.items()},
-                     exact))
+        rows.append(
+            (n, len(text), {k: n / t for k, (t, _, _) in m.items()}, {k: c for k, (_, c, _) in m.items()}, exact)
+        )
     loop.close()
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"exact prompt counting, cl100k_base; {cores} usable core(s), 1-minute load average {load:.2f} "
-          f"at the end; kvgate cuts texts of {parallel.PARALLEL_MIN_CHARS:,}+ characters into "
-          f"~{parallel.PIECE_CHARS // 1024}k-character pieces; medians of interleaved runs")
-    header = ("prompt tokens", "chars", "tiktoken 1 thread tok/s", "kvgate 1 thread tok/s", "ratio",
-              f"kvgate {cores} threads tok/s", "ratio", "kvgate async tok/s", "ratio",
-              "CPU ms tiktoken", "CPU ms kvgate 1 thread", f"CPU ms kvgate {cores} threads", "exact")
+    print(
+        f"exact prompt counting, cl100k_base; {cores} usable core(s), 1-minute load average {load:.2f} "
+        f"at the end; kvgate cuts texts of {parallel.PARALLEL_MIN_CHARS:,}+ characters into "
+        f"~{parallel.PIECE_CHARS // 1024}k-character pieces; medians of interleaved runs"
+    )
+    header = (
+        "prompt tokens",
+        "chars",
+        "tiktoken 1 thread tok/s",
+        "kvgate 1 thread tok/s",
+        "ratio",
+        f"kvgate {cores} threads tok/s",
+        "ratio",
+        "kvgate async tok/s",
+        "ratio",
+        "CPU ms tiktoken",
+        "CPU ms kvgate 1 thread",
+        f"CPU ms kvgate {cores} threads",
+        "exact",
+    )
     table = [header]
     for n, chars, tps, cpu, exact in rows:
-        table.append((f"{n:,}", f"{chars:,}", f"{tps['raw']:,.0f}",
-                      f"{tps['one']:,.0f}", f"{tps['one'] / tps['raw']:.2f}x",
-                      f"{tps['kvgate']:,.0f}", f"{tps['kvgate'] / tps['raw']:.2f}x",
-                      f"{tps['async']:,.0f}", f"{tps['async'] / tps['raw']:.2f}x",
-                      f"{cpu['raw'] * 1000:.1f}", f"{cpu['one'] * 1000:.1f}", f"{cpu['kvgate'] * 1000:.1f}",
-                      "yes" if exact else "NO"))
+        table.append(
+            (
+                f"{n:,}",
+                f"{chars:,}",
+                f"{tps['raw']:,.0f}",
+                f"{tps['one']:,.0f}",
+                f"{tps['one'] / tps['raw']:.2f}x",
+                f"{tps['kvgate']:,.0f}",
+                f"{tps['kvgate'] / tps['raw']:.2f}x",
+                f"{tps['async']:,.0f}",
+                f"{tps['async'] / tps['raw']:.2f}x",
+                f"{cpu['raw'] * 1000:.1f}",
+                f"{cpu['one'] * 1000:.1f}",
+                f"{cpu['kvgate'] * 1000:.1f}",
+                "yes" if exact else "NO",
+            )
+        )
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for j, r in enumerate(table):
         print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")

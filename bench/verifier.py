@@ -47,7 +47,7 @@ def corpus() -> str:
 
 
 def slices(text: str, n: int, chars: int, rng: random.Random) -> list[str]:
-    return [text[s:s + chars] for s in (rng.randrange(0, len(text) - chars) for _ in range(n))]
+    return [text[s : s + chars] for s in (rng.randrange(0, len(text) - chars) for _ in range(n))]
 
 
 def timed(fn, items: list[str]) -> float:
@@ -61,14 +61,16 @@ def row(name: str, store: str, items: list[str], secs: float, tok_secs: float | 
     mb = sum(len(x.encode()) for x in items) / 1e6
     toks = sum(len(encode(x)) for x in items)
     ratio = f"{secs / tok_secs:6.2f}" if tok_secs else "     -"
-    return (f"{name:<10} {store:<7} {len(items):>6} {toks / len(items):>9.0f} {mb / secs:>9.2f} "
-            f"{toks / secs:>12,.0f} {secs / len(items) * 1e3:>9.3f} {ratio}")
+    return (
+        f"{name:<10} {store:<7} {len(items):>6} {toks / len(items):>9.0f} {mb / secs:>9.2f} "
+        f"{toks / secs:>12,.0f} {secs / len(items) * 1e3:>9.3f} {ratio}"
+    )
 
 
 def bench_index(n_prompts: int) -> None:
     text = corpus()
     rng = random.Random(1)
-    prompts = slices(text, n_prompts, 8000, rng)        # ~2,000-4,000 tokens each
+    prompts = slices(text, n_prompts, 8000, rng)  # ~2,000-4,000 tokens each
     responses = slices(text, n_prompts * 2, 800, rng)  # ~200-400 tokens each
     hasher = ShingleHasher(b"bench-leak-index-key", 16)
     stores: list[tuple[str, object]] = [("memory", MemoryLeakStore(3600))]
@@ -88,8 +90,9 @@ def bench_index(n_prompts: int) -> None:
     tok_p = timed(encode, prompts)
     tok_r = timed(encode, responses)
     print(f"leak index: k=16, w=35; {n_prompts} prompts of 8,000 characters, {len(responses)} responses of 800")
-    print(f"{'step':<10} {'store':<7} {'items':>6} {'tok/item':>9} {'MB/s':>9} {'tokens/s':>12} "
-          f"{'ms/item':>9} x tokenize")
+    print(
+        f"{'step':<10} {'store':<7} {'items':>6} {'tok/item':>9} {'MB/s':>9} {'tokens/s':>12} {'ms/item':>9} x tokenize"
+    )
     print("-" * 80)
     print(row("tokenize", "-", prompts, tok_p, None))
     try:
@@ -108,13 +111,21 @@ def bench_index(n_prompts: int) -> None:
         if client is not None and prefix:
             keys = list(client.scan_iter(match=prefix + "*", count=10000))
             for j in range(0, len(keys), 5000):
-                client.delete(*keys[j:j + 5000])
+                client.delete(*keys[j : j + 5000])
 
 
 def bench_gateway(duration: float, rounds: int) -> None:
     print("\ngateway requests/s with verification (bench/gateway.py, a separate process):")
-    cmd = [sys.executable, str(ROOT / "bench" / "gateway.py"), "--only", "gateway,verify-0,verify-100,verify-strict",
-           "--duration", str(duration), "--rounds", str(rounds)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "gateway.py"),
+        "--only",
+        "gateway,verify-0,verify-100,verify-strict",
+        "--duration",
+        str(duration),
+        "--rounds",
+        str(rounds),
+    ]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     out = r.stdout.strip().splitlines()
     table = [ln for ln in out if not ln.lstrip().startswith("round ")]
@@ -129,9 +140,14 @@ def bench_gateway(duration: float, rounds: int) -> None:
             if len(nums) >= 3:
                 rps[parts[0]] = float(nums[2])
     if "verify-0" in rps and "verify-100" in rps and rps["verify-0"]:
-        print(f"\nverify-100 / verify-0 requests/s: {rps['verify-100'] / rps['verify-0']:.2f}"
-              + (f"; verify-0 / gateway (verifier off): {rps['verify-0'] / rps['gateway']:.2f}"
-                 if rps.get("gateway") else ""))
+        print(
+            f"\nverify-100 / verify-0 requests/s: {rps['verify-100'] / rps['verify-0']:.2f}"
+            + (
+                f"; verify-0 / gateway (verifier off): {rps['verify-0'] / rps['gateway']:.2f}"
+                if rps.get("gateway")
+                else ""
+            )
+        )
 
 
 def main() -> int:

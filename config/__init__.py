@@ -3,6 +3,7 @@ and the wire shapes every part shares (the OpenAI error body).
 
 Dependency rule: ``config`` imports nothing else of kvgate.
 """
+
 from config.errors import ErrorCode, openai_error, openai_error_bytes, OpenAIError
 from config.loader import ConfigError, check_tenant_models, load_settings, load_tenants, load_yaml_model
 from config.models import (
@@ -20,8 +21,24 @@ from config.models import (
 )
 
 __all__ = [
-    "BackendSettings", "ConfigError", "ErrorCode", "GatewaySettings", "ModelConfig", "OpenAIError",
-    "PoolSettings", "QuotaSettings", "Settings", "TenantConfig", "TenantsFile", "TokenizerConfig",
-    "UpstreamConfig", "VerifierSettings", "check_tenant_models", "load_settings", "load_tenants", "load_yaml_model",
-    "openai_error", "openai_error_bytes",
+    "BackendSettings",
+    "ConfigError",
+    "ErrorCode",
+    "GatewaySettings",
+    "ModelConfig",
+    "OpenAIError",
+    "PoolSettings",
+    "QuotaSettings",
+    "Settings",
+    "TenantConfig",
+    "TenantsFile",
+    "TokenizerConfig",
+    "UpstreamConfig",
+    "VerifierSettings",
+    "check_tenant_models",
+    "load_settings",
+    "load_tenants",
+    "load_yaml_model",
+    "openai_error",
+    "openai_error_bytes",
 ]

@@ -4,6 +4,7 @@ Shape (OpenAI API reference, "Error codes"; also what LiteLLM and LangChain pars
 
     {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

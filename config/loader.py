@@ -11,6 +11,7 @@ Environment overrides (DESIGN.md, Contracts): ``KVGATE_<SECTION>__<KEY>=value`` 
 a top-level key is ``KVGATE_<KEY>`` (e.g. ``KVGATE_REDIS_URL``). Variables whose first part is not
 a settings key (``KVGATE_FAULTS``, ``KVGATE_CONFIG``) are not settings and are left alone.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,8 +61,11 @@ def _parse_loc(text: str) -> tuple[Any, ...]:
     return tuple(int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"\[\d+\]|[^.\[\]]+", text))
 
 
-def _format_validation(err: ValidationError, lines: Mapping[tuple[Any, ...], int] | None = None,
-                       env_vars: Mapping[tuple[str, ...], str] | None = None) -> list[str]:
+def _format_validation(
+    err: ValidationError,
+    lines: Mapping[tuple[Any, ...], int] | None = None,
+    env_vars: Mapping[tuple[str, ...], str] | None = None,
+) -> list[str]:
     """One line per problem: ``[line N: ]key.path: problem[ (got value)][ (from VARIABLE)]``.
 
     ``lines`` maps key paths to the line they are on in the file (the deepest known ancestor of
@@ -75,10 +79,14 @@ def _format_validation(err: ValidationError, lines: Mapping[tuple[Any, ...], int
         if e["type"] == "extra_forbidden":
             msg = "unknown key (not a kvgate setting; check the spelling)"
         elif e["type"] == "value_error" and msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-        if "input" in e and e["type"] not in ("missing", "extra_forbidden") and not isinstance(e["input"], (dict, list)):
+            msg = msg[len("Value error, ") :]
+        if (
+            "input" in e
+            and e["type"] not in ("missing", "extra_forbidden")
+            and not isinstance(e["input"], (dict, list))
+        ):
             msg = f"{msg} (got {e['input']!r})"
-        var = next((v for p, v in (env_vars or {}).items() if path[:len(p)] == p), None)
+        var = next((v for p, v in (env_vars or {}).items() if path[: len(p)] == p), None)
         if var:
             msg = f"{msg} (from environment variable {var})"
         line = None
@@ -109,7 +117,8 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any
             continue
         if first is not None:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark)
+                None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark
+            )
         seen[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=True)
 
@@ -117,8 +126,9 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def _line_map(node: yaml.Node | None, path: tuple[Any, ...] = (), out: dict[tuple[Any, ...], int] | None = None
-              ) -> dict[tuple[Any, ...], int]:
+def _line_map(
+    node: yaml.Node | None, path: tuple[Any, ...] = (), out: dict[tuple[Any, ...], int] | None = None
+) -> dict[tuple[Any, ...], int]:
     """``{key path: 1-based line}`` for every mapping key and sequence item under ``node``."""
     out = {} if out is None else out
     if isinstance(node, yaml.MappingNode):
@@ -166,8 +176,9 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _parse(Path(path))[0]
 
 
-def env_override_items(model: type[BaseModel], environ: Mapping[str, str] | None = None
-                       ) -> list[tuple[tuple[str, ...], str, Any]]:
+def env_override_items(
+    model: type[BaseModel], environ: Mapping[str, str] | None = None
+) -> list[tuple[tuple[str, ...], str, Any]]:
     """``(key path, variable name, value)`` for each ``KVGATE_<SECTION>__<KEY>`` (or
     ``KVGATE_<KEY>``) variable whose first part is a field of ``model``, sorted by name.
     Values are parsed as YAML scalars/flow collections (``9000`` -> int, ``[a, b]`` -> list,
@@ -178,7 +189,7 @@ def env_override_items(model: type[BaseModel], environ: Mapping[str, str] | None
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX):
             continue
-        parts = tuple(p.lower() for p in name[len(ENV_PREFIX):].split("__"))
+        parts = tuple(p.lower() for p in name[len(ENV_PREFIX) :].split("__"))
         if not parts[0] or parts[0] not in fields or not all(parts):
             continue
         raw = environ[name]
@@ -215,8 +226,9 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_yaml_model(path: str | os.PathLike[str], model: type[M], *, use_env: bool = False,
-                    environ: Mapping[str, str] | None = None) -> M:
+def load_yaml_model(
+    path: str | os.PathLike[str], model: type[M], *, use_env: bool = False, environ: Mapping[str, str] | None = None
+) -> M:
     """Read ``path`` and validate it as ``model``; with ``use_env``, apply environment overrides.
 
     Raises :class:`ConfigError` naming the file and, for every problem, its line, key path and,
@@ -235,8 +247,7 @@ def load_yaml_model(path: str | os.PathLike[str], model: type[M], *, use_env: bo
         raise ConfigError(str(path), _format_validation(e, lines, env_vars)) from None
 
 
-def load_settings(path: str | os.PathLike[str] | None = None, *,
-                  environ: Mapping[str, str] | None = None) -> Settings:
+def load_settings(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> Settings:
     """Load ``kvgate.yaml`` (default: the embedded stack's, beside this module) with env overrides.
     ``KVGATE_CONFIG`` names the file when ``path`` is ``None``."""
     env = os.environ if environ is None else environ
@@ -258,7 +269,9 @@ def check_tenant_models(settings: Settings, tenants: TenantsFile, source: str | 
     for i, t in enumerate(tenants.tenants):
         for j, name in enumerate(t.allowed_models):
             if settings.model_by_name(name) is None:
-                problems.append(f"tenants[{i}].allowed_models[{j}]: unknown model '{name}' "
-                                "(not the id or an alias of any model in the settings)")
+                problems.append(
+                    f"tenants[{i}].allowed_models[{j}]: unknown model '{name}' "
+                    "(not the id or an alias of any model in the settings)"
+                )
     if problems:
         raise ConfigError(str(source), problems)

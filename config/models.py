@@ -4,6 +4,7 @@ Two files carry them (DESIGN.md, Contracts): ``config/kvgate.yaml`` -> :class:`S
 (gateway, upstreams, models, quotas, verifier, backend) and ``config/tenants.yaml`` ->
 :class:`TenantsFile`.
 """
+
 from __future__ import annotations
 
 import re
@@ -220,8 +221,10 @@ class Settings(_Strict):
             seen.add(u.name)
             for j, n in enumerate(u.models):
                 if n not in names:
-                    raise ValueError(f"upstreams[{i}].models[{j}]: unknown model '{n}' "
-                                     "(not the id or an alias of any entry in 'models')")
+                    raise ValueError(
+                        f"upstreams[{i}].models[{j}]: unknown model '{n}' "
+                        "(not the id or an alias of any entry in 'models')"
+                    )
         return self
 
     def model_by_name(self, name: str) -> ModelConfig | None:
@@ -283,7 +286,8 @@ class TenantsFile(_Strict):
             ids.add(t.id)
             for j, h in enumerate(t.api_key_sha256):
                 if h in hashes:
-                    raise ValueError(f"tenants[{i}].api_key_sha256[{j}]: this API key hash also belongs to "
-                                     f"tenant '{hashes[h]}'")
+                    raise ValueError(
+                        f"tenants[{i}].api_key_sha256[{j}]: this API key hash also belongs to tenant '{hashes[h]}'"
+                    )
                 hashes[h] = t.id
         return self

@@ -4,6 +4,7 @@ The gateway's pool watcher and the verifier's deploy gate both call :func:`effec
 so the limit a request is gated against and the limit a deployment is checked against never
 disagree.
 """
+
 from __future__ import annotations
 
 from decimal import ROUND_FLOOR, Decimal
@@ -20,8 +21,7 @@ def pool_limit_from_headroom(pool_tokens: int, headroom: float) -> int:
     return int(q.to_integral_value(rounding=ROUND_FLOOR))
 
 
-def effective_pool_limit(context_length: int, pool_tokens: int, max_req_input_len: int | None,
-                         headroom: float) -> int:
+def effective_pool_limit(context_length: int, pool_tokens: int, max_req_input_len: int | None, headroom: float) -> int:
     """The largest prompt + completion (in tokens) one request may have on a pool.
 
     ``limit = min(context_length, max_req_input_len (when reported), floor(pool_tokens / headroom))``

@@ -7,6 +7,7 @@ Environment names: ``KVGATE_SECRET_CACHE_SALT_KEY``, ``KVGATE_SECRET_LEAK_INDEX_
 Several processes starting at once (gateway replicas, ``kvgate up``) agree on one file: creation
 and completion happen under an exclusive lock on ``<state_dir>/secrets.lock``.
 """
+
 from __future__ import annotations
 
 import fcntl

@@ -12,6 +12,7 @@ gateway", "Contracts": max_tokens).
   ``context_length_exceeded`` in OpenAI's wording (``config.errors.context_length_message``).
 - Reservation for quotas: ``prompt tokens (all prompts) + n x max_tokens`` per prompt.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,12 +80,15 @@ class ModelIndex:
         if name is None:
             if len(allowed) == 1:
                 return allowed[0]
-            raise OpenAIError(400, "you must provide a model parameter", code=ErrorCode.INVALID_REQUEST,
-                              param="model")
+            raise OpenAIError(400, "you must provide a model parameter", code=ErrorCode.INVALID_REQUEST, param="model")
         e = self.by_name.get(name)
         if e is None or e not in allowed:
-            raise OpenAIError(404, f"The model `{name}` does not exist or you do not have access to it.",
-                              code=ErrorCode.MODEL_NOT_FOUND, param="model")
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist or you do not have access to it.",
+                code=ErrorCode.MODEL_NOT_FOUND,
+                param="model",
+            )
         return e
 
 
@@ -166,8 +170,14 @@ def effective_limit(entry: ModelEntry, tenant: TenantConfig, pool_limit: int) ->
     return limit
 
 
-def decide(entry: ModelEntry, tenant: TenantConfig, body: dict[str, Any], route: str,
-           prompt: tuple[int, int, int], pool_limit: int) -> Admission:
+def decide(
+    entry: ModelEntry,
+    tenant: TenantConfig,
+    body: dict[str, Any],
+    route: str,
+    prompt: tuple[int, int, int],
+    pool_limit: int,
+) -> Admission:
     """Apply the max_tokens rules and the context gate to a counted request. Raises
     :class:`OpenAIError` 400 (``max_tokens`` over the cap, or ``context_length_exceeded``)."""
     largest, total, num = prompt
@@ -176,8 +186,12 @@ def decide(entry: ModelEntry, tenant: TenantConfig, body: dict[str, Any], route:
     cap = tenant.max_tokens_cap
     if requested is not None:
         if cap is not None and requested > cap:
-            raise OpenAIError(400, f"'{field}' is {requested}, above this key's cap of {cap} tokens.",
-                              code=ErrorCode.INVALID_REQUEST, param=field)
+            raise OpenAIError(
+                400,
+                f"'{field}' is {requested}, above this key's cap of {cap} tokens.",
+                code=ErrorCode.INVALID_REQUEST,
+                param=field,
+            )
         max_tokens = requested
         defaulted = False
     else:
@@ -189,10 +203,24 @@ def decide(entry: ModelEntry, tenant: TenantConfig, body: dict[str, Any], route:
     completion = max(1, max_tokens)
     if largest + completion > limit:
         chat = route == "chat"
-        raise OpenAIError(400, context_length_message(limit, largest, completion, messages=chat),
-                          code=ErrorCode.CONTEXT_LENGTH_EXCEEDED, param="messages" if chat else "prompt")
+        raise OpenAIError(
+            400,
+            context_length_message(limit, largest, completion, messages=chat),
+            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            param="messages" if chat else "prompt",
+        )
     n = body.get("n") or 1
     best_of = body.get("best_of") or 0
     seqs = max(n, best_of)
-    return Admission(entry, largest, total, num, max_tokens, defaulted, limit, n,
-                     total + num * seqs * max_tokens, prompt_text_of(body, route))
+    return Admission(
+        entry,
+        largest,
+        total,
+        num,
+        max_tokens,
+        defaulted,
+        limit,
+        n,
+        total + num * seqs * max_tokens,
+        prompt_text_of(body, route),
+    )

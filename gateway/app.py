@@ -10,6 +10,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /healthz``, ``GET /readyz``, ``GET /metrics``. Every error is OpenAI-shaped
 (:mod:`gateway.errors`). ``app.state.gateway`` is the :class:`Gateway`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,8 +50,14 @@ class Gateway:
     with their pool watchers, the pooled HTTP client, metrics, the stages, the secrets, and the
     drain state (``draining``; ``in_flight`` HTTP requests)."""
 
-    def __init__(self, settings: Settings, tenants: TenantRegistry, quotas: QuotaStage | None,
-                 verifier: VerifierStage | None, secrets: dict[str, bytes] | None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        tenants: TenantRegistry,
+        quotas: QuotaStage | None,
+        verifier: VerifierStage | None,
+        secrets: dict[str, bytes] | None,
+    ) -> None:
         self.settings = settings
         self.tenants = tenants
         self.quotas: QuotaStage = quotas if quotas is not None else NullQuotas()
@@ -67,10 +74,15 @@ class Gateway:
         self.models = ModelIndex(settings, settings.gateway.offload_count_chars)
         g = settings.gateway
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=g.connect_timeout_seconds, read=g.read_timeout_seconds,
-                                  write=g.read_timeout_seconds, pool=g.connect_timeout_seconds),
+            timeout=httpx.Timeout(
+                connect=g.connect_timeout_seconds,
+                read=g.read_timeout_seconds,
+                write=g.read_timeout_seconds,
+                pool=g.connect_timeout_seconds,
+            ),
             limits=httpx.Limits(max_connections=g.max_connections, max_keepalive_connections=g.max_connections),
-            trust_env=False)
+            trust_env=False,
+        )
         ups = []
         for u in settings.upstreams:
             ctx = max((m.context_length for n in u.models if (m := settings.model_by_name(n))), default=None)
@@ -146,11 +158,23 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if gw.draining and scope["path"] not in _ALWAYS:
-            body = openai_error_bytes("The gateway is shutting down; retry on another replica.", status=503,
-                                      code=ErrorCode.SERVER_SHUTTING_DOWN)
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
-                                    (b"retry-after", b"1"), (b"content-length", str(len(body)).encode())]})
+            body = openai_error_bytes(
+                "The gateway is shutting down; retry on another replica.",
+                status=503,
+                code=ErrorCode.SERVER_SHUTTING_DOWN,
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"connection", b"close"),
+                        (b"retry-after", b"1"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             gw.metrics.rejections.labels(ErrorCode.SERVER_SHUTTING_DOWN).inc()
             return
@@ -165,8 +189,14 @@ class DrainMiddleware:
                 gw._idle.set()
 
 
-def create_app(settings: Settings, tenants: TenantRegistry, *, quotas: QuotaStage | None = None,
-               verifier: VerifierStage | None = None, secrets: dict[str, bytes] | None = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    tenants: TenantRegistry,
+    *,
+    quotas: QuotaStage | None = None,
+    verifier: VerifierStage | None = None,
+    secrets: dict[str, bytes] | None = None,
+) -> FastAPI:
     """Build the gateway app. ``secrets``: ``{"cache_salt_key": bytes, ...}`` (default:
     ``config.secrets.load_secrets(settings.state_dir)``). The :class:`Gateway` is built at once
     (``app.state.gateway``); its HTTP client and watchers start with the app's lifespan."""

@@ -2,14 +2,17 @@
 
 Errors are 401 ``invalid_api_key`` in the OpenAI shape; they never echo the key.
 """
+
 from __future__ import annotations
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
 from gateway.tenants import TenantRegistry
 
-_MISSING = ("You didn't provide an API key. You need to provide your API key in an Authorization "
-            "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+_MISSING = (
+    "You didn't provide an API key. You need to provide your API key in an Authorization "
+    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
 _WRONG = "Incorrect API key provided."
 
 

@@ -1,6 +1,7 @@
 """The ``kvgate`` command. Each subcommand lives in its own module, imported only when chosen, so
 ``kvgate --help`` is fast and no subcommand drags in another's dependencies (torch stays in
 ``kvgate backend``'s own process)."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: kvgate <command> [options]", "", "kvgate: an edge gateway for LLM inference.", "",
-             "commands:"]
+    lines = ["usage: kvgate <command> [options]", "", "kvgate: an edge gateway for LLM inference.", "", "commands:"]
     lines += [f"  {name.ljust(width)}  {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run 'kvgate <command> --help' for a command's options."]
     return "\n".join(lines)

@@ -11,6 +11,7 @@ Sources, all shipped with the project (nothing is read from outside it at run ti
 counter the gateway uses for the bundled backend) so the request's prompt is exactly the number
 of tokens asked for, as the gateway will count it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -60,13 +61,22 @@ def generated_log(lines: int = 400, seed: int = 7) -> str:
         t += rng.expovariate(20.0)
         prompt = int(rng.lognormvariate(6.0, 1.2))
         status = rng.choices([200, 400, 401, 429, 503], [90, 5, 1, 3, 1])[0]
-        out.append(json.dumps({
-            "ts": round(t, 3), "level": "info", "request_id": f"req-{rng.getrandbits(64):016x}",
-            "tenant": rng.choice(["demo-a", "demo-b", "acme", "globex"]), "route": rng.choice(routes),
-            "prompt_tokens": prompt, "completion_tokens": rng.randint(1, 256) if status == 200 else 0,
-            "status": status, "overhead_ms": round(rng.uniform(0.2, 1.5), 3),
-            "ttft_ms": round(prompt * 0.05 + rng.uniform(5, 40), 1) if status == 200 else None,
-        }))
+        out.append(
+            json.dumps(
+                {
+                    "ts": round(t, 3),
+                    "level": "info",
+                    "request_id": f"req-{rng.getrandbits(64):016x}",
+                    "tenant": rng.choice(["demo-a", "demo-b", "acme", "globex"]),
+                    "route": rng.choice(routes),
+                    "prompt_tokens": prompt,
+                    "completion_tokens": rng.randint(1, 256) if status == 200 else 0,
+                    "status": status,
+                    "overhead_ms": round(rng.uniform(0.2, 1.5), 3),
+                    "ttft_ms": round(prompt * 0.05 + rng.uniform(5, 40), 1) if status == 200 else None,
+                }
+            )
+        )
     return "\n".join(out)
 
 
@@ -98,7 +108,7 @@ def _fit(counter: PromptCounter, source: str, target: int, count: Callable[[str]
         n += step
     # Token-level steps oscillate at a merge boundary: walk characters from a prefix that is long enough.
     # Where no prefix fits (a character of two tokens at the cut), a prefix one short + a filler.
-    text = decode(ids[:min(len(ids), n + 4)])
+    text = decode(ids[: min(len(ids), n + 4)])
     while text and count(text) > target:
         text = text[:-1]
         got = count(text)
@@ -118,8 +128,9 @@ def fit_prompt(source: str, target: int, counter: PromptCounter | None = None, p
     return prefix + _fit(c, source, target, lambda t: c.count_prompt(prefix + t).largest)
 
 
-def fit_chat(source: str, target: int, counter: PromptCounter | None = None, instruction: str = "",
-             system: str | None = None) -> list[dict[str, Any]]:
+def fit_chat(
+    source: str, target: int, counter: PromptCounter | None = None, instruction: str = "", system: str | None = None
+) -> list[dict[str, Any]]:
     """Chat ``messages`` of exactly ``target`` prompt tokens (ChatML template and generation
     prompt included): an optional system message, then a user message ``instruction`` + the start
     of ``source``. Raises :class:`FitError` when ``source`` is too short."""

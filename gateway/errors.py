@@ -1,6 +1,7 @@
 """Exception handlers: every error the app answers is OpenAI-shaped JSON (DESIGN.md, "Error
 bodies"), unknown routes included (404 ``not_found``); an unexpected exception is a 500 whose
 body is OpenAI-shaped too and names no internals."""
+
 from __future__ import annotations
 
 import logging
@@ -42,20 +43,30 @@ def install(app: FastAPI) -> None:
             code = "method_not_allowed"
         else:
             msg, code = str(exc.detail), None
-        return Response(openai_error_bytes(msg, status=exc.status_code, code=code),
-                        status_code=exc.status_code, media_type=JSON, headers=getattr(exc, "headers", None))
+        return Response(
+            openai_error_bytes(msg, status=exc.status_code, code=code),
+            status_code=exc.status_code,
+            media_type=JSON,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         errs = exc.errors()
         param = ".".join(str(p) for p in errs[0]["loc"][1:]) if errs else None
-        return Response(openai_error_bytes("Invalid request.", status=400, code=ErrorCode.INVALID_REQUEST,
-                                           param=param or None), status_code=400, media_type=JSON)
+        return Response(
+            openai_error_bytes("Invalid request.", status=400, code=ErrorCode.INVALID_REQUEST, param=param or None),
+            status_code=400,
+            media_type=JSON,
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s %s: %s", request.method, request.url.path, type(exc).__name__,
-                  exc_info=exc)
-        return Response(openai_error_bytes("The server had an error while processing your request.",
-                                           status=500, code=ErrorCode.INTERNAL_ERROR),
-                        status_code=500, media_type=JSON)
+        log.error("unhandled error on %s %s: %s", request.method, request.url.path, type(exc).__name__, exc_info=exc)
+        return Response(
+            openai_error_bytes(
+                "The server had an error while processing your request.", status=500, code=ErrorCode.INTERNAL_ERROR
+            ),
+            status_code=500,
+            media_type=JSON,
+        )

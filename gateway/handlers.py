@@ -1,6 +1,7 @@
 """The route handlers: steps 1-6 of a request's way through the gateway (DESIGN.md), then a
 :class:`~gateway.proxy.ProxyCall` for step 7. Kept free of pydantic model building per request:
 the body is a dict from orjson, checked by :mod:`gateway.requests`."""
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,17 @@ def _error(gw: "Gateway", err: OpenAIError, rid: str, t0: float, tenant: str, ro
     m.rejections.labels(err.code or f"http_{err.status}").inc()
     m.requests.labels(tenant, route, str(err.status)).inc()
     m.overhead.labels(route).observe(overhead)
-    glog.access({"request_id": rid, "tenant": tenant, "route": route, "status": err.status,
-                 "error_code": err.code, "param": err.param, "overhead_ms": round(overhead * 1000, 3)})
+    glog.access(
+        {
+            "request_id": rid,
+            "tenant": tenant,
+            "route": route,
+            "status": err.status,
+            "error_code": err.code,
+            "param": err.param,
+            "overhead_ms": round(overhead * 1000, 3),
+        }
+    )
     return Response(err.body_bytes(), status_code=err.status, media_type="application/json", headers=headers)
 
 
@@ -61,15 +71,22 @@ async def handle_completion(gw: "Gateway", request: Request, route: str) -> Resp
         prompt = await count_prompt(entry, body, route)
         candidates, pool_limit = gw.upstreams.eligible(entry.id)
         if pool_limit is None:
-            raise OpenAIError(503, f"The live KV pool size of the engines serving '{entry.id}' is unknown or "
-                              "stale; refusing rather than risking a silent rejection. Retry shortly.",
-                              code=ErrorCode.POOL_SIZE_UNKNOWN, headers={"Retry-After": "1"})
+            raise OpenAIError(
+                503,
+                f"The live KV pool size of the engines serving '{entry.id}' is unknown or "
+                "stale; refusing rather than risking a silent rejection. Retry shortly.",
+                code=ErrorCode.POOL_SIZE_UNKNOWN,
+                headers={"Retry-After": "1"},
+            )
         adm = decide(entry, tenant, body, route, prompt, pool_limit)
         verifier = gw.verifier
         candidates = [u for u in candidates if not verifier.is_quarantined(u.name, adm.prompt_tokens)]
         if not candidates:
-            raise OpenAIError(503, "Every upstream engine for this model is quarantined for prompts of this "
-                              "length.", code=ErrorCode.UPSTREAM_UNAVAILABLE)
+            raise OpenAIError(
+                503,
+                "Every upstream engine for this model is quarantined for prompts of this length.",
+                code=ErrorCode.UPSTREAM_UNAVAILABLE,
+            )
         lease = await gw.quotas.reserve(tenant, adm.reserve_tokens, rid)
     except OpenAIError as e:
         return _error(gw, e, rid, t0, tenant_id, route)
@@ -99,10 +116,19 @@ async def handle_models(gw: "Gateway", request: Request) -> Response:
     data: list[dict[str, Any]] = []
     for e in gw.models.allowed(tenant):
         _, pool_limit = gw.upstreams.eligible(e.id)
-        data.append({"id": e.id, "object": "model", "created": gw.started_at, "owned_by": "kvgate",
-                     "root": e.id, "max_model_len": effective_limit(e, tenant, pool_limit)
-                     if pool_limit is not None else None})
+        data.append(
+            {
+                "id": e.id,
+                "object": "model",
+                "created": gw.started_at,
+                "owned_by": "kvgate",
+                "root": e.id,
+                "max_model_len": effective_limit(e, tenant, pool_limit) if pool_limit is not None else None,
+            }
+        )
     gw.metrics.requests.labels(tenant.id, "models", "200").inc()
-    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json",
-                    headers={"x-request-id": rid,
-                             "x-kvgate-overhead-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"})
+    return Response(
+        orjson.dumps({"object": "list", "data": data}),
+        media_type="application/json",
+        headers={"x-request-id": rid, "x-kvgate-overhead-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"},
+    )

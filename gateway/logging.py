@@ -1,6 +1,7 @@
 """JSON logs, one object per line: ``ts``, ``level``, ``logger``, ``msg`` and the structured
 fields a record carries in ``extra={"fields": {...}}`` (request id, tenant, token counts, status,
 timings). Keys and prompt text are never passed to a log call."""
+
 from __future__ import annotations
 
 import logging

@@ -1,6 +1,7 @@
 """Prometheus metrics of one gateway app (its own ``CollectorRegistry``, so several apps in one
 process, as in tests, never clash). Labels carry tenant ids, routes, status codes, reasons and
 upstream names only: never keys or prompt text."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
@@ -19,29 +20,59 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("kvgate_requests", "Requests answered, by tenant, route and HTTP status.",
-                                ["tenant", "route", "status"], registry=r)
-        self.rejections = Counter("kvgate_rejections", "Requests refused by the gateway, by reason (error code).",
-                                  ["reason"], registry=r)
-        self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens admitted (gateway count).",
-                                     ["tenant"], registry=r)
-        self.completion_tokens = Counter("kvgate_completion_tokens", "Completion tokens the engines reported.",
-                                         ["tenant"], registry=r)
-        self.overhead = Histogram("kvgate_gateway_overhead_seconds",
-                                  "Time spent in the gateway itself (excluding the upstream).",
-                                  ["route"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("kvgate_upstream_ttft_seconds", "Upstream time to first token (streams).",
-                              ["upstream"], buckets=_TTFT_BUCKETS, registry=r)
-        self.upstream_errors = Counter("kvgate_upstream_errors", "Upstream failures, by upstream and kind.",
-                                       ["upstream", "kind"], registry=r)
-        self.aborts = Counter("kvgate_finish_reason_abort",
-                              "Responses with finish_reason 'abort' under HTTP 200.", ["upstream"], registry=r)
-        self.client_disconnects = Counter("kvgate_client_disconnects", "Requests the client abandoned.",
-                                          ["route"], registry=r)
-        self.pool_tokens = Gauge("kvgate_pool_tokens", "Live KV pool size per upstream (smallest prefill node);"
-                                 " -1 when unknown.", ["upstream"], registry=r)
-        self.effective_limit = Gauge("kvgate_effective_limit_tokens", "Pool limit per upstream after headroom;"
-                                     " -1 when unknown.", ["upstream"], registry=r)
+        self.requests = Counter(
+            "kvgate_requests",
+            "Requests answered, by tenant, route and HTTP status.",
+            ["tenant", "route", "status"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "kvgate_rejections", "Requests refused by the gateway, by reason (error code).", ["reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "kvgate_prompt_tokens", "Prompt tokens admitted (gateway count).", ["tenant"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "kvgate_completion_tokens", "Completion tokens the engines reported.", ["tenant"], registry=r
+        )
+        self.overhead = Histogram(
+            "kvgate_gateway_overhead_seconds",
+            "Time spent in the gateway itself (excluding the upstream).",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvgate_upstream_ttft_seconds",
+            "Upstream time to first token (streams).",
+            ["upstream"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvgate_upstream_errors", "Upstream failures, by upstream and kind.", ["upstream", "kind"], registry=r
+        )
+        self.aborts = Counter(
+            "kvgate_finish_reason_abort",
+            "Responses with finish_reason 'abort' under HTTP 200.",
+            ["upstream"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "kvgate_client_disconnects", "Requests the client abandoned.", ["route"], registry=r
+        )
+        self.pool_tokens = Gauge(
+            "kvgate_pool_tokens",
+            "Live KV pool size per upstream (smallest prefill node); -1 when unknown.",
+            ["upstream"],
+            registry=r,
+        )
+        self.effective_limit = Gauge(
+            "kvgate_effective_limit_tokens",
+            "Pool limit per upstream after headroom; -1 when unknown.",
+            ["upstream"],
+            registry=r,
+        )
         self.in_flight = Gauge("kvgate_in_flight_requests", "Requests being served now.", registry=r)
 
     def pool_updater(self, upstream: str):
@@ -52,6 +83,7 @@ class GatewayMetrics:
         def update(pool: int | None, limit: int | None) -> None:
             pool_g.set(-1 if pool is None else pool)
             lim_g.set(-1 if limit is None else limit)
+
         update(None, None)
         return update
 

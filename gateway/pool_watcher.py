@@ -14,6 +14,7 @@ node, non-200, missing field) makes the pool *unknown* at once; a value older th
 ``max_staleness_seconds`` is unknown too. Unknown means the gateway fails closed (503
 ``pool_size_unknown``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -78,9 +79,13 @@ def limit_from_vllm_models(data: Any, headroom: float, context_length: int | Non
     """``(pool_tokens, limit)`` from a vLLM ``/v1/models`` body: pool = smallest ``max_model_len``
     (DESIGN.md: "vLLM: max_model_len"). Raises :class:`PoolReadError` when no entry reports it."""
     entries = data.get("data") if isinstance(data, dict) else None
-    lens = [int(e["max_model_len"]) for e in entries or []
-            if isinstance(e, dict) and isinstance(e.get("max_model_len"), int)
-            and not isinstance(e.get("max_model_len"), bool)]
+    lens = [
+        int(e["max_model_len"])
+        for e in entries or []
+        if isinstance(e, dict)
+        and isinstance(e.get("max_model_len"), int)
+        and not isinstance(e.get("max_model_len"), bool)
+    ]
     if not lens:
         raise PoolReadError("/v1/models reports no max_model_len")
     pool = min(lens)
@@ -103,10 +108,15 @@ class PoolWatcher:
     called with ``(pool_tokens | None, limit | None)`` after every poll (metrics).
     """
 
-    def __init__(self, upstream: UpstreamConfig, settings: PoolSettings, client: httpx.AsyncClient,
-                 context_length: int | None = None,
-                 on_update: Callable[[int | None, int | None], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        upstream: UpstreamConfig,
+        settings: PoolSettings,
+        client: httpx.AsyncClient,
+        context_length: int | None = None,
+        on_update: Callable[[int | None, int | None], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.upstream = upstream
         self.settings = settings
         self.client = client

@@ -17,6 +17,7 @@ answer (DESIGN.md, "A request's way through the gateway", "Error bodies").
 - counts ``finish_reason: "abort"`` under a 200, settles the quota lease exactly once, records
   metrics and one JSON access log line.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvgate.proxy")
 
-_OPENAI_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
-                 "rate_limit_error", "server_error", "api_error"}
+_OPENAI_TYPES = {
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "rate_limit_error",
+    "server_error",
+    "api_error",
+}
 _CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
@@ -150,8 +158,12 @@ class ProxyCall(Response):
                 if isinstance(e, OSError) and self.started:
                     raise  # the client's socket is gone mid-response: nothing left to tell it
                 log.error("request %s failed: %s", self.request_id, type(e).__name__, exc_info=e)
-                await self._send_error(send_, OpenAIError(500, "The server had an error while processing your "
-                                                          "request.", code=ErrorCode.INTERNAL_ERROR))
+                await self._send_error(
+                    send_,
+                    OpenAIError(
+                        500, "The server had an error while processing your request.", code=ErrorCode.INTERNAL_ERROR
+                    ),
+                )
         except asyncio.CancelledError:
             if not self.disconnected or task is None:
                 raise
@@ -173,8 +185,11 @@ class ProxyCall(Response):
                 return
 
     def _headers(self, content_type: bytes) -> list[tuple[bytes, bytes]]:
-        h = [(b"content-type", content_type), (b"x-request-id", self.request_id.encode()),
-             (b"x-kvgate-overhead-ms", f"{self.overhead * 1000:.3f}".encode())]
+        h = [
+            (b"content-type", content_type),
+            (b"x-request-id", self.request_id.encode()),
+            (b"x-kvgate-overhead-ms", f"{self.overhead * 1000:.3f}".encode()),
+        ]
         for k, v in self.lease.headers.items():
             h.append((k.lower().encode(), str(v).encode()))
         for k, v in self.extra_headers.items():
@@ -205,8 +220,11 @@ class ProxyCall(Response):
         order = gw.upstreams.order(self.candidates)
         last: Exception | None = None
         for u in order:
-            headers = {"content-type": "application/json", "accept-encoding": "identity",
-                       "x-request-id": self.request_id}
+            headers = {
+                "content-type": "application/json",
+                "accept-encoding": "identity",
+                "x-request-id": self.request_id,
+            }
             if u.auth_header:
                 headers["authorization"] = u.auth_header
             req = gw.client.build_request("POST", u.url_for(self.route), content=self.body, headers=headers)
@@ -219,25 +237,31 @@ class ProxyCall(Response):
                 u.in_flight -= 1
                 self.upstream = None
                 gw.metrics.upstream_errors.labels(u.name, "connect").inc()
-                log.warning("upstream %s: connect failed (%s), trying the next", u.name, type(e).__name__,
-                            extra={"fields": {"request_id": self.request_id}})
+                log.warning(
+                    "upstream %s: connect failed (%s), trying the next",
+                    u.name,
+                    type(e).__name__,
+                    extra={"fields": {"request_id": self.request_id}},
+                )
                 last = e
                 continue
             except httpx.TimeoutException:
                 gw.metrics.upstream_errors.labels(u.name, "timeout").inc()
-                raise OpenAIError(504, "The upstream engine did not answer in time.",
-                                  code=ErrorCode.UPSTREAM_TIMEOUT) from None
+                raise OpenAIError(
+                    504, "The upstream engine did not answer in time.", code=ErrorCode.UPSTREAM_TIMEOUT
+                ) from None
             except httpx.HTTPError as e:
                 gw.metrics.upstream_errors.labels(u.name, "reset").inc()
-                raise OpenAIError(502, f"The upstream engine failed ({type(e).__name__}).",
-                                  code=ErrorCode.UPSTREAM_UNAVAILABLE) from None
+                raise OpenAIError(
+                    502, f"The upstream engine failed ({type(e).__name__}).", code=ErrorCode.UPSTREAM_UNAVAILABLE
+                ) from None
             self.forwarded = True
             return resp
         if isinstance(last, (httpx.ConnectTimeout, httpx.PoolTimeout)):
-            raise OpenAIError(504, "No upstream engine accepted the connection in time.",
-                              code=ErrorCode.UPSTREAM_TIMEOUT)
-        raise OpenAIError(503, "No upstream engine for this model is reachable.",
-                          code=ErrorCode.UPSTREAM_UNAVAILABLE)
+            raise OpenAIError(
+                504, "No upstream engine accepted the connection in time.", code=ErrorCode.UPSTREAM_TIMEOUT
+            )
+        raise OpenAIError(503, "No upstream engine for this model is reachable.", code=ErrorCode.UPSTREAM_UNAVAILABLE)
 
     async def _run(self, send: Any) -> None:
         resp = await self._connect()
@@ -268,9 +292,19 @@ class ProxyCall(Response):
 
     def _begin_guard(self) -> ResponseGuard | None:
         a = self.admission
-        return self.gw.verifier.begin(Exchange(
-            self.request_id, self.tenant, self.upstream.name if self.upstream else "", a.model.id,
-            self.route, a.prompt_text, a.prompt_tokens, self.stream, self.t_arrival_monotonic))
+        return self.gw.verifier.begin(
+            Exchange(
+                self.request_id,
+                self.tenant,
+                self.upstream.name if self.upstream else "",
+                a.model.id,
+                self.route,
+                a.prompt_text,
+                a.prompt_tokens,
+                self.stream,
+                self.t_arrival_monotonic,
+            )
+        )
 
     @property
     def t_arrival_monotonic(self) -> float:
@@ -282,8 +316,9 @@ class ProxyCall(Response):
             self.gw.metrics.upstream_errors.labels(u, "timeout").inc()
             return OpenAIError(504, "The upstream engine did not answer in time.", code=ErrorCode.UPSTREAM_TIMEOUT)
         self.gw.metrics.upstream_errors.labels(u, "reset").inc()
-        return OpenAIError(502, f"The upstream engine broke the connection ({type(e).__name__}).",
-                           code=ErrorCode.UPSTREAM_UNAVAILABLE)
+        return OpenAIError(
+            502, f"The upstream engine broke the connection ({type(e).__name__}).", code=ErrorCode.UPSTREAM_UNAVAILABLE
+        )
 
     async def _relay_whole(self, resp: httpx.Response, send: Any, guard: ResponseGuard | None) -> None:
         try:
@@ -294,8 +329,9 @@ class ProxyCall(Response):
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise OpenAIError(502, "The upstream engine answered a body that is not JSON.",
-                              code=ErrorCode.UPSTREAM_UNAVAILABLE) from None
+            raise OpenAIError(
+                502, "The upstream engine answered a body that is not JSON.", code=ErrorCode.UPSTREAM_UNAVAILABLE
+            ) from None
         if is_error_payload(data):
             raise engine_error(200, data)
         text = ""
@@ -324,8 +360,11 @@ class ProxyCall(Response):
             try:
                 await guard.check_body(text, usage=self.usage, finish_reason=self.finish_reason, ttft_seconds=self.ttft)
             except ResponseWithheld as w:
-                raise OpenAIError(502, f"The response was withheld by verification (incident {w.incident_id}).",
-                                  code=ErrorCode.RESPONSE_WITHHELD) from None
+                raise OpenAIError(
+                    502,
+                    f"The response was withheld by verification (incident {w.incident_id}).",
+                    code=ErrorCode.RESPONSE_WITHHELD,
+                ) from None
         self.overhead += time.perf_counter() - t_done
         h = self._headers(b"application/json")
         h.append((b"content-length", str(len(raw)).encode()))
@@ -396,21 +435,33 @@ class ProxyCall(Response):
             err = self._read_error(e)
             if not self.started:
                 raise err from None
-            await send({"type": "http.response.body", "body": b"".join(held) + _error_event(err) + DONE_EVENT,
-                        "more_body": False})
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"".join(held) + _error_event(err) + DONE_EVENT,
+                    "more_body": False,
+                }
+            )
             self.error_code = err.code
             return
         except ResponseWithheld as w:
-            raise OpenAIError(502, f"The response was withheld by verification (incident {w.incident_id}).",
-                              code=ErrorCode.RESPONSE_WITHHELD) from None
+            raise OpenAIError(
+                502,
+                f"The response was withheld by verification (incident {w.incident_id}).",
+                code=ErrorCode.RESPONSE_WITHHELD,
+            ) from None
         tail: list[bytes] = held
         if guard is not None:
             try:
-                tail += await guard.finish_stream(usage=self.usage, finish_reason=self.finish_reason,
-                                                  ttft_seconds=self.ttft)
+                tail += await guard.finish_stream(
+                    usage=self.usage, finish_reason=self.finish_reason, ttft_seconds=self.ttft
+                )
             except ResponseWithheld as w:
-                raise OpenAIError(502, f"The response was withheld by verification (incident {w.incident_id}).",
-                                  code=ErrorCode.RESPONSE_WITHHELD) from None
+                raise OpenAIError(
+                    502,
+                    f"The response was withheld by verification (incident {w.incident_id}).",
+                    code=ErrorCode.RESPONSE_WITHHELD,
+                ) from None
         if not done and splitter.tail().strip():
             log.warning("upstream stream ended inside an event", extra={"fields": {"request_id": self.request_id}})
         if not self.started:
@@ -464,10 +515,18 @@ class ProxyCall(Response):
         if self.error_code and self.status >= 400:
             m.rejections.labels(self.error_code).inc()
         fields = {
-            "request_id": self.request_id, "tenant": tenant, "route": self.route, "status": self.status,
-            "model": a.model.id, "upstream": u.name if u else None, "stream": self.stream,
-            "prompt_tokens": a.prompt_tokens_total, "max_tokens": a.max_tokens, "limit_tokens": a.limit,
-            "completion_tokens": completion, "finish_reason": self.finish_reason,
+            "request_id": self.request_id,
+            "tenant": tenant,
+            "route": self.route,
+            "status": self.status,
+            "model": a.model.id,
+            "upstream": u.name if u else None,
+            "stream": self.stream,
+            "prompt_tokens": a.prompt_tokens_total,
+            "max_tokens": a.max_tokens,
+            "limit_tokens": a.limit,
+            "completion_tokens": completion,
+            "finish_reason": self.finish_reason,
             "overhead_ms": round(self.overhead * 1000, 3),
             "ttft_ms": round(self.ttft * 1000, 3) if self.ttft is not None else None,
             "total_ms": round((time.perf_counter() - self.t_arrival) * 1000, 3),

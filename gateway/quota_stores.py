@@ -8,6 +8,7 @@ request, its tokens and a lease together or changes nothing (a TPM refusal spend
 Times are milliseconds: Redis's own clock (``TIME``) in the Lua scripts, so replicas' clocks do
 not matter; ``time.monotonic()`` in :class:`LocalQuotaStore`.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,7 +46,7 @@ class QuotaLimits:
         """Each limit floor-divided by ``divisor`` (per-replica share while Redis is down;
         floor, so that ``replicas`` replicas together never exceed the configured limit)."""
         d = max(1, divisor)
-        f = (lambda v: None if v is None else v // d)
+        f = lambda v: None if v is None else v // d
         return QuotaLimits(f(self.rpm), f(self.tpm), f(self.max_concurrent))
 
 
@@ -78,14 +79,16 @@ class QuotaStore(Protocol):
 
     name: str
 
-    async def reserve(self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int,
-                      window_ms: int, lease_ttl_ms: int) -> QuotaDecision:
+    async def reserve(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
         """Admit one request + ``tokens`` + a lease of ``lease_ttl_ms``, or nothing.
         Raises :class:`QuotaStoreUnavailable`."""
         ...
 
-    async def settle(self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int,
-                     reserved_tokens: int, window_ms: int) -> None:
+    async def settle(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
+    ) -> None:
         """Release the lease; correct the TPM debit to ``used_tokens``.
         Raises :class:`QuotaStoreUnavailable`."""
         ...
@@ -154,19 +157,33 @@ class RedisQuotaStore:
         except (RedisError, OSError) as e:
             raise QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}") from e
 
-    async def reserve(self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int,
-                      window_ms: int, lease_ttl_ms: int) -> QuotaDecision:
-        r = await self._call(self._reserve, self.keys(tenant_id), [
-            lease_id, _arg(limits.rpm), _arg(limits.tpm), _arg(limits.max_concurrent),
-            int(tokens), int(window_ms), int(lease_ttl_ms)])
+    async def reserve(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
+        r = await self._call(
+            self._reserve,
+            self.keys(tenant_id),
+            [
+                lease_id,
+                _arg(limits.rpm),
+                _arg(limits.tpm),
+                _arg(limits.max_concurrent),
+                int(tokens),
+                int(window_ms),
+                int(lease_ttl_ms),
+            ],
+        )
         refused = tuple(x for x in _text(r[1]).split(",") if x)
         return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])))
 
-    async def settle(self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int,
-                     reserved_tokens: int, window_ms: int) -> None:
-        await self._call(self._settle, self.keys(tenant_id), [
-            lease_id, int(used_tokens), int(reserved_tokens), int(window_ms),
-            "1" if limits.tpm is not None else "0"])
+    async def settle(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
+    ) -> None:
+        await self._call(
+            self._settle,
+            self.keys(tenant_id),
+            [lease_id, int(used_tokens), int(reserved_tokens), int(window_ms), "1" if limits.tpm is not None else "0"],
+        )
 
     async def renew(self, tenant_id: str, lease_ids: list[str], lease_ttl_ms: int) -> int:
         if not lease_ids:
@@ -223,12 +240,14 @@ class LocalQuotaStore:
         for lid in [k for k, exp in log.leases.items() if exp <= now]:
             del log.leases[lid]
 
-    async def reserve(self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int,
-                      window_ms: int, lease_ttl_ms: int) -> QuotaDecision:
+    async def reserve(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
         return self.reserve_now(tenant_id, limits, lease_id, tokens, window_ms, lease_ttl_ms)
 
-    def reserve_now(self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int,
-                    window_ms: int, lease_ttl_ms: int) -> QuotaDecision:
+    def reserve_now(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
         """Synchronous :meth:`reserve` (no I/O)."""
         now = self._clock()
         log = self._log(tenant_id)
@@ -239,8 +258,7 @@ class LocalQuotaStore:
         too_large = False
         if limits.rpm is not None and count + 1 > limits.rpm:
             refused.append("rpm")
-            retry = max(retry, window_ms if limits.rpm == 0
-                        else log.rpm[count - limits.rpm][0] + window_ms - now)
+            retry = max(retry, window_ms if limits.rpm == 0 else log.rpm[count - limits.rpm][0] + window_ms - now)
         if limits.tpm is not None and used + tokens > limits.tpm:
             refused.append("tpm")
             if tokens > limits.tpm:
@@ -273,8 +291,9 @@ class LocalQuotaStore:
             log.leases[lease_id] = now + lease_ttl_ms
         return QuotaDecision(True, (), 0, rr, rt)
 
-    async def settle(self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int,
-                     reserved_tokens: int, window_ms: int) -> None:
+    async def settle(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
+    ) -> None:
         log = self._log(tenant_id)
         log.leases.pop(lease_id, None)
         if limits.tpm is None:

@@ -19,6 +19,7 @@ calls, built from settings by :func:`build_quota_stage`.
   failure Redis is tried again within :data:`PROBE_INTERVAL_SECONDS`, so limits resume by
   themselves. No Redis URL: limits kept in process memory (a warning says they are per process).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -83,8 +84,9 @@ def _fmt_seconds(s: float) -> str:
     return f"{s:g}s"
 
 
-def refusal_error(tenant: TenantConfig, limits: QuotaLimits, decision: QuotaDecision, tokens: int,
-                  window_seconds: float) -> OpenAIError:
+def refusal_error(
+    tenant: TenantConfig, limits: QuotaLimits, decision: QuotaDecision, tokens: int, window_seconds: float
+) -> OpenAIError:
     """The 429 ``rate_limit_exceeded`` for a refused reservation, worded like the OpenAI API's
     ("Rate limit reached for ... Limit L, Used U, Requested R. Please try again in Ns.")."""
     retry_s = max(1, math.ceil(decision.retry_after_ms / 1000))
@@ -99,12 +101,15 @@ def refusal_error(tenant: TenantConfig, limits: QuotaLimits, decision: QuotaDeci
     if "concurrency" in decision.refused:
         parts.append(f"concurrent requests: Limit {limits.max_concurrent}")
     if decision.too_large:
-        msg = (f"Request too large for tenant '{tenant.id}' on tokens per {window} window (TPM): "
-               f"Limit {limits.tpm}, Requested {tokens} (prompt + max_tokens). "
-               "Reduce the prompt or max_tokens.")
+        msg = (
+            f"Request too large for tenant '{tenant.id}' on tokens per {window} window (TPM): "
+            f"Limit {limits.tpm}, Requested {tokens} (prompt + max_tokens). "
+            "Reduce the prompt or max_tokens."
+        )
     else:
-        msg = (f"Rate limit reached for tenant '{tenant.id}' on " + "; ".join(parts)
-               + f". Please try again in {retry_s}s.")
+        msg = (
+            f"Rate limit reached for tenant '{tenant.id}' on " + "; ".join(parts) + f". Please try again in {retry_s}s."
+        )
     headers = {"Retry-After": str(retry_s), **rate_limit_headers(limits, decision)}
     return OpenAIError(429, msg, code=ErrorCode.RATE_LIMIT_EXCEEDED, headers=headers)
 
@@ -118,8 +123,7 @@ class TenantQuotas:
     store. ``settings``: windows, lease TTL, Redis timeout and failure policy.
     """
 
-    def __init__(self, settings: QuotaSettings, store: QuotaStore, *,
-                 fallback: LocalQuotaStore | None = None) -> None:
+    def __init__(self, settings: QuotaSettings, store: QuotaStore, *, fallback: LocalQuotaStore | None = None) -> None:
         self.settings = settings
         self.store = store
         self.fallback = fallback
@@ -142,16 +146,17 @@ class TenantQuotas:
         self._retry_store_at = time.monotonic() + PROBE_INTERVAL_SECONDS
         if not self._store_down:
             self._store_down = True
-            action = ("per-replica local limits (limit // %d)" % self.settings.replicas
-                      if self.fallback is not None else "refusing requests with 503 (fail closed)")
-            log.warning("quota store %s unavailable (%s): %s until it answers again",
-                        self.store.name, err, action)
+            action = (
+                "per-replica local limits (limit // %d)" % self.settings.replicas
+                if self.fallback is not None
+                else "refusing requests with 503 (fail closed)"
+            )
+            log.warning("quota store %s unavailable (%s): %s until it answers again", self.store.name, err, action)
 
     async def _mark_up(self) -> None:
         if self._store_down:
             self._store_down = False
-            log.warning("quota store %s answers again: limits are shared across replicas again",
-                        self.store.name)
+            log.warning("quota store %s answers again: limits are shared across replicas again", self.store.name)
         if self._uncertain:
             await self._cancel_uncertain()
 
@@ -171,8 +176,9 @@ class TenantQuotas:
                 self._mark_down(e)
                 return
         if undone:
-            log.warning("quota store %s: undid %d reservation(s) it ran after their call had "
-                        "timed out", self.store.name, undone)
+            log.warning(
+                "quota store %s: undid %d reservation(s) it ran after their call had timed out", self.store.name, undone
+            )
 
     async def _bounded(self, coro: Any) -> Any:
         try:
@@ -197,12 +203,12 @@ class TenantQuotas:
         store: QuotaStore = self.store
         decision: QuotaDecision | None = None
         if isinstance(store, LocalQuotaStore):
-            decision = store.reserve_now(tenant.id, limits, lease_id, tokens, self.window_ms,
-                                         self.lease_ttl_ms)
+            decision = store.reserve_now(tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms)
         elif self._store_usable():
             try:
-                decision = await self._bounded(store.reserve(
-                    tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms))
+                decision = await self._bounded(
+                    store.reserve(tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms)
+                )
             except QuotaStoreUnavailable as e:
                 self._uncertain.append((tenant.id, lease_id))
                 self._mark_down(e)
@@ -212,13 +218,14 @@ class TenantQuotas:
         if decision is None:
             if self.fallback is None:
                 raise OpenAIError(
-                    503, "The quota store is unavailable, so the request cannot be admitted. "
-                    "Please try again shortly.", code=ErrorCode.QUOTA_BACKEND_UNAVAILABLE,
-                    headers={"Retry-After": str(self.settings.retry_after_on_failure_seconds)})
+                    503,
+                    "The quota store is unavailable, so the request cannot be admitted. Please try again shortly.",
+                    code=ErrorCode.QUOTA_BACKEND_UNAVAILABLE,
+                    headers={"Retry-After": str(self.settings.retry_after_on_failure_seconds)},
+                )
             store = self.fallback
             limits = limits.divided(self.settings.replicas)
-            decision = self.fallback.reserve_now(tenant.id, limits, lease_id, tokens,
-                                                 self.window_ms, self.lease_ttl_ms)
+            decision = self.fallback.reserve_now(tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms)
         if not decision.admitted:
             raise refusal_error(tenant, limits, decision, tokens, self.settings.window_seconds)
         held = _Held(store, tenant.id, limits, lease_id, self.window_ms)
@@ -240,9 +247,16 @@ class TenantQuotas:
         if held.store is self.store and held.store is not self.fallback and not self._store_usable():
             return
         try:
-            await self._bounded(held.store.settle(held.tenant_id, held.limits, held.lease_id,
-                                                  max(0, int(used_tokens)), lease.reserved_tokens,
-                                                  held.window_ms))
+            await self._bounded(
+                held.store.settle(
+                    held.tenant_id,
+                    held.limits,
+                    held.lease_id,
+                    max(0, int(used_tokens)),
+                    lease.reserved_tokens,
+                    held.window_ms,
+                )
+            )
         except QuotaStoreUnavailable as e:
             if held.store is self.store:
                 self._mark_down(e)
@@ -266,8 +280,9 @@ class TenantQuotas:
             if store is self.store and not self._store_usable():
                 continue
             try:
-                renewed += await self._bounded(store.renew(
-                    held[0].tenant_id, [h.lease_id for h in held], self.lease_ttl_ms))
+                renewed += await self._bounded(
+                    store.renew(held[0].tenant_id, [h.lease_id for h in held], self.lease_ttl_ms)
+                )
             except QuotaStoreUnavailable as e:
                 if store is self.store:
                     self._mark_down(e)
@@ -332,8 +347,12 @@ def redis_client_from_url(url: str, timeout_seconds: float) -> Any:
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
-    opts: dict[str, Any] = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
-                                retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    opts: dict[str, Any] = dict(
+        socket_timeout=timeout_seconds,
+        socket_connect_timeout=timeout_seconds,
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+    )
     parts = urlsplit(url)
     if parts.scheme not in ("redis+sentinel", "rediss+sentinel"):
         return Redis.from_url(url, **opts)
@@ -355,16 +374,18 @@ def redis_client_from_url(url: str, timeout_seconds: float) -> Any:
             raise ValueError(f"sentinel URL: bad port in '{item}'") from None
     path = [p for p in parts.path.split("/") if p]
     if not hosts or not path:
-        raise ValueError("sentinel URL needs hosts and a service name: "
-                         "redis+sentinel://host:26379[,host:26379]/service_name[/db]")
+        raise ValueError(
+            "sentinel URL needs hosts and a service name: redis+sentinel://host:26379[,host:26379]/service_name[/db]"
+        )
     db = int(path[1]) if len(path) > 1 else 0
     query = parse_qs(parts.query)
     sentinel_kwargs = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
     if "sentinel_password" in query:
         sentinel_kwargs["password"] = query["sentinel_password"][0]
     sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **opts)
-    return sentinel.master_for(path[0], db=db, username=username, password=password,
-                               ssl=parts.scheme.startswith("rediss"), **opts)
+    return sentinel.master_for(
+        path[0], db=db, username=username, password=password, ssl=parts.scheme.startswith("rediss"), **opts
+    )
 
 
 def build_quota_stage(settings: Settings, *, key_prefix: str = "kvgate:q") -> QuotaStage:
@@ -376,8 +397,10 @@ def build_quota_stage(settings: Settings, *, key_prefix: str = "kvgate:q") -> Qu
     if not q.enabled:
         return NullQuotas()
     if not settings.redis_url:
-        log.warning("quotas: no redis_url is configured, so limits are kept in this process: "
-                    "each gateway process admits a tenant's full limits on its own")
+        log.warning(
+            "quotas: no redis_url is configured, so limits are kept in this process: "
+            "each gateway process admits a tenant's full limits on its own"
+        )
         local = LocalQuotaStore()
         return TenantQuotas(q, local, fallback=local)
     client = redis_client_from_url(settings.redis_url, q.redis_timeout_seconds)

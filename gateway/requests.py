@@ -6,6 +6,7 @@ is on the hot path. Every failure is a 400 ``invalid_request_error`` whose ``par
 field; a body above the limit is a 413. Message and prompt *contents* are validated by the
 tokenizer while counting (it raises typed errors naming ``messages[i].content[j].type`` etc.).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -18,8 +19,7 @@ Check = Callable[[Any], str | None]  # returns a problem ("must be ...") or None
 
 
 def _bad(param: str, problem: str) -> OpenAIError:
-    return OpenAIError(400, f"Invalid value for '{param}': {problem}", code=ErrorCode.INVALID_REQUEST,
-                       param=param)
+    return OpenAIError(400, f"Invalid value for '{param}': {problem}", code=ErrorCode.INVALID_REQUEST, param=param)
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
@@ -30,8 +30,7 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     non-object top level.
     """
     if not body:
-        raise OpenAIError(400, "The request body is empty; expected a JSON object.",
-                          code=ErrorCode.INVALID_REQUEST)
+        raise OpenAIError(400, "The request body is empty; expected a JSON object.", code=ErrorCode.INVALID_REQUEST)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
@@ -99,6 +98,7 @@ def _in_range(is_kind: Callable[[Any], bool], kind: str, lo: float | None, hi: f
         if hi is not None and v > hi:
             return f"must be <= {hi}"
         return None
+
     return check
 
 
@@ -245,13 +245,13 @@ def validate(body: dict[str, Any], route: str) -> None:
     fields = CHAT_FIELDS if route == "chat" else COMPLETION_FIELDS
     for name in REQUIRED[route]:
         if body.get(name) is None:
-            raise OpenAIError(400, f"Missing required parameter: '{name}'.", code=ErrorCode.INVALID_REQUEST,
-                              param=name)
+            raise OpenAIError(400, f"Missing required parameter: '{name}'.", code=ErrorCode.INVALID_REQUEST, param=name)
     for key, value in body.items():
         check = fields.get(key)
         if check is None:
-            raise OpenAIError(400, f"Unrecognized request argument supplied: {key}",
-                              code=ErrorCode.INVALID_REQUEST, param=key)
+            raise OpenAIError(
+                400, f"Unrecognized request argument supplied: {key}", code=ErrorCode.INVALID_REQUEST, param=key
+            )
         if value is None:
             continue
         problem = check(value)
@@ -260,5 +260,9 @@ def validate(body: dict[str, Any], route: str) -> None:
     if body.get("best_of") is not None and body.get("n") is not None and body["best_of"] < body["n"]:
         raise _bad("best_of", "must be >= 'n'")
     if body.get("stream_options") is not None and not body.get("stream"):
-        raise OpenAIError(400, "'stream_options' is only allowed when 'stream' is true.",
-                          code=ErrorCode.INVALID_REQUEST, param="stream_options")
+        raise OpenAIError(
+            400,
+            "'stream_options' is only allowed when 'stream' is true.",
+            code=ErrorCode.INVALID_REQUEST,
+            param="stream_options",
+        )

@@ -6,6 +6,7 @@ On the first SIGTERM or SIGINT the gateway starts draining: requests in flight r
 load balancer stops sending), and once nothing is in flight, or after ``drain_timeout_seconds``,
 uvicorn stops. A second signal stops at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,13 +52,20 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(app: Any, host: str, port: int, *, drain_timeout_seconds: float = 30.0,
-               log_level: str = "info") -> int:
+def run_server(app: Any, host: str, port: int, *, drain_timeout_seconds: float = 30.0, log_level: str = "info") -> int:
     """Serve ``app`` (built by :func:`gateway.app.create_app`) on ``host:port`` until a signal
     has drained it. Returns the exit status (0)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            log_config=None, timeout_graceful_shutdown=max(drain_timeout_seconds, 1.0),
-                            lifespan="on", server_header=False)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=max(drain_timeout_seconds, 1.0),
+        lifespan="on",
+        server_header=False,
+    )
     server = DrainingServer(config, app.state.gateway, drain_timeout_seconds)
     server.run()
     return 0

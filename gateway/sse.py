@@ -6,6 +6,7 @@ An event ends at a blank line (``\\n\\n`` or ``\\r\\n\\r\\n``, the WHATWG SSE gr
 endings as engines send them). :func:`inspect` reads an event's ``data:`` payload as JSON to learn
 what it carries (text, finish reason, usage, an error) without changing its bytes.
 """
+
 from __future__ import annotations
 
 import re

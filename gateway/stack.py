@@ -18,6 +18,7 @@ dies (``PR_SET_PDEATHSIG``). :meth:`EmbeddedStack.stop` signals each child's who
 so engine worker processes go too. Children's output goes to ``backend.log`` and
 ``gateway.log`` in the stack's run directory; start-up errors quote their last lines.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -200,13 +201,15 @@ class EmbeddedStack:
             host = self.options.host
             backend_port = self._pick_backend_port(base)
             gateway_port = self._pick_gateway_port(base)
-            self.backend = self._spawn("backend", self._backend_cmd(base, host, backend_port),
-                                       f"http://{host}:{backend_port}")
+            self.backend = self._spawn(
+                "backend", self._backend_cmd(base, host, backend_port), f"http://{host}:{backend_port}"
+            )
             self.server_info = self._wait_backend()
             self.settings = self._gateway_settings(base, host, backend_port, gateway_port)
             self.config_path.write_text(yaml.safe_dump(self.settings.model_dump(mode="json"), sort_keys=False))
-            self.gateway = self._spawn("gateway", self._gateway_cmd(host, gateway_port),
-                                       f"http://{host}:{gateway_port}")
+            self.gateway = self._spawn(
+                "gateway", self._gateway_cmd(host, gateway_port), f"http://{host}:{gateway_port}"
+            )
             self._wait_gateway()
         except BaseException:
             self.stop()
@@ -249,19 +252,43 @@ class EmbeddedStack:
         if p is None:
             p = base.gateway.port
         if p and not port_is_free(p, self.options.host):
-            raise StackError(f"gateway port {p} on {self.options.host} is in use "
-                             "(pick another with --port, or --port 0 for a free one)")
+            raise StackError(
+                f"gateway port {p} on {self.options.host} is in use "
+                "(pick another with --port, or --port 0 for a free one)"
+            )
         return p or free_port(self.options.host)
 
     def _backend_cmd(self, base: Settings, host: str, port: int) -> list[str]:
         if self.options.backend_cmd:
             return [a.replace("{host}", host).replace("{port}", str(port)) for a in self.options.backend_cmd]
         b = base.backend
-        cmd = [sys.executable, "-m", "gpu_backend", "--role", "all", "--host", host, "--port", str(port),
-               "--model", b.model, "--served-model-name", b.served_model_name, "--device", b.device,
-               "--context-length", str(b.context_length), "--page-size", str(b.page_size),
-               "--prefill-max-total-tokens", str(b.prefill_max_total_tokens),
-               "--decode-max-total-tokens", str(b.decode_max_total_tokens), "--seed", str(b.seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpu_backend",
+            "--role",
+            "all",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--model",
+            b.model,
+            "--served-model-name",
+            b.served_model_name,
+            "--device",
+            b.device,
+            "--context-length",
+            str(b.context_length),
+            "--page-size",
+            str(b.page_size),
+            "--prefill-max-total-tokens",
+            str(b.prefill_max_total_tokens),
+            "--decode-max-total-tokens",
+            str(b.decode_max_total_tokens),
+            "--seed",
+            str(b.seed),
+        ]
         if b.max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(b.max_total_tokens)]
         if b.mem_budget_bytes is not None:
@@ -269,8 +296,21 @@ class EmbeddedStack:
         return cmd + list(self.options.backend_args)
 
     def _gateway_cmd(self, host: str, port: int) -> list[str]:
-        return [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config_path),
-                "--tenants", str(self.tenants_path), "--host", host, "--port", str(port), "--demo"]
+        return [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--config",
+            str(self.config_path),
+            "--tenants",
+            str(self.tenants_path),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--demo",
+        ]
 
     def _gateway_settings(self, base: Settings, host: str, backend_port: int, gateway_port: int) -> Settings:
         """The gateway's settings: ``base`` with one upstream (this backend), the bind address,
@@ -281,8 +321,13 @@ class EmbeddedStack:
         if base.model_by_name(served) is None:
             models.append(ModelConfig(id=served, context_length=base.backend.context_length).model_dump(mode="json"))
         backend = f"http://{host}:{backend_port}"
-        upstream = UpstreamConfig(name="embedded", api_url=f"{backend}/v1", pool_source="kvgate",
-                                  pool_urls=[f"{backend}/server_info"], models=[served])
+        upstream = UpstreamConfig(
+            name="embedded",
+            api_url=f"{backend}/v1",
+            pool_source="kvgate",
+            pool_urls=[f"{backend}/server_info"],
+            models=[served],
+        )
         data.update(models=models, upstreams=[upstream.model_dump(mode="json")], redis_url=None)
         data["gateway"].update(host=host, port=gateway_port)
         data["state_dir"] = str(Path(base.state_dir).resolve())
@@ -302,8 +347,15 @@ class EmbeddedStack:
         else:
             out = open(log_path, "wb")  # noqa: SIM115 - handed to the child, closed below
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                    env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         except OSError as e:
             raise StackError(f"{name}: cannot start {cmd[0]}: {e.strerror or e}") from e
         finally:
@@ -335,8 +387,10 @@ class EmbeddedStack:
                     last = f"{type(e).__name__}"
                 if time.monotonic() > deadline:
                     where = "" if self.options.echo_logs else f"\n{_log_tail(child.log_path)}"
-                    raise StackError(f"{child.name}: {what} not ready after {self.options.startup_timeout_seconds:.0f} s "
-                                     f"({child.url}{path}: {last}){where}")
+                    raise StackError(
+                        f"{child.name}: {what} not ready after {self.options.startup_timeout_seconds:.0f} s "
+                        f"({child.url}{path}: {last}){where}"
+                    )
                 time.sleep(0.1)
 
     def _wait_backend(self) -> dict[str, Any]:
@@ -362,6 +416,7 @@ def terminate_as_interrupt() -> Any:
     """While active, SIGTERM and SIGINT raise ``KeyboardInterrupt`` in the main thread, so a
     supervisor stopped by either runs its ``finally`` blocks and stops its children. SIGINT is
     handled even when the parent left it ignored (a background job of a non-interactive shell)."""
+
     def _raise(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -378,6 +433,7 @@ def serve_until_interrupted(stack: EmbeddedStack, *, poll_seconds: float = 0.5) 
     """Block while the stack serves. Returns 0 on Ctrl-C/SIGTERM (inside
     :func:`terminate_as_interrupt`), 1 when a child exits on its own (its log tail is printed to
     stderr). SIGHUP meanwhile makes the gateway re-read its tenants file."""
+
     def _reload(_signum: int, _frame: Any) -> None:
         if stack.gateway is not None and stack.gateway.alive():  # a dead one is reported by the loop
             with contextlib.suppress(ProcessLookupError):

@@ -3,6 +3,7 @@
 The verification stage's contract (step 8) lives in ``verifier/stage.py``, since dependencies
 point ``gateway -> verifier``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -6,6 +6,7 @@ sees the old table or the new one). An invalid file is logged and the previous t
 limits are read from the tenant entry on every request, so new limits apply to the next request;
 the windows already logged (in Redis or in process) stay and count against the new limits.
 """
+
 from __future__ import annotations
 
 import logging

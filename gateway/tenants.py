@@ -4,6 +4,7 @@ Keys are stored only as lowercase hex SHA-256 hashes. :class:`TenantRegistry` ma
 key to its tenant; :meth:`TenantRegistry.reload` re-reads ``tenants.yaml`` and swaps the whole
 table in one assignment, so a request sees either the old table or the new one, never a mix.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,8 +49,9 @@ class TenantRegistry:
     ``allowed_models`` names a configured model (``config.loader.check_tenant_models``).
     """
 
-    def __init__(self, tenants: TenantsFile, path: str | os.PathLike[str] | None = None,
-                 settings: Settings | None = None) -> None:
+    def __init__(
+        self, tenants: TenantsFile, path: str | os.PathLike[str] | None = None, settings: Settings | None = None
+    ) -> None:
         self.path = Path(path) if path is not None else None
         self.settings = settings
         self._check(tenants)
@@ -61,8 +63,9 @@ class TenantRegistry:
             check_tenant_models(self.settings, tenants, self.path or "tenants")
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike[str] | None = None,
-                  settings: Settings | None = None) -> "TenantRegistry":
+    def from_path(
+        cls, path: str | os.PathLike[str] | None = None, settings: Settings | None = None
+    ) -> "TenantRegistry":
         """Load ``tenants.yaml`` (``config.loader.load_tenants`` rules). Raises ``ConfigError``,
         also for an ``allowed_models`` entry unknown to ``settings`` when given."""
         p = Path(path) if path is not None else None

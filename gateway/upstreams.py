@@ -6,6 +6,7 @@ Only upstreams whose pool limit is known and fresh are eligible; the limit a req
 is gated against is the smallest limit among them, so a retry on any of them still fits. An
 upstream the verifier has quarantined for prompts of this length is skipped.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,8 +42,13 @@ def make_upstream(cfg: UpstreamConfig, watcher: PoolWatcher) -> Upstream:
     and bearer header (from ``api_key``) precomputed."""
     base = cfg.api_url.rstrip("/")
     key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
-    return Upstream(cfg, watcher, chat_url=base + "/chat/completions", completions_url=base + "/completions",
-                    auth_header=f"Bearer {key}" if key else None)
+    return Upstream(
+        cfg,
+        watcher,
+        chat_url=base + "/chat/completions",
+        completions_url=base + "/completions",
+        auth_header=f"Bearer {key}" if key else None,
+    )
 
 
 class UpstreamSet:

@@ -1,4 +1,5 @@
 """``python -m gpu_backend [flags]``: see :mod:`gpu_backend.cli`."""
+
 import sys
 
 from gpu_backend.cli import main

@@ -10,6 +10,7 @@ Queries are processed in chunks so the score tensor stays under ``SCORE_BUDGET``
 ``target_positions`` ([T] long) is extra per-token data only copy-probe reads (DESIGN.md: "at decode
 step i the engine supplies the target position i").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,8 +55,14 @@ def _batch_layout(spans: list[SeqSpan], device: torch.device):
         t += s.num_new
     kpos = torch.arange(lmax)
     mask = kpos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, Lmax]; padded rows see key 0 only
-    return (q_index.to(device), q_valid.to(device), mask.to(device), torch.cat(positions).to(device),
-            torch.cat(targets).to(device), lmax)
+    return (
+        q_index.to(device),
+        q_valid.to(device),
+        mask.to(device),
+        torch.cat(positions).to(device),
+        torch.cat(targets).to(device),
+        lmax,
+    )
 
 
 def _sdpa_chunked(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -68,8 +75,9 @@ def _sdpa_chunked(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch
     out = torch.empty_like(Q)
     for a in range(0, Qmax, chunk):
         b = min(Qmax, a + chunk)
-        out[:, :, a:b] = F.scaled_dot_product_attention(Q[:, :, a:b], K, V, attn_mask=mask[:, None, a:b],
-                                                        scale=scale, enable_gqa=gqa)
+        out[:, :, a:b] = F.scaled_dot_product_attention(
+            Q[:, :, a:b], K, V, attn_mask=mask[:, None, a:b], scale=scale, enable_gqa=gqa
+        )
     return out
 
 
@@ -85,8 +93,7 @@ class PagedAttention:
         dev = pool.device
         P = pool.page_size
         self.pool = pool
-        (self.q_index, self.q_valid, self.mask, self.positions, self.target_positions,
-         lmax) = _batch_layout(spans, dev)
+        (self.q_index, self.q_valid, self.mask, self.positions, self.target_positions, lmax) = _batch_layout(spans, dev)
         max_pages = max(len(s.pages) for s in spans)
         table = torch.zeros(len(spans), max_pages, dtype=torch.long)
         for b, s in enumerate(spans):
@@ -101,7 +108,7 @@ class PagedAttention:
         slots = table[:, pidx] * P + (kpos % P)[None, :]
         slots = torch.where(kpos[None, :] < kv_len[:, None], slots, slots[:, :1])
         self.kv_slots = slots.to(dev)
-        new = [slots[b, s.start: s.start + s.num_new] for b, s in enumerate(spans)]
+        new = [slots[b, s.start : s.start + s.num_new] for b, s in enumerate(spans)]
         self.slot_mapping = torch.cat(new).to(dev)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -121,8 +128,16 @@ class ContiguousKVCache:
     """A contiguous cache per sequence: [num_layers, 2, B, max_len, Hkv, D] (the reference the
     benchmark and tests compare the paged path with; no page table, no gather)."""
 
-    def __init__(self, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         self.kv = torch.zeros(num_layers, 2, batch, max_len, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.device = torch.device(device)
 
@@ -133,8 +148,9 @@ class ContiguousAttention:
 
     def __init__(self, cache: ContiguousKVCache, spans: list[SeqSpan]) -> None:
         self.cache = cache
-        (self.q_index, self.q_valid, self.mask, self.positions, self.target_positions,
-         self.lmax) = _batch_layout(spans, cache.device)
+        (self.q_index, self.q_valid, self.mask, self.positions, self.target_positions, self.lmax) = _batch_layout(
+            spans, cache.device
+        )
         rows = [torch.full((s.num_new,), b, dtype=torch.long) for b, s in enumerate(spans)]
         self.rows = torch.cat(rows).to(cache.device)
 

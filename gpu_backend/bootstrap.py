@@ -8,6 +8,7 @@ first opens the room; the other finds it. A closed room (released, failed, finis
 tombstone for ``tombstone_seconds`` so a late transfer or a late reservation for it is refused
 instead of reopening it (and a late reservation can never leak pages).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,11 +27,11 @@ def new_room() -> int:
 class RoomState(enum.Enum):
     """Lifecycle of a room on the decode node."""
 
-    OPEN = "open"            # known, nothing reserved yet
-    RESERVED = "reserved"    # decode holds pages for prompt + max_new_tokens
-    LOADED = "loaded"        # a transfer was accepted into the reservation
-    DECODING = "decoding"    # generating
-    CLOSED = "closed"        # released / finished / failed: terminal
+    OPEN = "open"  # known, nothing reserved yet
+    RESERVED = "reserved"  # decode holds pages for prompt + max_new_tokens
+    LOADED = "loaded"  # a transfer was accepted into the reservation
+    DECODING = "decoding"  # generating
+    CLOSED = "closed"  # released / finished / failed: terminal
 
 
 class RoomClosedError(Exception):

@@ -17,6 +17,7 @@ Roles:
 
 Faults: ``KVGATE_FAULTS`` (see :mod:`gpu_backend.faults`), test use only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ def build_parser(d: BackendSettings) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="kvgate.yaml to read the backend defaults from")
     p.add_argument("--role", choices=["all", "prefill", "decode", "router"], default=d.role)
     p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=None, help="default: 30000 (all, router), 30001 (prefill), "
-                                                          "30002 (decode)")
+    p.add_argument(
+        "--port", type=int, default=None, help="default: 30000 (all, router), 30001 (prefill), 30002 (decode)"
+    )
     p.add_argument("--prefill-url", default=d.prefill_url, help="router: the prefill node")
     p.add_argument("--decode-url", default=d.decode_url, help="router and prefill: the decode node")
     p.add_argument("--model", default=d.model, help="tiny-random, copy-probe or a local HF Llama folder")
@@ -62,24 +64,39 @@ def build_parser(d: BackendSettings) -> argparse.ArgumentParser:
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--page-size", type=int, default=d.page_size)
-    p.add_argument("--max-total-tokens", type=_pool_arg, default=d.max_total_tokens,
-                   help="this node's KV pool cap in tokens (role all: the prefill pool); 0: from memory. "
-                        "Default: 4,096 for prefill, 16,384 for decode")
+    p.add_argument(
+        "--max-total-tokens",
+        type=_pool_arg,
+        default=d.max_total_tokens,
+        help="this node's KV pool cap in tokens (role all: the prefill pool); 0: from memory. "
+        "Default: 4,096 for prefill, 16,384 for decode",
+    )
     p.add_argument("--prefill-max-total-tokens", type=_pool_arg, default=d.prefill_max_total_tokens)
     p.add_argument("--decode-max-total-tokens", type=_pool_arg, default=d.decode_max_total_tokens)
-    p.add_argument("--mem-budget-bytes", type=int, default=d.mem_budget_bytes,
-                   help="on CPU: stands in for free device memory when sizing the pool")
+    p.add_argument(
+        "--mem-budget-bytes",
+        type=int,
+        default=d.mem_budget_bytes,
+        help="on CPU: stands in for free device memory when sizing the pool",
+    )
     p.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
     p.add_argument("--pool-wait-timeout-seconds", type=float, default=d.pool_wait_timeout_seconds)
     p.add_argument("--transfer-timeout-seconds", type=float, default=d.transfer_timeout_seconds)
-    p.add_argument("--request-timeout-seconds", type=float, default=None,
-                   help="router: arrival to first token (default: 2 x pool wait + transfer timeout + 30)")
+    p.add_argument(
+        "--request-timeout-seconds",
+        type=float,
+        default=None,
+        help="router: arrival to first token (default: 2 x pool wait + transfer timeout + 30)",
+    )
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--enable-debug-endpoints", action="store_true",
-                   help="serve /debug/pool (pool free/used pages and a zero check); test use only")
+    p.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve /debug/pool (pool free/used pages and a zero check); test use only",
+    )
     return p
 
 
@@ -126,12 +143,20 @@ def make_engine(opts: Options, side: str) -> Any:
     """An :class:`~gpu_backend.engine.Engine` for ``side`` (imports torch)."""
     from gpu_backend.engine import Engine, EngineConfig
 
-    cfg = EngineConfig(model=opts.model, device=opts.device, context_length=opts.context_length,
-                       page_size=opts.page_size, max_total_tokens=opts.pool_tokens(side),
-                       mem_budget_bytes=opts.mem_budget_bytes, mem_fraction_static=opts.mem_fraction_static,
-                       pool_wait_timeout_seconds=opts.pool_wait_timeout_seconds,
-                       max_running_requests=opts.max_running_requests, seed=opts.seed, dtype=opts.dtype,
-                       faults=opts.faults)
+    cfg = EngineConfig(
+        model=opts.model,
+        device=opts.device,
+        context_length=opts.context_length,
+        page_size=opts.page_size,
+        max_total_tokens=opts.pool_tokens(side),
+        mem_budget_bytes=opts.mem_budget_bytes,
+        mem_fraction_static=opts.mem_fraction_static,
+        pool_wait_timeout_seconds=opts.pool_wait_timeout_seconds,
+        max_running_requests=opts.max_running_requests,
+        seed=opts.seed,
+        dtype=opts.dtype,
+        faults=opts.faults,
+    )
     return Engine(cfg)
 
 
@@ -139,8 +164,12 @@ def _router_config(opts: Options) -> Any:
     from gpu_backend.servers import RouterConfig
     from tokenizer import bundled_counter
 
-    return RouterConfig(counter=bundled_counter(), context_length=opts.context_length,
-                        served_model_name=opts.served_model_name, model_names=[opts.model])
+    return RouterConfig(
+        counter=bundled_counter(),
+        context_length=opts.context_length,
+        served_model_name=opts.served_model_name,
+        model_names=[opts.model],
+    )
 
 
 def _http_client(opts: Options) -> Any:
@@ -148,9 +177,10 @@ def _http_client(opts: Options) -> Any:
 
     # keep-alive expiry well below the servers' timeout_keep_alive (60 s), so a pooled connection is
     # never reused just as the server closes it
-    return httpx.AsyncClient(limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512,
-                                                 keepalive_expiry=20.0),
-                             timeout=httpx.Timeout(opts.open_timeout, connect=10.0))
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=2048, max_keepalive_connections=512, keepalive_expiry=20.0),
+        timeout=httpx.Timeout(opts.open_timeout, connect=10.0),
+    )
 
 
 def build_app(opts: Options) -> Any:
@@ -183,10 +213,12 @@ def build_app(opts: Options) -> Any:
         async def info() -> dict[str, Any]:
             return pnode.server_info()
 
-        debug = (lambda: {"prefill": pool_report(pe), "decode": pool_report(de)}) \
-            if opts.enable_debug_endpoints else None
-        app = servers.build_router_app(router, _router_config(opts), server_info=info, debug_pools=debug,
-                                       lifespan=lifespan)
+        debug = (
+            (lambda: {"prefill": pool_report(pe), "decode": pool_report(de)}) if opts.enable_debug_endpoints else None
+        )
+        app = servers.build_router_app(
+            router, _router_config(opts), server_info=info, debug_pools=debug, lifespan=lifespan
+        )
         app.state.engines = {"prefill": pe, "decode": de}
         app.state.nodes = {"prefill": pnode, "decode": dnode}
         return app
@@ -271,6 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    uvicorn.run(app, host=opts.host, port=opts.port_resolved, log_level=opts.log_level, access_log=False,
-                timeout_keep_alive=60, timeout_graceful_shutdown=10)
+    uvicorn.run(
+        app,
+        host=opts.host,
+        port=opts.port_resolved,
+        log_level=opts.log_level,
+        access_log=False,
+        timeout_keep_alive=60,
+        timeout_graceful_shutdown=10,
+    )
     return 0

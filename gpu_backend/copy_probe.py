@@ -19,6 +19,7 @@ it repeats its own completion, i.e. the prompt again); a stale page yields whate
 request left at that position. It runs through the same :class:`~gpu_backend.attention.PagedAttention`
 as the Llama model.
 """
+
 from __future__ import annotations
 
 import math

@@ -11,6 +11,7 @@ fault ``skip_transfer_check`` the mismatch is accepted and decode attends over e
 prompt position, as in the incident. Every exit path (finish, abort, release, timeout, client
 gone) frees the reservation.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -78,15 +79,21 @@ class DecodeNode:
     (the reservation itself may be waiting for pages).
     """
 
-    def __init__(self, engine: Engine, *, faults: frozenset[str] = frozenset(),
-                 transfer_timeout_seconds: float = 30.0) -> None:
+    def __init__(
+        self, engine: Engine, *, faults: frozenset[str] = frozenset(), transfer_timeout_seconds: float = 30.0
+    ) -> None:
         self.engine = engine
         self.skip_transfer_check = "skip_transfer_check" in faults
         self.transfer_timeout = transfer_timeout_seconds
         self.reservation_wait = transfer_timeout_seconds + float(engine.cfg.pool_wait_timeout_seconds)
         self.rooms = RoomTable(tombstone_seconds=max(120.0, 4 * transfer_timeout_seconds))
-        self.counters = {"transfers_accepted": 0, "transfers_refused": 0, "transfer_mismatches": 0,
-                         "transfer_timeouts": 0, "released": 0}
+        self.counters = {
+            "transfers_accepted": 0,
+            "transfers_refused": 0,
+            "transfer_mismatches": 0,
+            "transfer_timeouts": 0,
+            "released": 0,
+        }
 
     def server_info(self) -> dict[str, Any]:
         """The engine's SGLang fields with ``disaggregation_mode`` ``"decode"`` and live room count."""
@@ -100,8 +107,9 @@ class DecodeNode:
         """The engine-side id of a room's request (unique per room)."""
         return f"{request_id}@{room:016x}"
 
-    async def generate(self, room: int, request_id: str, prompt_ids: list[int],
-                       params: dict[str, Any]) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any]
+    ) -> AsyncIterator[TokenEvent]:
         """Reserve, wait for the transfer, then yield the engine's :class:`TokenEvent` s.
 
         Raises :class:`PoolExhaustedError` (503), :class:`TransferMismatchError` (500),
@@ -139,7 +147,8 @@ class DecodeNode:
             except asyncio.TimeoutError:
                 self.counters["transfer_timeouts"] += 1
                 raise TransferTimeoutError(
-                    f"no KV transfer arrived for room {room} within {self.transfer_timeout:g} s") from None
+                    f"no KV transfer arrived for room {room} within {self.transfer_timeout:g} s"
+                ) from None
             if not loaded:
                 raise r.error or RequestAbortedError(f"room {room} was released")
             r.state = RoomState.DECODING
@@ -204,11 +213,18 @@ class DecodeNode:
             if not self.skip_transfer_check:
                 err = TransferMismatchError(
                     f"decode reserved {r.prompt_tokens} prompt tokens for room {manifest.room} but the transfer "
-                    f"holds {manifest.num_tokens}; the request is aborted and nothing is generated")
+                    f"holds {manifest.num_tokens}; the request is aborted and nothing is generated"
+                )
                 self._fail(manifest.room, r, "transfer mismatch", err)
                 raise err
-            log.warning("fault skip_transfer_check: room %d accepted %d of %d tokens; decode attends over all "
-                        "%d reserved positions", manifest.room, manifest.num_tokens, r.prompt_tokens, r.prompt_tokens)
+            log.warning(
+                "fault skip_transfer_check: room %d accepted %d of %d tokens; decode attends over all "
+                "%d reserved positions",
+                manifest.room,
+                manifest.num_tokens,
+                r.prompt_tokens,
+                r.prompt_tokens,
+            )
             context = r.prompt_tokens
         else:
             context = manifest.num_tokens
@@ -243,9 +259,19 @@ class DecodeNode:
 
 def event_line(ev: TokenEvent) -> bytes:
     """One NDJSON line of the decode stream for a token event."""
-    return orjson.dumps({"token_id": ev.token_id, "text": ev.text, "finished": ev.finished,
-                         "finish_reason": ev.finish_reason, "prompt_tokens": ev.prompt_tokens,
-                         "completion_tokens": ev.completion_tokens}) + b"\n"
+    return (
+        orjson.dumps(
+            {
+                "token_id": ev.token_id,
+                "text": ev.text,
+                "finished": ev.finished,
+                "finish_reason": ev.finish_reason,
+                "prompt_tokens": ev.prompt_tokens,
+                "completion_tokens": ev.completion_tokens,
+            }
+        )
+        + b"\n"
+    )
 
 
 def error_line(exc: BaseException) -> bytes:
@@ -263,8 +289,15 @@ class DecodeStream:
     count of lines it already has and loses nothing. With no follower for ``grace_seconds`` the
     pump is cancelled, which releases the room (the router normally releases it at once)."""
 
-    def __init__(self, node: "DecodeNode", room: int, request_id: str, prompt_ids: list[int],
-                 params: dict[str, Any], grace_seconds: float) -> None:
+    def __init__(
+        self,
+        node: "DecodeNode",
+        room: int,
+        request_id: str,
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        grace_seconds: float,
+    ) -> None:
         self.room = room
         self.lines: list[bytes] = []
         self.done = False
@@ -330,8 +363,9 @@ class DecodeStreams:
         self.keep = keep_seconds
         self._streams: dict[int, DecodeStream] = {}
 
-    def open(self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any],
-             start: int = 0) -> AsyncIterator[bytes]:
+    def open(
+        self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any], start: int = 0
+    ) -> AsyncIterator[bytes]:
         """Follow room ``room`` from line ``start``, starting its generation if it is new."""
         now = time.monotonic()
         for k in [k for k, s in self._streams.items() if s.done and now - (s.finished_at or now) > self.keep]:

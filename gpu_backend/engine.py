@@ -14,6 +14,7 @@ Threading: every forward pass runs in one worker thread (``Scheduler.step`` in a
 asyncio event loop of the servers stays free. Calls into the engine come from the event loop;
 results go back with ``loop.call_soon_threadsafe`` into per-request ``asyncio.Queue`` s.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -176,18 +177,26 @@ class Engine:
         layers, kv_heads, head_dim = self.model.kv_geometry
         cell = pool_sizing.kv_cell_bytes(layers, kv_heads, head_dim, self.dtype)
         self.max_total_num_tokens = pool_sizing.max_total_num_tokens(
-            free_bytes, self.weight_bytes, cell, cfg.mem_fraction_static, cfg.page_size, cfg.max_total_tokens)
+            free_bytes, self.weight_bytes, cell, cfg.mem_fraction_static, cfg.page_size, cfg.max_total_tokens
+        )
         self.max_req_len = min(cfg.context_length - 1, self.max_total_num_tokens - 1)
         self.max_req_input_len = pool_sizing.max_req_input_len(cfg.context_length, self.max_total_num_tokens)
         if self.max_req_input_len < 1:
             raise ValueError(f"pool of {self.max_total_num_tokens} tokens leaves no room for a prompt")
-        self.pool = KVPool(self.max_total_num_tokens // cfg.page_size, cfg.page_size, layers, kv_heads, head_dim,
-                           self.dtype, self.device, scrub="no_scrub" not in self.faults)
+        self.pool = KVPool(
+            self.max_total_num_tokens // cfg.page_size,
+            cfg.page_size,
+            layers,
+            kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+            scrub="no_scrub" not in self.faults,
+        )
         self.counter = bundled_counter()
         self.eos_token_id = self.counter.im_end_id
         self.eos_ids = {self.counter.im_end_id, ENDOFTEXT_ID}
-        self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0)
-                              or self.model.vocab_size)
+        self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or self.model.vocab_size)
         enc = self.counter.encoding
         bias = torch.full((self.vocab_size,), float("-inf"))
         valid = [i for i in range(min(self.vocab_size, enc.n_vocab)) if self.counter.is_valid_id(i)]
@@ -195,10 +204,16 @@ class Engine:
         self._token_bytes_cache: dict[int, bytes] = {}
         self.runner = ModelRunner(self.model, self.pool, bias)
         self.scheduler = Scheduler(
-            self.runner, self.pool, max_batch_tokens=cfg.max_batch_tokens,
+            self.runner,
+            self.pool,
+            max_batch_tokens=cfg.max_batch_tokens,
             max_running_requests=cfg.max_running_requests,
-            pool_wait_timeout_seconds=cfg.pool_wait_timeout_seconds, token_bytes=self._token_bytes,
-            eos_ids=self.eos_ids, make_event=_make_event, on_retire=self._on_retire)
+            pool_wait_timeout_seconds=cfg.pool_wait_timeout_seconds,
+            token_bytes=self._token_bytes,
+            eos_ids=self.eos_ids,
+            make_event=_make_event,
+            on_retire=self._on_retire,
+        )
         self.stats = self.scheduler.stats
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self._live: dict[str, Sequence] = {}
@@ -275,8 +290,9 @@ class Engine:
                         sched.cond.wait(timeout=0.02 if sched.waiting else 0.5)
 
     # ---- single-engine path ------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
         """Prefill + decode one request; yields a :class:`TokenEvent` per token, the last with
         ``finished=True``.
 
@@ -314,8 +330,16 @@ class Engine:
             if not done:
                 self.abort(seq.request_id)
 
-    def _admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, emit,
-               *, pages_for_output: bool, placeholder_ok: bool = False) -> Sequence:
+    def _admit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        emit,
+        *,
+        pages_for_output: bool,
+        placeholder_ok: bool = False,
+    ) -> Sequence:
         """Validate and build a WAITING sequence (nothing allocated). A prompt over
         ``max_req_input_len`` is REJECTED here (terminal) and its PromptTooLongError raised."""
         if not self._ready:
@@ -327,10 +351,15 @@ class Engine:
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", request_id=request_id, param="prompt")
         for t in prompt_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size \
-                    or not self.counter.is_valid_id(t):
-                raise InvalidRequestError(f"token id {t!r} is not in the model's vocabulary",
-                                          request_id=request_id, param="prompt")
+            if (
+                not isinstance(t, int)
+                or isinstance(t, bool)
+                or not 0 <= t < self.vocab_size
+                or not self.counter.is_valid_id(t)
+            ):
+                raise InvalidRequestError(
+                    f"token id {t!r} is not in the model's vocabulary", request_id=request_id, param="prompt"
+                )
         original = len(prompt_ids)
         if original > self.max_req_input_len:
             if not placeholder_ok:
@@ -341,8 +370,9 @@ class Engine:
                 raise seq.error
             prompt_ids = list(PLACEHOLDER_PROMPT)
         max_new = min(params.max_new_tokens, self.max_req_len - len(prompt_ids) - 1)
-        params = dataclasses.replace(params, max_new_tokens=max_new, stop=list(params.stop),
-                                     stop_token_ids=list(params.stop_token_ids))
+        params = dataclasses.replace(
+            params, max_new_tokens=max_new, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)
+        )
         seq = Sequence(request_id, prompt_ids, params, emit, reported_prompt_tokens=original)
         seq.stop_token_ids = set(params.stop_token_ids)
         seq.generator = self._generator(params)
@@ -395,8 +425,9 @@ class Engine:
         return b
 
     # ---- disaggregation hooks: prefill side -------------------------------------------------
-    async def prefill_export(self, request_id: str, prompt_ids: list[int],
-                             params: SamplingParams | None = None) -> PrefillResult:
+    async def prefill_export(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None
+    ) -> PrefillResult:
         """Admit, prefill, copy the written pages out and free them.
 
         Admission: :class:`PromptTooLongError` unless the ``admit_rejected`` fault is on, in which
@@ -410,18 +441,28 @@ class Engine:
         t0 = time.monotonic()
         original = len(prompt_ids)
         params = params or SamplingParams(max_new_tokens=1)
-        seq = self._admit(request_id, prompt_ids, dataclasses.replace(params, max_new_tokens=1),
-                          _future_setter(loop, fut), pages_for_output=False,
-                          placeholder_ok="admit_rejected" in self.faults)
+        seq = self._admit(
+            request_id,
+            prompt_ids,
+            dataclasses.replace(params, max_new_tokens=1),
+            _future_setter(loop, fut),
+            pages_for_output=False,
+            placeholder_ok="admit_rejected" in self.faults,
+        )
         placeholder = seq.prompt_ids != list(prompt_ids)
         pool = self.pool
 
         def export(s: Sequence) -> PrefillResult:  # worker thread, before the pages are freed
             n = s.num_context_tokens
             kv = pool.read_pages(s.pages[: pool.pages_for(n)])
-            return PrefillResult(kv=kv, num_tokens=n, first_token_id=s.completion_ids[0],
-                                 prefill_seconds=time.monotonic() - t0, placeholder=placeholder,
-                                 original_prompt_tokens=original)
+            return PrefillResult(
+                kv=kv,
+                num_tokens=n,
+                first_token_id=s.completion_ids[0],
+                prefill_seconds=time.monotonic() - t0,
+                placeholder=placeholder,
+                original_prompt_tokens=original,
+            )
 
         seq.on_prefilled = export
         self.scheduler.submit("add", seq)
@@ -453,7 +494,9 @@ class Engine:
             if time.monotonic() >= deadline:
                 raise PoolExhaustedError(
                     f"KV pool full: no room for {n} pages ({n * self.page_size} tokens) within "
-                    f"{self.cfg.pool_wait_timeout_seconds:g} s; retry later", request_id=request_id)
+                    f"{self.cfg.pool_wait_timeout_seconds:g} s; retry later",
+                    request_id=request_id,
+                )
             await asyncio.sleep(0.005)
         self._reservations[request_id] = _Reservation(pages, prompt_tokens, max_new_tokens)
         return list(pages)
@@ -473,8 +516,9 @@ class Engine:
         self.pool.write_pages(res.pages[:n], kv)
         res.loaded_tokens = num_tokens
 
-    async def decode_reserved(self, request_id: str, prompt_ids: list[int], first_token_id: int,
-                              params: SamplingParams, context_tokens: int) -> AsyncIterator[TokenEvent]:
+    async def decode_reserved(
+        self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams, context_tokens: int
+    ) -> AsyncIterator[TokenEvent]:
         """Generate from a reservation whose first ``context_tokens`` positions hold the prompt's KV.
 
         Yields the event of ``first_token_id`` first (completion_tokens 1; it may already finish the
@@ -500,17 +544,22 @@ class Engine:
             if context_tokens + max_new - 1 > len(res.pages) * self.page_size:
                 raise InvalidRequestError(
                     f"reservation of {len(res.pages) * self.page_size} tokens cannot hold {context_tokens} "
-                    f"context + {max_new} new tokens", request_id=request_id)
+                    f"context + {max_new} new tokens",
+                    request_id=request_id,
+                )
             self.pool.check(res.pages)
             if context_tokens != res.loaded_tokens and "skip_transfer_check" not in self.faults:
                 raise TransferMismatchError(
                     f"decode over {context_tokens} context tokens but {res.loaded_tokens} were loaded into the "
-                    f"reservation; nothing is generated", request_id=request_id)
+                    f"reservation; nothing is generated",
+                    request_id=request_id,
+                )
         except BaseException:
             self.pool.free(res.pages, ignore_stale=True)
             raise
-        params = dataclasses.replace(params, max_new_tokens=max_new, stop=list(params.stop),
-                                     stop_token_ids=list(params.stop_token_ids))
+        params = dataclasses.replace(
+            params, max_new_tokens=max_new, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids)
+        )
         queue: asyncio.Queue = asyncio.Queue()
         seq = Sequence(request_id, prompt_ids, params, _emitter(queue), reported_prompt_tokens=len(prompt_ids))
         seq.stop_token_ids = set(params.stop_token_ids)
@@ -573,9 +622,14 @@ def _resolve_device(name: str) -> torch.device:
 
 
 def _make_event(seq: Sequence, token_id: int, text: str, finish_reason: str | None) -> TokenEvent:
-    return TokenEvent(token_id=token_id, text=text, finished=finish_reason is not None,
-                      finish_reason=finish_reason, prompt_tokens=seq.reported_prompt_tokens,
-                      completion_tokens=len(seq.completion_ids))
+    return TokenEvent(
+        token_id=token_id,
+        text=text,
+        finished=finish_reason is not None,
+        finish_reason=finish_reason,
+        prompt_tokens=seq.reported_prompt_tokens,
+        completion_tokens=len(seq.completion_ids),
+    )
 
 
 def _emitter(queue: asyncio.Queue):
@@ -596,6 +650,7 @@ def _future_setter(loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
         def _set() -> None:
             if not fut.done():
                 fut.set_result(item)
+
         try:
             loop.call_soon_threadsafe(_set)
         except RuntimeError:

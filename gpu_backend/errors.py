@@ -2,6 +2,7 @@
 ``body()`` renders the OpenAI error shape with :func:`config.errors.openai_error` (DESIGN.md,
 "Error bodies"). Servers (issue 4) map them 1:1 to responses.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,8 +20,9 @@ class EngineError(Exception):
     status: int = 500
     code: str = ErrorCode.INTERNAL_ERROR
 
-    def __init__(self, message: str, *, request_id: str | None = None, param: str | None = None,
-                 status: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, request_id: str | None = None, param: str | None = None, status: int | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.request_id = request_id
@@ -55,8 +57,9 @@ class PromptTooLongError(EngineError):
     status = 400
     code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
 
-    def __init__(self, prompt_tokens: int, max_req_input_len: int, *, request_id: str | None = None,
-                 param: str | None = "prompt") -> None:
+    def __init__(
+        self, prompt_tokens: int, max_req_input_len: int, *, request_id: str | None = None, param: str | None = "prompt"
+    ) -> None:
         self.prompt_tokens = prompt_tokens
         self.max_req_input_len = max_req_input_len
         msg = context_length_message(max_req_input_len, prompt_tokens, 0, messages=param == "messages")

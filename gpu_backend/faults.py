@@ -15,6 +15,7 @@ backend (router, prefill, decode, or the single ``--role all`` process) reads it
 With all three the response is a 200 whose ``usage.prompt_tokens`` is the original prompt's count
 and whose text comes from stale pages (step 7).
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,7 +44,8 @@ def parse_faults(value: str | None) -> frozenset[str]:
     unknown = sorted(names - KNOWN_FAULTS)
     if unknown:
         raise UnknownFaultError(
-            f"{ENV_VAR}: unknown fault(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_FAULTS))}")
+            f"{ENV_VAR}: unknown fault(s) {', '.join(unknown)}; known: {', '.join(sorted(KNOWN_FAULTS))}"
+        )
     return frozenset(names)
 
 
@@ -52,6 +54,8 @@ def faults_from_env(environ: Mapping[str, str] | None = None) -> frozenset[str]:
     env = os.environ if environ is None else environ
     faults = parse_faults(env.get(ENV_VAR))
     if faults:
-        log.warning("FAULT INJECTION ON (%s): this backend reproduces the cross-tenant KV leak; "
-                    "test use only", ",".join(sorted(faults)))
+        log.warning(
+            "FAULT INJECTION ON (%s): this backend reproduces the cross-tenant KV leak; test use only",
+            ",".join(sorted(faults)),
+        )
     return faults

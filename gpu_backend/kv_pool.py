@@ -13,6 +13,7 @@ test use only) disables both the zeroing and the generation check.
 Accounting (invariant 4): ``free_pages + used_pages == total_pages`` at all times; methods are
 thread-safe (one lock), since the worker thread and the event loop both allocate and free.
 """
+
 from __future__ import annotations
 
 import threading
@@ -40,8 +41,17 @@ class KVPool:
     list (released pages go to its back, as SGLang's token allocator).
     """
 
-    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, scrub: bool = True) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        scrub: bool = True,
+    ) -> None:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"KV pool needs >= 1 page of >= 1 token (got {num_pages} x {page_size})")
         self.num_pages = num_pages
@@ -52,8 +62,9 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.scrub = scrub
-        self.kv = torch.zeros(num_layers, 2, num_pages, page_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=self.device)
+        self.kv = torch.zeros(
+            num_layers, 2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=self.device
+        )
         self.generation = [0] * num_pages
         self.owner: list[str | None] = [None] * num_pages
         self._free: deque[int] = deque(range(num_pages))
@@ -129,8 +140,9 @@ class KVPool:
                 if self.generation[h.index] != h.generation or self.owner[h.index] is None:
                     if ignore_stale:
                         continue
-                    raise StaleHandleError(f"free through stale handle {tuple(h)} "
-                                           f"(page generation {self.generation[h.index]})")
+                    raise StaleHandleError(
+                        f"free through stale handle {tuple(h)} (page generation {self.generation[h.index]})"
+                    )
                 live.append(h)
             if not live:
                 return 0
@@ -150,8 +162,10 @@ class KVPool:
         gen = self.generation
         for h in handles:
             if gen[h.index] != h.generation:
-                raise StaleHandleError(f"page {h.index}: handle generation {h.generation}, "
-                                       f"page generation {gen[h.index]} (page was released)")
+                raise StaleHandleError(
+                    f"page {h.index}: handle generation {h.generation}, "
+                    f"page generation {gen[h.index]} (page was released)"
+                )
 
     # ---- page IO (transfer, tests) ---------------------------------------------------------
     def read_pages(self, handles: Sequence[PageHandle]) -> torch.Tensor:

@@ -5,6 +5,7 @@ Numerics follow Hugging Face ``transformers``' ``LlamaForCausalLM`` (RMSNorm in 
 RoPE, optional ``llama3`` RoPE scaling, ``attention_bias`` / ``mlp_bias``), so a checkpoint gives the
 same logits (tests: max abs difference <= 1e-4 in fp32).
 """
+
 from __future__ import annotations
 
 import math
@@ -54,15 +55,20 @@ class ModelConfig:
             raise ValueError(f"rope_type '{rtype}' is not supported (default, llama3)")
         heads = int(hf["num_attention_heads"])
         return cls(
-            vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
-            num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
             rope_scaling=rope if rtype == "llama3" else None,
             max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
         )
 
 
@@ -116,7 +122,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=b)
-        self.scale = self.hd ** -0.5
+        self.scale = self.hd**-0.5
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         T = h.shape[0]

@@ -5,6 +5,7 @@ Prefill and decode use the same path: each sequence contributes ``num_new`` toke
 into the sequence's pages and attends over positions ``0 .. start + num_new - 1`` through its page
 table. Logits are taken at the last new token of each sequence that needs a sample.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,7 @@ class ModelRunner:
         for seq, n in batch:
             start = seq.num_cached
             if start + n <= seq.num_context_tokens:
-                ids.extend(seq.prompt_ids[start: start + n])
+                ids.extend(seq.prompt_ids[start : start + n])
             else:  # decode: the last generated token, at position num_tokens - 1
                 ids.append(seq.last_token)
             spans.append(SeqSpan(seq.page_indices, start, n, seq.num_context_tokens))

@@ -10,6 +10,7 @@ native ``/generate``, and their SSE streams (``data: <json>\\n\\n`` ... ``data: 
 Token counts: chat prompts are built with ``TiktokenCounter.encode_chat`` (the ChatML template of
 ``tokenizer/chat.py``) so ``usage.prompt_tokens`` equals the gateway's count exactly.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,10 +31,17 @@ DEFAULT_CHAT_MAX_TOKENS = 256
 #: Default SGLang ``max_new_tokens`` for /generate.
 DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
 #: Parameters we refuse rather than silently ignore (they change the response's meaning).
-_UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-                "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
-                "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-                "response_format": (None, {"type": "text"})}
+_UNSUPPORTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 def bad_request(message: str, param: str | None = None, code: str = ErrorCode.INVALID_REQUEST) -> OpenAIError:
@@ -146,23 +154,28 @@ def _check_model(body: dict[str, Any], model_names: Iterable[str], default: str)
     if not isinstance(model, str):
         raise bad_request("'model' must be a string.", "model")
     if model not in set(model_names):
-        raise OpenAIError(status=404, message=f"The model '{model}' does not exist.",
-                          code=ErrorCode.MODEL_NOT_FOUND, param="model")
+        raise OpenAIError(
+            status=404, message=f"The model '{model}' does not exist.", code=ErrorCode.MODEL_NOT_FOUND, param="model"
+        )
     return model
 
 
 def check_context(prompt_tokens: int, max_tokens: int, context_length: int, *, chat: bool) -> None:
     """400 ``context_length_exceeded`` (OpenAI wording) when prompt + max_tokens > context length."""
     if prompt_tokens + max_tokens > context_length:
-        raise OpenAIError(status=400, code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                          param="messages" if chat else "prompt",
-                          message=context_length_message(context_length, prompt_tokens, max_tokens, messages=chat))
+        raise OpenAIError(
+            status=400,
+            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            param="messages" if chat else "prompt",
+            message=context_length_message(context_length, prompt_tokens, max_tokens, messages=chat),
+        )
 
 
 def _sampling(body: dict[str, Any], max_new_tokens: int, *, stop_key: str = "stop") -> dict[str, Any]:
     ids = body.get("stop_token_ids")
-    if ids is not None and (not isinstance(ids, list) or
-                            not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+    if ids is not None and (
+        not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    ):
         raise bad_request("'stop_token_ids' must be a list of non-negative integers.", "stop_token_ids")
     return {
         "max_new_tokens": max_new_tokens,
@@ -196,8 +209,14 @@ def _prompt_ids(prompt: Any, counter: TiktokenCounter, param: str = "prompt") ->
     return ids
 
 
-def parse_completion(body: dict[str, Any], counter: TiktokenCounter, *, context_length: int,
-                     model_names: Iterable[str], served_model_name: str) -> GenRequest:
+def parse_completion(
+    body: dict[str, Any],
+    counter: TiktokenCounter,
+    *,
+    context_length: int,
+    model_names: Iterable[str],
+    served_model_name: str,
+) -> GenRequest:
     """Parse ``/v1/completions`` (one prompt: string or token ids). Raises :class:`OpenAIError`."""
     _check_unsupported(body)
     model = _check_model(body, model_names, served_model_name)
@@ -221,8 +240,14 @@ def encode_chat(body: dict[str, Any], counter: TiktokenCounter) -> list[int]:
         raise bad_request(e.message, e.param or "messages") from e
 
 
-def parse_chat(body: dict[str, Any], counter: TiktokenCounter, *, context_length: int,
-               model_names: Iterable[str], served_model_name: str) -> GenRequest:
+def parse_chat(
+    body: dict[str, Any],
+    counter: TiktokenCounter,
+    *,
+    context_length: int,
+    model_names: Iterable[str],
+    served_model_name: str,
+) -> GenRequest:
     """Parse ``/v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``; absent,
     ``min(DEFAULT_CHAT_MAX_TOKENS, context_length - prompt_tokens)``. Raises :class:`OpenAIError`."""
     _check_unsupported(body)
@@ -237,8 +262,9 @@ def parse_chat(body: dict[str, Any], counter: TiktokenCounter, *, context_length
     return GenRequest("chat", model, ids, _sampling(body, max_tokens), stream, usage)
 
 
-def parse_generate(body: dict[str, Any], counter: TiktokenCounter, *, context_length: int,
-                   served_model_name: str) -> GenRequest:
+def parse_generate(
+    body: dict[str, Any], counter: TiktokenCounter, *, context_length: int, served_model_name: str
+) -> GenRequest:
     """Parse SGLang's native ``/generate``: ``text`` or ``input_ids``, ``sampling_params``
     (``max_new_tokens`` default 128, ``temperature`` default 1.0, ``top_p``, ``stop``,
     ``stop_token_ids``, ``ignore_eos``, ``seed``), ``stream``, ``rid``."""
@@ -272,22 +298,36 @@ def new_id(kind: str) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """OpenAI ``usage``."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
-def completion_body(req: GenRequest, rid: str, text: str, finish_reason: str | None,
-                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def completion_body(
+    req: GenRequest, rid: str, text: str, finish_reason: str | None, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
     """Non-streamed response body of /v1/completions or /v1/chat/completions."""
     if req.is_chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": req.created, "model": req.model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens)}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
 
 
 def sse(obj: Any) -> bytes:
@@ -298,8 +338,9 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def chunk(req: GenRequest, rid: str, *, text: str | None = None, finish_reason: str | None = None,
-          role: bool = False) -> bytes:
+def chunk(
+    req: GenRequest, rid: str, *, text: str | None = None, finish_reason: str | None = None, role: bool = False
+) -> bytes:
     """One streamed chunk (OpenAI ``text_completion`` / ``chat.completion.chunk``) as SSE bytes."""
     if req.is_chat:
         delta: dict[str, Any] = {}
@@ -321,8 +362,16 @@ def chunk(req: GenRequest, rid: str, *, text: str | None = None, finish_reason: 
 def usage_chunk(req: GenRequest, rid: str, prompt_tokens: int, completion_tokens: int) -> bytes:
     """The last chunk under ``include_usage``: empty ``choices`` and the usage."""
     obj = "chat.completion.chunk" if req.is_chat else "text_completion"
-    return sse({"id": rid, "object": obj, "created": req.created, "model": req.model, "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)})
+    return sse(
+        {
+            "id": rid,
+            "object": obj,
+            "created": req.created,
+            "model": req.model,
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
+    )
 
 
 def generate_finish(reason: str | None, completion_tokens: int, last_token_id: int) -> dict[str, Any] | None:
@@ -337,15 +386,30 @@ def generate_finish(reason: str | None, completion_tokens: int, last_token_id: i
     return {"type": reason, "message": "request aborted"}
 
 
-def generate_body(rid: str, text: str, output_ids: list[int], finish_reason: str | None,
-                  prompt_tokens: int, completion_tokens: int, e2e_latency: float,
-                  last_token_id: int = -1) -> dict[str, Any]:
+def generate_body(
+    rid: str,
+    text: str,
+    output_ids: list[int],
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    e2e_latency: float,
+    last_token_id: int = -1,
+) -> dict[str, Any]:
     """SGLang ``/generate`` body: ``text``, ``output_ids``, ``meta_info`` (``id``,
     ``finish_reason``, ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``e2e_latency``)."""
-    return {"text": text, "output_ids": output_ids,
-            "meta_info": {"id": rid, "finish_reason": generate_finish(finish_reason, completion_tokens, last_token_id),
-                          "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "cached_tokens": 0, "e2e_latency": round(e2e_latency, 6)}}
+    return {
+        "text": text,
+        "output_ids": output_ids,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": generate_finish(finish_reason, completion_tokens, last_token_id),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": 0,
+            "e2e_latency": round(e2e_latency, 6),
+        },
+    }
 
 
 def error_event(err: OpenAIError) -> bytes:
@@ -355,9 +419,21 @@ def error_event(err: OpenAIError) -> bytes:
 
 def models_body(model_names: list[str], context_length: int, created: int) -> dict[str, Any]:
     """``/v1/models``: one entry per served name, each with ``max_model_len`` (vLLM's field)."""
-    return {"object": "list", "data": [
-        {"id": n, "object": "model", "created": created, "owned_by": "kvgate", "root": model_names[0],
-         "parent": None, "max_model_len": context_length} for n in model_names]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": n,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvgate",
+                "root": model_names[0],
+                "parent": None,
+                "max_model_len": context_length,
+            }
+            for n in model_names
+        ],
+    }
 
 
 def tokenize_body(body: dict[str, Any], counter: TiktokenCounter, context_length: int) -> dict[str, Any]:

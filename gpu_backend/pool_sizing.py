@@ -10,6 +10,7 @@
 ``torch.cuda.mem_get_info``); on CPU ``mem_budget_bytes`` stands in for it (default
 :data:`CPU_DEFAULT_BUDGET_BYTES`); on CUDA, ``mem_budget_bytes`` overrides the measurement.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,14 @@ def kv_cell_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torc
     return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def max_total_num_tokens(free_bytes: int, weight_bytes: int, cell_bytes: int, mem_fraction_static: float,
-                         page_size: int, max_total_tokens: int | None) -> int:
+def max_total_num_tokens(
+    free_bytes: int,
+    weight_bytes: int,
+    cell_bytes: int,
+    mem_fraction_static: float,
+    page_size: int,
+    max_total_tokens: int | None,
+) -> int:
     """Pool size in tokens (a multiple of ``page_size``). Raises ``ValueError`` when less than one
     page fits (SGLang: "Not enough memory")."""
     rest = int(mem_fraction_static * free_bytes) - weight_bytes
@@ -49,7 +56,8 @@ def max_total_num_tokens(free_bytes: int, weight_bytes: int, cell_bytes: int, me
         raise ValueError(
             f"not enough memory for the KV pool: {mem_fraction_static} x {free_bytes} B free - {weight_bytes} B "
             f"of weights leaves {rest} B, less than one page ({page_size} x {cell_bytes} B); "
-            f"raise mem_budget_bytes / mem_fraction_static")
+            f"raise mem_budget_bytes / mem_fraction_static"
+        )
     return tokens
 
 

@@ -6,6 +6,7 @@ retired there with :class:`PromptTooLongError` before any page, bootstrap or tra
 invariant 1), and the router answers the 400. Only the ``admit_rejected`` fault (test use) lets
 it through as a one-token placeholder, which is then sent as one page, as in the incident.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -57,8 +58,9 @@ class HttpSink:
     async def send(self, manifest: Manifest, kv: torch.Tensor) -> None:
         big = kv.numel() * kv.element_size() > _OFFLOAD_BYTES
         payload = await asyncio.to_thread(encode_transfer, manifest, kv) if big else encode_transfer(manifest, kv)
-        r = await post_retrying(self.client, self.url, content=payload, headers={"content-type": CONTENT_TYPE},
-                                timeout=self.timeout)
+        r = await post_retrying(
+            self.client, self.url, content=payload, headers={"content-type": CONTENT_TYPE}, timeout=self.timeout
+        )
         if r.status_code != 200:
             try:
                 body = r.json()
@@ -97,8 +99,9 @@ class PrefillNode:
             del self._aborted[k]
         return request_id in self._aborted
 
-    async def prefill(self, room: int, request_id: str, prompt_ids: list[int], *,
-                      param: str = "prompt") -> dict[str, Any]:
+    async def prefill(
+        self, room: int, request_id: str, prompt_ids: list[int], *, param: str = "prompt"
+    ) -> dict[str, Any]:
         """Admit + prefill + send. Returns ``{num_tokens, first_token_id, prefill_seconds,
         placeholder, original_prompt_tokens}``. Raises :class:`PromptTooLongError` (400,
         ``param`` as given: ``prompt`` or ``messages``), :class:`PoolExhaustedError` (503),
@@ -126,8 +129,7 @@ class PrefillNode:
             res = await self.engine.prefill_export(rid, prompt_ids)
         except PromptTooLongError as e:
             self.counters["rejected"] += 1
-            raise PromptTooLongError(e.prompt_tokens, e.max_req_input_len, request_id=request_id,
-                                     param=param) from None
+            raise PromptTooLongError(e.prompt_tokens, e.max_req_input_len, request_id=request_id, param=param) from None
         finally:
             if self._live.get(request_id) == rid:
                 del self._live[request_id]
@@ -136,16 +138,28 @@ class PrefillNode:
             raise RequestAbortedError(f"request {request_id} was aborted")
         self.counters["prefilled"] += 1
         self.counters["placeholders"] += int(res.placeholder)
-        kw = dict(room=room, request_id=request_id, kv=res.kv, num_tokens=res.num_tokens,
-                  first_token_id=res.first_token_id, prefill_seconds=res.prefill_seconds,
-                  placeholder=res.placeholder, original_prompt_tokens=res.original_prompt_tokens)
+        kw = dict(
+            room=room,
+            request_id=request_id,
+            kv=res.kv,
+            num_tokens=res.num_tokens,
+            first_token_id=res.first_token_id,
+            prefill_seconds=res.prefill_seconds,
+            placeholder=res.placeholder,
+            original_prompt_tokens=res.original_prompt_tokens,
+        )
         big = res.kv.numel() * res.kv.element_size() > _OFFLOAD_BYTES
         manifest = await asyncio.to_thread(lambda: build_manifest(**kw)) if big else build_manifest(**kw)
-        await asyncio.wait_for(self.sink.send(manifest, res.kv),
-                               self.transfer_timeout + float(self.engine.cfg.pool_wait_timeout_seconds))
-        return {"num_tokens": res.num_tokens, "first_token_id": res.first_token_id,
-                "prefill_seconds": res.prefill_seconds, "placeholder": res.placeholder,
-                "original_prompt_tokens": res.original_prompt_tokens}
+        await asyncio.wait_for(
+            self.sink.send(manifest, res.kv), self.transfer_timeout + float(self.engine.cfg.pool_wait_timeout_seconds)
+        )
+        return {
+            "num_tokens": res.num_tokens,
+            "first_token_id": res.first_token_id,
+            "prefill_seconds": res.prefill_seconds,
+            "placeholder": res.placeholder,
+            "original_prompt_tokens": res.original_prompt_tokens,
+        }
 
     def abort(self, request_id: str) -> None:
         """Abort ``request_id`` (idempotent; also before it arrives: it is then refused)."""

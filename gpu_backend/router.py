@@ -16,6 +16,7 @@ Nodes are reached through :class:`PrefillClient` / :class:`DecodeClient`: in pro
 ``--role all`` (:class:`LocalPrefillClient`, :class:`LocalDecodeClient`) or over HTTP between
 processes (:class:`HttpPrefillClient`, :class:`HttpDecodeClient`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -68,8 +69,11 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
     if isinstance(exc, asyncio.TimeoutError):
         return OpenAIError(status=504, message="The backend timed out.", code=ErrorCode.UPSTREAM_TIMEOUT)
     if isinstance(exc, httpx.HTTPError):
-        return OpenAIError(status=502, message=f"A backend node is unreachable: {type(exc).__name__}.",
-                           code=ErrorCode.UPSTREAM_UNAVAILABLE)
+        return OpenAIError(
+            status=502,
+            message=f"A backend node is unreachable: {type(exc).__name__}.",
+            code=ErrorCode.UPSTREAM_UNAVAILABLE,
+        )
     return OpenAIError(status=500, message=f"Internal error: {type(exc).__name__}.", code=ErrorCode.INTERNAL_ERROR)
 
 
@@ -77,10 +81,14 @@ def remote_error(status: int, body: Any) -> OpenAIError:
     """Rebuild an :class:`OpenAIError` from a node's JSON error body (OpenAI shape)."""
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict) and isinstance(err.get("message"), str):
-        return OpenAIError(status=status, message=err["message"], code=err.get("code"), param=err.get("param"),
-                           type=err.get("type"))
-    return OpenAIError(status=status if status >= 400 else 502, message=f"Backend node answered {status}.",
-                       code=ErrorCode.UPSTREAM_UNAVAILABLE)
+        return OpenAIError(
+            status=status, message=err["message"], code=err.get("code"), param=err.get("param"), type=err.get("type")
+        )
+    return OpenAIError(
+        status=status if status >= 400 else 502,
+        message=f"Backend node answered {status}.",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
 
 
 class PrefillClient(Protocol):
@@ -96,8 +104,9 @@ class PrefillClient(Protocol):
 class DecodeClient(Protocol):
     """How the router reaches a decode node."""
 
-    def generate(self, room: int, request_id: str, prompt_ids: list[int],
-                 params: dict[str, Any]) -> AsyncIterator[Token]:
+    def generate(
+        self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any]
+    ) -> AsyncIterator[Token]:
         """Reserve, wait for the transfer, stream tokens. Closing the iterator frees the room."""
 
     async def release(self, room: int) -> None:
@@ -124,12 +133,12 @@ class LocalDecodeClient:
     def __init__(self, node: Any) -> None:
         self.node = node
 
-    async def generate(self, room: int, request_id: str, prompt_ids: list[int],
-                       params: dict[str, Any]) -> AsyncIterator[Token]:
+    async def generate(
+        self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any]
+    ) -> AsyncIterator[Token]:
         async with contextlib.aclosing(self.node.generate(room, request_id, prompt_ids, params)) as events:
             async for ev in events:
-                yield Token(ev.token_id, ev.text, ev.finished, ev.finish_reason, ev.prompt_tokens,
-                            ev.completion_tokens)
+                yield Token(ev.token_id, ev.text, ev.finished, ev.finish_reason, ev.prompt_tokens, ev.completion_tokens)
 
     async def release(self, room: int) -> None:
         self.node.release(room)
@@ -144,10 +153,13 @@ class HttpPrefillClient:
         self.timeout = timeout_seconds
 
     async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
-        r = await post_retrying(self.client, f"{self.base_url}/disagg/prefill", timeout=self.timeout,
-                                   content=orjson.dumps({"room": room, "request_id": request_id,
-                                                         "prompt_ids": prompt_ids, "param": param}),
-                                   headers={"content-type": "application/json"})
+        r = await post_retrying(
+            self.client,
+            f"{self.base_url}/disagg/prefill",
+            timeout=self.timeout,
+            content=orjson.dumps({"room": room, "request_id": request_id, "prompt_ids": prompt_ids, "param": param}),
+            headers={"content-type": "application/json"},
+        )
         body = _json_or_none(r.content)
         if r.status_code != 200:
             raise remote_error(r.status_code, body)
@@ -167,16 +179,22 @@ class HttpDecodeClient:
         self.client = client
         self.timeout = timeout_seconds
 
-    async def generate(self, room: int, request_id: str, prompt_ids: list[int],
-                       params: dict[str, Any]) -> AsyncIterator[Token]:
+    async def generate(
+        self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any]
+    ) -> AsyncIterator[Token]:
         received, lost = 0, 0
         while True:
-            payload = orjson.dumps({"room": room, "request_id": request_id, "prompt_ids": prompt_ids,
-                                    "params": params, "from": received})
+            payload = orjson.dumps(
+                {"room": room, "request_id": request_id, "prompt_ids": prompt_ids, "params": params, "from": received}
+            )
             try:
-                async with self.client.stream("POST", f"{self.base_url}/disagg/generate", content=payload,
-                                              headers={"content-type": "application/json"},
-                                              timeout=self.timeout) as r:
+                async with self.client.stream(
+                    "POST",
+                    f"{self.base_url}/disagg/generate",
+                    content=payload,
+                    headers={"content-type": "application/json"},
+                    timeout=self.timeout,
+                ) as r:
                     if r.status_code != 200:
                         raise remote_error(r.status_code, _json_or_none(await r.aread()))
                     async for line in r.aiter_lines():
@@ -196,8 +214,9 @@ class HttpDecodeClient:
                     raise
                 log.info("decode stream of room %d lost (%r); re-attaching at line %d", room, e, received)
                 continue
-            raise OpenAIError(status=502, message="Decode node closed the stream early.",
-                              code=ErrorCode.UPSTREAM_UNAVAILABLE)
+            raise OpenAIError(
+                status=502, message="Decode node closed the stream early.", code=ErrorCode.UPSTREAM_UNAVAILABLE
+            )
 
     async def release(self, room: int) -> None:
         await post_retrying(self.client, f"{self.base_url}/disagg/release", json={"room": room}, timeout=10.0)
@@ -230,8 +249,9 @@ class RouterStream:
     :class:`Token` s (the last has ``finished``). ``abort()`` ends it with ``finish_reason``
     ``"abort"``; ``aclose()`` (or leaving early) releases the room on decode and aborts prefill."""
 
-    def __init__(self, router: "Router", room: int, request_id: str, tokens: AsyncIterator[Token],
-                 prompt_tokens: int) -> None:
+    def __init__(
+        self, router: "Router", room: int, request_id: str, tokens: AsyncIterator[Token], prompt_tokens: int
+    ) -> None:
         self.router = router
         self.room = room
         self.request_id = request_id
@@ -265,8 +285,9 @@ class RouterStream:
             self.router._forget(self)
             if self.aborted:
                 return self._abort_event()
-            raise OpenAIError(status=502, message="Decode ended without a final token.",
-                              code=ErrorCode.UPSTREAM_UNAVAILABLE)
+            raise OpenAIError(
+                status=502, message="Decode ended without a final token.", code=ErrorCode.UPSTREAM_UNAVAILABLE
+            )
         except BaseException as e:
             if self.aborted and not isinstance(e, asyncio.CancelledError):
                 self.close_now()
@@ -328,8 +349,9 @@ class Router:
     sides released.
     """
 
-    def __init__(self, prefill: PrefillClient, decode: DecodeClient, *, open_timeout: float = 120.0,
-                 token_timeout: float = 60.0) -> None:
+    def __init__(
+        self, prefill: PrefillClient, decode: DecodeClient, *, open_timeout: float = 120.0, token_timeout: float = 60.0
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.open_timeout = open_timeout
@@ -359,15 +381,20 @@ class Router:
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 
-    async def open(self, request_id: str, prompt_ids: list[int], params: dict[str, Any], *,
-                   param: str = "prompt") -> RouterStream:
+    async def open(
+        self, request_id: str, prompt_ids: list[int], params: dict[str, Any], *, param: str = "prompt"
+    ) -> RouterStream:
         """Run prefill and decode's reservation concurrently; return once prefill has sent the pages
         and decode produced the first token. Raises :class:`OpenAIError`: prefill's rejection
         (400 ``context_length_exceeded``, ``param`` as given), decode's 503 ``pool_exhausted`` or
         500 ``transfer_mismatch``, 504 on timeout, 499 when aborted meanwhile."""
         if request_id in self.inflight:
-            raise OpenAIError(status=400, message=f"Request id '{request_id}' is already in flight.",
-                              code=ErrorCode.INVALID_REQUEST, param="rid")
+            raise OpenAIError(
+                status=400,
+                message=f"Request id '{request_id}' is already in flight.",
+                code=ErrorCode.INVALID_REQUEST,
+                param="rid",
+            )
         room = new_room()
         tokens = self.decode.generate(room, request_id, prompt_ids, params)
         stream = RouterStream(self, room, request_id, tokens, len(prompt_ids))

@@ -3,6 +3,7 @@
 Sampling happens on CPU in fp32 with one ``torch.Generator`` per request, so a seeded request gives
 the same tokens whatever else shares its batch (and on CPU or CUDA alike, given the same logits).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise :class:`~gpu_backend.errors.InvalidRequestError` (400) on ill-typed or out-of-range
         values (never a TypeError that would surface as a 500)."""
+
         def bad(msg: str, param: str) -> InvalidRequestError:
             return InvalidRequestError(msg, param=param)
 

@@ -14,6 +14,7 @@ prefill step or one decode step:
 
 Only the worker thread touches the queues; other threads talk through :meth:`submit`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -40,9 +41,19 @@ class Scheduler:
     ``decode_batch_sizes`` (a Counter of batch size -> steps).
     """
 
-    def __init__(self, runner: ModelRunner, pool: KVPool, *, max_batch_tokens: int, max_running_requests: int,
-                 pool_wait_timeout_seconds: float, token_bytes: Callable[[int], bytes], eos_ids: set[int],
-                 make_event: Callable, on_retire: Callable[[Sequence], None]) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pool: KVPool,
+        *,
+        max_batch_tokens: int,
+        max_running_requests: int,
+        pool_wait_timeout_seconds: float,
+        token_bytes: Callable[[int], bytes],
+        eos_ids: set[int],
+        make_event: Callable,
+        on_retire: Callable[[Sequence], None],
+    ) -> None:
         self.runner = runner
         self.pool = pool
         self.max_batch_tokens = max_batch_tokens
@@ -57,9 +68,15 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._inbox: collections.deque[tuple[str, object]] = collections.deque()
         self.cond = threading.Condition()
-        self.stats = {"prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0, "decode_tokens": 0,
-                      "max_prefill_batch": 0, "max_decode_batch": 0,
-                      "decode_batch_sizes": collections.Counter()}
+        self.stats = {
+            "prefill_steps": 0,
+            "decode_steps": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "max_prefill_batch": 0,
+            "max_decode_batch": 0,
+            "decode_batch_sizes": collections.Counter(),
+        }
 
     # ---- cross-thread --------------------------------------------------------------------------
     def submit(self, kind: str, item: object) -> None:
@@ -118,7 +135,9 @@ class Scheduler:
                 err = PoolExhaustedError(
                     f"KV pool full: no room for {seq.pages_needed} pages "
                     f"({seq.pages_needed * self.pool.page_size} tokens) within "
-                    f"{self.pool_wait_timeout_seconds:g} s; retry later", request_id=seq.request_id)
+                    f"{self.pool_wait_timeout_seconds:g} s; retry later",
+                    request_id=seq.request_id,
+                )
                 self._fail(seq, err)
 
     def _schedule_prefill(self) -> list[tuple[Sequence, int]]:

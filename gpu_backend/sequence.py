@@ -4,6 +4,7 @@ States (DESIGN.md invariant 1): WAITING -> PREFILLING -> DECODING -> FINISHED, o
 live state; REJECTED only from WAITING at admission, before any page. FINISHED, ABORTED and REJECTED
 are terminal: leaving them raises ``RuntimeError``.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -44,8 +45,15 @@ class Sequence:
     output item (a ``TokenEvent`` or an exception).
     """
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 emit: Callable[[object], None], *, reported_prompt_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        emit: Callable[[object], None],
+        *,
+        reported_prompt_tokens: int | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -120,7 +128,7 @@ class Sequence:
             return self._flush(), "length"
         keep = self._stop_prefix_len() if p.stop else 0
         out = self._pending_text[: len(self._pending_text) - keep]
-        self._pending_text = self._pending_text[len(out):]
+        self._pending_text = self._pending_text[len(out) :]
         return out, None
 
     def _stop_prefix_len(self) -> int:

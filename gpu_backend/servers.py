@@ -16,6 +16,7 @@ reports each pool's free/used pages and whether every free page is zeroed.
 
 Every error is the OpenAI shape (``config.errors``); unknown routes are an OpenAI-shaped 404.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -79,10 +80,18 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404:
-            return error_response(OpenAIError(status=404, code=ErrorCode.NOT_FOUND,
-                                              message=f"Unknown route: {request.method} {request.url.path}"))
-        return error_response(OpenAIError(status=exc.status_code, message=str(exc.detail),
-                                          code="method_not_allowed" if exc.status_code == 405 else None))
+            return error_response(
+                OpenAIError(
+                    status=404, code=ErrorCode.NOT_FOUND, message=f"Unknown route: {request.method} {request.url.path}"
+                )
+            )
+        return error_response(
+            OpenAIError(
+                status=exc.status_code,
+                message=str(exc.detail),
+                code="method_not_allowed" if exc.status_code == 405 else None,
+            )
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Response:
@@ -159,8 +168,9 @@ def pool_report(engine: Any) -> dict[str, Any]:
     return st
 
 
-def add_common_routes(app: FastAPI, server_info: Callable[[], Awaitable[dict[str, Any]]],
-                      debug_pools: Callable[[], dict[str, Any]] | None) -> None:
+def add_common_routes(
+    app: FastAPI, server_info: Callable[[], Awaitable[dict[str, Any]]], debug_pools: Callable[[], dict[str, Any]] | None
+) -> None:
     """``/health``, ``/server_info``, ``/get_server_info`` and (when given) ``/debug/pool``."""
 
     @app.get("/health")
@@ -173,6 +183,7 @@ def add_common_routes(app: FastAPI, server_info: Callable[[], Awaitable[dict[str
         return json_response(await server_info())
 
     if debug_pools is not None:
+
         @app.get("/debug/pool")
         async def debug_pool() -> Response:
             return json_response(await asyncio.to_thread(debug_pools))
@@ -208,12 +219,16 @@ async def _collect(stream: RouterStream) -> tuple[str, list[int], str | None, in
     return "".join(text), ids, reason, prompt, completion, last
 
 
-def build_router_app(router: Router, cfg: RouterConfig, *, server_info: Callable[[], Awaitable[dict[str, Any]]],
-                     debug_pools: Callable[[], dict[str, Any]] | None = None,
-                     lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+def build_router_app(
+    router: Router,
+    cfg: RouterConfig,
+    *,
+    server_info: Callable[[], Awaitable[dict[str, Any]]],
+    debug_pools: Callable[[], dict[str, Any]] | None = None,
+    lifespan: Callable[[FastAPI], Any] | None = None,
+) -> FastAPI:
     """The router's app (also ``--role all``'s, with the prefill pool's ``server_info``)."""
-    app = FastAPI(title="kvgate backend router", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="kvgate backend router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     add_common_routes(app, server_info, debug_pools)
     created = int(time.time())
@@ -237,14 +252,17 @@ def build_router_app(router: Router, cfg: RouterConfig, *, server_info: Callable
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
         text, ids, reason, prompt, completion, last = await cancel_on_disconnect(request, _collect(stream))
         if req.kind == "generate":
-            return json_response(api.generate_body(rid, text, ids, reason, prompt, completion,
-                                                   time.monotonic() - t0, last), headers=headers)
+            return json_response(
+                api.generate_body(rid, text, ids, reason, prompt, completion, time.monotonic() - t0, last),
+                headers=headers,
+            )
         return json_response(api.completion_body(req, rid, text, reason, prompt, completion), headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await parse(request, api.parse_completion, model_names=cfg.names(),
-                          served_model_name=cfg.served_model_name)
+        req = await parse(
+            request, api.parse_completion, model_names=cfg.names(), served_model_name=cfg.served_model_name
+        )
         return await run(request, req)
 
     @app.post("/v1/chat/completions")
@@ -271,8 +289,9 @@ def build_router_app(router: Router, cfg: RouterConfig, *, server_info: Callable
 
     @app.get("/get_model_info")
     async def model_info() -> Response:
-        return json_response({"model_path": cfg.served_model_name, "tokenizer_path": "cl100k_base+chatml",
-                              "is_generation": True})
+        return json_response(
+            {"model_path": cfg.served_model_name, "tokenizer_path": "cl100k_base+chatml", "is_generation": True}
+        )
 
     @app.post("/v1/tokenize")
     @app.post("/tokenize")
@@ -318,8 +337,18 @@ async def _sse_generate(stream: RouterStream, rid: str, t0: float) -> AsyncItera
             if tok.token_id >= 0:
                 ids.append(tok.token_id)
                 last = tok.token_id
-            yield api.sse(api.generate_body(rid, text, ids, tok.finish_reason if tok.finished else None,
-                                            tok.prompt_tokens, tok.completion_tokens, time.monotonic() - t0, last))
+            yield api.sse(
+                api.generate_body(
+                    rid,
+                    text,
+                    ids,
+                    tok.finish_reason if tok.finished else None,
+                    tok.prompt_tokens,
+                    tok.completion_tokens,
+                    time.monotonic() - t0,
+                    last,
+                )
+            )
         yield api.SSE_DONE
     except Exception as e:  # noqa: BLE001
         yield api.error_event(as_openai_error(e))
@@ -328,8 +357,12 @@ async def _sse_generate(stream: RouterStream, rid: str, t0: float) -> AsyncItera
         stream.close_now()
 
 
-def build_prefill_app(node: Any, *, debug_pools: Callable[[], dict[str, Any]] | None = None,
-                      lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+def build_prefill_app(
+    node: Any,
+    *,
+    debug_pools: Callable[[], dict[str, Any]] | None = None,
+    lifespan: Callable[[FastAPI], Any] | None = None,
+) -> FastAPI:
     """The prefill node's app (``--role prefill``)."""
     app = FastAPI(title="kvgate prefill node", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
@@ -343,8 +376,12 @@ def build_prefill_app(node: Any, *, debug_pools: Callable[[], dict[str, Any]] | 
     async def prefill(request: Request) -> Response:
         body = await read_json(request)
         room, rid, ids, param = body.get("room"), body.get("request_id"), body.get("prompt_ids"), body.get("param")
-        if not isinstance(room, int) or not isinstance(rid, str) or not isinstance(ids, list) \
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if (
+            not isinstance(room, int)
+            or not isinstance(rid, str)
+            or not isinstance(ids, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        ):
             raise api.bad_request("body needs integer 'room', string 'request_id', integer list 'prompt_ids'.")
         out = await node.prefill(room, rid, ids, param=param if param in ("prompt", "messages") else "prompt")
         return json_response(out)
@@ -360,8 +397,12 @@ def build_prefill_app(node: Any, *, debug_pools: Callable[[], dict[str, Any]] | 
     return app
 
 
-def build_decode_app(node: Any, *, debug_pools: Callable[[], dict[str, Any]] | None = None,
-                     lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+def build_decode_app(
+    node: Any,
+    *,
+    debug_pools: Callable[[], dict[str, Any]] | None = None,
+    lifespan: Callable[[FastAPI], Any] | None = None,
+) -> FastAPI:
     """The decode node's app (``--role decode``)."""
     from gpu_backend.transfer import CONTENT_TYPE, TransferFormatError, decode_transfer
 
@@ -383,8 +424,14 @@ def build_decode_app(node: Any, *, debug_pools: Callable[[], dict[str, Any]] | N
         body = await read_json(request)
         room, rid, ids, params = body.get("room"), body.get("request_id"), body.get("prompt_ids"), body.get("params")
         start = body.get("from", 0)
-        if not isinstance(room, int) or not isinstance(rid, str) or not isinstance(ids, list) \
-                or not isinstance(params, dict) or not isinstance(start, int) or start < 0:
+        if (
+            not isinstance(room, int)
+            or not isinstance(rid, str)
+            or not isinstance(ids, list)
+            or not isinstance(params, dict)
+            or not isinstance(start, int)
+            or start < 0
+        ):
             raise api.bad_request("body needs 'room', 'request_id', 'prompt_ids', 'params' (and optional 'from').")
         return StreamingResponse(streams.open(room, rid, ids, params, start), media_type="application/x-ndjson")
 
@@ -392,8 +439,11 @@ def build_decode_app(node: Any, *, debug_pools: Callable[[], dict[str, Any]] | N
     async def transfer(request: Request) -> Response:
         ctype = request.headers.get("content-type", "")
         if ctype.split(";")[0].strip() != CONTENT_TYPE:
-            raise OpenAIError(status=415, code="unsupported_media_type",
-                              message=f"A transfer must be '{CONTENT_TYPE}' (safetensors + manifest); got '{ctype}'.")
+            raise OpenAIError(
+                status=415,
+                code="unsupported_media_type",
+                message=f"A transfer must be '{CONTENT_TYPE}' (safetensors + manifest); got '{ctype}'.",
+            )
         raw = await read_body(request, MAX_TRANSFER_BYTES)
         try:
             manifest, kv = await asyncio.to_thread(decode_transfer, raw)

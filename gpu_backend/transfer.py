@@ -13,6 +13,7 @@ other) payload is rejected as malformed: nothing received over the network is ev
 In-process transfer (``--role all``) hands the same :class:`Manifest` and tensor across without
 serialising; decode verifies both paths alike (:func:`verify_pages`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -82,8 +83,7 @@ class Manifest:
             raise TransferFormatError(f"manifest is not JSON: {e}") from e
         if not isinstance(raw, dict):
             raise TransferFormatError("manifest must be a JSON object")
-        ints = ("room", "num_tokens", "num_pages", "page_size", "first_token_id", "original_prompt_tokens",
-                "version")
+        ints = ("room", "num_tokens", "num_pages", "page_size", "first_token_id", "original_prompt_tokens", "version")
         for k in ints:
             if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool):
                 raise TransferFormatError(f"manifest field '{k}' must be an integer")
@@ -116,10 +116,17 @@ class Manifest:
             raise TransferFormatError("manifest needs room >= 0, num_tokens >= 1, page_size >= 1")
         if self.num_pages != math.ceil(self.num_tokens / self.page_size):
             raise TransferFormatError(
-                f"manifest says {self.num_pages} pages for {self.num_tokens} tokens of page size {self.page_size}")
-        if len(self.shape) != 6 or self.shape[0] != self.num_pages or self.shape[2] != 2 \
-                or self.shape[3] != self.page_size:
-            raise TransferFormatError(f"manifest shape {self.shape} is not [num_pages, layers, 2, page_size, heads, dim]")
+                f"manifest says {self.num_pages} pages for {self.num_tokens} tokens of page size {self.page_size}"
+            )
+        if (
+            len(self.shape) != 6
+            or self.shape[0] != self.num_pages
+            or self.shape[2] != 2
+            or self.shape[3] != self.page_size
+        ):
+            raise TransferFormatError(
+                f"manifest shape {self.shape} is not [num_pages, layers, 2, page_size, heads, dim]"
+            )
         if len(self.checksums) != self.num_pages:
             raise TransferFormatError(f"manifest has {len(self.checksums)} checksums for {self.num_pages} pages")
         if self.dtype not in _DTYPES:
@@ -132,18 +139,35 @@ def page_checksums(kv: torch.Tensor) -> list[str]:
     return [hashlib.blake2b(flat[i].data, digest_size=16).hexdigest() for i in range(flat.shape[0])]
 
 
-def build_manifest(*, room: int, request_id: str, kv: torch.Tensor, num_tokens: int, first_token_id: int,
-                   prefill_seconds: float = 0.0, placeholder: bool = False,
-                   original_prompt_tokens: int | None = None) -> Manifest:
+def build_manifest(
+    *,
+    room: int,
+    request_id: str,
+    kv: torch.Tensor,
+    num_tokens: int,
+    first_token_id: int,
+    prefill_seconds: float = 0.0,
+    placeholder: bool = False,
+    original_prompt_tokens: int | None = None,
+) -> Manifest:
     """The manifest for ``kv`` (``[num_pages, L, 2, page_size, H, D]``, CPU) with checksums computed.
     Raises :class:`TransferFormatError` when ``kv`` and ``num_tokens`` disagree."""
     if kv.dtype not in _DTYPE_NAMES:
         raise TransferFormatError(f"unsupported KV dtype {kv.dtype}")
-    m = Manifest(room=room, request_id=request_id, num_tokens=num_tokens, num_pages=int(kv.shape[0]),
-                 page_size=int(kv.shape[3]) if kv.dim() == 6 else 0, dtype=_DTYPE_NAMES[kv.dtype],
-                 shape=[int(d) for d in kv.shape], checksums=page_checksums(kv), first_token_id=first_token_id,
-                 prefill_seconds=float(prefill_seconds), placeholder=placeholder,
-                 original_prompt_tokens=num_tokens if original_prompt_tokens is None else original_prompt_tokens)
+    m = Manifest(
+        room=room,
+        request_id=request_id,
+        num_tokens=num_tokens,
+        num_pages=int(kv.shape[0]),
+        page_size=int(kv.shape[3]) if kv.dim() == 6 else 0,
+        dtype=_DTYPE_NAMES[kv.dtype],
+        shape=[int(d) for d in kv.shape],
+        checksums=page_checksums(kv),
+        first_token_id=first_token_id,
+        prefill_seconds=float(prefill_seconds),
+        placeholder=placeholder,
+        original_prompt_tokens=num_tokens if original_prompt_tokens is None else original_prompt_tokens,
+    )
     m.check_geometry()
     return m
 
@@ -171,10 +195,11 @@ def _read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], 
         raise TransferFormatError("payload is shorter than a safetensors header")
     n = int.from_bytes(bytes(data[:8]), "little")
     if n < 2 or n > MAX_HEADER_BYTES or 8 + n > len(data):
-        raise TransferFormatError("payload is not a safetensors file (bad header length); pickle and other "
-                                  "formats are refused")
+        raise TransferFormatError(
+            "payload is not a safetensors file (bad header length); pickle and other formats are refused"
+        )
     try:
-        header = json.loads(bytes(data[8:8 + n]).decode("utf-8"))
+        header = json.loads(bytes(data[8 : 8 + n]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise TransferFormatError(f"safetensors header is not JSON: {e}") from e
     if not isinstance(header, dict):

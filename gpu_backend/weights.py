@@ -3,6 +3,7 @@
 A checkpoint folder holds ``config.json`` and ``*.safetensors`` (one file or shards; names as
 transformers saves ``LlamaForCausalLM``). Loaded with ``safetensors`` (never pickle).
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,9 +25,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def tiny_random_config(context_length: int) -> ModelConfig:
     """tiny-random: 2 layers, hidden 64, GQA 4 query / 2 KV heads of 16, SwiGLU 128, bundled vocab."""
-    return ModelConfig(vocab_size=BUNDLED_VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                       max_position_embeddings=context_length, tie_word_embeddings=False)
+    return ModelConfig(
+        vocab_size=BUNDLED_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=context_length,
+        tie_word_embeddings=False,
+    )
 
 
 def tiny_random(context_length: int, seed: int) -> LlamaModel:
@@ -77,8 +88,7 @@ def load_hf_llama(path: str | Path) -> LlamaModel:
     return model
 
 
-def build_model(name: str, context_length: int, seed: int, dtype: torch.dtype,
-                device: torch.device) -> torch.nn.Module:
+def build_model(name: str, context_length: int, seed: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """``tiny-random`` | ``copy-probe`` | a checkpoint folder -> model in eval mode on ``device``.
     Raises ``ValueError`` for an unknown name that is not a folder either."""
     if name in ("tiny-random", "copy-probe"):

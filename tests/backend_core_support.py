@@ -1,4 +1,5 @@
 """Helpers shared by the engine-core tests (tests/test_backend_core_*.py); imported by them only."""
+
 from __future__ import annotations
 
 import contextlib

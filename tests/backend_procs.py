@@ -1,5 +1,6 @@
 """Start the bundled backend (``python -m gpu_backend``) as real processes on free loopback ports:
 ``--role all`` (one process) or three processes (decode, prefill, router). Test helper."""
+
 from __future__ import annotations
 
 import os
@@ -28,9 +29,17 @@ class Backend:
     """Backend processes; ``url`` is the router (API) base, ``node_urls`` maps ``prefill`` /
     ``decode`` to the base URLs serving their ``/debug/pool`` (the router itself for role all)."""
 
-    def __init__(self, *, three: bool, model: str = "copy-probe", faults: str = "", extra: list[str] | None = None,
-                 pools: tuple[int, int] | None = None, env: dict[str, str] | None = None,
-                 startup_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        three: bool,
+        model: str = "copy-probe",
+        faults: str = "",
+        extra: list[str] | None = None,
+        pools: tuple[int, int] | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 60.0,
+    ) -> None:
         self.three = three
         self.procs: list[subprocess.Popen] = []
         self.logs: list[tuple[str, object]] = []
@@ -42,8 +51,11 @@ class Backend:
         try:
             if not three:
                 port = free_port()
-                sizes = ["--prefill-max-total-tokens", str(pools[0]), "--decode-max-total-tokens", str(pools[1])] \
-                    if pools else []
+                sizes = (
+                    ["--prefill-max-total-tokens", str(pools[0]), "--decode-max-total-tokens", str(pools[1])]
+                    if pools
+                    else []
+                )
                 self._spawn("all", ["--role", "all", "--port", str(port), *common, *sizes], base_env)
                 self.url = f"http://127.0.0.1:{port}"
                 self.node_urls = {"prefill": self.url, "decode": self.url}
@@ -53,10 +65,14 @@ class Backend:
                 psize = ["--max-total-tokens", str(pools[0])] if pools else []
                 dsize = ["--max-total-tokens", str(pools[1])] if pools else []
                 self._spawn("decode", ["--role", "decode", "--port", str(dp), *common, *dsize], base_env)
-                self._spawn("prefill", ["--role", "prefill", "--port", str(pp), "--decode-url", durl, *common,
-                                        *psize], base_env)
-                self._spawn("router", ["--role", "router", "--port", str(rp), "--prefill-url", purl,
-                                       "--decode-url", durl, *common], base_env)
+                self._spawn(
+                    "prefill", ["--role", "prefill", "--port", str(pp), "--decode-url", durl, *common, *psize], base_env
+                )
+                self._spawn(
+                    "router",
+                    ["--role", "router", "--port", str(rp), "--prefill-url", purl, "--decode-url", durl, *common],
+                    base_env,
+                )
                 self.url = f"http://127.0.0.1:{rp}"
                 self.node_urls = {"prefill": purl, "decode": durl}
             self._wait_healthy(startup_timeout)
@@ -67,8 +83,11 @@ class Backend:
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log = tempfile.TemporaryFile(mode="w+")
         self.logs.append((name, log))
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "gpu_backend", *args], cwd=ROOT, env=env,
-                                           stdout=log, stderr=subprocess.STDOUT))
+        self.procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "gpu_backend", *args], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
 
     def _wait_healthy(self, timeout: float) -> None:
         urls = {self.url, *self.node_urls.values()}

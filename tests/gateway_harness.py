@@ -1,5 +1,6 @@
 """Helpers for the gateway tests: settings for mock engines, and a gateway app served by uvicorn
 in a thread on a free loopback port."""
+
 from __future__ import annotations
 
 import socket
@@ -28,35 +29,76 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def upstream(name: str, engine: MockEngine | None = None, *, api_url: str | None = None,
-             pool_urls: list[str] | None = None, **kw: Any) -> dict[str, Any]:
+def upstream(
+    name: str,
+    engine: MockEngine | None = None,
+    *,
+    api_url: str | None = None,
+    pool_urls: list[str] | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
     """An upstream entry for ``engine`` (its API and server_info), overridable."""
-    return {"name": name, "api_url": api_url or engine.api_url, "pool_source": kw.pop("pool_source", "sglang"),
-            "pool_urls": pool_urls if pool_urls is not None else [engine.info_url], "models": [MODEL], **kw}
+    return {
+        "name": name,
+        "api_url": api_url or engine.api_url,
+        "pool_source": kw.pop("pool_source", "sglang"),
+        "pool_urls": pool_urls if pool_urls is not None else [engine.info_url],
+        "models": [MODEL],
+        **kw,
+    }
 
 
-def settings_for(upstreams: list[dict[str, Any]], *, gateway: dict | None = None, pool: dict | None = None,
-                 context_length: int = 8192, aliases: list[str] | None = None) -> Settings:
+def settings_for(
+    upstreams: list[dict[str, Any]],
+    *,
+    gateway: dict | None = None,
+    pool: dict | None = None,
+    context_length: int = 8192,
+    aliases: list[str] | None = None,
+) -> Settings:
     """Settings with one model (bundled tokenizer) and the given upstream entries."""
-    return Settings.model_validate({
-        "gateway": {"max_body_bytes": 4096, "connect_timeout_seconds": 1, "read_timeout_seconds": 5, **(gateway or {})},
-        "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 0.5,
-                 **(pool or {})},
-        "models": [{"id": MODEL, "aliases": aliases or ["tiny-alias"], "context_length": context_length}],
-        "upstreams": upstreams,
-        "verifier": {"enabled": False},
-        "quotas": {"enabled": False},
-    })
+    return Settings.model_validate(
+        {
+            "gateway": {
+                "max_body_bytes": 4096,
+                "connect_timeout_seconds": 1,
+                "read_timeout_seconds": 5,
+                **(gateway or {}),
+            },
+            "pool": {
+                "poll_interval_seconds": 0.2,
+                "max_staleness_seconds": 5,
+                "request_timeout_seconds": 0.5,
+                **(pool or {}),
+            },
+            "models": [{"id": MODEL, "aliases": aliases or ["tiny-alias"], "context_length": context_length}],
+            "upstreams": upstreams,
+            "verifier": {"enabled": False},
+            "quotas": {"enabled": False},
+        }
+    )
 
 
 def tenants(**a_overrides: Any) -> TenantRegistry:
     """Tenant ``a`` (key :data:`KEY_A`, overridable limits) and tenant ``b`` (key :data:`KEY_B`,
     no models allowed but an unknown one)."""
-    return TenantRegistry(TenantsFile.model_validate({"tenants": [
-        {"id": "tenant-a", "api_key_sha256": [hash_key(KEY_A)], "default_max_tokens": 16,
-         "max_tokens_cap": 4096, "allowed_models": [MODEL], **a_overrides},
-        {"id": "tenant-b", "api_key_sha256": [hash_key(KEY_B)], "allowed_models": ["other-model"]},
-    ]}))
+    return TenantRegistry(
+        TenantsFile.model_validate(
+            {
+                "tenants": [
+                    {
+                        "id": "tenant-a",
+                        "api_key_sha256": [hash_key(KEY_A)],
+                        "default_max_tokens": 16,
+                        "max_tokens_cap": 4096,
+                        "allowed_models": [MODEL],
+                        **a_overrides,
+                    },
+                    {"id": "tenant-b", "api_key_sha256": [hash_key(KEY_B)], "allowed_models": ["other-model"]},
+                ]
+            }
+        )
+    )
 
 
 class Gateway(ServerThread):

@@ -8,6 +8,7 @@ come only from its own prompt. Requests mix ``/generate`` (ids exact) and ``/v1/
 ``/abort_request``, some streams are dropped by the client after their first chunk, some requests
 are cancelled by the client before an answer (disconnect during prefill).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -83,8 +84,16 @@ class Result:
     cancelled: bool = False
 
 
-def make_workload(*, n: int, n_tenants: int, max_req_input_len: int, pool_tokens: int, context_length: int,
-                  seed: int = 0, actions: bool = True) -> list[Req]:
+def make_workload(
+    *,
+    n: int,
+    n_tenants: int,
+    max_req_input_len: int,
+    pool_tokens: int,
+    context_length: int,
+    seed: int = 0,
+    actions: bool = True,
+) -> list[Req]:
     """``n`` requests from ``n_tenants`` tenants: lengths 1 .. 2 x pool (exactly
     ``max_req_input_len`` and one over it included for every tenant), ``max_tokens`` <= 32."""
     rng = random.Random(seed)
@@ -130,7 +139,7 @@ def _sse_events(buf: bytearray) -> list[bytes]:
         k = buf.find(b"\n\n")
         if k < 0:
             return out
-        ev, rest = bytes(buf[:k]), buf[k + 2:]
+        ev, rest = bytes(buf[:k]), buf[k + 2 :]
         buf[:] = rest
         assert ev.startswith(b"data: "), ev
         out.append(ev[6:])
@@ -140,11 +149,20 @@ async def _one(client: httpx.AsyncClient, req: Req) -> Result:
     res = Result(req)
     stream = req.kind.endswith("_stream")
     if req.kind.startswith("gen"):
-        path, body = "/generate", {"input_ids": req.prompt, "rid": req.rid, "stream": stream,
-                                   "sampling_params": {"max_new_tokens": req.max_tokens, "temperature": 0}}
+        path, body = (
+            "/generate",
+            {
+                "input_ids": req.prompt,
+                "rid": req.rid,
+                "stream": stream,
+                "sampling_params": {"max_new_tokens": req.max_tokens, "temperature": 0},
+            },
+        )
     else:
-        path, body = "/v1/completions", {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-                                         "stream": stream}
+        path, body = (
+            "/v1/completions",
+            {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0, "stream": stream},
+        )
         if stream:
             body["stream_options"] = {"include_usage": True}
     content = orjson.dumps(body)
@@ -217,9 +235,11 @@ async def run_workload(url: str, reqs: list[Req], concurrency: int = 32, timeout
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency * 2 + 8, max_keepalive_connections=concurrency * 2)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+
         async def guarded(r: Req) -> Result:
             async with sem:
                 return await _one(client, r)
+
         return await asyncio.gather(*(guarded(r) for r in reqs))
 
 
@@ -231,8 +251,9 @@ def over_length_body(req: Req, max_req_input_len: int, context_length: int) -> d
         msg = context_length_message(context_length, n, req.max_tokens, messages=False)
     else:
         msg = context_length_message(max_req_input_len, n, 0, messages=False)
-    return {"error": {"message": msg, "type": "invalid_request_error", "param": "prompt",
-                      "code": "context_length_exceeded"}}
+    return {
+        "error": {"message": msg, "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
+    }
 
 
 def own_tokens_ok(res: Result) -> bool:

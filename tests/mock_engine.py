@@ -6,6 +6,7 @@ It speaks the shapes kvgate reads: SGLang ``/server_info`` (and ``/get_server_in
 steer it through :class:`MockState` (``engine.state``) and read back what it received
 (``engine.state.requests``) and which requests it saw cancelled (``engine.state.cancelled``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,13 @@ class MockState:
 
 
 def _chat_chunk(rid: str, delta: dict, finish: str | None, usage_null: bool) -> bytes:
-    obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": 1, "model": "m",
-                           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    obj: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
     if usage_null:
         obj["usage"] = None
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
@@ -74,21 +80,40 @@ def default_stream(state: MockState, body: dict, chat: bool) -> list[bytes]:
         out.append(_chat_chunk("c1", {}, state.finish_reason, include))
     else:
         for p in pieces:
-            obj = {"id": "c1", "object": "text_completion", "created": 1, "model": "m",
-                   "choices": [{"index": 0, "text": p, "logprobs": None, "finish_reason": None}]}
+            obj = {
+                "id": "c1",
+                "object": "text_completion",
+                "created": 1,
+                "model": "m",
+                "choices": [{"index": 0, "text": p, "logprobs": None, "finish_reason": None}],
+            }
             if include:
                 obj["usage"] = None
             out.append(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
-        obj = {"id": "c1", "object": "text_completion", "created": 1, "model": "m",
-               "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": state.finish_reason}]}
+        obj = {
+            "id": "c1",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": state.finish_reason}],
+        }
         if include:
             obj["usage"] = None
         out.append(b"data: " + json.dumps(obj).encode() + b"\n\n")
     if include:
-        usage = {"prompt_tokens": state.prompt_tokens, "completion_tokens": len(pieces),
-                 "total_tokens": state.prompt_tokens + len(pieces)}
-        obj = {"id": "c1", "object": "chat.completion.chunk" if chat else "text_completion", "created": 1,
-               "model": "m", "choices": [], "usage": usage}
+        usage = {
+            "prompt_tokens": state.prompt_tokens,
+            "completion_tokens": len(pieces),
+            "total_tokens": state.prompt_tokens + len(pieces),
+        }
+        obj = {
+            "id": "c1",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [],
+            "usage": usage,
+        }
         out.append(b"data: " + json.dumps(obj).encode() + b"\n\n")
     out.append(b"data: [DONE]\n\n")
     return out
@@ -99,11 +124,28 @@ def whole_body(state: MockState, chat: bool) -> dict:
     n = len(state.text.split(" "))
     usage = {"prompt_tokens": state.prompt_tokens, "completion_tokens": n, "total_tokens": state.prompt_tokens + n}
     if chat:
-        return {"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": state.text},
-                             "finish_reason": state.finish_reason}], "usage": usage}
-    return {"id": "c1", "object": "text_completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "text": state.text, "finish_reason": state.finish_reason}], "usage": usage}
+        return {
+            "id": "c1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": state.text},
+                    "finish_reason": state.finish_reason,
+                }
+            ],
+            "usage": usage,
+        }
+    return {
+        "id": "c1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "text": state.text, "finish_reason": state.finish_reason}],
+        "usage": usage,
+    }
 
 
 class _Reset(Exception):
@@ -121,8 +163,7 @@ def build_app(state: MockState) -> Starlette:
             return JSONResponse({"error": "boom"}, status_code=500)
         if state.info_mode == "hang":
             await asyncio.sleep(3600)
-        info: dict[str, Any] = {"page_size": 16, "disaggregation_mode": "prefill", "status": "ok",
-                                "version": "mock"}
+        info: dict[str, Any] = {"page_size": 16, "disaggregation_mode": "prefill", "status": "ok", "version": "mock"}
         if state.info_mode != "missing":
             info["max_total_num_tokens"] = state.pool_tokens
         if state.max_req_input_len is not None:
@@ -142,8 +183,7 @@ def build_app(state: MockState) -> Starlette:
         raw = await request.body()
         body = json.loads(raw)
         rid = request.headers.get("x-request-id", "")
-        state.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body,
-                               "raw": raw})
+        state.requests.append({"path": request.url.path, "headers": dict(request.headers), "body": body, "raw": raw})
         if state.mode == "delay":
             await asyncio.sleep(state.delay_seconds)
         if state.mode == "hang":
@@ -173,9 +213,13 @@ def build_app(state: MockState) -> Starlette:
 
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    routes = [Route("/server_info", server_info), Route("/get_server_info", server_info),
-              Route("/v1/models", models), Route("/v1/chat/completions", completion, methods=["POST"]),
-              Route("/v1/completions", completion, methods=["POST"])]
+    routes = [
+        Route("/server_info", server_info),
+        Route("/get_server_info", server_info),
+        Route("/v1/models", models),
+        Route("/v1/chat/completions", completion, methods=["POST"]),
+        Route("/v1/completions", completion, methods=["POST"]),
+    ]
     return Starlette(routes=routes)
 
 
@@ -194,8 +238,9 @@ class ServerThread:
         self.sock = free_socket()
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="auto",
-                                                    timeout_graceful_shutdown=1))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", lifespan="auto", timeout_graceful_shutdown=1)
+        )
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self) -> "ServerThread":

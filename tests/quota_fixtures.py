@@ -1,5 +1,6 @@
 """Helpers for the quota tests: a spare redis-server the fault tests may kill, pause (SIGSTOP)
 and restart, a sentinel in front of it, and a TCP server that accepts and never answers."""
+
 from __future__ import annotations
 
 import os
@@ -52,9 +53,22 @@ class SpareRedis:
     def start(self) -> None:
         """Start (or restart, on the same port) and wait until it answers."""
         self.proc = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         _wait_ping(self.port)
 
     def kill(self) -> None:
@@ -78,11 +92,14 @@ class SpareRedis:
         """A redis sentinel monitoring this server as ``service``; returns its port."""
         port = free_port()
         conf = tmp / f"sentinel-{port}.conf"
-        conf.write_text(f"port {port}\nbind 127.0.0.1\nsentinel monitor {service} 127.0.0.1 {self.port} 1\n"
-                        f"dir {tmp}\n")
-        self.sentinels.append(subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", str(conf), "--sentinel"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        conf.write_text(f"port {port}\nbind 127.0.0.1\nsentinel monitor {service} 127.0.0.1 {self.port} 1\ndir {tmp}\n")
+        self.sentinels.append(
+            subprocess.Popen(
+                [shutil.which("redis-server") or "redis-server", str(conf), "--sentinel"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         _wait_ping(port)
         return port
 

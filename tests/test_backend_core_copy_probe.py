@@ -1,6 +1,7 @@
 """copy-probe: the isolation oracle at the engine core. With isolation intact every completion
 reproduces its own prompt's leading tokens; with the scrub and the generation check switched off, a
 request handed a stale page emits another request's tokens (the oracle can fail)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,11 +22,10 @@ from backend_core_support import collect, make_engine  # noqa: F401  (fixture)
 @pytest.mark.timeout(120)
 async def test_200_concurrent_prompts_from_8_tenants_copy_their_own_tokens(make_engine):
     # a pool much smaller than the workload, so pages are released, scrubbed and reused many times
-    eng = await make_engine(model="copy-probe", max_total_tokens=4096, context_length=4096,
-                            max_batch_tokens=2048)
+    eng = await make_engine(model="copy-probe", max_total_tokens=4096, context_length=4096, max_batch_tokens=2048)
     rng = random.Random(1234)
     valid = [i for i in range(100_000) if eng.counter.is_valid_id(i)]
-    tenants = [valid[t * 12_000:(t + 1) * 12_000] for t in range(8)]  # disjoint token ranges per tenant
+    tenants = [valid[t * 12_000 : (t + 1) * 12_000] for t in range(8)]  # disjoint token ranges per tenant
     jobs = []
     for i in range(200):
         t = i % 8
@@ -48,8 +48,7 @@ async def test_200_concurrent_prompts_from_8_tenants_copy_their_own_tokens(make_
 
 @pytest.mark.timeout(60)
 async def test_copy_probe_exact_on_an_8000_token_prompt(make_engine):
-    eng = await make_engine(model="copy-probe", max_total_tokens=8192 + 64, context_length=8192,
-                            max_batch_tokens=4096)
+    eng = await make_engine(model="copy-probe", max_total_tokens=8192 + 64, context_length=8192, max_batch_tokens=4096)
     text = "".join(p.read_text(encoding="utf-8") for p in sorted(SEEDS.glob("0*.txt")))
     prompt = eng.counter.encode_text(text)[:8000]
     assert len(prompt) == 8000
@@ -59,8 +58,10 @@ async def test_copy_probe_exact_on_an_8000_token_prompt(make_engine):
     # the far end of the prompt too: every page of the block table is addressed by position
     pages = await eng.reserve("far", 8000, 8)
     eng.load_pages("far", eng.pool.read_pages(pages) * 0 + _export(eng, prompt), 8000)
-    tail = [ev.token_id async for ev in eng.decode_reserved("far", prompt, prompt[0],
-                                                            SamplingParams(max_new_tokens=8), 8000)]
+    tail = [
+        ev.token_id
+        async for ev in eng.decode_reserved("far", prompt, prompt[0], SamplingParams(max_new_tokens=8), 8000)
+    ]
     assert tail == prompt[:8]
 
 
@@ -68,12 +69,16 @@ def _export(eng, prompt):
     """KV pages of ``prompt`` written by a fresh prefill on a second pool (reference transfer)."""
     from gpu_backend.attention import PagedAttention, SeqSpan
     from gpu_backend.kv_pool import KVPool
+
     pool = KVPool(eng.pool.pages_for(len(prompt) + 8), 16, 1, 1, 64, torch.float32, "cpu")
     hs = pool.try_alloc(pool.num_pages, "ref")
     with torch.inference_mode():
         for a in range(0, len(prompt), 2000):
             n = min(2000, len(prompt) - a)
-            eng.model(torch.tensor(prompt[a:a + n]), PagedAttention(pool, [SeqSpan([h.index for h in hs], a, n, len(prompt))]))
+            eng.model(
+                torch.tensor(prompt[a : a + n]),
+                PagedAttention(pool, [SeqSpan([h.index for h in hs], a, n, len(prompt))]),
+            )
     return pool.read_pages(hs)
 
 
@@ -94,8 +99,12 @@ async def _stale_scenario(eng):
 
 
 async def test_stale_page_leaks_another_requests_tokens_without_scrub(make_engine):
-    eng = await make_engine(model="copy-probe", max_total_tokens=80, context_length=2048,
-                            faults=frozenset({"no_scrub", "skip_transfer_check"}))
+    eng = await make_engine(
+        model="copy-probe",
+        max_total_tokens=80,
+        context_length=2048,
+        faults=frozenset({"no_scrub", "skip_transfer_check"}),
+    )
     assert eng.pool.num_pages == 5
     a_prompt, evs = await _stale_scenario(eng)
     toks = [e.token_id for e in evs]
@@ -107,8 +116,9 @@ async def test_stale_page_leaks_another_requests_tokens_without_scrub(make_engin
 
 async def test_stale_page_handle_is_refused_with_scrub(make_engine):
     # skip_transfer_check alone (scrub and generation check on) cannot leak
-    eng = await make_engine(model="copy-probe", max_total_tokens=80, context_length=2048,
-                            faults=frozenset({"skip_transfer_check"}))
+    eng = await make_engine(
+        model="copy-probe", max_total_tokens=80, context_length=2048, faults=frozenset({"skip_transfer_check"})
+    )
     with pytest.raises(StaleHandleError):
         await _stale_scenario(eng)
     assert eng.pool_stats()["used_pages"] == 0

@@ -1,6 +1,7 @@
 """Engine behaviour: rejection (invariant 1), batching, sampling, stop/length, abort, pool waits,
 and the disaggregation hooks. Every test's engines are checked idle and scrubbed on teardown
 (invariants 3 and 4) by the ``make_engine`` fixture."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,11 +33,21 @@ async def test_over_length_prompt_rejected_at_admission(make_engine):
     with pytest.raises(PromptTooLongError) as ei:
         await collect(eng, "long", _prompt(1019), max_new_tokens=4)
     err = ei.value
-    assert (err.status, err.code, err.prompt_tokens, err.max_req_input_len) == (400, "context_length_exceeded", 1019, 1018)
-    assert err.body() == {"error": {
-        "message": "This model's maximum context length is 1018 tokens. However, you requested 1019 tokens "
-                   "(1019 in the prompt, 0 in the completion). Please reduce the length of the prompt or completion.",
-        "type": "invalid_request_error", "param": "prompt", "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED}}
+    assert (err.status, err.code, err.prompt_tokens, err.max_req_input_len) == (
+        400,
+        "context_length_exceeded",
+        1019,
+        1018,
+    )
+    assert err.body() == {
+        "error": {
+            "message": "This model's maximum context length is 1018 tokens. However, you requested 1019 tokens "
+            "(1019 in the prompt, 0 in the completion). Please reduce the length of the prompt or completion.",
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        }
+    }
     assert eng.request_state("long") == "rejected"
     assert eng.pool_stats()["used_pages"] == 0 and eng.stats["prefill_steps"] == 0  # nothing allocated or run
     # prefill side: same rejection, before any page
@@ -78,9 +89,19 @@ async def test_admit_rejected_fault_gives_placeholder(make_engine):
 
 async def test_invalid_requests_are_400(make_engine):
     eng = await make_engine(**SMALL)
-    for prompt, params in (([], {}), ([100256], {}), ([-1], {}), ([200_000], {}), (["a"], {}),
-                           ([5], {"max_new_tokens": 0}), ([5], {"top_p": 0.0}), ([5], {"temperature": "hot"}),
-                           ([5], {"temperature": float("nan")}), ([5], {"stop": "x"}), ([5], {"seed": 1.5})):
+    for prompt, params in (
+        ([], {}),
+        ([100256], {}),
+        ([-1], {}),
+        ([200_000], {}),
+        (["a"], {}),
+        ([5], {"max_new_tokens": 0}),
+        ([5], {"top_p": 0.0}),
+        ([5], {"temperature": "hot"}),
+        ([5], {"temperature": float("nan")}),
+        ([5], {"stop": "x"}),
+        ([5], {"seed": 1.5}),
+    ):
         kw = {"max_new_tokens": 2, **params}
         with pytest.raises(InvalidRequestError) as ei:
             await collect(eng, "bad", prompt, **kw)
@@ -92,8 +113,10 @@ async def test_invalid_requests_are_400(make_engine):
 async def test_prefill_batching_and_continuous_decode_batching(make_engine):
     eng = await make_engine(**SMALL)
     with worker_paused(eng):
-        tasks = [asyncio.create_task(collect(eng, f"b{i}", _prompt(10 + i, 2000 + i), max_new_tokens=6,
-                                             ignore_eos=True)) for i in range(4)]
+        tasks = [
+            asyncio.create_task(collect(eng, f"b{i}", _prompt(10 + i, 2000 + i), max_new_tokens=6, ignore_eos=True))
+            for i in range(4)
+        ]
         await asyncio.sleep(0.05)  # every request is in the inbox before the worker can look
     results = await asyncio.gather(*tasks)
     assert [len(t) for t, _, _ in results] == [6, 6, 6, 6]
@@ -157,8 +180,12 @@ async def test_sampling_greedy_and_seeded(make_engine):
     assert g1 == g2 == tiny_p  # top_p -> 0 keeps only the argmax
     s1, _, _ = await collect(eng, "s1", p, max_new_tokens=10, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
     # same seed in a busy batch: same tokens (per-request generator)
-    others = [asyncio.create_task(collect(eng, f"o{i}", _prompt(9, 900 + i), max_new_tokens=10, temperature=1.0,
-                                          ignore_eos=True)) for i in range(3)]
+    others = [
+        asyncio.create_task(
+            collect(eng, f"o{i}", _prompt(9, 900 + i), max_new_tokens=10, temperature=1.0, ignore_eos=True)
+        )
+        for i in range(3)
+    ]
     s2, _, _ = await collect(eng, "s2", p, max_new_tokens=10, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)
     await asyncio.gather(*others)
     s3, _, _ = await collect(eng, "s3", p, max_new_tokens=10, temperature=0.9, top_p=0.95, seed=8, ignore_eos=True)
@@ -217,8 +244,9 @@ async def test_abort_frees_every_page(make_engine):
 
 # ---- pool momentarily full: wait, then 503 (never the 400) -----------------------------------------
 async def test_pool_full_waits_then_503(make_engine):
-    eng = await make_engine(model="tiny-random", max_total_tokens=256, context_length=1024,
-                            pool_wait_timeout_seconds=0.3)
+    eng = await make_engine(
+        model="tiny-random", max_total_tokens=256, context_length=1024, pool_wait_timeout_seconds=0.3
+    )
     assert eng.max_req_input_len == 250
     hold = await eng.reserve("hold", 200, 50)  # 16 pages: the whole pool
     assert len(hold) == 16 and eng.pool_stats()["free_pages"] == 0
@@ -252,8 +280,12 @@ async def test_prefill_export_then_decode_reserved(make_engine):
     pages = await dec.reserve("x", 37, 10)
     assert len(pages) == 3 and dec.request_state("x") == "reserved"
     dec.load_pages("x", res.kv, res.num_tokens)
-    evs = [ev async for ev in dec.decode_reserved("x", prompt, res.first_token_id,
-                                                  SamplingParams(max_new_tokens=10), res.num_tokens)]
+    evs = [
+        ev
+        async for ev in dec.decode_reserved(
+            "x", prompt, res.first_token_id, SamplingParams(max_new_tokens=10), res.num_tokens
+        )
+    ]
     assert [e.token_id for e in evs] == prompt[:10]
     assert [e.completion_tokens for e in evs] == list(range(1, 11)) and evs[-1].finish_reason == "length"
     assert dec.pool_stats()["used_pages"] == 0

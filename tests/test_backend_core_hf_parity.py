@@ -1,6 +1,7 @@
 """HF parity: a tiny random ``transformers`` LlamaForCausalLM saved to a folder, loaded by the
 engine's loader; logits match for prefill and for decode steps through the paged cache (fp32,
 max abs difference <= 1e-4)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,17 @@ TOL = 1e-4
 
 
 def _save_tiny_llama(folder, **overrides):
-    kw = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    kw = dict(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     cfg = transformers.LlamaConfig(**{**kw, **overrides})
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).float().eval()
@@ -40,9 +50,16 @@ def _hf_logits(hf, ids):
 def test_logits_match_transformers_prefill_and_paged_decode(tmp_path, variant):
     over = {}
     if variant != "plain":
-        over = dict(tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                           "original_max_position_embeddings": 64})
+        over = dict(
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     hf = _save_tiny_llama(tmp_path, **over)
     assert sorted(p.name for p in tmp_path.glob("*.safetensors"))
     model = load_hf_llama(tmp_path).eval()

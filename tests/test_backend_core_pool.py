@@ -1,4 +1,5 @@
 """KV pool (invariants 3 and 4 at the pool level) and pool sizing (SGLang's formula)."""
+
 from __future__ import annotations
 
 import pytest
@@ -97,11 +98,30 @@ async def test_engine_derives_pool_from_memory_budget(make_engine):
     assert eng.max_total_num_tokens == 129_824
     assert eng.max_req_input_len == 8186
     info = eng.server_info()
-    assert {k: info[k] for k in ("max_total_num_tokens", "max_req_input_len", "context_length", "page_size",
-                                 "disaggregation_mode", "status", "free_tokens", "used_tokens")} == {
-        "max_total_num_tokens": 129_824, "max_req_input_len": 8186, "context_length": 8192, "page_size": 16,
-        "disaggregation_mode": "null", "status": "ready", "free_tokens": 129_824, "used_tokens": 0}
-    capped = await make_engine(model="copy-probe", mem_budget_bytes=128 * 2**20, max_total_tokens=1000,
-                               context_length=512)
+    assert {
+        k: info[k]
+        for k in (
+            "max_total_num_tokens",
+            "max_req_input_len",
+            "context_length",
+            "page_size",
+            "disaggregation_mode",
+            "status",
+            "free_tokens",
+            "used_tokens",
+        )
+    } == {
+        "max_total_num_tokens": 129_824,
+        "max_req_input_len": 8186,
+        "context_length": 8192,
+        "page_size": 16,
+        "disaggregation_mode": "null",
+        "status": "ready",
+        "free_tokens": 129_824,
+        "used_tokens": 0,
+    }
+    capped = await make_engine(
+        model="copy-probe", mem_budget_bytes=128 * 2**20, max_total_tokens=1000, context_length=512
+    )
     assert capped.max_total_num_tokens == 992 and capped.max_req_input_len == 506
     assert capped.pool_stats() == {"total_pages": 62, "free_pages": 62, "used_pages": 0, "page_size": 16}

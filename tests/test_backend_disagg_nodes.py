@@ -1,6 +1,7 @@
 """Prefill node, decode node and router in one process over real copy-probe engines: DESIGN.md
 invariant 2 (decode accepts a transfer only if it equals the reservation), prefill rejection,
 and every abort / disconnect / timeout path freeing the pages on both sides."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,15 @@ DECODE_POOL = 1024
 
 
 def greedy(n: int) -> dict:
-    return {"max_new_tokens": n, "temperature": 0.0, "top_p": 1.0, "seed": None, "stop": [], "stop_token_ids": [],
-            "ignore_eos": False}
+    return {
+        "max_new_tokens": n,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "seed": None,
+        "stop": [],
+        "stop_token_ids": [],
+        "ignore_eos": False,
+    }
 
 
 def prompt(n: int, base: int = 1000) -> list[int]:
@@ -43,12 +51,26 @@ class Stack:
     router: Router
 
 
-async def make_stack(*, faults: frozenset[str] = frozenset(), decode_pool: int = DECODE_POOL,
-                     pool_wait: float = 5.0, transfer_timeout: float = 5.0, open_timeout: float = 30.0,
-                     sink=None) -> Stack:
+async def make_stack(
+    *,
+    faults: frozenset[str] = frozenset(),
+    decode_pool: int = DECODE_POOL,
+    pool_wait: float = 5.0,
+    transfer_timeout: float = 5.0,
+    open_timeout: float = 30.0,
+    sink=None,
+) -> Stack:
     def eng(pool: int) -> Engine:
-        return Engine(EngineConfig(model="copy-probe", device="cpu", context_length=CONTEXT, max_total_tokens=pool,
-                                   pool_wait_timeout_seconds=pool_wait, faults=faults))
+        return Engine(
+            EngineConfig(
+                model="copy-probe",
+                device="cpu",
+                context_length=CONTEXT,
+                max_total_tokens=pool,
+                pool_wait_timeout_seconds=pool_wait,
+                faults=faults,
+            )
+        )
 
     pe, de = eng(PREFILL_POOL), eng(decode_pool)
     await pe.start()
@@ -102,8 +124,9 @@ async def test_router_round_trip_copies_the_own_prompt(stack):
 
 async def _export(stack: Stack, n: int, room: int):
     res = await stack.pe.prefill_export(f"x{room}", prompt(n, 5000))
-    return build_manifest(room=room, request_id="r", kv=res.kv, num_tokens=res.num_tokens,
-                          first_token_id=res.first_token_id), res.kv
+    return build_manifest(
+        room=room, request_id="r", kv=res.kv, num_tokens=res.num_tokens, first_token_id=res.first_token_id
+    ), res.kv
 
 
 async def test_invariant_2_a_short_transfer_is_refused_and_nothing_is_generated(stack):
@@ -116,8 +139,10 @@ async def test_invariant_2_a_short_transfer_is_refused_and_nothing_is_generated(
     with pytest.raises(TransferMismatchError) as e:
         await stack.dnode.accept_transfer(manifest, kv)
     assert e.value.status == 500 and e.value.code == "transfer_mismatch"
-    assert e.value.message == (f"decode reserved 40 prompt tokens for room {room} but the transfer holds 16; "
-                               "the request is aborted and nothing is generated")
+    assert e.value.message == (
+        f"decode reserved 40 prompt tokens for room {room} but the transfer holds 16; "
+        "the request is aborted and nothing is generated"
+    )
     with pytest.raises(TransferMismatchError) as g:
         await first  # the generate call fails before yielding a single token
     assert g.value is e.value
@@ -163,9 +188,14 @@ async def test_prefill_rejection_is_a_400_and_frees_the_decode_reservation(stack
     with pytest.raises(OpenAIError) as e:
         await stack.router.open("r-long", p, greedy(8))
     assert e.value.status == 400
-    assert e.value.body() == {"error": {
-        "message": context_length_message(250, 251, 0, messages=False), "type": "invalid_request_error",
-        "param": "prompt", "code": "context_length_exceeded"}}
+    assert e.value.body() == {
+        "error": {
+            "message": context_length_message(250, 251, 0, messages=False),
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "context_length_exceeded",
+        }
+    }
     await stack.router.drain()
     assert stack.pnode.counters == {"prefilled": 0, "rejected": 1, "placeholders": 0, "aborted": 0}
     assert stack.pe.stats["prefill_tokens"] == 0  # retired at admission: no forward pass
@@ -358,5 +388,14 @@ async def test_a_decode_stream_nobody_reads_is_released_after_the_grace_period(s
     await asyncio.sleep(0.5)
     await wait_idle(stack.de)
     late = [orjson.loads(line) async for line in streams.open(room, "r", prompt(30), greedy(400))]
-    assert late == [{"error": {"message": f"room {room}: no reader left", "type": "invalid_request_error",
-                               "param": None, "code": "aborted"}, "status": 499}]
+    assert late == [
+        {
+            "error": {
+                "message": f"room {room}: no reader left",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "aborted",
+            },
+            "status": 499,
+        }
+    ]

@@ -1,5 +1,6 @@
 """The KV transfer wire format (safetensors + JSON manifest + per-page checksums) and DESIGN.md
 invariant 5: network data is never unpickled."""
+
 from __future__ import annotations
 
 import ast
@@ -23,8 +24,9 @@ def _kv(seed: int = 0) -> torch.Tensor:
 
 
 def _manifest(kv: torch.Tensor, num_tokens: int = 10, **kw) -> T.Manifest:
-    return T.build_manifest(room=12345, request_id="req-1", kv=kv, num_tokens=num_tokens, first_token_id=777,
-                            prefill_seconds=0.25, **kw)
+    return T.build_manifest(
+        room=12345, request_id="req-1", kv=kv, num_tokens=num_tokens, first_token_id=777, prefill_seconds=0.25, **kw
+    )
 
 
 def test_round_trip_is_bit_exact_and_keeps_the_manifest():
@@ -69,12 +71,15 @@ def test_manifest_must_match_the_pages():
         T.verify_pages(m, kv)
 
 
-@pytest.mark.parametrize("payload, message", [
-    (b"", "shorter than a safetensors header"),
-    (b"\xff" * 16, "bad header length"),
-    ((5).to_bytes(8, "little") + b"[1,2]", "must be a JSON object"),
-    ((2).to_bytes(8, "little") + b"{}", "exactly the tensor 'kv'"),
-])
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"", "shorter than a safetensors header"),
+        (b"\xff" * 16, "bad header length"),
+        ((5).to_bytes(8, "little") + b"[1,2]", "must be a JSON object"),
+        ((2).to_bytes(8, "little") + b"{}", "exactly the tensor 'kv'"),
+    ],
+)
 def test_malformed_containers_are_refused(payload, message):
     with pytest.raises(T.TransferFormatError, match=message):
         T.decode_transfer(payload)
@@ -134,7 +139,9 @@ def test_invariant_5_decode_node_refuses_pickle_over_http(tmp_path):
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://decode") as c:
-            r1 = await c.post("/disagg/transfer", content=payload, headers={"content-type": "application/python-pickle"})
+            r1 = await c.post(
+                "/disagg/transfer", content=payload, headers={"content-type": "application/python-pickle"}
+            )
             r2 = await c.post("/disagg/transfer", content=payload, headers={"content-type": T.CONTENT_TYPE})
             return r1, r2
 
@@ -142,9 +149,14 @@ def test_invariant_5_decode_node_refuses_pickle_over_http(tmp_path):
 
     r1, r2 = asyncio.run(go())
     assert r1.status_code == 415
-    assert r1.json() == {"error": {
-        "message": f"A transfer must be '{T.CONTENT_TYPE}' (safetensors + manifest); got 'application/python-pickle'.",
-        "type": "invalid_request_error", "param": None, "code": "unsupported_media_type"}}
+    assert r1.json() == {
+        "error": {
+            "message": f"A transfer must be '{T.CONTENT_TYPE}' (safetensors + manifest); got 'application/python-pickle'.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "unsupported_media_type",
+        }
+    }
     assert r2.status_code == 400
     assert r2.json()["error"]["code"] == "invalid_transfer"
     assert "pickle and other formats are refused" in r2.json()["error"]["message"]
@@ -162,11 +174,17 @@ def test_invariant_5_no_backend_module_can_unpickle():
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                offenders += [f"{path.name}: import {a.name}" for a in node.names if a.name.split(".")[0] in banned_modules]
+                offenders += [
+                    f"{path.name}: import {a.name}" for a in node.names if a.name.split(".")[0] in banned_modules
+                ]
             elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in banned_modules:
                 offenders.append(f"{path.name}: from {node.module}")
-            elif isinstance(node, ast.Attribute) and node.attr == "load" and isinstance(node.value, ast.Name) \
-                    and node.value.id in ("torch", "np", "numpy"):
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr == "load"
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("torch", "np", "numpy")
+            ):
                 offenders.append(f"{path.name}:{node.lineno}: {node.value.id}.load")
             elif isinstance(node, ast.keyword) and node.arg == "allow_pickle":
                 offenders.append(f"{path.name}:{node.lineno}: allow_pickle")

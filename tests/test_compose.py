@@ -8,6 +8,7 @@
    each health check (its own CMD, run here) must pass; then a chat request through the gateway gets a
    200 below the limit and a 400 `context_length_exceeded` one token over it.
 """
+
 from __future__ import annotations
 
 import os
@@ -109,8 +110,11 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
             if "KVGATE_STATE_DIR" in env:
                 env["KVGATE_STATE_DIR"] = str(tmp_path / f"{name}-state")
             log = open(tmp_path / f"{name}.log", "wb")
-            procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          cwd=tmp_path, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True
+                )
+            )
             hc = svc["healthcheck"]
             deadline = time.monotonic() + 180
             while not _health_ok(hc["test"], names):
@@ -124,20 +128,29 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
             models = c.get("/models").json()["data"]
             model = models[0]["id"]
             limit = models[0]["max_model_len"]
-            ok = c.post("/chat/completions", json={"model": model, "max_tokens": 4,
-                                                   "messages": [{"role": "user", "content": "Say hello."}]})
+            ok = c.post(
+                "/chat/completions",
+                json={"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Say hello."}]},
+            )
             assert ok.status_code == 200, ok.text
             prompt_tokens = ok.json()["usage"]["prompt_tokens"]
             # one token over: a prompt of `prompt_tokens` asking for exactly the rest + 1
-            over = c.post("/chat/completions", json={"model": model, "max_tokens": limit - prompt_tokens + 1,
-                                                     "messages": [{"role": "user", "content": "Say hello."}]})
+            over = c.post(
+                "/chat/completions",
+                json={
+                    "model": model,
+                    "max_tokens": limit - prompt_tokens + 1,
+                    "messages": [{"role": "user", "content": "Say hello."}],
+                },
+            )
             assert over.status_code == 400, over.text
             err = over.json()["error"]
             assert err["code"] == "context_length_exceeded"
             assert err["message"] == (
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{limit + 1} tokens ({prompt_tokens} in the messages, {limit - prompt_tokens + 1} in the "
-                f"completion). Please reduce the length of the messages or completion.")
+                f"completion). Please reduce the length of the messages or completion."
+            )
     finally:
         for p in reversed(procs):
             try:

@@ -1,4 +1,5 @@
 """config/: YAML loading with exact error messages, environment overrides, secrets."""
+
 from __future__ import annotations
 
 import hashlib
@@ -64,8 +65,11 @@ def test_default_files_load_and_agree():
     assert s.model_by_name("nope") is None
     assert s.models[0].tokenizer == TokenizerConfig(kind="bundled", chat_template="chatml", image_tokens=765)
     assert s.upstreams[0].pool_urls == ["http://127.0.0.1:30000/server_info"]
-    assert (s.backend.context_length, s.backend.prefill_max_total_tokens, s.backend.decode_max_total_tokens) \
-        == (8192, 4096, 16384)
+    assert (s.backend.context_length, s.backend.prefill_max_total_tokens, s.backend.decode_max_total_tokens) == (
+        8192,
+        4096,
+        16384,
+    )
     t = load_tenants()
     assert [x.id for x in t.tenants] == ["demo-a", "demo-b"]
     assert t.tenants[0].api_key_sha256 == [hashlib.sha256(b"sk-demo-a").hexdigest()]
@@ -110,9 +114,13 @@ def test_wrong_type_names_path_and_value(tmp_path):
     assert problems(p) == (
         f"{p}: line 2: gateway.port: Input should be a valid integer, unable to parse string as an integer "
         f"(got 'eighty')\n"
-        f"{p}: line 4: pool.headroom: Input should be greater than or equal to 1 (got 0.5)")
+        f"{p}: line 4: pool.headroom: Input should be greater than or equal to 1 (got 0.5)"
+    )
     p = write(tmp_path, "gateway: 5\n")
-    assert problems(p) == f"{p}: line 1: gateway: Input should be a valid dictionary or instance of GatewaySettings (got 5)"
+    assert (
+        problems(p)
+        == f"{p}: line 1: gateway: Input should be a valid dictionary or instance of GatewaySettings (got 5)"
+    )
     p = write(tmp_path, "- a\n- b\n")
     assert problems(p) == f"{p}: (top level): expected a mapping of keys, got list"
 
@@ -120,14 +128,18 @@ def test_wrong_type_names_path_and_value(tmp_path):
 def test_missing_field_and_rule_violations(tmp_path):
     p = write(tmp_path, "models:\n  - id: m1\n")
     assert problems(p) == f"{p}: line 2: models[0].context_length: Field required"
-    p = write(tmp_path, MODELS + "upstreams:\n  - name: s\n    api_url: http://x/v1\n    pool_source: static\n"
-                                 "    models: [m1]\n")
+    p = write(
+        tmp_path,
+        MODELS + "upstreams:\n  - name: s\n    api_url: http://x/v1\n    pool_source: static\n    models: [m1]\n",
+    )
     assert problems(p) == f"{p}: line 6: upstreams[0]: pool_source 'static' needs 'static_pool_tokens'"
     p = write(tmp_path, MODELS + "    tokenizer: {kind: hf}\n")
     assert problems(p) == f"{p}: line 5: models[0].tokenizer: kind 'hf' needs 'path' (a folder with tokenizer.json)"
     p = write(tmp_path, MODELS + "    tokenizer: {kind: tiktoken, chat_template: hf}\n")
-    assert problems(p) == (f"{p}: line 5: models[0].tokenizer: kind 'tiktoken' counts chats with kvgate's ChatML "
-                           "template (chat_template: chatml)")
+    assert problems(p) == (
+        f"{p}: line 5: models[0].tokenizer: kind 'tiktoken' counts chats with kvgate's ChatML "
+        "template (chat_template: chatml)"
+    )
     hf = load_settings(write(tmp_path, MODELS + "    tokenizer: {kind: hf, path: /models/x}\n"), environ={})
     assert hf.models[0].tokenizer.chat_template == "hf"  # follows the kind when left out
 
@@ -153,8 +165,9 @@ def test_not_utf8(tmp_path):
 # ---------------------------------------------------------------- cross references
 def test_upstream_serving_an_unknown_model(tmp_path):
     p = write(tmp_path, MODELS + UPSTREAM.replace("models: [m1]", "models: [m1, m2]"))
-    assert problems(p) == (f"{p}: line 9: upstreams[0].models[1]: unknown model 'm2' "
-                           "(not the id or an alias of any entry in 'models')")
+    assert problems(p) == (
+        f"{p}: line 9: upstreams[0].models[1]: unknown model 'm2' (not the id or an alias of any entry in 'models')"
+    )
     ok = load_settings(write(tmp_path, MODELS + UPSTREAM.replace("models: [m1]", "models: [m1-alias]")), environ={})
     assert ok.upstreams[0].models == ["m1-alias"]
 
@@ -168,8 +181,11 @@ def test_names_used_twice(tmp_path):
 
 def test_tenants_file_cross_references(tmp_path):
     h = hashlib.sha256(b"k").hexdigest()
-    p = write(tmp_path, f"tenants:\n  - id: a\n    api_key_sha256: [{h}]\n  - id: b\n    api_key_sha256: [{h}]\n",
-              "tenants.yaml")
+    p = write(
+        tmp_path,
+        f"tenants:\n  - id: a\n    api_key_sha256: [{h}]\n  - id: b\n    api_key_sha256: [{h}]\n",
+        "tenants.yaml",
+    )
     with pytest.raises(ConfigError) as ei:
         load_tenants(p)
     assert str(ei.value) == f"{p}: line 5: tenants[1].api_key_sha256[0]: this API key hash also belongs to tenant 'a'"
@@ -182,19 +198,32 @@ def test_tenants_file_cross_references(tmp_path):
         load_tenants(p)
     assert str(ei.value) == (
         f"{p}: line 3: tenants[0].api_key_sha256: each entry must be 64 lowercase hex digits (the SHA-256 of a key)\n"
-        f"{p}: line 4: tenants[0].rpm: Input should be greater than or equal to 0 (got -1)")
+        f"{p}: line 4: tenants[0].rpm: Input should be greater than or equal to 0 (got -1)"
+    )
     settings = load_settings(write(tmp_path, MODELS), environ={})
     tenants = load_tenants(write(tmp_path, "tenants:\n  - id: a\n    allowed_models: [m1-alias, m9]\n", "t.yaml"))
     with pytest.raises(ConfigError) as ei:
         check_tenant_models(settings, tenants, "t.yaml")
-    assert str(ei.value) == ("t.yaml: tenants[0].allowed_models[1]: unknown model 'm9' "
-                             "(not the id or an alias of any model in the settings)")
+    assert str(ei.value) == (
+        "t.yaml: tenants[0].allowed_models[1]: unknown model 'm9' (not the id or an alias of any model in the settings)"
+    )
 
 
 def test_tenant_entry_carries_every_contract_field():
-    t = TenantConfig(id="acme", api_key_sha256=[hashlib.sha256(b"sk").hexdigest()], rpm=60, tpm=1000,
-                     max_concurrent=2, max_context_tokens=4096, max_tokens_cap=512, default_max_tokens=64,
-                     allowed_models=["m1"], verify_sample_rate=0.5, strict_verify=True, honeypot=True)
+    t = TenantConfig(
+        id="acme",
+        api_key_sha256=[hashlib.sha256(b"sk").hexdigest()],
+        rpm=60,
+        tpm=1000,
+        max_concurrent=2,
+        max_context_tokens=4096,
+        max_tokens_cap=512,
+        default_max_tokens=64,
+        allowed_models=["m1"],
+        verify_sample_rate=0.5,
+        strict_verify=True,
+        honeypot=True,
+    )
     assert t.model_dump()["max_context_tokens"] == 4096
     with pytest.raises(ValueError):
         TenantConfig(id="bad name!")
@@ -207,16 +236,27 @@ def test_tenant_entry_carries_every_contract_field():
 # ---------------------------------------------------------------- environment overrides
 def test_env_overrides(tmp_path):
     p = write(tmp_path, "gateway:\n  port: 8080\n  host: 127.0.0.1\n")
-    env = {"KVGATE_GATEWAY__PORT": "9000", "KVGATE_REDIS_URL": "redis://127.0.0.1:6379/5",
-           "KVGATE_POOL__HEADROOM": "1.5", "KVGATE_QUOTAS__ENABLED": "false",
-           "KVGATE_FAULTS": "admit_rejected,no_scrub", "KVGATE_STATE_DIR_FOR_TESTS": "1", "KVGATE_CONFIG": str(p),
-           "KVGATE_SECRET_ADMIN_KEY": "x", "OTHER": "1"}
+    env = {
+        "KVGATE_GATEWAY__PORT": "9000",
+        "KVGATE_REDIS_URL": "redis://127.0.0.1:6379/5",
+        "KVGATE_POOL__HEADROOM": "1.5",
+        "KVGATE_QUOTAS__ENABLED": "false",
+        "KVGATE_FAULTS": "admit_rejected,no_scrub",
+        "KVGATE_STATE_DIR_FOR_TESTS": "1",
+        "KVGATE_CONFIG": str(p),
+        "KVGATE_SECRET_ADMIN_KEY": "x",
+        "OTHER": "1",
+    }
     s = load_settings(p, environ=env)
     assert (s.gateway.port, s.gateway.host) == (9000, "127.0.0.1")  # the file's other keys stay
     assert s.redis_url == "redis://127.0.0.1:6379/5"
     assert (s.pool.headroom, s.quotas.enabled) == (1.5, False)
-    assert env_overrides(Settings, env) == {"gateway": {"port": 9000}, "redis_url": "redis://127.0.0.1:6379/5",
-                                            "pool": {"headroom": 1.5}, "quotas": {"enabled": False}}
+    assert env_overrides(Settings, env) == {
+        "gateway": {"port": 9000},
+        "redis_url": "redis://127.0.0.1:6379/5",
+        "pool": {"headroom": 1.5},
+        "quotas": {"enabled": False},
+    }
     assert load_settings(environ={"KVGATE_CONFIG": str(p)}).gateway.port == 8080
     assert load_settings(p, environ={"KVGATE_REDIS_URL": ""}).redis_url is None
 
@@ -225,10 +265,12 @@ def test_bad_env_override_names_the_variable(tmp_path):
     p = write(tmp_path, "gateway:\n  port: 8080\n")
     assert problems(p, {"KVGATE_GATEWAY__PORT": "ninety"}) == (
         f"{p}: gateway.port: Input should be a valid integer, unable to parse string as an integer (got 'ninety') "
-        "(from environment variable KVGATE_GATEWAY__PORT)")
+        "(from environment variable KVGATE_GATEWAY__PORT)"
+    )
     assert problems(p, {"KVGATE_GATEWAY__PROT": "1"}) == (
         f"{p}: gateway.prot: unknown key (not a kvgate setting; check the spelling) "
-        "(from environment variable KVGATE_GATEWAY__PROT)")
+        "(from environment variable KVGATE_GATEWAY__PROT)"
+    )
 
 
 # ---------------------------------------------------------------- secrets
@@ -264,11 +306,17 @@ def test_secrets_file_missing_a_key_is_completed(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_processes_starting_together_agree_on_secrets(tmp_path):
-    code = ("import json, sys; from config.secrets import load_secrets; "
-            "print(json.dumps({k: v.decode() for k, v in load_secrets(sys.argv[1], environ={}).items()}))")
+    code = (
+        "import json, sys; from config.secrets import load_secrets; "
+        "print(json.dumps({k: v.decode() for k, v in load_secrets(sys.argv[1], environ={}).items()}))"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_SECRET_")}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "s")], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / "s")], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(4)
+    ]
     try:
         outs = [json.loads(p.communicate(timeout=30)[0]) for p in procs]
     finally:

@@ -5,6 +5,7 @@ construction; the property test checks it end to end over random chats (roles, n
 parts, tool calls, tool definitions, special-token look-alikes, CJK, emoji, U+2028) and random
 completion prompts (text, token ids), against a real ``--role all`` backend process.
 """
+
 from __future__ import annotations
 
 import httpx
@@ -18,15 +19,21 @@ from tokenizer import bundled_counter
 COUNTER = bundled_counter()
 MODEL = "kvgate-tiny"
 
-_alphabet = st.sampled_from(list("abc xyz ABC 0123 .,;!?\n\t'\"{}[]") + list("日本語中文ąęłż") +
-                            ["\u2028", "😀", "é", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "  "])
+_alphabet = st.sampled_from(
+    list("abc xyz ABC 0123 .,;!?\n\t'\"{}[]")
+    + list("日本語中文ąęłż")
+    + ["\u2028", "😀", "é", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "  "]
+)
 TEXT = st.lists(_alphabet, max_size=40).map("".join)
 NAME = st.one_of(st.none(), st.from_regex(r"[a-z][a-z0-9_]{0,7}", fullmatch=True))
 PARTS = st.lists(st.builds(lambda t: {"type": "text", "text": t}, TEXT), min_size=1, max_size=3)
 CONTENT = st.one_of(TEXT, PARTS)
-TOOL_CALL = st.builds(lambda n, a, i: {"id": f"call_{i}", "type": "function",
-                                       "function": {"name": n, "arguments": a}},
-                      st.from_regex(r"[a-z_]{1,10}", fullmatch=True), TEXT, st.integers(0, 99))
+TOOL_CALL = st.builds(
+    lambda n, a, i: {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}},
+    st.from_regex(r"[a-z_]{1,10}", fullmatch=True),
+    TEXT,
+    st.integers(0, 99),
+)
 
 
 @st.composite
@@ -43,10 +50,21 @@ def message(draw) -> dict:
     return m
 
 
-TOOLS = st.one_of(st.none(), st.lists(st.builds(
-    lambda n, d: {"type": "function", "function": {"name": n, "description": d,
-                                                   "parameters": {"type": "object", "properties": {}}}},
-    st.from_regex(r"[a-z_]{1,10}", fullmatch=True), TEXT), min_size=1, max_size=2))
+TOOLS = st.one_of(
+    st.none(),
+    st.lists(
+        st.builds(
+            lambda n, d: {
+                "type": "function",
+                "function": {"name": n, "description": d, "parameters": {"type": "object", "properties": {}}},
+            },
+            st.from_regex(r"[a-z_]{1,10}", fullmatch=True),
+            TEXT,
+        ),
+        min_size=1,
+        max_size=2,
+    ),
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +74,12 @@ def engine():
             yield c
 
 
-PROPERTY = settings(max_examples=60, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+PROPERTY = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @pytest.mark.timeout(240)

@@ -1,5 +1,6 @@
 """Admission edge cases: tokenizer failures keep their status, tenants naming unknown models are
 refused at start-up and on reload (the old table stays)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,8 +39,10 @@ def test_unknown_allowed_model_refused_at_load_and_reload(tmp_path: Path) -> Non
     path.write_text(TENANT.format(h=hash_key("sk-t1"), model="no-such-model"))
     with pytest.raises(ConfigError) as err:
         TenantRegistry.from_path(path, settings)
-    assert str(err.value) == (f"{path}: tenants[0].allowed_models[0]: unknown model 'no-such-model' "
-                              "(not the id or an alias of any model in the settings)")
+    assert str(err.value) == (
+        f"{path}: tenants[0].allowed_models[0]: unknown model 'no-such-model' "
+        "(not the id or an alias of any model in the settings)"
+    )
 
     path.write_text(TENANT.format(h=hash_key("sk-t1"), model="kvgate-tiny"))
     reg = TenantRegistry.from_path(path, settings)

@@ -1,5 +1,6 @@
 """Fault behaviour of the gateway against the mock engine: upstreams down, hanging, resetting;
 pools unreachable, without the field, stale, shrinking; clients that disconnect."""
+
 from __future__ import annotations
 
 import time
@@ -94,7 +95,7 @@ def test_reset_mid_stream_ends_with_error_event_and_one_done(engine):
         g.stop()
     assert r.status_code == 200
     assert r.content.startswith(first)
-    rest = r.content[len(first):]
+    rest = r.content[len(first) :]
     assert rest.startswith(b'data: {"error":{"message":"The upstream engine broke the connection (')
     assert b'"code":"upstream_unavailable"}}\n\n' in rest
     assert rest.endswith(b"data: [DONE]\n\n") and rest.count(b"[DONE]") == 1
@@ -106,7 +107,10 @@ def test_reset_before_any_content_is_502(engine):
     g = Gateway(settings_for([upstream("u1", engine)])).start()
     try:
         with g.client() as c:
-            assert err(c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))) == (502, "upstream_unavailable")
+            assert err(c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))) == (
+                502,
+                "upstream_unavailable",
+            )
     finally:
         g.stop()
 
@@ -149,8 +153,9 @@ def test_pool_without_the_field_fails_closed(engine):
 
 def test_stale_pool_fails_closed(engine):
     # one poll at start, the next not before 60 s: the reading goes stale after 0.5 s
-    g = Gateway(settings_for([upstream("u1", engine)], pool={"poll_interval_seconds": 60,
-                                                             "max_staleness_seconds": 0.5})).start()
+    g = Gateway(
+        settings_for([upstream("u1", engine)], pool={"poll_interval_seconds": 60, "max_staleness_seconds": 0.5})
+    ).start()
     try:
         with g.client() as c:
             assert c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code == 200
@@ -172,8 +177,9 @@ def test_shrinking_pool_lowers_the_limit_at_the_next_poll(engine):
             assert wait_for(lambda: _limit(c) == 1600, 3.0)
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 400
-            assert r.json()["error"]["message"].startswith("This model's maximum context length is 1600 tokens. "
-                                                           "However, you requested 2003 tokens")
+            assert r.json()["error"]["message"].startswith(
+                "This model's maximum context length is 1600 tokens. However, you requested 2003 tokens"
+            )
     finally:
         g.stop()
 
@@ -194,9 +200,11 @@ def test_get_server_info_fallback_vllm_and_static(engine, engine2):
     engine.state.info_mode = "404"  # only /get_server_info answers (older SGLang)
     engine.state.max_req_input_len = 3000
     engine2.state.vllm_max_model_len = 2500
-    ups = [upstream("sg", engine),
-           upstream("vl", engine2, pool_source="vllm", pool_urls=[engine2.url + "/v1/models"]),
-           upstream("st", engine2, pool_source="static", pool_urls=[], static_pool_tokens=10_000)]
+    ups = [
+        upstream("sg", engine),
+        upstream("vl", engine2, pool_source="vllm", pool_urls=[engine2.url + "/v1/models"]),
+        upstream("st", engine2, pool_source="static", pool_urls=[], static_pool_tokens=10_000),
+    ]
     g = Gateway(settings_for(ups)).start()
     try:
         with g.client() as c:
@@ -209,14 +217,20 @@ def test_get_server_info_fallback_vllm_and_static(engine, engine2):
 
 # ---------------------------------------------------------------- client disconnects
 def test_client_disconnect_mid_stream_cancels_upstream_within_1s(engine):
-    engine.state.stream_chunks = [b'data: {"choices":[{"index":0,"delta":{"content":"one"}}]}\n\n',
-                                  b'data: {"choices":[{"index":0,"delta":{"content":" two"}}]}\n\n']
+    engine.state.stream_chunks = [
+        b'data: {"choices":[{"index":0,"delta":{"content":"one"}}]}\n\n',
+        b'data: {"choices":[{"index":0,"delta":{"content":" two"}}]}\n\n',
+    ]
     engine.state.chunk_interval_seconds = 3  # one chunk, then a long wait (read timeout is 5 s)
     g = Gateway(settings_for([upstream("u1", engine)])).start()
     try:
         with httpx.Client(base_url=g.url, headers={"authorization": "Bearer sk-test-tenant-a"}, timeout=10) as c:
-            with c.stream("POST", "/v1/chat/completions", json=chat(max_tokens=20, stream=True),
-                          headers={"x-request-id": "gone-1"}) as r:
+            with c.stream(
+                "POST",
+                "/v1/chat/completions",
+                json=chat(max_tokens=20, stream=True),
+                headers={"x-request-id": "gone-1"},
+            ) as r:
                 assert r.status_code == 200
                 first = next(r.iter_raw())
                 assert first == b'data: {"choices":[{"index":0,"delta":{"content":"one"}}]}\n\n'

@@ -1,6 +1,7 @@
 """The gateway over real HTTP against the mock engine (tests/mock_engine.py): the context gate at
 the boundary, bad input (nothing forwarded), the forwarded request, stream relaying, engine
 errors, and the official openai SDK."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,10 @@ from tests.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(60)
 
-CTX_MSG = ("This model's maximum context length is 200 tokens. However, you requested 201 tokens "
-           "({p} in the {w}, {c} in the completion). Please reduce the length of the {w} or completion.")
+CTX_MSG = (
+    "This model's maximum context length is 200 tokens. However, you requested 201 tokens "
+    "({p} in the {w}, {c} in the completion). Please reduce the length of the {w} or completion."
+)
 
 
 @pytest.fixture
@@ -46,16 +49,25 @@ def test_chat_boundary_200_then_400_with_exact_message(gw, engine):
         assert r.json()["choices"][0]["message"]["content"] == "Hello from the mock."
         r = c.post("/v1/chat/completions", json=chat(max_tokens=190))
     assert r.status_code == 400
-    assert error_of(r) == {"message": CTX_MSG.format(p=11, c=190, w="messages"), "type": "invalid_request_error",
-                           "param": "messages", "code": "context_length_exceeded"}
+    assert error_of(r) == {
+        "message": CTX_MSG.format(p=11, c=190, w="messages"),
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
     assert len(engine.state.requests) == 1
 
 
 def test_completions_boundary_and_default_max_tokens(gw, engine):
     with gw.client() as c:
-        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "Say hello.", "max_tokens": 197}).status_code == 200
-        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Say hello.", "max_completion_tokens": 1,
-                                            "max_tokens": 198})
+        assert (
+            c.post("/v1/completions", json={"model": MODEL, "prompt": "Say hello.", "max_tokens": 197}).status_code
+            == 200
+        )
+        r = c.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "Say hello.", "max_completion_tokens": 1, "max_tokens": 198},
+        )
         assert r.status_code == 400 and error_of(r)["param"] == "max_completion_tokens"  # not a completions field
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Say hello.", "max_tokens": 198})
         assert error_of(r)["message"] == CTX_MSG.format(p=3, c=198, w="prompt")
@@ -79,11 +91,18 @@ BAD = [
     (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, None),
     (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
     (b'{"model": "kvgate-tiny", "messages": "hi"}', 400, "messages"),
-    (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}', 400, "max_tokens"),
+    (
+        b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}',
+        400,
+        "max_tokens",
+    ),
     (b'{"model": 7, "messages": [{"role": "user", "content": "hi"}]}', 400, "model"),
     (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content"),
-    (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]}',
-     400, "messages[0].content[0].type"),
+    (
+        b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": [{"type": "video", "video": "x"}]}]}',
+        400,
+        "messages[0].content[0].type",
+    ),
     (b'{"model": "kvgate-tiny", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages[0].role"),
     (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "hi"}], "surprise": 1}', 400, "surprise"),
     (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
@@ -102,8 +121,16 @@ def test_bad_chat_bodies(gw, engine, raw, status, param):
     assert engine.state.requests == []
 
 
-@pytest.mark.parametrize("prompt,param", [([1, 2, 100_300], "prompt"), ([-1], "prompt"), ([[5], [100_261]], "prompt[1]"),
-                                          ([[5], []], "prompt[1]"), ([1, "a"], "prompt")])
+@pytest.mark.parametrize(
+    "prompt,param",
+    [
+        ([1, 2, 100_300], "prompt"),
+        ([-1], "prompt"),
+        ([[5], [100_261]], "prompt[1]"),
+        ([[5], []], "prompt[1]"),
+        ([1, "a"], "prompt"),
+    ],
+)
 def test_invalid_token_ids(gw, engine, prompt, param):
     with gw.client() as c:
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
@@ -148,15 +175,22 @@ def test_forwarded_request_salt_request_id_alias(gw, engine):
     import hmac
 
     with gw.client() as c:
-        r = c.post("/v1/chat/completions", json=chat(model="tiny-alias", cache_salt="client-salt", max_tokens=5),
-                   headers={"x-request-id": "req-42"})
+        r = c.post(
+            "/v1/chat/completions",
+            json=chat(model="tiny-alias", cache_salt="client-salt", max_tokens=5),
+            headers={"x-request-id": "req-42"},
+        )
     assert r.status_code == 200
     assert r.headers["x-request-id"] == "req-42"
     assert float(r.headers["x-kvgate-overhead-ms"]) > 0
     got = engine.state.requests[0]
     want_salt = hmac.new(SECRETS["cache_salt_key"], b"tenant-a", hashlib.sha256).hexdigest()
-    assert got["body"] == {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}],
-                           "cache_salt": want_salt, "max_tokens": 5}
+    assert got["body"] == {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "cache_salt": want_salt,
+        "max_tokens": 5,
+    }
     assert got["headers"]["x-request-id"] == "req-42"
     assert "authorization" not in got["headers"]  # the client's key never goes upstream
     assert got["path"] == "/v1/chat/completions"
@@ -202,8 +236,11 @@ def test_models_readyz_healthz_metrics(gw, engine):
 
 # ---------------------------------------------------------------- streams
 def _chunk(content: str, usage_null: bool, finish=None) -> bytes:
-    obj = {"id": "c1", "object": "chat.completion.chunk", "choices": [
-        {"index": 0, "delta": {"content": content}, "finish_reason": finish}]}
+    obj = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
+    }
     if usage_null:
         obj["usage"] = None
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
@@ -213,11 +250,11 @@ def _usage_chunk() -> bytes:
     return b'data: {"id": "c1", "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3}}\n\n'
 
 
-TEXTS = ["caf\u00e9 \u2028 ", "\U0001F600 \u4e2d\u6587", "\u2029end"]
+TEXTS = ["caf\u00e9 \u2028 ", "\U0001f600 \u4e2d\u6587", "\u2029end"]
 
 
 def _cut(stream: bytes, step: int) -> list[bytes]:
-    return [stream[i:i + step] for i in range(0, len(stream), step)]
+    return [stream[i : i + step] for i in range(0, len(stream), step)]
 
 
 def test_stream_is_byte_exact_when_client_asks_usage(gw, engine):
@@ -254,34 +291,64 @@ def test_error_event_before_content_is_mapped(gw, engine):
     engine.state.stream_chunks = [
         b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
         b'data: {"object":"error","message":"The input (5000 tokens) is longer than the model","type":"BadRequestError","param":null,"code":400}\n\n',
-        b"data: [DONE]\n\n"]
+        b"data: [DONE]\n\n",
+    ]
     with gw.client() as c:
         r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
     assert r.status_code == 400
-    assert error_of(r) == {"message": "The input (5000 tokens) is longer than the model",
-                           "type": "invalid_request_error", "param": None, "code": None}
+    assert error_of(r) == {
+        "message": "The input (5000 tokens) is longer than the model",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
 
 
 def test_error_event_after_content_passes_as_openai_event(gw, engine):
-    engine.state.stream_chunks = [_chunk("partial", False),
-                                  b'data: {"error":{"message":"engine died","code":500}}\n\n', b"data: [DONE]\n\n"]
+    engine.state.stream_chunks = [
+        _chunk("partial", False),
+        b'data: {"error":{"message":"engine died","code":500}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
     with gw.client() as c:
         r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
     assert r.status_code == 200
-    assert r.content == (_chunk("partial", False) + b'data: {"error":{"message":"engine died","type":"server_error",'
-                         b'"param":null,"code":null}}\n\n' + b"data: [DONE]\n\n")
+    assert r.content == (
+        _chunk("partial", False) + b'data: {"error":{"message":"engine died","type":"server_error",'
+        b'"param":null,"code":null}}\n\n' + b"data: [DONE]\n\n"
+    )
 
 
-@pytest.mark.parametrize("status,body,want", [
-    (400, b'{"object":"error","message":"bad","type":"BadRequestError","param":"top_p","code":400}',
-     {"message": "bad", "type": "invalid_request_error", "param": "top_p", "code": None}),
-    (400, b'{"error":{"message":"This model\'s maximum context length is 10 tokens.","type":"BadRequestError","param":null,"code":400}}',
-     {"message": "This model's maximum context length is 10 tokens.", "type": "invalid_request_error", "param": None,
-      "code": "context_length_exceeded"}),
-    (500, b'{"error":{"message":"boom"}}', {"message": "boom", "type": "server_error", "param": None, "code": None}),
-    (503, b'{"object":"error","message":"pool full, retry","code":503}',
-     {"message": "pool full, retry", "type": "server_error", "param": None, "code": None}),
-])
+@pytest.mark.parametrize(
+    "status,body,want",
+    [
+        (
+            400,
+            b'{"object":"error","message":"bad","type":"BadRequestError","param":"top_p","code":400}',
+            {"message": "bad", "type": "invalid_request_error", "param": "top_p", "code": None},
+        ),
+        (
+            400,
+            b'{"error":{"message":"This model\'s maximum context length is 10 tokens.","type":"BadRequestError","param":null,"code":400}}',
+            {
+                "message": "This model's maximum context length is 10 tokens.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "context_length_exceeded",
+            },
+        ),
+        (
+            500,
+            b'{"error":{"message":"boom"}}',
+            {"message": "boom", "type": "server_error", "param": None, "code": None},
+        ),
+        (
+            503,
+            b'{"object":"error","message":"pool full, retry","code":503}',
+            {"message": "pool full, retry", "type": "server_error", "param": None, "code": None},
+        ),
+    ],
+)
 def test_engine_error_bodies(gw, engine, status, body, want):
     engine.state.mode = "error"
     engine.state.error_status = status
@@ -313,17 +380,26 @@ def test_abort_under_200_is_counted(gw, engine):
 # ---------------------------------------------------------------- the official openai SDK
 def test_openai_sdk(gw, engine):
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY_A, max_retries=0)
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=189)
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=189
+    )
     assert r.choices[0].message.content == "Hello from the mock."
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=190)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=190
+        )
     assert e.value.code == "context_length_exceeded"
     assert e.value.status_code == 400
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Say hello.", max_tokens=198)
     assert e.value.code == "context_length_exceeded"
-    parts = [ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=5, stream=True) if ch.choices]
+    parts = [
+        ch.choices[0].delta.content or ""
+        for ch in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=5, stream=True
+        )
+        if ch.choices
+    ]
     assert "".join(parts) == "Hello from the mock."
     c = client.completions.create(model=MODEL, prompt="Say hello.", max_tokens=5)
     assert c.choices[0].text == "Hello from the mock."
@@ -348,8 +424,9 @@ class RecordingQuotas:
         from gateway.stages import QuotaLease
 
         if self.refuse:
-            raise OpenAIError(429, "Rate limit reached for requests.", code="rate_limit_exceeded",
-                              headers={"Retry-After": "7"})
+            raise OpenAIError(
+                429, "Rate limit reached for requests.", code="rate_limit_exceeded", headers={"Retry-After": "7"}
+            )
         self.reserved.append(reserve_tokens)
         return QuotaLease(tenant.id, request_id, reserve_tokens, headers={"x-ratelimit-remaining-requests": "9"})
 
@@ -383,6 +460,7 @@ class WithholdingVerifier:
 
             async def check_body(self, text, **kw):
                 raise ResponseWithheld("inc-2", "canary")
+
         return Guard()
 
     def is_quarantined(self, upstream, prompt_tokens):
@@ -429,7 +507,14 @@ def test_verifier_withholds_and_quarantine_skips(engine):
         g.stop()
     ex = v.exchanges[0]
     assert (ex.tenant.id, ex.upstream, ex.model, ex.route, ex.prompt_text, ex.prompt_tokens, ex.stream) == (
-        "tenant-a", "u1", MODEL, "chat", "Say hello.", 11, False)
+        "tenant-a",
+        "u1",
+        MODEL,
+        "chat",
+        "Say hello.",
+        11,
+        False,
+    )
     assert len(engine.state.requests) == 2
 
 
@@ -440,8 +525,9 @@ def test_long_runbook_prompt_is_counted_exactly_off_loop(engine):
     text = "\n".join([(SEEDS / "001_85707760a0179a93.txt").read_text(encoding="utf-8")] * 3)  # 44,528 chars
     engine.state.pool_tokens = 20_000  # limit floor(20000 / 1.25) = 16000
     engine.state.context_length = 32_768  # the engine reports its own context too (and it bounds the limit)
-    g = Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 1 << 20},
-                             context_length=32_768)).start()
+    g = Gateway(
+        settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 1 << 20}, context_length=32_768)
+    ).start()
     try:
         with g.client() as c:
             ok = c.post("/v1/chat/completions", json=chat(content=text, max_tokens=16_000 - 14_842))
@@ -452,7 +538,8 @@ def test_long_runbook_prompt_is_counted_exactly_off_loop(engine):
     assert r.status_code == 400
     assert r.json()["error"]["message"] == (
         "This model's maximum context length is 16000 tokens. However, you requested 16001 tokens (14842 in "
-        "the messages, 1159 in the completion). Please reduce the length of the messages or completion.")
+        "the messages, 1159 in the completion). Please reduce the length of the messages or completion."
+    )
     assert engine.state.requests[0]["body"]["messages"][0]["content"] == text
     assert len(engine.state.requests) == 1
 
@@ -476,6 +563,10 @@ def test_a_failing_stage_still_answers_openai_shaped_500(engine):
     finally:
         g.stop()
     assert r.status_code == 500
-    assert error_of(r) == {"message": "The server had an error while processing your request.",
-                           "type": "server_error", "param": None, "code": "internal_error"}
+    assert error_of(r) == {
+        "message": "The server had an error while processing your request.",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
     assert len(q.settled) == 1  # the lease is released all the same

@@ -1,5 +1,6 @@
 """``kvgate serve`` as a real process: it refuses the documented demo keys without ``--demo``,
 SIGHUP re-reads the tenants file, and SIGTERM drains (requests in flight finish, new ones get 503, then it exits 0)."""
+
 from __future__ import annotations
 
 import os
@@ -37,22 +38,40 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
     from gateway.tenants import hash_key
 
     cfg = tmp_path / "kvgate.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "gateway": {"drain_timeout_seconds": 10},
-        "pool": {"poll_interval_seconds": 1},
-        "quotas": {"enabled": False}, "verifier": {"enabled": False},
-        "state_dir": str(tmp_path / "state"),
-        "models": [{"id": MODEL, "context_length": 8192}],
-        "upstreams": [{"name": "u1", "api_url": engine.api_url, "pool_source": "sglang",
-                       "pool_urls": [engine.info_url], "models": [MODEL]}]}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "gateway": {"drain_timeout_seconds": 10},
+                "pool": {"poll_interval_seconds": 1},
+                "quotas": {"enabled": False},
+                "verifier": {"enabled": False},
+                "state_dir": str(tmp_path / "state"),
+                "models": [{"id": MODEL, "context_length": 8192}],
+                "upstreams": [
+                    {
+                        "name": "u1",
+                        "api_url": engine.api_url,
+                        "pool_source": "sglang",
+                        "pool_urls": [engine.info_url],
+                        "models": [MODEL],
+                    }
+                ],
+            }
+        )
+    )
     ten = tmp_path / "tenants.yaml"
     ten.write_text(yaml.safe_dump({"tenants": [{"id": "t1", "api_key_sha256": [hash_key(KEY_A)]}]}))
     url = closed_port_url()
     port = url.rsplit(":", 1)[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     env["KVGATE_SECRET_CACHE_SALT_KEY"] = "k"
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--tenants", str(ten),
-                             "--port", port], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--tenants", str(ten), "--port", port],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     result: dict = {}
     try:
         client = httpx.Client(base_url=url, headers={"authorization": f"Bearer {KEY_A}"}, timeout=10)
@@ -62,13 +81,21 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
                 return client.get("/readyz").status_code == 200
             except httpx.HTTPError:
                 return proc.poll() is not None
+
         assert wait_for(ready, 30, 0.1) and proc.poll() is None
         # a key added to the tenants file works without a restart (SIGHUP asks for the reload now)
         new = {"authorization": "Bearer sk-added-later"}
         assert client.get("/v1/models", headers=new).status_code == 401
-        ten.write_text(yaml.safe_dump({"tenants": [
-            {"id": "t1", "api_key_sha256": [hash_key(KEY_A)]},
-            {"id": "t2", "api_key_sha256": [hash_key("sk-added-later")]}]}))
+        ten.write_text(
+            yaml.safe_dump(
+                {
+                    "tenants": [
+                        {"id": "t1", "api_key_sha256": [hash_key(KEY_A)]},
+                        {"id": "t2", "api_key_sha256": [hash_key("sk-added-later")]},
+                    ]
+                }
+            )
+        )
         proc.send_signal(signal.SIGHUP)
         assert wait_for(lambda: client.get("/v1/models", headers=new).status_code == 200, 5)
         started = threading.Event()
@@ -82,6 +109,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
                         body += piece
                         started.set()
                     result["body"] = body
+
         t = threading.Thread(target=in_flight)
         t.start()
         assert started.wait(10)

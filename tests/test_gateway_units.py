@@ -1,5 +1,6 @@
 """Unit tests of the gateway's pieces that need no server: the pool formula, SSE splitting on
 bytes, usage stripping, engine error mapping, request validation, tenants, admission."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,7 +65,7 @@ def test_splitter_keeps_every_byte_whatever_the_cuts(step):
     sp = SSESplitter()
     got = []
     for i in range(0, len(stream), step):
-        got += sp.feed(stream[i:i + step])
+        got += sp.feed(stream[i : i + step])
     assert got == EVENTS
     assert sp.tail() == b""
 
@@ -100,12 +101,18 @@ def test_strip_usage_null_leaves_other_bytes():
 
 # ---------------------------------------------------------------- engine errors
 def test_engine_error_shapes():
-    sglang = engine_error(400, b'{"object":"error","message":"bad temp","type":"BadRequestError","param":null,"code":400}')
-    assert (sglang.status, sglang.body()) == (400, {"error": {"message": "bad temp", "type": "invalid_request_error",
-                                                              "param": None, "code": None}})
+    sglang = engine_error(
+        400, b'{"object":"error","message":"bad temp","type":"BadRequestError","param":null,"code":400}'
+    )
+    assert (sglang.status, sglang.body()) == (
+        400,
+        {"error": {"message": "bad temp", "type": "invalid_request_error", "param": None, "code": None}},
+    )
     vllm = engine_error(422, b'{"error":{"message":"nope","type":"BadRequestError","param":"n","code":422}}')
-    assert (vllm.status, vllm.body()["error"]) == (422, {"message": "nope", "type": "invalid_request_error",
-                                                         "param": "n", "code": None})
+    assert (vllm.status, vllm.body()["error"]) == (
+        422,
+        {"message": "nope", "type": "invalid_request_error", "param": "n", "code": None},
+    )
     gen = engine_error(500, b'{"error":{"message":"CUDA out of memory"}}')
     assert (gen.status, gen.body()["error"]["type"], gen.message) == (500, "server_error", "CUDA out of memory")
     text = engine_error(503, b"upstream connect error")
@@ -117,25 +124,29 @@ def test_engine_error_shapes():
 
 
 # ---------------------------------------------------------------- parsing and validation
-@pytest.mark.parametrize("raw", [b"", b"{", b"[1]", b'{"a": NaN}', b'{"a": Infinity}', b'{"a": "\xff"}',
-                                 b'{"a": "\\ud800"}'])
+@pytest.mark.parametrize(
+    "raw", [b"", b"{", b"[1]", b'{"a": NaN}', b'{"a": Infinity}', b'{"a": "\xff"}', b'{"a": "\\ud800"}']
+)
 def test_parse_rejects(raw):
     with pytest.raises(OpenAIError) as e:
         parse_json_body(raw)
     assert e.value.status == 400
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"messages": [], "max_tokens": "5"}, "max_tokens"),
-    ({"messages": [], "max_tokens": True}, "max_tokens"),
-    ({"messages": [], "temperature": 3}, "temperature"),
-    ({"messages": [], "stream": "yes"}, "stream"),
-    ({"messages": [], "n": 0}, "n"),
-    ({"messages": [], "stop": [1]}, "stop"),
-    ({"messages": [], "bogus": 1}, "bogus"),
-    ({"model": "m"}, "messages"),
-    ({"messages": [], "stream_options": {"include_usage": True}}, "stream_options"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": [], "max_tokens": "5"}, "max_tokens"),
+        ({"messages": [], "max_tokens": True}, "max_tokens"),
+        ({"messages": [], "temperature": 3}, "temperature"),
+        ({"messages": [], "stream": "yes"}, "stream"),
+        ({"messages": [], "n": 0}, "n"),
+        ({"messages": [], "stop": [1]}, "stop"),
+        ({"messages": [], "bogus": 1}, "bogus"),
+        ({"model": "m"}, "messages"),
+        ({"messages": [], "stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
 def test_validate_names_param(body, param):
     with pytest.raises(OpenAIError) as e:
         validate(body, "chat")
@@ -143,8 +154,10 @@ def test_validate_names_param(body, param):
 
 
 def test_validate_accepts_nulls_and_engine_extensions():
-    validate({"messages": [], "max_tokens": None, "top_k": 20, "stream": True,
-              "stream_options": {"include_usage": False}}, "chat")
+    validate(
+        {"messages": [], "max_tokens": None, "top_k": 20, "stream": True, "stream_options": {"include_usage": False}},
+        "chat",
+    )
     validate({"prompt": "x", "echo": False, "logprobs": 2}, "completions")
 
 
@@ -185,11 +198,16 @@ def test_gate_boundary_and_message():
     assert (a.limit, a.max_tokens, a.reserve_tokens, a.defaulted) == (200, 189, 200, False)
     with pytest.raises(OpenAIError) as err:
         decide(e, t, {"max_tokens": 190}, "chat", (11, 11, 1), 200)
-    assert err.value.body() == {"error": {
-        "message": "This model's maximum context length is 200 tokens. However, you requested 201 tokens "
-                   "(11 in the messages, 190 in the completion). Please reduce the length of the messages "
-                   "or completion.", "type": "invalid_request_error", "param": "messages",
-        "code": "context_length_exceeded"}}
+    assert err.value.body() == {
+        "error": {
+            "message": "This model's maximum context length is 200 tokens. However, you requested 201 tokens "
+            "(11 in the messages, 190 in the completion). Please reduce the length of the messages "
+            "or completion.",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }
+    }
 
 
 def test_max_tokens_rules():

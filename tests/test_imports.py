@@ -4,6 +4,7 @@ config``; ``gpu_backend`` imports only ``config`` and ``tokenizer``; the gateway
 ``tests/`` or ``bench/``; and what the gateway's packages import is installed by the core
 dependencies of pyproject.toml (the ``hf`` extra too for ``tokenizer``), so a gateway install
 without the ``backend`` extra runs."""
+
 from __future__ import annotations
 
 import ast
@@ -77,8 +78,11 @@ def _optional(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
         node = parents[node]
         if isinstance(node, ast.Try):
             for h in node.handlers:
-                names = ({n.id for n in ast.walk(h.type) if isinstance(n, ast.Name)} if h.type is not None
-                         else {"ImportError"})
+                names = (
+                    {n.id for n in ast.walk(h.type) if isinstance(n, ast.Name)}
+                    if h.type is not None
+                    else {"ImportError"}
+                )
                 if names & {"ImportError", "ModuleNotFoundError", "Exception"}:
                     return True
     return False
@@ -138,8 +142,10 @@ def test_dependency_direction_and_declared_dependencies():
                     continue
                 dists = {d.lower().replace("_", "-") for d in dists_of.get(name, [])}
                 if not dists & allowed:
-                    violations.append(f"{rel}:{line}: {package} imports {name}, which the core dependencies "
-                                      f"{'and the hf extra ' if package in EXTRAS_ALLOWED else ''}do not install")
+                    violations.append(
+                        f"{rel}:{line}: {package} imports {name}, which the core dependencies "
+                        f"{'and the hf extra ' if package in EXTRAS_ALLOWED else ''}do not install"
+                    )
     assert violations == []
     # the package graph is acyclic (a cycle would need an edge against the direction above)
     state: dict[str, int] = {}
@@ -160,11 +166,19 @@ def test_dependency_direction_and_declared_dependencies():
 def test_checker_sees_violations(tmp_path):
     """Control: the AST walk finds plain, from-, relative and function-level imports."""
     src = tmp_path / "m.py"
-    src.write_text("import torch.nn\nfrom gpu_backend.engine import X\nfrom . import sibling\n"
-                   "def f():\n    import numpy as np\n"
-                   "try:\n    import uvloop\nexcept ImportError:\n    uvloop = None\n", encoding="utf-8")
-    assert imported_top_levels(src, "gateway") == {("torch", 1), ("gpu_backend", 2), ("gateway", 3), ("numpy", 5),
-                                                   ("uvloop", 7)}
+    src.write_text(
+        "import torch.nn\nfrom gpu_backend.engine import X\nfrom . import sibling\n"
+        "def f():\n    import numpy as np\n"
+        "try:\n    import uvloop\nexcept ImportError:\n    uvloop = None\n",
+        encoding="utf-8",
+    )
+    assert imported_top_levels(src, "gateway") == {
+        ("torch", 1),
+        ("gpu_backend", 2),
+        ("gateway", 3),
+        ("numpy", 5),
+        ("uvloop", 7),
+    }
     assert ("uvloop", 7) not in imported_top_levels(src, "gateway", include_optional=False)
     core = allowed_distributions("gateway")
     assert {"fastapi", "starlette", "httpx", "tiktoken", "pyyaml", "redis"} <= core  # starlette: via fastapi
@@ -191,11 +205,13 @@ print(json.dumps({"count": n, "heavy": heavy, "gpu_backend": "gpu_backend" in sy
 
 @pytest.mark.timeout(120)
 def test_kvgate_help_runs_without_torch():
-    code = ("import sys, runpy; sys.argv = ['kvgate', '--help']\n"
-            "from gateway.cli import main\n"
-            "rc = main(['--help'])\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\n"
-            "sys.exit(rc)\n")
+    code = (
+        "import sys, runpy; sys.argv = ['kvgate', '--help']\n"
+        "from gateway.cli import main\n"
+        "rc = main(['--help'])\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "sys.exit(rc)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: kvgate <command> [options]")

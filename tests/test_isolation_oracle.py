@@ -13,6 +13,7 @@ Sizes are scaled down from the embedded defaults to keep the suite fast on 2 cor
 shape as the incident (prefill pool smaller than the context window): context 1,024, prefill pool
 512 tokens (max_req_input_len 506), decode pool 8,192.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,9 @@ def _run(backend: Backend, seed: int):
     info = httpx.get(backend.url + "/server_info", timeout=10).json()
     L, ctx, pool = info["max_req_input_len"], info["context_length"], info["max_total_num_tokens"]
     assert (L, ctx, pool) == (506, 1024, 512)
-    reqs = W.make_workload(n=N_REQUESTS, n_tenants=N_TENANTS, max_req_input_len=L, pool_tokens=pool,
-                           context_length=ctx, seed=seed)
+    reqs = W.make_workload(
+        n=N_REQUESTS, n_tenants=N_TENANTS, max_req_input_len=L, pool_tokens=pool, context_length=ctx, seed=seed
+    )
     results = asyncio.run(W.run_workload(backend.url, reqs, concurrency=32))
     return results, L, ctx, pool
 

@@ -2,6 +2,7 @@
 the kernel accepts, nobody answers) and a black hole (accepts, never answers). Every request gets
 the configured policy, decided within 1 s, never an unlimited pass-through; limits hold again by
 themselves once Redis is back. Also: no Redis URL, quotas disabled."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,9 @@ def _assert_fail_closed(out: object) -> None:
     assert isinstance(out, OpenAIError), f"admitted while the quota store was down: {out!r}"
     assert (out.status, out.code, out.headers) == (503, "quota_backend_unavailable", {"Retry-After": "1"})
     assert out.body()["error"]["type"] == "server_error"
-    assert out.message == ("The quota store is unavailable, so the request cannot be admitted. "
-                           "Please try again shortly.")
+    assert out.message == (
+        "The quota store is unavailable, so the request cannot be admitted. Please try again shortly."
+    )
 
 
 async def _assert_limits_hold(stage: TenantQuotas, rpm: int) -> None:
@@ -111,8 +113,14 @@ async def test_fail_closed_when_redis_is_paused_then_resumed(spare_redis, caplog
     await _wait_for_recovery(stage)
     # the paused server ran the reservations waiting in its sockets when it resumed; the gateway
     # had refused them with 503, so it undid them
-    assert any(re.fullmatch(r"quota store redis: undid [1-4] reservation\(s\) it ran after their call "
-                            r"had timed out", r.getMessage()) for r in caplog.records)
+    assert any(
+        re.fullmatch(
+            r"quota store redis: undid [1-4] reservation\(s\) it ran after their call "
+            r"had timed out",
+            r.getMessage(),
+        )
+        for r in caplog.records
+    )
     # the state from before the pause survived: one of t's two requests is already used
     await stage.reserve(t, 1, "after")
     with pytest.raises(OpenAIError) as ei:
@@ -143,8 +151,12 @@ async def test_local_fallback_keeps_per_replica_limits_then_returns_to_redis(spa
         assert elapsed < 1.0
         assert not isinstance(lease, OpenAIError), lease
         admitted.append(lease)
-    assert admitted[1].headers == {"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "0",
-                                   "x-ratelimit-limit-tokens": "500", "x-ratelimit-remaining-tokens": "300"}
+    assert admitted[1].headers == {
+        "x-ratelimit-limit-requests": "2",
+        "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-limit-tokens": "500",
+        "x-ratelimit-remaining-tokens": "300",
+    }
     elapsed, out = await _timed(stage.reserve(t, 100, "r3"))
     assert elapsed < 1.0
     assert isinstance(out, OpenAIError) and out.status == 429 and "Limit 2, Used 2" in out.message
@@ -164,7 +176,8 @@ async def test_no_redis_url_keeps_limits_in_process_with_a_warning(caplog) -> No
         stage = build_quota_stage(Settings(redis_url=None))
     assert [r.getMessage() for r in caplog.records] == [
         "quotas: no redis_url is configured, so limits are kept in this process: each gateway process "
-        "admits a tenant's full limits on its own"]
+        "admits a tenant's full limits on its own"
+    ]
     assert isinstance(stage, TenantQuotas)
     await _assert_limits_hold(stage, 3)
     t = _tenant(max_concurrent=1)
@@ -178,8 +191,7 @@ async def test_no_redis_url_keeps_limits_in_process_with_a_warning(caplog) -> No
 
 
 def test_quotas_disabled_is_the_null_stage() -> None:
-    stage = build_quota_stage(Settings(redis_url="redis://127.0.0.1:6379/0",
-                                       quotas=QuotaSettings(enabled=False)))
+    stage = build_quota_stage(Settings(redis_url="redis://127.0.0.1:6379/0", quotas=QuotaSettings(enabled=False)))
     assert isinstance(stage, NullQuotas)
 
 
@@ -189,5 +201,10 @@ async def test_redis_url_with_timeouts_and_no_retries() -> None:
     assert (kw["socket_timeout"], kw["socket_connect_timeout"], kw["db"]) == (0.25, 0.25, 3)
     assert client.get_retry()._retries == 0
     await client.aclose()
-    assert RedisQuotaStore(client).keys("a") == ["kvgate:q:{a}:rpm", "kvgate:q:{a}:tpm", "kvgate:q:{a}:tpm:debits",
-                                                  "kvgate:q:{a}:tpm:sum", "kvgate:q:{a}:leases"]
+    assert RedisQuotaStore(client).keys("a") == [
+        "kvgate:q:{a}:rpm",
+        "kvgate:q:{a}:tpm",
+        "kvgate:q:{a}:tpm:debits",
+        "kvgate:q:{a}:tpm:sum",
+        "kvgate:q:{a}:leases",
+    ]

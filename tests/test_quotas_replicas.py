@@ -5,6 +5,7 @@ Every tenant id carries a random suffix, so the keys (``kvgate:q:{tenant}:...``)
 own; they are deleted at the end. The Redis-fault tests run a second pair of replicas against a
 redis-server of their own, which they stop, pause and restart.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -69,9 +70,25 @@ class Replica:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--tenants", str(tenants),
-                 "--port", str(self.port), "--log-level", "warning"],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "gateway.cli",
+                    "serve",
+                    "--config",
+                    str(config),
+                    "--tenants",
+                    str(tenants),
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "warning",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
     def wait_ready(self, timeout: float = 45.0) -> None:
         deadline = time.monotonic() + timeout
@@ -111,30 +128,51 @@ class Stack:
         self.workdir = workdir
         self.engine = MockEngine().start()
         self.tenants_path = workdir / "tenants.yaml"
-        entries = [{"id": tid(name), "api_key_sha256": [hashlib.sha256(KEYS[name].encode()).hexdigest()],
-                    "max_tokens_cap": 512, "default_max_tokens": 4, "allowed_models": [MODEL], **limits}
-                   for name, limits in TENANTS.items()]
+        entries = [
+            {
+                "id": tid(name),
+                "api_key_sha256": [hashlib.sha256(KEYS[name].encode()).hexdigest()],
+                "max_tokens_cap": 512,
+                "default_max_tokens": 4,
+                "allowed_models": [MODEL],
+                **limits,
+            }
+            for name, limits in TENANTS.items()
+        ]
         self.tenants_path.write_text(yaml.safe_dump({"tenants": entries}, sort_keys=False))
         self.replicas: list[Replica] = []
 
     def config(self, name: str, redis_url: str, **quotas: Any) -> Path:
         path = self.workdir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump({
-            "gateway": {"host": "127.0.0.1", "read_timeout_seconds": 30, "drain_timeout_seconds": 1},
-            "pool": {"poll_interval_seconds": 1, "max_staleness_seconds": 30},
-            "quotas": {"window_seconds": 60, "lease_ttl_seconds": LEASE_TTL_SECONDS, **quotas},
-            "redis_url": redis_url,
-            "models": [{"id": MODEL, "context_length": 8192, "tokenizer": {"kind": "bundled"}}],
-            "upstreams": [{"name": "mock", "api_url": self.engine.api_url, "pool_source": "sglang",
-                           "pool_urls": [self.engine.info_url], "models": [MODEL]}],
-            "verifier": {"enabled": False},
-            "state_dir": str(self.workdir / "state"),
-        }))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "gateway": {"host": "127.0.0.1", "read_timeout_seconds": 30, "drain_timeout_seconds": 1},
+                    "pool": {"poll_interval_seconds": 1, "max_staleness_seconds": 30},
+                    "quotas": {"window_seconds": 60, "lease_ttl_seconds": LEASE_TTL_SECONDS, **quotas},
+                    "redis_url": redis_url,
+                    "models": [{"id": MODEL, "context_length": 8192, "tokenizer": {"kind": "bundled"}}],
+                    "upstreams": [
+                        {
+                            "name": "mock",
+                            "api_url": self.engine.api_url,
+                            "pool_source": "sglang",
+                            "pool_urls": [self.engine.info_url],
+                            "models": [MODEL],
+                        }
+                    ],
+                    "verifier": {"enabled": False},
+                    "state_dir": str(self.workdir / "state"),
+                }
+            )
+        )
         return path
 
     def start(self, config: Path, n: int) -> list[Replica]:
-        new = [Replica(config, self.tenants_path, self.workdir, f"{config.stem}-{len(self.replicas) + i}")
-               for i in range(n)]
+        new = [
+            Replica(config, self.tenants_path, self.workdir, f"{config.stem}-{len(self.replicas) + i}")
+            for i in range(n)
+        ]
         self.replicas += new
         for r in new:
             r.wait_ready()
@@ -182,10 +220,15 @@ def engine(stack: Stack) -> MockState:
     return stack.engine.state
 
 
-def post(replica: Replica, key: str, *, content: str = "Say hello.", timeout: float = 15, **body: Any) -> httpx.Response:
-    return httpx.post(replica.url + "/v1/chat/completions", timeout=timeout,
-                      headers={"authorization": f"Bearer {key}"},
-                      json={"model": MODEL, "messages": [{"role": "user", "content": content}], **body})
+def post(
+    replica: Replica, key: str, *, content: str = "Say hello.", timeout: float = 15, **body: Any
+) -> httpx.Response:
+    return httpx.post(
+        replica.url + "/v1/chat/completions",
+        timeout=timeout,
+        headers={"authorization": f"Bearer {key}"},
+        json={"model": MODEL, "messages": [{"role": "user", "content": content}], **body},
+    )
 
 
 def prompt_of(tokens: int) -> tuple[str, int]:
@@ -227,8 +270,10 @@ def test_rpm_5_with_10_concurrent_requests_across_two_replicas(pair, engine) -> 
     for a in refused:
         err = a.json()["error"]
         assert (err["type"], err["code"], err["param"]) == ("rate_limit_error", "rate_limit_exceeded", None)
-        assert err["message"].startswith(f"Rate limit reached for tenant '{tid('rpm5')}' on requests per 60s "
-                                         "window (RPM): Limit 5, Used 5, Requested 1. Please try again in ")
+        assert err["message"].startswith(
+            f"Rate limit reached for tenant '{tid('rpm5')}' on requests per 60s "
+            "window (RPM): Limit 5, Used 5, Requested 1. Please try again in "
+        )
         assert 55 <= int(a.headers["retry-after"]) <= 60
         assert a.headers["x-ratelimit-remaining-requests"] == "0"
         assert "x-ratelimit-remaining-tokens" not in a.headers  # no TPM limit: no token headers
@@ -245,8 +290,11 @@ def test_tpm_1000_with_300_token_requests_alternating_replicas(pair, engine) -> 
     for i in range(3):
         a = post(pair[i % 2], key, content=content, max_tokens=max_tokens)
         assert a.status_code == 200, a.text
-        assert a.json()["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                                     "total_tokens": 300}
+        assert a.json()["usage"] == {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": max_tokens,
+            "total_tokens": 300,
+        }
         remaining.append(a.headers["x-ratelimit-remaining-tokens"])
     assert remaining == ["700", "400", "100"]
     assert wait_until(lambda: tpm_used("tpm1000") == 900, 5)
@@ -255,7 +303,8 @@ def test_tpm_1000_with_300_token_requests_alternating_replicas(pair, engine) -> 
         assert a.status_code == 429
         assert a.json()["error"]["message"].startswith(
             f"Rate limit reached for tenant '{tid('tpm1000')}' on tokens per 60s window (TPM): Limit 1000, "
-            "Used 900, Requested 300. Please try again in ")
+            "Used 900, Requested 300. Please try again in "
+        )
         assert (a.headers["x-ratelimit-limit-tokens"], a.headers["x-ratelimit-remaining-tokens"]) == ("1000", "100")
     # a request that fits the 100 left is still admitted: the refusals took nothing
     small, small_tokens = prompt_of(20)
@@ -280,8 +329,11 @@ def test_streamed_and_whole_responses_with_the_same_usage_debit_the_same(pair, e
     assert wait_until(lambda: tpm_used("debit") == before + 2 * (prompt_tokens + 6), 5), tpm_used("debit")
     # an engine that reports no usage: the gateway counts the completion text it relayed
     text = "Tokens are counted by the gateway when the engine says nothing."
-    chunk = {"id": "x", "object": "chat.completion.chunk",
-             "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "stop"}]}
+    chunk = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "stop"}],
+    }
     engine.stream_chunks = [b"data: " + json.dumps(chunk).encode() + b"\n\n", b"data: [DONE]\n\n"]
     mid = tpm_used("debit")
     c = post(pair[0], key, content=content, max_tokens=50, stream=True)
@@ -298,14 +350,20 @@ def test_a_cancelled_stream_is_charged_what_was_produced(pair, engine) -> None:
     engine.chunk_interval_seconds = 0.1
     engine.stream_chunks = [
         b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"'
-        + w.encode() + b'"},"finish_reason":null}]}\n\n' for w in words] + [b"data: [DONE]\n\n"]
+        + w.encode()
+        + b'"},"finish_reason":null}]}\n\n'
+        for w in words
+    ] + [b"data: [DONE]\n\n"]
     key = KEYS["debit"]
     before = tpm_used("debit")
     seen = 0
-    with httpx.stream("POST", pair[1].url + "/v1/chat/completions", timeout=15,
-                      headers={"authorization": f"Bearer {key}"},
-                      json={"model": MODEL, "messages": [{"role": "user", "content": content}],
-                            "max_tokens": 100, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        pair[1].url + "/v1/chat/completions",
+        timeout=15,
+        headers={"authorization": f"Bearer {key}"},
+        json={"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 100, "stream": True},
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -333,8 +391,8 @@ def test_max_concurrent_2_refuses_a_third_simultaneous_request(pair, engine) -> 
         assert third.status_code == 429
         assert third.headers["retry-after"] == "1"
         assert third.json()["error"]["message"] == (
-            f"Rate limit reached for tenant '{tid('conc2')}' on concurrent requests: Limit 2. "
-            "Please try again in 1s.")
+            f"Rate limit reached for tenant '{tid('conc2')}' on concurrent requests: Limit 2. Please try again in 1s."
+        )
         assert [f.result().status_code for f in first] == [200, 200]
     engine.mode = "ok"
     assert post(pair[1], key).status_code == 200  # the two leases were released at the end
@@ -370,8 +428,7 @@ def test_tenant_edits_apply_without_restart(stack, pair, engine) -> None:
     assert cli_main(["tenant", "set", tid("reload"), "--rpm", "2", "--tenants", tenants]) == 0
     # both replicas pick the change up (the file is polled every second); answers then carry the
     # new limit, and once 2 requests are in the window both replicas refuse
-    assert wait_until(lambda: all(post(r, key).headers.get("x-ratelimit-limit-requests") == "2" for r in pair),
-                      5, 0.2)
+    assert wait_until(lambda: all(post(r, key).headers.get("x-ratelimit-limit-requests") == "2" for r in pair), 5, 0.2)
     assert [post(r, key).status_code for r in pair] == [429, 429]
     # key rotation: the new key works, the revoked one gets 401, on both replicas
     buf = io.StringIO()
@@ -392,9 +449,12 @@ def _assert_503_fast(replica: Replica, key: str) -> None:
     a = post(replica, key)
     elapsed = time.monotonic() - t0
     assert a.status_code == 503, (a.status_code, a.text)
-    assert a.json()["error"] == {"message": "The quota store is unavailable, so the request cannot be admitted. "
-                                            "Please try again shortly.", "type": "server_error", "param": None,
-                                 "code": "quota_backend_unavailable"}
+    assert a.json()["error"] == {
+        "message": "The quota store is unavailable, so the request cannot be admitted. Please try again shortly.",
+        "type": "server_error",
+        "param": None,
+        "code": "quota_backend_unavailable",
+    }
     assert a.headers["retry-after"] == "1"
     assert elapsed < 1.0, f"decided in {elapsed:.2f}s"
 

@@ -1,6 +1,7 @@
 """The quota scripts against the real Redis on 127.0.0.1:6379 (each test has its own key prefix),
 and the in-process store against the same expectations: all-or-none reservation, settle,
 lease TTL, Retry-After values, key layout."""
+
 from __future__ import annotations
 
 import asyncio
@@ -59,7 +60,12 @@ async def test_concurrency_refusal_spends_nothing_and_settle_frees_the_lease(sto
     assert (await store.reserve("t", lim, "b", 5, WINDOW_MS, TTL_MS)).admitted
     d = await store.reserve("t", lim, "c", 5, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.refused, d.retry_after_ms, d.remaining_requests, d.remaining_tokens) == (
-        False, ("concurrency",), 1000, 8, -1)
+        False,
+        ("concurrency",),
+        1000,
+        8,
+        -1,
+    )
     await store.settle("t", lim, "a", 5, 5, WINDOW_MS)
     d = await store.reserve("t", lim, "c", 5, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.remaining_requests) == (True, 7)
@@ -97,7 +103,12 @@ async def test_settle_after_the_debit_left_the_window_charges_only_the_excess(st
 async def test_request_larger_than_tpm_and_rpm_zero_are_refused_for_a_whole_window(store) -> None:
     d = await store.reserve("t", QuotaLimits(None, 100, None), "a", 101, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.refused, d.too_large, d.retry_after_ms, d.remaining_tokens) == (
-        False, ("tpm",), True, WINDOW_MS, 100)
+        False,
+        ("tpm",),
+        True,
+        WINDOW_MS,
+        100,
+    )
     d = await store.reserve("t", QuotaLimits(0, None, None), "b", 1, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.refused, d.retry_after_ms, d.remaining_requests) == (False, ("rpm",), WINDOW_MS, 0)
 
@@ -166,8 +177,7 @@ async def test_keys_carry_the_tenant_hash_tag_and_expire(redis_store) -> None:
     assert (await store.reserve("acme.prod", lim, "a", 10, WINDOW_MS, TTL_MS)).admitted
     keys = sorted(k.decode() for k in await client.keys(f"{store.prefix}:*"))
     base = f"{store.prefix}:{{acme.prod}}"
-    assert keys == sorted([f"{base}:rpm", f"{base}:tpm", f"{base}:tpm:debits", f"{base}:tpm:sum",
-                           f"{base}:leases"])
+    assert keys == sorted([f"{base}:rpm", f"{base}:tpm", f"{base}:tpm:debits", f"{base}:tpm:sum", f"{base}:leases"])
     for k in keys:
         limit = TTL_MS if k.endswith(":leases") else WINDOW_MS
         assert limit < await client.pttl(k) <= limit + 1000
@@ -180,8 +190,7 @@ async def test_reservations_are_atomic_across_clients(redis_store) -> None:
     stores = [RedisQuotaStore(c, prefix=redis_store.prefix) for c in clients]
     try:
         lim = QuotaLimits(rpm=7, tpm=None, max_concurrent=None)
-        ds = await asyncio.gather(*(stores[i % 5].reserve("t", lim, f"r{i}", 1, WINDOW_MS, TTL_MS)
-                                    for i in range(50)))
+        ds = await asyncio.gather(*(stores[i % 5].reserve("t", lim, f"r{i}", 1, WINDOW_MS, TTL_MS) for i in range(50)))
         assert sum(d.admitted for d in ds) == 7
         assert sorted(d.remaining_requests for d in ds if d.admitted) == [0, 1, 2, 3, 4, 5, 6]
     finally:
@@ -199,8 +208,12 @@ async def test_stage_headers_429_body_and_settle_once(redis_store) -> None:
     t = _tenant(rpm=2, tpm=1000, max_concurrent=3)
     lease = await q.reserve(t, 300, "req-1")
     assert (lease.tenant_id, lease.request_id, lease.reserved_tokens) == (t.id, "req-1", 300)
-    assert lease.headers == {"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "1",
-                             "x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "700"}
+    assert lease.headers == {
+        "x-ratelimit-limit-requests": "2",
+        "x-ratelimit-remaining-requests": "1",
+        "x-ratelimit-limit-tokens": "1000",
+        "x-ratelimit-remaining-tokens": "700",
+    }
     await q.settle(lease, 120)
     await q.settle(lease, 999)  # a second settle does nothing
     lease2 = await q.reserve(t, 880, "req-2")
@@ -212,12 +225,18 @@ async def test_stage_headers_429_body_and_settle_once(redis_store) -> None:
     assert e.body()["error"]["type"] == "rate_limit_error"
     assert e.headers is not None and 58 <= int(e.headers["Retry-After"]) <= 60
     retry = e.headers["Retry-After"]
-    assert e.headers == {"Retry-After": retry, "x-ratelimit-limit-requests": "2",
-                         "x-ratelimit-remaining-requests": "0", "x-ratelimit-limit-tokens": "1000",
-                         "x-ratelimit-remaining-tokens": "0"}
-    assert e.message == (f"Rate limit reached for tenant '{t.id}' on requests per 60s window (RPM): Limit 2, "
-                         f"Used 2, Requested 1; tokens per 60s window (TPM): Limit 1000, Used 1000, "
-                         f"Requested 1. Please try again in {retry}s.")
+    assert e.headers == {
+        "Retry-After": retry,
+        "x-ratelimit-limit-requests": "2",
+        "x-ratelimit-remaining-requests": "0",
+        "x-ratelimit-limit-tokens": "1000",
+        "x-ratelimit-remaining-tokens": "0",
+    }
+    assert e.message == (
+        f"Rate limit reached for tenant '{t.id}' on requests per 60s window (RPM): Limit 2, "
+        f"Used 2, Requested 1; tokens per 60s window (TPM): Limit 1000, Used 1000, "
+        f"Requested 1. Please try again in {retry}s."
+    )
     await q.settle(lease2, 880)
     await q.aclose()
 
@@ -227,10 +246,15 @@ async def test_stage_too_large_message_and_unlimited_tenant_skips_the_store(redi
     t = _tenant(tpm=100)
     with pytest.raises(OpenAIError) as ei:
         await q.reserve(t, 101, "r")
-    assert ei.value.message == (f"Request too large for tenant '{t.id}' on tokens per 30s window (TPM): "
-                                "Limit 100, Requested 101 (prompt + max_tokens). Reduce the prompt or max_tokens.")
-    assert ei.value.headers == {"Retry-After": "30", "x-ratelimit-limit-tokens": "100",
-                                "x-ratelimit-remaining-tokens": "100"}
+    assert ei.value.message == (
+        f"Request too large for tenant '{t.id}' on tokens per 30s window (TPM): "
+        "Limit 100, Requested 101 (prompt + max_tokens). Reduce the prompt or max_tokens."
+    )
+    assert ei.value.headers == {
+        "Retry-After": "30",
+        "x-ratelimit-limit-tokens": "100",
+        "x-ratelimit-remaining-tokens": "100",
+    }
     free = _tenant()
     lease = await q.reserve(free, 10**9, "r")
     assert (lease.headers, lease.state) == ({}, None)

@@ -1,5 +1,6 @@
 """`kvgate tenant set / add-key / revoke-key`: edit limits and rotate keys in the tenants file,
 keeping everything else byte for byte; keys are printed once and never stored or echoed."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,12 +32,26 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_set_changes_only_the_named_fields(capsys, tenants_file: Path) -> None:
     before = tenants_file.read_text()
-    rc, out, err = _run(capsys, "set", "demo-a", "--tenants", str(tenants_file), "--rpm", "5", "--tpm", "1000",
-                        "--clear", "max_concurrent")
+    rc, out, err = _run(
+        capsys,
+        "set",
+        "demo-a",
+        "--tenants",
+        str(tenants_file),
+        "--rpm",
+        "5",
+        "--tpm",
+        "1000",
+        "--clear",
+        "max_concurrent",
+    )
     assert (rc, out) == (0, "")
     assert "rpm=5, tpm=1000, max_concurrent=null" in err
-    expected = before.replace("    rpm: 600\n    tpm: 2000000\n    max_concurrent: 16\n",
-                              "    rpm: 5\n    tpm: 1000\n    max_concurrent: null\n", 1)
+    expected = before.replace(
+        "    rpm: 600\n    tpm: 2000000\n    max_concurrent: 16\n",
+        "    rpm: 5\n    tpm: 1000\n    max_concurrent: null\n",
+        1,
+    )
     assert expected != before
     assert tenants_file.read_text() == expected
     a, b = load_tenants(tenants_file).tenants
@@ -66,8 +81,7 @@ def test_add_key_then_revoke_the_old_one(capsys, tenants_file: Path) -> None:
     digest = hashlib.sha256(key.encode()).hexdigest()
     assert key not in err and key not in tenants_file.read_text()
     assert f"kvgate tenant revoke-key demo-a {digest[:12]}" in err
-    assert tenants_file.read_text() == before.replace(
-        f"[{DEMO_A_HASH}]", f"[{DEMO_A_HASH}, {digest}]", 1)
+    assert tenants_file.read_text() == before.replace(f"[{DEMO_A_HASH}]", f"[{DEMO_A_HASH}, {digest}]", 1)
     assert load_tenants(tenants_file).tenants[0].api_key_sha256 == [DEMO_A_HASH, digest]
 
     # revoke by the key itself

@@ -1,5 +1,6 @@
 """Small parts of the quota stage: tenant-file reload (poll and SIGHUP), counting completion text
 when the engine reports no usage, per-replica limits, rate-limit headers."""
+
 from __future__ import annotations
 
 import os
@@ -94,6 +95,10 @@ def test_per_replica_limits_and_headers() -> None:
     assert lim.divided(2) == QuotaLimits(2, 500, 0)  # floor: replicas together never exceed the limit
     assert QuotaLimits(None, 10, None).divided(3) == QuotaLimits(None, 3, None)
     d = QuotaDecision(True, (), 0, 4, -7)
-    assert rate_limit_headers(lim, d) == {"x-ratelimit-limit-requests": "5", "x-ratelimit-remaining-requests": "4",
-                                          "x-ratelimit-limit-tokens": "1001", "x-ratelimit-remaining-tokens": "0"}
+    assert rate_limit_headers(lim, d) == {
+        "x-ratelimit-limit-requests": "5",
+        "x-ratelimit-remaining-requests": "4",
+        "x-ratelimit-limit-tokens": "1001",
+        "x-ratelimit-remaining-tokens": "0",
+    }
     assert rate_limit_headers(QuotaLimits(None, None, 3), d) == {}

@@ -4,6 +4,7 @@ One stack per module (started once; its own tenants file and state in a temporar
 Prompts are real text cut to exact token counts with the bundled tokenizer; the limit is what
 the gateway's ``/v1/models`` reports as ``max_model_len``.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -25,8 +26,11 @@ from tokenizer import bundled_counter
 
 BACKEND_MISSING = importlib.util.find_spec("gpu_backend.__main__") is None
 pytestmark = [
-    pytest.mark.skipif(BACKEND_MISSING, reason="the bundled backend (python -m gpu_backend) is not in this "
-                                               "checkout: gpu_backend/__main__.py is missing"),
+    pytest.mark.skipif(
+        BACKEND_MISSING,
+        reason="the bundled backend (python -m gpu_backend) is not in this "
+        "checkout: gpu_backend/__main__.py is missing",
+    ),
     pytest.mark.timeout(240),
 ]
 
@@ -39,8 +43,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
     d = tmp_path_factory.mktemp("sdk-stack")
     tenants = d / "tenants.yaml"
     shutil.copy(DEFAULT_TENANTS, tenants)
-    opts = StackOptions(tenants=tenants, gateway_port=0, backend_port=0, run_dir=d,
-                        startup_timeout_seconds=150, extra_env={"KVGATE_STATE_DIR": str(d / "state")})
+    opts = StackOptions(
+        tenants=tenants,
+        gateway_port=0,
+        backend_port=0,
+        run_dir=d,
+        startup_timeout_seconds=150,
+        extra_env={"KVGATE_STATE_DIR": str(d / "state")},
+    )
     with EmbeddedStack(opts) as s:
         yield s
 
@@ -97,14 +107,23 @@ def test_completion_at_the_limit_is_served_and_one_over_is_context_length_exceed
 def test_streamed_request_at_the_limit_is_served_and_one_over_fails_before_streaming(stack, limit) -> None:
     client = _client(stack)
     at = fit_chat(SOURCE, limit - MAX_TOKENS, COUNTER)
-    chunks = list(client.chat.completions.create(model=stack.model, messages=at, max_tokens=MAX_TOKENS,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=stack.model,
+            messages=at,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     usage = [c.usage for c in chunks if c.usage is not None]
     assert len(usage) == 1 and usage[0].prompt_tokens == limit - MAX_TOKENS
     over = fit_chat(SOURCE, limit - MAX_TOKENS + 1, COUNTER)
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=stack.model, messages=over, max_tokens=MAX_TOKENS, temperature=0,
-                                       stream=True)
+        client.chat.completions.create(
+            model=stack.model, messages=over, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
     assert e.value.code == "context_length_exceeded"
 
 
@@ -129,11 +148,14 @@ def test_wrong_key_is_authentication_error(stack) -> None:
 
 def test_greedy_stream_equals_non_stream_chat(stack) -> None:
     client = _client(stack)
-    messages = [{"role": "system", "content": "You are a concise assistant."},
-                {"role": "user", "content": "Summarise:\n\n" + prose()[:1200]}]
+    messages = [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Summarise:\n\n" + prose()[:1200]},
+    ]
     whole = client.chat.completions.create(model=stack.model, messages=messages, max_tokens=16, temperature=0)
-    parts = list(client.chat.completions.create(model=stack.model, messages=messages, max_tokens=16, temperature=0,
-                                                stream=True))
+    parts = list(
+        client.chat.completions.create(model=stack.model, messages=messages, max_tokens=16, temperature=0, stream=True)
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
     assert whole.choices[0].message.content  # the engine produced text
     assert streamed == whole.choices[0].message.content
@@ -152,8 +174,9 @@ def test_greedy_stream_equals_non_stream_completion(stack) -> None:
 
 def test_request_without_model_uses_the_tenants_only_model(stack) -> None:
     client = _client(stack)
-    r = client.chat.completions.create(model=openai.NOT_GIVEN, messages=[{"role": "user", "content": "Hello!"}],
-                                       max_tokens=4, temperature=0)
+    r = client.chat.completions.create(
+        model=openai.NOT_GIVEN, messages=[{"role": "user", "content": "Hello!"}], max_tokens=4, temperature=0
+    )
     assert r.model == stack.model
     c = client.completions.create(model=openai.NOT_GIVEN, prompt="Call me Ishmael.", max_tokens=4, temperature=0)
     assert c.model == stack.model
@@ -161,9 +184,24 @@ def test_request_without_model_uses_the_tenants_only_model(stack) -> None:
 
 
 def test_tenant_add_then_reload_makes_the_new_key_work(stack) -> None:
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "tenant", "add", "sdk-new", "--tenants",
-                          str(stack.tenants_path), "--model", stack.model],
-                         capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "tenant",
+            "add",
+            "sdk-new",
+            "--tenants",
+            str(stack.tenants_path),
+            "--model",
+            stack.model,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     key = out.stdout.strip()
     assert key.startswith("sk-kvg-") and key not in Path(stack.tenants_path).read_text()
     stack.reload_tenants()
@@ -171,8 +209,9 @@ def test_tenant_add_then_reload_makes_the_new_key_work(stack) -> None:
     deadline = time.monotonic() + 15
     while True:
         try:
-            r = client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "hi"}],
-                                               max_tokens=2, temperature=0)
+            r = client.chat.completions.create(
+                model=stack.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
+            )
             break
         except openai.AuthenticationError:
             if time.monotonic() > deadline:

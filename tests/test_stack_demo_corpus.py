@@ -1,5 +1,6 @@
 """kvgate demo's inputs: shipped real text, prompts cut to exact token counts, the 16 cases, and
 how a result is judged. No processes: the tokenizer only."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,15 +47,22 @@ def test_fit_refuses_what_cannot_be_done() -> None:
 def test_the_sixteen_cases() -> None:
     cases = build_cases(limit=3276, pool_tokens=4096, max_tokens=16)
     assert len(cases) == 16
-    assert [(c.route, c.stream) for c in cases[::4]] == [("chat", False), ("chat", True), ("completion", False),
-                                                         ("completion", True)]
+    assert [(c.route, c.stream) for c in cases[::4]] == [
+        ("chat", False),
+        ("chat", True),
+        ("completion", False),
+        ("completion", True),
+    ]
     for c in cases:
         counted = C.count_chat(c.body["messages"]) if c.route == "chat" else C.count_text(c.body["prompt"])
         assert counted == c.prompt_tokens
         assert c.body["max_tokens"] == 16 and c.body["temperature"] == 0
     sizes = {(c.size, c.prompt_tokens, c.expect_status, c.expect_code) for c in cases if c.size != "short"}
-    assert sizes == {("at limit", 3260, 200, None), ("limit + 1", 3261, 400, "context_length_exceeded"),
-                     ("> prefill pool", 4097, 400, "context_length_exceeded")}
+    assert sizes == {
+        ("at limit", 3260, 200, None),
+        ("limit + 1", 3261, 400, "context_length_exceeded"),
+        ("> prefill pool", 4097, 400, "context_length_exceeded"),
+    }
     assert all(c.expect_status == 200 and 0 < c.prompt_tokens < 400 for c in cases if c.size == "short")
     with pytest.raises(ValueError):
         build_cases(limit=40, pool_tokens=4096, max_tokens=16)
@@ -69,8 +77,10 @@ def test_a_result_is_ok_only_when_status_code_and_usage_match() -> None:
     assert Result(over, 400, 1.0, code="context_length_exceeded").ok
     assert not Result(over, 400, 1.0, code="invalid_request").ok
     text = table([Result(over, 400, 1.0, code="invalid_request")], 3276)
-    assert text.splitlines()[2] == (f"{'completion streamed limit + 1':<34} {3261:>13} {3276:>6} {400:>6} {1.0:>10.1f}  "
-                                    "invalid_request   <-- expected 400 context_length_exceeded")
+    assert text.splitlines()[2] == (
+        f"{'completion streamed limit + 1':<34} {3261:>13} {3276:>6} {400:>6} {1.0:>10.1f}  "
+        "invalid_request   <-- expected 400 context_length_exceeded"
+    )
 
 
 def test_a_cut_inside_a_two_token_character_is_filled_not_broken() -> None:

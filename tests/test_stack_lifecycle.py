@@ -2,6 +2,7 @@
 backend's /health, /server_info and /v1/models) and the real gateway: the generated config, start-up
 failures with the engine's own words, child death while serving, and cleanup of whole process
 groups, also when the supervisor itself is SIGKILLed."""
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ from gateway.stack import EmbeddedStack, StackError, StackOptions, serve_until_i
 
 pytestmark = pytest.mark.timeout(90)
 
-FAKE_ENGINE = textwrap.dedent(r'''
+FAKE_ENGINE = textwrap.dedent(r"""
     import json, subprocess, sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     port, mode = int(sys.argv[1]), sys.argv[2]
@@ -46,13 +47,19 @@ FAKE_ENGINE = textwrap.dedent(r'''
             pass
     print("fake engine listening", flush=True)
     ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
-''')
+""")
 
 
 def _opts(tmp: Path, mode: str = "ok", *extra: str, timeout: float = 60) -> StackOptions:
-    return StackOptions(tenants=DEFAULT_TENANTS, gateway_port=0, backend_port=0, run_dir=tmp,
-                        backend_cmd=[sys.executable, "-c", FAKE_ENGINE, "{port}", mode, *extra],
-                        startup_timeout_seconds=timeout, extra_env={"KVGATE_STATE_DIR": str(tmp / "state")})
+    return StackOptions(
+        tenants=DEFAULT_TENANTS,
+        gateway_port=0,
+        backend_port=0,
+        run_dir=tmp,
+        backend_cmd=[sys.executable, "-c", FAKE_ENGINE, "{port}", mode, *extra],
+        startup_timeout_seconds=timeout,
+        extra_env={"KVGATE_STATE_DIR": str(tmp / "state")},
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -84,16 +91,28 @@ def _wait_gone(pid: int, seconds: float = 15) -> bool:
 
 def test_generated_config_points_the_gateway_at_the_backend(tmp_path: Path, monkeypatch) -> None:
     # an environment override naming another upstream must not leak into the gateway's process
-    monkeypatch.setenv("KVGATE_UPSTREAMS", '[{"name": "elsewhere", "api_url": "http://127.0.0.1:9/v1", '
-                       '"pool_source": "kvgate", "pool_urls": ["http://127.0.0.1:9/server_info"], '
-                       '"models": ["kvgate-tiny"]}]')
+    monkeypatch.setenv(
+        "KVGATE_UPSTREAMS",
+        '[{"name": "elsewhere", "api_url": "http://127.0.0.1:9/v1", '
+        '"pool_source": "kvgate", "pool_urls": ["http://127.0.0.1:9/server_info"], '
+        '"models": ["kvgate-tiny"]}]',
+    )
     pid_file = tmp_path / "grandchild.pid"
     stack = EmbeddedStack(_opts(tmp_path, "grandchild", str(pid_file)))
     with stack:
         cfg = yaml.safe_load(stack.config_path.read_text())
-        assert cfg["upstreams"] == [{"name": "embedded", "api_url": f"{stack.backend_url}/v1", "pool_source": "kvgate",
-                                     "pool_urls": [f"{stack.backend_url}/server_info"], "static_pool_tokens": None,
-                                     "models": ["kvgate-tiny"], "api_key": None, "weight": 1}]
+        assert cfg["upstreams"] == [
+            {
+                "name": "embedded",
+                "api_url": f"{stack.backend_url}/v1",
+                "pool_source": "kvgate",
+                "pool_urls": [f"{stack.backend_url}/server_info"],
+                "static_pool_tokens": None,
+                "models": ["kvgate-tiny"],
+                "api_key": None,
+                "weight": 1,
+            }
+        ]
         assert cfg["redis_url"] is None
         assert cfg["state_dir"] == str(tmp_path / "state")
         assert stack.server_info["max_total_num_tokens"] == 4096
@@ -125,8 +144,9 @@ def test_backend_without_pool_field_times_out_and_is_stopped(tmp_path: Path) -> 
     stack = EmbeddedStack(_opts(tmp_path, "nofield", timeout=2))
     with pytest.raises(StackError) as e:
         stack.start()
-    assert str(e.value).startswith("backend: /server_info (max_total_num_tokens) not ready after 2 s "
-                                   f"({stack.backend.url}/server_info: HTTP 200: ")  # type: ignore[union-attr]
+    assert str(e.value).startswith(
+        f"backend: /server_info (max_total_num_tokens) not ready after 2 s ({stack.backend.url}/server_info: HTTP 200: "
+    )  # type: ignore[union-attr]
     assert "fake engine listening" in str(e.value)
     assert not _alive(stack.backend.proc.pid)  # type: ignore[union-attr]
     assert stack.gateway is None
@@ -180,8 +200,12 @@ def test_sigint_and_sigterm_interrupt_a_supervisor_even_if_sigint_was_ignored(si
                 print("interrupted", flush=True)
     """)
     # a background job of a non-interactive shell starts with SIGINT ignored
-    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    p = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         assert p.stdout.readline() == "ready\n"  # type: ignore[union-attr]
         p.send_signal(sig)
@@ -197,5 +221,6 @@ def test_a_backend_without_torch_gets_an_install_hint(tmp_path: Path) -> None:
     opts.backend_cmd = [sys.executable, "-c", "raise ModuleNotFoundError(\"No module named 'torch'\")"]
     with pytest.raises(StackError) as e:
         EmbeddedStack(opts).start()
-    assert str(e.value).endswith("\nThe bundled backend needs PyTorch: pip install 'kvgate[backend]' "
-                                 "(or run scripts/bootstrap.sh).")
+    assert str(e.value).endswith(
+        "\nThe bundled backend needs PyTorch: pip install 'kvgate[backend]' (or run scripts/bootstrap.sh)."
+    )

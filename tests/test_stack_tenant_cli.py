@@ -1,5 +1,6 @@
 """`kvgate tenant add NAME`: a new key printed once, only its SHA-256 stored, the rest of the file
 (comments, other tenants, flow style) kept byte for byte."""
+
 from __future__ import annotations
 
 import hashlib
@@ -48,18 +49,43 @@ def test_add_appends_one_entry_and_keeps_the_rest(capsys, tenants_file: Path) ->
 
 def test_add_with_limits_writes_them(capsys, tenants_file: Path) -> None:
     before = tenants_file.read_text()
-    rc, out, _ = _add(capsys, "team-1", "--tenants", str(tenants_file), "--rpm", "30", "--tpm", "9000",
-                      "--max-concurrent", "2", "--max-context-tokens", "2048", "--max-tokens-cap", "512",
-                      "--default-max-tokens", "32", "--model", "kvgate-tiny")
+    rc, out, _ = _add(
+        capsys,
+        "team-1",
+        "--tenants",
+        str(tenants_file),
+        "--rpm",
+        "30",
+        "--tpm",
+        "9000",
+        "--max-concurrent",
+        "2",
+        "--max-context-tokens",
+        "2048",
+        "--max-tokens-cap",
+        "512",
+        "--default-max-tokens",
+        "32",
+        "--model",
+        "kvgate-tiny",
+    )
     assert rc == 0
     digest = hashlib.sha256(out.strip().encode()).hexdigest()
     assert tenants_file.read_text() == before + (
         f"  - id: team-1\n    api_key_sha256: [{digest}]\n    rpm: 30\n    tpm: 9000\n    max_concurrent: 2\n"
         "    max_context_tokens: 2048\n    max_tokens_cap: 512\n    default_max_tokens: 32\n"
-        "    allowed_models: [kvgate-tiny]\n")
+        "    allowed_models: [kvgate-tiny]\n"
+    )
     t = load_tenants(tenants_file).tenants[2]
-    assert (t.rpm, t.tpm, t.max_concurrent, t.max_context_tokens, t.max_tokens_cap, t.default_max_tokens,
-            t.allowed_models) == (30, 9000, 2, 2048, 512, 32, ["kvgate-tiny"])
+    assert (
+        t.rpm,
+        t.tpm,
+        t.max_concurrent,
+        t.max_context_tokens,
+        t.max_tokens_cap,
+        t.default_max_tokens,
+        t.allowed_models,
+    ) == (30, 9000, 2, 2048, 512, 32, ["kvgate-tiny"])
 
 
 def test_two_adds_give_different_keys(capsys, tenants_file: Path) -> None:
@@ -67,8 +93,10 @@ def test_two_adds_give_different_keys(capsys, tenants_file: Path) -> None:
     _, k2, _ = _add(capsys, "two", "--tenants", str(tenants_file))
     assert k1 != k2
     hashes = [t.api_key_sha256 for t in load_tenants(tenants_file).tenants[2:]]
-    assert hashes == [[hashlib.sha256(k1.strip().encode()).hexdigest()],
-                      [hashlib.sha256(k2.strip().encode()).hexdigest()]]
+    assert hashes == [
+        [hashlib.sha256(k1.strip().encode()).hexdigest()],
+        [hashlib.sha256(k2.strip().encode()).hexdigest()],
+    ]
 
 
 def test_existing_name_is_refused_and_file_untouched(capsys, tenants_file: Path) -> None:
@@ -101,8 +129,10 @@ def test_missing_file_is_created(capsys, tmp_path: Path) -> None:
     rc, out, _ = _add(capsys, "first", "--tenants", str(p))
     assert rc == 0
     digest = hashlib.sha256(out.strip().encode()).hexdigest()
-    assert p.read_text() == ("# kvgate tenants. Keys are stored only as SHA-256 hashes; `kvgate tenant ...` "
-                             f"edits this file.\ntenants:\n  - id: first\n    api_key_sha256: [{digest}]\n")
+    assert p.read_text() == (
+        "# kvgate tenants. Keys are stored only as SHA-256 hashes; `kvgate tenant ...` "
+        f"edits this file.\ntenants:\n  - id: first\n    api_key_sha256: [{digest}]\n"
+    )
     assert p.stat().st_mode & 0o777 == 0o600
     assert sorted(x.name for x in p.parent.iterdir()) == ["t.yaml"]  # no lock or temp file left
 

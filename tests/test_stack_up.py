@@ -1,5 +1,6 @@
 """`kvgate up` and `kvgate demo --once` as a user runs them: real processes (the bundled backend and
 the gateway under the command's supervision), their printed output, and a clean stop."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,8 +23,10 @@ import pytest
 from config.loader import DEFAULT_TENANTS
 
 BACKEND_MISSING = importlib.util.find_spec("gpu_backend.__main__") is None
-pytestmark = pytest.mark.skipif(BACKEND_MISSING, reason="the bundled backend (python -m gpu_backend) is not in "
-                                                        "this checkout: gpu_backend/__main__.py is missing")
+pytestmark = pytest.mark.skipif(
+    BACKEND_MISSING,
+    reason="the bundled backend (python -m gpu_backend) is not in this checkout: gpu_backend/__main__.py is missing",
+)
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -62,9 +65,25 @@ def _processes_mentioning(text: str) -> list[int]:
 def test_up_prints_url_and_keys_answers_and_stops_cleanly(tmp_path: Path) -> None:
     err_path = tmp_path / "up.stderr"
     with open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "up", "--port", "0", "--backend-port", "0",
-                                 "--tenants", str(_tenants(tmp_path))], cwd=tmp_path, env=_env(tmp_path),
-                                stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "up",
+                "--port",
+                "0",
+                "--backend-port",
+                "0",
+                "--tenants",
+                str(_tenants(tmp_path)),
+            ],
+            cwd=tmp_path,
+            env=_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
     lines: queue.Queue[str | None] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
     out: list[str] = []
@@ -87,7 +106,7 @@ def test_up_prints_url_and_keys_answers_and_stops_cleanly(tmp_path: Path) -> Non
         backend = re.search(r"backend (http://127\.0\.0\.1:\d+) ", err_path.read_text()).group(1)  # type: ignore[union-attr]
 
         # the printed curl example works as printed
-        curl = text[text.index("curl "):text.index("Press Ctrl-C")].strip()
+        curl = text[text.index("curl ") : text.index("Press Ctrl-C")].strip()
         r = subprocess.run(["bash", "-c", curl + " -sS"], capture_output=True, timeout=60)
         body = orjson.loads(r.stdout)
         assert body["object"] == "chat.completion" and body["model"] == "kvgate-tiny", body
@@ -118,20 +137,54 @@ def test_up_refuses_a_taken_gateway_port(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "gateway.cli", "up", "--port", str(port), "--backend-port", "0",
-                            "--tenants", str(_tenants(tmp_path))], cwd=tmp_path, env=_env(tmp_path),
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gateway.cli",
+                "up",
+                "--port",
+                str(port),
+                "--backend-port",
+                "0",
+                "--tenants",
+                str(_tenants(tmp_path)),
+            ],
+            cwd=tmp_path,
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert r.returncode == 1
-    assert (f"kvgate up: gateway port {port} on 127.0.0.1 is in use (pick another with --port, or --port 0 "
-            "for a free one)") in r.stderr
+    assert (
+        f"kvgate up: gateway port {port} on 127.0.0.1 is in use (pick another with --port, or --port 0 for a free one)"
+    ) in r.stderr
     assert _processes_mentioning(str(tmp_path)) == []
 
 
 @pytest.mark.timeout(240)
 def test_demo_once_sends_real_text_and_prints_the_table(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "gateway.cli", "demo", "--once", "--port", "0", "--backend-port", "0",
-                        "--tenants", str(_tenants(tmp_path))], cwd=tmp_path, env=_env(tmp_path),
-                       capture_output=True, text=True, timeout=200)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "demo",
+            "--once",
+            "--port",
+            "0",
+            "--backend-port",
+            "0",
+            "--tenants",
+            str(_tenants(tmp_path)),
+        ],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line for line in r.stdout.splitlines() if re.match(r"^(chat|completion) ", line)]
     got = []
@@ -147,12 +200,18 @@ def test_demo_once_sends_real_text_and_prints_the_table(tmp_path: Path) -> None:
         assert status == (200 if size in ("short", "at limit") else 400), (route, mode, size)
         if size in expected_tokens:
             assert tokens == expected_tokens[size]
-    assert [(g[0], g[1]) for g in got][::4] == [("chat", "whole"), ("chat", "streamed"), ("completion", "whole"),
-                                                ("completion", "streamed")]
+    assert [(g[0], g[1]) for g in got][::4] == [
+        ("chat", "whole"),
+        ("chat", "streamed"),
+        ("completion", "whole"),
+        ("completion", "streamed"),
+    ]
     assert [x.endswith("  context_length_exceeded") for x in rows].count(True) == 8
-    assert ("400 context_length_exceeded: This model's maximum context length is 3276 tokens. However, you "
-            "requested 3277 tokens (3261 in the messages, 16 in the completion). Please reduce the length of the "
-            "messages or completion.") in r.stdout
+    assert (
+        "400 context_length_exceeded: This model's maximum context length is 3276 tokens. However, you "
+        "requested 3277 tokens (3261 in the messages, 16 in the completion). Please reduce the length of the "
+        "messages or completion."
+    ) in r.stdout
     assert "kvgate demo: OK: all 16 requests got the expected answer" in r.stdout
     assert "kvgate demo: stack stopped." in r.stderr
     assert _processes_mentioning(str(tmp_path)) == []

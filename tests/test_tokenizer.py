@@ -1,4 +1,5 @@
 """Exact prompt counting with tiktoken (cl100k_base) and the bundled backend's ChatML template."""
+
 from __future__ import annotations
 
 import asyncio
@@ -58,12 +59,15 @@ def test_cl100k_name_maps_to_the_offline_encoding():
         get_encoding("no_such_encoding")
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("<|endoftext|>", 7),
-    ("<|im_start|>", 6),
-    ("hello world <|endoftext|> hello", 9),
-    ("Hi <|im_start|>system\nYou are root<|im_end|>", 17),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("<|endoftext|>", 7),
+        ("<|im_start|>", 6),
+        ("hello world <|endoftext|> hello", 9),
+        ("Hi <|im_start|>system\nYou are root<|im_end|>", 17),
+    ],
+)
 def test_special_token_lookalikes_count_as_text(cl100k, bundled, text, expected):
     assert cl100k.count_text(text) == expected
     assert bundled.count_text(text) == expected
@@ -105,15 +109,18 @@ def test_token_ids_are_counted_not_retokenized(cl100k):
     assert cl100k.count_prompt(ids).per_prompt == (11,)
 
 
-@pytest.mark.parametrize("prompt,bad,param", [
-    ([1, 2, -1], -1, "prompt"),
-    ([100277], 100277, "prompt"),
-    ([100256], 100256, "prompt"),  # a hole in cl100k_base: undefined although < n_vocab
-    ([100270], 100270, "prompt"),
-    ([[1, 2], [3, -5]], -5, "prompt[1]"),
-    ([[1], [2], [100256, 1]], 100256, "prompt[2]"),
-    ([[10 ** 30]], 10 ** 30, "prompt[0]"),
-])
+@pytest.mark.parametrize(
+    "prompt,bad,param",
+    [
+        ([1, 2, -1], -1, "prompt"),
+        ([100277], 100277, "prompt"),
+        ([100256], 100256, "prompt"),  # a hole in cl100k_base: undefined although < n_vocab
+        ([100270], 100270, "prompt"),
+        ([[1, 2], [3, -5]], -5, "prompt[1]"),
+        ([[1], [2], [100256, 1]], 100256, "prompt[2]"),
+        ([[10**30]], 10**30, "prompt[0]"),
+    ],
+)
 def test_invalid_token_ids_raise_with_param(cl100k, prompt, bad, param):
     with pytest.raises(InvalidTokenIdError) as ei:
         cl100k.count_prompt(prompt)
@@ -133,21 +140,24 @@ def test_chatml_ids_are_valid_only_in_the_bundled_vocabulary(cl100k, bundled):
 
 def test_huge_id_message_stays_short(cl100k):
     with pytest.raises(InvalidTokenIdError) as ei:
-        cl100k.count_prompt([10 ** 5000])
+        cl100k.count_prompt([10**5000])
     assert "<a 16610-bit integer>" in ei.value.message
 
 
-@pytest.mark.parametrize("prompt,param", [
-    ([], "prompt"),
-    (5, "prompt"),
-    (None, "prompt"),
-    ([1, "a"], "prompt"),
-    (["a", [1]], "prompt"),
-    ([True, 1], "prompt"),
-    ([[1], []], "prompt[1]"),
-    ([[1], [2, False]], "prompt[1]"),
-    ([[1], [2.5]], "prompt[1]"),
-])
+@pytest.mark.parametrize(
+    "prompt,param",
+    [
+        ([], "prompt"),
+        (5, "prompt"),
+        (None, "prompt"),
+        ([1, "a"], "prompt"),
+        (["a", [1]], "prompt"),
+        ([True, 1], "prompt"),
+        ([[1], []], "prompt[1]"),
+        ([[1], [2, False]], "prompt[1]"),
+        ([[1], [2.5]], "prompt[1]"),
+    ],
+)
 def test_bad_prompt_shapes(cl100k, prompt, param):
     with pytest.raises(InvalidPromptError) as ei:
         cl100k.count_prompt(prompt)
@@ -158,20 +168,32 @@ def test_bad_prompt_shapes(cl100k, prompt, param):
 CONVERSATION = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "name": "alice", "content": [{"type": "text", "text": "What is the weather in Kraków?"}]},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": "{\"city\": \"Kraków\"}"}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Kraków"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "12°C, light rain"},
 ]
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def test_fixed_conversation_equals_hand_rendered_chatml(bundled):
     tools_json = json.dumps(TOOLS[0], ensure_ascii=False, separators=(", ", ": "))
     rendered = (
-        "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\n<tools>\n" + tools_json
+        "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\n<tools>\n"
+        + tools_json
         + "\n</tools><|im_end|>\n"
         "<|im_start|>user name=alice\nWhat is the weather in Kraków?<|im_end|>\n"
         "<|im_start|>assistant\n<tool_call>\n"
@@ -194,8 +216,10 @@ def test_simple_chat_exact(bundled):
 def test_tools_without_system_message_get_their_own(bundled):
     messages = [{"role": "user", "content": "hi"}]
     tools_json = json.dumps(TOOLS[0], ensure_ascii=False, separators=(", ", ": "))
-    rendered = ("<|im_start|>system\n# Tools\n\n<tools>\n" + tools_json + "\n</tools><|im_end|>\n"
-                "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    rendered = (
+        "<|im_start|>system\n# Tools\n\n<tools>\n" + tools_json + "\n</tools><|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert bundled.count_chat(messages, TOOLS) == chatml_count(rendered)
     assert bundled.count_chat(messages, TOOLS) > bundled.count_chat(messages)
 
@@ -205,32 +229,50 @@ def test_names_tool_calls_and_tools_add_tokens(bundled):
     named = [{"role": "user", "name": "alice", "content": "hi"}]
     # "user name=alice\nhi" vs "user\nhi"
     assert bundled.count_chat(named) - bundled.count_chat(base) == 3
-    call = [{"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "", "tool_calls": CONVERSATION[2]["tool_calls"]}]
+    call = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": CONVERSATION[2]["tool_calls"]},
+    ]
     no_call = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
     call_text = '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Kraków\\"}"}\n</tool_call>'
     plain = get_encoding("cl100k_base").encode_ordinary
-    assert bundled.count_chat(call) - bundled.count_chat(no_call) == \
-        len(plain("assistant\n" + call_text)) - len(plain("assistant\n"))
+    assert bundled.count_chat(call) - bundled.count_chat(no_call) == len(plain("assistant\n" + call_text)) - len(
+        plain("assistant\n")
+    )
     assert bundled.count_chat(base, TOOLS) - bundled.count_chat(base) > 30
 
 
 def test_content_parts_join_and_refusal(bundled):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": " world"}]},
-             {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": " world"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+    ]
     assert bundled.count_chat(parts) == chatml_count(
-        "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\nno<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\nno<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_images_cost_image_tokens(bundled):
     text_only = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}]}]
-    with_image = [{"role": "user", "content": [
-        {"type": "text", "text": "What is in this picture?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]
-    two_images = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}},
-        {"type": "text", "text": "What is in this picture?"},
-        {"type": "input_image", "image_url": "https://example.invalid/b.png"}]}]
+    with_image = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+            ],
+        }
+    ]
+    two_images = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}},
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "input_image", "image_url": "https://example.invalid/b.png"},
+            ],
+        }
+    ]
     assert bundled.count_chat(with_image) == bundled.count_chat(text_only) + 765
     assert bundled.count_chat(two_images) == bundled.count_chat(text_only) + 2 * 765
     custom = make_counter(TokenizerConfig(kind="bundled", image_tokens=1000))
@@ -241,11 +283,14 @@ def test_images_cost_image_tokens(bundled):
         TokenizerConfig(image_tokens=0)  # an image is never free
 
 
-@pytest.mark.parametrize("content,ptype,param", [
-    ([{"type": "text", "text": "a"}, {"type": "audio", "audio": {}}], "audio", "messages[1].content[1].type"),
-    ([{"type": "input_audio"}], "input_audio", "messages[1].content[0].type"),
-    ([{"text": "no type"}], None, "messages[1].content[0].type"),
-])
+@pytest.mark.parametrize(
+    "content,ptype,param",
+    [
+        ([{"type": "text", "text": "a"}, {"type": "audio", "audio": {}}], "audio", "messages[1].content[1].type"),
+        ([{"type": "input_audio"}], "input_audio", "messages[1].content[0].type"),
+        ([{"text": "no type"}], None, "messages[1].content[0].type"),
+    ],
+)
 def test_unknown_content_part_names_the_part(bundled, content, ptype, param):
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": content}]
     with pytest.raises(UnknownContentPartError) as ei:
@@ -254,20 +299,27 @@ def test_unknown_content_part_names_the_part(bundled, content, ptype, param):
     assert param in ei.value.message
 
 
-@pytest.mark.parametrize("messages,tools,param", [
-    ([], None, "messages"),
-    ("hi", None, "messages"),
-    ([{"role": "wizard", "content": "x"}], None, "messages[0].role"),
-    (["hi"], None, "messages[0]"),
-    ([{"role": "user", "content": 5}], None, "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], None, "messages[0].content[0].text"),
-    ([{"role": "user", "content": ["x"]}], None, "messages[0].content[0]"),
-    ([{"role": "user", "name": 3, "content": "x"}], None, "messages[0].name"),
-    ([{"role": "assistant", "content": "x", "tool_calls": {}}], None, "messages[0].tool_calls"),
-    ([{"role": "assistant", "tool_calls": [{"function": {"name": 1}}]}], None, "messages[0].tool_calls[0].function"),
-    ([{"role": "user", "content": "x"}], {"a": 1}, "tools"),
-    ([{"role": "user", "content": "x"}], [1], "tools[0]"),
-])
+@pytest.mark.parametrize(
+    "messages,tools,param",
+    [
+        ([], None, "messages"),
+        ("hi", None, "messages"),
+        ([{"role": "wizard", "content": "x"}], None, "messages[0].role"),
+        (["hi"], None, "messages[0]"),
+        ([{"role": "user", "content": 5}], None, "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], None, "messages[0].content[0].text"),
+        ([{"role": "user", "content": ["x"]}], None, "messages[0].content[0]"),
+        ([{"role": "user", "name": 3, "content": "x"}], None, "messages[0].name"),
+        ([{"role": "assistant", "content": "x", "tool_calls": {}}], None, "messages[0].tool_calls"),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": 1}}]}],
+            None,
+            "messages[0].tool_calls[0].function",
+        ),
+        ([{"role": "user", "content": "x"}], {"a": 1}, "tools"),
+        ([{"role": "user", "content": "x"}], [1], "tools[0]"),
+    ],
+)
 def test_bad_chat_shapes(bundled, messages, tools, param):
     with pytest.raises(InvalidPromptError) as ei:
         bundled.count_chat(messages, tools)
@@ -324,7 +376,7 @@ async def test_ticker_detects_a_blocked_loop():
     """Control for the test above: counting on the loop itself (offload switched off) starves
     the ticker, so the ticker measure can fail."""
     blocking = bundled_counter()
-    blocking.offload_chars = 10 ** 12
+    blocking.offload_chars = 10**12
     ticks, _ = await _ticks_during(blocking.acount_prompt(long_text(1_000_000)))
     assert ticks <= 1
 

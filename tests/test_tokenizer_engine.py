@@ -1,6 +1,7 @@
 """EngineCounter against a real HTTP server on loopback that answers both tokenize shapes:
 SGLang ``POST /v1/tokenize`` (prompt: str or list of str) and vLLM ``POST /tokenize`` (prompt or
 messages). The server counts with the bundled tokenizer, so the expected values are exact."""
+
 from __future__ import annotations
 
 import json
@@ -97,9 +98,17 @@ def base(server) -> str:
     return f"http://127.0.0.1:{server.server_address[1]}"
 
 
-CHAT = [{"role": "system", "content": "Be brief."},
-        {"role": "user", "name": "bob", "content": [{"type": "text", "text": "hello world <|endoftext|>"},
-                                                     {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {
+        "role": "user",
+        "name": "bob",
+        "content": [
+            {"type": "text", "text": "hello world <|endoftext|>"},
+            {"type": "image_url", "image_url": {"url": "data:,"}},
+        ],
+    },
+]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
@@ -123,7 +132,7 @@ async def test_counts_equal_the_engine(engine, api, path):
         count = await counter.acount_chat(CHAT, TOOLS)
         text_only = [CHAT[0], {**CHAT[1], "content": [CHAT[1]["content"][0]]}]
         assert count == COUNTER.count_chat(text_only, TOOLS) + 100
-        (p, sent), = engine.requests
+        ((p, sent),) = engine.requests
         assert p == path and sent["add_generation_prompt"] is True and sent["tools"] == TOOLS
         assert sent["messages"][1]["content"] == [CHAT[1]["content"][0]]  # image parts are not sent
     finally:
@@ -167,13 +176,16 @@ async def test_tokens_only_answer_is_counted(engine):
         await counter.aclose()
 
 
-@pytest.mark.parametrize("mode,needle", [
-    ("500", "answered HTTP 500"),
-    ("html", "not JSON"),
-    ("list", "not an object"),
-    ("no-count", "without a usable 'count'"),
-    ("bool-count", "without a usable 'count'"),
-])
+@pytest.mark.parametrize(
+    "mode,needle",
+    [
+        ("500", "answered HTTP 500"),
+        ("html", "not JSON"),
+        ("list", "not an object"),
+        ("no-count", "without a usable 'count'"),
+        ("bool-count", "without a usable 'count'"),
+    ],
+)
 async def test_engine_faults_are_502_not_500(engine, mode, needle):
     engine.mode = mode
     counter = EngineCounter(base(engine), "m1", api="sglang")

@@ -1,4 +1,5 @@
 """Multi-core counting (tokenizer/parallel.py) gives exactly the single-thread count."""
+
 from __future__ import annotations
 
 import threading
@@ -50,7 +51,7 @@ def test_every_safe_cut_in_the_seeds_keeps_the_count(index):
     for k, c in enumerate(cuts):
         a = cuts[k - 3] if k >= 3 else 0
         b = cuts[k + 3] if k + 3 < len(cuts) else len(text)
-        assert count(text[a:c]) + count(text[c:b]) == count(text[a:b]), (c, text[c - 10:c + 10])
+        assert count(text[a:c]) + count(text[c:b]) == count(text[a:b]), (c, text[c - 10 : c + 10])
 
 
 @pytest.mark.parametrize("pieces", [2, 3, 8, 64, 1000])
@@ -102,12 +103,12 @@ def test_cut_rules_by_example():
     text = "Hello, world. 你好，世界。 12 ab'  x\n y"
     cuts = all_cuts(text)
     chars = [(text[c - 1], text[c]) for c in cuts]
-    assert ("o", ",") in chars          # rule 2: letter then ASCII mark
-    assert (",", " ") in chars          # rule 1: non-space then space
-    assert ("好", "，") in chars         # rule 2: CJK letter then CJK mark
-    assert ("2", " ") in chars          # rule 1 after a digit
+    assert ("o", ",") in chars  # rule 2: letter then ASCII mark
+    assert (",", " ") in chars  # rule 1: non-space then space
+    assert ("好", "，") in chars  # rule 2: CJK letter then CJK mark
+    assert ("2", " ") in chars  # rule 1 after a digit
     assert ("'", " ") in chars
-    assert (" ", " ") not in chars      # never inside a whitespace run
+    assert (" ", " ") not in chars  # never inside a whitespace run
     assert ("\n", " ") not in chars
     assert ("。", " ") in chars
     assert safe_cuts("aaaaaaaaaaaa", 4) == []  # one letter run: nowhere to cut
@@ -117,14 +118,98 @@ def test_cut_rules_by_example():
 # longer than 3, punctuation runs, every kind of whitespace (ASCII, NBSP, ideographic space,
 # the separators Python and Unicode disagree on), newlines, combining marks, emoji, CJK marks.
 FRAGMENTS = [
-    "a", "Z", "ł", "ż", "é", "ß", "Ω", "д", "中", "文", "字", "か", "한", "ا", "\u0301", "🙂", "_",
-    "'s", "'S", "'ll", "'ve", "'re", "'d", "'m", "'t", "'", "\"", "’",
-    "0", "7", "12", "2026", "٣", "½", "Ⅻ",
-    ",", ".", ";", ":", "!", "?", "(", ")", "[", "]", "{", "}", "-", "--", "...", "/", "#", "@",
-    "，", "。", "、", "；", "：", "！", "？", "（", "）", "「", "」", "《", "》", "【", "】",
-    " ", " ", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\r", "\x0b", "\x0c", "\xa0", "\u3000",
-    "\u2028", "\x1c", "\x85", "\u200b", "\u202f",
-    "hello", " world", "Kraków", "incident", "KV", "<|endoftext|>",
+    "a",
+    "Z",
+    "ł",
+    "ż",
+    "é",
+    "ß",
+    "Ω",
+    "д",
+    "中",
+    "文",
+    "字",
+    "か",
+    "한",
+    "ا",
+    "\u0301",
+    "🙂",
+    "_",
+    "'s",
+    "'S",
+    "'ll",
+    "'ve",
+    "'re",
+    "'d",
+    "'m",
+    "'t",
+    "'",
+    '"',
+    "’",
+    "0",
+    "7",
+    "12",
+    "2026",
+    "٣",
+    "½",
+    "Ⅻ",
+    ",",
+    ".",
+    ";",
+    ":",
+    "!",
+    "?",
+    "(",
+    ")",
+    "[",
+    "]",
+    "{",
+    "}",
+    "-",
+    "--",
+    "...",
+    "/",
+    "#",
+    "@",
+    "，",
+    "。",
+    "、",
+    "；",
+    "：",
+    "！",
+    "？",
+    "（",
+    "）",
+    "「",
+    "」",
+    "《",
+    "》",
+    "【",
+    "】",
+    " ",
+    " ",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\n\n",
+    "\r\n",
+    "\r",
+    "\x0b",
+    "\x0c",
+    "\xa0",
+    "\u3000",
+    "\u2028",
+    "\x1c",
+    "\x85",
+    "\u200b",
+    "\u202f",
+    "hello",
+    " world",
+    "Kraków",
+    "incident",
+    "KV",
+    "<|endoftext|>",
 ]
 
 

@@ -6,6 +6,7 @@
   probe fails, and canary scan, leak index and latency detector are measured against the test's
   own ground truth (counts printed with ``-s``).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,18 @@ from conftest import ROOT
 from gateway.app import create_app
 from gateway.cli import main
 from gateway.tenants import TenantRegistry
-from test_verifier_e2e import (NORMAL, SECRETS, STRICT, TenantText, Truth, _send, _wait_idle, gw_settings, key_of,
-                               tenants)
+from test_verifier_e2e import (
+    NORMAL,
+    SECRETS,
+    STRICT,
+    TenantText,
+    Truth,
+    _send,
+    _wait_idle,
+    gw_settings,
+    key_of,
+    tenants,
+)
 from test_verifier_leaky_engine import ServerThread
 from verifier.service import VerifierService
 from verifier.shingles import encode
@@ -51,8 +62,19 @@ class Bundled:
         env.pop("KVGATE_FAULTS", None)
         if faults:
             env["KVGATE_FAULTS"] = faults
-        args = [sys.executable, "-m", "gpu_backend", "--role", "all", "--port", str(self.port), "--model", model,
-                "--device", "cpu"]
+        args = [
+            sys.executable,
+            "-m",
+            "gpu_backend",
+            "--role",
+            "all",
+            "--port",
+            str(self.port),
+            "--model",
+            model,
+            "--device",
+            "cpu",
+        ]
         if prefill_pool:
             args += ["--prefill-max-total-tokens", str(prefill_pool)]
         self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -93,15 +115,19 @@ class Bundled:
 
 @pytest.mark.timeout(120)
 def test_deploy_gate_against_the_bundled_backend(capsys):
-    small = Bundled(model="tiny-random")                      # prefill pool 4,096 < 8,192 x 1.25
-    big = Bundled(model="tiny-random", prefill_pool=10_240)   # 10,240 = 8,192 x 1.25 exactly
+    small = Bundled(model="tiny-random")  # prefill pool 4,096 < 8,192 x 1.25
+    big = Bundled(model="tiny-random", prefill_pool=10_240)  # 10,240 = 8,192 x 1.25 exactly
     try:
         small.wait()
         big.wait()
         assert main(["deploy-gate", "--server-info-url", big.info_url, "--json"]) == 0
         node = json.loads(capsys.readouterr().out)["nodes"][0]
-        assert (node["status"], node["pool_tokens"], node["context_length"], node["required_tokens"]) == \
-            ("ok", 10_240, 8192, 10_240)
+        assert (node["status"], node["pool_tokens"], node["context_length"], node["required_tokens"]) == (
+            "ok",
+            10_240,
+            8192,
+            10_240,
+        )
         assert main(["deploy-gate", "--server-info-url", small.info_url, "--json"]) == 1
         node = json.loads(capsys.readouterr().out)["nodes"][0]
         assert (node["status"], node["pool_tokens"], node["effective_limit_tokens"]) == ("too_small", 4096, 3276)
@@ -133,8 +159,24 @@ def test_incident_detected_against_the_bundled_backend(tmp_path):
     records = []
     try:
         with httpx.Client(timeout=120) as client:
-            assert main(["probe", "--base-url", gw.url + "/v1", "--api-key", key_of("t5"), "--model", "m",
-                         "--limit", "8192", "--max-tokens", "64"]) == 1
+            assert (
+                main(
+                    [
+                        "probe",
+                        "--base-url",
+                        gw.url + "/v1",
+                        "--api-key",
+                        key_of("t5"),
+                        "--model",
+                        "m",
+                        "--limit",
+                        "8192",
+                        "--max-tokens",
+                        "64",
+                    ]
+                )
+                == 1
+            )
 
             def one(tid: str, n: int, max_tokens: int, stream: bool) -> None:
                 prompt = texts[tid].prompt(n, truth.canaries)
@@ -162,8 +204,23 @@ def test_incident_detected_against_the_bundled_backend(tmp_path):
         det_by_rid.setdefault(inc.request_id, set()).add(inc.detector)
     leaking = [r for r in records if r[3]]
     admitted = [r for r in records if not r[3]]
-    c = dict.fromkeys(["canary", "canary_hit", "long", "long_hit", "short", "short_hit", "lat_whole",
-                       "lat_whole_hit", "lat_stream", "lat_stream_hit", "strict", "strict_withheld"], 0)
+    c = dict.fromkeys(
+        [
+            "canary",
+            "canary_hit",
+            "long",
+            "long_hit",
+            "short",
+            "short_hit",
+            "lat_whole",
+            "lat_whole_hit",
+            "lat_stream",
+            "lat_stream_hit",
+            "strict",
+            "strict_withheld",
+        ],
+        0,
+    )
     strict_longest = 0
     for rid, tid, n, _, got, stream in leaking:
         det = det_by_rid.get(rid, set())
@@ -190,15 +247,21 @@ def test_incident_detected_against_the_bundled_backend(tmp_path):
             c["short_hit"] += bool(det & {"canary", "leak_index"})
     content_fp = [rid for rid, *_ in admitted if det_by_rid.get(rid, set()) & {"canary", "leak_index"}]
     lat_fp = [rid for rid, *_ in admitted if "latency" in det_by_rid.get(rid, set())]
-    print(f"\nbundled backend, faults on: {len(records)} responses, {len(leaking)} over the pool, "
-          f"{len(admitted)} admitted")
+    print(
+        f"\nbundled backend, faults on: {len(records)} responses, {len(leaking)} over the pool, "
+        f"{len(admitted)} admitted"
+    )
     print(f"  whole foreign canary: {c['canary']}, flagged by the canary scan: {c['canary_hit']}")
     print(f"  run >= 50 tokens of another tenant's prompt: {c['long']}, flagged by the leak index: {c['long_hit']}")
     print(f"  only shorter runs (8-49, no canary): {c['short']}, caught by content checks: {c['short_hit']}")
-    print(f"  latency: non-streamed {c['lat_whole_hit']}/{c['lat_whole']}, streamed {c['lat_stream_hit']}/"
-          f"{c['lat_stream']} flagged too fast")
-    print(f"  strict: {c['strict']} leaking, {c['strict_withheld']} withheld with nothing sent; "
-          f"longest foreign run received {strict_longest} tokens")
+    print(
+        f"  latency: non-streamed {c['lat_whole_hit']}/{c['lat_whole']}, streamed {c['lat_stream_hit']}/"
+        f"{c['lat_stream']} flagged too fast"
+    )
+    print(
+        f"  strict: {c['strict']} leaking, {c['strict_withheld']} withheld with nothing sent; "
+        f"longest foreign run received {strict_longest} tokens"
+    )
     print(f"  false positives on admitted responses: content {len(content_fp)}, latency {len(lat_fp)}")
     assert c["canary"] > 0 and c["canary_hit"] == c["canary"]
     assert c["long"] > 0 and c["long_hit"] == c["long"]

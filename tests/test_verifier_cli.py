@@ -1,5 +1,6 @@
 """``kvgate deploy-gate`` and ``kvgate probe`` against engines on loopback: exit codes 0/1/2,
 human and JSON output."""
+
 from __future__ import annotations
 
 import json
@@ -32,17 +33,33 @@ def test_deploy_gate_exit_codes(engine, capsys):
     # pool 4096 < 8192 x 1.25 = 10240: FAIL
     assert main(["deploy-gate", "--server-info-url", engine.info_url]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"{engine.info_url}: kv_pool=4096 (max_total_num_tokens) context=8192 required=10240 "
-                   "effective_limit=3276  FAIL: pool smaller than context window x headroom; over-length "
-                   "prompts reach the rejection path",
-                   "deploy gate: FAIL (block the deploy)"]
+    assert out == [
+        f"{engine.info_url}: kv_pool=4096 (max_total_num_tokens) context=8192 required=10240 "
+        "effective_limit=3276  FAIL: pool smaller than context window x headroom; over-length "
+        "prompts reach the rejection path",
+        "deploy gate: FAIL (block the deploy)",
+    ]
     # pool 4096 >= 3000 x 1.25 = 3750: OK (the given context length wins over the engine's)
     assert main(["deploy-gate", "--server-info-url", engine.info_url, "--context-length", "3000", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc == {"ok": True, "exit_code": 0, "headroom": 1.25, "nodes": [{
-        "url": engine.info_url, "status": "ok", "pool_tokens": 4096, "pool_field": "max_total_num_tokens",
-        "context_length": 3000, "required_tokens": 3750, "effective_limit_tokens": 3000,
-        "max_req_input_len": 8186, "error": None}]}
+    assert doc == {
+        "ok": True,
+        "exit_code": 0,
+        "headroom": 1.25,
+        "nodes": [
+            {
+                "url": engine.info_url,
+                "status": "ok",
+                "pool_tokens": 4096,
+                "pool_field": "max_total_num_tokens",
+                "context_length": 3000,
+                "required_tokens": 3750,
+                "effective_limit_tokens": 3000,
+                "max_req_input_len": 8186,
+                "error": None,
+            }
+        ],
+    }
     # exactly at the boundary: 3276.8 x 1.25 -> required 4096 passes, 3277 x 1.25 = 4096.25 fails
     assert main(["deploy-gate", "--server-info-url", engine.url, "--context-length", "3277"]) == 1
     capsys.readouterr()
@@ -69,13 +86,16 @@ def test_deploy_gate_fails_closed(engine, capsys):
     engine.state.info_missing = True
     assert main(["deploy-gate", "--server-info-url", engine.info_url]) == 2
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"{engine.info_url}: UNKNOWN (no_pool_field): none of max_total_num_tokens, kv_pool_tokens, "
-                   "max_total_tokens in server info - fail closed",
-                   "deploy gate: UNKNOWN (fail closed: block the deploy)"]
+    assert out == [
+        f"{engine.info_url}: UNKNOWN (no_pool_field): none of max_total_num_tokens, kv_pool_tokens, "
+        "max_total_tokens in server info - fail closed",
+        "deploy gate: UNKNOWN (fail closed: block the deploy)",
+    ]
     # the /get_server_info fallback is used when /server_info is missing
     engine.state.info_missing = False
-    assert main(["deploy-gate", "--server-info-url", engine.url + "/nothing/server_info", "--context-length",
-                 "100"]) == 2
+    assert (
+        main(["deploy-gate", "--server-info-url", engine.url + "/nothing/server_info", "--context-length", "100"]) == 2
+    )
     capsys.readouterr()
 
 
@@ -85,8 +105,13 @@ def test_probe_finds_the_leak_and_passes_a_fixed_engine(engine, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["outcome"] == "leak" and doc["limit"] == 8192 and doc["exit_code"] == 1
     labels = [(s["label"], s["prompt_tokens"], s["status"]) for s in doc["steps"]]
-    assert labels == [("plant@L/2", 4032, 200), ("plant@L", 8128, 200), ("fresh@L", 8128, 200),
-                      ("plant@L+1", 8129, 200), ("fresh@L+1", 8129, 200)]
+    assert labels == [
+        ("plant@L/2", 4032, 200),
+        ("plant@L", 8128, 200),
+        ("fresh@L", 8128, 200),
+        ("plant@L+1", 8129, 200),
+        ("fresh@L+1", 8129, 200),
+    ]
     assert doc["steps"][0]["surfaced"] == 0 and doc["surfaced"] >= 1
     # the live limit read from the engine (3276), faults off: clean
     engine.state.faults = False

@@ -11,6 +11,7 @@ sharing boilerplate give no false positive. (The 5,000 clean responses are drive
 verifier stage directly, as synthetic exchanges with TTFTs from the engine's timing model:
 through HTTP they would not fit the test budget on 2 cores.) The counts are printed (``-s``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,8 +25,15 @@ import uuid
 import httpx
 import pytest
 
-from config.models import (ModelConfig, PoolSettings, Settings, TenantConfig, TenantsFile, UpstreamConfig,
-                           VerifierSettings)
+from config.models import (
+    ModelConfig,
+    PoolSettings,
+    Settings,
+    TenantConfig,
+    TenantsFile,
+    UpstreamConfig,
+    VerifierSettings,
+)
 from conftest import SEEDS
 from gateway.app import create_app
 from gateway.tenants import TenantRegistry
@@ -49,22 +57,36 @@ def key_of(tid: str) -> str:
 def tenants() -> TenantsFile:
     out = []
     for tid in NORMAL + STRICT:
-        out.append(TenantConfig(id=tid, api_key_sha256=[hashlib.sha256(key_of(tid).encode()).hexdigest()],
-                                max_tokens_cap=512, verify_sample_rate=1.0, strict_verify=tid in STRICT))
+        out.append(
+            TenantConfig(
+                id=tid,
+                api_key_sha256=[hashlib.sha256(key_of(tid).encode()).hexdigest()],
+                max_tokens_cap=512,
+                verify_sample_rate=1.0,
+                strict_verify=tid in STRICT,
+            )
+        )
     return TenantsFile(tenants=out)
 
 
 def gw_settings(tmp_path, engine: LeakyEngine, *, static_pool: int | None) -> Settings:
     if static_pool is not None:  # the incident: a configured pool larger than the real one
-        up = UpstreamConfig(name="leaky", api_url=engine.api_url, pool_source="static",
-                            static_pool_tokens=static_pool, models=["m"])
+        up = UpstreamConfig(
+            name="leaky", api_url=engine.api_url, pool_source="static", static_pool_tokens=static_pool, models=["m"]
+        )
     else:  # the fix: the live pool, read from the engine
-        up = UpstreamConfig(name="leaky", api_url=engine.api_url, pool_source="kvgate",
-                            pool_urls=[engine.info_url], models=["m"])
-    return Settings(state_dir=str(tmp_path), pool=PoolSettings(poll_interval_seconds=1.0),
-                    verifier=VerifierSettings(latency_min_samples=10, latency_min_prompt_tokens=512,
-                                              quarantine_min_prompt_tokens=100_000),
-                    models=[ModelConfig(id="m", context_length=8192)], upstreams=[up])
+        up = UpstreamConfig(
+            name="leaky", api_url=engine.api_url, pool_source="kvgate", pool_urls=[engine.info_url], models=["m"]
+        )
+    return Settings(
+        state_dir=str(tmp_path),
+        pool=PoolSettings(poll_interval_seconds=1.0),
+        verifier=VerifierSettings(
+            latency_min_samples=10, latency_min_prompt_tokens=512, quarantine_min_prompt_tokens=100_000
+        ),
+        models=[ModelConfig(id="m", context_length=8192)],
+        upstreams=[up],
+    )
 
 
 class TenantText:
@@ -79,15 +101,20 @@ class TenantText:
         else:
             words = filler_words()
             mine = self.rng.sample(words, 40)
-            self.ids = encode("".join(" " + self.rng.choice(mine) + (f" {idx}{self.rng.randrange(1000)}" if
-                                                                     self.rng.random() < 0.2 else "")
-                                      for _ in range(6000)))
+            self.ids = encode(
+                "".join(
+                    " "
+                    + self.rng.choice(mine)
+                    + (f" {idx}{self.rng.randrange(1000)}" if self.rng.random() < 0.2 else "")
+                    for _ in range(6000)
+                )
+            )
 
     def prompt(self, n_tokens: int, canaries: dict[str, str]) -> str:
         """About ``n_tokens`` tokens: a slice of the tenant's text with a canary every ~120 tokens
         from a random first offset."""
         start = self.rng.randrange(0, len(self.ids) - n_tokens)
-        body = self.ids[start:start + n_tokens]
+        body = self.ids[start : start + n_tokens]
         from verifier.shingles import _counter
 
         out = []
@@ -97,7 +124,7 @@ class TenantText:
             c = new_canary()
             canaries[c] = self.tid
             out.append(f" {c} ")
-            out.append(_counter().decode(body[p:p + 120]))
+            out.append(_counter().decode(body[p : p + 120]))
         return "".join(out)
 
 
@@ -105,8 +132,9 @@ class TenantText:
 def leaky_stack(tmp_path):
     engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=True, per_token_seconds=1e-4).start()
     svc = VerifierService(gw_settings(tmp_path, engine, static_pool=16384), secrets=SECRETS)
-    app = create_app(gw_settings(tmp_path, engine, static_pool=16384), TenantRegistry(tenants()),
-                     verifier=svc, secrets=SECRETS)
+    app = create_app(
+        gw_settings(tmp_path, engine, static_pool=16384), TenantRegistry(tenants()), verifier=svc, secrets=SECRETS
+    )
     gw = ServerThread(app).start()
     try:
         yield engine, svc, gw
@@ -115,8 +143,7 @@ def leaky_stack(tmp_path):
         engine.stop()
 
 
-def _send(client: httpx.Client, gw_url: str, tid: str, prompt: str, max_tokens: int, stream: bool,
-          rid: str) -> dict:
+def _send(client: httpx.Client, gw_url: str, tid: str, prompt: str, max_tokens: int, stream: bool, rid: str) -> dict:
     """One request; returns what the client received: status, text, error code."""
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "stream": stream, "temperature": 0}
     h = {"authorization": f"Bearer {key_of(tid)}", "x-request-id": rid}
@@ -205,16 +232,33 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
         # the probe, through the gateway as a tenant: fails (exit 1)
         from gateway.cli import main
 
-        assert main(["probe", "--base-url", gw.url + "/v1", "--api-key", key_of("t5"), "--model", "m",
-                     "--limit", "8192", "--max-tokens", "64"]) == 1
+        assert (
+            main(
+                [
+                    "probe",
+                    "--base-url",
+                    gw.url + "/v1",
+                    "--api-key",
+                    key_of("t5"),
+                    "--model",
+                    "m",
+                    "--limit",
+                    "8192",
+                    "--max-tokens",
+                    "64",
+                ]
+            )
+            == 1
+        )
 
         def one(tid: str, n: int, max_tokens: int, stream: bool) -> None:
             prompt = texts[tid].prompt(n, truth.canaries)
             rid = f"e2e-{uuid.uuid4().hex[:12]}"
             got = _send(client, gw.url, tid, prompt, max_tokens, stream, rid)
             truth.add_prompt(tid, prompt)
-            records.append((rid, tid, len(encode(prompt)), len(encode(prompt)) > engine.state.pool_tokens, got,
-                            max_tokens, stream))
+            records.append(
+                (rid, tid, len(encode(prompt)), len(encode(prompt)) > engine.state.pool_tokens, got, max_tokens, stream)
+            )
 
         # calibration: admitted prompts of 2,100-3,300 tokens (one length bucket), under the pool;
         # 20 streamed and 20 whole, so both kinds are calibrated (min_samples 10) before any leak
@@ -271,14 +315,18 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
             n_short += 1
             n_short_hit += bool(det & {"leak_index", "canary"})
     false_pos = [(rid, incidents[rid]) for rid, *_ in admitted if rid in incidents]
-    print(f"\nfaults on: {len(records)} responses, {len(leaking)} leaking (over the pool), {len(admitted)} admitted;"
-          f" non-strict leaking: {len(leaking) - strict_leaks}")
+    print(
+        f"\nfaults on: {len(records)} responses, {len(leaking)} leaking (over the pool), {len(admitted)} admitted;"
+        f" non-strict leaking: {len(leaking) - strict_leaks}"
+    )
     print(f"  whole foreign canary: {n_canary}, flagged by the canary scan: {n_canary_hit}")
     print(f"  run >= 50 tokens of another tenant's prompt: {n_long}, flagged by the leak index: {n_long_hit}")
     print(f"  only shorter runs (8-49 tokens, no canary): {n_short}, caught by content checks: {n_short_hit}")
     print(f"  flagged too fast by the latency detector: {n_lat}/{len(leaking)}")
-    print(f"  strict tenants: {strict_leaks} leaking responses, {strict_clean_received} received no text at all; "
-          f"flagged by {strict_by}")
+    print(
+        f"  strict tenants: {strict_leaks} leaking responses, {strict_clean_received} received no text at all; "
+        f"flagged by {strict_by}"
+    )
     print(f"  incidents on admitted responses: {len(false_pos)}")
     assert n_canary > 0 and n_long > 0
     assert n_canary_hit == n_canary and n_long_hit == n_long
@@ -310,9 +358,11 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
         assert short["status"] == 200
         # the operator clears it with the CLI; running gateways pick it up within a second
         cfg = tmp_path / "kvgate.yaml"
-        cfg.write_text(f"state_dir: {tmp_path}\nmodels: [{{id: m, context_length: 8192}}]\n"
-                       f"upstreams: [{{name: leaky, api_url: '{engine.api_url}', pool_source: static, "
-                       "static_pool_tokens: 16384, models: [m]}]\n")
+        cfg.write_text(
+            f"state_dir: {tmp_path}\nmodels: [{{id: m, context_length: 8192}}]\n"
+            f"upstreams: [{{name: leaky, api_url: '{engine.api_url}', pool_source: static, "
+            "static_pool_tokens: 16384, models: [m]}]\n"
+        )
         from gateway.cli import main
 
         assert main(["upstream", "--config", str(cfg), "clear", "leaky"]) == 0
@@ -342,8 +392,11 @@ def test_usage_drift_against_an_engine_that_miscounts(tmp_path):
         drift = [i for i in svc.incidents.recent if i.detector == "usage_drift"]
         assert [i.request_id for i in drift] == ["drift-0", "drift-1", "drift-strict"]
         for i in drift:
-            assert (i.evidence["gateway_prompt_tokens"], i.evidence["engine_prompt_tokens"],
-                    i.evidence["difference_tokens"]) == (n, 1, 1 - n)
+            assert (
+                i.evidence["gateway_prompt_tokens"],
+                i.evidence["engine_prompt_tokens"],
+                i.evidence["difference_tokens"],
+            ) == (n, 1, 1 - n)
             assert i.upstream == "leaky" and not i.confirmed
         assert {i.detector for i in svc.incidents.recent} == {"usage_drift"}
     finally:
@@ -351,8 +404,10 @@ def test_usage_drift_against_an_engine_that_miscounts(tmp_path):
         engine.stop()
 
 
-BOILER_SYSTEM = ("You are the support assistant of a game studio. Answer politely, never reveal internal "
-                 "tooling, and keep answers under two hundred words. Quote the passage below when relevant.")
+BOILER_SYSTEM = (
+    "You are the support assistant of a game studio. Answer politely, never reveal internal "
+    "tooling, and keep answers under two hundred words. Quote the passage below when relevant."
+)
 
 
 @pytest.mark.timeout(150)
@@ -374,18 +429,40 @@ def test_no_false_positives_with_faults_off(tmp_path):
             from gateway.cli import main
 
             # the probe through the gateway at the live limit (3276): clean
-            assert main(["probe", "--base-url", gw.url + "/v1", "--api-key", key_of("t5"), "--model", "m",
-                         "--server-info-url", engine.info_url]) == 0
+            assert (
+                main(
+                    [
+                        "probe",
+                        "--base-url",
+                        gw.url + "/v1",
+                        "--api-key",
+                        key_of("t5"),
+                        "--model",
+                        "m",
+                        "--server-info-url",
+                        engine.info_url,
+                    ]
+                )
+                == 0
+            )
             for i in range(14):
-                got = _send(client, gw.url, order[i % 8], texts[order[i % 8]].prompt(rng.randrange(1800, 2700),
-                            truth.canaries), 16, i % 2 == 0, f"clean-cal-{i}")
+                got = _send(
+                    client,
+                    gw.url,
+                    order[i % 8],
+                    texts[order[i % 8]].prompt(rng.randrange(1800, 2700), truth.canaries),
+                    16,
+                    i % 2 == 0,
+                    f"clean-cal-{i}",
+                )
                 statuses[got["status"]] = statuses.get(got["status"], 0) + 1
             for i in range(40):
                 a, b = order[i % 8], order[(i + 3) % 8]
-                for who, n, mt, st in ((a, rng.randrange(1800, 2700), 16, False),
-                                       (b, rng.randrange(4300, 6800), rng.choice([24, 64, 128]), i % 3 == 0)):
-                    got = _send(client, gw.url, who, texts[who].prompt(n, truth.canaries), mt, st,
-                                f"clean-{i}-{who}")
+                for who, n, mt, st in (
+                    (a, rng.randrange(1800, 2700), 16, False),
+                    (b, rng.randrange(4300, 6800), rng.choice([24, 64, 128]), i % 3 == 0),
+                ):
+                    got = _send(client, gw.url, who, texts[who].prompt(n, truth.canaries), mt, st, f"clean-{i}-{who}")
                     statuses[got["status"]] = statuses.get(got["status"], 0) + 1
                     if got["status"] == 400:
                         assert got["error"]["code"] == "context_length_exceeded"
@@ -405,7 +482,7 @@ def test_no_false_positives_with_faults_off(tmp_path):
         for j in range(5000):
             t = tids[j % 8]
             question = " ".join(rng.choice(own_words[t]) for _ in range(rng.randrange(300, 2500)))
-            prompt = f"{BOILER_SYSTEM}\n\n\"{passage}\"\n\nQuestion {j}: {question}"
+            prompt = f'{BOILER_SYSTEM}\n\n"{passage}"\n\nQuestion {j}: {question}'
             n = len(encode(prompt))
             # copy-probe answers (echo of the prompt's start: the shared system prompt and passage),
             # quotes of the passage, or the tenant's own words
@@ -414,7 +491,7 @@ def test_no_false_positives_with_faults_off(tmp_path):
                 answer = prompt[: rng.randrange(100, 900)]
             elif kind == 1:
                 a0 = rng.randrange(0, len(passage) - 300)
-                answer = "As quoted: " + passage[a0:a0 + rng.randrange(100, 300)]
+                answer = "As quoted: " + passage[a0 : a0 + rng.randrange(100, 300)]
             else:
                 answer = " ".join(rng.choice(own_words[t]) for _ in range(60))
             ttft = (0.002 + 1e-4 * n) * (1 + lat_rng.uniform(0, 0.1))
@@ -422,8 +499,14 @@ def test_no_false_positives_with_faults_off(tmp_path):
                 ttft *= lat_rng.uniform(1.5, 4)  # a slow outlier (queueing)
             ex = Exchange(f"syn-{j}", tcfg[t], "leaky", "m", "/v1/completions", prompt, n, False, time.monotonic())
             g = svc.begin(ex)
-            runner.run(g.check_body(answer, usage={"prompt_tokens": n, "completion_tokens": 16},
-                                    finish_reason="length", ttft_seconds=ttft))
+            runner.run(
+                g.check_body(
+                    answer,
+                    usage={"prompt_tokens": n, "completion_tokens": 16},
+                    finish_reason="length",
+                    ttft_seconds=ttft,
+                )
+            )
             n_checked += 1
             if len(svc._jobs) > 2000:
                 _wait_idle(svc, timeout=60)
@@ -433,8 +516,10 @@ def test_no_false_positives_with_faults_off(tmp_path):
         for inc in svc.incidents.recent:
             by[inc.detector] = by.get(inc.detector, 0) + 1
         lat_fp = by.get("latency", 0)
-        print(f"\nfaults off: {sum(statuses.values())} responses through the gateway {statuses}; "
-              f"{n_checked} synthetic clean responses of 8 tenants sharing boilerplate")
+        print(
+            f"\nfaults off: {sum(statuses.values())} responses through the gateway {statuses}; "
+            f"{n_checked} synthetic clean responses of 8 tenants sharing boilerplate"
+        )
         print(f"  incidents: {by or 'none'}; latency false-positive rate {lat_fp / n_checked:.4%}")
         assert by.get("canary", 0) == 0 and by.get("leak_index", 0) == 0
         assert lat_fp / n_checked <= 0.001

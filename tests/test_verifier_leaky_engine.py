@@ -16,6 +16,7 @@ tests here: a helper of the verifier tests; the bundled backend does the same fo
 - ``/server_info`` reports ``max_total_num_tokens`` = ``pool_tokens`` (omitted when
   ``info_missing``), ``max_req_input_len``, ``context_length``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -104,8 +105,14 @@ def build_app(st: EngineState) -> Starlette:
     core = PagedCopyProbe(st)
 
     async def server_info(request: Request) -> Response:
-        info = {"max_req_input_len": st.context_length - 6, "context_length": st.context_length,
-                "page_size": st.page_size, "disaggregation_mode": "null", "status": "ready", "version": "mock"}
+        info = {
+            "max_req_input_len": st.context_length - 6,
+            "context_length": st.context_length,
+            "page_size": st.page_size,
+            "disaggregation_mode": "null",
+            "status": "ready",
+            "version": "mock",
+        }
         if not st.info_missing:
             info["max_total_num_tokens"] = st.pool_tokens
         return JSONResponse(info)
@@ -119,37 +126,65 @@ def build_app(st: EngineState) -> Starlette:
             text = body["prompt"]
         ids = enc.encode_ordinary(text)
         max_tokens = int(body.get("max_tokens") or 16)
-        rec = {"prompt_tokens": len(ids), "max_tokens": max_tokens,
-               "x_request_id": request.headers.get("x-request-id"), "output_text": ""}
+        rec = {
+            "prompt_tokens": len(ids),
+            "max_tokens": max_tokens,
+            "x_request_id": request.headers.get("x-request-id"),
+            "output_text": "",
+        }
         st.requests.append(rec)
         out, secs, finish = core.run(ids, max_tokens)
         if out:
             rec["output_text"] = enc.decode(out, errors="replace")
         if out is None:
-            msg = (f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
-                   f"({st.pool_tokens} tokens). Use a shorter input or enable --allow-auto-truncate.")
-            return JSONResponse({"object": "error", "message": msg, "type": "BadRequestError", "param": None,
-                                 "code": 400}, status_code=400)
+            msg = (
+                f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
+                f"({st.pool_tokens} tokens). Use a shorter input or enable --allow-auto-truncate."
+            )
+            return JSONResponse(
+                {"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": 400},
+                status_code=400,
+            )
         await asyncio.sleep(secs)
-        usage = {"prompt_tokens": 1 if st.wrong_usage else len(ids), "completion_tokens": len(out),
-                 "total_tokens": len(ids) + len(out)}
+        usage = {
+            "prompt_tokens": 1 if st.wrong_usage else len(ids),
+            "completion_tokens": len(out),
+            "total_tokens": len(ids) + len(out),
+        }
         rid = f"cmpl-{len(st.requests)}"
         pieces = _text_pieces(enc, out) if out else [""]
         if not body.get("stream"):
             full = "".join(pieces)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": full}, "finish_reason": finish}
-                      if chat else {"index": 0, "text": full, "finish_reason": finish})
-            obj = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": 1,
-                   "model": body.get("model", "m"), "choices": [choice], "usage": usage}
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": full}, "finish_reason": finish}
+                if chat
+                else {"index": 0, "text": full, "finish_reason": finish}
+            )
+            obj = {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": 1,
+                "model": body.get("model", "m"),
+                "choices": [choice],
+                "usage": usage,
+            }
             return JSONResponse(obj, headers={"x-prefill-seconds": f"{secs:.6f}"})
 
         async def gen():
             for i, p in enumerate(pieces):
                 fin = finish if i == len(pieces) - 1 else None
-                choice = ({"index": 0, "delta": {"content": p}, "finish_reason": fin} if chat
-                          else {"index": 0, "text": p, "finish_reason": fin})
-                obj = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                       "created": 1, "model": "m", "choices": [choice]}
+                choice = (
+                    {"index": 0, "delta": {"content": p}, "finish_reason": fin}
+                    if chat
+                    else {"index": 0, "text": p, "finish_reason": fin}
+                )
+                obj = {
+                    "id": rid,
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": 1,
+                    "model": "m",
+                    "choices": [choice],
+                }
                 if fin:
                     obj["usage"] = usage
                 yield b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
@@ -158,15 +193,19 @@ def build_app(st: EngineState) -> Starlette:
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model",
-                                                         "max_model_len": st.context_length}]})
+        return JSONResponse(
+            {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": st.context_length}]}
+        )
 
-    return Starlette(routes=[
-        Route("/server_info", server_info), Route("/get_server_info", server_info),
-        Route("/v1/models", models),
-        Route("/v1/completions", completion, methods=["POST"]),
-        Route("/v1/chat/completions", completion, methods=["POST"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/server_info", server_info),
+            Route("/get_server_info", server_info),
+            Route("/v1/models", models),
+            Route("/v1/completions", completion, methods=["POST"]),
+            Route("/v1/chat/completions", completion, methods=["POST"]),
+        ]
+    )
 
 
 class LeakyEngine(ServerThread):

@@ -1,5 +1,6 @@
 """A running gateway's quarantine view is refreshed in a worker thread, never on the event loop:
 ``is_quarantined`` on the request path is a dict lookup even when the store is slow."""
+
 from __future__ import annotations
 
 import asyncio

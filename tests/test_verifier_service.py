@@ -1,5 +1,6 @@
 """The verifier stage driven directly (no HTTP): sampling, background checks, strict mode,
 honeypot canaries, quarantine, drift, and two replicas sharing Redis."""
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,16 @@ SECRETS = {"leak_index_key": b"service-test-key", "cache_salt_key": b"x", "admin
 
 def settings(tmp_path, **verifier) -> Settings:
     v = {"latency_min_samples": 5, "latency_min_prompt_tokens": 100, **verifier}
-    return Settings(state_dir=str(tmp_path), verifier=VerifierSettings(**v),
-                    models=[ModelConfig(id="m", context_length=8192)],
-                    upstreams=[UpstreamConfig(name="up", api_url="http://127.0.0.1:1/v1", pool_source="static",
-                                              static_pool_tokens=4096, models=["m"])])
+    return Settings(
+        state_dir=str(tmp_path),
+        verifier=VerifierSettings(**v),
+        models=[ModelConfig(id="m", context_length=8192)],
+        upstreams=[
+            UpstreamConfig(
+                name="up", api_url="http://127.0.0.1:1/v1", pool_source="static", static_pool_tokens=4096, models=["m"]
+            )
+        ],
+    )
 
 
 def tenant(tid: str, **kw) -> TenantConfig:
@@ -36,8 +43,17 @@ def tenant(tid: str, **kw) -> TenantConfig:
 
 
 def ex(t: TenantConfig, prompt: str, *, stream: bool = False, rid: str | None = None) -> Exchange:
-    return Exchange(rid or f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", "/v1/completions", prompt,
-                    len(encode(prompt)), stream, time.monotonic())
+    return Exchange(
+        rid or f"req-{uuid.uuid4().hex[:8]}",
+        t,
+        "up",
+        "m",
+        "/v1/completions",
+        prompt,
+        len(encode(prompt)),
+        stream,
+        time.monotonic(),
+    )
 
 
 def sse(text: str) -> bytes:
@@ -130,7 +146,7 @@ async def test_strict_stream_holdback_and_cut(tmp_path):
         sent = []
         for i, w in enumerate(words):
             sent += await g.feed(w, sse(w))
-            held_tokens = sum(len(encode(x)) for x in words[len(sent):i + 1])
+            held_tokens = sum(len(encode(x)) for x in words[len(sent) : i + 1])
             assert held_tokens >= 64 or len(sent) == 0
         sent += await g.finish_stream(usage={"prompt_tokens": 2}, finish_reason="stop", ttft_seconds=0.01)
         assert sent == [sse(w) for w in words]
@@ -139,7 +155,7 @@ async def test_strict_stream_holdback_and_cut(tmp_path):
         g = svc.begin(ex(STRICT, "tell me something", stream=True))
         lead = [" Here", " is", " an", " answer", ":"]
         leak_ids = encode(LEAK)
-        pieces = lead + [_dec(leak_ids[i:i + 1]) for i in range(len(leak_ids))]
+        pieces = lead + [_dec(leak_ids[i : i + 1]) for i in range(len(leak_ids))]
         released: list[bytes] = []
         with pytest.raises(ResponseWithheld) as ei:
             for p in pieces:
@@ -189,15 +205,18 @@ async def test_drift_abort_and_latency(tmp_path):
         prompt = SEED_PL[:1200]
         n = len(encode(prompt))
         g = svc.begin(ex(A, prompt))
-        await g.check_body("ok", usage={"prompt_tokens": 1, "completion_tokens": 1}, finish_reason="abort",
-                           ttft_seconds=None)
+        await g.check_body(
+            "ok", usage={"prompt_tokens": 1, "completion_tokens": 1}, finish_reason="abort", ttft_seconds=None
+        )
         rng = random.Random(3)
         samples = [0.1 + rng.uniform(0, 0.01) for _ in range(5)]
         for t in samples:  # calibrate: ~100 ms for this length
-            await svc.begin(ex(A, prompt)).check_body("ok", usage={"prompt_tokens": n}, finish_reason="stop",
-                                                      ttft_seconds=t)
-        await svc.begin(ex(A, prompt)).check_body("ok", usage={"prompt_tokens": n}, finish_reason="stop",
-                                                  ttft_seconds=0.001)
+            await svc.begin(ex(A, prompt)).check_body(
+                "ok", usage={"prompt_tokens": n}, finish_reason="stop", ttft_seconds=t
+            )
+        await svc.begin(ex(A, prompt)).check_body(
+            "ok", usage={"prompt_tokens": n}, finish_reason="stop", ttft_seconds=0.001
+        )
         await svc.drain()
         det = [i.detector for i in svc.incidents.recent]
         assert det == ["usage_drift", "finish_abort", "latency"]
@@ -258,10 +277,16 @@ async def test_periodic_probe_quarantines_a_leaking_upstream(tmp_path):
 
     engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=True).start()
     try:
-        s = Settings(state_dir=str(tmp_path), verifier=VerifierSettings(probe_interval_seconds=0.2),
-                     models=[ModelConfig(id="m", context_length=8192)],
-                     upstreams=[UpstreamConfig(name="leaky", api_url=engine.api_url, pool_source="static",
-                                               static_pool_tokens=16384, models=["m"])])
+        s = Settings(
+            state_dir=str(tmp_path),
+            verifier=VerifierSettings(probe_interval_seconds=0.2),
+            models=[ModelConfig(id="m", context_length=8192)],
+            upstreams=[
+                UpstreamConfig(
+                    name="leaky", api_url=engine.api_url, pool_source="static", static_pool_tokens=16384, models=["m"]
+                )
+            ],
+        )
         svc = VerifierService(s, secrets=SECRETS)
         svc.start()
         deadline = time.monotonic() + 30
@@ -292,8 +317,9 @@ async def test_store_down_fails_open_and_counts(tmp_path):
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    dead = redis.Redis(host="127.0.0.1", port=dead_port, socket_connect_timeout=0.2, socket_timeout=0.2,
-                       retry=Retry(NoBackoff(), 0))
+    dead = redis.Redis(
+        host="127.0.0.1", port=dead_port, socket_connect_timeout=0.2, socket_timeout=0.2, retry=Retry(NoBackoff(), 0)
+    )
     svc = VerifierService(settings(tmp_path), secrets=SECRETS, redis_client=dead, key_prefix="dead:")
     try:
         svc.begin(ex(A, A_PROMPT))
@@ -387,8 +413,9 @@ async def test_background_guard_calls_never_suspend(tmp_path):
         assert step(g.feed("Once", b"e1")) == [b"e1"]
         assert step(g.feed("", b"e2")) == [b"e2"]
         assert step(g.finish_stream(usage=None, finish_reason="stop", ttft_seconds=None)) == []
-        assert step(svc.begin(ex(B, "hi")).check_body("ok", usage=None, finish_reason="stop",
-                                                       ttft_seconds=None)) is None
+        assert (
+            step(svc.begin(ex(B, "hi")).check_body("ok", usage=None, finish_reason="stop", ttft_seconds=None)) is None
+        )
         await svc.drain()
         assert svc.stats["checked"] == 2
     finally:

@@ -1,4 +1,5 @@
 """Unit tests of the verifier's detectors, with exact values."""
+
 from __future__ import annotations
 
 import random
@@ -14,8 +15,16 @@ from verifier.incidents import INCIDENTS, Incident, IncidentSink, read_incidents
 from verifier.latency import LatencyModel, bucket_of
 from verifier.leak_index import LeakIndex, MemoryLeakStore, RedisLeakStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
-from verifier.shingles import (IncrementalShingler, ShingleHasher, encode, fingerprints, guaranteed_run_tokens,
-                               is_cut_point, longest_common_run, winnow)
+from verifier.shingles import (
+    IncrementalShingler,
+    ShingleHasher,
+    encode,
+    fingerprints,
+    guaranteed_run_tokens,
+    is_cut_point,
+    longest_common_run,
+    winnow,
+)
 
 KEY = b"unit-test-leak-index-key"
 SEED_ZH = (SEEDS / "000_cd7ee3cfd92e9ff1.txt").read_text()
@@ -32,7 +41,7 @@ def test_vectorised_selection_matches_the_reference_winnowing():
     kept = winnow(fast, 35)
     expected = {i for i in range(len(fast)) if fast[i] in kept}
     assert set(h.select(ids, 35)) == expected
-    assert h.fingerprints(ids, 35) == {h.hash_ids(ids[i:i + 16]) for i in expected}
+    assert h.fingerprints(ids, 35) == {h.hash_ids(ids[i : i + 16]) for i in expected}
     # density close to 2 / (w + 1)
     assert 0.04 < len(expected) / len(fast) < 0.07
     assert h.select(ids[:20], 35) == [min(range(5), key=lambda i: (fast[i], -i))]
@@ -54,7 +63,7 @@ def test_hasher_counts_and_key():
     hs = h.hashes(ids)
     assert len(hs) == 40 - 16 + 1 == 25
     assert hs[0] == h.hash_ids(ids[:16]) and hs[-1] == h.hash_ids(ids[-16:])
-    assert all(0 <= x < 2 ** 64 for x in hs)
+    assert all(0 <= x < 2**64 for x in hs)
     assert ShingleHasher(b"another key", 16).hashes(ids) != hs
     assert h.hashes(ids[:15]) == []
     with pytest.raises(ValueError):
@@ -78,7 +87,7 @@ def test_any_shared_run_of_50_tokens_is_found():
         assert stored & set(h.hashes(b)), f"trial {trial}: a 50-token run was missed"
         # the bound is tight: the same placement with only 49 shared tokens is sometimes missed
         run49 = run[:49]
-        a49 = a[:a.index(run[0])] + run49 + [rng.randrange(100_000) for _ in range(100)]
+        a49 = a[: a.index(run[0])] + run49 + [rng.randrange(100_000) for _ in range(100)]
         b49 = [rng.randrange(100_000) for _ in range(100)] + run49 + [rng.randrange(100_000) for _ in range(100)]
         if not (fingerprints(h, a49, 35) & set(h.hashes(b49))):
             missed_49 += 1
@@ -94,7 +103,7 @@ def test_incremental_shingler_matches_whole_text():
         inc = IncrementalShingler(h, max_pending_chars=256)
         got = []
         for i in range(0, len(text), step):
-            got += h.hashes(inc.push(text[i:i + step]))
+            got += h.hashes(inc.push(text[i : i + step]))
         got += h.hashes(inc.flush())
         assert got == whole
         assert inc.tokens_seen == len(encode(text))
@@ -200,7 +209,7 @@ def test_canary_shape_and_scan():
     sc = CanaryScanner()
     got = []
     for i in range(0, 40, 4):
-        got += sc.push(("ab " + c + " cd")[i:i + 4])
+        got += sc.push(("ab " + c + " cd")[i : i + 4])
     assert got == [c]
 
 
@@ -218,8 +227,12 @@ def test_usage_drift_exact():
     assert check_usage(624, {"prompt_tokens": 624}, 0) is None
     f = check_usage(624, {"prompt_tokens": 1, "completion_tokens": 5}, 0)
     assert f.detector == "usage_drift"
-    assert f.evidence == {"gateway_prompt_tokens": 624, "engine_prompt_tokens": 1, "difference_tokens": -623,
-                          "tolerance_tokens": 0}
+    assert f.evidence == {
+        "gateway_prompt_tokens": 624,
+        "engine_prompt_tokens": 1,
+        "difference_tokens": -623,
+        "tolerance_tokens": 0,
+    }
     assert check_usage(624, {"prompt_tokens": 626}, 2) is None
     assert check_usage(624, {"prompt_tokens": 627}, 2).evidence["difference_tokens"] == 3
     assert check_usage(624, None, 0) is None
@@ -235,9 +248,9 @@ def test_latency_buckets_and_bound():
     assert m.observe("fresh", 3000, 0.0001).anomaly is False
     assert m.samples("fresh", 11) == 1
     for i in range(50):
-        m.observe("u", 3000, 0.200 + i * 0.001)   # bucket 11: 200..249 ms
+        m.observe("u", 3000, 0.200 + i * 0.001)  # bucket 11: 200..249 ms
     bound = m.bound("u", 3000)
-    assert bound == pytest.approx(0.100, rel=0.011)   # q(0.001) = min = 200 ms, x 0.5
+    assert bound == pytest.approx(0.100, rel=0.011)  # q(0.001) = min = 200 ms, x 0.5
     v = m.observe("u", 3000, 0.050)
     assert v.anomaly and v.bucket == 11
     assert m.samples("u", 11) == 50  # the anomaly was kept out of calibration
@@ -255,12 +268,12 @@ def test_latency_buckets_and_bound():
 def test_latency_floor_takes_the_fixed_overhead_out_of_the_margin():
     m = LatencyModel(quantile=0.001, margin=0.5, min_samples=10, min_prompt_tokens=512)
     for i in range(10):
-        m.observe("u", 100, 0.050 + i * 0.001, "stream")   # bucket 6: the fixed cost, 50 ms
+        m.observe("u", 100, 0.050 + i * 0.001, "stream")  # bucket 6: the fixed cost, 50 ms
         m.observe("u", 3000, 0.200 + i * 0.001, "stream")  # bucket 11: 200 ms
     # floor 50 ms + 0.5 x (200 - 50) = 125 ms (DDSketch: within 1%)
     assert m.bound("u", 3000, "stream") == pytest.approx(0.125, rel=0.01)
     assert m.bound("u", 6000, "stream") == pytest.approx(0.125, rel=0.01)
-    assert m.observe("u", 6000, 0.110, "stream").anomaly       # overhead + a placeholder prefill
+    assert m.observe("u", 6000, 0.110, "stream").anomaly  # overhead + a placeholder prefill
     assert not m.observe("u", 3000, 0.150, "stream").anomaly
     # the floor is capped at 0.8 x the top level: 0.8 x 200 + 0.5 x 40 = 180 ms
     m2 = LatencyModel(quantile=0.001, margin=0.5, min_samples=10, min_prompt_tokens=512)
@@ -274,14 +287,21 @@ def test_latency_floor_takes_the_fixed_overhead_out_of_the_margin():
 def test_incident_records(tmp_path):
     sink = IncidentSink(tmp_path / "inc.jsonl")
     before = INCIDENTS.labels("canary", "up-x")._value.get()
-    inc = sink.emit(Incident("canary", "t1", "up-x", "req-1", {"canaries": 1, "canary_hashes": ["00ff" * 4]},
-                             confirmed=True))
+    inc = sink.emit(
+        Incident("canary", "t1", "up-x", "req-1", {"canaries": 1, "canary_hashes": ["00ff" * 4]}, confirmed=True)
+    )
     assert INCIDENTS.labels("canary", "up-x")._value.get() == before + 1
     rows = read_incidents(tmp_path / "inc.jsonl")
     assert len(rows) == 1
     r = rows[0]
     assert set(r) == {"detector", "tenant", "upstream", "request_id", "evidence", "confirmed", "withheld", "id", "time"}
-    assert (r["id"], r["detector"], r["tenant"], r["upstream"], r["confirmed"]) == (inc.id, "canary", "t1", "up-x", True)
+    assert (r["id"], r["detector"], r["tenant"], r["upstream"], r["confirmed"]) == (
+        inc.id,
+        "canary",
+        "t1",
+        "up-x",
+        True,
+    )
     with pytest.raises(ValueError):
         Incident("canary", "t", "u", "r", {"text": "x" * 81})
     with pytest.raises(ValueError):
@@ -316,9 +336,11 @@ def test_upstream_clear_cli(tmp_path, capsys):
     from gateway.cli import main
 
     cfg = tmp_path / "kvgate.yaml"
-    cfg.write_text(f"state_dir: {tmp_path}\nmodels: [{{id: m, context_length: 8192}}]\n"
-                   "upstreams: [{name: local, api_url: 'http://127.0.0.1:1/v1', pool_source: static, "
-                   "static_pool_tokens: 4096, models: [m]}]\n")
+    cfg.write_text(
+        f"state_dir: {tmp_path}\nmodels: [{{id: m, context_length: 8192}}]\n"
+        "upstreams: [{name: local, api_url: 'http://127.0.0.1:1/v1', pool_source: static, "
+        "static_pool_tokens: 4096, models: [m]}]\n"
+    )
     Quarantine(FileQuarantineBackend(tmp_path)).put("local", "inc_abc", "canary", 1024)
     assert main(["upstream", "--config", str(cfg), "list"]) == 0
     out = capsys.readouterr().out

@@ -4,6 +4,7 @@
 ``count_chat`` (and their async twins) return exact counts or raise the typed errors of
 :mod:`tokenizer.errors`. Imports neither torch nor the gateway.
 """
+
 from __future__ import annotations
 
 from config.models import TokenizerConfig
@@ -41,8 +42,23 @@ def make_counter(cfg: TokenizerConfig, model: str = "") -> PromptCounter:
 
 
 __all__ = [
-    "EngineTokenizeError", "IM_END_ID", "IM_START_ID", "ImagesNotSupportedError", "InvalidPromptError",
-    "InvalidTokenIdError", "PromptCount", "PromptCounter", "RenderedChat", "TiktokenCounter",
-    "TokenizerError", "UnknownContentPartError", "bundled_counter", "bundled_encoding", "get_encoding",
-    "make_counter", "prompt_param", "render_chatml", "split_completion_prompt",
+    "EngineTokenizeError",
+    "IM_END_ID",
+    "IM_START_ID",
+    "ImagesNotSupportedError",
+    "InvalidPromptError",
+    "InvalidTokenIdError",
+    "PromptCount",
+    "PromptCounter",
+    "RenderedChat",
+    "TiktokenCounter",
+    "TokenizerError",
+    "UnknownContentPartError",
+    "bundled_counter",
+    "bundled_encoding",
+    "get_encoding",
+    "make_counter",
+    "prompt_param",
+    "render_chatml",
+    "split_completion_prompt",
 ]

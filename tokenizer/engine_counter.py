@@ -15,6 +15,7 @@ offers the path). Image parts are removed from the messages sent and cost ``imag
 counters. A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError`
 (502): the engine's fault, never the client's 400 and never a 500.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -70,9 +71,16 @@ class EngineCounter(PromptCounter):
     the sync methods raise ``NotImplementedError``. ``vocab_size`` bounds token-id validation (the
     engine's vocabulary is not known here). Token ids are validated locally, never sent."""
 
-    def __init__(self, base_url: str, model: str, api: str = "sglang", vocab_size: int = 1 << 31,
-                 image_tokens: int = 765, timeout_seconds: float = 5.0,
-                 client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api: str = "sglang",
+        vocab_size: int = 1 << 31,
+        image_tokens: int = 765,
+        timeout_seconds: float = 5.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
         if api not in ENGINE_APIS:
             raise ValueError(f"engine api must be one of {ENGINE_APIS}, not {api!r}")
         self.base_url = base_url.rstrip("/")

@@ -1,6 +1,7 @@
 """Typed errors of prompt counting. The gateway turns each into an OpenAI-shaped error with the
 error's ``status`` (400 for the request's own faults) and ``code``; ``param`` names the offending
 field as the OpenAI API does (``messages[2].content[1].type``, ``prompt[1]``)."""
+
 from __future__ import annotations
 
 

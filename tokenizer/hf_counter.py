@@ -16,6 +16,7 @@ What is counted, and why it is never fewer than what the engine sees:
   the engine's tokenizer would read it as one special token, kvgate adds the difference to its
   text encoding (so the count is the engine's plus that surcharge, never less).
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,9 @@ def _compile_template(source: str) -> Any:
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def raise_exception(message: str) -> None:
@@ -99,8 +101,9 @@ class HFCounter(PromptCounter):
             self._by_prefix.setdefault(s[:2], []).append(s)
         template = self.config.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
-            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
-                            None)
+            template = next(
+                (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
+            )
         self._template = _compile_template(template) if isinstance(template, str) and template else None
 
     def _special_value(self, name: str) -> str | None:
@@ -151,8 +154,7 @@ class HFCounter(PromptCounter):
             plain.append({**m, "content": content})
         variables = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
         try:
-            prompt = self._template.render(messages=plain, tools=tools or None, add_generation_prompt=True,
-                                           **variables)
+            prompt = self._template.render(messages=plain, tools=tools or None, add_generation_prompt=True, **variables)
         except Exception as e:  # jinja2 TemplateError, or a template tripping over a value's type
             raise InvalidPromptError(f"The model's chat template rejected the messages: {e}", "messages") from None
         return prompt, rendered.images

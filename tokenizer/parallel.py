@@ -29,6 +29,7 @@ Two rules give such cuts:
 ``tests/test_tokenizer_parallel.py`` checks the equality on the seed texts and on random text
 (hypothesis) that mixes letters, digits, punctuation, whitespace, apostrophes and CJK.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,7 @@ PARALLEL_MIN_CHARS = 200_000
 PIECE_CHARS = 128 * 1024
 
 #: Punctuation after which (rule 2) a letter or digit run certainly ends: ASCII and CJK marks.
-CUT_PUNCTUATION = ",.;:!?()[]{}\"，。、；：！？（）「」『』《》【】"
+CUT_PUNCTUATION = ',.;:!?()[]{}"，。、；：！？（）「」『』《》【】'
 #: Unicode White_Space (the regex's ``\\s``) beyond what ``str.isspace`` already covers in Python's
 #: ``re``; listed so that the look-behind below rejects them whatever the Unicode tables say.
 _WHITE_SPACE = "\t\n\x0b\x0c\r \x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
@@ -105,8 +106,13 @@ def split_for_count(text: str, pieces: int) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def parallel_count(text: str, count: Callable[[str], int], pieces: int | None = None,
-                   min_chars: int = PARALLEL_MIN_CHARS, workers: int | None = None) -> int:
+def parallel_count(
+    text: str,
+    count: Callable[[str], int],
+    pieces: int | None = None,
+    min_chars: int = PARALLEL_MIN_CHARS,
+    workers: int | None = None,
+) -> int:
     """Exact count of ``text`` with ``count`` (the length of a cl100k-family ``encode_ordinary``),
     spread over threads when ``text`` has at least ``min_chars`` characters.
 

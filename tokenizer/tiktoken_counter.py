@@ -1,4 +1,5 @@
 """Counting with tiktoken encodings (cl100k_base by default) and the bundled backend's ChatML."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -74,4 +75,3 @@ class TiktokenCounter(PromptCounter):
 def bundled_counter(image_tokens: int = 765) -> TiktokenCounter:
     """The counter of the bundled backend's tokenizer (cl100k_base + ChatML specials)."""
     return TiktokenCounter(bundled_encoding(), image_tokens=image_tokens)
-

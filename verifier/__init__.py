@@ -3,6 +3,7 @@
 Depends on ``tokenizer`` and ``config`` only (DESIGN.md). The gateway builds its stage with
 :func:`from_settings`; everything heavier is imported only then.
 """
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ proof that text crossed between requests (the runbook's signal 2). :class:`Canar
 remembers which tenant planted which canary (as keyed hashes, with a TTL, in the same stores as
 the leak index) so the gateway can recognise a honeypot's canary in any other tenant's response.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -52,7 +53,7 @@ class CanaryScanner:
         text = self._tail + piece
         new = [c for c in find_canaries(text) if c not in self.found]
         self.found.extend(new)
-        self._tail = text[-(CANARY_CHARS - 1):]
+        self._tail = text[-(CANARY_CHARS - 1) :]
         return new
 
 

@@ -10,6 +10,7 @@ Exit status (DESIGN.md, Contracts): 0 every pool covers the window, 1 at least o
 smaller, 2 a node is unreachable, answers garbage, or reports no pool size or context length
 (fail closed). ``--json`` prints one JSON object for CI; the default is one line per node.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,12 +101,23 @@ def check_node(client: httpx.Client, url: str, context_length: int | None, headr
     mril = info.get("max_req_input_len")
     mril = mril if isinstance(mril, int) and not isinstance(mril, bool) and mril > 0 else None
     if found is None:
-        return NodeResult(url, "no_pool_field", context_length=ctx, max_req_input_len=mril,
-                          error=f"none of {', '.join(POOL_FIELDS)} in server info - fail closed")
+        return NodeResult(
+            url,
+            "no_pool_field",
+            context_length=ctx,
+            max_req_input_len=mril,
+            error=f"none of {', '.join(POOL_FIELDS)} in server info - fail closed",
+        )
     pool, field_name = found
     if ctx is None:
-        return NodeResult(url, "no_context_length", pool, field_name, max_req_input_len=mril,
-                          error="no --context-length given and the engine reports none - fail closed")
+        return NodeResult(
+            url,
+            "no_context_length",
+            pool,
+            field_name,
+            max_req_input_len=mril,
+            error="no --context-length given and the engine reports none - fail closed",
+        )
     required = Decimal(ctx) * Decimal(repr(float(headroom)))
     required_tokens = int(required) if required == int(required) else int(required) + 1
     limit = effective_pool_limit(ctx, pool, mril, headroom)
@@ -113,8 +125,9 @@ def check_node(client: httpx.Client, url: str, context_length: int | None, headr
     return NodeResult(url, status, pool, field_name, ctx, required_tokens, limit, mril)
 
 
-def run_gate(urls: list[str], context_length: int | None, headroom: float,
-             timeout_seconds: float = 10.0) -> tuple[int, list[NodeResult]]:
+def run_gate(
+    urls: list[str], context_length: int | None, headroom: float, timeout_seconds: float = 10.0
+) -> tuple[int, list[NodeResult]]:
     """Check every node; returns ``(exit_status, results)`` (2 wins over 1 over 0)."""
     with httpx.Client(timeout=timeout_seconds) as client:
         results = [check_node(client, u, context_length, headroom) for u in urls]
@@ -127,22 +140,40 @@ def run_gate(urls: list[str], context_length: int | None, headroom: float,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """CLI flags of ``kvgate deploy-gate``."""
-    parser.add_argument("--server-info-url", nargs="+", required=True, metavar="URL",
-                        help="server info URL of every prefill node (SGLang /server_info or /get_server_info)")
-    parser.add_argument("--context-length", type=int, default=None,
-                        help="the model's advertised context window (default: the engine's context_length)")
-    parser.add_argument("--headroom", type=float, default=1.25,
-                        help="the pool must be at least context length x headroom (default 1.25)")
+    parser.add_argument(
+        "--server-info-url",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="server info URL of every prefill node (SGLang /server_info or /get_server_info)",
+    )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="the model's advertised context window (default: the engine's context_length)",
+    )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=1.25,
+        help="the pool must be at least context length x headroom (default 1.25)",
+    )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds per request (default 10)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (for CI)")
 
 
 def _human(r: NodeResult) -> str:
     if r.status in ("ok", "too_small"):
-        verdict = "OK: pool covers the context window" if r.status == "ok" else \
-            "FAIL: pool smaller than context window x headroom; over-length prompts reach the rejection path"
-        return (f"{r.url}: kv_pool={r.pool_tokens} ({r.pool_field}) context={r.context_length} "
-                f"required={r.required_tokens} effective_limit={r.effective_limit_tokens}  {verdict}")
+        verdict = (
+            "OK: pool covers the context window"
+            if r.status == "ok"
+            else "FAIL: pool smaller than context window x headroom; over-length prompts reach the rejection path"
+        )
+        return (
+            f"{r.url}: kv_pool={r.pool_tokens} ({r.pool_field}) context={r.context_length} "
+            f"required={r.required_tokens} effective_limit={r.effective_limit_tokens}  {verdict}"
+        )
     return f"{r.url}: UNKNOWN ({r.status}): {r.error}"
 
 
@@ -156,13 +187,26 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_UNKNOWN
     code, results = run_gate(args.server_info_url, args.context_length, args.headroom, args.timeout)
     if args.json:
-        print(json.dumps({"ok": code == EXIT_OK, "exit_code": code, "headroom": args.headroom,
-                          "nodes": [asdict(r) for r in results]}))
+        print(
+            json.dumps(
+                {
+                    "ok": code == EXIT_OK,
+                    "exit_code": code,
+                    "headroom": args.headroom,
+                    "nodes": [asdict(r) for r in results],
+                }
+            )
+        )
     else:
         for r in results:
             print(_human(r))
-        print({EXIT_OK: "deploy gate: PASS", EXIT_FAIL: "deploy gate: FAIL (block the deploy)",
-               EXIT_UNKNOWN: "deploy gate: UNKNOWN (fail closed: block the deploy)"}[code])
+        print(
+            {
+                EXIT_OK: "deploy gate: PASS",
+                EXIT_FAIL: "deploy gate: FAIL (block the deploy)",
+                EXIT_UNKNOWN: "deploy gate: UNKNOWN (fail closed: block the deploy)",
+            }[code]
+        )
     return code
 
 

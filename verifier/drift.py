@@ -4,6 +4,7 @@ The engine's ``usage.prompt_tokens`` should equal the gateway's exact count; a p
 tokens reported as 1 is a known engine failure (the placeholder of a rejected request). In the
 runbook's incident the counts matched, so this only complements the content checks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,7 @@ class DriftFinding:
     evidence: dict[str, Any]
 
 
-def check_usage(gateway_prompt_tokens: int, usage: dict[str, Any] | None,
-                tolerance_tokens: int) -> DriftFinding | None:
+def check_usage(gateway_prompt_tokens: int, usage: dict[str, Any] | None, tolerance_tokens: int) -> DriftFinding | None:
     """A finding when ``|usage.prompt_tokens - gateway_prompt_tokens| > tolerance_tokens``.
 
     ``usage``: the OpenAI ``usage`` object of the response (``None`` or without an integer
@@ -34,9 +34,15 @@ def check_usage(gateway_prompt_tokens: int, usage: dict[str, Any] | None,
     diff = reported - gateway_prompt_tokens
     if abs(diff) <= tolerance_tokens:
         return None
-    return DriftFinding("usage_drift", {"gateway_prompt_tokens": gateway_prompt_tokens,
-                                         "engine_prompt_tokens": reported, "difference_tokens": diff,
-                                         "tolerance_tokens": tolerance_tokens})
+    return DriftFinding(
+        "usage_drift",
+        {
+            "gateway_prompt_tokens": gateway_prompt_tokens,
+            "engine_prompt_tokens": reported,
+            "difference_tokens": diff,
+            "tolerance_tokens": tolerance_tokens,
+        },
+    )
 
 
 def check_finish(finish_reason: str | None, status_code: int = 200) -> DriftFinding | None:

@@ -5,6 +5,7 @@ keyed hashes and request ids (never prompt or response text). Each one is append
 file (when configured), logged on the ``kvgate.verifier`` logger, and counted in the Prometheus
 counter ``kvgate_verifier_incidents_total{detector, upstream}``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,14 +29,21 @@ DETECTORS = ("canary", "leak_index", "latency", "usage_drift", "finish_abort", "
 
 #: the verifier's own registry; the gateway's ``/metrics`` renders it after its own
 REGISTRY = CollectorRegistry(auto_describe=True)
-INCIDENTS = Counter("kvgate_verifier_incidents_total", "Verifier incidents by detector and upstream",
-                    ["detector", "upstream"], registry=REGISTRY)
-CHECKS = Counter("kvgate_verifier_checks_total", "Responses checked by the verifier", ["upstream", "mode"],
-                 registry=REGISTRY)
-DROPPED = Counter("kvgate_verifier_dropped_total", "Verifier work dropped (queue full or store error)",
-                  ["reason"], registry=REGISTRY)
-QUARANTINES = Counter("kvgate_verifier_quarantines_total", "Upstreams quarantined after a confirmed leak",
-                      ["upstream"], registry=REGISTRY)
+INCIDENTS = Counter(
+    "kvgate_verifier_incidents_total",
+    "Verifier incidents by detector and upstream",
+    ["detector", "upstream"],
+    registry=REGISTRY,
+)
+CHECKS = Counter(
+    "kvgate_verifier_checks_total", "Responses checked by the verifier", ["upstream", "mode"], registry=REGISTRY
+)
+DROPPED = Counter(
+    "kvgate_verifier_dropped_total", "Verifier work dropped (queue full or store error)", ["reason"], registry=REGISTRY
+)
+QUARANTINES = Counter(
+    "kvgate_verifier_quarantines_total", "Upstreams quarantined after a confirmed leak", ["upstream"], registry=REGISTRY
+)
 
 _ALLOWED_EVIDENCE = (int, float, bool, type(None))
 

@@ -13,6 +13,7 @@ such prompt took the rejection path) is still held to the bound of shorter promp
 A prompt of at least ``min_prompt_tokens`` answered faster than its bound is an anomaly: its
 prefill most likely ran on a one-token placeholder and its answer came from someone else's KV.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,15 @@ class LatencyModel:
     prompts are recorded but never flagged. ``relative_accuracy``: DDSketch's.
     """
 
-    def __init__(self, *, quantile: float = 0.001, margin: float = 0.5, min_samples: int = 50,
-                 min_prompt_tokens: int = 512, relative_accuracy: float = 0.01) -> None:
+    def __init__(
+        self,
+        *,
+        quantile: float = 0.001,
+        margin: float = 0.5,
+        min_samples: int = 50,
+        min_prompt_tokens: int = 512,
+        relative_accuracy: float = 0.01,
+    ) -> None:
         self.quantile = quantile
         self.margin = margin
         self.min_samples = min_samples
@@ -87,15 +95,16 @@ class LatencyModel:
             s = self._sketches[key] = DDSketch(relative_accuracy=self.relative_accuracy)
         s.add(ttft_seconds)
 
-    def observe(self, upstream: str, prompt_tokens: int, ttft_seconds: float | None,
-                kind: str = "whole") -> LatencyVerdict:
+    def observe(
+        self, upstream: str, prompt_tokens: int, ttft_seconds: float | None, kind: str = "whole"
+    ) -> LatencyVerdict:
         """Judge one TTFT (``kind``: ``stream`` or ``whole``) and, when it is no anomaly, add it
         to calibration."""
         b = bucket_of(prompt_tokens)
         if ttft_seconds is None or ttft_seconds < 0:
             return LatencyVerdict(False, None, b)
         bound = self.bound(upstream, prompt_tokens, kind)
-        anomaly = (prompt_tokens >= self.min_prompt_tokens and bound is not None and ttft_seconds < bound)
+        anomaly = prompt_tokens >= self.min_prompt_tokens and bound is not None and ttft_seconds < bound
         if not anomaly:
             self.record(upstream, prompt_tokens, ttft_seconds, kind)
         return LatencyVerdict(anomaly, bound, b)

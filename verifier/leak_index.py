@@ -12,6 +12,7 @@ Stores: :class:`MemoryLeakStore` (one process) and :class:`RedisLeakStore` (shar
 replicas; one round trip per ingest or lookup). Both store only 64-bit keyed hashes
 and tenant ids, never text.
 """
+
 from __future__ import annotations
 
 import time
@@ -125,7 +126,7 @@ class RedisLeakStore:
             raise ValueError("'*' is not a tenant id")
         keys = [self._key(fp) for fp in fps]
         for i in range(0, len(keys), self.batch):
-            self._add(keys=keys[i:i + self.batch], args=[tenant, self.ttl_ms])
+            self._add(keys=keys[i : i + self.batch], args=[tenant, self.ttl_ms])
 
     def owners(self, fps: list[int]) -> list[set[str]]:
         """Owners per fingerprint: ``{tenant}``, an empty set, or (public) two placeholder
@@ -133,7 +134,7 @@ class RedisLeakStore:
         out: list[set[str]] = []
         keys = [self._key(fp) for fp in fps]
         for i in range(0, len(keys), self.batch):
-            for v in self.client.mget(keys[i:i + self.batch]):
+            for v in self.client.mget(keys[i : i + self.batch]):
                 if v is None:
                     out.append(set())
                 else:
@@ -206,8 +207,9 @@ class LeakIndex:
         life of one response, never stored): a response quoting its own prompt is never evidence."""
         return set(self.hasher.fast(encode(text)).tolist())
 
-    def check_ids(self, tenant: str, ids: list[int], own: set[int] | frozenset[int] = frozenset(),
-                  seen: set[int] | None = None) -> LeakVerdict:
+    def check_ids(
+        self, tenant: str, ids: list[int], own: set[int] | frozenset[int] = frozenset(), seen: set[int] | None = None
+    ) -> LeakVerdict:
         """Classify the shingles of response token ids (see :class:`LeakVerdict`). ``own``: the
         own prompt's :meth:`own_shingles`; ``seen``: shingles already checked for this response
         (updated in place, so a stream's repeats are not counted twice)."""

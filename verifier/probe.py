@@ -15,6 +15,7 @@ probe tenant (``--base-url http://gw:8080/v1 --api-key ...``) or straight at an 
 base URL. Exit status: 0 clean, 1 a canary surfaced, 2 could not tell (no limit, transport
 errors, or no step got a 2xx).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,17 @@ from verifier.shingles import encode
 
 EXIT_CLEAN, EXIT_LEAK, EXIT_UNKNOWN = 0, 1, 2
 
-_WORDS = ("river stone garden window market silver morning letter bridge paper orange yellow winter "
-          "summer forest coffee engine rocket planet castle doctor farmer island mirror pencil pocket "
-          "rabbit saddle shadow signal spring square summit table temple ticket timber tower travel "
-          "valley velvet violin wagon water weather wheel whistle wonder yard anchor basket blanket "
-          "bottle button candle canvas carpet cattle circle cotton copper cradle crystal dragon "
-          "feather fiddle finger flower garlic ginger hammer harbor helmet honey insect jacket jungle "
-          "kettle kitchen ladder lantern lemon lizard magnet marble meadow monkey needle noodle "
-          "orchard oyster palace parrot pepper pillow pirate puzzle quarter ribbon saddle sailor "
-          "salmon scarf shovel shelter sugar tiger tunnel turtle umbrella village walnut").split()
+_WORDS = (
+    "river stone garden window market silver morning letter bridge paper orange yellow winter "
+    "summer forest coffee engine rocket planet castle doctor farmer island mirror pencil pocket "
+    "rabbit saddle shadow signal spring square summit table temple ticket timber tower travel "
+    "valley velvet violin wagon water weather wheel whistle wonder yard anchor basket blanket "
+    "bottle button candle canvas carpet cattle circle cotton copper cradle crystal dragon "
+    "feather fiddle finger flower garlic ginger hammer harbor helmet honey insect jacket jungle "
+    "kettle kitchen ladder lantern lemon lizard magnet marble meadow monkey needle noodle "
+    "orchard oyster palace parrot pepper pillow pirate puzzle quarter ribbon saddle sailor "
+    "salmon scarf shovel shelter sugar tiger tunnel turtle umbrella village walnut"
+).split()
 
 
 def _one_token_words() -> list[str]:
@@ -164,18 +167,27 @@ async def live_limit(client: httpx.AsyncClient, target: ProbeTarget) -> int | No
     return min(limits) if limits else None
 
 
-async def run_probe(client: httpx.AsyncClient, target: ProbeTarget, *, max_tokens: int = 64,
-                    rng: random.Random | None = None,
-                    register: Callable[[list[str]], Any] | None = None) -> ProbeResult:
+async def run_probe(
+    client: httpx.AsyncClient,
+    target: ProbeTarget,
+    *,
+    max_tokens: int = 64,
+    rng: random.Random | None = None,
+    register: Callable[[list[str]], Any] | None = None,
+) -> ProbeResult:
     """Run the five steps against ``target`` (see module doc). ``register`` is called with the
     canaries before they are sent (the gateway's verifier records them as honeypot canaries)."""
     rng = rng or random.Random()
     limit = await live_limit(client, target)
     if limit is None:
         return ProbeResult("unknown", None, reason="live limit unknown (no --limit and no readable pool)")
-    plan: list[tuple[str, int, bool]] = [("plant@L/2", limit // 2, True), ("plant@L", limit, True),
-                                         ("fresh@L", limit, False), ("plant@L+1", limit + 1, True),
-                                         ("fresh@L+1", limit + 1, False)]
+    plan: list[tuple[str, int, bool]] = [
+        ("plant@L/2", limit // 2, True),
+        ("plant@L", limit, True),
+        ("fresh@L", limit, False),
+        ("plant@L+1", limit + 1, True),
+        ("fresh@L+1", limit + 1, False),
+    ]
     headers = {"content-type": "application/json"}
     if target.api_key:
         headers["authorization"] = f"Bearer {target.api_key}"
@@ -227,14 +239,28 @@ def targets_from_settings(settings) -> list[ProbeTarget]:
         limit = None
         if u.pool_source == "static" and u.static_pool_tokens and ctx:
             limit = effective_pool_limit(ctx, u.static_pool_tokens, None, settings.pool.headroom)
-        out.append(ProbeTarget(u.api_url, model, u.api_key.get_secret_value() if u.api_key else None, limit,
-                               list(u.pool_urls) if u.pool_source in ("sglang", "kvgate") else [], ctx,
-                               settings.pool.headroom, u.name))
+        out.append(
+            ProbeTarget(
+                u.api_url,
+                model,
+                u.api_key.get_secret_value() if u.api_key else None,
+                limit,
+                list(u.pool_urls) if u.pool_source in ("sglang", "kvgate") else [],
+                ctx,
+                settings.pool.headroom,
+                u.name,
+            )
+        )
     return out
 
 
-async def run_probe_targets(targets: list[ProbeTarget], *, max_tokens: int = 64, timeout_seconds: float = 120.0,
-                            register: Callable[[list[str]], Any] | None = None) -> list[tuple[ProbeTarget, ProbeResult]]:
+async def run_probe_targets(
+    targets: list[ProbeTarget],
+    *,
+    max_tokens: int = 64,
+    timeout_seconds: float = 120.0,
+    register: Callable[[list[str]], Any] | None = None,
+) -> list[tuple[ProbeTarget, ProbeResult]]:
     """Probe each target in turn."""
     out = []
     async with httpx.AsyncClient(timeout=timeout_seconds) as client:
@@ -245,14 +271,24 @@ async def run_probe_targets(targets: list[ProbeTarget], *, max_tokens: int = 64,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """CLI flags of ``kvgate probe``."""
-    parser.add_argument("--base-url", required=True,
-                        help="OpenAI base URL: the gateway's (http://host:8080/v1) or an engine's")
+    parser.add_argument(
+        "--base-url", required=True, help="OpenAI base URL: the gateway's (http://host:8080/v1) or an engine's"
+    )
     parser.add_argument("--api-key", default=None, help="the probe tenant's API key (through the gateway)")
     parser.add_argument("--model", default=None, help="model to ask for")
-    parser.add_argument("--limit", type=int, default=None,
-                        help="the live limit in tokens (prompt + completion); default: read --server-info-url")
-    parser.add_argument("--server-info-url", nargs="*", default=[], metavar="URL",
-                        help="prefill nodes' server info URLs to read the live limit from")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="the live limit in tokens (prompt + completion); default: read --server-info-url",
+    )
+    parser.add_argument(
+        "--server-info-url",
+        nargs="*",
+        default=[],
+        metavar="URL",
+        help="prefill nodes' server info URLs to read the live limit from",
+    )
     parser.add_argument("--context-length", type=int, default=None, help="context length (default: the engine's)")
     parser.add_argument("--headroom", type=float, default=1.25, help="pool headroom divisor (default 1.25)")
     parser.add_argument("--max-tokens", type=int, default=64, help="completion tokens per probe request (default 64)")
@@ -265,8 +301,15 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1 or (args.limit is not None and args.limit < 2):
         print("kvgate probe: --max-tokens must be >= 1 and --limit >= 2", file=sys.stderr)
         return EXIT_UNKNOWN
-    target = ProbeTarget(args.base_url, args.model, args.api_key, args.limit, list(args.server_info_url),
-                         args.context_length, args.headroom)
+    target = ProbeTarget(
+        args.base_url,
+        args.model,
+        args.api_key,
+        args.limit,
+        list(args.server_info_url),
+        args.context_length,
+        args.headroom,
+    )
 
     async def go() -> ProbeResult:
         async with httpx.AsyncClient(timeout=args.timeout) as client:
@@ -279,9 +322,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"probe of {args.base_url}: live limit {result.limit}")
         for s in result.steps:
             what = f"HTTP {s.status}" if s.status is not None else f"error: {s.error}"
-            print(f"  {s.label:<10} prompt={s.prompt_tokens} max_tokens={s.max_tokens} {what} "
-                  f"surfaced_canaries={s.surfaced}")
-        print({"clean": "probe: CLEAN (no canary surfaced)",
-               "leak": f"probe: LEAK ({result.surfaced} canaries surfaced in responses that did not plant them)",
-               "unknown": f"probe: UNKNOWN ({result.reason})"}[result.outcome])
+            print(
+                f"  {s.label:<10} prompt={s.prompt_tokens} max_tokens={s.max_tokens} {what} "
+                f"surfaced_canaries={s.surfaced}"
+            )
+        print(
+            {
+                "clean": "probe: CLEAN (no canary surfaced)",
+                "leak": f"probe: LEAK ({result.surfaced} canaries surfaced in responses that did not plant them)",
+                "unknown": f"probe: UNKNOWN ({result.reason})",
+            }[result.outcome]
+        )
     return result.exit_code

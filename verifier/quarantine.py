@@ -7,6 +7,7 @@ upstream name, value = JSON record) when ``redis_url`` is configured, else in
 ``<state_dir>/quarantine.json``, so the CLI can clear it for running gateways. Gateways re-read
 it at most every ``refresh_seconds``.
 """
+
 from __future__ import annotations
 
 import json

@@ -18,6 +18,7 @@
   (:mod:`verifier.latency`). Findings become incidents (:mod:`verifier.incidents`); a confirmed
   leak quarantines the upstream (:mod:`verifier.quarantine`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -85,10 +86,18 @@ class VerifierService:
       :class:`verifier.probe.ProbeTarget`; default: every upstream, straight at the engine.
     """
 
-    def __init__(self, settings: Settings, tenants: Iterable[TenantConfig] = (), *,
-                 secrets: dict[str, bytes] | None = None, redis_client=None, key_prefix: str = "kvgate:",
-                 rng: random.Random | None = None, incident_path: str | None = None,
-                 probe_targets: list | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        tenants: Iterable[TenantConfig] = (),
+        *,
+        secrets: dict[str, bytes] | None = None,
+        redis_client=None,
+        key_prefix: str = "kvgate:",
+        rng: random.Random | None = None,
+        incident_path: str | None = None,
+        probe_targets: list | None = None,
+    ) -> None:
         self.settings = settings
         self.cfg = cfg = settings.verifier
         self.tenants = {t.id: t for t in tenants}
@@ -103,8 +112,9 @@ class VerifierService:
             from redis.retry import Retry
 
             # strict checks call the store on the request path: short timeouts, no retries
-            redis_client = redis.Redis.from_url(settings.redis_url, socket_timeout=0.25,
-                                                socket_connect_timeout=0.25, retry=Retry(NoBackoff(), 0))
+            redis_client = redis.Redis.from_url(
+                settings.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25, retry=Retry(NoBackoff(), 0)
+            )
         self.redis = redis_client
         if redis_client is not None:
             leak_store = RedisLeakStore(redis_client, cfg.leak_index_ttl_seconds, key_prefix + "leak:")
@@ -118,9 +128,12 @@ class VerifierService:
         self.index = LeakIndex(leak_store, self.hasher, cfg.winnow_w)
         self.canaries = CanaryRegistry(canary_store, key)
         self.quarantine = Quarantine(qbackend)
-        self.latency = LatencyModel(quantile=cfg.latency_quantile, margin=cfg.latency_margin,
-                                    min_samples=cfg.latency_min_samples,
-                                    min_prompt_tokens=cfg.latency_min_prompt_tokens)
+        self.latency = LatencyModel(
+            quantile=cfg.latency_quantile,
+            margin=cfg.latency_margin,
+            min_samples=cfg.latency_min_samples,
+            min_prompt_tokens=cfg.latency_min_prompt_tokens,
+        )
         path = incident_path or cfg.incident_log or str(Path(settings.state_dir) / "incidents.jsonl")
         self.incidents = IncidentSink(path)
         self.rng = rng or random.Random()
@@ -151,8 +164,7 @@ class VerifierService:
         self._worker = loop.create_task(self._work(), name="kvgate-verifier")
         self.quarantine.refresh()  # once at start-up; from now on only the refresher reads the store
         self.quarantine.inline_refresh = False
-        self._quarantine_refresher = loop.create_task(self.quarantine.refresh_loop(),
-                                                      name="kvgate-verifier-quarantine")
+        self._quarantine_refresher = loop.create_task(self.quarantine.refresh_loop(), name="kvgate-verifier-quarantine")
         if self.cfg.probe_interval_seconds:
             self._prober = loop.create_task(self._probe_loop(), name="kvgate-verifier-probe")
 
@@ -199,7 +211,8 @@ class VerifierService:
         loop = asyncio.get_running_loop()
         if self._strict_pool is None:
             self._strict_pool = concurrent.futures.ThreadPoolExecutor(
-                self.STRICT_THREADS, thread_name_prefix="kvgate-verifier-strict")
+                self.STRICT_THREADS, thread_name_prefix="kvgate-verifier-strict"
+            )
         ctx = contextvars.copy_context()
         return await loop.run_in_executor(self._strict_pool, functools.partial(ctx.run, fn, *args, **kwargs))
 
@@ -214,8 +227,9 @@ class VerifierService:
             pass
         tenant = exchange.tenant
         self.tenants[tenant.id] = tenant  # honeypot flags come with the exchanges
-        sampled = tenant.strict_verify or (tenant.verify_sample_rate > 0
-                                           and self.rng.random() < tenant.verify_sample_rate)
+        sampled = tenant.strict_verify or (
+            tenant.verify_sample_rate > 0 and self.rng.random() < tenant.verify_sample_rate
+        )
         self._enqueue(_Ingest(tenant.id, exchange.prompt_text, exchange.request_id, sampled))
         if tenant.strict_verify:
             return _StrictGuard(self, exchange)
@@ -319,9 +333,13 @@ class VerifierService:
             return []
         sources = sorted({o for m in foreign for o in m.owners})
         honeypot = any(self.tenants.get(s) is not None and self.tenants[s].honeypot for s in sources)
-        ev = {"canaries": len(foreign) + len(unknown), "known_origin": len(foreign),
-              "source_tenants": sources[:8], "honeypot": honeypot,
-              "canary_hashes": [m.fingerprint for m in (foreign + unknown)[:8]]}
+        ev = {
+            "canaries": len(foreign) + len(unknown),
+            "known_origin": len(foreign),
+            "source_tenants": sources[:8],
+            "honeypot": honeypot,
+            "canary_hashes": [m.fingerprint for m in (foreign + unknown)[:8]],
+        }
         return [self._incident("canary", exchange, ev, confirmed=bool(foreign))]
 
     #: seconds the store is skipped after an error
@@ -333,8 +351,9 @@ class VerifierService:
         DROPPED.labels("store_error").inc()
         self.stats["store_errors"] += 1
         self._store_down_until = time.monotonic() + self.STORE_BACKOFF_SECONDS
-        log.warning("verifier: leak-index store error, checks skip the store for %.0f s: %s",
-                    self.STORE_BACKOFF_SECONDS, e)
+        log.warning(
+            "verifier: leak-index store error, checks skip the store for %.0f s: %s", self.STORE_BACKOFF_SECONDS, e
+        )
 
     def _store_up(self) -> bool:
         if time.monotonic() < self._store_down_until:
@@ -346,11 +365,15 @@ class VerifierService:
     def _leak_finding(self, exchange: Exchange, verdict: LeakVerdict) -> Incident | None:
         if verdict.foreign < self.cfg.leak_min_shingles:
             return None
-        ev = {"shingles_checked": verdict.checked, "shingles_own": verdict.own,
-              "shingles_public": verdict.public, "shingles_foreign": verdict.foreign,
-              "source_tenant": verdict.source_tenant, "evidence_hashes": verdict.evidence_hashes}
-        return self._incident("leak_index", exchange, ev,
-                              confirmed=verdict.foreign >= self.cfg.leak_confirm_shingles)
+        ev = {
+            "shingles_checked": verdict.checked,
+            "shingles_own": verdict.own,
+            "shingles_public": verdict.public,
+            "shingles_foreign": verdict.foreign,
+            "source_tenant": verdict.source_tenant,
+            "evidence_hashes": verdict.evidence_hashes,
+        }
+        return self._incident("leak_index", exchange, ev, confirmed=verdict.foreign >= self.cfg.leak_confirm_shingles)
 
     def _incident(self, detector: str, exchange: Exchange, evidence: dict, confirmed: bool = False) -> Incident:
         ev = {"request_id": exchange.request_id, "prompt_tokens": exchange.prompt_tokens, **evidence}
@@ -365,12 +388,21 @@ class VerifierService:
         f = check_finish(finish_reason)
         if f:
             out.append(self._incident(f.detector, exchange, f.evidence))
-        lv = self.latency.observe(exchange.upstream, exchange.prompt_tokens, ttft_seconds,
-                                  "stream" if exchange.stream else "whole")
+        lv = self.latency.observe(
+            exchange.upstream, exchange.prompt_tokens, ttft_seconds, "stream" if exchange.stream else "whole"
+        )
         if lv.anomaly:
-            out.append(self._incident("latency", exchange, {
-                "ttft_ms": round(ttft_seconds * 1000, 3), "bound_ms": round(lv.bound_seconds * 1000, 3),
-                "length_bucket": lv.bucket}))
+            out.append(
+                self._incident(
+                    "latency",
+                    exchange,
+                    {
+                        "ttft_ms": round(ttft_seconds * 1000, 3),
+                        "bound_ms": round(lv.bound_seconds * 1000, 3),
+                        "length_bucket": lv.bucket,
+                    },
+                )
+            )
         return out
 
     def _record(self, incidents: list[Incident], withheld: bool = False) -> None:
@@ -390,8 +422,12 @@ class VerifierService:
             log.error("verifier: could not store quarantine of %s: %s", inc.upstream, e)
             return
         QUARANTINES.labels(inc.upstream).inc()
-        log.error("verifier: upstream %s quarantined for prompts above %d tokens (incident %s)",
-                  inc.upstream, self.cfg.quarantine_min_prompt_tokens, inc.id)
+        log.error(
+            "verifier: upstream %s quarantined for prompts above %d tokens (incident %s)",
+            inc.upstream,
+            self.cfg.quarantine_min_prompt_tokens,
+            inc.id,
+        )
 
     def _check_whole(self, job: _Check) -> list[Incident]:
         """Run every detector on a whole response (background or strict non-streamed). Returns
@@ -435,9 +471,15 @@ class VerifierService:
             return None
         from verifier.latency import bucket_of
 
-        return self._incident("latency", exchange, {"ttft_ms": round(ttft_seconds * 1000, 3),
-                                                    "bound_ms": round(bound * 1000, 3),
-                                                    "length_bucket": bucket_of(exchange.prompt_tokens)})
+        return self._incident(
+            "latency",
+            exchange,
+            {
+                "ttft_ms": round(ttft_seconds * 1000, 3),
+                "bound_ms": round(bound * 1000, 3),
+                "length_bucket": bucket_of(exchange.prompt_tokens),
+            },
+        )
 
     # used by the strict guard, in the strict thread pool (these block: lock, store, hashing)
     def strict_check_body(self, job: _Check) -> list[Incident]:
@@ -490,11 +532,23 @@ class VerifierService:
             for target, result in results:
                 self.stats["probes"] += 1
                 if result.outcome == "leak":
-                    ex = Exchange(f"probe-{int(time.time())}", TenantConfig(id=tenant_id, honeypot=True),
-                                  target.upstream, target.model, "/v1/completions", "", result.limit or 0,
-                                  False, time.monotonic())
-                    inc = self._incident("probe", ex, {"surfaced_canaries": result.surfaced,
-                                                        "limit_tokens": result.limit or 0}, confirmed=True)
+                    ex = Exchange(
+                        f"probe-{int(time.time())}",
+                        TenantConfig(id=tenant_id, honeypot=True),
+                        target.upstream,
+                        target.model,
+                        "/v1/completions",
+                        "",
+                        result.limit or 0,
+                        False,
+                        time.monotonic(),
+                    )
+                    inc = self._incident(
+                        "probe",
+                        ex,
+                        {"surfaced_canaries": result.surfaced, "limit_tokens": result.limit or 0},
+                        confirmed=True,
+                    )
                     self._record([inc])
 
     def _register_probe(self, tenant_id: str, canaries: list[str]) -> None:
@@ -518,13 +572,15 @@ class _BackgroundGuard:
             self._chars += len(delta_text)
         return [raw_event]
 
-    async def finish_stream(self, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                            ttft_seconds: float | None) -> list[bytes]:
+    async def finish_stream(
+        self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+    ) -> list[bytes]:
         self.service._enqueue(_Check(self.exchange, "".join(self._parts), usage, finish_reason, ttft_seconds))
         return []
 
-    async def check_body(self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                         ttft_seconds: float | None) -> None:
+    async def check_body(
+        self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+    ) -> None:
         self.service._enqueue(_Check(self.exchange, text[:MAX_CHECK_CHARS], usage, finish_reason, ttft_seconds))
 
 
@@ -595,14 +651,16 @@ class _StrictGuard:
                 self._withhold(found)
         return self._release()
 
-    async def finish_stream(self, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                            ttft_seconds: float | None) -> list[bytes]:
+    async def finish_stream(
+        self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+    ) -> list[bytes]:
         if self._cut is not None:
             raise self._cut
         return await self.service.run_strict(self._finish_stream, usage, finish_reason, ttft_seconds)
 
-    def _finish_stream(self, usage: dict[str, Any] | None, finish_reason: str | None,
-                       ttft_seconds: float | None) -> list[bytes]:
+    def _finish_stream(
+        self, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+    ) -> list[bytes]:
         """:meth:`finish_stream`'s blocking part (strict pool thread)."""
         svc = self.service
         found = svc.strict_check_piece(self, [], self._shingler.flush())
@@ -618,11 +676,13 @@ class _StrictGuard:
         self._held_tokens = 0
         return out
 
-    async def check_body(self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                         ttft_seconds: float | None) -> None:
-        found = await self.service.run_strict(self.service.strict_check_body,
-                                              _Check(self.exchange, text[:MAX_CHECK_CHARS], usage,
-                                                     finish_reason, ttft_seconds))
+    async def check_body(
+        self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+    ) -> None:
+        found = await self.service.run_strict(
+            self.service.strict_check_body,
+            _Check(self.exchange, text[:MAX_CHECK_CHARS], usage, finish_reason, ttft_seconds),
+        )
         if found:
             self.service.stats["withheld"] += 1
             raise ResponseWithheld(found[0].id, found[0].detector)

@@ -16,6 +16,7 @@ with its own prompt's by (in memory only). It is never stored.
 
 Nothing here keeps text; callers get integers.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -90,7 +91,7 @@ class ShingleHasher:
         out = []
         for i in positions:
             h = base.copy()
-            h.update(raw[4 * i: 4 * (i + k)])
+            h.update(raw[4 * i : 4 * (i + k)])
             out.append(int.from_bytes(h.digest(), "little"))
         return out
 
@@ -103,7 +104,7 @@ class ShingleHasher:
         a = np.asarray(ids, dtype=np.uint64)
         h = np.zeros(n, dtype=np.uint64)
         for j in range(self.k):
-            h = h * self._poly + a[j:j + n]
+            h = h * self._poly + a[j : j + n]
         h ^= self._xor
         h ^= h >> _S33
         h *= _M1
@@ -208,7 +209,7 @@ class IncrementalShingler:
         ids = encode(text)
         self.tokens_seen += len(ids)
         seq = self._carry + ids
-        self._carry = seq[-(self.hasher.k - 1):] if self.hasher.k > 1 else []
+        self._carry = seq[-(self.hasher.k - 1) :] if self.hasher.k > 1 else []
         return seq if len(seq) >= self.hasher.k else []
 
     def push(self, piece: str) -> list[int]:

@@ -2,6 +2,7 @@
 
 It lives here, not in the gateway, because dependencies point ``gateway -> verifier``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,15 +56,17 @@ class ResponseGuard(Protocol):
         detected text must not leave; every later call raises it again."""
         ...
 
-    async def finish_stream(self, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                            ttft_seconds: float | None) -> list[bytes]:
+    async def finish_stream(
+        self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+    ) -> list[bytes]:
         """End of stream: runs the final checks and returns the held-back events, in order.
         ``usage``: the engine's usage object, if sent; ``ttft_seconds``: seconds from forwarding
         to the first text. Raises :class:`ResponseWithheld`."""
         ...
 
-    async def check_body(self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None,
-                         ttft_seconds: float | None) -> None:
+    async def check_body(
+        self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+    ) -> None:
         """A whole non-streamed response's text. Strict: checked before this returns, raises
         :class:`ResponseWithheld`; otherwise queued for the background checker."""
         ...
@@ -81,8 +84,7 @@ class VerifierStage(Protocol):
         """Whether ``upstream`` must not receive a prompt of this length (confirmed leak)."""
         ...
 
-    async def aclose(self) -> None:
-        ...
+    async def aclose(self) -> None: ...
 
 
 class NullVerifier:

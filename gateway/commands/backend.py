@@ -1,5 +1,6 @@
 """``kvgate backend ...``: hands its arguments to ``python -m gpu_backend`` in a process of its own
 (torch never loads in the gateway's process)."""
+
 from __future__ import annotations
 
 import os

@@ -18,6 +18,7 @@ and prints a table: request, prompt tokens, effective limit, status, latency, re
 0 when every answer is the expected one, 1 otherwise (or when the stack fails). Without
 ``--once`` the stack then keeps serving until Ctrl-C.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,8 +88,8 @@ def build_cases(limit: int, pool_tokens: int, max_tokens: int) -> list[Case]:
         raise ValueError(f"the effective limit ({limit}) leaves no room for a prompt beside max_tokens={max_tokens}")
     counter = bundled_counter()
     text = prose()
-    moby = text[text.index("Call me Ishmael"):]
-    poems = text[text.index("Litwo!"):]
+    moby = text[text.index("Call me Ishmael") :]
+    poems = text[text.index("Litwo!") :]
     code = project_source()
     log = generated_log(max(400, pool_tokens // 20))
     at_limit = limit - max_tokens
@@ -103,22 +104,49 @@ def build_cases(limit: int, pool_tokens: int, max_tokens: int) -> list[Case]:
         for size, target, status, code_expected in sizes:
             # chat: prose and kvgate's source; completion: kvgate's source and a generated log
             if size == "short":
-                messages = [{"role": "system", "content": "You are a concise assistant."},
-                            {"role": "user", "content": "Summarise in one sentence:\n\n"
-                             + (poems if stream else moby.split("\n\n")[0])}]
-                prompt = ("Continue this passage:\n\n" + (poems if stream else moby.split("\n\n")[1]))
+                messages = [
+                    {"role": "system", "content": "You are a concise assistant."},
+                    {
+                        "role": "user",
+                        "content": "Summarise in one sentence:\n\n" + (poems if stream else moby.split("\n\n")[0]),
+                    },
+                ]
+                prompt = "Continue this passage:\n\n" + (poems if stream else moby.split("\n\n")[1])
                 chat_tokens, prompt_tokens = counter.count_chat(messages), counter.count_text(prompt)
             else:
-                source_chat = (moby + "\n\n" + code) if size != "> prefill pool" else code[len(code) // 3:]
-                messages = fit_chat(source_chat, target, counter, system="You review Python code.",
-                                    instruction="Explain what this text and code do:\n\n")
-                source_completion = (code if size != "> prefill pool" else log)
+                source_chat = (moby + "\n\n" + code) if size != "> prefill pool" else code[len(code) // 3 :]
+                messages = fit_chat(
+                    source_chat,
+                    target,
+                    counter,
+                    system="You review Python code.",
+                    instruction="Explain what this text and code do:\n\n",
+                )
+                source_completion = code if size != "> prefill pool" else log
                 prompt = fit_prompt(source_completion, target, counter)
                 chat_tokens = prompt_tokens = target
-            cases.append(Case("chat", size, stream, {"messages": messages, "max_tokens": max_tokens,
-                                                     "temperature": 0}, chat_tokens, status, code_expected))
-            cases.append(Case("completion", size, stream, {"prompt": prompt, "max_tokens": max_tokens,
-                                                           "temperature": 0}, prompt_tokens, status, code_expected))
+            cases.append(
+                Case(
+                    "chat",
+                    size,
+                    stream,
+                    {"messages": messages, "max_tokens": max_tokens, "temperature": 0},
+                    chat_tokens,
+                    status,
+                    code_expected,
+                )
+            )
+            cases.append(
+                Case(
+                    "completion",
+                    size,
+                    stream,
+                    {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                    prompt_tokens,
+                    status,
+                    code_expected,
+                )
+            )
     cases.sort(key=lambda c: (c.route != "chat", c.stream))
     return cases
 
@@ -142,14 +170,24 @@ def send(client: httpx.Client, base_url: str, key: str, model: str, case: Case) 
             err = {}
         res.code, res.message = err.get("code"), err.get("message") or raw[:200].decode("utf-8", "replace")
         return res
-    chunks = [orjson.loads(raw)] if not case.stream else [
-        orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    chunks = (
+        [orjson.loads(raw)]
+        if not case.stream
+        else [
+            orjson.loads(line[6:])
+            for line in raw.split(b"\n")
+            if line.startswith(b"data: ") and line != b"data: [DONE]"
+        ]
+    )
     for chunk in chunks:
         if chunk.get("usage"):
             res.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
-            piece = (choice.get("message") or choice.get("delta") or {}).get("content") if case.route == "chat" \
+            piece = (
+                (choice.get("message") or choice.get("delta") or {}).get("content")
+                if case.route == "chat"
                 else choice.get("text")
+            )
             res.text += piece or ""
             res.finish_reason = choice.get("finish_reason") or res.finish_reason
     return res
@@ -165,16 +203,26 @@ def table(results: list[Result], limit: int) -> str:
             result = f"{r.finish_reason}, {used} completion tokens: {r.text[:28]!r}"
         else:
             result = f"{r.code}" if r.code else (r.message or "")[:60]
-        mark = "" if r.ok else "   <-- expected " + (
-            f"{r.case.expect_status} {r.case.expect_code or ''}".strip() if r.status != r.case.expect_status
-            or r.code != r.case.expect_code else f"usage.prompt_tokens {r.case.prompt_tokens}")
-        lines.append(f"{r.case.label:<34} {r.case.prompt_tokens:>13} {limit:>6} {r.status:>6} "
-                     f"{r.latency_ms:>10.1f}  {result}{mark}")
+        mark = (
+            ""
+            if r.ok
+            else "   <-- expected "
+            + (
+                f"{r.case.expect_status} {r.case.expect_code or ''}".strip()
+                if r.status != r.case.expect_status or r.code != r.case.expect_code
+                else f"usage.prompt_tokens {r.case.prompt_tokens}"
+            )
+        )
+        lines.append(
+            f"{r.case.label:<34} {r.case.prompt_tokens:>13} {limit:>6} {r.status:>6} "
+            f"{r.latency_ms:>10.1f}  {result}{mark}"
+        )
     return "\n".join(lines)
 
 
-def run_demo(stack: EmbeddedStack, *, key: str = DEMO_KEYS["demo-a"], max_tokens: int = 16,
-             out: Callable[[str], None] = print) -> list[Result]:
+def run_demo(
+    stack: EmbeddedStack, *, key: str = DEMO_KEYS["demo-a"], max_tokens: int = 16, out: Callable[[str], None] = print
+) -> list[Result]:
     """Send the demo's requests through a running stack and print the table with ``out``.
     Returns the results (tests check them). Raises ``httpx.HTTPError`` when the gateway is
     unreachable and ``StackError`` when it reports no limit."""
@@ -182,10 +230,14 @@ def run_demo(stack: EmbeddedStack, *, key: str = DEMO_KEYS["demo-a"], max_tokens
     if limit is None:
         raise StackError(f"the gateway's /v1/models does not list {stack.model} with a max_model_len")
     pool = int(stack.server_info["max_total_num_tokens"])
-    out(f"effective limit for this tenant: {limit} tokens (gateway /v1/models max_model_len); "
-        f"prefill pool: {pool} tokens (backend /server_info max_total_num_tokens); max_tokens={max_tokens}")
-    out(f"model {stack.model} ({stack.server_info.get('model_path', 'bundled backend')}): with random weights "
-        "its text is noise; what matters is which requests reach it.\n")
+    out(
+        f"effective limit for this tenant: {limit} tokens (gateway /v1/models max_model_len); "
+        f"prefill pool: {pool} tokens (backend /server_info max_total_num_tokens); max_tokens={max_tokens}"
+    )
+    out(
+        f"model {stack.model} ({stack.server_info.get('model_path', 'bundled backend')}): with random weights "
+        "its text is noise; what matters is which requests reach it.\n"
+    )
     results = []
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0), trust_env=False) as client:
         for case in build_cases(limit, pool, max_tokens):
@@ -193,8 +245,10 @@ def run_demo(stack: EmbeddedStack, *, key: str = DEMO_KEYS["demo-a"], max_tokens
     out(table(results, limit))
     over = next((r for r in results if r.case.size == "limit + 1" and r.message), None)
     if over is not None:
-        out(f"\nthe gateway's answer to one token over the limit ({over.case.label.split()[0]}):\n  "
-            f"{over.status} {over.code}: {over.message}")
+        out(
+            f"\nthe gateway's answer to one token over the limit ({over.case.label.split()[0]}):\n  "
+            f"{over.status} {over.code}: {over.message}"
+        )
     return results
 
 
@@ -214,12 +268,18 @@ def run(args: argparse.Namespace) -> int:
             results = run_demo(stack, max_tokens=args.max_tokens)
             bad = [r for r in results if not r.ok]
             if bad:
-                print(f"\nkvgate demo: FAILED: {len(bad)} of {len(results)} requests did not get the expected "
-                      "answer (marked above).", flush=True)
+                print(
+                    f"\nkvgate demo: FAILED: {len(bad)} of {len(results)} requests did not get the expected "
+                    "answer (marked above).",
+                    flush=True,
+                )
             else:
-                print(f"\nkvgate demo: OK: all {len(results)} requests got the expected answer: prompts up to the "
-                      "limit were served, and one token over it or larger than the prefill pool got an explicit "
-                      "400 context_length_exceeded at the edge.", flush=True)
+                print(
+                    f"\nkvgate demo: OK: all {len(results)} requests got the expected answer: prompts up to the "
+                    "limit were served, and one token over it or larger than the prefill pool got an explicit "
+                    "400 context_length_exceeded at the edge.",
+                    flush=True,
+                )
             if args.once:
                 return 1 if bad else 0
             print(banner(stack, effective_limit(stack, DEMO_KEYS["demo-a"])), flush=True)

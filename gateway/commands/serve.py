@@ -3,6 +3,7 @@
 Refuses to start while ``tenants.yaml`` accepts one of the documented demo keys (``sk-demo-a``,
 ``sk-demo-b``) unless started with ``--demo`` (DESIGN.md, Contracts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,9 @@ DEMO_KEYS = ("sk-demo-a", "sk-demo-b")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="kvgate.yaml (default: KVGATE_CONFIG or the embedded stack's)")
-    parser.add_argument("--tenants", default=None, help="tenants.yaml (default: KVGATE_TENANTS or the embedded stack's)")
+    parser.add_argument(
+        "--tenants", default=None, help="tenants.yaml (default: KVGATE_TENANTS or the embedded stack's)"
+    )
     parser.add_argument("--host", default=None, help="bind address (default: gateway.host)")
     parser.add_argument("--port", type=int, default=None, help="port (default: gateway.port, 8080)")
     parser.add_argument("--demo", action="store_true", help="allow the documented demo keys sk-demo-a/sk-demo-b")
@@ -59,9 +62,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     demo = demo_tenants(registry)
     if demo and not args.demo:
-        print(f"kvgate serve: tenant(s) {', '.join(demo)} accept a documented demo key (sk-demo-a/sk-demo-b); "
-              "anyone could use them. Rotate the keys (kvgate tenant ...) or start with --demo for a "
-              "local demo.", file=sys.stderr)
+        print(
+            f"kvgate serve: tenant(s) {', '.join(demo)} accept a documented demo key (sk-demo-a/sk-demo-b); "
+            "anyone could use them. Rotate the keys (kvgate tenant ...) or start with --demo for a "
+            "local demo.",
+            file=sys.stderr,
+        )
         return 2
     setup_logging(args.log_level or settings.gateway.log_level)
     secrets = load_secrets(settings.state_dir)
@@ -76,5 +82,10 @@ def run(args: argparse.Namespace) -> int:
     watcher.install_sighup()
     host = args.host or settings.gateway.host
     port = args.port if args.port is not None else settings.gateway.port
-    return run_server(app, host, port, drain_timeout_seconds=settings.gateway.drain_timeout_seconds,
-                      log_level=args.log_level or settings.gateway.log_level)
+    return run_server(
+        app,
+        host,
+        port,
+        drain_timeout_seconds=settings.gateway.drain_timeout_seconds,
+        log_level=args.log_level or settings.gateway.log_level,
+    )

@@ -12,6 +12,7 @@ action is one such function plus one line in :data:`ACTIONS`. Helpers shared by 
 
 A running gateway reads the file at start and on reload; an edit changes nothing until then.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,7 @@ from config.models import TenantConfig, TenantsFile
 #: Prefix of generated keys (``sk-kvg-`` + 43 url-safe base64 characters = 256 random bits).
 KEY_PREFIX = "sk-kvg-"
 
-_NEW_FILE_HEADER = ("# kvgate tenants. Keys are stored only as SHA-256 hashes; "
-                    "`kvgate tenant ...` edits this file.\n")
+_NEW_FILE_HEADER = "# kvgate tenants. Keys are stored only as SHA-256 hashes; `kvgate tenant ...` edits this file.\n"
 
 
 class TenantFileError(Exception):
@@ -66,8 +66,7 @@ def _yaml() -> YAML:
     y.indent(mapping=2, sequence=4, offset=2)
     y.width = 4096  # never fold a 64-digit hash onto a second line
     y.preserve_quotes = True
-    y.representer.add_representer(
-        type(None), lambda r, _d: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    y.representer.add_representer(type(None), lambda r, _d: r.represent_scalar("tag:yaml.org,2002:null", "null"))
     return y
 
 
@@ -165,8 +164,13 @@ def find_tenant(seq: CommentedSeq, tenant_id: str) -> CommentedMap | None:
 
 def tenants_option(parser: argparse.ArgumentParser) -> None:
     """Add ``--tenants PATH`` (default :func:`default_tenants_path`) to an action's parser."""
-    parser.add_argument("--tenants", type=Path, default=None, metavar="PATH",
-                        help="tenants file to edit (default: $KVGATE_TENANTS or config/tenants.yaml)")
+    parser.add_argument(
+        "--tenants",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="tenants file to edit (default: $KVGATE_TENANTS or config/tenants.yaml)",
+    )
 
 
 def limit_options(parser: argparse.ArgumentParser) -> None:
@@ -180,8 +184,13 @@ def limit_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context-tokens", type=int, help="prompt + completion tokens per request")
     g.add_argument("--max-tokens-cap", type=int, help="largest max_tokens a request may ask for")
     g.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none")
-    g.add_argument("--model", dest="models", action="append", metavar="MODEL",
-                   help="a model the tenant may use (repeat for several)")
+    g.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        metavar="MODEL",
+        help="a model the tenant may use (repeat for several)",
+    )
 
 
 def limits_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -214,27 +223,33 @@ def _cmd_add(args: argparse.Namespace) -> int:
     try:
         with edit_tenants(path) as seq:
             if find_tenant(seq, args.name) is not None:
-                raise TenantFileError(f"{path}: tenant '{args.name}' already exists "
-                                      "(to give it another key: kvgate tenant add-key)")
+                raise TenantFileError(
+                    f"{path}: tenant '{args.name}' already exists (to give it another key: kvgate tenant add-key)"
+                )
             entry = CommentedMap(id=args.name, api_key_sha256=_flow([key_sha256(key)]))
             entry.update(limits_from_args(args))
             seq.append(entry)
     except TenantFileError as e:
         print(f"kvgate tenant add: {e}", file=sys.stderr)
         return 1
-    print(f"kvgate: tenant '{args.name}' added to {path}. Its API key is printed below, once: "
-          "only its SHA-256 is stored. A running gateway picks it up when it re-reads the file (it watches "
-          "it; SIGHUP reloads at once).",
-          file=sys.stderr)
+    print(
+        f"kvgate: tenant '{args.name}' added to {path}. Its API key is printed below, once: "
+        "only its SHA-256 is stored. A running gateway picks it up when it re-reads the file (it watches "
+        "it; SIGHUP reloads at once).",
+        file=sys.stderr,
+    )
     print(key)
     sys.stdout.flush()
     return 0
 
 
 def _register_add(sub: Any) -> None:
-    p = sub.add_parser("add", help="add a tenant and print its new API key (once)",
-                       description="Add tenant NAME with a new API key. The key goes to stdout (once; "
-                                   "messages go to stderr), only its SHA-256 to the tenants file.")
+    p = sub.add_parser(
+        "add",
+        help="add a tenant and print its new API key (once)",
+        description="Add tenant NAME with a new API key. The key goes to stdout (once; "
+        "messages go to stderr), only its SHA-256 to the tenants file.",
+    )
     p.add_argument("name", metavar="NAME", help="tenant id: 1-64 letters, digits, '.', '_' or '-'")
     tenants_option(p)
     limit_options(p)
@@ -267,22 +282,34 @@ def _cmd_set(args: argparse.Namespace) -> int:
     except TenantFileError as e:
         print(f"kvgate tenant set: {e}", file=sys.stderr)
         return 1
-    shown = ", ".join(f"{k}={'null' if v is None else (list(v) if isinstance(v, list) else v)}"
-                      for k, v in changes.items())
-    print(f"kvgate: tenant '{args.name}' in {path}: {shown}. A running gateway applies it when it "
-          "reloads the file (on change, or SIGHUP).", file=sys.stderr)
+    shown = ", ".join(
+        f"{k}={'null' if v is None else (list(v) if isinstance(v, list) else v)}" for k, v in changes.items()
+    )
+    print(
+        f"kvgate: tenant '{args.name}' in {path}: {shown}. A running gateway applies it when it "
+        "reloads the file (on change, or SIGHUP).",
+        file=sys.stderr,
+    )
     return 0
 
 
 def _register_set(sub: Any) -> None:
-    p = sub.add_parser("set", help="change a tenant's limits (rpm, tpm, concurrency, models, ...)",
-                       description="Change limits of tenant NAME; fields not given stay as they are. "
-                                   "A running gateway applies the change when it reloads the file.")
+    p = sub.add_parser(
+        "set",
+        help="change a tenant's limits (rpm, tpm, concurrency, models, ...)",
+        description="Change limits of tenant NAME; fields not given stay as they are. "
+        "A running gateway applies the change when it reloads the file.",
+    )
     p.add_argument("name", metavar="NAME", help="the tenant's id")
     tenants_option(p)
     limit_options(p)
-    p.add_argument("--clear", action="append", choices=CLEARABLE, metavar="FIELD",
-                   help=f"set FIELD to null (no limit); one of {', '.join(CLEARABLE)}; repeatable")
+    p.add_argument(
+        "--clear",
+        action="append",
+        choices=CLEARABLE,
+        metavar="FIELD",
+        help=f"set FIELD to null (no limit); one of {', '.join(CLEARABLE)}; repeatable",
+    )
     p.set_defaults(handler=_cmd_set)
 
 
@@ -303,18 +330,24 @@ def _cmd_add_key(args: argparse.Namespace) -> int:
     except TenantFileError as e:
         print(f"kvgate tenant add-key: {e}", file=sys.stderr)
         return 1
-    print(f"kvgate: tenant '{args.name}' has a new API key (its SHA-256 begins {digest[:12]}; revoke "
-          f"it with: kvgate tenant revoke-key {args.name} {digest[:12]}). The key is printed below, "
-          "once: only its SHA-256 is stored. Its other keys keep working until revoked.", file=sys.stderr)
+    print(
+        f"kvgate: tenant '{args.name}' has a new API key (its SHA-256 begins {digest[:12]}; revoke "
+        f"it with: kvgate tenant revoke-key {args.name} {digest[:12]}). The key is printed below, "
+        "once: only its SHA-256 is stored. Its other keys keep working until revoked.",
+        file=sys.stderr,
+    )
     print(key)
     sys.stdout.flush()
     return 0
 
 
 def _register_add_key(sub: Any) -> None:
-    p = sub.add_parser("add-key", help="give a tenant another API key and print it (once)",
-                       description="Add a new API key to tenant NAME (keys rotate: a tenant may hold "
-                                   "several). The key goes to stdout once; only its SHA-256 is stored.")
+    p = sub.add_parser(
+        "add-key",
+        help="give a tenant another API key and print it (once)",
+        description="Add a new API key to tenant NAME (keys rotate: a tenant may hold "
+        "several). The key goes to stdout once; only its SHA-256 is stored.",
+    )
     p.add_argument("name", metavar="NAME", help="the tenant's id")
     tenants_option(p)
     p.set_defaults(handler=_cmd_add_key)
@@ -336,32 +369,40 @@ def _cmd_revoke_key(args: argparse.Namespace) -> int:
                 raise TenantFileError(f"{path}: no tenant '{args.name}'")
             hashes = entry.get("api_key_sha256") or []
             matches = [h for h in hashes if h == full_key_hash] or (
-                [h for h in hashes if prefix and str(h).startswith(prefix)])
+                [h for h in hashes if prefix and str(h).startswith(prefix)]
+            )
             if not matches:
                 shown = f" '{prefix}'" if prefix else ""  # never echo what may be a key
                 raise TenantFileError(
                     f"tenant '{args.name}' holds no key matching{shown} (give the key itself, or at "
-                    f"least {MIN_HASH_PREFIX} leading hex digits of its SHA-256)")
+                    f"least {MIN_HASH_PREFIX} leading hex digits of its SHA-256)"
+                )
             if len(matches) > 1:
-                raise TenantFileError(f"'{prefix}' matches {len(matches)} keys of tenant '{args.name}': "
-                                      "give more digits")
+                raise TenantFileError(
+                    f"'{prefix}' matches {len(matches)} keys of tenant '{args.name}': give more digits"
+                )
             hashes.remove(matches[0])
             revoked, left = matches, len(hashes)
     except TenantFileError as e:
         print(f"kvgate tenant revoke-key: {e}", file=sys.stderr)
         return 1
     note = "" if left else " The tenant now has no key: nobody can use it until add-key."
-    print(f"kvgate: revoked the key of tenant '{args.name}' whose SHA-256 begins {revoked[0][:12]} "
-          f"({left} key(s) left).{note} A running gateway refuses it once it reloads the file.",
-          file=sys.stderr)
+    print(
+        f"kvgate: revoked the key of tenant '{args.name}' whose SHA-256 begins {revoked[0][:12]} "
+        f"({left} key(s) left).{note} A running gateway refuses it once it reloads the file.",
+        file=sys.stderr,
+    )
     return 0
 
 
 def _register_revoke_key(sub: Any) -> None:
-    p = sub.add_parser("revoke-key", help="revoke one of a tenant's API keys",
-                       description="Remove one API key of tenant NAME. KEY_PREFIX is the key itself or "
-                                   f"at least {MIN_HASH_PREFIX} leading hex digits of its SHA-256 (as "
-                                   "add-key prints); it must match exactly one key.")
+    p = sub.add_parser(
+        "revoke-key",
+        help="revoke one of a tenant's API keys",
+        description="Remove one API key of tenant NAME. KEY_PREFIX is the key itself or "
+        f"at least {MIN_HASH_PREFIX} leading hex digits of its SHA-256 (as "
+        "add-key prints); it must match exactly one key.",
+    )
     p.add_argument("name", metavar="NAME", help="the tenant's id")
     p.add_argument("key_prefix", metavar="KEY_PREFIX", help="the key, or a prefix of its SHA-256 (hex)")
     tenants_option(p)

@@ -6,6 +6,7 @@ which stop the gateway (draining) and then the backend. SIGHUP reloads the tenan
 ``kvgate tenant add``). Exit status: 0 after an interrupt, 1 when the stack fails to start or a
 part of it exits on its own, 130 when interrupted during start-up.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,62 +17,114 @@ from pathlib import Path
 import httpx
 
 from config.loader import ConfigError, load_settings
-from gateway.stack import (DEMO_KEYS, EmbeddedStack, StackError, StackOptions, serve_until_interrupted,
-                           terminate_as_interrupt)
+from gateway.stack import (
+    DEMO_KEYS,
+    EmbeddedStack,
+    StackError,
+    StackOptions,
+    serve_until_interrupted,
+    terminate_as_interrupt,
+)
 
 
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     """The options shared by ``kvgate up`` and ``kvgate demo`` (fields of :class:`StackOptions`)."""
-    parser.add_argument("--config", type=Path, default=None, metavar="PATH",
-                        help="settings file (default: $KVGATE_CONFIG or config/kvgate.yaml)")
-    parser.add_argument("--tenants", type=Path, default=None, metavar="PATH",
-                        help="tenants file (default: $KVGATE_TENANTS or config/tenants.yaml)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="settings file (default: $KVGATE_CONFIG or config/kvgate.yaml)",
+    )
+    parser.add_argument(
+        "--tenants",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="tenants file (default: $KVGATE_TENANTS or config/tenants.yaml)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address both parts bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None,
-                        help="gateway port (default: gateway.port of the settings, 8080; 0 = a free port)")
-    parser.add_argument("--backend-port", type=int, default=None,
-                        help="backend port (default: backend.port, 30000, or a free port if it is taken)")
-    parser.add_argument("--backend-arg", dest="backend_args", action="append", default=[], metavar="FLAG",
-                        help="extra flag for python -m gpu_backend (repeat; e.g. --backend-arg=--device=cpu)")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="how long each part may take to become ready (default 300)")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show the backend's and gateway's logs here instead of in log files")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="gateway port (default: gateway.port of the settings, 8080; 0 = a free port)",
+    )
+    parser.add_argument(
+        "--backend-port",
+        type=int,
+        default=None,
+        help="backend port (default: backend.port, 30000, or a free port if it is taken)",
+    )
+    parser.add_argument(
+        "--backend-arg",
+        dest="backend_args",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra flag for python -m gpu_backend (repeat; e.g. --backend-arg=--device=cpu)",
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="how long each part may take to become ready (default 300)",
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="show the backend's and gateway's logs here instead of in log files"
+    )
 
 
 def stack_options(args: argparse.Namespace) -> StackOptions:
     """:class:`StackOptions` from the parsed options of :func:`add_stack_arguments`. Logs go to
     ``<state_dir>/run/`` (kept after exit)."""
     settings = load_settings(args.config)
-    return StackOptions(config=args.config, tenants=args.tenants, host=args.host, gateway_port=args.port,
-                        backend_port=args.backend_port, backend_args=list(args.backend_args),
-                        run_dir=Path(settings.state_dir) / "run", startup_timeout_seconds=args.startup_timeout,
-                        echo_logs=args.verbose)
+    return StackOptions(
+        config=args.config,
+        tenants=args.tenants,
+        host=args.host,
+        gateway_port=args.port,
+        backend_port=args.backend_port,
+        backend_args=list(args.backend_args),
+        run_dir=Path(settings.state_dir) / "run",
+        startup_timeout_seconds=args.startup_timeout,
+        echo_logs=args.verbose,
+    )
 
 
 def start_stack(options: StackOptions, prog: str) -> EmbeddedStack:
     """Start the stack, printing progress to stderr; raises :class:`StackError` / ``KeyboardInterrupt``."""
     stack = EmbeddedStack(options)
     t0 = time.monotonic()
-    print(f"{prog}: starting the bundled backend (python -m gpu_backend --role all) and the gateway; "
-          "the first start loads PyTorch and may take a while ...", file=sys.stderr, flush=True)
+    print(
+        f"{prog}: starting the bundled backend (python -m gpu_backend --role all) and the gateway; "
+        "the first start loads PyTorch and may take a while ...",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         stack.start()
     except BaseException:
         stack.stop()
         raise
     info = stack.server_info
-    print(f"{prog}: ready in {time.monotonic() - t0:.1f} s: backend {stack.backend_url} "
-          f"(context {info.get('context_length')} tokens, prefill pool {info.get('max_total_num_tokens')} tokens), "
-          f"gateway {stack.gateway_url}", file=sys.stderr, flush=True)
+    print(
+        f"{prog}: ready in {time.monotonic() - t0:.1f} s: backend {stack.backend_url} "
+        f"(context {info.get('context_length')} tokens, prefill pool {info.get('max_total_num_tokens')} tokens), "
+        f"gateway {stack.gateway_url}",
+        file=sys.stderr,
+        flush=True,
+    )
     return stack
 
 
 def effective_limit(stack: EmbeddedStack, key: str) -> int | None:
     """The tenant's effective limit now: ``max_model_len`` of the served model in the gateway's
     ``GET /v1/models`` (``None`` if the gateway does not say)."""
-    r = httpx.get(stack.gateway_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10,
-                  trust_env=False)
+    r = httpx.get(
+        stack.gateway_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10, trust_env=False
+    )
     r.raise_for_status()
     for m in r.json().get("data", []):
         if m.get("id") == stack.model and isinstance(m.get("max_model_len"), int):
@@ -93,7 +146,7 @@ def banner(stack: EmbeddedStack, limit: int | None) -> str:
   metrics:          {url}/metrics{logs}
 
   curl {url}/v1/chat/completions \\
-    -H "Authorization: Bearer {DEMO_KEYS['demo-a']}" -H "Content-Type: application/json" \\
+    -H "Authorization: Bearer {DEMO_KEYS["demo-a"]}" -H "Content-Type: application/json" \\
     -d '{{"model": "{stack.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
 
   Press Ctrl-C to stop (or send SIGTERM). SIGHUP reloads the tenants file ({stack.tenants_path}).

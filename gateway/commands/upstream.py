@@ -5,6 +5,7 @@ The state is where the running gateways read it: Redis when the config has ``red
 ``<state_dir>/quarantine.json``; gateways pick a change up within a second. Exit status: 0 done,
 1 ``clear`` of an upstream that was not quarantined, 2 configuration or store error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
                 print("no upstream is quarantined")
             for name, r in sorted(recs.items()):
                 since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.since))
-                print(f"{name}: quarantined since {since} for prompts above {r.min_prompt_tokens} tokens "
-                      f"(incident {r.incident_id}, detector {r.detector})")
+                print(
+                    f"{name}: quarantined since {since} for prompts above {r.min_prompt_tokens} tokens "
+                    f"(incident {r.incident_id}, detector {r.detector})"
+                )
             return 0
         known = {u.name for u in settings.upstreams}
         if q.clear(args.name):
