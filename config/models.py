@@ -60,15 +60,45 @@ class TokenizerConfig(_Strict):
         return self
 
 
+class ImagePolicy(_Strict):
+    """What an image content part costs and where its bytes may come from (docs/gateway.md, Images).
+
+    ``cost``: ``fixed`` (every image costs ``tokenizer.image_tokens``; set it to at least the
+    model's largest per-image cost), ``openai_tiles`` (OpenAI's tile formula: fit within
+    2048 x 2048, shortest side scaled to 768, then ``base_tokens + tile_tokens x`` 512-px tiles;
+    ``detail: low`` is ``base_tokens``) or ``qwen2_vl`` (Qwen2-VL / Qwen2.5-VL: the image resized
+    as ``smart_resize`` does, to multiples of 28 px with ``min_pixels <= h x w <= max_pixels``,
+    then ``(h / 28) x (w / 28)`` tokens plus 2 for the vision start/end tokens). Images whose size
+    cannot be read from the bytes (any URL that is not ``data:``) cost the formula's maximum.
+    ``allowed_url_hosts``: host names whose ``http(s)`` image URLs may be forwarded (the engine
+    fetches them); empty (the default) means ``data:`` URLs only.
+    """
+
+    cost: Literal["fixed", "openai_tiles", "qwen2_vl"] = "fixed"
+    base_tokens: int = Field(default=85, ge=0)
+    tile_tokens: int = Field(default=170, ge=1)
+    min_pixels: int = Field(default=56 * 56, ge=28 * 28)
+    max_pixels: int = Field(default=28 * 28 * 16384, ge=28 * 28)
+    allowed_url_hosts: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _pixels(self) -> "ImagePolicy":
+        if self.min_pixels > self.max_pixels:
+            raise ValueError("min_pixels must be <= max_pixels")
+        return self
+
+
 class ModelConfig(_Strict):
     """A model the gateway serves. ``id`` is the public name; ``aliases`` other accepted names;
-    ``upstream_model`` the name sent upstream (default ``id``); ``context_length`` in tokens."""
+    ``upstream_model`` the name sent upstream (default ``id``); ``context_length`` in tokens;
+    ``images``: the image cost and URL policy (:class:`ImagePolicy`)."""
 
     id: str
     aliases: list[str] = Field(default_factory=list)
     upstream_model: str | None = None
     context_length: int = Field(ge=2)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    images: ImagePolicy = Field(default_factory=ImagePolicy)
 
 
 class UpstreamConfig(_Strict):
@@ -77,12 +107,16 @@ class UpstreamConfig(_Strict):
     ``api_url``: OpenAI base URL (ending in ``/v1``). ``pool_source``: where the live pool is
     read. ``pool_urls``: server-info URLs of every prefill node (sglang/kvgate) or the
     ``/v1/models`` URL (vllm). ``static_pool_tokens``: the pool for ``pool_source: static``.
-    ``models``: model ids (or aliases) it serves.
+    ``models``: model ids (or aliases) it serves. ``engine``: what serves it (``sglang`` |
+    ``vllm`` | ``kvgate`` | ``openai``), which picks the table of extension fields passed through
+    (gateway/fields.py); left out, it follows ``pool_source`` (``static``: ``openai``, the OpenAI
+    fields only).
     """
 
     name: str
     api_url: str
     pool_source: Literal["sglang", "vllm", "kvgate", "static"] = "kvgate"
+    engine: Literal["sglang", "vllm", "kvgate", "openai"] | None = None
     pool_urls: list[str] = Field(default_factory=list)
     static_pool_tokens: int | None = Field(default=None, ge=1)
     models: list[str]
@@ -95,6 +129,13 @@ class UpstreamConfig(_Strict):
         if not _NAME.match(v):
             raise ValueError("must be 1-64 characters of letters, digits, '.', '_' or '-'")
         return v
+
+    @model_validator(mode="after")
+    def _engine_follows_pool_source(self) -> "UpstreamConfig":
+        if self.engine is None:
+            engine = "openai" if self.pool_source == "static" else self.pool_source
+            object.__setattr__(self, "engine", engine)  # no re-validation loop
+        return self
 
     @model_validator(mode="after")
     def _pool_needs(self) -> "UpstreamConfig":
@@ -239,7 +280,8 @@ class TenantConfig(_Strict):
     """A tenant (DESIGN.md, "Tenant entry"). Limits: ``rpm`` requests/window, ``tpm`` prompt +
     completion tokens/window, ``max_concurrent`` in-flight requests, ``max_context_tokens``
     prompt + completion per request; ``None`` means unlimited. ``api_key_sha256``: lowercase hex
-    SHA-256 of each valid key. ``verify_sample_rate`` in [0, 1]."""
+    SHA-256 of each valid key. ``verify_sample_rate`` in [0, 1]. ``max_sequences_per_request``:
+    prompts x max(n, best_of) one request may ask for (every route)."""
 
     id: str
     api_key_sha256: list[str] = Field(default_factory=list)
@@ -249,6 +291,7 @@ class TenantConfig(_Strict):
     max_context_tokens: int | None = Field(default=None, ge=2)
     max_tokens_cap: int | None = Field(default=None, ge=1)
     default_max_tokens: int = Field(default=256, ge=1)
+    max_sequences_per_request: int = Field(default=16, ge=1)
     allowed_models: list[str] = Field(default_factory=list)
     verify_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     strict_verify: bool = False
