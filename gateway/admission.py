@@ -4,13 +4,16 @@ gateway", "Contracts": max_tokens).
 
 - Model: the request's ``model`` (an id or an alias); absent, the tenant's only model. A model
   the tenant may not use, or that does not exist, is 404 ``model_not_found``.
-- ``max_tokens``: ``max_completion_tokens`` (chat) when given, else ``max_tokens``; above the
-  tenant's ``max_tokens_cap``: 400 with ``param`` naming the field. Absent:
-  ``min(default_max_tokens, limit - prompt_tokens)`` (and the cap).
-- Gate: ``prompt_tokens + max(1, max_tokens) <= limit`` with
+- Completion bound: one value per request (:data:`BOUND_FIELDS`: chat ``max_completion_tokens``
+  over ``max_tokens``; 0 is refused at validation); above the tenant's ``max_tokens_cap``: 400
+  with ``param`` naming the field. Absent: ``min(default_max_tokens, limit - prompt_tokens, cap,
+  what the KV demand leaves)``. Either way the bound is forwarded explicitly, under one field.
+- Sequences: prompts x max(n, best_of) <= tenant ``max_sequences_per_request``.
+- Gate: ``prompt_tokens + bound <= limit`` with
   ``limit = min(context_length, live pool limit, tenant max_context_tokens)``; above it 400
   ``context_length_exceeded`` in OpenAI's wording (``config.errors.context_length_message``).
-- Reservation for quotas: ``prompt tokens (all prompts) + n x max_tokens`` per prompt.
+- KV demand (the whole request): ``max(n, best_of) x sum over prompts of (prompt + bound) <= live
+  pool limit``; the quotas reserve exactly that number.
 """
 
 from __future__ import annotations
@@ -20,15 +23,19 @@ from typing import Any
 
 from config.errors import ErrorCode, OpenAIError, context_length_message
 from config.models import ModelConfig, Settings, TenantConfig
+from gateway import fields
 from tokenizer import PromptCounter, TokenizerError, make_counter
+from tokenizer.images import ImageCoster
 
 
 @dataclass
 class ModelEntry:
-    """A served model: its config, its counter and the names that reach it."""
+    """A served model: its config, its counter and the engines (upstream ``engine`` values) that
+    serve it, which pick the fields passed through (:mod:`gateway.fields`)."""
 
     config: ModelConfig
     counter: PromptCounter
+    engines: frozenset[str] = frozenset()
 
     @property
     def id(self) -> str:
@@ -45,11 +52,19 @@ class ModelIndex:
     def __init__(self, settings: Settings, offload_chars: int | None = None) -> None:
         self.by_name: dict[str, ModelEntry] = {}
         self.entries: list[ModelEntry] = []
+        engines: dict[str, set[str]] = {}
+        for u in settings.upstreams:
+            for n in u.models:
+                served = settings.model_by_name(n)
+                if served is not None and u.engine is not None:
+                    engines.setdefault(served.id, set()).add(u.engine)
         for m in settings.models:
             counter = make_counter(m.tokenizer, m.upstream_model or m.id)
             if offload_chars is not None:
                 counter.offload_chars = offload_chars
-            e = ModelEntry(m, counter)
+            if m.images.cost != "fixed":
+                counter.image_cost = ImageCoster(m.images, m.tokenizer.image_tokens)
+            e = ModelEntry(m, counter, frozenset(engines.get(m.id, ())))
             self.entries.append(e)
             for n in (m.id, *m.aliases):
                 self.by_name[n] = e
@@ -98,8 +113,10 @@ class Admission:
 
     ``prompt_tokens``: the largest prompt (what the gate checks); ``prompt_tokens_total``: all
     prompts of a batch; ``max_tokens``: per completion; ``defaulted``: the client sent none, so
-    the gateway must send ``max_tokens`` upstream; ``reserve_tokens``: prompt total + prompts x n x
-    max_tokens; ``prompt_text``: the prompt's text for the verifier (never logged)."""
+    the gateway chose the bound (it is forwarded either way); ``reserve_tokens``: the whole
+    request's KV demand, max(n, best_of) x (prompt total + prompts x max_tokens), also what the
+    quotas reserve; ``prompt_text``: the prompt's text for the verifier (never logged);
+    ``sequences``: prompts x max(n, best_of); ``bound_field``: the alias the client used."""
 
     model: ModelEntry
     prompt_tokens: int
@@ -111,6 +128,8 @@ class Admission:
     n: int
     reserve_tokens: int
     prompt_text: str
+    sequences: int = 1
+    bound_field: str = "max_tokens"
 
 
 def tokenizer_error(e: TokenizerError) -> OpenAIError:
@@ -122,12 +141,16 @@ def tokenizer_error(e: TokenizerError) -> OpenAIError:
 
 
 async def count_prompt(entry: ModelEntry, body: dict[str, Any], route: str) -> tuple[int, int, int]:
-    """``(largest, total, number_of_prompts)`` prompt tokens of the request. Raises
-    :class:`OpenAIError` 400 for invalid messages/prompt/token ids (``param`` names the field)."""
+    """``(largest, total, number_of_prompts)`` prompt tokens of the request, as the engines
+    serving ``entry`` will build the prompt: the engines' field policy is applied first
+    (:func:`gateway.fields.check_request`: fields they do not accept refused, prompt-changing
+    fields turned into :class:`~tokenizer.chat.ChatOptions`). Raises :class:`OpenAIError` 400 for
+    refused fields and invalid messages/prompt/token ids (``param`` names the field)."""
     counter = entry.counter
+    options = fields.check_request(body, route, entry.engines, entry.config.images)
     try:
         if route == "chat":
-            c = await counter.acount_chat(body["messages"], body.get("tools"))
+            c = await counter.acount_chat(body["messages"], body.get("tools"), options)
             return c, c, 1
         pc = await counter.acount_prompt(body["prompt"])
         return pc.largest, pc.total, len(pc.per_prompt)
@@ -155,11 +178,31 @@ def prompt_text_of(body: dict[str, Any], route: str) -> str:
     return ""
 
 
+#: The fields that carry a route's completion bound, in precedence order (the first one present
+#: wins; the others are dropped when forwarding). SGLang and vLLM both read
+#: ``max_completion_tokens or max_tokens`` (SGLang protocol.py ``to_sampling_params``, vLLM
+#: chat_completion/protocol.py ``build_tok_params``), the bundled backend the same.
+BOUND_FIELDS: dict[str, tuple[str, ...]] = {
+    "chat": ("max_completion_tokens", "max_tokens"),
+    "completions": ("max_tokens",),
+}
+
+
 def requested_max_tokens(body: dict[str, Any], route: str) -> tuple[int | None, str]:
-    """``(value, field)``: ``max_completion_tokens`` (chat) over ``max_tokens``; ``None`` when absent."""
-    if route == "chat" and body.get("max_completion_tokens") is not None:
-        return body["max_completion_tokens"], "max_completion_tokens"
-    return body.get("max_tokens"), "max_tokens"
+    """``(value, field)``: the first of :data:`BOUND_FIELDS` ``[route]`` present in ``body``
+    (chat: ``max_completion_tokens`` over ``max_tokens``); ``(None, last alias)`` when none is.
+    Validation (:func:`gateway.requests.validate`) has already refused 0 and non-integers."""
+    aliases = BOUND_FIELDS.get(route, ("max_tokens",))
+    for name in aliases:
+        v = body.get(name)
+        if v is not None:
+            return v, name
+    return None, aliases[-1]
+
+
+def sequences_of(body: dict[str, Any]) -> int:
+    """Sequences one prompt of ``body`` generates: ``max(n, best_of)`` (absent: 1)."""
+    return max(body.get("n") or 1, body.get("best_of") or 1)
 
 
 def effective_limit(entry: ModelEntry, tenant: TenantConfig, pool_limit: int) -> int:
@@ -170,6 +213,11 @@ def effective_limit(entry: ModelEntry, tenant: TenantConfig, pool_limit: int) ->
     return limit
 
 
+def _sequence_param(body: dict[str, Any]) -> str:
+    n = body.get("n") or 1
+    return "best_of" if (body.get("best_of") or 1) > n else "n"
+
+
 def decide(
     entry: ModelEntry,
     tenant: TenantConfig,
@@ -178,12 +226,36 @@ def decide(
     prompt: tuple[int, int, int],
     pool_limit: int,
 ) -> Admission:
-    """Apply the max_tokens rules and the context gate to a counted request. Raises
-    :class:`OpenAIError` 400 (``max_tokens`` over the cap, or ``context_length_exceeded``)."""
+    """Apply the completion-bound rules and the gates to a counted request (docs/gateway.md,
+    "The gate's invariant"). ``prompt``: ``(largest, total, number of prompts)`` in tokens.
+
+    - bound: the requested one (:func:`requested_max_tokens`), refused above the tenant's
+      ``max_tokens_cap``; absent, ``min(default_max_tokens, cap, limit - largest prompt, what the
+      KV demand leaves)``: always an explicit value >= 1, forwarded under one field;
+    - sequences: prompts x max(n, best_of) <= ``max_sequences_per_request`` (400 naming
+      ``prompt``, ``n`` or ``best_of``);
+    - context gate: ``largest + bound <= limit`` (400 ``context_length_exceeded``);
+    - KV demand: ``max(n, best_of) x (total + prompts x bound) <= pool_limit`` (400 naming ``n``,
+      ``best_of`` or the prompt); the same number is what the quotas reserve.
+
+    Raises :class:`OpenAIError` 400."""
     largest, total, num = prompt
     limit = effective_limit(entry, tenant, pool_limit)
+    seqs = sequences_of(body)
+    cap_seqs = tenant.max_sequences_per_request
+    if num * seqs > cap_seqs:
+        param = "prompt" if num > cap_seqs else _sequence_param(body)
+        raise OpenAIError(
+            400,
+            f"This request asks for {num} prompt(s) x {seqs} sequence(s) each = {num * seqs} sequences; "
+            f"this key allows at most {cap_seqs} per request.",
+            code=ErrorCode.INVALID_REQUEST,
+            param=param,
+        )
     requested, field = requested_max_tokens(body, route)
     cap = tenant.max_tokens_cap
+    chat = route == "chat"
+    prompt_param = "messages" if chat else "prompt"
     if requested is not None:
         if cap is not None and requested > cap:
             raise OpenAIError(
@@ -195,23 +267,29 @@ def decide(
         max_tokens = requested
         defaulted = False
     else:
-        max_tokens = min(tenant.default_max_tokens, limit - largest)
+        max_tokens = min(tenant.default_max_tokens, limit - largest, (pool_limit // seqs - total) // num)
         if cap is not None:
             max_tokens = min(max_tokens, cap)
-        max_tokens = max(max_tokens, 0)
+        max_tokens = max(max_tokens, 1)  # below 1 nothing fits: the gates below say which
         defaulted = True
-    completion = max(1, max_tokens)
-    if largest + completion > limit:
-        chat = route == "chat"
+    if largest + max_tokens > limit:
         raise OpenAIError(
             400,
-            context_length_message(limit, largest, completion, messages=chat),
+            context_length_message(limit, largest, max_tokens, messages=chat),
             code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            param="messages" if chat else "prompt",
+            param=prompt_param,
         )
-    n = body.get("n") or 1
-    best_of = body.get("best_of") or 0
-    seqs = max(n, best_of)
+    fields.check_bounded(body, max_tokens, entry.counter.vocab_size)
+    demand = seqs * (total + num * max_tokens)
+    if demand > pool_limit:
+        raise OpenAIError(
+            400,
+            f"This request needs {demand} tokens of KV cache ({seqs} sequence(s) x ({total} prompt tokens + "
+            f"{num} x {max_tokens} completion tokens)); the engines serving this model hold at most "
+            f"{pool_limit} for one request. Reduce 'n', the batch or the completion.",
+            code=ErrorCode.INVALID_REQUEST,
+            param=_sequence_param(body) if seqs > 1 else prompt_param,
+        )
     return Admission(
         entry,
         largest,
@@ -220,7 +298,9 @@ def decide(
         max_tokens,
         defaulted,
         limit,
-        n,
-        total + num * seqs * max_tokens,
+        body.get("n") or 1,
+        demand,
         prompt_text_of(body, route),
+        sequences=num * seqs,
+        bound_field=field,
     )

@@ -144,15 +144,6 @@ def _stop(v: Any) -> str | None:
     return "must be a string or an array of at most 16 strings"
 
 
-def _logit_bias(v: Any) -> str | None:
-    if not isinstance(v, dict):
-        return "must be an object mapping token ids to numbers"
-    for k, b in v.items():
-        if not k.lstrip("-").isdigit() or not _is_num(b):
-            return "must be an object mapping token ids to numbers"
-    return None
-
-
 def _stream_options(v: Any) -> str | None:
     if not isinstance(v, dict):
         return "must be an object"
@@ -165,47 +156,194 @@ def _stream_options(v: Any) -> str | None:
     return None
 
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+#: largest grammar string (``regex``, ``ebnf``, ``json_schema``) forwarded, in UTF-8 bytes
+MAX_GRAMMAR_BYTES = 32 * 1024
+#: most ``stop_token_ids`` entries
+MAX_STOP_TOKEN_IDS = 64
+#: ``chat_template_kwargs`` keys passed through: booleans that Jinja templates read to switch
+#: reasoning on or off (Qwen3/GLM ``enable_thinking``, DeepSeek-V3.1/Kimi ``thinking``). They are
+#: given to the counting template as well, so their prompt effect is counted. Any other key
+#: (``tools``, ``documents``, ``add_generation_prompt`` merged into the template by vLLM, ...) is refused.
+TEMPLATE_KWARGS_ALLOWED = ("enable_thinking", "thinking")
+
+
+def _enum(*values: str) -> Check:
+    def check(v: Any) -> str | None:
+        return None if isinstance(v, str) and v in values else f"must be one of {', '.join(values)}"
+
+    return check
+
+
+def _logit_bias(v: Any) -> str | None:
+    problem = "must be an object of at most 300 token ids (as strings) mapping to numbers in [-100, 100]"
+    if not isinstance(v, dict) or len(v) > 300:
+        return problem
+    for k, b in v.items():
+        if not (k.isdigit() and len(k) <= 10) or not _is_num(b) or not -100 <= b <= 100:
+            return problem
+    return None
+
+
+def _metadata(v: Any) -> str | None:
+    problem = "must be an object of at most 16 string keys (<= 64 characters) and string values (<= 512)"
+    if not isinstance(v, dict) or len(v) > 16:
+        return problem
+    for k, x in v.items():
+        if len(k) > 64 or not isinstance(x, str) or len(x) > 512:
+            return problem
+    return None
+
+
+def _str_list_of(*values: str) -> Check:
+    def check(v: Any) -> str | None:
+        if isinstance(v, list) and len(v) <= len(values) and all(isinstance(x, str) and x in values for x in v):
+            return None
+        return f"must be an array of {', '.join(values)}"
+
+    return check
+
+
+def _prompt_cache_options(v: Any) -> str | None:
+    if not isinstance(v, dict):
+        return "must be an object"
+    for k, x in v.items():
+        if k == "mode":
+            if x not in ("implicit", "explicit"):
+                return "'mode' must be implicit or explicit"
+        elif k == "ttl":
+            if not isinstance(x, str) or len(x) > 16:
+                return "'ttl' must be a string such as '30m'"
+        else:
+            return f"unknown option '{k}'"
+    return None
+
+
+def _grammar(v: Any) -> str | None:
+    if not isinstance(v, str):
+        return "must be a string"
+    if len(v) > MAX_GRAMMAR_BYTES or len(v.encode("utf-8", "surrogatepass")) > MAX_GRAMMAR_BYTES:
+        return f"must be at most {MAX_GRAMMAR_BYTES} bytes"
+    return None
+
+
+def _json_schema_str(v: Any) -> str | None:
+    problem = _grammar(v)
+    if problem is not None:
+        return problem
+    try:
+        parsed = orjson.loads(v)
+    except orjson.JSONDecodeError:
+        return "must be a JSON schema encoded as a string"
+    return None if isinstance(parsed, (dict, bool)) else "must be a JSON schema (an object) encoded as a string"
+
+
+def _stop_token_ids(v: Any) -> str | None:
+    if isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS and all(_is_int(t) and 0 <= t < (1 << 31) for t in v):
+        return None
+    return f"must be an array of at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0)"
+
+
+def _template_kwargs(v: Any) -> str | None:
+    if not isinstance(v, dict):
+        return "must be an object"
+    for k, x in v.items():
+        if k not in TEMPLATE_KWARGS_ALLOWED:
+            return (
+                f"key '{k}' is not accepted (it may change the prompt); accepted keys: "
+                f"{', '.join(TEMPLATE_KWARGS_ALLOWED)}"
+            )
+        if not isinstance(x, bool):
+            return f"'{k}' must be a boolean"
+    return None
+
+
+def _positive_at_most(hi: float) -> Check:
+    def check(v: Any) -> str | None:
+        if not _is_num(v):
+            return "must be a number"
+        return None if 0 < v <= hi else f"must be > 0 and <= {hi}"
+
+    return check
+
+
+#: Engine extension fields: their type and range checks. Which of them reach an engine is the
+#: engine's table in :mod:`gateway.fields` (a field no engine of the model accepts: 400).
+EXTENSION_FIELDS: dict[str, Check] = {
+    "top_k": int_in(-1, (1 << 31) - 1),
+    "min_p": num_in(0, 1),
+    "repetition_penalty": _positive_at_most(2),
+    "min_tokens": int_in(0, INT64_MAX),  # and <= the completion bound (gateway.fields)
+    "ignore_eos": _bool,
+    "skip_special_tokens": _bool,
+    "spaces_between_special_tokens": _bool,
+    "stop_token_ids": _stop_token_ids,  # and < the vocabulary size (gateway.fields)
+    "no_stop_trim": _bool,
+    "regex": _grammar,
+    "ebnf": _grammar,
+    "json_schema": _json_schema_str,
+    "separate_reasoning": _bool,
+    "stream_reasoning": _bool,
+    "chat_template_kwargs": _template_kwargs,
+    "continue_final_message": _bool,
+    "add_generation_prompt": _bool,
+}
+
+#: OpenAI fields common to both routes (the official SDK's completion_create_params).
 _COMMON: dict[str, Check] = {
     "model": _str,
-    "max_tokens": int_in(0),
+    "max_tokens": int_in(1, INT64_MAX),  # 0 is refused: engines disagree on what it means
     "n": int_in(1, 128),
     "stream": _bool,
     "stream_options": _stream_options,
     "temperature": num_in(0, 2),
     "top_p": num_in(0, 1),
     "stop": _stop,
-    "seed": int_in(),
+    "seed": int_in(INT64_MIN, INT64_MAX),
     "presence_penalty": num_in(-2, 2),
     "frequency_penalty": num_in(-2, 2),
-    "logit_bias": _logit_bias,
+    "logit_bias": _logit_bias,  # and ids < the vocabulary size (gateway.fields)
     "user": _str,
     "cache_salt": _str,  # dropped: the gateway sets the tenant's own
-    # engine sampling extensions (SGLang and vLLM accept these beside the OpenAI fields)
-    "top_k": int_in(-1),
-    "min_p": num_in(0, 1),
-    "repetition_penalty": num_in(0),
-    "min_tokens": int_in(0),
-    "ignore_eos": _bool,
-    "skip_special_tokens": _bool,
-    "spaces_between_special_tokens": _bool,
-    "stop_token_ids": _list,
-    "no_stop_trim": _bool,
-    "regex": _str,
-    "ebnf": _str,
-    "json_schema": _str,
-    "return_hidden_states": _bool,
-    "separate_reasoning": _bool,
-    "metadata": _obj,
-    "store": _bool,
-    "service_tier": _str,
-    "prompt_cache_key": _str,
-    "safety_identifier": _str,
 }
+
+_CHAT_EXTENSIONS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "stop_token_ids",
+    "no_stop_trim",
+    "regex",
+    "ebnf",
+    "separate_reasoning",
+    "stream_reasoning",
+    "chat_template_kwargs",
+    "continue_final_message",
+    "add_generation_prompt",
+)
+_COMPLETION_EXTENSIONS = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "stop_token_ids",
+    "no_stop_trim",
+    "regex",
+    "ebnf",
+    "json_schema",
+)
 
 CHAT_FIELDS: dict[str, Check] = {
     **_COMMON,
     "messages": _list,  # contents: validated by the tokenizer
-    "max_completion_tokens": int_in(0),
+    "max_completion_tokens": int_in(1, INT64_MAX),
     "logprobs": _bool,
     "top_logprobs": int_in(0, 20),
     "tools": _list,
@@ -214,15 +352,21 @@ CHAT_FIELDS: dict[str, Check] = {
     "response_format": _obj,
     "functions": _list,
     "function_call": _str_or_obj,
-    "reasoning_effort": _str,
-    "modalities": _list,
-    "chat_template_kwargs": _obj,
-    "continue_final_message": _bool,
-    "add_generation_prompt": _bool,
-    "verbosity": _str,
+    "reasoning_effort": _enum("none", "minimal", "low", "medium", "high", "xhigh"),
+    "modalities": _str_list_of("text", "audio"),
+    "verbosity": _enum("low", "medium", "high"),
     "prediction": _obj,
     "audio": _obj,
     "web_search_options": _obj,
+    "metadata": _metadata,
+    "store": _bool,
+    "service_tier": _enum("auto", "default", "flex", "scale", "priority", "fast"),
+    "prompt_cache_key": _str,
+    "prompt_cache_retention": _enum("in_memory", "24h"),
+    "prompt_cache_options": _prompt_cache_options,
+    "safety_identifier": _str,
+    "moderation": _obj,
+    **{k: EXTENSION_FIELDS[k] for k in _CHAT_EXTENSIONS},
 }
 
 COMPLETION_FIELDS: dict[str, Check] = {
@@ -232,6 +376,13 @@ COMPLETION_FIELDS: dict[str, Check] = {
     "logprobs": int_in(0, 5),
     "best_of": int_in(1, 128),
     "suffix": _str,
+    **{k: EXTENSION_FIELDS[k] for k in _COMPLETION_EXTENSIONS},
+}
+
+#: The OpenAI fields of each route (everything else a route accepts is an engine extension).
+OPENAI_FIELDS: dict[str, frozenset[str]] = {
+    "chat": frozenset(CHAT_FIELDS) - frozenset(_CHAT_EXTENSIONS),
+    "completions": frozenset(COMPLETION_FIELDS) - frozenset(_COMPLETION_EXTENSIONS),
 }
 
 REQUIRED = {"chat": ("messages",), "completions": ("prompt",)}

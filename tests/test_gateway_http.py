@@ -485,7 +485,7 @@ def test_quota_stage_reserve_settle_and_refusal(engine):
             assert r.json()["error"]["code"] == "rate_limit_exceeded"
     finally:
         g.stop()
-    assert q.reserved == [11 + 2 * 5, 11 + 5]
+    assert q.reserved == [2 * (11 + 5), 11 + 5]  # n = 2: each sequence holds the prompt and its completion
     assert q.settled == [7 + 4, 7 + 4]  # the engine's usage (the mock reports 7 prompt tokens, 4 words)
     assert len(engine.state.requests) == 2
 

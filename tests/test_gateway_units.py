@@ -216,13 +216,17 @@ def test_max_tokens_rules():
     assert decide(e, t, {}, "completions", (100, 100, 1), 3276).max_tokens == 50  # min(64, 150 - 100)
     assert decide(e, t, {}, "completions", (10, 10, 1), 3276).max_tokens == 64
     a = decide(e, t, {"max_tokens": 5, "n": 3}, "completions", (10, 25, 2), 3276)
-    assert a.reserve_tokens == 25 + 2 * 3 * 5
+    assert a.reserve_tokens == 3 * (25 + 2 * 5)  # every sequence holds its prompt's KV: n x (prompts + bounds)
+    assert a.sequences == 6
     assert decide(e, t, {"max_tokens": 500, "max_completion_tokens": 7}, "chat", (1, 1, 1), 3276).max_tokens == 7
     with pytest.raises(OpenAIError) as err:
         decide(e, t, {"max_tokens": 101}, "chat", (1, 1, 1), 3276)
     assert (err.value.status, err.value.param) == (400, "max_tokens")
-    with pytest.raises(OpenAIError) as err:  # max_tokens 0 still needs room for one token
-        decide(e, t, {"max_tokens": 0}, "completions", (150, 150, 1), 3276)
+    with pytest.raises(OpenAIError) as err:  # max_tokens 0 is refused at validation, before any counting
+        validate({"prompt": "x", "max_tokens": 0}, "completions")
+    assert (err.value.status, err.value.param) == (400, "max_tokens")
+    with pytest.raises(OpenAIError) as err:  # a defaulted bound still needs room for one token
+        decide(e, t, {}, "completions", (150, 150, 1), 3276)
     assert "(150 in the prompt, 1 in the completion)" in err.value.message
     with pytest.raises(OpenAIError) as err:
         idx.resolve(t, "other")

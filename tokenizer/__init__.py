@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from config.models import TokenizerConfig
 from tokenizer.base import PromptCount, PromptCounter, prompt_param, split_completion_prompt
-from tokenizer.chat import RenderedChat, render_chatml
+from tokenizer.chat import DEFAULT_CHAT, ChatOptions, RenderedChat, render_chatml
 from tokenizer.encodings import IM_END_ID, IM_START_ID, bundled_encoding, get_encoding
 from tokenizer.errors import (
     EngineTokenizeError,
@@ -42,6 +42,8 @@ def make_counter(cfg: TokenizerConfig, model: str = "") -> PromptCounter:
 
 
 __all__ = [
+    "ChatOptions",
+    "DEFAULT_CHAT",
     "EngineTokenizeError",
     "IM_END_ID",
     "IM_START_ID",

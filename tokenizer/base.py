@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from tokenizer.chat import chat_text_length
+from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chat_text_length
 from tokenizer.errors import InvalidPromptError, InvalidTokenIdError
 
 #: Above this many characters, the async API counts in a worker thread.
@@ -89,9 +89,18 @@ class PromptCounter(ABC):
 
     #: model's vocabulary size (ids are valid in ``[0, vocab_size)`` when defined)
     vocab_size: int
-    #: per-image cost in tokens for chat image parts (never 0)
+    #: per-image cost in tokens for chat image parts (never 0), used when ``image_cost`` is unset
     image_tokens: int = 765
+    #: per-part image cost (``part -> tokens``, e.g. a tile formula); ``None``: ``image_tokens`` each
+    image_cost: Callable[[dict], int] | None = None
     offload_chars: int = OFFLOAD_CHARS
+
+    def images_cost(self, parts: list[dict]) -> int:
+        """Tokens the image content ``parts`` of a chat cost (``image_cost`` of each, else
+        ``image_tokens`` each)."""
+        if self.image_cost is None:
+            return len(parts) * self.image_tokens
+        return sum(self.image_cost(p) for p in parts)
 
     @abstractmethod
     def count_text(self, text: str) -> int:
@@ -108,9 +117,10 @@ class PromptCounter(ABC):
         """Whether ``token_id`` is a token of this vocabulary."""
 
     @abstractmethod
-    def count_chat(self, messages: Any, tools: Any = None) -> int:
-        """Prompt tokens of a chat, generation prompt included. Raises the typed errors of
-        :mod:`tokenizer.errors` for bad shapes, unknown parts."""
+    def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
+        """Prompt tokens of a chat as ``options`` render it (by default with the generation
+        prompt). Raises the typed errors of :mod:`tokenizer.errors` for bad shapes, unknown parts,
+        or options this counter's template cannot apply (``param`` naming the option)."""
 
     def check_ids(self, ids: list[int], param: str) -> None:
         """Raise :class:`InvalidTokenIdError` (with ``param``) for the first id that is negative or
@@ -141,8 +151,8 @@ class PromptCounter(ABC):
             return await asyncio.to_thread(self.count_prompt, prompt)
         return self.count_prompt(prompt)
 
-    async def acount_chat(self, messages: Any, tools: Any = None) -> int:
+    async def acount_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
         """:meth:`count_chat`, in a worker thread for long input."""
         if chat_text_length(messages, tools, limit=self.offload_chars) > self.offload_chars:
-            return await asyncio.to_thread(self.count_chat, messages, tools)
-        return self.count_chat(messages, tools)
+            return await asyncio.to_thread(self.count_chat, messages, tools, options)
+        return self.count_chat(messages, tools, options)

@@ -36,24 +36,53 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a chat is turned into a prompt, beside ``messages`` and ``tools`` (the request fields
+    of the same names; vLLM chat_completion/protocol.py ``build_chat_params``).
+
+    ``add_generation_prompt``: append the assistant header (default true).
+    ``continue_final_message``: leave the final message open, as ``transformers``'
+    ``apply_chat_template`` does (the rendered text cut after the final message's stripped
+    text); only template-string counters (HF, engine) support it. ``template_kwargs``: extra
+    variables for a Jinja template (``enable_thinking`` ...), as ``(name, value)`` pairs; the
+    ChatML template reads none of them."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def is_default(self) -> bool:
+        """Whether these options change nothing (the plain chat prompt)."""
+        return self.add_generation_prompt and not self.continue_final_message and not self.template_kwargs
+
+
+#: The options of a plain chat request.
+DEFAULT_CHAT = ChatOptions()
+
+
 @dataclass
 class RenderedChat:
     """A chat rendered as ChatML pieces.
 
     ``pieces``: a list where a ``str`` is ordinary text to encode and an ``int`` a special token id
-    placeholder: ``0`` = ``<|im_start|>``, ``1`` = ``<|im_end|>``. ``images``: number of image parts.
+    placeholder: ``0`` = ``<|im_start|>``, ``1`` = ``<|im_end|>``. ``images``: number of image parts;
+    ``image_parts``: the parts themselves (dicts), in order, for per-image costs.
     """
 
     pieces: list[str | int] = field(default_factory=list)
     images: int = 0
+    image_parts: list[dict] = field(default_factory=list)
 
 
 IM_START_PIECE = 0
 IM_END_PIECE = 1
 
 
-def _text_of_content(content: Any, param: str) -> tuple[list[str], int]:
-    """Texts (split around images) and the image count of one message's ``content``."""
+def _text_of_content(content: Any, param: str, image_parts: list[dict] | None = None) -> tuple[list[str], int]:
+    """Texts (split around images) and the image count of one message's ``content``; image parts
+    are appended to ``image_parts`` when given."""
     if content is None:
         return [""], 0
     if isinstance(content, str):
@@ -74,6 +103,8 @@ def _text_of_content(content: Any, param: str) -> tuple[list[str], int]:
             texts[-1] += text
         elif ptype in IMAGE_PART_TYPES:
             images += 1
+            if image_parts is not None:
+                image_parts.append(part)
             texts.append("")
         else:
             raise UnknownContentPartError(ptype, f"{pparam}.type")
@@ -112,12 +143,15 @@ def _tools_block(tools: Any) -> str:
     return "# Tools\n\n<tools>\n" + "\n".join(_dumps(t) for t in tools) + "\n</tools>"
 
 
-def render_chatml(messages: Any, tools: Any = None) -> RenderedChat:
-    """Validate OpenAI ``messages`` (and ``tools``) and render them with the ChatML template.
+def render_chatml(messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> RenderedChat:
+    """Validate OpenAI ``messages`` (and ``tools``) and render them with the ChatML template;
+    the generation prompt only when ``options.add_generation_prompt`` (``template_kwargs`` have
+    no effect on ChatML).
 
-    Raises :class:`InvalidPromptError` for a wrong shape or type and
-    :class:`UnknownContentPartError` for a content part of unknown ``type``; ``param`` names
-    the field (``messages[1].content[0].type``).
+    Raises :class:`InvalidPromptError` for a wrong shape or type, or for
+    ``options.continue_final_message`` (not defined for this template: ``param``
+    ``continue_final_message``), and :class:`UnknownContentPartError` for a content part of
+    unknown ``type``; ``param`` names the field (``messages[1].content[0].type``).
     """
     if not isinstance(messages, list) or not messages:
         raise InvalidPromptError("'messages' must be a non-empty list of message objects.", "messages")
@@ -140,7 +174,7 @@ def render_chatml(messages: Any, tools: Any = None) -> RenderedChat:
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise InvalidPromptError(f"'{param}.name' must be a string.", f"{param}.name")
-        texts, images = _text_of_content(m.get("content"), f"{param}.content")
+        texts, images = _text_of_content(m.get("content"), f"{param}.content", out.image_parts)
         calls = _tool_calls_text(m.get("tool_calls"), f"{param}.tool_calls")
         if calls:
             texts[-1] += ("\n" if texts[-1] else "") + calls
@@ -152,7 +186,12 @@ def render_chatml(messages: Any, tools: Any = None) -> RenderedChat:
         out.pieces.extend(t for t in texts if t)
         out.pieces += [IM_END_PIECE, "\n"]
         out.images += images
-    out.pieces += [IM_START_PIECE, "assistant\n"]
+    if options.continue_final_message:
+        raise InvalidPromptError(
+            "'continue_final_message' is not supported with this model's chat template.", "continue_final_message"
+        )
+    if options.add_generation_prompt:
+        out.pieces += [IM_START_PIECE, "assistant\n"]
     return out
 
 
@@ -174,9 +213,12 @@ def chatml_token_ids(
     return ids
 
 
-def chatml_token_count(rendered: RenderedChat, count_ordinary: Callable[[str], int], image_tokens: int) -> int:
-    """Token count of a rendered chat: specials count 1, images ``image_tokens`` each."""
-    total = rendered.images * image_tokens
+def chatml_token_count(
+    rendered: RenderedChat, count_ordinary: Callable[[str], int], image_tokens: int | Callable[[list[dict]], int]
+) -> int:
+    """Token count of a rendered chat: specials count 1, images ``image_tokens`` each (or, when
+    ``image_tokens`` is a function, what it returns for ``rendered.image_parts``)."""
+    total = image_tokens(rendered.image_parts) if callable(image_tokens) else rendered.images * image_tokens
     for piece in rendered.pieces:
         total += 1 if isinstance(piece, int) else count_ordinary(piece)
     return total

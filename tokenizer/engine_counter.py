@@ -11,8 +11,9 @@ Shapes (request -> response), as the engines define them:
   "tools"}`` -> ``{"count": n, "max_model_len": m, "tokens": [...]}``.
 
 kvgate sends one string per request (SGLang's list form is not served by every engine that
-offers the path). Image parts are removed from the messages sent and cost ``image_tokens`` each, as with the other
-counters. A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError`
+offers the path). Image parts are removed from the messages sent and cost what the model's image
+policy says, as with the other counters. Chat options that change the prompt
+(``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) are sent too. A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError`
 (502): the engine's fault, never the client's 400 and never a 500.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 import httpx
 
 from tokenizer.base import PromptCount, PromptCounter, prompt_param, split_completion_prompt
-from tokenizer.chat import IMAGE_PART_TYPES, render_chatml
+from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions, render_chatml
 from tokenizer.errors import EngineTokenizeError
 
 ENGINE_APIS = ("sglang", "vllm")
@@ -94,7 +95,7 @@ class EngineCounter(PromptCounter):
     def count_text(self, text: str) -> int:
         raise NotImplementedError("EngineCounter counts only through its async API")
 
-    def count_chat(self, messages: Any, tools: Any = None) -> int:
+    def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
         raise NotImplementedError("EngineCounter counts only through its async API")
 
     def is_valid_id(self, token_id: int) -> bool:
@@ -140,14 +141,23 @@ class EngineCounter(PromptCounter):
             counts[i] = n
         return PromptCount(tuple(int(c) for c in counts if c is not None))
 
-    async def acount_chat(self, messages: Any, tools: Any = None) -> int:
-        """Tokens of a chat as the engine renders it with the generation prompt, plus
-        ``image_tokens`` per image part (image parts are not sent)."""
-        rendered = render_chatml(messages, tools)  # validates shapes and part types first
-        payload: dict[str, Any] = {"messages": _without_images(messages), "add_generation_prompt": True}
+    async def acount_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
+        """Tokens of a chat as the engine renders it, plus :meth:`images_cost` of the image parts
+        (image parts are not sent). Every field that changes the engine's prompt goes to its
+        tokenize endpoint: ``messages``, ``tools``, ``add_generation_prompt``,
+        ``continue_final_message`` and ``chat_template_kwargs`` (vLLM ``TokenizeChatRequest``)."""
+        rendered = render_chatml(messages, tools, ChatOptions(add_generation_prompt=options.add_generation_prompt))
+        payload: dict[str, Any] = {
+            "messages": _without_images(messages),
+            "add_generation_prompt": options.add_generation_prompt,
+        }
+        if options.continue_final_message:
+            payload["continue_final_message"] = True
+        if options.template_kwargs:
+            payload["chat_template_kwargs"] = dict(options.template_kwargs)
         if tools:
             payload["tools"] = tools
-        return (await self._ask(payload))[0] + rendered.images * self.image_tokens
+        return (await self._ask(payload))[0] + self.images_cost(rendered.image_parts)
 
     async def aclose(self) -> None:
         """Close the HTTP client."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tokenizer.base import PromptCounter
-from tokenizer.chat import IMAGE_PART_TYPES, render_chatml
+from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions, render_chatml
 from tokenizer.errors import InvalidPromptError
 
 #: tokenizer_config.json keys passed to the template as variables (transformers' special_tokens_map).
@@ -138,12 +138,16 @@ class HFCounter(PromptCounter):
         """Whether ``token_id`` is in the vocabulary (added tokens included)."""
         return 0 <= token_id < self.vocab_size and token_id not in self._holes
 
-    def render_chat(self, messages: Any, tools: Any = None) -> tuple[str, int]:
-        """``(prompt text, image parts)``: the chat rendered with the model's template and the
-        generation prompt. Raises :class:`InvalidPromptError` for a bad shape, no template, or a
-        template that rejects the chat; :class:`~tokenizer.errors.UnknownContentPartError` for an
-        unknown part type."""
-        rendered = render_chatml(messages, tools)  # validation (shapes, part types) only
+    def render_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> tuple[str, list]:
+        """``(prompt text, image parts)``: the chat rendered with the model's template as
+        ``transformers``' ``apply_chat_template`` does with ``options`` (generation prompt,
+        ``continue_final_message``: the text cut right after the final message's stripped text,
+        template kwargs as variables). Raises :class:`InvalidPromptError` for a bad shape, no
+        template, a template that rejects the chat, or a final message that cannot be continued
+        (``param`` ``continue_final_message``); :class:`~tokenizer.errors.UnknownContentPartError`
+        for an unknown part type."""
+        # validation (shapes, part types) only
+        rendered = render_chatml(messages, tools, ChatOptions(add_generation_prompt=options.add_generation_prompt))
         if self._template is None:
             raise InvalidPromptError("This model's tokenizer has no chat template; use /v1/completions.", "messages")
         plain = []
@@ -153,16 +157,28 @@ class HFCounter(PromptCounter):
                 content = "\n".join(p.get(p["type"]) for p in content if p["type"] not in IMAGE_PART_TYPES)
             plain.append({**m, "content": content})
         variables = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
+        variables.update(options.template_kwargs)
+        variables["add_generation_prompt"] = options.add_generation_prompt and not options.continue_final_message
         try:
-            prompt = self._template.render(messages=plain, tools=tools or None, add_generation_prompt=True, **variables)
+            prompt = self._template.render(messages=plain, tools=tools or None, **variables)
         except Exception as e:  # jinja2 TemplateError, or a template tripping over a value's type
             raise InvalidPromptError(f"The model's chat template rejected the messages: {e}", "messages") from None
-        return prompt, rendered.images
+        if options.continue_final_message:
+            final = plain[-1].get("content")
+            key = final.strip() if isinstance(final, str) else ""
+            if not key or key not in prompt:
+                raise InvalidPromptError(
+                    "'continue_final_message' needs a final message with text that the chat template keeps.",
+                    "continue_final_message",
+                )
+            prompt = prompt[: prompt.rindex(key) + len(key)]  # transformers' rule
+        return prompt, rendered.image_parts
 
-    def count_chat(self, messages: Any, tools: Any = None) -> int:
-        """Prompt tokens of a chat: the rendered template encoded without added BOS/EOS, plus the
-        special-token surcharge of every request string, plus ``image_tokens`` per image part."""
-        prompt, images = self.render_chat(messages, tools)
+    def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
+        """Prompt tokens of a chat: the rendered template (with ``options``) encoded without added
+        BOS/EOS, plus the special-token surcharge of every request string, plus
+        :meth:`images_cost` of the image parts."""
+        prompt, images = self.render_chat(messages, tools, options)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
-        surcharge = sum(self.special_surcharge(s) for s in _strings([messages, tools]))
-        return len(ids) + surcharge + images * self.image_tokens
+        surcharge = sum(self.special_surcharge(s) for s in _strings([messages, tools, options.template_kwargs]))
+        return len(ids) + surcharge + self.images_cost(images)

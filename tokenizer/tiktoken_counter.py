@@ -7,7 +7,7 @@ from typing import Any
 import tiktoken
 
 from tokenizer.base import PromptCounter
-from tokenizer.chat import chatml_token_count, chatml_token_ids, render_chatml
+from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chatml_token_count, chatml_token_ids, render_chatml
 from tokenizer.encodings import IM_END_ID, IM_START_ID, bundled_encoding, get_encoding, valid_id_mask
 from tokenizer.parallel import parallel_count
 
@@ -61,10 +61,11 @@ class TiktokenCounter(PromptCounter):
             return
         super().check_ids(ids, param)
 
-    def count_chat(self, messages: Any, tools: Any = None) -> int:
-        """Prompt tokens of a chat under the ChatML template of :mod:`tokenizer.chat`: each
-        ``<|im_start|>``/``<|im_end|>`` is 1 token, each image part ``image_tokens``."""
-        return chatml_token_count(render_chatml(messages, tools), self.count_text, self.image_tokens)
+    def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
+        """Prompt tokens of a chat under the ChatML template of :mod:`tokenizer.chat` (with
+        ``options``): each ``<|im_start|>``/``<|im_end|>`` is 1 token, image parts cost
+        :meth:`images_cost`."""
+        return chatml_token_count(render_chatml(messages, tools, options), self.count_text, self.images_cost)
 
     def encode_chat(self, messages: Any, tools: Any = None) -> list[int]:
         """Token ids of a chat for a text-only engine (the bundled backend's prompt).

@@ -1,0 +1,227 @@
+"""Field policy per engine (DESIGN.md, Contracts: "The gate's invariant", upstream ``engine``).
+
+Validation (:mod:`gateway.requests`) knows every field's type and range. This module decides,
+for the engines that serve a model, which engine extension fields reach them and what the
+prompt-changing fields do to the count:
+
+- :data:`ENGINE_EXTENSIONS`: per engine and route, the extension fields passed through. For a
+  model served by several upstreams, only the fields every one of them accepts pass
+  (:func:`allowed_extensions`). An extension field outside the table is a 400 naming it, unless
+  it is ``null`` or the engine's own default (``add_generation_prompt: true``,
+  ``continue_final_message: false``): then it is dropped before forwarding.
+- prompt-changing fields: ``tools`` (counted by every counter), ``add_generation_prompt``,
+  ``continue_final_message`` and ``chat_template_kwargs`` (counted through
+  :class:`tokenizer.chat.ChatOptions`; refused where the engine does not read them),
+  ``reasoning_effort`` (SGLang turns it into ``thinking``/``enable_thinking`` template kwargs,
+  vLLM passes it to the template: counted as such), ``suffix`` (SGLang inserts it as
+  fill-in-the-middle text, vLLM refuses it: accepted only for ``openai``), ``echo`` with
+  ``logprobs`` (prompt logprobs: a vocabulary-sized row per prompt token on the engine;
+  accepted only for ``openai``), image URLs (``data:`` only unless the model's
+  ``images.allowed_url_hosts`` lists the host).
+- bound-dependent checks (:func:`check_bounded`): ``min_tokens`` <= the completion bound,
+  ``stop_token_ids`` and ``logit_bias`` ids inside the model's vocabulary.
+
+Sources: SGLang ``python/sglang/srt/entrypoints/openai/protocol.py`` (``ChatCompletionRequest``,
+``CompletionRequest``: extra fields are ignored by pydantic, so a field outside its table would be
+silently dropped), vLLM ``vllm/entrypoints/openai/chat_completion/protocol.py`` and
+``completion/protocol.py``, the bundled backend ``gpu_backend/openai_api.py`` (``_sampling``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from config.errors import ErrorCode, OpenAIError
+from config.models import ImagePolicy
+from gateway.requests import OPENAI_FIELDS
+from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions
+from tokenizer.images import image_url_of
+
+ENGINES = ("sglang", "vllm", "kvgate", "openai")
+
+_SGLANG_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens")
+_VLLM_SAMPLING = _SGLANG_SAMPLING + ("spaces_between_special_tokens",)
+
+#: engine -> route -> extension fields passed through (beyond the OpenAI fields).
+ENGINE_EXTENSIONS: dict[str, dict[str, frozenset[str]]] = {
+    "sglang": {
+        "chat": frozenset(
+            _SGLANG_SAMPLING
+            + ("stop_token_ids", "no_stop_trim", "regex", "ebnf", "separate_reasoning", "stream_reasoning")
+            + ("chat_template_kwargs",)
+        ),
+        "completions": frozenset(_SGLANG_SAMPLING + ("stop_token_ids", "no_stop_trim", "regex", "ebnf", "json_schema")),
+    },
+    "vllm": {
+        "chat": frozenset(
+            _VLLM_SAMPLING
+            + ("stop_token_ids", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+        ),
+        "completions": frozenset(_VLLM_SAMPLING + ("stop_token_ids",)),
+    },
+    "kvgate": {
+        "chat": frozenset(("stop_token_ids", "ignore_eos")),
+        "completions": frozenset(("stop_token_ids", "ignore_eos")),
+    },
+    "openai": {"chat": frozenset(), "completions": frozenset()},
+}
+
+#: extension fields whose value, when it is the engines' own default, means "absent"
+_NO_OP_DEFAULTS: dict[str, Any] = {"add_generation_prompt": True, "continue_final_message": False}
+
+#: OpenAI fields only some engines honour: field -> engines that accept it (others: 400)
+_OPENAI_ONLY_ON = {"suffix": frozenset({"openai"})}
+
+
+def allowed_extensions(engines: frozenset[str], route: str) -> frozenset[str]:
+    """The extension fields every engine in ``engines`` accepts on ``route`` (none when
+    ``engines`` is empty)."""
+    tables = [ENGINE_EXTENSIONS[e][route] for e in engines]
+    if not tables:
+        return frozenset()
+    out = tables[0]
+    for t in tables[1:]:
+        out &= t
+    return out
+
+
+def bound_field(engines: frozenset[str], route: str) -> str:
+    """The field the completion bound is forwarded under: ``max_tokens``, except on chat when
+    an ``openai`` upstream serves the model (OpenAI refuses ``max_tokens`` for its reasoning
+    models; SGLang, vLLM and the bundled backend read ``max_completion_tokens or max_tokens``)."""
+    if route == "chat" and "openai" in engines:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+def _refuse(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, message, code=ErrorCode.INVALID_REQUEST, param=param)
+
+
+def _template_kwargs_for(engine: str, body: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if engine == "sglang":  # protocol.py normalize_reasoning_inputs
+            kwargs.setdefault("thinking", effort != "none")
+            kwargs.setdefault("enable_thinking", effort != "none")
+        elif engine == "vllm":  # build_chat_params: reasoning_effort is a template variable
+            kwargs["reasoning_effort"] = effort
+    return kwargs
+
+
+def _check_images(body: dict[str, Any], policy: ImagePolicy) -> None:
+    allowed = {h.lower() for h in policy.allowed_url_hosts}
+    for i, m in enumerate(body.get("messages") or ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in IMAGE_PART_TYPES:
+                continue
+            param = f"messages[{i}].content[{j}].image_url"
+            url = image_url_of(part)
+            if url is None:
+                raise _refuse(param, f"'{param}' must hold the image's URL (a data: URL).")
+            if url[:5].lower() == "data:":
+                continue
+            try:
+                parts = urlsplit(url)
+                host = (parts.hostname or "").lower()
+            except ValueError:
+                parts, host = None, ""
+            if parts is None or parts.scheme.lower() not in ("http", "https") or host not in allowed:
+                raise _refuse(
+                    param,
+                    f"'{param}' must be a data: URL"
+                    + (f" or an http(s) URL on {', '.join(sorted(allowed))}" if allowed else "")
+                    + "; the engine would fetch any other URL itself.",
+                )
+
+
+def check_request(body: dict[str, Any], route: str, engines: frozenset[str], images: ImagePolicy) -> ChatOptions:
+    """Apply the engines' field policy to a validated ``body`` before counting. Returns the
+    :class:`~tokenizer.chat.ChatOptions` the prompt must be counted with (chat; the default for
+    completions). Drops (in place) extension fields that are ``null`` or the engines' own
+    default and not in their table. Raises :class:`OpenAIError` 400 naming the field."""
+    allowed = allowed_extensions(engines, route)
+    openai_fields = OPENAI_FIELDS[route]
+    for key in [k for k in body if k not in openai_fields]:
+        if key in allowed:
+            continue
+        value = body[key]
+        if value is None or (key in _NO_OP_DEFAULTS and value == _NO_OP_DEFAULTS[key]):
+            del body[key]
+            continue
+        raise _refuse(
+            key,
+            f"Unrecognized request argument supplied: {key} (the engines serving this model do not accept it).",
+        )
+    for key, ok in _OPENAI_ONLY_ON.items():
+        if body.get(key) is not None and not engines <= ok:
+            raise _refuse(key, f"'{key}' is not supported by the engines serving this model.")
+    if route == "completions":
+        if body.get("echo") and body.get("logprobs") is not None and not engines <= {"openai"}:
+            raise _refuse(
+                "echo",
+                "'echo' with 'logprobs' (prompt logprobs) is not supported by the engines serving this model.",
+            )
+        return DEFAULT_CHAT
+    grammars = [k for k in ("regex", "ebnf", "json_schema") if body.get(k) is not None]
+    if len(grammars) > 1:
+        raise _refuse(grammars[1], f"Only one of 'regex', 'ebnf' and 'json_schema' may be set; got {grammars}.")
+    _check_images(body, images)
+    agp = body.get("add_generation_prompt")
+    cfm = body.get("continue_final_message")
+    if agp and cfm:
+        raise _refuse(
+            "continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both be true."
+        )
+    per_engine = [_template_kwargs_for(e, body) for e in sorted(engines)] or [
+        dict(body.get("chat_template_kwargs") or {})
+    ]
+    kwargs = per_engine[0]
+    if any(k != kwargs for k in per_engine[1:]):
+        raise _refuse(
+            "reasoning_effort",
+            "'reasoning_effort' changes the prompt differently on the engines serving this model; leave it out.",
+        )
+    return ChatOptions(
+        add_generation_prompt=bool(cfm is not True and agp is not False),
+        continue_final_message=bool(cfm),
+        template_kwargs=tuple(sorted(kwargs.items())),
+    )
+
+
+def check_bounded(body: dict[str, Any], bound: int, vocab_size: int) -> None:
+    """Checks that need the completion ``bound`` and the model's ``vocab_size``:
+    ``min_tokens <= bound``; every ``stop_token_ids`` entry and ``logit_bias`` key
+    ``< vocab_size``. Raises :class:`OpenAIError` 400 naming the field."""
+    mt = body.get("min_tokens")
+    if mt is not None and mt > bound:
+        raise _refuse("min_tokens", f"'min_tokens' is {mt}, above this request's completion bound of {bound} tokens.")
+    ids = body.get("stop_token_ids")
+    if ids:
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise _refuse(
+                "stop_token_ids", f"'stop_token_ids' holds {bad}, outside the vocabulary (size {vocab_size})."
+            )
+    bias = body.get("logit_bias")
+    if bias:
+        bad_key = next((k for k in bias if int(k) >= vocab_size), None)
+        if bad_key is not None:
+            raise _refuse(
+                "logit_bias", f"'logit_bias' names token {bad_key}, outside the vocabulary (size {vocab_size})."
+            )
+
+
+def forwarded_fields(body: dict[str, Any], route: str, engines: frozenset[str], bound: int) -> dict[str, Any]:
+    """``body`` with the completion bound normalised: exactly ``bound`` under
+    :func:`bound_field` and every other alias removed. Returns the same dict (changed in place)."""
+    name = bound_field(engines, route)
+    for alias in ("max_tokens", "max_completion_tokens"):
+        body.pop(alias, None)
+    body[name] = bound
+    return body
