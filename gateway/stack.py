@@ -40,6 +40,7 @@ import yaml
 
 from config.loader import DEFAULT_TENANTS, env_overrides, load_settings
 from config.models import ModelConfig, Settings, UpstreamConfig
+from config.secrets import private_dir
 
 #: The documented demo keys of ``config/tenants.yaml`` (``kvgate serve`` accepts them only with ``--demo``).
 DEMO_KEYS: dict[str, str] = {"demo-a": "sk-demo-a", "demo-b": "sk-demo-b"}
@@ -163,7 +164,7 @@ class EmbeddedStack:
         self.keys: dict[str, str] = dict(DEMO_KEYS)
         self._own_run_dir = self.options.run_dir is None
         self.run_dir = Path(self.options.run_dir or tempfile.mkdtemp(prefix="kvgate-stack-"))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir)  # under the state directory: 0700 when kvgate creates it
         self.tenants_path = Path(self.options.tenants or os.environ.get("KVGATE_TENANTS") or DEFAULT_TENANTS)
         self.config_path = self.run_dir / "kvgate.yaml"
 

@@ -25,7 +25,7 @@ from config import (
     load_tenants,
 )
 from config.loader import DEFAULT_CONFIG, DEFAULT_TENANTS, env_overrides
-from config.secrets import SECRET_NAMES, load_secrets
+from config.secrets import SECRET_NAMES, SecretsError, load_secrets, permission_problems, private_dir
 
 UPSTREAM = """\
 upstreams:
@@ -287,11 +287,110 @@ def test_secrets_generated_once_with_mode_0600(tmp_path):
     mtime = path.stat().st_mtime_ns
     assert load_secrets(state, environ={}) == first  # same keys on the next start, file untouched
     assert path.stat().st_mtime_ns == mtime and json.loads(path.read_text()) == stored
-    env = load_secrets(state, environ={"KVGATE_SECRET_ADMIN_KEY": "from-env"})
-    assert env["admin_key"] == b"from-env" and env["cache_salt_key"] == first["cache_salt_key"]
-    all_env = {f"KVGATE_SECRET_{n.upper()}": n for n in SECRET_NAMES}
-    assert load_secrets(tmp_path / "unused", environ=all_env) == {n: n.encode() for n in SECRET_NAMES}
+    env = load_secrets(state, environ={"KVGATE_SECRET_ADMIN_KEY": "from-env-16-bytes"})
+    assert env["admin_key"] == b"from-env-16-bytes" and env["cache_salt_key"] == first["cache_salt_key"]
+    all_env = {f"KVGATE_SECRET_{n.upper()}": n + "-0123456789" for n in SECRET_NAMES}
+    assert load_secrets(tmp_path / "unused", environ=all_env) == {n: (n + "-0123456789").encode() for n in SECRET_NAMES}
     assert not (tmp_path / "unused").exists()  # nothing written when the environment has them all
+
+
+def test_secrets_from_the_environment_need_16_bytes(tmp_path):
+    for short in ("x", "k" * 15, "é" * 7):  # 1, 15 and 14 bytes
+        with pytest.raises(SecretsError) as ei:
+            load_secrets(tmp_path, environ={"KVGATE_SECRET_CACHE_SALT_KEY": short})
+        n = len(short.encode())
+        assert str(ei.value) == (
+            f"KVGATE_SECRET_CACHE_SALT_KEY holds {n} byte(s); a secret needs at least 16 "
+            "(e.g. the output of: openssl rand -hex 32)"
+        )
+    assert not (tmp_path / "secrets.json").exists()  # refused before anything was written
+    assert load_secrets(tmp_path, environ={"KVGATE_SECRET_CACHE_SALT_KEY": "k" * 16})["cache_salt_key"] == b"k" * 16
+    assert (
+        load_secrets(tmp_path, environ={"KVGATE_SECRET_CACHE_SALT_KEY": "é" * 8})["cache_salt_key"]
+        == ("é" * 8).encode()
+    )
+
+
+def test_state_dirs_are_created_0700_and_secret_files_0600_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        load_secrets(tmp_path / "a" / "b" / "state", environ={})
+        private_dir(tmp_path / "c" / "d")
+    finally:
+        os.umask(old)
+    for d in ("a", "a/b", "a/b/state", "c", "c/d"):
+        assert stat.S_IMODE((tmp_path / d).stat().st_mode) == 0o700, d
+    for f in ("secrets.json", "secrets.lock"):
+        assert stat.S_IMODE((tmp_path / "a/b/state" / f).stat().st_mode) == 0o600, f
+    assert permission_problems(tmp_path / "a/b/state", environ={}) == []
+
+
+def test_open_secrets_are_named_with_the_chmod_to_run(tmp_path):
+    state = tmp_path / "state"
+    load_secrets(state, environ={})
+    os.chmod(state, 0o777)
+    os.chmod(state / "secrets.json", 0o666)
+    os.chmod(state / "secrets.lock", 0o640)
+    assert permission_problems(state, environ={}) == [
+        f"{state} is mode 0777 (open to other users); run: chmod 700 {state}",
+        f"{state}/secrets.json is mode 0666 (open to other users); run: chmod 600 {state}/secrets.json",
+        f"{state}/secrets.lock is mode 0640 (open to other users); run: chmod 600 {state}/secrets.lock",
+    ]
+    all_env = {f"KVGATE_SECRET_{n.upper()}": "s" * 32 for n in SECRET_NAMES}
+    assert len(permission_problems(state, environ=all_env)) == 3  # the file exists: still reported
+    (state / "secrets.json").unlink()
+    (state / "secrets.lock").unlink()
+    assert permission_problems(state, environ=all_env) == []  # no file is read or written
+    assert permission_problems(tmp_path / "missing", environ={}) == []
+
+
+def _serve_args(tmp_path, state, *extra):
+    import argparse
+
+    from gateway.commands import serve
+
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text(f"state_dir: {state}\n" + MODELS + UPSTREAM)
+    ten = tmp_path / "tenants.yaml"
+    ten.write_text("tenants: []\n")
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return serve, parser.parse_args(["--config", str(cfg), "--tenants", str(ten), *extra])
+
+
+def test_serve_refuses_open_secrets_unless_allowed(tmp_path, capsys, monkeypatch, caplog):
+    import gateway.logging
+    import gateway.server
+
+    for k in [k for k in os.environ if k.startswith("KVGATE_")]:
+        monkeypatch.delenv(k)
+    state = tmp_path / "state"
+    load_secrets(state, environ={})
+    os.chmod(state / "secrets.json", 0o644)
+    served = []
+    monkeypatch.setattr(gateway.server, "run_server", lambda app, *a, **kw: served.append(app) or 0)
+    monkeypatch.setattr(gateway.logging, "setup_logging", lambda *a, **kw: None)  # keep pytest's handlers
+    serve, args = _serve_args(tmp_path, state)
+    assert serve.run(args) == 2 and served == []
+    assert capsys.readouterr().err == (
+        "kvgate serve: the secrets are open to other users:\n"
+        f"  {state}/secrets.json is mode 0644 (open to other users); run: chmod 600 {state}/secrets.json\n"
+        "(or start with --allow-open-secrets to only warn)\n"
+    )
+    serve, args = _serve_args(tmp_path, state, "--allow-open-secrets")
+    assert serve.run(args) == 0 and len(served) == 1
+    assert (
+        f"secrets open to other users (--allow-open-secrets): {state}/secrets.json is mode 0644 (open to "
+        f"other users); run: chmod 600 {state}/secrets.json"
+    ) in [r.getMessage() for r in caplog.records if r.name == "kvgate.serve" and r.levelname == "WARNING"]
+    monkeypatch.setenv("KVGATE_SECRET_ADMIN_KEY", "short")
+    os.chmod(state / "secrets.json", 0o600)
+    serve, args = _serve_args(tmp_path, state)
+    assert serve.run(args) == 2 and len(served) == 1
+    assert capsys.readouterr().err == (
+        "kvgate serve: KVGATE_SECRET_ADMIN_KEY holds 5 byte(s); a secret needs at least 16 "
+        "(e.g. the output of: openssl rand -hex 32)\n"
+    )
 
 
 def test_secrets_file_missing_a_key_is_completed(tmp_path):

@@ -64,7 +64,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
     url = closed_port_url()
     port = url.rsplit(":", 1)[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    env["KVGATE_SECRET_CACHE_SALT_KEY"] = "k"
+    env["KVGATE_SECRET_CACHE_SALT_KEY"] = "k" * 16
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--tenants", str(ten), "--port", port],
         cwd=ROOT,

@@ -20,6 +20,8 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter
 
+from config.secrets import private_dir
+
 log = logging.getLogger("kvgate.verifier")
 
 #: Detectors: ``canary`` (a planted canary in another request's response), ``leak_index``
@@ -104,7 +106,7 @@ class IncidentSink:
     def __init__(self, path: str | os.PathLike[str] | None = None, keep: int = 1000) -> None:
         self.path = Path(path) if path else None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path.parent)  # a state directory: 0700 when kvgate creates it
         self.keep = keep
         self.recent: list[Incident] = []
         self._lock = threading.Lock()

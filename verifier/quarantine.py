@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from config.secrets import private_dir
+
 
 @dataclass(frozen=True)
 class QuarantineRecord:
@@ -44,7 +46,7 @@ class FileQuarantineBackend:
         return {k: QuarantineRecord(**v) for k, v in raw.items()}
 
     def _write(self, data: dict[str, QuarantineRecord]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)  # a state directory: 0700 when kvgate creates it
         tmp = self.path.with_name(f".quarantine.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps({k: asdict(v) for k, v in data.items()}, indent=1))
         os.replace(tmp, self.path)

@@ -1,12 +1,16 @@
 """``kvgate serve``: run the gateway (default 127.0.0.1:8080, from ``gateway.host``/``port``).
 
 Refuses to start while ``tenants.yaml`` accepts one of the documented demo keys (``sk-demo-a``,
-``sk-demo-b``) unless started with ``--demo`` (DESIGN.md, Contracts).
+``sk-demo-b``) unless started with ``--demo`` (DESIGN.md, Contracts), and while the secrets file or
+its state directory is open to other users (group or world bits; the message says the ``chmod``
+to run) unless started with ``--allow-open-secrets``, which logs a warning instead. A secret from
+the environment shorter than 16 bytes is refused too (exit status 2 for all of these).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 DEMO_KEYS = ("sk-demo-a", "sk-demo-b")
@@ -21,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="port (default: gateway.port, 8080)")
     parser.add_argument("--demo", action="store_true", help="allow the documented demo keys sk-demo-a/sk-demo-b")
     parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--allow-open-secrets",
+        action="store_true",
+        help="start even when secrets.json or its state directory is group/world accessible (warns instead)",
+    )
 
 
 def demo_tenants(registry) -> list[str]:
@@ -50,7 +59,7 @@ def build_stages(settings, secrets):
 
 def run(args: argparse.Namespace) -> int:
     from config.loader import ConfigError, load_settings
-    from config.secrets import load_secrets
+    from config.secrets import SecretsError, load_secrets, permission_problems
     from gateway.logging import setup_logging
     from gateway.tenants import TenantRegistry
 
@@ -70,7 +79,22 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     setup_logging(args.log_level or settings.gateway.log_level)
-    secrets = load_secrets(settings.state_dir)
+    problems = permission_problems(settings.state_dir)
+    if problems and not args.allow_open_secrets:
+        print(
+            "kvgate serve: the secrets are open to other users:\n  "
+            + "\n  ".join(problems)
+            + "\n(or start with --allow-open-secrets to only warn)",
+            file=sys.stderr,
+        )
+        return 2
+    for p in problems:
+        logging.getLogger("kvgate.serve").warning("secrets open to other users (--allow-open-secrets): %s", p)
+    try:
+        secrets = load_secrets(settings.state_dir)
+    except SecretsError as e:
+        print(f"kvgate serve: {e}", file=sys.stderr)
+        return 2
     quotas, verifier = build_stages(settings, secrets)
     from gateway.app import create_app
     from gateway.server import run_server
