@@ -29,7 +29,8 @@ class TokenizerConfig(_Strict):
     without ``/v1``, ``engine_api`` its shape). ``chat_template``: ``chatml`` (kvgate's ChatML, for
     ``tiktoken`` and ``bundled``) or ``hf`` (the Jinja template of tokenizer_config.json, for
     ``hf``); left out, it follows ``kind``. ``image_tokens``: what one image content part costs
-    (never 0).
+    (never 0). ``api_key`` (``kind: engine``): the bearer key of the tokenize endpoint; left out,
+    the ``api_key`` of the upstream whose ``api_url`` has the same scheme, host and port as ``url``.
     """
 
     kind: Literal["tiktoken", "bundled", "hf", "engine"] = "bundled"
@@ -39,6 +40,7 @@ class TokenizerConfig(_Strict):
     engine_api: Literal["sglang", "vllm"] = "sglang"
     chat_template: Literal["chatml", "hf"] = "chatml"
     image_tokens: int = Field(default=765, ge=1)
+    api_key: SecretStr | None = None
 
     @model_validator(mode="before")
     @classmethod

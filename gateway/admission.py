@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from config.errors import ErrorCode, OpenAIError, context_length_message
 from config.models import ModelConfig, Settings, TenantConfig
@@ -46,6 +47,29 @@ class ModelEntry:
         return self.config.upstream_model or self.config.id
 
 
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:
+        port = None
+    return scheme, (parts.hostname or "").lower(), port
+
+
+def engine_api_key(settings: Settings, tokenize_url: str | None) -> str | None:
+    """The ``api_key`` of the first upstream whose ``api_url`` shares the scheme, host and port of
+    ``tokenize_url`` (an engine tokenizer's base URL), else ``None``. ``tokenizer.api_key``, when
+    set, wins over it (:func:`tokenizer.make_counter`)."""
+    if not tokenize_url:
+        return None
+    want = _origin(tokenize_url)
+    for u in settings.upstreams:
+        if u.api_key is not None and _origin(u.api_url) == want:
+            return u.api_key.get_secret_value() or None
+    return None
+
+
 class ModelIndex:
     """Name (id or alias) -> :class:`ModelEntry`, built once per app from settings."""
 
@@ -59,7 +83,7 @@ class ModelIndex:
                 if served is not None and u.engine is not None:
                     engines.setdefault(served.id, set()).add(u.engine)
         for m in settings.models:
-            counter = make_counter(m.tokenizer, m.upstream_model or m.id)
+            counter = make_counter(m.tokenizer, m.upstream_model or m.id, engine_api_key(settings, m.tokenizer.url))
             if offload_chars is not None:
                 counter.offload_chars = offload_chars
             if m.images.cost != "fixed":

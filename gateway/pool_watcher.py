@@ -9,6 +9,7 @@ A :class:`PoolWatcher` polls where its upstream's pool is read (``pool_source``)
 - ``vllm``: ``GET`` the ``/v1/models`` URL; ``pool`` = the smallest ``data[].max_model_len``.
 - ``static``: ``static_pool_tokens`` from config; always known, reported as not live.
 
+Every poll carries the upstream's ``api_key`` (``Authorization: Bearer``) when it has one.
 Each node's limit is :func:`config.pool.effective_pool_limit`. Any failed poll (unreachable
 node, non-200, missing field) makes the pool *unknown* at once; a value older than
 ``max_staleness_seconds`` is unknown too. Unknown means the gateway fails closed (503
@@ -127,6 +128,10 @@ class PoolWatcher:
         self.last_error: str | None = "not polled yet"
         self.live = upstream.pool_source != "static"
         self._task: asyncio.Task[None] | None = None
+        key = upstream.api_key.get_secret_value() if upstream.api_key is not None else ""
+        #: the upstream's ``api_key`` as a bearer token on every poll (vLLM and SGLang started with
+        #: ``--api-key`` answer 401 without it, and the pool would be unknown)
+        self._headers = {"authorization": f"Bearer {key}"} if key else None
         if upstream.pool_source == "static":
             pool = int(upstream.static_pool_tokens or 0)
             lim = effective_pool_limit(context_length or _UNBOUNDED, pool, None, settings.headroom)
@@ -161,11 +166,12 @@ class PoolWatcher:
     # ------------------------------------------------------------ polling
     async def _get_json(self, url: str) -> Any:
         timeout = self.settings.request_timeout_seconds
-        r = await self.client.get(url, timeout=timeout)
+        headers = self._headers
+        r = await self.client.get(url, timeout=timeout, headers=headers)
         if r.status_code == 404 and self.upstream.pool_source in ("sglang", "kvgate"):
             alt = _fallback_url(url)
             if alt:
-                r = await self.client.get(alt, timeout=timeout)
+                r = await self.client.get(alt, timeout=timeout, headers=headers)
         if r.status_code != 200:
             raise PoolReadError(f"{url} answered {r.status_code}")
         try:

@@ -50,6 +50,10 @@ class MockState:
     headers: dict[str, str] = field(default_factory=dict)
     requests: list[dict[str, Any]] = field(default_factory=list)
     cancelled: list[tuple[str, float]] = field(default_factory=list)
+    #: when set, ``/server_info`` and ``/v1/models`` answer 401 unless ``Authorization: Bearer <it>``
+    #: (as vLLM and SGLang started with ``--api-key`` do)
+    api_key: str | None = None
+    info_auth: list[str | None] = field(default_factory=list)
 
 
 def _chat_chunk(rid: str, delta: dict, finish: str | None, usage_null: bool) -> bytes:
@@ -155,8 +159,16 @@ class _Reset(Exception):
 def build_app(state: MockState) -> Starlette:
     """The mock engine's ASGI app, steered by ``state``."""
 
+    def unauthorized(request: Request) -> Response | None:
+        state.info_auth.append(request.headers.get("authorization"))
+        if state.api_key is not None and request.headers.get("authorization") != f"Bearer {state.api_key}":
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return None
+
     async def server_info(request: Request) -> Response:
         state.info_hits += 1
+        if (denied := unauthorized(request)) is not None:
+            return denied
         if state.info_mode == "404" and request.url.path == "/server_info":
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         if state.info_mode == "500":
@@ -173,6 +185,8 @@ def build_app(state: MockState) -> Starlette:
         return JSONResponse(info)
 
     async def models(request: Request) -> Response:
+        if (denied := unauthorized(request)) is not None:
+            return denied
         entry: dict[str, Any] = {"id": "m", "object": "model"}
         if state.vllm_max_model_len is not None:
             entry["max_model_len"] = state.vllm_max_model_len

@@ -22,8 +22,11 @@ from tokenizer.errors import (
 from tokenizer.tiktoken_counter import TiktokenCounter, bundled_counter
 
 
-def make_counter(cfg: TokenizerConfig, model: str = "") -> PromptCounter:
+def make_counter(cfg: TokenizerConfig, model: str = "", api_key: str | None = None) -> PromptCounter:
     """Build the counter a model's :class:`~config.models.TokenizerConfig` describes.
+
+    ``api_key``: the bearer key of the engine's tokenize endpoint (``kind: engine`` only), used when
+    ``cfg.api_key`` is not set.
 
     Raises ``ValueError`` for an encoding not available offline, ``FileNotFoundError`` for a
     missing HF folder, ``ImportError`` when the ``hf`` extra is not installed.
@@ -38,7 +41,8 @@ def make_counter(cfg: TokenizerConfig, model: str = "") -> PromptCounter:
         return HFCounter(cfg.path or "", image_tokens=cfg.image_tokens)
     from tokenizer.engine_counter import EngineCounter
 
-    return EngineCounter(cfg.url or "", model, api=cfg.engine_api, image_tokens=cfg.image_tokens)
+    key = cfg.api_key.get_secret_value() if cfg.api_key is not None else api_key
+    return EngineCounter(cfg.url or "", model, api=cfg.engine_api, image_tokens=cfg.image_tokens, api_key=key)
 
 
 __all__ = [

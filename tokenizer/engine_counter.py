@@ -70,7 +70,9 @@ class EngineCounter(PromptCounter):
     """Asks the engine at ``base_url`` (no ``/v1``) for ``model``'s counts; ``api`` is ``sglang``
     (``/v1/tokenize``) or ``vllm`` (``/tokenize``). Only the async API is available (network I/O);
     the sync methods raise ``NotImplementedError``. ``vocab_size`` bounds token-id validation (the
-    engine's vocabulary is not known here). Token ids are validated locally, never sent."""
+    engine's vocabulary is not known here). Token ids are validated locally, never sent.
+    ``api_key``: sent as ``Authorization: Bearer`` on every tokenize call (an engine started with
+    ``--api-key`` answers 401 without it, which is a 502 here)."""
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class EngineCounter(PromptCounter):
         image_tokens: int = 765,
         timeout_seconds: float = 5.0,
         client: httpx.AsyncClient | None = None,
+        api_key: str | None = None,
     ) -> None:
         if api not in ENGINE_APIS:
             raise ValueError(f"engine api must be one of {ENGINE_APIS}, not {api!r}")
@@ -91,6 +94,7 @@ class EngineCounter(PromptCounter):
         self.image_tokens = image_tokens
         self._client = client or httpx.AsyncClient(timeout=timeout_seconds)
         self.url = f"{self.base_url}/v1/tokenize" if api == "sglang" else f"{self.base_url}/tokenize"
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
 
     def count_text(self, text: str) -> int:
         raise NotImplementedError("EngineCounter counts only through its async API")
@@ -104,7 +108,7 @@ class EngineCounter(PromptCounter):
 
     async def _ask(self, payload: dict[str, Any], expected: int = 1) -> list[int]:
         try:
-            r = await self._client.post(self.url, json={"model": self.model, **payload})
+            r = await self._client.post(self.url, json={"model": self.model, **payload}, headers=self._headers)
         except httpx.HTTPError as e:
             raise EngineTokenizeError(f"engine tokenize at {self.url} failed: {type(e).__name__}") from None
         if r.status_code != 200:
