@@ -11,6 +11,8 @@ not matter; ``time.monotonic()`` in :class:`LocalQuotaStore`.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import time
 from collections import deque
@@ -19,6 +21,8 @@ from importlib import resources
 from typing import Any, Protocol
 
 from config.models import TenantConfig
+
+log = logging.getLogger("kvgate.quotas")
 
 UNLIMITED = -1
 
@@ -150,10 +154,21 @@ class RedisQuotaStore:
         return [f"{base}:rpm", f"{base}:tpm", f"{base}:tpm:debits", f"{base}:tpm:sum", f"{base}:leases"]
 
     async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run ``script``. A connection error (a pooled connection that Redis, restarted or
+        failed over, no longer knows) drops every idle pooled connection and tries once more on
+        a fresh one, so a Redis that answers again costs no 503; a timeout is never retried, and
+        the stage's deadline bounds both tries. Raises :class:`QuotaStoreUnavailable`."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import RedisError
 
         try:
-            return await script(keys=keys, args=args)
+            try:
+                return await script(keys=keys, args=args)
+            except (RedisConnectionError, ConnectionResetError, BrokenPipeError) as first:
+                log.info("redis connection lost (%s); reconnecting once", type(first).__name__)
+                with contextlib.suppress(Exception):
+                    await self.client.connection_pool.disconnect(inuse_connections=False)
+                return await script(keys=keys, args=args)
         except (RedisError, OSError) as e:
             raise QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}") from e
 

@@ -161,4 +161,70 @@ def black_hole() -> Iterator[BlackHole]:
         b.close()
 
 
+class StaleProxy:
+    """A TCP forwarder to ``port`` that hides a server restart from its clients, as a NAT box, a
+    load balancer or a lost FIN does: when the server side of a connection closes, the client side
+    stays open and silent, and the client's next command on it gets a reset. New connections are
+    forwarded to the (restarted) server as usual."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.resets = 0
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._stop:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                continue
+            try:
+                u = socket.create_connection(("127.0.0.1", self.target), timeout=2)
+            except OSError:
+                c.close()
+                continue
+            dead = threading.Event()
+            threading.Thread(target=self._down, args=(u, c, dead), daemon=True).start()
+            threading.Thread(target=self._up, args=(c, u, dead), daemon=True).start()
+
+    def _down(self, u: socket.socket, c: socket.socket, dead: threading.Event) -> None:
+        u.settimeout(None)
+        try:
+            while data := u.recv(65536):
+                c.sendall(data)
+        except OSError:
+            pass
+        dead.set()  # the server went away: tell the client nothing
+
+    def _up(self, c: socket.socket, u: socket.socket, dead: threading.Event) -> None:
+        stale = False
+        try:
+            while data := c.recv(65536):
+                if dead.is_set():
+                    stale = True  # a command on a connection whose server is gone
+                    break
+                u.sendall(data)
+        except OSError:
+            pass
+        if stale:
+            self.resets += 1
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        c.close()
+        u.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+
+
 assert os.name == "posix"  # SIGSTOP / SIGCONT

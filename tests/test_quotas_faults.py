@@ -208,3 +208,32 @@ async def test_redis_url_with_timeouts_and_no_retries() -> None:
         "kvgate:q:{a}:tpm:sum",
         "kvgate:q:{a}:leases",
     ]
+
+
+async def test_redis_restart_behind_stale_connections_costs_no_503(spare_redis) -> None:
+    """Redis restarts and the pooled connections do not know (a proxy keeps their client side
+    open): the first command on each gets a reset. Once Redis answers again, no request gets a
+    503: the store drops the stale connections and reconnects once, inside the deadline."""
+    from quota_fixtures import StaleProxy
+
+    proxy = StaleProxy(spare_redis.port)
+    try:
+        stage = _stage(proxy.url)
+        t = _tenant(rpm=1000, max_concurrent=50)
+        leases = await asyncio.gather(*(stage.reserve(t, 1, f"warm-{i}") for i in range(4)))  # 4 pooled connections
+        for lease in leases:
+            await stage.settle(lease, 1)
+        pooled = len(stage.store.client.connection_pool._available_connections)
+        assert pooled >= 2
+        spare_redis.kill()
+        spare_redis.start()  # same port, answers PING again before the next request
+        for i in range(6):
+            elapsed, out = await _timed(stage.reserve(t, 1, f"after-{i}"))
+            assert not isinstance(out, OpenAIError), f"request {i} after the restart: {out!r}"
+            assert elapsed < 1.0
+            await stage.settle(out, 1)
+        assert proxy.resets == 1  # one stale connection was tried, the others were dropped unused
+        await _assert_limits_hold(stage, 3)
+        await stage.aclose()
+    finally:
+        proxy.close()
