@@ -13,6 +13,21 @@ from typing import Any
 import orjson
 
 
+#: longest ``param`` an error body carries (characters); a field name is never longer in a valid request
+MAX_PARAM_CHARS = 128
+#: longest ``message`` an error body carries (characters)
+MAX_MESSAGE_CHARS = 1024
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text`` itself when at most ``limit`` characters, else its first ``limit`` characters and
+    the marker ``"...[N more characters]"`` (so an echoed name or value, e.g. a 4 MB field name,
+    never makes an error body or a log line large)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...[{len(text) - limit} more characters]"
+
+
 class ErrorCode:
     """The ``code`` values kvgate emits, with their HTTP status in comments."""
 
@@ -60,12 +75,13 @@ def openai_error(
     param: str | None = None,
     type: str | None = None,
 ) -> dict[str, Any]:
-    """Build the OpenAI error body as a dict. ``type`` defaults from ``status``."""
+    """Build the OpenAI error body as a dict. ``type`` defaults from ``status``; ``message`` and
+    ``param`` are cut as :class:`OpenAIError` cuts them."""
     return {
         "error": {
-            "message": message,
+            "message": bounded(message, MAX_MESSAGE_CHARS),
             "type": type or error_type_for_status(status),
-            "param": param,
+            "param": None if param is None else bounded(param, MAX_PARAM_CHARS),
             "code": code,
         }
     }
@@ -81,7 +97,10 @@ class OpenAIError(Exception):
     """An error that is answered with an OpenAI-shaped body and ``status``.
 
     Raised anywhere on a request path; the server's exception handler renders it.
-    ``headers`` are added to the response (e.g. ``Retry-After``).
+    ``headers`` are added to the response (e.g. ``Retry-After``). ``message`` and ``param`` are
+    cut to :data:`MAX_MESSAGE_CHARS` / :data:`MAX_PARAM_CHARS` with :func:`bounded`'s marker: they
+    may echo what a client sent (an unknown field's name), and the body and the access log must
+    stay small.
     """
 
     status: int
@@ -92,11 +111,16 @@ class OpenAIError(Exception):
     headers: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
+        if len(self.message) > MAX_MESSAGE_CHARS:
+            self.message = bounded(self.message, MAX_MESSAGE_CHARS)
+        if self.param is not None and len(self.param) > MAX_PARAM_CHARS:
+            self.param = bounded(self.param, MAX_PARAM_CHARS)
         super().__init__(self.message)
 
     def body(self) -> dict[str, Any]:
-        """The JSON body: ``{"error": {...}}``."""
-        return openai_error(self.message, status=self.status, code=self.code, param=self.param, type=self.type)
+        """The JSON body: ``{"error": {...}}`` (message and param already cut)."""
+        etype = self.type or error_type_for_status(self.status)
+        return {"error": {"message": self.message, "type": etype, "param": self.param, "code": self.code}}
 
     def body_bytes(self) -> bytes:
         """The JSON body as bytes."""

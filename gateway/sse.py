@@ -20,36 +20,88 @@ DONE_EVENT = b"data: [DONE]\n\n"
 _USAGE_NULL = re.compile(rb',\s*"usage"\s*:\s*null|"usage"\s*:\s*null\s*,?')
 
 
+class SSEEventTooLarge(Exception):
+    """An upstream event (or an unfinished one) grew past ``limit`` bytes: ``size`` bytes so far.
+    ``before``: the complete events of the same read that came before it (still to be relayed)."""
+
+    def __init__(self, size: int, limit: int, before: list[bytes] | None = None) -> None:
+        super().__init__(f"stream event of {size} bytes or more, above the limit of {limit}")
+        self.size = size
+        self.limit = limit
+        self.before = before or []
+
+
+#: default bound of one event (bytes, terminator included): ``gateway.max_sse_event_bytes``
+DEFAULT_MAX_EVENT_BYTES = 1 << 20
+
+
 class SSESplitter:
-    """Feeds bytes, yields complete events (each ``bytes`` including its terminating blank line)."""
+    """Feeds bytes, yields complete events (each ``bytes`` including its terminating blank line).
 
-    __slots__ = ("_buf",)
+    Incremental: each :meth:`feed` scans only the bytes it has not scanned before (plus the 3
+    before them, where a terminator may straddle two reads), so an event arriving in many small
+    reads costs time linear in its size, not quadratic. ``max_event_bytes`` bounds one event,
+    terminator included, and the unfinished tail kept between reads: past it, :meth:`feed`
+    raises :class:`SSEEventTooLarge` (``None``: unbounded)."""
 
-    def __init__(self) -> None:
-        self._buf = b""
+    __slots__ = ("_buf", "_scanned", "max_event_bytes")
+
+    def __init__(self, max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES) -> None:
+        self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf already searched for a terminator
+        self.max_event_bytes = max_event_bytes
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        """Complete events in ``chunk`` (with what was buffered before); keeps the incomplete tail."""
-        buf = self._buf + chunk if self._buf else chunk
+        """Complete events in ``chunk`` (with what was buffered before); keeps the incomplete tail.
+        Raises :class:`SSEEventTooLarge` when an event or the tail exceeds ``max_event_bytes``."""
+        if self._buf:
+            self._buf += chunk
+            buf: bytes | bytearray = self._buf
+            pos = max(0, self._scanned - 3)
+        else:
+            buf = chunk
+            pos = 0
+        limit = self.max_event_bytes
         out: list[bytes] = []
         start = 0
-        while True:
-            i = buf.find(b"\n\n", start)
-            j = buf.find(b"\r\n\r\n", start)
-            if i < 0 and j < 0:
-                break
-            if j >= 0 and (i < 0 or j < i):
-                end = j + 4
-            else:
-                end = i + 2
-            out.append(buf[start:end])
+        n = len(buf)
+        # next "\n\n" / "\r\n\r\n" at or after pos; n when none (searched at most once per feed each)
+        i = buf.find(b"\n\n", pos)
+        i = n if i < 0 else i
+        j = buf.find(b"\r\n\r\n", pos)
+        j = n if j < 0 else j
+        while i < n or j < n:
+            end = j + 4 if j < i else i + 2
+            if limit is not None and end - start > limit:
+                self._drop()
+                raise SSEEventTooLarge(end - start, limit, out)
+            out.append(bytes(buf[start:end]))
             start = end
-        self._buf = buf[start:]
+            if i < start:
+                i = buf.find(b"\n\n", start)
+                i = n if i < 0 else i
+            if j < start:
+                j = buf.find(b"\r\n\r\n", start)
+                j = n if j < 0 else j
+        tail = n - start
+        if limit is not None and tail > limit:
+            self._drop()
+            raise SSEEventTooLarge(tail, limit, out)
+        if buf is self._buf:
+            if start:
+                del self._buf[:start]
+        elif tail:
+            self._buf = bytearray(buf[start:])
+        self._scanned = tail
         return out
+
+    def _drop(self) -> None:
+        self._buf = bytearray()
+        self._scanned = 0
 
     def tail(self) -> bytes:
         """Bytes after the last complete event (an event the upstream never finished)."""
-        return self._buf
+        return bytes(self._buf)
 
 
 def data_of(event: bytes) -> bytes | None:

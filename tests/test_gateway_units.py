@@ -13,7 +13,7 @@ from gateway.handlers import request_id_of
 from gateway.pool_watcher import PoolReadError, limit_from_server_info, limit_from_vllm_models
 from gateway.proxy import engine_error
 from gateway.requests import parse_json_body, validate
-from gateway.sse import SSESplitter, data_of, inspect, strip_usage_null
+from gateway.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, strip_usage_null
 from gateway.tenants import TenantRegistry, hash_key
 
 
@@ -76,6 +76,39 @@ def test_splitter_crlf_and_multiline_data():
     assert got == [b'data: {"a":\r\ndata: 1}\r\n\r\n', b"data: x\n\n"]
     assert data_of(got[0]) == b'{"a":\n1}'
     assert sp.tail() == b"incomplete"
+
+
+def test_splitter_finds_terminators_cut_across_reads_and_mixed_endings():
+    stream = b"data: a\r\n\r\ndata: b\n\ndata: c\r\n\r\n: x\n\n"
+    want = [b"data: a\r\n\r\n", b"data: b\n\n", b"data: c\r\n\r\n", b": x\n\n"]
+    for cut in range(1, len(stream)):
+        for cut2 in range(cut, len(stream)):
+            sp = SSESplitter()
+            got = sp.feed(stream[:cut]) + sp.feed(stream[cut:cut2]) + sp.feed(stream[cut2:])
+            assert got == want, (cut, cut2)
+            assert sp.tail() == b""
+
+
+def test_splitter_bounds_one_event():
+    ev = b"data: " + b"x" * 94 + b"\n\n"  # 102 bytes
+    sp = SSESplitter(max_event_bytes=102)
+    assert sp.feed(ev + ev[:50]) == [ev]  # exactly the limit passes
+    assert sp.feed(ev[50:]) == [ev]
+    with pytest.raises(SSEEventTooLarge) as ei:
+        SSESplitter(max_event_bytes=101).feed(b"data: 1\n\n" + ev)
+    assert (ei.value.size, ei.value.limit, ei.value.before) == (102, 101, [b"data: 1\n\n"])
+    # an unfinished event is bounded too: 16 KiB reads of an 8 MiB event stop at the first read past it
+    sp = SSESplitter(max_event_bytes=1 << 20)
+    piece = b"data: " + b"y" * (16 * 1024 - 6)
+    fed = 0
+    with pytest.raises(SSEEventTooLarge) as ei:
+        for _ in range(512):
+            sp.feed(piece)
+            fed += 1
+    assert (fed, ei.value.size, ei.value.limit) == (64, 65 * 16 * 1024, 1 << 20)
+    assert sp.tail() == b""  # the buffer is released
+    unbounded = SSESplitter(max_event_bytes=None)
+    assert unbounded.feed(b"data: " + b"z" * (3 << 20)) == [] and len(unbounded.tail()) == 6 + (3 << 20)
 
 
 def test_inspect_kinds():

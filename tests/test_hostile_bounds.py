@@ -1,0 +1,103 @@
+"""What a hostile client or engine sends is bounded: echoed names and values in error bodies and
+logs are cut with a marker, no log line exceeds 16 KiB, and an upstream stream event over
+``gateway.max_sse_event_bytes`` ends the stream with an OpenAI-shaped error event."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+
+import pytest
+
+from config.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, OpenAIError, bounded, openai_error
+from gateway.logging import MAX_FIELD_CHARS, MAX_LINE_BYTES, JsonFormatter
+from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream
+from tests.mock_engine import MockEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_bounded_keeps_short_text_and_marks_the_cut():
+    assert bounded("abc", 3) == "abc"
+    assert bounded("abcd", 3) == "abc...[1 more characters]"
+    assert bounded("x" * 4_000_000, 128) == "x" * 128 + "...[3999872 more characters]"
+
+
+def test_openai_error_cuts_echoed_param_and_message():
+    name = "p" * 4_000_000
+    e = OpenAIError(400, f"Unrecognized request argument supplied: {name}", code="invalid_request", param=name)
+    assert e.param == "p" * MAX_PARAM_CHARS + f"...[{4_000_000 - MAX_PARAM_CHARS} more characters]"
+    assert e.message == (
+        "Unrecognized request argument supplied: "
+        + "p" * (MAX_MESSAGE_CHARS - 40)
+        + f"...[{4_000_040 - MAX_MESSAGE_CHARS} more characters]"
+    )
+    assert len(e.body_bytes()) < 1400
+    assert openai_error("m" * 5000, param="q" * 500)["error"]["param"] == "q" * 128 + "...[372 more characters]"
+
+
+def _line(record_msg: str, fields: dict | None = None, exc: bool = False) -> str:
+    rec = logging.LogRecord("kvgate.access", logging.INFO, __file__, 1, record_msg, None, None)
+    if fields is not None:
+        rec.fields = fields
+    if exc:
+        try:
+            raise ValueError("v" * 100_000)
+        except ValueError:
+            rec.exc_info = sys.exc_info()
+    return JsonFormatter().format(rec)
+
+
+def test_log_lines_are_bounded():
+    big = "n" * 4_000_000
+    line = _line("request", {"param": big, "request_id": "r1", "usage": {"prompt_tokens": 3}, "status": 400})
+    obj = json.loads(line)
+    assert obj["param"] == "n" * MAX_FIELD_CHARS + f"...[{4_000_000 - MAX_FIELD_CHARS} more characters]"
+    assert (obj["request_id"], obj["usage"], obj["status"]) == ("r1", {"prompt_tokens": 3}, 400)
+    assert len(line.encode()) < 2048
+    # many large fields: the line would pass 16 KiB, so only the head is kept
+    many = _line("m" * 50_000, {f"f{i}": "v" * 5000 for i in range(40)})
+    obj = json.loads(many)
+    assert len(many.encode()) <= MAX_LINE_BYTES
+    assert set(obj) == {"ts", "level", "logger", "msg", "truncated"}
+    assert obj["msg"] == "m" * 512 + "...[49488 more characters]" and obj["truncated"] is True
+    assert len(_line("boom", exc=True).encode()) <= MAX_LINE_BYTES
+    huge_list = json.loads(_line("x", {"ids": list(range(100_000))}))["ids"]
+    assert isinstance(huge_list, str) and huge_list.endswith(" more characters]") and len(huge_list) < 1100
+
+
+@pytest.fixture
+def engine():
+    e = MockEngine().start()
+    yield e
+    e.stop()
+
+
+def test_unknown_field_named_with_4mb_of_text_gets_a_small_400_and_a_small_log_line(engine):
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    access = logging.getLogger("kvgate.access")
+    access.addHandler(handler)
+    old_level = access.level
+    access.setLevel(logging.INFO)
+    name = "Tell me the secret plan. " * 166_667  # 4,000,008 characters of prompt-like text
+    g = Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 8 << 20}), tenants()).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json={**chat(), name: 1})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == name[:128] + f"...[{len(name) - 128} more characters]"
+        assert err["message"] == bounded(f"Unrecognized request argument supplied: {name}", 1024)
+        assert len(r.content) < 1500
+        assert engine.state.requests == []
+    finally:
+        g.stop()
+        access.removeHandler(handler)
+        access.setLevel(old_level)
+    lines = [ln for ln in stream.getvalue().splitlines() if ln]
+    assert lines and all(len(ln.encode()) <= MAX_LINE_BYTES for ln in lines)
+    assert all(name[:2000] not in ln for ln in lines)
