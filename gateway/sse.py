@@ -46,7 +46,7 @@ class SSESplitter:
 
     __slots__ = ("_buf", "_scanned", "max_event_bytes")
 
-    def __init__(self, max_event_bytes: int | None = DEFAULT_MAX_EVENT_BYTES) -> None:
+    def __init__(self, max_event_bytes: int | None = None) -> None:
         self._buf = bytearray()
         self._scanned = 0  # bytes of _buf already searched for a terminator
         self.max_event_bytes = max_event_bytes
