@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("gateway.commands.up", "run the embedded stack: bundled backend + gateway, demo tenants"),
     "demo": ("gateway.commands.demo", "run the embedded stack and send real text through it"),
     "backend": ("gateway.commands.backend", "run the bundled engine (python -m gpu_backend)"),
+    "model": ("gateway.commands.model", "pull a named model into the state dir, or list them"),
     "tenant": ("gateway.commands.tenant", "add tenants, set limits, rotate and revoke API keys"),
     "upstream": ("gateway.commands.upstream", "clear an upstream's quarantine"),
     "deploy-gate": ("verifier.deploy_gate", "check live KV pools against context length x headroom"),

@@ -15,21 +15,73 @@ What is counted, and why it is never fewer than what the engine sees:
 - a special-token look-alike (``<|im_start|>``) in any request string is counted as ordinary text:
   the engine's tokenizer would read it as one special token, kvgate adds the difference to its
   text encoding (so the count is the engine's plus that surcharge, never less).
+
+The same class is the bundled engine's tokenizer when it serves an HF folder (DESIGN.md, Models):
+``encode_text`` / ``encode_prompt_text`` / ``encode_chat`` return ids whose length is exactly
+``count_text`` / ``count_prompt_text`` / ``count_chat``, with every look-alike in user text encoded
+as text (special tokens come only from the template and the post-processor). ``token_bytes`` and
+``eos_token_ids`` drive the engine's incremental detokenization and stopping.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
 from tokenizer.base import PromptCounter
 from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions, render_chatml
-from tokenizer.errors import InvalidPromptError
+from tokenizer.errors import ImagesNotSupportedError, InvalidPromptError
 
 #: tokenizer_config.json keys passed to the template as variables (transformers' special_tokens_map).
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (``openai/gpt-2`` ``encoder.py``, also the
+    ``tokenizers`` ByteLevel pre-tokenizer): the alphabet byte-level BPE vocabularies are written in."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _uses_byte_level(component: Any) -> bool:
+    """Whether a ``tokenizer.json`` component (dict, possibly a ``Sequence``) is or holds ByteLevel."""
+    if not isinstance(component, dict):
+        return False
+    if component.get("type") == "ByteLevel":
+        return True
+    return any(_uses_byte_level(c) for c in component.get("decoders") or component.get("pretokenizers") or [])
+
+
+def _model_eos_ids(folder: Path) -> set[int]:
+    """``eos_token_id`` (an int or a list) of ``generation_config.json`` and ``config.json``."""
+    out: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        f = folder / name
+        if not f.is_file():
+            continue
+        try:
+            v = json.loads(f.read_text(encoding="utf-8")).get("eos_token_id")
+        except (ValueError, AttributeError):
+            continue
+        for i in v if isinstance(v, list) else [v]:
+            if isinstance(i, int) and not isinstance(i, bool) and i >= 0:
+                out.add(i)
+    return out
 
 
 def _strings(obj: Any) -> Iterator[str]:
@@ -99,12 +151,117 @@ class HFCounter(PromptCounter):
         self._by_prefix: dict[str, list[str]] = {}
         for s in sorted(self._surcharge, key=len, reverse=True):
             self._by_prefix.setdefault(s[:2], []).append(s)
+        #: every special token's text, longest first (leftmost-longest, as the tokenizer matches them)
+        self._special_re = (
+            re.compile("|".join(re.escape(s) for s in sorted(set(specials), key=len, reverse=True)))
+            if specials
+            else None
+        )
+        self.special_ids = frozenset(i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special)
+        probe = self.tokenizer.encode("a", add_special_tokens=False).ids
+        framed = self.tokenizer.encode("a", add_special_tokens=True).ids
+        at = next((i for i in range(len(framed) - len(probe) + 1) if framed[i : i + len(probe)] == probe), 0)
+        #: what the post-processor puts around a prompt (a Llama BOS: ``[1]``, ``[]``)
+        self.prompt_prefix, self.prompt_suffix = framed[:at], framed[at + len(probe) :]
+        self._byte_level = _uses_byte_level(json.loads(self.tokenizer.to_str()).get("decoder"))
+        self._token_bytes: dict[int, bytes] = {}
+        eos = self._special_value("eos_token")
+        eos_id = self.tokenizer.token_to_id(eos) if eos else None
+        #: ids that end a completion: tokenizer_config ``eos_token`` + the model's ``eos_token_id`` list
+        self.eos_token_ids = frozenset(({eos_id} if eos_id is not None else set()) | _model_eos_ids(folder))
         template = self.config.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next(
                 (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
             )
         self._template = _compile_template(template) if isinstance(template, str) and template else None
+
+    # ---- the engine's side: ids, bytes ------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of ordinary text, no BOS/EOS; a special-token look-alike becomes its text encoding.
+        ``len(encode_text(t)) == count_text(t)``: the tokenizer splits its input at special tokens
+        before pre-tokenizing, so each look-alike's one id is replaced by its text ids alone."""
+        if self._special_re is None or not self._special_re.search(text):
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        pos = 0
+        for m in self._special_re.finditer(text):
+            if m.start() > pos:
+                ids += self.tokenizer.encode(text[pos : m.start()], add_special_tokens=False).ids
+            ids += self._text_tokenizer.encode(m.group(), add_special_tokens=False).ids
+            pos = m.end()
+        if pos < len(text):
+            ids += self.tokenizer.encode(text[pos:], add_special_tokens=False).ids
+        return ids
+
+    def encode_prompt_text(self, text: str) -> list[int]:
+        """Ids of a completions prompt: :meth:`encode_text` framed by the post-processor's tokens
+        (``len == count_prompt_text``)."""
+        return [*self.prompt_prefix, *self.encode_text(text), *self.prompt_suffix]
+
+    def encode_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> list[int]:
+        """Ids of a chat rendered with the template (generation prompt included), special tokens
+        only from the template; ``len == count_chat`` (text-only chats). Each look-alike in a request
+        string is swapped for a random marker before rendering, and the marker for the look-alike's
+        text ids after. Raises :class:`InvalidPromptError` (as :meth:`render_chat`),
+        :class:`ImagesNotSupportedError` for an image part (the engine takes text only)."""
+        _prompt, images = self.render_chat(messages, tools, options)
+        if images:
+            raise ImagesNotSupportedError("This model does not accept image content parts.", "messages")
+        strings = _strings([messages, tools, options.template_kwargs])
+        if self._special_re is None or not any(self._special_re.search(s) for s in strings):
+            return self.tokenizer.encode(_prompt, add_special_tokens=False).ids
+        nonce = secrets.token_hex(8)
+        found: list[str] = []
+
+        def mark(m: re.Match[str]) -> str:
+            found.append(m.group())
+            return f"\ue000{nonce}:{len(found) - 1}\ue001"
+
+        def swap(x: Any) -> Any:
+            if isinstance(x, str):
+                return self._special_re.sub(mark, x)  # type: ignore[union-attr]
+            if isinstance(x, dict):
+                return {swap(k): swap(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [swap(v) for v in x]
+            return x
+
+        # template kwargs stay as they are: count_chat charges no surcharge for them either
+        prompt, _ = self.render_chat(swap(messages), swap(tools) if tools else tools, options)
+        ids: list[int] = []
+        pos = 0
+        for m in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", prompt):
+            if m.start() > pos:
+                ids += self.tokenizer.encode(prompt[pos : m.start()], add_special_tokens=False).ids
+            ids += self._text_tokenizer.encode(found[int(m.group(1))], add_special_tokens=False).ids
+            pos = m.end()
+        if pos < len(prompt):
+            ids += self.tokenizer.encode(prompt[pos:], add_special_tokens=False).ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids, special tokens skipped (vLLM's and SGLang's ``skip_special_tokens`` default)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for, for incremental UTF-8 detokenization (special and unknown
+        ids: ``b""``). Byte-level vocabularies map each character back through GPT-2's table;
+        others: ``<0xNN>`` byte-fallback tokens are that byte, ``▁`` is a space (SentencePiece)."""
+        b = self._token_bytes.get(token_id)
+        if b is not None:
+            return b
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None or token_id in self.special_ids:
+            b = b""
+        elif self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            b = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        elif m := _BYTE_FALLBACK.fullmatch(piece):
+            b = bytes([int(m.group(1), 16)])
+        else:
+            b = piece.replace("\u2581", " ").encode("utf-8")
+        self._token_bytes[token_id] = b
+        return b
 
     def _special_value(self, name: str) -> str | None:
         v = self.config.get(name)

@@ -32,10 +32,23 @@ class TiktokenCounter(PromptCounter):
         specials = self.encoding._special_tokens
         self.im_start_id = specials.get("<|im_start|>", IM_START_ID)
         self.im_end_id = specials.get("<|im_end|>", IM_END_ID)
+        #: ids that end a completion in the bundled backend: ``<|im_end|>`` and ``<|endoftext|>``
+        self.eos_token_ids = frozenset(i for i in (self.im_end_id, specials.get("<|endoftext|>")) if i is not None)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ordinary text (special-token look-alikes are text)."""
         return self.encoding.encode_ordinary(text)
+
+    def encode_prompt_text(self, text: str) -> list[int]:
+        """Ids of a completions prompt: tiktoken adds nothing around it, so :meth:`encode_text`."""
+        return self.encode_text(text)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one id (``b""`` for an id the encoding lacks)."""
+        try:
+            return self.encoding.decode_single_token_bytes(token_id)
+        except KeyError:
+            return b""
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (invalid UTF-8 replaced by U+FFFD)."""
