@@ -7,29 +7,87 @@
     max_req_input_len     = min(context_length - 1, max_total_num_tokens - 1) - 5
 
 ``free_memory`` is the device's free memory before the weights were loaded (CUDA:
-``torch.cuda.mem_get_info``); on CPU ``mem_budget_bytes`` stands in for it (default
-:data:`CPU_DEFAULT_BUDGET_BYTES`); on CUDA, ``mem_budget_bytes`` overrides the measurement.
+``torch.cuda.mem_get_info``). On CPU it is the memory the OS reports available (``MemAvailable``
+of ``/proc/meminfo``, else ``os.sysconf``), capped at :data:`CPU_BUDGET_CAP_BYTES` (4 GiB) so one
+engine on a shared host never claims the whole machine; the cap also bounds a pool sized with no
+token cap at all. ``mem_budget_bytes`` replaces the measurement on either device.
+:func:`describe` gives the start-up log line that says how the pool got its size.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-#: Free memory assumed on CPU when ``mem_budget_bytes`` is not given (512 MiB).
+#: On CPU, the most memory the pool sizing starts from when ``mem_budget_bytes`` is not given (4 GiB).
+CPU_BUDGET_CAP_BYTES = 4 * 1024**3
+#: Kept for callers of the first release: the old fixed CPU budget (512 MiB); no longer the default.
 CPU_DEFAULT_BUDGET_BYTES = 512 * 1024 * 1024
+
+
+def cpu_available_bytes() -> int:
+    """Memory the OS says can be allocated without swapping (``MemAvailable``), else free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return CPU_DEFAULT_BUDGET_BYTES
+
+
+def memory_source(device: torch.device, mem_budget_bytes: int | None) -> tuple[int, str]:
+    """``(bytes the sizing starts from, where that number comes from)`` (see module doc)."""
+    if mem_budget_bytes is not None:
+        return int(mem_budget_bytes), "--mem-budget-bytes"
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free), "free device memory (torch.cuda.mem_get_info)"
+    avail = cpu_available_bytes()
+    if avail > CPU_BUDGET_CAP_BYTES:
+        return CPU_BUDGET_CAP_BYTES, f"CPU cap {_gib(CPU_BUDGET_CAP_BYTES)} (available {_gib(avail)})"
+    return avail, f"available CPU memory {_gib(avail)} (cap {_gib(CPU_BUDGET_CAP_BYTES)})"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
+def describe(
+    tokens: int,
+    free_bytes: int,
+    source: str,
+    weight_bytes: int,
+    cell_bytes: int,
+    mem_fraction_static: float,
+    max_total_tokens: int | None,
+) -> str:
+    """One start-up log line: the pool size and why it is that size (memory or the token cap)."""
+    from_memory = max(0, int(mem_fraction_static * free_bytes) - weight_bytes) // cell_bytes
+    why = (
+        f"capped by max_total_tokens {max_total_tokens}"
+        if max_total_tokens is not None and max_total_tokens < from_memory
+        else "all the memory allows"
+    )
+    return (
+        f"KV pool {tokens} tokens ({tokens * cell_bytes / 1024**2:.0f} MiB, {cell_bytes} B per token): {why}; "
+        f"memory would allow {from_memory} = ({mem_fraction_static} x {free_bytes / 1024**2:.0f} MiB [{source}] "
+        f"- {weight_bytes / 1024**2:.0f} MiB weights) / {cell_bytes} B"
+    )
+
 
 #: Tokens SGLang keeps back from ``max_req_len`` for the input limit.
 SGLANG_INPUT_RESERVE_TOKENS = 5
 
 
 def free_device_memory(device: torch.device, mem_budget_bytes: int | None) -> int:
-    """Bytes the pool sizing starts from (see module doc)."""
-    if mem_budget_bytes is not None:
-        return int(mem_budget_bytes)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    return CPU_DEFAULT_BUDGET_BYTES
+    """Bytes the pool sizing starts from (see module doc and :func:`memory_source`)."""
+    return memory_source(device, mem_budget_bytes)[0]
 
 
 def kv_cell_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
