@@ -23,9 +23,9 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from gpu_backend import gguf_convert, model_store  # noqa: E402
-from gpu_backend.gguf_convert import permute_qk, unpermute_qk  # noqa: E402
-from tokenizer.hf_counter import HFCounter  # noqa: E402
+from gpu_backend import gguf_convert, model_store
+from gpu_backend.gguf_convert import permute_qk, unpermute_qk
+from tokenizer.hf_counter import HFCounter
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = [
