@@ -18,6 +18,7 @@ gateway", "Contracts": max_tokens).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +27,8 @@ from config.errors import ErrorCode, OpenAIError, context_length_message
 from config.models import ModelConfig, Settings, TenantConfig
 from gateway import fields
 from tokenizer import PromptCounter, TokenizerError, make_counter
+from tokenizer.base import prompt_cost
+from tokenizer.chat import chat_cost
 from tokenizer.images import ImageCoster
 
 
@@ -164,20 +167,88 @@ def tokenizer_error(e: TokenizerError) -> OpenAIError:
     return OpenAIError(e.status, e.message, code=e.code or ErrorCode.INVALID_REQUEST, param=e.param)
 
 
-async def count_prompt(entry: ModelEntry, body: dict[str, Any], route: str) -> tuple[int, int, int]:
-    """``(largest, total, number_of_prompts)`` prompt tokens of the request, as the engines
-    serving ``entry`` will build the prompt: the engines' field policy is applied first
-    (:func:`gateway.fields.check_request`: fields they do not accept refused, prompt-changing
-    fields turned into :class:`~tokenizer.chat.ChatOptions`). Raises :class:`OpenAIError` 400 for
-    refused fields and invalid messages/prompt/token ids (``param`` names the field)."""
+class PromptTally(tuple):
+    """``(largest, total, number_of_prompts)`` prompt tokens, as :func:`count_prompt` returns them;
+    ``text``: the prompt's text when it was gathered off the event loop with the count (a heavy
+    request), else ``None`` (:func:`decide` gathers it then)."""
+
+    text: str | None
+
+    def __new__(cls, largest: int, total: int, num: int, text: str | None = None) -> PromptTally:
+        obj = super().__new__(cls, (largest, total, num))
+        obj.text = text
+        return obj
+
+
+def request_cost(body: dict[str, Any], route: str, limit: int) -> int:
+    """What counting ``body`` costs, in characters (:func:`tokenizer.chat.chat_cost` /
+    :func:`tokenizer.base.prompt_cost`: text plus a weight per message, prompt and token id);
+    stops early past ``limit``."""
+    if route == "chat":
+        return chat_cost(body.get("messages"), body.get("tools"), limit)
+    return prompt_cost(body.get("prompt"), limit)
+
+
+def sequences_error(num: int, seqs: int, cap: int, body: dict[str, Any]) -> OpenAIError:
+    """The 400 for ``num`` prompts x ``seqs`` sequences above the tenant's ``cap``
+    (``max_sequences_per_request``); ``param`` names the prompt, ``n`` or ``best_of``."""
+    return OpenAIError(
+        400,
+        f"This request asks for {num} prompt(s) x {seqs} sequence(s) each = {num * seqs} sequences; "
+        f"this key allows at most {cap} per request.",
+        code=ErrorCode.INVALID_REQUEST,
+        param="prompt" if num > cap else _sequence_param(body),
+    )
+
+
+def _count_now(entry: ModelEntry, body: dict[str, Any], route: str) -> PromptTally:
+    """:func:`count_prompt`'s work done synchronously (in a worker thread), prompt text included."""
     counter = entry.counter
     options = fields.check_request(body, route, entry.engines, entry.config.images)
     try:
         if route == "chat":
+            c = counter.count_chat(body["messages"], body.get("tools"), options)
+            return PromptTally(c, c, 1, prompt_text_of(body, route))
+        pc = counter.count_prompt(body["prompt"])
+    except TokenizerError as e:
+        raise tokenizer_error(e) from None
+    return PromptTally(pc.largest, pc.total, len(pc.per_prompt), prompt_text_of(body, route))
+
+
+async def count_prompt(
+    entry: ModelEntry, body: dict[str, Any], route: str, *, max_sequences: int | None = None
+) -> PromptTally:
+    """``(largest, total, number_of_prompts)`` prompt tokens of the request, as the engines
+    serving ``entry`` will build the prompt: the engines' field policy is applied first
+    (:func:`gateway.fields.check_request`: fields they do not accept refused, prompt-changing
+    fields turned into :class:`~tokenizer.chat.ChatOptions`). Raises :class:`OpenAIError` 400 for
+    refused fields and invalid messages/prompt/token ids (``param`` names the field).
+
+    ``max_sequences`` (the tenant's ``max_sequences_per_request``): a batch of more prompts x
+    sequences is refused before anything is counted (:func:`sequences_error`, the answer
+    :func:`decide` would give). A request whose counting costs more than the counter's
+    ``offload_chars`` (:func:`request_cost`) is checked and counted in a worker thread, its prompt
+    text gathered there too, so no request holds the event loop for long."""
+    if max_sequences is not None and route == "completions":
+        p = body.get("prompt")
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            seqs = sequences_of(body)
+            if len(p) * seqs > max_sequences:
+                raise sequences_error(len(p), seqs, max_sequences, body)
+    counter = entry.counter
+    heavy = request_cost(body, route, counter.offload_chars) > counter.offload_chars
+    if heavy and counter.counts_sync:
+        return await asyncio.to_thread(_count_now, entry, body, route)
+    if heavy:
+        options = await asyncio.to_thread(fields.check_request, body, route, entry.engines, entry.config.images)
+    else:
+        options = fields.check_request(body, route, entry.engines, entry.config.images)
+    try:
+        if route == "chat":
             c = await counter.acount_chat(body["messages"], body.get("tools"), options)
-            return c, c, 1
+            return PromptTally(c, c, 1)
         pc = await counter.acount_prompt(body["prompt"])
-        return pc.largest, pc.total, len(pc.per_prompt)
+        return PromptTally(pc.largest, pc.total, len(pc.per_prompt))
     except TokenizerError as e:
         raise tokenizer_error(e) from None
 
@@ -268,14 +339,7 @@ def decide(
     seqs = sequences_of(body)
     cap_seqs = tenant.max_sequences_per_request
     if num * seqs > cap_seqs:
-        param = "prompt" if num > cap_seqs else _sequence_param(body)
-        raise OpenAIError(
-            400,
-            f"This request asks for {num} prompt(s) x {seqs} sequence(s) each = {num * seqs} sequences; "
-            f"this key allows at most {cap_seqs} per request.",
-            code=ErrorCode.INVALID_REQUEST,
-            param=param,
-        )
+        raise sequences_error(num, seqs, cap_seqs, body)
     requested, field = requested_max_tokens(body, route)
     cap = tenant.max_tokens_cap
     chat = route == "chat"
@@ -324,7 +388,7 @@ def decide(
         limit,
         body.get("n") or 1,
         demand,
-        prompt_text_of(body, route),
+        text if (text := getattr(prompt, "text", None)) is not None else prompt_text_of(body, route),
         sequences=num * seqs,
         bound_field=field,
     )

@@ -7,11 +7,18 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chat_text_length
+from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chat_cost
 from tokenizer.errors import InvalidPromptError, InvalidTokenIdError
 
-#: Above this many characters, the async API counts in a worker thread.
+#: Above this cost (characters, plus the per-element weights below), the async API counts in a
+#: worker thread.
 OFFLOAD_CHARS = 32_768
+#: What each element costs against ``offload_chars``, in characters, besides its own text: counting
+#: an empty prompt costs about as much as encoding 32 characters, checking one token id about 4
+#: (measured with the bundled tokenizer), so ``[""] * 2_000_000`` or two million ids are offloaded
+#: although they hold no text.
+PROMPT_ELEMENT_CHARS = 32
+TOKEN_ID_CHARS = 4
 
 
 @dataclass(frozen=True)
@@ -71,20 +78,38 @@ def prompt_param(prompt: Any, index: int) -> str:
     return "prompt" if single else f"prompt[{index}]"
 
 
-def _prompt_chars(prompt: Any) -> int:
+def prompt_cost(prompt: Any, limit: int | None = None) -> int:
+    """What counting a completions ``prompt`` costs, in characters: each string's length plus
+    :data:`PROMPT_ELEMENT_CHARS` per prompt, :data:`TOKEN_ID_CHARS` per token id. Stops early once
+    ``limit`` is passed (a list of more than ``limit / TOKEN_ID_CHARS`` elements is over it without
+    a look at its items), so deciding costs O(limit / 4) steps at most, whatever the request."""
     if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
-    return 0
+        return len(prompt) + PROMPT_ELEMENT_CHARS
+    if not isinstance(prompt, list):
+        return PROMPT_ELEMENT_CHARS
+    floor = len(prompt) * TOKEN_ID_CHARS
+    if limit is not None and floor > limit:
+        return floor
+    cost = 0
+    for p in prompt:
+        if isinstance(p, str):
+            cost += len(p) + PROMPT_ELEMENT_CHARS
+        elif isinstance(p, list):
+            cost += len(p) * TOKEN_ID_CHARS + PROMPT_ELEMENT_CHARS
+        else:
+            cost += TOKEN_ID_CHARS
+        if limit is not None and cost > limit:
+            break
+    return cost
 
 
 class PromptCounter(ABC):
     """Counts prompt tokens exactly as the engine will see them (never fewer).
 
     Subclasses implement the synchronous ``count_*`` methods; the ``acount_*`` coroutines run them
-    in a worker thread when the input is long (over ``offload_chars`` characters), so the event
-    loop is never blocked.
+    in a worker thread when counting would cost more than ``offload_chars`` characters
+    (:func:`prompt_cost`, :func:`tokenizer.chat.chat_cost`: text plus a weight per prompt, token id
+    and message), so the event loop is never blocked, however many empty elements a request holds.
     """
 
     #: model's vocabulary size (ids are valid in ``[0, vocab_size)`` when defined)
@@ -94,6 +119,8 @@ class PromptCounter(ABC):
     #: per-part image cost (``part -> tokens``, e.g. a tile formula); ``None``: ``image_tokens`` each
     image_cost: Callable[[dict], int] | None = None
     offload_chars: int = OFFLOAD_CHARS
+    #: the synchronous ``count_*`` methods work (not so for a counter that asks the engine)
+    counts_sync: bool = True
 
     def images_cost(self, parts: list[dict]) -> int:
         """Tokens the image content ``parts`` of a chat cost (``image_cost`` of each, else
@@ -147,12 +174,12 @@ class PromptCounter(ABC):
 
     async def acount_prompt(self, prompt: Any) -> PromptCount:
         """:meth:`count_prompt`, in a worker thread for long input."""
-        if _prompt_chars(prompt) > self.offload_chars:
+        if prompt_cost(prompt, self.offload_chars) > self.offload_chars:
             return await asyncio.to_thread(self.count_prompt, prompt)
         return self.count_prompt(prompt)
 
     async def acount_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
         """:meth:`count_chat`, in a worker thread for long input."""
-        if chat_text_length(messages, tools, limit=self.offload_chars) > self.offload_chars:
+        if chat_cost(messages, tools, self.offload_chars) > self.offload_chars:
             return await asyncio.to_thread(self.count_chat, messages, tools, options)
         return self.count_chat(messages, tools, options)

@@ -23,9 +23,10 @@ import asyncio
 from typing import Any
 
 import httpx
+import orjson
 
-from tokenizer.base import PromptCount, PromptCounter, prompt_param, split_completion_prompt
-from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions, render_chatml
+from tokenizer.base import PromptCount, PromptCounter, prompt_cost, prompt_param, split_completion_prompt
+from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions, chat_cost, render_chatml
 from tokenizer.errors import EngineTokenizeError
 
 ENGINE_APIS = ("sglang", "vllm")
@@ -96,6 +97,8 @@ class EngineCounter(PromptCounter):
         self.url = f"{self.base_url}/v1/tokenize" if api == "sglang" else f"{self.base_url}/tokenize"
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
 
+    counts_sync = False
+
     def count_text(self, text: str) -> int:
         raise NotImplementedError("EngineCounter counts only through its async API")
 
@@ -107,8 +110,12 @@ class EngineCounter(PromptCounter):
         return 0 <= token_id < self.vocab_size
 
     async def _ask(self, payload: dict[str, Any], expected: int = 1) -> list[int]:
+        return await self._ask_raw(orjson.dumps({"model": self.model, **payload}), expected)
+
+    async def _ask_raw(self, body: bytes, expected: int = 1) -> list[int]:
+        headers = {"content-type": "application/json", **(self._headers or {})}
         try:
-            r = await self._client.post(self.url, json={"model": self.model, **payload}, headers=self._headers)
+            r = await self._client.post(self.url, content=body, headers=headers)
         except httpx.HTTPError as e:
             raise EngineTokenizeError(f"engine tokenize at {self.url} failed: {type(e).__name__}") from None
         if r.status_code != 200:
@@ -119,21 +126,29 @@ class EngineCounter(PromptCounter):
             raise EngineTokenizeError(f"engine tokenize at {self.url} answered a body that is not JSON") from None
         return _counts_of(data, expected)
 
-    async def acount_prompt(self, prompt: Any) -> PromptCount:
-        """Counts of a completions ``prompt``: ids validated and counted here, each string asked
-        of the engine in a request of its own (a single string is the shape every engine takes;
-        up to :data:`MAX_CONCURRENT_REQUESTS` at once). Raises the typed errors of
-        :mod:`tokenizer.errors`."""
-        prompts = split_completion_prompt(prompt)
+    def _local_part(self, prompt: Any) -> tuple[list[int | None], list[tuple[int, str]]]:
+        """Split ``prompt``; count and check its token-id prompts here. Returns the counts so far
+        (``None`` for each string) and ``(index, string)`` of the strings to ask the engine about."""
         counts: list[int | None] = []
         texts: list[tuple[int, str]] = []
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(split_completion_prompt(prompt)):
             if isinstance(p, str):
                 texts.append((i, p))
                 counts.append(None)
             else:
                 self.check_ids(p, prompt_param(prompt, i))
                 counts.append(len(p))
+        return counts, texts
+
+    async def acount_prompt(self, prompt: Any) -> PromptCount:
+        """Counts of a completions ``prompt``: ids validated and counted here, each string asked
+        of the engine in a request of its own (a single string is the shape every engine takes;
+        up to :data:`MAX_CONCURRENT_REQUESTS` at once). Raises the typed errors of
+        :mod:`tokenizer.errors`."""
+        if prompt_cost(prompt, self.offload_chars) > self.offload_chars:
+            counts, texts = await asyncio.to_thread(self._local_part, prompt)
+        else:
+            counts, texts = self._local_part(prompt)
         sem = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
 
         async def one(text: str) -> int:
@@ -150,8 +165,18 @@ class EngineCounter(PromptCounter):
         (image parts are not sent). Every field that changes the engine's prompt goes to its
         tokenize endpoint: ``messages``, ``tools``, ``add_generation_prompt``,
         ``continue_final_message`` and ``chat_template_kwargs`` (vLLM ``TokenizeChatRequest``)."""
+        if chat_cost(messages, tools, self.offload_chars) > self.offload_chars:
+            rendered, body = await asyncio.to_thread(self._chat_payload, messages, tools, options)
+        else:
+            rendered, body = self._chat_payload(messages, tools, options)
+        return (await self._ask_raw(body))[0] + self.images_cost(rendered.image_parts)
+
+    def _chat_payload(self, messages: Any, tools: Any, options: ChatOptions) -> tuple[Any, bytes]:
+        """Validate and render the chat locally (shapes, part types, image parts) and encode the
+        tokenize request's JSON body."""
         rendered = render_chatml(messages, tools, ChatOptions(add_generation_prompt=options.add_generation_prompt))
         payload: dict[str, Any] = {
+            "model": self.model,
             "messages": _without_images(messages),
             "add_generation_prompt": options.add_generation_prompt,
         }
@@ -161,7 +186,7 @@ class EngineCounter(PromptCounter):
             payload["chat_template_kwargs"] = dict(options.template_kwargs)
         if tools:
             payload["tools"] = tools
-        return (await self._ask(payload))[0] + self.images_cost(rendered.image_parts)
+        return rendered, orjson.dumps(payload)
 
     async def aclose(self) -> None:
         """Close the HTTP client."""

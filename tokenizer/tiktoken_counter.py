@@ -11,6 +11,9 @@ from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chatml_token_count, chatml
 from tokenizer.encodings import IM_END_ID, IM_START_ID, bundled_encoding, get_encoding, valid_id_mask
 from tokenizer.parallel import parallel_count
 
+#: ids checked per C call in :meth:`TiktokenCounter.check_ids` (a few milliseconds each at most)
+ID_CHECK_SLICE = 1 << 16
+
 
 class TiktokenCounter(PromptCounter):
     """Exact counts with a tiktoken encoding; chats with the ChatML template of :mod:`tokenizer.chat`.
@@ -69,10 +72,15 @@ class TiktokenCounter(PromptCounter):
 
     def check_ids(self, ids: list[int], param: str) -> None:
         """As :meth:`PromptCounter.check_ids`, with the common all-valid case checked in C
-        (``min``/``max`` and a set disjointness test) so a 1M-id prompt costs milliseconds."""
-        if ids and min(ids) >= 0 and max(ids) < self.vocab_size and self._holes.isdisjoint(ids):
-            return
-        super().check_ids(ids, param)
+        (``min``/``max`` and a set disjointness test) so a 1M-id prompt costs milliseconds. The
+        checks run on slices of :data:`ID_CHECK_SLICE` ids: each C call holds the GIL, and a
+        worker thread counting two million ids must let the event loop's thread run in between."""
+        step = ID_CHECK_SLICE
+        for i in range(0, len(ids), step):
+            part = ids[i : i + step] if len(ids) > step else ids
+            if not (min(part) >= 0 and max(part) < self.vocab_size and self._holes.isdisjoint(part)):
+                super().check_ids(ids, param)
+                return
 
     def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
         """Prompt tokens of a chat under the ChatML template of :mod:`tokenizer.chat` (with
