@@ -93,7 +93,10 @@ class ImagePolicy(_Strict):
 class ModelConfig(_Strict):
     """A model the gateway serves. ``id`` is the public name; ``aliases`` other accepted names;
     ``upstream_model`` the name sent upstream (default ``id``); ``context_length`` in tokens;
-    ``images``: the image cost and URL policy (:class:`ImagePolicy`)."""
+    ``images``: the image cost and URL policy (:class:`ImagePolicy`).
+    ``task``: what it serves (DESIGN.md, "New keys"): ``chat`` (``/v1/chat/completions``,
+    ``/v1/completions``, ``/v1/responses``) or ``embedding`` (``/v1/embeddings``); both serve
+    ``/tokenize`` and ``/detokenize``."""
 
     id: str
     aliases: list[str] = Field(default_factory=list)
@@ -101,6 +104,7 @@ class ModelConfig(_Strict):
     context_length: int = Field(ge=2)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     images: ImagePolicy = Field(default_factory=ImagePolicy)
+    task: Literal["chat", "embedding"] = "chat"
 
 
 class UpstreamConfig(_Strict):
@@ -113,6 +117,11 @@ class UpstreamConfig(_Strict):
     ``vllm`` | ``kvgate`` | ``openai``), which picks the table of extension fields passed through
     (gateway/fields.py); left out, it follows ``pool_source`` (``static``: ``openai``, the OpenAI
     fields only).
+    ``pass_stateful_responses``: forward
+    ``/v1/responses`` requests that use engine-side state (``previous_response_id``,
+    ``conversation``, ``background``, ``store: true``) instead of refusing them with a 400; the
+    prompt the engine then builds from its stored state is not the one kvgate counted
+    (docs/gateway.md, "Routes").
     """
 
     name: str
@@ -124,6 +133,7 @@ class UpstreamConfig(_Strict):
     models: list[str]
     api_key: SecretStr | None = None
     weight: int = Field(default=1, ge=1)
+    pass_stateful_responses: bool = False
 
     @field_validator("name")
     @classmethod
@@ -283,7 +293,8 @@ class TenantConfig(_Strict):
     completion tokens/window, ``max_concurrent`` in-flight requests, ``max_context_tokens``
     prompt + completion per request; ``None`` means unlimited. ``api_key_sha256``: lowercase hex
     SHA-256 of each valid key. ``verify_sample_rate`` in [0, 1]. ``max_sequences_per_request``:
-    prompts x max(n, best_of) one request may ask for (every route)."""
+    prompts x max(n, best_of) one request may ask for (every route). ``max_embedding_inputs``: the most
+    inputs one ``/v1/embeddings`` request may carry (OpenAI's own cap is 2048)."""
 
     id: str
     api_key_sha256: list[str] = Field(default_factory=list)
@@ -298,6 +309,7 @@ class TenantConfig(_Strict):
     verify_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     strict_verify: bool = False
     honeypot: bool = False
+    max_embedding_inputs: int = Field(default=2048, ge=1)
 
     @field_validator("id")
     @classmethod

@@ -39,18 +39,19 @@ class PromptCount:
         return max(self.per_prompt)
 
 
-def split_completion_prompt(prompt: Any) -> list[str | list[int]]:
+def split_completion_prompt(prompt: Any, field: str = "prompt") -> list[str | list[int]]:
     """Normalise an OpenAI ``prompt`` into a list of prompts (each a string or a list of ids).
 
     Accepts a string, a list of strings, a list of ints (one token-id prompt) or a list of int
     lists. Raises :class:`InvalidPromptError` (``param`` ``prompt`` or ``prompt[i]``) for anything
-    else, mixed lists, booleans posing as ints, or an empty list.
+    else, mixed lists, booleans posing as ints, or an empty list. ``field``: the request field's
+    name in messages and ``param`` (``input`` for ``/v1/embeddings``, which takes the same shapes).
     """
     if isinstance(prompt, str):
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise InvalidPromptError(
-            "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists.", "prompt"
+            f"'{field}' must be a string, a list of strings, a list of token ids or a list of token-id lists.", field
         )
     if all(isinstance(p, str) for p in prompt):
         return list(prompt)
@@ -60,22 +61,22 @@ def split_completion_prompt(prompt: Any) -> list[str | list[int]]:
         for i, p in enumerate(prompt):
             if not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 raise InvalidPromptError(
-                    f"'prompt[{i}]' must be a non-empty list of integer token ids.", f"prompt[{i}]"
+                    f"'{field}[{i}]' must be a non-empty list of integer token ids.", f"{field}[{i}]"
                 )
         return [list(p) for p in prompt]
     raise InvalidPromptError(
-        "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists (not a mix).",
-        "prompt",
+        f"'{field}' must be a string, a list of strings, a list of token ids or a list of token-id lists (not a mix).",
+        field,
     )
 
 
-def prompt_param(prompt: Any, index: int) -> str:
-    """The ``param`` naming prompt ``index`` of ``prompt``: ``prompt`` when the request holds a
-    single prompt (a string or a flat list of ids), else ``prompt[index]``."""
+def prompt_param(prompt: Any, index: int, field: str = "prompt") -> str:
+    """The ``param`` naming prompt ``index`` of ``prompt``: ``field`` when the request holds a
+    single prompt (a string or a flat list of ids), else ``field[index]``."""
     single = isinstance(prompt, str) or (
         isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], (str, list))
     )
-    return "prompt" if single else f"prompt[{index}]"
+    return field if single else f"{field}[{index}]"
 
 
 def prompt_cost(prompt: Any, limit: int | None = None) -> int:
@@ -183,3 +184,20 @@ class PromptCounter(ABC):
         if chat_cost(messages, tools, self.offload_chars) > self.offload_chars:
             return await asyncio.to_thread(self.count_chat, messages, tools, options)
         return self.count_chat(messages, tools, options)
+
+    # ------------------------------------------------------------ token ids (/tokenize)
+    def prompt_token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a completions-style text as the engine encodes it (with the tokenizer's
+        added tokens when ``add_special_tokens``): what ``/tokenize`` answers. Counters that
+        only count over the network raise ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} does not produce token ids")
+
+    def chat_token_ids(self, messages: Any, tools: Any = None) -> list[int]:
+        """Token ids of a chat rendered with the generation prompt (text-only: raises
+        :class:`~tokenizer.errors.ImagesNotSupportedError` on an image part, whose ids the
+        gateway does not know)."""
+        raise NotImplementedError(f"{type(self).__name__} does not produce token ids")
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's token as a string (vLLM ``/tokenize``'s ``return_token_strs``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not produce token strings")

@@ -339,3 +339,20 @@ class HFCounter(PromptCounter):
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         surcharge = sum(self.special_surcharge(s) for s in _strings([messages, tools, options.template_kwargs]))
         return len(ids) + surcharge + self.images_cost(images)
+
+    def prompt_token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of a completions prompt as the engine's ``tokenizer.encode`` gives them (a
+        look-alike of a special token is that special token here, as in the engine)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def chat_token_ids(self, messages: Any, tools: Any = None) -> list[int]:
+        """Ids of the rendered chat template, without added BOS/EOS (as vLLM and SGLang encode
+        chats). Raises :class:`~tokenizer.errors.ImagesNotSupportedError` on an image part."""
+        prompt, images = self.render_chat(messages, tools)
+        if images:
+            raise ImagesNotSupportedError("Token ids of image content parts are not known here.", "messages")
+        return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry (``id_to_token``; ``""`` for an id it lacks)."""
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]

@@ -93,6 +93,18 @@ class TiktokenCounter(PromptCounter):
         Raises :class:`~tokenizer.errors.ImagesNotSupportedError` on image parts."""
         return chatml_token_ids(render_chatml(messages, tools), self.encode_text, self.im_start_id, self.im_end_id)
 
+    def prompt_token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ordinary text (tiktoken adds no BOS/EOS, so ``add_special_tokens`` changes nothing)."""
+        return self.encode_text(text)
+
+    def chat_token_ids(self, messages: Any, tools: Any = None) -> list[int]:
+        """:meth:`encode_chat`."""
+        return self.encode_chat(messages, tools)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's bytes as UTF-8 (a piece of a multi-byte character becomes U+FFFD)."""
+        return [self.encoding.decode_single_token_bytes(i).decode("utf-8", "replace") for i in ids]
+
 
 def bundled_counter(image_tokens: int = 765) -> TiktokenCounter:
     """The counter of the bundled backend's tokenizer (cl100k_base + ChatML specials)."""

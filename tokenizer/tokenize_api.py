@@ -1,0 +1,71 @@
+"""What kvgate's ``/tokenize`` answers, from the model's own counter (so its ``count`` is exactly
+the one the context gate uses).
+
+Shapes are vLLM's (``vllm/entrypoints/serve/tokenize/protocol.py``): ``TokenizeResponse``
+``{"count", "max_model_len", "tokens", "token_strs"}`` (the gateway adds ``max_model_len``).
+
+- A ``prompt`` (one string): ``count`` is the gate's count of a completions prompt
+  (:meth:`PromptCounter.count_prompt_text`, or :meth:`PromptCounter.count_text` when
+  ``add_special_tokens`` is false); ``tokens`` the tokenizer's ids.
+- ``messages`` (and ``tools``): ``count`` is the gate's count of the chat, generation prompt
+  included (:meth:`PromptCounter.count_chat`); ``tokens`` the rendered template's ids.
+
+For Hugging Face tokenizers, a request string holding a special-token look-alike
+(``<|im_start|>`` typed as text) is counted as its text encoding (kvgate never undercounts,
+docs/tokenizer.md) while ``tokens`` are the engine tokenizer's ids, so there ``count`` exceeds
+``len(tokens)`` by that surcharge; otherwise they are equal. Image parts have no ids here and are
+refused (400). Long inputs are tokenized in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizer.base import PromptCounter
+from tokenizer.chat import chat_text_length
+
+
+@dataclass
+class Tokenized:
+    """``count``: the gate's count (tokens); ``tokens``: the ids; ``token_strs``: each id's token
+    (only when asked)."""
+
+    count: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+async def _off_loop(counter: PromptCounter, chars: int, fn: Any, *args: Any) -> Any:
+    if chars > counter.offload_chars:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+async def tokenize_prompt(
+    counter: PromptCounter, text: str, add_special_tokens: bool = True, return_token_strs: bool = False
+) -> Tokenized:
+    """A completions-style string's count and ids. Raises ``NotImplementedError`` for a counter
+    without local ids (``engine`` tokenizers: the gateway forwards to the engine instead)."""
+
+    def run() -> Tokenized:
+        count = counter.count_prompt_text(text) if add_special_tokens else counter.count_text(text)
+        ids = counter.prompt_token_ids(text, add_special_tokens)
+        return Tokenized(count, ids, counter.token_strs(ids) if return_token_strs else None)
+
+    return await _off_loop(counter, len(text), run)
+
+
+async def tokenize_chat(
+    counter: PromptCounter, messages: Any, tools: Any = None, return_token_strs: bool = False
+) -> Tokenized:
+    """A chat's count (generation prompt included) and ids. Raises the typed errors of
+    :mod:`tokenizer.errors` (shapes, unknown parts; ``ImagesNotSupportedError`` for images)."""
+
+    def run() -> Tokenized:
+        count = counter.count_chat(messages, tools)
+        ids = counter.chat_token_ids(messages, tools)
+        return Tokenized(count, ids, counter.token_strs(ids) if return_token_strs else None)
+
+    return await _off_loop(counter, chat_text_length(messages, tools, limit=counter.offload_chars + 1), run)
