@@ -192,8 +192,8 @@ class PromptCounter(ABC):
         only count over the network raise ``NotImplementedError``."""
         raise NotImplementedError(f"{type(self).__name__} does not produce token ids")
 
-    def chat_token_ids(self, messages: Any, tools: Any = None) -> list[int]:
-        """Token ids of a chat rendered with the generation prompt (text-only: raises
+    def chat_token_ids(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> list[int]:
+        """Token ids of a chat rendered with ``options`` (text-only: raises
         :class:`~tokenizer.errors.ImagesNotSupportedError` on an image part, whose ids the
         gateway does not know)."""
         raise NotImplementedError(f"{type(self).__name__} does not produce token ids")

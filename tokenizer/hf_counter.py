@@ -345,10 +345,10 @@ class HFCounter(PromptCounter):
         look-alike of a special token is that special token here, as in the engine)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def chat_token_ids(self, messages: Any, tools: Any = None) -> list[int]:
-        """Ids of the rendered chat template, without added BOS/EOS (as vLLM and SGLang encode
-        chats). Raises :class:`~tokenizer.errors.ImagesNotSupportedError` on an image part."""
-        prompt, images = self.render_chat(messages, tools)
+    def chat_token_ids(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> list[int]:
+        """Ids of the chat template rendered with ``options``, without added BOS/EOS (as vLLM and
+        SGLang encode chats). Raises :class:`~tokenizer.errors.ImagesNotSupportedError` on an image part."""
+        prompt, images = self.render_chat(messages, tools, options)
         if images:
             raise ImagesNotSupportedError("Token ids of image content parts are not known here.", "messages")
         return self.tokenizer.encode(prompt, add_special_tokens=False).ids

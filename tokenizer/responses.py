@@ -14,7 +14,8 @@ for it the count is exact by construction:
   - a message (``{"role", "content"}``, ``type`` absent or ``"message"``; roles ``user``,
     ``system``, ``developer``, ``assistant``): ``content`` a string or parts. Parts
     ``input_text`` / ``output_text`` become chat ``text`` parts, ``refusal`` stays ``refusal``,
-    ``input_image`` is an image part (it costs the model's ``image_tokens``). An ``assistant``
+    ``input_image`` (with an ``image_url``; a ``file_id`` is refused) is an image part, costed
+    like a chat image. An ``assistant``
     message keeps only its first part's ``text`` (vLLM does the same), and fills the previous
     assistant message's content when that message has none (one produced by a function call);
   - ``function_call`` (``call_id``, ``name``, ``arguments``): a tool call
@@ -87,7 +88,14 @@ def _parts(content: Any, param: str, allowed: tuple[str, ...]) -> list[dict[str,
                 raise _bad(f"'{pparam}.refusal' must be a string.", f"{pparam}.refusal")
             out.append({"type": "refusal", "refusal": text})
         elif ptype in IMAGE_PARTS and ptype in allowed:
-            out.append({"type": "input_image"})
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                # a file_id points at the engine's file store: an image kvgate cannot see or cost
+                raise _bad(f"'{pparam}.image_url' must be the image's URL (a data: URL).", f"{pparam}.image_url")
+            image = {"type": "input_image", "image_url": url}
+            if isinstance(part.get("detail"), str):
+                image["detail"] = part["detail"]
+            out.append(image)
         else:
             raise _bad(
                 f"Unsupported content part type {str(ptype)[:40]!r} at '{pparam}.type'; expected one of "

@@ -97,9 +97,11 @@ class TiktokenCounter(PromptCounter):
         """Ids of ordinary text (tiktoken adds no BOS/EOS, so ``add_special_tokens`` changes nothing)."""
         return self.encode_text(text)
 
-    def chat_token_ids(self, messages: Any, tools: Any = None) -> list[int]:
-        """:meth:`encode_chat`."""
-        return self.encode_chat(messages, tools)
+    def chat_token_ids(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> list[int]:
+        """:meth:`encode_chat`, rendered with ``options``."""
+        return chatml_token_ids(
+            render_chatml(messages, tools, options), self.encode_text, self.im_start_id, self.im_end_id
+        )
 
     def token_strs(self, ids: list[int]) -> list[str]:
         """Each id's bytes as UTF-8 (a piece of a multi-byte character becomes U+FFFD)."""

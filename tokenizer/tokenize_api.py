@@ -7,8 +7,9 @@ Shapes are vLLM's (``vllm/entrypoints/serve/tokenize/protocol.py``): ``TokenizeR
 - A ``prompt`` (one string): ``count`` is the gate's count of a completions prompt
   (:meth:`PromptCounter.count_prompt_text`, or :meth:`PromptCounter.count_text` when
   ``add_special_tokens`` is false); ``tokens`` the tokenizer's ids.
-- ``messages`` (and ``tools``): ``count`` is the gate's count of the chat, generation prompt
-  included (:meth:`PromptCounter.count_chat`); ``tokens`` the rendered template's ids.
+- ``messages`` (and ``tools``, and the chat switches as :class:`~tokenizer.chat.ChatOptions`):
+  ``count`` is the gate's count of the chat (:meth:`PromptCounter.count_chat`); ``tokens`` the
+  rendered template's ids.
 
 For Hugging Face tokenizers, a request string holding a special-token look-alike
 (``<|im_start|>`` typed as text) is counted as its text encoding (kvgate never undercounts,
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenizer.base import PromptCounter
-from tokenizer.chat import chat_text_length
+from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chat_text_length
 
 
 @dataclass
@@ -58,14 +59,19 @@ async def tokenize_prompt(
 
 
 async def tokenize_chat(
-    counter: PromptCounter, messages: Any, tools: Any = None, return_token_strs: bool = False
+    counter: PromptCounter,
+    messages: Any,
+    tools: Any = None,
+    return_token_strs: bool = False,
+    options: ChatOptions = DEFAULT_CHAT,
 ) -> Tokenized:
-    """A chat's count (generation prompt included) and ids. Raises the typed errors of
-    :mod:`tokenizer.errors` (shapes, unknown parts; ``ImagesNotSupportedError`` for images)."""
+    """A chat's count and ids, rendered with ``options`` (by default with the generation
+    prompt). Raises the typed errors of :mod:`tokenizer.errors` (shapes, unknown parts;
+    ``ImagesNotSupportedError`` for images)."""
 
     def run() -> Tokenized:
-        count = counter.count_chat(messages, tools)
-        ids = counter.chat_token_ids(messages, tools)
+        count = counter.count_chat(messages, tools, options)
+        ids = counter.chat_token_ids(messages, tools, options)
         return Tokenized(count, ids, counter.token_strs(ids) if return_token_strs else None)
 
     return await _off_loop(counter, chat_text_length(messages, tools, limit=counter.offload_chars + 1), run)
