@@ -217,6 +217,17 @@ class VerifierSettings(_Strict):
     probe_tenant: str | None = None
     incident_log: str | None = None
     queue_size: int = Field(default=10_000, ge=1)
+    #: most of ``latency_min_samples`` one tenant's samples may fill (no tenant calibrates alone)
+    latency_tenant_share: float = Field(default=0.5, gt=0, le=1.0)
+    #: prompt text (UTF-8 bytes) waiting for or in admission-time ingest; beyond it a prompt is
+    #: not indexed (counted in ``kvgate_verifier_dropped_total{reason="ingest_bytes"}``)
+    max_pending_ingest_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
+    #: admission-time ingests of one tenant running at once (the rest of its requests wait)
+    ingest_concurrency_per_tenant: int = Field(default=1, ge=1)
+    #: a strict response with more text (UTF-8 bytes, every field) is withheld whole
+    strict_max_text_bytes: int = Field(default=1024 * 1024, ge=1)
+    #: window in which leak evidence from two distinct source tenants quarantines an upstream
+    quarantine_window_seconds: float = Field(default=600.0, gt=0)
 
 
 class BackendSettings(_Strict):

@@ -400,3 +400,16 @@ def test_make_counter_kinds(tmp_path):
         TokenizerConfig(kind="hf")
     with pytest.raises(ValueError):
         TokenizerConfig(kind="engine")
+
+
+def test_decode_replaces_a_character_cut_by_the_last_id():
+    """``decode`` (the verifier's view of token-id prompts): text back exactly, and ids that end
+    inside a multi-byte UTF-8 character give U+FFFD instead of an error."""
+    c = bundled_counter()
+    ids = c.encode_text("note KVGATE-CANARY-00112233deadbeef 日本語")
+    assert c.decode(ids) == "note KVGATE-CANARY-00112233deadbeef 日本語"
+    # find a cut inside a character: some prefix of ids whose bytes end mid-character
+    cuts = [i for i in range(1, len(ids)) if "\ufffd" in c.decode(ids[:i])]
+    assert cuts, "the test text must tokenize a CJK character into several ids"
+    text = c.decode(ids[: cuts[0]])
+    assert text.startswith("note KVGATE-CANARY-00112233deadbeef ") and text.endswith("\ufffd")

@@ -52,6 +52,11 @@ class FakeEngine(BaseHTTPRequestHandler):
             return self._send(200, b'{"max_model_len": 8192}')
         if mode == "bool-count":
             return self._send(200, b'{"count": true}')
+        if self.path in ("/v1/detokenize", "/detokenize"):  # SGLang: {"text"}; vLLM: {"prompt"}
+            if mode == "no-text":
+                return self._send(200, b'{"tokens": [1]}')
+            key = "text" if self.path == "/v1/detokenize" else "prompt"
+            return self._send(200, json.dumps({key: COUNTER.decode(body["tokens"])}).encode())
         if self.path == "/v1/tokenize":  # SGLang: prompt only (str or list of str)
             prompt = body.get("prompt")
             if "messages" in body and self.server.sglang_accepts_messages:
@@ -227,3 +232,24 @@ def test_sync_api_is_refused_and_api_names_checked():
         counter.count_chat([{"role": "user", "content": "x"}])
     with pytest.raises(ValueError):
         EngineCounter("http://127.0.0.1:9", "m1", api="tgi")
+
+
+@pytest.mark.parametrize("api,path", [("sglang", "/v1/detokenize"), ("vllm", "/detokenize")])
+async def test_decode_asks_the_engines_detokenize(engine, api, path):
+    """Token ids cut inside a UTF-8 character decode with U+FFFD (the engine's answer, kept as is);
+    each engine's answer shape is read."""
+    ids = COUNTER.encode_text("note 日本")
+    cut = ids[:-1] if len(COUNTER.decode(ids[-1:])) != 1 else ids
+    counter = EngineCounter(base(engine), "m1", api=api)
+    try:
+        text = await counter.adecode(cut)
+        assert text == COUNTER.decode(cut)
+        assert engine.requests[-1] == (path, {"model": "m1", "tokens": cut})
+        with pytest.raises(NotImplementedError):
+            counter.decode(cut)
+        engine.mode = "no-text"
+        with pytest.raises(EngineTokenizeError, match="without a 'text' string") as ei:
+            await counter.adecode(cut)
+        assert ei.value.status == 502
+    finally:
+        await counter.aclose()

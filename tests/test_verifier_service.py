@@ -67,6 +67,9 @@ LEAK = SEED_PL[2000:2600]  # ~150 tokens of A's prompt
 
 
 async def test_background_check_flags_leak_and_quarantines(tmp_path):
+    """One source tenant's text in another's response is a confirmed incident but no quarantine
+    (one tenant could have planted it: DESIGN.md step 8); a second source tenant's text within
+    the window quarantines."""
     svc = VerifierService(settings(tmp_path), secrets=SECRETS)
     try:
         assert svc.begin(ex(A, A_PROMPT)) is not None
@@ -80,12 +83,25 @@ async def test_background_check_flags_leak_and_quarantines(tmp_path):
         inc = incs[0]
         assert (inc.tenant, inc.upstream, inc.confirmed, inc.withheld) == ("b", "up", True, False)
         assert inc.evidence["source_tenant"] == "a" and inc.evidence["shingles_foreign"] >= 4
+        assert inc.evidence["quarantine"] is None and not svc.is_quarantined("up", 5000)
+        # the same source again, seen by a third tenant: still one source, still no quarantine
+        g = svc.begin(ex(C, "hello"))
+        await g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
+        await svc.drain()
+        assert not svc.is_quarantined("up", 5000)
+        # a second source tenant (c's prompt in b's response): quarantined
+        svc.begin(ex(C, SEED_ZH[:3000]))
+        g = svc.begin(ex(B, "and another"))
+        await g.check_body(SEED_ZH[1000:1600], usage=None, finish_reason="stop", ttft_seconds=None)
+        await svc.drain()
+        inc2 = svc.incidents.recent[-1]
+        assert (inc2.evidence["source_tenant"], inc2.evidence["quarantine"]) == ("c", "two_sources")
         # quarantine: prompts above quarantine_min_prompt_tokens (1024) only
         assert svc.is_quarantined("up", 1025) and not svc.is_quarantined("up", 1024)
         # the record on disk holds no text
         rows = read_incidents(tmp_path / "incidents.jsonl")
-        assert len(rows) == 1 and LEAK[:20] not in json.dumps(rows) and A_PROMPT[:20] not in json.dumps(rows)
-        assert json.loads((tmp_path / "quarantine.json").read_text())["up"]["incident_id"] == inc.id
+        assert len(rows) == 3 and LEAK[:20] not in json.dumps(rows) and A_PROMPT[:20] not in json.dumps(rows)
+        assert json.loads((tmp_path / "quarantine.json").read_text())["up"]["incident_id"] == inc2.id
     finally:
         await svc.aclose()
 
@@ -210,8 +226,8 @@ async def test_drift_abort_and_latency(tmp_path):
         )
         rng = random.Random(3)
         samples = [0.1 + rng.uniform(0, 0.01) for _ in range(5)]
-        for t in samples:  # calibrate: ~100 ms for this length
-            await svc.begin(ex(A, prompt)).check_body(
+        for i, t in enumerate(samples):  # calibrate: ~100 ms; two tenants (one fills at most half)
+            await svc.begin(ex((A, C)[i % 2], prompt)).check_body(
                 "ok", usage={"prompt_tokens": n}, finish_reason="stop", ttft_seconds=t
             )
         await svc.begin(ex(A, prompt)).check_body(
@@ -223,8 +239,10 @@ async def test_drift_abort_and_latency(tmp_path):
         d = svc.incidents.recent[0].evidence
         assert (d["gateway_prompt_tokens"], d["engine_prompt_tokens"], d["difference_tokens"]) == (n, 1, 1 - n)
         lat = svc.incidents.recent[2].evidence
-        # bound = q(0.001) x 0.5 = the smallest sample x 0.5 (DDSketch: within 1%)
-        assert lat["ttft_ms"] == 1.0 and lat["bound_ms"] == pytest.approx(min(samples) * 500, rel=0.01)
+        # bound = level x 0.5; level = the upper median of the tenants' q(0.001), i.e. of two
+        # tenants the larger of their smallest samples (DDSketch: within 1%)
+        level = max(min(samples[0::2]), min(samples[1::2]))
+        assert lat["ttft_ms"] == 1.0 and lat["bound_ms"] == pytest.approx(level * 500, rel=0.01)
         assert not svc.is_quarantined("up", 5000)  # anomalies alone do not quarantine
     finally:
         await svc.aclose()
@@ -248,18 +266,28 @@ async def test_two_replicas_share_the_index_and_quarantine(tmp_path, redis_prefi
     r2 = VerifierService(s, secrets=SECRETS, redis_client=c, key_prefix=prefix, incident_path=str(tmp_path / "2.jsonl"))
     try:
         r1.begin(ex(A, A_PROMPT))
+        r1.begin(ex(C, SEED_ZH[:3000]))
         await r1.drain()
         g = r2.begin(ex(B, "hi"))
         await g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
         await r2.drain()
         (inc,) = r2.incidents.recent
-        assert inc.detector == "leak_index" and inc.confirmed
+        assert inc.detector == "leak_index" and inc.confirmed and inc.evidence["quarantine"] is None
+        r1.quarantine.refresh()
+        assert not r1.is_quarantined("up", 2000)  # one source tenant: an incident, no quarantine
+        # the second source is seen by the other replica: the evidence window is shared
+        g = r1.begin(ex(B, "hi again"))
+        await g.check_body(SEED_ZH[1000:1600], usage=None, finish_reason="stop", ttft_seconds=None)
+        await r1.drain()
+        assert r1.incidents.recent[-1].evidence["quarantine"] == "two_sources"
+        assert c.zcard(prefix + "qevidence:up") == 2
         r1.quarantine.refresh()
         assert r1.is_quarantined("up", 2000)  # replica 1 sees replica 2's quarantine
         assert c.hexists(prefix + "quarantine", "up")
         from verifier.quarantine import Quarantine, RedisQuarantineBackend
 
         assert Quarantine(RedisQuarantineBackend(c, prefix)).clear("up")
+        assert not c.exists(prefix + "qevidence:up")  # clearing forgets the evidence too
         r1.quarantine.refresh()
         assert not r1.is_quarantined("up", 2000)
     finally:

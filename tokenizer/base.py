@@ -150,6 +150,21 @@ class PromptCounter(ABC):
         prompt). Raises the typed errors of :mod:`tokenizer.errors` for bad shapes, unknown parts,
         or options this counter's template cannot apply (``param`` naming the option)."""
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids as this tokenizer decodes them, special tokens included. Bytes
+        that are not valid UTF-8 (ids cut inside a multi-byte character) become U+FFFD
+        (``errors="replace"``), so a prompt that ends mid-character still decodes. The verifier
+        uses it to know a token-id prompt's own text (DESIGN.md step 8). Subclasses that can
+        only decode over the network raise ``NotImplementedError`` and implement :meth:`adecode`."""
+        raise NotImplementedError(f"{type(self).__name__} cannot decode token ids")
+
+    async def adecode(self, ids: list[int]) -> str:
+        """:meth:`decode`, in a worker thread for long input (over ``offload_chars`` ids).
+        Raises what :meth:`decode` raises."""
+        if len(ids) > self.offload_chars:
+            return await asyncio.to_thread(self.decode, ids)
+        return self.decode(ids)
+
     def check_ids(self, ids: list[int], param: str) -> None:
         """Raise :class:`InvalidTokenIdError` (with ``param``) for the first id that is negative or
         undefined. Ids are ints (:func:`split_completion_prompt` checked that)."""

@@ -10,6 +10,13 @@ Shapes (request -> response), as the engines define them:
   "add_special_tokens": true}`` or ``{"model", "messages", "add_generation_prompt": true,
   "tools"}`` -> ``{"count": n, "max_model_len": m, "tokens": [...]}``.
 
+Detokenize (:meth:`EngineCounter.adecode`, the verifier's view of a token-id prompt):
+
+- SGLang ``POST {base}/v1/detokenize`` (``serving_detokenize``; the bundled backend serves the
+  same): ``{"model", "tokens": [...]}`` -> ``{"text": str}``;
+- vLLM ``POST {base}/detokenize`` (``serving_tokenization.py``): ``{"model", "tokens": [...]}``
+  -> ``{"prompt": str}``.
+
 kvgate sends one string per request (SGLang's list form is not served by every engine that
 offers the path). Image parts are removed from the messages sent and cost what the model's image
 policy says, as with the other counters. Chat options that change the prompt
@@ -96,6 +103,7 @@ class EngineCounter(PromptCounter):
         self._client = client or httpx.AsyncClient(timeout=timeout_seconds)
         self.url = f"{self.base_url}/v1/tokenize" if api == "sglang" else f"{self.base_url}/tokenize"
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self.detokenize_url = f"{self.base_url}/v1/detokenize" if api == "sglang" else f"{self.base_url}/detokenize"
 
     counts_sync = False
 
@@ -125,6 +133,31 @@ class EngineCounter(PromptCounter):
         except ValueError:
             raise EngineTokenizeError(f"engine tokenize at {self.url} answered a body that is not JSON") from None
         return _counts_of(data, expected)
+
+    def decode(self, ids: list[int]) -> str:
+        raise NotImplementedError("EngineCounter decodes only through its async API")
+
+    async def adecode(self, ids: list[int]) -> str:
+        """The engine's text of ``ids`` (its ``/detokenize``: SGLang ``text``, vLLM ``prompt``).
+        Raises :class:`EngineTokenizeError` when the engine fails or answers another shape."""
+        url = self.detokenize_url
+        headers = {"content-type": "application/json", **(self._headers or {})}
+        try:
+            r = await self._client.post(
+                url, content=orjson.dumps({"model": self.model, "tokens": list(ids)}), headers=headers
+            )
+        except httpx.HTTPError as e:
+            raise EngineTokenizeError(f"engine detokenize at {url} failed: {type(e).__name__}") from None
+        if r.status_code != 200:
+            raise EngineTokenizeError(f"engine detokenize at {url} answered HTTP {r.status_code}")
+        try:
+            data = r.json()
+        except ValueError:
+            raise EngineTokenizeError(f"engine detokenize at {url} answered a body that is not JSON") from None
+        text = data.get("text", data.get("prompt")) if isinstance(data, dict) else None
+        if not isinstance(text, str):
+            raise EngineTokenizeError(f"engine detokenize at {url} answered without a 'text' string")
+        return text
 
     def _local_part(self, prompt: Any) -> tuple[list[int | None], list[tuple[int, str]]]:
         """Split ``prompt``; count and check its token-id prompts here. Returns the counts so far

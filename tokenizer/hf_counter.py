@@ -291,6 +291,12 @@ class HFCounter(PromptCounter):
         """Tokens of a completions prompt, with the post-processor's BOS/EOS as engines add them."""
         return len(self.tokenizer.encode(text, add_special_tokens=True).ids) + self.special_surcharge(text)
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids with the tokenizer's own decoder, special tokens kept (as the
+        engine's ``/detokenize`` with ``skip_special_tokens=False``). The byte-level decoders
+        replace invalid UTF-8 (a character cut by the last id) with U+FFFD."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
     def is_valid_id(self, token_id: int) -> bool:
         """Whether ``token_id`` is in the vocabulary (added tokens included)."""
         return 0 <= token_id < self.vocab_size and token_id not in self._holes

@@ -54,7 +54,8 @@ class TiktokenCounter(PromptCounter):
             return b""
 
     def decode(self, ids: list[int]) -> str:
-        """Text of token ids (invalid UTF-8 replaced by U+FFFD)."""
+        """Text of token ids (special tokens as their text; invalid UTF-8, such as a
+        character cut by the last id, replaced by U+FFFD: tiktoken's ``errors="replace"``)."""
         return self.encoding.decode(ids, errors="replace")
 
     def _count_one(self, text: str) -> int:

@@ -26,8 +26,9 @@ log = logging.getLogger("kvgate.verifier")
 
 #: Detectors: ``canary`` (a planted canary in another request's response), ``leak_index``
 #: (another tenant's prompt shingles), ``latency`` (TTFT below the calibrated bound),
-#: ``usage_drift``, ``finish_abort``, ``probe`` (a canary probe surfaced a canary).
-DETECTORS = ("canary", "leak_index", "latency", "usage_drift", "finish_abort", "probe")
+#: ``usage_drift``, ``finish_abort``, ``probe`` (a canary probe surfaced a canary), ``oversize``
+#: (a strict response with more text than ``strict_max_text_bytes``, withheld unchecked).
+DETECTORS = ("canary", "leak_index", "latency", "usage_drift", "finish_abort", "probe", "oversize")
 
 #: the verifier's own registry; the gateway's ``/metrics`` renders it after its own
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -41,7 +42,15 @@ CHECKS = Counter(
     "kvgate_verifier_checks_total", "Responses checked by the verifier", ["upstream", "mode"], registry=REGISTRY
 )
 DROPPED = Counter(
-    "kvgate_verifier_dropped_total", "Verifier work dropped (queue full or store error)", ["reason"], registry=REGISTRY
+    "kvgate_verifier_dropped_total",
+    "Verifier work dropped (queue_full, ingest_bytes: over the pending-ingest budget, store_error, store_down)",
+    ["reason"],
+    registry=REGISTRY,
+)
+DROPPED_BYTES = Counter(
+    "kvgate_verifier_dropped_ingest_bytes_total",
+    "Prompt text (UTF-8 bytes) not indexed because the pending-ingest budget was full",
+    registry=REGISTRY,
 )
 QUARANTINES = Counter(
     "kvgate_verifier_quarantines_total", "Upstreams quarantined after a confirmed leak", ["upstream"], registry=REGISTRY
@@ -75,9 +84,11 @@ def _check_evidence(value: Any, path: str = "evidence") -> None:
 
 @dataclass
 class Incident:
-    """One detection. ``time``: UNIX seconds; ``confirmed``: a canary, or leak-index evidence
-    at or above the confirm threshold (quarantines the upstream); ``withheld``: a strict
-    response was held back or cut."""
+    """One detection. ``time``: UNIX seconds; ``confirmed``: strong evidence (a registered
+    canary, or leak-index evidence at or above the confirm threshold); it quarantines the
+    upstream only by DESIGN.md step 8's rule (a canary kvgate planted, or evidence from two
+    distinct source tenants; the evidence's ``quarantine`` says which, ``None`` when not);
+    ``withheld``: a strict response was held back or cut."""
 
     detector: str
     tenant: str

@@ -1,6 +1,6 @@
 """Time to first token against prompt length (the runbook's signal 3: "too good to be true").
 
-Per upstream and kind of measurement (``stream``: time to the first streamed token, measured by
+Per upstream, model and kind of measurement (``stream``: time to the first streamed token, measured by
 the gateway; ``whole``: the engine's reported prefill time of a non-streamed response; the two
 are never mixed), prompts are bucketed by length (powers of two: bucket ``b`` holds lengths in
 ``[2**b, 2**(b+1))``); each bucket keeps a DDSketch (Datadog's relative-error quantile sketch,
@@ -12,10 +12,25 @@ such prompt took the rejection path) is still held to the bound of shorter promp
 
 A prompt of at least ``min_prompt_tokens`` answered faster than its bound is an anomaly: its
 prefill most likely ran on a one-token placeholder and its answer came from someone else's KV.
+
+Prefix-cache hits are not prefill: a prompt whose first ``cached_tokens`` tokens the engine
+served from its cache (OpenAI/vLLM/SGLang ``usage.prompt_tokens_details.cached_tokens``) is
+judged and calibrated by the tokens it really prefilled (``prompt_tokens - cached_tokens``), so
+an honest cache hit is neither flagged nor able to drag a long bucket's bound down. When the
+engine does not say (``cached_tokens`` is ``None``) the whole prompt counts, and the caller only
+alerts on an anomaly (see :class:`LatencyVerdict`'s ``cached_known``).
+
+No tenant dominates calibration: each bucket keeps one sketch per tenant (at most
+``max_tenants_per_bucket``, least recently updated evicted); a tenant's samples count at most
+``ceil(tenant_share x min_samples)`` towards ``min_samples``; the bucket's level is the *upper*
+median of the tenants' quantiles. A tenant can make its own requests fast (repeat a cached
+prompt) but not slow, so the upper median of two tenants is the honest one, and with more
+tenants a minority cannot move it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ddsketch import DDSketch
@@ -29,19 +44,25 @@ def bucket_of(prompt_tokens: int) -> int:
 @dataclass(frozen=True)
 class LatencyVerdict:
     """``anomaly``: faster than the bound; ``bound_seconds``: the bound applied (``None`` while
-    no bucket at or below this length is calibrated); ``bucket``: the prompt's bucket."""
+    no bucket at or below this length is calibrated); ``bucket``: the bucket of the prefilled
+    tokens; ``cached_known``: the engine said how many prompt tokens came from its cache (only
+    then may an anomaly alone withhold a strict response)."""
 
     anomaly: bool
     bound_seconds: float | None
     bucket: int
+    cached_known: bool = False
 
 
 class LatencyModel:
-    """Calibrated TTFT lower bounds per (upstream, length bucket).
+    """Calibrated TTFT lower bounds per (upstream, model, kind, length bucket).
 
     ``quantile``: e.g. 0.001; ``margin``: multiplies the quantile (0.5 = half of it);
     ``min_samples``: samples before a bucket's bound counts; ``min_prompt_tokens``: shorter
-    prompts are recorded but never flagged. ``relative_accuracy``: DDSketch's.
+    prompts (prefilled tokens) are recorded but never flagged. ``relative_accuracy``: DDSketch's.
+    ``tenant_share``: the most of ``min_samples`` one tenant's samples can fill (1.0: one tenant
+    may calibrate a bucket alone; the service uses ``verifier.latency_tenant_share``, 0.5);
+    ``max_tenants_per_bucket``: sketches kept per bucket.
     """
 
     def __init__(
@@ -52,30 +73,49 @@ class LatencyModel:
         min_samples: int = 50,
         min_prompt_tokens: int = 512,
         relative_accuracy: float = 0.01,
+        tenant_share: float = 1.0,
+        max_tenants_per_bucket: int = 64,
     ) -> None:
         self.quantile = quantile
         self.margin = margin
         self.min_samples = min_samples
         self.min_prompt_tokens = min_prompt_tokens
         self.relative_accuracy = relative_accuracy
-        self._sketches: dict[tuple[str, str, int], DDSketch] = {}
+        self.tenant_cap = max(1, math.ceil(tenant_share * min_samples))
+        self.max_tenants_per_bucket = max_tenants_per_bucket
+        #: (upstream, model, kind, bucket) -> {tenant: sketch}, in least-recently-updated order
+        self._sketches: dict[tuple[str, str, str, int], dict[str, DDSketch]] = {}
+        #: cached levels (``None``: not calibrated); dropped when the bucket gets a sample
+        self._levels: dict[tuple[str, str, str, int], float | None] = {}
 
-    def bound(self, upstream: str, prompt_tokens: int, kind: str = "whole") -> float | None:
-        """The lower bound (seconds) for a prompt of this length, or ``None`` when uncalibrated.
+    def _level(self, key: tuple[str, str, str, int]) -> float | None:
+        if key in self._levels:
+            return self._levels[key]
+        per = self._sketches.get(key)
+        level = None
+        if per:
+            total = sum(min(int(s.count), self.tenant_cap) for s in per.values())
+            if total >= self.min_samples:
+                qs = sorted(q for s in per.values() if (q := s.get_quantile_value(self.quantile)) is not None)
+                if qs:
+                    level = qs[len(qs) // 2]  # the upper median
+        self._levels[key] = level
+        return level
 
-        ``L(b)`` = the ``quantile`` of calibrated bucket ``b``; ``top`` = the largest ``L`` of the
-        prompt's bucket and every shorter one; ``floor`` = the smallest ``L`` of the calibrated
-        buckets shorter than ``top``'s (the fixed cost every request pays: network, queueing,
-        first decode step), capped at ``0.8 x top``, else 0. The bound is
-        ``floor + margin x (top - floor)``: the margin applies to the length-dependent part, so a
-        fixed overhead (large in streamed TTFTs) cannot hide a prefill that did not happen.
+    def bound(self, upstream: str, prompt_tokens: int, kind: str = "whole", model: str = "") -> float | None:
+        """The lower bound (seconds) for a prompt of this length (prefilled tokens), or ``None``
+        when uncalibrated.
+
+        ``L(b)`` = the level of calibrated bucket ``b`` (see the module doc); ``top`` = the
+        largest ``L`` of the prompt's bucket and every shorter one; ``floor`` = the smallest
+        ``L`` of the calibrated buckets shorter than ``top``'s (the fixed cost every request
+        pays: network, queueing, first decode step), capped at ``0.8 x top``, else 0. The bound
+        is ``floor + margin x (top - floor)``: the margin applies to the length-dependent part,
+        so a fixed overhead (large in streamed TTFTs) cannot hide a prefill that did not happen.
         """
         levels: list[tuple[int, float]] = []
         for b in range(bucket_of(prompt_tokens) + 1):
-            s = self._sketches.get((upstream, kind, b))
-            if s is None or s.count < self.min_samples:
-                continue
-            q = s.get_quantile_value(self.quantile)
+            q = self._level((upstream, model, kind, b))
             if q is not None:
                 levels.append((b, q))
         if not levels:
@@ -85,31 +125,92 @@ class LatencyModel:
         floor = min(min(shorter), 0.8 * top) if shorter else 0.0
         return floor + self.margin * (top - floor)
 
-    def record(self, upstream: str, prompt_tokens: int, ttft_seconds: float, kind: str = "whole") -> None:
-        """Add a sample that was not an anomaly (anomalies are kept out of calibration)."""
+    def record(
+        self,
+        upstream: str,
+        prompt_tokens: int,
+        ttft_seconds: float,
+        kind: str = "whole",
+        model: str = "",
+        tenant: str = "",
+    ) -> None:
+        """Add a sample that was not an anomaly (anomalies are kept out of calibration);
+        ``prompt_tokens``: the tokens really prefilled."""
         if ttft_seconds <= 0:
             return
-        key = (upstream, kind, bucket_of(prompt_tokens))
-        s = self._sketches.get(key)
+        key = (upstream, model, kind, bucket_of(prompt_tokens))
+        per = self._sketches.setdefault(key, {})
+        s = per.pop(tenant, None)
         if s is None:
-            s = self._sketches[key] = DDSketch(relative_accuracy=self.relative_accuracy)
+            s = DDSketch(relative_accuracy=self.relative_accuracy)
+            while len(per) >= self.max_tenants_per_bucket:
+                per.pop(next(iter(per)))
+        per[tenant] = s  # most recently updated last
         s.add(ttft_seconds)
+        self._levels.pop(key, None)
+
+    @staticmethod
+    def prefilled_tokens(prompt_tokens: int, cached_tokens: int | None) -> int:
+        """Tokens the engine really prefilled: ``prompt_tokens - cached_tokens`` (the gateway's
+        count less the engine's cache hit; ``None`` or a value outside ``[0, prompt_tokens]``
+        counts as no hit)."""
+        if cached_tokens is None or not 0 <= cached_tokens <= prompt_tokens:
+            return prompt_tokens
+        return prompt_tokens - cached_tokens
+
+    def judge(
+        self,
+        upstream: str,
+        prompt_tokens: int,
+        ttft_seconds: float | None,
+        kind: str = "whole",
+        *,
+        model: str = "",
+        cached_tokens: int | None = None,
+    ) -> LatencyVerdict:
+        """Judge one TTFT without recording it (see :meth:`observe`)."""
+        n = self.prefilled_tokens(prompt_tokens, cached_tokens)
+        b = bucket_of(n)
+        known = cached_tokens is not None and 0 <= cached_tokens <= prompt_tokens
+        if ttft_seconds is None or ttft_seconds < 0:
+            return LatencyVerdict(False, None, b, known)
+        bound = self.bound(upstream, n, kind, model)
+        anomaly = n >= self.min_prompt_tokens and bound is not None and ttft_seconds < bound
+        return LatencyVerdict(anomaly, bound, b, known)
 
     def observe(
-        self, upstream: str, prompt_tokens: int, ttft_seconds: float | None, kind: str = "whole"
+        self,
+        upstream: str,
+        prompt_tokens: int,
+        ttft_seconds: float | None,
+        kind: str = "whole",
+        *,
+        model: str = "",
+        tenant: str = "",
+        cached_tokens: int | None = None,
     ) -> LatencyVerdict:
-        """Judge one TTFT (``kind``: ``stream`` or ``whole``) and, when it is no anomaly, add it
-        to calibration."""
-        b = bucket_of(prompt_tokens)
-        if ttft_seconds is None or ttft_seconds < 0:
-            return LatencyVerdict(False, None, b)
-        bound = self.bound(upstream, prompt_tokens, kind)
-        anomaly = prompt_tokens >= self.min_prompt_tokens and bound is not None and ttft_seconds < bound
-        if not anomaly:
-            self.record(upstream, prompt_tokens, ttft_seconds, kind)
-        return LatencyVerdict(anomaly, bound, b)
+        """Judge one TTFT (``kind``: ``stream`` or ``whole``; ``cached_tokens``: the engine's
+        prefix-cache hit, ``None`` when it did not say) and, when it is no anomaly, add it to
+        ``tenant``'s calibration of the bucket of the prefilled tokens."""
+        v = self.judge(upstream, prompt_tokens, ttft_seconds, kind, model=model, cached_tokens=cached_tokens)
+        if not v.anomaly and ttft_seconds is not None and ttft_seconds >= 0:
+            n = self.prefilled_tokens(prompt_tokens, cached_tokens)
+            self.record(upstream, n, ttft_seconds, kind, model, tenant)
+        return v
 
-    def samples(self, upstream: str, bucket: int, kind: str = "whole") -> int:
-        """How many samples a bucket holds."""
-        s = self._sketches.get((upstream, kind, bucket))
-        return int(s.count) if s is not None else 0
+    def samples(self, upstream: str, bucket: int, kind: str = "whole", model: str = "") -> int:
+        """How many samples a bucket holds (every tenant's)."""
+        per = self._sketches.get((upstream, model, kind, bucket)) or {}
+        return int(sum(s.count for s in per.values()))
+
+
+def cached_tokens_of(usage: dict | None) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field; vLLM and SGLang send the
+    same when prefix caching reports it), or ``None`` when absent or not a non-negative int."""
+    if not isinstance(usage, dict):
+        return None
+    d = usage.get("prompt_tokens_details")
+    c = d.get("cached_tokens") if isinstance(d, dict) else None
+    if isinstance(c, int) and not isinstance(c, bool) and c >= 0:
+        return c
+    return None

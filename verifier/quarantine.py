@@ -6,6 +6,14 @@ answers those from another upstream or fails them) until an operator runs
 upstream name, value = JSON record) when ``redis_url`` is configured, else in
 ``<state_dir>/quarantine.json``, so the CLI can clear it for running gateways. Gateways re-read
 it at most every ``refresh_seconds``.
+
+What quarantines (DESIGN.md step 8: evidence no tenant can plant): a canary kvgate itself planted
+(the periodic probe, a honeypot tenant) found in another response; matching evidence from at
+least two distinct source tenants within a window (:meth:`Quarantine.add_evidence`: per
+upstream, the source tenants whose text was found in other tenants' responses, kept
+``window_seconds``; in Redis, sorted set ``<prefix>qevidence:<upstream>``, so replicas count
+together); or an operator. A single source tenant's evidence is an incident, never a quarantine:
+one tenant could have planted it.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ class FileQuarantineBackend:
     def __init__(self, state_dir: str | os.PathLike[str]) -> None:
         self.path = Path(state_dir) / "quarantine.json"
         self._lock = threading.Lock()
+        #: upstream -> {source tenant: last evidence time}
+        self._evidence: dict[str, dict[str, float]] = {}
 
     def load(self) -> dict[str, QuarantineRecord]:
         try:
@@ -60,6 +70,7 @@ class FileQuarantineBackend:
 
     def clear(self, upstream: str) -> bool:
         with self._lock:
+            self._evidence.pop(upstream, None)
             data = self.load()
             if upstream not in data:
                 return False
@@ -67,13 +78,35 @@ class FileQuarantineBackend:
             self._write(data)
             return True
 
+    def add_evidence(self, upstream: str, source: str, now: float, window_seconds: float) -> int:
+        """Record that ``source``'s text was found in another tenant's response from ``upstream``
+        at ``now`` (UNIX seconds); returns the distinct sources within the window. In process
+        (one gateway process uses a state file)."""
+        with self._lock:
+            ev = self._evidence.setdefault(upstream, {})
+            ev[source] = now
+            for s, t in list(ev.items()):
+                if t <= now - window_seconds:
+                    del ev[s]
+            return len(ev)
+
+
+_EVIDENCE_LUA = """
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1] - ARGV[3])
+redis.call('PEXPIRE', KEYS[1], math.ceil(ARGV[3] * 1000))
+return redis.call('ZCARD', KEYS[1])
+"""
+
 
 class RedisQuarantineBackend:
     """Redis hash ``<prefix>quarantine``; ``client`` a synchronous ``redis.Redis``."""
 
     def __init__(self, client, prefix: str = "kvgate:") -> None:
         self.client = client
+        self.prefix = prefix
         self.key = f"{prefix}quarantine"
+        self._evidence_script = None
 
     def load(self) -> dict[str, QuarantineRecord]:
         raw = self.client.hgetall(self.key)
@@ -87,7 +120,16 @@ class RedisQuarantineBackend:
         self.client.hsetnx(self.key, rec.upstream, json.dumps(asdict(rec)))
 
     def clear(self, upstream: str) -> bool:
+        self.client.delete(f"{self.prefix}qevidence:{upstream}")
         return bool(self.client.hdel(self.key, upstream))
+
+    def add_evidence(self, upstream: str, source: str, now: float, window_seconds: float) -> int:
+        """As :meth:`FileQuarantineBackend.add_evidence`, in the sorted set
+        ``<prefix>qevidence:<upstream>`` (member: source tenant, score: time), one Lua call."""
+        if self._evidence_script is None:
+            self._evidence_script = self.client.register_script(_EVIDENCE_LUA)
+        key = f"{self.prefix}qevidence:{upstream}"
+        return int(self._evidence_script(keys=[key], args=[now, source, window_seconds]))
 
 
 class Quarantine:
@@ -145,8 +187,14 @@ class Quarantine:
         self._view.setdefault(upstream, rec)
         return rec
 
+    def add_evidence(self, upstream: str, source_tenant: str, window_seconds: float) -> int:
+        """Record leak evidence against ``upstream`` whose source (the tenant whose text or
+        canary surfaced) is ``source_tenant``; returns how many distinct source tenants the
+        upstream has within the last ``window_seconds``. Raises the backend's errors."""
+        return self.backend.add_evidence(upstream, source_tenant, time.time(), window_seconds)
+
     def clear(self, upstream: str) -> bool:
-        """Lift the quarantine; ``False`` when there was none."""
+        """Lift the quarantine (and forget its evidence); ``False`` when there was none."""
         ok = self.backend.clear(upstream)
         self._view.pop(upstream, None)
         return ok

@@ -1,22 +1,33 @@
 """The verifier stage the gateway calls (implements :class:`verifier.stage.VerifierStage`).
 
-- :meth:`VerifierService.begin` queues the prompt for the leak index and the canary registry
-  (every tenant, sampled or not: the index must know every prompt to recognise it elsewhere) and
-  returns a guard when the response is sampled (``verify_sample_rate``) or the tenant is strict.
+- :meth:`VerifierService.admit` (admission, before forwarding) decodes token-id prompts with the
+  model's tokenizer and indexes the prompt in the leak index and the canary registry (every
+  tenant, sampled or not: the index must know every prompt to recognise it elsewhere), in a
+  thread of its own that the request awaits: a tenant's prompt costs its own time, and a later
+  check finds it indexed. One tenant's ingests run ``ingest_concurrency_per_tenant`` at a time;
+  pending ingest is bounded in bytes (``max_pending_ingest_bytes``), beyond which a prompt is not
+  indexed and is counted as dropped.
+- :meth:`VerifierService.begin` returns a guard when the response is sampled
+  (``verify_sample_rate``) or the tenant is strict (an exchange that skipped :meth:`admit` has
+  its prompt queued for the background worker instead, as before).
 - Non-strict guards pass every event through at once and hand the whole text to a bounded
   background queue; a worker (a thread per job, so the event loop stays free) runs the detectors.
 - Strict guards (``strict_verify``) check before release: a non-streamed body is checked in
   :meth:`check_body` (raises :class:`ResponseWithheld`); a stream is held back by
   ``strict_holdback_tokens`` tokens, checked incrementally (canaries and leak-index shingles as
-  they complete) and cut on detection, so no detected text leaves. Their blocking work
+  they complete, each choice's each text field on its own) and cut on detection, so no detected
+  text leaves. A strict response with more than ``strict_max_text_bytes`` of text is withheld
+  (never released unchecked). Their blocking work
   (tokenizing, hashing, the store round trip, the service lock the worker may hold for a whole
   batch, incident records) runs in a small dedicated thread pool (:attr:`STRICT_THREADS`), so a
   strict request never blocks the event loop; each guard call awaits its own work, so order
   and withholding are unchanged.
 - Detectors: canary scan (:mod:`verifier.canary`), leak index (:mod:`verifier.leak_index`),
   usage drift and ``finish_reason: abort`` (:mod:`verifier.drift`), TTFT lower bounds
-  (:mod:`verifier.latency`). Findings become incidents (:mod:`verifier.incidents`); a confirmed
-  leak quarantines the upstream (:mod:`verifier.quarantine`).
+  (:mod:`verifier.latency`). Findings become incidents (:mod:`verifier.incidents`). Quarantine
+  (:mod:`verifier.quarantine`) needs evidence no tenant can plant (DESIGN.md step 8).
+- A tenant's own text is never evidence: its prompt (decoded token ids included) is excluded,
+  and with ``echo`` the echoed prompt at the start of each text is not checked at all.
 """
 
 from __future__ import annotations
@@ -30,19 +41,20 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from config.models import Settings, TenantConfig
 from verifier.canary import CanaryRegistry, CanaryScanner, find_canaries
 from verifier.drift import check_finish, check_usage
-from verifier.incidents import CHECKS, DROPPED, QUARANTINES, Incident, IncidentSink
-from verifier.latency import LatencyModel
+from verifier.incidents import CHECKS, DROPPED, DROPPED_BYTES, QUARANTINES, Incident, IncidentSink
+from verifier.latency import LatencyModel, cached_tokens_of
 from verifier.leak_index import LeakIndex, LeakVerdict, MemoryLeakStore, RedisLeakStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
 from verifier.shingles import IncrementalShingler, ShingleHasher, encode
-from verifier.stage import Exchange, ResponseWithheld
+from verifier.stage import Decoder, Exchange, ResponseWithheld
 
 log = logging.getLogger("kvgate.verifier")
 
@@ -65,7 +77,7 @@ class _Ingest:
 @dataclass
 class _Check:
     exchange: Exchange
-    text: str
+    texts: list[str]
     usage: dict[str, Any] | None
     finish_reason: str | None
     ttft_seconds: float | None
@@ -133,6 +145,7 @@ class VerifierService:
             margin=cfg.latency_margin,
             min_samples=cfg.latency_min_samples,
             min_prompt_tokens=cfg.latency_min_prompt_tokens,
+            tenant_share=cfg.latency_tenant_share,
         )
         path = incident_path or cfg.incident_log or str(Path(settings.state_dir) / "incidents.jsonl")
         self.incidents = IncidentSink(path)
@@ -150,6 +163,10 @@ class VerifierService:
         #: after a store error, skip the store until this monotonic time (a down Redis must not
         #: cost every request a timeout)
         self._store_down_until = 0.0
+        #: prompt bytes reserved by admission-time ingests not yet finished
+        self._ingest_pending_bytes = 0
+        self._ingest_budget_lock = threading.Lock()
+        self._tenant_ingest: dict[str, asyncio.Semaphore] = {}
         #: counts for tests, benchmarks and the admin view
         self.stats = collections.Counter()
 
@@ -217,8 +234,99 @@ class VerifierService:
         return await loop.run_in_executor(self._strict_pool, functools.partial(ctx.run, fn, *args, **kwargs))
 
     # ------------------------------------------------------------------ stage API
+    def _decide_sampled(self, exchange: Exchange) -> bool:
+        if exchange.sampled is None:
+            t = exchange.tenant
+            exchange.sampled = t.strict_verify or (
+                t.verify_sample_rate > 0 and self.rng.random() < t.verify_sample_rate
+            )
+        return exchange.sampled
+
+    async def admit(self, exchange: Exchange, decode: Decoder | None = None) -> None:
+        """Admission-time work of one request, awaited before it is forwarded (see the module
+        doc): decode ``exchange.prompt_ids`` with ``decode`` (the model tokenizer's ``adecode``;
+        a failure, or no decoder, leaves ``own_text_complete`` false and is counted as
+        ``decode_failed``), then, in a thread of its own, tokenize and fingerprint the prompt,
+        add it to the leak index and the canary registry, and keep its own-shingle set on the
+        exchange when the response will be checked. Over the pending-ingest byte budget the
+        prompt is not indexed (``kvgate_verifier_dropped_total{reason="ingest_bytes"}``). Never
+        raises, except :class:`asyncio.CancelledError` when the request is cancelled."""
+        if not self.cfg.enabled or exchange.admitted:
+            return
+        try:
+            self.start()
+        except RuntimeError:
+            pass
+        tenant = exchange.tenant
+        self.tenants[tenant.id] = tenant
+        self._decide_sampled(exchange)
+        if exchange.prompt_ids:
+            decoded: list[str] = []
+            for ids in exchange.prompt_ids:
+                try:
+                    if decode is None:
+                        raise LookupError("no decoder")
+                    decoded.append(await decode(list(ids)))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # the engine's /detokenize failed: not the client's fault
+                    exchange.own_text_complete = False
+                    self.stats["decode_failed"] += 1
+                    log.warning("verifier: could not decode a token-id prompt: %s", type(e).__name__)
+            exchange.prompt_text = "\n".join(t for t in (exchange.prompt_text, *decoded) if t)
+            exchange.echo_prompts.extend(decoded)
+        exchange.admitted = True
+        text = exchange.prompt_text
+        nbytes = len(text.encode("utf-8", "replace"))
+        with self._ingest_budget_lock:
+            if self._ingest_pending_bytes + nbytes > self.cfg.max_pending_ingest_bytes:
+                DROPPED.labels("ingest_bytes").inc()
+                DROPPED_BYTES.inc(nbytes)
+                self.stats["ingest_dropped"] += 1
+                self.stats["ingest_dropped_bytes"] += nbytes
+                return
+            self._ingest_pending_bytes += nbytes
+        started = False
+        try:
+            sem = self._tenant_ingest.get(tenant.id)
+            if sem is None:
+                sem = self._tenant_ingest[tenant.id] = asyncio.Semaphore(self.cfg.ingest_concurrency_per_tenant)
+            async with sem:
+                started = True
+                await _in_own_thread(self._admit_ingest, exchange, text, nbytes)
+        finally:
+            if not started:
+                self._release_ingest(nbytes)
+
+    def _release_ingest(self, nbytes: int) -> None:
+        with self._ingest_budget_lock:
+            self._ingest_pending_bytes -= nbytes
+
+    def _admit_ingest(self, exchange: Exchange, text: str, nbytes: int) -> None:
+        """:meth:`admit`'s thread: the CPU work runs without the service lock; only the store
+        calls take it."""
+        try:
+            ids = encode(text)
+            fps = self.hasher.fingerprints(ids, self.index.w)
+            if exchange.sampled:
+                exchange.own_shingles = set(self.hasher.fast(ids).tolist())
+            cans = find_canaries(text)
+            with self._lock:
+                if self._store_up():
+                    try:
+                        self.index.store.add(exchange.tenant.id, fps)
+                        if cans:
+                            self.canaries.register(exchange.tenant.id, cans)
+                    except Exception as e:
+                        self.stats["errors"] += 1
+                        self._store_error(e)
+                self.stats["ingested"] += 1
+        finally:
+            self._release_ingest(nbytes)
+
     def begin(self, exchange: Exchange) -> "_BackgroundGuard | _StrictGuard | None":
-        """Queue the prompt for the index; return a guard when sampled or strict (see class doc)."""
+        """A guard when sampled or strict (see the module doc). An exchange that did not pass
+        :meth:`admit` has its prompt queued for the background worker."""
         if not self.cfg.enabled:
             return None
         try:
@@ -227,10 +335,9 @@ class VerifierService:
             pass
         tenant = exchange.tenant
         self.tenants[tenant.id] = tenant  # honeypot flags come with the exchanges
-        sampled = tenant.strict_verify or (
-            tenant.verify_sample_rate > 0 and self.rng.random() < tenant.verify_sample_rate
-        )
-        self._enqueue(_Ingest(tenant.id, exchange.prompt_text, exchange.request_id, sampled))
+        sampled = self._decide_sampled(exchange)
+        if not exchange.admitted:
+            self._enqueue(_Ingest(tenant.id, exchange.prompt_text, exchange.internal_id, sampled))
         if tenant.strict_verify:
             return _StrictGuard(self, exchange)
         if sampled:
@@ -238,7 +345,7 @@ class VerifierService:
         return None
 
     def is_quarantined(self, upstream: str, prompt_tokens: int) -> bool:
-        """Whether a confirmed leak quarantined ``upstream`` for prompts of this length."""
+        """Whether ``upstream`` is quarantined for prompts of this length."""
         return self.quarantine.is_quarantined(upstream, prompt_tokens)
 
     # ------------------------------------------------------------------ queue
@@ -274,12 +381,12 @@ class VerifierService:
                 job = self._jobs.popleft()
                 self._run_job(job)
 
-    def _drain_ingests_locked(self) -> None:
-        """Process queued prompt ingests now (a strict check must see every earlier prompt).
-        Caller holds the lock (so no other consumer pops); runs in a strict-pool thread while
-        the event loop may append (:meth:`_enqueue`) at the right end. Checks stay queued, in
-        order, ahead of anything appended meanwhile."""
-        if not any(isinstance(j, _Ingest) for j in list(self._jobs)):
+    def _drain_ingests_locked(self, exchange: Exchange) -> None:
+        """For an exchange that skipped :meth:`admit` only: process queued prompt ingests now (a
+        strict check must see every earlier prompt). An admitted exchange never does this other
+        tenants' work: every prompt forwarded through :meth:`admit` was indexed before it left.
+        Caller holds the lock; checks stay queued, in order, ahead of anything appended meanwhile."""
+        if exchange.admitted or not any(isinstance(j, _Ingest) for j in list(self._jobs)):
             return
         keep: list[_Check] = []
         for _ in range(len(self._jobs)):  # the jobs queued now; later appends stay queued
@@ -307,7 +414,7 @@ class VerifierService:
     def _ingest(self, job: _Ingest) -> None:
         _, own = self.index.ingest(job.tenant, job.text, keep_own=job.keep_own)
         if own is not None:
-            self._own_cache[job.request_id] = own
+            self._own_cache[job.request_id] = own  # keyed by the exchange's internal id
             while len(self._own_cache) > self.cfg.queue_size:  # guards that never finished
                 self._own_cache.pop(next(iter(self._own_cache)))
         cans = find_canaries(job.text)
@@ -316,9 +423,20 @@ class VerifierService:
         self.stats["ingested"] += 1
 
     def _own_locked(self, exchange: Exchange) -> set[int]:
-        """The own-prompt shingle set of a sampled exchange (computed at ingest; caller holds the lock)."""
-        own = self._own_cache.pop(exchange.request_id, None)
-        return own if own is not None else self.index.own_shingles(exchange.prompt_text)
+        """The own-prompt shingle set of a checked exchange (computed at admission or ingest;
+        else now, on this exchange's own time). Caller holds the lock."""
+        if exchange.own_shingles is not None:
+            return exchange.own_shingles
+        own = self._own_cache.pop(exchange.internal_id, None)
+        if own is None:
+            own = self.index.own_shingles(exchange.prompt_text)
+        exchange.own_shingles = own
+        return own
+
+    def _kvgate_planted(self, tenant_id: str) -> bool:
+        """Canaries of this tenant were planted by kvgate itself: a honeypot or the probe tenant."""
+        t = self.tenants.get(tenant_id)
+        return (t is not None and t.honeypot) or tenant_id == (self.cfg.probe_tenant or "kvgate-probe")
 
     def _canary_findings(self, exchange: Exchange, canaries: list[str]) -> list[Incident]:
         """Incidents for canaries found in a response that its own prompt does not hold."""
@@ -332,7 +450,7 @@ class VerifierService:
         if not foreign and not unknown:
             return []
         sources = sorted({o for m in foreign for o in m.owners})
-        honeypot = any(self.tenants.get(s) is not None and self.tenants[s].honeypot for s in sources)
+        honeypot = any(self._kvgate_planted(s) for s in sources)
         ev = {
             "canaries": len(foreign) + len(unknown),
             "known_origin": len(foreign),
@@ -377,10 +495,36 @@ class VerifierService:
 
     def _incident(self, detector: str, exchange: Exchange, evidence: dict, confirmed: bool = False) -> Incident:
         ev = {"request_id": exchange.request_id, "prompt_tokens": exchange.prompt_tokens, **evidence}
+        if exchange.echo:
+            ev["echo"] = True
+        if not exchange.own_text_complete:
+            ev["own_text_complete"] = False
         return Incident(detector, exchange.tenant.id, exchange.upstream, exchange.request_id, ev, confirmed)
 
-    def _tail_findings(self, exchange: Exchange, usage, finish_reason, ttft_seconds) -> list[Incident]:
-        """Drift, abort and latency findings (never withhold; reported)."""
+    def _oversize(self, exchange: Exchange, text_bytes: int) -> Incident:
+        return self._incident(
+            "oversize", exchange, {"text_bytes": text_bytes, "max_text_bytes": self.cfg.strict_max_text_bytes}
+        )
+
+    def _latency_incident(self, exchange: Exchange, ttft_seconds: float, lv, cached: int | None) -> Incident:
+        return self._incident(
+            "latency",
+            exchange,
+            {
+                "ttft_ms": round(ttft_seconds * 1000, 3),
+                "bound_ms": round(lv.bound_seconds * 1000, 3),
+                "length_bucket": lv.bucket,
+                "cached_tokens": cached,
+                "prefilled_tokens": LatencyModel.prefilled_tokens(exchange.prompt_tokens, cached),
+            },
+        )
+
+    def _tail_findings(
+        self, exchange: Exchange, usage, finish_reason, ttft_seconds, strict: bool = False
+    ) -> tuple[list[Incident], list[Incident]]:
+        """``(withholding, reported)``: drift and abort findings are reported; a latency anomaly
+        withholds a strict response only when the engine said how many prompt tokens it served
+        from its prefix cache (otherwise a cache hit cannot be told from a leak: reported)."""
         out = []
         d = check_usage(exchange.prompt_tokens, usage, self.cfg.usage_drift_tolerance_tokens)
         if d:
@@ -388,32 +532,63 @@ class VerifierService:
         f = check_finish(finish_reason)
         if f:
             out.append(self._incident(f.detector, exchange, f.evidence))
+        cached = cached_tokens_of(usage)
         lv = self.latency.observe(
-            exchange.upstream, exchange.prompt_tokens, ttft_seconds, "stream" if exchange.stream else "whole"
+            exchange.upstream,
+            exchange.prompt_tokens,
+            ttft_seconds,
+            "stream" if exchange.stream else "whole",
+            model=exchange.model,
+            tenant=exchange.tenant.id,
+            cached_tokens=cached,
         )
+        withhold = []
         if lv.anomaly:
-            out.append(
-                self._incident(
-                    "latency",
-                    exchange,
-                    {
-                        "ttft_ms": round(ttft_seconds * 1000, 3),
-                        "bound_ms": round(lv.bound_seconds * 1000, 3),
-                        "length_bucket": lv.bucket,
-                    },
-                )
-            )
-        return out
+            inc = self._latency_incident(exchange, ttft_seconds, lv, cached)
+            (withhold if strict and lv.cached_known else out).append(inc)
+        return withhold, out
 
-    def _record(self, incidents: list[Incident], withheld: bool = False) -> None:
+    def _quarantine_basis(self, inc: Incident, exchange: Exchange | None) -> str | None:
+        """Why ``inc`` quarantines its upstream (DESIGN.md step 8), or ``None``: ``probe`` or
+        ``kvgate_canary`` (a canary kvgate planted), ``two_sources`` (evidence from a second
+        distinct source tenant within ``quarantine_window_seconds``). Evidence from an echo or
+        from an exchange whose own text is not fully known never counts."""
+        if not inc.confirmed:
+            return None
+        if inc.detector == "probe":
+            return "probe"
+        if inc.detector == "canary" and inc.evidence.get("honeypot"):
+            return "kvgate_canary"
+        if exchange is not None and (exchange.echo or not exchange.own_text_complete):
+            return None
+        if inc.detector == "canary":
+            sources = list(inc.evidence.get("source_tenants") or ())
+        elif inc.detector == "leak_index":
+            src = inc.evidence.get("source_tenant")
+            sources = [src] if src else []
+        else:
+            return None
+        n = 0
+        for src in sources:
+            try:
+                n = self.quarantine.add_evidence(inc.upstream, src, self.cfg.quarantine_window_seconds)
+            except Exception as e:
+                log.error("verifier: could not record quarantine evidence for %s: %s", inc.upstream, e)
+                return None
+        return "two_sources" if n >= 2 else None
+
+    def _record(self, incidents: list[Incident], withheld: bool = False, exchange: Exchange | None = None) -> None:
         for inc in incidents:
             inc.withheld = withheld
+            basis = self._quarantine_basis(inc, exchange)
+            if inc.confirmed:
+                inc.evidence["quarantine"] = basis
             self.incidents.emit(inc)
             self.stats[f"incident_{inc.detector}"] += 1
-            if inc.confirmed:
-                self._quarantine(inc)
+            if basis is not None:
+                self._quarantine(inc, basis)
 
-    def _quarantine(self, inc: Incident) -> None:
+    def _quarantine(self, inc: Incident, basis: str) -> None:
         if inc.upstream in self.quarantine.records():
             return
         try:
@@ -423,89 +598,97 @@ class VerifierService:
             return
         QUARANTINES.labels(inc.upstream).inc()
         log.error(
-            "verifier: upstream %s quarantined for prompts above %d tokens (incident %s)",
+            "verifier: upstream %s quarantined for prompts above %d tokens (incident %s, %s)",
             inc.upstream,
             self.cfg.quarantine_min_prompt_tokens,
             inc.id,
+            basis,
         )
 
-    def _check_whole(self, job: _Check) -> list[Incident]:
-        """Run every detector on a whole response (background or strict non-streamed). Returns
-        the incidents that withhold a strict response: content findings (canary, leak index)
-        and, for strict tenants, a latency anomaly (a long prompt answered impossibly fast is
-        most likely someone else's KV)."""
-        ex = job.exchange
-        strict = ex.tenant.strict_verify
-        CHECKS.labels(ex.upstream, "strict" if strict else "sampled").inc()
-        self.stats["checked"] += 1
-        content: list[Incident] = []
+    def _content_findings_locked(self, ex: Exchange, texts: Sequence[str]) -> list[Incident]:
+        """Canary and leak-index incidents for whole texts (each checked on its own; the echoed
+        prompt at the start of each is skipped). Caller holds the lock."""
+        found: list[Incident] = []
         try:
             if not self._store_up():
                 raise _StoreSkipped
-            content += self._canary_findings(ex, find_canaries(job.text))
+            texts = [strip_echo(t, ex.echo_prompts) if ex.echo else t for t in texts]
+            cans = list(dict.fromkeys(c for t in texts for c in find_canaries(t)))
+            found += self._canary_findings(ex, cans)
             own = self._own_locked(ex)
-            leak = self._leak_finding(ex, self.index.check_text(ex.tenant.id, job.text, own))
+            verdict, seen = LeakVerdict(), set()
+            for t in texts:
+                verdict.merge(self.index.check_ids(ex.tenant.id, encode(t), own, seen))
+            leak = self._leak_finding(ex, verdict)
             if leak:
-                content.append(leak)
+                found.append(leak)
         except _StoreSkipped:
             pass
         except Exception as e:  # the store is down: the other detectors still run
             self._store_error(e)
-        tail = self._tail_findings(ex, job.usage, job.finish_reason, job.ttft_seconds)
+        return found
+
+    def _check_whole(self, job: _Check) -> list[Incident]:
+        """Run every detector on a whole response (background or strict non-streamed). Returns
+        the incidents that withhold a strict response: content findings (canary, leak index),
+        an oversize text, and a latency anomaly whose cached-token count is known."""
+        ex = job.exchange
+        strict = ex.tenant.strict_verify
+        CHECKS.labels(ex.upstream, "strict" if strict else "sampled").inc()
+        self.stats["checked"] += 1
         if strict:
-            content += [i for i in tail if i.detector == "latency"]
-            tail = [i for i in tail if i.detector != "latency"]
-        self._record(content, withheld=strict)
-        self._record(tail)
+            nbytes = sum(len(t.encode("utf-8", "replace")) for t in job.texts)
+            if nbytes > self.cfg.strict_max_text_bytes:
+                inc = self._oversize(ex, nbytes)
+                self._record([inc], withheld=True, exchange=ex)
+                return [inc]
+        content = self._content_findings_locked(ex, job.texts)
+        withhold, tail = self._tail_findings(ex, job.usage, job.finish_reason, job.ttft_seconds, strict)
+        content += withhold
+        self._record(content, withheld=strict, exchange=ex)
+        self._record(tail, exchange=ex)
         return content
 
     def latency_precheck(self, exchange: Exchange, ttft_seconds: float) -> Incident | None:
         """A strict stream's first text arrived ``ttft_seconds`` after the request: an incident
-        (not yet recorded) when that is below the calibrated bound; calibration is not touched.
-        Takes the service lock: call it off the event loop (the strict guard does)."""
+        (not recorded) when that is below the calibrated bound for the whole prompt; calibration
+        is not touched. The cached-token count is not known yet, so the caller only holds the
+        stream back until the end. Takes the service lock: call it off the event loop."""
         with self._lock:
-            if exchange.prompt_tokens < self.latency.min_prompt_tokens:
-                return None
-            bound = self.latency.bound(exchange.upstream, exchange.prompt_tokens, "stream")
-        if bound is None or ttft_seconds >= bound:
+            lv = self.latency.judge(
+                exchange.upstream, exchange.prompt_tokens, ttft_seconds, "stream", model=exchange.model
+            )
+        if not lv.anomaly:
             return None
-        from verifier.latency import bucket_of
-
-        return self._incident(
-            "latency",
-            exchange,
-            {
-                "ttft_ms": round(ttft_seconds * 1000, 3),
-                "bound_ms": round(bound * 1000, 3),
-                "length_bucket": bucket_of(exchange.prompt_tokens),
-            },
-        )
+        return self._latency_incident(exchange, ttft_seconds, lv, None)
 
     # used by the strict guard, in the strict thread pool (these block: lock, store, hashing)
     def strict_check_body(self, job: _Check) -> list[Incident]:
-        """A strict non-streamed body, checked whole after the queued ingests: the content
-        incidents that withhold it (recorded). Blocking; run it via :meth:`run_strict`."""
+        """A strict non-streamed body, checked whole: the incidents that withhold it (recorded).
+        Blocking; run it via :meth:`run_strict`."""
         with self._lock:
-            self._drain_ingests_locked()
+            self._drain_ingests_locked(job.exchange)
             return self._check_whole(job)
 
-    def strict_check_piece(self, guard: "_StrictGuard", canaries: list[str], ids: list[int]) -> list[Incident]:
-        """Incremental stream check of a strict guard: new canaries and the token ids whose
-        shingles are new. Returns content incidents (not yet recorded) once the evidence so far
-        reaches the withhold threshold. Blocking; run it via :meth:`run_strict`."""
+    def strict_check_piece(
+        self, guard: "_StrictGuard", canaries: list[str], ids_list: list[list[int]]
+    ) -> list[Incident]:
+        """Incremental stream check of a strict guard: new canaries and, per text stream, the
+        token ids whose shingles are new. Returns content incidents (not yet recorded) once the
+        evidence so far reaches the withhold threshold. Blocking; run it via :meth:`run_strict`."""
         exchange = guard.exchange
         with self._lock:
-            self._drain_ingests_locked()
-            if guard.own is None:
-                guard.own = self._own_locked(exchange)
+            self._drain_ingests_locked(exchange)
+            own = self._own_locked(exchange)
             found: list[Incident] = []
             try:
-                if (canaries or ids) and not self._store_up():
+                if (canaries or any(ids_list)) and not self._store_up():
                     raise _StoreSkipped
                 if canaries:
                     found += self._canary_findings(exchange, canaries)
-                if ids:
-                    guard.verdict.merge(self.index.check_ids(exchange.tenant.id, ids, guard.own, guard.seen))
+                for ids in ids_list:
+                    if ids:
+                        guard.verdict.merge(self.index.check_ids(exchange.tenant.id, ids, own, guard.seen))
             except _StoreSkipped:
                 pass
             except Exception as e:  # the store is down: fail open (counted), latency still applies
@@ -556,6 +739,135 @@ class VerifierService:
             self.canaries.register(tenant_id, canaries)
 
 
+async def _in_own_thread(fn, /, *args):
+    """Run ``fn(*args)`` in a new thread of its own and await its result (a request's own
+    admission work: no shared pool, so no other request's work queues ahead of it). Cancelling
+    the await does not stop the thread; ``fn`` must clean up after itself."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, exc) -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # handed to the awaiting task
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="kvgate-verifier-admit", daemon=True).start()
+    return await fut
+
+
+def strip_echo(text: str, prompts: Sequence[str]) -> str:
+    """``text`` without the echoed prompt it starts with (``echo: true``): the longest of
+    ``prompts`` that ``text`` starts with is cut off. A prompt decoded from token ids that end
+    inside a UTF-8 character ends in U+FFFD, while the engine's echo shows the whole character
+    (completed by the first generated token): the trailing U+FFFD run matches any one character."""
+    best = 0
+    for p in prompts:
+        core = p.rstrip("\ufffd")
+        if core and text.startswith(core):
+            end = len(core) + (1 if len(core) < len(p) else 0)
+            best = max(best, min(end, len(text)))
+    return text[best:]
+
+
+class _EchoStrip:
+    """:func:`strip_echo` for a text that arrives in pieces: while the text so far is a prefix of
+    one of the prompts it is swallowed (kept for :meth:`flush`); once it is a whole prompt (or
+    diverges from every one) the rest passes. Each piece costs its own length, not the prompt's."""
+
+    def __init__(self, prompts: Sequence[str]) -> None:
+        self._cands = [(p.rstrip("\ufffd"), len(p) > len(p.rstrip("\ufffd"))) for p in prompts if p.rstrip("\ufffd")]
+        self._buf: list[str] = []
+        self._n = 0
+        self._extra = 0  # characters of a cut character still to swallow after a whole prompt
+        self.done = not self._cands
+
+    def push(self, piece: str) -> str:
+        """Text of ``piece`` that is not echo (maybe ``""``)."""
+        if self.done:
+            return piece
+        if self._extra:
+            self.done = True
+            return piece[1:]
+        live = []
+        for core, cut in self._cands:
+            seg = core[self._n : self._n + len(piece)]
+            if piece.startswith(seg) and (len(seg) == len(piece) or self._n + len(seg) == len(core)):
+                live.append((core, cut))
+        if not live:  # not an echo: everything held passes
+            self.done = True
+            held, self._buf = "".join(self._buf), []
+            return held + piece
+        self._cands = live
+        self._n += len(piece)
+        finished = [(c, cut) for c, cut in live if self._n >= len(c)]
+        if finished:
+            core, cut = max(finished, key=lambda x: len(x[0]))
+            rest = piece[len(piece) - (self._n - len(core)) :] if self._n > len(core) else ""
+            self._buf = []
+            if cut and not rest:
+                self._extra = 1
+                return ""
+            self.done = True
+            return rest[1:] if cut else rest
+        self._buf.append(piece)
+        return ""
+
+    def flush(self) -> str:
+        """What is still swallowed at the end (a partial echo: the tenant's own text anyway)."""
+        held, self._buf = "".join(self._buf), []
+        self.done = True
+        return held
+
+
+class _TextStream:
+    """One text stream of a strict guard (a choice's field): echo strip, canary scan, shingler."""
+
+    __slots__ = ("echo", "scanner", "shingler")
+
+    def __init__(self, service: "VerifierService", exchange: Exchange) -> None:
+        self.echo = _EchoStrip(exchange.echo_prompts) if exchange.echo else None
+        self.scanner = CanaryScanner()
+        self.shingler = IncrementalShingler(service.hasher, max_pending_chars=256)
+
+    def push(self, piece: str) -> tuple[list[str], list[int]]:
+        if self.echo is not None:
+            piece = self.echo.push(piece)
+            if not piece:
+                return [], []
+        return self.scanner.push(piece), self.shingler.push(piece)
+
+    def flush(self) -> tuple[list[str], list[list[int]]]:
+        """End of the text: canaries and id runs (each with its own ``k - 1`` carry) still due."""
+        cans: list[str] = []
+        runs: list[list[int]] = []
+        if self.echo is not None:
+            held = self.echo.flush()
+            if held:
+                cans = self.scanner.push(held)
+                runs.append(self.shingler.push(held))
+        runs.append(self.shingler.flush())
+        return cans, runs
+
+
+def _pieces(delta_text: str, pieces: Sequence[tuple[str, str]] | None) -> list[tuple[str, str]]:
+    if pieces is None:
+        return [("0", delta_text)] if delta_text else []
+    return [(k, t) for k, t in pieces if t]
+
+
 class _BackgroundGuard:
     """Sampled, non-strict: passes everything at once; the check runs in the background. Its
     coroutines never suspend (no thread hop per event): they only append to a list or queue."""
@@ -563,30 +875,47 @@ class _BackgroundGuard:
     def __init__(self, service: VerifierService, exchange: Exchange) -> None:
         self.service = service
         self.exchange = exchange
-        self._parts: list[str] = []
+        self._parts: dict[str, list[str]] = {}
         self._chars = 0
 
-    async def feed(self, delta_text: str, raw_event: bytes) -> list[bytes]:
-        if delta_text and self._chars < MAX_CHECK_CHARS:
-            self._parts.append(delta_text)
-            self._chars += len(delta_text)
+    async def feed(
+        self, delta_text: str, raw_event: bytes, pieces: Sequence[tuple[str, str]] | None = None
+    ) -> list[bytes]:
+        for key, text in _pieces(delta_text, pieces):
+            if self._chars < MAX_CHECK_CHARS:
+                self._parts.setdefault(key, []).append(text)
+                self._chars += len(text)
         return [raw_event]
 
     async def finish_stream(
         self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
     ) -> list[bytes]:
-        self.service._enqueue(_Check(self.exchange, "".join(self._parts), usage, finish_reason, ttft_seconds))
+        texts = ["".join(p) for p in self._parts.values()]
+        self.service._enqueue(_Check(self.exchange, texts, usage, finish_reason, ttft_seconds))
         return []
 
     async def check_body(
-        self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+        self,
+        text: str | Sequence[str],
+        *,
+        usage: dict[str, Any] | None,
+        finish_reason: str | None,
+        ttft_seconds: float | None,
     ) -> None:
-        self.service._enqueue(_Check(self.exchange, text[:MAX_CHECK_CHARS], usage, finish_reason, ttft_seconds))
+        texts, room = [], MAX_CHECK_CHARS
+        for t in [text] if isinstance(text, str) else text:
+            if room > 0 and t:
+                texts.append(t[:room])
+                room -= len(texts[-1])
+        self.service._enqueue(_Check(self.exchange, texts, usage, finish_reason, ttft_seconds))
 
 
 class _StrictGuard:
-    """Strict tenant: nothing detected leaves. Streams are held back by
-    ``strict_holdback_tokens`` tokens and checked as shingles and canaries complete.
+    """Strict tenant: nothing detected leaves, and nothing unchecked. Streams are held back by
+    ``strict_holdback_tokens`` tokens and checked as shingles and canaries complete, each text
+    stream (choice and field) on its own. A first token faster than the latency bound holds the
+    whole rest of the stream until its end, where the usage's cached-token count decides. More
+    than ``strict_max_text_bytes`` of text cuts the stream (withheld, ``oversize``).
 
     Each call's blocking part runs in the service's strict thread pool
     (:meth:`VerifierService.run_strict`) and the call returns only when it is done; calls are
@@ -597,56 +926,78 @@ class _StrictGuard:
         self.service = service
         self.exchange = exchange
         self.holdback = service.cfg.strict_holdback_tokens
-        self._held: collections.deque[tuple[bytes, int]] = collections.deque()
-        self._held_tokens = 0
-        self.own: set[int] | None = None
+        #: held events: raw bytes and, per text stream it added to, that stream's token total after it
+        self._held: collections.deque[tuple[bytes, dict[str, int]]] = collections.deque()
+        self._totals: dict[str, int] = {}
         self.seen: set[int] = set()
         self.verdict = LeakVerdict()
-        self._shingler = IncrementalShingler(service.hasher, max_pending_chars=256)
-        self._scanner = CanaryScanner()
+        self._streams: dict[str, _TextStream] = {}
         self._cut: ResponseWithheld | None = None
         self._first_text_seen = False
+        self._suspect: Incident | None = None
+        self._text_bytes = 0
 
     def _withhold(self, found: list[Incident]) -> None:
-        self.service._record(found, withheld=True)
+        self.service._record(found, withheld=True, exchange=self.exchange)
         self.service.stats["withheld"] += 1
         self._held.clear()
-        self._held_tokens = 0
         self._cut = ResponseWithheld(found[0].id, found[0].detector)
         raise self._cut
 
     def _release(self) -> list[bytes]:
-        """The held events that have at least ``holdback`` tokens behind them, in order."""
-        out = []
-        while self._held and self._held_tokens - self._held[0][1] >= self.holdback:
-            raw, n = self._held.popleft()
-            self._held_tokens -= n
+        """The held events, in order, each once every text stream it added to has at least
+        ``holdback`` tokens of that stream behind it (per stream: two interleaved choices do not
+        count each other's tokens); none while the stream is suspect."""
+        out: list[bytes] = []
+        if self._suspect is not None:
+            return out
+        totals = self._totals
+        while self._held:
+            raw, ends = self._held[0]
+            if any(totals[k] - end < self.holdback for k, end in ends.items()):
+                break
+            self._held.popleft()
             out.append(raw)
         return out
 
-    async def feed(self, delta_text: str, raw_event: bytes) -> list[bytes]:
+    async def feed(
+        self, delta_text: str, raw_event: bytes, pieces: Sequence[tuple[str, str]] | None = None
+    ) -> list[bytes]:
         if self._cut is not None:
             raise self._cut
-        if not delta_text:  # no tokens, nothing to check: no thread hop
-            self._held.append((raw_event, 0))
+        ps = _pieces(delta_text, pieces)
+        if not ps:  # no tokens, nothing to check: no thread hop
+            self._held.append((raw_event, {}))
             return self._release()
         # the first text's arrival time is taken here, not after the hop
-        return await self.service.run_strict(self._feed_text, delta_text, raw_event, time.monotonic())
+        return await self.service.run_strict(self._feed_text, ps, raw_event, time.monotonic())
 
-    def _feed_text(self, delta_text: str, raw_event: bytes, now: float) -> list[bytes]:
+    def _stream(self, key: str) -> _TextStream:
+        st = self._streams.get(key)
+        if st is None:
+            st = self._streams[key] = _TextStream(self.service, self.exchange)
+        return st
+
+    def _feed_text(self, pieces: list[tuple[str, str]], raw_event: bytes, now: float) -> list[bytes]:
         """:meth:`feed`'s blocking part (strict pool thread): count, pre-check, check, release."""
-        tokens = len(encode(delta_text))
-        self._held.append((raw_event, tokens))
-        self._held_tokens += tokens
+        ends: dict[str, int] = {}
+        for key, text in pieces:
+            ends[key] = self._totals[key] = self._totals.get(key, 0) + len(encode(text))
+        self._text_bytes += sum(len(t.encode("utf-8", "replace")) for _, t in pieces)
+        self._held.append((raw_event, ends))
+        if self._text_bytes > self.service.cfg.strict_max_text_bytes:
+            self._withhold([self.service._oversize(self.exchange, self._text_bytes)])
         if not self._first_text_seen:
             self._first_text_seen = True
-            inc = self.service.latency_precheck(self.exchange, now - self.exchange.started_monotonic)
-            if inc is not None:
-                self._withhold([inc])
-        cans = self._scanner.push(delta_text)
-        ids = self._shingler.push(delta_text)
-        if cans or ids:
-            found = self.service.strict_check_piece(self, cans, ids)
+            self._suspect = self.service.latency_precheck(self.exchange, now - self.exchange.started_monotonic)
+        cans: list[str] = []
+        ids_list: list[list[int]] = []
+        for key, text in pieces:
+            c, ids = self._stream(key).push(text)
+            cans += c
+            ids_list.append(ids)
+        if cans or any(ids_list):
+            found = self.service.strict_check_piece(self, cans, ids_list)
             if found:
                 self._withhold(found)
         return self._release()
@@ -663,25 +1014,37 @@ class _StrictGuard:
     ) -> list[bytes]:
         """:meth:`finish_stream`'s blocking part (strict pool thread)."""
         svc = self.service
-        found = svc.strict_check_piece(self, [], self._shingler.flush())
+        cans: list[str] = []
+        ids_list: list[list[int]] = []
+        for st in self._streams.values():
+            c, runs = st.flush()
+            cans += c
+            ids_list += runs
+        found = svc.strict_check_piece(self, cans, ids_list)
         CHECKS.labels(self.exchange.upstream, "strict").inc()
         svc.stats["checked"] += 1
         if found:
             self._withhold(found)
         with svc._lock:
-            tail = svc._tail_findings(self.exchange, usage, finish_reason, ttft_seconds)
-        svc._record(tail)
+            withhold, tail = svc._tail_findings(self.exchange, usage, finish_reason, ttft_seconds, strict=True)
+        svc._record(tail, exchange=self.exchange)
+        if withhold:
+            self._withhold(withhold)
         out = [raw for raw, _ in self._held]
         self._held.clear()
-        self._held_tokens = 0
         return out
 
     async def check_body(
-        self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+        self,
+        text: str | Sequence[str],
+        *,
+        usage: dict[str, Any] | None,
+        finish_reason: str | None,
+        ttft_seconds: float | None,
     ) -> None:
+        texts = [text] if isinstance(text, str) else [t for t in text if t]
         found = await self.service.run_strict(
-            self.service.strict_check_body,
-            _Check(self.exchange, text[:MAX_CHECK_CHARS], usage, finish_reason, ttft_seconds),
+            self.service.strict_check_body, _Check(self.exchange, texts, usage, finish_reason, ttft_seconds)
         )
         if found:
             self.service.stats["withheld"] += 1

@@ -5,7 +5,9 @@ It lives here, not in the gateway, because dependencies point ``gateway -> verif
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from config.models import TenantConfig
@@ -16,7 +18,18 @@ class Exchange:
     """One request as the verifier sees it. ``prompt_text``: the prompt's text (all messages'
     text joined), used only to build keyed shingle hashes, never stored or logged.
     ``prompt_tokens``: the gateway's exact count. ``started_monotonic``: ``time.monotonic()`` at
-    arrival."""
+    arrival.
+
+    ``prompt_ids``: the request's token-id prompts (``/v1/completions``), decoded by the
+    verifier's admission (:meth:`VerifierStage.admit`) into ``prompt_text`` so they get the
+    own-text exclusion and the leak index like text; ``echo``: the client asked the engine to
+    echo its prompt (never evidence). ``internal_id``: the verifier's own key for this exchange
+    (never the client's ``x-request-id``, which a client may repeat).
+
+    Filled by the verifier: ``admitted`` (the prompt was decoded and ingested at admission),
+    ``sampled``, ``own_shingles`` (the prompt's own-shingle set, kept for this response only),
+    ``own_text_complete`` (``False`` when a token-id prompt could not be decoded),
+    ``echo_prompts`` (each prompt's text, to recognise an echo)."""
 
     request_id: str
     tenant: TenantConfig
@@ -27,6 +40,19 @@ class Exchange:
     prompt_tokens: int
     stream: bool
     started_monotonic: float
+    prompt_ids: Sequence[Sequence[int]] = ()
+    echo: bool = False
+    internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    admitted: bool = False
+    sampled: bool | None = None
+    own_shingles: set[int] | None = None
+    own_text_complete: bool = True
+    echo_prompts: list[str] = field(default_factory=list)
+
+
+#: a token-id decoder the gateway hands to :meth:`VerifierStage.admit` (the model's tokenizer:
+#: ``tokenizer.PromptCounter.adecode``)
+Decoder = Callable[[list[int]], Awaitable[str]]
 
 
 class ResponseWithheld(Exception):
@@ -49,11 +75,17 @@ class ResponseGuard(Protocol):
     with a worker thread) runs in a worker thread, and the awaited call returns (or raises)
     only once that work is done, so ordering and withholding are as if it ran inline."""
 
-    async def feed(self, delta_text: str, raw_event: bytes) -> list[bytes]:
+    async def feed(
+        self, delta_text: str, raw_event: bytes, pieces: Sequence[tuple[str, str]] | None = None
+    ) -> list[bytes]:
         """A stream event (its raw SSE bytes) and the text it adds (``""`` for an event without
-        text). Returns the events that may be sent now, in order (for a strict tenant possibly
-        none: they stay in the hold-back window). Raises :class:`ResponseWithheld` once
-        detected text must not leave; every later call raises it again."""
+        text). ``pieces``: the same text per text stream, ``(key, text)`` with ``key`` naming the
+        choice and field (``"0:content"``, ``"1:tool:0:arguments"``; see
+        :mod:`verifier.engine_response`), so interleaved choices and fields are checked each as
+        its own text; ``None`` = one stream holding ``delta_text``. Returns the events that may
+        be sent now, in order (for a strict tenant possibly none: they stay in the hold-back
+        window). Raises :class:`ResponseWithheld` once detected text must not leave; every later
+        call raises it again."""
         ...
 
     async def finish_stream(
@@ -65,15 +97,28 @@ class ResponseGuard(Protocol):
         ...
 
     async def check_body(
-        self, text: str, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+        self,
+        text: str | Sequence[str],
+        *,
+        usage: dict[str, Any] | None,
+        finish_reason: str | None,
+        ttft_seconds: float | None,
     ) -> None:
-        """A whole non-streamed response's text. Strict: checked before this returns, raises
-        :class:`ResponseWithheld`; otherwise queued for the background checker."""
+        """A whole non-streamed response's text: one string, or one per text stream (each
+        choice's each text-bearing field, checked each on its own). Strict: checked before this
+        returns, raises :class:`ResponseWithheld`; otherwise queued for the background checker."""
         ...
 
 
 class VerifierStage(Protocol):
     """Creates guards; owns background checking, metrics and incident records."""
+
+    async def admit(self, exchange: Exchange, decode: Decoder | None = None) -> None:
+        """Admission (before the request is forwarded): decode ``exchange.prompt_ids`` with
+        ``decode`` and index the prompt, in a worker thread this request awaits, so its cost is
+        its own and a later check finds it indexed. Never raises for the request's sake (a
+        failed decode or a full ingest budget is counted and the request goes on)."""
+        ...
 
     def begin(self, exchange: Exchange) -> ResponseGuard | None:
         """A guard for this response, or ``None`` when it is neither sampled nor strict.
@@ -89,6 +134,9 @@ class VerifierStage(Protocol):
 
 class NullVerifier:
     """Checks nothing (verification switched off)."""
+
+    async def admit(self, exchange: Exchange, decode: Decoder | None = None) -> None:
+        return None
 
     def begin(self, exchange: Exchange) -> ResponseGuard | None:
         return None
