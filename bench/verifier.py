@@ -8,10 +8,16 @@ sampled at 100% against 0%, in one run on this machine.
    - ``check``: a response -> every shingle's fingerprint -> one lookup round trip -> verdict.
    Throughput in MB/s of UTF-8 text and tokens/s; the ``x tokenize`` column is the ratio to
    tokenizing alone.
-2. Gateway: ``bench/gateway.py --only gateway,verify-0,verify-100,verify-strict`` (a separate
+2. Strict latency under an ingest flood: one strict tenant's request (admission-time ingest of
+   its prompt, then the strict check of its whole response) idle, and while another tenant keeps
+   ``--flood-concurrency`` (12) prompts of ``--flood-chars`` (900,000) characters in admission at
+   once, repeated; median and p90 of each, and the ratio (it must stay within 2x: the flood's
+   ingest runs on its own time, one of its prompts at a time, never ahead of another tenant's).
+3. Gateway: ``bench/gateway.py --only gateway,verify-0,verify-100,verify-strict`` (a separate
    process; wrk or a Python load generator against a mock engine), whose table it prints.
 
-Run: ``.venv/bin/python bench/verifier.py [--prompts 300] [--duration 5] [--rounds 3] [--skip-gateway]``.
+Run: ``.venv/bin/python bench/verifier.py [--prompts 300] [--duration 5] [--rounds 3] [--skip-gateway]
+[--skip-flood]``.
 """
 
 import os
@@ -21,7 +27,9 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
     sys.path.pop(0)  # bench/tokenize.py must not shadow the stdlib module
 
 import argparse
+import asyncio
 import random
+import statistics
 import subprocess
 import time
 import uuid
@@ -114,6 +122,86 @@ def bench_index(n_prompts: int) -> None:
                 client.delete(*keys[j : j + 5000])
 
 
+def bench_flood(concurrency: int, chars: int, samples: int) -> tuple[float, float]:
+    """Strict request latency (ms, median) idle and under another tenant's ingest flood."""
+    import tempfile
+
+    from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+    from verifier.service import VerifierService
+    from verifier.stage import Exchange
+
+    text = corpus()
+    rng = random.Random(5)
+    tmp = tempfile.mkdtemp(prefix="kvgate-bench-flood-")
+    settings = Settings(
+        state_dir=tmp,
+        verifier=VerifierSettings(),
+        models=[ModelConfig(id="m", context_length=1 << 20)],
+        upstreams=[
+            UpstreamConfig(name="up", api_url="http://127.0.0.1:1/v1", pool_source="static", static_pool_tokens=1 << 20)
+        ],
+    )
+    secrets = {"leak_index_key": b"bench-flood-key", "cache_salt_key": b"x", "admin_key": b"y"}
+    strict = TenantConfig(id="strict", strict_verify=True)
+    flooder = TenantConfig(id="flooder", verify_sample_rate=0.0)
+
+    def exchange(t: TenantConfig, prompt: str) -> Exchange:
+        return Exchange(uuid.uuid4().hex, t, "up", "m", "/v1/completions", prompt, len(prompt) // 4, False, 0.0)
+
+    async def one_strict(svc: VerifierService) -> float:
+        prompt, answer = slices(text, 1, 8000, rng)[0], slices(text, 1, 1500, rng)[0]
+        t0 = time.perf_counter()
+        e = exchange(strict, prompt)
+        e.started_monotonic = time.monotonic()
+        await svc.admit(e)
+        await svc.begin(e).check_body(answer, usage=None, finish_reason="stop", ttft_seconds=None)
+        return (time.perf_counter() - t0) * 1000
+
+    async def run() -> tuple[list[float], list[float], int]:
+        svc = VerifierService(settings, secrets=secrets)
+        try:
+            for _ in range(5):  # warm up
+                await one_strict(svc)
+            idle = [await one_strict(svc) for _ in range(samples)]
+            stop = asyncio.Event()
+            flood_done = 0
+
+            async def flood() -> None:
+                nonlocal flood_done
+                while not stop.is_set():
+                    await svc.admit(exchange(flooder, " " * chars))
+                    flood_done += 1
+
+            tasks = [asyncio.create_task(flood()) for _ in range(concurrency)]
+            await asyncio.sleep(0.5)  # the flood is in full swing
+            loaded = []
+            for _ in range(samples):
+                loaded.append(await one_strict(svc))
+                await asyncio.sleep(0.02)
+            stop.set()
+            await asyncio.gather(*tasks)
+            return idle, loaded, flood_done
+        finally:
+            await svc.aclose()
+
+    idle, loaded, n_flood = asyncio.run(run())
+
+    def q(v: list[float], p: float) -> float:
+        return sorted(v)[min(len(v) - 1, int(p * len(v)))]
+
+    print(
+        f"\nstrict request under another tenant's ingest flood ({concurrency} concurrent prompts of {chars:,} "
+        f"characters, repeated; {n_flood} flood prompts ingested meanwhile); {samples} strict requests each"
+    )
+    print(f"{'case':<22} {'median ms':>10} {'p90 ms':>10}")
+    print("-" * 44)
+    print(f"{'strict, idle':<22} {statistics.median(idle):>10.2f} {q(idle, 0.9):>10.2f}")
+    print(f"{'strict, ingest flood':<22} {statistics.median(loaded):>10.2f} {q(loaded, 0.9):>10.2f}")
+    ratio = statistics.median(loaded) / statistics.median(idle)
+    print(f"flood / idle (median): {ratio:.2f} (must stay within 2x)")
+    return statistics.median(idle), statistics.median(loaded)
+
+
 def bench_gateway(duration: float, rounds: int) -> None:
     print("\ngateway requests/s with verification (bench/gateway.py, a separate process):")
     cmd = [
@@ -156,9 +244,17 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-gateway", action="store_true")
+    ap.add_argument("--skip-flood", action="store_true")
+    ap.add_argument("--skip-index", action="store_true")
+    ap.add_argument("--flood-concurrency", type=int, default=12)
+    ap.add_argument("--flood-chars", type=int, default=900_000)
+    ap.add_argument("--flood-samples", type=int, default=30)
     args = ap.parse_args()
     print(f"{os.cpu_count()} CPUs")
-    bench_index(args.prompts)
+    if not args.skip_index:
+        bench_index(args.prompts)
+    if not args.skip_flood:
+        bench_flood(args.flood_concurrency, args.flood_chars, args.flood_samples)
     if not args.skip_gateway:
         bench_gateway(args.duration, args.rounds)
     return 0

@@ -13,6 +13,8 @@ tests here: a helper of the verifier tests; the bundled backend does the same fo
 - Prefill takes ``base_seconds + per_token_seconds x prefilled tokens`` (really slept; the
   ``x-prefill-seconds`` header reports it, as the bundled backend does).
 - ``wrong_usage``: report ``usage.prompt_tokens`` = 1 (a known engine failure).
+- ``usage.prompt_tokens_details.cached_tokens`` is 0 (this engine has no prefix cache), or
+  ``cached_tokens`` when set (a prefix-cache hit: prefill takes only the uncached tokens).
 - ``/server_info`` reports ``max_total_num_tokens`` = ``pool_tokens`` (omitted when
   ``info_missing``), ``max_req_input_len``, ``context_length``.
 """
@@ -52,6 +54,7 @@ class EngineState:
     per_token_seconds: float = 0.00002
     jitter: float = 0.1
     seed: int = 0
+    cached_tokens: int | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -88,7 +91,8 @@ class PagedCopyProbe:
                 pos = len(ids) + j
                 self.pages[table[pos // st.page_size]][pos % st.page_size] = tok
             self.free.extend(reversed(table))  # released, not scrubbed; LIFO reuse
-        secs = st.base_seconds + st.per_token_seconds * len(written)
+        prefilled = len(written) - min(st.cached_tokens or 0, len(written) - 1)
+        secs = st.base_seconds + st.per_token_seconds * prefilled
         secs *= 1 + self.rng.uniform(0, st.jitter)
         return out, secs, "length"
 
@@ -150,6 +154,7 @@ def build_app(st: EngineState) -> Starlette:
             "prompt_tokens": 1 if st.wrong_usage else len(ids),
             "completion_tokens": len(out),
             "total_tokens": len(ids) + len(out),
+            "prompt_tokens_details": {"cached_tokens": min(st.cached_tokens or 0, len(ids))},
         }
         rid = f"cmpl-{len(st.requests)}"
         pieces = _text_pieces(enc, out) if out else [""]

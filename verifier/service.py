@@ -938,6 +938,9 @@ class _StrictGuard:
         self._text_bytes = 0
 
     def _withhold(self, found: list[Incident]) -> None:
+        if self._suspect is not None and all(i.detector != "latency" for i in found):
+            found = [*found, self._suspect]  # the first token was too fast as well: say so
+        self._suspect = None
         self.service._record(found, withheld=True, exchange=self.exchange)
         self.service.stats["withheld"] += 1
         self._held.clear()
