@@ -138,7 +138,13 @@ def bench_flood(concurrency: int, chars: int, samples: int) -> tuple[float, floa
         verifier=VerifierSettings(),
         models=[ModelConfig(id="m", context_length=1 << 20)],
         upstreams=[
-            UpstreamConfig(name="up", api_url="http://127.0.0.1:1/v1", pool_source="static", static_pool_tokens=1 << 20)
+            UpstreamConfig(
+                name="up",
+                api_url="http://127.0.0.1:1/v1",
+                pool_source="static",
+                static_pool_tokens=1 << 20,
+                models=["m"],
+            )
         ],
     )
     secrets = {"leak_index_key": b"bench-flood-key", "cache_salt_key": b"x", "admin_key": b"y"}
@@ -165,11 +171,14 @@ def bench_flood(concurrency: int, chars: int, samples: int) -> tuple[float, floa
             idle = [await one_strict(svc) for _ in range(samples)]
             stop = asyncio.Event()
             flood_done = 0
+            t_flood = time.perf_counter()
+
+            big = " " * chars
 
             async def flood() -> None:
                 nonlocal flood_done
                 while not stop.is_set():
-                    await svc.admit(exchange(flooder, " " * chars))
+                    await svc.admit(exchange(flooder, big))
                     flood_done += 1
 
             tasks = [asyncio.create_task(flood()) for _ in range(concurrency)]
@@ -177,21 +186,24 @@ def bench_flood(concurrency: int, chars: int, samples: int) -> tuple[float, floa
             loaded = []
             for _ in range(samples):
                 loaded.append(await one_strict(svc))
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.05)
             stop.set()
             await asyncio.gather(*tasks)
-            return idle, loaded, flood_done
+            rate = flood_done / (time.perf_counter() - t_flood)
+            again = [await one_strict(svc) for _ in range(samples)]
+            return idle + again, loaded, flood_done, rate
         finally:
             await svc.aclose()
 
-    idle, loaded, n_flood = asyncio.run(run())
+    idle, loaded, n_flood, rate = asyncio.run(run())
 
     def q(v: list[float], p: float) -> float:
         return sorted(v)[min(len(v) - 1, int(p * len(v)))]
 
     print(
         f"\nstrict request under another tenant's ingest flood ({concurrency} concurrent prompts of {chars:,} "
-        f"characters, repeated; {n_flood} flood prompts ingested meanwhile); {samples} strict requests each"
+        f"characters, repeated; {n_flood} flood prompts ingested meanwhile, {rate:.0f}/s = {rate * chars / 1e6:.0f} MB/s); "
+        f"{samples} strict requests under the flood, {2 * samples} idle (before and after)"
     )
     print(f"{'case':<22} {'median ms':>10} {'p90 ms':>10}")
     print("-" * 44)
@@ -248,7 +260,7 @@ def main() -> int:
     ap.add_argument("--skip-index", action="store_true")
     ap.add_argument("--flood-concurrency", type=int, default=12)
     ap.add_argument("--flood-chars", type=int, default=900_000)
-    ap.add_argument("--flood-samples", type=int, default=30)
+    ap.add_argument("--flood-samples", type=int, default=40)
     args = ap.parse_args()
     print(f"{os.cpu_count()} CPUs")
     if not args.skip_index:

@@ -53,7 +53,7 @@ from verifier.incidents import CHECKS, DROPPED, DROPPED_BYTES, QUARANTINES, Inci
 from verifier.latency import LatencyModel, cached_tokens_of
 from verifier.leak_index import LeakIndex, LeakVerdict, MemoryLeakStore, RedisLeakStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
-from verifier.shingles import IncrementalShingler, ShingleHasher, encode
+from verifier.shingles import IncrementalShingler, ShingleHasher, encode, squeeze_runs
 from verifier.stage import Decoder, Exchange, ResponseWithheld
 
 log = logging.getLogger("kvgate.verifier")
@@ -277,7 +277,7 @@ class VerifierService:
             exchange.echo_prompts.extend(decoded)
         exchange.admitted = True
         text = exchange.prompt_text
-        nbytes = len(text.encode("utf-8", "replace"))
+        nbytes = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
         with self._ingest_budget_lock:
             if self._ingest_pending_bytes + nbytes > self.cfg.max_pending_ingest_bytes:
                 DROPPED.labels("ingest_bytes").inc()
@@ -304,13 +304,19 @@ class VerifierService:
 
     def _admit_ingest(self, exchange: Exchange, text: str, nbytes: int) -> None:
         """:meth:`admit`'s thread: the CPU work runs without the service lock; only the store
-        calls take it."""
+        calls take it. Between its steps the thread yields the GIL (``time.sleep(0)``), so a
+        huge prompt never makes another request's threads wait out the interpreter's switch
+        interval."""
         try:
-            ids = encode(text)
+            text = squeeze_runs(text)  # a canary holds no run that squeezing shortens
+            time.sleep(0)
+            cans = find_canaries(text)
+            ids = encode(text, squeezed=True)
+            time.sleep(0)
             fps = self.hasher.fingerprints(ids, self.index.w)
+            time.sleep(0)
             if exchange.sampled:
                 exchange.own_shingles = set(self.hasher.fast(ids).tolist())
-            cans = find_canaries(text)
             with self._lock:
                 if self._store_up():
                     try:
