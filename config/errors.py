@@ -8,7 +8,7 @@ Shape (OpenAI API reference, "Error codes"; also what LiteLLM and LangChain pars
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import orjson
 
@@ -29,7 +29,9 @@ def bounded(text: str, limit: int) -> str:
 
 
 class ErrorCode:
-    """The ``code`` values kvgate emits, with their HTTP status in comments."""
+    """The ``code`` values kvgate emits, with their HTTP status in comments. Every code kvgate
+    itself sets is one of these (tests/test_errors.py scans the tree for string literals); codes
+    an engine sends are passed through as the engine wrote them."""
 
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 400
     INVALID_REQUEST = "invalid_request"  # 400 (generic validation)
@@ -46,6 +48,18 @@ class ErrorCode:
     POOL_EXHAUSTED = "pool_exhausted"  # 503 (engine: pool momentarily full)
     SERVER_SHUTTING_DOWN = "server_shutting_down"  # 503 (draining)
     INTERNAL_ERROR = "internal_error"  # 500
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # 405
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # 415 (backend)
+    ABORTED = "aborted"  # 499/503 (backend: client gone or engine stopping)
+    TRANSFER_MISMATCH = "transfer_mismatch"  # 500 (backend: tokens received != tokens reserved)
+    INVALID_TRANSFER = "invalid_transfer"  # 400 (backend: malformed transfer payload)
+    ROOM_CLOSED = "room_closed"  # 410 (backend: bootstrap room already released)
+    DUPLICATE_TRANSFER = "duplicate_transfer"  # 409 (backend: second transfer for a room)
+
+    @classmethod
+    def members(cls) -> frozenset[str]:
+        """Every code value defined here."""
+        return frozenset(v for k, v in vars(cls).items() if k.isupper() and isinstance(v, str))
 
 
 _TYPE_BY_STATUS = {
@@ -125,6 +139,32 @@ class OpenAIError(Exception):
     def body_bytes(self) -> bytes:
         """The JSON body as bytes."""
         return orjson.dumps(self.body())
+
+    def to_openai(self) -> OpenAIError:
+        """Itself (:class:`ErrorLike`)."""
+        return self
+
+
+@runtime_checkable
+class ErrorLike(Protocol):
+    """The one error protocol: what every kvgate error family (:class:`OpenAIError`,
+    ``tokenizer.errors.TokenizerError``, ``gpu_backend.errors.EngineError``) carries.
+    ``status``: the HTTP status answered; ``code``: an :class:`ErrorCode` value or ``None``;
+    ``to_openai()``: the same error as an :class:`OpenAIError`, what servers render."""
+
+    status: int
+    code: str | None
+
+    def to_openai(self) -> OpenAIError: ...
+
+
+def as_openai_error(exc: BaseException) -> OpenAIError | None:
+    """The one mapper: ``exc`` as an :class:`OpenAIError` when it follows :class:`ErrorLike`
+    (has a callable ``to_openai``), else ``None`` (not a kvgate error: the caller answers 500)."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    to_openai = getattr(exc, "to_openai", None)
+    return to_openai() if callable(to_openai) else None
 
 
 def context_length_message(limit: int, prompt_tokens: int, completion_tokens: int, *, messages: bool) -> str:

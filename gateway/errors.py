@@ -1,13 +1,17 @@
 """Exception handlers: every error the app answers is OpenAI-shaped JSON (DESIGN.md, "Error
-bodies"), unknown routes included (404 ``not_found``); an unexpected exception is a 500 whose
-body is OpenAI-shaped too and names no internals."""
+bodies"), unknown routes included (404 ``not_found``, 405 ``method_not_allowed``); an unexpected
+exception is a 500 whose body is OpenAI-shaped too and names no internals.
+
+The routes are plain Starlette routes that read the body themselves, so FastAPI's request
+validation (``RequestValidationError``) never runs and has no handler here. The request path
+answers its own errors (:mod:`gateway.handlers`, :mod:`gateway.response`); these handlers catch
+what escapes it."""
 
 from __future__ import annotations
 
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -40,7 +44,7 @@ def install(app: FastAPI) -> None:
             code = ErrorCode.NOT_FOUND
         elif exc.status_code == 405:
             msg = f"Method {request.method} is not allowed for {request.url.path}."
-            code = "method_not_allowed"
+            code = ErrorCode.METHOD_NOT_ALLOWED
         else:
             msg, code = str(exc.detail), None
         return Response(
@@ -48,16 +52,6 @@ def install(app: FastAPI) -> None:
             status_code=exc.status_code,
             media_type=JSON,
             headers=getattr(exc, "headers", None),
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        errs = exc.errors()
-        param = ".".join(str(p) for p in errs[0]["loc"][1:]) if errs else None
-        return Response(
-            openai_error_bytes("Invalid request.", status=400, code=ErrorCode.INVALID_REQUEST, param=param or None),
-            status_code=400,
-            media_type=JSON,
         )
 
     @app.exception_handler(Exception)

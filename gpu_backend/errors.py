@@ -78,7 +78,7 @@ class RequestAbortedError(EngineError):
     """``aborted``: the request was aborted (client gone: 499; engine stopping: 503)."""
 
     status = 499
-    code = "aborted"
+    code = ErrorCode.ABORTED
 
 
 class TransferMismatchError(EngineError):
@@ -86,7 +86,7 @@ class TransferMismatchError(EngineError):
     (DESIGN.md invariant 2; raised by the disaggregation layer)."""
 
     status = 500
-    code = "transfer_mismatch"
+    code = ErrorCode.TRANSFER_MISMATCH
 
 
 class StaleHandleError(Exception):

@@ -4,6 +4,8 @@ field as the OpenAI API does (``messages[2].content[1].type``, ``prompt[1]``).""
 
 from __future__ import annotations
 
+from config.errors import ErrorCode, OpenAIError
+
 
 def _short(value: object) -> str:
     """``repr`` of a value for a message, bounded (huge ints cannot even be printed in full)."""
@@ -14,17 +16,22 @@ def _short(value: object) -> str:
 
 
 class TokenizerError(ValueError):
-    """Base class. ``param``: the request field at fault (or ``None``). ``status``: the HTTP status
-    the gateway answers with (400: the request is wrong). ``code``: the OpenAI ``code`` (``None``
-    for plain validation errors, as OpenAI sends)."""
+    """Base class; follows ``config.errors.ErrorLike``. ``param``: the request field at fault (or
+    ``None``). ``status``: the HTTP status the gateway answers with (400: the request is wrong).
+    ``code``: the OpenAI ``code`` (an ``ErrorCode``)."""
 
     status: int = 400
-    code: str | None = None
+    code: str | None = ErrorCode.INVALID_REQUEST
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+
+    def to_openai(self) -> OpenAIError:
+        """The OpenAI error: the request's own faults are 400s naming the field (``param``); an
+        engine's failure (status >= 500) names no field."""
+        return OpenAIError(self.status, self.message, code=self.code, param=self.param if self.status < 500 else None)
 
 
 class InvalidPromptError(TokenizerError):
@@ -69,4 +76,4 @@ class EngineTokenizeError(TokenizerError):
     not the request's, so it is a 502 ``upstream_unavailable``."""
 
     status = 502
-    code = "upstream_unavailable"
+    code = ErrorCode.UPSTREAM_UNAVAILABLE

@@ -1,0 +1,161 @@
+"""What an engine's answer says: choices, each choice's text, ``finish_reason``, ``usage``, and
+whether it is an error (DESIGN.md, "Error bodies"; "Strict mode reads every text-bearing field").
+
+The one place kvgate reads an OpenAI-compatible engine response. The gateway (relay, quota
+settle) and the verifier read it; it lives in ``verifier/`` because dependencies point
+``gateway -> verifier``.
+
+- :func:`parse_body`: a whole (non-streamed) ``chat.completion`` / ``text_completion`` object.
+- :func:`parse_chunk`: the JSON ``data`` of one SSE chunk (``chat.completion.chunk``).
+- :func:`is_error_payload` / :func:`engine_error`: an engine error object (SGLang flat
+  ``{"object":"error",...,"code":400}``, vLLM/OpenAI nested ``{"error":{...}}``, ``/generate``'s
+  ``{"error":{"message"}}``, FastAPI's ``{"detail":...}``) as an :class:`~config.errors.OpenAIError`.
+
+Text read today: a choice's ``message.content`` (whole chat), ``delta.content`` (chat chunk) or
+``text`` (completions). Other text-bearing fields (reasoning, refusal, tool-call arguments) are
+not read yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from config.errors import ErrorCode, OpenAIError, error_type_for_status
+
+#: OpenAI ``error.type`` values passed through from an engine; any other becomes the status's type
+OPENAI_ERROR_TYPES = frozenset(
+    {
+        "invalid_request_error",
+        "authentication_error",
+        "permission_error",
+        "not_found_error",
+        "rate_limit_error",
+        "server_error",
+        "api_error",
+    }
+)
+#: an engine's message is cut to this many characters in the OpenAI error it becomes
+MAX_ENGINE_MESSAGE_CHARS = 4000
+
+
+@dataclass
+class EngineOutput:
+    """What one body or one chunk carries.
+
+    ``texts``: choice index -> the text it holds (whole body) or adds (chunk), in choice order;
+    choices without text are absent. ``finish_reason``: the first non-null one among the choices.
+    ``usage``: the ``usage`` object when it is an object. ``usage_only``: ``choices`` is an empty
+    list and usage is set (the ``stream_options.include_usage`` chunk)."""
+
+    texts: dict[int, str] = field(default_factory=dict)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    usage_only: bool = False
+
+    @property
+    def text(self) -> str:
+        """Every choice's text joined, in choice order."""
+        return "".join(self.texts.values())
+
+
+def _choice_text(choice: dict[str, Any], holder: str) -> str | None:
+    """``choice[holder].content`` (``holder`` ``message`` or ``delta``) when that is an object,
+    else the completions ``choice.text``; ``None`` when it is not a string."""
+    inner = choice.get(holder)
+    t = inner.get("content") if isinstance(inner, dict) else choice.get("text")
+    return t if isinstance(t, str) else None
+
+
+def _parse(obj: Any, holder: str, keep_empty: bool) -> EngineOutput:
+    out = EngineOutput()
+    if not isinstance(obj, dict):
+        return out
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        position = 0
+        for c in choices:
+            if not isinstance(c, dict):
+                continue
+            t = _choice_text(c, holder)
+            if t is not None and (t or keep_empty):
+                i = c.get("index")
+                key = i if isinstance(i, int) and not isinstance(i, bool) else position
+                out.texts[key] = out.texts.get(key, "") + t
+            position += 1
+            if out.finish_reason is None and isinstance(c.get("finish_reason"), str):
+                out.finish_reason = c["finish_reason"]
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        out.usage = usage
+        out.usage_only = isinstance(choices, list) and not choices
+    return out
+
+
+def parse_body(obj: Any) -> EngineOutput:
+    """A whole response object (already JSON-decoded) as :class:`EngineOutput`; never raises on
+    odd shapes (a non-object, choices that are not objects, non-string texts read as absent).
+    A choice's index is its ``index`` field when it is an int, else its position."""
+    return _parse(obj, "message", keep_empty=True)
+
+
+def parse_chunk(obj: Any) -> EngineOutput:
+    """One SSE chunk's ``data`` object (already JSON-decoded) as :class:`EngineOutput`: the text
+    each choice adds (``delta.content`` or ``text``; empty strings left out). Never raises."""
+    return _parse(obj, "delta", keep_empty=False)
+
+
+def is_error_payload(obj: Any) -> bool:
+    """An engine error object: OpenAI/vLLM ``{"error": ...}`` (without ``choices``) or SGLang
+    ``{"object": "error"}``."""
+    return isinstance(obj, dict) and ("error" in obj and "choices" not in obj or obj.get("object") == "error")
+
+
+def _error_fields(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {}
+    err = data.get("error")
+    if isinstance(err, dict):
+        return err
+    if isinstance(err, str):
+        return {"message": err}
+    if data.get("object") == "error" or "message" in data:
+        return data
+    if "detail" in data:
+        return {"message": str(data["detail"])}
+    return {}
+
+
+def engine_error(status: int, body: bytes | Any) -> OpenAIError:
+    """An engine's error answer as an :class:`OpenAIError`.
+
+    ``status``: the engine's HTTP status; below 400 (an error event inside a 200 stream, or an
+    error object in a 200 body) the error's numeric ``code`` when it is 4xx/5xx, else 502.
+    ``body``: the raw bytes or an already parsed object. The engine's ``message`` (cut to
+    :data:`MAX_ENGINE_MESSAGE_CHARS`), string ``code`` and ``param`` are kept; an OpenAI ``type``
+    is kept, any other is replaced by the status's. A message naming "maximum context length"
+    without a code gets ``context_length_exceeded``."""
+    data = body
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            data = None
+    e = _error_fields(data)
+    message = e.get("message")
+    if not isinstance(message, str) or not message:
+        text = bytes(body[:500]).decode("utf-8", "replace") if isinstance(body, (bytes, bytearray)) else ""
+        message = f"The upstream engine answered {status}" + (f": {text}" if text.strip() else ".")
+    raw_code = e.get("code")
+    if status < 400:
+        status = raw_code if isinstance(raw_code, int) and 400 <= raw_code <= 599 else 502
+    code = raw_code if isinstance(raw_code, str) and raw_code else None
+    if code is None and "maximum context length" in message:
+        code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    etype = e.get("type")
+    if etype not in OPENAI_ERROR_TYPES:
+        etype = error_type_for_status(status)
+    param = e.get("param") if isinstance(e.get("param"), str) else None
+    return OpenAIError(status, message[:MAX_ENGINE_MESSAGE_CHARS], code=code, param=param, type=etype)
