@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
+
 from config.errors import ErrorCode, OpenAIError, context_length_message
 from config.models import ModelConfig, Settings, TenantConfig
 from gateway import fields
@@ -159,14 +161,6 @@ class Admission:
     bound_field: str = "max_tokens"
 
 
-def tokenizer_error(e: TokenizerError) -> OpenAIError:
-    """A counting error as an OpenAI error: the request's own faults are 400s naming the field
-    (``param``); an engine tokenize failure keeps its own status and code (502 ``upstream_unavailable``)."""
-    if e.status >= 500:
-        return OpenAIError(e.status, e.message, code=e.code)
-    return OpenAIError(e.status, e.message, code=e.code or ErrorCode.INVALID_REQUEST, param=e.param)
-
-
 class PromptTally(tuple):
     """``(largest, total, number_of_prompts)`` prompt tokens, as :func:`count_prompt` returns them;
     ``text``: the prompt's text when it was gathered off the event loop with the count (a heavy
@@ -211,7 +205,7 @@ def _count_now(entry: ModelEntry, body: dict[str, Any], route: str) -> PromptTal
             return PromptTally(c, c, 1, prompt_text_of(body, route))
         pc = counter.count_prompt(body["prompt"])
     except TokenizerError as e:
-        raise tokenizer_error(e) from None
+        raise e.to_openai() from None
     return PromptTally(pc.largest, pc.total, len(pc.per_prompt), prompt_text_of(body, route))
 
 
@@ -250,7 +244,7 @@ async def count_prompt(
         pc = await counter.acount_prompt(body["prompt"])
         return PromptTally(pc.largest, pc.total, len(pc.per_prompt))
     except TokenizerError as e:
-        raise tokenizer_error(e) from None
+        raise e.to_openai() from None
 
 
 def prompt_text_of(body: dict[str, Any], route: str) -> str:
@@ -392,3 +386,23 @@ def decide(
         sequences=num * seqs,
         bound_field=field,
     )
+
+
+def client_wants_usage(body: dict[str, Any]) -> bool:
+    """Whether a stream request asked for the usage chunk itself (``stream_options.include_usage``)."""
+    so = body.get("stream_options")
+    return bool(body.get("stream") and isinstance(so, dict) and so.get("include_usage"))
+
+
+def upstream_body(body: dict[str, Any], adm: Admission, cache_salt: str) -> bytes:
+    """The body to forward, as JSON bytes; ``body`` is changed in place. ``model`` becomes the
+    model's ``upstream_model``; ``cache_salt`` the tenant's (any client salt is dropped);
+    ``max_tokens`` is set when the client sent none (the value the gate checked); a stream that
+    did not ask for usage gets ``stream_options.include_usage: true`` (the quota settle needs it)."""
+    body["model"] = adm.model.upstream_model
+    body["cache_salt"] = cache_salt
+    if adm.defaulted:
+        body["max_tokens"] = adm.max_tokens
+    if body.get("stream") and not client_wants_usage(body):
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return orjson.dumps(body)

@@ -309,30 +309,6 @@ class TenantQuotas:
         await self.store.aclose()
 
 
-# ---------------------------------------------------------------------- usage without a report
-async def completion_tokens_of(counter: Any, texts: Any) -> int:
-    """Completion tokens of the text an engine produced, for a settle without a usage report
-    (an engine that sends none, a stream cut or cancelled before its usage chunk).
-
-    ``counter``: the model's :class:`tokenizer.PromptCounter`; ``texts``: one string (or list of
-    string pieces) per choice, counted separately and summed. Long texts are counted in a worker
-    thread. A counter that can only count through the engine (``count_text`` not implemented)
-    falls back to the UTF-8 byte length, which never undercounts (a token is at least a byte)."""
-    total = 0
-    for t in texts:
-        text = t if isinstance(t, str) else "".join(t)
-        if not text:
-            continue
-        try:
-            if len(text) > getattr(counter, "offload_chars", 32_768):
-                total += await asyncio.to_thread(counter.count_text, text)
-            else:
-                total += counter.count_text(text)
-        except NotImplementedError:
-            total += len(text.encode("utf-8", "surrogatepass"))
-    return total
-
-
 # ---------------------------------------------------------------------- construction
 def redis_client_from_url(url: str, timeout_seconds: float) -> Any:
     """A ``redis.asyncio`` client for ``url`` whose every connect and read is bounded by

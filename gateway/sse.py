@@ -4,16 +4,19 @@ string, arrives exactly as the engine sent it. The gateway forwards each event's
 
 An event ends at a blank line (``\\n\\n`` or ``\\r\\n\\r\\n``, the WHATWG SSE grammar's line
 endings as engines send them). :func:`inspect` reads an event's ``data:`` payload as JSON to learn
-what it carries (text, finish reason, usage, an error) without changing its bytes.
+what it carries (text, finish reason, usage, an error; read by :mod:`verifier.engine_response`)
+without changing its bytes.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from verifier.engine_response import EngineOutput, is_error_payload, parse_chunk
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -121,23 +124,31 @@ def data_of(event: bytes) -> bytes | None:
 
 @dataclass
 class EventInfo:
-    """What one event carries. ``kind``: ``done`` (``[DONE]``), ``error``, ``chunk`` (a JSON
-    completion chunk), ``other`` (no data or not JSON). ``text``: the text it adds (every
-    choice's ``delta.content``/``text`` joined); ``finish_reason``: the first non-null one;
-    ``usage``: the ``usage`` object when non-null; ``usage_only``: ``choices`` is empty and usage
-    is set (the ``stream_options.include_usage`` chunk)."""
+    """What one event carries. ``kind``: ``done`` (``[DONE]``), ``error`` (an engine error object,
+    :func:`verifier.engine_response.is_error_payload`), ``chunk`` (a JSON completion chunk),
+    ``other`` (no data or not JSON). ``data``: the decoded JSON; ``output``: what a chunk carries
+    (:func:`verifier.engine_response.parse_chunk`: per-choice texts, finish reason, usage)."""
 
     kind: str
     data: Any = None
-    text: str = ""
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    usage_only: bool = False
+    output: EngineOutput = field(default_factory=EngineOutput)
 
+    @property
+    def text(self) -> str:
+        """The text this event adds (every choice's, joined)."""
+        return self.output.text
 
-def is_error_payload(obj: Any) -> bool:
-    """An engine error object: OpenAI/vLLM ``{"error": ...}`` or SGLang ``{"object": "error"}``."""
-    return isinstance(obj, dict) and ("error" in obj and "choices" not in obj or obj.get("object") == "error")
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        return self.output.usage
+
+    @property
+    def usage_only(self) -> bool:
+        return self.output.usage_only
 
 
 def inspect(event: bytes) -> EventInfo:
@@ -155,25 +166,7 @@ def inspect(event: bytes) -> EventInfo:
         return EventInfo("other", obj)
     if is_error_payload(obj):
         return EventInfo("error", obj)
-    info = EventInfo("chunk", obj)
-    choices = obj.get("choices")
-    if isinstance(choices, list):
-        texts = []
-        for c in choices:
-            if not isinstance(c, dict):
-                continue
-            d = c.get("delta")
-            t = d.get("content") if isinstance(d, dict) else c.get("text")
-            if isinstance(t, str) and t:
-                texts.append(t)
-            if info.finish_reason is None and isinstance(c.get("finish_reason"), str):
-                info.finish_reason = c["finish_reason"]
-        info.text = "".join(texts)
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        info.usage = usage
-        info.usage_only = isinstance(choices, list) and not choices
-    return info
+    return EventInfo("chunk", obj, parse_chunk(obj))
 
 
 def strip_usage_null(event: bytes) -> bytes:

@@ -9,7 +9,6 @@ import pytest
 
 from config.errors import ErrorCode
 from config.loader import ConfigError, load_settings
-from gateway.admission import tokenizer_error
 from gateway.tenants import TenantRegistry, hash_key
 from tokenizer.errors import EngineTokenizeError, InvalidTokenIdError, UnknownContentPartError
 
@@ -21,14 +20,14 @@ TENANT = """tenants:
 
 
 def test_request_faults_are_400_naming_the_field() -> None:
-    e = tokenizer_error(UnknownContentPartError("input_audio", "messages[0].content[1].type"))
+    e = UnknownContentPartError("input_audio", "messages[0].content[1].type").to_openai()
     assert (e.status, e.code, e.param) == (400, ErrorCode.INVALID_REQUEST, "messages[0].content[1].type")
-    e = tokenizer_error(InvalidTokenIdError(-1, 100277, "prompt[2]"))
+    e = InvalidTokenIdError(-1, 100277, "prompt[2]").to_openai()
     assert (e.status, e.param) == (400, "prompt[2]")
 
 
 def test_engine_tokenize_failure_is_502_upstream_unavailable_not_a_400() -> None:
-    e = tokenizer_error(EngineTokenizeError("engine tokenize answered 500"))
+    e = EngineTokenizeError("engine tokenize answered 500").to_openai()
     assert (e.status, e.code, e.param) == (502, "upstream_unavailable", None)
     assert e.body()["error"]["type"] == "server_error"
 

@@ -11,10 +11,10 @@ from config.pool import effective_pool_limit, pool_limit_from_headroom
 from gateway.admission import ModelIndex, decide
 from gateway.handlers import request_id_of
 from gateway.pool_watcher import PoolReadError, limit_from_server_info, limit_from_vllm_models
-from gateway.proxy import engine_error
 from gateway.requests import parse_json_body, validate
 from gateway.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, strip_usage_null
 from gateway.tenants import TenantRegistry, hash_key
+from verifier.engine_response import engine_error
 
 
 # ---------------------------------------------------------------- pool formula

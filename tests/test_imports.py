@@ -216,3 +216,89 @@ def test_kvgate_help_runs_without_torch():
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: kvgate <command> [options]")
     assert "deploy-gate" in out.stdout
+
+
+# ---------------------------------------------------------------- no import cycle between modules
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """The dotted module name of a file under ``root`` (``pkg/__init__.py`` is ``pkg``)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path, known: set[str], root: Path = ROOT) -> set[str]:
+    """The modules of ``known`` that ``path`` imports: every import statement counts, wherever it
+    is (module level, inside a function, under ``if TYPE_CHECKING:``, in a ``try``), since a
+    type-only or deferred import is still a dependency. ``from a import b`` names the module
+    ``a.b`` when that is a module, else ``a``; relative imports resolve against ``path``."""
+    name = module_name(path, root)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                if f"{mod}.{a.name}" in known:
+                    out.add(f"{mod}.{a.name}")
+                elif mod in known:
+                    out.add(mod)
+    out.discard(name)
+    return out
+
+
+def import_cycles(root: Path, packages: tuple[str, ...]) -> list[list[str]]:
+    """Every cycle a depth-first walk of the module import graph of ``packages`` meets, each as
+    ``[m1, m2, ..., m1]``."""
+    files = {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+    known = set(files)
+    graph = {m: sorted(imported_modules(p, known, root)) for m, p in files.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(m: str, trail: list[str]) -> None:
+        if state.get(m) == 1:
+            cycles.append(trail[trail.index(m) :] + [m])
+            return
+        if state.get(m) == 2:
+            return
+        state[m] = 1
+        for q in graph[m]:
+            visit(q, trail + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        visit(m, [])
+    return cycles
+
+
+def test_no_import_cycle_between_modules():
+    assert [" -> ".join(c) for c in import_cycles(ROOT, PACKAGES)] == []
+
+
+def test_cycle_checker_counts_type_only_and_deferred_imports(tmp_path):
+    """Control: a cycle closed only by an ``if TYPE_CHECKING:`` import, or only by an import
+    inside a function, is found; relative imports resolve; a one-way graph has none."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "app.py").write_text("from pkg.handlers import handle\n")
+    (pkg / "handlers.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.app import Gateway\n"
+    )
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import x\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    assert sorted(import_cycles(tmp_path, ("pkg",))) == [
+        ["pkg.a", "pkg.b", "pkg.a"],
+        ["pkg.app", "pkg.handlers", "pkg.app"],
+    ]
+    (pkg / "handlers.py").write_text("def handle():\n    pass\n")
+    (pkg / "b.py").write_text("x = 1\n")
+    assert import_cycles(tmp_path, ("pkg",)) == []

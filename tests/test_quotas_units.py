@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from gateway.quota_stores import QuotaDecision, QuotaLimits
-from gateway.quotas import completion_tokens_of, rate_limit_headers
+from gateway.finish import completion_tokens_of
+from gateway.quotas import rate_limit_headers
 from gateway.tenant_reload import TenantFileWatcher
 from gateway.tenants import TenantRegistry, hash_key
 from tokenizer import bundled_counter

@@ -1,0 +1,139 @@
+"""Steps 1-6 of a request's way through the gateway, as one stage (DESIGN.md): ``admit`` either
+refuses a request (:class:`Refused`) or returns one :class:`Admitted` record, with the quota
+reserved, that the relay (:mod:`gateway.proxy`) forwards and :mod:`gateway.finish` settles.
+
+In DESIGN.md's order, each step a call into the module that owns it:
+
+1. authenticate from the ``Authorization`` header (:mod:`gateway.auth`), before any byte of the
+   body is read: an unauthenticated client never makes the gateway read or parse a body;
+2. read the body (size limit) and parse it as strict JSON (:mod:`gateway.requests`);
+3. validate it against the route's OpenAI schema (:mod:`gateway.requests`);
+4. resolve the model, count the prompt, apply the context gate (:mod:`gateway.admission`); an
+   unknown or stale pool is 503 ``pool_size_unknown`` (fail closed);
+5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503);
+6. build the body to forward (:func:`gateway.admission.upstream_body`) and reserve the quota last,
+   so that no refusal ever leaves a reservation behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from starlette.requests import Request
+
+from config.errors import ErrorCode, OpenAIError
+from config.models import Settings, TenantConfig
+from gateway.admission import Admission, ModelIndex, client_wants_usage, count_prompt, decide, upstream_body
+from gateway.auth import authenticate
+from gateway.requests import parse_json_body, read_body, validate
+from gateway.stages import QuotaLease, QuotaStage
+from gateway.tenants import TenantRegistry
+from gateway.upstreams import Upstream, UpstreamSet
+from verifier.stage import VerifierStage
+
+
+class AdmitContext(Protocol):
+    """What admission reads from the gateway (``gateway.app.Gateway`` provides it)."""
+
+    settings: Settings
+    tenants: TenantRegistry
+    models: ModelIndex
+    upstreams: UpstreamSet
+    quotas: QuotaStage
+    verifier: VerifierStage
+
+    def cache_salt(self, tenant_id: str) -> str: ...
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request as it arrived: ``request_id`` (the client's ``x-request-id`` or a new one),
+    ``route`` (``chat`` or ``completions``), ``t_perf`` (``time.perf_counter()`` at arrival)."""
+
+    request_id: str
+    route: str
+    t_perf: float
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What goes upstream: ``body`` (JSON bytes: model rewritten, the tenant's ``cache_salt``,
+    defaulted ``max_tokens``, ``stream_options.include_usage`` on streams); ``stream``;
+    ``strip_usage``: the gateway asked for the usage chunk on the client's behalf, so the relay
+    removes it (and the ``"usage": null`` members) again."""
+
+    body: bytes
+    stream: bool
+    strip_usage: bool
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """An admitted request: who (``tenant``), what admission decided (``admission``: model, token
+    counts, limit), the quota ``lease`` (settled exactly once by :func:`gateway.finish.finish`),
+    the upstreams it may go to (``candidates``: known pool, not quarantined) and ``forward``."""
+
+    arrival: Arrival
+    tenant: TenantConfig
+    admission: Admission
+    lease: QuotaLease
+    candidates: list[Upstream]
+    forward: Forward
+
+
+class Refused(Exception):
+    """Admission refused the request: ``error`` is the answer; ``tenant_id`` is ``"-"`` before
+    authentication succeeded (for metrics and the access log)."""
+
+    def __init__(self, error: OpenAIError, tenant_id: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.tenant_id = tenant_id
+
+
+async def admit(ctx: AdmitContext, request: Request, arrival: Arrival) -> Admitted:
+    """Run steps 1-6 (module docstring) for ``request``. Raises :class:`Refused` (an OpenAI error:
+    401, 400, 404, 413, 429, 503, ...) or ``gateway.requests.ClientGone`` (the client left while
+    its body was arriving). Nothing is reserved unless this returns."""
+    headers = request.headers
+    try:
+        tenant = authenticate(headers.get("authorization"), ctx.tenants)
+    except OpenAIError as e:
+        raise Refused(e, "-") from None
+    try:
+        return await _admit_tenant(ctx, request, arrival, tenant)
+    except OpenAIError as e:
+        raise Refused(e, tenant.id) from None
+
+
+async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, tenant: TenantConfig) -> Admitted:
+    route = arrival.route
+    headers = request.headers
+    raw = await read_body(request.receive, headers.get("content-length"), ctx.settings.gateway.max_body_bytes)
+    body = parse_json_body(raw)
+    validate(body, route)
+    entry = ctx.models.resolve(tenant, body.get("model"))
+    prompt = await count_prompt(entry, body, route)
+    candidates, pool_limit = ctx.upstreams.eligible(entry.id)
+    if pool_limit is None:
+        raise OpenAIError(
+            503,
+            f"The live KV pool size of the engines serving '{entry.id}' is unknown or "
+            "stale; refusing rather than risking a silent rejection. Retry shortly.",
+            code=ErrorCode.POOL_SIZE_UNKNOWN,
+            headers={"Retry-After": "1"},
+        )
+    adm = decide(entry, tenant, body, route, prompt, pool_limit)
+    candidates = [u for u in candidates if not ctx.verifier.is_quarantined(u.name, adm.prompt_tokens)]
+    if not candidates:
+        raise OpenAIError(
+            503,
+            "Every upstream engine for this model is quarantined for prompts of this length.",
+            code=ErrorCode.UPSTREAM_UNAVAILABLE,
+        )
+    stream = bool(body.get("stream"))
+    strip_usage = stream and not client_wants_usage(body)
+    forward = Forward(upstream_body(body, adm, ctx.cache_salt(tenant.id)), stream, strip_usage)
+    lease = await ctx.quotas.reserve(tenant, adm.reserve_tokens, arrival.request_id)
+    return Admitted(arrival, tenant, adm, lease, candidates, forward)
