@@ -168,7 +168,14 @@ class PoolSettings(_Strict):
 
 
 class GatewaySettings(_Strict):
-    """The HTTP edge: bind address, body limit, upstream timeouts (seconds), drain on SIGTERM."""
+    """The HTTP edge: bind address, body limit, upstream timeouts (seconds), drain on SIGTERM.
+
+    Client side (:mod:`gateway.edge`): ``max_inbound_connections`` client connections per process
+    (``max_connections`` sizes the upstream pool), ``max_header_bytes`` / ``max_header_count``
+    (431 above), ``header_timeout_seconds`` / ``body_timeout_seconds`` (408 when a request head or
+    body arrives slower), ``keepalive_timeout_seconds``. ``max_sse_event_bytes`` bounds one
+    upstream stream event; ``metrics_token``, when set, is the bearer token ``/metrics`` and
+    ``/readyz``'s details need."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
@@ -178,6 +185,14 @@ class GatewaySettings(_Strict):
     drain_timeout_seconds: float = Field(default=30.0, ge=0)
     max_connections: int = Field(default=512, ge=1)
     offload_count_chars: int = Field(default=32_768, ge=0)
+    max_inbound_connections: int = Field(default=1024, ge=1)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_header_count: int = Field(default=100, ge=8)
+    header_timeout_seconds: float = Field(default=10.0, gt=0)
+    body_timeout_seconds: float = Field(default=30.0, gt=0)
+    keepalive_timeout_seconds: float = Field(default=5.0, gt=0)
+    max_sse_event_bytes: int = Field(default=1 << 20, ge=1024)
+    metrics_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 

@@ -52,9 +52,18 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(app: Any, host: str, port: int, *, drain_timeout_seconds: float = 30.0, log_level: str = "info") -> int:
+def run_server(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    drain_timeout_seconds: float = 30.0,
+    log_level: str = "info",
+    limits: Any = None,
+) -> int:
     """Serve ``app`` (built by :func:`gateway.app.create_app`) on ``host:port`` until a signal
-    has drained it. Returns the exit status (0)."""
+    has drained it. ``limits``: the client-side :class:`gateway.edge.EdgeLimits` (default: built
+    from the app's ``gateway`` settings). Returns the exit status (0)."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -66,6 +75,9 @@ def run_server(app: Any, host: str, port: int, *, drain_timeout_seconds: float =
         lifespan="on",
         server_header=False,
     )
+    from gateway.edge import EdgeLimits, configure
+
+    configure(config, limits or EdgeLimits.from_settings(app.state.gateway.settings.gateway))
     server = DrainingServer(config, app.state.gateway, drain_timeout_seconds)
     server.run()
     return 0

@@ -1,0 +1,210 @@
+"""The server layer's own limits (DESIGN.md step 2; docs/gateway.md, "Client connections"): what a
+client may cost the gateway before its request reaches the app.
+
+uvicorn's httptools protocol (what ``uvicorn[standard]`` runs) bounds neither the bytes nor the
+number of request headers, nor how long a request head or body may take to arrive; h11 bounds
+header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge.py``).
+:class:`BoundedHttpToolsProtocol` is uvicorn's httptools protocol with those bounds added:
+
+- ``max_header_bytes`` (request line + headers) and ``max_header_count``: above either, 431
+  ``request_header_fields_too_large``; the connection is closed and the app never sees the request.
+  Bytes are counted as they arrive, so a head that never ends is refused as soon as it is too long.
+- ``header_timeout_seconds``: a request head (first byte to the end of the headers) that takes
+  longer gets 408 ``request_timeout`` and the connection is closed (slow headers).
+- ``body_timeout_seconds``: a body that is not complete this long after its head gets 408 (when
+  no response has started) and the connection is closed (slow bodies: the app's ``receive()``
+  then reports a disconnect).
+- ``max_inbound_connections``: a client connection beyond this many open ones (in this process)
+  gets 503 ``server_busy`` and is closed at once.
+- ``keepalive_timeout_seconds``: an idle keep-alive connection is closed after this long
+  (uvicorn's ``timeout_keep_alive``).
+
+Every refusal is an OpenAI-shaped JSON body with ``connection: close``. :func:`configure` puts the
+protocol and the limits on a ``uvicorn.Config``; the limits travel on the config object, so every
+process that builds its own config (a worker) applies them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from config.errors import openai_error_bytes
+
+log = logging.getLogger("kvgate.edge")
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """The server layer's limits; see the module docstring. Bytes, counts and seconds."""
+
+    max_header_bytes: int = 64 * 1024
+    max_header_count: int = 100
+    header_timeout_seconds: float = 10.0
+    body_timeout_seconds: float = 30.0
+    max_inbound_connections: int = 1024
+    keepalive_timeout_seconds: float = 5.0
+
+    @classmethod
+    def from_settings(cls, g: Any) -> EdgeLimits:
+        """From a :class:`config.models.GatewaySettings`."""
+        return cls(
+            max_header_bytes=g.max_header_bytes,
+            max_header_count=g.max_header_count,
+            header_timeout_seconds=g.header_timeout_seconds,
+            body_timeout_seconds=g.body_timeout_seconds,
+            max_inbound_connections=g.max_inbound_connections,
+            keepalive_timeout_seconds=g.keepalive_timeout_seconds,
+        )
+
+
+def refusal_bytes(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response: ``status``, an OpenAI-shaped JSON body, ``connection: close``."""
+    body = openai_error_bytes(message, status=status, code=code)
+    return b"".join(
+        [
+            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+            body,
+        ]
+    )
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's ``HttpToolsProtocol`` with :class:`EdgeLimits` (from ``config.kvgate_edge_limits``,
+    set by :func:`configure`; the defaults when absent)."""
+
+    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any], _loop: Any = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.limits: EdgeLimits = getattr(config, "kvgate_edge_limits", None) or EdgeLimits()
+        self._in_head = True  # between requests or inside a request head
+        self._head_bytes = 0
+        self._header_count = 0
+        self._refused = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------ refusals
+    def _refuse(self, status: int, message: str, code: str) -> None:
+        if self._refused:
+            return
+        self._refused = True
+        self._cancel_timers()
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self.cycle is None or not self.cycle.response_started:
+            self.transport.write(refusal_bytes(status, message, code))
+        # connection_lost marks the request's cycle disconnected: the app's receive() reports a
+        # disconnect and whatever it sends is dropped
+        self.transport.close()
+        log.info("refused a client connection: %d %s", status, code)
+
+    def _cancel_timers(self) -> None:
+        for t in (self._head_timer, self._body_timer):
+            if t is not None:
+                t.cancel()
+        self._head_timer = self._body_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._refuse(
+            408,
+            f"The request head did not arrive within {self.limits.header_timeout_seconds:g} seconds.",
+            "request_timeout",
+        )
+
+    def _body_too_slow(self) -> None:
+        self._body_timer = None
+        self._refuse(
+            408,
+            f"The request body did not arrive within {self.limits.body_timeout_seconds:g} seconds.",
+            "request_timeout",
+        )
+
+    def _head_too_large(self, what: str) -> None:
+        self._refuse(431, f"The request's headers are too large: {what}.", "request_header_fields_too_large")
+
+    # ------------------------------------------------------------ asyncio.Protocol
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_inbound_connections:
+            self._refuse(
+                503,
+                f"The gateway holds its maximum of {self.limits.max_inbound_connections} client connections; "
+                "retry shortly.",
+                "server_busy",
+            )
+            return
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_seconds, self._head_too_slow)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_head:
+            if self._head_timer is None:  # a new request on a kept-alive connection
+                self._head_timer = self.loop.call_later(self.limits.header_timeout_seconds, self._head_too_slow)
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and not self._refused and self._head_bytes > self.limits.max_header_bytes:
+            # still inside the head (the headers did not end in what arrived) and already too long
+            self._head_too_large(f"more than {self.limits.max_header_bytes} bytes")
+
+    # ------------------------------------------------------------ parser callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_header_count:
+            self._head_too_large(f"more than {self.limits.max_header_count} header fields")
+            return
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        head = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if head > self.limits.max_header_bytes:
+            self._head_too_large(f"more than {self.limits.max_header_bytes} bytes")
+            return
+        self._in_head = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+        if self.cycle is not None and self.cycle.more_body:
+            self._body_timer = self.loop.call_later(self.limits.body_timeout_seconds, self._body_too_slow)
+
+    def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        if self._refused:
+            return
+        super().on_message_complete()
+        self._in_head = True
+        self._head_bytes = 0
+        self._header_count = 0
+
+
+def configure(config: Any, limits: EdgeLimits) -> Any:
+    """Make ``config`` (a ``uvicorn.Config``, before it is loaded) serve with
+    :class:`BoundedHttpToolsProtocol` under ``limits``; returns ``config``."""
+    config.http = BoundedHttpToolsProtocol
+    config.kvgate_edge_limits = limits
+    config.timeout_keep_alive = limits.keepalive_timeout_seconds
+    config.h11_max_incomplete_event_size = limits.max_header_bytes  # if h11 is ever chosen instead
+    return config
