@@ -9,7 +9,11 @@ Lua script for the POST body; a Python load process when ``wrk`` is absent):
 - ``relay``: through a featureless FastAPI + httpx relay (this file, ``--relay``): the floor of
   this stack (same framework, server and client as the gateway, nothing else);
 - ``gateway``: ``kvgate serve`` with auth, exact counting, the context gate on the live pool and
-  metrics on (quotas and verification off: those are scenarios of their own);
+  metrics on (quotas and verification off: those are scenarios of their own), on its own bounded
+  httptools protocol (:mod:`gateway.edge`: header bytes and count, head and body deadlines);
+- ``edge-httptools`` / ``edge-h11``: the same app on uvicorn's stock httptools protocol (no header
+  bound) or on h11 (header bytes bounded by ``h11_max_incomplete_event_size``): what the bounds
+  cost, and what h11 would;
 - ``quotas-redis`` / ``quotas-local``: the same gateway with quotas on (RPM, TPM and concurrency
   limits high enough never to refuse) kept in Redis (``$KVGATE_BENCH_REDIS_URL``, default
   ``redis://127.0.0.1:6379/0``; skipped when it does not answer) or in process. The ``+p50-gw``
@@ -240,12 +244,15 @@ def gateway_target(
     name: str = "gateway",
     log_level: str = "warning",
     tenant: dict[str, Any] | None = None,
+    protocol: str | None = None,
     **overrides: Any,
 ) -> Iterator[Target]:
     """Run ``kvgate serve`` in front of the mock with settings ``overrides`` (top-level keys of
     ``kvgate.yaml``, sections merged: e.g. ``quotas={"enabled": True}``, ``redis_url=...``)
     and one bench tenant with a fresh key (``tenant``: fields added to its entry, e.g. limits);
-    yield its :class:`Target`."""
+    yield its :class:`Target`. ``protocol`` (``httptools``, ``h11``): the same app served by this
+    file's ``--serve-gateway`` under that uvicorn protocol instead of ``kvgate serve``'s own
+    (:mod:`gateway.edge`'s bounded httptools)."""
     port = free_port()
     key = "sk-bench-" + secrets.token_hex(16)
     settings: dict[str, Any] = {
@@ -281,20 +288,12 @@ def gateway_target(
     (env.tmp / f"{name}.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     (env.tmp / f"{name}-tenants.yaml").write_text(yaml.safe_dump(tenants, sort_keys=False))
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-    p = env.spawn(
-        name,
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "serve",
-            "--config",
-            str(env.tmp / f"{name}.yaml"),
-            "--tenants",
-            str(env.tmp / f"{name}-tenants.yaml"),
-        ],
-        env={**clean, "PYTHONPATH": str(ROOT)},
-    )
+    files = ["--config", str(env.tmp / f"{name}.yaml"), "--tenants", str(env.tmp / f"{name}-tenants.yaml")]
+    if protocol is None:
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", *files]
+    else:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-gateway", protocol, *files]
+    p = env.spawn(name, cmd, env={**clean, "PYTHONPATH": str(ROOT)})
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", p)
     except RuntimeError as e:
@@ -310,6 +309,53 @@ def gateway_target(
 def _gateway(env: Env) -> Iterator[Target]:
     with gateway_target(env) as t:
         yield t
+
+
+@scenario("edge-httptools", "the gateway app on uvicorn's stock httptools protocol: no bound on header bytes or count")
+def _edge_httptools(env: Env) -> Iterator[Target]:
+    with gateway_target(env, name="edge-httptools", protocol="httptools") as t:
+        yield t
+
+
+@scenario("edge-h11", "the gateway app on uvicorn's h11 protocol (bounds header bytes, not their count)")
+def _edge_h11(env: Env) -> Iterator[Target]:
+    with gateway_target(env, name="edge-h11", protocol="h11") as t:
+        yield t
+
+
+def serve_gateway(protocol: str, config: str, tenants: str) -> None:
+    """``kvgate serve``'s app (same settings, stages and secrets) under uvicorn's ``protocol``
+    (``httptools`` stock, or ``h11`` with ``h11_max_incomplete_event_size`` = the header limit),
+    without :mod:`gateway.edge`: the alternatives the ``edge-*`` scenarios measure."""
+    import uvicorn
+
+    from config.loader import load_settings
+    from config.secrets import load_secrets
+    from gateway.app import create_app
+    from gateway.commands.serve import build_stages
+    from gateway.tenants import TenantRegistry
+
+    settings = load_settings(config)
+    registry = TenantRegistry.from_path(tenants, settings)
+    secrets_ = load_secrets(settings.state_dir)
+    quotas, verifier = build_stages(settings, secrets_)
+    app = create_app(settings, registry, quotas=quotas, verifier=verifier, secrets=secrets_)
+    g = settings.gateway
+    uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=g.host,
+            port=g.port,
+            http=protocol,
+            h11_max_incomplete_event_size=g.max_header_bytes,
+            timeout_keep_alive=g.keepalive_timeout_seconds,
+            log_level="warning",
+            access_log=False,
+            log_config=None,
+            lifespan="on",
+            server_header=False,
+        )
+    ).run()
 
 
 @scenario("gateway-logged", "the gateway scenario with its JSON access log on (log level info, to a file)")
@@ -591,7 +637,13 @@ def main() -> int:
     ap.add_argument("--headers", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--upstream", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-gateway", choices=["httptools", "h11"], help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--tenants", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_gateway:
+        serve_gateway(args.serve_gateway, args.config, args.tenants)
+        return 0
 
     if args.load:  # the separate load process
         import asyncio
