@@ -189,6 +189,21 @@ class DrainMiddleware:
                 gw._idle.set()
 
 
+def ops_token_check(token: Any) -> Any:
+    """``allowed(authorization_header) -> bool`` for ``/metrics`` and ``/readyz``'s details:
+    always true when ``token`` (``gateway.metrics_token``, a ``SecretStr``) is unset; else true
+    only for ``Bearer <token>``, compared in constant time (SHA-256 of both sides)."""
+    if token is None or not token.get_secret_value():
+        return lambda header: True
+    want = hashlib.sha256(f"Bearer {token.get_secret_value()}".encode()).digest()
+
+    def allowed(header: str | None) -> bool:
+        got = hashlib.sha256((header or "").encode("utf-8", "surrogatepass")).digest()
+        return hmac.compare_digest(got, want)
+
+    return allowed
+
+
 def create_app(
     settings: Settings,
     tenants: TenantRegistry,
@@ -227,11 +242,26 @@ def create_app(
     async def healthz(request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type="application/json")
 
+    ops_allowed = ops_token_check(settings.gateway.metrics_token)
+
     async def readyz(request: Request) -> Response:
         ok, report = gw.ready()
+        if not ops_allowed(request.headers.get("authorization")):
+            report = {"status": report["status"]}  # the status code stays; the details need the token
         return Response(orjson.dumps(report), status_code=200 if ok else 503, media_type="application/json")
 
     async def metrics(request: Request) -> Response:
+        if not ops_allowed(request.headers.get("authorization")):
+            return Response(
+                openai_error_bytes(
+                    "/metrics needs the metrics token (gateway.metrics_token) as 'Authorization: Bearer <token>'.",
+                    status=401,
+                    code=ErrorCode.INVALID_API_KEY,
+                ),
+                status_code=401,
+                media_type="application/json",
+                headers={"www-authenticate": "Bearer"},
+            )
         return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
 
     app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])

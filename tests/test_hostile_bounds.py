@@ -13,7 +13,7 @@ import pytest
 
 from config.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, OpenAIError, bounded, openai_error
 from gateway.logging import MAX_FIELD_CHARS, MAX_LINE_BYTES, JsonFormatter
-from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream
+from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream, wait_for
 from tests.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,3 +101,41 @@ def test_unknown_field_named_with_4mb_of_text_gets_a_small_400_and_a_small_log_l
     lines = [ln for ln in stream.getvalue().splitlines() if ln]
     assert lines and all(len(ln.encode()) <= MAX_LINE_BYTES for ln in lines)
     assert all(name[:2000] not in ln for ln in lines)
+
+
+def test_metrics_token_guards_metrics_and_readyz_details(engine):
+    token = "m" * 32
+    g = Gateway(settings_for([upstream("u1", engine)], gateway={"metrics_token": token}), tenants()).start()
+    try:
+        with g.client(key=None) as c:
+            assert wait_for(lambda: c.get("/readyz").status_code == 200)
+            r = c.get("/metrics")
+            assert (r.status_code, r.headers["www-authenticate"], r.json()) == (
+                401,
+                "Bearer",
+                {
+                    "error": {
+                        "message": "/metrics needs the metrics token (gateway.metrics_token) as "
+                        "'Authorization: Bearer <token>'.",
+                        "type": "authentication_error",
+                        "param": None,
+                        "code": "invalid_api_key",
+                    }
+                },
+            )
+            assert c.get("/metrics", headers={"authorization": "Bearer " + "m" * 31}).status_code == 401
+            assert c.get("/readyz").json() == {"status": "ready"}  # no upstream URLs, no pool details
+            auth = {"authorization": f"Bearer {token}"}
+            ok = c.get("/metrics", headers=auth)
+            assert ok.status_code == 200 and b"kvgate_requests_total" in ok.content
+            details = c.get("/readyz", headers=auth).json()
+            assert details["status"] == "ready" and details["upstreams"][0]["upstream"] == "u1"
+    finally:
+        g.stop()
+    open_gw = Gateway(settings_for([upstream("u1", engine)]), tenants()).start()  # off by default
+    try:
+        with open_gw.client(key=None) as c:
+            assert wait_for(lambda: c.get("/readyz").status_code == 200)
+            assert "upstreams" in c.get("/readyz").json() and c.get("/metrics").status_code == 200
+    finally:
+        open_gw.stop()
