@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -82,7 +83,19 @@ def test_compose_file_validates() -> None:
     services = _compose()["services"]
     assert set(services) >= {"redis", "prefill", "decode", "router", "gateway"}
     published = {n for n, s in services.items() if s.get("ports")}
-    assert published == {"gateway"}
+    assert published == {"gateway", "gateway-demo"}
+    # the host side is loopback unless KVGATE_PUBLISH_HOST says otherwise
+    assert services["gateway"]["ports"] == ["${KVGATE_PUBLISH_HOST:-127.0.0.1}:8080:8080"]
+    assert services["gateway-demo"]["ports"] == ["${KVGATE_PUBLISH_HOST:-127.0.0.1}:8081:8080"]
+    resolved = subprocess.run([exe, "-f", str(COMPOSE), "config"], capture_output=True, text=True, cwd=ROOT)
+    assert resolved.returncode == 0, resolved.stderr
+    ports = yaml.safe_load(resolved.stdout)["services"]["gateway"]["ports"]
+    assert all(
+        str(p.get("host_ip", "")) == "127.0.0.1" if isinstance(p, dict) else p.startswith("127.0.0.1:") for p in ports
+    ), ports
+    # only the demo profile's gateway accepts the documented demo keys
+    assert "--demo" not in services["gateway"]["command"] and "--init-tenant" in services["gateway"]["command"]
+    assert "--demo" in services["gateway-demo"]["command"] and services["gateway-demo"]["profiles"] == ["demo"]
     for n in ("prefill-gpu", "decode-gpu"):
         devices = services[n]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"] and services[n]["profiles"] == ["gpu"]
@@ -108,7 +121,11 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
             argv[0] = str(VENV_BIN / argv[0])
             env = {**os.environ, **{k: _map_hosts(str(v), names) for k, v in (svc.get("environment") or {}).items()}}
             if "KVGATE_STATE_DIR" in env:
+                state = env["KVGATE_STATE_DIR"]
                 env["KVGATE_STATE_DIR"] = str(tmp_path / f"{name}-state")
+                for k, v in list(env.items()):  # paths inside the state volume, e.g. KVGATE_TENANTS
+                    if k != "KVGATE_STATE_DIR" and v.startswith(state + "/"):
+                        env[k] = env["KVGATE_STATE_DIR"] + v[len(state) :]
             log = open(tmp_path / f"{name}.log", "wb")
             procs.append(
                 subprocess.Popen(
@@ -123,7 +140,14 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
                 time.sleep(0.5)
 
         base = "http://127.0.0.1:8080/v1"
-        headers = {"Authorization": f"Bearer {DEMO_KEY}"}
+        # the gateway generated its first tenant's key into its state volume (no documented key works)
+        key_file = tmp_path / "gateway-state" / "default.key"
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        key = key_file.read_text().strip()
+        assert key.startswith("sk-kvg-") and len(key) == 7 + 43
+        assert key not in (tmp_path / "gateway-state" / "tenants.yaml").read_text()  # only its hash is stored
+        assert httpx.get(base + "/models", headers={"Authorization": f"Bearer {DEMO_KEY}"}).status_code == 401
+        headers = {"Authorization": f"Bearer {key}"}
         with httpx.Client(base_url=base, headers=headers, timeout=120) as c:
             models = c.get("/models").json()["data"]
             model = models[0]["id"]

@@ -424,3 +424,21 @@ def test_processes_starting_together_agree_on_secrets(tmp_path):
                 p.kill()
     assert all(o == outs[0] for o in outs)
     assert outs[0] == json.loads((tmp_path / "s" / "secrets.json").read_text())
+
+
+def test_serve_init_tenant_creates_a_tenants_file_with_a_generated_key_once(tmp_path):
+    from gateway.commands.serve import init_tenant
+    from gateway.tenants import TenantRegistry
+
+    path = tmp_path / "vol" / "tenants.yaml"
+    state = tmp_path / "vol" / "state"
+    assert init_tenant(str(path), "default", str(state)) is True
+    key_file = state / "default.key"
+    key = key_file.read_text().strip()
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert key.startswith("sk-kvg-") and len(key) == 50 and key not in path.read_text()
+    reg = TenantRegistry.from_path(path)
+    assert reg.lookup(key).id == "default" and reg.lookup("sk-demo-a") is None
+    before = path.read_text()
+    assert init_tenant(str(path), "default", str(state)) is False  # an existing file is left alone
+    assert path.read_text() == before and key_file.read_text().strip() == key

@@ -3,7 +3,9 @@
 Refuses to start while ``tenants.yaml`` accepts one of the documented demo keys (``sk-demo-a``,
 ``sk-demo-b``) unless started with ``--demo`` (DESIGN.md, Contracts), and while the secrets file or
 its state directory is open to other users (group or world bits; the message says the ``chmod``
-to run) unless started with ``--allow-open-secrets``, which logs a warning instead. A secret from
+to run) unless started with ``--allow-open-secrets``, which logs a warning instead.
+``--init-tenant NAME`` creates a missing tenants file with one tenant and a generated key (the
+docker-compose stack starts this way, so it never ships a documented key). A secret from
 the environment shorter than 16 bytes is refused too (exit status 2 for all of these).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 DEMO_KEYS = ("sk-demo-a", "sk-demo-b")
@@ -26,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--demo", action="store_true", help="allow the documented demo keys sk-demo-a/sk-demo-b")
     parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     parser.add_argument(
+        "--init-tenant",
+        metavar="NAME",
+        default=None,
+        help="when the tenants file does not exist yet: create it with tenant NAME and a fresh API key, "
+        "written once to <state_dir>/NAME.key (mode 0600)",
+    )
+    parser.add_argument(
         "--allow-open-secrets",
         action="store_true",
         help="start even when secrets.json or its state directory is group/world accessible (warns instead)",
@@ -40,6 +50,38 @@ def demo_tenants(registry) -> list[str]:
         if t is not None and t.id not in out:
             out.append(t.id)
     return out
+
+
+def init_tenant(tenants_path: str | None, name: str, state_dir: str) -> bool:
+    """``--init-tenant NAME``: when the tenants file (``tenants_path``, else ``$KVGATE_TENANTS``,
+    else the embedded one) does not exist, create it holding tenant ``name`` with a fresh key
+    (:func:`gateway.commands.tenant.new_api_key`; only its SHA-256 is stored) and write the key to
+    ``<state_dir>/<name>.key`` (0600, folder 0700). Returns whether it created the file; a file
+    that exists is left alone, so restarts keep the key. Raises ``ConfigError``."""
+    from pathlib import Path
+
+    from config.loader import ConfigError
+    from config.secrets import private_dir
+    from gateway.commands.tenant import TenantFileError, default_tenants_path, edit_tenants, key_sha256, new_api_key
+
+    path = Path(tenants_path) if tenants_path else default_tenants_path()
+    if path.exists():
+        return False
+    key = new_api_key()
+    key_file = private_dir(state_dir) / f"{name}.key"
+    try:
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(key + "\n")
+        private_dir(path.parent)
+        with edit_tenants(path) as seq:
+            seq.append({"id": name, "api_key_sha256": [key_sha256(key)]})
+    except (OSError, TenantFileError) as e:
+        raise ConfigError(str(path), [f"cannot create the first tenant: {e}"]) from None
+    logging.getLogger("kvgate.serve").warning(
+        "created %s with tenant '%s'; its API key is in %s (mode 0600)", path, name, key_file
+    )
+    return True
 
 
 def build_stages(settings, secrets):
@@ -65,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = load_settings(args.config)
+        if args.init_tenant:
+            init_tenant(args.tenants, args.init_tenant, settings.state_dir)
         registry = TenantRegistry.from_path(args.tenants, settings)
     except ConfigError as e:
         print(f"kvgate serve: {e}", file=sys.stderr)
