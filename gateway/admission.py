@@ -145,7 +145,8 @@ class Admission:
     the gateway chose the bound (it is forwarded either way); ``reserve_tokens``: the whole
     request's KV demand, max(n, best_of) x (prompt total + prompts x max_tokens), also what the
     quotas reserve; ``prompt_text``: the prompt's text for the verifier (never logged);
-    ``sequences``: prompts x max(n, best_of); ``bound_field``: the alias the client used."""
+    ``sequences``: prompts x max(n, best_of); ``bound_field``: the field the bound is forwarded
+    under (:func:`gateway.fields.bound_field`; every other alias is dropped)."""
 
     model: ModelEntry
     prompt_tokens: int
@@ -195,6 +196,21 @@ def sequences_error(num: int, seqs: int, cap: int, body: dict[str, Any]) -> Open
     )
 
 
+def suffix_tokens(counter: PromptCounter, body: dict[str, Any]) -> int:
+    """Tokens of a completions ``suffix`` (only ever accepted for ``openai`` upstreams, see
+    :mod:`gateway.fields`), counted as prompt text added to every prompt; 0 without one. Raises
+    :class:`OpenAIError` 400 (``param`` ``suffix``) for a counter that counts prompts only."""
+    suffix = body.get("suffix")
+    if not isinstance(suffix, str) or not suffix:
+        return 0
+    try:
+        return counter.count_text(suffix)
+    except NotImplementedError:  # an engine-tokenize counter
+        raise OpenAIError(
+            400, "'suffix' is not supported for this model.", code=ErrorCode.INVALID_REQUEST, param="suffix"
+        ) from None
+
+
 def _count_now(entry: ModelEntry, body: dict[str, Any], route: str) -> PromptTally:
     """:func:`count_prompt`'s work done synchronously (in a worker thread), prompt text included."""
     counter = entry.counter
@@ -204,9 +220,11 @@ def _count_now(entry: ModelEntry, body: dict[str, Any], route: str) -> PromptTal
             c = counter.count_chat(body["messages"], body.get("tools"), options)
             return PromptTally(c, c, 1, prompt_text_of(body, route))
         pc = counter.count_prompt(body["prompt"])
+        extra = suffix_tokens(counter, body)
     except TokenizerError as e:
         raise e.to_openai() from None
-    return PromptTally(pc.largest, pc.total, len(pc.per_prompt), prompt_text_of(body, route))
+    num = len(pc.per_prompt)
+    return PromptTally(pc.largest + extra, pc.total + num * extra, num, prompt_text_of(body, route))
 
 
 async def count_prompt(
@@ -242,7 +260,9 @@ async def count_prompt(
             c = await counter.acount_chat(body["messages"], body.get("tools"), options)
             return PromptTally(c, c, 1)
         pc = await counter.acount_prompt(body["prompt"])
-        return PromptTally(pc.largest, pc.total, len(pc.per_prompt))
+        extra = suffix_tokens(counter, body)
+        num = len(pc.per_prompt)
+        return PromptTally(pc.largest + extra, pc.total + num * extra, num)
     except TokenizerError as e:
         raise e.to_openai() from None
 
@@ -384,7 +404,7 @@ def decide(
         demand,
         text if (text := getattr(prompt, "text", None)) is not None else prompt_text_of(body, route),
         sequences=num * seqs,
-        bound_field=field,
+        bound_field=fields.bound_field(entry.engines, route),
     )
 
 

@@ -161,6 +161,9 @@ def check_request(body: dict[str, Any], route: str, engines: frozenset[str], ima
     for key, ok in _OPENAI_ONLY_ON.items():
         if body.get(key) is not None and not engines <= ok:
             raise _refuse(key, f"'{key}' is not supported by the engines serving this model.")
+    grammars = [k for k in ("regex", "ebnf", "json_schema") if body.get(k) is not None]
+    if len(grammars) > 1:
+        raise _refuse(grammars[1], f"Only one of 'regex', 'ebnf' and 'json_schema' may be set; got {grammars}.")
     if route == "completions":
         if body.get("echo") and body.get("logprobs") is not None and not engines <= {"openai"}:
             raise _refuse(
@@ -168,9 +171,6 @@ def check_request(body: dict[str, Any], route: str, engines: frozenset[str], ima
                 "'echo' with 'logprobs' (prompt logprobs) is not supported by the engines serving this model.",
             )
         return DEFAULT_CHAT
-    grammars = [k for k in ("regex", "ebnf", "json_schema") if body.get(k) is not None]
-    if len(grammars) > 1:
-        raise _refuse(grammars[1], f"Only one of 'regex', 'ebnf' and 'json_schema' may be set; got {grammars}.")
     _check_images(body, images)
     agp = body.get("add_generation_prompt")
     cfm = body.get("continue_final_message")
@@ -217,11 +217,9 @@ def check_bounded(body: dict[str, Any], bound: int, vocab_size: int) -> None:
             )
 
 
-def forwarded_fields(body: dict[str, Any], route: str, engines: frozenset[str], bound: int) -> dict[str, Any]:
-    """``body`` with the completion bound normalised: exactly ``bound`` under
-    :func:`bound_field` and every other alias removed. Returns the same dict (changed in place)."""
-    name = bound_field(engines, route)
+def set_bound(body: dict[str, Any], name: str, bound: int) -> None:
+    """Put the completion ``bound`` in ``body`` under ``name`` (:func:`bound_field`) and remove
+    every other alias, so the engine reads exactly the gated value."""
     for alias in ("max_tokens", "max_completion_tokens"):
         body.pop(alias, None)
     body[name] = bound
-    return body

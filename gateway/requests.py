@@ -238,6 +238,14 @@ def _json_schema_str(v: Any) -> str | None:
     return None if isinstance(parsed, (dict, bool)) else "must be a JSON schema (an object) encoded as a string"
 
 
+def _response_format(v: Any) -> str | None:
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        return "must be an object whose 'type' is text, json_object or json_schema"
+    if len(orjson.dumps(v)) > MAX_GRAMMAR_BYTES:  # the engine compiles the schema into a grammar
+        return f"must be at most {MAX_GRAMMAR_BYTES} bytes as JSON"
+    return None
+
+
 def _stop_token_ids(v: Any) -> str | None:
     if isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS and all(_is_int(t) and 0 <= t < (1 << 31) for t in v):
         return None
@@ -349,7 +357,7 @@ CHAT_FIELDS: dict[str, Check] = {
     "tools": _list,
     "tool_choice": _str_or_obj,
     "parallel_tool_calls": _bool,
-    "response_format": _obj,
+    "response_format": _response_format,
     "functions": _list,
     "function_call": _str_or_obj,
     "reasoning_effort": _enum("none", "minimal", "low", "medium", "high", "xhigh"),

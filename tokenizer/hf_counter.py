@@ -304,7 +304,7 @@ class HFCounter(PromptCounter):
     def render_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> tuple[str, list]:
         """``(prompt text, image parts)``: the chat rendered with the model's template as
         ``transformers``' ``apply_chat_template`` does with ``options`` (generation prompt,
-        ``continue_final_message``: the text cut right after the final message's stripped text,
+        ``continue_final_message``: the text cut where the final message ends, as transformers >= 5,
         template kwargs as variables). Raises :class:`InvalidPromptError` for a bad shape, no
         template, a template that rejects the chat, or a final message that cannot be continued
         (``param`` ``continue_final_message``); :class:`~tokenizer.errors.UnknownContentPartError`
@@ -322,20 +322,39 @@ class HFCounter(PromptCounter):
         variables = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
         variables.update(options.template_kwargs)
         variables["add_generation_prompt"] = options.add_generation_prompt and not options.continue_final_message
+        if options.continue_final_message:
+            prompt = self._continued(plain, tools, variables)
+        else:
+            prompt = self._render(plain, tools, variables)
+        return prompt, rendered.image_parts
+
+    def _render(self, plain: list[dict], tools: Any, variables: dict[str, Any]) -> str:
         try:
-            prompt = self._template.render(messages=plain, tools=tools or None, **variables)
+            return self._template.render(messages=plain, tools=tools or None, **variables)
         except Exception as e:  # jinja2 TemplateError, or a template tripping over a value's type
             raise InvalidPromptError(f"The model's chat template rejected the messages: {e}", "messages") from None
-        if options.continue_final_message:
-            final = plain[-1].get("content")
-            key = final.strip() if isinstance(final, str) else ""
-            if not key or key not in prompt:
-                raise InvalidPromptError(
-                    "'continue_final_message' needs a final message with text that the chat template keeps.",
-                    "continue_final_message",
-                )
-            prompt = prompt[: prompt.rindex(key) + len(key)]  # transformers' rule
-        return prompt, rendered.image_parts
+
+    def _continued(self, plain: list[dict], tools: Any, variables: dict[str, Any]) -> str:
+        """The prompt with the final message left open, as transformers >= 5 does (a tag appended
+        to the final text, the rendering cut at it). Older transformers cut after the final text
+        stripped instead; the two agree unless that text ends in whitespace, which is refused."""
+        final = plain[-1].get("content") if plain else None
+        if not isinstance(final, str) or not final.strip() or final != final.rstrip():
+            raise InvalidPromptError(
+                "'continue_final_message' needs a final message whose text is not empty and does not end in whitespace.",
+                "continue_final_message",
+            )
+        tag = "CONTINUE_FINAL_MESSAGE_TAG "
+        tagged = [*plain[:-1], {**plain[-1], "content": final + tag}]
+        rendered = self._render(tagged, tools, variables)
+        if tag.strip() not in rendered or final.strip() not in rendered:
+            raise InvalidPromptError(
+                "'continue_final_message': the chat template drops the final message's text.", "continue_final_message"
+            )
+        at = rendered.rindex(tag.strip())
+        if rendered[at : at + len(tag)] == tag:
+            return rendered[:at]
+        return rendered[:at].rstrip()
 
     def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
         """Prompt tokens of a chat: the rendered template (with ``options``) encoded without added
