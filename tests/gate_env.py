@@ -1,0 +1,120 @@
+"""The gate's test setup (tests/test_gate_invariant.py, tests/test_gate_property.py): a gateway
+in front of two recording mock engines (one SGLang-shaped, one vLLM-shaped), with one model per
+engine mix and image policy, and a quota stage that records each admitted request's reservation.
+
+Pool 4096 tokens, headroom 1.25 -> live limit 3,276 tokens; tenant ``max_tokens_cap`` 256,
+``default_max_tokens`` 16, ``max_sequences_per_request`` 16 (the default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+from config.models import Settings
+from gateway.stages import QuotaLease
+from tests.gateway_harness import KEY_A, Gateway, tenants
+from tests.mock_engine import MockEngine
+
+LIMIT = 3276
+CAP = 256
+MAX_SEQUENCES = 16
+#: model -> the engines that serve it
+ENGINES = {
+    "m": {"sglang"},
+    "mv": {"vllm"},
+    "mo": {"openai"},
+    "mix": {"sglang", "vllm"},
+    "mimg": {"sglang"},
+    "mq": {"sglang"},
+}
+__all__ = ["CAP", "ENGINES", "KEY_A", "LIMIT", "MAX_SEQUENCES", "Quotas", "gate_env", "gate_settings"]
+
+
+class Quotas:
+    """A QuotaStage that records what each admitted request reserved."""
+
+    def __init__(self) -> None:
+        self.reserved: list[int] = []
+
+    async def reserve(self, tenant, reserve_tokens, request_id):
+        self.reserved.append(reserve_tokens)
+        return QuotaLease(tenant.id, request_id, reserve_tokens, headers={})
+
+    async def settle(self, lease, used_tokens):
+        return None
+
+    async def aclose(self):
+        return None
+
+
+def gate_settings(sg: MockEngine, vl: MockEngine) -> Settings:
+    """Models: ``m`` (SGLang), ``mv`` (vLLM), ``mo`` (an OpenAI-style static upstream), ``mix``
+    (SGLang and vLLM), ``mimg`` (OpenAI tile cost, one allowed image host), ``mq`` (Qwen2-VL
+    cost); all counted with the bundled ChatML tokenizer."""
+    return Settings.model_validate(
+        {
+            "gateway": {"max_body_bytes": 8 * 1024 * 1024, "connect_timeout_seconds": 1, "read_timeout_seconds": 5},
+            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 0.5},
+            "models": [
+                {"id": "m", "context_length": 8192},
+                {"id": "mv", "context_length": 8192},
+                {"id": "mo", "context_length": 8192},
+                {"id": "mix", "context_length": 8192},
+                {
+                    "id": "mimg",
+                    "context_length": 8192,
+                    "images": {"cost": "openai_tiles", "allowed_url_hosts": ["images.example"]},
+                },
+                {"id": "mq", "context_length": 8192, "images": {"cost": "qwen2_vl"}},
+            ],
+            "upstreams": [
+                {
+                    "name": "sg",
+                    "api_url": sg.api_url,
+                    "pool_source": "sglang",
+                    "pool_urls": [sg.info_url],
+                    "models": ["m", "mix", "mimg", "mq"],
+                },
+                {
+                    "name": "vl",
+                    "api_url": vl.api_url,
+                    "pool_source": "vllm",
+                    "pool_urls": [vl.url + "/v1/models"],
+                    "models": ["mv", "mix"],
+                },
+                {
+                    "name": "oa",
+                    "api_url": sg.api_url,
+                    "pool_source": "static",
+                    "static_pool_tokens": 4096,
+                    "models": ["mo"],
+                },
+            ],
+            "verifier": {"enabled": False},
+            "quotas": {"enabled": False},
+        }
+    )
+
+
+@contextlib.contextmanager
+def gate_env() -> Iterator[tuple]:
+    """``(client, sglang mock, vllm mock, quotas)`` with the gateway ready."""
+    sg, vl = MockEngine().start(), MockEngine().start()
+    vl.state.vllm_max_model_len = 4096
+    q = Quotas()
+    reg = tenants(max_tokens_cap=CAP, default_max_tokens=16, allowed_models=[])
+    g = Gateway(gate_settings(sg, vl), reg, quotas=q).start()
+    try:
+        with g.client(KEY_A, timeout=30) as c:
+            deadline = time.monotonic() + 10
+            while c.get("/readyz").status_code != 200:
+                if time.monotonic() > deadline:
+                    raise AssertionError("gateway not ready")
+                time.sleep(0.05)
+            yield c, sg, vl, q
+    finally:
+        g.stop()
+        sg.stop()
+        vl.stop()

@@ -1,0 +1,320 @@
+"""The gate holds against a hostile client (issue "The gate holds"): one named test per way the
+gate was walked around, each through the real app to a recording mock engine. The expected
+prompt counts come from tests/gate_oracle.py (tiktoken on the body the engine received), never
+from the gateway's own counter.
+
+Setup: pool 4096 tokens, headroom 1.25 -> live limit 3,276 tokens; tenant cap 256, default 16,
+at most 16 sequences per request.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gate_env import KEY_A, gate_env
+from tests.gate_oracle import chat_tokens, openai_tile_cost, png, text_tokens
+
+
+@pytest.fixture(scope="module")
+def env():
+    with gate_env() as e:
+        yield e
+
+
+def post(env, route: str, body: dict):
+    """POST ``body``; returns ``(status, json, body the engine received or None)``."""
+    c, sg, vl, q = env
+    before = (len(sg.state.requests), len(vl.state.requests))
+    r = c.post("/v1/chat/completions" if route == "chat" else "/v1/completions", json=body)
+    received = [x["body"] for x in sg.state.requests[before[0] :] + vl.state.requests[before[1] :]]
+    return r.status_code, r.json(), (received[-1] if received else None)
+
+
+def refused(env, route: str, body: dict) -> str:
+    """The ``param`` of the 400 ``body`` must get; asserts nothing reached an engine."""
+    status, data, received = post(env, route, body)
+    assert status == 400, (status, data)
+    assert received is None
+    assert data["error"]["type"] == "invalid_request_error"
+    return data["error"]["param"]
+
+
+def user(text: str = "Say hello.", **kw) -> dict:
+    return {"messages": [{"role": "user", "content": text}], **kw}
+
+
+def chatml(body: dict, agp: bool = True) -> int:
+    return chat_tokens(body, lambda part: 765, agp)
+
+
+# ---------------------------------------------------------------- one completion bound
+def test_max_completion_tokens_zero_with_max_tokens_100000(env):
+    q = env[3]
+    assert refused(env, "chat", user(model="m", max_completion_tokens=0, max_tokens=100000)) == "max_completion_tokens"
+    assert refused(env, "chat", user(model="m", max_completion_tokens=0)) == "max_completion_tokens"
+    assert refused(env, "completions", {"model": "m", "prompt": "x", "max_tokens": 0}) == "max_tokens"
+    assert refused(env, "chat", user(model="m", max_tokens=100000)) == "max_tokens"  # above the cap of 256
+    # both aliases: max_completion_tokens is the one gated, and the only one forwarded
+    status, _, got = post(env, "chat", user(model="m", max_completion_tokens=7, max_tokens=500))
+    assert status == 200 and got["max_tokens"] == 7 and "max_completion_tokens" not in got
+    assert q.reserved[-1] == chatml(got) + 7
+    # absent: an explicit bound (the tenant's default) is forwarded
+    status, _, got = post(env, "chat", user(model="m"))
+    assert status == 200 and got["max_tokens"] == 16 and "max_completion_tokens" not in got
+    # an OpenAI upstream reads max_completion_tokens: the bound goes there, max_tokens is dropped
+    status, _, got = post(env, "chat", user(model="mo", max_tokens=9))
+    assert status == 200 and got["max_completion_tokens"] == 9 and "max_tokens" not in got
+    status, _, got = post(env, "completions", {"model": "mo", "prompt": "x"})
+    assert status == 200 and got["max_tokens"] == 16
+
+
+# ---------------------------------------------------------------- whole-request KV demand
+def test_n_times_batch_is_gated_as_a_whole(env):
+    q = env[3]
+    # the issue's request: 300 prompts of 3,800 ids, n = 128 (38,400 sequences)
+    assert refused(env, "completions", {"model": "m", "prompt": [[1] * 3800] * 300, "n": 128}) == "prompt"
+    assert refused(env, "completions", {"model": "m", "prompt": [[1] * 10] * 4, "n": 8}) == "n"  # 32 > 16
+    assert refused(env, "completions", {"model": "m", "prompt": [[1] * 10] * 2, "n": 2, "best_of": 9}) == "best_of"
+    assert refused(env, "chat", user(model="m", n=17)) == "n"
+    # 16 sequences fit the cap, but 8 x (200 prompt + 2 x 200 completion) = 4,800 > 3,276 KV tokens
+    assert refused(env, "completions", {"model": "m", "prompt": [[1] * 100] * 2, "n": 8, "max_tokens": 200}) == "n"
+    # 8 x (200 + 2 x 100) = 3,200 fits; the quotas reserve exactly that
+    status, _, got = post(env, "completions", {"model": "m", "prompt": [[1] * 100] * 2, "n": 8, "max_tokens": 100})
+    assert status == 200 and got["n"] == 8 and got["max_tokens"] == 100
+    assert q.reserved[-1] == 3200
+
+
+def test_defaulted_bound_shrinks_to_fit_the_kv_demand(env):
+    c, sg, vl, q = env
+    # default_max_tokens 16 fits 16 sequences of 11 + 16 tokens (432 <= 3,276)
+    status, _, got = post(env, "chat", user(model="m", n=16))
+    assert status == 200 and got["max_tokens"] == 16 and q.reserved[-1] == 16 * (11 + 16)
+    # with a 1,000-token prompt, 16 sequences leave floor(3276 / 16) - 1002 < 1: refused, naming n
+    long = "word " * 1000
+    p = text_tokens(long)
+    assert refused(env, "completions", {"model": "m", "prompt": long, "n": 16}) == "n"
+    # n = 3: floor(3276 / 3) - p tokens each, capped by the default of 16
+    status, _, got = post(env, "completions", {"model": "m", "prompt": long, "n": 3})
+    assert status == 200 and got["max_tokens"] == min(16, 3276 // 3 - p)
+    assert q.reserved[-1] == 3 * (p + got["max_tokens"])
+
+
+# ---------------------------------------------------------------- prompt-changing fields
+def test_chat_template_kwargs_with_tools_or_documents_refused(env):
+    q = env[3]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    for kwargs in (
+        {"tools": [tool]},
+        {"documents": [{"title": "t", "text": "x" * 5000}]},
+        {"add_generation_prompt": 0},
+    ):
+        assert refused(env, "chat", user(model="mv", chat_template_kwargs=kwargs)) == "chat_template_kwargs"
+    assert refused(env, "chat", user(model="mv", chat_template_kwargs={"enable_thinking": "yes"})) == (
+        "chat_template_kwargs"
+    )
+    assert refused(env, "chat", user(model="mv", documents=[{"text": "x"}])) == "documents"  # vLLM's RAG field
+    assert refused(env, "chat", user(model="mv", chat_template="{{ 'x' * 100000 }}")) == "chat_template"
+    assert refused(env, "chat", user(model="m", input_ids=[1, 2])) == "input_ids"  # SGLang: bypasses the template
+    # the allow-listed key passes, unchanged, and (ChatML) changes nothing in the count
+    status, _, got = post(env, "chat", user(model="mv", chat_template_kwargs={"enable_thinking": False}))
+    assert status == 200 and got["chat_template_kwargs"] == {"enable_thinking": False}
+    assert q.reserved[-1] == chatml(got) + 16
+    # the bundled backend has no template kwargs: refused there
+    assert refused(env, "chat", user(model="mo", chat_template_kwargs={"enable_thinking": False})) == (
+        "chat_template_kwargs"
+    )
+    # top-level tools are counted
+    status, _, got = post(env, "chat", user(model="m", tools=[tool]))
+    assert status == 200 and got["tools"] == [tool]
+    assert q.reserved[-1] == chatml(got) + 16 and chatml(got) > chatml(user())
+
+
+def test_generation_prompt_fields_counted_or_refused(env):
+    q = env[3]
+    # vLLM reads add_generation_prompt: false drops the assistant header, and the count follows
+    status, _, got = post(env, "chat", user(model="mv", add_generation_prompt=False))
+    assert status == 200 and got["add_generation_prompt"] is False
+    assert q.reserved[-1] == chatml(got, agp=False) + 16 == chatml(got) - 3 + 16
+    # SGLang and the bundled backend ignore it: refused (it would be counted wrong), the default dropped
+    assert refused(env, "chat", user(model="m", add_generation_prompt=False)) == "add_generation_prompt"
+    status, _, got = post(env, "chat", user(model="m", add_generation_prompt=True, continue_final_message=False))
+    assert status == 200 and "add_generation_prompt" not in got and "continue_final_message" not in got
+    # continue_final_message: not defined for the ChatML counter; never with add_generation_prompt
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]}
+    assert refused(env, "chat", {**body, "model": "mv", "continue_final_message": True}) == "continue_final_message"
+    assert refused(env, "chat", {**body, "model": "m", "continue_final_message": True}) == "continue_final_message"
+    assert (
+        refused(env, "chat", {**body, "model": "mv", "continue_final_message": True, "add_generation_prompt": True})
+        == "continue_final_message"
+    )
+    # a model served by SGLang and vLLM takes only what both accept
+    assert refused(env, "chat", user(model="mix", add_generation_prompt=False)) == "add_generation_prompt"
+    assert refused(env, "chat", user(model="mix", regex="a+")) == "regex"  # SGLang only
+    assert refused(env, "chat", user(model="mix", spaces_between_special_tokens=False)) == (
+        "spaces_between_special_tokens"
+    )  # vLLM only
+    status, _, got = post(env, "chat", user(model="mix", top_k=5, min_p=0.1))
+    assert status == 200 and got["top_k"] == 5
+    # reasoning_effort becomes template kwargs that differ between SGLang and vLLM: refused for mix
+    assert refused(env, "chat", user(model="mix", reasoning_effort="low")) == "reasoning_effort"
+    status, _, got = post(env, "chat", user(model="m", reasoning_effort="none"))
+    assert status == 200 and got["reasoning_effort"] == "none"
+
+
+def test_suffix_refused_where_the_engine_inserts_it(env):
+    q = env[3]
+    assert refused(env, "completions", {"model": "m", "prompt": "def f(", "suffix": "return x"}) == "suffix"
+    assert refused(env, "completions", {"model": "mv", "prompt": "def f(", "suffix": "return x"}) == "suffix"
+    # an OpenAI upstream: accepted, and the suffix is counted as prompt text
+    status, _, got = post(env, "completions", {"model": "mo", "prompt": "def f(", "suffix": "return x"})
+    assert status == 200 and got["suffix"] == "return x"
+    assert q.reserved[-1] == text_tokens("def f(") + text_tokens("return x") + 16
+
+
+def test_echo_with_logprobs_refused(env):
+    assert refused(env, "completions", {"model": "m", "prompt": "x", "echo": True, "logprobs": 0}) == "echo"
+    assert refused(env, "completions", {"model": "mv", "prompt": "x", "echo": True, "logprobs": 5}) == "echo"
+    status, _, got = post(env, "completions", {"model": "m", "prompt": "x", "echo": True})
+    assert status == 200 and got["echo"] is True
+
+
+# ---------------------------------------------------------------- images
+def _image_chat(model: str, url: str, detail: str | None = None) -> dict:
+    image = {"url": url, **({"detail": detail} if detail else {})}
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": image}]
+    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 5}
+
+
+def test_image_urls_are_data_only_by_default(env):
+    q = env[3]
+    for url in (
+        "http://169.254.169.254/latest/meta-data/",
+        "https://images.example/cat.png",  # allowed for mimg only
+        "file:///etc/passwd",
+        "http://images.example@evil.example/x.png",
+        "gopher://images.example/x",
+    ):
+        assert refused(env, "chat", _image_chat("m", url)) == "messages[0].content[1].image_url"
+    assert refused(env, "chat", _image_chat("mimg", "http://evil.example/x.png")) == "messages[0].content[1].image_url"
+    assert refused(env, "chat", _image_chat("mimg", "http://images.example@evil.example/x")) == (
+        "messages[0].content[1].image_url"
+    )
+    # data: URL, fixed cost (765 by default)
+    status, _, got = post(env, "chat", _image_chat("m", png(64, 64)))
+    assert status == 200 and q.reserved[-1] == chat_tokens(got, lambda p: 765) + 5
+    # OpenAI tiles: 1024 x 1024 -> 768 x 768 -> 4 tiles = 765; 4000 x 500 -> 2048 x 256 -> 4 tiles; low = 85
+    for (w, h), cost in (((1024, 1024), 765), ((4000, 500), 85 + 170 * 4), ((100, 100), 255)):
+        assert openai_tile_cost(w, h) == cost
+        status, _, got = post(env, "chat", _image_chat("mimg", png(w, h)))
+        assert status == 200 and q.reserved[-1] == chat_tokens(got, lambda p: cost) + 5
+    status, _, got = post(env, "chat", _image_chat("mimg", png(4000, 4000), detail="low"))
+    assert status == 200 and q.reserved[-1] == chat_tokens(got, lambda p: 85) + 5
+    # an allow-listed URL: its size is unknown, so it costs the formula's maximum (8 tiles)
+    status, _, got = post(env, "chat", _image_chat("mimg", "https://images.example/cat.png"))
+    assert status == 200 and q.reserved[-1] == chat_tokens(got, lambda p: 85 + 170 * 8) + 5
+    # Qwen2-VL: 1024 x 1024 -> 1036 x 1036 (37 x 37 patches of 28) + 2 vision tokens
+    status, _, got = post(env, "chat", _image_chat("mq", png(1024, 1024)))
+    assert status == 200 and q.reserved[-1] == chat_tokens(got, lambda p: 37 * 37 + 2) + 5
+    # an image too large for the pool at this cost: the gate says so
+    big = {"model": "mq", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png(5000, 5000)}}
+    ]}], "max_tokens": 5}  # fmt: skip
+    status, data, got = post(env, "chat", big)
+    assert status == 400 and data["error"]["code"] == "context_length_exceeded" and got is None
+
+
+# ---------------------------------------------------------------- engine extension fields
+def test_grammar_strings_bounded_in_bytes(env):
+    huge = "a" * (32 * 1024 + 1)
+    assert refused(env, "chat", user(model="m", regex=huge)) == "regex"
+    assert refused(env, "chat", user(model="m", ebnf="root ::= " + "é" * (16 * 1024))) == "ebnf"  # 2 bytes each
+    assert refused(env, "completions", {"model": "m", "prompt": "x", "json_schema": '{"a": "' + huge + '"}'}) == (
+        "json_schema"
+    )
+    assert refused(env, "completions", {"model": "m", "prompt": "x", "json_schema": "{not json"}) == "json_schema"
+    assert refused(env, "completions", {"model": "m", "prompt": "x", "regex": "a", "ebnf": "b"}) == "ebnf"
+    assert refused(env, "chat", user(model="m", json_schema="{}")) == "json_schema"  # a completions field
+    assert refused(env, "chat", user(model="mv", regex="a+")) == "regex"  # vLLM has no 'regex'
+    status, _, got = post(env, "chat", user(model="m", regex="a" * (32 * 1024)))
+    assert status == 200 and len(got["regex"]) == 32 * 1024
+
+
+def test_stop_token_ids_garbage_refused(env):
+    for ids in ([{"x": 1}, "s", -5], [-5], ["1"], [True], [1.5], 5, [100277], [2**31], list(range(65))):
+        assert refused(env, "chat", user(model="m", stop_token_ids=ids)) == "stop_token_ids"
+    status, _, got = post(env, "chat", user(model="m", stop_token_ids=[100265, 0]))
+    assert status == 200 and got["stop_token_ids"] == [100265, 0]
+    assert refused(env, "chat", user(model="m", logit_bias={"100277": 1})) == "logit_bias"
+    assert refused(env, "chat", user(model="m", logit_bias={"-1": 1})) == "logit_bias"
+    assert refused(env, "chat", user(model="m", logit_bias={"5": 101})) == "logit_bias"
+
+
+def test_min_tokens_above_the_bound_refused(env):
+    assert refused(env, "chat", user(model="m", min_tokens=10**18)) == "min_tokens"
+    assert refused(env, "chat", user(model="m", min_tokens=2**64)) == "min_tokens"
+    assert refused(env, "chat", user(model="m", min_tokens=5, max_tokens=4)) == "min_tokens"
+    assert refused(env, "chat", user(model="m", min_tokens=17)) == "min_tokens"  # above the defaulted 16
+    assert refused(env, "chat", user(model="m", min_tokens=-1)) == "min_tokens"
+    assert refused(env, "chat", user(model="mo", min_tokens=1)) == "min_tokens"  # not an OpenAI field
+    status, _, got = post(env, "chat", user(model="m", min_tokens=4, max_tokens=4))
+    assert status == 200 and got["min_tokens"] == 4 and got["max_tokens"] == 4
+
+
+def test_seed_outside_64_bits_refused(env):
+    assert refused(env, "chat", user(model="m", seed=2**64 - 1)) == "seed"
+    assert refused(env, "chat", user(model="m", seed=2**63)) == "seed"
+    assert refused(env, "completions", {"model": "m", "prompt": "x", "seed": -(2**63) - 1}) == "seed"
+    for seed in (2**63 - 1, -(2**63), 0):
+        status, _, got = post(env, "chat", user(model="m", seed=seed))
+        assert status == 200 and got["seed"] == seed
+    assert refused(env, "chat", user(model="m", top_k=2**31)) == "top_k"
+    assert refused(env, "chat", user(model="m", repetition_penalty=0)) == "repetition_penalty"
+    assert refused(env, "chat", user(model="m", n=2**64)) == "n"
+    assert refused(env, "chat", user(model="m", max_tokens=2**64)) == "max_tokens"
+
+
+def test_sdk_newer_fields_accepted(env):
+    """The official SDK's current chat parameters reach a 200; an unknown one is still a 400."""
+    import openai
+
+    c, sg, vl, q = env
+    client = openai.OpenAI(base_url=str(c.base_url) + "/v1", api_key=KEY_A, max_retries=0)
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_completion_tokens=8,
+        prompt_cache_key="k1",
+        prompt_cache_retention="24h",
+        prompt_cache_options={"mode": "implicit", "ttl": "30m"},
+        safety_identifier="user-1",
+        moderation={"model": "omni-moderation-latest"},
+        verbosity="low",
+        service_tier="auto",
+        store=False,
+        metadata={"a": "b"},
+        modalities=["text"],
+        parallel_tool_calls=False,
+        reasoning_effort="low",
+        web_search_options={},
+    )
+    assert r.choices[0].message.content == "Hello from the mock."
+    got = sg.state.requests[-1]["body"]
+    assert got["max_tokens"] == 8 and "max_completion_tokens" not in got
+    assert got["prompt_cache_retention"] == "24h" and got["moderation"] == {"model": "omni-moderation-latest"}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], extra_body={"definitely_not_a_field": 1}
+        )
+    assert e.value.body["param"] == "definitely_not_a_field"
+    for field, value in (("prompt_cache_retention", "7d"), ("verbosity", "loud"), ("service_tier", "free")):
+        assert refused(env, "chat", user(model="m", **{field: value})) == field
+    assert refused(env, "chat", user(model="m", return_hidden_states=True)) == "return_hidden_states"
+
+
+def test_response_format_bounded(env):
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert refused(env, "chat", user(model="m", response_format=fmt)) == "response_format"
+    assert refused(env, "chat", user(model="m", response_format={"type": "grammar"})) == "response_format"
+    status, _, got = post(env, "chat", user(model="m", response_format={"type": "json_object"}))
+    assert status == 200 and got["response_format"] == {"type": "json_object"}

@@ -1,0 +1,283 @@
+"""The gate's invariant, property-based: hostile request bodies over every field the gate rules
+touch, sent through the real app (uvicorn, real HTTP) to recording mock engines.
+
+For every 200 the oracle (tests/gate_oracle.py: tiktoken on the body the ENGINE received, not the
+gateway's counter) asserts:
+
+- exactly one completion bound was forwarded, >= 1 and <= the tenant cap, and it is the value
+  the gate reserved for;
+- prompts x max(n, best_of) <= ``max_sequences_per_request``;
+- the quota reservation equals max(n, best_of) x (engine-visible prompt tokens + prompts x bound)
+  (so the admitted count IS the engine-visible count) and fits the live pool limit;
+- min_tokens <= bound, stop_token_ids in the vocabulary, image URLs data: or allow-listed.
+
+For every other answer: a 400 in the OpenAI shape with ``param`` naming a field, and nothing
+reached an engine. Never a 500.
+"""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import urlsplit
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.gate_env import CAP, ENGINES, LIMIT, MAX_SEQUENCES, gate_env
+from tests.gate_oracle import (
+    VOCAB,
+    chat_tokens,
+    completion_prompt_tokens,
+    openai_tile_cost,
+    png,
+    png_size,
+    qwen2_vl_cost,
+    text_tokens,
+)
+
+EXAMPLES = 2000
+
+
+def mostly(valid: st.SearchStrategy, invalid: st.SearchStrategy) -> st.SearchStrategy:
+    """``valid`` two times in three, else ``invalid``."""
+    return st.one_of(valid, valid, invalid)
+
+
+PIECES = ["a", "b c", " ", "\n", "Hello", " world", "é", "日本語", "🙂", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+text = st.lists(st.sampled_from(PIECES), max_size=12).map("".join)
+token_id = st.integers(0, 100_300)
+IMAGE_URLS = [
+    "http://169.254.169.254/latest/meta-data/",
+    "https://images.example/cat.png",
+    "http://images.example@evil.example/x",
+    "file:///etc/passwd",
+    "data:image/png;base64,AAAA",
+]
+image_url = mostly(st.builds(png, st.integers(1, 5000), st.integers(1, 5000)), st.sampled_from(IMAGE_URLS))
+part = st.one_of(
+    st.builds(lambda t: {"type": "text", "text": t}, text),
+    st.builds(
+        lambda u, d: {"type": "image_url", "image_url": {"url": u, **({"detail": d} if d else {})}},
+        image_url,
+        st.sampled_from([None, "low", "high", "auto"]),
+    ),
+)
+message = st.builds(
+    lambda role, content, name: {"role": role, "content": content, **({"name": name} if name else {})},
+    st.sampled_from(["system", "user", "assistant", "developer"]),
+    st.one_of(text, st.lists(part, min_size=1, max_size=3)),
+    st.sampled_from([None, None, None, "bob"]),
+)
+tool = st.builds(lambda n: {"type": "function", "function": {"name": n or "f", "parameters": {}}}, text)
+prompt = st.one_of(
+    text,
+    st.lists(text, min_size=1, max_size=20),
+    st.lists(token_id, min_size=1, max_size=40),
+    st.lists(st.lists(token_id, min_size=1, max_size=40), min_size=1, max_size=20),
+)
+huge = "a" * (32 * 1024 + 1)
+
+
+bound = mostly(st.integers(1, CAP), st.sampled_from([0, 257, 3000, 100_000, 2**63, 2**64]))
+
+#: field -> values (drawn only sometimes); both routes unless the name says otherwise
+FIELDS: dict[str, st.SearchStrategy] = {
+    "max_tokens": bound,
+    "n": mostly(st.integers(1, 16), st.sampled_from([17, 128, 0, 2**64])),
+    "stream": st.booleans(),
+    "seed": mostly(st.integers(-(2**63), 2**63 - 1), st.sampled_from([2**63, 2**64 - 1, -(2**63) - 1])),
+    "temperature": mostly(st.sampled_from([0, 0.7, 2]), st.just(2.5)),
+    "top_k": mostly(st.integers(-1, 100), st.sampled_from([-2, 2**31])),
+    "min_p": mostly(st.sampled_from([0, 0.5, 1]), st.just(1.5)),
+    "repetition_penalty": mostly(st.sampled_from([0.5, 1.1, 2]), st.sampled_from([0, 3])),
+    "min_tokens": mostly(st.integers(0, 16), st.sampled_from([17, 300, 10**18, -1, 2**64])),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": mostly(
+        st.lists(st.integers(0, VOCAB - 1), max_size=4),
+        st.sampled_from([[{"x": 1}, "s", -5], "1", [VOCAB], [-1], list(range(65))]),
+    ),
+    "regex": mostly(st.just("a+"), st.just(huge)),
+    "ebnf": mostly(st.just('root ::= "a"'), st.just(huge)),
+    "logit_bias": mostly(st.just({"5": 1}), st.sampled_from([{"100277": 1}, {"5": 101}, {"-1": 1}])),
+    "stop": mostly(st.sampled_from(["x", ["a", "b"]]), st.just([1])),
+    "user": st.just("u"),
+    "cache_salt": st.just("client-salt"),
+    "bogus_field": st.just(1),
+    "spaces_between_special_tokens": st.booleans(),
+    "no_stop_trim": st.booleans(),
+}
+CHAT_FIELDS: dict[str, st.SearchStrategy] = {
+    "max_completion_tokens": bound,
+    "tools": st.lists(tool, min_size=1, max_size=2),
+    "chat_template_kwargs": mostly(
+        st.sampled_from([{"enable_thinking": True}, {"thinking": False}]),
+        st.sampled_from([{"tools": []}, {"documents": [{"text": "x"}]}, {"x": 1}, {"enable_thinking": "no"}]),
+    ),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+    "reasoning_effort": mostly(st.sampled_from(["none", "low", "high"]), st.just("max")),
+    "documents": st.just([{"text": "x"}]),
+    "logprobs": st.booleans(),
+    "top_logprobs": mostly(st.integers(0, 20), st.just(21)),
+    "prompt_cache_key": st.just("k"),
+    "prompt_cache_retention": mostly(st.sampled_from(["in_memory", "24h"]), st.just("7d")),
+    "prompt_cache_options": mostly(st.sampled_from([{"mode": "implicit"}, {"ttl": "30m"}]), st.just({"bogus": 1})),
+    "safety_identifier": st.just("s"),
+    "moderation": st.just({"model": "omni-moderation-latest"}),
+    "verbosity": mostly(st.just("low"), st.just("loud")),
+    "service_tier": mostly(st.sampled_from(["auto", "flex"]), st.just("free")),
+    "store": st.booleans(),
+    "metadata": mostly(st.just({"a": "b"}), st.just({"a": 1})),
+    "modalities": mostly(st.just(["text"]), st.just(["video"])),
+    "parallel_tool_calls": st.booleans(),
+    "json_schema": st.just("{}"),
+}
+COMPLETION_FIELDS: dict[str, st.SearchStrategy] = {
+    "best_of": mostly(st.integers(1, 16), st.just(17)),
+    "suffix": text,
+    "echo": st.booleans(),
+    "logprobs": mostly(st.integers(0, 5), st.just(6)),
+    "json_schema": mostly(st.sampled_from(["{}", '{"type": "object"}']), st.sampled_from(["{nope", '"' + huge + '"'])),
+}
+
+
+FIRST = ("max_tokens", "max_completion_tokens", "n", "best_of", "tools", "add_generation_prompt", "suffix")
+
+
+@st.composite
+def request(draw):
+    route = draw(st.sampled_from(["chat", "completions"]))
+    body: dict = {"model": draw(st.sampled_from(sorted(ENGINES)))}
+    if route == "chat":
+        body["messages"] = draw(st.lists(message, min_size=1, max_size=3))
+    else:
+        body["prompt"] = draw(prompt)
+    table = {**FIELDS, **(CHAT_FIELDS if route == "chat" else COMPLETION_FIELDS)}
+    # the gate's own fields first: hypothesis draws early entries of a sampled list more often
+    names = [k for k in FIRST if k in table] + sorted(k for k in table if k not in FIRST)
+    for name in draw(st.lists(st.sampled_from(names), min_size=1, max_size=4, unique=True)):
+        body[name] = draw(table[name])
+    if body.get("stream") and draw(st.booleans()):
+        body["stream_options"] = {"include_usage": draw(st.booleans())}
+    return route, body
+
+
+def image_cost(model: str):
+    def cost(p: dict) -> int:
+        url = p["image_url"]["url"]
+        detail = p["image_url"].get("detail")
+        size = png_size(url)
+        if model == "mimg":
+            if detail == "low":
+                return 85
+            return openai_tile_cost(*size) if size else 85 + 170 * 8
+        if model == "mq":
+            return qwen2_vl_cost(*size) if size else 16384 + 2
+        return 765
+
+    return cost
+
+
+def check_forwarded(route: str, sent: dict, got: dict, reserved: int) -> None:
+    """The oracle's assertions on one admitted request (``got``: the body the engine received)."""
+    model = sent["model"]
+    aliases = [k for k in ("max_tokens", "max_completion_tokens") if k in got]
+    assert len(aliases) == 1, aliases
+    bound_value = got[aliases[0]]
+    assert isinstance(bound_value, int) and 1 <= bound_value <= CAP
+    if "openai" in ENGINES[model] and route == "chat":
+        assert aliases == ["max_completion_tokens"]
+    seqs = max(got.get("n") or 1, got.get("best_of") or 1)
+    if route == "chat":
+        agp = got.get("add_generation_prompt", True)
+        assert got.get("continue_final_message") is not True
+        counts = [chat_tokens(got, image_cost(model), agp)]
+        for m in got["messages"]:
+            for p in m["content"] if isinstance(m["content"], list) else ():
+                if p["type"] == "image_url":
+                    u = p["image_url"]["url"]
+                    assert u.startswith("data:") or (model == "mimg" and urlsplit(u).hostname == "images.example")
+    else:
+        counts = completion_prompt_tokens(got["prompt"])
+        if got.get("suffix"):
+            counts = [c + text_tokens(got["suffix"]) for c in counts]
+    num = len(counts)
+    assert num * seqs <= MAX_SEQUENCES
+    assert max(counts) + bound_value <= LIMIT
+    expected = seqs * (sum(counts) + num * bound_value)
+    assert reserved == expected, (reserved, expected, counts, bound_value, seqs)
+    assert expected <= LIMIT
+    if got.get("min_tokens") is not None:
+        assert got["min_tokens"] <= bound_value
+    assert all(0 <= t < VOCAB for t in got.get("stop_token_ids") or [])
+    assert got.get("cache_salt") != "client-salt"
+    extra = set(got) - set(sent) - {"model", "cache_salt", "stream_options", aliases[0]}
+    assert not extra, extra
+
+
+def features(route: str, body: dict) -> list[str]:
+    """What an admitted body exercised (the test asserts each was admitted at least a few times)."""
+    out = [route, body["model"]]
+    out += [k for k in ("max_tokens", "max_completion_tokens", "min_tokens", "stop_token_ids", "suffix") if k in body]
+    if body.get("tools"):
+        out.append("tools")
+    if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
+        out.append("n>1")
+    if route == "completions" and isinstance(body["prompt"], list) and isinstance(body["prompt"][0], (str, list)):
+        out.append("batch")
+    if body.get("add_generation_prompt") is False:
+        out.append("no_generation_prompt")
+    if any(isinstance(m["content"], list) and any(p["type"] == "image_url" for p in m["content"])
+           for m in body.get("messages", ())):  # fmt: skip
+        out.append("image")
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_hostile_bodies_never_walk_around_the_gate():
+    stats = {"examples": 0, "200": 0, "400": 0}
+    covered: dict[str, int] = {}
+    refusals: dict[str, int] = {}
+    t0 = time.monotonic()
+    with gate_env() as (client, sg, vl, quotas):
+
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+        )
+        @given(request())
+        def one(case):
+            route, body = case
+            stats["examples"] += 1
+            before = (len(sg.state.requests), len(vl.state.requests), len(quotas.reserved))
+            path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+            r = client.post(path, json=body)
+            received = sg.state.requests[before[0] :] + vl.state.requests[before[1] :]
+            if r.status_code == 200:
+                stats["200"] += 1
+                assert len(received) == 1 and len(quotas.reserved) == before[2] + 1
+                check_forwarded(route, body, received[0]["body"], quotas.reserved[-1])
+                for feature in features(route, body):
+                    covered[feature] = covered.get(feature, 0) + 1
+            else:
+                stats["400"] += 1
+                assert r.status_code == 400, (r.status_code, r.text)
+                err = r.json()["error"]
+                assert err["type"] == "invalid_request_error"
+                assert isinstance(err["param"], str) and err["param"], err
+                assert received == [] and len(quotas.reserved) == before[2]
+                refusals[err["param"]] = refusals.get(err["param"], 0) + 1
+
+        one()
+    stats["seconds"] = round(time.monotonic() - t0, 1)
+    print(f"\ngate property: {stats} violations: 0; admitted with: {dict(sorted(covered.items()))}")
+    print(f"refused naming: {dict(sorted(refusals.items(), key=lambda kv: -kv[1]))}")
+    assert stats["examples"] >= EXAMPLES and stats["200"] >= EXAMPLES // 10 and stats["400"] >= EXAMPLES // 10
+    for feature in ("tools", "image", "batch", "n>1", "max_tokens", "max_completion_tokens", "min_tokens", "mix"):
+        assert covered.get(feature, 0) >= 2, (feature, covered)  # the bodies still exercise what the gate rules touch
+    for feature in ("stop_token_ids", "no_generation_prompt", "suffix", "mo", "mv", "mq", "mimg"):
+        assert covered.get(feature, 0) >= 2, (feature, covered)
