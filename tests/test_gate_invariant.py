@@ -206,7 +206,7 @@ def test_image_urls_are_data_only_by_default(env):
     for (w, h), cost in (((1024, 1024), 765), ((4000, 500), 85 + 170 * 4), ((100, 100), 255)):
         assert openai_tile_cost(w, h) == cost
         status, _, got = post(env, "chat", _image_chat("mimg", png(w, h)))
-        assert status == 200 and q.reserved[-1] == chat_tokens(got, lambda p: cost) + 5
+        assert status == 200 and q.reserved[-1] == chat_tokens(got, lambda p, c=cost: c) + 5
     status, _, got = post(env, "chat", _image_chat("mimg", png(4000, 4000), detail="low"))
     assert status == 200 and q.reserved[-1] == chat_tokens(got, lambda p: 85) + 5
     # an allow-listed URL: its size is unknown, so it costs the formula's maximum (8 tiles)
