@@ -62,6 +62,10 @@ def test_image_size_from_headers(data, size):
 def test_data_url_size_and_costs():
     url = "data:image/png;base64," + base64.b64encode(_png(1024, 1024)).decode()
     assert data_url_size(url) == (1024, 1024)
+    exif = b"\xff\xe1" + struct.pack(">H", 5002) + b"\x00" * 5000  # SOF after 5 kB: read in the second pass
+    jpeg = _jpeg(800, 600)
+    big = "data:image/jpeg;base64," + base64.b64encode(jpeg[:2] + exif + jpeg[2:]).decode()
+    assert data_url_size(big) == (800, 600)
     assert data_url_size("data:image/png,rawnotbase64") is None
     assert data_url_size("data:image/png;base64,!!!!") is None
     assert data_url_size("data:image/png;base64," + base64.b64encode(_png(0, 5)).decode()) is None

@@ -95,16 +95,19 @@ def data_url_size(url: str) -> tuple[int, int] | None:
     head, sep, payload = url.partition(",")
     if not sep or not head.endswith(";base64"):
         return None
-    chunk = payload[: HEADER_BYTES * 4 // 3]
-    chunk = chunk[: len(chunk) - len(chunk) % 4]
-    try:
-        data = base64.b64decode(chunk, validate=False)
-    except (binascii.Error, ValueError):
-        return None
-    size = image_size(data)
-    if size is None or size[0] < 1 or size[1] < 1:
-        return None
-    return size
+    for limit in (1024, HEADER_BYTES):  # PNG, GIF, WebP: the first bytes; JPEG may need more
+        chunk = payload[: limit * 4 // 3]
+        chunk = chunk[: len(chunk) - len(chunk) % 4]
+        try:
+            data = base64.b64decode(chunk, validate=False)
+        except (binascii.Error, ValueError):
+            return None
+        size = image_size(data)
+        if size is not None:
+            return size if size[0] >= 1 and size[1] >= 1 else None
+        if len(chunk) < limit * 4 // 3 - 3:
+            return None  # the whole payload was read
+    return None
 
 
 def openai_tiles_tokens(width: int, height: int, base: int, per_tile: int) -> int:
