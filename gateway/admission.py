@@ -416,13 +416,13 @@ def client_wants_usage(body: dict[str, Any]) -> bool:
 
 def upstream_body(body: dict[str, Any], adm: Admission, cache_salt: str) -> bytes:
     """The body to forward, as JSON bytes; ``body`` is changed in place. ``model`` becomes the
-    model's ``upstream_model``; ``cache_salt`` the tenant's (any client salt is dropped);
-    ``max_tokens`` is set when the client sent none (the value the gate checked); a stream that
-    did not ask for usage gets ``stream_options.include_usage: true`` (the quota settle needs it)."""
+    model's ``upstream_model``; ``cache_salt`` the tenant's (any client salt is dropped); the
+    completion bound the gate checked goes under the one field the engines read
+    (``adm.bound_field``), every other alias removed (:func:`gateway.fields.set_bound`); a stream
+    that did not ask for usage gets ``stream_options.include_usage: true`` (the quota settle needs it)."""
     body["model"] = adm.model.upstream_model
     body["cache_salt"] = cache_salt
-    if adm.defaulted:
-        body["max_tokens"] = adm.max_tokens
+    fields.set_bound(body, adm.bound_field, adm.max_tokens)
     if body.get("stream") and not client_wants_usage(body):
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     return orjson.dumps(body)

@@ -114,7 +114,7 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
     body = parse_json_body(raw)
     validate(body, route)
     entry = ctx.models.resolve(tenant, body.get("model"))
-    prompt = await count_prompt(entry, body, route)
+    prompt = await count_prompt(entry, body, route, max_sequences=tenant.max_sequences_per_request)
     candidates, pool_limit = ctx.upstreams.eligible(entry.id)
     if pool_limit is None:
         raise OpenAIError(
