@@ -147,10 +147,11 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[httpx
         req = ctx.client.build_request("POST", u.url_for(route), content=a.forward.body, headers=headers)
         t_forward = time.perf_counter()
         u.in_flight += 1
+        accepted = False
         try:
             resp = await ctx.client.send(req, stream=True)
+            accepted = True
         except _CONNECT_FAILURES as e:
-            u.in_flight -= 1
             ctx.metrics.upstream_errors.labels(u.name, "connect").inc()
             log.warning(
                 "upstream %s: connect failed (%s), trying the next",
@@ -161,9 +162,11 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[httpx
             last = e
             continue
         except httpx.HTTPError as e:
-            u.in_flight -= 1
             outcome.upstream = u
             raise _transport_error(ctx, u, e, "answer") from None
+        finally:
+            if not accepted:  # failed, or cancelled (the client left) while waiting for the answer
+                u.in_flight -= 1
         outcome.upstream = u
         outcome.forwarded = True
         return resp, t_forward
