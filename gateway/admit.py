@@ -6,10 +6,13 @@ In DESIGN.md's order, each step a call into the module that owns it:
 
 1. authenticate from the ``Authorization`` header (:mod:`gateway.auth`), before any byte of the
    body is read: an unauthenticated client never makes the gateway read or parse a body;
-2. read the body (size limit) and parse it as strict JSON (:mod:`gateway.requests`);
+2. read the body (size limit) and parse it as strict JSON (:mod:`gateway.requests`), in a worker
+   thread when it is larger than :data:`OFFLOAD_BODY_BYTES`;
 3. validate it against the route's OpenAI schema (:mod:`gateway.requests`);
-4. resolve the model, count the prompt, apply the context gate (:mod:`gateway.admission`); an
-   unknown or stale pool is 503 ``pool_size_unknown`` (fail closed);
+4. resolve the model, count the prompt, apply the context gate (:mod:`gateway.admission`); a
+   batch above the tenant's ``max_sequences_per_request`` is refused before it is counted, and a
+   request whose counting is costly is counted off the event loop; an unknown or stale pool is
+   503 ``pool_size_unknown`` (fail closed);
 5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503);
 6. build the body to forward (:func:`gateway.admission.upstream_body`) and reserve the quota last,
    so that no refusal ever leaves a reservation behind.
@@ -17,6 +20,7 @@ In DESIGN.md's order, each step a call into the module that owns it:
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +35,11 @@ from gateway.stages import QuotaLease, QuotaStage
 from gateway.tenants import TenantRegistry
 from gateway.upstreams import Upstream, UpstreamSet
 from verifier.stage import VerifierStage
+
+#: A body larger than this (bytes) is parsed, and its forwarded form encoded, in a worker thread:
+#: orjson builds one object per element, and 64 KiB of ``[""]`` is about 22,000 of them (about a
+#: millisecond); an 8 MiB body would hold the event loop for tens of milliseconds.
+OFFLOAD_BODY_BYTES = 64 * 1024
 
 
 class AdmitContext(Protocol):
@@ -111,7 +120,8 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
     route = arrival.route
     headers = request.headers
     raw = await read_body(request.receive, headers.get("content-length"), ctx.settings.gateway.max_body_bytes)
-    body = parse_json_body(raw)
+    large = len(raw) > OFFLOAD_BODY_BYTES
+    body = await asyncio.to_thread(parse_json_body, raw) if large else parse_json_body(raw)
     validate(body, route)
     entry = ctx.models.resolve(tenant, body.get("model"))
     prompt = await count_prompt(entry, body, route, max_sequences=tenant.max_sequences_per_request)
@@ -134,6 +144,8 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
         )
     stream = bool(body.get("stream"))
     strip_usage = stream and not client_wants_usage(body)
-    forward = Forward(upstream_body(body, adm, ctx.cache_salt(tenant.id)), stream, strip_usage)
+    salt = ctx.cache_salt(tenant.id)
+    forwarded = await asyncio.to_thread(upstream_body, body, adm, salt) if large else upstream_body(body, adm, salt)
+    forward = Forward(forwarded, stream, strip_usage)
     lease = await ctx.quotas.reserve(tenant, adm.reserve_tokens, arrival.request_id)
     return Admitted(arrival, tenant, adm, lease, candidates, forward)

@@ -32,9 +32,10 @@ import httpx
 import orjson
 
 from config.errors import ErrorCode, OpenAIError
+from config.models import Settings
 from gateway.admit import Admitted
 from gateway.metrics import GatewayMetrics
-from gateway.sse import DONE_EVENT, SSESplitter, inspect, strip_usage_null
+from gateway.sse import DONE_EVENT, SSEEventTooLarge, SSESplitter, inspect, strip_usage_null
 from gateway.upstreams import Upstream, UpstreamSet
 from verifier.engine_response import engine_error, is_error_payload, parse_body
 from verifier.stage import Exchange, ResponseGuard, ResponseWithheld, VerifierStage
@@ -54,6 +55,7 @@ class RelayContext(Protocol):
     upstreams: UpstreamSet
     metrics: GatewayMetrics
     verifier: VerifierStage
+    settings: Settings
 
 
 @dataclass
@@ -90,6 +92,25 @@ class RelayOutcome:
 def error_event(err: OpenAIError) -> bytes:
     """An OpenAI error body as one SSE event."""
     return b"data: " + err.body_bytes() + b"\n\n"
+
+
+def event_too_large(outcome: RelayOutcome, e: SSEEventTooLarge) -> OpenAIError:
+    """The 502 ``upstream_unavailable`` that ends a stream whose engine sent an event above
+    ``gateway.max_sse_event_bytes`` (an error event when the stream has started, else the answer)."""
+    name = outcome.upstream.name if outcome.upstream is not None else "-"
+    log.warning(
+        "upstream %s sent a stream event of %d bytes or more (limit %d); stream ended",
+        name,
+        e.size,
+        e.limit,
+        extra={"fields": {"request_id": outcome.admitted.arrival.request_id}},
+    )
+    return OpenAIError(
+        502,
+        f"The upstream engine sent a stream event larger than {e.limit} bytes "
+        "(gateway.max_sse_event_bytes); the stream was ended.",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
 
 
 def withheld_error(w: ResponseWithheld) -> OpenAIError:
@@ -269,7 +290,7 @@ async def relay_stream(
 ) -> AsyncGenerator[Chunk, None]:
     """Relay an event stream (module docstring). Events before the response starts are held
     back, so that an engine error before any content is answered with the engine's status."""
-    splitter = SSESplitter()
+    splitter = SSESplitter(ctx.settings.gateway.max_sse_event_bytes)
     p = outcome.produced
     held: list[bytes] = []
     started = False
@@ -277,7 +298,12 @@ async def relay_stream(
     try:
         async for chunk in resp.aiter_raw():
             out: list[bytes] = []
-            for ev in splitter.feed(chunk):
+            too_large: SSEEventTooLarge | None = None
+            try:
+                events = splitter.feed(chunk)
+            except SSEEventTooLarge as e:  # relay what came before it, then end the stream
+                events, too_large = e.before, e
+            for ev in events:
                 info = inspect(ev)
                 if info.kind == "done":
                     done = True
@@ -319,6 +345,8 @@ async def relay_stream(
                     held = []
             if done:
                 break
+            if too_large is not None:
+                raise event_too_large(outcome, too_large)
     except httpx.HTTPError as e:
         err = _transport_error(ctx, outcome.upstream, e, "read")
         if held and started:

@@ -139,3 +139,52 @@ def test_metrics_token_guards_metrics_and_readyz_details(engine):
             assert "upstreams" in c.get("/readyz").json() and c.get("/metrics").status_code == 200
     finally:
         open_gw.stop()
+
+
+def _event(content: str) -> bytes:
+    obj = {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": content}}]}
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+TOO_BIG_EVENT = {
+    "error": {
+        "message": "The upstream engine sent a stream event larger than 1048576 bytes "
+        "(gateway.max_sse_event_bytes); the stream was ended.",
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_unavailable",
+    }
+}
+
+
+def test_an_8_mib_stream_event_ends_the_stream_with_an_error_event(engine):
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants()).start()
+    try:
+        first = [_event("caf\u00e9 "), _event("\u2028 line")]
+        huge = b"data: " + b"x" * (8 << 20)  # never finished: 8 MiB arriving in 16 KiB reads
+        stream = b"".join(first) + huge
+        engine.state.stream_chunks = [stream[i : i + 16384] for i in range(0, len(stream), 16384)]
+        with g.client() as c:
+            r = c.post(
+                "/v1/chat/completions", json=chat(max_tokens=5, stream=True, stream_options={"include_usage": True})
+            )
+        assert r.status_code == 200
+        assert r.content == b"".join(first) + b"data: " + json.dumps(TOO_BIG_EVENT, separators=(",", ":")).encode() + (
+            b"\n\ndata: [DONE]\n\n"
+        )
+        # before any content: the answer itself is the 502
+        engine.state.stream_chunks = [huge[i : i + 16384] for i in range(0, len(huge), 16384)]
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
+        assert (r.status_code, r.json()) == (502, TOO_BIG_EVENT)
+        # exactly at the limit passes byte-exact
+        edge_event = b"data: " + b"y" * ((1 << 20) - 8) + b"\n\n"
+        ok = [_event("a"), edge_event, b"data: [DONE]\n\n"]
+        engine.state.stream_chunks = [b"".join(ok)]
+        with g.client() as c:
+            r = c.post(
+                "/v1/chat/completions", json=chat(max_tokens=5, stream=True, stream_options={"include_usage": True})
+            )
+        assert r.status_code == 200 and r.content == b"".join(ok)
+    finally:
+        g.stop()

@@ -119,3 +119,28 @@ async def test_element_heavy_requests_are_counted_in_a_worker_thread(entry):
 def test_request_cost_by_route():
     assert request_cost({"prompt": [""] * 10}, "completions", 10**9) == 320
     assert request_cost({"messages": [{"role": "user", "content": "a"}]}, "chat", 10**9) == 128
+
+
+def test_two_million_empty_prompts_over_http_get_the_sequence_cap_and_nothing_is_forwarded():
+    from tests.gateway_harness import Gateway, settings_for, tenants, upstream
+    from tests.mock_engine import MockEngine
+
+    engine = MockEngine().start()
+    g = Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 8 << 20}), tenants()).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": [""] * 2_000_000})
+        assert (r.status_code, r.json()["error"]) == (
+            400,
+            {
+                "message": "This request asks for 2000000 prompt(s) x 1 sequence(s) each = 2000000 sequences; "
+                "this key allows at most 16 per request.",
+                "type": "invalid_request_error",
+                "param": "prompt",
+                "code": "invalid_request",
+            },
+        )
+        assert engine.state.requests == []
+    finally:
+        g.stop()
+        engine.stop()
