@@ -24,11 +24,22 @@ import argparse
 import contextlib
 import logging
 import sys
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from config.models import BackendSettings
 from gpu_backend.faults import UnknownFaultError, faults_from_env
+
+if TYPE_CHECKING:  # the router role imports neither torch nor the engine
+    import httpx
+    from fastapi import FastAPI
+
+    from gpu_backend.engine import Engine
+    from gpu_backend.router import Router
+    from gpu_backend.servers import RouterConfig
+
+    Lifespan = Callable[[Any], contextlib.AbstractAsyncContextManager[None]]
 
 ROLE_PORTS = {"all": 30000, "router": 30000, "prefill": 30001, "decode": 30002}
 log = logging.getLogger("gpu_backend")
@@ -139,9 +150,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
     return Options(ns, faults_from_env())
 
 
-def make_engine(opts: Options, side: str) -> Any:
-    """An :class:`~gpu_backend.engine.Engine` for ``side`` (imports torch)."""
+def make_engine(opts: Options, side: str) -> Engine:
+    """An :class:`~gpu_backend.engine.Engine` for ``side`` with the model's tokenizer (imports torch)."""
     from gpu_backend.engine import Engine, EngineConfig
+    from gpu_backend.vocab import vocab_for
 
     cfg = EngineConfig(
         model=opts.model,
@@ -157,22 +169,23 @@ def make_engine(opts: Options, side: str) -> Any:
         dtype=opts.dtype,
         faults=opts.faults,
     )
-    return Engine(cfg)
+    return Engine(cfg, vocab_for(opts.model))
 
 
-def _router_config(opts: Options) -> Any:
+def _router_config(opts: Options) -> RouterConfig:
     from gpu_backend.servers import RouterConfig
-    from tokenizer import bundled_counter
+    from gpu_backend.vocab import vocab_for
 
     return RouterConfig(
-        counter=bundled_counter(),
+        counter=vocab_for(opts.model).counter,
         context_length=opts.context_length,
         served_model_name=opts.served_model_name,
         model_names=[opts.model],
     )
 
 
-def _http_client(opts: Options) -> Any:
+def _http_client(opts: Options) -> httpx.AsyncClient:
+    """The internal client (built before the loop runs; it binds to the loop on first use)."""
     import httpx
 
     # keep-alive expiry well below the servers' timeout_keep_alive (60 s), so a pooled connection is
@@ -183,106 +196,114 @@ def _http_client(opts: Options) -> Any:
     )
 
 
-def build_app(opts: Options) -> Any:
-    """The FastAPI app of ``opts.role``, with a lifespan that starts/stops engines and clients."""
-    from gpu_backend import servers
-    from gpu_backend.servers import pool_report
-
-    role = opts.role
-    if role == "all":
-        from gpu_backend.decode_node import DecodeNode
-        from gpu_backend.prefill_node import LocalSink, PrefillNode
-        from gpu_backend.router import LocalDecodeClient, LocalPrefillClient, Router
-
-        pe, de = make_engine(opts, "prefill"), make_engine(opts, "decode")
-        dnode = DecodeNode(de, faults=opts.faults, transfer_timeout_seconds=opts.transfer_timeout_seconds)
-        pnode = PrefillNode(pe, LocalSink(dnode), transfer_timeout_seconds=opts.transfer_timeout_seconds)
-        router = Router(LocalPrefillClient(pnode), LocalDecodeClient(dnode), open_timeout=opts.open_timeout)
-
-        @contextlib.asynccontextmanager
-        async def lifespan(_app: Any) -> AsyncIterator[None]:
-            await pe.start()
-            await de.start()
-            try:
-                yield
-            finally:
-                await router.drain()
-                await pe.stop()
-                await de.stop()
-
-        async def info() -> dict[str, Any]:
-            return pnode.server_info()
-
-        debug = (
-            (lambda: {"prefill": pool_report(pe), "decode": pool_report(de)}) if opts.enable_debug_endpoints else None
-        )
-        app = servers.build_router_app(
-            router, _router_config(opts), server_info=info, debug_pools=debug, lifespan=lifespan
-        )
-        app.state.engines = {"prefill": pe, "decode": de}
-        app.state.nodes = {"prefill": pnode, "decode": dnode}
-        return app
-    if role == "router":
-        from gpu_backend.router import HttpDecodeClient, HttpPrefillClient, Router, remote_error
-
-        holder: dict[str, Any] = {}
-
-        @contextlib.asynccontextmanager
-        async def lifespan(_app: Any) -> AsyncIterator[None]:
-            client = holder["client"] = _http_client(opts)
-            router.prefill = HttpPrefillClient(opts.prefill_url, client, opts.open_timeout)
-            router.decode = HttpDecodeClient(opts.decode_url, client, opts.open_timeout)
-            try:
-                yield
-            finally:
-                await router.drain()
-                await client.aclose()
-
-        router = Router(None, None, open_timeout=opts.open_timeout)  # type: ignore[arg-type]
-
-        async def info() -> dict[str, Any]:
-            r = await holder["client"].get(opts.prefill_url.rstrip("/") + "/server_info", timeout=5.0)
-            if r.status_code != 200:
-                raise remote_error(r.status_code, r.json() if r.content else None)
-            return r.json()
-
-        return servers.build_router_app(router, _router_config(opts), server_info=info, lifespan=lifespan)
-    engine = make_engine(opts, role)
-    debug = (lambda: {role: pool_report(engine)}) if opts.enable_debug_endpoints else None
-    if role == "prefill":
-        from gpu_backend.prefill_node import HttpSink, PrefillNode
-
-        pnode = PrefillNode(engine, None, transfer_timeout_seconds=opts.transfer_timeout_seconds)  # type: ignore
-
-        @contextlib.asynccontextmanager
-        async def lifespan(_app: Any) -> AsyncIterator[None]:
-            client = _http_client(opts)
-            pnode.sink = HttpSink(opts.decode_url, client, opts.transfer_timeout_seconds)
-            await engine.start()
-            try:
-                yield
-            finally:
-                await engine.stop()
-                await client.aclose()
-
-        app = servers.build_prefill_app(pnode, debug_pools=debug, lifespan=lifespan)
-        app.state.engines, app.state.nodes = {"prefill": engine}, {"prefill": pnode}
-        return app
-    from gpu_backend.decode_node import DecodeNode
-
-    dnode = DecodeNode(engine, faults=opts.faults, transfer_timeout_seconds=opts.transfer_timeout_seconds)
+def _lifespan(*engines: Engine, router: Router | None = None, client: httpx.AsyncClient | None = None) -> Lifespan:
+    """Start the engines; on shutdown wait for the router's detached calls, stop the engines, close
+    the client."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
-        await engine.start()
+        for e in engines:
+            await e.start()
         try:
             yield
         finally:
-            await engine.stop()
+            if router is not None:
+                await router.drain()
+            for e in engines:
+                await e.stop()
+            if client is not None:
+                await client.aclose()
 
-    app = servers.build_decode_app(dnode, debug_pools=debug, lifespan=lifespan)
+    return lifespan
+
+
+def build_all(opts: Options) -> FastAPI:
+    """``--role all``: a prefill and a decode engine in process, transfer in process, the router API
+    plus the prefill pool's ``/server_info``."""
+    from gpu_backend import servers
+    from gpu_backend.decode_node import DecodeNode
+    from gpu_backend.prefill_node import LocalSink, PrefillNode
+    from gpu_backend.router import LocalDecodeClient, LocalPrefillClient, Router
+
+    pe, de = make_engine(opts, "prefill"), make_engine(opts, "decode")
+    dnode = DecodeNode(de, faults=opts.faults, transfer_timeout_seconds=opts.transfer_timeout_seconds)
+    pnode = PrefillNode(pe, LocalSink(dnode), transfer_timeout_seconds=opts.transfer_timeout_seconds)
+    router = Router(LocalPrefillClient(pnode), LocalDecodeClient(dnode), open_timeout=opts.open_timeout)
+
+    async def info() -> dict[str, Any]:
+        return pnode.server_info()
+
+    pools = {"prefill": pe, "decode": de}
+    debug = (lambda: {k: servers.pool_report(e) for k, e in pools.items()}) if opts.enable_debug_endpoints else None
+    app = servers.build_router_app(
+        router, _router_config(opts), server_info=info, debug_pools=debug, lifespan=_lifespan(pe, de, router=router)
+    )
+    app.state.engines, app.state.nodes = pools, {"prefill": pnode, "decode": dnode}
+    return app
+
+
+def build_router(opts: Options) -> FastAPI:
+    """``--role router``: no model, no torch; reaches ``--prefill-url`` and ``--decode-url`` over HTTP."""
+    from gpu_backend import servers
+    from gpu_backend.router import HttpDecodeClient, HttpPrefillClient, Router, remote_error
+
+    client = _http_client(opts)
+    router = Router(
+        HttpPrefillClient(opts.prefill_url, client, opts.open_timeout),
+        HttpDecodeClient(opts.decode_url, client, opts.open_timeout),
+        open_timeout=opts.open_timeout,
+    )
+
+    async def info() -> dict[str, Any]:
+        r = await client.get(opts.prefill_url.rstrip("/") + "/server_info", timeout=5.0)
+        if r.status_code != 200:
+            raise remote_error(r.status_code, r.json() if r.content else None)
+        return r.json()
+
+    lifespan = _lifespan(router=router, client=client)
+    return servers.build_router_app(router, _router_config(opts), server_info=info, lifespan=lifespan)
+
+
+def build_prefill(opts: Options) -> FastAPI:
+    """``--role prefill``: one engine; pages go to ``--decode-url`` over HTTP."""
+    from gpu_backend import servers
+    from gpu_backend.prefill_node import HttpSink, PrefillNode
+
+    engine, client = make_engine(opts, "prefill"), _http_client(opts)
+    sink = HttpSink(opts.decode_url, client, opts.transfer_timeout_seconds)
+    pnode = PrefillNode(engine, sink, transfer_timeout_seconds=opts.transfer_timeout_seconds)
+    debug = (lambda: {"prefill": servers.pool_report(engine)}) if opts.enable_debug_endpoints else None
+    app = servers.build_prefill_app(pnode, debug_pools=debug, lifespan=_lifespan(engine, client=client))
+    app.state.engines, app.state.nodes = {"prefill": engine}, {"prefill": pnode}
+    return app
+
+
+def build_decode(opts: Options) -> FastAPI:
+    """``--role decode``: one engine; reservations, transfers and the token streams."""
+    from gpu_backend import servers
+    from gpu_backend.decode_node import DecodeNode
+
+    engine = make_engine(opts, "decode")
+    dnode = DecodeNode(engine, faults=opts.faults, transfer_timeout_seconds=opts.transfer_timeout_seconds)
+    debug = (lambda: {"decode": servers.pool_report(engine)}) if opts.enable_debug_endpoints else None
+    app = servers.build_decode_app(dnode, debug_pools=debug, lifespan=_lifespan(engine))
     app.state.engines, app.state.nodes = {"decode": engine}, {"decode": dnode}
     return app
+
+
+#: One builder per role.
+BUILDERS: dict[str, Callable[[Options], FastAPI]] = {
+    "all": build_all,
+    "router": build_router,
+    "prefill": build_prefill,
+    "decode": build_decode,
+}
+
+
+def build_app(opts: Options) -> FastAPI:
+    """The FastAPI app of ``opts.role`` (:data:`BUILDERS`), with a lifespan that starts/stops its
+    engines and clients."""
+    return BUILDERS[opts.role](opts)
 
 
 def main(argv: list[str] | None = None) -> int:

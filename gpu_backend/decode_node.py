@@ -25,10 +25,15 @@ import torch
 
 from config.errors import ErrorCode
 from gpu_backend.bootstrap import RoomClosedError, RoomState, RoomTable
-from gpu_backend.engine import Engine, TokenEvent
+from gpu_backend.bridge import emitter, future_setter, one_reply, queue_tokens
+from gpu_backend.engine import Engine
 from gpu_backend.errors import EngineError, InvalidRequestError, RequestAbortedError, TransferMismatchError
+from gpu_backend.kv_pool import PageHandle
+from gpu_backend.messages import LoadPages, Reserve, StartDecode
 from gpu_backend.sampling import SamplingParams
+from gpu_backend.sequence import Sequence
 from gpu_backend.transfer import Manifest, verify_pages
+from gpu_backend.wire import Token, engine_request_id
 
 log = logging.getLogger("gpu_backend.decode")
 
@@ -54,6 +59,66 @@ class DuplicateTransferError(EngineError):
 
     status = 409
     code = "duplicate_transfer"
+
+
+async def reserve_pages(engine: Engine, request_id: str, prompt_tokens: int, max_new_tokens: int) -> list[PageHandle]:
+    """Reserve ceil((prompt_tokens + max_new_tokens) / page_size) pages for ``request_id``; returns
+    their handles. Waits (in arrival order) while the pool is full; :class:`PoolExhaustedError`
+    (503) after ``pool_wait_timeout_seconds``, never a 400. :class:`InvalidRequestError` (400) for a
+    live id or non-positive sizes; 503 when the engine is not running. Cancelling frees them."""
+    if prompt_tokens < 1 or max_new_tokens < 1:
+        raise InvalidRequestError("prompt_tokens and max_new_tokens must be >= 1", request_id=request_id)
+    fut: asyncio.Future = asyncio.get_running_loop().create_future()
+    seq = Sequence.reservation_of(request_id, engine.pool.pages_for(prompt_tokens + max_new_tokens), future_setter(fut))
+    engine.register(seq)
+    engine.submit(Reserve(seq))
+    pages = await one_reply(fut, lambda: engine.abort(request_id))
+    assert isinstance(pages, list)
+    return pages
+
+
+async def load_pages(engine: Engine, request_id: str, kv: torch.Tensor, num_tokens: int) -> None:
+    """Write received pages into the reservation, page i into handle i (on the worker thread).
+    ``kv``: [n, num_layers, 2, page_size, num_kv_heads, head_dim] (any device/dtype; cast to the
+    pool's). Raises ``KeyError`` for an unknown reservation, ``ValueError`` for a shape that does not
+    fit (more pages than reserved, wrong dims, ``num_tokens > n * page_size``),
+    :class:`StaleHandleError` through a stale handle."""
+    fut: asyncio.Future = asyncio.get_running_loop().create_future()
+    engine.submit(LoadPages(request_id, kv, num_tokens, future_setter(fut)))
+    await one_reply(fut)
+
+
+async def decode_reserved(
+    engine: Engine, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
+    context_tokens: int,
+) -> AsyncIterator[Token]:  # fmt: skip
+    """Generate from a reservation whose first ``context_tokens`` positions hold the prompt's KV.
+
+    Yields the token of ``first_token_id`` first (completion_tokens 1; it may already finish the
+    request: EOS, stop, max_new_tokens 1), then one per decoded token; decode step j feeds the
+    previous token at position ``context_tokens + j - 1`` and attends over positions
+    ``0 .. context_tokens + j - 1`` of the reservation's pages. ``prompt_tokens`` of the tokens is
+    ``len(prompt_ids)``. The reservation is freed when finished or aborted (also when the iterator is
+    closed early). Raises (on the first ``__anext__``, the reservation then freed) ``KeyError`` for
+    an unknown reservation, :class:`InvalidRequestError` for bad params or when ``context_tokens +
+    max_new_tokens`` exceeds it, :class:`StaleHandleError` for a stale handle (unless ``no_scrub``),
+    and :class:`TransferMismatchError` when ``context_tokens`` differs from the ``num_tokens`` given
+    to :func:`load_pages` (invariant 2 held by the engine too; lifted by ``skip_transfer_check``).
+    """
+    try:
+        params.validate()
+    except InvalidRequestError:
+        engine.abort(request_id)
+        raise
+    params = params.clamped(engine.max_req_len - context_tokens - 1)
+    queue: asyncio.Queue = asyncio.Queue()
+    msg = StartDecode(
+        request_id, list(prompt_ids), first_token_id, params, context_tokens, engine.generator(params), emitter(queue)
+    )
+    engine.submit(msg)
+    async with contextlib.aclosing(queue_tokens(queue, lambda: engine.abort(request_id))) as tokens:
+        async for tok in tokens:
+            yield tok
 
 
 def sampling_params(params: dict[str, Any]) -> SamplingParams:
@@ -102,15 +167,10 @@ class DecodeNode:
         info["live_rooms"] = len(self.rooms)
         return info
 
-    @staticmethod
-    def engine_request_id(request_id: str, room: int) -> str:
-        """The engine-side id of a room's request (unique per room)."""
-        return f"{request_id}@{room:016x}"
-
     async def generate(
         self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any]
-    ) -> AsyncIterator[TokenEvent]:
-        """Reserve, wait for the transfer, then yield the engine's :class:`TokenEvent` s.
+    ) -> AsyncIterator[Token]:
+        """Reserve, wait for the transfer, then yield the engine's :class:`Token` s.
 
         Raises :class:`PoolExhaustedError` (503), :class:`TransferMismatchError` (500),
         :class:`TransferTimeoutError` (504), :class:`RoomGoneError` (410) or
@@ -125,9 +185,9 @@ class DecodeNode:
             raise RoomGoneError(str(e)) from None
         if r.request_id is not None:
             raise InvalidRequestError(f"room {room} already has a generate call", param="room")
-        rid = self.engine_request_id(request_id, room)
+        rid = engine_request_id(request_id, room)
         r.request_id, r.prompt_tokens, r.max_new_tokens = rid, len(prompt_ids), sp.max_new_tokens
-        reserve = asyncio.ensure_future(self.engine.reserve(rid, len(prompt_ids), sp.max_new_tokens))
+        reserve = asyncio.ensure_future(reserve_pages(self.engine, rid, len(prompt_ids), sp.max_new_tokens))
         reason = "finished"
         try:
             closed = asyncio.ensure_future(r.closed.wait())
@@ -152,7 +212,7 @@ class DecodeNode:
             if not loaded:
                 raise r.error or RequestAbortedError(f"room {room} was released")
             r.state = RoomState.DECODING
-            events = self.engine.decode_reserved(rid, prompt_ids, r.manifest.first_token_id, sp, r.context_tokens)
+            events = decode_reserved(self.engine, rid, prompt_ids, r.manifest.first_token_id, sp, r.context_tokens)
             async with contextlib.aclosing(events) as evs:
                 async for ev in evs:
                     yield ev
@@ -162,11 +222,8 @@ class DecodeNode:
             reason = f"failed: {type(e).__name__}"
             raise
         finally:
-            if not reserve.done():
-                reserve.cancel()
-                # a reservation completing despite the cancel is freed as soon as it lands
-                reserve.add_done_callback(lambda _f: self.engine.release(rid))
-            self.engine.release(rid)
+            reserve.cancel()  # a reservation still waiting is aborted (the worker frees it in order)
+            self.engine.abort(rid)
             self.rooms.close(room, reason)
 
     async def accept_transfer(self, manifest: Manifest, kv: torch.Tensor, *, verified: bool = False) -> int:
@@ -229,7 +286,7 @@ class DecodeNode:
         else:
             context = manifest.num_tokens
         try:
-            self.engine.load_pages(r.request_id, kv, manifest.num_tokens)
+            await load_pages(self.engine, r.request_id, kv, manifest.num_tokens)
         except Exception as e:
             self._fail(manifest.room, r, "load_pages failed", e)
             raise
@@ -242,7 +299,7 @@ class DecodeNode:
     def _fail(self, room: int, r: Any, reason: str, err: BaseException) -> None:
         self.rooms.close(room, reason, err)
         if r.request_id is not None:
-            self.engine.release(r.request_id)
+            self.engine.abort(r.request_id)
 
     def release(self, room: int) -> bool:
         """Release ``room`` (router: prefill rejected it, the client left, an abort): frees the
@@ -253,25 +310,13 @@ class DecodeNode:
             return False
         self.counters["released"] += 1
         if r.request_id is not None:
-            self.engine.release(r.request_id)
+            self.engine.abort(r.request_id)
         return True
 
 
-def event_line(ev: TokenEvent) -> bytes:
-    """One NDJSON line of the decode stream for a token event."""
-    return (
-        orjson.dumps(
-            {
-                "token_id": ev.token_id,
-                "text": ev.text,
-                "finished": ev.finished,
-                "finish_reason": ev.finish_reason,
-                "prompt_tokens": ev.prompt_tokens,
-                "completion_tokens": ev.completion_tokens,
-            }
-        )
-        + b"\n"
-    )
+def event_line(tok: Token) -> bytes:
+    """One NDJSON line of the decode stream for a token (:meth:`Token.to_json`)."""
+    return orjson.dumps(tok.to_json()) + b"\n"
 
 
 def error_line(exc: BaseException) -> bytes:

@@ -10,13 +10,14 @@ Scrubbing (DESIGN.md invariant 3): a released page is zeroed and its generation 
 it raises :class:`~gpu_backend.errors.StaleHandleError`. ``scrub=False`` (the ``no_scrub`` fault,
 test use only) disables both the zeroing and the generation check.
 
-Accounting (invariant 4): ``free_pages + used_pages == total_pages`` at all times; methods are
-thread-safe (one lock), since the worker thread and the event loop both allocate and free.
+Accounting (invariant 4): ``free_pages + used_pages == total_pages``; :meth:`KVPool.check_integrity`
+counts owned pages independently of the free list. Single-threaded by design: only the engine's
+worker thread allocates, frees, reads or writes pages (every such call reaches it as a typed message,
+:mod:`gpu_backend.messages`), so there is no lock. :meth:`KVPool.stats` may be read from any thread.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from typing import NamedTuple, Sequence
 
@@ -68,7 +69,6 @@ class KVPool:
         self.generation = [0] * num_pages
         self.owner: list[str | None] = [None] * num_pages
         self._free: deque[int] = deque(range(num_pages))
-        self._lock = threading.Lock()
 
     # ---- accounting ----------------------------------------------------------------------
     @property
@@ -81,10 +81,8 @@ class KVPool:
 
     @property
     def used_pages(self) -> int:
-        """Pages with an owner (counted independently of the free list, so the invariant
-        ``free + used == total`` is a real check)."""
-        with self._lock:
-            return sum(o is not None for o in self.owner)
+        """Pages handed out (``total - free``; :meth:`check_integrity` counts owners independently)."""
+        return self.num_pages - len(self._free)
 
     @property
     def total_tokens(self) -> int:
@@ -95,11 +93,26 @@ class KVPool:
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self.kv.element_size()
 
     def stats(self) -> dict:
-        """``{"total_pages","free_pages","used_pages","page_size"}``."""
-        with self._lock:
-            used = sum(o is not None for o in self.owner)
-            free = len(self._free)
-        return {"total_pages": self.num_pages, "free_pages": free, "used_pages": used, "page_size": self.page_size}
+        """``{"total_pages","free_pages","used_pages","page_size"}``: one read of the free list, so
+        consistent from any thread (``free + used == total``)."""
+        free = len(self._free)
+        return {
+            "total_pages": self.num_pages,
+            "free_pages": free,
+            "used_pages": self.num_pages - free,
+            "page_size": self.page_size,
+        }
+
+    def check_integrity(self) -> None:
+        """Invariant 4, counted two ways (mini-sglang's ``check_integrity``): pages with an owner plus
+        pages on the free list equal the total, the free list holds each page at most once and only
+        pages without an owner. Call it where no allocation runs (the worker, or an idle engine).
+        Raises ``AssertionError`` with the counts."""
+        free = list(self._free)
+        owned = sum(o is not None for o in self.owner)
+        assert len(set(free)) == len(free), f"free list holds a page twice: {len(free)} entries, {len(set(free))} pages"
+        assert all(self.owner[i] is None for i in free), "a page on the free list has an owner"
+        assert owned + len(free) == self.num_pages, f"free {len(free)} + used {owned} != total {self.num_pages}"
 
     def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat K and V of one layer: two [num_pages * page_size, num_kv_heads, head_dim] views
@@ -117,15 +130,14 @@ class KVPool:
         """``num_pages`` pages for ``owner``, or ``None`` (nothing taken) when fewer are free."""
         if num_pages < 1:
             raise ValueError("num_pages must be >= 1")
-        with self._lock:
-            if len(self._free) < num_pages:
-                return None
-            out = []
-            for _ in range(num_pages):
-                i = self._free.popleft()
-                self.owner[i] = owner
-                out.append(PageHandle(i, self.generation[i]))
-            return out
+        if len(self._free) < num_pages:
+            return None
+        out = []
+        for _ in range(num_pages):
+            i = self._free.popleft()
+            self.owner[i] = owner
+            out.append(PageHandle(i, self.generation[i]))
+        return out
 
     def free(self, handles: Sequence[PageHandle], ignore_stale: bool = False) -> int:
         """Release pages: zero them and bump their generation (scrub), then return them to the free
@@ -134,26 +146,25 @@ class KVPool:
         freed, or with ``ignore_stale`` is skipped (a sequence handed stale pages frees only its own)."""
         if not handles:
             return 0
-        with self._lock:
-            live = []
-            for h in handles:
-                if self.generation[h.index] != h.generation or self.owner[h.index] is None:
-                    if ignore_stale:
-                        continue
-                    raise StaleHandleError(
-                        f"free through stale handle {tuple(h)} (page generation {self.generation[h.index]})"
-                    )
-                live.append(h)
-            if not live:
-                return 0
-            idx = [h.index for h in live]
-            if self.scrub:
-                self.kv[:, :, torch.tensor(idx, device=self.device)] = 0
-            for i in idx:
-                self.generation[i] += 1
-                self.owner[i] = None
-                self._free.append(i)
-            return len(idx)
+        live = []
+        for h in handles:
+            if self.generation[h.index] != h.generation or self.owner[h.index] is None:
+                if ignore_stale:
+                    continue
+                raise StaleHandleError(
+                    f"free through stale handle {tuple(h)} (page generation {self.generation[h.index]})"
+                )
+            live.append(h)
+        if not live:
+            return 0
+        idx = [h.index for h in live]
+        if self.scrub:
+            self.kv[:, :, torch.tensor(idx, device=self.device)] = 0
+        for i in idx:
+            self.generation[i] += 1
+            self.owner[i] = None
+            self._free.append(i)
+        return len(idx)
 
     def check(self, handles: Sequence[PageHandle]) -> None:
         """Raise :class:`StaleHandleError` if any handle's generation moved on (no-op without scrub)."""
@@ -171,10 +182,9 @@ class KVPool:
     def read_pages(self, handles: Sequence[PageHandle]) -> torch.Tensor:
         """Copy pages out: [n, num_layers, 2, page_size, num_kv_heads, head_dim], contiguous, CPU.
         Raises :class:`StaleHandleError` through a stale handle."""
-        with self._lock:
-            self.check(handles)
-            idx = torch.tensor([h.index for h in handles], dtype=torch.long, device=self.device)
-            out = self.kv.index_select(2, idx)
+        self.check(handles)
+        idx = torch.tensor([h.index for h in handles], dtype=torch.long, device=self.device)
+        out = self.kv.index_select(2, idx)
         return out.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
 
     def write_pages(self, handles: Sequence[PageHandle], data: torch.Tensor) -> None:
@@ -184,10 +194,9 @@ class KVPool:
         if tuple(data.shape) != expect:
             raise ValueError(f"pages of shape {tuple(data.shape)}, expected {expect}")
         src = data.to(device=self.device, dtype=self.dtype).permute(1, 2, 0, 3, 4, 5)
-        with self._lock:
-            self.check(handles)
-            idx = torch.tensor([h.index for h in handles], dtype=torch.long, device=self.device)
-            self.kv.index_copy_(2, idx, src)
+        self.check(handles)
+        idx = torch.tensor([h.index for h in handles], dtype=torch.long, device=self.device)
+        self.kv.index_copy_(2, idx, src)
 
     def page_is_zero(self, index: int) -> bool:
         """Whether page ``index`` holds only zeros (tests of the scrub)."""

@@ -14,6 +14,16 @@ from gpu_backend.attention import PagedAttention, SeqSpan
 from gpu_backend.kv_pool import KVPool
 from gpu_backend.sampling import sample
 from gpu_backend.sequence import Sequence
+from gpu_backend.vocab import Vocab
+
+
+def vocab_bias(vocab: Vocab, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] fp32: 0 for ids the tokenizer can decode, -inf for the rest (the model's vocabulary
+    may be padded past the tokenizer's)."""
+    bias = torch.full((vocab_size,), float("-inf"))
+    valid = [i for i in range(min(vocab_size, vocab.n_vocab)) if vocab.is_valid_id(i)]
+    bias[torch.tensor(valid, dtype=torch.long)] = 0.0
+    return bias
 
 
 class ModelRunner:

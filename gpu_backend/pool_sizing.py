@@ -123,3 +123,21 @@ def max_req_input_len(context_length: int, max_total_num_tokens: int) -> int:
     """SGLang: ``max_req_len = min(context_len - 1, max_total_num_tokens - 1)``;
     ``max_req_input_len = max_req_len - 5``."""
     return min(context_length - 1, max_total_num_tokens - 1) - SGLANG_INPUT_RESERVE_TOKENS
+
+
+def pool_limits(
+    free_bytes: int,
+    weight_bytes: int,
+    cell_bytes: int,
+    mem_fraction_static: float,
+    page_size: int,
+    max_total_tokens: int | None,
+    context_length: int,
+) -> tuple[int, int, int]:
+    """``(max_total_num_tokens, max_req_len, max_req_input_len)`` of one engine (SGLang's rules
+    above). ``ValueError`` when less than one page fits or no prompt fits the pool."""
+    total = max_total_num_tokens(free_bytes, weight_bytes, cell_bytes, mem_fraction_static, page_size, max_total_tokens)
+    max_input = max_req_input_len(context_length, total)
+    if max_input < 1:
+        raise ValueError(f"pool of {total} tokens leaves no room for a prompt")
+    return total, min(context_length - 1, total - 1), max_input

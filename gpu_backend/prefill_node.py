@@ -1,15 +1,18 @@
 """The prefill node: admits or rejects a prompt, runs the forward pass, and sends the written pages
 with a manifest to the decode node (in process, or over HTTP as safetensors).
 
-Admission is the engine's (:meth:`Engine.prefill_export`): a prompt over ``max_req_input_len`` is
-retired there with :class:`PromptTooLongError` before any page, bootstrap or transfer (DESIGN.md
-invariant 1), and the router answers the 400. Only the ``admit_rejected`` fault (test use) lets
-it through as a one-token placeholder, which is then sent as one page, as in the incident.
+The role's flow on its engine is :func:`prefill_export`: admission (:meth:`Engine.admit`) retires a
+prompt over ``max_req_input_len`` with :class:`PromptTooLongError` before any page, bootstrap or
+transfer (DESIGN.md invariant 1), and the router answers the 400. Only the ``admit_rejected`` fault
+(test use) lets it through as a one-token placeholder, which is then sent as one page, as in the
+incident. The forward pass, the copy of the written pages and their release run on the engine's
+worker thread; the node then hashes, serialises and sends them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any, Protocol
@@ -17,15 +20,54 @@ from typing import Any, Protocol
 import httpx
 import torch
 
+from gpu_backend.bridge import future_setter, one_reply
 from gpu_backend.engine import Engine
 from gpu_backend.errors import PromptTooLongError, RequestAbortedError
+from gpu_backend.messages import AddRequest
 from gpu_backend.router import post_retrying, remote_error
+from gpu_backend.sampling import SamplingParams
+from gpu_backend.sequence import Sequence
 from gpu_backend.transfer import CONTENT_TYPE, Manifest, build_manifest, encode_transfer
+from gpu_backend.wire import PrefillOutcome, engine_request_id
 
 log = logging.getLogger("gpu_backend.prefill")
 
 #: Above this many bytes of KV, hashing and serialising run in a worker thread.
 _OFFLOAD_BYTES = 256 * 1024
+
+
+async def prefill_export(
+    engine: Engine, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None
+) -> tuple[torch.Tensor, PrefillOutcome]:
+    """Admit, prefill, copy the written pages out and free them; returns ``(kv, outcome)``.
+
+    ``kv``: [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim], contiguous, CPU, the pool
+    dtype; positions past ``outcome.num_tokens`` in the last page are zeros. Admission as
+    :meth:`Engine.admit`: :class:`PromptTooLongError` unless the engine's ``admit_rejected`` fault is
+    on (then the placeholder ``[0]``). ``params`` (default greedy) picks the first token. Waits for
+    pages (:class:`PoolExhaustedError` after the timeout). Cancelling the await aborts the request.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+    t0 = time.monotonic()
+    params = dataclasses.replace(params or SamplingParams(max_new_tokens=1), max_new_tokens=1)
+    placeholder_ok = "admit_rejected" in engine.faults
+    seq = engine.admit(
+        request_id, prompt_ids, params, future_setter(fut), pages_for_output=False, placeholder_ok=placeholder_ok
+    )
+    placeholder = seq.prompt_ids != list(prompt_ids)
+    pool = engine.pool
+
+    def export(s: Sequence) -> tuple[torch.Tensor, PrefillOutcome]:  # worker thread, before the pages are freed
+        n = s.num_context_tokens
+        kv = pool.read_pages(s.pages[: pool.pages_for(n)])
+        return kv, PrefillOutcome(n, s.completion_ids[0], time.monotonic() - t0, placeholder, len(prompt_ids))
+
+    seq.on_prefilled = export
+    engine.submit(AddRequest(seq))
+    result = await one_reply(fut, lambda: engine.abort(request_id))
+    assert isinstance(result, tuple)
+    return result
 
 
 class TransferSink(Protocol):
@@ -101,9 +143,8 @@ class PrefillNode:
 
     async def prefill(
         self, room: int, request_id: str, prompt_ids: list[int], *, param: str = "prompt"
-    ) -> dict[str, Any]:
-        """Admit + prefill + send. Returns ``{num_tokens, first_token_id, prefill_seconds,
-        placeholder, original_prompt_tokens}``. Raises :class:`PromptTooLongError` (400,
+    ) -> PrefillOutcome:
+        """Admit + prefill + send; returns the :class:`PrefillOutcome`. Raises :class:`PromptTooLongError` (400,
         ``param`` as given: ``prompt`` or ``messages``), :class:`PoolExhaustedError` (503),
         :class:`RequestAbortedError` (499), or the decode node's refusal.
 
@@ -120,13 +161,13 @@ class PrefillNode:
             entry = self._by_room[room] = (now, fut)
         return await asyncio.shield(entry[1])
 
-    async def _prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> dict[str, Any]:
+    async def _prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
         if self._was_aborted(request_id):
             raise RequestAbortedError(f"request {request_id} was aborted")
-        rid = f"{request_id}@{room:016x}"
+        rid = engine_request_id(request_id, room)
         self._live[request_id] = rid
         try:
-            res = await self.engine.prefill_export(rid, prompt_ids)
+            kv, res = await prefill_export(self.engine, rid, prompt_ids)
         except PromptTooLongError as e:
             self.counters["rejected"] += 1
             raise PromptTooLongError(e.prompt_tokens, e.max_req_input_len, request_id=request_id, param=param) from None
@@ -138,28 +179,13 @@ class PrefillNode:
             raise RequestAbortedError(f"request {request_id} was aborted")
         self.counters["prefilled"] += 1
         self.counters["placeholders"] += int(res.placeholder)
-        kw = dict(
-            room=room,
-            request_id=request_id,
-            kv=res.kv,
-            num_tokens=res.num_tokens,
-            first_token_id=res.first_token_id,
-            prefill_seconds=res.prefill_seconds,
-            placeholder=res.placeholder,
-            original_prompt_tokens=res.original_prompt_tokens,
-        )
-        big = res.kv.numel() * res.kv.element_size() > _OFFLOAD_BYTES
+        kw = dict(room=room, request_id=request_id, kv=kv, **res.to_json())
+        big = kv.numel() * kv.element_size() > _OFFLOAD_BYTES
         manifest = await asyncio.to_thread(lambda: build_manifest(**kw)) if big else build_manifest(**kw)
         await asyncio.wait_for(
-            self.sink.send(manifest, res.kv), self.transfer_timeout + float(self.engine.cfg.pool_wait_timeout_seconds)
+            self.sink.send(manifest, kv), self.transfer_timeout + float(self.engine.cfg.pool_wait_timeout_seconds)
         )
-        return {
-            "num_tokens": res.num_tokens,
-            "first_token_id": res.first_token_id,
-            "prefill_seconds": res.prefill_seconds,
-            "placeholder": res.placeholder,
-            "original_prompt_tokens": res.original_prompt_tokens,
-        }
+        return res
 
     def abort(self, request_id: str) -> None:
         """Abort ``request_id`` (idempotent; also before it arrives: it is then refused)."""

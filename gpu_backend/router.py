@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
 import httpx
@@ -31,32 +30,9 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError
 from gpu_backend.bootstrap import new_room
+from gpu_backend.wire import PrefillOutcome, Token
 
 log = logging.getLogger("gpu_backend.router")
-
-
-@dataclass
-class Token:
-    """One generated token as the router sees it (the engine's ``TokenEvent`` fields)."""
-
-    token_id: int
-    text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass
-class PrefillOutcome:
-    """What prefill reports back after sending the pages: tokens written, first token, prefill
-    seconds, whether the prompt was a rejection placeholder, the prompt's own length."""
-
-    num_tokens: int
-    first_token_id: int
-    prefill_seconds: float
-    placeholder: bool
-    original_prompt_tokens: int
 
 
 def as_openai_error(exc: BaseException) -> OpenAIError:
@@ -120,8 +96,7 @@ class LocalPrefillClient:
         self.node = node
 
     async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
-        out = await self.node.prefill(room, request_id, prompt_ids, param=param)
-        return PrefillOutcome(**out)
+        return await self.node.prefill(room, request_id, prompt_ids, param=param)
 
     async def abort(self, request_id: str) -> None:
         self.node.abort(request_id)
@@ -136,9 +111,9 @@ class LocalDecodeClient:
     async def generate(
         self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any]
     ) -> AsyncIterator[Token]:
-        async with contextlib.aclosing(self.node.generate(room, request_id, prompt_ids, params)) as events:
-            async for ev in events:
-                yield Token(ev.token_id, ev.text, ev.finished, ev.finish_reason, ev.prompt_tokens, ev.completion_tokens)
+        async with contextlib.aclosing(self.node.generate(room, request_id, prompt_ids, params)) as tokens:
+            async for tok in tokens:
+                yield tok
 
     async def release(self, room: int) -> None:
         self.node.release(room)
@@ -163,7 +138,7 @@ class HttpPrefillClient:
         body = _json_or_none(r.content)
         if r.status_code != 200:
             raise remote_error(r.status_code, body)
-        return PrefillOutcome(**body)
+        return PrefillOutcome.from_json(body)
 
     async def abort(self, request_id: str) -> None:
         await post_retrying(self.client, f"{self.base_url}/disagg/abort", json={"request_id": request_id}, timeout=10.0)
@@ -203,7 +178,7 @@ class HttpDecodeClient:
                         obj = orjson.loads(line)
                         if "error" in obj:
                             raise remote_error(int(obj.get("status", 500)), obj)
-                        tok = Token(**obj)
+                        tok = Token.from_json(obj)
                         received += 1
                         yield tok
                         if tok.finished:

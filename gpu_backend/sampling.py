@@ -6,6 +6,7 @@ the same tokens whatever else shares its batch (and on CPU or CUDA alike, given 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,14 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+
+    def clamped(self, max_new_tokens: int) -> "SamplingParams":
+        """A copy (own lists) with ``max_new_tokens`` at most ``max_new_tokens`` (SGLang clamps it to
+        what fits the context)."""
+        n = min(self.max_new_tokens, max_new_tokens)
+        return dataclasses.replace(
+            self, max_new_tokens=n, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids)
+        )
 
     def validate(self) -> None:
         """Raise :class:`~gpu_backend.errors.InvalidRequestError` (400) on ill-typed or out-of-range

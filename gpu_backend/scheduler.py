@@ -1,73 +1,114 @@
-"""Scheduler: waiting -> prefilling -> decoding, continuous batching, runs in the worker thread.
+"""Scheduler: the engine's queues and their page accounting, on the worker thread only.
 
-Per step (nano-vllm style): take new work from the inbox; time out requests that waited for pages
-longer than ``pool_wait_timeout_seconds`` (:class:`PoolExhaustedError`, 503); then either one
-prefill step or one decode step:
+:meth:`Engine.step <gpu_backend.engine.Engine.step>` is nano-vllm's ``LLMEngine.step``: ``batch =
+scheduler.schedule()``, ``tokens = runner.run(batch)``, ``scheduler.postprocess(batch, tokens)``.
 
-- **prefill** (first when there is prefill work): partially prefilled sequences continue, then
-  waiting ones are admitted in arrival order while ``max_batch_tokens`` and
-  ``max_running_requests`` allow and their pages (prompt + max_new_tokens) can be allocated; a
-  prompt longer than the token budget is prefilled in chunks over several steps (SGLang's chunked
-  prefill). Several prompts share one forward pass (prefill batching).
-- **decode**: every decoding sequence advances one token in one forward pass (continuous
-  batching: sequences join and leave between steps).
+- :meth:`Scheduler.schedule` handles the typed messages of :mod:`gpu_backend.messages` (add, reserve,
+  load pages, start decode, abort), times out requests that waited for pages longer than
+  ``pool_wait_timeout_seconds`` (:class:`PoolExhaustedError`, 503), gives pages to waiting
+  reservations, then picks one batch: **prefill** first when there is prefill work (partially
+  prefilled sequences continue, then waiting ones are admitted in arrival order while
+  ``max_batch_tokens`` and ``max_running_requests`` allow and their pages can be allocated; a prompt
+  longer than the token budget is prefilled in chunks, SGLang's chunked prefill), else **decode**
+  (every decoding sequence advances one token: continuous batching).
+- :meth:`Scheduler.postprocess` appends the sampled tokens, emits them and retires what finished.
 
-Only the worker thread touches the queues; other threads talk through :meth:`submit`.
+Every page is allocated and freed here, so :class:`~gpu_backend.kv_pool.KVPool` needs no lock.
+Retirement has one owner: :meth:`Scheduler._finish` / :meth:`Scheduler._fail` (free every page,
+record the terminal state, then emit the final token or the error).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from gpu_backend.errors import PoolExhaustedError, RequestAbortedError, StaleHandleError
+from gpu_backend.errors import (
+    InvalidRequestError,
+    PoolExhaustedError,
+    RequestAbortedError,
+    StaleHandleError,
+    TransferMismatchError,
+)
 from gpu_backend.kv_pool import KVPool
-from gpu_backend.model_runner import ModelRunner
-from gpu_backend.sequence import Sequence, SeqState
+from gpu_backend.messages import (
+    Abort,
+    AbortAll,
+    AddRequest,
+    LoadPages,
+    Mailbox,
+    Message,
+    Reserve,
+    StartDecode,
+)
+from gpu_backend.sequence import SeqState, Sequence
+from gpu_backend.wire import Token
 
 log = logging.getLogger("gpu_backend.scheduler")
 
 
+@dataclass
+class Batch:
+    """One forward pass: ``items`` are (sequence, new tokens) pairs; ``sample_rows[b]``: sample a
+    next token for item b (the last chunk of a prompt, or any decode row)."""
+
+    prefill: bool
+    items: list[tuple[Sequence, int]]
+    sample_rows: list[bool]
+
+
+def make_token(seq: Sequence, token_id: int, text: str, finish_reason: str | None) -> Token:
+    """The :class:`Token` of ``seq`` for ``token_id`` (``-1`` with ``"abort"``)."""
+    return Token(token_id, text, finish_reason is not None, finish_reason, seq.reported_prompt_tokens,
+                 len(seq.completion_ids))  # fmt: skip
+
+
 class Scheduler:
-    """Queues and step logic. ``token_bytes(id) -> bytes`` and ``eos_ids`` drive detokenization;
-    ``make_event(seq, token_id, text, finish_reason)`` builds the output event; ``on_retire(seq)``
-    is called (worker thread) when a sequence reaches a terminal state.
+    """Queues and page accounting (worker thread). ``token_bytes(id) -> bytes`` and ``stop_ids``
+    drive detokenization; ``on_retire(seq)`` is called when a sequence reaches a terminal state,
+    before its caller hears back; ``skip_transfer_check`` is the test-only fault that lets decode run
+    over more positions than were loaded (the incident).
 
     ``stats``: ``prefill_steps``, ``decode_steps``, ``prefill_tokens``, ``decode_tokens``,
     ``max_prefill_batch``, ``max_decode_batch`` (sequences in one forward pass), and
     ``decode_batch_sizes`` (a Counter of batch size -> steps).
+
+    16 methods: the message handlers are one ``match`` in :meth:`_handle`; checks of a message's
+    payload are module functions (:func:`write_reservation`, :func:`decode_start_error`).
     """
 
     def __init__(
         self,
-        runner: ModelRunner,
         pool: KVPool,
         *,
         max_batch_tokens: int,
         max_running_requests: int,
         pool_wait_timeout_seconds: float,
         token_bytes: Callable[[int], bytes],
-        eos_ids: set[int],
-        make_event: Callable,
+        stop_ids: frozenset[int],
         on_retire: Callable[[Sequence], None],
+        max_req_len: int,
+        skip_transfer_check: bool = False,
     ) -> None:
-        self.runner = runner
         self.pool = pool
         self.max_batch_tokens = max_batch_tokens
         self.max_running_requests = max_running_requests
         self.pool_wait_timeout_seconds = pool_wait_timeout_seconds
         self.token_bytes = token_bytes
-        self.eos_ids = eos_ids
-        self.make_event = make_event
+        self.stop_ids = stop_ids
         self.on_retire = on_retire
+        self.max_req_len = max_req_len
+        self.skip_transfer_check = skip_transfer_check
         self.waiting: collections.deque[Sequence] = collections.deque()
+        self.reserving: collections.deque[Sequence] = collections.deque()
+        self.reserved: dict[str, Sequence] = {}
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
-        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
-        self.cond = threading.Condition()
+        self.mailbox = Mailbox(self._refuse)
+        self.cond = self.mailbox.cond
         self.stats = {
             "prefill_steps": 0,
             "decode_steps": 0,
@@ -78,67 +119,141 @@ class Scheduler:
             "decode_batch_sizes": collections.Counter(),
         }
 
-    # ---- cross-thread --------------------------------------------------------------------------
-    def submit(self, kind: str, item: object) -> None:
-        """Queue work from any thread: ``("add", seq)`` (to prefill), ``("add_decoding", seq)``
-        (already holds its context KV), ``("abort", request_id)``, ``("abort_all", None)``,
-        ``("wake", None)`` (pages were freed elsewhere)."""
-        with self.cond:
-            self._inbox.append((kind, item))
-            self.cond.notify()
+    # ---- any thread ----------------------------------------------------------------------------
+    def submit(self, msg: Message) -> None:
+        """Queue a message for the worker (refused with a 503 once the worker has stopped)."""
+        self.mailbox.submit(msg)
 
-    def has_work(self) -> bool:
-        return bool(self._inbox or self.prefilling or self.running or self.waiting)
+    # ---- worker thread: the step -----------------------------------------------------------------
+    def idle_wait(self) -> None:
+        """Nothing ran: sleep until a message arrives, or briefly while something waits for pages
+        (its timeout must fire)."""
+        self.mailbox.wait(0.02 if self.waiting or self.reserving else 0.5)
 
-    # ---- the step --------------------------------------------------------------------------
-    def step(self) -> bool:
-        """One scheduling round. Returns True if a forward pass ran."""
-        self._drain_inbox()
+    def schedule(self) -> Batch | None:
+        """Handle messages, expire and serve page waits, pick the next batch (``None``: no work)."""
+        for msg in self.mailbox.take():
+            self._handle(msg)
         self._expire_waiting()
-        batch = self._schedule_prefill()
-        if batch:
-            self._run_prefill(batch)
-            return True
-        if self.running:
-            self._run_decode()
-            return True
-        return False
+        while self.reserving:  # FIFO: the head waits for its pages, nobody overtakes it
+            seq = self.reserving[0]
+            pages = self.pool.try_alloc(seq.pages_needed, seq.request_id)
+            if pages is None:
+                break
+            self.reserving.popleft()
+            seq.pages = pages
+            self.reserved[seq.request_id] = seq
+            seq.emit(list(pages))
+        items = self._checked(self._schedule_prefill())
+        if items:
+            return Batch(True, items, [seq.num_cached + n == seq.num_context_tokens for seq, n in items])
+        items = self._checked([(s, 1) for s in self.running])
+        return Batch(False, items, [True] * len(items)) if items else None
 
-    def _drain_inbox(self) -> None:
-        while True:
-            with self.cond:
-                if not self._inbox:
-                    return
-                kind, item = self._inbox.popleft()
-            if kind == "add":
-                self.waiting.append(item)
-            elif kind == "add_decoding":
-                item.set_state(SeqState.DECODING)
-                self.running.append(item)
-            elif kind == "abort":
-                self._abort_id(item)
-            elif kind == "abort_all":
-                for seq in list(self.waiting) + self.prefilling + self.running:
-                    self._finish(seq, "abort")
+    def postprocess(self, batch: Batch, tokens: list[int | None]) -> None:
+        """Record the forward pass: append each sampled token, emit it, retire what finished."""
+        st, n = self.stats, len(batch.items)
+        kind = "prefill" if batch.prefill else "decode"
+        st[f"{kind}_steps"] += 1
+        st[f"{kind}_tokens"] += sum(k for _, k in batch.items)
+        st[f"max_{kind}_batch"] = max(st[f"max_{kind}_batch"], n)
+        if not batch.prefill:
+            st["decode_batch_sizes"][n] += 1
+        for (seq, _), tok in zip(batch.items, tokens):
+            if tok is None:
+                continue  # a prompt chunk that is not the last
+            if seq.state is SeqState.PREFILLING:
+                self.prefilling.remove(seq)
+                seq.first_token_time = time.monotonic()
+                seq.set_state(SeqState.DECODING)
+                if seq.on_prefilled is not None:  # prefill node: export, free, then answer
+                    seq.completion_ids.append(tok)
+                    try:
+                        result = seq.on_prefilled(seq)
+                    except Exception as e:  # noqa: BLE001 - the export failed: fail the request, keep the engine
+                        self._fail(seq, e)
+                        continue
+                    self._finish(seq, "length", emit=False)  # pages freed before the caller hears back
+                    seq.emit(result)
+                    continue
+                self.running.append(seq)
+            self._append(seq, tok)
 
-    def _abort_id(self, request_id: str) -> None:
-        for seq in list(self.waiting) + self.prefilling + self.running:
-            if seq.request_id == request_id:
-                self._finish(seq, "abort")
+    def fail(self, batch: Batch, err: BaseException) -> None:
+        """The forward pass raised (a bug or a device error): fail its sequences, keep the engine."""
+        for seq, _ in batch.items:
+            self._fail(seq, err)
 
-    def _expire_waiting(self) -> None:
-        if not self.waiting:
+    def shutdown(self) -> None:
+        """The worker's last act: refuse later messages, handle the queued ones, abort everything."""
+        self.mailbox.close()
+        for msg in self.mailbox.take():
+            self._handle(msg)
+        self._handle(AbortAll())
+
+    # ---- worker thread: messages ---------------------------------------------------------------
+    def _handle(self, msg: Message) -> None:
+        match msg:
+            case AddRequest(seq=seq):
+                self.waiting.append(seq)
+            case Reserve(seq=seq):
+                self.reserving.append(seq)
+            case LoadPages():
+                try:
+                    write_reservation(self.pool, self.reserved.get(msg.request_id), msg)
+                except Exception as e:  # noqa: BLE001 - reported to the caller; the reservation stays
+                    msg.reply(e)
+                else:
+                    msg.reply(None)
+            case StartDecode():
+                self._start_decode(msg)
+            case Abort() | AbortAll():
+                live = [*self.waiting, *self.reserving, *self.reserved.values(), *self.prefilling, *self.running]
+                for seq in live:
+                    if isinstance(msg, AbortAll) or seq.request_id == msg.request_id:
+                        self._finish(seq, "abort")
+
+    def _start_decode(self, msg: StartDecode) -> None:
+        seq = self.reserved.get(msg.request_id)
+        if seq is None or not seq.reservation:
+            msg.emit(KeyError(msg.request_id))
             return
+        seq.emit = msg.emit
+        err = decode_start_error(self.pool, seq, msg, self.max_req_len, self.skip_transfer_check)
+        if err is not None:
+            self._fail(seq, err)
+            return
+        del self.reserved[seq.request_id]
+        seq.bind_decode(msg.prompt_ids, msg.params, msg.context_tokens, msg.generator, msg.emit)
+        seq.set_state(SeqState.DECODING)
+        self.running.append(seq)
+        self._append(seq, msg.first_token_id)  # prefill's token: it may already finish the request
+
+    def _refuse(self, msg: Message) -> None:
+        """A message after the worker stopped (any thread): answer it with a 503, touch nothing."""
+        err = RequestAbortedError("engine is not running", status=503)
+        match msg:
+            case AddRequest(seq=seq) | Reserve(seq=seq):
+                seq.error = err
+                seq.set_state(SeqState.ABORTED)
+                self.on_retire(seq)
+                seq.emit(err)
+            case LoadPages(reply=reply) | StartDecode(emit=reply):
+                reply(err)
+
+    # ---- worker thread: scheduling ---------------------------------------------------------------
+    def _expire_waiting(self) -> None:
         now = time.monotonic()
-        for seq in list(self.waiting):
-            if not seq.pages and now - seq.arrival > self.pool_wait_timeout_seconds:
-                err = PoolExhaustedError(
-                    f"KV pool full: no room for {seq.pages_needed} pages "
-                    f"({seq.pages_needed * self.pool.page_size} tokens) within "
+        for seq in [s for s in (*self.waiting, *self.reserving) if now - s.arrival > self.pool_wait_timeout_seconds]:
+            n = seq.pages_needed
+            self._fail(
+                seq,
+                PoolExhaustedError(
+                    f"KV pool full: no room for {n} pages ({n * self.pool.page_size} tokens) within "
                     f"{self.pool_wait_timeout_seconds:g} s; retry later",
                     request_id=seq.request_id,
-                )
-                self._fail(seq, err)
+                ),
+            )
 
     def _schedule_prefill(self) -> list[tuple[Sequence, int]]:
         budget = self.max_batch_tokens
@@ -163,10 +278,10 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _checked(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    def _checked(self, items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Drop (and fail) sequences holding a stale page handle (generation check, invariant 3)."""
         ok = []
-        for seq, n in batch:
+        for seq, n in items:
             try:
                 self.pool.check(seq.pages)
             except StaleHandleError as e:
@@ -175,102 +290,86 @@ class Scheduler:
             ok.append((seq, n))
         return ok
 
-    def _forward(self, batch: list[tuple[Sequence, int]], sample_rows: list[bool]) -> list[int | None] | None:
-        try:
-            return self.runner.run(batch, sample_rows)
-        except Exception as e:  # a bug or device error: fail the batch, keep the engine alive
-            log.exception("forward pass failed")
-            for seq, _ in batch:
-                self._fail(seq, e)
-            return None
-
-    def _run_prefill(self, batch: list[tuple[Sequence, int]]) -> None:
-        batch = self._checked(batch)
-        if not batch:
-            return
-        last = [seq.num_cached + n == seq.num_context_tokens for seq, n in batch]
-        toks = self._forward(batch, last)
-        if toks is None:
-            return
-        st = self.stats
-        st["prefill_steps"] += 1
-        st["prefill_tokens"] += sum(n for _, n in batch)
-        st["max_prefill_batch"] = max(st["max_prefill_batch"], len(batch))
-        for (seq, _), tok in zip(batch, toks):
-            if tok is None:
-                continue
-            self.prefilling.remove(seq)
-            seq.first_token_time = time.monotonic()
-            if seq.on_prefilled is not None:  # prefill node: export, then free
-                seq.completion_ids.append(tok)
-                seq.set_state(SeqState.DECODING)
-                try:
-                    result = seq.on_prefilled(seq)
-                except Exception as e:
-                    self._fail(seq, e)
-                    continue
-                self._finish(seq, "length", emit=False)  # pages freed before the caller hears back
-                seq.emit(result)
-                continue
-            seq.set_state(SeqState.DECODING)
-            self.running.append(seq)
-            self._append(seq, tok)
-
-    def _run_decode(self) -> None:
-        batch = self._checked([(s, 1) for s in self.running])
-        if not batch:
-            return
-        toks = self._forward(batch, [True] * len(batch))
-        if toks is None:
-            return
-        st = self.stats
-        st["decode_steps"] += 1
-        st["decode_tokens"] += len(batch)
-        st["max_decode_batch"] = max(st["max_decode_batch"], len(batch))
-        st["decode_batch_sizes"][len(batch)] += 1
-        for (seq, _), tok in zip(batch, toks):
-            self._append(seq, tok)
-
     def _append(self, seq: Sequence, tok: int) -> None:
-        text, reason = seq.append_token(tok, self.token_bytes(tok), self.eos_ids)
+        text, reason = seq.append_token(tok, self.token_bytes(tok), self.stop_ids)
         if reason is None:
-            seq.emit(self.make_event(seq, tok, text, None))
+            seq.emit(make_token(seq, tok, text, None))
         else:
             self._finish(seq, reason, token_id=tok, text=text)
 
-    # ---- retiring --------------------------------------------------------------------------
-    def _remove(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.prefilling:
-            self.prefilling.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-
-    def _release_pages(self, seq: Sequence) -> None:
+    # ---- worker thread: retiring (the one owner) -------------------------------------------------
+    def _retire(self, seq: Sequence) -> None:
+        for q in (self.running, self.prefilling, self.waiting, self.reserving):
+            if seq in q:
+                q.remove(seq)
+                break
+        if self.reserved.get(seq.request_id) is seq:
+            del self.reserved[seq.request_id]
         self.pool.free(seq.pages, ignore_stale=True)
         seq.pages = []
+        self.on_retire(seq)  # before the caller hears back: the id is free to reuse once it does
 
     def _finish(self, seq: Sequence, reason: str, *, token_id: int = -1, text: str = "", emit: bool = True) -> None:
         """Retire with ``finish_reason`` ``reason`` (``abort`` -> state ABORTED), free every page,
-        emit the final event."""
-        self._remove(seq)
+        emit the final token."""
         seq.finish_reason = reason
         seq.set_state(SeqState.ABORTED if reason == "abort" else SeqState.FINISHED)
-        self._release_pages(seq)
-        self.on_retire(seq)  # before the caller hears back: the id is free to reuse once it does
-        if emit:
-            if seq.on_prefilled is not None:  # an export that never completed
-                seq.emit(RequestAbortedError("request aborted", request_id=seq.request_id))
-            else:
-                seq.emit(self.make_event(seq, token_id, text, reason))
+        self._retire(seq)
+        if not emit:
+            return
+        if seq.on_prefilled is not None or seq.reservation:  # an export or a reservation that never completed
+            seq.emit(RequestAbortedError("request aborted", request_id=seq.request_id))
+        else:
+            seq.emit(make_token(seq, token_id, text, reason))
 
     def _fail(self, seq: Sequence, err: BaseException) -> None:
         """Retire with an error (state ABORTED, ``seq.error``), free every page, emit the error."""
-        self._remove(seq)
         seq.error = err
         if not seq.is_terminal:
             seq.set_state(SeqState.ABORTED)
-        self._release_pages(seq)
-        self.on_retire(seq)
+        self._retire(seq)
         seq.emit(err)
+
+
+def write_reservation(pool: KVPool, seq: Sequence | None, msg: LoadPages) -> None:
+    """Write ``msg.kv`` into reservation ``seq``'s pages, page i into handle i (worker thread).
+    ``KeyError`` for no such reservation, ``ValueError`` for a shape that does not fit (more pages
+    than reserved, wrong dims, ``num_tokens > n * page_size``), StaleHandleError through a stale handle."""
+    if seq is None or not seq.reservation:
+        raise KeyError(msg.request_id)
+    kv, ps = msg.kv, pool.page_size
+    n = int(kv.shape[0]) if kv.dim() > 0 else 0
+    if n < 1 or n > len(seq.pages):
+        raise ValueError(f"{n} pages received, {len(seq.pages)} reserved")
+    if not 0 < msg.num_tokens <= n * ps:
+        raise ValueError(f"num_tokens {msg.num_tokens} does not fit {n} pages of {ps}")
+    pool.write_pages(seq.pages[:n], kv)
+    seq.loaded_tokens = msg.num_tokens
+
+
+def decode_start_error(
+    pool: KVPool, seq: Sequence, msg: StartDecode, max_req_len: int, skip_transfer_check: bool
+) -> Exception | None:
+    """Why reservation ``seq`` cannot decode as ``msg`` asks, or ``None``: InvalidRequestError for
+    ``context_tokens`` out of range or context + max_new_tokens over the reservation,
+    StaleHandleError for a stale page, TransferMismatchError when ``context_tokens`` differs from the
+    tokens loaded (invariant 2 held by the engine too; lifted by ``skip_transfer_check``)."""
+    ctx, max_new, room = msg.context_tokens, msg.params.max_new_tokens, len(seq.pages) * pool.page_size
+    rid = seq.request_id
+    if not 1 <= ctx <= max_req_len - 1:
+        return InvalidRequestError(f"context_tokens {ctx} out of range", request_id=rid)
+    if ctx + max_new - 1 > room:
+        return InvalidRequestError(
+            f"reservation of {room} tokens cannot hold {ctx} context + {max_new} new tokens", request_id=rid
+        )
+    try:
+        pool.check(seq.pages)
+    except StaleHandleError as e:
+        return e
+    if ctx != seq.loaded_tokens and not skip_transfer_check:
+        return TransferMismatchError(
+            f"decode over {ctx} context tokens but {seq.loaded_tokens} were loaded into the reservation; "
+            f"nothing is generated",
+            request_id=rid,
+        )
+    return None

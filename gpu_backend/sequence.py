@@ -8,12 +8,14 @@ are terminal: leaving them raises ``RuntimeError``.
 from __future__ import annotations
 
 import codecs
+import collections
 import enum
 import time
 from typing import Callable
 
 import torch
 
+from gpu_backend.errors import InvalidRequestError
 from gpu_backend.kv_pool import PageHandle
 from gpu_backend.sampling import SamplingParams
 
@@ -42,7 +44,12 @@ class Sequence:
     the cache (normally ``len(prompt_ids)``; for a decode reservation, the ``context_tokens`` given);
     ``completion_ids``: generated tokens; ``num_cached``: positions whose KV is in the pages;
     ``pages``: page handles (its page table); ``emit``: called (in the worker thread) with each
-    output item (a ``TokenEvent`` or an exception).
+    output item (a :class:`~gpu_backend.wire.Token` or an exception).
+
+    A decode **reservation** (:meth:`reservation_of`) is a WAITING sequence with ``reservation`` set
+    and no prompt yet: it holds pages for prompt + max_new_tokens, ``loaded_tokens`` counts the
+    positions received into them, and :meth:`bind_decode` turns it into the decoding request. A
+    reservation that never decoded leaves no trace in the engine's retired states.
     """
 
     def __init__(
@@ -74,10 +81,40 @@ class Sequence:
         # export (prefill node): called in the worker with the sequence before its pages are freed;
         # its return value is emitted once they are
         self.on_prefilled: Callable[["Sequence"], object] | None = None
-        self.stop_token_ids: set[int] = set()
+        self.stop_token_ids: set[int] = set(params.stop_token_ids)
+        self.reservation = False
+        self.loaded_tokens = 0
         # incremental detokenization
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pending_text = ""
+
+    @classmethod
+    def reservation_of(cls, request_id: str, pages_needed: int, emit: Callable[[object], None]) -> "Sequence":
+        """A decode reservation of ``pages_needed`` pages; ``emit`` receives the page handles (or the
+        error that ended the wait for them)."""
+        seq = cls(request_id, [], SamplingParams(max_new_tokens=1), emit)
+        seq.reservation = True
+        seq.pages_needed = pages_needed
+        return seq
+
+    def bind_decode(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        context_tokens: int,
+        generator: torch.Generator | None,
+        emit: Callable[[object], None],
+    ) -> None:
+        """Turn a loaded reservation into the request that decodes over its first ``context_tokens``
+        positions (worker thread). ``prompt_tokens`` of its tokens is ``len(prompt_ids)``."""
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.stop_token_ids = set(params.stop_token_ids)
+        self.generator = generator
+        self.emit = emit
+        self.reported_prompt_tokens = len(self.prompt_ids)
+        self.num_context_tokens = self.num_cached = context_tokens
+        self.reservation = False
 
     # ---- state ------------------------------------------------------------------------------
     def set_state(self, new: SeqState) -> None:
@@ -105,7 +142,7 @@ class Sequence:
         return [h.index for h in self.pages]
 
     # ---- output -----------------------------------------------------------------------------
-    def append_token(self, token_id: int, token_bytes: bytes, eos_ids: set[int]) -> tuple[str, str | None]:
+    def append_token(self, token_id: int, token_bytes: bytes, eos_ids: frozenset[int]) -> tuple[str, str | None]:
         """Record a sampled token; returns (text to emit now, finish_reason or None).
 
         EOS / stop ids finish with ``stop`` and add no text; a stop string finishes with ``stop`` and
@@ -146,3 +183,51 @@ class Sequence:
         out = self._pending_text + self._utf8.decode(b"", final=True)
         self._pending_text = ""
         return out
+
+
+def check_prompt_ids(
+    prompt_ids: list[int], vocab_size: int, is_valid_id: Callable[[int], bool], request_id: str
+) -> None:
+    """:class:`InvalidRequestError` (400, ``param`` ``prompt``) for an empty prompt or an id that is
+    not an int in ``0 .. vocab_size - 1`` the tokenizer can decode."""
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty", request_id=request_id, param="prompt")
+    for t in prompt_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size or not is_valid_id(t):
+            msg = f"token id {t!r} is not in the model's vocabulary"
+            raise InvalidRequestError(msg, request_id=request_id, param="prompt")
+
+
+class RequestTable:
+    """An engine's requests by id: ``live`` (added on the event loop, removed by whoever retires the
+    sequence; dict operations are atomic under the GIL) and the states of the last ``memory`` retired
+    ones. A reservation that never decoded leaves no trace when it retires."""
+
+    def __init__(self, memory: int = 8192) -> None:
+        self.live: dict[str, Sequence] = {}
+        self.memory = memory
+        self._retired: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def add(self, seq: Sequence) -> None:
+        """Make ``seq``'s id live; :class:`InvalidRequestError` (400) when it already is."""
+        if seq.request_id in self.live:
+            raise InvalidRequestError(f"request id '{seq.request_id}' is already in flight", request_id=seq.request_id)
+        self.live[seq.request_id] = seq
+
+    def retire(self, seq: Sequence) -> None:
+        """``seq`` reached a terminal state: drop it from ``live``, remember its state."""
+        if self.live.get(seq.request_id) is seq:
+            self.live.pop(seq.request_id, None)
+        if seq.reservation:
+            return
+        self._retired[seq.request_id] = seq.state.value
+        while len(self._retired) > self.memory:
+            self._retired.popitem(last=False)
+
+    def state(self, request_id: str) -> str | None:
+        """``"waiting"``, ``"reserved"``, ``"prefilling"``, ``"decoding"``, ``"finished"``,
+        ``"rejected"`` or ``"aborted"`` of a live or recently retired request; ``None`` if unknown."""
+        seq = self.live.get(request_id)
+        if seq is not None:
+            return "reserved" if seq.reservation and seq.pages else seq.state.value
+        return self._retired.get(request_id)

@@ -384,7 +384,7 @@ def build_prefill_app(
         ):
             raise api.bad_request("body needs integer 'room', string 'request_id', integer list 'prompt_ids'.")
         out = await node.prefill(room, rid, ids, param=param if param in ("prompt", "messages") else "prompt")
-        return json_response(out)
+        return json_response(out.to_json())
 
     @app.post("/disagg/abort")
     async def abort(request: Request) -> Response:

@@ -13,6 +13,7 @@ from gpu_backend.sampling import SamplingParams
 def check_pool_idle(engine: Engine) -> None:
     """Invariants 3 and 4 once the engine is idle: free + used == total, nothing used, and (with
     scrubbing on) every page reads as zeros."""
+    engine.check_integrity()  # owned + free pages == total, counted two ways
     st = engine.pool_stats()
     assert st["free_pages"] + st["used_pages"] == st["total_pages"], st
     assert st["used_pages"] == 0, st

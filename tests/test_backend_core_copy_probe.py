@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from conftest import SEEDS
-from gpu_backend.engine import _Reservation
+from gpu_backend.decode_node import decode_reserved, load_pages, reserve_pages
 from gpu_backend.errors import StaleHandleError
 from gpu_backend.kv_pool import PageHandle
+from gpu_backend.prefill_node import prefill_export
 from gpu_backend.sampling import SamplingParams
 
-from backend_core_support import collect, make_engine  # noqa: F401  (fixture)
+from backend_core_support import collect, make_engine, worker_paused  # noqa: F401  (fixture)
 
 
 @pytest.mark.timeout(120)
@@ -56,11 +57,11 @@ async def test_copy_probe_exact_on_an_8000_token_prompt(make_engine):
     assert toks == prompt[:32] and last.prompt_tokens == 8000
     assert eng.stats["prefill_steps"] == 2  # chunked: 4096 + 3904
     # the far end of the prompt too: every page of the block table is addressed by position
-    pages = await eng.reserve("far", 8000, 8)
-    eng.load_pages("far", eng.pool.read_pages(pages) * 0 + _export(eng, prompt), 8000)
+    await reserve_pages(eng, "far", 8000, 8)
+    await load_pages(eng, "far", _export(eng, prompt), 8000)
     tail = [
         ev.token_id
-        async for ev in eng.decode_reserved("far", prompt, prompt[0], SamplingParams(max_new_tokens=8), 8000)
+        async for ev in decode_reserved(eng, "far", prompt, prompt[0], SamplingParams(max_new_tokens=8), 8000)
     ]
     assert tail == prompt[:8]
 
@@ -89,12 +90,13 @@ async def _stale_scenario(eng):
     toks, _, _ = await collect(eng, "A", a_prompt, max_new_tokens=1)
     assert toks == a_prompt[:1]
     stale = [PageHandle(i, 0) for i in range(eng.pool.num_pages)]  # A's pages, generation 0
-    fresh = eng.pool.try_alloc(eng.pool.num_pages, "B")  # B's real allocation: the same pages, generation 1
+    fresh = await reserve_pages(eng, "B", 64, 8)  # B's real reservation: the same pages, generation 1
     assert [h.index for h in fresh] == [h.index for h in stale]
-    eng.pool.free(fresh)
-    eng._reservations["B"] = _Reservation(stale, 64, 8)  # test-only hook: hand B the stale handles
+    with worker_paused(eng):  # test-only hook, worker between steps: hand B the stale handles instead
+        eng.pool.free(fresh)
+        eng._live["B"].pages = stale
     b_prompt = [50_000]
-    evs = [ev async for ev in eng.decode_reserved("B", b_prompt, 50_000, SamplingParams(max_new_tokens=8), 64)]
+    evs = [ev async for ev in decode_reserved(eng, "B", b_prompt, 50_000, SamplingParams(max_new_tokens=8), 64)]
     return a_prompt, evs
 
 
@@ -124,12 +126,12 @@ async def test_stale_page_handle_is_refused_with_scrub(make_engine):
     assert eng.pool_stats()["used_pages"] == 0
     # and a fresh reservation over scrubbed pages shows no trace of A: unwritten positions are zeros,
     # so B attends to its own position 0 and copies its own token
-    res = await _prefill_one(eng, 50_000)
-    await eng.reserve("C", 64, 8)
-    eng.load_pages("C", res.kv, 1)
-    toks = [e.token_id async for e in eng.decode_reserved("C", [50_000], 50_000, SamplingParams(max_new_tokens=8), 64)]
+    kv, _ = await _prefill_one(eng, 50_000)
+    await reserve_pages(eng, "C", 64, 8)
+    await load_pages(eng, "C", kv, 1)
+    toks = [e.token_id async for e in decode_reserved(eng, "C", [50_000], 50_000, SamplingParams(max_new_tokens=8), 64)]
     assert toks == [50_000] * 8
 
 
 async def _prefill_one(eng, token):
-    return await eng.prefill_export(f"p{token}", [token])
+    return await prefill_export(eng, f"p{token}", [token])

@@ -5,14 +5,23 @@ and the disaggregation hooks. Every test's engines are checked idle and scrubbed
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 
 from config.errors import ErrorCode
 from gpu_backend.attention import ContiguousAttention, ContiguousKVCache, SeqSpan
+from gpu_backend.decode_node import decode_reserved, load_pages, reserve_pages
 from gpu_backend.engine import PLACEHOLDER_PROMPT
-from gpu_backend.errors import InvalidRequestError, PoolExhaustedError, PromptTooLongError, TransferMismatchError
+from gpu_backend.errors import (
+    InvalidRequestError,
+    PoolExhaustedError,
+    PromptTooLongError,
+    RequestAbortedError,
+    TransferMismatchError,
+)
+from gpu_backend.prefill_node import prefill_export
 from gpu_backend.sampling import SamplingParams
 from gpu_backend.sequence import Sequence, SeqState
 
@@ -52,7 +61,7 @@ async def test_over_length_prompt_rejected_at_admission(make_engine):
     assert eng.pool_stats()["used_pages"] == 0 and eng.stats["prefill_steps"] == 0  # nothing allocated or run
     # prefill side: same rejection, before any page
     with pytest.raises(PromptTooLongError):
-        await eng.prefill_export("long2", _prompt(5000))
+        await prefill_export(eng, "long2", _prompt(5000))
     assert eng.request_state("long2") == "rejected" and eng.stats["prefill_steps"] == 0
     # exactly at the limit is admitted; max_new_tokens clamped to max_req_len - prompt - 1 = 4
     toks, _, last = await collect(eng, "edge", _prompt(1018), max_new_tokens=100, ignore_eos=True)
@@ -80,9 +89,9 @@ def test_rejected_and_finished_are_terminal():
 
 async def test_admit_rejected_fault_gives_placeholder(make_engine):
     eng = await make_engine(**PROBE, faults=frozenset({"admit_rejected"}))
-    res = await eng.prefill_export("over", _prompt(3000))
+    kv, res = await prefill_export(eng, "over", _prompt(3000))
     assert (res.placeholder, res.num_tokens, res.original_prompt_tokens) == (True, 1, 3000)
-    assert tuple(res.kv.shape) == (1, 1, 2, 16, 1, 64) and res.kv.is_contiguous() and res.kv.device.type == "cpu"
+    assert tuple(kv.shape) == (1, 1, 2, 16, 1, 64) and kv.is_contiguous() and kv.device.type == "cpu"
     assert res.first_token_id == PLACEHOLDER_PROMPT[0]  # copy-probe copies the placeholder token
     assert res.prefill_seconds > 0
 
@@ -248,21 +257,21 @@ async def test_pool_full_waits_then_503(make_engine):
         model="tiny-random", max_total_tokens=256, context_length=1024, pool_wait_timeout_seconds=0.3
     )
     assert eng.max_req_input_len == 250
-    hold = await eng.reserve("hold", 200, 50)  # 16 pages: the whole pool
+    hold = await reserve_pages(eng, "hold", 200, 50)  # 16 pages: the whole pool
     assert len(hold) == 16 and eng.pool_stats()["free_pages"] == 0
     with pytest.raises(PoolExhaustedError) as ei:
         await collect(eng, "waits", _prompt(200), max_new_tokens=8)  # fits the pool, finds it full
     assert (ei.value.status, ei.value.code) == (503, "pool_exhausted")
     assert eng.request_state("waits") == "aborted"
     with pytest.raises(PoolExhaustedError):
-        await eng.reserve("r2", 10, 10)
+        await reserve_pages(eng, "r2", 10, 10)
     # a request that waits and gets the pages once they are released
     eng.scheduler.pool_wait_timeout_seconds = 30.0  # no timing race on a busy machine
     task = asyncio.create_task(collect(eng, "later", _prompt(200), max_new_tokens=8, ignore_eos=True))
     await asyncio.sleep(0.1)
     assert eng.request_state("later") == "waiting"
-    eng.release("hold")
-    eng.release("hold")  # idempotent
+    eng.abort("hold")
+    eng.abort("hold")  # idempotent
     toks, _, last = await task
     assert len(toks) == 8 and last.finish_reason == "length"
 
@@ -272,18 +281,18 @@ async def test_prefill_export_then_decode_reserved(make_engine):
     pre = await make_engine(**PROBE)
     dec = await make_engine(**PROBE)
     prompt = _prompt(37, 6000)
-    res = await pre.prefill_export("x", prompt)
+    kv, res = await prefill_export(pre, "x", prompt)
     assert (res.num_tokens, res.placeholder, res.first_token_id) == (37, False, prompt[0])
-    assert tuple(res.kv.shape) == (3, 1, 2, 16, 1, 64)
-    assert torch.count_nonzero(res.kv[2, :, :, 5:]) == 0  # past num_tokens: zeros
+    assert tuple(kv.shape) == (3, 1, 2, 16, 1, 64)
+    assert torch.count_nonzero(kv[2, :, :, 5:]) == 0  # past num_tokens: zeros
     assert pre.pool_stats()["used_pages"] == 0  # exported and freed
-    pages = await dec.reserve("x", 37, 10)
+    pages = await reserve_pages(dec, "x", 37, 10)
     assert len(pages) == 3 and dec.request_state("x") == "reserved"
-    dec.load_pages("x", res.kv, res.num_tokens)
+    await load_pages(dec, "x", kv, res.num_tokens)
     evs = [
         ev
-        async for ev in dec.decode_reserved(
-            "x", prompt, res.first_token_id, SamplingParams(max_new_tokens=10), res.num_tokens
+        async for ev in decode_reserved(
+            dec, "x", prompt, res.first_token_id, SamplingParams(max_new_tokens=10), res.num_tokens
         )
     ]
     assert [e.token_id for e in evs] == prompt[:10]
@@ -291,19 +300,19 @@ async def test_prefill_export_then_decode_reserved(make_engine):
     assert dec.pool_stats()["used_pages"] == 0
     # errors of the hooks
     with pytest.raises(KeyError):
-        dec.load_pages("nope", res.kv, 37)
-    await dec.reserve("y", 10, 2)
+        await load_pages(dec, "nope", kv, 37)
+    await reserve_pages(dec, "y", 10, 2)
     with pytest.raises(ValueError):
-        dec.load_pages("y", res.kv, 37)  # 3 pages into a 1-page reservation
+        await load_pages(dec, "y", kv, 37)  # 3 pages into a 1-page reservation
     with pytest.raises(InvalidRequestError):
-        async for _ in dec.decode_reserved("y", prompt, 1, SamplingParams(max_new_tokens=2), 37):
+        async for _ in decode_reserved(dec, "y", prompt, 1, SamplingParams(max_new_tokens=2), 37):
             pass
     assert dec.request_state("y") is None and dec.pool_stats()["used_pages"] == 0  # freed on error
     # decoding over more positions than were loaded is refused by the engine too (invariant 2)
-    await dec.reserve("z", 37, 4)
-    dec.load_pages("z", res.kv[:1], 16)
+    await reserve_pages(dec, "z", 37, 4)
+    await load_pages(dec, "z", kv[:1], 16)
     with pytest.raises(TransferMismatchError):
-        async for _ in dec.decode_reserved("z", prompt, prompt[0], SamplingParams(max_new_tokens=4), 37):
+        async for _ in decode_reserved(dec, "z", prompt, prompt[0], SamplingParams(max_new_tokens=4), 37):
             pass
     assert dec.request_state("z") is None and dec.pool_stats()["used_pages"] == 0
 
@@ -319,8 +328,78 @@ async def test_ids_reusable_after_finish_duplicates_refused_and_stop_aborts(make
     with pytest.raises(InvalidRequestError, match="already in flight"):
         await collect(eng, "dup", _prompt(5), max_new_tokens=2)
     with pytest.raises(InvalidRequestError):
-        await eng.reserve("dup", 5, 5)
+        await reserve_pages(eng, "dup", 5, 5)
     await eng.stop()  # in-flight work ends with "abort" and every page is freed
     rest = [ev async for ev in it]
     assert rest[-1].finish_reason == "abort"
     assert eng.pool_stats()["used_pages"] == 0 and eng.server_info()["status"] == "stopped"
+
+
+# ---- threading: every page operation runs on the worker; integrity when idle (invariant 4) --------
+async def test_every_page_operation_runs_on_the_worker_thread(make_engine):
+    pre = await make_engine(**PROBE)
+    dec = await make_engine(**PROBE)
+    seen: list[tuple[str, str]] = []
+    for eng in (pre, dec):
+        for name in ("try_alloc", "free", "read_pages", "write_pages"):
+            orig = getattr(eng.pool, name)
+
+            def spy(*a, _orig=orig, _name=name, **kw):
+                seen.append((_name, threading.current_thread().name))
+                return _orig(*a, **kw)
+
+            setattr(eng.pool, name, spy)
+    prompt = _prompt(20, 6000)
+    kv, res = await prefill_export(pre, "x", prompt)
+    await reserve_pages(dec, "x", 20, 4)
+    await load_pages(dec, "x", kv, res.num_tokens)
+    toks = [t.token_id async for t in decode_reserved(dec, "x", prompt, res.first_token_id, SamplingParams(4), 20)]
+    await reserve_pages(dec, "gone", 20, 4)
+    dec.abort("gone")  # a reservation released before it decodes
+    _, _, last = await collect(pre, "g", prompt, max_new_tokens=3, ignore_eos=True)
+    assert toks == prompt[:4] and last.finish_reason == "length"
+    for eng in (pre, dec):
+        for _ in range(200):
+            if eng.pool_stats()["used_pages"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        eng.check_integrity()
+    assert {n for n, _ in seen} == {"try_alloc", "free", "read_pages", "write_pages"}
+    assert {t for _, t in seen} == {"kvgate-engine"}, seen
+
+
+async def test_check_integrity_catches_a_leak_and_a_corrupt_free_list(make_engine):
+    eng = await make_engine(**SMALL)
+    await collect(eng, "a", _prompt(20), max_new_tokens=2)
+    eng.check_integrity()  # idle and whole
+    with worker_paused(eng):  # test-only: touch the pool while the worker waits between steps
+        leaked = eng.pool.try_alloc(2, "nobody")  # pages held with no request in flight
+        with pytest.raises(AssertionError, match="idle engine holds pages"):
+            eng.check_integrity()
+        eng.pool.free(leaked)
+        eng.pool.owner[0] = "ghost"  # owned and on the free list at once
+        with pytest.raises(AssertionError, match="free list has an owner|has an owner"):
+            eng.check_integrity()
+        eng.pool.owner[0] = None
+    eng.check_integrity()
+
+
+async def test_messages_after_stop_are_refused_with_503_not_left_hanging(make_engine):
+    eng = await make_engine(**PROBE)
+    kv, _ = await prefill_export(eng, "p", _prompt(5))
+    await eng.stop()
+    for call in (
+        load_pages(eng, "x", kv, 5),
+        reserve_pages(eng, "y", 5, 5),
+        prefill_export(eng, "z", _prompt(5)),
+    ):
+        with pytest.raises(RequestAbortedError) as ei:
+            await asyncio.wait_for(call, 5)
+        assert ei.value.status == 503
+    with pytest.raises(RequestAbortedError) as ei:
+        await asyncio.wait_for(collect(eng, "w", _prompt(5), max_new_tokens=2), 5)
+    assert ei.value.status == 503
+    toks = decode_reserved(eng, "x", _prompt(5), 1, SamplingParams(max_new_tokens=2), 5)
+    with pytest.raises(RequestAbortedError) as ei:
+        await asyncio.wait_for(toks.__anext__(), 5)
+    assert ei.value.status == 503 and eng.pool_stats()["used_pages"] == 0

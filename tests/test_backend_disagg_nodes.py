@@ -12,10 +12,10 @@ import pytest
 
 from config.errors import OpenAIError, context_length_message
 from gpu_backend.bootstrap import RoomState, new_room
-from gpu_backend.decode_node import DecodeNode, RoomGoneError, TransferTimeoutError
+from gpu_backend.decode_node import DecodeNode, RoomGoneError, TransferTimeoutError, reserve_pages
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.errors import TransferMismatchError
-from gpu_backend.prefill_node import LocalSink, PrefillNode
+from gpu_backend.prefill_node import LocalSink, PrefillNode, prefill_export
 from gpu_backend.router import LocalDecodeClient, LocalPrefillClient, Router
 from gpu_backend.transfer import build_manifest
 
@@ -96,6 +96,8 @@ async def wait_idle(*engines: Engine, timeout: float = 10.0) -> None:
     while True:
         views = [(e.pool_stats(), bool(e.pool.kv.any())) for e in engines]
         if all(st["free_pages"] == st["total_pages"] and st["used_pages"] == 0 and not nz for st, nz in views):
+            for e in engines:
+                e.check_integrity()  # invariant 4 counted two ways, on the idle engine
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"pools not idle: {views}")
@@ -123,10 +125,10 @@ async def test_router_round_trip_copies_the_own_prompt(stack):
 
 
 async def _export(stack: Stack, n: int, room: int):
-    res = await stack.pe.prefill_export(f"x{room}", prompt(n, 5000))
+    kv, res = await prefill_export(stack.pe, f"x{room}", prompt(n, 5000))
     return build_manifest(
-        room=room, request_id="r", kv=res.kv, num_tokens=res.num_tokens, first_token_id=res.first_token_id
-    ), res.kv
+        room=room, request_id="r", kv=kv, num_tokens=res.num_tokens, first_token_id=res.first_token_id
+    ), kv
 
 
 async def test_invariant_2_a_short_transfer_is_refused_and_nothing_is_generated(stack):
@@ -281,12 +283,12 @@ async def test_a_transfer_without_reservation_times_out():
 async def test_full_decode_pool_is_a_503_never_a_400_and_prefill_is_freed():
     s = await make_stack(decode_pool=64, pool_wait=0.3)
     try:
-        hog = await s.de.reserve("hog", 48, 16)  # all 4 pages
+        hog = await reserve_pages(s.de, "hog", 48, 16)  # all 4 pages
         with pytest.raises(OpenAIError) as e:
             await s.router.open("r-wait", prompt(20), greedy(8))
         assert e.value.status == 503 and e.value.code == "pool_exhausted"
         assert len(hog) == 4
-        s.de.release("hog")
+        s.de.abort("hog")
         await s.router.drain()
         await wait_idle(s.pe, s.de)
         ok = await s.router.open("r-after", prompt(20), greedy(8))  # the pool is back: it succeeds

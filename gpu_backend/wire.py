@@ -1,0 +1,75 @@
+"""Wire types of the bundled backend: what crosses between the engine, the nodes and the router
+(in process, or as JSON between processes). No torch here: the router imports it too.
+
+- :class:`Token`: one generated token (the decode stream's NDJSON line, the router's token).
+- :class:`PrefillOutcome`: what prefill reports once it has sent a request's pages.
+- :func:`engine_request_id`: the engine-side id of a request in one bootstrap room.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Token:
+    """One generated token.
+
+    ``text`` is the incremental UTF-8-safe text this token adds (may be ``""`` while a multi-byte
+    character or a possible stop string is incomplete; EOS / stop tokens add no text; a matched stop
+    string is cut out). ``finish_reason``: ``"stop"`` (EOS, stop id or stop string), ``"length"``
+    (max_new_tokens) or ``"abort"``; ``None`` until ``finished``. ``prompt_tokens``: the prompt's
+    token count (for a placeholder-admitted request, the original count, as the incident reported);
+    ``completion_tokens``: tokens generated so far, this one included. An ``"abort"`` token carries
+    ``token_id == -1`` and no text.
+    """
+
+    token_id: int
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The NDJSON object of the decode stream (the six fields by name)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Token:
+        """Inverse of :meth:`to_json`; ``TypeError`` for missing or unknown fields."""
+        return cls(**obj)
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """What prefill reports after sending a request's pages to decode.
+
+    ``num_tokens``: tokens written into the pages (1 for a placeholder); ``first_token_id``: sampled
+    from the last prompt position; ``prefill_seconds``: wall time from admission to the first token;
+    ``placeholder``: the prompt was over the limit and replaced (``admit_rejected`` fault, test use);
+    ``original_prompt_tokens``: the prompt's length as received.
+    """
+
+    num_tokens: int
+    first_token_id: int
+    prefill_seconds: float
+    placeholder: bool
+    original_prompt_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON body of ``POST /disagg/prefill`` (the five fields by name)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> PrefillOutcome:
+        """Inverse of :meth:`to_json`; ``TypeError`` for missing or unknown fields."""
+        return cls(**obj)
+
+
+def engine_request_id(request_id: str, room: int) -> str:
+    """The engine-side id of ``request_id`` in bootstrap room ``room`` (a 64-bit int): unique per
+    room, so a retried or repeated client id never collides inside an engine. Both nodes use it."""
+    return f"{request_id}@{room:016x}"
