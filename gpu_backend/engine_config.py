@@ -19,8 +19,8 @@ class EngineConfig:
     ``model``: ``"tiny-random"`` (seeded Llama, cl100k+ChatML vocabulary 100,277), ``"copy-probe"``
     (the isolation oracle's model) or a local Hugging Face Llama folder. ``device``: ``"auto"``,
     ``"cpu"``, ``"cuda"``, ``"cuda:N"``. ``context_length``: tokens; ``page_size``: tokens per KV
-    page; ``max_total_tokens``: pool cap (SGLang ``--max-total-tokens``); ``mem_budget_bytes``: on
-    CPU stands in for free memory (default 512 MiB), on CUDA replaces the measured free memory;
+    page; ``max_total_tokens``: pool cap (SGLang ``--max-total-tokens``); ``mem_budget_bytes``:
+    replaces the measured free memory (:mod:`gpu_backend.pool_sizing`);
     ``mem_fraction_static``: share of free memory for weights + pool; ``pool_wait_timeout_seconds``:
     wait for pages before :class:`PoolExhaustedError` (503); ``max_batch_tokens``: tokens per
     prefill step (chunked prefill beyond); ``max_running_requests``: sequences admitted at once;
