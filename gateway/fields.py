@@ -178,6 +178,8 @@ def check_request(body: dict[str, Any], route: str, engines: frozenset[str], ima
         raise _refuse(
             "continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both be true."
         )
+    if cfm:
+        body["add_generation_prompt"] = False  # vLLM's default is true, and both true is its 400
     per_engine = [_template_kwargs_for(e, body) for e in sorted(engines)] or [
         dict(body.get("chat_template_kwargs") or {})
     ]

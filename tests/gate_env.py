@@ -9,7 +9,10 @@ Pool 4096 tokens, headroom 1.25 -> live limit 3,276 tokens; tenant ``max_tokens_
 from __future__ import annotations
 
 import contextlib
+import json
+import tempfile
 import time
+from pathlib import Path
 from typing import Iterator
 
 from config.models import Settings
@@ -28,8 +31,46 @@ ENGINES = {
     "mix": {"sglang", "vllm"},
     "mimg": {"sglang"},
     "mq": {"sglang"},
+    "mh": {"vllm"},
 }
-__all__ = ["CAP", "ENGINES", "KEY_A", "LIMIT", "MAX_SEQUENCES", "Quotas", "gate_env", "gate_settings"]
+#: ``mh``'s chat template: ChatML whose generation prompt reads ``enable_thinking`` (as Qwen3's does)
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+__all__ = [
+    "CAP",
+    "ENGINES",
+    "KEY_A",
+    "LIMIT",
+    "MAX_SEQUENCES",
+    "THINK_TEMPLATE",
+    "Quotas",
+    "gate_env",
+    "gate_settings",
+    "make_hf_folder",
+]
+
+
+def make_hf_folder(folder: Path) -> Path:
+    """A tiny Hugging Face tokenizer folder (BPE trained here, no download) with
+    :data:`THINK_TEMPLATE`, for the ``mh`` model."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=500,
+        special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["Hello world, a b c user assistant system <think> </think> 日本語 é"] * 50, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"chat_template": THINK_TEMPLATE, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
 
 
 class Quotas:
@@ -49,7 +90,7 @@ class Quotas:
         return None
 
 
-def gate_settings(sg: MockEngine, vl: MockEngine) -> Settings:
+def gate_settings(sg: MockEngine, vl: MockEngine, hf_folder: Path) -> Settings:
     """Models: ``m`` (SGLang), ``mv`` (vLLM), ``mo`` (an OpenAI-style static upstream), ``mix``
     (SGLang and vLLM), ``mimg`` (OpenAI tile cost, one allowed image host), ``mq`` (Qwen2-VL
     cost); all counted with the bundled ChatML tokenizer."""
@@ -68,6 +109,7 @@ def gate_settings(sg: MockEngine, vl: MockEngine) -> Settings:
                     "images": {"cost": "openai_tiles", "allowed_url_hosts": ["images.example"]},
                 },
                 {"id": "mq", "context_length": 8192, "images": {"cost": "qwen2_vl"}},
+                {"id": "mh", "context_length": 8192, "tokenizer": {"kind": "hf", "path": str(hf_folder)}},
             ],
             "upstreams": [
                 {
@@ -82,7 +124,7 @@ def gate_settings(sg: MockEngine, vl: MockEngine) -> Settings:
                     "api_url": vl.api_url,
                     "pool_source": "vllm",
                     "pool_urls": [vl.url + "/v1/models"],
-                    "models": ["mv", "mix"],
+                    "models": ["mv", "mix", "mh"],
                 },
                 {
                     "name": "oa",
@@ -100,12 +142,14 @@ def gate_settings(sg: MockEngine, vl: MockEngine) -> Settings:
 
 @contextlib.contextmanager
 def gate_env() -> Iterator[tuple]:
-    """``(client, sglang mock, vllm mock, quotas)`` with the gateway ready."""
+    """``(client, sglang mock, vllm mock, quotas, HF folder of mh)`` with the gateway ready."""
+    tmp = tempfile.TemporaryDirectory()
+    hf_folder = make_hf_folder(Path(tmp.name))
     sg, vl = MockEngine().start(), MockEngine().start()
     vl.state.vllm_max_model_len = 4096
     q = Quotas()
     reg = tenants(max_tokens_cap=CAP, default_max_tokens=16, allowed_models=[])
-    g = Gateway(gate_settings(sg, vl), reg, quotas=q).start()
+    g = Gateway(gate_settings(sg, vl, hf_folder), reg, quotas=q).start()
     try:
         with g.client(KEY_A, timeout=30) as c:
             deadline = time.monotonic() + 10
@@ -113,8 +157,9 @@ def gate_env() -> Iterator[tuple]:
                 if time.monotonic() > deadline:
                     raise AssertionError("gateway not ready")
                 time.sleep(0.05)
-            yield c, sg, vl, q
+            yield c, sg, vl, q, hf_folder
     finally:
         g.stop()
         sg.stop()
         vl.stop()
+        tmp.cleanup()

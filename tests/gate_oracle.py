@@ -131,3 +131,57 @@ def qwen2_vl_cost(width: int, height: int, min_pixels: int = 56 * 56, max_pixels
         beta = math.sqrt(min_pixels / (height * width))
         h, w = math.ceil(height * beta / 28) * 28, math.ceil(width * beta / 28) * 28
     return (h // 28) * (w // 28) + 2
+
+
+_HF: dict[str, Any] = {}
+
+
+def _hf(folder: Any) -> Any:
+    key = str(folder)
+    if key not in _HF:
+        import transformers
+
+        _HF[key] = transformers.PreTrainedTokenizerFast.from_pretrained(key)
+    return _HF[key]
+
+
+def hf_chat_tokens(folder: Any, body: dict[str, Any], image_tokens: int = 765) -> int:
+    """Prompt tokens of a received chat ``body`` for a Hugging Face model, as vLLM builds them:
+    ``transformers``' ``apply_chat_template`` with the body's ``add_generation_prompt``,
+    ``continue_final_message``, ``chat_template_kwargs`` and ``reasoning_effort`` (text parts
+    joined with ``\\n``, vLLM's rule for string-content templates), plus ``image_tokens`` per image."""
+    messages, images = [], 0
+    for m in body["messages"]:
+        content = m.get("content")
+        if isinstance(content, list):
+            images += sum(1 for p in content if p["type"] != "text")
+            content = "\n".join(p["text"] for p in content if p["type"] == "text")
+        messages.append({**m, "content": content})
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    if body.get("reasoning_effort") is not None:
+        kwargs["reasoning_effort"] = body["reasoning_effort"]
+    ids = _hf(folder).apply_chat_template(
+        messages,
+        tools=body.get("tools") or None,
+        add_generation_prompt=body.get("add_generation_prompt", True),
+        continue_final_message=body.get("continue_final_message", False),
+        tokenize=True,
+        return_dict=False,
+        **kwargs,
+    )
+    return len(ids) + images * image_tokens
+
+
+def hf_prompt_tokens(folder: Any, prompt: Any) -> list[int]:
+    """Per-prompt tokens of a received completions ``prompt`` for a Hugging Face model (the
+    tokenizer's own ``encode``, special tokens added as the engine adds them)."""
+    tok = _hf(folder)
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if all(isinstance(p, int) for p in prompts):
+        return [len(prompts)]
+    return [len(tok.encode(p, add_special_tokens=True)) if isinstance(p, str) else len(p) for p in prompts]
+
+
+def hf_vocab(folder: Any) -> int:
+    """The Hugging Face model's vocabulary size (added tokens included)."""
+    return len(_hf(folder))

@@ -12,7 +12,15 @@ from __future__ import annotations
 import pytest
 
 from tests.gate_env import KEY_A, gate_env
-from tests.gate_oracle import chat_tokens, openai_tile_cost, png, text_tokens
+from tests.gate_oracle import (
+    chat_tokens,
+    hf_chat_tokens,
+    hf_prompt_tokens,
+    hf_vocab,
+    openai_tile_cost,
+    png,
+    text_tokens,
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +31,7 @@ def env():
 
 def post(env, route: str, body: dict):
     """POST ``body``; returns ``(status, json, body the engine received or None)``."""
-    c, sg, vl, q = env
+    c, sg, vl, q, _ = env
     before = (len(sg.state.requests), len(vl.state.requests))
     r = c.post("/v1/chat/completions" if route == "chat" else "/v1/completions", json=body)
     received = [x["body"] for x in sg.state.requests[before[0] :] + vl.state.requests[before[1] :]]
@@ -85,7 +93,7 @@ def test_n_times_batch_is_gated_as_a_whole(env):
 
 
 def test_defaulted_bound_shrinks_to_fit_the_kv_demand(env):
-    c, sg, vl, q = env
+    c, sg, vl, q, _ = env
     # default_max_tokens 16 fits 16 sequences of 11 + 16 tokens (432 <= 3,276)
     status, _, got = post(env, "chat", user(model="m", n=16))
     assert status == 200 and got["max_tokens"] == 16 and q.reserved[-1] == 16 * (11 + 16)
@@ -277,7 +285,7 @@ def test_sdk_newer_fields_accepted(env):
     """The official SDK's current chat parameters reach a 200; an unknown one is still a 400."""
     import openai
 
-    c, sg, vl, q = env
+    c, sg, vl, q, _ = env
     client = openai.OpenAI(base_url=str(c.base_url) + "/v1", api_key=KEY_A, max_retries=0)
     r = client.chat.completions.create(
         model="m",
@@ -318,3 +326,30 @@ def test_response_format_bounded(env):
     assert refused(env, "chat", user(model="m", response_format={"type": "grammar"})) == "response_format"
     status, _, got = post(env, "chat", user(model="m", response_format={"type": "json_object"}))
     assert status == 200 and got["response_format"] == {"type": "json_object"}
+
+
+def test_hf_template_fields_counted_as_the_engine_renders_them(env):
+    """``mh``: a Hugging Face model on vLLM whose template reads ``enable_thinking``. The oracle
+    is transformers' own apply_chat_template on the body the engine received."""
+    q, folder = env[3], env[4]
+    base = user("Hello world", model="mh")
+    status, _, got = post(env, "chat", base)
+    plain = hf_chat_tokens(folder, got)
+    assert status == 200 and q.reserved[-1] == plain + 16
+    status, _, got = post(env, "chat", {**base, "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200 and got["chat_template_kwargs"] == {"enable_thinking": False}
+    assert q.reserved[-1] == hf_chat_tokens(folder, got) + 16 > plain + 16  # the empty think block counted
+    status, _, got = post(env, "chat", {**base, "add_generation_prompt": False})
+    assert status == 200 and q.reserved[-1] == hf_chat_tokens(folder, got) + 16 < plain + 16
+    prefill = {
+        "model": "mh",
+        "messages": [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": "Hello"}],
+    }
+    status, _, got = post(env, "chat", {**prefill, "continue_final_message": True})
+    assert status == 200 and got["continue_final_message"] is True and got["add_generation_prompt"] is False
+    assert q.reserved[-1] == hf_chat_tokens(folder, got) + 16
+    prefill["messages"][1]["content"] = "Hello "  # transformers versions disagree on trailing whitespace
+    assert refused(env, "chat", {**prefill, "continue_final_message": True}) == "continue_final_message"
+    assert refused(env, "chat", {**base, "stop_token_ids": [hf_vocab(folder)]}) == "stop_token_ids"
+    status, _, got = post(env, "completions", {"model": "mh", "prompt": ["Hello world", "a b"], "max_tokens": 3})
+    assert status == 200 and q.reserved[-1] == sum(hf_prompt_tokens(folder, got["prompt"])) + 2 * 3
