@@ -175,7 +175,11 @@ class GatewaySettings(_Strict):
     (431 above), ``header_timeout_seconds`` / ``body_timeout_seconds`` (408 when a request head or
     body arrives slower), ``keepalive_timeout_seconds``. ``max_sse_event_bytes`` bounds one
     upstream stream event; ``metrics_token``, when set, is the bearer token ``/metrics`` and
-    ``/readyz``'s details need."""
+    ``/readyz``'s details need.
+
+    ``workers``: gateway worker processes on the one port (DESIGN.md, Contracts: "Workers");
+    ``None`` = the usable cores (``os.sched_getaffinity``) when ``redis_url`` is set, else 1.
+    """
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=1, le=65535)
@@ -194,13 +198,16 @@ class GatewaySettings(_Strict):
     max_sse_event_bytes: int = Field(default=1 << 20, ge=1024)
     metrics_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    workers: int | None = Field(default=None, ge=1, le=256)
 
 
 class QuotaSettings(_Strict):
     """Per-tenant quota enforcement. Windows in seconds (a minute by default; tests shorten them).
 
     ``redis_failure_policy``: ``fail_closed`` (503 + Retry-After) or ``local_fallback``
-    (per-replica limits of limit / ``replicas``). ``redis_timeout_seconds`` bounds every Redis call.
+    (per-process limits of limit / (``replicas`` x ``gateway.workers``): ``replicas`` counts
+    ``kvgate serve`` instances, each running ``gateway.workers`` processes).
+    ``redis_timeout_seconds`` bounds every Redis call.
     """
 
     enabled: bool = True

@@ -91,6 +91,8 @@ class Gateway:
         self.upstreams = UpstreamSet(settings, ups)
         self.started_at = int(time.time())
         self.draining = False
+        #: this process's index among the workers of one ``kvgate serve`` (``None``: the only one)
+        self.worker: int | None = None
         self.in_flight = 0
         self._idle = asyncio.Event()
 
@@ -240,7 +242,8 @@ def create_app(
         return await handle_models(gw, request)
 
     async def healthz(request: Request) -> Response:
-        return Response(b'{"status":"ok"}', media_type="application/json")
+        headers = {"x-kvgate-worker": str(gw.worker)} if gw.worker is not None else None
+        return Response(b'{"status":"ok"}', media_type="application/json", headers=headers)
 
     ops_allowed = ops_token_check(settings.gateway.metrics_token)
 
@@ -262,7 +265,9 @@ def create_app(
                 media_type="application/json",
                 headers={"www-authenticate": "Bearer"},
             )
-        return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+        m = gw.metrics
+        body = await asyncio.to_thread(m.render) if m.multiprocess_dir is not None else m.render()
+        return Response(body, media_type=m.content_type)
 
     app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.router.add_route("/v1/completions", completions, methods=["POST"])

@@ -1,8 +1,18 @@
 """Prometheus metrics of one gateway app (its own ``CollectorRegistry``, so several apps in one
 process, as in tests, never clash). Labels carry tenant ids, routes, status codes, reasons and
-upstream names only: never keys or prompt text."""
+upstream names only: never keys or prompt text.
+
+With several workers (:mod:`gateway.workers`) every worker process writes its values to files in
+``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode, chosen when that variable is
+set before ``prometheus_client`` is first imported), and ``/metrics`` on any worker renders the
+sum over all of them (:class:`prometheus_client.multiprocess.MultiProcessCollector`): counters and
+histograms add up, ``kvgate_in_flight_requests`` sums the live workers, the pool gauges show the
+smallest value a live worker holds (-1, unknown, when any worker does not know its pool).
+"""
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -19,6 +29,8 @@ class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        #: multiprocess mode: the directory every worker's metric files live in (else ``None``)
+        self.multiprocess_dir: str | None = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "kvgate_requests",
@@ -66,14 +78,18 @@ class GatewayMetrics:
             "Live KV pool size per upstream (smallest prefill node); -1 when unknown.",
             ["upstream"],
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.effective_limit = Gauge(
             "kvgate_effective_limit_tokens",
             "Pool limit per upstream after headroom; -1 when unknown.",
             ["upstream"],
             registry=r,
+            multiprocess_mode="livemin",
         )
-        self.in_flight = Gauge("kvgate_in_flight_requests", "Requests being served now.", registry=r)
+        self.in_flight = Gauge(
+            "kvgate_in_flight_requests", "Requests being served now.", registry=r, multiprocess_mode="livesum"
+        )
 
     def pool_updater(self, upstream: str):
         """A callback ``(pool_tokens | None, limit | None)`` setting the pool gauges of ``upstream``."""
@@ -89,7 +105,15 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         """The text exposition format (the gateway's metrics, then the verifier's process-wide
-        counters, ``kvgate_verifier_*``)."""
+        counters, ``kvgate_verifier_*``). In multiprocess mode: every family of every worker
+        (dead ones included for counters and histograms, so nothing counted is lost), summed;
+        this reads one file per worker process, so the caller runs it off the event loop."""
+        if self.multiprocess_dir is not None:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=self.multiprocess_dir)
+            return generate_latest(registry)
         from verifier.incidents import REGISTRY as VERIFIER_REGISTRY
 
         return generate_latest(self.registry) + generate_latest(VERIFIER_REGISTRY)

@@ -15,8 +15,9 @@ calls, built from settings by :func:`build_quota_stage`.
   names as in the OpenAI API reference, "Rate limits").
 - Redis refused or hanging: every Redis call is bounded by socket timeouts and an overall
   deadline under 1 s. ``fail_closed``: 503 ``quota_backend_unavailable`` with ``Retry-After``.
-  ``local_fallback``: this replica enforces ``limit // replicas`` in its own memory. After a
-  failure Redis is tried again within :data:`PROBE_INTERVAL_SECONDS`, so limits resume by
+  ``local_fallback``: this process enforces ``limit // processes`` in its own memory, where
+  ``processes`` = ``quotas.replicas`` x ``gateway.workers`` (every gateway process of the fleet).
+  After a failure Redis is tried again within :data:`PROBE_INTERVAL_SECONDS`, so limits resume by
   themselves. No Redis URL: limits kept in process memory (a warning says they are per process).
 """
 
@@ -120,11 +121,21 @@ class TenantQuotas:
     ``store``: where limits are kept (:class:`RedisQuotaStore` shared by replicas, or
     :class:`LocalQuotaStore`). ``fallback``: the store used under ``local_fallback`` while
     ``store`` is unavailable (``None`` = fail closed). Tenants without any limit skip the
-    store. ``settings``: windows, lease TTL, Redis timeout and failure policy.
+    store. ``settings``: windows, lease TTL, Redis timeout and failure policy. ``processes``:
+    how many gateway processes share the limits (``replicas`` x workers; default
+    ``settings.replicas``): under ``local_fallback`` each enforces ``limit // processes``.
     """
 
-    def __init__(self, settings: QuotaSettings, store: QuotaStore, *, fallback: LocalQuotaStore | None = None) -> None:
+    def __init__(
+        self,
+        settings: QuotaSettings,
+        store: QuotaStore,
+        *,
+        fallback: LocalQuotaStore | None = None,
+        processes: int | None = None,
+    ) -> None:
         self.settings = settings
+        self.processes = max(1, processes if processes is not None else settings.replicas)
         self.store = store
         self.fallback = fallback
         self.window_ms = max(1, round(settings.window_seconds * 1000))
@@ -147,7 +158,7 @@ class TenantQuotas:
         if not self._store_down:
             self._store_down = True
             action = (
-                "per-replica local limits (limit // %d)" % self.settings.replicas
+                "per-process local limits (limit // %d)" % self.processes
                 if self.fallback is not None
                 else "refusing requests with 503 (fail closed)"
             )
@@ -224,7 +235,7 @@ class TenantQuotas:
                     headers={"Retry-After": str(self.settings.retry_after_on_failure_seconds)},
                 )
             store = self.fallback
-            limits = limits.divided(self.settings.replicas)
+            limits = limits.divided(self.processes)
             decision = self.fallback.reserve_now(tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms)
         if not decision.admitted:
             raise refusal_error(tenant, limits, decision, tokens, self.settings.window_seconds)
@@ -367,8 +378,9 @@ def redis_client_from_url(url: str, timeout_seconds: float) -> Any:
 def build_quota_stage(settings: Settings, *, key_prefix: str = "kvgate:q") -> QuotaStage:
     """The quota stage ``settings`` ask for: :class:`NullQuotas` when ``quotas.enabled`` is
     false; :class:`TenantQuotas` over Redis when ``redis_url`` is set (with a local fallback
-    store under ``local_fallback``); otherwise over process memory, logging a warning that the
-    limits are per process. ``key_prefix``: the Redis key prefix (``kvgate:q``)."""
+    store under ``local_fallback``, dividing by ``quotas.replicas`` x ``gateway.workers``);
+    otherwise over process memory, logging a warning that the limits are per process.
+    ``key_prefix``: the Redis key prefix (``kvgate:q``)."""
     q = settings.quotas
     if not q.enabled:
         return NullQuotas()
@@ -381,4 +393,5 @@ def build_quota_stage(settings: Settings, *, key_prefix: str = "kvgate:q") -> Qu
         return TenantQuotas(q, local, fallback=local)
     client = redis_client_from_url(settings.redis_url, q.redis_timeout_seconds)
     fallback = LocalQuotaStore() if q.redis_failure_policy == "local_fallback" else None
-    return TenantQuotas(q, RedisQuotaStore(client, prefix=key_prefix), fallback=fallback)
+    processes = q.replicas * (settings.gateway.workers or 1)
+    return TenantQuotas(q, RedisQuotaStore(client, prefix=key_prefix), fallback=fallback, processes=processes)

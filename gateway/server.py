@@ -60,10 +60,14 @@ def run_server(
     drain_timeout_seconds: float = 30.0,
     log_level: str = "info",
     limits: Any = None,
+    sock: Any = None,
 ) -> int:
     """Serve ``app`` (built by :func:`gateway.app.create_app`) on ``host:port`` until a signal
     has drained it. ``limits``: the client-side :class:`gateway.edge.EdgeLimits` (default: built
-    from the app's ``gateway`` settings). Returns the exit status (0)."""
+    from the app's ``gateway`` settings). ``sock``: a bound, not yet listening socket to serve on
+    instead (a worker's ``SO_REUSEPORT`` socket, :mod:`gateway.workers`); it starts listening once
+    the app has started, so no connection reaches a worker before it is ready. Returns the exit
+    status (0)."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -79,5 +83,5 @@ def run_server(
 
     configure(config, limits or EdgeLimits.from_settings(app.state.gateway.settings.gateway))
     server = DrainingServer(config, app.state.gateway, drain_timeout_seconds)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     return 0

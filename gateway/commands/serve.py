@@ -7,6 +7,10 @@ to run) unless started with ``--allow-open-secrets``, which logs a warning inste
 ``--init-tenant NAME`` creates a missing tenants file with one tenant and a generated key (the
 docker-compose stack starts this way, so it never ships a documented key). A secret from
 the environment shorter than 16 bytes is refused too (exit status 2 for all of these).
+
+``--workers N`` (``gateway.workers``; default: the usable cores when ``redis_url`` is set, else 1):
+with N > 1 this process supervises N worker processes on the one port (:mod:`gateway.workers`);
+each worker is this command again with ``--worker-index I``.
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start even when secrets.json or its state directory is group/world accessible (warns instead)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes on the one port (default: gateway.workers, else the usable cores when "
+        "redis_url is set, else 1)",
+    )
+    parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def demo_tenants(registry) -> list[str]:
@@ -122,7 +134,22 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    setup_logging(args.log_level or settings.gateway.log_level)
+    from gateway import workers as wk
+
+    try:
+        n = wk.resolve_workers(args.workers, settings)
+    except ValueError as e:
+        print(f"kvgate serve: {e}", file=sys.stderr)
+        return 2
+    refusal = wk.workers_refusal(n, settings)
+    if refusal:
+        print(f"kvgate serve: {refusal}", file=sys.stderr)
+        return 2
+    settings.gateway.workers = n  # the quota stage divides local_fallback limits by replicas x workers
+    host = args.host or settings.gateway.host
+    port = args.port if args.port is not None else settings.gateway.port
+    log_level = args.log_level or settings.gateway.log_level
+    setup_logging(log_level)
     problems = permission_problems(settings.state_dir)
     if problems and not args.allow_open_secrets:
         print(
@@ -139,21 +166,56 @@ def run(args: argparse.Namespace) -> int:
     except SecretsError as e:
         print(f"kvgate serve: {e}", file=sys.stderr)
         return 2
+    if n > 1 and args.worker_index is None:  # the secrets exist now: the workers only read them
+        return _supervise(args, n, host, port, log_level)
+    sock = None
+    if args.worker_index is not None:
+        wk.become_worker()
+        if args.worker_index > 0:  # one periodic probe per gateway, not one per worker
+            settings.verifier.probe_interval_seconds = None
+        try:
+            sock = wk.worker_socket(host, port)
+        except OSError as e:
+            print(f"kvgate serve: cannot bind {host}:{port}: {e}", file=sys.stderr)
+            return 1
     quotas, verifier = build_stages(settings, secrets)
     from gateway.app import create_app
     from gateway.server import run_server
 
     app = create_app(settings, registry, quotas=quotas, verifier=verifier, secrets=secrets)
+    app.state.gateway.worker = args.worker_index
     from gateway.tenant_reload import TenantFileWatcher
 
     watcher = TenantFileWatcher(registry).start()  # tenant edits apply without a restart
     watcher.install_sighup()
-    host = args.host or settings.gateway.host
-    port = args.port if args.port is not None else settings.gateway.port
     return run_server(
         app,
         host,
         port,
         drain_timeout_seconds=settings.gateway.drain_timeout_seconds,
-        log_level=args.log_level or settings.gateway.log_level,
+        log_level=log_level,
+        sock=sock,
     )
+
+
+def _supervise(args: argparse.Namespace, n: int, host: str, port: int, log_level: str) -> int:
+    """Run ``n`` workers of this command on ``host:port`` (:class:`gateway.workers.Supervisor`)."""
+    from gateway.workers import Supervisor
+
+    def command(index: int, bound_port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", host, "--port", str(bound_port)]
+        if args.config:
+            cmd += ["--config", str(args.config)]
+        if args.tenants:
+            cmd += ["--tenants", str(args.tenants)]
+        if args.demo:
+            cmd.append("--demo")
+        if args.allow_open_secrets:
+            cmd.append("--allow-open-secrets")
+        return cmd + ["--log-level", log_level, "--workers", str(n), "--worker-index", str(index)]
+
+    try:
+        return Supervisor(n, host, port, command).run()
+    except OSError as e:
+        print(f"kvgate serve: cannot bind {host}:{port}: {e}", file=sys.stderr)
+        return 1

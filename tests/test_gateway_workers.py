@@ -1,0 +1,563 @@
+"""``kvgate serve --workers N``: N real worker processes on one port behave as one gateway.
+
+The fleet is a real ``kvgate serve --workers 2`` (a supervisor and two workers) with quotas in the
+real Redis on 127.0.0.1:6379, the verifier on (leak index, canary registry and quarantine in
+Redis) and metrics in prometheus-client's multiprocess mode, in front of the mock engine that this
+test process runs. A test reaches a given worker through a keep-alive connection whose
+``/healthz`` answered that worker's ``x-kvgate-worker``. Tenant ids and the upstream's name carry
+a random suffix, so this run's Redis keys are its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from quota_fixtures import free_port
+
+from config.models import Settings
+from gateway import workers as wk
+from gateway.cli import main as cli_main
+from gateway.quotas import TenantQuotas, build_quota_stage
+from tests.conftest import ROOT
+from tests.mock_engine import MockEngine, MockState
+from tokenizer import bundled_counter
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "kvgate-tiny"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+RUN = uuid.uuid4().hex[:8]
+UPSTREAM = f"wk-{RUN}"
+COUNTER = bundled_counter()
+KEYS = {name: f"sk-test-{name}-{uuid.uuid4().hex}" for name in ("a", "b", "hp", "late")}
+CANARY = "KVGATE-CANARY-" + uuid.uuid4().hex[:16]
+#: a text long enough for shingles (well over 50 tokens); unique to this run
+SECRET_TEXT = (
+    f"run {RUN}: the quarterly forecast for the northern warehouse lists seventeen pallets of copper "
+    "wire, nine crates of ceramic insulators, and a standing order of four hundred brass fittings "
+    "to be shipped every second Tuesday, invoiced to the harbour office under contract number "
+    f"{uuid.uuid4().hex} with a penalty clause of two percent per day of delay beyond the agreed date."
+)
+
+
+def tid(name: str) -> str:
+    return f"{name}-{RUN}"
+
+
+def _tenant(name: str, **kw: Any) -> dict[str, Any]:
+    return {
+        "id": tid(name),
+        "api_key_sha256": [hashlib.sha256(KEYS[name].encode()).hexdigest()],
+        "allowed_models": [MODEL],
+        "default_max_tokens": 4,
+        **kw,
+    }
+
+
+def _settings(engine: MockEngine, state_dir: Path, **over: Any) -> dict[str, Any]:
+    s: dict[str, Any] = {
+        "gateway": {"host": "127.0.0.1", "read_timeout_seconds": 30, "drain_timeout_seconds": 10},
+        "pool": {"poll_interval_seconds": 1, "max_staleness_seconds": 30},
+        "quotas": {"enabled": True, "window_seconds": 60},
+        "redis_url": REDIS_URL,
+        "verifier": {
+            "enabled": True,
+            "usage_drift_tolerance_tokens": 100_000,  # the mock reports a fixed prompt_tokens
+            "quarantine_min_prompt_tokens": 16,
+        },
+        "state_dir": str(state_dir),
+        "models": [{"id": MODEL, "context_length": 8192, "tokenizer": {"kind": "bundled"}}],
+        "upstreams": [
+            {
+                "name": UPSTREAM,
+                "api_url": engine.api_url,
+                "pool_source": "sglang",
+                "pool_urls": [engine.info_url],
+                "models": [MODEL],
+            }
+        ],
+    }
+    s.update(over)
+    return s
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+class Fleet:
+    """A ``kvgate serve --workers N`` process on a free port, with clients pinned to workers."""
+
+    def __init__(self, workdir: Path, settings: dict[str, Any], tenants: list[dict[str, Any]], workers: int = 2):
+        self.workdir = workdir
+        self.workers = workers
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = workdir / "kvgate.yaml"
+        self.config.write_text(yaml.safe_dump(settings))
+        self.tenants_path = workdir / "tenants.yaml"
+        self.tenants_path.write_text(yaml.safe_dump({"tenants": tenants}))
+        self.log_path = workdir / "serve.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "PROMETHEUS_"))}
+        env["PYTHONPATH"] = str(ROOT)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config)]
+                + ["--tenants", str(self.tenants_path), "--port", str(self.port), "--workers", str(workers)]
+                + ["--log-level", "warning"],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self._pinned: dict[int, httpx.Client] = {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Until every worker answers /readyz 200."""
+        deadline = time.monotonic() + timeout
+        seen: set[int] = set()
+        while len(seen) < self.workers:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvgate serve exited {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers {seen} of {self.workers} ready after {timeout}s:\n{self.log()}")
+            try:
+                with httpx.Client(base_url=self.url, timeout=2) as c:
+                    r = c.get("/readyz")
+                    if r.status_code == 200:
+                        seen.add(int(c.get("/healthz").headers["x-kvgate-worker"]))
+            except httpx.HTTPError:
+                time.sleep(0.1)
+
+    def on(self, worker: int) -> httpx.Client:
+        """A client whose one keep-alive connection is served by ``worker`` (checked just now)."""
+        c = self._pinned.get(worker)
+        if c is not None:
+            try:
+                if c.get("/healthz").headers.get("x-kvgate-worker") == str(worker):
+                    return c
+            except httpx.HTTPError:
+                pass
+            c.close()
+        for _ in range(200):
+            c = httpx.Client(
+                base_url=self.url, timeout=15, limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)
+            )
+            try:
+                if c.get("/healthz").headers.get("x-kvgate-worker") == str(worker):
+                    self._pinned[worker] = c
+                    return c
+            except httpx.HTTPError:
+                time.sleep(0.05)
+            c.close()
+        raise AssertionError(f"no connection reached worker {worker}")
+
+    def post(self, worker: int, key: str, content: str = "Say hello.", **body: Any) -> httpx.Response:
+        return self.on(worker).post(
+            "/v1/chat/completions",
+            headers={"authorization": f"Bearer {key}"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": content}], **body},
+        )
+
+    def metrics(self, worker: int) -> dict[tuple[str, tuple], float]:
+        """``/metrics`` of ``worker`` as {(sample name, sorted labels): value}."""
+        text = self.on(worker).get("/metrics").text
+        out: dict[tuple[str, tuple], float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    def stop(self) -> None:
+        for c in self._pinned.values():
+            c.close()
+        self._pinned.clear()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def value(m: dict, name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def incidents(state_dir: Path) -> list[dict[str, Any]]:
+    path = state_dir / "incidents.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[MockEngine]:
+    e = MockEngine().start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture()
+def mock(engine: MockEngine) -> MockState:
+    fresh = MockState()
+    for k, v in vars(fresh).items():
+        if k not in ("requests", "cancelled"):
+            setattr(engine.state, k, v)
+    engine.state.requests.clear()
+    return engine.state
+
+
+@pytest.fixture(scope="module")
+def fleet(engine: MockEngine, tmp_path_factory) -> Iterator[Fleet]:
+    work = tmp_path_factory.mktemp("workers")
+    tenants = [
+        _tenant("a", rpm=10**6, verify_sample_rate=1.0),
+        _tenant("b", rpm=10**6, verify_sample_rate=1.0),
+        _tenant("hp", honeypot=True),
+    ]
+    f = Fleet(work, _settings(engine, work / "state"), tenants)
+    try:
+        f.wait_ready()
+        yield f
+    finally:
+        f.stop()
+        import redis
+
+        r = redis.Redis.from_url(REDIS_URL)
+        r.hdel("kvgate:quarantine", UPSTREAM)
+        for name in KEYS:
+            keys = r.keys(f"kvgate:q:{{{tid(name)}}}:*")
+            if keys:
+                r.delete(*keys)
+        r.close()
+
+
+# ---------------------------------------------------------------- one gateway, several processes
+def test_counters_add_up_exactly_across_workers(fleet: Fleet, mock: MockState) -> None:
+    before = fleet.metrics(0)
+    content = "Count me once, wherever I land."
+    prompt = COUNTER.count_chat([{"role": "user", "content": content}])
+    for i in range(12):  # 7 on worker 0, 5 on worker 1
+        r = fleet.post(0 if i < 7 else 1, KEYS["a"], content)
+        assert r.status_code == 200, r.text
+    for w in (0, 0, 1):
+        r = fleet.post(w, "sk-not-a-key")
+        assert (r.status_code, r.json()["error"]["code"]) == (401, "invalid_api_key")
+    assert len(mock.requests) == 12
+    words = len(mock.text.split(" "))
+
+    def delta(m: dict, name: str, **labels: str) -> float:
+        return value(m, name, **labels) - value(before, name, **labels)
+
+    a = tid("a")
+    # the verifier checks every response of tenant a in the background: wait for the 12th
+    assert wait_until(
+        lambda: delta(fleet.metrics(1), "kvgate_verifier_checks_total", upstream=UPSTREAM, mode="sampled") >= 12, 15
+    ), fleet.log()
+    time.sleep(0.3)
+    for w in (0, 1):  # every worker's /metrics shows the sum of all of them, nothing twice
+        m = fleet.metrics(w)
+        assert delta(m, "kvgate_requests_total", tenant=a, route="chat", status="200") == 12
+        assert delta(m, "kvgate_requests_total", tenant="-", route="chat", status="401") == 3
+        assert delta(m, "kvgate_rejections_total", reason="invalid_api_key") == 3
+        assert delta(m, "kvgate_prompt_tokens_total", tenant=a) == 12 * prompt
+        assert delta(m, "kvgate_completion_tokens_total", tenant=a) == 12 * words
+        assert delta(m, "kvgate_gateway_overhead_seconds_count", route="chat") == 15
+        assert delta(m, "kvgate_verifier_checks_total", upstream=UPSTREAM, mode="sampled") == 12
+        assert value(m, "kvgate_in_flight_requests") == 1  # this /metrics request, on one worker
+        assert value(m, "kvgate_pool_tokens", upstream=UPSTREAM) == 4096
+        assert [k for k in m if k[0] == "kvgate_requests_created"] == []
+
+
+def test_a_leak_between_two_workers_tenants_is_caught(fleet: Fleet, mock: MockState) -> None:
+    state_dir = fleet.workdir / "state"
+    checks = value(fleet.metrics(0), "kvgate_verifier_checks_total", upstream=UPSTREAM, mode="sampled")
+    assert fleet.post(0, KEYS["a"], SECRET_TEXT).status_code == 200  # a's prompt enters the index on worker 0
+    assert wait_until(
+        lambda: value(fleet.metrics(0), "kvgate_verifier_checks_total", upstream=UPSTREAM, mode="sampled") > checks, 10
+    )
+    mock.text = "Sure. " + SECRET_TEXT  # the engine hands a's text to b, whose request lands on worker 1
+    r = fleet.post(1, KEYS["b"], "What is on the schedule today?")
+    assert r.status_code == 200  # not strict: the response passes; the incident is recorded
+    assert wait_until(lambda: any(i["detector"] == "leak_index" for i in incidents(state_dir)), 10), fleet.log()
+    (inc,) = [i for i in incidents(state_dir) if i["detector"] == "leak_index"]
+    assert (inc["tenant"], inc["upstream"]) == (tid("b"), UPSTREAM)
+    assert inc["evidence"]["source_tenant"] == tid("a")
+    assert SECRET_TEXT[:40] not in json.dumps(inc)
+    for w in (0, 1):
+        assert value(fleet.metrics(w), "kvgate_verifier_incidents_total", detector="leak_index", upstream=UPSTREAM) == 1
+    # whether single-source leak-index evidence quarantines is the verifier's policy, not this test's:
+    # lift any quarantine so that the next test starts from a clean view
+    assert cli_main(["upstream", "--config", str(fleet.config), "clear", UPSTREAM]) in (0, 1)
+    long_prompt = "Please summarise: " + "the river runs past the old mill and on to the sea. " * 4
+    for w in (0, 1):
+        assert wait_until(lambda w=w: fleet.post(w, KEYS["a"], long_prompt).status_code == 200, 5)
+
+
+def test_a_canary_planted_on_one_worker_quarantines_the_upstream_on_every_worker(fleet: Fleet, mock: MockState) -> None:
+    long_prompt = "Please summarise: " + "the river runs past the old mill and on to the sea. " * 4
+    assert COUNTER.count_chat([{"role": "user", "content": long_prompt}]) > 16
+    for w in (0, 1):
+        assert fleet.post(w, KEYS["a"], long_prompt).status_code == 200
+    # the honeypot tenant's prompt (with kvgate's canary) is registered by worker 0 ...
+    assert fleet.post(0, KEYS["hp"], f"Remember the code {CANARY} for later.").status_code == 200
+    time.sleep(0.5)
+    # ... and turns up in a response served by worker 1: a confirmed leak, the upstream is quarantined
+    mock.text = f"The code is {CANARY}."
+    assert fleet.post(1, KEYS["b"], "Any codes for me?").status_code == 200
+    state_dir = fleet.workdir / "state"
+    assert wait_until(lambda: any(i["detector"] == "canary" for i in incidents(state_dir)), 10), fleet.log()
+    (inc,) = [i for i in incidents(state_dir) if i["detector"] == "canary"]
+    assert (inc["tenant"], inc["confirmed"], inc["evidence"]["source_tenants"]) == (tid("b"), True, [tid("hp")])
+    mock.text = "Hello from the mock."
+
+    def refused(w: int) -> bool:
+        r = fleet.post(w, KEYS["a"], long_prompt)
+        return r.status_code == 503 and r.json()["error"]["code"] == "upstream_unavailable"
+
+    for w in (0, 1):  # the quarantine view is shared: both workers refuse long prompts ...
+        assert wait_until(lambda w=w: refused(w), 5), fleet.log()
+        assert fleet.post(w, KEYS["a"], "short").status_code == 200  # ... and still serve short ones
+    assert value(fleet.metrics(0), "kvgate_verifier_quarantines_total", upstream=UPSTREAM) == 1
+    # an operator's clear reaches every worker too
+    assert cli_main(["upstream", "--config", str(fleet.config), "clear", UPSTREAM]) == 0
+    for w in (0, 1):
+        assert wait_until(lambda w=w: fleet.post(w, KEYS["a"], long_prompt).status_code == 200, 5)
+
+
+def test_tenant_edits_and_sighup_reach_every_worker(fleet: Fleet, mock: MockState) -> None:
+    for w in (0, 1):
+        assert fleet.post(w, KEYS["late"]).status_code == 401
+    data = yaml.safe_load(fleet.tenants_path.read_text())
+    data["tenants"].append(_tenant("late", rpm=2))
+    fleet.tenants_path.write_text(yaml.safe_dump(data))
+    fleet.proc.send_signal(signal.SIGHUP)  # passed on to each worker; the supervisor stays up
+    for w in (0, 1):
+        assert wait_until(lambda w=w: fleet.post(w, KEYS["late"]).status_code != 401, 5)
+    assert fleet.proc.poll() is None
+    # rpm 2 for the whole gateway: the two workers share one Redis window (2 were admitted above)
+    r = fleet.post(0, KEYS["late"])
+    assert (r.status_code, r.json()["error"]["code"]) == (429, "rate_limit_exceeded")
+    r = fleet.post(1, KEYS["late"])
+    assert (r.status_code, r.headers["x-ratelimit-limit-requests"]) == (429, "2")
+
+
+def test_a_dead_worker_is_replaced_and_its_counts_stay(fleet: Fleet, mock: MockState) -> None:
+    before = value(fleet.metrics(0), "kvgate_requests_total", tenant=tid("a"), route="chat", status="200")
+    for _ in range(3):
+        assert fleet.post(1, KEYS["a"]).status_code == 200
+
+    def served() -> float:
+        return value(fleet.metrics(0), "kvgate_requests_total", tenant=tid("a"), route="chat", status="200")
+
+    # a request is counted once its quota settle is done, just after its last byte: wait for that
+    assert wait_until(lambda: served() == before + 3, 5)
+    workers = _children(fleet.proc.pid)
+    assert len(workers) == 2
+    fleet._pinned.pop(1).close()
+    victim = None
+    for pid in workers:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if cmd[cmd.index(b"--worker-index") + 1] == b"1":
+            victim = pid
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    assert wait_until(lambda: victim not in _children(fleet.proc.pid) and len(_children(fleet.proc.pid)) == 2, 15)
+    fleet.wait_ready()
+    for w in (0, 1):  # the killed worker's 3 requests are still counted; the new worker adds to them
+        assert value(fleet.metrics(w), "kvgate_requests_total", tenant=tid("a"), route="chat", status="200") == (
+            before + 3
+        )
+    assert fleet.post(1, KEYS["a"]).status_code == 200
+    assert wait_until(lambda: served() == before + 4, 5)
+    time.sleep(0.2)
+    assert served() == before + 4
+    assert "worker 1" in fleet.log() and "starting it again" in fleet.log()
+
+
+def test_sigterm_drains_every_worker(fleet: Fleet, mock: MockState) -> None:
+    """Last in this module: it stops the fleet."""
+    chunks = [b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i for i in range(4)]
+    mock.stream_chunks = chunks + [b"data: [DONE]\n\n"]
+    mock.chunk_interval_seconds = 0.4
+    results: dict[int, dict[str, Any]] = {0: {}, 1: {}}
+    started = {0: threading.Event(), 1: threading.Event()}
+    clients = {w: fleet.on(w) for w in (0, 1)}
+    others = {w: httpx.Client(base_url=fleet.url, timeout=10) for w in (0, 1)}
+    for w in (0, 1):  # a second connection per worker, for the requests sent while draining
+        fleet._pinned.pop(w)
+        others[w] = fleet.on(w)
+        fleet._pinned[w] = clients[w]
+
+    def stream(w: int) -> None:
+        with clients[w].stream(
+            "POST",
+            "/v1/chat/completions",
+            headers={"authorization": f"Bearer {KEYS['a']}"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": "stream"}], "stream": True},
+        ) as r:
+            results[w]["status"] = r.status_code
+            body = b""
+            for piece in r.iter_raw():
+                body += piece
+                started[w].set()
+            results[w]["body"] = body
+
+    threads = [threading.Thread(target=stream, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    assert started[0].wait(10) and started[1].wait(10)
+    pids = _children(fleet.proc.pid)
+    fleet.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    for w in (0, 1):  # each worker drains: new requests get 503 server_shutting_down
+        r = others[w].post(
+            "/v1/chat/completions",
+            headers={"authorization": f"Bearer {KEYS['a']}"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": "late"}]},
+        )
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "server_shutting_down")
+    for t in threads:
+        t.join(15)
+    for w in (0, 1):  # ... while the streams in flight run to their end, byte for byte
+        assert results[w] == {"status": 200, "body": b"".join(chunks) + b"data: [DONE]\n\n"}
+    assert fleet.proc.wait(20) == 0
+    assert not any(_alive(p) for p in pids)
+    for c in others.values():
+        c.close()
+
+
+# ---------------------------------------------------------------- the supervisor
+def test_workers_die_with_a_killed_supervisor(engine: MockEngine, tmp_path: Path) -> None:
+    # no Redis needed: quotas and the verifier are off, so nothing must be shared
+    s = _settings(engine, tmp_path / "state", redis_url=None)
+    s["quotas"]["enabled"] = False
+    s["verifier"]["enabled"] = False
+    f = Fleet(tmp_path, s, [_tenant("a")])
+    try:
+        f.wait_ready()
+        pids = _children(f.proc.pid)
+        assert len(pids) == 2
+        f.proc.kill()
+        f.proc.wait(5)
+        assert wait_until(lambda: not any(_alive(p) for p in pids), 10)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f.url + "/healthz", timeout=2)
+    finally:
+        f.stop()
+
+
+def test_a_worker_that_cannot_start_stops_the_gateway(engine: MockEngine, tmp_path: Path) -> None:
+    s = _settings(engine, tmp_path / "state", redis_url=None)
+    s["quotas"]["enabled"] = False
+    s["verifier"]["enabled"] = False
+    # valid settings, but the tokenizer folder is missing: each worker fails while building its app
+    s["models"][0]["tokenizer"] = {"kind": "hf", "path": str(tmp_path / "no-such-tokenizer")}
+    f = Fleet(tmp_path, s, [_tenant("a")])
+    try:
+        rc = f.proc.wait(60)
+    finally:
+        f.stop()
+    assert rc == 1
+    assert "within" in f.log() and "stopping the gateway" in f.log()
+    assert not _children(f.proc.pid)
+
+
+def test_more_than_one_worker_without_redis_is_refused(engine: MockEngine, tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text(yaml.safe_dump(_settings(engine, tmp_path / "state", redis_url=None)))
+    ten = tmp_path / "tenants.yaml"
+    ten.write_text(yaml.safe_dump({"tenants": [_tenant("a")]}))
+    args = ["serve", "--config", str(cfg), "--tenants", str(ten), "--port", str(free_port())]
+    assert cli_main(args + ["--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kvgate serve: 2 workers need redis_url: quotas and verifier would otherwise be kept apart in each "
+        "worker (quotas admitted N times, leaks between workers' tenants missed). Set redis_url, or run "
+        "--workers 1.\n"
+    )
+    assert cli_main(args + ["--workers", "0"]) == 2
+    assert capsys.readouterr().err == "kvgate serve: workers must be at least 1, not 0\n"
+
+
+# ---------------------------------------------------------------- defaults and the quota divisor
+def test_default_workers_are_the_usable_cores_with_redis_else_one(monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    assert wk.usable_cores() == 3
+    assert wk.resolve_workers(None, Settings(redis_url=REDIS_URL)) == 3
+    assert wk.resolve_workers(None, Settings()) == 1
+    assert wk.resolve_workers(None, Settings(redis_url=REDIS_URL, gateway={"workers": 2})) == 2
+    assert wk.resolve_workers(5, Settings(gateway={"workers": 2})) == 5
+    assert wk.workers_refusal(1, Settings()) is None
+    assert wk.workers_refusal(4, Settings(redis_url=REDIS_URL)) is None
+    assert wk.workers_refusal(2, Settings(quotas={"enabled": False}, verifier={"enabled": False})) is None
+    assert "quotas and verifier" in wk.workers_refusal(2, Settings())
+    assert "verifier would" in wk.workers_refusal(2, Settings(quotas={"enabled": False}))
+    for bad in (0, -1, 257):
+        with pytest.raises(ValueError):
+            Settings(gateway={"workers": bad})
+
+
+async def test_local_fallback_divides_limits_by_replicas_times_workers() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port where nothing listens: Redis refused
+        s.bind(("127.0.0.1", 0))
+        down = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    settings = Settings(
+        redis_url=down,
+        gateway={"workers": 2},
+        quotas={"replicas": 3, "redis_failure_policy": "local_fallback"},
+    )
+    stage = build_quota_stage(settings, key_prefix=f"kvgate-test-w-{RUN}")
+    assert isinstance(stage, TenantQuotas) and stage.processes == 6
+    from config.errors import OpenAIError
+    from config.models import TenantConfig
+
+    t = TenantConfig(id=f"t-{RUN}", rpm=13)
+    leases = [await stage.reserve(t, 1, f"r{i}") for i in range(2)]  # 13 // 6 = 2 in this process
+    assert leases[1].headers == {"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "0"}
+    with pytest.raises(OpenAIError) as e:
+        await stage.reserve(t, 1, "r3")
+    assert e.value.status == 429 and "Limit 2, Used 2" in e.value.message
+    await stage.aclose()
