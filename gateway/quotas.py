@@ -24,6 +24,7 @@ calls, built from settings by :func:`build_quota_stage`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -50,6 +51,9 @@ log = logging.getLogger("kvgate.quotas")
 #: After a failed Redis call, requests are decided by the failure policy without asking Redis
 #: for this long (seconds); the first request after it tries Redis again.
 PROBE_INTERVAL_SECONDS = 0.5
+#: While reservations whose call failed are waiting to be undone, the store is retried this often
+#: in the background (seconds).
+RECOVER_INTERVAL_SECONDS = 0.1
 #: No Redis decision waits longer than this (seconds), whatever the socket timeouts.
 MAX_DECISION_SECONDS = 0.9
 #: At most this many failed reservations are remembered for undoing after an outage.
@@ -148,6 +152,7 @@ class TenantQuotas:
         # the store answers again
         self._uncertain: deque[tuple[str, str]] = deque(maxlen=UNCERTAIN_MAX)
         self._renewer: asyncio.Task[None] | None = None
+        self._recoverer: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ store health
     def _store_usable(self) -> bool:
@@ -163,6 +168,20 @@ class TenantQuotas:
                 else "refusing requests with 503 (fail closed)"
             )
             log.warning("quota store %s unavailable (%s): %s until it answers again", self.store.name, err, action)
+        if self._uncertain and (self._recoverer is None or self._recoverer.done()):
+            with contextlib.suppress(RuntimeError):  # no running loop: the next request undoes them
+                self._recoverer = asyncio.get_running_loop().create_task(self._recover_loop())
+
+    async def _recover_loop(self) -> None:
+        """Undo this process's uncertain reservations as soon as the store answers again, without
+        waiting for this process's next request: with several workers, a worker that gets no
+        traffic for a while must not leave reservations that Redis ran late in the shared window."""
+        while self._uncertain:
+            await asyncio.sleep(RECOVER_INTERVAL_SECONDS)
+            try:
+                await self._cancel_uncertain()
+            except Exception:  # the next round tries again
+                log.exception("undoing uncertain quota reservations failed")
 
     async def _mark_up(self) -> None:
         if self._store_down:
@@ -309,14 +328,15 @@ class TenantQuotas:
                 log.exception("quota lease renewal failed")
 
     async def aclose(self) -> None:
-        """Stop lease renewal and close the store's connections."""
-        if self._renewer is not None:
-            self._renewer.cancel()
-            try:
-                await self._renewer
-            except BaseException:
-                pass
-            self._renewer = None
+        """Stop lease renewal (and the undoing of uncertain reservations) and close the store's connections."""
+        for task in (self._renewer, self._recoverer):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except BaseException:
+                    pass
+        self._renewer = self._recoverer = None
         await self.store.aclose()
 
 
