@@ -1,35 +1,50 @@
-"""What the gateway costs: added latency and maximum requests/s against a fast mock upstream.
+"""What the gateway costs: added latency and maximum requests/s against a fast mock engine, next to
+the relays a user would compare it with, in one run on this machine.
 
-Side by side, in one run on this machine, with the load from a separate process (``wrk`` with a
-Lua script for the POST body; a Python load process when ``wrk`` is absent):
+The mock engine is nginx answering one fixed chat completion (``usage.prompt_tokens`` = kvgate's
+exact count of the bench body, so the verifier's drift check stays quiet) and the SGLang
+``/server_info`` the gateway reads its live pool from; without nginx, ``bench/mock_engine.py``
+(raw asyncio, ``--count``). The load is ``wrk`` in its own process (a Python load process when
+``wrk`` is absent) with a ~200-token chat body. Scenarios (``--only`` picks; the default set first):
 
-- ``direct``: straight to the mock engine (``bench/mock_engine.py``, raw asyncio);
-- ``nginx``: through nginx (one worker, upstream keep-alive) -- skipped with a message when nginx
-  is not installed;
-- ``relay``: through a featureless FastAPI + httpx relay (this file, ``--relay``): the floor of
-  this stack (same framework, server and client as the gateway, nothing else);
-- ``gateway``: ``kvgate serve`` with auth, exact counting, the context gate on the live pool and
-  metrics on (quotas and verification off: those are scenarios of their own), on its own bounded
-  httptools protocol (:mod:`gateway.edge`: header bytes and count, head and body deadlines);
-- ``edge-httptools`` / ``edge-h11``: the same app on uvicorn's stock httptools protocol (no header
-  bound) or on h11 (header bytes bounded by ``h11_max_incomplete_event_size``): what the bounds
-  cost, and what h11 would;
-- ``quotas-redis`` / ``quotas-local``: the same gateway with quotas on (RPM, TPM and concurrency
-  limits high enough never to refuse) kept in Redis (``$KVGATE_BENCH_REDIS_URL``, default
-  ``redis://127.0.0.1:6379/0``; skipped when it does not answer) or in process. The ``+p50-gw``
-  column is what the quota stage adds at p50 over ``gateway`` (target: under 0.5 ms).
+- ``direct``: straight to the mock engine (the baseline every "added" column subtracts);
+- ``nginx``: through nginx (1 worker, upstream keep-alive); skipped without nginx;
+- ``naive-relay``: the frozen featureless FastAPI + httpx relay ``../shared/bench/naive_relay.py``
+  (beside the checkout; ``--naive-relay`` names another copy) under ``uvicorn --workers 2``;
+- ``litellm``: LiteLLM's proxy with 2 workers, from its own virtualenv so it cannot change
+  kvgate's dependencies (``--litellm-venv``, default ``.venv-litellm`` in the checkout: ``python -m
+  venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'``); skipped without it;
+- ``kvgate-full``: ``kvgate serve`` with every feature on: auth, the exact tiktoken + ChatML
+  count, the live pool from the mock's ``/server_info``, quotas in Redis
+  (``$KVGATE_BENCH_REDIS_URL``, default ``redis://127.0.0.1:6379/0``; limits never reached),
+  metrics, the verifier sampling 5%; the default workers (the usable cores, Redis being set);
+- ``kvgate-bare``: the same without quotas and verifier (and so without Redis), same workers;
+- ``kvgate-verify-100``: ``kvgate-full`` with the verifier sampling every response;
+- extras: ``kvgate-full-1w`` (one worker), ``kvgate-logged`` (the JSON access log on, to a file),
+  ``kvgate-strict`` (a strict tenant: checked before release), ``quotas-local`` (no Redis, one
+  worker), ``gateway`` (kvgate-bare in one worker, on its own bounded httptools protocol,
+  :mod:`gateway.edge`: header bytes and count, head and body deadlines) and ``edge-httptools`` /
+  ``edge-h11``: the same app on uvicorn's stock httptools protocol (no header bound) or on h11
+  (header bytes bounded by ``h11_max_incomplete_event_size``): what the bounds cost, and what h11
+  would.
 
-Per scenario: p50 and p99 latency at 1 connection, requests/s at ``--connections`` (64), and the
-added p50/p99 over ``direct``; every scenario is started once and measured in ``--rounds``
-interleaved rounds (the table shows medians), so a noisy neighbour on a shared machine hits every
-column alike. Target: gateway rps >= relay rps, and gateway p50 added within
-0.5 ms of the relay's.
+Per scenario: p50/p99 at 1 connection and requests/s and p99 at ``--connections`` (64). Every
+scenario is started once and measured in ``--rounds`` interleaved rounds (the table shows
+medians), so a noisy neighbour on a shared machine hits every column alike. The table adds the
+p50/p99 added over ``direct``, requests/s and p99 as ratios to the naive relay and LiteLLM, and
+checks the goals of the throughput issue (kvgate-full: >= 2x the relay's and >= 10x LiteLLM's
+requests/s, added p50 <= 0.5 ms, p99 at 64 <= 0.5x the relay's, verification at 100% costing
+<= 10% of requests/s; the floor: >= 1x the relay).
+
+``--transports`` instead compares the HTTP clients the gateway could forward with (httpx's default
+transport, httpx over aiohttp via ``httpx-aiohttp``, aiohttp itself): each in its own process,
+the same POST to the mock at 1 and at 64 requests in flight.
 
 Adding a scenario is one function: decorate ``f(env) -> ContextManager[Target]`` with
 ``@scenario("name", "what it measures")``; :func:`gateway_target` starts ``kvgate serve`` with
 settings overrides (e.g. quotas on Redis, verification sampled at 100%).
 
-Run: ``.venv/bin/python bench/gateway.py [--duration 5] [--connections 64] [--only gateway,relay]``.
+Run: ``.venv/bin/python bench/gateway.py [--duration 5] [--rounds 2] [--only kvgate-full,naive-relay]``.
 """
 
 import os
@@ -62,17 +77,62 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODEL = "kvgate-tiny"
+#: ~200 prompt tokens (kvgate's count, ChatML included), as a typical short chat turn
+USER_TEXT = (
+    "Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my purse, "
+    "and nothing particular to interest me on shore, I thought I would sail about a little and see the "
+    "watery part of the world. It is a way I have of driving off the spleen and regulating the circulation. "
+    "Whenever I find myself growing grim about the mouth; whenever it is a damp, drizzly November in my soul; "
+    "whenever I find myself involuntarily pausing before coffin warehouses, and bringing up the rear of every "
+    "funeral I meet; and especially whenever my hypos get such an upper hand of me, that it requires a strong "
+    "moral principle to prevent me from deliberately stepping into the street, and methodically knocking "
+    "people's hats off, then, I account it high time to get to sea as soon as I can. Summarise that in a line."
+)
 BODY = {
     "model": MODEL,
     "messages": [
         {"role": "system", "content": "You are a concise assistant."},
-        {
-            "role": "user",
-            "content": "Call me Ishmael. Some years ago, never mind how long precisely, I thought I would sail about.",
-        },
+        {"role": "user", "content": USER_TEXT},
     ],
     "max_tokens": 16,
     "temperature": 0,
+}
+REPLY_TEXT = " tok" * 16
+
+
+def prompt_tokens_of_body() -> int:
+    """kvgate's exact count of :data:`BODY` (tiktoken cl100k_base + ChatML), for the mock's usage."""
+    from config.models import TokenizerConfig
+    from tokenizer import make_counter
+
+    return int(make_counter(TokenizerConfig(kind="tiktoken", name="cl100k_base")).count_chat(BODY["messages"]))
+
+
+def fixed_reply(prompt_tokens: int) -> bytes:
+    """The mock's one chat completion (16 tokens, usage with the exact prompt count)."""
+    return json.dumps(
+        {
+            "id": "chatcmpl-mock",
+            "object": "chat.completion",
+            "created": 1,
+            "model": MODEL,
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": REPLY_TEXT}, "finish_reason": "length"}
+            ],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 16, "total_tokens": prompt_tokens + 16},
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+SERVER_INFO = {
+    "max_total_num_tokens": 65536,
+    "max_req_input_len": 8186,
+    "context_length": 8192,
+    "page_size": 16,
+    "disaggregation_mode": "null",
+    "status": "ready",
+    "version": "mock-nginx",
 }
 
 
@@ -86,14 +146,18 @@ def free_port() -> int:
 
 @dataclass
 class Env:
-    """What a scenario gets: the mock's base URL, a scratch directory, and :meth:`spawn` for
-    processes that are stopped when the scenario ends."""
+    """What a scenario gets: the mock's base URL, a scratch directory, :meth:`spawn` for processes
+    that are stopped when the scenario ends, and the paths of the comparison programs."""
 
     mock_url: str
     tmp: Path
+    naive_relay: Path | None = None
+    litellm_venv: Path | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, name: str, cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         """Start ``cmd`` (output to ``<tmp>/<name>.log``) in its own process group."""
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child
         p = subprocess.Popen(
@@ -102,6 +166,7 @@ class Env:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
             start_new_session=True,
         )
         log.close()
@@ -145,6 +210,86 @@ def wait_http(
         time.sleep(0.1)
 
 
+def find_nginx() -> str | None:
+    """The nginx binary, or ``None``."""
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+NGINX_HEAD = """
+worker_processes 1;
+{user}
+error_log {tmp}/{name}-error.log warn;
+pid {tmp}/{name}.pid;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_temp_path {tmp}/{name}-body; proxy_temp_path {tmp}/{name}-proxy;
+  fastcgi_temp_path {tmp}/{name}-fcgi; uwsgi_temp_path {tmp}/{name}-uwsgi; scgi_temp_path {tmp}/{name}-scgi;
+"""
+
+NGINX_MOCK = """
+  server {{
+    listen 127.0.0.1:{port};
+    default_type application/json;
+    location = /health {{ return 200 ''; }}
+    location = /server_info {{ return 200 '{info}'; }}
+    location = /get_server_info {{ return 200 '{info}'; }}
+    location = /v1/chat/completions {{ return 200 '{reply}'; }}
+  }}
+}}
+"""
+
+NGINX_PROXY = """
+  upstream mock {{ server {upstream}; keepalive 128; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://mock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+def start_nginx(env: Env, name: str, server_block: str) -> subprocess.Popen[bytes]:
+    """nginx (one worker) with ``server_block`` (an ``http`` block's tail), foreground."""
+    nginx = find_nginx()
+    assert nginx is not None
+    conf = env.tmp / f"{name}.conf"
+    conf.write_text(
+        NGINX_HEAD.format(tmp=env.tmp, name=name, user="user root;" if os.geteuid() == 0 else "") + server_block
+    )
+    return env.spawn(name, [nginx, "-p", str(env.tmp), "-c", str(conf), "-g", "daemon off;"])
+
+
+def start_mock(env: Env, port: int, prefer_nginx: bool = True) -> tuple[subprocess.Popen[bytes], str]:
+    """The mock engine on ``port``: nginx with a fixed reply when installed, else the Python mock.
+    Returns the process and a one-line description."""
+    if prefer_nginx and find_nginx():
+        reply = fixed_reply(prompt_tokens_of_body()).decode()
+        info = json.dumps(SERVER_INFO, separators=(",", ":"))
+        p = start_nginx(env, "mock", NGINX_MOCK.format(port=port, info=info, reply=reply))
+        return p, "nginx, one fixed chat completion (exact usage)"
+    p = env.spawn(
+        "mock", [sys.executable, str(HERE / "mock_engine.py"), "--port", str(port), "--model", MODEL, "--count"]
+    )
+    return p, "bench/mock_engine.py (raw asyncio, --count)"
+
+
 # ---------------------------------------------------------------- scenarios
 @dataclass
 class Target:
@@ -161,6 +306,8 @@ class Skip(Exception):
 
 Scenario = Callable[[Env], ContextManager[Target]]
 SCENARIOS: dict[str, tuple[Scenario, str]] = {}
+#: the scenarios a run without ``--only`` measures, in table order
+DEFAULT = ["direct", "nginx", "naive-relay", "litellm", "kvgate-full", "kvgate-bare", "kvgate-verify-100"]
 
 
 def scenario(name: str, help_: str) -> Callable[[Callable[[Env], Iterator[Target]]], Scenario]:
@@ -180,61 +327,97 @@ def _direct(env: Env) -> Iterator[Target]:
     yield Target(env.mock_url + "/v1/chat/completions")
 
 
-NGINX_CONF = """
-worker_processes 1;
-{user}
-error_log {tmp}/nginx-error.log warn;
-pid {tmp}/nginx.pid;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_temp_path {tmp}/nginx-body; proxy_temp_path {tmp}/nginx-proxy;
-  fastcgi_temp_path {tmp}/nginx-fcgi; uwsgi_temp_path {tmp}/nginx-uwsgi; scgi_temp_path {tmp}/nginx-scgi;
-  upstream mock {{ server {upstream}; keepalive 128; }}
-  server {{
-    listen 127.0.0.1:{port};
-    location / {{
-      proxy_pass http://mock;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-    }}
-  }}
-}}
-"""
-
-
 @scenario("nginx", "through nginx (1 worker, upstream keep-alive)")
 def _nginx(env: Env) -> Iterator[Target]:
-    nginx = shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
-    )
-    if nginx is None:
+    if find_nginx() is None:
         raise Skip("nginx is not installed (apt-get install -y nginx)")
     port = free_port()
-    conf = env.tmp / "nginx.conf"
-    conf.write_text(
-        NGINX_CONF.format(
-            tmp=env.tmp,
-            port=port,
-            upstream=env.mock_url.removeprefix("http://"),
-            user="user root;" if os.geteuid() == 0 else "",
-        )
-    )
-    p = env.spawn("nginx", [nginx, "-p", str(env.tmp), "-c", str(conf), "-g", "daemon off;"])
+    p = start_nginx(env, "nginx", NGINX_PROXY.format(port=port, upstream=env.mock_url.removeprefix("http://")))
     wait_http(f"http://127.0.0.1:{port}/health", p)
     yield Target(f"http://127.0.0.1:{port}/v1/chat/completions")
 
 
-@scenario("relay", "featureless FastAPI + httpx relay (the floor of this stack)")
-def _relay(env: Env) -> Iterator[Target]:
+@scenario("naive-relay", "the frozen FastAPI + httpx relay, uvicorn --workers 2, no features")
+def _naive_relay(env: Env) -> Iterator[Target]:
+    relay = env.naive_relay
+    if relay is None or not relay.is_file():
+        raise Skip(f"the frozen relay is not at {relay} (--naive-relay PATH)")
     port = free_port()
     p = env.spawn(
-        "relay",
-        [sys.executable, str(Path(__file__).resolve()), "--relay", "--port", str(port), "--upstream", env.mock_url],
+        "naive-relay",
+        [sys.executable, "-m", "uvicorn", "naive_relay:app", "--host", "127.0.0.1", "--port", str(port)]
+        + ["--workers", "2", "--no-access-log", "--log-level", "warning", "--app-dir", str(relay.parent)],
+        env={"UPSTREAM": env.mock_url},
     )
-    wait_http(f"http://127.0.0.1:{port}/health", p)
-    yield Target(f"http://127.0.0.1:{port}/v1/chat/completions")
+    wait_http(f"http://127.0.0.1:{port}/v1/models", p)  # relayed: the mock's 404 is not 200
+    yield Target(f"http://127.0.0.1:{port}/v1/chat/completions", note=f"{relay.name}, 2 uvicorn workers")
+
+
+@scenario("litellm", "LiteLLM's proxy, 2 workers, its own virtualenv")
+def _litellm(env: Env) -> Iterator[Target]:
+    venv = env.litellm_venv
+    exe = venv / "bin" / "litellm" if venv else None
+    if exe is None or not os.access(exe, os.X_OK):
+        raise Skip(
+            f"no LiteLLM at {exe} (python -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]')"
+        )
+    port = free_port()
+    master_key = "sk-bench-" + secrets.token_hex(16)
+    cfg = env.tmp / "litellm.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model_list": [
+                    {
+                        "model_name": MODEL,
+                        "litellm_params": {
+                            "model": f"openai/{MODEL}",
+                            "api_base": env.mock_url + "/v1",
+                            "api_key": "x",
+                        },
+                    }
+                ],
+                "litellm_settings": {"drop_params": True, "telemetry": False},
+            }
+        )
+    )
+    p = env.spawn(
+        "litellm",
+        [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "2"],
+        env={
+            "LITELLM_LOG": "ERROR",
+            "LITELLM_TELEMETRY": "False",
+            "LITELLM_MASTER_KEY": master_key,  # it refuses to start without one (and checks it on each request)
+            "PYTHONPATH": "",
+            "DISABLE_SCHEMA_UPDATE": "true",
+        },
+        cwd=env.tmp,
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health/liveliness", p, timeout=180)
+    except RuntimeError as e:
+        raise Skip(f"LiteLLM did not start: {e}\n{env.log_tail('litellm')}") from None
+    version = ""
+    with contextlib.suppress(Exception):
+        out = subprocess.run([str(venv / "bin" / "pip"), "show", "litellm"], capture_output=True, text=True, timeout=30)
+        version = next((ln.split(":", 1)[1].strip() for ln in out.stdout.splitlines() if ln.startswith("Version")), "")
+    yield Target(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        {"Authorization": f"Bearer {master_key}"},
+        note=f"litellm {version}, 2 workers, master key".strip(),
+    )
+
+
+def redis_url_or_skip() -> str:
+    """The bench's Redis (``$KVGATE_BENCH_REDIS_URL``), or :class:`Skip` when it does not answer."""
+    import redis
+
+    url = os.environ.get("KVGATE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping()
+    except redis.RedisError as e:
+        raise Skip(f"Redis at {url} does not answer ({type(e).__name__})") from None
+    return url
 
 
 @contextlib.contextmanager
@@ -244,14 +427,17 @@ def gateway_target(
     name: str = "gateway",
     log_level: str = "warning",
     tenant: dict[str, Any] | None = None,
+    workers: int | None = None,
+    note: str = "",
     protocol: str | None = None,
     **overrides: Any,
 ) -> Iterator[Target]:
     """Run ``kvgate serve`` in front of the mock with settings ``overrides`` (top-level keys of
     ``kvgate.yaml``, sections merged: e.g. ``quotas={"enabled": True}``, ``redis_url=...``)
     and one bench tenant with a fresh key (``tenant``: fields added to its entry, e.g. limits);
-    yield its :class:`Target`. ``protocol`` (``httptools``, ``h11``): the same app served by this
-    file's ``--serve-gateway`` under that uvicorn protocol instead of ``kvgate serve``'s own
+    ``workers``: ``--workers`` (``None``: kvgate's default). Yields its :class:`Target`.
+    ``protocol`` (``httptools``, ``h11``): the same app served by this file's ``--serve-gateway``
+    under that uvicorn protocol (one process) instead of ``kvgate serve``'s own
     (:mod:`gateway.edge`'s bounded httptools)."""
     port = free_port()
     key = "sk-bench-" + secrets.token_hex(16)
@@ -261,12 +447,12 @@ def gateway_target(
         "verifier": {"enabled": False},
         "redis_url": None,
         "state_dir": str(env.tmp / f"{name}-state"),
-        "models": [{"id": MODEL, "context_length": 8192, "tokenizer": {"kind": "bundled"}}],
+        "models": [{"id": MODEL, "context_length": 8192, "tokenizer": {"kind": "tiktoken", "name": "cl100k_base"}}],
         "upstreams": [
             {
                 "name": "mock",
                 "api_url": env.mock_url + "/v1",
-                "pool_source": "kvgate",
+                "pool_source": "sglang",
                 "pool_urls": [env.mock_url + "/server_info"],
                 "models": [MODEL],
             }
@@ -287,39 +473,100 @@ def gateway_target(
     }
     (env.tmp / f"{name}.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     (env.tmp / f"{name}-tenants.yaml").write_text(yaml.safe_dump(tenants, sort_keys=False))
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "PROMETHEUS_"))}
     files = ["--config", str(env.tmp / f"{name}.yaml"), "--tenants", str(env.tmp / f"{name}-tenants.yaml")]
     if protocol is None:
         cmd = [sys.executable, "-m", "gateway.cli", "serve", *files]
+        if workers is not None:
+            cmd += ["--workers", str(workers)]
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-gateway", protocol, *files]
+        workers = 1
     p = env.spawn(name, cmd, env={**clean, "PYTHONPATH": str(ROOT)})
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", p)
+        time.sleep(2.0)  # every worker up (the first ready one answers /readyz)
     except RuntimeError as e:
         raise RuntimeError(f"{e}\n{env.log_tail(name)}") from None
+    n = workers if workers is not None else (usable_cores() if settings.get("redis_url") else 1)
     yield Target(
         f"http://127.0.0.1:{port}/v1/chat/completions",
         {"Authorization": f"Bearer {key}"},
-        note=f"log level {log_level}",
+        note=f"{n} worker{'s' if n > 1 else ''}" + (f", {note}" if note else ""),
     )
 
 
-@scenario("gateway", "kvgate serve: auth, exact counting, context gate, metrics (quotas, verifier off)")
+#: limits that the bench load never reaches, so every request runs the whole quota stage
+BENCH_LIMITS = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
+
+
+def full_features(env: Env, name: str, sample_rate: float, **kw: Any) -> ContextManager[Target]:
+    """kvgate with every feature on: quotas in Redis, verifier sampling ``sample_rate``."""
+    url = redis_url_or_skip()
+    tenant = {"id": f"bench-{secrets.token_hex(4)}", "verify_sample_rate": sample_rate, **BENCH_LIMITS}
+    return gateway_target(
+        env,
+        name=name,
+        tenant={**tenant, **kw.pop("tenant", {})},
+        redis_url=url,
+        quotas={"enabled": True},
+        verifier={"enabled": True},
+        note=kw.pop("note", f"auth, tiktoken count, live pool, Redis quotas, metrics, verify {sample_rate:.0%}"),
+        **kw,
+    )
+
+
+@scenario("kvgate-full", "kvgate, every feature on, verifier sampling 5%")
+def _kvgate_full(env: Env) -> Iterator[Target]:
+    with full_features(env, "kvgate-full", 0.05) as t:
+        yield t
+
+
+@scenario("kvgate-bare", "kvgate: auth, count, live pool, metrics; no quotas, no verifier")
+def _kvgate_bare(env: Env) -> Iterator[Target]:
+    with gateway_target(env, name="kvgate-bare", workers=usable_cores(), note="no quotas, no verifier") as t:
+        yield t
+
+
+@scenario("kvgate-verify-100", "kvgate-full with the verifier checking every response")
+def _kvgate_verify_100(env: Env) -> Iterator[Target]:
+    with full_features(env, "kvgate-verify-100", 1.0) as t:
+        yield t
+
+
+@scenario("kvgate-full-1w", "kvgate-full in one worker process")
+def _kvgate_full_1w(env: Env) -> Iterator[Target]:
+    with full_features(env, "kvgate-full-1w", 0.05, workers=1) as t:
+        yield t
+
+
+@scenario("kvgate-logged", "kvgate-full with its JSON access log on (log level info, to a file)")
+def _kvgate_logged(env: Env) -> Iterator[Target]:
+    with full_features(env, "kvgate-logged", 0.05, log_level="info", note="access log on") as t:
+        yield t
+
+
+@scenario("kvgate-strict", "kvgate-full with a strict tenant (checked before release)")
+def _kvgate_strict(env: Env) -> Iterator[Target]:
+    with full_features(env, "kvgate-strict", 0.0, tenant={"strict_verify": True}, note="strict tenant") as t:
+        yield t
+
+
+@scenario("gateway", "kvgate-bare in one worker, on kvgate serve's bounded httptools protocol")
 def _gateway(env: Env) -> Iterator[Target]:
-    with gateway_target(env) as t:
+    with gateway_target(env, name="gateway", workers=1, note="bounded httptools (gateway.edge)") as t:
         yield t
 
 
 @scenario("edge-httptools", "the gateway app on uvicorn's stock httptools protocol: no bound on header bytes or count")
 def _edge_httptools(env: Env) -> Iterator[Target]:
-    with gateway_target(env, name="edge-httptools", protocol="httptools") as t:
+    with gateway_target(env, name="edge-httptools", protocol="httptools", note="stock httptools") as t:
         yield t
 
 
 @scenario("edge-h11", "the gateway app on uvicorn's h11 protocol (bounds header bytes, not their count)")
 def _edge_h11(env: Env) -> Iterator[Target]:
-    with gateway_target(env, name="edge-h11", protocol="h11") as t:
+    with gateway_target(env, name="edge-h11", protocol="h11", note="h11") as t:
         yield t
 
 
@@ -358,51 +605,9 @@ def serve_gateway(protocol: str, config: str, tenants: str) -> None:
     ).run()
 
 
-@scenario("gateway-logged", "the gateway scenario with its JSON access log on (log level info, to a file)")
-def _gateway_logged(env: Env) -> Iterator[Target]:
-    with gateway_target(env, name="gateway-logged", log_level="info") as t:
-        yield t
-
-
-#: limits that the bench load never reaches, so every request runs the whole quota stage
-BENCH_LIMITS = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
-
-
-@scenario("quotas-redis", "gateway + quotas in Redis (reserve + settle scripts per request)")
-def _quotas_redis(env: Env) -> Iterator[Target]:
-    import redis
-
-    url = os.environ.get("KVGATE_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
-    try:
-        redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1).ping()
-    except redis.RedisError as e:
-        raise Skip(f"Redis at {url} does not answer ({type(e).__name__})") from None
-    tenant = {"id": f"bench-{secrets.token_hex(4)}", **BENCH_LIMITS}  # own keys; they expire after the window
-    with gateway_target(env, name="quotas-redis", tenant=tenant, redis_url=url, quotas={"enabled": True}) as t:
-        yield t
-
-
-@scenario("quotas-local", "gateway + quotas in process (no Redis URL)")
+@scenario("quotas-local", "kvgate, quotas in process (no Redis URL, one worker)")
 def _quotas_local(env: Env) -> Iterator[Target]:
     with gateway_target(env, name="quotas-local", tenant=BENCH_LIMITS, quotas={"enabled": True}) as t:
-        yield t
-
-
-@scenario("verify-0", "gateway + verifier on, sampling 0% (every prompt still goes into the leak index)")
-def _verify_0(env: Env) -> Iterator[Target]:
-    with gateway_target(env, name="verify-0", tenant={"verify_sample_rate": 0.0}, verifier={"enabled": True}) as t:
-        yield t
-
-
-@scenario("verify-100", "gateway + verifier on, sampling 100% (every response checked in the background)")
-def _verify_100(env: Env) -> Iterator[Target]:
-    with gateway_target(env, name="verify-100", tenant={"verify_sample_rate": 1.0}, verifier={"enabled": True}) as t:
-        yield t
-
-
-@scenario("verify-strict", "gateway + verifier on, strict tenant (checked before release)")
-def _verify_strict(env: Env) -> Iterator[Target]:
-    with gateway_target(env, name="verify-strict", tenant={"strict_verify": True}, verifier={"enabled": True}) as t:
         yield t
 
 
@@ -441,22 +646,10 @@ def run_wrk(target: Target, connections: int, duration: float, tmp: Path) -> Loa
     lua.write_text(WRK_LUA.format(body=json.dumps(json.dumps(BODY)), headers=headers))
     threads = max(1, min(2, connections // 32))
     out = subprocess.run(
-        [
-            "wrk",
-            "-t",
-            str(threads),
-            "-c",
-            str(connections),
-            "-d",
-            f"{duration:.0f}s",
-            "--latency",
-            "--timeout",
-            "10s",
-            "-s",
-            str(lua),
-            target.url,
-        ],
+        ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration:.0f}s", "--latency"]
+        + ["--timeout", "10s", "-s", str(lua), target.url],
         capture_output=True,
+        check=False,
         text=True,
         timeout=duration + 60,
     )
@@ -478,20 +671,10 @@ def run_wrk(target: Target, connections: int, duration: float, tmp: Path) -> Loa
 def run_py_load(target: Target, connections: int, duration: float, tmp: Path) -> Load:
     """The same load from a separate Python process (this file, ``--load``) when wrk is absent."""
     out = subprocess.run(
-        [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--load",
-            "--url",
-            target.url,
-            "--connections",
-            str(connections),
-            "--duration",
-            str(duration),
-            "--headers",
-            json.dumps(target.headers),
-        ],
+        [sys.executable, str(Path(__file__).resolve()), "--load", "--url", target.url]
+        + ["--connections", str(connections), "--duration", str(duration), "--headers", json.dumps(target.headers)],
         capture_output=True,
+        check=False,
         text=True,
         timeout=duration + 60,
     )
@@ -543,83 +726,208 @@ async def _py_load(url: str, connections: int, duration: float, headers: dict[st
     await asyncio.gather(*(conn() for _ in range(connections)))
     elapsed = time.perf_counter() - t0
     lat.sort()
-    q = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))] * 1000  # noqa: E731
+    q = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))] * 1000
     return {"rps": len(lat) / elapsed, "p50_ms": q(0.5), "p99_ms": q(0.99), "errors": errors, "requests": len(lat)}
 
 
-# ---------------------------------------------------------------- the relay (featureless floor)
-def relay_app(upstream: str) -> Any:
-    """FastAPI app that forwards every POST body to ``upstream`` with one pooled httpx client and
-    returns the answer: no auth, no parsing, no counting, no metrics."""
-    from fastapi import FastAPI, Request, Response
+# ---------------------------------------------------------------- upstream clients (--transports)
+TRANSPORTS = {
+    "httpx": "httpx.AsyncClient, its default transport (httpcore)",
+    "httpx-aiohttp": "httpx.AsyncClient over aiohttp (httpx_aiohttp.AiohttpTransport)",
+    "aiohttp": "aiohttp.ClientSession itself",
+}
 
-    client = httpx.AsyncClient(
-        base_url=upstream,
-        timeout=30,
-        limits=httpx.Limits(max_connections=512, max_keepalive_connections=512),
-        trust_env=False,
-    )
-    app = FastAPI()
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(b"", 200)
+async def _client_load(kind: str, url: str, concurrency: int, duration: float) -> dict[str, Any]:
+    """``concurrency`` tasks POSTing :data:`BODY` to ``url`` with one pooled client of ``kind`` for
+    ``duration`` seconds, reading each body whole (what the gateway's forward does)."""
+    import asyncio
 
-    @app.post("/v1/{path:path}")
-    async def forward(path: str, request: Request) -> Response:
-        r = await client.post(
-            "/v1/" + path,
-            content=await request.body(),
-            headers={"content-type": request.headers.get("content-type", "application/json")},
+    body = json.dumps(BODY).encode()
+    headers = {"content-type": "application/json", "accept-encoding": "identity"}
+    lat: list[float] = []
+    errors = 0
+    end = time.perf_counter() + duration
+    if kind == "aiohttp":
+        import aiohttp
+
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=512), timeout=aiohttp.ClientTimeout(total=30)
         )
-        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
 
-    return app
+        async def one() -> int:
+            async with session.post(url, data=body, headers=headers) as r:
+                await r.read()
+                return r.status
+
+        close = session.close
+    else:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        if kind == "httpx-aiohttp":
+            from httpx_aiohttp import AiohttpTransport
+
+            client = httpx.AsyncClient(transport=AiohttpTransport(limits=limits, trust_env=False), timeout=30)
+        else:
+            client = httpx.AsyncClient(limits=limits, timeout=30, trust_env=False)
+
+        async def one() -> int:
+            req = client.build_request("POST", url, content=body, headers=headers)
+            r = await client.send(req, stream=True)
+            try:
+                await r.aread()
+            finally:
+                await r.aclose()
+            return r.status_code
+
+        close = client.aclose
+
+    async def worker() -> None:
+        nonlocal errors
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            if await one() != 200:
+                errors += 1
+            lat.append(time.perf_counter() - t0)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, 4))))  # warm the pool
+    lat.clear()
+    end = time.perf_counter() + duration
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    await close()
+    lat.sort()
+    q = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))] * 1000
+    return {"rps": len(lat) / elapsed, "p50_ms": q(0.5), "p99_ms": q(0.99), "errors": errors, "requests": len(lat)}
 
 
-# ---------------------------------------------------------------- main
-def median_load(runs: list[tuple[Load, Load]]) -> Load:
-    """Medians over rounds of (1-connection run, N-connection run): p50/p99 from the former,
-    requests/s from the latter; errors and requests summed."""
+def run_transports(env: Env, connections: int, duration: float, rounds: int) -> None:
+    """Compare :data:`TRANSPORTS` against the mock, interleaved rounds, and print a table."""
+    runs: dict[str, list[tuple[Load, Load]]] = {}
+    skipped: dict[str, str] = {}
+    for kind in TRANSPORTS:
+        mod = {"httpx": "httpx", "httpx-aiohttp": "httpx_aiohttp", "aiohttp": "aiohttp"}[kind]
+        probe = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, check=False)
+        if probe.returncode != 0:
+            skipped[kind] = f"{mod} is not installed"
+    for rnd in range(1, rounds + 1):
+        for kind in TRANSPORTS:
+            if kind in skipped:
+                continue
+            pair = []
+            for c in (1, connections):
+                out = subprocess.run(
+                    [sys.executable, str(Path(__file__).resolve()), "--client-load", kind, "--url"]
+                    + [env.mock_url + "/v1/chat/completions", "--connections", str(c), "--duration", str(duration)],
+                    capture_output=True,
+                    check=False,
+                    text=True,
+                    timeout=duration * 2 + 60,
+                )
+                if out.returncode != 0:
+                    raise RuntimeError(f"{kind} load failed: {out.stderr[-2000:]}")
+                pair.append(Load(**json.loads(out.stdout.strip().splitlines()[-1])))
+            runs.setdefault(kind, []).append((pair[0], pair[1]))
+            print(
+                f"  round {rnd} {kind}: c=1 p50 {pair[0].p50_ms:.3f} ms; c={connections} {pair[1].rps:.0f} req/s, "
+                f"p99 {pair[1].p99_ms:.2f} ms",
+                flush=True,
+            )
     import statistics
 
-    return Load(
-        statistics.median(m.rps for _, m in runs),
-        statistics.median(o.p50_ms for o, _ in runs),
-        statistics.median(o.p99_ms for o, _ in runs),
-        sum(o.errors + m.errors for o, m in runs),
-        sum(o.requests + m.requests for o, m in runs),
-    )
+    head = f"{'client':<14} {'c=1 p50 ms':>10} {'c=1 rps':>8} {f'c={connections} rps':>10} {f'c={connections} p99':>9}  what"
+    print()
+    print(head)
+    print("-" * len(head))
+    for kind, what in TRANSPORTS.items():
+        if kind in skipped:
+            print(f"{kind:<14} skipped: {skipped[kind]}")
+            continue
+        r = runs[kind]
+        print(
+            f"{kind:<14} {statistics.median(o.p50_ms for o, _ in r):10.3f} {statistics.median(o.rps for o, _ in r):8.0f} "
+            f"{statistics.median(m.rps for _, m in r):10.0f} {statistics.median(m.p99_ms for _, m in r):9.2f}  {what}"
+        )
 
 
-def fmt_table(rows: list[tuple[str, Load | str, str]]) -> str:
-    """The side-by-side table: latency at 1 connection, rps at N, added over direct, ratio to relay."""
-    base = next((r for n, r, _ in rows if n == "direct" and isinstance(r, Load)), None)
-    relay = next((r for n, r, _ in rows if n == "relay" and isinstance(r, Load)), None)
-    gw = next((r for n, r, _ in rows if n == "gateway" and isinstance(r, Load)), None)
+# ---------------------------------------------------------------- the table
+@dataclass
+class Row:
+    """A scenario's medians: at 1 connection (p50/p99) and at N (rps, p99)."""
+
+    one: Load
+    many: Load
+    note: str
+
+
+def median_row(runs: list[tuple[Load, Load]], note: str) -> Row:
+    """Medians over rounds of (1-connection run, N-connection run); errors and requests summed."""
+    import statistics
+
+    def med(loads: list[Load]) -> Load:
+        return Load(
+            statistics.median(x.rps for x in loads),
+            statistics.median(x.p50_ms for x in loads),
+            statistics.median(x.p99_ms for x in loads),
+            sum(x.errors for x in loads),
+            sum(x.requests for x in loads),
+        )
+
+    return Row(med([o for o, _ in runs]), med([m for _, m in runs]), note)
+
+
+def fmt_table(rows: list[tuple[str, Row | str]], connections: int) -> str:
+    """The side-by-side table and the goal checks of the throughput issue."""
+    got = {n: r for n, r in rows if isinstance(r, Row)}
+    base, relay, lite = got.get("direct"), got.get("naive-relay"), got.get("litellm")
+    c = connections
     head = (
-        f"{'scenario':<16} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'rps':>9} "
-        f"{'rps/relay':>9} {'+p50-relay':>10} {'+p50-gw':>8} {'rps/gw':>6} {'errors':>6}  note"
+        f"{'scenario':<18} {'c=1 p50':>8} {'c=1 p99':>8} {'+p50':>7} {'+p99':>7} {f'c={c} rps':>9} "
+        f"{f'c={c} p99':>9} {'x relay':>7} {'x litellm':>9} {'p99/relay':>9} {'errors':>6}  note"
     )
     lines = [head, "-" * len(head)]
-    for name, r, note in rows:
-        if not isinstance(r, Load):
-            lines.append(f"{name:<16} {'skipped: ' + r}")
+    for name, r in rows:
+        if not isinstance(r, Row):
+            lines.append(f"{name:<18} skipped: {r}")
             continue
-        lat1 = r
-        add50 = f"{lat1.p50_ms - base.p50_ms:8.3f}" if base else f"{'':>8}"
-        add99 = f"{lat1.p99_ms - base.p99_ms:8.3f}" if base else f"{'':>8}"
-        ratio = f"{r.rps / relay.rps:9.2f}" if relay else f"{'':>9}"
-        vs_relay = f"{lat1.p50_ms - relay.p50_ms:10.3f}" if relay else f"{'':>10}"
-        vs_gw = f"{lat1.p50_ms - gw.p50_ms:8.3f}" if gw else f"{'':>8}"
-        rps_gw = f"{r.rps / gw.rps:6.2f}" if gw else f"{'':>6}"
+        add50 = f"{r.one.p50_ms - base.one.p50_ms:7.3f}" if base else f"{'':>7}"
+        add99 = f"{r.one.p99_ms - base.one.p99_ms:7.3f}" if base else f"{'':>7}"
+        x_relay = f"{r.many.rps / relay.many.rps:7.2f}" if relay else f"{'':>7}"
+        x_lite = f"{r.many.rps / lite.many.rps:9.2f}" if lite else f"{'':>9}"
+        p99_relay = f"{r.many.p99_ms / relay.many.p99_ms:9.2f}" if relay else f"{'':>9}"
         lines.append(
-            f"{name:<16} {lat1.p50_ms:8.3f} {lat1.p99_ms:8.3f} {add50} {add99} {r.rps:9.0f} {ratio} "
-            f"{vs_relay} {vs_gw} {rps_gw} {r.errors:6d}  {note}"
+            f"{name:<18} {r.one.p50_ms:8.3f} {r.one.p99_ms:8.3f} {add50} {add99} {r.many.rps:9.0f} "
+            f"{r.many.p99_ms:9.2f} {x_relay} {x_lite} {p99_relay} {r.one.errors + r.many.errors:6d}  {r.note}"
         )
+    full = got.get("kvgate-full")
+    if full:
+        lines.append("")
+        lines.append("goals (kvgate-full):")
+
+        def goal(text: str, ok: bool | None, value: str) -> None:
+            mark = "n/a " if ok is None else ("met " if ok else "MISS")
+            lines.append(f"  [{mark}] {text}: {value}")
+
+        if relay:
+            x = full.many.rps / relay.many.rps
+            goal("floor: c=64 rps >= 1x the naive relay", x >= 1, f"{x:.2f}x")
+            goal("c=64 rps >= 2x the naive relay", x >= 2, f"{x:.2f}x")
+            p = full.many.p99_ms / relay.many.p99_ms
+            goal("c=64 p99 <= 0.5x the naive relay's", p <= 0.5, f"{p:.2f}x")
+        if lite:
+            x = full.many.rps / lite.many.rps
+            goal("c=64 rps >= 10x LiteLLM", x >= 10, f"{x:.1f}x")
+        if base:
+            add = full.one.p50_ms - base.one.p50_ms
+            goal("c=1 added p50 <= 0.5 ms", add <= 0.5, f"{add:.3f} ms")
+        v100 = got.get("kvgate-verify-100")
+        if v100:
+            cost = 1 - v100.many.rps / full.many.rps
+            goal("verification at 100% costs <= 10% of rps", cost <= 0.10, f"{cost:.1%}")
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per load run (default 5)")
@@ -627,16 +935,27 @@ def main() -> int:
     ap.add_argument(
         "--rounds",
         type=int,
-        default=3,
-        help="interleaved rounds over all scenarios; the table shows medians (default 3)",
+        default=2,
+        help="interleaved rounds over all scenarios; the table shows medians (default 2)",
     )
-    ap.add_argument("--only", default="", help="comma-separated scenarios (default: all): " + ", ".join(SCENARIOS))
+    ap.add_argument(
+        "--only",
+        default="",
+        help=f"comma-separated scenarios (default: {','.join(DEFAULT)}); all: {', '.join(SCENARIOS)}",
+    )
+    ap.add_argument(
+        "--naive-relay",
+        type=Path,
+        default=ROOT.parent / "shared" / "bench" / "naive_relay.py",
+        help="the frozen relay (default: ../shared/bench/naive_relay.py beside the checkout)",
+    )
+    ap.add_argument("--litellm-venv", type=Path, default=ROOT / ".venv-litellm", help="virtualenv with litellm[proxy]")
+    ap.add_argument("--python-mock", action="store_true", help="use bench/mock_engine.py even when nginx is installed")
+    ap.add_argument("--transports", action="store_true", help="compare upstream HTTP clients instead (see above)")
     ap.add_argument("--load", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--relay", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--client-load", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--headers", default="{}", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--upstream", help=argparse.SUPPRESS)
     ap.add_argument("--serve-gateway", choices=["httptools", "h11"], help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--tenants", help=argparse.SUPPRESS)
@@ -645,44 +964,53 @@ def main() -> int:
         serve_gateway(args.serve_gateway, args.config, args.tenants)
         return 0
 
-    if args.load:  # the separate load process
+    if args.load or args.client_load:  # a separate load process
         import asyncio
 
-        print(json.dumps(asyncio.run(_py_load(args.url, args.connections, args.duration, json.loads(args.headers)))))
-        return 0
-    if args.relay:
-        import uvicorn
+        with contextlib.suppress(ImportError):
+            import uvloop
 
-        uvicorn.run(
-            relay_app(args.upstream),
-            host="127.0.0.1",
-            port=args.port,
-            log_level="warning",
-            access_log=False,
-            server_header=False,
-        )
+            uvloop.install()
+        if args.client_load:
+            out = asyncio.run(_client_load(args.client_load, args.url, args.connections, args.duration))
+        else:
+            out = asyncio.run(_py_load(args.url, args.connections, args.duration, json.loads(args.headers)))
+        print(json.dumps(out))
         return 0
 
-    names = [n for n in (args.only.split(",") if args.only else SCENARIOS) if n]
+    names = [n for n in (args.only.split(",") if args.only else DEFAULT) if n]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     load = run_wrk if shutil.which("wrk") else run_py_load
-    print(
-        f"load generator: {'wrk (Lua POST script)' if load is run_wrk else 'Python load process (wrk not installed)'}; "
-        f"{args.duration:.0f} s per run; latency at 1 connection, requests/s at {args.connections}; "
-        f"{args.rounds} interleaved round(s), medians; {os.cpu_count()} CPUs",
-        flush=True,
-    )
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
     os.chmod(tmp, 0o755)
     mock_port = free_port()
-    env = Env(f"http://127.0.0.1:{mock_port}", tmp)
-    mock = env.spawn("mock", [sys.executable, str(HERE / "mock_engine.py"), "--port", str(mock_port), "--model", MODEL])
-    rows: list[tuple[str, Load | str, str]] = []
+    env = Env(
+        f"http://127.0.0.1:{mock_port}",
+        tmp,
+        naive_relay=args.naive_relay.resolve() if args.naive_relay else None,
+        litellm_venv=args.litellm_venv.resolve() if args.litellm_venv else None,
+    )
+    mock, mock_note = start_mock(env, mock_port, prefer_nginx=not args.python_mock)
+    try:
+        load_avg = os.getloadavg()[0]
+    except OSError:
+        load_avg = float("nan")
+    print(
+        f"load generator: {'wrk (Lua POST script)' if load is run_wrk else 'Python load process (wrk not installed)'}; "
+        f"mock engine: {mock_note}; {args.duration:.0f} s per run; c=1 and c={args.connections}; "
+        f"{args.rounds} interleaved round(s), medians; {usable_cores()} usable CPUs, load average {load_avg:.1f} "
+        "(other work on this machine makes every number noisy)",
+        flush=True,
+    )
+    rows: list[tuple[str, Row | str]] = []
     runs: dict[str, list[tuple[Load, Load]]] = {}
     try:
         wait_http(env.mock_url + "/health", mock)
+        if args.transports:
+            run_transports(env, args.connections, args.duration, args.rounds)
+            return 0
         with contextlib.ExitStack() as running:
             targets: dict[str, tuple[Target, str]] = {}
             skipped: dict[str, str] = {}
@@ -697,7 +1025,7 @@ def main() -> int:
                 probe = httpx.post(target.url, json=BODY, headers=target.headers, timeout=10, trust_env=False)
                 if probe.status_code != 200:
                     raise RuntimeError(f"{name}: probe request answered {probe.status_code}: {probe.text[:300]}")
-                load(target, 1, 1.0, tmp)  # warm-up
+                load(target, args.connections, 1.0, tmp)  # warm-up (every worker, every pool)
                 targets[name] = (target, target.note or help_)
             for rnd in range(1, args.rounds + 1):  # interleaved rounds: a noisy neighbour hits all alike
                 for name, (target, _) in targets.items():
@@ -705,20 +1033,21 @@ def main() -> int:
                     many = load(target, args.connections, args.duration, tmp)
                     runs.setdefault(name, []).append((one, many))
                     print(
-                        f"  round {rnd} {name}: p50 {one.p50_ms:.3f} ms, p99 {one.p99_ms:.3f} ms, {many.rps:.0f} req/s",
+                        f"  round {rnd} {name}: c=1 p50 {one.p50_ms:.3f} ms, p99 {one.p99_ms:.3f} ms; "
+                        f"c={args.connections} {many.rps:.0f} req/s, p99 {many.p99_ms:.2f} ms",
                         flush=True,
                     )
             for name in names:
                 if name in skipped:
-                    rows.append((name, skipped[name], ""))
+                    rows.append((name, skipped[name]))
                 elif name in runs:
-                    rows.append((name, median_load(runs[name]), targets[name][1]))
+                    rows.append((name, median_row(runs[name], targets[name][1])))
     finally:
-        for p in env.procs:
+        for p in reversed(env.procs):
             stop(p)
         shutil.rmtree(tmp, ignore_errors=True)
     print()
-    print(fmt_table(rows))
+    print(fmt_table(rows, args.connections))
     return 0
 
 
