@@ -1,8 +1,9 @@
 """The gateway app factory (DESIGN.md, "A request's way through the gateway").
 
 ``create_app(settings, tenants, *, quotas=None, verifier=None, secrets=None) -> FastAPI``. The
-app's lifespan owns ONE pooled ``httpx.AsyncClient`` (every upstream call and pool poll goes
-through it) and one :class:`~gateway.pool_watcher.PoolWatcher` task per upstream. The stages are
+app's lifespan owns one pooled :class:`~gateway.upstream_client.UpstreamClient` (aiohttp: every
+forwarded request), one pooled ``httpx.AsyncClient`` (pool polls) and one
+:class:`~gateway.pool_watcher.PoolWatcher` task per upstream. The stages are
 the contracts of :mod:`gateway.stages` / :mod:`verifier.stage`; ``None`` means switched off
 (:class:`NullQuotas` / :class:`NullVerifier`), and a stage with ``aclose`` is closed at shutdown.
 
@@ -36,6 +37,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool_watcher import PoolWatcher
 from gateway.stages import NullQuotas, QuotaStage
 from gateway.tenants import TenantRegistry
+from gateway.upstream_client import UpstreamClient
 from gateway.upstreams import UpstreamSet, make_upstream
 from verifier.stage import NullVerifier, VerifierStage
 
@@ -83,6 +85,12 @@ class Gateway:
             limits=httpx.Limits(max_connections=g.max_connections, max_keepalive_connections=g.max_connections),
             trust_env=False,
         )
+        #: the forward path's client (aiohttp; see gateway.upstream_client); ``client`` polls pools
+        self.forwarder = UpstreamClient(
+            connect_timeout=g.connect_timeout_seconds,
+            read_timeout=g.read_timeout_seconds,
+            max_connections=g.max_connections,
+        )
         ups = []
         for u in settings.upstreams:
             ctx = max((m.context_length for n in u.models if (m := settings.model_by_name(n))), default=None)
@@ -125,6 +133,7 @@ class Gateway:
             if close is not None:
                 with contextlib.suppress(Exception):
                     await close()
+        await self.forwarder.aclose()
         await self.client.aclose()
 
     def ready(self) -> tuple[bool, dict[str, Any]]:

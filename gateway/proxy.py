@@ -36,6 +36,7 @@ from config.models import Settings
 from gateway.admit import Admitted
 from gateway.metrics import GatewayMetrics
 from gateway.sse import DONE_EVENT, SSEEventTooLarge, SSESplitter, inspect, strip_usage_null
+from gateway.upstream_client import UpstreamClient, UpstreamResponse
 from gateway.upstreams import Upstream, UpstreamSet
 from verifier.engine_response import engine_error, is_error_payload, parse_body
 from verifier.stage import Exchange, ResponseGuard, ResponseWithheld, VerifierStage
@@ -51,7 +52,7 @@ Chunk: TypeAlias = tuple[bytes, bool]
 class RelayContext(Protocol):
     """What the relay reads from the gateway (``gateway.app.Gateway`` provides it)."""
 
-    client: httpx.AsyncClient
+    forwarder: UpstreamClient
     upstreams: UpstreamSet
     metrics: GatewayMetrics
     verifier: VerifierStage
@@ -154,7 +155,7 @@ async def relay(ctx: RelayContext, outcome: RelayOutcome) -> AsyncGenerator[Chun
         await resp.aclose()
 
 
-async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[httpx.Response, float]:
+async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[UpstreamResponse, float]:
     """``(the upstream's response, its headers read; perf_counter when it was sent)``. Sets
     ``outcome.upstream`` (whose ``in_flight`` stays counted until :func:`relay` ends) and
     ``forwarded``. Raises :class:`OpenAIError` 503/504 (no upstream took it) or 502."""
@@ -165,12 +166,11 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[httpx
         headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": rid}
         if u.auth_header:
             headers["authorization"] = u.auth_header
-        req = ctx.client.build_request("POST", u.url_for(route), content=a.forward.body, headers=headers)
         t_forward = time.perf_counter()
         u.in_flight += 1
         accepted = False
         try:
-            resp = await ctx.client.send(req, stream=True)
+            resp = await ctx.forwarder.send("POST", u.url_for(route), a.forward.body, headers)
             accepted = True
         except _CONNECT_FAILURES as e:
             ctx.metrics.upstream_errors.labels(u.name, "connect").inc()
@@ -208,7 +208,7 @@ def _transport_error(ctx: RelayContext, u: Upstream | None, e: httpx.HTTPError, 
     return OpenAIError(502, f"The upstream engine {what} ({type(e).__name__}).", code=ErrorCode.UPSTREAM_UNAVAILABLE)
 
 
-async def _check_answer(ctx: RelayContext, outcome: RelayOutcome, resp: httpx.Response) -> None:
+async def _check_answer(ctx: RelayContext, outcome: RelayOutcome, resp: UpstreamResponse) -> None:
     """Raise the engine's error for a non-200 answer, or for a stream request answered without
     an event stream (an engine that does so is reporting an error in a JSON body)."""
     name = outcome.upstream.name if outcome.upstream is not None else "-"
@@ -247,7 +247,7 @@ def _exchange(outcome: RelayOutcome) -> Exchange:
 
 
 async def read_whole(
-    ctx: RelayContext, outcome: RelayOutcome, resp: httpx.Response, guard: ResponseGuard | None, t_forward: float
+    ctx: RelayContext, outcome: RelayOutcome, resp: UpstreamResponse, guard: ResponseGuard | None, t_forward: float
 ) -> AsyncGenerator[Chunk, None]:
     """Read a whole JSON answer, note what it produced, let the guard check it, and yield its
     bytes once, unchanged, as the last chunk. Raises :class:`OpenAIError` 502/504 (read failed, not JSON, an error
@@ -286,7 +286,7 @@ async def read_whole(
 
 
 async def relay_stream(
-    ctx: RelayContext, outcome: RelayOutcome, resp: httpx.Response, guard: ResponseGuard | None, t_forward: float
+    ctx: RelayContext, outcome: RelayOutcome, resp: UpstreamResponse, guard: ResponseGuard | None, t_forward: float
 ) -> AsyncGenerator[Chunk, None]:
     """Relay an event stream (module docstring). Events before the response starts are held
     back, so that an engine error before any content is answered with the engine's status."""
