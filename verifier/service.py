@@ -41,7 +41,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +96,9 @@ class VerifierService:
     - ``rng``: ``random.Random`` for sampling (tests seed it).
     - ``probe_targets``: for the periodic probe (``verifier.probe_interval_seconds``): a list of
       :class:`verifier.probe.ProbeTarget`; default: every upstream, straight at the engine.
+    - ``tenant_source``: ``tenant id -> TenantConfig | None`` (the gateway's tenant table, e.g.
+      ``TenantRegistry.get``), asked first whether a canary's owner is a honeypot: with several
+      gateway workers, the honeypot's own request may have been served by another process.
     """
 
     def __init__(
@@ -109,10 +112,12 @@ class VerifierService:
         rng: random.Random | None = None,
         incident_path: str | None = None,
         probe_targets: list | None = None,
+        tenant_source: Callable[[str], TenantConfig | None] | None = None,
     ) -> None:
         self.settings = settings
         self.cfg = cfg = settings.verifier
         self.tenants = {t.id: t for t in tenants}
+        self.tenant_source = tenant_source
         if secrets is None:
             from config.secrets import load_secrets
 
@@ -441,7 +446,9 @@ class VerifierService:
 
     def _kvgate_planted(self, tenant_id: str) -> bool:
         """Canaries of this tenant were planted by kvgate itself: a honeypot or the probe tenant."""
-        t = self.tenants.get(tenant_id)
+        t = self.tenant_source(tenant_id) if self.tenant_source is not None else None
+        if t is None:
+            t = self.tenants.get(tenant_id)
         return (t is not None and t.honeypot) or tenant_id == (self.cfg.probe_tenant or "kvgate-probe")
 
     def _canary_findings(self, exchange: Exchange, canaries: list[str]) -> list[Incident]:

@@ -96,10 +96,12 @@ def init_tenant(tenants_path: str | None, name: str, state_dir: str) -> bool:
     return True
 
 
-def build_stages(settings, secrets):
+def build_stages(settings, secrets, registry=None):
     """The quota and verifier stages ``settings`` ask for: ``gateway.quotas.build_quota_stage``
     (``NullQuotas`` when ``quotas.enabled`` is false) and ``verifier.from_settings`` (``None``,
-    i.e. ``NullVerifier``, when ``verifier.enabled`` is false)."""
+    i.e. ``NullVerifier``, when ``verifier.enabled`` is false). ``registry``: the
+    :class:`~gateway.tenants.TenantRegistry`, whose current table tells the verifier which
+    tenants are honeypots (whichever worker served their requests)."""
     from gateway.quotas import build_quota_stage
 
     quotas = build_quota_stage(settings)
@@ -107,7 +109,8 @@ def build_stages(settings, secrets):
     if settings.verifier.enabled:
         import verifier as vmod
 
-        verifier = vmod.from_settings(settings, secrets)
+        kw = {"tenant_source": registry.get} if registry is not None else {}
+        verifier = vmod.from_settings(settings, secrets, **kw)
     return quotas, verifier
 
 
@@ -178,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"kvgate serve: cannot bind {host}:{port}: {e}", file=sys.stderr)
             return 1
-    quotas, verifier = build_stages(settings, secrets)
+    quotas, verifier = build_stages(settings, secrets, registry)
     from gateway.app import create_app
     from gateway.server import run_server
 
