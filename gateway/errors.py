@@ -15,7 +15,8 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from config.errors import ErrorCode, OpenAIError, openai_error_bytes
+from config.errors import ErrorCode, OpenAIError, as_openai_error, openai_error_bytes
+from tokenizer import TokenizerError
 
 log = logging.getLogger("kvgate.errors")
 
@@ -33,9 +34,13 @@ def error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> R
 def install(app: FastAPI) -> None:
     """Register the handlers on ``app``."""
 
-    @app.exception_handler(OpenAIError)
-    async def _openai(request: Request, exc: OpenAIError) -> Response:
-        return error_response(exc)
+    async def _kvgate(request: Request, exc: Exception) -> Response:
+        err = as_openai_error(exc)
+        assert err is not None  # registered only for the ErrorLike families below
+        return error_response(err)
+
+    for family in (OpenAIError, TokenizerError):  # config.errors.ErrorLike: status, code, to_openai()
+        app.add_exception_handler(family, _kvgate)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:

@@ -121,3 +121,57 @@ def test_tokenizer_errors_map_as_the_gateway_answers():
 def test_mapper_leaves_foreign_exceptions_to_the_caller():
     assert as_openai_error(ValueError("x")) is None
     assert as_openai_error(KeyError("x")) is None
+
+
+def test_gateway_app_answers_every_family_through_the_mapper():
+    """An ErrorLike error escaping a route is answered with its own status and OpenAI body (a
+    TokenizerError too, e.g. from a route that counts), any other exception with a bare 500."""
+    from starlette.testclient import TestClient
+
+    from gateway.app import create_app
+    from tests.gateway_harness import SECRETS, closed_port_url, settings_for, tenants, upstream
+
+    app = create_app(
+        settings_for([upstream("u1", api_url=closed_port_url(), pool_urls=[closed_port_url() + "/server_info"])]),
+        tenants(),
+        secrets=SECRETS,
+    )
+    raised = {
+        "/t/engine": tokenizer_errors.EngineTokenizeError("engine tokenize answered 500", "messages"),
+        "/t/prompt": tokenizer_errors.InvalidPromptError("'prompt' must be a string", "prompt[3]"),
+        "/t/openai": OpenAIError(429, "slow down", code=ErrorCode.RATE_LIMIT_EXCEEDED, headers={"Retry-After": "2"}),
+        "/t/bug": KeyError("internal detail"),
+    }
+
+    def route_for(exc):
+        async def route(request):
+            raise exc
+
+        return route
+
+    for path, exc in raised.items():
+        app.router.add_route(path, route_for(exc), methods=["GET"])
+    with TestClient(app, raise_server_exceptions=False) as c:
+        r = c.get("/t/engine")
+        assert (r.status_code, r.json()) == (
+            502,
+            {
+                "error": {
+                    "message": "engine tokenize answered 500",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "upstream_unavailable",
+                }
+            },
+        )
+        r = c.get("/t/prompt")
+        assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (
+            400,
+            "prompt[3]",
+            "invalid_request",
+        )
+        r = c.get("/t/openai")
+        assert (r.status_code, r.headers["retry-after"], r.json()["error"]["code"]) == (429, "2", "rate_limit_exceeded")
+        r = c.get("/t/bug")
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        assert "internal detail" not in r.text
