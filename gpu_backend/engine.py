@@ -173,7 +173,7 @@ class Engine:
 
     def submit(self, msg: Message) -> None:
         """Send a typed message to the worker (any thread)."""
-        self.scheduler.submit(msg)
+        self.scheduler.mailbox.submit(msg)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[Token]:
         """Prefill + decode one request; yields a :class:`Token` per token, the last ``finished``.

@@ -40,6 +40,9 @@ class KVPool:
     ``num_pages`` pages of ``page_size`` tokens; K and V for ``num_layers`` layers of
     ``num_kv_heads`` x ``head_dim``, ``dtype`` on ``device``. Pages are handed out FIFO from the free
     list (released pages go to its back, as SGLang's token allocator).
+
+    16 members, more than the team's ~15: four are read-only properties and ``page_is_zero`` is a
+    test helper; the rest are accounting, allocation and page IO, which belong together.
     """
 
     def __init__(

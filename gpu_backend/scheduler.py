@@ -21,6 +21,7 @@ record the terminal state, then emit the final token or the error).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -76,8 +77,9 @@ class Scheduler:
     ``max_prefill_batch``, ``max_decode_batch`` (sequences in one forward pass), and
     ``decode_batch_sizes`` (a Counter of batch size -> steps).
 
-    16 methods: the message handlers are one ``match`` in :meth:`_handle`; checks of a message's
-    payload are module functions (:func:`write_reservation`, :func:`decode_start_error`).
+    Messages arrive through ``mailbox`` (:class:`~gpu_backend.messages.Mailbox`; ``cond`` is its
+    lock). 15 methods: the message handlers are one ``match`` in :meth:`_handle`; checks of a
+    payload are module functions (:func:`write_reservation`, :func:`decode_start_error`, :func:`refuse`).
     """
 
     def __init__(
@@ -107,7 +109,7 @@ class Scheduler:
         self.reserved: dict[str, Sequence] = {}
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.mailbox = Mailbox(self._refuse)
+        self.mailbox = Mailbox(functools.partial(refuse, on_retire=on_retire))
         self.cond = self.mailbox.cond
         self.stats = {
             "prefill_steps": 0,
@@ -118,11 +120,6 @@ class Scheduler:
             "max_decode_batch": 0,
             "decode_batch_sizes": collections.Counter(),
         }
-
-    # ---- any thread ----------------------------------------------------------------------------
-    def submit(self, msg: Message) -> None:
-        """Queue a message for the worker (refused with a 503 once the worker has stopped)."""
-        self.mailbox.submit(msg)
 
     # ---- worker thread: the step -----------------------------------------------------------------
     def idle_wait(self) -> None:
@@ -228,18 +225,6 @@ class Scheduler:
         seq.set_state(SeqState.DECODING)
         self.running.append(seq)
         self._append(seq, msg.first_token_id)  # prefill's token: it may already finish the request
-
-    def _refuse(self, msg: Message) -> None:
-        """A message after the worker stopped (any thread): answer it with a 503, touch nothing."""
-        err = RequestAbortedError("engine is not running", status=503)
-        match msg:
-            case AddRequest(seq=seq) | Reserve(seq=seq):
-                seq.error = err
-                seq.set_state(SeqState.ABORTED)
-                self.on_retire(seq)
-                seq.emit(err)
-            case LoadPages(reply=reply) | StartDecode(emit=reply):
-                reply(err)
 
     # ---- worker thread: scheduling ---------------------------------------------------------------
     def _expire_waiting(self) -> None:
@@ -373,3 +358,17 @@ def decode_start_error(
             request_id=rid,
         )
     return None
+
+
+def refuse(msg: Message, *, on_retire: Callable[[Sequence], None]) -> None:
+    """Answer a message that arrived after the worker stopped (any thread) with a 503 ``aborted``;
+    no page is touched (a refused request never had one)."""
+    err = RequestAbortedError("engine is not running", status=503)
+    match msg:
+        case AddRequest(seq=seq) | Reserve(seq=seq):
+            seq.error = err
+            seq.set_state(SeqState.ABORTED)
+            on_retire(seq)
+            seq.emit(err)
+        case LoadPages(reply=reply) | StartDecode(emit=reply):
+            reply(err)
