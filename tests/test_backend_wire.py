@@ -1,0 +1,63 @@
+"""The backend's wire types (gpu_backend/wire.py): one Token, one PrefillOutcome, one engine id, and
+their JSON shapes exactly as the decode stream and /disagg/prefill carry them."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gpu_backend.wire import PrefillOutcome, Token, engine_request_id
+
+
+def test_token_json_is_the_six_fields_and_round_trips():
+    tok = Token(42, "hé", True, "length", 7, 3)
+    assert tok.to_json() == {
+        "token_id": 42,
+        "text": "hé",
+        "finished": True,
+        "finish_reason": "length",
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+    }
+    assert Token.from_json(orjson.loads(orjson.dumps(tok.to_json()))) == tok
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"token_id": 1, "text": "", "finished": False, "finish_reason": None, "prompt_tokens": 1},  # one missing
+        {
+            "token_id": 1,
+            "text": "",
+            "finished": False,
+            "finish_reason": None,
+            "prompt_tokens": 1,
+            "completion_tokens": 1,
+            "extra": 1,
+        },  # fmt: skip
+    ],
+)
+def test_token_from_json_refuses_missing_or_unknown_fields(obj):
+    with pytest.raises(TypeError):
+        Token.from_json(obj)
+
+
+def test_prefill_outcome_json_round_trips_and_compares_by_value():
+    out = PrefillOutcome(40, 1000, 0.25, False, 40)
+    assert out.to_json() == {
+        "num_tokens": 40,
+        "first_token_id": 1000,
+        "prefill_seconds": 0.25,
+        "placeholder": False,
+        "original_prompt_tokens": 40,
+    }
+    assert PrefillOutcome.from_json(orjson.loads(orjson.dumps(out.to_json()))) == out
+    with pytest.raises(TypeError):
+        PrefillOutcome.from_json({**out.to_json(), "kv": []})
+
+
+def test_engine_request_id_is_unique_per_room_and_fixed_width():
+    assert engine_request_id("r", 1) == "r@0000000000000001"
+    assert engine_request_id("r", (1 << 63) - 1) == "r@7fffffffffffffff"
+    assert engine_request_id("a@b", 16) == "a@b@0000000000000010"
+    assert len({engine_request_id("same", room) for room in range(100)}) == 100
