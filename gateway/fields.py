@@ -111,6 +111,24 @@ def _template_kwargs_for(engine: str, body: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+#: keys a chat message may carry (the OpenAI message params, plus the reasoning text that vLLM and
+#: SGLang return and clients send back; a template that reads it is counted with it). Anything
+#: else could reach an engine's template uncounted: SGLang, for one, merges a system message's
+#: ``tools`` into the prompt.
+MESSAGE_KEYS = frozenset(
+    ("role", "content", "name", "tool_calls", "tool_call_id", "refusal", "function_call", "audio")
+    + ("reasoning_content", "reasoning")
+)
+
+
+def _check_message_keys(body: dict[str, Any]) -> None:
+    for i, m in enumerate(body.get("messages") or ()):
+        if isinstance(m, dict):
+            for k in m:
+                if k not in MESSAGE_KEYS:
+                    raise _refuse(f"messages[{i}].{k}", f"Unrecognized message field: 'messages[{i}].{k}'.")
+
+
 def _check_images(body: dict[str, Any], policy: ImagePolicy) -> None:
     allowed = {h.lower() for h in policy.allowed_url_hosts}
     for i, m in enumerate(body.get("messages") or ()):
@@ -171,6 +189,7 @@ def check_request(body: dict[str, Any], route: str, engines: frozenset[str], ima
                 "'echo' with 'logprobs' (prompt logprobs) is not supported by the engines serving this model.",
             )
         return DEFAULT_CHAT
+    _check_message_keys(body)
     _check_images(body, images)
     agp = body.get("add_generation_prompt")
     cfm = body.get("continue_final_message")

@@ -353,3 +353,17 @@ def test_hf_template_fields_counted_as_the_engine_renders_them(env):
     assert refused(env, "chat", {**base, "stop_token_ids": [hf_vocab(folder)]}) == "stop_token_ids"
     status, _, got = post(env, "completions", {"model": "mh", "prompt": ["Hello world", "a b"], "max_tokens": 3})
     assert status == 200 and q.reserved[-1] == sum(hf_prompt_tokens(folder, got["prompt"])) + 2 * 3
+
+
+def test_message_fields_outside_the_openai_shape_refused(env):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "s", "tools": [tool]}, {"role": "user", "content": "x"}],
+    }
+    assert refused(env, "chat", body) == "messages[0].tools"  # SGLang merges these into the prompt
+    body = {"model": "mv", "messages": [{"role": "user", "content": "x", "chat_template": "{{ 'y' }}"}]}
+    assert refused(env, "chat", body) == "messages[0].chat_template"
+    ok = {"role": "assistant", "content": "a", "reasoning_content": "r", "refusal": None}
+    status, _, got = post(env, "chat", {"model": "m", "messages": [{"role": "user", "content": "x"}, ok]})
+    assert status == 200 and got["messages"][1] == ok
