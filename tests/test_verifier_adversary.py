@@ -201,10 +201,13 @@ async def test_quarantine_needs_kvgate_canary_or_two_sources(tmp_path):
         with pytest.raises(ResponseWithheld):
             await g.check_body(f"I recall {can_a}.", usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
-        assert [(i.detector, i.confirmed, i.evidence["quarantine"]) for i in svc.incidents.recent] == [
-            ("canary", True, None),
-            ("canary", True, None),
+        # (a canary of 16+ tokens is also a leak-index shingle: only the canary incidents here)
+        cans = [i for i in svc.incidents.recent if i.detector == "canary"]
+        assert [(i.tenant, i.confirmed, i.withheld, i.evidence["quarantine"]) for i in cans] == [
+            ("b", True, False, None),
+            ("s", True, True, None),
         ]
+        assert all(i.evidence.get("quarantine") is None for i in svc.incidents.recent)
         assert not svc.quarantine.records()
         # echo requests are never evidence, even of a second source
         can_c = new_canary()
@@ -212,12 +215,15 @@ async def test_quarantine_needs_kvgate_canary_or_two_sources(tmp_path):
         g = svc.begin(await admitted(svc, ex(D, "hello", echo=True)))
         await g.check_body(f"hello {can_c}", usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
-        assert svc.incidents.recent[-1].evidence["quarantine"] is None and not svc.quarantine.records()
+        last = [i for i in svc.incidents.recent if i.detector == "canary"][-1]
+        assert (last.tenant, last.evidence["echo"], last.evidence["quarantine"]) == ("d", True, None)
+        assert not svc.quarantine.records()
         # a second source tenant within the window: quarantined
         g = svc.begin(await admitted(svc, ex(D, "hello")))
         await g.check_body(f"hello {can_c}", usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
-        assert svc.incidents.recent[-1].evidence["quarantine"] == "two_sources"
+        last = [i for i in svc.incidents.recent if i.detector == "canary"][-1]
+        assert last.evidence["quarantine"] == "two_sources"
         assert svc.quarantine.records()["up"].detector == "canary"
         # an operator clears it: the evidence goes too, so one more single source does nothing
         assert svc.quarantine.clear("up")
@@ -232,7 +238,8 @@ async def test_quarantine_needs_kvgate_canary_or_two_sources(tmp_path):
         g = svc.begin(await admitted(svc, ex(B, "hi")))
         await g.check_body(f"code {can_h}", usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
-        assert svc.incidents.recent[-1].evidence["quarantine"] == "kvgate_canary"
+        last = [i for i in svc.incidents.recent if i.detector == "canary"][-1]
+        assert last.evidence["quarantine"] == "kvgate_canary"
         assert svc.is_quarantined("up", 5000)
     finally:
         await svc.aclose()
@@ -520,5 +527,25 @@ async def test_strict_stream_checks_each_choice_on_its_own(tmp_path):
                 p0, p1 = f" filler{i}", (" " if i else "") + w
                 sent += await g.feed(p0 + p1, sse(p0 + p1), pieces=[("0:content", p0), ("1:content", p1)])
         assert ei.value.detector == "leak_index" and sent == []
+    finally:
+        await svc.aclose()
+
+
+async def test_strict_stream_releases_nothing_unchecked_in_text_without_safe_cuts(tmp_path):
+    """A leaked passage of CJK text (no letter-separator-letter cut, so the shingler buffers up
+    to 256 characters before it encodes): no event leaves before its text was checked with 64
+    checked tokens behind it, so the leak is cut with nothing of it sent."""
+    svc = VerifierService(settings(tmp_path, strict_holdback_tokens=64), secrets=SECRETS)
+    try:
+        rng = random.Random(40)
+        victim = "".join(chr(0x4E00 + rng.randrange(2000)) for _ in range(900))
+        await admitted(svc, ex(A, victim))
+        g = svc.begin(await admitted(svc, ex(STRICT, "translate", stream=True)))
+        leak = victim[100:700]
+        sent: list[bytes] = []
+        with pytest.raises(ResponseWithheld):
+            for ch in leak:
+                sent += await g.feed(ch, sse(ch))
+        assert sent == []
     finally:
         await svc.aclose()

@@ -838,6 +838,11 @@ class _EchoStrip:
         self._buf.append(piece)
         return ""
 
+    @property
+    def held_chars(self) -> int:
+        """Characters swallowed that may still turn out not to be an echo (not yet checked)."""
+        return sum(len(b) for b in self._buf)
+
     def flush(self) -> str:
         """What is still swallowed at the end (a partial echo: the tenant's own text anyway)."""
         held, self._buf = "".join(self._buf), []
@@ -846,21 +851,39 @@ class _EchoStrip:
 
 
 class _TextStream:
-    """One text stream of a strict guard (a choice's field): echo strip, canary scan, shingler."""
+    """One text stream of a strict guard (a choice's field): echo strip, canary scan, shingler,
+    and how far it has been checked: ``checked_tokens`` is the stream's token count up to the
+    last piece whose every character the shingler has encoded (text still buffered for a safe
+    cut, or swallowed as a possible echo, is not checked yet)."""
 
-    __slots__ = ("echo", "scanner", "shingler")
+    __slots__ = ("_bounds", "_chars", "checked_tokens", "echo", "scanner", "shingler", "tokens")
 
-    def __init__(self, service: "VerifierService", exchange: Exchange) -> None:
+    def __init__(self, service: VerifierService, exchange: Exchange) -> None:
         self.echo = _EchoStrip(exchange.echo_prompts) if exchange.echo else None
         self.scanner = CanaryScanner()
         self.shingler = IncrementalShingler(service.hasher, max_pending_chars=256)
+        self.tokens = 0
+        self.checked_tokens = 0
+        self._chars = 0
+        self._bounds: collections.deque[tuple[int, int]] = collections.deque()  # (chars, tokens) at piece ends
 
-    def push(self, piece: str) -> tuple[list[str], list[int]]:
-        if self.echo is not None:
-            piece = self.echo.push(piece)
-            if not piece:
-                return [], []
-        return self.scanner.push(piece), self.shingler.push(piece)
+    def _advance(self) -> None:
+        pending = self.shingler.pending_chars + (self.echo.held_chars if self.echo is not None else 0)
+        done = self._chars - pending
+        while self._bounds and self._bounds[0][0] <= done:
+            self.checked_tokens = self._bounds.popleft()[1]
+
+    def push(self, piece: str, tokens: int) -> tuple[list[str], list[int]]:
+        self._chars += len(piece)
+        self.tokens += tokens
+        self._bounds.append((self._chars, self.tokens))
+        cans: list[str] = []
+        ids: list[int] = []
+        text = self.echo.push(piece) if self.echo is not None else piece
+        if text:
+            cans, ids = self.scanner.push(text), self.shingler.push(text)
+        self._advance()
+        return cans, ids
 
     def flush(self) -> tuple[list[str], list[list[int]]]:
         """End of the text: canaries and id runs (each with its own ``k - 1`` carry) still due."""
@@ -872,6 +895,8 @@ class _TextStream:
                 cans = self.scanner.push(held)
                 runs.append(self.shingler.push(held))
         runs.append(self.shingler.flush())
+        self.checked_tokens = self.tokens
+        self._bounds.clear()
         return cans, runs
 
 
@@ -941,7 +966,6 @@ class _StrictGuard:
         self.holdback = service.cfg.strict_holdback_tokens
         #: held events: raw bytes and, per text stream it added to, that stream's token total after it
         self._held: collections.deque[tuple[bytes, dict[str, int]]] = collections.deque()
-        self._totals: dict[str, int] = {}
         self.seen: set[int] = set()
         self.verdict = LeakVerdict()
         self._streams: dict[str, _TextStream] = {}
@@ -962,15 +986,16 @@ class _StrictGuard:
 
     def _release(self) -> list[bytes]:
         """The held events, in order, each once every text stream it added to has at least
-        ``holdback`` tokens of that stream behind it (per stream: two interleaved choices do not
-        count each other's tokens); none while the stream is suspect."""
+        ``holdback`` *checked* tokens of that stream behind it (per stream: two interleaved
+        choices do not count each other's tokens; text the shingler still buffers, such as a
+        run of CJK without a safe cut, is not checked yet); none while the stream is suspect."""
         out: list[bytes] = []
         if self._suspect is not None:
             return out
-        totals = self._totals
+        streams = self._streams
         while self._held:
             raw, ends = self._held[0]
-            if any(totals[k] - end < self.holdback for k, end in ends.items()):
+            if any(streams[k].checked_tokens - end < self.holdback for k, end in ends.items()):
                 break
             self._held.popleft()
             out.append(raw)
@@ -996,22 +1021,22 @@ class _StrictGuard:
 
     def _feed_text(self, pieces: list[tuple[str, str]], raw_event: bytes, now: float) -> list[bytes]:
         """:meth:`feed`'s blocking part (strict pool thread): count, pre-check, check, release."""
-        ends: dict[str, int] = {}
-        for key, text in pieces:
-            ends[key] = self._totals[key] = self._totals.get(key, 0) + len(encode(text))
         self._text_bytes += sum(len(t.encode("utf-8", "replace")) for _, t in pieces)
-        self._held.append((raw_event, ends))
         if self._text_bytes > self.service.cfg.strict_max_text_bytes:
             self._withhold([self.service._oversize(self.exchange, self._text_bytes)])
         if not self._first_text_seen:
             self._first_text_seen = True
             self._suspect = self.service.latency_precheck(self.exchange, now - self.exchange.started_monotonic)
+        ends: dict[str, int] = {}
         cans: list[str] = []
         ids_list: list[list[int]] = []
         for key, text in pieces:
-            c, ids = self._stream(key).push(text)
+            st = self._stream(key)
+            c, ids = st.push(text, len(encode(text)))
+            ends[key] = st.tokens
             cans += c
             ids_list.append(ids)
+        self._held.append((raw_event, ends))
         if cans or any(ids_list):
             found = self.service.strict_check_piece(self, cans, ids_list)
             if found:

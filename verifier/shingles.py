@@ -256,6 +256,11 @@ class IncrementalShingler:
         head, self._pending = self._pending[:p], self._pending[p:]
         return self._emit(head)
 
+    @property
+    def pending_chars(self) -> int:
+        """Characters pushed but not yet encoded (not yet checked)."""
+        return len(self._pending)
+
     def flush(self) -> list[int]:
         """Encode whatever is buffered; returns ids whose shingles are new."""
         if not self._pending:
