@@ -13,7 +13,10 @@ In DESIGN.md's order, each step a call into the module that owns it:
    batch above the tenant's ``max_sequences_per_request`` is refused before it is counted, and a
    request whose counting is costly is counted off the event loop; an unknown or stale pool is
    503 ``pool_size_unknown`` (fail closed);
-5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503);
+5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503), and
+   hand the prompt to the verifier's admission (:meth:`verifier.stage.VerifierStage.admit`:
+   token-id prompts decoded, the prompt indexed, on this request's own time, before it can be
+   forwarded);
 6. build the body to forward (:func:`gateway.admission.upstream_body`) and reserve the quota last,
    so that no refusal ever leaves a reservation behind.
 """
@@ -21,8 +24,9 @@ In DESIGN.md's order, each step a call into the module that owns it:
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from starlette.requests import Request
 
@@ -34,7 +38,8 @@ from gateway.requests import parse_json_body, read_body, validate
 from gateway.stages import QuotaLease, QuotaStage
 from gateway.tenants import TenantRegistry
 from gateway.upstreams import Upstream, UpstreamSet
-from verifier.stage import VerifierStage
+from tokenizer import split_completion_prompt
+from verifier.stage import Exchange, VerifierStage
 
 #: A body larger than this (bytes) is parsed, and its forwarded form encoded, in a worker thread:
 #: orjson builds one object per element, and 64 KiB of ``[""]`` is about 22,000 of them (about a
@@ -81,7 +86,8 @@ class Forward:
 class Admitted:
     """An admitted request: who (``tenant``), what admission decided (``admission``: model, token
     counts, limit), the quota ``lease`` (settled exactly once by :func:`gateway.finish.finish`),
-    the upstreams it may go to (``candidates``: known pool, not quarantined) and ``forward``."""
+    the upstreams it may go to (``candidates``: known pool, not quarantined) and ``forward``;
+    ``exchange``: the request as the verifier saw it at admission (the relay names its upstream)."""
 
     arrival: Arrival
     tenant: TenantConfig
@@ -89,6 +95,7 @@ class Admitted:
     lease: QuotaLease
     candidates: list[Upstream]
     forward: Forward
+    exchange: Exchange | None = None
 
 
 class Refused(Exception):
@@ -143,9 +150,48 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
             code=ErrorCode.UPSTREAM_UNAVAILABLE,
         )
     stream = bool(body.get("stream"))
+    exchange = verifier_exchange(arrival, tenant, adm, body, stream)
+    await ctx.verifier.admit(exchange, entry.counter.adecode)
     strip_usage = stream and not client_wants_usage(body)
     salt = ctx.cache_salt(tenant.id)
     forwarded = await asyncio.to_thread(upstream_body, body, adm, salt) if large else upstream_body(body, adm, salt)
     forward = Forward(forwarded, stream, strip_usage)
     lease = await ctx.quotas.reserve(tenant, adm.reserve_tokens, arrival.request_id)
-    return Admitted(arrival, tenant, adm, lease, candidates, forward)
+    return Admitted(arrival, tenant, adm, lease, candidates, forward, exchange)
+
+
+def verifier_exchange(
+    arrival: Arrival, tenant: TenantConfig, adm: Admission, body: dict[str, Any], stream: bool
+) -> Exchange:
+    """The request as the verifier sees it (its upstream is named once the relay picked one):
+    the prompt's text; a completions request's token-id prompts (``prompt_ids``, which the
+    verifier decodes); ``echo`` and the texts an echo would repeat (each string prompt; a chat's
+    last message). ``started_monotonic`` is the arrival, on the monotonic clock."""
+    ids: list[list[int]] = []
+    echo_prompts: list[str] = []
+    if arrival.route == "completions":
+        for p in split_completion_prompt(body["prompt"]):  # validated: no error here
+            (echo_prompts if isinstance(p, str) else ids).append(p)
+    else:
+        msgs = body.get("messages") or ()
+        last = msgs[-1].get("content") if msgs and isinstance(msgs[-1], dict) else None
+        if isinstance(last, str):
+            echo_prompts.append(last)
+        elif isinstance(last, list):
+            echo_prompts.append(
+                "".join(p["text"] for p in last if isinstance(p, dict) and isinstance(p.get("text"), str))
+            )
+    return Exchange(
+        arrival.request_id,
+        tenant,
+        "",
+        adm.model.id,
+        arrival.route,
+        adm.prompt_text,
+        adm.prompt_tokens,
+        stream,
+        time.monotonic() - (time.perf_counter() - arrival.t_perf),
+        prompt_ids=ids,
+        echo=body.get("echo") is True,
+        echo_prompts=echo_prompts,
+    )

@@ -229,8 +229,12 @@ async def _check_answer(ctx: RelayContext, outcome: RelayOutcome, resp: Upstream
 
 
 def _exchange(outcome: RelayOutcome) -> Exchange:
-    """The request as the verifier sees it."""
+    """The request as the verifier sees it: the one admission built (now with its upstream),
+    else a new one."""
     a = outcome.admitted
+    if a.exchange is not None:
+        a.exchange.upstream = outcome.upstream.name if outcome.upstream else ""
+        return a.exchange
     adm = a.admission
     started_monotonic = time.monotonic() - (time.perf_counter() - a.arrival.t_perf)
     return Exchange(
@@ -277,7 +281,9 @@ async def read_whole(
             pass
     if guard is not None:
         try:
-            await guard.check_body(out.text, usage=p.usage, finish_reason=p.finish_reason, ttft_seconds=p.ttft_seconds)
+            await guard.check_body(
+                list(out.fields.values()), usage=p.usage, finish_reason=p.finish_reason, ttft_seconds=p.ttft_seconds
+            )
         except ResponseWithheld as w:
             raise withheld_error(w) from None
     outcome.overhead_seconds += time.perf_counter() - t_done
@@ -330,7 +336,7 @@ async def relay_stream(
                     if o.texts and p.ttft_seconds is None:
                         p.ttft_seconds = time.perf_counter() - t_forward
                 if guard is not None:
-                    out.extend(await guard.feed(info.text, ev))
+                    out.extend(await guard.feed(info.text, ev, list(info.output.fields.items())))
                 else:
                     out.append(ev)
                 if not started and (info.text or info.finish_reason):

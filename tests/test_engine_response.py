@@ -17,7 +17,8 @@ def test_whole_chat_body_per_choice_texts_usage_finish():
         "usage": {"prompt_tokens": 11, "completion_tokens": 2},
     }
     out = parse_body(body)
-    assert out == EngineOutput({0: "Hello", 1: ""}, "stop", {"prompt_tokens": 11, "completion_tokens": 2}, False)
+    usage = {"prompt_tokens": 11, "completion_tokens": 2}
+    assert out == EngineOutput({0: "Hello", 1: ""}, "stop", usage, False, {"0:content": "Hello", "1:content": ""})
     assert out.text == "Hello"
 
 
@@ -65,3 +66,111 @@ def test_error_payloads():
     assert not is_error_payload({"error": None, "choices": []})  # a chunk that carries an error field
     assert not is_error_payload({"choices": []})
     assert not is_error_payload(["error"])
+
+
+# ------------------------------------------------------------------ every text-bearing field
+def test_every_text_bearing_field_of_a_whole_chat_body():
+    body = {
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning_content": "think A",
+                    "reasoning": "think B",
+                    "refusal": "no C",
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"q": "D"}'}},
+                        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "E"}},
+                    ],
+                    "function_call": {"name": "h", "arguments": "F"},
+                    "audio": {"id": "a", "transcript": "G"},
+                },
+                "logprobs": {"content": [{"token": "x", "logprob": -1.0}, {"token": "y"}], "refusal": None},
+                "finish_reason": "tool_calls",
+            },
+            {"index": 1, "message": {"content": [{"type": "text", "text": "p1"}, {"type": "refusal", "refusal": "r"}]}},
+        ]
+    }
+    out = parse_body(body)
+    assert out.fields == {
+        "0:reasoning_content": "think A",
+        "0:reasoning": "think B",
+        "0:refusal": "no C",
+        "0:audio": "G",
+        "0:tool:0:name": "f",
+        "0:tool:0:arguments": '{"q": "D"}',
+        "0:tool:1:name": "g",
+        "0:tool:1:arguments": "E",
+        "0:function_call:name": "h",
+        "0:function_call:arguments": "F",
+        "0:logprobs": "xy",
+        "1:content": "p1",
+        "1:refusal": "r",
+    }
+    # the completion text of each choice: every field but the logprobs (they repeat the text)
+    assert out.texts == {0: 'think Athink Bno CGf{"q": "D"}gEhF', 1: "p1r"}
+    assert out.finish_reason == "tool_calls"
+
+
+def test_streamed_tool_call_fragments_and_interleaved_choices():
+    chunks = [
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "lookup", "arguments": ""},
+                            }
+                        ],
+                    },
+                }
+            ]
+        },
+        {"choices": [{"index": 1, "delta": {"reasoning_content": "hm"}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"q": '}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"x"}'}}]}}]},
+        {"choices": [{"index": 1, "delta": {"function_call": {"arguments": "zz"}}, "finish_reason": "stop"}]},
+    ]
+    outs = [parse_chunk(c) for c in chunks]
+    assert [o.fields for o in outs] == [
+        {"0:tool:0:name": "lookup"},
+        {"1:reasoning_content": "hm"},
+        {"0:tool:0:arguments": '{"q": '},
+        {"0:tool:0:arguments": '"x"}'},
+        {"1:function_call:arguments": "zz"},
+    ]
+    assert [o.texts for o in outs] == [{0: "lookup"}, {1: "hm"}, {0: '{"q": '}, {0: '"x"}'}, {1: "zz"}]
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_completions_text_and_logprob_tokens():
+    out = parse_body(
+        {"choices": [{"index": 0, "text": "ab", "logprobs": {"tokens": ["a", "b", 3], "top_logprobs": [{"zz": -1}]}}]}
+    )
+    assert (out.fields, out.texts) == ({"0:text": "ab", "0:logprobs": "ab"}, {0: "ab"})
+    only_lp = parse_chunk({"choices": [{"index": 0, "text": "", "logprobs": {"tokens": ["q"]}}]})
+    assert (only_lp.fields, only_lp.texts, only_lp.text) == ({"0:logprobs": "q"}, {}, "")
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"tool_calls": "nope"},
+        {"tool_calls": [None, 1, {"function": "x"}, {"function": {"name": 5, "arguments": None}}]},
+        {"function_call": ["a"]},
+        {"reasoning_content": 7, "refusal": None, "audio": {"transcript": 1}},
+        {"content": [None, {"type": "text", "text": 1}]},
+    ],
+)
+def test_hostile_field_shapes_read_as_nothing(message):
+    assert (
+        parse_body({"choices": [{"message": message, "logprobs": {"content": [None, {"token": 1}]}}]}) == EngineOutput()
+    )

@@ -450,7 +450,7 @@ class WithholdingVerifier:
         self.exchanges.append(exchange)
 
         class Guard:
-            async def feed(self, delta_text, raw_event):
+            async def feed(self, delta_text, raw_event, pieces=None):
                 if delta_text:
                     raise ResponseWithheld("inc-1", "leak_index")
                 return [raw_event]
@@ -462,6 +462,9 @@ class WithholdingVerifier:
                 raise ResponseWithheld("inc-2", "canary")
 
         return Guard()
+
+    async def admit(self, exchange, decode=None):
+        return None
 
     def is_quarantined(self, upstream, prompt_tokens):
         return upstream in self.quarantined
@@ -548,6 +551,9 @@ def test_a_failing_stage_still_answers_openai_shaped_500(engine):
     class BrokenVerifier:
         def begin(self, exchange):
             raise RuntimeError("verifier bug")
+
+        async def admit(self, exchange, decode=None):
+            return None
 
         def is_quarantined(self, upstream, prompt_tokens):
             return False

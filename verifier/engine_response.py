@@ -11,9 +11,22 @@ settle) and the verifier read it; it lives in ``verifier/`` because dependencies
   ``{"object":"error",...,"code":400}``, vLLM/OpenAI nested ``{"error":{...}}``, ``/generate``'s
   ``{"error":{"message"}}``, FastAPI's ``{"detail":...}``) as an :class:`~config.errors.OpenAIError`.
 
-Text read today: a choice's ``message.content`` (whole chat), ``delta.content`` (chat chunk) or
-``text`` (completions). Other text-bearing fields (reasoning, refusal, tool-call arguments) are
-not read yet.
+Text-bearing fields, each read per choice as its own text stream (the strict guard, the canary
+scan, the leak index and the quota's completion count read them; DESIGN.md, "Strict mode reads
+every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
+
+- ``content`` (``message``/``delta``; a list of content parts gives its ``text`` parts here and
+  its ``refusal`` parts under ``refusal``), ``reasoning_content`` (DeepSeek, vLLM and SGLang
+  reasoning parsers), ``reasoning`` (vLLM's newer name, OpenRouter), ``refusal`` (OpenAI),
+  ``audio`` (``audio.transcript``);
+- ``tool:<j>:name`` / ``tool:<j>:arguments`` for ``tool_calls[]`` (``j``: the call's ``index``,
+  which streamed fragments carry, else its position), ``function_call:name`` /
+  ``function_call:arguments`` (the legacy field);
+- ``text`` (``/v1/completions``);
+- ``logprobs``: the token strings of the sampled tokens (chat ``logprobs.content[].token`` and
+  ``logprobs.refusal[].token``, completions ``logprobs.tokens``), read for checking only: they
+  repeat the text, so they are not counted as completion text. Alternatives in
+  ``top_logprobs`` are not read (they are single tokens at each position, not a text).
 """
 
 from __future__ import annotations
@@ -45,15 +58,20 @@ MAX_ENGINE_MESSAGE_CHARS = 4000
 class EngineOutput:
     """What one body or one chunk carries.
 
-    ``texts``: choice index -> the text it holds (whole body) or adds (chunk), in choice order;
-    choices without text are absent. ``finish_reason``: the first non-null one among the choices.
-    ``usage``: the ``usage`` object when it is an object. ``usage_only``: ``choices`` is an empty
-    list and usage is set (the ``stream_options.include_usage`` chunk)."""
+    ``texts``: choice index -> the completion text it holds (whole body) or adds (chunk): every
+    countable text-bearing field of the choice joined (``content``, reasoning, ``refusal``, tool
+    call names and arguments, ``function_call``, ``text``; not logprobs), in choice order; choices
+    without text are absent. ``fields``: the same per text stream, ``"<choice>:<field>"`` -> text
+    (module doc), logprob token strings included: what the verifier checks, each on its own.
+    ``finish_reason``: the first non-null one among the choices. ``usage``: the ``usage`` object
+    when it is an object. ``usage_only``: ``choices`` is an empty list and usage is set (the
+    ``stream_options.include_usage`` chunk)."""
 
     texts: dict[int, str] = field(default_factory=dict)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     usage_only: bool = False
+    fields: dict[str, str] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -61,12 +79,68 @@ class EngineOutput:
         return "".join(self.texts.values())
 
 
-def _choice_text(choice: dict[str, Any], holder: str) -> str | None:
-    """``choice[holder].content`` (``holder`` ``message`` or ``delta``) when that is an object,
-    else the completions ``choice.text``; ``None`` when it is not a string."""
+#: reasoning and refusal fields of a ``message`` / ``delta``, read as they are named
+_PLAIN_FIELDS = ("reasoning_content", "reasoning", "refusal")
+
+
+def _is_index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _choice_fields(choice: dict[str, Any], holder: str) -> list[tuple[str, str, bool]]:
+    """``(field, text, counted)`` of one choice, in a fixed order; only string values (an empty
+    string included). ``holder``: ``message`` (whole) or ``delta`` (chunk)."""
+    out: list[tuple[str, str, bool]] = []
     inner = choice.get(holder)
-    t = inner.get("content") if isinstance(inner, dict) else choice.get("text")
-    return t if isinstance(t, str) else None
+    if isinstance(inner, dict):
+        content = inner.get("content")
+        if isinstance(content, str):
+            out.append(("content", content, True))
+        elif isinstance(content, list):  # content parts
+            texts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            refusals = [p.get("refusal") for p in content if isinstance(p, dict) and isinstance(p.get("refusal"), str)]
+            if texts:
+                out.append(("content", "".join(texts), True))
+            if refusals:
+                out.append(("refusal", "".join(refusals), True))
+        for name in _PLAIN_FIELDS:
+            v = inner.get(name)
+            if isinstance(v, str):
+                out.append((name, v, True))
+        audio = inner.get("audio")
+        if isinstance(audio, dict) and isinstance(audio.get("transcript"), str):
+            out.append(("audio", audio["transcript"], True))
+        calls = inner.get("tool_calls")
+        if isinstance(calls, list):
+            for pos, tc in enumerate(calls):
+                if not isinstance(tc, dict):
+                    continue
+                j = tc.get("index") if _is_index(tc.get("index")) else pos
+                fn = tc.get("function")
+                if isinstance(fn, dict):
+                    for part in ("name", "arguments"):
+                        if isinstance(fn.get(part), str):
+                            out.append((f"tool:{j}:{part}", fn[part], True))
+        fc = inner.get("function_call")
+        if isinstance(fc, dict):
+            for part in ("name", "arguments"):
+                if isinstance(fc.get(part), str):
+                    out.append((f"function_call:{part}", fc[part], True))
+    elif isinstance(choice.get("text"), str):
+        out.append(("text", choice["text"], True))
+    lp = choice.get("logprobs")
+    if isinstance(lp, dict):
+        tokens: list[str] = []
+        for key in ("content", "refusal"):  # chat: [{"token", "logprob", "bytes", "top_logprobs"}]
+            items = lp.get(key)
+            if isinstance(items, list):
+                tokens += [t["token"] for t in items if isinstance(t, dict) and isinstance(t.get("token"), str)]
+        items = lp.get("tokens")  # completions: ["tok", ...]
+        if isinstance(items, list):
+            tokens += [t for t in items if isinstance(t, str)]
+        if tokens:
+            out.append(("logprobs", "".join(tokens), False))
+    return out
 
 
 def _parse(obj: Any, holder: str, keep_empty: bool) -> EngineOutput:
@@ -79,11 +153,15 @@ def _parse(obj: Any, holder: str, keep_empty: bool) -> EngineOutput:
         for c in choices:
             if not isinstance(c, dict):
                 continue
-            t = _choice_text(c, holder)
-            if t is not None and (t or keep_empty):
-                i = c.get("index")
-                key = i if isinstance(i, int) and not isinstance(i, bool) else position
-                out.texts[key] = out.texts.get(key, "") + t
+            i = c.get("index")
+            key = i if _is_index(i) else position
+            for name, t, counted in _choice_fields(c, holder):
+                if not t and not keep_empty:
+                    continue
+                fk = f"{key}:{name}"
+                out.fields[fk] = out.fields.get(fk, "") + t
+                if counted:
+                    out.texts[key] = out.texts.get(key, "") + t
             position += 1
             if out.finish_reason is None and isinstance(c.get("finish_reason"), str):
                 out.finish_reason = c["finish_reason"]
@@ -103,7 +181,9 @@ def parse_body(obj: Any) -> EngineOutput:
 
 def parse_chunk(obj: Any) -> EngineOutput:
     """One SSE chunk's ``data`` object (already JSON-decoded) as :class:`EngineOutput`: the text
-    each choice adds (``delta.content`` or ``text``; empty strings left out). Never raises."""
+    each choice adds, per field (the ``delta``'s fields or ``text``; empty strings left out; a
+    streamed tool call's ``arguments`` fragments add to the same ``tool:<j>:arguments``
+    stream). Never raises."""
     return _parse(obj, "delta", keep_empty=False)
 
 
