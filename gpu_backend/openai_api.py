@@ -296,12 +296,15 @@ def new_id(kind: str) -> str:
     return prefix + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI ``usage``."""
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """OpenAI ``usage``, with ``prompt_tokens_details.cached_tokens`` (OpenAI's field): always 0,
+    this engine has no prefix cache. The gateway's latency check needs it to tell a prefix-cache
+    hit from a prefill that did not happen."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 

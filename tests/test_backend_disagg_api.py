@@ -92,7 +92,12 @@ def test_completion_copies_the_prompt_with_usage_and_prefill_header(client):
         "created": body["created"],
         "model": "kvgate-tiny",
         "choices": [{"index": 0, "text": COUNTER.decode(IDS[:6]), "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 6, "total_tokens": 16},
+        "usage": {
+            "prompt_tokens": 10,
+            "completion_tokens": 6,
+            "total_tokens": 16,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
 
 
@@ -120,7 +125,8 @@ def test_completion_stream_bytes_with_include_usage(client):
         b'"usage":null}\n\n'
     )
     expected += (
-        b"data: " + head + b'"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}\n\n'
+        b"data: " + head + b'"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6,'
+        b'"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
     )
     expected += b"data: [DONE]\n\n"
     assert raw == expected
@@ -145,6 +151,7 @@ def test_chat_counts_equal_the_gateway_and_stream_bytes_are_exact(client):
         "prompt_tokens": COUNTER.count_chat(msgs),
         "completion_tokens": 3,
         "total_tokens": len(prompt_ids) + 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     # streamed: copy-probe walks the template and stops at <|im_end|> (EOS): finish_reason "stop"
     with client.stream(
