@@ -38,73 +38,89 @@ class SSEEventTooLarge(Exception):
 DEFAULT_MAX_EVENT_BYTES = 1 << 20
 
 
+def _first_end(buf: bytes, pos: int = 0) -> int:
+    """End (exclusive) of the first event terminator at or after ``pos``, or -1: the earlier of
+    ``\n\n`` and ``\r\n\r\n`` by where it starts."""
+    i = buf.find(b"\n\n", pos)
+    j = buf.find(b"\r\n\r\n", pos)
+    if j >= 0 and (i < 0 or j < i):
+        return j + 4
+    return i + 2 if i >= 0 else -1
+
+
 class SSESplitter:
     """Feeds bytes, yields complete events (each ``bytes`` including its terminating blank line).
 
     Incremental: each :meth:`feed` scans only the bytes it has not scanned before (plus the 3
-    before them, where a terminator may straddle two reads), so an event arriving in many small
-    reads costs time linear in its size, not quadratic. ``max_event_bytes`` bounds one event,
-    terminator included, and the unfinished tail kept between reads: past it, :meth:`feed`
-    raises :class:`SSEEventTooLarge` (``None``: unbounded)."""
+    before them, where a terminator may straddle two reads), and an unfinished event is kept as
+    the list of reads that hold it (joined once, when it ends), so an event arriving in many small
+    reads costs time linear in its size and never grows one buffer read by read.
+    ``max_event_bytes`` bounds one event, terminator included, and the unfinished tail kept between
+    reads: past it, :meth:`feed` raises :class:`SSEEventTooLarge` and drops the tail (``None``:
+    unbounded)."""
 
-    __slots__ = ("_buf", "_scanned", "max_event_bytes")
+    __slots__ = ("_parts", "_size", "_last3", "max_event_bytes")
 
     def __init__(self, max_event_bytes: int | None = None) -> None:
-        self._buf = bytearray()
-        self._scanned = 0  # bytes of _buf already searched for a terminator
+        self._parts: list[bytes] = []  # the unfinished event, read by read
+        self._size = 0
+        self._last3 = b""  # its last 3 bytes
         self.max_event_bytes = max_event_bytes
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Complete events in ``chunk`` (with what was buffered before); keeps the incomplete tail.
         Raises :class:`SSEEventTooLarge` when an event or the tail exceeds ``max_event_bytes``."""
-        if self._buf:
-            self._buf += chunk
-            buf: bytes | bytearray = self._buf
-            pos = max(0, self._scanned - 3)
-        else:
-            buf = chunk
-            pos = 0
         limit = self.max_event_bytes
         out: list[bytes] = []
-        start = 0
-        n = len(buf)
-        # next "\n\n" / "\r\n\r\n" at or after pos; n when none (searched at most once per feed each)
-        i = buf.find(b"\n\n", pos)
-        i = n if i < 0 else i
-        j = buf.find(b"\r\n\r\n", pos)
-        j = n if j < 0 else j
-        while i < n or j < n:
-            end = j + 4 if j < i else i + 2
-            if limit is not None and end - start > limit:
+        if self._parts:
+            probe = self._last3 + chunk
+            e = _first_end(probe)
+            if e < 0:  # still unfinished
+                self._parts.append(chunk)
+                self._size += len(chunk)
+                self._last3 = probe[-3:]
+                if limit is not None and self._size > limit:
+                    size = self._size
+                    self._drop()
+                    raise SSEEventTooLarge(size, limit)
+                return out
+            k = e - len(self._last3)  # where the event ends in chunk (>= 1: the tail held no terminator)
+            size = self._size + k
+            if limit is not None and size > limit:
                 self._drop()
-                raise SSEEventTooLarge(end - start, limit, out)
-            out.append(bytes(buf[start:end]))
-            start = end
-            if i < start:
-                i = buf.find(b"\n\n", start)
-                i = n if i < 0 else i
-            if j < start:
-                j = buf.find(b"\r\n\r\n", start)
-                j = n if j < 0 else j
-        tail = n - start
-        if limit is not None and tail > limit:
+                raise SSEEventTooLarge(size, limit)
+            self._parts.append(chunk[:k])
+            out.append(b"".join(self._parts))
             self._drop()
-            raise SSEEventTooLarge(tail, limit, out)
-        if buf is self._buf:
-            if start:
-                del self._buf[:start]
-        elif tail:
-            self._buf = bytearray(buf[start:])
-        self._scanned = tail
+            chunk = chunk[k:]
+        start = 0
+        n = len(chunk)
+        while start < n:
+            e = _first_end(chunk, start)
+            if e < 0:
+                break
+            if limit is not None and e - start > limit:
+                raise SSEEventTooLarge(e - start, limit, out)
+            out.append(chunk[start:e])
+            start = e
+        if start < n:
+            tail = n - start
+            if limit is not None and tail > limit:
+                raise SSEEventTooLarge(tail, limit, out)
+            rest = chunk[start:] if start else chunk
+            self._parts = [rest]
+            self._size = tail
+            self._last3 = rest[-3:]
         return out
 
     def _drop(self) -> None:
-        self._buf = bytearray()
-        self._scanned = 0
+        self._parts = []
+        self._size = 0
+        self._last3 = b""
 
     def tail(self) -> bytes:
         """Bytes after the last complete event (an event the upstream never finished)."""
-        return bytes(self._buf)
+        return b"".join(self._parts)
 
 
 def data_of(event: bytes) -> bytes | None:

@@ -1,0 +1,600 @@
+"""Hostile load, side by side in one run: normal traffic at a fixed rate alone, then the same
+traffic while attackers hit the same gateway (all on loopback, bounded in count and time).
+
+One ``kvgate serve``-equivalent gateway process (this file, ``--serve``: the same app, stages,
+secrets and server layer as ``kvgate serve``, plus a ``/__bench/lag`` route that reports the
+event loop's lag, sampled every 5 ms, and the process's RSS) in front of two upstreams:
+``bench/mock_engine.py`` for the normal traffic and an engine of this file (``--evil-engine``)
+whose streams send one 8 MiB event in 16 KiB writes.
+
+Phases (``--seconds`` each):
+
+1. ``idle``: normal traffic alone: ``--rate`` chat requests/s (open loop, each on time whatever
+   the others do), p50/p99 latency;
+2. ``attack``: the same traffic while these run against the same gateway:
+   - slowloris: ``--slowloris`` sockets (half with a valid key) that send ``Content-Length:
+     8000000`` and trickle the body one byte a second, reconnecting when closed; plus 50 sockets
+     that trickle a request head;
+   - giant prompt lists (an attacker tenant, one at a time): ``prompt: [""] * 2_000_000``,
+     ``prompt: [1] * 2_000_000`` (two million token ids), 250,000 messages (7.5 MB);
+   - an 8 MiB SSE event from the evil engine, one stream at a time;
+   - oversized headers: an 8 MiB header (sent in 64 KiB pieces until refused) and 20,000 headers;
+3. ``after``: 10 s after the attack stops, the gateway's RSS again.
+
+Reported: normal traffic's p50/p99 and the event loop's lag p99/max in both columns, the
+attackers' answers (status counts), the RSS before the attack, its peak and its growth 10 s after
+it. Goals (issue "Hold up under hostile load"): p99 under attack within 2x idle p99, loop lag p99
+<= 10 ms, RSS growth <= 50 MB.
+
+Run: ``.venv/bin/python bench/hostile.py [--seconds 15] [--rate 40] [--slowloris 200]``.
+"""
+
+import os
+import sys
+
+# Run as a script, this folder is sys.path[0]; a bench named like a stdlib module (bench/tokenize.py)
+# would shadow it. Benches import nothing from their own folder, so drop it.
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MODEL = "kvgate-tiny"
+EVIL = "evil-stream"
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Call me Ishmael. Some years ago I thought I would sail about."}],
+    "max_tokens": 8,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# ---------------------------------------------------------------- the gateway process (--serve)
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class LagProbe:
+    """ASGI wrapper: ``GET /__bench/lag`` returns (and with ``?reset=1`` restarts) the loop-lag
+    samples (ms) and RSS (bytes: now and the peak since the reset); everything else goes to the app."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.state = app.state
+        self.lags: list[float] = []
+        self.rss_peak = 0
+        self.task: asyncio.Task[None] | None = None
+
+    async def _sample(self) -> None:
+        n = 0
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            self.lags.append((time.perf_counter() - t - 0.005) * 1000)
+            n += 1
+            if n % 20 == 0:
+                self.rss_peak = max(self.rss_peak, rss_bytes())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/__bench/lag":
+            await self.app(scope, receive, send)
+            return
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._sample())
+        lags, now = self.lags, rss_bytes()
+        out = {
+            "n": len(lags),
+            "p50": pct(lags, 0.5),
+            "p99": pct(lags, 0.99),
+            "max": max(lags, default=float("nan")),
+            "rss": now,
+            "rss_peak": max(self.rss_peak, now),
+        }
+        if b"reset=1" in scope.get("query_string", b""):
+            self.lags, self.rss_peak = [], now
+        body = json.dumps(out).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def serve(config: str, tenants: str) -> int:
+    """``kvgate serve``'s app under its own server layer (:func:`gateway.server.run_server`),
+    wrapped in :class:`LagProbe`."""
+    from config.loader import load_settings
+    from config.secrets import load_secrets
+    from gateway.app import create_app
+    from gateway.commands.serve import build_stages
+    from gateway.logging import setup_logging
+    from gateway.server import run_server
+    from gateway.tenants import TenantRegistry
+
+    settings = load_settings(config)
+    registry = TenantRegistry.from_path(tenants, settings)
+    setup_logging("warning")
+    secrets_ = load_secrets(settings.state_dir)
+    quotas, verifier = build_stages(settings, secrets_)
+    app = create_app(settings, registry, quotas=quotas, verifier=verifier, secrets=secrets_)
+    return run_server(LagProbe(app), settings.gateway.host, settings.gateway.port, log_level="warning")
+
+
+# ---------------------------------------------------------------- the evil engine (--evil-engine)
+async def evil_engine(port: int) -> None:
+    """server_info for the pool; every completion is a stream whose second event is 8 MiB."""
+    info = json.dumps({"max_total_num_tokens": 1 << 20, "context_length": 8192, "page_size": 16}).encode()
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                if length:
+                    await r.readexactly(length)
+                if head.startswith(b"GET"):
+                    w.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(info)
+                    )
+                    w.write(info)
+                    await w.drain()
+                    continue
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + first)
+                piece = b"x" * 16384
+                w.write(b"data: ")
+                for _ in range(512):  # 8 MiB, never terminated
+                    w.write(piece)
+                    await w.drain()
+                break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+# ---------------------------------------------------------------- the bench
+class Run:
+    """The processes of one run and the keys of its two tenants."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.normal_key = "sk-normal-" + secrets.token_hex(16)
+        self.attack_key = "sk-attack-" + secrets.token_hex(16)
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+        env["PYTHONPATH"] = str(ROOT)
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def start(self) -> None:
+        import yaml
+
+        mock, evil = free_port(), free_port()
+        self.spawn("mock", [sys.executable, str(HERE / "mock_engine.py"), "--port", str(mock), "--model", MODEL])
+        self.spawn(
+            "evil", ["nice", "-n", "10", sys.executable, str(Path(__file__).resolve()), "--evil-engine", str(evil)]
+        )
+        settings = {
+            "gateway": {"host": "127.0.0.1", "port": self.port, "log_level": "warning"},
+            "quotas": {"enabled": False},
+            "verifier": {"enabled": False},
+            "redis_url": None,
+            "state_dir": str(self.tmp / "state"),
+            "models": [{"id": MODEL, "context_length": 8192}, {"id": EVIL, "context_length": 8192}],
+            "upstreams": [
+                {
+                    "name": "mock",
+                    "api_url": f"http://127.0.0.1:{mock}/v1",
+                    "pool_urls": [f"http://127.0.0.1:{mock}/server_info"],
+                    "models": [MODEL],
+                },
+                {
+                    "name": "evil",
+                    "api_url": f"http://127.0.0.1:{evil}/v1",
+                    "pool_urls": [f"http://127.0.0.1:{evil}/server_info"],
+                    "models": [EVIL],
+                },
+            ],
+        }
+        tenants = {
+            "tenants": [
+                {"id": "normal", "api_key_sha256": [hashlib.sha256(self.normal_key.encode()).hexdigest()]},
+                {"id": "attacker", "api_key_sha256": [hashlib.sha256(self.attack_key.encode()).hexdigest()]},
+            ]
+        }
+        (self.tmp / "kvgate.yaml").write_text(yaml.safe_dump(settings))
+        (self.tmp / "tenants.yaml").write_text(yaml.safe_dump(tenants))
+        argv = [sys.executable, str(Path(__file__).resolve()), "--serve"]
+        self.gateway = self.spawn("gateway", argv + [str(self.tmp / "kvgate.yaml"), str(self.tmp / "tenants.yaml")])
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.gateway.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("gateway did not start:\n" + (self.tmp / "gateway.log").read_text()[-3000:])
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+async def probe(run: Run, reset: bool) -> dict[str, Any]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.get(run.url + "/__bench/lag" + ("?reset=1" if reset else ""))
+        return r.json()
+
+
+async def normal_traffic(run: Run, rate: float, seconds: float) -> tuple[list[float], Counter[str]]:
+    """Open loop: request i starts at t0 + i / rate whatever the others do."""
+    import httpx
+
+    lat: list[float] = []
+    statuses: Counter[str] = Counter()
+    headers = {"authorization": f"Bearer {run.normal_key}"}
+    async with httpx.AsyncClient(
+        base_url=run.url, headers=headers, timeout=30, limits=httpx.Limits(max_connections=256)
+    ) as c:
+
+        async def one() -> None:
+            t = time.perf_counter()
+            try:
+                r = await c.post("/v1/chat/completions", json=CHAT)
+                statuses[str(r.status_code)] += 1
+                if r.status_code == 200:
+                    lat.append((time.perf_counter() - t) * 1000)
+            except httpx.HTTPError as e:
+                statuses[type(e).__name__] += 1
+
+        t0 = time.perf_counter()
+        tasks = []
+        for i in range(int(rate * seconds)):
+            delay = t0 + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(one()))
+        await asyncio.gather(*tasks)
+    return lat, statuses
+
+
+async def raw_send(port: int, data: bytes, *, piece: int = 65536) -> bytes:
+    """Send ``data`` in pieces while reading; return what the server answered until it closed
+    (a server that refuses early answers before the whole request is sent)."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    got = bytearray()
+
+    async def read() -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while chunk := await r.read(65536):
+                got.extend(chunk)
+
+    reader = asyncio.ensure_future(read())
+    try:
+        for i in range(0, len(data), piece):
+            if reader.done():
+                break
+            w.write(data[i : i + piece])
+            await w.drain()
+    except (ConnectionError, OSError):
+        pass
+    try:
+        await asyncio.wait_for(reader, 60)
+    except TimeoutError:
+        reader.cancel()
+    w.close()
+    return bytes(got)
+
+
+def status_of(answer: bytes) -> str:
+    return answer[9:12].decode() if answer.startswith(b"HTTP/1.1 ") else "closed"
+
+
+async def trickle(r: asyncio.StreamReader, w: asyncio.StreamWriter, first: bytes, byte: bytes) -> bytes:
+    """Send ``first``, then one ``byte`` a second until the server answers or closes (at most
+    60 s: the attack column may end first; the connection is held until the server lets go)."""
+    answer = b""
+    t0 = time.monotonic()
+    try:
+        w.write(first)
+        await w.drain()
+        while time.monotonic() - t0 < 60:
+            try:
+                answer = await asyncio.wait_for(r.read(4096), 1.0)
+                break  # the server answered or closed
+            except TimeoutError:
+                w.write(byte)
+                await w.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        w.close()
+    return answer
+
+
+async def slowloris(run: Run, stop: asyncio.Event, idx: int, results: Counter[str], held: list[float]) -> None:
+    auth = f"authorization: Bearer {run.attack_key}\r\n" if idx % 2 == 0 else ""
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n{auth}content-type: application/json\r\n"
+        "content-length: 8000000\r\n\r\n"
+    ).encode()
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", run.port)
+        except OSError:
+            results["connect-failed"] += 1
+            await asyncio.sleep(0.5)
+            continue
+        answer = await trickle(r, w, head + b"{", b" ")
+        results[f"slowloris {status_of(answer)}"] += 1
+        held.append(time.perf_counter() - t)
+
+
+async def slow_head(run: Run, stop: asyncio.Event, results: Counter[str], held: list[float]) -> None:
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            r, w = await asyncio.open_connection("127.0.0.1", run.port)
+        except OSError:
+            await asyncio.sleep(0.5)
+            continue
+        answer = await trickle(r, w, b"POST /v1/chat/completions HTTP/1.1\r\n", b"x")
+        results[f"slow-head {status_of(answer)}"] += 1
+        held.append(time.perf_counter() - t)
+
+
+def http_post(path: str, body: bytes, key: str) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
+
+
+def giant_bodies_of(run: Run) -> dict[str, bytes]:
+    """The giant requests, built once before any column (so building them costs no column time)."""
+    return {
+        'prompt [""] x 2M': http_post(
+            "/v1/completions", json.dumps({"model": MODEL, "prompt": [""] * 2_000_000}).encode(), run.attack_key
+        ),
+        "prompt 2M ids": http_post(
+            "/v1/completions", json.dumps({"model": MODEL, "prompt": [1] * 2_000_000}).encode(), run.attack_key
+        ),
+        "250k messages": http_post(
+            "/v1/chat/completions",
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 250_000}).encode(),
+            run.attack_key,
+        ),
+    }
+
+
+async def giant_bodies(run: Run, stop: asyncio.Event, results: Counter[str], bodies: dict[str, bytes]) -> None:
+    while not stop.is_set():
+        for name, raw in bodies.items():
+            if stop.is_set():
+                return
+            results[f"{name} {status_of(await raw_send(run.port, raw))}"] += 1
+
+
+async def big_event(run: Run, stop: asyncio.Event, results: Counter[str]) -> None:
+    body = json.dumps({"model": EVIL, "messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+    raw = http_post("/v1/chat/completions", body, run.attack_key)
+    while not stop.is_set():
+        answer = await raw_send(run.port, raw)
+        ended = b"larger than 1048576 bytes" in answer and b"data: [DONE]" in answer
+        results[f"8 MiB SSE event {status_of(answer)}{' error-event' if ended else ''}"] += 1
+
+
+async def big_headers(run: Run, stop: asyncio.Event, results: Counter[str]) -> None:
+    huge = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (8 << 20) + b"\r\n\r\n"
+    many = b"GET /healthz HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-h%d: 1\r\n" % i for i in range(20_000)) + b"\r\n"
+    while not stop.is_set():
+        results[f"8 MiB header {status_of(await raw_send(run.port, huge))}"] += 1
+        results[f"20k headers {status_of(await raw_send(run.port, many))}"] += 1
+
+
+ATTACKS = ("slowloris", "bodies", "sse", "headers")
+
+
+async def attack(port: int, key: str, only: set[str], slowloris_n: int) -> dict[str, Any]:
+    """The attackers (this file, ``--attack``, its own process at nice 10 so that building and
+    sending the attack takes CPU from the gateway no more than it must): run until SIGTERM, then
+    let held connections end and print the results as one JSON line."""
+    run = Run.__new__(Run)
+    run.port, run.attack_key = port, key
+    bodies = giant_bodies_of(run) if "bodies" in only else {}
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    results: Counter[str] = Counter()
+    held_body: list[float] = []
+    held_head: list[float] = []
+    attackers = []
+    if "slowloris" in only:
+        attackers += [asyncio.ensure_future(slowloris(run, stop, i, results, held_body)) for i in range(slowloris_n)]
+        attackers += [asyncio.ensure_future(slow_head(run, stop, results, held_head)) for _ in range(50)]
+    if "bodies" in only:
+        attackers.append(asyncio.ensure_future(giant_bodies(run, stop, results, bodies)))
+    if "sse" in only:
+        attackers.append(asyncio.ensure_future(big_event(run, stop, results)))
+    if "headers" in only:
+        attackers.append(asyncio.ensure_future(big_headers(run, stop, results)))
+    print("ready", flush=True)
+    await stop.wait()
+    await asyncio.wait(attackers, timeout=70)  # held connections end when the server lets go
+    for a in attackers:
+        a.cancel()
+    return {"results": dict(results), "held_body": held_body, "held_head": held_head}
+
+
+async def bench(run: Run, args: argparse.Namespace) -> dict[str, Any]:
+    await probe(run, reset=True)  # starts the sampler
+    await normal_traffic(run, args.rate, 2)  # warm-up
+    await probe(run, reset=True)
+    idle_lat, idle_status = await normal_traffic(run, args.rate, args.seconds)
+    idle = await probe(run, reset=True)
+    only = args.only or ",".join(ATTACKS)
+    attacker = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--attack",
+            str(run.port),
+            run.attack_key,
+            only,
+            str(args.slowloris),
+        ],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: os.nice(10),
+    )
+    assert attacker.stdout is not None
+    line = await asyncio.get_running_loop().run_in_executor(None, attacker.stdout.readline)
+    assert line.strip() == b"ready", line
+    await asyncio.sleep(1.0)  # let the attack build up
+    await probe(run, reset=True)
+    atk_lat, atk_status = await normal_traffic(run, args.rate, args.seconds)
+    attacked = await probe(run, reset=True)
+    attacker.send_signal(signal.SIGTERM)
+    out_line = await asyncio.get_running_loop().run_in_executor(None, attacker.stdout.read)
+    attacker.wait(10)
+    await asyncio.sleep(10)
+    after = await probe(run, reset=False)
+    res = json.loads(out_line.strip().splitlines()[-1])
+    return {
+        "idle": (idle_lat, idle_status, idle),
+        "attack": (atk_lat, atk_status, attacked),
+        "after": after,
+        "results": Counter(res["results"]),
+        "held_body": res["held_body"],
+        "held_head": res["held_head"],
+    }
+
+
+def report(out: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"\nnormal traffic: {args.rate:g} chat requests/s for {args.seconds:g} s per column; {os.cpu_count()} CPUs\n")
+    print(f"{'':26}{'idle':>14}{'under attack':>16}")
+    cols = [out["idle"], out["attack"]]
+    rows = [
+        ("normal p50 ms", [pct(c[0], 0.5) for c in cols]),
+        ("normal p99 ms", [pct(c[0], 0.99) for c in cols]),
+        ("normal answers", [", ".join(f"{k}: {v}" for k, v in sorted(c[1].items())) for c in cols]),
+        ("event-loop lag p50 ms", [c[2]["p50"] for c in cols]),
+        ("event-loop lag p99 ms", [c[2]["p99"] for c in cols]),
+        ("event-loop lag max ms", [c[2]["max"] for c in cols]),
+        ("RSS MB (end of column)", [c[2]["rss"] / 1e6 for c in cols]),
+        ("RSS peak MB", [c[2]["rss_peak"] / 1e6 for c in cols]),
+    ]
+    for name, vals in rows:
+        print(f"{name:26}" + "".join(f"{v:>14.2f}  " if isinstance(v, float) else f"{v:>14}  " for v in vals))
+    base = out["idle"][2]["rss"]
+    growth = (out["after"]["rss"] - base) / 1e6
+    print(
+        f"\nRSS: {base / 1e6:.1f} MB before the attack, peak {out['attack'][2]['rss_peak'] / 1e6:.1f} MB, "
+        f"{out['after']['rss'] / 1e6:.1f} MB 10 s after it: growth {growth:+.1f} MB"
+    )
+    hb, hh = out["held_body"], out["held_head"]
+    if hb:
+        print(f"slowloris body connections: {len(hb)} closed, held p50 {pct(hb, 0.5):.1f} s, max {max(hb):.1f} s")
+    if hh:
+        print(f"slow-head connections: {len(hh)} closed, held p50 {pct(hh, 0.5):.1f} s, max {max(hh):.1f} s")
+    print("attackers' answers:")
+    for k, v in sorted(out["results"].items()):
+        print(f"  {k}: {v}")
+    p99_idle, p99_atk = pct(out["idle"][0], 0.99), pct(out["attack"][0], 0.99)
+    lag = out["attack"][2]["p99"]
+    print("\ngoals:")
+    print(
+        f"  normal p99 under attack <= 2x idle p99: {p99_atk:.1f} <= {2 * p99_idle:.1f} ms: {p99_atk <= 2 * p99_idle}"
+    )
+    print(f"  event-loop lag p99 under attack <= 10 ms: {lag:.2f} ms: {lag <= 10}")
+    print(f"  RSS growth 10 s after <= 50 MB: {growth:+.1f} MB: {growth <= 50}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=15.0, help="seconds per column (default 15)")
+    ap.add_argument("--rate", type=float, default=40.0, help="normal chat requests per second (default 40)")
+    ap.add_argument("--slowloris", type=int, default=200, help="slow-body sockets (default 200)")
+    ap.add_argument("--only", default="", help="comma-separated attacks (default: all): " + ", ".join(ATTACKS))
+    ap.add_argument("--serve", nargs=2, metavar=("CONFIG", "TENANTS"), help=argparse.SUPPRESS)
+    ap.add_argument("--evil-engine", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--attack", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return serve(*args.serve)
+    if args.evil_engine:
+        asyncio.run(evil_engine(args.evil_engine))
+        return 0
+    if args.attack:
+        port, key, only, n = args.attack
+        print(json.dumps(asyncio.run(attack(int(port), key, set(only.split(",")), int(n)))), flush=True)
+        return 0
+    tmp = Path(tempfile.mkdtemp(prefix="kvgate-hostile-"))
+    run = Run(tmp)
+    try:
+        run.start()
+        out = asyncio.run(bench(run, args))
+    finally:
+        run.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(out, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
