@@ -16,7 +16,7 @@ Phases (``--seconds`` each):
      8000000`` and trickle the body one byte a second, reconnecting when closed; plus 50 sockets
      that trickle a request head;
    - giant prompt lists (an attacker tenant, one at a time): ``prompt: [""] * 2_000_000``,
-     ``prompt: [1] * 2_000_000`` (two million token ids), 250,000 messages (7.5 MB);
+     ``prompt: [1] * 2_000_000`` (two million token ids), 200,000 messages (7 MB);
    - an 8 MiB SSE event from the evil engine, one stream at a time;
    - oversized headers: an 8 MiB header (sent in 64 KiB pieces until refused) and 20,000 headers;
 3. ``after``: 10 s after the attack stops, the gateway's RSS again.
@@ -384,6 +384,7 @@ async def slowloris(run: Run, stop: asyncio.Event, idx: int, results: Counter[st
         answer = await trickle(r, w, head + b"{", b" ")
         results[f"slowloris {status_of(answer)}"] += 1
         held.append(time.perf_counter() - t)
+        await asyncio.sleep(0.2)  # then a new socket
 
 
 async def slow_head(run: Run, stop: asyncio.Event, results: Counter[str], held: list[float]) -> None:
@@ -415,9 +416,9 @@ def giant_bodies_of(run: Run) -> dict[str, bytes]:
         "prompt 2M ids": http_post(
             "/v1/completions", json.dumps({"model": MODEL, "prompt": [1] * 2_000_000}).encode(), run.attack_key
         ),
-        "250k messages": http_post(
+        "200k messages": http_post(
             "/v1/chat/completions",
-            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 250_000}).encode(),
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 200_000}).encode(),
             run.attack_key,
         ),
     }

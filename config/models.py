@@ -174,7 +174,8 @@ class GatewaySettings(_Strict):
     (``max_connections`` sizes the upstream pool), ``max_header_bytes`` / ``max_header_count``
     (431 above), ``header_timeout_seconds`` / ``body_timeout_seconds`` (408 when a request head or
     body arrives slower), ``keepalive_timeout_seconds``. ``max_sse_event_bytes`` bounds one
-    upstream stream event; ``metrics_token``, when set, is the bearer token ``/metrics`` and
+    upstream stream event; ``max_body_values`` the JSON values of one request body (413 above,
+    before it is parsed); ``metrics_token``, when set, is the bearer token ``/metrics`` and
     ``/readyz``'s details need.
 
     ``workers``: gateway worker processes on the one port (DESIGN.md, Contracts: "Workers");
@@ -196,6 +197,7 @@ class GatewaySettings(_Strict):
     body_timeout_seconds: float = Field(default=30.0, gt=0)
     keepalive_timeout_seconds: float = Field(default=5.0, gt=0)
     max_sse_event_bytes: int = Field(default=1 << 20, ge=1024)
+    max_body_values: int = Field(default=131_072, ge=1024)
     metrics_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     workers: int | None = Field(default=None, ge=1, le=256)

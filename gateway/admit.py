@@ -7,7 +7,8 @@ In DESIGN.md's order, each step a call into the module that owns it:
 1. authenticate from the ``Authorization`` header (:mod:`gateway.auth`), before any byte of the
    body is read: an unauthenticated client never makes the gateway read or parse a body;
 2. read the body (size limit) and parse it as strict JSON (:mod:`gateway.requests`), in a worker
-   thread when it is larger than :data:`OFFLOAD_BODY_BYTES`;
+   thread when it is larger than :data:`OFFLOAD_BODY_BYTES`, after refusing (413) one that holds
+   more than ``gateway.max_body_values`` JSON values (:mod:`gateway.density`);
 3. validate it against the route's OpenAI schema (:mod:`gateway.requests`);
 4. resolve the model, count the prompt, apply the context gate (:mod:`gateway.admission`); a
    batch above the tenant's ``max_sequences_per_request`` is refused before it is counted, and a
@@ -34,6 +35,7 @@ from config.errors import ErrorCode, OpenAIError
 from config.models import Settings, TenantConfig
 from gateway.admission import Admission, ModelIndex, client_wants_usage, count_prompt, decide, upstream_body
 from gateway.auth import authenticate
+from gateway.density import values_over
 from gateway.requests import parse_json_body, read_body, validate
 from gateway.stages import QuotaLease, QuotaStage
 from gateway.tenants import TenantRegistry
@@ -45,6 +47,20 @@ from verifier.stage import Exchange, VerifierStage
 #: orjson builds one object per element, and 64 KiB of ``[""]`` is about 22,000 of them (about a
 #: millisecond); an 8 MiB body would hold the event loop for tens of milliseconds.
 OFFLOAD_BODY_BYTES = 64 * 1024
+
+
+def _parse_large(raw: bytes, max_values: int) -> dict:
+    """Parse a large body in a worker thread, after refusing one that holds more than
+    ``max_values`` JSON values (:func:`gateway.density.values_over`): 413 before any parse."""
+    over = values_over(raw, max_values)
+    if over is not None:
+        raise OpenAIError(
+            413,
+            f"The request body holds more than {max_values} JSON values ({over + 1} or more); "
+            "send fewer prompts, messages or token ids per request.",
+            code=ErrorCode.REQUEST_TOO_LARGE,
+        )
+    return parse_json_body(raw)
 
 
 class AdmitContext(Protocol):
@@ -128,7 +144,10 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
     headers = request.headers
     raw = await read_body(request.receive, headers.get("content-length"), ctx.settings.gateway.max_body_bytes)
     large = len(raw) > OFFLOAD_BODY_BYTES
-    body = await asyncio.to_thread(parse_json_body, raw) if large else parse_json_body(raw)
+    if large:
+        body = await asyncio.to_thread(_parse_large, raw, ctx.settings.gateway.max_body_values)
+    else:
+        body = parse_json_body(raw)
     validate(body, route)
     entry = ctx.models.resolve(tenant, body.get("model"))
     prompt = await count_prompt(entry, body, route, max_sequences=tenant.max_sequences_per_request)

@@ -5,6 +5,7 @@ token ids are counted in a worker thread (or refused before counting, when the t
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -121,25 +122,62 @@ def test_request_cost_by_route():
     assert request_cost({"messages": [{"role": "user", "content": "a"}]}, "chat", 10**9) == 128
 
 
-def test_two_million_empty_prompts_over_http_get_the_sequence_cap_and_nothing_is_forwarded():
+def test_values_over_counts_commas_outside_strings_only():
+    from gateway.density import values_over
+
+    def over(obj, limit=1000):
+        return values_over(json.dumps(obj).encode(), limit)
+
+    assert over({"prompt": [""] * 2000}) == 1999
+    assert over({"prompt": [1] * 1001, "n": 1}) == 1001  # 1000 in the list, 1 between the members
+    assert over({"prompt": [1] * 1000}) is None  # 999 commas: not over
+    assert over({"prompt": "a," * 100_000}) is None  # commas inside a string are text
+    assert over({"prompt": ['a\\",b'] * 2000}) == 1999  # escaped backslash and quote inside strings
+    assert over({"prompt": "x\\" * 10 + "," * 5000}) is None
+    assert over({"messages": [{"role": "user", "content": "a"}] * 1000}) == 1999
+    # many slices: strings cut by a slice boundary are rejoined
+    assert over({"p": ["a,b" * 50_000] * 40, "q": [0] * 300_000}, 100_000) == 300_039
+
+
+def _gateway_with(engine):
     from tests.gateway_harness import Gateway, settings_for, tenants, upstream
+
+    return Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 8 << 20}), tenants()).start()
+
+
+def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_is_forwarded():
     from tests.mock_engine import MockEngine
 
     engine = MockEngine().start()
-    g = Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 8 << 20}), tenants()).start()
+    g = _gateway_with(engine)
     try:
         with g.client() as c:
-            r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": [""] * 2_000_000})
-        assert (r.status_code, r.json()["error"]) == (
-            400,
-            {
-                "message": "This request asks for 2000000 prompt(s) x 1 sequence(s) each = 2000000 sequences; "
+            for body, n in (
+                ({"model": "kvgate-tiny", "prompt": [""] * 2_000_000}, 2_000_001),
+                ({"model": "kvgate-tiny", "prompt": [1] * 2_000_000}, 2_000_001),
+                ({"model": "kvgate-tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}, 400_001),
+            ):
+                r = c.post("/v1/chat/completions" if "messages" in body else "/v1/completions", json=body)
+                assert (r.status_code, r.json()["error"]) == (
+                    413,
+                    {
+                        "message": f"The request body holds more than 131072 JSON values ({n} or more); "
+                        "send fewer prompts, messages or token ids per request.",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "request_too_large",
+                    },
+                )
+            # under the value limit but over the sequence cap: refused before counting
+            r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": [""] * 100_000})
+            assert (r.status_code, r.json()["error"]["message"]) == (
+                400,
+                "This request asks for 100000 prompt(s) x 1 sequence(s) each = 100000 sequences; "
                 "this key allows at most 16 per request.",
-                "type": "invalid_request_error",
-                "param": "prompt",
-                "code": "invalid_request",
-            },
-        )
+            )
+            # text full of commas is text: counted and gated as usual
+            r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": "a," * 1_000_000})
+            assert (r.status_code, r.json()["error"]["code"]) == (400, "context_length_exceeded")
         assert engine.state.requests == []
     finally:
         g.stop()
