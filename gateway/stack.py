@@ -11,6 +11,15 @@ Used by ``kvgate up``, ``kvgate demo`` and the tests. :class:`EmbeddedStack` sta
    with the documented demo keys ``sk-demo-a`` / ``sk-demo-b``); it waits for ``/readyz`` 200
    (the live pool limit is known).
 
+The model (:attr:`StackOptions.model`, default the settings' ``backend.model``) is ``tiny-random``
+or ``copy-probe`` (the bundled tokenizer, served as ``backend.served_model_name``), a model name
+such as ``smollm2-135m-instruct`` (its folder ``<state_dir>/models/NAME``, pulled first with
+``python -m gpu_backend model pull NAME`` when it is not there yet, progress on the terminal) or
+a Hugging Face folder. For a folder the gateway's model entry is derived from it: id = the
+served name (the pull's ``kvgate-model.json``, else the folder's name), tokenizer ``kind: hf``
+with the folder as ``path``, context length = min(``backend.context_length``, the folder's
+``max_position_embeddings``); the backend gets the same folder, name and context length.
+
 Torch loads only in the backend's process, as in production. Each child runs in a session of
 its own (a terminal's Ctrl-C reaches the supervisor only, which then stops the gateway first,
 letting it drain, and the backend second) and is told by the kernel to exit if the supervisor
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -39,8 +49,13 @@ import httpx
 import yaml
 
 from config.loader import DEFAULT_TENANTS, env_overrides, load_settings
-from config.models import ModelConfig, Settings, UpstreamConfig
+from config.models import ModelConfig, Settings, TokenizerConfig, UpstreamConfig
 from config.secrets import private_dir
+
+#: Models built into the bundled backend (the bundled tokenizer; no folder).
+BUILTIN_MODELS = ("tiny-random", "copy-probe")
+#: What a completed ``kvgate model pull`` writes last into the model's folder.
+PULL_MANIFEST = "kvgate-model.json"
 
 #: The documented demo keys of ``config/tenants.yaml`` (``kvgate serve`` accepts them only with ``--demo``).
 DEMO_KEYS: dict[str, str] = {"demo-a": "sk-demo-a", "demo-b": "sk-demo-b"}
@@ -143,6 +158,75 @@ class StackOptions:
     drain_timeout_seconds: float = 10.0
     echo_logs: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the stack serves: ``backend_model`` (the backend's ``--model``), ``served_name`` (its
+    ``--served-model-name`` and the gateway's model id), ``context_length`` and, for a folder,
+    ``folder`` (the gateway counts with its tokenizer)."""
+
+    backend_model: str
+    served_name: str
+    context_length: int
+    folder: Path | None = None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def pull_model(name: str, state_dir: str | os.PathLike[str], echo: bool = True) -> Path:
+    """``python -m gpu_backend model pull NAME`` in a process of its own (progress on this
+    terminal's stderr unless ``echo`` is false); returns the folder. Raises :class:`StackError`
+    when the pull fails (its last output quoted)."""
+    cmd = [sys.executable, "-m", "gpu_backend", "model", "--state-dir", str(state_dir), "pull", name]
+    env = {**os.environ}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    r = subprocess.run(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=sys.stderr if echo else subprocess.PIPE,
+        stderr=None if echo else subprocess.STDOUT,
+        env=env,
+        check=False,
+    )
+    if r.returncode != 0:
+        said = "" if echo else "\n" + (r.stdout or b"").decode("utf-8", "replace")[-2000:]
+        raise StackError(
+            f"model '{name}' is not available: kvgate model pull {name} failed (exit {r.returncode}){said}"
+        )
+    return Path(state_dir) / "models" / name
+
+
+def resolve_served_model(base: Settings, model: str | None, echo: bool = True) -> ServedModel:
+    """The model the stack serves (see the module doc). Raises :class:`StackError` for a pull that
+    fails or a folder without ``config.json`` / ``tokenizer.json``."""
+    b = base.backend
+    spec = model or b.model
+    if spec in BUILTIN_MODELS:
+        return ServedModel(spec, b.served_model_name, b.context_length)
+    folder = Path(spec)
+    if not folder.is_dir():
+        pulled = Path(base.state_dir) / "models" / spec
+        if "/" in spec or os.sep in spec:
+            raise StackError(f"model folder {spec} does not exist")
+        folder = pulled if (pulled / PULL_MANIFEST).is_file() else pull_model(spec, base.state_dir, echo)
+    folder = folder.resolve()
+    for need in ("config.json", "tokenizer.json"):
+        if not (folder / need).is_file():
+            raise StackError(f"model folder {folder} has no {need}")
+    manifest = _read_json(folder / PULL_MANIFEST)
+    name = manifest.get("served_model_name") if isinstance(manifest.get("served_model_name"), str) else None
+    ctx = _read_json(folder / "config.json").get("max_position_embeddings")
+    context = min(b.context_length, ctx) if isinstance(ctx, int) and ctx > 0 else b.context_length
+    return ServedModel(str(folder), name or folder.name, context, folder)
 
 
 class EmbeddedStack:
@@ -167,6 +251,7 @@ class EmbeddedStack:
         private_dir(self.run_dir)  # under the state directory: 0700 when kvgate creates it
         self.tenants_path = Path(self.options.tenants or os.environ.get("KVGATE_TENANTS") or DEFAULT_TENANTS)
         self.config_path = self.run_dir / "kvgate.yaml"
+        self.served: ServedModel | None = None
 
     # ------------------------------------------------------------ properties
     @property
@@ -184,8 +269,8 @@ class EmbeddedStack:
     @property
     def model(self) -> str:
         """The model id the gateway serves (the backend's served model name)."""
-        assert self.settings is not None, "stack not started"
-        return self.settings.backend.served_model_name
+        assert self.served is not None, "stack not started"
+        return self.served.served_name
 
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> "EmbeddedStack":
@@ -202,6 +287,7 @@ class EmbeddedStack:
             host = self.options.host
             backend_port = self._pick_backend_port(base)
             gateway_port = self._pick_gateway_port(base)
+            self.served = resolve_served_model(base, self.options.model, echo=True)
             self.backend = self._spawn(
                 "backend", self._backend_cmd(base, host, backend_port), f"http://{host}:{backend_port}"
             )
@@ -263,6 +349,7 @@ class EmbeddedStack:
         if self.options.backend_cmd:
             return [a.replace("{host}", host).replace("{port}", str(port)) for a in self.options.backend_cmd]
         b = base.backend
+        served = self.served or resolve_served_model(base, self.options.model)
         cmd = [
             sys.executable,
             "-m",
@@ -274,13 +361,13 @@ class EmbeddedStack:
             "--port",
             str(port),
             "--model",
-            b.model,
+            served.backend_model,
             "--served-model-name",
-            b.served_model_name,
+            served.served_name,
             "--device",
             b.device,
             "--context-length",
-            str(b.context_length),
+            str(served.context_length),
             "--page-size",
             str(b.page_size),
             "--prefill-max-total-tokens",
@@ -317,10 +404,16 @@ class EmbeddedStack:
         """The gateway's settings: ``base`` with one upstream (this backend), the bind address,
         ``redis_url`` null (in-process quotas) and ``state_dir`` kept."""
         data = base.model_dump(mode="json", exclude={"upstreams", "models"})
-        served = base.backend.served_model_name
-        models = [m.model_dump(mode="json") for m in base.models]
-        if base.model_by_name(served) is None:
-            models.append(ModelConfig(id=served, context_length=base.backend.context_length).model_dump(mode="json"))
+        sm = self.served or resolve_served_model(base, self.options.model)
+        served = sm.served_name
+        models = [m.model_dump(mode="json") for m in base.models if not (sm.folder and served in (m.id, *m.aliases))]
+        if sm.folder is not None:  # the folder's own tokenizer, chat template and context length
+            tok = TokenizerConfig(kind="hf", path=str(sm.folder))
+            models.append(
+                ModelConfig(id=served, context_length=sm.context_length, tokenizer=tok).model_dump(mode="json")
+            )
+        elif base.model_by_name(served) is None:
+            models.append(ModelConfig(id=served, context_length=sm.context_length).model_dump(mode="json"))
         backend = f"http://{host}:{backend_port}"
         upstream = UpstreamConfig(
             name="embedded",

@@ -7,8 +7,11 @@ native ``/generate``, and their SSE streams (``data: <json>\\n\\n`` ... ``data: 
 ``stream_options.include_usage`` every chunk carries ``"usage": null`` and a last chunk with empty
 ``choices`` carries the usage, as the OpenAI API does).
 
-Token counts: chat prompts are built with ``TiktokenCounter.encode_chat`` (the ChatML template of
-``tokenizer/chat.py``) so ``usage.prompt_tokens`` equals the gateway's count exactly.
+Token counts: prompts are built with the served model's counter, the one the gateway counts with
+(``TiktokenCounter``: the ChatML template of ``tokenizer/chat.py``; ``HFCounter``: the folder's
+tokenizer and Jinja template): ``encode_chat`` for chats and ``encode_prompt_text`` (the
+tokenizer's BOS included, as engines encode a completions prompt) for strings, user text always
+without special-token parsing, so ``usage.prompt_tokens`` equals the gateway's count exactly.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import orjson
 from config.errors import ErrorCode, OpenAIError, context_length_message
 from tokenizer import TiktokenCounter, split_completion_prompt
 from tokenizer.errors import TokenizerError
+from tokenizer.hf_counter import HFCounter
 
 #: OpenAI's default ``max_tokens`` for /v1/completions.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -188,7 +192,12 @@ def _sampling(body: dict[str, Any], max_new_tokens: int, *, stop_key: str = "sto
     }
 
 
-def _prompt_ids(prompt: Any, counter: TiktokenCounter, param: str = "prompt") -> list[int]:
+#: The counters the router API encodes with (duck-typed: ``encode_prompt_text``, ``encode_chat``,
+#: ``check_ids``, ``decode``).
+PromptEncoder = TiktokenCounter | HFCounter
+
+
+def _prompt_ids(prompt: Any, counter: PromptEncoder, param: str = "prompt") -> list[int]:
     try:
         prompts = split_completion_prompt(prompt)
     except TokenizerError as e:
@@ -197,7 +206,7 @@ def _prompt_ids(prompt: Any, counter: TiktokenCounter, param: str = "prompt") ->
         raise bad_request("Batched prompts are not supported by this backend; send one prompt per request.", param)
     p = prompts[0]
     if isinstance(p, str):
-        ids = counter.encode_text(p)
+        ids = counter.encode_prompt_text(p)
     else:
         try:
             counter.check_ids(p, param)
@@ -211,7 +220,7 @@ def _prompt_ids(prompt: Any, counter: TiktokenCounter, param: str = "prompt") ->
 
 def parse_completion(
     body: dict[str, Any],
-    counter: TiktokenCounter,
+    counter: PromptEncoder,
     *,
     context_length: int,
     model_names: Iterable[str],
@@ -229,7 +238,7 @@ def parse_completion(
     return GenRequest("completion", model, ids, _sampling(body, max_tokens), stream, usage)
 
 
-def encode_chat(body: dict[str, Any], counter: TiktokenCounter) -> list[int]:
+def encode_chat(body: dict[str, Any], counter: PromptEncoder) -> list[int]:
     """Prompt ids of a chat body (``messages`` + optional ``tools``) with the ChatML template.
     Image parts and malformed messages: 400 naming the field."""
     if "messages" not in body:
@@ -242,7 +251,7 @@ def encode_chat(body: dict[str, Any], counter: TiktokenCounter) -> list[int]:
 
 def parse_chat(
     body: dict[str, Any],
-    counter: TiktokenCounter,
+    counter: PromptEncoder,
     *,
     context_length: int,
     model_names: Iterable[str],
@@ -263,7 +272,7 @@ def parse_chat(
 
 
 def parse_generate(
-    body: dict[str, Any], counter: TiktokenCounter, *, context_length: int, served_model_name: str
+    body: dict[str, Any], counter: PromptEncoder, *, context_length: int, served_model_name: str
 ) -> GenRequest:
     """Parse SGLang's native ``/generate``: ``text`` or ``input_ids``, ``sampling_params``
     (``max_new_tokens`` default 128, ``temperature`` default 1.0, ``top_p``, ``stop``,
@@ -439,7 +448,7 @@ def models_body(model_names: list[str], context_length: int, created: int) -> di
     }
 
 
-def tokenize_body(body: dict[str, Any], counter: TiktokenCounter, context_length: int) -> dict[str, Any]:
+def tokenize_body(body: dict[str, Any], counter: PromptEncoder, context_length: int) -> dict[str, Any]:
     """``/v1/tokenize`` in SGLang's shape ``{"tokens", "count", "max_model_len"}``; accepts
     ``prompt`` (string or ids) or ``messages`` (+ ``tools``; ChatML as the chat endpoint)."""
     if body.get("messages") is not None:
@@ -447,7 +456,7 @@ def tokenize_body(body: dict[str, Any], counter: TiktokenCounter, context_length
     elif "prompt" in body:
         p = body["prompt"]
         if isinstance(p, str):
-            ids = counter.encode_text(p)
+            ids = counter.encode_prompt_text(p)
         else:
             ids = _prompt_ids(p, counter)
     else:
@@ -455,7 +464,7 @@ def tokenize_body(body: dict[str, Any], counter: TiktokenCounter, context_length
     return {"tokens": ids, "count": len(ids), "max_model_len": context_length}
 
 
-def detokenize_body(body: dict[str, Any], counter: TiktokenCounter) -> dict[str, Any]:
+def detokenize_body(body: dict[str, Any], counter: PromptEncoder) -> dict[str, Any]:
     """``/v1/detokenize``: ``{"tokens": [ids]}`` -> ``{"text": ...}`` (ids checked)."""
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

@@ -31,10 +31,24 @@ import httpx
 import orjson
 
 from config.loader import ConfigError
+from config.models import TokenizerConfig
 from gateway.commands.up import add_stack_arguments, banner, effective_limit, stack_options, start_stack
 from gateway.demo_corpus import fit_chat, fit_prompt, generated_log, project_source, prose
-from gateway.stack import DEMO_KEYS, EmbeddedStack, StackError, serve_until_interrupted, terminate_as_interrupt
-from tokenizer import bundled_counter
+from gateway.stack import (
+    BUILTIN_MODELS,
+    DEMO_KEYS,
+    EmbeddedStack,
+    StackError,
+    serve_until_interrupted,
+    terminate_as_interrupt,
+)
+from tokenizer import PromptCounter, bundled_counter, make_counter
+
+#: The demo's pools for a real model (``--prefill-max-total-tokens`` / ``--decode-max-total-tokens``):
+#: small, so its at-limit prompts (limit = 1024 / 1.25 = 819 tokens) prefill in seconds on 2 CPU cores.
+REAL_MODEL_POOLS = (1024, 4096)
+#: The short chat question every demo run asks (a real model answers it with real text).
+QUESTION = "What is the capital of France?"
 
 
 @dataclass
@@ -81,12 +95,13 @@ class Result:
         return True
 
 
-def build_cases(limit: int, pool_tokens: int, max_tokens: int) -> list[Case]:
+def build_cases(limit: int, pool_tokens: int, max_tokens: int, counter: PromptCounter | None = None) -> list[Case]:
     """The 16 requests of the demo (see the module docstring), their prompts built to exact
-    token counts with the bundled tokenizer. Raises ``ValueError`` when ``limit <= max_tokens + 32``."""
+    token counts with ``counter`` (the served model's tokenizer, as the gateway counts; default the
+    bundled one). Raises ``ValueError`` when ``limit <= max_tokens + 32``."""
     if limit <= max_tokens + 32:
         raise ValueError(f"the effective limit ({limit}) leaves no room for a prompt beside max_tokens={max_tokens}")
-    counter = bundled_counter()
+    counter = counter or bundled_counter()
     text = prose()
     moby = text[text.index("Call me Ishmael") :]
     poems = text[text.index("Litwo!") :]
@@ -108,7 +123,7 @@ def build_cases(limit: int, pool_tokens: int, max_tokens: int) -> list[Case]:
                     {"role": "system", "content": "You are a concise assistant."},
                     {
                         "role": "user",
-                        "content": "Summarise in one sentence:\n\n" + (poems if stream else moby.split("\n\n")[0]),
+                        "content": ("Summarise in one sentence:\n\n" + moby.split("\n\n")[0]) if stream else QUESTION,
                     },
                 ]
                 prompt = "Continue this passage:\n\n" + (poems if stream else moby.split("\n\n")[1])
@@ -200,7 +215,7 @@ def table(results: list[Result], limit: int) -> str:
     for r in results:
         if r.status == 200:
             used = r.usage.get("completion_tokens", "?")
-            result = f"{r.finish_reason}, {used} completion tokens: {r.text[:28]!r}"
+            result = f"{r.finish_reason}, {used} completion tokens: {r.text.strip()[:48]!r}"
         else:
             result = f"{r.code}" if r.code else (r.message or "")[:60]
         mark = (
@@ -234,13 +249,19 @@ def run_demo(
         f"effective limit for this tenant: {limit} tokens (gateway /v1/models max_model_len); "
         f"prefill pool: {pool} tokens (backend /server_info max_total_num_tokens); max_tokens={max_tokens}"
     )
-    out(
-        f"model {stack.model} ({stack.server_info.get('model_path', 'bundled backend')}): with random weights "
-        "its text is noise; what matters is which requests reach it.\n"
-    )
+    served = stack.served
+    if served is not None and served.folder is not None:
+        counter: PromptCounter = make_counter(TokenizerConfig(kind="hf", path=str(served.folder)))
+        out(f"model {stack.model} ({served.folder}): real weights, its own tokenizer and chat template.\n")
+    else:
+        counter = bundled_counter()
+        out(
+            f"model {stack.model} (bundled backend): with random weights its text is noise; what matters is "
+            "which requests reach it.\n"
+        )
     results = []
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0), trust_env=False) as client:
-        for case in build_cases(limit, pool, max_tokens):
+        for case in build_cases(limit, pool, max_tokens, counter):
             results.append(send(client, stack.gateway_url, key, stack.model, case))
     out(table(results, limit))
     over = next((r for r in results if r.case.size == "limit + 1" and r.message), None)
@@ -264,7 +285,14 @@ def run(args: argparse.Namespace) -> int:
     with terminate_as_interrupt():
         stack: EmbeddedStack | None = None
         try:
-            stack = start_stack(stack_options(args), "kvgate demo")
+            options = stack_options(args)
+            if options.model not in BUILTIN_MODELS and not any("max-total-tokens" in a for a in options.backend_args):
+                options.backend_args = [
+                    f"--prefill-max-total-tokens={REAL_MODEL_POOLS[0]}",
+                    f"--decode-max-total-tokens={REAL_MODEL_POOLS[1]}",
+                    *options.backend_args,
+                ]
+            stack = start_stack(options, "kvgate demo")
             results = run_demo(stack, max_tokens=args.max_tokens)
             bad = [r for r in results if not r.ok]
             if bad:

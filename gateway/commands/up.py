@@ -26,6 +26,9 @@ from gateway.stack import (
     terminate_as_interrupt,
 )
 
+#: What ``kvgate up`` / ``kvgate demo`` serve unless ``--model`` says otherwise (DESIGN.md, Models).
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
 
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     """The options shared by ``kvgate up`` and ``kvgate demo`` (fields of :class:`StackOptions`)."""
@@ -42,6 +45,12 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="tenants file (default: $KVGATE_TENANTS or config/tenants.yaml)",
+    )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"what the backend serves: a model name pulled on first use (default {DEFAULT_MODEL}), "
+        "a Hugging Face folder, or tiny-random / copy-probe (random weights, fast; tests use them)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address both parts bind (default 127.0.0.1)")
     parser.add_argument(
@@ -90,6 +99,7 @@ def stack_options(args: argparse.Namespace) -> StackOptions:
         run_dir=Path(settings.state_dir) / "run",
         startup_timeout_seconds=args.startup_timeout,
         echo_logs=args.verbose,
+        model=args.model,
     )
 
 
