@@ -2,6 +2,7 @@
 model and batch, on CPU (and CUDA when present), printed as one side-by-side table with ratios.
 
     .venv/bin/python bench/backend.py [--batch 8] [--prompt-tokens 512] [--decode-tokens 64] [--device cpu,cuda]
+    .venv/bin/python bench/backend.py --real-model .kvgate/models/smollm2-135m-instruct --decode-tokens 32
 
 Structure: one function per scenario, each returning :class:`Row` s (a name, a device and a dict of
 columns); :func:`print_table` prints any rows with the union of their columns, plus ratio columns
@@ -395,6 +396,130 @@ def _fmt(v: float | None) -> str:
     return f"{v:,.0f}" if v >= 100 else f"{v:.3f}"
 
 
+# ---- a real model: kvgate's engine against transformers' generate (issue 14) -----------------------
+def _hf_rates(folder: str, prompt: list[int], lengths: tuple[int, ...], decode_tokens: int) -> dict[str, float]:
+    """transformers ``LlamaForCausalLM`` (fp32, greedy ``generate``, its dynamic KV cache):
+    prefill tok/s of one forward over ``n`` prompt tokens (each n of ``lengths``; best of 2) and
+    batch-1 decode tok/s = ``decode_tokens`` / the time ``generate`` takes from its first to its last
+    new token (stamped by a logits processor), after the first ``lengths[0]`` prompt tokens."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt[:64]]), use_cache=True)  # warm-up
+        for n in lengths:
+            ids = torch.tensor([prompt[:n]])
+            best = float("inf")
+            for _ in range(2):
+                t0 = time.perf_counter()
+                model(input_ids=ids, use_cache=True)
+                best = min(best, time.perf_counter() - t0)
+            out[f"prefill {n} tok/s"] = n / best
+        ids = torch.tensor([prompt[: lengths[0]]])
+        stamps: list[float] = []
+
+        class Clock(transformers.LogitsProcessor):  # called once per generated token, before its sampling
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+                stamps.append(time.perf_counter())
+                return scores
+
+        kw = {"do_sample": False, "pad_token_id": 0, "logits_processor": transformers.LogitsProcessorList([Clock()])}
+        model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+        stamps.clear()
+        model.generate(ids, max_new_tokens=decode_tokens + 1, min_new_tokens=decode_tokens + 1, **kw)
+        out["decode b1 tok/s"] = decode_tokens / (stamps[-1] - stamps[0])
+    return out
+
+
+def _engine_rates(
+    folder: str, prompt: list[int], lengths: tuple[int, ...], decode_tokens: int, batch: int
+) -> dict[str, float]:
+    """kvgate's :class:`~gpu_backend.engine.Engine` on the same folder (fp32, greedy, paged KV,
+    continuous batching): prefill tok/s = n / time to the first token of a 1-token generation;
+    batch-1 decode tok/s = tokens after the first / time after the first; batch-``batch``
+    aggregate = all sequences' tokens after their first / time from the last first token to the end."""
+    from gpu_backend.engine import Engine, EngineConfig
+    from gpu_backend.sampling import SamplingParams
+
+    longest = max(lengths)
+
+    async def run() -> dict[str, float]:
+        eng = Engine(
+            EngineConfig(
+                model=folder,
+                device="cpu",
+                context_length=max(4096, longest + decode_tokens + 64),
+                max_total_tokens=max(longest, batch * lengths[0]) + batch * (decode_tokens + 64),
+                max_batch_tokens=max(longest, batch * lengths[0]),
+            )
+        )
+        await eng.start()
+        out: dict[str, float] = {}
+        try:
+
+            async def one(rid: str, ids: list[int], new: int, firsts: list[float]) -> int:
+                n = 0
+                async for _ in eng.generate(
+                    rid, ids, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+                ):
+                    n += 1
+                    if n == 1:
+                        firsts.append(time.perf_counter())
+                return n
+
+            await one("warm", prompt[:64], 4, [])
+            for n in lengths:
+                best = float("inf")
+                for r in range(2):
+                    t0, firsts = time.perf_counter(), []
+                    await one(f"p{n}-{r}", prompt[:n], 1, firsts)
+                    best = min(best, firsts[0] - t0)
+                out[f"prefill {n} tok/s"] = n / best
+            for b in (1, batch):
+                firsts: list[float] = []
+                ids = [prompt[i * 7 : i * 7 + lengths[0]] for i in range(b)]
+                got = await asyncio.gather(*(one(f"d{b}-{i}", ids[i], decode_tokens + 1, firsts) for i in range(b)))
+                t_end = time.perf_counter()
+                key = "decode b1 tok/s" if b == 1 else f"decode b{b} aggregate tok/s"
+                out[key] = sum(g - 1 for g in got) / (t_end - max(firsts))
+        finally:
+            await eng.stop()
+        return out
+
+    return asyncio.run(run())
+
+
+def real_model_main(folder: str, batch: int, decode_tokens: int, lengths: tuple[int, ...] = (512, 2048)) -> int:
+    """kvgate's engine vs transformers on ``folder`` (CPU, fp32, greedy), one run, side by side,
+    with the ratios the issue sets goals for (batch-1 decode >= 1.0x transformers; batch-8
+    aggregate >= 4x transformers' batch-1)."""
+    from tokenizer.hf_counter import HFCounter
+
+    from gateway.demo_corpus import prose
+
+    prompt = HFCounter(folder).encode_text(prose() * 2)
+    need = max(max(lengths), lengths[0] + 7 * batch)
+    if len(prompt) < need:
+        raise SystemExit(f"the prompt text gives {len(prompt)} tokens, {need} needed")
+    print(
+        f"model {folder}, CPU fp32 greedy, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"decode {decode_tokens} tokens after a {lengths[0]}-token prompt, batch {batch} for the aggregate\n",
+        flush=True,
+    )
+    # interleaved (transformers, engine, transformers), the best of each kept: load drifts on a shared host
+    hf = _hf_rates(folder, prompt, lengths, decode_tokens)
+    eng = _engine_rates(folder, prompt, lengths, decode_tokens, batch)
+    hf = {k: max(v, hf[k]) for k, v in _hf_rates(folder, prompt, lengths, decode_tokens).items()}
+    keys = [*(f"prefill {n} tok/s" for n in lengths), "decode b1 tok/s", f"decode b{batch} aggregate tok/s"]
+    print("| measure | kvgate engine | transformers | ratio |\n|---|---|---|---|")
+    for k in keys:
+        base = hf.get(k) or hf["decode b1 tok/s"]  # the aggregate is compared with transformers' batch 1
+        label = k if k in hf else f"{k} (vs transformers b1)"
+        print(f"| {label} | {_fmt(eng[k])} | {_fmt(hf.get(k, base))} | {eng[k] / base:.2f}x |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -403,9 +528,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds (the best is reported)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--device", default=None, help="comma-separated (default: cpu, plus cuda when available)")
+    ap.add_argument(
+        "--real-model",
+        metavar="FOLDER",
+        default=None,
+        help="instead: kvgate's engine vs transformers generate on this HF folder (e.g. a pulled SmolLM2)",
+    )
+    ap.add_argument("--prefill-lengths", default="512,2048", help="--real-model: prompt lengths of the prefill rows")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.real_model:
+        lengths = tuple(int(x) for x in args.prefill_lengths.split(","))
+        return real_model_main(args.real_model, args.batch, args.decode_tokens, lengths)
     s = Setup(
         batch=args.batch, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats
     )
