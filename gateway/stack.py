@@ -48,7 +48,7 @@ from typing import Any, Sequence
 import httpx
 import yaml
 
-from config.loader import DEFAULT_TENANTS, env_overrides, load_settings
+from config.loader import DEFAULT_TENANTS, env_overrides, load_settings, load_tenants
 from config.models import ModelConfig, Settings, TokenizerConfig, UpstreamConfig
 from config.secrets import private_dir
 
@@ -406,7 +406,14 @@ class EmbeddedStack:
         data = base.model_dump(mode="json", exclude={"upstreams", "models"})
         sm = self.served or resolve_served_model(base, self.options.model)
         served = sm.served_name
-        models = [m.model_dump(mode="json") for m in base.models if not (sm.folder and served in (m.id, *m.aliases))]
+        keep: set[str] | None = None  # serving a folder: only the models a tenant names stay beside it
+        if sm.folder is not None:
+            keep = {m.id for n in self._tenant_models() if (m := base.model_by_name(n)) is not None}
+        models = [
+            m.model_dump(mode="json")
+            for m in base.models
+            if keep is None or (m.id in keep and served not in (m.id, *m.aliases))
+        ]
         if sm.folder is not None:  # the folder's own tokenizer, chat template and context length
             tok = TokenizerConfig(kind="hf", path=str(sm.folder))
             models.append(
@@ -426,6 +433,14 @@ class EmbeddedStack:
         data["gateway"].update(host=host, port=gateway_port)
         data["state_dir"] = str(Path(base.state_dir).resolve())
         return Settings.model_validate(data)
+
+    def _tenant_models(self) -> list[str]:
+        """Model names the tenants file lets some tenant use (kept in the gateway's settings even
+        when the stack serves another model, so the file still loads)."""
+        try:
+            return [n for t in load_tenants(self.tenants_path).tenants for n in t.allowed_models]
+        except Exception:  # noqa: BLE001 - the gateway reports a bad tenants file itself, with its path
+            return []
 
     def _spawn(self, name: str, cmd: list[str], url: str) -> Child:
         log_path = self.run_dir / f"{name}.log"
