@@ -71,7 +71,11 @@ def build_parser(d: BackendSettings) -> argparse.ArgumentParser:
     p.add_argument("--prefill-url", default=d.prefill_url, help="router: the prefill node")
     p.add_argument("--decode-url", default=d.decode_url, help="router and prefill: the decode node")
     p.add_argument("--model", default=d.model, help="tiny-random, copy-probe or a local HF Llama folder")
-    p.add_argument("--served-model-name", default=d.served_model_name)
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"the model id clients send (default: a folder's own name, else {d.served_model_name})",
+    )
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--page-size", type=int, default=d.page_size)
@@ -146,8 +150,34 @@ def parse_args(argv: list[str] | None = None) -> Options:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
-    ns = build_parser(load_backend_settings(known.config)).parse_args(argv)
+    settings = load_backend_settings(known.config)
+    ns = build_parser(settings).parse_args(argv)
+    ns.model, ns.served_model_name = resolve_model_flags(ns.model, ns.served_model_name, known.config, settings)
     return Options(ns, faults_from_env())
+
+
+def resolve_model_flags(model: str, served: str | None, config: str | None, d: BackendSettings) -> tuple[str, str]:
+    """``(--model, --served-model-name)`` as the engine reads them: a pulled model's name becomes
+    its folder ``<state_dir>/models/NAME`` (:func:`gpu_backend.model_store.resolve_model`); the
+    served name, when not given, is a folder's pull name (``kvgate-model.json``) or the folder's
+    own name, and for the built-in models the settings' ``served_model_name``."""
+    from pathlib import Path
+
+    from config.loader import load_settings
+    from gpu_backend.model_store import MANIFEST, read_manifest, resolve_model
+
+    if model not in ("tiny-random", "copy-probe") and not Path(model).is_dir():
+        name, model = model, resolve_model(model, load_settings(config).state_dir)
+        if model != name and not Path(model).is_dir():
+            raise SystemExit(f"gpu_backend: model '{name}' is not pulled yet; run: kvgate model pull {name}")
+    if served:
+        return model, served
+    folder = Path(model)
+    if not folder.is_dir():
+        return model, d.served_model_name
+    man = read_manifest(folder) if (folder / MANIFEST).is_file() else None
+    name = man.get("served_model_name") if man else None
+    return model, name if isinstance(name, str) and name else folder.resolve().name
 
 
 def make_engine(opts: Options, side: str) -> Engine:
@@ -169,7 +199,9 @@ def make_engine(opts: Options, side: str) -> Engine:
         dtype=opts.dtype,
         faults=opts.faults,
     )
-    return Engine(cfg, vocab_for(opts.model))
+    engine = Engine(cfg, vocab_for(opts.model))
+    print(f"gpu_backend: {side} {engine.pool_explanation}", file=sys.stderr, flush=True)
+    return engine
 
 
 def _router_config(opts: Options) -> RouterConfig:

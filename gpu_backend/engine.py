@@ -58,7 +58,7 @@ class Engine:
         self.cfg, self.faults = cfg, frozenset(cfg.faults)
         self.device, self.dtype = resolve_device(cfg.device), DTYPES[cfg.dtype]
         self.context_length, self.page_size = cfg.context_length, cfg.page_size
-        free_bytes = pool_sizing.free_device_memory(self.device, cfg.mem_budget_bytes)
+        free_bytes, free_source = pool_sizing.memory_source(self.device, cfg.mem_budget_bytes)
         self.model = build_model(cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
         self.weight_bytes = weight_bytes(self.model)
         layers, kv_heads, head_dim = self.model.kv_geometry
@@ -66,6 +66,11 @@ class Engine:
         self.max_total_num_tokens, self.max_req_len, self.max_req_input_len = pool_sizing.pool_limits(
             free_bytes, self.weight_bytes, cell, cfg.mem_fraction_static, cfg.page_size, cfg.max_total_tokens,
             cfg.context_length,
+        )  # fmt: skip
+        #: the start-up line saying how the pool got its size (``pool_sizing.describe``)
+        self.pool_explanation = pool_sizing.describe(
+            self.max_total_num_tokens, free_bytes, free_source, self.weight_bytes, cell,
+            cfg.mem_fraction_static, cfg.max_total_tokens,
         )  # fmt: skip
         pages = self.max_total_num_tokens // cfg.page_size
         scrub = "no_scrub" not in self.faults

@@ -38,6 +38,7 @@ from gpu_backend import openai_api as api
 from gpu_backend.errors import EngineError
 from gpu_backend.router import Router, RouterStream, as_openai_error
 from tokenizer import TiktokenCounter
+from tokenizer.hf_counter import HFCounter
 
 log = logging.getLogger("gpu_backend.servers")
 
@@ -194,7 +195,7 @@ class RouterConfig:
     """What the router API needs besides the router: tokenizer, context length (``max_model_len``),
     the served model name and the names accepted in ``model``."""
 
-    counter: TiktokenCounter
+    counter: TiktokenCounter | HFCounter
     context_length: int
     served_model_name: str
     model_names: list[str] = field(default_factory=list)
@@ -290,7 +291,11 @@ def build_router_app(
     @app.get("/get_model_info")
     async def model_info() -> Response:
         return json_response(
-            {"model_path": cfg.served_model_name, "tokenizer_path": "cl100k_base+chatml", "is_generation": True}
+            {
+                "model_path": cfg.served_model_name,
+                "tokenizer_path": str(getattr(cfg.counter, "path", "cl100k_base+chatml")),
+                "is_generation": True,
+            }
         )
 
     @app.post("/v1/tokenize")

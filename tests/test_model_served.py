@@ -185,6 +185,6 @@ def test_stops_on_an_eos_id_only_generation_config_names(folders):
         r = _post(b, "/v1/completions", {"prompt": "Paris is", "max_tokens": 5, "temperature": 0}).json()
         assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["text"] == ""
         # ignore_eos: the same id is then generated until the length limit
-        r = _post(b, "/v1/completions", {"prompt": "Paris is", "max_tokens": 5, "ignore_eos": True}).json()
+        r = _post(b, "/v1/completions", {"prompt": "Paris is", "max_tokens": 5, "ignore_eos": True, "temperature": 0}).json()
         assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 5
         assert r["choices"][0]["text"] == ""  # special tokens add no text

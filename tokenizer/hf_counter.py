@@ -128,6 +128,8 @@ class HFCounter(PromptCounter):
         from tokenizers import Tokenizer  # extra "hf"
 
         folder = Path(path)
+        #: the tokenizer's folder
+        self.path = folder
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"{tok_file}: no tokenizer.json in the model's tokenizer folder")
