@@ -136,30 +136,75 @@ class ModelIndex:
         return e
 
 
+@dataclass(frozen=True)
+class PromptCount:
+    """The request's prompts as counted, in tokens: ``largest`` (what the gate checks), ``total``
+    (every prompt of a batch), ``num_prompts``; ``text``: the prompt's text for the verifier
+    (never logged)."""
+
+    largest: int
+    total: int
+    num_prompts: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CompletionBound:
+    """The one completion bound: ``max_tokens`` per completion (tokens); ``defaulted``: the client
+    sent none, so the gateway chose it (it is forwarded either way); ``field``: the field it is
+    forwarded under (:func:`gateway.fields.bound_field`; every other alias is dropped)."""
+
+    max_tokens: int
+    defaulted: bool
+    field: str = "max_tokens"
+
+
 @dataclass
 class Admission:
     """What admission decided. Token numbers in tokens.
 
-    ``prompt_tokens``: the largest prompt (what the gate checks); ``prompt_tokens_total``: all
-    prompts of a batch; ``max_tokens``: per completion; ``defaulted``: the client sent none, so
-    the gateway chose the bound (it is forwarded either way); ``reserve_tokens``: the whole
-    request's KV demand, max(n, best_of) x (prompt total + prompts x max_tokens), also what the
-    quotas reserve; ``prompt_text``: the prompt's text for the verifier (never logged);
-    ``sequences``: prompts x max(n, best_of); ``bound_field``: the field the bound is forwarded
-    under (:func:`gateway.fields.bound_field`; every other alias is dropped)."""
+    ``prompt``: the counted prompts; ``bound``: the completion bound; ``limit``: the effective
+    limit the gate applied; ``n``: completions per prompt; ``sequences``: prompts x max(n,
+    best_of); ``reserve_tokens``: the whole request's KV demand, max(n, best_of) x (prompt total +
+    prompts x max_tokens), also what the quotas reserve. The properties name the parts the request
+    path reads most."""
 
     model: ModelEntry
-    prompt_tokens: int
-    prompt_tokens_total: int
-    num_prompts: int
-    max_tokens: int
-    defaulted: bool
+    prompt: PromptCount
+    bound: CompletionBound
     limit: int
     n: int
+    sequences: int
     reserve_tokens: int
-    prompt_text: str
-    sequences: int = 1
-    bound_field: str = "max_tokens"
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The largest prompt's tokens (what the gate checks, and the verifier's length)."""
+        return self.prompt.largest
+
+    @property
+    def prompt_tokens_total(self) -> int:
+        return self.prompt.total
+
+    @property
+    def num_prompts(self) -> int:
+        return self.prompt.num_prompts
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompt.text
+
+    @property
+    def max_tokens(self) -> int:
+        return self.bound.max_tokens
+
+    @property
+    def defaulted(self) -> bool:
+        return self.bound.defaulted
+
+    @property
+    def bound_field(self) -> str:
+        return self.bound.field
 
 
 class PromptTally(tuple):
@@ -392,19 +437,15 @@ def decide(
             code=ErrorCode.INVALID_REQUEST,
             param=_sequence_param(body) if seqs > 1 else prompt_param,
         )
+    text = getattr(prompt, "text", None)
     return Admission(
         entry,
-        largest,
-        total,
-        num,
-        max_tokens,
-        defaulted,
+        PromptCount(largest, total, num, text if text is not None else prompt_text_of(body, route)),
+        CompletionBound(max_tokens, defaulted, fields.bound_field(entry.engines, route)),
         limit,
         body.get("n") or 1,
+        num * seqs,
         demand,
-        text if (text := getattr(prompt, "text", None)) is not None else prompt_text_of(body, route),
-        sequences=num * seqs,
-        bound_field=fields.bound_field(entry.engines, route),
     )
 
 
