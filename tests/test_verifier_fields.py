@@ -103,6 +103,8 @@ class LeakState:
         self.echo_text: str | None = None
         self.usage_prompt_tokens: int | None = None
         self.slow_seconds = 0.0
+        self.prefill_seconds: float | None = None
+        self.cached_tokens: int | None = 0
         self.requests: list[dict] = []
 
 
@@ -154,8 +156,9 @@ def build_engine(st: LeakState) -> Starlette:
             "prompt_tokens": st.usage_prompt_tokens if st.usage_prompt_tokens is not None else n_prompt,
             "completion_tokens": 5,
             "total_tokens": n_prompt + 5,
-            "prompt_tokens_details": {"cached_tokens": 0},
         }
+        if st.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": st.cached_tokens}
         echo = st.echo_text if st.echo_text is not None else prompt
         # the other choices say as many words as the leaking one: interleaved one word per event
         choice_words = [st.words if i == st.leak_choice else clean_passage()[: len(st.words)] for i in range(n)]
@@ -178,7 +181,8 @@ def build_engine(st: LeakState) -> Starlette:
                 choices.append(c)
             obj = {"id": "x1", "object": "chat.completion" if chat else "text_completion", "choices": choices}
             obj["usage"] = usage
-            return JSONResponse(obj)
+            headers = {"x-prefill-seconds": f"{st.prefill_seconds:.6f}"} if st.prefill_seconds is not None else None
+            return JSONResponse(obj, headers=headers)
 
         def event(i: int, piece: str, f: str, first: bool) -> bytes:
             if chat:
@@ -444,3 +448,62 @@ def test_abandoned_stream_then_next_turn_with_wrong_usage(stack):
     assert [(i.detector, i.withheld) for i in new] == [("usage_drift", False)]
     ev = new[0].evidence
     assert (ev["gateway_prompt_tokens"], ev["engine_prompt_tokens"], ev["difference_tokens"]) == (624, 1, -623)
+
+
+@pytest.mark.timeout(90)
+def test_poisoned_calibration_still_flags_a_leak_and_an_honest_cache_hit_passes(stack):
+    """Whole answers, TTFT from the engine's x-prefill-seconds: 3,000-token prompts calibrated
+    honestly at about 0.8 s by two tenants (a, and the strict s), then tenant a sends 49 prefix-cache hits (4 ms, the
+    usage saying 2,990 tokens cached) and one honest answer. A strict answer in 20 ms with
+    nothing cached is withheld (latency); a strict cache hit in 4 ms is served. With the cached
+    count left out, a's hits poison nothing either (one tenant of two: upper median), and the same
+    20 ms answer is an alert, served."""
+    st, svc, client = stack
+    rng = random.Random(11)
+    text = " ".join(rng.choice(filler_words()) for _ in range(3200))
+    ids = COUNTER.encode_text(text)[:3000]
+    assert len(ids) == 3000
+    body = {"model": "m", "prompt": ids, "max_tokens": 8}
+    st.field, st.n, st.leak_choice, st.words = "text", 1, 0, ["fine"]
+    try:
+        st.cached_tokens = 0
+        for i in range(50):  # honest calibration: two tenants, 0.80-0.85 s
+            st.prefill_seconds = 0.80 + rng.random() * 0.05
+            assert _send(client, ("a", "s")[i % 2], body, chat=False)[0] == 200
+        for i in range(50):  # a's poisoning: 49 cache hits, one honest
+            st.cached_tokens, st.prefill_seconds = (0, 0.81) if i == 25 else (2990, 0.004)
+            assert _send(client, "a", body, chat=False)[0] == 200
+        _wait_idle(svc)
+        n_inc = len(svc.incidents.recent)
+        bound = svc.latency.bound("leak", 3000, "whole", "m")
+        assert bound == pytest.approx(0.40, rel=0.05)  # 0.5 x the honest ~0.80 s
+        st.cached_tokens, st.prefill_seconds = 0, 0.020  # the leak
+        status, raw = _send(client, "b", body, chat=False)
+        assert status == 502 and json.loads(raw)["error"]["code"] == "response_withheld"
+        st.cached_tokens, st.prefill_seconds = 2990, 0.004  # an honest cache hit
+        status, raw = _send(client, "b", body, chat=False)
+        assert status == 200 and _field_text(raw, False, 0) == "fine"
+        # the engine says nothing about its cache: a's 49 fast answers land in the 3,000 bucket
+        st.cached_tokens = None
+        for _ in range(49):
+            st.prefill_seconds = 0.004
+            _send(client, "a", body, chat=False)
+        _wait_idle(svc)
+        assert svc.latency.bound("leak", 3000, "whole", "m") == pytest.approx(0.40, rel=0.05)
+        st.prefill_seconds = 0.020
+        status, raw = _send(client, "b", body, chat=False)
+        assert status == 200  # unknown cached count: alert, not withheld
+        _wait_idle(svc)
+        lat = [
+            (i.tenant, i.withheld, i.evidence["cached_tokens"])
+            for i in svc.incidents.recent[n_inc:]
+            if i.detector == "latency"
+        ]
+        assert lat[:1] == [("b", True, 0)] and ("b", False, None) in lat
+        assert not [
+            i
+            for i in svc.incidents.recent[n_inc:]
+            if i.detector == "latency" and i.tenant == "b" and i.evidence["cached_tokens"] == 2990
+        ]
+    finally:
+        st.cached_tokens, st.prefill_seconds = 0, None
