@@ -7,6 +7,8 @@ settle) and the verifier read it; it lives in ``verifier/`` because dependencies
 
 - :func:`parse_body`: a whole (non-streamed) ``chat.completion`` / ``text_completion`` object.
 - :func:`parse_chunk`: the JSON ``data`` of one SSE chunk (``chat.completion.chunk``).
+- :func:`parse_response_event` / :func:`parse_response_body`: ``/v1/responses`` stream events and
+  whole ``response`` objects (a section of their own, at the end).
 - :func:`is_error_payload` / :func:`engine_error`: an engine error object (SGLang flat
   ``{"object":"error",...,"code":400}``, vLLM/OpenAI nested ``{"error":{...}}``, ``/generate``'s
   ``{"error":{"message"}}``, FastAPI's ``{"detail":...}``) as an :class:`~config.errors.OpenAIError`.
@@ -239,3 +241,151 @@ def engine_error(status: int, body: bytes | Any) -> OpenAIError:
         etype = error_type_for_status(status)
     param = e.get("param") if isinstance(e.get("param"), str) else None
     return OpenAIError(status, message[:MAX_ENGINE_MESSAGE_CHARS], code=code, param=param, type=etype)
+
+
+# ------------------------------------------------------------------ /v1/responses
+# The Responses API (OpenAI; vLLM ``serving_responses``), kept apart from the chat parsers above.
+# Text read (strict mode and the leak index read it all): output text
+# (``response.output_text.delta``; ``output_text`` parts), refusals (``response.refusal.delta``),
+# reasoning (``response.reasoning_text.delta``, ``response.reasoning_summary_text.delta``;
+# reasoning items' ``content`` and ``summary``) and function-call arguments
+# (``response.function_call_arguments.delta``; ``function_call`` items' ``arguments``), keyed by
+# ``output_index`` (a body's item position). Usage (``input_tokens`` / ``output_tokens``) is given
+# back in the chat names (``prompt_tokens`` / ``completion_tokens`` / ``total_tokens``) that quotas
+# and the verifier read. How it ended: ``response.completed`` / status ``completed`` ->
+# ``finish_reason`` ``stop``, ``response.incomplete`` -> ``length`` (or the
+# ``incomplete_details.reason`` when it is another), ``response.failed`` and ``error`` events -> an
+# error.
+
+#: stream event types whose ``delta`` is text the response carries
+TEXT_DELTA_EVENTS = frozenset(
+    {
+        "response.output_text.delta",
+        "response.refusal.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.function_call_arguments.delta",
+    }
+)
+#: terminal events -> the finish reason they mean (``None``: failed)
+TERMINAL_EVENTS = {"response.completed": "stop", "response.incomplete": "length", "response.failed": None}
+
+
+@dataclass
+class ResponseOutput:
+    """What one Responses event or body carries. ``kind``: ``text`` (a text delta), ``terminal``
+    (completed / incomplete), ``error`` (an ``error`` event, ``response.failed``, or a body with
+    an ``error`` object and no output), ``other``. ``texts``: output index -> text; ``usage`` in
+    chat names; ``error``: the error's fields (``message``, ``code``, ``param``) for the gateway's
+    error mapping; ``sequence_number`` when the event has one."""
+
+    kind: str = "other"
+    texts: dict[int, str] = field(default_factory=dict)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    sequence_number: int | None = None
+
+    @property
+    def text(self) -> str:
+        """Every output's text joined, in output order."""
+        return "".join(self.texts[k] for k in sorted(self.texts))
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def response_usage(usage: Any) -> dict[str, Any] | None:
+    """A Responses ``usage`` (``input_tokens``, ``output_tokens``) in chat names; ``None`` unless
+    both are non-negative ints."""
+    if not isinstance(usage, dict):
+        return None
+    it, ot = _int(usage.get("input_tokens")), _int(usage.get("output_tokens"))
+    if it is None or ot is None or it < 0 or ot < 0:
+        return None
+    return {"prompt_tokens": it, "completion_tokens": ot, "total_tokens": it + ot}
+
+
+def _item_text(item: dict[str, Any]) -> str:
+    itype = item.get("type")
+    out: list[str] = []
+    if itype == "function_call":
+        a = item.get("arguments")
+        return a if isinstance(a, str) else ""
+    for key in ("content", "summary") if itype == "reasoning" else ("content",):
+        parts = item.get(key)
+        for p in parts if isinstance(parts, list) else ():
+            if isinstance(p, dict):
+                t = p.get("refusal") if p.get("type") == "refusal" else p.get("text")
+                if isinstance(t, str):
+                    out.append(t)
+    return "".join(out)
+
+
+def _finish_of(resp: dict[str, Any]) -> str | None:
+    status = resp.get("status")
+    if status == "completed":
+        return "stop"
+    if status == "incomplete":
+        details = resp.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        return "length" if reason in (None, "max_output_tokens") else str(reason)
+    return None
+
+
+def is_response_error(obj: Any) -> bool:
+    """A whole answer that is an error: an ``error`` object (or string) while no ``output`` list
+    is present, or ``status: "failed"``, or SGLang's flat ``{"object": "error"}``. (A successful
+    ``response`` object carries ``"error": null``.)"""
+    if not isinstance(obj, dict):
+        return False
+    if obj.get("object") == "error" or obj.get("status") == "failed":
+        return True
+    return obj.get("error") is not None and not isinstance(obj.get("output"), list)
+
+
+def parse_response_body(obj: Any) -> ResponseOutput:
+    """A whole ``response`` object: each output item's text, usage, finish reason; ``kind``
+    ``error`` (with ``error``) for :func:`is_response_error` bodies. Never raises."""
+    out = ResponseOutput("terminal")
+    if not isinstance(obj, dict):
+        return ResponseOutput()
+    if is_response_error(obj):
+        err = obj.get("error")
+        return ResponseOutput("error", error=err if isinstance(err, dict) else {"message": err} if err else obj)
+    items = obj.get("output")
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if isinstance(item, dict):
+            t = _item_text(item)
+            if t:
+                out.texts[i] = t
+    out.usage = response_usage(obj.get("usage"))
+    out.finish_reason = _finish_of(obj)
+    return out
+
+
+def parse_response_event(obj: Any) -> ResponseOutput:
+    """One stream event's ``data`` (already JSON-decoded). Never raises on odd shapes."""
+    if not isinstance(obj, dict):
+        return ResponseOutput()
+    etype = obj.get("type")
+    seq = _int(obj.get("sequence_number"))
+    if etype == "error" or (etype is None and obj.get("error") is not None):
+        err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
+        return ResponseOutput("error", error=err, sequence_number=seq)
+    if etype in TEXT_DELTA_EVENTS:
+        d = obj.get("delta")
+        i = _int(obj.get("output_index"))
+        texts = {i if i is not None else 0: d} if isinstance(d, str) and d else {}
+        return ResponseOutput("text" if texts else "other", texts, sequence_number=seq)
+    if etype in TERMINAL_EVENTS:
+        resp = obj.get("response") if isinstance(obj.get("response"), dict) else {}
+        if etype == "response.failed":
+            err = resp.get("error")
+            return ResponseOutput("error", error=err if isinstance(err, dict) else {}, sequence_number=seq)
+        finish = _finish_of(resp) or TERMINAL_EVENTS[etype]
+        return ResponseOutput(
+            "terminal", finish_reason=finish, usage=response_usage(resp.get("usage")), sequence_number=seq
+        )
+    return ResponseOutput(sequence_number=seq)

@@ -1,0 +1,111 @@
+"""Reading /v1/responses answers (verifier/engine_response.py, its Responses section): every text-bearing event and
+output item, usage in chat names, how a response ended, errors; hostile shapes never raise."""
+
+from __future__ import annotations
+
+import pytest
+
+from verifier.engine_response import is_response_error, parse_response_body, parse_response_event, response_usage
+
+
+@pytest.mark.parametrize(
+    "etype",
+    [
+        "response.output_text.delta",
+        "response.refusal.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_summary_text.delta",
+        "response.function_call_arguments.delta",
+    ],
+)
+def test_every_text_delta_is_text(etype):
+    out = parse_response_event({"type": etype, "sequence_number": 7, "output_index": 2, "delta": "abc"})
+    assert (out.kind, out.texts, out.text, out.sequence_number) == ("text", {2: "abc"}, "abc", 7)
+
+
+def test_other_events_carry_no_text():
+    for ev in (
+        {"type": "response.output_text.done", "text": "whole text again"},
+        {"type": "response.created", "response": {"id": "r"}},
+        {"type": "response.output_text.delta", "delta": ""},
+        {"type": "response.output_text.delta", "delta": 5},
+    ):
+        out = parse_response_event(ev)
+        assert out.text == "" and out.kind == "other"
+
+
+def test_completed_gives_usage_in_chat_names_and_stop():
+    out = parse_response_event(
+        {
+            "type": "response.completed",
+            "response": {"status": "completed", "usage": {"input_tokens": 11, "output_tokens": 4}},
+        }
+    )
+    assert out.kind == "terminal" and out.finish_reason == "stop"
+    assert out.usage == {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
+    inc = parse_response_event(
+        {
+            "type": "response.incomplete",
+            "response": {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}},
+        }
+    )
+    assert (inc.finish_reason, inc.usage) == ("length", None)
+
+
+@pytest.mark.parametrize(
+    "usage", [None, {}, {"input_tokens": -1, "output_tokens": 1}, {"input_tokens": True, "output_tokens": 1}, [1, 2]]
+)
+def test_bad_usage_is_none(usage):
+    assert response_usage(usage) is None
+
+
+def test_error_event_and_failed_response_are_errors():
+    e = parse_response_event({"type": "error", "code": "x", "message": "boom", "param": None, "sequence_number": 3})
+    assert (e.kind, e.error["message"], e.sequence_number) == ("error", "boom", 3)
+    f = parse_response_event({"type": "response.failed", "response": {"status": "failed", "error": {"message": "m"}}})
+    assert (f.kind, f.error) == ("error", {"message": "m"})
+
+
+def test_whole_body_reads_text_reasoning_refusals_and_arguments():
+    body = {
+        "object": "response",
+        "status": "completed",
+        "error": None,
+        "output": [
+            {
+                "type": "reasoning",
+                "content": [{"type": "reasoning_text", "text": "think "}],
+                "summary": [{"text": "sum"}],
+            },
+            {
+                "type": "message",
+                "content": [{"type": "output_text", "text": "Hi"}, {"type": "refusal", "refusal": "no"}],
+            },
+            {"type": "function_call", "arguments": '{"a":1}'},
+            "junk",
+            {"type": "message", "content": "not a list"},
+        ],
+        "usage": {"input_tokens": 3, "output_tokens": 2},
+    }
+    out = parse_response_body(body)
+    assert out.texts == {0: "think sum", 1: "Hino", 2: '{"a":1}'}
+    assert (out.kind, out.finish_reason, out.usage["completion_tokens"]) == ("terminal", "stop", 2)
+    assert not is_response_error(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"error": {"message": "x"}},
+        {"object": "error", "message": "x", "code": 400},
+        {"status": "failed", "output": [], "error": {"message": "x"}},
+    ],
+)
+def test_error_bodies(body):
+    assert is_response_error(body) and parse_response_body(body).kind == "error"
+
+
+@pytest.mark.parametrize("obj", [None, 1, "x", [], {"type": 5}, {"output": "x"}, {"output": [None, 1]}])
+def test_hostile_shapes_never_raise(obj):
+    parse_response_event(obj)
+    parse_response_body(obj)
