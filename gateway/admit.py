@@ -9,7 +9,8 @@ In DESIGN.md's order, each step a call into the module that owns it:
 2. read the body (size limit) and parse it as strict JSON (:mod:`gateway.requests`), in a worker
    thread when it is larger than :data:`OFFLOAD_BODY_BYTES`, after refusing (413) one that holds
    more than ``gateway.max_body_values`` JSON values (:mod:`gateway.density`);
-3. validate it against the route's OpenAI schema (:mod:`gateway.requests`);
+3. validate it against the route's OpenAI schema (:mod:`gateway.requests`; ``/v1/responses`` and
+   ``/v1/embeddings``: :mod:`gateway.api_routes`), and check that the model's ``task`` serves the route;
 4. resolve the model, count the prompt, apply the context gate (:mod:`gateway.admission`); a
    batch above the tenant's ``max_sequences_per_request`` is refused before it is counted, and a
    request whose counting is costly is counted off the event loop; an unknown or stale pool is
@@ -33,6 +34,7 @@ from starlette.requests import Request
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import Settings, TenantConfig
+from gateway import api_routes
 from gateway.admission import Admission, ModelIndex, client_wants_usage, count_prompt, decide, upstream_body
 from gateway.auth import authenticate
 from gateway.density import values_over
@@ -148,9 +150,21 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
         body = await asyncio.to_thread(_parse_large, raw, ctx.settings.gateway.max_body_values)
     else:
         body = parse_json_body(raw)
-    validate(body, route)
+    own_schema = route in ("responses", "embeddings")  # their schemas, counts and gates: gateway.api_routes
+    if own_schema:
+        api_routes.validate(body, route)
+    else:
+        validate(body, route)
     entry = ctx.models.resolve(tenant, body.get("model"))
-    prompt = await count_prompt(entry, body, route, max_sequences=tenant.max_sequences_per_request)
+    api_routes.check_task(entry, route)
+    passthrough = api_routes.stateful_passthrough(ctx.upstreams.by_model.get(entry.id, []))
+    if route == "responses":
+        api_routes.refuse_stateful(body, passthrough)
+        chat, prompt_tokens = await api_routes.count_responses(entry, body)
+    elif route == "embeddings":
+        counts = await api_routes.count_embeddings(entry, tenant, body)
+    else:
+        prompt = await count_prompt(entry, body, route, max_sequences=tenant.max_sequences_per_request)
     candidates, pool_limit = ctx.upstreams.eligible(entry.id)
     if pool_limit is None:
         raise OpenAIError(
@@ -160,7 +174,12 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
             code=ErrorCode.POOL_SIZE_UNKNOWN,
             headers={"Retry-After": "1"},
         )
-    adm = decide(entry, tenant, body, route, prompt, pool_limit)
+    if route == "responses":
+        adm = api_routes.decide_responses(entry, tenant, body, chat, prompt_tokens, pool_limit)
+    elif route == "embeddings":
+        adm = api_routes.decide_embeddings(entry, tenant, body, counts, pool_limit)
+    else:
+        adm = decide(entry, tenant, body, route, prompt, pool_limit)
     candidates = [u for u in candidates if not ctx.verifier.is_quarantined(u.name, adm.prompt_tokens)]
     if not candidates:
         raise OpenAIError(
@@ -168,13 +187,22 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
             "Every upstream engine for this model is quarantined for prompts of this length.",
             code=ErrorCode.UPSTREAM_UNAVAILABLE,
         )
-    stream = bool(body.get("stream"))
-    exchange = verifier_exchange(arrival, tenant, adm, body, stream)
-    await ctx.verifier.admit(exchange, entry.counter.adecode)
-    strip_usage = stream and not client_wants_usage(body)
+    stream = bool(body.get("stream")) and route != "embeddings"
+    exchange = None
+    if route != "embeddings":  # embeddings have no output text to verify: their inputs are not indexed
+        exchange = verifier_exchange(arrival, tenant, adm, body, stream)
+        await ctx.verifier.admit(exchange, entry.counter.adecode)
     salt = ctx.cache_salt(tenant.id)
-    forwarded = await asyncio.to_thread(upstream_body, body, adm, salt) if large else upstream_body(body, adm, salt)
-    forward = Forward(forwarded, stream, strip_usage)
+    if own_schema:
+        args = (body, route, adm, salt, passthrough)
+        forwarded = (
+            await asyncio.to_thread(api_routes.upstream_body, *args) if large else api_routes.upstream_body(*args)
+        )
+        forward = Forward(forwarded, stream, False)
+    else:
+        strip_usage = stream and not client_wants_usage(body)  # before upstream_body asks for usage itself
+        forwarded = await asyncio.to_thread(upstream_body, body, adm, salt) if large else upstream_body(body, adm, salt)
+        forward = Forward(forwarded, stream, strip_usage)
     lease = await ctx.quotas.reserve(tenant, adm.reserve_tokens, arrival.request_id)
     return Admitted(arrival, tenant, adm, lease, candidates, forward, exchange)
 

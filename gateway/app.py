@@ -7,7 +7,8 @@ forwarded request), one pooled ``httpx.AsyncClient`` (pool polls) and one
 the contracts of :mod:`gateway.stages` / :mod:`verifier.stage`; ``None`` means switched off
 (:class:`NullQuotas` / :class:`NullVerifier`), and a stage with ``aclose`` is closed at shutdown.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
+``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (also under ``/v1/``), ``GET /v1/models``,
 ``GET /healthz``, ``GET /readyz``, ``GET /metrics``. Every error is OpenAI-shaped
 (:mod:`gateway.errors`). ``app.state.gateway`` is the :class:`Gateway`.
 """
@@ -37,6 +38,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool_watcher import PoolWatcher
 from gateway.stages import NullQuotas, QuotaStage
 from gateway.tenants import TenantRegistry
+from gateway.tokenize_handlers import handle_tokenize
 from gateway.upstream_client import UpstreamClient
 from gateway.upstreams import UpstreamSet, make_upstream
 from verifier.stage import NullVerifier, VerifierStage
@@ -247,6 +249,18 @@ def create_app(
     async def completions(request: Request) -> Response:
         return await handle_completion(gw, request, "completions")
 
+    async def responses(request: Request) -> Response:
+        return await handle_completion(gw, request, "responses")
+
+    async def embeddings(request: Request) -> Response:
+        return await handle_completion(gw, request, "embeddings")
+
+    async def tokenize(request: Request) -> Response:
+        return await handle_tokenize(gw, request, "tokenize")
+
+    async def detokenize(request: Request) -> Response:
+        return await handle_tokenize(gw, request, "detokenize")
+
     async def models(request: Request) -> Response:
         return await handle_models(gw, request)
 
@@ -280,6 +294,11 @@ def create_app(
 
     app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.router.add_route("/v1/completions", completions, methods=["POST"])
+    app.router.add_route("/v1/responses", responses, methods=["POST"])
+    app.router.add_route("/v1/embeddings", embeddings, methods=["POST"])
+    for prefix in ("", "/v1"):
+        app.router.add_route(prefix + "/tokenize", tokenize, methods=["POST"])
+        app.router.add_route(prefix + "/detokenize", detokenize, methods=["POST"])
     app.router.add_route("/v1/models", models, methods=["GET"])
     app.router.add_route("/healthz", healthz, methods=["GET"])
     app.router.add_route("/readyz", readyz, methods=["GET"])

@@ -35,10 +35,18 @@ from config.errors import ErrorCode, OpenAIError
 from config.models import Settings
 from gateway.admit import Admitted
 from gateway.metrics import GatewayMetrics
-from gateway.sse import DONE_EVENT, SSEEventTooLarge, SSESplitter, inspect, strip_usage_null
+from gateway.sse import DONE_EVENT, SSEEventTooLarge, SSESplitter, data_of, inspect, strip_usage_null
 from gateway.upstream_client import UpstreamClient, UpstreamResponse
 from gateway.upstreams import Upstream, UpstreamSet
-from verifier.engine_response import engine_error, is_error_payload, parse_body
+from verifier.engine_response import (
+    EngineOutput,
+    ResponseOutput,
+    engine_error,
+    is_error_payload,
+    parse_body,
+    parse_response_body,
+    parse_response_event,
+)
 from verifier.stage import Exchange, ResponseGuard, ResponseWithheld, VerifierStage
 
 log = logging.getLogger("kvgate.proxy")
@@ -64,12 +72,14 @@ class Produced:
     """What the engine produced, as far as it was relayed. ``texts``: choice index -> the text
     pieces it produced (what a settle without usage counts); ``usage``: the engine's usage object;
     ``finish_reason``: the first one seen; ``ttft_seconds``: from forwarding to the first text
-    (streams) or the engine's ``x-prefill-seconds`` (whole answers)."""
+    (streams) or the engine's ``x-prefill-seconds`` (whole answers); ``sequence_number``: the
+    last ``sequence_number`` of a ``/v1/responses`` stream (the gateway's own error event follows it)."""
 
     texts: dict[int, list[str]] = field(default_factory=dict)
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
     ttft_seconds: float | None = None
+    sequence_number: int | None = None
 
 
 @dataclass
@@ -114,6 +124,31 @@ def event_too_large(outcome: RelayOutcome, e: SSEEventTooLarge) -> OpenAIError:
     )
 
 
+def response_error_event(err: OpenAIError, after: int | None) -> bytes:
+    """The Responses API's own ``error`` event for ``err``
+    (``{"type": "error", "code", "message", "param", "sequence_number"}``), numbered after the
+    stream's last event ``after``: how the gateway ends a ``/v1/responses`` stream it must cut
+    (that protocol has no ``[DONE]``)."""
+    e = orjson.loads(err.body_bytes())["error"]
+    data: dict[str, Any] = {
+        "type": "error",
+        "code": e.get("code"),
+        "message": e.get("message"),
+        "param": e.get("param"),
+    }
+    if after is not None:
+        data["sequence_number"] = after + 1
+    return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def stream_error_tail(outcome: RelayOutcome, err: OpenAIError) -> bytes:
+    """The bytes that end a started stream with ``err``: an error chunk and ``[DONE]`` (chat,
+    completions), the Responses ``error`` event (``/v1/responses``)."""
+    if outcome.admitted.arrival.route == "responses":
+        return response_error_event(err, outcome.produced.sequence_number)
+    return error_event(err) + DONE_EVENT
+
+
 def withheld_error(w: ResponseWithheld) -> OpenAIError:
     """The 502 ``response_withheld`` a strict guard's refusal becomes (DESIGN.md, "Error bodies")."""
     return OpenAIError(
@@ -144,8 +179,12 @@ async def relay(ctx: RelayContext, outcome: RelayOutcome) -> AsyncGenerator[Chun
     try:
         outcome.overhead_seconds = t_forward - outcome.admitted.arrival.t_perf
         await _check_answer(ctx, outcome, resp)
-        guard = ctx.verifier.begin(_exchange(outcome))
-        body = relay_stream if outcome.admitted.forward.stream else read_whole
+        route = outcome.admitted.arrival.route
+        guard = None if route == "embeddings" else ctx.verifier.begin(_exchange(outcome))  # no output text
+        if not outcome.admitted.forward.stream:
+            body = read_whole
+        else:
+            body = relay_response_stream if route == "responses" else relay_stream
         async with contextlib.aclosing(body(ctx, outcome, resp, guard, t_forward)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -267,9 +306,14 @@ async def read_whole(
         raise OpenAIError(
             502, "The upstream engine answered a body that is not JSON.", code=ErrorCode.UPSTREAM_UNAVAILABLE
         ) from None
-    if is_error_payload(data):
+    if outcome.admitted.arrival.route == "responses":
+        out: EngineOutput | ResponseOutput = parse_response_body(data)
+        if out.kind == "error":
+            raise engine_error(200, {"error": out.error})
+    elif is_error_payload(data):
         raise engine_error(200, data)
-    out = parse_body(data)
+    else:
+        out = parse_body(data)
     p = outcome.produced
     p.usage, p.finish_reason = out.usage, out.finish_reason
     p.texts = {i: [t] for i, t in out.texts.items()}
@@ -373,3 +417,86 @@ async def relay_stream(
         )
     outcome.status = 200
     yield b"".join(tail) + DONE_EVENT, False
+
+
+async def relay_response_stream(
+    ctx: RelayContext, outcome: RelayOutcome, resp: UpstreamResponse, guard: ResponseGuard | None, t_forward: float
+) -> AsyncGenerator[Chunk, None]:
+    """Relay a ``/v1/responses`` event stream byte-exact (:func:`relay_stream`'s rules, in that
+    protocol): nothing appended (no ``[DONE]``) or stripped; usage from ``response.completed``;
+    the text of every text-bearing event (output, refusal, reasoning, function-call arguments)
+    through the guard; the response starts at the first text or terminal event; an ``error``
+    event or ``response.failed`` before it is the engine's error, after it relayed as sent."""
+    splitter = SSESplitter(ctx.settings.gateway.max_sse_event_bytes)
+    p = outcome.produced
+    held: list[bytes] = []
+    started = False
+    try:
+        async for chunk in resp.aiter_raw():
+            out: list[bytes] = []
+            too_large: SSEEventTooLarge | None = None
+            try:
+                events = splitter.feed(chunk)
+            except SSEEventTooLarge as e:  # relay what came before it, then end the stream
+                events, too_large = e.before, e
+            for ev in events:
+                payload = data_of(ev)
+                info = ResponseOutput()
+                if payload is not None:
+                    try:
+                        info = parse_response_event(orjson.loads(payload))
+                    except orjson.JSONDecodeError:
+                        pass
+                if info.sequence_number is not None:
+                    p.sequence_number = info.sequence_number
+                if info.kind == "error":
+                    err = engine_error(200, {"error": info.error or {}})
+                    if not started:
+                        raise err
+                    outcome.error_code = err.code
+                if info.usage is not None:
+                    p.usage = info.usage
+                if info.finish_reason is not None:
+                    p.finish_reason = info.finish_reason
+                text = info.text
+                if text:
+                    for i, t in info.texts.items():
+                        p.texts.setdefault(i, []).append(t)
+                    if p.ttft_seconds is None:
+                        p.ttft_seconds = time.perf_counter() - t_forward
+                if guard is not None:
+                    out.extend(await guard.feed(text, ev))
+                else:
+                    out.append(ev)
+                if not started and (text or info.kind == "terminal"):
+                    started = True
+                    outcome.status = 200
+                    yield b"", True
+            if out:
+                if not started:
+                    held.extend(out)
+                else:
+                    yield b"".join(held + out) if held else b"".join(out), True
+                    held = []
+            if too_large is not None:
+                raise event_too_large(outcome, too_large)
+    except httpx.HTTPError as e:
+        err = _transport_error(ctx, outcome.upstream, e, "read")
+        if held and started:
+            yield b"".join(held), True
+        raise err from None
+    except ResponseWithheld as w:
+        raise withheld_error(w) from None
+    tail: list[bytes] = held
+    if guard is not None:
+        try:
+            tail += await guard.finish_stream(usage=p.usage, finish_reason=p.finish_reason, ttft_seconds=p.ttft_seconds)
+        except ResponseWithheld as w:
+            raise withheld_error(w) from None
+    if splitter.tail().strip():
+        log.warning(
+            "upstream stream ended inside an event",
+            extra={"fields": {"request_id": outcome.admitted.arrival.request_id}},
+        )
+    outcome.status = 200
+    yield b"".join(tail), False

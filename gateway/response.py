@@ -5,7 +5,8 @@ the manner of Starlette's ``StreamingResponse`` (it only handles the transport).
 in ASGI: a stream as it comes (the response starts at the first item; an empty one only starts
 it), a whole answer in one message with its ``content-length``. An :class:`~config.errors.OpenAIError` raised before the response
 started is answered as an OpenAI-shaped JSON error with its status; raised after, it ends the
-stream with an error event and ``data: [DONE]``. Any other exception is a 500 in the same shape
+stream with an error event and ``data: [DONE]`` (``/v1/responses``: the Responses ``error``
+event, :func:`gateway.proxy.stream_error_tail`). Any other exception is a 500 in the same shape
 (it names no internals). A client disconnect before the end cancels the relay (status 499),
 which closes the upstream request. However it ends, the iterator is closed and ``on_close``
 (:func:`gateway.finish.finish`) runs exactly once.
@@ -21,8 +22,7 @@ from typing import Any, AsyncGenerator, Awaitable, Callable
 from starlette.responses import Response
 
 from config.errors import ErrorCode, OpenAIError
-from gateway.proxy import Chunk, RelayOutcome, error_event, response_headers
-from gateway.sse import DONE_EVENT
+from gateway.proxy import Chunk, RelayOutcome, response_headers, stream_error_tail
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -130,7 +130,7 @@ class RelayResponse(Response):
         o = self.outcome
         o.error_code = err.code
         if self._started:  # mid-stream: an error event, then the end of the stream
-            await self._body(send, error_event(err) + DONE_EVENT, False)
+            await self._body(send, stream_error_tail(o, err), False)
             return
         if o.overhead_seconds == 0.0:
             o.overhead_seconds = time.perf_counter() - o.admitted.arrival.t_perf

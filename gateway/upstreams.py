@@ -25,6 +25,8 @@ class Upstream:
     in_flight: int = 0
     chat_url: str = ""
     completions_url: str = ""
+    responses_url: str = ""
+    embeddings_url: str = ""
     auth_header: str | None = None
     seq: int = field(default=0)
 
@@ -33,12 +35,19 @@ class Upstream:
         return self.config.name
 
     def url_for(self, route: str) -> str:
-        """The upstream URL of ``route`` (``chat`` or ``completions``)."""
-        return self.chat_url if route == "chat" else self.completions_url
+        """The upstream URL of ``route`` (``chat``, ``completions``, ``responses``, ``embeddings``)."""
+        if route == "chat":
+            return self.chat_url
+        if route == "responses":
+            return self.responses_url
+        if route == "embeddings":
+            return self.embeddings_url
+        return self.completions_url
 
 
 def make_upstream(cfg: UpstreamConfig, watcher: PoolWatcher) -> Upstream:
-    """An :class:`Upstream` with its URLs (``api_url`` + ``/chat/completions``, ``/completions``)
+    """An :class:`Upstream` with its URLs (``api_url`` + ``/chat/completions``, ``/completions``,
+    ``/responses``, ``/embeddings``)
     and bearer header (from ``api_key``) precomputed."""
     base = cfg.api_url.rstrip("/")
     key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
@@ -47,6 +56,8 @@ def make_upstream(cfg: UpstreamConfig, watcher: PoolWatcher) -> Upstream:
         watcher,
         chat_url=base + "/chat/completions",
         completions_url=base + "/completions",
+        responses_url=base + "/responses",
+        embeddings_url=base + "/embeddings",
         auth_header=f"Bearer {key}" if key else None,
     )
 

@@ -202,3 +202,54 @@ def test_tokenize_prompt_and_chat_give_the_gates_count_and_the_ids() -> None:
     t = asyncio.run(tokenize_chat(C, messages))
     assert (t.count, t.tokens, t.token_strs) == (11, C.encode_chat(messages), None)
     assert C.decode(t.tokens) == "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ------------------------------------------------------------------ Hugging Face ids
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from tokenizer.hf_counter import HFCounter
+
+    folder = tmp_path_factory.mktemp("hf-ids")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<unk>", "<s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["hello world, say hello to the world"] * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    tok.save(str(folder / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    return HFCounter(folder)
+
+
+def test_hf_ids_match_the_gates_count(hf):
+    t = asyncio.run(tokenize_prompt(hf, "hello world"))
+    assert t.tokens[0] == hf.tokenizer.token_to_id("<s>") and t.count == len(t.tokens) == hf.count_prompt_text(
+        "hello world"
+    )
+    assert asyncio.run(tokenize_prompt(hf, "hello world", add_special_tokens=False)).tokens == t.tokens[1:]
+    messages = [{"role": "user", "content": "say hello"}]
+    c = asyncio.run(tokenize_chat(hf, messages, return_token_strs=True))
+    assert c.count == len(c.tokens) == hf.count_chat(messages)
+    assert c.token_strs[0] == "<|im_start|>" and len(c.token_strs) == len(c.tokens)
+    # a look-alike typed as text: counted as text (more), while the ids are the engine tokenizer's
+    odd = [{"role": "user", "content": "<|im_end|>"}]
+    o = asyncio.run(tokenize_chat(hf, odd))
+    assert o.count > len(o.tokens)
+    p = responses_to_chat("say hello")
+    assert count_responses(hf, p) == hf.count_chat(messages)

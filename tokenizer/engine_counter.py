@@ -221,6 +221,24 @@ class EngineCounter(PromptCounter):
             payload["tools"] = tools
         return rendered, orjson.dumps(payload)
 
+    async def atokenize_ids(self, payload: dict[str, Any]) -> tuple[int, list[int]]:
+        """``(count, tokens)`` of one tokenize request (``{"prompt", "add_special_tokens"}`` or
+        ``{"messages", "add_generation_prompt", "tools", ...}``, image parts already removed), as
+        the engine answers it: ``count`` is the engine's (``len(tokens)`` when it sends none).
+        Raises :class:`EngineTokenizeError` for a failure or an answer without a list of int
+        ``tokens``. (kvgate's ``/tokenize`` for ``engine`` tokenizers.)"""
+        headers = {"content-type": "application/json", **(self._headers or {})}
+        try:
+            r = await self._client.post(self.url, content=orjson.dumps({"model": self.model, **payload}), headers=headers)
+            data = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as e:
+            raise EngineTokenizeError(f"engine tokenize at {self.url} failed: {type(e).__name__}") from None
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list) or not all(_is_count(t) for t in tokens):
+            raise EngineTokenizeError(f"engine tokenize at {self.url} answered without a list of token ids")
+        count = data.get("count")
+        return (count if _is_count(count) else len(tokens)), tokens
+
     async def aclose(self) -> None:
         """Close the HTTP client."""
         await self._client.aclose()

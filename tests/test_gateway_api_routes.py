@@ -1,0 +1,545 @@
+"""``/v1/responses``, ``/v1/embeddings``, ``/tokenize`` and ``/detokenize`` through the whole
+gateway (real app on a free port) against the mock engine of tests/mock_api_engine.py, driven by
+the official ``openai`` SDK where it has the route: exact counts, the limit and limit + 1,
+stateful refusals, quotas (429), strict withholding, a stream's exact bytes, disconnects."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from config.errors import context_length_message
+from config.models import Settings
+from gateway.api_routes import embedding_length_message
+from gateway.quotas import build_quota_stage
+from tests.gateway_harness import KEY_A, MODEL, SECRETS, Gateway, tenants, upstream, wait_for
+from tests.mock_api_engine import COUNTER, ApiMockEngine, response_stream
+from verifier.service import VerifierService
+
+pytestmark = pytest.mark.timeout(60)
+
+EMB = "embed-tiny"
+LIMIT = 200  # tenant-a's max_context_tokens: the effective limit (the pool allows more)
+
+
+@pytest.fixture
+def engine():
+    e = ApiMockEngine().start()
+    yield e
+    e.stop()
+
+
+def settings(
+    engine: ApiMockEngine, *, up: dict | None = None, verifier: bool = False, quotas: bool = False
+) -> Settings:
+    return Settings.model_validate(
+        {
+            "gateway": {"max_body_bytes": 1 << 16, "connect_timeout_seconds": 1, "read_timeout_seconds": 5},
+            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 0.5},
+            "models": [
+                {"id": MODEL, "aliases": ["tiny-alias"], "context_length": 8192},
+                {"id": EMB, "context_length": 8192, "task": "embedding"},
+            ],
+            "upstreams": [{**upstream("u1", engine), "models": [MODEL, EMB], **(up or {})}],
+            "verifier": {"enabled": verifier, "strict_holdback_tokens": 16},
+            "quotas": {"enabled": quotas, "window_seconds": 60},
+        }
+    )
+
+
+def start(engine: ApiMockEngine, *, up: dict | None = None, verifier: bool = False, quotas: bool = False, **a: Any):
+    s = settings(engine, up=up, verifier=verifier, quotas=quotas)
+    kw: dict[str, Any] = {}
+    if verifier:
+        kw["verifier"] = VerifierService(s, secrets=SECRETS)
+    if quotas:
+        kw["quotas"] = build_quota_stage(s)
+    reg = tenants(max_context_tokens=LIMIT, allowed_models=[MODEL, EMB], max_embedding_inputs=4, **a)
+    return Gateway(s, reg, **kw).start()
+
+
+@pytest.fixture
+def gw(engine):
+    g = start(engine)
+    yield g
+    g.stop()
+
+
+def sdk(gw: Gateway, key: str = KEY_A) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=10)
+
+
+def error_of(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def forwarded(engine: ApiMockEngine, path: str) -> list[dict]:
+    return [r["body"] for r in engine.state.requests if r["path"] == path]
+
+
+# ---------------------------------------------------------------- /v1/responses
+def test_responses_at_the_limit_is_served_and_one_over_is_context_length_exceeded(gw, engine):
+    client = sdk(gw)
+    r = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=LIMIT - 11)  # 11 + 189 == 200
+    assert r.output_text == "Hello from the mock."
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (11, 4)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=LIMIT - 10)
+    assert (e.value.status_code, e.value.code, e.value.param) == (400, "context_length_exceeded", "input")
+    assert e.value.body["message"] == context_length_message(LIMIT, 11, LIMIT - 10, messages=True)
+    [sent] = forwarded(engine, "/v1/responses")
+    assert sent["model"] == MODEL and sent["max_output_tokens"] == 189 and sent["store"] is False
+    assert sent["cache_salt"] == gw.gw.cache_salt("tenant-a") and "stream_options" not in sent
+
+
+def test_responses_counts_instructions_items_and_tools_exactly(gw, engine):
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a":2,"b":2}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "4"},
+    ]
+    tools = [{"type": "function", "name": "add", "parameters": {"type": "object"}}]
+    from tokenizer.responses import count_responses, responses_to_chat
+
+    n = count_responses(COUNTER, responses_to_chat(items, "Be brief.", tools))
+    assert n == 100
+    client = sdk(gw)
+    r = client.responses.create(
+        model=MODEL, input=items, instructions="Be brief.", tools=tools, max_output_tokens=LIMIT - n
+    )
+    assert r.usage.input_tokens == n  # the mock counts like the bundled engine: the same number
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model=MODEL, input=items, instructions="Be brief.", tools=tools, max_output_tokens=LIMIT - n + 1
+        )
+    assert e.value.body["message"] == context_length_message(LIMIT, n, LIMIT - n + 1, messages=True)
+
+
+def test_responses_default_max_output_tokens_and_the_tenant_cap(engine):
+    g = start(engine, max_tokens_cap=100)
+    try:
+        with g.client() as c:
+            assert c.post("/v1/responses", json={"model": MODEL, "input": "Say hello."}).status_code == 200
+            r = c.post("/v1/responses", json={"model": MODEL, "input": "Say hello.", "max_output_tokens": 101})
+        assert r.status_code == 400
+        assert error_of(r) == {
+            "message": "'max_output_tokens' is 101, above this key's cap of 100 tokens.",
+            "type": "invalid_request_error",
+            "param": "max_output_tokens",
+            "code": "invalid_request",
+        }
+    finally:
+        g.stop()
+    [sent] = forwarded(engine, "/v1/responses")
+    assert sent["max_output_tokens"] == 16  # min(default 16, 200 - 11, cap 100)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"background": True}, "background"),
+        ({"store": True}, "store"),
+    ],
+)
+def test_stateful_features_are_refused_by_default(gw, engine, extra, param):
+    with gw.client() as c:
+        r = c.post("/v1/responses", json={"model": MODEL, "input": "hi", **extra})
+    assert r.status_code == 400 and error_of(r)["param"] == param
+    assert "cannot count or gate" in error_of(r)["message"]
+    assert forwarded(engine, "/v1/responses") == []
+
+
+def test_stateful_features_pass_through_when_the_upstream_allows_them(engine):
+    g = start(engine, up={"pass_stateful_responses": True})
+    try:
+        with g.client() as c:
+            body = {"model": MODEL, "input": "hi", "store": True, "previous_response_id": "resp_0"}
+            assert c.post("/v1/responses", json=body).status_code == 200
+            assert c.post("/v1/responses", json={"model": MODEL, "input": "hi"}).status_code == 200
+    finally:
+        g.stop()
+    first, second = forwarded(engine, "/v1/responses")
+    assert first["store"] is True and first["previous_response_id"] == "resp_0"
+    assert "store" not in second  # nothing forced either way
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://h/x.png"}]}]},
+            "input[0].content[0].image_url",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+            "input[0].content[0].image_url",
+        ),
+        ({"input": "x", "top_k": 5}, "top_k"),
+        ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
+        ({"input": "x", "truncation": "sometimes"}, "truncation"),
+        ({}, "input"),
+    ],
+)
+def test_bad_responses_requests_are_400_and_forward_nothing(gw, engine, body, param):
+    with gw.client() as c:
+        r = c.post("/v1/responses", json={"model": MODEL, **body})
+    assert r.status_code == 400 and error_of(r)["param"] == param
+    assert forwarded(engine, "/v1/responses") == []
+
+
+def test_responses_stream_is_relayed_byte_exact_without_done(gw, engine):
+    body = {"model": MODEL, "input": "Say hello.", "max_output_tokens": 8, "stream": True}
+    with gw.client() as c, c.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_raw())
+    [sent] = forwarded(engine, "/v1/responses")
+    assert raw == b"".join(response_stream(engine.state, sent))
+    assert b"[DONE]" not in raw and "stream_options" not in sent
+
+
+def test_sdk_streams_responses_and_reads_usage_from_completed(gw):
+    events = list(sdk(gw).responses.create(model=MODEL, input="Say hello.", max_output_tokens=8, stream=True))
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and types[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello from the mock."
+    assert (events[-1].response.usage.input_tokens, events[-1].response.usage.output_tokens) == (11, 4)
+
+
+def test_engine_error_event_before_output_is_an_http_error(gw, engine):
+    engine.state.responses_events = [
+        b'event: response.created\ndata: {"type":"response.created","sequence_number":0,"response":{"id":"r"}}\n\n',
+        b'event: error\ndata: {"type":"error","code":"invalid_prompt","message":"engine says no","param":null,'
+        b'"sequence_number":1}\n\n',
+    ]
+    with pytest.raises(openai.APIStatusError) as e:
+        list(sdk(gw).responses.create(model=MODEL, input="hi", stream=True))
+    assert e.value.status_code == 502
+    assert e.value.body == {
+        "message": "engine says no",
+        "type": "server_error",
+        "param": None,
+        "code": "invalid_prompt",
+    }
+
+
+def test_stream_cut_after_output_ends_with_a_responses_error_event(gw, engine):
+    delta = (
+        b"event: response.output_text.delta\n"
+        b'data: {"type":"response.output_text.delta","sequence_number":4,"output_index":0,"delta":"Hi"}\n\n'
+    )
+    engine.state.responses_events = [delta]
+    engine.state.mode = "reset"
+    with gw.client() as c, c.stream("POST", "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}) as r:
+        raw = b"".join(r.iter_raw())
+    assert raw.startswith(delta)
+    tail = raw[len(delta) :]
+    assert tail.startswith(b'event: error\ndata: {"type":"error","code":"upstream_unavailable"')
+    assert tail.endswith(b'"param":null,"sequence_number":5}\n\n') and b"[DONE]" not in raw
+
+
+def test_client_disconnect_cancels_the_upstream_response(gw, engine):
+    engine.state.mode = "hang"
+    with httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {KEY_A}"}, timeout=0.5) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers={"x-request-id": "gone-r"})
+    assert wait_for(lambda: engine.state.cancelled, 2.0)
+    assert engine.state.cancelled[0][0] == "gone-r"
+
+
+# ---------------------------------------------------------------- strict mode reads every text field
+PLANTED = (
+    "The quarterly ledger for the northern warehouse lists four hundred crates of copper wire, "
+    "ninety barrels of linseed oil, and a locked cabinet of surveyor maps that nobody has opened since "
+    "the spring flood; the night clerk signs for each delivery in green ink and keeps the carbon copies "
+    "under the loose floorboard beside the stove."
+)
+
+
+def _plant(g: Gateway) -> None:
+    with g.client() as c:
+        assert (
+            c.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": PLANTED}], "max_tokens": 4},
+            ).status_code
+            == 200
+        )
+    svc = g.gw.verifier
+    deadline = time.monotonic() + 10
+    while svc._jobs or svc.stats["in_flight"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def _strict_gateway(engine: ApiMockEngine) -> Gateway:
+    from config.models import TenantsFile
+    from gateway.tenants import TenantRegistry, hash_key
+
+    s = settings(engine, verifier=True)
+    reg = TenantRegistry(
+        TenantsFile.model_validate(
+            {
+                "tenants": [
+                    {"id": "tenant-a", "api_key_sha256": [hash_key(KEY_A)], "allowed_models": [MODEL]},
+                    {
+                        "id": "strict",
+                        "api_key_sha256": [hash_key("sk-strict")],
+                        "strict_verify": True,
+                        "allowed_models": [MODEL],
+                    },
+                ]
+            }
+        )
+    )
+    return Gateway(s, reg, verifier=VerifierService(s, secrets=SECRETS)).start()
+
+
+def _events(kind: str, text: str) -> list[bytes]:
+    from tests.mock_api_engine import sse
+
+    words = text.split(" ")
+    out = [sse({"type": "response.created", "sequence_number": 0, "response": {"id": "r", "status": "in_progress"}})]
+    for i, w in enumerate(words):
+        out.append(sse({"type": kind, "sequence_number": i + 1, "output_index": 0, "delta": (" " if i else "") + w}))
+    out.append(
+        sse(
+            {
+                "type": "response.completed",
+                "sequence_number": len(words) + 1,
+                "response": {"id": "r", "status": "completed", "usage": {"input_tokens": 5, "output_tokens": 9}},
+            }
+        )
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind", ["response.output_text.delta", "response.reasoning_text.delta", "response.function_call_arguments.delta"]
+)
+def test_strict_tenant_stream_is_withheld_whatever_field_carries_the_leak(engine, kind):
+    g = _strict_gateway(engine)
+    try:
+        _plant(g)
+        engine.state.responses_events = _events(kind, PLANTED)
+        with (
+            g.client("sk-strict") as c,
+            c.stream("POST", "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}) as r,
+        ):
+            raw = b"".join(r.iter_raw())
+            status = r.status_code
+        assert b"copper wire, ninety barrels" not in raw and b"green ink" not in raw
+        assert b"response_withheld" in raw
+        assert status in (200, 502)
+    finally:
+        g.stop()
+
+
+def test_strict_tenant_whole_response_is_withheld(engine):
+    g = _strict_gateway(engine)
+    try:
+        _plant(g)
+        engine.state.text = PLANTED
+        with pytest.raises(openai.APIStatusError) as e:
+            sdk(g, "sk-strict").responses.create(model=MODEL, input="hi")
+        assert e.value.status_code == 502 and e.value.code == "response_withheld"
+    finally:
+        g.stop()
+
+
+# ---------------------------------------------------------------- /v1/embeddings
+def test_sdk_embeddings_exact_usage_and_vectors(gw, engine):
+    r = sdk(gw).embeddings.create(model=EMB, input=["Say hello.", "hello world"])
+    assert r.usage.prompt_tokens == 3 + 2 and r.usage.total_tokens == 5
+    assert [d.embedding for d in r.data] == [[(i + 1) * (k + 1) / 8 for k in range(8)] for i in range(2)]
+    [sent] = forwarded(engine, "/v1/embeddings")
+    assert sent == {"model": EMB, "input": ["Say hello.", "hello world"], "encoding_format": "base64"}
+
+
+def test_embeddings_encoding_format_and_dimensions_pass_through(gw, engine):
+    with gw.client() as c:
+        r = c.post(
+            "/v1/embeddings", json={"model": EMB, "input": [[1, 2, 3]], "encoding_format": "float", "dimensions": 3}
+        )
+    assert r.status_code == 200 and r.json()["data"][0]["embedding"] == [0.125, 0.25, 0.375]
+    assert forwarded(engine, "/v1/embeddings")[0]["dimensions"] == 3
+    with gw.client() as c:
+        r = c.post("/v1/embeddings", json={"model": EMB, "input": "x", "encoding_format": "base64"})
+    assert struct.unpack("<8f", base64.b64decode(r.json()["data"][0]["embedding"]))[0] == 0.125
+
+
+def test_embedding_input_at_the_limit_is_served_and_one_over_is_refused(gw, engine):
+    at, over = [7] * LIMIT, [7] * (LIMIT + 1)
+    client = sdk(gw)
+    assert client.embeddings.create(model=EMB, input=at, encoding_format="float").usage.prompt_tokens == LIMIT
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=EMB, input=over)
+    assert (e.value.code, e.value.param) == ("context_length_exceeded", "input")
+    assert e.value.body["message"] == embedding_length_message(LIMIT, LIMIT + 1)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=EMB, input=[at, over])
+    assert e.value.param == "input[1]"
+    assert len(forwarded(engine, "/v1/embeddings")) == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"input": ["a"] * 5}, "input", "'input' holds 5 inputs, above this key's cap of 4 inputs per request."),
+        ({"input": [[1], [-1]]}, "input[1]", None),
+        ({"input": []}, "input", None),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format", None),
+        ({"input": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens", None),
+        ({"input": "x", "dimensions": 0}, "dimensions", None),
+    ],
+)
+def test_bad_embeddings_requests_are_400(gw, engine, body, param, message):
+    with gw.client() as c:
+        r = c.post("/v1/embeddings", json={"model": EMB, **body})
+    assert r.status_code == 400 and error_of(r)["param"] == param
+    if message:
+        assert error_of(r)["message"] == message
+    assert forwarded(engine, "/v1/embeddings") == []
+
+
+def test_a_route_the_model_does_not_serve_is_400_naming_model(gw, engine):
+    with gw.client() as c:
+        r = c.post("/v1/embeddings", json={"model": MODEL, "input": "x"})
+        assert r.status_code == 400
+        assert error_of(r) == {
+            "message": f"The model `{MODEL}` is a chat model and does not serve /v1/embeddings; it serves "
+            "/v1/chat/completions, /v1/completions, /v1/responses, /tokenize, /detokenize.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "invalid_request",
+        }
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+            ("/v1/completions", {"prompt": "x"}),
+            ("/v1/responses", {"input": "x"}),
+        ):
+            r = c.post(path, json={"model": EMB, **body})
+            assert r.status_code == 400 and error_of(r)["param"] == "model"
+            assert error_of(r)["message"].endswith("it serves /v1/embeddings, /tokenize, /detokenize.")
+    assert engine.state.requests == []
+
+
+# ---------------------------------------------------------------- quotas
+def test_tpm_reserves_the_embedding_total_and_the_responses_bound(engine):
+    g = start(engine, quotas=True, tpm=30)
+    try:
+        client = sdk(g)
+        client.embeddings.create(model=EMB, input=[[1] * 10, [2] * 10])  # 20 reserved, settled to 20
+        with pytest.raises(openai.RateLimitError) as e:
+            client.embeddings.create(model=EMB, input=[[1] * 11])  # 20 + 11 > 30
+        assert e.value.code == "rate_limit_exceeded" and int(e.value.response.headers["retry-after"]) >= 1
+        with pytest.raises(openai.RateLimitError):
+            client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=1)  # 11 + 1 > 10 left
+    finally:
+        g.stop()
+    assert len(forwarded(engine, "/v1/embeddings")) == 1 and forwarded(engine, "/v1/responses") == []
+
+
+def test_tokenize_counts_against_rpm_not_tpm(engine):
+    g = start(engine, quotas=True, rpm=2, tpm=1)
+    try:
+        with g.client() as c:
+            for _ in range(2):
+                r = c.post("/tokenize", json={"model": MODEL, "prompt": "Say hello."})
+                assert r.status_code == 200 and r.json()["count"] == 3  # tpm 1 does not stop it
+            r = c.post("/v1/tokenize", json={"model": MODEL, "prompt": "Say hello."})
+        assert r.status_code == 429 and error_of(r)["code"] == "rate_limit_exceeded"
+    finally:
+        g.stop()
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize
+def test_tokenize_answers_the_gates_count_and_the_tenants_live_limit(gw, engine):
+    messages = [{"role": "user", "content": "Say hello."}]
+    with gw.client() as c:
+        r = c.post("/tokenize", json={"model": MODEL, "messages": messages})
+        assert r.json() == {
+            "count": 11,
+            "max_model_len": LIMIT,
+            "tokens": COUNTER.encode_chat(messages),
+            "token_strs": None,
+        }
+        r = c.post("/v1/tokenize", json={"model": EMB, "prompt": "hello world", "return_token_strs": True})
+        assert r.json() == {
+            "count": 2,
+            "max_model_len": LIMIT,
+            "tokens": [15339, 1917],
+            "token_strs": ["hello", " world"],
+        }
+        r = c.post("/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": False})
+        assert r.json()["count"] == 11 - 3 == len(r.json()["tokens"])  # no "<|im_start|>assistant\n"
+        r = c.post("/detokenize", json={"model": MODEL, "tokens": [15339, 1917]})
+        assert r.json() == {"prompt": "hello world"}
+        r = c.post("/v1/detokenize", json={"model": MODEL, "tokens": [100256]})
+        assert r.status_code == 400 and error_of(r)["param"] == "tokens"
+        for body, param in (
+            ({"prompt": "a", "messages": messages}, "prompt"),
+            ({}, "messages"),
+            (
+                {"messages": messages, "add_generation_prompt": True, "continue_final_message": True},
+                "continue_final_message",
+            ),
+            ({"messages": messages, "continue_final_message": True}, "continue_final_message"),  # ChatML cannot
+            ({"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt"),
+            ({"messages": messages, "chat_template": "{{x}}"}, "chat_template"),
+            (
+                {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                "messages",
+            ),
+            ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ):
+            r = c.post("/tokenize", json={"model": MODEL, **body})
+            assert r.status_code == 400 and error_of(r)["param"] == param, body
+        r = c.post("/tokenize", json={"model": MODEL, "prompt": "x"}, headers={"authorization": "Bearer nope"})
+        assert r.status_code == 401
+    assert engine.state.requests == []  # answered by the gateway's own counter
+
+
+def test_tokenize_of_an_engine_tokenizer_asks_the_engine(engine):
+    s = settings(engine)
+    s.models[0].tokenizer = s.models[0].tokenizer.model_validate(
+        {"kind": "engine", "url": engine.url, "engine_api": "vllm"}
+    )
+    g = Gateway(s, tenants(max_context_tokens=LIMIT, allowed_models=[MODEL, EMB])).start()
+    try:
+        with g.client() as c:
+            r = c.post("/tokenize", json={"model": MODEL, "prompt": "hello world"})
+    finally:
+        g.stop()
+    assert r.json() == {"count": 2, "max_model_len": LIMIT, "tokens": [15339, 1917], "token_strs": None}
+    assert [q["path"] for q in engine.state.requests] == ["/tokenize"]
+
+
+def test_a_long_responses_input_is_converted_and_counted_off_the_loop_exactly(gw, engine):
+    text = "Litwo! Ojczyzno moja! ty jesteś jak zdrowie. " * 800  # ~36,000 characters: over offload_count_chars
+    items = [{"role": "user", "content": [{"type": "input_text", "text": text}]}]
+    from tokenizer.responses import count_responses, responses_to_chat
+
+    n = count_responses(COUNTER, responses_to_chat(items))
+    with gw.client() as c:
+        r = c.post("/v1/responses", json={"model": MODEL, "input": items, "max_output_tokens": 5})
+    assert r.status_code == 400
+    assert error_of(r)["message"] == context_length_message(LIMIT, n, 5, messages=True)
+    assert forwarded(engine, "/v1/responses") == []
