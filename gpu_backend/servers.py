@@ -35,6 +35,7 @@ from starlette.responses import Response, StreamingResponse
 
 from config.errors import ErrorCode, OpenAIError
 from gpu_backend import openai_api as api
+from gpu_backend import responses_api
 from gpu_backend.errors import EngineError
 from gpu_backend.router import Router, RouterStream, as_openai_error
 from tokenizer import TiktokenCounter
@@ -242,14 +243,20 @@ def build_router_app(
         return fn(body, cfg.counter, context_length=cfg.context_length, **kw)
 
     async def run(request: Request, req: api.GenRequest) -> Response:
-        rid = req.rid or api.new_id(req.kind)
+        responses = req.kind == "responses"
+        rid = req.rid or (responses_api.new_response_id() if responses else api.new_id(req.kind))
         t0 = time.monotonic()
-        param = "messages" if req.is_chat else "prompt"
+        param = "messages" if req.is_chat else "input" if responses else "prompt"
         stream = await cancel_on_disconnect(request, router.open(rid, req.prompt_ids, req.params, param=param))
         outcome = stream.outcome
         headers = {"x-prefill-seconds": f"{outcome.prefill_seconds:.6f}" if outcome else "0"}
         if req.stream:
-            gen = _sse_generate(stream, rid, t0) if req.kind == "generate" else _sse_openai(stream, req, rid)
+            if responses:
+                gen = _sse_responses(stream, req, rid)
+            elif req.kind == "generate":
+                gen = _sse_generate(stream, rid, t0)
+            else:
+                gen = _sse_openai(stream, req, rid)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
         text, ids, reason, prompt, completion, last = await cancel_on_disconnect(request, _collect(stream))
         if req.kind == "generate":
@@ -257,6 +264,9 @@ def build_router_app(
                 api.generate_body(rid, text, ids, reason, prompt, completion, time.monotonic() - t0, last),
                 headers=headers,
             )
+        if responses:
+            body = responses_api.response_object(req, rid, text, reason, prompt, completion)
+            return json_response(body, headers=headers)
         return json_response(api.completion_body(req, rid, text, reason, prompt, completion), headers=headers)
 
     @app.post("/v1/completions")
@@ -269,6 +279,13 @@ def build_router_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = await parse(request, api.parse_chat, model_names=cfg.names(), served_model_name=cfg.served_model_name)
+        return await run(request, req)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = await parse(
+            request, responses_api.parse_responses, model_names=cfg.names(), served_model_name=cfg.served_model_name
+        )
         return await run(request, req)
 
     @app.post("/generate")
@@ -330,6 +347,25 @@ async def _sse_openai(stream: RouterStream, req: api.GenRequest, rid: str) -> As
     except Exception as e:  # noqa: BLE001 - after the 200, errors travel in band
         yield api.error_event(as_openai_error(e))
         yield api.SSE_DONE
+    finally:
+        stream.close_now()
+
+
+async def _sse_responses(stream: RouterStream, req: api.GenRequest, rid: str) -> AsyncIterator[bytes]:
+    events = responses_api.ResponseEvents(req, rid)
+    prompt, completion, text, reason = stream.prompt_tokens, 0, [], None
+    try:
+        yield events.start()
+        async for tok in stream:
+            prompt, completion = tok.prompt_tokens, tok.completion_tokens
+            if tok.text:
+                text.append(tok.text)
+                yield events.delta(tok.text)
+            if tok.finished:
+                reason = tok.finish_reason
+        yield events.finish("".join(text), reason, prompt, completion)
+    except Exception as e:  # noqa: BLE001 - after the 200, errors travel in band
+        yield events.error(as_openai_error(e))
     finally:
         stream.close_now()
 
