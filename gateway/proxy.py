@@ -465,7 +465,7 @@ async def relay_response_stream(
                     if p.ttft_seconds is None:
                         p.ttft_seconds = time.perf_counter() - t_forward
                 if guard is not None:
-                    out.extend(await guard.feed(text, ev))
+                    out.extend(await guard.feed(text, ev, list(info.fields.items())))
                 else:
                     out.append(ev)
                 if not started and (text or info.kind == "terminal"):

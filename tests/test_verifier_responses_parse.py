@@ -21,6 +21,7 @@ from verifier.engine_response import is_response_error, parse_response_body, par
 def test_every_text_delta_is_text(etype):
     out = parse_response_event({"type": etype, "sequence_number": 7, "output_index": 2, "delta": "abc"})
     assert (out.kind, out.texts, out.text, out.sequence_number) == ("text", {2: "abc"}, "abc", 7)
+    assert list(out.fields.values()) == ["abc"] and list(out.fields)[0].startswith("2:0:")
 
 
 def test_other_events_carry_no_text():
@@ -89,6 +90,13 @@ def test_whole_body_reads_text_reasoning_refusals_and_arguments():
     }
     out = parse_response_body(body)
     assert out.texts == {0: "think sum", 1: "Hino", 2: '{"a":1}'}
+    assert out.fields == {
+        "0:0:reasoning": "think ",
+        "0:0:reasoning_summary": "sum",
+        "1:0:output_text": "Hi",
+        "1:1:refusal": "no",
+        "2:0:arguments": '{"a":1}',
+    }
     assert (out.kind, out.finish_reason, out.usage["completion_tokens"]) == ("terminal", "stop", 2)
     assert not is_response_error(body)
 

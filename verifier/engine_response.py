@@ -257,16 +257,14 @@ def engine_error(status: int, body: bytes | Any) -> OpenAIError:
 # ``incomplete_details.reason`` when it is another), ``response.failed`` and ``error`` events -> an
 # error.
 
-#: stream event types whose ``delta`` is text the response carries
-TEXT_DELTA_EVENTS = frozenset(
-    {
-        "response.output_text.delta",
-        "response.refusal.delta",
-        "response.reasoning_text.delta",
-        "response.reasoning_summary_text.delta",
-        "response.function_call_arguments.delta",
-    }
-)
+#: stream event types whose ``delta`` is text the response carries -> the text stream's name
+TEXT_DELTA_EVENTS = {
+    "response.output_text.delta": "output_text",
+    "response.refusal.delta": "refusal",
+    "response.reasoning_text.delta": "reasoning",
+    "response.reasoning_summary_text.delta": "reasoning_summary",
+    "response.function_call_arguments.delta": "arguments",
+}
 #: terminal events -> the finish reason they mean (``None``: failed)
 TERMINAL_EVENTS = {"response.completed": "stop", "response.incomplete": "length", "response.failed": None}
 
@@ -277,7 +275,10 @@ class ResponseOutput:
     (completed / incomplete), ``error`` (an ``error`` event, ``response.failed``, or a body with
     an ``error`` object and no output), ``other``. ``texts``: output index -> text; ``usage`` in
     chat names; ``error``: the error's fields (``message``, ``code``, ``param``) for the gateway's
-    error mapping; ``sequence_number`` when the event has one."""
+    error mapping; ``sequence_number`` when the event has one. ``fields``: the same text per text
+    stream, ``"<output index>:<part index>:<name>"`` -> text (names: ``output_text``,
+    ``refusal``, ``reasoning``, ``reasoning_summary``, ``arguments``), what the verifier checks,
+    each on its own (as :attr:`EngineOutput.fields`)."""
 
     kind: str = "other"
     texts: dict[int, str] = field(default_factory=dict)
@@ -285,6 +286,7 @@ class ResponseOutput:
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     sequence_number: int | None = None
+    fields: dict[str, str] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -307,20 +309,25 @@ def response_usage(usage: Any) -> dict[str, Any] | None:
     return {"prompt_tokens": it, "completion_tokens": ot, "total_tokens": it + ot}
 
 
-def _item_text(item: dict[str, Any]) -> str:
+def _item_fields(item: dict[str, Any], index: int) -> dict[str, str]:
+    """The text streams of one output item (see :attr:`ResponseOutput.fields`)."""
     itype = item.get("type")
-    out: list[str] = []
+    out: dict[str, str] = {}
     if itype == "function_call":
         a = item.get("arguments")
-        return a if isinstance(a, str) else ""
-    for key in ("content", "summary") if itype == "reasoning" else ("content",):
+        if isinstance(a, str) and a:
+            out[f"{index}:0:arguments"] = a
+        return out
+    keys = (("content", "reasoning"), ("summary", "reasoning_summary")) if itype == "reasoning" else (("content", ""),)
+    for key, name in keys:
         parts = item.get(key)
-        for p in parts if isinstance(parts, list) else ():
+        for j, p in enumerate(parts if isinstance(parts, list) else ()):
             if isinstance(p, dict):
-                t = p.get("refusal") if p.get("type") == "refusal" else p.get("text")
-                if isinstance(t, str):
-                    out.append(t)
-    return "".join(out)
+                refusal = p.get("type") == "refusal"
+                t = p.get("refusal") if refusal else p.get("text")
+                if isinstance(t, str) and t:
+                    out[f"{index}:{j}:{name or ('refusal' if refusal else 'output_text')}"] = t
+    return out
 
 
 def _finish_of(resp: dict[str, Any]) -> str | None:
@@ -357,9 +364,10 @@ def parse_response_body(obj: Any) -> ResponseOutput:
     items = obj.get("output")
     for i, item in enumerate(items if isinstance(items, list) else ()):
         if isinstance(item, dict):
-            t = _item_text(item)
-            if t:
-                out.texts[i] = t
+            f = _item_fields(item, i)
+            if f:
+                out.fields.update(f)
+                out.texts[i] = "".join(f.values())
     out.usage = response_usage(obj.get("usage"))
     out.finish_reason = _finish_of(obj)
     return out
@@ -376,9 +384,13 @@ def parse_response_event(obj: Any) -> ResponseOutput:
         return ResponseOutput("error", error=err, sequence_number=seq)
     if etype in TEXT_DELTA_EVENTS:
         d = obj.get("delta")
+        if not isinstance(d, str) or not d:
+            return ResponseOutput(sequence_number=seq)
         i = _int(obj.get("output_index"))
-        texts = {i if i is not None else 0: d} if isinstance(d, str) and d else {}
-        return ResponseOutput("text" if texts else "other", texts, sequence_number=seq)
+        i = 0 if i is None else i
+        j = _int(obj.get("content_index", obj.get("summary_index")))
+        key = f"{i}:{0 if j is None else j}:{TEXT_DELTA_EVENTS[etype]}"
+        return ResponseOutput("text", {i: d}, sequence_number=seq, fields={key: d})
     if etype in TERMINAL_EVENTS:
         resp = obj.get("response") if isinstance(obj.get("response"), dict) else {}
         if etype == "response.failed":
