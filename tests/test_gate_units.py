@@ -301,3 +301,29 @@ def test_hf_counter_options_match_transformers(hf_dir, opts, kwargs):
             with pytest.raises(InvalidPromptError) as e:
                 counter.count_chat([msgs[0], {"role": "assistant", "content": bad}], None, opts)
             assert e.value.param == "continue_final_message"
+
+
+def test_qwen2_vl_cost_matches_the_processors_smart_resize():
+    """Parity with transformers' own ``smart_resize`` (read from its source: the processor module
+    itself needs PIL), over sizes around every branch."""
+    import ast
+    import importlib.util
+    import math
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or spec.submodule_search_locations is None:
+        pytest.skip("transformers not installed")
+    from pathlib import Path
+
+    src = Path(spec.submodule_search_locations[0]) / "models/qwen2_vl/image_processing_pil_qwen2_vl.py"
+    if not src.is_file():
+        pytest.skip("this transformers has no Qwen2-VL PIL processor")
+    fn = next(n for n in ast.parse(src.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "smart_resize")
+    scope: dict = {"math": math}
+    exec(compile(ast.Module([fn], []), str(src), "exec"), scope)
+    smart_resize = scope["smart_resize"]
+    sizes = [(1, 1), (13, 13), (14, 15), (56, 56), (100, 3000), (1024, 768), (3000, 4000), (8000, 8000), (20, 3999)]
+    for w, h in sizes:
+        for lo, hi in ((56 * 56, 28 * 28 * 16384), (56 * 56, 14 * 14 * 4 * 1280), (256 * 28 * 28, 1280 * 28 * 28)):
+            rh, rw = smart_resize(h, w, 28, lo, hi)
+            assert qwen2_vl_tokens(w, h, lo, hi) == (rh // 28) * (rw // 28) + 2, (w, h, lo, hi)
