@@ -180,7 +180,7 @@ def bench_flood(concurrency: int, chars: int, samples: int) -> tuple[float, floa
                     await asyncio.sleep(0.05)
                 stop = asyncio.Event()
 
-                async def flood() -> None:
+                async def flood(stop: asyncio.Event = stop) -> None:
                     nonlocal flood_done
                     while not stop.is_set():
                         await svc.admit(exchange(flooder, big))
