@@ -26,7 +26,8 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError, context_length_message
 from config.models import ImagePolicy, TenantConfig
-from gateway.admission import Admission, ModelEntry, effective_limit
+from gateway.admission import Admission, CompletionBound, ModelEntry, effective_limit
+from gateway.admission import PromptCount as AdmittedPrompt
 from gateway.requests import int_in, num_in
 from tokenizer import PromptCount, TokenizerError
 from tokenizer.chat import string_chars
@@ -365,16 +366,12 @@ def decide_responses(
         )
     return Admission(
         entry,
-        prompt_tokens,
-        prompt_tokens,
-        1,
-        max_tokens,
-        defaulted,
+        AdmittedPrompt(prompt_tokens, prompt_tokens, 1, responses_text(prompt)),
+        CompletionBound(max_tokens, defaulted, "max_output_tokens"),
         limit,
         1,
+        1,
         prompt_tokens + max_tokens,
-        responses_text(prompt),
-        bound_field="max_output_tokens",
     )
 
 
@@ -434,7 +431,8 @@ def decide_embeddings(
                 param="input" if single else f"input[{i}]",
             )
     n = len(counts.per_prompt)
-    return Admission(entry, counts.largest, counts.total, n, 0, False, limit, 1, counts.total, embeddings_text(body))
+    prompt = AdmittedPrompt(counts.largest, counts.total, n, embeddings_text(body))
+    return Admission(entry, prompt, CompletionBound(0, False, "max_tokens"), limit, 1, n, counts.total)
 
 
 # ------------------------------------------------------------------ what goes upstream
