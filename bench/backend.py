@@ -498,7 +498,7 @@ def real_model_main(folder: str, batch: int, decode_tokens: int, lengths: tuple[
 
     from gateway.demo_corpus import prose
 
-    prompt = HFCounter(folder).encode_text(prose() * 2)
+    prompt = HFCounter(folder).encode_text(prose() * 4)
     need = max(max(lengths), lengths[0] + 7 * batch)
     if len(prompt) < need:
         raise SystemExit(f"the prompt text gives {len(prompt)} tokens, {need} needed")

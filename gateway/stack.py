@@ -159,6 +159,8 @@ class StackOptions:
     echo_logs: bool = False
     extra_env: dict[str, str] = field(default_factory=dict)
     model: str | None = None
+    #: the incident's mis-set gate: the upstream's pool is this static number instead of the live one
+    static_pool_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -422,13 +424,22 @@ class EmbeddedStack:
         elif base.model_by_name(served) is None:
             models.append(ModelConfig(id=served, context_length=sm.context_length).model_dump(mode="json"))
         backend = f"http://{host}:{backend_port}"
-        upstream = UpstreamConfig(
-            name="embedded",
-            api_url=f"{backend}/v1",
-            pool_source="kvgate",
-            pool_urls=[f"{backend}/server_info"],
-            models=[served],
-        )
+        if self.options.static_pool_tokens:  # kvgate demo --incident: the gate mis-set on purpose
+            upstream = UpstreamConfig(
+                name="embedded",
+                api_url=f"{backend}/v1",
+                pool_source="static",
+                static_pool_tokens=self.options.static_pool_tokens,
+                models=[served],
+            )
+        else:
+            upstream = UpstreamConfig(
+                name="embedded",
+                api_url=f"{backend}/v1",
+                pool_source="kvgate",
+                pool_urls=[f"{backend}/server_info"],
+                models=[served],
+            )
         data.update(models=models, upstreams=[upstream.model_dump(mode="json")], redis_url=None)
         data["gateway"].update(host=host, port=gateway_port)
         data["state_dir"] = str(Path(base.state_dir).resolve())

@@ -278,10 +278,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_stack_arguments(parser)
     parser.add_argument("--once", action="store_true", help="stop the stack after the table instead of serving on")
     parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request (default 16)")
+    parser.add_argument(
+        "--incident",
+        action="store_true",
+        help="instead: the runbook's incident (engine faults on, gate mis-set) and kvgate's defences, "
+        "as a table (gateway/commands/incident.py)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns 0 when every request got its expected answer."""
+    if args.incident:
+        from gateway.commands.incident import main as incident_main
+
+        return incident_main()
     with terminate_as_interrupt():
         stack: EmbeddedStack | None = None
         try:
