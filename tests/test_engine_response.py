@@ -174,3 +174,48 @@ def test_hostile_field_shapes_read_as_nothing(message):
     assert (
         parse_body({"choices": [{"message": message, "logprobs": {"content": [None, {"token": 1}]}}]}) == EngineOutput()
     )
+
+
+def test_strings_in_fields_kvgate_does_not_know_are_read_as_other_text():
+    body = {
+        "id": "x",
+        "object": "chat.completion",
+        "model": "m",
+        "x_debug": {"trace": ["leaked A"]},
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "matched_stop": "\n\n",
+                "message": {
+                    "role": "assistant",
+                    "content": "hi",
+                    "x_note": "leaked B",
+                    "audio": {"id": "a1", "data": "QUJD", "transcript": "t", "expires_at": 1},
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "x": "leaked C", "function": {"name": "f", "y": "D"}}
+                    ],
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 1},
+    }
+    out = parse_body(body)
+    assert out.fields["0:other"] == "\n\n leaked B leaked C D"
+    assert out.fields["-:other"] == "leaked A"
+    assert out.texts == {0: "hitf"}  # other text is checked, not counted
+    # an ordinary chunk has none
+    plain = parse_chunk(
+        {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "system_fingerprint": "fp",
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": "a"}, "logprobs": None, "finish_reason": None}
+            ],
+            "usage": None,
+        }
+    )
+    assert plain.fields == {"0:content": "a"}

@@ -5,7 +5,7 @@ A victim tenant's passage (300-odd tokens, a canary inside) is indexed at its ad
 engine then puts it into one field of one choice of a strict tenant's answer: ``content``,
 ``reasoning_content``, ``reasoning``, ``refusal``, ``tool_calls[].function.name`` and
 ``.arguments`` (streamed as fragments), legacy ``function_call``, completions ``text``, logprob
-token strings; whole and streamed; n=1, and n=2 with the leak in the second choice, one word per
+token strings, and a field kvgate does not know by name; whole and streamed; n=1, and n=2 with the leak in the second choice, one word per
 event, interleaved with the first. Every victim word carries the marker ``zq``, which nothing
 else the gateway or engine sends contains, so "0 victim bytes received" is checked on the exact
 bytes the client received. The same answers with a clean passage arrive whole (so the test can
@@ -50,6 +50,7 @@ FIELDS_CHAT = [
     "tool_name",
     "function_call",
     "logprobs",
+    "unknown",
 ]
 FIELDS_COMPLETIONS = ["text", "text_logprobs"]
 
@@ -136,6 +137,8 @@ def _message(field: str, text: str, pieces: list[str] | None = None) -> tuple[di
         return {"content": ""}, {
             "content": [{"token": t, "logprob": -0.5, "top_logprobs": []} for t in pieces or [text]]
         }
+    if field == "unknown":  # a field kvgate does not know by name: still text, still checked
+        return {"content": "", "x_note": text}, None
     raise ValueError(field)
 
 
@@ -307,7 +310,7 @@ def _field_text(raw: bytes, stream: bool, choice: int) -> str:
             if c.get("index") != choice:
                 continue
             m = c.get("message") or c.get("delta") or {}
-            for k in ("content", "reasoning_content", "reasoning", "refusal"):
+            for k in ("content", "reasoning_content", "reasoning", "refusal", "x_note"):
                 if isinstance(m.get(k), str):
                     out.append(m[k])
             for tc in m.get("tool_calls") or ():
@@ -345,9 +348,9 @@ def test_strict_tenant_receives_no_victim_byte_in_any_field(stack, field, chat, 
     assert MARK.encode() not in raw and b"KVGATE-CANARY" not in raw
     if stream and status == 200:  # cut after the response started: an error event ends it
         assert raw.endswith(b"data: [DONE]\n\n") and b'"code":"response_withheld"' in raw
-    elif stream:  # withheld before any event left (logprob-only events do not start a response)
+    elif stream:  # withheld before any event left (events with only logprob or unknown text start none)
         assert status == 502 and json.loads(raw)["error"]["code"] == "response_withheld"
-        assert field in ("logprobs", "text_logprobs")
+        assert field in ("logprobs", "text_logprobs", "unknown")
     else:
         assert status == 502 and json.loads(raw)["error"]["code"] == "response_withheld"
     assert svc.stats["withheld"] == before + 1

@@ -28,7 +28,11 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
 - ``logprobs``: the token strings of the sampled tokens (chat ``logprobs.content[].token`` and
   ``logprobs.refusal[].token``, completions ``logprobs.tokens``), read for checking only: they
   repeat the text, so they are not counted as completion text. Alternatives in
-  ``top_logprobs`` are not read (they are single tokens at each position, not a text).
+  ``top_logprobs`` are not read (they are single tokens at each position, not a text);
+- ``other``: every string anywhere else in the choice (``"<choice>:other"``) or the object
+  (``"-:other"``), outside the known metadata (:data:`META_KEYS`: ids, object, model, role,
+  type, finish reason, ...), joined by spaces: an engine that puts text in a field kvgate does
+  not know still has it checked. Not counted as completion text.
 """
 
 from __future__ import annotations
@@ -83,6 +87,73 @@ class EngineOutput:
 
 #: reasoning and refusal fields of a ``message`` / ``delta``, read as they are named
 _PLAIN_FIELDS = ("reasoning_content", "reasoning", "refusal")
+#: keys whose string values are metadata, not text (OpenAI's chat/completions objects, vLLM's
+#: and SGLang's additions); any other string is read as ``other`` text
+META_KEYS = frozenset(
+    {
+        "id",
+        "object",
+        "created",
+        "model",
+        "system_fingerprint",
+        "service_tier",
+        "role",
+        "type",
+        "finish_reason",
+        "stop_reason",
+        "index",
+        "expires_at",
+        "data",  # audio.data: base64 audio, not text
+        "bytes",
+    }
+)
+#: keys of a choice / message / delta read as named fields (not ``other``)
+_CHOICE_KNOWN = frozenset({"message", "delta", "text", "logprobs", "index", "finish_reason", "stop_reason"})
+_MESSAGE_KNOWN = frozenset(
+    {"content", "reasoning_content", "reasoning", "refusal", "audio", "tool_calls", "function_call", "role"}
+)
+
+
+def _strings(obj: Any, out: list[str], depth: int = 0) -> None:
+    """Every string value in ``obj`` outside :data:`META_KEYS` (iteration is bounded by the
+    object, which orjson already built; nesting deeper than 64 is not read)."""
+    if depth > 64:
+        return
+    if isinstance(obj, str):
+        if obj:
+            out.append(obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if k not in META_KEYS:
+                _strings(v, out, depth + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _strings(v, out, depth + 1)
+
+
+def _unknown_strings(choice: dict[str, Any], holder: str) -> list[str]:
+    """Strings of a choice outside the fields :func:`_choice_fields` reads and the metadata."""
+    out: list[str] = []
+    for k, v in choice.items():
+        if k not in _CHOICE_KNOWN and k not in META_KEYS:
+            _strings(v, out)
+    inner = choice.get(holder)
+    if isinstance(inner, dict):
+        for k, v in inner.items():
+            if k not in _MESSAGE_KNOWN and k not in META_KEYS:
+                _strings(v, out)
+        content = inner.get("content")
+        if isinstance(content, list):  # parts other than text / refusal (their other strings)
+            for p in content:
+                if isinstance(p, dict):
+                    _strings({k: v for k, v in p.items() if k not in ("text", "refusal")}, out)
+        for tc in inner.get("tool_calls") or () if isinstance(inner.get("tool_calls"), list) else ():
+            if isinstance(tc, dict):
+                _strings({k: v for k, v in tc.items() if k != "function"}, out)
+                fn = tc.get("function")
+                if isinstance(fn, dict):
+                    _strings({k: v for k, v in fn.items() if k not in ("name", "arguments")}, out)
+    return out
 
 
 def _is_index(v: Any) -> bool:
@@ -164,9 +235,19 @@ def _parse(obj: Any, holder: str, keep_empty: bool) -> EngineOutput:
                 out.fields[fk] = out.fields.get(fk, "") + t
                 if counted:
                     out.texts[key] = out.texts.get(key, "") + t
+            other = _unknown_strings(c, holder)
+            if other:
+                fk = f"{key}:other"
+                out.fields[fk] = out.fields.get(fk, "") + " ".join(other)
             position += 1
             if out.finish_reason is None and isinstance(c.get("finish_reason"), str):
                 out.finish_reason = c["finish_reason"]
+    top: list[str] = []
+    for k, v in obj.items():
+        if k not in ("choices", "usage") and k not in META_KEYS:
+            _strings(v, top)
+    if top:
+        out.fields["-:other"] = " ".join(top)
     usage = obj.get("usage")
     if isinstance(usage, dict):
         out.usage = usage
