@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import threading
 from typing import Any
 
 import tiktoken
@@ -13,6 +15,44 @@ from tokenizer.parallel import parallel_count
 
 #: ids checked per C call in :meth:`TiktokenCounter.check_ids` (a few milliseconds each at most)
 ID_CHECK_SLICE = 1 << 16
+#: texts of this many characters (inclusive) are counted once and remembered (see CountCache)
+COUNT_CACHE_MIN_CHARS = 32
+COUNT_CACHE_MAX_CHARS = 16_384
+#: counts remembered per counter (FIFO; about 80 bytes each)
+COUNT_CACHE_ENTRIES = 16_384
+
+
+class CountCache:
+    """Token counts of recently counted texts, keyed by a 128-bit BLAKE2b digest of the text's
+    UTF-8 bytes (the text itself is never kept). A chat client re-sends its system prompt and
+    the whole history on every turn, so most of a request's messages were counted before:
+    hashing a message costs about 1 us per KiB, encoding it about 100 us per KiB. At most
+    ``entries`` counts (oldest dropped first). Thread-safe (counting also runs in worker threads)."""
+
+    def __init__(self, entries: int = COUNT_CACHE_ENTRIES) -> None:
+        self.entries = entries
+        self._counts: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(text: str) -> bytes:
+        """The digest a text is remembered under."""
+        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    def get(self, key: bytes) -> int | None:
+        """The remembered count, or ``None``."""
+        return self._counts.get(key)
+
+    def put(self, key: bytes, count: int) -> None:
+        """Remember ``count``, dropping the oldest entry when full."""
+        with self._lock:
+            counts = self._counts
+            if key not in counts and len(counts) >= self.entries:
+                del counts[next(iter(counts))]
+            counts[key] = count
+
+    def __len__(self) -> int:
+        return len(self._counts)
 
 
 class TiktokenCounter(PromptCounter):
@@ -37,6 +77,8 @@ class TiktokenCounter(PromptCounter):
         self.im_end_id = specials.get("<|im_end|>", IM_END_ID)
         #: ids that end a completion in the bundled backend: ``<|im_end|>`` and ``<|endoftext|>``
         self.eos_token_ids = frozenset(i for i in (self.im_end_id, specials.get("<|endoftext|>")) if i is not None)
+        #: counts of recently counted texts (by digest; see :class:`CountCache`)
+        self.count_cache = CountCache()
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of ordinary text (special-token look-alikes are text)."""
@@ -62,7 +104,18 @@ class TiktokenCounter(PromptCounter):
         return len(self.encoding.encode_ordinary(text))
 
     def count_text(self, text: str) -> int:
-        """Tokens of ordinary text; exact, on several threads for long cl100k-family text."""
+        """Tokens of ordinary text; exact, on several threads for long cl100k-family text. Texts
+        of :data:`COUNT_CACHE_MIN_CHARS` to :data:`COUNT_CACHE_MAX_CHARS` characters are counted
+        once and then found in :attr:`count_cache` by digest (the same text, the same count)."""
+        n = len(text)
+        if COUNT_CACHE_MIN_CHARS <= n <= COUNT_CACHE_MAX_CHARS:
+            key = CountCache.key(text)
+            hit = self.count_cache.get(key)
+            if hit is not None:
+                return hit
+            count = self._count_one(text)
+            self.count_cache.put(key, count)
+            return count
         if self._parallel:
             return parallel_count(text, self._count_one)
         return self._count_one(text)
