@@ -39,8 +39,11 @@ async def finish(ctx: FinishContext, outcome: RelayOutcome) -> None:
     except Exception:
         log.exception("quota settle failed")
     record_metrics(ctx.metrics, outcome)
+    abort = outcome.produced.finish_reason == "abort" and outcome.status == 200
+    if not abort and not glog.ACCESS.isEnabledFor(logging.INFO):
+        return  # no line to write: build no fields
     fields = access_fields(outcome)
-    if outcome.produced.finish_reason == "abort" and outcome.status == 200:
+    if abort:
         log.warning("upstream finished a 200 response with finish_reason 'abort'", extra={"fields": fields})
     glog.access(fields)
 
