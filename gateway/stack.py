@@ -6,7 +6,8 @@ Used by ``kvgate up``, ``kvgate demo`` and the tests. :class:`EmbeddedStack` sta
    configured backend port (30000) or a free one, and waits until its ``/health`` answers 200 and
    its ``/server_info`` carries ``max_total_num_tokens``;
 2. the gateway, ``python -m gateway.cli serve --demo`` with a generated ``kvgate.yaml`` whose one
-   upstream is that backend (``pool_source: kvgate``), ``redis_url: null`` (quotas in process),
+   upstream is that backend (``pool_source: kvgate``), ``redis_url`` from the options (default
+   null: quotas in process; with one, ``kvgate serve`` runs a worker per usable core),
    and the tenants file (by default ``config/tenants.yaml``: tenants ``demo-a`` and ``demo-b``
    with the documented demo keys ``sk-demo-a`` / ``sk-demo-b``); it waits for ``/readyz`` 200
    (the live pool limit is known).
@@ -144,6 +145,9 @@ class StackOptions:
     ``echo_logs``: children write to this process's stdout/stderr instead of log files.
     ``drain_timeout_seconds``: how long the gateway may take to exit after SIGTERM (at least the
     settings' ``gateway.drain_timeout_seconds`` + 5 s) before it is killed.
+    ``redis_url``: the gateway's ``redis_url`` (``None``: quotas and leak index in its process).
+    ``workers``: ``kvgate serve --workers`` (``None``: serve's default, the usable cores with a
+    ``redis_url`` and 1 without).
     """
 
     config: Path | None = None
@@ -161,6 +165,8 @@ class StackOptions:
     model: str | None = None
     #: the incident's mis-set gate: the upstream's pool is this static number instead of the live one
     static_pool_tokens: int | None = None
+    redis_url: str | None = None
+    workers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -400,11 +406,11 @@ class EmbeddedStack:
             "--port",
             str(port),
             "--demo",
-        ]
+        ] + (["--workers", str(self.options.workers)] if self.options.workers is not None else [])
 
     def _gateway_settings(self, base: Settings, host: str, backend_port: int, gateway_port: int) -> Settings:
         """The gateway's settings: ``base`` with one upstream (this backend), the bind address,
-        ``redis_url`` null (in-process quotas) and ``state_dir`` kept."""
+        ``redis_url`` from the options (default null: in-process quotas) and ``state_dir`` kept."""
         data = base.model_dump(mode="json", exclude={"upstreams", "models"})
         sm = self.served or resolve_served_model(base, self.options.model)
         served = sm.served_name
@@ -440,7 +446,7 @@ class EmbeddedStack:
                 pool_urls=[f"{backend}/server_info"],
                 models=[served],
             )
-        data.update(models=models, upstreams=[upstream.model_dump(mode="json")], redis_url=None)
+        data.update(models=models, upstreams=[upstream.model_dump(mode="json")], redis_url=self.options.redis_url)
         data["gateway"].update(host=host, port=gateway_port)
         data["state_dir"] = str(Path(base.state_dir).resolve())
         return Settings.model_validate(data)

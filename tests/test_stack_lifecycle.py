@@ -224,3 +224,28 @@ def test_a_backend_without_torch_gets_an_install_hint(tmp_path: Path) -> None:
     assert str(e.value).endswith(
         "\nThe bundled backend needs PyTorch: pip install 'kvgate[backend]' (or run scripts/bootstrap.sh)."
     )
+
+
+def test_a_stack_with_redis_runs_the_gateway_workers_and_stops_them_all(tmp_path: Path) -> None:
+    import dataclasses
+
+    opts = dataclasses.replace(_opts(tmp_path), redis_url="redis://127.0.0.1:6379/0", workers=2)
+    stack = EmbeddedStack(opts)
+    with stack:
+        cfg = yaml.safe_load(stack.config_path.read_text())
+        assert cfg["redis_url"] == "redis://127.0.0.1:6379/0"
+        supervisor = stack.gateway.proc.pid  # type: ignore[union-attr]
+        workers = [int(p) for p in Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()]
+        assert len(workers) == 2
+        seen: set[str] = set()
+        deadline = time.monotonic() + 30
+        while seen != {"0", "1"} and time.monotonic() < deadline:  # new connections reach both workers
+            with httpx.Client() as c:
+                r = c.get(stack.gateway_url + "/healthz")
+                seen.add(r.headers["x-kvgate-worker"])
+            time.sleep(0.05)
+        assert seen == {"0", "1"}
+        r = httpx.get(stack.gateway_url + "/v1/models", headers={"Authorization": "Bearer sk-demo-a"})
+        assert r.status_code == 200
+    assert not _listening(stack.gateway_url)
+    assert all(_wait_gone(p, 10) for p in [supervisor, *workers])

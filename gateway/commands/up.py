@@ -1,5 +1,6 @@
 """``kvgate up``: the embedded stack in one command (the bundled backend ``--role all`` plus the
-gateway, demo tenants ``demo-a``/``demo-b`` with keys ``sk-demo-a``/``sk-demo-b``, no Redis).
+gateway, demo tenants ``demo-a``/``demo-b`` with keys ``sk-demo-a``/``sk-demo-b``, no Redis unless
+``--redis-url``; with it the gateway runs one worker per usable core, or ``--workers N``).
 
 Prints the OpenAI base URL, the keys and a curl example, then serves until Ctrl-C or SIGTERM,
 which stop the gateway (draining) and then the backend. SIGHUP reloads the tenants file (after
@@ -83,6 +84,20 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verbose", action="store_true", help="show the backend's and gateway's logs here instead of in log files"
     )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        metavar="URL",
+        help="keep quotas, leak index and canaries in this Redis (default: none, in the gateway's process)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gateway worker processes (default: kvgate serve's: the usable cores with --redis-url, else 1; "
+        "more than 1 needs --redis-url)",
+    )
 
 
 def stack_options(args: argparse.Namespace) -> StackOptions:
@@ -100,6 +115,8 @@ def stack_options(args: argparse.Namespace) -> StackOptions:
         startup_timeout_seconds=args.startup_timeout,
         echo_logs=args.verbose,
         model=args.model,
+        redis_url=args.redis_url,
+        workers=args.workers,
     )
 
 
