@@ -394,7 +394,7 @@ def _litellm(env: Env) -> Iterator[Target]:
         cwd=env.tmp,
     )
     try:
-        wait_http(f"http://127.0.0.1:{port}/health/liveliness", p, timeout=180)
+        wait_http(f"http://127.0.0.1:{port}/health/liveliness", p, timeout=420)
     except RuntimeError as e:
         raise Skip(f"LiteLLM did not start: {e}\n{env.log_tail('litellm')}") from None
     version = ""
