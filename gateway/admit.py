@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import orjson
 from starlette.requests import Request
 
 from config.errors import ErrorCode, OpenAIError
@@ -188,21 +189,27 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
             code=ErrorCode.UPSTREAM_UNAVAILABLE,
         )
     stream = bool(body.get("stream")) and route != "embeddings"
+    salt = ctx.cache_salt(tenant.id)
+    strip_usage = stream and not own_schema and not client_wants_usage(body)  # before the body asks for usage
+    try:
+        if own_schema:
+            args = (body, route, adm, salt, passthrough)
+            forwarded = (
+                await asyncio.to_thread(api_routes.upstream_body, *args) if large else api_routes.upstream_body(*args)
+            )
+        else:
+            forwarded = (
+                await asyncio.to_thread(upstream_body, body, adm, salt) if large else upstream_body(body, adm, salt)
+            )
+    except orjson.JSONEncodeError:  # orjson writes 254 levels of nesting at most (it reads 1024)
+        raise OpenAIError(
+            400, "The request body is nested too deeply to forward.", code=ErrorCode.INVALID_REQUEST
+        ) from None
+    forward = Forward(forwarded, stream, strip_usage)
     exchange = None
     if route != "embeddings":  # embeddings have no output text to verify: their inputs are not indexed
         exchange = verifier_exchange(arrival, tenant, adm, body, stream)
         await ctx.verifier.admit(exchange, entry.counter.adecode)
-    salt = ctx.cache_salt(tenant.id)
-    if own_schema:
-        args = (body, route, adm, salt, passthrough)
-        forwarded = (
-            await asyncio.to_thread(api_routes.upstream_body, *args) if large else api_routes.upstream_body(*args)
-        )
-        forward = Forward(forwarded, stream, False)
-    else:
-        strip_usage = stream and not client_wants_usage(body)  # before upstream_body asks for usage itself
-        forwarded = await asyncio.to_thread(upstream_body, body, adm, salt) if large else upstream_body(body, adm, salt)
-        forward = Forward(forwarded, stream, strip_usage)
     lease = await ctx.quotas.reserve(tenant, adm.reserve_tokens, arrival.request_id)
     return Admitted(arrival, tenant, adm, lease, candidates, forward, exchange)
 

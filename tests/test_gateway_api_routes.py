@@ -60,7 +60,7 @@ def start(engine: ApiMockEngine, *, up: dict | None = None, verifier: bool = Fal
         kw["verifier"] = VerifierService(s, secrets=SECRETS)
     if quotas:
         kw["quotas"] = build_quota_stage(s)
-    reg = tenants(max_context_tokens=LIMIT, allowed_models=[MODEL, EMB], max_embedding_inputs=4, **a)
+    reg = tenants(**{"max_context_tokens": LIMIT, "allowed_models": [MODEL, EMB], "max_embedding_inputs": 4, **a})
     return Gateway(s, reg, **kw).start()
 
 
@@ -543,3 +543,32 @@ def test_a_long_responses_input_is_converted_and_counted_off_the_loop_exactly(gw
     assert r.status_code == 400
     assert error_of(r)["message"] == context_length_message(LIMIT, n, 5, messages=True)
     assert forwarded(engine, "/v1/responses") == []
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+def test_hostile_nesting_is_a_400_not_a_500(engine, route):
+    g = start(engine, max_context_tokens=None)
+    g.gw.settings.gateway.max_body_bytes = 1 << 20
+    deep = lambda n: '{"a":' * n + "1" + "}" * n  # noqa: E731
+    head = (
+        f'"messages":[{{"role":"user","content":"x"}}],"tools":[{{"type":"function","function":{{"name":"f","parameters":'
+        if route.endswith("completions")
+        else '"input":"x","tools":[{"type":"function","name":"f","parameters":'
+    )
+    close = "}}]" if route.endswith("completions") else "}]"
+    try:
+        with g.client() as c:
+            r = c.post(
+                route,
+                content=f'{{"model":"{MODEL}",{head}{deep(1000)}{close}}}',
+                headers={"content-type": "application/json"},
+            )
+            assert r.status_code == 400 and error_of(r)["param"] == "tools[0]"  # too deep to render the template
+            body = f'{{"model":"{MODEL}",{head}{deep(300)}{close}}}'  # renders, but orjson cannot write it back
+            r = c.post(route, content=body, headers={"content-type": "application/json"})
+            assert (
+                r.status_code == 400 and error_of(r)["message"] == "The request body is nested too deeply to forward."
+            )
+    finally:
+        g.stop()
+    assert engine.state.requests == []

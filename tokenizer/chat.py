@@ -140,7 +140,13 @@ def _tools_block(tools: Any) -> str:
             raise InvalidPromptError(f"'tools[{j}]' must be an object.", f"tools[{j}]")
     if not tools:
         return ""
-    return "# Tools\n\n<tools>\n" + "\n".join(_dumps(t) for t in tools) + "\n</tools>"
+    lines = []
+    for j, t in enumerate(tools):
+        try:
+            lines.append(_dumps(t))
+        except RecursionError:  # a hostile nesting depth: the engine could not serialise it either
+            raise InvalidPromptError(f"'tools[{j}]' is nested too deeply.", f"tools[{j}]") from None
+    return "# Tools\n\n<tools>\n" + "\n".join(lines) + "\n</tools>"
 
 
 def render_chatml(messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> RenderedChat:
