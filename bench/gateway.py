@@ -18,6 +18,8 @@ exact count of the bench body, so the verifier's drift check stays quiet) and th
   count, the live pool from the mock's ``/server_info``, quotas in Redis
   (``$KVGATE_BENCH_REDIS_URL``, default ``redis://127.0.0.1:6379/0``; limits never reached),
   metrics, the verifier sampling 5%; the default workers (the usable cores, Redis being set);
+- ``kvgate-responses``: ``kvgate-full`` on ``/v1/responses``, the same turn as ``instructions`` +
+  ``input`` (the mock answers a fixed ``response`` object with the same exact count);
 - ``kvgate-bare``: the same without quotas and verifier (and so without Redis), same workers;
 - ``kvgate-verify-100``: ``kvgate-full`` with the verifier sampling every response;
 - extras: ``kvgate-full-1w`` (one worker), ``kvgate-logged`` (the JSON access log on, to a file),
@@ -98,6 +100,28 @@ BODY = {
     "temperature": 0,
 }
 REPLY_TEXT = " tok" * 16
+#: the same turn as a Responses API request (``/v1/responses``: instructions + input)
+RESPONSES_BODY = {
+    "model": MODEL,
+    "instructions": BODY["messages"][0]["content"],
+    "input": USER_TEXT,
+    "max_output_tokens": 16,
+    "temperature": 0,
+}
+
+
+def body_for(url: str) -> dict[str, Any]:
+    """The load's body for a target URL: :data:`RESPONSES_BODY` for ``/v1/responses``, else :data:`BODY`."""
+    return RESPONSES_BODY if url.endswith("/v1/responses") else BODY
+
+
+def fixed_response(prompt_tokens: int) -> bytes:
+    """The mock's one ``/v1/responses`` answer (16 tokens, usage with the exact input count)."""
+    item = {"id": "msg_mock", "type": "message", "role": "assistant", "status": "completed"}
+    item["content"] = [{"type": "output_text", "text": REPLY_TEXT, "annotations": []}]
+    usage = {"input_tokens": prompt_tokens, "output_tokens": 16, "total_tokens": prompt_tokens + 16}
+    obj = {"id": "resp_mock", "object": "response", "created_at": 1, "model": MODEL, "status": "completed"}
+    return json.dumps({**obj, "error": None, "output": [item], "usage": usage}, separators=(",", ":")).encode()
 
 
 def prompt_tokens_of_body() -> int:
@@ -246,6 +270,7 @@ NGINX_MOCK = """
     location = /server_info {{ return 200 '{info}'; }}
     location = /get_server_info {{ return 200 '{info}'; }}
     location = /v1/chat/completions {{ return 200 '{reply}'; }}
+    location = /v1/responses {{ return 200 '{responses_reply}'; }}
   }}
 }}
 """
@@ -281,8 +306,10 @@ def start_mock(env: Env, port: int, prefer_nginx: bool = True) -> tuple[subproce
     Returns the process and a one-line description."""
     if prefer_nginx and find_nginx():
         reply = fixed_reply(prompt_tokens_of_body()).decode()
+        responses_reply = fixed_response(prompt_tokens_of_body()).decode()  # the same turn: the same count
         info = json.dumps(SERVER_INFO, separators=(",", ":"))
-        p = start_nginx(env, "mock", NGINX_MOCK.format(port=port, info=info, reply=reply))
+        mock = NGINX_MOCK.format(port=port, info=info, reply=reply, responses_reply=responses_reply)
+        p = start_nginx(env, "mock", mock)
         return p, "nginx, one fixed chat completion (exact usage)"
     p = env.spawn(
         "mock", [sys.executable, str(HERE / "mock_engine.py"), "--port", str(port), "--model", MODEL, "--count"]
@@ -307,7 +334,16 @@ class Skip(Exception):
 Scenario = Callable[[Env], ContextManager[Target]]
 SCENARIOS: dict[str, tuple[Scenario, str]] = {}
 #: the scenarios a run without ``--only`` measures, in table order
-DEFAULT = ["direct", "nginx", "naive-relay", "litellm", "kvgate-full", "kvgate-bare", "kvgate-verify-100"]
+DEFAULT = [
+    "direct",
+    "nginx",
+    "naive-relay",
+    "litellm",
+    "kvgate-full",
+    "kvgate-responses",
+    "kvgate-bare",
+    "kvgate-verify-100",
+]
 
 
 def scenario(name: str, help_: str) -> Callable[[Callable[[Env], Iterator[Target]]], Scenario]:
@@ -522,6 +558,12 @@ def _kvgate_full(env: Env) -> Iterator[Target]:
         yield t
 
 
+@scenario("kvgate-responses", "kvgate-full on /v1/responses (the same turn as instructions + input)")
+def _kvgate_responses(env: Env) -> Iterator[Target]:
+    with full_features(env, "kvgate-responses", 0.05) as t:
+        yield Target(t.url.replace("/v1/chat/completions", "/v1/responses"), t.headers, t.note)
+
+
 @scenario("kvgate-bare", "kvgate: auth, count, live pool, metrics; no quotas, no verifier")
 def _kvgate_bare(env: Env) -> Iterator[Target]:
     with gateway_target(env, name="kvgate-bare", workers=usable_cores(), note="no quotas, no verifier") as t:
@@ -643,7 +685,7 @@ def run_wrk(target: Target, connections: int, duration: float, tmp: Path) -> Loa
     """``wrk --latency`` with a Lua script for the POST (threads: 1 per 32 connections, at most 2)."""
     lua = tmp / "post.lua"
     headers = "\n".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in target.headers.items())
-    lua.write_text(WRK_LUA.format(body=json.dumps(json.dumps(BODY)), headers=headers))
+    lua.write_text(WRK_LUA.format(body=json.dumps(json.dumps(body_for(target.url))), headers=headers))
     threads = max(1, min(2, connections // 32))
     out = subprocess.run(
         ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration:.0f}s", "--latency"]
@@ -687,7 +729,7 @@ async def _py_load(url: str, connections: int, duration: float, headers: dict[st
     import asyncio
 
     u = httpx.URL(url)
-    body = json.dumps(BODY).encode()
+    body = json.dumps(body_for(url)).encode()
     head = (
         f"POST {u.raw_path.decode()} HTTP/1.1\r\nHost: {u.host}:{u.port}\r\nContent-Type: application/json\r\n"
         + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
@@ -1022,7 +1064,9 @@ def main() -> int:
                     skipped[name] = str(e)
                     print(f"  {name}: skipped ({e})", flush=True)
                     continue
-                probe = httpx.post(target.url, json=BODY, headers=target.headers, timeout=10, trust_env=False)
+                probe = httpx.post(
+                    target.url, json=body_for(target.url), headers=target.headers, timeout=10, trust_env=False
+                )
                 if probe.status_code != 200:
                     raise RuntimeError(f"{name}: probe request answered {probe.status_code}: {probe.text[:300]}")
                 load(target, args.connections, 1.0, tmp)  # warm-up (every worker, every pool)

@@ -11,6 +11,8 @@ DESIGN.md "The bundled backend"):
 - ``POST /v1/completions`` | ``/v1/chat/completions`` -> a completion of ``min(max_tokens, 8)``
   tokens ``" tok"``; ``stream: true`` sends one SSE event per token, a usage event, ``[DONE]``.
   ``usage.prompt_tokens`` is 0 unless ``--count`` (then the bundled tokenizer's exact count).
+- ``POST /v1/responses`` -> a whole ``response`` object of the same completion (usage
+  ``input_tokens`` / ``output_tokens``).
 
 Run: ``python bench/mock_engine.py --port 30000 [--model kvgate-tiny] [--count]``.
 """
@@ -90,6 +92,16 @@ class Engine:
             return int(self.count(req, chat))  # type: ignore[operator]
         except Exception:
             return 0
+
+    def respond(self, req: dict) -> bytes:
+        """A whole ``/v1/responses`` answer (never streamed here): ``min(max_output_tokens, 8)`` tokens."""
+        n = max(1, min(int(req.get("max_output_tokens") or 16), 8))
+        prompt_tokens = self._prompt_tokens(req, None)  # type: ignore[arg-type]
+        item = {"id": "msg_mock", "type": "message", "role": "assistant", "status": "completed"}
+        item["content"] = [{"type": "output_text", "text": " tok" * n, "annotations": []}]
+        usage = {"input_tokens": prompt_tokens, "output_tokens": n, "total_tokens": prompt_tokens + n}
+        obj = {"id": "resp_mock", "object": "response", "created_at": int(time.time()), "model": self.model}
+        return _dumps({**obj, "status": "completed", "error": None, "output": [item], "usage": usage})
 
     def complete(self, req: dict, chat: bool) -> tuple[int, list[bytes] | bytes]:
         """(status, body bytes) or (200, list of SSE events) for a stream."""
@@ -208,7 +220,7 @@ class Http(asyncio.Protocol):
             else:
                 t.write(_error(404, "not found"))
             return
-        if method != b"POST" or path not in (b"/v1/chat/completions", b"/v1/completions"):
+        if method != b"POST" or path not in (b"/v1/chat/completions", b"/v1/completions", b"/v1/responses"):
             t.write(_error(404 if method == b"POST" else 405, "not found"))
             return
         try:
@@ -216,6 +228,9 @@ class Http(asyncio.Protocol):
             assert isinstance(req, dict)
         except Exception:
             t.write(_error(400, "invalid JSON body"))
+            return
+        if path == b"/v1/responses":
+            t.write(_response(200, e.respond(req)))
             return
         status, out = e.complete(req, path == b"/v1/chat/completions")
         if isinstance(out, bytes):
@@ -230,12 +245,16 @@ class Http(asyncio.Protocol):
         t.write(b"".join(chunks))
 
 
-def _bundled_count(req: dict, chat: bool) -> int:
+def _bundled_count(req: dict, chat: bool | None) -> int:
     from tokenizer import bundled_counter  # the project's tokenizer (cl100k_base + ChatML)
 
     c = _bundled_count.counter  # type: ignore[attr-defined]
     if c is None:
         c = _bundled_count.counter = bundled_counter()  # type: ignore[attr-defined]
+    if chat is None:  # /v1/responses: the chat the gateway counts (tokenizer.responses)
+        from tokenizer.responses import count_responses, responses_to_chat
+
+        return count_responses(c, responses_to_chat(req.get("input"), req.get("instructions"), req.get("tools")))
     return c.count_chat(req.get("messages")) if chat else c.count_prompt(req.get("prompt")).largest
 
 
