@@ -435,6 +435,7 @@ class EmbeddedStack:
                 name="embedded",
                 api_url=f"{backend}/v1",
                 pool_source="static",
+                engine="kvgate",  # the bundled engine's field policy (static's default would be openai)
                 static_pool_tokens=self.options.static_pool_tokens,
                 models=[served],
             )
@@ -443,6 +444,7 @@ class EmbeddedStack:
                 name="embedded",
                 api_url=f"{backend}/v1",
                 pool_source="kvgate",
+                engine="kvgate",  # the bundled engine's field policy, written out
                 pool_urls=[f"{backend}/server_info"],
                 models=[served],
             )

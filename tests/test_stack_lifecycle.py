@@ -106,11 +106,13 @@ def test_generated_config_points_the_gateway_at_the_backend(tmp_path: Path, monk
                 "name": "embedded",
                 "api_url": f"{stack.backend_url}/v1",
                 "pool_source": "kvgate",
+                "engine": "kvgate",  # the bundled engine's field policy, written out
                 "pool_urls": [f"{stack.backend_url}/server_info"],
                 "static_pool_tokens": None,
                 "models": ["kvgate-tiny"],
                 "api_key": None,
                 "weight": 1,
+                "pass_stateful_responses": False,
             }
         ]
         assert cfg["redis_url"] is None
