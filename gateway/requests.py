@@ -9,6 +9,7 @@ tokenizer while counting (it raises typed errors naming ``messages[i].content[j]
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import orjson
@@ -37,12 +38,47 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
         msg = str(e)
         if "utf-8" in msg.lower() or "surrogate" in msg.lower():
             text = "The request body is not valid UTF-8 JSON."
+        elif (name := non_finite_member(e)) is not None:
+            raise _bad(
+                name, "must be a finite number (NaN, Infinity and numbers beyond a double are not JSON)"
+            ) from None
         else:
             text = f"We could not parse the JSON body of your request ({msg})."
         raise OpenAIError(400, text, code=ErrorCode.INVALID_REQUEST) from None
     if not isinstance(data, dict):
         raise OpenAIError(400, "The request body must be a JSON object.", code=ErrorCode.INVALID_REQUEST)
     return data
+
+
+_NON_FINITE = re.compile(r"-?(?:nan|inf(?:inity)?)", re.IGNORECASE)
+_NON_FINITE_NUMBER = re.compile(r"-?[0-9][0-9.eE+-]*")
+_MARK = "\x00kvgate:non-finite"
+
+
+def non_finite_member(e: orjson.JSONDecodeError) -> str | None:
+    """The top-level field whose value made orjson stop at ``e.pos``, when that value is a
+    non-finite number (``NaN``, ``Infinity``, ``-Infinity`` in any case, or a number beyond a
+    double such as ``1e999``); else ``None`` (nested, or another syntax error). The body is parsed
+    once more with that value replaced by a marker string, so this costs one more parse, on
+    the error path only."""
+    doc, pos = e.doc, e.pos
+    if not isinstance(doc, str) or not 0 <= pos < len(doc):
+        return None
+    start = pos - 1 if pos > 0 and doc[pos - 1] == "-" else pos
+    m = _NON_FINITE.match(doc, start)
+    if m is None and "infinity" in str(e).lower():
+        m = _NON_FINITE_NUMBER.match(doc, start)
+    if m is None:
+        return None
+    try:
+        data = orjson.loads(doc[:start] + orjson.dumps(_MARK).decode() + doc[m.end() :])
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(data, dict):
+        for k, v in data.items():
+            if v == _MARK:
+                return k
+    return None
 
 
 def too_large(limit: int) -> OpenAIError:
@@ -136,12 +172,30 @@ def _any(v: Any) -> str | None:
     return None
 
 
+#: most ``stop`` strings (the OpenAI schema's 4; vLLM and SGLang take any number)
+MAX_STOPS = 16
+#: longest ``stop`` string, in UTF-8 bytes: every decode step scans the new text against each
+#: string, and vLLM holds back that many characters of a stream until it can rule a match out
+MAX_STOP_BYTES = 1024
+#: all ``stop`` strings of a request together, in UTF-8 bytes
+MAX_STOP_TOTAL_BYTES = 4096
+
+
 def _stop(v: Any) -> str | None:
-    if isinstance(v, str):
-        return None
-    if isinstance(v, list) and len(v) <= 16 and all(isinstance(s, str) for s in v):
-        return None
-    return "must be a string or an array of at most 16 strings"
+    """``stop``: a string or at most :data:`MAX_STOPS` strings, each at most
+    :data:`MAX_STOP_BYTES` and all together at most :data:`MAX_STOP_TOTAL_BYTES` (UTF-8)."""
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) for s in stops):
+        return f"must be a string or an array of at most {MAX_STOPS} strings"
+    total = 0
+    for s in stops:
+        size = len(s) if len(s) > MAX_STOP_BYTES else len(s.encode("utf-8", "surrogatepass"))  # bytes >= chars
+        if size > MAX_STOP_BYTES:
+            return f"each stop string must be at most {MAX_STOP_BYTES} bytes (UTF-8)"
+        total += size
+    if total > MAX_STOP_TOTAL_BYTES:
+        return f"the stop strings must be at most {MAX_STOP_TOTAL_BYTES} bytes (UTF-8) in all"
+    return None
 
 
 def _stream_options(v: Any) -> str | None:

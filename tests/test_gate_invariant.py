@@ -371,3 +371,96 @@ def test_message_fields_outside_the_openai_shape_refused(env):
     ok = {"role": "assistant", "content": "a", "reasoning_content": "r", "refusal": None}
     status, _, got = post(env, "chat", {"model": "m", "messages": [{"role": "user", "content": "x"}, ok]})
     assert status == 200 and got["messages"][1] == ok
+
+
+# ---------------------------------------------------------------- stop strings and numeric fields
+def refusal(env, route: str, body: dict | bytes) -> tuple[int, str | None, str]:
+    """``(status, param, message)`` of the answer to ``body`` (a dict, or raw JSON bytes); asserts
+    nothing reached an engine."""
+    c, sg, vl, _, _ = env
+    before = len(sg.state.requests) + len(vl.state.requests)
+    url = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    if isinstance(body, bytes):
+        r = c.post(url, content=body, headers={"content-type": "application/json"})
+    else:
+        r = c.post(url, json=body)
+    assert len(sg.state.requests) + len(vl.state.requests) == before
+    e = r.json()["error"]
+    assert e["type"] == "invalid_request_error" and e["code"] == "invalid_request"
+    return r.status_code, e["param"], e["message"]
+
+
+def test_stop_strings_bounded_in_bytes(env):
+    each = "Invalid value for 'stop': each stop string must be at most 1024 bytes (UTF-8)"
+    in_all = "Invalid value for 'stop': the stop strings must be at most 4096 bytes (UTF-8) in all"
+    shape = "Invalid value for 'stop': must be a string or an array of at most 16 strings"
+    assert refusal(env, "chat", user(model="m", stop="a" * 1025)) == (400, "stop", each)
+    assert refusal(env, "chat", user(model="m", stop=["x", "é" * 513])) == (400, "stop", each)  # 513 chars, 1,026 bytes
+    assert refusal(env, "completions", {"model": "mv", "prompt": "x", "stop": ["日" * 342]}) == (400, "stop", each)
+    assert refusal(env, "chat", user(model="m", stop=["a" * 1024] * 4 + ["b"])) == (400, "stop", in_all)
+    assert refusal(env, "chat", user(model="m", stop=["ab"] * 17)) == (400, "stop", shape)
+    assert refusal(env, "chat", user(model="m", stop=["a", None])) == (400, "stop", shape)
+    assert refusal(env, "chat", user(model="m", stop={"a": 1})) == (400, "stop", shape)
+    # at the bounds: forwarded unchanged
+    status, _, got = post(env, "chat", user(model="m", stop=["a" * 1024] * 4))
+    assert status == 200 and got["stop"] == ["a" * 1024] * 4
+    status, _, got = post(env, "completions", {"model": "mv", "prompt": "x", "stop": "é" * 512})
+    assert status == 200 and got["stop"] == "é" * 512
+
+
+def test_numeric_fields_of_the_wrong_kind_refused(env):
+    def msg(field: str, problem: str) -> tuple[int, str, str]:
+        return 400, field, f"Invalid value for '{field}': {problem}"
+
+    integer, boolean = "must be an integer", "must be a boolean"
+    chat_cases = [
+        (user(model="m", max_tokens=16.0), msg("max_tokens", integer)),
+        (user(model="m", max_tokens=True), msg("max_tokens", integer)),
+        (user(model="m", max_tokens=10**30), msg("max_tokens", integer)),  # orjson reads it as a float
+        (user(model="m", max_completion_tokens=16.0), msg("max_completion_tokens", integer)),
+        (user(model="m", max_completion_tokens=False), msg("max_completion_tokens", integer)),
+        (user(model="m", max_completion_tokens=-1), msg("max_completion_tokens", "must be >= 1")),
+        (user(model="m", n=0), msg("n", "must be >= 1")),
+        (user(model="m", n=-1), msg("n", "must be >= 1")),
+        (user(model="m", n=2.0), msg("n", integer)),
+        (user(model="m", n=129), msg("n", "must be <= 128")),
+        (user(model="m", logprobs=1), msg("logprobs", boolean)),
+        (user(model="m", top_logprobs=21), msg("top_logprobs", "must be <= 20")),
+        (user(model="m", top_logprobs=-1), msg("top_logprobs", "must be >= 0")),
+        (user(model="m", top_logprobs=True), msg("top_logprobs", integer)),
+        (user(model="m", temperature=2.0001), msg("temperature", "must be <= 2")),
+        (user(model="m", temperature=-0.1), msg("temperature", "must be >= 0")),
+        (user(model="m", temperature="NaN"), msg("temperature", "must be a number")),
+        (user(model="m", temperature=True), msg("temperature", "must be a number")),
+        (user(model="m", top_p=1.5), msg("top_p", "must be <= 1")),
+        (user(model="m", top_p=-1), msg("top_p", "must be >= 0")),
+        (user(model="m", top_p="nan"), msg("top_p", "must be a number")),
+    ]
+    for body, want in chat_cases:
+        assert refusal(env, "chat", body) == want, body
+    completion_cases = [
+        ({"max_tokens": 16.5}, msg("max_tokens", integer)),
+        ({"n": 3, "best_of": 2}, msg("best_of", "must be >= 'n'")),
+        ({"best_of": 0}, msg("best_of", "must be >= 1")),
+        ({"logprobs": 6}, msg("logprobs", "must be <= 5")),
+        ({"logprobs": -1}, msg("logprobs", "must be >= 0")),
+        ({"logprobs": True}, msg("logprobs", integer)),
+    ]
+    for extra, want in completion_cases:
+        assert refusal(env, "completions", {"model": "m", "prompt": "x", **extra}) == want, extra
+    # NaN, Infinity and numbers beyond a double are not JSON: a top-level one is still named
+    finite = "must be a finite number (NaN, Infinity and numbers beyond a double are not JSON)"
+    head = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+    for raw, field in (
+        (b'"temperature": NaN}', "temperature"),
+        (b'"temperature": -Infinity}', "temperature"),
+        (b'"top_p": 1e999}', "top_p"),
+        (b'"top_p": nan, "n": 1}', "top_p"),
+        (b'"max_tokens": Infinity}', "max_tokens"),
+    ):
+        assert refusal(env, "chat", head + raw) == msg(field, finite), raw
+    status, param, message = refusal(env, "chat", head + b'"logit_bias": {"5": NaN}}')  # nested: not named
+    assert (status, param) == (400, None) and message.startswith("We could not parse the JSON body")
+    # the edges pass
+    status, _, got = post(env, "chat", user(model="m", temperature=2, top_p=0, top_logprobs=20, logprobs=True, n=1))
+    assert status == 200 and (got["temperature"], got["top_p"], got["top_logprobs"]) == (2, 0, 20)
