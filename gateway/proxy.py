@@ -431,6 +431,7 @@ async def relay_response_stream(
     p = outcome.produced
     held: list[bytes] = []
     started = False
+    streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
     try:
         async for chunk in resp.aiter_raw():
             out: list[bytes] = []
@@ -462,10 +463,16 @@ async def relay_response_stream(
                 if text:
                     for i, t in info.texts.items():
                         p.texts.setdefault(i, []).append(t)
+                    for k, t in info.fields.items():
+                        streamed.setdefault(k, []).append(t)
                     if p.ttft_seconds is None:
                         p.ttft_seconds = time.perf_counter() - t_forward
+                pieces = list(info.fields.items())
+                for k, t in info.snapshots.items():  # text an event repeats: checked where it is new
+                    if t != "".join(streamed.get(k, ())):
+                        pieces.append((k + ":snapshot", t))
                 if guard is not None:
-                    out.extend(await guard.feed(text, ev, list(info.fields.items())))
+                    out.extend(await guard.feed(text, ev, pieces))
                 else:
                     out.append(ev)
                 if not started and (text or info.kind == "terminal"):

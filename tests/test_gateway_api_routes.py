@@ -315,6 +315,13 @@ def _strict_gateway(engine: ApiMockEngine) -> Gateway:
 def _events(kind: str, text: str) -> list[bytes]:
     from tests.mock_api_engine import sse
 
+    if kind == "snapshot":  # harmless deltas; the leak only in the whole text that the end repeats
+        item = {"type": "message", "content": [{"type": "output_text", "text": text}]}
+        done = {"id": "r", "status": "completed", "output": [item], "usage": {"input_tokens": 5, "output_tokens": 9}}
+        return [
+            sse({"type": "response.output_text.delta", "sequence_number": 0, "output_index": 0, "delta": "Fine."}),
+            sse({"type": "response.completed", "sequence_number": 1, "response": done}),
+        ]
     words = text.split(" ")
     out = [sse({"type": "response.created", "sequence_number": 0, "response": {"id": "r", "status": "in_progress"}})]
     for i, w in enumerate(words):
@@ -332,7 +339,13 @@ def _events(kind: str, text: str) -> list[bytes]:
 
 
 @pytest.mark.parametrize(
-    "kind", ["response.output_text.delta", "response.reasoning_text.delta", "response.function_call_arguments.delta"]
+    "kind",
+    [
+        "response.output_text.delta",
+        "response.reasoning_text.delta",
+        "response.function_call_arguments.delta",
+        "snapshot",
+    ],
 )
 def test_strict_tenant_stream_is_withheld_whatever_field_carries_the_leak(engine, kind):
     g = _strict_gateway(engine)
@@ -572,3 +585,17 @@ def test_hostile_nesting_is_a_400_not_a_500(engine, route):
     finally:
         g.stop()
     assert engine.state.requests == []
+
+
+def test_responses_reserve_the_bound_and_settle_to_input_plus_output_tokens(engine):
+    g = start(engine, quotas=True, tpm=40)
+    try:
+        client = sdk(g)
+        r = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=20)  # reserves 11 + 20 = 31
+        assert (r.usage.input_tokens, r.usage.output_tokens) == (11, 4)  # settled to 15
+        client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=14)  # 15 + 25 = 40: fits
+        with pytest.raises(openai.RateLimitError):  # 15 + 15 settled, + 11 + 1 > 40
+            client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=1)
+    finally:
+        g.stop()
+    assert len(forwarded(engine, "/v1/responses")) == 2

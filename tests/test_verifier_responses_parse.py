@@ -32,7 +32,8 @@ def test_other_events_carry_no_text():
         {"type": "response.output_text.delta", "delta": 5},
     ):
         out = parse_response_event(ev)
-        assert out.text == "" and out.kind == "other"
+        assert out.text == "" and out.fields == {}
+        assert out.kind == ("snapshot" if ev["type"].endswith(".done") else "other")
 
 
 def test_completed_gives_usage_in_chat_names_and_stop():
@@ -117,3 +118,36 @@ def test_error_bodies(body):
 def test_hostile_shapes_never_raise(obj):
     parse_response_event(obj)
     parse_response_body(obj)
+
+
+def test_events_that_repeat_text_carry_it_as_snapshots_under_the_delta_keys():
+    delta = parse_response_event(
+        {"type": "response.output_text.delta", "output_index": 1, "content_index": 0, "delta": "Hi"}
+    )
+    done = parse_response_event(
+        {"type": "response.output_text.done", "output_index": 1, "content_index": 0, "text": "Hi"}
+    )
+    assert list(delta.fields) == list(done.snapshots) == ["1:0:output_text"] and done.text == ""
+    item = {"type": "function_call", "arguments": '{"a":1}'}
+    assert parse_response_event({"type": "response.output_item.done", "output_index": 2, "item": item}).snapshots == {
+        "2:0:arguments": '{"a":1}'
+    }
+    completed = parse_response_event(
+        {
+            "type": "response.completed",
+            "response": {
+                "status": "completed",
+                "output": [{"type": "message", "content": [{"type": "output_text", "text": "x"}]}],
+            },
+        }
+    )
+    assert (completed.kind, completed.snapshots) == ("terminal", {"0:0:output_text": "x"})
+    part = parse_response_event(
+        {
+            "type": "response.content_part.done",
+            "output_index": 0,
+            "content_index": 1,
+            "part": {"type": "refusal", "refusal": "no"},
+        }
+    )
+    assert part.snapshots == {"0:1:refusal": "no"}

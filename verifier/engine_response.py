@@ -359,7 +359,11 @@ class ResponseOutput:
     error mapping; ``sequence_number`` when the event has one. ``fields``: the same text per text
     stream, ``"<output index>:<part index>:<name>"`` -> text (names: ``output_text``,
     ``refusal``, ``reasoning``, ``reasoning_summary``, ``arguments``), what the verifier checks,
-    each on its own (as :attr:`EngineOutput.fields`)."""
+    each on its own (as :attr:`EngineOutput.fields`). ``snapshots``: the whole text so far that an
+    event repeats (``*.done``, ``*.added``, the ``response`` of ``response.created`` /
+    ``response.completed`` ...), under the same keys: an honest engine repeats exactly its deltas,
+    so the relay checks a snapshot only where it differs from them (a hostile engine could put
+    text there alone)."""
 
     kind: str = "other"
     texts: dict[int, str] = field(default_factory=dict)
@@ -368,6 +372,7 @@ class ResponseOutput:
     error: dict[str, Any] | None = None
     sequence_number: int | None = None
     fields: dict[str, str] = field(default_factory=dict)
+    snapshots: dict[str, str] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -472,13 +477,52 @@ def parse_response_event(obj: Any) -> ResponseOutput:
         j = _int(obj.get("content_index", obj.get("summary_index")))
         key = f"{i}:{0 if j is None else j}:{TEXT_DELTA_EVENTS[etype]}"
         return ResponseOutput("text", {i: d}, sequence_number=seq, fields={key: d})
+    snaps = _snapshots(obj, etype)
     if etype in TERMINAL_EVENTS:
         resp = obj.get("response") if isinstance(obj.get("response"), dict) else {}
         if etype == "response.failed":
             err = resp.get("error")
             return ResponseOutput("error", error=err if isinstance(err, dict) else {}, sequence_number=seq)
         finish = _finish_of(resp) or TERMINAL_EVENTS[etype]
-        return ResponseOutput(
-            "terminal", finish_reason=finish, usage=response_usage(resp.get("usage")), sequence_number=seq
-        )
-    return ResponseOutput(sequence_number=seq)
+        usage = response_usage(resp.get("usage"))
+        return ResponseOutput("terminal", finish_reason=finish, usage=usage, sequence_number=seq, snapshots=snaps)
+    return ResponseOutput("snapshot" if snaps else "other", sequence_number=seq, snapshots=snaps)
+
+
+#: ``*.done`` events that repeat one text stream whole: event type -> (its text field, stream name)
+_DONE_TEXT = {
+    "response.output_text.done": ("text", "output_text"),
+    "response.refusal.done": ("refusal", "refusal"),
+    "response.reasoning_text.done": ("text", "reasoning"),
+    "response.reasoning_summary_text.done": ("text", "reasoning_summary"),
+    "response.function_call_arguments.done": ("arguments", "arguments"),
+}
+_PART_NAMES = {"output_text": "output_text", "refusal": "refusal", "reasoning_text": "reasoning"}
+
+
+def _snapshots(obj: dict[str, Any], etype: Any) -> dict[str, str]:
+    """The texts an event repeats (see :attr:`ResponseOutput.snapshots`); never raises."""
+    i = _int(obj.get("output_index"))
+    i = 0 if i is None else i
+    if etype in _DONE_TEXT:
+        key, name = _DONE_TEXT[etype]
+        t = obj.get(key)
+        j = _int(obj.get("content_index", obj.get("summary_index")))
+        return {f"{i}:{0 if j is None else j}:{name}": t} if isinstance(t, str) and t else {}
+    part = obj.get("part")
+    if isinstance(part, dict):  # content_part.* / reasoning_summary_part.*
+        j = _int(obj.get("content_index", obj.get("summary_index")))
+        summary = "summary_index" in obj
+        name = "reasoning_summary" if summary else _PART_NAMES.get(str(part.get("type")), "output_text")
+        t = part.get("refusal") if part.get("type") == "refusal" else part.get("text")
+        return {f"{i}:{0 if j is None else j}:{name}": t} if isinstance(t, str) and t else {}
+    item = obj.get("item")
+    if isinstance(item, dict):  # output_item.*
+        return _item_fields(item, i)
+    resp = obj.get("response")
+    out: dict[str, str] = {}
+    if isinstance(resp, dict) and isinstance(resp.get("output"), list):  # response.created / completed ...
+        for k, it in enumerate(resp["output"]):
+            if isinstance(it, dict):
+                out.update(_item_fields(it, k))
+    return out
