@@ -13,8 +13,11 @@ COPY tokenizer ./tokenizer
 COPY gateway ./gateway
 COPY verifier ./verifier
 COPY gpu_backend ./gpu_backend
+# /var/lib/kvgate/models-state is where `kvgate model pull` puts models (docker-compose.smollm2.yml
+# mounts a named volume there; it starts owned by kvgate because the directory exists in the image).
 RUN pip install ".[backend]" \
- && useradd --system --uid 10001 --home-dir /var/lib/kvgate --create-home kvgate
+ && useradd --system --uid 10001 --home-dir /var/lib/kvgate --create-home kvgate \
+ && install -d -o kvgate -g kvgate /var/lib/kvgate/models-state
 USER kvgate
 WORKDIR /var/lib/kvgate
 EXPOSE 30000 30001 30002

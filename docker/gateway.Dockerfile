@@ -12,7 +12,8 @@ COPY verifier ./verifier
 COPY gpu_backend ./gpu_backend
 # The state directory (secrets.json) exists in the image as 0700, so a fresh named volume mounted on
 # it starts private: `kvgate serve` refuses a state directory open to other users.
-RUN pip install . \
+# the hf extra (tokenizers, jinja2): the gateway counts a Hugging Face model with its own tokenizer.json
+RUN pip install ".[hf]" \
  && useradd --system --uid 10001 --home-dir /var/lib/kvgate --create-home kvgate \
  && install -d -m 0700 -o kvgate -g kvgate /var/lib/kvgate/state
 USER kvgate
