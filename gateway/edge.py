@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,9 +201,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
 
 
+#: GIL switch interval of a serving process (seconds; Python's default is 0.005). Counting, parsing
+#: and scanning run in worker threads; while one holds the GIL, the event loop's thread waits for
+#: it up to this long each time it wakes, so a shorter interval bounds the loop's lag.
+SWITCH_INTERVAL_SECONDS = 0.001
+
+
 def configure(config: Any, limits: EdgeLimits) -> Any:
     """Make ``config`` (a ``uvicorn.Config``, before it is loaded) serve with
-    :class:`BoundedHttpToolsProtocol` under ``limits``; returns ``config``."""
+    :class:`BoundedHttpToolsProtocol` under ``limits``, and set this process's GIL switch interval
+    to :data:`SWITCH_INTERVAL_SECONDS`; returns ``config``."""
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     config.http = BoundedHttpToolsProtocol
     config.kvgate_edge_limits = limits
     config.timeout_keep_alive = limits.keepalive_timeout_seconds
