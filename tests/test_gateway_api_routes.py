@@ -599,3 +599,25 @@ def test_responses_reserve_the_bound_and_settle_to_input_plus_output_tokens(engi
     finally:
         g.stop()
     assert len(forwarded(engine, "/v1/responses")) == 2
+
+
+def test_an_oversized_responses_event_ends_the_stream_with_a_responses_error_event(engine):
+    from tests.mock_api_engine import sse
+
+    first = sse({"type": "response.output_text.delta", "sequence_number": 3, "output_index": 0, "delta": "Hi"})
+    huge = sse({"type": "response.output_text.delta", "sequence_number": 4, "output_index": 0, "delta": "x" * 4000})
+    engine.state.responses_events = [first, huge]
+    g = start(engine)
+    g.gw.settings.gateway.max_sse_event_bytes = 1024
+    try:
+        with (
+            g.client() as c,
+            c.stream("POST", "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}) as r,
+        ):
+            raw = b"".join(r.iter_raw())
+    finally:
+        g.stop()
+    assert raw.startswith(first) and b"x" * 100 not in raw and b"[DONE]" not in raw
+    tail = raw[len(first) :]
+    assert tail.startswith(b'event: error\ndata: {"type":"error","code":"upstream_unavailable"')
+    assert tail.endswith(b'"sequence_number":4}\n\n')
