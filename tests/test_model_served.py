@@ -125,7 +125,7 @@ def test_prompt_tokens_equal_gateway_and_transformers_counts(served, folders):
     counter = HFCounter(folders["talk"])
     hf_tok = transformers.AutoTokenizer.from_pretrained(folders["talk"])
     r = httpx.get(served.url + "/v1/models", timeout=10)
-    assert [m["id"] for m in r.json()["data"]][0] == "tiny-hf"  # the folder's name
+    assert [m["id"] for m in r.json()["data"]] == ["tiny-hf"]  # the folder's name
     for messages in CHATS:
         expected = _hf_chat_ids(hf_tok, messages)
         assert counter.count_chat(messages) == len(expected)
@@ -185,6 +185,34 @@ def test_stops_on_an_eos_id_only_generation_config_names(folders):
         r = _post(b, "/v1/completions", {"prompt": "Paris is", "max_tokens": 5, "temperature": 0}).json()
         assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["text"] == ""
         # ignore_eos: the same id is then generated until the length limit
-        r = _post(b, "/v1/completions", {"prompt": "Paris is", "max_tokens": 5, "ignore_eos": True, "temperature": 0}).json()
+        r = _post(
+            b, "/v1/completions", {"prompt": "Paris is", "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+        ).json()
         assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 5
         assert r["choices"][0]["text"] == ""  # special tokens add no text
+
+
+def test_incremental_detokenization_never_splits_a_character(folders):
+    """Ids of multi-byte text fed one by one through the engine's Sequence with the folder's token
+    bytes: every piece is whole characters, the pieces join to the text, specials add nothing."""
+    from gpu_backend.sampling import SamplingParams
+    from gpu_backend.sequence import Sequence
+
+    counter = HFCounter(folders["talk"])
+    text = "東京は日本の首都です。Zwölf Boxkämpfer 🙂 über"
+    ids = counter.encode_text(text)
+    partial = [i for i in ids if not _is_utf8(counter.token_bytes(i))]
+    assert partial, "the text must hold a character split over several tokens"
+    bos = counter.tokenizer.token_to_id("<s>")
+    seq = Sequence("r", [1, 2], SamplingParams(max_new_tokens=len(ids) + 1), lambda _e: None)
+    pieces = [seq.append_token(i, counter.token_bytes(i), frozenset())[0] for i in [*ids[:3], bos, *ids[3:]]]
+    assert "".join(pieces) == text and counter.token_bytes(bos) == b""
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
