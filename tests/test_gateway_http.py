@@ -88,7 +88,13 @@ def test_max_tokens_above_cap_is_400(gw, engine):
 # ---------------------------------------------------------------- bad input: 4xx, nothing forwarded
 BAD = [
     (b"{not json", 400, None),
-    (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, None),
+    # not JSON, but a top-level NaN is named (docs/gateway.md, "Parse")
+    (
+        b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "temperature",
+    ),
+    (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": NaN}}', 400, None),
     (b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
     (b'{"model": "kvgate-tiny", "messages": "hi"}', 400, "messages"),
     (
