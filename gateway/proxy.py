@@ -341,6 +341,8 @@ async def relay_stream(
     """Relay an event stream (module docstring). Events before the response starts are held
     back, so that an engine error before any content is answered with the engine's status."""
     splitter = SSESplitter(ctx.settings.gateway.max_sse_event_bytes)
+    hold_limit = ctx.settings.gateway.max_sse_event_bytes  # bytes held back before the response starts
+    held_bytes = 0
     p = outcome.produced
     held: list[bytes] = []
     started = False
@@ -390,6 +392,13 @@ async def relay_stream(
             if out:
                 if not started:
                     held.extend(out)
+                    held_bytes += sum(map(len, out))
+                    if held_bytes > hold_limit:  # an engine that sends only events without content
+                        started = True  # cannot make the gateway hold them without bound
+                        outcome.status = 200
+                        yield b"", True
+                        yield b"".join(held), True
+                        held = []
                 else:
                     yield b"".join(held + out) if held else b"".join(out), True
                     held = []
@@ -428,6 +437,8 @@ async def relay_response_stream(
     through the guard; the response starts at the first text or terminal event; an ``error``
     event or ``response.failed`` before it is the engine's error, after it relayed as sent."""
     splitter = SSESplitter(ctx.settings.gateway.max_sse_event_bytes)
+    hold_limit = ctx.settings.gateway.max_sse_event_bytes  # bytes held back before the response starts
+    held_bytes = 0
     p = outcome.produced
     held: list[bytes] = []
     started = False
@@ -482,6 +493,13 @@ async def relay_response_stream(
             if out:
                 if not started:
                     held.extend(out)
+                    held_bytes += sum(map(len, out))
+                    if held_bytes > hold_limit:  # an engine that sends only events without content
+                        started = True  # cannot make the gateway hold them without bound
+                        outcome.status = 200
+                        yield b"", True
+                        yield b"".join(held), True
+                        held = []
                 else:
                     yield b"".join(held + out) if held else b"".join(out), True
                     held = []

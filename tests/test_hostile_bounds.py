@@ -188,3 +188,22 @@ def test_an_8_mib_stream_event_ends_the_stream_with_an_error_event(engine):
         assert r.status_code == 200 and r.content == b"".join(ok)
     finally:
         g.stop()
+
+
+def test_events_without_content_are_held_back_only_up_to_the_event_limit(engine):
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants()).start()
+    try:
+        comments = [b": " + b"k" * 1000 + b"\n\n"] * 1200  # 1.2 MB of events that start nothing
+        stream = b"".join(comments) + _event("late") + b"data: [DONE]\n\n"
+        engine.state.stream_chunks = [stream[i : i + 65536] for i in range(0, len(stream), 65536)]
+        with g.client() as c:
+            with c.stream(
+                "POST",
+                "/v1/chat/completions",
+                json=chat(max_tokens=5, stream=True, stream_options={"include_usage": True}),
+            ) as r:
+                assert r.status_code == 200
+                body = r.read()
+        assert body == stream  # relayed byte-exact; the response started once 1 MiB was held
+    finally:
+        g.stop()
