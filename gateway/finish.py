@@ -3,10 +3,14 @@ the quota lease exactly once, record metrics, write one JSON access-log line. Ca
 response shell (:mod:`gateway.response`) however the request ended: answered, refused by the
 engine, cut, withheld, or abandoned by the client.
 
-Tokens used, for the settle: prompt + completion as the engine's ``usage`` reports them (the
-gateway's prompt count when ``prompt_tokens`` is missing); nothing when no upstream accepted
-the request; and without a usage report (none sent, or the stream was cut or cancelled before
-it) the gateway's prompt count plus the completion text counted with the model's tokenizer.
+Tokens used, for the settle (:func:`used_tokens`): nothing when the request never reached an
+engine (every upstream failed to connect); otherwise, however it ended (answered, engine error,
+engine timeout or reset, client gone before or during the answer), at least the prompt as
+admitted, every prompt x its sequences (:func:`prompt_charge`; the engine's ``usage.prompt_tokens``
+when that is more), plus the completion: the engine's ``usage.completion_tokens``, or without it
+(none sent, or the stream was cut or cancelled before it) the completion text relayed so far,
+counted with the model's tokenizer. So leaving, or making the engine fail, after the prompt was
+sent never makes its prefill free.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from typing import Any, Iterable, Protocol
 
 from gateway import logging as glog
+from gateway.admission import Admission
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import RelayOutcome
 from gateway.stages import QuotaStage
@@ -48,24 +53,35 @@ async def finish(ctx: FinishContext, outcome: RelayOutcome) -> None:
     glog.access(fields)
 
 
-def reported_completion_tokens(outcome: RelayOutcome) -> int | None:
-    """The engine's ``usage.completion_tokens`` when it reported an int, else ``None``."""
+def _usage_count(outcome: RelayOutcome, key: str) -> int | None:
+    """``usage[key]`` when the engine reported it as an int >= 0 (not a bool), else ``None``."""
     usage = outcome.produced.usage
-    ct = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return ct if isinstance(ct, int) else None
+    v = usage.get(key) if isinstance(usage, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def reported_completion_tokens(outcome: RelayOutcome) -> int | None:
+    """The engine's ``usage.completion_tokens`` when it reported an int >= 0, else ``None``."""
+    return _usage_count(outcome, "completion_tokens")
+
+
+def prompt_charge(adm: Admission) -> int:
+    """The prompt tokens a request that reached an engine is charged at least: the sum over its
+    prompts x the sequences each one generates (``max(n, best_of)``), as admitted; in tokens."""
+    per_prompt = adm.sequences // adm.num_prompts if adm.num_prompts > 0 else 1
+    return adm.prompt_tokens_total * max(per_prompt, 1)
 
 
 async def used_tokens(outcome: RelayOutcome) -> int:
-    """Tokens to settle the lease to (module docstring), in tokens."""
-    a = outcome.admitted.admission
-    usage = outcome.produced.usage
-    if isinstance(usage, dict):
-        pt = usage.get("prompt_tokens")
-        ct = reported_completion_tokens(outcome)
-        return (pt if isinstance(pt, int) else a.prompt_tokens_total) + (ct or 0)
+    """Tokens to settle the lease to (module docstring), in tokens: 0 when nothing reached an
+    engine, else ``max(usage.prompt_tokens, prompt_charge) + completion``."""
     if not outcome.forwarded:
         return 0
-    return a.prompt_tokens_total + await completion_tokens_of(a.model.counter, outcome.produced.texts.values())
+    a = outcome.admitted.admission
+    completion = reported_completion_tokens(outcome)
+    if completion is None:
+        completion = await completion_tokens_of(a.model.counter, outcome.produced.texts.values())
+    return max(_usage_count(outcome, "prompt_tokens") or 0, prompt_charge(a)) + completion
 
 
 async def completion_tokens_of(counter: PromptCounter, texts: Iterable[str | list[str]]) -> int:

@@ -85,10 +85,11 @@ class Produced:
 @dataclass
 class RelayOutcome:
     """One admitted request's relay, filled while it runs. ``upstream``: the one tried last;
-    ``forwarded``: an upstream accepted the request; ``status``: the HTTP status the client got
-    (499: it went away); ``error_code``: the code of an error answered or sent mid-stream;
-    ``overhead_seconds``: time spent in the gateway (arrival to forwarding, plus a whole answer's
-    post-processing)."""
+    ``forwarded``: the request was written to an upstream's connection (the engine may have
+    started on it, whether or not it answered; never set by a connect failure); ``status``: the
+    HTTP status the client got (499: it went away); ``error_code``: the code of an error answered
+    or sent mid-stream; ``overhead_seconds``: time spent in the gateway (arrival to forwarding,
+    plus a whole answer's post-processing)."""
 
     admitted: Admitted
     upstream: Upstream | None = None
@@ -197,10 +198,16 @@ async def relay(ctx: RelayContext, outcome: RelayOutcome) -> AsyncGenerator[Chun
 async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[UpstreamResponse, float]:
     """``(the upstream's response, its headers read; perf_counter when it was sent)``. Sets
     ``outcome.upstream`` (whose ``in_flight`` stays counted until :func:`relay` ends) and
-    ``forwarded``. Raises :class:`OpenAIError` 503/504 (no upstream took it) or 502."""
+    ``forwarded`` (as soon as the request was written to an engine's connection, before its answer:
+    an engine that then times out or breaks, or a client that leaves, does not undo it). Raises
+    :class:`OpenAIError` 503/504 (no upstream took it) or 502."""
     a = outcome.admitted
     route, rid = a.arrival.route, a.arrival.request_id
     last: Exception | None = None
+
+    def on_sent() -> None:  # the request is on its way to an engine: from now on it is charged
+        outcome.forwarded = True
+
     for u in ctx.upstreams.order(a.candidates):
         headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": rid}
         if u.auth_header:
@@ -209,7 +216,7 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
         u.in_flight += 1
         accepted = False
         try:
-            resp = await ctx.forwarder.send("POST", u.url_for(route), a.forward.body, headers)
+            resp = await ctx.forwarder.send("POST", u.url_for(route), a.forward.body, headers, on_sent)
             accepted = True
         except _CONNECT_FAILURES as e:
             ctx.metrics.upstream_errors.labels(u.name, "connect").inc()

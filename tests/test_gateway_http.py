@@ -495,7 +495,9 @@ def test_quota_stage_reserve_settle_and_refusal(engine):
     finally:
         g.stop()
     assert q.reserved == [2 * (11 + 5), 11 + 5]  # n = 2: each sequence holds the prompt and its completion
-    assert q.settled == [7 + 4, 7 + 4]  # the engine's usage (the mock reports 7 prompt tokens, 4 words)
+    # the admitted prompt x its sequences is the floor (the mock reports only 7 prompt tokens), plus the
+    # engine's 4 completion tokens
+    assert q.settled == [2 * 11 + 4, 11 + 4]
     assert len(engine.state.requests) == 2
 
 

@@ -7,13 +7,27 @@ client leaving before the engine answered, and mid-stream."""
 from __future__ import annotations
 
 import logging
+import socket
+import struct
+import threading
 
 import httpx
 import pytest
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.stages import QuotaLease
-from tests.gateway_harness import KEY_A, Gateway, chat, closed_port_url, settings_for, tenants, upstream, wait_for
+from tests.gate_oracle import text_tokens
+from tests.gateway_harness import (
+    KEY_A,
+    MODEL,
+    Gateway,
+    chat,
+    closed_port_url,
+    settings_for,
+    tenants,
+    upstream,
+    wait_for,
+)
 from tests.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,7 +89,8 @@ def test_answered_whole_and_streamed_settle_once_to_the_engines_usage(engine, ac
     finally:
         g.stop()
     assert q.reserved == {"w1": 11 + 5, "s1": 11 + 5}
-    assert q.settled == {"w1": [7 + 4], "s1": [7 + 4]}  # the mock reports 7 prompt tokens, 4 words
+    # the mock reports 7 prompt tokens (fewer than the 11 admitted, which is the floor) and 4 words
+    assert q.settled == {"w1": [11 + 4], "s1": [11 + 4]}
     assert _in_flight(g) == [0]
     w, s = access("w1")[0], access("s1")[0]
     assert (w["status"], w["upstream"], w["stream"], w["completion_tokens"], w["finish_reason"]) == (
@@ -118,7 +133,7 @@ def test_engine_error_and_connect_failure_settle_once(engine, access):
 
 def test_client_leaving_before_the_engine_answers(engine, access):
     """Cancelled while waiting for the engine's headers: the upstream's in-flight count still
-    returns to 0 and the lease is settled once (to 0: no upstream answered)."""
+    returns to 0 and the lease is settled once, to the prompt as admitted (the engine had it)."""
     engine.state.mode = "hang"
     q = LedgerQuotas()
     g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q).start()
@@ -130,7 +145,8 @@ def test_client_leaving_before_the_engine_answers(engine, access):
         assert wait_for(lambda: _in_flight(g) == [0], 2)
     finally:
         g.stop()
-    assert q.settled == {"gone": [0]}
+    assert q.settled == {"gone": [11]}
+    assert engine.state.cancelled and engine.state.cancelled[0][0] == "gone"  # the engine had it, and saw it go
     line = access("gone")[0]
     assert (line["status"], line["client_disconnected"]) == (499, True)
 
@@ -153,3 +169,181 @@ def test_client_leaving_mid_stream_settles_to_what_was_produced(engine, access):
     assert 11 < used < 11 + 5  # the prompt plus the words relayed before the cut, counted by the gateway
     line = access("cut")[0]
     assert (line["status"], line["client_disconnected"], line["completion_tokens"]) == (499, True, None)
+
+
+# ---------------------------------------------------------------- what a request that reached an engine is charged
+# A tenant must not get prefill for free by leaving, or by making the engine time out or break,
+# after the prompt was sent: at least the admitted prompt (every prompt x its sequences) is
+# charged, plus what was produced. A request that never reached an engine is charged 0.
+
+
+def _leave(g: Gateway, path: str, body: dict, rid: str, after: float = 0.5) -> None:
+    """Send ``body`` and give up (disconnect) after ``after`` seconds without an answer."""
+    with httpx.Client(base_url=g.url, headers={"authorization": f"Bearer {KEY_A}"}, timeout=after) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post(path, json=body, headers={"x-request-id": rid})
+
+
+def test_client_leaving_a_batch_with_n_is_charged_every_prompt_times_its_sequences(engine, access):
+    engine.state.mode = "hang"
+    q = LedgerQuotas()
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q).start()
+    body = {"model": MODEL, "prompt": [[1] * 10, [2] * 10], "n": 3, "max_tokens": 5}
+    try:
+        _leave(g, "/v1/completions", body, "batch")
+        assert wait_for(lambda: len(access("batch")) == 1, 3)
+        engine.state.mode = "ok"  # answered with usage: 7 prompt tokens (below the floor), 4 completion tokens
+        with g.client() as c:
+            assert c.post("/v1/completions", json=body, headers={"x-request-id": "ok"}).status_code == 200
+        assert wait_for(lambda: len(access("ok")) == 1, 3)
+    finally:
+        g.stop()
+    assert q.reserved == {"batch": 3 * (20 + 2 * 5), "ok": 3 * (20 + 2 * 5)}
+    assert q.settled == {"batch": [3 * 20], "ok": [3 * 20 + 4]}
+
+
+def test_engine_read_timeout_is_charged_the_prompt(engine, access):
+    engine.state.mode = "hang"
+    q = LedgerQuotas()
+    g = Gateway(settings_for([upstream("u1", engine)], gateway={"read_timeout_seconds": 0.3}), tenants(), quotas=q)
+    g.start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5), headers={"x-request-id": "slow"})
+        assert (r.status_code, r.json()["error"]["code"]) == (504, "upstream_timeout")
+        assert wait_for(lambda: len(access("slow")) == 1, 3)
+    finally:
+        g.stop()
+    assert q.settled == {"slow": [11]}
+    assert _in_flight(g) == [0]
+
+
+class ResettingEngine:
+    """An engine API that reads each request whole, then resets the connection (RST) without
+    answering: the engine broke after it had the prompt."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.received = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += conn.recv(65536)
+            self.received += 1
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    def stop(self) -> None:
+        self.sock.close()
+
+
+def test_engine_resetting_before_and_during_the_answer_is_charged_what_it_had(engine, access):
+    broken = ResettingEngine()
+    q = LedgerQuotas()
+    ups = [upstream("rst", engine, api_url=broken.url + "/v1")]
+    g = Gateway(settings_for(ups), tenants(), quotas=q).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5), headers={"x-request-id": "rst"})
+        assert (r.status_code, r.json()["error"]["code"]) == (502, "upstream_unavailable")
+        assert wait_for(lambda: len(access("rst")) == 1, 3)
+    finally:
+        g.stop()
+        broken.stop()
+    assert broken.received == 1
+    assert q.settled == {"rst": [11]}
+
+    # mid-stream: two words relayed, then the connection breaks (no usage chunk ever comes)
+    engine.state.mode = "reset"
+    engine.state.stream_chunks = [
+        b'data: {"choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": null}]}\n\n',
+        b'data: {"choices": [{"index": 0, "delta": {"content": " world"}, "finish_reason": null}]}\n\n',
+    ]
+    q = LedgerQuotas()
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True), headers={"x-request-id": "cut"})
+        assert r.status_code == 200 and '"code": "upstream_unavailable"' in r.text.replace('":"', '": "')
+        assert r.text.endswith("data: [DONE]\n\n")
+        assert wait_for(lambda: len(access("cut")) == 1, 3)
+    finally:
+        g.stop()
+    assert q.settled == {"cut": [11 + text_tokens("Hello world")]} and text_tokens("Hello world") == 2
+
+
+def test_never_reaching_an_engine_is_charged_nothing(engine, access):
+    """Every upstream refuses the connection; or the one connection is busy and the request
+    waits for it in vain (a connect timeout), or its client leaves while it waits: 0."""
+    q = LedgerQuotas()
+    ups = [upstream(f"dead{i}", engine, api_url=closed_port_url() + "/v1") for i in range(2)]
+    g = Gateway(settings_for(ups), tenants(), quotas=q).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5), headers={"x-request-id": "dead"})
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "upstream_unavailable")
+        assert wait_for(lambda: len(access("dead")) == 1, 3)
+    finally:
+        g.stop()
+    assert q.settled == {"dead": [0]}
+
+    engine.state.mode = "hang"
+    q = LedgerQuotas()
+    settings = settings_for([upstream("u1", engine)], gateway={"max_connections": 1, "connect_timeout_seconds": 1.5})
+    g = Gateway(settings, tenants(), quotas=q).start()
+    try:
+        holder = threading.Thread(target=_leave, args=(g, "/v1/chat/completions", chat(max_tokens=5), "holder", 3.0))
+        holder.start()
+        assert wait_for(lambda: len(engine.state.requests) == 1, 3)  # it holds the only connection
+        _leave(g, "/v1/chat/completions", chat(max_tokens=5), "queued", 0.5)  # leaves while waiting for it
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5), headers={"x-request-id": "waited"})
+        assert (r.status_code, r.json()["error"]["code"]) == (504, "upstream_timeout")
+        holder.join()
+        assert wait_for(lambda: all(len(access(rid)) == 1 for rid in ("holder", "queued", "waited")), 3)
+    finally:
+        g.stop()
+    assert len(engine.state.requests) == 1
+    assert q.settled == {"holder": [11], "queued": [0], "waited": [0]}
+
+
+def test_hostile_usage_numbers_never_lower_the_charge(engine, access):
+    """An engine reporting negative or boolean usage: the admitted prompt and the counted text are
+    charged, and the metrics do not break (a negative counter increment would raise)."""
+    engine.state.stream_chunks = [
+        b'data: {"choices": [{"index": 0, "delta": {"content": "Hello world"}, "finish_reason": "stop"}]}\n\n',
+        b'data: {"choices": [], "usage": {"prompt_tokens": -1000, "completion_tokens": -1000}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    q = LedgerQuotas()
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True), headers={"x-request-id": "neg"})
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            engine.state.stream_chunks[1] = (
+                b'data: {"choices": [], "usage": {"prompt_tokens": true, "completion_tokens": true}}\n\n'
+            )
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True), headers={"x-request-id": "bool"})
+            assert r.status_code == 200
+        assert wait_for(lambda: len(access("bool")) == 1, 3)
+        with g.client() as c:
+            metrics = c.get("/metrics").text
+    finally:
+        g.stop()
+    assert q.settled == {"neg": [11 + 2], "bool": [11 + 2]}
+    assert [(access(r)[0]["status"], access(r)[0]["completion_tokens"]) for r in ("neg", "bool")] == [(200, None)] * 2
+    assert 'kvgate_prompt_tokens_total{tenant="tenant-a"} 22.0' in metrics
+    assert 'kvgate_completion_tokens_total{tenant="tenant-a"}' not in metrics  # nothing usable was reported
