@@ -259,7 +259,7 @@ def suffix_tokens(counter: PromptCounter, body: dict[str, Any]) -> int:
 def _count_now(entry: ModelEntry, body: dict[str, Any], route: str) -> PromptTally:
     """:func:`count_prompt`'s work done synchronously (in a worker thread), prompt text included."""
     counter = entry.counter
-    options = fields.check_request(body, route, entry.engines, entry.config.images)
+    options = fields.check_request(body, route, entry.engines, entry.config.images, counter.special_token_texts)
     try:
         if route == "chat":
             c = counter.count_chat(body["messages"], body.get("tools"), options)
@@ -296,10 +296,11 @@ async def count_prompt(
     heavy = request_cost(body, route, counter.offload_chars) > counter.offload_chars
     if heavy and counter.counts_sync:
         return await asyncio.to_thread(_count_now, entry, body, route)
+    policy = (body, route, entry.engines, entry.config.images, counter.special_token_texts)
     if heavy:
-        options = await asyncio.to_thread(fields.check_request, body, route, entry.engines, entry.config.images)
+        options = await asyncio.to_thread(fields.check_request, *policy)
     else:
-        options = fields.check_request(body, route, entry.engines, entry.config.images)
+        options = fields.check_request(*policy)
     try:
         if route == "chat":
             c = await counter.acount_chat(body["messages"], body.get("tools"), options)

@@ -28,6 +28,7 @@ from config.errors import ErrorCode, OpenAIError, context_length_message
 from config.models import ImagePolicy, TenantConfig
 from gateway.admission import Admission, CompletionBound, ModelEntry, effective_limit
 from gateway.admission import PromptCount as AdmittedPrompt
+from gateway.fields import check_tool_definitions
 from gateway.requests import int_in, num_in
 from tokenizer import PromptCount, TokenizerError
 from tokenizer.chat import string_chars
@@ -316,14 +317,21 @@ def check_image_urls(body: dict[str, Any], policy: ImagePolicy) -> None:
 
 async def count_responses(entry: ModelEntry, body: dict[str, Any]) -> tuple[ResponsesPrompt, int]:
     """``(the prompt as chat, its prompt tokens)``. Raises :class:`OpenAIError` 400 naming the
-    field (``input[2].content[0].type``, ``tools[0].type``) or 502 for an engine tokenizer."""
+    field (``input[2].content[0].type``, ``tools[0].type``; ``tools[0].name`` holding one of the
+    model's special tokens: :func:`gateway.fields.check_tool_definitions`) or 502 for an engine
+    tokenizer."""
     check_image_urls(body, entry.config.images)
     args = (body.get("input"), body.get("instructions"), body.get("tools"))
+
+    def convert() -> ResponsesPrompt:
+        check_tool_definitions(body.get("tools"), entry.counter.special_token_texts, entry.engines)
+        return responses_to_chat(*args)
+
     try:
         if string_chars(args, entry.counter.offload_chars) > entry.counter.offload_chars:
-            prompt = await asyncio.to_thread(responses_to_chat, *args)  # a long input: convert off the loop
+            prompt = await asyncio.to_thread(convert)  # a long input: check and convert off the loop
         else:
-            prompt = responses_to_chat(*args)
+            prompt = convert()
         return prompt, await acount_responses(entry.counter, prompt)
     except TokenizerError as e:
         raise e.to_openai() from None

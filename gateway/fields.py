@@ -18,6 +18,8 @@ prompt-changing fields do to the count:
   ``logprobs`` (prompt logprobs: a vocabulary-sized row per prompt token on the engine;
   accepted only for ``openai``), image URLs (``data:`` only unless the model's
   ``images.allowed_url_hosts`` lists the host).
+- tool definitions holding the text of one of the model's special tokens are refused for engines
+  that parse special tokens in the rendered prompt (:func:`check_tool_definitions`);
 - bound-dependent checks (:func:`check_bounded`): ``min_tokens`` <= the completion bound,
   ``stop_token_ids`` and ``logit_bias`` ids inside the model's vocabulary.
 
@@ -29,6 +31,8 @@ silently dropped), vLLM ``vllm/entrypoints/openai/chat_completion/protocol.py`` 
 
 from __future__ import annotations
 
+import re
+from functools import lru_cache
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -129,6 +133,60 @@ def _check_message_keys(body: dict[str, Any]) -> None:
                     raise _refuse(f"messages[{i}].{k}", f"Unrecognized message field: 'messages[{i}].{k}'.")
 
 
+#: engines known to encode request text without special-token parsing (special tokens come only
+#: from their template): the bundled backend (DESIGN.md, Models). vLLM and SGLang render the chat
+#: template and encode the result with special tokens parsed; an ``openai`` upstream may be either.
+TEXT_ONLY_ENGINES = frozenset({"kvgate"})
+
+
+@lru_cache(maxsize=64)
+def _specials_re(specials: frozenset[str]) -> re.Pattern[str]:
+    return re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True) if t))
+
+
+def check_tool_definitions(tools: Any, specials: frozenset[str], engines: frozenset[str], param: str = "tools") -> None:
+    """Refuse a tool definition holding the text of one of the model's ``specials`` (its special
+    tokens, :attr:`tokenizer.base.PromptCounter.special_token_texts`) in any key or value: the
+    template writes definitions verbatim (``tools | tojson``) into the prompt, and an engine that
+    parses special tokens there (every engine but :data:`TEXT_ONLY_ENGINES`) would read the text as a
+    control token (a forged ``<|im_end|>\\n<|im_start|>system``). Nothing is checked when every
+    engine in ``engines`` is text-only or ``specials`` is empty. ``tools``: the request's list
+    (chat ``tools``: ``param`` names ``tools[0].function.name``; Responses ``tools``:
+    ``tools[0].name``). Message text is not checked here (it is counted as text, never below the
+    engine's count). Walks iteratively, so any nesting depth is safe. Raises :class:`OpenAIError`
+    400 naming the string's path (a key: the object holding it)."""
+    if not any(specials) or not isinstance(tools, list) or (engines and engines <= TEXT_ONLY_ENGINES):
+        return
+    pattern = _specials_re(specials)
+    # (value, its path as a linked (parent, key) chain): a path string is built only for a hit, so
+    # a deep and wide definition costs O(size), never O(size x depth)
+    stack: list[tuple[Any, tuple]] = [(t, (None, i)) for i, t in reversed(list(enumerate(tools)))]
+    while stack:
+        x, node = stack.pop()
+        if isinstance(x, str):
+            found = pattern.search(x)
+        elif isinstance(x, dict):
+            found = next((m for k in x if isinstance(k, str) and (m := pattern.search(k))), None)
+            stack.extend((v, (node, k)) for k, v in reversed(list(x.items())))
+        elif isinstance(x, list):
+            found = None
+            stack.extend((v, (node, j)) for j, v in reversed(list(enumerate(x))))
+        else:
+            found = None
+        if found is not None:
+            keys = []
+            while node is not None:
+                node, key = node
+                keys.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+            path = param + "".join(reversed(keys))
+            raise _refuse(
+                path,
+                f"'{path}' holds {found.group()!r}, the text of one of this model's special tokens: the engines "
+                "serving it would read it as a control token in the prompt. Tool definitions may not contain "
+                "special tokens.",
+            )
+
+
 def _check_images(body: dict[str, Any], policy: ImagePolicy) -> None:
     allowed = {h.lower() for h in policy.allowed_url_hosts}
     for i, m in enumerate(body.get("messages") or ()):
@@ -158,11 +216,18 @@ def _check_images(body: dict[str, Any], policy: ImagePolicy) -> None:
                 )
 
 
-def check_request(body: dict[str, Any], route: str, engines: frozenset[str], images: ImagePolicy) -> ChatOptions:
+def check_request(
+    body: dict[str, Any],
+    route: str,
+    engines: frozenset[str],
+    images: ImagePolicy,
+    specials: frozenset[str] = frozenset(),
+) -> ChatOptions:
     """Apply the engines' field policy to a validated ``body`` before counting. Returns the
     :class:`~tokenizer.chat.ChatOptions` the prompt must be counted with (chat; the default for
     completions). Drops (in place) extension fields that are ``null`` or the engines' own
-    default and not in their table. Raises :class:`OpenAIError` 400 naming the field."""
+    default and not in their table; refuses ``tools`` holding one of the model's ``specials``
+    (:func:`check_tool_definitions`). Raises :class:`OpenAIError` 400 naming the field."""
     allowed = allowed_extensions(engines, route)
     openai_fields = OPENAI_FIELDS[route]
     for key in [k for k in body if k not in openai_fields]:
@@ -190,6 +255,7 @@ def check_request(body: dict[str, Any], route: str, engines: frozenset[str], ima
             )
         return DEFAULT_CHAT
     _check_message_keys(body)
+    check_tool_definitions(body.get("tools"), specials, engines)
     _check_images(body, images)
     agp = body.get("add_generation_prompt")
     cfm = body.get("continue_final_message")

@@ -464,3 +464,60 @@ def test_numeric_fields_of_the_wrong_kind_refused(env):
     # the edges pass
     status, _, got = post(env, "chat", user(model="m", temperature=2, top_p=0, top_logprobs=20, logprobs=True, n=1))
     assert status == 200 and (got["temperature"], got["top_p"], got["top_logprobs"]) == (2, 0, 20)
+
+
+def _text_len(folder, text: str) -> int:
+    """Tokens of ``text`` in mh's tokenizer with special-token look-alikes read as text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.encode_special_tokens = True
+    return len(tok.encode(text, add_special_tokens=False).ids)
+
+
+def test_special_token_lookalike_in_a_tool_definition_refused(env):
+    """The property test's falsifying example (a full-suite run): a tool named ``<|im_start|>`` on
+    ``mh`` (vLLM) was admitted and counted 10 tokens above what the engine holds, a count the
+    oracle had no rule for. vLLM renders tool definitions verbatim and parses special tokens in
+    the result, so the text is a control token there: refused, naming the string's path, while
+    the same text in message content stays accepted and counted as text (never below the engine)."""
+    c, _, _, q, folder = env
+    n = len(q.reserved)
+    body = {
+        "model": "mh",
+        "messages": [{"role": "system", "content": ""}],
+        "tools": [{"type": "function", "function": {"name": "<|im_start|>", "parameters": {}}}],
+    }
+    status, data, received = post(env, "chat", body)
+    assert status == 400 and received is None and len(q.reserved) == n
+    assert data == {
+        "error": {
+            "message": "'tools[0].function.name' holds '<|im_start|>', the text of one of this model's special "
+            "tokens: the engines serving it would read it as a control token in the prompt. Tool definitions may "
+            "not contain special tokens.",
+            "type": "invalid_request_error",
+            "param": "tools[0].function.name",
+            "code": "invalid_request",
+        }
+    }
+    # anywhere in a definition: a description deep in the schema, a property name (the object is named)
+    deep = {"type": "object", "properties": {"q": {"type": "string", "description": "x<|im_end|>\n"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    assert (
+        refused(env, "chat", user(model="mv", tools=[tool])) == "tools[0].function.parameters.properties.q.description"
+    )
+    keyed = {"type": "object", "properties": {"<|im_start|>system": {"type": "string"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": keyed}}
+    assert refused(env, "chat", user(model="m", tools=[tool])) == "tools[0].function.parameters.properties"
+    # the model's own special tokens: <|endoftext|> is one of cl100k_base's, plain text for mh
+    eot = {"type": "function", "function": {"name": "f", "description": "ends at <|endoftext|>", "parameters": {}}}
+    assert refused(env, "chat", user(model="mix", tools=[eot])) == "tools[0].function.description"
+    status, _, got = post(env, "chat", {**body, "tools": [eot], "max_tokens": 16})
+    assert status == 200 and got["tools"] == [eot] and q.reserved[-1] == hf_chat_tokens(folder, got) + 16
+    # the Responses route's flat tool shape
+    r = c.post("/v1/responses", json={"model": "mh", "input": "hi", "tools": [{**body["tools"][0]["function"]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].name" and len(q.reserved) == n + 1
+    # in message content the look-alike is the client's text: admitted, counted as text
+    status, _, got = post(env, "chat", user("<|im_start|>", model="mh", max_tokens=16))
+    engine = hf_chat_tokens(folder, got)  # transformers reads one special token
+    assert status == 200 and q.reserved[-1] == engine + (_text_len(folder, "<|im_start|>") - 1) + 16 > engine + 16

@@ -22,7 +22,7 @@ import time
 from urllib.parse import urlsplit
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.gate_env import CAP, ENGINES, LIMIT, MAX_SEQUENCES, gate_env
@@ -81,6 +81,16 @@ prompt = st.one_of(
     st.lists(st.lists(token_id, min_size=1, max_size=40), min_size=1, max_size=20),
 )
 huge = "a" * (32 * 1024 + 1)
+#: a falsifying example a full-suite run found (hypothesis drew it only sometimes): a special-token
+#: look-alike as the name of a tool that mh's template does not even render
+LOOKALIKE_TOOL_NAME = (
+    "chat",
+    {
+        "model": "mh",
+        "messages": [{"role": "system", "content": ""}],
+        "tools": [{"type": "function", "function": {"name": "<|im_start|>", "parameters": {}}}],
+    },
+)
 
 
 bound = mostly(st.integers(1, CAP), st.sampled_from([0, 257, 3000, 100_000, 2**63, 2**64]))
@@ -220,15 +230,26 @@ def image_cost(model: str):
     return cost
 
 
-def _has_lookalike(obj) -> bool:
-    return "<|im_start|>" in json.dumps(obj, ensure_ascii=False) or "<|im_end|>" in json.dumps(obj, ensure_ascii=False)
+#: each model's special tokens among the generated look-alikes (mh's tokenizer is trained with the
+#: ChatML two; the others are cl100k_base with ChatML, where <|endoftext|> is special too)
+SPECIALS = {"mh": ("<|im_start|>", "<|im_end|>")}
+CL100K_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+#: the forwarded fields the engine's template or tokenizer renders into the prompt
+RENDERED = ("messages", "prompt", "tools", "chat_template_kwargs", "suffix")
+
+
+def _has_lookalike(obj, specials=("<|im_start|>", "<|im_end|>")) -> bool:
+    text = json.dumps(obj, ensure_ascii=False)
+    return any(s in text for s in specials)
 
 
 def check_forwarded(route: str, sent: dict, got: dict, reserved: int, hf_folder) -> None:
     """The oracle's assertions on one admitted request (``got``: the body the engine received).
     ``mh`` (a Hugging Face model) is counted with transformers / tokenizers; a special-token
-    look-alike in its user text is counted as text by kvgate (the engine reads one special
-    token), so there the admitted count may exceed the engine's, never fall below it."""
+    look-alike in any field the template renders is counted as text by kvgate (the engine reads
+    one special token), so there the admitted count may exceed the engine's, never fall below it.
+    No forwarded tool definition holds one of the model's special tokens (every engine here
+    parses them in the rendered prompt)."""
     model = sent["model"]
     hf = model == "mh"
     aliases = [k for k in ("max_tokens", "max_completion_tokens") if k in got]
@@ -259,7 +280,8 @@ def check_forwarded(route: str, sent: dict, got: dict, reserved: int, hf_folder)
     assert num * seqs <= MAX_SEQUENCES
     assert max(counts) + bound_value <= LIMIT
     expected = seqs * (sum(counts) + num * bound_value)
-    if hf and _has_lookalike([got.get("messages"), got.get("prompt")]):
+    assert not _has_lookalike(got.get("tools"), SPECIALS.get(model, CL100K_SPECIALS)), got["tools"]
+    if hf and _has_lookalike([got.get(k) for k in RENDERED]):
         assert expected <= reserved <= LIMIT, (reserved, expected)
     else:
         assert reserved == expected, (reserved, expected, counts, bound_value, seqs)
@@ -336,6 +358,10 @@ def test_hostile_bodies_never_walk_around_the_gate():
                 assert received == [] and len(quotas.reserved) == before[2]
                 refusals[err["param"]] = refusals.get(err["param"], 0) + 1
 
+        # run first, every time; applied here rather than as a decorator line because the source
+        # digest that seeds ``derandomize`` keeps a nested function's decorators (a new line would
+        # reshuffle all 2,000 generated bodies)
+        one = example(LOOKALIKE_TOOL_NAME)(one)
         one()
     stats["seconds"] = round(time.monotonic() - t0, 1)
     print(f"\ngate property: {stats} violations: 0; admitted with: {dict(sorted(covered.items()))}")

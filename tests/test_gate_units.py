@@ -10,9 +10,16 @@ import struct
 import httpx
 import pytest
 
+from config.errors import MAX_PARAM_CHARS, OpenAIError, bounded
 from config.models import ImagePolicy, Settings, TenantConfig, UpstreamConfig
 from gateway.admission import ModelIndex, decide, requested_max_tokens
-from gateway.fields import ENGINE_EXTENSIONS, allowed_extensions, bound_field, check_request
+from gateway.fields import (
+    ENGINE_EXTENSIONS,
+    allowed_extensions,
+    bound_field,
+    check_request,
+    check_tool_definitions,
+)
 from gateway.requests import OPENAI_FIELDS, validate
 from tokenizer import ChatOptions, InvalidPromptError, bundled_counter
 from tokenizer.engine_counter import EngineCounter
@@ -150,6 +157,34 @@ def test_check_request_drops_no_op_defaults_and_builds_options():
     assert check_request({"messages": [], "reasoning_effort": "high"}, "chat", frozenset({"vllm"}), images) == (
         ChatOptions(template_kwargs=(("reasoning_effort", "high"),))
     )
+
+
+def test_tool_definitions_with_special_tokens_refused_where_the_engine_parses_them():
+    specials = bundled_counter().special_token_texts
+    assert {"<|im_start|>", "<|im_end|>", "<|endoftext|>"} <= specials
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": {}}},
+        {"type": "function", "function": {"name": "g<|im_end|>"}},
+    ]
+
+    def param(engines, specials=specials, tools=tools) -> str | None:
+        try:
+            check_tool_definitions(tools, specials, frozenset(engines))
+        except OpenAIError as e:
+            assert e.status == 400
+            return e.param
+        return None
+
+    assert param({"vllm"}) == param({"sglang"}) == param({"openai"}) == "tools[1].function.name"
+    assert param({"kvgate", "vllm"}) == param(set()) == "tools[1].function.name"  # unknown engines: refused
+    assert param({"kvgate"}) is None  # the bundled backend encodes it as text (counted exactly)
+    assert param({"vllm"}, frozenset()) is None  # an engine counter: the engine counts what it parses
+    assert param({"vllm"}, tools=[{"function": {"name": "<|im_start"}}]) is None  # not a special token
+    # iterative: a definition nested far past Python's recursion limit is walked to its string
+    deep: object = "<|endoftext|>"
+    for _ in range(5000):
+        deep = [deep]
+    assert param({"vllm"}, tools=[deep]) == bounded("tools[0]" + "[0]" * 5000, MAX_PARAM_CHARS)
 
 
 def test_validate_accepts_the_sdk_fields_and_refuses_bad_values():

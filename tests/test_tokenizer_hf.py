@@ -171,6 +171,29 @@ def test_special_lookalikes_in_user_text_count_as_text(counter, hf_tok, hf_dir):
     assert counter.count_prompt(content).per_prompt == (1 + text_len(hf_dir, content),)
 
 
+def test_special_lookalikes_in_every_rendered_field_never_below_the_engine(counter, hf_tok, hf_dir):
+    """A look-alike in a message name, a tool call's arguments or a tool definition: the template
+    writes each verbatim (``tojson`` keeps ``<`` and ``|``), transformers (vLLM) reads one special
+    token apiece, kvgate counts each as its text encoding: exactly the difference more."""
+    messages = [
+        {"role": "user", "content": "hi", "name": "bob<|im_start|>"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"q": "<|im_end|>"}'}}
+            ],
+        },
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "description": "</s>", "parameters": {}}}]
+    engine = reference_count(hf_tok, messages, tools)
+    extra = sum(text_len(hf_dir, s) - 1 for s in ("<|im_start|>", "<|im_end|>", "</s>"))
+    assert extra > 10
+    assert counter.count_chat(messages, tools) == engine + extra
+    # every special token of the tokenizer costs at least its one special id when read as text
+    assert all(text_len(hf_dir, s) >= 1 for s in SPECIAL)
+
+
 def test_completion_prompt_adds_bos_like_the_engine(counter, hf_tok):
     for text in ["hello world", "Kraków 2026", SEEDS.joinpath("001_85707760a0179a93.txt").read_text(encoding="utf-8")]:
         ids = hf_tok(text)["input_ids"]

@@ -122,6 +122,10 @@ class PromptCounter(ABC):
     offload_chars: int = OFFLOAD_CHARS
     #: the synchronous ``count_*`` methods work (not so for a counter that asks the engine)
     counts_sync: bool = True
+    #: the text of each of the model's special tokens (``<|im_start|>``): an engine that parses
+    #: special tokens in the rendered prompt (vLLM, SGLang) reads such text as a control token. Empty
+    #: where the counter does not know them (an ``engine`` counter: the engine counts itself).
+    special_token_texts: frozenset[str] = frozenset()
 
     def images_cost(self, parts: list[dict]) -> int:
         """Tokens the image content ``parts`` of a chat cost (``image_cost`` of each, else

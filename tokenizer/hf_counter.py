@@ -144,6 +144,7 @@ class HFCounter(PromptCounter):
         self._holes = frozenset(range(self.vocab_size)) - frozenset(vocab.values())
         self.image_tokens = image_tokens
         specials = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        self.special_token_texts = frozenset(specials)
         #: special token -> extra tokens when read as text (only those costing more than 1)
         self._surcharge: dict[str, int] = {}
         for s in specials:

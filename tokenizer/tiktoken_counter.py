@@ -73,6 +73,7 @@ class TiktokenCounter(PromptCounter):
         self._holes = frozenset(i for i, ok in enumerate(self._mask) if not ok)
         self._parallel = self.encoding._pat_str == get_encoding("cl100k_base")._pat_str
         specials = self.encoding._special_tokens
+        self.special_token_texts = frozenset(specials)
         self.im_start_id = specials.get("<|im_start|>", IM_START_ID)
         self.im_end_id = specials.get("<|im_end|>", IM_END_ID)
         #: ids that end a completion in the bundled backend: ``<|im_end|>`` and ``<|endoftext|>``
