@@ -42,45 +42,27 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from config.models import Settings, TenantConfig
-from verifier.canary import CanaryRegistry, CanaryScanner, find_canaries
-from verifier.drift import check_finish, check_usage
-from verifier.incidents import CHECKS, DROPPED, DROPPED_BYTES, QUARANTINES, Incident, IncidentSink
-from verifier.latency import LatencyModel, cached_tokens_of
+from verifier.canary import CanaryRegistry, CanaryScanner
+from verifier.findings import Evidence, Findings, StoreHealth, StoreSkipped, incident, kvgate_planted, strip_echo
+from verifier.incidents import CHECKS, Incident, IncidentSink
+from verifier.jobs import CheckJob, IngestBudget, IngestJob, JobQueue
+from verifier.latency import LatencyModel
 from verifier.leak_index import LeakIndex, LeakVerdict, MemoryLeakStore, RedisLeakStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
-from verifier.shingles import IncrementalShingler, ShingleHasher, encode, squeeze_runs
+from verifier.shingles import IncrementalShingler, ShingleHasher, encode
 from verifier.stage import Decoder, Exchange, ResponseWithheld
 
 log = logging.getLogger("kvgate.verifier")
 
+#: ``strip_echo`` lives in :mod:`verifier.findings`; it is re-exported here for its callers
+__all__ = ["VerifierService", "strip_echo"]
+
 #: most characters of one response a background guard keeps for its check
 MAX_CHECK_CHARS = 4 * 1024 * 1024
-
-
-class _StoreSkipped(Exception):
-    """The store is in its back-off after an error."""
-
-
-@dataclass
-class _Ingest:
-    tenant: str
-    text: str
-    request_id: str = ""
-    keep_own: bool = False
-
-
-@dataclass
-class _Check:
-    exchange: Exchange
-    texts: list[str]
-    usage: dict[str, Any] | None
-    finish_reason: str | None
-    ttft_seconds: float | None
 
 
 class VerifierService:
@@ -99,6 +81,12 @@ class VerifierService:
     - ``tenant_source``: ``tenant id -> TenantConfig | None`` (the gateway's tenant table, e.g.
       ``TenantRegistry.get``), asked first whether a canary's owner is a honeypot: with several
       gateway workers, the honeypot's own request may have been served by another process.
+
+    The stage API and the strict path live here; the work is done by collaborators with one job
+    each: :attr:`ingest` (admission-time indexing, :class:`verifier.jobs.IngestBudget`),
+    :attr:`jobs` (the background queue, :class:`verifier.jobs.JobQueue`), :attr:`findings`
+    (detectors as incidents, :class:`verifier.findings.Findings`), :attr:`evidence` (incident
+    records and quarantine, :class:`verifier.findings.Evidence`) and the periodic probe.
     """
 
     def __init__(
@@ -156,66 +144,81 @@ class VerifierService:
         self.incidents = IncidentSink(path)
         self.rng = rng or random.Random()
         self.probe_targets = probe_targets
-        self._jobs: collections.deque = collections.deque()
-        self._own_cache: dict[str, set[int]] = {}
+        #: counts for tests, benchmarks and the admin view
+        self.stats: collections.Counter = collections.Counter()
+        #: the service lock: the store, the own-shingle cache and the latency model
         self._lock = threading.Lock()
-        self._wake: asyncio.Event | None = None
-        self._worker: asyncio.Task | None = None
-        self._prober: asyncio.Task | None = None
-        self._quarantine_refresher: asyncio.Task | None = None
+        own_cache: dict[str, set[int]] = {}
+        self.store = StoreHealth(self.stats)
+        self.evidence = Evidence(cfg, self.quarantine, self.incidents, self.stats)
+        probe_tenant = cfg.probe_tenant or "kvgate-probe"
+        self.findings = Findings(
+            cfg,
+            self.index,
+            self.canaries,
+            self.latency,
+            self.store,
+            self.evidence,
+            own_cache,
+            lambda tid: kvgate_planted(tid, self.tenant_source, self.tenants, probe_tenant),
+        )
+        self.ingest = IngestBudget(cfg, self.hasher, self.index, self.canaries, self.store, self._lock, self.stats)
+        self.jobs = JobQueue(cfg, self.findings, self._lock, own_cache, self.stats)
+        #: the queued jobs (read by :meth:`drain` and tests)
+        self._jobs = self.jobs.jobs
+        #: admission's indexing step, called in a thread of its own (an attribute, so a test can
+        #: slow it down)
+        self._admit_ingest = self.ingest.index_prompt
+        self._tasks: list[asyncio.Task] = []
         self._strict_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
-        #: after a store error, skip the store until this monotonic time (a down Redis must not
-        #: cost every request a timeout)
-        self._store_down_until = 0.0
-        #: prompt bytes reserved by admission-time ingests not yet finished
-        self._ingest_pending_bytes = 0
-        self._ingest_budget_lock = threading.Lock()
-        self._tenant_ingest: dict[str, asyncio.Semaphore] = {}
-        #: counts for tests, benchmarks and the admin view
-        self.stats = collections.Counter()
+
+    @property
+    def _ingest_pending_bytes(self) -> int:
+        """Prompt bytes reserved by admission-time ingests not yet finished (tests read it)."""
+        return self.ingest.pending_bytes
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         """Start the background worker (and the periodic probe when configured). Needs a running
         event loop; :meth:`begin` calls it lazily."""
-        if self._worker is not None or self._closed:
+        if self._tasks or self._closed:
             return
         loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        self._worker = loop.create_task(self._work(), name="kvgate-verifier")
+        self.jobs.wake = asyncio.Event()
+        self._tasks.append(loop.create_task(self.jobs.work(), name="kvgate-verifier"))
         self.quarantine.refresh()  # once at start-up; from now on only the refresher reads the store
         self.quarantine.inline_refresh = False
-        self._quarantine_refresher = loop.create_task(self.quarantine.refresh_loop(), name="kvgate-verifier-quarantine")
+        self._tasks.append(loop.create_task(self.quarantine.refresh_loop(), name="kvgate-verifier-quarantine"))
         if self.cfg.probe_interval_seconds:
-            self._prober = loop.create_task(self._probe_loop(), name="kvgate-verifier-probe")
+            prober = _Prober(self)
+            self._tasks.append(loop.create_task(prober.loop(), name="kvgate-verifier-probe"))
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Wait until every queued job has been processed (tests, shutdown)."""
         deadline = time.monotonic() + timeout
         while self._jobs or self.stats["in_flight"]:
-            if self._wake is not None:
-                self._wake.set()
+            if self.jobs.wake is not None:
+                self.jobs.wake.set()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"verifier queue not drained: {len(self._jobs)} jobs left")
             await asyncio.sleep(0.005)
 
     async def aclose(self) -> None:
         """Finish queued work (bounded by the gateway's drain) and stop the tasks."""
-        if self._worker is not None:
+        if self._tasks:
             try:
                 await self.drain(timeout=5.0)
             except TimeoutError:
                 log.warning("verifier: %d jobs dropped at shutdown", len(self._jobs))
         self._closed = True
-        for task in (self._worker, self._prober, self._quarantine_refresher):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception):
-                    pass
-        self._worker = self._prober = self._quarantine_refresher = None
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
         pool, self._strict_pool = self._strict_pool, None
         if pool is not None:
             pool.shutdown(wait=False)
@@ -283,57 +286,16 @@ class VerifierService:
         exchange.admitted = True
         text = exchange.prompt_text
         nbytes = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
-        with self._ingest_budget_lock:
-            if self._ingest_pending_bytes + nbytes > self.cfg.max_pending_ingest_bytes:
-                DROPPED.labels("ingest_bytes").inc()
-                DROPPED_BYTES.inc(nbytes)
-                self.stats["ingest_dropped"] += 1
-                self.stats["ingest_dropped_bytes"] += nbytes
-                return
-            self._ingest_pending_bytes += nbytes
+        if not self.ingest.reserve(nbytes):
+            return
         started = False
         try:
-            sem = self._tenant_ingest.get(tenant.id)
-            if sem is None:
-                sem = self._tenant_ingest[tenant.id] = asyncio.Semaphore(self.cfg.ingest_concurrency_per_tenant)
-            async with sem:
+            async with self.ingest.semaphore(tenant.id):
                 started = True
                 await _in_own_thread(self._admit_ingest, exchange, text, nbytes)
         finally:
             if not started:
-                self._release_ingest(nbytes)
-
-    def _release_ingest(self, nbytes: int) -> None:
-        with self._ingest_budget_lock:
-            self._ingest_pending_bytes -= nbytes
-
-    def _admit_ingest(self, exchange: Exchange, text: str, nbytes: int) -> None:
-        """:meth:`admit`'s thread: the CPU work runs without the service lock; only the store
-        calls take it. Between its steps the thread yields the GIL (``time.sleep(0)``), so a
-        huge prompt never makes another request's threads wait out the interpreter's switch
-        interval."""
-        try:
-            text = squeeze_runs(text)  # a canary holds no run that squeezing shortens
-            time.sleep(0)
-            cans = find_canaries(text)
-            ids = encode(text, squeezed=True)
-            time.sleep(0)
-            fps = self.hasher.fingerprints(ids, self.index.w)
-            time.sleep(0)
-            if exchange.sampled:
-                exchange.own_shingles = set(self.hasher.fast(ids).tolist())
-            with self._lock:
-                if self._store_up():
-                    try:
-                        self.index.store.add(exchange.tenant.id, fps)
-                        if cans:
-                            self.canaries.register(exchange.tenant.id, cans)
-                    except Exception as e:
-                        self.stats["errors"] += 1
-                        self._store_error(e)
-                self.stats["ingested"] += 1
-        finally:
-            self._release_ingest(nbytes)
+                self.ingest.release(nbytes)
 
     def begin(self, exchange: Exchange) -> "_BackgroundGuard | _StrictGuard | None":
         """A guard when sampled or strict (see the module doc). An exchange that did not pass
@@ -348,7 +310,7 @@ class VerifierService:
         self.tenants[tenant.id] = tenant  # honeypot flags come with the exchanges
         sampled = self._decide_sampled(exchange)
         if not exchange.admitted:
-            self._enqueue(_Ingest(tenant.id, exchange.prompt_text, exchange.internal_id, sampled))
+            self.jobs.enqueue(IngestJob(tenant.id, exchange.prompt_text, exchange.internal_id, sampled))
         if tenant.strict_verify:
             return _StrictGuard(self, exchange)
         if sampled:
@@ -359,309 +321,8 @@ class VerifierService:
         """Whether ``upstream`` is quarantined for prompts of this length."""
         return self.quarantine.is_quarantined(upstream, prompt_tokens)
 
-    # ------------------------------------------------------------------ queue
-    def _enqueue(self, job: _Ingest | _Check) -> bool:
-        if len(self._jobs) >= self.cfg.queue_size:
-            DROPPED.labels("queue_full").inc()
-            self.stats["dropped"] += 1
-            return False
-        self._jobs.append(job)
-        if self._wake is not None:
-            self._wake.set()
-        return True
-
-    async def _work(self) -> None:
-        assert self._wake is not None
-        while True:
-            if not self._jobs:
-                self._wake.clear()
-                await self._wake.wait()
-            self.stats["in_flight"] += 1
-            try:
-                await asyncio.to_thread(self._run_some, 32)
-            except Exception:  # never let the worker die
-                log.exception("verifier worker error")
-            finally:
-                self.stats["in_flight"] -= 1
-
-    def _run_some(self, n: int) -> None:
-        for _ in range(n):
-            with self._lock:
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-                self._run_job(job)
-
-    def _drain_ingests_locked(self, exchange: Exchange) -> None:
-        """For an exchange that skipped :meth:`admit` only: process queued prompt ingests now (a
-        strict check must see every earlier prompt). An admitted exchange never does this other
-        tenants' work: every prompt forwarded through :meth:`admit` was indexed before it left.
-        Caller holds the lock; checks stay queued, in order, ahead of anything appended meanwhile."""
-        if exchange.admitted or not any(isinstance(j, _Ingest) for j in list(self._jobs)):
-            return
-        keep: list[_Check] = []
-        for _ in range(len(self._jobs)):  # the jobs queued now; later appends stay queued
-            job = self._jobs.popleft()
-            if isinstance(job, _Ingest):
-                self._run_job(job)
-            else:
-                keep.append(job)
-        # only the left end is touched here and only the right end by appends: no lost job
-        self._jobs.extendleft(reversed(keep))
-
-    def _run_job(self, job: _Ingest | _Check) -> None:
-        try:
-            if isinstance(job, _Ingest):
-                if not self._store_up():
-                    return
-                self._ingest(job)
-            else:
-                self._check_whole(job)
-        except Exception as e:  # a store error must not kill the worker
-            self.stats["errors"] += 1
-            self._store_error(e)
-
-    # ------------------------------------------------------------------ detectors
-    def _ingest(self, job: _Ingest) -> None:
-        _, own = self.index.ingest(job.tenant, job.text, keep_own=job.keep_own)
-        if own is not None:
-            self._own_cache[job.request_id] = own  # keyed by the exchange's internal id
-            while len(self._own_cache) > self.cfg.queue_size:  # guards that never finished
-                self._own_cache.pop(next(iter(self._own_cache)))
-        cans = find_canaries(job.text)
-        if cans:
-            self.canaries.register(job.tenant, cans)
-        self.stats["ingested"] += 1
-
-    def _own_locked(self, exchange: Exchange) -> set[int]:
-        """The own-prompt shingle set of a checked exchange (computed at admission or ingest;
-        else now, on this exchange's own time). Caller holds the lock."""
-        if exchange.own_shingles is not None:
-            return exchange.own_shingles
-        own = self._own_cache.pop(exchange.internal_id, None)
-        if own is None:
-            own = self.index.own_shingles(exchange.prompt_text)
-        exchange.own_shingles = own
-        return own
-
-    def _kvgate_planted(self, tenant_id: str) -> bool:
-        """Canaries of this tenant were planted by kvgate itself: a honeypot or the probe tenant."""
-        t = self.tenant_source(tenant_id) if self.tenant_source is not None else None
-        if t is None:
-            t = self.tenants.get(tenant_id)
-        return (t is not None and t.honeypot) or tenant_id == (self.cfg.probe_tenant or "kvgate-probe")
-
-    def _canary_findings(self, exchange: Exchange, canaries: list[str]) -> list[Incident]:
-        """Incidents for canaries found in a response that its own prompt does not hold."""
-        own = set(find_canaries(exchange.prompt_text))
-        cans = [c for c in canaries if c not in own]
-        if not cans:
-            return []
-        matches = self.canaries.lookup(cans)
-        foreign = [m for m in matches if m.owners and exchange.tenant.id not in m.owners and len(m.owners) == 1]
-        unknown = [m for m in matches if not m.owners]
-        if not foreign and not unknown:
-            return []
-        sources = sorted({o for m in foreign for o in m.owners})
-        honeypot = any(self._kvgate_planted(s) for s in sources)
-        ev = {
-            "canaries": len(foreign) + len(unknown),
-            "known_origin": len(foreign),
-            "source_tenants": sources[:8],
-            "honeypot": honeypot,
-            "canary_hashes": [m.fingerprint for m in (foreign + unknown)[:8]],
-        }
-        return [self._incident("canary", exchange, ev, confirmed=bool(foreign))]
-
-    #: seconds the store is skipped after an error
-    STORE_BACKOFF_SECONDS = 5.0
-
-    def _store_error(self, e: Exception) -> None:
-        """A leak-index or canary-registry call failed (Redis down): counted, logged, and the
-        store is skipped for :attr:`STORE_BACKOFF_SECONDS`."""
-        DROPPED.labels("store_error").inc()
-        self.stats["store_errors"] += 1
-        self._store_down_until = time.monotonic() + self.STORE_BACKOFF_SECONDS
-        log.warning(
-            "verifier: leak-index store error, checks skip the store for %.0f s: %s", self.STORE_BACKOFF_SECONDS, e
-        )
-
-    def _store_up(self) -> bool:
-        if time.monotonic() < self._store_down_until:
-            DROPPED.labels("store_down").inc()
-            self.stats["store_skipped"] += 1
-            return False
-        return True
-
-    def _leak_finding(self, exchange: Exchange, verdict: LeakVerdict) -> Incident | None:
-        if verdict.foreign < self.cfg.leak_min_shingles:
-            return None
-        ev = {
-            "shingles_checked": verdict.checked,
-            "shingles_own": verdict.own,
-            "shingles_public": verdict.public,
-            "shingles_foreign": verdict.foreign,
-            "source_tenant": verdict.source_tenant,
-            "evidence_hashes": verdict.evidence_hashes,
-        }
-        return self._incident("leak_index", exchange, ev, confirmed=verdict.foreign >= self.cfg.leak_confirm_shingles)
-
-    def _incident(self, detector: str, exchange: Exchange, evidence: dict, confirmed: bool = False) -> Incident:
-        ev = {"request_id": exchange.request_id, "prompt_tokens": exchange.prompt_tokens, **evidence}
-        if exchange.echo:
-            ev["echo"] = True
-        if not exchange.own_text_complete:
-            ev["own_text_complete"] = False
-        return Incident(detector, exchange.tenant.id, exchange.upstream, exchange.request_id, ev, confirmed)
-
-    def _oversize(self, exchange: Exchange, text_bytes: int) -> Incident:
-        return self._incident(
-            "oversize", exchange, {"text_bytes": text_bytes, "max_text_bytes": self.cfg.strict_max_text_bytes}
-        )
-
-    def _latency_incident(self, exchange: Exchange, ttft_seconds: float, lv, cached: int | None) -> Incident:
-        return self._incident(
-            "latency",
-            exchange,
-            {
-                "ttft_ms": round(ttft_seconds * 1000, 3),
-                "bound_ms": round(lv.bound_seconds * 1000, 3),
-                "length_bucket": lv.bucket,
-                "cached_tokens": cached,
-                "prefilled_tokens": LatencyModel.prefilled_tokens(exchange.prompt_tokens, cached),
-            },
-        )
-
-    def _tail_findings(
-        self, exchange: Exchange, usage, finish_reason, ttft_seconds, strict: bool = False
-    ) -> tuple[list[Incident], list[Incident]]:
-        """``(withholding, reported)``: drift and abort findings are reported; a latency anomaly
-        withholds a strict response only when the engine said how many prompt tokens it served
-        from its prefix cache (otherwise a cache hit cannot be told from a leak: reported)."""
-        out = []
-        d = check_usage(exchange.prompt_tokens, usage, self.cfg.usage_drift_tolerance_tokens)
-        if d:
-            out.append(self._incident(d.detector, exchange, d.evidence))
-        f = check_finish(finish_reason)
-        if f:
-            out.append(self._incident(f.detector, exchange, f.evidence))
-        cached = cached_tokens_of(usage)
-        lv = self.latency.observe(
-            exchange.upstream,
-            exchange.prompt_tokens,
-            ttft_seconds,
-            "stream" if exchange.stream else "whole",
-            model=exchange.model,
-            tenant=exchange.tenant.id,
-            cached_tokens=cached,
-        )
-        withhold = []
-        if lv.anomaly:
-            inc = self._latency_incident(exchange, ttft_seconds, lv, cached)
-            (withhold if strict and lv.cached_known else out).append(inc)
-        return withhold, out
-
-    def _quarantine_basis(self, inc: Incident, exchange: Exchange | None) -> str | None:
-        """Why ``inc`` quarantines its upstream (DESIGN.md step 8), or ``None``: ``probe`` or
-        ``kvgate_canary`` (a canary kvgate planted), ``two_sources`` (evidence from a second
-        distinct source tenant within ``quarantine_window_seconds``). Evidence from an echo or
-        from an exchange whose own text is not fully known never counts."""
-        if not inc.confirmed:
-            return None
-        if inc.detector == "probe":
-            return "probe"
-        if inc.detector == "canary" and inc.evidence.get("honeypot"):
-            return "kvgate_canary"
-        if exchange is not None and (exchange.echo or not exchange.own_text_complete):
-            return None
-        if inc.detector == "canary":
-            sources = list(inc.evidence.get("source_tenants") or ())
-        elif inc.detector == "leak_index":
-            src = inc.evidence.get("source_tenant")
-            sources = [src] if src else []
-        else:
-            return None
-        n = 0
-        for src in sources:
-            try:
-                n = self.quarantine.add_evidence(inc.upstream, src, self.cfg.quarantine_window_seconds)
-            except Exception as e:
-                log.error("verifier: could not record quarantine evidence for %s: %s", inc.upstream, e)
-                return None
-        return "two_sources" if n >= 2 else None
-
-    def _record(self, incidents: list[Incident], withheld: bool = False, exchange: Exchange | None = None) -> None:
-        for inc in incidents:
-            inc.withheld = withheld
-            basis = self._quarantine_basis(inc, exchange)
-            if inc.confirmed:
-                inc.evidence["quarantine"] = basis
-            self.incidents.emit(inc)
-            self.stats[f"incident_{inc.detector}"] += 1
-            if basis is not None:
-                self._quarantine(inc, basis)
-
-    def _quarantine(self, inc: Incident, basis: str) -> None:
-        if inc.upstream in self.quarantine.records():
-            return
-        try:
-            self.quarantine.put(inc.upstream, inc.id, inc.detector, self.cfg.quarantine_min_prompt_tokens)
-        except Exception as e:
-            log.error("verifier: could not store quarantine of %s: %s", inc.upstream, e)
-            return
-        QUARANTINES.labels(inc.upstream).inc()
-        log.error(
-            "verifier: upstream %s quarantined for prompts above %d tokens (incident %s, %s)",
-            inc.upstream,
-            self.cfg.quarantine_min_prompt_tokens,
-            inc.id,
-            basis,
-        )
-
-    def _content_findings_locked(self, ex: Exchange, texts: Sequence[str]) -> list[Incident]:
-        """Canary and leak-index incidents for whole texts (each checked on its own; the echoed
-        prompt at the start of each is skipped). Caller holds the lock."""
-        found: list[Incident] = []
-        try:
-            if not self._store_up():
-                raise _StoreSkipped
-            texts = [strip_echo(t, ex.echo_prompts) if ex.echo else t for t in texts]
-            cans = list(dict.fromkeys(c for t in texts for c in find_canaries(t)))
-            found += self._canary_findings(ex, cans)
-            own = self._own_locked(ex)
-            verdict, seen = LeakVerdict(), set()
-            for t in texts:
-                verdict.merge(self.index.check_ids(ex.tenant.id, encode(t), own, seen))
-            leak = self._leak_finding(ex, verdict)
-            if leak:
-                found.append(leak)
-        except _StoreSkipped:
-            pass
-        except Exception as e:  # the store is down: the other detectors still run
-            self._store_error(e)
-        return found
-
-    def _check_whole(self, job: _Check) -> list[Incident]:
-        """Run every detector on a whole response (background or strict non-streamed). Returns
-        the incidents that withhold a strict response: content findings (canary, leak index),
-        an oversize text, and a latency anomaly whose cached-token count is known."""
-        ex = job.exchange
-        strict = ex.tenant.strict_verify
-        CHECKS.labels(ex.upstream, "strict" if strict else "sampled").inc()
-        self.stats["checked"] += 1
-        if strict:
-            nbytes = sum(len(t.encode("utf-8", "replace")) for t in job.texts)
-            if nbytes > self.cfg.strict_max_text_bytes:
-                inc = self._oversize(ex, nbytes)
-                self._record([inc], withheld=True, exchange=ex)
-                return [inc]
-        content = self._content_findings_locked(ex, job.texts)
-        withhold, tail = self._tail_findings(ex, job.usage, job.finish_reason, job.ttft_seconds, strict)
-        content += withhold
-        self._record(content, withheld=strict, exchange=ex)
-        self._record(tail, exchange=ex)
-        return content
-
+    # ------------------------------------------------------------------ strict path
+    # used by the strict guard, in the strict thread pool (these block: lock, store, hashing)
     def latency_precheck(self, exchange: Exchange, ttft_seconds: float) -> Incident | None:
         """A strict stream's first text arrived ``ttft_seconds`` after the request: an incident
         (not recorded) when that is below the calibrated bound for the whole prompt; calibration
@@ -673,15 +334,14 @@ class VerifierService:
             )
         if not lv.anomaly:
             return None
-        return self._latency_incident(exchange, ttft_seconds, lv, None)
+        return self.findings.latency_incident(exchange, ttft_seconds, lv, None)
 
-    # used by the strict guard, in the strict thread pool (these block: lock, store, hashing)
-    def strict_check_body(self, job: _Check) -> list[Incident]:
+    def strict_check_body(self, job: CheckJob) -> list[Incident]:
         """A strict non-streamed body, checked whole: the incidents that withhold it (recorded).
         Blocking; run it via :meth:`run_strict`."""
         with self._lock:
-            self._drain_ingests_locked(job.exchange)
-            return self._check_whole(job)
+            self.jobs.drain_ingests_locked(job.exchange)
+            return self.findings.check_whole_locked(job, self.stats)
 
     def strict_check_piece(
         self, guard: "_StrictGuard", canaries: list[str], ids_list: list[list[int]]
@@ -690,47 +350,57 @@ class VerifierService:
         token ids whose shingles are new. Returns content incidents (not yet recorded) once the
         evidence so far reaches the withhold threshold. Blocking; run it via :meth:`run_strict`."""
         exchange = guard.exchange
+        f = self.findings
         with self._lock:
-            self._drain_ingests_locked(exchange)
-            own = self._own_locked(exchange)
+            self.jobs.drain_ingests_locked(exchange)
+            own = f.own_locked(exchange)
             found: list[Incident] = []
             try:
-                if (canaries or any(ids_list)) and not self._store_up():
-                    raise _StoreSkipped
+                if (canaries or any(ids_list)) and not self.store.up():
+                    raise StoreSkipped
                 if canaries:
-                    found += self._canary_findings(exchange, canaries)
+                    found += f.canary(exchange, canaries)
                 for ids in ids_list:
                     if ids:
                         guard.verdict.merge(self.index.check_ids(exchange.tenant.id, ids, own, guard.seen))
-            except _StoreSkipped:
+            except StoreSkipped:
                 pass
             except Exception as e:  # the store is down: fail open (counted), latency still applies
-                self._store_error(e)
-        leak = self._leak_finding(exchange, guard.verdict)
+                self.store.error(e)
+        leak = f.leak(exchange, guard.verdict)
         if leak:
             found.append(leak)
         return found
 
-    # ------------------------------------------------------------------ periodic probe
-    async def _probe_loop(self) -> None:
+
+class _Prober:
+    """The periodic probe (``verifier.probe_interval_seconds``): plants the probe tenant's
+    canaries through each target and records a confirmed ``probe`` incident for each leak."""
+
+    def __init__(self, service: VerifierService) -> None:
+        self.service = service
+        self.tenant_id = service.cfg.probe_tenant or "kvgate-probe"
+
+    async def loop(self) -> None:
+        """Run the probe every interval, forever (the service cancels it)."""
         from verifier.probe import run_probe_targets, targets_from_settings
 
-        interval = float(self.cfg.probe_interval_seconds or 0)
-        tenant_id = self.cfg.probe_tenant or "kvgate-probe"
+        svc = self.service
+        interval = float(svc.cfg.probe_interval_seconds or 0)
         while True:
             await asyncio.sleep(interval)
             try:
-                targets = self.probe_targets or targets_from_settings(self.settings)
-                results = await run_probe_targets(targets, register=lambda cans: self._register_probe(tenant_id, cans))
+                targets = svc.probe_targets or targets_from_settings(svc.settings)
+                results = await run_probe_targets(targets, register=self.register)
             except Exception as e:
                 log.warning("verifier probe failed to run: %s", e)
                 continue
             for target, result in results:
-                self.stats["probes"] += 1
+                svc.stats["probes"] += 1
                 if result.outcome == "leak":
                     ex = Exchange(
                         f"probe-{int(time.time())}",
-                        TenantConfig(id=tenant_id, honeypot=True),
+                        TenantConfig(id=self.tenant_id, honeypot=True),
                         target.upstream,
                         target.model,
                         "/v1/completions",
@@ -739,17 +409,18 @@ class VerifierService:
                         False,
                         time.monotonic(),
                     )
-                    inc = self._incident(
+                    inc = incident(
                         "probe",
                         ex,
                         {"surfaced_canaries": result.surfaced, "limit_tokens": result.limit or 0},
                         confirmed=True,
                     )
-                    self._record([inc])
+                    svc.evidence.record([inc])
 
-    def _register_probe(self, tenant_id: str, canaries: list[str]) -> None:
-        with self._lock:
-            self.canaries.register(tenant_id, canaries)
+    def register(self, canaries: list[str]) -> None:
+        """Register the probe's canaries as the probe tenant's."""
+        with self.service._lock:
+            self.service.canaries.register(self.tenant_id, canaries)
 
 
 #: threads for admission ingests (started on demand, then reused); more ingests than this at once queue
@@ -794,20 +465,6 @@ async def _in_own_thread(fn, /, *args):
 
     _admit_executor().submit(run)
     return await fut
-
-
-def strip_echo(text: str, prompts: Sequence[str]) -> str:
-    """``text`` without the echoed prompt it starts with (``echo: true``): the longest of
-    ``prompts`` that ``text`` starts with is cut off. A prompt decoded from token ids that end
-    inside a UTF-8 character ends in U+FFFD, while the engine's echo shows the whole character
-    (completed by the first generated token): the trailing U+FFFD run matches any one character."""
-    best = 0
-    for p in prompts:
-        core = p.rstrip("\ufffd")
-        if core and text.startswith(core):
-            end = len(core) + (1 if len(core) < len(p) else 0)
-            best = max(best, min(end, len(text)))
-    return text[best:]
 
 
 class _EchoStrip:
@@ -944,7 +601,7 @@ class _BackgroundGuard:
         self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
     ) -> list[bytes]:
         texts = ["".join(p) for p in self._parts.values()]
-        self.service._enqueue(_Check(self.exchange, texts, usage, finish_reason, ttft_seconds))
+        self.service.jobs.enqueue(CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds))
         return []
 
     async def check_body(
@@ -960,7 +617,7 @@ class _BackgroundGuard:
             if room > 0 and t:
                 texts.append(t[:room])
                 room -= len(texts[-1])
-        self.service._enqueue(_Check(self.exchange, texts, usage, finish_reason, ttft_seconds))
+        self.service.jobs.enqueue(CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds))
 
 
 class _StrictGuard:
@@ -993,7 +650,7 @@ class _StrictGuard:
         if self._suspect is not None and all(i.detector != "latency" for i in found):
             found = [*found, self._suspect]  # the first token was too fast as well: say so
         self._suspect = None
-        self.service._record(found, withheld=True, exchange=self.exchange)
+        self.service.evidence.record(found, withheld=True, exchange=self.exchange)
         self.service.stats["withheld"] += 1
         self._held.clear()
         self._cut = ResponseWithheld(found[0].id, found[0].detector)
@@ -1038,7 +695,7 @@ class _StrictGuard:
         """:meth:`feed`'s blocking part (strict pool thread): count, pre-check, check, release."""
         self._text_bytes += sum(len(t.encode("utf-8", "replace")) for _, t in pieces)
         if self._text_bytes > self.service.cfg.strict_max_text_bytes:
-            self._withhold([self.service._oversize(self.exchange, self._text_bytes)])
+            self._withhold([self.service.findings.oversize(self.exchange, self._text_bytes)])
         if not self._first_text_seen:
             self._first_text_seen = True
             self._suspect = self.service.latency_precheck(self.exchange, now - self.exchange.started_monotonic)
@@ -1082,8 +739,8 @@ class _StrictGuard:
         if found:
             self._withhold(found)
         with svc._lock:
-            withhold, tail = svc._tail_findings(self.exchange, usage, finish_reason, ttft_seconds, strict=True)
-        svc._record(tail, exchange=self.exchange)
+            withhold, tail = svc.findings.tail(self.exchange, usage, finish_reason, ttft_seconds, strict=True)
+        svc.evidence.record(tail, exchange=self.exchange)
         if withhold:
             self._withhold(withhold)
         out = [raw for raw, _ in self._held]
@@ -1100,7 +757,7 @@ class _StrictGuard:
     ) -> None:
         texts = [text] if isinstance(text, str) else [t for t in text if t]
         found = await self.service.run_strict(
-            self.service.strict_check_body, _Check(self.exchange, texts, usage, finish_reason, ttft_seconds)
+            self.service.strict_check_body, CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds)
         )
         if found:
             self.service.stats["withheld"] += 1

@@ -1,0 +1,361 @@
+"""Detector results as incidents, and what an incident does (DESIGN.md step 8).
+
+Collaborators of :class:`verifier.service.VerifierService`, one job each:
+
+- :class:`StoreHealth`: whether the leak-index/canary store may be called now (after an error
+  it is skipped for :attr:`StoreHealth.BACKOFF_SECONDS`, so a down Redis does not cost every
+  request a timeout).
+- :class:`Findings`: runs the detectors (canary scan, leak index, usage drift, ``finish_reason``,
+  TTFT bound, strict size cap) on an exchange's texts and builds :class:`Incident` records.
+- :class:`Evidence`: records incidents and decides quarantine from evidence no tenant can plant.
+
+The methods whose names end in ``_locked`` expect the caller to hold the service lock (the store
+and the own-shingle cache are shared with the background worker).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from config.models import TenantConfig, VerifierSettings
+from verifier.canary import CanaryRegistry, find_canaries
+from verifier.drift import check_finish, check_usage
+from verifier.incidents import CHECKS, DROPPED, QUARANTINES, Incident, IncidentSink
+from verifier.latency import LatencyModel, cached_tokens_of
+from verifier.leak_index import LeakIndex, LeakVerdict
+from verifier.quarantine import Quarantine
+from verifier.shingles import encode
+from verifier.stage import Exchange
+
+log = logging.getLogger("kvgate.verifier")
+
+
+@dataclass
+class CheckJob:
+    """A whole response to check: its texts (one per text stream) and the engine's tail."""
+
+    exchange: Exchange
+    texts: list[str]
+    usage: dict[str, Any] | None
+    finish_reason: str | None
+    ttft_seconds: float | None
+
+
+class StoreSkipped(Exception):
+    """The store is in its back-off after an error."""
+
+
+class StoreHealth:
+    """Back-off of the leak-index and canary store after an error. ``stats``: the service's
+    counters (``store_errors``, ``store_skipped``)."""
+
+    #: seconds the store is skipped after an error
+    BACKOFF_SECONDS = 5.0
+
+    def __init__(self, stats: collections.Counter) -> None:
+        self.stats = stats
+        #: monotonic time until which the store is skipped
+        self.down_until = 0.0
+
+    def error(self, e: Exception) -> None:
+        """A leak-index or canary-registry call failed (Redis down): counted, logged, and the
+        store is skipped for :attr:`BACKOFF_SECONDS`."""
+        DROPPED.labels("store_error").inc()
+        self.stats["store_errors"] += 1
+        self.down_until = time.monotonic() + self.BACKOFF_SECONDS
+        log.warning("verifier: leak-index store error, checks skip the store for %.0f s: %s", self.BACKOFF_SECONDS, e)
+
+    def up(self) -> bool:
+        """Whether the store may be called now (a skip is counted: ``store_down``)."""
+        if time.monotonic() < self.down_until:
+            DROPPED.labels("store_down").inc()
+            self.stats["store_skipped"] += 1
+            return False
+        return True
+
+
+class Evidence:
+    """Records incidents (:class:`IncidentSink`) and quarantines their upstream when the evidence
+    is of a kind no tenant can plant: a probe, a canary kvgate planted, or a second distinct
+    source tenant within ``quarantine_window_seconds``."""
+
+    def __init__(
+        self, cfg: VerifierSettings, quarantine: Quarantine, incidents: IncidentSink, stats: collections.Counter
+    ) -> None:
+        self.cfg = cfg
+        self.quarantine = quarantine
+        self.incidents = incidents
+        self.stats = stats
+
+    def basis(self, inc: Incident, exchange: Exchange | None) -> str | None:
+        """Why ``inc`` quarantines its upstream (DESIGN.md step 8), or ``None``: ``probe`` or
+        ``kvgate_canary`` (a canary kvgate planted), ``two_sources`` (evidence from a second
+        distinct source tenant within ``quarantine_window_seconds``). Evidence from an echo or
+        from an exchange whose own text is not fully known never counts."""
+        if not inc.confirmed:
+            return None
+        if inc.detector == "probe":
+            return "probe"
+        if inc.detector == "canary" and inc.evidence.get("honeypot"):
+            return "kvgate_canary"
+        if exchange is not None and (exchange.echo or not exchange.own_text_complete):
+            return None
+        if inc.detector == "canary":
+            sources = list(inc.evidence.get("source_tenants") or ())
+        elif inc.detector == "leak_index":
+            src = inc.evidence.get("source_tenant")
+            sources = [src] if src else []
+        else:
+            return None
+        n = 0
+        for src in sources:
+            try:
+                n = self.quarantine.add_evidence(inc.upstream, src, self.cfg.quarantine_window_seconds)
+            except Exception as e:
+                log.error("verifier: could not record quarantine evidence for %s: %s", inc.upstream, e)
+                return None
+        return "two_sources" if n >= 2 else None
+
+    def record(self, incidents: list[Incident], withheld: bool = False, exchange: Exchange | None = None) -> None:
+        """Emit each incident (``withheld`` set on it), counted per detector; quarantine its
+        upstream when :meth:`basis` says so."""
+        for inc in incidents:
+            inc.withheld = withheld
+            basis = self.basis(inc, exchange)
+            if inc.confirmed:
+                inc.evidence["quarantine"] = basis
+            self.incidents.emit(inc)
+            self.stats[f"incident_{inc.detector}"] += 1
+            if basis is not None:
+                self._quarantine(inc, basis)
+
+    def _quarantine(self, inc: Incident, basis: str) -> None:
+        if inc.upstream in self.quarantine.records():
+            return
+        try:
+            self.quarantine.put(inc.upstream, inc.id, inc.detector, self.cfg.quarantine_min_prompt_tokens)
+        except Exception as e:
+            log.error("verifier: could not store quarantine of %s: %s", inc.upstream, e)
+            return
+        QUARANTINES.labels(inc.upstream).inc()
+        log.error(
+            "verifier: upstream %s quarantined for prompts above %d tokens (incident %s, %s)",
+            inc.upstream,
+            self.cfg.quarantine_min_prompt_tokens,
+            inc.id,
+            basis,
+        )
+
+
+def incident(detector: str, exchange: Exchange, evidence: dict, confirmed: bool = False) -> Incident:
+    """An :class:`Incident` of ``detector`` for ``exchange``: ``evidence`` plus the request id,
+    the prompt's token count and, when they apply, ``echo: true`` and ``own_text_complete: false``."""
+    ev = {"request_id": exchange.request_id, "prompt_tokens": exchange.prompt_tokens, **evidence}
+    if exchange.echo:
+        ev["echo"] = True
+    if not exchange.own_text_complete:
+        ev["own_text_complete"] = False
+    return Incident(detector, exchange.tenant.id, exchange.upstream, exchange.request_id, ev, confirmed)
+
+
+class Findings:
+    """The detectors, as incidents. ``own_cache``: own-prompt shingle sets computed by the
+    background ingest, keyed by :attr:`Exchange.internal_id` (shared with
+    :class:`verifier.jobs.JobQueue`); ``planted``: ``tenant id -> bool``, whether that tenant's
+    canaries were planted by kvgate itself."""
+
+    def __init__(
+        self,
+        cfg: VerifierSettings,
+        index: LeakIndex,
+        canaries: CanaryRegistry,
+        latency: LatencyModel,
+        store: StoreHealth,
+        evidence: Evidence,
+        own_cache: dict[str, set[int]],
+        planted: Callable[[str], bool],
+    ) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.canaries = canaries
+        self.latency = latency
+        self.store = store
+        self.evidence = evidence
+        self.own_cache = own_cache
+        self.planted = planted
+
+    def own_locked(self, exchange: Exchange) -> set[int]:
+        """The own-prompt shingle set of a checked exchange (computed at admission or ingest;
+        else now, on this exchange's own time). Caller holds the lock."""
+        if exchange.own_shingles is not None:
+            return exchange.own_shingles
+        own = self.own_cache.pop(exchange.internal_id, None)
+        if own is None:
+            own = self.index.own_shingles(exchange.prompt_text)
+        exchange.own_shingles = own
+        return own
+
+    def canary(self, exchange: Exchange, canaries: list[str]) -> list[Incident]:
+        """Incidents for canaries found in a response that its own prompt does not hold (one
+        call to the canary registry)."""
+        own = set(find_canaries(exchange.prompt_text))
+        cans = [c for c in canaries if c not in own]
+        if not cans:
+            return []
+        matches = self.canaries.lookup(cans)
+        foreign = [m for m in matches if m.owners and exchange.tenant.id not in m.owners and len(m.owners) == 1]
+        unknown = [m for m in matches if not m.owners]
+        if not foreign and not unknown:
+            return []
+        sources = sorted({o for m in foreign for o in m.owners})
+        honeypot = any(self.planted(s) for s in sources)
+        ev = {
+            "canaries": len(foreign) + len(unknown),
+            "known_origin": len(foreign),
+            "source_tenants": sources[:8],
+            "honeypot": honeypot,
+            "canary_hashes": [m.fingerprint for m in (foreign + unknown)[:8]],
+        }
+        return [incident("canary", exchange, ev, confirmed=bool(foreign))]
+
+    def leak(self, exchange: Exchange, verdict: LeakVerdict) -> Incident | None:
+        """A leak-index incident when ``verdict`` has at least ``leak_min_shingles`` foreign
+        shingles (confirmed from ``leak_confirm_shingles``)."""
+        if verdict.foreign < self.cfg.leak_min_shingles:
+            return None
+        ev = {
+            "shingles_checked": verdict.checked,
+            "shingles_own": verdict.own,
+            "shingles_public": verdict.public,
+            "shingles_foreign": verdict.foreign,
+            "source_tenant": verdict.source_tenant,
+            "evidence_hashes": verdict.evidence_hashes,
+        }
+        return incident("leak_index", exchange, ev, confirmed=verdict.foreign >= self.cfg.leak_confirm_shingles)
+
+    def oversize(self, exchange: Exchange, text_bytes: int) -> Incident:
+        """A strict response's text (``text_bytes``) exceeds ``strict_max_text_bytes``."""
+        return incident(
+            "oversize", exchange, {"text_bytes": text_bytes, "max_text_bytes": self.cfg.strict_max_text_bytes}
+        )
+
+    def latency_incident(self, exchange: Exchange, ttft_seconds: float, lv, cached: int | None) -> Incident:
+        """A TTFT below the calibrated bound ``lv`` (a :class:`verifier.latency` verdict)."""
+        return incident(
+            "latency",
+            exchange,
+            {
+                "ttft_ms": round(ttft_seconds * 1000, 3),
+                "bound_ms": round(lv.bound_seconds * 1000, 3),
+                "length_bucket": lv.bucket,
+                "cached_tokens": cached,
+                "prefilled_tokens": LatencyModel.prefilled_tokens(exchange.prompt_tokens, cached),
+            },
+        )
+
+    def tail(
+        self, exchange: Exchange, usage, finish_reason, ttft_seconds, strict: bool = False
+    ) -> tuple[list[Incident], list[Incident]]:
+        """``(withholding, reported)``: drift and abort findings are reported; a latency anomaly
+        withholds a strict response only when the engine said how many prompt tokens it served
+        from its prefix cache (otherwise a cache hit cannot be told from a leak: reported)."""
+        out = []
+        d = check_usage(exchange.prompt_tokens, usage, self.cfg.usage_drift_tolerance_tokens)
+        if d:
+            out.append(incident(d.detector, exchange, d.evidence))
+        f = check_finish(finish_reason)
+        if f:
+            out.append(incident(f.detector, exchange, f.evidence))
+        cached = cached_tokens_of(usage)
+        lv = self.latency.observe(
+            exchange.upstream,
+            exchange.prompt_tokens,
+            ttft_seconds,
+            "stream" if exchange.stream else "whole",
+            model=exchange.model,
+            tenant=exchange.tenant.id,
+            cached_tokens=cached,
+        )
+        withhold = []
+        if lv.anomaly:
+            inc = self.latency_incident(exchange, ttft_seconds, lv, cached)
+            (withhold if strict and lv.cached_known else out).append(inc)
+        return withhold, out
+
+    def content_locked(self, ex: Exchange, texts: Sequence[str]) -> list[Incident]:
+        """Canary and leak-index incidents for whole texts (each checked on its own; the echoed
+        prompt at the start of each is skipped). Caller holds the lock."""
+        found: list[Incident] = []
+        try:
+            if not self.store.up():
+                raise StoreSkipped
+            texts = [strip_echo(t, ex.echo_prompts) if ex.echo else t for t in texts]
+            cans = list(dict.fromkeys(c for t in texts for c in find_canaries(t)))
+            found += self.canary(ex, cans)
+            own = self.own_locked(ex)
+            verdict, seen = LeakVerdict(), set()
+            for t in texts:
+                verdict.merge(self.index.check_ids(ex.tenant.id, encode(t), own, seen))
+            leak = self.leak(ex, verdict)
+            if leak:
+                found.append(leak)
+        except StoreSkipped:
+            pass
+        except Exception as e:  # the store is down: the other detectors still run
+            self.store.error(e)
+        return found
+
+    def check_whole_locked(self, job: CheckJob, stats: collections.Counter[Any]) -> list[Incident]:
+        """Run every detector on a whole response (background or strict non-streamed) and record
+        the incidents. Returns those that withhold a strict response: content findings (canary,
+        leak index), an oversize text, and a latency anomaly whose cached-token count is known.
+        Caller holds the lock."""
+        ex = job.exchange
+        strict = ex.tenant.strict_verify
+        CHECKS.labels(ex.upstream, "strict" if strict else "sampled").inc()
+        stats["checked"] += 1
+        if strict:
+            nbytes = sum(len(t.encode("utf-8", "replace")) for t in job.texts)
+            if nbytes > self.cfg.strict_max_text_bytes:
+                inc = self.oversize(ex, nbytes)
+                self.evidence.record([inc], withheld=True, exchange=ex)
+                return [inc]
+        content = self.content_locked(ex, job.texts)
+        withhold, tail = self.tail(ex, job.usage, job.finish_reason, job.ttft_seconds, strict)
+        content += withhold
+        self.evidence.record(content, withheld=strict, exchange=ex)
+        self.evidence.record(tail, exchange=ex)
+        return content
+
+
+def strip_echo(text: str, prompts: Sequence[str]) -> str:
+    """``text`` without the echoed prompt it starts with (``echo: true``): the longest of
+    ``prompts`` that ``text`` starts with is cut off. A prompt decoded from token ids that end
+    inside a UTF-8 character ends in U+FFFD, while the engine's echo shows the whole character
+    (completed by the first generated token): the trailing U+FFFD run matches any one character."""
+    best = 0
+    for p in prompts:
+        core = p.rstrip("\ufffd")
+        if core and text.startswith(core):
+            end = len(core) + (1 if len(core) < len(p) else 0)
+            best = max(best, min(end, len(text)))
+    return text[best:]
+
+
+def kvgate_planted(
+    tenant_id: str,
+    tenant_source: Callable[[str], TenantConfig | None] | None,
+    tenants: dict[str, TenantConfig],
+    probe_tenant: str,
+) -> bool:
+    """Canaries of this tenant were planted by kvgate itself: a honeypot (asked of
+    ``tenant_source`` first, then of the tenants seen in exchanges) or the probe tenant."""
+    t = tenant_source(tenant_id) if tenant_source is not None else None
+    if t is None:
+        t = tenants.get(tenant_id)
+    return (t is not None and t.honeypot) or tenant_id == probe_tenant

@@ -1,0 +1,218 @@
+"""The verifier's prompt indexing and its background queue (collaborators of
+:class:`verifier.service.VerifierService`, one job each).
+
+- :class:`IngestBudget`: admission-time indexing of a prompt (tokenize, fingerprint, store),
+  bounded in pending bytes (``max_pending_ingest_bytes``) and ``ingest_concurrency_per_tenant``.
+- :class:`JobQueue`: the bounded queue (``queue_size``) of prompt ingests and whole-response
+  checks that one background worker runs, a thread per batch, so the event loop stays free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from config.models import VerifierSettings
+from verifier.canary import CanaryRegistry, find_canaries
+from verifier.findings import CheckJob, Findings, StoreHealth
+from verifier.incidents import DROPPED, DROPPED_BYTES
+from verifier.leak_index import LeakIndex
+from verifier.shingles import ShingleHasher, encode, squeeze_runs
+from verifier.stage import Exchange
+
+log = logging.getLogger("kvgate.verifier")
+
+__all__ = ["CheckJob", "IngestBudget", "IngestJob", "JobQueue"]
+
+
+@dataclass
+class IngestJob:
+    """A prompt to index in the background (an exchange that skipped admission)."""
+
+    tenant: str
+    text: str
+    request_id: str = ""
+    keep_own: bool = False
+
+
+class IngestBudget:
+    """Admission-time prompt indexing. ``pending_bytes``: prompt bytes reserved by ingests not
+    yet finished (bounded by ``max_pending_ingest_bytes``); ``lock``: the service lock, taken
+    only around the store calls."""
+
+    def __init__(
+        self,
+        cfg: VerifierSettings,
+        hasher: ShingleHasher,
+        index: LeakIndex,
+        canaries: CanaryRegistry,
+        store: StoreHealth,
+        lock: threading.Lock,
+        stats: collections.Counter,
+    ) -> None:
+        self.cfg = cfg
+        self.hasher = hasher
+        self.index = index
+        self.canaries = canaries
+        self.store = store
+        self.lock = lock
+        self.stats = stats
+        self.pending_bytes = 0
+        self._budget_lock = threading.Lock()
+        self._tenant: dict[str, asyncio.Semaphore] = {}
+
+    def reserve(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` of the pending budget; ``False`` (counted as dropped,
+        ``kvgate_verifier_dropped_total{reason="ingest_bytes"}``) when it would exceed it."""
+        with self._budget_lock:
+            if self.pending_bytes + nbytes > self.cfg.max_pending_ingest_bytes:
+                DROPPED.labels("ingest_bytes").inc()
+                DROPPED_BYTES.inc(nbytes)
+                self.stats["ingest_dropped"] += 1
+                self.stats["ingest_dropped_bytes"] += nbytes
+                return False
+            self.pending_bytes += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back what :meth:`reserve` took."""
+        with self._budget_lock:
+            self.pending_bytes -= nbytes
+
+    def semaphore(self, tenant_id: str) -> asyncio.Semaphore:
+        """The tenant's ingest concurrency limit (``ingest_concurrency_per_tenant``)."""
+        sem = self._tenant.get(tenant_id)
+        if sem is None:
+            sem = self._tenant[tenant_id] = asyncio.Semaphore(self.cfg.ingest_concurrency_per_tenant)
+        return sem
+
+    def index_prompt(self, exchange: Exchange, text: str, nbytes: int) -> None:
+        """Admission's thread: the CPU work runs without the service lock; only the store
+        calls take it. Between its steps the thread yields the GIL (``time.sleep(0)``), so a
+        huge prompt never makes another request's threads wait out the interpreter's switch
+        interval. Releases ``nbytes`` of the budget when done."""
+        try:
+            text = squeeze_runs(text)  # a canary holds no run that squeezing shortens
+            time.sleep(0)
+            cans = find_canaries(text)
+            ids = encode(text, squeezed=True)
+            time.sleep(0)
+            fps = self.hasher.fingerprints(ids, self.index.w)
+            time.sleep(0)
+            if exchange.sampled:
+                exchange.own_shingles = set(self.hasher.fast(ids).tolist())
+            with self.lock:
+                if self.store.up():
+                    try:
+                        self.index.store.add(exchange.tenant.id, fps)
+                        if cans:
+                            self.canaries.register(exchange.tenant.id, cans)
+                    except Exception as e:
+                        self.stats["errors"] += 1
+                        self.store.error(e)
+                self.stats["ingested"] += 1
+        finally:
+            self.release(nbytes)
+
+
+class JobQueue:
+    """The background queue and its worker. ``jobs``: the queued :class:`IngestJob` and
+    :class:`CheckJob` records, in order; ``own_cache``: own-prompt shingle sets the ingests
+    computed, keyed by :attr:`Exchange.internal_id` (shared with :class:`Findings`), at most
+    ``queue_size`` of them."""
+
+    def __init__(
+        self,
+        cfg: VerifierSettings,
+        findings: Findings,
+        lock: threading.Lock,
+        own_cache: dict[str, set[int]],
+        stats: collections.Counter,
+    ) -> None:
+        self.cfg = cfg
+        self.findings = findings
+        self.lock = lock
+        self.own_cache = own_cache
+        self.stats = stats
+        self.jobs: collections.deque = collections.deque()
+        self.wake: asyncio.Event | None = None
+
+    def enqueue(self, job: IngestJob | CheckJob) -> bool:
+        """Queue ``job``; ``False`` (counted: ``queue_full``) when ``queue_size`` are queued."""
+        if len(self.jobs) >= self.cfg.queue_size:
+            DROPPED.labels("queue_full").inc()
+            self.stats["dropped"] += 1
+            return False
+        self.jobs.append(job)
+        if self.wake is not None:
+            self.wake.set()
+        return True
+
+    async def work(self) -> None:
+        """The worker task: batches of up to 32 jobs in a thread; never dies of a job's error."""
+        self.wake = wake = self.wake or asyncio.Event()
+        while True:
+            if not self.jobs:
+                wake.clear()
+                await wake.wait()
+            self.stats["in_flight"] += 1
+            try:
+                await asyncio.to_thread(self._run_some, 32)
+            except Exception:  # never let the worker die
+                log.exception("verifier worker error")
+            finally:
+                self.stats["in_flight"] -= 1
+
+    def _run_some(self, n: int) -> None:
+        for _ in range(n):
+            with self.lock:
+                if not self.jobs:
+                    return
+                job = self.jobs.popleft()
+                self._run(job)
+
+    def drain_ingests_locked(self, exchange: Exchange) -> None:
+        """For an exchange that skipped admission only: process queued prompt ingests now (a
+        strict check must see every earlier prompt). An admitted exchange never does this other
+        tenants' work: every prompt forwarded through admission was indexed before it left.
+        Caller holds the lock; checks stay queued, in order, ahead of anything appended meanwhile."""
+        if exchange.admitted or not any(isinstance(j, IngestJob) for j in list(self.jobs)):
+            return
+        keep: list[CheckJob] = []
+        for _ in range(len(self.jobs)):  # the jobs queued now; later appends stay queued
+            job = self.jobs.popleft()
+            if isinstance(job, IngestJob):
+                self._run(job)
+            else:
+                keep.append(job)
+        # only the left end is touched here and only the right end by appends: no lost job
+        self.jobs.extendleft(reversed(keep))
+
+    def _run(self, job: IngestJob | CheckJob) -> None:
+        store = self.findings.store
+        try:
+            if isinstance(job, IngestJob):
+                if not store.up():
+                    return
+                self._ingest(job)
+            else:
+                self.findings.check_whole_locked(job, self.stats)
+        except Exception as e:  # a store error must not kill the worker
+            self.stats["errors"] += 1
+            store.error(e)
+
+    def _ingest(self, job: IngestJob) -> None:
+        f = self.findings
+        _, own = f.index.ingest(job.tenant, job.text, keep_own=job.keep_own)
+        if own is not None:
+            self.own_cache[job.request_id] = own  # keyed by the exchange's internal id
+            while len(self.own_cache) > self.cfg.queue_size:  # guards that never finished
+                self.own_cache.pop(next(iter(self.own_cache)))
+        cans = find_canaries(job.text)
+        if cans:
+            f.canaries.register(job.tenant, cans)
+        self.stats["ingested"] += 1
