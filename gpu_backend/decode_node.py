@@ -51,14 +51,14 @@ class RoomGoneError(EngineError):
     finished or failed (e.g. the router released it after a client disconnect)."""
 
     status = 410
-    code = "room_closed"
+    code = ErrorCode.ROOM_CLOSED
 
 
 class DuplicateTransferError(EngineError):
     """409 ``duplicate_transfer``: a second transfer for a room that already received one."""
 
     status = 409
-    code = "duplicate_transfer"
+    code = ErrorCode.DUPLICATE_TRANSFER
 
 
 async def reserve_pages(engine: Engine, request_id: str, prompt_tokens: int, max_new_tokens: int) -> list[PageHandle]:
@@ -321,9 +321,9 @@ def event_line(tok: Token) -> bytes:
 
 def error_line(exc: BaseException) -> bytes:
     """The in-band error line of the decode stream: the OpenAI body plus ``status``."""
-    from gpu_backend.router import as_openai_error
+    from gpu_backend.router import backend_error
 
-    err = as_openai_error(exc)
+    err = backend_error(exc)
     return orjson.dumps({**err.body(), "status": err.status}) + b"\n"
 
 

@@ -28,20 +28,21 @@ from typing import Any, AsyncIterator, Protocol
 import httpx
 import orjson
 
-from config.errors import ErrorCode, OpenAIError
+from config.errors import ErrorCode, OpenAIError, as_openai_error
 from gpu_backend.bootstrap import new_room
 from gpu_backend.wire import PrefillOutcome, Token
 
 log = logging.getLogger("gpu_backend.router")
 
 
-def as_openai_error(exc: BaseException) -> OpenAIError:
-    """Map any engine/node error to :class:`OpenAIError` (engine errors keep status, code, param)."""
-    if isinstance(exc, OpenAIError):
-        return exc
-    to_openai = getattr(exc, "to_openai", None)
-    if callable(to_openai):
-        return to_openai()
+def backend_error(exc: BaseException) -> OpenAIError:
+    """Any error a node or the router meets, as an :class:`OpenAIError`: kvgate's own errors
+    through the one mapper (:func:`config.errors.as_openai_error`: status, code and param kept);
+    a timeout is 504 ``upstream_timeout``, an unreachable node 502 ``upstream_unavailable``,
+    anything else 500 ``internal_error`` naming only the exception's type."""
+    err = as_openai_error(exc)
+    if err is not None:
+        return err
     if isinstance(exc, asyncio.TimeoutError):
         return OpenAIError(status=504, message="The backend timed out.", code=ErrorCode.UPSTREAM_TIMEOUT)
     if isinstance(exc, httpx.HTTPError):
@@ -392,7 +393,7 @@ class Router:
                 return stream
             if isinstance(e, asyncio.CancelledError):
                 raise
-            err = as_openai_error(e)
+            err = backend_error(e)
             if err.status >= 500:
                 log.warning("request %s failed: %s (%r)", request_id, err.message, e, exc_info=e)
             raise err from e
@@ -412,7 +413,7 @@ class Router:
             if not done:
                 raise asyncio.TimeoutError()
             if pre in done and pre.exception() is not None:
-                err = as_openai_error(pre.exception())
+                err = backend_error(pre.exception())
                 if err.status >= 500 and not first.done():
                     # prefill failed because decode did (e.g. a refused transfer): prefer decode's reason
                     await asyncio.wait({first}, timeout=2.0)

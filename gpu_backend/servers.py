@@ -37,7 +37,7 @@ from config.errors import ErrorCode, OpenAIError
 from gpu_backend import openai_api as api
 from gpu_backend import responses_api
 from gpu_backend.errors import EngineError
-from gpu_backend.router import Router, RouterStream, as_openai_error
+from gpu_backend.router import Router, RouterStream, backend_error
 from tokenizer import TiktokenCounter
 from tokenizer.hf_counter import HFCounter
 
@@ -91,7 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
             OpenAIError(
                 status=exc.status_code,
                 message=str(exc.detail),
-                code="method_not_allowed" if exc.status_code == 405 else None,
+                code=ErrorCode.METHOD_NOT_ALLOWED if exc.status_code == 405 else None,
             )
         )
 
@@ -101,7 +101,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _any(_: Request, exc: Exception) -> Response:
-        err = as_openai_error(exc)
+        err = backend_error(exc)
         if err.status >= 500:
             log.exception("unhandled error", exc_info=exc)
         return error_response(err)
@@ -345,7 +345,7 @@ async def _sse_openai(stream: RouterStream, req: api.GenRequest, rid: str) -> As
             yield api.usage_chunk(req, rid, prompt, completion)
         yield api.SSE_DONE
     except Exception as e:  # noqa: BLE001 - after the 200, errors travel in band
-        yield api.error_event(as_openai_error(e))
+        yield api.error_event(backend_error(e))
         yield api.SSE_DONE
     finally:
         stream.close_now()
@@ -365,7 +365,7 @@ async def _sse_responses(stream: RouterStream, req: api.GenRequest, rid: str) ->
                 reason = tok.finish_reason
         yield events.finish("".join(text), reason, prompt, completion)
     except Exception as e:  # noqa: BLE001 - after the 200, errors travel in band
-        yield events.error(as_openai_error(e))
+        yield events.error(backend_error(e))
     finally:
         stream.close_now()
 
@@ -392,7 +392,7 @@ async def _sse_generate(stream: RouterStream, rid: str, t0: float) -> AsyncItera
             )
         yield api.SSE_DONE
     except Exception as e:  # noqa: BLE001
-        yield api.error_event(as_openai_error(e))
+        yield api.error_event(backend_error(e))
         yield api.SSE_DONE
     finally:
         stream.close_now()
@@ -482,7 +482,7 @@ def build_decode_app(
         if ctype.split(";")[0].strip() != CONTENT_TYPE:
             raise OpenAIError(
                 status=415,
-                code="unsupported_media_type",
+                code=ErrorCode.UNSUPPORTED_MEDIA_TYPE,
                 message=f"A transfer must be '{CONTENT_TYPE}' (safetensors + manifest); got '{ctype}'.",
             )
         raw = await read_body(request, MAX_TRANSFER_BYTES)

@@ -26,6 +26,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from config.errors import ErrorCode
+
 MANIFEST_KEY = "kvgate.manifest"
 WIRE_VERSION = 1
 CONTENT_TYPE = "application/x-kvgate-kv+safetensors"
@@ -40,7 +42,7 @@ class TransferFormatError(ValueError):
     or checksum). ``status`` is the HTTP status the decode node answers (400)."""
 
     status = 400
-    code = "invalid_transfer"
+    code = ErrorCode.INVALID_TRANSFER
 
 
 @dataclass
