@@ -4,7 +4,7 @@ and the wire shapes every part shares (the OpenAI error body).
 Dependency rule: ``config`` imports nothing else of kvgate.
 """
 
-from config.errors import ErrorCode, openai_error, openai_error_bytes, OpenAIError
+from config.errors import ErrorCode, OpenAIError, openai_error, openai_error_bytes
 from config.loader import ConfigError, check_tenant_models, load_settings, load_tenants, load_yaml_model
 from config.models import (
     BackendSettings,

@@ -12,7 +12,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import orjson
 
-
 #: longest ``param`` an error body carries (characters); a field name is never longer in a valid request
 MAX_PARAM_CHARS = 128
 #: longest ``message`` an error body carries (characters)

@@ -2,7 +2,8 @@
 
 Errors name the file, the line, the key path and the problem, e.g.::
 
-    config/kvgate.yaml: line 3: gateway.port: Input should be a valid integer, unable to parse string as an integer (got 'eighty')
+    config/kvgate.yaml: line 3: gateway.port: Input should be a valid integer, unable to parse string as an
+    integer (got 'eighty')
 
 A key that is not a setting, and a key given twice in one mapping, are errors, never ignored.
 
@@ -16,8 +17,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError

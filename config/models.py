@@ -50,7 +50,7 @@ class TokenizerConfig(_Strict):
         return data
 
     @model_validator(mode="after")
-    def _needs(self) -> "TokenizerConfig":
+    def _needs(self) -> TokenizerConfig:
         if self.kind == "hf" and not self.path:
             raise ValueError("kind 'hf' needs 'path' (a folder with tokenizer.json)")
         if self.kind == "engine" and not self.url:
@@ -84,7 +84,7 @@ class ImagePolicy(_Strict):
     allowed_url_hosts: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _pixels(self) -> "ImagePolicy":
+    def _pixels(self) -> ImagePolicy:
         if self.min_pixels > self.max_pixels:
             raise ValueError("min_pixels must be <= max_pixels")
         return self
@@ -143,14 +143,14 @@ class UpstreamConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _engine_follows_pool_source(self) -> "UpstreamConfig":
+    def _engine_follows_pool_source(self) -> UpstreamConfig:
         if self.engine is None:
             engine = "openai" if self.pool_source == "static" else self.pool_source
             object.__setattr__(self, "engine", engine)  # no re-validation loop
         return self
 
     @model_validator(mode="after")
-    def _pool_needs(self) -> "UpstreamConfig":
+    def _pool_needs(self) -> UpstreamConfig:
         if self.pool_source == "static" and self.static_pool_tokens is None:
             raise ValueError("pool_source 'static' needs 'static_pool_tokens'")
         if self.pool_source != "static" and not self.pool_urls:
@@ -293,7 +293,7 @@ class Settings(_Strict):
     state_dir: str = ".kvgate"
 
     @model_validator(mode="after")
-    def _cross_refs(self) -> "Settings":
+    def _cross_refs(self) -> Settings:
         """Model ids and aliases are unique; upstream names are unique; every model an upstream
         serves is a model id or alias. Messages start with the key path at fault."""
         names: dict[str, str] = {}
@@ -368,7 +368,7 @@ class TenantsFile(_Strict):
     tenants: list[TenantConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _unique(self) -> "TenantsFile":
+    def _unique(self) -> TenantsFile:
         """Tenant ids are unique and no API key hash belongs to two tenants."""
         ids: set[str] = set()
         hashes: dict[str, str] = {}

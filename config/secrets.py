@@ -21,8 +21,8 @@ import json
 import os
 import secrets as _secrets
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 SECRET_NAMES = ("cache_salt_key", "leak_index_key", "admin_key")
 SECRETS_FILE = "secrets.json"

@@ -21,7 +21,8 @@ import hashlib
 import hmac
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import orjson
@@ -152,7 +153,7 @@ class Gateway:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self.in_flight == 0
 
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tokenizer import PromptCounter, bundled_counter
 
@@ -82,8 +83,8 @@ def generated_log(lines: int = 400, seed: int = 7) -> str:
 
 def _fit(counter: PromptCounter, source: str, target: int, count: Callable[[str], int]) -> str:
     """The prefix of ``source`` (cut on token ids, then on characters) whose ``count`` is ``target``."""
-    encode = getattr(counter, "encode_text")
-    decode = getattr(counter, "decode")
+    encode = counter.encode_text
+    decode = counter.decode
     ids = encode(source)
     overhead = count("")
     if overhead > target:

@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import httpx
 import orjson

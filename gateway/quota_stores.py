@@ -37,7 +37,7 @@ class QuotaLimits:
     max_concurrent: int | None
 
     @classmethod
-    def of(cls, tenant: TenantConfig) -> "QuotaLimits":
+    def of(cls, tenant: TenantConfig) -> QuotaLimits:
         """The limits of a tenant entry (``rpm``, ``tpm``, ``max_concurrent``)."""
         return cls(tenant.rpm, tenant.tpm, tenant.max_concurrent)
 
@@ -46,11 +46,14 @@ class QuotaLimits:
         """True when no dimension is limited (the stage then skips the store)."""
         return self.rpm is None and self.tpm is None and self.max_concurrent is None
 
-    def divided(self, divisor: int) -> "QuotaLimits":
+    def divided(self, divisor: int) -> QuotaLimits:
         """Each limit floor-divided by ``divisor`` (per-replica share while Redis is down;
         floor, so that ``replicas`` replicas together never exceed the configured limit)."""
         d = max(1, divisor)
-        f = lambda v: None if v is None else v // d
+
+        def f(v: int | None) -> int | None:
+            return None if v is None else v // d
+
         return QuotaLimits(f(self.rpm), f(self.tpm), f(self.max_concurrent))
 
 

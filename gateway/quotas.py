@@ -163,7 +163,7 @@ class TenantQuotas:
         if not self._store_down:
             self._store_down = True
             action = (
-                "per-process local limits (limit // %d)" % self.processes
+                f"per-process local limits (limit // {self.processes})"
                 if self.fallback is not None
                 else "refusing requests with 503 (fail closed)"
             )

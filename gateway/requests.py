@@ -10,7 +10,8 @@ tokenizer while counting (it raises typed errors naming ``messages[i].content[j]
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 

@@ -3,8 +3,8 @@ the manner of Starlette's ``StreamingResponse`` (it only handles the transport).
 
 :class:`RelayResponse` sends what :func:`gateway.proxy.relay` yields, ``(body, more_body)`` items as
 in ASGI: a stream as it comes (the response starts at the first item; an empty one only starts
-it), a whole answer in one message with its ``content-length``. An :class:`~config.errors.OpenAIError` raised before the response
-started is answered as an OpenAI-shaped JSON error with its status; raised after, it ends the
+it), a whole answer in one message with its ``content-length``. An :class:`~config.errors.OpenAIError`
+raised before the response started is answered as an OpenAI-shaped JSON error with its status; raised after, it ends the
 stream with an error event and ``data: [DONE]`` (``/v1/responses``: the Responses ``error``
 event, :func:`gateway.proxy.stream_error_tail`). Any other exception is a 500 in the same shape
 (it names no internals). A client disconnect before the end cancels the relay (status 499),
@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
 
 from starlette.responses import Response
 

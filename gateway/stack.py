@@ -42,9 +42,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 import yaml
@@ -281,13 +282,13 @@ class EmbeddedStack:
         return self.served.served_name
 
     # ------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "EmbeddedStack":
+    def __enter__(self) -> EmbeddedStack:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def start(self) -> "EmbeddedStack":
+    def start(self) -> EmbeddedStack:
         """Start the backend, wait for it, start the gateway, wait for ``/readyz``. On any
         failure both children are stopped and :class:`StackError` is raised."""
         try:
@@ -458,7 +459,7 @@ class EmbeddedStack:
         when the stack serves another model, so the file still loads)."""
         try:
             return [n for t in load_tenants(self.tenants_path).tenants for n in t.allowed_models]
-        except Exception:  # noqa: BLE001 - the gateway reports a bad tenants file itself, with its path
+        except Exception:  # the gateway reports a bad tenants file itself, with its path
             return []
 
     def _spawn(self, name: str, cmd: list[str], url: str) -> Child:
@@ -473,7 +474,7 @@ class EmbeddedStack:
         if self.options.echo_logs:
             out: Any = None
         else:
-            out = open(log_path, "wb")  # noqa: SIM115 - handed to the child, closed below
+            out = open(log_path, "wb")  # handed to the child, closed below
         try:
             proc = subprocess.Popen(
                 cmd,

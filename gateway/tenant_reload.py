@@ -81,7 +81,7 @@ class TenantFileWatcher:
             except Exception:  # the watcher must outlive any surprise
                 log.exception("tenant reload failed")
 
-    def start(self) -> "TenantFileWatcher":
+    def start(self) -> TenantFileWatcher:
         """Start the polling thread (idempotent); returns ``self``."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="kvgate-tenant-reload", daemon=True)

@@ -63,9 +63,7 @@ class TenantRegistry:
             check_tenant_models(self.settings, tenants, self.path or "tenants")
 
     @classmethod
-    def from_path(
-        cls, path: str | os.PathLike[str] | None = None, settings: Settings | None = None
-    ) -> "TenantRegistry":
+    def from_path(cls, path: str | os.PathLike[str] | None = None, settings: Settings | None = None) -> TenantRegistry:
         """Load ``tenants.yaml`` (``config.loader.load_tenants`` rules). Raises ``ConfigError``,
         also for an ``allowed_models`` entry unknown to ``settings`` when given."""
         p = Path(path) if path is not None else None

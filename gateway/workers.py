@@ -24,9 +24,9 @@ processes, each a whole gateway (``kvgate serve --worker-index I``) on the same 
   file; each also polls it). A worker that dies on its own (killed, or exiting later) is started
   again; one that exits with an error status within :data:`START_GRACE_SECONDS` of its start
   stops the whole gateway with that status (a bad config or a taken port fails fast rather than
-  looping), and so do more than :data:`MAX_RESTARTS` restarts in :data:`RESTART_WINDOW_SECONDS`. Workers run in a process group
-  of their own (a terminal's Ctrl-C reaches the supervisor only, so it is one drain, not two
-  signals) and die with the supervisor if it is killed (``PR_SET_PDEATHSIG`` on Linux).
+  looping), and so do more than :data:`MAX_RESTARTS` restarts in :data:`RESTART_WINDOW_SECONDS`.
+  Workers run in a process group of their own (a terminal's Ctrl-C reaches the supervisor only,
+  so it is one drain, not two signals) and die with the supervisor if it is killed (``PR_SET_PDEATHSIG`` on Linux).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ class Room:
             for w in waiters:
                 w.cancel()
         if not done:
-            raise asyncio.TimeoutError()
+            raise TimeoutError()
         return event.is_set()
 
 

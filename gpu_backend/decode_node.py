@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 import torch
@@ -204,7 +205,7 @@ class DecodeNode:
             r.reserved.set()
             try:
                 loaded = await r.wait_for(r.loaded, self.transfer_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.counters["transfer_timeouts"] += 1
                 raise TransferTimeoutError(
                     f"no KV transfer arrived for room {room} within {self.transfer_timeout:g} s"
@@ -248,7 +249,7 @@ class DecodeNode:
                 try:
                     if await r.wait_for(r.loaded, self.reservation_wait):
                         return r.context_tokens
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 raise RoomGoneError(f"bootstrap room {manifest.room} is closed ({r.close_reason})")
             self.counters["transfers_refused"] += 1
@@ -256,7 +257,7 @@ class DecodeNode:
         r.manifest = manifest
         try:
             reserved = await r.wait_for(r.reserved, self.reservation_wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.counters["transfer_timeouts"] += 1
             err = TransferTimeoutError(f"no reservation for room {manifest.room} within {self.reservation_wait:g} s")
             self._fail(manifest.room, r, "transfer without reservation", err)
@@ -336,7 +337,7 @@ class DecodeStream:
 
     def __init__(
         self,
-        node: "DecodeNode",
+        node: DecodeNode,
         room: int,
         request_id: str,
         prompt_ids: list[int],
@@ -362,7 +363,7 @@ class DecodeStream:
                     self._add(event_line(ev))
         except asyncio.CancelledError:
             self._add(error_line(RequestAbortedError(f"room {self.room}: no reader left")))
-        except Exception as e:  # noqa: BLE001 - reported in band
+        except Exception as e:  # reported in band
             self._add(error_line(e))
         finally:
             self.done = True
@@ -402,7 +403,7 @@ class DecodeStreams:
     """The decode node's :class:`DecodeStream` s by room: ``open`` starts one or re-attaches to the
     live one (idempotent per room); finished streams are kept ``keep_seconds`` for late re-attach."""
 
-    def __init__(self, node: "DecodeNode", grace_seconds: float = 5.0, keep_seconds: float = 30.0) -> None:
+    def __init__(self, node: DecodeNode, grace_seconds: float = 5.0, keep_seconds: float = 30.0) -> None:
         self.node = node
         self.grace = grace_seconds
         self.keep = keep_seconds

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 #: The fault names the engine and the nodes understand.
 KNOWN_FAULTS = frozenset({"admit_rejected", "skip_transfer_check", "no_scrub"})

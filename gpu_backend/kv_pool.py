@@ -19,7 +19,8 @@ worker thread allocates, frees, reads or writes pages (every such call reaches i
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

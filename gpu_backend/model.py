@@ -37,7 +37,7 @@ class ModelConfig:
     mlp_bias: bool = False
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """From a HF ``config.json`` dict (transformers 4.x ``rope_theta``/``rope_scaling`` or 5.x
         ``rope_parameters``). Raises ``ValueError`` for a non-Llama model or an unsupported RoPE type."""
         mt = hf.get("model_type", "llama")

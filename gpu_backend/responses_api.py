@@ -21,7 +21,8 @@ response shaping beside :mod:`gpu_backend.openai_api` (no torch, no engine).
 from __future__ import annotations
 
 import uuid
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import orjson
 

@@ -23,7 +23,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Protocol
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 import httpx
 import orjson
@@ -226,7 +227,7 @@ class RouterStream:
     ``"abort"``; ``aclose()`` (or leaving early) releases the room on decode and aborts prefill."""
 
     def __init__(
-        self, router: "Router", room: int, request_id: str, tokens: AsyncIterator[Token], prompt_tokens: int
+        self, router: Router, room: int, request_id: str, tokens: AsyncIterator[Token], prompt_tokens: int
     ) -> None:
         self.router = router
         self.room = room
@@ -241,7 +242,7 @@ class RouterStream:
         self._closed = False
         self.completion_tokens = 0
 
-    def __aiter__(self) -> "RouterStream":
+    def __aiter__(self) -> RouterStream:
         return self
 
     def _abort_event(self) -> Token:
@@ -263,7 +264,7 @@ class RouterStream:
                 return self._abort_event()
             raise OpenAIError(
                 status=502, message="Decode ended without a final token.", code=ErrorCode.UPSTREAM_UNAVAILABLE
-            )
+            ) from None
         except BaseException as e:
             if self.aborted and not isinstance(e, asyncio.CancelledError):
                 self.close_now()
@@ -307,13 +308,13 @@ async def _close_iter(it: AsyncIterator[Token], first: asyncio.Future | None) ->
     if first is not None:
         try:
             await first
-        except BaseException:  # noqa: BLE001 - only waiting for it to stop running
+        except BaseException:  # only waiting for it to stop running
             pass
     aclose = getattr(it, "aclose", None)
     if aclose is not None:
         try:
             await aclose()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass
 
 
@@ -408,10 +409,10 @@ class Router:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise asyncio.TimeoutError()
+                raise TimeoutError()
             done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             if not done:
-                raise asyncio.TimeoutError()
+                raise TimeoutError()
             if pre in done and pre.exception() is not None:
                 err = backend_error(pre.exception())
                 if err.status >= 500 and not first.done():
@@ -434,5 +435,5 @@ def _consume(fut: asyncio.Future) -> None:
 async def _quiet(coro: Any) -> None:
     try:
         await coro
-    except Exception as e:  # noqa: BLE001 - best-effort cleanup call; the node has its own timeouts
+    except Exception as e:  # best-effort cleanup call; the node has its own timeouts
         log.debug("cleanup call failed: %r", e)

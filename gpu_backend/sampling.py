@@ -33,7 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
-    def clamped(self, max_new_tokens: int) -> "SamplingParams":
+    def clamped(self, max_new_tokens: int) -> SamplingParams:
         """A copy (own lists) with ``max_new_tokens`` at most ``max_new_tokens`` (SGLang clamps it to
         what fits the context)."""
         n = min(self.max_new_tokens, max_new_tokens)

@@ -156,7 +156,7 @@ class Scheduler:
         st[f"max_{kind}_batch"] = max(st[f"max_{kind}_batch"], n)
         if not batch.prefill:
             st["decode_batch_sizes"][n] += 1
-        for (seq, _), tok in zip(batch.items, tokens):
+        for (seq, _), tok in zip(batch.items, tokens, strict=True):
             if tok is None:
                 continue  # a prompt chunk that is not the last
             if seq.state is SeqState.PREFILLING:
@@ -167,7 +167,7 @@ class Scheduler:
                     seq.completion_ids.append(tok)
                     try:
                         result = seq.on_prefilled(seq)
-                    except Exception as e:  # noqa: BLE001 - the export failed: fail the request, keep the engine
+                    except Exception as e:  # the export failed: fail the request, keep the engine
                         self._fail(seq, e)
                         continue
                     self._finish(seq, "length", emit=False)  # pages freed before the caller hears back
@@ -198,7 +198,7 @@ class Scheduler:
             case LoadPages():
                 try:
                     write_reservation(self.pool, self.reserved.get(msg.request_id), msg)
-                except Exception as e:  # noqa: BLE001 - reported to the caller; the reservation stays
+                except Exception as e:  # reported to the caller; the reservation stays
                     msg.reply(e)
                 else:
                     msg.reply(None)

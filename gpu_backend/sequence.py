@@ -11,7 +11,7 @@ import codecs
 import collections
 import enum
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -80,7 +80,7 @@ class Sequence:
         self.abort_requested = False
         # export (prefill node): called in the worker with the sequence before its pages are freed;
         # its return value is emitted once they are
-        self.on_prefilled: Callable[["Sequence"], object] | None = None
+        self.on_prefilled: Callable[[Sequence], object] | None = None
         self.stop_token_ids: set[int] = set(params.stop_token_ids)
         self.reservation = False
         self.loaded_tokens = 0
@@ -89,7 +89,7 @@ class Sequence:
         self._pending_text = ""
 
     @classmethod
-    def reservation_of(cls, request_id: str, pages_needed: int, emit: Callable[[object], None]) -> "Sequence":
+    def reservation_of(cls, request_id: str, pages_needed: int, emit: Callable[[object], None]) -> Sequence:
         """A decode reservation of ``pages_needed`` pages; ``emit`` receives the page handles (or the
         error that ended the wait for them)."""
         seq = cls(request_id, [], SamplingParams(max_new_tokens=1), emit)

@@ -23,8 +23,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -344,7 +345,7 @@ async def _sse_openai(stream: RouterStream, req: api.GenRequest, rid: str) -> As
         if req.include_usage:
             yield api.usage_chunk(req, rid, prompt, completion)
         yield api.SSE_DONE
-    except Exception as e:  # noqa: BLE001 - after the 200, errors travel in band
+    except Exception as e:  # after the 200, errors travel in band
         yield api.error_event(backend_error(e))
         yield api.SSE_DONE
     finally:
@@ -364,7 +365,7 @@ async def _sse_responses(stream: RouterStream, req: api.GenRequest, rid: str) ->
             if tok.finished:
                 reason = tok.finish_reason
         yield events.finish("".join(text), reason, prompt, completion)
-    except Exception as e:  # noqa: BLE001 - after the 200, errors travel in band
+    except Exception as e:  # after the 200, errors travel in band
         yield events.error(backend_error(e))
     finally:
         stream.close_now()
@@ -391,7 +392,7 @@ async def _sse_generate(stream: RouterStream, rid: str, t0: float) -> AsyncItera
                 )
             )
         yield api.SSE_DONE
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         yield api.error_event(backend_error(e))
         yield api.SSE_DONE
     finally:

@@ -77,7 +77,7 @@ class Manifest:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         """Parse and type-check a manifest; raises :class:`TransferFormatError`."""
         try:
             raw = json.loads(text)
@@ -182,7 +182,7 @@ def verify_pages(manifest: Manifest, kv: torch.Tensor) -> None:
         raise TransferFormatError(f"pages have shape {list(kv.shape)}, manifest says {manifest.shape}")
     if _DTYPE_NAMES.get(kv.dtype) != manifest.dtype:
         raise TransferFormatError(f"pages have dtype {kv.dtype}, manifest says {manifest.dtype}")
-    for i, (got, want) in enumerate(zip(page_checksums(kv), manifest.checksums)):
+    for i, (got, want) in enumerate(zip(page_checksums(kv), manifest.checksums, strict=True)):
         if got != want:
             raise TransferFormatError(f"page {i} checksum {got} does not match the manifest's {want}")
 

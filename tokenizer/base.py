@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chat_cost
 from tokenizer.errors import InvalidPromptError, InvalidTokenIdError

@@ -21,8 +21,9 @@ docs/tokenizer.md describes the template for users.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from tokenizer.errors import ImagesNotSupportedError, InvalidPromptError, UnknownContentPartError
 

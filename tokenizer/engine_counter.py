@@ -20,8 +20,9 @@ Detokenize (:meth:`EngineCounter.adecode`, the verifier's view of a token-id pro
 kvgate sends one string per request (SGLang's list form is not served by every engine that
 offers the path). Image parts are removed from the messages sent and cost what the model's image
 policy says, as with the other counters. Chat options that change the prompt
-(``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) are sent too. A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError`
-(502): the engine's fault, never the client's 400 and never a 500.
+(``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) are sent too.
+A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError` (502): the
+engine's fault, never the client's 400 and never a 500.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ class EngineCounter(PromptCounter):
                 return (await self._ask({"prompt": text, "add_special_tokens": True}))[0]
 
         answers = await asyncio.gather(*(one(t) for _, t in texts))
-        for (i, _), n in zip(texts, answers):
+        for (i, _), n in zip(texts, answers, strict=True):
             counts[i] = n
         return PromptCount(tuple(int(c) for c in counts if c is not None))
 
@@ -229,7 +230,9 @@ class EngineCounter(PromptCounter):
         ``tokens``. (kvgate's ``/tokenize`` for ``engine`` tokenizers.)"""
         headers = {"content-type": "application/json", **(self._headers or {})}
         try:
-            r = await self._client.post(self.url, content=orjson.dumps({"model": self.model, **payload}), headers=headers)
+            r = await self._client.post(
+                self.url, content=orjson.dumps({"model": self.model, **payload}), headers=headers
+            )
             data = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as e:
             raise EngineTokenizeError(f"engine tokenize at {self.url} failed: {type(e).__name__}") from None

@@ -28,9 +28,10 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tokenizer.base import PromptCounter
 from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions, render_chatml
@@ -51,7 +52,7 @@ def _bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))
 
 
 _UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
@@ -243,10 +244,6 @@ class HFCounter(PromptCounter):
             ids += self.tokenizer.encode(prompt[pos:], add_special_tokens=False).ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        """Text of ids, special tokens skipped (vLLM's and SGLang's ``skip_special_tokens`` default)."""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one id stands for, for incremental UTF-8 detokenization (special and unknown
         ids: ``b""``). Byte-level vocabularies map each character back through GPT-2's table;
@@ -344,7 +341,8 @@ class HFCounter(PromptCounter):
         final = plain[-1].get("content") if plain else None
         if not isinstance(final, str) or not final.strip() or final != final.rstrip():
             raise InvalidPromptError(
-                "'continue_final_message' needs a final message whose text is not empty and does not end in whitespace.",
+                "'continue_final_message' needs a final message whose text is not empty"
+                " and does not end in whitespace.",
                 "continue_final_message",
             )
         tag = "CONTINUE_FINAL_MESSAGE_TAG "

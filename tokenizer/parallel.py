@@ -32,11 +32,12 @@ Two rules give such cuts:
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 #: Texts shorter than this (characters) are counted on the calling thread.
 PARALLEL_MIN_CHARS = 200_000
@@ -103,7 +104,7 @@ def split_for_count(text: str, pieces: int) -> list[str]:
     """``text`` cut at :func:`safe_cuts`; ``"".join(result) == text`` and no piece is empty."""
     cuts = safe_cuts(text, pieces)
     bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def parallel_count(

@@ -90,4 +90,4 @@ class CanaryRegistry:
     def lookup(self, canaries: list[str]) -> list[CanaryMatch]:
         """Owners of each canary (same order)."""
         fps = [self.fingerprint(c) for c in canaries]
-        return [CanaryMatch(f"{fp:016x}", owners) for fp, owners in zip(fps, self.store.owners(fps))]
+        return [CanaryMatch(f"{fp:016x}", owners) for fp, owners in zip(fps, self.store.owners(fps), strict=True)]

@@ -159,7 +159,7 @@ class LeakVerdict:
     foreign_by_tenant: dict[str, int] = field(default_factory=dict)
     evidence_hashes: list[str] = field(default_factory=list)
 
-    def merge(self, other: "LeakVerdict") -> None:
+    def merge(self, other: LeakVerdict) -> None:
         """Add ``other``'s counts (incremental stream checks)."""
         self.checked += other.checked
         self.own += other.own
@@ -231,7 +231,7 @@ class LeakIndex:
         if not todo:
             return v
         hashes = self.hasher.hashes_at(ids, todo)
-        for h, owners in zip(hashes, self.store.owners(hashes)):
+        for h, owners in zip(hashes, self.store.owners(hashes), strict=True):
             if not owners:
                 continue
             if tenant in owners:

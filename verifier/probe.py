@@ -23,8 +23,9 @@ import asyncio
 import json
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 

@@ -297,7 +297,7 @@ class VerifierService:
             if not started:
                 self.ingest.release(nbytes)
 
-    def begin(self, exchange: Exchange) -> "_BackgroundGuard | _StrictGuard | None":
+    def begin(self, exchange: Exchange) -> _BackgroundGuard | _StrictGuard | None:
         """A guard when sampled or strict (see the module doc). An exchange that did not pass
         :meth:`admit` has its prompt queued for the background worker."""
         if not self.cfg.enabled:
@@ -343,9 +343,7 @@ class VerifierService:
             self.jobs.drain_ingests_locked(job.exchange)
             return self.findings.check_whole_locked(job, self.stats)
 
-    def strict_check_piece(
-        self, guard: "_StrictGuard", canaries: list[str], ids_list: list[list[int]]
-    ) -> list[Incident]:
+    def strict_check_piece(self, guard: _StrictGuard, canaries: list[str], ids_list: list[list[int]]) -> list[Incident]:
         """Incremental stream check of a strict guard: new canaries and, per text stream, the
         token ids whose shingles are new. Returns content incidents (not yet recorded) once the
         evidence so far reaches the withhold threshold. Blocking; run it via :meth:`run_strict`."""

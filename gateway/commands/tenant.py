@@ -23,8 +23,9 @@ import io
 import os
 import secrets
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from pydantic import ValidationError
 from ruamel.yaml import YAML
