@@ -211,12 +211,10 @@ def chatml_token_ids(
         raise ImagesNotSupportedError("This model does not accept image content parts.", "messages")
     ids: list[int] = []
     for piece in rendered.pieces:
-        if piece == IM_START_PIECE:
-            ids.append(im_start_id)
-        elif piece == IM_END_PIECE:
-            ids.append(im_end_id)
-        else:
+        if isinstance(piece, str):
             ids.extend(encode_ordinary(piece))
+        else:  # IM_START_PIECE or IM_END_PIECE
+            ids.append(im_start_id if piece == IM_START_PIECE else im_end_id)
     return ids
 
 

@@ -28,7 +28,7 @@ engine's fault, never the client's 400 and never a 500.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 import orjson
@@ -42,7 +42,7 @@ ENGINE_APIS = ("sglang", "vllm")
 MAX_CONCURRENT_REQUESTS = 8
 
 
-def _is_count(x: Any) -> bool:
+def _is_count(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
@@ -236,10 +236,11 @@ class EngineCounter(PromptCounter):
             data = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError) as e:
             raise EngineTokenizeError(f"engine tokenize at {self.url} failed: {type(e).__name__}") from None
-        tokens = data.get("tokens") if isinstance(data, dict) else None
+        answer = data if isinstance(data, dict) else {}
+        tokens = answer.get("tokens")
         if not isinstance(tokens, list) or not all(_is_count(t) for t in tokens):
             raise EngineTokenizeError(f"engine tokenize at {self.url} answered without a list of token ids")
-        count = data.get("count")
+        count = answer.get("count")
         return (count if _is_count(count) else len(tokens)), tokens
 
     async def aclose(self) -> None:

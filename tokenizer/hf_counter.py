@@ -99,6 +99,9 @@ def _strings(obj: Any) -> Iterator[str]:
             stack.extend(x)
 
 
+NO_TEMPLATE = "This model's tokenizer has no chat template; use /v1/completions."
+
+
 def _compile_template(source: str) -> Any:
     """The chat template compiled in transformers' sandboxed Jinja environment."""
     import jinja2
@@ -312,14 +315,14 @@ class HFCounter(PromptCounter):
         # validation (shapes, part types) only
         rendered = render_chatml(messages, tools, ChatOptions(add_generation_prompt=options.add_generation_prompt))
         if self._template is None:
-            raise InvalidPromptError("This model's tokenizer has no chat template; use /v1/completions.", "messages")
+            raise InvalidPromptError(NO_TEMPLATE, "messages")
         plain = []
         for m in messages:
             content = m.get("content")
             if isinstance(content, list):
                 content = "\n".join(p.get(p["type"]) for p in content if p["type"] not in IMAGE_PART_TYPES)
             plain.append({**m, "content": content})
-        variables = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
+        variables: dict[str, Any] = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
         variables.update(options.template_kwargs)
         variables["add_generation_prompt"] = options.add_generation_prompt and not options.continue_final_message
         if options.continue_final_message:
@@ -329,6 +332,8 @@ class HFCounter(PromptCounter):
         return prompt, rendered.image_parts
 
     def _render(self, plain: list[dict], tools: Any, variables: dict[str, Any]) -> str:
+        if self._template is None:  # callers check first; this keeps the error in one place
+            raise InvalidPromptError(NO_TEMPLATE, "messages")
         try:
             return self._template.render(messages=plain, tools=tools or None, **variables)
         except Exception as e:  # jinja2 TemplateError, or a template tripping over a value's type

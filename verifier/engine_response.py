@@ -38,7 +38,7 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -156,7 +156,7 @@ def _unknown_strings(choice: dict[str, Any], holder: str) -> list[str]:
     return out
 
 
-def _is_index(v: Any) -> bool:
+def _is_index(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -170,8 +170,8 @@ def _choice_fields(choice: dict[str, Any], holder: str) -> list[tuple[str, str, 
         if isinstance(content, str):
             out.append(("content", content, True))
         elif isinstance(content, list):  # content parts
-            texts = [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-            refusals = [p.get("refusal") for p in content if isinstance(p, dict) and isinstance(p.get("refusal"), str)]
+            texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            refusals = [p["refusal"] for p in content if isinstance(p, dict) and isinstance(p.get("refusal"), str)]
             if texts:
                 out.append(("content", "".join(texts), True))
             if refusals:
@@ -479,7 +479,8 @@ def parse_response_event(obj: Any) -> ResponseOutput:
         return ResponseOutput("text", {i: d}, sequence_number=seq, fields={key: d})
     snaps = _snapshots(obj, etype)
     if etype in TERMINAL_EVENTS:
-        resp = obj.get("response") if isinstance(obj.get("response"), dict) else {}
+        got = obj.get("response")
+        resp = got if isinstance(got, dict) else {}
         if etype == "response.failed":
             err = resp.get("error")
             return ResponseOutput("error", error=err if isinstance(err, dict) else {}, sequence_number=seq)

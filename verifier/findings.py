@@ -281,7 +281,7 @@ class Findings:
             tenant=exchange.tenant.id,
             cached_tokens=cached,
         )
-        withhold = []
+        withhold: list[Incident] = []
         if lv.anomaly:
             inc = self.latency_incident(exchange, ttft_seconds, lv, cached)
             (withhold if strict and lv.cached_known else out).append(inc)
@@ -298,7 +298,7 @@ class Findings:
             cans = list(dict.fromkeys(c for t in texts for c in find_canaries(t)))
             found += self.canary(ex, cans)
             own = self.own_locked(ex)
-            verdict, seen = LeakVerdict(), set()
+            verdict, seen = LeakVerdict(), set[int]()
             for t in texts:
                 verdict.merge(self.index.check_ids(ex.tenant.id, encode(t), own, seen))
             leak = self.leak(ex, verdict)

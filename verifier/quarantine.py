@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from config.secrets import private_dir
 
@@ -106,7 +107,7 @@ class RedisQuarantineBackend:
         self.client = client
         self.prefix = prefix
         self.key = f"{prefix}quarantine"
-        self._evidence_script = None
+        self._evidence_script: Any = None  # a redis-py Script, registered on first use
 
     def load(self) -> dict[str, QuarantineRecord]:
         raw = self.client.hgetall(self.key)

@@ -51,7 +51,7 @@ from verifier.findings import Evidence, Findings, StoreHealth, StoreSkipped, inc
 from verifier.incidents import CHECKS, Incident, IncidentSink
 from verifier.jobs import CheckJob, IngestBudget, IngestJob, JobQueue
 from verifier.latency import LatencyModel
-from verifier.leak_index import LeakIndex, LeakVerdict, MemoryLeakStore, RedisLeakStore
+from verifier.leak_index import LeakIndex, LeakStore, LeakVerdict, MemoryLeakStore, RedisLeakStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
 from verifier.shingles import IncrementalShingler, ShingleHasher, encode
 from verifier.stage import Decoder, Exchange, ResponseWithheld
@@ -121,6 +121,9 @@ class VerifierService:
                 settings.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25, retry=Retry(NoBackoff(), 0)
             )
         self.redis = redis_client
+        leak_store: LeakStore
+        canary_store: LeakStore
+        qbackend: RedisQuarantineBackend | FileQuarantineBackend
         if redis_client is not None:
             leak_store = RedisLeakStore(redis_client, cfg.leak_index_ttl_seconds, key_prefix + "leak:")
             canary_store = RedisLeakStore(redis_client, cfg.leak_index_ttl_seconds, key_prefix + "canary:")
@@ -400,7 +403,7 @@ class _Prober:
                         f"probe-{int(time.time())}",
                         TenantConfig(id=self.tenant_id, honeypot=True),
                         target.upstream,
-                        target.model,
+                        target.model or "",  # Exchange.model: "" when unnamed, as in verifier/latency.py
                         "/v1/completions",
                         "",
                         result.limit or 0,
