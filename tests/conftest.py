@@ -16,14 +16,14 @@ SHARED = ROOT.parent / "shared"
 SEEDS = SHARED / "seeds"
 sys.path.insert(0, str(ROOT))
 
-#: test files that read the runbook texts in SEEDS (or import a module that does)
+#: test files that read the runbook texts in SEEDS (tests/test_imports.py checks that every test file
+#: naming SEEDS is listed, and only those)
 NEEDS_SEEDS = [
     "test_backend_core_copy_probe.py",
     "test_gateway_http.py",
     "test_tokenizer.py",
     "test_tokenizer_hf.py",
     "test_tokenizer_parallel.py",
-    "test_verifier_backend.py",
     "test_verifier_e2e.py",
     "test_verifier_service.py",
     "test_verifier_units.py",

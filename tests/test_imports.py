@@ -302,3 +302,21 @@ def test_cycle_checker_counts_type_only_and_deferred_imports(tmp_path):
     (pkg / "handlers.py").write_text("def handle():\n    pass\n")
     (pkg / "b.py").write_text("x = 1\n")
     assert import_cycles(tmp_path, ("pkg",)) == []
+
+
+def test_needs_seeds_lists_every_test_file_that_reads_the_seeds_and_only_those():
+    """A clone without the shared seeds folder skips exactly the test files that read them
+    (conftest.NEEDS_SEEDS): one that names ``SEEDS`` (imported from conftest) and is not listed
+    would fail at collection there; one listed that does not would never run there."""
+    from conftest import NEEDS_SEEDS
+
+    tests = ROOT / "tests"
+    reading = sorted(
+        p.name
+        for p in tests.glob("*.py")
+        if p.name not in ("conftest.py", "test_imports.py")
+        and re.search(r"\bSEEDS\b|shared.{0,8}seeds", p.read_text(encoding="utf-8"))
+    )
+    helpers = [p.name for p in tests.glob("*.py") if not p.name.startswith("test_") and p.name in reading]
+    assert helpers == []  # a helper reading the seeds would make every file importing it need them
+    assert sorted(NEEDS_SEEDS) == reading
