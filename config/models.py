@@ -174,8 +174,8 @@ class GatewaySettings(_Strict):
     (``max_connections`` sizes the upstream pool), ``max_header_bytes`` / ``max_header_count``
     (431 above), ``header_timeout_seconds`` / ``body_timeout_seconds`` (408 when a request head or
     body arrives slower), ``keepalive_timeout_seconds``. ``max_sse_event_bytes`` bounds one
-    upstream stream event; ``max_body_values`` the JSON values of one request body (413 above,
-    before it is parsed); ``metrics_token``, when set, is the bearer token ``/metrics`` and
+    upstream stream event; ``max_body_values`` the JSON values of one request body besides its
+    token-id arrays, which are parsed in slices and not counted (413 above, before it is parsed); ``metrics_token``, when set, is the bearer token ``/metrics`` and
     ``/readyz``'s details need.
 
     ``workers``: gateway worker processes on the one port (DESIGN.md, Contracts: "Workers");

@@ -7,8 +7,9 @@ In DESIGN.md's order, each step a call into the module that owns it:
 1. authenticate from the ``Authorization`` header (:mod:`gateway.auth`), before any byte of the
    body is read: an unauthenticated client never makes the gateway read or parse a body;
 2. read the body (size limit) and parse it as strict JSON (:mod:`gateway.requests`), in a worker
-   thread when it is larger than :data:`OFFLOAD_BODY_BYTES`, after refusing (413) one that holds
-   more than ``gateway.max_body_values`` JSON values (:mod:`gateway.density`);
+   thread when it is larger than :data:`OFFLOAD_BODY_BYTES`: its token-id arrays cut out and
+   parsed in slices, after refusing (413) one that holds more than ``gateway.max_body_values``
+   other JSON values (:mod:`gateway.density`);
 3. validate it against the route's OpenAI schema (:mod:`gateway.requests`; ``/v1/responses`` and
    ``/v1/embeddings``: :mod:`gateway.api_routes`), and check that the model's ``task`` serves the route;
 4. resolve the model, count the prompt, apply the context gate (:mod:`gateway.admission`); a
@@ -38,7 +39,7 @@ from config.models import Settings, TenantConfig
 from gateway import api_routes
 from gateway.admission import Admission, ModelIndex, client_wants_usage, count_prompt, decide, upstream_body
 from gateway.auth import authenticate
-from gateway.density import values_over
+from gateway.density import BadIds, restore_ids, split_ids, values_over
 from gateway.requests import parse_json_body, read_body, validate
 from gateway.stages import QuotaLease, QuotaStage
 from gateway.tenants import TenantRegistry
@@ -53,17 +54,28 @@ OFFLOAD_BODY_BYTES = 64 * 1024
 
 
 def _parse_large(raw: bytes, max_values: int) -> dict:
-    """Parse a large body in a worker thread, after refusing one that holds more than
-    ``max_values`` JSON values (:func:`gateway.density.values_over`): 413 before any parse."""
-    over = values_over(raw, max_values)
+    """Parse a large body in a worker thread: its token-id arrays cut out
+    (:func:`gateway.density.split_ids`), a body whose other values are more than ``max_values``
+    refused (413, :func:`gateway.density.values_over`) before any parse, the rest parsed, then
+    the token-id arrays parsed in slices and put back. Raises :class:`OpenAIError` 413, or 400
+    for a body that is not JSON."""
+    skeleton, ids = split_ids(raw)
+    over = values_over(skeleton, max_values)
     if over is not None:
         raise OpenAIError(
             413,
-            f"The request body holds more than {max_values} JSON values ({over + 1} or more); "
-            "send fewer prompts, messages or token ids per request.",
+            f"The request body holds more than {max_values} JSON values besides its token-id arrays "
+            f"({over + 1} or more); send fewer prompts or messages per request.",
             code=ErrorCode.REQUEST_TOO_LARGE,
         )
-    return parse_json_body(raw)
+    body = parse_json_body(skeleton)
+    try:
+        restore_ids(body, ids)
+    except BadIds as e:
+        raise OpenAIError(
+            400, f"We could not parse the JSON body of your request ({e}).", code=ErrorCode.INVALID_REQUEST
+        ) from None
+    return body
 
 
 class AdmitContext(Protocol):

@@ -7,9 +7,24 @@ body holding more values than ``gateway.max_body_values`` is refused (413) befor
 :func:`values_over` counts the commas outside strings (one per value after the first in each
 array or object), in slices of :data:`SLICE_BYTES`, each C-level step short enough that the
 event loop's thread gets the GIL between them when this runs in a worker thread.
+
+Token ids are the exception: a long-context model's prompt may hold a million of them, and no
+fixed value limit both admits that and bounds the parse. So an array of at least
+:data:`MIN_ID_ARRAY` integers (outside strings) is cut out of the body before it is parsed
+(:func:`split_ids`), is not counted as values, and is parsed in slices of
+:data:`ID_SLICE_BYTES` (:func:`parse_ids`), each one short orjson call, so the event loop's
+thread gets the GIL between them. Measured on the team machine (orjson 3.13, one
+``orjson.loads``, best of 5): 1M token ids of 6-7 digits 145 ms, 300k 33 ms, 131k 11 ms, 1M
+empty strings 56 ms, 1M ``"a"`` 227 ms, 1M ``[]`` 1,040 ms, 500k small messages (1M values)
+1,220 ms; one slice of 64 KiB of ids (about 10,000) 0.3 ms.
 """
 
 from __future__ import annotations
+
+import re
+import secrets
+
+import orjson
 
 #: bytes scanned per C-level step
 SLICE_BYTES = 256 * 1024
@@ -45,3 +60,136 @@ def values_over(raw: bytes, limit: int) -> int | None:
         outside += sum(map(len, compact[start:end].split(b'"')[0::2]))
         start = end
     return outside if outside > limit else None
+
+
+#: an array of at least this many integers is a token-id array: cut out before the body is parsed
+#: (:func:`split_ids`), parsed in slices (:func:`parse_ids`), and not counted as values
+MIN_ID_ARRAY = 1024
+#: bytes of token ids parsed per orjson call (about 10,000 ids of 6-7 digits: 0.3 ms measured)
+ID_SLICE_BYTES = 64 * 1024
+#: how far past its window a token-id array's first MIN_ID_ARRAY ids may reach and still be found
+_MARGIN = 64 * 1024
+_WS = rb"[ \t\r\n]*"
+#: ``[`` then MIN_ID_ARRAY integers: the start of a token-id array
+_ID_START = re.compile(rb"\[" + _WS + rb"-?[0-9]+(?:" + _WS + rb"," + _WS + rb"-?[0-9]+){%d}" % (MIN_ID_ARRAY - 1))
+#: what may follow inside a token-id array, up to its ``]``
+_ID_TAIL = re.compile(rb"[0-9,\- \t\r\n]*")
+
+
+class BadIds(ValueError):
+    """A cut-out token-id array is not valid JSON (``str``: orjson's message, or what is wrong)."""
+
+
+def _unescaped(raw: bytes) -> bytes:
+    """``raw`` with every escaped backslash and escaped quote blanked (same length), so that each
+    ``"`` left is a string boundary; in steps of about :data:`SLICE_BYTES` that never split an
+    escape (a step ends after a byte that is not a backslash)."""
+    if b"\\" not in raw:
+        return raw
+    parts = []
+    i, n = 0, len(raw)
+    while i < n:
+        j = min(n, i + SLICE_BYTES)
+        while j < n and raw[j - 1] == 0x5C:
+            j += 1
+        parts.append(raw[i:j].replace(b"\\\\", b"\0\0").replace(b'\\"', b"\0\0"))
+        i = j
+    return b"".join(parts)
+
+
+def _id_array_end(clean: bytes, pos: int) -> int | None:
+    """The index of the ``]`` that ends the token-id array whose ids continue at ``pos``, or
+    ``None`` when something other than ids, commas and whitespace comes first (then the array is
+    not a token-id array and is parsed as usual). Scans in windows of :data:`SLICE_BYTES`."""
+    n = len(clean)
+    while True:
+        stop = min(n, pos + SLICE_BYTES)
+        pos = _ID_TAIL.match(clean, pos, stop).end()
+        if pos < stop or stop == n:
+            return pos if clean[pos : pos + 1] == b"]" else None
+
+
+def split_ids(raw: bytes) -> tuple[bytes, dict[int, bytes]]:
+    """Cut every token-id array (``[`` then at least :data:`MIN_ID_ARRAY` integers and nothing
+    else up to its ``]``, outside JSON strings) out of the JSON body ``raw``. Returns the body
+    with each replaced by a marker integer, and ``{marker: the bytes between its brackets}``
+    (empty, and ``raw`` itself, when there is none). The markers share a random 14-digit prefix
+    that does not occur in ``raw``, so no integer a client wrote is taken for one.
+
+    Exact for valid JSON; for invalid JSON the parse of what is left, or :func:`parse_ids`,
+    refuses it. Cost: regex searches and counts over windows of :data:`SLICE_BYTES` (each a
+    bounded C call) and byte copies; no Python object per id."""
+    if len(raw) < 2 * MIN_ID_ARRAY:
+        return raw, {}
+    clean = _unescaped(raw)
+    n = len(clean)
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    odd = 0  # parity of the quotes before pos: 1 = pos is inside a string
+    while pos < n:
+        wend = min(n, pos + SLICE_BYTES)
+        m = _ID_START.search(clean, pos, min(n, wend + _MARGIN))
+        if m is None or m.start() >= wend:
+            odd ^= clean.count(b'"', pos, wend) & 1
+            pos = wend
+            continue
+        odd ^= clean.count(b'"', pos, m.start()) & 1
+        end = None if odd else _id_array_end(clean, m.end())
+        if end is None:  # inside a string, or not only ids: look again one byte on
+            pos = m.start() + 1
+            continue
+        spans.append((m.start(), end))
+        pos = end + 1  # no quote inside the array: the parity is unchanged
+    if not spans:
+        return raw, {}
+    while True:
+        base = (10**13 + secrets.randbelow(8 * 10**13)) * 10**5
+        if b"%d" % (base // 10**5) not in raw:
+            break
+    pieces, arrays, prev = [], {}, 0
+    for k, (start, end) in enumerate(spans):
+        marker = base + k
+        pieces += (raw[prev:start], b"%d" % marker)
+        arrays[marker] = raw[start + 1 : end]
+        prev = end + 1
+    pieces.append(raw[prev:])
+    return b"".join(pieces), arrays
+
+
+def parse_ids(content: bytes) -> list[int]:
+    """The integers of one token-id array's ``content`` (the bytes between its brackets), parsed
+    in slices of about :data:`ID_SLICE_BYTES` cut at commas, one ``orjson.loads`` each, so that
+    no single call holds the GIL for long. Raises :class:`BadIds` for what ``orjson.loads`` of
+    the whole array would refuse (a missing or doubled comma, a leading zero, an integer beyond
+    64 bits, ...)."""
+    out: list[int] = []
+    i, n = 0, len(content)
+    while True:
+        j = content.find(b",", i + ID_SLICE_BYTES) if i + ID_SLICE_BYTES < n else -1
+        piece = content[i : n if j < 0 else j]
+        try:
+            vals = orjson.loads(b"[" + piece + b"]")
+        except orjson.JSONDecodeError as e:
+            raise BadIds(str(e)) from None
+        if not vals:
+            raise BadIds("a comma without a value in a token-id array")
+        out += vals
+        if j < 0:
+            return out
+        i = j + 1
+
+
+def restore_ids(body: dict, arrays: dict[int, bytes]) -> None:
+    """Put each token-id array of ``arrays`` (from :func:`split_ids`), parsed by
+    :func:`parse_ids`, back in place of its marker in the parsed ``body`` (in place). Walks the
+    parsed skeleton, which holds at most ``gateway.max_body_values`` values. Raises
+    :class:`BadIds` (see :func:`parse_ids`)."""
+    left = dict(arrays)
+    stack: list = [body]
+    while stack and left:
+        node = stack.pop()
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+            if type(value) is int and value in left:
+                node[key] = parse_ids(left.pop(value))
+            elif isinstance(value, (dict, list)):
+                stack.append(value)

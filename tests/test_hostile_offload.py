@@ -154,20 +154,29 @@ def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_i
         with g.client() as c:
             for body, n in (
                 ({"model": "kvgate-tiny", "prompt": [""] * 2_000_000}, 2_000_001),
-                ({"model": "kvgate-tiny", "prompt": [1] * 2_000_000}, 2_000_001),
                 ({"model": "kvgate-tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}, 400_001),
+                # token-id arrays shorter than MIN_ID_ARRAY are values like any other
+                ({"model": "kvgate-tiny", "prompt": [[1] * 1023] * 200}, 200 * 1022 + 199 + 1 + 1),
             ):
                 r = c.post("/v1/chat/completions" if "messages" in body else "/v1/completions", json=body)
                 assert (r.status_code, r.json()["error"]) == (
                     413,
                     {
-                        "message": f"The request body holds more than 131072 JSON values ({n} or more); "
-                        "send fewer prompts, messages or token ids per request.",
+                        "message": "The request body holds more than 131072 JSON values besides its token-id arrays "
+                        f"({n} or more); send fewer prompts or messages per request.",
                         "type": "invalid_request_error",
                         "param": None,
                         "code": "request_too_large",
                     },
                 )
+            # two million token ids are parsed in slices and gated: the limit is the pool's 4,096 / 1.25
+            r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": [1] * 2_000_000, "max_tokens": 1})
+            assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["message"]) == (
+                400,
+                "context_length_exceeded",
+                "This model's maximum context length is 3276 tokens. However, you requested 2000001 tokens "
+                "(2000000 in the prompt, 1 in the completion). Please reduce the length of the prompt or completion.",
+            )
             # under the value limit but over the sequence cap: refused before counting
             r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": [""] * 100_000})
             assert (r.status_code, r.json()["error"]["message"]) == (
@@ -182,3 +191,108 @@ def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_i
     finally:
         g.stop()
         engine.stop()
+
+
+def _long_context_gateway(engine):
+    """A 300,000-token model behind a static pool that allows all of it (375,000 / 1.25)."""
+    from tests.gateway_harness import Gateway, settings_for, tenants, upstream
+
+    up = upstream("u1", engine, pool_source="static", static_pool_tokens=375_000, pool_urls=[])
+    settings = settings_for([up], gateway={"max_body_bytes": 8 << 20}, context_length=300_000)
+    return Gateway(settings, tenants(max_tokens_cap=4096)).start()
+
+
+def test_a_token_id_prompt_as_long_as_the_context_is_counted_and_gated_not_refused_as_too_many_values():
+    from tests.mock_engine import MockEngine
+
+    engine = MockEngine().start()
+    g = _long_context_gateway(engine)
+    try:
+        with g.client() as c:
+            ids = [(i * 7919) % 50_000 + 1 for i in range(300_000)]  # 300,000 ids of 1-5 digits
+            r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": ids, "max_tokens": 1})
+            assert (r.status_code, r.json()["error"]) == (
+                400,
+                {
+                    "message": "This model's maximum context length is 300000 tokens. However, you requested "
+                    "300001 tokens (300000 in the prompt, 1 in the completion). Please reduce the length of the "
+                    "prompt or completion.",
+                    "type": "invalid_request_error",
+                    "param": "prompt",
+                    "code": "context_length_exceeded",
+                },
+            )
+            assert engine.state.requests == []
+            # one token fewer: exactly the limit with the completion, admitted and forwarded whole
+            r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": ids[1:], "max_tokens": 1})
+            assert r.status_code == 200, r.text
+            (sent,) = engine.state.requests
+            assert sent["body"]["prompt"] == ids[1:] and sent["body"]["max_tokens"] == 1
+            # pretty-printed (spaces and newlines between ids), in a list of prompts: the same
+            body = json.dumps({"model": "kvgate-tiny", "prompt": [ids[2:]], "max_tokens": 2}, indent=1)
+            r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+            assert engine.state.requests[-1]["body"]["prompt"] == [ids[2:]]
+            # the element-dense body is still refused before it is parsed
+            r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": [""] * 2_000_000})
+            assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
+            # a token-id array that is not JSON is refused as the whole body would be (a 400, not a 500)
+            bad = b'{"model": "kvgate-tiny", "prompt": [' + b"1," * 40_000 + b"]}"
+            r = c.post("/v1/completions", content=bad, headers={"content-type": "application/json"})
+            assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["message"]) == (
+                400,
+                "invalid_request",
+                "We could not parse the JSON body of your request (trailing comma is not allowed: "
+                "line 1 column 14463 (char 14462)).",  # the position is within the slice parsed last
+            )
+            assert len(engine.state.requests) == 2
+    finally:
+        g.stop()
+        engine.stop()
+
+
+def test_split_ids_cuts_only_integer_arrays_outside_strings_and_restores_them_exactly():
+    import orjson
+
+    from gateway.density import ID_SLICE_BYTES, MIN_ID_ARRAY, BadIds, parse_ids, restore_ids, split_ids
+
+    def roundtrip(raw: bytes) -> tuple[int, object]:
+        skeleton, arrays = split_ids(raw)
+        body = orjson.loads(skeleton)
+        restore_ids(body, arrays)
+        return len(arrays), body
+
+    ids = list(range(-5, MIN_ID_ARRAY * 3))
+    obj = {
+        "prompt": [ids, [1] * MIN_ID_ARRAY, [2] * (MIN_ID_ARRAY - 1)],  # the last is too short: parsed as usual
+        "s": "[" + ",".join(["1"] * 5000) + "]",  # text that looks like ids
+        "e": 'x\\"[' + "1," * 3000 + '1]\\\\"',  # ... after an escaped quote, then a string ending in a backslash
+        "f": [1.5] + [1] * 3000,  # a float: not a token-id array
+        "g": [1] * 3000 + [[2]],  # a nested array after the ids: not a token-id array
+        "n": 7027324451624700000,  # a client's integer that looks like a marker stays an integer
+    }
+    raw = orjson.dumps(obj)
+    assert roundtrip(raw) == (2, obj)
+    assert roundtrip(json.dumps(obj, indent=2).encode()) == (2, obj)  # whitespace and newlines between ids
+    skeleton, arrays = split_ids(raw)
+    assert len(skeleton) < len(raw) - 8000 and list(arrays.values())[1] == b",".join([b"1"] * MIN_ID_ARRAY)
+    # a long array is parsed in several slices, and comes back whole
+    long = list(range(200_000))
+    assert roundtrip(orjson.dumps({"p": long})) == (1, {"p": long})
+    # what orjson refuses in the whole array, the slices refuse too
+    for bad, why in (
+        (b"1,2,", "trailing comma"),
+        (b"1,,2", "expected a JSON value"),
+        (b"1,02", "leading zero"),
+        (b"1, ,2", "expected a JSON value"),
+        (b"1,2" + b"9" * 400, "infinity"),
+    ):
+        with pytest.raises(BadIds, match=why):
+            parse_ids(b"3," * 40_000 + bad)  # past the first slice
+        with pytest.raises(orjson.JSONDecodeError):
+            orjson.loads(b"[" + b"3," * 40_000 + bad + b"]")
+    with pytest.raises(BadIds, match="a comma without a value"):  # the last comma ends a slice
+        parse_ids(b"1," * (ID_SLICE_BYTES // 2 + 1))
+    assert parse_ids(b" 1 ,\n-2 ") == [1, -2]
+    # beyond 64 bits orjson gives a float, in slices as whole (validation then refuses it)
+    assert parse_ids(b"3," * 40_000 + b"99999999999999999999")[-1] == orjson.loads(b"[99999999999999999999]")[0]
