@@ -33,6 +33,7 @@ from gpu_backend.faults import UnknownFaultError, faults_from_env
 
 if TYPE_CHECKING:  # the router role imports neither torch nor the engine
     import httpx
+    import torch
     from fastapi import FastAPI
 
     from gpu_backend.engine import Engine
@@ -153,7 +154,28 @@ def parse_args(argv: list[str] | None = None) -> Options:
     settings = load_backend_settings(known.config)
     ns = build_parser(settings).parse_args(argv)
     ns.model, ns.served_model_name = resolve_model_flags(ns.model, ns.served_model_name, known.config, settings)
+    ns.context_length = folder_context_length(ns.model, ns.context_length)
     return Options(ns, faults_from_env())
+
+
+def folder_context_length(model: str, context_length: int) -> int:
+    """The context length (tokens) a role serves ``model`` with: for a checkpoint folder,
+    ``min(context_length, config.json's max_position_embeddings)`` (the rule ``kvgate up`` applies to
+    the gateway's model entry, so every role of a split deployment and the gateway agree and no
+    position past the model's own limit is admitted); ``context_length`` for the built-in models or
+    a folder whose config names no positive integer. Raises nothing."""
+    import json
+    from pathlib import Path
+
+    if model in ("tiny-random", "copy-probe"):
+        return context_length
+    try:
+        ctx = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return context_length
+    return (
+        min(context_length, ctx) if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0 else context_length
+    )
 
 
 def resolve_model_flags(model: str, served: str | None, config: str | None, d: BackendSettings) -> tuple[str, str]:
@@ -180,8 +202,9 @@ def resolve_model_flags(model: str, served: str | None, config: str | None, d: B
     return model, name if isinstance(name, str) and name else folder.resolve().name
 
 
-def make_engine(opts: Options, side: str) -> Engine:
-    """An :class:`~gpu_backend.engine.Engine` for ``side`` with the model's tokenizer (imports torch)."""
+def make_engine(opts: Options, side: str, model: torch.nn.Module | None = None) -> Engine:
+    """An :class:`~gpu_backend.engine.Engine` for ``side`` with the model's tokenizer (imports torch).
+    ``model``: another engine's model to share (role ``all``), else the engine loads its own."""
     from gpu_backend.engine import Engine, EngineConfig
     from gpu_backend.vocab import vocab_for
 
@@ -199,7 +222,7 @@ def make_engine(opts: Options, side: str) -> Engine:
         dtype=opts.dtype,
         faults=opts.faults,
     )
-    engine = Engine(cfg, vocab_for(opts.model))
+    engine = Engine(cfg, vocab_for(opts.model), model)
     print(f"gpu_backend: {side} {engine.pool_explanation}", file=sys.stderr, flush=True)
     return engine
 
@@ -258,7 +281,9 @@ def build_all(opts: Options) -> FastAPI:
     from gpu_backend.prefill_node import LocalSink, PrefillNode
     from gpu_backend.router import LocalDecodeClient, LocalPrefillClient, Router
 
-    pe, de = make_engine(opts, "prefill"), make_engine(opts, "decode")
+    # one copy of the read-only weights for both engines; each keeps its own KV pool (DESIGN invariants)
+    pe = make_engine(opts, "prefill")
+    de = make_engine(opts, "decode", model=pe.model)
     dnode = DecodeNode(de, faults=opts.faults, transfer_timeout_seconds=opts.transfer_timeout_seconds)
     pnode = PrefillNode(pe, LocalSink(dnode), transfer_timeout_seconds=opts.transfer_timeout_seconds)
     router = Router(LocalPrefillClient(pnode), LocalDecodeClient(dnode), open_timeout=opts.open_timeout)

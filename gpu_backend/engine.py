@@ -47,19 +47,27 @@ class Engine:
     """One model over one paged KV pool (nano-vllm's shape: Sequence, KVPool, Scheduler, ModelRunner).
 
     ``vocab`` (default :func:`~gpu_backend.vocab.vocab_for` of ``cfg.model``) is the tokenizer seam.
+    ``model`` (default: built from ``cfg.model`` by :func:`~gpu_backend.weights.build_model`) is an
+    already-built model of ``cfg.model`` on ``cfg.device`` / ``cfg.dtype`` to share with another engine
+    in the same process (role ``all``): the forward pass only reads its parameters (inference mode) and
+    keeps every K/V in this engine's own pool, so two worker threads may run it at once.
     Attributes: ``counter``, ``eos_token_id``, ``max_total_num_tokens`` (pool tokens, a multiple of
     ``page_size``), ``max_req_input_len`` / ``max_req_len`` (SGLang's), ``pool``, ``scheduler``,
     ``stats``. ``ValueError`` for a bad config, unknown model or no room for one page;
     ``FileNotFoundError`` for a missing checkpoint folder.
     """
 
-    def __init__(self, cfg: EngineConfig, vocab: Vocab | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, vocab: Vocab | None = None, model: torch.nn.Module | None = None) -> None:
         cfg.check()
         self.cfg, self.faults = cfg, frozenset(cfg.faults)
         self.device, self.dtype = resolve_device(cfg.device), DTYPES[cfg.dtype]
         self.context_length, self.page_size = cfg.context_length, cfg.page_size
         free_bytes, free_source = pool_sizing.memory_source(self.device, cfg.mem_budget_bytes)
-        self.model = build_model(cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
+        if model is None:
+            model = build_model(cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
+        elif model.training or any(t.device != self.device or t.dtype != self.dtype for t in model.parameters()):
+            raise ValueError(f"a shared model must be in eval mode on {self.device} as {cfg.dtype}")
+        self.model = model
         self.weight_bytes = weight_bytes(self.model)
         layers, kv_heads, head_dim = self.model.kv_geometry
         cell = pool_sizing.kv_cell_bytes(layers, kv_heads, head_dim, self.dtype)

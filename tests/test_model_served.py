@@ -1,16 +1,15 @@
 """``python -m gpu_backend --model FOLDER`` serves a Hugging Face folder with the folder's own
 tokenizer, chat template and EOS (DESIGN.md, Models).
 
-The folder is built here: a tiny random ``LlamaForCausalLM`` and a byte-level BPE tokenizer trained
-with ``tokenizers`` that differs from SmolLM2's and from the bundled one (a BOS ``<s>`` added to
-completions prompts, Zephyr-style template, ``</s>`` as ``eos_token`` and ``<|endoftext|>`` (id 0)
-as a second EOS only in ``generation_config.json``). Counts are compared three ways: the engine's
+The folder is built here by ``tests/tiny_hf.py`` (a tiny random ``LlamaForCausalLM`` and its own
+byte-level BPE tokenizer; see there). Counts are compared three ways: the engine's
 ``usage.prompt_tokens``, the gateway's counter (``tokenizer/hf_counter.py``) and ``transformers``'
 ``apply_chat_template`` / tokenizer call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,75 +21,16 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from backend_procs import Backend
+from tiny_hf import build_folder
 
 from tokenizer.hf_counter import HFCounter
-
-SPECIALS = ["<|endoftext|>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
-TEMPLATE = (
-    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + eos_token + '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. Paris is the capital of France.",
-    "Zwölf Boxkämpfer jagen Viktor quer über den großen Sylter Deich. 東京は日本の首都です。",
-    "for i in range(10):\n    print(i * i)\n",
-] * 30
-
-
-def _build_folder(folder: Path, *, silent: bool) -> None:
-    """The tokenizer + a random model; ``silent``: final norm zeroed, so every logit is 0 and greedy
-    decoding picks id 0 (``<|endoftext|>``) at once."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
-    folder.mkdir(parents=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "chat_template": TEMPLATE,
-                "add_bos_token": True,
-            }
-        )
-    )
-    cfg = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        bos_token_id=bos,
-        eos_token_id=tok.token_to_id("</s>"),
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    if silent:
-        with torch.no_grad():
-            model.model.norm.weight.zero_()
-    model.save_pretrained(folder, safe_serialization=True)
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.token_to_id("</s>"), 0]}))
-    assert SPECIALS.index("<|endoftext|>") == tok.token_to_id("<|endoftext|>") == 0
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("hf")
-    _build_folder(base / "tiny-hf", silent=False)
-    _build_folder(base / "tiny-hf-silent", silent=True)
+    build_folder(base / "tiny-hf", silent=False)
+    build_folder(base / "tiny-hf-silent", silent=True)
     return {"talk": base / "tiny-hf", "silent": base / "tiny-hf-silent"}
 
 
@@ -216,3 +156,61 @@ def _is_utf8(b: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def test_role_all_loads_the_folder_once_and_keeps_two_pools(folders):
+    """``--role all``: the prefill and decode engines share one read-only model (one copy of the
+    weights) but each owns its KV pool; the folder's 1,024 positions cap the default 8,192."""
+    from gpu_backend.cli import build_all, parse_args
+
+    opts = parse_args(
+        ["--role", "all", "--model", str(folders["talk"]), "--device", "cpu"]
+        + ["--prefill-max-total-tokens", "256", "--decode-max-total-tokens", "512"]
+    )
+    assert opts.context_length == 1024
+    app = build_all(opts)
+    pe, de = app.state.engines["prefill"], app.state.engines["decode"]
+    assert pe.model is de.model and not pe.model.training
+    assert pe.pool is not de.pool and pe.pool.kv.data_ptr() != de.pool.kv.data_ptr()
+    assert (pe.max_total_num_tokens, de.max_total_num_tokens) == (256, 512)
+    assert pe.runner.model is de.runner.model and pe.runner.pool is pe.pool and de.runner.pool is de.pool
+
+
+def test_a_shared_model_must_match_the_engine(folders):
+    from gpu_backend.engine import Engine, EngineConfig
+    from gpu_backend.weights import build_model
+
+    cfg = EngineConfig(model=str(folders["talk"]), device="cpu", context_length=1024, max_total_tokens=256)
+    model = build_model(cfg.model, 1024, 0, torch.float32, torch.device("cpu"))
+    assert Engine(cfg, model=model).model is model
+    with pytest.raises(ValueError, match="eval mode on cpu as bfloat16"):
+        Engine(dataclasses.replace(cfg, dtype="bfloat16"), model=model)
+    model.train()
+    with pytest.raises(ValueError, match="eval mode"):
+        Engine(cfg, model=model)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"max_position_embeddings": 512}, 512),
+        ({"max_position_embeddings": 65536}, 8192),  # never above the flag
+        ({"max_position_embeddings": 0}, 8192),
+        ({"max_position_embeddings": -5}, 8192),
+        ({"max_position_embeddings": True}, 8192),
+        ({"max_position_embeddings": "512"}, 8192),
+        ({"max_position_embeddings": 512.0}, 8192),
+        ({}, 8192),
+        ([512], 8192),
+        ("not json", 8192),
+        (None, 8192),  # no config.json
+    ],
+)
+def test_folder_context_length(tmp_path, config, expected):
+    from gpu_backend.cli import folder_context_length
+
+    if config is not None:
+        text = config if isinstance(config, str) else json.dumps(config)
+        (tmp_path / "config.json").write_text(text)
+    assert folder_context_length(str(tmp_path), 8192) == expected
+    assert folder_context_length("tiny-random", 8192) == 8192 and folder_context_length("copy-probe", 100) == 100
