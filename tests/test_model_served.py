@@ -16,14 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
-
 from backend_procs import Backend
 from tiny_hf import build_folder
 
 from tokenizer.hf_counter import HFCounter
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,14 @@ import json
 
 import httpx
 import pytest
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
-
 import torch
 from backend_procs import Backend
 from tiny_hf import build_folder
 
 from tokenizer.hf_counter import HFCounter
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
 
 CTX = 512
 CHATS = [

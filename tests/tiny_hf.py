@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import torch
-import transformers
 
 SPECIALS = ["<|endoftext|>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
 TEMPLATE = (
@@ -30,6 +29,7 @@ def build_folder(folder: Path, *, silent: bool, context_length: int = 1024) -> N
     ``model.safetensors`` (seeded random, ``max_position_embeddings = context_length``) and
     ``generation_config.json`` (EOS ids ``[</s>, 0]``). ``silent``: the final norm is zeroed, so
     every logit is 0 and greedy decoding picks id 0 (``<|endoftext|>``) at once."""
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
