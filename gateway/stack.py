@@ -114,6 +114,73 @@ class Child:
         """Whether the process is still running."""
         return self.proc.poll() is None
 
+    @classmethod
+    def spawn(cls, name: str, cmd: list[str], url: str, options: StackOptions, run_dir: Path) -> Child:
+        """Start ``cmd`` as child ``name`` (its own session; output to ``<run_dir>/<name>.log``
+        unless ``options.echo_logs``), importing this checkout. Raises :class:`StackError` when
+        it cannot be started."""
+        log_path = run_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **options.extra_env}
+        if name == "gateway":  # KVGATE_<SECTION>__<KEY> overrides are already in the generated file
+            for var in list(env):
+                if env_overrides(Settings, {var: env[var]}):
+                    del env[var]
+        root = str(Path(__file__).resolve().parent.parent)  # the checkout, for `-m gateway.cli`
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if options.echo_logs:
+            out: Any = None
+        else:
+            out = open(log_path, "wb")  # handed to the child, closed below
+        try:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as e:
+            raise StackError(f"{name}: cannot start {cmd[0]}: {e.strerror or e}") from e
+        finally:
+            if out is not None:
+                out.close()
+        return cls(name, proc, log_path, url)
+
+    def died(self, echo_logs: bool) -> StackError:
+        """The error for a child that exited during start-up (with its log's tail unless the log
+        went to the terminal)."""
+        where = "" if echo_logs else f" (log: {self.log_path})\n{_log_tail(self.log_path)}"
+        hint = ""
+        if self.name == "backend" and "No module named 'torch'" in where:
+            hint = "\nThe bundled backend needs PyTorch: pip install 'kvgate[backend]' (or run scripts/bootstrap.sh)."
+        return StackError(f"{self.name} exited with status {self.proc.returncode} during start-up{where}{hint}")
+
+    def wait_ready(self, path: str, accept: Any, what: str, timeout_seconds: float, echo_logs: bool) -> Any:
+        """GET ``url + path`` every 0.1 s until ``accept(response)`` is not ``None`` and return
+        that. Raises :class:`StackError` when the child exits or after ``timeout_seconds``."""
+        deadline = time.monotonic() + timeout_seconds
+        last = "no answer yet"
+        with httpx.Client(timeout=5.0, trust_env=False) as client:
+            while True:
+                if not self.alive():
+                    raise self.died(echo_logs)
+                try:
+                    r = client.get(self.url + path)
+                    ok = accept(r)
+                    if ok is not None:
+                        return ok
+                    last = f"HTTP {r.status_code}: {r.text[:200]}"
+                except httpx.HTTPError as e:
+                    last = f"{type(e).__name__}"
+                if time.monotonic() > deadline:
+                    where = "" if echo_logs else f"\n{_log_tail(self.log_path)}"
+                    raise StackError(
+                        f"{self.name}: {what} not ready after {timeout_seconds:.0f} s ({self.url}{path}: {last}){where}"
+                    )
+                time.sleep(0.1)
+
     def stop(self, timeout_seconds: float) -> int | None:
         """SIGTERM the child's process group, wait up to ``timeout_seconds``, then SIGKILL it.
         Returns the exit status (negative: killed by that signal)."""
@@ -238,6 +305,56 @@ def resolve_served_model(base: Settings, model: str | None, echo: bool = True) -
     return ServedModel(str(folder), name or folder.name, context, folder)
 
 
+# ---------------------------------------------------------------- what the stack runs
+def pick_backend_port(options: StackOptions, base: Settings) -> int:
+    """The backend's port: the option, else the configured one when free, else a free one."""
+    p = options.backend_port
+    if p is None:
+        p = base.backend.port if port_is_free(base.backend.port, options.host) else 0
+    return p or free_port(options.host)
+
+
+def pick_gateway_port(options: StackOptions, base: Settings) -> int:
+    """The gateway's port: the option, else the configured one (0: a free one). Raises
+    :class:`StackError` when that port is in use."""
+    p = options.gateway_port
+    if p is None:
+        p = base.gateway.port
+    if p and not port_is_free(p, options.host):
+        raise StackError(
+            f"gateway port {p} on {options.host} is in use (pick another with --port, or --port 0 for a free one)"
+        )
+    return p or free_port(options.host)
+
+
+def gateway_cmd(options: StackOptions, config_path: Path, tenants_path: Path, host: str, port: int) -> list[str]:
+    """``kvgate serve`` on the generated config, in demo mode."""
+    return [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--config",
+        str(config_path),
+        "--tenants",
+        str(tenants_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--demo",
+    ] + (["--workers", str(options.workers)] if options.workers is not None else [])
+
+
+def tenant_models(tenants_path: Path) -> list[str]:
+    """Model names the tenants file lets some tenant use (kept in the gateway's settings even
+    when the stack serves another model, so the file still loads)."""
+    try:
+        return [n for t in load_tenants(tenants_path).tenants for n in t.allowed_models]
+    except Exception:  # the gateway reports a bad tenants file itself, with its path
+        return []
+
+
 class EmbeddedStack:
     """The bundled backend and the gateway, started and stopped together.
 
@@ -294,17 +411,25 @@ class EmbeddedStack:
         try:
             base = load_settings(self.options.config, environ={**os.environ, **self.options.extra_env})
             host = self.options.host
-            backend_port = self._pick_backend_port(base)
-            gateway_port = self._pick_gateway_port(base)
+            backend_port = pick_backend_port(self.options, base)
+            gateway_port = pick_gateway_port(self.options, base)
             self.served = resolve_served_model(base, self.options.model, echo=True)
-            self.backend = self._spawn(
-                "backend", self._backend_cmd(base, host, backend_port), f"http://{host}:{backend_port}"
+            self.backend = Child.spawn(
+                "backend",
+                self._backend_cmd(base, host, backend_port),
+                f"http://{host}:{backend_port}",
+                self.options,
+                self.run_dir,
             )
             self.server_info = self._wait_backend()
             self.settings = self._gateway_settings(base, host, backend_port, gateway_port)
             self.config_path.write_text(yaml.safe_dump(self.settings.model_dump(mode="json"), sort_keys=False))
-            self.gateway = self._spawn(
-                "gateway", self._gateway_cmd(host, gateway_port), f"http://{host}:{gateway_port}"
+            self.gateway = Child.spawn(
+                "gateway",
+                gateway_cmd(self.options, self.config_path, self.tenants_path, host, gateway_port),
+                f"http://{host}:{gateway_port}",
+                self.options,
+                self.run_dir,
             )
             self._wait_gateway()
         except BaseException:
@@ -334,26 +459,9 @@ class EmbeddedStack:
         """Raise :class:`StackError` when a child has exited (with the end of its log)."""
         for child in (self.backend, self.gateway):
             if child is not None and not child.alive():
-                raise self._died(child)
+                raise child.died(self.options.echo_logs)
 
     # ------------------------------------------------------------ pieces
-    def _pick_backend_port(self, base: Settings) -> int:
-        p = self.options.backend_port
-        if p is None:
-            p = base.backend.port if port_is_free(base.backend.port, self.options.host) else 0
-        return p or free_port(self.options.host)
-
-    def _pick_gateway_port(self, base: Settings) -> int:
-        p = self.options.gateway_port
-        if p is None:
-            p = base.gateway.port
-        if p and not port_is_free(p, self.options.host):
-            raise StackError(
-                f"gateway port {p} on {self.options.host} is in use "
-                "(pick another with --port, or --port 0 for a free one)"
-            )
-        return p or free_port(self.options.host)
-
     def _backend_cmd(self, base: Settings, host: str, port: int) -> list[str]:
         if self.options.backend_cmd:
             return [a.replace("{host}", host).replace("{port}", str(port)) for a in self.options.backend_cmd]
@@ -392,23 +500,6 @@ class EmbeddedStack:
             cmd += ["--mem-budget-bytes", str(b.mem_budget_bytes)]
         return cmd + list(self.options.backend_args)
 
-    def _gateway_cmd(self, host: str, port: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "serve",
-            "--config",
-            str(self.config_path),
-            "--tenants",
-            str(self.tenants_path),
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--demo",
-        ] + (["--workers", str(self.options.workers)] if self.options.workers is not None else [])
-
     def _gateway_settings(self, base: Settings, host: str, backend_port: int, gateway_port: int) -> Settings:
         """The gateway's settings: ``base`` with one upstream (this backend), the bind address,
         ``redis_url`` from the options (default null: in-process quotas) and ``state_dir`` kept."""
@@ -417,7 +508,7 @@ class EmbeddedStack:
         served = sm.served_name
         keep: set[str] | None = None  # serving a folder: only the models a tenant names stay beside it
         if sm.folder is not None:
-            keep = {m.id for n in self._tenant_models() if (m := base.model_by_name(n)) is not None}
+            keep = {m.id for n in tenant_models(self.tenants_path) if (m := base.model_by_name(n)) is not None}
         models = [
             m.model_dump(mode="json")
             for m in base.models
@@ -454,77 +545,13 @@ class EmbeddedStack:
         data["state_dir"] = str(Path(base.state_dir).resolve())
         return Settings.model_validate(data)
 
-    def _tenant_models(self) -> list[str]:
-        """Model names the tenants file lets some tenant use (kept in the gateway's settings even
-        when the stack serves another model, so the file still loads)."""
-        try:
-            return [n for t in load_tenants(self.tenants_path).tenants for n in t.allowed_models]
-        except Exception:  # the gateway reports a bad tenants file itself, with its path
-            return []
-
-    def _spawn(self, name: str, cmd: list[str], url: str) -> Child:
-        log_path = self.run_dir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.options.extra_env}
-        if name == "gateway":  # KVGATE_<SECTION>__<KEY> overrides are already in the generated file
-            for var in list(env):
-                if env_overrides(Settings, {var: env[var]}):
-                    del env[var]
-        root = str(Path(__file__).resolve().parent.parent)  # the checkout, for `-m gateway.cli`
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        if self.options.echo_logs:
-            out: Any = None
-        else:
-            out = open(log_path, "wb")  # handed to the child, closed below
-        try:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT if out else None,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        except OSError as e:
-            raise StackError(f"{name}: cannot start {cmd[0]}: {e.strerror or e}") from e
-        finally:
-            if out is not None:
-                out.close()
-        return Child(name, proc, log_path, url)
-
-    def _died(self, child: Child) -> StackError:
-        where = "" if self.options.echo_logs else f" (log: {child.log_path})\n{_log_tail(child.log_path)}"
-        hint = ""
-        if child.name == "backend" and "No module named 'torch'" in where:
-            hint = "\nThe bundled backend needs PyTorch: pip install 'kvgate[backend]' (or run scripts/bootstrap.sh)."
-        return StackError(f"{child.name} exited with status {child.proc.returncode} during start-up{where}{hint}")
-
-    def _poll(self, child: Child, path: str, accept: Any, what: str) -> Any:
-        deadline = time.monotonic() + self.options.startup_timeout_seconds
-        last = "no answer yet"
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
-            while True:
-                if not child.alive():
-                    raise self._died(child)
-                try:
-                    r = client.get(child.url + path)
-                    ok = accept(r)
-                    if ok is not None:
-                        return ok
-                    last = f"HTTP {r.status_code}: {r.text[:200]}"
-                except httpx.HTTPError as e:
-                    last = f"{type(e).__name__}"
-                if time.monotonic() > deadline:
-                    where = "" if self.options.echo_logs else f"\n{_log_tail(child.log_path)}"
-                    raise StackError(
-                        f"{child.name}: {what} not ready after {self.options.startup_timeout_seconds:.0f} s "
-                        f"({child.url}{path}: {last}){where}"
-                    )
-                time.sleep(0.1)
+    def _ready(self, child: Child, path: str, accept: Any, what: str) -> Any:
+        o = self.options
+        return child.wait_ready(path, accept, what, o.startup_timeout_seconds, o.echo_logs)
 
     def _wait_backend(self) -> dict[str, Any]:
         assert self.backend is not None
-        self._poll(self.backend, "/health", lambda r: True if r.status_code == 200 else None, "/health")
+        self._ready(self.backend, "/health", lambda r: True if r.status_code == 200 else None, "/health")
 
         def info(r: httpx.Response) -> dict[str, Any] | None:
             if r.status_code != 200:
@@ -532,11 +559,11 @@ class EmbeddedStack:
             body = r.json()
             return body if isinstance(body, dict) and isinstance(body.get("max_total_num_tokens"), int) else None
 
-        return self._poll(self.backend, "/server_info", info, "/server_info (max_total_num_tokens)")
+        return self._ready(self.backend, "/server_info", info, "/server_info (max_total_num_tokens)")
 
     def _wait_gateway(self) -> None:
         assert self.gateway is not None
-        self._poll(self.gateway, "/readyz", lambda r: True if r.status_code == 200 else None, "/readyz")
+        self._ready(self.gateway, "/readyz", lambda r: True if r.status_code == 200 else None, "/readyz")
 
 
 # ---------------------------------------------------------------- supervising from a CLI command

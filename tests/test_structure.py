@@ -24,9 +24,6 @@ METHOD_EXCEPTIONS = {
     # overrides the PromptCounter interface (count/encode/decode/token-id views) for an HF folder;
     # each method is one entry of that interface
     "tokenizer/hf_counter.py:HFCounter": "implements the PromptCounter interface",
-    # not yet split (issue 16, pending): lifecycle of an embedded gateway + engines; another
-    # change is rewriting it now
-    "gateway/stack.py:EmbeddedStack": "pending",
 }
 
 #: ``path:Class`` -> why a dataclass may carry more than MAX_FIELDS fields. The rule is for state
@@ -44,8 +41,8 @@ FIELD_EXCEPTIONS = {
     "gpu_backend/gguf_convert.py:GGUFLlama": "config: GGUF metadata",
     # the engine's settings (one field per CLI flag)
     "gpu_backend/engine_config.py:EngineConfig": "config: engine CLI flags",
-    # one option per ``kvgate demo``/stack flag; pending a split with EmbeddedStack (issue 16)
-    "gateway/stack.py:StackOptions": "pending",
+    # the embedded stack's options, one per ``kvgate up``/``demo`` flag (keyword-built by callers)
+    "gateway/stack.py:StackOptions": "config: stack CLI flags",
     # pending (issue 16): request inputs plus the verifier's per-request state in one record
     "verifier/stage.py:Exchange": "pending",
     # pending (issue 16): a decode-node room's lifecycle state
