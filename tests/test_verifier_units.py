@@ -47,6 +47,42 @@ def test_vectorised_selection_matches_the_reference_winnowing():
     assert h.select(ids[:20], 35) == [min(range(5), key=lambda i: (fast[i], -i))]
 
 
+def _fast_by_definition(h: ShingleHasher, ids: list[int]) -> list[int]:
+    """The selection hash as its docstring defines it, in Python integers (mod 2**64)."""
+    m64 = (1 << 64) - 1
+    poly, xor = int(h._poly), int(h._xor)
+    out = []
+    for i in range(len(ids) - h.k + 1):
+        v = 0
+        for t in ids[i : i + h.k]:
+            v = (v * poly + t) & m64
+        v ^= xor
+        for mul in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
+            v ^= v >> 33
+            v = (v * mul) & m64
+        out.append(v ^ (v >> 33))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 16, 17])
+def test_fast_hash_and_selection_match_their_definitions_with_ties(k):
+    """The doubling polynomial equals the plain one for every k (odd and even bits), and the
+    selection is the rightmost minimum of every window, each position once, in order, also
+    where repeated shingles tie (a prompt of few distinct ids)."""
+    h = ShingleHasher(KEY, k)
+    r = random.Random(k)
+    for n in (0, 1, k - 1, k, k + 1, 60, 300):
+        ids = [r.choice((0, 7, 100_276, 2**31 - 1)) for _ in range(n)]  # many ties
+        fast = _fast_by_definition(h, ids)
+        assert h.fast(ids).tolist() == fast
+        for w in (1, 2, 35):
+            if len(fast) <= w:
+                expected = [max(range(len(fast)), key=lambda i: (-fast[i], i))] if fast else []
+            else:
+                expected = sorted({max(range(j, j + w), key=lambda i: (-fast[i], i)) for j in range(len(fast) - w + 1)})
+            assert h.select(ids, w) == expected
+
+
 def test_winnow_exact_selection():
     # windows of 3: [5,1,4]->1 [1,4,2]->1 [4,2,8]->2 [2,8,6]->2
     assert winnow([5, 1, 4, 2, 8, 6], 3) == {1, 2}

@@ -24,7 +24,10 @@ from verifier.shingles import ShingleHasher, encode
 
 
 class LeakStore(Protocol):
-    """Fingerprint -> set of tenant ids, each entry expiring ``ttl_seconds`` after its last add."""
+    """Fingerprint -> set of tenant ids, each entry expiring ``ttl_seconds`` after its last add.
+    ``thread_safe``: whether calls from several threads at once are safe without a caller's lock."""
+
+    thread_safe: bool
 
     def add(self, tenant: str, fps: Iterable[int]) -> None:
         """Record that ``tenant`` sent these fingerprints now."""
@@ -38,7 +41,11 @@ class LeakStore(Protocol):
 class MemoryLeakStore:
     """In-process store: ``{fingerprint: {tenant: expiry_monotonic}}``; expired entries are
     purged lazily on read and by a sweep every ``sweep_every`` adds. ``clock`` is injectable
-    for tests (seconds)."""
+    for tests (seconds). Not thread-safe (a sweep replaces the entries an add may be updating):
+    callers serialise its calls."""
+
+    #: calls from several threads at once need the caller's lock
+    thread_safe = False
 
     def __init__(self, ttl_seconds: float, clock=time.monotonic, sweep_every: int = 10_000) -> None:
         self.ttl_seconds = ttl_seconds
@@ -109,7 +116,12 @@ class RedisLeakStore:
     volume). ``client``: a synchronous ``redis.Redis``. :meth:`add` is one Lua call and
     :meth:`owners` one ``MGET`` per ``batch`` keys. The keys of one call span hash slots, so this
     needs a single Redis (or Sentinel), not Redis Cluster. Raises ``redis.RedisError`` when
-    Redis is down (the service counts it and skips the check)."""
+    Redis is down (the service counts it and skips the check). Thread-safe: every call is one
+    atomic Redis command on the client's connection pool and it keeps no state of its own, so
+    callers need no lock around it (:attr:`thread_safe`)."""
+
+    #: safe to call from several threads at once without the caller's lock
+    thread_safe = True
 
     def __init__(self, client, ttl_seconds: float, prefix: str = "kvgate:leak:", batch: int = 2000) -> None:
         self.client = client
@@ -198,9 +210,10 @@ class LeakIndex:
         """Record ``tenant``'s prompt. Returns how many fingerprints were stored and, with
         ``keep_own``, the prompt's own-shingle set (see :meth:`own_shingles`)."""
         ids = encode(text)
-        fps = self.hasher.fingerprints(ids, self.w)
+        fast = self.hasher.fast(ids)
+        fps = self.hasher.fingerprints(ids, self.w, fast)
         self.store.add(tenant, fps)
-        return len(fps), (set(self.hasher.fast(ids).tolist()) if keep_own else None)
+        return len(fps), (set(fast.tolist()) if keep_own else None)
 
     def own_shingles(self, text: str) -> set[int]:
         """Selection hashes of every shingle of a prompt (kept in memory by the service for the

@@ -23,7 +23,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided
 
 from tokenizer.tiktoken_counter import TiktokenCounter, bundled_counter
 
@@ -83,6 +83,7 @@ def guaranteed_run_tokens(k: int, w: int) -> int:
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
+_MASK64 = (1 << 64) - 1
 
 
 class ShingleHasher:
@@ -130,15 +131,37 @@ class ShingleHasher:
 
     def fast(self, ids: Sequence[int]) -> np.ndarray:
         """Selection hashes (uint64) of every shingle: a keyed polynomial hash of the ``k`` ids
-        with MurmurHash3's 64-bit finaliser. In memory only, never stored."""
-        n = len(ids) - self.k + 1
+        (``sum(ids[i + j] * poly ** (k - 1 - j))`` mod 2**64) with MurmurHash3's 64-bit finaliser.
+        In memory only, never stored. The polynomial is built by doubling (the hash of a run of
+        ``2m`` ids is the first half's times ``poly ** m`` plus the second half's), so a shingle of
+        ``k`` ids takes about ``2 log2 k`` array operations, not ``2 k``: the same values."""
+        k = self.k
+        n = len(ids) - k + 1
         if n <= 0:
             return np.zeros(0, dtype=np.uint64)
         a = np.asarray(ids, dtype=np.uint64)
-        h = np.zeros(n, dtype=np.uint64)
-        for j in range(self.k):
-            h = h * self._poly + a[j : j + n]
-        h ^= self._xor
+        total = len(a)
+        res: np.ndarray | None = None  # hashes of runs of res_len ids (total - res_len + 1 of them)
+        res_len = 0
+        blk, m, pm = a, 1, self._poly  # hashes of runs of m ids; pm = poly ** m
+        kk = k
+        while True:
+            if kk & 1:
+                if res is None:
+                    res, res_len = blk, m
+                else:
+                    cnt = total - res_len - m + 1
+                    res = res[:cnt] * pm + blk[res_len : res_len + cnt]
+                    res_len += m
+            kk >>= 1
+            if not kk:
+                break
+            cnt = total - 2 * m + 1
+            blk = blk[:cnt] * pm + blk[m : m + cnt]
+            m *= 2
+            pm = np.uint64((int(pm) * int(pm)) & _MASK64)  # numpy scalars warn on the (wanted) wrap
+        assert res is not None and res_len == k
+        h = res ^ self._xor  # a new array: ``res`` may be ``a`` itself (k == 1)
         h ^= h >> _S33
         h *= _M1
         h ^= h >> _S33
@@ -146,23 +169,33 @@ class ShingleHasher:
         h ^= h >> _S33
         return h
 
-    def select(self, ids: Sequence[int], w: int) -> list[int]:
+    def select(self, ids: Sequence[int], w: int, fast: np.ndarray | None = None) -> list[int]:
         """Start positions of the shingles winnowing keeps: in every window of ``w`` consecutive
         shingles the one with the smallest selection hash (rightmost on ties); fewer than ``w``
-        shingles keep their minimum."""
-        h = self.fast(ids)
+        shingles keep their minimum. ``fast``: :meth:`fast` of ``ids`` when the caller has it.
+        Returns the positions in increasing order, each once."""
+        h = self.fast(ids) if fast is None else fast
         n = len(h)
         if n == 0:
             return []
         if n <= w:
             return [int(n - 1 - h[::-1].argmin())]
-        win = sliding_window_view(h, w)
-        pos = (w - 1 - win[:, ::-1].argmin(axis=1)) + np.arange(len(win))
-        return np.unique(pos).tolist()
+        # reversed once, so each window's first minimum (argmin) is the original's rightmost
+        r = np.ascontiguousarray(h[::-1])
+        win = as_strided(r, shape=(n - w + 1, w), strides=(r.strides[0], r.strides[0]), writeable=False)
+        pos = (n - 1) - (np.arange(n - w + 1) + win.argmin(axis=1))
+        # window j of r is window n - w - j of h: pos runs from the last window to the first; the
+        # rightmost minimum never moves left as a window slides right, so repeats are adjacent
+        pos = pos[::-1]
+        keep = np.empty(len(pos), dtype=bool)
+        keep[0] = True
+        np.not_equal(pos[1:], pos[:-1], out=keep[1:])
+        return pos[keep].tolist()
 
-    def fingerprints(self, ids: Sequence[int], w: int) -> set[int]:
-        """BLAKE2b fingerprints of the winnowed shingles of ``ids`` (what is stored for a prompt)."""
-        return set(self.hashes_at(ids, self.select(ids, w)))
+    def fingerprints(self, ids: Sequence[int], w: int, fast: np.ndarray | None = None) -> set[int]:
+        """BLAKE2b fingerprints of the winnowed shingles of ``ids`` (what is stored for a prompt).
+        ``fast``: :meth:`fast` of ``ids`` when the caller has it (it is computed once)."""
+        return set(self.hashes_at(ids, self.select(ids, w, fast)))
 
 
 def winnow(hashes: Sequence[int], w: int) -> set[int]:
