@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -42,7 +43,7 @@ class IngestJob:
 class IngestBudget:
     """Admission-time prompt indexing. ``pending_bytes``: prompt bytes reserved by ingests not
     yet finished (bounded by ``max_pending_ingest_bytes``); ``lock``: the service lock, taken
-    only around the store calls."""
+    only around the calls of a store that is not thread-safe (``LeakStore.thread_safe``)."""
 
     def __init__(
         self,
@@ -92,29 +93,37 @@ class IngestBudget:
 
     def index_prompt(self, exchange: Exchange, text: str, nbytes: int) -> None:
         """Admission's thread: the CPU work runs without the service lock; only the store
-        calls take it. Between its steps the thread yields the GIL (``time.sleep(0)``), so a
-        huge prompt never makes another request's threads wait out the interpreter's switch
-        interval. Releases ``nbytes`` of the budget when done."""
+        calls take it, and only when the store is not thread-safe (the in-memory one). Between
+        its steps the thread yields the GIL (``time.sleep(0)``), so a huge prompt never makes
+        another request's threads wait out the interpreter's switch interval. Releases ``nbytes`` of the budget when done."""
         try:
             text = squeeze_runs(text)  # a canary holds no run that squeezing shortens
             time.sleep(0)
             cans = find_canaries(text)
             ids = encode(text, squeezed=True)
             time.sleep(0)
-            fps = self.hasher.fingerprints(ids, self.index.w)
+            fast = self.hasher.fast(ids)
+            fps = self.hasher.fingerprints(ids, self.index.w, fast)
             time.sleep(0)
             if exchange.sampled:
-                exchange.own_shingles = set(self.hasher.fast(ids).tolist())
-            with self.lock:
+                exchange.own_shingles = set(fast.tolist())
+            # a thread-safe (Redis) store needs no service lock: waiting out a worker's batch
+            # under it cost admissions up to milliseconds; the stats have a lock of their own
+            shared = getattr(self.index.store, "thread_safe", False) and getattr(
+                self.canaries.store, "thread_safe", False
+            )
+            with contextlib.nullcontext() if shared else self.lock:
                 if self.store.up():
                     try:
                         self.index.store.add(exchange.tenant.id, fps)
                         if cans:
                             self.canaries.register(exchange.tenant.id, cans)
                     except Exception as e:
-                        self.stats["errors"] += 1
+                        with self._budget_lock:
+                            self.stats["errors"] += 1
                         self.store.error(e)
-                self.stats["ingested"] += 1
+                with self._budget_lock:
+                    self.stats["ingested"] += 1
         finally:
             self.release(nbytes)
 
