@@ -95,7 +95,8 @@ class IngestBudget:
         """Admission's thread: the CPU work runs without the service lock; only the store
         calls take it, and only when the store is not thread-safe (the in-memory one). Between
         its steps the thread yields the GIL (``time.sleep(0)``), so a huge prompt never makes
-        another request's threads wait out the interpreter's switch interval. Releases ``nbytes`` of the budget when done."""
+        another request's threads wait out the interpreter's switch interval. Releases
+        ``nbytes`` of the budget when done."""
         try:
             text = squeeze_runs(text)  # a canary holds no run that squeezing shortens
             time.sleep(0)
