@@ -104,7 +104,8 @@ def _id_array_end(clean: bytes, pos: int) -> int | None:
     n = len(clean)
     while True:
         stop = min(n, pos + SLICE_BYTES)
-        pos = _ID_TAIL.match(clean, pos, stop).end()
+        tail = _ID_TAIL.match(clean, pos, stop)  # matches the empty string at least
+        pos = tail.end() if tail else pos
         if pos < stop or stop == n:
             return pos if clean[pos : pos + 1] == b"]" else None
 
@@ -146,7 +147,9 @@ def split_ids(raw: bytes) -> tuple[bytes, dict[int, bytes]]:
         base = (10**13 + secrets.randbelow(8 * 10**13)) * 10**5
         if b"%d" % (base // 10**5) not in raw:
             break
-    pieces, arrays, prev = [], {}, 0
+    pieces: list[bytes] = []
+    arrays: dict[int, bytes] = {}
+    prev = 0
     for k, (start, end) in enumerate(spans):
         marker = base + k
         pieces += (raw[prev:start], b"%d" % marker)

@@ -24,6 +24,7 @@ NEEDS_SEEDS = [
     "test_tokenizer.py",
     "test_tokenizer_hf.py",
     "test_tokenizer_parallel.py",
+    "test_verifier_backend.py",
     "test_verifier_e2e.py",
     "test_verifier_service.py",
     "test_verifier_units.py",

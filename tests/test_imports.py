@@ -306,17 +306,32 @@ def test_cycle_checker_counts_type_only_and_deferred_imports(tmp_path):
 
 def test_needs_seeds_lists_every_test_file_that_reads_the_seeds_and_only_those():
     """A clone without the shared seeds folder skips exactly the test files that read them
-    (conftest.NEEDS_SEEDS): one that names ``SEEDS`` (imported from conftest) and is not listed
-    would fail at collection there; one listed that does not would never run there."""
+    (conftest.NEEDS_SEEDS): those that name ``SEEDS`` (imported from conftest), and those that
+    import a module of tests/ that needs them (as test_verifier_backend.py imports
+    test_verifier_e2e.py). One not listed would fail at collection there; one listed that needs no
+    seeds would never run there."""
     from conftest import NEEDS_SEEDS
 
     tests = ROOT / "tests"
-    reading = sorted(
-        p.name
-        for p in tests.glob("*.py")
-        if p.name not in ("conftest.py", "test_imports.py")
-        and re.search(r"\bSEEDS\b|shared.{0,8}seeds", p.read_text(encoding="utf-8"))
-    )
-    helpers = [p.name for p in tests.glob("*.py") if not p.name.startswith("test_") and p.name in reading]
-    assert helpers == []  # a helper reading the seeds would make every file importing it need them
-    assert sorted(NEEDS_SEEDS) == reading
+    files = {p.stem: p for p in tests.glob("*.py") if p.name not in ("conftest.py", "test_imports.py")}
+    imports: dict[str, set[str]] = {}
+    needs = set()
+    for stem, p in files.items():
+        text = p.read_text(encoding="utf-8")
+        if re.search(r"\bSEEDS\b|shared.{0,8}seeds", text):
+            needs.add(stem)
+        found = set()
+        for node in ast.walk(ast.parse(text)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found |= {n.removeprefix("tests.") for n in names} & files.keys()
+        imports[stem] = found
+    while True:  # what imports a module that needs the seeds needs them too
+        more = {s for s, deps in imports.items() if deps & needs} - needs
+        if not more:
+            break
+        needs |= more
+    helpers = sorted(s for s in needs if not s.startswith("test_"))
+    assert helpers == []  # a helper needing the seeds would make every file importing it need them
+    assert sorted(NEEDS_SEEDS) == sorted(f"{s}.py" for s in needs)
