@@ -237,7 +237,10 @@ def verifier_exchange(
     echo_prompts: list[str] = []
     if arrival.route == "completions":
         for p in split_completion_prompt(body["prompt"]):  # validated: no error here
-            (echo_prompts if isinstance(p, str) else ids).append(p)
+            if isinstance(p, str):
+                echo_prompts.append(p)
+            else:
+                ids.append(p)
     else:
         msgs = body.get("messages") or ()
         last = msgs[-1].get("content") if msgs and isinstance(msgs[-1], dict) else None

@@ -315,9 +315,10 @@ async def read_whole(
             502, "The upstream engine answered a body that is not JSON.", code=ErrorCode.UPSTREAM_UNAVAILABLE
         ) from None
     if outcome.admitted.arrival.route == "responses":
-        out: EngineOutput | ResponseOutput = parse_response_body(data)
-        if out.kind == "error":
-            raise engine_error(200, {"error": out.error})
+        answer = parse_response_body(data)
+        if answer.kind == "error":
+            raise engine_error(200, {"error": answer.error})
+        out: EngineOutput | ResponseOutput = answer
     elif is_error_payload(data):
         raise engine_error(200, data)
     else:

@@ -386,7 +386,7 @@ def redis_client_from_url(url: str, timeout_seconds: float) -> Any:
         )
     db = int(path[1]) if len(path) > 1 else 0
     query = parse_qs(parts.query)
-    sentinel_kwargs = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
+    sentinel_kwargs: dict[str, Any] = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
     if "sentinel_password" in query:
         sentinel_kwargs["password"] = query["sentinel_password"][0]
     sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **opts)

@@ -75,7 +75,8 @@ def run_server(
         log_level=log_level,
         access_log=False,
         log_config=None,
-        timeout_graceful_shutdown=max(drain_timeout_seconds, 1.0),
+        # uvicorn annotates int but only hands it to asyncio.wait_for, which takes float seconds
+        timeout_graceful_shutdown=max(drain_timeout_seconds, 1.0),  # type: ignore[arg-type]
         lifespan="on",
         server_header=False,
     )

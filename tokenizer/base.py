@@ -155,6 +155,12 @@ class PromptCounter(ABC):
         prompt). Raises the typed errors of :mod:`tokenizer.errors` for bad shapes, unknown parts,
         or options this counter's template cannot apply (``param`` naming the option)."""
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` as ordinary text (no BOS/EOS), for local tokenizers (the demo
+        corpus cuts texts on them). Counters that only tokenize over the network raise
+        ``NotImplementedError``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot encode text locally")
+
     def decode(self, ids: list[int]) -> str:
         """The text of token ids as this tokenizer decodes them, special tokens included. Bytes
         that are not valid UTF-8 (ids cut inside a multi-byte character) become U+FFFD

@@ -108,7 +108,7 @@ def _stack(run_dir: Path, tenants: Path, *, static: bool, env: dict[str, str]) -
 def _leak_attempts(client: httpx.Client, stack: EmbeddedStack, tries: int = 6) -> tuple[int, dict[str, Any]]:
     """A's secret prompt, then B's over-pool prompt; repeated until B's answer is not a 200 or holds
     the secret (copy-probe shows a stale page only when B's pages are the ones A just freed)."""
-    status, data = 0, {}
+    status, data = 0, dict[str, Any]()
     for _ in range(tries):
         _send(client, stack, DEMO_KEYS["demo-a"], _a_prompt())
         status, data = _send(client, stack, DEMO_KEYS["demo-b"], _b_prompt())

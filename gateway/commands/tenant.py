@@ -155,7 +155,7 @@ def _atomic_write(p: Path, text: str) -> None:
         raise TenantFileError(f"{p}: cannot write: {e.strerror or e}") from e
 
 
-def find_tenant(seq: CommentedSeq, tenant_id: str) -> CommentedMap | None:
+def find_tenant(seq: CommentedSeq, tenant_id: str) -> dict[str, Any] | None:
     """The entry of ``seq`` whose ``id`` is ``tenant_id``, else ``None``."""
     for entry in seq:
         if isinstance(entry, dict) and entry.get("id") == tenant_id:
