@@ -175,8 +175,8 @@ class GatewaySettings(_Strict):
     (431 above), ``header_timeout_seconds`` / ``body_timeout_seconds`` (408 when a request head or
     body arrives slower), ``keepalive_timeout_seconds``. ``max_sse_event_bytes`` bounds one
     upstream stream event; ``max_body_values`` the JSON values of one request body besides its
-    token-id arrays, which are parsed in slices and not counted (413 above, before it is parsed); ``metrics_token``, when set, is the bearer token ``/metrics`` and
-    ``/readyz``'s details need.
+    token-id arrays, which are parsed in slices and not counted (413 above, before it is parsed);
+    ``metrics_token``, when set, is the bearer token ``/metrics`` and ``/readyz``'s details need.
 
     ``workers``: gateway worker processes on the one port (DESIGN.md, Contracts: "Workers");
     ``None`` = the usable cores (``os.sched_getaffinity``) when ``redis_url`` is set, else 1.
