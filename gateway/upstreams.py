@@ -10,39 +10,51 @@ upstream the verifier has quarantined for prompts of this length is skipped.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from config.models import Settings, UpstreamConfig
 from gateway.pool_watcher import PoolWatcher
 
 
+@dataclass(frozen=True)
+class UpstreamRoutes:
+    """An upstream's request URLs (``api_url`` + the route's path) and bearer header, fixed at start."""
+
+    chat_url: str
+    completions_url: str
+    responses_url: str
+    embeddings_url: str
+    auth_header: str | None = None
+
+
 @dataclass(eq=False)
 class Upstream:
-    """One engine deployment: its config, pool watcher, request URLs and in-flight count."""
+    """One engine deployment: its config, pool watcher and request URLs (fixed), and its in-flight
+    count (live: the balancer's only mutable state)."""
 
     config: UpstreamConfig
     watcher: PoolWatcher
+    routes: UpstreamRoutes
     in_flight: int = 0
-    chat_url: str = ""
-    completions_url: str = ""
-    responses_url: str = ""
-    embeddings_url: str = ""
-    auth_header: str | None = None
-    seq: int = field(default=0)
 
     @property
     def name(self) -> str:
         return self.config.name
 
+    @property
+    def auth_header(self) -> str | None:
+        """``"Bearer <api_key>"``, or ``None`` when the upstream has no key."""
+        return self.routes.auth_header
+
     def url_for(self, route: str) -> str:
         """The upstream URL of ``route`` (``chat``, ``completions``, ``responses``, ``embeddings``)."""
         if route == "chat":
-            return self.chat_url
+            return self.routes.chat_url
         if route == "responses":
-            return self.responses_url
+            return self.routes.responses_url
         if route == "embeddings":
-            return self.embeddings_url
-        return self.completions_url
+            return self.routes.embeddings_url
+        return self.routes.completions_url
 
 
 def make_upstream(cfg: UpstreamConfig, watcher: PoolWatcher) -> Upstream:
@@ -51,15 +63,14 @@ def make_upstream(cfg: UpstreamConfig, watcher: PoolWatcher) -> Upstream:
     and bearer header (from ``api_key``) precomputed."""
     base = cfg.api_url.rstrip("/")
     key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
-    return Upstream(
-        cfg,
-        watcher,
+    routes = UpstreamRoutes(
         chat_url=base + "/chat/completions",
         completions_url=base + "/completions",
         responses_url=base + "/responses",
         embeddings_url=base + "/embeddings",
         auth_header=f"Bearer {key}" if key else None,
     )
+    return Upstream(cfg, watcher, routes)
 
 
 class UpstreamSet:

@@ -47,8 +47,6 @@ FIELD_EXCEPTIONS = {
     "verifier/stage.py:Exchange": "pending",
     # pending (issue 16): a decode-node room's lifecycle state
     "gpu_backend/bootstrap.py:Room": "pending",
-    # pending (issue 16): an upstream's config, watcher, URLs and in-flight count
-    "gateway/upstreams.py:Upstream": "pending",
 }
 
 
