@@ -43,36 +43,60 @@ class RoomClosedError(Exception):
         self.reason = reason
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """What a room's generate call reserved: the engine request id, the prompt length decode
+    expects to receive and ``max_new_tokens`` (pages are held for their sum)."""
+
+    request_id: str
+    prompt_tokens: int
+    max_new_tokens: int
+
+
+@dataclass
+class RoomTransfer:
+    """The transfer a room accepted: its ``manifest``, and ``context_tokens``, the positions decode
+    attends over (== received tokens, or the reserved prompt length under the
+    ``skip_transfer_check`` fault), set once the pages are loaded (``None`` until then)."""
+
+    manifest: Any
+    context_tokens: int | None = None
+
+
+@dataclass
+class RoomSignals:
+    """The events a room's waiters wait on: ``reserved`` (pages held), ``loaded`` (a transfer is in
+    the reservation), ``closed`` (terminal; wakes every waiter)."""
+
+    reserved: asyncio.Event = field(default_factory=asyncio.Event)
+    loaded: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 @dataclass
 class Room:
-    """One request's state on the decode node.
+    """One request's state on the decode node: its identity and lifecycle, the reservation (set by
+    the generate call), the accepted transfer (set by prefill's push) and the events between them.
 
-    ``prompt_tokens``: the reservation's prompt length (what decode expects to receive).
-    ``context_tokens``: positions decode attends over (== received tokens, or the reserved prompt
-    length under the ``skip_transfer_check`` fault). ``manifest``: the accepted transfer's manifest.
     ``error``: why the room closed when it failed (raised to the waiting generate call).
     """
 
     room: int
     created: float = field(default_factory=time.monotonic)
     state: RoomState = RoomState.OPEN
-    request_id: str | None = None
-    prompt_tokens: int | None = None
-    max_new_tokens: int | None = None
-    context_tokens: int | None = None
-    manifest: Any = None
+    reservation: Reservation | None = None
+    transfer: RoomTransfer | None = None
     error: BaseException | None = None
     close_reason: str | None = None
-    reserved: asyncio.Event = field(default_factory=asyncio.Event)
-    loaded: asyncio.Event = field(default_factory=asyncio.Event)
-    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    signals: RoomSignals = field(default_factory=RoomSignals)
 
     async def wait_for(self, event: asyncio.Event, timeout: float) -> bool:
         """Wait until ``event`` is set or the room closes; True if ``event`` is set.
         Raises ``asyncio.TimeoutError`` after ``timeout`` seconds."""
-        if event.is_set() or self.closed.is_set():
+        closed = self.signals.closed
+        if event.is_set() or closed.is_set():
             return event.is_set()
-        waiters = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(self.closed.wait())]
+        waiters = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(closed.wait())]
         try:
             done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -124,7 +148,7 @@ class RoomTable:
                 r.error = error
             r.close_reason = reason
             r.state = RoomState.CLOSED
-            r.closed.set()
+            r.signals.closed.set()
         return r
 
     def live_rooms(self) -> list[Room]:

@@ -25,7 +25,7 @@ import orjson
 import torch
 
 from config.errors import ErrorCode
-from gpu_backend.bootstrap import RoomClosedError, RoomState, RoomTable
+from gpu_backend.bootstrap import Reservation, Room, RoomClosedError, RoomState, RoomTable, RoomTransfer
 from gpu_backend.bridge import emitter, future_setter, one_reply, queue_tokens
 from gpu_backend.engine import Engine
 from gpu_backend.errors import EngineError, InvalidRequestError, RequestAbortedError, TransferMismatchError
@@ -184,14 +184,14 @@ class DecodeNode:
             r = self.rooms.open(room)
         except RoomClosedError as e:
             raise RoomGoneError(str(e)) from None
-        if r.request_id is not None:
+        if r.reservation is not None:
             raise InvalidRequestError(f"room {room} already has a generate call", param="room")
         rid = engine_request_id(request_id, room)
-        r.request_id, r.prompt_tokens, r.max_new_tokens = rid, len(prompt_ids), sp.max_new_tokens
+        r.reservation = Reservation(rid, len(prompt_ids), sp.max_new_tokens)
         reserve = asyncio.ensure_future(reserve_pages(self.engine, rid, len(prompt_ids), sp.max_new_tokens))
         reason = "finished"
         try:
-            closed = asyncio.ensure_future(r.closed.wait())
+            closed = asyncio.ensure_future(r.signals.closed.wait())
             try:
                 await asyncio.wait({reserve, closed}, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -199,12 +199,12 @@ class DecodeNode:
             if not reserve.done():
                 raise r.error or RequestAbortedError(f"room {room} was released while reserving")
             reserve.result()  # PoolExhaustedError / InvalidRequestError propagate
-            if r.closed.is_set():
+            if r.signals.closed.is_set():
                 raise r.error or RequestAbortedError(f"room {room} was released")
             r.state = RoomState.RESERVED
-            r.reserved.set()
+            r.signals.reserved.set()
             try:
-                loaded = await r.wait_for(r.loaded, self.transfer_timeout)
+                loaded = await r.wait_for(r.signals.loaded, self.transfer_timeout)
             except TimeoutError:
                 self.counters["transfer_timeouts"] += 1
                 raise TransferTimeoutError(
@@ -213,7 +213,9 @@ class DecodeNode:
             if not loaded:
                 raise r.error or RequestAbortedError(f"room {room} was released")
             r.state = RoomState.DECODING
-            events = decode_reserved(self.engine, rid, prompt_ids, r.manifest.first_token_id, sp, r.context_tokens)
+            t = r.transfer
+            assert t is not None and t.context_tokens is not None  # loaded implies a loaded transfer
+            events = decode_reserved(self.engine, rid, prompt_ids, t.manifest.first_token_id, sp, t.context_tokens)
             async with contextlib.aclosing(events) as evs:
                 async for ev in evs:
                     yield ev
@@ -244,19 +246,20 @@ class DecodeNode:
         except RoomClosedError as e:
             self.counters["transfers_refused"] += 1
             raise RoomGoneError(str(e)) from None
-        if r.manifest is not None:
-            if r.manifest == manifest:  # the same transfer again (prefill retrying a lost connection)
+        if r.transfer is not None:
+            if r.transfer.manifest == manifest:  # the same transfer again (prefill retrying a lost connection)
                 try:
-                    if await r.wait_for(r.loaded, self.reservation_wait):
-                        return r.context_tokens
+                    if await r.wait_for(r.signals.loaded, self.reservation_wait):
+                        assert r.transfer.context_tokens is not None  # set before loaded
+                        return r.transfer.context_tokens
                 except TimeoutError:
                     pass
                 raise RoomGoneError(f"bootstrap room {manifest.room} is closed ({r.close_reason})")
             self.counters["transfers_refused"] += 1
             raise DuplicateTransferError(f"room {manifest.room} already received a different transfer")
-        r.manifest = manifest
+        transfer = r.transfer = RoomTransfer(manifest)
         try:
-            reserved = await r.wait_for(r.reserved, self.reservation_wait)
+            reserved = await r.wait_for(r.signals.reserved, self.reservation_wait)
         except TimeoutError:
             self.counters["transfer_timeouts"] += 1
             err = TransferTimeoutError(f"no reservation for room {manifest.room} within {self.reservation_wait:g} s")
@@ -265,12 +268,13 @@ class DecodeNode:
         if not reserved:
             self.counters["transfers_refused"] += 1
             raise RoomGoneError(f"bootstrap room {manifest.room} is closed ({r.close_reason})")
-        assert r.prompt_tokens is not None and r.request_id is not None
-        if manifest.num_tokens != r.prompt_tokens:
+        res = r.reservation
+        assert res is not None  # reserved implies a reservation
+        if manifest.num_tokens != res.prompt_tokens:
             self.counters["transfer_mismatches"] += 1
             if not self.skip_transfer_check:
                 err = TransferMismatchError(
-                    f"decode reserved {r.prompt_tokens} prompt tokens for room {manifest.room} but the transfer "
+                    f"decode reserved {res.prompt_tokens} prompt tokens for room {manifest.room} but the transfer "
                     f"holds {manifest.num_tokens}; the request is aborted and nothing is generated"
                 )
                 self._fail(manifest.room, r, "transfer mismatch", err)
@@ -280,27 +284,27 @@ class DecodeNode:
                 "%d reserved positions",
                 manifest.room,
                 manifest.num_tokens,
-                r.prompt_tokens,
-                r.prompt_tokens,
+                res.prompt_tokens,
+                res.prompt_tokens,
             )
-            context = r.prompt_tokens
+            context = res.prompt_tokens
         else:
             context = manifest.num_tokens
         try:
-            await load_pages(self.engine, r.request_id, kv, manifest.num_tokens)
+            await load_pages(self.engine, res.request_id, kv, manifest.num_tokens)
         except Exception as e:
             self._fail(manifest.room, r, "load_pages failed", e)
             raise
-        r.context_tokens = context
+        transfer.context_tokens = context
         r.state = RoomState.LOADED
-        r.loaded.set()
+        r.signals.loaded.set()
         self.counters["transfers_accepted"] += 1
         return context
 
-    def _fail(self, room: int, r: Any, reason: str, err: BaseException) -> None:
+    def _fail(self, room: int, r: Room, reason: str, err: BaseException) -> None:
         self.rooms.close(room, reason, err)
-        if r.request_id is not None:
-            self.engine.abort(r.request_id)
+        if r.reservation is not None:
+            self.engine.abort(r.reservation.request_id)
 
     def release(self, room: int) -> bool:
         """Release ``room`` (router: prefill rejected it, the client left, an abort): frees the
@@ -310,8 +314,8 @@ class DecodeNode:
         if r is None:
             return False
         self.counters["released"] += 1
-        if r.request_id is not None:
-            self.engine.abort(r.request_id)
+        if r.reservation is not None:
+            self.engine.abort(r.reservation.request_id)
         return True
 
 

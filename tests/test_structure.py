@@ -45,8 +45,6 @@ FIELD_EXCEPTIONS = {
     "gateway/stack.py:StackOptions": "config: stack CLI flags",
     # pending (issue 16): request inputs plus the verifier's per-request state in one record
     "verifier/stage.py:Exchange": "pending",
-    # pending (issue 16): a decode-node room's lifecycle state
-    "gpu_backend/bootstrap.py:Room": "pending",
 }
 
 
