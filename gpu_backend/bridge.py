@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from gpu_backend.wire import Token
 
@@ -36,7 +36,7 @@ def future_setter(fut: asyncio.Future) -> Callable[[object], None]:
     return emit
 
 
-async def queue_tokens(queue: asyncio.Queue, on_leave: Callable[[], None]) -> AsyncIterator[Token]:
+async def queue_tokens(queue: asyncio.Queue, on_leave: Callable[[], None]) -> AsyncGenerator[Token, None]:
     """The tokens the worker puts in ``queue`` until the final one; an error item is raised.
     Leaving before the end calls ``on_leave`` (the request's abort)."""
     done = False

@@ -198,8 +198,8 @@ def resolve_model_flags(model: str, served: str | None, config: str | None, d: B
     if not folder.is_dir():
         return model, d.served_model_name
     man = read_manifest(folder) if (folder / MANIFEST).is_file() else None
-    name = man.get("served_model_name") if man else None
-    return model, name if isinstance(name, str) and name else folder.resolve().name
+    pulled = man.get("served_model_name") if man else None
+    return model, pulled if isinstance(pulled, str) and pulled else folder.resolve().name
 
 
 def make_engine(opts: Options, side: str, model: torch.nn.Module | None = None) -> Engine:

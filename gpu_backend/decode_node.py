@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import orjson
@@ -92,7 +92,7 @@ async def load_pages(engine: Engine, request_id: str, kv: torch.Tensor, num_toke
 async def decode_reserved(
     engine: Engine, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
     context_tokens: int,
-) -> AsyncIterator[Token]:  # fmt: skip
+) -> AsyncGenerator[Token, None]:  # fmt: skip
     """Generate from a reservation whose first ``context_tokens`` positions hold the prompt's KV.
 
     Yields the token of ``first_token_id`` first (completion_tokens 1; it may already finish the
@@ -170,7 +170,7 @@ class DecodeNode:
 
     async def generate(
         self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any]
-    ) -> AsyncIterator[Token]:
+    ) -> AsyncGenerator[Token, None]:
         """Reserve, wait for the transfer, then yield the engine's :class:`Token` s.
 
         Raises :class:`PoolExhaustedError` (503), :class:`TransferMismatchError` (500),
@@ -273,12 +273,12 @@ class DecodeNode:
         if manifest.num_tokens != res.prompt_tokens:
             self.counters["transfer_mismatches"] += 1
             if not self.skip_transfer_check:
-                err = TransferMismatchError(
+                mismatch = TransferMismatchError(
                     f"decode reserved {res.prompt_tokens} prompt tokens for room {manifest.room} but the transfer "
                     f"holds {manifest.num_tokens}; the request is aborted and nothing is generated"
                 )
-                self._fail(manifest.room, r, "transfer mismatch", err)
-                raise err
+                self._fail(manifest.room, r, "transfer mismatch", mismatch)
+                raise mismatch
             log.warning(
                 "fault skip_transfer_check: room %d accepted %d of %d tokens; decode attends over all "
                 "%d reserved positions",

@@ -31,7 +31,7 @@ class PageHandle(NamedTuple):
     """A page reference: ``index`` into the pool, ``generation`` the page had when it was handed
     out. Any read or write through a handle whose generation moved on raises StaleHandleError."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index(); renaming it would change every caller
     generation: int
 
 

@@ -413,16 +413,19 @@ class Router:
             done, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 raise TimeoutError()
-            if pre in done and pre.exception() is not None:
-                err = backend_error(pre.exception())
+            pre_error = pre.exception() if pre in done else None
+            if pre_error is not None:
+                err = backend_error(pre_error)
                 if err.status >= 500 and not first.done():
                     # prefill failed because decode did (e.g. a refused transfer): prefer decode's reason
                     await asyncio.wait({first}, timeout=2.0)
-                if first.done() and not first.cancelled() and first.exception() is not None and err.status >= 500:
-                    raise first.exception()
-                raise pre.exception()
-            if first in done and first.exception() is not None:
-                raise first.exception()
+                first_error = first.exception() if first.done() and not first.cancelled() else None
+                if first_error is not None and err.status >= 500:
+                    raise first_error
+                raise pre_error
+            first_error = first.exception() if first in done else None
+            if first_error is not None:
+                raise first_error
         return pre.result(), first.result()
 
 

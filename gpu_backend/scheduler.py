@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gpu_backend.errors import (
     InvalidRequestError,
@@ -111,7 +112,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.mailbox = Mailbox(functools.partial(refuse, on_retire=on_retire))
         self.cond = self.mailbox.cond
-        self.stats = {
+        self.stats: dict[str, Any] = {  # ints, and a Counter of decode batch sizes
             "prefill_steps": 0,
             "decode_steps": 0,
             "prefill_tokens": 0,
