@@ -28,6 +28,7 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import statistics
 import subprocess
@@ -128,7 +129,7 @@ def bench_flood(concurrency: int, chars: int, samples: int) -> tuple[float, floa
 
     from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
     from verifier.service import VerifierService
-    from verifier.stage import Exchange
+    from verifier.stage import Exchange, ExchangeRequest
 
     text = corpus()
     rng = random.Random(5)
@@ -152,13 +153,14 @@ def bench_flood(concurrency: int, chars: int, samples: int) -> tuple[float, floa
     flooder = TenantConfig(id="flooder", verify_sample_rate=0.0)
 
     def exchange(t: TenantConfig, prompt: str) -> Exchange:
-        return Exchange(uuid.uuid4().hex, t, "up", "m", "/v1/completions", prompt, len(prompt) // 4, False, 0.0)
+        request = ExchangeRequest(uuid.uuid4().hex, t, "up", "m", "/v1/completions", len(prompt) // 4, False, 0.0)
+        return Exchange(request, prompt)
 
     async def one_strict(svc: VerifierService) -> float:
         prompt, answer = slices(text, 1, 8000, rng)[0], slices(text, 1, 1500, rng)[0]
         t0 = time.perf_counter()
         e = exchange(strict, prompt)
-        e.started_monotonic = time.monotonic()
+        e.request = dataclasses.replace(e.request, started_monotonic=time.monotonic())
         await svc.admit(e)
         await svc.begin(e).check_body(answer, usage=None, finish_reason="stop", ttft_seconds=None)
         return (time.perf_counter() - t0) * 1000

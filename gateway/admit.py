@@ -45,7 +45,7 @@ from gateway.stages import QuotaLease, QuotaStage
 from gateway.tenants import TenantRegistry
 from gateway.upstreams import Upstream, UpstreamSet
 from tokenizer import split_completion_prompt
-from verifier.stage import Exchange, VerifierStage
+from verifier.stage import Exchange, ExchangeRequest, VerifierStage
 
 #: A body larger than this (bytes) is parsed, and its forwarded form encoded, in a worker thread:
 #: orjson builds one object per element, and 64 KiB of ``[""]`` is about 22,000 of them (about a
@@ -250,16 +250,12 @@ def verifier_exchange(
             echo_prompts.append(
                 "".join(p["text"] for p in last if isinstance(p, dict) and isinstance(p.get("text"), str))
             )
+    started_monotonic = time.monotonic() - (time.perf_counter() - arrival.t_perf)
     return Exchange(
-        arrival.request_id,
-        tenant,
-        "",
-        adm.model.id,
-        arrival.route,
+        ExchangeRequest(
+            arrival.request_id, tenant, "", adm.model.id, arrival.route, adm.prompt_tokens, stream, started_monotonic
+        ),
         adm.prompt_text,
-        adm.prompt_tokens,
-        stream,
-        time.monotonic() - (time.perf_counter() - arrival.t_perf),
         prompt_ids=ids,
         echo=body.get("echo") is True,
         echo_prompts=echo_prompts,

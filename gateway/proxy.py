@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeAlias
 
 import httpx
@@ -48,7 +48,7 @@ from verifier.engine_response import (
     parse_response_body,
     parse_response_event,
 )
-from verifier.stage import Exchange, ResponseGuard, ResponseWithheld, VerifierStage
+from verifier.stage import Exchange, ExchangeRequest, ResponseGuard, ResponseWithheld, VerifierStage
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -280,21 +280,21 @@ def _exchange(outcome: RelayOutcome) -> Exchange:
     else a new one."""
     a = outcome.admitted
     if a.exchange is not None:
-        a.exchange.upstream = outcome.upstream.name if outcome.upstream else ""
+        a.exchange.request = replace(a.exchange.request, upstream=outcome.upstream.name if outcome.upstream else "")
         return a.exchange
     adm = a.admission
     started_monotonic = time.monotonic() - (time.perf_counter() - a.arrival.t_perf)
-    return Exchange(
+    request = ExchangeRequest(
         a.arrival.request_id,
         a.tenant,
         outcome.upstream.name if outcome.upstream else "",
         adm.model.id,
         a.arrival.route,
-        adm.prompt_text,
         adm.prompt_tokens,
         a.forward.stream,
         started_monotonic,
     )
+    return Exchange(request, adm.prompt_text)
 
 
 async def read_whole(

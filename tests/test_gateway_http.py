@@ -517,7 +517,15 @@ def test_verifier_withholds_and_quarantine_skips(engine):
     finally:
         g.stop()
     ex = v.exchanges[0]
-    assert (ex.tenant.id, ex.upstream, ex.model, ex.route, ex.prompt_text, ex.prompt_tokens, ex.stream) == (
+    assert (
+        ex.request.tenant.id,
+        ex.request.upstream,
+        ex.request.model,
+        ex.request.route,
+        ex.prompt_text,
+        ex.request.prompt_tokens,
+        ex.request.stream,
+    ) == (
         "tenant-a",
         "u1",
         MODEL,

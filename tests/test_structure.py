@@ -43,8 +43,6 @@ FIELD_EXCEPTIONS = {
     "gpu_backend/engine_config.py:EngineConfig": "config: engine CLI flags",
     # the embedded stack's options, one per ``kvgate up``/``demo`` flag (keyword-built by callers)
     "gateway/stack.py:StackOptions": "config: stack CLI flags",
-    # pending (issue 16): request inputs plus the verifier's per-request state in one record
-    "verifier/stage.py:Exchange": "pending",
 }
 
 

@@ -20,7 +20,7 @@ from verifier.latency import LatencyModel, cached_tokens_of
 from verifier.probe import filler_words
 from verifier.service import VerifierService, strip_echo
 from verifier.shingles import encode
-from verifier.stage import Exchange, ResponseWithheld
+from verifier.stage import Exchange, ExchangeRequest, ResponseWithheld
 
 SECRETS = {"leak_index_key": b"adversary-test-key", "cache_salt_key": b"x", "admin_key": b"y"}
 COUNTER = bundled_counter()
@@ -57,19 +57,10 @@ STRICT = tenant("s", strict_verify=True)
 
 def ex(t: TenantConfig, prompt: str = "", *, ids=(), echo=False, stream=False, rid=None, n=None) -> Exchange:
     tokens = n if n is not None else (len(encode(prompt)) + sum(len(i) for i in ids))
-    return Exchange(
-        rid or f"req-{uuid.uuid4().hex[:8]}",
-        t,
-        "up",
-        "m",
-        "/v1/completions",
-        prompt,
-        tokens,
-        stream,
-        time.monotonic(),
-        prompt_ids=[list(i) for i in ids],
-        echo=echo,
+    request = ExchangeRequest(
+        rid or f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", "/v1/completions", tokens, stream, time.monotonic()
     )
+    return Exchange(request, prompt, prompt_ids=[list(i) for i in ids], echo=echo)
 
 
 async def admitted(svc: VerifierService, e: Exchange) -> Exchange:
@@ -91,7 +82,7 @@ async def test_self_planted_canary_as_token_ids_with_echo_is_no_incident(tmp_pat
         text = f"note {SELF_CANARY}"
         await admitted(svc, ex(A, text))
         eb = await admitted(svc, ex(B, ids=[COUNTER.encode_text(text)], echo=True))
-        assert eb.prompt_text == text and eb.own_text_complete
+        assert eb.prompt_text == text and eb.state.own_text_complete
         g = svc.begin(eb)
         await g.check_body(text + " and then some more words", usage=None, finish_reason="stop", ttft_seconds=None)
         strict_b = await admitted(svc, ex(STRICT, ids=[COUNTER.encode_text(text)], echo=True))
@@ -122,7 +113,9 @@ async def test_token_id_prompt_cut_inside_a_character_echoed_with_its_canary(tmp
         sent: list[bytes] = []
         for p in events:
             sent += await g.feed(p, sse(p))
-        sent += await g.finish_stream(usage={"prompt_tokens": e.prompt_tokens}, finish_reason="stop", ttft_seconds=None)
+        sent += await g.finish_stream(
+            usage={"prompt_tokens": e.request.prompt_tokens}, finish_reason="stop", ttft_seconds=None
+        )
         assert sent == [sse(p) for p in events]
         await svc.drain()
         assert svc.incidents.recent == []
@@ -154,7 +147,7 @@ async def test_undecodable_token_ids_are_counted_and_never_evidence_for_quaranti
     try:
         e = ex(B, ids=[[1, 2, 3]])
         await svc.admit(e, broken)
-        assert (e.own_text_complete, svc.stats["decode_failed"], e.prompt_text) == (False, 1, "")
+        assert (e.state.own_text_complete, svc.stats["decode_failed"], e.prompt_text) == (False, 1, "")
     finally:
         await svc.aclose()
 
@@ -475,7 +468,7 @@ async def test_strict_check_never_waits_for_another_tenants_ingest(tmp_path):
     real = svc._admit_ingest
 
     def maybe_slow(exchange, text, nbytes):
-        if exchange.tenant.id == "a":
+        if exchange.request.tenant.id == "a":
             gate.wait(10)
         real(exchange, text, nbytes)
 

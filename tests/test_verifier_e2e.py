@@ -42,7 +42,7 @@ from verifier.canary import find_canaries, new_canary
 from verifier.probe import filler_words
 from verifier.service import VerifierService
 from verifier.shingles import encode
-from verifier.stage import Exchange
+from verifier.stage import Exchange, ExchangeRequest
 
 SECRETS = {"leak_index_key": b"e2e-leak-key", "cache_salt_key": b"e2e-salt", "admin_key": b"e2e-admin"}
 TEXTS = [(SEEDS / "001_85707760a0179a93.txt").read_text(), (SEEDS / "000_cd7ee3cfd92e9ff1.txt").read_text()]
@@ -509,7 +509,8 @@ def test_no_false_positives_with_faults_off(tmp_path):
             ttft = (0.002 + 1e-4 * n) * (1 + lat_rng.uniform(0, 0.1))
             if lat_rng.random() < 0.01:
                 ttft *= lat_rng.uniform(1.5, 4)  # a slow outlier (queueing)
-            ex = Exchange(f"syn-{j}", tcfg[t], "leaky", "m", "/v1/completions", prompt, n, False, time.monotonic())
+            req = ExchangeRequest(f"syn-{j}", tcfg[t], "leaky", "m", "/v1/completions", n, False, time.monotonic())
+            ex = Exchange(req, prompt)
             g = svc.begin(ex)
             runner.run(
                 g.check_body(

@@ -10,14 +10,14 @@ import uuid
 
 import pytest
 import redis
+from conftest import SEEDS
 
 from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
-from conftest import SEEDS
 from verifier.canary import new_canary
 from verifier.incidents import read_incidents
 from verifier.service import VerifierService
 from verifier.shingles import encode
-from verifier.stage import Exchange, ResponseWithheld
+from verifier.stage import Exchange, ExchangeRequest, ResponseWithheld
 
 SEED_PL = (SEEDS / "001_85707760a0179a93.txt").read_text()
 SEED_ZH = (SEEDS / "000_cd7ee3cfd92e9ff1.txt").read_text()
@@ -43,17 +43,17 @@ def tenant(tid: str, **kw) -> TenantConfig:
 
 
 def ex(t: TenantConfig, prompt: str, *, stream: bool = False, rid: str | None = None) -> Exchange:
-    return Exchange(
+    request = ExchangeRequest(
         rid or f"req-{uuid.uuid4().hex[:8]}",
         t,
         "up",
         "m",
         "/v1/completions",
-        prompt,
         len(encode(prompt)),
         stream,
         time.monotonic(),
     )
+    return Exchange(request, prompt)
 
 
 def sse(text: str) -> bytes:

@@ -103,7 +103,7 @@ class Evidence:
             return "probe"
         if inc.detector == "canary" and inc.evidence.get("honeypot"):
             return "kvgate_canary"
-        if exchange is not None and (exchange.echo or not exchange.own_text_complete):
+        if exchange is not None and (exchange.echo or not exchange.state.own_text_complete):
             return None
         if inc.detector == "canary":
             sources = list(inc.evidence.get("source_tenants") or ())
@@ -155,12 +155,14 @@ class Evidence:
 def incident(detector: str, exchange: Exchange, evidence: dict, confirmed: bool = False) -> Incident:
     """An :class:`Incident` of ``detector`` for ``exchange``: ``evidence`` plus the request id,
     the prompt's token count and, when they apply, ``echo: true`` and ``own_text_complete: false``."""
-    ev = {"request_id": exchange.request_id, "prompt_tokens": exchange.prompt_tokens, **evidence}
+    ev = {"request_id": exchange.request.request_id, "prompt_tokens": exchange.request.prompt_tokens, **evidence}
     if exchange.echo:
         ev["echo"] = True
-    if not exchange.own_text_complete:
+    if not exchange.state.own_text_complete:
         ev["own_text_complete"] = False
-    return Incident(detector, exchange.tenant.id, exchange.upstream, exchange.request_id, ev, confirmed)
+    return Incident(
+        detector, exchange.request.tenant.id, exchange.request.upstream, exchange.request.request_id, ev, confirmed
+    )
 
 
 class Findings:
@@ -192,12 +194,12 @@ class Findings:
     def own_locked(self, exchange: Exchange) -> set[int]:
         """The own-prompt shingle set of a checked exchange (computed at admission or ingest;
         else now, on this exchange's own time). Caller holds the lock."""
-        if exchange.own_shingles is not None:
-            return exchange.own_shingles
+        if exchange.state.own_shingles is not None:
+            return exchange.state.own_shingles
         own = self.own_cache.pop(exchange.internal_id, None)
         if own is None:
             own = self.index.own_shingles(exchange.prompt_text)
-        exchange.own_shingles = own
+        exchange.state.own_shingles = own
         return own
 
     def canary(self, exchange: Exchange, canaries: list[str]) -> list[Incident]:
@@ -208,7 +210,7 @@ class Findings:
         if not cans:
             return []
         matches = self.canaries.lookup(cans)
-        foreign = [m for m in matches if m.owners and exchange.tenant.id not in m.owners and len(m.owners) == 1]
+        foreign = [m for m in matches if m.owners and exchange.request.tenant.id not in m.owners and len(m.owners) == 1]
         unknown = [m for m in matches if not m.owners]
         if not foreign and not unknown:
             return []
@@ -254,7 +256,7 @@ class Findings:
                 "bound_ms": round(lv.bound_seconds * 1000, 3),
                 "length_bucket": lv.bucket,
                 "cached_tokens": cached,
-                "prefilled_tokens": LatencyModel.prefilled_tokens(exchange.prompt_tokens, cached),
+                "prefilled_tokens": LatencyModel.prefilled_tokens(exchange.request.prompt_tokens, cached),
             },
         )
 
@@ -265,7 +267,7 @@ class Findings:
         withholds a strict response only when the engine said how many prompt tokens it served
         from its prefix cache (otherwise a cache hit cannot be told from a leak: reported)."""
         out = []
-        d = check_usage(exchange.prompt_tokens, usage, self.cfg.usage_drift_tolerance_tokens)
+        d = check_usage(exchange.request.prompt_tokens, usage, self.cfg.usage_drift_tolerance_tokens)
         if d:
             out.append(incident(d.detector, exchange, d.evidence))
         f = check_finish(finish_reason)
@@ -273,12 +275,12 @@ class Findings:
             out.append(incident(f.detector, exchange, f.evidence))
         cached = cached_tokens_of(usage)
         lv = self.latency.observe(
-            exchange.upstream,
-            exchange.prompt_tokens,
+            exchange.request.upstream,
+            exchange.request.prompt_tokens,
             ttft_seconds,
-            "stream" if exchange.stream else "whole",
-            model=exchange.model,
-            tenant=exchange.tenant.id,
+            "stream" if exchange.request.stream else "whole",
+            model=exchange.request.model,
+            tenant=exchange.request.tenant.id,
             cached_tokens=cached,
         )
         withhold: list[Incident] = []
@@ -300,7 +302,7 @@ class Findings:
             own = self.own_locked(ex)
             verdict, seen = LeakVerdict(), set[int]()
             for t in texts:
-                verdict.merge(self.index.check_ids(ex.tenant.id, encode(t), own, seen))
+                verdict.merge(self.index.check_ids(ex.request.tenant.id, encode(t), own, seen))
             leak = self.leak(ex, verdict)
             if leak:
                 found.append(leak)
@@ -316,8 +318,8 @@ class Findings:
         leak index), an oversize text, and a latency anomaly whose cached-token count is known.
         Caller holds the lock."""
         ex = job.exchange
-        strict = ex.tenant.strict_verify
-        CHECKS.labels(ex.upstream, "strict" if strict else "sampled").inc()
+        strict = ex.request.tenant.strict_verify
+        CHECKS.labels(ex.request.upstream, "strict" if strict else "sampled").inc()
         stats["checked"] += 1
         if strict:
             nbytes = sum(len(t.encode("utf-8", "replace")) for t in job.texts)

@@ -106,8 +106,8 @@ class IngestBudget:
             fast = self.hasher.fast(ids)
             fps = self.hasher.fingerprints(ids, self.index.w, fast)
             time.sleep(0)
-            if exchange.sampled:
-                exchange.own_shingles = set(fast.tolist())
+            if exchange.state.sampled:
+                exchange.state.own_shingles = set(fast.tolist())
             # a thread-safe (Redis) store needs no service lock: waiting out a worker's batch
             # under it cost admissions up to milliseconds; the stats have a lock of their own
             shared = getattr(self.index.store, "thread_safe", False) and getattr(
@@ -116,9 +116,9 @@ class IngestBudget:
             with contextlib.nullcontext() if shared else self.lock:
                 if self.store.up():
                     try:
-                        self.index.store.add(exchange.tenant.id, fps)
+                        self.index.store.add(exchange.request.tenant.id, fps)
                         if cans:
-                            self.canaries.register(exchange.tenant.id, cans)
+                            self.canaries.register(exchange.request.tenant.id, cans)
                     except Exception as e:
                         with self._budget_lock:
                             self.stats["errors"] += 1
@@ -190,7 +190,7 @@ class JobQueue:
         strict check must see every earlier prompt). An admitted exchange never does this other
         tenants' work: every prompt forwarded through admission was indexed before it left.
         Caller holds the lock; checks stay queued, in order, ahead of anything appended meanwhile."""
-        if exchange.admitted or not any(isinstance(j, IngestJob) for j in list(self.jobs)):
+        if exchange.state.admitted or not any(isinstance(j, IngestJob) for j in list(self.jobs)):
             return
         keep: list[CheckJob] = []
         for _ in range(len(self.jobs)):  # the jobs queued now; later appends stay queued

@@ -54,7 +54,7 @@ from verifier.latency import LatencyModel
 from verifier.leak_index import LeakIndex, LeakStore, LeakVerdict, MemoryLeakStore, RedisLeakStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
 from verifier.shingles import IncrementalShingler, ShingleHasher, encode
-from verifier.stage import Decoder, Exchange, ResponseWithheld
+from verifier.stage import Decoder, Exchange, ExchangeRequest, ResponseWithheld
 
 log = logging.getLogger("kvgate.verifier")
 
@@ -246,12 +246,12 @@ class VerifierService:
 
     # ------------------------------------------------------------------ stage API
     def _decide_sampled(self, exchange: Exchange) -> bool:
-        if exchange.sampled is None:
-            t = exchange.tenant
-            exchange.sampled = t.strict_verify or (
+        if exchange.state.sampled is None:
+            t = exchange.request.tenant
+            exchange.state.sampled = t.strict_verify or (
                 t.verify_sample_rate > 0 and self.rng.random() < t.verify_sample_rate
             )
-        return exchange.sampled
+        return exchange.state.sampled
 
     async def admit(self, exchange: Exchange, decode: Decoder | None = None) -> None:
         """Admission-time work of one request, awaited before it is forwarded (see the module
@@ -262,13 +262,13 @@ class VerifierService:
         exchange when the response will be checked. Over the pending-ingest byte budget the
         prompt is not indexed (``kvgate_verifier_dropped_total{reason="ingest_bytes"}``). Never
         raises, except :class:`asyncio.CancelledError` when the request is cancelled."""
-        if not self.cfg.enabled or exchange.admitted:
+        if not self.cfg.enabled or exchange.state.admitted:
             return
         try:
             self.start()
         except RuntimeError:
             pass
-        tenant = exchange.tenant
+        tenant = exchange.request.tenant
         self.tenants[tenant.id] = tenant
         self._decide_sampled(exchange)
         if exchange.prompt_ids:
@@ -281,12 +281,12 @@ class VerifierService:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:  # the engine's /detokenize failed: not the client's fault
-                    exchange.own_text_complete = False
+                    exchange.state.own_text_complete = False
                     self.stats["decode_failed"] += 1
                     log.warning("verifier: could not decode a token-id prompt: %s", type(e).__name__)
             exchange.prompt_text = "\n".join(t for t in (exchange.prompt_text, *decoded) if t)
             exchange.echo_prompts.extend(decoded)
-        exchange.admitted = True
+        exchange.state.admitted = True
         text = exchange.prompt_text
         nbytes = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
         if not self.ingest.reserve(nbytes):
@@ -309,10 +309,10 @@ class VerifierService:
             self.start()
         except RuntimeError:  # no running loop: synchronous use (tests, benchmarks)
             pass
-        tenant = exchange.tenant
+        tenant = exchange.request.tenant
         self.tenants[tenant.id] = tenant  # honeypot flags come with the exchanges
         sampled = self._decide_sampled(exchange)
-        if not exchange.admitted:
+        if not exchange.state.admitted:
             self.jobs.enqueue(IngestJob(tenant.id, exchange.prompt_text, exchange.internal_id, sampled))
         if tenant.strict_verify:
             return _StrictGuard(self, exchange)
@@ -333,7 +333,11 @@ class VerifierService:
         stream back until the end. Takes the service lock: call it off the event loop."""
         with self._lock:
             lv = self.latency.judge(
-                exchange.upstream, exchange.prompt_tokens, ttft_seconds, "stream", model=exchange.model
+                exchange.request.upstream,
+                exchange.request.prompt_tokens,
+                ttft_seconds,
+                "stream",
+                model=exchange.request.model,
             )
         if not lv.anomaly:
             return None
@@ -363,7 +367,7 @@ class VerifierService:
                     found += f.canary(exchange, canaries)
                 for ids in ids_list:
                     if ids:
-                        guard.verdict.merge(self.index.check_ids(exchange.tenant.id, ids, own, guard.seen))
+                        guard.verdict.merge(self.index.check_ids(exchange.request.tenant.id, ids, own, guard.seen))
             except StoreSkipped:
                 pass
             except Exception as e:  # the store is down: fail open (counted), latency still applies
@@ -399,17 +403,17 @@ class _Prober:
             for target, result in results:
                 svc.stats["probes"] += 1
                 if result.outcome == "leak":
-                    ex = Exchange(
+                    request = ExchangeRequest(
                         f"probe-{int(time.time())}",
                         TenantConfig(id=self.tenant_id, honeypot=True),
                         target.upstream,
-                        target.model or "",  # Exchange.model: "" when unnamed, as in verifier/latency.py
+                        target.model or "",  # ExchangeRequest.model: "" when unnamed, as in verifier/latency.py
                         "/v1/completions",
-                        "",
                         result.limit or 0,
                         False,
                         time.monotonic(),
                     )
+                    ex = Exchange(request, "")
                     inc = incident(
                         "probe",
                         ex,
@@ -699,7 +703,7 @@ class _StrictGuard:
             self._withhold([self.service.findings.oversize(self.exchange, self._text_bytes)])
         if not self._first_text_seen:
             self._first_text_seen = True
-            self._suspect = self.service.latency_precheck(self.exchange, now - self.exchange.started_monotonic)
+            self._suspect = self.service.latency_precheck(self.exchange, now - self.exchange.request.started_monotonic)
         ends: dict[str, int] = {}
         cans: list[str] = []
         ids_list: list[list[int]] = []
@@ -735,7 +739,7 @@ class _StrictGuard:
             cans += c
             ids_list += runs
         found = svc.strict_check_piece(self, cans, ids_list)
-        CHECKS.labels(self.exchange.upstream, "strict").inc()
+        CHECKS.labels(self.exchange.request.upstream, "strict").inc()
         svc.stats["checked"] += 1
         if found:
             self._withhold(found)

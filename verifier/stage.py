@@ -13,41 +13,56 @@ from typing import Any, Protocol
 from config.models import TenantConfig
 
 
-@dataclass
-class Exchange:
-    """One request as the verifier sees it. ``prompt_text``: the prompt's text (all messages'
-    text joined), used only to build keyed shingle hashes, never stored or logged.
-    ``prompt_tokens``: the gateway's exact count. ``started_monotonic``: ``time.monotonic()`` at
-    arrival.
-
-    ``prompt_ids``: the request's token-id prompts (``/v1/completions``), decoded by the
-    verifier's admission (:meth:`VerifierStage.admit`) into ``prompt_text`` so they get the
-    own-text exclusion and the leak index like text; ``echo``: the client asked the engine to
-    echo its prompt (never evidence). ``internal_id``: the verifier's own key for this exchange
-    (never the client's ``x-request-id``, which a client may repeat).
-
-    Filled by the verifier: ``admitted`` (the prompt was decoded and ingested at admission),
-    ``sampled``, ``own_shingles`` (the prompt's own-shingle set, kept for this response only),
-    ``own_text_complete`` (``False`` when a token-id prompt could not be decoded),
-    ``echo_prompts`` (each prompt's text, to recognise an echo)."""
+@dataclass(frozen=True)
+class ExchangeRequest:
+    """The request's inputs as the gateway admitted it (fixed; the gateway swaps in a copy with
+    ``upstream`` set once it picks one). ``prompt_tokens``: the gateway's exact count.
+    ``started_monotonic``: ``time.monotonic()`` at arrival; ``upstream`` is ``""`` until chosen."""
 
     request_id: str
     tenant: TenantConfig
     upstream: str
     model: str
     route: str
-    prompt_text: str
     prompt_tokens: int
     stream: bool
     started_monotonic: float
-    prompt_ids: Sequence[Sequence[int]] = ()
-    echo: bool = False
-    internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class VerifierState:
+    """What the verifier fills in for one exchange: ``admitted`` (the prompt was decoded and
+    ingested at admission), ``sampled`` (``None`` until decided), ``own_shingles`` (the prompt's
+    own-shingle set, kept for this response only), ``own_text_complete`` (``False`` when a
+    token-id prompt could not be decoded)."""
+
     admitted: bool = False
     sampled: bool | None = None
     own_shingles: set[int] | None = None
     own_text_complete: bool = True
+
+
+@dataclass
+class Exchange:
+    """One request as the verifier sees it: its fixed inputs (:class:`ExchangeRequest`), its
+    prompt, and the verifier's per-request :class:`VerifierState`.
+
+    ``prompt_text``: the prompt's text (all messages' text joined), used only to build keyed
+    shingle hashes, never stored or logged. ``prompt_ids``: the request's token-id prompts
+    (``/v1/completions``), decoded by the verifier's admission (:meth:`VerifierStage.admit`) and
+    appended to ``prompt_text`` so they get the own-text exclusion and the leak index like text;
+    ``echo``: the client asked the engine to echo its prompt (never evidence); ``echo_prompts``:
+    each prompt's text, to recognise an echo (the gateway fills the text ones, admission appends
+    the decoded ones). ``internal_id``: the verifier's own key for this exchange (never the
+    client's ``x-request-id``, which a client may repeat)."""
+
+    request: ExchangeRequest
+    prompt_text: str
+    prompt_ids: Sequence[Sequence[int]] = ()
+    echo: bool = False
     echo_prompts: list[str] = field(default_factory=list)
+    internal_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    state: VerifierState = field(default_factory=VerifierState)
 
 
 #: a token-id decoder the gateway hands to :meth:`VerifierStage.admit` (the model's tokenizer:
