@@ -27,11 +27,11 @@ from gpu_backend.errors import PromptTooLongError, RequestAbortedError
 from gpu_backend.kv_pool import KVPool
 from gpu_backend.messages import Abort, AddRequest, Message
 from gpu_backend.model_runner import ModelRunner, vocab_bias
-from gpu_backend.sampling import SamplingParams
+from gpu_backend.sampling import SamplingParams, make_generator
 from gpu_backend.scheduler import Scheduler
 from gpu_backend.sequence import RequestTable, SeqState, Sequence, check_prompt_ids
 from gpu_backend.vocab import Vocab, vocab_for
-from gpu_backend.weights import DTYPES, build_model, weight_bytes
+from gpu_backend.weights import DTYPES, shared_or_built, weight_bytes
 from gpu_backend.wire import Token
 
 log = logging.getLogger("gpu_backend.engine")
@@ -62,24 +62,17 @@ class Engine:
         self.cfg, self.faults = cfg, frozenset(cfg.faults)
         self.device, self.dtype = resolve_device(cfg.device), DTYPES[cfg.dtype]
         self.context_length, self.page_size = cfg.context_length, cfg.page_size
-        free_bytes, free_source = pool_sizing.memory_source(self.device, cfg.mem_budget_bytes)
-        if model is None:
-            model = build_model(cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
-        elif model.training or any(t.device != self.device or t.dtype != self.dtype for t in model.parameters()):
-            raise ValueError(f"a shared model must be in eval mode on {self.device} as {cfg.dtype}")
-        self.model = model
+        self.model = shared_or_built(model, cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
         self.weight_bytes = weight_bytes(self.model)
         layers, kv_heads, head_dim = self.model.kv_geometry
         cell = pool_sizing.kv_cell_bytes(layers, kv_heads, head_dim, self.dtype)
-        self.max_total_num_tokens, self.max_req_len, self.max_req_input_len = pool_sizing.pool_limits(
-            free_bytes, self.weight_bytes, cell, cfg.mem_fraction_static, cfg.page_size, cfg.max_total_tokens,
-            cfg.context_length,
+        size = pool_sizing.size_pool(
+            self.device, cfg.mem_budget_bytes, self.weight_bytes, cell, cfg.mem_fraction_static, cfg.page_size,
+            cfg.max_total_tokens, cfg.context_length,
         )  # fmt: skip
-        #: the start-up line saying how the pool got its size (``pool_sizing.describe``)
-        self.pool_explanation = pool_sizing.describe(
-            self.max_total_num_tokens, free_bytes, free_source, self.weight_bytes, cell,
-            cfg.mem_fraction_static, cfg.max_total_tokens,
-        )  # fmt: skip
+        self.max_total_num_tokens, self.max_req_len = size.max_total_num_tokens, size.max_req_len
+        self.max_req_input_len = size.max_req_input_len
+        self.pool_explanation = size.explanation  #: the start-up line saying how the pool got its size
         pages = self.max_total_num_tokens // cfg.page_size
         scrub = "no_scrub" not in self.faults
         self.pool = KVPool(pages, cfg.page_size, layers, kv_heads, head_dim, self.dtype, self.device, scrub=scrub)
@@ -103,7 +96,7 @@ class Engine:
         self.stats = self.scheduler.stats
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self._thread: threading.Thread | None = None
-        self._stopping = self._ready = False
+        self._stopping = self._ready = False  # lifecycle: ``status`` in server_info
 
     def server_info(self) -> dict:
         """SGLang ``/server_info`` fields: ``max_total_num_tokens``, ``max_req_input_len``,
@@ -111,19 +104,13 @@ class Engine:
         it), ``status`` (``"starting"``, ``"ready"``, ``"stopped"``), ``version``, ``model_path``,
         ``device``, and ``free_tokens`` / ``used_tokens`` read from the live pool."""
         st = self.pool.stats()
+        status = "ready" if self._ready else ("stopped" if self._stopping else "starting")
         return {
-            "max_total_num_tokens": self.max_total_num_tokens,
-            "max_req_input_len": self.max_req_input_len,
-            "context_length": self.context_length,
-            "page_size": self.page_size,
-            "disaggregation_mode": "null",
-            "status": "ready" if self._ready else ("stopped" if self._stopping else "starting"),
-            "version": VERSION,
-            "model_path": self.cfg.model,
-            "device": str(self.device),
-            "free_tokens": st["free_pages"] * self.page_size,
-            "used_tokens": st["used_pages"] * self.page_size,
-        }
+            "max_total_num_tokens": self.max_total_num_tokens, "max_req_input_len": self.max_req_input_len,
+            "context_length": self.context_length, "page_size": self.page_size, "disaggregation_mode": "null",
+            "status": status, "version": VERSION, "model_path": self.cfg.model, "device": str(self.device),
+            "free_tokens": st["free_pages"] * self.page_size, "used_tokens": st["used_pages"] * self.page_size,
+        }  # fmt: skip
 
     def pool_stats(self) -> dict:
         """``{"total_pages", "free_pages", "used_pages", "page_size"}`` of the live pool."""
@@ -246,11 +233,8 @@ class Engine:
         return seq
 
     def generator(self, params: SamplingParams) -> torch.Generator | None:
-        """The sampler's generator: ``None`` for greedy, else seeded by ``params.seed`` or the engine."""
-        if params.temperature <= 0.0:
-            return None
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-        return torch.Generator().manual_seed(seed)
+        """The sampler's generator (:func:`~gpu_backend.sampling.make_generator` over the engine's seed)."""
+        return make_generator(params, self._rng)
 
     def abort(self, request_id: str) -> None:
         """Abort a live request (waiting, prefilling, decoding or a reservation): the worker frees

@@ -17,6 +17,7 @@ token cap at all. ``mem_budget_bytes`` replaces the measurement on either device
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -141,3 +142,35 @@ def pool_limits(
     if max_input < 1:
         raise ValueError(f"pool of {total} tokens leaves no room for a prompt")
     return total, min(context_length - 1, total - 1), max_input
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """One engine's pool as sized at start-up: ``max_total_num_tokens`` (pool tokens, a multiple of
+    the page size), SGLang's ``max_req_len`` / ``max_req_input_len`` (tokens), and ``explanation``
+    (the start-up line of :func:`describe`)."""
+
+    max_total_num_tokens: int
+    max_req_len: int
+    max_req_input_len: int
+    explanation: str
+
+
+def size_pool(
+    device: torch.device,
+    mem_budget_bytes: int | None,
+    weight_bytes: int,
+    cell_bytes: int,
+    mem_fraction_static: float,
+    page_size: int,
+    max_total_tokens: int | None,
+    context_length: int,
+) -> PoolSize:
+    """Measure free memory (:func:`memory_source`), apply :func:`pool_limits` and say why
+    (:func:`describe`). ``ValueError`` as :func:`pool_limits`."""
+    free_bytes, free_source = memory_source(device, mem_budget_bytes)
+    total, max_req_len, max_input = pool_limits(
+        free_bytes, weight_bytes, cell_bytes, mem_fraction_static, page_size, max_total_tokens, context_length
+    )
+    why = describe(total, free_bytes, free_source, weight_bytes, cell_bytes, mem_fraction_static, max_total_tokens)
+    return PoolSize(total, max_req_len, max_input, why)

@@ -70,6 +70,15 @@ def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # NaN is not a number here
 
 
+def make_generator(params: SamplingParams, rng: torch.Generator) -> torch.Generator | None:
+    """The sampler's generator: ``None`` for greedy (``temperature <= 0``), else seeded by
+    ``params.seed`` or, without one, by a draw from ``rng`` (the engine's seeded generator)."""
+    if params.temperature <= 0.0:
+        return None
+    seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=rng))
+    return torch.Generator().manual_seed(seed)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """Next token per row. ``logits``: [B, V] (any device/dtype); ``params``/``generators``: B each
     (a generator is needed for rows with temperature > 0). Returns B token ids.

@@ -120,3 +120,16 @@ def weight_bytes(model: torch.nn.Module) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     return total
+
+
+def shared_or_built(
+    model: torch.nn.Module | None, name: str, context_length: int, seed: int, dtype: torch.dtype, device: torch.device
+) -> torch.nn.Module:
+    """``model`` when given (an already-built model shared with another engine in the process),
+    else :func:`build_model`. ``ValueError`` when a shared model is in training mode or has a
+    parameter off ``device`` / ``dtype``."""
+    if model is None:
+        return build_model(name, context_length, seed, dtype, device)
+    if model.training or any(t.device != device or t.dtype != dtype for t in model.parameters()):
+        raise ValueError(f"a shared model must be in eval mode on {device} as {str(dtype).removeprefix('torch.')}")
+    return model
