@@ -8,7 +8,7 @@ the contracts of :mod:`gateway.stages` / :mod:`verifier.stage`; ``None`` means s
 (:class:`NullQuotas` / :class:`NullVerifier`), and a stage with ``aclose`` is closed at shutdown.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
-``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (also under ``/v1/``), ``GET /v1/models``,
+``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (also under ``/v1/``), ``GET /v1/models`` and ``/v1/models/{id}``,
 ``GET /healthz``, ``GET /readyz``, ``GET /metrics``. Every error is OpenAI-shaped
 (:mod:`gateway.errors`). ``app.state.gateway`` is the :class:`Gateway`.
 """
@@ -34,7 +34,7 @@ from config.errors import ErrorCode, openai_error_bytes
 from config.models import Settings
 from gateway import errors
 from gateway.admission import ModelIndex
-from gateway.handlers import handle_completion, handle_models
+from gateway.handlers import handle_completion, handle_model, handle_models
 from gateway.metrics import GatewayMetrics
 from gateway.pool_watcher import PoolWatcher
 from gateway.stages import NullQuotas, QuotaStage
@@ -265,6 +265,9 @@ def create_app(
     async def models(request: Request) -> Response:
         return await handle_models(gw, request)
 
+    async def model(request: Request) -> Response:
+        return await handle_model(gw, request, request.path_params["model_id"])
+
     async def healthz(request: Request) -> Response:
         headers = {"x-kvgate-worker": str(gw.worker)} if gw.worker is not None else None
         return Response(b'{"status":"ok"}', media_type="application/json", headers=headers)
@@ -301,6 +304,7 @@ def create_app(
         app.router.add_route(prefix + "/tokenize", tokenize, methods=["POST"])
         app.router.add_route(prefix + "/detokenize", detokenize, methods=["POST"])
     app.router.add_route("/v1/models", models, methods=["GET"])
+    app.router.add_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.router.add_route("/healthz", healthz, methods=["GET"])
     app.router.add_route("/readyz", readyz, methods=["GET"])
     app.router.add_route("/metrics", metrics, methods=["GET"])

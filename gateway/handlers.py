@@ -19,8 +19,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from config.errors import OpenAIError
+from config.models import TenantConfig
 from gateway import logging as glog
-from gateway.admission import effective_limit
+from gateway.admission import ModelEntry, effective_limit
 from gateway.admit import AdmitContext, Arrival, Refused, admit
 from gateway.auth import authenticate
 from gateway.finish import FinishContext, finish
@@ -83,6 +84,29 @@ async def handle_completion(gw: HandlerContext, request: Request, route: str) ->
     return RelayResponse(relay(gw, outcome), outcome, on_close=lambda: finish(gw, outcome))
 
 
+def _model_object(gw: HandlerContext, entry: ModelEntry, tenant: TenantConfig) -> dict[str, Any]:
+    """One model as ``/v1/models`` lists it (OpenAI's model object: ``id``, ``object`` ``"model"``,
+    ``created`` (unix seconds), ``owned_by``; vLLM's ``root`` and ``max_model_len``): ``max_model_len``
+    is ``tenant``'s effective limit on ``entry`` now, in tokens (``null`` while the pool is unknown)."""
+    _, pool_limit = gw.upstreams.eligible(entry.id)
+    return {
+        "id": entry.id,
+        "object": "model",
+        "created": gw.started_at,
+        "owned_by": "kvgate",
+        "root": entry.id,
+        "max_model_len": effective_limit(entry, tenant, pool_limit) if pool_limit is not None else None,
+    }
+
+
+def _json(body: dict[str, Any], rid: str, t0: float) -> Response:
+    return Response(
+        orjson.dumps(body),
+        media_type="application/json",
+        headers={"x-request-id": rid, "x-kvgate-overhead-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"},
+    )
+
+
 async def handle_models(gw: HandlerContext, request: Request) -> Response:
     """``GET /v1/models``: the tenant's models; ``max_model_len`` is its effective limit now
     (``null`` while the pool is unknown)."""
@@ -92,22 +116,26 @@ async def handle_models(gw: HandlerContext, request: Request) -> Response:
         tenant = authenticate(request.headers.get("authorization"), gw.tenants)
     except OpenAIError as e:
         return refusal(gw, e, rid, t0, "-", "models")
-    data: list[dict[str, Any]] = []
-    for entry in gw.models.allowed(tenant):
-        _, pool_limit = gw.upstreams.eligible(entry.id)
-        data.append(
-            {
-                "id": entry.id,
-                "object": "model",
-                "created": gw.started_at,
-                "owned_by": "kvgate",
-                "root": entry.id,
-                "max_model_len": effective_limit(entry, tenant, pool_limit) if pool_limit is not None else None,
-            }
-        )
+    data = [_model_object(gw, entry, tenant) for entry in gw.models.allowed(tenant)]
     gw.metrics.requests.labels(tenant.id, "models", "200").inc()
-    return Response(
-        orjson.dumps({"object": "list", "data": data}),
-        media_type="application/json",
-        headers={"x-request-id": rid, "x-kvgate-overhead-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"},
-    )
+    return _json({"object": "list", "data": data}, rid, t0)
+
+
+async def handle_model(gw: HandlerContext, request: Request, model_id: str) -> Response:
+    """``GET /v1/models/{model_id}`` (OpenAI's "Retrieve model"; the SDK's ``models.retrieve``): the
+    object ``/v1/models`` lists for that model, its canonical ``id`` even when ``model_id`` is an
+    alias. Authentication comes first (401 before anything about the model); a model that is
+    unknown or that the tenant may not use is 404 ``model_not_found`` in OpenAI's error shape
+    (the same answer for both, so a tenant cannot probe for other tenants' models)."""
+    t0 = time.perf_counter()
+    rid = request_id_of(request.headers.get("x-request-id"))
+    try:
+        tenant = authenticate(request.headers.get("authorization"), gw.tenants)
+    except OpenAIError as e:
+        return refusal(gw, e, rid, t0, "-", "models")
+    try:
+        entry = gw.models.resolve(tenant, model_id)
+    except OpenAIError as e:
+        return refusal(gw, e, rid, t0, tenant.id, "models")
+    gw.metrics.requests.labels(tenant.id, "models", "200").inc()
+    return _json(_model_object(gw, entry, tenant), rid, t0)

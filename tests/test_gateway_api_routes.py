@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 
-from config.errors import context_length_message
+from config.errors import MAX_MESSAGE_CHARS, bounded, context_length_message
 from config.models import Settings
 from gateway.api_routes import embedding_length_message
 from gateway.quotas import build_quota_stage
-from tests.gateway_harness import KEY_A, MODEL, SECRETS, Gateway, tenants, upstream, wait_for
+from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, tenants, upstream, wait_for
 from tests.mock_api_engine import COUNTER, ApiMockEngine, response_stream
 from verifier.service import VerifierService
 
@@ -621,3 +621,60 @@ def test_an_oversized_responses_event_ends_the_stream_with_a_responses_error_eve
     tail = raw[len(first) :]
     assert tail.startswith(b'event: error\ndata: {"type":"error","code":"upstream_unavailable"')
     assert tail.endswith(b'"sequence_number":4}\n\n')
+
+
+# ---------------------------------------------------------------- GET /v1/models/{id}
+
+
+def _not_found(name: str) -> dict:
+    message = f"The model `{name}` does not exist or you do not have access to it."
+    return {
+        "message": bounded(message, MAX_MESSAGE_CHARS),
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+
+
+def test_sdk_retrieves_a_model_as_models_lists_it_and_an_alias_resolves(gw):
+    client = sdk(gw)
+    listed = {m.id: m.model_dump() for m in client.models.list().data}
+    m = client.models.retrieve(MODEL)
+    assert m.model_dump() == listed[MODEL]
+    assert (m.id, m.object, m.owned_by, (m.model_extra or {})["max_model_len"]) == (MODEL, "model", "kvgate", LIMIT)
+    assert client.models.retrieve("tiny-alias").model_dump() == listed[MODEL]  # the canonical id
+    assert client.models.retrieve(EMB).model_dump() == listed[EMB]
+
+
+@pytest.mark.parametrize("name", ["no-such-model", "a/b/c", "x" * 5000, "kvgate-tiny ", "KVGATE-TINY", "tiny-alias."])
+def test_unknown_model_is_404_model_not_found_in_openais_shape(gw, name):
+    with pytest.raises(openai.NotFoundError) as e:
+        sdk(gw).models.retrieve(name)
+    assert e.value.code == "model_not_found"
+    with gw.client() as c:
+        r = c.get("/v1/models/" + name)
+    assert r.status_code == 404 and error_of(r) == _not_found(name)
+    assert len(r.content) < 1400  # the echoed name is cut, never the whole 5000 characters
+
+
+def test_a_model_the_tenant_may_not_use_is_the_same_404(gw):
+    with gw.client(KEY_B) as c:
+        r = c.get(f"/v1/models/{MODEL}")
+        assert r.status_code == 404 and error_of(r) == _not_found(MODEL)
+        r = c.get("/v1/models/other-model")  # allowed, but not configured: unknown
+        assert r.status_code == 404 and error_of(r) == _not_found("other-model")
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong"])
+def test_retrieve_authenticates_first(gw, key):
+    with gw.client(key) as c:
+        for name in (MODEL, "no-such-model"):
+            r = c.get(f"/v1/models/{name}")
+            assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key", name
+
+
+def test_retrieve_is_get_only_and_the_bare_path_is_not_a_model(gw):
+    with gw.client() as c:
+        assert c.post(f"/v1/models/{MODEL}", json={}).status_code == 405
+        assert c.get("/v1/models/").status_code == 404
+        assert c.get("/v1/models").json()["object"] == "list"
