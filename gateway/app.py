@@ -8,8 +8,8 @@ the contracts of :mod:`gateway.stages` / :mod:`verifier.stage`; ``None`` means s
 (:class:`NullQuotas` / :class:`NullVerifier`), and a stage with ``aclose`` is closed at shutdown.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
-``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (also under ``/v1/``), ``GET /v1/models`` and ``/v1/models/{id}``,
-``GET /healthz``, ``GET /readyz``, ``GET /metrics``. Every error is OpenAI-shaped
+``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (also under ``/v1/``), ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``. Every error is OpenAI-shaped
 (:mod:`gateway.errors`). ``app.state.gateway`` is the :class:`Gateway`.
 """
 
