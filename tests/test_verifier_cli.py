@@ -120,9 +120,14 @@ def test_probe_finds_the_leak_and_passes_a_fixed_engine(engine, capsys):
     assert code == 0, out
     assert out.splitlines()[0] == f"probe of {engine.api_url}: live limit 3276"
     assert out.splitlines()[-1] == "probe: CLEAN (no canary surfaced)"
-    # faults off but the limit still too high: the engine answers 400 (status is ignored), no canary
-    assert main(["probe", "--base-url", engine.api_url, "--limit", "8192"]) == 0
-    capsys.readouterr()
+    # faults off but the limit still too high: the engine answers 400 at "the limit", so the boundary
+    # was never exercised: could not tell (exit 2), never CLEAN
+    assert main(["probe", "--base-url", engine.api_url, "--limit", "8192"]) == 2
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "probe: UNKNOWN (the at-limit request plant@L (prompt 8128 + max_tokens 64 = 8192 tokens) was answered"
+        " HTTP 400, not 200: the boundary was not exercised (the limit or the prompt sizing does not match the"
+        " served model))"
+    )
 
 
 def test_probe_could_not_tell(capsys):

@@ -9,11 +9,14 @@ Steps (``L`` = the live limit, prompt + ``max_tokens`` tokens; ``@n`` = a prompt
 3. ``plant@L+1``, then ``fresh@L+1`` - one past the boundary (the rejection path), then fresh.
 
 Every response BODY (never the status: a 200 proves nothing, a 400 is fine) is searched for
-canaries its own prompt does not hold. Prompts are sized exactly with the bundled cl100k
-tokenizer (exact for the bundled backend and cl100k engines). Runs through the gateway as a
+canaries its own prompt does not hold. Prompts are sized exactly with the served model's own
+count: the target's vLLM-shaped ``/tokenize`` (the gateway's answers from the gate's counter;
+:class:`RemoteCounter`), iterating until prompt + ``max_tokens`` is the step's target; only
+without one, the bundled cl100k tokenizer. The at-limit steps must be answered 200, else the
+boundary was never exercised and the outcome is ``unknown``. Runs through the gateway as a
 probe tenant (``--base-url http://gw:8080/v1 --api-key ...``) or straight at an engine's OpenAI
 base URL. Exit status: 0 clean, 1 a canary surfaced, 2 could not tell (no limit, transport
-errors, or no step got a 2xx).
+errors, no step got a 2xx, or an at-limit step was not answered 200).
 """
 
 from __future__ import annotations
@@ -93,6 +96,119 @@ def build_prompt(n_tokens: int, canary: str | None, rng: random.Random, every_to
     if got != n_tokens:  # cannot happen with one-token words on pre-token boundaries; be loud
         raise AssertionError(f"probe prompt sized {got} tokens, wanted {n_tokens}")
     return text
+
+
+def _pieces(n_tokens: int, canary: str | None, rng: random.Random, every: int = 48) -> list[str]:
+    """``PROMPT_HEAD`` then ``n_tokens`` pieces: `` <word>`` fillers with `` <canary>`` (when
+    given) first and every ``every`` pieces. Every piece is at least one token in any BPE
+    tokenizer, so a prefix of at most ``n_tokens`` pieces holds any prompt of ``n_tokens``."""
+    words = filler_words()
+    out = [PROMPT_HEAD]
+    for i in range(max(n_tokens, 1)):
+        out.append(f" {canary}" if canary and i % every == 0 else " " + rng.choice(words))
+    return out
+
+
+#: one-token pads tried (in order) to close the last gap of a remotely sized prompt
+_PADS = (" the", " a", " and", ".", ",", " x", "!")
+
+
+async def fit_prompt_remote(
+    count: Callable[[str], Any], n_tokens: int, canary: str | None, rng: random.Random, max_calls: int = 40
+) -> str:
+    """A prompt of exactly ``n_tokens`` tokens as ``count`` (an async ``text -> int``, the served
+    model's own count, e.g. its ``/tokenize``) counts it: head + filler pieces (canaries every 48),
+    the piece count found by secant steps then single steps, the last gap closed with one-token
+    pads (:data:`_PADS`). Raises ``ValueError`` when the count cannot be hit exactly within
+    ``max_calls`` counts, or when ``n_tokens`` cannot hold the head and a canary."""
+    pieces = _pieces(n_tokens, canary, rng)
+    calls = 0
+
+    async def f(k: int, tail: str = "") -> int:
+        nonlocal calls
+        calls += 1
+        if calls > max_calls:
+            raise ValueError(f"could not size a {n_tokens}-token probe prompt in {max_calls} counts")
+        return int(await count("".join(pieces[: k + 1]) + tail))
+
+    k_lo, c_lo = 0, await f(0)  # the head alone (plus any special tokens the model adds)
+    c0 = c_lo
+    need = 2 if canary else 1
+    if c_lo + need > n_tokens:
+        raise ValueError(f"a probe prompt needs more than {n_tokens} tokens here")
+    k = max(need, min(len(pieces) - 1, n_tokens - c_lo))
+    c = await f(k)
+    k_hi, c_hi = (k, c) if c >= n_tokens else (len(pieces), n_tokens + 10**9)
+    if c < n_tokens:
+        k_lo, c_lo = k, c
+    while c != n_tokens and k_hi - k_lo > 1:
+        # secant step inside the bracket (each piece is >= 1 token, so the count rises with k)
+        per = (c_hi - c_lo) / (k_hi - k_lo) if c_hi < 10**9 else max(1.0, (c_lo - c0) / max(k_lo, 1))
+        k = k_lo + max(1, min(k_hi - k_lo - 1, int((n_tokens - c_lo) / max(per, 1.0))))
+        c = await f(k)
+        if c == n_tokens:
+            break
+        if c < n_tokens:
+            k_lo, c_lo = k, c
+        else:
+            k_hi, c_hi = k, c
+    if c == n_tokens:
+        return "".join(pieces[: k + 1])
+    gap = n_tokens - c_lo  # 0 < gap < (tokens of piece k_lo + 1)
+    for pad in _PADS:
+        if await f(k_lo, pad * gap) == n_tokens:
+            return "".join(pieces[: k_lo + 1]) + pad * gap
+    raise ValueError(f"could not size a probe prompt to exactly {n_tokens} tokens with the served tokenizer")
+
+
+class RemoteCounter:
+    """The served model's own prompt count, from a vLLM-shaped ``POST /tokenize`` (``{"model",
+    "prompt", "add_special_tokens": true}`` -> ``{"count", "max_model_len"}``): the gateway's
+    (answered from the gate's own counter, ``max_model_len`` = the tenant's live limit), the
+    bundled engine's or vLLM's. Tries ``<base_url>/tokenize`` (the gateway and the bundled engine
+    serve it under ``/v1/``) then ``/tokenize`` at the URL's root (vLLM). ``available`` is False
+    when neither answers; ``max_model_len`` is the last one reported (tokens, or ``None``)."""
+
+    def __init__(self, client: httpx.AsyncClient, target: ProbeTarget, headers: dict[str, str]) -> None:
+        self.client = client
+        self.target = target
+        self.headers = headers
+        base = target.base_url.rstrip("/")
+        root = base[: -len("/v1")] if base.endswith("/v1") else base
+        self.urls = [base + "/tokenize"] + ([root + "/tokenize"] if root != base else [])
+        self.url: str | None = None
+        self.max_model_len: int | None = None
+
+    async def _post(self, url: str, text: str) -> int | None:
+        body: dict[str, Any] = {"prompt": text, "add_special_tokens": True}
+        if self.target.model:
+            body["model"] = self.target.model
+        try:
+            r = await self.client.post(url, json=body, headers=self.headers)
+            data = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("count"), int) or isinstance(data["count"], bool):
+            return None
+        mml = data.get("max_model_len")
+        if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0:
+            self.max_model_len = mml
+        return int(data["count"])
+
+    async def available(self) -> bool:
+        """Whether a ``/tokenize`` answers a count (picks the URL)."""
+        for url in self.urls:
+            if await self._post(url, PROMPT_HEAD) is not None:
+                self.url = url
+                return True
+        return False
+
+    async def __call__(self, text: str) -> int:
+        """``text``'s prompt tokens. Raises ``ValueError`` when the endpoint stops answering."""
+        got = await self._post(self.url or self.urls[0], text)
+        if got is None:
+            raise ValueError("the served model's /tokenize stopped answering")
+        return got
 
 
 @dataclass
@@ -179,7 +295,14 @@ async def run_probe(
     """Run the five steps against ``target`` (see module doc). ``register`` is called with the
     canaries before they are sent (the gateway's verifier records them as honeypot canaries)."""
     rng = rng or random.Random()
+    headers = {"content-type": "application/json"}
+    if target.api_key:
+        headers["authorization"] = f"Bearer {target.api_key}"
+    remote = RemoteCounter(client, target, headers)
+    sized_remotely = await remote.available()
     limit = await live_limit(client, target)
+    if limit is None and remote.max_model_len:
+        limit = remote.max_model_len  # the gateway's /tokenize: the tenant's live limit
     if limit is None:
         return ProbeResult("unknown", None, reason="live limit unknown (no --limit and no readable pool)")
     plan: list[tuple[str, int, bool]] = [
@@ -189,9 +312,6 @@ async def run_probe(
         ("plant@L+1", limit + 1, True),
         ("fresh@L+1", limit + 1, False),
     ]
-    headers = {"content-type": "application/json"}
-    if target.api_key:
-        headers["authorization"] = f"Bearer {target.api_key}"
     url = target.base_url.rstrip("/") + "/completions"
     result = ProbeResult("clean", limit)
     any_2xx = False
@@ -201,7 +321,10 @@ async def run_probe(
         result.steps.append(step)
         canary = new_canary() if plant else None
         try:
-            prompt = build_prompt(prompt_tokens, canary, rng)
+            if sized_remotely:
+                prompt = await fit_prompt_remote(remote, prompt_tokens, canary, rng)
+            else:
+                prompt = build_prompt(prompt_tokens, canary, rng)
         except ValueError as e:
             step.error = str(e)
             continue
@@ -220,12 +343,20 @@ async def run_probe(
         found = [c for c in find_canaries(r.text) if c != canary]
         step.surfaced = len(found)
         result.surfaced += len(found)
+    at_limit = [s for s in result.steps if s.label in ("plant@L", "fresh@L") and s.status is not None]
     if result.surfaced:
         result.outcome = "leak"
     elif any(s.error for s in result.steps):
         result.outcome, result.reason = "unknown", "some probe requests failed"
     elif not any_2xx:
         result.outcome, result.reason = "unknown", "no probe request was answered with a 2xx"
+    elif bad := [s for s in at_limit if s.status != 200]:
+        result.outcome = "unknown"
+        result.reason = (
+            f"the at-limit request {bad[0].label} (prompt {bad[0].prompt_tokens} + max_tokens {bad[0].max_tokens}"
+            f" = {limit} tokens) was answered HTTP {bad[0].status}, not 200: the boundary was not exercised"
+            " (the limit or the prompt sizing does not match the served model)"
+        )
     return result
 
 
