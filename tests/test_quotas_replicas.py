@@ -465,7 +465,13 @@ def _assert_rpm_3_holds(pair: list[Replica], key: str) -> None:
 
 
 def _recovered(pair: list[Replica], key: str) -> bool:
-    return all(post(r, key).status_code == 200 for r in pair)
+    """True once each replica answers 200. That proves one worker of each has seen Redis again; a
+    worker whose last call failed still decides by the policy for up to 0.5 s (docs/quotas.md,
+    "Redis back: Redis decides again within 0.5 s"), so callers then wait out that window."""
+    if not all(post(r, key).status_code == 200 for r in pair):
+        return False
+    time.sleep(0.6)  # every worker's fail-fast window (PROBE_INTERVAL_SECONDS = 0.5 s) has passed
+    return True
 
 
 def test_redis_stopped_then_paused_fails_closed_within_1s_and_limits_resume(stack, engine, tmp_path) -> None:
