@@ -81,6 +81,10 @@ class Replica:
                     str(tenants),
                     "--port",
                     str(self.port),
+                    # one process per replica: these tests pin replica semantics (which process saw
+                    # what, when); several workers per process are tests/test_gateway_workers.py's
+                    "--workers",
+                    "1",
                     "--log-level",
                     "warning",
                 ],
