@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import logging
@@ -49,7 +50,7 @@ from config.models import Settings, TenantConfig
 from verifier.canary import CanaryRegistry, CanaryScanner
 from verifier.findings import Evidence, Findings, StoreHealth, StoreSkipped, incident, kvgate_planted, strip_echo
 from verifier.incidents import CHECKS, Incident, IncidentSink
-from verifier.jobs import CheckJob, IngestBudget, IngestJob, JobQueue
+from verifier.jobs import INLINE_INGEST_BYTES, CheckJob, IngestBudget, IngestJob, JobQueue
 from verifier.latency import LatencyModel
 from verifier.leak_index import LeakIndex, LeakStore, LeakVerdict, MemoryLeakStore, RedisLeakStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
@@ -72,8 +73,9 @@ class VerifierService:
       ``redis_url``, ``state_dir``).
     - ``secrets``: ``{"leak_index_key": bytes, ...}`` (``config.secrets.load_secrets``); loaded
       from ``state_dir`` when ``None``.
-    - ``redis_client``: a synchronous ``redis.Redis`` (default: from ``settings.redis_url``;
-      ``None`` and no URL = in-process stores and the quarantine state file).
+    - ``redis_client``: a synchronous ``redis.Redis`` (default: from ``settings.redis_url``,
+      with a ``redis.asyncio.Redis`` beside it for small prompts' admission writes; ``None`` and
+      no URL = in-process stores and the quarantine state file).
     - ``key_prefix``: Redis key prefix (tests use their own).
     - ``rng``: ``random.Random`` for sampling (tests seed it).
     - ``probe_targets``: for the periodic probe (``verifier.probe_interval_seconds``): a list of
@@ -111,8 +113,11 @@ class VerifierService:
 
             secrets = load_secrets(settings.state_dir)
         key = secrets["leak_index_key"]
+        aredis_client = None
         if redis_client is None and settings.redis_url:
             import redis
+            import redis.asyncio
+            from redis.asyncio.retry import Retry as AsyncRetry
             from redis.backoff import NoBackoff
             from redis.retry import Retry
 
@@ -120,13 +125,19 @@ class VerifierService:
             redis_client = redis.Redis.from_url(
                 settings.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25, retry=Retry(NoBackoff(), 0)
             )
+            # the same, for small prompts' admission-time writes on the event loop
+            aredis_client = redis.asyncio.Redis.from_url(
+                settings.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25, retry=AsyncRetry(NoBackoff(), 0)
+            )
         self.redis = redis_client
+        self.aredis = aredis_client
         leak_store: LeakStore
         canary_store: LeakStore
         qbackend: RedisQuarantineBackend | FileQuarantineBackend
         if redis_client is not None:
-            leak_store = RedisLeakStore(redis_client, cfg.leak_index_ttl_seconds, key_prefix + "leak:")
-            canary_store = RedisLeakStore(redis_client, cfg.leak_index_ttl_seconds, key_prefix + "canary:")
+            ttl = cfg.leak_index_ttl_seconds
+            leak_store = RedisLeakStore(redis_client, ttl, key_prefix + "leak:", aclient=aredis_client)
+            canary_store = RedisLeakStore(redis_client, ttl, key_prefix + "canary:", aclient=aredis_client)
             qbackend = RedisQuarantineBackend(redis_client, key_prefix)
         else:
             leak_store = MemoryLeakStore(cfg.leak_index_ttl_seconds)
@@ -225,6 +236,9 @@ class VerifierService:
         pool, self._strict_pool = self._strict_pool, None
         if pool is not None:
             pool.shutdown(wait=False)
+        if self.aredis is not None:
+            with contextlib.suppress(Exception):
+                await self.aredis.aclose()
 
     #: threads for strict guards' checks (they serialize on the service lock for the store
     #: part; the pool is separate from the loop's default executor, so strict requests waiting
@@ -257,8 +271,10 @@ class VerifierService:
         """Admission-time work of one request, awaited before it is forwarded (see the module
         doc): decode ``exchange.prompt_ids`` with ``decode`` (the model tokenizer's ``adecode``;
         a failure, or no decoder, leaves ``own_text_complete`` false and is counted as
-        ``decode_failed``), then, in a thread of its own, tokenize and fingerprint the prompt,
-        add it to the leak index and the canary registry, and keep its own-shingle set on the
+        ``decode_failed``), then tokenize and fingerprint the prompt and add it to the leak index
+        and the canary registry (a prompt of at most :data:`~verifier.jobs.INLINE_INGEST_BYTES`
+        with Redis stores: on the event loop, one awaited call per store; otherwise in a thread
+        of its own), and keep its own-shingle set on the
         exchange when the response will be checked. Over the pending-ingest byte budget the
         prompt is not indexed (``kvgate_verifier_dropped_total{reason="ingest_bytes"}``). Never
         raises, except :class:`asyncio.CancelledError` when the request is cancelled."""
@@ -295,7 +311,10 @@ class VerifierService:
         try:
             async with self.ingest.semaphore(tenant.id):
                 started = True
-                await _in_own_thread(self._admit_ingest, exchange, text, nbytes)
+                if nbytes <= INLINE_INGEST_BYTES and self.ingest.inline_store():
+                    await self.ingest.index_small(exchange, text, nbytes)
+                else:
+                    await _in_own_thread(self._admit_ingest, exchange, text, nbytes)
         finally:
             if not started:
                 self.ingest.release(nbytes)

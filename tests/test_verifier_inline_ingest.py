@@ -1,0 +1,195 @@
+"""Admission-time indexing of small prompts on the event loop (verifier.jobs.IngestBudget.index_small):
+with Redis stores, a prompt of at most INLINE_INGEST_BYTES is fingerprinted in place and written
+with one awaited Lua call, never through the admission thread; a larger one still takes the
+thread. What it stores, what a later check finds, and what Redis down or hanging does to it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import time
+import uuid
+
+import pytest
+import redis
+
+from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+from verifier.canary import new_canary
+from verifier.jobs import INLINE_INGEST_BYTES
+from verifier.service import VerifierService
+from verifier.shingles import encode
+from verifier.stage import Exchange, ExchangeRequest, ResponseWithheld
+
+SECRETS = {"leak_index_key": b"inline-test-key", "cache_salt_key": b"x", "admin_key": b"y"}
+A = TenantConfig(id="a", verify_sample_rate=1.0)
+STRICT = TenantConfig(id="s", strict_verify=True)
+
+
+def settings(tmp_path, redis_url: str) -> Settings:
+    return Settings(
+        state_dir=str(tmp_path),
+        redis_url=redis_url,
+        verifier=VerifierSettings(),
+        models=[ModelConfig(id="m", context_length=8192)],
+        upstreams=[
+            UpstreamConfig(
+                name="up", api_url="http://127.0.0.1:1/v1", pool_source="static", static_pool_tokens=4096, models=["m"]
+            )
+        ],
+    )
+
+
+def ex(t: TenantConfig, prompt: str) -> Exchange:
+    request = ExchangeRequest(
+        f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", "/v1/completions", len(encode(prompt)), False, time.monotonic()
+    )
+    return Exchange(request, prompt)
+
+
+def prose(nbytes: int, seed: int) -> str:
+    """ASCII text of exactly ``nbytes`` bytes, words drawn at random (no runs to squeeze)."""
+    rng = random.Random(seed)
+    vocab = [
+        "harbour",
+        "ledger",
+        "quietly",
+        "orbit",
+        "sailor",
+        "copper",
+        "meadow",
+        "signal",
+        "lantern",
+        "window",
+        "thunder",
+        "marble",
+    ]
+    out = ""
+    while len(out) < nbytes:
+        out += rng.choice(vocab) + f"{rng.randrange(1000)} "
+    return out[:nbytes]
+
+
+@pytest.fixture
+def prefix():
+    p = f"test-inline-{uuid.uuid4().hex[:8]}:"
+    yield p
+    c = redis.Redis(host="127.0.0.1", port=6379)
+    keys = list(c.scan_iter(match=p + "*"))
+    if keys:
+        c.delete(*keys)
+    c.close()
+
+
+def no_thread(svc: VerifierService) -> list[int]:
+    """Replace the admission thread's step with a recorder; returns the list of prompt sizes it saw."""
+    seen: list[int] = []
+    real = svc._admit_ingest
+
+    def spy(exchange, text, nbytes):
+        seen.append(nbytes)
+        real(exchange, text, nbytes)
+
+    svc._admit_ingest = spy
+    return seen
+
+
+async def test_small_prompt_is_indexed_on_the_loop_and_found_by_a_strict_check(tmp_path, prefix):
+    svc = VerifierService(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
+    threaded = no_thread(svc)
+    try:
+        text = prose(INLINE_INGEST_BYTES, seed=1)
+        e = ex(A, text)
+        await svc.admit(e)
+        assert threaded == [] and svc.stats["ingested"] == 1 and svc._ingest_pending_bytes == 0
+        fps, _ = svc.ingest.fingerprint(ex(A, text), text)
+        assert len(fps) >= 10
+        assert svc.index.store.owners(sorted(fps)) == [{"a"}] * len(fps)  # in Redis, owned by a
+        assert e.state.own_shingles  # sampled at 100%: its own shingles kept for its own check
+        # a strict tenant's response quoting 600 bytes of a's prompt is withheld
+        g = svc.begin(ex(STRICT, "hello there"))
+        with pytest.raises(ResponseWithheld) as ei:
+            await g.check_body("Sure: " + text[1000:1600], usage=None, finish_reason="stop", ttft_seconds=None)
+        assert ei.value.detector == "leak_index"
+    finally:
+        await svc.aclose()
+
+
+async def test_the_size_boundary_picks_loop_or_thread(tmp_path, prefix):
+    svc = VerifierService(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
+    threaded = no_thread(svc)
+    try:
+        await svc.admit(ex(A, prose(INLINE_INGEST_BYTES, seed=2)))
+        await svc.admit(ex(A, prose(INLINE_INGEST_BYTES + 1, seed=3)))
+        assert threaded == [INLINE_INGEST_BYTES + 1]
+        assert svc.stats["ingested"] == 2 and svc._ingest_pending_bytes == 0
+    finally:
+        await svc.aclose()
+
+
+async def test_a_canary_in_a_small_prompt_is_registered(tmp_path, prefix):
+    svc = VerifierService(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
+    threaded = no_thread(svc)
+    try:
+        can = new_canary()
+        await svc.admit(ex(A, f"remember this: {can} and nothing else"))
+        assert threaded == []
+        (match,) = svc.canaries.lookup([can])
+        assert match.owners == {"a"}
+    finally:
+        await svc.aclose()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_redis_down_counts_an_error_backs_off_and_lets_the_request_on(tmp_path, prefix):
+    svc = VerifierService(
+        settings(tmp_path, f"redis://127.0.0.1:{closed_port()}/0"), secrets=SECRETS, key_prefix=prefix
+    )
+    threaded = no_thread(svc)
+    try:
+        await svc.admit(ex(A, prose(500, seed=4)))
+        assert (svc.stats["store_errors"], svc.stats["errors"], svc.stats["ingested"]) == (1, 1, 1)
+        await svc.admit(ex(A, prose(500, seed=5)))  # inside the back-off: skipped, not retried
+        assert (svc.stats["store_errors"], svc.stats["store_skipped"], svc.stats["ingested"]) == (1, 1, 2)
+        assert threaded == [] and svc._ingest_pending_bytes == 0
+    finally:
+        await svc.aclose()
+
+
+async def test_a_hanging_redis_holds_admission_no_longer_than_its_socket_timeout(tmp_path, prefix):
+    """A Redis that accepts and never answers: the awaited write gives up after the client's
+    0.25 s socket timeout; the request goes on, the error is counted."""
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    svc = VerifierService(settings(tmp_path, f"redis://127.0.0.1:{port}/0"), secrets=SECRETS, key_prefix=prefix)
+    try:
+        t0 = time.monotonic()
+        await asyncio.wait_for(svc.admit(ex(A, prose(500, seed=6))), 5)
+        assert time.monotonic() - t0 < 1.5
+        assert (svc.stats["store_errors"], svc.stats["ingested"]) == (1, 1)
+        assert svc._ingest_pending_bytes == 0
+    finally:
+        await svc.aclose()
+        server.close()
+
+
+async def test_cancelled_inline_admission_releases_its_bytes(tmp_path, prefix):
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # never answers
+    port = server.sockets[0].getsockname()[1]
+    svc = VerifierService(settings(tmp_path, f"redis://127.0.0.1:{port}/0"), secrets=SECRETS, key_prefix=prefix)
+    try:
+        t = asyncio.create_task(svc.admit(ex(A, prose(700, seed=7))))
+        await asyncio.sleep(0.05)
+        assert svc._ingest_pending_bytes == 700
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert svc._ingest_pending_bytes == 0 and svc.stats["ingested"] == 0
+    finally:
+        await svc.aclose()
+        server.close()
