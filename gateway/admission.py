@@ -328,8 +328,8 @@ def prompt_text_of(body: dict[str, Any], route: str) -> str:
     p = body.get("prompt")
     if isinstance(p, str):
         return p
-    if isinstance(p, list):
-        return "\n".join(x for x in p if isinstance(x, str))
+    if isinstance(p, list) and p and isinstance(p[0], str):  # validated: a list of strings, or of ids
+        return "\n".join(p)
     return ""
 
 

@@ -34,9 +34,11 @@ _DELETE = bytes(b for b in range(256) if b not in _KEEP)
 
 def values_over(raw: bytes, limit: int) -> int | None:
     """The number of commas outside JSON strings in ``raw`` (a lower bound of its values minus
-    one per container) when it is above ``limit``, else ``None``. Exact for valid JSON; for
-    invalid JSON any answer is fine (the parser refuses it anyway). Cost: a few passes over
-    ``raw`` at memory speed, in slices."""
+    one per container) when it is above ``limit``, else ``None``; counted slice by slice and
+    returned at the first slice that takes it above ``limit`` (so a lower bound of the whole
+    count: a 2M-element list is refused after a few slices, not all of them). Exact for valid
+    JSON below the limit; for invalid JSON any answer is fine (the parser refuses it anyway).
+    Cost: a few passes over ``raw`` at memory speed, in slices."""
     if raw.count(b",") <= limit:
         return None  # not even counting commas inside strings is it over
     # escapes first: an escaped backslash, then an escaped quote, is never a string boundary
@@ -59,7 +61,9 @@ def values_over(raw: bytes, limit: int) -> int | None:
         # strings, made of nothing but commas
         outside += sum(map(len, compact[start:end].split(b'"')[0::2]))
         start = end
-    return outside if outside > limit else None
+        if outside > limit:  # enough to refuse: the rest would only raise the count
+            return outside
+    return None
 
 
 #: an array of at least this many integers is a token-id array: cut out before the body is parsed

@@ -73,12 +73,12 @@ class SSESplitter:
         limit = self.max_event_bytes
         out: list[bytes] = []
         if self._parts:
-            probe = self._last3 + chunk
-            e = _first_end(probe)
+            # every terminator ends in "\n": a read without one ends nothing (a memchr, no copy)
+            e = _first_end(self._last3 + chunk) if b"\n" in chunk else -1
             if e < 0:  # still unfinished
                 self._parts.append(chunk)
                 self._size += len(chunk)
-                self._last3 = probe[-3:]
+                self._last3 = (self._last3 + chunk[-3:])[-3:]
                 if limit is not None and self._size > limit:
                     size = self._size
                     self._drop()

@@ -129,6 +129,35 @@ def test_header_bytes_over_the_limit_get_431(edge):
     s.close()
 
 
+def test_parsing_stops_at_the_refused_header(edge, monkeypatch, caplog):
+    """20,000 headers: 431 at the 21st, and the parser is stopped there: 21 header callbacks,
+    not 20,001, and no second answer or parse-error log line after the refusal."""
+    from gateway.edge import BoundedHttpToolsProtocol
+
+    calls: list[bytes] = []
+    real = BoundedHttpToolsProtocol.on_header
+
+    def counting(self, name, value):
+        calls.append(name)
+        return real(self, name, value)
+
+    monkeypatch.setattr(BoundedHttpToolsProtocol, "on_header", counting)
+    s = edge.connect()
+    s.sendall(get(extra=b"".join(b"x-h%d: 1\r\n" % i for i in range(20_000))))
+    assert read_all(s) == refusal(
+        431,
+        "Request Header Fields Too Large",
+        "The request's headers are too large: more than 20 header fields.",
+        "request_header_fields_too_large",
+    )
+    assert len(calls) == 21
+    assert "Invalid HTTP request" not in caplog.text
+    s = edge.connect()  # the next connection is served as usual
+    s.sendall(get())
+    assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+    s.close()
+
+
 def test_too_many_headers_get_431(edge):
     s = edge.connect()
     s.sendall(get(extra=b"".join(b"x-h%d: 1\r\n" % i for i in range(20))))  # host + 20 = 21 fields

@@ -135,8 +135,10 @@ def test_values_over_counts_commas_outside_strings_only():
     assert over({"prompt": ['a\\",b'] * 2000}) == 1999  # escaped backslash and quote inside strings
     assert over({"prompt": "x\\" * 10 + "," * 5000}) is None
     assert over({"messages": [{"role": "user", "content": "a"}] * 1000}) == 1999
-    # many slices: strings cut by a slice boundary are rejoined
-    assert over({"p": ["a,b" * 50_000] * 40, "q": [0] * 300_000}, 100_000) == 300_039
+    # many slices: strings cut by a slice boundary are rejoined; the count stops at the first
+    # slice past the limit (a lower bound of the 300,039 commas, above the limit)
+    assert over({"p": ["a,b" * 50_000] * 40, "q": [0] * 300_000}, 300_038) == 300_039
+    assert 1000 < over({"prompt": [""] * 2_000_000}) < 200_000  # stopped early, not 1,999,999
 
 
 def _gateway_with(engine):
@@ -153,8 +155,10 @@ def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_i
     try:
         with g.client() as c:
             for body, n in (
-                ({"model": "kvgate-tiny", "prompt": [""] * 2_000_000}, 2_000_001),
-                ({"model": "kvgate-tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}, 400_001),
+                # the count stops at the first 256 KiB slice (of the body's quotes and commas) that
+                # takes it past the limit: a lower bound, hence "or more"
+                ({"model": "kvgate-tiny", "prompt": [""] * 2_000_000}, 174_762),
+                ({"model": "kvgate-tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}, 157_287),
                 # token-id arrays shorter than MIN_ID_ARRAY are values like any other
                 ({"model": "kvgate-tiny", "prompt": [[1] * 1023] * 200}, 200 * 1022 + 199 + 1 + 1),
             ):
