@@ -114,7 +114,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any], _loop: Any = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
-        self.parser = _StoppableParser(self.parser)
+        self.parser = _StoppableParser(self.parser)  # type: ignore[assignment]  # a proxy with the same methods
         self.limits: EdgeLimits = getattr(config, "kvgate_edge_limits", None) or EdgeLimits()
         self._in_head = True  # between requests or inside a request head
         self._head_bytes = 0
