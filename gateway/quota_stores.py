@@ -21,6 +21,7 @@ from importlib import resources
 from typing import Any, Protocol
 
 from config.models import TenantConfig
+from verifier.stage import PendingWrite
 
 log = logging.getLogger("kvgate.quotas")
 
@@ -87,10 +88,19 @@ class QuotaStore(Protocol):
     name: str
 
     async def reserve(
-        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int, lease_ttl_ms: int
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        lease_ttl_ms: int,
+        *,
+        also: PendingWrite | None = None,
     ) -> QuotaDecision:
-        """Admit one request + ``tokens`` + a lease of ``lease_ttl_ms``, or nothing.
-        Raises :class:`QuotaStoreUnavailable`."""
+        """Admit one request + ``tokens`` + a lease of ``lease_ttl_ms``, or nothing. ``also``:
+        calls to send in the same round trip, if the store makes one (their outcome to
+        ``also.sent``). Raises :class:`QuotaStoreUnavailable`."""
         ...
 
     async def settle(
@@ -176,23 +186,70 @@ class RedisQuotaStore:
             raise QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}") from e
 
     async def reserve(
-        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int, lease_ttl_ms: int
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        lease_ttl_ms: int,
+        *,
+        also: PendingWrite | None = None,
     ) -> QuotaDecision:
-        r = await self._call(
-            self._reserve,
-            self.keys(tenant_id),
-            [
-                lease_id,
-                _arg(limits.rpm),
-                _arg(limits.tpm),
-                _arg(limits.max_concurrent),
-                int(tokens),
-                int(window_ms),
-                int(lease_ttl_ms),
-            ],
-        )
+        args = [
+            lease_id,
+            _arg(limits.rpm),
+            _arg(limits.tpm),
+            _arg(limits.max_concurrent),
+            int(tokens),
+            int(window_ms),
+            int(lease_ttl_ms),
+        ]
+        if also is not None and also.calls:
+            r = await self._call_with(self._reserve, self.keys(tenant_id), args, also)
+        else:
+            r = await self._call(self._reserve, self.keys(tenant_id), args)
         refused = tuple(x for x in _text(r[1]).split(",") if x)
         return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])))
+
+    async def _call_with(self, script: Any, keys: list[str], args: list[Any], also: PendingWrite) -> Any:
+        """:meth:`_call` with ``also.calls`` in the same pipeline (one round trip, no
+        transaction: each call stands alone), their results or exceptions handed to
+        ``also.sent`` (a round trip that failed: its exception). A ``NOSCRIPT`` reply to the
+        reservation (Redis restarted and lost its scripts) loads it and sends the pipeline once
+        more. Raises :class:`QuotaStoreUnavailable` as :meth:`_call` does."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import NoScriptError, RedisError
+
+        async def once() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            for sha, _, ckeys, cargs in also.calls:
+                pipe.evalsha(sha, len(ckeys), *ckeys, *cargs)
+            return list(await pipe.execute(raise_on_error=False))
+
+        try:
+            try:
+                results = await once()
+            except (RedisConnectionError, ConnectionResetError, BrokenPipeError) as first:
+                log.info("redis connection lost (%s); reconnecting once", type(first).__name__)
+                with contextlib.suppress(Exception):
+                    await self.client.connection_pool.disconnect(inuse_connections=False)
+                results = await once()
+            if isinstance(results[0], NoScriptError):
+                await self.client.script_load(script.script)
+                results = await once()
+        except (RedisError, OSError) as e:
+            also.sent(e)
+            raise QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}") from e
+        except BaseException as e:  # cancelled (the stage's deadline): the calls' fate is unknown
+            also.sent(e)
+            raise
+        also.sent(results[1:])
+        reply = results[0]
+        if isinstance(reply, Exception):
+            raise QuotaStoreUnavailable(f"redis: {type(reply).__name__}: {reply}") from reply
+        return reply
 
     async def settle(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
@@ -259,7 +316,15 @@ class LocalQuotaStore:
             del log.leases[lid]
 
     async def reserve(
-        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int, lease_ttl_ms: int
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        lease_ttl_ms: int,
+        *,
+        also: PendingWrite | None = None,
     ) -> QuotaDecision:
         return self.reserve_now(tenant_id, limits, lease_id, tokens, window_ms, lease_ttl_ms)
 

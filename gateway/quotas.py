@@ -45,6 +45,7 @@ from gateway.quota_stores import (
     RedisQuotaStore,
 )
 from gateway.stages import NullQuotas, QuotaLease, QuotaStage
+from verifier.stage import PendingWrite
 
 log = logging.getLogger("kvgate.quotas")
 
@@ -218,13 +219,18 @@ class TenantQuotas:
             raise QuotaStoreUnavailable(f"no answer within {self.deadline_seconds:g}s") from e
 
     # ------------------------------------------------------------------ the stage
-    async def reserve(self, tenant: TenantConfig, reserve_tokens: int, request_id: str) -> QuotaLease:
+    async def reserve(
+        self, tenant: TenantConfig, reserve_tokens: int, request_id: str, *, also: PendingWrite | None = None
+    ) -> QuotaLease:
         """Reserve one request, ``reserve_tokens`` tokens (prompt + n x max_tokens) and a lease.
 
         Returns a :class:`QuotaLease` whose ``headers`` carry the rate-limit headers. Raises
         :class:`OpenAIError` 429 ``rate_limit_exceeded`` (``Retry-After``, rate-limit headers) or,
         when Redis is unavailable and the policy is ``fail_closed``, 503
-        ``quota_backend_unavailable`` (``Retry-After``: ``retry_after_on_failure_seconds``)."""
+        ``quota_backend_unavailable`` (``Retry-After``: ``retry_after_on_failure_seconds``).
+        ``also``: sent with the reservation's Redis round trip when it makes one (see
+        :meth:`gateway.stages.QuotaStage.reserve`); an unlimited tenant, the in-process store and
+        the fallback make none."""
         limits = QuotaLimits.of(tenant)
         tokens = max(0, int(reserve_tokens))
         if limits.unlimited:
@@ -237,7 +243,7 @@ class TenantQuotas:
         elif self._store_usable():
             try:
                 decision = await self._bounded(
-                    store.reserve(tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms)
+                    store.reserve(tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms, also=also)
                 )
             except QuotaStoreUnavailable as e:
                 self._uncertain.append((tenant.id, lease_id))

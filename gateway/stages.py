@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from config.models import TenantConfig
+from verifier.stage import PendingWrite
 
 
 # ---------------------------------------------------------------- quotas (step 6)
@@ -31,10 +32,15 @@ class QuotaLease:
 class QuotaStage(Protocol):
     """Per-tenant RPM/TPM/concurrency, atomic across replicas."""
 
-    async def reserve(self, tenant: TenantConfig, reserve_tokens: int, request_id: str) -> QuotaLease:
+    async def reserve(
+        self, tenant: TenantConfig, reserve_tokens: int, request_id: str, *, also: PendingWrite | None = None
+    ) -> QuotaLease:
         """Reserve one request, ``reserve_tokens`` tokens and a concurrency lease, all or none.
-        Raises ``config.errors.OpenAIError``: 429 ``rate_limit_exceeded`` (with ``Retry-After``
-        and rate-limit headers) or 503 when the store is down and the policy is fail closed."""
+        ``also``: other Redis calls (the verifier's index write) to send in the same round trip
+        when this reservation makes one; their outcome goes to ``also.sent`` (left unsent
+        otherwise: the caller's ``also.finish()`` sends it). Raises
+        ``config.errors.OpenAIError``: 429 ``rate_limit_exceeded`` (with ``Retry-After`` and
+        rate-limit headers) or 503 when the store is down and the policy is fail closed."""
         ...
 
     async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
@@ -50,7 +56,9 @@ class QuotaStage(Protocol):
 class NullQuotas:
     """Admits everything (quotas switched off)."""
 
-    async def reserve(self, tenant: TenantConfig, reserve_tokens: int, request_id: str) -> QuotaLease:
+    async def reserve(
+        self, tenant: TenantConfig, reserve_tokens: int, request_id: str, *, also: PendingWrite | None = None
+    ) -> QuotaLease:
         return QuotaLease(tenant.id, request_id, reserve_tokens)
 
     async def settle(self, lease: QuotaLease, used_tokens: int) -> None:

@@ -79,7 +79,7 @@ class Quotas:
     def __init__(self) -> None:
         self.reserved: list[int] = []
 
-    async def reserve(self, tenant, reserve_tokens, request_id):
+    async def reserve(self, tenant, reserve_tokens, request_id, *, also=None):
         self.reserved.append(reserve_tokens)
         return QuotaLease(tenant.id, request_id, reserve_tokens, headers={})
 

@@ -425,7 +425,7 @@ class RecordingQuotas:
         self.reserved: list[int] = []
         self.settled: list[int] = []
 
-    async def reserve(self, tenant, reserve_tokens, request_id):
+    async def reserve(self, tenant, reserve_tokens, request_id, *, also=None):
         from config.errors import OpenAIError
         from gateway.stages import QuotaLease
 
@@ -469,7 +469,7 @@ class WithholdingVerifier:
 
         return Guard()
 
-    async def admit(self, exchange, decode=None):
+    async def admit(self, exchange, decode=None, *, defer_write=False):
         return None
 
     def is_quarantined(self, upstream, prompt_tokens):
@@ -568,7 +568,7 @@ def test_a_failing_stage_still_answers_openai_shaped_500(engine):
         def begin(self, exchange):
             raise RuntimeError("verifier bug")
 
-        async def admit(self, exchange, decode=None):
+        async def admit(self, exchange, decode=None, *, defer_write=False):
             return None
 
         def is_quarantined(self, upstream, prompt_tokens):

@@ -40,7 +40,7 @@ class LedgerQuotas:
         self.reserved: dict[str, int] = {}
         self.settled: dict[str, list[int]] = {}
 
-    async def reserve(self, tenant, reserve_tokens, request_id):
+    async def reserve(self, tenant, reserve_tokens, request_id, *, also=None):
         if request_id in self.reserved:
             raise OpenAIError(500, "reserved twice", code=ErrorCode.INTERNAL_ERROR)
         self.reserved[request_id] = reserve_tokens

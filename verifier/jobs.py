@@ -16,6 +16,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import NoScriptError
 
 from config.models import VerifierSettings
 from verifier.canary import CanaryRegistry, find_canaries
@@ -27,7 +30,7 @@ from verifier.stage import Exchange
 
 log = logging.getLogger("kvgate.verifier")
 
-__all__ = ["CheckJob", "IngestBudget", "IngestJob", "JobQueue"]
+__all__ = ["CheckJob", "IngestBudget", "IngestJob", "JobQueue", "PendingIndex"]
 
 
 @dataclass
@@ -157,31 +160,82 @@ class IngestBudget:
     def _stores(self) -> tuple[object, object]:
         return self.index.store, self.canaries.store
 
-    async def index_small(self, exchange: Exchange, text: str, nbytes: int) -> None:
-        """Index a small prompt (at most :data:`INLINE_INGEST_BYTES`) on the event loop: the
-        fingerprints computed in place (about 0.1 ms per KiB, so at most about half a
-        millisecond), the store written with one awaited Lua call per store (``aadd``); no
-        thread, so no thread hop and no GIL hand-off on the request's path (those cost more
-        than the work: about 0.2 ms a request, and at 64 requests in flight the admission
-        threads' GIL waits were a quarter of the process's samples). Only when
-        :meth:`inline_store`. Releases ``nbytes`` of the budget when done, also when cancelled."""
+    def prepare_small(self, exchange: Exchange, text: str, nbytes: int) -> PendingIndex:
+        """Index a small prompt (at most :data:`INLINE_INGEST_BYTES`; only when
+        :meth:`inline_store`) on the event loop: the fingerprints computed in place (about 0.1 ms
+        per KiB), the store writes returned unsent as a :class:`PendingIndex` (one Lua call per
+        store, ``aadd``'s script) for the caller to send with a round trip of its own or to let
+        :meth:`PendingIndex.finish` send. No thread: the hop and the GIL hand-offs cost more than
+        the work (about 0.2 ms a request; at 64 in flight the admission threads' GIL waits were
+        a quarter of the process's samples). ``nbytes`` of the budget are released by ``finish``."""
         try:
             fps, cans = self.fingerprint(exchange, text)
-            tenant = exchange.request.tenant.id
-            leaks, canaries = self._stores()
-            assert isinstance(leaks, RedisLeakStore) and isinstance(canaries, RedisLeakStore)  # inline_store()
-            if self.store.up():
-                try:
-                    await leaks.aadd(tenant, fps)
-                    if cans:
-                        await canaries.aadd(tenant, [self.canaries.fingerprint(c) for c in cans])
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:
-                    self._store_failed(e)
-            self._ingested()
-        finally:
+        except BaseException:
             self.release(nbytes)
+            raise
+        leaks, canaries = self._stores()
+        assert isinstance(leaks, RedisLeakStore) and isinstance(canaries, RedisLeakStore)  # inline_store()
+        tenant = exchange.request.tenant.id
+        writes = [(leaks, list(fps))]
+        if cans:
+            writes.append((canaries, [self.canaries.fingerprint(c) for c in cans]))
+        return PendingIndex(self, tenant, writes if self.store.up() else [], nbytes)
+
+    async def index_small(self, exchange: Exchange, text: str, nbytes: int) -> None:
+        """:meth:`prepare_small`, its writes sent at once (one awaited Lua call per store)."""
+        await self.prepare_small(exchange, text, nbytes).finish()
+
+
+class PendingIndex:
+    """A small prompt's leak-index (and canary) writes, computed at admission and not yet sent
+    (:class:`verifier.stage.PendingWrite`): ``calls`` are the ``aadd`` Lua calls of ``writes``
+    (``(store, fingerprints)``; empty when the store is backing off). After :meth:`finish` the
+    prompt counts as ingested and its ``nbytes`` are back in the budget."""
+
+    def __init__(self, budget: IngestBudget, tenant: str, writes: list[tuple[RedisLeakStore, list[int]]], nbytes: int):
+        self.budget = budget
+        self.tenant = tenant
+        self.writes = writes
+        self.nbytes = nbytes
+        self.calls = [store.add_call(tenant, fps) for store, fps in writes]
+        self._outcome: list[Any] | BaseException | None = None
+        self._finished = False
+
+    def sent(self, outcome: list[Any] | BaseException) -> None:
+        """The outcome of sending :attr:`calls` (see :class:`verifier.stage.PendingWrite`)."""
+        self._outcome = outcome
+
+    async def finish(self) -> None:
+        """Send what was not sent (or was refused with ``NOSCRIPT``: the server lost the script)
+        through the store's own client, count a failure as a store error (the store then backs
+        off), count the prompt ingested and release its bytes. Never raises, except
+        :class:`asyncio.CancelledError`; the bytes are released whatever happens. A second call
+        does nothing."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            outcome = self._outcome
+            if isinstance(outcome, BaseException):
+                self.budget._store_failed(outcome)  # type: ignore[arg-type]
+            else:
+                for i, (store, fps) in enumerate(self.writes):
+                    result = outcome[i] if outcome is not None and i < len(outcome) else None
+                    if outcome is not None and not isinstance(result, Exception):
+                        continue  # written with the other round trip
+                    if isinstance(result, Exception) and not isinstance(result, NoScriptError):
+                        self.budget._store_failed(result)
+                        break
+                    try:
+                        await store.aadd(self.tenant, fps)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:
+                        self.budget._store_failed(e)
+                        break
+            self.budget._ingested()
+        finally:
+            self.budget.release(self.nbytes)
 
 
 class JobQueue:

@@ -50,7 +50,7 @@ from config.models import Settings, TenantConfig
 from verifier.canary import CanaryRegistry, CanaryScanner
 from verifier.findings import Evidence, Findings, StoreHealth, StoreSkipped, incident, kvgate_planted, strip_echo
 from verifier.incidents import CHECKS, Incident, IncidentSink
-from verifier.jobs import INLINE_INGEST_BYTES, CheckJob, IngestBudget, IngestJob, JobQueue
+from verifier.jobs import INLINE_INGEST_BYTES, CheckJob, IngestBudget, IngestJob, JobQueue, PendingIndex
 from verifier.latency import LatencyModel
 from verifier.leak_index import LeakIndex, LeakStore, LeakVerdict, MemoryLeakStore, RedisLeakStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
@@ -267,7 +267,9 @@ class VerifierService:
             )
         return exchange.state.sampled
 
-    async def admit(self, exchange: Exchange, decode: Decoder | None = None) -> None:
+    async def admit(
+        self, exchange: Exchange, decode: Decoder | None = None, *, defer_write: bool = False
+    ) -> PendingIndex | None:
         """Admission-time work of one request, awaited before it is forwarded (see the module
         doc): decode ``exchange.prompt_ids`` with ``decode`` (the model tokenizer's ``adecode``;
         a failure, or no decoder, leaves ``own_text_complete`` false and is counted as
@@ -277,9 +279,12 @@ class VerifierService:
         of its own), and keep its own-shingle set on the
         exchange when the response will be checked. Over the pending-ingest byte budget the
         prompt is not indexed (``kvgate_verifier_dropped_total{reason="ingest_bytes"}``). Never
-        raises, except :class:`asyncio.CancelledError` when the request is cancelled."""
+        raises, except :class:`asyncio.CancelledError` when the request is cancelled.
+        ``defer_write`` (a small prompt with Redis stores): return the writes unsent, as a
+        :class:`~verifier.jobs.PendingIndex`, for the caller to send with its quota reservation
+        (one round trip for both) and then ``finish``; otherwise returns ``None``."""
         if not self.cfg.enabled or exchange.state.admitted:
-            return
+            return None
         try:
             self.start()
         except RuntimeError:
@@ -306,18 +311,22 @@ class VerifierService:
         text = exchange.prompt_text
         nbytes = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
         if not self.ingest.reserve(nbytes):
-            return
+            return None
+        if nbytes <= INLINE_INGEST_BYTES and self.ingest.inline_store():
+            pending = self.ingest.prepare_small(exchange, text, nbytes)  # no ingest slot: no thread
+            if defer_write:
+                return pending
+            await pending.finish()
+            return None
         started = False
         try:
             async with self.ingest.semaphore(tenant.id):
                 started = True
-                if nbytes <= INLINE_INGEST_BYTES and self.ingest.inline_store():
-                    await self.ingest.index_small(exchange, text, nbytes)
-                else:
-                    await _in_own_thread(self._admit_ingest, exchange, text, nbytes)
+                await _in_own_thread(self._admit_ingest, exchange, text, nbytes)
         finally:
             if not started:
                 self.ingest.release(nbytes)
+        return None
 
     def begin(self, exchange: Exchange) -> _BackgroundGuard | _StrictGuard | None:
         """A guard when sampled or strict (see the module doc). An exchange that did not pass

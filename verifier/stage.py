@@ -125,14 +125,36 @@ class ResponseGuard(Protocol):
         ...
 
 
+class PendingWrite(Protocol):
+    """Store writes an admission computed and has not sent: ``calls``, one ``(sha1, script,
+    keys, args)`` per Redis Lua call (``EVALSHA sha1 len(keys) *keys *args``; ``script`` is its
+    source, for a server that does not know it). Whoever sends them in a round trip of its own
+    (the quota reservation's, :class:`gateway.quota_stores.RedisQuotaStore`) hands the outcome
+    to :meth:`sent`: the calls' results in order (a failed call's exception in its place), or the
+    exception that ended the round trip. :meth:`finish`, awaited exactly once whatever happened,
+    sends what was not sent (or failed with ``NOSCRIPT``), records the outcome and releases what
+    the admission held."""
+
+    calls: list[tuple[str, str, list[str], list[Any]]]
+
+    def sent(self, outcome: list[Any] | BaseException) -> None: ...
+
+    async def finish(self) -> None: ...
+
+
 class VerifierStage(Protocol):
     """Creates guards; owns background checking, metrics and incident records."""
 
-    async def admit(self, exchange: Exchange, decode: Decoder | None = None) -> None:
+    async def admit(
+        self, exchange: Exchange, decode: Decoder | None = None, *, defer_write: bool = False
+    ) -> PendingWrite | None:
         """Admission (before the request is forwarded): decode ``exchange.prompt_ids`` with
         ``decode`` and index the prompt, in a worker thread this request awaits, so its cost is
         its own and a later check finds it indexed. Never raises for the request's sake (a
-        failed decode or a full ingest budget is counted and the request goes on)."""
+        failed decode or a full ingest budget is counted and the request goes on).
+        ``defer_write``: when the prompt's store write can ride another round trip, return it
+        as a :class:`PendingWrite` instead of sending it (the caller must await its ``finish``);
+        otherwise ``None``, the prompt indexed."""
         ...
 
     def begin(self, exchange: Exchange) -> ResponseGuard | None:
@@ -150,7 +172,9 @@ class VerifierStage(Protocol):
 class NullVerifier:
     """Checks nothing (verification switched off)."""
 
-    async def admit(self, exchange: Exchange, decode: Decoder | None = None) -> None:
+    async def admit(
+        self, exchange: Exchange, decode: Decoder | None = None, *, defer_write: bool = False
+    ) -> PendingWrite | None:
         return None
 
     def begin(self, exchange: Exchange) -> ResponseGuard | None:

@@ -1,0 +1,191 @@
+"""A small prompt's leak-index write rides the quota reservation's Redis round trip
+(verifier.stage.PendingWrite, gateway.quota_stores.RedisQuotaStore._call_with): one pipeline
+holds the reservation and the index write. What lands in Redis, what happens when Redis lost
+the scripts (NOSCRIPT), when the reservation makes no round trip (unlimited tenant), when the
+round trip fails, and through the real app."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import pytest
+import redis
+
+from config.models import ModelConfig, QuotaSettings, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+from gateway.quota_stores import RedisQuotaStore
+from gateway.quotas import TenantQuotas, redis_client_from_url
+from verifier.leak_index import RedisLeakStore
+from verifier.service import VerifierService
+from verifier.shingles import encode
+from verifier.stage import Exchange, ExchangeRequest
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+SECRETS = {"leak_index_key": b"round-trip-key", "cache_salt_key": b"x", "admin_key": b"y"}
+LIMITED = TenantConfig(id="a", rpm=1000, tpm=10**9, verify_sample_rate=0.0)
+UNLIMITED = TenantConfig(id="u", verify_sample_rate=0.0)
+PROMPT = " ".join(f"harbour{i} ledger{i * 7 % 13} lantern{i * 3 % 11}" for i in range(60))
+
+
+def settings(tmp_path) -> Settings:
+    return Settings(
+        state_dir=str(tmp_path),
+        redis_url=REDIS_URL,
+        verifier=VerifierSettings(),
+        models=[ModelConfig(id="m", context_length=8192)],
+        upstreams=[
+            UpstreamConfig(
+                name="up", api_url="http://127.0.0.1:1/v1", pool_source="static", static_pool_tokens=4096, models=["m"]
+            )
+        ],
+    )
+
+
+def ex(t: TenantConfig, prompt: str) -> Exchange:
+    request = ExchangeRequest(
+        f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", "/v1/completions", len(encode(prompt)), False, time.monotonic()
+    )
+    return Exchange(request, prompt)
+
+
+@pytest.fixture
+def prefix():
+    p = f"test-rt-{uuid.uuid4().hex[:8]}"
+    yield p
+    c = redis.Redis.from_url(REDIS_URL)
+    keys = list(c.scan_iter(match=p + "*"))
+    if keys:
+        c.delete(*keys)
+    c.close()
+
+
+@pytest.fixture
+def own_writes(monkeypatch):
+    """Counts the verifier's own ``aadd`` calls (the writes that did not ride the reservation)."""
+    calls: list[str] = []
+    real = RedisLeakStore.aadd
+
+    async def counting(self, tenant, fps):
+        calls.append(tenant)
+        await real(self, tenant, fps)
+
+    monkeypatch.setattr(RedisLeakStore, "aadd", counting)
+    return calls
+
+
+async def admit_and_reserve(svc: VerifierService, quotas: TenantQuotas, tenant: TenantConfig, prompt: str):
+    """What gateway.admit does: the deferred index write sent with the reservation, then finished."""
+    e = ex(tenant, prompt)
+    pending = await svc.admit(e, defer_write=True)
+    assert pending is not None and len(pending.calls) == 1
+    try:
+        return await quotas.reserve(tenant, 100, e.request.request_id, also=pending)
+    finally:
+        await pending.finish()
+
+
+def owners(svc: VerifierService, prompt: str) -> list[set[str]]:
+    fps, _ = svc.ingest.fingerprint(ex(LIMITED, prompt), prompt)
+    assert len(fps) >= 5
+    return svc.index.store.owners(sorted(fps))
+
+
+async def test_the_index_write_rides_the_reservation(tmp_path, prefix, own_writes):
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS, key_prefix=prefix + ":v:")
+    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
+    try:
+        lease = await admit_and_reserve(svc, quotas, LIMITED, PROMPT)
+        assert lease.headers["x-ratelimit-remaining-requests"] == "999"
+        assert own_writes == []  # nothing sent on its own
+        assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"a"})}
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc._ingest_pending_bytes) == (1, 0, 0)
+        await quotas.settle(lease, 10)
+    finally:
+        await quotas.aclose()
+        await svc.aclose()
+
+
+async def test_scripts_lost_by_redis_are_loaded_again(tmp_path, prefix, own_writes):
+    """SCRIPT FLUSH (a restarted Redis): the reservation is loaded and sent again; the index
+    write's NOSCRIPT is sent again by the verifier's own client. Both land."""
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS, key_prefix=prefix + ":v:")
+    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
+    try:
+        redis.Redis.from_url(REDIS_URL).script_flush()
+        lease = await admit_and_reserve(svc, quotas, LIMITED, PROMPT)
+        assert lease.headers["x-ratelimit-remaining-requests"] == "999"
+        assert own_writes == ["a"]
+        assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"a"})}
+        assert (svc.stats["ingested"], svc.stats["store_errors"]) == (1, 0)
+        await quotas.settle(lease, 10)
+        lease = await admit_and_reserve(svc, quotas, LIMITED, PROMPT + " again")
+        assert own_writes == ["a"] and lease.headers["x-ratelimit-remaining-requests"] == "998"
+        await quotas.settle(lease, 10)
+    finally:
+        await quotas.aclose()
+        await svc.aclose()
+
+
+async def test_an_unlimited_tenant_makes_no_round_trip_so_the_verifier_writes_itself(tmp_path, prefix, own_writes):
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS, key_prefix=prefix + ":v:")
+    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
+    try:
+        await admit_and_reserve(svc, quotas, UNLIMITED, PROMPT)
+        assert own_writes == ["u"]
+        assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"u"})}
+    finally:
+        await quotas.aclose()
+        await svc.aclose()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_failed_round_trip_counts_a_store_error_and_the_quota_policy_applies(tmp_path, prefix, own_writes):
+    """The quota store's Redis is gone (fail closed: 503); the index write that rode it failed
+    with it: counted once as a store error, not sent again, the budget released."""
+    from config.errors import OpenAIError
+
+    svc = VerifierService(settings(tmp_path), secrets=SECRETS, key_prefix=prefix + ":v:")
+    dead = RedisQuotaStore(redis_client_from_url(f"redis://127.0.0.1:{closed_port()}/0", 0.25), prefix=prefix + ":q")
+    quotas = TenantQuotas(QuotaSettings(redis_failure_policy="fail_closed"), dead)
+    try:
+        with pytest.raises(OpenAIError) as ei:
+            await admit_and_reserve(svc, quotas, LIMITED, PROMPT)
+        assert (ei.value.status, ei.value.code) == (503, "quota_backend_unavailable")
+        assert own_writes == []
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc._ingest_pending_bytes) == (1, 1, 0)
+    finally:
+        await quotas.aclose()
+        await svc.aclose()
+
+
+def test_through_the_app_one_round_trip_indexes_the_prompt(prefix, own_writes):
+    """A chat through the real app with Redis quotas and the verifier: 200, the prompt's
+    fingerprints in Redis under its tenant, and no write of the verifier's own."""
+    from tests.gateway_harness import SECRETS as APP_SECRETS
+    from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream
+    from tests.mock_engine import MockEngine
+
+    engine = MockEngine().start()
+    base = settings_for([upstream("u1", engine)])
+    s = base.model_copy(update={"redis_url": REDIS_URL, "verifier": VerifierSettings()})
+    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
+    svc = VerifierService(s, secrets=APP_SECRETS, key_prefix=prefix + ":v:")
+    g = Gateway(s, tenants(rpm=1000), quotas=quotas, verifier=svc).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(PROMPT))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-ratelimit-remaining-requests"] == "999"
+        assert own_writes == []
+        fps, _ = svc.ingest.fingerprint(ex(LIMITED, PROMPT), PROMPT)
+        assert fps and {frozenset(o) for o in svc.index.store.owners(sorted(fps))} == {frozenset({"tenant-a"})}
+        assert svc.stats["ingested"] == 1 and svc.stats["store_errors"] == 0
+    finally:
+        g.stop()
+        engine.stop()
