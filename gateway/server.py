@@ -11,18 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from typing import Any
 
 import uvicorn
 
 log = logging.getLogger("kvgate.server")
-
-#: the interpreter's GIL switch interval while the gateway serves (seconds; CPython's default is
-#: 0.005). Large requests are parsed and counted in worker threads; while one runs Python code,
-#: the event loop's thread waits up to one interval for the GIL on every wake-up, so the
-#: default let one 2M-element prompt add up to 5 ms to every other request's every step.
-SWITCH_INTERVAL_SECONDS = 0.0005
 
 
 class DrainingServer(uvicorn.Server):
@@ -91,6 +84,5 @@ def run_server(
 
     configure(config, limits or EdgeLimits.from_settings(app.state.gateway.settings.gateway))
     server = DrainingServer(config, app.state.gateway, drain_timeout_seconds)
-    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     server.run(sockets=[sock] if sock is not None else None)
     return 0
