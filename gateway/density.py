@@ -24,43 +24,48 @@ from __future__ import annotations
 import re
 import secrets
 
+import numpy as np
 import orjson
 
 #: bytes scanned per C-level step
 SLICE_BYTES = 256 * 1024
-_KEEP = b'",'
-_DELETE = bytes(b for b in range(256) if b not in _KEEP)
+
+
+def _escape_safe_slices(raw: bytes):
+    """``raw`` in steps of about :data:`SLICE_BYTES` that never split an escape (a step ends
+    after a byte that is not a backslash), each with its escaped backslashes and escaped quotes
+    blanked (same length), so that every ``"`` left is a string boundary."""
+    i, n = 0, len(raw)
+    while i < n:
+        j = min(n, i + SLICE_BYTES)
+        while j < n and raw[j - 1] == 0x5C:
+            j += 1
+        part = raw[i:j]
+        yield part.replace(b"\\\\", b"\0\0").replace(b'\\"', b"\0\0") if b"\\" in part else part
+        i = j
 
 
 def values_over(raw: bytes, limit: int) -> int | None:
     """The number of commas outside JSON strings in ``raw`` (a lower bound of its values minus
-    one per container) when it is above ``limit``, else ``None``; counted slice by slice and
-    returned at the first slice that takes it above ``limit`` (so a lower bound of the whole
-    count: a 2M-element list is refused after a few slices, not all of them). Exact for valid
-    JSON below the limit; for invalid JSON any answer is fine (the parser refuses it anyway).
-    Cost: a few passes over ``raw`` at memory speed, in slices."""
-    if raw.count(b",") <= limit:
+    one per container) when it is above ``limit``, else ``None``. Counted slice by slice (a
+    slice's quotes and commas as a numpy array: the parity of the quotes before each comma says
+    whether it is inside a string, carried from slice to slice) and returned at the first slice
+    that takes the count above ``limit``: a lower bound of the whole count, so a 2M-element list
+    is refused after a few slices. Exact for valid JSON below the limit; for invalid JSON any
+    answer is fine (the parser refuses it anyway). Cost: a sliced count of the commas (a body
+    with at most ``limit`` of them, strings included, returns at once), then a few vector passes
+    per slice, each a bounded C call."""
+    if sum(raw.count(b",", i, i + SLICE_BYTES) for i in range(0, len(raw), SLICE_BYTES)) <= limit:
         return None  # not even counting commas inside strings is it over
-    # escapes first: an escaped backslash, then an escaped quote, is never a string boundary
-    parts = []
-    for i in range(0, len(raw), SLICE_BYTES):
-        part = raw[i : i + SLICE_BYTES]
-        parts.append(part.translate(None, _DELETE) if b"\\" not in part else part)
-    compact = b"".join(parts)
-    if b"\\" in compact:
-        compact = compact.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _DELETE)
     outside = 0
-    start = 0
-    n = len(compact)
-    while start < n:
-        end = min(n, start + SLICE_BYTES)
-        if compact.count(b'"', start, end) % 2:  # do not cut a string: end after its closing quote
-            close = compact.find(b'"', end)
-            end = n if close < 0 else close + 1
-        # only quotes and commas are left: split at the quotes, and the even pieces are outside
-        # strings, made of nothing but commas
-        outside += sum(map(len, compact[start:end].split(b'"')[0::2]))
-        start = end
+    inside = 0  # 1 when the slice starts inside a string
+    for part in _escape_safe_slices(raw):
+        a = np.frombuffer(part, dtype=np.uint8)
+        quotes = a == 0x22
+        parity = np.cumsum(quotes, dtype=np.int32)  # quotes up to each byte (a comma is none)
+        parity &= 1
+        outside += int(np.count_nonzero((a == 0x2C) & (parity == inside)))
+        inside ^= int(parity[-1])
         if outside > limit:  # enough to refuse: the rest would only raise the count
             return outside
     return None
@@ -86,19 +91,10 @@ class BadIds(ValueError):
 
 def _unescaped(raw: bytes) -> bytes:
     """``raw`` with every escaped backslash and escaped quote blanked (same length), so that each
-    ``"`` left is a string boundary; in steps of about :data:`SLICE_BYTES` that never split an
-    escape (a step ends after a byte that is not a backslash)."""
+    ``"`` left is a string boundary (:func:`_escape_safe_slices`, joined)."""
     if b"\\" not in raw:
         return raw
-    parts = []
-    i, n = 0, len(raw)
-    while i < n:
-        j = min(n, i + SLICE_BYTES)
-        while j < n and raw[j - 1] == 0x5C:
-            j += 1
-        parts.append(raw[i:j].replace(b"\\\\", b"\0\0").replace(b'\\"', b"\0\0"))
-        i = j
-    return b"".join(parts)
+    return b"".join(_escape_safe_slices(raw))
 
 
 def _id_array_end(clean: bytes, pos: int) -> int | None:

@@ -9,6 +9,8 @@ import json
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from config.errors import OpenAIError
 from config.models import Settings, TenantConfig
@@ -155,10 +157,10 @@ def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_i
     try:
         with g.client() as c:
             for body, n in (
-                # the count stops at the first 256 KiB slice (of the body's quotes and commas) that
+                # the count stops at the first 256 KiB slice of the body that
                 # takes it past the limit: a lower bound, hence "or more"
-                ({"model": "kvgate-tiny", "prompt": [""] * 2_000_000}, 174_762),
-                ({"model": "kvgate-tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}, 157_287),
+                ({"model": "kvgate-tiny", "prompt": [""] * 2_000_000}, 174_753),
+                ({"model": "kvgate-tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}, 139_809),
                 # token-id arrays shorter than MIN_ID_ARRAY are values like any other
                 ({"model": "kvgate-tiny", "prompt": [[1] * 1023] * 200}, 200 * 1022 + 199 + 1 + 1),
             ):
@@ -300,3 +302,51 @@ def test_split_ids_cuts_only_integer_arrays_outside_strings_and_restores_them_ex
     assert parse_ids(b" 1 ,\n-2 ") == [1, -2]
     # beyond 64 bits orjson gives a float, in slices as whole (validation then refuses it)
     assert parse_ids(b"3," * 40_000 + b"99999999999999999999")[-1] == orjson.loads(b"[99999999999999999999]")[0]
+
+
+def _commas_outside_strings(raw: bytes) -> int:
+    """The reference: a byte-by-byte JSON string state machine."""
+    n, in_str, esc = 0, False, False
+    for b in raw:
+        if in_str:
+            if esc:
+                esc = False
+            elif b == 0x5C:
+                esc = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b == 0x2C:
+            n += 1
+    return n
+
+
+_json_text = st.text(alphabet=st.sampled_from(list(',"\\ab\n\u00e9[]{}:')), max_size=12)
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | _json_text,
+    lambda kids: st.lists(kids, max_size=6) | st.dictionaries(_json_text, kids, max_size=4),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(doc=_json_values, slice_bytes=st.integers(1, 16), compact=st.booleans(), slack=st.integers(-3, 3))
+def test_values_over_agrees_with_a_json_state_machine(doc, slice_bytes, compact, slack):
+    """Whatever the slicing (escapes and strings cut at every place): None exactly when the
+    commas outside strings are at most the limit, else a lower bound of them above the limit."""
+    import gateway.density as density
+
+    raw = json.dumps(doc, separators=(",", ":") if compact else None, ensure_ascii=False).encode()
+    ref = _commas_outside_strings(raw)
+    limit = max(0, ref + slack)
+    old = density.SLICE_BYTES
+    density.SLICE_BYTES = slice_bytes
+    try:
+        got = density.values_over(raw, limit)
+    finally:
+        density.SLICE_BYTES = old
+    if ref <= limit:
+        assert got is None
+    else:
+        assert got is not None and limit < got <= ref
