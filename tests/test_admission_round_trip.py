@@ -7,46 +7,23 @@ round trip fails, and through the real app."""
 from __future__ import annotations
 
 import socket
-import time
 import uuid
 
 import pytest
 import redis
 
-from config.models import ModelConfig, QuotaSettings, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+from config.models import QuotaSettings, TenantConfig, VerifierSettings
 from gateway.quota_stores import RedisQuotaStore
 from gateway.quotas import TenantQuotas, redis_client_from_url
+from tests.test_verifier_inline_ingest import ex, settings
 from verifier.leak_index import RedisLeakStore
 from verifier.service import VerifierService
-from verifier.shingles import encode
-from verifier.stage import Exchange, ExchangeRequest
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 SECRETS = {"leak_index_key": b"round-trip-key", "cache_salt_key": b"x", "admin_key": b"y"}
 LIMITED = TenantConfig(id="a", rpm=1000, tpm=10**9, verify_sample_rate=0.0)
 UNLIMITED = TenantConfig(id="u", verify_sample_rate=0.0)
 PROMPT = " ".join(f"harbour{i} ledger{i * 7 % 13} lantern{i * 3 % 11}" for i in range(60))
-
-
-def settings(tmp_path) -> Settings:
-    return Settings(
-        state_dir=str(tmp_path),
-        redis_url=REDIS_URL,
-        verifier=VerifierSettings(),
-        models=[ModelConfig(id="m", context_length=8192)],
-        upstreams=[
-            UpstreamConfig(
-                name="up", api_url="http://127.0.0.1:1/v1", pool_source="static", static_pool_tokens=4096, models=["m"]
-            )
-        ],
-    )
-
-
-def ex(t: TenantConfig, prompt: str) -> Exchange:
-    request = ExchangeRequest(
-        f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", "/v1/completions", len(encode(prompt)), False, time.monotonic()
-    )
-    return Exchange(request, prompt)
 
 
 @pytest.fixture
@@ -92,7 +69,7 @@ def owners(svc: VerifierService, prompt: str) -> list[set[str]]:
 
 
 async def test_the_index_write_rides_the_reservation(tmp_path, prefix, own_writes):
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS, key_prefix=prefix + ":v:")
+    svc = VerifierService(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
     try:
         lease = await admit_and_reserve(svc, quotas, LIMITED, PROMPT)
@@ -109,7 +86,7 @@ async def test_the_index_write_rides_the_reservation(tmp_path, prefix, own_write
 async def test_scripts_lost_by_redis_are_loaded_again(tmp_path, prefix, own_writes):
     """SCRIPT FLUSH (a restarted Redis): the reservation is loaded and sent again; the index
     write's NOSCRIPT is sent again by the verifier's own client. Both land."""
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS, key_prefix=prefix + ":v:")
+    svc = VerifierService(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
     try:
         redis.Redis.from_url(REDIS_URL).script_flush()
@@ -128,7 +105,7 @@ async def test_scripts_lost_by_redis_are_loaded_again(tmp_path, prefix, own_writ
 
 
 async def test_an_unlimited_tenant_makes_no_round_trip_so_the_verifier_writes_itself(tmp_path, prefix, own_writes):
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS, key_prefix=prefix + ":v:")
+    svc = VerifierService(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
     try:
         await admit_and_reserve(svc, quotas, UNLIMITED, PROMPT)
@@ -150,7 +127,7 @@ async def test_a_failed_round_trip_counts_a_store_error_and_the_quota_policy_app
     with it: counted once as a store error, not sent again, the budget released."""
     from config.errors import OpenAIError
 
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS, key_prefix=prefix + ":v:")
+    svc = VerifierService(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
     dead = RedisQuotaStore(redis_client_from_url(f"redis://127.0.0.1:{closed_port()}/0", 0.25), prefix=prefix + ":q")
     quotas = TenantQuotas(QuotaSettings(redis_failure_policy="fail_closed"), dead)
     try:
