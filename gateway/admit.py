@@ -41,7 +41,7 @@ from config.models import Settings, TenantConfig
 from gateway import api_routes
 from gateway.admission import Admission, ModelIndex, client_wants_usage, count_prompt, decide, upstream_body
 from gateway.auth import authenticate
-from gateway.density import BadIds, restore_ids, split_ids, values_over
+from gateway.density import BadIds, StringDensity, restore_ids, split_ids, values_over
 from gateway.requests import parse_json_body, read_body, validate
 from gateway.stages import QuotaLease, QuotaStage
 from gateway.tenants import TenantRegistry
@@ -55,6 +55,31 @@ from verifier.stage import Exchange, ExchangeRequest, VerifierStage
 OFFLOAD_BODY_BYTES = 64 * 1024
 
 
+def too_many_values(max_values: int, over: int) -> OpenAIError:
+    """The 413 for a body with more than ``max_values`` values (``over``: a lower bound of its
+    commas outside strings, :func:`gateway.density.values_over` or
+    :class:`gateway.density.StringDensity`)."""
+    return OpenAIError(
+        413,
+        f"The request body holds more than {max_values} JSON values besides its token-id arrays "
+        f"({over + 1} or more); send fewer prompts or messages per request.",
+        code=ErrorCode.REQUEST_TOO_LARGE,
+    )
+
+
+def _density_check(max_values: int):
+    """A ``read_body`` check refusing (413) a body whose strings alone prove more than
+    ``max_values`` values (:class:`gateway.density.StringDensity`), as the read goes."""
+    density = StringDensity(max_values)
+
+    def check(chunk: bytes) -> None:
+        over = density.feed(chunk)
+        if over is not None:
+            raise too_many_values(max_values, over)
+
+    return check
+
+
 def _parse_large(raw: bytes, max_values: int) -> dict:
     """Parse a large body in a worker thread: its token-id arrays cut out
     (:func:`gateway.density.split_ids`), a body whose other values are more than ``max_values``
@@ -64,12 +89,7 @@ def _parse_large(raw: bytes, max_values: int) -> dict:
     skeleton, ids = split_ids(raw)
     over = values_over(skeleton, max_values)
     if over is not None:
-        raise OpenAIError(
-            413,
-            f"The request body holds more than {max_values} JSON values besides its token-id arrays "
-            f"({over + 1} or more); send fewer prompts or messages per request.",
-            code=ErrorCode.REQUEST_TOO_LARGE,
-        )
+        raise too_many_values(max_values, over)
     body = parse_json_body(skeleton)
     try:
         restore_ids(body, ids)
@@ -159,7 +179,11 @@ async def admit(ctx: AdmitContext, request: Request, arrival: Arrival) -> Admitt
 async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, tenant: TenantConfig) -> Admitted:
     route = arrival.route
     headers = request.headers
-    raw = await read_body(request.receive, headers.get("content-length"), ctx.settings.gateway.max_body_bytes)
+    length = headers.get("content-length")
+    small = length is not None and length.isdigit() and int(length) <= OFFLOAD_BODY_BYTES
+    # a body that may be large is counted as it arrives: a dense one is refused before it is all read
+    check = None if small else _density_check(ctx.settings.gateway.max_body_values)
+    raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check)
     large = len(raw) > OFFLOAD_BODY_BYTES
     if large:
         body = await asyncio.to_thread(_parse_large, raw, ctx.settings.gateway.max_body_values)

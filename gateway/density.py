@@ -71,6 +71,34 @@ def values_over(raw: bytes, limit: int) -> int | None:
     return None
 
 
+class StringDensity:
+    """A lower bound of a body's values, from its strings, kept while the body arrives (the event
+    loop's share of :func:`values_over`: a dense body is refused before the rest is read or
+    parsed). Every JSON string (key or value) sits in an object or array, and a container with
+    ``m`` members holds at most ``2 m`` strings and ``m - 1`` commas, so a body of ``S`` strings
+    and ``C`` containers has at least ``(S - 1) / 2 - C`` commas outside strings: what
+    :func:`values_over` counts. ``S`` is bounded below by the quotes, less the ``\\"`` pairs and
+    one per read (an escape cut between two reads), halved; ``C`` above by every ``[`` and ``{``.
+    Token-id arrays hold no strings, so they never count. Cost: four ``memchr``-speed counts per
+    read. :meth:`feed` returns the bound once it is above ``limit``, else ``None``."""
+
+    __slots__ = ("brackets", "escaped", "limit", "quotes", "reads")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.quotes = self.escaped = self.brackets = self.reads = 0
+
+    def feed(self, chunk: bytes) -> int | None:
+        """Count one read of the body; the lower bound when it is above ``limit``."""
+        self.quotes += chunk.count(b'"')
+        self.escaped += chunk.count(b'\\"')
+        self.brackets += chunk.count(b"[") + chunk.count(b"{")
+        self.reads += 1
+        strings = (self.quotes - self.escaped - (self.reads - 1)) // 2
+        over = (strings - 1) // 2 - self.brackets
+        return over if over > self.limit else None
+
+
 #: an array of at least this many integers is a token-id array: cut out before the body is parsed
 #: (:func:`split_ids`), parsed in slices (:func:`parse_ids`), and not counted as values
 MIN_ID_ARRAY = 1024

@@ -87,9 +87,12 @@ def too_large(limit: int) -> OpenAIError:
     return OpenAIError(413, f"The request body is larger than {limit} bytes.", code=ErrorCode.REQUEST_TOO_LARGE)
 
 
-async def read_body(receive: Any, headers_content_length: str | None, limit: int) -> bytes:
+async def read_body(
+    receive: Any, headers_content_length: str | None, limit: int, check: Callable[[bytes], None] | None = None
+) -> bytes:
     """Read the ASGI request body, refusing more than ``limit`` bytes (413) before reading it all
-    when ``Content-Length`` says so, and while reading when it does not."""
+    when ``Content-Length`` says so, and while reading when it does not. ``check``: called with
+    each read as it arrives; what it raises (e.g. an :class:`OpenAIError`) ends the read."""
     if headers_content_length is not None:
         try:
             if int(headers_content_length) > limit:
@@ -107,6 +110,8 @@ async def read_body(receive: Any, headers_content_length: str | None, limit: int
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)
+            if check is not None:
+                check(chunk)
             chunks.append(chunk)
         if not message.get("more_body", False):
             break

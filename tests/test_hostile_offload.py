@@ -6,10 +6,11 @@ token ids are counted in a worker thread (or refused before counting, when the t
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from config.errors import OpenAIError
@@ -149,32 +150,49 @@ def _gateway_with(engine):
     return Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 8 << 20}), tenants()).start()
 
 
-def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_is_forwarded():
+def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_is_forwarded(monkeypatch):
+    import gateway.admit as admit_module
     from tests.mock_engine import MockEngine
 
+    parsed: list[int] = []
+    real_parse = admit_module._parse_large
+
+    def recording(raw, max_values):
+        parsed.append(len(raw))
+        return real_parse(raw, max_values)
+
+    monkeypatch.setattr(admit_module, "_parse_large", recording)
     engine = MockEngine().start()
     g = _gateway_with(engine)
     try:
         with g.client() as c:
-            for body, n in (
-                # the count stops at the first 256 KiB slice of the body that
-                # takes it past the limit: a lower bound, hence "or more"
-                ({"model": "kvgate-tiny", "prompt": [""] * 2_000_000}, 174_753),
-                ({"model": "kvgate-tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}, 139_809),
-                # token-id arrays shorter than MIN_ID_ARRAY are values like any other
-                ({"model": "kvgate-tiny", "prompt": [[1] * 1023] * 200}, 200 * 1022 + 199 + 1 + 1),
+            for body, values, streamed in (
+                # strings prove the values as the body arrives: refused before it is all read
+                ({"model": "kvgate-tiny", "prompt": [""] * 2_000_000}, 2_000_001, True),
+                ({"model": "kvgate-tiny", "messages": [{"role": "user", "content": "a"}] * 200_000}, 400_001, True),
+                # token-id arrays shorter than MIN_ID_ARRAY are values like any other (no strings:
+                # counted after the read, exactly, as the body holds fewer than a slice of them)
+                ({"model": "kvgate-tiny", "prompt": [[1] * 1023] * 200}, 200 * 1022 + 199 + 1 + 1, False),
             ):
                 r = c.post("/v1/chat/completions" if "messages" in body else "/v1/completions", json=body)
-                assert (r.status_code, r.json()["error"]) == (
+                err = r.json()["error"]
+                assert (r.status_code, err["type"], err["param"], err["code"]) == (
                     413,
-                    {
-                        "message": "The request body holds more than 131072 JSON values besides its token-id arrays "
-                        f"({n} or more); send fewer prompts or messages per request.",
-                        "type": "invalid_request_error",
-                        "param": None,
-                        "code": "request_too_large",
-                    },
+                    "invalid_request_error",
+                    None,
+                    "request_too_large",
                 )
+                # the count is a lower bound (it stops once past the limit, hence "or more")
+                m = re.fullmatch(
+                    r"The request body holds more than 131072 JSON values besides its token-id arrays "
+                    r"\((\d+) or more\); send fewer prompts or messages per request\.",
+                    err["message"],
+                )
+                assert m is not None, err["message"]
+                n = int(m.group(1))
+                assert (131_072 < n < values) if streamed else n == values
+                assert len(parsed) == (0 if streamed else 1)  # a streamed refusal parses nothing
+                parsed.clear()
             # two million token ids are parsed in slices and gated: the limit is the pool's 4,096 / 1.25
             r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": [1] * 2_000_000, "max_tokens": 1})
             assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["message"]) == (
@@ -350,3 +368,54 @@ def test_values_over_agrees_with_a_json_state_machine(doc, slice_bytes, compact,
         assert got is None
     else:
         assert got is not None and limit < got <= ref
+
+
+_dense_docs = st.one_of(
+    _json_values,
+    st.lists(_json_text, max_size=300),
+    st.lists(st.dictionaries(_json_text, _json_text | st.integers(0, 9), max_size=3), max_size=100),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=_dense_docs, cuts=st.lists(st.integers(0, 4000), max_size=8))
+@example(doc={"a": {"b": {"c": {"d": "e"}}}}, cuts=[])  # containers without commas: the - C term
+@example(doc=['""""""'] * 20, cuts=[])  # escaped quotes are no string boundaries
+@example(doc=['a"b'] * 20, cuts=[2, 3, 4, 5, 6, 7, 8, 9, 10])  # an escape cut between two reads
+def test_string_density_never_claims_more_values_than_there_are(doc, cuts):
+    """The streaming bound of StringDensity, fed the body in reads cut anywhere (escapes and
+    strings split between reads), never exceeds the commas outside strings that values_over
+    counts: it can only refuse what values_over would refuse."""
+    from gateway.density import StringDensity
+
+    raw = json.dumps(doc, ensure_ascii=False).encode()
+    ref = _commas_outside_strings(raw)
+    density = StringDensity(-(10**9))  # every read reports its bound
+    points = sorted({0, len(raw), *(c for c in cuts if c < len(raw))})
+    for a, b in zip(points, points[1:], strict=False):
+        assert density.feed(raw[a:b]) <= ref
+
+
+def test_string_density_refuses_a_list_of_empty_strings_after_a_fraction_of_it():
+    from gateway.density import StringDensity
+
+    raw = json.dumps({"prompt": [""] * 2_000_000}).encode()  # 8 MB
+    density = StringDensity(131_072)
+    read = 0
+    for i in range(0, len(raw), 65_536):
+        read += 65_536
+        if density.feed(raw[i : i + 65_536]) is not None:
+            break
+    assert read <= 1_200_000  # refused within the first 1.2 MB of 8
+
+
+def test_string_density_counts_escapes_cut_between_reads():
+    """Every escaped quote of an object cut between its backslash and its quote: the one-per-read
+    allowance keeps the bound at or below the true count (10 members: 9 commas)."""
+    from gateway.density import StringDensity
+
+    raw = json.dumps({f"k{i}": 'x"' for i in range(10)}).encode()
+    cuts = [i + 1 for i, b in enumerate(raw) if b == 0x5C]  # right after each backslash
+    density = StringDensity(-(10**9))
+    bounds = [density.feed(raw[a:b]) for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
+    assert max(bounds) <= _commas_outside_strings(raw) == 9
