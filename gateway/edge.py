@@ -131,7 +131,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_timers()
         if self.transport is None or self.transport.is_closing():
             return
-        if self.cycle is None or not self.cycle.response_started:
+        cycle = self.cycle  # on a kept-alive connection, the previous request's until a new head ends
+        if cycle is None or not cycle.response_started or (self._in_head and cycle.response_complete):
             self.transport.write(refusal_bytes(status, message, code))
         # connection_lost marks the request's cycle disconnected: the app's receive() reports a
         # disconnect and whatever it sends is dropped

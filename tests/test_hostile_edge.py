@@ -158,6 +158,28 @@ def test_parsing_stops_at_the_refused_header(edge, monkeypatch, caplog):
     s.close()
 
 
+def test_a_refused_head_on_a_kept_alive_connection_gets_its_answer(edge):
+    """The second request on a connection has too many headers, or too many header bytes: it
+    gets its 431 like a first one (it used to get a silent close: the refusal looked at the
+    previous request's finished response)."""
+    for extra, why in (
+        (b"".join(b"x-h%d: 1\r\n" % i for i in range(30)), "more than 20 header fields"),
+        (b"x-big: " + b"a" * 9000 + b"\r\n", "more than 8192 bytes"),
+    ):
+        s = edge.connect()
+        s.sendall(get())
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 OK\r\n") and first.endswith(b'{"status":"ok"}')
+        s.sendall(get(extra=extra))
+        assert read_all(s) == refusal(
+            431,
+            "Request Header Fields Too Large",
+            f"The request's headers are too large: {why}.",
+            "request_header_fields_too_large",
+        )
+        s.close()
+
+
 def test_too_many_headers_get_431(edge):
     s = edge.connect()
     s.sendall(get(extra=b"".join(b"x-h%d: 1\r\n" % i for i in range(20))))  # host + 20 = 21 fields
