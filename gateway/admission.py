@@ -256,10 +256,56 @@ def suffix_tokens(counter: PromptCounter, body: dict[str, Any]) -> int:
         ) from None
 
 
+def _longest_text_chars(body: dict[str, Any], route: str) -> int:
+    """Characters of the request's longest prompt text (chat: every string content and text
+    part of every message together; completions: the longest string prompt). Validated bodies only."""
+    if route == "chat":
+        n = 0
+        for m in body.get("messages") or ():
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                n += len(c)
+            elif isinstance(c, list):
+                n += sum(len(p["text"]) for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return n
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return len(p)
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        return max(map(len, p))
+    return 0
+
+
+def too_long_to_count(entry: ModelEntry, body: dict[str, Any], route: str) -> None:
+    """Refuse, without counting it, a prompt whose text alone is certainly longer than the
+    model's ``context_length``: no token covers more than the counter's ``max_token_chars``
+    characters, so ``chars // max_token_chars`` is a lower bound of its tokens (the template,
+    special tokens and images only add to it). An 8 MB prompt took the SmolLM2 tokenizer 7 s
+    of CPU to count before its 400; now a length. Raises :class:`OpenAIError` 400
+    ``context_length_exceeded`` ("at least N tokens")."""
+    per = entry.counter.max_token_chars
+    if not per:
+        return
+    at_least = _longest_text_chars(body, route) // per
+    limit = entry.config.context_length
+    if at_least > limit:
+        where = "messages" if route == "chat" else "prompt"
+        raise OpenAIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested at least "
+            f"{at_least} tokens in the {where} alone (counting stopped there). Please reduce the length "
+            f"of the {where}.",
+            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            param=where,
+        )
+
+
 def _count_now(entry: ModelEntry, body: dict[str, Any], route: str) -> PromptTally:
-    """:func:`count_prompt`'s work done synchronously (in a worker thread), prompt text included."""
+    """:func:`count_prompt`'s work done synchronously (in a worker thread), prompt text included;
+    a prompt too long for the model is refused first without counting (:func:`too_long_to_count`)."""
     counter = entry.counter
     options = fields.check_request(body, route, entry.engines, entry.config.images, counter.special_token_texts)
+    too_long_to_count(entry, body, route)
     try:
         if route == "chat":
             c = counter.count_chat(body["messages"], body.get("tools"), options)

@@ -419,3 +419,60 @@ def test_string_density_counts_escapes_cut_between_reads():
     density = StringDensity(-(10**9))
     bounds = [density.feed(raw[a:b]) for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
     assert max(bounds) <= _commas_outside_strings(raw) == 9
+
+
+def test_a_prompt_too_long_for_any_context_is_refused_without_counting(monkeypatch):
+    """8192-token model, bundled tokenizer (no token covers more than max_token_chars = 128
+    characters): a 2 MB message is at least 15,625 tokens, refused at once (nothing counted,
+    nothing forwarded); at exactly 8,192 x 128 characters the bound is not over and the prompt is
+    counted, and refused with its exact count."""
+    from tests.mock_engine import MockEngine
+    from tokenizer.tiktoken_counter import TiktokenCounter
+
+    counted: list[str] = []
+    real = TiktokenCounter.count_chat
+
+    def recording(self, messages, tools=None, options=None):
+        counted.append("chat")
+        return real(self, messages, tools) if options is None else real(self, messages, tools, options)
+
+    monkeypatch.setattr(TiktokenCounter, "count_chat", recording)
+    engine = MockEngine().start()
+    g = _gateway_with(engine)
+    try:
+        with g.client() as c:
+            r = c.post(
+                "/v1/chat/completions",
+                json={"model": "kvgate-tiny", "messages": [{"role": "user", "content": "ab" * 1_000_000}]},
+            )
+            assert (r.status_code, r.json()["error"]) == (
+                400,
+                {
+                    "message": "This model's maximum context length is 8192 tokens. However, you requested at "
+                    "least 15625 tokens in the messages alone (counting stopped there). Please reduce the "
+                    "length of the messages.",
+                    "type": "invalid_request_error",
+                    "param": "messages",
+                    "code": "context_length_exceeded",
+                },
+            )
+            assert counted == []
+            r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": ["hi", "x " * 600_000]})
+            assert (r.status_code, r.json()["error"]["param"], r.json()["error"]["code"]) == (
+                400,
+                "prompt",
+                "context_length_exceeded",
+            )
+            assert "at least 9375 tokens in the prompt alone" in r.json()["error"]["message"]
+            # at the bound: counted, and refused with the exact count
+            r = c.post(
+                "/v1/chat/completions",
+                json={"model": "kvgate-tiny", "messages": [{"role": "user", "content": "z" * (8192 * 128)}]},
+            )
+            assert r.status_code == 400 and counted == ["chat"]
+            assert "However, you requested " in r.json()["error"]["message"]
+            assert "at least" not in r.json()["error"]["message"]
+        assert engine.state.requests == []
+    finally:
+        g.stop()
+        engine.stop()

@@ -273,3 +273,11 @@ def test_long_text_is_encoded_with_the_gil_released(counter, hf_tok, monkeypatch
     assert counter.count_text(past) == len(hf_tok(past, add_special_tokens=False)["input_ids"])
     assert counter.count_prompt_text(words) == len(hf_tok(words)["input_ids"])
     assert batched == [GIL_FREE_ENCODE_CHARS + 1, len(words)]
+
+
+def test_no_token_covers_more_characters_than_max_token_chars(counter):
+    """The bound the gateway refuses too-long prompts with: every token of the vocabulary
+    decodes to at most max_token_chars characters, so n characters are at least
+    n // max_token_chars tokens."""
+    longest = max(len(counter.tokenizer.decode([i], skip_special_tokens=False)) for i in range(counter.vocab_size))
+    assert 0 < longest <= counter.max_token_chars

@@ -141,6 +141,10 @@ class PromptCounter(ABC):
     offload_chars: int = OFFLOAD_CHARS
     #: the synchronous ``count_*`` methods work (not so for a counter that asks the engine)
     counts_sync: bool = True
+    #: at most how many characters of a text one token covers (``None``: unknown), so a text of
+    #: ``n`` characters is at least ``n // max_token_chars`` tokens: a prompt too long for any
+    #: context is refused without being counted (:func:`gateway.admission.count_prompt`)
+    max_token_chars: int | None = None
     #: the text of each of the model's special tokens (``<|im_start|>``): an engine that parses
     #: special tokens in the rendered prompt (vLLM, SGLang) reads such text as a control token. Empty
     #: where the counter does not know them (an ``engine`` counter: the engine counts itself).

@@ -149,6 +149,9 @@ class HFCounter(PromptCounter):
         self.config: dict[str, Any] = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+        # a token's vocabulary entry is at least as long as the text it covers (byte-level: one
+        # character per byte; metaspace: one per character; byte fallback "<0xE3>": 6 for 1 byte)
+        self.max_token_chars = max((len(k) for k in vocab), default=0) or None
         self._holes = frozenset(range(self.vocab_size)) - frozenset(vocab.values())
         self.image_tokens = image_tokens
         specials = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]

@@ -67,6 +67,8 @@ class TiktokenCounter(PromptCounter):
     def __init__(self, encoding: str | tiktoken.Encoding = "cl100k_base", image_tokens: int = 765) -> None:
         self.encoding = get_encoding(encoding) if isinstance(encoding, str) else encoding
         self.vocab_size = self.encoding.n_vocab
+        #: the longest token's bytes (cl100k_base: 128): no token covers more characters of a text
+        self.max_token_chars = max((len(b) for b in self.encoding.token_byte_values()), default=0) or None
         self.image_tokens = image_tokens
         self._mask = valid_id_mask(self.encoding)
         #: ids below ``vocab_size`` that decode to nothing (cl100k_base: 100256, 100261-100275)
