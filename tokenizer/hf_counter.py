@@ -337,6 +337,8 @@ class HFCounter(PromptCounter):
             content = m.get("content")
             if isinstance(content, list):
                 content = "\n".join(p.get(p["type"]) for p in content if p["type"] not in IMAGE_PART_TYPES)
+            elif content is None:  # an assistant turn of tool calls: vLLM renders its content as ""
+                content = ""
             plain.append({**m, "content": content})
         variables: dict[str, Any] = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
         variables.update(options.template_kwargs)
