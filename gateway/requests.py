@@ -134,6 +134,10 @@ def _is_num(v: Any) -> bool:
 def _in_range(is_kind: Callable[[Any], bool], kind: str, lo: float | None, hi: float | None) -> Check:
     def check(v: Any) -> str | None:
         if not is_kind(v):
+            out = isinstance(v, float) and lo is not None and hi is not None and not lo <= v <= hi
+            if is_kind is _is_int and out and v.is_integer():
+                # orjson reads an integer beyond 64 bits as a float: say so, with the range
+                return f"must be an integer from {lo} to {hi}"
             return f"must be {kind}"
         if lo is not None and v < lo:
             return f"must be >= {lo}"

@@ -282,6 +282,13 @@ def test_seed_outside_64_bits_refused(env):
     assert refused(env, "chat", user(model="m", repetition_penalty=0)) == "repetition_penalty"
     assert refused(env, "chat", user(model="m", n=2**64)) == "n"
     assert refused(env, "chat", user(model="m", max_tokens=2**64)) == "max_tokens"
+    # beyond 64 bits a JSON integer is read as a float: the message names the range, not "an integer"
+    status, data, _ = post(env, "chat", user(model="m", seed=2**70))
+    assert (status, data["error"]["param"], data["error"]["message"]) == (
+        400,
+        "seed",
+        "Invalid value for 'seed': must be an integer from -9223372036854775808 to 9223372036854775807",
+    )
 
 
 def test_sdk_newer_fields_accepted(env):
@@ -415,7 +422,8 @@ def test_numeric_fields_of_the_wrong_kind_refused(env):
     chat_cases = [
         (user(model="m", max_tokens=16.0), msg("max_tokens", integer)),
         (user(model="m", max_tokens=True), msg("max_tokens", integer)),
-        (user(model="m", max_tokens=10**30), msg("max_tokens", integer)),  # orjson reads it as a float
+        # orjson reads an integer beyond 64 bits as a float: the message gives the range
+        (user(model="m", max_tokens=10**30), msg("max_tokens", "must be an integer from 1 to 9223372036854775807")),
         (user(model="m", max_completion_tokens=16.0), msg("max_completion_tokens", integer)),
         (user(model="m", max_completion_tokens=False), msg("max_completion_tokens", integer)),
         (user(model="m", max_completion_tokens=-1), msg("max_completion_tokens", "must be >= 1")),
