@@ -287,17 +287,22 @@ def too_long_to_count(entry: ModelEntry, body: dict[str, Any], route: str) -> No
     if not per:
         return
     at_least = _longest_text_chars(body, route) // per
-    limit = entry.config.context_length
-    if at_least > limit:
-        where = "messages" if route == "chat" else "prompt"
-        raise OpenAIError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested at least "
-            f"{at_least} tokens in the {where} alone (counting stopped there). Please reduce the length "
-            f"of the {where}.",
-            code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            param=where,
-        )
+    if at_least > entry.config.context_length:
+        raise over_context_error(entry.config.context_length, at_least, "messages" if route == "chat" else "prompt")
+
+
+def over_context_error(limit: int, at_least: int, where: str) -> OpenAIError:
+    """The 400 ``context_length_exceeded`` for a prompt refused before it is counted: ``limit``
+    the model's ``context_length``, ``at_least`` a lower bound of its tokens, ``where`` the
+    field (``messages``, ``prompt``, ``input``; also its ``param``)."""
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested at least "
+        f"{at_least} tokens in the {where} alone (counting stopped there). Please reduce the length "
+        f"of the {where}.",
+        code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        param=where,
+    )
 
 
 def _count_now(entry: ModelEntry, body: dict[str, Any], route: str) -> PromptTally:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,9 +40,17 @@ from starlette.requests import Request
 from config.errors import ErrorCode, OpenAIError
 from config.models import Settings, TenantConfig
 from gateway import api_routes
-from gateway.admission import Admission, ModelIndex, client_wants_usage, count_prompt, decide, upstream_body
+from gateway.admission import (
+    Admission,
+    ModelIndex,
+    client_wants_usage,
+    count_prompt,
+    decide,
+    over_context_error,
+    upstream_body,
+)
 from gateway.auth import authenticate
-from gateway.density import BadIds, StringDensity, restore_ids, split_ids, values_over
+from gateway.density import BadIds, StringDensity, count_ids, restore_ids, split_ids, values_over
 from gateway.requests import parse_json_body, read_body, validate
 from gateway.stages import QuotaLease, QuotaStage
 from gateway.tenants import TenantRegistry
@@ -80,17 +89,28 @@ def _density_check(max_values: int):
     return check
 
 
-def _parse_large(raw: bytes, max_values: int) -> dict:
+def _parse_large(raw: bytes, max_values: int, max_ids: Callable[[dict], int | None] | None = None) -> dict:
     """Parse a large body in a worker thread: its token-id arrays cut out
     (:func:`gateway.density.split_ids`), a body whose other values are more than ``max_values``
     refused (413, :func:`gateway.density.values_over`) before any parse, the rest parsed, then
-    the token-id arrays parsed in slices and put back. Raises :class:`OpenAIError` 413, or 400
-    for a body that is not JSON."""
+    the token-id arrays parsed in slices and put back. ``max_ids(body)``: the most ids one prompt
+    may hold for the parsed rest's model (its ``context_length``; ``None``: unknown); a longer
+    token-id array is refused (400 ``context_length_exceeded``) before its ids are parsed (two
+    million ids: 25 ms of parsing and 10 ms of checking, in one-millisecond GIL holds, saved).
+    Raises :class:`OpenAIError` 413, 400 for a body that is not JSON, or that 400."""
     skeleton, ids = split_ids(raw)
     over = values_over(skeleton, max_values)
     if over is not None:
         raise too_many_values(max_values, over)
     body = parse_json_body(skeleton)
+    field = "prompt" if "prompt" in body else "input"
+    prompts = body.get(field)
+    markers = [m for m in (prompts if isinstance(prompts, list) else [prompts]) if type(m) is int and m in ids]
+    cap = max_ids(body) if markers and max_ids is not None else None
+    if cap is not None:  # only the prompts' arrays: any other (a field's) is validated as usual
+        longest = max(count_ids(ids[m]) for m in markers)
+        if longest > cap:
+            raise over_context_error(cap, longest, field)
     try:
         restore_ids(body, ids)
     except BadIds as e:
@@ -186,7 +206,14 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
     raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check)
     large = len(raw) > OFFLOAD_BODY_BYTES
     if large:
-        body = await asyncio.to_thread(_parse_large, raw, ctx.settings.gateway.max_body_values)
+
+        def max_ids(skeleton: dict) -> int | None:  # the model's context, before any id is parsed
+            try:
+                return ctx.models.resolve(tenant, skeleton.get("model")).config.context_length
+            except OpenAIError:
+                return None  # the model is refused later, in order
+
+        body = await asyncio.to_thread(_parse_large, raw, ctx.settings.gateway.max_body_values, max_ids)
     else:
         body = parse_json_body(raw)
     own_schema = route in ("responses", "embeddings")  # their schemas, counts and gates: gateway.api_routes

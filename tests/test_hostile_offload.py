@@ -152,14 +152,15 @@ def _gateway_with(engine):
 
 def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_is_forwarded(monkeypatch):
     import gateway.admit as admit_module
+    import gateway.density as density
     from tests.mock_engine import MockEngine
 
     parsed: list[int] = []
     real_parse = admit_module._parse_large
 
-    def recording(raw, max_values):
+    def recording(raw, *args):
         parsed.append(len(raw))
-        return real_parse(raw, max_values)
+        return real_parse(raw, *args)
 
     monkeypatch.setattr(admit_module, "_parse_large", recording)
     engine = MockEngine().start()
@@ -193,14 +194,36 @@ def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_i
                 assert (131_072 < n < values) if streamed else n == values
                 assert len(parsed) == (0 if streamed else 1)  # a streamed refusal parses nothing
                 parsed.clear()
-            # two million token ids are parsed in slices and gated: the limit is the pool's 4,096 / 1.25
+            # two million token ids, more than the model's 8,192-token context: refused from the
+            # array's commas, before one id is parsed
+            real_parse_ids = density.parse_ids
+            parsed_ids: list[int] = []
+            monkeypatch.setattr(density, "parse_ids", lambda content: parsed_ids.append(1) or real_parse_ids(content))
             r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": [1] * 2_000_000, "max_tokens": 1})
+            assert (
+                r.status_code,
+                r.json()["error"]["code"],
+                r.json()["error"]["param"],
+                r.json()["error"]["message"],
+            ) == (
+                400,
+                "context_length_exceeded",
+                "prompt",
+                "This model's maximum context length is 8192 tokens. However, you requested at least 2000000 "
+                "tokens in the prompt alone (counting stopped there). Please reduce the length of the prompt.",
+            )
+            assert parsed_ids == []
+            # 8,192 ids fit the model but not the live pool (4,096 / 1.25): parsed in slices and
+            # gated (a long `user` makes the body large enough for the worker-thread parse)
+            big = {"model": "kvgate-tiny", "prompt": [1] * 8192, "max_tokens": 1, "user": "u" * 70_000}
+            r = c.post("/v1/completions", json=big)
             assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["message"]) == (
                 400,
                 "context_length_exceeded",
-                "This model's maximum context length is 3276 tokens. However, you requested 2000001 tokens "
-                "(2000000 in the prompt, 1 in the completion). Please reduce the length of the prompt or completion.",
+                "This model's maximum context length is 3276 tokens. However, you requested 8193 tokens "
+                "(8192 in the prompt, 1 in the completion). Please reduce the length of the prompt or completion.",
             )
+            assert parsed_ids == [1]
             # under the value limit but over the sequence cap: refused before counting
             r = c.post("/v1/completions", json={"model": "kvgate-tiny", "prompt": [""] * 100_000})
             assert (r.status_code, r.json()["error"]["message"]) == (
