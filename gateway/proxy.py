@@ -344,17 +344,48 @@ async def read_whole(
     yield raw, False
 
 
+class HoldBack:
+    """The events of a stream held back until its response starts (so that an engine error
+    before any content is answered with the engine's own status), at most ``limit`` bytes: an
+    engine that sends only events without content cannot make the gateway hold them without
+    bound, and past the limit the response starts anyway. ``started``: the response has started
+    (the relay yields its ``(b"", True)`` marker when it starts it); ``held``: the events held."""
+
+    __slots__ = ("held", "limit", "size", "started")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held: list[bytes] = []
+        self.size = 0
+        self.started = False
+
+    def offer(self, out: list[bytes], outcome: RelayOutcome) -> list[Chunk]:
+        """What to yield for the events ``out`` of one read: nothing while they are held, the
+        start marker and everything held once the limit is passed (``outcome.status`` 200), or
+        the held events and ``out`` together once started."""
+        if not out:
+            return []
+        if not self.started:
+            self.held.extend(out)
+            self.size += sum(map(len, out))
+            if self.size <= self.limit:
+                return []
+            self.started = True
+            outcome.status = 200
+            held, self.held = self.held, []
+            return [(b"", True), (b"".join(held), True)]
+        held, self.held = self.held, []
+        return [(b"".join(held + out) if held else b"".join(out), True)]
+
+
 async def relay_stream(
     ctx: RelayContext, outcome: RelayOutcome, resp: UpstreamResponse, guard: ResponseGuard | None, t_forward: float
 ) -> AsyncGenerator[Chunk, None]:
     """Relay an event stream (module docstring). Events before the response starts are held
     back, so that an engine error before any content is answered with the engine's status."""
     splitter = SSESplitter(ctx.settings.gateway.max_sse_event_bytes)
-    hold_limit = ctx.settings.gateway.max_sse_event_bytes  # bytes held back before the response starts
-    held_bytes = 0
+    hold = HoldBack(ctx.settings.gateway.max_sse_event_bytes)
     p = outcome.produced
-    held: list[bytes] = []
-    started = False
     done = False
     try:
         async for chunk in resp.aiter_raw():
@@ -371,7 +402,7 @@ async def relay_stream(
                     break
                 if info.kind == "error":
                     err = engine_error(200, info.data)
-                    if not started:
+                    if not hold.started:
                         raise err
                     out.append(error_event(err))
                     outcome.error_code = err.code
@@ -394,35 +425,24 @@ async def relay_stream(
                     out.extend(await guard.feed(info.text, ev, list(info.output.fields.items())))
                 else:
                     out.append(ev)
-                if not started and (info.text or info.finish_reason):
-                    started = True
+                if not hold.started and (info.text or info.finish_reason):
+                    hold.started = True
                     outcome.status = 200
                     yield b"", True  # the response starts now, even when the guard holds every event back
-            if out:
-                if not started:
-                    held.extend(out)
-                    held_bytes += sum(map(len, out))
-                    if held_bytes > hold_limit:  # an engine that sends only events without content
-                        started = True  # cannot make the gateway hold them without bound
-                        outcome.status = 200
-                        yield b"", True
-                        yield b"".join(held), True
-                        held = []
-                else:
-                    yield b"".join(held + out) if held else b"".join(out), True
-                    held = []
+            for piece in hold.offer(out, outcome):
+                yield piece
             if done:
                 break
             if too_large is not None:
                 raise event_too_large(outcome, too_large)
     except httpx.HTTPError as e:
         err = _transport_error(ctx, outcome.upstream, e, "read")
-        if held and started:
-            yield b"".join(held), True
+        if hold.held and hold.started:
+            yield b"".join(hold.held), True
         raise err from None
     except ResponseWithheld as w:
         raise withheld_error(w) from None
-    tail: list[bytes] = held
+    tail: list[bytes] = hold.held
     if guard is not None:
         try:
             tail += await guard.finish_stream(usage=p.usage, finish_reason=p.finish_reason, ttft_seconds=p.ttft_seconds)
@@ -446,11 +466,8 @@ async def relay_response_stream(
     through the guard; the response starts at the first text or terminal event; an ``error``
     event or ``response.failed`` before it is the engine's error, after it relayed as sent."""
     splitter = SSESplitter(ctx.settings.gateway.max_sse_event_bytes)
-    hold_limit = ctx.settings.gateway.max_sse_event_bytes  # bytes held back before the response starts
-    held_bytes = 0
+    hold = HoldBack(ctx.settings.gateway.max_sse_event_bytes)
     p = outcome.produced
-    held: list[bytes] = []
-    started = False
     streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
     try:
         async for chunk in resp.aiter_raw():
@@ -472,7 +489,7 @@ async def relay_response_stream(
                     p.sequence_number = info.sequence_number
                 if info.kind == "error":
                     err = engine_error(200, {"error": info.error or {}})
-                    if not started:
+                    if not hold.started:
                         raise err
                     outcome.error_code = err.code
                 if info.usage is not None:
@@ -495,33 +512,22 @@ async def relay_response_stream(
                     out.extend(await guard.feed(text, ev, pieces))
                 else:
                     out.append(ev)
-                if not started and (text or info.kind == "terminal"):
-                    started = True
+                if not hold.started and (text or info.kind == "terminal"):
+                    hold.started = True
                     outcome.status = 200
                     yield b"", True
-            if out:
-                if not started:
-                    held.extend(out)
-                    held_bytes += sum(map(len, out))
-                    if held_bytes > hold_limit:  # an engine that sends only events without content
-                        started = True  # cannot make the gateway hold them without bound
-                        outcome.status = 200
-                        yield b"", True
-                        yield b"".join(held), True
-                        held = []
-                else:
-                    yield b"".join(held + out) if held else b"".join(out), True
-                    held = []
+            for piece in hold.offer(out, outcome):
+                yield piece
             if too_large is not None:
                 raise event_too_large(outcome, too_large)
     except httpx.HTTPError as e:
         err = _transport_error(ctx, outcome.upstream, e, "read")
-        if held and started:
-            yield b"".join(held), True
+        if hold.held and hold.started:
+            yield b"".join(hold.held), True
         raise err from None
     except ResponseWithheld as w:
         raise withheld_error(w) from None
-    tail: list[bytes] = held
+    tail: list[bytes] = hold.held
     if guard is not None:
         try:
             tail += await guard.finish_stream(usage=p.usage, finish_reason=p.finish_reason, ttft_seconds=p.ttft_seconds)
