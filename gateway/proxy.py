@@ -378,6 +378,27 @@ class HoldBack:
         return [(b"".join(held + out) if held else b"".join(out), True)]
 
 
+async def stream_tail(
+    outcome: RelayOutcome, guard: ResponseGuard | None, hold: HoldBack, unfinished: bytes
+) -> list[bytes]:
+    """The events that end a relayed stream: those still held, then what the guard held back
+    (its final checks run: a strict refusal raises the 502 ``response_withheld``); an
+    ``unfinished`` event (bytes after the last terminator) is logged and dropped."""
+    tail = hold.held
+    if guard is not None:
+        p = outcome.produced
+        try:
+            tail += await guard.finish_stream(usage=p.usage, finish_reason=p.finish_reason, ttft_seconds=p.ttft_seconds)
+        except ResponseWithheld as w:
+            raise withheld_error(w) from None
+    if unfinished.strip():
+        log.warning(
+            "upstream stream ended inside an event",
+            extra={"fields": {"request_id": outcome.admitted.arrival.request_id}},
+        )
+    return tail
+
+
 async def relay_stream(
     ctx: RelayContext, outcome: RelayOutcome, resp: UpstreamResponse, guard: ResponseGuard | None, t_forward: float
 ) -> AsyncGenerator[Chunk, None]:
@@ -442,17 +463,7 @@ async def relay_stream(
         raise err from None
     except ResponseWithheld as w:
         raise withheld_error(w) from None
-    tail: list[bytes] = hold.held
-    if guard is not None:
-        try:
-            tail += await guard.finish_stream(usage=p.usage, finish_reason=p.finish_reason, ttft_seconds=p.ttft_seconds)
-        except ResponseWithheld as w:
-            raise withheld_error(w) from None
-    if not done and splitter.tail().strip():
-        log.warning(
-            "upstream stream ended inside an event",
-            extra={"fields": {"request_id": outcome.admitted.arrival.request_id}},
-        )
+    tail = await stream_tail(outcome, guard, hold, b"" if done else splitter.tail())
     outcome.status = 200
     yield b"".join(tail) + DONE_EVENT, False
 
@@ -527,16 +538,6 @@ async def relay_response_stream(
         raise err from None
     except ResponseWithheld as w:
         raise withheld_error(w) from None
-    tail: list[bytes] = hold.held
-    if guard is not None:
-        try:
-            tail += await guard.finish_stream(usage=p.usage, finish_reason=p.finish_reason, ttft_seconds=p.ttft_seconds)
-        except ResponseWithheld as w:
-            raise withheld_error(w) from None
-    if splitter.tail().strip():
-        log.warning(
-            "upstream stream ended inside an event",
-            extra={"fields": {"request_id": outcome.admitted.arrival.request_id}},
-        )
+    tail = await stream_tail(outcome, guard, hold, splitter.tail())
     outcome.status = 200
     yield b"".join(tail), False
