@@ -62,7 +62,7 @@ def _pool_arg(value: str) -> int:
 
 def build_parser(d: BackendSettings) -> argparse.ArgumentParser:
     """The argument parser, defaults from ``d``."""
-    p = argparse.ArgumentParser(prog="python -m gpu_backend", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvgate backend", description=__doc__.split("\n")[0].replace("``", ""))
     p.add_argument("--config", default=None, help="kvgate.yaml to read the backend defaults from")
     p.add_argument("--role", choices=["all", "prefill", "decode", "router"], default=d.role)
     p.add_argument("--host", default=d.host)
