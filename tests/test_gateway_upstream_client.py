@@ -197,24 +197,26 @@ async def test_on_sent_fires_once_the_request_is_written_never_for_a_failed_conn
         await asyncio.sleep(5)
 
     sent: list[str] = []
+    # bound and never listening, and held for the whole test: every connect is refused, and no
+    # other process can take the port in between (a closed port was once taken, and answered nothing)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         refused = f"http://127.0.0.1:{s.getsockname()[1]}/v1/chat/completions"
-    async with Server(engine) as srv:
-        c = client(max_connections=1, connect_timeout=0.3, read_timeout=0.5)
-        with pytest.raises(httpx.ConnectError):
-            await c.send("POST", refused, b"{}", HEADERS, lambda: sent.append("refused"))
-        with pytest.raises(httpx.ReadTimeout):
-            await c.send("POST", srv.url, b'{"n":1}', HEADERS, lambda: sent.append("timed out"))
-        first = asyncio.ensure_future(c.send("POST", srv.url, b'{"n":2}', HEADERS, lambda: sent.append("held")))
-        await asyncio.sleep(0.1)
-        queued = asyncio.ensure_future(c.send("POST", srv.url, b'{"n":3}', HEADERS, lambda: sent.append("queued")))
-        await asyncio.sleep(0.1)  # waiting for the one pooled connection
-        for t in (queued, first):
-            t.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await t
-        await c.aclose()
+        async with Server(engine) as srv:
+            c = client(max_connections=1, connect_timeout=0.3, read_timeout=0.5)
+            with pytest.raises(httpx.ConnectError):
+                await c.send("POST", refused, b"{}", HEADERS, lambda: sent.append("refused"))
+            with pytest.raises(httpx.ReadTimeout):
+                await c.send("POST", srv.url, b'{"n":1}', HEADERS, lambda: sent.append("timed out"))
+            first = asyncio.ensure_future(c.send("POST", srv.url, b'{"n":2}', HEADERS, lambda: sent.append("held")))
+            await asyncio.sleep(0.1)
+            queued = asyncio.ensure_future(c.send("POST", srv.url, b'{"n":3}', HEADERS, lambda: sent.append("queued")))
+            await asyncio.sleep(0.1)  # waiting for the one pooled connection
+            for t in (queued, first):
+                t.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await t
+            await c.aclose()
     assert sent == ["timed out", "held"]
     assert [r.rsplit(b"\r\n\r\n", 1)[1] for r in srv.requests] == [b'{"n":1}', b'{"n":2}']
 
