@@ -20,13 +20,23 @@ SECRETS = {"cache_salt_key": b"test-cache-salt-key", "leak_index_key": b"l", "ad
 MODEL = "kvgate-tiny"
 
 
-def closed_port_url() -> str:
-    """A loopback URL where nothing listens (connection refused)."""
+#: bound, never-listening sockets kept for the life of the test process: a connect to their port
+#: is refused, and no other process can take the port meanwhile (a port closed before the connect
+#: can be, and then it may accept and answer nothing: CI once saw a read timeout there)
+_REFUSING: list[socket.socket] = []
+
+
+def refused_port() -> int:
+    """A loopback port where every connection is refused for as long as the tests run."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
+    _REFUSING.append(s)
+    return int(s.getsockname()[1])
+
+
+def closed_port_url() -> str:
+    """A loopback URL where nothing listens (connection refused)."""
+    return f"http://127.0.0.1:{refused_port()}"
 
 
 def upstream(

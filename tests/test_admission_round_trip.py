@@ -6,7 +6,6 @@ round trip fails, and through the real app."""
 
 from __future__ import annotations
 
-import socket
 import uuid
 
 import pytest
@@ -117,9 +116,9 @@ async def test_an_unlimited_tenant_makes_no_round_trip_so_the_verifier_writes_it
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from tests.gateway_harness import refused_port
+
+    return refused_port()
 
 
 async def test_a_failed_round_trip_counts_a_store_error_and_the_quota_policy_applies(tmp_path, prefix, own_writes):

@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from gateway.cli import main
+from tests.backend_procs import free_port
 from tests.conftest import ROOT
-from tests.gateway_harness import KEY_A, MODEL, chat, closed_port_url, wait_for
+from tests.gateway_harness import KEY_A, MODEL, chat, wait_for
 from tests.mock_engine import MockEngine
 
 DEFAULT_TENANTS = ROOT / "config" / "tenants.yaml"
@@ -61,8 +62,8 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
     )
     ten = tmp_path / "tenants.yaml"
     ten.write_text(yaml.safe_dump({"tenants": [{"id": "t1", "api_key_sha256": [hash_key(KEY_A)]}]}))
-    url = closed_port_url()
-    port = url.rsplit(":", 1)[1]
+    port = str(free_port())  # for the gateway to bind
+    url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     env["KVGATE_SECRET_CACHE_SALT_KEY"] = "k" * 16
     proc = subprocess.Popen(

@@ -111,9 +111,9 @@ async def test_a_gzip_body_is_passed_raw_not_decompressed() -> None:
 
 
 async def test_connection_refused_is_connect_error() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1/chat/completions"
+    from tests.gateway_harness import refused_port
+
+    url = f"http://127.0.0.1:{refused_port()}/v1/chat/completions"
     c = client()
     with pytest.raises(httpx.ConnectError):
         await c.send("POST", url, b"{}", HEADERS)

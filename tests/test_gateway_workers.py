@@ -539,11 +539,9 @@ def test_default_workers_are_the_usable_cores_with_redis_else_one(monkeypatch) -
 
 
 async def test_local_fallback_divides_limits_by_replicas_times_workers() -> None:
-    import socket
+    from tests.gateway_harness import refused_port
 
-    with socket.socket() as s:  # a port where nothing listens: Redis refused
-        s.bind(("127.0.0.1", 0))
-        down = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    down = f"redis://127.0.0.1:{refused_port()}/0"  # a port where nothing listens: Redis refused
     settings = Settings(
         redis_url=down,
         gateway={"workers": 2},

@@ -4,12 +4,11 @@ human and JSON output."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
+from test_verifier_leaky_engine import LeakyEngine
 
 from gateway.cli import main
-from test_verifier_leaky_engine import LeakyEngine
 
 
 @pytest.fixture
@@ -22,11 +21,9 @@ def engine():
 
 
 def _dead_url() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}/server_info"
+    from tests.gateway_harness import refused_port
+
+    return f"http://127.0.0.1:{refused_port()}/server_info"
 
 
 def test_deploy_gate_exit_codes(engine, capsys):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 import uuid
 
@@ -141,9 +140,9 @@ async def test_a_canary_in_a_small_prompt_is_registered(tmp_path, prefix):
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    from tests.gateway_harness import refused_port
+
+    return refused_port()
 
 
 async def test_redis_down_counts_an_error_backs_off_and_lets_the_request_on(tmp_path, prefix):
