@@ -278,10 +278,7 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
         # one wait (a separate awaited write cost about a third of the requests/s at 64 in flight)
         pending = await ctx.verifier.admit(exchange, entry.counter.adecode, defer_write=True)
     try:
-        if pending is None:
-            lease = await ctx.quotas.reserve(tenant, adm.reserve_tokens, arrival.request_id)
-        else:
-            lease = await ctx.quotas.reserve(tenant, adm.reserve_tokens, arrival.request_id, also=pending)
+        lease = await ctx.quotas.reserve(tenant, adm.reserve_tokens, arrival.request_id, also=pending)
     finally:
         if pending is not None:  # indexed before it can be forwarded, refused or not (as before)
             await pending.finish()

@@ -167,7 +167,11 @@ class RedisQuotaStore:
         return [f"{base}:rpm", f"{base}:tpm", f"{base}:tpm:debits", f"{base}:tpm:sum", f"{base}:leases"]
 
     async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        """Run ``script``. A connection error (a pooled connection that Redis, restarted or
+        """Run ``script`` (:meth:`_retrying`). Raises :class:`QuotaStoreUnavailable`."""
+        return await self._retrying(lambda: script(keys=keys, args=args))
+
+    async def _retrying(self, send: Any) -> Any:
+        """Await ``send()``. A connection error (a pooled connection that Redis, restarted or
         failed over, no longer knows) drops every idle pooled connection and tries once more on
         a fresh one, so a Redis that answers again costs no 503; a timeout is never retried, and
         the stage's deadline bounds both tries. Raises :class:`QuotaStoreUnavailable`."""
@@ -176,12 +180,12 @@ class RedisQuotaStore:
 
         try:
             try:
-                return await script(keys=keys, args=args)
+                return await send()
             except (RedisConnectionError, ConnectionResetError, BrokenPipeError) as first:
                 log.info("redis connection lost (%s); reconnecting once", type(first).__name__)
                 with contextlib.suppress(Exception):
                     await self.client.connection_pool.disconnect(inuse_connections=False)
-                return await script(keys=keys, args=args)
+                return await send()
         except (RedisError, OSError) as e:
             raise QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}") from e
 
@@ -218,31 +222,25 @@ class RedisQuotaStore:
         ``also.sent`` (a round trip that failed: its exception). A ``NOSCRIPT`` reply to the
         reservation (Redis restarted and lost its scripts) loads it and sends the pipeline once
         more. Raises :class:`QuotaStoreUnavailable` as :meth:`_call` does."""
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import NoScriptError, RedisError
+        from redis.exceptions import NoScriptError
 
         async def once() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             pipe.evalsha(script.sha, len(keys), *keys, *args)
-            for sha, _, ckeys, cargs in also.calls:
+            for sha, ckeys, cargs in also.calls:
                 pipe.evalsha(sha, len(ckeys), *ckeys, *cargs)
             return list(await pipe.execute(raise_on_error=False))
 
-        try:
-            try:
-                results = await once()
-            except (RedisConnectionError, ConnectionResetError, BrokenPipeError) as first:
-                log.info("redis connection lost (%s); reconnecting once", type(first).__name__)
-                with contextlib.suppress(Exception):
-                    await self.client.connection_pool.disconnect(inuse_connections=False)
-                results = await once()
+        async def send() -> list[Any]:
+            results = await once()
             if isinstance(results[0], NoScriptError):
                 await self.client.script_load(script.script)
                 results = await once()
-        except (RedisError, OSError) as e:
-            also.sent(e)
-            raise QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}") from e
-        except BaseException as e:  # cancelled (the stage's deadline): the calls' fate is unknown
+            return results
+
+        try:
+            results = await self._retrying(send)
+        except BaseException as e:  # unavailable, or cancelled by the stage's deadline: fate unknown
             also.sent(e)
             raise
         also.sent(results[1:])

@@ -1,4 +1,4 @@
-"""Admission-time indexing of small prompts on the event loop (verifier.jobs.IngestBudget.index_small):
+"""Admission-time indexing of small prompts on the event loop (verifier.jobs.IngestBudget.prepare_small):
 with Redis stores, a prompt of at most INLINE_INGEST_BYTES is fingerprinted in place and written
 with one awaited Lua call, never through the admission thread; a larger one still takes the
 thread. What it stores, what a later check finds, and what Redis down or hanging does to it."""

@@ -44,7 +44,7 @@ class IngestJob:
 
 
 #: prompts of at most this many bytes are indexed on the event loop when the stores allow it
-#: (:meth:`IngestBudget.index_small`); larger ones in an admission thread
+#: (:meth:`IngestBudget.prepare_small`); larger ones in an admission thread
 INLINE_INGEST_BYTES = 4096
 
 
@@ -153,7 +153,7 @@ class IngestBudget:
             self.release(nbytes)
 
     def inline_store(self) -> bool:
-        """Whether a small prompt is indexed on the event loop (:meth:`index_small`): both
+        """Whether a small prompt is indexed on the event loop (:meth:`prepare_small`): both
         stores are Redis with an asyncio client (``aadd``)."""
         return all(isinstance(st, RedisLeakStore) and st.aclient is not None for st in self._stores())
 
@@ -180,10 +180,6 @@ class IngestBudget:
         if cans:
             writes.append((canaries, [self.canaries.fingerprint(c) for c in cans]))
         return PendingIndex(self, tenant, writes if self.store.up() else [], nbytes)
-
-    async def index_small(self, exchange: Exchange, text: str, nbytes: int) -> None:
-        """:meth:`prepare_small`, its writes sent at once (one awaited Lua call per store)."""
-        await self.prepare_small(exchange, text, nbytes).finish()
 
 
 class PendingIndex:

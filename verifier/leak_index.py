@@ -146,17 +146,17 @@ class RedisLeakStore:
         for i in range(0, len(keys), self.batch):
             self._add(keys=keys[i : i + self.batch], args=[tenant, self.ttl_ms])
 
-    def add_call(self, tenant: str, fps: Iterable[int]) -> tuple[str, str, list[str], list[Any]]:
-        """:meth:`add` of at most ``batch`` fingerprints as one unsent Lua call, ``(sha1, script,
-        keys, args)``, for a caller that sends it with other commands
-        (:class:`verifier.stage.PendingWrite`). Raises ``ValueError`` for the public marker or
-        more than ``batch`` fingerprints."""
+    def add_call(self, tenant: str, fps: Iterable[int]) -> tuple[str, list[str], list[Any]]:
+        """:meth:`add` of at most ``batch`` fingerprints as one unsent Lua call, ``(sha1, keys,
+        args)``, for a caller that sends it with other commands (:class:`verifier.stage.PendingWrite`;
+        a server that lost the script answers ``NOSCRIPT``, and :meth:`aadd` loads it). Raises
+        ``ValueError`` for the public marker or more than ``batch`` fingerprints."""
         if tenant == PUBLIC:
             raise ValueError("'*' is not a tenant id")
         keys = [self._key(fp) for fp in fps]
         if len(keys) > self.batch:
             raise ValueError(f"{len(keys)} fingerprints: at most {self.batch} in one call")
-        return (self._add.sha, _ADD_LUA, keys, [tenant, self.ttl_ms])
+        return (self._add.sha, keys, [tenant, self.ttl_ms])
 
     async def aadd(self, tenant: str, fps: Iterable[int]) -> None:
         """:meth:`add` through ``aclient`` (the same Lua call, awaited on the event loop).

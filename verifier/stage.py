@@ -126,16 +126,15 @@ class ResponseGuard(Protocol):
 
 
 class PendingWrite(Protocol):
-    """Store writes an admission computed and has not sent: ``calls``, one ``(sha1, script,
-    keys, args)`` per Redis Lua call (``EVALSHA sha1 len(keys) *keys *args``; ``script`` is its
-    source, for a server that does not know it). Whoever sends them in a round trip of its own
+    """Store writes an admission computed and has not sent: ``calls``, one ``(sha1, keys, args)``
+    per Redis Lua call (``EVALSHA sha1 len(keys) *keys *args``). Whoever sends them in a round trip of its own
     (the quota reservation's, :class:`gateway.quota_stores.RedisQuotaStore`) hands the outcome
     to :meth:`sent`: the calls' results in order (a failed call's exception in its place), or the
     exception that ended the round trip. :meth:`finish`, awaited exactly once whatever happened,
     sends what was not sent (or failed with ``NOSCRIPT``), records the outcome and releases what
     the admission held."""
 
-    calls: list[tuple[str, str, list[str], list[Any]]]
+    calls: list[tuple[str, list[str], list[Any]]]
 
     def sent(self, outcome: list[Any] | BaseException) -> None: ...
 
