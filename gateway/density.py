@@ -31,6 +31,12 @@ import orjson
 SLICE_BYTES = 256 * 1024
 
 
+def _commas(raw: bytes) -> int:
+    """Every comma of ``raw``, strings included, counted :data:`SLICE_BYTES` at a time (each count a
+    short C call that holds the GIL)."""
+    return sum(raw.count(b",", i, i + SLICE_BYTES) for i in range(0, len(raw), SLICE_BYTES))
+
+
 def _escape_safe_slices(raw: bytes):
     """``raw`` in steps of about :data:`SLICE_BYTES` that never split an escape (a step ends
     after a byte that is not a backslash), each with its escaped backslashes and escaped quotes
@@ -55,7 +61,7 @@ def values_over(raw: bytes, limit: int) -> int | None:
     answer is fine (the parser refuses it anyway). Cost: a sliced count of the commas (a body
     with at most ``limit`` of them, strings included, returns at once), then a few vector passes
     per slice, each a bounded C call."""
-    if sum(raw.count(b",", i, i + SLICE_BYTES) for i in range(0, len(raw), SLICE_BYTES)) <= limit:
+    if _commas(raw) <= limit:
         return None  # not even counting commas inside strings is it over
     outside = 0
     inside = 0  # 1 when the slice starts inside a string
@@ -191,7 +197,7 @@ def count_ids(content: bytes) -> int:
     """How many ids one token-id array's ``content`` (from :func:`split_ids`) holds: its commas
     plus one, counted in :data:`SLICE_BYTES` steps (each a short C call). Exact for a valid
     array; :func:`parse_ids` refuses an invalid one."""
-    return 1 + sum(content.count(b",", i, i + SLICE_BYTES) for i in range(0, len(content), SLICE_BYTES))
+    return 1 + _commas(content)
 
 
 def parse_ids(content: bytes) -> list[int]:

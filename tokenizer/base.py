@@ -143,7 +143,7 @@ class PromptCounter(ABC):
     counts_sync: bool = True
     #: at most how many characters of a text one token covers (``None``: unknown), so a text of
     #: ``n`` characters is at least ``n // max_token_chars`` tokens: a prompt too long for any
-    #: context is refused without being counted (:func:`gateway.admission.count_prompt`)
+    #: context can be refused without being counted
     max_token_chars: int | None = None
     #: the text of each of the model's special tokens (``<|im_start|>``): an engine that parses
     #: special tokens in the rendered prompt (vLLM, SGLang) reads such text as a control token. Empty
