@@ -276,24 +276,27 @@ def _longest_text_chars(body: dict[str, Any], route: str) -> int:
     return 0
 
 
-def too_long_to_count(entry: ModelEntry, body: dict[str, Any], route: str) -> None:
+def too_long_to_count(entry: ModelEntry, body: dict[str, Any], route: str, limit: int | None = None) -> None:
     """Refuse, without counting it, a prompt whose text alone is certainly longer than the
     model's ``context_length``: no token covers more than the counter's ``max_token_chars``
     characters, so ``chars // max_token_chars`` is a lower bound of its tokens (the template,
     special tokens and images only add to it). An 8 MB prompt took the SmolLM2 tokenizer 7 s
-    of CPU to count before its 400; now a length. Raises :class:`OpenAIError` 400
-    ``context_length_exceeded`` ("at least N tokens")."""
+    of CPU to count before its 400; now a length. ``limit``: the request's effective limit
+    (:func:`effective_limit`, the number the gate's own 400 quotes); ``None``: the model's
+    ``context_length``. Raises :class:`OpenAIError` 400 ``context_length_exceeded`` ("at least
+    N tokens")."""
     per = entry.counter.max_token_chars
     if not per:
         return
     at_least = _longest_text_chars(body, route) // per
-    if at_least > entry.config.context_length:
-        raise over_context_error(entry.config.context_length, at_least, "messages" if route == "chat" else "prompt")
+    limit = entry.config.context_length if limit is None else limit
+    if at_least > limit:
+        raise over_context_error(limit, at_least, "messages" if route == "chat" else "prompt")
 
 
 def over_context_error(limit: int, at_least: int, where: str) -> OpenAIError:
     """The 400 ``context_length_exceeded`` for a prompt refused before it is counted: ``limit``
-    the model's ``context_length``, ``at_least`` a lower bound of its tokens, ``where`` the
+    the limit the gate quotes (:func:`effective_limit`), ``at_least`` a lower bound of its tokens, ``where`` the
     field (``messages``, ``prompt``, ``input``; also its ``param``)."""
     return OpenAIError(
         400,
@@ -305,12 +308,12 @@ def over_context_error(limit: int, at_least: int, where: str) -> OpenAIError:
     )
 
 
-def _count_now(entry: ModelEntry, body: dict[str, Any], route: str) -> PromptTally:
+def _count_now(entry: ModelEntry, body: dict[str, Any], route: str, limit: int | None = None) -> PromptTally:
     """:func:`count_prompt`'s work done synchronously (in a worker thread), prompt text included;
     a prompt too long for the model is refused first without counting (:func:`too_long_to_count`)."""
     counter = entry.counter
     options = fields.check_request(body, route, entry.engines, entry.config.images, counter.special_token_texts)
-    too_long_to_count(entry, body, route)
+    too_long_to_count(entry, body, route, limit)
     try:
         if route == "chat":
             c = counter.count_chat(body["messages"], body.get("tools"), options)
@@ -324,7 +327,7 @@ def _count_now(entry: ModelEntry, body: dict[str, Any], route: str) -> PromptTal
 
 
 async def count_prompt(
-    entry: ModelEntry, body: dict[str, Any], route: str, *, max_sequences: int | None = None
+    entry: ModelEntry, body: dict[str, Any], route: str, *, max_sequences: int | None = None, limit: int | None = None
 ) -> PromptTally:
     """``(largest, total, number_of_prompts)`` prompt tokens of the request, as the engines
     serving ``entry`` will build the prompt: the engines' field policy is applied first
@@ -336,7 +339,8 @@ async def count_prompt(
     sequences is refused before anything is counted (:func:`sequences_error`, the answer
     :func:`decide` would give). A request whose counting costs more than the counter's
     ``offload_chars`` (:func:`request_cost`) is checked and counted in a worker thread, its prompt
-    text gathered there too, so no request holds the event loop for long."""
+    text gathered there too, so no request holds the event loop for long; there a prompt whose
+    text alone is over ``limit`` (the effective limit, :func:`too_long_to_count`) is refused first."""
     if max_sequences is not None and route == "completions":
         p = body.get("prompt")
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
@@ -346,7 +350,7 @@ async def count_prompt(
     counter = entry.counter
     heavy = request_cost(body, route, counter.offload_chars) > counter.offload_chars
     if heavy and counter.counts_sync:
-        return await asyncio.to_thread(_count_now, entry, body, route)
+        return await asyncio.to_thread(_count_now, entry, body, route, limit)
     policy = (body, route, entry.engines, entry.config.images, counter.special_token_texts)
     if heavy:
         options = await asyncio.to_thread(fields.check_request, *policy)

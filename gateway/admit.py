@@ -46,6 +46,7 @@ from gateway.admission import (
     client_wants_usage,
     count_prompt,
     decide,
+    effective_limit,
     over_context_error,
     upstream_body,
 )
@@ -207,11 +208,13 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
     large = len(raw) > OFFLOAD_BODY_BYTES
     if large:
 
-        def max_ids(skeleton: dict) -> int | None:  # the model's context, before any id is parsed
+        def max_ids(skeleton: dict) -> int | None:  # the effective limit, before any id is parsed
             try:
-                return ctx.models.resolve(tenant, skeleton.get("model")).config.context_length
+                model = ctx.models.resolve(tenant, skeleton.get("model"))
             except OpenAIError:
                 return None  # the model is refused later, in order
+            _, live = ctx.upstreams.eligible(model.id)
+            return model.config.context_length if live is None else effective_limit(model, tenant, live)
 
         body = await asyncio.to_thread(_parse_large, raw, ctx.settings.gateway.max_body_values, max_ids)
     else:
@@ -230,7 +233,9 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
     elif route == "embeddings":
         counts = await api_routes.count_embeddings(entry, tenant, body)
     else:
-        prompt = await count_prompt(entry, body, route, max_sequences=tenant.max_sequences_per_request)
+        _, live = ctx.upstreams.eligible(entry.id)  # the limit a too-long prompt's 400 quotes
+        limit = effective_limit(entry, tenant, live) if live is not None else None
+        prompt = await count_prompt(entry, body, route, max_sequences=tenant.max_sequences_per_request, limit=limit)
     candidates, pool_limit = ctx.upstreams.eligible(entry.id)
     if pool_limit is None:
         raise OpenAIError(

@@ -194,8 +194,8 @@ def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_i
                 assert (131_072 < n < values) if streamed else n == values
                 assert len(parsed) == (0 if streamed else 1)  # a streamed refusal parses nothing
                 parsed.clear()
-            # two million token ids, more than the model's 8,192-token context: refused from the
-            # array's commas, before one id is parsed
+            # two million token ids, more than the effective limit (the pool's 4,096 / 1.25 = 3,276):
+            # refused from the array's commas, before one id is parsed
             real_parse_ids = density.parse_ids
             parsed_ids: list[int] = []
             monkeypatch.setattr(density, "parse_ids", lambda content: parsed_ids.append(1) or real_parse_ids(content))
@@ -209,19 +209,19 @@ def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_i
                 400,
                 "context_length_exceeded",
                 "prompt",
-                "This model's maximum context length is 8192 tokens. However, you requested at least 2000000 "
+                "This model's maximum context length is 3276 tokens. However, you requested at least 2000000 "
                 "tokens in the prompt alone (counting stopped there). Please reduce the length of the prompt.",
             )
             assert parsed_ids == []
-            # 8,192 ids fit the model but not the live pool (4,096 / 1.25): parsed in slices and
-            # gated (a long `user` makes the body large enough for the worker-thread parse)
-            big = {"model": "kvgate-tiny", "prompt": [1] * 8192, "max_tokens": 1, "user": "u" * 70_000}
+            # 3,276 ids are not over the limit by themselves: parsed in slices and gated with the
+            # completion (a long `user` makes the body large enough for the worker-thread parse)
+            big = {"model": "kvgate-tiny", "prompt": [1] * 3276, "max_tokens": 1, "user": "u" * 70_000}
             r = c.post("/v1/completions", json=big)
             assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["message"]) == (
                 400,
                 "context_length_exceeded",
-                "This model's maximum context length is 3276 tokens. However, you requested 8193 tokens "
-                "(8192 in the prompt, 1 in the completion). Please reduce the length of the prompt or completion.",
+                "This model's maximum context length is 3276 tokens. However, you requested 3277 tokens "
+                "(3276 in the prompt, 1 in the completion). Please reduce the length of the prompt or completion.",
             )
             assert parsed_ids == [1]
             # under the value limit but over the sequence cap: refused before counting
@@ -445,10 +445,11 @@ def test_string_density_counts_escapes_cut_between_reads():
 
 
 def test_a_prompt_too_long_for_any_context_is_refused_without_counting(monkeypatch):
-    """8192-token model, bundled tokenizer (no token covers more than max_token_chars = 128
-    characters): a 2 MB message is at least 15,625 tokens, refused at once (nothing counted,
-    nothing forwarded); at exactly 8,192 x 128 characters the bound is not over and the prompt is
-    counted, and refused with its exact count."""
+    """Effective limit 3,276 tokens (the pool's 4,096 / 1.25), bundled tokenizer (no token covers
+    more than max_token_chars = 128 characters): a 2 MB message is at least 15,625 tokens, refused
+    at once with the limit the gate quotes (nothing counted, nothing forwarded); at exactly
+    3,276 x 128 characters the bound is not over and the prompt is counted, and refused with its
+    exact count."""
     from tests.mock_engine import MockEngine
     from tokenizer.tiktoken_counter import TiktokenCounter
 
@@ -471,7 +472,7 @@ def test_a_prompt_too_long_for_any_context_is_refused_without_counting(monkeypat
             assert (r.status_code, r.json()["error"]) == (
                 400,
                 {
-                    "message": "This model's maximum context length is 8192 tokens. However, you requested at "
+                    "message": "This model's maximum context length is 3276 tokens. However, you requested at "
                     "least 15625 tokens in the messages alone (counting stopped there). Please reduce the "
                     "length of the messages.",
                     "type": "invalid_request_error",
@@ -490,7 +491,7 @@ def test_a_prompt_too_long_for_any_context_is_refused_without_counting(monkeypat
             # at the bound: counted, and refused with the exact count
             r = c.post(
                 "/v1/chat/completions",
-                json={"model": "kvgate-tiny", "messages": [{"role": "user", "content": "z" * (8192 * 128)}]},
+                json={"model": "kvgate-tiny", "messages": [{"role": "user", "content": "z" * (3276 * 128)}]},
             )
             assert r.status_code == 400 and counted == ["chat"]
             assert "However, you requested " in r.json()["error"]["message"]
