@@ -500,3 +500,28 @@ def test_a_prompt_too_long_for_any_context_is_refused_without_counting(monkeypat
     finally:
         g.stop()
         engine.stop()
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=_dense_docs, cuts=st.lists(st.integers(0, 4000), max_size=8), slack=st.integers(-40, 3))
+@example(doc=[""] * 300, cuts=[100, 200, 300, 400], slack=-40)  # turns to full counting mid-body
+def test_string_density_answers_as_if_every_read_were_counted_in_full(doc, cuts, slack):
+    """StringDensity counts only quotes until they alone could take the bound over its limit,
+    then the escapes and brackets of the reads it held: at every read it answers exactly what
+    counting every read in full would (the bound when above the limit, else None)."""
+    from gateway.density import StringDensity
+
+    raw = json.dumps(doc, ensure_ascii=False).encode()
+    points = sorted({0, len(raw), *(c for c in cuts if c < len(raw))})
+    reads = [raw[a:b] for a, b in zip(points, points[1:], strict=False)]
+    quotes = escaped = brackets = 0
+    bounds = []
+    for n, chunk in enumerate(reads, 1):
+        quotes += chunk.count(b'"')
+        escaped += chunk.count(b'\\"')
+        brackets += chunk.count(b"[") + chunk.count(b"{")
+        bounds.append(((quotes - escaped - (n - 1)) // 2 - 1) // 2 - brackets)
+    limit = max(0, max(bounds, default=0) + slack)
+    density = StringDensity(limit)
+    got = [density.feed(chunk) for chunk in reads]
+    assert got == [b if b > limit else None for b in bounds]
