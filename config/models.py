@@ -176,6 +176,8 @@ class GatewaySettings(_Strict):
     body arrives slower), ``keepalive_timeout_seconds``. ``max_sse_event_bytes`` bounds one
     upstream stream event; ``max_body_values`` the JSON values of one request body besides its
     token-id arrays, which are parsed in slices and not counted (413 above, before it is parsed);
+    ``large_body_bytes_per_second`` what the bytes past each body's first 64 KiB may take of one
+    process, shared in turn by tenants (:mod:`gateway.body_budget`; ``None``: unpaced);
     ``metrics_token``, when set, is the bearer token ``/metrics`` and ``/readyz``'s details need.
 
     ``workers``: gateway worker processes on the one port (DESIGN.md, Contracts: "Workers");
@@ -198,6 +200,7 @@ class GatewaySettings(_Strict):
     keepalive_timeout_seconds: float = Field(default=5.0, gt=0)
     max_sse_event_bytes: int = Field(default=1 << 20, ge=1024)
     max_body_values: int = Field(default=131_072, ge=1024)
+    large_body_bytes_per_second: int | None = Field(default=32 * 1024 * 1024, ge=65_536)
     metrics_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     workers: int | None = Field(default=None, ge=1, le=256)

@@ -51,6 +51,7 @@ from gateway.admission import (
     upstream_body,
 )
 from gateway.auth import authenticate
+from gateway.body_budget import FREE_BODY_BYTES, BodyBudget
 from gateway.density import BadIds, StringDensity, count_ids, restore_ids, split_ids, values_over
 from gateway.requests import parse_json_body, read_body, validate
 from gateway.stages import QuotaLease, QuotaStage
@@ -62,7 +63,7 @@ from verifier.stage import Exchange, ExchangeRequest, VerifierStage
 #: A body larger than this (bytes) is parsed, and its forwarded form encoded, in a worker thread:
 #: orjson builds one object per element, and 64 KiB of ``[""]`` is about 22,000 of them (about a
 #: millisecond); an 8 MiB body would hold the event loop for tens of milliseconds.
-OFFLOAD_BODY_BYTES = 64 * 1024
+OFFLOAD_BODY_BYTES = FREE_BODY_BYTES
 
 
 def too_many_values(max_values: int, over: int) -> OpenAIError:
@@ -130,6 +131,7 @@ class AdmitContext(Protocol):
     upstreams: UpstreamSet
     quotas: QuotaStage
     verifier: VerifierStage
+    body_budget: BodyBudget | None
 
     def cache_salt(self, tenant_id: str) -> str: ...
 
@@ -204,7 +206,8 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
     small = length is not None and length.isdigit() and int(length) <= OFFLOAD_BODY_BYTES
     # a body that may be large is counted as it arrives: a dense one is refused before it is all read
     check = None if small else _density_check(ctx.settings.gateway.max_body_values)
-    raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check)
+    pace = ctx.body_budget.pacer(tenant.id) if ctx.body_budget is not None else None
+    raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check, pace)
     large = len(raw) > OFFLOAD_BODY_BYTES
     if large:
 

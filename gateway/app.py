@@ -34,6 +34,7 @@ from config.errors import ErrorCode, openai_error_bytes
 from config.models import Settings
 from gateway import errors
 from gateway.admission import ModelIndex
+from gateway.body_budget import BodyBudget
 from gateway.handlers import handle_completion, handle_model, handle_models
 from gateway.metrics import GatewayMetrics
 from gateway.pool_watcher import PoolWatcher
@@ -100,6 +101,9 @@ class Gateway:
             w = PoolWatcher(u, settings.pool, self.client, ctx, self.metrics.pool_updater(u.name))
             ups.append(make_upstream(u, w))
         self.upstreams = UpstreamSet(settings, ups)
+        rate = g.large_body_bytes_per_second
+        #: what bodies past their first 64 KiB may take of this process (``None``: unpaced)
+        self.body_budget: BodyBudget | None = BodyBudget(rate) if rate else None
         self.started_at = int(time.time())
         self.draining = False
         #: this process's index among the workers of one ``kvgate serve`` (``None``: the only one)

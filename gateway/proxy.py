@@ -35,6 +35,7 @@ import orjson
 from config.errors import ErrorCode, OpenAIError
 from config.models import Settings
 from gateway.admit import Admitted
+from gateway.body_budget import FREE_BODY_BYTES, BodyBudget
 from gateway.metrics import GatewayMetrics
 from gateway.sse import DONE_EVENT, SSEEventTooLarge, SSESplitter, data_of, inspect, strip_usage_null
 from gateway.upstream_client import UpstreamClient, UpstreamResponse
@@ -66,6 +67,7 @@ class RelayContext(Protocol):
     metrics: GatewayMetrics
     verifier: VerifierStage
     settings: Settings
+    body_budget: BodyBudget | None
 
 
 @dataclass
@@ -399,6 +401,25 @@ async def stream_tail(
     return tail
 
 
+async def _split(
+    ctx: RelayContext, outcome: RelayOutcome, splitter: SSESplitter, chunk: bytes
+) -> tuple[list[bytes], SSEEventTooLarge | None]:
+    """One upstream read through ``splitter``: the complete events, and the
+    :class:`gateway.sse.SSEEventTooLarge` that ends the stream (``None``: it goes on; the events
+    before the too-large one are still relayed). While an unfinished event holds more than
+    :data:`gateway.body_budget.FREE_BODY_BYTES`, the read's bytes past them are spent from the
+    large-body budget for the request's tenant (the upstream is not read meanwhile): a stream of
+    huge events costs the event loop what a large request body does."""
+    try:
+        events, too_large = splitter.feed(chunk), None
+    except SSEEventTooLarge as e:
+        events, too_large = e.before, e
+    pending, budget = splitter.pending_bytes, ctx.body_budget
+    if budget is not None and pending > FREE_BODY_BYTES:
+        await budget.take(outcome.admitted.tenant.id, min(len(chunk), pending - FREE_BODY_BYTES))
+    return events, too_large
+
+
 async def relay_stream(
     ctx: RelayContext, outcome: RelayOutcome, resp: UpstreamResponse, guard: ResponseGuard | None, t_forward: float
 ) -> AsyncGenerator[Chunk, None]:
@@ -411,11 +432,7 @@ async def relay_stream(
     try:
         async for chunk in resp.aiter_raw():
             out: list[bytes] = []
-            too_large: SSEEventTooLarge | None = None
-            try:
-                events = splitter.feed(chunk)
-            except SSEEventTooLarge as e:  # relay what came before it, then end the stream
-                events, too_large = e.before, e
+            events, too_large = await _split(ctx, outcome, splitter, chunk)
             for ev in events:
                 info = inspect(ev)
                 if info.kind == "done":
@@ -483,11 +500,7 @@ async def relay_response_stream(
     try:
         async for chunk in resp.aiter_raw():
             out: list[bytes] = []
-            too_large: SSEEventTooLarge | None = None
-            try:
-                events = splitter.feed(chunk)
-            except SSEEventTooLarge as e:  # relay what came before it, then end the stream
-                events, too_large = e.before, e
+            events, too_large = await _split(ctx, outcome, splitter, chunk)
             for ev in events:
                 payload = data_of(ev)
                 info = ResponseOutput()

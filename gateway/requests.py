@@ -10,12 +10,13 @@ tokenizer while counting (it raises typed errors naming ``messages[i].content[j]
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 
 from config.errors import ErrorCode, OpenAIError
+from gateway.body_budget import FREE_BODY_BYTES
 
 Check = Callable[[Any], str | None]  # returns a problem ("must be ...") or None
 
@@ -88,11 +89,18 @@ def too_large(limit: int) -> OpenAIError:
 
 
 async def read_body(
-    receive: Any, headers_content_length: str | None, limit: int, check: Callable[[bytes], None] | None = None
+    receive: Any,
+    headers_content_length: str | None,
+    limit: int,
+    check: Callable[[bytes], None] | None = None,
+    pace: Callable[[int], Awaitable[object]] | None = None,
 ) -> bytes:
     """Read the ASGI request body, refusing more than ``limit`` bytes (413) before reading it all
     when ``Content-Length`` says so, and while reading when it does not. ``check``: called with
-    each read as it arrives; what it raises (e.g. an :class:`OpenAIError`) ends the read."""
+    each read as it arrives; what it raises (e.g. an :class:`OpenAIError`) ends the read.
+    ``pace``: awaited with the bytes of each read past the body's first
+    :data:`gateway.body_budget.FREE_BODY_BYTES` (:meth:`gateway.body_budget.BodyBudget.pacer`)
+    before the next read is taken."""
     if headers_content_length is not None:
         try:
             if int(headers_content_length) > limit:
@@ -113,6 +121,8 @@ async def read_body(
             if check is not None:
                 check(chunk)
             chunks.append(chunk)
+            if pace is not None and size > FREE_BODY_BYTES:
+                await pace(min(len(chunk), size - FREE_BODY_BYTES))
         if not message.get("more_body", False):
             break
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)

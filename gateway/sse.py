@@ -118,6 +118,11 @@ class SSESplitter:
         self._size = 0
         self._last3 = b""
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the unfinished event held so far (0 when the last read ended an event)."""
+        return self._size
+
     def tail(self) -> bytes:
         """Bytes after the last complete event (an event the upstream never finished)."""
         return b"".join(self._parts)

@@ -115,7 +115,13 @@ async def handle_tokenize(gw: HandlerContext, request: Request, route: str) -> R
     try:
         tenant = authenticate(headers.get("authorization"), gw.tenants)  # before any byte of the body
         tenant_id = tenant.id
-        raw = await read_body(request.receive, headers.get("content-length"), gw.settings.gateway.max_body_bytes)
+        budget = gw.body_budget
+        raw = await read_body(
+            request.receive,
+            headers.get("content-length"),
+            gw.settings.gateway.max_body_bytes,
+            pace=budget.pacer(tenant.id) if budget is not None else None,
+        )
         body = parse_json_body(raw)
         validate(body, route)
         entry = gw.models.resolve(tenant, body.get("model"))
