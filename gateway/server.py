@@ -10,6 +10,7 @@ uvicorn stops. A second signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from typing import Any
 
@@ -52,6 +53,16 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def freeze_startup_objects() -> None:
+    """Move every object alive now (modules, settings, tokenizers, the app) into the cyclic
+    garbage collector's permanent generation (``gc.freeze``, Python 3.7+), after one full
+    collection: a later full collection then scans only what serving created. Measured under
+    ``bench/hostile.py``'s attack, one full collection over the startup objects held the event
+    loop 66 ms."""
+    gc.collect()
+    gc.freeze()
+
+
 def run_server(
     app: Any,
     host: str,
@@ -84,5 +95,6 @@ def run_server(
 
     configure(config, limits or EdgeLimits.from_settings(app.state.gateway.settings.gateway))
     server = DrainingServer(config, app.state.gateway, drain_timeout_seconds)
+    freeze_startup_objects()
     server.run(sockets=[sock] if sock is not None else None)
     return 0
