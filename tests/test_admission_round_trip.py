@@ -22,6 +22,8 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 SECRETS = {"leak_index_key": b"round-trip-key", "cache_salt_key": b"x", "admin_key": b"y"}
 LIMITED = TenantConfig(id="a", rpm=1000, tpm=10**9, verify_sample_rate=0.0)
 UNLIMITED = TenantConfig(id="u", verify_sample_rate=0.0)
+WARMUP_PROMPT = " ".join(f"orchard{i} kettle{i * 5 % 17} meadow{i * 2 % 19}" for i in range(60))
+WARMUP = TenantConfig(id="w", rpm=1000, tpm=10**9, verify_sample_rate=0.0)
 PROMPT = " ".join(f"harbour{i} ledger{i * 7 % 13} lantern{i * 3 % 11}" for i in range(60))
 
 
@@ -71,11 +73,16 @@ async def test_the_index_write_rides_the_reservation(tmp_path, prefix, own_write
     svc = VerifierService(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
     try:
+        # a Redis that has not run both scripts yet (fresh, or flushed: the next test) sends the
+        # first index write on its own; once both are loaded every write rides along
+        warm = await admit_and_reserve(svc, quotas, WARMUP, WARMUP_PROMPT)
+        await quotas.settle(warm, 10)
+        own_writes.clear()
         lease = await admit_and_reserve(svc, quotas, LIMITED, PROMPT)
         assert lease.headers["x-ratelimit-remaining-requests"] == "999"
         assert own_writes == []  # nothing sent on its own
         assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"a"})}
-        assert (svc.stats["ingested"], svc.stats["store_errors"], svc._ingest_pending_bytes) == (1, 0, 0)
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc._ingest_pending_bytes) == (2, 0, 0)
         await quotas.settle(lease, 10)
     finally:
         await quotas.aclose()
