@@ -53,7 +53,7 @@ from gateway.admission import (
 from gateway.auth import authenticate
 from gateway.body_budget import FREE_BODY_BYTES, BodyBudget
 from gateway.density import BadIds, StringDensity, count_ids, restore_ids, split_ids, values_over
-from gateway.requests import parse_json_body, read_body, validate
+from gateway.requests import body_declared, closing, parse_json_body, read_body, validate
 from gateway.stages import QuotaLease, QuotaStage
 from gateway.tenants import TenantRegistry
 from gateway.upstreams import Upstream, UpstreamSet
@@ -191,8 +191,8 @@ async def admit(ctx: AdmitContext, request: Request, arrival: Arrival) -> Admitt
     headers = request.headers
     try:
         tenant = authenticate(headers.get("authorization"), ctx.tenants)
-    except OpenAIError as e:
-        raise Refused(e, "-") from None
+    except OpenAIError as e:  # the body is never read: the connection is not kept for it
+        raise Refused(closing(e) if body_declared(headers) else e, "-") from None
     try:
         return await _admit_tenant(ctx, request, arrival, tenant)
     except OpenAIError as e:
@@ -207,7 +207,10 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
     # a body that may be large is counted as it arrives: a dense one is refused before it is all read
     check = None if small else _density_check(ctx.settings.gateway.max_body_values)
     pace = ctx.body_budget.pacer(tenant.id) if ctx.body_budget is not None else None
-    raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check, pace)
+    try:
+        raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check, pace)
+    except OpenAIError as e:  # refused before its body was all read
+        raise closing(e) from None
     large = len(raw) > OFFLOAD_BODY_BYTES
     if large:
 

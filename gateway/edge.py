@@ -19,7 +19,11 @@ header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge
 - ``keepalive_timeout_seconds``: an idle keep-alive connection is closed after this long
   (uvicorn's ``timeout_keep_alive``).
 
-Every refusal is an OpenAI-shaped JSON body with ``connection: close``. :func:`configure` puts the
+Every refusal is an OpenAI-shaped JSON body with ``connection: close``. A connection closed while
+its request is still arriving (a refused head, or a body the app refused before reading it all)
+lingers (:class:`_LingeringTransport`): the answer, a FIN, then the client's further bytes
+dropped for up to :data:`LINGER_SECONDS` or :data:`LINGER_MAX_BYTES`, so that the client reads
+the answer instead of a reset. :func:`configure` puts the
 protocol and the limits on a ``uvicorn.Config``; the limits travel on the config object, so every
 process that builds its own config (a worker) applies them.
 """
@@ -107,6 +111,64 @@ class _StoppableParser:
         return getattr(self._parser, name)
 
 
+#: how long a connection closed while its request still arrives lingers (seconds), and how many
+#: more bytes of it are read and dropped meanwhile (see :class:`_LingeringTransport`)
+LINGER_SECONDS = 2.0
+LINGER_MAX_BYTES = 256 * 1024
+
+
+class _LingeringTransport:
+    """The connection's transport, whose :meth:`close` lingers when the request is still arriving
+    (a refused head, a body refused or never read): the answer is sent, then a FIN, and the
+    client's further bytes are read and dropped for up to :data:`LINGER_SECONDS` or
+    :data:`LINGER_MAX_BYTES`, then the socket is closed. Closed at once, with bytes unread, the
+    kernel answered the client's next bytes with a reset, and a client still sending its body
+    (most do not read before they have sent it) lost the 413 or 431 already on its way: a third of
+    ``bench/hostile.py``'s 8 MiB headers got no answer. nginx does the same (``lingering_close``).
+    Everything else is the wrapped transport's."""
+
+    __slots__ = ("_protocol", "_timer", "_transport", "dropped", "lingering")
+
+    def __init__(self, transport: asyncio.Transport, protocol: BoundedHttpToolsProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._timer: asyncio.TimerHandle | None = None
+        self.lingering = False
+        self.dropped = 0
+
+    def close(self) -> None:
+        if self.lingering:
+            return
+        t = self._transport
+        if t.is_closing() or not self._protocol.request_unfinished():
+            t.close()
+            return
+        self.lingering = True
+        if t.can_write_eof():
+            t.write_eof()  # after the answer: the client reads it, then sees the end
+        self._protocol.stop_counting()
+        self._timer = self._protocol.loop.call_later(LINGER_SECONDS, t.close)
+
+    def drop(self, n: int) -> None:
+        """Bytes that arrived while lingering: dropped; past :data:`LINGER_MAX_BYTES`, closed."""
+        self.dropped += n
+        if self.dropped > LINGER_MAX_BYTES:
+            self.abort_linger()
+
+    def abort_linger(self) -> None:
+        """Close now (the client ended, dropped too much, or the connection is lost)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's ``HttpToolsProtocol`` with :class:`EdgeLimits` (from ``config.kvgate_edge_limits``,
     set by :func:`configure`; the defaults when absent). Parsing stops at the first refusal: a
@@ -134,8 +196,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle  # on a kept-alive connection, the previous request's until a new head ends
         if cycle is None or not cycle.response_started or (self._in_head and cycle.response_complete):
             self.transport.write(refusal_bytes(status, message, code))
-        # connection_lost marks the request's cycle disconnected: the app's receive() reports a
-        # disconnect and whatever it sends is dropped
+        # the close lingers (the request is unfinished): the request's cycle is marked
+        # disconnected at once, so the app's receive() reports a disconnect and whatever it sends
+        # is dropped
         self.transport.close()
         log.info("refused a client connection: %d %s", status, code)
 
@@ -163,8 +226,30 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def _head_too_large(self, what: str) -> None:
         self._refuse(431, f"The request's headers are too large: {what}.", "request_header_fields_too_large")
 
+    # ------------------------------------------------------------ lingering close
+    def request_unfinished(self) -> bool:
+        """Whether bytes of the current request may still arrive: inside a head that has begun,
+        or before the end of a body."""
+        if self._in_head:
+            return self._head_bytes > 0
+        cycle = self.cycle
+        return cycle is not None and cycle.more_body
+
+    def stop_counting(self) -> None:
+        """The connection lingers: no timer or limit of a request applies any more, and it no
+        longer counts against ``max_inbound_connections``."""
+        self._refused = True
+        self._cancel_timers()
+        self.connections.discard(self)
+        cycle = self.cycle
+        if cycle is not None:  # as connection_lost does: the app's receive() reports a disconnect
+            if not cycle.response_complete:
+                cycle.disconnected = True
+            cycle.message_event.set()
+
     # ------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        transport = _LingeringTransport(transport, self)  # type: ignore[assignment]  # same methods
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_inbound_connections:
             self._refuse(
@@ -178,10 +263,23 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        t = self.transport
+        if isinstance(t, _LingeringTransport) and t.lingering:
+            t.abort_linger()  # cancels the linger timer
         super().connection_lost(exc)
+
+    def eof_received(self) -> None:
+        t = self.transport
+        if isinstance(t, _LingeringTransport) and t.lingering:
+            t.abort_linger()  # the client has sent everything: nothing left to wait for
+            return
+        super().eof_received()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
+            t = self.transport
+            if isinstance(t, _LingeringTransport) and t.lingering:
+                t.drop(len(data))
             return
         if self._in_head:
             if self._head_timer is None:  # a new request on a kept-alive connection

@@ -83,6 +83,23 @@ def non_finite_member(e: orjson.JSONDecodeError) -> str | None:
     return None
 
 
+def closing(e: OpenAIError) -> OpenAIError:
+    """``e`` answered with ``connection: close``: for a refusal while the request's body is unread
+    or still arriving (the server layer then lingers, reading and dropping what the client still
+    sends for a moment, so that the client gets the answer rather than a reset:
+    :class:`gateway.edge._LingeringTransport`), instead of reading the rest of a refused body to
+    keep the connection."""
+    e.headers = {**(e.headers or {}), "connection": "close"}
+    return e
+
+
+def body_declared(headers: Any) -> bool:
+    """Whether the request's headers announce a body (``Content-Length`` above 0, or
+    ``Transfer-Encoding``)."""
+    length = headers.get("content-length")
+    return headers.get("transfer-encoding") is not None or (length is not None and length.strip() not in ("", "0"))
+
+
 def too_large(limit: int) -> OpenAIError:
     """The 413 for a body above ``limit`` bytes."""
     return OpenAIError(413, f"The request body is larger than {limit} bytes.", code=ErrorCode.REQUEST_TOO_LARGE)

@@ -251,3 +251,51 @@ def test_client_connections_above_the_limit_get_503(edge):
     s.sendall(get())
     assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
     s.close()
+
+
+def _send_after_the_answer(s: socket.socket, n_pieces: int = 12) -> None:
+    """What a client that sends its whole request before reading does: goes on sending (here
+    192 KiB in blocking 16 KiB sends) after the server has answered."""
+    time.sleep(0.2)  # the answer is on its way, the server has closed its side
+    for _ in range(n_pieces):
+        s.sendall(b"a" * 16384)
+
+
+def test_a_client_still_sending_gets_its_431_not_a_reset(edge):
+    """A client that goes on sending after its head was refused still reads the 431 and then the
+    end of the stream: the server lingers, dropping up to 256 KiB more, instead of closing with
+    bytes unread (the kernel's reset then discarded the answer on its way, or failed the send)."""
+    from gateway.edge import LINGER_MAX_BYTES
+
+    assert 12 * 16384 < LINGER_MAX_BYTES
+    s = edge.connect()
+    s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 9000)
+    _send_after_the_answer(s)
+    assert read_all(s) == TOO_LARGE
+    s.close()
+
+
+def test_a_body_refused_before_it_is_read_is_answered_with_connection_close(edge):
+    """413 from Content-Length (above max_body_bytes) and 401 without a key, each while the
+    client still sends its body: the client gets the answer, ``connection: close`` in it, and
+    the end of the stream, not a reset; nothing is forwarded."""
+    before = len(edge.engine.state.requests)
+    for auth, status, code in (
+        (f"authorization: Bearer {KEY_A}\r\n", b"413", "request_too_large"),  # 9 MiB > max_body_bytes
+        ("", b"401", "invalid_api_key"),  # no key: the body is never read
+    ):
+        s = edge.connect()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{auth}"
+            f"content-length: {9 << 20}\r\n\r\n"
+        ).encode()
+        s.sendall(head + b'{"model": "x", "prompt": "')
+        _send_after_the_answer(s)
+        answer = read_all(s)
+        status_line, _, rest = answer.partition(b"\r\n")
+        assert status_line.split(b" ")[1] == status, answer[:200]
+        head_bytes, _, body = rest.partition(b"\r\n\r\n")
+        assert b"connection: close" in head_bytes.lower()
+        assert json.loads(body)["error"]["code"] == code
+        s.close()
+    assert len(edge.engine.state.requests) == before
