@@ -117,6 +117,29 @@ LINGER_SECONDS = 2.0
 LINGER_MAX_BYTES = 256 * 1024
 
 
+def _request_unfinished(p: BoundedHttpToolsProtocol) -> bool:
+    """Whether bytes of ``p``'s current request may still arrive: inside a head that has begun,
+    or before the end of a body."""
+    if p._in_head:
+        return p._head_bytes > 0
+    cycle = p.cycle
+    return cycle is not None and cycle.more_body
+
+
+def _stop_counting(p: BoundedHttpToolsProtocol) -> None:
+    """``p``'s connection lingers: no timer or limit of a request applies any more, it no longer
+    counts against ``max_inbound_connections``, and (as ``connection_lost`` does) its request's
+    cycle is marked disconnected, so the app's ``receive()`` reports a disconnect."""
+    p._refused = True
+    p._cancel_timers()
+    p.connections.discard(p)
+    cycle = p.cycle
+    if cycle is not None:
+        if not cycle.response_complete:
+            cycle.disconnected = True
+        cycle.message_event.set()
+
+
 class _LingeringTransport:
     """The connection's transport, whose :meth:`close` lingers when the request is still arriving
     (a refused head, a body refused or never read): the answer is sent, then a FIN, and the
@@ -140,13 +163,13 @@ class _LingeringTransport:
         if self.lingering:
             return
         t = self._transport
-        if t.is_closing() or not self._protocol.request_unfinished():
+        if t.is_closing() or not _request_unfinished(self._protocol):
             t.close()
             return
         self.lingering = True
         if t.can_write_eof():
             t.write_eof()  # after the answer: the client reads it, then sees the end
-        self._protocol.stop_counting()
+        _stop_counting(self._protocol)
         self._timer = self._protocol.loop.call_later(LINGER_SECONDS, t.close)
 
     def drop(self, n: int) -> None:
@@ -225,27 +248,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _head_too_large(self, what: str) -> None:
         self._refuse(431, f"The request's headers are too large: {what}.", "request_header_fields_too_large")
-
-    # ------------------------------------------------------------ lingering close
-    def request_unfinished(self) -> bool:
-        """Whether bytes of the current request may still arrive: inside a head that has begun,
-        or before the end of a body."""
-        if self._in_head:
-            return self._head_bytes > 0
-        cycle = self.cycle
-        return cycle is not None and cycle.more_body
-
-    def stop_counting(self) -> None:
-        """The connection lingers: no timer or limit of a request applies any more, and it no
-        longer counts against ``max_inbound_connections``."""
-        self._refused = True
-        self._cancel_timers()
-        self.connections.discard(self)
-        cycle = self.cycle
-        if cycle is not None:  # as connection_lost does: the app's receive() reports a disconnect
-            if not cycle.response_complete:
-                cycle.disconnected = True
-            cycle.message_event.set()
 
     # ------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
