@@ -178,6 +178,9 @@ class GatewaySettings(_Strict):
     token-id arrays, which are parsed in slices and not counted (413 above, before it is parsed);
     ``large_body_bytes_per_second`` what the bytes past each body's first 64 KiB may take of one
     process, shared in turn by tenants (:mod:`gateway.body_budget`; ``None``: unpaced);
+    ``refusal_delay_seconds`` how long a 401 (no valid key:
+    :func:`gateway.auth.authenticate_or_wait`) or a 431 (a head too large: :mod:`gateway.edge`)
+    waits before it is answered (0: at once);
     ``metrics_token``, when set, is the bearer token ``/metrics`` and ``/readyz``'s details need.
 
     ``workers``: gateway worker processes on the one port (DESIGN.md, Contracts: "Workers");
@@ -201,6 +204,7 @@ class GatewaySettings(_Strict):
     max_sse_event_bytes: int = Field(default=1 << 20, ge=1024)
     max_body_values: int = Field(default=131_072, ge=1024)
     large_body_bytes_per_second: int | None = Field(default=32 * 1024 * 1024, ge=65_536)
+    refusal_delay_seconds: float = Field(default=0.5, ge=0, le=10)
     metrics_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     workers: int | None = Field(default=None, ge=1, le=256)

@@ -18,12 +18,17 @@ header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge
   gets 503 ``server_busy`` and is closed at once.
 - ``keepalive_timeout_seconds``: an idle keep-alive connection is closed after this long
   (uvicorn's ``timeout_keep_alive``).
+- ``refusal_delay_seconds``: a 431 is answered this long after the head was refused, the
+  connection not read meanwhile (``gateway.refusal_delay_seconds``, which delays a 401 as long:
+  :func:`gateway.auth.authenticate_or_wait`): a client refused for its head waits before it can
+  send the next one, so a client that sends oversized heads back to back costs the gateway two
+  refusals a second, not hundreds.
 
 Every refusal is an OpenAI-shaped JSON body with ``connection: close``. A connection closed while
 its request is still arriving (a refused head, or a body the app refused before reading it all)
 lingers (:class:`_LingeringTransport`): the answer, a FIN, then the client's further bytes
-dropped for up to :data:`LINGER_SECONDS` or :data:`LINGER_MAX_BYTES`, so that the client reads
-the answer instead of a reset. :func:`configure` puts the
+dropped for up to :data:`LINGER_SECONDS` or :data:`LINGER_MAX_BYTES` (:data:`LINGER_MAX_HEAD_BYTES`
+after a refused head), so that the client reads the answer instead of a reset. :func:`configure` puts the
 protocol and the limits on a ``uvicorn.Config``; the limits travel on the config object, so every
 process that builds its own config (a worker) applies them.
 """
@@ -56,6 +61,7 @@ class EdgeLimits:
     body_timeout_seconds: float = 30.0
     max_inbound_connections: int = 1024
     keepalive_timeout_seconds: float = 5.0
+    refusal_delay_seconds: float = 0.5
 
     @classmethod
     def from_settings(cls, g: Any) -> EdgeLimits:
@@ -67,6 +73,7 @@ class EdgeLimits:
             body_timeout_seconds=g.body_timeout_seconds,
             max_inbound_connections=g.max_inbound_connections,
             keepalive_timeout_seconds=g.keepalive_timeout_seconds,
+            refusal_delay_seconds=g.refusal_delay_seconds,
         )
 
 
@@ -113,8 +120,9 @@ class _StoppableParser:
 
 #: how long a connection closed while its request still arrives lingers (seconds), and how many
 #: more bytes of it are read and dropped meanwhile (see :class:`_LingeringTransport`)
-LINGER_SECONDS = 2.0
-LINGER_MAX_BYTES = 256 * 1024
+LINGER_SECONDS = 5.0
+LINGER_MAX_BYTES = 16 * 1024 * 1024  # a body refused before it was read (above max_body_bytes' 8 MiB)
+LINGER_MAX_HEAD_BYTES = 1024 * 1024  # a refused head (16 times max_header_bytes' 64 KiB)
 
 
 def _request_unfinished(p: BoundedHttpToolsProtocol) -> bool:
@@ -144,13 +152,14 @@ class _LingeringTransport:
     """The connection's transport, whose :meth:`close` lingers when the request is still arriving
     (a refused head, a body refused or never read): the answer is sent, then a FIN, and the
     client's further bytes are read and dropped for up to :data:`LINGER_SECONDS` or
-    :data:`LINGER_MAX_BYTES`, then the socket is closed. Closed at once, with bytes unread, the
+    :data:`LINGER_MAX_BYTES` (:data:`LINGER_MAX_HEAD_BYTES` after a refused head: a legitimate
+    head is never that long), then the socket is closed. Closed at once, with bytes unread, the
     kernel answered the client's next bytes with a reset, and a client still sending its body
     (most do not read before they have sent it) lost the 413 or 431 already on its way: a third of
     ``bench/hostile.py``'s 8 MiB headers got no answer. nginx does the same (``lingering_close``).
     Everything else is the wrapped transport's."""
 
-    __slots__ = ("_protocol", "_timer", "_transport", "dropped", "lingering")
+    __slots__ = ("_protocol", "_timer", "_transport", "dropped", "lingering", "max_drop")
 
     def __init__(self, transport: asyncio.Transport, protocol: BoundedHttpToolsProtocol) -> None:
         self._transport = transport
@@ -158,6 +167,7 @@ class _LingeringTransport:
         self._timer: asyncio.TimerHandle | None = None
         self.lingering = False
         self.dropped = 0
+        self.max_drop = LINGER_MAX_BYTES
 
     def close(self) -> None:
         if self.lingering:
@@ -167,15 +177,18 @@ class _LingeringTransport:
             t.close()
             return
         self.lingering = True
+        self.max_drop = LINGER_MAX_HEAD_BYTES if self._protocol._in_head else LINGER_MAX_BYTES
         if t.can_write_eof():
             t.write_eof()  # after the answer: the client reads it, then sees the end
+        t.resume_reading()  # reading may be paused (a delayed refusal, the app's flow control)
         _stop_counting(self._protocol)
         self._timer = self._protocol.loop.call_later(LINGER_SECONDS, t.close)
 
     def drop(self, n: int) -> None:
-        """Bytes that arrived while lingering: dropped; past :data:`LINGER_MAX_BYTES`, closed."""
+        """Bytes that arrived while lingering: dropped; past ``max_drop``
+        (:data:`LINGER_MAX_HEAD_BYTES` after a refused head, else :data:`LINGER_MAX_BYTES`), closed."""
         self.dropped += n
-        if self.dropped > LINGER_MAX_BYTES:
+        if self.dropped > self.max_drop:
             self.abort_linger()
 
     def abort_linger(self) -> None:
@@ -209,11 +222,25 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ refusals
-    def _refuse(self, status: int, message: str, code: str) -> None:
+    def _refuse(self, status: int, message: str, code: str, delay_seconds: float = 0.0) -> None:
+        """Answer ``status`` (unless a response has begun) and close, lingering. With
+        ``delay_seconds`` (a 431: ``limits.refusal_delay_seconds``), the connection is not read
+        meanwhile and the answer goes out that much later: a client refused for its head waits
+        before it can send the next one."""
         if self._refused:
             return
         self._refused = True
         self._cancel_timers()
+        if self.transport is None or self.transport.is_closing():
+            return
+        if delay_seconds > 0:
+            self.transport.pause_reading()
+            self._head_timer = self.loop.call_later(delay_seconds, self._answer, status, message, code)
+            return
+        self._answer(status, message, code)
+
+    def _answer(self, status: int, message: str, code: str) -> None:
+        self._head_timer = None
         if self.transport is None or self.transport.is_closing():
             return
         cycle = self.cycle  # on a kept-alive connection, the previous request's until a new head ends
@@ -247,7 +274,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         )
 
     def _head_too_large(self, what: str) -> None:
-        self._refuse(431, f"The request's headers are too large: {what}.", "request_header_fields_too_large")
+        self._refuse(
+            431,
+            f"The request's headers are too large: {what}.",
+            "request_header_fields_too_large",
+            self.limits.refusal_delay_seconds,
+        )
 
     # ------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

@@ -23,7 +23,7 @@ from config.models import TenantConfig
 from gateway import logging as glog
 from gateway.admission import ModelEntry, effective_limit
 from gateway.admit import AdmitContext, Arrival, Refused, admit
-from gateway.auth import authenticate
+from gateway.auth import authenticate_or_wait
 from gateway.finish import FinishContext, finish
 from gateway.proxy import RelayContext, RelayOutcome, relay
 from gateway.requests import ClientGone
@@ -113,7 +113,9 @@ async def handle_models(gw: HandlerContext, request: Request) -> Response:
     t0 = time.perf_counter()
     rid = request_id_of(request.headers.get("x-request-id"))
     try:
-        tenant = authenticate(request.headers.get("authorization"), gw.tenants)
+        tenant = await authenticate_or_wait(
+            request.headers.get("authorization"), gw.tenants, gw.settings.gateway.refusal_delay_seconds
+        )
     except OpenAIError as e:
         return refusal(gw, e, rid, t0, "-", "models")
     data = [_model_object(gw, entry, tenant) for entry in gw.models.allowed(tenant)]
@@ -130,7 +132,9 @@ async def handle_model(gw: HandlerContext, request: Request, model_id: str) -> R
     t0 = time.perf_counter()
     rid = request_id_of(request.headers.get("x-request-id"))
     try:
-        tenant = authenticate(request.headers.get("authorization"), gw.tenants)
+        tenant = await authenticate_or_wait(
+            request.headers.get("authorization"), gw.tenants, gw.settings.gateway.refusal_delay_seconds
+        )
     except OpenAIError as e:
         return refusal(gw, e, rid, t0, "-", "models")
     try:

@@ -151,3 +151,37 @@ def test_slow_body_over_http_gets_401_at_once_and_a_keyed_one_keeps_waiting():
     finally:
         g.stop()
         engine.stop()
+
+
+def test_a_401_waits_the_refusal_delay_and_a_valid_key_never_does():
+    """``gateway.refusal_delay_seconds`` (0.6 here): every route's 401 is answered no sooner
+    than that, with its exact body; a request with a valid key is answered well within it; 0
+    answers a 401 at once."""
+    engine = MockEngine().start()
+    slow = Gateway(settings_for([upstream("u1", engine)], gateway={"refusal_delay_seconds": 0.6})).start()
+    fast = Gateway(settings_for([upstream("u1", engine)], gateway={"refusal_delay_seconds": 0})).start()
+    try:
+        wrong = {"error": {"message": "Incorrect API key provided.", "type": "authentication_error"}}
+        with slow.client("sk-wrong") as bad, slow.client() as good:
+            for method, path, body in (
+                ("POST", "/v1/chat/completions", chat(max_tokens=3)),
+                ("GET", "/v1/models", None),
+                ("POST", "/tokenize", {"model": "kvgate-tiny", "prompt": "hi"}),
+            ):
+                t0 = time.perf_counter()
+                r = bad.request(method, path, json=body)
+                took = time.perf_counter() - t0
+                assert r.status_code == 401 and took >= 0.6, (path, r.status_code, took)
+                e = r.json()["error"]
+                assert {k: e[k] for k in ("message", "type")} == wrong["error"]
+            t0 = time.perf_counter()
+            assert good.post("/v1/chat/completions", json=chat(max_tokens=3)).status_code == 200
+            assert time.perf_counter() - t0 < 0.5
+        with fast.client("sk-wrong") as bad:
+            t0 = time.perf_counter()
+            assert bad.get("/v1/models").status_code == 401
+            assert time.perf_counter() - t0 < 0.5
+    finally:
+        slow.stop()
+        fast.stop()
+        engine.stop()

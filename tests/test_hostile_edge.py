@@ -4,6 +4,7 @@ too many client connections (503), idle keep-alive connections closed. Exact byt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -25,6 +26,7 @@ LIMITS = EdgeLimits(
     body_timeout_seconds=0.6,
     max_inbound_connections=6,
     keepalive_timeout_seconds=0.4,
+    refusal_delay_seconds=0.0,
 )
 
 
@@ -265,9 +267,9 @@ def test_a_client_still_sending_gets_its_431_not_a_reset(edge):
     """A client that goes on sending after its head was refused still reads the 431 and then the
     end of the stream: the server lingers, dropping up to 256 KiB more, instead of closing with
     bytes unread (the kernel's reset then discarded the answer on its way, or failed the send)."""
-    from gateway.edge import LINGER_MAX_BYTES
+    from gateway.edge import LINGER_MAX_HEAD_BYTES
 
-    assert 12 * 16384 < LINGER_MAX_BYTES
+    assert 12 * 16384 < LINGER_MAX_HEAD_BYTES
     s = edge.connect()
     s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 9000)
     _send_after_the_answer(s)
@@ -299,3 +301,26 @@ def test_a_body_refused_before_it_is_read_is_answered_with_connection_close(edge
         assert json.loads(body)["error"]["code"] == code
         s.close()
     assert len(edge.engine.state.requests) == before
+
+
+def test_a_refused_head_is_answered_after_the_refusal_delay():
+    """With ``refusal_delay_seconds`` 0.4, a head with too many bytes gets its exact 431 no sooner
+    than 0.4 s after it was sent, and a head within the limits is answered at once."""
+    engine = MockEngine().start()
+    gw = Gateway(settings_for([upstream("u1", engine)]), tenants())
+    try:
+        with EdgeServer(gw.app, dataclasses.replace(LIMITS, refusal_delay_seconds=0.4)) as srv:
+            s = srv.connect()
+            t0 = time.monotonic()
+            s.sendall(get(extra=b"x-big: " + b"a" * 9000 + b"\r\n"))
+            assert read_all(s) == TOO_LARGE
+            assert time.monotonic() - t0 >= 0.4
+            s.close()
+            s = srv.connect()
+            t0 = time.monotonic()
+            s.sendall(get())
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+            assert time.monotonic() - t0 < 0.4
+            s.close()
+    finally:
+        engine.stop()
