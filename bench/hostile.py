@@ -25,7 +25,11 @@ Every attacker is closed loop (its next request as soon as the last is answered)
 the gateway refuses, the more it is sent. With two or more CPUs (``--pin``, the default) the
 gateway runs alone on the first and everything else (this process, the engines, the attackers,
 the control loop) on the others: they stand in for other machines and take no CPU time from the
-gateway's core; ``--no-pin`` shares every CPU.
+gateway's core; ``--no-pin`` shares every CPU. The attackers and the evil engine run at the
+scheduler's idle priority (``SCHED_IDLE``): on CPU time nothing else wants, so that they do not
+delay the load generator and the mock engine (whose wake-ups are the normal traffic's latency);
+with ``--pin`` the load generator, the mock engine and the control loop run at a real-time
+priority (``SCHED_RR``, where allowed), in both columns alike.
 
 Reported: normal traffic's p50/p99 and the event loop's lag p99/max in both columns, the same lag
 of a control process that runs nothing but its own idle loop (what the machine's scheduler alone
@@ -230,15 +234,26 @@ class Run:
         self.attack_key = "sk-attack-" + secrets.token_hex(16)
         self.gateway_cpus: set[int] | None = None  # --pin: the gateway's own CPU
 
-    def spawn(self, name: str, argv: list[str], cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, name: str, argv: list[str], cpus: set[int] | None = None, idle: bool = False, rr: bool = False
+    ) -> subprocess.Popen[bytes]:
         """Start ``argv`` (its output in ``name``.log), on ``cpus`` when given (else this
-        process's own)."""
+        process's own), at idle priority when ``idle`` (:func:`attacker_priority`), at the load
+        generator's when ``rr`` (:func:`generator_priority`)."""
         log = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115 - handed to the child
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
         env["PYTHONPATH"] = str(ROOT)
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+        def setup() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if idle:
+                attacker_priority()
+            if rr:
+                generator_priority()
+
         p = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=pin
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=setup
         )
         self.procs.append(p)
         return p
@@ -247,10 +262,12 @@ class Run:
         import yaml
 
         mock, evil = free_port(), free_port()
-        self.spawn("mock", [sys.executable, str(HERE / "mock_engine.py"), "--port", str(mock), "--model", MODEL])
         self.spawn(
-            "evil", ["nice", "-n", "10", sys.executable, str(Path(__file__).resolve()), "--evil-engine", str(evil)]
+            "mock",
+            [sys.executable, str(HERE / "mock_engine.py"), "--port", str(mock), "--model", MODEL],
+            rr=self.gateway_cpus is not None,
         )
+        self.spawn("evil", [sys.executable, str(Path(__file__).resolve()), "--evil-engine", str(evil)], idle=True)
         settings = {
             "gateway": {"host": "127.0.0.1", "port": self.port, "log_level": "warning"},
             "quotas": {"enabled": False},
@@ -317,11 +334,14 @@ async def probe(run: Run, reset: bool) -> dict[str, Any]:
         return r.json()
 
 
-async def normal_traffic(run: Run, rate: float, seconds: float) -> tuple[list[float], Counter[str]]:
-    """Open loop: request i starts at t0 + i / rate whatever the others do."""
+async def normal_traffic(run: Run, rate: float, seconds: float) -> tuple[list[float], Counter[str], list[float]]:
+    """Open loop: request i starts at t0 + i / rate whatever the others do. Returns the latencies
+    of the 200s (ms), the answers' status counts, and the gateway's own time of each 200 before
+    it forwarded the request (its ``x-kvgate-overhead-ms``)."""
     import httpx
 
     lat: list[float] = []
+    overhead: list[float] = []  # the gateway's own time before forwarding (x-kvgate-overhead-ms)
     statuses: Counter[str] = Counter()
     headers = {"authorization": f"Bearer {run.normal_key}"}
     async with httpx.AsyncClient(
@@ -335,6 +355,7 @@ async def normal_traffic(run: Run, rate: float, seconds: float) -> tuple[list[fl
                 statuses[str(r.status_code)] += 1
                 if r.status_code == 200:
                     lat.append((time.perf_counter() - t) * 1000)
+                    overhead.append(float(r.headers.get("x-kvgate-overhead-ms", "nan")))
             except httpx.HTTPError as e:
                 statuses[type(e).__name__] += 1
 
@@ -346,7 +367,7 @@ async def normal_traffic(run: Run, rate: float, seconds: float) -> tuple[list[fl
                 await asyncio.sleep(delay)
             tasks.append(asyncio.ensure_future(one()))
         await asyncio.gather(*tasks)
-    return lat, statuses
+    return lat, statuses, overhead
 
 
 async def raw_send(port: int, data: bytes, *, piece: int = 65536) -> bytes:
@@ -489,8 +510,8 @@ ATTACKS = ("slowloris", "bodies", "sse", "headers")
 
 
 async def attack(port: int, key: str, only: set[str], slowloris_n: int) -> dict[str, Any]:
-    """The attackers (this file, ``--attack``, its own process at nice 10 so that building and
-    sending the attack takes CPU from the gateway no more than it must): run until SIGTERM, then
+    """The attackers (this file, ``--attack``, its own process at idle priority so that building
+    and sending the attack takes no CPU time the load generator wants): run until SIGTERM, then
     let held connections end and print the results as one JSON line."""
     run = Run.__new__(Run)
     run.port, run.attack_key = port, key
@@ -543,13 +564,35 @@ def canary_result(p: subprocess.Popen[bytes]) -> dict[str, float]:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def generator_priority() -> None:
+    """This process (the load generator, or the mock engine) at a real-time priority
+    (``SCHED_RR`` 10) when allowed, else unchanged: what measures the normal traffic is woken at
+    once, before anything else on its CPUs, so that its latency is the gateway's, not the
+    scheduler's. Used with ``--pin`` only (the gateway has a CPU of its own)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(10))
+
+
+def attacker_priority() -> None:
+    """This process at the scheduler's idle priority (``SCHED_IDLE``: it runs only on CPU time
+    nothing else wants, and yields at once when another process wakes), else at nice 19: the
+    attackers and the evil engine stand in for other machines, so they must not delay the load
+    generator or the mock engine that share their CPU (their wake-ups are the normal traffic's
+    latency too)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
 def start_attacker(run: Run, only: str, slowloris_n: int) -> subprocess.Popen[bytes]:
-    """The attackers' process (``--attack``), at nice 10."""
+    """The attackers' process (``--attack``), at idle priority (:func:`attacker_priority`)."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--attack", str(run.port), run.attack_key, only]
     return subprocess.Popen(
-        ["nice", "-n", "10", *argv, str(slowloris_n)],
+        [*argv, str(slowloris_n)],
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=attacker_priority,
     )
 
 
@@ -558,7 +601,7 @@ async def bench(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     await normal_traffic(run, args.rate, 2)  # warm-up
     await probe(run, reset=True)
     c_idle = start_canary(args.seconds)
-    idle_lat, idle_status = await normal_traffic(run, args.rate, args.seconds)
+    idle_lat, idle_status, idle_over = await normal_traffic(run, args.rate, args.seconds)
     idle = await probe(run, reset=True)
     idle["canary"] = canary_result(c_idle)
     only = args.only or ",".join(ATTACKS)
@@ -569,7 +612,7 @@ async def bench(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     await asyncio.sleep(1.0)  # let the attack build up
     await probe(run, reset=True)
     c_atk = start_canary(args.seconds)
-    atk_lat, atk_status = await normal_traffic(run, args.rate, args.seconds)
+    atk_lat, atk_status, atk_over = await normal_traffic(run, args.rate, args.seconds)
     attacked = await probe(run, reset=True)
     attacked["canary"] = canary_result(c_atk)
     attacker.send_signal(signal.SIGTERM)
@@ -579,8 +622,8 @@ async def bench(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     after = await probe(run, reset=False)
     res = json.loads(out_line.strip().splitlines()[-1])
     return {
-        "idle": (idle_lat, idle_status, idle),
-        "attack": (atk_lat, atk_status, attacked),
+        "idle": (idle_lat, idle_status, idle, idle_over),
+        "attack": (atk_lat, atk_status, attacked, atk_over),
         "after": after,
         "results": Counter(res["results"]),
         "held_body": res["held_body"],
@@ -595,6 +638,8 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
     rows = [
         ("normal p50 ms", [pct(c[0], 0.5) for c in cols]),
         ("normal p99 ms", [pct(c[0], 0.99) for c in cols]),
+        ("gateway overhead p50 ms", [pct(c[3], 0.5) for c in cols]),
+        ("gateway overhead p99 ms", [pct(c[3], 0.99) for c in cols]),
         ("normal answers", [", ".join(f"{k}: {v}" for k, v in sorted(c[1].items())) for c in cols]),
         ("event-loop lag p50 ms", [c[2]["p50"] for c in cols]),
         ("event-loop lag p99 ms", [c[2]["p99"] for c in cols]),
@@ -672,6 +717,7 @@ def main() -> int:
         # the load generator stand in for other machines, and share no core with the gateway
         run.gateway_cpus = {cpus[0]}
         os.sched_setaffinity(0, set(cpus[1:]))
+        generator_priority()  # this process, and the control loop it starts
     try:
         run.start()
         out = asyncio.run(bench(run, args))
