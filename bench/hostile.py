@@ -134,6 +134,8 @@ class LagProbe:
                 self.rss_peak = max(self.rss_peak, rss_bytes())
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        import gc
+
         if scope["type"] != "http" or scope["path"] != "/__bench/lag":
             await self.app(scope, receive, send)
             return
@@ -151,6 +153,10 @@ class LagProbe:
                 g: [sum(1 for k, _ in self.gcs if k == g), max((ms for k, ms in self.gcs if k == g), default=0.0)]
                 for g in (0, 1, 2)
             },
+            "objects": len(gc.get_objects()),
+            "top_types": Counter(type(o).__name__ for o in gc.get_objects()).most_common(12)
+            if b"types=1" in scope.get("query_string", b"")
+            else [],
             "cpu_pct": 100 * (time.process_time() - self.cpu0) / max(time.perf_counter() - self.wall0, 1e-9),
         }
         if b"reset=1" in scope.get("query_string", b""):
@@ -326,11 +332,12 @@ class Run:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-async def probe(run: Run, reset: bool) -> dict[str, Any]:
+async def probe(run: Run, reset: bool, types: bool = False) -> dict[str, Any]:
     import httpx
 
+    query = "&".join(q for q, on in (("reset=1", reset), ("types=1", types)) if on)
     async with httpx.AsyncClient(timeout=10) as c:
-        r = await c.get(run.url + "/__bench/lag" + ("?reset=1" if reset else ""))
+        r = await c.get(run.url + "/__bench/lag" + ("?" + query if query else ""))
         return r.json()
 
 
@@ -619,7 +626,7 @@ async def bench(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     out_line = await asyncio.get_running_loop().run_in_executor(None, attacker.stdout.read)
     attacker.wait(10)
     await asyncio.sleep(10)
-    after = await probe(run, reset=False)
+    after = await probe(run, reset=False, types=True)
     res = json.loads(out_line.strip().splitlines()[-1])
     return {
         "idle": (idle_lat, idle_status, idle, idle_over),
@@ -660,6 +667,11 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
     print(
         f"\nRSS: {base / 1e6:.1f} MB before the attack, peak {out['attack'][2]['rss_peak'] / 1e6:.1f} MB, "
         f"{out['after']['rss'] / 1e6:.1f} MB 10 s after it: growth {growth:+.1f} MB"
+    )
+    print(
+        f"objects tracked by the GC: {out['idle'][2]['objects']:,} after the idle column, "
+        f"{out['after']['objects']:,} 10 s after the attack; most common then: "
+        + ", ".join(f"{k} {v:,}" for k, v in out["after"]["top_types"][:8])
     )
     hb, hh = out["held_body"], out["held_head"]
     if hb:
