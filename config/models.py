@@ -179,7 +179,7 @@ class GatewaySettings(_Strict):
     ``large_body_bytes_per_second`` what the bytes past each body's first 64 KiB may take of one
     process, shared in turn by tenants (:mod:`gateway.body_budget`; ``None``: unpaced);
     ``refusal_delay_seconds`` how long a 401 (no valid key:
-    :func:`gateway.auth.authenticate_or_wait`) or a 431 (a head too large: :mod:`gateway.edge`)
+    :func:`gateway.handlers.refusal`) or a 431 (a head too large: :mod:`gateway.edge`)
     waits before it is answered (0: at once);
     ``metrics_token``, when set, is the bearer token ``/metrics`` and ``/readyz``'s details need.
 

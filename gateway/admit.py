@@ -50,7 +50,7 @@ from gateway.admission import (
     over_context_error,
     upstream_body,
 )
-from gateway.auth import authenticate_or_wait
+from gateway.auth import authenticate
 from gateway.body_budget import FREE_BODY_BYTES, BodyBudget
 from gateway.density import BadIds, StringDensity, count_ids, restore_ids, split_ids, values_over
 from gateway.requests import body_declared, closing, parse_json_body, read_body, validate
@@ -190,9 +190,7 @@ async def admit(ctx: AdmitContext, request: Request, arrival: Arrival) -> Admitt
     its body was arriving). Nothing is reserved unless this returns."""
     headers = request.headers
     try:
-        tenant = await authenticate_or_wait(
-            headers.get("authorization"), ctx.tenants, ctx.settings.gateway.refusal_delay_seconds
-        )
+        tenant = authenticate(headers.get("authorization"), ctx.tenants)
     except OpenAIError as e:  # the body is never read: the connection is not kept for it
         raise Refused(closing(e) if body_declared(headers) else e, "-") from None
     try:

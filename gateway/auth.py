@@ -5,8 +5,6 @@ Errors are 401 ``invalid_api_key`` in the OpenAI shape; they never echo the key.
 
 from __future__ import annotations
 
-import asyncio
-
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
 from gateway.tenants import TenantRegistry
@@ -40,21 +38,3 @@ def authenticate(authorization: str | None, registry: TenantRegistry) -> TenantC
     if tenant is None:
         raise OpenAIError(401, _WRONG, code=ErrorCode.INVALID_API_KEY)
     return tenant
-
-
-async def authenticate_or_wait(
-    authorization: str | None, registry: TenantRegistry, delay_seconds: float
-) -> TenantConfig:
-    """:func:`authenticate`, whose 401 is raised only ``delay_seconds`` after the request
-    (``gateway.refusal_delay_seconds``; the server layer delays a 431 as long): a client without
-    a valid key, guessing keys or flooding the gateway with requests it cannot make, waits that
-    long for each answer while the gateway holds nothing but a timer and the connection; a
-    client with a valid key never waits. In ``bench/hostile.py``, 100 unauthenticated sockets
-    that reconnected as soon as they were answered cost a fifth of the event loop (515 refusals
-    a second)."""
-    try:
-        return authenticate(authorization, registry)
-    except OpenAIError:
-        if delay_seconds > 0:
-            await asyncio.sleep(delay_seconds)
-        raise

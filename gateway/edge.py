@@ -20,7 +20,7 @@ header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge
   (uvicorn's ``timeout_keep_alive``).
 - ``refusal_delay_seconds``: a 431 is answered this long after the head was refused, the
   connection not read meanwhile (``gateway.refusal_delay_seconds``, which delays a 401 as long:
-  :func:`gateway.auth.authenticate_or_wait`): a client refused for its head waits before it can
+  :func:`gateway.handlers.refusal`): a client refused for its head waits before it can
   send the next one, so a client that sends oversized heads back to back costs the gateway two
   refusals a second, not hundreds.
 

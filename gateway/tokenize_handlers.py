@@ -28,7 +28,7 @@ from config.errors import ErrorCode, OpenAIError
 from gateway import logging as glog
 from gateway.admission import effective_limit
 from gateway.api_routes import check_task, validate
-from gateway.auth import authenticate_or_wait
+from gateway.auth import authenticate
 from gateway.handlers import HandlerContext, refusal, request_id_of
 from gateway.requests import ClientGone, closing, parse_json_body, read_body
 from tokenizer import TokenizerError, render_chatml
@@ -113,9 +113,7 @@ async def handle_tokenize(gw: HandlerContext, request: Request, route: str) -> R
     rid = request_id_of(headers.get("x-request-id"))
     tenant_id = "-"
     try:
-        tenant = await authenticate_or_wait(  # before any byte of the body
-            headers.get("authorization"), gw.tenants, gw.settings.gateway.refusal_delay_seconds
-        )
+        tenant = authenticate(headers.get("authorization"), gw.tenants)  # before any byte of the body
         tenant_id = tenant.id
         budget = gw.body_budget
         try:

@@ -113,6 +113,20 @@ def serving(settings):
 
 
 @pytest.fixture
+def spent(monkeypatch) -> list[tuple[str, int]]:
+    """Every (tenant id, bytes) the app spends from a body budget, as it spends it."""
+    calls: list[tuple[str, int]] = []
+    real_take = BodyBudget.take
+
+    async def take(self, tenant_id: str, n: int) -> None:
+        calls.append((tenant_id, n))
+        await real_take(self, tenant_id, n)
+
+    monkeypatch.setattr(BodyBudget, "take", take)
+    return calls
+
+
+@pytest.fixture
 def engine():
     e = MockEngine()
     e.state.pool_tokens = e.state.context_length = 1 << 20
@@ -121,18 +135,10 @@ def engine():
     e.stop()
 
 
-def test_only_the_bytes_past_a_body_first_64_kib_are_paced_and_small_bodies_never(engine, monkeypatch):
+def test_only_the_bytes_past_a_body_first_64_kib_are_paced_and_small_bodies_never(engine, spent):
     """Through the real app: a 300,000-byte completions body (token ids) spends exactly its bytes
     past the first 64 KiB, for its own tenant; a chat request spends nothing; with the budget
     off (null) nothing is paced."""
-    spent: list[tuple[str, int]] = []
-    real_take = BodyBudget.take
-
-    async def take(self, tenant_id: str, n: int) -> None:
-        spent.append((tenant_id, n))
-        await real_take(self, tenant_id, n)
-
-    monkeypatch.setattr(BodyBudget, "take", take)
     s = settings_for([upstream("up", engine)], gateway={"max_body_bytes": 8 * MiB}, context_length=1 << 20)
     body = orjson.dumps({"model": MODEL, "prompt": [17] * 99_990, "max_tokens": 1})
     assert 290_000 < len(body) < 310_000
@@ -180,19 +186,11 @@ def _event(content: str) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def test_a_huge_stream_event_is_read_at_the_budget_rate_and_relayed_byte_exact(engine, monkeypatch):
+def test_a_huge_stream_event_is_read_at_the_budget_rate_and_relayed_byte_exact(engine, spent):
     """An upstream event of 640 KiB arriving in 64 KiB reads: the bytes each read adds past the
     unfinished event's first 64 KiB are spent for the request's tenant (at most the event's size
     less 64 KiB: the read that ends it is not paced), small events spend nothing, and the stream
     arrives byte for byte as the engine sent it."""
-    spent: list[tuple[str, int]] = []
-    real_take = BodyBudget.take
-
-    async def take(self, tenant_id: str, n: int) -> None:
-        spent.append((tenant_id, n))
-        await real_take(self, tenant_id, n)
-
-    monkeypatch.setattr(BodyBudget, "take", take)
     big = _event("z" * (640 * 1024))
     stream = [_event("a"), big, _event("b"), b"data: [DONE]\n\n"]
     raw = b"".join(stream)
