@@ -203,7 +203,7 @@ class GatewaySettings(_Strict):
     keepalive_timeout_seconds: float = Field(default=5.0, gt=0)
     max_sse_event_bytes: int = Field(default=1 << 20, ge=1024)
     max_body_values: int = Field(default=131_072, ge=1024)
-    large_body_bytes_per_second: int | None = Field(default=32 * 1024 * 1024, ge=65_536)
+    large_body_bytes_per_second: int | None = Field(default=16 * 1024 * 1024, ge=65_536)
     refusal_delay_seconds: float = Field(default=0.5, ge=0, le=10)
     metrics_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
