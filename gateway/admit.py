@@ -207,10 +207,7 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
     # a body that may be large is counted as it arrives: a dense one is refused before it is all read
     check = None if small else _density_check(ctx.settings.gateway.max_body_values)
     pace = ctx.body_budget.pacer(tenant.id) if ctx.body_budget is not None else None
-    try:
-        raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check, pace)
-    except OpenAIError as e:  # refused before its body was all read
-        raise closing(e) from None
+    raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check, pace)
     large = len(raw) > OFFLOAD_BODY_BYTES
     if large:
 

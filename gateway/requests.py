@@ -117,7 +117,21 @@ async def read_body(
     each read as it arrives; what it raises (e.g. an :class:`OpenAIError`) ends the read.
     ``pace``: awaited with the bytes of each read past the body's first
     :data:`gateway.body_budget.FREE_BODY_BYTES` (:meth:`gateway.body_budget.BodyBudget.pacer`)
-    before the next read is taken."""
+    before the next read is taken. Every refusal (413, 400, what ``check`` raises) is raised
+    with ``connection: close`` (:func:`closing`)."""
+    try:
+        return await _read(receive, headers_content_length, limit, check, pace)
+    except OpenAIError as e:  # refused before the body was all read: the connection is not kept for it
+        raise closing(e) from None
+
+
+async def _read(
+    receive: Any,
+    headers_content_length: str | None,
+    limit: int,
+    check: Callable[[bytes], None] | None,
+    pace: Callable[[int], Awaitable[object]] | None,
+) -> bytes:
     if headers_content_length is not None:
         try:
             if int(headers_content_length) > limit:

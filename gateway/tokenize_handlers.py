@@ -30,7 +30,7 @@ from gateway.admission import effective_limit
 from gateway.api_routes import check_task, validate
 from gateway.auth import authenticate
 from gateway.handlers import HandlerContext, refusal, request_id_of
-from gateway.requests import ClientGone, closing, parse_json_body, read_body
+from gateway.requests import ClientGone, parse_json_body, read_body
 from tokenizer import TokenizerError, render_chatml
 from tokenizer.chat import ChatOptions, chat_text_length
 from tokenizer.engine_counter import EngineCounter
@@ -116,15 +116,12 @@ async def handle_tokenize(gw: HandlerContext, request: Request, route: str) -> R
         tenant = authenticate(headers.get("authorization"), gw.tenants)  # before any byte of the body
         tenant_id = tenant.id
         budget = gw.body_budget
-        try:
-            raw = await read_body(
-                request.receive,
-                headers.get("content-length"),
-                gw.settings.gateway.max_body_bytes,
-                pace=budget.pacer(tenant.id) if budget is not None else None,
-            )
-        except OpenAIError as e:  # refused before its body was all read
-            raise closing(e) from None
+        raw = await read_body(
+            request.receive,
+            headers.get("content-length"),
+            gw.settings.gateway.max_body_bytes,
+            pace=budget.pacer(tenant.id) if budget is not None else None,
+        )
         body = parse_json_body(raw)
         validate(body, route)
         entry = gw.models.resolve(tenant, body.get("model"))
