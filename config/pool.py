@@ -1,4 +1,4 @@
-"""The one formula that turns a live KV pool into a context limit (DESIGN.md, "Live pool limit").
+"""The one formula that turns a live KV pool into a context limit (docs/gateway.md, "Live pool limit").
 
 The gateway's pool watcher and the verifier's deploy gate both call :func:`effective_pool_limit`,
 so the limit a request is gated against and the limit a deployment is checked against never
@@ -7,7 +7,7 @@ disagree.
 
 from __future__ import annotations
 
-from decimal import ROUND_FLOOR, Decimal
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
 
 def pool_limit_from_headroom(pool_tokens: int, headroom: float) -> int:
@@ -19,6 +19,13 @@ def pool_limit_from_headroom(pool_tokens: int, headroom: float) -> int:
         raise ValueError("headroom must be >= 1.0")
     q = Decimal(pool_tokens) / Decimal(repr(float(headroom)))
     return int(q.to_integral_value(rounding=ROUND_FLOOR))
+
+
+def signal_1_required_tokens(context_length: int, headroom: float) -> int:
+    """The runbook's signal 1: the smallest pool (tokens) that serves ``context_length`` with
+    ``headroom``, ``ceil(context_length x headroom)`` in decimal (1,048,576 x 1.25 = 1,310,720)."""
+    required = Decimal(int(context_length)) * Decimal(repr(float(headroom)))
+    return int(required.to_integral_value(rounding=ROUND_CEILING))
 
 
 def effective_pool_limit(context_length: int, pool_tokens: int, max_req_input_len: int | None, headroom: float) -> int:

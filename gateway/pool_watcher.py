@@ -1,19 +1,14 @@
-"""Live pool limit per upstream (DESIGN.md, "Live pool limit").
+"""Live pool limit per upstream: one :class:`PoolWatcher` polls where its upstream's pool is read.
 
-A :class:`PoolWatcher` polls where its upstream's pool is read (``pool_source``):
+- ``sglang`` / ``kvgate``: every ``pool_urls`` entry (``/server_info``, on 404 ``/get_server_info``)
+  and that node's ``/v1/loads`` when served; the pool is the smallest data-parallel rank's.
+- ``vllm``: the ``/v1/models`` URL (``max_model_len``, the gate's pool), and the KV capacity for
+  signal 1 from ``/v1/server/kv-cache`` or ``/metrics``.
+- ``static``: ``static_pool_tokens``; always known, reported as not live.
 
-- ``sglang`` / ``kvgate``: ``GET`` every URL of ``pool_urls`` (SGLang ``/server_info``; on 404
-  the ``/get_server_info`` twin, as older SGLang serves it). Fields: ``max_total_num_tokens``
-  (required), ``max_req_input_len`` and ``context_length`` (used when present; SGLang also nests
-  them in ``internal_states[0]``). The limit is the minimum over the nodes.
-- ``vllm``: ``GET`` the ``/v1/models`` URL; ``pool`` = the smallest ``data[].max_model_len``.
-- ``static``: ``static_pool_tokens`` from config; always known, reported as not live.
-
-Every poll carries the upstream's ``api_key`` (``Authorization: Bearer``) when it has one.
-Each node's limit is :func:`config.pool.effective_pool_limit`. Any failed poll (unreachable
-node, non-200, missing field) makes the pool *unknown* at once; a value older than
-``max_staleness_seconds`` is unknown too. Unknown means the gateway fails closed (503
-``pool_size_unknown``).
+Parsing lives in :mod:`config.engine_pool`, the limit formula in :mod:`config.pool`. Any failed
+read, a missing rank or a reading older than ``max_staleness_seconds`` makes the pool unknown,
+and unknown fails closed (503 ``pool_size_unknown``).
 """
 
 from __future__ import annotations
@@ -27,8 +22,18 @@ from typing import Any
 
 import httpx
 
+from config.engine_pool import (
+    SGLANG_LOADS_QUERY,
+    EnginePoolError,
+    VLLMCapacity,
+    server_info_base,
+    sglang_pool,
+    vllm_capacity_from_endpoint,
+    vllm_capacity_from_metrics,
+    vllm_max_model_len,
+)
 from config.models import PoolSettings, UpstreamConfig
-from config.pool import effective_pool_limit
+from config.pool import effective_pool_limit, signal_1_required_tokens
 
 log = logging.getLogger("kvgate.pool")
 
@@ -43,54 +48,52 @@ class PoolReadError(Exception):
 
 @dataclass
 class PoolReading:
-    """One successful poll. ``pool_tokens``: the smallest node pool; ``limit``: the smallest node
-    limit (tokens); ``fetched_at``: ``time.monotonic()``; ``per_node``: url -> limit."""
+    """One successful poll. ``pool_tokens``: the smallest pool over nodes and data-parallel ranks;
+    ``limit``: the smallest node limit (tokens); ``fetched_at``: ``time.monotonic()``;
+    ``per_node``: url -> limit; ``rank_pools``: url -> each rank's pool (tokens); ``read_from``:
+    url -> the endpoint the pool came from; ``kv_capacity``: vLLM's KV capacity (signal 1), else
+    ``None``."""
 
     pool_tokens: int
     limit: int
     fetched_at: float
     per_node: dict[str, int]
+    rank_pools: dict[str, tuple[int, ...]]
+    read_from: dict[str, str]
+    kv_capacity: VLLMCapacity | None = None
 
 
-def _int_field(info: dict[str, Any], name: str) -> int | None:
-    v = info.get(name)
-    if (v is None or isinstance(v, bool)) and isinstance(info.get("internal_states"), list):
-        states = info["internal_states"]
-        if states and isinstance(states[0], dict):
-            v = states[0].get(name)
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return int(v)
+@dataclass(frozen=True)
+class _NodeReading:
+    pool_tokens: int
+    limit: int
+    rank_pools: tuple[int, ...]
+    read_from: str
 
 
-def limit_from_server_info(info: Any, headroom: float, context_length: int | None = None) -> tuple[int, int]:
-    """``(pool_tokens, limit)`` from an SGLang-shaped server_info dict. Raises
-    :class:`PoolReadError` when ``max_total_num_tokens`` is missing or not a positive number."""
-    if not isinstance(info, dict):
-        raise PoolReadError("server_info is not a JSON object")
-    pool = _int_field(info, "max_total_num_tokens")
-    if pool is None or pool <= 0:
-        raise PoolReadError("server_info has no max_total_num_tokens")
-    ctx = _int_field(info, "context_length") or context_length or _UNBOUNDED
-    if context_length:
-        ctx = min(ctx, context_length)
-    return pool, effective_pool_limit(ctx, pool, _int_field(info, "max_req_input_len"), headroom)
+def limit_from_server_info(
+    info: Any, headroom: float, context_length: int | None = None, loads: Any | None = None
+) -> tuple[int, int]:
+    """``(pool_tokens, limit)`` from an SGLang-shaped ``/server_info`` body and, when the node serves
+    it, its ``/v1/loads`` body: the pool is the smallest data-parallel rank's
+    (:func:`config.engine_pool.sglang_pool`). Raises :class:`PoolReadError` when a rank's pool is
+    missing."""
+    try:
+        node = sglang_pool(info, loads)
+    except EnginePoolError as e:
+        raise PoolReadError(str(e)) from None
+    ctx = min(c for c in (node.context_length, context_length, _UNBOUNDED) if c)
+    return node.pool_tokens, effective_pool_limit(ctx, node.pool_tokens, node.max_req_input_len, headroom)
 
 
 def limit_from_vllm_models(data: Any, headroom: float, context_length: int | None = None) -> tuple[int, int]:
-    """``(pool_tokens, limit)`` from a vLLM ``/v1/models`` body: pool = smallest ``max_model_len``
-    (DESIGN.md: "vLLM: max_model_len"). Raises :class:`PoolReadError` when no entry reports it."""
-    entries = data.get("data") if isinstance(data, dict) else None
-    lens = [
-        int(e["max_model_len"])
-        for e in entries or []
-        if isinstance(e, dict)
-        and isinstance(e.get("max_model_len"), int)
-        and not isinstance(e.get("max_model_len"), bool)
-    ]
-    if not lens:
-        raise PoolReadError("/v1/models reports no max_model_len")
-    pool = min(lens)
+    """``(pool_tokens, limit)`` from a vLLM ``/v1/models`` body: the gate's pool is the smallest
+    ``max_model_len`` (vLLM refuses to start when one request of that length cannot fit its KV
+    cache). Raises :class:`PoolReadError` when no entry reports it."""
+    try:
+        pool = vllm_max_model_len(data)
+    except EnginePoolError as e:
+        raise PoolReadError(str(e)) from None
     return pool, effective_pool_limit(context_length or _UNBOUNDED, pool, None, headroom)
 
 
@@ -100,6 +103,14 @@ def _fallback_url(url: str) -> str | None:
     if url.endswith("/server_info"):
         return url[: -len("/server_info")] + "/get_server_info"
     return None
+
+
+def _vllm_base(url: str) -> str:
+    """The engine's root for its ``/v1/models`` URL (``http://e:8000/v1/models`` -> ``http://e:8000``)."""
+    for suffix in ("/v1/models", "/models"):
+        if url.rstrip("/").endswith(suffix):
+            return url.rstrip("/")[: -len(suffix)]
+    return url.rstrip("/")
 
 
 class PoolWatcher:
@@ -136,7 +147,9 @@ class PoolWatcher:
         if upstream.pool_source == "static":
             pool = int(upstream.static_pool_tokens or 0)
             lim = effective_pool_limit(context_length or _UNBOUNDED, pool, None, settings.headroom)
-            self.reading = PoolReading(pool, lim, float("inf"), {"static": lim})
+            self.reading = PoolReading(
+                pool, lim, float("inf"), {"static": lim}, {"static": (pool,)}, {"static": "config"}
+            )
             self.last_error = None
 
     # ------------------------------------------------------------ reading
@@ -150,7 +163,8 @@ class PoolWatcher:
         return r.limit
 
     def status(self) -> dict[str, Any]:
-        """A JSON-able report: name, source, live, known, pool_tokens, limit, age_seconds, error."""
+        """A JSON-able report: name, source, live, known, pool_tokens, limit, age_seconds, error,
+        each node's rank pools and endpoint, and the runbook's signal 1 (:meth:`signal_1`)."""
         r = self.reading
         lim = self.limit_now()
         return {
@@ -162,17 +176,51 @@ class PoolWatcher:
             "limit_tokens": lim,
             "age_seconds": (round(self.clock() - r.fetched_at, 3) if r and self.live else None),
             "error": self.last_error if lim is None else None,
+            "nodes": [
+                {"url": u, "rank_pools_tokens": list(p), "read_from": r.read_from[u]} for u, p in r.rank_pools.items()
+            ]
+            if r
+            else [],
+            "signal_1": self.signal_1(),
+        }
+
+    def signal_1(self) -> dict[str, Any]:
+        """The runbook's signal 1 on the last reading: ``{"status": "ok" | "too_small" | "unknown",
+        "capacity_tokens", "capacity_source", "required_tokens"}``. The capacity is the smallest
+        rank's pool (SGLang, bundled backend, static) or vLLM's KV capacity; the requirement is the
+        context window (vLLM: at most ``max_model_len``) x ``pool.headroom``. Reported, never
+        gated on: a small pool already lowers the limit."""
+        r = self.reading if self.limit_now() is not None else None
+        vllm = self.upstream.pool_source == "vllm"
+        cap = (r.kv_capacity if vllm else VLLMCapacity(r.pool_tokens, "pool")) if r else None
+        window = min(c for c in (self.context_length, r.pool_tokens if (r and vllm) else None, _UNBOUNDED) if c)
+        if cap is None or window == _UNBOUNDED:
+            return {"status": "unknown", "capacity_tokens": None, "capacity_source": None, "required_tokens": None}
+        required = signal_1_required_tokens(window, self.settings.headroom)
+        return {
+            "status": "ok" if cap.kv_capacity_tokens >= required else "too_small",
+            "capacity_tokens": cap.kv_capacity_tokens,
+            "capacity_source": cap.source,
+            "required_tokens": required,
         }
 
     # ------------------------------------------------------------ polling
-    async def _get_json(self, url: str) -> Any:
-        timeout = self.settings.request_timeout_seconds
-        headers = self._headers
-        r = await self.client.get(url, timeout=timeout, headers=headers)
+    async def _get(self, url: str) -> httpx.Response:
+        try:
+            return await self.client.get(url, timeout=self.settings.request_timeout_seconds, headers=self._headers)
+        except httpx.HTTPError as e:
+            raise PoolReadError(f"{url} unreachable ({type(e).__name__})") from None
+
+    async def _get_json(self, url: str, *, optional: bool = False) -> Any:
+        """The JSON body of ``GET url``; with ``optional``, ``None`` when the engine does not serve
+        the route (404/405). SGLang's server-info URL falls back to its renamed twin on 404."""
+        r = await self._get(url)
         if r.status_code == 404 and self.upstream.pool_source in ("sglang", "kvgate"):
             alt = _fallback_url(url)
             if alt:
-                r = await self.client.get(alt, timeout=timeout, headers=headers)
+                r = await self._get(alt)
+        if optional and r.status_code in (404, 405):
+            return None
         if r.status_code != 200:
             raise PoolReadError(f"{url} answered {r.status_code}")
         try:
@@ -180,25 +228,60 @@ class PoolWatcher:
         except ValueError:
             raise PoolReadError(f"{url} answered non-JSON") from None
 
+    async def _read_sglang_node(self, url: str) -> _NodeReading:
+        info = await self._get_json(url)
+        base = server_info_base(url)
+        loads = await self._get_json(f"{base}/v1/loads?{SGLANG_LOADS_QUERY}", optional=True) if base else None
+        try:
+            node = sglang_pool(info, loads)
+        except EnginePoolError as e:
+            raise PoolReadError(f"{url}: {e}") from None
+        pool, lim = limit_from_server_info(info, self.settings.headroom, self.context_length, loads)
+        return _NodeReading(pool, lim, node.rank_pools_tokens, node.source)
+
+    async def _read_vllm_node(self, url: str) -> _NodeReading:
+        pool, lim = limit_from_vllm_models(await self._get_json(url), self.settings.headroom, self.context_length)
+        return _NodeReading(pool, lim, (pool,), "/v1/models")
+
+    async def _read_vllm_capacity(self) -> VLLMCapacity | None:
+        """The smallest KV capacity over the upstream's vLLM nodes, or ``None`` when any node's is
+        unknown: ``/v1/server/kv-cache``, else ``/metrics``' ``vllm:cache_config_info``."""
+        found: list[VLLMCapacity] = []
+        for url in self.upstream.pool_urls:
+            base = _vllm_base(url)
+            try:
+                cap = vllm_capacity_from_endpoint(await self._get_json(base + "/v1/server/kv-cache", optional=True))
+                if cap is None:
+                    r = await self._get(base + "/metrics")
+                    cap = vllm_capacity_from_metrics(r.text) if r.status_code == 200 else None
+            except PoolReadError:
+                cap = None
+            if cap is None:
+                return None
+            found.append(cap)
+        return min(found, key=lambda c: c.kv_capacity_tokens) if found else None
+
+    async def _read_all(self) -> PoolReading:
+        vllm = self.upstream.pool_source == "vllm"
+        nodes = {
+            u: await (self._read_vllm_node(u) if vllm else self._read_sglang_node(u)) for u in self.upstream.pool_urls
+        }
+        return PoolReading(
+            min(n.pool_tokens for n in nodes.values()),
+            min(n.limit for n in nodes.values()),
+            self.clock(),
+            {u: n.limit for u, n in nodes.items()},
+            {u: n.rank_pools for u, n in nodes.items()},
+            {u: n.read_from for u, n in nodes.items()},
+            await self._read_vllm_capacity() if vllm else None,
+        )
+
     async def poll_once(self) -> int | None:
         """Read every node now; returns the new limit, or ``None`` (pool unknown) on any failure."""
         if not self.live:
             return self.limit_now()
-        per_node: dict[str, int] = {}
-        pools: list[int] = []
         try:
-            headroom = self.settings.headroom
-            for url in self.upstream.pool_urls:
-                try:
-                    data = await self._get_json(url)
-                except httpx.HTTPError as e:
-                    raise PoolReadError(f"{url} unreachable ({type(e).__name__})") from None
-                if self.upstream.pool_source == "vllm":
-                    pool, lim = limit_from_vllm_models(data, headroom, self.context_length)
-                else:
-                    pool, lim = limit_from_server_info(data, headroom, self.context_length)
-                per_node[url] = lim
-                pools.append(pool)
+            reading = await self._read_all()
         except PoolReadError as e:
             if self.reading is not None or self.last_error != str(e):
                 log.warning("pool of upstream %s unknown: %s", self.upstream.name, e)
@@ -206,10 +289,10 @@ class PoolWatcher:
             self.last_error = str(e)
             self._notify(None, None)
             return None
-        self.reading = PoolReading(min(pools), min(per_node.values()), self.clock(), per_node)
+        self.reading = reading
         self.last_error = None
-        self._notify(self.reading.pool_tokens, self.reading.limit)
-        return self.reading.limit
+        self._notify(reading.pool_tokens, reading.limit)
+        return reading.limit
 
     def _notify(self, pool: int | None, limit: int | None) -> None:
         if self.on_update is not None:

@@ -3,10 +3,10 @@
 Router (``--role router``, and ``--role all`` which also serves the prefill pool's
 ``/server_info``): ``/v1/completions``, ``/v1/chat/completions`` (stream or not),
 ``/v1/models``, ``/v1/tokenize``, ``/v1/detokenize``, ``/generate``, ``/abort_request``,
-``/health``, ``/server_info`` + ``/get_server_info``. Non-streamed (and streamed) responses carry
-``x-prefill-seconds``.
+``/health``, ``/server_info`` + ``/get_server_info``, ``/v1/loads`` (one rank). Non-streamed (and
+streamed) responses carry ``x-prefill-seconds``.
 
-Nodes: ``/server_info`` + ``/get_server_info`` (SGLang field names read from the live pool),
+Nodes: ``/server_info`` + ``/get_server_info`` + ``/v1/loads`` (SGLang field names read from the live pool),
 ``/health``, and the internal disaggregation API under ``/disagg/``: prefill ``POST
 /disagg/prefill`` and ``/disagg/abort`` (JSON); decode ``POST /disagg/generate`` (NDJSON token
 stream), ``/disagg/transfer`` (safetensors + manifest, never pickle) and ``/disagg/release``.
@@ -171,10 +171,36 @@ def pool_report(engine: Any) -> dict[str, Any]:
     return st
 
 
+#: SGLang's ``GetLoadsReqInput.VALID_SECTIONS`` (python/sglang/srt/managers/io_struct.py)
+LOADS_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
+
+
+def loads_body(info: dict[str, Any], include: str | None, dp_rank: str | None) -> dict[str, Any]:
+    """SGLang's ``GET /v1/loads`` answer for this node's one data-parallel rank (SGLang
+    python/sglang/srt/entrypoints/v1_loads.py ``get_loads``, ``GetLoadsReqOutput.to_dict``): the
+    core section always, ``memory.token_capacity`` unless ``include`` leaves it out. Raises
+    ``ValueError`` (400) for an unknown section or a ``dp_rank`` other than 0."""
+    sections = {s.strip() for s in include.split(",")} if include else {"all"}
+    if not sections <= LOADS_SECTIONS:
+        raise ValueError(f"Invalid include sections: {sorted(sections - LOADS_SECTIONS)}")
+    if dp_rank not in (None, "0"):
+        raise ValueError(f"dp_rank {dp_rank} does not exist: this node has one rank (0)")
+    total, used = int(info["max_total_num_tokens"]), int(info.get("used_tokens", 0))
+    load: dict[str, Any] = {
+        "dp_rank": 0,
+        "num_used_tokens": used,
+        "max_total_num_tokens": total,
+        "token_usage": used / total if total else 0.0,
+    }
+    if sections & {"memory", "all"}:
+        load["memory"] = {"token_capacity": total}
+    return {"timestamp": time.time(), "version": info.get("version"), "num_accelerators": 1, "loads": [load]}
+
+
 def add_common_routes(
     app: FastAPI, server_info: Callable[[], Awaitable[dict[str, Any]]], debug_pools: Callable[[], dict[str, Any]] | None
 ) -> None:
-    """``/health``, ``/server_info``, ``/get_server_info`` and (when given) ``/debug/pool``."""
+    """``/health``, ``/server_info``, ``/get_server_info``, ``/v1/loads`` and (when given) ``/debug/pool``."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -184,6 +210,16 @@ def add_common_routes(
     @app.get("/get_server_info")
     async def info() -> Response:
         return json_response(await server_info())
+
+    @app.get("/v1/loads")
+    async def v1_loads(request: Request) -> Response:
+        try:
+            body = loads_body(
+                await server_info(), request.query_params.get("include"), request.query_params.get("dp_rank")
+            )
+        except ValueError as e:
+            return json_response({"detail": str(e)}, status=400)
+        return json_response(body)
 
     if debug_pools is not None:
 

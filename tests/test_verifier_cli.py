@@ -54,6 +54,8 @@ def test_deploy_gate_exit_codes(engine, capsys):
                 "effective_limit_tokens": 3000,
                 "max_req_input_len": 8186,
                 "error": None,
+                "read_from": "server_info",
+                "rank_pools_tokens": [4096],
             }
         ],
     }
