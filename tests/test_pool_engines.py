@@ -112,8 +112,10 @@ def test_the_renamed_server_info_is_read_under_either_name(served):
         engine.stop()
 
 
-def test_deploy_gate_judges_the_smallest_rank(capsys):
-    engine = FixtureEngine({"/server_info": sglang_server_info(DP2), "/v1/loads": sglang_loads(DP2)}).start()
+@pytest.mark.parametrize("loads", [True, False], ids=["v1-loads", "internal-states"])
+def test_deploy_gate_judges_the_smallest_rank(capsys, loads):
+    bodies = {"/server_info": sglang_server_info(DP2), "/v1/loads": sglang_loads(DP2) if loads else None}
+    engine = FixtureEngine(bodies).start()
     try:
         # rank 1's 4,096 < 8,192 x 1.25: FAIL, though rank 0's 12,288 would pass
         assert main(["deploy-gate", "--server-info-url", engine.url + "/server_info", "--json"]) == 1
@@ -122,7 +124,7 @@ def test_deploy_gate_judges_the_smallest_rank(capsys):
             "too_small",
             4096,
             DP2,
-            "/v1/loads",
+            "/v1/loads" if loads else "internal_states",
         )
         assert (node["required_tokens"], node["effective_limit_tokens"]) == (10240, 3276)
         assert main(["deploy-gate", "--server-info-url", engine.url + "/server_info", "--context-length", "3276"]) == 0
