@@ -1,6 +1,5 @@
 """Secrets (cache-salt key, leak-index key, admin key): from the environment, else generated once
-into ``<state_dir>/secrets.json`` (mode 0600, directory 0700). Never a default in code (DESIGN.md,
-Contracts).
+into ``<state_dir>/secrets.json`` (mode 0600, directory 0700). Never a default in code.
 
 Environment names: ``KVGATE_SECRET_CACHE_SALT_KEY``, ``KVGATE_SECRET_LEAK_INDEX_KEY``,
 ``KVGATE_SECRET_ADMIN_KEY`` (hex or any string of at least :data:`MIN_SECRET_BYTES` UTF-8 bytes;
@@ -125,8 +124,8 @@ def load_secrets(state_dir: str | os.PathLike[str], environ: Mapping[str, str] |
     ``<state_dir>/secrets.json``, which is created (32 random bytes, hex, per missing key; the
     file 0600, the folders 0700) on first use and never rewritten once it holds every key. Raises
     ``OSError`` when the state directory cannot be written and :class:`SecretsError` (a
-    ``ValueError``) when the file is not a secrets file or an environment secret is shorter than
-    :data:`MIN_SECRET_BYTES` bytes (the message names the variable, never its value).
+    ``ValueError``) when the file is not a secrets file or a secret, from the environment or the
+    file, is shorter than :data:`MIN_SECRET_BYTES` bytes (the message names it, never its value).
     """
     env = os.environ if environ is None else environ
     out: dict[str, bytes] = {}
@@ -161,5 +160,11 @@ def load_secrets(state_dir: str | os.PathLike[str], environ: Mapping[str, str] |
         finally:
             os.close(lock_fd)  # releases the lock
     for name in missing:
-        out[name] = stored[name].encode()
+        raw = stored[name].encode("utf-8", "surrogatepass")
+        if len(raw) < MIN_SECRET_BYTES:  # an operator's hand-edited file: refused as the environment's is
+            raise SecretsError(
+                f"{path}: {name} holds {len(raw)} byte(s); a secret needs at least {MIN_SECRET_BYTES} "
+                "(remove the entry to have one generated, or set e.g. the output of: openssl rand -hex 32)"
+            )
+        out[name] = raw
     return out

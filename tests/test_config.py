@@ -393,11 +393,40 @@ def test_serve_refuses_open_secrets_unless_allowed(tmp_path, capsys, monkeypatch
     )
 
 
+def test_a_short_secret_in_secrets_json_is_refused(tmp_path, capsys, monkeypatch):
+    """A hand-edited file is held to the environment's 16 bytes; kvgate serve names the entry, never
+    its value."""
+    import gateway.logging
+    import gateway.server
+
+    for k in [k for k in os.environ if k.startswith("KVGATE_")]:
+        monkeypatch.delenv(k)
+    state = tmp_path / "state"
+    load_secrets(state, environ={})
+    stored = json.loads((state / "secrets.json").read_text())
+    (state / "secrets.json").write_text(json.dumps({**stored, "leak_index_key": "k" * 15}))
+    with pytest.raises(SecretsError) as ei:
+        load_secrets(state, environ={})
+    expected = (
+        f"{state}/secrets.json: leak_index_key holds 15 byte(s); a secret needs at least 16 (remove the entry "
+        "to have one generated, or set e.g. the output of: openssl rand -hex 32)"
+    )
+    assert str(ei.value) == expected
+    served = []
+    monkeypatch.setattr(gateway.server, "run_server", lambda app, *a, **kw: served.append(app) or 0)
+    monkeypatch.setattr(gateway.logging, "setup_logging", lambda *a, **kw: None)
+    serve, args = _serve_args(tmp_path, state)
+    assert serve.run(args) == 2 and served == []
+    assert capsys.readouterr().err == f"kvgate serve: {expected}\n"
+    (state / "secrets.json").write_text(json.dumps({**stored, "leak_index_key": "k" * 16}))
+    assert load_secrets(state, environ={})["leak_index_key"] == b"k" * 16
+
+
 def test_secrets_file_missing_a_key_is_completed(tmp_path):
-    (tmp_path / "secrets.json").write_text(json.dumps({"admin_key": "aa"}))
+    (tmp_path / "secrets.json").write_text(json.dumps({"admin_key": "a" * 16}))
     out = load_secrets(tmp_path, environ={})
-    assert out["admin_key"] == b"aa" and len(out["leak_index_key"]) == 64
-    assert json.loads((tmp_path / "secrets.json").read_text())["admin_key"] == "aa"
+    assert out["admin_key"] == b"a" * 16 and len(out["leak_index_key"]) == 64
+    assert json.loads((tmp_path / "secrets.json").read_text())["admin_key"] == "a" * 16
     (tmp_path / "secrets.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a kvgate secrets file"):
         load_secrets(tmp_path, environ={})
