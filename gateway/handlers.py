@@ -26,6 +26,7 @@ from gateway.admission import ModelEntry, effective_limit
 from gateway.admit import AdmitContext, Arrival, Refused, admit
 from gateway.auth import authenticate
 from gateway.finish import FinishContext, finish
+from gateway.log_param import loggable_param
 from gateway.proxy import RelayContext, RelayOutcome, relay
 from gateway.requests import ClientGone
 from gateway.response import RelayResponse
@@ -84,7 +85,7 @@ def refusal(gw: HandlerContext, err: OpenAIError, rid: str, t0: float, tenant: s
             "route": route,
             "status": err.status,
             "error_code": err.code,
-            "param": err.param,
+            "param": loggable_param(err.param),
             "overhead_ms": round(overhead * 1000, 3),
         }
     )

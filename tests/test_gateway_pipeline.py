@@ -6,6 +6,7 @@ client leaving before the engine answered, and mid-stream."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import socket
 import struct
@@ -347,3 +348,26 @@ def test_hostile_usage_numbers_never_lower_the_charge(engine, access):
     assert [(access(r)[0]["status"], access(r)[0]["completion_tokens"]) for r in ("neg", "bool")] == [(200, None)] * 2
     assert 'kvgate_prompt_tokens_total{tenant="tenant-a"} 22.0' in metrics
     assert 'kvgate_completion_tokens_total{tenant="tenant-a"}' not in metrics  # nothing usable was reported
+
+
+def test_the_access_log_names_a_refused_field_by_path_never_by_client_text(engine, access):
+    """The client sees its own field name in the 400; the access log keeps the path and known
+    names and writes a hash for the name it chose (it may be anything: a key, a customer's name)."""
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants()).start()
+    secret = "sk_live_customer_4242"
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(**{secret: 1}), headers={"x-request-id": "p1"})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, secret)
+            body = chat()
+            body["messages"][0][secret] = "x"
+            r = c.post("/v1/chat/completions", json=body, headers={"x-request-id": "p2"})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, f"messages[0].{secret}")
+            r = c.post("/v1/chat/completions", json=chat(temperature="hot"), headers={"x-request-id": "p3"})
+            assert (r.status_code, r.json()["error"]["param"]) == (400, "temperature")
+        assert wait_for(lambda: len(access("p3")) == 1)
+    finally:
+        g.stop()
+    hashed = "#" + hashlib.sha256(secret.encode()).hexdigest()[:12]
+    assert [access(rid)[0]["param"] for rid in ("p1", "p2", "p3")] == [hashed, f"messages[0].{hashed}", "temperature"]
+    assert all(secret not in repr(access(rid)) for rid in ("p1", "p2", "p3"))
