@@ -490,9 +490,11 @@ async def relay_response_stream(
 ) -> AsyncGenerator[Chunk, None]:
     """Relay a ``/v1/responses`` event stream byte-exact (:func:`relay_stream`'s rules, in that
     protocol): nothing appended (no ``[DONE]``) or stripped; usage from ``response.completed``;
-    the text of every text-bearing event (output, refusal, reasoning, function-call arguments)
-    through the guard; the response starts at the first text or terminal event; an ``error``
-    event or ``response.failed`` before it is the engine's error, after it relayed as sent."""
+    every string of every event through the guard (what
+    :func:`verifier.engine_response.parse_response_event` reads: deltas, what an event repeats
+    where it differs from the deltas, annotations, unknown events); the response starts at the
+    first text or terminal event; an ``error`` event or ``response.failed`` before it is the
+    engine's error, after it relayed as sent."""
     splitter = SSESplitter(ctx.settings.gateway.max_sse_event_bytes)
     hold = HoldBack(ctx.settings.gateway.max_sse_event_bytes)
     p = outcome.produced
@@ -521,11 +523,11 @@ async def relay_response_stream(
                 if info.finish_reason is not None:
                     p.finish_reason = info.finish_reason
                 text = info.text
+                for k, t in info.fields.items():  # every new string, counted text or not
+                    streamed.setdefault(k, []).append(t)
                 if text:
                     for i, t in info.texts.items():
                         p.texts.setdefault(i, []).append(t)
-                    for k, t in info.fields.items():
-                        streamed.setdefault(k, []).append(t)
                     if p.ttft_seconds is None:
                         p.ttft_seconds = time.perf_counter() - t_forward
                 pieces = list(info.fields.items())

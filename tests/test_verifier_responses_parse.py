@@ -97,6 +97,8 @@ def test_whole_body_reads_text_reasoning_refusals_and_arguments():
         "1:0:output_text": "Hi",
         "1:1:refusal": "no",
         "2:0:arguments": '{"a":1}',
+        "3:other": "junk",  # every string is read, whatever its shape
+        "4:other": "not a list",
     }
     assert (out.kind, out.finish_reason, out.usage["completion_tokens"]) == ("terminal", "stop", 2)
     assert not is_response_error(body)
@@ -151,3 +153,57 @@ def test_events_that_repeat_text_carry_it_as_snapshots_under_the_delta_keys():
         }
     )
     assert part.snapshots == {"0:1:refusal": "no"}
+
+
+def test_every_string_of_an_item_is_a_text_stream():
+    item_fc = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "lookup", "arguments": "{}"}
+    item_ctc = {"type": "custom_tool_call", "call_id": "c", "name": "run", "input": "ls -la"}
+    part = {
+        "type": "output_text",
+        "text": "Hi",
+        "annotations": [{"type": "url_citation", "title": "A page", "url": "https://e.x/", "start_index": 0}],
+        "logprobs": [{"token": "H", "logprob": -1.0, "top_logprobs": [{"token": "alt"}]}, {"token": "i"}],
+    }
+    msg = {"type": "message", "id": "m", "status": "completed", "role": "assistant", "content": [part]}
+    unknown = {"type": "web_search_call", "id": "ws", "status": "completed", "action": {"query": "weather"}}
+    out = parse_response_body({"status": "completed", "output": [item_fc, item_ctc, msg, unknown], "model": "m"})
+    assert out.fields == {
+        "0:0:arguments": "{}",
+        "0:0:name": "lookup",
+        "1:0:input": "ls -la",
+        "1:0:name": "run",
+        "2:0:output_text": "Hi",
+        "2:0:annotations": "A page https://e.x/",
+        "2:0:logprobs": "Hi",
+        "3:other": "weather",
+    }
+    # completion text: names, inputs and outputs; annotations, logprobs and unknown strings are checked only
+    assert out.texts == {0: "{}lookup", 1: "ls -larun", 2: "Hi"}
+
+
+def test_every_string_of_an_event_is_read():
+    ann = parse_response_event(
+        {
+            "type": "response.output_text.annotation.added",
+            "output_index": 1,
+            "content_index": 0,
+            "annotation_index": 0,
+            "item_id": "m",
+            "annotation": {"type": "url_citation", "title": "T", "url": "https://e.x/"},
+        }
+    )
+    assert (ann.kind, ann.text, ann.fields) == ("other", "", {"1:0:annotations": "T https://e.x/"})
+    delta = parse_response_event({"type": "response.custom_tool_call_input.delta", "output_index": 2, "delta": "ls"})
+    assert (delta.kind, delta.texts, delta.fields) == ("text", {2: "ls"}, {"2:0:input": "ls"})
+    lp = parse_response_event(
+        {"type": "response.output_text.delta", "delta": "", "logprobs": [{"token": "x", "logprob": 0}]}
+    )
+    assert (lp.kind, lp.text, lp.fields) == ("other", "", {"0:0:logprobs": "x"})
+    added = parse_response_event(
+        {"type": "response.output_item.added", "output_index": 3, "item": {"type": "function_call", "name": "f"}}
+    )
+    assert added.snapshots == {"3:0:name": "f"} and added.fields == {}
+    odd = parse_response_event({"type": "response.something_new", "output_index": 4, "note": {"say": "hello"}})
+    assert (odd.kind, odd.fields) == ("other", {"4:other": "hello"})
+    extra = parse_response_event({"type": "response.output_text.delta", "delta": "a", "x_note": "b", "item_id": "m"})
+    assert extra.fields == {"0:0:output_text": "a", "0:other": "b"}

@@ -345,9 +345,62 @@ TEXT_DELTA_EVENTS = {
     "response.reasoning_text.delta": "reasoning",
     "response.reasoning_summary_text.delta": "reasoning_summary",
     "response.function_call_arguments.delta": "arguments",
+    "response.custom_tool_call_input.delta": "input",
+    "response.mcp_call_arguments.delta": "arguments",
+    "response.code_interpreter_call_code.delta": "code",
+    "response.audio.transcript.delta": "transcript",
 }
 #: terminal events -> the finish reason they mean (``None``: failed)
 TERMINAL_EVENTS = {"response.completed": "stop", "response.incomplete": "length", "response.failed": None}
+#: string values that are protocol metadata in Responses items and events (ids, enums), besides
+#: :data:`META_KEYS`; every other string is read as text (a function's ``name`` is text)
+RESPONSE_META_KEYS = META_KEYS | {
+    "call_id",
+    "item_id",
+    "status",
+    "encrypted_content",
+    "previous_response_id",
+    "truncation",
+    "created_at",
+    "obfuscation",  # random padding OpenAI adds to stream deltas
+}
+#: text streams that are completion text (counted as the response's output); the others
+#: (``logprobs``, ``annotations``, ``other``) are checked only, as chat's logprobs and ``other``
+COUNTED_STREAMS = frozenset(
+    {"output_text", "refusal", "reasoning", "reasoning_summary", "arguments", "name", "input", "code", "transcript"}
+)
+
+
+def _rstrings(obj: Any) -> str:
+    """Every string in ``obj`` outside :data:`RESPONSE_META_KEYS`, joined by spaces."""
+    out: list[str] = []
+    if isinstance(obj, dict):
+        obj = {k: v for k, v in obj.items() if k not in RESPONSE_META_KEYS}
+    _strings_meta(obj, out, RESPONSE_META_KEYS)
+    return " ".join(out)
+
+
+def _strings_meta(obj: Any, out: list[str], meta: frozenset[str], depth: int = 0) -> None:
+    if depth > 64:
+        return
+    if isinstance(obj, str):
+        if obj:
+            out.append(obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if k not in meta:
+                _strings_meta(v, out, meta, depth + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _strings_meta(v, out, meta, depth + 1)
+
+
+def _logprob_tokens(lp: Any) -> str:
+    """The sampled tokens' strings of a Responses ``logprobs`` list (``[{"token", "logprob",
+    "top_logprobs"}]``); alternatives are not read (as chat)."""
+    if not isinstance(lp, list):
+        return ""
+    return "".join(t["token"] for t in lp if isinstance(t, dict) and isinstance(t.get("token"), str))
 
 
 @dataclass
@@ -395,25 +448,69 @@ def response_usage(usage: Any) -> dict[str, Any] | None:
     return {"prompt_tokens": it, "completion_tokens": ot, "total_tokens": it + ot}
 
 
-def _item_fields(item: dict[str, Any], index: int) -> dict[str, str]:
-    """The text streams of one output item (see :attr:`ResponseOutput.fields`)."""
-    itype = item.get("type")
+def _put(out: dict[str, str], key: str, text: str) -> None:
+    if text:
+        out[key] = out[key] + " " + text if key in out else text
+
+
+#: a content part's keys read by name (the rest of its strings are its ``other`` text)
+_PART_KEYS = frozenset({"text", "refusal", "annotations", "logprobs"})
+#: item types whose named string fields are streams of their own -> those fields
+_ITEM_STRINGS = {
+    "function_call": ("arguments", "name"),
+    "custom_tool_call": ("input", "name"),
+    "mcp_call": ("arguments", "name", "output"),
+    "code_interpreter_call": ("code",),
+}
+
+
+def _part_fields(part: dict[str, Any], index: int, j: int, name: str, out: dict[str, str]) -> None:
+    """One content part's text streams: its text (or refusal) under ``name``, the strings of
+    its ``annotations`` (titles, URLs), its ``logprobs`` tokens, and every other string."""
+    refusal = part.get("type") == "refusal"
+    t = part.get("refusal") if refusal else part.get("text")
+    if isinstance(t, str) and t:
+        out[f"{index}:{j}:{'refusal' if refusal and name == 'output_text' else name}"] = t
+    _put(out, f"{index}:{j}:annotations", _rstrings(part.get("annotations")))
+    _put(out, f"{index}:{j}:logprobs", _logprob_tokens(part.get("logprobs")))
+    _put(out, f"{index}:{j}:other", _rstrings({k: v for k, v in part.items() if k not in _PART_KEYS}))
+
+
+def _item_fields(item: Any, index: int) -> dict[str, str]:
+    """The text streams of one output item (see :attr:`ResponseOutput.fields`): the named
+    fields of its type, its content parts, and every other string (``"<index>:other"``): an
+    item type kvgate does not know is read whole."""
     out: dict[str, str] = {}
-    if itype == "function_call":
-        a = item.get("arguments")
-        if isinstance(a, str) and a:
-            out[f"{index}:0:arguments"] = a
+    if isinstance(item, str):
+        _put(out, f"{index}:other", item)
         return out
+    if not isinstance(item, dict):
+        return out
+    itype = item.get("type")
+    named = _ITEM_STRINGS.get(str(itype), ())
+    for key in named:
+        v = item.get(key)
+        if isinstance(v, str) and v:
+            out[f"{index}:0:{key}"] = v
     keys = (("content", "reasoning"), ("summary", "reasoning_summary")) if itype == "reasoning" else (("content", ""),)
+    read = set(named)
     for key, name in keys:
         parts = item.get(key)
-        for j, p in enumerate(parts if isinstance(parts, list) else ()):
+        if not isinstance(parts, list):
+            continue
+        read.add(key)
+        for j, p in enumerate(parts):
             if isinstance(p, dict):
-                refusal = p.get("type") == "refusal"
-                t = p.get("refusal") if refusal else p.get("text")
-                if isinstance(t, str) and t:
-                    out[f"{index}:{j}:{name or ('refusal' if refusal else 'output_text')}"] = t
+                _part_fields(p, index, j, name or "output_text", out)
+            else:
+                _put(out, f"{index}:other", _rstrings(p))
+    _put(out, f"{index}:other", _rstrings({k: v for k, v in item.items() if k not in read}))
     return out
+
+
+def _counted(fields: dict[str, str]) -> str:
+    """The completion text of some text streams (:data:`COUNTED_STREAMS`), in their order."""
+    return "".join(t for k, t in fields.items() if k.rsplit(":", 1)[-1] in COUNTED_STREAMS)
 
 
 def _finish_of(resp: dict[str, Any]) -> str | None:
@@ -449,18 +546,23 @@ def parse_response_body(obj: Any) -> ResponseOutput:
         return ResponseOutput("error", error=err if isinstance(err, dict) else {"message": err} if err else obj)
     items = obj.get("output")
     for i, item in enumerate(items if isinstance(items, list) else ()):
-        if isinstance(item, dict):
-            f = _item_fields(item, i)
-            if f:
-                out.fields.update(f)
-                out.texts[i] = "".join(f.values())
+        f = _item_fields(item, i)
+        out.fields.update(f)
+        if text := _counted(f):
+            out.texts[i] = text
+    _put(out.fields, "-:other", _rstrings({k: v for k, v in obj.items() if k not in ("output", "usage", "error")}))
     out.usage = response_usage(obj.get("usage"))
     out.finish_reason = _finish_of(obj)
     return out
 
 
 def parse_response_event(obj: Any) -> ResponseOutput:
-    """One stream event's ``data`` (already JSON-decoded). Never raises on odd shapes."""
+    """One stream event's ``data`` (already JSON-decoded). Every string it carries outside the
+    metadata is read: the text delta events' ``delta`` (and ``logprobs`` tokens) as new text;
+    what an event repeats (``*.done``, ``*.added``, the ``response`` object) as snapshots; any
+    other string (an annotation, a field or an event type kvgate does not know) as new text of
+    the stream ``"<output index>:other"`` (``"<output index>:<part>:annotations"`` for
+    ``response.output_text.annotation.added``). Never raises on odd shapes."""
     if not isinstance(obj, dict):
         return ResponseOutput()
     etype = obj.get("type")
@@ -468,16 +570,18 @@ def parse_response_event(obj: Any) -> ResponseOutput:
     if etype == "error" or (etype is None and obj.get("error") is not None):
         err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
         return ResponseOutput("error", error=err, sequence_number=seq)
+    i = _int(obj.get("output_index"))
+    i = 0 if i is None else i
+    j = _int(obj.get("content_index", obj.get("summary_index")))
+    j = 0 if j is None else j
     if etype in TEXT_DELTA_EVENTS:
-        d = obj.get("delta")
-        if not isinstance(d, str) or not d:
-            return ResponseOutput(sequence_number=seq)
-        i = _int(obj.get("output_index"))
-        i = 0 if i is None else i
-        j = _int(obj.get("content_index", obj.get("summary_index")))
-        key = f"{i}:{0 if j is None else j}:{TEXT_DELTA_EVENTS[etype]}"
-        return ResponseOutput("text", {i: d}, sequence_number=seq, fields={key: d})
-    snaps = _snapshots(obj, etype)
+        return _delta_event(obj, str(etype), i, j, seq)
+    snaps, read = _snapshots(obj, etype)
+    fields: dict[str, str] = {}
+    if etype == "response.output_text.annotation.added":
+        read.add("annotation")
+        _put(fields, f"{i}:{j}:annotations", _rstrings(obj.get("annotation")))
+    _put(fields, f"{i}:other", _rstrings({k: v for k, v in obj.items() if k not in read}))
     if etype in TERMINAL_EVENTS:
         got = obj.get("response")
         resp = got if isinstance(got, dict) else {}
@@ -486,8 +590,26 @@ def parse_response_event(obj: Any) -> ResponseOutput:
             return ResponseOutput("error", error=err if isinstance(err, dict) else {}, sequence_number=seq)
         finish = _finish_of(resp) or TERMINAL_EVENTS[etype]
         usage = response_usage(resp.get("usage"))
-        return ResponseOutput("terminal", finish_reason=finish, usage=usage, sequence_number=seq, snapshots=snaps)
-    return ResponseOutput("snapshot" if snaps else "other", sequence_number=seq, snapshots=snaps)
+        return ResponseOutput(
+            "terminal", finish_reason=finish, usage=usage, sequence_number=seq, snapshots=snaps, fields=fields
+        )
+    kind = "snapshot" if snaps else "other"
+    return ResponseOutput(kind, sequence_number=seq, snapshots=snaps, fields=fields)
+
+
+def _delta_event(obj: dict[str, Any], etype: str, i: int, j: int, seq: int | None) -> ResponseOutput:
+    """A text delta event: its ``delta`` (text, counted), its ``logprobs`` tokens and any other
+    string it carries (checked only)."""
+    fields: dict[str, str] = {}
+    d = obj.get("delta")
+    name = TEXT_DELTA_EVENTS[etype]
+    texts: dict[int, str] = {}
+    if isinstance(d, str) and d:
+        fields[f"{i}:{j}:{name}"] = d
+        texts[i] = d
+    _put(fields, f"{i}:{j}:logprobs", _logprob_tokens(obj.get("logprobs")))
+    _put(fields, f"{i}:other", _rstrings({k: v for k, v in obj.items() if k not in ("delta", "logprobs")}))
+    return ResponseOutput("text" if texts else "other", texts, sequence_number=seq, fields=fields)
 
 
 #: ``*.done`` events that repeat one text stream whole: event type -> (its text field, stream name)
@@ -497,33 +619,49 @@ _DONE_TEXT = {
     "response.reasoning_text.done": ("text", "reasoning"),
     "response.reasoning_summary_text.done": ("text", "reasoning_summary"),
     "response.function_call_arguments.done": ("arguments", "arguments"),
+    "response.custom_tool_call_input.done": ("input", "input"),
+    "response.mcp_call_arguments.done": ("arguments", "arguments"),
+    "response.code_interpreter_call_code.done": ("code", "code"),
+    "response.audio.transcript.done": ("transcript", "transcript"),
 }
 _PART_NAMES = {"output_text": "output_text", "refusal": "refusal", "reasoning_text": "reasoning"}
 
 
-def _snapshots(obj: dict[str, Any], etype: Any) -> dict[str, str]:
-    """The texts an event repeats (see :attr:`ResponseOutput.snapshots`); never raises."""
+def _snapshots(obj: dict[str, Any], etype: Any) -> tuple[dict[str, str], set[str]]:
+    """The texts an event repeats (see :attr:`ResponseOutput.snapshots`) and the event keys
+    read for them (with the metadata); never raises."""
     i = _int(obj.get("output_index"))
     i = 0 if i is None else i
+    j = _int(obj.get("content_index", obj.get("summary_index")))
+    j = 0 if j is None else j
+    read = {"type"}
+    out: dict[str, str] = {}
     if etype in _DONE_TEXT:
         key, name = _DONE_TEXT[etype]
         t = obj.get(key)
-        j = _int(obj.get("content_index", obj.get("summary_index")))
-        return {f"{i}:{0 if j is None else j}:{name}": t} if isinstance(t, str) and t else {}
+        read.add(key)
+        if isinstance(t, str) and t:
+            out[f"{i}:{j}:{name}"] = t
+        if etype == "response.output_text.done":
+            read.add("logprobs")
+            _put(out, f"{i}:{j}:logprobs", _logprob_tokens(obj.get("logprobs")))
+        return out, read
     part = obj.get("part")
     if isinstance(part, dict):  # content_part.* / reasoning_summary_part.*
-        j = _int(obj.get("content_index", obj.get("summary_index")))
-        summary = "summary_index" in obj
-        name = "reasoning_summary" if summary else _PART_NAMES.get(str(part.get("type")), "output_text")
-        t = part.get("refusal") if part.get("type") == "refusal" else part.get("text")
-        return {f"{i}:{0 if j is None else j}:{name}": t} if isinstance(t, str) and t else {}
+        read.add("part")
+        name = "reasoning_summary" if "summary_index" in obj else _PART_NAMES.get(str(part.get("type")), "output_text")
+        _part_fields(part, i, j, name, out)
+        return out, read
     item = obj.get("item")
-    if isinstance(item, dict):  # output_item.*
-        return _item_fields(item, i)
+    if "item" in obj:  # output_item.*
+        read.add("item")
+        return _item_fields(item, i), read
     resp = obj.get("response")
-    out: dict[str, str] = {}
-    if isinstance(resp, dict) and isinstance(resp.get("output"), list):  # response.created / completed ...
-        for k, it in enumerate(resp["output"]):
-            if isinstance(it, dict):
-                out.update(_item_fields(it, k))
-    return out
+    if isinstance(resp, dict):  # response.created / in_progress / completed ...
+        read.add("response")
+        output = resp.get("output")
+        for k, it in enumerate(output if isinstance(output, list) else ()):
+            out.update(_item_fields(it, k))
+        rest = {key: v for key, v in resp.items() if key not in ("output", "usage", "error", "incomplete_details")}
+        _put(out, "-:response", _rstrings(rest))
+    return out, read
