@@ -257,8 +257,20 @@ class VerifierSettings(_Strict):
     ingest_concurrency_per_tenant: int = Field(default=1, ge=1)
     #: a strict response with more text (UTF-8 bytes, every field) is withheld whole
     strict_max_text_bytes: int = Field(default=1024 * 1024, ge=1)
-    #: window in which leak evidence from two distinct source tenants quarantines an upstream
+    #: window in which leak evidence from two distinct source tenants raises a high-severity alert
+    #: (it never quarantines: only kvgate's own canaries or an operator do)
     quarantine_window_seconds: float = Field(default=600.0, gt=0)
+    #: a shingle of one tenant's prompt found in answers to this many distinct other tenants
+    #: within ``public_text_window_seconds`` is public text (licences, famous quotes): no evidence
+    public_text_tenants: int = Field(default=3, ge=2)
+    public_text_window_seconds: float = Field(default=3600.0, gt=0)
+    #: per tenant and ``tenant_cap_window_seconds``: most leak-index fingerprints and canaries
+    #: indexed (beyond: not indexed, counted in ``kvgate_verifier_cap_dropped_total``)
+    tenant_cap_window_seconds: float = Field(default=60.0, gt=0)
+    leak_index_tenant_cap_fingerprints: int = Field(default=120_000, ge=1)
+    canary_tenant_cap: int = Field(default=1_000, ge=1)
+    #: distinct tenants whose samples a latency bucket needs before it calibrates
+    latency_min_tenants: int = Field(default=3, ge=1)
 
 
 class BackendSettings(_Strict):

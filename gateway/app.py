@@ -144,10 +144,16 @@ class Gateway:
         await self.client.aclose()
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
-        """``(ready, report)``: ready when not draining and every upstream's limit is known and fresh."""
+        """``(ready, report)``: ready when not draining, every upstream's limit is known and fresh,
+        and every named check of the verifier stage (``report["checks"]``) passes."""
         ups = [u.watcher.status() for u in self.upstreams.all]
-        ok = not self.draining and bool(ups) and all(s["known"] for s in ups)
-        return ok, {"status": "ready" if ok else "not_ready", "draining": self.draining, "upstreams": ups}
+        health = getattr(self.verifier, "health", None)  # a stage's named checks (the verifier's worker)
+        checks: dict[str, bool] = health() if callable(health) else {}
+        ok = not self.draining and bool(ups) and all(s["known"] for s in ups) and all(checks.values())
+        report: dict[str, Any] = {"status": "ready" if ok else "not_ready", "draining": self.draining, "upstreams": ups}
+        if checks:
+            report["checks"] = checks
+        return ok, report
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight (or ``timeout`` seconds); True when idle."""

@@ -1,6 +1,6 @@
 """The verifier against a hostile tenant, driven directly (no HTTP): evidence a tenant cannot
-plant (token-id prompts decoded, echoes, the own-prompt cache), quarantine only on evidence from
-kvgate's own canaries or two source tenants, latency calibration a tenant cannot poison, and
+plant (token-id prompts decoded, echoes, the own-prompt cache), quarantine only on kvgate's own
+canaries (two source tenants: an alert), latency calibration a tenant cannot poison, and
 bounded admission-time ingest charged to its sender."""
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ async def test_own_prompt_cache_is_keyed_by_an_internal_id(tmp_path):
 
 
 # ------------------------------------------------------------------ quarantine
-async def test_quarantine_needs_kvgate_canary_or_two_sources(tmp_path):
+async def test_quarantine_needs_a_kvgate_canary_two_sources_only_alert(tmp_path):
     svc = VerifierService(settings(tmp_path), secrets=SECRETS)
     try:
         # a regular tenant's canary in another response: incident, alert, no quarantine
@@ -212,18 +212,17 @@ async def test_quarantine_needs_kvgate_canary_or_two_sources(tmp_path):
         last = [i for i in svc.incidents.recent if i.detector == "canary"][-1]
         assert (last.tenant, last.evidence["echo"], last.evidence["quarantine"]) == ("d", True, None)
         assert not svc.quarantine.records()
-        # a second source tenant within the window: quarantined
+        # a second source tenant within the window: a high-severity alert, still no quarantine
+        # (two keys of one actor can plant exactly this)
         g = svc.begin(await admitted(svc, ex(D, "hello")))
         await g.check_body(f"hello {can_c}", usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
         last = [i for i in svc.incidents.recent if i.detector == "canary"][-1]
-        assert last.evidence["quarantine"] == "two_sources"
-        assert svc.quarantine.records()["up"].detector == "canary"
-        # an operator clears it: the evidence goes too, so one more single source does nothing
-        assert svc.quarantine.clear("up")
-        g = svc.begin(await admitted(svc, ex(B, "hi")))
-        await g.check_body(f"I recall {can_a}.", usage=None, finish_reason="stop", ttft_seconds=None)
-        await svc.drain()
+        assert (last.evidence["quarantine"], last.evidence["severity"], last.evidence["alert"]) == (
+            None,
+            "high",
+            "two_sources",
+        )
         assert not svc.quarantine.records()
         # a honeypot's canary (planted by kvgate) quarantines at once
         hp = tenant("honey", honeypot=True, rate=0.0)
@@ -275,13 +274,13 @@ async def test_poisoned_calibration_still_flags_a_leak_and_a_cache_hit_is_not_fl
     hits calibrate the bucket of the tokens really prefilled, not the 3,000-token one. A
     20 ms answer to a 3,000-token prompt with nothing cached is still flagged; a 2 ms answer
     whose cached count says 2,990 tokens were cached is not. The honest samples come from
-    two tenants (one tenant fills at most half of latency_min_samples)."""
+    three tenants (a bucket needs latency_min_tenants, 3)."""
     svc = VerifierService(settings(tmp_path, latency_min_samples=4), secrets=SECRETS)
     try:
         n = 3000
         rng = random.Random(9)
         for i in range(50):
-            t = (A, C)[i % 2]
+            t = (A, C, D)[i % 3]
             if i % 50 == 7:  # one honest sample, then more honest ones from both tenants below
                 usage, ttft = {"prompt_tokens": n, "prompt_tokens_details": {"cached_tokens": 0}}, 0.40
             else:
@@ -289,7 +288,7 @@ async def test_poisoned_calibration_still_flags_a_leak_and_a_cache_hit_is_not_fl
                 ttft = 0.002 * (1 + rng.random() * 0.1)
             await svc.begin(ex(t, n=n)).check_body("ok", usage=usage, finish_reason="stop", ttft_seconds=ttft)
         for i in range(4):  # a few more honest ones so the long bucket is calibrated
-            await svc.begin(ex((A, C)[i % 2], n=n)).check_body(
+            await svc.begin(ex((A, C, D)[i % 3], n=n)).check_body(
                 "ok",
                 usage={"prompt_tokens": n, "prompt_tokens_details": {"cached_tokens": 0}},
                 finish_reason="stop",
@@ -350,7 +349,7 @@ async def test_strict_stream_too_fast_is_held_to_its_end_and_judged_by_cached_to
     try:
         n = 3000
         for i in range(6):
-            await svc.begin(ex((A, C)[i % 2], n=n, stream=True)).finish_stream(
+            await svc.begin(ex((A, C, D)[i % 3], n=n, stream=True)).finish_stream(
                 usage={"prompt_tokens": n, "prompt_tokens_details": {"cached_tokens": 0}},
                 finish_reason="stop",
                 ttft_seconds=0.40,

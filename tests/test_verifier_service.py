@@ -61,6 +61,7 @@ def sse(text: str) -> bytes:
 
 
 A, B, C = tenant("a"), tenant("b"), tenant("c")
+D = tenant("d")
 STRICT = tenant("s", strict_verify=True)
 A_PROMPT = SEED_PL[:5000]
 LEAK = SEED_PL[2000:2600]  # ~150 tokens of A's prompt
@@ -68,8 +69,9 @@ LEAK = SEED_PL[2000:2600]  # ~150 tokens of A's prompt
 
 async def test_background_check_flags_leak_and_quarantines(tmp_path):
     """One source tenant's text in another's response is a confirmed incident but no quarantine
-    (one tenant could have planted it: DESIGN.md step 8); a second source tenant's text within
-    the window quarantines."""
+    (one tenant could have planted it: docs/design.md step 8); a second source tenant's text
+    within the window is a high-severity alert, still no quarantine (two keys of one actor can
+    plant that too); an operator quarantines."""
     svc = VerifierService(settings(tmp_path), secrets=SECRETS)
     try:
         assert svc.begin(ex(A, A_PROMPT)) is not None
@@ -89,19 +91,26 @@ async def test_background_check_flags_leak_and_quarantines(tmp_path):
         await g.check_body(LEAK, usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
         assert not svc.is_quarantined("up", 5000)
-        # a second source tenant (c's prompt in b's response): quarantined
+        # a second source tenant (c's prompt in b's response): a high-severity alert, no quarantine
         svc.begin(ex(C, SEED_ZH[:3000]))
         g = svc.begin(ex(B, "and another"))
         await g.check_body(SEED_ZH[1000:1600], usage=None, finish_reason="stop", ttft_seconds=None)
         await svc.drain()
         inc2 = svc.incidents.recent[-1]
-        assert (inc2.evidence["source_tenant"], inc2.evidence["quarantine"]) == ("c", "two_sources")
-        # quarantine: prompts above quarantine_min_prompt_tokens (1024) only
+        assert (inc2.evidence["source_tenant"], inc2.evidence["quarantine"]) == ("c", None)
+        assert (inc2.evidence["severity"], inc2.evidence["alert"], inc2.evidence["sources_in_window"]) == (
+            "high",
+            "two_sources",
+            2,
+        )
+        assert svc.stats["alerts"] == 1 and not svc.quarantine.records()
+        # an operator quarantines: prompts above quarantine_min_prompt_tokens (1024) only
+        svc.quarantine.put("up", "operator", "operator", 1024)
         assert svc.is_quarantined("up", 1025) and not svc.is_quarantined("up", 1024)
         # the record on disk holds no text
         rows = read_incidents(tmp_path / "incidents.jsonl")
         assert len(rows) == 3 and LEAK[:20] not in json.dumps(rows) and A_PROMPT[:20] not in json.dumps(rows)
-        assert json.loads((tmp_path / "quarantine.json").read_text())["up"]["incident_id"] == inc2.id
+        assert json.loads((tmp_path / "quarantine.json").read_text())["up"]["incident_id"] == "operator"
     finally:
         await svc.aclose()
 
@@ -226,8 +235,8 @@ async def test_drift_abort_and_latency(tmp_path):
         )
         rng = random.Random(3)
         samples = [0.1 + rng.uniform(0, 0.01) for _ in range(5)]
-        for i, t in enumerate(samples):  # calibrate: ~100 ms; two tenants (one fills at most half)
-            await svc.begin(ex((A, C)[i % 2], prompt)).check_body(
+        for i, t in enumerate(samples):  # calibrate: ~100 ms; three tenants (latency_min_tenants)
+            await svc.begin(ex((A, C, D)[i % 3], prompt)).check_body(
                 "ok", usage={"prompt_tokens": n}, finish_reason="stop", ttft_seconds=t
             )
         await svc.begin(ex(A, prompt)).check_body(
@@ -239,9 +248,9 @@ async def test_drift_abort_and_latency(tmp_path):
         d = svc.incidents.recent[0].evidence
         assert (d["gateway_prompt_tokens"], d["engine_prompt_tokens"], d["difference_tokens"]) == (n, 1, 1 - n)
         lat = svc.incidents.recent[2].evidence
-        # bound = level x 0.5; level = the upper median of the tenants' q(0.001), i.e. of two
-        # tenants the larger of their smallest samples (DDSketch: within 1%)
-        level = max(min(samples[0::2]), min(samples[1::2]))
+        # bound = level x 0.5; level = the upper median of the tenants' q(0.001), i.e. of three
+        # tenants the middle one of their smallest samples (DDSketch: within 1%)
+        level = sorted(min(samples[k::3]) for k in range(3))[1]
         assert lat["ttft_ms"] == 1.0 and lat["bound_ms"] == pytest.approx(level * 500, rel=0.01)
         assert not svc.is_quarantined("up", 5000)  # anomalies alone do not quarantine
     finally:
@@ -279,8 +288,12 @@ async def test_two_replicas_share_the_index_and_quarantine(tmp_path, redis_prefi
         g = r1.begin(ex(B, "hi again"))
         await g.check_body(SEED_ZH[1000:1600], usage=None, finish_reason="stop", ttft_seconds=None)
         await r1.drain()
-        assert r1.incidents.recent[-1].evidence["quarantine"] == "two_sources"
+        last = r1.incidents.recent[-1]
+        assert (last.evidence["quarantine"], last.evidence["alert"]) == (None, "two_sources")
         assert c.zcard(prefix + "qevidence:up") == 2
+        r1.quarantine.refresh()
+        assert not r1.is_quarantined("up", 2000)  # an alert, not a quarantine
+        r2.quarantine.put("up", "operator", "operator", 1024)  # the operator's decision
         r1.quarantine.refresh()
         assert r1.is_quarantined("up", 2000)  # replica 1 sees replica 2's quarantine
         assert c.hexists(prefix + "quarantine", "up")

@@ -1,4 +1,4 @@
-"""Detector results as incidents, and what an incident does (DESIGN.md step 8).
+"""Detector results as incidents, and what an incident does (docs/design.md step 8).
 
 Collaborators of :class:`verifier.service.VerifierService`, one job each:
 
@@ -7,7 +7,7 @@ Collaborators of :class:`verifier.service.VerifierService`, one job each:
   request a timeout).
 - :class:`Findings`: runs the detectors (canary scan, leak index, usage drift, ``finish_reason``,
   TTFT bound, strict size cap) on an exchange's texts and builds :class:`Incident` records.
-- :class:`Evidence`: records incidents and decides quarantine from evidence no tenant can plant.
+- :class:`Evidence`: records incidents, quarantines on evidence kvgate planted, alerts on the rest.
 
 The methods whose names end in ``_locked`` expect the caller to hold the service lock (the store
 and the own-shingle cache are shared with the background worker).
@@ -25,7 +25,7 @@ from typing import Any
 from config.models import TenantConfig, VerifierSettings
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.drift import check_finish, check_usage
-from verifier.incidents import CHECKS, DROPPED, QUARANTINES, Incident, IncidentSink
+from verifier.incidents import ALERTS, CHECKS, DROPPED, QUARANTINES, Incident, IncidentSink
 from verifier.latency import LatencyModel, cached_tokens_of
 from verifier.leak_index import LeakIndex, LeakVerdict
 from verifier.quarantine import Quarantine
@@ -80,9 +80,11 @@ class StoreHealth:
 
 
 class Evidence:
-    """Records incidents (:class:`IncidentSink`) and quarantines their upstream when the evidence
-    is of a kind no tenant can plant: a probe, a canary kvgate planted, or a second distinct
-    source tenant within ``quarantine_window_seconds``."""
+    """Records incidents (:class:`IncidentSink`), quarantines their upstream only on evidence
+    kvgate planted itself (a probe's or a honeypot's canary; docs/design.md step 8), and raises a
+    high-severity alert (``kvgate_verifier_alerts_total``) when confirmed evidence of a second
+    distinct source tenant reaches an upstream within ``quarantine_window_seconds``: tenants can
+    plant that (two keys of one actor), so it never quarantines; an operator decides."""
 
     def __init__(
         self, cfg: VerifierSettings, quarantine: Quarantine, incidents: IncidentSink, stats: collections.Counter
@@ -92,47 +94,69 @@ class Evidence:
         self.incidents = incidents
         self.stats = stats
 
-    def basis(self, inc: Incident, exchange: Exchange | None) -> str | None:
-        """Why ``inc`` quarantines its upstream (DESIGN.md step 8), or ``None``: ``probe`` or
-        ``kvgate_canary`` (a canary kvgate planted), ``two_sources`` (evidence from a second
-        distinct source tenant within ``quarantine_window_seconds``). Evidence from an echo or
-        from an exchange whose own text is not fully known never counts."""
+    @staticmethod
+    def basis(inc: Incident) -> str | None:
+        """Why ``inc`` quarantines its upstream, or ``None``: ``probe`` or ``kvgate_canary`` (a
+        canary the periodic probe or a honeypot tenant planted, found in another response)."""
         if not inc.confirmed:
             return None
         if inc.detector == "probe":
             return "probe"
         if inc.detector == "canary" and inc.evidence.get("honeypot"):
             return "kvgate_canary"
+        return None
+
+    def sources_in_window(self, inc: Incident, exchange: Exchange | None) -> int:
+        """Distinct source tenants of confirmed tenant-planted evidence (a regular tenant's canary,
+        leak-index shingles) against ``inc``'s upstream within ``quarantine_window_seconds``,
+        this incident's counted; 0 when it is no such evidence. Evidence from an echo or from an
+        exchange whose own text is not fully known is not counted."""
+        if not inc.confirmed or inc.detector not in ("canary", "leak_index"):
+            return 0
         if exchange is not None and (exchange.echo or not exchange.state.own_text_complete):
-            return None
+            return 0
         if inc.detector == "canary":
             sources = list(inc.evidence.get("source_tenants") or ())
-        elif inc.detector == "leak_index":
+        else:
             src = inc.evidence.get("source_tenant")
             sources = [src] if src else []
-        else:
-            return None
         n = 0
         for src in sources:
             try:
                 n = self.quarantine.add_evidence(inc.upstream, src, self.cfg.quarantine_window_seconds)
             except Exception as e:
-                log.error("verifier: could not record quarantine evidence for %s: %s", inc.upstream, e)
-                return None
-        return "two_sources" if n >= 2 else None
+                log.error("verifier: could not record evidence against %s: %s", inc.upstream, e)
+                return 0
+        return n
 
     def record(self, incidents: list[Incident], withheld: bool = False, exchange: Exchange | None = None) -> None:
         """Emit each incident (``withheld`` set on it), counted per detector; quarantine its
-        upstream when :meth:`basis` says so."""
+        upstream when :meth:`basis` says so; alert on evidence of two source tenants."""
         for inc in incidents:
             inc.withheld = withheld
-            basis = self.basis(inc, exchange)
+            basis = self.basis(inc)
             if inc.confirmed:
                 inc.evidence["quarantine"] = basis
+            if basis is None and (n := self.sources_in_window(inc, exchange)) >= 2:
+                self._alert(inc, n)
             self.incidents.emit(inc)
             self.stats[f"incident_{inc.detector}"] += 1
             if basis is not None:
                 self._quarantine(inc, basis)
+
+    def _alert(self, inc: Incident, sources: int) -> None:
+        inc.evidence.update({"severity": "high", "alert": "two_sources", "sources_in_window": sources})
+        ALERTS.labels(inc.upstream, "two_sources").inc()
+        self.stats["alerts"] += 1
+        log.error(
+            "verifier ALERT: upstream %s answered text of %d distinct source tenants within %.0f s (incident %s); "
+            "not quarantined (tenants can plant this): check it and run 'kvgate upstream quarantine %s' if it leaks",
+            inc.upstream,
+            sources,
+            self.cfg.quarantine_window_seconds,
+            inc.id,
+            inc.upstream,
+        )
 
     def _quarantine(self, inc: Incident, basis: str) -> None:
         if inc.upstream in self.quarantine.records():
@@ -234,6 +258,7 @@ class Findings:
             "shingles_checked": verdict.checked,
             "shingles_own": verdict.own,
             "shingles_public": verdict.public,
+            "shingles_public_text": verdict.public_answers,
             "shingles_foreign": verdict.foreign,
             "source_tenant": verdict.source_tenant,
             "evidence_hashes": verdict.evidence_hashes,
@@ -302,7 +327,9 @@ class Findings:
             own = self.own_locked(ex)
             verdict, seen = LeakVerdict(), set[int]()
             for t in texts:
-                verdict.merge(self.index.check_ids(ex.request.tenant.id, encode(t), own, seen))
+                verdict.merge(
+                    self.index.check_ids(ex.request.tenant.id, encode(t), own, seen, record_spread=trusted(ex))
+                )
             leak = self.leak(ex, verdict)
             if leak:
                 found.append(leak)
@@ -333,6 +360,12 @@ class Findings:
         self.evidence.record(content, withheld=strict, exchange=ex)
         self.evidence.record(tail, exchange=ex)
         return content
+
+
+def trusted(exchange: Exchange) -> bool:
+    """Whether the exchange's own text is fully known (no echo, every token-id prompt decoded):
+    only then does its answer count towards the public-text rule."""
+    return not exchange.echo and exchange.state.own_text_complete
 
 
 def strip_echo(text: str, prompts: Sequence[str]) -> str:

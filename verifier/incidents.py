@@ -52,6 +52,29 @@ DROPPED_BYTES = Counter(
     "Prompt text (UTF-8 bytes) not indexed because the pending-ingest budget was full",
     registry=REGISTRY,
 )
+JOB_FAULTS = Counter(
+    "kvgate_verifier_job_faults_total",
+    "Background verifier jobs that raised (the worker recorded the fault and went on), by job kind",
+    ["kind"],
+    registry=REGISTRY,
+)
+WORKER_STOPS = Counter(
+    "kvgate_verifier_worker_stops_total",
+    "Times the verifier's background worker stopped other than at shutdown (/readyz fails while it is down)",
+    registry=REGISTRY,
+)
+ALERTS = Counter(
+    "kvgate_verifier_alerts_total",
+    "High-severity verifier alerts (evidence of two or more source tenants for one upstream), by upstream",
+    ["upstream", "reason"],
+    registry=REGISTRY,
+)
+CAP_DROPPED = Counter(
+    "kvgate_verifier_cap_dropped_total",
+    "Fingerprints (leak_index) or canaries (canary) not indexed: over the tenant's cap for the window",
+    ["store"],
+    registry=REGISTRY,
+)
 QUARANTINES = Counter(
     "kvgate_verifier_quarantines_total", "Upstreams quarantined after a confirmed leak", ["upstream"], registry=REGISTRY
 )

@@ -22,15 +22,20 @@ from redis.exceptions import NoScriptError
 
 from config.models import VerifierSettings
 from verifier.canary import CanaryRegistry, find_canaries
+from verifier.caps import TenantCaps
 from verifier.findings import CheckJob, Findings, StoreHealth
-from verifier.incidents import DROPPED, DROPPED_BYTES
+from verifier.incidents import DROPPED, DROPPED_BYTES, JOB_FAULTS, WORKER_STOPS
 from verifier.leak_index import LeakIndex, RedisLeakStore
 from verifier.shingles import ShingleHasher, encode, squeeze_runs
 from verifier.stage import Exchange
 
 log = logging.getLogger("kvgate.verifier")
 
-__all__ = ["CheckJob", "IngestBudget", "IngestJob", "JobQueue", "PendingIndex"]
+__all__ = ["FATAL", "CheckJob", "IngestBudget", "IngestJob", "JobQueue", "PendingIndex"]
+
+#: what a job may raise that ends the worker (the process is stopping); any other
+#: ``BaseException`` (tiktoken's ``pyo3_runtime.PanicException`` is one) is that job's fault
+FATAL = (KeyboardInterrupt, SystemExit, asyncio.CancelledError)
 
 
 @dataclass
@@ -51,7 +56,8 @@ INLINE_INGEST_BYTES = 4096
 class IngestBudget:
     """Admission-time prompt indexing. ``pending_bytes``: prompt bytes reserved by ingests not
     yet finished (bounded by ``max_pending_ingest_bytes``); ``lock``: the service lock, taken
-    only around the calls of a store that is not thread-safe (``LeakStore.thread_safe``)."""
+    only around the calls of a store that is not thread-safe (``LeakStore.thread_safe``);
+    ``caps``: the per-tenant caps on fingerprints and canaries (:mod:`verifier.caps`)."""
 
     def __init__(
         self,
@@ -62,8 +68,10 @@ class IngestBudget:
         store: StoreHealth,
         lock: threading.Lock,
         stats: collections.Counter,
+        caps: TenantCaps | None = None,
     ) -> None:
         self.cfg = cfg
+        self.caps = caps or TenantCaps(cfg)
         self.hasher = hasher
         self.index = index
         self.canaries = canaries
@@ -120,6 +128,10 @@ class IngestBudget:
             exchange.state.own_shingles = set(fast.tolist())
         return fps, cans
 
+    def capped(self, tenant: str, fps: set[int], cans: list[str]) -> tuple[list[int], list[str]]:
+        """What of a prompt's fingerprints and canaries the tenant's caps let into the stores."""
+        return self.caps.leak.take(tenant, fps), self.caps.canary.take(tenant, cans)
+
     def _store_failed(self, e: Exception) -> None:
         with self._budget_lock:
             self.stats["errors"] += 1
@@ -135,6 +147,7 @@ class IngestBudget:
         one). Releases ``nbytes`` of the budget when done."""
         try:
             fps, cans = self.fingerprint(exchange, text, yield_gil=True)
+            kept, cans = self.capped(exchange.request.tenant.id, fps, cans)
             # a thread-safe (Redis) store needs no service lock: waiting out a worker's batch
             # under it cost admissions up to milliseconds; the stats have a lock of their own
             shared = getattr(self.index.store, "thread_safe", False) and getattr(
@@ -143,7 +156,7 @@ class IngestBudget:
             with contextlib.nullcontext() if shared else self.lock:
                 if self.store.up():
                     try:
-                        self.index.store.add(exchange.request.tenant.id, fps)
+                        self.index.store.add(exchange.request.tenant.id, kept)
                         if cans:
                             self.canaries.register(exchange.request.tenant.id, cans)
                     except Exception as e:
@@ -176,7 +189,8 @@ class IngestBudget:
         leaks, canaries = self._stores()
         assert isinstance(leaks, RedisLeakStore) and isinstance(canaries, RedisLeakStore)  # inline_store()
         tenant = exchange.request.tenant.id
-        writes = [(leaks, list(fps))]
+        kept, cans = self.capped(tenant, fps, cans)
+        writes = [(leaks, kept)]
         if cans:
             writes.append((canaries, [self.canaries.fingerprint(c) for c in cans]))
         return PendingIndex(self, tenant, writes if self.store.up() else [], nbytes)
@@ -247,14 +261,20 @@ class JobQueue:
         lock: threading.Lock,
         own_cache: dict[str, set[int]],
         stats: collections.Counter,
+        caps: TenantCaps | None = None,
     ) -> None:
         self.cfg = cfg
+        self.caps = caps or TenantCaps(cfg)
         self.findings = findings
         self.lock = lock
         self.own_cache = own_cache
         self.stats = stats
         self.jobs: collections.deque = collections.deque()
         self.wake: asyncio.Event | None = None
+        #: the worker task ended other than by :attr:`closing` (read by ``/readyz``)
+        self.stopped = False
+        #: set by the service at shutdown: a cancellation then is no stop
+        self.closing = False
 
     def enqueue(self, job: IngestJob | CheckJob) -> bool:
         """Queue ``job``; ``False`` (counted: ``queue_full``) when ``queue_size`` are queued."""
@@ -268,19 +288,45 @@ class JobQueue:
         return True
 
     async def work(self) -> None:
-        """The worker task: batches of up to 32 jobs in a thread; never dies of a job's error."""
+        """The worker task: batches of up to 32 jobs in a thread. A job that raises anything but
+        :data:`FATAL` is recorded (:meth:`_fault`) and the worker goes on; should the task end
+        anyway, :attr:`stopped` turns true (``/readyz`` fails, ``kvgate_verifier_worker_stops_total``)."""
         self.wake = wake = self.wake or asyncio.Event()
-        while True:
-            if not self.jobs:
-                wake.clear()
-                await wake.wait()
-            self.stats["in_flight"] += 1
-            try:
-                await asyncio.to_thread(self._run_some, 32)
-            except Exception:  # never let the worker die
-                log.exception("verifier worker error")
-            finally:
-                self.stats["in_flight"] -= 1
+        self.stopped = False
+        try:
+            while True:
+                if not self.jobs:
+                    wake.clear()
+                    await wake.wait()
+                self.stats["in_flight"] += 1
+                try:
+                    await asyncio.to_thread(self._run_some, 32)
+                except FATAL:
+                    raise
+                except BaseException as e:  # never let the worker die of a batch
+                    self._fault("batch", e)
+                finally:
+                    self.stats["in_flight"] -= 1
+        except asyncio.CancelledError:
+            if not self.closing:
+                self._stopped()
+            raise
+        except BaseException:
+            self._stopped()
+            raise
+
+    def _stopped(self) -> None:
+        self.stopped = True
+        WORKER_STOPS.inc()
+        self.stats["worker_stops"] += 1
+        log.error("verifier worker stopped: sampled responses are no longer checked")
+
+    def _fault(self, kind: str, e: BaseException) -> None:
+        """A job (``kind``: ``ingest``, ``check``, ``batch``) raised ``e``: counted
+        (``kvgate_verifier_job_faults_total{kind}``) and logged with its traceback."""
+        JOB_FAULTS.labels(kind).inc()
+        self.stats["job_faults"] += 1
+        log.error("verifier job fault (%s): %s", kind, type(e).__name__, exc_info=(type(e), e, e.__traceback__))
 
     def _run_some(self, n: int) -> None:
         for _ in range(n):
@@ -316,18 +362,26 @@ class JobQueue:
                 self._ingest(job)
             else:
                 self.findings.check_whole_locked(job, self.stats)
-        except Exception as e:  # a store error must not kill the worker
+        except FATAL:
+            raise
+        except Exception as e:  # a store error (Redis down) must not kill the worker
             self.stats["errors"] += 1
             store.error(e)
+        except BaseException as e:  # e.g. tiktoken's pyo3 PanicException: this job only
+            self._fault("ingest" if isinstance(job, IngestJob) else "check", e)
 
     def _ingest(self, job: IngestJob) -> None:
         f = self.findings
-        _, own = f.index.ingest(job.tenant, job.text, keep_own=job.keep_own)
-        if own is not None:
-            self.own_cache[job.request_id] = own  # keyed by the exchange's internal id
+        ids = encode(job.text)
+        fast = f.index.hasher.fast(ids)
+        f.index.store.add(
+            job.tenant, self.caps.leak.take(job.tenant, f.index.hasher.fingerprints(ids, f.index.w, fast))
+        )
+        if job.keep_own:
+            self.own_cache[job.request_id] = set(fast.tolist())  # keyed by the exchange's internal id
             while len(self.own_cache) > self.cfg.queue_size:  # guards that never finished
                 self.own_cache.pop(next(iter(self.own_cache)))
-        cans = find_canaries(job.text)
+        cans = self.caps.canary.take(job.tenant, find_canaries(job.text))
         if cans:
             f.canaries.register(job.tenant, cans)
         self.stats["ingested"] += 1

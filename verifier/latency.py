@@ -22,18 +22,28 @@ alerts on an anomaly (see :class:`LatencyVerdict`'s ``cached_known``).
 
 No tenant dominates calibration: each bucket keeps one sketch per tenant (at most
 ``max_tenants_per_bucket``, least recently updated evicted); a tenant's samples count at most
-``ceil(tenant_share x min_samples)`` towards ``min_samples``; the bucket's level is the *upper*
-median of the tenants' quantiles. A tenant can make its own requests fast (repeat a cached
-prompt) but not slow, so the upper median of two tenants is the honest one, and with more
-tenants a minority cannot move it.
+``ceil(tenant_share x min_samples)`` towards ``min_samples``, and a bucket needs samples of
+``min_tenants`` (3) distinct tenants; the bucket's level is the *upper* median of the tenants'
+quantiles. A tenant can make its own requests fast (repeat a cached prompt) but not slow, so
+one tenant, or two keys of one actor, cannot calibrate a bucket alone, and fast tenants move
+the level only when they are the majority of the bucket's tenants.
+
+Calibration survives restarts: every sample is also appended (:meth:`LatencyModel.take_unsaved`)
+to a :class:`RedisLatencyStore` when the verifier has Redis, and a starting gateway replays what
+is stored (:meth:`LatencyModel.replay`); without Redis it lives in memory.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ddsketch import DDSketch
+
+#: samples kept for a store between two saves (a store that is down loses the excess)
+MAX_UNSAVED = 10_000
 
 
 def bucket_of(prompt_tokens: int) -> int:
@@ -62,7 +72,8 @@ class LatencyModel:
     prompts (prefilled tokens) are recorded but never flagged. ``relative_accuracy``: DDSketch's.
     ``tenant_share``: the most of ``min_samples`` one tenant's samples can fill (1.0: one tenant
     may calibrate a bucket alone; the service uses ``verifier.latency_tenant_share``, 0.5);
-    ``max_tenants_per_bucket``: sketches kept per bucket.
+    ``max_tenants_per_bucket``: sketches kept per bucket; ``min_tenants``: distinct tenants a
+    bucket needs samples of before it calibrates (the service uses ``verifier.latency_min_tenants``, 3).
     """
 
     def __init__(
@@ -75,6 +86,7 @@ class LatencyModel:
         relative_accuracy: float = 0.01,
         tenant_share: float = 1.0,
         max_tenants_per_bucket: int = 64,
+        min_tenants: int = 1,
     ) -> None:
         self.quantile = quantile
         self.margin = margin
@@ -83,6 +95,9 @@ class LatencyModel:
         self.relative_accuracy = relative_accuracy
         self.tenant_cap = max(1, math.ceil(tenant_share * min_samples))
         self.max_tenants_per_bucket = max_tenants_per_bucket
+        self.min_tenants = min_tenants
+        #: samples recorded and not yet handed to a store: ``(key, tenant, ttft_seconds)``
+        self._unsaved: list[tuple[tuple[str, str, str, int], str, float]] = []
         #: (upstream, model, kind, bucket) -> {tenant: sketch}, in least-recently-updated order
         self._sketches: dict[tuple[str, str, str, int], dict[str, DDSketch]] = {}
         #: cached levels (``None``: not calibrated); dropped when the bucket gets a sample
@@ -93,7 +108,7 @@ class LatencyModel:
             return self._levels[key]
         per = self._sketches.get(key)
         level = None
-        if per:
+        if per and len(per) >= self.min_tenants:
             total = sum(min(int(s.count), self.tenant_cap) for s in per.values())
             if total >= self.min_samples:
                 qs = sorted(q for s in per.values() if (q := s.get_quantile_value(self.quantile)) is not None)
@@ -139,6 +154,11 @@ class LatencyModel:
         if ttft_seconds <= 0:
             return
         key = (upstream, model, kind, bucket_of(prompt_tokens))
+        self._add(key, tenant, ttft_seconds)
+        if len(self._unsaved) < MAX_UNSAVED:
+            self._unsaved.append((key, tenant, ttft_seconds))
+
+    def _add(self, key: tuple[str, str, str, int], tenant: str, ttft_seconds: float) -> None:
         per = self._sketches.setdefault(key, {})
         s = per.pop(tenant, None)
         if s is None:
@@ -148,6 +168,22 @@ class LatencyModel:
         per[tenant] = s  # most recently updated last
         s.add(ttft_seconds)
         self._levels.pop(key, None)
+
+    def take_unsaved(self) -> list[tuple[tuple[str, str, str, int], str, float]]:
+        """The samples recorded since the last call (for a store), oldest first; at most
+        :data:`MAX_UNSAVED` are kept between calls."""
+        out, self._unsaved = self._unsaved, []
+        return out
+
+    def replay(self, samples: Iterable[tuple[tuple[str, str, str, int], str, float]]) -> int:
+        """Add stored samples (``(key, tenant, ttft_seconds)``, as :meth:`take_unsaved` gave
+        them) without handing them to the store again; returns how many were added."""
+        n = 0
+        for key, tenant, ttft in samples:
+            if ttft > 0:
+                self._add(key, tenant, ttft)
+                n += 1
+        return n
 
     @staticmethod
     def prefilled_tokens(prompt_tokens: int, cached_tokens: int | None) -> int:
@@ -214,3 +250,56 @@ def cached_tokens_of(usage: dict | None) -> int | None:
     if isinstance(c, int) and not isinstance(c, bool) and c >= 0:
         return c
     return None
+
+
+class RedisLatencyStore:
+    """Latency samples in Redis, so calibration survives a restart: per bucket and tenant a list
+    ``<prefix>latency:["<upstream>","<model>","<kind>",<bucket>,"<tenant>"]`` of the last ``keep`` TTFTs
+    (seconds, as text), each list expiring ``ttl_seconds`` after its last sample; the set
+    ``<prefix>latency:keys`` names the lists. :meth:`save` is one pipelined round trip,
+    :meth:`load` two. ``client``: a synchronous ``redis.Redis``; raises ``redis.RedisError``."""
+
+    def __init__(self, client, prefix: str = "kvgate:", keep: int = 512, ttl_seconds: float = 7 * 86400) -> None:
+        self.client = client
+        self.prefix = prefix + "latency:"
+        self.keep = keep
+        self.ttl_seconds = int(ttl_seconds)
+
+    def _name(self, key: tuple[str, str, str, int], tenant: str) -> str:
+        return self.prefix + json.dumps([key[0], key[1], key[2], key[3], tenant], separators=(",", ":"))
+
+    def save(self, samples: list[tuple[tuple[str, str, str, int], str, float]]) -> None:
+        """Append ``samples`` (from :meth:`LatencyModel.take_unsaved`)."""
+        if not samples:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        names: dict[str, None] = {}
+        for key, tenant, ttft in samples:
+            name = self._name(key, tenant)
+            pipe.rpush(name, repr(float(ttft)))
+            names[name] = None
+        for name in names:
+            pipe.ltrim(name, -self.keep, -1)
+            pipe.expire(name, self.ttl_seconds)
+        pipe.sadd(self.prefix + "keys", *names)
+        pipe.expire(self.prefix + "keys", self.ttl_seconds)
+        pipe.execute()
+
+    def load(self) -> list[tuple[tuple[str, str, str, int], str, float]]:
+        """Every stored sample, for :meth:`LatencyModel.replay`."""
+        names = sorted(n.decode() if isinstance(n, bytes) else n for n in self.client.smembers(self.prefix + "keys"))
+        if not names:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.lrange(name, 0, -1)
+        out = []
+        for name, values in zip(names, pipe.execute(), strict=True):
+            try:
+                u, m, k, b, tenant = json.loads(name[len(self.prefix) :])
+                key = (str(u), str(m), str(k), int(b))
+                ttfts = [float(v) for v in values]
+            except (ValueError, TypeError):
+                continue  # not a list this store wrote
+            out += [(key, str(tenant), t) for t in ttfts]
+        return out

@@ -185,18 +185,66 @@ class RedisLeakStore:
         return out
 
 
+_SPREAD_LUA = """
+local t, ttl, cap = ARGV[1], ARGV[2], tonumber(ARGV[3])
+for i, k in ipairs(KEYS) do
+  if redis.call('SCARD', k) < cap then
+    redis.call('SADD', k, t)
+  end
+  redis.call('PEXPIRE', k, ttl)
+end
+return #KEYS
+"""
+
+
+class RedisSpreadStore:
+    """Redis store of *which tenants' answers* held a fingerprint (the public-text rule,
+    :class:`LeakIndex`): a set per fingerprint, ``<prefix>fp:<16 hex>``, of at most ``cap``
+    tenant ids (more need not be known), its TTL renewed on every add. :meth:`add` is one Lua
+    call, :meth:`owners` one pipelined round trip of ``SMEMBERS``. Same protocol and thread
+    safety as :class:`RedisLeakStore`."""
+
+    thread_safe = True
+
+    def __init__(self, client, ttl_seconds: float, prefix: str = "kvgate:spread:", cap: int = 3) -> None:
+        self.client = client
+        self.ttl_ms = max(1, int(ttl_seconds * 1000))
+        self.prefix = prefix
+        self.cap = cap
+        self._add = client.register_script(_SPREAD_LUA)
+
+    def _key(self, fp: int) -> str:
+        return f"{self.prefix}fp:{fp:016x}"
+
+    def add(self, tenant: str, fps: Iterable[int]) -> None:
+        keys = [self._key(fp) for fp in fps]
+        if keys:
+            self._add(keys=keys, args=[tenant, self.ttl_ms, self.cap])
+
+    def owners(self, fps: list[int]) -> list[set[str]]:
+        if not fps:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for fp in fps:
+            pipe.smembers(self._key(fp))
+        return [{m.decode() if isinstance(m, bytes) else m for m in got} for got in pipe.execute()]
+
+
 @dataclass
 class LeakVerdict:
     """What a lookup found. Counts are of distinct response shingles.
 
     ``checked``: shingles looked up; ``own``: in the tenant's own prompt or sent by the tenant;
-    ``public``: sent by >= 2 tenants; ``foreign``: sent by exactly one other tenant (evidence);
+    ``public``: sent by >= 2 tenants, or public text (``public_answers`` of them: found in answers
+    to ``public_tenants`` distinct tenants, see :class:`LeakIndex`); ``foreign``: sent by exactly
+    one other tenant and not public text (evidence);
     ``foreign_by_tenant``: evidence per source tenant; ``evidence_hashes``: up to 8 of the
     foreign fingerprints as hex (safe to log: keyed hashes, no text)."""
 
     checked: int = 0
     own: int = 0
     public: int = 0
+    public_answers: int = 0
     foreign: int = 0
     foreign_by_tenant: dict[str, int] = field(default_factory=dict)
     evidence_hashes: list[str] = field(default_factory=list)
@@ -206,6 +254,7 @@ class LeakVerdict:
         self.checked += other.checked
         self.own += other.own
         self.public += other.public
+        self.public_answers += other.public_answers
         self.foreign += other.foreign
         for t, n in other.foreign_by_tenant.items():
             self.foreign_by_tenant[t] = self.foreign_by_tenant.get(t, 0) + n
@@ -224,13 +273,30 @@ class LeakVerdict:
 class LeakIndex:
     """Ingest prompts, check responses. ``hasher`` holds the key and ``k``; ``w`` the window.
 
+    Public text: a shingle of one tenant's prompt that answers to ``public_tenants`` distinct
+    other tenants held (``spread``: a :class:`LeakStore` of answer tenants per fingerprint, its
+    TTL the public-text window) is text models recite (a licence, a famous poem) and no longer
+    evidence, so nobody can prime the index with it and have an honest tenant's answer count
+    against an upstream. Each check records the answer's foreign shingles there (unless
+    ``record_spread`` is false); the first ``public_tenants`` answers are still reported. No
+    ``spread``: the rule is off.
+
     Not thread-safe by itself; the service serialises calls.
     """
 
-    def __init__(self, store: LeakStore, hasher: ShingleHasher, w: int = 35) -> None:
+    def __init__(
+        self,
+        store: LeakStore,
+        hasher: ShingleHasher,
+        w: int = 35,
+        spread: LeakStore | None = None,
+        public_tenants: int = 3,
+    ) -> None:
         self.store = store
         self.hasher = hasher
         self.w = w
+        self.spread = spread
+        self.public_tenants = public_tenants
 
     def prompt_fingerprints(self, text: str) -> set[int]:
         """Winnowed fingerprints of a prompt's text."""
@@ -251,11 +317,19 @@ class LeakIndex:
         return set(self.hasher.fast(encode(text)).tolist())
 
     def check_ids(
-        self, tenant: str, ids: list[int], own: set[int] | frozenset[int] = frozenset(), seen: set[int] | None = None
+        self,
+        tenant: str,
+        ids: list[int],
+        own: set[int] | frozenset[int] = frozenset(),
+        seen: set[int] | None = None,
+        *,
+        record_spread: bool = True,
     ) -> LeakVerdict:
         """Classify the shingles of response token ids (see :class:`LeakVerdict`). ``own``: the
         own prompt's :meth:`own_shingles`; ``seen``: shingles already checked for this response
-        (updated in place, so a stream's repeats are not counted twice)."""
+        (updated in place, so a stream's repeats are not counted twice); ``record_spread``: add
+        this answer's foreign shingles to the public-text count (false for answers whose own text
+        is not fully known, such as echoes)."""
         v = LeakVerdict()
         fast = self.hasher.fast(ids).tolist()
         todo: list[int] = []
@@ -274,6 +348,7 @@ class LeakIndex:
         if not todo:
             return v
         hashes = self.hasher.hashes_at(ids, todo)
+        foreign: list[tuple[int, str]] = []
         for h, owners in zip(hashes, self.store.owners(hashes), strict=True):
             if not owners:
                 continue
@@ -282,12 +357,27 @@ class LeakIndex:
             elif len(owners) >= 2:
                 v.public += 1
             else:
-                (src,) = owners
-                v.foreign += 1
-                v.foreign_by_tenant[src] = v.foreign_by_tenant.get(src, 0) + 1
-                if len(v.evidence_hashes) < 8:
-                    v.evidence_hashes.append(f"{h:016x}")
+                foreign.append((h, next(iter(owners))))
+        if foreign:
+            self._classify_foreign(v, tenant, foreign, record_spread)
         return v
+
+    def _classify_foreign(self, v: LeakVerdict, tenant: str, foreign: list[tuple[int, str]], record: bool) -> None:
+        """Count ``foreign`` (``(fingerprint, source tenant)``) as evidence or, when answers to
+        ``public_tenants`` distinct other tenants held it, as public text; record this answer."""
+        fps = [h for h, _ in foreign]
+        spread = self.spread.owners(fps) if self.spread is not None else [set()] * len(fps)
+        for (h, src), answered in zip(foreign, spread, strict=True):
+            if len(answered - {tenant}) >= self.public_tenants:
+                v.public += 1
+                v.public_answers += 1
+                continue
+            v.foreign += 1
+            v.foreign_by_tenant[src] = v.foreign_by_tenant.get(src, 0) + 1
+            if len(v.evidence_hashes) < 8:
+                v.evidence_hashes.append(f"{h:016x}")
+        if record and self.spread is not None:
+            self.spread.add(tenant, fps)
 
     def check_text(self, tenant: str, text: str, own: set[int] | frozenset[int] = frozenset()) -> LeakVerdict:
         """Check a whole response's text."""

@@ -48,11 +48,21 @@ from typing import Any
 
 from config.models import Settings, TenantConfig
 from verifier.canary import CanaryRegistry, CanaryScanner
-from verifier.findings import Evidence, Findings, StoreHealth, StoreSkipped, incident, kvgate_planted, strip_echo
+from verifier.caps import TenantCaps
+from verifier.findings import (
+    Evidence,
+    Findings,
+    StoreHealth,
+    StoreSkipped,
+    incident,
+    kvgate_planted,
+    strip_echo,
+    trusted,
+)
 from verifier.incidents import CHECKS, Incident, IncidentSink
 from verifier.jobs import INLINE_INGEST_BYTES, CheckJob, IngestBudget, IngestJob, JobQueue, PendingIndex
-from verifier.latency import LatencyModel
-from verifier.leak_index import LeakIndex, LeakStore, LeakVerdict, MemoryLeakStore, RedisLeakStore
+from verifier.latency import LatencyModel, RedisLatencyStore
+from verifier.leak_index import LeakIndex, LeakStore, LeakVerdict, MemoryLeakStore, RedisLeakStore, RedisSpreadStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
 from verifier.shingles import IncrementalShingler, ShingleHasher, encode
 from verifier.stage import Decoder, Exchange, ExchangeRequest, ResponseWithheld
@@ -138,13 +148,17 @@ class VerifierService:
             ttl = cfg.leak_index_ttl_seconds
             leak_store = RedisLeakStore(redis_client, ttl, key_prefix + "leak:", aclient=aredis_client)
             canary_store = RedisLeakStore(redis_client, ttl, key_prefix + "canary:", aclient=aredis_client)
+            spread_store: LeakStore = RedisSpreadStore(
+                redis_client, cfg.public_text_window_seconds, key_prefix + "spread:", cap=cfg.public_text_tenants + 1
+            )
             qbackend = RedisQuarantineBackend(redis_client, key_prefix)
         else:
             leak_store = MemoryLeakStore(cfg.leak_index_ttl_seconds)
             canary_store = MemoryLeakStore(cfg.leak_index_ttl_seconds)
+            spread_store = MemoryLeakStore(cfg.public_text_window_seconds)
             qbackend = FileQuarantineBackend(settings.state_dir)
         self.hasher = ShingleHasher(key, cfg.shingle_k)
-        self.index = LeakIndex(leak_store, self.hasher, cfg.winnow_w)
+        self.index = LeakIndex(leak_store, self.hasher, cfg.winnow_w, spread_store, cfg.public_text_tenants)
         self.canaries = CanaryRegistry(canary_store, key)
         self.quarantine = Quarantine(qbackend)
         self.latency = LatencyModel(
@@ -153,7 +167,10 @@ class VerifierService:
             min_samples=cfg.latency_min_samples,
             min_prompt_tokens=cfg.latency_min_prompt_tokens,
             tenant_share=cfg.latency_tenant_share,
+            min_tenants=cfg.latency_min_tenants,
         )
+        #: where calibration samples outlive the process (Redis), or ``None`` (memory only)
+        self.latency_store = RedisLatencyStore(redis_client, key_prefix) if redis_client is not None else None
         path = incident_path or cfg.incident_log or str(Path(settings.state_dir) / "incidents.jsonl")
         self.incidents = IncidentSink(path)
         self.rng = rng or random.Random()
@@ -176,8 +193,12 @@ class VerifierService:
             own_cache,
             lambda tid: kvgate_planted(tid, self.tenant_source, self.tenants, probe_tenant),
         )
-        self.ingest = IngestBudget(cfg, self.hasher, self.index, self.canaries, self.store, self._lock, self.stats)
-        self.jobs = JobQueue(cfg, self.findings, self._lock, own_cache, self.stats)
+        #: per-tenant caps on indexed fingerprints and canaries
+        self.caps = TenantCaps(cfg)
+        self.ingest = IngestBudget(
+            cfg, self.hasher, self.index, self.canaries, self.store, self._lock, self.stats, self.caps
+        )
+        self.jobs = JobQueue(cfg, self.findings, self._lock, own_cache, self.stats, self.caps)
         #: the queued jobs (read by :meth:`drain` and tests)
         self._jobs = self.jobs.jobs
         #: admission's indexing step, called in a thread of its own (an attribute, so a test can
@@ -204,9 +225,47 @@ class VerifierService:
         self.quarantine.refresh()  # once at start-up; from now on only the refresher reads the store
         self.quarantine.inline_refresh = False
         self._tasks.append(loop.create_task(self.quarantine.refresh_loop(), name="kvgate-verifier-quarantine"))
+        if self.latency_store is not None:
+            self._tasks.append(loop.create_task(self._latency_loop(), name="kvgate-verifier-latency"))
         if self.cfg.probe_interval_seconds:
             prober = _Prober(self)
             self._tasks.append(loop.create_task(prober.loop(), name="kvgate-verifier-probe"))
+
+    #: seconds between two saves of new latency samples
+    LATENCY_SAVE_SECONDS = 1.0
+
+    def load_latency(self) -> int:
+        """Replay the stored latency samples into calibration (start-up); returns how many.
+        A store error is logged and calibration starts empty."""
+        if self.latency_store is None:
+            return 0
+        try:
+            samples = self.latency_store.load()
+        except Exception as e:
+            log.warning("verifier: could not load latency calibration: %s", e)
+            return 0
+        with self._lock:
+            n = self.latency.replay(samples)
+        self.stats["latency_loaded"] += n
+        return n
+
+    def save_latency(self) -> None:
+        """Hand the samples recorded since the last save to the store (blocking; a store error
+        loses them, logged)."""
+        if self.latency_store is None:
+            return
+        with self._lock:
+            samples = self.latency.take_unsaved()
+        try:
+            self.latency_store.save(samples)
+        except Exception as e:
+            log.warning("verifier: could not save %d latency samples: %s", len(samples), e)
+
+    async def _latency_loop(self) -> None:
+        await asyncio.to_thread(self.load_latency)
+        while True:
+            await asyncio.sleep(self.LATENCY_SAVE_SECONDS)
+            await asyncio.to_thread(self.save_latency)
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Wait until every queued job has been processed (tests, shutdown)."""
@@ -226,6 +285,7 @@ class VerifierService:
             except TimeoutError:
                 log.warning("verifier: %d jobs dropped at shutdown", len(self._jobs))
         self._closed = True
+        self.jobs.closing = True
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -233,6 +293,8 @@ class VerifierService:
                 await task
             except (asyncio.CancelledError, Exception):
                 pass
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.save_latency)
         pool, self._strict_pool = self._strict_pool, None
         if pool is not None:
             pool.shutdown(wait=False)
@@ -257,6 +319,13 @@ class VerifierService:
             )
         ctx = contextvars.copy_context()
         return await loop.run_in_executor(self._strict_pool, functools.partial(ctx.run, fn, *args, **kwargs))
+
+    def health(self) -> dict[str, bool]:
+        """Named readiness checks (``/readyz``): ``verifier_worker`` is false once the background
+        worker has stopped (sampled responses would go unchecked)."""
+        worker = self._tasks[0] if self._tasks else None
+        down = self.jobs.stopped or (worker is not None and worker.done() and not self._closed)
+        return {"verifier_worker": not down}
 
     # ------------------------------------------------------------------ stage API
     def _decide_sampled(self, exchange: Exchange) -> bool:
@@ -395,7 +464,11 @@ class VerifierService:
                     found += f.canary(exchange, canaries)
                 for ids in ids_list:
                     if ids:
-                        guard.verdict.merge(self.index.check_ids(exchange.request.tenant.id, ids, own, guard.seen))
+                        guard.verdict.merge(
+                            self.index.check_ids(
+                                exchange.request.tenant.id, ids, own, guard.seen, record_spread=trusted(exchange)
+                            )
+                        )
             except StoreSkipped:
                 pass
             except Exception as e:  # the store is down: fail open (counted), latency still applies

@@ -1,9 +1,11 @@
-"""``kvgate upstream list`` / ``kvgate upstream clear NAME``: show or lift the quarantine a
-confirmed leak put on an upstream (verifier, DESIGN.md "Actions").
+"""``kvgate upstream list`` / ``quarantine NAME`` / ``clear NAME``: show, put or lift an
+upstream's quarantine (verifier, docs/verifier.md "What quarantines": kvgate's own planted
+canaries quarantine by themselves; any other evidence waits for an operator's ``quarantine``).
 
 The state is where the running gateways read it: Redis when the config has ``redis_url``, else
 ``<state_dir>/quarantine.json``; gateways pick a change up within a second. Exit status: 0 done,
-1 ``clear`` of an upstream that was not quarantined, 2 configuration or store error.
+1 ``clear`` of an upstream that was not quarantined, 2 configuration or store error (or
+``quarantine`` of a name that is not an upstream).
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="kvgate.yaml (default: KVGATE_CONFIG or the embedded one)")
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("list", help="show quarantined upstreams")
+    put = sub.add_parser("quarantine", help="quarantine an upstream (an operator's decision after an alert)")
+    put.add_argument("name", help="the upstream's name (as in kvgate.yaml)")
+    put.add_argument(
+        "--min-prompt-tokens", type=int, default=None, help="refuse prompts above this (default: the config's)"
+    )
     clear = sub.add_parser("clear", help="lift an upstream's quarantine")
     clear.add_argument("name", help="the upstream's name (as in kvgate.yaml)")
 
@@ -46,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
                 )
             return 0
         known = {u.name for u in settings.upstreams}
+        if args.action == "quarantine":
+            return _quarantine(q, args, settings, known)
         if q.clear(args.name):
             print(f"upstream '{args.name}': quarantine cleared")
             return 0
@@ -55,3 +64,19 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:  # store unreachable
         print(f"kvgate upstream: cannot reach the quarantine store: {e}", file=sys.stderr)
         return 2
+
+
+def _quarantine(q, args: argparse.Namespace, settings, known: set[str]) -> int:
+    """``quarantine NAME``: 0 done (or already quarantined), 2 not an upstream of the config."""
+    if args.name not in known:
+        print(f"kvgate upstream: '{args.name}' is not an upstream of this config", file=sys.stderr)
+        return 2
+    limit = (
+        args.min_prompt_tokens if args.min_prompt_tokens is not None else settings.verifier.quarantine_min_prompt_tokens
+    )
+    if q.backend.load().get(args.name) is not None:
+        print(f"upstream '{args.name}' is already quarantined")
+        return 0
+    q.put(args.name, "operator", "operator", limit)
+    print(f"upstream '{args.name}': quarantined for prompts above {limit} tokens (operator)")
+    return 0
