@@ -406,3 +406,26 @@ def test_an_operator_quarantines_from_the_cli(tmp_path, capsys):
         " for prompts above 2048 tokens (incident operator, detector operator)\n"
     )
     assert main(["upstream", "--config", str(cfg), "clear", "up"]) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_strict_answer_whose_check_panics_is_withheld_and_the_verifiers_own_encode_never_panics(stack, monkeypatch):
+    from verifier.shingles import encode as verifier_encode
+
+    st, svc, client, gw = stack
+    raw = bundled_encoding()
+    t = time.monotonic()
+    assert verifier_encode(PANIC_TEXT) == raw.encode_ordinary(" \t" * 32 + "x")  # squeezed: no panic
+    assert time.monotonic() - t < 1.0
+    monkeypatch.setattr(verifier.findings, "encode", raw.encode_ordinary)  # the raw one panics
+    st.text = PANIC_TEXT
+    faults = metric("kvgate_verifier_job_faults_total", kind="strict")
+    r = ask(client, "h1", "Say something.")
+    assert (r.status_code, r.json()["error"]["code"]) == (502, "response_withheld")
+    (inc,) = [i for i in svc.incidents.recent if i.detector == "check_fault"]
+    assert (inc.tenant, inc.withheld, inc.evidence["error"]) == ("h1", True, "PanicException")
+    assert inc.id in r.json()["error"]["message"]
+    assert metric("kvgate_verifier_job_faults_total", kind="strict") == faults + 1
+    st.text = "A fine answer."  # the next strict answer is checked and released
+    r = ask(client, "h1", "Say something.")
+    assert (r.status_code, r.json()["choices"][0]["message"]["content"]) == (200, "A fine answer.")

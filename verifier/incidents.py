@@ -27,8 +27,9 @@ log = logging.getLogger("kvgate.verifier")
 #: Detectors: ``canary`` (a planted canary in another request's response), ``leak_index``
 #: (another tenant's prompt shingles), ``latency`` (TTFT below the calibrated bound),
 #: ``usage_drift``, ``finish_abort``, ``probe`` (a canary probe surfaced a canary), ``oversize``
-#: (a strict response with more text than ``strict_max_text_bytes``, withheld unchecked).
-DETECTORS = ("canary", "leak_index", "latency", "usage_drift", "finish_abort", "probe", "oversize")
+#: (a strict response with more text than ``strict_max_text_bytes``, withheld unchecked),
+#: ``check_fault`` (a strict response whose check raised, e.g. a tokenizer panic: withheld).
+DETECTORS = ("canary", "leak_index", "latency", "usage_drift", "finish_abort", "probe", "oversize", "check_fault")
 
 #: the verifier's own registry; the gateway's ``/metrics`` renders it after its own
 REGISTRY = CollectorRegistry(auto_describe=True)

@@ -60,7 +60,7 @@ from verifier.findings import (
     trusted,
 )
 from verifier.incidents import CHECKS, Incident, IncidentSink
-from verifier.jobs import INLINE_INGEST_BYTES, CheckJob, IngestBudget, IngestJob, JobQueue, PendingIndex
+from verifier.jobs import FATAL, INLINE_INGEST_BYTES, CheckJob, IngestBudget, IngestJob, JobQueue, PendingIndex
 from verifier.latency import LatencyModel, RedisLatencyStore
 from verifier.leak_index import LeakIndex, LeakStore, LeakVerdict, MemoryLeakStore, RedisLeakStore, RedisSpreadStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
@@ -762,6 +762,23 @@ class _StrictGuard:
         self._cut = ResponseWithheld(found[0].id, found[0].detector)
         raise self._cut
 
+    async def _checked(self, fn, /, *args):
+        """:meth:`VerifierService.run_strict` of a check; a check that raises anything but a
+        withholding or :data:`~verifier.jobs.FATAL` (a tokenizer panic) could not check the
+        text, so the response is withheld (a ``check_fault`` incident): never released unchecked."""
+        try:
+            return await self.service.run_strict(fn, *args)
+        except (ResponseWithheld, *FATAL):
+            raise
+        except BaseException as e:
+            self.service.jobs._fault("strict", e)
+            inc = incident("check_fault", self.exchange, {"error": type(e).__name__[:80]})
+            self.service.evidence.record([inc], withheld=True, exchange=self.exchange)
+            self.service.stats["withheld"] += 1
+            self._held.clear()
+            self._cut = ResponseWithheld(inc.id, inc.detector)
+            raise self._cut from None
+
     def _release(self) -> list[bytes]:
         """The held events, in order, each once every text stream it added to has at least
         ``holdback`` *checked* tokens of that stream behind it (per stream: two interleaved
@@ -789,7 +806,7 @@ class _StrictGuard:
             self._held.append((raw_event, {}))
             return self._release()
         # the first text's arrival time is taken here, not after the hop
-        return await self.service.run_strict(self._feed_text, ps, raw_event, time.monotonic())
+        return await self._checked(self._feed_text, ps, raw_event, time.monotonic())
 
     def _stream(self, key: str) -> _TextStream:
         st = self._streams.get(key)
@@ -826,7 +843,7 @@ class _StrictGuard:
     ) -> list[bytes]:
         if self._cut is not None:
             raise self._cut
-        return await self.service.run_strict(self._finish_stream, usage, finish_reason, ttft_seconds)
+        return await self._checked(self._finish_stream, usage, finish_reason, ttft_seconds)
 
     def _finish_stream(
         self, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
@@ -862,7 +879,7 @@ class _StrictGuard:
         ttft_seconds: float | None,
     ) -> None:
         texts = [text] if isinstance(text, str) else [t for t in text if t]
-        found = await self.service.run_strict(
+        found = await self._checked(
             self.service.strict_check_body, CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds)
         )
         if found:
