@@ -456,10 +456,10 @@ def test_abandoned_stream_then_next_turn_with_wrong_usage(stack):
 @pytest.mark.timeout(90)
 def test_poisoned_calibration_still_flags_a_leak_and_an_honest_cache_hit_passes(stack):
     """Whole answers, TTFT from the engine's x-prefill-seconds: 3,000-token prompts calibrated
-    honestly at about 0.8 s by two tenants (a, and the strict s), then tenant a sends 49 prefix-cache hits (4 ms, the
+    honestly at about 0.8 s by three tenants (a, and the strict s and b), then tenant a sends 49 prefix-cache hits (4 ms, the
     usage saying 2,990 tokens cached) and one honest answer. A strict answer in 20 ms with
     nothing cached is withheld (latency); a strict cache hit in 4 ms is served. With the cached
-    count left out, a's hits poison nothing either (one tenant of two: upper median), and the same
+    count left out, a's hits poison nothing either (one tenant of three: upper median), and the same
     20 ms answer is an alert, served."""
     st, svc, client = stack
     rng = random.Random(11)
@@ -470,9 +470,9 @@ def test_poisoned_calibration_still_flags_a_leak_and_an_honest_cache_hit_passes(
     st.field, st.n, st.leak_choice, st.words = "text", 1, 0, ["fine"]
     try:
         st.cached_tokens = 0
-        for i in range(50):  # honest calibration: two tenants, 0.80-0.85 s
+        for i in range(50):  # honest calibration: three tenants (latency_min_tenants), 0.80-0.85 s
             st.prefill_seconds = 0.80 + rng.random() * 0.05
-            assert _send(client, ("a", "s")[i % 2], body, chat=False)[0] == 200
+            assert _send(client, ("a", "s", "b")[i % 3], body, chat=False)[0] == 200
         for i in range(50):  # a's poisoning: 49 cache hits, one honest
             st.cached_tokens, st.prefill_seconds = (0, 0.81) if i == 25 else (2990, 0.004)
             assert _send(client, "a", body, chat=False)[0] == 200

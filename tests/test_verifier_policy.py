@@ -357,13 +357,13 @@ async def test_latency_calibration_survives_a_restart_in_redis(tmp_path):
         await first.aclose()  # saves what it has not saved yet
         second = VerifierService(s, secrets=SECRETS, redis_client=client, key_prefix=prefix)
         assert second.latency.bound("up", 3000, "whole", "m") is None
-        assert second.load_latency() == 6
+        assert second.latency_keeper.load() == 6
         assert second.latency.bound("up", 3000, "whole", "m") == bound
         assert second.latency.take_unsaved() == []  # replayed samples are not saved twice
         await second.aclose()
         # without Redis calibration is in memory only
         mem = VerifierService(_settings(tmp_path / "m"), secrets=SECRETS)
-        assert mem.latency_store is None and mem.load_latency() == 0
+        assert mem.latency_keeper.store is None and mem.latency_keeper.load() == 0
         await mem.aclose()
     finally:
         keys = list(client.scan_iter(match=prefix + "*"))

@@ -35,12 +35,16 @@ is stored (:meth:`LatencyModel.replay`); without Redis it lives in memory.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ddsketch import DDSketch
+
+log = logging.getLogger("kvgate.verifier")
 
 #: samples kept for a store between two saves (a store that is down loses the excess)
 MAX_UNSAVED = 10_000
@@ -303,3 +307,53 @@ class RedisLatencyStore:
                 continue  # not a list this store wrote
             out += [(key, str(tenant), t) for t in ttfts]
         return out
+
+
+class LatencyKeeper:
+    """Keeps a :class:`LatencyModel`'s samples in ``store`` (a :class:`RedisLatencyStore`, or
+    ``None``: memory only): :meth:`load` at start-up, :meth:`save` every
+    :attr:`SAVE_SECONDS` (:meth:`loop`) and at shutdown. ``lock``: the lock the model is used
+    under; ``stats``: the verifier's counters (``latency_loaded``)."""
+
+    #: seconds between two saves of new samples
+    SAVE_SECONDS = 1.0
+
+    def __init__(self, model: LatencyModel, store: RedisLatencyStore | None, lock, stats) -> None:
+        self.model = model
+        self.store = store
+        self.lock = lock
+        self.stats = stats
+
+    def load(self) -> int:
+        """Replay the stored samples into the model; returns how many. A store error is logged
+        and calibration starts empty. Blocking."""
+        if self.store is None:
+            return 0
+        try:
+            samples = self.store.load()
+        except Exception as e:
+            log.warning("verifier: could not load latency calibration: %s", e)
+            return 0
+        with self.lock:
+            n = self.model.replay(samples)
+        self.stats["latency_loaded"] += n
+        return n
+
+    def save(self) -> None:
+        """Hand the samples recorded since the last save to the store (a store error loses
+        them, logged). Blocking."""
+        if self.store is None:
+            return
+        with self.lock:
+            samples = self.model.take_unsaved()
+        try:
+            self.store.save(samples)
+        except Exception as e:
+            log.warning("verifier: could not save %d latency samples: %s", len(samples), e)
+
+    async def loop(self) -> None:
+        """Load, then save every :attr:`SAVE_SECONDS`, forever (cancel to stop)."""
+        await asyncio.to_thread(self.load)
+        while True:
+            await asyncio.sleep(self.SAVE_SECONDS)
+            await asyncio.to_thread(self.save)

@@ -61,7 +61,7 @@ from verifier.findings import (
 )
 from verifier.incidents import CHECKS, Incident, IncidentSink
 from verifier.jobs import FATAL, INLINE_INGEST_BYTES, CheckJob, IngestBudget, IngestJob, JobQueue, PendingIndex
-from verifier.latency import LatencyModel, RedisLatencyStore
+from verifier.latency import LatencyKeeper, LatencyModel, RedisLatencyStore
 from verifier.leak_index import LeakIndex, LeakStore, LeakVerdict, MemoryLeakStore, RedisLeakStore, RedisSpreadStore
 from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
 from verifier.shingles import IncrementalShingler, ShingleHasher, encode
@@ -169,8 +169,7 @@ class VerifierService:
             tenant_share=cfg.latency_tenant_share,
             min_tenants=cfg.latency_min_tenants,
         )
-        #: where calibration samples outlive the process (Redis), or ``None`` (memory only)
-        self.latency_store = RedisLatencyStore(redis_client, key_prefix) if redis_client is not None else None
+        #: keeps calibration samples where they outlive the process (Redis), or in memory only
         path = incident_path or cfg.incident_log or str(Path(settings.state_dir) / "incidents.jsonl")
         self.incidents = IncidentSink(path)
         self.rng = rng or random.Random()
@@ -179,6 +178,8 @@ class VerifierService:
         self.stats: collections.Counter = collections.Counter()
         #: the service lock: the store, the own-shingle cache and the latency model
         self._lock = threading.Lock()
+        store = RedisLatencyStore(redis_client, key_prefix) if redis_client is not None else None
+        self.latency_keeper = LatencyKeeper(self.latency, store, self._lock, self.stats)
         own_cache: dict[str, set[int]] = {}
         self.store = StoreHealth(self.stats)
         self.evidence = Evidence(cfg, self.quarantine, self.incidents, self.stats)
@@ -225,47 +226,11 @@ class VerifierService:
         self.quarantine.refresh()  # once at start-up; from now on only the refresher reads the store
         self.quarantine.inline_refresh = False
         self._tasks.append(loop.create_task(self.quarantine.refresh_loop(), name="kvgate-verifier-quarantine"))
-        if self.latency_store is not None:
-            self._tasks.append(loop.create_task(self._latency_loop(), name="kvgate-verifier-latency"))
+        if self.latency_keeper.store is not None:
+            self._tasks.append(loop.create_task(self.latency_keeper.loop(), name="kvgate-verifier-latency"))
         if self.cfg.probe_interval_seconds:
             prober = _Prober(self)
             self._tasks.append(loop.create_task(prober.loop(), name="kvgate-verifier-probe"))
-
-    #: seconds between two saves of new latency samples
-    LATENCY_SAVE_SECONDS = 1.0
-
-    def load_latency(self) -> int:
-        """Replay the stored latency samples into calibration (start-up); returns how many.
-        A store error is logged and calibration starts empty."""
-        if self.latency_store is None:
-            return 0
-        try:
-            samples = self.latency_store.load()
-        except Exception as e:
-            log.warning("verifier: could not load latency calibration: %s", e)
-            return 0
-        with self._lock:
-            n = self.latency.replay(samples)
-        self.stats["latency_loaded"] += n
-        return n
-
-    def save_latency(self) -> None:
-        """Hand the samples recorded since the last save to the store (blocking; a store error
-        loses them, logged)."""
-        if self.latency_store is None:
-            return
-        with self._lock:
-            samples = self.latency.take_unsaved()
-        try:
-            self.latency_store.save(samples)
-        except Exception as e:
-            log.warning("verifier: could not save %d latency samples: %s", len(samples), e)
-
-    async def _latency_loop(self) -> None:
-        await asyncio.to_thread(self.load_latency)
-        while True:
-            await asyncio.sleep(self.LATENCY_SAVE_SECONDS)
-            await asyncio.to_thread(self.save_latency)
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Wait until every queued job has been processed (tests, shutdown)."""
@@ -294,7 +259,7 @@ class VerifierService:
             except (asyncio.CancelledError, Exception):
                 pass
         with contextlib.suppress(Exception):
-            await asyncio.to_thread(self.save_latency)
+            await asyncio.to_thread(self.latency_keeper.save)
         pool, self._strict_pool = self._strict_pool, None
         if pool is not None:
             pool.shutdown(wait=False)
