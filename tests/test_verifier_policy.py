@@ -429,3 +429,70 @@ def test_a_strict_answer_whose_check_panics_is_withheld_and_the_verifiers_own_en
     st.text = "A fine answer."  # the next strict answer is checked and released
     r = ask(client, "h1", "Say something.")
     assert (r.status_code, r.json()["choices"][0]["message"]["content"]) == (200, "A fine answer.")
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_whose_indexing_raises_is_forwarded_and_the_fault_counted(stack, monkeypatch):
+    import verifier.jobs
+
+    st, svc, client, gw = stack
+    real = verifier.jobs.encode
+
+    class Boom(BaseException):
+        pass
+
+    def encode(text: str, *, squeezed: bool = False) -> list[int]:
+        if "explode" in text:
+            raise Boom
+        return real(text, squeezed=squeezed)
+
+    monkeypatch.setattr(verifier.jobs, "encode", encode)
+    faults = metric("kvgate_verifier_job_faults_total", kind="ingest")
+    st.text = "fine"
+    r = ask(client, "p", "Please explode quietly.")
+    assert (r.status_code, r.json()["choices"][0]["message"]["content"]) == (200, "fine")
+    assert metric("kvgate_verifier_job_faults_total", kind="ingest") == faults + 1
+    assert svc.ingest.pending_bytes == 0  # the budget got its bytes back
+    assert ask(client, "p", "And now a calm one.").status_code == 200
+
+
+async def test_public_text_is_shared_by_replicas_in_redis(tmp_path):
+    import uuid
+
+    import redis
+
+    from verifier.stage import Exchange
+
+    client = redis.Redis(host="127.0.0.1", port=6379, socket_timeout=2)
+    prefix = f"test-policy-{uuid.uuid4().hex[:8]}:"
+    s = _settings(tmp_path)
+    r1 = VerifierService(s, secrets=SECRETS, redis_client=client, key_prefix=prefix, incident_path=str(tmp_path / "1"))
+    r2 = VerifierService(s, secrets=SECRETS, redis_client=client, key_prefix=prefix, incident_path=str(tmp_path / "2"))
+    try:
+        await r1.admit(_exchange("a1", "Remember this: " + MIT))
+
+        async def answer(svc: VerifierService, tid: str) -> list:
+            ex: Exchange = _exchange(tid, "The licence, please.")
+            await svc.admit(ex)
+            n = len(svc.incidents.recent)
+            await svc.begin(ex).check_body(MIT, usage=None, finish_reason="stop", ttft_seconds=None)
+            await svc.drain()
+            return [i for i in svc.incidents.recent[n:] if i.detector == "leak_index"]
+
+        for svc, tid in ((r1, "h1"), (r2, "h2"), (r1, "h3")):  # three tenants' answers, two replicas
+            (inc,) = await answer(svc, tid)
+            assert (inc.evidence["source_tenant"], inc.evidence["shingles_public_text"]) == ("a1", 0)
+        assert await answer(r2, "h4") == []  # public text for every replica
+        assert client.scard(prefix + "spread:fp:" + next(iter(_spread_keys(client, prefix)))) == 4
+    finally:
+        await r1.aclose()
+        await r2.aclose()
+        keys = list(client.scan_iter(match=prefix + "*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def _spread_keys(client, prefix: str) -> list[str]:
+    n = len(prefix + "spread:fp:")
+    return [k.decode()[n:] for k in client.scan_iter(match=prefix + "spread:fp:*")]

@@ -289,7 +289,7 @@ class JobQueue:
 
     async def work(self) -> None:
         """The worker task: batches of up to 32 jobs in a thread. A job that raises anything but
-        :data:`FATAL` is recorded (:meth:`_fault`) and the worker goes on; should the task end
+        :data:`FATAL` is recorded (:meth:`fault`) and the worker goes on; should the task end
         anyway, :attr:`stopped` turns true (``/readyz`` fails, ``kvgate_verifier_worker_stops_total``)."""
         self.wake = wake = self.wake or asyncio.Event()
         self.stopped = False
@@ -304,7 +304,7 @@ class JobQueue:
                 except FATAL:
                     raise
                 except BaseException as e:  # never let the worker die of a batch
-                    self._fault("batch", e)
+                    self.fault("batch", e)
                 finally:
                     self.stats["in_flight"] -= 1
         except asyncio.CancelledError:
@@ -321,7 +321,7 @@ class JobQueue:
         self.stats["worker_stops"] += 1
         log.error("verifier worker stopped: sampled responses are no longer checked")
 
-    def _fault(self, kind: str, e: BaseException) -> None:
+    def fault(self, kind: str, e: BaseException) -> None:
         """A job (``kind``: ``ingest``, ``check``, ``batch``) raised ``e``: counted
         (``kvgate_verifier_job_faults_total{kind}``) and logged with its traceback."""
         JOB_FAULTS.labels(kind).inc()
@@ -368,7 +368,7 @@ class JobQueue:
             self.stats["errors"] += 1
             store.error(e)
         except BaseException as e:  # e.g. tiktoken's pyo3 PanicException: this job only
-            self._fault("ingest" if isinstance(job, IngestJob) else "check", e)
+            self.fault("ingest" if isinstance(job, IngestJob) else "check", e)
 
     def _ingest(self, job: IngestJob) -> None:
         f = self.findings

@@ -346,21 +346,29 @@ class VerifierService:
         nbytes = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
         if not self.ingest.reserve(nbytes):
             return None
-        if nbytes <= INLINE_INGEST_BYTES and self.ingest.inline_store():
-            pending = self.ingest.prepare_small(exchange, text, nbytes)  # no ingest slot: no thread
-            if defer_write:
-                return pending
-            await pending.finish()
-            return None
+        try:
+            if nbytes <= INLINE_INGEST_BYTES and self.ingest.inline_store():
+                pending = self.ingest.prepare_small(exchange, text, nbytes)  # no ingest slot: no thread
+                if defer_write:
+                    return pending
+                await pending.finish()
+                return None
+            await self._ingest_in_thread(exchange, text, nbytes)
+        except FATAL:
+            raise
+        except BaseException as e:  # a tokenizer panic: the prompt goes unindexed, the request on
+            self.jobs.fault("ingest", e)
+        return None
+
+    async def _ingest_in_thread(self, exchange: Exchange, text: str, nbytes: int) -> None:
         started = False
         try:
-            async with self.ingest.semaphore(tenant.id):
+            async with self.ingest.semaphore(exchange.request.tenant.id):
                 started = True
                 await _in_own_thread(self._admit_ingest, exchange, text, nbytes)
         finally:
             if not started:
                 self.ingest.release(nbytes)
-        return None
 
     def begin(self, exchange: Exchange) -> _BackgroundGuard | _StrictGuard | None:
         """A guard when sampled or strict (see the module doc). An exchange that did not pass
@@ -736,7 +744,7 @@ class _StrictGuard:
         except (ResponseWithheld, *FATAL):
             raise
         except BaseException as e:
-            self.service.jobs._fault("strict", e)
+            self.service.jobs.fault("strict", e)
             inc = incident("check_fault", self.exchange, {"error": type(e).__name__[:80]})
             self.service.evidence.record([inc], withheld=True, exchange=self.exchange)
             self.service.stats["withheld"] += 1
