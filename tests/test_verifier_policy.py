@@ -31,7 +31,11 @@ from verifier.incidents import REGISTRY
 from verifier.probe import filler_words
 from verifier.service import VerifierService
 
-SECRETS = {"leak_index_key": b"policy-leak-key", "cache_salt_key": b"policy-salt-key0", "admin_key": b"policy-admin"}
+SECRETS = {
+    "leak_index_key": b"policy-test-leak-key",
+    "cache_salt_key": b"policy-test-salt-key",
+    "admin_key": b"policy-test-admin-key",
+}
 
 MIT = (
     "Permission is hereby granted, free of charge, to any person obtaining a copy of this software and "

@@ -31,7 +31,11 @@ from tests.mock_engine import ServerThread
 from verifier.probe import filler_words
 from verifier.service import VerifierService
 
-SECRETS = {"leak_index_key": b"resp-leak-key", "cache_salt_key": b"resp-salt-key-00", "admin_key": b"resp-admin"}
+SECRETS = {
+    "leak_index_key": b"resp-strict-leak-key",
+    "cache_salt_key": b"resp-strict-salt-key",
+    "admin_key": b"resp-strict-admin-key",
+}
 MARK = "zq"
 
 
