@@ -110,9 +110,10 @@ def _check_evidence(value: Any, path: str = "evidence") -> None:
 class Incident:
     """One detection. ``time``: UNIX seconds; ``confirmed``: strong evidence (a registered
     canary, or leak-index evidence at or above the confirm threshold); it quarantines the
-    upstream only by DESIGN.md step 8's rule (a canary kvgate planted, or evidence from two
-    distinct source tenants; the evidence's ``quarantine`` says which, ``None`` when not);
-    ``withheld``: a strict response was held back or cut."""
+    upstream only by docs/design.md step 8's rule (a canary kvgate planted: the evidence's
+    ``quarantine`` says which, ``None`` when not; evidence of two distinct source tenants is a
+    high-severity alert, ``severity``/``alert`` in the evidence); ``withheld``: a strict
+    response was held back or cut."""
 
     detector: str
     tenant: str

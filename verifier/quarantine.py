@@ -7,13 +7,13 @@ upstream name, value = JSON record) when ``redis_url`` is configured, else in
 ``<state_dir>/quarantine.json``, so the CLI can clear it for running gateways. Gateways re-read
 it at most every ``refresh_seconds``.
 
-What quarantines (DESIGN.md step 8: evidence no tenant can plant): a canary kvgate itself planted
-(the periodic probe, a honeypot tenant) found in another response; matching evidence from at
-least two distinct source tenants within a window (:meth:`Quarantine.add_evidence`: per
-upstream, the source tenants whose text was found in other tenants' responses, kept
-``window_seconds``; in Redis, sorted set ``<prefix>qevidence:<upstream>``, so replicas count
-together); or an operator. A single source tenant's evidence is an incident, never a quarantine:
-one tenant could have planted it.
+What quarantines (docs/design.md step 8: only evidence kvgate planted): a canary kvgate itself
+planted (the periodic probe, a honeypot tenant) found in another response, or an operator
+(``kvgate upstream quarantine NAME``). Tenants can plant any other evidence, so it never
+quarantines; :meth:`Quarantine.add_evidence` counts, per upstream, the source tenants whose
+text was found in other tenants' responses within a window (in Redis, sorted set
+``<prefix>qevidence:<upstream>``, so replicas count together): two or more are a
+high-severity alert (:class:`verifier.findings.Evidence`).
 """
 
 from __future__ import annotations

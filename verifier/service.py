@@ -25,7 +25,8 @@
 - Detectors: canary scan (:mod:`verifier.canary`), leak index (:mod:`verifier.leak_index`),
   usage drift and ``finish_reason: abort`` (:mod:`verifier.drift`), TTFT lower bounds
   (:mod:`verifier.latency`). Findings become incidents (:mod:`verifier.incidents`). Quarantine
-  (:mod:`verifier.quarantine`) needs evidence no tenant can plant (DESIGN.md step 8).
+  (:mod:`verifier.quarantine`) needs evidence kvgate planted itself (docs/design.md step 8);
+  evidence of two source tenants is a high-severity alert.
 - A tenant's own text is never evidence: its prompt (decoded token ids included) is excluded,
   and with ``echo`` the echoed prompt at the start of each text is not checked at all.
 """
