@@ -386,3 +386,33 @@ def test_upstream_clear_cli(tmp_path, capsys):
     assert main(["upstream", "--config", str(cfg), "clear", "local"]) == 1
     assert capsys.readouterr().err == "upstream 'local' is not quarantined\n"
     assert Quarantine(FileQuarantineBackend(tmp_path)).records() == {}
+
+
+def test_squeeze_runs_shortens_runs_of_one_character_and_of_any_whitespace():
+    """Against a regex reference: runs of one repeated character, and runs of mixed whitespace
+    (``str.isspace``: tabs, newlines, U+00A0, U+3000 ...), longer than 64 become their first 64
+    characters; nothing else changes. 500,000 space-tab pairs then ``x`` (a tiktoken panic
+    unsqueezed) become 32 pairs and ``x``."""
+    import re
+
+    from verifier.shingles import squeeze_runs
+
+    def reference(t: str) -> str:
+        t = re.sub(r"\s{65,}", lambda m: m.group()[:64], t)
+        return re.sub(r"(.)\1{64,}", lambda m: m.group()[:64], t, flags=re.S)
+
+    rng = random.Random(2)
+    alpha = [" ", "\t", "\n", "a", "b", "\u3000", "\u00a0", "\u00e9", "\U0001f600", "\u3001"]
+    for _ in range(2000):
+        parts = []
+        for _ in range(rng.randint(0, 12)):
+            r = rng.random()
+            if r < 0.3:
+                parts.append(rng.choice(alpha))
+            elif r < 0.65:
+                parts.append(rng.choice(alpha[:3] + alpha[5:7] + alpha[8:]) * rng.randint(1, 80))
+            else:
+                parts.append(rng.choice("ab") * rng.randint(1, 90))
+        text = "".join(parts)
+        assert squeeze_runs(text) == reference(text), repr(text)
+    assert squeeze_runs(" \t" * 500_000 + "x") == " \t" * 32 + "x"

@@ -20,7 +20,6 @@ Nothing here keeps text; callers get integers.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -41,34 +40,44 @@ def _counter() -> TiktokenCounter:
 #: a run of one repeated character (or of whitespace) longer than this is shortened to this
 #: many before encoding
 MAX_RUN_CHARS = 64
-_WHITESPACE_RUN = re.compile(r"\s{" + str(MAX_RUN_CHARS + 1) + ",}")
+#: whether a code point is whitespace (``str.isspace``, the pre-tokenizer's ``\s``; none is
+#: above U+3000; the last entry, U+3001, stands for every code point above it)
+_IS_WHITESPACE = np.array([chr(c).isspace() for c in range(0x3002)], dtype=bool)
 
 
 def squeeze_runs(text: str) -> str:
-    """``text`` with every run of one repeated character longer than :data:`MAX_RUN_CHARS`
-    shortened to that many (numpy finds the runs; cost is linear and mostly outside the GIL).
-    BPE on one huge pre-token (900,000 spaces is a single cl100k pre-token) takes seconds and
-    holds the GIL in stretches of hundreds of milliseconds, stalling every other thread of the
-    gateway; a squeezed run encodes in microseconds. Runs of mixed whitespace are shortened too:
-    1,000,000 alternating spaces and tabs before a letter overflow tiktoken's regex stack (a
-    ``pyo3_runtime.PanicException``). Both sides of a comparison are squeezed alike, and runs
-    that long carry no text worth a shingle."""
+    """``text`` with every run of one repeated character, and every run of whitespace, longer
+    than :data:`MAX_RUN_CHARS` shortened to that many (numpy finds the runs; cost is linear
+    and mostly outside the GIL). BPE on one huge pre-token (900,000 spaces is a single cl100k
+    pre-token) takes seconds and holds the GIL in stretches of hundreds of milliseconds,
+    stalling every other thread of the gateway; a squeezed run encodes in microseconds. Mixed
+    whitespace counts as one run: 1,000,000 alternating spaces and tabs before a letter
+    overflow tiktoken's regex stack (a ``pyo3_runtime.PanicException``). Both sides of a
+    comparison are squeezed alike, and runs that long carry no text worth a shingle."""
     if len(text) <= MAX_RUN_CHARS:
         return text
-    text = _WHITESPACE_RUN.sub(lambda m: m.group()[:MAX_RUN_CHARS], text)
     if text.isascii():  # one byte a character: a quarter of the copying
         a = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     else:
         a = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    # a table lookup (a few ms per MB); code points past the table are no whitespace
+    ws = _IS_WHITESPACE[a if a.dtype == np.uint8 else np.minimum(a, np.uint32(len(_IS_WHITESPACE) - 1))]
     change = np.flatnonzero(a[1:] != a[:-1]) + 1
     starts = np.concatenate(([0], change))
     ends = np.concatenate((change, [len(a)]))
-    long = np.flatnonzero(ends - starts > MAX_RUN_CHARS)
-    if not len(long):
+    same = np.flatnonzero((ends - starts > MAX_RUN_CHARS) & ~ws[starts])  # whitespace: below
+    zero = np.zeros(1, dtype=np.int8)
+    edges = np.diff(ws.view(np.int8), prepend=zero, append=zero)
+    ws_starts, ws_ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    ws_long = np.flatnonzero(ws_ends - ws_starts > MAX_RUN_CHARS)
+    if not len(same) and not len(ws_long):
         return text
+    runs = sorted(
+        [(int(starts[i]), int(ends[i])) for i in same.tolist()]
+        + [(int(ws_starts[i]), int(ws_ends[i])) for i in ws_long.tolist()]
+    )
     out, prev = [], 0
-    for i in long.tolist():
-        st, en = int(starts[i]), int(ends[i])
+    for st, en in runs:  # disjoint: a run of one whitespace character lies inside a whitespace run
         out.append(text[prev : st + MAX_RUN_CHARS])
         prev = en
     out.append(text[prev:])
