@@ -103,6 +103,20 @@ class QuotaStore(Protocol):
         ``also.sent``). Raises :class:`QuotaStoreUnavailable`."""
         ...
 
+    async def begin(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
+        """Admit one request (RPM) and a lease of ``lease_ttl_ms``, or nothing; its tokens follow
+        with :meth:`take_tokens`. Raises :class:`QuotaStoreUnavailable`."""
+        ...
+
+    async def take_tokens(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+    ) -> QuotaDecision:
+        """Debit ``tokens`` against TPM for the request ``lease_id`` (begun), or nothing.
+        Raises :class:`QuotaStoreUnavailable`."""
+        ...
+
     async def settle(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
     ) -> None:
@@ -133,14 +147,21 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)
 
 
+def _decision(r: Any) -> QuotaDecision:
+    """A script's reply ``{admitted, refused, retry_ms, remaining_requests, remaining_tokens, too_large}``."""
+    refused = tuple(x for x in _text(r[1]).split(",") if x)
+    return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])))
+
+
 def load_script(name: str) -> str:
     """The text of ``gateway/lua/<name>.lua`` (package data)."""
     return resources.files("gateway").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
 
 
 class RedisQuotaStore:
-    """Quota state in Redis, shared by all replicas; two Lua scripts (``reserve.lua``,
-    ``settle.lua``), ``renew.lua`` for lease heartbeats and ``cancel.lua`` to undo reservations
+    """Quota state in Redis, shared by all replicas; Lua scripts: ``begin.lua`` (RPM and lease,
+    at arrival) then ``tokens.lua`` (TPM, once counted), or ``reserve.lua`` (all three at once);
+    ``settle.lua``, ``renew.lua`` for lease heartbeats and ``cancel.lua`` to undo reservations
     whose call timed out.
 
     Keys (``prefix`` default ``kvgate:q``), all with the ``{tenant}`` hash tag (Redis Cluster
@@ -160,6 +181,8 @@ class RedisQuotaStore:
         self._settle = client.register_script(load_script("settle"))
         self._renew = client.register_script(load_script("renew"))
         self._cancel = client.register_script(load_script("cancel"))
+        self._begin = client.register_script(load_script("begin"))
+        self._tokens = client.register_script(load_script("tokens"))
 
     def keys(self, tenant_id: str) -> list[str]:
         """The five keys of a tenant: rpm log, tpm log, tpm debits, tpm sum, leases."""
@@ -248,6 +271,18 @@ class RedisQuotaStore:
         if isinstance(reply, Exception):
             raise QuotaStoreUnavailable(f"redis: {type(reply).__name__}: {reply}") from reply
         return reply
+
+    async def begin(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
+        args = [lease_id, _arg(limits.rpm), _arg(limits.max_concurrent), int(window_ms), int(lease_ttl_ms)]
+        return _decision(await self._call(self._begin, self.keys(tenant_id), args))
+
+    async def take_tokens(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+    ) -> QuotaDecision:
+        args = [lease_id, _arg(limits.tpm), int(tokens), int(window_ms)]
+        return _decision(await self._call(self._tokens, self.keys(tenant_id), args))
 
     async def settle(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
@@ -371,6 +406,29 @@ class LocalQuotaStore:
         if limits.max_concurrent is not None:
             log.leases[lease_id] = now + lease_ttl_ms
         return QuotaDecision(True, (), 0, rr, rt)
+
+    async def begin(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
+        return self.begin_now(tenant_id, limits, lease_id, window_ms, lease_ttl_ms)
+
+    def begin_now(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
+        """Synchronous :meth:`begin`: :meth:`reserve_now` without TPM (``begin.lua``)."""
+        lease_only = QuotaLimits(limits.rpm, None, limits.max_concurrent)
+        return self.reserve_now(tenant_id, lease_only, lease_id, 0, window_ms, lease_ttl_ms)
+
+    async def take_tokens(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+    ) -> QuotaDecision:
+        return self.take_tokens_now(tenant_id, limits, lease_id, tokens, window_ms)
+
+    def take_tokens_now(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+    ) -> QuotaDecision:
+        """Synchronous :meth:`take_tokens`: :meth:`reserve_now` with TPM only (``tokens.lua``)."""
+        return self.reserve_now(tenant_id, QuotaLimits(None, limits.tpm, None), lease_id, tokens, window_ms, 0)
 
     async def settle(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int

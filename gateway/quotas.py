@@ -30,6 +30,7 @@ import math
 import time
 import uuid
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -219,10 +220,48 @@ class TenantQuotas:
             raise QuotaStoreUnavailable(f"no answer within {self.deadline_seconds:g}s") from e
 
     # ------------------------------------------------------------------ the stage
+    async def _decide(
+        self, store: QuotaStore, tenant_id: str, limits: QuotaLimits, lease_id: str, call: Callable[..., Any]
+    ) -> tuple[QuotaStore, QuotaLimits, QuotaDecision]:
+        """``(store, limits, decision)``: ``call(store, limits)`` (a coroutine giving a
+        :class:`QuotaDecision`) on ``store``, under the failure policy when it is the shared store:
+        a call that fails is remembered for undoing, and the fallback decides with
+        ``limits // processes``. Raises :class:`OpenAIError` 503 when failing closed."""
+        if isinstance(store, LocalQuotaStore):
+            return store, limits, await call(store, limits)
+        if self._store_usable():
+            try:
+                decision = await self._bounded(call(store, limits))
+            except QuotaStoreUnavailable as e:
+                self._uncertain.append((tenant_id, lease_id))
+                self._mark_down(e)
+            else:
+                if self._store_down or self._uncertain:
+                    await self._mark_up()
+                return store, limits, decision
+        if self.fallback is None:
+            raise OpenAIError(
+                503,
+                "The quota store is unavailable, so the request cannot be admitted. Please try again shortly.",
+                code=ErrorCode.QUOTA_BACKEND_UNAVAILABLE,
+                headers={"Retry-After": str(self.settings.retry_after_on_failure_seconds)},
+            )
+        limits = limits.divided(self.processes)
+        return self.fallback, limits, await call(self.fallback, limits)
+
+    def _hold(self, store: QuotaStore, tenant_id: str, limits: QuotaLimits, lease_id: str) -> _Held:
+        held = _Held(store, tenant_id, limits, lease_id, self.window_ms)
+        if limits.max_concurrent is not None:
+            self._live[lease_id] = held
+            self._ensure_renewer()
+        return held
+
     async def reserve(
         self, tenant: TenantConfig, reserve_tokens: int, request_id: str, *, also: PendingWrite | None = None
     ) -> QuotaLease:
-        """Reserve one request, ``reserve_tokens`` tokens (prompt + n x max_tokens) and a lease.
+        """Reserve one request, ``reserve_tokens`` tokens (prompt + n x max_tokens) and a lease, at
+        once (``reserve.lua``; the request path takes them in two steps, :meth:`begin` and
+        :meth:`reserve_tokens`).
 
         Returns a :class:`QuotaLease` whose ``headers`` carry the rate-limit headers. Raises
         :class:`OpenAIError` 429 ``rate_limit_exceeded`` (``Retry-After``, rate-limit headers) or,
@@ -236,39 +275,61 @@ class TenantQuotas:
         if limits.unlimited:
             return QuotaLease(tenant.id, request_id, tokens)
         lease_id = uuid.uuid4().hex
-        store: QuotaStore = self.store
-        decision: QuotaDecision | None = None
-        if isinstance(store, LocalQuotaStore):
-            decision = store.reserve_now(tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms)
-        elif self._store_usable():
-            try:
-                decision = await self._bounded(
-                    store.reserve(tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms, also=also)
-                )
-            except QuotaStoreUnavailable as e:
-                self._uncertain.append((tenant.id, lease_id))
-                self._mark_down(e)
-            else:
-                if self._store_down or self._uncertain:
-                    await self._mark_up()
-        if decision is None:
-            if self.fallback is None:
-                raise OpenAIError(
-                    503,
-                    "The quota store is unavailable, so the request cannot be admitted. Please try again shortly.",
-                    code=ErrorCode.QUOTA_BACKEND_UNAVAILABLE,
-                    headers={"Retry-After": str(self.settings.retry_after_on_failure_seconds)},
-                )
-            store = self.fallback
-            limits = limits.divided(self.processes)
-            decision = self.fallback.reserve_now(tenant.id, limits, lease_id, tokens, self.window_ms, self.lease_ttl_ms)
+        w, ttl = self.window_ms, self.lease_ttl_ms
+
+        def call(s: QuotaStore, lim: QuotaLimits) -> Any:
+            return s.reserve(tenant.id, lim, lease_id, tokens, w, ttl, also=also if s is self.store else None)
+
+        store, limits, decision = await self._decide(self.store, tenant.id, limits, lease_id, call)
         if not decision.admitted:
             raise refusal_error(tenant, limits, decision, tokens, self.settings.window_seconds)
-        held = _Held(store, tenant.id, limits, lease_id, self.window_ms)
-        if limits.max_concurrent is not None:
-            self._live[lease_id] = held
-            self._ensure_renewer()
+        held = self._hold(store, tenant.id, limits, lease_id)
         return QuotaLease(tenant.id, request_id, tokens, rate_limit_headers(limits, decision), held)
+
+    async def begin(self, tenant: TenantConfig, request_id: str) -> QuotaLease:
+        """Admit one request against RPM and take its concurrency lease (``begin.lua``), right
+        after authentication: no tokens yet (:meth:`reserve_tokens` adds them once counted). The
+        RPM entry stays spent whatever happens to the request; the lease ends with
+        :meth:`settle`. Returns the :class:`QuotaLease` (``headers``: the requests pair). Raises
+        :class:`OpenAIError` 429 (RPM or concurrency) or 503 as :meth:`reserve` does."""
+        limits = QuotaLimits.of(tenant)
+        if limits.unlimited:
+            return QuotaLease(tenant.id, request_id, 0)
+        lease_id = uuid.uuid4().hex
+        w, ttl = self.window_ms, self.lease_ttl_ms
+
+        def call(s: QuotaStore, lim: QuotaLimits) -> Any:
+            return s.begin(tenant.id, lim, lease_id, w, ttl)
+
+        store, limits, decision = await self._decide(self.store, tenant.id, limits, lease_id, call)
+        requests = QuotaLimits(limits.rpm, None, limits.max_concurrent)  # what this step decided
+        if not decision.admitted:
+            raise refusal_error(tenant, requests, decision, 0, self.settings.window_seconds)
+        held = self._hold(store, tenant.id, limits, lease_id)
+        return QuotaLease(tenant.id, request_id, 0, rate_limit_headers(requests, decision), held)
+
+    async def reserve_tokens(self, tenant: TenantConfig, lease: QuotaLease, tokens: int) -> None:
+        """Reserve ``tokens`` (the request's KV demand, counted) against TPM for a request
+        :meth:`begin` admitted (``tokens.lua``); sets ``lease.reserved_tokens`` and the tokens pair
+        of ``lease.headers``. Raises :class:`OpenAIError` 429 (TPM; the lease is still held: the
+        caller settles it) or 503 as :meth:`reserve` does."""
+        tokens = max(0, int(tokens))
+        held = lease.state
+        if not isinstance(held, _Held) or held.limits.tpm is None:
+            lease.reserved_tokens = tokens
+            return
+
+        def call(s: QuotaStore, lim: QuotaLimits) -> Any:
+            return s.take_tokens(held.tenant_id, lim, held.lease_id, tokens, held.window_ms)
+
+        held.store, held.limits, decision = await self._decide(
+            held.store, held.tenant_id, held.limits, held.lease_id, call
+        )
+        only_tpm = QuotaLimits(None, held.limits.tpm, None)  # what this step decided
+        if not decision.admitted:
+            raise refusal_error(tenant, only_tpm, decision, tokens, self.settings.window_seconds)
+        lease.reserved_tokens = tokens
+        lease.headers.update(rate_limit_headers(only_tpm, decision))
 
     async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
         """Release the lease and set the request's TPM debit to ``used_tokens``. Never raises;

@@ -43,9 +43,21 @@ class QuotaStage(Protocol):
         rate-limit headers) or 503 when the store is down and the policy is fail closed."""
         ...
 
+    async def begin(self, tenant: TenantConfig, request_id: str) -> QuotaLease:
+        """Admit one request against RPM and take its concurrency lease, before its body is read
+        (no tokens yet). Raises ``config.errors.OpenAIError`` 429 / 503 as :meth:`reserve`."""
+        ...
+
+    async def reserve_tokens(self, tenant: TenantConfig, lease: QuotaLease, tokens: int) -> None:
+        """Add ``tokens`` (counted) to a begun request's reservation against TPM; sets
+        ``lease.reserved_tokens``. Raises 429 / 503 as :meth:`reserve`; the lease stays held
+        either way (the caller settles it)."""
+        ...
+
     async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
         """Release the concurrency lease and correct TPM to ``used_tokens`` (prompt + completion
-        actually produced). Never raises; called exactly once per successful reserve."""
+        actually produced); ``used_tokens`` 0 for a request refused after :meth:`begin`. Never
+        raises; called exactly once per successful reserve or begin."""
         ...
 
     async def aclose(self) -> None:
@@ -60,6 +72,12 @@ class NullQuotas:
         self, tenant: TenantConfig, reserve_tokens: int, request_id: str, *, also: PendingWrite | None = None
     ) -> QuotaLease:
         return QuotaLease(tenant.id, request_id, reserve_tokens)
+
+    async def begin(self, tenant: TenantConfig, request_id: str) -> QuotaLease:
+        return QuotaLease(tenant.id, request_id, 0)
+
+    async def reserve_tokens(self, tenant: TenantConfig, lease: QuotaLease, tokens: int) -> None:
+        lease.reserved_tokens = tokens
 
     async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
         return None

@@ -1,0 +1,56 @@
+-- kvgate token reservation for a request begin.lua admitted, once its tokens are counted: the
+-- request's KV demand against TPM, or nothing. A refusal changes nothing (the request's RPM entry
+-- stays spent; its lease is released by settle.lua).
+-- Window algorithm and keys: as reserve.lua (sliding-window log; the five {tenant} keys).
+-- ARGV: lease_id, tpm, tokens, window_ms
+-- Returns {admitted 1|0, "tpm" or "", retry_after_ms, -1, remaining_tokens, too_large 1|0}
+local id = ARGV[1]
+local tpm = tonumber(ARGV[2])
+local tokens = tonumber(ARGV[3])
+local window = tonumber(ARGV[4])
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cutoff = now - window
+local BATCH = 256
+
+while true do
+  local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', cutoff, 'LIMIT', 0, BATCH)
+  if #old == 0 then break end
+  local debits = redis.call('HMGET', KEYS[3], unpack(old))
+  local freed = 0
+  for i = 1, #debits do freed = freed + (tonumber(debits[i]) or 0) end
+  redis.call('ZREM', KEYS[2], unpack(old))
+  redis.call('HDEL', KEYS[3], unpack(old))
+  if freed ~= 0 then redis.call('DECRBY', KEYS[4], freed) end
+  if #old < BATCH then break end
+end
+local used = tonumber(redis.call('GET', KEYS[4]) or '0')
+
+if used + tokens > tpm then
+  if tokens > tpm then return {0, 'tpm', window, -1, math.max(0, tpm - used), 1} end
+  local need = used + tokens - tpm
+  local freed = 0
+  local start = 0
+  local at = nil
+  while at == nil do
+    local batch = redis.call('ZRANGE', KEYS[2], start, start + BATCH - 1, 'WITHSCORES')
+    if #batch == 0 then break end
+    local ids = {}
+    for i = 1, #batch, 2 do table.insert(ids, batch[i]) end
+    local debits = redis.call('HMGET', KEYS[3], unpack(ids))
+    for i = 1, #ids do
+      freed = freed + (tonumber(debits[i]) or 0)
+      if freed >= need then at = tonumber(batch[2 * i]) break end
+    end
+    start = start + BATCH
+  end
+  if at == nil then at = now end
+  return {0, 'tpm', math.max(1, at + window - now), -1, math.max(0, tpm - used), 0}
+end
+
+redis.call('ZADD', KEYS[2], now, id)
+redis.call('HSET', KEYS[3], id, tokens)
+redis.call('INCRBY', KEYS[4], tokens)
+for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window + 1000) end
+return {1, '', 0, -1, tpm - used - tokens, 0}
