@@ -182,6 +182,9 @@ class GatewaySettings(_Strict):
     :func:`gateway.handlers.refusal`) or a 431 (a head too large: :mod:`gateway.edge`)
     waits before it is answered (0: at once);
     ``metrics_token``, when set, is the bearer token ``/metrics`` and ``/readyz``'s details need.
+    ``offload_threads``: threads of the pool that parses large bodies and counts (``None``:
+    ``min(32, usable cores + 4)``); ``offload_tenant_share``: the most of them one tenant holds at
+    once (``None``: a quarter, at least 1; :mod:`gateway.offload`).
 
     ``workers``: gateway worker processes on the one port (DESIGN.md, Contracts: "Workers");
     ``None`` = the usable cores (``os.sched_getaffinity``) when ``redis_url`` is set, else 1.
@@ -195,6 +198,8 @@ class GatewaySettings(_Strict):
     drain_timeout_seconds: float = Field(default=30.0, ge=0)
     max_connections: int = Field(default=512, ge=1)
     offload_count_chars: int = Field(default=32_768, ge=0)
+    offload_threads: int | None = Field(default=None, ge=1, le=256)
+    offload_tenant_share: int | None = Field(default=None, ge=1, le=256)
     max_inbound_connections: int = Field(default=1024, ge=1)
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     max_header_count: int = Field(default=100, ge=8)

@@ -32,7 +32,7 @@ from starlette.responses import Response
 
 from config.errors import ErrorCode, openai_error_bytes
 from config.models import Settings
-from gateway import errors
+from gateway import errors, offload
 from gateway.admission import ModelIndex
 from gateway.body_budget import BodyBudget
 from gateway.handlers import handle_completion, handle_model, handle_models
@@ -43,6 +43,7 @@ from gateway.tenants import TenantRegistry
 from gateway.tokenize_handlers import handle_tokenize
 from gateway.upstream_client import UpstreamClient
 from gateway.upstreams import UpstreamSet, make_upstream
+from gateway.workers import usable_cores
 from verifier.stage import NullVerifier, VerifierStage
 
 log = logging.getLogger("kvgate.app")
@@ -120,9 +121,11 @@ class Gateway:
         return s
 
     async def start(self) -> None:
-        """Poll every live pool once (so a healthy gateway is ready at once), then start the watchers
-        and a stage's background tasks (``start()``, when it has one: the verifier's worker and
-        periodic probe)."""
+        """Install the offload executor (:mod:`gateway.offload`: per-tenant shares), poll every live
+        pool once (so a healthy gateway is ready at once), then start the watchers and a stage's
+        background tasks (``start()``, when it has one: the verifier's worker and periodic probe)."""
+        g = self.settings.gateway
+        offload.install(asyncio.get_running_loop(), g.offload_threads, g.offload_tenant_share, usable_cores())
         await asyncio.gather(*(u.watcher.poll_once() for u in self.upstreams.all), return_exceptions=True)
         for u in self.upstreams.all:
             u.watcher.start()
