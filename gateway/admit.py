@@ -2,28 +2,34 @@
 refuses a request (:class:`Refused`) or returns one :class:`Admitted` record, with the quota
 reserved, that the relay (:mod:`gateway.proxy`) forwards and :mod:`gateway.finish` settles.
 
-In DESIGN.md's order, each step a call into the module that owns it:
+In DESIGN.md's order, each step a call into the module that owns it (docs/gateway.md, "Refuse
+before working": a refusal comes before the work it would waste):
 
-1. authenticate from the ``Authorization`` header (:mod:`gateway.auth`), before any byte of the
-   body is read: an unauthenticated client never makes the gateway read or parse a body;
-2. read the body (size limit) and parse it as strict JSON (:mod:`gateway.requests`), in a worker
-   thread when it is larger than :data:`OFFLOAD_BODY_BYTES`: its token-id arrays cut out and
-   parsed in slices, after refusing (413) one that holds more than ``gateway.max_body_values``
-   other JSON values (:mod:`gateway.density`);
+1. authenticate from the ``Authorization`` header (:mod:`gateway.auth`), then take one request
+   against RPM and the concurrency lease (:meth:`gateway.stages.QuotaStage.begin`), before any
+   byte of the body is read (:func:`begin_request`): neither an unauthenticated client nor a
+   tenant over its limits makes the gateway read or parse a body;
+2. read the body (size limit) and parse it as strict JSON (:func:`read_request`,
+   :mod:`gateway.requests`), in a worker thread when it is larger than
+   :data:`OFFLOAD_BODY_BYTES`: its token-id arrays cut out and parsed in slices, after refusing
+   (413) one that holds more than ``gateway.max_body_values`` other JSON values
+   (:mod:`gateway.density`);
 3. validate it against the route's OpenAI schema (:mod:`gateway.requests`; ``/v1/responses`` and
    ``/v1/embeddings``: :mod:`gateway.api_routes`), and check that the model's ``task`` serves the route;
 4. resolve the model, count the prompt, apply the context gate (:mod:`gateway.admission`); a
    batch above the tenant's ``max_sequences_per_request`` is refused before it is counted, and a
-   request whose counting is costly is counted off the event loop; an unknown or stale pool is
-   503 ``pool_size_unknown`` (fail closed);
-5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503), and
-   hand the prompt to the verifier's admission (:meth:`verifier.stage.VerifierStage.admit`:
-   token-id prompts decoded, the prompt indexed, on this request's own time, before it can be
-   forwarded);
-6. build the body to forward (:func:`gateway.admission.upstream_body`) and reserve the quota last,
-   so that no refusal ever leaves a reservation behind; a small prompt's index write (step 5)
-   is sent in the reservation's Redis round trip (:class:`verifier.stage.PendingWrite`), and
-   finished (sent on its own if it could not ride along) before the request goes on.
+   request whose counting is costly is counted off the event loop, on the tenant's share of the
+   offload threads (:mod:`gateway.offload`); an unknown or stale pool is 503
+   ``pool_size_unknown`` (fail closed);
+5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503) and
+   build the body to forward (:func:`gateway.admission.upstream_body`);
+6. reserve the request's tokens against TPM (:meth:`gateway.stages.QuotaStage.reserve_tokens`),
+   then hand the admitted prompt to the verifier's admission
+   (:meth:`verifier.stage.VerifierStage.admit`: token-id prompts decoded, the prompt indexed, on
+   this request's own time, before it can be forwarded): a refused prompt is never indexed.
+
+A request refused after step 1 has its lease released and its tokens refunded
+(``settle(lease, 0)``); its RPM entry stays spent, so invalid requests cost their sender RPM.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from starlette.requests import Request
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import Settings, TenantConfig
-from gateway import api_routes
+from gateway import api_routes, offload
 from gateway.admission import (
     Admission,
     ModelIndex,
@@ -91,7 +97,12 @@ def _density_check(max_values: int):
     return check
 
 
-def _parse_large(raw: bytes, max_values: int, max_ids: Callable[[dict], int | None] | None = None) -> dict:
+def _parse_large(
+    raw: bytes,
+    max_values: int,
+    max_ids: Callable[[dict], int | None] | None = None,
+    id_fields: tuple[str, ...] = ("prompt", "input"),
+) -> dict:
     """Parse a large body in a worker thread: its token-id arrays cut out
     (:func:`gateway.density.split_ids`), a body whose other values are more than ``max_values``
     refused (413, :func:`gateway.density.values_over`) before any parse, the rest parsed, then
@@ -105,7 +116,7 @@ def _parse_large(raw: bytes, max_values: int, max_ids: Callable[[dict], int | No
     if over is not None:
         raise too_many_values(max_values, over)
     body = parse_json_body(skeleton)
-    field = "prompt" if "prompt" in body else "input"
+    field = next((f for f in id_fields if f in body), id_fields[-1])
     prompts = body.get(field)
     markers = [m for m in (prompts if isinstance(prompts, list) else [prompts]) if type(m) is int and m in ids]
     cap = max_ids(body) if markers and max_ids is not None else None
@@ -184,23 +195,60 @@ class Refused(Exception):
         self.tenant_id = tenant_id
 
 
-async def admit(ctx: AdmitContext, request: Request, arrival: Arrival) -> Admitted:
-    """Run steps 1-6 (module docstring) for ``request``. Raises :class:`Refused` (an OpenAI error:
-    401, 400, 404, 413, 429, 503, ...) or ``gateway.requests.ClientGone`` (the client left while
-    its body was arriving). Nothing is reserved unless this returns."""
+def authenticate_request(ctx: AdmitContext, request: Request) -> TenantConfig:
+    """Step 1's authentication, from the ``Authorization`` header alone, for every route; the
+    offloaded work that follows takes this tenant's share (:func:`gateway.offload.set_tenant`).
+    Raises :class:`Refused` 401, with ``connection: close`` when a body was announced (it is
+    never read)."""
     headers = request.headers
     try:
         tenant = authenticate(headers.get("authorization"), ctx.tenants)
     except OpenAIError as e:  # the body is never read: the connection is not kept for it
         raise Refused(closing(e) if body_declared(headers) else e, "-") from None
+    offload.set_tenant(tenant.id)
+    return tenant
+
+
+async def begin_request(ctx: AdmitContext, request: Request, request_id: str) -> tuple[TenantConfig, QuotaLease]:
+    """Step 1, shared by every route that reads a body: authenticate from the headers, then take
+    the request's RPM entry and concurrency lease (:meth:`gateway.stages.QuotaStage.begin`),
+    before any byte of the body is read (:func:`authenticate_request`). Returns ``(tenant,
+    lease)``; the caller settles the lease. Raises :class:`Refused` (401, 429, 503), with
+    ``connection: close`` when a body was announced (it is never read)."""
+    headers = request.headers
+    tenant = authenticate_request(ctx, request)
     try:
-        return await _admit_tenant(ctx, request, arrival, tenant)
-    except OpenAIError as e:
-        raise Refused(e, tenant.id) from None
+        lease = await ctx.quotas.begin(tenant, request_id)
+    except OpenAIError as e:  # refused before working: nothing of the body is read or parsed
+        raise Refused(closing(e) if body_declared(headers) else e, tenant.id) from None
+    return tenant, lease
 
 
-async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, tenant: TenantConfig) -> Admitted:
-    route = arrival.route
+async def admit(ctx: AdmitContext, request: Request, arrival: Arrival) -> Admitted:
+    """Run steps 1-6 (module docstring) for ``request``. Raises :class:`Refused` (an OpenAI error:
+    401, 400, 404, 413, 429, 503, ...) or ``gateway.requests.ClientGone`` (the client left while
+    its body was arriving). A request refused after step 1 has its lease released and its tokens
+    refunded (its RPM entry stays spent); the returned one's lease is settled by
+    :func:`gateway.finish.finish`."""
+    tenant, lease = await begin_request(ctx, request, arrival.request_id)
+    try:
+        return await _admit_tenant(ctx, request, arrival, tenant, lease)
+    except BaseException as e:
+        await ctx.quotas.settle(lease, 0)
+        if isinstance(e, OpenAIError):
+            raise Refused(e, tenant.id) from None
+        raise
+
+
+async def read_request(
+    ctx: AdmitContext, request: Request, tenant: TenantConfig, id_fields: tuple[str, ...] = ("prompt", "input")
+) -> tuple[dict[str, Any], bool]:
+    """Step 2, shared by every route that reads a body: ``(body, large)``. The body is read up to
+    ``gateway.max_body_bytes`` (paced past its first 64 KiB by the body budget; one that may be
+    large is density-checked as it arrives, :func:`_density_check`) and parsed as strict JSON;
+    ``large`` (over :data:`OFFLOAD_BODY_BYTES`): parsed in a worker thread (:func:`_parse_large`),
+    a token-id array in one of ``id_fields`` longer than the effective limit refused before its
+    ids are parsed. Raises :class:`OpenAIError` (413, 400) or ``ClientGone``."""
     headers = request.headers
     length = headers.get("content-length")
     small = length is not None and length.isdigit() and int(length) <= OFFLOAD_BODY_BYTES
@@ -208,20 +256,26 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
     check = None if small else _density_check(ctx.settings.gateway.max_body_values)
     pace = ctx.body_budget.pacer(tenant.id) if ctx.body_budget is not None else None
     raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check, pace)
-    large = len(raw) > OFFLOAD_BODY_BYTES
-    if large:
+    if len(raw) <= OFFLOAD_BODY_BYTES:
+        return parse_json_body(raw), False
 
-        def max_ids(skeleton: dict) -> int | None:  # the effective limit, before any id is parsed
-            try:
-                model = ctx.models.resolve(tenant, skeleton.get("model"))
-            except OpenAIError:
-                return None  # the model is refused later, in order
-            _, live = ctx.upstreams.eligible(model.id)
-            return model.config.context_length if live is None else effective_limit(model, tenant, live)
+    def max_ids(skeleton: dict) -> int | None:  # the effective limit, before any id is parsed
+        try:
+            model = ctx.models.resolve(tenant, skeleton.get("model"))
+        except OpenAIError:
+            return None  # the model is refused later, in order
+        _, live = ctx.upstreams.eligible(model.id)
+        return model.config.context_length if live is None else effective_limit(model, tenant, live)
 
-        body = await asyncio.to_thread(_parse_large, raw, ctx.settings.gateway.max_body_values, max_ids)
-    else:
-        body = parse_json_body(raw)
+    args = (raw, ctx.settings.gateway.max_body_values, max_ids, id_fields)
+    return await asyncio.to_thread(_parse_large, *args), True
+
+
+async def _count_and_decide(
+    ctx: AdmitContext, tenant: TenantConfig, body: dict[str, Any], route: str
+) -> tuple[Admission, list[Upstream], bool]:
+    """Steps 3-5: validate, resolve the model, count, gate, filter the upstreams. Returns
+    ``(admission, candidates, stateful passthrough)``. Raises :class:`OpenAIError`."""
     own_schema = route in ("responses", "embeddings")  # their schemas, counts and gates: gateway.api_routes
     if own_schema:
         api_routes.validate(body, route)
@@ -261,35 +315,44 @@ async def _admit_tenant(ctx: AdmitContext, request: Request, arrival: Arrival, t
             "Every upstream engine for this model is quarantined for prompts of this length.",
             code=ErrorCode.UPSTREAM_UNAVAILABLE,
         )
+    return adm, candidates, passthrough
+
+
+async def _forward(
+    body: dict[str, Any], route: str, adm: Admission, salt: str, passthrough: bool, large: bool
+) -> Forward:
+    """Step 6's body to forward (in a worker thread for a large body). Raises :class:`OpenAIError`
+    400 for a body nested too deeply to encode."""
+    own_schema = route in ("responses", "embeddings")
     stream = bool(body.get("stream")) and route != "embeddings"
-    salt = ctx.cache_salt(tenant.id)
     strip_usage = stream and not own_schema and not client_wants_usage(body)  # before the body asks for usage
+    if own_schema:
+        fn: Callable[..., bytes] = api_routes.upstream_body
+        args: tuple[Any, ...] = (body, route, adm, salt, passthrough)
+    else:
+        fn, args = upstream_body, (body, adm, salt)
     try:
-        if own_schema:
-            args = (body, route, adm, salt, passthrough)
-            forwarded = (
-                await asyncio.to_thread(api_routes.upstream_body, *args) if large else api_routes.upstream_body(*args)
-            )
-        else:
-            forwarded = (
-                await asyncio.to_thread(upstream_body, body, adm, salt) if large else upstream_body(body, adm, salt)
-            )
+        forwarded = await asyncio.to_thread(fn, *args) if large else fn(*args)
     except orjson.JSONEncodeError:  # orjson writes 254 levels of nesting at most (it reads 1024)
         raise OpenAIError(
             400, "The request body is nested too deeply to forward.", code=ErrorCode.INVALID_REQUEST
         ) from None
-    forward = Forward(forwarded, stream, strip_usage)
-    exchange = pending = None
+    return Forward(forwarded, stream, strip_usage)
+
+
+async def _admit_tenant(
+    ctx: AdmitContext, request: Request, arrival: Arrival, tenant: TenantConfig, lease: QuotaLease
+) -> Admitted:
+    route = arrival.route
+    body, large = await read_request(ctx, request, tenant)
+    adm, candidates, passthrough = await _count_and_decide(ctx, tenant, body, route)
+    forward = await _forward(body, route, adm, ctx.cache_salt(tenant.id), passthrough, large)
+    await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
+    exchange = None
     if route != "embeddings":  # embeddings have no output text to verify: their inputs are not indexed
-        exchange = verifier_exchange(arrival, tenant, adm, body, stream)
-        # a small prompt's index write rides the reservation's Redis round trip: one round trip,
-        # one wait (a separate awaited write cost about a third of the requests/s at 64 in flight)
-        pending = await ctx.verifier.admit(exchange, entry.counter.adecode, defer_write=True)
-    try:
-        lease = await ctx.quotas.reserve(tenant, adm.reserve_tokens, arrival.request_id, also=pending)
-    finally:
-        if pending is not None:  # indexed before it can be forwarded, refused or not (as before)
-            await pending.finish()
+        # only an admitted prompt is indexed, before it can be forwarded
+        exchange = verifier_exchange(arrival, tenant, adm, body, forward.stream)
+        await ctx.verifier.admit(exchange, adm.model.counter.adecode)
     return Admitted(arrival, tenant, adm, lease, candidates, forward, exchange)
 
 

@@ -11,8 +11,9 @@ quotas, forwarding, settle, verification) is the one every route shares.
   (400) unless every upstream serving the model has ``pass_stateful_responses``; otherwise
   ``store: false`` is sent upstream, so the engine keeps nothing kvgate did not gate.
 - ``/v1/embeddings``: each input (:mod:`tokenizer.embeddings`) must be ``<= limit`` (no
-  completion); at most the tenant's ``max_embedding_inputs`` inputs; TPM reserves their total.
-- ``/tokenize``, ``/detokenize``: vLLM's request shapes; one request against RPM, none against TPM.
+  completion) and all of them together ``<= pool limit``; at most the tenant's
+  ``max_embedding_inputs`` inputs; TPM reserves their total.
+- ``/tokenize``, ``/detokenize``: vLLM's request shapes (:mod:`gateway.tokenize_handlers`).
 """
 
 from __future__ import annotations
@@ -422,9 +423,9 @@ def embeddings_text(body: dict[str, Any]) -> str:
 def decide_embeddings(
     entry: ModelEntry, tenant: TenantConfig, body: dict[str, Any], counts: PromptCount, pool_limit: int
 ) -> Admission:
-    """Each input ``<= limit`` (the first one above it is named: ``input`` or ``input[i]``);
-    the reservation is the total, with no completion. Raises :class:`OpenAIError` 400
-    ``context_length_exceeded``."""
+    """Each input ``<= limit`` (the first one above it is named: ``input`` or ``input[i]``: 400
+    ``context_length_exceeded``) and the inputs' total ``<= pool_limit`` (400 naming ``input``);
+    the reservation is the total, with no completion. Raises :class:`OpenAIError`."""
     limit = effective_limit(entry, tenant, pool_limit)
     value = body.get("input")
     single = len(counts.per_prompt) == 1 and not (
@@ -439,6 +440,14 @@ def decide_embeddings(
                 param="input" if single else f"input[{i}]",
             )
     n = len(counts.per_prompt)
+    if counts.total > pool_limit:  # the engine holds the whole batch's KV at once, as a completion's
+        raise OpenAIError(
+            400,
+            f"This request needs {counts.total} tokens of KV cache ({n} inputs); the engines serving this "
+            f"model hold at most {pool_limit} for one request. Send fewer or shorter inputs.",
+            code=ErrorCode.INVALID_REQUEST,
+            param="input",
+        )
     prompt = AdmittedPrompt(counts.largest, counts.total, n, embeddings_text(body))
     return Admission(entry, prompt, CompletionBound(0, False, "max_tokens"), limit, 1, n, counts.total)
 

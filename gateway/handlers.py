@@ -23,12 +23,11 @@ from config.errors import OpenAIError
 from config.models import TenantConfig
 from gateway import logging as glog
 from gateway.admission import ModelEntry, effective_limit
-from gateway.admit import AdmitContext, Arrival, Refused, admit
-from gateway.auth import authenticate
+from gateway.admit import AdmitContext, Arrival, Refused, admit, authenticate_request
 from gateway.finish import FinishContext, finish
 from gateway.log_param import loggable_param
 from gateway.proxy import RelayContext, RelayOutcome, relay
-from gateway.requests import ClientGone
+from gateway.requests import ClientGone, body_declared, closing
 from gateway.response import RelayResponse
 
 
@@ -129,12 +128,12 @@ def _model_object(gw: HandlerContext, entry: ModelEntry, tenant: TenantConfig) -
     }
 
 
-def _json(body: dict[str, Any], rid: str, t0: float) -> Response:
-    return Response(
-        orjson.dumps(body),
-        media_type="application/json",
-        headers={"x-request-id": rid, "x-kvgate-overhead-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"},
-    )
+def _json(body: dict[str, Any], rid: str, t0: float, request: Request) -> Response:
+    """A ``GET``'s JSON answer; one that announced a body (never read) closes its connection."""
+    headers = {"x-request-id": rid, "x-kvgate-overhead-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
+    if body_declared(request.headers):
+        headers["connection"] = "close"
+    return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
 
 async def handle_models(gw: HandlerContext, request: Request) -> Response:
@@ -143,12 +142,12 @@ async def handle_models(gw: HandlerContext, request: Request) -> Response:
     t0 = time.perf_counter()
     rid = request_id_of(request.headers.get("x-request-id"))
     try:
-        tenant = authenticate(request.headers.get("authorization"), gw.tenants)
-    except OpenAIError as e:
-        return refusal(gw, e, rid, t0, "-", "models")
+        tenant = authenticate_request(gw, request)
+    except Refused as r:
+        return refusal(gw, r.error, rid, t0, "-", "models")
     data = [_model_object(gw, entry, tenant) for entry in gw.models.allowed(tenant)]
     gw.metrics.requests.labels(tenant.id, "models", "200").inc()
-    return _json({"object": "list", "data": data}, rid, t0)
+    return _json({"object": "list", "data": data}, rid, t0, request)
 
 
 async def handle_model(gw: HandlerContext, request: Request, model_id: str) -> Response:
@@ -160,12 +159,11 @@ async def handle_model(gw: HandlerContext, request: Request, model_id: str) -> R
     t0 = time.perf_counter()
     rid = request_id_of(request.headers.get("x-request-id"))
     try:
-        tenant = authenticate(request.headers.get("authorization"), gw.tenants)
-    except OpenAIError as e:
-        return refusal(gw, e, rid, t0, "-", "models")
-    try:
+        tenant = authenticate_request(gw, request)
         entry = gw.models.resolve(tenant, model_id)
+    except Refused as r:
+        return refusal(gw, r.error, rid, t0, "-", "models")
     except OpenAIError as e:
-        return refusal(gw, e, rid, t0, tenant.id, "models")
+        return refusal(gw, closing(e) if body_declared(request.headers) else e, rid, t0, tenant.id, "models")
     gw.metrics.requests.labels(tenant.id, "models", "200").inc()
-    return _json(_model_object(gw, entry, tenant), rid, t0)
+    return _json(_model_object(gw, entry, tenant), rid, t0, request)

@@ -79,9 +79,12 @@ class Quotas:
     def __init__(self) -> None:
         self.reserved: list[int] = []
 
-    async def reserve(self, tenant, reserve_tokens, request_id, *, also=None):
-        self.reserved.append(reserve_tokens)
-        return QuotaLease(tenant.id, request_id, reserve_tokens, headers={})
+    async def begin(self, tenant, request_id):
+        return QuotaLease(tenant.id, request_id, 0, headers={})
+
+    async def reserve_tokens(self, tenant, lease, tokens):
+        self.reserved.append(tokens)
+        lease.reserved_tokens = tokens
 
     async def settle(self, lease, used_tokens):
         return None

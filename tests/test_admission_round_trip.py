@@ -1,8 +1,9 @@
-"""A small prompt's leak-index write rides the quota reservation's Redis round trip
+"""A small prompt's leak-index write can ride a quota reservation's Redis round trip
 (verifier.stage.PendingWrite, gateway.quota_stores.RedisQuotaStore._call_with): one pipeline
 holds the reservation and the index write. What lands in Redis, what happens when Redis lost
 the scripts (NOSCRIPT), when the reservation makes no round trip (unlimited tenant), when the
-round trip fails, and through the real app."""
+round trip fails; and through the real app, where the write follows the token reservation so
+that only an admitted prompt is indexed."""
 
 from __future__ import annotations
 
@@ -147,9 +148,11 @@ async def test_a_failed_round_trip_counts_a_store_error_and_the_quota_policy_app
         await svc.aclose()
 
 
-def test_through_the_app_one_round_trip_indexes_the_prompt(prefix, own_writes):
-    """A chat through the real app with Redis quotas and the verifier: 200, the prompt's
-    fingerprints in Redis under its tenant, and no write of the verifier's own."""
+def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes):
+    """A chat through the real app with Redis quotas and the verifier: the admitted prompt's
+    fingerprints are in Redis under its tenant, written once its tokens were reserved (the
+    verifier's own write: a write riding the reservation could not depend on its answer); the
+    next chat, over the tenant's RPM, is refused before its body is read and indexes nothing."""
     from tests.gateway_harness import SECRETS as APP_SECRETS
     from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream
     from tests.mock_engine import MockEngine
@@ -159,15 +162,22 @@ def test_through_the_app_one_round_trip_indexes_the_prompt(prefix, own_writes):
     s = base.model_copy(update={"redis_url": REDIS_URL, "verifier": VerifierSettings()})
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
     svc = VerifierService(s, secrets=APP_SECRETS, key_prefix=prefix + ":v:")
-    g = Gateway(s, tenants(rpm=1000), quotas=quotas, verifier=svc).start()
+    g = Gateway(s, tenants(rpm=1, tpm=10_000), quotas=quotas, verifier=svc).start()
     try:
         with g.client() as c:
             r = c.post("/v1/chat/completions", json=chat(PROMPT))
             assert r.status_code == 200, r.text
-            assert r.headers["x-ratelimit-remaining-requests"] == "999"
-        assert own_writes == []
+            assert (r.headers["x-ratelimit-remaining-requests"], r.headers["x-ratelimit-remaining-tokens"]) == (
+                "0",
+                str(10_000 - 16 - 369),  # the default bound (16) + the prompt's 369 tokens
+            )
+            r = c.post("/v1/chat/completions", json=chat(WARMUP_PROMPT))
+            assert (r.status_code, r.json()["error"]["code"]) == (429, "rate_limit_exceeded")
+        assert own_writes == ["tenant-a"]
         fps, _ = svc.ingest.fingerprint(ex(LIMITED, PROMPT), PROMPT)
         assert fps and {frozenset(o) for o in svc.index.store.owners(sorted(fps))} == {frozenset({"tenant-a"})}
+        refused, _ = svc.ingest.fingerprint(ex(LIMITED, WARMUP_PROMPT), WARMUP_PROMPT)
+        assert refused and svc.index.store.owners(sorted(refused)) == [set()] * len(refused)
         assert svc.stats["ingested"] == 1 and svc.stats["store_errors"] == 0
     finally:
         g.stop()

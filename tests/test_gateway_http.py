@@ -425,7 +425,7 @@ class RecordingQuotas:
         self.reserved: list[int] = []
         self.settled: list[int] = []
 
-    async def reserve(self, tenant, reserve_tokens, request_id, *, also=None):
+    async def begin(self, tenant, request_id):
         from config.errors import OpenAIError
         from gateway.stages import QuotaLease
 
@@ -433,8 +433,11 @@ class RecordingQuotas:
             raise OpenAIError(
                 429, "Rate limit reached for requests.", code="rate_limit_exceeded", headers={"Retry-After": "7"}
             )
-        self.reserved.append(reserve_tokens)
-        return QuotaLease(tenant.id, request_id, reserve_tokens, headers={"x-ratelimit-remaining-requests": "9"})
+        return QuotaLease(tenant.id, request_id, 0, headers={"x-ratelimit-remaining-requests": "9"})
+
+    async def reserve_tokens(self, tenant, lease, tokens):
+        self.reserved.append(tokens)
+        lease.reserved_tokens = tokens
 
     async def settle(self, lease, used_tokens):
         self.settled.append(used_tokens)

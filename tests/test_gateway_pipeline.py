@@ -41,11 +41,14 @@ class LedgerQuotas:
         self.reserved: dict[str, int] = {}
         self.settled: dict[str, list[int]] = {}
 
-    async def reserve(self, tenant, reserve_tokens, request_id, *, also=None):
-        if request_id in self.reserved:
+    async def begin(self, tenant, request_id):
+        return QuotaLease(tenant.id, request_id, 0)
+
+    async def reserve_tokens(self, tenant, lease, tokens):
+        if lease.request_id in self.reserved:
             raise OpenAIError(500, "reserved twice", code=ErrorCode.INTERNAL_ERROR)
-        self.reserved[request_id] = reserve_tokens
-        return QuotaLease(tenant.id, request_id, reserve_tokens)
+        self.reserved[lease.request_id] = tokens
+        lease.reserved_tokens = tokens
 
     async def settle(self, lease, used_tokens):
         self.settled.setdefault(lease.request_id, []).append(used_tokens)
