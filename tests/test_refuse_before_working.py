@@ -52,11 +52,13 @@ class Calls:
 
     def __init__(self, monkeypatch, counter) -> None:
         self.n = 0
+        self.threads: list[str] = []  # the thread each synchronous count ran on
         for name in ("count_chat", "acount_chat", "count_prompt", "acount_prompt", "prompt_token_ids", "decode"):
             real = getattr(counter, name)
 
             def wrapped(*a, _real=real, **kw):
                 self.n += 1
+                self.threads.append(threading.current_thread().name)
                 return _real(*a, **kw)
 
             monkeypatch.setattr(counter, name, wrapped)
@@ -105,6 +107,8 @@ def test_a_tenant_over_its_limits_is_refused_before_its_heavy_chats_are_parsed_c
             r = c.post("/v1/chat/completions", json=HEAVY, headers={"x-request-id": "first"})
             assert r.status_code == 200, r.text
             assert (calls.n, len(parsed), verifier.indexed) == (1, 1, ["first"])
+            # counted on the offload executor (gateway/offload.py), on the tenant's share
+            assert calls.threads[0].startswith("kvgate-offload")
             for i in range(5):
                 r = c.post("/v1/chat/completions", json=HEAVY, headers={"x-request-id": f"flood-{i}"})
                 assert (r.status_code, r.json()) == (429, {"error": rpm_429(1, 1)})
@@ -324,5 +328,28 @@ def test_tokenize_spends_rpm_before_its_body_is_read_and_tpm_above_2048_tokens(e
         assert where == []  # no large body was parsed
         log = store._tenants["tenant-a"]
         assert (log.tpm_sum, log.leases) == (3000, {})
+    finally:
+        g.stop()
+
+
+def test_a_client_gone_mid_body_releases_its_lease(engine):
+    import socket
+
+    from tests.gateway_harness import KEY_A
+
+    g, store, verifier = start(engine, rpm=10, max_concurrent=1)
+    try:
+        s = socket.create_connection(("127.0.0.1", g.port))
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"authorization: Bearer {KEY_A}\r\ncontent-length: 100000\r\n\r\n".encode()
+            + b'{"model": "kvgate-tiny", "messages": ['
+        )
+        assert _wait(lambda: "tenant-a" in store._tenants and len(store._tenants["tenant-a"].leases) == 1)
+        s.close()  # gone before the body arrived
+        assert _wait(lambda: store._tenants["tenant-a"].leases == {})
+        with g.client() as c:
+            assert c.post("/v1/chat/completions", json=chat()).status_code == 200  # the slot is free
+        assert len(store._tenants["tenant-a"].rpm) == 2
     finally:
         g.stop()
