@@ -288,7 +288,8 @@ async def _count_and_decide(
         api_routes.refuse_stateful(body, passthrough)
         chat, prompt_tokens = await api_routes.count_responses(entry, body)
     elif route == "embeddings":
-        counts = await api_routes.count_embeddings(entry, tenant, body)
+        _, live = ctx.upstreams.eligible(entry.id)  # a batch certainly over it is refused uncounted
+        counts = await api_routes.count_embeddings(entry, tenant, body, live)
     else:
         _, live = ctx.upstreams.eligible(entry.id)  # the limit a too-long prompt's 400 quotes
         limit = effective_limit(entry, tenant, live) if live is not None else None

@@ -393,19 +393,44 @@ def embedding_length_message(limit: int, tokens: int) -> str:
     )
 
 
-async def count_embeddings(entry: ModelEntry, tenant: TenantConfig, body: dict[str, Any]) -> PromptCount:
+def batch_over_pool(tokens: int, inputs: int, pool_limit: int, *, at_least: bool = False) -> OpenAIError:
+    """The 400 (``param`` ``input``) for an embeddings batch of ``inputs`` inputs holding
+    ``tokens`` tokens in all (``at_least``: a lower bound, before counting) over ``pool_limit``."""
+    return OpenAIError(
+        400,
+        f"This request needs {'at least ' if at_least else ''}{tokens} tokens of KV cache ({inputs} inputs); "
+        f"the engines serving this model hold at most {pool_limit} for one request. Send fewer or shorter inputs.",
+        code=ErrorCode.INVALID_REQUEST,
+        param="input",
+    )
+
+
+def _batch_lower_bound(entry: ModelEntry, value: list[Any]) -> int:
+    """A lower bound of a batch's tokens without counting: each token-id list's length, each
+    string's characters over the counter's ``max_token_chars``."""
+    per = entry.counter.max_token_chars
+    return sum(len(p) if isinstance(p, list) else len(p) // per if isinstance(p, str) and per else 0 for p in value)
+
+
+async def count_embeddings(
+    entry: ModelEntry, tenant: TenantConfig, body: dict[str, Any], pool_limit: int | None = None
+) -> PromptCount:
     """Tokens of each input. Raises :class:`OpenAIError` 400: more inputs than the tenant's
-    ``max_embedding_inputs`` (``param`` ``input``; checked before anything is counted), a bad
-    shape or token id (``input`` / ``input[i]``)."""
+    ``max_embedding_inputs`` (``param`` ``input``; checked before anything is counted), a batch
+    certainly over ``pool_limit`` (the live pool limit, when known: :func:`batch_over_pool`, before
+    any id is checked or text counted), a bad shape or token id (``input`` / ``input[i]``)."""
     value = body.get("input")
     cap = tenant.max_embedding_inputs
-    if isinstance(value, list) and value and not isinstance(value[0], int) and len(value) > cap:
-        raise OpenAIError(
-            400,
-            f"'input' holds {len(value)} inputs, above this key's cap of {cap} inputs per request.",
-            code=ErrorCode.INVALID_REQUEST,
-            param="input",
-        )
+    if isinstance(value, list) and value and not isinstance(value[0], int):  # a batch
+        if len(value) > cap:
+            raise OpenAIError(
+                400,
+                f"'input' holds {len(value)} inputs, above this key's cap of {cap} inputs per request.",
+                code=ErrorCode.INVALID_REQUEST,
+                param="input",
+            )
+        if pool_limit is not None and (lower := _batch_lower_bound(entry, value)) > pool_limit:
+            raise batch_over_pool(lower, len(value), pool_limit, at_least=True)
     try:
         return await acount_embedding_input(entry.counter, value)
     except TokenizerError as e:
@@ -441,13 +466,7 @@ def decide_embeddings(
             )
     n = len(counts.per_prompt)
     if counts.total > pool_limit:  # the engine holds the whole batch's KV at once, as a completion's
-        raise OpenAIError(
-            400,
-            f"This request needs {counts.total} tokens of KV cache ({n} inputs); the engines serving this "
-            f"model hold at most {pool_limit} for one request. Send fewer or shorter inputs.",
-            code=ErrorCode.INVALID_REQUEST,
-            param="input",
-        )
+        raise batch_over_pool(counts.total, n, pool_limit)
     prompt = AdmittedPrompt(counts.largest, counts.total, n, embeddings_text(body))
     return Admission(entry, prompt, CompletionBound(0, False, "max_tokens"), limit, 1, n, counts.total)
 

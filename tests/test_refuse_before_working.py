@@ -192,10 +192,12 @@ def test_an_embeddings_batch_over_the_pool_is_400_naming_input_and_at_it_is_serv
     g = start_api(engine, max_embedding_inputs=64)  # each input at most 200 (the tenant's limit); pool 3,276
     try:
         with g.client() as c:
-            at = [[1] * 200] * 16 + [[2] * 76]  # 3,276 tokens: the pool limit
+            # 3,276 tokens, the pool limit: 16 texts of 200 tokens and one of 76 (n words and the last space)
+            at = ["hello " * 199] * 16 + ["hello " * 75]
             r = c.post("/v1/embeddings", json={"model": EMB, "input": at})
-            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3276
-            r = c.post("/v1/embeddings", json={"model": EMB, "input": [*at[:-1], [2] * 77]})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3276, r.text
+            # one token more: counted (the texts' lower bound, 147 tokens of 128 characters, is no proof), then refused
+            r = c.post("/v1/embeddings", json={"model": EMB, "input": [*at[:-1], "hello " * 76]})
             assert (r.status_code, r.json()) == (
                 400,
                 {
@@ -357,3 +359,36 @@ def test_a_client_gone_mid_body_releases_its_lease(engine):
         assert len(store._tenants["tenant-a"].rpm) == 2
     finally:
         g.stop()
+
+
+def test_2048_embedding_inputs_of_1100_ids_are_refused_before_their_ids_are_checked(monkeypatch):
+    from tests import test_gateway_api_routes as api
+    from tests.mock_api_engine import ApiMockEngine
+
+    engine = ApiMockEngine().start()
+    s = api.settings(engine)
+    s = s.model_copy(update={"gateway": s.gateway.model_copy(update={"max_body_bytes": 8 << 20})})
+    g = Gateway(s, tenants(allowed_models=[MODEL, api.EMB])).start()  # 2,048 inputs allowed
+    checked: list[int] = []
+    counter = g.gw.models.by_name[api.EMB].counter
+    real_check = counter.check_ids
+    monkeypatch.setattr(counter, "check_ids", lambda ids, param: checked.append(len(ids)) or real_check(ids, param))
+    try:
+        with g.client(timeout=30) as c:
+            r = c.post("/v1/embeddings", json={"model": api.EMB, "input": [[1] * 1100] * 2048})
+            assert (r.status_code, r.json()) == (
+                400,
+                {
+                    "error": {
+                        "message": "This request needs at least 2252800 tokens of KV cache (2048 inputs); the "
+                        "engines serving this model hold at most 3276 for one request. Send fewer or shorter inputs.",
+                        "type": "invalid_request_error",
+                        "param": "input",
+                        "code": "invalid_request",
+                    }
+                },
+            )
+        assert (checked, api.forwarded(engine, "/v1/embeddings")) == ([], [])
+    finally:
+        g.stop()
+        engine.stop()
