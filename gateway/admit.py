@@ -1,8 +1,8 @@
-"""Steps 1-6 of a request's way through the gateway, as one stage (DESIGN.md): ``admit`` either
+"""Steps 1-6 of a request's way through the gateway, as one stage (docs/design.md): ``admit`` either
 refuses a request (:class:`Refused`) or returns one :class:`Admitted` record, with the quota
 reserved, that the relay (:mod:`gateway.proxy`) forwards and :mod:`gateway.finish` settles.
 
-In DESIGN.md's order, each step a call into the module that owns it (docs/gateway.md, "Refuse
+In that order, each step a call into the module that owns it (docs/gateway.md, "Refuse
 before working": a refusal comes before the work it would waste):
 
 1. authenticate from the ``Authorization`` header (:mod:`gateway.auth`), then take one request
