@@ -7,6 +7,10 @@
    (service host names and 0.0.0.0 mapped to 127.0.0.1, ports as in the file, Redis the real server);
    each health check (its own CMD, run here) must pass; then a chat request through the gateway gets a
    200 below the limit and a 400 `context_length_exceeded` one token over it.
+3. Because (2) maps every host to one loopback, where a node's 127.0.0.1 default happens to reach its
+   peer, every URL a service dials is also checked by name: it must be given, and name a compose
+   service (or network alias) and the port that service listens on. scripts/compose-e2e.sh runs the
+   stack under a real Docker engine.
 """
 
 from __future__ import annotations
@@ -25,11 +29,17 @@ import httpx
 import pytest
 import yaml
 
+from config.models import BackendSettings
+from gpu_backend.cli import build_parser
 from tests.conftest import ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
 VENV_BIN = Path(sys.executable).parent
 DEMO_KEY = "sk-demo-a"
+#: The URL flags each backend role dials (gpu_backend/cli.py): the router reaches prefill and decode,
+#: a prefill node sends its pages to decode; a decode node dials no one.
+ROLE_URL_FLAGS = {"router": ("--prefill-url", "--decode-url"), "prefill": ("--decode-url",), "decode": ()}
+URL = re.compile(r"\b([a-z][a-z0-9+.-]*)://([^/:\"'\s,\]]+)(?::(\d+))?")
 TEST_REDIS_DB = 11
 
 
@@ -75,6 +85,56 @@ def _health_ok(test: list[str], names: list[str]) -> bool:
     return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
 
 
+def _merged(files: tuple[str, ...]) -> dict:
+    exe = shutil.which("docker-compose")
+    assert exe, "docker-compose (Debian's package) is missing: scripts/test.sh installs it"
+    args = [a for f in files for a in ("-f", f)]
+    out = subprocess.run([exe, *args, "config"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)["services"]
+
+
+def _listen_port(service: dict) -> int | None:
+    cmd = [str(a) for a in service.get("command") or []]
+    if "--port" in cmd:
+        return int(cmd[cmd.index("--port") + 1])
+    return None
+
+
+def _dialed_urls(service: dict) -> list[str]:
+    """Every URL in a service's command and environment, plus the backend URL flags its role dials
+    that it leaves to their defaults (health checks are left out: they dial the container itself)."""
+    cmd = [str(a) for a in service.get("command") or []]
+    env = [str(v) for v in (service.get("environment") or {}).values()]
+    urls = [m.group(0) for text in cmd + env for m in URL.finditer(text)]
+    if "--role" in cmd:
+        defaults = vars(build_parser(BackendSettings()).parse_args([]))
+        for flag in ROLE_URL_FLAGS[cmd[cmd.index("--role") + 1]]:
+            if flag not in cmd:
+                urls.append(str(defaults[flag[2:].replace("-", "_")]))
+    return urls
+
+
+@pytest.mark.parametrize("files", [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.smollm2.yml")])
+def test_every_dialed_url_names_a_compose_service(files: tuple[str, ...]) -> None:
+    services = _merged(files)
+    hosts: dict[str, str] = {n: n for n in services}
+    for n, s in services.items():
+        for net in (s.get("networks") or {}).values():
+            hosts.update({alias: n for alias in (net or {}).get("aliases", [])})
+    dialed = {n: _dialed_urls(s) for n, s in services.items()}
+    assert dialed["prefill"] == ["http://decode:30002"]
+    assert dialed["router"] == ["http://prefill:30001", "http://decode:30002"]
+    for name, urls in dialed.items():
+        for url in urls:
+            m = URL.match(url)
+            assert m, (name, url)
+            scheme, host, port = m.groups()
+            assert host in hosts, f"{name} dials {url}: not a compose service (inside a container it is itself)"
+            want = 6379 if scheme == "redis" else _listen_port(services[hosts[host]])
+            assert port is not None and int(port) == want, f"{name} dials {url}; {hosts[host]} listens on {want}"
+
+
 def test_compose_file_validates() -> None:
     exe = shutil.which("docker-compose")
     assert exe, "docker-compose (Debian's package) is missing: scripts/test.sh installs it"
@@ -85,7 +145,7 @@ def test_compose_file_validates() -> None:
     published = {n for n, s in services.items() if s.get("ports")}
     assert published == {"gateway", "gateway-demo"}
     # the host side is loopback unless KVGATE_PUBLISH_HOST says otherwise
-    assert services["gateway"]["ports"] == ["${KVGATE_PUBLISH_HOST:-127.0.0.1}:8080:8080"]
+    assert services["gateway"]["ports"] == ["${KVGATE_PUBLISH_HOST:-127.0.0.1}:${KVGATE_PUBLISH_PORT:-8080}:8080"]
     assert services["gateway-demo"]["ports"] == ["${KVGATE_PUBLISH_HOST:-127.0.0.1}:8081:8080"]
     resolved = subprocess.run([exe, "-f", str(COMPOSE), "config"], capture_output=True, text=True, cwd=ROOT)
     assert resolved.returncode == 0, resolved.stderr
