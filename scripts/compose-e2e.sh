@@ -44,6 +44,9 @@ need=()
 command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+command -v curl >/dev/null 2>&1 || need+=(curl)
+command -v python3 >/dev/null 2>&1 || need+=(python3)
+python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
 if [ ${#need[@]} -gt 0 ]; then
   phase "installing ${need[*]} with apt-get"
   apt-get update -qq
@@ -132,21 +135,27 @@ import_standin python "$PY_IMAGE" python3
 import_standin redis "$REDIS_IMAGE" redis-server
 
 # --- torch: the local CPU wheel from a one-package index on 127.0.0.1 ---------------------------
-WHEELS="$CACHE/torch-index"
-if ! ls "$WHEELS"/torch-*.whl >/dev/null 2>&1; then
-  phase "pip download $TORCH_SPEC"
-  mkdir -p "$WHEELS"
-  "$PY" -m pip download -q "$TORCH_SPEC" --no-deps -d "$WHEELS" || die "pip download $TORCH_SPEC failed"
-fi
-WHEEL=$(basename "$(ls "$WHEELS"/torch-*.whl | head -n1)")
-mkdir -p "$WHEELS/simple/torch"
-printf '<!DOCTYPE html><html><body><a href="../../%s">%s</a></body></html>\n' \
-  "${WHEEL//+/%2B}" "$WHEEL" >"$WHEELS/simple/torch/index.html"
-INDEX_PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$PY" -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$INDEX_PORT" >"$RUN/index.log" 2>&1 &
-INDEX_PID=$!
-for _ in $(seq 1 50); do curl -fs "http://127.0.0.1:$INDEX_PORT/simple/torch/" >/dev/null && break; sleep 0.1; done
-say "torch index: $WHEEL on 127.0.0.1:$INDEX_PORT"
+# (KVGATE_E2E_TORCH_INDEX_URL, e.g. a CPU wheel index, is passed to the build instead)
+torch_index() {
+  local wheels="$CACHE/torch-index" wheel
+  if ! ls "$wheels"/torch-*.whl >/dev/null 2>&1; then
+    phase "pip download $TORCH_SPEC"
+    mkdir -p "$wheels"
+    "$PY" -m pip download -q "$TORCH_SPEC" --no-deps -d "$wheels" || die "pip download $TORCH_SPEC failed"
+  fi
+  wheel=$(basename "$(ls "$wheels"/torch-*.whl | head -n1)")
+  mkdir -p "$wheels/simple/torch"
+  printf '<!DOCTYPE html><html><body><a href="../../%s">%s</a></body></html>\n' \
+    "${wheel//+/%2B}" "$wheel" >"$wheels/simple/torch/index.html"
+  INDEX_PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  "$PY" -m http.server --bind 127.0.0.1 --directory "$wheels" "$INDEX_PORT" >"$RUN/index.log" 2>&1 &
+  INDEX_PID=$!
+  for _ in $(seq 1 50); do curl -fs "http://127.0.0.1:$INDEX_PORT/simple/torch/" >/dev/null && break; sleep 0.1; done
+  say "torch index: $wheel on 127.0.0.1:$INDEX_PORT"
+  TORCH_INDEX_URL="http://127.0.0.1:$INDEX_PORT/simple"
+}
+TORCH_INDEX_URL=${KVGATE_E2E_TORCH_INDEX_URL:-}
+[ -n "$TORCH_INDEX_URL" ] || torch_index
 
 # --- images and the stack -----------------------------------------------------------------------
 # build NAME DOCKERFILE [ARGS...]: docker build --network host, its output shown only on failure
@@ -156,8 +165,8 @@ build() {
     || { tail -n 40 "$RUN/build.log" >&2; die "docker build $1 failed"; }
 }
 build "$GATEWAY_IMAGE" docker/gateway.Dockerfile
-build "$BACKEND_IMAGE" docker/backend.Dockerfile --build-arg "PIP_EXTRA_INDEX_URL=http://127.0.0.1:$INDEX_PORT/simple"
-kill "$INDEX_PID" && INDEX_PID=""
+build "$BACKEND_IMAGE" docker/backend.Dockerfile --build-arg "PIP_EXTRA_INDEX_URL=$TORCH_INDEX_URL"
+[ -z "$INDEX_PID" ] || { kill "$INDEX_PID"; INDEX_PID=""; }
 docker run --rm --entrypoint python "$BACKEND_IMAGE" -c 'import torch; print("torch", torch.__version__)'
 
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
