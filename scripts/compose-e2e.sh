@@ -131,6 +131,7 @@ rootfs redis redis-server &
 REDIS_JOB=$!
 wait "$PY_JOB" || die "the python stand-in failed"
 wait "$REDIS_JOB" || die "the redis stand-in failed"
+phase "docker import the stand-ins"
 import_standin python "$PY_IMAGE" python3
 import_standin redis "$REDIS_IMAGE" redis-server
 
