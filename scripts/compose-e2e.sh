@@ -16,7 +16,7 @@ ROOT=$PWD
 T0=$(date +%s)
 CACHE=${KVGATE_E2E_CACHE:-$ROOT/.compose-e2e}
 SUITE=${KVGATE_E2E_SUITE:-bookworm}
-MIRROR=${KVGATE_E2E_MIRROR:-http://deb.debian.org/debian}
+MIRROR=${KVGATE_E2E_MIRROR:-}  # empty: debootstrap's default Debian mirror
 ROOTFS_RECIPE=1  # bump when the stand-ins' recipe changes: cached tarballs are named after it
 # the classic builder: `docker build --network host` reaches the package registries from a RUN step
 export DOCKER_BUILDKIT=0
@@ -100,7 +100,7 @@ rootfs() {
   local tarball="$CACHE/$1-$SUITE-r$ROOTFS_RECIPE.tar" dir="$RUN/rootfs-$1"
   if [ ! -s "$tarball" ]; then
     phase "debootstrap $SUITE minbase + $2 (cached as $tarball)"
-    debootstrap --variant=minbase --include="$2" "$SUITE" "$dir" "$MIRROR" >"$RUN/debootstrap-$1.log" 2>&1 \
+    debootstrap --variant=minbase --include="$2" "$SUITE" "$dir" ${MIRROR:+"$MIRROR"} >"$RUN/debootstrap-$1.log" 2>&1 \
       || { tail -n 20 "$RUN/debootstrap-$1.log" >&2; die "debootstrap $1 failed"; }
     rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/*
     if [ "$1" = python ]; then  # what the python image gives: `python` and `pip`, pip installs system-wide
