@@ -91,6 +91,7 @@ class ModelIndex:
             counter = make_counter(m.tokenizer, m.upstream_model or m.id, engine_api_key(settings, m.tokenizer.url))
             if offload_chars is not None:
                 counter.offload_chars = offload_chars
+            counter.engines = frozenset(engines.get(m.id, ()))  # chats counted as these engines render them
             if m.images.cost != "fixed":
                 counter.image_cost = ImageCoster(m.images, m.tokenizer.image_tokens)
             e = ModelEntry(m, counter, frozenset(engines.get(m.id, ())))

@@ -106,6 +106,13 @@ def _refuse(param: str, message: str) -> OpenAIError:
 def _template_kwargs_for(engine: str, body: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(body.get("chat_template_kwargs") or {})
     effort = body.get("reasoning_effort")
+    if engine == "sglang":
+        # serving_chat.py@002897c2: _convert_to_internal_request moves chat_template_kwargs'
+        # reasoning_effort onto the request (it wins over the field); _apply_jinja_template passes
+        # request.reasoning_effort to the template as a variable of that name
+        effort = kwargs.get("reasoning_effort", effort)
+        if effort is not None:
+            kwargs["reasoning_effort"] = effort
     if effort is not None:
         if engine == "sglang":  # protocol.py normalize_reasoning_inputs
             kwargs.setdefault("thinking", effort != "none")

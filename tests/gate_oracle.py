@@ -17,6 +17,7 @@ User text is encoded as ordinary text (special-token look-alikes are text).
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import math
 import struct
@@ -77,8 +78,9 @@ def _dumps(x: Any) -> str:
     return json.dumps(x, ensure_ascii=False, separators=(", ", ": "))
 
 
-def chat_tokens(body: dict[str, Any], image_cost: Any, add_generation_prompt: bool = True) -> int:
-    """Prompt tokens the engine holds for a received chat ``body``. ``image_cost(part) -> int``."""
+def chat_tokens(body: dict[str, Any], image_cost: Any, add_generation_prompt: bool = True, parsed: bool = False) -> int:
+    """Prompt tokens the engine holds for a received chat ``body``. ``image_cost(part) -> int``;
+    ``parsed``: tool-call arguments were parsed by the engine (:func:`chatml_tool_calls`)."""
     messages = body["messages"]
     tools = body.get("tools") or []
     tools_text = ("# Tools\n\n<tools>\n" + "\n".join(_dumps(t) for t in tools) + "\n</tools>") if tools else ""
@@ -98,6 +100,9 @@ def chat_tokens(body: dict[str, Any], image_cost: Any, add_generation_prompt: bo
                 else:
                     total += image_cost(part)
                     segments.append("")
+        calls = chatml_tool_calls(m.get("tool_calls"), parsed)
+        if calls:
+            segments[-1] += ("\n" if segments[-1] else "") + calls
         if tools_text and i == 0 and leading_system:
             segments[-1] += ("\n\n" if any(segments) else "") + tools_text
         header = m["role"] + (f" name={m['name']}" if m.get("name") else "") + "\n"
@@ -145,26 +150,49 @@ def _hf(folder: Any) -> Any:
     return _HF[key]
 
 
-def hf_chat_tokens(folder: Any, body: dict[str, Any], image_tokens: int = 765) -> int:
-    """Prompt tokens of a received chat ``body`` for a Hugging Face model, as vLLM builds them:
-    ``transformers``' ``apply_chat_template`` with the body's ``add_generation_prompt``,
-    ``continue_final_message``, ``chat_template_kwargs`` and ``reasoning_effort`` (text parts
-    joined with ``\\n``, vLLM's rule for string-content templates), plus ``image_tokens`` per image."""
-    messages, images = [], 0
-    for m in body["messages"]:
-        content = m.get("content")
-        if isinstance(content, list):
-            images += sum(1 for p in content if p["type"] != "text")
-            content = "\n".join(p["text"] for p in content if p["type"] == "text")
-        messages.append({**m, "content": content})
-    kwargs = dict(body.get("chat_template_kwargs") or {})
-    if body.get("reasoning_effort") is not None:
-        kwargs["reasoning_effort"] = body["reasoning_effort"]
+def hf_chat_tokens(folder: Any, body: dict[str, Any], image_tokens: int = 765, engine: str | None = None) -> int:
+    """Prompt tokens of a received chat ``body`` for a Hugging Face model, as ``engine`` builds them:
+    its pre-template steps (:func:`engine_messages`; ``None``, ``kvgate``, ``openai``: every key as
+    received, text parts joined with ``\\n``), then ``transformers``' ``apply_chat_template``
+    with the variables the engine passes, plus ``image_tokens`` per image part.
+
+    vLLM (and ``None``): the body's ``add_generation_prompt``, ``continue_final_message``,
+    ``chat_template_kwargs`` and ``reasoning_effort`` (a template variable); ``kvgate``,
+    ``openai``: no ``reasoning_effort`` variable. SGLang
+    (serving_chat.py@002897c2 ``_apply_jinja_template``): ``add_generation_prompt=True`` always,
+    ``reasoning_effort`` a variable unless ``chat_template_kwargs`` carries one
+    (``_convert_to_internal_request`` moves it onto the request), then ``chat_template_kwargs``.
+    Raises :class:`EngineRefusal` where the engine answers 400."""
+    images = sum(
+        1 for m in body["messages"] if isinstance(m.get("content"), list) for p in m["content"] if p["type"] != "text"
+    )
+    if engine in ("vllm", "sglang"):
+        messages = engine_messages(engine, body["messages"])
+    else:
+        messages = []
+        for m in body["messages"]:
+            content = m.get("content")
+            if isinstance(content, list):
+                content = "\n".join(p["text"] for p in content if p["type"] == "text")
+            messages.append({**m, "content": "" if content is None else content})
+    ctk = dict(body.get("chat_template_kwargs") or {})
+    agp, cfm = body.get("add_generation_prompt", True), body.get("continue_final_message", False)
+    if engine == "sglang":
+        effort = ctk.pop("reasoning_effort", body.get("reasoning_effort"))
+        kwargs = {"reasoning_effort": effort} if effort is not None else {}
+        kwargs.update(ctk)
+        agp, cfm = True, False
+    else:
+        kwargs = ctk
+        # vLLM build_chat_params: reasoning_effort is a template variable; the bundled backend
+        # (gpu_backend/openai_api.py encode_chat) and an OpenAI upstream pass none
+        if body.get("reasoning_effort") is not None and engine in (None, "vllm"):
+            kwargs["reasoning_effort"] = body["reasoning_effort"]
     ids = _hf(folder).apply_chat_template(
         messages,
         tools=body.get("tools") or None,
-        add_generation_prompt=body.get("add_generation_prompt", True),
-        continue_final_message=body.get("continue_final_message", False),
+        add_generation_prompt=agp,
+        continue_final_message=cfm,
         tokenize=True,
         return_dict=False,
         **kwargs,
@@ -185,3 +213,150 @@ def hf_prompt_tokens(folder: Any, prompt: Any) -> list[int]:
 def hf_vocab(folder: Any) -> int:
     """The Hugging Face model's vocabulary size (added tokens included)."""
     return len(_hf(folder))
+
+
+# ----------------------------------------------------------------------------------------------
+# The engines' pre-template steps, copied from their source (each step names the function and the
+# commit it was read at), NOT from kvgate's counter: given the body an engine received, the
+# messages its chat template sees.
+
+
+class EngineRefusal(Exception):
+    """The engine itself would answer 400 for this body; ``param`` names the field."""
+
+    def __init__(self, param: str) -> None:
+        super().__init__(param)
+        self.param = param
+
+
+def vllm_conversation(messages: list[dict[str, Any]], chatml: bool = False) -> list[dict[str, Any]]:
+    """vLLM's conversation for a string-content template: vllm/entrypoints/chat_utils.py@001eadcf
+    ``_parse_chat_message_content`` (content: None -> [], a string -> one text part, text parts
+    joined with "\\n"; assistant: ``tool_calls`` if not None, ``reasoning`` also as
+    ``reasoning_content``; tool: ``tool_call_id``; ``name`` if a string) then
+    ``_postprocess_messages``. ``chatml``: keep content as sent (kvgate's ChatML renders parts)."""
+    conversation = []
+    for msg in copy.deepcopy(messages):
+        role = msg["role"]
+        content = msg.get("content")
+        if not chatml:
+            parts = (
+                [] if content is None else [{"type": "text", "text": content}] if isinstance(content, str) else content
+            )
+            content = "\n".join(p.get(p["type"]) for p in parts if p["type"] in ("text", "refusal"))
+        result_msg: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            if "tool_calls" in msg and msg["tool_calls"] is not None:  # "The 'tool_calls' is not None check"
+                result_msg["tool_calls"] = list(msg["tool_calls"])
+            if msg.get("reasoning") is not None:
+                result_msg["reasoning"] = msg["reasoning"]
+                result_msg["reasoning_content"] = msg["reasoning"]  # "keep compatibility"
+        elif role == "tool" and "tool_call_id" in msg:
+            result_msg["tool_call_id"] = msg["tool_call_id"]
+        if "name" in msg and isinstance(msg["name"], str):
+            result_msg["name"] = msg["name"]
+        conversation.append(result_msg)
+    # _postprocess_messages, line for line
+    for i, message in enumerate(conversation):
+        if message["role"] == "assistant" and "tool_calls" in message:
+            tool_calls = message.get("tool_calls")
+            if not isinstance(tool_calls, list):
+                continue
+            if len(tool_calls) == 0:
+                message.pop("tool_calls", None)
+                continue
+            for j, item in enumerate(tool_calls):
+                content = item["function"].get("arguments")
+                if isinstance(content, str):
+                    try:
+                        item["function"]["arguments"] = json.loads(content)
+                    except json.JSONDecodeError:
+                        item["function"]["arguments"] = {}
+                    except (ValueError, RecursionError):  # vLLM's handler answers these with a 400
+                        raise EngineRefusal(f"messages[{i}].tool_calls[{j}].function.arguments") from None
+                elif not isinstance(content, (dict, list)):
+                    item["function"]["arguments"] = {}
+    return conversation
+
+
+def sglang_messages(messages: list[dict[str, Any]], chatml: bool = False) -> list[dict[str, Any]]:
+    """SGLang's messages for a string-format Jinja template:
+    python/sglang/srt/entrypoints/openai/serving_chat.py@002897c2 ``_apply_jinja_template``:
+    ``normalize_assistant_tool_call_arguments`` (``parse_tool_call_arguments``: orjson; invalid or
+    not an object -> ValueError -> 400), content None -> "",
+    ``process_content_for_template_format`` (python/sglang/srt/parser/jinja_template_utils.py
+    @0b9c3848, "string": text parts joined with " ", None values dropped),
+    ``normalize_tool_content``, then ``_handle_last_assistant_message`` (continue_final_message
+    is never sent to SGLang by kvgate). ``chatml``: content as sent."""
+    import orjson
+
+    messages = copy.deepcopy(messages)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant" or not isinstance(message.get("tool_calls"), list):
+            continue
+        for j, item in enumerate(message["tool_calls"]):
+            function = item.get("function") if isinstance(item, dict) else None
+            if not isinstance(function, dict):
+                continue
+            if "arguments" in function and isinstance(function["arguments"], str):
+                try:
+                    parsed = orjson.loads(function["arguments"])
+                except orjson.JSONDecodeError:
+                    raise EngineRefusal(f"messages[{i}].tool_calls[{j}].function.arguments") from None
+                if not isinstance(parsed, dict):
+                    raise EngineRefusal(f"messages[{i}].tool_calls[{j}].function.arguments")
+                function["arguments"] = parsed
+    out = []
+    for msg_dict in messages:
+        if chatml:
+            out.append({k: v for k, v in msg_dict.items() if v is not None})
+            continue
+        if msg_dict.get("content") is None:
+            msg_dict["content"] = ""
+        if not isinstance(msg_dict.get("content"), list):
+            processed = {k: v for k, v in msg_dict.items() if v is not None}
+        else:
+            text_parts = [
+                c["text"]
+                for c in msg_dict["content"]
+                if isinstance(c, dict) and c.get("type") in ("text", "input_text")
+            ]
+            processed = {**msg_dict, "content": " ".join(text_parts) if text_parts else ""}
+            processed = {k: v for k, v in processed.items() if v is not None}
+        out.append(processed)
+    if out and out[-1].get("role") == "assistant":
+        last_content = out[-1].get("content")
+        if isinstance(last_content, str) or chatml:
+            out[-1] = {"role": "user", "content": last_content}
+    return out
+
+
+def engine_messages(engine: str, messages: list[dict[str, Any]], chatml: bool = False) -> list[dict[str, Any]]:
+    """The messages ``engine``'s template sees (``kvgate``, ``openai``: as received)."""
+    if engine == "vllm":
+        return vllm_conversation(messages, chatml)
+    if engine == "sglang":
+        return sglang_messages(messages, chatml)
+    return copy.deepcopy(messages)
+
+
+def chatml_tool_calls(calls: Any, parsed: bool) -> str:
+    """kvgate's ChatML tool calls (docs/tokenizer.md): ``<tool_call>\\n{"name": .., "arguments": ..}
+    \\n</tool_call>`` joined by "\\n"; ``arguments`` as sent (a JSON string) or, where the engine
+    parsed it, as that JSON value."""
+    out = []
+    for c in calls or ():
+        fn = c["function"]
+        args = fn.get("arguments", "")  # vLLM has already made a missing one {}
+        out.append("<tool_call>\n" + _dumps({"name": fn["name"], "arguments": args}) + "\n</tool_call>")
+    return "\n".join(out)
+
+
+def engine_chat_tokens(engine: str, body: dict[str, Any], image_cost: Any, add_generation_prompt: bool = True) -> int:
+    """:func:`chat_tokens` after ``engine``'s pre-template steps (kvgate's ChatML renders role,
+    name, content and tool calls, so only the steps that change those matter). Raises
+    :class:`EngineRefusal` where the engine answers 400."""
+    messages = engine_messages(engine, body["messages"], chatml=True)
+    return chat_tokens(
+        {**body, "messages": messages}, image_cost, add_generation_prompt, parsed=engine in ("vllm", "sglang")
+    )

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from tests.gate_env import CAP, ENGINES, LIMIT, MAX_SEQUENCES, gate_env
 from tests.gate_oracle import (
     VOCAB,
-    chat_tokens,
     completion_prompt_tokens,
+    engine_chat_tokens,
     hf_chat_tokens,
     hf_prompt_tokens,
     hf_vocab,
@@ -260,11 +260,12 @@ def check_forwarded(route: str, sent: dict, got: dict, reserved: int, hf_folder)
         assert aliases == ["max_completion_tokens"]
     seqs = max(got.get("n") or 1, got.get("best_of") or 1)
     if route == "chat" and hf:
-        counts = [hf_chat_tokens(hf_folder, got)]
+        counts = [max(hf_chat_tokens(hf_folder, got, engine=e) for e in ENGINES[model])]
     elif route == "chat":
         agp = got.get("add_generation_prompt", True)
         assert got.get("continue_final_message") is not True
-        counts = [chat_tokens(got, image_cost(model), agp)]
+        # every engine serving the model must hold no more than was reserved: the largest counts
+        counts = [max(engine_chat_tokens(e, got, image_cost(model), agp) for e in ENGINES[model])]
         for m in got["messages"]:
             for p in m["content"] if isinstance(m["content"], list) else ():
                 if p["type"] == "image_url":

@@ -152,6 +152,7 @@ def test_check_request_drops_no_op_defaults_and_builds_options():
     body = {"messages": [], "reasoning_effort": "none"}
     assert check_request(body, "chat", frozenset({"sglang"}), images).template_kwargs == (
         ("enable_thinking", False),
+        ("reasoning_effort", "none"),  # SGLang passes it to the template as a variable
         ("thinking", False),
     )
     assert check_request({"messages": [], "reasoning_effort": "high"}, "chat", frozenset({"vllm"}), images) == (

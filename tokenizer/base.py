@@ -10,6 +10,7 @@ from typing import Any
 
 from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chat_cost
 from tokenizer.errors import InvalidPromptError, InvalidTokenIdError
+from tokenizer.guard import fault_param
 
 #: Above this cost (characters, plus the per-element weights below), the async API counts in a
 #: worker thread.
@@ -149,6 +150,10 @@ class PromptCounter(ABC):
     #: special tokens in the rendered prompt (vLLM, SGLang) reads such text as a control token. Empty
     #: where the counter does not know them (an ``engine`` counter: the engine counts itself).
     special_token_texts: frozenset[str] = frozenset()
+    #: the engine policies (upstream ``engine``) serving this counter's model, set by the gateway's
+    #: model index: chats are counted as each renders them (:mod:`tokenizer.engine_render`), the
+    #: largest count winning. Empty: the messages as sent (the bundled backend's own tokenizer).
+    engines: frozenset[str] = frozenset()
 
     def images_cost(self, parts: list[dict]) -> int:
         """Tokens the image content ``parts`` of a chat cost (``image_cost`` of each, else
@@ -215,7 +220,8 @@ class PromptCounter(ABC):
         counts = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
-                counts.append(self.count_prompt_text(p))
+                with fault_param(prompt_param(prompt, i)):
+                    counts.append(self.count_prompt_text(p))
             else:
                 self.check_ids(p, prompt_param(prompt, i))
                 counts.append(len(p))

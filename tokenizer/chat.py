@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenizer.engine_render import ParsedArguments
 from tokenizer.errors import ImagesNotSupportedError, InvalidPromptError, UnknownContentPartError
 
 TEXT_PART_TYPES = ("text", "refusal")
@@ -123,12 +124,24 @@ def _tool_calls_text(tool_calls: Any, param: str) -> str:
             raise InvalidPromptError(f"'{param}[{j}]' must be an object with a 'function'.", f"{param}[{j}]")
         fn = call["function"]
         name, args = fn.get("name"), fn.get("arguments", "")
+        if isinstance(name, str) and isinstance(args, ParsedArguments):  # parsed as the engine parses it
+            text = _json_value({"name": name, "arguments": args.value}, f"{param}[{j}].function.arguments")
+            out.append(f"<tool_call>\n{text}\n</tool_call>")
+            continue
         if not isinstance(name, str) or not isinstance(args, str):
             raise InvalidPromptError(
                 f"'{param}[{j}].function' needs a string 'name' and string 'arguments'.", f"{param}[{j}].function"
             )
         out.append(f"<tool_call>\n{_dumps({'name': name, 'arguments': args})}\n</tool_call>")
     return "\n".join(out)
+
+
+def _json_value(obj: Any, param: str) -> str:
+    """:func:`_dumps` of a parsed value; a nesting too deep to write is refused naming ``param``."""
+    try:
+        return _dumps(obj)
+    except RecursionError:
+        raise InvalidPromptError(f"'{param}' is nested too deeply.", param) from None
 
 
 def _tools_block(tools: Any) -> str:

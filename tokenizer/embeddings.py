@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenizer.base import PromptCount, PromptCounter, prompt_param, split_completion_prompt
+from tokenizer.errors import TokenizerFaultError
 
 FIELD = "input"
 
@@ -33,5 +34,9 @@ async def acount_embedding_input(counter: PromptCounter, value: Any) -> PromptCo
     for i, p in enumerate(inputs):
         if not isinstance(p, str):
             counter.check_ids(p, prompt_param(value, i, FIELD))
-    text_counts = iter((await counter.acount_prompt(texts)).per_prompt if texts else ())
+    try:
+        text_counts = iter((await counter.acount_prompt(texts)).per_prompt if texts else ())
+    except TokenizerFaultError as e:
+        e.param = FIELD  # the index among the strings is not the index among the inputs
+        raise
     return PromptCount(tuple(next(text_counts) if isinstance(p, str) else len(p) for p in inputs))

@@ -77,3 +77,16 @@ class EngineTokenizeError(TokenizerError):
 
     status = 502
     code = ErrorCode.UPSTREAM_UNAVAILABLE
+
+
+class TokenizerFaultError(TokenizerError):
+    """The tokenizer library itself failed on a text: tiktoken's Rust core panics
+    (``pyo3_runtime.PanicException``, a ``BaseException``) where its regex overflows, or an HF
+    tokenizer raises. A 400 naming the field whose text it was (``param``; ``None`` until the
+    caller knows it). Text that came from an engine (the verifier re-encoding an answer) raises
+    the same error, for the caller to record and go on. ``cause``: the original exception's type
+    name."""
+
+    def __init__(self, message: str, param: str | None = None, cause: str = "") -> None:
+        super().__init__(message, param)
+        self.cause = cause

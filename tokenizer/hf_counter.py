@@ -35,7 +35,9 @@ from typing import Any
 
 from tokenizer.base import PromptCounter
 from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions, render_chatml
+from tokenizer.engine_render import sglang_messages, views_of, vllm_messages
 from tokenizer.errors import ImagesNotSupportedError, InvalidPromptError
+from tokenizer.guard import fault_param, guarded
 
 #: tokenizer_config.json keys passed to the template as variables (transformers' special_tokens_map).
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -100,6 +102,41 @@ def _strings(obj: Any) -> Iterator[str]:
 
 
 NO_TEMPLATE = "This model's tokenizer has no chat template; use /v1/completions."
+
+
+def _joined(content: Any) -> Any:
+    """Text parts joined with ``"\\n"`` (vLLM's rule for string-content templates), images left
+    out (costed apart); ``None`` (an assistant turn of tool calls) becomes ``""``."""
+    if isinstance(content, list):
+        return "\n".join(p.get(p["type"]) for p in content if p["type"] not in IMAGE_PART_TYPES)
+    return "" if content is None else content
+
+
+def _plain_messages(messages: list[dict[str, Any]], engine: str | None) -> list[dict[str, Any]]:
+    """Validated ``messages`` as ``engine`` hands them to a string-content template:
+    :func:`~tokenizer.engine_render.vllm_messages` or :func:`~tokenizer.engine_render.sglang_messages`
+    (which flattens content its own way); ``None``: every key as sent."""
+    if engine == "sglang":
+        return _alias_reasoning(sglang_messages(messages))
+    base = vllm_messages(messages) if engine == "vllm" else messages
+    return _alias_reasoning([{**m, "content": _joined(m.get("content"))} for m in base])
+
+
+#: the names a message's reasoning goes under, the first the one templates read (transformers
+#: utils/chat_template_utils.py, 5.x, ``_REASONING_FIELDS``)
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """transformers' ``_alias_reasoning_fields`` (chat_template_utils.py, 5.x), which
+    ``apply_chat_template`` runs on every message before the template, the engines' included:
+    the first non-null of :data:`REASONING_FIELDS` also becomes ``thinking`` (unless set) and
+    ``reasoning_content``."""
+    out = []
+    for m in messages:
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
+    return out
 
 
 def _compile_template(source: str) -> Any:
@@ -202,7 +239,7 @@ class HFCounter(PromptCounter):
         for m in self._special_re.finditer(text):
             if m.start() > pos:
                 ids += self._encode(text[pos : m.start()], add_special_tokens=False).ids
-            ids += self._text_tokenizer.encode(m.group(), add_special_tokens=False).ids
+            ids += guarded(self._text_tokenizer.encode, m.group(), add_special_tokens=False).ids
             pos = m.end()
         if pos < len(text):
             ids += self._encode(text[pos:], add_special_tokens=False).ids
@@ -248,7 +285,7 @@ class HFCounter(PromptCounter):
         for m in re.finditer(f"\ue000{nonce}:(\\d+)\ue001", prompt):
             if m.start() > pos:
                 ids += self._encode(prompt[pos : m.start()], add_special_tokens=False).ids
-            ids += self._text_tokenizer.encode(found[int(m.group(1))], add_special_tokens=False).ids
+            ids += guarded(self._text_tokenizer.encode, found[int(m.group(1))], add_special_tokens=False).ids
             pos = m.end()
         if pos < len(prompt):
             ids += self._encode(prompt[pos:], add_special_tokens=False).ids
@@ -283,8 +320,8 @@ class HFCounter(PromptCounter):
         holds it: a 1 MB prompt counted in a worker thread stopped the event loop for 0.6 s,
         measured with tokenizers 0.23). The same ids either way."""
         if len(text) > GIL_FREE_ENCODE_CHARS:
-            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return guarded(self.tokenizer.encode_batch, [text], add_special_tokens=add_special_tokens)[0]
+        return guarded(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     def special_surcharge(self, text: str) -> int:
         """Extra tokens so that special-token look-alikes in ``text`` count as their text
@@ -320,9 +357,12 @@ class HFCounter(PromptCounter):
         """Whether ``token_id`` is in the vocabulary (added tokens included)."""
         return 0 <= token_id < self.vocab_size and token_id not in self._holes
 
-    def render_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> tuple[str, list]:
+    def render_chat(
+        self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT, engine: str | None = None
+    ) -> tuple[str, list]:
         """``(prompt text, image parts)``: the chat rendered with the model's template as
-        ``transformers``' ``apply_chat_template`` does with ``options`` (generation prompt,
+        ``transformers``' ``apply_chat_template`` does with ``options``, after ``engine``'s
+        pre-template steps (:func:`_plain_messages`; ``None``: the messages as sent) (generation prompt,
         ``continue_final_message``: the text cut where the final message ends, as transformers >= 5,
         template kwargs as variables). Raises :class:`InvalidPromptError` for a bad shape, no
         template, a template that rejects the chat, or a final message that cannot be continued
@@ -332,14 +372,7 @@ class HFCounter(PromptCounter):
         rendered = render_chatml(messages, tools, ChatOptions(add_generation_prompt=options.add_generation_prompt))
         if self._template is None:
             raise InvalidPromptError(NO_TEMPLATE, "messages")
-        plain = []
-        for m in messages:
-            content = m.get("content")
-            if isinstance(content, list):
-                content = "\n".join(p.get(p["type"]) for p in content if p["type"] not in IMAGE_PART_TYPES)
-            elif content is None:  # an assistant turn of tool calls: vLLM renders its content as ""
-                content = ""
-            plain.append({**m, "content": content})
+        plain = _plain_messages(messages, engine)
         variables: dict[str, Any] = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
         variables.update(options.template_kwargs)
         variables["add_generation_prompt"] = options.add_generation_prompt and not options.continue_final_message
@@ -380,12 +413,19 @@ class HFCounter(PromptCounter):
             return rendered[:at]
         return rendered[:at].rstrip()
 
+    def _engine_prompts(self, messages: Any, tools: Any, options: ChatOptions) -> list[tuple[str, list]]:
+        """:meth:`render_chat` once per rendering of :attr:`engines`
+        (:func:`tokenizer.engine_render.views_of`)."""
+        return [self.render_chat(messages, tools, options, v) for v in views_of(self.engines)]
+
     def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
-        """Prompt tokens of a chat: the rendered template (with ``options``) encoded without added
-        BOS/EOS, plus the special-token surcharge of every request string, plus
-        :meth:`images_cost` of the image parts."""
-        prompt, images = self.render_chat(messages, tools, options)
-        ids = self._encode(prompt, add_special_tokens=False).ids
+        """Prompt tokens of a chat: the rendered template (with ``options``, as each of
+        :attr:`engines` renders it: the largest count) encoded without added BOS/EOS, plus the
+        special-token surcharge of every request string, plus :meth:`images_cost` of the image parts."""
+        renderings = self._engine_prompts(messages, tools, options)
+        with fault_param("messages"):
+            ids = max((self._encode(p, add_special_tokens=False).ids for p, _ in renderings), key=len)
+        images = renderings[0][1]
         surcharge = sum(self.special_surcharge(s) for s in _strings([messages, tools, options.template_kwargs]))
         return len(ids) + surcharge + self.images_cost(images)
 
@@ -396,11 +436,13 @@ class HFCounter(PromptCounter):
 
     def chat_token_ids(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> list[int]:
         """Ids of the chat template rendered with ``options``, without added BOS/EOS (as vLLM and
-        SGLang encode chats). Raises :class:`~tokenizer.errors.ImagesNotSupportedError` on an image part."""
-        prompt, images = self.render_chat(messages, tools, options)
-        if images:
+        SGLang encode chats; the longest over :attr:`engines`' renderings). Raises
+        :class:`~tokenizer.errors.ImagesNotSupportedError` on an image part."""
+        renderings = self._engine_prompts(messages, tools, options)
+        if renderings[0][1]:
             raise ImagesNotSupportedError("Token ids of image content parts are not known here.", "messages")
-        return self._encode(prompt, add_special_tokens=False).ids
+        with fault_param("messages"):
+            return max((self._encode(p, add_special_tokens=False).ids for p, _ in renderings), key=len)
 
     def token_strs(self, ids: list[int]) -> list[str]:
         """Each id's vocabulary entry (``id_to_token``; ``""`` for an id it lacks)."""

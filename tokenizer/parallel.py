@@ -51,10 +51,12 @@ CUT_PUNCTUATION = ',.;:!?()[]{}"，。、；：！？（）「」『』《》【
 #: Unicode White_Space (the regex's ``\\s``) beyond what ``str.isspace`` already covers in Python's
 #: ``re``; listed so that the look-behind below rejects them whatever the Unicode tables say.
 _WHITE_SPACE = "\t\n\x0b\x0c\r \x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-_SAFE_CUT = re.compile(
+SAFE_CUT = re.compile(
     rf"(?<![\s{_WHITE_SPACE}]) "  # rule 1: a space after a non-space (a look-behind at i-1)
     rf"|(?<=[^\W_])[{re.escape(CUT_PUNCTUATION)}]"  # rule 2: a mark after a letter or digit
 )
+
+_SAFE_CUT = SAFE_CUT  # the name tests/test_tokenizer_parallel.py reads
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -93,7 +95,7 @@ def safe_cuts(text: str, pieces: int) -> list[int]:
         target = max(n * k // pieces, cuts[-1] + 1 if cuts else 1)
         if target >= n:
             break
-        m = _SAFE_CUT.search(text, target)
+        m = SAFE_CUT.search(text, target)
         if m is None:
             break
         cuts.append(m.start())

@@ -42,7 +42,7 @@ a different prompt).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizer.base import PromptCounter
@@ -59,10 +59,13 @@ PARTIAL_STATUSES = ("in_progress", "incomplete")
 @dataclass
 class ResponsesPrompt:
     """A Responses request's prompt as chat: ``messages`` (OpenAI chat messages) and ``tools``
-    (chat-shaped tool definitions, or ``None``)."""
+    (chat-shaped tool definitions, or ``None``). ``params``: a converted field's chat path
+    (``messages[1].tool_calls[0].function.arguments``) -> the input field it came from
+    (``input[2].arguments``), for errors."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    params: dict[str, str] = field(default_factory=dict)
 
 
 def _bad(message: str, param: str) -> InvalidPromptError:
@@ -235,6 +238,7 @@ def responses_to_chat(input: Any, instructions: Any = None, tools: Any = None) -
     mapping). Raises :class:`~tokenizer.errors.InvalidPromptError` with ``param`` naming the
     field (``input``, ``input[2].content[0].type``, ``instructions``, ``tools[1].type``)."""
     messages: list[dict[str, Any]] = []
+    params: dict[str, str] = {}
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("'instructions' must be a string.", "instructions")
     if instructions:
@@ -267,17 +271,21 @@ def responses_to_chat(input: Any, instructions: Any = None, tools: Any = None) -
                     f"{param}.status",
                 )
             handler(item, param, messages)
+            if itype == "function_call":  # appended to the last (assistant) message
+                calls = len(messages[-1]["tool_calls"]) - 1
+                params[f"messages[{len(messages) - 1}].tool_calls[{calls}].function.arguments"] = f"{param}.arguments"
     else:
         raise _bad("'input' must be a string or a list of input items.", "input")
     if not messages:
         raise _bad("'input' must not be empty.", "input")
-    return ResponsesPrompt(messages, _tools(tools))
+    return ResponsesPrompt(messages, _tools(tools), params)
 
 
-def _retarget(e: TokenizerError) -> TokenizerError:
-    """A counting error raised on the converted messages names ``input`` instead of ``messages``."""
+def _retarget(e: TokenizerError, prompt: ResponsesPrompt) -> TokenizerError:
+    """A counting error raised on the converted messages names the input field it came from
+    (:attr:`ResponsesPrompt.params`), else ``input`` instead of ``messages``."""
     if e.param is not None and e.param.startswith("messages"):
-        e.param = "input"
+        e.param = prompt.params.get(e.param, "input")
     return e
 
 
@@ -288,7 +296,7 @@ def count_responses(counter: PromptCounter, prompt: ResponsesPrompt) -> int:
     try:
         return counter.count_chat(prompt.messages, prompt.tools)
     except TokenizerError as e:
-        raise _retarget(e) from None
+        raise _retarget(e, prompt) from None
 
 
 async def acount_responses(counter: PromptCounter, prompt: ResponsesPrompt) -> int:
@@ -297,7 +305,7 @@ async def acount_responses(counter: PromptCounter, prompt: ResponsesPrompt) -> i
     try:
         return await counter.acount_chat(prompt.messages, prompt.tools)
     except TokenizerError as e:
-        raise _retarget(e) from None
+        raise _retarget(e, prompt) from None
 
 
 def responses_text(prompt: ResponsesPrompt) -> str:

@@ -9,9 +9,12 @@ from typing import Any
 import tiktoken
 
 from tokenizer.base import PromptCounter
-from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chatml_token_count, chatml_token_ids, render_chatml
+from tokenizer.chat import DEFAULT_CHAT, ChatOptions, RenderedChat, chatml_token_count, chatml_token_ids, render_chatml
 from tokenizer.encodings import IM_END_ID, IM_START_ID, bundled_encoding, get_encoding, valid_id_mask
+from tokenizer.engine_render import chatml_view, views_of
+from tokenizer.guard import fault_param, guarded
 from tokenizer.parallel import parallel_count
+from tokenizer.tiktoken_safe import encode_ordinary as safe_encode_ordinary
 
 #: ids checked per C call in :meth:`TiktokenCounter.check_ids` (a few milliseconds each at most)
 ID_CHECK_SLICE = 1 << 16
@@ -83,9 +86,18 @@ class TiktokenCounter(PromptCounter):
         #: counts of recently counted texts (by digest; see :class:`CountCache`)
         self.count_cache = CountCache()
 
+    def _encode_ordinary(self, text: str) -> list[int]:
+        """``encode_ordinary``, guarded (:func:`tokenizer.guard.guarded`); for the cl100k regex,
+        through :func:`tokenizer.tiktoken_safe.encode_ordinary`, which never lets a long
+        whitespace run reach tiktoken's panicking regex."""
+        if self._parallel:
+            return guarded(safe_encode_ordinary, self.encoding, text)
+        return guarded(self.encoding.encode_ordinary, text)
+
     def encode_text(self, text: str) -> list[int]:
-        """Token ids of ordinary text (special-token look-alikes are text)."""
-        return self.encoding.encode_ordinary(text)
+        """Token ids of ordinary text (special-token look-alikes are text). Raises
+        :class:`~tokenizer.errors.TokenizerFaultError` (``param`` ``None``) if tiktoken fails."""
+        return self._encode_ordinary(text)
 
     def encode_prompt_text(self, text: str) -> list[int]:
         """Ids of a completions prompt: tiktoken adds nothing around it, so :meth:`encode_text`."""
@@ -104,7 +116,7 @@ class TiktokenCounter(PromptCounter):
         return self.encoding.decode(ids, errors="replace")
 
     def _count_one(self, text: str) -> int:
-        return len(self.encoding.encode_ordinary(text))
+        return len(self._encode_ordinary(text))
 
     def count_text(self, text: str) -> int:
         """Tokens of ordinary text; exact, on several threads for long cl100k-family text. Texts
@@ -139,26 +151,41 @@ class TiktokenCounter(PromptCounter):
                 super().check_ids(ids, param)
                 return
 
+    def _renderings(self, messages: Any, tools: Any, options: ChatOptions) -> list[RenderedChat]:
+        """The chat rendered as each of :attr:`engines` hands it to the template (validated
+        first; :func:`tokenizer.engine_render.chatml_view`)."""
+        rendered = render_chatml(messages, tools, options)
+        views = views_of(self.engines)
+        return [rendered if v is None else render_chatml(chatml_view(messages, v), tools, options) for v in views]
+
     def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
         """Prompt tokens of a chat under the ChatML template of :mod:`tokenizer.chat` (with
-        ``options``): each ``<|im_start|>``/``<|im_end|>`` is 1 token, image parts cost
-        :meth:`images_cost`."""
-        return chatml_token_count(render_chatml(messages, tools, options), self.count_text, self.images_cost)
+        ``options``), the largest over the engines' renderings: each ``<|im_start|>``/``<|im_end|>``
+        is 1 token, image parts cost :meth:`images_cost`."""
+        with fault_param("messages"):
+            return max(
+                chatml_token_count(r, self.count_text, self.images_cost)
+                for r in self._renderings(messages, tools, options)
+            )
 
     def encode_chat(self, messages: Any, tools: Any = None) -> list[int]:
         """Token ids of a chat for a text-only engine (the bundled backend's prompt).
         Raises :class:`~tokenizer.errors.ImagesNotSupportedError` on image parts."""
-        return chatml_token_ids(render_chatml(messages, tools), self.encode_text, self.im_start_id, self.im_end_id)
+        with fault_param("messages"):
+            return chatml_token_ids(render_chatml(messages, tools), self.encode_text, self.im_start_id, self.im_end_id)
 
     def prompt_token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of ordinary text (tiktoken adds no BOS/EOS, so ``add_special_tokens`` changes nothing)."""
         return self.encode_text(text)
 
     def chat_token_ids(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> list[int]:
-        """:meth:`encode_chat`, rendered with ``options``."""
-        return chatml_token_ids(
-            render_chatml(messages, tools, options), self.encode_text, self.im_start_id, self.im_end_id
-        )
+        """:meth:`encode_chat`, rendered with ``options`` as the engines render it (the longest)."""
+        with fault_param("messages"):
+            ids = [
+                chatml_token_ids(r, self.encode_text, self.im_start_id, self.im_end_id)
+                for r in self._renderings(messages, tools, options)
+            ]
+        return max(ids, key=len)
 
     def token_strs(self, ids: list[int]) -> list[str]:
         """Each id's bytes as UTF-8 (a piece of a multi-byte character becomes U+FFFD)."""

@@ -26,6 +26,7 @@ from typing import Any
 
 from tokenizer.base import PromptCounter
 from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chat_text_length
+from tokenizer.guard import fault_param
 
 
 @dataclass
@@ -51,8 +52,9 @@ async def tokenize_prompt(
     without local ids (``engine`` tokenizers: the gateway forwards to the engine instead)."""
 
     def run() -> Tokenized:
-        count = counter.count_prompt_text(text) if add_special_tokens else counter.count_text(text)
-        ids = counter.prompt_token_ids(text, add_special_tokens)
+        with fault_param("prompt"):
+            count = counter.count_prompt_text(text) if add_special_tokens else counter.count_text(text)
+            ids = counter.prompt_token_ids(text, add_special_tokens)
         return Tokenized(count, ids, counter.token_strs(ids) if return_token_strs else None)
 
     return await _off_loop(counter, len(text), run)

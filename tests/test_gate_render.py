@@ -1,0 +1,337 @@
+"""Render as the engine renders (the gate's invariant for chat history): hypothesis bodies with
+tool-call history (arguments with large floats, nesting, unicode, invalid or non-object JSON),
+reasoning fields, trailing assistant turns and the prompt-changing fields, for every engine
+policy and for a template that prints arguments with ``tojson``, through the real app.
+
+The oracle (tests/gate_oracle.py) applies the engines' own pre-template steps, copied from their
+source, to the body the engine RECEIVED and renders with ``transformers`` (tojson template) or
+the ChatML specification; it never calls kvgate's counter. For every 200 the reservation equals
+max(n) x (the largest engine-visible prompt + bound); where the oracle's engine would refuse the
+body, the gateway answers 400 (naming the arguments' path when nothing else is wrong); every
+other answer is an OpenAI-shaped 400 that forwarded and reserved nothing. Never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.gate_oracle import EngineRefusal, engine_chat_tokens, hf_chat_tokens
+from tests.render_env import ENGINES, HF_MODELS, LIMIT, render_env
+
+EXAMPLES = int(os.environ.get("RENDER_EXAMPLES", "2000"))
+
+ALPHABET = st.sampled_from(list('ab xé日🙂"\\/\n\t{}[]:,0123456789.eE-+'))
+small_text = st.text(ALPHABET, max_size=10)
+word = st.sampled_from(["a", "b c", "Hello", " world", "é", "日本語", "🙂", "x\ny", ""])
+text = st.lists(word, max_size=6).map("".join)
+LARGE_FLOATS = [1e15, 1e16, 1e21, 1.5e300, 123456789.125, -0.0, 1e-7, 5e-324, 0.1]
+leaf = st.one_of(
+    st.sampled_from(LARGE_FLOATS),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.integers(-(2**63), 2**63 - 1),
+    st.booleans(),
+    st.none(),
+    small_text,
+)
+json_value = st.recursive(
+    leaf, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(small_text, inner, max_size=4), max_leaves=10
+)
+#: argument strings the engines parse differently from how they were sent, or refuse
+ODD_ARGUMENTS = [
+    '{"v": [1e15, 1e15, 1e15]}',
+    '{"v":1E+15,"w":-0.0}',
+    '{"v": 100000000000000000000000}',  # beyond 64 bits: orjson refuses, json parses
+    '{"a": NaN}',  # json parses, orjson refuses
+    '{"a": 1e400}',
+    "[1, 2]",
+    "42",
+    '"s"',
+    "",
+    "{not json",
+    '{"a": 1} trailing',
+    '{"deep": ' + "[" * 5 + "]" * 5 + "}",
+    '{"big": 1' + "0" * 5000 + "}",  # more than 4,300 digits: json raises ValueError
+]
+
+
+def _args_text(value: object, compact: bool) -> str:
+    return json.dumps({"v": value}, separators=(",", ":") if compact else None, ensure_ascii=compact)
+
+
+large_floats = st.lists(st.sampled_from(LARGE_FLOATS), min_size=1, max_size=6)
+arguments = st.one_of(
+    st.builds(_args_text, json_value, st.booleans()),
+    st.builds(_args_text, large_floats, st.booleans()),
+    st.sampled_from(ODD_ARGUMENTS),
+)
+tool_call = st.builds(
+    lambda i, name, args: {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}},
+    st.integers(0, 9),
+    st.sampled_from(["get", "lookup_weather", "f"]),
+    arguments,
+)
+content = st.one_of(
+    text, st.none(), st.lists(st.builds(lambda t: {"type": "text", "text": t}, text), min_size=1, max_size=3)
+)
+
+
+def _assistant(c, calls, reasoning, reasoning_content, name):
+    m = {"role": "assistant", "content": c}
+    if calls is not None:
+        m["tool_calls"] = calls
+    if reasoning is not None:
+        m["reasoning"] = reasoning
+    if reasoning_content is not None:
+        m["reasoning_content"] = reasoning_content
+    if name:
+        m["name"] = name
+    return m
+
+
+assistant = st.builds(
+    _assistant,
+    content,
+    st.one_of(st.none(), st.lists(tool_call, max_size=3)),
+    st.one_of(st.none(), text),
+    st.one_of(st.none(), text),
+    st.sampled_from([None, None, "bob"]),
+)
+message = st.one_of(
+    st.builds(lambda c: {"role": "user", "content": c}, content),
+    st.builds(lambda c: {"role": "system", "content": c}, text),
+    st.builds(lambda c: {"role": "developer", "content": c}, text),
+    assistant,
+    assistant,
+    st.builds(lambda c: {"role": "tool", "tool_call_id": "call_1", "content": c}, content),
+)
+tool = st.builds(
+    lambda n, default: {
+        "type": "function",
+        "function": {"name": n, "parameters": {"type": "object", "properties": {"v": {"default": default}}}},
+    },
+    st.sampled_from(["get", "lookup_weather"]),
+    json_value,
+)
+OPTIONAL: dict[str, st.SearchStrategy] = {
+    "tools": st.lists(tool, min_size=1, max_size=2),
+    "reasoning_effort": st.sampled_from(["low", "high", "none"]),
+    "chat_template_kwargs": st.sampled_from([{"x": 1}, {"reasoning_effort": "max"}, {}]),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+    "max_tokens": st.integers(1, 64),
+    "n": st.integers(1, 3),
+}
+
+
+@st.composite
+def body(draw):
+    model = draw(st.sampled_from(sorted(ENGINES)))
+    b = {"model": model, "messages": draw(st.lists(message, min_size=1, max_size=6))}
+    for name in draw(st.lists(st.sampled_from(sorted(OPTIONAL)), max_size=3, unique=True)):
+        b[name] = draw(OPTIONAL[name])
+    return b
+
+
+def _cost(part: dict) -> int:
+    return 765
+
+
+def oracle_count(model: str, got: dict, folder) -> int:
+    """The largest prompt the model's engines hold for the received body (EngineRefusal if one
+    of them would answer 400)."""
+    if model in HF_MODELS:
+        return max(hf_chat_tokens(folder, got, engine=e) for e in ENGINES[model])
+    agp = got.get("add_generation_prompt", True)
+    return max(engine_chat_tokens(e, got, _cost, agp) for e in ENGINES[model])
+
+
+def refused_by_engines(model: str, sent: dict) -> str | None:
+    """The path an engine of ``model`` would refuse in the SENT body (its arguments), else None."""
+    for e in ENGINES[model]:
+        try:
+            if e in ("vllm", "sglang"):
+                from tests.gate_oracle import engine_messages
+
+                engine_messages(e, sent["messages"], chatml=True)
+        except EngineRefusal as r:
+            return r.param
+    return None
+
+
+CONTEXT = re.compile(r"maximum context length is (\d+) tokens\. However, you requested (\d+) tokens \((\d+) in the")
+
+
+@pytest.fixture(scope="module")
+def env():
+    with render_env() as e:
+        yield e
+
+
+def n1_history(floats_per_call: int = 40, calls: int = 6) -> list[dict]:
+    """The N1 history: ``calls`` assistant tool calls whose arguments are ``{"v":[1e15,...]}``
+    (2.5 KB in all), each answered by a tool message."""
+    args = '{"v":[' + ",".join(["1e15"] * floats_per_call) + "]}"
+    messages: list[dict] = [{"role": "user", "content": "hi"}]
+    for i in range(calls):
+        call = {"id": f"c{i}", "type": "function", "function": {"name": "get", "arguments": args}}
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{i}", "content": "ok"},
+        ]
+    return [*messages, {"role": "user", "content": "go on"}]
+
+
+@pytest.mark.parametrize("model", ["tv", "ts"])
+def test_n1_float_arguments_are_counted_as_the_template_prints_them(env, model):
+    """vLLM and SGLang parse the arguments and the template prints ``1e15`` as
+    ``1000000000000000.0``: the history counts 1,638 tokens as sent (main admitted it against
+    3,276) and 5,196 as rendered (the independent oracle). Refused with the rendered count."""
+    client, sg, vl, quotas, folder = env
+    body = {"model": model, "messages": n1_history(), "max_tokens": 16}
+    assert len(json.dumps(body["messages"])) == 2485
+    rendered = hf_chat_tokens(folder, body, engine=ENGINES[model][0])
+    assert rendered == 5196
+    before = (len(sg.state.requests), len(vl.state.requests), len(quotas.reserved))
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {
+        "message": f"This model's maximum context length is {LIMIT} tokens. However, you requested "
+        f"{rendered + 16} tokens ({rendered} in the messages, 16 in the completion). "
+        "Please reduce the length of the messages or completion.",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
+    assert (len(sg.state.requests), len(vl.state.requests), len(quotas.reserved)) == before
+
+
+def test_n1_history_as_sent_is_what_the_bundled_backend_renders(env):
+    """The bundled backend (``kvgate``) and an OpenAI upstream take the arguments as sent:
+    the same history is admitted at its as-sent size, 1,638 tokens."""
+    client, sg, vl, quotas, folder = env
+    for model in ("tk", "to"):
+        body = {"model": model, "messages": n1_history(), "max_tokens": 16}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert quotas.reserved[-1] == hf_chat_tokens(folder, body, engine=ENGINES[model][0]) + 16 == 1638 + 16
+
+
+@pytest.mark.parametrize(
+    ("model", "arguments"),
+    [("ts", "{not json"), ("ts", "[1, 2]"), ("ts", '{"a": NaN}'), ("tv", '{"big": 1' + "0" * 5000 + "}")],
+)
+def test_arguments_the_engine_refuses_are_refused_naming_their_path(env, model, arguments):
+    """SGLang refuses arguments that are not a JSON object (orjson: no NaN); vLLM an integer of
+    more than 4,300 digits (json's ValueError): a 400 naming the arguments, nothing forwarded."""
+    client, sg, vl, quotas, folder = env
+    call = {"id": "c", "type": "function", "function": {"name": "get", "arguments": arguments}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    before = (len(sg.state.requests), len(vl.state.requests))
+    r = client.post(
+        "/v1/chat/completions", json={"model": model, "messages": [*messages, {"role": "user", "content": "x"}]}
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages[1].tool_calls[0].function.arguments" and err["type"] == "invalid_request_error"
+    assert (len(sg.state.requests), len(vl.state.requests)) == before
+
+
+@pytest.mark.timeout(240)
+def test_chat_history_is_counted_as_each_engine_renders_it(env):
+    stats = {"examples": 0, "200": 0, "400": 0, "engine_refusals": 0, "over_context": 0, "violations": 0}
+    covered: dict[str, int] = {}
+    t0 = time.monotonic()
+    client, sg, vl, quotas, folder = env
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(body())
+    def one(b):
+        stats["examples"] += 1
+        before = (len(sg.state.requests), len(vl.state.requests), len(quotas.reserved))
+        refusal = refused_by_engines(b["model"], b)
+        r = client.post("/v1/chat/completions", json=b)
+        received = sg.state.requests[before[0] :] + vl.state.requests[before[1] :]
+        if r.status_code == 200:
+            stats["200"] += 1
+            assert refusal is None, (refusal, b)
+            assert len(received) == 1 and len(quotas.reserved) == before[2] + 1
+            got = received[0]["body"]
+            bound = got.get("max_tokens") or got.get("max_completion_tokens")
+            seqs = got.get("n") or 1
+            expected = seqs * (oracle_count(b["model"], got, folder) + bound)
+            assert quotas.reserved[-1] == expected, (quotas.reserved[-1], expected, b)
+            for m in b["messages"]:
+                for c in m.get("tool_calls") or ():
+                    covered["tool_call"] = covered.get("tool_call", 0) + 1
+                    if "e15" in c["function"]["arguments"] or "1000000000000000" in c["function"]["arguments"]:
+                        covered["large_float"] = covered.get("large_float", 0) + 1
+            covered[b["model"]] = covered.get(b["model"], 0) + 1
+            if b["messages"][-1]["role"] == "assistant":
+                covered["trailing_assistant"] = covered.get("trailing_assistant", 0) + 1
+            return
+        stats["400"] += 1
+        assert r.status_code == 400, (r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and isinstance(err["param"], str) and err["param"], err
+        assert received == [] and len(quotas.reserved) == before[2]
+        if refusal is not None:
+            stats["engine_refusals"] += 1
+            if set(b) == {"model", "messages"} and err["param"].endswith(".arguments"):
+                assert err["param"] == refusal, (err, refusal)
+        if err.get("code") == "context_length_exceeded" and (m := CONTEXT.search(err["message"])):
+            stats["over_context"] += 1
+            assert int(m.group(1)) == LIMIT
+
+    one()
+    stats["seconds"] = round(time.monotonic() - t0, 1)
+    print(f"\ngate render property: {stats}; admitted with: {dict(sorted(covered.items()))}")
+    assert stats["examples"] >= EXAMPLES and stats["200"] >= 400 and stats["engine_refusals"] >= 50
+    for feature in ("tool_call", "large_float", "trailing_assistant", *ENGINES):
+        assert covered.get(feature, 0) >= 10, (feature, covered)
+
+
+def test_tokenize_counts_the_history_as_the_engine_renders_it(env):
+    """``/tokenize`` with messages answers the gate's count: the rendered one (5,196 + the
+    generation prompt is in it), for vLLM and SGLang models alike; the bundled backend's as sent."""
+    client, sg, vl, quotas, folder = env
+    for model, expected in (("tv", 5196), ("ts", 5196), ("tk", 1638)):
+        r = client.post("/tokenize", json={"model": model, "messages": n1_history()})
+        assert r.status_code == 200, r.text
+        assert r.json()["count"] == expected == len(r.json()["tokens"])
+
+
+def test_responses_function_call_arguments_are_parsed_as_the_engine_parses_them(env):
+    """``/v1/responses`` ``function_call`` items become tool calls: arguments SGLang refuses are
+    a 400 naming the item's ``arguments``; the N1 floats are counted as rendered."""
+    client, sg, vl, quotas, folder = env
+    items = [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "get", "arguments": "[1, 2]"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+    ]
+    r = client.post("/v1/responses", json={"model": "ts", "input": items})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input[1].arguments"
+    args = '{"v":[' + ",".join(["1e15"] * 40) + "]}"
+    items = [{"role": "user", "content": "hi"}]
+    for i in range(6):
+        items += [
+            {"type": "function_call", "call_id": f"c{i}", "name": "get", "arguments": args},
+            {"type": "function_call_output", "call_id": f"c{i}", "output": "ok"},
+        ]
+    r = client.post("/v1/responses", json={"model": "tv", "input": items, "max_output_tokens": 16})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"

@@ -1,0 +1,194 @@
+"""What each engine does to chat messages before its chat template runs, so that a chat is counted
+as the engine will render it (docs/tokenizer.md, "Pre-template steps").
+
+Engine policies (an upstream's ``engine``): ``kvgate`` (the bundled backend renders the messages
+as sent, by construction) and ``openai`` (counts on its side) take the messages as they are.
+``vllm`` and ``sglang`` rebuild them first; each step below copies the engine's source, cited
+as ``file@commit`` and function:
+
+- vLLM ``vllm/entrypoints/chat_utils.py@001eadcf`` ``_parse_chat_message_content`` (the message
+  rebuilt from its known keys) and ``_postprocess_messages`` (tool-call arguments parsed).
+- SGLang ``python/sglang/srt/entrypoints/openai/serving_chat.py@002897c2``
+  ``_apply_jinja_template``: ``normalize_assistant_tool_call_arguments`` (arguments parsed
+  with orjson, refused unless a JSON object), ``process_content_for_template_format``
+  (``python/sglang/srt/parser/jinja_template_utils.py@0b9c3848``: text parts joined with a space,
+  ``None`` values dropped) and ``_handle_last_assistant_message`` (a trailing assistant turn
+  becomes a user turn of its text).
+
+Chat templates then print parsed arguments with ``tojson`` (transformers' own filter,
+``json.dumps``): ``1e15`` is printed ``1000000000000000.0``, which is why the text as sent is not
+what is counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from tokenizer.errors import InvalidPromptError
+
+#: engine policies whose messages are rebuilt before templating
+REBUILDING_ENGINES = ("sglang", "vllm")
+
+
+@dataclass(frozen=True)
+class ParsedArguments:
+    """A tool call's ``arguments`` after the engine parsed them (any JSON value), as kvgate's
+    ChatML template receives it: written as that value's JSON, not as the string sent."""
+
+    value: Any
+
+
+def views_of(engines: frozenset[str] | tuple[str, ...]) -> list[str | None]:
+    """The distinct renderings a model's engines produce: one per rebuilding engine, ``None``
+    for the messages as sent (``kvgate``, ``openai``, or no engine known). Sorted, so a count
+    over them is deterministic."""
+    views: list[str | None] = [e for e in sorted(set(engines)) if e in REBUILDING_ENGINES]
+    if not views or any(e not in REBUILDING_ENGINES for e in engines):
+        views.insert(0, None)
+    return views
+
+
+def _args_param(i: int, j: int) -> str:
+    return f"messages[{i}].tool_calls[{j}].function.arguments"
+
+
+def vllm_arguments(arguments: Any, param: str) -> Any:
+    """vLLM ``_postprocess_messages`` (chat_utils.py@001eadcf): a string is ``json.loads``-ed,
+    an invalid one becomes ``{}``; anything but a string, dict or list becomes ``{}``. What
+    ``json.loads`` raises besides ``JSONDecodeError`` (an integer of more than 4,300 digits, a
+    nesting deeper than the interpreter's stack) reaches vLLM's handler as a 400: refused here
+    the same way, with ``param`` naming the arguments."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return {}
+        except (ValueError, RecursionError) as e:
+            raise InvalidPromptError(f"'{param}' cannot be parsed as the engine parses it: {e}", param) from None
+    if not isinstance(arguments, (dict, list)):
+        return {}
+    return arguments
+
+
+def sglang_arguments(arguments: Any, param: str) -> Any:
+    """SGLang ``parse_tool_call_arguments`` (serving_chat.py@002897c2): a string is
+    ``orjson.loads``-ed; invalid JSON or a value that is not an object is a ``ValueError``, which
+    SGLang answers with a 400. Refused here with ``param`` naming the arguments. orjson also
+    refuses ``NaN``/``Infinity``, integers beyond 64 bits and nesting deeper than 1,024."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        parsed = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        raise InvalidPromptError(
+            f"'{param}' must be valid JSON: the engine parses a tool call's arguments and refuses them otherwise.",
+            param,
+        ) from None
+    if not isinstance(parsed, dict):
+        raise InvalidPromptError(f"'{param}' must be a JSON object: the engine refuses any other value.", param)
+    return parsed
+
+
+def _calls(message: dict[str, Any], i: int, parse: Any, keep_missing: bool = False) -> list[dict[str, Any]]:
+    """Copies of ``message``'s tool calls with ``function.arguments`` replaced by ``parse``'s
+    result (validated shapes: a list of objects with a ``function`` object). ``keep_missing``:
+    a call without ``arguments`` keeps none (SGLang parses only a present string)."""
+    out = []
+    for j, call in enumerate(message.get("tool_calls") or ()):
+        fn = call["function"]
+        if keep_missing and "arguments" not in fn:
+            out.append({**call, "function": dict(fn)})
+            continue
+        out.append({**call, "function": {**fn, "arguments": parse(fn.get("arguments"), _args_param(i, j))}})
+    return out
+
+
+def vllm_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation vLLM templates (chat_utils.py@001eadcf ``_parse_chat_message_content``
+    then ``_postprocess_messages``): ``role`` and ``content``; an assistant's ``tool_calls``
+    (arguments parsed, an empty list dropped) and ``reasoning`` (also as ``reasoning_content``;
+    a ``reasoning_content`` sent alone is not kept); a tool message's ``tool_call_id``; a string
+    ``name``. Every other key is dropped. Content stays as sent (the counter flattens it)."""
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        conv: dict[str, Any] = {"role": role, "content": m.get("content")}
+        if role == "assistant":
+            if m.get("tool_calls") is not None:
+                conv["tool_calls"] = _calls(m, i, vllm_arguments)
+                if not conv["tool_calls"]:
+                    del conv["tool_calls"]  # _postprocess_messages drops an empty list
+            if m.get("reasoning") is not None:
+                conv["reasoning"] = conv["reasoning_content"] = m["reasoning"]
+        elif role == "tool" and "tool_call_id" in m:
+            conv["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str):
+            conv["name"] = m["name"]
+        out.append(conv)
+    return out
+
+
+def sglang_text(content: Any) -> Any:
+    """SGLang ``process_content_for_template_format`` for string-format templates
+    (jinja_template_utils.py@0b9c3848): a parts list becomes its ``text`` parts joined by a
+    space (other parts dropped); ``None`` becomes ``""`` (serving_chat.py ``_apply_jinja_template``)."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return " ".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") in ("text", "input_text"))
+    return content
+
+
+def sglang_messages(messages: list[dict[str, Any]], flatten: bool = True) -> list[dict[str, Any]]:
+    """The messages SGLang templates (serving_chat.py@002897c2 ``_apply_jinja_template``):
+    tool-call arguments parsed (``normalize_assistant_tool_call_arguments``; refused unless a
+    JSON object), content flattened (``flatten``; :func:`sglang_text`) and ``None`` values
+    dropped, then ``_handle_last_assistant_message``: a final assistant message whose content is
+    a string becomes ``{"role": "user", "content": <that string>}`` (its tool calls, name and
+    reasoning are gone). ``flatten=False`` keeps content as sent (kvgate's ChatML renders parts
+    itself); a final assistant message is then rewritten whatever its content."""
+    out = []
+    for i, m in enumerate(messages):
+        msg = dict(m)
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            msg["tool_calls"] = _calls(m, i, sglang_arguments, keep_missing=True)
+        if flatten:
+            msg["content"] = sglang_text(msg.get("content"))
+        out.append({k: v for k, v in msg.items() if v is not None})
+    if out and out[-1].get("role") == "assistant" and (isinstance(out[-1].get("content"), str) or not flatten):
+        out[-1] = {"role": "user", "content": out[-1].get("content")}
+    return out
+
+
+def _wrapped(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call["function"]
+    if "arguments" not in fn:  # SGLang parses only arguments that are there
+        return call
+    return {**call, "function": {**fn, "arguments": ParsedArguments(fn["arguments"])}}
+
+
+def wrap_parsed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with every parsed tool-call argument wrapped in :class:`ParsedArguments`
+    (kvgate's ChatML writes it as JSON; a raw non-string ``arguments`` stays refused)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            m = {**m, "tool_calls": [_wrapped(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def chatml_view(messages: list[dict[str, Any]], engine: str | None) -> list[dict[str, Any]]:
+    """Validated ``messages`` as ``engine`` hands them to a ChatML template (kvgate's, which
+    renders role, name, content and tool calls only): arguments parsed; for SGLang, the final
+    assistant turn rewritten. ``None``: as sent."""
+    if engine == "vllm":
+        return wrap_parsed(vllm_messages(messages))
+    if engine == "sglang":
+        return wrap_parsed(sglang_messages(messages, flatten=False))
+    return messages
