@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import RelayOutcome
 from gateway.stages import QuotaStage
 from tokenizer import PromptCounter
+from tokenizer.errors import TokenizerFaultError
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -91,8 +92,9 @@ async def completion_tokens_of(counter: PromptCounter, texts: Iterable[str | lis
     ``counter``: the model's :class:`tokenizer.PromptCounter`; ``texts``: one string (or list of
     string pieces) per choice, counted separately and summed. Long texts (above the counter's
     ``offload_chars``) are counted in a worker thread. A counter that can only count through the
-    engine (``count_text`` not implemented) falls back to the UTF-8 byte length, which never
-    undercounts (a token is at least a byte)."""
+    engine (``count_text`` not implemented), or whose tokenizer fails on the text
+    (:class:`~tokenizer.errors.TokenizerFaultError`), falls back to the UTF-8 byte length, which
+    never undercounts (a token is at least a byte)."""
     total = 0
     for t in texts:
         text = t if isinstance(t, str) else "".join(t)
@@ -103,7 +105,7 @@ async def completion_tokens_of(counter: PromptCounter, texts: Iterable[str | lis
                 total += await asyncio.to_thread(counter.count_text, text)
             else:
                 total += counter.count_text(text)
-        except NotImplementedError:
+        except (NotImplementedError, TokenizerFaultError):  # a tokenizer fault on engine text: never fewer
             total += len(text.encode("utf-8", "surrogatepass"))
     return total
 

@@ -144,3 +144,17 @@ def test_tokenize_and_chat_of_the_panicking_text_get_the_exact_count(gw):
         r = c.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         assert len(engine.state.requests) == before + 1
+
+
+def test_engine_text_the_tokenizer_fails_on_is_settled_at_its_byte_length():
+    """Completion text from an engine is counted for settling; a tokenizer fault there falls
+    back to the UTF-8 byte length (never fewer tokens) instead of failing the settle."""
+    from gateway.finish import completion_tokens_of
+
+    class Failing:
+        offload_chars = 32_768
+
+        def count_text(self, text: str) -> int:
+            return guarded(_raise(Boom("regex")), text)
+
+    assert asyncio.run(completion_tokens_of(Failing(), ["héllo", ["a", "b"]])) == 6 + 2  # type: ignore[arg-type]

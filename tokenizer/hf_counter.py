@@ -351,7 +351,7 @@ class HFCounter(PromptCounter):
         """Text of token ids with the tokenizer's own decoder, special tokens kept (as the
         engine's ``/detokenize`` with ``skip_special_tokens=False``). The byte-level decoders
         replace invalid UTF-8 (a character cut by the last id) with U+FFFD."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        return guarded(self.tokenizer.decode, list(ids), skip_special_tokens=False)
 
     def is_valid_id(self, token_id: int) -> bool:
         """Whether ``token_id`` is in the vocabulary (added tokens included)."""

@@ -113,7 +113,7 @@ class TiktokenCounter(PromptCounter):
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (special tokens as their text; invalid UTF-8, such as a
         character cut by the last id, replaced by U+FFFD: tiktoken's ``errors="replace"``)."""
-        return self.encoding.decode(ids, errors="replace")
+        return guarded(self.encoding.decode, ids, errors="replace")
 
     def _count_one(self, text: str) -> int:
         return len(self._encode_ordinary(text))
