@@ -100,7 +100,17 @@ def test_responses_at_the_limit_is_served_and_one_over_is_context_length_exceede
     assert sent["cache_salt"] == gw.gw.cache_salt("tenant-a") and "stream_options" not in sent
 
 
-def test_responses_counts_instructions_items_and_tools_exactly(gw, engine):
+@pytest.fixture
+def gw_bundled(engine):
+    """The gateway with the mock declared the bundled engine (``engine: kvgate``), which takes
+    tool-call arguments as sent, as the mock counts (SGLang and vLLM parse them first)."""
+    g = start(engine, up={"engine": "kvgate"})
+    yield g
+    g.stop()
+
+
+def test_responses_counts_instructions_items_and_tools_exactly(gw_bundled, engine):
+    gw = gw_bundled
     items = [
         {"role": "user", "content": [{"type": "input_text", "text": "What is 2+2?"}]},
         {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a":2,"b":2}'},
