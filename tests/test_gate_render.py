@@ -298,7 +298,7 @@ def test_chat_history_is_counted_as_each_engine_renders_it(env):
     one()
     stats["seconds"] = round(time.monotonic() - t0, 1)
     print(f"\ngate render property: {stats}; admitted with: {dict(sorted(covered.items()))}")
-    assert stats["examples"] >= EXAMPLES and stats["200"] >= 400 and stats["engine_refusals"] >= 50
+    assert stats["examples"] >= EXAMPLES and stats["200"] >= 400 and stats["engine_refusals"] >= 25
     for feature in ("tool_call", "large_float", "trailing_assistant", *ENGINES):
         assert covered.get(feature, 0) >= 10, (feature, covered)
 
