@@ -144,6 +144,8 @@ def sglang_pool(info: Any, loads: Any | None = None) -> SGLangPool:
     if dp_size == 1 and top is not None:
         ranks[0] = min(top, ranks.get(0, top))
     missing = [r for r in range(dp_size) if r not in ranks]
+    if missing and dp_size == 1 and loads is None:
+        raise EnginePoolError("server_info has no max_total_num_tokens")
     if missing:
         raise EnginePoolError(f"no max_total_num_tokens for data-parallel rank {missing[0]} of {dp_size} ({source})")
     return SGLangPool(
