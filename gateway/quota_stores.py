@@ -21,6 +21,7 @@ from importlib import resources
 from typing import Any, Protocol
 
 from config.models import TenantConfig
+from config.redis_client import is_cluster, key_slot
 from verifier.stage import PendingWrite
 
 log = logging.getLogger("kvgate.quotas")
@@ -134,6 +135,11 @@ class QuotaStore(Protocol):
         returns how many were undone. Raises :class:`QuotaStoreUnavailable`."""
         ...
 
+    def scope(self, tenant_id: str) -> int | None:
+        """The part of the store that holds ``tenant_id``'s state and fails with it: its hash
+        slot on a Redis Cluster, else ``None`` (the whole store). The stage backs off per scope."""
+        ...
+
     async def aclose(self) -> None:
         """Release connections."""
         ...
@@ -169,7 +175,10 @@ class RedisQuotaStore:
     expires one window (leases: one TTL) after its last write, so idle tenants cost nothing.
 
     ``client``: a ``redis.asyncio`` client whose socket timeouts bound each call (the stage
-    adds an overall deadline). Every Redis or socket error becomes :class:`QuotaStoreUnavailable`.
+    adds an overall deadline): ``Redis`` (standalone or a Sentinel's master) or ``RedisCluster``
+    (each script runs on the tenant's slot). Every Redis or socket error becomes
+    :class:`QuotaStoreUnavailable`. On a cluster a reservation carries no ``also`` writes (their
+    keys live on other slots, mostly other nodes): those are left to ``also.finish``.
     """
 
     name = "redis"
@@ -177,6 +186,7 @@ class RedisQuotaStore:
     def __init__(self, client: Any, *, prefix: str = "kvgate:q") -> None:
         self.client = client
         self.prefix = prefix
+        self.cluster = is_cluster(client)
         self._reserve = client.register_script(load_script("reserve"))
         self._settle = client.register_script(load_script("settle"))
         self._renew = client.register_script(load_script("renew"))
@@ -188,6 +198,9 @@ class RedisQuotaStore:
         """The five keys of a tenant: rpm log, tpm log, tpm debits, tpm sum, leases."""
         base = f"{self.prefix}:{{{tenant_id}}}"
         return [f"{base}:rpm", f"{base}:tpm", f"{base}:tpm:debits", f"{base}:tpm:sum", f"{base}:leases"]
+
+    def scope(self, tenant_id: str) -> int | None:
+        return key_slot(self.keys(tenant_id)[0]) if self.cluster else None
 
     async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Run ``script`` (:meth:`_retrying`). Raises :class:`QuotaStoreUnavailable`."""
@@ -232,7 +245,7 @@ class RedisQuotaStore:
             int(window_ms),
             int(lease_ttl_ms),
         ]
-        if also is not None and also.calls:
+        if also is not None and also.calls and not self.cluster:
             r = await self._call_with(self._reserve, self.keys(tenant_id), args, also)
         else:
             r = await self._call(self._reserve, self.keys(tenant_id), args)
@@ -461,6 +474,9 @@ class LocalQuotaStore:
 
     async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
         return 0  # in-process calls never time out half-way
+
+    def scope(self, tenant_id: str) -> int | None:
+        return None
 
     async def aclose(self) -> None:
         return None

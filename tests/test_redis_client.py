@@ -1,0 +1,96 @@
+"""The one Redis client factory (``config.redis_client``): which client each ``redis_url`` scheme
+makes, with which bounds, and the store back-off quotas and the verifier share. No server needed."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
+
+from config.redis_client import LazyCluster, StoreBackoff, by_slot, key_slot, parse_redis_url, redis_client
+
+
+def test_each_scheme_makes_its_client_sync_and_asyncio() -> None:
+    cases = {
+        "redis://127.0.0.1:6379/2": (redis.Redis, redis.asyncio.Redis),
+        "rediss://127.0.0.1:6380/0?ssl_ca_certs=/ca.pem": (redis.Redis, redis.asyncio.Redis),
+        "unix:///run/redis.sock?db=1": (redis.Redis, redis.asyncio.Redis),
+        "redis+sentinel://127.0.0.1:26379/mymaster": (redis.Redis, redis.asyncio.Redis),
+        "redis+cluster://127.0.0.1:7000,127.0.0.1:7001": (LazyCluster, redis.asyncio.cluster.RedisCluster),
+    }
+    for url, (sync_cls, async_cls) in cases.items():
+        assert type(redis_client(url, 0.25, sync=True)) is sync_cls, url
+        assert type(redis_client(url, 0.25)) is async_cls, url
+
+
+def test_every_connection_is_bounded_and_only_the_cluster_retries_once() -> None:
+    r = redis_client("rediss://127.0.0.1:6380/0?ssl_ca_certs=/ca.pem", 0.25)
+    kw = r.connection_pool.connection_kwargs
+    assert (kw["socket_timeout"], kw["socket_connect_timeout"], kw["ssl_ca_certs"]) == (0.25, 0.25, "/ca.pem")
+    assert r.get_retry().get_retries() == 0
+    c = redis_client("rediss+cluster://u:p%40ss@10.0.0.1:7000,10.0.0.2?ssl_ca_certs=/ca.pem", 0.3)
+    assert [(n.host, n.port) for n in c.nodes_manager.startup_nodes.values()] == [
+        ("10.0.0.1", 7000),
+        ("10.0.0.2", 6379),
+    ]
+    kw = c.nodes_manager.connection_kwargs
+    assert (kw["socket_timeout"], kw["ssl_ca_certs"], kw["password"], kw["username"]) == (0.3, "/ca.pem", "p@ss", "u")
+    assert c.retry.get_retries() == 1
+
+
+def test_a_sync_cluster_client_is_made_on_first_use_and_fails_as_a_connection_error() -> None:
+    from config.redis_client import is_cluster
+    from quota_fixtures import free_port
+
+    lazy = redis_client(f"redis+cluster://127.0.0.1:{free_port()}", 0.25, sync=True)
+    assert is_cluster(lazy)
+    script = lazy.register_script("return 1")  # no connection needed
+    assert script.sha == "e0e1f9fabfc9d4800c877a703b823ac0578ff8db"
+    with pytest.raises(redis.ConnectionError, match="Redis Cluster cannot be connected"):
+        lazy.mget_nonatomic(["a"])
+
+
+def test_sentinel_url_parts() -> None:
+    t = parse_redis_url("rediss+sentinel://:pw@s1:26380,[::1],s3/svc/4?sentinel_password=sp&ssl_ca_certs=/ca.pem")
+    assert (t.mode, t.tls, t.service, t.db, t.password) == ("sentinel", True, "svc", 4, "pw")
+    assert t.hosts == (("s1", 26380), ("::1", 26379), ("s3", 26379))
+    assert t.options == {"sentinel_password": "sp", "ssl_ca_certs": "/ca.pem"}
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis+sentinel://127.0.0.1:26379", "needs hosts and a service name"),
+        ("redis+sentinel://127.0.0.1:x/m", "bad port in '127.0.0.1:x'"),
+        ("redis+cluster:///", "cluster URL needs at least one node"),
+        ("redis+cluster://127.0.0.1:7000/3", "Redis Cluster has only database 0"),
+        ("memcached://127.0.0.1", "unknown scheme 'memcached://'"),
+    ],
+)
+def test_malformed_urls_are_refused(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        redis_client(url, 0.25)
+
+
+def test_by_slot_groups_keys_of_one_tag() -> None:
+    keys = ["k:{a}:1", "k:{b}:1", "k:{a}:2", "plain"]
+    assert by_slot(keys) == [["k:{a}:1", "k:{a}:2"], ["k:{b}:1"], ["plain"]]
+    assert key_slot("x:{a}:y") == key_slot("{a}") == 15495
+
+
+def test_store_backoff_per_scope() -> None:
+    now = [100.0]
+    b = StoreBackoff(0.5, clock=lambda: now[0])
+    assert b.usable(7) and not b.down
+    assert b.failed(7) is True  # the first outage: logged
+    assert b.failed(9) is False  # another slot while one is down: not logged again
+    assert (b.usable(7), b.usable(9), b.usable(8)) == (False, False, True)  # other slots keep going
+    now[0] += 0.5
+    assert b.usable(7)  # retried after the interval
+    assert b.succeeded(7) is False and b.down  # slot 9 is still down
+    assert b.succeeded(9) is True and not b.down  # the last one back: logged
+    b.failed()  # the whole store
+    assert not b.usable(8)
+    assert b.succeeded() is True and b.usable(8)
