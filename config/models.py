@@ -221,7 +221,7 @@ class QuotaSettings(_Strict):
     ``redis_failure_policy``: ``fail_closed`` (503 + Retry-After) or ``local_fallback``
     (per-process limits of limit / (``replicas`` x ``gateway.workers``): ``replicas`` counts
     ``kvgate serve`` instances, each running ``gateway.workers`` processes).
-    ``redis_timeout_seconds`` bounds every Redis call.
+    ``redis_timeout_seconds`` bounds every Redis connect and read (the verifier's stores too).
     """
 
     enabled: bool = True

@@ -12,7 +12,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
@@ -63,18 +63,32 @@ class Deployment:
 
 
 def deploy(
-    workdir: Path, redis_url: str, extra_tenants: dict[str, dict[str, Any]], **quotas: Any
+    workdir: Path,
+    redis_url: str,
+    extra_tenants: dict[str, dict[str, Any]],
+    while_starting: Callable[[], None] | None = None,
+    **quotas: Any,
 ) -> Iterator[Deployment]:
-    """Start the mock engine and 3 gateways x 2 workers on ``redis_url``; stop them at the end."""
+    """Start the mock engine and 3 gateways x 2 workers on ``redis_url`` (``while_starting``: see
+    :func:`redis_servers.start_gateways`); stop them at the end."""
     engine = MockEngine().start()
     tenants = {**TENANTS, **extra_tenants}
     keys = {name: "sk-test-" + secrets.token_hex(16) for name in tenants}
     entries = [tenant_entry(name, keys[name], MODEL, **limits) for name, limits in tenants.items()]
+    # 0.4 s, not 0.25: on 2 shared cores a first connection can take longer (the deadline,
+    # 2 x 0.4 + 0.05 = 0.85 s, still decides within 1 s)
     settings = gateway_settings(
-        engine, workdir / "state", redis_url, MODEL, UPSTREAM, lease_ttl_seconds=LEASE_TTL_SECONDS, **quotas
+        engine,
+        workdir / "state",
+        redis_url,
+        MODEL,
+        UPSTREAM,
+        lease_ttl_seconds=LEASE_TTL_SECONDS,
+        redis_timeout_seconds=0.4,
+        **quotas,
     )
     try:
-        gws = start_gateways(workdir, settings, entries)
+        gws = start_gateways(workdir, settings, entries, while_starting=while_starting)
     except BaseException:
         engine.stop()
         raise

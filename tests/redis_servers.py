@@ -70,6 +70,11 @@ class LocalCluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:3])
 
     def start(self) -> None:
+        self.launch()
+        self.form()
+
+    def launch(self) -> None:
+        """Start the six nodes (not yet a cluster)."""
         for p, bus in zip(self.ports, self.bus_ports, strict=True):
             d = self.workdir / f"node-{p}"
             d.mkdir()
@@ -92,6 +97,9 @@ class LocalCluster:
                 + ["--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS), "--cluster-require-full-coverage", "no"],
                 d / "redis.log",
             )
+
+    def form(self) -> None:
+        """Join the launched nodes into a cluster and wait until it is healthy."""
         for p in self.ports:
             _wait_ping(p)
         subprocess.run(
@@ -363,10 +371,17 @@ def gateway_settings(
 
 
 def start_gateways(
-    workdir: Path, settings: dict[str, Any], tenants: list[dict[str, Any]], replicas: int = 3, workers: int = 2
+    workdir: Path,
+    settings: dict[str, Any],
+    tenants: list[dict[str, Any]],
+    replicas: int = 3,
+    workers: int = 2,
+    while_starting: Callable[[], None] | None = None,
 ) -> list[Gateway]:
     """``replicas`` gateways sharing one config, tenants file and state dir (so one leak-index
-    key: the secrets are made before any starts). Raises ``RuntimeError`` if one does not start."""
+    key: the secrets are made before any starts). ``while_starting``: called once they are
+    spawned, before waiting for them (a Redis deployment that forms meanwhile: they start
+    without one). Raises ``RuntimeError`` if one does not start."""
     from config.secrets import load_secrets
 
     config, tenants_path = workdir / "kvgate.yaml", workdir / "tenants.yaml"
@@ -375,6 +390,8 @@ def start_gateways(
     load_secrets(settings["state_dir"])
     gws = [Gateway(config, tenants_path, workdir / f"gateway-{i}.log", workers) for i in range(replicas)]
     try:
+        if while_starting is not None:
+            while_starting()
         for g in gws:
             g.wait_ready()
     except BaseException:

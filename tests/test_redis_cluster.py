@@ -21,37 +21,37 @@ from redis_servers import LocalCluster
 pytestmark = pytest.mark.timeout(180)
 
 
-def _tenants_on_two_masters(cluster: LocalCluster) -> tuple[str, str]:
-    """Two tenant ids whose quota keys (hash tag ``{id}``) live on different masters."""
-    first = "failover"
-    master = cluster.master_of("{" + first + "}")
-    for i in range(100):
-        other = f"calm{i}"
-        if cluster.master_of("{" + other + "}") != master:
-            return first, other
-    raise AssertionError("every tenant id on one master")
+#: the slot ranges ``redis-cli --cluster create`` gives its three masters
+RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+
+
+def _range_of(tenant_id: str) -> int:
+    slot = key_slot("{" + tenant_id + "}")
+    return next(i for i, (lo, hi) in enumerate(RANGES) if lo <= slot <= hi)
+
+
+#: the failover tenant and one whose keys (hash tag ``{id}``) live on another master
+FAILOVER = "failover"
+CALM = next(f"calm{i}" for i in range(100) if _range_of(f"calm{i}") != _range_of(FAILOVER))
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[LocalCluster]:
+    """Six nodes launched; the gateways' fixture forms the cluster while they start."""
     c = LocalCluster(tmp_path_factory.mktemp("cluster"))
     try:
-        c.start()
+        c.launch()
         yield c
     finally:
         c.close()
 
 
 @pytest.fixture(scope="module")
-def names(cluster: LocalCluster) -> tuple[str, str]:
-    return _tenants_on_two_masters(cluster)
-
-
-@pytest.fixture(scope="module")
-def dep(cluster: LocalCluster, names: tuple[str, str], tmp_path_factory) -> Iterator[rm.Deployment]:
-    failover, calm = names
-    extra = {failover: {"rpm": 10**6, "max_concurrent": 2}, calm: {"rpm": 10**6}}
-    yield from rm.deploy(tmp_path_factory.mktemp("cluster-gw"), cluster.url, extra, redis_failure_policy="fail_closed")
+def dep(cluster: LocalCluster, tmp_path_factory) -> Iterator[rm.Deployment]:
+    extra = {FAILOVER: {"rpm": 10**6, "max_concurrent": 2}, CALM: {"rpm": 10**6}}
+    yield from rm.deploy(
+        tmp_path_factory.mktemp("cluster-gw"), cluster.url, extra, cluster.form, redis_failure_policy="fail_closed"
+    )
 
 
 def test_quota_keys_of_a_tenant_share_one_slot_and_leak_keys_spread() -> None:
@@ -89,10 +89,9 @@ def test_a_cross_tenant_leak_is_found_across_slots(dep: rm.Deployment, cluster: 
     assert len(per_node) == 3 and all(n > 0 for n in per_node), per_node
 
 
-def test_killing_the_tenants_master_fails_closed_then_recovers(
-    dep: rm.Deployment, cluster: LocalCluster, names: tuple[str, str]
-) -> None:
-    failover, calm = names
+def test_killing_the_tenants_master_fails_closed_then_recovers(dep: rm.Deployment, cluster: LocalCluster) -> None:
+    failover, calm = FAILOVER, CALM
+    assert cluster.master_of("{" + failover + "}") != cluster.master_of("{" + calm + "}")
     key = dep.keys[failover]
     rm.reset(dep.engine)
     assert all(rm.post(g, key).status_code == 200 for g in dep.gateways)

@@ -23,9 +23,9 @@ FAILOVER = {"failover": {"rpm": 600}}  # no max_concurrent: 2 // 6 processes wou
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory) -> Iterator[SentinelGroup]:
+    """The group's ports; the gateways' fixture starts it while they start."""
     g = SentinelGroup(tmp_path_factory.mktemp("sentinel"))
     try:
-        g.start()
         yield g
     finally:
         g.close()
@@ -34,7 +34,12 @@ def group(tmp_path_factory) -> Iterator[SentinelGroup]:
 @pytest.fixture(scope="module")
 def dep(group: SentinelGroup, tmp_path_factory) -> Iterator[rm.Deployment]:
     yield from rm.deploy(
-        tmp_path_factory.mktemp("sentinel-gw"), group.url, FAILOVER, redis_failure_policy="local_fallback", replicas=3
+        tmp_path_factory.mktemp("sentinel-gw"),
+        group.url,
+        FAILOVER,
+        group.start,
+        redis_failure_policy="local_fallback",
+        replicas=3,
     )
 
 

@@ -74,8 +74,6 @@ log = logging.getLogger("kvgate.verifier")
 #: ``strip_echo`` lives in :mod:`verifier.findings`; it is re-exported here for its callers
 __all__ = ["VerifierService", "strip_echo"]
 
-#: bound of every leak-index, canary and quarantine call (connect and read, seconds)
-STORE_TIMEOUT_SECONDS = 0.25
 #: most characters of one response a background guard keeps for its check
 MAX_CHECK_CHARS = 4 * 1024 * 1024
 
@@ -130,10 +128,12 @@ class VerifierService:
         key = secrets["leak_index_key"]
         aredis_client = None
         if redis_client is None and settings.redis_url:
-            # strict checks call the store on the request path: short timeouts, no retries; the
-            # asyncio client is for small prompts' admission-time writes on the event loop
-            redis_client = redis_client_for(settings.redis_url, STORE_TIMEOUT_SECONDS, sync=True)
-            aredis_client = redis_client_for(settings.redis_url, STORE_TIMEOUT_SECONDS)
+            # strict checks call the store on the request path: the quotas' bound on every connect
+            # and read, no retries; the asyncio client is for small prompts' admission-time
+            # writes on the event loop
+            timeout = settings.quotas.redis_timeout_seconds
+            redis_client = redis_client_for(settings.redis_url, timeout, sync=True)
+            aredis_client = redis_client_for(settings.redis_url, timeout)
         self.redis = redis_client
         self.aredis = aredis_client
         leak_store: LeakStore
