@@ -9,15 +9,16 @@ import json
 import secrets
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import pytest
-
 from redis_servers import Gateway, gateway_settings, start_gateways, tenant_entry, wait_until
+
 from tests.mock_engine import MockEngine, MockState
 from tokenizer import bundled_counter
 

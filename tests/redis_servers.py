@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import redis
 import yaml
-
 from quota_fixtures import _wait_ping, free_port
+
 from tests.conftest import ROOT
 
 REDIS_SERVER = shutil.which("redis-server") or "redis-server"

@@ -41,8 +41,9 @@ def test_every_connection_is_bounded_and_only_the_cluster_retries_once() -> None
 
 
 def test_a_sync_cluster_client_is_made_on_first_use_and_fails_as_a_connection_error() -> None:
-    from config.redis_client import is_cluster
     from quota_fixtures import free_port
+
+    from config.redis_client import is_cluster
 
     lazy = redis_client(f"redis+cluster://127.0.0.1:{free_port()}", 0.25, sync=True)
     assert is_cluster(lazy)
@@ -94,3 +95,13 @@ def test_store_backoff_per_scope() -> None:
     b.failed()  # the whole store
     assert not b.usable(8)
     assert b.succeeded() is True and b.usable(8)
+
+
+def test_a_malformed_redis_url_is_a_config_error() -> None:
+    from pydantic import ValidationError
+
+    from config.models import Settings
+
+    assert Settings(redis_url="redis+cluster://10.0.0.1:7000,10.0.0.2:7000").redis_url
+    with pytest.raises(ValidationError, match="unknown scheme 'redis-cluster://'"):
+        Settings(redis_url="redis-cluster://10.0.0.1:7000")

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 import redis_modes as rm
-from config.redis_client import key_slot
 from redis_servers import LocalCluster
+
+from config.redis_client import key_slot
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 import redis_modes as rm
 from redis_servers import SentinelGroup
 

@@ -10,13 +10,13 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+from redis_servers import TlsRedis
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
 from config.redis_client import redis_client
 from gateway.quota_stores import RedisQuotaStore
 from gateway.quotas import TenantQuotas
-from redis_servers import TlsRedis
 from verifier.leak_index import RedisLeakStore
 
 pytestmark = pytest.mark.timeout(60)
