@@ -212,7 +212,7 @@ class RedisQuotaStore:
         a fresh one, so a Redis that answers again costs no 503; a timeout is never retried, and
         the stage's deadline bounds both tries. Raises :class:`QuotaStoreUnavailable`."""
         from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
 
         try:
             try:
@@ -222,7 +222,7 @@ class RedisQuotaStore:
                 with contextlib.suppress(Exception):
                     await self.client.connection_pool.disconnect(inuse_connections=False)
                 return await send()
-        except (RedisError, OSError) as e:
+        except (RedisError, RedisClusterException, OSError) as e:  # the cluster's: no node answers
             raise QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}") from e
 
     async def reserve(

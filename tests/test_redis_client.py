@@ -105,3 +105,31 @@ def test_a_malformed_redis_url_is_a_config_error() -> None:
     assert Settings(redis_url="redis+cluster://10.0.0.1:7000,10.0.0.2:7000").redis_url
     with pytest.raises(ValidationError, match="unknown scheme 'redis-cluster://'"):
         Settings(redis_url="redis-cluster://10.0.0.1:7000")
+
+
+def test_a_cluster_no_node_of_which_answers_fails_closed_within_1s() -> None:
+    import asyncio
+    import time
+
+    from config.errors import OpenAIError
+    from config.models import QuotaSettings, TenantConfig
+    from gateway.quota_stores import RedisQuotaStore
+    from gateway.quotas import TenantQuotas
+    from quota_fixtures import free_port
+
+    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+
+    async def run() -> tuple[int, str | None, float]:
+        q = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client(url, 0.25)))
+        t0 = time.monotonic()
+        try:
+            await q.reserve(TenantConfig(id="t", rpm=5), 1, "r1")
+        except OpenAIError as e:
+            return e.status, e.code, time.monotonic() - t0
+        finally:
+            await q.aclose()
+        raise AssertionError("admitted without a store")
+
+    status, code, seconds = asyncio.run(run())
+    assert (status, code) == (503, "quota_backend_unavailable")
+    assert seconds < 1.0
