@@ -59,6 +59,8 @@ RECOVER_INTERVAL_SECONDS = 0.1
 MAX_DECISION_SECONDS = 0.9
 #: At most this many failed reservations are remembered for undoing after an outage.
 UNCERTAIN_MAX = 10_000
+#: :meth:`TenantQuotas._cancel_uncertain`'s "every scope"
+_ALL = object()
 
 
 @dataclass
@@ -186,18 +188,26 @@ class TenantQuotas:
                 log.exception("undoing uncertain quota reservations failed")
 
     async def _mark_up(self, tenant_id: str) -> None:
-        if self._backoff.succeeded(self._scope(tenant_id)):
+        scope = self._scope(tenant_id)
+        if self._backoff.succeeded(scope):
             log.warning("quota store %s answers again: limits are shared across replicas again", self.store.name)
         if self._uncertain:
-            await self._cancel_uncertain()
+            await self._cancel_uncertain(scope)
 
-    async def _cancel_uncertain(self) -> None:
+    async def _cancel_uncertain(self, scope: Any = _ALL) -> None:
         """Undo the reservations whose call failed during the outage (Redis may have run them
-        late); they were refused or handled locally, so they must not count in Redis."""
+        late); they were refused or handled locally, so they must not count in Redis. ``scope``:
+        only those of tenants in that part of the store (a request's path undoes its own slot's,
+        never waiting on a cluster node that is still down); default: all (the background loop)."""
         groups: dict[str, list[str]] = defaultdict(list)
+        keep: list[tuple[str, str]] = []
         while self._uncertain:
             tenant_id, lease_id = self._uncertain.popleft()
-            groups[tenant_id].append(lease_id)
+            if scope is _ALL or self._scope(tenant_id) == scope:
+                groups[tenant_id].append(lease_id)
+            else:
+                keep.append((tenant_id, lease_id))
+        self._uncertain.extend(keep)
         undone = 0
         for tenant_id, ids in groups.items():  # a tenant whose store part is down waits for the next round
             try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -96,6 +97,9 @@ def deploy(
     try:
         yield Deployment(gws, engine, workdir, keys)
     finally:
+        for g in gws:  # all at once: each drains on its own
+            if g.proc.poll() is None:
+                g.proc.send_signal(signal.SIGTERM)
         for g in gws:
             g.stop()
         engine.stop()

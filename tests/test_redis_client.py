@@ -133,3 +133,59 @@ def test_a_cluster_no_node_of_which_answers_fails_closed_within_1s() -> None:
     status, code, seconds = asyncio.run(run())
     assert (status, code) == (503, "quota_backend_unavailable")
     assert seconds < 1.0
+
+
+def test_a_failed_slot_costs_only_its_tenants_and_never_delays_another() -> None:
+    """A store whose part holding tenant ``down`` fails (reserve refused, cancel hangs), as a
+    Cluster master does: tenant ``up`` is decided by the store at once, without waiting on the
+    undoing of ``down``'s uncertain reservation, and ``down`` follows the policy."""
+    import asyncio
+    import time
+
+    from config.errors import OpenAIError
+    from config.models import QuotaSettings, TenantConfig
+    from gateway.quota_stores import QuotaDecision, QuotaStoreUnavailable
+    from gateway.quotas import TenantQuotas
+
+    class SlottedStore:
+        name = "redis"
+
+        def __init__(self) -> None:
+            self.reserved: list[str] = []
+
+        def scope(self, tenant_id: str) -> str:
+            return tenant_id
+
+        async def reserve(self, tenant_id: str, *args, **kwargs) -> QuotaDecision:
+            if tenant_id == "down":
+                raise QuotaStoreUnavailable("redis: ConnectionError: refused")
+            self.reserved.append(tenant_id)
+            return QuotaDecision(True, (), 0, 4, -1)
+
+        async def settle(self, *args) -> None:
+            return None
+
+        async def renew(self, tenant_id: str, lease_ids: list[str], ttl_ms: int) -> int:
+            return len(lease_ids)
+
+        async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
+            await asyncio.sleep(10 if tenant_id == "down" else 0)
+            return 0
+
+        async def aclose(self) -> None:
+            return None
+
+    async def run() -> tuple[float, int, list[str]]:
+        store = SlottedStore()
+        q = TenantQuotas(QuotaSettings(redis_timeout_seconds=0.25), store)  # type: ignore[arg-type]
+        with pytest.raises(OpenAIError) as down:
+            await q.reserve(TenantConfig(id="down", rpm=5), 1, "r1")
+        t0 = time.monotonic()
+        await q.reserve(TenantConfig(id="up", rpm=5), 1, "r2")
+        up_seconds = time.monotonic() - t0
+        await q.aclose()
+        return up_seconds, down.value.status, store.reserved
+
+    up_seconds, down_status, reserved = asyncio.run(run())
+    assert (down_status, reserved) == (503, ["up"])
+    assert up_seconds < 0.2, up_seconds  # the deadline (0.55 s) never ran out on up's path
