@@ -35,6 +35,7 @@ import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from config.errors import OpenAIError  # noqa: E402
 from config.models import QuotaSettings, TenantConfig  # noqa: E402
 from config.redis_client import redis_client  # noqa: E402
 from gateway.quota_stores import LocalQuotaStore, RedisQuotaStore  # noqa: E402
@@ -64,24 +65,31 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] * 1000
 
 
-async def throughput(stage, tenants: list[TenantConfig], n: int, concurrency: int) -> float:
+async def throughput(stage, tenants: list[TenantConfig], n: int, concurrency: int) -> tuple[float, int]:
     """Requests per second of ``n`` reserve + settle pairs, ``concurrency`` at a time on one event
-    loop (one gateway worker's view), spread over ``tenants`` (on a cluster: over its slots)."""
+    loop (one gateway worker's view), spread over ``tenants`` (on a cluster: over its slots), and
+    how many were refused (a 503: the store did not answer within the deadline)."""
     todo = iter(range(n))
+    refused = 0
 
     async def worker() -> None:
+        nonlocal refused
         for i in todo:
-            lease = await stage.reserve(tenants[i % len(tenants)], 300, f"t{i}")
+            try:
+                lease = await stage.reserve(tenants[i % len(tenants)], 300, f"t{i}")
+            except OpenAIError:
+                refused += 1
+                continue
             await stage.settle(lease, 250)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return n / (time.perf_counter() - t0)
+    return (n - refused) / (time.perf_counter() - t0), refused
 
 
 async def redis_rows(name: str, url: str, args: argparse.Namespace) -> list[tuple[str, Any]]:
     """The sequential rows and the throughput of one Redis deployment at ``url``."""
-    settings = QuotaSettings()
+    settings = QuotaSettings(redis_timeout_seconds=args.redis_timeout)
     prefix = f"kvgate-bench-q-{uuid.uuid4().hex[:8]}"
     client = redis_client(url, settings.redis_timeout_seconds)
     stage = TenantQuotas(settings, RedisQuotaStore(client, prefix=prefix))
@@ -99,29 +107,24 @@ async def redis_rows(name: str, url: str, args: argparse.Namespace) -> list[tupl
         await stage.aclose()
 
 
-def deployments(modes: list[str], workdir: Path) -> list[tuple[str, str, Any]]:
-    """``(mode, redis_url, server)`` for each Redis mode asked for, each started here on loopback
-    (tests/redis_servers.py); the caller closes the servers."""
+def deployments(modes: list[str], workdir: Path, out: list[tuple[str, str, Any]]) -> None:
+    """Append ``(mode, redis_url, server)`` to ``out`` for each Redis mode asked for, each
+    started here on loopback (tests/redis_servers.py); the caller closes the servers in ``out``,
+    also when one failed to start (this raises its error)."""
     import quota_fixtures
     import redis_servers
 
-    out: list[tuple[str, str, Any]] = []
+    kinds = {
+        "standalone": quota_fixtures.SpareRedis,
+        "sentinel": redis_servers.SentinelGroup,
+        "cluster": redis_servers.LocalCluster,
+    }
     for mode in modes:
         d = workdir / mode
         d.mkdir()
-        if mode == "standalone":
-            spare = quota_fixtures.SpareRedis(d)
-            spare.start()
-            out.append((mode, spare.url, spare))
-        elif mode == "sentinel":
-            group = redis_servers.SentinelGroup(d)
-            group.start()
-            out.append((mode, group.url, group))
-        elif mode == "cluster":
-            cluster = redis_servers.LocalCluster(d)
-            cluster.start()
-            out.append((mode, cluster.url, cluster))
-    return out
+        server = kinds[mode](d)
+        out.append((mode, server.url, server))
+        server.start()
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -137,8 +140,9 @@ async def main_async(args: argparse.Namespace) -> int:
     rows.append(("memory", await measure(memory, tenant, args.requests)))
     rows.append(("memory rps", await throughput(memory, tenants, args.requests * 2, args.concurrency)))
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-redis-") as tmp:
-        servers = deployments([m for m in modes if m != "memory"], Path(tmp))
+        servers: list[tuple[str, str, Any]] = []
         try:
+            deployments([m for m in modes if m != "memory"], Path(tmp), servers)
             for mode, url, _ in servers:
                 rows += await redis_rows(mode, url, args)
         finally:
@@ -162,8 +166,10 @@ def report(rows: list[tuple[str, Any]], args: argparse.Namespace) -> None:
     print(head)
     print("-" * len(head))
     for name, xs in rows:
-        if isinstance(xs, float):
-            print(f"{name:<22} {xs:11.0f} requests/s")
+        if isinstance(xs[0], float):
+            rps, refused = xs
+            note = f" ({refused} refused: no answer in time)" if refused else ""
+            print(f"{name:<22} {rps:11.0f} requests/s{note}")
             continue
         r, b = xs
         print(
@@ -181,6 +187,12 @@ def main() -> int:
         help="store modes, comma-separated (default: all; each Redis deployment is started here on loopback)",
     )
     ap.add_argument("--concurrency", type=int, default=64, help="requests in flight for the rps rows (default 64)")
+    ap.add_argument(
+        "--redis-timeout",
+        type=float,
+        default=0.4,
+        help="quotas.redis_timeout_seconds for the Redis rows (default 0.4: a loaded machine stalls the servers)",
+    )
     return asyncio.run(main_async(ap.parse_args()))
 
 

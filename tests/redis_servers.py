@@ -14,6 +14,7 @@ import hashlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +33,19 @@ REDIS_SERVER = shutil.which("redis-server") or "redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "redis-cli"
 CLUSTER_NODE_TIMEOUT_MS = 1000
 SENTINEL_DOWN_AFTER_MS = 500
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that were free a moment ago (all held open while they
+    are picked: ``free_port`` called n times may return one twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.05) -> bool:
@@ -61,8 +75,9 @@ class LocalCluster:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.ports = [free_port() for _ in range(6)]
-        self.bus_ports = [free_port() for _ in range(6)]  # else port + 10000, which may be taken or > 65535
+        ports = free_ports(12)
+        self.ports = ports[:6]
+        self.bus_ports = ports[6:]  # else port + 10000, which may be taken or > 65535
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
@@ -172,8 +187,7 @@ class SentinelGroup:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.master_port, self.replica_port = free_port(), free_port()
-        self.sentinel_ports = [free_port() for _ in range(3)]
+        self.master_port, self.replica_port, *self.sentinel_ports = free_ports(5)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     @property
