@@ -56,7 +56,7 @@ def dep(cluster: LocalCluster, tmp_path_factory) -> Iterator[rm.Deployment]:
 
 def test_quota_keys_of_a_tenant_share_one_slot_and_leak_keys_spread() -> None:
     from gateway.quota_stores import RedisQuotaStore
-    from verifier.leak_index import RedisLeakStore
+    from verifier.leak_index import RedisLeakStore, RedisSpreadStore
 
     class Fake:  # only register_script is called by the constructors
         def register_script(self, text: str) -> object:
@@ -67,6 +67,8 @@ def test_quota_keys_of_a_tenant_share_one_slot_and_leak_keys_spread() -> None:
     store = RedisLeakStore(Fake(), 60)
     assert store._key(0xABCDEF0123456789) == "kvgate:leak:{2a}:fp:abcdef0123456789"
     assert len({key_slot(store._key(b << 58)) for b in range(64)}) == 64
+    spread = RedisSpreadStore(Fake(), 60)
+    assert spread._key(0xABCDEF0123456789) == "kvgate:spread:{2a}:fp:abcdef0123456789"
 
 
 def test_rpm_is_exact_across_replicas(dep: rm.Deployment) -> None:

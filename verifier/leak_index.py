@@ -213,8 +213,9 @@ class RedisSpreadStore:
     """Redis store of *which tenants' answers* held a fingerprint (the public-text rule,
     :class:`LeakIndex`): a set per fingerprint, ``<prefix>fp:<16 hex>``, of at most ``cap``
     tenant ids (more need not be known), its TTL renewed on every add. :meth:`add` is one Lua
-    call, :meth:`owners` one pipelined round trip of ``SMEMBERS``. Same protocol and thread
-    safety as :class:`RedisLeakStore`."""
+    call, :meth:`owners` one pipelined round trip of ``SMEMBERS``. Same protocol, thread safety
+    and key tag (``<prefix>{<2 hex>}:fp:<16 hex>``, one script per slot on a Cluster) as
+    :class:`RedisLeakStore`."""
 
     thread_safe = True
 
@@ -223,14 +224,17 @@ class RedisSpreadStore:
         self.ttl_ms = max(1, int(ttl_seconds * 1000))
         self.prefix = prefix
         self.cap = cap
+        self.cluster = is_cluster(client)
         self._add = client.register_script(_SPREAD_LUA)
 
     def _key(self, fp: int) -> str:
-        return f"{self.prefix}fp:{fp:016x}"
+        return f"{self.prefix}{{{fp >> 58:02x}}}:fp:{fp:016x}"
 
     def add(self, tenant: str, fps: Iterable[int]) -> None:
         keys = [self._key(fp) for fp in fps]
-        if keys:
+        if keys and self.cluster:
+            script_by_slot(self.client, self._add, keys, [tenant, self.ttl_ms, self.cap])
+        elif keys:
             self._add(keys=keys, args=[tenant, self.ttl_ms, self.cap])
 
     def owners(self, fps: list[int]) -> list[set[str]]:
