@@ -157,15 +157,13 @@ class TenantQuotas:
         self._recoverer: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ store health
-    def _scope(self, tenant_id: str) -> Any:
-        """The part of the store ``tenant_id`` lives in, for the back-off (a cluster's slot)."""
-        return self.store.scope(tenant_id)
-
     def _store_usable(self, tenant_id: str) -> bool:
-        return self.store is self.fallback or self._backoff.usable(self._scope(tenant_id))
+        """Whether ``tenant_id``'s part of the store may be called: the back-off is per
+        :meth:`QuotaStore.scope` (a Cluster's hash slot; the whole store otherwise)."""
+        return self.store is self.fallback or self._backoff.usable(self.store.scope(tenant_id))
 
     def _mark_down(self, err: Exception, tenant_id: str) -> None:
-        if self._backoff.failed(self._scope(tenant_id)):
+        if self._backoff.failed(self.store.scope(tenant_id)):
             action = (
                 f"per-process local limits (limit // {self.processes})"
                 if self.fallback is not None
@@ -188,7 +186,7 @@ class TenantQuotas:
                 log.exception("undoing uncertain quota reservations failed")
 
     async def _mark_up(self, tenant_id: str) -> None:
-        scope = self._scope(tenant_id)
+        scope = self.store.scope(tenant_id)
         if self._backoff.succeeded(scope):
             log.warning("quota store %s answers again: limits are shared across replicas again", self.store.name)
         if self._uncertain:
@@ -203,7 +201,7 @@ class TenantQuotas:
         keep: list[tuple[str, str]] = []
         while self._uncertain:
             tenant_id, lease_id = self._uncertain.popleft()
-            if scope is _ALL or self._scope(tenant_id) == scope:
+            if scope is _ALL or self.store.scope(tenant_id) == scope:
                 groups[tenant_id].append(lease_id)
             else:
                 keep.append((tenant_id, lease_id))
