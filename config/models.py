@@ -221,7 +221,7 @@ class QuotaSettings(_Strict):
     ``redis_failure_policy``: ``fail_closed`` (503 + Retry-After) or ``local_fallback``
     (per-process limits of limit / (``replicas`` x ``gateway.workers``): ``replicas`` counts
     ``kvgate serve`` instances, each running ``gateway.workers`` processes).
-    ``redis_timeout_seconds`` bounds every Redis call.
+    ``redis_timeout_seconds`` bounds every Redis connect and read (the verifier's stores too).
     """
 
     enabled: bool = True
@@ -303,7 +303,8 @@ class BackendSettings(_Strict):
 
 class Settings(_Strict):
     """Everything in ``kvgate.yaml``. ``redis_url``: one URL (``redis://``, ``rediss://``,
-    ``redis+sentinel://``); ``None`` keeps quotas and the leak index in process.
+    ``unix://``, ``redis+sentinel://``, ``redis+cluster://`` and their TLS twins: see
+    :mod:`config.redis_client`); ``None`` keeps quotas and the leak index in process.
     ``state_dir``: where generated secrets and incident records live."""
 
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
@@ -315,6 +316,17 @@ class Settings(_Strict):
     upstreams: list[UpstreamConfig] = Field(default_factory=list)
     redis_url: str | None = None
     state_dir: str = ".kvgate"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        """A URL :func:`config.redis_client.parse_redis_url` accepts (unknown scheme, sentinel
+        without service, cluster without nodes: refused at load, not at the first request)."""
+        if v:
+            from config.redis_client import parse_redis_url
+
+            parse_redis_url(v)
+        return v
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Settings:

@@ -21,6 +21,7 @@ from importlib import resources
 from typing import Any, Protocol
 
 from config.models import TenantConfig
+from config.redis_client import is_cluster, key_slot
 from verifier.stage import PendingWrite
 
 log = logging.getLogger("kvgate.quotas")
@@ -134,6 +135,11 @@ class QuotaStore(Protocol):
         returns how many were undone. Raises :class:`QuotaStoreUnavailable`."""
         ...
 
+    def scope(self, tenant_id: str) -> int | None:
+        """The part of the store that holds ``tenant_id``'s state and fails with it: its hash
+        slot on a Redis Cluster, else ``None`` (the whole store). The stage backs off per scope."""
+        ...
+
     async def aclose(self) -> None:
         """Release connections."""
         ...
@@ -169,7 +175,10 @@ class RedisQuotaStore:
     expires one window (leases: one TTL) after its last write, so idle tenants cost nothing.
 
     ``client``: a ``redis.asyncio`` client whose socket timeouts bound each call (the stage
-    adds an overall deadline). Every Redis or socket error becomes :class:`QuotaStoreUnavailable`.
+    adds an overall deadline): ``Redis`` (standalone or a Sentinel's master) or ``RedisCluster``
+    (each script runs on the tenant's slot). Every Redis or socket error becomes
+    :class:`QuotaStoreUnavailable`. On a cluster a reservation carries no ``also`` writes (their
+    keys live on other slots, mostly other nodes): those are left to ``also.finish``.
     """
 
     name = "redis"
@@ -177,6 +186,7 @@ class RedisQuotaStore:
     def __init__(self, client: Any, *, prefix: str = "kvgate:q") -> None:
         self.client = client
         self.prefix = prefix
+        self.cluster = is_cluster(client)
         self._reserve = client.register_script(load_script("reserve"))
         self._settle = client.register_script(load_script("settle"))
         self._renew = client.register_script(load_script("renew"))
@@ -189,6 +199,9 @@ class RedisQuotaStore:
         base = f"{self.prefix}:{{{tenant_id}}}"
         return [f"{base}:rpm", f"{base}:tpm", f"{base}:tpm:debits", f"{base}:tpm:sum", f"{base}:leases"]
 
+    def scope(self, tenant_id: str) -> int | None:
+        return key_slot(self.keys(tenant_id)[0]) if self.cluster else None
+
     async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
         """Run ``script`` (:meth:`_retrying`). Raises :class:`QuotaStoreUnavailable`."""
         return await self._retrying(lambda: script(keys=keys, args=args))
@@ -199,7 +212,7 @@ class RedisQuotaStore:
         a fresh one, so a Redis that answers again costs no 503; a timeout is never retried, and
         the stage's deadline bounds both tries. Raises :class:`QuotaStoreUnavailable`."""
         from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
 
         try:
             try:
@@ -209,7 +222,7 @@ class RedisQuotaStore:
                 with contextlib.suppress(Exception):
                     await self.client.connection_pool.disconnect(inuse_connections=False)
                 return await send()
-        except (RedisError, OSError) as e:
+        except (RedisError, RedisClusterException, OSError) as e:  # the cluster's: no node answers
             raise QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}") from e
 
     async def reserve(
@@ -232,7 +245,7 @@ class RedisQuotaStore:
             int(window_ms),
             int(lease_ttl_ms),
         ]
-        if also is not None and also.calls:
+        if also is not None and also.calls and not self.cluster:
             r = await self._call_with(self._reserve, self.keys(tenant_id), args, also)
         else:
             r = await self._call(self._reserve, self.keys(tenant_id), args)
@@ -461,6 +474,9 @@ class LocalQuotaStore:
 
     async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
         return 0  # in-process calls never time out half-way
+
+    def scope(self, tenant_id: str) -> int | None:
+        return None
 
     async def aclose(self) -> None:
         return None

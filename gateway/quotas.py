@@ -27,16 +27,15 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import QuotaSettings, Settings, TenantConfig
+from config.redis_client import StoreBackoff, redis_client
 from gateway.quota_stores import (
     LocalQuotaStore,
     QuotaDecision,
@@ -60,6 +59,8 @@ RECOVER_INTERVAL_SECONDS = 0.1
 MAX_DECISION_SECONDS = 0.9
 #: At most this many failed reservations are remembered for undoing after an outage.
 UNCERTAIN_MAX = 10_000
+#: :meth:`TenantQuotas._cancel_uncertain`'s "every scope"
+_ALL = object()
 
 
 @dataclass
@@ -147,8 +148,7 @@ class TenantQuotas:
         self.window_ms = max(1, round(settings.window_seconds * 1000))
         self.lease_ttl_ms = max(1, round(settings.lease_ttl_seconds * 1000))
         self.deadline_seconds = min(MAX_DECISION_SECONDS, 2 * settings.redis_timeout_seconds + 0.05)
-        self._retry_store_at = 0.0  # monotonic; before it, the store is taken as unavailable
-        self._store_down = False
+        self._backoff = StoreBackoff(PROBE_INTERVAL_SECONDS)
         self._live: dict[str, _Held] = {}
         # reservations whose call failed but may have run (tenant id, lease id): undone when
         # the store answers again
@@ -157,13 +157,13 @@ class TenantQuotas:
         self._recoverer: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ store health
-    def _store_usable(self) -> bool:
-        return self.store is self.fallback or time.monotonic() >= self._retry_store_at
+    def _store_usable(self, tenant_id: str) -> bool:
+        """Whether ``tenant_id``'s part of the store may be called: the back-off is per
+        :meth:`QuotaStore.scope` (a Cluster's hash slot; the whole store otherwise)."""
+        return self.store is self.fallback or self._backoff.usable(self.store.scope(tenant_id))
 
-    def _mark_down(self, err: Exception) -> None:
-        self._retry_store_at = time.monotonic() + PROBE_INTERVAL_SECONDS
-        if not self._store_down:
-            self._store_down = True
+    def _mark_down(self, err: Exception, tenant_id: str) -> None:
+        if self._backoff.failed(self.store.scope(tenant_id)):
             action = (
                 f"per-process local limits (limit // {self.processes})"
                 if self.fallback is not None
@@ -185,28 +185,34 @@ class TenantQuotas:
             except Exception:  # the next round tries again
                 log.exception("undoing uncertain quota reservations failed")
 
-    async def _mark_up(self) -> None:
-        if self._store_down:
-            self._store_down = False
+    async def _mark_up(self, tenant_id: str) -> None:
+        scope = self.store.scope(tenant_id)
+        if self._backoff.succeeded(scope):
             log.warning("quota store %s answers again: limits are shared across replicas again", self.store.name)
         if self._uncertain:
-            await self._cancel_uncertain()
+            await self._cancel_uncertain(scope)
 
-    async def _cancel_uncertain(self) -> None:
+    async def _cancel_uncertain(self, scope: Any = _ALL) -> None:
         """Undo the reservations whose call failed during the outage (Redis may have run them
-        late); they were refused or handled locally, so they must not count in Redis."""
+        late); they were refused or handled locally, so they must not count in Redis. ``scope``:
+        only those of tenants in that part of the store (a request's path undoes its own slot's,
+        never waiting on a cluster node that is still down); default: all (the background loop)."""
         groups: dict[str, list[str]] = defaultdict(list)
+        keep: list[tuple[str, str]] = []
         while self._uncertain:
             tenant_id, lease_id = self._uncertain.popleft()
-            groups[tenant_id].append(lease_id)
+            if scope is _ALL or self.store.scope(tenant_id) == scope:
+                groups[tenant_id].append(lease_id)
+            else:
+                keep.append((tenant_id, lease_id))
+        self._uncertain.extend(keep)
         undone = 0
-        for tenant_id, ids in groups.items():
+        for tenant_id, ids in groups.items():  # a tenant whose store part is down waits for the next round
             try:
                 undone += await self._bounded(self.store.cancel(tenant_id, ids))
             except QuotaStoreUnavailable as e:
                 self._uncertain.extend((tenant_id, i) for i in ids)
-                self._mark_down(e)
-                return
+                self._mark_down(e, tenant_id)
         if undone:
             log.warning(
                 "quota store %s: undid %d reservation(s) it ran after their call had timed out", self.store.name, undone
@@ -229,15 +235,15 @@ class TenantQuotas:
         ``limits // processes``. Raises :class:`OpenAIError` 503 when failing closed."""
         if isinstance(store, LocalQuotaStore):
             return store, limits, await call(store, limits)
-        if self._store_usable():
+        if self._store_usable(tenant_id):
             try:
                 decision = await self._bounded(call(store, limits))
             except QuotaStoreUnavailable as e:
                 self._uncertain.append((tenant_id, lease_id))
-                self._mark_down(e)
+                self._mark_down(e, tenant_id)
             else:
-                if self._store_down or self._uncertain:
-                    await self._mark_up()
+                if self._backoff.down or self._uncertain:
+                    await self._mark_up(tenant_id)
                 return store, limits, decision
         if self.fallback is None:
             raise OpenAIError(
@@ -341,7 +347,7 @@ class TenantQuotas:
             return
         held.settled = True
         self._live.pop(held.lease_id, None)
-        if held.store is self.store and held.store is not self.fallback and not self._store_usable():
+        if held.store is self.store and held.store is not self.fallback and not self._store_usable(held.tenant_id):
             return
         try:
             await self._bounded(
@@ -356,7 +362,7 @@ class TenantQuotas:
             )
         except QuotaStoreUnavailable as e:
             if held.store is self.store:
-                self._mark_down(e)
+                self._mark_down(e, held.tenant_id)
         except Exception:  # settle never raises into the request path
             log.exception("quota settle failed for tenant %s", held.tenant_id)
 
@@ -374,7 +380,7 @@ class TenantQuotas:
         renewed = 0
         for held in groups.values():
             store = held[0].store
-            if store is self.store and not self._store_usable():
+            if store is self.store and not self._store_usable(held[0].tenant_id):
                 continue
             try:
                 renewed += await self._bounded(
@@ -382,7 +388,7 @@ class TenantQuotas:
                 )
             except QuotaStoreUnavailable as e:
                 if store is self.store:
-                    self._mark_down(e)
+                    self._mark_down(e, held[0].tenant_id)
         return renewed
 
     async def _renew_loop(self) -> None:
@@ -409,57 +415,11 @@ class TenantQuotas:
 
 # ---------------------------------------------------------------------- construction
 def redis_client_from_url(url: str, timeout_seconds: float) -> Any:
-    """A ``redis.asyncio`` client for ``url`` whose every connect and read is bounded by
-    ``timeout_seconds`` and never retried (the failure policy decides, within 1 s).
-
-    Schemes: ``redis://``, ``rediss://``, ``unix://`` (redis-py's ``from_url``) and
-    ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db]``
-    (``rediss+sentinel://`` for TLS to the master; sentinel port default 26379; query
-    ``sentinel_password=`` authenticates to the sentinels; the password in the URL is the
-    master's). Raises ``ValueError`` for a malformed sentinel URL."""
-    from redis.asyncio import Redis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import NoBackoff
-
-    opts: dict[str, Any] = dict(
-        socket_timeout=timeout_seconds,
-        socket_connect_timeout=timeout_seconds,
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=0,
-    )
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis+sentinel", "rediss+sentinel"):
-        return Redis.from_url(url, **opts)
-    from redis.asyncio.sentinel import Sentinel
-
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    username = password = None
-    if userinfo:
-        user, _, pw = userinfo.partition(":")
-        username, password = unquote(user) or None, unquote(pw) or None
-    hosts: list[tuple[str, int]] = []
-    for item in filter(None, hostlist.split(",")):
-        host, sep, port = item.rpartition(":") if not item.endswith("]") else (item, "", "")
-        if not sep:
-            host, port = item, "26379"
-        try:
-            hosts.append((host.strip("[]"), int(port)))
-        except ValueError:
-            raise ValueError(f"sentinel URL: bad port in '{item}'") from None
-    path = [p for p in parts.path.split("/") if p]
-    if not hosts or not path:
-        raise ValueError(
-            "sentinel URL needs hosts and a service name: redis+sentinel://host:26379[,host:26379]/service_name[/db]"
-        )
-    db = int(path[1]) if len(path) > 1 else 0
-    query = parse_qs(parts.query)
-    sentinel_kwargs: dict[str, Any] = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
-    if "sentinel_password" in query:
-        sentinel_kwargs["password"] = query["sentinel_password"][0]
-    sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **opts)
-    return sentinel.master_for(
-        path[0], db=db, username=username, password=password, ssl=parts.scheme.startswith("rediss"), **opts
-    )
+    """The quota store's ``redis.asyncio`` client for ``url`` (any ``redis_url`` scheme; see
+    :func:`config.redis_client.redis_client`): every connect and read bounded by
+    ``timeout_seconds``, so the failure policy decides within 1 s. Raises ``ValueError`` for a
+    malformed URL."""
+    return redis_client(url, timeout_seconds)
 
 
 def build_quota_stage(settings: Settings, *, key_prefix: str = "kvgate:q") -> QuotaStage:

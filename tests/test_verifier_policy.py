@@ -487,7 +487,7 @@ async def test_public_text_is_shared_by_replicas_in_redis(tmp_path):
             (inc,) = await answer(svc, tid)
             assert (inc.evidence["source_tenant"], inc.evidence["shingles_public_text"]) == ("a1", 0)
         assert await answer(r2, "h4") == []  # public text for every replica
-        assert client.scard(prefix + "spread:fp:" + next(iter(_spread_keys(client, prefix)))) == 4
+        assert client.scard(prefix + "spread:" + next(iter(_spread_keys(client, prefix)))) == 4
     finally:
         await r1.aclose()
         await r2.aclose()
@@ -498,5 +498,6 @@ async def test_public_text_is_shared_by_replicas_in_redis(tmp_path):
 
 
 def _spread_keys(client, prefix: str) -> list[str]:
-    n = len(prefix + "spread:fp:")
-    return [k.decode()[n:] for k in client.scan_iter(match=prefix + "spread:fp:*")]
+    """The spread store's keys after ``<prefix>spread:``: ``{<2 hex>}:fp:<16 hex>`` (a Cluster slot tag)."""
+    n = len(prefix + "spread:")
+    return [k.decode()[n:] for k in client.scan_iter(match=prefix + "spread:{*}:fp:*")]

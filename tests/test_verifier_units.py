@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import uuid
 
 import pytest
@@ -225,8 +226,12 @@ def test_leak_index_redis(redis_client):
     c, prefix = redis_client
     store = RedisLeakStore(c, 3600, prefix + "leak:")
     _leak_index_cases(_index(store))
-    keys = list(c.scan_iter(match=prefix + "leak:fp:*"))
-    assert keys and all(len(k.decode().rsplit(":", 1)[1]) == 16 for k in keys)
+    keys = list(c.scan_iter(match=prefix + "leak:{*}:fp:*"))
+    # leak:{<top 6 bits of the fingerprint, 2 hex digits>}:fp:<16 hex digits> (the tag: a Cluster slot)
+    assert keys and all(
+        re.fullmatch(r"\{([0-3][0-9a-f])\}:fp:([0-9a-f]{16})", k.decode()[len(prefix) + 5 :]) for k in keys
+    )
+    assert all(int(k.decode()[-16:], 16) >> 58 == int(k.decode()[len(prefix) + 6 : len(prefix) + 8], 16) for k in keys)
     k = keys[0]
     assert 0 < c.pttl(k) <= 3_600_000
     # nothing stored is text: values are a tenant id, or "*" once two tenants sent the shingle

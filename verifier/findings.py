@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from config.models import TenantConfig, VerifierSettings
+from config.redis_client import StoreBackoff
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.drift import check_finish, check_usage
 from verifier.incidents import ALERTS, CHECKS, DROPPED, QUARANTINES, Incident, IncidentSink
@@ -51,28 +51,28 @@ class StoreSkipped(Exception):
 
 
 class StoreHealth:
-    """Back-off of the leak-index and canary store after an error. ``stats``: the service's
-    counters (``store_errors``, ``store_skipped``)."""
+    """Back-off of the leak-index and canary store after an error (the store back-off quotas
+    use too, :class:`config.redis_client.StoreBackoff`). ``stats``: the service's counters
+    (``store_errors``, ``store_skipped``)."""
 
     #: seconds the store is skipped after an error
     BACKOFF_SECONDS = 5.0
 
     def __init__(self, stats: collections.Counter) -> None:
         self.stats = stats
-        #: monotonic time until which the store is skipped
-        self.down_until = 0.0
+        self.backoff = StoreBackoff(self.BACKOFF_SECONDS)
 
     def error(self, e: Exception) -> None:
         """A leak-index or canary-registry call failed (Redis down): counted, logged, and the
         store is skipped for :attr:`BACKOFF_SECONDS`."""
         DROPPED.labels("store_error").inc()
         self.stats["store_errors"] += 1
-        self.down_until = time.monotonic() + self.BACKOFF_SECONDS
+        self.backoff.failed()
         log.warning("verifier: leak-index store error, checks skip the store for %.0f s: %s", self.BACKOFF_SECONDS, e)
 
     def up(self) -> bool:
         """Whether the store may be called now (a skip is counted: ``store_down``)."""
-        if time.monotonic() < self.down_until:
+        if not self.backoff.usable():
             DROPPED.labels("store_down").inc()
             self.stats["store_skipped"] += 1
             return False

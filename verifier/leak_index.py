@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from config.redis_client import ascript_by_slot, is_cluster, script_by_slot
 from verifier.shingles import ShingleHasher, encode
 
 
@@ -109,18 +110,20 @@ return #KEYS
 
 class RedisLeakStore:
     """Redis store shared by gateway replicas: one string key per fingerprint,
-    ``<prefix>fp:<16 hex digits>``, holding the one tenant that sent it, or ``*`` once a second
-    tenant did (public); its TTL is renewed on every add, so an entry lives ``ttl_seconds``
-    after the last time any tenant sent it. About 100 bytes of Redis memory per stored
-    fingerprint (~5.6 per 100 prompt tokens: size ``leak_index_ttl_seconds`` to the prompt
-    volume). ``client``: a synchronous ``redis.Redis``. :meth:`add` is one Lua call and
-    :meth:`owners` one ``MGET`` per ``batch`` keys. The keys of one call span hash slots, so this
-    needs a single Redis (or Sentinel), not Redis Cluster. Raises ``redis.RedisError`` when
-    Redis is down (the service counts it and skips the check). Thread-safe: every call is one
-    atomic Redis command on the client's connection pool and it keeps no state of its own, so
-    callers need no lock around it (:attr:`thread_safe`). ``aclient``: an optional
-    ``redis.asyncio.Redis`` on the same server, for :meth:`aadd` on the event loop (the
-    admission of a small prompt: a thread hop and the GIL hand-offs cost more than the call)."""
+    ``<prefix>{<bucket>}:fp:<16 hex digits>`` (``bucket``: the fingerprint's top 6 bits, two hex
+    digits, a hash tag that spreads the index over 64 slots of a Redis Cluster), holding the one
+    tenant that sent it, or ``*`` once a second tenant did (public); its TTL is renewed on every
+    add, so an entry lives ``ttl_seconds`` after the last time any tenant sent it. About 100
+    bytes of Redis memory per stored fingerprint (~5.6 per 100 prompt tokens: size
+    ``leak_index_ttl_seconds`` to the prompt volume). ``client``: a synchronous redis-py client
+    (standalone, Sentinel or Cluster). :meth:`add` is one Lua call and :meth:`owners` one
+    ``MGET`` per ``batch`` keys; on a Redis Cluster each is split by slot (one script or ``MGET``
+    per slot, in one pipeline: a round trip per node). Raises ``redis.RedisError`` when Redis is
+    down (the service counts it and skips the check). Thread-safe: every call is one atomic
+    Redis command on the client's connection pool and it keeps no state of its own, so callers
+    need no lock around it (:attr:`thread_safe`). ``aclient``: an optional ``redis.asyncio``
+    client on the same deployment, for :meth:`aadd` on the event loop (the admission of a small
+    prompt: a thread hop and the GIL hand-offs cost more than the call)."""
 
     #: safe to call from several threads at once without the caller's lock
     thread_safe = True
@@ -129,6 +132,7 @@ class RedisLeakStore:
         self, client, ttl_seconds: float, prefix: str = "kvgate:leak:", batch: int = 2000, aclient=None
     ) -> None:
         self.client = client
+        self.cluster = is_cluster(client)
         self.ttl_ms = max(1, int(ttl_seconds * 1000))
         self.prefix = prefix
         self.batch = batch
@@ -137,19 +141,23 @@ class RedisLeakStore:
         self._aadd = aclient.register_script(_ADD_LUA) if aclient is not None else None
 
     def _key(self, fp: int) -> str:
-        return f"{self.prefix}fp:{fp:016x}"
+        return f"{self.prefix}{{{fp >> 58:02x}}}:fp:{fp:016x}"
 
     def add(self, tenant: str, fps: Iterable[int]) -> None:
         if tenant == PUBLIC:
             raise ValueError("'*' is not a tenant id")
         keys = [self._key(fp) for fp in fps]
         for i in range(0, len(keys), self.batch):
-            self._add(keys=keys[i : i + self.batch], args=[tenant, self.ttl_ms])
+            if self.cluster:
+                script_by_slot(self.client, self._add, keys[i : i + self.batch], [tenant, self.ttl_ms])
+            else:
+                self._add(keys=keys[i : i + self.batch], args=[tenant, self.ttl_ms])
 
     def add_call(self, tenant: str, fps: Iterable[int]) -> tuple[str, list[str], list[Any]]:
         """:meth:`add` of at most ``batch`` fingerprints as one unsent Lua call, ``(sha1, keys,
         args)``, for a caller that sends it with other commands (:class:`verifier.stage.PendingWrite`;
-        a server that lost the script answers ``NOSCRIPT``, and :meth:`aadd` loads it). Raises
+        a server that lost the script answers ``NOSCRIPT``, and :meth:`aadd` loads it). Its keys
+        span slots: a Redis Cluster caller leaves it to :meth:`aadd`. Raises
         ``ValueError`` for the public marker or more than ``batch`` fingerprints."""
         if tenant == PUBLIC:
             raise ValueError("'*' is not a tenant id")
@@ -168,7 +176,10 @@ class RedisLeakStore:
             raise ValueError("'*' is not a tenant id")
         keys = [self._key(fp) for fp in fps]
         for i in range(0, len(keys), self.batch):
-            await self._aadd(keys=keys[i : i + self.batch], args=[tenant, self.ttl_ms])
+            if self.cluster:
+                await ascript_by_slot(self.aclient, self._aadd, keys[i : i + self.batch], [tenant, self.ttl_ms])
+            else:
+                await self._aadd(keys=keys[i : i + self.batch], args=[tenant, self.ttl_ms])
 
     def owners(self, fps: list[int]) -> list[set[str]]:
         """Owners per fingerprint: ``{tenant}``, an empty set, or (public) two placeholder
@@ -176,7 +187,8 @@ class RedisLeakStore:
         out: list[set[str]] = []
         keys = [self._key(fp) for fp in fps]
         for i in range(0, len(keys), self.batch):
-            for v in self.client.mget(keys[i : i + self.batch]):
+            batch = keys[i : i + self.batch]
+            for v in self.client.mget_nonatomic(batch) if self.cluster else self.client.mget(batch):
                 if v is None:
                     out.append(set())
                 else:
@@ -201,8 +213,9 @@ class RedisSpreadStore:
     """Redis store of *which tenants' answers* held a fingerprint (the public-text rule,
     :class:`LeakIndex`): a set per fingerprint, ``<prefix>fp:<16 hex>``, of at most ``cap``
     tenant ids (more need not be known), its TTL renewed on every add. :meth:`add` is one Lua
-    call, :meth:`owners` one pipelined round trip of ``SMEMBERS``. Same protocol and thread
-    safety as :class:`RedisLeakStore`."""
+    call, :meth:`owners` one pipelined round trip of ``SMEMBERS``. Same protocol, thread safety
+    and key tag (``<prefix>{<2 hex>}:fp:<16 hex>``, one script per slot on a Cluster) as
+    :class:`RedisLeakStore`."""
 
     thread_safe = True
 
@@ -211,14 +224,17 @@ class RedisSpreadStore:
         self.ttl_ms = max(1, int(ttl_seconds * 1000))
         self.prefix = prefix
         self.cap = cap
+        self.cluster = is_cluster(client)
         self._add = client.register_script(_SPREAD_LUA)
 
     def _key(self, fp: int) -> str:
-        return f"{self.prefix}fp:{fp:016x}"
+        return f"{self.prefix}{{{fp >> 58:02x}}}:fp:{fp:016x}"
 
     def add(self, tenant: str, fps: Iterable[int]) -> None:
         keys = [self._key(fp) for fp in fps]
-        if keys:
+        if keys and self.cluster:
+            script_by_slot(self.client, self._add, keys, [tenant, self.ttl_ms, self.cap])
+        elif keys:
             self._add(keys=keys, args=[tenant, self.ttl_ms, self.cap])
 
     def owners(self, fps: list[int]) -> list[set[str]]:

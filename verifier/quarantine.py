@@ -101,7 +101,8 @@ return redis.call('ZCARD', KEYS[1])
 
 
 class RedisQuarantineBackend:
-    """Redis hash ``<prefix>quarantine``; ``client`` a synchronous ``redis.Redis``."""
+    """Redis hash ``<prefix>quarantine``; ``client`` a synchronous redis-py client (standalone,
+    Sentinel or Cluster: every call touches one key)."""
 
     def __init__(self, client, prefix: str = "kvgate:") -> None:
         self.client = client
@@ -204,7 +205,7 @@ class Quarantine:
 def backend_for(redis_url: str | None, state_dir: str | os.PathLike[str], prefix: str = "kvgate:"):
     """The backend a configuration implies: Redis when ``redis_url`` is set, else the state file."""
     if redis_url:
-        import redis
+        from config.redis_client import redis_client
 
-        return RedisQuarantineBackend(redis.Redis.from_url(redis_url, socket_timeout=1.0), prefix)
+        return RedisQuarantineBackend(redis_client(redis_url, 1.0, sync=True), prefix)
     return FileQuarantineBackend(state_dir)

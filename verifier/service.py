@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from config.models import Settings, TenantConfig
+from config.redis_client import redis_client as redis_client_for
 from verifier.canary import CanaryRegistry, CanaryScanner
 from verifier.caps import TenantCaps
 from verifier.findings import (
@@ -84,9 +85,10 @@ class VerifierService:
       ``redis_url``, ``state_dir``).
     - ``secrets``: ``{"leak_index_key": bytes, ...}`` (``config.secrets.load_secrets``); loaded
       from ``state_dir`` when ``None``.
-    - ``redis_client``: a synchronous ``redis.Redis`` (default: from ``settings.redis_url``,
-      with a ``redis.asyncio.Redis`` beside it for small prompts' admission writes; ``None`` and
-      no URL = in-process stores and the quarantine state file).
+    - ``redis_client``: a synchronous redis-py client (default: from ``settings.redis_url`` by
+      :func:`config.redis_client.redis_client`, any mode, with its ``redis.asyncio`` twin beside
+      it for small prompts' admission writes; ``None`` and no URL = in-process stores and the
+      quarantine state file).
     - ``key_prefix``: Redis key prefix (tests use their own).
     - ``rng``: ``random.Random`` for sampling (tests seed it).
     - ``probe_targets``: for the periodic probe (``verifier.probe_interval_seconds``): a list of
@@ -126,20 +128,12 @@ class VerifierService:
         key = secrets["leak_index_key"]
         aredis_client = None
         if redis_client is None and settings.redis_url:
-            import redis
-            import redis.asyncio
-            from redis.asyncio.retry import Retry as AsyncRetry
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
-
-            # strict checks call the store on the request path: short timeouts, no retries
-            redis_client = redis.Redis.from_url(
-                settings.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25, retry=Retry(NoBackoff(), 0)
-            )
-            # the same, for small prompts' admission-time writes on the event loop
-            aredis_client = redis.asyncio.Redis.from_url(
-                settings.redis_url, socket_timeout=0.25, socket_connect_timeout=0.25, retry=AsyncRetry(NoBackoff(), 0)
-            )
+            # strict checks call the store on the request path: the quotas' bound on every connect
+            # and read, no retries; the asyncio client is for small prompts' admission-time
+            # writes on the event loop
+            timeout = settings.quotas.redis_timeout_seconds
+            redis_client = redis_client_for(settings.redis_url, timeout, sync=True)
+            aredis_client = redis_client_for(settings.redis_url, timeout)
         self.redis = redis_client
         self.aredis = aredis_client
         leak_store: LeakStore
