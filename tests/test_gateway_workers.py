@@ -273,6 +273,33 @@ def fleet(engine: MockEngine, tmp_path_factory) -> Iterator[Fleet]:
 
 
 # ---------------------------------------------------------------- one gateway, several processes
+def test_a_neighbour_cannot_bind_the_workers_port_with_reuseport(fleet: Fleet) -> None:
+    """The workers share the supervisor's one listening socket, which has no SO_REUSEPORT: a
+    second process of the same user binding the port with SO_REUSEPORT gets EADDRINUSE (it used
+    to join the workers' group and receive a share of the connections, keys included)."""
+    import errno
+    import socket
+
+    fleet.wait_ready()
+    code = (
+        "import socket, sys\n"
+        "s = socket.socket()\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+        "try:\n"
+        f"    s.bind(('127.0.0.1', {fleet.port})); s.listen(16)\n"
+        "except OSError as e:\n"
+        "    print(e.errno); sys.exit(0)\n"
+        "print('bound')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == str(errno.EADDRINUSE)
+    with socket.create_connection(("127.0.0.1", fleet.port), timeout=5):  # the gateway still serves
+        pass
+    assert fleet.on(0).get("/healthz").status_code == 200
+    assert fleet.on(1).get("/healthz").status_code == 200
+
+
 def test_counters_add_up_exactly_across_workers(fleet: Fleet, mock: MockState) -> None:
     before = fleet.metrics(0)
     content = "Count me once, wherever I land."
@@ -578,33 +605,6 @@ def test_default_workers_honour_the_cgroup_cpu_quota(monkeypatch, tmp_path: Path
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     (v2 / "cpu.max").write_text("800000 100000\n")  # the quota is above the affinity mask
     assert wk.usable_cores(str(v2)) == 2
-
-
-def test_a_neighbour_cannot_bind_the_workers_port_with_reuseport(fleet: Fleet) -> None:
-    """The workers share the supervisor's one listening socket, which has no SO_REUSEPORT: a
-    second process of the same user binding the port with SO_REUSEPORT gets EADDRINUSE (it used
-    to join the workers' group and receive a share of the connections, keys included)."""
-    import errno
-    import socket
-
-    fleet.wait_ready()
-    code = (
-        "import socket, sys\n"
-        "s = socket.socket()\n"
-        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
-        "try:\n"
-        f"    s.bind(('127.0.0.1', {fleet.port})); s.listen(16)\n"
-        "except OSError as e:\n"
-        "    print(e.errno); sys.exit(0)\n"
-        "print('bound')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
-    assert out.stdout.strip() == str(errno.EADDRINUSE)
-    with socket.create_connection(("127.0.0.1", fleet.port), timeout=5):  # the gateway still serves
-        pass
-    assert fleet.on(0).get("/healthz").status_code == 200
-    assert fleet.on(1).get("/healthz").status_code == 200
 
 
 def test_an_operators_metrics_folder_with_foreign_files_is_refused(engine: MockEngine, tmp_path: Path) -> None:
