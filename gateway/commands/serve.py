@@ -110,7 +110,7 @@ def model_folder_problem(settings) -> str | None:
     for m in settings.models:
         if m.tokenizer.kind == "hf" and m.tokenizer.path:
             try:
-                verify_folder(m.tokenizer.path)
+                verify_folder(m.tokenizer.path, weights=False)  # a counter reads no weights
             except ModelFolderError as e:
                 return f"model {m.id}: {e}"
     return None
