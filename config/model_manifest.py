@@ -77,9 +77,15 @@ def verify_folder(folder: str | os.PathLike[str], *, weights: bool = True) -> di
     again = f"remove {path} and pull it again (kvgate model pull NAME)"
     try:
         man = json.loads(mpath.read_text(encoding="utf-8"))
-        files, digests = man["files"], man["sha256"]
+        files = man["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelFolderError(f"{mpath} has no file checksums ({type(e).__name__}: {e}); {again}") from None
+        raise ModelFolderError(f"{mpath} cannot be read ({type(e).__name__}: {e}); {again}") from None
+    digests = man.get("sha256") if isinstance(man, dict) else None
+    if not isinstance(digests, dict) or not isinstance(files, dict):
+        raise ModelFolderError(
+            f"{mpath} has no file checksums (pulled by an older kvgate); run kvgate model pull "
+            f"{path.name}, which adds them"
+        )
     for name, size in files.items():
         f = path / name
         try:

