@@ -214,7 +214,7 @@ async def evil_engine(port: int) -> None:
                 if length:
                     await r.readexactly(length)
                 if head.startswith(b"GET") and not head.startswith(b"GET /server_info"):
-                    w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")  # /v1/loads: not served
+                    w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")  # /v1/loads: none
                     await w.drain()
                     continue
                 if head.startswith(b"GET"):
@@ -790,7 +790,8 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
             if args.pin
             else "not pinned (--no-pin): every process shares every CPU"
         )
-        + f", from 127.0.0.2-10 (normal traffic from 127.0.0.1); load average {os.getloadavg()[0]:.2f}\n"
+        + f", from 127.0.0.2-10 (normal traffic from 127.0.0.1); 1-minute load average {args.load_start:.2f} at "
+        f"the start, {os.getloadavg()[0]:.2f} at the end\n"
     )
     print(f"{'':26}{'idle':>14}{'closed loop':>16}{f'{args.attack_rate:g}/s each':>16}")
     cols = [out["idle"], out["attack"], out["rate"]]
@@ -880,6 +881,7 @@ def main() -> int:
         port, key, only, n, rate = args.attack
         print(json.dumps(asyncio.run(attack(int(port), key, set(only.split(",")), int(n), float(rate)))), flush=True)
         return 0
+    args.load_start = os.getloadavg()[0]  # a shared machine: what else ran, reported with the table
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-hostile-"))
     run = Run(tmp)
     cpus = sorted(os.sched_getaffinity(0))

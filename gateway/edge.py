@@ -1,4 +1,4 @@
-"""The server layer's own limits (DESIGN.md step 2; docs/gateway.md, "Client connections"): what a
+"""The server layer's own limits (docs/gateway.md, "Client connections"): what a
 client may cost the gateway before its request reaches the app.
 
 uvicorn's httptools protocol (what ``uvicorn[standard]`` runs) bounds neither the bytes nor the
@@ -14,8 +14,18 @@ header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge
 - ``body_timeout_seconds``: a body that is not complete this long after its head gets 408 (when
   no response has started) and the connection is closed (slow bodies: the app's ``receive()``
   then reports a disconnect).
-- ``max_inbound_connections``: a client connection beyond this many open ones (in this process)
-  gets 503 ``server_busy`` and is closed at once.
+- ``max_inbound_connections``: a client connection beyond this many open ones (in this process,
+  lingering ones included) gets 503 ``server_busy`` and is closed at once;
+  ``max_connections_per_client`` (default an eighth of it): one beyond this many from one client
+  address gets 429 ``too_many_connections``.
+- chunked bodies: their bytes as sent (chunk framing included) count against ``max_body_bytes``,
+  at most ``max_body_chunks`` chunks, and after the first :data:`FREE_CHUNKS` chunks must
+  average ``min_chunk_bytes``; else 413 ``request_too_large`` (uvicorn's ``on_body`` costs about
+  1 us a chunk: 1-byte chunks made a 1 MiB body cost 0.99 s of event loop).
+- a request with a body, or to an API path, without a tenant's key: answered by the app (401)
+  with ``connection: close``, and nothing after its head is parsed (dropped, paced).
+- ``max_pipelined_requests``: a request head beyond this many queued behind the one being
+  answered is not queued; the connection closes after the last queued one.
 - ``keepalive_timeout_seconds``: an idle keep-alive connection is closed after this long
   (uvicorn's ``timeout_keep_alive``).
 - ``refusal_delay_seconds``: a 431 is answered this long after the head was refused, the
@@ -27,8 +37,9 @@ header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge
 Every refusal is an OpenAI-shaped JSON body with ``connection: close``. A connection closed while
 its request is still arriving (a refused head, or a body the app refused before reading it all)
 lingers (:class:`_LingeringTransport`): the answer, a FIN, then the client's further bytes
-dropped for up to :data:`LINGER_SECONDS` or :data:`LINGER_MAX_BYTES` (:data:`LINGER_MAX_HEAD_BYTES`
-after a refused head), so that the client reads the answer instead of a reset. :func:`configure` puts the
+dropped, read at :data:`LINGER_BYTES_PER_SECOND`, for up to :data:`LINGER_SECONDS` or
+:data:`LINGER_MAX_BYTES` (:data:`LINGER_MAX_HEAD_BYTES` after a refused head), so that the client
+reads the answer instead of a reset. :func:`configure` puts the
 protocol and the limits on a ``uvicorn.Config``; the limits travel on the config object, so every
 process that builds its own config (a worker) applies them.
 """
