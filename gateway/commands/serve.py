@@ -116,6 +116,18 @@ def model_folder_problem(settings) -> str | None:
     return None
 
 
+def fd_limit_problem(settings) -> str | None:
+    """Raise the open-file limit to what the connection limits need
+    (:func:`gateway.server.raise_fd_limit`; the workers inherit it); why it cannot be, else ``None``."""
+    from gateway.server import FdLimitError, raise_fd_limit
+
+    try:
+        raise_fd_limit(settings.gateway)
+    except FdLimitError as e:
+        return str(e)
+    return None
+
+
 def build_stages(settings, secrets, registry=None):
     """The quota and verifier stages ``settings`` ask for: ``gateway.quotas.build_quota_stage``
     (``NullQuotas`` when ``quotas.enabled`` is false) and ``verifier.from_settings`` (``None``,
@@ -148,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kvgate serve: {e}", file=sys.stderr)
         return 2
-    problem = model_folder_problem(settings)
+    problem = model_folder_problem(settings) or fd_limit_problem(settings)
     if problem:
         print(f"kvgate serve: {problem}", file=sys.stderr)
         return 2
@@ -191,13 +203,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         secrets = load_secrets(settings.state_dir)
     except SecretsError as e:
-        print(f"kvgate serve: {e}", file=sys.stderr)
-        return 2
-    from gateway.server import FdLimitError, raise_fd_limit
-
-    try:
-        raise_fd_limit(settings.gateway)  # the workers inherit the supervisor's limit
-    except FdLimitError as e:
         print(f"kvgate serve: {e}", file=sys.stderr)
         return 2
     if n > 1 and args.worker_index is None:  # the secrets exist now: the workers only read them
