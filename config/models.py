@@ -170,8 +170,12 @@ class PoolSettings(_Strict):
 class GatewaySettings(_Strict):
     """The HTTP edge: bind address, body limit, upstream timeouts (seconds), drain on SIGTERM.
 
-    Client side (:mod:`gateway.edge`): ``max_inbound_connections`` client connections per process
-    (``max_connections`` sizes the upstream pool), ``max_header_bytes`` / ``max_header_count``
+    Client side (:mod:`gateway.edge`; docs/gateway.md, "Edge limits"): ``max_inbound_connections``
+    client connections per process (``max_connections`` sizes the upstream pool),
+    ``max_connections_per_client`` of them per client address (``None``: an eighth of the total),
+    ``max_pipelined_requests`` queued on one connection, ``max_body_chunks`` /
+    ``min_chunk_bytes`` (413 for a chunked body of more chunks, or chunks averaging less),
+    ``max_header_bytes`` / ``max_header_count``
     (431 above), ``header_timeout_seconds`` / ``body_timeout_seconds`` (408 when a request head or
     body arrives slower), ``keepalive_timeout_seconds``. ``max_sse_event_bytes`` bounds one
     upstream stream event; ``max_body_values`` the JSON values of one request body besides its
@@ -187,7 +191,10 @@ class GatewaySettings(_Strict):
     once (``None``: a quarter, at least 1; :mod:`gateway.offload`).
 
     ``workers``: gateway worker processes on the one port (DESIGN.md, Contracts: "Workers");
-    ``None`` = the usable cores (``os.sched_getaffinity``) when ``redis_url`` is set, else 1.
+    ``None`` = the usable cores (``os.sched_getaffinity``, capped by a cgroup CPU quota) when
+    ``redis_url`` is set, else 1. ``reuse_port``: each worker binds its own ``SO_REUSEPORT``
+    socket instead of sharing the supervisor's (any process of the same user may then bind the
+    port too and receive connections; :mod:`gateway.workers`).
     """
 
     host: str = "127.0.0.1"
@@ -201,6 +208,10 @@ class GatewaySettings(_Strict):
     offload_threads: int | None = Field(default=None, ge=1, le=256)
     offload_tenant_share: int | None = Field(default=None, ge=1, le=256)
     max_inbound_connections: int = Field(default=1024, ge=1)
+    max_connections_per_client: int | None = Field(default=None, ge=1)
+    max_pipelined_requests: int = Field(default=8, ge=1)
+    max_body_chunks: int = Field(default=16_384, ge=16)
+    min_chunk_bytes: int = Field(default=256, ge=1)
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     max_header_count: int = Field(default=100, ge=8)
     header_timeout_seconds: float = Field(default=10.0, gt=0)
@@ -213,6 +224,7 @@ class GatewaySettings(_Strict):
     metrics_token: SecretStr | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     workers: int | None = Field(default=None, ge=1, le=256)
+    reuse_port: bool = False
 
 
 class QuotaSettings(_Strict):

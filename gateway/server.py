@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import resource
 from typing import Any
 
 import uvicorn
@@ -51,6 +52,43 @@ class DrainingServer(uvicorn.Server):
         idle = await self.gateway.wait_idle(self.drain_timeout_seconds)
         log.info("drained" if idle else "drain timed out; stopping with requests in flight")
         self.should_exit = True
+
+
+#: file descriptors a serving process needs besides its client and upstream connections (Redis,
+#: the listening socket, logs, tokenizer and model files, the event loop's own, threads' pipes)
+FD_HEADROOM = 256
+
+
+class FdLimitError(RuntimeError):
+    """The hard ``RLIMIT_NOFILE`` is below what the connection limits need."""
+
+
+def fds_needed(g: Any) -> int:
+    """File descriptors one gateway process may hold under ``g`` (a
+    :class:`config.models.GatewaySettings`): every client connection (lingering ones included),
+    every upstream connection, and :data:`FD_HEADROOM`."""
+    return int(g.max_inbound_connections) + int(g.max_connections) + FD_HEADROOM
+
+
+def raise_fd_limit(g: Any) -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to :func:`fds_needed` (never lowers it, never
+    above the hard limit); returns the soft limit now. Raises :class:`FdLimitError` when the hard
+    limit is lower than needed (the message says which limits and how to fix it): without it, the
+    process runs out of descriptors before ``max_inbound_connections`` and every accept fails."""
+    need = fds_needed(g)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return int(soft)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise FdLimitError(
+            f"the open-file limit (RLIMIT_NOFILE) is {soft} (hard {hard}), below the {need} descriptors "
+            f"gateway.max_inbound_connections ({g.max_inbound_connections}) + gateway.max_connections "
+            f"({g.max_connections}) + {FD_HEADROOM} need. Raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, "
+            "docker --ulimit nofile=) or lower gateway.max_inbound_connections."
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    log.info("raised the open-file limit from %d to %d", soft, need)
+    return need
 
 
 def freeze_startup_objects() -> None:

@@ -4,20 +4,26 @@
 set, else 1) runs a small supervisor, this module's :class:`Supervisor`, that starts N worker
 processes, each a whole gateway (``kvgate serve --worker-index I``) on the same address:
 
-- **One port.** The supervisor binds the address first (so ``--port 0`` and "address in use"
-  are settled once) and keeps that socket without listening on it; every worker binds the same
-  address with ``SO_REUSEPORT`` and starts listening only once its app has started (pool polled,
-  stages up), so the kernel spreads new connections over the workers that are ready. Where the
-  platform has no ``SO_REUSEPORT``, the workers share the supervisor's listening socket instead.
+- **One port.** The supervisor binds and listens on the address (so ``--port 0`` and "address
+  in use" are settled once) and every worker inherits that one listening socket
+  (``KVGATE_LISTEN_FD``): a worker accepts only once its app has started (pool polled, stages up);
+  until then, connections wait in the socket's backlog. The socket carries no ``SO_REUSEPORT``,
+  so no other process can bind the port beside it. ``gateway.reuse_port`` (``--reuse-port``)
+  asks for ``SO_REUSEPORT`` sockets instead, one per worker (the kernel spreads connections
+  evenly), at a cost: any process of the same user that binds the port with ``SO_REUSEPORT`` then
+  joins the group and receives a share of the connections, their ``Authorization`` headers
+  included.
 - **Shared state.** Quotas, the leak index, the canary registry and the quarantine view live in
   Redis (the quarantine view, without Redis, in the state directory's file), so N workers decide
   as one gateway; more than one worker without ``redis_url`` is refused while quotas or the
   verifier are on (:func:`workers_refusal`). ``quotas.replicas`` x ``workers`` is the process
   count ``local_fallback`` divides limits by. Only worker 0 runs the periodic canary probe.
-- **Metrics.** The supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory (or
-  empties the operator's); each worker writes its values there and ``/metrics`` on any worker
-  renders the sum (:mod:`gateway.metrics`). A worker that exits is marked dead for the live
-  gauges; its counters stay in the sum.
+- **Metrics.** The supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a private directory it creates
+  (0700), or at the operator's, which must be empty or hold only prometheus-client's own files
+  (:func:`metrics_dir_refusal`; kvgate refuses to start otherwise and deletes nothing); each
+  worker writes its values there and ``/metrics`` on any worker renders the sum
+  (:mod:`gateway.metrics`). A worker that exits is marked dead for the live gauges; its counters
+  stay in the sum.
 - **Signals.** SIGTERM or SIGINT: every worker gets one SIGTERM and drains (requests in flight run
   to their end, new ones get 503), the supervisor exits 0 once all have; a second signal is
   passed on too (the workers stop at once). SIGHUP is passed on (each worker re-reads the tenants
@@ -33,9 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import glob
 import logging
+import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -59,20 +66,69 @@ RESTART_WINDOW_SECONDS = 60.0
 POLL_SECONDS = 0.2
 #: the supervisor's pid, as its workers see it (they exit when their parent is another)
 SUPERVISOR_PID_ENV = "KVGATE_SUPERVISOR_PID"
-#: the shared listening socket's descriptor, where there is no ``SO_REUSEPORT``
+#: the supervisor's listening socket's descriptor, inherited by every worker (unless ``reuse_port``)
 LISTEN_FD_ENV = "KVGATE_LISTEN_FD"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _PR_SET_PDEATHSIG = 1
 
 
-def usable_cores() -> int:
-    """CPUs this process may run on (``os.sched_getaffinity``; ``os.cpu_count()`` where the
-    platform has no affinity), at least 1."""
+def _read_ints(path: str) -> list[str] | None:
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        with open(path, encoding="ascii") as f:
+            return f.read().split()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _quota_of(fields: list[str] | None, period: list[str] | None = None) -> float | None:
+    """CPUs allowed by a quota: ``fields`` is cgroup v2's ``cpu.max`` ("QUOTA PERIOD", QUOTA
+    ``max`` = none), or v1's ``cpu.cfs_quota_us`` ("-1" = none) with ``period`` its
+    ``cpu.cfs_period_us``; ``None`` when there is no (readable) quota."""
+    if not fields:
+        return None
+    if period is None:  # v2
+        if len(fields) != 2 or fields[0] == "max":
+            return None
+        quota_s, period_s = fields
+    else:
+        if not period:
+            return None
+        quota_s, period_s = fields[0], period[0]
+    try:
+        quota, per = int(quota_s), int(period_s)
+    except ValueError:
+        return None
+    return quota / per if quota > 0 and per > 0 else None
+
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs the cgroup CPU quota under ``root`` allows (v2 ``cpu.max``, else v1
+    ``cpu/cpu.cfs_quota_us`` over ``cpu.cfs_period_us``, also under ``cpu,cpuacct/``), e.g. 1.5;
+    ``None`` without a quota. Inside a container ``root`` is the container's own cgroup."""
+    v2 = _quota_of(_read_ints(os.path.join(root, "cpu.max")))
+    if v2 is not None:
+        return v2
+    for sub in ("cpu", "cpu,cpuacct", "cpuacct,cpu", ""):
+        base = os.path.join(root, sub) if sub else root
+        quota = _read_ints(os.path.join(base, "cpu.cfs_quota_us"))
+        if quota is not None:
+            return _quota_of(quota, _read_ints(os.path.join(base, "cpu.cfs_period_us")))
+    return None
+
+
+def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may use, at least 1: ``os.sched_getaffinity`` (``os.cpu_count()`` where
+    the platform has no affinity), capped by the cgroup CPU quota rounded up
+    (:func:`cgroup_cpu_limit`): a container limited to 2.5 CPUs on a 96-core node gets 3, not 96."""
+    try:
+        cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    quota = cgroup_cpu_limit(cgroup_root)
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return cores
 
 
 def resolve_workers(requested: int | None, settings: Any) -> int:
@@ -105,7 +161,7 @@ def workers_refusal(n: int, settings: Any) -> str | None:
     )
 
 
-def bind_socket(host: str, port: int, *, reuse_port: bool = True) -> socket.socket:
+def bind_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port`` (IPv4 or IPv6, as ``host`` resolves), not listening,
     with ``SO_REUSEADDR`` and (``reuse_port``, where the platform has it) ``SO_REUSEPORT``.
     Raises ``OSError`` (e.g. the address is in use by another program)."""
@@ -126,12 +182,47 @@ def bind_socket(host: str, port: int, *, reuse_port: bool = True) -> socket.sock
 
 
 def worker_socket(host: str, port: int) -> socket.socket:
-    """The socket a worker serves on: the supervisor's shared listening socket when it passed one
-    (``KVGATE_LISTEN_FD``), else its own ``SO_REUSEPORT`` socket on ``host:port``."""
+    """The socket a worker serves on: the supervisor's listening socket when it passed one
+    (``KVGATE_LISTEN_FD``), else (``reuse_port``) its own ``SO_REUSEPORT`` socket on ``host:port``."""
     fd = os.environ.get(LISTEN_FD_ENV)
     if fd:
         return socket.socket(fileno=int(fd))
-    return bind_socket(host, port)
+    return bind_socket(host, port, reuse_port=True)
+
+
+#: the files prometheus-client's multiprocess mode writes: ``{type}_{pid}.db``, a gauge's type
+#: with its mode (prometheus_client/values.py, ``MmapedValue.__reset``: ``'{}_{}.db'.format(
+#: file_prefix, pid)``; the modes: metrics.py, ``Gauge._MULTIPROC_MODES``)
+PROMETHEUS_FILE = re.compile(
+    r"(?:counter|histogram|summary"
+    r"|gauge_(?:all|liveall|min|livemin|max|livemax|sum|livesum|mostrecent|livemostrecent))_\d+\.db"
+)
+
+
+class MetricsDirError(ValueError):
+    """The operator's ``PROMETHEUS_MULTIPROC_DIR`` holds files that are not prometheus-client's."""
+
+
+def metrics_dir_refusal(path: str) -> str | None:
+    """Why ``path`` (an operator's ``PROMETHEUS_MULTIPROC_DIR``) cannot be the metrics folder, or
+    ``None``: a folder that does not exist yet, is empty or holds only prometheus-client's files
+    (:data:`PROMETHEUS_FILE`, a previous run's, removed at start) is fine; anything else (another
+    application's files, folders) is refused, and nothing is deleted."""
+    try:
+        entries = sorted(os.listdir(path))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{MULTIPROC_ENV}={path} cannot be read: {e}"
+    foreign = [e for e in entries if not (PROMETHEUS_FILE.fullmatch(e) and os.path.isfile(os.path.join(path, e)))]
+    if not foreign:
+        return None
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    return (
+        f"{MULTIPROC_ENV}={path} holds files that are not prometheus-client's ({shown}); kvgate "
+        "empties that folder at every start, so it must be empty or kvgate's own. Unset "
+        f"{MULTIPROC_ENV} (kvgate then makes a private folder) or point it at an empty folder."
+    )
 
 
 def become_worker() -> None:
@@ -160,10 +251,12 @@ class Supervisor:
 
     ``command(index, port)``: a worker's argv (``kvgate serve ... --worker-index I``; ``port`` is
     the one the supervisor bound, so ``0`` becomes a real port). ``env``: the workers' environment
-    (default ``os.environ``); ``PROMETHEUS_MULTIPROC_DIR``, ``KVGATE_SUPERVISOR_PID`` and, without
-    ``SO_REUSEPORT``, ``KVGATE_LISTEN_FD`` are added. :meth:`run` returns the exit status: 0 after
-    a drain, else the status of a worker that failed within its start grace (1 if it was killed
-    by a signal)."""
+    (default ``os.environ``); ``PROMETHEUS_MULTIPROC_DIR``, ``KVGATE_SUPERVISOR_PID`` and, unless
+    ``reuse_port``, ``KVGATE_LISTEN_FD`` are added. ``reuse_port``: each worker binds its own
+    ``SO_REUSEPORT`` socket (see the module docstring for the risk). :meth:`run` returns the exit
+    status: 0 after a drain, else the status of a worker that failed within its start grace (1 if
+    it was killed by a signal); it raises ``OSError`` (the address) and :class:`MetricsDirError`
+    before any worker starts."""
 
     def __init__(
         self,
@@ -173,6 +266,7 @@ class Supervisor:
         command: Callable[[int, int], list[str]],
         *,
         env: dict[str, str] | None = None,
+        reuse_port: bool = False,
     ) -> None:
         if count < 1:
             raise ValueError("count must be at least 1")
@@ -180,6 +274,7 @@ class Supervisor:
         self.host = host
         self.port = port
         self.command = command
+        self.reuse_port = reuse_port and hasattr(socket, "SO_REUSEPORT")
         self.env = dict(os.environ if env is None else env)
         self.workers: list[_Worker] = []
         self.metrics_dir: str | None = None
@@ -192,12 +287,18 @@ class Supervisor:
 
     # ------------------------------------------------------------------ set-up
     def _prepare_metrics_dir(self) -> str:
+        """The metrics folder: the operator's (checked, a previous run's files removed) or a private
+        new one (0700). Raises :class:`MetricsDirError`."""
         given = self.env.get(MULTIPROC_ENV)
         if given:
-            os.makedirs(given, exist_ok=True)
-            for f in glob.glob(os.path.join(given, "*.db")):  # a previous run's values must not count
-                with contextlib.suppress(OSError):
-                    os.remove(f)
+            why = metrics_dir_refusal(given)
+            if why:
+                raise MetricsDirError(why)
+            os.makedirs(given, mode=0o700, exist_ok=True)
+            for f in os.listdir(given):  # a previous run's values must not count
+                if PROMETHEUS_FILE.fullmatch(f):
+                    with contextlib.suppress(OSError):
+                        os.remove(os.path.join(given, f))
             return given
         self._own_metrics_dir = True
         return tempfile.mkdtemp(prefix="kvgate-metrics-")
@@ -262,14 +363,17 @@ class Supervisor:
 
     def run(self) -> int:
         """Bind, start the workers, supervise them until every one has exited; the exit status."""
-        reuse_port = hasattr(socket, "SO_REUSEPORT")
-        reserve = bind_socket(self.host, self.port, reuse_port=reuse_port)
+        self.metrics_dir = self._prepare_metrics_dir()
+        try:
+            reserve = bind_socket(self.host, self.port, reuse_port=self.reuse_port)
+        except OSError:
+            self._remove_own_metrics_dir()
+            raise
         self.port = reserve.getsockname()[1]
-        if not reuse_port:  # one listening socket, shared by every worker
+        if not self.reuse_port:  # one listening socket, inherited by every worker
             reserve.listen(2048)
             reserve.set_inheritable(True)
             self._listen = reserve
-        self.metrics_dir = self._prepare_metrics_dir()
         self.env[MULTIPROC_ENV] = self.metrics_dir
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         signal.signal(signal.SIGTERM, self._on_stop)
@@ -302,7 +406,10 @@ class Supervisor:
                     w.proc.kill()
                     w.proc.wait(5)
             reserve.close()
-            if self._own_metrics_dir and self.metrics_dir:
-                shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            self._remove_own_metrics_dir()
         log.info("all workers exited")
         return self._status
+
+    def _remove_own_metrics_dir(self) -> None:
+        if self._own_metrics_dir and self.metrics_dir:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)

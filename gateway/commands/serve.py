@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="worker processes on the one port (default: gateway.workers, else the usable cores when "
         "redis_url is set, else 1)",
     )
+    parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="with --workers N > 1: each worker binds its own SO_REUSEPORT socket (gateway.reuse_port); any "
+        "process of the same user may then bind the port too and receive connections",
+    )
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -96,6 +102,32 @@ def init_tenant(tenants_path: str | None, name: str, state_dir: str) -> bool:
     return True
 
 
+def model_folder_problem(settings) -> str | None:
+    """Why a pulled model folder a counter loads (tokenizer ``kind: hf``) is not as pulled (a
+    file changed since, by its SHA-256: :func:`config.model_manifest.verify_folder`), else ``None``."""
+    from config.model_manifest import ModelFolderError, verify_folder
+
+    for m in settings.models:
+        if m.tokenizer.kind == "hf" and m.tokenizer.path:
+            try:
+                verify_folder(m.tokenizer.path, weights=False)  # a counter reads no weights
+            except ModelFolderError as e:
+                return f"model {m.id}: {e}"
+    return None
+
+
+def fd_limit_problem(settings) -> str | None:
+    """Raise the open-file limit to what the connection limits need
+    (:func:`gateway.server.raise_fd_limit`; the workers inherit it); why it cannot be, else ``None``."""
+    from gateway.server import FdLimitError, raise_fd_limit
+
+    try:
+        raise_fd_limit(settings.gateway)
+    except FdLimitError as e:
+        return str(e)
+    return None
+
+
 def build_stages(settings, secrets, registry=None):
     """The quota and verifier stages ``settings`` ask for: ``gateway.quotas.build_quota_stage``
     (``NullQuotas`` when ``quotas.enabled`` is false) and ``verifier.from_settings`` (``None``,
@@ -127,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
         registry = TenantRegistry.from_path(args.tenants, settings)
     except ConfigError as e:
         print(f"kvgate serve: {e}", file=sys.stderr)
+        return 2
+    problem = model_folder_problem(settings) or fd_limit_problem(settings)
+    if problem:
+        print(f"kvgate serve: {problem}", file=sys.stderr)
         return 2
     demo = demo_tenants(registry)
     if demo and not args.demo:
@@ -170,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgate serve: {e}", file=sys.stderr)
         return 2
     if n > 1 and args.worker_index is None:  # the secrets exist now: the workers only read them
-        return _supervise(args, n, host, port, log_level)
+        return _supervise(args, n, host, port, log_level, bool(args.reuse_port or settings.gateway.reuse_port))
     sock = None
     if args.worker_index is not None:
         wk.become_worker()
@@ -201,9 +237,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
 
-def _supervise(args: argparse.Namespace, n: int, host: str, port: int, log_level: str) -> int:
-    """Run ``n`` workers of this command on ``host:port`` (:class:`gateway.workers.Supervisor`)."""
-    from gateway.workers import Supervisor
+def _supervise(args: argparse.Namespace, n: int, host: str, port: int, log_level: str, reuse_port: bool) -> int:
+    """Run ``n`` workers of this command on ``host:port`` (:class:`gateway.workers.Supervisor`),
+    sharing one listening socket unless ``reuse_port``."""
+    from gateway.workers import MetricsDirError, Supervisor
 
     def command(index: int, bound_port: int) -> list[str]:
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", host, "--port", str(bound_port)]
@@ -218,7 +255,10 @@ def _supervise(args: argparse.Namespace, n: int, host: str, port: int, log_level
         return cmd + ["--log-level", log_level, "--workers", str(n), "--worker-index", str(index)]
 
     try:
-        return Supervisor(n, host, port, command).run()
+        return Supervisor(n, host, port, command, reuse_port=reuse_port).run()
+    except MetricsDirError as e:
+        print(f"kvgate serve: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         print(f"kvgate serve: cannot bind {host}:{port}: {e}", file=sys.stderr)
         return 1
