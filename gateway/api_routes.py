@@ -485,6 +485,7 @@ def decide_responses(
             responses_length_message(limit, prompt_tokens, max_tokens),
             code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             param="input",
+            prompt_tokens=prompt_tokens,
         )
     check_bounded(body, max_tokens, entry.counter.vocab_size)
     return Admission(
@@ -577,6 +578,7 @@ def decide_embeddings(
                 embedding_length_message(limit, c),
                 code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 param="input" if single else f"input[{i}]",
+                prompt_tokens=counts.total,
             )
     n = len(counts.per_prompt)
     if counts.total > pool_limit:  # the engine holds the whole batch's KV at once, as a completion's

