@@ -29,7 +29,7 @@ from config.errors import ErrorCode, OpenAIError
 from config.models import ImagePolicy, TenantConfig
 from gateway.admission import Admission, CompletionBound, ModelEntry, effective_limit
 from gateway.admission import PromptCount as AdmittedPrompt
-from gateway.fields import check_bounded, check_tool_definitions, filter_extensions
+from gateway.fields import check_bounded, check_output_constraints, check_tool_definitions, filter_extensions
 from gateway.grammar_bounds import schema_problem
 from gateway.requests import EXTENSION_FIELDS, INT64_MAX, INT64_MIN, MAX_GRAMMAR_BYTES, int_in, metadata_problem, num_in
 from gateway.requests import stop_problem as _stop
@@ -424,6 +424,7 @@ async def count_responses(entry: ModelEntry, body: dict[str, Any]) -> tuple[Resp
     ``tools[0].type``; ``tools[0].name`` holding one of the model's special tokens:
     :func:`gateway.fields.check_tool_definitions`) or 502 for an engine tokenizer."""
     filter_extensions(body, "responses", entry.engines, frozenset(RESPONSES_OPENAI_FIELDS))
+    check_output_constraints(body, entry.engines)
     check_image_urls(body, entry.config.images)
     args = (body.get("input"), body.get("instructions"), body.get("tools"))
 

