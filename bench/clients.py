@@ -163,14 +163,33 @@ RUNNERS: dict[str, tuple[tuple[str, ...], Callable[..., Run]]] = {
 
 
 def check_counts(via: Run, direct: Run | None, gateway: list[dict[str, Any]]) -> str:
-    """``via``'s per-request counts against the gateway's usage (and the direct run's)."""
-    seen = sorted((g["prompt_tokens"], g["completion_tokens"]) for g in gateway if g.get("status") == 200)
+    """``via``'s per-request counts against the gateway's usage (its access lines with a count:
+    200s, and 499s of a client that closed once it had the whole answer) and the direct run's;
+    also the gateway's median ``overhead_ms``."""
+    lines = [g for g in gateway if g.get("status") in (200, 499) and g.get("completion_tokens") is not None]
+    seen = sorted((g["prompt_tokens"], g["completion_tokens"]) for g in lines)
     mine = sorted(via.counts)
-    parts = []
-    parts.append(f"{'=' if mine == seen else '!='} gateway's usage {seen[:1]}x{len(seen)}")
+    parts = [f"{'=' if mine == seen else '!='} gateway's usage"]
+    late = sum(g["status"] == 499 for g in lines)
+    if late:
+        parts[0] += f" ({late} logged 499: closed after the last event)"
     if direct is not None and direct.counts:
         parts.append(f"{'=' if mine == sorted(direct.counts) else '!='} engine direct")
+    overheads = sorted(g["overhead_ms"] for g in lines if isinstance(g.get("overhead_ms"), (int, float)))
+    if overheads:
+        parts.append(f"gateway overhead median {overheads[len(overheads) // 2]:.1f} ms")
     return "; ".join(parts)
+
+
+def gateway_lines(log: Path, offset: int, want: int, wait_seconds: float = 10.0) -> list[dict[str, Any]]:
+    """The access lines after ``offset``, waiting up to ``wait_seconds`` for ``want`` of them (a
+    line is written when the gateway has finished the request, after the client has its answer)."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        lines = access_lines(log, offset)
+        if len(lines) >= want or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
 
 
 def warm_up(*urls: str) -> None:
@@ -216,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     run = runner(py, url, mode, folder, args, run_dir / f"{name}-{mode}-{target[0]}.json")
                     run.target, run.note = target, run.note or f"{time.perf_counter() - t0:.0f} s"
                     if target == "kvgate":
-                        time.sleep(0.5)  # the last access line
-                        run.check = check_counts(run, pair.get("engine direct"), access_lines(glog, offset))
+                        lines = gateway_lines(glog, offset, run.ok + run.errored)
+                        run.check = check_counts(run, pair.get("engine direct"), lines)
                     pair[target] = run
                     rows.append(run)
     print_table(rows, args)
