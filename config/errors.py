@@ -122,6 +122,9 @@ class OpenAIError(Exception):
     param: str | None = None
     type: str | None = None
     headers: dict[str, str] | None = None
+    #: the request's prompt tokens where they were counted before the refusal (for the access log
+    #: of a ``context_length_exceeded``; never in the body)
+    prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.message) > MAX_MESSAGE_CHARS:

@@ -306,6 +306,7 @@ def over_context_error(limit: int, at_least: int, where: str) -> OpenAIError:
         f"of the {where}.",
         code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
         param=where,
+        prompt_tokens=at_least,
     )
 
 
@@ -482,6 +483,7 @@ def decide(
             context_length_message(limit, largest, max_tokens, messages=chat),
             code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             param=prompt_param,
+            prompt_tokens=total,
         )
     fields.check_bounded(body, max_tokens, entry.counter.vocab_size)
     demand = seqs * (total + num * max_tokens)

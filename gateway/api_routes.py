@@ -25,12 +25,14 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from config.errors import ErrorCode, OpenAIError, context_length_message
+from config.errors import ErrorCode, OpenAIError
 from config.models import ImagePolicy, TenantConfig
 from gateway.admission import Admission, CompletionBound, ModelEntry, effective_limit
 from gateway.admission import PromptCount as AdmittedPrompt
-from gateway.fields import check_tool_definitions
-from gateway.requests import int_in, num_in
+from gateway.fields import check_bounded, check_output_constraints, check_tool_definitions, filter_extensions
+from gateway.grammar_bounds import schema_problem
+from gateway.requests import EXTENSION_FIELDS, INT64_MAX, INT64_MIN, MAX_GRAMMAR_BYTES, int_in, metadata_problem, num_in
+from gateway.requests import stop_problem as _stop
 from tokenizer import PromptCount, TokenizerError
 from tokenizer.chat import string_chars
 from tokenizer.embeddings import acount_embedding_input
@@ -124,16 +126,106 @@ def _response_stream_options(v: Any) -> str | None:
     return None
 
 
+#: ``reasoning.effort`` (OpenAI ``ReasoningEffort``) and ``reasoning.summary`` values
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_REASONING_SUMMARIES = ("auto", "concise", "detailed")
+#: ``include`` values (OpenAI ``ResponseIncludable``)
+INCLUDABLE = (
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+)
+#: ``tool_choice`` object types (OpenAI ``ToolChoice``) -> the string keys each needs
+_TOOL_CHOICE_TYPES: dict[str, tuple[str, ...]] = {
+    "function": ("name",),
+    "custom": ("name",),
+    "allowed_tools": ("mode",),
+    "mcp": ("server_label",),
+    "file_search": (),
+    "web_search_preview": (),
+    "web_search_preview_2025_03_11": (),
+    "computer_use_preview": (),
+    "code_interpreter": (),
+    "image_generation": (),
+}
+
+
+def _reasoning(v: Any) -> str | None:
+    problem = (
+        f"must be an object with 'effort' ({', '.join(REASONING_EFFORTS)}) and 'summary' "
+        f"({', '.join(_REASONING_SUMMARIES)})"
+    )
+    if not isinstance(v, dict):
+        return problem
+    for k, x in v.items():
+        values = REASONING_EFFORTS if k == "effort" else _REASONING_SUMMARIES
+        if k not in ("effort", "summary", "generate_summary") or (x is not None and x not in values):
+            return problem
+    return None
+
+
+def _include(v: Any) -> str | None:
+    if isinstance(v, list) and len(v) <= len(INCLUDABLE) and all(isinstance(x, str) and x in INCLUDABLE for x in v):
+        return None
+    return "must be an array of " + ", ".join(INCLUDABLE)
+
+
+def _tool_choice(v: Any) -> str | None:
+    if isinstance(v, str):
+        return None if v in ("none", "auto", "required") else "must be none, auto, required or an object"
+    kind = v.get("type") if isinstance(v, dict) else None
+    if not isinstance(kind, str) or kind not in _TOOL_CHOICE_TYPES:
+        return "must be none, auto, required or an object whose 'type' is " + ", ".join(_TOOL_CHOICE_TYPES)
+    for key in _TOOL_CHOICE_TYPES[kind]:
+        if not isinstance(v.get(key), str):
+            return f"'{key}' must be a string for type '{kind}'"
+    if kind == "allowed_tools" and (v["mode"] not in ("auto", "required") or not isinstance(v.get("tools"), list)):
+        return "allowed_tools needs 'mode' (auto or required) and 'tools' (an array)"
+    if len(orjson.dumps(v)) > MAX_GRAMMAR_BYTES:
+        return f"must be at most {MAX_GRAMMAR_BYTES} bytes as JSON"
+    return None
+
+
+def _text(v: Any) -> str | None:
+    """``text``: ``format`` (``text`` | ``json_object`` | ``json_schema`` with ``name`` and an
+    object ``schema`` of at most :data:`MAX_GRAMMAR_BYTES` as JSON, free of the constructs of
+    :func:`gateway.grammar_bounds.schema_problem`) and ``verbosity``."""
+    if not isinstance(v, dict) or any(k not in ("format", "verbosity") for k in v):
+        return "must be an object with 'format' and 'verbosity'"
+    if v.get("verbosity") not in (None, "low", "medium", "high"):
+        return "'verbosity' must be low, medium or high"
+    fmt = v.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        return "'format' must be an object whose 'type' is text, json_object or json_schema"
+    if kind != "json_schema":
+        return None
+    if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema"), dict):
+        return "'format' of type json_schema needs 'name' (a string) and 'schema' (an object)"
+    if len(orjson.dumps(fmt)) > MAX_GRAMMAR_BYTES:  # the engine compiles the schema into a grammar
+        return f"'format' must be at most {MAX_GRAMMAR_BYTES} bytes as JSON"
+    problem = schema_problem(fmt["schema"])
+    return None if problem is None else f"'format.schema' {problem}"
+
+
 #: ``POST /v1/responses`` (OpenAI ``ResponseCreateParams``; vLLM ``ResponsesRequest``): the OpenAI
-#: fields only. Not here, so refused: ``prompt`` (a stored prompt template), vLLM's
-#: ``previous_input_messages`` (they change the prompt in ways kvgate cannot count) and engine
-#: sampling extensions (no engine table covers this route yet).
-RESPONSES_FIELDS: dict[str, Check] = {
+#: fields, then the engine sampling fields that some engine's Responses model reads (which reach
+#: which engine: :data:`gateway.fields.ENGINE_EXTENSIONS`). Not here, so refused: ``prompt`` (a
+#: stored prompt template), vLLM's ``previous_input_messages`` (they change the prompt in ways
+#: kvgate cannot count).
+RESPONSES_OPENAI_FIELDS: dict[str, Check] = {
     "model": _str,
     "input": _any,  # shape: validated while counting (tokenizer.responses)
     "instructions": _str,
     "tools": _list,
-    "tool_choice": _str_or_obj,
+    "tool_choice": _tool_choice,
     "parallel_tool_calls": _bool,
     "max_output_tokens": int_in(1),
     "max_tool_calls": int_in(1),
@@ -146,16 +238,25 @@ RESPONSES_FIELDS: dict[str, Check] = {
     "background": _bool,
     "previous_response_id": _str,
     "conversation": _str_or_obj,
-    "metadata": _obj,
+    "metadata": metadata_problem,
     "user": _str,
     "service_tier": _str,
     "truncation": _one_of("auto", "disabled"),
-    "text": _obj,
-    "reasoning": _obj,
-    "include": _str_list,
+    "text": _text,
+    "reasoning": _reasoning,
+    "include": _include,
     "prompt_cache_key": _str,
     "safety_identifier": _str,
     "cache_salt": _str,  # replaced by the tenant's own
+}
+RESPONSES_FIELDS: dict[str, Check] = {
+    **RESPONSES_OPENAI_FIELDS,
+    "stop": _stop,
+    "seed": int_in(INT64_MIN, INT64_MAX),
+    "frequency_penalty": num_in(-2, 2),
+    "presence_penalty": num_in(-2, 2),
+    **{k: EXTENSION_FIELDS[k] for k in ("top_k", "min_p", "repetition_penalty", "min_tokens")},
+    **{k: EXTENSION_FIELDS[k] for k in ("ignore_eos", "skip_special_tokens", "stop_token_ids")},
 }
 
 #: ``POST /v1/embeddings`` (OpenAI ``EmbeddingCreateParams``). vLLM's prompt-changing extensions
@@ -317,10 +418,13 @@ def check_image_urls(body: dict[str, Any], policy: ImagePolicy) -> None:
 
 
 async def count_responses(entry: ModelEntry, body: dict[str, Any]) -> tuple[ResponsesPrompt, int]:
-    """``(the prompt as chat, its prompt tokens)``. Raises :class:`OpenAIError` 400 naming the
-    field (``input[2].content[0].type``, ``tools[0].type``; ``tools[0].name`` holding one of the
-    model's special tokens: :func:`gateway.fields.check_tool_definitions`) or 502 for an engine
-    tokenizer."""
+    """``(the prompt as chat, its prompt tokens)``, after the engines' field policy
+    (:func:`gateway.fields.filter_extensions`). Raises :class:`OpenAIError` 400 naming the
+    field (an extension field no engine of the model reads, ``input[2].content[0].type``,
+    ``tools[0].type``; ``tools[0].name`` holding one of the model's special tokens:
+    :func:`gateway.fields.check_tool_definitions`) or 502 for an engine tokenizer."""
+    filter_extensions(body, "responses", entry.engines, frozenset(RESPONSES_OPENAI_FIELDS))
+    check_output_constraints(body, entry.engines)
     check_image_urls(body, entry.config.images)
     args = (body.get("input"), body.get("instructions"), body.get("tools"))
 
@@ -336,6 +440,16 @@ async def count_responses(entry: ModelEntry, body: dict[str, Any]) -> tuple[Resp
         return prompt, await acount_responses(entry.counter, prompt)
     except TokenizerError as e:
         raise e.to_openai() from None
+
+
+def responses_length_message(limit: int, prompt_tokens: int, max_output_tokens: int) -> str:
+    """Chat's ``context_length_exceeded`` wording (its first sentences kept: clients parse them),
+    in the Responses API's terms: ``input`` and ``max_output_tokens``."""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt_tokens + max_output_tokens} tokens ({prompt_tokens} in the input, {max_output_tokens} in "
+        "max_output_tokens). Please reduce the length of the input or max_output_tokens."
+    )
 
 
 def decide_responses(
@@ -369,10 +483,12 @@ def decide_responses(
     if prompt_tokens + max_tokens > limit:  # one sequence: the KV demand is this same sum (limit <= pool)
         raise OpenAIError(
             400,
-            context_length_message(limit, prompt_tokens, max_tokens, messages=True),
+            responses_length_message(limit, prompt_tokens, max_tokens),
             code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             param="input",
+            prompt_tokens=prompt_tokens,
         )
+    check_bounded(body, max_tokens, entry.counter.vocab_size)
     return Admission(
         entry,
         AdmittedPrompt(prompt_tokens, prompt_tokens, 1, responses_text(prompt)),
@@ -463,6 +579,7 @@ def decide_embeddings(
                 embedding_length_message(limit, c),
                 code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
                 param="input" if single else f"input[{i}]",
+                prompt_tokens=counts.total,
             )
     n = len(counts.per_prompt)
     if counts.total > pool_limit:  # the engine holds the whole batch's KV at once, as a completion's

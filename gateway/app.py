@@ -9,8 +9,8 @@ the contracts of :mod:`gateway.stages` / :mod:`verifier.stage`; ``None`` means s
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
 ``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (also under ``/v1/``), ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /healthz``, ``GET /readyz``, ``GET /metrics``. Every error is OpenAI-shaped
-(:mod:`gateway.errors`). ``app.state.gateway`` is the :class:`Gateway`.
+``GET /v1/models/{id}``, ``GET /health`` (the same as ``/livez`` and ``/healthz``), ``GET /readyz``,
+``GET /metrics``. Every error is OpenAI-shaped (:mod:`gateway.errors`). ``app.state.gateway`` is the :class:`Gateway`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from verifier.stage import NullVerifier, VerifierStage
 log = logging.getLogger("kvgate.app")
 
 #: paths that keep answering while the gateway drains
-_ALWAYS = frozenset({"/healthz", "/readyz", "/metrics"})
+_ALWAYS = frozenset({"/health", "/livez", "/healthz", "/readyz", "/metrics"})
 
 
 class Gateway:
@@ -318,7 +318,8 @@ def create_app(
         app.router.add_route(prefix + "/detokenize", detokenize, methods=["POST"])
     app.router.add_route("/v1/models", models, methods=["GET"])
     app.router.add_route("/v1/models/{model_id:path}", model, methods=["GET"])
-    app.router.add_route("/healthz", healthz, methods=["GET"])
+    for path in ("/health", "/livez", "/healthz"):  # liveness; /health is the path vLLM and SGLang serve
+        app.router.add_route(path, healthz, methods=["GET"])
     app.router.add_route("/readyz", readyz, methods=["GET"])
     app.router.add_route("/metrics", metrics, methods=["GET"])
 

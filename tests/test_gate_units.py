@@ -128,9 +128,16 @@ def test_engine_tables_intersect_and_stay_extensions():
     assert "regex" not in allowed_extensions(frozenset({"sglang", "vllm"}), "chat")
     assert allowed_extensions(frozenset({"openai", "sglang"}), "completions") == frozenset()
     assert allowed_extensions(frozenset(), "chat") == frozenset()
+    from gateway.api_routes import RESPONSES_FIELDS, RESPONSES_OPENAI_FIELDS
+    from gateway.requests import CHAT_FIELDS, COMPLETION_FIELDS
+
+    openai_fields = {**OPENAI_FIELDS, "responses": frozenset(RESPONSES_OPENAI_FIELDS)}
+    checked = {"chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS, "responses": RESPONSES_FIELDS}
     for engine, routes in ENGINE_EXTENSIONS.items():
+        assert set(routes) == {"chat", "completions", "responses"}, engine
         for route, names in routes.items():
-            assert not names & OPENAI_FIELDS[route], (engine, route)
+            assert not names & openai_fields[route], (engine, route)
+            assert names <= set(checked[route]), (engine, route)  # every one has its type check
     assert bound_field(frozenset({"sglang"}), "chat") == "max_tokens"
     assert bound_field(frozenset({"vllm", "openai"}), "chat") == "max_completion_tokens"
     assert bound_field(frozenset({"openai"}), "completions") == "max_tokens"

@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from config.errors import MAX_MESSAGE_CHARS, bounded, context_length_message
+from config.errors import MAX_MESSAGE_CHARS, bounded
 from config.models import Settings
-from gateway.api_routes import embedding_length_message
+from gateway.api_routes import embedding_length_message, responses_length_message
 from gateway.quotas import build_quota_stage
 from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, tenants, upstream, wait_for
 from tests.mock_api_engine import COUNTER, ApiMockEngine, response_stream
@@ -94,7 +94,7 @@ def test_responses_at_the_limit_is_served_and_one_over_is_context_length_exceede
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=LIMIT - 10)
     assert (e.value.status_code, e.value.code, e.value.param) == (400, "context_length_exceeded", "input")
-    assert e.value.body["message"] == context_length_message(LIMIT, 11, LIMIT - 10, messages=True)
+    assert e.value.body["message"] == responses_length_message(LIMIT, 11, LIMIT - 10)
     [sent] = forwarded(engine, "/v1/responses")
     assert sent["model"] == MODEL and sent["max_output_tokens"] == 189 and sent["store"] is False
     assert sent["cache_salt"] == gw.gw.cache_salt("tenant-a") and "stream_options" not in sent
@@ -130,7 +130,7 @@ def test_responses_counts_instructions_items_and_tools_exactly(gw_bundled, engin
         client.responses.create(
             model=MODEL, input=items, instructions="Be brief.", tools=tools, max_output_tokens=LIMIT - n + 1
         )
-    assert e.value.body["message"] == context_length_message(LIMIT, n, LIMIT - n + 1, messages=True)
+    assert e.value.body["message"] == responses_length_message(LIMIT, n, LIMIT - n + 1)
 
 
 def test_responses_default_max_output_tokens_and_the_tenant_cap(engine):
@@ -202,7 +202,7 @@ def test_stateful_features_pass_through_when_the_upstream_allows_them(engine):
             {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
             "input[0].content[0].image_url",
         ),
-        ({"input": "x", "top_k": 5}, "top_k"),
+        ({"input": "x", "min_tokens": 5}, "min_tokens"),  # no engine's Responses model reads it
         ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options"),
         ({"input": "x", "truncation": "sometimes"}, "truncation"),
         ({}, "input"),
@@ -564,7 +564,7 @@ def test_a_long_responses_input_is_converted_and_counted_off_the_loop_exactly(gw
     with gw.client() as c:
         r = c.post("/v1/responses", json={"model": MODEL, "input": items, "max_output_tokens": 5})
     assert r.status_code == 400
-    assert error_of(r)["message"] == context_length_message(LIMIT, n, 5, messages=True)
+    assert error_of(r)["message"] == responses_length_message(LIMIT, n, 5)
     assert forwarded(engine, "/v1/responses") == []
 
 

@@ -172,7 +172,27 @@ def test_client_leaving_mid_stream_settles_to_what_was_produced(engine, access):
     (used,) = q.settled["cut"]
     assert 11 < used < 11 + 5  # the prompt plus the words relayed before the cut, counted by the gateway
     line = access("cut")[0]
-    assert (line["status"], line["client_disconnected"], line["completion_tokens"]) == (499, True, None)
+    # the access line carries the completion tokens streamed before the cut, counted as settled
+    assert (line["status"], line["client_disconnected"], line["completion_tokens"]) == (499, True, used - 11)
+    assert line["completion_tokens_counted"] is True
+
+
+def test_context_length_refusal_is_logged_with_its_prompt_tokens(engine, access):
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=LedgerQuotas()).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=4096), headers={"x-request-id": "long"})
+        assert wait_for(lambda: len(access("long")) == 1, 3)
+    finally:
+        g.stop()
+    assert (r.status_code, r.json()["error"]["code"]) == (400, "context_length_exceeded")
+    line = access("long")[0]
+    assert (line["status"], line["error_code"], line["param"], line["prompt_tokens"]) == (
+        400,
+        "context_length_exceeded",
+        "messages",
+        11,
+    )
 
 
 # ---------------------------------------------------------------- what a request that reached an engine is charged
@@ -348,7 +368,11 @@ def test_hostile_usage_numbers_never_lower_the_charge(engine, access):
     finally:
         g.stop()
     assert q.settled == {"neg": [11 + 2], "bool": [11 + 2]}
-    assert [(access(r)[0]["status"], access(r)[0]["completion_tokens"]) for r in ("neg", "bool")] == [(200, None)] * 2
+    # no usable usage: the access line carries the gateway's own count of the text, marked as counted
+    assert [
+        (access(r)[0]["status"], access(r)[0]["completion_tokens"], access(r)[0]["completion_tokens_counted"])
+        for r in ("neg", "bool")
+    ] == [(200, 2, True)] * 2
     assert 'kvgate_prompt_tokens_total{tenant="tenant-a"} 22.0' in metrics
     assert 'kvgate_completion_tokens_total{tenant="tenant-a"}' not in metrics  # nothing usable was reported
 

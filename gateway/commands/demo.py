@@ -22,6 +22,7 @@ and prints a table: request, prompt tokens, effective limit, status, latency, re
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -246,8 +247,10 @@ def run_demo(
     if limit is None:
         raise StackError(f"the gateway's /v1/models does not list {stack.model} with a max_model_len")
     pool = int(stack.server_info["max_total_num_tokens"])
+    headroom = stack.settings.pool.headroom if stack.settings is not None else 1.25
     out(
-        f"effective limit for this tenant: {limit} tokens (gateway /v1/models max_model_len); "
+        f"effective limit for this tenant: {limit} tokens (gateway /v1/models max_model_len; the pool's share is "
+        f"floor({pool:,} / headroom {headroom:g}) = {math.floor(pool / headroom)}); "
         f"prefill pool: {pool} tokens (backend /server_info max_total_num_tokens); max_tokens={max_tokens}"
     )
     served = stack.served
