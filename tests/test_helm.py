@@ -78,7 +78,7 @@ def render_fails(example: str, *sets: str) -> str:
     path = str(ROOT / "deploy" / "helm" / "examples" / f"values-{example}.yaml")
     args = ["template", RELEASE, str(CHART), "-f", path]
     for s in sets:
-        args += ["--set", s]
+        args += ["--set-json", s[5:]] if s.startswith("json:") else ["--set", s]
     out = _run_helm(*args)
     assert out.returncode != 0, f"rendered although it must be refused: {sets}"
     return out.stderr
@@ -209,11 +209,16 @@ def test_strict_validation_refuses_an_unknown_field(kube: str, schema_cache: Any
 def test_values_schema_refuses_typos_and_chart_owned_keys() -> None:
     assert "additional properties 'replicaCuont' not allowed" in render_fails("minimal", "replicaCuont=2")
     assert "'redis_url' not allowed" in render_fails("minimal", "config.redis_url=redis://r:6379")
-    assert render_fails("minimal", "config.gateway.port=9000")
-    assert render_fails("minimal", "autoscaling.minReplicas=0")
-    assert render_fails("minimal", "redis.mode=sentinal")
+    assert "at '/config/gateway': 'not' failed" in render_fails("minimal", "config.gateway.port=9000")
+    assert "minimum: got 0, want 1" in render_fails("minimal", "autoscaling.minReplicas=0")
+    assert "at '/redis/mode': value must be one of" in render_fails("minimal", "redis.mode=sentinal")
     # an engine's key inline in values is refused: it would land in the ConfigMap
-    assert render_fails("minimal", "upstreams[0].api_key=sk-inline")
+    assert "additional properties 'api_key' not allowed" in render_fails("minimal", "upstreams[0].api_key=sk-inline")
+    assert "at '/extraEnv/0': 'not' failed" in render_fails(
+        "minimal", 'json:extraEnv=[{"name": "HF_TOKEN", "value": "hf_inline"}]'
+    )
+    ref = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    assert ref in env_of(gateway_container(render("minimal", "json:extraEnv=" + json.dumps([ref]))))
 
 
 # ---------------------------------------------------------------------------------------- kvgate reads it
@@ -470,8 +475,9 @@ def test_hpa_bounds() -> None:
 
 
 def _disruptions_allowed(pdb: dict[str, Any], pods: int, healthy: int) -> int:
-    """What the disruption controller allows (pkg/controller/disruption: currentHealthy -
-    desiredHealthy; maxUnavailable percentages round up)."""
+    """What the disruption controller allows: currentHealthy - desiredHealthy, a percentage
+    rounded up (Kubernetes docs, "Specifying a Disruption Budget for your Application", from
+    pkg/controller/disruption/disruption.go)."""
     spec = pdb["spec"]
     if "minAvailable" in spec:
         desired = int(spec["minAvailable"])
