@@ -16,12 +16,17 @@ import functools
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -565,3 +570,80 @@ def test_ingress_and_httproute() -> None:
     assert rule["backendRefs"] == [{"name": FULLNAME, "port": 8080}]
     assert rule["timeouts"] == {"request": "300s"}
     assert route["parentRefs"][0]["sectionName"] == "https"
+
+
+# ---------------------------------------------------------------------------------------- the pod, run here
+
+
+def test_the_rendered_pod_serves_and_drains(tmp_path: Path) -> None:
+    """`kvgate serve` run with the rendered args, files and environment (paths moved under a
+    temporary folder, loopback instead of 0.0.0.0) in front of a mock SGLang: the startup probe's
+    path answers, /readyz turns 200, the generated tenant key is accepted, and SIGTERM drains to
+    exit 0 well inside the grace period."""
+    from tests.mock_engine import MockEngine, free_socket
+
+    engine = MockEngine().start()
+    try:
+        models = [{"id": "m", "context_length": 4096, "tokenizer": {"kind": "bundled"}}]
+        ups = [{"name": "mock", "api_url": engine.api_url, "pool_source": "sglang", "pool_urls": [engine.info_url]}]
+        ups[0]["models"] = ["m"]
+        objs = render("minimal", "json:config.models=" + json.dumps(models), "json:upstreams=" + json.dumps(ups))
+        spec = one(objs, "Deployment")["spec"]["template"]["spec"]
+        c = spec["containers"][0]
+        (tmp_path / "config").mkdir()
+        (tmp_path / "config" / "kvgate.yaml").write_text(one(objs, "ConfigMap")["data"]["kvgate.yaml"])
+        (tmp_path / "tenants").mkdir()
+        secrets = secret_data(objs)
+        (tmp_path / "tenants" / "tenants.yaml").write_text(secrets[(f"{FULLNAME}-tenants", "tenants.yaml")])
+        sock = free_socket()
+        port = sock.getsockname()[1]
+        sock.close()
+        args = [a.replace("/etc/kvgate", str(tmp_path)) for a in c["args"]]
+        args[args.index("--host") + 1] = "127.0.0.1"
+        args[args.index("--port") + 1] = str(port)
+        env = {**os.environ, **pod_environment(objs, {}), "KVGATE_STATE_DIR": str(tmp_path / "data" / "state")}
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], env=env, cwd=tmp_path)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            start = c["startupProbe"]
+            budget = start["periodSeconds"] * start["failureThreshold"]
+            _wait_200(base + start["httpGet"]["path"], budget, proc, only_200=True)
+            _wait_200(base + c["readinessProbe"]["httpGet"]["path"], 20, proc)
+            key = secrets[(f"{FULLNAME}-secrets", "first-tenant-api-key")]
+            r = httpx.get(base + "/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=5)
+            assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["m"]
+            assert (
+                httpx.get(base + "/v1/models", headers={"authorization": "Bearer nope"}, timeout=5).status_code == 401
+            )
+            token = secrets[(f"{FULLNAME}-secrets", "metrics-token")]
+            assert httpx.get(base + "/metrics", timeout=5).status_code == 401
+            assert (
+                httpx.get(base + "/metrics", headers={"authorization": f"Bearer {token}"}, timeout=5).status_code == 200
+            )
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(spec["terminationGracePeriodSeconds"]) == 0
+            assert time.monotonic() - t0 < 10  # nothing in flight: the drain ends at once
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    finally:
+        engine.stop()
+
+
+def _wait_200(url: str, within_seconds: float, proc: subprocess.Popen[bytes], *, only_200: bool = False) -> None:
+    """Poll ``url`` until it answers 200. ``only_200``: any other answer fails at once (a
+    liveness path answers 200 as soon as the process serves; a 404 is a missing route)."""
+    deadline = time.monotonic() + within_seconds
+    while True:
+        assert proc.poll() is None, f"kvgate serve exited {proc.returncode}"
+        try:
+            status = httpx.get(url, timeout=2).status_code
+            if status == 200:
+                return
+            assert not only_200, f"{url} answered {status}"
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{url} did not answer 200 within {within_seconds} s"
+        time.sleep(0.2)
