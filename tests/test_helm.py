@@ -595,6 +595,8 @@ def test_the_rendered_pod_serves_and_drains(tmp_path: Path) -> None:
         (tmp_path / "tenants").mkdir()
         secrets = secret_data(objs)
         (tmp_path / "tenants" / "tenants.yaml").write_text(secrets[(f"{FULLNAME}-tenants", "tenants.yaml")])
+        (tmp_path / "data").mkdir()
+        os.chmod(tmp_path / "data", 0o777)  # an emptyDir's mode; kvgate makes state/ inside it 0700
         sock = free_socket()
         port = sock.getsockname()[1]
         sock.close()
