@@ -557,6 +557,10 @@ def test_network_policy_ports() -> None:
     dns, dial = np["egress"]
     assert {p["port"] for p in dns["ports"]} == {53}
     assert [p["port"] for p in dial["ports"]] == [30000, 6379]
+    # a restricted ingress still lets Prometheus scrape: the ServiceMonitor uses the same port
+    (rule,) = one(render("sentinel"), "NetworkPolicy")["spec"]["ingress"]
+    sources = [p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in rule["from"]]
+    assert sources == ["ingress-nginx", "monitoring"]
     np = one(render("minimal"), "NetworkPolicy")["spec"]
     assert np["policyTypes"] == ["Ingress"] and "egress" not in np
 
