@@ -653,3 +653,29 @@ def _wait_200(url: str, within_seconds: float, proc: subprocess.Popen[bytes], *,
             pass
         assert time.monotonic() < deadline, f"{url} did not answer 200 within {within_seconds} s"
         time.sleep(0.2)
+
+
+def test_install_notes_name_the_installed_objects() -> None:
+    """`helm install --dry-run=client` (no cluster): the NOTES' commands name the release's own
+    Deployment, Service and Secret key, the ones docs/deployment.md's walk-through uses."""
+    out = _run_helm(
+        "install",
+        "kvgate",
+        str(CHART),
+        "-n",
+        "llm",
+        "-f",
+        str(EXAMPLES[EXAMPLE_NAMES.index("minimal")]),
+        "--dry-run=client",
+    )
+    assert out.returncode == 0, out.stderr
+    manifest, notes = out.stdout.split("NOTES:\n")
+    objs = [d for d in yaml.safe_load_all(manifest.split("MANIFEST:\n", 1)[1]) if d]
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    assert {("Deployment", "kvgate"), ("Service", "kvgate"), ("Secret", "kvgate-secrets")} <= names
+    assert "kubectl -n llm rollout status deployment/kvgate" in notes
+    assert "kubectl -n llm port-forward service/kvgate 8080:8080" in notes
+    assert "get secret kvgate-secrets -o jsonpath='{.data.first-tenant-api-key}'" in notes
+    docs = (ROOT / "docs" / "deployment.md").read_text()
+    assert "get secret kvgate-secrets -o jsonpath='{.data.first-tenant-api-key}'" in docs
+    assert "port-forward service/kvgate 8080:8080" in docs
