@@ -679,3 +679,23 @@ def test_install_notes_name_the_installed_objects() -> None:
     docs = (ROOT / "docs" / "deployment.md").read_text()
     assert "get secret kvgate-secrets -o jsonpath='{.data.first-tenant-api-key}'" in docs
     assert "port-forward service/kvgate 8080:8080" in docs
+
+
+def test_bundled_backend_model_from_a_volume(schema_cache: Any) -> None:
+    vols = [{"name": "models", "persistentVolumeClaim": {"claimName": "kvgate-models", "readOnly": True}}]
+    mounts = [{"name": "models", "mountPath": "/models", "readOnly": True}]
+    objs = render(
+        "bundled-backend",
+        "backend.model=/models/smollm2-135m-instruct",
+        "json:backend.extraVolumes=" + json.dumps(vols),
+        "json:backend.extraVolumeMounts=" + json.dumps(mounts),
+    )
+    for role in ("prefill", "decode", "router"):
+        dep = one(objs, "Deployment", f"{FULLNAME}-{role}")
+        kubernetes_validate.validate(dep, KUBE_VERSIONS[-1], strict=True)
+        spec = dep["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        assert c["args"][c["args"].index("--model") + 1] == "/models/smollm2-135m-instruct"
+        assert mounts[0] in c["volumeMounts"] and vols[0] in spec["volumes"]
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["KVGATE_STATE_DIR"] == "/var/lib/kvgate/data/state"  # inside the pod's writable emptyDir
