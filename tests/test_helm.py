@@ -681,7 +681,9 @@ def test_install_notes_name_the_installed_objects() -> None:
     assert "port-forward service/kvgate 8080:8080" in docs
 
 
-def test_bundled_backend_model_from_a_volume(schema_cache: Any) -> None:
+def test_bundled_backend_model_from_a_volume(schema_cache: Any, tmp_path: Path) -> None:
+    """A model folder in a volume: every role mounts it, and the gateway counts prompts with the
+    router's own /v1/tokenize (a folder's tokenizer is not kvgate's bundled one)."""
     vols = [{"name": "models", "persistentVolumeClaim": {"claimName": "kvgate-models", "readOnly": True}}]
     mounts = [{"name": "models", "mountPath": "/models", "readOnly": True}]
     objs = render(
@@ -699,3 +701,8 @@ def test_bundled_backend_model_from_a_volume(schema_cache: Any) -> None:
         assert mounts[0] in c["volumeMounts"] and vols[0] in spec["volumes"]
         env = {e["name"]: e["value"] for e in c["env"]}
         assert env["KVGATE_STATE_DIR"] == "/var/lib/kvgate/data/state"  # inside the pod's writable emptyDir
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(one(objs, "ConfigMap")["data"]["kvgate.yaml"])
+    tok = load_settings(config, environ=pod_environment(objs, {})).model_by_name("kvgate-tiny").tokenizer
+    assert (tok.kind, tok.engine_api, tok.url) == ("engine", "sglang", f"http://{FULLNAME}-router:30000")
+    assert _loaded("bundled-backend", tmp_path)[0].model_by_name("kvgate-tiny").tokenizer.kind == "bundled"

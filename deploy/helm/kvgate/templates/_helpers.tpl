@@ -161,7 +161,12 @@ app.kubernetes.io/component: gateway
 {{- $have := false -}}
 {{- range $models -}}{{- if eq .id $.Values.backend.servedModelName -}}{{- $have = true -}}{{- end -}}{{- end -}}
 {{- if not $have -}}
-{{- $models = append $models (dict "id" .Values.backend.servedModelName "context_length" (int .Values.backend.contextLength) "tokenizer" (dict "kind" "bundled")) -}}
+{{- /* the built-in models count with kvgate's bundled tokenizer; a model folder with the router's /v1/tokenize */}}
+{{- $tok := dict "kind" "bundled" -}}
+{{- if not (has .Values.backend.model (list "tiny-random" "copy-probe")) -}}
+{{- $tok = dict "kind" "engine" "engine_api" "sglang" "url" (printf "http://%s-router:30000" (include "kvgate.fullname" .)) -}}
+{{- end -}}
+{{- $models = append $models (dict "id" .Values.backend.servedModelName "context_length" (int .Values.backend.contextLength) "tokenizer" $tok) -}}
 {{- end -}}
 {{- end -}}
 {{- $_ = set $cfg "models" $models -}}
