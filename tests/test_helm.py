@@ -405,8 +405,9 @@ def test_security_context(example: str) -> None:
     objs = render(example)
     deployments = [o for o in objs if o["kind"] == "Deployment"]
     assert len(deployments) == (4 if example == "bundled-backend" else 1)
-    for d in deployments:
-        spec = d["spec"]["template"]["spec"]
+    (test_pod,) = [o for o in objs if o["kind"] == "Pod"]  # `helm test`
+    for d in [*deployments, test_pod]:
+        spec = d["spec"]["template"]["spec"] if d["kind"] == "Deployment" else d["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert spec["securityContext"]["runAsUser"] == 10001
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -559,8 +560,11 @@ def test_network_policy_ports() -> None:
     assert [p["port"] for p in dial["ports"]] == [30000, 6379]
     # a restricted ingress still lets Prometheus scrape: the ServiceMonitor uses the same port
     (rule,) = one(render("sentinel"), "NetworkPolicy")["spec"]["ingress"]
-    sources = [p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in rule["from"]]
+    sources = [p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for p in rule["from"][:2]]
     assert sources == ["ingress-nginx", "monitoring"]
+    test_pod = one(render("sentinel"), "Pod", f"{FULLNAME}-test-ready")["metadata"]["labels"]
+    (selector,) = [p["podSelector"]["matchLabels"] for p in rule["from"][2:]]
+    assert selector.items() <= test_pod.items()  # `helm test` may reach the gateway
     np = one(render("minimal"), "NetworkPolicy")["spec"]
     assert np["policyTypes"] == ["Ingress"] and "egress" not in np
 
@@ -626,6 +630,10 @@ def test_the_rendered_pod_serves_and_drains(tmp_path: Path) -> None:
             assert (
                 httpx.get(base + "/metrics", headers={"authorization": f"Bearer {token}"}, timeout=5).status_code == 200
             )
+            test_pod = one(objs, "Pod", f"{FULLNAME}-test-ready")["spec"]["containers"][0]
+            script = test_pod["args"][0].replace(f"http://{FULLNAME}:8080", base)
+            ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+            assert (ran.returncode, ran.stdout) == (0, "/livez 200\n/readyz 200\n"), ran.stderr
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(spec["terminationGracePeriodSeconds"]) == 0
