@@ -583,57 +583,42 @@ def test_ingress_and_httproute() -> None:
 # ---------------------------------------------------------------------------------------- the pod, run here
 
 
-def test_the_rendered_pod_serves_and_drains(tmp_path: Path) -> None:
+POD_CASES = {
+    "one-worker": (),
+    # the supervisor and two workers on one port, sharing Redis (db 11: other tests use db 0)
+    "two-workers-redis": (
+        "resources.limits.cpu=2",
+        "redis.mode=standalone",
+        'json:redis.hosts=["127.0.0.1:6379"]',
+        "redis.db=11",
+        "tenants.firstTenant.name=helm-pod-test",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", POD_CASES)
+def test_the_rendered_pod_serves_and_drains(case: str, tmp_path: Path) -> None:
     """`kvgate serve` run with the rendered args, files and environment (paths moved under a
     temporary folder, loopback instead of 0.0.0.0) in front of a mock SGLang: the startup probe's
-    path answers, /readyz turns 200, the generated tenant key is accepted, and SIGTERM drains to
-    exit 0 well inside the grace period."""
-    from tests.mock_engine import MockEngine, free_socket
+    path answers, /readyz turns 200, the generated tenant key and metrics token are accepted, the
+    `helm test` script passes, and SIGTERM drains to exit 0 well inside the grace period."""
+    from tests.mock_engine import MockEngine
 
     engine = MockEngine().start()
     try:
         models = [{"id": "m", "context_length": 4096, "tokenizer": {"kind": "bundled"}}]
         ups = [{"name": "mock", "api_url": engine.api_url, "pool_source": "sglang", "pool_urls": [engine.info_url]}]
         ups[0]["models"] = ["m"]
-        objs = render("minimal", "json:config.models=" + json.dumps(models), "json:upstreams=" + json.dumps(ups))
+        sets = ("json:config.models=" + json.dumps(models), "json:upstreams=" + json.dumps(ups), *POD_CASES[case])
+        objs = render("minimal", *sets)
         spec = one(objs, "Deployment")["spec"]["template"]["spec"]
-        c = spec["containers"][0]
-        (tmp_path / "config").mkdir()
-        (tmp_path / "config" / "kvgate.yaml").write_text(one(objs, "ConfigMap")["data"]["kvgate.yaml"])
-        (tmp_path / "tenants").mkdir()
-        secrets = secret_data(objs)
-        (tmp_path / "tenants" / "tenants.yaml").write_text(secrets[(f"{FULLNAME}-tenants", "tenants.yaml")])
-        (tmp_path / "data").mkdir()
-        os.chmod(tmp_path / "data", 0o777)  # an emptyDir's mode; kvgate makes state/ inside it 0700
-        sock = free_socket()
-        port = sock.getsockname()[1]
-        sock.close()
-        args = [a.replace("/etc/kvgate", str(tmp_path)) for a in c["args"]]
-        args[args.index("--host") + 1] = "127.0.0.1"
-        args[args.index("--port") + 1] = str(port)
-        env = {**os.environ, **pod_environment(objs, {}), "KVGATE_STATE_DIR": str(tmp_path / "data" / "state")}
+        args, env, port = _pod_here(objs, tmp_path)
+        assert args[args.index("--workers") + 1] == ("2" if case == "two-workers-redis" else "1")
         proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], env=env, cwd=tmp_path)
         try:
-            base = f"http://127.0.0.1:{port}"
-            start = c["startupProbe"]
-            budget = start["periodSeconds"] * start["failureThreshold"]
-            _wait_200(base + start["httpGet"]["path"], budget, proc, only_200=True)
-            _wait_200(base + c["readinessProbe"]["httpGet"]["path"], 20, proc)
-            key = secrets[(f"{FULLNAME}-secrets", "first-tenant-api-key")]
-            r = httpx.get(base + "/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=5)
-            assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["m"]
-            assert (
-                httpx.get(base + "/v1/models", headers={"authorization": "Bearer nope"}, timeout=5).status_code == 401
-            )
-            token = secrets[(f"{FULLNAME}-secrets", "metrics-token")]
-            assert httpx.get(base + "/metrics", timeout=5).status_code == 401
-            assert (
-                httpx.get(base + "/metrics", headers={"authorization": f"Bearer {token}"}, timeout=5).status_code == 200
-            )
-            test_pod = one(objs, "Pod", f"{FULLNAME}-test-ready")["spec"]["containers"][0]
-            script = test_pod["args"][0].replace(f"http://{FULLNAME}:8080", base)
-            ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
-            assert (ran.returncode, ran.stdout) == (0, "/livez 200\n/readyz 200\n"), ran.stderr
+            _serves(objs, f"http://127.0.0.1:{port}", proc)
+            if case == "two-workers-redis":  # the workers' metrics files are in the emptyDir's place
+                assert list((tmp_path / "metrics").glob("*.db"))
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(spec["terminationGracePeriodSeconds"]) == 0
@@ -644,6 +629,50 @@ def test_the_rendered_pod_serves_and_drains(tmp_path: Path) -> None:
                 proc.wait(5)
     finally:
         engine.stop()
+
+
+def _pod_here(objs: list[dict[str, Any]], tmp_path: Path) -> tuple[list[str], dict[str, str], int]:
+    """The gateway container's args and environment with its mounts moved under ``tmp_path``
+    (ConfigMap and tenants Secret written there; the emptyDirs as folders of mode 0777, as the
+    kubelet makes them) and a free loopback port: ``(args, env, port)``."""
+    from tests.mock_engine import free_socket
+
+    for folder in ("config", "tenants", "data", "metrics"):
+        (tmp_path / folder).mkdir()
+    for folder in ("data", "metrics"):
+        os.chmod(tmp_path / folder, 0o777)
+    (tmp_path / "config" / "kvgate.yaml").write_text(one(objs, "ConfigMap")["data"]["kvgate.yaml"])
+    tenants = secret_data(objs)[(f"{FULLNAME}-tenants", "tenants.yaml")]
+    (tmp_path / "tenants" / "tenants.yaml").write_text(tenants)
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    args = [a.replace("/etc/kvgate", str(tmp_path)) for a in gateway_container(objs)["args"]]
+    args[args.index("--host") + 1] = "127.0.0.1"
+    args[args.index("--port") + 1] = str(port)
+    env = {k: v.replace("/var/lib/kvgate", str(tmp_path)) for k, v in pod_environment(objs, {}).items()}
+    env["KVGATE_STATE_DIR"] = str(tmp_path / "data" / "state")
+    return args, {**os.environ, **env}, port
+
+
+def _serves(objs: list[dict[str, Any]], base: str, proc: subprocess.Popen[bytes]) -> None:
+    """The probes' paths, the generated key and metrics token, and `helm test`'s script."""
+    c = gateway_container(objs)
+    start = c["startupProbe"]
+    _wait_200(base + start["httpGet"]["path"], start["periodSeconds"] * start["failureThreshold"], proc, only_200=True)
+    _wait_200(base + c["readinessProbe"]["httpGet"]["path"], 20, proc)
+    secrets = secret_data(objs)
+    key = secrets[(f"{FULLNAME}-secrets", "first-tenant-api-key")]
+    r = httpx.get(base + "/v1/models", headers={"authorization": f"Bearer {key}"}, timeout=5)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["m"]
+    assert httpx.get(base + "/v1/models", headers={"authorization": "Bearer nope"}, timeout=5).status_code == 401
+    token = secrets[(f"{FULLNAME}-secrets", "metrics-token")]
+    assert httpx.get(base + "/metrics", timeout=5).status_code == 401
+    assert httpx.get(base + "/metrics", headers={"authorization": f"Bearer {token}"}, timeout=5).status_code == 200
+    test_pod = one(objs, "Pod", f"{FULLNAME}-test-ready")["spec"]["containers"][0]
+    script = test_pod["args"][0].replace(f"http://{FULLNAME}:8080", base)
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert (ran.returncode, ran.stdout) == (0, "/livez 200\n/readyz 200\n"), ran.stderr
 
 
 def _wait_200(url: str, within_seconds: float, proc: subprocess.Popen[bytes], *, only_200: bool = False) -> None:
