@@ -3,7 +3,7 @@ development only; not a test fixture, not imported by the project).
 
 A raw asyncio HTTP/1.1 server (keep-alive, Content-Length bodies, chunked SSE for streams), so
 the upstream is never the bottleneck of ``bench/gateway.py``. Routes (as the bundled backend,
-DESIGN.md "The bundled backend"):
+docs/design.md "The bundled backend"):
 
 - ``GET /health`` -> 200; ``GET /server_info`` | ``/get_server_info`` -> the SGLang flat dict
   (``max_total_num_tokens`` = ``--pool-tokens``, ``context_length``, ``max_req_input_len``, ...);

@@ -5,7 +5,7 @@ Usage::
     .venv/bin/python bench/tokenize.py [--sizes 1000,100000,1000000] [--seconds 2]
 
 For each prompt size it builds a prompt from real text (the incident runbook's Chinese and Polish
-translations in ../shared/seeds, DESIGN.md, and Python standard-library source as English prose
+translations in ../shared/seeds, docs/design.md, and Python standard-library source as English prose
 and code), interleaved paragraph by paragraph, and times in the same process:
 
 - ``tiktoken``: ``len(Encoding.encode_ordinary(text))`` on one thread (cl100k_base);
@@ -51,7 +51,7 @@ def corpus_paragraphs() -> list[str]:
     """Paragraphs of real text in several scripts, interleaved so every prompt mixes them."""
     sources: list[list[str]] = []
     shared = ROOT.parent / "shared"
-    for path in sorted((shared / "seeds").glob("0*.txt")) + [shared / "DESIGN.md"]:
+    for path in sorted((shared / "seeds").glob("0*.txt")) + [ROOT / "docs" / "design.md"]:
         if path.is_file():
             sources.append([p for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()])
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -60,7 +60,7 @@ def corpus_paragraphs() -> list[str]:
         if path.is_file():
             sources.append([p for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()])
     if not sources:
-        raise SystemExit("bench/tokenize.py: no input text found (seeds, DESIGN.md, stdlib sources)")
+        raise SystemExit("bench/tokenize.py: no input text found (seeds, docs/design.md, stdlib sources)")
     out = []
     for i in range(max(len(s) for s in sources)):
         out.extend(s[i] for s in sources if i < len(s))

@@ -7,7 +7,7 @@ Errors name the file, the line, the key path and the problem, e.g.::
 
 A key that is not a setting, and a key given twice in one mapping, are errors, never ignored.
 
-Environment overrides (DESIGN.md, Contracts): ``KVGATE_<SECTION>__<KEY>=value`` sets
+Environment overrides (docs/design.md, Contracts): ``KVGATE_<SECTION>__<KEY>=value`` sets
 ``section.key`` (values parsed as YAML scalars, so ``8081`` is an int and ``[a, b]`` a list);
 a top-level key is ``KVGATE_<KEY>`` (e.g. ``KVGATE_REDIS_URL``). Variables whose first part is not
 a settings key (``KVGATE_FAULTS``, ``KVGATE_CONFIG``) are not settings and are left alone.

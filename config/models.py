@@ -1,6 +1,6 @@
 """Pydantic models of every kvgate setting. Unknown keys are errors (``extra="forbid"``).
 
-Two files carry them (DESIGN.md, Contracts): ``config/kvgate.yaml`` -> :class:`Settings`
+Two files carry them (docs/design.md, Contracts): ``config/kvgate.yaml`` -> :class:`Settings`
 (gateway, upstreams, models, quotas, verifier, backend) and ``config/tenants.yaml`` ->
 :class:`TenantsFile`.
 """
@@ -94,7 +94,7 @@ class ModelConfig(_Strict):
     """A model the gateway serves. ``id`` is the public name; ``aliases`` other accepted names;
     ``upstream_model`` the name sent upstream (default ``id``); ``context_length`` in tokens;
     ``images``: the image cost and URL policy (:class:`ImagePolicy`).
-    ``task``: what it serves (DESIGN.md, "New keys"): ``chat`` (``/v1/chat/completions``,
+    ``task``: what it serves (docs/design.md, "New keys"): ``chat`` (``/v1/chat/completions``,
     ``/v1/completions``, ``/v1/responses``) or ``embedding`` (``/v1/embeddings``); both serve
     ``/tokenize`` and ``/detokenize``."""
 
@@ -108,7 +108,7 @@ class ModelConfig(_Strict):
 
 
 class UpstreamConfig(_Strict):
-    """An engine deployment (DESIGN.md, "Upstream entry").
+    """An engine deployment (docs/design.md, "Upstream entry").
 
     ``api_url``: OpenAI base URL (ending in ``/v1``). ``pool_source``: where the live pool is
     read. ``pool_urls``: server-info URLs of every prefill node (sglang/kvgate) or the
@@ -190,7 +190,7 @@ class GatewaySettings(_Strict):
     ``min(32, usable cores + 4)``); ``offload_tenant_share``: the most of them one tenant holds at
     once (``None``: a quarter, at least 1; :mod:`gateway.offload`).
 
-    ``workers``: gateway worker processes on the one port (DESIGN.md, Contracts: "Workers");
+    ``workers``: gateway worker processes on the one port (docs/design.md, Contracts: "Workers");
     ``None`` = the usable cores (``os.sched_getaffinity``, capped by a cgroup CPU quota) when
     ``redis_url`` is set, else 1. ``reuse_port``: each worker binds its own ``SO_REUSEPORT``
     socket instead of sharing the supervisor's (any process of the same user may then bind the
@@ -246,7 +246,7 @@ class QuotaSettings(_Strict):
 
 
 class VerifierSettings(_Strict):
-    """Response verification (DESIGN.md, Verifier). Lengths in tokens, times in seconds."""
+    """Response verification (docs/design.md, Verifier). Lengths in tokens, times in seconds."""
 
     enabled: bool = True
     shingle_k: int = Field(default=16, ge=4)
@@ -291,7 +291,7 @@ class VerifierSettings(_Strict):
 
 
 class BackendSettings(_Strict):
-    """The bundled engine (``python -m gpu_backend``); names follow DESIGN.md's backend flags."""
+    """The bundled engine (``python -m gpu_backend``); names follow docs/design.md's backend flags."""
 
     role: Literal["all", "prefill", "decode", "router"] = "all"
     host: str = "127.0.0.1"
@@ -372,7 +372,7 @@ class Settings(_Strict):
 
 
 class TenantConfig(_Strict):
-    """A tenant (DESIGN.md, "Tenant entry"). Limits: ``rpm`` requests/window, ``tpm`` prompt +
+    """A tenant (docs/design.md, "Tenant entry"). Limits: ``rpm`` requests/window, ``tpm`` prompt +
     completion tokens/window, ``max_concurrent`` in-flight requests, ``max_context_tokens``
     prompt + completion per request; ``None`` means unlimited. ``api_key_sha256``: lowercase hex
     SHA-256 of each valid key. ``verify_sample_rate`` in [0, 1]. ``max_sequences_per_request``:

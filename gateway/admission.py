@@ -1,5 +1,5 @@
 """Steps 4 and 5 (and the model resolution of step 6's note): which model, how many prompt
-tokens, how many completion tokens, and whether they fit (DESIGN.md, "A request's way through the
+tokens, how many completion tokens, and whether they fit (docs/design.md, "A request's way through the
 gateway", "Contracts": max_tokens).
 
 - Model: the request's ``model`` (an id or an alias); absent, the tenant's only model. A model

@@ -1,5 +1,5 @@
 """What is particular to ``/v1/responses``, ``/v1/embeddings`` and ``/tokenize`` /
-``/detokenize`` on the request path (DESIGN.md, "Routes"): their request schemas, which models
+``/detokenize`` on the request path (docs/design.md, "Routes"): their request schemas, which models
 serve them (model ``task``), their counts and their gates. The request path itself (auth,
 quotas, forwarding, settle, verification) is the one every route shares.
 

@@ -1,4 +1,4 @@
-"""The gateway app factory (DESIGN.md, "A request's way through the gateway").
+"""The gateway app factory (docs/design.md, "A request's way through the gateway").
 
 ``create_app(settings, tenants, *, quotas=None, verifier=None, secrets=None) -> FastAPI``. The
 app's lifespan owns one pooled :class:`~gateway.upstream_client.UpstreamClient` (aiohttp: every

@@ -1,4 +1,4 @@
-"""Step 2, authenticate: ``Authorization: Bearer <key>`` -> the tenant (DESIGN.md).
+"""Step 2, authenticate: ``Authorization: Bearer <key>`` -> the tenant (docs/design.md).
 
 Errors are 401 ``invalid_api_key`` in the OpenAI shape; they never echo the key.
 """

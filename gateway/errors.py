@@ -1,4 +1,4 @@
-"""Exception handlers: every error the app answers is OpenAI-shaped JSON (DESIGN.md, "Error
+"""Exception handlers: every error the app answers is OpenAI-shaped JSON (docs/design.md, "Error
 bodies"), unknown routes included (404 ``not_found``, 405 ``method_not_allowed``); an unexpected
 exception is a 500 whose body is OpenAI-shaped too and names no internals.
 

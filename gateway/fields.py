@@ -1,4 +1,4 @@
-"""Field policy per engine (DESIGN.md, Contracts: "The gate's invariant", upstream ``engine``).
+"""Field policy per engine (docs/design.md, Contracts: "The gate's invariant", upstream ``engine``).
 
 Validation (:mod:`gateway.requests`) knows every field's type and range. This module decides,
 for the engines that serve a model, which engine extension fields reach them and what the
@@ -166,7 +166,7 @@ def _check_message_keys(body: dict[str, Any]) -> None:
 
 
 #: engines known to encode request text without special-token parsing (special tokens come only
-#: from their template): the bundled backend (DESIGN.md, Models). vLLM and SGLang render the chat
+#: from their template): the bundled backend (docs/design.md, Models). vLLM and SGLang render the chat
 #: template and encode the result with special tokens parsed; an ``openai`` upstream may be either.
 TEXT_ONLY_ENGINES = frozenset({"kvgate"})
 

@@ -1,4 +1,4 @@
-"""The end of an admitted request (DESIGN.md step 6's settle, and the gateway's records): settle
+"""The end of an admitted request (docs/design.md step 6's settle, and the gateway's records): settle
 the quota lease exactly once, record metrics, write one JSON access-log line. Called by the
 response shell (:mod:`gateway.response`) however the request ended: answered, refused by the
 engine, cut, withheld, or abandoned by the client.

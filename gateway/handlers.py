@@ -1,4 +1,4 @@
-"""The route handlers. A completion reads top to bottom (DESIGN.md, "A request's way through the
+"""The route handlers. A completion reads top to bottom (docs/design.md, "A request's way through the
 gateway"): :func:`~gateway.admit.admit` (steps 1-6: auth from the headers, body, validation,
 count, gate, quarantine filter, quota reserve) returns an :class:`~gateway.admit.Admitted`
 record; :func:`~gateway.proxy.relay` (step 7, with the verifier's guard of step 8) opens an

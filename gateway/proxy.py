@@ -1,4 +1,4 @@
-"""Step 7 (and the hook of 8): forward an admitted request and relay the answer (DESIGN.md, "A
+"""Step 7 (and the hook of 8): forward an admitted request and relay the answer (docs/design.md, "A
 request's way through the gateway", "Error bodies").
 
 :func:`relay` is an async iterator of the bytes to send the client; it fills one
@@ -154,7 +154,7 @@ def stream_error_tail(outcome: RelayOutcome, err: OpenAIError) -> bytes:
 
 
 def withheld_error(w: ResponseWithheld) -> OpenAIError:
-    """The 502 ``response_withheld`` a strict guard's refusal becomes (DESIGN.md, "Error bodies")."""
+    """The 502 ``response_withheld`` a strict guard's refusal becomes (docs/design.md, "Error bodies")."""
     return OpenAIError(
         502, f"The response was withheld by verification (incident {w.incident_id}).", code=ErrorCode.RESPONSE_WITHHELD
     )

@@ -1,4 +1,4 @@
-"""Per-tenant quotas (DESIGN.md step 6): the :class:`~gateway.stages.QuotaStage` the request path
+"""Per-tenant quotas (docs/design.md step 6): the :class:`~gateway.stages.QuotaStage` the request path
 calls, built from settings by :func:`build_quota_stage`.
 
 - RPM, TPM (prompt + completion) and concurrent requests per tenant, in one atomic reservation

@@ -1,5 +1,5 @@
 """Steps 1 and 3: read and parse the body strictly, then validate it against the OpenAI request
-schemas of ``/v1/completions`` and ``/v1/chat/completions`` (DESIGN.md).
+schemas of ``/v1/completions`` and ``/v1/chat/completions`` (docs/design.md).
 
 Validation is by hand (a table of field checks), not by building pydantic models per request: it
 is on the hot path. Every failure is a 400 ``invalid_request_error`` whose ``param`` names the

@@ -1,4 +1,4 @@
-"""Run the gateway app under uvicorn with a draining shutdown (DESIGN.md, Contracts: "SIGTERM
+"""Run the gateway app under uvicorn with a draining shutdown (docs/design.md, Contracts: "SIGTERM
 drains in-flight requests before exit").
 
 On the first SIGTERM or SIGINT the gateway starts draining: requests in flight run to their end

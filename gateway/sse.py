@@ -1,4 +1,4 @@
-"""Server-sent events on bytes (DESIGN.md step 7): split an upstream stream into events without
+"""Server-sent events on bytes (docs/design.md step 7): split an upstream stream into events without
 decoding it, so a multi-byte UTF-8 character cut across network reads, or U+2028 inside a JSON
 string, arrives exactly as the engine sent it. The gateway forwards each event's original bytes.
 

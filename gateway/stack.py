@@ -2,7 +2,7 @@
 
 Used by ``kvgate up``, ``kvgate demo`` and the tests. :class:`EmbeddedStack` starts
 
-1. the bundled engine, ``python -m gpu_backend --role all`` (DESIGN.md backend flags), on the
+1. the bundled engine, ``python -m gpu_backend --role all`` (docs/design.md backend flags), on the
    configured backend port (30000) or a free one, and waits until its ``/health`` answers 200 and
    its ``/server_info`` carries ``max_total_num_tokens``;
 2. the gateway, ``python -m gateway.cli serve --demo`` with a generated ``kvgate.yaml`` whose one

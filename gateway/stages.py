@@ -1,4 +1,4 @@
-"""The contract between the gateway's request path and its quota stage (DESIGN.md step 6);
+"""The contract between the gateway's request path and its quota stage (docs/design.md step 6);
 ``gateway/quotas.py`` implements it and :class:`NullQuotas` admits everything (quotas off).
 The verification stage's contract (step 8) lives in ``verifier/stage.py``, since dependencies
 point ``gateway -> verifier``.

@@ -1,4 +1,4 @@
-"""Tenants and their API keys (DESIGN.md, "Tenant entry").
+"""Tenants and their API keys (docs/design.md, "Tenant entry").
 
 Keys are stored only as lowercase hex SHA-256 hashes. :class:`TenantRegistry` maps a presented
 key to its tenant; :meth:`TenantRegistry.reload` re-reads ``tenants.yaml`` and swaps the whole

@@ -1,4 +1,4 @@
-"""Upstreams (DESIGN.md, "Upstream entry"): several may serve one model; the gateway balances
+"""Upstreams (docs/design.md, "Upstream entry"): several may serve one model; the gateway balances
 them (least requests in flight, ties broken round-robin) and, on a connect failure, retries on
 another before any byte is sent (see :mod:`gateway.proxy`).
 

@@ -1,4 +1,4 @@
-"""Several gateway worker processes on one port (DESIGN.md, Contracts: "Workers").
+"""Several gateway worker processes on one port (docs/design.md, Contracts: "Workers").
 
 ``kvgate serve --workers N`` (``gateway.workers``; default: the usable cores when ``redis_url`` is
 set, else 1) runs a small supervisor, this module's :class:`Supervisor`, that starts N worker

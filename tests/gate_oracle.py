@@ -1,4 +1,4 @@
-"""An oracle for the gate's invariant, written from the template's specification (DESIGN.md,
+"""An oracle for the gate's invariant, written from the template's specification (docs/design.md,
 docs/tokenizer.md), not from the gateway's code: given the body an engine RECEIVED, how many
 prompt tokens the engine will hold, counted with tiktoken directly.
 

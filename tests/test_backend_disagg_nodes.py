@@ -1,4 +1,4 @@
-"""Prefill node, decode node and router in one process over real copy-probe engines: DESIGN.md
+"""Prefill node, decode node and router in one process over real copy-probe engines: docs/design.md
 invariant 2 (decode accepts a transfer only if it equals the reservation), prefill rejection,
 and every abort / disconnect / timeout path freeing the pages on both sides."""
 

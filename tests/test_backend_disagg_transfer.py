@@ -1,4 +1,4 @@
-"""The KV transfer wire format (safetensors + JSON manifest + per-page checksums) and DESIGN.md
+"""The KV transfer wire format (safetensors + JSON manifest + per-page checksums) and docs/design.md
 invariant 5: network data is never unpickled."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One error protocol (DESIGN.md, "Error bodies", "Contracts: Errors"): every kvgate error family
+"""One error protocol (docs/design.md, "Error bodies", "Contracts: Errors"): every kvgate error family
 carries ``status``, ``code`` and ``to_openai()``; one mapper turns any of them into the OpenAI
 shape; every code kvgate sets is a member of ``config.errors.ErrorCode`` (no string literals)."""
 

@@ -1,4 +1,4 @@
-"""Authenticate from the headers before the body is read (DESIGN.md step 1): a request without
+"""Authenticate from the headers before the body is read (docs/design.md step 1): a request without
 a valid key is answered 401 without the gateway reading (or parsing) a byte of its body, however
 large it claims to be or however slowly it arrives; with a valid key the body is read as before."""
 

@@ -1,4 +1,4 @@
-"""Import hygiene (DESIGN.md, Layout): dependencies point ``gateway -> verifier -> tokenizer ->
+"""Import hygiene (docs/design.md, Layout): dependencies point ``gateway -> verifier -> tokenizer ->
 config``; ``gpu_backend`` imports only ``config`` and ``tokenizer``; the gateway never imports
 ``gpu_backend``; importing gateway, tokenizer or verifier never imports torch; nothing imports
 ``tests/`` or ``bench/``; and what the gateway's packages import is installed by the core

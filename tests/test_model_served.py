@@ -1,5 +1,5 @@
 """``python -m gpu_backend --model FOLDER`` serves a Hugging Face folder with the folder's own
-tokenizer, chat template and EOS (DESIGN.md, Models).
+tokenizer, chat template and EOS (docs/design.md, Models).
 
 The folder is built here by ``tests/tiny_hf.py`` (a tiny random ``LlamaForCausalLM`` and its own
 byte-level BPE tokenizer; see there). Counts are compared three ways: the engine's

@@ -1,5 +1,5 @@
 """Strict mode reads every text-bearing field, through the real gateway app against an engine that
-leaks (DESIGN.md, "Strict mode reads every text-bearing field").
+leaks (docs/design.md, "Strict mode reads every text-bearing field").
 
 A victim tenant's passage (300-odd tokens, a canary inside) is indexed at its admission; the
 engine then puts it into one field of one choice of a strict tenant's answer: ``content``,

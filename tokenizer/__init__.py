@@ -1,4 +1,4 @@
-"""Exact prompt-token counting for OpenAI requests (DESIGN.md, step 4).
+"""Exact prompt-token counting for OpenAI requests (docs/design.md, step 4).
 
 ``make_counter(TokenizerConfig)`` gives a :class:`PromptCounter`; ``count_prompt`` /
 ``count_chat`` (and their async twins) return exact counts or raise the typed errors of

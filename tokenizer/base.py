@@ -192,7 +192,7 @@ class PromptCounter(ABC):
         """The text of token ids as this tokenizer decodes them, special tokens included. Bytes
         that are not valid UTF-8 (ids cut inside a multi-byte character) become U+FFFD
         (``errors="replace"``), so a prompt that ends mid-character still decodes. The verifier
-        uses it to know a token-id prompt's own text (DESIGN.md step 8). Subclasses that can
+        uses it to know a token-id prompt's own text (docs/design.md step 8). Subclasses that can
         only decode over the network raise ``NotImplementedError`` and implement :meth:`adecode`."""
         raise NotImplementedError(f"{type(self).__name__} cannot decode token ids")
 

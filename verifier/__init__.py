@@ -1,6 +1,6 @@
 """kvgate's verifier: deploy gate, canary probes, leak index, usage-drift and latency detectors.
 
-Depends on ``tokenizer`` and ``config`` only (DESIGN.md). The gateway builds its stage with
+Depends on ``tokenizer`` and ``config`` only (docs/design.md). The gateway builds its stage with
 :func:`from_settings`; everything heavier is imported only then.
 """
 

@@ -1,4 +1,4 @@
-"""Canaries (DESIGN.md, Contracts): ``KVGATE-CANARY-`` + 16 lowercase hex digits (64 random bits).
+"""Canaries (docs/design.md, Contracts): ``KVGATE-CANARY-`` + 16 lowercase hex digits (64 random bits).
 
 A canary is planted in a prompt; found in a response whose own prompt does not hold it, it is
 proof that text crossed between requests (the runbook's signal 2). :class:`CanaryRegistry`

@@ -1,4 +1,4 @@
-"""Usage drift and aborted-under-200 detection (DESIGN.md, Verifier: "Usage drift").
+"""Usage drift and aborted-under-200 detection (docs/design.md, Verifier: "Usage drift").
 
 The engine's ``usage.prompt_tokens`` should equal the gateway's exact count; a prompt of 624
 tokens reported as 1 is a known engine failure (the placeholder of a rejected request). In the

@@ -1,5 +1,5 @@
 """What an engine's answer says: choices, each choice's text, ``finish_reason``, ``usage``, and
-whether it is an error (DESIGN.md, "Error bodies"; "Strict mode reads every text-bearing field").
+whether it is an error (docs/design.md, "Error bodies"; "Strict mode reads every text-bearing field").
 
 The one place kvgate reads an OpenAI-compatible engine response. The gateway (relay, quota
 settle) and the verifier read it; it lives in ``verifier/`` because dependencies point
@@ -14,7 +14,7 @@ settle) and the verifier read it; it lives in ``verifier/`` because dependencies
   ``{"error":{"message"}}``, FastAPI's ``{"detail":...}``) as an :class:`~config.errors.OpenAIError`.
 
 Text-bearing fields, each read per choice as its own text stream (the strict guard, the canary
-scan, the leak index and the quota's completion count read them; DESIGN.md, "Strict mode reads
+scan, the leak index and the quota's completion count read them; docs/design.md, "Strict mode reads
 every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
 
 - ``content`` (``message``/``delta``; a list of content parts gives its ``text`` parts here and

@@ -1,4 +1,4 @@
-"""Structured incident records (DESIGN.md, Verifier: "Actions").
+"""Structured incident records (docs/design.md, Verifier: "Actions").
 
 An incident names its id, time, tenant, upstream, detector and evidence made only of counts,
 keyed hashes and request ids (never prompt or response text). Each one is appended to a JSONL

@@ -1,4 +1,4 @@
-"""The passive leak index (DESIGN.md, Verifier): which tenants recently sent which shingles.
+"""The passive leak index (docs/design.md, Verifier): which tenants recently sent which shingles.
 
 For each tenant's prompt the index stores its *winnowed* keyed shingle fingerprints
 (:mod:`verifier.shingles`, k = 16, w = 35) with a TTL; for a response it looks up *every*

@@ -1,4 +1,4 @@
-"""The contract between the gateway's request path and the verifier (DESIGN.md step 8).
+"""The contract between the gateway's request path and the verifier (docs/design.md step 8).
 
 It lives here, not in the gateway, because dependencies point ``gateway -> verifier``.
 """

@@ -8,6 +8,6 @@ import sys
 
 
 def run_argv(argv: list[str]) -> int:
-    """Replace this process with ``python -m gpu_backend <argv>`` (flags: DESIGN.md, Contracts)."""
+    """Replace this process with ``python -m gpu_backend <argv>`` (flags: docs/design.md, Contracts)."""
     os.execv(sys.executable, [sys.executable, "-m", "gpu_backend", *argv])
     return 0  # not reached

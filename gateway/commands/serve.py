@@ -1,7 +1,7 @@
 """``kvgate serve``: run the gateway (default 127.0.0.1:8080, from ``gateway.host``/``port``).
 
 Refuses to start while ``tenants.yaml`` accepts one of the documented demo keys (``sk-demo-a``,
-``sk-demo-b``) unless started with ``--demo`` (DESIGN.md, Contracts), and while the secrets file or
+``sk-demo-b``) unless started with ``--demo`` (docs/design.md, Contracts), and while the secrets file or
 its state directory is open to other users (group or world bits; the message says the ``chmod``
 to run) unless started with ``--allow-open-secrets``, which logs a warning instead.
 ``--init-tenant NAME`` creates a missing tenants file with one tenant and a generated key (the

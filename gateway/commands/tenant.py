@@ -178,7 +178,7 @@ def limit_options(parser: argparse.ArgumentParser) -> None:
     """Add the tenant-limit flags (``--rpm``, ``--tpm``, ``--max-concurrent``,
     ``--max-context-tokens``, ``--max-tokens-cap``, ``--default-max-tokens``, ``--model``) whose
     values :func:`limits_from_args` collects. Unset flags leave the field as it is."""
-    g = parser.add_argument_group("limits (DESIGN.md, tenant entry)")
+    g = parser.add_argument_group("limits (docs/design.md, tenant entry)")
     g.add_argument("--rpm", type=int, help="requests per quota window")
     g.add_argument("--tpm", type=int, help="prompt + completion tokens per quota window")
     g.add_argument("--max-concurrent", type=int, help="requests in flight at once")

@@ -27,7 +27,7 @@ from gateway.stack import (
     terminate_as_interrupt,
 )
 
-#: What ``kvgate up`` / ``kvgate demo`` serve unless ``--model`` says otherwise (DESIGN.md, Models).
+#: What ``kvgate up`` / ``kvgate demo`` serve unless ``--model`` says otherwise (docs/design.md, Models).
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
