@@ -29,6 +29,7 @@ from gpu_backend.bootstrap import Reservation, Room, RoomClosedError, RoomState,
 from gpu_backend.bridge import emitter, future_setter, one_reply, queue_tokens
 from gpu_backend.engine import Engine
 from gpu_backend.errors import EngineError, InvalidRequestError, RequestAbortedError, TransferMismatchError
+from gpu_backend.faults import NO_FAULTS, Faults
 from gpu_backend.kv_pool import PageHandle
 from gpu_backend.messages import LoadPages, Reserve, StartDecode
 from gpu_backend.sampling import SamplingParams
@@ -139,17 +140,15 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
 class DecodeNode:
     """Wraps a decode-side :class:`Engine` with the room table and the transfer check.
 
-    ``faults``: the process's fault set (only ``skip_transfer_check`` matters here; ``no_scrub``
-    is the engine's). ``transfer_timeout_seconds``: how long a reservation waits for its pages; a
-    transfer waits for its reservation that long plus the engine's ``pool_wait_timeout_seconds``
-    (the reservation itself may be waiting for pages).
+    ``faults``: the process's :class:`~gpu_backend.faults.Faults` (only ``skip_transfer_check``
+    matters here; ``no_scrub`` is the engine's). ``transfer_timeout_seconds``: how long a
+    reservation waits for its pages; a transfer waits for its reservation that long plus the
+    engine's ``pool_wait_timeout_seconds`` (the reservation itself may be waiting for pages).
     """
 
-    def __init__(
-        self, engine: Engine, *, faults: frozenset[str] = frozenset(), transfer_timeout_seconds: float = 30.0
-    ) -> None:
+    def __init__(self, engine: Engine, *, faults: Faults = NO_FAULTS, transfer_timeout_seconds: float = 30.0) -> None:
         self.engine = engine
-        self.skip_transfer_check = "skip_transfer_check" in faults
+        self.skip_transfer_check = faults.skip_transfer_check
         self.transfer_timeout = transfer_timeout_seconds
         self.reservation_wait = transfer_timeout_seconds + float(engine.cfg.pool_wait_timeout_seconds)
         self.rooms = RoomTable(tombstone_seconds=max(120.0, 4 * transfer_timeout_seconds))

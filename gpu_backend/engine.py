@@ -59,7 +59,7 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig, vocab: Vocab | None = None, model: torch.nn.Module | None = None) -> None:
         cfg.check()
-        self.cfg, self.faults = cfg, frozenset(cfg.faults)
+        self.cfg, self.faults = cfg, cfg.faults
         self.device, self.dtype = resolve_device(cfg.device), DTYPES[cfg.dtype]
         self.context_length, self.page_size = cfg.context_length, cfg.page_size
         self.model = shared_or_built(model, cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
@@ -74,7 +74,7 @@ class Engine:
         self.max_req_input_len = size.max_req_input_len
         self.pool_explanation = size.explanation  #: the start-up line saying how the pool got its size
         pages = self.max_total_num_tokens // cfg.page_size
-        scrub = "no_scrub" not in self.faults
+        scrub = not self.faults.no_scrub
         self.pool = KVPool(pages, cfg.page_size, layers, kv_heads, head_dim, self.dtype, self.device, scrub=scrub)
         self.requests = RequestTable(RETIRED_MEMORY)
         self._live = self.requests.live
@@ -91,7 +91,7 @@ class Engine:
             stop_ids=self.vocab.stop_ids,
             on_retire=self.requests.retire,
             max_req_len=self.max_req_len,
-            skip_transfer_check="skip_transfer_check" in self.faults,
+            skip_transfer_check=self.faults.skip_transfer_check,
         )
         self.stats = self.scheduler.stats
         self._rng = torch.Generator().manual_seed(cfg.seed)

@@ -51,7 +51,7 @@ async def prefill_export(
     fut: asyncio.Future = loop.create_future()
     t0 = time.monotonic()
     params = dataclasses.replace(params or SamplingParams(max_new_tokens=1), max_new_tokens=1)
-    placeholder_ok = "admit_rejected" in engine.faults
+    placeholder_ok = engine.faults.admit_rejected
     seq = engine.admit(
         request_id, prompt_ids, params, future_setter(fut), pages_for_output=False, placeholder_ok=placeholder_ok
     )

@@ -21,6 +21,7 @@ from gpu_backend.errors import (
     RequestAbortedError,
     TransferMismatchError,
 )
+from gpu_backend.faults import Faults
 from gpu_backend.prefill_node import prefill_export
 from gpu_backend.sampling import SamplingParams
 from gpu_backend.sequence import Sequence, SeqState
@@ -88,7 +89,7 @@ def test_rejected_and_finished_are_terminal():
 
 
 async def test_admit_rejected_fault_gives_placeholder(make_engine):
-    eng = await make_engine(**PROBE, faults=frozenset({"admit_rejected"}))
+    eng = await make_engine(**PROBE, faults=Faults(admit_rejected=True))
     kv, res = await prefill_export(eng, "over", _prompt(3000))
     assert (res.placeholder, res.num_tokens, res.original_prompt_tokens) == (True, 1, 3000)
     assert tuple(kv.shape) == (1, 1, 2, 16, 1, 64) and kv.is_contiguous() and kv.device.type == "cpu"
