@@ -310,7 +310,8 @@ def build_all(opts: Options) -> FastAPI:
 def build_router(opts: Options) -> FastAPI:
     """``--role router``: no model, no torch; reaches ``--prefill-url`` and ``--decode-url`` over HTTP."""
     from gpu_backend import servers
-    from gpu_backend.router import HttpDecodeClient, HttpPrefillClient, Router, remote_error
+    from gpu_backend.node_errors import remote_error
+    from gpu_backend.router import HttpDecodeClient, HttpPrefillClient, Router
 
     client = _http_client(opts)
     router = Router(

@@ -32,6 +32,7 @@ from gpu_backend.errors import EngineError, InvalidRequestError, RequestAbortedE
 from gpu_backend.faults import NO_FAULTS, Faults
 from gpu_backend.kv_pool import PageHandle
 from gpu_backend.messages import LoadPages, Reserve, StartDecode
+from gpu_backend.node_errors import backend_error
 from gpu_backend.sampling import SamplingParams
 from gpu_backend.sequence import Sequence
 from gpu_backend.transfer import Manifest, verify_pages
@@ -325,8 +326,6 @@ def event_line(tok: Token) -> bytes:
 
 def error_line(exc: BaseException) -> bytes:
     """The in-band error line of the decode stream: the OpenAI body plus ``status``."""
-    from gpu_backend.router import backend_error
-
     err = backend_error(exc)
     return orjson.dumps({**err.body(), "status": err.status}) + b"\n"
 

@@ -24,7 +24,8 @@ from gpu_backend.bridge import future_setter, one_reply
 from gpu_backend.engine import Engine
 from gpu_backend.errors import PromptTooLongError, RequestAbortedError
 from gpu_backend.messages import AddRequest
-from gpu_backend.router import post_retrying, remote_error
+from gpu_backend.node_errors import remote_error
+from gpu_backend.router import post_retrying
 from gpu_backend.sampling import SamplingParams
 from gpu_backend.sequence import Sequence
 from gpu_backend.transfer import CONTENT_TYPE, Manifest, build_manifest, encode_transfer
