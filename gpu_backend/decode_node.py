@@ -33,6 +33,7 @@ from gpu_backend.faults import NO_FAULTS, Faults
 from gpu_backend.kv_pool import PageHandle
 from gpu_backend.messages import LoadPages, Reserve, StartDecode
 from gpu_backend.node_errors import backend_error
+from gpu_backend.replies import Failed, Loaded, PagesGranted, Reply, unexpected
 from gpu_backend.sampling import SamplingParams
 from gpu_backend.sequence import Sequence
 from gpu_backend.transfer import Manifest, verify_pages
@@ -71,13 +72,18 @@ async def reserve_pages(engine: Engine, request_id: str, prompt_tokens: int, max
     live id or non-positive sizes; 503 when the engine is not running. Cancelling frees them."""
     if prompt_tokens < 1 or max_new_tokens < 1:
         raise InvalidRequestError("prompt_tokens and max_new_tokens must be >= 1", request_id=request_id)
-    fut: asyncio.Future = asyncio.get_running_loop().create_future()
+    fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
     seq = Sequence.reservation_of(request_id, engine.pool.pages_for(prompt_tokens + max_new_tokens), future_setter(fut))
     engine.register(seq)
     engine.submit(Reserve(seq))
-    pages = await one_reply(fut, lambda: engine.abort(request_id))
-    assert isinstance(pages, list)
-    return pages
+    match await one_reply(fut, lambda: engine.abort(request_id)):
+        case PagesGranted(pages=pages):
+            return pages
+        case Failed(error=error):
+            raise error
+        case other:
+            engine.abort(request_id)
+            raise unexpected(other)
 
 
 async def load_pages(engine: Engine, request_id: str, kv: torch.Tensor, num_tokens: int) -> None:
@@ -86,9 +92,13 @@ async def load_pages(engine: Engine, request_id: str, kv: torch.Tensor, num_toke
     pool's). Raises ``KeyError`` for an unknown reservation, ``ValueError`` for a shape that does not
     fit (more pages than reserved, wrong dims, ``num_tokens > n * page_size``),
     :class:`StaleHandleError` through a stale handle."""
-    fut: asyncio.Future = asyncio.get_running_loop().create_future()
+    fut: asyncio.Future[Loaded | Failed] = asyncio.get_running_loop().create_future()
     engine.submit(LoadPages(request_id, kv, num_tokens, future_setter(fut)))
-    await one_reply(fut)
+    match await one_reply(fut):
+        case Failed(error=error):
+            raise error
+        case Loaded():
+            return
 
 
 async def decode_reserved(
@@ -114,7 +124,7 @@ async def decode_reserved(
         engine.abort(request_id)
         raise
     params = params.clamped(engine.max_req_len - context_tokens - 1)
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[Reply] = asyncio.Queue()
     msg = StartDecode(
         request_id, list(prompt_ids), first_token_id, params, context_tokens, engine.generator(params), emitter(queue)
     )

@@ -2,8 +2,8 @@
 
 :meth:`Engine.step` is nano-vllm's ``LLMEngine.step``: schedule -> run -> postprocess. The worker
 thread calls it in a loop; the asyncio side only builds validated sequences and sends typed messages
-(:mod:`gpu_backend.messages`), so every page is allocated and freed on the worker. Results come back
-with ``loop.call_soon_threadsafe`` into per-request queues or futures.
+(:mod:`gpu_backend.messages`), so every page is allocated and freed on the worker. Typed replies
+(:mod:`gpu_backend.replies`) come back with ``loop.call_soon_threadsafe`` into per-request queues or futures.
 
 Public API: :class:`Engine` (``start``/``stop``/``step``, ``generate``, ``abort``, ``request_state``,
 ``server_info``/``pool_stats``/``check_integrity``; for the role flows in :mod:`gpu_backend.prefill_node`
@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import torch
 
@@ -27,6 +27,7 @@ from gpu_backend.errors import PromptTooLongError, RequestAbortedError
 from gpu_backend.kv_pool import KVPool
 from gpu_backend.messages import Abort, AddRequest, Message
 from gpu_backend.model_runner import ModelRunner, vocab_bias
+from gpu_backend.replies import Reply, ReplyTo
 from gpu_backend.sampling import SamplingParams, make_generator
 from gpu_backend.scheduler import Scheduler
 from gpu_backend.sequence import RequestTable, SeqState, Sequence, check_prompt_ids
@@ -182,7 +183,7 @@ class Engine:
         request waits, then :class:`PoolExhaustedError` (503). Pages for prompt + max_new_tokens are
         allocated at admission. Closing the iterator early (client gone) aborts and frees the pages.
         """
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[Reply] = asyncio.Queue()
         seq = self.admit(request_id, prompt_ids, params, emitter(queue), pages_for_output=True)
         self.submit(AddRequest(seq))
         async with contextlib.aclosing(queue_tokens(queue, lambda: self.abort(request_id))) as tokens:
@@ -201,7 +202,7 @@ class Engine:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        emit: Callable[[object], None],
+        emit: ReplyTo,
         *,
         pages_for_output: bool,
         placeholder_ok: bool = False,

@@ -13,9 +13,12 @@ scheduler.schedule()``, ``tokens = runner.run(batch)``, ``scheduler.postprocess(
   (every decoding sequence advances one token: continuous batching).
 - :meth:`Scheduler.postprocess` appends the sampled tokens, emits them and retires what finished.
 
+Replies go back typed (:mod:`gpu_backend.replies`: ``Token``, ``PagesGranted``, ``Loaded``,
+``Exported``, ``Failed``).
+
 Every page is allocated and freed here, so :class:`~gpu_backend.kv_pool.KVPool` needs no lock.
 Retirement has one owner: :meth:`Scheduler._finish` / :meth:`Scheduler._fail` (free every page,
-record the terminal state, then emit the final token or the error).
+record the terminal state, then emit the final token or the :class:`~gpu_backend.replies.Failed`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from gpu_backend.messages import (
     Reserve,
     StartDecode,
 )
+from gpu_backend.replies import Failed, Loaded, PagesGranted
 from gpu_backend.sequence import SeqState, Sequence
 from gpu_backend.wire import Token
 
@@ -141,7 +145,7 @@ class Scheduler:
             self.reserving.popleft()
             seq.pages = pages
             self.reserved[seq.request_id] = seq
-            seq.emit(list(pages))
+            seq.emit(PagesGranted(list(pages)))
         items = self._checked(self._schedule_prefill())
         if items:
             return Batch(True, items, [seq.num_cached + n == seq.num_context_tokens for seq, n in items])
@@ -200,9 +204,9 @@ class Scheduler:
                 try:
                     write_reservation(self.pool, self.reserved.get(msg.request_id), msg)
                 except Exception as e:  # reported to the caller; the reservation stays
-                    msg.reply(e)
+                    msg.reply(Failed(e))
                 else:
-                    msg.reply(None)
+                    msg.reply(Loaded())
             case StartDecode():
                 self._start_decode(msg)
             case Abort() | AbortAll():
@@ -214,7 +218,7 @@ class Scheduler:
     def _start_decode(self, msg: StartDecode) -> None:
         seq = self.reserved.get(msg.request_id)
         if seq is None or not seq.reservation:
-            msg.emit(KeyError(msg.request_id))
+            msg.emit(Failed(KeyError(msg.request_id)))
             return
         seq.emit = msg.emit
         err = decode_start_error(self.pool, seq, msg, self.max_req_len, self.skip_transfer_check)
@@ -304,7 +308,7 @@ class Scheduler:
         if not emit:
             return
         if seq.on_prefilled is not None or seq.reservation:  # an export or a reservation that never completed
-            seq.emit(RequestAbortedError("request aborted", request_id=seq.request_id))
+            seq.emit(Failed(RequestAbortedError("request aborted", request_id=seq.request_id)))
         else:
             seq.emit(make_token(seq, token_id, text, reason))
 
@@ -314,7 +318,7 @@ class Scheduler:
         if not seq.is_terminal:
             seq.set_state(SeqState.ABORTED)
         self._retire(seq)
-        seq.emit(err)
+        seq.emit(Failed(err))
 
 
 def write_reservation(pool: KVPool, seq: Sequence | None, msg: LoadPages) -> None:
@@ -370,6 +374,6 @@ def refuse(msg: Message, *, on_retire: Callable[[Sequence], None]) -> None:
             seq.error = err
             seq.set_state(SeqState.ABORTED)
             on_retire(seq)
-            seq.emit(err)
+            seq.emit(Failed(err))
         case LoadPages(reply=reply) | StartDecode(emit=reply):
-            reply(err)
+            reply(Failed(err))

@@ -17,6 +17,7 @@ import torch
 
 from gpu_backend.errors import InvalidRequestError
 from gpu_backend.kv_pool import PageHandle
+from gpu_backend.replies import Exported, ReplyTo
 from gpu_backend.sampling import SamplingParams
 
 
@@ -43,8 +44,9 @@ class Sequence:
     ``prompt_ids``: the prompt as admitted; ``num_context_tokens``: positions the prompt occupies in
     the cache (normally ``len(prompt_ids)``; for a decode reservation, the ``context_tokens`` given);
     ``completion_ids``: generated tokens; ``num_cached``: positions whose KV is in the pages;
-    ``pages``: page handles (its page table); ``emit``: called (in the worker thread) with each
-    output item (a :class:`~gpu_backend.wire.Token` or an exception).
+    ``pages``: page handles (its page table); ``emit``: the :data:`~gpu_backend.replies.ReplyTo`
+    the worker hands each reply to (a ``Token`` per output token, ``PagesGranted`` for a
+    reservation, ``Exported`` for an export, ``Failed`` for the error that ended it).
 
     A decode **reservation** (:meth:`reservation_of`) is a WAITING sequence with ``reservation`` set
     and no prompt yet: it holds pages for prompt + max_new_tokens, ``loaded_tokens`` counts the
@@ -57,7 +59,7 @@ class Sequence:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        emit: Callable[[object], None],
+        emit: ReplyTo,
         *,
         reported_prompt_tokens: int | None = None,
     ) -> None:
@@ -80,7 +82,7 @@ class Sequence:
         self.abort_requested = False
         # export (prefill node): called in the worker with the sequence before its pages are freed;
         # its return value is emitted once they are
-        self.on_prefilled: Callable[[Sequence], object] | None = None
+        self.on_prefilled: Callable[[Sequence], Exported] | None = None
         self.stop_token_ids: set[int] = set(params.stop_token_ids)
         self.reservation = False
         self.loaded_tokens = 0
@@ -89,9 +91,9 @@ class Sequence:
         self._pending_text = ""
 
     @classmethod
-    def reservation_of(cls, request_id: str, pages_needed: int, emit: Callable[[object], None]) -> Sequence:
-        """A decode reservation of ``pages_needed`` pages; ``emit`` receives the page handles (or the
-        error that ended the wait for them)."""
+    def reservation_of(cls, request_id: str, pages_needed: int, emit: ReplyTo) -> Sequence:
+        """A decode reservation of ``pages_needed`` pages; ``emit`` receives ``PagesGranted`` (or
+        ``Failed`` with the error that ended the wait for them)."""
         seq = cls(request_id, [], SamplingParams(max_new_tokens=1), emit)
         seq.reservation = True
         seq.pages_needed = pages_needed
@@ -103,7 +105,7 @@ class Sequence:
         params: SamplingParams,
         context_tokens: int,
         generator: torch.Generator | None,
-        emit: Callable[[object], None],
+        emit: ReplyTo,
     ) -> None:
         """Turn a loaded reservation into the request that decodes over its first ``context_tokens``
         positions (worker thread). ``prompt_tokens`` of its tokens is ``len(prompt_ids)``."""
