@@ -30,7 +30,7 @@ from gpu_backend.model_runner import ModelRunner, vocab_bias
 from gpu_backend.replies import Reply, ReplyTo
 from gpu_backend.sampling import SamplingParams, make_generator
 from gpu_backend.scheduler import Scheduler
-from gpu_backend.sequence import RequestTable, SeqState, Sequence, check_prompt_ids
+from gpu_backend.sequence import ExportSequence, RequestTable, SeqState, Sequence, check_prompt_ids
 from gpu_backend.vocab import Vocab, vocab_for
 from gpu_backend.weights import DTYPES, shared_or_built, weight_bytes
 from gpu_backend.wire import Token
@@ -184,7 +184,7 @@ class Engine:
         allocated at admission. Closing the iterator early (client gone) aborts and frees the pages.
         """
         queue: asyncio.Queue[Reply] = asyncio.Queue()
-        seq = self.admit(request_id, prompt_ids, params, emitter(queue), pages_for_output=True)
+        seq = self.admit(request_id, prompt_ids, params, emitter(queue))
         self.submit(AddRequest(seq))
         async with contextlib.aclosing(queue_tokens(queue, lambda: self.abort(request_id))) as tokens:
             async for tok in tokens:
@@ -204,32 +204,33 @@ class Engine:
         params: SamplingParams,
         emit: ReplyTo,
         *,
-        pages_for_output: bool,
-        placeholder_ok: bool = False,
+        export: bool = False,
     ) -> Sequence:
         """Validate and register a WAITING sequence (nothing allocated; send it as AddRequest).
 
         :class:`InvalidRequestError` (400) for bad params, an empty prompt or ids outside the
         vocabulary; a prompt over ``max_req_input_len`` is REJECTED (terminal) with
-        :class:`PromptTooLongError`, or with ``placeholder_ok`` replaced by :data:`PLACEHOLDER_PROMPT`.
-        ``max_new_tokens`` is clamped to ``max_req_len - prompt_tokens - 1`` (SGLang); pages are
-        reserved for the prompt, plus max_new_tokens when ``pages_for_output``.
+        :class:`PromptTooLongError`, or, for an export under the ``admit_rejected`` fault, replaced
+        by :data:`PLACEHOLDER_PROMPT`. ``max_new_tokens`` is clamped to ``max_req_len -
+        prompt_tokens - 1`` (SGLang). ``export``: an :class:`ExportSequence` (pages for the prompt
+        only); else pages are reserved for prompt + max_new_tokens.
         """
         params.validate()
         prompt_ids = list(prompt_ids)
         check_prompt_ids(prompt_ids, self.vocab_size, self.vocab.is_valid_id, request_id)
-        original = len(prompt_ids)
+        original, placeholder_ok = len(prompt_ids), export and self.faults.admit_rejected
         if original > self.max_req_input_len and placeholder_ok:
             prompt_ids = list(PLACEHOLDER_PROMPT)
         params = params.clamped(self.max_req_len - len(prompt_ids) - 1)
-        seq = Sequence(request_id, prompt_ids, params, emit, reported_prompt_tokens=original)
+        kind = ExportSequence if export else Sequence
+        seq = kind(request_id, prompt_ids, params, emit, reported_prompt_tokens=original)
         if original > self.max_req_input_len and not placeholder_ok:
             seq.error = PromptTooLongError(original, self.max_req_input_len, request_id=request_id)
             seq.set_state(SeqState.REJECTED)
             self.requests.retire(seq)
             raise seq.error
         seq.generator = self.generator(params)
-        seq.pages_needed = self.pool.pages_for(len(prompt_ids) + (params.max_new_tokens if pages_for_output else 0))
+        seq.pages_needed = self.pool.pages_for(len(prompt_ids) + (0 if export else params.max_new_tokens))
         self.register(seq)
         return seq
 

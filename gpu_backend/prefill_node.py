@@ -28,7 +28,6 @@ from gpu_backend.node_errors import remote_error
 from gpu_backend.replies import Exported, Failed, Reply, unexpected
 from gpu_backend.router import post_retrying
 from gpu_backend.sampling import SamplingParams
-from gpu_backend.sequence import Sequence
 from gpu_backend.transfer import CONTENT_TYPE, Manifest, build_manifest, encode_transfer
 from gpu_backend.wire import PrefillOutcome, engine_request_id
 
@@ -49,23 +48,9 @@ async def prefill_export(
     on (then the placeholder ``[0]``). ``params`` (default greedy) picks the first token. Waits for
     pages (:class:`PoolExhaustedError` after the timeout). Cancelling the await aborts the request.
     """
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Reply] = loop.create_future()
-    t0 = time.monotonic()
+    fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
     params = dataclasses.replace(params or SamplingParams(max_new_tokens=1), max_new_tokens=1)
-    placeholder_ok = engine.faults.admit_rejected
-    seq = engine.admit(
-        request_id, prompt_ids, params, future_setter(fut), pages_for_output=False, placeholder_ok=placeholder_ok
-    )
-    placeholder = seq.prompt_ids != list(prompt_ids)
-    pool = engine.pool
-
-    def export(s: Sequence) -> Exported:  # worker thread, before the pages are freed
-        n = s.num_context_tokens
-        kv = pool.read_pages(s.pages[: pool.pages_for(n)])
-        return Exported(kv, PrefillOutcome(n, s.completion_ids[0], time.monotonic() - t0, placeholder, len(prompt_ids)))
-
-    seq.on_prefilled = export
+    seq = engine.admit(request_id, prompt_ids, params, future_setter(fut), export=True)
     engine.submit(AddRequest(seq))
     match await one_reply(fut, lambda: engine.abort(request_id)):
         case Exported(kv=kv, outcome=outcome):

@@ -50,7 +50,7 @@ from gpu_backend.messages import (
     StartDecode,
 )
 from gpu_backend.replies import Failed, Loaded, PagesGranted
-from gpu_backend.sequence import SeqState, Sequence
+from gpu_backend.sequence import ExportSequence, SeqState, Sequence
 from gpu_backend.wire import Token
 
 log = logging.getLogger("gpu_backend.scheduler")
@@ -168,10 +168,10 @@ class Scheduler:
                 self.prefilling.remove(seq)
                 seq.first_token_time = time.monotonic()
                 seq.set_state(SeqState.DECODING)
-                if seq.on_prefilled is not None:  # prefill node: export, free, then answer
+                if isinstance(seq, ExportSequence):  # prefill node: export, free, then answer
                     seq.completion_ids.append(tok)
                     try:
-                        result = seq.on_prefilled(seq)
+                        result = seq.export(self.pool)
                     except Exception as e:  # the export failed: fail the request, keep the engine
                         self._fail(seq, e)
                         continue
@@ -307,7 +307,7 @@ class Scheduler:
         self._retire(seq)
         if not emit:
             return
-        if seq.on_prefilled is not None or seq.reservation:  # an export or a reservation that never completed
+        if isinstance(seq, ExportSequence) or seq.reservation:  # an export or a reservation that never completed
             seq.emit(Failed(RequestAbortedError("request aborted", request_id=seq.request_id)))
         else:
             seq.emit(make_token(seq, token_id, text, reason))

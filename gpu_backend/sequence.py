@@ -16,9 +16,10 @@ from collections.abc import Callable
 import torch
 
 from gpu_backend.errors import InvalidRequestError
-from gpu_backend.kv_pool import PageHandle
+from gpu_backend.kv_pool import KVPool, PageHandle
 from gpu_backend.replies import Exported, ReplyTo
 from gpu_backend.sampling import SamplingParams
+from gpu_backend.wire import PrefillOutcome
 
 
 class SeqState(enum.Enum):
@@ -51,7 +52,8 @@ class Sequence:
     A decode **reservation** (:meth:`reservation_of`) is a WAITING sequence with ``reservation`` set
     and no prompt yet: it holds pages for prompt + max_new_tokens, ``loaded_tokens`` counts the
     positions received into them, and :meth:`bind_decode` turns it into the decoding request. A
-    reservation that never decoded leaves no trace in the engine's retired states.
+    reservation that never decoded leaves no trace in the engine's retired states. A prefill
+    node's export is its own kind, :class:`ExportSequence`.
     """
 
     def __init__(
@@ -80,9 +82,6 @@ class Sequence:
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.abort_requested = False
-        # export (prefill node): called in the worker with the sequence before its pages are freed;
-        # its return value is emitted once they are
-        self.on_prefilled: Callable[[Sequence], Exported] | None = None
         self.stop_token_ids: set[int] = set(params.stop_token_ids)
         self.reservation = False
         self.loaded_tokens = 0
@@ -185,6 +184,28 @@ class Sequence:
         out = self._pending_text + self._utf8.decode(b"", final=True)
         self._pending_text = ""
         return out
+
+
+class ExportSequence(Sequence):
+    """A prefill node's request, its own kind: prefilled like any sequence, but once its first token
+    is sampled the scheduler copies its written pages out (:meth:`export`), frees them and answers
+    ``Exported`` instead of decoding. Admitted by ``Engine.admit(..., export=True)``."""
+
+    @property
+    def placeholder(self) -> bool:
+        """Admitted as the one-token placeholder (the ``admit_rejected`` fault)."""
+        return self.reported_prompt_tokens != len(self.prompt_ids)
+
+    def export(self, pool: KVPool) -> Exported:
+        """The written pages (``[pages, layers, 2, page_size, kv_heads, head_dim]``, CPU; positions
+        past the prompt in the last page are zeros) and the outcome (worker thread, before the
+        pages are freed)."""
+        n = self.num_context_tokens
+        kv = pool.read_pages(self.pages[: pool.pages_for(n)])
+        seconds = time.monotonic() - self.arrival
+        return Exported(
+            kv, PrefillOutcome(n, self.completion_ids[0], seconds, self.placeholder, self.reported_prompt_tokens)
+        )
 
 
 def check_prompt_ids(
