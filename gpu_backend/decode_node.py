@@ -33,9 +33,9 @@ from gpu_backend.faults import NO_FAULTS, Faults
 from gpu_backend.kv_pool import PageHandle
 from gpu_backend.messages import LoadPages, Reserve, StartDecode
 from gpu_backend.node_errors import backend_error
-from gpu_backend.replies import Failed, Loaded, PagesGranted, Reply, unexpected
+from gpu_backend.replies import Failed, Loaded, PagesGranted, Reply
 from gpu_backend.sampling import SamplingParams
-from gpu_backend.sequence import Sequence
+from gpu_backend.sequence import PageReservation
 from gpu_backend.transfer import Manifest, verify_pages
 from gpu_backend.wire import Token, engine_request_id
 
@@ -72,18 +72,15 @@ async def reserve_pages(engine: Engine, request_id: str, prompt_tokens: int, max
     live id or non-positive sizes; 503 when the engine is not running. Cancelling frees them."""
     if prompt_tokens < 1 or max_new_tokens < 1:
         raise InvalidRequestError("prompt_tokens and max_new_tokens must be >= 1", request_id=request_id)
-    fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-    seq = Sequence.reservation_of(request_id, engine.pool.pages_for(prompt_tokens + max_new_tokens), future_setter(fut))
-    engine.register(seq)
-    engine.submit(Reserve(seq))
+    fut: asyncio.Future[PagesGranted | Failed] = asyncio.get_running_loop().create_future()
+    res = PageReservation(request_id, engine.pool.pages_for(prompt_tokens + max_new_tokens), future_setter(fut))
+    engine.register(res)
+    engine.submit(Reserve(res))
     match await one_reply(fut, lambda: engine.abort(request_id)):
         case PagesGranted(pages=pages):
             return pages
         case Failed(error=error):
             raise error
-        case other:
-            engine.abort(request_id)
-            raise unexpected(other)
 
 
 async def load_pages(engine: Engine, request_id: str, kv: torch.Tensor, num_tokens: int) -> None:

@@ -30,7 +30,7 @@ from gpu_backend.model_runner import ModelRunner, vocab_bias
 from gpu_backend.replies import Reply, ReplyTo
 from gpu_backend.sampling import SamplingParams, make_generator
 from gpu_backend.scheduler import Scheduler
-from gpu_backend.sequence import ExportSequence, RequestTable, SeqState, Sequence, check_prompt_ids
+from gpu_backend.sequence import ExportSequence, PageReservation, RequestTable, SeqState, Sequence, check_prompt_ids
 from gpu_backend.vocab import Vocab, vocab_for
 from gpu_backend.weights import DTYPES, shared_or_built, weight_bytes
 from gpu_backend.wire import Token
@@ -90,7 +90,7 @@ class Engine:
             pool_wait_timeout_seconds=cfg.pool_wait_timeout_seconds,
             token_bytes=self.vocab.token_bytes,
             stop_ids=self.vocab.stop_ids,
-            on_retire=self.requests.retire,
+            requests=self.requests,
             max_req_len=self.max_req_len,
             skip_transfer_check=self.faults.skip_transfer_check,
         )
@@ -190,7 +190,7 @@ class Engine:
             async for tok in tokens:
                 yield tok
 
-    def register(self, seq: Sequence) -> None:
+    def register(self, seq: Sequence | PageReservation) -> None:
         """Make ``seq``'s id live: 503 :class:`RequestAbortedError` when the engine is not running,
         :class:`InvalidRequestError` (400) when the id is already in flight."""
         if not self._ready:

@@ -5,7 +5,7 @@ are in :mod:`gpu_backend.replies`).
 Everything that allocates, frees, reads or writes KV pages is one of these messages, handled by
 :class:`~gpu_backend.scheduler.Scheduler` on the worker thread, so the pool needs no lock:
 :class:`AddRequest` (a validated WAITING sequence to prefill), :class:`Reserve` (a decode
-reservation: a WAITING sequence with ``reservation`` set and no prompt yet), :class:`LoadPages`
+:class:`~gpu_backend.sequence.PageReservation` waiting for pages), :class:`LoadPages`
 (received KV pages for a reservation), :class:`StartDecode` (decode from a loaded reservation,
 starting with prefill's first token), :class:`Abort` (one request) and :class:`AbortAll`.
 """
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from gpu_backend.replies import LoadReplyTo, ReplyTo
     from gpu_backend.sampling import SamplingParams
-    from gpu_backend.sequence import Sequence
+    from gpu_backend.sequence import PageReservation, Sequence
 
 
 @dataclass
@@ -33,7 +33,7 @@ class AddRequest:
 
 @dataclass
 class Reserve:
-    seq: Sequence
+    reservation: PageReservation
 
 
 @dataclass

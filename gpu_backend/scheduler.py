@@ -50,7 +50,7 @@ from gpu_backend.messages import (
     StartDecode,
 )
 from gpu_backend.replies import Failed, Loaded, PagesGranted
-from gpu_backend.sequence import ExportSequence, SeqState, Sequence
+from gpu_backend.sequence import ExportSequence, PageReservation, RequestTable, SeqState, Sequence
 from gpu_backend.wire import Token
 
 log = logging.getLogger("gpu_backend.scheduler")
@@ -74,9 +74,10 @@ def make_token(seq: Sequence, token_id: int, text: str, finish_reason: str | Non
 
 class Scheduler:
     """Queues and page accounting (worker thread). ``token_bytes(id) -> bytes`` and ``stop_ids``
-    drive detokenization; ``on_retire(seq)`` is called when a sequence reaches a terminal state,
-    before its caller hears back; ``skip_transfer_check`` is the test-only fault that lets decode run
-    over more positions than were loaded (the incident).
+    drive detokenization; ``requests`` (the engine's :class:`RequestTable`) retires a record when it
+    reaches a terminal state, before its caller hears back; ``skip_transfer_check`` is the test-only
+    fault that lets decode run over more positions than were loaded (the incident). Its records:
+    sequences (waiting, prefilling, running) and decode reservations (reserving, reserved).
 
     ``stats``: ``prefill_steps``, ``decode_steps``, ``prefill_tokens``, ``decode_tokens``,
     ``max_prefill_batch``, ``max_decode_batch`` (sequences in one forward pass), and
@@ -96,7 +97,7 @@ class Scheduler:
         pool_wait_timeout_seconds: float,
         token_bytes: Callable[[int], bytes],
         stop_ids: frozenset[int],
-        on_retire: Callable[[Sequence], None],
+        requests: RequestTable,
         max_req_len: int,
         skip_transfer_check: bool = False,
     ) -> None:
@@ -106,15 +107,15 @@ class Scheduler:
         self.pool_wait_timeout_seconds = pool_wait_timeout_seconds
         self.token_bytes = token_bytes
         self.stop_ids = stop_ids
-        self.on_retire = on_retire
+        self.requests = requests
         self.max_req_len = max_req_len
         self.skip_transfer_check = skip_transfer_check
         self.waiting: collections.deque[Sequence] = collections.deque()
-        self.reserving: collections.deque[Sequence] = collections.deque()
-        self.reserved: dict[str, Sequence] = {}
+        self.reserving: collections.deque[PageReservation] = collections.deque()
+        self.reserved: dict[str, PageReservation] = {}
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.mailbox = Mailbox(functools.partial(refuse, on_retire=on_retire))
+        self.mailbox = Mailbox(functools.partial(refuse, on_retire=requests.retire))
         self.cond = self.mailbox.cond
         self.stats: dict[str, Any] = {  # ints, and a Counter of decode batch sizes
             "prefill_steps": 0,
@@ -198,8 +199,8 @@ class Scheduler:
         match msg:
             case AddRequest(seq=seq):
                 self.waiting.append(seq)
-            case Reserve(seq=seq):
-                self.reserving.append(seq)
+            case Reserve(reservation=res):
+                self.reserving.append(res)
             case LoadPages():
                 try:
                     write_reservation(self.pool, self.reserved.get(msg.request_id), msg)
@@ -210,23 +211,30 @@ class Scheduler:
             case StartDecode():
                 self._start_decode(msg)
             case Abort() | AbortAll():
-                live = [*self.waiting, *self.reserving, *self.reserved.values(), *self.prefilling, *self.running]
-                for seq in live:
-                    if isinstance(msg, AbortAll) or seq.request_id == msg.request_id:
-                        self._finish(seq, "abort")
+                live: list[Sequence | PageReservation] = [
+                    *self.waiting,
+                    *self.reserving,
+                    *self.reserved.values(),
+                    *self.prefilling,
+                    *self.running,
+                ]
+                for rec in live:
+                    if isinstance(msg, AbortAll) or rec.request_id == msg.request_id:
+                        self._finish(rec, "abort")
 
     def _start_decode(self, msg: StartDecode) -> None:
-        seq = self.reserved.get(msg.request_id)
-        if seq is None or not seq.reservation:
+        res = self.reserved.get(msg.request_id)
+        if res is None:
             msg.emit(Failed(KeyError(msg.request_id)))
             return
-        seq.emit = msg.emit
-        err = decode_start_error(self.pool, seq, msg, self.max_req_len, self.skip_transfer_check)
+        err = decode_start_error(self.pool, res, msg, self.max_req_len, self.skip_transfer_check)
         if err is not None:
-            self._fail(seq, err)
+            res.emit = msg.emit  # the decode call hears the error (the reservation was answered)
+            self._fail(res, err)
             return
-        del self.reserved[seq.request_id]
-        seq.bind_decode(msg.prompt_ids, msg.params, msg.context_tokens, msg.generator, msg.emit)
+        del self.reserved[res.request_id]
+        seq = Sequence.decoding_from(res, msg.prompt_ids, msg.params, msg.context_tokens, msg.generator, msg.emit)
+        self.requests.replace(res, seq)
         seq.set_state(SeqState.DECODING)
         self.running.append(seq)
         self._append(seq, msg.first_token_id)  # prefill's token: it may already finish the request
@@ -234,7 +242,8 @@ class Scheduler:
     # ---- worker thread: scheduling ---------------------------------------------------------------
     def _expire_waiting(self) -> None:
         now = time.monotonic()
-        for seq in [s for s in (*self.waiting, *self.reserving) if now - s.arrival > self.pool_wait_timeout_seconds]:
+        waits: list[Sequence | PageReservation] = [*self.waiting, *self.reserving]
+        for seq in [s for s in waits if now - s.arrival > self.pool_wait_timeout_seconds]:
             n = seq.pages_needed
             self._fail(
                 seq,
@@ -288,44 +297,55 @@ class Scheduler:
             self._finish(seq, reason, token_id=tok, text=text)
 
     # ---- worker thread: retiring (the one owner) -------------------------------------------------
-    def _retire(self, seq: Sequence) -> None:
-        for q in (self.running, self.prefilling, self.waiting, self.reserving):
-            if seq in q:
-                q.remove(seq)
-                break
-        if self.reserved.get(seq.request_id) is seq:
-            del self.reserved[seq.request_id]
+    def _retire(self, seq: Sequence | PageReservation) -> None:
+        if isinstance(seq, PageReservation):
+            if seq in self.reserving:
+                self.reserving.remove(seq)
+            if self.reserved.get(seq.request_id) is seq:
+                del self.reserved[seq.request_id]
+        else:
+            for q in (self.running, self.prefilling, self.waiting):
+                if seq in q:
+                    q.remove(seq)
+                    break
         self.pool.free(seq.pages, ignore_stale=True)
         seq.pages = []
-        self.on_retire(seq)  # before the caller hears back: the id is free to reuse once it does
+        self.requests.retire(seq)  # before the caller hears back: the id is free to reuse once it does
 
-    def _finish(self, seq: Sequence, reason: str, *, token_id: int = -1, text: str = "", emit: bool = True) -> None:
+    def _finish(
+        self, seq: Sequence | PageReservation, reason: str, *, token_id: int = -1, text: str = "", emit: bool = True
+    ) -> None:
         """Retire with ``finish_reason`` ``reason`` (``abort`` -> state ABORTED), free every page,
-        emit the final token."""
+        emit the final token. A reservation (only ever aborted) fails with 499 ``aborted``."""
+        if isinstance(seq, PageReservation):
+            self._fail(seq, RequestAbortedError("request aborted", request_id=seq.request_id))
+            return
         seq.finish_reason = reason
         seq.set_state(SeqState.ABORTED if reason == "abort" else SeqState.FINISHED)
         self._retire(seq)
         if not emit:
             return
-        if isinstance(seq, ExportSequence) or seq.reservation:  # an export or a reservation that never completed
+        if isinstance(seq, ExportSequence):  # an export that never completed
             seq.emit(Failed(RequestAbortedError("request aborted", request_id=seq.request_id)))
         else:
             seq.emit(make_token(seq, token_id, text, reason))
 
-    def _fail(self, seq: Sequence, err: BaseException) -> None:
-        """Retire with an error (state ABORTED, ``seq.error``), free every page, emit the error."""
-        seq.error = err
-        if not seq.is_terminal:
-            seq.set_state(SeqState.ABORTED)
+    def _fail(self, seq: Sequence | PageReservation, err: BaseException) -> None:
+        """Retire with an error (a sequence: state ABORTED, ``seq.error``), free every page, emit
+        the error."""
+        if isinstance(seq, Sequence):
+            seq.error = err
+            if not seq.is_terminal:
+                seq.set_state(SeqState.ABORTED)
         self._retire(seq)
         seq.emit(Failed(err))
 
 
-def write_reservation(pool: KVPool, seq: Sequence | None, msg: LoadPages) -> None:
+def write_reservation(pool: KVPool, seq: PageReservation | None, msg: LoadPages) -> None:
     """Write ``msg.kv`` into reservation ``seq``'s pages, page i into handle i (worker thread).
     ``KeyError`` for no such reservation, ``ValueError`` for a shape that does not fit (more pages
     than reserved, wrong dims, ``num_tokens > n * page_size``), StaleHandleError through a stale handle."""
-    if seq is None or not seq.reservation:
+    if seq is None:
         raise KeyError(msg.request_id)
     kv, ps = msg.kv, pool.page_size
     n = int(kv.shape[0]) if kv.dim() > 0 else 0
@@ -338,7 +358,7 @@ def write_reservation(pool: KVPool, seq: Sequence | None, msg: LoadPages) -> Non
 
 
 def decode_start_error(
-    pool: KVPool, seq: Sequence, msg: StartDecode, max_req_len: int, skip_transfer_check: bool
+    pool: KVPool, seq: PageReservation, msg: StartDecode, max_req_len: int, skip_transfer_check: bool
 ) -> Exception | None:
     """Why reservation ``seq`` cannot decode as ``msg`` asks, or ``None``: InvalidRequestError for
     ``context_tokens`` out of range or context + max_new_tokens over the reservation,
@@ -365,15 +385,18 @@ def decode_start_error(
     return None
 
 
-def refuse(msg: Message, *, on_retire: Callable[[Sequence], None]) -> None:
+def refuse(msg: Message, *, on_retire: Callable[[Sequence | PageReservation], None]) -> None:
     """Answer a message that arrived after the worker stopped (any thread) with a 503 ``aborted``;
     no page is touched (a refused request never had one)."""
     err = RequestAbortedError("engine is not running", status=503)
     match msg:
-        case AddRequest(seq=seq) | Reserve(seq=seq):
+        case AddRequest(seq=seq):
             seq.error = err
             seq.set_state(SeqState.ABORTED)
             on_retire(seq)
             seq.emit(Failed(err))
+        case Reserve(reservation=res):
+            on_retire(res)
+            res.emit(Failed(err))
         case LoadPages(reply=reply) | StartDecode(emit=reply):
             reply(Failed(err))
