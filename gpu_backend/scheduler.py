@@ -11,7 +11,8 @@ scheduler.schedule()``, ``tokens = runner.run(batch)``, ``scheduler.postprocess(
   ``max_batch_tokens`` and ``max_running_requests`` allow and their pages can be allocated; a prompt
   longer than the token budget is prefilled in chunks, SGLang's chunked prefill), else **decode**
   (every decoding sequence advances one token: continuous batching).
-- :meth:`Scheduler.postprocess` appends the sampled tokens, emits them and retires what finished.
+- :meth:`Scheduler.postprocess` advances the cursors (``num_cached``), appends the sampled tokens,
+  emits them and retires what finished; the runner only prepares, runs and samples.
 
 Replies go back typed (:mod:`gpu_backend.replies`: ``Token``, ``PagesGranted``, ``Loaded``,
 ``Exported``, ``Failed``).
@@ -154,7 +155,8 @@ class Scheduler:
         return Batch(False, items, [True] * len(items)) if items else None
 
     def postprocess(self, batch: Batch, tokens: list[int | None]) -> None:
-        """Record the forward pass: append each sampled token, emit it, retire what finished."""
+        """Record the forward pass: advance each sequence's ``num_cached`` by its new tokens (the
+        runner only reads the sequences), append each sampled token, emit it, retire what finished."""
         st, n = self.stats, len(batch.items)
         kind = "prefill" if batch.prefill else "decode"
         st[f"{kind}_steps"] += 1
@@ -162,7 +164,8 @@ class Scheduler:
         st[f"max_{kind}_batch"] = max(st[f"max_{kind}_batch"], n)
         if not batch.prefill:
             st["decode_batch_sizes"][n] += 1
-        for (seq, _), tok in zip(batch.items, tokens, strict=True):
+        for (seq, k), tok in zip(batch.items, tokens, strict=True):
+            seq.num_cached += k
             if tok is None:
                 continue  # a prompt chunk that is not the last
             if seq.state is SeqState.PREFILLING:
