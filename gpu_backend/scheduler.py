@@ -40,6 +40,7 @@ from gpu_backend.errors import (
     TransferMismatchError,
 )
 from gpu_backend.kv_pool import KVPool
+from gpu_backend.managers import DecodeManager, PrefillManager, ReservationManager
 from gpu_backend.messages import (
     Abort,
     AbortAll,
@@ -50,7 +51,7 @@ from gpu_backend.messages import (
     Reserve,
     StartDecode,
 )
-from gpu_backend.replies import Failed, Loaded, PagesGranted
+from gpu_backend.replies import Failed, Loaded
 from gpu_backend.sequence import ExportSequence, PageReservation, RequestTable, SeqState, Sequence
 from gpu_backend.wire import Token
 
@@ -77,8 +78,9 @@ class Scheduler:
     """Queues and page accounting (worker thread). ``token_bytes(id) -> bytes`` and ``stop_ids``
     drive detokenization; ``requests`` (the engine's :class:`RequestTable`) retires a record when it
     reaches a terminal state, before its caller hears back; ``skip_transfer_check`` is the test-only
-    fault that lets decode run over more positions than were loaded (the incident). Its records:
-    sequences (waiting, prefilling, running) and decode reservations (reserving, reserved).
+    fault that lets decode run over more positions than were loaded (the incident). Its records
+    live in three managers (:mod:`gpu_backend.managers`): ``prefill`` (waiting, prefilling),
+    ``decode`` (running) and ``reservations`` (waiting for pages, held).
 
     ``stats``: ``prefill_steps``, ``decode_steps``, ``prefill_tokens``, ``decode_tokens``,
     ``max_prefill_batch``, ``max_decode_batch`` (sequences in one forward pass), and
@@ -103,7 +105,6 @@ class Scheduler:
         skip_transfer_check: bool = False,
     ) -> None:
         self.pool = pool
-        self.max_batch_tokens = max_batch_tokens
         self.max_running_requests = max_running_requests
         self.pool_wait_timeout_seconds = pool_wait_timeout_seconds
         self.token_bytes = token_bytes
@@ -111,11 +112,9 @@ class Scheduler:
         self.requests = requests
         self.max_req_len = max_req_len
         self.skip_transfer_check = skip_transfer_check
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.reserving: collections.deque[PageReservation] = collections.deque()
-        self.reserved: dict[str, PageReservation] = {}
-        self.prefilling: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.prefill = PrefillManager(pool, max_batch_tokens)
+        self.decode = DecodeManager()
+        self.reservations = ReservationManager(pool)
         self.mailbox = Mailbox(functools.partial(refuse, on_retire=requests.retire))
         self.cond = self.mailbox.cond
         self.stats: dict[str, Any] = {  # ints, and a Counter of decode batch sizes
@@ -132,26 +131,18 @@ class Scheduler:
     def idle_wait(self) -> None:
         """Nothing ran: sleep until a message arrives, or briefly while something waits for pages
         (its timeout must fire)."""
-        self.mailbox.wait(0.02 if self.waiting or self.reserving else 0.5)
+        self.mailbox.wait(0.02 if self.prefill.waiting or self.reservations.waiting else 0.5)
 
     def schedule(self) -> Batch | None:
         """Handle messages, expire and serve page waits, pick the next batch (``None``: no work)."""
         for msg in self.mailbox.take():
             self._handle(msg)
         self._expire_waiting()
-        while self.reserving:  # FIFO: the head waits for its pages, nobody overtakes it
-            seq = self.reserving[0]
-            pages = self.pool.try_alloc(seq.pages_needed, seq.request_id)
-            if pages is None:
-                break
-            self.reserving.popleft()
-            seq.pages = pages
-            self.reserved[seq.request_id] = seq
-            seq.emit(PagesGranted(list(pages)))
-        items = self._checked(self._schedule_prefill())
+        self.reservations.grant()
+        items = self._checked(self.prefill.schedule(self.max_running_requests - len(self.decode)))
         if items:
             return Batch(True, items, [seq.num_cached + n == seq.num_context_tokens for seq, n in items])
-        items = self._checked([(s, 1) for s in self.running])
+        items = self._checked(self.decode.schedule())
         return Batch(False, items, [True] * len(items)) if items else None
 
     def postprocess(self, batch: Batch, tokens: list[int | None]) -> None:
@@ -169,7 +160,7 @@ class Scheduler:
             if tok is None:
                 continue  # a prompt chunk that is not the last
             if seq.state is SeqState.PREFILLING:
-                self.prefilling.remove(seq)
+                self.prefill.remove(seq)
                 seq.first_token_time = time.monotonic()
                 seq.set_state(SeqState.DECODING)
                 if isinstance(seq, ExportSequence):  # prefill node: export, free, then answer
@@ -182,7 +173,7 @@ class Scheduler:
                     self._finish(seq, "length", emit=False)  # pages freed before the caller hears back
                     seq.emit(result)
                     continue
-                self.running.append(seq)
+                self.decode.add(seq)
             self._append(seq, tok)
 
     def fail(self, batch: Batch, err: BaseException) -> None:
@@ -201,12 +192,12 @@ class Scheduler:
     def _handle(self, msg: Message) -> None:
         match msg:
             case AddRequest(seq=seq):
-                self.waiting.append(seq)
+                self.prefill.add(seq)
             case Reserve(reservation=res):
-                self.reserving.append(res)
+                self.reservations.add(res)
             case LoadPages():
                 try:
-                    write_reservation(self.pool, self.reserved.get(msg.request_id), msg)
+                    write_reservation(self.pool, self.reservations.get(msg.request_id), msg)
                 except Exception as e:  # reported to the caller; the reservation stays
                     msg.reply(Failed(e))
                 else:
@@ -214,19 +205,13 @@ class Scheduler:
             case StartDecode():
                 self._start_decode(msg)
             case Abort() | AbortAll():
-                live: list[Sequence | PageReservation] = [
-                    *self.waiting,
-                    *self.reserving,
-                    *self.reserved.values(),
-                    *self.prefilling,
-                    *self.running,
-                ]
+                live: list[Sequence | PageReservation] = [*self.prefill, *self.reservations, *self.decode]
                 for rec in live:
                     if isinstance(msg, AbortAll) or rec.request_id == msg.request_id:
                         self._finish(rec, "abort")
 
     def _start_decode(self, msg: StartDecode) -> None:
-        res = self.reserved.get(msg.request_id)
+        res = self.reservations.get(msg.request_id)
         if res is None:
             msg.emit(Failed(KeyError(msg.request_id)))
             return
@@ -235,17 +220,17 @@ class Scheduler:
             res.emit = msg.emit  # the decode call hears the error (the reservation was answered)
             self._fail(res, err)
             return
-        del self.reserved[res.request_id]
+        self.reservations.remove(res)
         seq = Sequence.decoding_from(res, msg.prompt_ids, msg.params, msg.context_tokens, msg.generator, msg.emit)
         self.requests.replace(res, seq)
         seq.set_state(SeqState.DECODING)
-        self.running.append(seq)
+        self.decode.add(seq)
         self._append(seq, msg.first_token_id)  # prefill's token: it may already finish the request
 
     # ---- worker thread: scheduling ---------------------------------------------------------------
     def _expire_waiting(self) -> None:
         now = time.monotonic()
-        waits: list[Sequence | PageReservation] = [*self.waiting, *self.reserving]
+        waits: list[Sequence | PageReservation] = [*self.prefill.waiting, *self.reservations.waiting]
         for seq in [s for s in waits if now - s.arrival > self.pool_wait_timeout_seconds]:
             n = seq.pages_needed
             self._fail(
@@ -256,29 +241,6 @@ class Scheduler:
                     request_id=seq.request_id,
                 ),
             )
-
-    def _schedule_prefill(self) -> list[tuple[Sequence, int]]:
-        budget = self.max_batch_tokens
-        batch: list[tuple[Sequence, int]] = []
-        for seq in self.prefilling:
-            if budget <= 0:
-                break
-            n = min(seq.num_context_tokens - seq.num_cached, budget)
-            batch.append((seq, n))
-            budget -= n
-        while self.waiting and budget > 0 and len(self.prefilling) + len(self.running) < self.max_running_requests:
-            seq = self.waiting[0]
-            pages = self.pool.try_alloc(seq.pages_needed, seq.request_id)
-            if pages is None:
-                break  # head of line waits for pages (FIFO: no starvation of long prompts)
-            self.waiting.popleft()
-            seq.pages = pages
-            seq.set_state(SeqState.PREFILLING)
-            self.prefilling.append(seq)
-            n = min(seq.num_context_tokens, budget)
-            batch.append((seq, n))
-            budget -= n
-        return batch
 
     def _checked(self, items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Drop (and fail) sequences holding a stale page handle (generation check, invariant 3)."""
@@ -302,15 +264,9 @@ class Scheduler:
     # ---- worker thread: retiring (the one owner) -------------------------------------------------
     def _retire(self, seq: Sequence | PageReservation) -> None:
         if isinstance(seq, PageReservation):
-            if seq in self.reserving:
-                self.reserving.remove(seq)
-            if self.reserved.get(seq.request_id) is seq:
-                del self.reserved[seq.request_id]
-        else:
-            for q in (self.running, self.prefilling, self.waiting):
-                if seq in q:
-                    q.remove(seq)
-                    break
+            self.reservations.remove(seq)
+        elif not self.decode.remove(seq):
+            self.prefill.remove(seq)
         self.pool.free(seq.pages, ignore_stale=True)
         seq.pages = []
         self.requests.retire(seq)  # before the caller hears back: the id is free to reuse once it does
