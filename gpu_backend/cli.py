@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from config.models import BackendSettings
-from gpu_backend.faults import UnknownFaultError, faults_from_env
+from gpu_backend.faults import Faults, UnknownFaultError, faults_from_env
 
 if TYPE_CHECKING:  # the router role imports neither torch nor the engine
     import httpx
@@ -121,7 +121,7 @@ class Options:
     """Resolved flags (see :func:`build_parser`)."""
 
     ns: argparse.Namespace
-    faults: frozenset[str]
+    faults: Faults
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ns, name)
@@ -310,7 +310,8 @@ def build_all(opts: Options) -> FastAPI:
 def build_router(opts: Options) -> FastAPI:
     """``--role router``: no model, no torch; reaches ``--prefill-url`` and ``--decode-url`` over HTTP."""
     from gpu_backend import servers
-    from gpu_backend.router import HttpDecodeClient, HttpPrefillClient, Router, remote_error
+    from gpu_backend.node_errors import remote_error
+    from gpu_backend.router import HttpDecodeClient, HttpPrefillClient, Router
 
     client = _http_client(opts)
     router = Router(

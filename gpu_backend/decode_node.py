@@ -29,10 +29,13 @@ from gpu_backend.bootstrap import Reservation, Room, RoomClosedError, RoomState,
 from gpu_backend.bridge import emitter, future_setter, one_reply, queue_tokens
 from gpu_backend.engine import Engine
 from gpu_backend.errors import EngineError, InvalidRequestError, RequestAbortedError, TransferMismatchError
+from gpu_backend.faults import NO_FAULTS, Faults
 from gpu_backend.kv_pool import PageHandle
 from gpu_backend.messages import LoadPages, Reserve, StartDecode
+from gpu_backend.node_errors import backend_error
+from gpu_backend.replies import Failed, Loaded, PagesGranted, Reply
 from gpu_backend.sampling import SamplingParams
-from gpu_backend.sequence import Sequence
+from gpu_backend.sequence import PageReservation
 from gpu_backend.transfer import Manifest, verify_pages
 from gpu_backend.wire import Token, engine_request_id
 
@@ -69,13 +72,15 @@ async def reserve_pages(engine: Engine, request_id: str, prompt_tokens: int, max
     live id or non-positive sizes; 503 when the engine is not running. Cancelling frees them."""
     if prompt_tokens < 1 or max_new_tokens < 1:
         raise InvalidRequestError("prompt_tokens and max_new_tokens must be >= 1", request_id=request_id)
-    fut: asyncio.Future = asyncio.get_running_loop().create_future()
-    seq = Sequence.reservation_of(request_id, engine.pool.pages_for(prompt_tokens + max_new_tokens), future_setter(fut))
-    engine.register(seq)
-    engine.submit(Reserve(seq))
-    pages = await one_reply(fut, lambda: engine.abort(request_id))
-    assert isinstance(pages, list)
-    return pages
+    fut: asyncio.Future[PagesGranted | Failed] = asyncio.get_running_loop().create_future()
+    res = PageReservation(request_id, engine.pool.pages_for(prompt_tokens + max_new_tokens), future_setter(fut))
+    engine.register(res)
+    engine.submit(Reserve(res))
+    match await one_reply(fut, lambda: engine.abort(request_id)):
+        case PagesGranted(pages=pages):
+            return pages
+        case Failed(error=error):
+            raise error
 
 
 async def load_pages(engine: Engine, request_id: str, kv: torch.Tensor, num_tokens: int) -> None:
@@ -84,9 +89,13 @@ async def load_pages(engine: Engine, request_id: str, kv: torch.Tensor, num_toke
     pool's). Raises ``KeyError`` for an unknown reservation, ``ValueError`` for a shape that does not
     fit (more pages than reserved, wrong dims, ``num_tokens > n * page_size``),
     :class:`StaleHandleError` through a stale handle."""
-    fut: asyncio.Future = asyncio.get_running_loop().create_future()
+    fut: asyncio.Future[Loaded | Failed] = asyncio.get_running_loop().create_future()
     engine.submit(LoadPages(request_id, kv, num_tokens, future_setter(fut)))
-    await one_reply(fut)
+    match await one_reply(fut):
+        case Failed(error=error):
+            raise error
+        case Loaded():
+            return
 
 
 async def decode_reserved(
@@ -112,7 +121,7 @@ async def decode_reserved(
         engine.abort(request_id)
         raise
     params = params.clamped(engine.max_req_len - context_tokens - 1)
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[Reply] = asyncio.Queue()
     msg = StartDecode(
         request_id, list(prompt_ids), first_token_id, params, context_tokens, engine.generator(params), emitter(queue)
     )
@@ -139,17 +148,15 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
 class DecodeNode:
     """Wraps a decode-side :class:`Engine` with the room table and the transfer check.
 
-    ``faults``: the process's fault set (only ``skip_transfer_check`` matters here; ``no_scrub``
-    is the engine's). ``transfer_timeout_seconds``: how long a reservation waits for its pages; a
-    transfer waits for its reservation that long plus the engine's ``pool_wait_timeout_seconds``
-    (the reservation itself may be waiting for pages).
+    ``faults``: the process's :class:`~gpu_backend.faults.Faults` (only ``skip_transfer_check``
+    matters here; ``no_scrub`` is the engine's). ``transfer_timeout_seconds``: how long a
+    reservation waits for its pages; a transfer waits for its reservation that long plus the
+    engine's ``pool_wait_timeout_seconds`` (the reservation itself may be waiting for pages).
     """
 
-    def __init__(
-        self, engine: Engine, *, faults: frozenset[str] = frozenset(), transfer_timeout_seconds: float = 30.0
-    ) -> None:
+    def __init__(self, engine: Engine, *, faults: Faults = NO_FAULTS, transfer_timeout_seconds: float = 30.0) -> None:
         self.engine = engine
-        self.skip_transfer_check = "skip_transfer_check" in faults
+        self.skip_transfer_check = faults.skip_transfer_check
         self.transfer_timeout = transfer_timeout_seconds
         self.reservation_wait = transfer_timeout_seconds + float(engine.cfg.pool_wait_timeout_seconds)
         self.rooms = RoomTable(tombstone_seconds=max(120.0, 4 * transfer_timeout_seconds))
@@ -326,8 +333,6 @@ def event_line(tok: Token) -> bytes:
 
 def error_line(exc: BaseException) -> bytes:
     """The in-band error line of the decode stream: the OpenAI body plus ``status``."""
-    from gpu_backend.router import backend_error
-
     err = backend_error(exc)
     return orjson.dumps({**err.body(), "status": err.status}) + b"\n"
 

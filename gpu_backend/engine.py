@@ -2,8 +2,8 @@
 
 :meth:`Engine.step` is nano-vllm's ``LLMEngine.step``: schedule -> run -> postprocess. The worker
 thread calls it in a loop; the asyncio side only builds validated sequences and sends typed messages
-(:mod:`gpu_backend.messages`), so every page is allocated and freed on the worker. Results come back
-with ``loop.call_soon_threadsafe`` into per-request queues or futures.
+(:mod:`gpu_backend.messages`), so every page is allocated and freed on the worker. Typed replies
+(:mod:`gpu_backend.replies`) come back with ``loop.call_soon_threadsafe`` into per-request queues or futures.
 
 Public API: :class:`Engine` (``start``/``stop``/``step``, ``generate``, ``abort``, ``request_state``,
 ``server_info``/``pool_stats``/``check_integrity``; for the role flows in :mod:`gpu_backend.prefill_node`
@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import torch
 
@@ -27,9 +27,10 @@ from gpu_backend.errors import PromptTooLongError, RequestAbortedError
 from gpu_backend.kv_pool import KVPool
 from gpu_backend.messages import Abort, AddRequest, Message
 from gpu_backend.model_runner import ModelRunner, vocab_bias
+from gpu_backend.replies import Reply, ReplyTo
 from gpu_backend.sampling import SamplingParams, make_generator
 from gpu_backend.scheduler import Scheduler
-from gpu_backend.sequence import RequestTable, SeqState, Sequence, check_prompt_ids
+from gpu_backend.sequence import ExportSequence, PageReservation, RequestTable, SeqState, Sequence, check_prompt_ids
 from gpu_backend.vocab import Vocab, vocab_for
 from gpu_backend.weights import DTYPES, shared_or_built, weight_bytes
 from gpu_backend.wire import Token
@@ -59,7 +60,7 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig, vocab: Vocab | None = None, model: torch.nn.Module | None = None) -> None:
         cfg.check()
-        self.cfg, self.faults = cfg, frozenset(cfg.faults)
+        self.cfg, self.faults = cfg, cfg.faults
         self.device, self.dtype = resolve_device(cfg.device), DTYPES[cfg.dtype]
         self.context_length, self.page_size = cfg.context_length, cfg.page_size
         self.model = shared_or_built(model, cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
@@ -74,7 +75,7 @@ class Engine:
         self.max_req_input_len = size.max_req_input_len
         self.pool_explanation = size.explanation  #: the start-up line saying how the pool got its size
         pages = self.max_total_num_tokens // cfg.page_size
-        scrub = "no_scrub" not in self.faults
+        scrub = not self.faults.no_scrub
         self.pool = KVPool(pages, cfg.page_size, layers, kv_heads, head_dim, self.dtype, self.device, scrub=scrub)
         self.requests = RequestTable(RETIRED_MEMORY)
         self._live = self.requests.live
@@ -89,9 +90,9 @@ class Engine:
             pool_wait_timeout_seconds=cfg.pool_wait_timeout_seconds,
             token_bytes=self.vocab.token_bytes,
             stop_ids=self.vocab.stop_ids,
-            on_retire=self.requests.retire,
+            requests=self.requests,
             max_req_len=self.max_req_len,
-            skip_transfer_check="skip_transfer_check" in self.faults,
+            skip_transfer_check=self.faults.skip_transfer_check,
         )
         self.stats = self.scheduler.stats
         self._rng = torch.Generator().manual_seed(cfg.seed)
@@ -182,14 +183,14 @@ class Engine:
         request waits, then :class:`PoolExhaustedError` (503). Pages for prompt + max_new_tokens are
         allocated at admission. Closing the iterator early (client gone) aborts and frees the pages.
         """
-        queue: asyncio.Queue = asyncio.Queue()
-        seq = self.admit(request_id, prompt_ids, params, emitter(queue), pages_for_output=True)
+        queue: asyncio.Queue[Reply] = asyncio.Queue()
+        seq = self.admit(request_id, prompt_ids, params, emitter(queue))
         self.submit(AddRequest(seq))
         async with contextlib.aclosing(queue_tokens(queue, lambda: self.abort(request_id))) as tokens:
             async for tok in tokens:
                 yield tok
 
-    def register(self, seq: Sequence) -> None:
+    def register(self, seq: Sequence | PageReservation) -> None:
         """Make ``seq``'s id live: 503 :class:`RequestAbortedError` when the engine is not running,
         :class:`InvalidRequestError` (400) when the id is already in flight."""
         if not self._ready:
@@ -201,34 +202,35 @@ class Engine:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        emit: Callable[[object], None],
+        emit: ReplyTo,
         *,
-        pages_for_output: bool,
-        placeholder_ok: bool = False,
+        export: bool = False,
     ) -> Sequence:
         """Validate and register a WAITING sequence (nothing allocated; send it as AddRequest).
 
         :class:`InvalidRequestError` (400) for bad params, an empty prompt or ids outside the
         vocabulary; a prompt over ``max_req_input_len`` is REJECTED (terminal) with
-        :class:`PromptTooLongError`, or with ``placeholder_ok`` replaced by :data:`PLACEHOLDER_PROMPT`.
-        ``max_new_tokens`` is clamped to ``max_req_len - prompt_tokens - 1`` (SGLang); pages are
-        reserved for the prompt, plus max_new_tokens when ``pages_for_output``.
+        :class:`PromptTooLongError`, or, for an export under the ``admit_rejected`` fault, replaced
+        by :data:`PLACEHOLDER_PROMPT`. ``max_new_tokens`` is clamped to ``max_req_len -
+        prompt_tokens - 1`` (SGLang). ``export``: an :class:`ExportSequence` (pages for the prompt
+        only); else pages are reserved for prompt + max_new_tokens.
         """
         params.validate()
         prompt_ids = list(prompt_ids)
         check_prompt_ids(prompt_ids, self.vocab_size, self.vocab.is_valid_id, request_id)
-        original = len(prompt_ids)
+        original, placeholder_ok = len(prompt_ids), export and self.faults.admit_rejected
         if original > self.max_req_input_len and placeholder_ok:
             prompt_ids = list(PLACEHOLDER_PROMPT)
         params = params.clamped(self.max_req_len - len(prompt_ids) - 1)
-        seq = Sequence(request_id, prompt_ids, params, emit, reported_prompt_tokens=original)
+        kind = ExportSequence if export else Sequence
+        seq = kind(request_id, prompt_ids, params, emit, reported_prompt_tokens=original)
         if original > self.max_req_input_len and not placeholder_ok:
             seq.error = PromptTooLongError(original, self.max_req_input_len, request_id=request_id)
             seq.set_state(SeqState.REJECTED)
             self.requests.retire(seq)
             raise seq.error
         seq.generator = self.generator(params)
-        seq.pages_needed = self.pool.pages_for(len(prompt_ids) + (params.max_new_tokens if pages_for_output else 0))
+        seq.pages_needed = self.pool.pages_for(len(prompt_ids) + (0 if export else params.max_new_tokens))
         self.register(seq)
         return seq
 

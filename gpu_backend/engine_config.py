@@ -6,10 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_backend.faults import NO_FAULTS, Faults
 from gpu_backend.weights import DTYPES
-
-#: Faults the engine understands (test use only; see ``gpu_backend.faults``).
-ENGINE_FAULTS = frozenset({"admit_rejected", "skip_transfer_check", "no_scrub"})
 
 
 @dataclass
@@ -25,7 +23,7 @@ class EngineConfig:
     wait for pages before :class:`PoolExhaustedError` (503); ``max_batch_tokens``: tokens per
     prefill step (chunked prefill beyond); ``max_running_requests``: sequences admitted at once;
     ``seed``: tiny-random weights and unseeded sampling; ``dtype``: ``float32``/``float16``/
-    ``bfloat16``; ``faults``: subset of ``{"admit_rejected", "skip_transfer_check", "no_scrub"}``.
+    ``bfloat16``; ``faults``: the test-only :class:`~gpu_backend.faults.Faults` switches.
     """
 
     model: str = "tiny-random"
@@ -40,13 +38,10 @@ class EngineConfig:
     max_running_requests: int = 256
     seed: int = 0
     dtype: str = "float32"
-    faults: frozenset[str] = frozenset()
+    faults: Faults = NO_FAULTS
 
     def check(self) -> None:
-        """``ValueError`` for unknown faults, an unknown dtype, ``page_size < 1`` or
-        ``context_length < 16``."""
-        if set(self.faults) - ENGINE_FAULTS:
-            raise ValueError(f"unknown faults {sorted(set(self.faults) - ENGINE_FAULTS)}")
+        """``ValueError`` for an unknown dtype, ``page_size < 1`` or ``context_length < 16``."""
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype '{self.dtype}' not one of {sorted(DTYPES)}")
         if self.page_size < 1 or self.context_length < 16:

@@ -1,18 +1,13 @@
-"""Typed messages from the event loop to the engine's worker thread, and the mailbox that carries them
-(mini-sglang's style: one dataclass per message kind, message/backend.py).
+"""Typed messages from the event loop to the engine's worker thread, and the mailbox that carries
+them (mini-sglang's shape, ``message/``: one dataclass per message kind; the replies, worker -> loop,
+are in :mod:`gpu_backend.replies`).
 
 Everything that allocates, frees, reads or writes KV pages is one of these messages, handled by
 :class:`~gpu_backend.scheduler.Scheduler` on the worker thread, so the pool needs no lock:
-
-- :class:`AddRequest`: a validated WAITING sequence to prefill (its pages are allocated on admission).
-- :class:`Reserve`: a decode reservation (a WAITING sequence with ``reservation`` set and no prompt
-  yet); its ``emit`` receives the page handles, or the error that ended the wait.
-- :class:`LoadPages`: received KV pages for a reservation; ``reply`` gets ``None`` or the error.
-- :class:`StartDecode`: decode from a loaded reservation, starting with prefill's first token.
-- :class:`Abort`: abort one request (waiting, prefilling, decoding or a reservation).
-- :class:`AbortAll`: abort everything (the engine is stopping).
-
-Replies cross back with ``loop.call_soon_threadsafe`` inside the ``emit``/``reply`` callables.
+:class:`AddRequest` (a validated WAITING sequence to prefill), :class:`Reserve` (a decode
+:class:`~gpu_backend.sequence.PageReservation` waiting for pages), :class:`LoadPages`
+(received KV pages for a reservation), :class:`StartDecode` (decode from a loaded reservation,
+starting with prefill's first token), :class:`Abort` (one request) and :class:`AbortAll`.
 """
 
 from __future__ import annotations
@@ -26,11 +21,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from gpu_backend.replies import LoadReplyTo, ReplyTo
     from gpu_backend.sampling import SamplingParams
-    from gpu_backend.sequence import Sequence
-
-#: A callable the worker hands one result to (a value or an exception); it must not block.
-Reply = Callable[[object], None]
+    from gpu_backend.sequence import PageReservation, Sequence
 
 
 @dataclass
@@ -40,7 +33,7 @@ class AddRequest:
 
 @dataclass
 class Reserve:
-    seq: Sequence
+    reservation: PageReservation
 
 
 @dataclass
@@ -48,7 +41,7 @@ class LoadPages:
     request_id: str
     kv: torch.Tensor  # [n, num_layers, 2, page_size, num_kv_heads, head_dim], any device/dtype
     num_tokens: int
-    reply: Reply
+    reply: LoadReplyTo
 
 
 @dataclass
@@ -59,7 +52,7 @@ class StartDecode:
     params: SamplingParams  # already clamped and validated
     context_tokens: int
     generator: torch.Generator | None
-    emit: Reply
+    emit: ReplyTo
 
 
 @dataclass

@@ -41,7 +41,8 @@ class ModelRunner:
         """One forward pass. ``batch``: (sequence, num_new) pairs; a sequence's new tokens are its
         prompt tokens ``num_cached .. num_cached + num_new - 1`` while prefilling, else its last
         token. ``sample_rows[b]``: sample a next token for sequence b. Returns a token id per
-        sequence (``None`` where not sampled). Advances each sequence's ``num_cached``."""
+        sequence (``None`` where not sampled). Reads the sequences only: the scheduler advances
+        their ``num_cached`` in ``postprocess``."""
         spans, ids = [], []
         for seq, n in batch:
             start = seq.num_cached
@@ -63,6 +64,4 @@ class ModelRunner:
             toks = sample(logits, [s.params for s in picked], [s.generator for s in picked])
             it = iter(toks)
             out = [next(it) if s else None for s in sample_rows]
-        for seq, n in batch:
-            seq.num_cached += n
         return out

@@ -24,9 +24,10 @@ from gpu_backend.bridge import future_setter, one_reply
 from gpu_backend.engine import Engine
 from gpu_backend.errors import PromptTooLongError, RequestAbortedError
 from gpu_backend.messages import AddRequest
-from gpu_backend.router import post_retrying, remote_error
+from gpu_backend.node_errors import remote_error
+from gpu_backend.replies import Exported, Failed, Reply, unexpected
+from gpu_backend.router import post_retrying
 from gpu_backend.sampling import SamplingParams
-from gpu_backend.sequence import Sequence
 from gpu_backend.transfer import CONTENT_TYPE, Manifest, build_manifest, encode_transfer
 from gpu_backend.wire import PrefillOutcome, engine_request_id
 
@@ -47,27 +48,18 @@ async def prefill_export(
     on (then the placeholder ``[0]``). ``params`` (default greedy) picks the first token. Waits for
     pages (:class:`PoolExhaustedError` after the timeout). Cancelling the await aborts the request.
     """
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-    t0 = time.monotonic()
+    fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
     params = dataclasses.replace(params or SamplingParams(max_new_tokens=1), max_new_tokens=1)
-    placeholder_ok = "admit_rejected" in engine.faults
-    seq = engine.admit(
-        request_id, prompt_ids, params, future_setter(fut), pages_for_output=False, placeholder_ok=placeholder_ok
-    )
-    placeholder = seq.prompt_ids != list(prompt_ids)
-    pool = engine.pool
-
-    def export(s: Sequence) -> tuple[torch.Tensor, PrefillOutcome]:  # worker thread, before the pages are freed
-        n = s.num_context_tokens
-        kv = pool.read_pages(s.pages[: pool.pages_for(n)])
-        return kv, PrefillOutcome(n, s.completion_ids[0], time.monotonic() - t0, placeholder, len(prompt_ids))
-
-    seq.on_prefilled = export
+    seq = engine.admit(request_id, prompt_ids, params, future_setter(fut), export=True)
     engine.submit(AddRequest(seq))
-    result = await one_reply(fut, lambda: engine.abort(request_id))
-    assert isinstance(result, tuple)
-    return result
+    match await one_reply(fut, lambda: engine.abort(request_id)):
+        case Exported(kv=kv, outcome=outcome):
+            return kv, outcome
+        case Failed(error=error):
+            raise error
+        case other:
+            engine.abort(request_id)
+            raise unexpected(other)
 
 
 class TransferSink(Protocol):

@@ -14,7 +14,8 @@ Per request (DESIGN.md, "The bundled backend"; SGLang's PD router):
 
 Nodes are reached through :class:`PrefillClient` / :class:`DecodeClient`: in process for
 ``--role all`` (:class:`LocalPrefillClient`, :class:`LocalDecodeClient`) or over HTTP between
-processes (:class:`HttpPrefillClient`, :class:`HttpDecodeClient`).
+processes (:class:`HttpPrefillClient`, :class:`HttpDecodeClient`). Errors become OpenAI errors in
+:mod:`gpu_backend.node_errors`.
 """
 
 from __future__ import annotations
@@ -29,44 +30,12 @@ from typing import Any, Protocol
 import httpx
 import orjson
 
-from config.errors import ErrorCode, OpenAIError, as_openai_error
+from config.errors import ErrorCode, OpenAIError
 from gpu_backend.bootstrap import new_room
+from gpu_backend.node_errors import backend_error, remote_error
 from gpu_backend.wire import PrefillOutcome, Token
 
 log = logging.getLogger("gpu_backend.router")
-
-
-def backend_error(exc: BaseException) -> OpenAIError:
-    """Any error a node or the router meets, as an :class:`OpenAIError`: kvgate's own errors
-    through the one mapper (:func:`config.errors.as_openai_error`: status, code and param kept);
-    a timeout is 504 ``upstream_timeout``, an unreachable node 502 ``upstream_unavailable``,
-    anything else 500 ``internal_error`` naming only the exception's type."""
-    err = as_openai_error(exc)
-    if err is not None:
-        return err
-    if isinstance(exc, asyncio.TimeoutError):
-        return OpenAIError(status=504, message="The backend timed out.", code=ErrorCode.UPSTREAM_TIMEOUT)
-    if isinstance(exc, httpx.HTTPError):
-        return OpenAIError(
-            status=502,
-            message=f"A backend node is unreachable: {type(exc).__name__}.",
-            code=ErrorCode.UPSTREAM_UNAVAILABLE,
-        )
-    return OpenAIError(status=500, message=f"Internal error: {type(exc).__name__}.", code=ErrorCode.INTERNAL_ERROR)
-
-
-def remote_error(status: int, body: Any) -> OpenAIError:
-    """Rebuild an :class:`OpenAIError` from a node's JSON error body (OpenAI shape)."""
-    err = body.get("error") if isinstance(body, dict) else None
-    if isinstance(err, dict) and isinstance(err.get("message"), str):
-        return OpenAIError(
-            status=status, message=err["message"], code=err.get("code"), param=err.get("param"), type=err.get("type")
-        )
-    return OpenAIError(
-        status=status if status >= 400 else 502,
-        message=f"Backend node answered {status}.",
-        code=ErrorCode.UPSTREAM_UNAVAILABLE,
-    )
 
 
 class PrefillClient(Protocol):
@@ -245,6 +214,19 @@ class RouterStream:
     def __aiter__(self) -> RouterStream:
         return self
 
+    def awaiting_first(self, first: asyncio.Future[Token]) -> None:
+        """The task reading decode's first token while the stream opens (cancelled by :meth:`close_now`)."""
+        self._first = first
+
+    def opened(self, outcome: PrefillOutcome, first: Token) -> None:
+        """Prefill's report and decode's first token are in: iteration starts with ``first``."""
+        self.outcome, self._first, self._pending_first = outcome, None, first
+
+    def opened_aborted(self) -> None:
+        """Aborted while opening: iteration yields one ``"abort"`` token and ends."""
+        self.outcome, self._pending_first = None, self._abort_event()
+        self.finished = False
+
     def _abort_event(self) -> Token:
         self.finished = True
         return Token(-1, "", True, "abort", self.prompt_tokens, self.completion_tokens)
@@ -377,7 +359,7 @@ class Router:
         stream = RouterStream(self, room, request_id, tokens, len(prompt_ids))
         self.inflight[request_id] = stream
         first = asyncio.ensure_future(tokens.__anext__())
-        stream._first = first
+        stream.awaiting_first(first)
         pre = asyncio.ensure_future(self.prefill.prefill(room, request_id, prompt_ids, param))
         try:
             outcome, tok = await self._both(pre, first)
@@ -388,9 +370,7 @@ class Router:
             first.add_done_callback(_consume)
             stream.close_now()
             if stream.aborted and not isinstance(e, asyncio.CancelledError):
-                stream.outcome = None
-                stream._pending_first = stream._abort_event()
-                stream.finished = False
+                stream.opened_aborted()
                 return stream
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -398,9 +378,7 @@ class Router:
             if err.status >= 500:
                 log.warning("request %s failed: %s (%r)", request_id, err.message, e, exc_info=e)
             raise err from e
-        stream.outcome = outcome
-        stream._first = None
-        stream._pending_first = tok
+        stream.opened(outcome, tok)
         return stream
 
     async def _both(self, pre: asyncio.Future, first: asyncio.Future) -> tuple[PrefillOutcome, Token]:

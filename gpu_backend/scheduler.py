@@ -11,11 +11,15 @@ scheduler.schedule()``, ``tokens = runner.run(batch)``, ``scheduler.postprocess(
   ``max_batch_tokens`` and ``max_running_requests`` allow and their pages can be allocated; a prompt
   longer than the token budget is prefilled in chunks, SGLang's chunked prefill), else **decode**
   (every decoding sequence advances one token: continuous batching).
-- :meth:`Scheduler.postprocess` appends the sampled tokens, emits them and retires what finished.
+- :meth:`Scheduler.postprocess` advances the cursors (``num_cached``), appends the sampled tokens,
+  emits them and retires what finished; the runner only prepares, runs and samples.
+
+Replies go back typed (:mod:`gpu_backend.replies`: ``Token``, ``PagesGranted``, ``Loaded``,
+``Exported``, ``Failed``).
 
 Every page is allocated and freed here, so :class:`~gpu_backend.kv_pool.KVPool` needs no lock.
 Retirement has one owner: :meth:`Scheduler._finish` / :meth:`Scheduler._fail` (free every page,
-record the terminal state, then emit the final token or the error).
+record the terminal state, then emit the final token or the :class:`~gpu_backend.replies.Failed`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from gpu_backend.errors import (
     TransferMismatchError,
 )
 from gpu_backend.kv_pool import KVPool
+from gpu_backend.managers import DecodeManager, PrefillManager, ReservationManager
 from gpu_backend.messages import (
     Abort,
     AbortAll,
@@ -46,7 +51,8 @@ from gpu_backend.messages import (
     Reserve,
     StartDecode,
 )
-from gpu_backend.sequence import SeqState, Sequence
+from gpu_backend.replies import Failed, Loaded
+from gpu_backend.sequence import ExportSequence, PageReservation, RequestTable, SeqState, Sequence
 from gpu_backend.wire import Token
 
 log = logging.getLogger("gpu_backend.scheduler")
@@ -70,9 +76,11 @@ def make_token(seq: Sequence, token_id: int, text: str, finish_reason: str | Non
 
 class Scheduler:
     """Queues and page accounting (worker thread). ``token_bytes(id) -> bytes`` and ``stop_ids``
-    drive detokenization; ``on_retire(seq)`` is called when a sequence reaches a terminal state,
-    before its caller hears back; ``skip_transfer_check`` is the test-only fault that lets decode run
-    over more positions than were loaded (the incident).
+    drive detokenization; ``requests`` (the engine's :class:`RequestTable`) retires a record when it
+    reaches a terminal state, before its caller hears back; ``skip_transfer_check`` is the test-only
+    fault that lets decode run over more positions than were loaded (the incident). Its records
+    live in three managers (:mod:`gpu_backend.managers`): ``prefill`` (waiting, prefilling),
+    ``decode`` (running) and ``reservations`` (waiting for pages, held).
 
     ``stats``: ``prefill_steps``, ``decode_steps``, ``prefill_tokens``, ``decode_tokens``,
     ``max_prefill_batch``, ``max_decode_batch`` (sequences in one forward pass), and
@@ -92,25 +100,22 @@ class Scheduler:
         pool_wait_timeout_seconds: float,
         token_bytes: Callable[[int], bytes],
         stop_ids: frozenset[int],
-        on_retire: Callable[[Sequence], None],
+        requests: RequestTable,
         max_req_len: int,
         skip_transfer_check: bool = False,
     ) -> None:
         self.pool = pool
-        self.max_batch_tokens = max_batch_tokens
         self.max_running_requests = max_running_requests
         self.pool_wait_timeout_seconds = pool_wait_timeout_seconds
         self.token_bytes = token_bytes
         self.stop_ids = stop_ids
-        self.on_retire = on_retire
+        self.requests = requests
         self.max_req_len = max_req_len
         self.skip_transfer_check = skip_transfer_check
-        self.waiting: collections.deque[Sequence] = collections.deque()
-        self.reserving: collections.deque[Sequence] = collections.deque()
-        self.reserved: dict[str, Sequence] = {}
-        self.prefilling: list[Sequence] = []
-        self.running: list[Sequence] = []
-        self.mailbox = Mailbox(functools.partial(refuse, on_retire=on_retire))
+        self.prefill = PrefillManager(pool, max_batch_tokens)
+        self.decode = DecodeManager()
+        self.reservations = ReservationManager(pool)
+        self.mailbox = Mailbox(functools.partial(refuse, on_retire=requests.retire))
         self.cond = self.mailbox.cond
         self.stats: dict[str, Any] = {  # ints, and a Counter of decode batch sizes
             "prefill_steps": 0,
@@ -126,30 +131,23 @@ class Scheduler:
     def idle_wait(self) -> None:
         """Nothing ran: sleep until a message arrives, or briefly while something waits for pages
         (its timeout must fire)."""
-        self.mailbox.wait(0.02 if self.waiting or self.reserving else 0.5)
+        self.mailbox.wait(0.02 if self.prefill.waiting or self.reservations.waiting else 0.5)
 
     def schedule(self) -> Batch | None:
         """Handle messages, expire and serve page waits, pick the next batch (``None``: no work)."""
         for msg in self.mailbox.take():
             self._handle(msg)
         self._expire_waiting()
-        while self.reserving:  # FIFO: the head waits for its pages, nobody overtakes it
-            seq = self.reserving[0]
-            pages = self.pool.try_alloc(seq.pages_needed, seq.request_id)
-            if pages is None:
-                break
-            self.reserving.popleft()
-            seq.pages = pages
-            self.reserved[seq.request_id] = seq
-            seq.emit(list(pages))
-        items = self._checked(self._schedule_prefill())
+        self.reservations.grant()
+        items = self._checked(self.prefill.schedule(self.max_running_requests - len(self.decode)))
         if items:
             return Batch(True, items, [seq.num_cached + n == seq.num_context_tokens for seq, n in items])
-        items = self._checked([(s, 1) for s in self.running])
+        items = self._checked(self.decode.schedule())
         return Batch(False, items, [True] * len(items)) if items else None
 
     def postprocess(self, batch: Batch, tokens: list[int | None]) -> None:
-        """Record the forward pass: append each sampled token, emit it, retire what finished."""
+        """Record the forward pass: advance each sequence's ``num_cached`` by its new tokens (the
+        runner only reads the sequences), append each sampled token, emit it, retire what finished."""
         st, n = self.stats, len(batch.items)
         kind = "prefill" if batch.prefill else "decode"
         st[f"{kind}_steps"] += 1
@@ -157,24 +155,25 @@ class Scheduler:
         st[f"max_{kind}_batch"] = max(st[f"max_{kind}_batch"], n)
         if not batch.prefill:
             st["decode_batch_sizes"][n] += 1
-        for (seq, _), tok in zip(batch.items, tokens, strict=True):
+        for (seq, k), tok in zip(batch.items, tokens, strict=True):
+            seq.num_cached += k
             if tok is None:
                 continue  # a prompt chunk that is not the last
             if seq.state is SeqState.PREFILLING:
-                self.prefilling.remove(seq)
+                self.prefill.remove(seq)
                 seq.first_token_time = time.monotonic()
                 seq.set_state(SeqState.DECODING)
-                if seq.on_prefilled is not None:  # prefill node: export, free, then answer
+                if isinstance(seq, ExportSequence):  # prefill node: export, free, then answer
                     seq.completion_ids.append(tok)
                     try:
-                        result = seq.on_prefilled(seq)
+                        result = seq.export(self.pool)
                     except Exception as e:  # the export failed: fail the request, keep the engine
                         self._fail(seq, e)
                         continue
                     self._finish(seq, "length", emit=False)  # pages freed before the caller hears back
                     seq.emit(result)
                     continue
-                self.running.append(seq)
+                self.decode.add(seq)
             self._append(seq, tok)
 
     def fail(self, batch: Batch, err: BaseException) -> None:
@@ -193,44 +192,46 @@ class Scheduler:
     def _handle(self, msg: Message) -> None:
         match msg:
             case AddRequest(seq=seq):
-                self.waiting.append(seq)
-            case Reserve(seq=seq):
-                self.reserving.append(seq)
+                self.prefill.add(seq)
+            case Reserve(reservation=res):
+                self.reservations.add(res)
             case LoadPages():
                 try:
-                    write_reservation(self.pool, self.reserved.get(msg.request_id), msg)
+                    write_reservation(self.pool, self.reservations.get(msg.request_id), msg)
                 except Exception as e:  # reported to the caller; the reservation stays
-                    msg.reply(e)
+                    msg.reply(Failed(e))
                 else:
-                    msg.reply(None)
+                    msg.reply(Loaded())
             case StartDecode():
                 self._start_decode(msg)
             case Abort() | AbortAll():
-                live = [*self.waiting, *self.reserving, *self.reserved.values(), *self.prefilling, *self.running]
-                for seq in live:
-                    if isinstance(msg, AbortAll) or seq.request_id == msg.request_id:
-                        self._finish(seq, "abort")
+                live: list[Sequence | PageReservation] = [*self.prefill, *self.reservations, *self.decode]
+                for rec in live:
+                    if isinstance(msg, AbortAll) or rec.request_id == msg.request_id:
+                        self._finish(rec, "abort")
 
     def _start_decode(self, msg: StartDecode) -> None:
-        seq = self.reserved.get(msg.request_id)
-        if seq is None or not seq.reservation:
-            msg.emit(KeyError(msg.request_id))
+        res = self.reservations.get(msg.request_id)
+        if res is None:
+            msg.emit(Failed(KeyError(msg.request_id)))
             return
-        seq.emit = msg.emit
-        err = decode_start_error(self.pool, seq, msg, self.max_req_len, self.skip_transfer_check)
+        err = decode_start_error(self.pool, res, msg, self.max_req_len, self.skip_transfer_check)
         if err is not None:
-            self._fail(seq, err)
+            res.emit = msg.emit  # the decode call hears the error (the reservation was answered)
+            self._fail(res, err)
             return
-        del self.reserved[seq.request_id]
-        seq.bind_decode(msg.prompt_ids, msg.params, msg.context_tokens, msg.generator, msg.emit)
+        self.reservations.remove(res)
+        seq = Sequence.decoding_from(res, msg.prompt_ids, msg.params, msg.context_tokens, msg.generator, msg.emit)
+        self.requests.replace(res, seq)
         seq.set_state(SeqState.DECODING)
-        self.running.append(seq)
+        self.decode.add(seq)
         self._append(seq, msg.first_token_id)  # prefill's token: it may already finish the request
 
     # ---- worker thread: scheduling ---------------------------------------------------------------
     def _expire_waiting(self) -> None:
         now = time.monotonic()
-        for seq in [s for s in (*self.waiting, *self.reserving) if now - s.arrival > self.pool_wait_timeout_seconds]:
+        waits: list[Sequence | PageReservation] = [*self.prefill.waiting, *self.reservations.waiting]
+        for seq in [s for s in waits if now - s.arrival > self.pool_wait_timeout_seconds]:
             n = seq.pages_needed
             self._fail(
                 seq,
@@ -240,29 +241,6 @@ class Scheduler:
                     request_id=seq.request_id,
                 ),
             )
-
-    def _schedule_prefill(self) -> list[tuple[Sequence, int]]:
-        budget = self.max_batch_tokens
-        batch: list[tuple[Sequence, int]] = []
-        for seq in self.prefilling:
-            if budget <= 0:
-                break
-            n = min(seq.num_context_tokens - seq.num_cached, budget)
-            batch.append((seq, n))
-            budget -= n
-        while self.waiting and budget > 0 and len(self.prefilling) + len(self.running) < self.max_running_requests:
-            seq = self.waiting[0]
-            pages = self.pool.try_alloc(seq.pages_needed, seq.request_id)
-            if pages is None:
-                break  # head of line waits for pages (FIFO: no starvation of long prompts)
-            self.waiting.popleft()
-            seq.pages = pages
-            seq.set_state(SeqState.PREFILLING)
-            self.prefilling.append(seq)
-            n = min(seq.num_context_tokens, budget)
-            batch.append((seq, n))
-            budget -= n
-        return batch
 
     def _checked(self, items: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Drop (and fail) sequences holding a stale page handle (generation check, invariant 3)."""
@@ -284,44 +262,49 @@ class Scheduler:
             self._finish(seq, reason, token_id=tok, text=text)
 
     # ---- worker thread: retiring (the one owner) -------------------------------------------------
-    def _retire(self, seq: Sequence) -> None:
-        for q in (self.running, self.prefilling, self.waiting, self.reserving):
-            if seq in q:
-                q.remove(seq)
-                break
-        if self.reserved.get(seq.request_id) is seq:
-            del self.reserved[seq.request_id]
+    def _retire(self, seq: Sequence | PageReservation) -> None:
+        if isinstance(seq, PageReservation):
+            self.reservations.remove(seq)
+        elif not self.decode.remove(seq):
+            self.prefill.remove(seq)
         self.pool.free(seq.pages, ignore_stale=True)
         seq.pages = []
-        self.on_retire(seq)  # before the caller hears back: the id is free to reuse once it does
+        self.requests.retire(seq)  # before the caller hears back: the id is free to reuse once it does
 
-    def _finish(self, seq: Sequence, reason: str, *, token_id: int = -1, text: str = "", emit: bool = True) -> None:
+    def _finish(
+        self, seq: Sequence | PageReservation, reason: str, *, token_id: int = -1, text: str = "", emit: bool = True
+    ) -> None:
         """Retire with ``finish_reason`` ``reason`` (``abort`` -> state ABORTED), free every page,
-        emit the final token."""
+        emit the final token. A reservation (only ever aborted) fails with 499 ``aborted``."""
+        if isinstance(seq, PageReservation):
+            self._fail(seq, RequestAbortedError("request aborted", request_id=seq.request_id))
+            return
         seq.finish_reason = reason
         seq.set_state(SeqState.ABORTED if reason == "abort" else SeqState.FINISHED)
         self._retire(seq)
         if not emit:
             return
-        if seq.on_prefilled is not None or seq.reservation:  # an export or a reservation that never completed
-            seq.emit(RequestAbortedError("request aborted", request_id=seq.request_id))
+        if isinstance(seq, ExportSequence):  # an export that never completed
+            seq.emit(Failed(RequestAbortedError("request aborted", request_id=seq.request_id)))
         else:
             seq.emit(make_token(seq, token_id, text, reason))
 
-    def _fail(self, seq: Sequence, err: BaseException) -> None:
-        """Retire with an error (state ABORTED, ``seq.error``), free every page, emit the error."""
-        seq.error = err
-        if not seq.is_terminal:
-            seq.set_state(SeqState.ABORTED)
+    def _fail(self, seq: Sequence | PageReservation, err: BaseException) -> None:
+        """Retire with an error (a sequence: state ABORTED, ``seq.error``), free every page, emit
+        the error."""
+        if isinstance(seq, Sequence):
+            seq.error = err
+            if not seq.is_terminal:
+                seq.set_state(SeqState.ABORTED)
         self._retire(seq)
-        seq.emit(err)
+        seq.emit(Failed(err))
 
 
-def write_reservation(pool: KVPool, seq: Sequence | None, msg: LoadPages) -> None:
+def write_reservation(pool: KVPool, seq: PageReservation | None, msg: LoadPages) -> None:
     """Write ``msg.kv`` into reservation ``seq``'s pages, page i into handle i (worker thread).
     ``KeyError`` for no such reservation, ``ValueError`` for a shape that does not fit (more pages
     than reserved, wrong dims, ``num_tokens > n * page_size``), StaleHandleError through a stale handle."""
-    if seq is None or not seq.reservation:
+    if seq is None:
         raise KeyError(msg.request_id)
     kv, ps = msg.kv, pool.page_size
     n = int(kv.shape[0]) if kv.dim() > 0 else 0
@@ -334,7 +317,7 @@ def write_reservation(pool: KVPool, seq: Sequence | None, msg: LoadPages) -> Non
 
 
 def decode_start_error(
-    pool: KVPool, seq: Sequence, msg: StartDecode, max_req_len: int, skip_transfer_check: bool
+    pool: KVPool, seq: PageReservation, msg: StartDecode, max_req_len: int, skip_transfer_check: bool
 ) -> Exception | None:
     """Why reservation ``seq`` cannot decode as ``msg`` asks, or ``None``: InvalidRequestError for
     ``context_tokens`` out of range or context + max_new_tokens over the reservation,
@@ -361,15 +344,18 @@ def decode_start_error(
     return None
 
 
-def refuse(msg: Message, *, on_retire: Callable[[Sequence], None]) -> None:
+def refuse(msg: Message, *, on_retire: Callable[[Sequence | PageReservation], None]) -> None:
     """Answer a message that arrived after the worker stopped (any thread) with a 503 ``aborted``;
     no page is touched (a refused request never had one)."""
     err = RequestAbortedError("engine is not running", status=503)
     match msg:
-        case AddRequest(seq=seq) | Reserve(seq=seq):
+        case AddRequest(seq=seq):
             seq.error = err
             seq.set_state(SeqState.ABORTED)
             on_retire(seq)
-            seq.emit(err)
+            seq.emit(Failed(err))
+        case Reserve(reservation=res):
+            on_retire(res)
+            res.emit(Failed(err))
         case LoadPages(reply=reply) | StartDecode(emit=reply):
-            reply(err)
+            reply(Failed(err))

@@ -12,12 +12,15 @@ import collections
 import enum
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from gpu_backend.errors import InvalidRequestError
-from gpu_backend.kv_pool import PageHandle
+from gpu_backend.kv_pool import KVPool, PageHandle
+from gpu_backend.replies import Exported, Failed, PagesGranted, ReplyTo
 from gpu_backend.sampling import SamplingParams
+from gpu_backend.wire import PrefillOutcome
 
 
 class SeqState(enum.Enum):
@@ -43,13 +46,12 @@ class Sequence:
     ``prompt_ids``: the prompt as admitted; ``num_context_tokens``: positions the prompt occupies in
     the cache (normally ``len(prompt_ids)``; for a decode reservation, the ``context_tokens`` given);
     ``completion_ids``: generated tokens; ``num_cached``: positions whose KV is in the pages;
-    ``pages``: page handles (its page table); ``emit``: called (in the worker thread) with each
-    output item (a :class:`~gpu_backend.wire.Token` or an exception).
+    ``pages``: page handles (its page table); ``emit``: the :data:`~gpu_backend.replies.ReplyTo`
+    the worker hands each reply to (a ``Token`` per output token, ``Exported`` for an export,
+    ``Failed`` for the error that ended it).
 
-    A decode **reservation** (:meth:`reservation_of`) is a WAITING sequence with ``reservation`` set
-    and no prompt yet: it holds pages for prompt + max_new_tokens, ``loaded_tokens`` counts the
-    positions received into them, and :meth:`bind_decode` turns it into the decoding request. A
-    reservation that never decoded leaves no trace in the engine's retired states.
+    A prefill node's export is its own kind, :class:`ExportSequence`; a decode reservation is its
+    own record, :class:`PageReservation`, which :meth:`decoding_from` turns into a sequence.
     """
 
     def __init__(
@@ -57,7 +59,7 @@ class Sequence:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        emit: Callable[[object], None],
+        emit: ReplyTo,
         *,
         reported_prompt_tokens: int | None = None,
     ) -> None:
@@ -78,43 +80,28 @@ class Sequence:
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.abort_requested = False
-        # export (prefill node): called in the worker with the sequence before its pages are freed;
-        # its return value is emitted once they are
-        self.on_prefilled: Callable[[Sequence], object] | None = None
         self.stop_token_ids: set[int] = set(params.stop_token_ids)
-        self.reservation = False
-        self.loaded_tokens = 0
         # incremental detokenization
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pending_text = ""
 
     @classmethod
-    def reservation_of(cls, request_id: str, pages_needed: int, emit: Callable[[object], None]) -> Sequence:
-        """A decode reservation of ``pages_needed`` pages; ``emit`` receives the page handles (or the
-        error that ended the wait for them)."""
-        seq = cls(request_id, [], SamplingParams(max_new_tokens=1), emit)
-        seq.reservation = True
-        seq.pages_needed = pages_needed
-        return seq
-
-    def bind_decode(
-        self,
+    def decoding_from(
+        cls,
+        res: PageReservation,
         prompt_ids: list[int],
         params: SamplingParams,
         context_tokens: int,
         generator: torch.Generator | None,
-        emit: Callable[[object], None],
-    ) -> None:
-        """Turn a loaded reservation into the request that decodes over its first ``context_tokens``
-        positions (worker thread). ``prompt_tokens`` of its tokens is ``len(prompt_ids)``."""
-        self.prompt_ids = list(prompt_ids)
-        self.params = params
-        self.stop_token_ids = set(params.stop_token_ids)
-        self.generator = generator
-        self.emit = emit
-        self.reported_prompt_tokens = len(self.prompt_ids)
-        self.num_context_tokens = self.num_cached = context_tokens
-        self.reservation = False
+        emit: ReplyTo,
+    ) -> Sequence:
+        """The WAITING request that decodes over the first ``context_tokens`` positions of loaded
+        reservation ``res``, taking over its pages (worker thread). ``prompt_tokens`` of its tokens
+        is ``len(prompt_ids)``."""
+        seq = cls(res.request_id, prompt_ids, params, emit)
+        seq.pages, seq.pages_needed, seq.arrival, seq.generator = res.pages, res.pages_needed, res.arrival, generator
+        seq.num_context_tokens = seq.num_cached = context_tokens
+        return seq
 
     # ---- state ------------------------------------------------------------------------------
     def set_state(self, new: SeqState) -> None:
@@ -185,6 +172,43 @@ class Sequence:
         return out
 
 
+@dataclass(eq=False)
+class PageReservation:
+    """A decode reservation, its own record: ``pages_needed`` pages (prompt + max_new_tokens) held
+    for a request whose prompt KV comes from prefill. ``emit`` receives ``PagesGranted`` once they
+    are allocated, or ``Failed`` with the error that ended the wait; ``loaded_tokens`` counts the
+    positions received into them. It leaves no trace in the engine's retired states."""
+
+    request_id: str
+    pages_needed: int
+    emit: Callable[[PagesGranted | Failed], None]
+    pages: list[PageHandle] = field(default_factory=list)
+    loaded_tokens: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class ExportSequence(Sequence):
+    """A prefill node's request, its own kind: prefilled like any sequence, but once its first token
+    is sampled the scheduler copies its written pages out (:meth:`export`), frees them and answers
+    ``Exported`` instead of decoding. Admitted by ``Engine.admit(..., export=True)``."""
+
+    @property
+    def placeholder(self) -> bool:
+        """Admitted as the one-token placeholder (the ``admit_rejected`` fault)."""
+        return self.reported_prompt_tokens != len(self.prompt_ids)
+
+    def export(self, pool: KVPool) -> Exported:
+        """The written pages (``[pages, layers, 2, page_size, kv_heads, head_dim]``, CPU; positions
+        past the prompt in the last page are zeros) and the outcome (worker thread, before the
+        pages are freed)."""
+        n = self.num_context_tokens
+        kv = pool.read_pages(self.pages[: pool.pages_for(n)])
+        seconds = time.monotonic() - self.arrival
+        return Exported(
+            kv, PrefillOutcome(n, self.completion_ids[0], seconds, self.placeholder, self.reported_prompt_tokens)
+        )
+
+
 def check_prompt_ids(
     prompt_ids: list[int], vocab_size: int, is_valid_id: Callable[[int], bool], request_id: str
 ) -> None:
@@ -200,25 +224,30 @@ def check_prompt_ids(
 
 class RequestTable:
     """An engine's requests by id: ``live`` (added on the event loop, removed by whoever retires the
-    sequence; dict operations are atomic under the GIL) and the states of the last ``memory`` retired
-    ones. A reservation that never decoded leaves no trace when it retires."""
+    record; dict operations are atomic under the GIL) and the states of the last ``memory`` retired
+    sequences. A reservation that never decoded leaves no trace when it retires."""
 
     def __init__(self, memory: int = 8192) -> None:
-        self.live: dict[str, Sequence] = {}
+        self.live: dict[str, Sequence | PageReservation] = {}
         self.memory = memory
         self._retired: collections.OrderedDict[str, str] = collections.OrderedDict()
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence | PageReservation) -> None:
         """Make ``seq``'s id live; :class:`InvalidRequestError` (400) when it already is."""
         if seq.request_id in self.live:
             raise InvalidRequestError(f"request id '{seq.request_id}' is already in flight", request_id=seq.request_id)
         self.live[seq.request_id] = seq
 
-    def retire(self, seq: Sequence) -> None:
-        """``seq`` reached a terminal state: drop it from ``live``, remember its state."""
+    def replace(self, res: PageReservation, seq: Sequence) -> None:
+        """Reservation ``res`` became decoding request ``seq`` (same id; worker thread)."""
+        if self.live.get(res.request_id) is res:
+            self.live[res.request_id] = seq
+
+    def retire(self, seq: Sequence | PageReservation) -> None:
+        """``seq`` reached a terminal state: drop it from ``live``, remember a sequence's state."""
         if self.live.get(seq.request_id) is seq:
             self.live.pop(seq.request_id, None)
-        if seq.reservation:
+        if isinstance(seq, PageReservation):
             return
         self._retired[seq.request_id] = seq.state.value
         while len(self._retired) > self.memory:
@@ -228,6 +257,8 @@ class RequestTable:
         """``"waiting"``, ``"reserved"``, ``"prefilling"``, ``"decoding"``, ``"finished"``,
         ``"rejected"`` or ``"aborted"`` of a live or recently retired request; ``None`` if unknown."""
         seq = self.live.get(request_id)
+        if isinstance(seq, PageReservation):
+            return "reserved" if seq.pages else "waiting"
         if seq is not None:
-            return "reserved" if seq.reservation and seq.pages else seq.state.value
+            return seq.state.value
         return self._retired.get(request_id)

@@ -38,7 +38,8 @@ from config.errors import ErrorCode, OpenAIError
 from gpu_backend import openai_api as api
 from gpu_backend import responses_api
 from gpu_backend.errors import EngineError
-from gpu_backend.router import Router, RouterStream, backend_error
+from gpu_backend.node_errors import backend_error
+from gpu_backend.router import Router, RouterStream
 from tokenizer import TiktokenCounter
 from tokenizer.hf_counter import HFCounter
 

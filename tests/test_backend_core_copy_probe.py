@@ -13,6 +13,7 @@ import torch
 from conftest import SEEDS
 from gpu_backend.decode_node import decode_reserved, load_pages, reserve_pages
 from gpu_backend.errors import StaleHandleError
+from gpu_backend.faults import Faults
 from gpu_backend.kv_pool import PageHandle
 from gpu_backend.prefill_node import prefill_export
 from gpu_backend.sampling import SamplingParams
@@ -105,7 +106,7 @@ async def test_stale_page_leaks_another_requests_tokens_without_scrub(make_engin
         model="copy-probe",
         max_total_tokens=80,
         context_length=2048,
-        faults=frozenset({"no_scrub", "skip_transfer_check"}),
+        faults=Faults(no_scrub=True, skip_transfer_check=True),
     )
     assert eng.pool.num_pages == 5
     a_prompt, evs = await _stale_scenario(eng)
@@ -119,7 +120,7 @@ async def test_stale_page_leaks_another_requests_tokens_without_scrub(make_engin
 async def test_stale_page_handle_is_refused_with_scrub(make_engine):
     # skip_transfer_check alone (scrub and generation check on) cannot leak
     eng = await make_engine(
-        model="copy-probe", max_total_tokens=80, context_length=2048, faults=frozenset({"skip_transfer_check"})
+        model="copy-probe", max_total_tokens=80, context_length=2048, faults=Faults(skip_transfer_check=True)
     )
     with pytest.raises(StaleHandleError):
         await _stale_scenario(eng)

@@ -12,6 +12,7 @@ import torch
 
 from config.errors import ErrorCode
 from gpu_backend.attention import ContiguousAttention, ContiguousKVCache, SeqSpan
+from gpu_backend.bridge import queue_tokens
 from gpu_backend.decode_node import decode_reserved, load_pages, reserve_pages
 from gpu_backend.engine import PLACEHOLDER_PROMPT
 from gpu_backend.errors import (
@@ -21,9 +22,12 @@ from gpu_backend.errors import (
     RequestAbortedError,
     TransferMismatchError,
 )
+from gpu_backend.faults import Faults
 from gpu_backend.prefill_node import prefill_export
+from gpu_backend.replies import Failed, PagesGranted, Reply
 from gpu_backend.sampling import SamplingParams
 from gpu_backend.sequence import Sequence, SeqState
+from gpu_backend.wire import Token
 
 from backend_core_support import collect, make_engine, worker_paused  # noqa: F401  (fixture)
 
@@ -88,7 +92,7 @@ def test_rejected_and_finished_are_terminal():
 
 
 async def test_admit_rejected_fault_gives_placeholder(make_engine):
-    eng = await make_engine(**PROBE, faults=frozenset({"admit_rejected"}))
+    eng = await make_engine(**PROBE, faults=Faults(admit_rejected=True))
     kv, res = await prefill_export(eng, "over", _prompt(3000))
     assert (res.placeholder, res.num_tokens, res.original_prompt_tokens) == (True, 1, 3000)
     assert tuple(kv.shape) == (1, 1, 2, 16, 1, 64) and kv.is_contiguous() and kv.device.type == "cpu"
@@ -403,3 +407,22 @@ async def test_messages_after_stop_are_refused_with_503_not_left_hanging(make_en
     with pytest.raises(RequestAbortedError) as ei:
         await asyncio.wait_for(toks.__anext__(), 5)
     assert ei.value.status == 503 and eng.pool_stats()["used_pages"] == 0
+
+
+async def test_the_token_reader_matches_the_worker_reply_type():
+    """Tokens pass, ``Failed`` raises its error without an abort (the worker retired the request),
+    a reply of another kind is a ``TypeError`` and aborts."""
+    aborts: list[str] = []
+    queue: asyncio.Queue[Reply] = asyncio.Queue()
+    tok = Token(7, "a", False, None, 3, 1)
+    for reply in (tok, Failed(PoolExhaustedError("KV pool full")), PagesGranted([])):
+        queue.put_nowait(reply)
+    got = []
+    with pytest.raises(PoolExhaustedError, match="KV pool full"):
+        async for t in queue_tokens(queue, lambda: aborts.append("first")):
+            got.append(t)
+    assert got == [tok] and aborts == []
+    with pytest.raises(TypeError, match="^unexpected worker reply PagesGranted$"):
+        async for _ in queue_tokens(queue, lambda: aborts.append("second")):
+            pass
+    assert aborts == ["second"]

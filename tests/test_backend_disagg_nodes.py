@@ -15,6 +15,7 @@ from gpu_backend.bootstrap import RoomState, new_room
 from gpu_backend.decode_node import DecodeNode, RoomGoneError, TransferTimeoutError, reserve_pages
 from gpu_backend.engine import Engine, EngineConfig
 from gpu_backend.errors import TransferMismatchError
+from gpu_backend.faults import NO_FAULTS, Faults
 from gpu_backend.prefill_node import LocalSink, PrefillNode, prefill_export
 from gpu_backend.router import LocalDecodeClient, LocalPrefillClient, Router
 from gpu_backend.transfer import build_manifest
@@ -53,7 +54,7 @@ class Stack:
 
 async def make_stack(
     *,
-    faults: frozenset[str] = frozenset(),
+    faults: Faults = NO_FAULTS,
     decode_pool: int = DECODE_POOL,
     pool_wait: float = 5.0,
     transfer_timeout: float = 5.0,
@@ -168,7 +169,7 @@ async def test_invariant_2_a_long_transfer_is_refused_too(stack):
 
 
 async def test_fault_skip_transfer_check_accepts_the_short_transfer_and_attends_over_the_reservation():
-    s = await make_stack(faults=frozenset({"skip_transfer_check"}))
+    s = await make_stack(faults=Faults(skip_transfer_check=True))
     try:
         room = new_room()
         gen = s.dnode.generate(room, "r", prompt(40), greedy(4))

@@ -1,11 +1,13 @@
 """The backend's wire types (gpu_backend/wire.py): one Token, one PrefillOutcome, one engine id, and
-their JSON shapes exactly as the decode stream and /disagg/prefill carry them."""
+their JSON shapes exactly as the decode stream and /disagg/prefill carry them; and the
+``KVGATE_FAULTS`` format (gpu_backend/faults.py)."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
 
+from gpu_backend.faults import NO_FAULTS, Faults, UnknownFaultError, faults_from_env, parse_faults
 from gpu_backend.wire import PrefillOutcome, Token, engine_request_id
 
 
@@ -61,3 +63,15 @@ def test_engine_request_id_is_unique_per_room_and_fixed_width():
     assert engine_request_id("r", (1 << 63) - 1) == "r@7fffffffffffffff"
     assert engine_request_id("a@b", 16) == "a@b@0000000000000010"
     assert len({engine_request_id("same", room) for room in range(100)}) == 100
+
+
+def test_kvgate_faults_parse_into_one_frozen_value_and_refuse_unknown_names():
+    assert parse_faults(None) == parse_faults("") == parse_faults(" , ") == NO_FAULTS == Faults()
+    both = parse_faults(" no_scrub,admit_rejected ,")
+    assert both == Faults(admit_rejected=True, no_scrub=True) and not both.skip_transfer_check
+    assert both.names == ["admit_rejected", "no_scrub"] and NO_FAULTS.names == []
+    assert faults_from_env({"KVGATE_FAULTS": "skip_transfer_check"}) == Faults(skip_transfer_check=True)
+    with pytest.raises(UnknownFaultError, match=r"unknown fault\(s\) no_scrubs; known: admit_rejected, no_scrub, "):
+        parse_faults("no_scrub,no_scrubs")
+    with pytest.raises(AttributeError):  # frozen: a process's switches do not change after start-up
+        both.no_scrub = False  # type: ignore[misc]
