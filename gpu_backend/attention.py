@@ -7,7 +7,7 @@ op stores k/v into the cache at the tokens' slots, gathers each sequence's K/V f
 ``torch.nn.functional.scaled_dot_product_attention`` with a causal mask on absolute positions.
 Queries are processed in chunks so the score tensor stays under ``SCORE_BUDGET`` elements.
 
-``target_positions`` ([T] long) is extra per-token data only copy-probe reads (DESIGN.md: "at decode
+``target_positions`` ([T] long) is extra per-token data only copy-probe reads (docs/design.md: "at decode
 step i the engine supplies the target position i").
 """
 

@@ -1,6 +1,6 @@
 """``python -m gpu_backend`` (also ``kvgate backend``): flags, role wiring, uvicorn.
 
-Flags (DESIGN.md, "Backend flags"): ``--role all|prefill|decode|router``, ``--host``, ``--port``,
+Flags (docs/design.md, "Backend flags"): ``--role all|prefill|decode|router``, ``--host``, ``--port``,
 ``--prefill-url``, ``--decode-url``, ``--model``, ``--served-model-name``, ``--device``,
 ``--context-length``, ``--page-size``, ``--max-total-tokens``, ``--mem-budget-bytes``; plus
 ``--prefill-max-total-tokens`` / ``--decode-max-total-tokens`` (the two pools of ``--role all``),
@@ -288,7 +288,7 @@ def build_all(opts: Options) -> FastAPI:
     from gpu_backend.prefill_node import LocalSink, PrefillNode
     from gpu_backend.router import LocalDecodeClient, LocalPrefillClient, Router
 
-    # one copy of the read-only weights for both engines; each keeps its own KV pool (DESIGN invariants)
+    # one copy of the read-only weights for both engines; each keeps its own KV pool (docs/design.md, invariants)
     pe = make_engine(opts, "prefill")
     de = make_engine(opts, "decode", model=pe.model)
     dnode = DecodeNode(de, faults=opts.faults, transfer_timeout_seconds=opts.transfer_timeout_seconds)

@@ -1,4 +1,4 @@
-"""copy-probe: a one-layer, one-head model that makes the KV cache observable (DESIGN.md contracts).
+"""copy-probe: a one-layer, one-head model that makes the KV cache observable (docs/design.md contracts).
 
 - key at absolute position p: ``code(p)``, a multi-frequency sinusoidal code
   ``[cos(theta_j p), sin(theta_j p)]_j`` (32 frequencies, periods geometric from 2.5 to

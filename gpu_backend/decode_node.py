@@ -1,5 +1,5 @@
 """The decode node: reserves pages per bootstrap room, accepts a transfer only when it matches the
-reservation (DESIGN.md invariant 2), then generates over the received KV.
+reservation (docs/design.md invariant 2), then generates over the received KV.
 
 A room's life (see :mod:`gpu_backend.bootstrap`): the router's generate call reserves
 ``prompt_tokens + max_new_tokens`` (waiting while the pool is momentarily full; 503

@@ -118,7 +118,7 @@ class Engine:
         return self.pool.stats()
 
     def check_integrity(self) -> None:
-        """DESIGN invariant 4 on an idle (or stopped) engine, mini-sglang's style: the pool's own
+        """docs/design.md invariant 4 on an idle (or stopped) engine, mini-sglang's style: the pool's own
         count (:meth:`KVPool.check_integrity`), and with no request in flight every page free.
         Raises ``AssertionError``."""
         self.pool.check_integrity()

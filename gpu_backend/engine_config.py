@@ -12,7 +12,7 @@ from gpu_backend.weights import DTYPES
 
 @dataclass
 class EngineConfig:
-    """How to build an :class:`Engine` (names follow DESIGN.md's backend flags / SGLang's server args).
+    """How to build an :class:`Engine` (names follow docs/design.md's backend flags / SGLang's server args).
 
     ``model``: ``"tiny-random"`` (seeded Llama, cl100k+ChatML vocabulary 100,277), ``"copy-probe"``
     (the isolation oracle's model) or a local Hugging Face Llama folder. ``device``: ``"auto"``,

@@ -1,5 +1,5 @@
 """Typed engine errors. Each :class:`EngineError` knows its HTTP status and OpenAI error ``code``;
-``body()`` renders the OpenAI error shape with :func:`config.errors.openai_error` (DESIGN.md,
+``body()`` renders the OpenAI error shape with :func:`config.errors.openai_error` (docs/design.md,
 "Error bodies"). Servers (issue 4) map them 1:1 to responses.
 """
 
@@ -49,7 +49,7 @@ class InvalidRequestError(EngineError):
 class PromptTooLongError(EngineError):
     """400 ``context_length_exceeded``: ``prompt_tokens > max_req_input_len`` at admission.
 
-    Raised before any page is allocated (DESIGN.md invariant 1); the request's state is REJECTED.
+    Raised before any page is allocated (docs/design.md invariant 1); the request's state is REJECTED.
     The message keeps the OpenAI wording (:func:`config.errors.context_length_message`) with
     ``max_req_input_len`` as the limit. Attributes: ``prompt_tokens``, ``max_req_input_len``.
     """
@@ -68,7 +68,7 @@ class PromptTooLongError(EngineError):
 
 class PoolExhaustedError(EngineError):
     """503 ``pool_exhausted`` (retryable): the prompt fits the pool but the pool stayed full for
-    ``pool_wait_timeout_seconds``. Never a 400 (DESIGN.md, backend flags contract)."""
+    ``pool_wait_timeout_seconds``. Never a 400 (docs/design.md, backend flags contract)."""
 
     status = 503
     code = ErrorCode.POOL_EXHAUSTED
@@ -83,7 +83,7 @@ class RequestAbortedError(EngineError):
 
 class TransferMismatchError(EngineError):
     """500 ``transfer_mismatch``: decode received a different number of tokens than it reserved
-    (DESIGN.md invariant 2; raised by the disaggregation layer)."""
+    (docs/design.md invariant 2; raised by the disaggregation layer)."""
 
     status = 500
     code = ErrorCode.TRANSFER_MISMATCH
@@ -91,4 +91,4 @@ class TransferMismatchError(EngineError):
 
 class StaleHandleError(Exception):
     """A read or write through a page handle ``(index, generation)`` whose page was released
-    (its generation moved on). DESIGN.md invariant 3. Not an HTTP error: a bug or an attack."""
+    (its generation moved on). docs/design.md invariant 3. Not an HTTP error: a bug or an attack."""

@@ -5,7 +5,7 @@ Storage: one tensor ``kv`` of shape [num_layers, 2, num_pages, page_size, num_kv
 by slot index ``page * page_size + offset``). Pages travel (export/load) as
 [n, num_layers, 2, page_size, num_kv_heads, head_dim].
 
-Scrubbing (DESIGN.md invariant 3): a released page is zeroed and its generation bumped; a handle
+Scrubbing (docs/design.md invariant 3): a released page is zeroed and its generation bumped; a handle
 ``(index, generation)`` whose generation no longer matches is stale and every read or write through
 it raises :class:`~gpu_backend.errors.StaleHandleError`. ``scrub=False`` (the ``no_scrub`` fault,
 test use only) disables both the zeroing and the generation check.

@@ -1,5 +1,5 @@
 """``python -m gpu_backend model pull NAME`` / ``model list`` (also ``kvgate model ...``): named
-models as Hugging Face folders under ``<state_dir>/models/NAME/`` (DESIGN.md, Models).
+models as Hugging Face folders under ``<state_dir>/models/NAME/`` (docs/design.md, Models).
 
 A pull, step by step (progress on stderr):
 

@@ -3,7 +3,7 @@ with a manifest to the decode node (in process, or over HTTP as safetensors).
 
 The role's flow on its engine is :func:`prefill_export`: admission (:meth:`Engine.admit`) retires a
 prompt over ``max_req_input_len`` with :class:`PromptTooLongError` before any page, bootstrap or
-transfer (DESIGN.md invariant 1), and the router answers the 400. Only the ``admit_rejected`` fault
+transfer (docs/design.md invariant 1), and the router answers the 400. Only the ``admit_rejected`` fault
 (test use) lets it through as a one-token placeholder, which is then sent as one page, as in the
 incident. The forward pass, the copy of the written pages and their release run on the engine's
 worker thread; the node then hashes, serialises and sends them.

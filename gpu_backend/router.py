@@ -1,6 +1,6 @@
 """The router: one request's way through prefill and decode (no torch here).
 
-Per request (DESIGN.md, "The bundled backend"; SGLang's PD router):
+Per request (docs/design.md, "The bundled backend"; SGLang's PD router):
 
 1. draw a bootstrap room (:func:`gpu_backend.bootstrap.new_room`);
 2. at once, ask decode to **generate** in that room (decode reserves pages for prompt +

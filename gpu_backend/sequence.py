@@ -1,6 +1,6 @@
 """One request inside the engine: its tokens, pages, state, sampling and output stream.
 
-States (DESIGN.md invariant 1): WAITING -> PREFILLING -> DECODING -> FINISHED, or ABORTED from any
+States (docs/design.md invariant 1): WAITING -> PREFILLING -> DECODING -> FINISHED, or ABORTED from any
 live state; REJECTED only from WAITING at admission, before any page. FINISHED, ABORTED and REJECTED
 are terminal: leaving them raises ``RuntimeError``.
 """

@@ -1,6 +1,6 @@
 """The KV transfer between a prefill node and a decode node: pages + manifest, never pickle.
 
-Wire format (DESIGN.md, invariant 5): one safetensors file holding a single tensor ``kv`` of shape
+Wire format (docs/design.md, invariant 5): one safetensors file holding a single tensor ``kv`` of shape
 ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` (the layout of
 ``Engine.prefill_export``), with the manifest as JSON text in the safetensors metadata under
 :data:`MANIFEST_KEY`. The manifest carries the bootstrap room, ``num_tokens`` (tokens actually

@@ -5,7 +5,7 @@ model's tokenizer is chosen; the engine and ``cli`` only ever ask it.
 ``tiny-random``, ``copy-probe`` (and a checkpoint folder without ``tokenizer.json``) use the
 bundled tokenizer (cl100k_base + ChatML specials): ``<|im_end|>`` (100265) and ``<|endoftext|>``
 (100257) end a completion. A Hugging Face folder with ``tokenizer.json`` uses its own tokenizer,
-chat template and EOS (DESIGN.md, Models) through :class:`tokenizer.hf_counter.HFCounter`, the
+chat template and EOS (docs/design.md, Models) through :class:`tokenizer.hf_counter.HFCounter`, the
 counter the gateway uses for ``tokenizer.kind: hf``: the ids that end a completion are the
 tokenizer's ``eos_token`` and every ``eos_token_id`` of ``generation_config.json`` /
 ``config.json``. No torch here.
