@@ -90,6 +90,23 @@ prompt = st.one_of(
 huge = "a" * (32 * 1024 + 1)
 #: a falsifying example a full-suite run found (hypothesis drew it only sometimes): a special-token
 #: look-alike as the name of a tool that mh's template does not even render
+#: fields the generated bodies get admitted with rarely (a refused part elsewhere in the body hides
+#: them; only the HF template ``mh`` can continue a final message): run every time, admitted, and
+#: checked against the oracle like any generated body. The generated share of them varied between
+#: processes (2 to 22 admitted continue_final_message in 2,001 derandomized examples), so the
+#: coverage floors below no longer rest on it alone.
+TEMPLATE_SWITCHES = [
+    ("chat", {"model": "mh", "messages": [*system, {"role": "user", "content": "Name a colour."},
+     {"role": "assistant", "content": "Blue, and"}], "continue_final_message": True, **bound})
+    for system, bound in (([], {"max_tokens": 4}), ([{"role": "system", "content": "Be brief."}], {}),
+                          ([], {"max_completion_tokens": 2}))
+] + [
+    ("chat", {"model": m, "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": kw})
+    for m, kw in (("mh", {"enable_thinking": False}), ("mv", {"enable_thinking": True}), ("mh", {"thinking": True}))
+] + [
+    ("completions", {"model": m, "prompt": "Count:", "stop_token_ids": [3], "min_tokens": 1, "max_tokens": 4})
+    for m in ("mv", "mq", "mix")
+]  # fmt: skip
 LOOKALIKE_TOOL_NAME = (
     "chat",
     {
@@ -370,6 +387,8 @@ def test_hostile_bodies_never_walk_around_the_gate():
         # digest that seeds ``derandomize`` keeps a nested function's decorators (a new line would
         # reshuffle all 2,000 generated bodies)
         one = example(LOOKALIKE_TOOL_NAME)(one)
+        for case in TEMPLATE_SWITCHES:
+            one = example(case)(one)
         one()
     stats["seconds"] = round(time.monotonic() - t0, 1)
     print(f"\ngate property: {stats} violations: 0; admitted with: {dict(sorted(covered.items()))}")
