@@ -25,6 +25,7 @@ import httpx
 from config.engine_pool import (
     SGLANG_LOADS_QUERY,
     EnginePoolError,
+    SGLangPool,
     VLLMCapacity,
     server_info_base,
     sglang_pool,
@@ -82,8 +83,12 @@ def limit_from_server_info(
         node = sglang_pool(info, loads)
     except EnginePoolError as e:
         raise PoolReadError(str(e)) from None
+    return node.pool_tokens, _node_limit(node, headroom, context_length)
+
+
+def _node_limit(node: SGLangPool, headroom: float, context_length: int | None) -> int:
     ctx = min(c for c in (node.context_length, context_length, _UNBOUNDED) if c)
-    return node.pool_tokens, effective_pool_limit(ctx, node.pool_tokens, node.max_req_input_len, headroom)
+    return effective_pool_limit(ctx, node.pool_tokens, node.max_req_input_len, headroom)
 
 
 def limit_from_vllm_models(data: Any, headroom: float, context_length: int | None = None) -> tuple[int, int]:
@@ -236,8 +241,8 @@ class PoolWatcher:
             node = sglang_pool(info, loads)
         except EnginePoolError as e:
             raise PoolReadError(f"{url}: {e}") from None
-        pool, lim = limit_from_server_info(info, self.settings.headroom, self.context_length, loads)
-        return _NodeReading(pool, lim, node.rank_pools_tokens, node.source)
+        lim = _node_limit(node, self.settings.headroom, self.context_length)
+        return _NodeReading(node.pool_tokens, lim, node.rank_pools_tokens, node.source)
 
     async def _read_vllm_node(self, url: str) -> _NodeReading:
         pool, lim = limit_from_vllm_models(await self._get_json(url), self.settings.headroom, self.context_length)
