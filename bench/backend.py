@@ -494,9 +494,8 @@ def real_model_main(folder: str, batch: int, decode_tokens: int, lengths: tuple[
     """kvgate's engine vs transformers on ``folder`` (CPU, fp32, greedy), one run, side by side,
     with the ratios the issue sets goals for (batch-1 decode >= 1.0x transformers; batch-8
     aggregate >= 4x transformers' batch-1)."""
+    from gateway.stack.demo_corpus import prose
     from tokenizer.hf_counter import HFCounter
-
-    from gateway.demo_corpus import prose
 
     prompt = HFCounter(folder).encode_text(prose() * 4)
     need = max(max(lengths), lengths[0] + 7 * batch)

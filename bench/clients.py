@@ -40,7 +40,7 @@ from typing import Any  # noqa: E402
 
 import httpx  # noqa: E402
 
-from gateway.stack import EmbeddedStack, StackOptions  # noqa: E402
+from gateway.stack.embedded import EmbeddedStack, StackOptions  # noqa: E402
 
 ROOT = Path(_HERE).parent
 KEY = "sk-demo-a"

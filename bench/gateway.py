@@ -25,7 +25,7 @@ exact count of the bench body, so the verifier's drift check stays quiet) and th
 - extras: ``kvgate-full-1w`` (one worker), ``kvgate-logged`` (the JSON access log on, to a file),
   ``kvgate-strict`` (a strict tenant: checked before release), ``quotas-local`` (no Redis, one
   worker), ``gateway`` (kvgate-bare in one worker, on its own bounded httptools protocol,
-  :mod:`gateway.edge`: header bytes and count, head and body deadlines) and ``edge-httptools`` /
+  :mod:`gateway.edge.protocol`: header bytes and count, head and body deadlines) and ``edge-httptools`` /
   ``edge-h11``: the same app on uvicorn's stock httptools protocol (no header bound) or on h11
   (header bytes bounded by ``h11_max_incomplete_event_size``): what the bounds cost, and what h11
   would.
@@ -474,7 +474,7 @@ def gateway_target(
     ``workers``: ``--workers`` (``None``: kvgate's default). Yields its :class:`Target`.
     ``protocol`` (``httptools``, ``h11``): the same app served by this file's ``--serve-gateway``
     under that uvicorn protocol (one process) instead of ``kvgate serve``'s own
-    (:mod:`gateway.edge`'s bounded httptools)."""
+    (:mod:`gateway.edge.protocol`'s bounded httptools)."""
     port = free_port()
     key = "sk-bench-" + secrets.token_hex(16)
     settings: dict[str, Any] = {
@@ -596,7 +596,7 @@ def _kvgate_strict(env: Env) -> Iterator[Target]:
 
 @scenario("gateway", "kvgate-bare in one worker, on kvgate serve's bounded httptools protocol")
 def _gateway(env: Env) -> Iterator[Target]:
-    with gateway_target(env, name="gateway", workers=1, note="bounded httptools (gateway.edge)") as t:
+    with gateway_target(env, name="gateway", workers=1, note="bounded httptools (gateway.edge.protocol)") as t:
         yield t
 
 
@@ -615,14 +615,14 @@ def _edge_h11(env: Env) -> Iterator[Target]:
 def serve_gateway(protocol: str, config: str, tenants: str) -> None:
     """``kvgate serve``'s app (same settings, stages and secrets) under uvicorn's ``protocol``
     (``httptools`` stock, or ``h11`` with ``h11_max_incomplete_event_size`` = the header limit),
-    without :mod:`gateway.edge`: the alternatives the ``edge-*`` scenarios measure."""
+    without :mod:`gateway.edge.protocol`: the alternatives the ``edge-*`` scenarios measure."""
     import uvicorn
 
     from config.loader import load_settings
     from config.secrets import load_secrets
     from gateway.app import create_app
     from gateway.commands.serve import build_stages
-    from gateway.tenants import TenantRegistry
+    from gateway.ops.tenants import TenantRegistry
 
     settings = load_settings(config)
     registry = TenantRegistry.from_path(tenants, settings)

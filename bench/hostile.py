@@ -179,15 +179,15 @@ class LagProbe:
 
 
 def serve(config: str, tenants: str) -> int:
-    """``kvgate serve``'s app under its own server layer (:func:`gateway.server.run_server`),
+    """``kvgate serve``'s app under its own server layer (:func:`gateway.edge.server.run_server`),
     wrapped in :class:`LagProbe`."""
     from config.loader import load_settings
     from config.secrets import load_secrets
     from gateway.app import create_app
     from gateway.commands.serve import build_stages
-    from gateway.logging import setup_logging
-    from gateway.server import raise_fd_limit, run_server
-    from gateway.tenants import TenantRegistry
+    from gateway.edge.server import raise_fd_limit, run_server
+    from gateway.ops.access_log import setup_logging
+    from gateway.ops.tenants import TenantRegistry
 
     settings = load_settings(config)
     raise_fd_limit(settings.gateway)

@@ -2,7 +2,7 @@
 noise): one ``reserve`` + one ``settle`` (what every request of a limited tenant runs),
 sequentially (latency) and 64 at a time on one event loop (requests per second), for
 
-- ``null``: quotas off (:class:`gateway.stages.NullQuotas`), the floor;
+- ``null``: quotas off (:class:`gateway.quotas.stage.NullQuotas`), the floor;
 - ``memory``: limits kept in this process (no Redis URL; also what ``local_fallback`` runs);
 - ``standalone``, ``sentinel``, ``cluster``: the Lua scripts on a Redis deployment this bench
   starts on loopback (one redis-server; a master, a replica and 3 sentinels; 3 masters and 3
@@ -38,9 +38,9 @@ from typing import Any  # noqa: E402
 from config.errors import OpenAIError  # noqa: E402
 from config.models import QuotaSettings, TenantConfig  # noqa: E402
 from config.redis_client import redis_client  # noqa: E402
-from gateway.quota_stores import LocalQuotaStore, RedisQuotaStore  # noqa: E402
-from gateway.quotas import TenantQuotas  # noqa: E402
-from gateway.stages import NullQuotas  # noqa: E402
+from gateway.quotas.stage import NullQuotas  # noqa: E402
+from gateway.quotas.stores import LocalQuotaStore, RedisQuotaStore  # noqa: E402
+from gateway.quotas.tenant_quotas import TenantQuotas  # noqa: E402
 
 LIMITS = {"rpm": 10**9, "tpm": 10**12, "max_concurrent": 10**6}
 

@@ -43,8 +43,11 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tokenizer import bundled_counter, get_encoding  # noqa: E402
-from tokenizer import parallel  # noqa: E402
+from tokenizer import (  # noqa: E402
+    bundled_counter,
+    get_encoding,
+    parallel,  # noqa: E402
+)
 
 
 def corpus_paragraphs() -> list[str]:

@@ -48,7 +48,7 @@ SEEDS = ROOT.parent / "shared" / "seeds"
 def corpus() -> str:
     """Real text: the runbook's translations when present, the gateway's demo texts, and words."""
     parts = [p.read_text() for p in sorted(SEEDS.glob("*.txt")) if p.name != "README.md"] if SEEDS.exists() else []
-    parts += [p.read_text() for p in sorted((ROOT / "gateway" / "demo_texts").glob("*.txt"))]
+    parts += [p.read_text() for p in sorted((ROOT / "gateway" / "stack" / "demo_texts").glob("*.txt"))]
     rng = random.Random(0)
     words = "river stone garden window market silver morning letter bridge paper orange winter".split()
     parts.append(" ".join(rng.choice(words) for _ in range(20000)))

@@ -115,7 +115,7 @@ class UpstreamConfig(_Strict):
     ``/v1/models`` URL (vllm). ``static_pool_tokens``: the pool for ``pool_source: static``.
     ``models``: model ids (or aliases) it serves. ``engine``: what serves it (``sglang`` |
     ``vllm`` | ``kvgate`` | ``openai``), which picks the table of extension fields passed through
-    (gateway/fields.py); left out, it follows ``pool_source`` (``static``: ``openai``, the OpenAI
+    (gateway/admission/fields.py); left out, it follows ``pool_source`` (``static``: ``openai``, the OpenAI
     fields only).
     ``pass_stateful_responses``: forward
     ``/v1/responses`` requests that use engine-side state (``previous_response_id``,
@@ -170,7 +170,7 @@ class PoolSettings(_Strict):
 class GatewaySettings(_Strict):
     """The HTTP edge: bind address, body limit, upstream timeouts (seconds), drain on SIGTERM.
 
-    Client side (:mod:`gateway.edge`; docs/gateway.md, "Edge limits"): ``max_inbound_connections``
+    Client side (:mod:`gateway.edge.protocol`; docs/gateway.md, "Edge limits"): ``max_inbound_connections``
     client connections per process (``max_connections`` sizes the upstream pool),
     ``max_connections_per_client`` of them per client address (``None``: an eighth of the total),
     ``max_pipelined_requests`` queued on one connection, ``max_body_chunks`` /
@@ -181,20 +181,20 @@ class GatewaySettings(_Strict):
     upstream stream event; ``max_body_values`` the JSON values of one request body besides its
     token-id arrays, which are parsed in slices and not counted (413 above, before it is parsed);
     ``large_body_bytes_per_second`` what the bytes past each body's first 64 KiB may take of one
-    process, shared in turn by tenants (:mod:`gateway.body_budget`; ``None``: unpaced);
+    process, shared in turn by tenants (:mod:`gateway.edge.body_budget`; ``None``: unpaced);
     ``refusal_delay_seconds`` how long a 401 (no valid key:
-    :func:`gateway.handlers.refusal`) or a 431 (a head too large: :mod:`gateway.edge`)
+    :func:`gateway.routes.handlers.refusal`) or a 431 (a head too large: :mod:`gateway.edge.protocol`)
     waits before it is answered (0: at once);
     ``metrics_token``, when set, is the bearer token ``/metrics`` and ``/readyz``'s details need.
     ``offload_threads``: threads of the pool that parses large bodies and counts (``None``:
     ``min(32, usable cores + 4)``); ``offload_tenant_share``: the most of them one tenant holds at
-    once (``None``: a quarter, at least 1; :mod:`gateway.offload`).
+    once (``None``: a quarter, at least 1; :mod:`gateway.edge.offload`).
 
     ``workers``: gateway worker processes on the one port (docs/design.md, Contracts: "Workers");
     ``None`` = the usable cores (``os.sched_getaffinity``, capped by a cgroup CPU quota) when
     ``redis_url`` is set, else 1. ``reuse_port``: each worker binds its own ``SO_REUSEPORT``
     socket instead of sharing the supervisor's (any process of the same user may then bind the
-    port too and receive connections; :mod:`gateway.workers`).
+    port too and receive connections; :mod:`gateway.edge.workers`).
     """
 
     host: str = "127.0.0.1"

@@ -1,6 +1,6 @@
 """The one place a Redis client is made from ``redis_url``, and the one store back-off.
 
-Quotas (``gateway.quotas``), the leak index, the canary registry and quarantine (``verifier``)
+Quotas (``gateway.quotas.tenant_quotas``), the leak index, the canary registry and quarantine (``verifier``)
 and the ``kvgate upstream`` CLI all call :func:`redis_client`, so every mode works the same
 everywhere:
 

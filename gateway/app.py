@@ -1,16 +1,17 @@
 """The gateway app factory (docs/design.md, "A request's way through the gateway").
 
 ``create_app(settings, tenants, *, quotas=None, verifier=None, secrets=None) -> FastAPI``. The
-app's lifespan owns one pooled :class:`~gateway.upstream_client.UpstreamClient` (aiohttp: every
+app's lifespan owns one pooled :class:`~gateway.relay.upstream_client.UpstreamClient` (aiohttp: every
 forwarded request), one pooled ``httpx.AsyncClient`` (pool polls) and one
-:class:`~gateway.pool_watcher.PoolWatcher` task per upstream. The stages are
-the contracts of :mod:`gateway.stages` / :mod:`verifier.stage`; ``None`` means switched off
+:class:`~gateway.ops.pool_watcher.PoolWatcher` task per upstream. The stages are
+the contracts of :mod:`gateway.quotas.stage` / :mod:`verifier.stage`; ``None`` means switched off
 (:class:`NullQuotas` / :class:`NullVerifier`), and a stage with ``aclose`` is closed at shutdown.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
 ``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (also under ``/v1/``), ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``GET /health`` (the same as ``/livez`` and ``/healthz``), ``GET /readyz``,
-``GET /metrics``. Every error is OpenAI-shaped (:mod:`gateway.errors`). ``app.state.gateway`` is the :class:`Gateway`.
+``GET /metrics``. Every error is OpenAI-shaped (:mod:`gateway.ops.errors`). ``app.state.gateway`` is the
+:class:`Gateway`.
 """
 
 from __future__ import annotations
@@ -32,18 +33,19 @@ from starlette.responses import Response
 
 from config.errors import ErrorCode, openai_error_bytes
 from config.models import Settings
-from gateway import errors, offload
-from gateway.admission import ModelIndex
-from gateway.body_budget import BodyBudget
-from gateway.handlers import handle_completion, handle_model, handle_models
-from gateway.metrics import GatewayMetrics
-from gateway.pool_watcher import PoolWatcher
-from gateway.stages import NullQuotas, QuotaStage
-from gateway.tenants import TenantRegistry
-from gateway.tokenize_handlers import handle_tokenize
-from gateway.upstream_client import UpstreamClient
-from gateway.upstreams import UpstreamSet, make_upstream
-from gateway.workers import usable_cores
+from gateway.admission.gate import ModelIndex
+from gateway.edge import offload
+from gateway.edge.body_budget import BodyBudget
+from gateway.edge.workers import usable_cores
+from gateway.ops import errors
+from gateway.ops.metrics import GatewayMetrics
+from gateway.ops.pool_watcher import PoolWatcher
+from gateway.ops.tenants import TenantRegistry
+from gateway.quotas.stage import NullQuotas, QuotaStage
+from gateway.relay.upstream_client import UpstreamClient
+from gateway.relay.upstreams import UpstreamSet, make_upstream
+from gateway.routes.handlers import handle_completion, handle_model, handle_models
+from gateway.routes.tokenize_handlers import handle_tokenize
 from verifier.stage import NullVerifier, VerifierStage
 
 log = logging.getLogger("kvgate.app")
@@ -90,7 +92,7 @@ class Gateway:
             limits=httpx.Limits(max_connections=g.max_connections, max_keepalive_connections=g.max_connections),
             trust_env=False,
         )
-        #: the forward path's client (aiohttp; see gateway.upstream_client); ``client`` polls pools
+        #: the forward path's client (aiohttp; see gateway.relay.upstream_client); ``client`` polls pools
         self.forwarder = UpstreamClient(
             connect_timeout=g.connect_timeout_seconds,
             read_timeout=g.read_timeout_seconds,
@@ -121,7 +123,7 @@ class Gateway:
         return s
 
     async def start(self) -> None:
-        """Install the offload executor (:mod:`gateway.offload`: per-tenant shares), poll every live
+        """Install the offload executor (:mod:`gateway.edge.offload`: per-tenant shares), poll every live
         pool once (so a healthy gateway is ready at once), then start the watchers and a stage's
         background tasks (``start()``, when it has one: the verifier's worker and periodic probe)."""
         g = self.settings.gateway

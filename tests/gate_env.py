@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from config.models import Settings
-from gateway.stages import QuotaLease
+from gateway.quotas.stage import QuotaLease
 from tests.gateway_harness import KEY_A, Gateway, tenants
 from tests.mock_engine import MockEngine
 

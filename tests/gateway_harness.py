@@ -11,7 +11,7 @@ import httpx
 
 from config.models import Settings, TenantsFile
 from gateway.app import create_app
-from gateway.tenants import TenantRegistry, hash_key
+from gateway.ops.tenants import TenantRegistry, hash_key
 from tests.mock_engine import MockEngine, ServerThread
 
 KEY_A = "sk-test-tenant-a"

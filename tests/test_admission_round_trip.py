@@ -1,5 +1,5 @@
 """A small prompt's leak-index write can ride a quota reservation's Redis round trip
-(verifier.stage.PendingWrite, gateway.quota_stores.RedisQuotaStore._call_with): one pipeline
+(verifier.stage.PendingWrite, gateway.quotas.stores.RedisQuotaStore._call_with): one pipeline
 holds the reservation and the index write. What lands in Redis, what happens when Redis lost
 the scripts (NOSCRIPT), when the reservation makes no round trip (unlimited tenant), when the
 round trip fails; and through the real app, where the write follows the token reservation so
@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from config.models import QuotaSettings, TenantConfig, VerifierSettings
-from gateway.quota_stores import RedisQuotaStore
-from gateway.quotas import TenantQuotas, redis_client_from_url
+from gateway.quotas.stores import RedisQuotaStore
+from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
 from tests.test_verifier_inline_ingest import ex, settings
 from verifier.leak_index import RedisLeakStore
 from verifier.service import VerifierService
@@ -54,7 +54,7 @@ def own_writes(monkeypatch):
 
 
 async def admit_and_reserve(svc: VerifierService, quotas: TenantQuotas, tenant: TenantConfig, prompt: str):
-    """What gateway.admit does: the deferred index write sent with the reservation, then finished."""
+    """What gateway.admission.admit does: the deferred index write sent with the reservation, then finished."""
     e = ex(tenant, prompt)
     pending = await svc.admit(e, defer_write=True)
     assert pending is not None and len(pending.calls) == 1

@@ -9,16 +9,15 @@ import random
 
 import pytest
 import torch
-
+from backend_core_support import collect, make_engine, worker_paused  # noqa: F401  (fixture)
 from conftest import SEEDS
+
 from gpu_backend.decode_node import decode_reserved, load_pages, reserve_pages
 from gpu_backend.errors import StaleHandleError
 from gpu_backend.faults import Faults
 from gpu_backend.kv_pool import PageHandle
 from gpu_backend.prefill_node import prefill_export
 from gpu_backend.sampling import SamplingParams
-
-from backend_core_support import collect, make_engine, worker_paused  # noqa: F401  (fixture)
 
 
 @pytest.mark.timeout(120)

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from backend_core_support import collect, make_engine, worker_paused  # noqa: F401  (fixture)
 
 from config.errors import ErrorCode
 from gpu_backend.attention import ContiguousAttention, ContiguousKVCache, SeqSpan
@@ -26,10 +27,8 @@ from gpu_backend.faults import Faults
 from gpu_backend.prefill_node import prefill_export
 from gpu_backend.replies import Failed, PagesGranted, Reply
 from gpu_backend.sampling import SamplingParams
-from gpu_backend.sequence import Sequence, SeqState
+from gpu_backend.sequence import SeqState, Sequence
 from gpu_backend.wire import Token
-
-from backend_core_support import collect, make_engine, worker_paused  # noqa: F401  (fixture)
 
 SMALL = dict(model="tiny-random", max_total_tokens=1024, context_length=1024)
 PROBE = dict(model="copy-probe", max_total_tokens=2048, context_length=2048)

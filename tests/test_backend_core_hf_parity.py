@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backend_core_support import collect, make_engine  # noqa: F401  (fixture)
 
 from gpu_backend.attention import PagedAttention, SeqSpan
 from gpu_backend.kv_pool import KVPool
 from gpu_backend.weights import load_hf_llama
-
-from backend_core_support import collect, make_engine  # noqa: F401  (fixture)
 
 transformers = pytest.importorskip("transformers")
 

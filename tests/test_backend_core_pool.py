@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backend_core_support import make_engine  # noqa: F401  (fixture)
 
 from gpu_backend import pool_sizing
 from gpu_backend.errors import StaleHandleError
 from gpu_backend.kv_pool import KVPool, PageHandle
-
-from backend_core_support import make_engine  # noqa: F401  (fixture)
 
 
 def _pool(scrub: bool = True, pages: int = 4) -> KVPool:

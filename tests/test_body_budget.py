@@ -1,4 +1,4 @@
-"""The large-body budget (gateway/body_budget.py): bytes past a body's first 64 KiB are paced by a
+"""The large-body budget (gateway/edge/body_budget.py): bytes past a body's first 64 KiB are paced by a
 process-wide token bucket, tenants served in turn; small bodies never wait. Unit tests on a fake
 clock (every wait exact), then through the real app over HTTP."""
 
@@ -11,7 +11,7 @@ import time
 import orjson
 import pytest
 
-from gateway.body_budget import FREE_BODY_BYTES, BodyBudget
+from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
 from tests.gateway_harness import MODEL, Gateway, settings_for, upstream, wait_for
 from tests.mock_engine import MockEngine
 

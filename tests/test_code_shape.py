@@ -27,13 +27,13 @@ LONG_FUNCTIONS = {
     "gateway/commands/incident.py:run_incident": "the incident demo's script, step by step",
     "gateway/app.py:create_app": "routes as closures; to become route values",
     "gateway/commands/serve.py:run": "start-up checks in order; to split by check",
-    "gateway/admission.py:decide": "the gate's rules; to move into the route objects",
+    "gateway/admission/gate.py:decide": "the gate's rules; to move into the route objects",
     "verifier/probe.py:run_probe": "the five probe steps; to split per step",
     "gpu_backend/decode_node.py:accept_transfer": "manifest checks; to split",
-    "gateway/proxy.py:relay_response_stream": "to become one relay loop with a stream protocol",
-    "gateway/proxy.py:relay_stream": "to become one relay loop with a stream protocol",
+    "gateway/relay/proxy.py:relay_response_stream": "to become one relay loop with a stream protocol",
+    "gateway/relay/proxy.py:relay_stream": "to become one relay loop with a stream protocol",
     "gateway/commands/demo.py:build_cases": "the demo's table of cases",
-    "gateway/metrics.py:__init__": "one line per metric family",
+    "gateway/ops/metrics.py:__init__": "one line per metric family",
 }
 
 

@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
+
 from config import (
     ConfigError,
     Settings,
@@ -359,8 +359,8 @@ def _serve_args(tmp_path, state, *extra):
 
 
 def test_serve_refuses_open_secrets_unless_allowed(tmp_path, capsys, monkeypatch, caplog):
-    import gateway.logging
-    import gateway.server
+    import gateway.edge.server
+    import gateway.ops.access_log
 
     for k in [k for k in os.environ if k.startswith("KVGATE_")]:
         monkeypatch.delenv(k)
@@ -368,8 +368,8 @@ def test_serve_refuses_open_secrets_unless_allowed(tmp_path, capsys, monkeypatch
     load_secrets(state, environ={})
     os.chmod(state / "secrets.json", 0o644)
     served = []
-    monkeypatch.setattr(gateway.server, "run_server", lambda app, *a, **kw: served.append(app) or 0)
-    monkeypatch.setattr(gateway.logging, "setup_logging", lambda *a, **kw: None)  # keep pytest's handlers
+    monkeypatch.setattr(gateway.edge.server, "run_server", lambda app, *a, **kw: served.append(app) or 0)
+    monkeypatch.setattr(gateway.ops.access_log, "setup_logging", lambda *a, **kw: None)  # keep pytest's handlers
     serve, args = _serve_args(tmp_path, state)
     assert serve.run(args) == 2 and served == []
     assert capsys.readouterr().err == (
@@ -396,8 +396,8 @@ def test_serve_refuses_open_secrets_unless_allowed(tmp_path, capsys, monkeypatch
 def test_a_short_secret_in_secrets_json_is_refused(tmp_path, capsys, monkeypatch):
     """A hand-edited file is held to the environment's 16 bytes; kvgate serve names the entry, never
     its value."""
-    import gateway.logging
-    import gateway.server
+    import gateway.edge.server
+    import gateway.ops.access_log
 
     for k in [k for k in os.environ if k.startswith("KVGATE_")]:
         monkeypatch.delenv(k)
@@ -413,8 +413,8 @@ def test_a_short_secret_in_secrets_json_is_refused(tmp_path, capsys, monkeypatch
     )
     assert str(ei.value) == expected
     served = []
-    monkeypatch.setattr(gateway.server, "run_server", lambda app, *a, **kw: served.append(app) or 0)
-    monkeypatch.setattr(gateway.logging, "setup_logging", lambda *a, **kw: None)
+    monkeypatch.setattr(gateway.edge.server, "run_server", lambda app, *a, **kw: served.append(app) or 0)
+    monkeypatch.setattr(gateway.ops.access_log, "setup_logging", lambda *a, **kw: None)
     serve, args = _serve_args(tmp_path, state)
     assert serve.run(args) == 2 and served == []
     assert capsys.readouterr().err == f"kvgate serve: {expected}\n"
@@ -457,7 +457,7 @@ def test_processes_starting_together_agree_on_secrets(tmp_path):
 
 def test_serve_init_tenant_creates_a_tenants_file_with_a_generated_key_once(tmp_path):
     from gateway.commands.serve import init_tenant
-    from gateway.tenants import TenantRegistry
+    from gateway.ops.tenants import TenantRegistry
 
     path = tmp_path / "vol" / "tenants.yaml"
     state = tmp_path / "vol" / "state"

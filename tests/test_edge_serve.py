@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from config.model_manifest import MANIFEST, describe_files
-from gateway.tenants import hash_key
+from gateway.ops.tenants import hash_key
 from tests.backend_procs import free_port
 from tests.conftest import ROOT
 from tests.gateway_harness import KEY_A, MODEL

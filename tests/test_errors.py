@@ -8,9 +8,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from config.errors import ErrorCode, ErrorLike, OpenAIError, as_openai_error
-from conftest import ROOT
 from gpu_backend import errors as engine_errors
 from tokenizer import errors as tokenizer_errors
 

@@ -80,7 +80,7 @@ def test_max_completion_tokens_zero_with_max_tokens_100000(env):
 def test_n_times_batch_is_gated_as_a_whole(env):
     q = env[3]
     # the request: 300 prompts of 3,800 ids, n = 128 (38,400 sequences): 1.14 M token ids,
-    # parsed in slices (gateway/density.py) and refused for its sequences before counting
+    # parsed in slices (gateway/admission/density.py) and refused for its sequences before counting
     assert refused(env, "completions", {"model": "m", "prompt": [[1] * 3800] * 300, "n": 128}) == "prompt"
     # the same shape small enough to parse: refused for its 38,400 sequences, before counting
     assert refused(env, "completions", {"model": "m", "prompt": [[1] * 38] * 300, "n": 128}) == "prompt"

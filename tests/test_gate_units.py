@@ -12,15 +12,15 @@ import pytest
 
 from config.errors import MAX_PARAM_CHARS, OpenAIError, bounded
 from config.models import ImagePolicy, Settings, TenantConfig, UpstreamConfig
-from gateway.admission import ModelIndex, decide, requested_max_tokens
-from gateway.fields import (
+from gateway.admission.body import OPENAI_FIELDS, validate
+from gateway.admission.fields import (
     ENGINE_EXTENSIONS,
     allowed_extensions,
     bound_field,
     check_request,
     check_tool_definitions,
 )
-from gateway.requests import OPENAI_FIELDS, validate
+from gateway.admission.gate import ModelIndex, decide, requested_max_tokens
 from tokenizer import ChatOptions, InvalidPromptError, bundled_counter
 from tokenizer.engine_counter import EngineCounter
 from tokenizer.images import ImageCoster, data_url_size, image_size, openai_tiles_tokens, qwen2_vl_tokens
@@ -128,8 +128,8 @@ def test_engine_tables_intersect_and_stay_extensions():
     assert "regex" not in allowed_extensions(frozenset({"sglang", "vllm"}), "chat")
     assert allowed_extensions(frozenset({"openai", "sglang"}), "completions") == frozenset()
     assert allowed_extensions(frozenset(), "chat") == frozenset()
-    from gateway.api_routes import RESPONSES_FIELDS, RESPONSES_OPENAI_FIELDS
-    from gateway.requests import CHAT_FIELDS, COMPLETION_FIELDS
+    from gateway.admission.body import CHAT_FIELDS, COMPLETION_FIELDS
+    from gateway.routes.api_routes import RESPONSES_FIELDS, RESPONSES_OPENAI_FIELDS
 
     openai_fields = {**OPENAI_FIELDS, "responses": frozenset(RESPONSES_OPENAI_FIELDS)}
     checked = {"chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS, "responses": RESPONSES_FIELDS}

@@ -9,7 +9,7 @@ import pytest
 
 from config.errors import ErrorCode
 from config.loader import ConfigError, load_settings
-from gateway.tenants import TenantRegistry, hash_key
+from gateway.ops.tenants import TenantRegistry, hash_key
 from tokenizer.errors import EngineTokenizeError, InvalidTokenIdError, UnknownContentPartError
 
 TENANT = """tenants:

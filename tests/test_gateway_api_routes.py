@@ -16,8 +16,8 @@ import pytest
 
 from config.errors import MAX_MESSAGE_CHARS, bounded
 from config.models import Settings
-from gateway.api_routes import embedding_length_message, responses_length_message
-from gateway.quotas import build_quota_stage
+from gateway.quotas.tenant_quotas import build_quota_stage
+from gateway.routes.api_routes import embedding_length_message, responses_length_message
 from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, tenants, upstream, wait_for
 from tests.mock_api_engine import COUNTER, ApiMockEngine, response_stream
 from verifier.service import VerifierService
@@ -301,7 +301,7 @@ def _plant(g: Gateway) -> None:
 
 def _strict_gateway(engine: ApiMockEngine) -> Gateway:
     from config.models import TenantsFile
-    from gateway.tenants import TenantRegistry, hash_key
+    from gateway.ops.tenants import TenantRegistry, hash_key
 
     s = settings(engine, verifier=True)
     reg = TenantRegistry(

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from config.models import Settings
-from gateway.grammar_bounds import ebnf_problem, regex_problem, schema_problem
+from gateway.admission.grammar_bounds import ebnf_problem, regex_problem, schema_problem
 from tests.gateway_harness import MODEL, Gateway, tenants, upstream
 from tests.mock_api_engine import ApiMockEngine
 
@@ -89,7 +89,7 @@ def test_health_and_livez_answer_as_healthz(gw):
 
 
 # ------------------------------------------------------------------ Responses sampling fields
-#: engine -> the sampling fields its Responses request model reads (gateway/fields.py)
+#: engine -> the sampling fields its Responses request model reads (gateway/admission/fields.py)
 READS = {
     "sglang": {"stop", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"},
     "vllm": {"stop", "top_k", "repetition_penalty", "seed", "ignore_eos", "skip_special_tokens"},
@@ -207,7 +207,7 @@ def test_responses_bounds_refuse_with_the_field_named(gw, field, value, problem)
     if field == "metadata":
         problem = "must be an object of at most 16 string keys (<= 64 characters) and string values (<= 512)"
     if field == "include":
-        from gateway.api_routes import INCLUDABLE
+        from gateway.routes.api_routes import INCLUDABLE
 
         problem = "must be an array of " + ", ".join(INCLUDABLE)
     assert refused(post(gw, "/v1/responses", {"input": "x", field: value})) == invalid(field, problem)
@@ -312,7 +312,7 @@ def test_backend_command_line_carries_each_pool_flag_once(tmp_path):
     """``kvgate demo`` passes its smaller pools as backend flags: they replace the settings' own
     instead of following them (each pool flag appeared twice before)."""
     from config.loader import load_settings
-    from gateway.stack import EmbeddedStack, StackOptions
+    from gateway.stack.embedded import EmbeddedStack, StackOptions
 
     args = ["--prefill-max-total-tokens=1024", "--decode-max-total-tokens", "4096"]
     stack = EmbeddedStack(StackOptions(model="tiny-random", backend_args=args, run_dir=str(tmp_path)))

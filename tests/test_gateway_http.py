@@ -427,7 +427,7 @@ class RecordingQuotas:
 
     async def begin(self, tenant, request_id):
         from config.errors import OpenAIError
-        from gateway.stages import QuotaLease
+        from gateway.quotas.stage import QuotaLease
 
         if self.refuse:
             raise OpenAIError(

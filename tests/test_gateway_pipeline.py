@@ -1,4 +1,4 @@
-"""The request pipeline's bookkeeping however a request ends (gateway/admit.py -> proxy.py ->
+"""The request pipeline's bookkeeping however a request ends (gateway/admission/admit.py -> proxy.py ->
 finish.py, carried by response.py): the quota lease is settled exactly once with the exact
 tokens, the upstream's in-flight count returns to 0, and the access log and metrics say what the
 client got. Ends covered: answered (whole and streamed), engine error, connect failure, the
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from config.errors import ErrorCode, OpenAIError
-from gateway.stages import QuotaLease
+from gateway.quotas.stage import QuotaLease
 from tests.gate_oracle import text_tokens
 from tests.gateway_harness import (
     KEY_A,

@@ -36,7 +36,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
     chunks = [b'data: {"choices":[{"index":0,"delta":{"content":"w%d "}}]}\n\n' % i for i in range(4)]
     engine.state.stream_chunks = chunks + [b"data: [DONE]\n\n"]
     engine.state.chunk_interval_seconds = 0.4
-    from gateway.tenants import hash_key
+    from gateway.ops.tenants import hash_key
 
     cfg = tmp_path / "kvgate.yaml"
     cfg.write_text(

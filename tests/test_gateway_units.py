@@ -8,12 +8,12 @@ import pytest
 from config.errors import OpenAIError
 from config.models import Settings, TenantConfig
 from config.pool import effective_pool_limit, pool_limit_from_headroom
-from gateway.admission import ModelIndex, decide
-from gateway.handlers import request_id_of
-from gateway.pool_watcher import PoolReadError, limit_from_server_info, limit_from_vllm_models
-from gateway.requests import parse_json_body, validate
-from gateway.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, strip_usage_null
-from gateway.tenants import TenantRegistry, hash_key
+from gateway.admission.body import parse_json_body, validate
+from gateway.admission.gate import ModelIndex, decide
+from gateway.ops.pool_watcher import PoolReadError, limit_from_server_info, limit_from_vllm_models
+from gateway.ops.tenants import TenantRegistry, hash_key
+from gateway.relay.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, strip_usage_null
+from gateway.routes.handlers import request_id_of
 from verifier.engine_response import engine_error
 
 

@@ -1,4 +1,4 @@
-"""The forward path's client (gateway/upstream_client.py) against raw asyncio servers on loopback
+"""The forward path's client (gateway/relay/upstream_client.py) against raw asyncio servers on loopback
 that misbehave on purpose: every aiohttp failure must reach the proxy as the httpx exception it
 already handles, bodies must come back byte for byte, and an abandoned response must close its
 connection (so the engine sees the request cancelled)."""
@@ -12,7 +12,7 @@ import aiohttp
 import httpx
 import pytest
 
-from gateway.upstream_client import UpstreamClient, as_httpx_error
+from gateway.relay.upstream_client import UpstreamClient, as_httpx_error
 
 pytestmark = pytest.mark.timeout(30)
 

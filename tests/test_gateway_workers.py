@@ -30,9 +30,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from quota_fixtures import free_port
 
 from config.models import Settings
-from gateway import workers as wk
 from gateway.cli import main as cli_main
-from gateway.quotas import TenantQuotas, build_quota_stage
+from gateway.edge import workers as wk
+from gateway.quotas.tenant_quotas import TenantQuotas, build_quota_stage
 from tests.conftest import ROOT
 from tests.mock_engine import MockEngine, MockState
 from tokenizer import bundled_counter

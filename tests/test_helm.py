@@ -33,7 +33,7 @@ import pytest
 import yaml
 
 from config.loader import load_settings, load_tenants
-from gateway import workers as wk
+from gateway.edge import workers as wk
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "kvgate"
@@ -286,7 +286,7 @@ def test_redis_urls_per_mode(tmp_path: Path) -> None:
 
 
 def test_the_gateway_parses_the_rendered_sentinel_url(tmp_path: Path) -> None:
-    from gateway.quotas import redis_client_from_url
+    from gateway.quotas.tenant_quotas import redis_client_from_url
 
     client = redis_client_from_url(_loaded("sentinel", tmp_path)[0].redis_url, 0.25)
     pool = client.connection_pool
@@ -372,7 +372,7 @@ def test_probe_paths_are_gateway_routes() -> None:
     from config.models import Settings, TenantsFile
     from config.secrets import SECRET_NAMES
     from gateway.app import create_app
-    from gateway.tenants import TenantRegistry
+    from gateway.ops.tenants import TenantRegistry
 
     app = create_app(Settings(), TenantRegistry(TenantsFile()), secrets={n: b"k" * 32 for n in SECRET_NAMES})
     paths = {getattr(r, "path", None) for r in app.router.routes}

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from config.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, OpenAIError, bounded, openai_error
-from gateway.logging import MAX_FIELD_CHARS, MAX_LINE_BYTES, JsonFormatter
+from gateway.ops.access_log import MAX_FIELD_CHARS, MAX_LINE_BYTES, JsonFormatter
 from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream, wait_for
 from tests.mock_engine import MockEngine
 

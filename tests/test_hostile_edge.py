@@ -1,4 +1,4 @@
-"""The server layer under hostile clients (gateway/edge.py), over real sockets against the gateway
+"""The server layer under hostile clients (gateway/edge/protocol.py), over real sockets against the gateway
 app: oversized and too many headers (431), slow heads and slow bodies (408 within the bound),
 too many client connections (503), idle keep-alive connections closed. Exact bytes each time."""
 
@@ -13,7 +13,7 @@ import time
 import pytest
 import uvicorn
 
-from gateway.edge import EdgeLimits, configure
+from gateway.edge.protocol import EdgeLimits, configure
 from tests.gateway_harness import KEY_A, Gateway, chat, settings_for, tenants, upstream
 from tests.mock_engine import MockEngine, free_socket
 
@@ -32,7 +32,7 @@ LIMITS = EdgeLimits(
 
 
 class EdgeServer:
-    """The gateway app under uvicorn with :func:`gateway.edge.configure` applied, on a free port."""
+    """The gateway app under uvicorn with :func:`gateway.edge.protocol.configure` applied, on a free port."""
 
     def __init__(self, app, limits: EdgeLimits) -> None:
         self.sock = free_socket()
@@ -137,7 +137,7 @@ def test_header_bytes_over_the_limit_get_431(edge):
 def test_parsing_stops_at_the_refused_header(edge, monkeypatch, caplog):
     """20,000 headers: 431 at the 21st, and the parser is stopped there: 21 header callbacks,
     not 20,001, and no second answer or parse-error log line after the refusal."""
-    from gateway.edge import BoundedHttpToolsProtocol
+    from gateway.edge.protocol import BoundedHttpToolsProtocol
 
     calls: list[bytes] = []
     real = BoundedHttpToolsProtocol.on_header
@@ -270,7 +270,7 @@ def test_a_client_still_sending_gets_its_431_not_a_reset(edge):
     """A client that goes on sending after its head was refused still reads the 431 and then the
     end of the stream: the server lingers, dropping up to 256 KiB more, instead of closing with
     bytes unread (the kernel's reset then discarded the answer on its way, or failed the send)."""
-    from gateway.edge import LINGER_MAX_HEAD_BYTES
+    from gateway.edge.protocol import LINGER_MAX_HEAD_BYTES
 
     assert 12 * 16384 < LINGER_MAX_HEAD_BYTES
     s = edge.connect()
@@ -350,7 +350,7 @@ class Calls:
     """Counts calls of the protocol's body callbacks."""
 
     def __init__(self, monkeypatch) -> None:
-        from gateway.edge import BoundedHttpToolsProtocol
+        from gateway.edge.protocol import BoundedHttpToolsProtocol
 
         self.n = {"on_body": 0, "on_chunk_header": 0}
         for name in self.n:
@@ -367,7 +367,7 @@ def test_a_chunked_trickle_of_tiny_chunks_gets_413_after_the_free_chunks(edge, m
     """10,000 one-byte chunks: 413 at chunk 66 (the first 64 are free, then chunks must average
     256 bytes), parsing stops there (66 chunk callbacks, 65 body callbacks, not 10,000), and
     nothing is forwarded. It used to cost about 1 us of event loop per chunk, all of them read."""
-    from gateway.edge import FREE_CHUNKS
+    from gateway.edge.protocol import FREE_CHUNKS
 
     calls = Calls(monkeypatch)
     before = len(edge.engine.state.requests)
@@ -501,7 +501,7 @@ def test_lingering_connections_count_and_are_paced(edge):
     all six slots: a seventh gets 503 (lingering ones used to leave the count). Each lingering
     connection is read at 2 MiB/s: after about a second, at most 2 MiB per second elapsed (plus a
     256 KiB burst) of a client's 8 MiB were read (it used to be read unpaced)."""
-    from gateway.edge import LINGER_BYTES_PER_SECOND
+    from gateway.edge.protocol import LINGER_BYTES_PER_SECOND
 
     head = (
         f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"

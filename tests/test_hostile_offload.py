@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from config.errors import OpenAIError
 from config.models import Settings, TenantConfig
-from gateway.admission import ModelIndex, count_prompt, decide, request_cost
+from gateway.admission.gate import ModelIndex, count_prompt, decide, request_cost
 from tokenizer.base import OFFLOAD_CHARS, PROMPT_ELEMENT_CHARS, TOKEN_ID_CHARS, prompt_cost
 from tokenizer.chat import CHAT_ELEMENT_CHARS, chat_cost
 
@@ -126,7 +126,7 @@ def test_request_cost_by_route():
 
 
 def test_values_over_counts_commas_outside_strings_only():
-    from gateway.density import values_over
+    from gateway.admission.density import values_over
 
     def over(obj, limit=1000):
         return values_over(json.dumps(obj).encode(), limit)
@@ -151,8 +151,8 @@ def _gateway_with(engine):
 
 
 def test_element_dense_bodies_over_http_are_refused_before_parsing_and_nothing_is_forwarded(monkeypatch):
-    import gateway.admit as admit_module
-    import gateway.density as density
+    import gateway.admission.admit as admit_module
+    import gateway.admission.density as density
     from tests.mock_engine import MockEngine
 
     parsed: list[int] = []
@@ -301,7 +301,7 @@ def test_a_token_id_prompt_as_long_as_the_context_is_counted_and_gated_not_refus
 def test_split_ids_cuts_only_integer_arrays_outside_strings_and_restores_them_exactly():
     import orjson
 
-    from gateway.density import ID_SLICE_BYTES, MIN_ID_ARRAY, BadIds, parse_ids, restore_ids, split_ids
+    from gateway.admission.density import ID_SLICE_BYTES, MIN_ID_ARRAY, BadIds, parse_ids, restore_ids, split_ids
 
     def roundtrip(raw: bytes) -> tuple[int, object]:
         skeleton, arrays = split_ids(raw)
@@ -376,7 +376,7 @@ _json_values = st.recursive(
 def test_values_over_agrees_with_a_json_state_machine(doc, slice_bytes, compact, slack):
     """Whatever the slicing (escapes and strings cut at every place): None exactly when the
     commas outside strings are at most the limit, else a lower bound of them above the limit."""
-    import gateway.density as density
+    import gateway.admission.density as density
 
     raw = json.dumps(doc, separators=(",", ":") if compact else None, ensure_ascii=False).encode()
     ref = _commas_outside_strings(raw)
@@ -409,7 +409,7 @@ def test_string_density_never_claims_more_values_than_there_are(doc, cuts):
     """The streaming bound of StringDensity, fed the body in reads cut anywhere (escapes and
     strings split between reads), never exceeds the commas outside strings that values_over
     counts: it can only refuse what values_over would refuse."""
-    from gateway.density import StringDensity
+    from gateway.admission.density import StringDensity
 
     raw = json.dumps(doc, ensure_ascii=False).encode()
     ref = _commas_outside_strings(raw)
@@ -420,7 +420,7 @@ def test_string_density_never_claims_more_values_than_there_are(doc, cuts):
 
 
 def test_string_density_refuses_a_list_of_empty_strings_after_a_fraction_of_it():
-    from gateway.density import StringDensity
+    from gateway.admission.density import StringDensity
 
     raw = json.dumps({"prompt": [""] * 2_000_000}).encode()  # 8 MB
     density = StringDensity(131_072)
@@ -435,7 +435,7 @@ def test_string_density_refuses_a_list_of_empty_strings_after_a_fraction_of_it()
 def test_string_density_counts_escapes_cut_between_reads():
     """Every escaped quote of an object cut between its backslash and its quote: the one-per-read
     allowance keeps the bound at or below the true count (10 members: 9 commas)."""
-    from gateway.density import StringDensity
+    from gateway.admission.density import StringDensity
 
     raw = json.dumps({f"k{i}": 'x"' for i in range(10)}).encode()
     cuts = [i + 1 for i, b in enumerate(raw) if b == 0x5C]  # right after each backslash
@@ -509,7 +509,7 @@ def test_string_density_answers_as_if_every_read_were_counted_in_full(doc, cuts,
     """StringDensity counts only quotes until they alone could take the bound over its limit,
     then the escapes and brackets of the reads it held: at every read it answers exactly what
     counting every read in full would (the bound when above the limit, else None)."""
-    from gateway.density import StringDensity
+    from gateway.admission.density import StringDensity
 
     raw = json.dumps(doc, ensure_ascii=False).encode()
     points = sorted({0, len(raw), *(c for c in cuts if c < len(raw))})

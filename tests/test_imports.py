@@ -17,7 +17,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 PACKAGES = ("config", "tokenizer", "verifier", "gateway", "gpu_backend")
@@ -192,7 +191,7 @@ def test_importing_gateway_tokenizer_verifier_does_not_import_torch():
 import json, sys
 import config, tokenizer, verifier, gateway, gateway.cli
 import tokenizer.tiktoken_counter, tokenizer.parallel, tokenizer.chat, tokenizer.hf_counter, tokenizer.engine_counter
-import config.loader, config.secrets, config.errors, verifier.stage, gateway.stages
+import config.loader, config.secrets, config.errors, verifier.stage, gateway.quotas.stage
 from tokenizer import bundled_counter
 n = bundled_counter().count_text("hello world")
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in {"torch", "numpy", "safetensors", "transformers"})

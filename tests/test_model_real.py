@@ -78,7 +78,7 @@ def test_smollm2_served_through_the_gateway(smollm2, tmp_path):
     import transformers
 
     from config.loader import DEFAULT_TENANTS
-    from gateway.stack import EmbeddedStack, StackOptions
+    from gateway.stack.embedded import EmbeddedStack, StackOptions
 
     tenants = tmp_path / "tenants.yaml"
     shutil.copy(DEFAULT_TENANTS, tenants)

@@ -1,4 +1,4 @@
-"""The offload executor's per-tenant share (gateway/offload.py): a tenant whose jobs fill its share
+"""The offload executor's per-tenant share (gateway/edge/offload.py): a tenant whose jobs fill its share
 waits for its own threads, while another tenant's job starts at once; jobs without a tenant are
 not limited; results, exceptions and cancellation come back as from a plain thread pool."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from gateway import offload
+from gateway.edge import offload
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,13 +12,13 @@ import time
 import uuid
 
 import pytest
+from quota_fixtures import black_hole, spare_redis  # noqa: F401 (fixtures)
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, Settings, TenantConfig
-from gateway.quota_stores import RedisQuotaStore
-from gateway.quotas import PROBE_INTERVAL_SECONDS, TenantQuotas, build_quota_stage, redis_client_from_url
-from gateway.stages import NullQuotas
-from quota_fixtures import black_hole, spare_redis  # noqa: F401 (fixtures)
+from gateway.quotas.stage import NullQuotas
+from gateway.quotas.stores import RedisQuotaStore
+from gateway.quotas.tenant_quotas import PROBE_INTERVAL_SECONDS, TenantQuotas, build_quota_stage, redis_client_from_url
 
 pytestmark = pytest.mark.timeout(60)
 

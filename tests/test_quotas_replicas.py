@@ -27,11 +27,11 @@ import httpx
 import pytest
 import redis
 import yaml
-
 from quota_fixtures import SpareRedis, free_port
+
+from gateway.cli import main as cli_main
 from tests.conftest import ROOT
 from tests.mock_engine import MockEngine, MockState
-from gateway.cli import main as cli_main
 from tokenizer import bundled_counter
 
 pytestmark = pytest.mark.timeout(90)

@@ -9,12 +9,12 @@ import uuid
 
 import pytest
 import redis.asyncio as aioredis
+from quota_fixtures import spare_redis  # noqa: F401 (fixture)
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
-from gateway.quota_stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
-from gateway.quotas import TenantQuotas, redis_client_from_url
-from quota_fixtures import spare_redis  # noqa: F401 (fixture)
+from gateway.quotas.stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
+from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 WINDOW_MS = 60_000

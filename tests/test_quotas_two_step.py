@@ -12,8 +12,8 @@ import pytest
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
-from gateway.quota_stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
-from gateway.quotas import TenantQuotas, redis_client_from_url
+from gateway.quotas.stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
+from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 WINDOW_MS = 60_000
@@ -106,7 +106,7 @@ class TokensDown:
         return getattr(self.inner, name)
 
     async def take_tokens(self, *a, **kw):
-        from gateway.quota_stores import QuotaStoreUnavailable
+        from gateway.quotas.stores import QuotaStoreUnavailable
 
         raise QuotaStoreUnavailable("gone")
 

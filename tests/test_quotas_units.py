@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.quota_stores import QuotaDecision, QuotaLimits
-from gateway.finish import completion_tokens_of
-from gateway.quotas import rate_limit_headers
-from gateway.tenant_reload import TenantFileWatcher
-from gateway.tenants import TenantRegistry, hash_key
+from gateway.ops.tenant_reload import TenantFileWatcher
+from gateway.ops.tenants import TenantRegistry, hash_key
+from gateway.quotas.stores import QuotaDecision, QuotaLimits
+from gateway.quotas.tenant_quotas import rate_limit_headers
+from gateway.relay.finish import completion_tokens_of
 from tokenizer import bundled_counter
 
 

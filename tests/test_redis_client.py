@@ -111,11 +111,12 @@ def test_a_cluster_no_node_of_which_answers_fails_closed_within_1s() -> None:
     import asyncio
     import time
 
+    from quota_fixtures import free_port
+
     from config.errors import OpenAIError
     from config.models import QuotaSettings, TenantConfig
-    from gateway.quota_stores import RedisQuotaStore
-    from gateway.quotas import TenantQuotas
-    from quota_fixtures import free_port
+    from gateway.quotas.stores import RedisQuotaStore
+    from gateway.quotas.tenant_quotas import TenantQuotas
 
     url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
 
@@ -144,8 +145,8 @@ def test_a_failed_slot_costs_only_its_tenants_and_never_delays_another() -> None
 
     from config.errors import OpenAIError
     from config.models import QuotaSettings, TenantConfig
-    from gateway.quota_stores import QuotaDecision, QuotaStoreUnavailable
-    from gateway.quotas import TenantQuotas
+    from gateway.quotas.stores import QuotaDecision, QuotaStoreUnavailable
+    from gateway.quotas.tenant_quotas import TenantQuotas
 
     class SlottedStore:
         name = "redis"

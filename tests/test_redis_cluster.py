@@ -60,7 +60,7 @@ class Fake:  # only register_script is called by the stores' constructors
 
 
 def test_quota_keys_of_a_tenant_share_one_slot_and_leak_keys_spread() -> None:
-    from gateway.quota_stores import RedisQuotaStore
+    from gateway.quotas.stores import RedisQuotaStore
     from verifier.leak_index import RedisLeakStore, RedisSpreadStore
 
     qkeys = RedisQuotaStore(Fake()).keys("acme")

@@ -15,8 +15,8 @@ from redis_servers import TlsRedis
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
 from config.redis_client import redis_client
-from gateway.quota_stores import RedisQuotaStore
-from gateway.quotas import TenantQuotas
+from gateway.quotas.stores import RedisQuotaStore
+from gateway.quotas.tenant_quotas import TenantQuotas
 from verifier.leak_index import RedisLeakStore
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,11 +13,11 @@ import time
 import httpx
 import pytest
 
-import gateway.admit as admit_module
-import gateway.density as density
+import gateway.admission.admit as admit_module
+import gateway.admission.density as density
 from config.models import QuotaSettings
-from gateway.quota_stores import LocalQuotaStore
-from gateway.quotas import TenantQuotas
+from gateway.quotas.stores import LocalQuotaStore
+from gateway.quotas.tenant_quotas import TenantQuotas
 from tests.gateway_harness import MODEL, Gateway, chat, settings_for, tenants, upstream
 from tests.mock_engine import MockEngine
 
@@ -111,7 +111,7 @@ def test_a_tenant_over_its_limits_is_refused_before_its_heavy_chats_are_parsed_c
             r = c.post("/v1/chat/completions", json=HEAVY, headers={"x-request-id": "first"})
             assert r.status_code == 200, r.text
             assert (calls.n, len(parsed), verifier.indexed) == (1, 1, ["first"])
-            # counted on the offload executor (gateway/offload.py), on the tenant's share
+            # counted on the offload executor (gateway/edge/offload.py), on the tenant's share
             assert calls.threads[0].startswith("kvgate-offload")
             for i in range(5):
                 r = c.post("/v1/chat/completions", json=HEAVY, headers={"x-request-id": f"flood-{i}"})
@@ -234,7 +234,7 @@ def _parse_threads(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(admit_module, "_parse_large", large)
     monkeypatch.setattr(admit_module, "parse_json_body", small)
-    import gateway.tokenize_handlers as th
+    import gateway.routes.tokenize_handlers as th
 
     if hasattr(th, "parse_json_body"):  # today's handler parses on its own, on the loop
         monkeypatch.setattr(th, "parse_json_body", small)

@@ -20,8 +20,8 @@ import pytest
 
 from config.errors import context_length_message
 from config.loader import DEFAULT_TENANTS
-from gateway.demo_corpus import fit_chat, fit_prompt, project_source, prose
-from gateway.stack import EmbeddedStack, StackOptions
+from gateway.stack.demo_corpus import fit_chat, fit_prompt, project_source, prose
+from gateway.stack.embedded import EmbeddedStack, StackOptions
 from tokenizer import bundled_counter
 
 BACKEND_MISSING = importlib.util.find_spec("gpu_backend.__main__") is None

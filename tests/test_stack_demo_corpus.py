@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.commands.demo import Case, Result, build_cases, table
-from gateway.demo_corpus import FitError, fit_chat, fit_prompt, generated_log, project_source, prose
+from gateway.stack.demo_corpus import FitError, fit_chat, fit_prompt, generated_log, project_source, prose
 from tokenizer import bundled_counter
 
 C = bundled_counter()
@@ -17,7 +17,7 @@ def test_shipped_texts_are_real_and_multilingual() -> None:
     assert text.count("Call me Ishmael.") == 1
     assert "Litwo! Ojczyzno moja!" in text and "床前明月光" in text and "学而时习之" in text
     src = project_source()
-    assert "# file: gateway/demo_corpus.py\n" in src and "# file: tokenizer/chat.py\n" in src
+    assert "# file: gateway/stack/demo_corpus.py\n" in src and "# file: tokenizer/chat.py\n" in src
     assert "gpu_backend" not in [line.split("/")[0][8:] for line in src.splitlines() if line.startswith("# file: ")]
     assert generated_log(50) == generated_log(50)  # seeded: the same text every run
     assert len(generated_log(50).splitlines()) == 50

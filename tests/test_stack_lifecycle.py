@@ -1,4 +1,4 @@
-"""gateway/stack.py's supervision, with a stand-in engine (a stdlib HTTP server serving the bundled
+"""gateway/stack/embedded.py's supervision, with a stand-in engine (a stdlib HTTP server serving the bundled
 backend's /health, /server_info and /v1/models) and the real gateway: the generated config, start-up
 failures with the engine's own words, child death while serving, and cleanup of whole process
 groups, also when the supervisor itself is SIGKILLed."""
@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from config.loader import DEFAULT_TENANTS
-from gateway.stack import EmbeddedStack, StackError, StackOptions, serve_until_interrupted
+from gateway.stack.embedded import EmbeddedStack, StackError, StackOptions, serve_until_interrupted
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -168,7 +168,7 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from gateway.stack import EmbeddedStack, StackOptions
+        from gateway.stack.embedded import EmbeddedStack, StackOptions
         tmp = Path({str(tmp_path)!r})
         s = EmbeddedStack(StackOptions(tenants={str(DEFAULT_TENANTS)!r}, gateway_port=0, backend_port=0, run_dir=tmp,
                                        backend_cmd=[sys.executable, {str(engine)!r}, "{{port}}", "ok"],
@@ -193,7 +193,7 @@ def test_children_die_with_a_killed_supervisor(tmp_path: Path) -> None:
 def test_sigint_and_sigterm_interrupt_a_supervisor_even_if_sigint_was_ignored(sig: int) -> None:
     script = textwrap.dedent("""
         import time
-        from gateway.stack import terminate_as_interrupt
+        from gateway.stack.embedded import terminate_as_interrupt
         with terminate_as_interrupt():
             try:
                 print("ready", flush=True)

@@ -7,8 +7,9 @@ import json
 import time
 
 import pytest
-
 from conftest import SEEDS
+
+from config.models import TokenizerConfig
 from tokenizer import (
     ImagesNotSupportedError,
     InvalidPromptError,
@@ -20,7 +21,6 @@ from tokenizer import (
     get_encoding,
     make_counter,
 )
-from config.models import TokenizerConfig
 
 SPECIALS = {"<|im_start|>", "<|im_end|>"}
 

@@ -149,7 +149,7 @@ def test_tokenize_and_chat_of_the_panicking_text_get_the_exact_count(gw):
 def test_engine_text_the_tokenizer_fails_on_is_settled_at_its_byte_length():
     """Completion text from an engine is counted for settling; a tokenizer fault there falls
     back to the UTF-8 byte length (never fewer tokens) instead of failing the settle."""
-    from gateway.finish import completion_tokens_of
+    from gateway.relay.finish import completion_tokens_of
 
     class Failing:
         offload_chars = 32_768

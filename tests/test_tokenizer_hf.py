@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
+from conftest import SEEDS  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 
-from conftest import SEEDS  # noqa: E402
 from config.models import TokenizerConfig  # noqa: E402
 from tokenizer import (  # noqa: E402
     InvalidPromptError,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+from conftest import SEEDS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import SEEDS
 from tokenizer import bundled_counter, get_encoding
 from tokenizer.parallel import (
     _SAFE_CUT,

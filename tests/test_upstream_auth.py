@@ -12,8 +12,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from config.models import PoolSettings, Settings, TokenizerConfig, UpstreamConfig
-from gateway.admission import ModelIndex, engine_api_key
-from gateway.pool_watcher import PoolWatcher
+from gateway.admission.gate import ModelIndex, engine_api_key
+from gateway.ops.pool_watcher import PoolWatcher
 from tokenizer import EngineTokenizeError, make_counter
 
 pytestmark = pytest.mark.timeout(30)

@@ -20,11 +20,7 @@ import uuid
 
 import httpx
 import pytest
-
 from conftest import ROOT
-from gateway.app import create_app
-from gateway.cli import main
-from gateway.tenants import TenantRegistry
 from test_verifier_e2e import (
     NORMAL,
     SECRETS,
@@ -38,6 +34,10 @@ from test_verifier_e2e import (
     tenants,
 )
 from test_verifier_leaky_engine import ServerThread
+
+from gateway.app import create_app
+from gateway.cli import main
+from gateway.ops.tenants import TenantRegistry
 from verifier.service import VerifierService
 from verifier.shingles import encode
 

@@ -24,6 +24,8 @@ import uuid
 
 import httpx
 import pytest
+from conftest import SEEDS
+from test_verifier_leaky_engine import LeakyEngine, ServerThread
 
 from config.models import (
     ModelConfig,
@@ -34,10 +36,8 @@ from config.models import (
     UpstreamConfig,
     VerifierSettings,
 )
-from conftest import SEEDS
 from gateway.app import create_app
-from gateway.tenants import TenantRegistry
-from test_verifier_leaky_engine import LeakyEngine, ServerThread
+from gateway.ops.tenants import TenantRegistry
 from verifier.canary import find_canaries, new_canary
 from verifier.probe import filler_words
 from verifier.service import VerifierService

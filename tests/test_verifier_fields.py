@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from config.models import ModelConfig, Settings, TenantConfig, TenantsFile, UpstreamConfig, VerifierSettings
 from gateway.app import create_app
-from gateway.tenants import TenantRegistry
+from gateway.ops.tenants import TenantRegistry
 from tests.mock_engine import ServerThread
 from tokenizer import bundled_counter
 from verifier.probe import filler_words

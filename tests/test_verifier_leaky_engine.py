@@ -29,13 +29,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.mock_engine import ServerThread  # noqa: F401  (re-exported for the verifier tests)
-
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.mock_engine import ServerThread  # noqa: F401  (re-exported for the verifier tests)
 from tokenizer.encodings import bundled_encoding
 
 PLACEHOLDER_TOKEN = 0

@@ -24,7 +24,7 @@ from starlette.routing import Route
 import verifier.findings
 from config.models import ModelConfig, Settings, TenantConfig, TenantsFile, UpstreamConfig, VerifierSettings
 from gateway.app import create_app
-from gateway.tenants import TenantRegistry
+from gateway.ops.tenants import TenantRegistry
 from tests.mock_engine import ServerThread
 from tokenizer.encodings import bundled_encoding
 from verifier.incidents import REGISTRY

@@ -9,13 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_hf import build_folder
 from tokenizers import Tokenizer
 
 from config.models import Settings
 from gateway.cli import main
 from tests.gateway_harness import KEY_A, MODEL, Gateway, tenants, upstream
 from tests.mock_engine import MockEngine
-from tiny_hf import build_folder
 from verifier.shingles import encode
 
 pytestmark = pytest.mark.timeout(120)

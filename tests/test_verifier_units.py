@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 import redis
-
 from conftest import SEEDS
+
 from verifier.canary import CANARY_RE, CanaryRegistry, CanaryScanner, find_canaries, new_canary, surfaced
 from verifier.drift import check_finish, check_usage
 from verifier.incidents import INCIDENTS, Incident, IncidentSink, read_incidents

@@ -128,7 +128,7 @@ class ResponseGuard(Protocol):
 class PendingWrite(Protocol):
     """Store writes an admission computed and has not sent: ``calls``, one ``(sha1, keys, args)``
     per Redis Lua call (``EVALSHA sha1 len(keys) *keys *args``). Whoever sends them in a round trip of its own
-    (the quota reservation's, :class:`gateway.quota_stores.RedisQuotaStore`) hands the outcome
+    (the quota reservation's, :class:`gateway.quotas.stores.RedisQuotaStore`) hands the outcome
     to :meth:`sent`: the calls' results in order (a failed call's exception in its place), or the
     exception that ended the round trip. :meth:`finish`, awaited exactly once whatever happened,
     sends what was not sent (or failed with ``NOSCRIPT``), records the outcome and releases what

@@ -2,7 +2,7 @@
 
 Starts the stack (as ``kvgate up``), reads the tenant's effective limit from the gateway's
 ``GET /v1/models`` (``max_model_len``) and the prefill pool from the backend's ``/server_info``,
-then sends real text (:mod:`gateway.demo_corpus`: public-domain prose, kvgate's own source, a
+then sends real text (:mod:`gateway.stack.demo_corpus`: public-domain prose, kvgate's own source, a
 generated log) as chat and as completion, streamed and not, at four sizes:
 
 ==================  ===========================================  ==================================
@@ -35,8 +35,8 @@ import orjson
 from config.loader import ConfigError
 from config.models import TokenizerConfig
 from gateway.commands.up import add_stack_arguments, banner, effective_limit, stack_options, start_stack
-from gateway.demo_corpus import fit_chat, fit_prompt, generated_log, project_source, prose
-from gateway.stack import (
+from gateway.stack.demo_corpus import fit_chat, fit_prompt, generated_log, project_source, prose
+from gateway.stack.embedded import (
     BUILTIN_MODELS,
     DEMO_KEYS,
     EmbeddedStack,

@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from config.loader import DEFAULT_TENANTS
-from gateway.stack import DEMO_KEYS, EmbeddedStack, StackError, StackOptions
+from gateway.stack.embedded import DEMO_KEYS, EmbeddedStack, StackError, StackOptions
 
 FAULTS = "admit_rejected,skip_transfer_check,no_scrub"
 SECRET = "The vault code of tenant A is 4471-SWORDFISH, do not share it."

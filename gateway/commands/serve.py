@@ -9,7 +9,7 @@ docker-compose stack starts this way, so it never ships a documented key). A sec
 the environment shorter than 16 bytes is refused too (exit status 2 for all of these).
 
 ``--workers N`` (``gateway.workers``; default: the usable cores when ``redis_url`` is set, else 1):
-with N > 1 this process supervises N worker processes on the one port (:mod:`gateway.workers`);
+with N > 1 this process supervises N worker processes on the one port (:mod:`gateway.edge.workers`);
 each worker is this command again with ``--worker-index I``.
 """
 
@@ -118,8 +118,8 @@ def model_folder_problem(settings) -> str | None:
 
 def fd_limit_problem(settings) -> str | None:
     """Raise the open-file limit to what the connection limits need
-    (:func:`gateway.server.raise_fd_limit`; the workers inherit it); why it cannot be, else ``None``."""
-    from gateway.server import FdLimitError, raise_fd_limit
+    (:func:`gateway.edge.server.raise_fd_limit`; the workers inherit it); why it cannot be, else ``None``."""
+    from gateway.edge.server import FdLimitError, raise_fd_limit
 
     try:
         raise_fd_limit(settings.gateway)
@@ -129,12 +129,12 @@ def fd_limit_problem(settings) -> str | None:
 
 
 def build_stages(settings, secrets, registry=None):
-    """The quota and verifier stages ``settings`` ask for: ``gateway.quotas.build_quota_stage``
+    """The quota and verifier stages ``settings`` ask for: ``gateway.quotas.tenant_quotas.build_quota_stage``
     (``NullQuotas`` when ``quotas.enabled`` is false) and ``verifier.from_settings`` (``None``,
     i.e. ``NullVerifier``, when ``verifier.enabled`` is false). ``registry``: the
-    :class:`~gateway.tenants.TenantRegistry`, whose current table tells the verifier which
+    :class:`~gateway.ops.tenants.TenantRegistry`, whose current table tells the verifier which
     tenants are honeypots (whichever worker served their requests)."""
-    from gateway.quotas import build_quota_stage
+    from gateway.quotas.tenant_quotas import build_quota_stage
 
     quotas = build_quota_stage(settings)
     verifier = None
@@ -149,8 +149,8 @@ def build_stages(settings, secrets, registry=None):
 def run(args: argparse.Namespace) -> int:
     from config.loader import ConfigError, load_settings
     from config.secrets import SecretsError, load_secrets, permission_problems
-    from gateway.logging import setup_logging
-    from gateway.tenants import TenantRegistry
+    from gateway.ops.access_log import setup_logging
+    from gateway.ops.tenants import TenantRegistry
 
     try:
         settings = load_settings(args.config)
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from gateway import workers as wk
+    from gateway.edge import workers as wk
 
     try:
         n = wk.resolve_workers(args.workers, settings)
@@ -219,11 +219,11 @@ def run(args: argparse.Namespace) -> int:
             return 1
     quotas, verifier = build_stages(settings, secrets, registry)
     from gateway.app import create_app
-    from gateway.server import run_server
+    from gateway.edge.server import run_server
 
     app = create_app(settings, registry, quotas=quotas, verifier=verifier, secrets=secrets)
     app.state.gateway.worker = args.worker_index
-    from gateway.tenant_reload import TenantFileWatcher
+    from gateway.ops.tenant_reload import TenantFileWatcher
 
     watcher = TenantFileWatcher(registry).start()  # tenant edits apply without a restart
     watcher.install_sighup()
@@ -238,9 +238,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _supervise(args: argparse.Namespace, n: int, host: str, port: int, log_level: str, reuse_port: bool) -> int:
-    """Run ``n`` workers of this command on ``host:port`` (:class:`gateway.workers.Supervisor`),
+    """Run ``n`` workers of this command on ``host:port`` (:class:`gateway.edge.workers.Supervisor`),
     sharing one listening socket unless ``reuse_port``."""
-    from gateway.workers import MetricsDirError, Supervisor
+    from gateway.edge.workers import MetricsDirError, Supervisor
 
     def command(index: int, bound_port: int) -> list[str]:
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", host, "--port", str(bound_port)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from config.loader import ConfigError, load_settings
-from gateway.stack import (
+from gateway.stack.embedded import (
     DEMO_KEYS,
     EmbeddedStack,
     StackError,

@@ -1,0 +1,394 @@
+"""Steps 1-6 of a request's way through the gateway, as one stage (docs/design.md): ``admit`` either
+refuses a request (:class:`Refused`) or returns one :class:`Admitted` record, with the quota
+reserved, that the relay (:mod:`gateway.relay.proxy`) forwards and :mod:`gateway.relay.finish` settles.
+
+In that order, each step a call into the module that owns it (docs/gateway.md, "Refuse
+before working": a refusal comes before the work it would waste):
+
+1. authenticate from the ``Authorization`` header (:mod:`gateway.admission.auth`), then take one request
+   against RPM and the concurrency lease (:meth:`gateway.quotas.stage.QuotaStage.begin`), before any
+   byte of the body is read (:func:`begin_request`): neither an unauthenticated client nor a
+   tenant over its limits makes the gateway read or parse a body;
+2. read the body (size limit) and parse it as strict JSON (:func:`read_request`,
+   :mod:`gateway.admission.body`), in a worker thread when it is larger than
+   :data:`OFFLOAD_BODY_BYTES`: its token-id arrays cut out and parsed in slices, after refusing
+   (413) one that holds more than ``gateway.max_body_values`` other JSON values
+   (:mod:`gateway.admission.density`);
+3. validate it against the route's OpenAI schema (:mod:`gateway.admission.body`; ``/v1/responses`` and
+   ``/v1/embeddings``: :mod:`gateway.routes.api_routes`), and check that the model's ``task`` serves the route;
+4. resolve the model, count the prompt, apply the context gate (:mod:`gateway.admission.gate`); a
+   batch above the tenant's ``max_sequences_per_request`` is refused before it is counted, and a
+   request whose counting is costly is counted off the event loop, on the tenant's share of the
+   offload threads (:mod:`gateway.edge.offload`); an unknown or stale pool is 503
+   ``pool_size_unknown`` (fail closed);
+5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503) and
+   build the body to forward (:func:`gateway.admission.gate.upstream_body`);
+6. reserve the request's tokens against TPM (:meth:`gateway.quotas.stage.QuotaStage.reserve_tokens`),
+   then hand the admitted prompt to the verifier's admission
+   (:meth:`verifier.stage.VerifierStage.admit`: token-id prompts decoded, the prompt indexed, on
+   this request's own time, before it can be forwarded): a refused prompt is never indexed.
+
+A request refused after step 1 has its lease released and its tokens refunded
+(``settle(lease, 0)``); its RPM entry stays spent, so invalid requests cost their sender RPM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+from starlette.requests import Request
+
+from config.errors import ErrorCode, OpenAIError
+from config.models import Settings, TenantConfig
+from gateway.admission.auth import authenticate
+from gateway.admission.body import body_declared, closing, parse_json_body, read_body, validate
+from gateway.admission.density import BadIds, StringDensity, count_ids, restore_ids, split_ids, values_over
+from gateway.admission.gate import (
+    Admission,
+    ModelIndex,
+    client_wants_usage,
+    count_prompt,
+    decide,
+    effective_limit,
+    over_context_error,
+    upstream_body,
+)
+from gateway.edge import offload
+from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
+from gateway.ops.tenants import TenantRegistry
+from gateway.quotas.stage import QuotaLease, QuotaStage
+from gateway.relay.upstreams import Upstream, UpstreamSet
+from gateway.routes import api_routes
+from tokenizer import split_completion_prompt
+from verifier.stage import Exchange, ExchangeRequest, VerifierStage
+
+#: A body larger than this (bytes) is parsed, and its forwarded form encoded, in a worker thread:
+#: orjson builds one object per element, and 64 KiB of ``[""]`` is about 22,000 of them (about a
+#: millisecond); an 8 MiB body would hold the event loop for tens of milliseconds.
+OFFLOAD_BODY_BYTES = FREE_BODY_BYTES
+
+
+def too_many_values(max_values: int, over: int) -> OpenAIError:
+    """The 413 for a body with more than ``max_values`` values (``over``: a lower bound of its
+    commas outside strings, :func:`gateway.admission.density.values_over` or
+    :class:`gateway.admission.density.StringDensity`)."""
+    return OpenAIError(
+        413,
+        f"The request body holds more than {max_values} JSON values besides its token-id arrays "
+        f"({over + 1} or more); send fewer prompts or messages per request.",
+        code=ErrorCode.REQUEST_TOO_LARGE,
+    )
+
+
+def _density_check(max_values: int):
+    """A ``read_body`` check refusing (413) a body whose strings alone prove more than
+    ``max_values`` values (:class:`gateway.admission.density.StringDensity`), as the read goes."""
+    density = StringDensity(max_values)
+
+    def check(chunk: bytes) -> None:
+        over = density.feed(chunk)
+        if over is not None:
+            raise too_many_values(max_values, over)
+
+    return check
+
+
+def _parse_large(
+    raw: bytes,
+    max_values: int,
+    max_ids: Callable[[dict], int | None] | None = None,
+    id_fields: tuple[str, ...] = ("prompt", "input"),
+) -> dict:
+    """Parse a large body in a worker thread: its token-id arrays cut out
+    (:func:`gateway.admission.density.split_ids`), a body whose other values are more than ``max_values``
+    refused (413, :func:`gateway.admission.density.values_over`) before any parse, the rest parsed, then
+    the token-id arrays parsed in slices and put back. ``max_ids(body)``: the most ids one prompt
+    may hold for the parsed rest's model (its ``context_length``; ``None``: unknown); a longer
+    token-id array is refused (400 ``context_length_exceeded``) before its ids are parsed (two
+    million ids: 25 ms of parsing and 10 ms of checking, in one-millisecond GIL holds, saved).
+    Raises :class:`OpenAIError` 413, 400 for a body that is not JSON, or that 400."""
+    skeleton, ids = split_ids(raw)
+    over = values_over(skeleton, max_values)
+    if over is not None:
+        raise too_many_values(max_values, over)
+    body = parse_json_body(skeleton)
+    field = next((f for f in id_fields if f in body), id_fields[-1])
+    prompts = body.get(field)
+    markers = [m for m in (prompts if isinstance(prompts, list) else [prompts]) if type(m) is int and m in ids]
+    cap = max_ids(body) if markers and max_ids is not None else None
+    if cap is not None:  # only the prompts' arrays: any other (a field's) is validated as usual
+        longest = max(count_ids(ids[m]) for m in markers)
+        if longest > cap:
+            raise over_context_error(cap, longest, field)
+    try:
+        restore_ids(body, ids)
+    except BadIds as e:
+        raise OpenAIError(
+            400, f"We could not parse the JSON body of your request ({e}).", code=ErrorCode.INVALID_REQUEST
+        ) from None
+    return body
+
+
+class AdmitContext(Protocol):
+    """What admission reads from the gateway (``gateway.app.Gateway`` provides it)."""
+
+    settings: Settings
+    tenants: TenantRegistry
+    models: ModelIndex
+    upstreams: UpstreamSet
+    quotas: QuotaStage
+    verifier: VerifierStage
+    body_budget: BodyBudget | None
+
+    def cache_salt(self, tenant_id: str) -> str: ...
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request as it arrived: ``request_id`` (the client's ``x-request-id`` or a new one),
+    ``route`` (``chat`` or ``completions``), ``t_perf`` (``time.perf_counter()`` at arrival)."""
+
+    request_id: str
+    route: str
+    t_perf: float
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What goes upstream: ``body`` (JSON bytes: model rewritten, the tenant's ``cache_salt``,
+    defaulted ``max_tokens``, ``stream_options.include_usage`` on streams); ``stream``;
+    ``strip_usage``: the gateway asked for the usage chunk on the client's behalf, so the relay
+    removes it (and the ``"usage": null`` members) again."""
+
+    body: bytes
+    stream: bool
+    strip_usage: bool
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """An admitted request: who (``tenant``), what admission decided (``admission``: model, token
+    counts, limit), the quota ``lease`` (settled exactly once by :func:`gateway.relay.finish.finish`),
+    the upstreams it may go to (``candidates``: known pool, not quarantined) and ``forward``;
+    ``exchange``: the request as the verifier saw it at admission (the relay names its upstream)."""
+
+    arrival: Arrival
+    tenant: TenantConfig
+    admission: Admission
+    lease: QuotaLease
+    candidates: list[Upstream]
+    forward: Forward
+    exchange: Exchange | None = None
+
+
+class Refused(Exception):
+    """Admission refused the request: ``error`` is the answer; ``tenant_id`` is ``"-"`` before
+    authentication succeeded (for metrics and the access log)."""
+
+    def __init__(self, error: OpenAIError, tenant_id: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.tenant_id = tenant_id
+
+
+def authenticate_request(ctx: AdmitContext, request: Request) -> TenantConfig:
+    """Step 1's authentication, from the ``Authorization`` header alone, for every route; the
+    offloaded work that follows takes this tenant's share (:func:`gateway.edge.offload.set_tenant`).
+    Raises :class:`Refused` 401, with ``connection: close`` when a body was announced (it is
+    never read)."""
+    headers = request.headers
+    try:
+        tenant = authenticate(headers.get("authorization"), ctx.tenants)
+    except OpenAIError as e:  # the body is never read: the connection is not kept for it
+        raise Refused(closing(e) if body_declared(headers) else e, "-") from None
+    offload.set_tenant(tenant.id)
+    return tenant
+
+
+async def begin_request(ctx: AdmitContext, request: Request, request_id: str) -> tuple[TenantConfig, QuotaLease]:
+    """Step 1, shared by every route that reads a body: authenticate from the headers, then take
+    the request's RPM entry and concurrency lease (:meth:`gateway.quotas.stage.QuotaStage.begin`),
+    before any byte of the body is read (:func:`authenticate_request`). Returns ``(tenant,
+    lease)``; the caller settles the lease. Raises :class:`Refused` (401, 429, 503), with
+    ``connection: close`` when a body was announced (it is never read)."""
+    headers = request.headers
+    tenant = authenticate_request(ctx, request)
+    try:
+        lease = await ctx.quotas.begin(tenant, request_id)
+    except OpenAIError as e:  # refused before working: nothing of the body is read or parsed
+        raise Refused(closing(e) if body_declared(headers) else e, tenant.id) from None
+    return tenant, lease
+
+
+async def admit(ctx: AdmitContext, request: Request, arrival: Arrival) -> Admitted:
+    """Run steps 1-6 (module docstring) for ``request``. Raises :class:`Refused` (an OpenAI error:
+    401, 400, 404, 413, 429, 503, ...) or ``gateway.admission.body.ClientGone`` (the client left while
+    its body was arriving). A request refused after step 1 has its lease released and its tokens
+    refunded (its RPM entry stays spent); the returned one's lease is settled by
+    :func:`gateway.relay.finish.finish`."""
+    tenant, lease = await begin_request(ctx, request, arrival.request_id)
+    try:
+        return await _admit_tenant(ctx, request, arrival, tenant, lease)
+    except BaseException as e:
+        await ctx.quotas.settle(lease, 0)
+        if isinstance(e, OpenAIError):
+            raise Refused(e, tenant.id) from None
+        raise
+
+
+async def read_request(
+    ctx: AdmitContext, request: Request, tenant: TenantConfig, id_fields: tuple[str, ...] = ("prompt", "input")
+) -> tuple[dict[str, Any], bool]:
+    """Step 2, shared by every route that reads a body: ``(body, large)``. The body is read up to
+    ``gateway.max_body_bytes`` (paced past its first 64 KiB by the body budget; one that may be
+    large is density-checked as it arrives, :func:`_density_check`) and parsed as strict JSON;
+    ``large`` (over :data:`OFFLOAD_BODY_BYTES`): parsed in a worker thread (:func:`_parse_large`),
+    a token-id array in one of ``id_fields`` longer than the effective limit refused before its
+    ids are parsed. Raises :class:`OpenAIError` (413, 400) or ``ClientGone``."""
+    headers = request.headers
+    length = headers.get("content-length")
+    small = length is not None and length.isdigit() and int(length) <= OFFLOAD_BODY_BYTES
+    # a body that may be large is counted as it arrives: a dense one is refused before it is all read
+    check = None if small else _density_check(ctx.settings.gateway.max_body_values)
+    pace = ctx.body_budget.pacer(tenant.id) if ctx.body_budget is not None else None
+    raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check, pace)
+    if len(raw) <= OFFLOAD_BODY_BYTES:
+        return parse_json_body(raw), False
+
+    def max_ids(skeleton: dict) -> int | None:  # the effective limit, before any id is parsed
+        try:
+            model = ctx.models.resolve(tenant, skeleton.get("model"))
+        except OpenAIError:
+            return None  # the model is refused later, in order
+        _, live = ctx.upstreams.eligible(model.id)
+        return model.config.context_length if live is None else effective_limit(model, tenant, live)
+
+    args = (raw, ctx.settings.gateway.max_body_values, max_ids, id_fields)
+    return await asyncio.to_thread(_parse_large, *args), True
+
+
+async def _count_and_decide(
+    ctx: AdmitContext, tenant: TenantConfig, body: dict[str, Any], route: str
+) -> tuple[Admission, list[Upstream], bool]:
+    """Steps 3-5: validate, resolve the model, count, gate, filter the upstreams. Returns
+    ``(admission, candidates, stateful passthrough)``. Raises :class:`OpenAIError`."""
+    own_schema = route in ("responses", "embeddings")  # their schemas, counts and gates: gateway.routes.api_routes
+    if own_schema:
+        api_routes.validate(body, route)
+    else:
+        validate(body, route)
+    entry = ctx.models.resolve(tenant, body.get("model"))
+    api_routes.check_task(entry, route)
+    passthrough = api_routes.stateful_passthrough(ctx.upstreams.by_model.get(entry.id, []))
+    if route == "responses":
+        api_routes.refuse_stateful(body, passthrough)
+        chat, prompt_tokens = await api_routes.count_responses(entry, body)
+    elif route == "embeddings":
+        _, live = ctx.upstreams.eligible(entry.id)  # a batch certainly over it is refused uncounted
+        counts = await api_routes.count_embeddings(entry, tenant, body, live)
+    else:
+        _, live = ctx.upstreams.eligible(entry.id)  # the limit a too-long prompt's 400 quotes
+        limit = effective_limit(entry, tenant, live) if live is not None else None
+        prompt = await count_prompt(entry, body, route, max_sequences=tenant.max_sequences_per_request, limit=limit)
+    candidates, pool_limit = ctx.upstreams.eligible(entry.id)
+    if pool_limit is None:
+        raise OpenAIError(
+            503,
+            f"The live KV pool size of the engines serving '{entry.id}' is unknown or "
+            "stale; refusing rather than risking a silent rejection. Retry shortly.",
+            code=ErrorCode.POOL_SIZE_UNKNOWN,
+            headers={"Retry-After": "1"},
+        )
+    if route == "responses":
+        adm = api_routes.decide_responses(entry, tenant, body, chat, prompt_tokens, pool_limit)
+    elif route == "embeddings":
+        adm = api_routes.decide_embeddings(entry, tenant, body, counts, pool_limit)
+    else:
+        adm = decide(entry, tenant, body, route, prompt, pool_limit)
+    candidates = [u for u in candidates if not ctx.verifier.is_quarantined(u.name, adm.prompt_tokens)]
+    if not candidates:
+        raise OpenAIError(
+            503,
+            "Every upstream engine for this model is quarantined for prompts of this length.",
+            code=ErrorCode.UPSTREAM_UNAVAILABLE,
+        )
+    return adm, candidates, passthrough
+
+
+async def _forward(
+    body: dict[str, Any], route: str, adm: Admission, salt: str, passthrough: bool, large: bool
+) -> Forward:
+    """Step 6's body to forward (in a worker thread for a large body). Raises :class:`OpenAIError`
+    400 for a body nested too deeply to encode."""
+    own_schema = route in ("responses", "embeddings")
+    stream = bool(body.get("stream")) and route != "embeddings"
+    strip_usage = stream and not own_schema and not client_wants_usage(body)  # before the body asks for usage
+    if own_schema:
+        fn: Callable[..., bytes] = api_routes.upstream_body
+        args: tuple[Any, ...] = (body, route, adm, salt, passthrough)
+    else:
+        fn, args = upstream_body, (body, adm, salt)
+    try:
+        forwarded = await asyncio.to_thread(fn, *args) if large else fn(*args)
+    except orjson.JSONEncodeError:  # orjson writes 254 levels of nesting at most (it reads 1024)
+        raise OpenAIError(
+            400, "The request body is nested too deeply to forward.", code=ErrorCode.INVALID_REQUEST
+        ) from None
+    return Forward(forwarded, stream, strip_usage)
+
+
+async def _admit_tenant(
+    ctx: AdmitContext, request: Request, arrival: Arrival, tenant: TenantConfig, lease: QuotaLease
+) -> Admitted:
+    route = arrival.route
+    body, large = await read_request(ctx, request, tenant)
+    adm, candidates, passthrough = await _count_and_decide(ctx, tenant, body, route)
+    forward = await _forward(body, route, adm, ctx.cache_salt(tenant.id), passthrough, large)
+    await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
+    exchange = None
+    if route != "embeddings":  # embeddings have no output text to verify: their inputs are not indexed
+        # only an admitted prompt is indexed, before it can be forwarded
+        exchange = verifier_exchange(arrival, tenant, adm, body, forward.stream)
+        await ctx.verifier.admit(exchange, adm.model.counter.adecode)
+    return Admitted(arrival, tenant, adm, lease, candidates, forward, exchange)
+
+
+def verifier_exchange(
+    arrival: Arrival, tenant: TenantConfig, adm: Admission, body: dict[str, Any], stream: bool
+) -> Exchange:
+    """The request as the verifier sees it (its upstream is named once the relay picked one):
+    the prompt's text; a completions request's token-id prompts (``prompt_ids``, which the
+    verifier decodes); ``echo`` and the texts an echo would repeat (each string prompt; a chat's
+    last message). ``started_monotonic`` is the arrival, on the monotonic clock."""
+    ids: list[list[int]] = []
+    echo_prompts: list[str] = []
+    if arrival.route == "completions":
+        for p in split_completion_prompt(body["prompt"]):  # validated: no error here
+            if isinstance(p, str):
+                echo_prompts.append(p)
+            else:
+                ids.append(p)
+    else:
+        msgs = body.get("messages") or ()
+        last = msgs[-1].get("content") if msgs and isinstance(msgs[-1], dict) else None
+        if isinstance(last, str):
+            echo_prompts.append(last)
+        elif isinstance(last, list):
+            echo_prompts.append(
+                "".join(p["text"] for p in last if isinstance(p, dict) and isinstance(p.get("text"), str))
+            )
+    started_monotonic = time.monotonic() - (time.perf_counter() - arrival.t_perf)
+    return Exchange(
+        ExchangeRequest(
+            arrival.request_id, tenant, "", adm.model.id, arrival.route, adm.prompt_tokens, stream, started_monotonic
+        ),
+        adm.prompt_text,
+        prompt_ids=ids,
+        echo=body.get("echo") is True,
+        echo_prompts=echo_prompts,
+    )

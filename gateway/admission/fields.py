@@ -1,0 +1,370 @@
+"""Field policy per engine (docs/design.md, Contracts: "The gate's invariant", upstream ``engine``).
+
+Validation (:mod:`gateway.admission.body`) knows every field's type and range. This module decides,
+for the engines that serve a model, which engine extension fields reach them and what the
+prompt-changing fields do to the count:
+
+- :data:`ENGINE_EXTENSIONS`: per engine and route, the extension fields passed through. For a
+  model served by several upstreams, only the fields every one of them accepts pass
+  (:func:`allowed_extensions`). An extension field outside the table is a 400 naming it, unless
+  it is ``null`` or the engine's own default (``add_generation_prompt: true``,
+  ``continue_final_message: false``): then it is dropped before forwarding.
+- prompt-changing fields: ``tools`` (counted by every counter), ``add_generation_prompt``,
+  ``continue_final_message`` and ``chat_template_kwargs`` (counted through
+  :class:`tokenizer.chat.ChatOptions`; refused where the engine does not read them),
+  ``reasoning_effort`` (SGLang turns it into ``thinking``/``enable_thinking`` template kwargs,
+  vLLM passes it to the template: counted as such), ``suffix`` (SGLang inserts it as
+  fill-in-the-middle text, vLLM refuses it: accepted only for ``openai``), ``echo`` with
+  ``logprobs`` (prompt logprobs: a vocabulary-sized row per prompt token on the engine;
+  accepted only for ``openai``), image URLs (``data:`` only unless the model's
+  ``images.allowed_url_hosts`` lists the host).
+- tool definitions holding the text of one of the model's special tokens are refused for engines
+  that parse special tokens in the rendered prompt (:func:`check_tool_definitions`);
+- bound-dependent checks (:func:`check_bounded`): ``min_tokens`` <= the completion bound,
+  ``stop_token_ids`` and ``logit_bias`` ids inside the model's vocabulary.
+
+Sources: SGLang ``python/sglang/srt/entrypoints/openai/protocol.py`` (``ChatCompletionRequest``,
+``CompletionRequest``: extra fields are ignored by pydantic, so a field outside its table would be
+silently dropped), vLLM ``vllm/entrypoints/openai/chat_completion/protocol.py`` and
+``completion/protocol.py``, the bundled backend ``gpu_backend/openai_api.py`` (``_sampling``).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+from urllib.parse import urlsplit
+
+from config.errors import ErrorCode, OpenAIError
+from config.models import ImagePolicy
+from gateway.admission.body import OPENAI_FIELDS
+from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions
+from tokenizer.images import image_url_of
+
+ENGINES = ("sglang", "vllm", "kvgate", "openai")
+
+_SGLANG_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens")
+_VLLM_SAMPLING = _SGLANG_SAMPLING + ("spaces_between_special_tokens",)
+
+#: engine -> route -> extension fields passed through (beyond the OpenAI fields).
+ENGINE_EXTENSIONS: dict[str, dict[str, frozenset[str]]] = {
+    "sglang": {
+        "chat": frozenset(
+            _SGLANG_SAMPLING
+            + ("stop_token_ids", "no_stop_trim", "regex", "ebnf", "separate_reasoning", "stream_reasoning")
+            + ("chat_template_kwargs",)
+        ),
+        "completions": frozenset(_SGLANG_SAMPLING + ("stop_token_ids", "no_stop_trim", "regex", "ebnf", "json_schema")),
+    },
+    "vllm": {
+        "chat": frozenset(
+            _VLLM_SAMPLING
+            + ("stop_token_ids", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+        ),
+        "completions": frozenset(_VLLM_SAMPLING + ("stop_token_ids",)),
+    },
+    "kvgate": {
+        "chat": frozenset(("stop_token_ids", "ignore_eos")),
+        "completions": frozenset(("stop_token_ids", "ignore_eos")),
+    },
+    "openai": {"chat": frozenset(), "completions": frozenset()},
+}
+#: ``/v1/responses``: the sampling fields each engine's Responses request model reads (beyond
+#: OpenAI's ``ResponseCreateParams``). SGLang 0.5.23 ``protocol.py`` ``ResponsesRequest`` ("SGLang
+#: sampling extras", read by ``to_sampling_params``; pydantic drops any other field silently: no
+#: ``ignore_eos``, ``min_tokens`` or ``skip_special_tokens`` there). vLLM
+#: ``vllm/entrypoints/openai/responses/protocol.py`` ``ResponsesRequest`` (``top_k``,
+#: ``skip_special_tokens``, ``repetition_penalty``, ``seed``, ``stop``, ``ignore_eos``, passed to
+#: ``SamplingParams.from_optional``; no ``min_tokens``, no ``min_p``). The bundled backend:
+#: ``gpu_backend/responses_api.py`` reads ``openai_api._sampling`` as chat does.
+ENGINE_EXTENSIONS["sglang"]["responses"] = frozenset(
+    ("stop", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+)
+ENGINE_EXTENSIONS["vllm"]["responses"] = frozenset(
+    ("stop", "top_k", "repetition_penalty", "seed", "ignore_eos", "skip_special_tokens")
+)
+ENGINE_EXTENSIONS["kvgate"]["responses"] = frozenset(("stop", "seed", "stop_token_ids", "ignore_eos"))
+ENGINE_EXTENSIONS["openai"]["responses"] = frozenset()
+
+#: extension fields whose value, when it is the engines' own default, means "absent": dropped
+#: for an engine that does not read the field (vLLM's ``SamplingParams`` and SGLang's
+#: ``SamplingParams`` defaults: ``ignore_eos`` false, ``skip_special_tokens`` true,
+#: ``min_tokens`` 0), so a benchmark client that always sends them works on every engine
+_NO_OP_DEFAULTS: dict[str, Any] = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "min_tokens": 0,
+}
+
+#: OpenAI fields only some engines honour: field -> engines that accept it (others: 400)
+_OPENAI_ONLY_ON = {"suffix": frozenset({"openai"})}
+
+
+def allowed_extensions(engines: frozenset[str], route: str) -> frozenset[str]:
+    """The extension fields every engine in ``engines`` accepts on ``route`` (none when
+    ``engines`` is empty)."""
+    tables = [ENGINE_EXTENSIONS[e][route] for e in engines]
+    if not tables:
+        return frozenset()
+    out = tables[0]
+    for t in tables[1:]:
+        out &= t
+    return out
+
+
+def bound_field(engines: frozenset[str], route: str) -> str:
+    """The field the completion bound is forwarded under: ``max_tokens``, except on chat when
+    an ``openai`` upstream serves the model (OpenAI refuses ``max_tokens`` for its reasoning
+    models; SGLang, vLLM and the bundled backend read ``max_completion_tokens or max_tokens``)."""
+    if route == "chat" and "openai" in engines:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+def _refuse(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, message, code=ErrorCode.INVALID_REQUEST, param=param)
+
+
+def _template_kwargs_for(engine: str, body: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    effort = body.get("reasoning_effort")
+    if engine == "sglang":
+        # serving_chat.py@002897c2: _convert_to_internal_request moves chat_template_kwargs'
+        # reasoning_effort onto the request (it wins over the field); _apply_jinja_template passes
+        # request.reasoning_effort to the template as a variable of that name
+        effort = kwargs.get("reasoning_effort", effort)
+        if effort is not None:
+            kwargs["reasoning_effort"] = effort
+    if effort is not None:
+        if engine == "sglang":  # protocol.py normalize_reasoning_inputs
+            kwargs.setdefault("thinking", effort != "none")
+            kwargs.setdefault("enable_thinking", effort != "none")
+        elif engine == "vllm":  # build_chat_params: reasoning_effort is a template variable
+            kwargs["reasoning_effort"] = effort
+    return kwargs
+
+
+#: keys a chat message may carry (the OpenAI message params, plus the reasoning text that vLLM and
+#: SGLang return and clients send back; a template that reads it is counted with it). Anything
+#: else could reach an engine's template uncounted: SGLang, for one, merges a system message's
+#: ``tools`` into the prompt.
+MESSAGE_KEYS = frozenset(
+    ("role", "content", "name", "tool_calls", "tool_call_id", "refusal", "function_call", "audio")
+    + ("reasoning_content", "reasoning")
+)
+
+
+def _check_message_keys(body: dict[str, Any]) -> None:
+    for i, m in enumerate(body.get("messages") or ()):
+        if isinstance(m, dict):
+            for k in m:
+                if k not in MESSAGE_KEYS:
+                    raise _refuse(f"messages[{i}].{k}", f"Unrecognized message field: 'messages[{i}].{k}'.")
+
+
+#: engines known to encode request text without special-token parsing (special tokens come only
+#: from their template): the bundled backend (docs/design.md, Models). vLLM and SGLang render the chat
+#: template and encode the result with special tokens parsed; an ``openai`` upstream may be either.
+TEXT_ONLY_ENGINES = frozenset({"kvgate"})
+
+
+@lru_cache(maxsize=64)
+def _specials_re(specials: frozenset[str]) -> re.Pattern[str]:
+    return re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True) if t))
+
+
+def check_tool_definitions(tools: Any, specials: frozenset[str], engines: frozenset[str], param: str = "tools") -> None:
+    """Refuse a tool definition holding the text of one of the model's ``specials`` (its special
+    tokens, :attr:`tokenizer.base.PromptCounter.special_token_texts`) in any key or value: the
+    template writes definitions verbatim (``tools | tojson``) into the prompt, and an engine that
+    parses special tokens there (every engine but :data:`TEXT_ONLY_ENGINES`) would read the text as a
+    control token (a forged ``<|im_end|>\\n<|im_start|>system``). Nothing is checked when every
+    engine in ``engines`` is text-only or ``specials`` is empty. ``tools``: the request's list
+    (chat ``tools``: ``param`` names ``tools[0].function.name``; Responses ``tools``:
+    ``tools[0].name``). Message text is not checked here (it is counted as text, never below the
+    engine's count). Walks iteratively, so any nesting depth is safe. Raises :class:`OpenAIError`
+    400 naming the string's path (a key: the object holding it)."""
+    if not any(specials) or not isinstance(tools, list) or (engines and engines <= TEXT_ONLY_ENGINES):
+        return
+    pattern = _specials_re(specials)
+    # (value, its path as a linked (parent, key) chain): a path string is built only for a hit, so
+    # a deep and wide definition costs O(size), never O(size x depth)
+    stack: list[tuple[Any, tuple]] = [(t, (None, i)) for i, t in reversed(list(enumerate(tools)))]
+    while stack:
+        x, node = stack.pop()
+        if isinstance(x, str):
+            found = pattern.search(x)
+        elif isinstance(x, dict):
+            found = next((m for k in x if isinstance(k, str) and (m := pattern.search(k))), None)
+            stack.extend((v, (node, k)) for k, v in reversed(list(x.items())))
+        elif isinstance(x, list):
+            found = None
+            stack.extend((v, (node, j)) for j, v in reversed(list(enumerate(x))))
+        else:
+            found = None
+        if found is not None:
+            keys = []
+            while node is not None:
+                node, key = node
+                keys.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+            path = param + "".join(reversed(keys))
+            raise _refuse(
+                path,
+                f"'{path}' holds {found.group()!r}, the text of one of this model's special tokens: the engines "
+                "serving it would read it as a control token in the prompt. Tool definitions may not contain "
+                "special tokens.",
+            )
+
+
+def _check_images(body: dict[str, Any], policy: ImagePolicy) -> None:
+    allowed = {h.lower() for h in policy.allowed_url_hosts}
+    for i, m in enumerate(body.get("messages") or ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in IMAGE_PART_TYPES:
+                continue
+            param = f"messages[{i}].content[{j}].image_url"
+            url = image_url_of(part)
+            if url is None:
+                raise _refuse(param, f"'{param}' must hold the image's URL (a data: URL).")
+            if url[:5].lower() == "data:":
+                continue
+            try:
+                parts = urlsplit(url)
+                host = (parts.hostname or "").lower()
+            except ValueError:
+                parts, host = None, ""
+            if parts is None or parts.scheme.lower() not in ("http", "https") or host not in allowed:
+                raise _refuse(
+                    param,
+                    f"'{param}' must be a data: URL"
+                    + (f" or an http(s) URL on {', '.join(sorted(allowed))}" if allowed else "")
+                    + "; the engine would fetch any other URL itself.",
+                )
+
+
+#: engines that parse no tool calls out of an answer (the bundled backend answers with text)
+NO_TOOL_PARSER = frozenset({"kvgate"})
+
+
+def check_output_constraints(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """Refuse what asks the engines to constrain the answer when they cannot (docs/gateway.md,
+    "Tools, response_format and the rule between them"): ``tool_choice`` other than ``auto`` /
+    ``none`` for engines that parse no tool calls (``tools`` alone change only the prompt: counted
+    and passed). Raises :class:`OpenAIError` 400 naming ``tool_choice``."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none") and engines and engines <= NO_TOOL_PARSER:
+        raise _refuse(
+            "tool_choice",
+            "'tool_choice' asks for a tool call, but the engines serving this model parse no tool calls "
+            "(they answer with text); send 'auto' or 'none', or leave it out.",
+        )
+
+
+def filter_extensions(body: dict[str, Any], route: str, engines: frozenset[str], openai_fields: frozenset[str]) -> None:
+    """Keep in ``body`` the OpenAI fields of ``route`` and the extension fields every engine in
+    ``engines`` reads there (:func:`allowed_extensions`); drop (in place) any other field that is
+    ``null`` or the engines' own default (:data:`_NO_OP_DEFAULTS`). Raises :class:`OpenAIError`
+    400 naming the first other field."""
+    allowed = allowed_extensions(engines, route)
+    for key in [k for k in body if k not in openai_fields]:
+        if key in allowed:
+            continue
+        value = body[key]
+        if value is None or (key in _NO_OP_DEFAULTS and value == _NO_OP_DEFAULTS[key]):
+            del body[key]
+            continue
+        raise _refuse(
+            key,
+            f"Unrecognized request argument supplied: {key} (the engines serving this model do not accept it).",
+        )
+
+
+def check_request(
+    body: dict[str, Any],
+    route: str,
+    engines: frozenset[str],
+    images: ImagePolicy,
+    specials: frozenset[str] = frozenset(),
+) -> ChatOptions:
+    """Apply the engines' field policy to a validated ``body`` before counting. Returns the
+    :class:`~tokenizer.chat.ChatOptions` the prompt must be counted with (chat; the default for
+    completions). Drops (in place) extension fields that are ``null`` or the engines' own
+    default and not in their table; refuses ``tools`` holding one of the model's ``specials``
+    (:func:`check_tool_definitions`). Raises :class:`OpenAIError` 400 naming the field."""
+    filter_extensions(body, route, engines, OPENAI_FIELDS[route])
+    for key, ok in _OPENAI_ONLY_ON.items():
+        if body.get(key) is not None and not engines <= ok:
+            raise _refuse(key, f"'{key}' is not supported by the engines serving this model.")
+    grammars = [k for k in ("regex", "ebnf", "json_schema") if body.get(k) is not None]
+    if len(grammars) > 1:
+        raise _refuse(grammars[1], f"Only one of 'regex', 'ebnf' and 'json_schema' may be set; got {grammars}.")
+    if route == "completions":
+        if body.get("echo") and body.get("logprobs") is not None and not engines <= {"openai"}:
+            raise _refuse(
+                "echo",
+                "'echo' with 'logprobs' (prompt logprobs) is not supported by the engines serving this model.",
+            )
+        return DEFAULT_CHAT
+    _check_message_keys(body)
+    check_output_constraints(body, engines)
+    check_tool_definitions(body.get("tools"), specials, engines)
+    _check_images(body, images)
+    agp = body.get("add_generation_prompt")
+    cfm = body.get("continue_final_message")
+    if agp and cfm:
+        raise _refuse(
+            "continue_final_message", "'continue_final_message' and 'add_generation_prompt' cannot both be true."
+        )
+    if cfm:
+        body["add_generation_prompt"] = False  # vLLM's default is true, and both true is its 400
+    per_engine = [_template_kwargs_for(e, body) for e in sorted(engines)] or [
+        dict(body.get("chat_template_kwargs") or {})
+    ]
+    kwargs = per_engine[0]
+    if any(k != kwargs for k in per_engine[1:]):
+        raise _refuse(
+            "reasoning_effort",
+            "'reasoning_effort' changes the prompt differently on the engines serving this model; leave it out.",
+        )
+    return ChatOptions(
+        add_generation_prompt=bool(cfm is not True and agp is not False),
+        continue_final_message=bool(cfm),
+        template_kwargs=tuple(sorted(kwargs.items())),
+    )
+
+
+def check_bounded(body: dict[str, Any], bound: int, vocab_size: int) -> None:
+    """Checks that need the completion ``bound`` and the model's ``vocab_size``:
+    ``min_tokens <= bound``; every ``stop_token_ids`` entry and ``logit_bias`` key
+    ``< vocab_size``. Raises :class:`OpenAIError` 400 naming the field."""
+    mt = body.get("min_tokens")
+    if mt is not None and mt > bound:
+        raise _refuse("min_tokens", f"'min_tokens' is {mt}, above this request's completion bound of {bound} tokens.")
+    ids = body.get("stop_token_ids")
+    if ids:
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise _refuse(
+                "stop_token_ids", f"'stop_token_ids' holds {bad}, outside the vocabulary (size {vocab_size})."
+            )
+    bias = body.get("logit_bias")
+    if bias:
+        bad_key = next((k for k in bias if int(k) >= vocab_size), None)
+        if bad_key is not None:
+            raise _refuse(
+                "logit_bias", f"'logit_bias' names token {bad_key}, outside the vocabulary (size {vocab_size})."
+            )
+
+
+def set_bound(body: dict[str, Any], name: str, bound: int) -> None:
+    """Put the completion ``bound`` in ``body`` under ``name`` (:func:`bound_field`) and remove
+    every other alias, so the engine reads exactly the gated value."""
+    for alias in ("max_tokens", "max_completion_tokens"):
+        body.pop(alias, None)
+    body[name] = bound

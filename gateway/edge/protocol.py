@@ -1,0 +1,598 @@
+"""The server layer's own limits (docs/gateway.md, "Client connections"): what a
+client may cost the gateway before its request reaches the app.
+
+uvicorn's httptools protocol (what ``uvicorn[standard]`` runs) bounds neither the bytes nor the
+number of request headers, nor how long a request head or body may take to arrive; h11 bounds
+header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge.py``).
+:class:`BoundedHttpToolsProtocol` is uvicorn's httptools protocol with those bounds added:
+
+- ``max_header_bytes`` (request line + headers) and ``max_header_count``: above either, 431
+  ``request_header_fields_too_large``; the connection is closed and the app never sees the request.
+  Bytes are counted as they arrive, so a head that never ends is refused as soon as it is too long.
+- ``header_timeout_seconds``: a request head (first byte to the end of the headers) that takes
+  longer gets 408 ``request_timeout`` and the connection is closed (slow headers).
+- ``body_timeout_seconds``: a body that is not complete this long after its head gets 408 (when
+  no response has started) and the connection is closed (slow bodies: the app's ``receive()``
+  then reports a disconnect).
+- ``max_inbound_connections``: a client connection beyond this many open ones (in this process,
+  lingering ones included) gets 503 ``server_busy`` and is closed at once;
+  ``max_connections_per_client`` (default an eighth of it): one beyond this many from one client
+  address gets 429 ``too_many_connections``.
+- chunked bodies: their bytes as sent (chunk framing included) count against ``max_body_bytes``,
+  at most ``max_body_chunks`` chunks, and after the first :data:`FREE_CHUNKS` chunks must
+  average ``min_chunk_bytes``; else 413 ``request_too_large`` (uvicorn's ``on_body`` costs about
+  1 us a chunk: 1-byte chunks made a 1 MiB body cost 0.99 s of event loop).
+- a request with a body, or to an API path, without a tenant's key: answered by the app (401)
+  with ``connection: close``, and nothing after its head is parsed (dropped, paced).
+- ``max_pipelined_requests``: a request head beyond this many queued behind the one being
+  answered is not queued; the connection closes after the last queued one.
+- ``keepalive_timeout_seconds``: an idle keep-alive connection is closed after this long
+  (uvicorn's ``timeout_keep_alive``).
+- ``refusal_delay_seconds``: a 431 is answered this long after the head was refused, the
+  connection not read meanwhile (``gateway.refusal_delay_seconds``, which delays a 401 as long:
+  :func:`gateway.routes.handlers.refusal`): a client refused for its head waits before it can
+  send the next one, so a client that sends oversized heads back to back costs the gateway two
+  refusals a second, not hundreds.
+
+Every refusal is an OpenAI-shaped JSON body with ``connection: close``. A connection closed while
+its request is still arriving (a refused head, or a body the app refused before reading it all)
+lingers (:class:`_LingeringTransport`): the answer, a FIN, then the client's further bytes
+dropped, read at :data:`LINGER_BYTES_PER_SECOND`, for up to :data:`LINGER_SECONDS` or
+:data:`LINGER_MAX_BYTES` (:data:`LINGER_MAX_HEAD_BYTES` after a refused head), so that the client
+reads the answer instead of a reset. :func:`configure` puts the
+protocol and the limits on a ``uvicorn.Config``; the limits travel on the config object, so every
+process that builds its own config (a worker) applies them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from config.errors import openai_error_bytes
+
+log = logging.getLogger("kvgate.edge")
+
+_REASONS = {
+    408: b"Request Timeout",
+    413: b"Content Too Large",
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
+
+
+@dataclass(frozen=True)
+class EdgeLimits:
+    """The server layer's limits; see the module docstring. Bytes, counts and seconds."""
+
+    max_header_bytes: int = 64 * 1024
+    max_header_count: int = 100
+    header_timeout_seconds: float = 10.0
+    body_timeout_seconds: float = 30.0
+    max_inbound_connections: int = 1024
+    keepalive_timeout_seconds: float = 5.0
+    refusal_delay_seconds: float = 0.5
+    #: ``None``: :func:`per_client_default` of ``max_inbound_connections``
+    max_connections_per_client: int | None = None
+    max_pipelined_requests: int = 8
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_chunks: int = 16_384
+    min_chunk_bytes: int = 256
+
+    @classmethod
+    def from_settings(cls, g: Any) -> EdgeLimits:
+        """From a :class:`config.models.GatewaySettings`."""
+        return cls(
+            max_header_bytes=g.max_header_bytes,
+            max_header_count=g.max_header_count,
+            header_timeout_seconds=g.header_timeout_seconds,
+            body_timeout_seconds=g.body_timeout_seconds,
+            max_inbound_connections=g.max_inbound_connections,
+            keepalive_timeout_seconds=g.keepalive_timeout_seconds,
+            refusal_delay_seconds=g.refusal_delay_seconds,
+            max_connections_per_client=g.max_connections_per_client,
+            max_pipelined_requests=g.max_pipelined_requests,
+            max_body_bytes=g.max_body_bytes,
+            max_body_chunks=g.max_body_chunks,
+            min_chunk_bytes=g.min_chunk_bytes,
+        )
+
+    @property
+    def per_client(self) -> int:
+        """Client connections one address may hold (``max_connections_per_client`` or its default)."""
+        if self.max_connections_per_client is not None:
+            return self.max_connections_per_client
+        return per_client_default(self.max_inbound_connections)
+
+
+def per_client_default(max_inbound_connections: int) -> int:
+    """The default per-address share: an eighth of ``max_inbound_connections`` (rounded up), so
+    that one address alone cannot hold every slot: 128 of the default 1,024."""
+    return max(1, -(-max_inbound_connections // 8))
+
+
+#: chunks of a chunked body that are never held to ``min_chunk_bytes`` (a client's first
+#: writes may be small: a JSON prefix, a flushed header line)
+FREE_CHUNKS = 64
+#: paths whose requests need a tenant's key: without one, the connection is not kept alive
+#: (one 401 per connection) and a body is never read
+_API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class EdgeState:
+    """What the connections of one server (one process) share: the lingering connections, which
+    still count against ``max_inbound_connections``, and the connections per client address."""
+
+    __slots__ = ("lingering", "per_client")
+
+    def __init__(self) -> None:
+        self.lingering: set[Any] = set()
+        self.per_client: dict[str, int] = {}
+
+
+def refusal_bytes(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP/1.1 response: ``status``, an OpenAI-shaped JSON body, ``connection: close``."""
+    body = openai_error_bytes(message, status=status, code=code)
+    return b"".join(
+        [
+            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n\r\n",
+            body,
+        ]
+    )
+
+
+class _StopParsing(Exception):
+    """Raised by a parser callback once the request is refused: httptools stops at once."""
+
+
+class _StoppableParser:
+    """The connection's ``httptools.HttpRequestParser``, whose :meth:`feed_data` ends quietly when
+    a callback stopped it after a refusal (:class:`_StopParsing`): without the stop, httptools
+    went on calling ``on_header`` for each of 20,000 headers after the 101st was refused (about
+    10 ms of event loop a request); without the quiet end, uvicorn logged and answered a 400
+    after the 431. Everything else is the wrapped parser's."""
+
+    __slots__ = ("_parser",)
+
+    def __init__(self, parser: Any) -> None:
+        self._parser = parser
+
+    def feed_data(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            if not isinstance(e.__context__, _StopParsing):
+                raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
+
+
+#: how long a connection closed while its request still arrives lingers (seconds), and how many
+#: more bytes of it are read and dropped meanwhile (see :class:`_LingeringTransport`)
+LINGER_SECONDS = 5.0
+LINGER_MAX_BYTES = 10 * 1024 * 1024  # a body refused before it was read (above max_body_bytes' 8 MiB)
+LINGER_MAX_HEAD_BYTES = 1024 * 1024  # a refused head (16 times max_header_bytes' 64 KiB)
+#: how fast one lingering connection is read (bytes a second): it is paused, after each read,
+#: for as long as that read takes at this rate. An 8 MiB body refused at its head drains in 4 s.
+LINGER_BYTES_PER_SECOND = 2 * 1024 * 1024
+
+
+def _request_unfinished(p: BoundedHttpToolsProtocol) -> bool:
+    """Whether bytes of ``p``'s current request may still arrive: inside a head that has begun,
+    before the end of a body, or while its bytes are being dropped unread (a body without a
+    tenant's key, pipelined requests past the limit)."""
+    if p._discarding:
+        return True
+    if p._in_head:
+        return p._head_bytes > 0
+    cycle = p.cycle
+    return cycle is not None and cycle.more_body
+
+
+def _stop_counting(p: BoundedHttpToolsProtocol) -> None:
+    """``p``'s connection lingers: no timer or limit of a request applies any more, it leaves
+    uvicorn's connections (a graceful shutdown does not wait for it) but still counts against
+    ``max_inbound_connections`` and its address's share until it is closed, and (as
+    ``connection_lost`` does) its request's cycle is marked disconnected, so the app's
+    ``receive()`` reports a disconnect."""
+    p._refused = True
+    p._cancel_timers()
+    p.connections.discard(p)
+    p.edge.lingering.add(p)
+    cycle = p.cycle
+    if cycle is not None:
+        if not cycle.response_complete:
+            cycle.disconnected = True
+        cycle.message_event.set()
+
+
+class _LingeringTransport:
+    """The connection's transport, whose :meth:`close` lingers when the request is still arriving
+    (a refused head, a body refused or never read): the answer is sent, then a FIN, and the
+    client's further bytes are read and dropped for up to :data:`LINGER_SECONDS` or
+    :data:`LINGER_MAX_BYTES` (:data:`LINGER_MAX_HEAD_BYTES` after a refused head: a legitimate
+    head is never that long), then the socket is closed. Closed at once, with bytes unread, the
+    kernel answered the client's next bytes with a reset, and a client still sending its body
+    (most do not read before they have sent it) lost the 413 or 431 already on its way: a third of
+    ``bench/hostile.py``'s 8 MiB headers got no answer. nginx does the same (``lingering_close``).
+    Everything else is the wrapped transport's."""
+
+    __slots__ = ("_pace", "_protocol", "_timer", "_transport", "dropped", "lingering", "max_drop")
+
+    def __init__(self, transport: asyncio.Transport, protocol: BoundedHttpToolsProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._timer: asyncio.TimerHandle | None = None
+        self._pace: asyncio.TimerHandle | None = None
+        self.lingering = False
+        self.dropped = 0
+        self.max_drop = LINGER_MAX_BYTES
+
+    def close(self) -> None:
+        if self.lingering:
+            return
+        t = self._transport
+        if t.is_closing() or not _request_unfinished(self._protocol):
+            t.close()
+            return
+        self.lingering = True
+        p = self._protocol
+        if not p._discarding:
+            self.max_drop = LINGER_MAX_HEAD_BYTES if p._in_head else LINGER_MAX_BYTES
+        if t.can_write_eof():
+            t.write_eof()  # after the answer: the client reads it, then sees the end
+        if self._pace is None:
+            t.resume_reading()  # reading may be paused (a delayed refusal, the app's flow control)
+        _stop_counting(p)
+        self._timer = self._protocol.loop.call_later(LINGER_SECONDS, t.close)
+
+    def drop(self, n: int) -> None:
+        """Bytes that arrived while lingering or discarding: dropped; past ``max_drop``
+        (:data:`LINGER_MAX_HEAD_BYTES` after a refused head, else :data:`LINGER_MAX_BYTES`), closed.
+        Reading pauses for ``n`` / :data:`LINGER_BYTES_PER_SECOND` seconds (paced)."""
+        self.dropped += n
+        if self.dropped > self.max_drop:
+            self.abort_linger()
+            return
+        if self._pace is None and not self._transport.is_closing():
+            self._transport.pause_reading()
+            self._pace = self._protocol.loop.call_later(n / LINGER_BYTES_PER_SECOND, self._resume)
+
+    def _resume(self) -> None:
+        self._pace = None
+        if not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def abort_linger(self) -> None:
+        """Close now (the client ended, dropped too much, or the connection is lost)."""
+        for t in (self._timer, self._pace):
+            if t is not None:
+                t.cancel()
+        self._timer = self._pace = None
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def release(self) -> None:
+        """The connection is lost: drop the reference back to the protocol (the protocol holds
+        this transport), so that both are freed when the last reference goes, not by the cyclic
+        garbage collector: with hundreds of connections a second, collecting them made its full
+        collections hold the event loop 20-28 ms under ``bench/hostile.py``. :meth:`close` only
+        needs the protocol while the transport is open."""
+        self._protocol = None  # type: ignore[assignment]  # closed: close() no longer reads it
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's ``HttpToolsProtocol`` with :class:`EdgeLimits` (from ``config.kvgate_edge_limits``,
+    set by :func:`configure`; the defaults when absent). Parsing stops at the first refusal: a
+    refused head costs the callbacks up to its limit, not its size."""
+
+    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any], _loop: Any = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.parser = _StoppableParser(self.parser)  # type: ignore[assignment]  # a proxy with the same methods
+        self.limits: EdgeLimits = getattr(config, "kvgate_edge_limits", None) or EdgeLimits()
+        self.edge: EdgeState = getattr(config, "kvgate_edge_state", None) or EdgeState()
+        self._key_check: Callable[[str | None], bool] | None = getattr(config, "kvgate_key_check", None)
+        self._client: str | None = None  # the address counted in edge.per_client
+        self._in_head = True  # between requests or inside a request head
+        self._head_read = True  # the read being parsed began inside a head
+        self._head_bytes = 0
+        self._header_count = 0
+        self._body_wire_bytes = 0  # the body's bytes as sent, chunk framing included
+        self._body_bytes = 0  # the body's bytes as decoded
+        self._chunks = 0
+        self._refused = False
+        self._discarding = False  # the rest of what the client sends is dropped unread
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------ refusals
+    def _refuse(self, status: int, message: str, code: str, delay_seconds: float = 0.0) -> None:
+        """Answer ``status`` (unless a response has begun) and close, lingering. With
+        ``delay_seconds`` (a 431: ``limits.refusal_delay_seconds``), the connection is not read
+        meanwhile and the answer goes out that much later: a client refused for its head waits
+        before it can send the next one."""
+        if self._refused:
+            return
+        self._refused = True
+        self._cancel_timers()
+        if self.transport is None or self.transport.is_closing():
+            return
+        if delay_seconds > 0:
+            self.transport.pause_reading()
+            self._head_timer = self.loop.call_later(delay_seconds, self._answer, status, message, code)
+            return
+        self._answer(status, message, code)
+
+    def _answer(self, status: int, message: str, code: str) -> None:
+        self._head_timer = None
+        if self.transport is None or self.transport.is_closing():
+            return
+        cycle = self.cycle  # on a kept-alive connection, the previous request's until a new head ends
+        if cycle is None or not cycle.response_started or (self._in_head and cycle.response_complete):
+            self.transport.write(refusal_bytes(status, message, code))
+        # the close lingers (the request is unfinished): the request's cycle is marked
+        # disconnected at once, so the app's receive() reports a disconnect and whatever it sends
+        # is dropped
+        self.transport.close()
+        log.info("refused a client connection: %d %s", status, code)
+
+    def _cancel_timers(self) -> None:
+        for t in (self._head_timer, self._body_timer):
+            if t is not None:
+                t.cancel()
+        self._head_timer = self._body_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._refuse(
+            408,
+            f"The request head did not arrive within {self.limits.header_timeout_seconds:g} seconds.",
+            "request_timeout",
+        )
+
+    def _body_too_slow(self) -> None:
+        self._body_timer = None
+        self._refuse(
+            408,
+            f"The request body did not arrive within {self.limits.body_timeout_seconds:g} seconds.",
+            "request_timeout",
+        )
+
+    def _head_too_large(self, what: str) -> None:
+        self._refuse(
+            431,
+            f"The request's headers are too large: {what}.",
+            "request_header_fields_too_large",
+            self.limits.refusal_delay_seconds,
+        )
+
+    # ------------------------------------------------------------ asyncio.Protocol
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        transport = _LingeringTransport(transport, self)  # type: ignore[assignment]  # same methods
+        super().connection_made(transport)
+        if len(self.connections) + len(self.edge.lingering) > self.limits.max_inbound_connections:
+            self._refuse(
+                503,
+                f"The gateway holds its maximum of {self.limits.max_inbound_connections} client connections; "
+                "retry shortly.",
+                "server_busy",
+            )
+            return
+        peer = transport.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "-"
+        held = self.edge.per_client.get(client, 0)
+        if held >= self.limits.per_client:
+            self._refuse(
+                429,
+                f"Your address holds its maximum of {self.limits.per_client} connections to the gateway; "
+                "reuse them or close some.",
+                "too_many_connections",
+            )
+            return
+        self.edge.per_client[client] = held + 1
+        self._client = client
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_seconds, self._head_too_slow)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        self.edge.lingering.discard(self)
+        if self._client is not None:
+            left = self.edge.per_client.get(self._client, 1) - 1
+            if left > 0:
+                self.edge.per_client[self._client] = left
+            else:
+                self.edge.per_client.pop(self._client, None)
+            self._client = None
+        t = self.transport
+        if isinstance(t, _LingeringTransport) and t.lingering:
+            t.abort_linger()  # cancels the linger timer
+        super().connection_lost(exc)
+        if isinstance(t, _LingeringTransport):
+            t.release()
+        # uvicorn keeps the last request's cycle, which holds a bound method of this protocol:
+        # a reference cycle per connection, freed only by a full collection. The app's task,
+        # if still running, keeps the cycle it uses; nothing here reads it after the loss.
+        self.cycle = None  # type: ignore[assignment]
+
+    def eof_received(self) -> None:
+        t = self.transport
+        if isinstance(t, _LingeringTransport) and t.lingering:
+            t.abort_linger()  # the client has sent everything: nothing left to wait for
+            return
+        super().eof_received()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused or self._discarding:
+            t = self.transport
+            if isinstance(t, _LingeringTransport) and (t.lingering or self._discarding):
+                t.drop(len(data))
+            return
+        self._head_read = self._in_head
+        if not self._in_head:
+            self._body_wire_bytes += len(data)
+        if self._in_head:
+            if self._head_timer is None:  # a new request on a kept-alive connection
+                self._head_timer = self.loop.call_later(self.limits.header_timeout_seconds, self._head_too_slow)
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and not self._refused and self._head_bytes > self.limits.max_header_bytes:
+            # still inside the head (the headers did not end in what arrived) and already too long
+            self._head_too_large(f"more than {self.limits.max_header_bytes} bytes")
+
+    # ------------------------------------------------------------ parser callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_header_count:
+            self._head_too_large(f"more than {self.limits.max_header_count} header fields")
+            raise _StopParsing
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        head = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if head > self.limits.max_header_bytes:
+            self._head_too_large(f"more than {self.limits.max_header_bytes} bytes")
+            return
+        if self._pipeline_full():
+            raise _StopParsing
+        self._in_head = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+        if self.cycle is not None and self._without_key():
+            raise _StopParsing
+        if self.cycle is not None and self.cycle.more_body:
+            self._body_timer = self.loop.call_later(self.limits.body_timeout_seconds, self._body_too_slow)
+
+    def _pipeline_full(self) -> bool:
+        """A request head arrived while ``max_pipelined_requests`` wait behind the one being
+        answered: it is not queued, the last queued one is answered with ``connection: close``
+        and what the client sends next is dropped (the client resends the unanswered requests
+        on a new connection, RFC 9112 section 9.3.2)."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or len(self.pipeline) < self.limits.max_pipelined_requests:
+            return False
+        last = self.pipeline[0][0] if self.pipeline else cycle  # appendleft: the newest is first
+        last.keep_alive = False
+        self._discarding = True
+        self._cancel_timers()
+        log.info("closing a client connection after %d pipelined requests", len(self.pipeline) + 1)
+        return True
+
+    def _without_key(self) -> bool:
+        """After a request head: a request with a body, or to an API path, without a tenant's key
+        is answered (401, by the app) with ``connection: close``, and nothing it sends after its
+        head is parsed (its body, pipelined requests): it is dropped, paced, until the close has
+        lingered. True when that is so (parsing stops)."""
+        if self._key_check is None:
+            return False
+        path = self.scope.get("path", "")
+        body = any(
+            n in (b"content-length", b"transfer-encoding") and v.strip() not in (b"", b"0") for n, v in self.headers
+        )
+        if not (body or path.startswith(_API_PREFIXES)):
+            return False
+        auth = next((v for n, v in self.headers if n == b"authorization"), None)
+        if self._key_check(auth.decode("latin-1") if auth is not None else None):
+            return False
+        self.cycle.keep_alive = False
+        self._discarding = True
+        return True
+
+    def _refuse_body(self, message: str) -> None:
+        self._refuse(413, message, "request_too_large")
+        raise _StopParsing
+
+    def on_chunk_header(self) -> None:
+        """A chunk's size line was parsed (the body's last, zero-length chunk included)."""
+        if self._refused:
+            return
+        self._chunks += 1
+        done = self._chunks - 1
+        lim = self.limits
+        if self._body_wire_bytes > lim.max_body_bytes:
+            self._refuse_body(f"The request body is larger than {lim.max_body_bytes} bytes (chunk framing included).")
+        if done > lim.max_body_chunks:
+            self._refuse_body(f"The request body has more than {lim.max_body_chunks} chunks.")
+        if done > FREE_CHUNKS and self._body_bytes < lim.min_chunk_bytes * done:
+            self._refuse_body(
+                f"The request body's chunks average under {lim.min_chunk_bytes} bytes; send larger chunks "
+                "or a Content-Length body."
+            )
+
+    def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
+        self._body_bytes += len(body)
+        if self._head_read:  # the head ended in this read: only its body part is the body's
+            self._body_wire_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        if self._refused:
+            return
+        super().on_message_complete()
+        self._in_head = True
+        self._head_bytes = 0
+        self._header_count = 0
+        self._body_wire_bytes = self._body_bytes = self._chunks = 0
+
+
+#: GIL switch interval of a serving process (seconds; Python's default is 0.005). Counting, parsing
+#: and scanning run in worker threads; while one holds the GIL, the event loop's thread waits for
+#: it up to this long each time it wakes, so a shorter interval bounds the loop's lag.
+SWITCH_INTERVAL_SECONDS = 0.001
+
+
+def tenant_key_check(registry: Any) -> Callable[[str | None], bool]:
+    """Whether an ``Authorization`` header value carries a key of ``registry``'s tenants (a
+    :class:`gateway.ops.tenants.TenantRegistry`, read at each call: tenant edits apply)."""
+    from gateway.admission.auth import bearer_key
+
+    def check(authorization: str | None) -> bool:
+        key = bearer_key(authorization)
+        return key is not None and registry.lookup(key) is not None
+
+    return check
+
+
+def configure(config: Any, limits: EdgeLimits, key_check: Callable[[str | None], bool] | None = None) -> Any:
+    """Make ``config`` (a ``uvicorn.Config``, before it is loaded) serve with
+    :class:`BoundedHttpToolsProtocol` under ``limits``, and set this process's GIL switch interval
+    to :data:`SWITCH_INTERVAL_SECONDS`; returns ``config``. ``key_check`` (default: the tenant
+    registry of the gateway app ``config.app``, :func:`tenant_key_check`) tells a tenant's key
+    from a request's ``Authorization`` header; without one, bodies of requests without a key are
+    read (and refused by the app) as any other."""
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    if key_check is None:
+        gw = getattr(getattr(getattr(config, "app", None), "state", None), "gateway", None)
+        registry = getattr(gw, "tenants", None)
+        key_check = tenant_key_check(registry) if registry is not None else None
+    config.http = BoundedHttpToolsProtocol
+    config.kvgate_edge_limits = limits
+    config.kvgate_edge_state = EdgeState()
+    config.kvgate_key_check = key_check
+    config.timeout_keep_alive = limits.keepalive_timeout_seconds
+    config.h11_max_incomplete_event_size = limits.max_header_bytes  # if h11 is ever chosen instead
+    return config

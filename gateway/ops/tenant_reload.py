@@ -1,0 +1,101 @@
+"""Live tenant changes: a running gateway re-reads ``tenants.yaml`` when the file changes (polled)
+or on SIGHUP, so ``kvgate tenant set / add-key / revoke-key`` take effect without a restart.
+
+The reload itself is :meth:`gateway.ops.tenants.TenantRegistry.reload` (one reference swap: a request
+sees the old table or the new one). An invalid file is logged and the previous table kept. Quota
+limits are read from the tenant entry on every request, so new limits apply to the next request;
+the windows already logged (in Redis or in process) stay and count against the new limits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from config.loader import ConfigError
+
+log = logging.getLogger("kvgate.tenants")
+
+#: How often the tenants file is checked for a change (seconds).
+POLL_INTERVAL_SECONDS = 1.0
+
+
+def _signature(path: os.PathLike[str] | str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+class TenantFileWatcher:
+    """Reloads ``registry`` (a :class:`~gateway.ops.tenants.TenantRegistry` with a ``path``) when the
+    file's (mtime, size, inode) changes, checked every ``interval_seconds`` in a daemon thread,
+    or at once after :meth:`poke` (what the SIGHUP handler calls). ``reloads`` counts successful
+    reloads; ``last_error`` holds the last invalid file's message (``None`` after a good one)."""
+
+    def __init__(self, registry: Any, interval_seconds: float = POLL_INTERVAL_SECONDS) -> None:
+        if registry.path is None:
+            raise ValueError("the tenant registry has no file to watch")
+        self.registry = registry
+        self.interval_seconds = interval_seconds
+        self.reloads = 0
+        self.last_error: str | None = None
+        self._seen = _signature(registry.path)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self, force: bool = False) -> bool:
+        """Reload if the file changed (or ``force``); True when a new table was swapped in."""
+        sig = _signature(self.registry.path)
+        if not force and sig == self._seen:
+            return False
+        self._seen = sig
+        try:
+            self.registry.reload()
+        except (ConfigError, OSError, ValueError) as e:
+            self.last_error = str(e)
+            log.warning("tenants file %s is invalid; keeping the previous tenants: %s", self.registry.path, e)
+            return False
+        self.reloads += 1
+        self.last_error = None
+        log.info("tenants reloaded from %s: %d tenant(s)", self.registry.path, len(self.registry.tenants))
+        return True
+
+    def poke(self) -> None:
+        """Ask for a reload now (safe from a signal handler: it only sets an event)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            poked = self._wake.wait(self.interval_seconds)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.check(force=poked)
+            except Exception:  # the watcher must outlive any surprise
+                log.exception("tenant reload failed")
+
+    def start(self) -> TenantFileWatcher:
+        """Start the polling thread (idempotent); returns ``self``."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvgate-tenant-reload", daemon=True)
+            self._thread.start()
+        return self
+
+    def install_sighup(self) -> None:
+        """Make SIGHUP reload the file (call from the main thread)."""
+        signal.signal(signal.SIGHUP, lambda _sig, _frame: self.poke())
+
+    def stop(self) -> None:
+        """Stop the thread."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None

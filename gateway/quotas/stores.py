@@ -1,0 +1,482 @@
+"""Where quota state lives: Redis (shared by every gateway replica) or this process's memory.
+
+Both stores implement the same sliding-window log (see ``docs/quotas.md``): an admission is
+logged with its time and counts against RPM / TPM while ``now - admitted_at < window``; a
+concurrency lease counts until it is settled or its TTL runs out. ``reserve`` admits the
+request, its tokens and a lease together or changes nothing (a TPM refusal spends no RPM slot).
+
+Times are milliseconds: Redis's own clock (``TIME``) in the Lua scripts, so replicas' clocks do
+not matter; ``time.monotonic()`` in :class:`LocalQuotaStore`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Protocol
+
+from config.models import TenantConfig
+from config.redis_client import is_cluster, key_slot
+from verifier.stage import PendingWrite
+
+log = logging.getLogger("kvgate.quotas")
+
+UNLIMITED = -1
+
+
+@dataclass(frozen=True)
+class QuotaLimits:
+    """A tenant's limits per window; ``None`` = unlimited. ``rpm``: requests, ``tpm``: prompt +
+    completion tokens, ``max_concurrent``: requests in flight."""
+
+    rpm: int | None
+    tpm: int | None
+    max_concurrent: int | None
+
+    @classmethod
+    def of(cls, tenant: TenantConfig) -> QuotaLimits:
+        """The limits of a tenant entry (``rpm``, ``tpm``, ``max_concurrent``)."""
+        return cls(tenant.rpm, tenant.tpm, tenant.max_concurrent)
+
+    @property
+    def unlimited(self) -> bool:
+        """True when no dimension is limited (the stage then skips the store)."""
+        return self.rpm is None and self.tpm is None and self.max_concurrent is None
+
+    def divided(self, divisor: int) -> QuotaLimits:
+        """Each limit floor-divided by ``divisor`` (per-replica share while Redis is down;
+        floor, so that ``replicas`` replicas together never exceed the configured limit)."""
+        d = max(1, divisor)
+
+        def f(v: int | None) -> int | None:
+            return None if v is None else v // d
+
+        return QuotaLimits(f(self.rpm), f(self.tpm), f(self.max_concurrent))
+
+
+@dataclass(frozen=True)
+class QuotaDecision:
+    """A store's answer to ``reserve``.
+
+    ``refused``: the refused dimensions, a subset of ``("rpm", "tpm", "concurrency")`` (empty
+    when admitted). ``retry_after_ms``: when every refused dimension admits the request again
+    (RPM/TPM: exact, from the log; concurrency: 1000, as a lease ends with its request).
+    ``remaining_*``: what is left in the window after this decision (``-1`` = unlimited).
+    ``too_large``: the request alone reserves more tokens than the whole TPM.
+    """
+
+    admitted: bool
+    refused: tuple[str, ...]
+    retry_after_ms: int
+    remaining_requests: int
+    remaining_tokens: int
+    too_large: bool = False
+
+
+class QuotaStoreUnavailable(Exception):
+    """The store did not answer (refused, reset, timed out). The stage applies the configured
+    ``redis_failure_policy``."""
+
+
+class QuotaStore(Protocol):
+    """Quota state for every tenant. ``lease_id`` is unique per request (the stage makes it)."""
+
+    name: str
+
+    async def reserve(
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        lease_ttl_ms: int,
+        *,
+        also: PendingWrite | None = None,
+    ) -> QuotaDecision:
+        """Admit one request + ``tokens`` + a lease of ``lease_ttl_ms``, or nothing. ``also``:
+        calls to send in the same round trip, if the store makes one (their outcome to
+        ``also.sent``). Raises :class:`QuotaStoreUnavailable`."""
+        ...
+
+    async def begin(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
+        """Admit one request (RPM) and a lease of ``lease_ttl_ms``, or nothing; its tokens follow
+        with :meth:`take_tokens`. Raises :class:`QuotaStoreUnavailable`."""
+        ...
+
+    async def take_tokens(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+    ) -> QuotaDecision:
+        """Debit ``tokens`` against TPM for the request ``lease_id`` (begun), or nothing.
+        Raises :class:`QuotaStoreUnavailable`."""
+        ...
+
+    async def settle(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
+    ) -> None:
+        """Release the lease; correct the TPM debit to ``used_tokens``.
+        Raises :class:`QuotaStoreUnavailable`."""
+        ...
+
+    async def renew(self, tenant_id: str, lease_ids: list[str], lease_ttl_ms: int) -> int:
+        """Extend live leases to now + ``lease_ttl_ms``; returns how many were still live.
+        Raises :class:`QuotaStoreUnavailable`."""
+        ...
+
+    async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
+        """Undo these reservations if they were made (a reserve that timed out may have run);
+        returns how many were undone. Raises :class:`QuotaStoreUnavailable`."""
+        ...
+
+    def scope(self, tenant_id: str) -> int | None:
+        """The part of the store that holds ``tenant_id``'s state and fails with it: its hash
+        slot on a Redis Cluster, else ``None`` (the whole store). The stage backs off per scope."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        ...
+
+
+def _arg(v: int | None) -> int:
+    return UNLIMITED if v is None else int(v)
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)
+
+
+def _decision(r: Any) -> QuotaDecision:
+    """A script's reply ``{admitted, refused, retry_ms, remaining_requests, remaining_tokens, too_large}``."""
+    refused = tuple(x for x in _text(r[1]).split(",") if x)
+    return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])))
+
+
+def load_script(name: str) -> str:
+    """The text of ``gateway/quotas/lua/<name>.lua`` (package data)."""
+    return resources.files("gateway.quotas").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+
+
+class RedisQuotaStore:
+    """Quota state in Redis, shared by all replicas; Lua scripts: ``begin.lua`` (RPM and lease,
+    at arrival) then ``tokens.lua`` (TPM, once counted), or ``reserve.lua`` (all three at once);
+    ``settle.lua``, ``renew.lua`` for lease heartbeats and ``cancel.lua`` to undo reservations
+    whose call timed out.
+
+    Keys (``prefix`` default ``kvgate:q``), all with the ``{tenant}`` hash tag (Redis Cluster
+    safe): ``kvgate:q:{t}:rpm``, ``:tpm``, ``:tpm:debits``, ``:tpm:sum``, ``:leases``. Every key
+    expires one window (leases: one TTL) after its last write, so idle tenants cost nothing.
+
+    ``client``: a ``redis.asyncio`` client whose socket timeouts bound each call (the stage
+    adds an overall deadline): ``Redis`` (standalone or a Sentinel's master) or ``RedisCluster``
+    (each script runs on the tenant's slot). Every Redis or socket error becomes
+    :class:`QuotaStoreUnavailable`. On a cluster a reservation carries no ``also`` writes (their
+    keys live on other slots, mostly other nodes): those are left to ``also.finish``.
+    """
+
+    name = "redis"
+
+    def __init__(self, client: Any, *, prefix: str = "kvgate:q") -> None:
+        self.client = client
+        self.prefix = prefix
+        self.cluster = is_cluster(client)
+        self._reserve = client.register_script(load_script("reserve"))
+        self._settle = client.register_script(load_script("settle"))
+        self._renew = client.register_script(load_script("renew"))
+        self._cancel = client.register_script(load_script("cancel"))
+        self._begin = client.register_script(load_script("begin"))
+        self._tokens = client.register_script(load_script("tokens"))
+
+    def keys(self, tenant_id: str) -> list[str]:
+        """The five keys of a tenant: rpm log, tpm log, tpm debits, tpm sum, leases."""
+        base = f"{self.prefix}:{{{tenant_id}}}"
+        return [f"{base}:rpm", f"{base}:tpm", f"{base}:tpm:debits", f"{base}:tpm:sum", f"{base}:leases"]
+
+    def scope(self, tenant_id: str) -> int | None:
+        return key_slot(self.keys(tenant_id)[0]) if self.cluster else None
+
+    async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run ``script`` (:meth:`_retrying`). Raises :class:`QuotaStoreUnavailable`."""
+        return await self._retrying(lambda: script(keys=keys, args=args))
+
+    async def _retrying(self, send: Any) -> Any:
+        """Await ``send()``. A connection error (a pooled connection that Redis, restarted or
+        failed over, no longer knows) drops every idle pooled connection and tries once more on
+        a fresh one, so a Redis that answers again costs no 503; a timeout is never retried, and
+        the stage's deadline bounds both tries. Raises :class:`QuotaStoreUnavailable`."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import RedisClusterException, RedisError
+
+        try:
+            try:
+                return await send()
+            except (RedisConnectionError, ConnectionResetError, BrokenPipeError) as first:
+                log.info("redis connection lost (%s); reconnecting once", type(first).__name__)
+                with contextlib.suppress(Exception):
+                    await self.client.connection_pool.disconnect(inuse_connections=False)
+                return await send()
+        except (RedisError, RedisClusterException, OSError) as e:  # the cluster's: no node answers
+            raise QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}") from e
+
+    async def reserve(
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        lease_ttl_ms: int,
+        *,
+        also: PendingWrite | None = None,
+    ) -> QuotaDecision:
+        args = [
+            lease_id,
+            _arg(limits.rpm),
+            _arg(limits.tpm),
+            _arg(limits.max_concurrent),
+            int(tokens),
+            int(window_ms),
+            int(lease_ttl_ms),
+        ]
+        if also is not None and also.calls and not self.cluster:
+            r = await self._call_with(self._reserve, self.keys(tenant_id), args, also)
+        else:
+            r = await self._call(self._reserve, self.keys(tenant_id), args)
+        refused = tuple(x for x in _text(r[1]).split(",") if x)
+        return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])))
+
+    async def _call_with(self, script: Any, keys: list[str], args: list[Any], also: PendingWrite) -> Any:
+        """:meth:`_call` with ``also.calls`` in the same pipeline (one round trip, no
+        transaction: each call stands alone), their results or exceptions handed to
+        ``also.sent`` (a round trip that failed: its exception). A ``NOSCRIPT`` reply to the
+        reservation (Redis restarted and lost its scripts) loads it and sends the pipeline once
+        more. Raises :class:`QuotaStoreUnavailable` as :meth:`_call` does."""
+        from redis.exceptions import NoScriptError
+
+        async def once() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            for sha, ckeys, cargs in also.calls:
+                pipe.evalsha(sha, len(ckeys), *ckeys, *cargs)
+            return list(await pipe.execute(raise_on_error=False))
+
+        async def send() -> list[Any]:
+            results = await once()
+            if isinstance(results[0], NoScriptError):
+                await self.client.script_load(script.script)
+                results = await once()
+            return results
+
+        try:
+            results = await self._retrying(send)
+        except BaseException as e:  # unavailable, or cancelled by the stage's deadline: fate unknown
+            also.sent(e)
+            raise
+        also.sent(results[1:])
+        reply = results[0]
+        if isinstance(reply, Exception):
+            raise QuotaStoreUnavailable(f"redis: {type(reply).__name__}: {reply}") from reply
+        return reply
+
+    async def begin(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
+        args = [lease_id, _arg(limits.rpm), _arg(limits.max_concurrent), int(window_ms), int(lease_ttl_ms)]
+        return _decision(await self._call(self._begin, self.keys(tenant_id), args))
+
+    async def take_tokens(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+    ) -> QuotaDecision:
+        args = [lease_id, _arg(limits.tpm), int(tokens), int(window_ms)]
+        return _decision(await self._call(self._tokens, self.keys(tenant_id), args))
+
+    async def settle(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
+    ) -> None:
+        await self._call(
+            self._settle,
+            self.keys(tenant_id),
+            [lease_id, int(used_tokens), int(reserved_tokens), int(window_ms), "1" if limits.tpm is not None else "0"],
+        )
+
+    async def renew(self, tenant_id: str, lease_ids: list[str], lease_ttl_ms: int) -> int:
+        if not lease_ids:
+            return 0
+        n = await self._call(self._renew, [self.keys(tenant_id)[4]], [int(lease_ttl_ms), *lease_ids])
+        return int(n)
+
+    async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
+        if not lease_ids:
+            return 0
+        return int(await self._call(self._cancel, self.keys(tenant_id), list(lease_ids)))
+
+    async def aclose(self) -> None:
+        try:
+            await self.client.aclose()
+        except Exception:  # closing a broken connection must not fail shutdown
+            pass
+
+
+@dataclass
+class _TenantLog:
+    rpm: deque[tuple[float, str]] = field(default_factory=deque)
+    tpm: deque[tuple[float, str]] = field(default_factory=deque)
+    debits: dict[str, list[float]] = field(default_factory=dict)  # lease id -> [admitted at, tokens]
+    tpm_sum: int = 0
+    leases: dict[str, float] = field(default_factory=dict)
+
+
+class LocalQuotaStore:
+    """Quota state in this process's memory: the same sliding-window log as ``reserve.lua``,
+    for a gateway without Redis (limits are then per process) and for ``local_fallback`` while
+    Redis is down. ``clock``: a function returning milliseconds (tests may pass their own)."""
+
+    name = "local"
+
+    def __init__(self, clock: Any = None) -> None:
+        self._clock = clock or (lambda: time.monotonic() * 1000.0)
+        self._tenants: dict[str, _TenantLog] = {}
+
+    def _log(self, tenant_id: str) -> _TenantLog:
+        log = self._tenants.get(tenant_id)
+        if log is None:
+            log = self._tenants[tenant_id] = _TenantLog()
+        return log
+
+    @staticmethod
+    def _trim(log: _TenantLog, now: float, window_ms: int) -> None:
+        cutoff = now - window_ms
+        while log.rpm and log.rpm[0][0] <= cutoff:
+            log.rpm.popleft()
+        while log.tpm and log.tpm[0][0] <= cutoff:
+            _, lid = log.tpm.popleft()
+            log.tpm_sum -= int(log.debits.pop(lid, (0, 0))[1])
+        for lid in [k for k, exp in log.leases.items() if exp <= now]:
+            del log.leases[lid]
+
+    async def reserve(
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        lease_ttl_ms: int,
+        *,
+        also: PendingWrite | None = None,
+    ) -> QuotaDecision:
+        return self.reserve_now(tenant_id, limits, lease_id, tokens, window_ms, lease_ttl_ms)
+
+    def reserve_now(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
+        """Synchronous :meth:`reserve` (no I/O)."""
+        now = self._clock()
+        log = self._log(tenant_id)
+        self._trim(log, now, window_ms)
+        count, used, inflight = len(log.rpm), log.tpm_sum, len(log.leases)
+        refused: list[str] = []
+        retry = 0.0
+        too_large = False
+        if limits.rpm is not None and count + 1 > limits.rpm:
+            refused.append("rpm")
+            retry = max(retry, window_ms if limits.rpm == 0 else log.rpm[count - limits.rpm][0] + window_ms - now)
+        if limits.tpm is not None and used + tokens > limits.tpm:
+            refused.append("tpm")
+            if tokens > limits.tpm:
+                too_large = True
+                retry = max(retry, window_ms)
+            else:
+                need, freed, at = used + tokens - limits.tpm, 0, now
+                for ts, lid in log.tpm:
+                    freed += int(log.debits[lid][1]) if lid in log.debits else 0
+                    if freed >= need:
+                        at = ts
+                        break
+                retry = max(retry, at + window_ms - now)
+        if limits.max_concurrent is not None and inflight + 1 > limits.max_concurrent:
+            refused.append("concurrency")
+            retry = max(retry, 1000)
+        rr = UNLIMITED if limits.rpm is None else max(0, limits.rpm - count)
+        rt = UNLIMITED if limits.tpm is None else max(0, limits.tpm - used)
+        if refused:
+            return QuotaDecision(False, tuple(refused), max(1, math.floor(retry)), rr, rt, too_large)
+        if limits.rpm is not None:
+            log.rpm.append((now, lease_id))
+            rr -= 1
+        if limits.tpm is not None:
+            log.tpm.append((now, lease_id))
+            log.debits[lease_id] = [now, int(tokens)]
+            log.tpm_sum += int(tokens)
+            rt = limits.tpm - used - int(tokens)
+        if limits.max_concurrent is not None:
+            log.leases[lease_id] = now + lease_ttl_ms
+        return QuotaDecision(True, (), 0, rr, rt)
+
+    async def begin(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
+        return self.begin_now(tenant_id, limits, lease_id, window_ms, lease_ttl_ms)
+
+    def begin_now(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
+    ) -> QuotaDecision:
+        """Synchronous :meth:`begin`: :meth:`reserve_now` without TPM (``begin.lua``)."""
+        lease_only = QuotaLimits(limits.rpm, None, limits.max_concurrent)
+        return self.reserve_now(tenant_id, lease_only, lease_id, 0, window_ms, lease_ttl_ms)
+
+    async def take_tokens(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+    ) -> QuotaDecision:
+        return self.take_tokens_now(tenant_id, limits, lease_id, tokens, window_ms)
+
+    def take_tokens_now(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+    ) -> QuotaDecision:
+        """Synchronous :meth:`take_tokens`: :meth:`reserve_now` with TPM only (``tokens.lua``)."""
+        return self.reserve_now(tenant_id, QuotaLimits(None, limits.tpm, None), lease_id, tokens, window_ms, 0)
+
+    async def settle(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
+    ) -> None:
+        log = self._log(tenant_id)
+        log.leases.pop(lease_id, None)
+        if limits.tpm is None:
+            return
+        now = self._clock()
+        entry = log.debits.get(lease_id)
+        if entry is not None and entry[0] > now - window_ms:
+            log.tpm_sum += int(used_tokens) - int(entry[1])
+            entry[1] = int(used_tokens)
+        elif used_tokens > reserved_tokens:
+            xid = lease_id + ":x"
+            extra = int(used_tokens) - int(reserved_tokens)
+            log.tpm.append((now, xid))
+            log.debits[xid] = [now, extra]
+            log.tpm_sum += extra
+
+    async def renew(self, tenant_id: str, lease_ids: list[str], lease_ttl_ms: int) -> int:
+        now = self._clock()
+        log = self._log(tenant_id)
+        n = 0
+        for lid in lease_ids:
+            if log.leases.get(lid, -1.0) > now:
+                log.leases[lid] = now + lease_ttl_ms
+                n += 1
+        return n
+
+    async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
+        return 0  # in-process calls never time out half-way
+
+    def scope(self, tenant_id: str) -> int | None:
+        return None
+
+    async def aclose(self) -> None:
+        return None

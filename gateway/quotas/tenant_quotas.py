@@ -1,0 +1,444 @@
+"""Per-tenant quotas (docs/design.md step 6): the :class:`~gateway.quotas.stage.QuotaStage` the request path
+calls, built from settings by :func:`build_quota_stage`.
+
+- RPM, TPM (prompt + completion) and concurrent requests per tenant, in one atomic reservation
+  (``gateway/quotas/lua/reserve.lua``): all three or none. ``settle`` corrects TPM to the real usage and
+  releases the concurrency lease (``settle.lua``). Window algorithm: sliding-window log,
+  ``QuotaSettings.window_seconds`` long (``docs/quotas.md``).
+- Leases have a TTL (``lease_ttl_seconds``); this process renews its live leases every TTL / 3,
+  so a replica that dies frees its slots within one TTL.
+- Over quota: :class:`~config.errors.OpenAIError` 429 ``rate_limit_exceeded`` with ``Retry-After``
+  (whole seconds until the window admits the request, rounded up) and the OpenAI rate-limit
+  headers; the same headers (``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
+  ``x-ratelimit-limit-tokens``, ``x-ratelimit-remaining-tokens``) are in
+  :attr:`QuotaLease.headers` of every admitted request, one pair per limited dimension (header
+  names as in the OpenAI API reference, "Rate limits").
+- Redis refused or hanging: every Redis call is bounded by socket timeouts and an overall
+  deadline under 1 s. ``fail_closed``: 503 ``quota_backend_unavailable`` with ``Retry-After``.
+  ``local_fallback``: this process enforces ``limit // processes`` in its own memory, where
+  ``processes`` = ``quotas.replicas`` x ``gateway.workers`` (every gateway process of the fleet).
+  After a failure Redis is tried again within :data:`PROBE_INTERVAL_SECONDS`, so limits resume by
+  themselves. No Redis URL: limits kept in process memory (a warning says they are per process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import uuid
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from config.errors import ErrorCode, OpenAIError
+from config.models import QuotaSettings, Settings, TenantConfig
+from config.redis_client import StoreBackoff, redis_client
+from gateway.quotas.stage import NullQuotas, QuotaLease, QuotaStage
+from gateway.quotas.stores import (
+    LocalQuotaStore,
+    QuotaDecision,
+    QuotaLimits,
+    QuotaStore,
+    QuotaStoreUnavailable,
+    RedisQuotaStore,
+)
+from verifier.stage import PendingWrite
+
+log = logging.getLogger("kvgate.quotas")
+
+#: After a failed Redis call, requests are decided by the failure policy without asking Redis
+#: for this long (seconds); the first request after it tries Redis again.
+PROBE_INTERVAL_SECONDS = 0.5
+#: While reservations whose call failed are waiting to be undone, the store is retried this often
+#: in the background (seconds).
+RECOVER_INTERVAL_SECONDS = 0.1
+#: No Redis decision waits longer than this (seconds), whatever the socket timeouts.
+MAX_DECISION_SECONDS = 0.9
+#: At most this many failed reservations are remembered for undoing after an outage.
+UNCERTAIN_MAX = 10_000
+#: :meth:`TenantQuotas._cancel_uncertain`'s "every scope"
+_ALL = object()
+
+
+@dataclass
+class _Held:
+    """``QuotaLease.state``: which store holds the lease and what to settle."""
+
+    store: QuotaStore
+    tenant_id: str
+    limits: QuotaLimits
+    lease_id: str
+    window_ms: int
+    settled: bool = False
+
+
+def rate_limit_headers(limits: QuotaLimits, decision: QuotaDecision) -> dict[str, str]:
+    """``x-ratelimit-limit-*`` / ``x-ratelimit-remaining-*`` for each limited dimension
+    (requests: RPM, tokens: TPM); values are decimal integers, remaining never negative."""
+    h: dict[str, str] = {}
+    if limits.rpm is not None:
+        h["x-ratelimit-limit-requests"] = str(limits.rpm)
+        h["x-ratelimit-remaining-requests"] = str(max(0, decision.remaining_requests))
+    if limits.tpm is not None:
+        h["x-ratelimit-limit-tokens"] = str(limits.tpm)
+        h["x-ratelimit-remaining-tokens"] = str(max(0, decision.remaining_tokens))
+    return h
+
+
+def _fmt_seconds(s: float) -> str:
+    return f"{s:g}s"
+
+
+def refusal_error(
+    tenant: TenantConfig, limits: QuotaLimits, decision: QuotaDecision, tokens: int, window_seconds: float
+) -> OpenAIError:
+    """The 429 ``rate_limit_exceeded`` for a refused reservation, worded like the OpenAI API's
+    ("Rate limit reached for ... Limit L, Used U, Requested R. Please try again in Ns.")."""
+    retry_s = max(1, math.ceil(decision.retry_after_ms / 1000))
+    window = _fmt_seconds(window_seconds)
+    parts = []
+    if "rpm" in decision.refused:
+        used = (limits.rpm or 0) - max(0, decision.remaining_requests)
+        parts.append(f"requests per {window} window (RPM): Limit {limits.rpm}, Used {used}, Requested 1")
+    if "tpm" in decision.refused:
+        used = (limits.tpm or 0) - max(0, decision.remaining_tokens)
+        parts.append(f"tokens per {window} window (TPM): Limit {limits.tpm}, Used {used}, Requested {tokens}")
+    if "concurrency" in decision.refused:
+        parts.append(f"concurrent requests: Limit {limits.max_concurrent}")
+    if decision.too_large:
+        msg = (
+            f"Request too large for tenant '{tenant.id}' on tokens per {window} window (TPM): "
+            f"Limit {limits.tpm}, Requested {tokens} (prompt + max_tokens). "
+            "Reduce the prompt or max_tokens."
+        )
+    else:
+        msg = (
+            f"Rate limit reached for tenant '{tenant.id}' on " + "; ".join(parts) + f". Please try again in {retry_s}s."
+        )
+    headers = {"Retry-After": str(retry_s), **rate_limit_headers(limits, decision)}
+    return OpenAIError(429, msg, code=ErrorCode.RATE_LIMIT_EXCEEDED, headers=headers)
+
+
+class TenantQuotas:
+    """The quota stage (implements :class:`~gateway.quotas.stage.QuotaStage`).
+
+    ``store``: where limits are kept (:class:`RedisQuotaStore` shared by replicas, or
+    :class:`LocalQuotaStore`). ``fallback``: the store used under ``local_fallback`` while
+    ``store`` is unavailable (``None`` = fail closed). Tenants without any limit skip the
+    store. ``settings``: windows, lease TTL, Redis timeout and failure policy. ``processes``:
+    how many gateway processes share the limits (``replicas`` x workers; default
+    ``settings.replicas``): under ``local_fallback`` each enforces ``limit // processes``.
+    """
+
+    def __init__(
+        self,
+        settings: QuotaSettings,
+        store: QuotaStore,
+        *,
+        fallback: LocalQuotaStore | None = None,
+        processes: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.processes = max(1, processes if processes is not None else settings.replicas)
+        self.store = store
+        self.fallback = fallback
+        self.window_ms = max(1, round(settings.window_seconds * 1000))
+        self.lease_ttl_ms = max(1, round(settings.lease_ttl_seconds * 1000))
+        self.deadline_seconds = min(MAX_DECISION_SECONDS, 2 * settings.redis_timeout_seconds + 0.05)
+        self._backoff = StoreBackoff(PROBE_INTERVAL_SECONDS)
+        self._live: dict[str, _Held] = {}
+        # reservations whose call failed but may have run (tenant id, lease id): undone when
+        # the store answers again
+        self._uncertain: deque[tuple[str, str]] = deque(maxlen=UNCERTAIN_MAX)
+        self._renewer: asyncio.Task[None] | None = None
+        self._recoverer: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ store health
+    def _store_usable(self, tenant_id: str) -> bool:
+        """Whether ``tenant_id``'s part of the store may be called: the back-off is per
+        :meth:`QuotaStore.scope` (a Cluster's hash slot; the whole store otherwise)."""
+        return self.store is self.fallback or self._backoff.usable(self.store.scope(tenant_id))
+
+    def _mark_down(self, err: Exception, tenant_id: str) -> None:
+        if self._backoff.failed(self.store.scope(tenant_id)):
+            action = (
+                f"per-process local limits (limit // {self.processes})"
+                if self.fallback is not None
+                else "refusing requests with 503 (fail closed)"
+            )
+            log.warning("quota store %s unavailable (%s): %s until it answers again", self.store.name, err, action)
+        if self._uncertain and (self._recoverer is None or self._recoverer.done()):
+            with contextlib.suppress(RuntimeError):  # no running loop: the next request undoes them
+                self._recoverer = asyncio.get_running_loop().create_task(self._recover_loop())
+
+    async def _recover_loop(self) -> None:
+        """Undo this process's uncertain reservations as soon as the store answers again, without
+        waiting for this process's next request: with several workers, a worker that gets no
+        traffic for a while must not leave reservations that Redis ran late in the shared window."""
+        while self._uncertain:
+            await asyncio.sleep(RECOVER_INTERVAL_SECONDS)
+            try:
+                await self._cancel_uncertain()
+            except Exception:  # the next round tries again
+                log.exception("undoing uncertain quota reservations failed")
+
+    async def _mark_up(self, tenant_id: str) -> None:
+        scope = self.store.scope(tenant_id)
+        if self._backoff.succeeded(scope):
+            log.warning("quota store %s answers again: limits are shared across replicas again", self.store.name)
+        if self._uncertain:
+            await self._cancel_uncertain(scope)
+
+    async def _cancel_uncertain(self, scope: Any = _ALL) -> None:
+        """Undo the reservations whose call failed during the outage (Redis may have run them
+        late); they were refused or handled locally, so they must not count in Redis. ``scope``:
+        only those of tenants in that part of the store (a request's path undoes its own slot's,
+        never waiting on a cluster node that is still down); default: all (the background loop)."""
+        groups: dict[str, list[str]] = defaultdict(list)
+        keep: list[tuple[str, str]] = []
+        while self._uncertain:
+            tenant_id, lease_id = self._uncertain.popleft()
+            if scope is _ALL or self.store.scope(tenant_id) == scope:
+                groups[tenant_id].append(lease_id)
+            else:
+                keep.append((tenant_id, lease_id))
+        self._uncertain.extend(keep)
+        undone = 0
+        for tenant_id, ids in groups.items():  # a tenant whose store part is down waits for the next round
+            try:
+                undone += await self._bounded(self.store.cancel(tenant_id, ids))
+            except QuotaStoreUnavailable as e:
+                self._uncertain.extend((tenant_id, i) for i in ids)
+                self._mark_down(e, tenant_id)
+        if undone:
+            log.warning(
+                "quota store %s: undid %d reservation(s) it ran after their call had timed out", self.store.name, undone
+            )
+
+    async def _bounded(self, coro: Any) -> Any:
+        try:
+            async with asyncio.timeout(self.deadline_seconds):
+                return await coro
+        except TimeoutError as e:
+            raise QuotaStoreUnavailable(f"no answer within {self.deadline_seconds:g}s") from e
+
+    # ------------------------------------------------------------------ the stage
+    async def _decide(
+        self, store: QuotaStore, tenant_id: str, limits: QuotaLimits, lease_id: str, call: Callable[..., Any]
+    ) -> tuple[QuotaStore, QuotaLimits, QuotaDecision]:
+        """``(store, limits, decision)``: ``call(store, limits)`` (a coroutine giving a
+        :class:`QuotaDecision`) on ``store``, under the failure policy when it is the shared store:
+        a call that fails is remembered for undoing, and the fallback decides with
+        ``limits // processes``. Raises :class:`OpenAIError` 503 when failing closed."""
+        if isinstance(store, LocalQuotaStore):
+            return store, limits, await call(store, limits)
+        if self._store_usable(tenant_id):
+            try:
+                decision = await self._bounded(call(store, limits))
+            except QuotaStoreUnavailable as e:
+                self._uncertain.append((tenant_id, lease_id))
+                self._mark_down(e, tenant_id)
+            else:
+                if self._backoff.down or self._uncertain:
+                    await self._mark_up(tenant_id)
+                return store, limits, decision
+        if self.fallback is None:
+            raise OpenAIError(
+                503,
+                "The quota store is unavailable, so the request cannot be admitted. Please try again shortly.",
+                code=ErrorCode.QUOTA_BACKEND_UNAVAILABLE,
+                headers={"Retry-After": str(self.settings.retry_after_on_failure_seconds)},
+            )
+        limits = limits.divided(self.processes)
+        return self.fallback, limits, await call(self.fallback, limits)
+
+    def _hold(self, store: QuotaStore, tenant_id: str, limits: QuotaLimits, lease_id: str) -> _Held:
+        held = _Held(store, tenant_id, limits, lease_id, self.window_ms)
+        if limits.max_concurrent is not None:
+            self._live[lease_id] = held
+            self._ensure_renewer()
+        return held
+
+    async def reserve(
+        self, tenant: TenantConfig, reserve_tokens: int, request_id: str, *, also: PendingWrite | None = None
+    ) -> QuotaLease:
+        """Reserve one request, ``reserve_tokens`` tokens (prompt + n x max_tokens) and a lease, at
+        once (``reserve.lua``; the request path takes them in two steps, :meth:`begin` and
+        :meth:`reserve_tokens`).
+
+        Returns a :class:`QuotaLease` whose ``headers`` carry the rate-limit headers. Raises
+        :class:`OpenAIError` 429 ``rate_limit_exceeded`` (``Retry-After``, rate-limit headers) or,
+        when Redis is unavailable and the policy is ``fail_closed``, 503
+        ``quota_backend_unavailable`` (``Retry-After``: ``retry_after_on_failure_seconds``).
+        ``also``: sent with the reservation's Redis round trip when it makes one (see
+        :meth:`gateway.quotas.stage.QuotaStage.reserve`); an unlimited tenant, the in-process store and
+        the fallback make none."""
+        limits = QuotaLimits.of(tenant)
+        tokens = max(0, int(reserve_tokens))
+        if limits.unlimited:
+            return QuotaLease(tenant.id, request_id, tokens)
+        lease_id = uuid.uuid4().hex
+        w, ttl = self.window_ms, self.lease_ttl_ms
+
+        def call(s: QuotaStore, lim: QuotaLimits) -> Any:
+            return s.reserve(tenant.id, lim, lease_id, tokens, w, ttl, also=also if s is self.store else None)
+
+        store, limits, decision = await self._decide(self.store, tenant.id, limits, lease_id, call)
+        if not decision.admitted:
+            raise refusal_error(tenant, limits, decision, tokens, self.settings.window_seconds)
+        held = self._hold(store, tenant.id, limits, lease_id)
+        return QuotaLease(tenant.id, request_id, tokens, rate_limit_headers(limits, decision), held)
+
+    async def begin(self, tenant: TenantConfig, request_id: str) -> QuotaLease:
+        """Admit one request against RPM and take its concurrency lease (``begin.lua``), right
+        after authentication: no tokens yet (:meth:`reserve_tokens` adds them once counted). The
+        RPM entry stays spent whatever happens to the request; the lease ends with
+        :meth:`settle`. Returns the :class:`QuotaLease` (``headers``: the requests pair). Raises
+        :class:`OpenAIError` 429 (RPM or concurrency) or 503 as :meth:`reserve` does."""
+        limits = QuotaLimits.of(tenant)
+        if limits.unlimited:
+            return QuotaLease(tenant.id, request_id, 0)
+        lease_id = uuid.uuid4().hex
+        w, ttl = self.window_ms, self.lease_ttl_ms
+
+        def call(s: QuotaStore, lim: QuotaLimits) -> Any:
+            return s.begin(tenant.id, lim, lease_id, w, ttl)
+
+        store, limits, decision = await self._decide(self.store, tenant.id, limits, lease_id, call)
+        requests = QuotaLimits(limits.rpm, None, limits.max_concurrent)  # what this step decided
+        if not decision.admitted:
+            raise refusal_error(tenant, requests, decision, 0, self.settings.window_seconds)
+        held = self._hold(store, tenant.id, limits, lease_id)
+        return QuotaLease(tenant.id, request_id, 0, rate_limit_headers(requests, decision), held)
+
+    async def reserve_tokens(self, tenant: TenantConfig, lease: QuotaLease, tokens: int) -> None:
+        """Reserve ``tokens`` (the request's KV demand, counted) against TPM for a request
+        :meth:`begin` admitted (``tokens.lua``); sets ``lease.reserved_tokens`` and the tokens pair
+        of ``lease.headers``. Raises :class:`OpenAIError` 429 (TPM; the lease is still held: the
+        caller settles it) or 503 as :meth:`reserve` does."""
+        tokens = max(0, int(tokens))
+        held = lease.state
+        if not isinstance(held, _Held) or held.limits.tpm is None:
+            lease.reserved_tokens = tokens
+            return
+
+        def call(s: QuotaStore, lim: QuotaLimits) -> Any:
+            return s.take_tokens(held.tenant_id, lim, held.lease_id, tokens, held.window_ms)
+
+        held.store, held.limits, decision = await self._decide(
+            held.store, held.tenant_id, held.limits, held.lease_id, call
+        )
+        only_tpm = QuotaLimits(None, held.limits.tpm, None)  # what this step decided
+        if not decision.admitted:
+            raise refusal_error(tenant, only_tpm, decision, tokens, self.settings.window_seconds)
+        lease.reserved_tokens = tokens
+        lease.headers.update(rate_limit_headers(only_tpm, decision))
+
+    async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
+        """Release the lease and set the request's TPM debit to ``used_tokens``. Never raises;
+        a second call for the same lease does nothing. If the store is unavailable the lease
+        ends by its TTL and the debit stays at the reservation (an overcharge, never an
+        undercharge, as reservations are upper bounds)."""
+        held = lease.state
+        if not isinstance(held, _Held) or held.settled:
+            return
+        held.settled = True
+        self._live.pop(held.lease_id, None)
+        if held.store is self.store and held.store is not self.fallback and not self._store_usable(held.tenant_id):
+            return
+        try:
+            await self._bounded(
+                held.store.settle(
+                    held.tenant_id,
+                    held.limits,
+                    held.lease_id,
+                    max(0, int(used_tokens)),
+                    lease.reserved_tokens,
+                    held.window_ms,
+                )
+            )
+        except QuotaStoreUnavailable as e:
+            if held.store is self.store:
+                self._mark_down(e, held.tenant_id)
+        except Exception:  # settle never raises into the request path
+            log.exception("quota settle failed for tenant %s", held.tenant_id)
+
+    # ------------------------------------------------------------------ lease heartbeats
+    def _ensure_renewer(self) -> None:
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_loop())
+
+    async def renew_now(self) -> int:
+        """Extend every live lease of this process to now + TTL; returns how many were renewed.
+        Called every TTL / 3 by a background task; leases a store no longer has stay gone."""
+        groups: dict[tuple[int, str], list[_Held]] = defaultdict(list)
+        for h in list(self._live.values()):
+            groups[(id(h.store), h.tenant_id)].append(h)
+        renewed = 0
+        for held in groups.values():
+            store = held[0].store
+            if store is self.store and not self._store_usable(held[0].tenant_id):
+                continue
+            try:
+                renewed += await self._bounded(
+                    store.renew(held[0].tenant_id, [h.lease_id for h in held], self.lease_ttl_ms)
+                )
+            except QuotaStoreUnavailable as e:
+                if store is self.store:
+                    self._mark_down(e, held[0].tenant_id)
+        return renewed
+
+    async def _renew_loop(self) -> None:
+        interval = max(0.05, self.settings.lease_ttl_seconds / 3)
+        while self._live:
+            await asyncio.sleep(interval)
+            try:
+                await self.renew_now()
+            except Exception:  # a heartbeat must never kill the loop
+                log.exception("quota lease renewal failed")
+
+    async def aclose(self) -> None:
+        """Stop lease renewal (and the undoing of uncertain reservations) and close the store's connections."""
+        for task in (self._renewer, self._recoverer):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except BaseException:
+                    pass
+        self._renewer = self._recoverer = None
+        await self.store.aclose()
+
+
+# ---------------------------------------------------------------------- construction
+def redis_client_from_url(url: str, timeout_seconds: float) -> Any:
+    """The quota store's ``redis.asyncio`` client for ``url`` (any ``redis_url`` scheme; see
+    :func:`config.redis_client.redis_client`): every connect and read bounded by
+    ``timeout_seconds``, so the failure policy decides within 1 s. Raises ``ValueError`` for a
+    malformed URL."""
+    return redis_client(url, timeout_seconds)
+
+
+def build_quota_stage(settings: Settings, *, key_prefix: str = "kvgate:q") -> QuotaStage:
+    """The quota stage ``settings`` ask for: :class:`NullQuotas` when ``quotas.enabled`` is
+    false; :class:`TenantQuotas` over Redis when ``redis_url`` is set (with a local fallback
+    store under ``local_fallback``, dividing by ``quotas.replicas`` x ``gateway.workers``);
+    otherwise over process memory, logging a warning that the limits are per process.
+    ``key_prefix``: the Redis key prefix (``kvgate:q``)."""
+    q = settings.quotas
+    if not q.enabled:
+        return NullQuotas()
+    if not settings.redis_url:
+        log.warning(
+            "quotas: no redis_url is configured, so limits are kept in this process: "
+            "each gateway process admits a tenant's full limits on its own"
+        )
+        local = LocalQuotaStore()
+        return TenantQuotas(q, local, fallback=local)
+    client = redis_client_from_url(settings.redis_url, q.redis_timeout_seconds)
+    fallback = LocalQuotaStore() if q.redis_failure_policy == "local_fallback" else None
+    processes = q.replicas * (settings.gateway.workers or 1)
+    return TenantQuotas(q, RedisQuotaStore(client, prefix=key_prefix), fallback=fallback, processes=processes)

@@ -1,0 +1,168 @@
+"""The end of an admitted request (docs/design.md step 6's settle, and the gateway's records): settle
+the quota lease exactly once, record metrics, write one JSON access-log line. Called by the
+response shell (:mod:`gateway.relay.response`) however the request ended: answered, refused by the
+engine, cut, withheld, or abandoned by the client.
+
+Tokens used, for the settle (:func:`used_tokens`): nothing when the request never reached an
+engine (every upstream failed to connect); otherwise, however it ended (answered, engine error,
+engine timeout or reset, client gone before or during the answer), at least the prompt as
+admitted, every prompt x its sequences (:func:`prompt_charge`; the engine's ``usage.prompt_tokens``
+when that is more), plus the completion: the engine's ``usage.completion_tokens``, or without it
+(none sent, or the stream was cut or cancelled before it) the completion text relayed so far,
+counted with the model's tokenizer. So leaving, or making the engine fail, after the prompt was
+sent never makes its prefill free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from gateway.admission.gate import Admission
+from gateway.ops import access_log as glog
+from gateway.ops.metrics import GatewayMetrics
+from gateway.quotas.stage import QuotaStage
+from gateway.relay.proxy import RelayOutcome
+from tokenizer import PromptCounter
+from tokenizer.errors import TokenizerFaultError
+
+log = logging.getLogger("kvgate.proxy")
+
+
+class FinishContext(Protocol):
+    """What finishing reads from the gateway (``gateway.app.Gateway`` provides it)."""
+
+    quotas: QuotaStage
+    metrics: GatewayMetrics
+
+
+async def finish(ctx: FinishContext, outcome: RelayOutcome) -> None:
+    """Settle, metrics, access log (module docstring). Never raises: a failing settle is logged."""
+    try:
+        await ctx.quotas.settle(outcome.admitted.lease, await used_tokens(outcome))
+    except Exception:
+        log.exception("quota settle failed")
+    record_metrics(ctx.metrics, outcome)
+    abort = outcome.produced.finish_reason == "abort" and outcome.status == 200
+    if not abort and not glog.ACCESS.isEnabledFor(logging.INFO):
+        return  # no line to write: build no fields
+    fields = access_fields(outcome)
+    if fields["completion_tokens"] is None and outcome.forwarded and outcome.produced.texts:
+        # no usage from the engine (a client that went away mid-stream: 499): the tokens streamed so far
+        fields["completion_tokens"] = await completion_tokens_of(
+            outcome.admitted.admission.model.counter, outcome.produced.texts.values()
+        )
+        fields["completion_tokens_counted"] = True
+    if abort:
+        log.warning("upstream finished a 200 response with finish_reason 'abort'", extra={"fields": fields})
+    glog.access(fields)
+
+
+def _usage_count(outcome: RelayOutcome, key: str) -> int | None:
+    """``usage[key]`` when the engine reported it as an int >= 0 (not a bool), else ``None``."""
+    usage = outcome.produced.usage
+    v = usage.get(key) if isinstance(usage, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def reported_completion_tokens(outcome: RelayOutcome) -> int | None:
+    """The engine's ``usage.completion_tokens`` when it reported an int >= 0, else ``None``."""
+    return _usage_count(outcome, "completion_tokens")
+
+
+def prompt_charge(adm: Admission) -> int:
+    """The prompt tokens a request that reached an engine is charged at least: the sum over its
+    prompts x the sequences each one generates (``max(n, best_of)``), as admitted; in tokens."""
+    per_prompt = adm.sequences // adm.num_prompts if adm.num_prompts > 0 else 1
+    return adm.prompt_tokens_total * max(per_prompt, 1)
+
+
+async def used_tokens(outcome: RelayOutcome) -> int:
+    """Tokens to settle the lease to (module docstring), in tokens: 0 when nothing reached an
+    engine, else ``max(usage.prompt_tokens, prompt_charge) + completion``."""
+    if not outcome.forwarded:
+        return 0
+    a = outcome.admitted.admission
+    completion = reported_completion_tokens(outcome)
+    if completion is None:
+        completion = await completion_tokens_of(a.model.counter, outcome.produced.texts.values())
+    return max(_usage_count(outcome, "prompt_tokens") or 0, prompt_charge(a)) + completion
+
+
+async def completion_tokens_of(counter: PromptCounter, texts: Iterable[str | list[str]]) -> int:
+    """Completion tokens of the text an engine produced, for a settle without a usage report.
+
+    ``counter``: the model's :class:`tokenizer.PromptCounter`; ``texts``: one string (or list of
+    string pieces) per choice, counted separately and summed. Long texts (above the counter's
+    ``offload_chars``) are counted in a worker thread. A counter that can only count through the
+    engine (``count_text`` not implemented), or whose tokenizer fails on the text
+    (:class:`~tokenizer.errors.TokenizerFaultError`), falls back to the UTF-8 byte length, which
+    never undercounts (a token is at least a byte)."""
+    total = 0
+    for t in texts:
+        text = t if isinstance(t, str) else "".join(t)
+        if not text:
+            continue
+        try:
+            if len(text) > getattr(counter, "offload_chars", 32_768):
+                total += await asyncio.to_thread(counter.count_text, text)
+            else:
+                total += counter.count_text(text)
+        except (NotImplementedError, TokenizerFaultError):  # a tokenizer fault on engine text: never fewer
+            total += len(text.encode("utf-8", "surrogatepass"))
+    return total
+
+
+def record_metrics(m: GatewayMetrics, outcome: RelayOutcome) -> None:
+    """Count the request: status, admitted prompt tokens (when forwarded), reported completion
+    tokens, gateway overhead, TTFT per upstream, the error code of a failed answer, a
+    ``finish_reason: abort`` under a 200, a client disconnect."""
+    a = outcome.admitted
+    tenant, route, u = a.tenant.id, a.arrival.route, outcome.upstream
+    m.requests.labels(tenant, route, str(outcome.status)).inc()
+    if outcome.forwarded:
+        m.prompt_tokens.labels(tenant).inc(a.admission.prompt_tokens_total)
+    completion = reported_completion_tokens(outcome)
+    if completion:
+        m.completion_tokens.labels(tenant).inc(completion)
+    m.overhead.labels(route).observe(outcome.overhead_seconds)
+    ttft = outcome.produced.ttft_seconds
+    if ttft is not None and u is not None:
+        m.ttft.labels(u.name).observe(ttft)
+    if outcome.error_code and outcome.status >= 400:
+        m.rejections.labels(outcome.error_code).inc()
+    if outcome.produced.finish_reason == "abort" and outcome.status == 200:
+        m.aborts.labels(u.name if u else "-").inc()
+    if outcome.disconnected:
+        m.client_disconnects.labels(route).inc()
+
+
+def access_fields(outcome: RelayOutcome) -> dict[str, Any]:
+    """The access-log line's fields (never a key or prompt text)."""
+    a, adm, p, u = outcome.admitted, outcome.admitted.admission, outcome.produced, outcome.upstream
+    ttft = p.ttft_seconds
+    fields: dict[str, Any] = {
+        "request_id": a.arrival.request_id,
+        "tenant": a.tenant.id,
+        "route": a.arrival.route,
+        "status": outcome.status,
+        "model": adm.model.id,
+        "upstream": u.name if u else None,
+        "stream": a.forward.stream,
+        "prompt_tokens": adm.prompt_tokens_total,
+        "max_tokens": adm.max_tokens,
+        "limit_tokens": adm.limit,
+        "completion_tokens": reported_completion_tokens(outcome),
+        "finish_reason": p.finish_reason,
+        "overhead_ms": round(outcome.overhead_seconds * 1000, 3),
+        "ttft_ms": round(ttft * 1000, 3) if ttft is not None else None,
+        "total_ms": round((time.perf_counter() - a.arrival.t_perf) * 1000, 3),
+    }
+    if outcome.error_code:
+        fields["error_code"] = outcome.error_code
+    if outcome.disconnected:
+        fields["client_disconnected"] = True
+    return fields

@@ -1,0 +1,144 @@
+"""The ASGI response of an admitted request: a thin shell around the relay's byte iterator, in
+the manner of Starlette's ``StreamingResponse`` (it only handles the transport).
+
+:class:`RelayResponse` sends what :func:`gateway.relay.proxy.relay` yields, ``(body, more_body)`` items as
+in ASGI: a stream as it comes (the response starts at the first item; an empty one only starts
+it), a whole answer in one message with its ``content-length``. An :class:`~config.errors.OpenAIError`
+raised before the response started is answered as an OpenAI-shaped JSON error with its status; raised after, it ends the
+stream with an error event and ``data: [DONE]`` (``/v1/responses``: the Responses ``error``
+event, :func:`gateway.relay.proxy.stream_error_tail`). Any other exception is a 500 in the same shape
+(it names no internals). A client disconnect before the end cancels the relay (status 499),
+which closes the upstream request. However it ends, the iterator is closed and ``on_close``
+(:func:`gateway.relay.finish.finish`) runs exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from starlette.responses import Response
+
+from config.errors import ErrorCode, OpenAIError
+from gateway.relay.proxy import Chunk, RelayOutcome, response_headers, stream_error_tail
+
+log = logging.getLogger("kvgate.proxy")
+
+_SSE = b"text/event-stream; charset=utf-8"
+_JSON = b"application/json"
+
+
+class RelayResponse(Response):
+    """``body``: the relay's iterator; ``outcome``: the record it fills (the shell sets ``status``,
+    ``error_code`` and ``disconnected``); ``on_close``: awaited once at the end."""
+
+    def __init__(
+        self, body: AsyncGenerator[Chunk, None], outcome: RelayOutcome, on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        # Response.__init__ is not called: this response sends its own start and body.
+        self.body_iterator = body
+        self.outcome = outcome
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = []
+        self._started = False
+        self._finished = False  # the last body message was sent: a disconnect now is the normal end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        task = asyncio.current_task()
+        watcher = asyncio.ensure_future(self._watch(receive, task))
+        o = self.outcome
+        try:
+            try:
+                if o.admitted.forward.stream:
+                    await self._send_stream(send)
+                else:
+                    await self._send_whole(send)
+            except OpenAIError as e:
+                await self._send_error(send, e)
+            except (Exception, ExceptionGroup) as e:  # a bug (ours or a stage's): still an OpenAI body
+                if isinstance(e, OSError) and self._started:
+                    raise  # the client's socket is gone mid-response: nothing left to tell it
+                log.error("request %s failed: %s", o.admitted.arrival.request_id, type(e).__name__, exc_info=e)
+                err = OpenAIError(
+                    500, "The server had an error while processing your request.", code=ErrorCode.INTERNAL_ERROR
+                )
+                await self._send_error(send, err)
+        except asyncio.CancelledError:
+            if not o.disconnected or task is None:
+                raise
+            task.uncancel()
+            o.status = 499
+        finally:
+            self._finished = True
+            watcher.cancel()
+            try:
+                await self.body_iterator.aclose()
+            except Exception:
+                log.exception("closing the relay failed")
+            await self.on_close()
+
+    async def _watch(self, receive: Any, task: asyncio.Task | None) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not self._finished and task is not None:
+                    self.outcome.disconnected = True
+                    task.cancel()
+                return
+
+    async def _start(self, send: Any, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self._started = True
+        self.outcome.status = status
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _body(self, send: Any, body: bytes, more: bool) -> None:
+        if not more:
+            self._finished = True
+        await send({"type": "http.response.body", "body": body, "more_body": more})
+
+    async def _send_stream(self, send: Any) -> None:
+        sse_headers = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        more = True
+        async for chunk, more in self.body_iterator:
+            if not self._started:
+                await self._start(send, 200, response_headers(self.outcome, _SSE) + sse_headers)
+            if chunk or not more:
+                await self._body(send, chunk, more)
+            if not more:
+                return  # closing the iterator (below, in __call__) releases the upstream
+        if not self._started:
+            await self._start(send, 200, response_headers(self.outcome, _SSE) + sse_headers)
+        await self._body(send, b"", False)
+
+    async def _send_whole(self, send: Any) -> None:
+        parts = []
+        async for chunk, more in self.body_iterator:
+            parts.append(chunk)
+            if not more:
+                break
+        body = b"".join(parts)
+        h = response_headers(self.outcome, _JSON)
+        h.append((b"content-length", str(len(body)).encode()))
+        await self._start(send, 200, h)
+        await self._body(send, body, False)
+
+    async def _send_error(self, send: Any, err: OpenAIError) -> None:
+        o = self.outcome
+        o.error_code = err.code
+        if self._started:  # mid-stream: an error event, then the end of the stream
+            await self._body(send, stream_error_tail(o, err), False)
+            return
+        if o.overhead_seconds == 0.0:
+            o.overhead_seconds = time.perf_counter() - o.admitted.arrival.t_perf
+        h = response_headers(o, _JSON)
+        for k, v in (err.headers or {}).items():
+            h.append((k.lower().encode(), str(v).encode()))
+        body = err.body_bytes()
+        h.append((b"content-length", str(len(body)).encode()))
+        await self._start(send, err.status, h)
+        await self._body(send, body, False)

@@ -1,0 +1,170 @@
+"""The route handlers. A completion reads top to bottom (docs/design.md, "A request's way through the
+gateway"): :func:`~gateway.admission.admit.admit` (steps 1-6: auth from the headers, body, validation,
+count, gate, quarantine filter, quota reserve) returns an :class:`~gateway.admission.admit.Admitted`
+record; :func:`~gateway.relay.proxy.relay` (step 7, with the verifier's guard of step 8) opens an
+upstream and yields the answer's bytes while it fills a :class:`~gateway.relay.proxy.RelayOutcome`;
+:func:`~gateway.relay.finish.finish` settles the quota, counts and logs it; the
+:class:`~gateway.relay.response.RelayResponse` shell carries the bytes to the client. Kept free of
+pydantic model building per request: the body is a dict from orjson, checked by
+:mod:`gateway.admission.body`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, Protocol
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from config.errors import OpenAIError
+from config.models import TenantConfig
+from gateway.admission.admit import AdmitContext, Arrival, Refused, admit, authenticate_request
+from gateway.admission.body import ClientGone, body_declared, closing
+from gateway.admission.gate import ModelEntry, effective_limit
+from gateway.ops import access_log as glog
+from gateway.ops.log_param import loggable_param
+from gateway.relay.finish import FinishContext, finish
+from gateway.relay.proxy import RelayContext, RelayOutcome, relay
+from gateway.relay.response import RelayResponse
+
+
+class HandlerContext(AdmitContext, RelayContext, FinishContext, Protocol):
+    """What the handlers read from the gateway: every stage's context, and ``started_at`` (unix
+    seconds, the ``created`` of ``/v1/models``)."""
+
+    started_at: int
+
+
+_ALLOWED_RID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/+=")
+
+
+def request_id_of(value: str | None) -> str:
+    """The client's ``x-request-id`` when it is 1-128 safe characters, else a new random id."""
+    if value and len(value) <= 128 and all(c in _ALLOWED_RID for c in value):
+        return value
+    return os.urandom(16).hex()
+
+
+class DelayedResponse(Response):
+    """A ``Response`` sent ``delay_seconds`` after the app hands it over (the request's task
+    sleeps; nothing else is held but its connection)."""
+
+    def __init__(self, *args: Any, delay_seconds: float, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.delay_seconds = delay_seconds
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await asyncio.sleep(self.delay_seconds)
+        await super().__call__(scope, receive, send)
+
+
+def refusal(gw: HandlerContext, err: OpenAIError, rid: str, t0: float, tenant: str, route: str) -> Response:
+    """The JSON error answer of a refused request, counted and access-logged. A 401 before any
+    tenant is known (no valid key, every route) is sent ``gateway.refusal_delay_seconds`` later
+    (:class:`DelayedResponse`; counted, logged and its ``x-kvgate-overhead-ms`` measured
+    without the delay): a client guessing keys, or flooding the gateway with requests it may
+    not make, waits that long for each answer; the server layer delays a 431 as long
+    (:mod:`gateway.edge.protocol`). In ``bench/hostile.py``, 100 unauthenticated sockets that reconnected
+    as soon as they were answered had cost a fifth of the event loop (515 refusals a second)."""
+    overhead = time.perf_counter() - t0
+    headers = dict(err.headers or {})
+    headers["x-request-id"] = rid
+    headers["x-kvgate-overhead-ms"] = f"{overhead * 1000:.3f}"
+    m = gw.metrics
+    m.rejections.labels(err.code or f"http_{err.status}").inc()
+    m.requests.labels(tenant, route, str(err.status)).inc()
+    m.overhead.labels(route).observe(overhead)
+    glog.access(
+        {
+            "request_id": rid,
+            "tenant": tenant,
+            "route": route,
+            "status": err.status,
+            "error_code": err.code,
+            "param": loggable_param(err.param),
+            "overhead_ms": round(overhead * 1000, 3),
+            **({"prompt_tokens": err.prompt_tokens} if err.prompt_tokens is not None else {}),
+        }
+    )
+    delay = gw.settings.gateway.refusal_delay_seconds if err.status == 401 and tenant == "-" else 0.0
+    if delay > 0:
+        return DelayedResponse(
+            err.body_bytes(),
+            status_code=err.status,
+            media_type="application/json",
+            headers=headers,
+            delay_seconds=delay,
+        )
+    return Response(err.body_bytes(), status_code=err.status, media_type="application/json", headers=headers)
+
+
+async def handle_completion(gw: HandlerContext, request: Request, route: str) -> Response:
+    """``POST /v1/chat/completions`` (``route`` ``chat``) and ``/v1/completions`` (``completions``)."""
+    arrival = Arrival(request_id_of(request.headers.get("x-request-id")), route, time.perf_counter())
+    try:
+        admitted = await admit(gw, request, arrival)
+    except Refused as r:
+        return refusal(gw, r.error, arrival.request_id, arrival.t_perf, r.tenant_id, route)
+    except ClientGone:
+        return Response(status_code=499)
+    outcome = RelayOutcome(admitted)
+    return RelayResponse(relay(gw, outcome), outcome, on_close=lambda: finish(gw, outcome))
+
+
+def _model_object(gw: HandlerContext, entry: ModelEntry, tenant: TenantConfig) -> dict[str, Any]:
+    """One model as ``/v1/models`` lists it (OpenAI's model object: ``id``, ``object`` ``"model"``,
+    ``created`` (unix seconds), ``owned_by``; vLLM's ``root`` and ``max_model_len``): ``max_model_len``
+    is ``tenant``'s effective limit on ``entry`` now, in tokens (``null`` while the pool is unknown)."""
+    _, pool_limit = gw.upstreams.eligible(entry.id)
+    return {
+        "id": entry.id,
+        "object": "model",
+        "created": gw.started_at,
+        "owned_by": "kvgate",
+        "root": entry.id,
+        "max_model_len": effective_limit(entry, tenant, pool_limit) if pool_limit is not None else None,
+    }
+
+
+def _json(body: dict[str, Any], rid: str, t0: float, request: Request) -> Response:
+    """A ``GET``'s JSON answer; one that announced a body (never read) closes its connection."""
+    headers = {"x-request-id": rid, "x-kvgate-overhead-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
+    if body_declared(request.headers):
+        headers["connection"] = "close"
+    return Response(orjson.dumps(body), media_type="application/json", headers=headers)
+
+
+async def handle_models(gw: HandlerContext, request: Request) -> Response:
+    """``GET /v1/models``: the tenant's models; ``max_model_len`` is its effective limit now
+    (``null`` while the pool is unknown)."""
+    t0 = time.perf_counter()
+    rid = request_id_of(request.headers.get("x-request-id"))
+    try:
+        tenant = authenticate_request(gw, request)
+    except Refused as r:
+        return refusal(gw, r.error, rid, t0, "-", "models")
+    data = [_model_object(gw, entry, tenant) for entry in gw.models.allowed(tenant)]
+    gw.metrics.requests.labels(tenant.id, "models", "200").inc()
+    return _json({"object": "list", "data": data}, rid, t0, request)
+
+
+async def handle_model(gw: HandlerContext, request: Request, model_id: str) -> Response:
+    """``GET /v1/models/{model_id}`` (OpenAI's "Retrieve model"; the SDK's ``models.retrieve``): the
+    object ``/v1/models`` lists for that model, its canonical ``id`` even when ``model_id`` is an
+    alias. Authentication comes first (401 before anything about the model); a model that is
+    unknown or that the tenant may not use is 404 ``model_not_found`` in OpenAI's error shape
+    (the same answer for both, so a tenant cannot probe for other tenants' models)."""
+    t0 = time.perf_counter()
+    rid = request_id_of(request.headers.get("x-request-id"))
+    try:
+        tenant = authenticate_request(gw, request)
+        entry = gw.models.resolve(tenant, model_id)
+    except Refused as r:
+        return refusal(gw, r.error, rid, t0, "-", "models")
+    except OpenAIError as e:
+        return refusal(gw, closing(e) if body_declared(request.headers) else e, rid, t0, tenant.id, "models")
+    gw.metrics.requests.labels(tenant.id, "models", "200").inc()
+    return _json(_model_object(gw, entry, tenant), rid, t0, request)
