@@ -347,10 +347,20 @@ class LeakIndex:
         this answer's foreign shingles to the public-text count (false for answers whose own text
         is not fully known, such as echoes)."""
         v = LeakVerdict()
-        fast = self.hasher.fast(ids).tolist()
+        todo = self._new_shingles(v, ids, own, seen)
+        if todo:
+            hashes = self.hasher.hashes_at(ids, todo)
+            self._classify_stored(v, tenant, hashes, record_spread)
+        return v
+
+    def _new_shingles(
+        self, v: LeakVerdict, ids: list[int], own: set[int] | frozenset[int], seen: set[int] | None
+    ) -> list[int]:
+        """Positions of the shingles of ``ids`` to look up: each distinct one not in ``seen``
+        (updated) and not the tenant's own prompt's (``own``: counted in ``v.own``)."""
         todo: list[int] = []
         local: set[int] = set()
-        for i, f in enumerate(fast):
+        for i, f in enumerate(self.hasher.fast(ids).tolist()):
             if f in local or (seen is not None and f in seen):
                 continue
             local.add(f)
@@ -361,9 +371,11 @@ class LeakIndex:
                 todo.append(i)
         if seen is not None:
             seen |= local
-        if not todo:
-            return v
-        hashes = self.hasher.hashes_at(ids, todo)
+        return todo
+
+    def _classify_stored(self, v: LeakVerdict, tenant: str, hashes: list[int], record_spread: bool) -> None:
+        """Count the fingerprints ``hashes`` by who sent them (the store's owners): the tenant
+        itself (own), two or more tenants (public) or one other tenant (:meth:`_classify_foreign`)."""
         foreign: list[tuple[int, str]] = []
         for h, owners in zip(hashes, self.store.owners(hashes), strict=True):
             if not owners:
@@ -376,7 +388,6 @@ class LeakIndex:
                 foreign.append((h, next(iter(owners))))
         if foreign:
             self._classify_foreign(v, tenant, foreign, record_spread)
-        return v
 
     def _classify_foreign(self, v: LeakVerdict, tenant: str, foreign: list[tuple[int, str]], record: bool) -> None:
         """Count ``foreign`` (``(fingerprint, source tenant)``) as evidence or, when answers to

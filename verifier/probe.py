@@ -113,6 +113,46 @@ def _pieces(n_tokens: int, canary: str | None, rng: random.Random, every: int = 
 _PADS = (" the", " a", " and", ".", ",", " x", "!")
 
 
+class _PieceCounts:
+    """The count of the first ``k + 1`` pieces (plus a ``tail``), at most ``max_calls`` counts."""
+
+    def __init__(self, count: Callable[[str], Any], pieces: list[str], n_tokens: int, max_calls: int) -> None:
+        self.count = count
+        self.pieces = pieces
+        self.n_tokens = n_tokens
+        self.max_calls = max_calls
+        self.calls = 0
+
+    def text(self, k: int, tail: str = "") -> str:
+        return "".join(self.pieces[: k + 1]) + tail
+
+    async def __call__(self, k: int, tail: str = "") -> int:
+        self.calls += 1
+        if self.calls > self.max_calls:
+            raise ValueError(f"could not size a {self.n_tokens}-token probe prompt in {self.max_calls} counts")
+        return int(await self.count(self.text(k, tail)))
+
+
+async def _search_pieces(f: _PieceCounts, k: int, c: int, k_lo: int, c_lo: int) -> tuple[int, int, int]:
+    """Secant steps from a first guess ``k`` (count ``c``) above the piece count ``k_lo`` (count
+    ``c_lo``, under the target): ``(k, c, c_lo)`` where ``c`` is the target when ``k`` hits it;
+    otherwise ``k`` is the largest piece count found under the target and ``c_lo`` its count."""
+    n_tokens, c0 = f.n_tokens, c_lo
+    k_hi, c_hi = (k, c) if c >= n_tokens else (len(f.pieces), n_tokens + 10**9)
+    if c < n_tokens:
+        k_lo, c_lo = k, c
+    while c != n_tokens and k_hi - k_lo > 1:
+        # each piece is >= 1 token, so the count rises with k
+        per = (c_hi - c_lo) / (k_hi - k_lo) if c_hi < 10**9 else max(1.0, (c_lo - c0) / max(k_lo, 1))
+        k = k_lo + max(1, min(k_hi - k_lo - 1, int((n_tokens - c_lo) / max(per, 1.0))))
+        c = await f(k)
+        if c < n_tokens:
+            k_lo, c_lo = k, c
+        elif c > n_tokens:
+            k_hi, c_hi = k, c
+    return (k, c, c_lo) if c == n_tokens else (k_lo, c, c_lo)
+
+
 async def fit_prompt_remote(
     count: Callable[[str], Any], n_tokens: int, canary: str | None, rng: random.Random, max_calls: int = 40
 ) -> str:
@@ -121,43 +161,19 @@ async def fit_prompt_remote(
     the piece count found by secant steps then single steps, the last gap closed with one-token
     pads (:data:`_PADS`). Raises ``ValueError`` when the count cannot be hit exactly within
     ``max_calls`` counts, or when ``n_tokens`` cannot hold the head and a canary."""
-    pieces = _pieces(n_tokens, canary, rng)
-    calls = 0
-
-    async def f(k: int, tail: str = "") -> int:
-        nonlocal calls
-        calls += 1
-        if calls > max_calls:
-            raise ValueError(f"could not size a {n_tokens}-token probe prompt in {max_calls} counts")
-        return int(await count("".join(pieces[: k + 1]) + tail))
-
-    k_lo, c_lo = 0, await f(0)  # the head alone (plus any special tokens the model adds)
-    c0 = c_lo
+    f = _PieceCounts(count, _pieces(n_tokens, canary, rng), n_tokens, max_calls)
+    c_lo = await f(0)  # the head alone (plus any special tokens the model adds)
     need = 2 if canary else 1
     if c_lo + need > n_tokens:
         raise ValueError(f"a probe prompt needs more than {n_tokens} tokens here")
-    k = max(need, min(len(pieces) - 1, n_tokens - c_lo))
-    c = await f(k)
-    k_hi, c_hi = (k, c) if c >= n_tokens else (len(pieces), n_tokens + 10**9)
-    if c < n_tokens:
-        k_lo, c_lo = k, c
-    while c != n_tokens and k_hi - k_lo > 1:
-        # secant step inside the bracket (each piece is >= 1 token, so the count rises with k)
-        per = (c_hi - c_lo) / (k_hi - k_lo) if c_hi < 10**9 else max(1.0, (c_lo - c0) / max(k_lo, 1))
-        k = k_lo + max(1, min(k_hi - k_lo - 1, int((n_tokens - c_lo) / max(per, 1.0))))
-        c = await f(k)
-        if c == n_tokens:
-            break
-        if c < n_tokens:
-            k_lo, c_lo = k, c
-        else:
-            k_hi, c_hi = k, c
+    k = max(need, min(len(f.pieces) - 1, n_tokens - c_lo))
+    k, c, c_lo = await _search_pieces(f, k, await f(k), 0, c_lo)
     if c == n_tokens:
-        return "".join(pieces[: k + 1])
-    gap = n_tokens - c_lo  # 0 < gap < (tokens of piece k_lo + 1)
+        return f.text(k)
+    gap = n_tokens - c_lo  # 0 < gap < (tokens of piece k + 1)
     for pad in _PADS:
-        if await f(k_lo, pad * gap) == n_tokens:
-            return "".join(pieces[: k_lo + 1]) + pad * gap
+        if await f(k, pad * gap) == n_tokens:
+            return f.text(k, pad * gap)
     raise ValueError(f"could not size a probe prompt to exactly {n_tokens} tokens with the served tokenizer")
 
 
@@ -284,6 +300,67 @@ async def live_limit(client: httpx.AsyncClient, target: ProbeTarget) -> int | No
     return min(limits) if limits else None
 
 
+def _plan(limit: int) -> list[tuple[str, int, bool]]:
+    """The steps at the live limit ``limit``: ``(label, prompt + completion tokens, plant)``."""
+    return [
+        ("plant@L/2", limit // 2, True),
+        ("plant@L", limit, True),
+        ("fresh@L", limit, False),
+        ("plant@L+1", limit + 1, True),
+        ("fresh@L+1", limit + 1, False),
+    ]
+
+
+async def _step_prompt(remote: RemoteCounter | None, step: ProbeStep, canary: str | None, rng: random.Random) -> str:
+    """The step's prompt, sized by the served model's count (``remote``) or the bundled one.
+    Raises ``ValueError`` when it cannot be sized exactly."""
+    if remote is not None:
+        return await fit_prompt_remote(remote, step.prompt_tokens, canary, rng)
+    return build_prompt(step.prompt_tokens, canary, rng)
+
+
+async def _send_step(
+    client: httpx.AsyncClient,
+    target: ProbeTarget,
+    headers: dict[str, str],
+    step: ProbeStep,
+    prompt: str,
+    canary: str | None,
+) -> None:
+    """Send one step's completion request; fills ``step.status`` and ``step.surfaced`` (canaries
+    in the body other than its own), or ``step.error`` on a transport error."""
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": step.max_tokens, "temperature": 0}
+    if target.model:
+        body["model"] = target.model
+    try:
+        r = await client.post(target.base_url.rstrip("/") + "/completions", json=body, headers=headers)
+    except httpx.HTTPError as e:
+        step.error = f"{type(e).__name__}: {e}"[:300]
+        return
+    step.status = r.status_code
+    step.surfaced = len([c for c in find_canaries(r.text) if c != canary])
+
+
+def _judge(result: ProbeResult) -> None:
+    """Set ``result.outcome`` (and ``reason``) from its steps (see the module doc)."""
+    steps = result.steps
+    at_limit = [s for s in steps if s.label in ("plant@L", "fresh@L") and s.status is not None]
+    result.surfaced = sum(s.surfaced for s in steps)
+    if result.surfaced:
+        result.outcome = "leak"
+    elif any(s.error for s in steps):
+        result.outcome, result.reason = "unknown", "some probe requests failed"
+    elif not any(s.status is not None and 200 <= s.status < 300 for s in steps):
+        result.outcome, result.reason = "unknown", "no probe request was answered with a 2xx"
+    elif bad := [s for s in at_limit if s.status != 200]:
+        result.outcome = "unknown"
+        result.reason = (
+            f"the at-limit request {bad[0].label} (prompt {bad[0].prompt_tokens} + max_tokens {bad[0].max_tokens}"
+            f" = {result.limit} tokens) was answered HTTP {bad[0].status}, not 200: the boundary was not exercised"
+            " (the limit or the prompt sizing does not match the served model)"
+        )
+
+
 async def run_probe(
     client: httpx.AsyncClient,
     target: ProbeTarget,
@@ -305,58 +382,20 @@ async def run_probe(
         limit = remote.max_model_len  # the gateway's /tokenize: the tenant's live limit
     if limit is None:
         return ProbeResult("unknown", None, reason="live limit unknown (no --limit and no readable pool)")
-    plan: list[tuple[str, int, bool]] = [
-        ("plant@L/2", limit // 2, True),
-        ("plant@L", limit, True),
-        ("fresh@L", limit, False),
-        ("plant@L+1", limit + 1, True),
-        ("fresh@L+1", limit + 1, False),
-    ]
-    url = target.base_url.rstrip("/") + "/completions"
     result = ProbeResult("clean", limit)
-    any_2xx = False
-    for label, total, plant in plan:
-        prompt_tokens = total - max_tokens
-        step = ProbeStep(label, prompt_tokens, max_tokens)
+    for label, total, plant in _plan(limit):
+        step = ProbeStep(label, total - max_tokens, max_tokens)
         result.steps.append(step)
         canary = new_canary() if plant else None
         try:
-            if sized_remotely:
-                prompt = await fit_prompt_remote(remote, prompt_tokens, canary, rng)
-            else:
-                prompt = build_prompt(prompt_tokens, canary, rng)
+            prompt = await _step_prompt(remote if sized_remotely else None, step, canary, rng)
         except ValueError as e:
             step.error = str(e)
             continue
         if canary and register is not None:
             register([canary])
-        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        if target.model:
-            body["model"] = target.model
-        try:
-            r = await client.post(url, json=body, headers=headers)
-        except httpx.HTTPError as e:
-            step.error = f"{type(e).__name__}: {e}"[:300]
-            continue
-        step.status = r.status_code
-        any_2xx = any_2xx or 200 <= r.status_code < 300
-        found = [c for c in find_canaries(r.text) if c != canary]
-        step.surfaced = len(found)
-        result.surfaced += len(found)
-    at_limit = [s for s in result.steps if s.label in ("plant@L", "fresh@L") and s.status is not None]
-    if result.surfaced:
-        result.outcome = "leak"
-    elif any(s.error for s in result.steps):
-        result.outcome, result.reason = "unknown", "some probe requests failed"
-    elif not any_2xx:
-        result.outcome, result.reason = "unknown", "no probe request was answered with a 2xx"
-    elif bad := [s for s in at_limit if s.status != 200]:
-        result.outcome = "unknown"
-        result.reason = (
-            f"the at-limit request {bad[0].label} (prompt {bad[0].prompt_tokens} + max_tokens {bad[0].max_tokens}"
-            f" = {limit} tokens) was answered HTTP {bad[0].status}, not 200: the boundary was not exercised"
-            " (the limit or the prompt sizing does not match the served model)"
-        )
+        await _send_step(client, target, headers, step, prompt, canary)
+    _judge(result)
     return result
 
 
