@@ -136,41 +136,54 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_state_dict(reader: Any, arch: GGUFLlama, progress: Progress | None = None) -> dict[str, np.ndarray]:
-    """Every tensor dequantized to fp32, renamed to HF, Q/K un-permuted. Raises ``ValueError`` for
-    an unknown tensor name, a missing tensor or a shape that does not match ``arch``."""
+def hf_name(name: str) -> str:
+    """The HF ``LlamaForCausalLM`` name of GGUF tensor ``name``. Raises ``ValueError`` for a name
+    with no counterpart, and for ``rope_freqs.weight`` (llama3 RoPE scaling, not supported)."""
+    if name.startswith("blk."):
+        _, layer, rest = name.split(".", 2)
+        if rest in LAYER_TENSORS:
+            return LAYER_TENSORS[rest].format(i=int(layer))
+    elif name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[name]
+    elif name == "rope_freqs.weight":  # llama3 scaling factors; not used by a default-RoPE config
+        raise ValueError("GGUF files with rope_freqs (llama3 RoPE scaling) are not supported")
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart")
+
+
+def hf_weight(tensor: Any, arch: GGUFLlama) -> np.ndarray:
+    """One GGUF tensor dequantized to a contiguous fp32 array, Q/K rows back in HF's order."""
     from gguf.quants import dequantize
 
-    out: dict[str, np.ndarray] = {}
-    total = len(reader.tensors)
-    for n, t in enumerate(reader.tensors, 1):
-        name = t.name
-        if name.startswith("blk."):
-            _, layer, rest = name.split(".", 2)
-            if rest not in LAYER_TENSORS:
-                raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart")
-            hf_name = LAYER_TENSORS[rest].format(i=int(layer))
-        elif name in GLOBAL_TENSORS:
-            hf_name = GLOBAL_TENSORS[name]
-        elif name == "rope_freqs.weight":  # llama3 scaling factors; not used by a default-RoPE config
-            raise ValueError("GGUF files with rope_freqs (llama3 RoPE scaling) are not supported")
-        else:
-            raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart")
-        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, arch.num_heads)
-        elif name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, arch.num_kv_heads)
-        out[hf_name] = np.ascontiguousarray(w)
-        if progress and (n % 30 == 0 or n == total):
-            progress(f"dequantized {n}/{total} tensors")
-    expected = expected_shapes(arch, tied="lm_head.weight" not in out)
-    missing = sorted(set(expected) - set(out))
+    w = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    if tensor.name.endswith("attn_q.weight"):
+        w = unpermute_qk(w, arch.num_heads)
+    elif tensor.name.endswith("attn_k.weight"):
+        w = unpermute_qk(w, arch.num_kv_heads)
+    return np.ascontiguousarray(w)
+
+
+def check_shapes(state: dict[str, np.ndarray], arch: GGUFLlama) -> None:
+    """Raise ``ValueError`` when ``state`` lacks a tensor of ``arch`` or holds one of the wrong
+    shape (the LM head is expected only when the file has one, i.e. untied)."""
+    expected = expected_shapes(arch, tied="lm_head.weight" not in state)
+    missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"GGUF file lacks tensors {missing[:4]}")
     for k, shape in expected.items():
-        if tuple(out[k].shape) != shape:
-            raise ValueError(f"{k}: shape {tuple(out[k].shape)}, expected {shape}")
+        if tuple(state[k].shape) != shape:
+            raise ValueError(f"{k}: shape {tuple(state[k].shape)}, expected {shape}")
+
+
+def hf_state_dict(reader: Any, arch: GGUFLlama, progress: Progress | None = None) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to fp32, renamed to HF, Q/K un-permuted. Raises ``ValueError`` for
+    an unknown tensor name, a missing tensor or a shape that does not match ``arch``."""
+    out: dict[str, np.ndarray] = {}
+    total = len(reader.tensors)
+    for n, t in enumerate(reader.tensors, 1):
+        out[hf_name(t.name)] = hf_weight(t, arch)
+        if progress and (n % 30 == 0 or n == total):
+            progress(f"dequantized {n}/{total} tensors")
+    check_shapes(out, arch)
     return out
 
 
