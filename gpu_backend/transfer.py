@@ -79,32 +79,10 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         """Parse and type-check a manifest; raises :class:`TransferFormatError`."""
-        try:
-            raw = json.loads(text)
-        except (TypeError, ValueError) as e:
-            raise TransferFormatError(f"manifest is not JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise TransferFormatError("manifest must be a JSON object")
-        ints = ("room", "num_tokens", "num_pages", "page_size", "first_token_id", "original_prompt_tokens", "version")
-        for k in ints:
-            if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool):
-                raise TransferFormatError(f"manifest field '{k}' must be an integer")
-        if raw["version"] != WIRE_VERSION:
-            raise TransferFormatError(f"manifest version {raw['version']} is not {WIRE_VERSION}")
-        if not isinstance(raw.get("request_id"), str) or not isinstance(raw.get("dtype"), str):
-            raise TransferFormatError("manifest fields 'request_id' and 'dtype' must be strings")
-        if not isinstance(raw.get("prefill_seconds"), (int, float)) or not isinstance(raw.get("placeholder"), bool):
-            raise TransferFormatError("manifest fields 'prefill_seconds' (number) and 'placeholder' (bool) are wrong")
-        shape, sums = raw.get("shape"), raw.get("checksums")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise TransferFormatError("manifest field 'shape' must be a list of non-negative integers")
-        if not isinstance(sums, list) or not all(isinstance(s, str) for s in sums):
-            raise TransferFormatError("manifest field 'checksums' must be a list of hex strings")
-        extra = raw.get("extra", {})
-        if not isinstance(extra, dict):
-            raise TransferFormatError("manifest field 'extra' must be an object")
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(raw) - known)
+        raw = _json_object(text)
+        _check_scalars(raw)
+        _check_lists(raw)
+        unknown = sorted(set(raw) - set(cls.__dataclass_fields__))
         if unknown:
             raise TransferFormatError(f"manifest has unknown field(s): {', '.join(unknown)}")
         m = cls(**{**raw, "prefill_seconds": float(raw["prefill_seconds"])})
@@ -133,6 +111,43 @@ class Manifest:
             raise TransferFormatError(f"manifest has {len(self.checksums)} checksums for {self.num_pages} pages")
         if self.dtype not in _DTYPES:
             raise TransferFormatError(f"manifest dtype {self.dtype!r} is not one of {', '.join(_DTYPES)}")
+
+
+_INT_FIELDS = ("room", "num_tokens", "num_pages", "page_size", "first_token_id", "original_prompt_tokens", "version")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(text)
+    except (TypeError, ValueError) as e:
+        raise TransferFormatError(f"manifest is not JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise TransferFormatError("manifest must be a JSON object")
+    return raw
+
+
+def _check_scalars(raw: dict[str, Any]) -> None:
+    """The manifest's integer, version, string, number and bool fields."""
+    for k in _INT_FIELDS:
+        if not isinstance(raw.get(k), int) or isinstance(raw.get(k), bool):
+            raise TransferFormatError(f"manifest field '{k}' must be an integer")
+    if raw["version"] != WIRE_VERSION:
+        raise TransferFormatError(f"manifest version {raw['version']} is not {WIRE_VERSION}")
+    if not isinstance(raw.get("request_id"), str) or not isinstance(raw.get("dtype"), str):
+        raise TransferFormatError("manifest fields 'request_id' and 'dtype' must be strings")
+    if not isinstance(raw.get("prefill_seconds"), (int, float)) or not isinstance(raw.get("placeholder"), bool):
+        raise TransferFormatError("manifest fields 'prefill_seconds' (number) and 'placeholder' (bool) are wrong")
+
+
+def _check_lists(raw: dict[str, Any]) -> None:
+    """The manifest's ``shape``, ``checksums`` and ``extra`` fields."""
+    shape, sums = raw.get("shape"), raw.get("checksums")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise TransferFormatError("manifest field 'shape' must be a list of non-negative integers")
+    if not isinstance(sums, list) or not all(isinstance(s, str) for s in sums):
+        raise TransferFormatError("manifest field 'checksums' must be a list of hex strings")
+    if not isinstance(raw.get("extra", {}), dict):
+        raise TransferFormatError("manifest field 'extra' must be an object")
 
 
 def page_checksums(kv: torch.Tensor) -> list[str]:
