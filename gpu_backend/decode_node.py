@@ -99,9 +99,13 @@ async def load_pages(engine: Engine, request_id: str, kv: torch.Tensor, num_toke
 
 
 async def decode_reserved(
-    engine: Engine, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
+    engine: Engine,
+    request_id: str,
+    prompt_ids: list[int],
+    first_token_id: int,
+    params: SamplingParams,
     context_tokens: int,
-) -> AsyncGenerator[Token, None]:  # fmt: skip
+) -> AsyncGenerator[Token, None]:
     """Generate from a reservation whose first ``context_tokens`` positions hold the prompt's KV.
 
     Yields the token of ``first_token_id`` first (completion_tokens 1; it may already finish the
@@ -187,42 +191,15 @@ class DecodeNode:
         sp = sampling_params(params)
         if not prompt_ids:
             raise InvalidRequestError("prompt_ids must not be empty", param="prompt")
-        try:
-            r = self.rooms.open(room)
-        except RoomClosedError as e:
-            raise RoomGoneError(str(e)) from None
-        if r.reservation is not None:
-            raise InvalidRequestError(f"room {room} already has a generate call", param="room")
+        r = self._room_for_generate(room)
         rid = engine_request_id(request_id, room)
         r.reservation = Reservation(rid, len(prompt_ids), sp.max_new_tokens)
         reserve = asyncio.ensure_future(reserve_pages(self.engine, rid, len(prompt_ids), sp.max_new_tokens))
         reason = "finished"
         try:
-            closed = asyncio.ensure_future(r.signals.closed.wait())
-            try:
-                await asyncio.wait({reserve, closed}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                closed.cancel()
-            if not reserve.done():
-                raise r.error or RequestAbortedError(f"room {room} was released while reserving")
-            reserve.result()  # PoolExhaustedError / InvalidRequestError propagate
-            if r.signals.closed.is_set():
-                raise r.error or RequestAbortedError(f"room {room} was released")
-            r.state = RoomState.RESERVED
-            r.signals.reserved.set()
-            try:
-                loaded = await r.wait_for(r.signals.loaded, self.transfer_timeout)
-            except TimeoutError:
-                self.counters["transfer_timeouts"] += 1
-                raise TransferTimeoutError(
-                    f"no KV transfer arrived for room {room} within {self.transfer_timeout:g} s"
-                ) from None
-            if not loaded:
-                raise r.error or RequestAbortedError(f"room {room} was released")
-            r.state = RoomState.DECODING
-            t = r.transfer
-            assert t is not None and t.context_tokens is not None  # loaded implies a loaded transfer
-            events = decode_reserved(self.engine, rid, prompt_ids, t.manifest.first_token_id, sp, t.context_tokens)
+            await self._reserved(r, room, reserve)
+            first_token_id, context = await self._transferred(r, room)
+            events = decode_reserved(self.engine, rid, prompt_ids, first_token_id, sp, context)
             async with contextlib.aclosing(events) as evs:
                 async for ev in evs:
                     yield ev
@@ -236,6 +213,51 @@ class DecodeNode:
             self.engine.abort(rid)
             self.rooms.close(room, reason)
 
+    def _room_for_generate(self, room: int) -> Room:
+        """The open room for a generate call: 410 when it is closed, 400 when it already has one."""
+        try:
+            r = self.rooms.open(room)
+        except RoomClosedError as e:
+            raise RoomGoneError(str(e)) from None
+        if r.reservation is not None:
+            raise InvalidRequestError(f"room {room} already has a generate call", param="room")
+        return r
+
+    async def _reserved(self, r: Room, room: int, reserve: asyncio.Future[list[PageHandle]]) -> None:
+        """Wait for the pages or the room's close, whichever first; then mark the room reserved.
+        Raises the room's error (or 499) when it closed, the reservation's error when it failed."""
+        closed = asyncio.ensure_future(r.signals.closed.wait())
+        try:
+            waiting: set[asyncio.Future[Any]] = {reserve, closed}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+        if not reserve.done():
+            raise r.error or RequestAbortedError(f"room {room} was released while reserving")
+        reserve.result()  # PoolExhaustedError / InvalidRequestError propagate
+        if r.signals.closed.is_set():
+            raise r.error or RequestAbortedError(f"room {room} was released")
+        r.state = RoomState.RESERVED
+        r.signals.reserved.set()
+
+    async def _transferred(self, r: Room, room: int) -> tuple[int, int]:
+        """Wait up to ``transfer_timeout_seconds`` for the room's pages to be loaded (504 after it;
+        the room's error, or 499, when it closed meanwhile); then mark the room decoding. Returns
+        the transfer's first token id and the context tokens decode attends over."""
+        try:
+            loaded = await r.wait_for(r.signals.loaded, self.transfer_timeout)
+        except TimeoutError:
+            self.counters["transfer_timeouts"] += 1
+            raise TransferTimeoutError(
+                f"no KV transfer arrived for room {room} within {self.transfer_timeout:g} s"
+            ) from None
+        if not loaded:
+            raise r.error or RequestAbortedError(f"room {room} was released")
+        r.state = RoomState.DECODING
+        t = r.transfer
+        assert t is not None and t.context_tokens is not None  # loaded implies a loaded transfer
+        return t.manifest.first_token_id, t.context_tokens
+
     async def accept_transfer(self, manifest: Manifest, kv: torch.Tensor, *, verified: bool = False) -> int:
         """Accept prefill's pages for ``manifest.room``; returns the context tokens decode will
         attend over. Waits up to ``transfer_timeout_seconds`` for the reservation.
@@ -248,55 +270,12 @@ class DecodeNode:
         """
         if not verified:
             verify_pages(manifest, kv)
-        try:
-            r = self.rooms.open(manifest.room)
-        except RoomClosedError as e:
-            self.counters["transfers_refused"] += 1
-            raise RoomGoneError(str(e)) from None
+        r = self._room_for_transfer(manifest.room)
         if r.transfer is not None:
-            if r.transfer.manifest == manifest:  # the same transfer again (prefill retrying a lost connection)
-                try:
-                    if await r.wait_for(r.signals.loaded, self.reservation_wait):
-                        assert r.transfer.context_tokens is not None  # set before loaded
-                        return r.transfer.context_tokens
-                except TimeoutError:
-                    pass
-                raise RoomGoneError(f"bootstrap room {manifest.room} is closed ({r.close_reason})")
-            self.counters["transfers_refused"] += 1
-            raise DuplicateTransferError(f"room {manifest.room} already received a different transfer")
+            return await self._repeated_transfer(r, manifest)
         transfer = r.transfer = RoomTransfer(manifest)
-        try:
-            reserved = await r.wait_for(r.signals.reserved, self.reservation_wait)
-        except TimeoutError:
-            self.counters["transfer_timeouts"] += 1
-            err = TransferTimeoutError(f"no reservation for room {manifest.room} within {self.reservation_wait:g} s")
-            self._fail(manifest.room, r, "transfer without reservation", err)
-            raise err from None
-        if not reserved:
-            self.counters["transfers_refused"] += 1
-            raise RoomGoneError(f"bootstrap room {manifest.room} is closed ({r.close_reason})")
-        res = r.reservation
-        assert res is not None  # reserved implies a reservation
-        if manifest.num_tokens != res.prompt_tokens:
-            self.counters["transfer_mismatches"] += 1
-            if not self.skip_transfer_check:
-                mismatch = TransferMismatchError(
-                    f"decode reserved {res.prompt_tokens} prompt tokens for room {manifest.room} but the transfer "
-                    f"holds {manifest.num_tokens}; the request is aborted and nothing is generated"
-                )
-                self._fail(manifest.room, r, "transfer mismatch", mismatch)
-                raise mismatch
-            log.warning(
-                "fault skip_transfer_check: room %d accepted %d of %d tokens; decode attends over all "
-                "%d reserved positions",
-                manifest.room,
-                manifest.num_tokens,
-                res.prompt_tokens,
-                res.prompt_tokens,
-            )
-            context = res.prompt_tokens
-        else:
-            context = manifest.num_tokens
+        res = await self._reservation(r, manifest.room)
+        context = self._context_tokens(r, res, manifest)
         try:
             await load_pages(self.engine, res.request_id, kv, manifest.num_tokens)
         except Exception as e:
@@ -307,6 +286,69 @@ class DecodeNode:
         r.signals.loaded.set()
         self.counters["transfers_accepted"] += 1
         return context
+
+    def _room_for_transfer(self, room: int) -> Room:
+        """The open room for a transfer; 410 (counted as refused) when it is closed."""
+        try:
+            return self.rooms.open(room)
+        except RoomClosedError as e:
+            self.counters["transfers_refused"] += 1
+            raise RoomGoneError(str(e)) from None
+
+    async def _repeated_transfer(self, r: Room, manifest: Manifest) -> int:
+        """A room that already has a transfer: the same manifest again (prefill retrying a lost
+        connection) gets the first one's context tokens once loaded, else 410; a different one 409."""
+        assert r.transfer is not None
+        if r.transfer.manifest != manifest:
+            self.counters["transfers_refused"] += 1
+            raise DuplicateTransferError(f"room {manifest.room} already received a different transfer")
+        try:
+            if await r.wait_for(r.signals.loaded, self.reservation_wait):
+                assert r.transfer.context_tokens is not None  # set before loaded
+                return r.transfer.context_tokens
+        except TimeoutError:
+            pass
+        raise RoomGoneError(f"bootstrap room {manifest.room} is closed ({r.close_reason})")
+
+    async def _reservation(self, r: Room, room: int) -> Reservation:
+        """The room's reservation once its generate call has reserved pages: 504 (the room failed)
+        when none appears within the reservation wait, 410 when the room closed meanwhile."""
+        try:
+            reserved = await r.wait_for(r.signals.reserved, self.reservation_wait)
+        except TimeoutError:
+            self.counters["transfer_timeouts"] += 1
+            err = TransferTimeoutError(f"no reservation for room {room} within {self.reservation_wait:g} s")
+            self._fail(room, r, "transfer without reservation", err)
+            raise err from None
+        if not reserved:
+            self.counters["transfers_refused"] += 1
+            raise RoomGoneError(f"bootstrap room {room} is closed ({r.close_reason})")
+        assert r.reservation is not None  # reserved implies a reservation
+        return r.reservation
+
+    def _context_tokens(self, r: Room, res: Reservation, manifest: Manifest) -> int:
+        """The positions decode attends over: the transfer's ``num_tokens`` when it matches the
+        reserved prompt length. A mismatch fails the room (500) unless ``skip_transfer_check``,
+        under which decode attends over every reserved prompt position."""
+        if manifest.num_tokens == res.prompt_tokens:
+            return manifest.num_tokens
+        self.counters["transfer_mismatches"] += 1
+        if not self.skip_transfer_check:
+            mismatch = TransferMismatchError(
+                f"decode reserved {res.prompt_tokens} prompt tokens for room {manifest.room} but the transfer "
+                f"holds {manifest.num_tokens}; the request is aborted and nothing is generated"
+            )
+            self._fail(manifest.room, r, "transfer mismatch", mismatch)
+            raise mismatch
+        log.warning(
+            "fault skip_transfer_check: room %d accepted %d of %d tokens; decode attends over all "
+            "%d reserved positions",
+            manifest.room,
+            manifest.num_tokens,
+            res.prompt_tokens,
+            res.prompt_tokens,
+        )
+        return res.prompt_tokens
 
     def _fail(self, room: int, r: Room, reason: str, err: BaseException) -> None:
         self.rooms.close(room, reason, err)
