@@ -23,16 +23,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import BaseRoute
 
 from config.errors import ErrorCode, OpenAIError
 from gpu_backend import openai_api as api
@@ -53,6 +55,11 @@ MAX_JSON_BODY_BYTES = 8 * 1024 * 1024
 MAX_TRANSFER_BYTES = 1 << 30
 VERSION = "kvgate-0.1.0"
 
+Endpoint = Callable[..., Awaitable[Response]]
+ServerInfo = Callable[[], Awaitable[dict[str, Any]]]
+DebugPools = Callable[[], dict[str, Any]]
+Lifespan = Callable[[FastAPI], Any]
+
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """JSON via orjson."""
@@ -64,49 +71,75 @@ def error_response(err: OpenAIError) -> Response:
     return Response(err.body_bytes(), status_code=err.status, media_type="application/json", headers=err.headers)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """OpenAI-shaped errors for everything: typed errors keep status/code/param, unknown routes
-    404 ``not_found``, wrong methods 405, anything unexpected 500 ``internal_error`` (logged)."""
+class ClientDisconnected(Exception):
+    """The client went away before the answer; the work was cancelled (answered 499, unread)."""
 
-    @app.exception_handler(OpenAIError)
-    async def _openai(_: Request, exc: OpenAIError) -> Response:
-        return error_response(exc)
 
-    @app.exception_handler(ClientDisconnected)
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(_: Request, exc: Exception) -> Response:
-        return Response(status_code=499)
+async def _openai_error(_: Request, exc: OpenAIError) -> Response:
+    return error_response(exc)
 
-    @app.exception_handler(EngineError)
-    async def _engine(_: Request, exc: EngineError) -> Response:
-        return error_response(exc.to_openai())
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        if exc.status_code == 404:
-            return error_response(
-                OpenAIError(
-                    status=404, code=ErrorCode.NOT_FOUND, message=f"Unknown route: {request.method} {request.url.path}"
-                )
-            )
-        return error_response(
-            OpenAIError(
-                status=exc.status_code,
-                message=str(exc.detail),
-                code=ErrorCode.METHOD_NOT_ALLOWED if exc.status_code == 405 else None,
-            )
-        )
+async def _client_gone(_: Request, exc: Exception) -> Response:
+    return Response(status_code=499)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Response:
-        return error_response(api.bad_request(str(exc)))
 
-    @app.exception_handler(Exception)
-    async def _any(_: Request, exc: Exception) -> Response:
-        err = backend_error(exc)
-        if err.status >= 500:
-            log.exception("unhandled error", exc_info=exc)
-        return error_response(err)
+async def _engine_error(_: Request, exc: EngineError) -> Response:
+    return error_response(exc.to_openai())
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    if exc.status_code == 404:
+        message = f"Unknown route: {request.method} {request.url.path}"
+        return error_response(OpenAIError(status=404, code=ErrorCode.NOT_FOUND, message=message))
+    code = ErrorCode.METHOD_NOT_ALLOWED if exc.status_code == 405 else None
+    return error_response(OpenAIError(status=exc.status_code, message=str(exc.detail), code=code))
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+    return error_response(api.bad_request(str(exc)))
+
+
+async def _unexpected_error(_: Request, exc: Exception) -> Response:
+    err = backend_error(exc)
+    if err.status >= 500:
+        log.exception("unhandled error", exc_info=exc)
+    return error_response(err)
+
+
+#: OpenAI-shaped errors for everything: typed errors keep status/code/param, a client gone is 499,
+#: unknown routes 404 ``not_found``, wrong methods 405, anything unexpected 500 ``internal_error`` (logged).
+EXCEPTION_HANDLERS: dict[int | type[Exception], Callable[[Request, Any], Coroutine[Any, Any, Response]]] = {
+    OpenAIError: _openai_error,
+    ClientDisconnected: _client_gone,
+    ClientDisconnect: _client_gone,
+    EngineError: _engine_error,
+    StarletteHTTPException: _http_error,
+    RequestValidationError: _validation_error,
+    Exception: _unexpected_error,
+}
+
+
+def get(path: str, endpoint: Endpoint) -> APIRoute:
+    """A ``GET`` route value."""
+    return APIRoute(path, endpoint, methods=["GET"])
+
+
+def post(path: str, endpoint: Endpoint) -> APIRoute:
+    """A ``POST`` route value."""
+    return APIRoute(path, endpoint, methods=["POST"])
+
+
+def make_app(title: str, routes: list[BaseRoute], lifespan: Lifespan | None) -> FastAPI:
+    """One role's app: ``routes`` in order, :data:`EXCEPTION_HANDLERS`, no docs or OpenAPI routes."""
+    return FastAPI(
+        title=title,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        routes=routes,
+        exception_handlers=EXCEPTION_HANDLERS,
+    )
 
 
 async def read_json(request: Request, limit: int = MAX_JSON_BODY_BYTES) -> dict[str, Any]:
@@ -137,10 +170,6 @@ async def until_disconnect(request: Request) -> None:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
             return
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the answer; the work was cancelled (answered 499, unread)."""
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -198,35 +227,50 @@ def loads_body(info: dict[str, Any], include: str | None, dp_rank: str | None) -
     return {"timestamp": time.time(), "version": info.get("version"), "num_accelerators": 1, "loads": [load]}
 
 
-def add_common_routes(
-    app: FastAPI, server_info: Callable[[], Awaitable[dict[str, Any]]], debug_pools: Callable[[], dict[str, Any]] | None
-) -> None:
-    """``/health``, ``/server_info``, ``/get_server_info``, ``/v1/loads`` and (when given) ``/debug/pool``."""
+async def health() -> Response:
+    """``GET /health``: 200, empty."""
+    return Response(status_code=200)
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
 
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def info() -> Response:
-        return json_response(await server_info())
+class InfoRoutes:
+    """What every role serves: ``/health``, ``/server_info`` (+ ``/get_server_info``), ``/v1/loads``
+    from ``server_info``, and ``/debug/pool`` from ``debug_pools`` when given."""
 
-    @app.get("/v1/loads")
-    async def v1_loads(request: Request) -> Response:
+    def __init__(self, server_info: ServerInfo, debug_pools: DebugPools | None) -> None:
+        self.server_info = server_info
+        self.debug_pools = debug_pools
+
+    def routes(self) -> list[BaseRoute]:
+        routes: list[BaseRoute] = [
+            get("/health", health),
+            get("/server_info", self.info),
+            get("/get_server_info", self.info),
+            get("/v1/loads", self.loads),
+        ]
+        if self.debug_pools is not None:
+            routes.append(get("/debug/pool", self.debug_pool))
+        return routes
+
+    async def info(self) -> Response:
+        return json_response(await self.server_info())
+
+    async def loads(self, request: Request) -> Response:
+        """SGLang's ``/v1/loads`` (:func:`loads_body`); 400 ``{"detail": ...}`` for a bad query."""
+        query = request.query_params
         try:
-            body = loads_body(
-                await server_info(), request.query_params.get("include"), request.query_params.get("dp_rank")
-            )
+            body = loads_body(await self.server_info(), query.get("include"), query.get("dp_rank"))
         except ValueError as e:
             return json_response({"detail": str(e)}, status=400)
         return json_response(body)
 
-    if debug_pools is not None:
+    async def debug_pool(self) -> Response:
+        assert self.debug_pools is not None
+        return json_response(await asyncio.to_thread(self.debug_pools))
 
-        @app.get("/debug/pool")
-        async def debug_pool() -> Response:
-            return json_response(await asyncio.to_thread(debug_pools))
+
+def add_common_routes(app: FastAPI, server_info: ServerInfo, debug_pools: DebugPools | None) -> None:
+    """Add :class:`InfoRoutes` to an existing ``app``."""
+    app.router.routes.extend(InfoRoutes(server_info, debug_pools).routes())
 
 
 @dataclass
@@ -243,7 +287,18 @@ class RouterConfig:
         return [self.served_model_name, *[n for n in self.model_names if n != self.served_model_name]]
 
 
-async def _collect(stream: RouterStream) -> tuple[str, list[int], str | None, int, int, int]:
+class Collected(NamedTuple):
+    """A whole non-streamed generation: text, token ids, finish reason, token counts, last id."""
+
+    text: str
+    ids: list[int]
+    reason: str | None
+    prompt: int
+    completion: int
+    last: int
+
+
+async def _collect(stream: RouterStream) -> Collected:
     text, ids, reason, prompt, completion, last = [], [], None, stream.prompt_tokens, 0, -1
     try:
         async for tok in stream:
@@ -256,116 +311,134 @@ async def _collect(stream: RouterStream) -> tuple[str, list[int], str | None, in
                 reason = tok.finish_reason
     finally:
         stream.close_now()
-    return "".join(text), ids, reason, prompt, completion, last
+    return Collected("".join(text), ids, reason, prompt, completion, last)
+
+
+def _new_request_id(req: api.GenRequest) -> str:
+    return responses_api.new_response_id() if req.kind == "responses" else api.new_id(req.kind)
+
+
+def _prompt_param(req: api.GenRequest) -> str:
+    """The request field a prompt error names."""
+    return "messages" if req.is_chat else "input" if req.kind == "responses" else "prompt"
+
+
+def _event_stream(stream: RouterStream, req: api.GenRequest, rid: str, t0: float) -> AsyncIterator[bytes]:
+    """The SSE body for a streamed request, in the shape of its API."""
+    if req.kind == "responses":
+        return _sse_responses(stream, req, rid)
+    if req.kind == "generate":
+        return _sse_generate(stream, rid, t0)
+    return _sse_openai(stream, req, rid)
+
+
+def _final_body(req: api.GenRequest, rid: str, c: Collected, seconds: float) -> dict[str, Any]:
+    """The JSON body for a non-streamed request, in the shape of its API."""
+    if req.kind == "generate":
+        return api.generate_body(rid, c.text, c.ids, c.reason, c.prompt, c.completion, seconds, c.last)
+    if req.kind == "responses":
+        return responses_api.response_object(req, rid, c.text, c.reason, c.prompt, c.completion)
+    return api.completion_body(req, rid, c.text, c.reason, c.prompt, c.completion)
+
+
+class RouterRoutes:
+    """The router's API (OpenAI + SGLang native) over one :class:`Router` and its config."""
+
+    def __init__(self, router: Router, cfg: RouterConfig) -> None:
+        self.router = router
+        self.cfg = cfg
+        self.created = int(time.time())
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            post("/v1/completions", self.completions),
+            post("/v1/chat/completions", self.chat),
+            post("/v1/responses", self.responses),
+            post("/generate", self.generate),
+            post("/abort_request", self.abort_request),
+            get("/v1/models", self.models),
+            get("/get_model_info", self.model_info),
+            post("/tokenize", self.tokenize),
+            post("/v1/tokenize", self.tokenize),
+            post("/detokenize", self.detokenize),
+            post("/v1/detokenize", self.detokenize),
+        ]
+
+    async def completions(self, request: Request) -> Response:
+        return await self._run(request, await self._parse(request, api.parse_completion, **self._names()))
+
+    async def chat(self, request: Request) -> Response:
+        return await self._run(request, await self._parse(request, api.parse_chat, **self._names()))
+
+    async def responses(self, request: Request) -> Response:
+        return await self._run(request, await self._parse(request, responses_api.parse_responses, **self._names()))
+
+    async def generate(self, request: Request) -> Response:
+        req = await self._parse(request, api.parse_generate, served_model_name=self.cfg.served_model_name)
+        return await self._run(request, req)
+
+    async def abort_request(self, request: Request) -> Response:
+        rid = (await read_json(request)).get("rid")
+        if not isinstance(rid, str):
+            raise api.bad_request("'rid' must be a string.", "rid")
+        return json_response({"rid": rid, "aborted": self.router.abort(rid)})
+
+    async def models(self) -> Response:
+        return json_response(api.models_body(self.cfg.names(), self.cfg.context_length, self.created))
+
+    async def model_info(self) -> Response:
+        tokenizer_path = str(getattr(self.cfg.counter, "path", "cl100k_base+chatml"))
+        return json_response(
+            {"model_path": self.cfg.served_model_name, "tokenizer_path": tokenizer_path, "is_generation": True}
+        )
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_json(request)
+        return json_response(
+            await asyncio.to_thread(api.tokenize_body, body, self.cfg.counter, self.cfg.context_length)
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        return json_response(api.detokenize_body(await read_json(request), self.cfg.counter))
+
+    def _names(self) -> dict[str, Any]:
+        return {"model_names": self.cfg.names(), "served_model_name": self.cfg.served_model_name}
+
+    async def _parse(self, request: Request, fn: Callable[..., api.GenRequest], **kw: Any) -> api.GenRequest:
+        """The body parsed by ``fn``; a long prompt is tokenized off the event loop."""
+        body = await read_json(request)
+        kw["context_length"] = self.cfg.context_length
+        declared = request.headers.get("content-length") or "0"
+        if declared.isdigit() and int(declared) > _OFFLOAD_BODY_BYTES:
+            return await asyncio.to_thread(fn, body, self.cfg.counter, **kw)
+        return fn(body, self.cfg.counter, **kw)
+
+    async def _run(self, request: Request, req: api.GenRequest) -> Response:
+        """Generate ``req``: an SSE stream or one JSON body, with ``x-prefill-seconds``."""
+        rid = req.rid or _new_request_id(req)
+        t0 = time.monotonic()
+        opened = self.router.open(rid, req.prompt_ids, req.params, param=_prompt_param(req))
+        stream = await cancel_on_disconnect(request, opened)
+        outcome = stream.outcome
+        headers = {"x-prefill-seconds": f"{outcome.prefill_seconds:.6f}" if outcome else "0"}
+        if req.stream:
+            events = _event_stream(stream, req, rid, t0)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        collected = await cancel_on_disconnect(request, _collect(stream))
+        return json_response(_final_body(req, rid, collected, time.monotonic() - t0), headers=headers)
 
 
 def build_router_app(
     router: Router,
     cfg: RouterConfig,
     *,
-    server_info: Callable[[], Awaitable[dict[str, Any]]],
-    debug_pools: Callable[[], dict[str, Any]] | None = None,
-    lifespan: Callable[[FastAPI], Any] | None = None,
+    server_info: ServerInfo,
+    debug_pools: DebugPools | None = None,
+    lifespan: Lifespan | None = None,
 ) -> FastAPI:
     """The router's app (also ``--role all``'s, with the prefill pool's ``server_info``)."""
-    app = FastAPI(title="kvgate backend router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    install_error_handlers(app)
-    add_common_routes(app, server_info, debug_pools)
-    created = int(time.time())
-
-    async def parse(request: Request, fn: Callable[..., api.GenRequest], **kw: Any) -> api.GenRequest:
-        body = await read_json(request)
-        declared = request.headers.get("content-length") or "0"
-        if declared.isdigit() and int(declared) > _OFFLOAD_BODY_BYTES:  # long prompt: tokenize off the loop
-            return await asyncio.to_thread(fn, body, cfg.counter, context_length=cfg.context_length, **kw)
-        return fn(body, cfg.counter, context_length=cfg.context_length, **kw)
-
-    async def run(request: Request, req: api.GenRequest) -> Response:
-        responses = req.kind == "responses"
-        rid = req.rid or (responses_api.new_response_id() if responses else api.new_id(req.kind))
-        t0 = time.monotonic()
-        param = "messages" if req.is_chat else "input" if responses else "prompt"
-        stream = await cancel_on_disconnect(request, router.open(rid, req.prompt_ids, req.params, param=param))
-        outcome = stream.outcome
-        headers = {"x-prefill-seconds": f"{outcome.prefill_seconds:.6f}" if outcome else "0"}
-        if req.stream:
-            if responses:
-                gen = _sse_responses(stream, req, rid)
-            elif req.kind == "generate":
-                gen = _sse_generate(stream, rid, t0)
-            else:
-                gen = _sse_openai(stream, req, rid)
-            return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
-        text, ids, reason, prompt, completion, last = await cancel_on_disconnect(request, _collect(stream))
-        if req.kind == "generate":
-            return json_response(
-                api.generate_body(rid, text, ids, reason, prompt, completion, time.monotonic() - t0, last),
-                headers=headers,
-            )
-        if responses:
-            body = responses_api.response_object(req, rid, text, reason, prompt, completion)
-            return json_response(body, headers=headers)
-        return json_response(api.completion_body(req, rid, text, reason, prompt, completion), headers=headers)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req = await parse(
-            request, api.parse_completion, model_names=cfg.names(), served_model_name=cfg.served_model_name
-        )
-        return await run(request, req)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        req = await parse(request, api.parse_chat, model_names=cfg.names(), served_model_name=cfg.served_model_name)
-        return await run(request, req)
-
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        req = await parse(
-            request, responses_api.parse_responses, model_names=cfg.names(), served_model_name=cfg.served_model_name
-        )
-        return await run(request, req)
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        req = await parse(request, api.parse_generate, served_model_name=cfg.served_model_name)
-        return await run(request, req)
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        body = await read_json(request)
-        rid = body.get("rid")
-        if not isinstance(rid, str):
-            raise api.bad_request("'rid' must be a string.", "rid")
-        return json_response({"rid": rid, "aborted": router.abort(rid)})
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return json_response(api.models_body(cfg.names(), cfg.context_length, created))
-
-    @app.get("/get_model_info")
-    async def model_info() -> Response:
-        return json_response(
-            {
-                "model_path": cfg.served_model_name,
-                "tokenizer_path": str(getattr(cfg.counter, "path", "cl100k_base+chatml")),
-                "is_generation": True,
-            }
-        )
-
-    @app.post("/v1/tokenize")
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        body = await read_json(request)
-        return json_response(await asyncio.to_thread(api.tokenize_body, body, cfg.counter, cfg.context_length))
-
-    @app.post("/v1/detokenize")
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        body = await read_json(request)
-        return json_response(api.detokenize_body(body, cfg.counter))
-
-    return app
+    routes = [*InfoRoutes(server_info, debug_pools).routes(), *RouterRoutes(router, cfg).routes()]
+    return make_app("kvgate backend router", routes, lifespan)
 
 
 async def _sse_openai(stream: RouterStream, req: api.GenRequest, rid: str) -> AsyncIterator[bytes]:
@@ -436,86 +509,92 @@ async def _sse_generate(stream: RouterStream, rid: str, t0: float) -> AsyncItera
         stream.close_now()
 
 
-def build_prefill_app(
-    node: Any,
-    *,
-    debug_pools: Callable[[], dict[str, Any]] | None = None,
-    lifespan: Callable[[FastAPI], Any] | None = None,
-) -> FastAPI:
-    """The prefill node's app (``--role prefill``)."""
-    app = FastAPI(title="kvgate prefill node", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    install_error_handlers(app)
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
-    async def info() -> dict[str, Any]:
-        return node.server_info()
 
-    add_common_routes(app, info, debug_pools)
+class PrefillRoutes:
+    """The prefill node's internal API: ``POST /disagg/prefill`` and ``/disagg/abort`` (JSON)."""
 
-    @app.post("/disagg/prefill")
-    async def prefill(request: Request) -> Response:
+    def __init__(self, node: Any) -> None:
+        self.node = node
+
+    def routes(self) -> list[BaseRoute]:
+        return [post("/disagg/prefill", self.prefill), post("/disagg/abort", self.abort)]
+
+    async def info(self) -> dict[str, Any]:
+        return self.node.server_info()
+
+    async def prefill(self, request: Request) -> Response:
+        """Prefill a prompt into room ``room``; the answer is the prefill outcome."""
         body = await read_json(request)
         room, rid, ids, param = body.get("room"), body.get("request_id"), body.get("prompt_ids"), body.get("param")
-        if (
-            not isinstance(room, int)
-            or not isinstance(rid, str)
-            or not isinstance(ids, list)
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-        ):
+        if not isinstance(room, int) or not isinstance(rid, str) or not _is_int_list(ids):
             raise api.bad_request("body needs integer 'room', string 'request_id', integer list 'prompt_ids'.")
-        out = await node.prefill(room, rid, ids, param=param if param in ("prompt", "messages") else "prompt")
+        out = await self.node.prefill(room, rid, ids, param=param if param in ("prompt", "messages") else "prompt")
         return json_response(out.to_json())
 
-    @app.post("/disagg/abort")
-    async def abort(request: Request) -> Response:
+    async def abort(self, request: Request) -> Response:
         body = await read_json(request)
         if not isinstance(body.get("request_id"), str):
             raise api.bad_request("'request_id' must be a string.", "request_id")
-        node.abort(body["request_id"])
+        self.node.abort(body["request_id"])
         return json_response({"aborted": True})
 
-    return app
+
+def build_prefill_app(node: Any, *, debug_pools: DebugPools | None = None, lifespan: Lifespan | None = None) -> FastAPI:
+    """The prefill node's app (``--role prefill``)."""
+    prefill = PrefillRoutes(node)
+    routes = [*InfoRoutes(prefill.info, debug_pools).routes(), *prefill.routes()]
+    return make_app("kvgate prefill node", routes, lifespan)
 
 
-def build_decode_app(
-    node: Any,
-    *,
-    debug_pools: Callable[[], dict[str, Any]] | None = None,
-    lifespan: Callable[[FastAPI], Any] | None = None,
-) -> FastAPI:
-    """The decode node's app (``--role decode``)."""
-    from gpu_backend.transfer import CONTENT_TYPE, TransferFormatError, decode_transfer
+def _generate_args(body: dict[str, Any]) -> tuple[int, str, list[int], dict[str, Any], int]:
+    """``room``, ``request_id``, ``prompt_ids``, ``params`` and ``from`` (default 0) of a decode
+    generate call; 400 when one is missing or of the wrong type."""
+    room, rid, ids, params = body.get("room"), body.get("request_id"), body.get("prompt_ids"), body.get("params")
+    start = body.get("from", 0)
+    if not (
+        isinstance(room, int)
+        and isinstance(rid, str)
+        and isinstance(ids, list)
+        and isinstance(params, dict)
+        and isinstance(start, int)
+        and start >= 0
+    ):
+        raise api.bad_request("body needs 'room', 'request_id', 'prompt_ids', 'params' (and optional 'from').")
+    return room, rid, ids, params, start
 
-    app = FastAPI(title="kvgate decode node", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    install_error_handlers(app)
 
-    async def info() -> dict[str, Any]:
-        return node.server_info()
+class DecodeRoutes:
+    """The decode node's internal API: ``POST /disagg/generate`` (NDJSON token stream),
+    ``/disagg/transfer`` (safetensors + manifest, never pickle) and ``/disagg/release``."""
 
-    add_common_routes(app, info, debug_pools)
+    def __init__(self, node: Any) -> None:
+        from gpu_backend.decode_node import DecodeStreams
 
-    from gpu_backend.decode_node import DecodeStreams
+        self.node = node
+        self.streams = DecodeStreams(node)
 
-    streams = DecodeStreams(node)
+    def routes(self) -> list[BaseRoute]:
+        return [
+            post("/disagg/generate", self.generate),
+            post("/disagg/transfer", self.transfer),
+            post("/disagg/release", self.release),
+        ]
 
-    @app.post("/disagg/generate")
-    async def generate(request: Request) -> Response:
+    async def info(self) -> dict[str, Any]:
+        return self.node.server_info()
+
+    async def generate(self, request: Request) -> Response:
         """Start (or re-attach to) a room's generation: NDJSON token lines from line ``from``."""
-        body = await read_json(request)
-        room, rid, ids, params = body.get("room"), body.get("request_id"), body.get("prompt_ids"), body.get("params")
-        start = body.get("from", 0)
-        if (
-            not isinstance(room, int)
-            or not isinstance(rid, str)
-            or not isinstance(ids, list)
-            or not isinstance(params, dict)
-            or not isinstance(start, int)
-            or start < 0
-        ):
-            raise api.bad_request("body needs 'room', 'request_id', 'prompt_ids', 'params' (and optional 'from').")
-        return StreamingResponse(streams.open(room, rid, ids, params, start), media_type="application/x-ndjson")
+        room, rid, ids, params, start = _generate_args(await read_json(request))
+        return StreamingResponse(self.streams.open(room, rid, ids, params, start), media_type="application/x-ndjson")
 
-    @app.post("/disagg/transfer")
-    async def transfer(request: Request) -> Response:
+    async def transfer(self, request: Request) -> Response:
+        """Accept prefill's pages: 415 for any other content type, 400 for a malformed payload."""
+        from gpu_backend.transfer import CONTENT_TYPE, TransferFormatError, decode_transfer
+
         ctype = request.headers.get("content-type", "")
         if ctype.split(";")[0].strip() != CONTENT_TYPE:
             raise OpenAIError(
@@ -528,14 +607,18 @@ def build_decode_app(
             manifest, kv = await asyncio.to_thread(decode_transfer, raw)
         except TransferFormatError as e:
             raise OpenAIError(status=400, code=e.code, message=str(e)) from None
-        context = await node.accept_transfer(manifest, kv, verified=True)
+        context = await self.node.accept_transfer(manifest, kv, verified=True)
         return json_response({"accepted": True, "room": manifest.room, "context_tokens": context})
 
-    @app.post("/disagg/release")
-    async def release(request: Request) -> Response:
+    async def release(self, request: Request) -> Response:
         body = await read_json(request)
         if not isinstance(body.get("room"), int):
             raise api.bad_request("'room' must be an integer.", "room")
-        return json_response({"released": node.release(body["room"])})
+        return json_response({"released": self.node.release(body["room"])})
 
-    return app
+
+def build_decode_app(node: Any, *, debug_pools: DebugPools | None = None, lifespan: Lifespan | None = None) -> FastAPI:
+    """The decode node's app (``--role decode``)."""
+    decode = DecodeRoutes(node)
+    routes = [*InfoRoutes(decode.info, debug_pools).routes(), *decode.routes()]
+    return make_app("kvgate decode node", routes, lifespan)
