@@ -128,6 +128,7 @@ def bench_flood(concurrency: int, chars: int, samples: int) -> tuple[float, floa
     import tempfile
 
     from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+    from verifier.build import build_verifier
     from verifier.service import VerifierService
     from verifier.stage import Exchange, ExchangeRequest
 
@@ -166,7 +167,7 @@ def bench_flood(concurrency: int, chars: int, samples: int) -> tuple[float, floa
         return (time.perf_counter() - t0) * 1000
 
     async def run() -> tuple[list[float], list[float], int, float]:
-        svc = VerifierService(settings, secrets=secrets)
+        svc = build_verifier(settings, secrets=secrets)
         big = " " * chars
         flood_done = 0
         flood_seconds = 0.0

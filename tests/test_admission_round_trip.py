@@ -16,6 +16,7 @@ from config.models import QuotaSettings, TenantConfig, VerifierSettings
 from gateway.quotas.stores import RedisQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
 from tests.test_verifier_inline_ingest import ex, settings
+from verifier.build import build_verifier
 from verifier.leak_index import RedisLeakStore
 from verifier.service import VerifierService
 
@@ -71,7 +72,7 @@ def owners(svc: VerifierService, prompt: str) -> list[set[str]]:
 
 
 async def test_the_index_write_rides_the_reservation(tmp_path, prefix, own_writes):
-    svc = VerifierService(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
+    svc = build_verifier(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
     try:
         # a Redis that has not run both scripts yet (fresh, or flushed: the next test) sends the
@@ -83,7 +84,7 @@ async def test_the_index_write_rides_the_reservation(tmp_path, prefix, own_write
         assert lease.headers["x-ratelimit-remaining-requests"] == "999"
         assert own_writes == []  # nothing sent on its own
         assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"a"})}
-        assert (svc.stats["ingested"], svc.stats["store_errors"], svc._ingest_pending_bytes) == (2, 0, 0)
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (2, 0, 0)
         await quotas.settle(lease, 10)
     finally:
         await quotas.aclose()
@@ -93,7 +94,7 @@ async def test_the_index_write_rides_the_reservation(tmp_path, prefix, own_write
 async def test_scripts_lost_by_redis_are_loaded_again(tmp_path, prefix, own_writes):
     """SCRIPT FLUSH (a restarted Redis): the reservation is loaded and sent again; the index
     write's NOSCRIPT is sent again by the verifier's own client. Both land."""
-    svc = VerifierService(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
+    svc = build_verifier(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
     try:
         redis.Redis.from_url(REDIS_URL).script_flush()
@@ -112,7 +113,7 @@ async def test_scripts_lost_by_redis_are_loaded_again(tmp_path, prefix, own_writ
 
 
 async def test_an_unlimited_tenant_makes_no_round_trip_so_the_verifier_writes_itself(tmp_path, prefix, own_writes):
-    svc = VerifierService(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
+    svc = build_verifier(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
     try:
         await admit_and_reserve(svc, quotas, UNLIMITED, PROMPT)
@@ -134,7 +135,7 @@ async def test_a_failed_round_trip_counts_a_store_error_and_the_quota_policy_app
     with it: counted once as a store error, not sent again, the budget released."""
     from config.errors import OpenAIError
 
-    svc = VerifierService(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
+    svc = build_verifier(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
     dead = RedisQuotaStore(redis_client_from_url(f"redis://127.0.0.1:{closed_port()}/0", 0.25), prefix=prefix + ":q")
     quotas = TenantQuotas(QuotaSettings(redis_failure_policy="fail_closed"), dead)
     try:
@@ -142,7 +143,7 @@ async def test_a_failed_round_trip_counts_a_store_error_and_the_quota_policy_app
             await admit_and_reserve(svc, quotas, LIMITED, PROMPT)
         assert (ei.value.status, ei.value.code) == (503, "quota_backend_unavailable")
         assert own_writes == []
-        assert (svc.stats["ingested"], svc.stats["store_errors"], svc._ingest_pending_bytes) == (1, 1, 0)
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (1, 1, 0)
     finally:
         await quotas.aclose()
         await svc.aclose()
@@ -161,7 +162,7 @@ def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes)
     base = settings_for([upstream("u1", engine)])
     s = base.model_copy(update={"redis_url": REDIS_URL, "verifier": VerifierSettings()})
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
-    svc = VerifierService(s, secrets=APP_SECRETS, key_prefix=prefix + ":v:")
+    svc = build_verifier(s, secrets=APP_SECRETS, key_prefix=prefix + ":v:")
     g = Gateway(s, tenants(rpm=1, tpm=10_000), quotas=quotas, verifier=svc).start()
     try:
         with g.client() as c:

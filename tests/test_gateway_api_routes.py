@@ -20,7 +20,7 @@ from gateway.quotas.tenant_quotas import build_quota_stage
 from gateway.routes.api_routes import embedding_length_message, responses_length_message
 from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, tenants, upstream, wait_for
 from tests.mock_api_engine import COUNTER, ApiMockEngine, response_stream
-from verifier.service import VerifierService
+from verifier.build import build_verifier
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,7 +57,7 @@ def start(engine: ApiMockEngine, *, up: dict | None = None, verifier: bool = Fal
     s = settings(engine, up=up, verifier=verifier, quotas=quotas)
     kw: dict[str, Any] = {}
     if verifier:
-        kw["verifier"] = VerifierService(s, secrets=SECRETS)
+        kw["verifier"] = build_verifier(s, secrets=SECRETS)
     if quotas:
         kw["quotas"] = build_quota_stage(s)
     reg = tenants(**{"max_context_tokens": LIMIT, "allowed_models": [MODEL, EMB], "max_embedding_inputs": 4, **a})
@@ -294,7 +294,7 @@ def _plant(g: Gateway) -> None:
         )
     svc = g.gw.verifier
     deadline = time.monotonic() + 10
-    while svc._jobs or svc.stats["in_flight"]:
+    while svc.queued_jobs or svc.stats["in_flight"]:
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
@@ -319,7 +319,7 @@ def _strict_gateway(engine: ApiMockEngine) -> Gateway:
             }
         )
     )
-    return Gateway(s, reg, verifier=VerifierService(s, secrets=SECRETS)).start()
+    return Gateway(s, reg, verifier=build_verifier(s, secrets=SECRETS)).start()
 
 
 def _events(kind: str, text: str) -> list[bytes]:
@@ -574,7 +574,7 @@ def test_hostile_nesting_is_a_400_not_a_500(engine, route):
     g.gw.settings.gateway.max_body_bytes = 1 << 20
     deep = lambda n: '{"a":' * n + "1" + "}" * n  # noqa: E731
     head = (
-        f'"messages":[{{"role":"user","content":"x"}}],"tools":[{{"type":"function","function":{{"name":"f","parameters":'
+        '"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","parameters":'
         if route.endswith("completions")
         else '"input":"x","tools":[{"type":"function","name":"f","parameters":'
     )

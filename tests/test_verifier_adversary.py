@@ -15,6 +15,7 @@ import pytest
 
 from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
 from tokenizer import bundled_counter
+from verifier.build import build_verifier
 from verifier.canary import new_canary
 from verifier.latency import LatencyModel, cached_tokens_of
 from verifier.probe import filler_words
@@ -77,7 +78,7 @@ async def test_self_planted_canary_as_token_ids_with_echo_is_no_incident(tmp_pat
     """Tenant a sends the canary as text; tenant b sends the same as token ids with echo: b's
     decoded prompt holds the canary, so b's echo of it is no evidence: no incident, no
     quarantine, and a third tenant's long prompt is not refused."""
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         text = f"note {SELF_CANARY}"
         await admitted(svc, ex(A, text))
@@ -100,7 +101,7 @@ async def test_token_id_prompt_cut_inside_a_character_echoed_with_its_canary(tmp
     stream's first delta echoes the whole prompt (the character completed) with a canary another
     tenant registered: for a strict tenant nothing is withheld, nothing recorded, every event
     released in order."""
-    svc = VerifierService(settings(tmp_path, strict_holdback_tokens=8), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path, strict_holdback_tokens=8), secrets=SECRETS)
     try:
         full = f"note {SELF_CANARY} " + words(1, 120) + " 日本語"
         ids = COUNTER.encode_text(full)
@@ -126,7 +127,7 @@ async def test_token_id_prompt_cut_inside_a_character_echoed_with_its_canary(tmp
 async def test_token_id_prompts_get_leak_index_protection(tmp_path):
     """A tenant that sends token ids is indexed like one that sends text: its prompt leaking
     into another tenant's strict response is withheld with the source named."""
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         victim = words(2, 700)
         await admitted(svc, ex(A, ids=[COUNTER.encode_text(victim)]))
@@ -143,7 +144,7 @@ async def test_undecodable_token_ids_are_counted_and_never_evidence_for_quaranti
     async def broken(ids: list[int]) -> str:
         raise RuntimeError("detokenize down")
 
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         e = ex(B, ids=[[1, 2, 3]])
         await svc.admit(e, broken)
@@ -164,7 +165,7 @@ def test_strip_echo_shapes():
 async def test_own_prompt_cache_is_keyed_by_an_internal_id(tmp_path):
     """Two requests with the same client x-request-id: each keeps its own prompt's exclusion
     (a repeated id cannot take or overwrite another request's)."""
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         victim = words(3, 700)
         e1 = ex(A, victim, rid="same-id")
@@ -182,7 +183,7 @@ async def test_own_prompt_cache_is_keyed_by_an_internal_id(tmp_path):
 
 # ------------------------------------------------------------------ quarantine
 async def test_quarantine_needs_a_kvgate_canary_two_sources_only_alert(tmp_path):
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         # a regular tenant's canary in another response: incident, alert, no quarantine
         can_a = new_canary()
@@ -242,7 +243,7 @@ async def test_shingle_evidence_from_one_source_quarantines_nothing(tmp_path):
     """Tenant a sends a long text; tenant b (the same attacker) gets it back through a model
     that obeys 'repeat the passage' without b's prompt holding it: an incident per response,
     never a quarantine however often it is repeated."""
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         planted = words(7, 600)
         await admitted(svc, ex(A, planted))
@@ -275,7 +276,7 @@ async def test_poisoned_calibration_still_flags_a_leak_and_a_cache_hit_is_not_fl
     20 ms answer to a 3,000-token prompt with nothing cached is still flagged; a 2 ms answer
     whose cached count says 2,990 tokens were cached is not. The honest samples come from
     three tenants (a bucket needs latency_min_tenants, 3)."""
-    svc = VerifierService(settings(tmp_path, latency_min_samples=4), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path, latency_min_samples=4), secrets=SECRETS)
     try:
         n = 3000
         rng = random.Random(9)
@@ -345,7 +346,7 @@ async def test_strict_stream_too_fast_is_held_to_its_end_and_judged_by_cached_to
     """A strict stream whose first token beats the bound releases nothing more; at the end the
     usage's cached count decides: 0 cached -> withheld (nothing was released); a cache hit -> all
     released, no incident."""
-    svc = VerifierService(settings(tmp_path, latency_min_samples=4, strict_holdback_tokens=4), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path, latency_min_samples=4, strict_holdback_tokens=4), secrets=SECRETS)
     try:
         n = 3000
         for i in range(6):
@@ -382,7 +383,7 @@ async def test_abandoned_stream_then_next_turn_with_wrong_usage(tmp_path):
     once with the same client request id, whose usage says prompt_tokens 1 against kvgate's
     624: the drift is reported (never withheld), the next turn's own prompt is its own (not the
     abandoned one's), and the abandoned turn left nothing behind that counts."""
-    svc = VerifierService(settings(tmp_path, strict_holdback_tokens=4), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path, strict_holdback_tokens=4), secrets=SECRETS)
     try:
         first = words(10, 400)
         e1 = await admitted(svc, ex(STRICT, first, stream=True, rid="turn"))
@@ -409,25 +410,25 @@ async def test_abandoned_stream_then_next_turn_with_wrong_usage(tmp_path):
 
 # ------------------------------------------------------------------ bounded cost
 async def test_pending_ingest_is_bounded_in_bytes_and_drops_are_counted(tmp_path):
-    svc = VerifierService(settings(tmp_path, max_pending_ingest_bytes=100_000), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path, max_pending_ingest_bytes=100_000), secrets=SECRETS)
     gate = threading.Event()
-    real = svc._admit_ingest
+    real = svc.ingest.index_prompt
 
     def slow(exchange, text, nbytes):
         gate.wait(10)
         real(exchange, text, nbytes)
 
-    svc._admit_ingest = slow
+    svc.ingest.index_prompt = slow
     try:
         big = "x" * 60_000
         t1 = asyncio.create_task(svc.admit(ex(A, big)))
         await asyncio.sleep(0.05)
-        assert svc._ingest_pending_bytes == 60_000
+        assert svc.ingest_pending_bytes == 60_000
         await svc.admit(ex(C, big))  # over the budget: not indexed, counted, returns at once
         assert (svc.stats["ingest_dropped"], svc.stats["ingest_dropped_bytes"]) == (1, 60_000)
         gate.set()
         await t1
-        assert svc._ingest_pending_bytes == 0 and svc.stats["ingested"] == 1
+        assert svc.ingest_pending_bytes == 0 and svc.stats["ingested"] == 1
         from verifier.incidents import REGISTRY
 
         assert REGISTRY.get_sample_value("kvgate_verifier_dropped_total", {"reason": "ingest_bytes"}) >= 1
@@ -437,23 +438,23 @@ async def test_pending_ingest_is_bounded_in_bytes_and_drops_are_counted(tmp_path
 
 
 async def test_cancelled_admission_releases_its_bytes(tmp_path):
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     gate = threading.Event()
-    real = svc._admit_ingest
-    svc._admit_ingest = lambda *a: (gate.wait(10), real(*a))
+    real = svc.ingest.index_prompt
+    svc.ingest.index_prompt = lambda *a: (gate.wait(10), real(*a))
     try:
         t = asyncio.create_task(svc.admit(ex(A, "y" * 5000)))
         await asyncio.sleep(0.05)
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t
-        assert svc._ingest_pending_bytes == 5000  # the thread still runs: its bytes stay counted
+        assert svc.ingest_pending_bytes == 5000  # the thread still runs: its bytes stay counted
         gate.set()
         for _ in range(200):
-            if svc._ingest_pending_bytes == 0:
+            if svc.ingest_pending_bytes == 0:
                 break
             await asyncio.sleep(0.01)
-        assert svc._ingest_pending_bytes == 0
+        assert svc.ingest_pending_bytes == 0
     finally:
         gate.set()
         await svc.aclose()
@@ -462,16 +463,16 @@ async def test_cancelled_admission_releases_its_bytes(tmp_path):
 async def test_strict_check_never_waits_for_another_tenants_ingest(tmp_path):
     """Tenant a's ingests are stuck (a slow thread); a strict request of s is admitted and
     checked meanwhile: its admission and check finish without waiting for a's."""
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     gate = threading.Event()
-    real = svc._admit_ingest
+    real = svc.ingest.index_prompt
 
     def maybe_slow(exchange, text, nbytes):
         if exchange.request.tenant.id == "a":
             gate.wait(10)
         real(exchange, text, nbytes)
 
-    svc._admit_ingest = maybe_slow
+    svc.ingest.index_prompt = maybe_slow
     try:
         flood = [asyncio.create_task(svc.admit(ex(A, words(20 + i, 2000)))) for i in range(3)]
         await asyncio.sleep(0.05)
@@ -488,7 +489,7 @@ async def test_strict_check_never_waits_for_another_tenants_ingest(tmp_path):
 
 
 async def test_strict_body_over_the_size_cap_is_withheld_whole(tmp_path):
-    svc = VerifierService(settings(tmp_path, strict_max_text_bytes=10_000), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path, strict_max_text_bytes=10_000), secrets=SECRETS)
     try:
         g = svc.begin(await admitted(svc, ex(STRICT, "write a lot")))
         with pytest.raises(ResponseWithheld) as ei:
@@ -508,7 +509,7 @@ async def test_strict_body_over_the_size_cap_is_withheld_whole(tmp_path):
 async def test_strict_stream_checks_each_choice_on_its_own(tmp_path):
     """n=2, one word per event, the two choices interleaved: the leaked passage in choice 1 is
     found (joined with choice 0's words it would shingle into nothing)."""
-    svc = VerifierService(settings(tmp_path, strict_holdback_tokens=64), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path, strict_holdback_tokens=64), secrets=SECRETS)
     try:
         victim = words(30, 600)
         await admitted(svc, ex(A, victim))
@@ -528,7 +529,7 @@ async def test_strict_stream_releases_nothing_unchecked_in_text_without_safe_cut
     """A leaked passage of CJK text (no letter-separator-letter cut, so the shingler buffers up
     to 256 characters before it encodes): no event leaves before its text was checked with 64
     checked tokens behind it, so the leak is cut with nothing of it sent."""
-    svc = VerifierService(settings(tmp_path, strict_holdback_tokens=64), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path, strict_holdback_tokens=64), secrets=SECRETS)
     try:
         rng = random.Random(40)
         victim = "".join(chr(0x4E00 + rng.randrange(2000)) for _ in range(900))

@@ -38,7 +38,7 @@ from test_verifier_leaky_engine import ServerThread
 from gateway.app import create_app
 from gateway.cli import main
 from gateway.ops.tenants import TenantRegistry
-from verifier.service import VerifierService
+from verifier.build import build_verifier
 from verifier.shingles import encode
 
 FAULTS = "admit_rejected,skip_transfer_check,no_scrub"
@@ -149,7 +149,7 @@ def test_incident_detected_against_the_bundled_backend(tmp_path):
     s = gw_settings(tmp_path, backend, static_pool=16384)  # the incident: limit 8,192 on a 4,096 pool
     s.models[0].upstream_model = "kvgate-tiny"
     s.verifier.latency_min_samples = 5  # streamed and non-streamed TTFTs calibrate apart
-    svc = VerifierService(s, secrets=SECRETS)
+    svc = build_verifier(s, secrets=SECRETS)
     gw = ServerThread(create_app(s, TenantRegistry(tenants()), verifier=svc, secrets=SECRETS)).start()
     truth = Truth()
     order = NORMAL + STRICT

@@ -18,7 +18,6 @@ import asyncio
 import difflib
 import hashlib
 import random
-import re
 import time
 import uuid
 
@@ -38,6 +37,7 @@ from config.models import (
 )
 from gateway.app import create_app
 from gateway.ops.tenants import TenantRegistry
+from verifier.build import build_verifier
 from verifier.canary import find_canaries, new_canary
 from verifier.probe import filler_words
 from verifier.service import VerifierService
@@ -131,7 +131,7 @@ class TenantText:
 @pytest.fixture
 def leaky_stack(tmp_path):
     engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=True, per_token_seconds=1e-4).start()
-    svc = VerifierService(gw_settings(tmp_path, engine, static_pool=16384), secrets=SECRETS)
+    svc = build_verifier(gw_settings(tmp_path, engine, static_pool=16384), secrets=SECRETS)
     app = create_app(
         gw_settings(tmp_path, engine, static_pool=16384), TenantRegistry(tenants()), verifier=svc, secrets=SECRETS
     )
@@ -215,7 +215,7 @@ class Truth:
 
 def _wait_idle(svc: VerifierService, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while svc._jobs or svc.stats["in_flight"]:
+    while svc.queued_jobs or svc.stats["in_flight"]:
         assert time.monotonic() < deadline, "verifier queue did not drain"
         time.sleep(0.01)
 
@@ -372,7 +372,7 @@ def test_usage_drift_against_an_engine_that_miscounts(tmp_path):
     (in the runbook's incident the counts matched; this is the other known failure)."""
     engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=False, wrong_usage=True).start()
     s = gw_settings(tmp_path, engine, static_pool=None)
-    svc = VerifierService(s, secrets=SECRETS)
+    svc = build_verifier(s, secrets=SECRETS)
     gw = ServerThread(create_app(s, TenantRegistry(tenants()), verifier=svc, secrets=SECRETS)).start()
     try:
         with httpx.Client(timeout=30) as client:
@@ -412,7 +412,7 @@ def test_no_false_positives_with_faults_off(tmp_path):
     system prompt and one quoted passage, driven into the verifier stage directly."""
     engine = LeakyEngine(pool_tokens=4096, context_length=8192, faults=False, per_token_seconds=1e-4).start()
     s = gw_settings(tmp_path, engine, static_pool=None)
-    svc = VerifierService(s, secrets=SECRETS)
+    svc = build_verifier(s, secrets=SECRETS)
     gw = ServerThread(create_app(s, TenantRegistry(tenants()), verifier=svc, secrets=SECRETS)).start()
     truth = Truth()
     texts = {tid: TenantText(tid, i) for i, tid in enumerate(NORMAL + STRICT)}
@@ -504,7 +504,7 @@ def test_no_false_positives_with_faults_off(tmp_path):
                 )
             )
             n_checked += 1
-            if len(svc._jobs) > 2000:
+            if svc.queued_jobs > 2000:
                 _wait_idle(svc, timeout=60)
         runner.close()
         _wait_idle(svc, timeout=90)
@@ -533,7 +533,7 @@ def test_gateway_runs_the_periodic_probe_without_traffic(tmp_path):
     s = gw_settings(tmp_path, engine, static_pool=16384)
     s.verifier.probe_interval_seconds = 0.3
     s.verifier.quarantine_min_prompt_tokens = 1024
-    svc = VerifierService(s, secrets=SECRETS)
+    svc = build_verifier(s, secrets=SECRETS)
     gw = ServerThread(create_app(s, TenantRegistry(tenants()), verifier=svc, secrets=SECRETS)).start()
     try:
         deadline = time.monotonic() + 30

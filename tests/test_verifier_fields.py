@@ -34,6 +34,7 @@ from gateway.app import create_app
 from gateway.ops.tenants import TenantRegistry
 from tests.mock_engine import ServerThread
 from tokenizer import bundled_counter
+from verifier.build import build_verifier
 from verifier.probe import filler_words
 from verifier.service import VerifierService
 
@@ -254,7 +255,7 @@ def stack(tmp_path_factory):
             )
         ],
     )
-    svc = VerifierService(s, secrets=SECRETS)
+    svc = build_verifier(s, secrets=SECRETS)
     gw = ServerThread(create_app(s, TenantRegistry(tenant_file()), verifier=svc, secrets=SECRETS)).start()
     client = httpx.Client(base_url=gw.url, timeout=30)
     # the victim's passage is indexed at its admission (the engine answers it harmlessly)
@@ -360,7 +361,7 @@ def test_strict_tenant_receives_no_victim_byte_in_any_field(stack, field, chat, 
 
 def _wait_idle(svc: VerifierService) -> None:
     deadline = time.monotonic() + 20
-    while svc._jobs or svc.stats["in_flight"]:
+    while svc.queued_jobs or svc.stats["in_flight"]:
         assert time.monotonic() < deadline
         time.sleep(0.01)
 

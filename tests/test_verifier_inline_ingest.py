@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+from verifier.build import build_verifier
 from verifier.canary import new_canary
 from verifier.jobs import INLINE_INGEST_BYTES
 from verifier.service import VerifierService
@@ -83,24 +84,24 @@ def prefix():
 def no_thread(svc: VerifierService) -> list[int]:
     """Replace the admission thread's step with a recorder; returns the list of prompt sizes it saw."""
     seen: list[int] = []
-    real = svc._admit_ingest
+    real = svc.ingest.index_prompt
 
     def spy(exchange, text, nbytes):
         seen.append(nbytes)
         real(exchange, text, nbytes)
 
-    svc._admit_ingest = spy
+    svc.ingest.index_prompt = spy
     return seen
 
 
 async def test_small_prompt_is_indexed_on_the_loop_and_found_by_a_strict_check(tmp_path, prefix):
-    svc = VerifierService(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
     threaded = no_thread(svc)
     try:
         text = prose(INLINE_INGEST_BYTES, seed=1)
         e = ex(A, text)
         await svc.admit(e)
-        assert threaded == [] and svc.stats["ingested"] == 1 and svc._ingest_pending_bytes == 0
+        assert threaded == [] and svc.stats["ingested"] == 1 and svc.ingest_pending_bytes == 0
         fps, _ = svc.ingest.fingerprint(ex(A, text), text)
         assert len(fps) >= 10
         assert svc.index.store.owners(sorted(fps)) == [{"a"}] * len(fps)  # in Redis, owned by a
@@ -115,19 +116,19 @@ async def test_small_prompt_is_indexed_on_the_loop_and_found_by_a_strict_check(t
 
 
 async def test_the_size_boundary_picks_loop_or_thread(tmp_path, prefix):
-    svc = VerifierService(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
     threaded = no_thread(svc)
     try:
         await svc.admit(ex(A, prose(INLINE_INGEST_BYTES, seed=2)))
         await svc.admit(ex(A, prose(INLINE_INGEST_BYTES + 1, seed=3)))
         assert threaded == [INLINE_INGEST_BYTES + 1]
-        assert svc.stats["ingested"] == 2 and svc._ingest_pending_bytes == 0
+        assert svc.stats["ingested"] == 2 and svc.ingest_pending_bytes == 0
     finally:
         await svc.aclose()
 
 
 async def test_a_canary_in_a_small_prompt_is_registered(tmp_path, prefix):
-    svc = VerifierService(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
     threaded = no_thread(svc)
     try:
         can = new_canary()
@@ -146,16 +147,14 @@ def closed_port() -> int:
 
 
 async def test_redis_down_counts_an_error_backs_off_and_lets_the_request_on(tmp_path, prefix):
-    svc = VerifierService(
-        settings(tmp_path, f"redis://127.0.0.1:{closed_port()}/0"), secrets=SECRETS, key_prefix=prefix
-    )
+    svc = build_verifier(settings(tmp_path, f"redis://127.0.0.1:{closed_port()}/0"), secrets=SECRETS, key_prefix=prefix)
     threaded = no_thread(svc)
     try:
         await svc.admit(ex(A, prose(500, seed=4)))
         assert (svc.stats["store_errors"], svc.stats["errors"], svc.stats["ingested"]) == (1, 1, 1)
         await svc.admit(ex(A, prose(500, seed=5)))  # inside the back-off: skipped, not retried
         assert (svc.stats["store_errors"], svc.stats["store_skipped"], svc.stats["ingested"]) == (1, 1, 2)
-        assert threaded == [] and svc._ingest_pending_bytes == 0
+        assert threaded == [] and svc.ingest_pending_bytes == 0
     finally:
         await svc.aclose()
 
@@ -165,13 +164,13 @@ async def test_a_hanging_redis_holds_admission_no_longer_than_its_socket_timeout
     0.25 s socket timeout; the request goes on, the error is counted."""
     server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    svc = VerifierService(settings(tmp_path, f"redis://127.0.0.1:{port}/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(settings(tmp_path, f"redis://127.0.0.1:{port}/0"), secrets=SECRETS, key_prefix=prefix)
     try:
         t0 = time.monotonic()
         await asyncio.wait_for(svc.admit(ex(A, prose(500, seed=6))), 5)
         assert time.monotonic() - t0 < 1.5
         assert (svc.stats["store_errors"], svc.stats["ingested"]) == (1, 1)
-        assert svc._ingest_pending_bytes == 0
+        assert svc.ingest_pending_bytes == 0
     finally:
         await svc.aclose()
         server.close()
@@ -180,15 +179,15 @@ async def test_a_hanging_redis_holds_admission_no_longer_than_its_socket_timeout
 async def test_cancelled_inline_admission_releases_its_bytes(tmp_path, prefix):
     server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # never answers
     port = server.sockets[0].getsockname()[1]
-    svc = VerifierService(settings(tmp_path, f"redis://127.0.0.1:{port}/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(settings(tmp_path, f"redis://127.0.0.1:{port}/0"), secrets=SECRETS, key_prefix=prefix)
     try:
         t = asyncio.create_task(svc.admit(ex(A, prose(700, seed=7))))
         await asyncio.sleep(0.05)
-        assert svc._ingest_pending_bytes == 700
+        assert svc.ingest_pending_bytes == 700
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t
-        assert svc._ingest_pending_bytes == 0 and svc.stats["ingested"] == 0
+        assert svc.ingest_pending_bytes == 0 and svc.stats["ingested"] == 0
     finally:
         await svc.aclose()
         server.close()

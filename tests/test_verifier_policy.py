@@ -27,6 +27,7 @@ from gateway.app import create_app
 from gateway.ops.tenants import TenantRegistry
 from tests.mock_engine import ServerThread
 from tokenizer.encodings import bundled_encoding
+from verifier.build import build_verifier
 from verifier.incidents import REGISTRY
 from verifier.probe import filler_words
 from verifier.service import VerifierService
@@ -129,7 +130,7 @@ def stack(tmp_path):
         )
         for tid, (strict, rate) in TENANTS.items()
     ]
-    svc = VerifierService(s, secrets=SECRETS)
+    svc = build_verifier(s, secrets=SECRETS)
     app = create_app(s, TenantRegistry(TenantsFile(tenants=rows)), verifier=svc, secrets=SECRETS)
     gw = ServerThread(app).start()
     client = httpx.Client(base_url=gw.url, timeout=30)
@@ -149,7 +150,7 @@ def ask(client: httpx.Client, tid: str, content: str) -> httpx.Response:
 def drain(gw: ServerThread, svc: VerifierService) -> None:
     """Wait (up to 10 s) until the verifier's queue is empty and no batch runs."""
     deadline = time.monotonic() + 10
-    while svc._jobs or svc.stats["in_flight"]:
+    while svc.queued_jobs or svc.stats["in_flight"]:
         assert time.monotonic() < deadline, "the verifier's queue was not drained"
         time.sleep(0.01)
 
@@ -205,7 +206,7 @@ def test_readyz_fails_and_a_metric_counts_when_the_worker_stops(stack):
     assert ask(client, "p", "hello").status_code == 200  # starts the worker
     stops = metric("kvgate_verifier_worker_stops_total")
     assert client.get("/readyz").status_code == 200
-    worker = svc._tasks[0]
+    worker = svc.worker
     worker.get_loop().call_soon_threadsafe(worker.cancel)  # the worker ends, not at shutdown
     deadline = time.monotonic() + 5
     while not worker.done():
@@ -300,7 +301,7 @@ async def test_a_tenant_over_its_cap_is_not_indexed_and_the_drops_are_counted(tm
     from verifier.canary import new_canary
     from verifier.shingles import encode
 
-    svc = VerifierService(
+    svc = build_verifier(
         _settings(tmp_path, leak_index_tenant_cap_fingerprints=40, canary_tenant_cap=3), secrets=SECRETS
     )
     try:
@@ -353,20 +354,20 @@ async def test_latency_calibration_survives_a_restart_in_redis(tmp_path):
     prefix = f"test-policy-{uuid.uuid4().hex[:8]}:"
     s = _settings(tmp_path, latency_min_samples=6)
     try:
-        first = VerifierService(s, secrets=SECRETS, redis_client=client, key_prefix=prefix)
+        first = build_verifier(s, secrets=SECRETS, redis=client, key_prefix=prefix)
         for i in range(6):
             first.latency.observe("up", 3000, 0.4 + i * 0.001, "whole", model="m", tenant=("a", "b", "c")[i % 3])
         bound = first.latency.bound("up", 3000, "whole", "m")
         assert bound == pytest.approx(0.2, rel=0.02)
         await first.aclose()  # saves what it has not saved yet
-        second = VerifierService(s, secrets=SECRETS, redis_client=client, key_prefix=prefix)
+        second = build_verifier(s, secrets=SECRETS, redis=client, key_prefix=prefix)
         assert second.latency.bound("up", 3000, "whole", "m") is None
         assert second.latency_keeper.load() == 6
         assert second.latency.bound("up", 3000, "whole", "m") == bound
         assert second.latency.take_unsaved() == []  # replayed samples are not saved twice
         await second.aclose()
         # without Redis calibration is in memory only
-        mem = VerifierService(_settings(tmp_path / "m"), secrets=SECRETS)
+        mem = build_verifier(_settings(tmp_path / "m"), secrets=SECRETS)
         assert mem.latency_keeper.store is None and mem.latency_keeper.load() == 0
         await mem.aclose()
     finally:
@@ -470,8 +471,8 @@ async def test_public_text_is_shared_by_replicas_in_redis(tmp_path):
     client = redis.Redis(host="127.0.0.1", port=6379, socket_timeout=2)
     prefix = f"test-policy-{uuid.uuid4().hex[:8]}:"
     s = _settings(tmp_path)
-    r1 = VerifierService(s, secrets=SECRETS, redis_client=client, key_prefix=prefix, incident_path=str(tmp_path / "1"))
-    r2 = VerifierService(s, secrets=SECRETS, redis_client=client, key_prefix=prefix, incident_path=str(tmp_path / "2"))
+    r1 = build_verifier(s, secrets=SECRETS, redis=client, key_prefix=prefix, incident_path=str(tmp_path / "1"))
+    r2 = build_verifier(s, secrets=SECRETS, redis=client, key_prefix=prefix, incident_path=str(tmp_path / "2"))
     try:
         await r1.admit(_exchange("a1", "Remember this: " + MIT))
 

@@ -8,8 +8,8 @@ import threading
 import time
 
 from config.models import Settings
+from verifier.build import build_verifier
 from verifier.quarantine import FileQuarantineBackend, QuarantineRecord
-from verifier.service import VerifierService
 
 SECRETS = {"leak_index_key": b"k" * 32, "cache_salt_key": b"c" * 32, "admin_key": b"a" * 32}
 
@@ -29,7 +29,7 @@ class SlowBackend(FileQuarantineBackend):
 
 async def test_quarantine_reads_happen_off_the_loop_and_new_records_appear(tmp_path) -> None:
     settings = Settings(state_dir=str(tmp_path))
-    svc = VerifierService(settings, secrets=SECRETS)
+    svc = build_verifier(settings, secrets=SECRETS)
     backend = SlowBackend(tmp_path)
     svc.quarantine.backend = backend
     svc.quarantine.refresh_seconds = 0.05

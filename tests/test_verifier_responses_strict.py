@@ -28,8 +28,8 @@ from config.models import ModelConfig, Settings, TenantConfig, TenantsFile, Upst
 from gateway.app import create_app
 from gateway.ops.tenants import TenantRegistry
 from tests.mock_engine import ServerThread
+from verifier.build import build_verifier
 from verifier.probe import filler_words
-from verifier.service import VerifierService
 
 SECRETS = {
     "leak_index_key": b"resp-strict-leak-key",
@@ -210,7 +210,7 @@ def stack(tmp_path_factory):
             )
         ],
     )
-    svc = VerifierService(s, secrets=SECRETS)
+    svc = build_verifier(s, secrets=SECRETS)
     gw = ServerThread(create_app(s, TenantRegistry(tenants()), verifier=svc, secrets=SECRETS)).start()
     client = httpx.Client(base_url=gw.url, timeout=30)
     r = client.post(

@@ -13,9 +13,9 @@ import redis
 from conftest import SEEDS
 
 from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+from verifier.build import build_verifier
 from verifier.canary import new_canary
 from verifier.incidents import read_incidents
-from verifier.service import VerifierService
 from verifier.shingles import encode
 from verifier.stage import Exchange, ExchangeRequest, ResponseWithheld
 
@@ -72,7 +72,7 @@ async def test_background_check_flags_leak_and_quarantines(tmp_path):
     (one tenant could have planted it: docs/design.md step 8); a second source tenant's text
     within the window is a high-severity alert, still no quarantine (two keys of one actor can
     plant that too); an operator quarantines."""
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         assert svc.begin(ex(A, A_PROMPT)) is not None
         g = svc.begin(ex(B, "Tell me a story about rivers and stones."))
@@ -116,7 +116,7 @@ async def test_background_check_flags_leak_and_quarantines(tmp_path):
 
 
 async def test_unsampled_tenant_is_indexed_but_not_checked(tmp_path):
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         quiet = tenant("quiet", rate=0.0)
         assert svc.begin(ex(quiet, A_PROMPT)) is None
@@ -131,7 +131,7 @@ async def test_unsampled_tenant_is_indexed_but_not_checked(tmp_path):
 
 
 async def test_public_text_and_own_prompt_are_not_leaks(tmp_path):
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         boiler = "You are a helpful assistant. " + SEED_PL[:1500]
         for t in (A, C):
@@ -146,7 +146,7 @@ async def test_public_text_and_own_prompt_are_not_leaks(tmp_path):
 
 
 async def test_strict_body_withheld_with_incident_id(tmp_path):
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         svc.begin(ex(A, A_PROMPT))
         g = svc.begin(ex(STRICT, "hello there"))
@@ -163,7 +163,7 @@ async def test_strict_body_withheld_with_incident_id(tmp_path):
 
 
 async def test_strict_stream_holdback_and_cut(tmp_path):
-    svc = VerifierService(settings(tmp_path, strict_holdback_tokens=64), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path, strict_holdback_tokens=64), secrets=SECRETS)
     try:
         # clean stream: nothing is sent until 64 tokens follow it; everything arrives, in order
         words = [f" word{i}" for i in range(100)]
@@ -201,7 +201,7 @@ def _dec(ids: list[int]) -> str:
 
 
 async def test_honeypot_canary_in_another_tenant(tmp_path):
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         hp = tenant("honey", honeypot=True, rate=0.0)
         can = new_canary()
@@ -225,7 +225,7 @@ async def test_honeypot_canary_in_another_tenant(tmp_path):
 
 
 async def test_drift_abort_and_latency(tmp_path):
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         prompt = SEED_PL[:1200]
         n = len(encode(prompt))
@@ -271,8 +271,8 @@ def redis_prefix():
 async def test_two_replicas_share_the_index_and_quarantine(tmp_path, redis_prefix):
     c, prefix = redis_prefix
     s = settings(tmp_path)
-    r1 = VerifierService(s, secrets=SECRETS, redis_client=c, key_prefix=prefix, incident_path=str(tmp_path / "1.jsonl"))
-    r2 = VerifierService(s, secrets=SECRETS, redis_client=c, key_prefix=prefix, incident_path=str(tmp_path / "2.jsonl"))
+    r1 = build_verifier(s, secrets=SECRETS, redis=c, key_prefix=prefix, incident_path=str(tmp_path / "1.jsonl"))
+    r2 = build_verifier(s, secrets=SECRETS, redis=c, key_prefix=prefix, incident_path=str(tmp_path / "2.jsonl"))
     try:
         r1.begin(ex(A, A_PROMPT))
         r1.begin(ex(C, SEED_ZH[:3000]))
@@ -328,7 +328,7 @@ async def test_periodic_probe_quarantines_a_leaking_upstream(tmp_path):
                 )
             ],
         )
-        svc = VerifierService(s, secrets=SECRETS)
+        svc = build_verifier(s, secrets=SECRETS)
         svc.start()
         deadline = time.monotonic() + 30
         while not svc.incidents.recent and time.monotonic() < deadline:
@@ -361,7 +361,7 @@ async def test_store_down_fails_open_and_counts(tmp_path):
     dead = redis.Redis(
         host="127.0.0.1", port=dead_port, socket_connect_timeout=0.2, socket_timeout=0.2, retry=Retry(NoBackoff(), 0)
     )
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS, redis_client=dead, key_prefix="dead:")
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS, redis=dead, key_prefix="dead:")
     try:
         svc.begin(ex(A, A_PROMPT))
         g = svc.begin(ex(STRICT, "hello"))
@@ -388,13 +388,13 @@ async def test_strict_check_leaves_the_event_loop_free(tmp_path, kind):
     import asyncio
     import threading
 
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     holding, enough = threading.Event(), threading.Event()
     check_done = threading.Event()
     done_while_held: list[bool] = []
 
     def hold_lock() -> None:
-        with svc._lock:
+        with svc.strict.lock:
             holding.set()
             t0 = time.monotonic()
             enough.wait(10)  # the ticker says it ticked (never, if the loop were blocked)
@@ -442,7 +442,7 @@ async def test_strict_check_leaves_the_event_loop_free(tmp_path, kind):
 async def test_background_guard_calls_never_suspend(tmp_path):
     """The non-strict guard's coroutines finish on their first step (no thread hop, no await):
     driving them with ``send(None)`` ends in ``StopIteration`` carrying the result."""
-    svc = VerifierService(settings(tmp_path), secrets=SECRETS)
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     try:
         g = svc.begin(ex(B, "hi", stream=True))
 

@@ -11,7 +11,8 @@ def from_settings(settings, secrets: dict[str, bytes] | None = None, **kwargs):
     """The gateway's verifier stage (:class:`verifier.service.VerifierService`) for ``settings``
     (``verifier`` section, ``redis_url``, ``state_dir``); ``secrets`` as returned by
     ``config.secrets.load_secrets`` (loaded from ``state_dir`` when ``None``). Extra keyword
-    arguments go to the service (``redis_client``, ``key_prefix``, ``rng``, ``incident_path``)."""
-    from verifier.service import VerifierService
+    arguments go to :func:`verifier.build.build_verifier` (``redis``, ``key_prefix``, ``rng``,
+    ``incident_path``, ``tenant_source``, ...)."""
+    from verifier.build import build_verifier
 
-    return VerifierService(settings, secrets=secrets, **kwargs)
+    return build_verifier(settings, secrets=secrets, **kwargs)

@@ -19,9 +19,10 @@
   text leaves. A strict response with more than ``strict_max_text_bytes`` of text is withheld
   (never released unchecked). Their blocking work
   (tokenizing, hashing, the store round trip, the service lock the worker may hold for a whole
-  batch, incident records) runs in a small dedicated thread pool (:attr:`STRICT_THREADS`), so a
+  batch, incident records) runs in a small dedicated thread pool (:attr:`verifier.strict.StrictChecks.THREADS`), so a
   strict request never blocks the event loop; each guard call awaits its own work, so order
-  and withholding are unchanged.
+  and withholding are unchanged. The guards live in :mod:`verifier.guards`, their checks in
+  :mod:`verifier.strict`; :func:`verifier.build.build_verifier` assembles the service.
 - Detectors: canary scan (:mod:`verifier.canary`), leak index (:mod:`verifier.leak_index`),
   usage drift and ``finish_reason: abort`` (:mod:`verifier.drift`), TTFT lower bounds
   (:mod:`verifier.latency`). Findings become incidents (:mod:`verifier.incidents`). Quarantine
@@ -37,177 +38,122 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import contextvars
-import functools
 import logging
 import random
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from config.models import Settings, TenantConfig
-from config.redis_client import redis_client as redis_client_for
-from verifier.canary import CanaryRegistry, CanaryScanner
+from verifier.canary import CanaryRegistry
 from verifier.caps import TenantCaps
-from verifier.findings import (
-    Evidence,
-    Findings,
-    StoreHealth,
-    StoreSkipped,
-    incident,
-    kvgate_planted,
-    strip_echo,
-    trusted,
-)
-from verifier.incidents import CHECKS, Incident, IncidentSink
-from verifier.jobs import FATAL, INLINE_INGEST_BYTES, CheckJob, IngestBudget, IngestJob, JobQueue, PendingIndex
-from verifier.latency import LatencyKeeper, LatencyModel, RedisLatencyStore
-from verifier.leak_index import LeakIndex, LeakStore, LeakVerdict, MemoryLeakStore, RedisLeakStore, RedisSpreadStore
-from verifier.quarantine import FileQuarantineBackend, Quarantine, RedisQuarantineBackend
-from verifier.shingles import IncrementalShingler, ShingleHasher, encode
-from verifier.stage import Decoder, Exchange, ExchangeRequest, ResponseWithheld
+from verifier.findings import strip_echo
+from verifier.guards import BackgroundGuard, StrictGuard
+from verifier.incidents import IncidentSink
+from verifier.jobs import FATAL, INLINE_INGEST_BYTES, IngestBudget, IngestJob, JobQueue, PendingIndex
+from verifier.latency import LatencyKeeper, LatencyModel
+from verifier.leak_index import LeakIndex
+from verifier.prober import PeriodicProbe
+from verifier.quarantine import Quarantine
+from verifier.shingles import ShingleHasher
+from verifier.stage import Decoder, Exchange
+from verifier.strict import StrictChecks
 
 log = logging.getLogger("kvgate.verifier")
 
 #: ``strip_echo`` lives in :mod:`verifier.findings`; it is re-exported here for its callers
 __all__ = ["VerifierService", "strip_echo"]
 
-#: most characters of one response a background guard keeps for its check
-MAX_CHECK_CHARS = 4 * 1024 * 1024
-
 
 class VerifierService:
-    """The gateway's verifier. Build one per gateway process; call :meth:`aclose` at shutdown.
+    """The gateway's verifier: the stage API over collaborators with one job each. Build one
+    per gateway process with :func:`verifier.build.build_verifier`; call :meth:`aclose` at
+    shutdown.
 
-    - ``settings``: the gateway's :class:`~config.models.Settings` (``verifier`` section,
-      ``redis_url``, ``state_dir``).
-    - ``secrets``: ``{"leak_index_key": bytes, ...}`` (``config.secrets.load_secrets``); loaded
-      from ``state_dir`` when ``None``.
-    - ``redis_client``: a synchronous redis-py client (default: from ``settings.redis_url`` by
-      :func:`config.redis_client.redis_client`, any mode, with its ``redis.asyncio`` twin beside
-      it for small prompts' admission writes; ``None`` and no URL = in-process stores and the
-      quarantine state file).
-    - ``key_prefix``: Redis key prefix (tests use their own).
-    - ``rng``: ``random.Random`` for sampling (tests seed it).
-    - ``probe_targets``: for the periodic probe (``verifier.probe_interval_seconds``): a list of
-      :class:`verifier.probe.ProbeTarget`; default: every upstream, straight at the engine.
-    - ``tenant_source``: ``tenant id -> TenantConfig | None`` (the gateway's tenant table, e.g.
-      ``TenantRegistry.get``), asked first whether a canary's owner is a honeypot: with several
-      gateway workers, the honeypot's own request may have been served by another process.
+    - :attr:`ingest`: admission-time indexing (:class:`verifier.jobs.IngestBudget`);
+    - :attr:`jobs`: the background queue and its worker (:class:`verifier.jobs.JobQueue`);
+    - :attr:`strict`: the strict guards' checks (:class:`verifier.strict.StrictChecks`);
+    - :attr:`quarantine` (from ``strict.evidence``), :attr:`latency_keeper` and the periodic
+      probe (:attr:`prober`, or ``None``) run as tasks of their own once :meth:`start` is called;
+    - :attr:`index`, :attr:`canaries`, :attr:`hasher`, :attr:`latency`, :attr:`caps` and
+      :attr:`incidents` are the stores, models and sinks those share (read-only views for
+      tests and benchmarks; the admin view reads :attr:`stats`).
 
-    The stage API and the strict path live here; the work is done by collaborators with one job
-    each: :attr:`ingest` (admission-time indexing, :class:`verifier.jobs.IngestBudget`),
-    :attr:`jobs` (the background queue, :class:`verifier.jobs.JobQueue`), :attr:`findings`
-    (detectors as incidents, :class:`verifier.findings.Findings`), :attr:`evidence` (incident
-    records and quarantine, :class:`verifier.findings.Evidence`) and the periodic probe.
-    """
+    ``tenants``: tenant id -> :class:`~config.models.TenantConfig` as last seen (the honeypot
+    check reads it); ``rng``: sampling (``verify_sample_rate``); ``aredis``: the asyncio Redis
+    client to close at shutdown (or ``None``)."""
 
     def __init__(
         self,
         settings: Settings,
-        tenants: Iterable[TenantConfig] = (),
         *,
-        secrets: dict[str, bytes] | None = None,
-        redis_client=None,
-        key_prefix: str = "kvgate:",
-        rng: random.Random | None = None,
-        incident_path: str | None = None,
-        probe_targets: list | None = None,
-        tenant_source: Callable[[str], TenantConfig | None] | None = None,
+        ingest: IngestBudget,
+        jobs: JobQueue,
+        strict: StrictChecks,
+        latency_keeper: LatencyKeeper,
+        tenants: dict[str, TenantConfig],
+        rng: random.Random,
+        prober: PeriodicProbe | None = None,
+        aredis: Any = None,
     ) -> None:
         self.settings = settings
-        self.cfg = cfg = settings.verifier
-        self.tenants = {t.id: t for t in tenants}
-        self.tenant_source = tenant_source
-        if secrets is None:
-            from config.secrets import load_secrets
-
-            secrets = load_secrets(settings.state_dir)
-        key = secrets["leak_index_key"]
-        aredis_client = None
-        if redis_client is None and settings.redis_url:
-            # strict checks call the store on the request path: the quotas' bound on every connect
-            # and read, no retries; the asyncio client is for small prompts' admission-time
-            # writes on the event loop
-            timeout = settings.quotas.redis_timeout_seconds
-            redis_client = redis_client_for(settings.redis_url, timeout, sync=True)
-            aredis_client = redis_client_for(settings.redis_url, timeout)
-        self.redis = redis_client
-        self.aredis = aredis_client
-        leak_store: LeakStore
-        canary_store: LeakStore
-        qbackend: RedisQuarantineBackend | FileQuarantineBackend
-        if redis_client is not None:
-            ttl = cfg.leak_index_ttl_seconds
-            leak_store = RedisLeakStore(redis_client, ttl, key_prefix + "leak:", aclient=aredis_client)
-            canary_store = RedisLeakStore(redis_client, ttl, key_prefix + "canary:", aclient=aredis_client)
-            spread_store: LeakStore = RedisSpreadStore(
-                redis_client, cfg.public_text_window_seconds, key_prefix + "spread:", cap=cfg.public_text_tenants + 1
-            )
-            qbackend = RedisQuarantineBackend(redis_client, key_prefix)
-        else:
-            leak_store = MemoryLeakStore(cfg.leak_index_ttl_seconds)
-            canary_store = MemoryLeakStore(cfg.leak_index_ttl_seconds)
-            spread_store = MemoryLeakStore(cfg.public_text_window_seconds)
-            qbackend = FileQuarantineBackend(settings.state_dir)
-        self.hasher = ShingleHasher(key, cfg.shingle_k)
-        self.index = LeakIndex(leak_store, self.hasher, cfg.winnow_w, spread_store, cfg.public_text_tenants)
-        self.canaries = CanaryRegistry(canary_store, key)
-        self.quarantine = Quarantine(qbackend)
-        self.latency = LatencyModel(
-            quantile=cfg.latency_quantile,
-            margin=cfg.latency_margin,
-            min_samples=cfg.latency_min_samples,
-            min_prompt_tokens=cfg.latency_min_prompt_tokens,
-            tenant_share=cfg.latency_tenant_share,
-            min_tenants=cfg.latency_min_tenants,
-        )
-        #: keeps calibration samples where they outlive the process (Redis), or in memory only
-        path = incident_path or cfg.incident_log or str(Path(settings.state_dir) / "incidents.jsonl")
-        self.incidents = IncidentSink(path)
-        self.rng = rng or random.Random()
-        self.probe_targets = probe_targets
-        #: counts for tests, benchmarks and the admin view
-        self.stats: collections.Counter = collections.Counter()
-        #: the service lock: the store, the own-shingle cache and the latency model
-        self._lock = threading.Lock()
-        store = RedisLatencyStore(redis_client, key_prefix) if redis_client is not None else None
-        self.latency_keeper = LatencyKeeper(self.latency, store, self._lock, self.stats)
-        own_cache: dict[str, set[int]] = {}
-        self.store = StoreHealth(self.stats)
-        self.evidence = Evidence(cfg, self.quarantine, self.incidents, self.stats)
-        probe_tenant = cfg.probe_tenant or "kvgate-probe"
-        self.findings = Findings(
-            cfg,
-            self.index,
-            self.canaries,
-            self.latency,
-            self.store,
-            self.evidence,
-            own_cache,
-            lambda tid: kvgate_planted(tid, self.tenant_source, self.tenants, probe_tenant),
-        )
-        #: per-tenant caps on indexed fingerprints and canaries
-        self.caps = TenantCaps(cfg)
-        self.ingest = IngestBudget(
-            cfg, self.hasher, self.index, self.canaries, self.store, self._lock, self.stats, self.caps
-        )
-        self.jobs = JobQueue(cfg, self.findings, self._lock, own_cache, self.stats, self.caps)
-        #: the queued jobs (read by :meth:`drain` and tests)
-        self._jobs = self.jobs.jobs
-        #: admission's indexing step, called in a thread of its own (an attribute, so a test can
-        #: slow it down)
-        self._admit_ingest = self.ingest.index_prompt
+        self.cfg = settings.verifier
+        self.ingest = ingest
+        self.jobs = jobs
+        self.strict = strict
+        self.latency_keeper = latency_keeper
+        self.tenants = tenants
+        self.rng = rng
+        #: counts for tests, benchmarks and the admin view (shared by the collaborators)
+        self.stats: collections.Counter = ingest.stats
+        #: quarantine view (its refresher runs as a task once started)
+        self.quarantine: Quarantine = strict.evidence.quarantine
+        #: the incident records
+        self.incidents: IncidentSink = strict.evidence.incidents
+        self.prober = prober
+        self.aredis = aredis
         self._tasks: list[asyncio.Task] = []
-        self._strict_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
 
+    # ------------------------------------------------------------------ read-only views
     @property
-    def _ingest_pending_bytes(self) -> int:
-        """Prompt bytes reserved by admission-time ingests not yet finished (tests read it)."""
+    def index(self) -> LeakIndex:
+        """The leak index (its store: ``index.store``)."""
+        return self.ingest.index
+
+    @property
+    def hasher(self) -> ShingleHasher:
+        """The keyed shingle hasher (the ``leak_index_key`` secret and ``shingle_k``)."""
+        return self.ingest.hasher
+
+    @property
+    def canaries(self) -> CanaryRegistry:
+        """The canary registry."""
+        return self.ingest.canaries
+
+    @property
+    def caps(self) -> TenantCaps:
+        """The per-tenant caps on indexed fingerprints and canaries."""
+        return self.ingest.caps
+
+    @property
+    def latency(self) -> LatencyModel:
+        """The TTFT lower-bound model."""
+        return self.latency_keeper.model
+
+    @property
+    def ingest_pending_bytes(self) -> int:
+        """Prompt bytes reserved by admission-time ingests not yet finished."""
         return self.ingest.pending_bytes
+
+    @property
+    def queued_jobs(self) -> int:
+        """Jobs (prompt ingests, whole-response checks) queued for the background worker."""
+        return len(self.jobs.jobs)
+
+    @property
+    def worker(self) -> asyncio.Task | None:
+        """The background worker's task once :meth:`start` ran, else ``None``."""
+        return self._tasks[0] if self._tasks else None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -223,18 +169,17 @@ class VerifierService:
         self._tasks.append(loop.create_task(self.quarantine.refresh_loop(), name="kvgate-verifier-quarantine"))
         if self.latency_keeper.store is not None:
             self._tasks.append(loop.create_task(self.latency_keeper.loop(), name="kvgate-verifier-latency"))
-        if self.cfg.probe_interval_seconds:
-            prober = _Prober(self)
-            self._tasks.append(loop.create_task(prober.loop(), name="kvgate-verifier-probe"))
+        if self.prober is not None:
+            self._tasks.append(loop.create_task(self.prober.loop(), name="kvgate-verifier-probe"))
 
     async def drain(self, timeout: float = 30.0) -> None:
         """Wait until every queued job has been processed (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while self._jobs or self.stats["in_flight"]:
+        while self.jobs.jobs or self.stats["in_flight"]:
             if self.jobs.wake is not None:
                 self.jobs.wake.set()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"verifier queue not drained: {len(self._jobs)} jobs left")
+                raise TimeoutError(f"verifier queue not drained: {self.queued_jobs} jobs left")
             await asyncio.sleep(0.005)
 
     async def aclose(self) -> None:
@@ -243,7 +188,7 @@ class VerifierService:
             try:
                 await self.drain(timeout=5.0)
             except TimeoutError:
-                log.warning("verifier: %d jobs dropped at shutdown", len(self._jobs))
+                log.warning("verifier: %d jobs dropped at shutdown", self.queued_jobs)
         self._closed = True
         self.jobs.closing = True
         tasks, self._tasks = self._tasks, []
@@ -255,35 +200,15 @@ class VerifierService:
                 pass
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.latency_keeper.save)
-        pool, self._strict_pool = self._strict_pool, None
-        if pool is not None:
-            pool.shutdown(wait=False)
+        self.strict.close()
         if self.aredis is not None:
             with contextlib.suppress(Exception):
                 await self.aredis.aclose()
 
-    #: threads for strict guards' checks (they serialize on the service lock for the store
-    #: part; the pool is separate from the loop's default executor, so strict requests waiting
-    #: on the lock never starve other ``to_thread`` users such as prompt counting)
-    STRICT_THREADS = 4
-
-    async def run_strict(self, fn, /, *args, **kwargs):
-        """Run ``fn(*args, **kwargs)`` (a strict guard's blocking step) in the strict thread
-        pool and return its result or raise its exception (:class:`ResponseWithheld`
-        included). The caller's context variables go with it (as :func:`asyncio.to_thread`).
-        Needs a running event loop."""
-        loop = asyncio.get_running_loop()
-        if self._strict_pool is None:
-            self._strict_pool = concurrent.futures.ThreadPoolExecutor(
-                self.STRICT_THREADS, thread_name_prefix="kvgate-verifier-strict"
-            )
-        ctx = contextvars.copy_context()
-        return await loop.run_in_executor(self._strict_pool, functools.partial(ctx.run, fn, *args, **kwargs))
-
     def health(self) -> dict[str, bool]:
         """Named readiness checks (``/readyz``): ``verifier_worker`` is false once the background
         worker has stopped (sampled responses would go unchecked)."""
-        worker = self._tasks[0] if self._tasks else None
+        worker = self.worker
         down = self.jobs.stopped or (worker is not None and worker.done() and not self._closed)
         return {"verifier_worker": not down}
 
@@ -295,6 +220,15 @@ class VerifierService:
                 t.verify_sample_rate > 0 and self.rng.random() < t.verify_sample_rate
             )
         return exchange.state.sampled
+
+    def _arrive(self, exchange: Exchange) -> bool:
+        """Start the tasks when a loop runs, note the exchange's tenant (honeypot flags come
+        with the exchanges) and decide whether its response is sampled."""
+        with contextlib.suppress(RuntimeError):  # no running loop: synchronous use (tests, benchmarks)
+            self.start()
+        tenant = exchange.request.tenant
+        self.tenants[tenant.id] = tenant
+        return self._decide_sampled(exchange)
 
     async def admit(
         self, exchange: Exchange, decode: Decoder | None = None, *, defer_write: bool = False
@@ -314,29 +248,31 @@ class VerifierService:
         (one round trip for both) and then ``finish``; otherwise returns ``None``."""
         if not self.cfg.enabled or exchange.state.admitted:
             return None
-        try:
-            self.start()
-        except RuntimeError:
-            pass
-        tenant = exchange.request.tenant
-        self.tenants[tenant.id] = tenant
-        self._decide_sampled(exchange)
+        self._arrive(exchange)
         if exchange.prompt_ids:
-            decoded: list[str] = []
-            for ids in exchange.prompt_ids:
-                try:
-                    if decode is None:
-                        raise LookupError("no decoder")
-                    decoded.append(await decode(list(ids)))
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:  # the engine's /detokenize failed: not the client's fault
-                    exchange.state.own_text_complete = False
-                    self.stats["decode_failed"] += 1
-                    log.warning("verifier: could not decode a token-id prompt: %s", type(e).__name__)
-            exchange.prompt_text = "\n".join(t for t in (exchange.prompt_text, *decoded) if t)
-            exchange.echo_prompts.extend(decoded)
+            await self._decode_prompt_ids(exchange, decode)
         exchange.state.admitted = True
+        return await self._index_prompt(exchange, defer_write)
+
+    async def _decode_prompt_ids(self, exchange: Exchange, decode: Decoder | None) -> None:
+        """Append the token-id prompts' text to the prompt text and the echo prompts."""
+        decoded: list[str] = []
+        for ids in exchange.prompt_ids:
+            try:
+                if decode is None:
+                    raise LookupError("no decoder")
+                decoded.append(await decode(list(ids)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the engine's /detokenize failed: not the client's fault
+                exchange.state.own_text_complete = False
+                self.stats["decode_failed"] += 1
+                log.warning("verifier: could not decode a token-id prompt: %s", type(e).__name__)
+        exchange.prompt_text = "\n".join(t for t in (exchange.prompt_text, *decoded) if t)
+        exchange.echo_prompts.extend(decoded)
+
+    async def _index_prompt(self, exchange: Exchange, defer_write: bool) -> PendingIndex | None:
+        """:meth:`admit`'s indexing step, within the pending-bytes budget."""
         text = exchange.prompt_text
         nbytes = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
         if not self.ingest.reserve(nbytes):
@@ -360,141 +296,29 @@ class VerifierService:
         try:
             async with self.ingest.semaphore(exchange.request.tenant.id):
                 started = True
-                await _in_own_thread(self._admit_ingest, exchange, text, nbytes)
+                await _in_own_thread(self.ingest.index_prompt, exchange, text, nbytes)
         finally:
             if not started:
                 self.ingest.release(nbytes)
 
-    def begin(self, exchange: Exchange) -> _BackgroundGuard | _StrictGuard | None:
+    def begin(self, exchange: Exchange) -> BackgroundGuard | StrictGuard | None:
         """A guard when sampled or strict (see the module doc). An exchange that did not pass
         :meth:`admit` has its prompt queued for the background worker."""
         if not self.cfg.enabled:
             return None
-        try:
-            self.start()
-        except RuntimeError:  # no running loop: synchronous use (tests, benchmarks)
-            pass
+        sampled = self._arrive(exchange)
         tenant = exchange.request.tenant
-        self.tenants[tenant.id] = tenant  # honeypot flags come with the exchanges
-        sampled = self._decide_sampled(exchange)
         if not exchange.state.admitted:
             self.jobs.enqueue(IngestJob(tenant.id, exchange.prompt_text, exchange.internal_id, sampled))
         if tenant.strict_verify:
-            return _StrictGuard(self, exchange)
+            return StrictGuard(self.strict, exchange)
         if sampled:
-            return _BackgroundGuard(self, exchange)
+            return BackgroundGuard(self.jobs, exchange)
         return None
 
     def is_quarantined(self, upstream: str, prompt_tokens: int) -> bool:
         """Whether ``upstream`` is quarantined for prompts of this length."""
         return self.quarantine.is_quarantined(upstream, prompt_tokens)
-
-    # ------------------------------------------------------------------ strict path
-    # used by the strict guard, in the strict thread pool (these block: lock, store, hashing)
-    def latency_precheck(self, exchange: Exchange, ttft_seconds: float) -> Incident | None:
-        """A strict stream's first text arrived ``ttft_seconds`` after the request: an incident
-        (not recorded) when that is below the calibrated bound for the whole prompt; calibration
-        is not touched. The cached-token count is not known yet, so the caller only holds the
-        stream back until the end. Takes the service lock: call it off the event loop."""
-        with self._lock:
-            lv = self.latency.judge(
-                exchange.request.upstream,
-                exchange.request.prompt_tokens,
-                ttft_seconds,
-                "stream",
-                model=exchange.request.model,
-            )
-        if not lv.anomaly:
-            return None
-        return self.findings.latency_incident(exchange, ttft_seconds, lv, None)
-
-    def strict_check_body(self, job: CheckJob) -> list[Incident]:
-        """A strict non-streamed body, checked whole: the incidents that withhold it (recorded).
-        Blocking; run it via :meth:`run_strict`."""
-        with self._lock:
-            self.jobs.drain_ingests_locked(job.exchange)
-            return self.findings.check_whole_locked(job, self.stats)
-
-    def strict_check_piece(self, guard: _StrictGuard, canaries: list[str], ids_list: list[list[int]]) -> list[Incident]:
-        """Incremental stream check of a strict guard: new canaries and, per text stream, the
-        token ids whose shingles are new. Returns content incidents (not yet recorded) once the
-        evidence so far reaches the withhold threshold. Blocking; run it via :meth:`run_strict`."""
-        exchange = guard.exchange
-        f = self.findings
-        with self._lock:
-            self.jobs.drain_ingests_locked(exchange)
-            own = f.own_locked(exchange)
-            found: list[Incident] = []
-            try:
-                if (canaries or any(ids_list)) and not self.store.up():
-                    raise StoreSkipped
-                if canaries:
-                    found += f.canary(exchange, canaries)
-                for ids in ids_list:
-                    if ids:
-                        guard.verdict.merge(
-                            self.index.check_ids(
-                                exchange.request.tenant.id, ids, own, guard.seen, record_spread=trusted(exchange)
-                            )
-                        )
-            except StoreSkipped:
-                pass
-            except Exception as e:  # the store is down: fail open (counted), latency still applies
-                self.store.error(e)
-        leak = f.leak(exchange, guard.verdict)
-        if leak:
-            found.append(leak)
-        return found
-
-
-class _Prober:
-    """The periodic probe (``verifier.probe_interval_seconds``): plants the probe tenant's
-    canaries through each target and records a confirmed ``probe`` incident for each leak."""
-
-    def __init__(self, service: VerifierService) -> None:
-        self.service = service
-        self.tenant_id = service.cfg.probe_tenant or "kvgate-probe"
-
-    async def loop(self) -> None:
-        """Run the probe every interval, forever (the service cancels it)."""
-        from verifier.probe import run_probe_targets, targets_from_settings
-
-        svc = self.service
-        interval = float(svc.cfg.probe_interval_seconds or 0)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                targets = svc.probe_targets or targets_from_settings(svc.settings)
-                results = await run_probe_targets(targets, register=self.register)
-            except Exception as e:
-                log.warning("verifier probe failed to run: %s", e)
-                continue
-            for target, result in results:
-                svc.stats["probes"] += 1
-                if result.outcome == "leak":
-                    request = ExchangeRequest(
-                        f"probe-{int(time.time())}",
-                        TenantConfig(id=self.tenant_id, honeypot=True),
-                        target.upstream,
-                        target.model or "",  # ExchangeRequest.model: "" when unnamed, as in verifier/latency.py
-                        "/v1/completions",
-                        result.limit or 0,
-                        False,
-                        time.monotonic(),
-                    )
-                    ex = Exchange(request, "")
-                    inc = incident(
-                        "probe",
-                        ex,
-                        {"surfaced_canaries": result.surfaced, "limit_tokens": result.limit or 0},
-                        confirmed=True,
-                    )
-                    svc.evidence.record([inc])
-
-    def register(self, canaries: list[str]) -> None:
-        """Register the probe's canaries as the probe tenant's."""
-        with self.service._lock:
-            self.service.canaries.register(self.tenant_id, canaries)
 
 
 #: threads for admission ingests (started on demand, then reused); more ingests than this at once queue
@@ -539,317 +363,3 @@ async def _in_own_thread(fn, /, *args):
 
     _admit_executor().submit(run)
     return await fut
-
-
-class _EchoStrip:
-    """:func:`strip_echo` for a text that arrives in pieces: while the text so far is a prefix of
-    one of the prompts it is swallowed (kept for :meth:`flush`); once it is a whole prompt (or
-    diverges from every one) the rest passes. Each piece costs its own length, not the prompt's."""
-
-    def __init__(self, prompts: Sequence[str]) -> None:
-        self._cands = [(p.rstrip("\ufffd"), len(p) > len(p.rstrip("\ufffd"))) for p in prompts if p.rstrip("\ufffd")]
-        self._buf: list[str] = []
-        self._n = 0
-        self._extra = 0  # characters of a cut character still to swallow after a whole prompt
-        self.done = not self._cands
-
-    def push(self, piece: str) -> str:
-        """Text of ``piece`` that is not echo (maybe ``""``)."""
-        if self.done:
-            return piece
-        if self._extra:
-            self.done = True
-            return piece[1:]
-        live = []
-        for core, cut in self._cands:
-            seg = core[self._n : self._n + len(piece)]
-            if piece.startswith(seg) and (len(seg) == len(piece) or self._n + len(seg) == len(core)):
-                live.append((core, cut))
-        if not live:  # not an echo: everything held passes
-            self.done = True
-            held, self._buf = "".join(self._buf), []
-            return held + piece
-        self._cands = live
-        self._n += len(piece)
-        finished = [(c, cut) for c, cut in live if self._n >= len(c)]
-        if finished:
-            core, cut = max(finished, key=lambda x: len(x[0]))
-            rest = piece[len(piece) - (self._n - len(core)) :] if self._n > len(core) else ""
-            self._buf = []
-            if cut and not rest:
-                self._extra = 1
-                return ""
-            self.done = True
-            return rest[1:] if cut else rest
-        self._buf.append(piece)
-        return ""
-
-    @property
-    def held_chars(self) -> int:
-        """Characters swallowed that may still turn out not to be an echo (not yet checked)."""
-        return sum(len(b) for b in self._buf)
-
-    def flush(self) -> str:
-        """What is still swallowed at the end (a partial echo: the tenant's own text anyway)."""
-        held, self._buf = "".join(self._buf), []
-        self.done = True
-        return held
-
-
-class _TextStream:
-    """One text stream of a strict guard (a choice's field): echo strip, canary scan, shingler,
-    and how far it has been checked: ``checked_tokens`` is the stream's token count up to the
-    last piece whose every character the shingler has encoded (text still buffered for a safe
-    cut, or swallowed as a possible echo, is not checked yet)."""
-
-    __slots__ = ("_bounds", "_chars", "checked_tokens", "echo", "scanner", "shingler", "tokens")
-
-    def __init__(self, service: VerifierService, exchange: Exchange) -> None:
-        self.echo = _EchoStrip(exchange.echo_prompts) if exchange.echo else None
-        self.scanner = CanaryScanner()
-        self.shingler = IncrementalShingler(service.hasher, max_pending_chars=256)
-        self.tokens = 0
-        self.checked_tokens = 0
-        self._chars = 0
-        self._bounds: collections.deque[tuple[int, int]] = collections.deque()  # (chars, tokens) at piece ends
-
-    def _advance(self) -> None:
-        pending = self.shingler.pending_chars + (self.echo.held_chars if self.echo is not None else 0)
-        done = self._chars - pending
-        while self._bounds and self._bounds[0][0] <= done:
-            self.checked_tokens = self._bounds.popleft()[1]
-
-    def push(self, piece: str, tokens: int) -> tuple[list[str], list[int]]:
-        self._chars += len(piece)
-        self.tokens += tokens
-        self._bounds.append((self._chars, self.tokens))
-        cans: list[str] = []
-        ids: list[int] = []
-        text = self.echo.push(piece) if self.echo is not None else piece
-        if text:
-            cans, ids = self.scanner.push(text), self.shingler.push(text)
-        self._advance()
-        return cans, ids
-
-    def flush(self) -> tuple[list[str], list[list[int]]]:
-        """End of the text: canaries and id runs (each with its own ``k - 1`` carry) still due."""
-        cans: list[str] = []
-        runs: list[list[int]] = []
-        if self.echo is not None:
-            held = self.echo.flush()
-            if held:
-                cans = self.scanner.push(held)
-                runs.append(self.shingler.push(held))
-        runs.append(self.shingler.flush())
-        self.checked_tokens = self.tokens
-        self._bounds.clear()
-        return cans, runs
-
-
-def _pieces(delta_text: str, pieces: Sequence[tuple[str, str]] | None) -> list[tuple[str, str]]:
-    if pieces is None:
-        return [("0", delta_text)] if delta_text else []
-    return [(k, t) for k, t in pieces if t]
-
-
-class _BackgroundGuard:
-    """Sampled, non-strict: passes everything at once; the check runs in the background. Its
-    coroutines never suspend (no thread hop per event): they only append to a list or queue."""
-
-    def __init__(self, service: VerifierService, exchange: Exchange) -> None:
-        self.service = service
-        self.exchange = exchange
-        self._parts: dict[str, list[str]] = {}
-        self._chars = 0
-
-    async def feed(
-        self, delta_text: str, raw_event: bytes, pieces: Sequence[tuple[str, str]] | None = None
-    ) -> list[bytes]:
-        for key, text in _pieces(delta_text, pieces):
-            if self._chars < MAX_CHECK_CHARS:
-                self._parts.setdefault(key, []).append(text)
-                self._chars += len(text)
-        return [raw_event]
-
-    async def finish_stream(
-        self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
-    ) -> list[bytes]:
-        texts = ["".join(p) for p in self._parts.values()]
-        self.service.jobs.enqueue(CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds))
-        return []
-
-    async def check_body(
-        self,
-        text: str | Sequence[str],
-        *,
-        usage: dict[str, Any] | None,
-        finish_reason: str | None,
-        ttft_seconds: float | None,
-    ) -> None:
-        texts, room = [], MAX_CHECK_CHARS
-        for t in [text] if isinstance(text, str) else text:
-            if room > 0 and t:
-                texts.append(t[:room])
-                room -= len(texts[-1])
-        self.service.jobs.enqueue(CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds))
-
-
-class _StrictGuard:
-    """Strict tenant: nothing detected leaves, and nothing unchecked. Streams are held back by
-    ``strict_holdback_tokens`` tokens and checked as shingles and canaries complete, each text
-    stream (choice and field) on its own. A first token faster than the latency bound holds the
-    whole rest of the stream until its end, where the usage's cached-token count decides. More
-    than ``strict_max_text_bytes`` of text cuts the stream (withheld, ``oversize``).
-
-    Each call's blocking part runs in the service's strict thread pool
-    (:meth:`VerifierService.run_strict`) and the call returns only when it is done; calls are
-    awaited one at a time, so the guard's state is touched by one thread at a time. An event
-    without text needs no check and is handled on the loop."""
-
-    def __init__(self, service: VerifierService, exchange: Exchange) -> None:
-        self.service = service
-        self.exchange = exchange
-        self.holdback = service.cfg.strict_holdback_tokens
-        #: held events: raw bytes and, per text stream it added to, that stream's token total after it
-        self._held: collections.deque[tuple[bytes, dict[str, int]]] = collections.deque()
-        self.seen: set[int] = set()
-        self.verdict = LeakVerdict()
-        self._streams: dict[str, _TextStream] = {}
-        self._cut: ResponseWithheld | None = None
-        self._first_text_seen = False
-        self._suspect: Incident | None = None
-        self._text_bytes = 0
-
-    def _withhold(self, found: list[Incident]) -> None:
-        if self._suspect is not None and all(i.detector != "latency" for i in found):
-            found = [*found, self._suspect]  # the first token was too fast as well: say so
-        self._suspect = None
-        self.service.evidence.record(found, withheld=True, exchange=self.exchange)
-        self.service.stats["withheld"] += 1
-        self._held.clear()
-        self._cut = ResponseWithheld(found[0].id, found[0].detector)
-        raise self._cut
-
-    async def _checked(self, fn, /, *args):
-        """:meth:`VerifierService.run_strict` of a check; a check that raises anything but a
-        withholding or :data:`~verifier.jobs.FATAL` (a tokenizer panic) could not check the
-        text, so the response is withheld (a ``check_fault`` incident): never released unchecked."""
-        try:
-            return await self.service.run_strict(fn, *args)
-        except (ResponseWithheld, *FATAL):
-            raise
-        except BaseException as e:
-            self.service.jobs.fault("strict", e)
-            inc = incident("check_fault", self.exchange, {"error": type(e).__name__[:80]})
-            self.service.evidence.record([inc], withheld=True, exchange=self.exchange)
-            self.service.stats["withheld"] += 1
-            self._held.clear()
-            self._cut = ResponseWithheld(inc.id, inc.detector)
-            raise self._cut from None
-
-    def _release(self) -> list[bytes]:
-        """The held events, in order, each once every text stream it added to has at least
-        ``holdback`` *checked* tokens of that stream behind it (per stream: two interleaved
-        choices do not count each other's tokens; text the shingler still buffers, such as a
-        run of CJK without a safe cut, is not checked yet); none while the stream is suspect."""
-        out: list[bytes] = []
-        if self._suspect is not None:
-            return out
-        streams = self._streams
-        while self._held:
-            raw, ends = self._held[0]
-            if any(streams[k].checked_tokens - end < self.holdback for k, end in ends.items()):
-                break
-            self._held.popleft()
-            out.append(raw)
-        return out
-
-    async def feed(
-        self, delta_text: str, raw_event: bytes, pieces: Sequence[tuple[str, str]] | None = None
-    ) -> list[bytes]:
-        if self._cut is not None:
-            raise self._cut
-        ps = _pieces(delta_text, pieces)
-        if not ps:  # no tokens, nothing to check: no thread hop
-            self._held.append((raw_event, {}))
-            return self._release()
-        # the first text's arrival time is taken here, not after the hop
-        return await self._checked(self._feed_text, ps, raw_event, time.monotonic())
-
-    def _stream(self, key: str) -> _TextStream:
-        st = self._streams.get(key)
-        if st is None:
-            st = self._streams[key] = _TextStream(self.service, self.exchange)
-        return st
-
-    def _feed_text(self, pieces: list[tuple[str, str]], raw_event: bytes, now: float) -> list[bytes]:
-        """:meth:`feed`'s blocking part (strict pool thread): count, pre-check, check, release."""
-        self._text_bytes += sum(len(t.encode("utf-8", "replace")) for _, t in pieces)
-        if self._text_bytes > self.service.cfg.strict_max_text_bytes:
-            self._withhold([self.service.findings.oversize(self.exchange, self._text_bytes)])
-        if not self._first_text_seen:
-            self._first_text_seen = True
-            self._suspect = self.service.latency_precheck(self.exchange, now - self.exchange.request.started_monotonic)
-        ends: dict[str, int] = {}
-        cans: list[str] = []
-        ids_list: list[list[int]] = []
-        for key, text in pieces:
-            st = self._stream(key)
-            c, ids = st.push(text, len(encode(text)))
-            ends[key] = st.tokens
-            cans += c
-            ids_list.append(ids)
-        self._held.append((raw_event, ends))
-        if cans or any(ids_list):
-            found = self.service.strict_check_piece(self, cans, ids_list)
-            if found:
-                self._withhold(found)
-        return self._release()
-
-    async def finish_stream(
-        self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
-    ) -> list[bytes]:
-        if self._cut is not None:
-            raise self._cut
-        return await self._checked(self._finish_stream, usage, finish_reason, ttft_seconds)
-
-    def _finish_stream(
-        self, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
-    ) -> list[bytes]:
-        """:meth:`finish_stream`'s blocking part (strict pool thread)."""
-        svc = self.service
-        cans: list[str] = []
-        ids_list: list[list[int]] = []
-        for st in self._streams.values():
-            c, runs = st.flush()
-            cans += c
-            ids_list += runs
-        found = svc.strict_check_piece(self, cans, ids_list)
-        CHECKS.labels(self.exchange.request.upstream, "strict").inc()
-        svc.stats["checked"] += 1
-        if found:
-            self._withhold(found)
-        with svc._lock:
-            withhold, tail = svc.findings.tail(self.exchange, usage, finish_reason, ttft_seconds, strict=True)
-        svc.evidence.record(tail, exchange=self.exchange)
-        if withhold:
-            self._withhold(withhold)
-        out = [raw for raw, _ in self._held]
-        self._held.clear()
-        return out
-
-    async def check_body(
-        self,
-        text: str | Sequence[str],
-        *,
-        usage: dict[str, Any] | None,
-        finish_reason: str | None,
-        ttft_seconds: float | None,
-    ) -> None:
-        texts = [text] if isinstance(text, str) else [t for t in text if t]
-        found = await self._checked(
-            self.service.strict_check_body, CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds)
-        )
-        if found:
-            self.service.stats["withheld"] += 1
-            raise ResponseWithheld(found[0].id, found[0].detector)

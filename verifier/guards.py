@@ -1,0 +1,334 @@
+"""The response guards the verifier hands the gateway (:class:`verifier.stage.ResponseGuard`).
+
+- :class:`BackgroundGuard` (sampled, non-strict): passes every event at once and queues the
+  whole text for the background worker (:class:`verifier.jobs.JobQueue`).
+- :class:`StrictGuard` (``strict_verify``): checks before release through
+  :class:`verifier.strict.StrictChecks` (never a lock of its own, never on the event loop); a
+  stream is held back by ``strict_holdback_tokens`` tokens per text stream and cut on detection.
+- :class:`EchoStrip` and :class:`TextStream`: one text stream's echo strip, canary scan and
+  shingler, and how far it has been checked.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from verifier.canary import CanaryScanner
+from verifier.findings import CheckJob
+from verifier.incidents import Incident
+from verifier.jobs import FATAL, JobQueue
+from verifier.leak_index import LeakVerdict
+from verifier.shingles import IncrementalShingler, ShingleHasher, encode
+from verifier.stage import Exchange, ResponseWithheld
+from verifier.strict import StrictChecks
+
+#: most characters of one response a background guard keeps for its check
+MAX_CHECK_CHARS = 4 * 1024 * 1024
+
+
+class EchoStrip:
+    """:func:`strip_echo` for a text that arrives in pieces: while the text so far is a prefix of
+    one of the prompts it is swallowed (kept for :meth:`flush`); once it is a whole prompt (or
+    diverges from every one) the rest passes. Each piece costs its own length, not the prompt's."""
+
+    def __init__(self, prompts: Sequence[str]) -> None:
+        self._cands = [(p.rstrip("\ufffd"), len(p) > len(p.rstrip("\ufffd"))) for p in prompts if p.rstrip("\ufffd")]
+        self._buf: list[str] = []
+        self._n = 0
+        self._extra = 0  # characters of a cut character still to swallow after a whole prompt
+        self.done = not self._cands
+
+    def push(self, piece: str) -> str:
+        """Text of ``piece`` that is not echo (maybe ``""``)."""
+        if self.done:
+            return piece
+        if self._extra:
+            self.done = True
+            return piece[1:]
+        live = []
+        for core, cut in self._cands:
+            seg = core[self._n : self._n + len(piece)]
+            if piece.startswith(seg) and (len(seg) == len(piece) or self._n + len(seg) == len(core)):
+                live.append((core, cut))
+        if not live:  # not an echo: everything held passes
+            self.done = True
+            held, self._buf = "".join(self._buf), []
+            return held + piece
+        self._cands = live
+        self._n += len(piece)
+        finished = [(c, cut) for c, cut in live if self._n >= len(c)]
+        if finished:
+            core, cut = max(finished, key=lambda x: len(x[0]))
+            rest = piece[len(piece) - (self._n - len(core)) :] if self._n > len(core) else ""
+            self._buf = []
+            if cut and not rest:
+                self._extra = 1
+                return ""
+            self.done = True
+            return rest[1:] if cut else rest
+        self._buf.append(piece)
+        return ""
+
+    @property
+    def held_chars(self) -> int:
+        """Characters swallowed that may still turn out not to be an echo (not yet checked)."""
+        return sum(len(b) for b in self._buf)
+
+    def flush(self) -> str:
+        """What is still swallowed at the end (a partial echo: the tenant's own text anyway)."""
+        held, self._buf = "".join(self._buf), []
+        self.done = True
+        return held
+
+
+class TextStream:
+    """One text stream of a strict guard (a choice's field): echo strip, canary scan, shingler,
+    and how far it has been checked: ``checked_tokens`` is the stream's token count up to the
+    last piece whose every character the shingler has encoded (text still buffered for a safe
+    cut, or swallowed as a possible echo, is not checked yet)."""
+
+    __slots__ = ("_bounds", "_chars", "checked_tokens", "echo", "scanner", "shingler", "tokens")
+
+    def __init__(self, hasher: ShingleHasher, exchange: Exchange) -> None:
+        self.echo = EchoStrip(exchange.echo_prompts) if exchange.echo else None
+        self.scanner = CanaryScanner()
+        self.shingler = IncrementalShingler(hasher, max_pending_chars=256)
+        self.tokens = 0
+        self.checked_tokens = 0
+        self._chars = 0
+        self._bounds: collections.deque[tuple[int, int]] = collections.deque()  # (chars, tokens) at piece ends
+
+    def _advance(self) -> None:
+        pending = self.shingler.pending_chars + (self.echo.held_chars if self.echo is not None else 0)
+        done = self._chars - pending
+        while self._bounds and self._bounds[0][0] <= done:
+            self.checked_tokens = self._bounds.popleft()[1]
+
+    def push(self, piece: str, tokens: int) -> tuple[list[str], list[int]]:
+        self._chars += len(piece)
+        self.tokens += tokens
+        self._bounds.append((self._chars, self.tokens))
+        cans: list[str] = []
+        ids: list[int] = []
+        text = self.echo.push(piece) if self.echo is not None else piece
+        if text:
+            cans, ids = self.scanner.push(text), self.shingler.push(text)
+        self._advance()
+        return cans, ids
+
+    def flush(self) -> tuple[list[str], list[list[int]]]:
+        """End of the text: canaries and id runs (each with its own ``k - 1`` carry) still due."""
+        cans: list[str] = []
+        runs: list[list[int]] = []
+        if self.echo is not None:
+            held = self.echo.flush()
+            if held:
+                cans = self.scanner.push(held)
+                runs.append(self.shingler.push(held))
+        runs.append(self.shingler.flush())
+        self.checked_tokens = self.tokens
+        self._bounds.clear()
+        return cans, runs
+
+
+def _pieces(delta_text: str, pieces: Sequence[tuple[str, str]] | None) -> list[tuple[str, str]]:
+    if pieces is None:
+        return [("0", delta_text)] if delta_text else []
+    return [(k, t) for k, t in pieces if t]
+
+
+class BackgroundGuard:
+    """Sampled, non-strict: passes everything at once; the check runs in the background. Its
+    coroutines never suspend (no thread hop per event): they only append to a list or queue."""
+
+    def __init__(self, jobs: JobQueue, exchange: Exchange) -> None:
+        self.jobs = jobs
+        self.exchange = exchange
+        self._parts: dict[str, list[str]] = {}
+        self._chars = 0
+
+    async def feed(
+        self, delta_text: str, raw_event: bytes, pieces: Sequence[tuple[str, str]] | None = None
+    ) -> list[bytes]:
+        for key, text in _pieces(delta_text, pieces):
+            if self._chars < MAX_CHECK_CHARS:
+                self._parts.setdefault(key, []).append(text)
+                self._chars += len(text)
+        return [raw_event]
+
+    async def finish_stream(
+        self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+    ) -> list[bytes]:
+        texts = ["".join(p) for p in self._parts.values()]
+        self.jobs.enqueue(CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds))
+        return []
+
+    async def check_body(
+        self,
+        text: str | Sequence[str],
+        *,
+        usage: dict[str, Any] | None,
+        finish_reason: str | None,
+        ttft_seconds: float | None,
+    ) -> None:
+        texts, room = [], MAX_CHECK_CHARS
+        for t in [text] if isinstance(text, str) else text:
+            if room > 0 and t:
+                texts.append(t[:room])
+                room -= len(texts[-1])
+        self.jobs.enqueue(CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds))
+
+
+class StrictGuard:
+    """Strict tenant: nothing detected leaves, and nothing unchecked. Streams are held back by
+    ``strict_holdback_tokens`` tokens and checked as shingles and canaries complete, each text
+    stream (choice and field) on its own. A first token faster than the latency bound holds the
+    whole rest of the stream until its end, where the usage's cached-token count decides. More
+    than ``strict_max_text_bytes`` of text cuts the stream (withheld, ``oversize``).
+
+    Each call's blocking part runs in the strict thread pool
+    (:meth:`StrictChecks.run`) and the call returns only when it is done; calls are
+    awaited one at a time, so the guard's state is touched by one thread at a time. An event
+    without text needs no check and is handled on the loop."""
+
+    def __init__(self, checks: StrictChecks, exchange: Exchange) -> None:
+        self.checks = checks
+        self.exchange = exchange
+        self.holdback = checks.cfg.strict_holdback_tokens
+        #: held events: raw bytes and, per text stream it added to, that stream's token total after it
+        self._held: collections.deque[tuple[bytes, dict[str, int]]] = collections.deque()
+        self.seen: set[int] = set()
+        self.verdict = LeakVerdict()
+        self._streams: dict[str, TextStream] = {}
+        self._cut: ResponseWithheld | None = None
+        self._first_text_seen = False
+        self._suspect: Incident | None = None
+        self._text_bytes = 0
+
+    def _withhold(self, found: list[Incident]) -> None:
+        if self._suspect is not None and all(i.detector != "latency" for i in found):
+            found = [*found, self._suspect]  # the first token was too fast as well: say so
+        self._suspect = None
+        self._held.clear()
+        self._cut = self.checks.withhold(self.exchange, found)
+        raise self._cut
+
+    async def _checked(self, fn, /, *args):
+        """:meth:`StrictChecks.run` of a check; a check that raises anything but a
+        withholding or :data:`~verifier.jobs.FATAL` (a tokenizer panic) could not check the
+        text, so the response is withheld (a ``check_fault`` incident): never released unchecked."""
+        try:
+            return await self.checks.run(fn, *args)
+        except (ResponseWithheld, *FATAL):
+            raise
+        except BaseException as e:
+            self._held.clear()
+            self._cut = self.checks.fault(self.exchange, e)
+            raise self._cut from None
+
+    def _release(self) -> list[bytes]:
+        """The held events, in order, each once every text stream it added to has at least
+        ``holdback`` *checked* tokens of that stream behind it (per stream: two interleaved
+        choices do not count each other's tokens; text the shingler still buffers, such as a
+        run of CJK without a safe cut, is not checked yet); none while the stream is suspect."""
+        out: list[bytes] = []
+        if self._suspect is not None:
+            return out
+        streams = self._streams
+        while self._held:
+            raw, ends = self._held[0]
+            if any(streams[k].checked_tokens - end < self.holdback for k, end in ends.items()):
+                break
+            self._held.popleft()
+            out.append(raw)
+        return out
+
+    async def feed(
+        self, delta_text: str, raw_event: bytes, pieces: Sequence[tuple[str, str]] | None = None
+    ) -> list[bytes]:
+        if self._cut is not None:
+            raise self._cut
+        ps = _pieces(delta_text, pieces)
+        if not ps:  # no tokens, nothing to check: no thread hop
+            self._held.append((raw_event, {}))
+            return self._release()
+        # the first text's arrival time is taken here, not after the hop
+        return await self._checked(self._feed_text, ps, raw_event, time.monotonic())
+
+    def _stream(self, key: str) -> TextStream:
+        st = self._streams.get(key)
+        if st is None:
+            st = self._streams[key] = TextStream(self.checks.hasher, self.exchange)
+        return st
+
+    def _feed_text(self, pieces: list[tuple[str, str]], raw_event: bytes, now: float) -> list[bytes]:
+        """:meth:`feed`'s blocking part (strict pool thread): count, pre-check, check, release."""
+        self._text_bytes += sum(len(t.encode("utf-8", "replace")) for _, t in pieces)
+        if self._text_bytes > self.checks.cfg.strict_max_text_bytes:
+            self._withhold([self.checks.oversize(self.exchange, self._text_bytes)])
+        if not self._first_text_seen:
+            self._first_text_seen = True
+            self._suspect = self.checks.latency_precheck(self.exchange, now - self.exchange.request.started_monotonic)
+        ends: dict[str, int] = {}
+        cans: list[str] = []
+        ids_list: list[list[int]] = []
+        for key, text in pieces:
+            st = self._stream(key)
+            c, ids = st.push(text, len(encode(text)))
+            ends[key] = st.tokens
+            cans += c
+            ids_list.append(ids)
+        self._held.append((raw_event, ends))
+        if cans or any(ids_list):
+            found = self.checks.check_piece(self.exchange, self.verdict, self.seen, cans, ids_list)
+            if found:
+                self._withhold(found)
+        return self._release()
+
+    async def finish_stream(
+        self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+    ) -> list[bytes]:
+        if self._cut is not None:
+            raise self._cut
+        return await self._checked(self._finish_stream, usage, finish_reason, ttft_seconds)
+
+    def _finish_stream(
+        self, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
+    ) -> list[bytes]:
+        """:meth:`finish_stream`'s blocking part (strict pool thread)."""
+        checks = self.checks
+        cans: list[str] = []
+        ids_list: list[list[int]] = []
+        for st in self._streams.values():
+            c, runs = st.flush()
+            cans += c
+            ids_list += runs
+        found = checks.check_piece(self.exchange, self.verdict, self.seen, cans, ids_list)
+        checks.checked(self.exchange)
+        if found:
+            self._withhold(found)
+        withhold = checks.tail(self.exchange, usage, finish_reason, ttft_seconds)
+        if withhold:
+            self._withhold(withhold)
+        out = [raw for raw, _ in self._held]
+        self._held.clear()
+        return out
+
+    async def check_body(
+        self,
+        text: str | Sequence[str],
+        *,
+        usage: dict[str, Any] | None,
+        finish_reason: str | None,
+        ttft_seconds: float | None,
+    ) -> None:
+        texts = [text] if isinstance(text, str) else [t for t in text if t]
+        found = await self._checked(
+            self.checks.check_body, CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds)
+        )
+        if found:
+            self.checks.stats["withheld"] += 1
+            raise ResponseWithheld(found[0].id, found[0].detector)

@@ -1,0 +1,85 @@
+"""The gateway's periodic probe (``verifier.probe_interval_seconds``): :mod:`verifier.probe`'s
+canary probe against each target, its canaries registered as the probe tenant's, a confirmed
+``probe`` incident recorded for each leak (which quarantines the upstream)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from config.models import Settings, TenantConfig
+from verifier.canary import CanaryRegistry
+from verifier.findings import Evidence, incident
+from verifier.incidents import Incident
+from verifier.stage import Exchange, ExchangeRequest
+
+if TYPE_CHECKING:  # verifier.probe imports httpx: only the probe loop needs it
+    from verifier.probe import ProbeResult, ProbeTarget
+
+log = logging.getLogger("kvgate.verifier")
+
+
+class PeriodicProbe:
+    """Probes every ``settings.verifier.probe_interval_seconds``. ``targets``: a list of
+    :class:`verifier.probe.ProbeTarget` (``None``: every upstream, straight at the engine);
+    ``lock``: the state lock the canary registry is used under; ``stats``: the verifier's
+    counters (``probes``)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        targets: list | None,
+        canaries: CanaryRegistry,
+        evidence: Evidence,
+        lock: threading.Lock,
+        stats: collections.Counter,
+    ) -> None:
+        self.settings = settings
+        self.targets = targets
+        self.canaries = canaries
+        self.evidence = evidence
+        self.lock = lock
+        self.stats = stats
+        self.tenant_id = settings.verifier.probe_tenant or "kvgate-probe"
+
+    async def loop(self) -> None:
+        """Run the probe every interval, forever (the service cancels it)."""
+        from verifier.probe import run_probe_targets, targets_from_settings
+
+        interval = float(self.settings.verifier.probe_interval_seconds or 0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                targets = self.targets or targets_from_settings(self.settings)
+                results = await run_probe_targets(targets, register=self.register)
+            except Exception as e:
+                log.warning("verifier probe failed to run: %s", e)
+                continue
+            for target, result in results:
+                self.stats["probes"] += 1
+                if result.outcome == "leak":
+                    self.evidence.record([self._incident(target, result)])
+
+    def _incident(self, target: ProbeTarget, result: ProbeResult) -> Incident:
+        """The confirmed ``probe`` incident of a leak ``result`` through ``target``."""
+        request = ExchangeRequest(
+            f"probe-{int(time.time())}",
+            TenantConfig(id=self.tenant_id, honeypot=True),
+            target.upstream,
+            target.model or "",  # ExchangeRequest.model: "" when unnamed, as in verifier/latency.py
+            "/v1/completions",
+            result.limit or 0,
+            False,
+            time.monotonic(),
+        )
+        evidence = {"surfaced_canaries": result.surfaced, "limit_tokens": result.limit or 0}
+        return incident("probe", Exchange(request, ""), evidence, confirmed=True)
+
+    def register(self, canaries: list[str]) -> None:
+        """Register the probe's canaries as the probe tenant's."""
+        with self.lock:
+            self.canaries.register(self.tenant_id, canaries)
