@@ -177,6 +177,9 @@ class Env:
     tmp: Path
     naive_relay: Path | None = None
     litellm_venv: Path | None = None
+    #: another checkout of kvgate (``--base``): ``kvgate-full@base`` serves from it, for a change's
+    #: effect as a ratio within one run
+    base: Path | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def spawn(
@@ -325,6 +328,10 @@ class Target:
     url: str
     headers: dict[str, str] = field(default_factory=dict)
     note: str = ""
+    #: the kvgate process (the supervisor when it runs workers), for profiles and per-worker counts
+    server: subprocess.Popen[bytes] | None = None
+    #: its workers' ``PROMETHEUS_MULTIPROC_DIR`` (per-worker request counts), when it has workers
+    metrics_dir: Path | None = None
 
 
 class Skip(Exception):
@@ -466,6 +473,7 @@ def gateway_target(
     workers: int | None = None,
     note: str = "",
     protocol: str | None = None,
+    root: Path = ROOT,
     **overrides: Any,
 ) -> Iterator[Target]:
     """Run ``kvgate serve`` in front of the mock with settings ``overrides`` (top-level keys of
@@ -474,7 +482,8 @@ def gateway_target(
     ``workers``: ``--workers`` (``None``: kvgate's default). Yields its :class:`Target`.
     ``protocol`` (``httptools``, ``h11``): the same app served by this file's ``--serve-gateway``
     under that uvicorn protocol (one process) instead of ``kvgate serve``'s own
-    (:mod:`gateway.edge.protocol`'s bounded httptools)."""
+    (:mod:`gateway.edge.protocol`'s bounded httptools). ``root``: the checkout whose code serves
+    (default this one)."""
     port = free_port()
     key = "sk-bench-" + secrets.token_hex(16)
     settings: dict[str, Any] = {
@@ -518,17 +527,23 @@ def gateway_target(
     else:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-gateway", protocol, *files]
         workers = 1
-    p = env.spawn(name, cmd, env={**clean, "PYTHONPATH": str(ROOT)})
+    n = workers if workers is not None else (usable_cores() if settings.get("redis_url") else 1)
+    extra = {"PYTHONPATH": str(root)}
+    metrics_dir = env.tmp / f"{name}-metrics" if n > 1 else None  # the workers' files: requests per worker
+    if metrics_dir is not None:
+        extra["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    p = env.spawn(name, cmd, env={**clean, **extra})
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", p)
         time.sleep(2.0)  # every worker up (the first ready one answers /readyz)
     except RuntimeError as e:
         raise RuntimeError(f"{e}\n{env.log_tail(name)}") from None
-    n = workers if workers is not None else (usable_cores() if settings.get("redis_url") else 1)
     yield Target(
         f"http://127.0.0.1:{port}/v1/chat/completions",
         {"Authorization": f"Bearer {key}"},
         note=f"{n} worker{'s' if n > 1 else ''}" + (f", {note}" if note else ""),
+        server=p,
+        metrics_dir=metrics_dir,
     )
 
 
@@ -556,6 +571,14 @@ def full_features(env: Env, name: str, sample_rate: float, **kw: Any) -> Context
 def _kvgate_full(env: Env) -> Iterator[Target]:
     with full_features(env, "kvgate-full", 0.05) as t:
         yield t
+
+
+@scenario("kvgate-full@base", "kvgate-full served from the --base checkout (a change's effect, within one run)")
+def _kvgate_full_base(env: Env) -> Iterator[Target]:
+    if env.base is None:
+        raise Skip("no --base checkout given")
+    with full_features(env, "kvgate-full-base", 0.05, root=env.base) as t:
+        yield Target(t.url, t.headers, t.note + f", from {env.base.name}", t.server, t.metrics_dir)
 
 
 @scenario("kvgate-responses", "kvgate-full on /v1/responses (the same turn as instructions + input)")
@@ -772,6 +795,151 @@ async def _py_load(url: str, connections: int, duration: float, headers: dict[st
     return {"rps": len(lat) / elapsed, "p50_ms": q(0.5), "p99_ms": q(0.99), "errors": errors, "requests": len(lat)}
 
 
+# ---------------------------------------------------------------- per worker: requests and profiles
+def worker_pids(target: Target) -> list[int]:
+    """The processes serving ``target``: its supervisor's children (Linux ``/proc``), else the
+    process itself; empty for a scenario that is not kvgate."""
+    p = target.server
+    if p is None or p.poll() is not None:
+        return []
+    try:
+        kids = [int(x) for x in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+    except OSError:
+        kids = []
+    return kids or [p.pid]
+
+
+def requests_per_worker(target: Target) -> dict[int, float]:
+    """``kvgate_requests_total`` so far per worker pid, read from the workers' prometheus-client
+    files (``counter_<pid>.db`` in ``target.metrics_dir``); empty without workers."""
+    if target.metrics_dir is None:
+        return {}
+    from prometheus_client.mmap_dict import MmapedDict
+
+    out: dict[int, float] = {}
+    for f in target.metrics_dir.glob("counter_*.db"):
+        with contextlib.suppress(OSError, ValueError):
+            values = MmapedDict.read_all_values_from_file(str(f))
+            out[int(f.stem.split("_")[1])] = sum(v[1] for v in values if json.loads(v[0])[0] == "kvgate_requests")
+    return out
+
+
+def split_of(before: dict[int, float], after: dict[int, float]) -> tuple[float, ...]:
+    """Each worker's share of the requests between two :func:`requests_per_worker` readings,
+    largest first (``()`` without workers)."""
+    delta = [after[k] - before.get(k, 0.0) for k in after]
+    total = sum(delta)
+    return tuple(sorted((d / total for d in delta), reverse=True)) if total > 0 else ()
+
+
+def py_spy() -> str | None:
+    """The ``py-spy`` binary (beside this Python, else on the PATH), or ``None``."""
+    local = Path(sys.executable).parent / "py-spy"
+    return str(local) if os.access(local, os.X_OK) else shutil.which("py-spy")
+
+
+def profiled_load(
+    load: Callable[..., Load], target: Target, connections: int, duration: float, tmp: Path, out: Path
+) -> tuple[Load, list[Path]]:
+    """One load run with ``py-spy record`` sampling every worker of ``target`` meanwhile (raw
+    collapsed stacks, 200 Hz, no line numbers, ``<out>-w<pid>.txt``)."""
+    spy = py_spy()
+    if spy is None:
+        raise RuntimeError("py-spy is not installed (pip install py-spy)")
+    files, spies = [], []
+    for pid in worker_pids(target):
+        f = out.with_name(f"{out.name}-w{pid}.txt")
+        cmd = [spy, "record", "--pid", str(pid), "--format", "raw", "--nolineno", "--rate", "200"]
+        cmd += ["--duration", f"{duration:.0f}", "--output", str(f), "--nonblocking"]
+        spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        files.append(f)
+    time.sleep(0.5)  # py-spy attached
+    result = load(target, connections, duration, tmp)
+    for sp in spies:
+        sp.wait(duration + 30)
+    return result, [f for f in files if f.exists()]
+
+
+def read_stacks(files: list[Path]) -> dict[tuple[str, ...], int]:
+    """py-spy raw output (``frame;frame;... count`` lines, root first) summed over ``files``."""
+    stacks: dict[tuple[str, ...], int] = {}
+    for f in files:
+        for line in f.read_text(errors="replace").splitlines():
+            frames, _, count = line.rpartition(" ")
+            if frames and count.isdigit():
+                key = tuple(frames.split(";"))
+                stacks[key] = stacks.get(key, 0) + int(count)
+    return stacks
+
+
+def _short(frame: str) -> str:
+    """``func (path/to/mod.py)`` -> ``mod.py:func`` (package folder kept for the project's own)."""
+    m = re.fullmatch(r"(.*) \((.*)\)", frame)
+    if not m:
+        return frame
+    func, path = m.groups()
+    parts = Path(path).parts
+    keep = 2 if len(parts) > 1 and parts[-2] in {"admission", "edge", "ops", "quotas", "relay", "routes"} else 1
+    return f"{'/'.join(parts[-keep:])}:{func}"
+
+
+def top_frames(
+    stacks: dict[tuple[str, ...], int], n: int
+) -> tuple[int, list[tuple[str, float]], list[tuple[str, float]]]:
+    """(samples, the ``n`` frames with the largest inclusive share, the ``n`` largest self shares)."""
+    total = sum(stacks.values())
+    incl: dict[str, int] = {}
+    own: dict[str, int] = {}
+    for frames, count in stacks.items():
+        names = [_short(f) for f in frames]
+        for name in set(names):
+            incl[name] = incl.get(name, 0) + count
+        own[names[-1]] = own.get(names[-1], 0) + count
+    rank = lambda d: [(k, v / max(1, total)) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
+    return total, rank(incl), rank(own)
+
+
+def profile_table(name: str, c: int, load: Load, split: tuple[float, ...], stacks: dict[tuple[str, ...], int]) -> str:
+    """A markdown section: one profile's top frames, inclusive and self, with shares of samples."""
+    total, incl, own = top_frames(stacks, 25)
+    shares = "/".join(f"{x:.0%}" for x in split) or "one process"
+    lines = [
+        f"### {name}, c={c}: {load.rps:.0f} req/s, p50 {load.p50_ms:.2f} ms; {total} samples; requests per worker {shares}",
+        "",
+        "| inclusive | frame | | self | frame |",
+        "|---:|---|---|---:|---|",
+    ]
+    for i in range(max(len(incl), len(own))):
+        a = incl[i] if i < len(incl) else ("", 0.0)
+        b = own[i] if i < len(own) else ("", 0.0)
+        lines.append(f"| {a[1]:.1%} | `{a[0]}` | | {b[1]:.1%} | `{b[0]}` |")
+    return "\n".join(lines)
+
+
+def run_profiles(
+    targets: dict[str, tuple[Target, str]],
+    load: Callable[..., Load],
+    connections: int,
+    duration: float,
+    tmp: Path,
+    out: Path,
+) -> None:
+    """For every kvgate scenario: one c=1 and one c=``connections`` run under py-spy, every worker
+    sampled; the top frames printed (markdown) and written to ``out/profile.md`` with the raw stacks."""
+    out.mkdir(parents=True, exist_ok=True)
+    sections = []
+    for name, (target, _) in targets.items():
+        if target.server is None:
+            continue
+        for c in (1, connections):
+            before = requests_per_worker(target)
+            result, files = profiled_load(load, target, c, duration, tmp, out / f"{name}-c{c}")
+            split = split_of(before, requests_per_worker(target))
+            sections.append(profile_table(name, c, result, split, read_stacks(files)))
+            print(sections[-1] + "\n", flush=True)
+    (out / "profile.md").write_text("\n\n".join(sections) + "\n")
+
+
 # ---------------------------------------------------------------- upstream clients (--transports)
 TRANSPORTS = {
     "httpx": "httpx.AsyncClient, its default transport (httpcore)",
@@ -894,15 +1062,55 @@ def run_transports(env: Env, connections: int, duration: float, rounds: int) -> 
 
 # ---------------------------------------------------------------- the table
 @dataclass
+class Round:
+    """One round of a scenario: the 1-connection run, the N-connection run, and the N run's
+    requests per worker as shares, largest first (``()`` when not kvgate's workers)."""
+
+    one: Load
+    many: Load
+    split: tuple[float, ...] = ()
+
+    def describe(self) -> str:
+        """The round as one progress line."""
+        shares = "/".join(f"{x:.0%}" for x in self.split)
+        return (
+            f"c=1 p50 {self.one.p50_ms:.3f} ms, p99 {self.one.p99_ms:.3f} ms; c=N {self.many.rps:.0f} req/s, "
+            f"p99 {self.many.p99_ms:.2f} ms" + (f"; requests per worker {shares}" if shares else "")
+        )
+
+
+@dataclass
 class Row:
-    """A scenario's medians: at 1 connection (p50/p99) and at N (rps, p99)."""
+    """A scenario's medians over rounds: at 1 connection (p50/p99) and at N (rps, p99), with
+    every round kept for the spread and the within-round ratios."""
 
     one: Load
     many: Load
     note: str
+    rounds: list[Round] = field(default_factory=list)
+
+    def span(self, pick: Callable[[Round], float], fmt: str = "{:.0f}") -> str:
+        """``min-max`` of ``pick`` over the rounds."""
+        vals = [pick(r) for r in self.rounds]
+        return f"{fmt.format(min(vals))}-{fmt.format(max(vals))}" if vals else ""
+
+    def worker_split(self) -> str:
+        """The busiest worker's share of the N-connection requests, min-max over rounds (``-``
+        without workers): 50% is an even split over two."""
+        tops = [r.split[0] for r in self.rounds if len(r.split) > 1]
+        return f"{min(tops):.0%}-{max(tops):.0%}" if tops else "-"
 
 
-def median_row(runs: list[tuple[Load, Load]], note: str) -> Row:
+def measure_round(load: Callable[..., Load], target: Target, connections: int, duration: float, tmp: Path) -> Round:
+    """One round of one scenario: a 1-connection run, then a ``connections`` run whose requests
+    are counted per worker."""
+    one = load(target, 1, duration, tmp)
+    before = requests_per_worker(target)
+    many = load(target, connections, duration, tmp)
+    return Round(one, many, split_of(before, requests_per_worker(target)))
+
+
+def median_row(runs: list[Round], note: str) -> Row:
     """Medians over rounds of (1-connection run, N-connection run); errors and requests summed."""
     import statistics
 
@@ -915,58 +1123,107 @@ def median_row(runs: list[tuple[Load, Load]], note: str) -> Row:
             sum(x.requests for x in loads),
         )
 
-    return Row(med([o for o, _ in runs]), med([m for _, m in runs]), note)
+    return Row(med([r.one for r in runs]), med([r.many for r in runs]), note, list(runs))
+
+
+def round_ratios(row: Row, ref: Row, pick: Callable[[Round], float]) -> list[float]:
+    """``pick(row's round i) / pick(ref's round i)`` for each round both ran: ratios taken
+    within one round, where a noisy neighbour hit both alike."""
+    return [pick(a) / pick(b) for a, b in zip(row.rounds, ref.rounds, strict=False) if pick(b) > 0]
+
+
+def ratio_cell(row: Row, ref: Row | None, pick: Callable[[Round], float], width: int) -> str:
+    """The median within-round ratio and its min-max, e.g. ``1.31 (1.20-1.40)``."""
+    import statistics
+
+    if ref is None:
+        return f"{'':>{width}}"
+    xs = round_ratios(row, ref, pick)
+    if not xs:
+        return f"{'':>{width}}"
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})".rjust(width)
+
+
+def _rps(r: Round) -> float:
+    return r.many.rps
+
+
+def _p99(r: Round) -> float:
+    return r.many.p99_ms
+
+
+def fmt_row(name: str, r: Row, base: Row | None, relay: Row | None, lite: Row | None) -> str:
+    """One line of :func:`fmt_table`."""
+    add50 = f"{r.one.p50_ms - base.one.p50_ms:7.3f}" if base else f"{'':>7}"
+    add99 = f"{r.one.p99_ms - base.one.p99_ms:7.3f}" if base else f"{'':>7}"
+    return (
+        f"{name:<18} {r.one.p50_ms:8.3f} {r.span(lambda x: x.one.p50_ms, '{:.2f}'):>11} {r.one.p99_ms:8.3f} "
+        f"{add50} {add99} {r.many.rps:7.0f} {r.span(_rps):>11} {r.many.p99_ms:8.2f} "
+        f"{ratio_cell(r, relay, _rps, 17)} {ratio_cell(r, lite, _rps, 17)} {ratio_cell(r, relay, _p99, 17)} "
+        f"{r.worker_split():>9} {r.one.errors + r.many.errors:6d}  {r.note}"
+    )
 
 
 def fmt_table(rows: list[tuple[str, Row | str]], connections: int) -> str:
-    """The side-by-side table and the goal checks of the throughput issue."""
+    """The side-by-side table (medians over rounds, min-max spread, within-round ratios, the
+    busiest worker's share) and the goal checks of the throughput issue."""
     got = {n: r for n, r in rows if isinstance(r, Row)}
     base, relay, lite = got.get("direct"), got.get("naive-relay"), got.get("litellm")
     c = connections
     head = (
-        f"{'scenario':<18} {'c=1 p50':>8} {'c=1 p99':>8} {'+p50':>7} {'+p99':>7} {f'c={c} rps':>9} "
-        f"{f'c={c} p99':>9} {'x relay':>7} {'x litellm':>9} {'p99/relay':>9} {'errors':>6}  note"
+        f"{'scenario':<18} {'c=1 p50':>8} {'(min-max)':>11} {'c=1 p99':>8} {'+p50':>7} {'+p99':>7} {f'c={c} rps':>7} "
+        f"{'(min-max)':>11} {f'c={c} p99':>8} {'x relay (rounds)':>17} {'x litellm':>17} {'p99/relay':>17} "
+        f"{'busiest w':>9} {'errors':>6}  note"
     )
     lines = [head, "-" * len(head)]
     for name, r in rows:
-        if not isinstance(r, Row):
-            lines.append(f"{name:<18} skipped: {r}")
-            continue
-        add50 = f"{r.one.p50_ms - base.one.p50_ms:7.3f}" if base else f"{'':>7}"
-        add99 = f"{r.one.p99_ms - base.one.p99_ms:7.3f}" if base else f"{'':>7}"
-        x_relay = f"{r.many.rps / relay.many.rps:7.2f}" if relay else f"{'':>7}"
-        x_lite = f"{r.many.rps / lite.many.rps:9.2f}" if lite else f"{'':>9}"
-        p99_relay = f"{r.many.p99_ms / relay.many.p99_ms:9.2f}" if relay else f"{'':>9}"
-        lines.append(
-            f"{name:<18} {r.one.p50_ms:8.3f} {r.one.p99_ms:8.3f} {add50} {add99} {r.many.rps:9.0f} "
-            f"{r.many.p99_ms:9.2f} {x_relay} {x_lite} {p99_relay} {r.one.errors + r.many.errors:6d}  {r.note}"
-        )
+        lines.append(f"{name:<18} skipped: {r}" if not isinstance(r, Row) else fmt_row(name, r, base, relay, lite))
+    lines.append("")
+    lines.append(
+        "medians over rounds; (min-max): the spread over rounds; x relay / x litellm / p99/relay: the median "
+        "(min-max) of the ratios taken within each round; busiest w: the busiest worker's share of the "
+        f"c={c} requests (50% = an even split over 2), min-max over rounds"
+    )
     full = got.get("kvgate-full")
+    base_full = got.get("kvgate-full@base")
+    if full and base_full:
+        lines.append(
+            f"kvgate-full / kvgate-full@base, c={c} rps: {ratio_cell(full, base_full, _rps, 0).strip()}; p99: {ratio_cell(full, base_full, _p99, 0).strip()}; c=1 p50: {ratio_cell(full, base_full, lambda x: x.one.p50_ms, 0).strip()} (within-round ratios)"
+        )
     if full:
-        lines.append("")
-        lines.append("goals (kvgate-full):")
-
-        def goal(text: str, ok: bool | None, value: str) -> None:
-            mark = "n/a " if ok is None else ("met " if ok else "MISS")
-            lines.append(f"  [{mark}] {text}: {value}")
-
-        if relay:
-            x = full.many.rps / relay.many.rps
-            goal("floor: c=64 rps >= 1x the naive relay", x >= 1, f"{x:.2f}x")
-            goal("c=64 rps >= 2x the naive relay", x >= 2, f"{x:.2f}x")
-            p = full.many.p99_ms / relay.many.p99_ms
-            goal("c=64 p99 <= 0.5x the naive relay's", p <= 0.5, f"{p:.2f}x")
-        if lite:
-            x = full.many.rps / lite.many.rps
-            goal("c=64 rps >= 10x LiteLLM", x >= 10, f"{x:.1f}x")
-        if base:
-            add = full.one.p50_ms - base.one.p50_ms
-            goal("c=1 added p50 <= 0.5 ms", add <= 0.5, f"{add:.3f} ms")
-        v100 = got.get("kvgate-verify-100")
-        if v100:
-            cost = 1 - v100.many.rps / full.many.rps
-            goal("verification at 100% costs <= 10% of rps", cost <= 0.10, f"{cost:.1%}")
+        lines += goal_lines(full, base, relay, lite, got.get("kvgate-verify-100"))
     return "\n".join(lines)
+
+
+def goal_lines(full: Row, base: Row | None, relay: Row | None, lite: Row | None, v100: Row | None) -> list[str]:
+    """The throughput issue's goals for kvgate-full, each ``met`` / ``MISS`` on the within-round
+    median ratio (its min-max alongside)."""
+    import statistics
+
+    lines = ["", "goals (kvgate-full):"]
+
+    def goal(text: str, ok: bool, value: str) -> None:
+        lines.append(f"  [{'met ' if ok else 'MISS'}] {text}: {value}")
+
+    def med(xs: list[float]) -> tuple[float, str]:
+        return statistics.median(xs), f"{statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})"
+
+    if relay and round_ratios(full, relay, _rps):
+        x, shown = med(round_ratios(full, relay, _rps))
+        goal("floor: c=64 rps >= 1x the naive relay", x >= 1, shown)
+        goal("c=64 rps >= 2x the naive relay", x >= 2, shown)
+        p, shown = med(round_ratios(full, relay, _p99))
+        goal("c=64 p99 <= 0.5x the naive relay's", p <= 0.5, shown)
+    if lite and round_ratios(full, lite, _rps):
+        x, shown = med(round_ratios(full, lite, _rps))
+        goal("c=64 rps >= 10x LiteLLM", x >= 10, shown)
+    if base:
+        add = full.one.p50_ms - base.one.p50_ms
+        goal("c=1 added p50 <= 0.5 ms", add <= 0.5, f"{add:.3f} ms")
+    if v100 and round_ratios(v100, full, _rps):
+        x, _ = med(round_ratios(v100, full, _rps))
+        goal("verification at 100% costs <= 10% of rps", 1 - x <= 0.10, f"{1 - x:.1%}")
+    return lines
 
 
 # ---------------------------------------------------------------- main
@@ -977,8 +1234,16 @@ def main() -> int:
     ap.add_argument(
         "--rounds",
         type=int,
-        default=2,
-        help="interleaved rounds over all scenarios; the table shows medians (default 2)",
+        default=3,
+        help="interleaved rounds over all scenarios; the table shows medians and min-max (default 3)",
+    )
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="instead of the rounds: one c=1 and one c=N run per kvgate scenario under py-spy (every "
+        "worker sampled); top frames printed and written to DIR/profile.md, raw stacks beside it",
     )
     ap.add_argument(
         "--only",
@@ -990,6 +1255,12 @@ def main() -> int:
         type=Path,
         default=ROOT.parent / "shared" / "bench" / "naive_relay.py",
         help="the frozen relay (default: ../shared/bench/naive_relay.py beside the checkout)",
+    )
+    ap.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="another kvgate checkout: adds kvgate-full@base (kvgate-full served from it) to the run",
     )
     ap.add_argument("--litellm-venv", type=Path, default=ROOT / ".venv-litellm", help="virtualenv with litellm[proxy]")
     ap.add_argument("--python-mock", action="store_true", help="use bench/mock_engine.py even when nginx is installed")
@@ -1021,6 +1292,8 @@ def main() -> int:
         return 0
 
     names = [n for n in (args.only.split(",") if args.only else DEFAULT) if n]
+    if args.base and "kvgate-full@base" not in names:
+        names.insert(names.index("kvgate-full") + 1 if "kvgate-full" in names else len(names), "kvgate-full@base")
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
@@ -1033,6 +1306,7 @@ def main() -> int:
         tmp,
         naive_relay=args.naive_relay.resolve() if args.naive_relay else None,
         litellm_venv=args.litellm_venv.resolve() if args.litellm_venv else None,
+        base=args.base.resolve() if args.base else None,
     )
     mock, mock_note = start_mock(env, mock_port, prefer_nginx=not args.python_mock)
     try:
@@ -1047,7 +1321,7 @@ def main() -> int:
         flush=True,
     )
     rows: list[tuple[str, Row | str]] = []
-    runs: dict[str, list[tuple[Load, Load]]] = {}
+    runs: dict[str, list[Round]] = {}
     try:
         wait_http(env.mock_url + "/health", mock)
         if args.transports:
@@ -1071,16 +1345,13 @@ def main() -> int:
                     raise RuntimeError(f"{name}: probe request answered {probe.status_code}: {probe.text[:300]}")
                 load(target, args.connections, 1.0, tmp)  # warm-up (every worker, every pool)
                 targets[name] = (target, target.note or help_)
+            if args.profile is not None:
+                run_profiles(targets, load, args.connections, args.duration, tmp, args.profile)
+                return 0
             for rnd in range(1, args.rounds + 1):  # interleaved rounds: a noisy neighbour hits all alike
                 for name, (target, _) in targets.items():
-                    one = load(target, 1, args.duration, tmp)
-                    many = load(target, args.connections, args.duration, tmp)
-                    runs.setdefault(name, []).append((one, many))
-                    print(
-                        f"  round {rnd} {name}: c=1 p50 {one.p50_ms:.3f} ms, p99 {one.p99_ms:.3f} ms; "
-                        f"c={args.connections} {many.rps:.0f} req/s, p99 {many.p99_ms:.2f} ms",
-                        flush=True,
-                    )
+                    runs.setdefault(name, []).append(measure_round(load, target, args.connections, args.duration, tmp))
+                    print(f"  round {rnd} {name}: {runs[name][-1].describe()}", flush=True)
             for name in names:
                 if name in skipped:
                     rows.append((name, skipped[name]))
