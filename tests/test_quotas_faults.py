@@ -220,9 +220,11 @@ async def test_redis_restart_behind_stale_connections_costs_no_503(spare_redis) 
     try:
         stage = _stage(proxy.url)
         t = _tenant(rpm=1000, max_concurrent=50)
-        leases = await asyncio.gather(*(stage.reserve(t, 1, f"warm-{i}") for i in range(4)))  # 4 pooled connections
+        leases = await asyncio.gather(*(stage.reserve(t, 1, f"warm-{i}") for i in range(4)))
         for lease in leases:
             await stage.settle(lease, 1)
+        # 4 pooled connections (the store sends one turn's calls on one: the client's own calls open them)
+        await asyncio.gather(*(stage.store.client.ping() for _ in range(4)))
         pooled = len(stage.store.client.connection_pool._available_connections)
         assert pooled >= 2
         spare_redis.kill()

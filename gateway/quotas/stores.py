@@ -11,6 +11,7 @@ not matter; ``time.monotonic()`` in :class:`LocalQuotaStore`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -164,6 +165,31 @@ def load_script(name: str) -> str:
     return resources.files("gateway.quotas").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
 
 
+def _answer(reply: asyncio.Future[Any], result: Any) -> None:
+    """Hand a coalesced call's ``result`` to its caller (unless it gave up): a value, or an
+    exception, which becomes a :class:`QuotaStoreUnavailable` of its own."""
+    if reply.done():
+        return
+    if isinstance(result, BaseException):
+        err = QuotaStoreUnavailable(
+            str(result) if isinstance(result, QuotaStoreUnavailable) else f"redis: {type(result).__name__}: {result}"
+        )
+        err.__cause__ = result
+        reply.set_exception(err)
+    else:
+        reply.set_result(result)
+
+
+@dataclass
+class _Queued:
+    """A script call waiting for this turn's round trip (:meth:`RedisQuotaStore._call`)."""
+
+    script: Any
+    keys: list[str]
+    args: list[Any]
+    reply: asyncio.Future[Any]
+
+
 class RedisQuotaStore:
     """Quota state in Redis, shared by all replicas; Lua scripts: ``begin.lua`` (RPM and lease,
     at arrival) then ``tokens.lua`` (TPM, once counted), or ``reserve.lua`` (all three at once);
@@ -179,14 +205,26 @@ class RedisQuotaStore:
     (each script runs on the tenant's slot). Every Redis or socket error becomes
     :class:`QuotaStoreUnavailable`. On a cluster a reservation carries no ``also`` writes (their
     keys live on other slots, mostly other nodes): those are left to ``also.finish``.
+
+    ``coalesce`` (default on, never on a cluster): the script calls that requests make in one
+    turn of the event loop go to Redis as one pipeline, one round trip and one connection for all
+    of them (each call stands alone, as it would on its own: no transaction); under load that is
+    most calls. Each caller still gets its own reply or error. :attr:`round_trips` and
+    :attr:`calls` count what was sent.
     """
 
     name = "redis"
 
-    def __init__(self, client: Any, *, prefix: str = "kvgate:q") -> None:
+    def __init__(self, client: Any, *, prefix: str = "kvgate:q", coalesce: bool = True) -> None:
         self.client = client
         self.prefix = prefix
         self.cluster = is_cluster(client)
+        self.coalesce = coalesce and not self.cluster
+        self._queued: list[_Queued] = []
+        self._sending: set[asyncio.Task[None]] = set()
+        #: script calls made, and the round trips that carried them (coalesced: fewer)
+        self.calls = 0
+        self.round_trips = 0
         self._reserve = client.register_script(load_script("reserve"))
         self._settle = client.register_script(load_script("settle"))
         self._renew = client.register_script(load_script("renew"))
@@ -203,8 +241,69 @@ class RedisQuotaStore:
         return key_slot(self.keys(tenant_id)[0]) if self.cluster else None
 
     async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
-        """Run ``script`` (:meth:`_retrying`). Raises :class:`QuotaStoreUnavailable`."""
-        return await self._retrying(lambda: script(keys=keys, args=args))
+        """Run ``script`` (:meth:`_retrying`), with the other calls of this turn of the event loop
+        when coalescing. Raises :class:`QuotaStoreUnavailable`."""
+        self.calls += 1
+        if not self.coalesce:
+            self.round_trips += 1
+            return await self._retrying(lambda: script(keys=keys, args=args))
+        loop = asyncio.get_running_loop()
+        queued = _Queued(script, keys, args, loop.create_future())
+        self._queued.append(queued)
+        if len(self._queued) == 1:
+            loop.call_soon(self._flush)
+        return await queued.reply  # a caller that gives up (its deadline) cancels only its own reply
+
+    def _flush(self) -> None:
+        """Send what this turn queued, as one round trip, in a task of its own (callers wait on
+        their replies only)."""
+        batch = [q for q in self._queued if not q.reply.done()]
+        self._queued = []
+        if batch:
+            self.round_trips += 1
+            task = asyncio.ensure_future(self._send(batch))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: list[_Queued]) -> None:
+        """One round trip for ``batch`` (a lone call as it is, more as a pipeline); each reply
+        gets its result or a :class:`QuotaStoreUnavailable` of its own."""
+        results: list[Any]
+        try:
+            if len(batch) == 1:
+                one = batch[0]
+                results = [await self._retrying(lambda: one.script(keys=one.keys, args=one.args))]
+            else:
+                results = await self._retrying(lambda: self._pipeline(batch))
+        except Exception as e:  # QuotaStoreUnavailable: the round trip failed, for every call in it
+            results = [e] * len(batch)
+        except BaseException as e:  # cancelled (shutdown): every caller learns it
+            results = [e] * len(batch)
+            raise
+        finally:
+            for q, r in zip(batch, results, strict=True):
+                _answer(q.reply, r)
+
+    async def _pipeline(self, batch: list[_Queued]) -> list[Any]:
+        """``batch`` as one pipeline of ``EVALSHA`` calls; the replies in order (a failed call's
+        error in its place). Calls answered ``NOSCRIPT`` (Redis restarted and lost its scripts)
+        have their scripts loaded and are sent once more."""
+        from redis.exceptions import NoScriptError
+
+        async def once(calls: list[_Queued]) -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for q in calls:
+                pipe.evalsha(q.script.sha, len(q.keys), *q.keys, *q.args)
+            return list(await pipe.execute(raise_on_error=False))
+
+        results = await once(batch)
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:
+            for script in {batch[i].script.sha: batch[i].script for i in missing}.values():
+                await self.client.script_load(script.script)
+            for i, r in zip(missing, await once([batch[i] for i in missing]), strict=True):
+                results[i] = r
+        return results
 
     async def _retrying(self, send: Any) -> Any:
         """Await ``send()``. A connection error (a pooled connection that Redis, restarted or
@@ -318,6 +417,8 @@ class RedisQuotaStore:
         return int(await self._call(self._cancel, self.keys(tenant_id), list(lease_ids)))
 
     async def aclose(self) -> None:
+        if self._sending:  # round trips under way finish first: their callers get their replies
+            await asyncio.gather(*self._sending, return_exceptions=True)
         try:
             await self.client.aclose()
         except Exception:  # closing a broken connection must not fail shutdown
