@@ -31,12 +31,21 @@ exact count of the bench body, so the verifier's drift check stays quiet) and th
   would.
 
 Per scenario: p50/p99 at 1 connection and requests/s and p99 at ``--connections`` (64). Every
-scenario is started once and measured in ``--rounds`` interleaved rounds (the table shows
-medians), so a noisy neighbour on a shared machine hits every column alike. The table adds the
-p50/p99 added over ``direct``, requests/s and p99 as ratios to the naive relay and LiteLLM, and
-checks the goals of the throughput issue (kvgate-full: >= 2x the relay's and >= 10x LiteLLM's
-requests/s, added p50 <= 0.5 ms, p99 at 64 <= 0.5x the relay's, verification at 100% costing
-<= 10% of requests/s; the floor: >= 1x the relay).
+scenario is started once and measured in ``--rounds`` (3) interleaved rounds, every other round
+in reverse order, so a noisy neighbour on a shared machine hits every column alike and no
+scenario always runs first. Each row is the median over rounds with its min-max spread; the
+ratios to the naive relay and LiteLLM are taken within each round (the median and min-max of
+those); ``busiest w`` is the busiest kvgate worker's share of the N-connection requests, read
+from the workers' metric files (an uneven split of the keep-alive connections leaves one worker
+saturated). The goal checks of the throughput issue follow (kvgate-full: >= 2x the relay's and
+>= 10x LiteLLM's requests/s, added p50 <= 0.5 ms, p99 at 64 <= 0.5x the relay's, verification
+at 100% costing <= 10% of requests/s; the floor: >= 1x the relay).
+
+``--base DIR`` adds ``kvgate-full@base``: kvgate-full served from another checkout (e.g. the
+commit before a change), with kvgate-full / kvgate-full@base as within-round ratios.
+``--profile DIR`` replaces the rounds: each kvgate scenario gets one c=1 and one c=N run with
+``py-spy`` sampling every worker; the top frames (inclusive and self shares of the samples) are
+printed and written to ``DIR/profile.md``, the raw stacks beside it.
 
 ``--transports`` instead compares the HTTP clients the gateway could forward with (httpx's default
 transport, httpx over aiohttp via ``httpx-aiohttp``, aiohttp itself): each in its own process,
@@ -46,7 +55,8 @@ Adding a scenario is one function: decorate ``f(env) -> ContextManager[Target]``
 ``@scenario("name", "what it measures")``; :func:`gateway_target` starts ``kvgate serve`` with
 settings overrides (e.g. quotas on Redis, verification sampled at 100%).
 
-Run: ``.venv/bin/python bench/gateway.py [--duration 5] [--rounds 2] [--only kvgate-full,naive-relay]``.
+Run: ``.venv/bin/python bench/gateway.py [--duration 5] [--rounds 3] [--only kvgate-full,naive-relay]
+[--litellm-venv DIR] [--base DIR] [--profile DIR]``.
 """
 
 import os
@@ -532,7 +542,7 @@ def gateway_target(
     metrics_dir = env.tmp / f"{name}-metrics" if n > 1 else None  # the workers' files: requests per worker
     if metrics_dir is not None:
         extra["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-    p = env.spawn(name, cmd, env={**clean, **extra})
+    p = env.spawn(name, cmd, env={**clean, **extra}, cwd=root)  # ``-m`` puts the cwd first on sys.path
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", p)
         time.sleep(2.0)  # every worker up (the first ready one answers /readyz)
@@ -1348,8 +1358,10 @@ def main() -> int:
             if args.profile is not None:
                 run_profiles(targets, load, args.connections, args.duration, tmp, args.profile)
                 return 0
+            order = list(targets)
             for rnd in range(1, args.rounds + 1):  # interleaved rounds: a noisy neighbour hits all alike
-                for name, (target, _) in targets.items():
+                for name in order if rnd % 2 else reversed(order):  # no scenario always goes first
+                    target = targets[name][0]
                     runs.setdefault(name, []).append(measure_round(load, target, args.connections, args.duration, tmp))
                     print(f"  round {rnd} {name}: {runs[name][-1].describe()}", flush=True)
             for name in names:
