@@ -1,4 +1,5 @@
-"""Admission-time indexing of small prompts on the event loop (verifier.jobs.IngestBudget.prepare_small):
+"""Admission-time indexing of small prompts on the event loop (verifier.jobs.IngestBudget.prepare_small,
+and index_small_now for in-memory stores):
 with Redis stores, a prompt of at most INLINE_INGEST_BYTES is fingerprinted in place and written
 with one awaited Lua call, never through the admission thread; a larger one still takes the
 thread. What it stores, what a later check finds, and what Redis down or hanging does to it."""
@@ -191,3 +192,56 @@ async def test_cancelled_inline_admission_releases_its_bytes(tmp_path, prefix):
     finally:
         await svc.aclose()
         server.close()
+
+
+async def test_in_memory_stores_index_a_small_prompt_on_the_loop_when_the_lock_is_free(tmp_path):
+    """No Redis: a small prompt is indexed on the event loop (no admission thread) when the
+    state lock is free, a larger one in the thread; both are found by a strict check."""
+    svc = build_verifier(settings(tmp_path, ""), secrets=SECRETS)
+    threaded = no_thread(svc)
+    try:
+        small, large = prose(INLINE_INGEST_BYTES, seed=8), prose(INLINE_INGEST_BYTES + 1, seed=9)
+        await svc.admit(ex(A, small))
+        await svc.admit(ex(A, large))
+        assert threaded == [INLINE_INGEST_BYTES + 1]
+        assert svc.stats["ingested"] == 2 and svc.ingest_pending_bytes == 0
+        for text in (small, large):
+            g = svc.begin(ex(STRICT, "hello there"))
+            with pytest.raises(ResponseWithheld) as ei:
+                await g.check_body("Sure: " + text[1000:1600], usage=None, finish_reason="stop", ttft_seconds=None)
+            assert ei.value.detector == "leak_index"
+    finally:
+        await svc.aclose()
+
+
+async def test_in_memory_stores_never_wait_for_the_lock_on_the_loop(tmp_path):
+    """The state lock is held (the worker's batch): a small prompt is not indexed on the loop
+    but in the admission thread, which waits for the lock; the loop stays free meanwhile."""
+    import threading
+
+    svc = build_verifier(settings(tmp_path, ""), secrets=SECRETS)
+    threaded = no_thread(svc)
+    holding, released = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with svc.strict.lock:
+            holding.set()
+            released.wait(10)
+
+    holder = threading.Thread(target=hold)
+    try:
+        holder.start()
+        assert holding.wait(5)
+        task = asyncio.create_task(svc.admit(ex(A, prose(500, seed=10))))
+        ticks = 0
+        while ticks < 5:  # the loop runs while the admission waits for the lock
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert not task.done() and threaded == [500]
+        released.set()
+        await asyncio.wait_for(task, 5)
+        assert svc.stats["ingested"] == 1 and svc.ingest_pending_bytes == 0
+    finally:
+        released.set()
+        holder.join(5)
+        await svc.aclose()

@@ -3,8 +3,9 @@
 - :meth:`VerifierService.admit` (admission, before forwarding) decodes token-id prompts with the
   model's tokenizer and indexes the prompt in the leak index and the canary registry (every
   tenant, sampled or not: the index must know every prompt to recognise it elsewhere), in a
-  thread of its own that the request awaits: a tenant's prompt costs its own time, and a later
-  check finds it indexed. One tenant's ingests run ``ingest_concurrency_per_tenant`` at a time;
+  thread of its own that the request awaits (a prompt of at most 4 KiB on the event loop: see
+  :meth:`VerifierService.admit`): a tenant's prompt costs its own time, and a later check
+  finds it indexed. One tenant's ingests run ``ingest_concurrency_per_tenant`` at a time;
   pending ingest is bounded in bytes (``max_pending_ingest_bytes``), beyond which a prompt is not
   indexed and is counted as dropped.
 - :meth:`VerifierService.begin` returns a guard when the response is sampled
@@ -238,8 +239,9 @@ class VerifierService:
         a failure, or no decoder, leaves ``own_text_complete`` false and is counted as
         ``decode_failed``), then tokenize and fingerprint the prompt and add it to the leak index
         and the canary registry (a prompt of at most :data:`~verifier.jobs.INLINE_INGEST_BYTES`
-        with Redis stores: on the event loop, one awaited call per store; otherwise in a thread
-        of its own), and keep its own-shingle set on the
+        with Redis stores: on the event loop, one awaited call per store; with in-memory stores:
+        on the event loop when the state lock is free at once; otherwise in a thread of its
+        own), and keep its own-shingle set on the
         exchange when the response will be checked. Over the pending-ingest byte budget the
         prompt is not indexed (``kvgate_verifier_dropped_total{reason="ingest_bytes"}``). Never
         raises, except :class:`asyncio.CancelledError` when the request is cancelled.
@@ -283,6 +285,9 @@ class VerifierService:
                 if defer_write:
                     return pending
                 await pending.finish()
+                return None
+            small = nbytes <= INLINE_INGEST_BYTES and self.ingest.memory_store()
+            if small and self.ingest.index_small_now(exchange, text, nbytes):  # the lock was free
                 return None
             await self._ingest_in_thread(exchange, text, nbytes)
         except FATAL:
