@@ -25,8 +25,6 @@ LONG_FUNCTIONS = {
     "gateway/app.py:create_app": "routes as closures; to become route values",
     "gateway/commands/serve.py:run": "start-up checks in order; to split by check",
     "gateway/admission/gate.py:decide": "the gate's rules; to move into the route objects",
-    "gateway/relay/proxy.py:relay_response_stream": "to become one relay loop with a stream protocol",
-    "gateway/relay/proxy.py:relay_stream": "to become one relay loop with a stream protocol",
     "gateway/commands/demo.py:build_cases": "the demo's table of cases",
     "gateway/ops/metrics.py:__init__": "one line per metric family",
 }

@@ -1,6 +1,6 @@
 """The forward path's client (gateway/relay/upstream_client.py) against raw asyncio servers on loopback
-that misbehave on purpose: every aiohttp failure must reach the proxy as the httpx exception it
-already handles, bodies must come back byte for byte, and an abandoned response must close its
+that misbehave on purpose: every aiohttp failure must reach the proxy as the client's own exception
+(gateway.relay.upstream_client's tree), bodies must come back byte for byte, and an abandoned response must close its
 connection (so the engine sees the request cancelled)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import asyncio
 import socket
 
 import aiohttp
-import httpx
 import pytest
 
-from gateway.relay.upstream_client import UpstreamClient, as_httpx_error
+from gateway.relay import upstream_client as uc
+from gateway.relay.upstream_client import UpstreamClient, as_upstream_error
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -115,7 +115,7 @@ async def test_connection_refused_is_connect_error() -> None:
 
     url = f"http://127.0.0.1:{refused_port()}/v1/chat/completions"
     c = client()
-    with pytest.raises(httpx.ConnectError):
+    with pytest.raises(uc.ConnectError):
         await c.send("POST", url, b"{}", HEADERS)
     await c.aclose()
 
@@ -128,7 +128,7 @@ async def test_no_answer_within_the_read_timeout_is_read_timeout() -> None:
     async with Server(engine) as srv:
         c = client(read_timeout=0.3)
         t0 = asyncio.get_running_loop().time()
-        with pytest.raises(httpx.ReadTimeout):
+        with pytest.raises(uc.ReadTimeout):
             await c.send("POST", srv.url, b"{}", HEADERS)
         assert asyncio.get_running_loop().time() - t0 < 1.5
         await c.aclose()
@@ -145,11 +145,11 @@ async def test_a_stalled_body_is_read_timeout_and_a_cut_body_a_protocol_error() 
     async with Server(engine) as srv:
         c = client(read_timeout=0.3)
         r = await c.send("POST", srv.url, b"{}", HEADERS)
-        with pytest.raises(httpx.ReadTimeout):
+        with pytest.raises(uc.ReadTimeout):
             await r.aread()
         await r.aclose()
         r = await c.send("POST", srv.url, b"{}", HEADERS)  # second: cut after 10 of 100 bytes
-        with pytest.raises(httpx.RemoteProtocolError):
+        with pytest.raises(uc.RemoteProtocolError):
             async for _ in r.aiter_raw():
                 pass
         await r.aclose()
@@ -162,7 +162,7 @@ async def test_closed_before_the_status_line_is_remote_protocol_error() -> None:
 
     async with Server(engine) as srv:
         c = client()
-        with pytest.raises(httpx.RemoteProtocolError):
+        with pytest.raises(uc.RemoteProtocolError):
             await c.send("POST", srv.url, b"{}", HEADERS)
         await c.aclose()
 
@@ -177,7 +177,7 @@ async def test_a_full_pool_is_connect_timeout_after_the_connect_timeout() -> Non
         first = asyncio.ensure_future(c.send("POST", srv.url, b"{}", HEADERS))
         await asyncio.sleep(0.1)
         t0 = asyncio.get_running_loop().time()
-        with pytest.raises(httpx.ConnectTimeout):
+        with pytest.raises(uc.ConnectTimeout):
             await c.send("POST", srv.url, b"{}", HEADERS)
         assert 0.25 < asyncio.get_running_loop().time() - t0 < 1.5
         first.cancel()
@@ -204,9 +204,9 @@ async def test_on_sent_fires_once_the_request_is_written_never_for_a_failed_conn
         refused = f"http://127.0.0.1:{s.getsockname()[1]}/v1/chat/completions"
         async with Server(engine) as srv:
             c = client(max_connections=1, connect_timeout=0.3, read_timeout=0.5)
-            with pytest.raises(httpx.ConnectError):
+            with pytest.raises(uc.ConnectError):
                 await c.send("POST", refused, b"{}", HEADERS, lambda: sent.append("refused"))
-            with pytest.raises(httpx.ReadTimeout):
+            with pytest.raises(uc.ReadTimeout):
                 await c.send("POST", srv.url, b'{"n":1}', HEADERS, lambda: sent.append("timed out"))
             first = asyncio.ensure_future(c.send("POST", srv.url, b'{"n":2}', HEADERS, lambda: sent.append("held")))
             await asyncio.sleep(0.1)
@@ -257,23 +257,23 @@ async def test_an_abandoned_response_closes_its_connection_a_read_one_is_reused(
         await c.aclose()
 
 
-def test_every_aiohttp_failure_maps_to_an_httpx_error_others_pass() -> None:
+def test_every_aiohttp_failure_maps_to_an_upstream_error_others_pass() -> None:
     key = aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None)
     cases = [
-        (aiohttp.ConnectionTimeoutError(), True, httpx.ConnectTimeout),
-        (aiohttp.ClientConnectorError(key, OSError(111, "refused")), True, httpx.ConnectError),
-        (aiohttp.SocketTimeoutError(), False, httpx.ReadTimeout),
-        (TimeoutError(), False, httpx.ReadTimeout),
-        (aiohttp.ServerDisconnectedError(), True, httpx.RemoteProtocolError),
-        (aiohttp.ClientPayloadError("cut"), False, httpx.RemoteProtocolError),
-        (aiohttp.ClientOSError(104, "reset"), True, httpx.WriteError),
-        (aiohttp.ClientOSError(104, "reset"), False, httpx.ReadError),
-        (ConnectionResetError(), False, httpx.ReadError),
-        (aiohttp.InvalidURL("x"), True, httpx.TransportError),
+        (aiohttp.ConnectionTimeoutError(), True, uc.ConnectTimeout),
+        (aiohttp.ClientConnectorError(key, OSError(111, "refused")), True, uc.ConnectError),
+        (aiohttp.SocketTimeoutError(), False, uc.ReadTimeout),
+        (TimeoutError(), False, uc.ReadTimeout),
+        (aiohttp.ServerDisconnectedError(), True, uc.RemoteProtocolError),
+        (aiohttp.ClientPayloadError("cut"), False, uc.RemoteProtocolError),
+        (aiohttp.ClientOSError(104, "reset"), True, uc.WriteError),
+        (aiohttp.ClientOSError(104, "reset"), False, uc.ReadError),
+        (ConnectionResetError(), False, uc.ReadError),
+        (aiohttp.InvalidURL("x"), True, uc.TransportError),
     ]
     for exc, connecting, want in cases:
-        got = as_httpx_error(exc, connecting=connecting)
+        got = as_upstream_error(exc, connecting=connecting)
         assert type(got) is want, (exc, got)
-        assert isinstance(got, httpx.HTTPError)
-    assert as_httpx_error(ValueError("not ours"), connecting=True) is None
-    assert as_httpx_error(asyncio.CancelledError(), connecting=True) is None
+        assert isinstance(got, uc.UpstreamError)
+    assert as_upstream_error(ValueError("not ours"), connecting=True) is None
+    assert as_upstream_error(asyncio.CancelledError(), connecting=True) is None

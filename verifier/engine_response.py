@@ -9,6 +9,8 @@ settle) and the verifier read it; it lives in ``verifier/`` because dependencies
 - :func:`parse_chunk`: the JSON ``data`` of one SSE chunk (``chat.completion.chunk``).
 - :func:`parse_response_event` / :func:`parse_response_body`: ``/v1/responses`` stream events and
   whole ``response`` objects (a section of their own, at the end).
+- :class:`StreamEvent`: one stream event of either protocol, as the relay reads it
+  (:func:`parse_chunk_event` for chat/completions, :func:`parse_response_event`).
 - :func:`is_error_payload` / :func:`engine_error`: an engine error object (SGLang flat
   ``{"object":"error",...,"code":400}``, vLLM/OpenAI nested ``{"error":{...}}``, ``/generate``'s
   ``{"error":{"message"}}``, FastAPI's ``{"detail":...}``) as an :class:`~config.errors.OpenAIError`.
@@ -37,7 +39,9 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, TypeGuard
 
 import orjson
@@ -60,7 +64,7 @@ OPENAI_ERROR_TYPES = frozenset(
 MAX_ENGINE_MESSAGE_CHARS = 4000
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineOutput:
     """What one body or one chunk carries.
 
@@ -81,8 +85,49 @@ class EngineOutput:
 
     @property
     def text(self) -> str:
-        """Every choice's text joined, in choice order."""
+        """Every choice's (or output's) text joined, in order."""
         return "".join(self.texts.values())
+
+
+_NO_SNAPSHOTS: Mapping[str, str] = MappingProxyType({})
+
+
+def _no_snapshots() -> Mapping[str, str]:
+    return _NO_SNAPSHOTS
+
+
+@dataclass(slots=True)
+class StreamEvent(EngineOutput):
+    """One SSE event of either stream protocol (chat/completions chunks, Responses events), or a
+    whole Responses answer: what :class:`EngineOutput` says, and ``kind``:
+
+    - ``chunk`` (a chat/completions chunk), ``text`` (a Responses text delta), ``terminal``
+      (``response.completed`` / ``incomplete``; a whole answer), ``snapshot`` (an event that
+      repeats text), ``other`` (no data, not JSON, nothing known);
+    - ``done``: chat's ``data: [DONE]``;
+    - ``error``: an engine error (an error object in chat; an ``error`` event, ``response.failed``
+      or an error body in Responses); ``error`` holds its fields (``message``, ``code``,
+      ``param``, ``type``), which ``engine_error(200, {"error": error})`` maps.
+
+    ``sequence_number``: a Responses event's number, when it has one. ``snapshots``: the whole
+    text so far that a Responses event repeats (``*.done``, ``*.added``, the ``response`` of
+    ``response.created`` / ``response.completed`` ...), keyed as ``fields``: an honest engine
+    repeats exactly its deltas, so the relay checks a snapshot only where it differs from them (a
+    hostile engine could put text there alone). Empty (and read-only) for chat. A Responses
+    text stream's key is ``"<output index>:<part index>:<name>"`` (names: ``output_text``,
+    ``refusal``, ``reasoning``, ``reasoning_summary``, ``arguments``, ...); its ``usage`` is given
+    in chat names."""
+
+    kind: str = "other"
+    error: dict[str, Any] | None = None
+    sequence_number: int | None = None
+    snapshots: Mapping[str, str] = field(default_factory=_no_snapshots)
+
+    @property
+    def starts(self) -> bool:
+        """The event starts the client's response: it carries text or ends the answer (a
+        finish reason, a terminal Responses event)."""
+        return bool(self.texts or self.finish_reason) or self.kind == "terminal"
 
 
 #: reasoning and refusal fields of a ``message`` / ``delta``, read as they are named
@@ -139,109 +184,131 @@ def _unknown_strings(choice: dict[str, Any], holder: str) -> list[str]:
             _strings(v, out)
     inner = choice.get(holder)
     if isinstance(inner, dict):
-        for k, v in inner.items():
-            if k not in _MESSAGE_KNOWN and k not in META_KEYS:
-                _strings(v, out)
-        content = inner.get("content")
-        if isinstance(content, list):  # parts other than text / refusal (their other strings)
-            for p in content:
-                if isinstance(p, dict):
-                    _strings({k: v for k, v in p.items() if k not in ("text", "refusal")}, out)
-        for tc in inner.get("tool_calls") or () if isinstance(inner.get("tool_calls"), list) else ():
-            if isinstance(tc, dict):
-                _strings({k: v for k, v in tc.items() if k != "function"}, out)
-                fn = tc.get("function")
-                if isinstance(fn, dict):
-                    _strings({k: v for k, v in fn.items() if k not in ("name", "arguments")}, out)
+        _message_unknown_strings(inner, out)
     return out
+
+
+def _message_unknown_strings(inner: dict[str, Any], out: list[str]) -> None:
+    """The strings of a ``message`` / ``delta`` outside its named fields: unknown keys, content
+    parts' other keys, tool calls' other keys (their ``function``'s too)."""
+    for k, v in inner.items():
+        if k not in _MESSAGE_KNOWN and k not in META_KEYS:
+            _strings(v, out)
+    content = inner.get("content")
+    if isinstance(content, list):  # parts other than text / refusal (their other strings)
+        for p in content:
+            if isinstance(p, dict):
+                _strings({k: v for k, v in p.items() if k not in ("text", "refusal")}, out)
+    calls = inner.get("tool_calls")
+    for tc in calls if isinstance(calls, list) else ():
+        if isinstance(tc, dict):
+            _strings({k: v for k, v in tc.items() if k != "function"}, out)
+            fn = tc.get("function")
+            if isinstance(fn, dict):
+                _strings({k: v for k, v in fn.items() if k not in ("name", "arguments")}, out)
 
 
 def _is_index(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _choice_fields(choice: dict[str, Any], holder: str) -> list[tuple[str, str, bool]]:
+#: one text stream of a choice: ``(field, text, counted as completion text)``
+_Field = tuple[str, str, bool]
+
+
+def _choice_fields(choice: dict[str, Any], holder: str) -> list[_Field]:
     """``(field, text, counted)`` of one choice, in a fixed order; only string values (an empty
     string included). ``holder``: ``message`` (whole) or ``delta`` (chunk)."""
-    out: list[tuple[str, str, bool]] = []
+    out: list[_Field] = []
     inner = choice.get(holder)
     if isinstance(inner, dict):
-        content = inner.get("content")
-        if isinstance(content, str):
-            out.append(("content", content, True))
-        elif isinstance(content, list):  # content parts
-            texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-            refusals = [p["refusal"] for p in content if isinstance(p, dict) and isinstance(p.get("refusal"), str)]
-            if texts:
-                out.append(("content", "".join(texts), True))
-            if refusals:
-                out.append(("refusal", "".join(refusals), True))
-        for name in _PLAIN_FIELDS:
-            v = inner.get(name)
-            if isinstance(v, str):
-                out.append((name, v, True))
-        audio = inner.get("audio")
-        if isinstance(audio, dict) and isinstance(audio.get("transcript"), str):
-            out.append(("audio", audio["transcript"], True))
-        calls = inner.get("tool_calls")
-        if isinstance(calls, list):
-            for pos, tc in enumerate(calls):
-                if not isinstance(tc, dict):
-                    continue
-                j = tc.get("index") if _is_index(tc.get("index")) else pos
-                fn = tc.get("function")
-                if isinstance(fn, dict):
-                    for part in ("name", "arguments"):
-                        if isinstance(fn.get(part), str):
-                            out.append((f"tool:{j}:{part}", fn[part], True))
-        fc = inner.get("function_call")
-        if isinstance(fc, dict):
-            for part in ("name", "arguments"):
-                if isinstance(fc.get(part), str):
-                    out.append((f"function_call:{part}", fc[part], True))
+        _message_fields(inner, out)
     elif isinstance(choice.get("text"), str):
         out.append(("text", choice["text"], True))
     lp = choice.get("logprobs")
     if isinstance(lp, dict):
-        tokens: list[str] = []
-        for key in ("content", "refusal"):  # chat: [{"token", "logprob", "bytes", "top_logprobs"}]
-            items = lp.get(key)
-            if isinstance(items, list):
-                tokens += [t["token"] for t in items if isinstance(t, dict) and isinstance(t.get("token"), str)]
-        items = lp.get("tokens")  # completions: ["tok", ...]
-        if isinstance(items, list):
-            tokens += [t for t in items if isinstance(t, str)]
-        if tokens:
-            out.append(("logprobs", "".join(tokens), False))
+        _logprob_fields(lp, out)
     return out
 
 
-def _parse(obj: Any, holder: str, keep_empty: bool) -> EngineOutput:
-    out = EngineOutput()
+def _message_fields(inner: dict[str, Any], out: list[_Field]) -> None:
+    """A ``message`` / ``delta``'s text streams: content (and its parts), reasoning, refusal,
+    the audio transcript, tool calls, the legacy ``function_call``."""
+    content = inner.get("content")
+    if isinstance(content, str):
+        out.append(("content", content, True))
+    elif isinstance(content, list):
+        _content_part_fields(content, out)
+    for name in _PLAIN_FIELDS:
+        v = inner.get(name)
+        if isinstance(v, str):
+            out.append((name, v, True))
+    audio = inner.get("audio")
+    if isinstance(audio, dict) and isinstance(audio.get("transcript"), str):
+        out.append(("audio", audio["transcript"], True))
+    calls = inner.get("tool_calls")
+    if isinstance(calls, list):
+        _tool_call_fields(calls, out)
+    fc = inner.get("function_call")
+    if isinstance(fc, dict):
+        _function_fields(fc, "function_call", out)
+
+
+def _content_part_fields(content: list[Any], out: list[_Field]) -> None:
+    """A list of content parts: its ``text`` parts as ``content``, its ``refusal`` parts as ``refusal``."""
+    texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    refusals = [p["refusal"] for p in content if isinstance(p, dict) and isinstance(p.get("refusal"), str)]
+    if texts:
+        out.append(("content", "".join(texts), True))
+    if refusals:
+        out.append(("refusal", "".join(refusals), True))
+
+
+def _tool_call_fields(calls: list[Any], out: list[_Field]) -> None:
+    """``tool:<j>:name`` / ``tool:<j>:arguments`` of each tool call (``j``: its ``index``, else its position)."""
+    for pos, tc in enumerate(calls):
+        if not isinstance(tc, dict):
+            continue
+        fn = tc.get("function")
+        if isinstance(fn, dict):
+            j = tc.get("index") if _is_index(tc.get("index")) else pos
+            _function_fields(fn, f"tool:{j}", out)
+
+
+def _function_fields(fn: dict[str, Any], prefix: str, out: list[_Field]) -> None:
+    for part in ("name", "arguments"):
+        if isinstance(fn.get(part), str):
+            out.append((f"{prefix}:{part}", fn[part], True))
+
+
+def _logprob_fields(lp: dict[str, Any], out: list[_Field]) -> None:
+    """The sampled tokens' strings of a choice's ``logprobs`` (chat ``content`` / ``refusal``
+    entries, completions ``tokens``), as one ``logprobs`` stream, not counted."""
+    tokens: list[str] = []
+    for key in ("content", "refusal"):  # chat: [{"token", "logprob", "bytes", "top_logprobs"}]
+        items = lp.get(key)
+        if isinstance(items, list):
+            tokens += [t["token"] for t in items if isinstance(t, dict) and isinstance(t.get("token"), str)]
+    items = lp.get("tokens")  # completions: ["tok", ...]
+    if isinstance(items, list):
+        tokens += [t for t in items if isinstance(t, str)]
+    if tokens:
+        out.append(("logprobs", "".join(tokens), False))
+
+
+def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> EngineOutput:
+    """Fill ``out`` from a body or chunk ``obj`` (``holder``: ``message`` or ``delta``;
+    ``keep_empty``: empty strings are read as texts too)."""
     if not isinstance(obj, dict):
         return out
     choices = obj.get("choices")
     if isinstance(choices, list):
         position = 0
         for c in choices:
-            if not isinstance(c, dict):
-                continue
-            i = c.get("index")
-            key = i if _is_index(i) else position
-            for name, t, counted in _choice_fields(c, holder):
-                if not t and not keep_empty:
-                    continue
-                fk = f"{key}:{name}"
-                out.fields[fk] = out.fields.get(fk, "") + t
-                if counted:
-                    out.texts[key] = out.texts.get(key, "") + t
-            other = _unknown_strings(c, holder)
-            if other:
-                fk = f"{key}:other"
-                out.fields[fk] = out.fields.get(fk, "") + " ".join(other)
-            position += 1
-            if out.finish_reason is None and isinstance(c.get("finish_reason"), str):
-                out.finish_reason = c["finish_reason"]
+            if isinstance(c, dict):
+                i = c.get("index")
+                _add_choice(out, c, i if _is_index(i) else position, holder, keep_empty)
+                position += 1
     top: list[str] = []
     for k, v in obj.items():
         if k not in ("choices", "usage") and k not in META_KEYS:
@@ -255,11 +322,28 @@ def _parse(obj: Any, holder: str, keep_empty: bool) -> EngineOutput:
     return out
 
 
+def _add_choice(out: EngineOutput, c: dict[str, Any], key: int, holder: str, keep_empty: bool) -> None:
+    """One choice's texts, fields and finish reason into ``out`` (a repeated index adds to its streams)."""
+    for name, t, counted in _choice_fields(c, holder):
+        if not t and not keep_empty:
+            continue
+        fk = f"{key}:{name}"
+        out.fields[fk] = out.fields.get(fk, "") + t
+        if counted:
+            out.texts[key] = out.texts.get(key, "") + t
+    other = _unknown_strings(c, holder)
+    if other:
+        fk = f"{key}:other"
+        out.fields[fk] = out.fields.get(fk, "") + " ".join(other)
+    if out.finish_reason is None and isinstance(c.get("finish_reason"), str):
+        out.finish_reason = c["finish_reason"]
+
+
 def parse_body(obj: Any) -> EngineOutput:
     """A whole response object (already JSON-decoded) as :class:`EngineOutput`; never raises on
     odd shapes (a non-object, choices that are not objects, non-string texts read as absent).
     A choice's index is its ``index`` field when it is an int, else its position."""
-    return _parse(obj, "message", keep_empty=True)
+    return _parse(obj, "message", True, EngineOutput())
 
 
 def parse_chunk(obj: Any) -> EngineOutput:
@@ -267,7 +351,21 @@ def parse_chunk(obj: Any) -> EngineOutput:
     each choice adds, per field (the ``delta``'s fields or ``text``; empty strings left out; a
     streamed tool call's ``arguments`` fragments add to the same ``tool:<j>:arguments``
     stream). Never raises."""
-    return _parse(obj, "delta", keep_empty=False)
+    return _parse(obj, "delta", False, EngineOutput())
+
+
+def parse_chunk_event(obj: Any) -> StreamEvent:
+    """One chat/completions SSE event's ``data`` (already JSON-decoded) as a :class:`StreamEvent`:
+    ``error`` (with the error's fields) for an engine error object (:func:`is_error_payload`),
+    ``other`` for a JSON value that is not an object, else ``chunk`` (:func:`parse_chunk`'s
+    reading). Never raises."""
+    if not isinstance(obj, dict):
+        return StreamEvent()
+    if is_error_payload(obj):
+        return StreamEvent(kind="error", error=_error_fields(obj))
+    out = StreamEvent(kind="chunk")
+    _parse(obj, "delta", False, out)
+    return out
 
 
 def is_error_payload(obj: Any) -> bool:
@@ -403,36 +501,6 @@ def _logprob_tokens(lp: Any) -> str:
     return "".join(t["token"] for t in lp if isinstance(t, dict) and isinstance(t.get("token"), str))
 
 
-@dataclass
-class ResponseOutput:
-    """What one Responses event or body carries. ``kind``: ``text`` (a text delta), ``terminal``
-    (completed / incomplete), ``error`` (an ``error`` event, ``response.failed``, or a body with
-    an ``error`` object and no output), ``other``. ``texts``: output index -> text; ``usage`` in
-    chat names; ``error``: the error's fields (``message``, ``code``, ``param``) for the gateway's
-    error mapping; ``sequence_number`` when the event has one. ``fields``: the same text per text
-    stream, ``"<output index>:<part index>:<name>"`` -> text (names: ``output_text``,
-    ``refusal``, ``reasoning``, ``reasoning_summary``, ``arguments``), what the verifier checks,
-    each on its own (as :attr:`EngineOutput.fields`). ``snapshots``: the whole text so far that an
-    event repeats (``*.done``, ``*.added``, the ``response`` of ``response.created`` /
-    ``response.completed`` ...), under the same keys: an honest engine repeats exactly its deltas,
-    so the relay checks a snapshot only where it differs from them (a hostile engine could put
-    text there alone)."""
-
-    kind: str = "other"
-    texts: dict[int, str] = field(default_factory=dict)
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-    sequence_number: int | None = None
-    fields: dict[str, str] = field(default_factory=dict)
-    snapshots: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def text(self) -> str:
-        """Every output's text joined, in output order."""
-        return "".join(self.texts[k] for k in sorted(self.texts))
-
-
 def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
@@ -477,7 +545,7 @@ def _part_fields(part: dict[str, Any], index: int, j: int, name: str, out: dict[
 
 
 def _item_fields(item: Any, index: int) -> dict[str, str]:
-    """The text streams of one output item (see :attr:`ResponseOutput.fields`): the named
+    """The text streams of one output item (see :attr:`StreamEvent.fields`): the named
     fields of its type, its content parts, and every other string (``"<index>:other"``): an
     item type kvgate does not know is read whole."""
     out: dict[str, str] = {}
@@ -535,15 +603,15 @@ def is_response_error(obj: Any) -> bool:
     return obj.get("error") is not None and not isinstance(obj.get("output"), list)
 
 
-def parse_response_body(obj: Any) -> ResponseOutput:
+def parse_response_body(obj: Any) -> StreamEvent:
     """A whole ``response`` object: each output item's text, usage, finish reason; ``kind``
     ``error`` (with ``error``) for :func:`is_response_error` bodies. Never raises."""
-    out = ResponseOutput("terminal")
+    out = StreamEvent(kind="terminal")
     if not isinstance(obj, dict):
-        return ResponseOutput()
+        return StreamEvent()
     if is_response_error(obj):
         err = obj.get("error")
-        return ResponseOutput("error", error=err if isinstance(err, dict) else {"message": err} if err else obj)
+        return StreamEvent(kind="error", error=err if isinstance(err, dict) else {"message": err} if err else obj)
     items = obj.get("output")
     for i, item in enumerate(items if isinstance(items, list) else ()):
         f = _item_fields(item, i)
@@ -556,7 +624,7 @@ def parse_response_body(obj: Any) -> ResponseOutput:
     return out
 
 
-def parse_response_event(obj: Any) -> ResponseOutput:
+def parse_response_event(obj: Any) -> StreamEvent:
     """One stream event's ``data`` (already JSON-decoded). Every string it carries outside the
     metadata is read: the text delta events' ``delta`` (and ``logprobs`` tokens) as new text;
     what an event repeats (``*.done``, ``*.added``, the ``response`` object) as snapshots; any
@@ -564,12 +632,12 @@ def parse_response_event(obj: Any) -> ResponseOutput:
     the stream ``"<output index>:other"`` (``"<output index>:<part>:annotations"`` for
     ``response.output_text.annotation.added``). Never raises on odd shapes."""
     if not isinstance(obj, dict):
-        return ResponseOutput()
+        return StreamEvent()
     etype = obj.get("type")
     seq = _int(obj.get("sequence_number"))
     if etype == "error" or (etype is None and obj.get("error") is not None):
         err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
-        return ResponseOutput("error", error=err, sequence_number=seq)
+        return StreamEvent(kind="error", error=err, sequence_number=seq)
     i = _int(obj.get("output_index"))
     i = 0 if i is None else i
     j = _int(obj.get("content_index", obj.get("summary_index")))
@@ -587,17 +655,17 @@ def parse_response_event(obj: Any) -> ResponseOutput:
         resp = got if isinstance(got, dict) else {}
         if etype == "response.failed":
             err = resp.get("error")
-            return ResponseOutput("error", error=err if isinstance(err, dict) else {}, sequence_number=seq)
+            return StreamEvent(kind="error", error=err if isinstance(err, dict) else {}, sequence_number=seq)
         finish = _finish_of(resp) or TERMINAL_EVENTS[etype]
         usage = response_usage(resp.get("usage"))
-        return ResponseOutput(
-            "terminal", finish_reason=finish, usage=usage, sequence_number=seq, snapshots=snaps, fields=fields
+        return StreamEvent(
+            kind="terminal", finish_reason=finish, usage=usage, sequence_number=seq, snapshots=snaps, fields=fields
         )
     kind = "snapshot" if snaps else "other"
-    return ResponseOutput(kind, sequence_number=seq, snapshots=snaps, fields=fields)
+    return StreamEvent(kind=kind, sequence_number=seq, snapshots=snaps, fields=fields)
 
 
-def _delta_event(obj: dict[str, Any], etype: str, i: int, j: int, seq: int | None) -> ResponseOutput:
+def _delta_event(obj: dict[str, Any], etype: str, i: int, j: int, seq: int | None) -> StreamEvent:
     """A text delta event: its ``delta`` (text, counted), its ``logprobs`` tokens and any other
     string it carries (checked only)."""
     fields: dict[str, str] = {}
@@ -609,7 +677,7 @@ def _delta_event(obj: dict[str, Any], etype: str, i: int, j: int, seq: int | Non
         texts[i] = d
     _put(fields, f"{i}:{j}:logprobs", _logprob_tokens(obj.get("logprobs")))
     _put(fields, f"{i}:other", _rstrings({k: v for k, v in obj.items() if k not in ("delta", "logprobs")}))
-    return ResponseOutput("text" if texts else "other", texts, sequence_number=seq, fields=fields)
+    return StreamEvent(texts, kind="text" if texts else "other", sequence_number=seq, fields=fields)
 
 
 #: ``*.done`` events that repeat one text stream whole: event type -> (its text field, stream name)
@@ -628,7 +696,7 @@ _PART_NAMES = {"output_text": "output_text", "refusal": "refusal", "reasoning_te
 
 
 def _snapshots(obj: dict[str, Any], etype: Any) -> tuple[dict[str, str], set[str]]:
-    """The texts an event repeats (see :attr:`ResponseOutput.snapshots`) and the event keys
+    """The texts an event repeats (see :attr:`StreamEvent.snapshots`) and the event keys
     read for them (with the metadata); never raises."""
     i = _int(obj.get("output_index"))
     i = 0 if i is None else i

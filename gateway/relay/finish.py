@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from gateway.admission.gate import Admission
@@ -61,6 +61,12 @@ async def finish(ctx: FinishContext, outcome: RelayOutcome) -> None:
     glog.access(fields)
 
 
+def error_code(outcome: RelayOutcome) -> str | None:
+    """The code of the error the request ended with: the one the response shell answered or ended
+    the stream with, else an engine error relayed inside the stream."""
+    return outcome.error_code or outcome.produced.error_code
+
+
 def _usage_count(outcome: RelayOutcome, key: str) -> int | None:
     """``usage[key]`` when the engine reported it as an int >= 0 (not a bool), else ``None``."""
     usage = outcome.produced.usage
@@ -92,7 +98,7 @@ async def used_tokens(outcome: RelayOutcome) -> int:
     return max(_usage_count(outcome, "prompt_tokens") or 0, prompt_charge(a)) + completion
 
 
-async def completion_tokens_of(counter: PromptCounter, texts: Iterable[str | list[str]]) -> int:
+async def completion_tokens_of(counter: PromptCounter, texts: Iterable[str | Sequence[str]]) -> int:
     """Completion tokens of the text an engine produced, for a settle without a usage report.
 
     ``counter``: the model's :class:`tokenizer.PromptCounter`; ``texts``: one string (or list of
@@ -132,8 +138,9 @@ def record_metrics(m: GatewayMetrics, outcome: RelayOutcome) -> None:
     ttft = outcome.produced.ttft_seconds
     if ttft is not None and u is not None:
         m.ttft.labels(u.name).observe(ttft)
-    if outcome.error_code and outcome.status >= 400:
-        m.rejections.labels(outcome.error_code).inc()
+    code = error_code(outcome)
+    if code and outcome.status >= 400:
+        m.rejections.labels(code).inc()
     if outcome.produced.finish_reason == "abort" and outcome.status == 200:
         m.aborts.labels(u.name if u else "-").inc()
     if outcome.disconnected:
@@ -161,8 +168,9 @@ def access_fields(outcome: RelayOutcome) -> dict[str, Any]:
         "ttft_ms": round(ttft * 1000, 3) if ttft is not None else None,
         "total_ms": round((time.perf_counter() - a.arrival.t_perf) * 1000, 3),
     }
-    if outcome.error_code:
-        fields["error_code"] = outcome.error_code
+    code = error_code(outcome)
+    if code:
+        fields["error_code"] = code
     if outcome.disconnected:
         fields["client_disconnected"] = True
     return fields

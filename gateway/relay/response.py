@@ -23,7 +23,8 @@ from typing import Any
 from starlette.responses import Response
 
 from config.errors import ErrorCode, OpenAIError
-from gateway.relay.proxy import Chunk, RelayOutcome, response_headers, stream_error_tail
+from gateway.relay.proxy import RelayOutcome, response_headers, stream_error_tail
+from gateway.relay.stream import Chunk
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -32,8 +33,9 @@ _JSON = b"application/json"
 
 
 class RelayResponse(Response):
-    """``body``: the relay's iterator; ``outcome``: the record it fills (the shell sets ``status``,
-    ``error_code`` and ``disconnected``); ``on_close``: awaited once at the end."""
+    """``body``: the relay's iterator; ``outcome``: the relay's record, on which the shell sets
+    ``status`` (once, when it is done), ``error_code`` and ``disconnected``; ``on_close``: awaited
+    once at the end."""
 
     def __init__(
         self, body: AsyncGenerator[Chunk, None], outcome: RelayOutcome, on_close: Callable[[], Awaitable[None]]
@@ -46,12 +48,14 @@ class RelayResponse(Response):
         self.background = None
         self.raw_headers = []
         self._started = False
+        self._status = 0  # the status sent (0: none yet)
         self._finished = False  # the last body message was sent: a disconnect now is the normal end
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
         watcher = asyncio.ensure_future(self._watch(receive, task))
         o = self.outcome
+        left = False  # the client went away before the end
         try:
             try:
                 if o.admitted.forward.stream:
@@ -72,8 +76,9 @@ class RelayResponse(Response):
             if not o.disconnected or task is None:
                 raise
             task.uncancel()
-            o.status = 499
+            left = True
         finally:
+            o.status = 499 if left else self._status
             self._finished = True
             watcher.cancel()
             try:
@@ -93,7 +98,7 @@ class RelayResponse(Response):
 
     async def _start(self, send: Any, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self._started = True
-        self.outcome.status = status
+        self._status = status
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _body(self, send: Any, body: bytes, more: bool) -> None:

@@ -11,12 +11,10 @@ without changing its bytes.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any
 
 import orjson
 
-from verifier.engine_response import EngineOutput, is_error_payload, parse_chunk
+from verifier.engine_response import StreamEvent, parse_chunk_event
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -143,51 +141,21 @@ def data_of(event: bytes) -> bytes | None:
     return b"\n".join(parts)
 
 
-@dataclass
-class EventInfo:
-    """What one event carries. ``kind``: ``done`` (``[DONE]``), ``error`` (an engine error object,
-    :func:`verifier.engine_response.is_error_payload`), ``chunk`` (a JSON completion chunk),
-    ``other`` (no data or not JSON). ``data``: the decoded JSON; ``output``: what a chunk carries
-    (:func:`verifier.engine_response.parse_chunk`: per-choice texts, finish reason, usage)."""
-
-    kind: str
-    data: Any = None
-    output: EngineOutput = field(default_factory=EngineOutput)
-
-    @property
-    def text(self) -> str:
-        """The text this event adds (every choice's, joined)."""
-        return self.output.text
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.output.finish_reason
-
-    @property
-    def usage(self) -> dict[str, Any] | None:
-        return self.output.usage
-
-    @property
-    def usage_only(self) -> bool:
-        return self.output.usage_only
-
-
-def inspect(event: bytes) -> EventInfo:
-    """Classify an event (see :class:`EventInfo`); never raises on odd input."""
+def inspect(event: bytes) -> StreamEvent:
+    """A chat/completions event as a :class:`~verifier.engine_response.StreamEvent`: ``done``
+    (``[DONE]``), ``error`` (an engine error object), ``chunk`` (a JSON completion chunk:
+    per-choice texts, finish reason, usage), ``other`` (no data, not JSON, not an object). Never
+    raises on odd input."""
     payload = data_of(event)
     if payload is None:
-        return EventInfo("other")
+        return StreamEvent()
     if payload.strip() == b"[DONE]":
-        return EventInfo("done")
+        return StreamEvent(kind="done")
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return EventInfo("other")
-    if not isinstance(obj, dict):
-        return EventInfo("other", obj)
-    if is_error_payload(obj):
-        return EventInfo("error", obj)
-    return EventInfo("chunk", obj, parse_chunk(obj))
+        return StreamEvent()
+    return parse_chunk_event(obj)
 
 
 def strip_usage_null(event: bytes) -> bytes:

@@ -1,0 +1,284 @@
+"""The one relay loop for an engine's event stream, whatever its protocol
+(:mod:`gateway.relay.stream_protocol`), and the result it ends with.
+
+:func:`relay_stream` relays a stream event by event, byte-exact (:mod:`gateway.relay.sse`). Events
+before the response starts (its first text or finish reason) are held back, so that an engine error
+before any content is answered with the engine's status; it yields an empty chunk once the response
+starts. It feeds every event to the verifier's guard, ends with the protocol's end marker, and
+raises what ended a stream early: the engine's :class:`~config.errors.OpenAIError`, an
+:class:`~gateway.relay.upstream_client.UpstreamError` (the events held are yielded first), a
+:class:`~verifier.stage.ResponseWithheld`, an :class:`~gateway.relay.sse.SSEEventTooLarge`.
+
+What the stream produced is counted in a :class:`Tally`, which only the relay writes;
+:meth:`Tally.result` freezes it into the :class:`Produced` record the settle and the logs read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
+from gateway.relay.sse import SSEEventTooLarge, SSESplitter, strip_usage_null
+from gateway.relay.stream_protocol import StreamProtocol, error_event
+from gateway.relay.upstream_client import UpstreamError, UpstreamResponse
+from verifier.engine_response import EngineOutput, StreamEvent, engine_error
+from verifier.stage import ResponseGuard
+
+log = logging.getLogger("kvgate.proxy")
+
+#: what the relay yields: ``(body, more_body)``, as in an ASGI ``http.response.body`` message
+Chunk: TypeAlias = tuple[bytes, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Produced:
+    """What the engine produced, as far as it was relayed. ``texts``: choice (or output) index ->
+    the text it produced (what a settle without usage counts); ``usage``: the engine's usage
+    object (chat names); ``finish_reason``: the last one seen; ``ttft_seconds``: from forwarding
+    to the first text (streams) or the engine's ``x-prefill-seconds`` (whole answers);
+    ``error_code``: the code of an engine error relayed inside the stream; ``sequence_number``:
+    the last one of a ``/v1/responses`` stream (the gateway's own error event follows it)."""
+
+    texts: Mapping[int, str]
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    ttft_seconds: float | None = None
+    error_code: str | None = None
+    sequence_number: int | None = None
+
+
+#: what a relay that never read an answer produced
+NOTHING = Produced({})
+
+
+class Tally:
+    """What one relay has seen so far (written only by the relay; :meth:`result` freezes it).
+    ``t_forward``: ``perf_counter()`` when the request was sent (TTFT is measured from it)."""
+
+    __slots__ = ("error_code", "finish_reason", "sequence_number", "t_forward", "texts", "ttft_seconds", "usage")
+
+    def __init__(self, t_forward: float) -> None:
+        self.t_forward = t_forward
+        self.texts: dict[int, list[str]] = {}
+        self.usage: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+        self.ttft_seconds: float | None = None
+        self.error_code: str | None = None
+        self.sequence_number: int | None = None
+
+    def add(self, ev: StreamEvent) -> None:
+        """Count one stream event: its sequence number, usage, finish reason, texts (the first
+        text sets the TTFT)."""
+        if ev.sequence_number is not None:
+            self.sequence_number = ev.sequence_number
+        if ev.usage is not None:
+            self.usage = ev.usage
+        if ev.finish_reason is not None:
+            self.finish_reason = ev.finish_reason
+        if ev.texts:
+            for i, t in ev.texts.items():
+                self.texts.setdefault(i, []).append(t)
+            if self.ttft_seconds is None:
+                self.ttft_seconds = time.perf_counter() - self.t_forward
+
+    def take_body(self, out: EngineOutput, prefill_seconds: str | None) -> None:
+        """A whole answer's texts, usage and finish reason; its TTFT is the engine's
+        ``x-prefill-seconds`` header when it is a number."""
+        self.usage, self.finish_reason = out.usage, out.finish_reason
+        self.texts = {i: [t] for i, t in out.texts.items()}
+        if prefill_seconds:
+            try:
+                self.ttft_seconds = float(prefill_seconds)
+            except ValueError:
+                pass
+
+    def result(self) -> Produced:
+        """The frozen record of what was produced so far."""
+        return Produced(
+            {i: "".join(parts) for i, parts in self.texts.items()},
+            self.usage,
+            self.finish_reason,
+            self.ttft_seconds,
+            self.error_code,
+            self.sequence_number,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    """One stream's settings: ``max_event_bytes`` (``gateway.max_sse_event_bytes``, also the
+    hold-back bound); ``strip_usage`` (the request's ``forward.strip_usage``); the large-body
+    ``budget`` spent for ``tenant_id`` while huge events are read (``None``: none);
+    ``request_id`` for the log."""
+
+    max_event_bytes: int
+    strip_usage: bool
+    budget: BodyBudget | None
+    tenant_id: str
+    request_id: str
+
+
+class HoldBack:
+    """The events of a stream held back until its response starts (so that an engine error
+    before any content is answered with the engine's own status), at most ``limit`` bytes: an
+    engine that sends only events without content cannot make the gateway hold them without
+    bound, and past the limit the response starts anyway. ``started``: the response has started
+    (the relay yields its ``(b"", True)`` marker when it starts it); ``held``: the events held."""
+
+    __slots__ = ("held", "limit", "size", "started")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held: list[bytes] = []
+        self.size = 0
+        self.started = False
+
+    def offer(self, out: list[bytes]) -> list[Chunk]:
+        """What to yield for the events ``out`` of one read: nothing while they are held, the
+        start marker and everything held once the limit is passed, or the held events and
+        ``out`` together once started."""
+        if not out:
+            return []
+        if not self.started:
+            self.held.extend(out)
+            self.size += sum(map(len, out))
+            if self.size <= self.limit:
+                return []
+            self.started = True
+            held, self.held = self.held, []
+            return [(b"", True), (b"".join(held), True)]
+        held, self.held = self.held, []
+        return [(b"".join(held + out) if held else b"".join(out), True)]
+
+
+class _Events:
+    """One stream's per-event step (:meth:`relay`): read, count, strip, check, start."""
+
+    __slots__ = ("done", "guard", "hold", "protocol", "streamed", "strip", "tally")
+
+    def __init__(self, protocol: StreamProtocol, guard: ResponseGuard | None, tally: Tally, opts: StreamOptions):
+        self.protocol = protocol
+        self.guard = guard
+        self.tally = tally
+        self.hold = HoldBack(opts.max_event_bytes)
+        self.strip = protocol.strips_usage and opts.strip_usage
+        self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
+        self.done = False
+
+    async def relay(self, raw: bytes, out: list[bytes]) -> bool:
+        """Relay one event into ``out`` (through the guard); true when it starts the response."""
+        ev = self.protocol.read(raw)
+        kind = ev.kind
+        if kind == "done":
+            self.done = True
+            return False
+        self.tally.add(ev)
+        if kind == "error" and self._engine_error(ev, out):
+            return False
+        if self.strip and kind == "chunk":
+            if ev.usage_only:
+                return False
+            raw = strip_usage_null(raw)
+        if self.guard is not None:
+            out.extend(await self.guard.feed(ev.text, raw, self._pieces(ev)))
+        else:
+            out.append(raw)
+        if not self.hold.started and ev.starts:
+            self.hold.started = True
+            return True
+        return False
+
+    def _engine_error(self, ev: StreamEvent, out: list[bytes]) -> bool:
+        """An engine error event: raised before the response started; after it, counted and,
+        where the protocol says so, replaced by the gateway's error event (true: done with it)."""
+        err = engine_error(200, {"error": ev.error or {}})
+        if not self.hold.started:
+            raise err
+        self.tally.error_code = err.code
+        if self.protocol.replaces_error_events:
+            out.append(error_event(err))
+            return True
+        return False
+
+    def _pieces(self, ev: StreamEvent) -> list[tuple[str, str]]:
+        """What the guard checks of ``ev``: its text streams, and (protocols with snapshots) the
+        text it repeats where that differs from the deltas streamed under the same key."""
+        pieces = list(ev.fields.items())
+        if not self.protocol.checks_snapshots:
+            return pieces
+        streamed = self.streamed
+        for k, t in ev.fields.items():  # every new string, counted text or not
+            streamed.setdefault(k, []).append(t)
+        for k, t in ev.snapshots.items():
+            if t != "".join(streamed.get(k, ())):
+                pieces.append((k + ":snapshot", t))
+        return pieces
+
+
+async def _split(
+    opts: StreamOptions, splitter: SSESplitter, chunk: bytes
+) -> tuple[list[bytes], SSEEventTooLarge | None]:
+    """One upstream read through ``splitter``: the complete events, and the
+    :class:`gateway.relay.sse.SSEEventTooLarge` that ends the stream (``None``: it goes on; the events
+    before the too-large one are still relayed). While an unfinished event holds more than
+    :data:`gateway.edge.body_budget.FREE_BODY_BYTES`, the read's bytes past them are spent from the
+    large-body budget for the request's tenant (the upstream is not read meanwhile): a stream of
+    huge events costs the event loop what a large request body does."""
+    try:
+        events, too_large = splitter.feed(chunk), None
+    except SSEEventTooLarge as e:
+        events, too_large = e.before, e
+    pending, budget = splitter.pending_bytes, opts.budget
+    if budget is not None and pending > FREE_BODY_BYTES:
+        await budget.take(opts.tenant_id, min(len(chunk), pending - FREE_BODY_BYTES))
+    return events, too_large
+
+
+async def relay_stream(
+    resp: UpstreamResponse, protocol: StreamProtocol, guard: ResponseGuard | None, tally: Tally, opts: StreamOptions
+) -> AsyncGenerator[Chunk, None]:
+    """Relay an event stream (module docstring) as :data:`Chunk` items, the last with
+    ``more_body`` false; what it produced is counted in ``tally``."""
+    splitter = SSESplitter(opts.max_event_bytes)
+    step = _Events(protocol, guard, tally, opts)
+    hold = step.hold
+    try:
+        async for chunk in resp.aiter_raw():
+            out: list[bytes] = []
+            events, too_large = await _split(opts, splitter, chunk)
+            for ev in events:
+                if await step.relay(ev, out):
+                    yield b"", True  # the response starts now, even when the guard holds every event back
+                if step.done:
+                    break
+            for piece in hold.offer(out):
+                yield piece
+            if step.done:
+                break
+            if too_large is not None:
+                raise too_large
+    except UpstreamError:
+        if hold.held and hold.started:
+            yield b"".join(hold.held), True
+        raise
+    tail = await _stream_tail(step, b"" if step.done else splitter.tail(), opts.request_id)
+    yield b"".join(tail) + protocol.end_marker, False
+
+
+async def _stream_tail(step: _Events, unfinished: bytes, request_id: str) -> list[bytes]:
+    """The events that end a relayed stream: those still held, then what the guard held back
+    (its final checks run: a strict refusal raises :class:`~verifier.stage.ResponseWithheld`); an
+    ``unfinished`` event (bytes after the last terminator) is logged and dropped."""
+    tail = step.hold.held
+    if step.guard is not None:
+        t = step.tally
+        tail += await step.guard.finish_stream(
+            usage=t.usage, finish_reason=t.finish_reason, ttft_seconds=t.ttft_seconds
+        )
+    if unfinished.strip():
+        log.warning("upstream stream ended inside an event", extra={"fields": {"request_id": request_id}})
+    return tail
