@@ -1,10 +1,9 @@
 """The gateway over real HTTP against the mock engine (tests/mock_engine.py): the context gate at
-the boundary, bad input (nothing forwarded), the forwarded request, stream relaying, engine
-errors, and the official openai SDK."""
+the boundary, bad input (nothing forwarded), the forwarded request, engine errors, and the official
+openai SDK (stream relaying: tests/test_gateway_relay.py)."""
 
 from __future__ import annotations
 
-import json
 
 import httpx
 import openai
@@ -240,89 +239,9 @@ def test_models_readyz_healthz_metrics(gw, engine):
     assert KEY_A not in text and "Say hello" not in text
 
 
-# ---------------------------------------------------------------- streams
-def _chunk(content: str, usage_null: bool, finish=None) -> bytes:
-    obj = {
-        "id": "c1",
-        "object": "chat.completion.chunk",
-        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}],
-    }
-    if usage_null:
-        obj["usage"] = None
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-def _usage_chunk() -> bytes:
-    return b'data: {"id": "c1", "choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3}}\n\n'
-
-
-TEXTS = ["caf\u00e9 \u2028 ", "\U0001f600 \u4e2d\u6587", "\u2029end"]
-
-
-def _cut(stream: bytes, step: int) -> list[bytes]:
-    return [stream[i : i + step] for i in range(0, len(stream), step)]
-
-
-def test_stream_is_byte_exact_when_client_asks_usage(gw, engine):
-    events = [_chunk(t, True) for t in TEXTS] + [_chunk("", True, "stop"), _usage_chunk(), b"data: [DONE]\n\n"]
-    stream = b"".join(events)
-    engine.state.stream_chunks = _cut(stream, 5)  # cuts through multi-byte characters
-    with gw.client() as c:
-        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True, stream_options={"include_usage": True}))
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-    assert r.content == stream
-    assert r.content.count(b"[DONE]") == 1
-
-
-def test_stream_strips_usage_the_client_did_not_ask_for(gw, engine):
-    asked = [_chunk(t, True) for t in TEXTS] + [_chunk("", True, "stop"), _usage_chunk(), b"data: [DONE]\n\n"]
-    engine.state.stream_chunks = _cut(b"".join(asked), 3)
-    with gw.client() as c:
-        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
-    plain = [_chunk(t, False) for t in TEXTS] + [_chunk("", False, "stop"), b"data: [DONE]\n\n"]
-    assert r.content == b"".join(plain)
-    assert engine.state.requests[0]["body"]["stream_options"] == {"include_usage": True}
-    with gw.client() as c:  # the engine's usage still reached the metrics (quota settle uses it too)
-        assert 'kvgate_completion_tokens_total{tenant="tenant-a"} 3.0' in c.get("/metrics").text
-
-
-def test_stream_without_done_gets_one(gw, engine):
-    engine.state.stream_chunks = [_chunk("hi", False, "stop")]
-    with gw.client() as c:
-        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True, stream_options={"include_usage": True}))
-    assert r.content == _chunk("hi", False, "stop") + b"data: [DONE]\n\n"
-
-
-def test_error_event_before_content_is_mapped(gw, engine):
-    engine.state.stream_chunks = [
-        b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
-        b'data: {"object":"error","message":"The input (5000 tokens) is longer than the model","type":"BadRequestError","param":null,"code":400}\n\n',
-        b"data: [DONE]\n\n",
-    ]
-    with gw.client() as c:
-        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
-    assert r.status_code == 400
-    assert error_of(r) == {
-        "message": "The input (5000 tokens) is longer than the model",
-        "type": "invalid_request_error",
-        "param": None,
-        "code": None,
-    }
-
-
-def test_error_event_after_content_passes_as_openai_event(gw, engine):
-    engine.state.stream_chunks = [
-        _chunk("partial", False),
-        b'data: {"error":{"message":"engine died","code":500}}\n\n',
-        b"data: [DONE]\n\n",
-    ]
-    with gw.client() as c:
-        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
-    assert r.status_code == 200
-    assert r.content == (
-        _chunk("partial", False) + b'data: {"error":{"message":"engine died","type":"server_error",'
-        b'"param":null,"code":null}}\n\n' + b"data: [DONE]\n\n"
-    )
+# ---------------------------------------------------------------- streams and engine errors
+# (the relay's stream bytes, in-process through the upstream client's MockTransport:
+# tests/test_gateway_relay.py)
 
 
 @pytest.mark.parametrize(
@@ -364,16 +283,6 @@ def test_engine_error_bodies(gw, engine, status, body, want):
             r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=stream))
             assert r.status_code == status
             assert error_of(r) == want
-
-
-def test_json_answer_to_a_stream_request_is_mapped(gw, engine):
-    engine.state.mode = "error"
-    engine.state.error_status = 200
-    engine.state.error_body = b'{"object":"error","message":"stream refused","code":429}'
-    with gw.client() as c:
-        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
-    assert r.status_code == 429
-    assert error_of(r) == {"message": "stream refused", "type": "rate_limit_error", "param": None, "code": None}
 
 
 def test_abort_under_200_is_counted(gw, engine):
