@@ -156,9 +156,10 @@ class HoldBack:
 
 
 class _Events:
-    """One stream's per-event step (:meth:`relay`): read, count, strip, check, start."""
+    """One stream's per-event steps: read, count, strip (:meth:`_take`), then relay the reads'
+    events without a guard (:meth:`take`, no await per event) or through it (:meth:`feed`)."""
 
-    __slots__ = ("done", "guard", "hold", "protocol", "streamed", "strip", "tally")
+    __slots__ = ("done", "guard", "hold", "protocol", "raw", "streamed", "strip", "tally", "too_large")
 
     def __init__(self, protocol: StreamProtocol, guard: ResponseGuard | None, tally: Tally, opts: StreamOptions):
         self.protocol = protocol
@@ -167,29 +168,69 @@ class _Events:
         self.hold = HoldBack(opts.max_event_bytes)
         self.strip = protocol.strips_usage and opts.strip_usage
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
-        self.done = False
+        self.done = False  # the protocol's end marker came
+        self.raw = b""  # the bytes to relay of the event :meth:`_take` returned
+        self.too_large: SSEEventTooLarge | None = None  # what ends the stream after this read
 
-    async def relay(self, raw: bytes, out: list[bytes]) -> bool:
-        """Relay one event into ``out`` (through the guard); true when it starts the response."""
+    def _take(self, raw: bytes, out: list[bytes]) -> StreamEvent | None:
+        """Read and count one event; the event to relay (its bytes in :attr:`raw`), or ``None``
+        when nothing more is to be done with it (the end marker, a replaced error event, a
+        stripped usage chunk)."""
         ev = self.protocol.read(raw)
         kind = ev.kind
         if kind == "done":
             self.done = True
-            return False
+            return None
         self.tally.add(ev)
         if kind == "error" and self._engine_error(ev, out):
-            return False
+            return None
         if self.strip and kind == "chunk":
             if ev.usage_only:
-                return False
+                return None
             raw = strip_usage_null(raw)
-        if self.guard is not None:
-            out.extend(await self.guard.feed(ev.text, raw, self._pieces(ev)))
-        else:
-            out.append(raw)
-        if not self.hold.started and ev.starts:
-            self.hold.started = True
+        self.raw = raw
+        return ev
+
+    def take(self, events: list[bytes], out: list[bytes]) -> bool:
+        """Relay one read's ``events`` into ``out`` without a guard; true when one of them
+        started the response (nothing after it in the read can raise, so the start marker may
+        follow the read)."""
+        hold = self.hold
+        started = False
+        for raw in events:
+            ev = self._take(raw, out)
+            if ev is None:
+                if self.done:
+                    break
+                continue
+            out.append(self.raw)
+            if not hold.started and ev.starts:
+                hold.started = started = True
+        return started
+
+    async def feed(self, events: list[bytes], out: list[bytes]) -> AsyncGenerator[Chunk, None]:
+        """Relay one read's ``events`` through the guard into ``out``, yielding the start
+        marker as soon as an event starts the response (the guard may refuse a later one)."""
+        guard = self.guard
+        assert guard is not None
+        for raw in events:
+            ev = self._take(raw, out)
+            if ev is None:
+                if self.done:
+                    break
+                continue
+            out.extend(await guard.feed(ev.text, self.raw, self._pieces(ev)))
+            if not self.hold.started and ev.starts:
+                self.hold.started = True
+                yield b"", True  # the response starts now, even when the guard holds every event back
+
+    def stop(self) -> bool:
+        """After a read: true when the stream ended (the end marker); raises the
+        :class:`SSEEventTooLarge` that ends it."""
+        if self.done:
             return True
+        if self.too_large is not None:
+            raise self.too_large
         return False
 
     def _engine_error(self, ev: StreamEvent, out: list[bytes]) -> bool:
@@ -219,23 +260,21 @@ class _Events:
         return pieces
 
 
-async def _split(
-    opts: StreamOptions, splitter: SSESplitter, chunk: bytes
-) -> tuple[list[bytes], SSEEventTooLarge | None]:
-    """One upstream read through ``splitter``: the complete events, and the
-    :class:`gateway.relay.sse.SSEEventTooLarge` that ends the stream (``None``: it goes on; the events
-    before the too-large one are still relayed). While an unfinished event holds more than
+async def _split(opts: StreamOptions, splitter: SSESplitter, step: _Events, chunk: bytes) -> list[bytes]:
+    """One upstream read through ``splitter``: the complete events; an
+    :class:`gateway.relay.sse.SSEEventTooLarge` that ends the stream is left on ``step`` (the
+    events before the too-large one are still relayed). While an unfinished event holds more than
     :data:`gateway.edge.body_budget.FREE_BODY_BYTES`, the read's bytes past them are spent from the
     large-body budget for the request's tenant (the upstream is not read meanwhile): a stream of
     huge events costs the event loop what a large request body does."""
     try:
-        events, too_large = splitter.feed(chunk), None
+        events = splitter.feed(chunk)
     except SSEEventTooLarge as e:
-        events, too_large = e.before, e
+        events, step.too_large = e.before, e
     pending, budget = splitter.pending_bytes, opts.budget
     if budget is not None and pending > FREE_BODY_BYTES:
         await budget.take(opts.tenant_id, min(len(chunk), pending - FREE_BODY_BYTES))
-    return events, too_large
+    return events
 
 
 async def relay_stream(
@@ -249,20 +288,19 @@ async def relay_stream(
     try:
         async for chunk in resp.aiter_raw():
             out: list[bytes] = []
-            events, too_large = await _split(opts, splitter, chunk)
-            for ev in events:
-                if await step.relay(ev, out):
-                    yield b"", True  # the response starts now, even when the guard holds every event back
-                if step.done:
-                    break
+            events = await _split(opts, splitter, step, chunk)
+            if guard is None:
+                if step.take(events, out):
+                    yield b"", True  # the response starts now
+            else:
+                async for marker in step.feed(events, out):
+                    yield marker
             for piece in hold.offer(out):
                 yield piece
-            if step.done:
+            if step.stop():
                 break
-            if too_large is not None:
-                raise too_large
     except UpstreamError:
-        if hold.held and hold.started:
+        if hold.started and hold.held:
             yield b"".join(hold.held), True
         raise
     tail = await _stream_tail(step, b"" if step.done else splitter.tail(), opts.request_id)
