@@ -183,29 +183,7 @@ def render_chatml(messages: Any, tools: Any = None, options: ChatOptions = DEFAU
     if tools_text and first_system != 0:
         out.pieces += [IM_START_PIECE, "system\n" + tools_text, IM_END_PIECE, "\n"]
     for i, m in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise InvalidPromptError(f"'{param}' must be an object.", param)
-        role = m.get("role")
-        if role not in ROLES:
-            raise InvalidPromptError(
-                f"'{param}.role' must be one of {', '.join(ROLES)}; got {role!r}.", f"{param}.role"
-            )
-        name = m.get("name")
-        if name is not None and not isinstance(name, str):
-            raise InvalidPromptError(f"'{param}.name' must be a string.", f"{param}.name")
-        texts, images = _text_of_content(m.get("content"), f"{param}.content", out.image_parts)
-        calls = _tool_calls_text(m.get("tool_calls"), f"{param}.tool_calls")
-        if calls:
-            texts[-1] += ("\n" if texts[-1] else "") + calls
-        if tools_text and i == first_system == 0:
-            texts[-1] += ("\n\n" if any(texts) else "") + tools_text
-        header = role + (f" name={name}" if name else "") + "\n"
-        texts[0] = header + texts[0]
-        out.pieces.append(IM_START_PIECE)
-        out.pieces.extend(t for t in texts if t)
-        out.pieces += [IM_END_PIECE, "\n"]
-        out.images += images
+        _render_message(out, m, f"messages[{i}]", tools_text if i == first_system == 0 else "")
     if options.continue_final_message:
         raise InvalidPromptError(
             "'continue_final_message' is not supported with this model's chat template.", "continue_final_message"
@@ -213,6 +191,37 @@ def render_chatml(messages: Any, tools: Any = None, options: ChatOptions = DEFAU
     if options.add_generation_prompt:
         out.pieces += [IM_START_PIECE, "assistant\n"]
     return out
+
+
+def _header(m: Any, param: str) -> str:
+    """A message's header line (``role[ name=NAME]\\n``); raises for a message that is not an
+    object, an unknown role or a name that is not a string."""
+    if not isinstance(m, dict):
+        raise InvalidPromptError(f"'{param}' must be an object.", param)
+    role = m.get("role")
+    if role not in ROLES:
+        raise InvalidPromptError(f"'{param}.role' must be one of {', '.join(ROLES)}; got {role!r}.", f"{param}.role")
+    name = m.get("name")
+    if name is not None and not isinstance(name, str):
+        raise InvalidPromptError(f"'{param}.name' must be a string.", f"{param}.name")
+    return role + (f" name={name}" if name else "") + "\n"
+
+
+def _render_message(out: RenderedChat, m: Any, param: str, tools_text: str) -> None:
+    """Append message ``m`` (at ``param``) to ``out``: header, content, tool calls, then
+    ``tools_text`` (the tools block, for a first system message; else empty)."""
+    header = _header(m, param)
+    texts, images = _text_of_content(m.get("content"), f"{param}.content", out.image_parts)
+    calls = _tool_calls_text(m.get("tool_calls"), f"{param}.tool_calls")
+    if calls:
+        texts[-1] += ("\n" if texts[-1] else "") + calls
+    if tools_text:
+        texts[-1] += ("\n\n" if any(texts) else "") + tools_text
+    texts[0] = header + texts[0]
+    out.pieces.append(IM_START_PIECE)
+    out.pieces.extend(t for t in texts if t)
+    out.pieces += [IM_END_PIECE, "\n"]
+    out.images += images
 
 
 def chatml_token_ids(

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -102,6 +102,27 @@ def _strings(obj: Any) -> Iterator[str]:
 
 
 NO_TEMPLATE = "This model's tokenizer has no chat template; use /v1/completions."
+
+
+def _marker_swap(special_re: re.Pattern[str], nonce: str, found: list[str]) -> Callable[[Any], Any]:
+    """A function that copies a request value (dicts, lists, strings; keys too) with each match of
+    ``special_re`` replaced by ``\\ue000{nonce}:{i}\\ue001``, ``i`` the match's index in ``found``
+    (where the matched text is appended)."""
+
+    def mark(m: re.Match[str]) -> str:
+        found.append(m.group())
+        return f"\ue000{nonce}:{len(found) - 1}\ue001"
+
+    def swap(x: Any) -> Any:
+        if isinstance(x, str):
+            return special_re.sub(mark, x)
+        if isinstance(x, dict):
+            return {swap(k): swap(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [swap(v) for v in x]
+        return x
+
+    return swap
 
 
 def _joined(content: Any) -> Any:
@@ -256,28 +277,21 @@ class HFCounter(PromptCounter):
         string is swapped for a random marker before rendering, and the marker for the look-alike's
         text ids after. Raises :class:`InvalidPromptError` (as :meth:`render_chat`),
         :class:`ImagesNotSupportedError` for an image part (the engine takes text only)."""
-        _prompt, images = self.render_chat(messages, tools, options)
+        prompt, images = self.render_chat(messages, tools, options)
         if images:
             raise ImagesNotSupportedError("This model does not accept image content parts.", "messages")
         strings = _strings([messages, tools, options.template_kwargs])
         if self._special_re is None or not any(self._special_re.search(s) for s in strings):
-            return self._encode(_prompt, add_special_tokens=False).ids
+            return self._encode(prompt, add_special_tokens=False).ids
+        return self._encode_marked(self._special_re, messages, tools, options)
+
+    def _encode_marked(self, special_re: re.Pattern[str], messages: Any, tools: Any, options: ChatOptions) -> list[int]:
+        """:meth:`encode_chat` of a chat holding look-alikes (``special_re`` matches): the chat
+        rendered with each look-alike swapped for a marker, then each marker encoded as its
+        look-alike's text and the rest as rendered."""
         nonce = secrets.token_hex(8)
         found: list[str] = []
-
-        def mark(m: re.Match[str]) -> str:
-            found.append(m.group())
-            return f"\ue000{nonce}:{len(found) - 1}\ue001"
-
-        def swap(x: Any) -> Any:
-            if isinstance(x, str):
-                return self._special_re.sub(mark, x)  # type: ignore[union-attr]
-            if isinstance(x, dict):
-                return {swap(k): swap(v) for k, v in x.items()}
-            if isinstance(x, list):
-                return [swap(v) for v in x]
-            return x
-
+        swap = _marker_swap(special_re, nonce, found)
         # template kwargs stay as they are: count_chat charges no surcharge for them either
         prompt, _ = self.render_chat(swap(messages), swap(tools) if tools else tools, options)
         ids: list[int] = []

@@ -247,38 +247,46 @@ def responses_to_chat(input: Any, instructions: Any = None, tools: Any = None) -
         messages.append({"role": "user", "content": input})
     elif isinstance(input, list):
         for i, item in enumerate(input):
-            param = f"input[{i}]"
-            if not isinstance(item, dict):
-                raise _bad(f"'{param}' must be an object (a message or an item with a 'type').", param)
-            itype = item.get("type", "message" if "role" in item else None)
-            handler = _ITEMS.get(itype) if isinstance(itype, str) else None
-            if handler is None:
-                raise _bad(
-                    f"Unsupported input item type {str(itype)[:40]!r} at '{param}.type'; expected one of "
-                    + ", ".join(repr(t) for t in ITEM_TYPES)
-                    + ".",
-                    f"{param}.type",
-                )
-            if (
-                i == len(input) - 1
-                and itype in ("message", "reasoning")
-                and item.get("status") in PARTIAL_STATUSES
-                and (itype == "reasoning" or item.get("role") == "assistant")
-            ):
-                raise _bad(
-                    f"'{param}.status' {item['status']!r} asks the engine to continue that message, which "
-                    "kvgate cannot count; send it as a completed message.",
-                    f"{param}.status",
-                )
-            handler(item, param, messages)
-            if itype == "function_call":  # appended to the last (assistant) message
-                calls = len(messages[-1]["tool_calls"]) - 1
-                params[f"messages[{len(messages) - 1}].tool_calls[{calls}].function.arguments"] = f"{param}.arguments"
+            _input_item(item, f"input[{i}]", i == len(input) - 1, messages, params)
     else:
         raise _bad("'input' must be a string or a list of input items.", "input")
     if not messages:
         raise _bad("'input' must not be empty.", "input")
     return ResponsesPrompt(messages, _tools(tools), params)
+
+
+def _input_item(item: Any, param: str, last: bool, messages: list[dict[str, Any]], params: dict[str, str]) -> None:
+    """Append one ``input`` item (at ``param``; ``last``: the final one) to ``messages``; a
+    function call's arguments are recorded in ``params`` (chat path -> input field)."""
+    if not isinstance(item, dict):
+        raise _bad(f"'{param}' must be an object (a message or an item with a 'type').", param)
+    itype = item.get("type", "message" if "role" in item else None)
+    handler = _ITEMS.get(itype) if isinstance(itype, str) else None
+    if handler is None:
+        raise _bad(
+            f"Unsupported input item type {str(itype)[:40]!r} at '{param}.type'; expected one of "
+            + ", ".join(repr(t) for t in ITEM_TYPES)
+            + ".",
+            f"{param}.type",
+        )
+    if last and _continues(item, itype):
+        raise _bad(
+            f"'{param}.status' {item['status']!r} asks the engine to continue that message, which "
+            "kvgate cannot count; send it as a completed message.",
+            f"{param}.status",
+        )
+    handler(item, param, messages)
+    if itype == "function_call":  # appended to the last (assistant) message
+        calls = len(messages[-1]["tool_calls"]) - 1
+        params[f"messages[{len(messages) - 1}].tool_calls[{calls}].function.arguments"] = f"{param}.arguments"
+
+
+def _continues(item: dict[str, Any], itype: object) -> bool:
+    """Whether ``item``, as the last one, makes vLLM continue it: an assistant message or a
+    reasoning item whose ``status`` is partial."""
+    if itype not in ("message", "reasoning") or item.get("status") not in PARTIAL_STATUSES:
+        return False
+    return itype == "reasoning" or item.get("role") == "assistant"
 
 
 def _retarget(e: TokenizerError, prompt: ResponsesPrompt) -> TokenizerError:
