@@ -83,43 +83,72 @@ def generated_log(lines: int = 400, seed: int = 7) -> str:
 
 def _fit(counter: PromptCounter, source: str, target: int, count: Callable[[str], int]) -> str:
     """The prefix of ``source`` (cut on token ids, then on characters) whose ``count`` is ``target``."""
-    encode = counter.encode_text
-    decode = counter.decode
-    ids = encode(source)
+    ids = counter.encode_text(source)
     overhead = count("")
     if overhead > target:
         raise FitError(f"the prompt's frame alone is {overhead} tokens, more than {target}")
     n = target - overhead
     if n > len(ids):
         raise FitError(f"source has {len(ids)} tokens, {n} needed")
+    text, n = _fit_by_tokens(counter.decode, ids, n, target, count)
+    if text is None:
+        # Token-level steps oscillate at a merge boundary: walk characters from a prefix that is long enough.
+        text = _fit_by_characters(counter.decode(ids[: min(len(ids), n + 4)]), target, count)
+    if text is None:
+        raise FitError(f"no prefix of the source counts exactly {target} tokens")
+    return text
+
+
+def _fit_by_tokens(
+    decode: Callable[[list[int]], str], ids: list[int], n: int, target: int, count: Callable[[str], int]
+) -> tuple[str | None, int]:
+    """Cut ``ids`` after ``n`` ids and step the cut by the count's error, at most 32 times: the
+    text that counts ``target`` and its cut, else ``None`` and the last cut (a step back to a cut
+    already tried, or out of ``ids``, ends the walk)."""
     tried: set[int] = set()
-    text = ""
     for _ in range(32):
-        text = decode(ids[:n])
-        while text.endswith("\ufffd") and n > 0:  # never end inside a multi-byte character
-            n -= 1
-            text = decode(ids[:n])
+        text, n = _whole_characters(decode, ids, n)
         got = count(text)
         if got == target:
-            return text
+            return text, n
         tried.add(n)
         step = target - got
         if n + step in tried or n + step < 0 or n + step > len(ids):
             break
         n += step
-    # Token-level steps oscillate at a merge boundary: walk characters from a prefix that is long enough.
-    # Where no prefix fits (a character of two tokens at the cut), a prefix one short + a filler.
-    text = decode(ids[: min(len(ids), n + 4)])
+    return None, n
+
+
+def _whole_characters(decode: Callable[[list[int]], str], ids: list[int], n: int) -> tuple[str, int]:
+    """The text of the first ``n`` ids, fewer when the cut would end inside a multi-byte character."""
+    text = decode(ids[:n])
+    while text.endswith("\ufffd") and n > 0:
+        n -= 1
+        text = decode(ids[:n])
+    return text, n
+
+
+def _fit_by_characters(text: str, target: int, count: Callable[[str], int]) -> str | None:
+    """``text`` cut a character at a time until it counts ``target``; where no prefix does (a
+    character of two tokens at the cut), a prefix one short plus a filler. ``None`` when neither."""
     while text and count(text) > target:
         text = text[:-1]
         got = count(text)
         if got == target:
             return text
         if got == target - 1:
-            for filler in (".", "\n", " ", " .", "…"):
-                if count(text + filler) == target:
-                    return text + filler
-    raise FitError(f"no prefix of the source counts exactly {target} tokens")
+            filled = _with_filler(text, target, count)
+            if filled is not None:
+                return filled
+    return None
+
+
+def _with_filler(text: str, target: int, count: Callable[[str], int]) -> str | None:
+    """``text`` plus the first filler with which it counts ``target``, else ``None``."""
+    for filler in (".", "\n", " ", " .", "…"):
+        if count(text + filler) == target:
+            return text + filler
+    return None
 
 
 def fit_prompt(source: str, target: int, counter: PromptCounter | None = None, prefix: str = "") -> str:
