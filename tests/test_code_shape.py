@@ -21,11 +21,8 @@ MAX_LINES = 60
 
 #: ``path:function`` over MAX_LINES lines -> why, for now (argparse builders are allowed outright)
 LONG_FUNCTIONS = {
-    "gateway/commands/incident.py:run_incident": "the incident demo's script, step by step",
     "gateway/app.py:create_app": "routes as closures; to become route values",
-    "gateway/commands/serve.py:run": "start-up checks in order; to split by check",
     "gateway/admission/gate.py:decide": "the gate's rules; to move into the route objects",
-    "gateway/commands/demo.py:build_cases": "the demo's table of cases",
     "gateway/ops/metrics.py:__init__": "one line per metric family",
 }
 

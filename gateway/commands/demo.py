@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import orjson
@@ -97,73 +97,110 @@ class Result:
         return True
 
 
+@dataclass(frozen=True)
+class Size:
+    """One size of the demo (a row of the module's table): ``name``; what its prompts are cut to,
+    ``over`` tokens beyond ``base`` (``"limit"``: the limit less ``max_tokens``; ``"pool"``: the
+    prefill pool; ``""``: not cut, a short prompt); the status (and error code) expected."""
+
+    name: str
+    base: str
+    over: int
+    expect_status: int
+    expect_code: str | None = None
+
+    def target(self, limit: int, pool_tokens: int, max_tokens: int) -> int:
+        """The prompt tokens this size's prompts are cut to."""
+        return (limit - max_tokens if self.base == "limit" else pool_tokens) + self.over
+
+
+#: The demo's sizes, in the table's order; each is sent as chat and as completion, whole and streamed.
+SIZES = (
+    Size("short", "", 0, 200),
+    Size("at limit", "limit", 0, 200),
+    Size("limit + 1", "limit", 1, 400, "context_length_exceeded"),
+    Size("> prefill pool", "pool", 1, 400, "context_length_exceeded"),
+)
+
+
+@dataclass(frozen=True)
+class _Texts:
+    """The demo's sources (:mod:`gateway.demo_corpus`): two prose passages, kvgate's source, a log."""
+
+    moby: str
+    poems: str
+    code: str
+    log: str
+
+    @classmethod
+    def load(cls, pool_tokens: int) -> _Texts:
+        text = prose()
+        return cls(
+            text[text.index("Call me Ishmael") :],
+            text[text.index("Litwo!") :],
+            project_source(),
+            generated_log(max(400, pool_tokens // 20)),
+        )
+
+
+class _Prompts(NamedTuple):
+    """A size's chat ``messages`` and completion ``prompt``, with the prompt tokens of each."""
+
+    messages: list[dict[str, Any]]
+    chat_tokens: int
+    prompt: str
+    prompt_tokens: int
+
+
+def _short_prompts(texts: _Texts, stream: bool, counter: PromptCounter) -> _Prompts:
+    """A question (streamed: a summary of a paragraph) and a passage to continue, as they count."""
+    messages = [
+        {"role": "system", "content": "You are a concise assistant."},
+        {
+            "role": "user",
+            "content": ("Summarise in one sentence:\n\n" + texts.moby.split("\n\n")[0]) if stream else QUESTION,
+        },
+    ]
+    prompt = "Continue this passage:\n\n" + (texts.poems if stream else texts.moby.split("\n\n")[1])
+    return _Prompts(messages, counter.count_chat(messages), prompt, counter.count_text(prompt))
+
+
+def _cut_prompts(texts: _Texts, over_pool: bool, target: int, counter: PromptCounter) -> _Prompts:
+    """Prompts of exactly ``target`` tokens. Chat: prose and kvgate's source (over the pool: the
+    last two thirds of the source); completion: kvgate's source (over the pool: the log)."""
+    source_chat = texts.code[len(texts.code) // 3 :] if over_pool else (texts.moby + "\n\n" + texts.code)
+    messages = fit_chat(
+        source_chat,
+        target,
+        counter,
+        system="You review Python code.",
+        instruction="Explain what this text and code do:\n\n",
+    )
+    prompt = fit_prompt(texts.log if over_pool else texts.code, target, counter)
+    return _Prompts(messages, target, prompt, target)
+
+
 def build_cases(limit: int, pool_tokens: int, max_tokens: int, counter: PromptCounter | None = None) -> list[Case]:
-    """The 16 requests of the demo (see the module docstring), their prompts built to exact
+    """The 16 requests of the demo (see the module docstring): each of :data:`SIZES` as chat and
+    as completion, whole and streamed (chat first, whole first), their prompts built to exact
     token counts with ``counter`` (the served model's tokenizer, as the gateway counts; default the
     bundled one). Raises ``ValueError`` when ``limit <= max_tokens + 32``."""
     if limit <= max_tokens + 32:
         raise ValueError(f"the effective limit ({limit}) leaves no room for a prompt beside max_tokens={max_tokens}")
     counter = counter or bundled_counter()
-    text = prose()
-    moby = text[text.index("Call me Ishmael") :]
-    poems = text[text.index("Litwo!") :]
-    code = project_source()
-    log = generated_log(max(400, pool_tokens // 20))
-    at_limit = limit - max_tokens
-    sizes: list[tuple[str, int, int, str | None]] = [
-        ("short", 0, 200, None),
-        ("at limit", at_limit, 200, None),
-        ("limit + 1", at_limit + 1, 400, "context_length_exceeded"),
-        ("> prefill pool", pool_tokens + 1, 400, "context_length_exceeded"),
-    ]
+    texts = _Texts.load(pool_tokens)
     cases: list[Case] = []
     for stream in (False, True):
-        for size, target, status, code_expected in sizes:
-            # chat: prose and kvgate's source; completion: kvgate's source and a generated log
-            if size == "short":
-                messages = [
-                    {"role": "system", "content": "You are a concise assistant."},
-                    {
-                        "role": "user",
-                        "content": ("Summarise in one sentence:\n\n" + moby.split("\n\n")[0]) if stream else QUESTION,
-                    },
-                ]
-                prompt = "Continue this passage:\n\n" + (poems if stream else moby.split("\n\n")[1])
-                chat_tokens, prompt_tokens = counter.count_chat(messages), counter.count_text(prompt)
+        for size in SIZES:
+            if size.base:
+                target = size.target(limit, pool_tokens, max_tokens)
+                p = _cut_prompts(texts, size.base == "pool", target, counter)
             else:
-                source_chat = (moby + "\n\n" + code) if size != "> prefill pool" else code[len(code) // 3 :]
-                messages = fit_chat(
-                    source_chat,
-                    target,
-                    counter,
-                    system="You review Python code.",
-                    instruction="Explain what this text and code do:\n\n",
-                )
-                source_completion = code if size != "> prefill pool" else log
-                prompt = fit_prompt(source_completion, target, counter)
-                chat_tokens = prompt_tokens = target
-            cases.append(
-                Case(
-                    "chat",
-                    size,
-                    stream,
-                    {"messages": messages, "max_tokens": max_tokens, "temperature": 0},
-                    chat_tokens,
-                    status,
-                    code_expected,
-                )
-            )
-            cases.append(
-                Case(
-                    "completion",
-                    size,
-                    stream,
-                    {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-                    prompt_tokens,
-                    status,
-                    code_expected,
-                )
-            )
+                p = _short_prompts(texts, stream, counter)
+            sent = {"max_tokens": max_tokens, "temperature": 0}
+            expect = (size.expect_status, size.expect_code)
+            cases.append(Case("chat", size.name, stream, {"messages": p.messages, **sent}, p.chat_tokens, *expect))
+            cases.append(Case("completion", size.name, stream, {"prompt": p.prompt, **sent}, p.prompt_tokens, *expect))
     cases.sort(key=lambda c: (c.route != "chat", c.stream))
     return cases
 
