@@ -117,94 +117,100 @@ def _leak_attempts(client: httpx.Client, stack: EmbeddedStack, tries: int = 6) -
     return status, data
 
 
-def run_incident(out: Any = print) -> int:
-    """Run the four rows (see the module doc), print the table; returns the exit status."""
-    base = Path(tempfile.mkdtemp(prefix="kvgate-incident-"))
-    tenants = base / "tenants.yaml"
-    shutil.copy(DEFAULT_TENANTS, tenants)
-    rows: list[Row] = []
-    out(
-        f"the incident's engine: KVGATE_FAULTS={FAULTS}; real pools {POOLS[0]} (prefill) / {POOLS[1]} (decode) "
-        f"tokens; the mis-set gate assumes {STATIC_POOL}. Tenant demo-a's prompt repeats {SECRET!r}; "
-        f"demo-b (strict) sends {len(_b_prompt().split())} words, more than the prefill pool holds.\n"
-    )
+def _answer(data: dict[str, Any]) -> str:
+    """What B got, for the table: the error code, else the start of the text."""
+    return _code(data) or repr(_text(data)[:60])
+
+
+def _leaked_answer(status: int, data: dict[str, Any]) -> str:
+    """Row 1's answer: for a 200 the text from A's secret on (else its start), otherwise the error code."""
+    if status != 200:
+        return _code(data)
+    text = _text(data)
+    return repr(text[text.find("The vault") :][:60] if "SWORDFISH" in text else text[:60])
+
+
+def _setup_incident(client: httpx.Client, base: Path, tenants: Path, out: Any) -> Row:
+    """Row 1: the gate mis-set and no verification; B's 200 holds A's secret."""
+    out("starting setup 1/3: gate mis-set, verification off ...")
+    stack = _stack(base / "s1", tenants, static=True, env={"KVGATE_VERIFIER__ENABLED": "false"})
     try:
-        with httpx.Client(timeout=httpx.Timeout(180.0, connect=10.0), trust_env=False) as client:
-            out("starting setup 1/3: gate mis-set, verification off ...")
-            stack = _stack(base / "s1", tenants, static=True, env={"KVGATE_VERIFIER__ENABLED": "false"})
-            try:
-                status, data = _leak_attempts(client, stack)
-            finally:
-                stack.stop()
-            text = _text(data)
-            rows.append(
-                Row(
-                    "1 incident: gate mis-set, no verification",
-                    "copy-probe",
-                    status,
-                    repr(text[text.find("The vault") :][:60] if "SWORDFISH" in text else text[:60])
-                    if status == 200
-                    else _code(data),
-                    status == 200 and "SWORDFISH" in text,
-                    "tenant A's secret reaches tenant B in an HTTP 200 (the runbook's incident)",
-                )
-            )
-            out("starting setup 2/3: kvgate's gate on the live pool ...")
-            stack = _stack(base / "s2", tenants, static=False, env={})
-            try:
-                _send(client, stack, DEMO_KEYS["demo-a"], _a_prompt())
-                status, data = _send(client, stack, DEMO_KEYS["demo-b"], _b_prompt())
-            finally:
-                stack.stop()
-            rows.append(
-                Row(
-                    "2 defence: the gate reads the live pool",
-                    "copy-probe",
-                    status,
-                    _code(data) or repr(_text(data)[:60]),
-                    status == 400 and _code(data) == "context_length_exceeded",
-                    "an over-pool prompt never reaches the engine's rejection path",
-                )
-            )
-            out("starting setup 3/3: gate still mis-set, verification and the periodic probe on ...")
-            env = {"KVGATE_VERIFIER__PROBE_INTERVAL_SECONDS": "3"}
-            stack = _stack(base / "s3", tenants, static=True, env=env)
-            try:
-                status, data = _leak_attempts(client, stack)
-                rows.append(
-                    Row(
-                        "3 defence: strict tenant, gate still mis-set",
-                        "copy-probe",
-                        status,
-                        _code(data) or repr(_text(data)[:60]),
-                        status == 502 and _code(data) == "response_withheld",
-                        "the leak is detected before release; B sees no byte of A's text",
-                    )
-                )
-                deadline = time.monotonic() + 90
-                quarantined = False
-                while time.monotonic() < deadline and not quarantined:
-                    time.sleep(2)
-                    qfile = base / "s3" / "state" / "quarantine.json"
-                    quarantined = qfile.is_file() and "embedded" in json.loads(qfile.read_text() or "{}")
-                status, data = _send(client, stack, DEMO_KEYS["demo-b"], _b_prompt())
-                rows.append(
-                    Row(
-                        "4 defence: the periodic probe",
-                        "copy-probe",
-                        status,
-                        _code(data) or repr(_text(data)[:60]),
-                        quarantined and status == 503,
-                        "kvgate's own canary surfaced elsewhere: the upstream is quarantined",
-                    )
-                )
-            finally:
-                stack.stop()
-    except (StackError, httpx.HTTPError) as e:
-        out(f"kvgate demo --incident: {e}")
-        return 1
+        status, data = _leak_attempts(client, stack)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        stack.stop()
+    return Row(
+        "1 incident: gate mis-set, no verification",
+        "copy-probe",
+        status,
+        _leaked_answer(status, data),
+        status == 200 and "SWORDFISH" in _text(data),
+        "tenant A's secret reaches tenant B in an HTTP 200 (the runbook's incident)",
+    )
+
+
+def _setup_live_gate(client: httpx.Client, base: Path, tenants: Path, out: Any) -> Row:
+    """Row 2: the gate reads the live pool; B's over-pool prompt gets a 400."""
+    out("starting setup 2/3: kvgate's gate on the live pool ...")
+    stack = _stack(base / "s2", tenants, static=False, env={})
+    try:
+        _send(client, stack, DEMO_KEYS["demo-a"], _a_prompt())
+        status, data = _send(client, stack, DEMO_KEYS["demo-b"], _b_prompt())
+    finally:
+        stack.stop()
+    return Row(
+        "2 defence: the gate reads the live pool",
+        "copy-probe",
+        status,
+        _answer(data),
+        status == 400 and _code(data) == "context_length_exceeded",
+        "an over-pool prompt never reaches the engine's rejection path",
+    )
+
+
+def _setup_verified(client: httpx.Client, base: Path, tenants: Path, out: Any) -> list[Row]:
+    """Rows 3 and 4 on one stack: the gate still mis-set, verification and the periodic probe on."""
+    out("starting setup 3/3: gate still mis-set, verification and the periodic probe on ...")
+    env = {"KVGATE_VERIFIER__PROBE_INTERVAL_SECONDS": "3"}
+    stack = _stack(base / "s3", tenants, static=True, env=env)
+    try:
+        status, data = _leak_attempts(client, stack)
+        withheld = Row(
+            "3 defence: strict tenant, gate still mis-set",
+            "copy-probe",
+            status,
+            _answer(data),
+            status == 502 and _code(data) == "response_withheld",
+            "the leak is detected before release; B sees no byte of A's text",
+        )
+        quarantined = _wait_quarantined(base / "s3" / "state" / "quarantine.json")
+        status, data = _send(client, stack, DEMO_KEYS["demo-b"], _b_prompt())
+        return [
+            withheld,
+            Row(
+                "4 defence: the periodic probe",
+                "copy-probe",
+                status,
+                _answer(data),
+                quarantined and status == 503,
+                "kvgate's own canary surfaced elsewhere: the upstream is quarantined",
+            ),
+        ]
+    finally:
+        stack.stop()
+
+
+def _wait_quarantined(qfile: Path, timeout_seconds: float = 90) -> bool:
+    """Whether the embedded upstream shows up in ``qfile`` (the quarantine state) within the time."""
+    deadline = time.monotonic() + timeout_seconds
+    quarantined = False
+    while time.monotonic() < deadline and not quarantined:
+        time.sleep(2)
+        quarantined = qfile.is_file() and "embedded" in json.loads(qfile.read_text() or "{}")
+    return quarantined
+
+
+def _print_table(rows: list[Row], out: Any) -> int:
+    """The rows as a table and the verdict line; returns the exit status (1 when a row is not as expected)."""
     head = f"{'row':<46} {'model':<11} {'B got':>5}  {'answer':<44} proves"
     out("\n" + head + "\n" + "-" * (len(head) + 50))
     for r in rows:
@@ -216,6 +222,28 @@ def run_incident(out: Any = print) -> int:
         "expected."
     )
     return 1 if bad else 0
+
+
+def run_incident(out: Any = print) -> int:
+    """Run the four rows (see the module doc), print the table; returns the exit status."""
+    base = Path(tempfile.mkdtemp(prefix="kvgate-incident-"))
+    tenants = base / "tenants.yaml"
+    shutil.copy(DEFAULT_TENANTS, tenants)
+    out(
+        f"the incident's engine: KVGATE_FAULTS={FAULTS}; real pools {POOLS[0]} (prefill) / {POOLS[1]} (decode) "
+        f"tokens; the mis-set gate assumes {STATIC_POOL}. Tenant demo-a's prompt repeats {SECRET!r}; "
+        f"demo-b (strict) sends {len(_b_prompt().split())} words, more than the prefill pool holds.\n"
+    )
+    try:
+        with httpx.Client(timeout=httpx.Timeout(180.0, connect=10.0), trust_env=False) as client:
+            rows = [_setup_incident(client, base, tenants, out), _setup_live_gate(client, base, tenants, out)]
+            rows += _setup_verified(client, base, tenants, out)
+    except (StackError, httpx.HTTPError) as e:
+        out(f"kvgate demo --incident: {e}")
+        return 1
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return _print_table(rows, out)
 
 
 def main() -> int:
