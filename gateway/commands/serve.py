@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
 DEMO_KEYS = ("sk-demo-a", "sk-demo-b")
 
@@ -146,77 +147,145 @@ def build_stages(settings, secrets, registry=None):
     return quotas, verifier
 
 
+class _Refused(Exception):
+    """A start-up check failed: ``kvgate serve: <message>`` goes to stderr and ``status`` is the exit status."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 def run(args: argparse.Namespace) -> int:
-    from config.loader import ConfigError, load_settings
-    from config.secrets import SecretsError, load_secrets, permission_problems
+    """``kvgate serve``: the start-up checks in order, then the server (or the worker supervisor).
+    Returns the exit status: 2 for a refused start, 1 when the port cannot be bound."""
+    try:
+        return _start(args)
+    except _Refused as e:
+        print(f"kvgate serve: {e}", file=sys.stderr)
+        return e.status
+
+
+def _start(args: argparse.Namespace) -> int:
     from gateway.ops.access_log import setup_logging
+
+    settings, registry = _load_config(args)
+    _check_files(settings)
+    _check_demo_keys(registry, allow_demo=args.demo)
+    n = _worker_count(args.workers, settings)
+    settings.gateway.workers = n  # the quota stage divides local_fallback limits by replicas x workers
+    listen = _Listen.of(args, settings)
+    setup_logging(listen.log_level)
+    _check_secrets_private(settings.state_dir, allow_open=args.allow_open_secrets)
+    secrets = _load_secrets(settings.state_dir)
+    if n > 1 and args.worker_index is None:  # the secrets exist now: the workers only read them
+        reuse_port = bool(args.reuse_port or settings.gateway.reuse_port)
+        return _supervise(args, n, listen.host, listen.port, listen.log_level, reuse_port)
+    sock = _worker_socket(args.worker_index, settings, listen.host, listen.port)
+    return _serve(args, settings, registry, secrets, listen, sock)
+
+
+@dataclass(frozen=True)
+class _Listen:
+    """Where and how loudly the gateway serves: the options, else the settings' ``gateway`` values."""
+
+    host: str
+    port: int
+    log_level: str
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, settings) -> _Listen:
+        port = args.port if args.port is not None else settings.gateway.port
+        return cls(args.host or settings.gateway.host, port, args.log_level or settings.gateway.log_level)
+
+
+def _load_config(args: argparse.Namespace):
+    """The settings and the tenant registry (``--init-tenant`` first creates a missing tenants file)."""
+    from config.loader import ConfigError, load_settings
     from gateway.ops.tenants import TenantRegistry
 
     try:
         settings = load_settings(args.config)
         if args.init_tenant:
             init_tenant(args.tenants, args.init_tenant, settings.state_dir)
-        registry = TenantRegistry.from_path(args.tenants, settings)
+        return settings, TenantRegistry.from_path(args.tenants, settings)
     except ConfigError as e:
-        print(f"kvgate serve: {e}", file=sys.stderr)
-        return 2
+        raise _Refused(str(e)) from None
+
+
+def _check_files(settings) -> None:
+    """The pulled model folders are as pulled and the open-file limit is high enough."""
     problem = model_folder_problem(settings) or fd_limit_problem(settings)
     if problem:
-        print(f"kvgate serve: {problem}", file=sys.stderr)
-        return 2
+        raise _Refused(problem)
+
+
+def _check_demo_keys(registry, *, allow_demo: bool) -> None:
+    """No tenant accepts a documented demo key, unless ``--demo``."""
     demo = demo_tenants(registry)
-    if demo and not args.demo:
-        print(
-            f"kvgate serve: tenant(s) {', '.join(demo)} accept a documented demo key (sk-demo-a/sk-demo-b); "
+    if demo and not allow_demo:
+        raise _Refused(
+            f"tenant(s) {', '.join(demo)} accept a documented demo key (sk-demo-a/sk-demo-b); "
             "anyone could use them. Rotate the keys (kvgate tenant ...) or start with --demo for a "
-            "local demo.",
-            file=sys.stderr,
+            "local demo."
         )
-        return 2
+
+
+def _worker_count(asked: int | None, settings) -> int:
+    """The number of worker processes (``--workers``, else the settings' default), when allowed."""
     from gateway.edge import workers as wk
 
     try:
-        n = wk.resolve_workers(args.workers, settings)
+        n = wk.resolve_workers(asked, settings)
     except ValueError as e:
-        print(f"kvgate serve: {e}", file=sys.stderr)
-        return 2
+        raise _Refused(str(e)) from None
     refusal = wk.workers_refusal(n, settings)
     if refusal:
-        print(f"kvgate serve: {refusal}", file=sys.stderr)
-        return 2
-    settings.gateway.workers = n  # the quota stage divides local_fallback limits by replicas x workers
-    host = args.host or settings.gateway.host
-    port = args.port if args.port is not None else settings.gateway.port
-    log_level = args.log_level or settings.gateway.log_level
-    setup_logging(log_level)
-    problems = permission_problems(settings.state_dir)
-    if problems and not args.allow_open_secrets:
-        print(
-            "kvgate serve: the secrets are open to other users:\n  "
+        raise _Refused(refusal)
+    return n
+
+
+def _check_secrets_private(state_dir, *, allow_open: bool) -> None:
+    """The secrets are closed to other users; with ``--allow-open-secrets`` each opening is logged instead."""
+    from config.secrets import permission_problems
+
+    problems = permission_problems(state_dir)
+    if problems and not allow_open:
+        raise _Refused(
+            "the secrets are open to other users:\n  "
             + "\n  ".join(problems)
-            + "\n(or start with --allow-open-secrets to only warn)",
-            file=sys.stderr,
+            + "\n(or start with --allow-open-secrets to only warn)"
         )
-        return 2
     for p in problems:
         logging.getLogger("kvgate.serve").warning("secrets open to other users (--allow-open-secrets): %s", p)
+
+
+def _load_secrets(state_dir):
+    from config.secrets import SecretsError, load_secrets
+
     try:
-        secrets = load_secrets(settings.state_dir)
+        return load_secrets(state_dir)
     except SecretsError as e:
-        print(f"kvgate serve: {e}", file=sys.stderr)
-        return 2
-    if n > 1 and args.worker_index is None:  # the secrets exist now: the workers only read them
-        return _supervise(args, n, host, port, log_level, bool(args.reuse_port or settings.gateway.reuse_port))
-    sock = None
-    if args.worker_index is not None:
-        wk.become_worker()
-        if args.worker_index > 0:  # one periodic probe per gateway, not one per worker
-            settings.verifier.probe_interval_seconds = None
-        try:
-            sock = wk.worker_socket(host, port)
-        except OSError as e:
-            print(f"kvgate serve: cannot bind {host}:{port}: {e}", file=sys.stderr)
-            return 1
+        raise _Refused(str(e)) from None
+
+
+def _worker_socket(worker_index: int | None, settings, host: str, port: int):
+    """As worker ``worker_index``: this process's socket on ``host:port`` (only worker 0 keeps the
+    periodic probe); as the only process: ``None`` (the server binds)."""
+    if worker_index is None:
+        return None
+    from gateway.edge import workers as wk
+
+    wk.become_worker()
+    if worker_index > 0:  # one periodic probe per gateway, not one per worker
+        settings.verifier.probe_interval_seconds = None
+    try:
+        return wk.worker_socket(host, port)
+    except OSError as e:
+        raise _Refused(f"cannot bind {host}:{port}: {e}", status=1) from None
+
+
+def _serve(args: argparse.Namespace, settings, registry, secrets, listen: _Listen, sock) -> int:
+    """Build the stages and the app, watch the tenants file, and serve until stopped."""
     quotas, verifier = build_stages(settings, secrets, registry)
     from gateway.app import create_app
     from gateway.edge.server import run_server
@@ -229,10 +298,10 @@ def run(args: argparse.Namespace) -> int:
     watcher.install_sighup()
     return run_server(
         app,
-        host,
-        port,
+        listen.host,
+        listen.port,
         drain_timeout_seconds=settings.gateway.drain_timeout_seconds,
-        log_level=log_level,
+        log_level=listen.log_level,
         sock=sock,
     )
 
