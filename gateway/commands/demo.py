@@ -125,7 +125,7 @@ SIZES = (
 
 @dataclass(frozen=True)
 class _Texts:
-    """The demo's sources (:mod:`gateway.demo_corpus`): two prose passages, kvgate's source, a log."""
+    """The demo's sources (:mod:`gateway.stack.demo_corpus`): two prose passages, kvgate's source, a log."""
 
     moby: str
     poems: str
