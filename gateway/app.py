@@ -23,6 +23,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -30,10 +31,11 @@ import orjson
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from config.errors import ErrorCode, openai_error_bytes
 from config.models import Settings
-from gateway.admission.gate import ModelIndex
+from gateway.admission.registry import ModelIndex
 from gateway.edge import offload
 from gateway.edge.body_budget import BodyBudget
 from gateway.edge.workers import usable_cores
@@ -44,6 +46,7 @@ from gateway.ops.tenants import TenantRegistry
 from gateway.quotas.stage import NullQuotas, QuotaStage
 from gateway.relay.upstream_client import UpstreamClient
 from gateway.relay.upstreams import UpstreamSet, make_upstream
+from gateway.routes import API_ROUTES, TOKEN_ROUTES
 from gateway.routes.handlers import handle_completion, handle_model, handle_models
 from gateway.routes.tokenize_handlers import handle_tokenize
 from verifier.stage import NullVerifier, VerifierStage
@@ -233,6 +236,64 @@ def ops_token_check(token: Any) -> Any:
     return allowed
 
 
+async def healthz(gw: Gateway, request: Request) -> Response:
+    """``GET /health``, ``/livez``, ``/healthz``: liveness (names the worker when there are several)."""
+    headers = {"x-kvgate-worker": str(gw.worker)} if gw.worker is not None else None
+    return Response(b'{"status":"ok"}', media_type="application/json", headers=headers)
+
+
+async def readyz(gw: Gateway, ops_allowed: Any, request: Request) -> Response:
+    """``GET /readyz``: 200 or 503; the details only with the metrics token (:func:`ops_token_check`)."""
+    ok, report = gw.ready()
+    if not ops_allowed(request.headers.get("authorization")):
+        report = {"status": report["status"]}  # the status code stays; the details need the token
+    return Response(orjson.dumps(report), status_code=200 if ok else 503, media_type="application/json")
+
+
+async def metrics(gw: Gateway, ops_allowed: Any, request: Request) -> Response:
+    """``GET /metrics`` (Prometheus text), behind the metrics token (401 without it)."""
+    if not ops_allowed(request.headers.get("authorization")):
+        return Response(
+            openai_error_bytes(
+                "/metrics needs the metrics token (gateway.metrics_token) as 'Authorization: Bearer <token>'.",
+                status=401,
+                code=ErrorCode.INVALID_API_KEY,
+            ),
+            status_code=401,
+            media_type="application/json",
+            headers={"www-authenticate": "Bearer"},
+        )
+    m = gw.metrics
+    body = await asyncio.to_thread(m.render) if m.multiprocess_dir is not None else m.render()
+    return Response(body, media_type=m.content_type)
+
+
+async def model_by_id(gw: Gateway, request: Request) -> Response:
+    """``GET /v1/models/{model_id}`` (:func:`gateway.routes.handlers.handle_model`)."""
+    return await handle_model(gw, request, request.path_params["model_id"])
+
+
+def gateway_routes(gw: Gateway) -> list[Route]:
+    """The app's routes, each a plain Starlette route (no FastAPI dependency solving or response
+    serialization per request): every API route value (:data:`gateway.routes.API_ROUTES`,
+    :data:`gateway.routes.TOKEN_ROUTES`, the latter also under ``/v1``) at its path, the model
+    list, liveness (``/health`` is the path vLLM and SGLang serve), readiness and metrics."""
+    ops_allowed = ops_token_check(gw.settings.gateway.metrics_token)
+    routes = [Route(r.path, partial(handle_completion, gw, route=r), methods=["POST"]) for r in API_ROUTES]
+    for prefix in ("", "/v1"):
+        routes += [
+            Route(prefix + r.path, partial(handle_tokenize, gw, route=r), methods=["POST"]) for r in TOKEN_ROUTES
+        ]
+    routes += [
+        Route("/v1/models", partial(handle_models, gw), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", partial(model_by_id, gw), methods=["GET"]),
+        *(Route(path, partial(healthz, gw), methods=["GET"]) for path in ("/health", "/livez", "/healthz")),
+        Route("/readyz", partial(readyz, gw, ops_allowed), methods=["GET"]),
+        Route("/metrics", partial(metrics, gw, ops_allowed), methods=["GET"]),
+    ]
+    return routes
+
+
 def create_app(
     settings: Settings,
     tenants: TenantRegistry,
@@ -257,73 +318,6 @@ def create_app(
     app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     errors.install(app)
-
-    # Plain Starlette routes (no FastAPI dependency solving or response serialization per request).
-    async def chat_completions(request: Request) -> Response:
-        return await handle_completion(gw, request, "chat")
-
-    async def completions(request: Request) -> Response:
-        return await handle_completion(gw, request, "completions")
-
-    async def responses(request: Request) -> Response:
-        return await handle_completion(gw, request, "responses")
-
-    async def embeddings(request: Request) -> Response:
-        return await handle_completion(gw, request, "embeddings")
-
-    async def tokenize(request: Request) -> Response:
-        return await handle_tokenize(gw, request, "tokenize")
-
-    async def detokenize(request: Request) -> Response:
-        return await handle_tokenize(gw, request, "detokenize")
-
-    async def models(request: Request) -> Response:
-        return await handle_models(gw, request)
-
-    async def model(request: Request) -> Response:
-        return await handle_model(gw, request, request.path_params["model_id"])
-
-    async def healthz(request: Request) -> Response:
-        headers = {"x-kvgate-worker": str(gw.worker)} if gw.worker is not None else None
-        return Response(b'{"status":"ok"}', media_type="application/json", headers=headers)
-
-    ops_allowed = ops_token_check(settings.gateway.metrics_token)
-
-    async def readyz(request: Request) -> Response:
-        ok, report = gw.ready()
-        if not ops_allowed(request.headers.get("authorization")):
-            report = {"status": report["status"]}  # the status code stays; the details need the token
-        return Response(orjson.dumps(report), status_code=200 if ok else 503, media_type="application/json")
-
-    async def metrics(request: Request) -> Response:
-        if not ops_allowed(request.headers.get("authorization")):
-            return Response(
-                openai_error_bytes(
-                    "/metrics needs the metrics token (gateway.metrics_token) as 'Authorization: Bearer <token>'.",
-                    status=401,
-                    code=ErrorCode.INVALID_API_KEY,
-                ),
-                status_code=401,
-                media_type="application/json",
-                headers={"www-authenticate": "Bearer"},
-            )
-        m = gw.metrics
-        body = await asyncio.to_thread(m.render) if m.multiprocess_dir is not None else m.render()
-        return Response(body, media_type=m.content_type)
-
-    app.router.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.router.add_route("/v1/completions", completions, methods=["POST"])
-    app.router.add_route("/v1/responses", responses, methods=["POST"])
-    app.router.add_route("/v1/embeddings", embeddings, methods=["POST"])
-    for prefix in ("", "/v1"):
-        app.router.add_route(prefix + "/tokenize", tokenize, methods=["POST"])
-        app.router.add_route(prefix + "/detokenize", detokenize, methods=["POST"])
-    app.router.add_route("/v1/models", models, methods=["GET"])
-    app.router.add_route("/v1/models/{model_id:path}", model, methods=["GET"])
-    for path in ("/health", "/livez", "/healthz"):  # liveness; /health is the path vLLM and SGLang serve
-        app.router.add_route(path, healthz, methods=["GET"])
-    app.router.add_route("/readyz", readyz, methods=["GET"])
-    app.router.add_route("/metrics", metrics, methods=["GET"])
-
+    app.router.routes.extend(gateway_routes(gw))
     app.add_middleware(DrainMiddleware, gw=gw)
     return app

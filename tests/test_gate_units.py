@@ -12,15 +12,16 @@ import pytest
 
 from config.errors import MAX_PARAM_CHARS, OpenAIError, bounded
 from config.models import ImagePolicy, Settings, TenantConfig, UpstreamConfig
-from gateway.admission.body import OPENAI_FIELDS, validate
+from gateway.admission.checks import OPENAI_FIELDS
 from gateway.admission.fields import (
     ENGINE_EXTENSIONS,
     allowed_extensions,
-    bound_field,
-    check_request,
+    check_chat_request,
     check_tool_definitions,
 )
-from gateway.admission.gate import ModelIndex, decide, requested_max_tokens
+from gateway.admission.gate import CountedPrompt, decide, requested_max_tokens
+from gateway.admission.registry import ModelIndex
+from gateway.routes import CHAT, COMPLETIONS
 from tokenizer import ChatOptions, InvalidPromptError, bundled_counter
 from tokenizer.engine_counter import EngineCounter
 from tokenizer.images import ImageCoster, data_url_size, image_size, openai_tiles_tokens, qwen2_vl_tokens
@@ -128,8 +129,8 @@ def test_engine_tables_intersect_and_stay_extensions():
     assert "regex" not in allowed_extensions(frozenset({"sglang", "vllm"}), "chat")
     assert allowed_extensions(frozenset({"openai", "sglang"}), "completions") == frozenset()
     assert allowed_extensions(frozenset(), "chat") == frozenset()
-    from gateway.admission.body import CHAT_FIELDS, COMPLETION_FIELDS
-    from gateway.routes.api_routes import RESPONSES_FIELDS, RESPONSES_OPENAI_FIELDS
+    from gateway.admission.checks import CHAT_FIELDS, COMPLETION_FIELDS
+    from gateway.routes.responses import RESPONSES_FIELDS, RESPONSES_OPENAI_FIELDS
 
     openai_fields = {**OPENAI_FIELDS, "responses": frozenset(RESPONSES_OPENAI_FIELDS)}
     checked = {"chat": CHAT_FIELDS, "completions": COMPLETION_FIELDS, "responses": RESPONSES_FIELDS}
@@ -138,31 +139,31 @@ def test_engine_tables_intersect_and_stay_extensions():
         for route, names in routes.items():
             assert not names & openai_fields[route], (engine, route)
             assert names <= set(checked[route]), (engine, route)  # every one has its type check
-    assert bound_field(frozenset({"sglang"}), "chat") == "max_tokens"
-    assert bound_field(frozenset({"vllm", "openai"}), "chat") == "max_completion_tokens"
-    assert bound_field(frozenset({"openai"}), "completions") == "max_tokens"
-    assert requested_max_tokens({"max_tokens": 3, "max_completion_tokens": 4}, "chat") == (4, "max_completion_tokens")
-    assert requested_max_tokens({"max_tokens": 3, "max_completion_tokens": 4}, "completions") == (3, "max_tokens")
-    assert requested_max_tokens({}, "chat") == (None, "max_tokens")
+    assert CHAT.forwarded_bound(frozenset({"sglang"})) == "max_tokens"
+    assert CHAT.forwarded_bound(frozenset({"vllm", "openai"})) == "max_completion_tokens"
+    assert COMPLETIONS.forwarded_bound(frozenset({"openai"})) == "max_tokens"
+    assert requested_max_tokens({"max_tokens": 3, "max_completion_tokens": 4}, CHAT) == (4, "max_completion_tokens")
+    assert requested_max_tokens({"max_tokens": 3, "max_completion_tokens": 4}, COMPLETIONS) == (3, "max_tokens")
+    assert requested_max_tokens({}, CHAT) == (None, "max_tokens")
 
 
 def test_check_request_drops_no_op_defaults_and_builds_options():
     images = ImagePolicy()
     body = {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": True, "top_k": None}
     body["spaces_between_special_tokens"] = None
-    assert check_request(body, "chat", frozenset({"sglang"}), images) == ChatOptions()
+    assert check_chat_request(body, frozenset({"sglang"}), images) == ChatOptions()
     assert "add_generation_prompt" not in body and "spaces_between_special_tokens" not in body
     assert body["top_k"] is None  # in SGLang's table: passed as sent
     body = {"messages": [], "add_generation_prompt": False, "chat_template_kwargs": {"enable_thinking": False}}
-    opts = check_request(body, "chat", frozenset({"vllm"}), images)
+    opts = check_chat_request(body, frozenset({"vllm"}), images)
     assert opts == ChatOptions(add_generation_prompt=False, template_kwargs=(("enable_thinking", False),))
     body = {"messages": [], "reasoning_effort": "none"}
-    assert check_request(body, "chat", frozenset({"sglang"}), images).template_kwargs == (
+    assert check_chat_request(body, frozenset({"sglang"}), images).template_kwargs == (
         ("enable_thinking", False),
         ("reasoning_effort", "none"),  # SGLang passes it to the template as a variable
         ("thinking", False),
     )
-    assert check_request({"messages": [], "reasoning_effort": "high"}, "chat", frozenset({"vllm"}), images) == (
+    assert check_chat_request({"messages": [], "reasoning_effort": "high"}, frozenset({"vllm"}), images) == (
         ChatOptions(template_kwargs=(("reasoning_effort", "high"),))
     )
 
@@ -196,7 +197,7 @@ def test_tool_definitions_with_special_tokens_refused_where_the_engine_parses_th
 
 
 def test_validate_accepts_the_sdk_fields_and_refuses_bad_values():
-    validate(
+    CHAT.validate(
         {
             "messages": [],
             "prompt_cache_retention": "24h",
@@ -207,8 +208,7 @@ def test_validate_accepts_the_sdk_fields_and_refuses_bad_values():
             "metadata": {"k": "v"},
             "modalities": ["text", "audio"],
             "reasoning_effort": "xhigh",
-        },
-        "chat",
+        }
     )
     for body, param in (
         ({"messages": [], "metadata": {"k": "v" * 513}}, "metadata"),
@@ -220,7 +220,7 @@ def test_validate_accepts_the_sdk_fields_and_refuses_bad_values():
         ({"prompt": "x", "json_schema": "[1, 2]"}, "json_schema"),
     ):
         with pytest.raises(Exception) as e:
-            validate(body, "chat" if "messages" in body else "completions")
+            (CHAT if "messages" in body else COMPLETIONS).validate(body)
         assert (e.value.status, e.value.param) == (400, param)
 
 
@@ -229,21 +229,21 @@ def test_decide_sequences_and_demand():
     idx = ModelIndex(s)
     t = TenantConfig.model_validate({"id": "t", "default_max_tokens": 64, "max_sequences_per_request": 4})
     e = idx.resolve(t, "m")
-    a = decide(e, t, {"n": 4}, "chat", (10, 10, 1), 1000)
+    a = decide(e, t, {"n": 4}, CHAT, CountedPrompt(10, 10, 1), 1000)
     assert (a.max_tokens, a.sequences, a.reserve_tokens) == (64, 4, 4 * 74)
-    a = decide(e, t, {"n": 4}, "chat", (10, 10, 1), 200)  # 200 // 4 - 10 = 40 per sequence
+    a = decide(e, t, {"n": 4}, CHAT, CountedPrompt(10, 10, 1), 200)  # 200 // 4 - 10 = 40 per sequence
     assert (a.max_tokens, a.reserve_tokens) == (40, 200)
     with pytest.raises(Exception) as err:
-        decide(e, t, {"n": 5}, "chat", (10, 10, 1), 1000)
+        decide(e, t, {"n": 5}, CHAT, CountedPrompt(10, 10, 1), 1000)
     assert err.value.param == "n" and "at most 4" in err.value.message
     with pytest.raises(Exception) as err:
-        decide(e, t, {"best_of": 3}, "completions", (10, 20, 2), 1000)  # 2 x 3 = 6 > 4
+        decide(e, t, {"best_of": 3}, COMPLETIONS, CountedPrompt(10, 20, 2), 1000)  # 2 x 3 = 6 > 4
     assert err.value.param == "best_of"
     with pytest.raises(Exception) as err:
-        decide(e, t, {}, "completions", (10, 50, 5), 1000)
+        decide(e, t, {}, COMPLETIONS, CountedPrompt(10, 50, 5), 1000)
     assert err.value.param == "prompt"
     with pytest.raises(Exception) as err:
-        decide(e, t, {"n": 4, "max_tokens": 41}, "chat", (10, 10, 1), 200)
+        decide(e, t, {"n": 4, "max_tokens": 41}, CHAT, CountedPrompt(10, 10, 1), 200)
     assert err.value.param == "n" and "needs 204 tokens of KV cache" in err.value.message
 
 

@@ -17,7 +17,8 @@ import pytest
 from config.errors import MAX_MESSAGE_CHARS, bounded
 from config.models import Settings
 from gateway.quotas.tenant_quotas import build_quota_stage
-from gateway.routes.api_routes import embedding_length_message, responses_length_message
+from gateway.routes.embeddings import embedding_length_message
+from gateway.routes.responses import responses_length_message
 from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, tenants, upstream, wait_for
 from tests.mock_api_engine import COUNTER, ApiMockEngine, response_stream
 from verifier.build import build_verifier

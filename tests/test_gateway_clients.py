@@ -207,7 +207,7 @@ def test_responses_bounds_refuse_with_the_field_named(gw, field, value, problem)
     if field == "metadata":
         problem = "must be an object of at most 16 string keys (<= 64 characters) and string values (<= 512)"
     if field == "include":
-        from gateway.routes.api_routes import INCLUDABLE
+        from gateway.routes.responses import INCLUDABLE
 
         problem = "must be an array of " + ", ".join(INCLUDABLE)
     assert refused(post(gw, "/v1/responses", {"input": "x", field: value})) == invalid(field, problem)

@@ -8,8 +8,10 @@ import pytest
 from config.errors import OpenAIError
 from config.models import Settings, TenantConfig
 from config.pool import effective_pool_limit, pool_limit_from_headroom
-from gateway.admission.body import parse_json_body, validate
-from gateway.admission.gate import ModelIndex, decide
+from gateway.admission.body import parse_json_body
+from gateway.admission.gate import CountedPrompt, decide
+from gateway.admission.registry import ModelIndex
+from gateway.routes import CHAT, COMPLETIONS
 from gateway.ops.pool_watcher import PoolReadError, limit_from_server_info, limit_from_vllm_models
 from gateway.ops.tenants import TenantRegistry, hash_key
 from gateway.relay.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, strip_usage_null
@@ -182,16 +184,15 @@ def test_parse_rejects(raw):
 )
 def test_validate_names_param(body, param):
     with pytest.raises(OpenAIError) as e:
-        validate(body, "chat")
+        CHAT.validate(body)
     assert (e.value.status, e.value.param) == (400, param)
 
 
 def test_validate_accepts_nulls_and_engine_extensions():
-    validate(
-        {"messages": [], "max_tokens": None, "top_k": 20, "stream": True, "stream_options": {"include_usage": False}},
-        "chat",
+    CHAT.validate(
+        {"messages": [], "max_tokens": None, "top_k": 20, "stream": True, "stream_options": {"include_usage": False}}
     )
-    validate({"prompt": "x", "echo": False, "logprobs": 2}, "completions")
+    COMPLETIONS.validate({"prompt": "x", "echo": False, "logprobs": 2})
 
 
 # ---------------------------------------------------------------- tenants
@@ -227,10 +228,10 @@ def _setup(**tenant):
 def test_gate_boundary_and_message():
     idx, t = _setup()
     e = idx.resolve(t, "m")
-    a = decide(e, t, {"max_tokens": 189}, "chat", (11, 11, 1), 200)
+    a = decide(e, t, {"max_tokens": 189}, CHAT, CountedPrompt(11, 11, 1), 200)
     assert (a.limit, a.max_tokens, a.reserve_tokens, a.defaulted) == (200, 189, 200, False)
     with pytest.raises(OpenAIError) as err:
-        decide(e, t, {"max_tokens": 190}, "chat", (11, 11, 1), 200)
+        decide(e, t, {"max_tokens": 190}, CHAT, CountedPrompt(11, 11, 1), 200)
     assert err.value.body() == {
         "error": {
             "message": "This model's maximum context length is 200 tokens. However, you requested 201 tokens "
@@ -246,20 +247,23 @@ def test_gate_boundary_and_message():
 def test_max_tokens_rules():
     idx, t = _setup(max_tokens_cap=100, max_context_tokens=150)
     e = idx.resolve(t, None)  # the tenant's only model
-    assert decide(e, t, {}, "completions", (100, 100, 1), 3276).max_tokens == 50  # min(64, 150 - 100)
-    assert decide(e, t, {}, "completions", (10, 10, 1), 3276).max_tokens == 64
-    a = decide(e, t, {"max_tokens": 5, "n": 3}, "completions", (10, 25, 2), 3276)
+    assert decide(e, t, {}, COMPLETIONS, CountedPrompt(100, 100, 1), 3276).max_tokens == 50  # min(64, 150 - 100)
+    assert decide(e, t, {}, COMPLETIONS, CountedPrompt(10, 10, 1), 3276).max_tokens == 64
+    a = decide(e, t, {"max_tokens": 5, "n": 3}, COMPLETIONS, CountedPrompt(10, 25, 2), 3276)
     assert a.reserve_tokens == 3 * (25 + 2 * 5)  # every sequence holds its prompt's KV: n x (prompts + bounds)
     assert a.sequences == 6
-    assert decide(e, t, {"max_tokens": 500, "max_completion_tokens": 7}, "chat", (1, 1, 1), 3276).max_tokens == 7
+    assert (
+        decide(e, t, {"max_tokens": 500, "max_completion_tokens": 7}, CHAT, CountedPrompt(1, 1, 1), 3276).max_tokens
+        == 7
+    )
     with pytest.raises(OpenAIError) as err:
-        decide(e, t, {"max_tokens": 101}, "chat", (1, 1, 1), 3276)
+        decide(e, t, {"max_tokens": 101}, CHAT, CountedPrompt(1, 1, 1), 3276)
     assert (err.value.status, err.value.param) == (400, "max_tokens")
     with pytest.raises(OpenAIError) as err:  # max_tokens 0 is refused at validation, before any counting
-        validate({"prompt": "x", "max_tokens": 0}, "completions")
+        COMPLETIONS.validate({"prompt": "x", "max_tokens": 0})
     assert (err.value.status, err.value.param) == (400, "max_tokens")
     with pytest.raises(OpenAIError) as err:  # a defaulted bound still needs room for one token
-        decide(e, t, {}, "completions", (150, 150, 1), 3276)
+        decide(e, t, {}, COMPLETIONS, CountedPrompt(150, 150, 1), 3276)
     assert "(150 in the prompt, 1 in the completion)" in err.value.message
     with pytest.raises(OpenAIError) as err:
         idx.resolve(t, "other")

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from config.errors import OpenAIError
 from config.models import Settings, TenantConfig
-from gateway.admission.gate import ModelIndex, count_prompt, decide, request_cost
+from gateway.admission.gate import count_prompt, decide
+from gateway.admission.registry import ModelIndex
+from gateway.routes import CHAT, COMPLETIONS
 from tokenizer.base import OFFLOAD_CHARS, PROMPT_ELEMENT_CHARS, TOKEN_ID_CHARS, prompt_cost
 from tokenizer.chat import CHAT_ELEMENT_CHARS, chat_cost
 
@@ -78,7 +80,7 @@ def entry():
 async def test_two_million_empty_prompts_are_refused_before_counting(entry):
     body = {"model": "m", "prompt": [""] * 2_000_000}
     with pytest.raises(OpenAIError) as ei:
-        await count_prompt(entry, body, "completions", max_sequences=16)
+        await count_prompt(entry, body, COMPLETIONS, max_sequences=16)
     assert (ei.value.status, ei.value.param, ei.value.message) == (
         400,
         "prompt",
@@ -88,41 +90,43 @@ async def test_two_million_empty_prompts_are_refused_before_counting(entry):
     assert entry.rec.threads == []  # nothing was counted
     body = {"model": "m", "prompt": ["a"] * 8, "n": 3}
     with pytest.raises(OpenAIError) as ei:
-        await count_prompt(entry, body, "completions", max_sequences=16)
+        await count_prompt(entry, body, COMPLETIONS, max_sequences=16)
     assert (ei.value.param, ei.value.message) == (
         "n",
         "This request asks for 8 prompt(s) x 3 sequence(s) each = 24 sequences; this key allows at most 16 per request.",
     )
-    ok = await count_prompt(entry, {"model": "m", "prompt": ["a"] * 16}, "completions", max_sequences=16)
-    assert tuple(ok) == (1, 16, 16) and entry.rec.threads == [threading.get_ident()]  # small: on the loop
+    ok = await count_prompt(entry, {"model": "m", "prompt": ["a"] * 16}, COMPLETIONS, max_sequences=16)
+    assert (ok.largest, ok.total, ok.num_prompts) == (1, 16, 16) and entry.rec.threads == [
+        threading.get_ident()
+    ]  # small: on the loop
 
 
 async def test_element_heavy_requests_are_counted_in_a_worker_thread(entry):
     loop_thread = threading.get_ident()
-    ids = await count_prompt(entry, {"model": "m", "prompt": [1] * 2_000_000}, "completions", max_sequences=16)
-    assert tuple(ids) == (2_000_000, 2_000_000, 1) and ids.text == ""
-    empties = await count_prompt(entry, {"model": "m", "prompt": [""] * 2000}, "completions")
-    assert tuple(empties) == (0, 0, 2000) and empties.text == "\n" * 1999
+    ids = await count_prompt(entry, {"model": "m", "prompt": [1] * 2_000_000}, COMPLETIONS, max_sequences=16)
+    assert (ids.largest, ids.total, ids.num_prompts) == (2_000_000, 2_000_000, 1) and ids.text == ""
+    empties = await count_prompt(entry, {"model": "m", "prompt": [""] * 2000}, COMPLETIONS)
+    assert (empties.largest, empties.total, empties.num_prompts) == (0, 0, 2000) and empties.text == "\n" * 1999
     chat = {"model": "m", "messages": [{"role": "user", "content": "a"}] * 400_000}
-    counted = await count_prompt(entry, chat, "chat")
+    counted = await count_prompt(entry, chat, CHAT)
     # per message <|im_start|> user \n a <|im_end|> \n = 6 tokens, then <|im_start|> assistant \n
-    assert tuple(counted) == (2_400_003, 2_400_003, 1)
+    assert (counted.largest, counted.total, counted.num_prompts) == (2_400_003, 2_400_003, 1)
     assert len(counted.text) == 799_999  # gathered off the loop with the count
     assert len(entry.rec.threads) == 3 and loop_thread not in entry.rec.threads
     # decide takes the text gathered with the count
     t = TenantConfig(id="t")
     with pytest.raises(OpenAIError) as ei:
-        decide(entry, t, chat, "chat", counted, 1 << 40)
+        decide(entry, t, chat, CHAT, counted, 1 << 40)
     assert ei.value.code == "context_length_exceeded"
-    small = await count_prompt(entry, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "chat")
+    small = await count_prompt(entry, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, CHAT)
     assert small.text is None and entry.rec.threads[-1] == loop_thread
-    adm = decide(entry, t, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "chat", small, 4096)
+    adm = decide(entry, t, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, CHAT, small, 4096)
     assert adm.prompt_text == "hi"
 
 
 def test_request_cost_by_route():
-    assert request_cost({"prompt": [""] * 10}, "completions", 10**9) == 320
-    assert request_cost({"messages": [{"role": "user", "content": "a"}]}, "chat", 10**9) == 128
+    assert COMPLETIONS.cost({"prompt": [""] * 10}, 10**9) == 320
+    assert CHAT.cost({"messages": [{"role": "user", "content": "a"}]}, 10**9) == 128
 
 
 def test_values_over_counts_commas_outside_strings_only():

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from config.models import PoolSettings, Settings, TokenizerConfig, UpstreamConfig
-from gateway.admission.gate import ModelIndex, engine_api_key
+from gateway.admission.registry import ModelIndex, engine_api_key
 from gateway.ops.pool_watcher import PoolWatcher
 from tokenizer import EngineTokenizeError, make_counter
 

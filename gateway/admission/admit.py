@@ -14,15 +14,16 @@ before working": a refusal comes before the work it would waste):
    :data:`OFFLOAD_BODY_BYTES`: its token-id arrays cut out and parsed in slices, after refusing
    (413) one that holds more than ``gateway.max_body_values`` other JSON values
    (:mod:`gateway.admission.density`);
-3. validate it against the route's OpenAI schema (:mod:`gateway.admission.body`; ``/v1/responses`` and
-   ``/v1/embeddings``: :mod:`gateway.routes.api_routes`), and check that the model's ``task`` serves the route;
-4. resolve the model, count the prompt, apply the context gate (:mod:`gateway.admission.gate`); a
+3. validate it against the route's field table (the route value, :mod:`gateway.admission.route`:
+   ``route.validate``), and check that the model's ``task`` serves the route;
+4. resolve the model (:mod:`gateway.admission.registry`), read the pool limit once, count the
+   prompt (``route.count``), apply the route's gate (``route.decide``, :mod:`gateway.admission.gate`); a
    batch above the tenant's ``max_sequences_per_request`` is refused before it is counted, and a
    request whose counting is costly is counted off the event loop, on the tenant's share of the
    offload threads (:mod:`gateway.edge.offload`); an unknown or stale pool is 503
    ``pool_size_unknown`` (fail closed);
 5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503) and
-   build the body to forward (:func:`gateway.admission.gate.upstream_body`);
+   build the body to forward (``route.forward_body``);
 6. reserve the request's tokens against TPM (:meth:`gateway.quotas.stage.QuotaStage.reserve_tokens`),
    then hand the admitted prompt to the verifier's admission
    (:meth:`verifier.stage.VerifierStage.admit`: token-id prompts decoded, the prompt indexed, on
@@ -46,25 +47,16 @@ from starlette.requests import Request
 from config.errors import ErrorCode, OpenAIError
 from config.models import Settings, TenantConfig
 from gateway.admission.auth import authenticate
-from gateway.admission.body import body_declared, closing, parse_json_body, read_body, validate
+from gateway.admission.body import body_declared, closing, parse_json_body, read_body
 from gateway.admission.density import BadIds, StringDensity, count_ids, restore_ids, split_ids, values_over
-from gateway.admission.gate import (
-    Admission,
-    ModelIndex,
-    client_wants_usage,
-    count_prompt,
-    decide,
-    effective_limit,
-    over_context_error,
-    upstream_body,
-)
+from gateway.admission.gate import Admission, client_wants_usage, effective_limit, over_context_error
+from gateway.admission.registry import ModelEntry, ModelIndex
+from gateway.admission.route import ApiRoute, check_task
 from gateway.edge import offload
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
 from gateway.ops.tenants import TenantRegistry
 from gateway.quotas.stage import QuotaLease, QuotaStage
 from gateway.relay.upstreams import Upstream, UpstreamSet
-from gateway.routes import api_routes
-from tokenizer import split_completion_prompt
 from verifier.stage import Exchange, ExchangeRequest, VerifierStage
 
 #: A body larger than this (bytes) is parsed, and its forwarded form encoded, in a worker thread:
@@ -148,14 +140,21 @@ class AdmitContext(Protocol):
     def cache_salt(self, tenant_id: str) -> str: ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Arrival:
     """A request as it arrived: ``request_id`` (the client's ``x-request-id`` or a new one),
-    ``route`` (``chat`` or ``completions``), ``t_perf`` (``time.perf_counter()`` at arrival)."""
+    ``api`` (its route, :class:`gateway.admission.route.ApiRoute`), ``t_perf``
+    (``time.perf_counter()`` at arrival)."""
 
     request_id: str
-    route: str
+    api: ApiRoute
     t_perf: float
+
+    @property
+    def route(self) -> str:
+        """The route's name (``chat``, ``completions``, ``responses``, ``embeddings``): the
+        metrics and access-log label."""
+        return self.api.name
 
 
 @dataclass(frozen=True)
@@ -272,44 +271,31 @@ async def read_request(
     return await asyncio.to_thread(_parse_large, *args), True
 
 
+def _pool_unknown(entry: ModelEntry) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"The live KV pool size of the engines serving '{entry.id}' is unknown or "
+        "stale; refusing rather than risking a silent rejection. Retry shortly.",
+        code=ErrorCode.POOL_SIZE_UNKNOWN,
+        headers={"Retry-After": "1"},
+    )
+
+
 async def _count_and_decide(
-    ctx: AdmitContext, tenant: TenantConfig, body: dict[str, Any], route: str
-) -> tuple[Admission, list[Upstream], bool]:
-    """Steps 3-5: validate, resolve the model, count, gate, filter the upstreams. Returns
-    ``(admission, candidates, stateful passthrough)``. Raises :class:`OpenAIError`."""
-    own_schema = route in ("responses", "embeddings")  # their schemas, counts and gates: gateway.routes.api_routes
-    if own_schema:
-        api_routes.validate(body, route)
-    else:
-        validate(body, route)
+    ctx: AdmitContext, tenant: TenantConfig, body: dict[str, Any], route: ApiRoute
+) -> tuple[Admission, list[Upstream], list[Upstream]]:
+    """Steps 3-5: validate, resolve the model, count, gate, filter the upstreams; the pool limit
+    is read once, before counting (a too-long prompt's 400 quotes it). Returns ``(admission,
+    candidates, the upstreams serving the model)``. Raises :class:`OpenAIError`."""
+    route.validate(body)
     entry = ctx.models.resolve(tenant, body.get("model"))
-    api_routes.check_task(entry, route)
-    passthrough = api_routes.stateful_passthrough(ctx.upstreams.by_model.get(entry.id, []))
-    if route == "responses":
-        api_routes.refuse_stateful(body, passthrough)
-        chat, prompt_tokens = await api_routes.count_responses(entry, body)
-    elif route == "embeddings":
-        _, live = ctx.upstreams.eligible(entry.id)  # a batch certainly over it is refused uncounted
-        counts = await api_routes.count_embeddings(entry, tenant, body, live)
-    else:
-        _, live = ctx.upstreams.eligible(entry.id)  # the limit a too-long prompt's 400 quotes
-        limit = effective_limit(entry, tenant, live) if live is not None else None
-        prompt = await count_prompt(entry, body, route, max_sequences=tenant.max_sequences_per_request, limit=limit)
+    check_task(entry, route)
+    served = ctx.upstreams.by_model.get(entry.id, [])
     candidates, pool_limit = ctx.upstreams.eligible(entry.id)
+    prompt = await route.count(entry, tenant, body, served, pool_limit)
     if pool_limit is None:
-        raise OpenAIError(
-            503,
-            f"The live KV pool size of the engines serving '{entry.id}' is unknown or "
-            "stale; refusing rather than risking a silent rejection. Retry shortly.",
-            code=ErrorCode.POOL_SIZE_UNKNOWN,
-            headers={"Retry-After": "1"},
-        )
-    if route == "responses":
-        adm = api_routes.decide_responses(entry, tenant, body, chat, prompt_tokens, pool_limit)
-    elif route == "embeddings":
-        adm = api_routes.decide_embeddings(entry, tenant, body, counts, pool_limit)
-    else:
-        adm = decide(entry, tenant, body, route, prompt, pool_limit)
+        raise _pool_unknown(entry)
+    adm = route.decide(entry, tenant, body, prompt, pool_limit)
     candidates = [u for u in candidates if not ctx.verifier.is_quarantined(u.name, adm.prompt_tokens)]
     if not candidates:
         raise OpenAIError(
@@ -317,24 +303,19 @@ async def _count_and_decide(
             "Every upstream engine for this model is quarantined for prompts of this length.",
             code=ErrorCode.UPSTREAM_UNAVAILABLE,
         )
-    return adm, candidates, passthrough
+    return adm, candidates, served
 
 
 async def _forward(
-    body: dict[str, Any], route: str, adm: Admission, salt: str, passthrough: bool, large: bool
+    body: dict[str, Any], route: ApiRoute, adm: Admission, salt: str, served: list[Upstream], large: bool
 ) -> Forward:
     """Step 6's body to forward (in a worker thread for a large body). Raises :class:`OpenAIError`
     400 for a body nested too deeply to encode."""
-    own_schema = route in ("responses", "embeddings")
-    stream = bool(body.get("stream")) and route != "embeddings"
-    strip_usage = stream and not own_schema and not client_wants_usage(body)  # before the body asks for usage
-    if own_schema:
-        fn: Callable[..., bytes] = api_routes.upstream_body
-        args: tuple[Any, ...] = (body, route, adm, salt, passthrough)
-    else:
-        fn, args = upstream_body, (body, adm, salt)
+    stream = route.streams and bool(body.get("stream"))
+    strip_usage = stream and route.adds_usage and not client_wants_usage(body)  # before the body asks for usage
+    args = (body, adm, salt, served)
     try:
-        forwarded = await asyncio.to_thread(fn, *args) if large else fn(*args)
+        forwarded = await asyncio.to_thread(route.forward_body, *args) if large else route.forward_body(*args)
     except orjson.JSONEncodeError:  # orjson writes 254 levels of nesting at most (it reads 1024)
         raise OpenAIError(
             400, "The request body is nested too deeply to forward.", code=ErrorCode.INVALID_REQUEST
@@ -345,13 +326,13 @@ async def _forward(
 async def _admit_tenant(
     ctx: AdmitContext, request: Request, arrival: Arrival, tenant: TenantConfig, lease: QuotaLease
 ) -> Admitted:
-    route = arrival.route
-    body, large = await read_request(ctx, request, tenant)
-    adm, candidates, passthrough = await _count_and_decide(ctx, tenant, body, route)
-    forward = await _forward(body, route, adm, ctx.cache_salt(tenant.id), passthrough, large)
+    route = arrival.api
+    body, large = await read_request(ctx, request, tenant, route.id_fields)
+    adm, candidates, served = await _count_and_decide(ctx, tenant, body, route)
+    forward = await _forward(body, route, adm, ctx.cache_salt(tenant.id), served, large)
     await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
     exchange = None
-    if route != "embeddings":  # embeddings have no output text to verify: their inputs are not indexed
+    if route.verified:  # embeddings have no output text to verify: their inputs are not indexed
         # only an admitted prompt is indexed, before it can be forwarded
         exchange = verifier_exchange(arrival, tenant, adm, body, forward.stream)
         await ctx.verifier.admit(exchange, adm.model.counter.adecode)
@@ -365,23 +346,7 @@ def verifier_exchange(
     the prompt's text; a completions request's token-id prompts (``prompt_ids``, which the
     verifier decodes); ``echo`` and the texts an echo would repeat (each string prompt; a chat's
     last message). ``started_monotonic`` is the arrival, on the monotonic clock."""
-    ids: list[list[int]] = []
-    echo_prompts: list[str] = []
-    if arrival.route == "completions":
-        for p in split_completion_prompt(body["prompt"]):  # validated: no error here
-            if isinstance(p, str):
-                echo_prompts.append(p)
-            else:
-                ids.append(p)
-    else:
-        msgs = body.get("messages") or ()
-        last = msgs[-1].get("content") if msgs and isinstance(msgs[-1], dict) else None
-        if isinstance(last, str):
-            echo_prompts.append(last)
-        elif isinstance(last, list):
-            echo_prompts.append(
-                "".join(p["text"] for p in last if isinstance(p, dict) and isinstance(p.get("text"), str))
-            )
+    ids, echo_prompts = arrival.api.verifier_prompts(body)
     started_monotonic = time.monotonic() - (time.perf_counter() - arrival.t_perf)
     return Exchange(
         ExchangeRequest(

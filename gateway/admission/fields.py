@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import ImagePolicy
-from gateway.admission.body import OPENAI_FIELDS
+from gateway.admission.checks import OPENAI_FIELDS
 from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions
 from tokenizer.images import image_url_of
 
@@ -113,15 +113,6 @@ def allowed_extensions(engines: frozenset[str], route: str) -> frozenset[str]:
     for t in tables[1:]:
         out &= t
     return out
-
-
-def bound_field(engines: frozenset[str], route: str) -> str:
-    """The field the completion bound is forwarded under: ``max_tokens``, except on chat when
-    an ``openai`` upstream serves the model (OpenAI refuses ``max_tokens`` for its reasoning
-    models; SGLang, vLLM and the bundled backend read ``max_completion_tokens or max_tokens``)."""
-    if route == "chat" and "openai" in engines:
-        return "max_completion_tokens"
-    return "max_tokens"
 
 
 def _refuse(param: str, message: str) -> OpenAIError:
@@ -285,18 +276,9 @@ def filter_extensions(body: dict[str, Any], route: str, engines: frozenset[str],
         )
 
 
-def check_request(
-    body: dict[str, Any],
-    route: str,
-    engines: frozenset[str],
-    images: ImagePolicy,
-    specials: frozenset[str] = frozenset(),
-) -> ChatOptions:
-    """Apply the engines' field policy to a validated ``body`` before counting. Returns the
-    :class:`~tokenizer.chat.ChatOptions` the prompt must be counted with (chat; the default for
-    completions). Drops (in place) extension fields that are ``null`` or the engines' own
-    default and not in their table; refuses ``tools`` holding one of the model's ``specials``
-    (:func:`check_tool_definitions`). Raises :class:`OpenAIError` 400 naming the field."""
+def _check_common(body: dict[str, Any], route: str, engines: frozenset[str]) -> None:
+    """The policy chat and completions share: extension fields filtered for ``route``'s table
+    (:func:`filter_extensions`), OpenAI fields only some engines honour, at most one grammar."""
     filter_extensions(body, route, engines, OPENAI_FIELDS[route])
     for key, ok in _OPENAI_ONLY_ON.items():
         if body.get(key) is not None and not engines <= ok:
@@ -304,13 +286,33 @@ def check_request(
     grammars = [k for k in ("regex", "ebnf", "json_schema") if body.get(k) is not None]
     if len(grammars) > 1:
         raise _refuse(grammars[1], f"Only one of 'regex', 'ebnf' and 'json_schema' may be set; got {grammars}.")
-    if route == "completions":
-        if body.get("echo") and body.get("logprobs") is not None and not engines <= {"openai"}:
-            raise _refuse(
-                "echo",
-                "'echo' with 'logprobs' (prompt logprobs) is not supported by the engines serving this model.",
-            )
-        return DEFAULT_CHAT
+
+
+def check_completion_request(body: dict[str, Any], engines: frozenset[str]) -> ChatOptions:
+    """Apply the engines' field policy to a validated completions ``body`` before counting
+    (:func:`_check_common`; ``echo`` with ``logprobs`` only for ``openai``). Returns the default
+    :class:`~tokenizer.chat.ChatOptions`. Raises :class:`OpenAIError` 400 naming the field."""
+    _check_common(body, "completions", engines)
+    if body.get("echo") and body.get("logprobs") is not None and not engines <= {"openai"}:
+        raise _refuse(
+            "echo",
+            "'echo' with 'logprobs' (prompt logprobs) is not supported by the engines serving this model.",
+        )
+    return DEFAULT_CHAT
+
+
+def check_chat_request(
+    body: dict[str, Any],
+    engines: frozenset[str],
+    images: ImagePolicy,
+    specials: frozenset[str] = frozenset(),
+) -> ChatOptions:
+    """Apply the engines' field policy to a validated chat ``body`` before counting. Returns the
+    :class:`~tokenizer.chat.ChatOptions` the prompt must be counted with. Drops (in place)
+    extension fields that are ``null`` or the engines' own default and not in their table;
+    refuses ``tools`` holding one of the model's ``specials`` (:func:`check_tool_definitions`).
+    Raises :class:`OpenAIError` 400 naming the field."""
+    _check_common(body, "chat", engines)
     _check_message_keys(body)
     check_output_constraints(body, engines)
     check_tool_definitions(body.get("tools"), specials, engines)
@@ -363,7 +365,7 @@ def check_bounded(body: dict[str, Any], bound: int, vocab_size: int) -> None:
 
 
 def set_bound(body: dict[str, Any], name: str, bound: int) -> None:
-    """Put the completion ``bound`` in ``body`` under ``name`` (:func:`bound_field`) and remove
+    """Put the completion ``bound`` in ``body`` under ``name`` (the route's ``forwarded_bound``) and remove
     every other alias, so the engine reads exactly the gated value."""
     for alias in ("max_tokens", "max_completion_tokens"):
         body.pop(alias, None)

@@ -1,17 +1,18 @@
-"""Steps 4 and 5 (and the model resolution of step 6's note): which model, how many prompt
-tokens, how many completion tokens, and whether they fit (docs/design.md, "A request's way through the
-gateway", "Contracts": max_tokens).
+"""Steps 4 and 5: how many prompt tokens, how many completion tokens, and whether they fit
+(docs/design.md, "A request's way through the gateway", "Contracts": max_tokens). The rules are
+the same for chat, completions and Responses; what differs per route (which fields carry the
+bound, which field a too-long prompt is named by, how a prompt is counted) is the route's
+(:class:`BoundRoute`, :class:`PromptRoute`; the routes themselves live in :mod:`gateway.routes`).
 
-- Model: the request's ``model`` (an id or an alias); absent, the tenant's only model. A model
-  the tenant may not use, or that does not exist, is 404 ``model_not_found``.
-- Completion bound: one value per request (:data:`BOUND_FIELDS`: chat ``max_completion_tokens``
-  over ``max_tokens``; 0 is refused at validation); above the tenant's ``max_tokens_cap``: 400
-  with ``param`` naming the field. Absent: ``min(default_max_tokens, limit - prompt_tokens, cap,
-  what the KV demand leaves)``. Either way the bound is forwarded explicitly, under one field.
+- Completion bound: one value per request (the route's ``bound_fields``: chat
+  ``max_completion_tokens`` over ``max_tokens``; 0 is refused at validation); above the tenant's
+  ``max_tokens_cap``: 400 with ``param`` naming the field. Absent: ``min(default_max_tokens,
+  limit - prompt_tokens, cap, what the KV demand leaves)``. Either way the bound is forwarded
+  explicitly, under one field.
 - Sequences: prompts x max(n, best_of) <= tenant ``max_sequences_per_request``.
 - Gate: ``prompt_tokens + bound <= limit`` with
   ``limit = min(context_length, live pool limit, tenant max_context_tokens)``; above it 400
-  ``context_length_exceeded`` in OpenAI's wording (``config.errors.context_length_message``).
+  ``context_length_exceeded`` in OpenAI's wording (the route's ``length_message``).
 - KV demand (the whole request): ``max(n, best_of) x sum over prompts of (prompt + bound) <= live
   pool limit``; the quotas reserve exactly that number.
 """
@@ -19,134 +20,32 @@ gateway", "Contracts": max_tokens).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any
-from urllib.parse import urlsplit
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import orjson
 
-from config.errors import ErrorCode, OpenAIError, context_length_message
-from config.models import ModelConfig, Settings, TenantConfig
+from config.errors import ErrorCode, OpenAIError
+from config.models import TenantConfig
 from gateway.admission import fields
-from tokenizer import PromptCounter, TokenizerError, make_counter
-from tokenizer.base import prompt_cost
-from tokenizer.chat import chat_cost
-from tokenizer.images import ImageCoster
+from gateway.admission.registry import ModelEntry
+from tokenizer import PromptCounter, TokenizerError
+from tokenizer.chat import ChatOptions
 
 
-@dataclass
-class ModelEntry:
-    """A served model: its config, its counter and the engines (upstream ``engine`` values) that
-    serve it, which pick the fields passed through (:mod:`gateway.admission.fields`)."""
-
-    config: ModelConfig
-    counter: PromptCounter
-    engines: frozenset[str] = frozenset()
-
-    @property
-    def id(self) -> str:
-        return self.config.id
-
-    @property
-    def upstream_model(self) -> str:
-        return self.config.upstream_model or self.config.id
-
-
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    try:
-        port = parts.port or {"http": 80, "https": 443}.get(scheme)
-    except ValueError:
-        port = None
-    return scheme, (parts.hostname or "").lower(), port
-
-
-def engine_api_key(settings: Settings, tokenize_url: str | None) -> str | None:
-    """The ``api_key`` of the first upstream whose ``api_url`` shares the scheme, host and port of
-    ``tokenize_url`` (an engine tokenizer's base URL), else ``None``. ``tokenizer.api_key``, when
-    set, wins over it (:func:`tokenizer.make_counter`)."""
-    if not tokenize_url:
-        return None
-    want = _origin(tokenize_url)
-    for u in settings.upstreams:
-        if u.api_key is not None and _origin(u.api_url) == want:
-            return u.api_key.get_secret_value() or None
-    return None
-
-
-class ModelIndex:
-    """Name (id or alias) -> :class:`ModelEntry`, built once per app from settings."""
-
-    def __init__(self, settings: Settings, offload_chars: int | None = None) -> None:
-        self.by_name: dict[str, ModelEntry] = {}
-        self.entries: list[ModelEntry] = []
-        engines: dict[str, set[str]] = {}
-        for u in settings.upstreams:
-            for n in u.models:
-                served = settings.model_by_name(n)
-                if served is not None and u.engine is not None:
-                    engines.setdefault(served.id, set()).add(u.engine)
-        for m in settings.models:
-            counter = make_counter(m.tokenizer, m.upstream_model or m.id, engine_api_key(settings, m.tokenizer.url))
-            if offload_chars is not None:
-                counter.offload_chars = offload_chars
-            counter.engines = frozenset(engines.get(m.id, ()))  # chats counted as these engines render them
-            if m.images.cost != "fixed":
-                counter.image_cost = ImageCoster(m.images, m.tokenizer.image_tokens)
-            e = ModelEntry(m, counter, frozenset(engines.get(m.id, ())))
-            self.entries.append(e)
-            for n in (m.id, *m.aliases):
-                self.by_name[n] = e
-        self._allowed_cache: dict[tuple[str, ...], tuple[ModelEntry, ...]] = {}
-
-    def allowed(self, tenant: TenantConfig) -> tuple[ModelEntry, ...]:
-        """The models ``tenant`` may use (``allowed_models`` names ids or aliases; empty = all)."""
-        key = tuple(tenant.allowed_models)
-        hit = self._allowed_cache.get(key)
-        if hit is None:
-            if not key:
-                hit = tuple(self.entries)
-            else:
-                seen: list[ModelEntry] = []
-                for n in key:
-                    e = self.by_name.get(n)
-                    if e is not None and e not in seen:
-                        seen.append(e)
-                hit = tuple(seen)
-            self._allowed_cache[key] = hit
-        return hit
-
-    def resolve(self, tenant: TenantConfig, name: str | None) -> ModelEntry:
-        """The model ``name`` names for ``tenant``. Raises :class:`OpenAIError` 404
-        ``model_not_found`` (unknown or not allowed) or 400 (``model`` missing while the tenant
-        has several models)."""
-        allowed = self.allowed(tenant)
-        if name is None:
-            if len(allowed) == 1:
-                return allowed[0]
-            raise OpenAIError(400, "you must provide a model parameter", code=ErrorCode.INVALID_REQUEST, param="model")
-        e = self.by_name.get(name)
-        if e is None or e not in allowed:
-            raise OpenAIError(
-                404,
-                f"The model `{name}` does not exist or you do not have access to it.",
-                code=ErrorCode.MODEL_NOT_FOUND,
-                param="model",
-            )
-        return e
-
-
-@dataclass(frozen=True)
-class PromptCount:
-    """The request's prompts as counted, in tokens: ``largest`` (what the gate checks), ``total``
-    (every prompt of a batch), ``num_prompts``; ``text``: the prompt's text for the verifier
-    (never logged)."""
+@dataclass(frozen=True, slots=True)
+class CountedPrompt:
+    """A request's prompts as counted, in tokens, on every route: ``largest`` (what the gate
+    checks), ``total`` (every prompt of a batch), ``num_prompts``; ``per_prompt``: each prompt's
+    tokens where the gate checks them one by one (embeddings), else empty; ``text``: the prompt's
+    text for the verifier (never logged), ``None`` until it is gathered (a heavy request gathers
+    it off the event loop with the count; :func:`decide` gathers it otherwise)."""
 
     largest: int
     total: int
     num_prompts: int
-    text: str
+    text: str | None = None
+    per_prompt: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,7 +70,7 @@ class Admission:
     path reads most."""
 
     model: ModelEntry
-    prompt: PromptCount
+    prompt: CountedPrompt
     bound: CompletionBound
     limit: int
     n: int
@@ -193,7 +92,7 @@ class Admission:
 
     @property
     def prompt_text(self) -> str:
-        return self.prompt.text
+        return self.prompt.text or ""
 
     @property
     def max_tokens(self) -> int:
@@ -208,26 +107,54 @@ class Admission:
         return self.bound.field
 
 
-class PromptTally(tuple):
-    """``(largest, total, number_of_prompts)`` prompt tokens, as :func:`count_prompt` returns them;
-    ``text``: the prompt's text when it was gathered off the event loop with the count (a heavy
-    request), else ``None`` (:func:`decide` gathers it then)."""
+class BoundRoute(Protocol):
+    """What :func:`decide` reads from a route whose request has a completion bound (chat,
+    completions, Responses): ``bound_fields``, the fields that carry the bound in precedence
+    order (the first present wins); ``prompt_param``, the field a too-long prompt's 400 names."""
 
-    text: str | None
+    name: str
+    bound_fields: tuple[str, ...]
+    prompt_param: str
 
-    def __new__(cls, largest: int, total: int, num: int, text: str | None = None) -> PromptTally:
-        obj = super().__new__(cls, (largest, total, num))
-        obj.text = text
-        return obj
+    def forwarded_bound(self, engines: frozenset[str]) -> str:
+        """The one field the bound is forwarded under to ``engines``."""
+        ...
+
+    def length_message(self, limit: int, largest: int, max_tokens: int) -> str:
+        """The ``context_length_exceeded`` message for ``largest + max_tokens > limit``."""
+        ...
+
+    def prompt_text(self, body: dict[str, Any]) -> str:
+        """The request's prompt text, for the verifier (token-id prompts contribute nothing)."""
+        ...
 
 
-def request_cost(body: dict[str, Any], route: str, limit: int) -> int:
-    """What counting ``body`` costs, in characters (:func:`tokenizer.chat.chat_cost` /
-    :func:`tokenizer.base.prompt_cost`: text plus a weight per message, prompt and token id);
-    stops early past ``limit``."""
-    if route == "chat":
-        return chat_cost(body.get("messages"), body.get("tools"), limit)
-    return prompt_cost(body.get("prompt"), limit)
+class PromptRoute(BoundRoute, Protocol):
+    """What :func:`count_prompt` reads from a route that counts a prompt (chat, completions)."""
+
+    def check_batch(self, body: dict[str, Any], max_sequences: int) -> None:
+        """Refuse (400) a batch over ``max_sequences`` before anything is counted."""
+        ...
+
+    def cost(self, body: dict[str, Any], limit: int) -> int:
+        """What counting ``body`` costs, in characters; stops early past ``limit``."""
+        ...
+
+    def longest_text_chars(self, body: dict[str, Any]) -> int:
+        """Characters of the request's longest prompt text (validated bodies only)."""
+        ...
+
+    def check_fields(self, body: dict[str, Any], entry: ModelEntry) -> ChatOptions:
+        """The engines' field policy (:mod:`gateway.admission.fields`); the options to count with."""
+        ...
+
+    def count_now(self, counter: PromptCounter, body: dict[str, Any], options: ChatOptions) -> CountedPrompt:
+        """The prompt's tokens, counted synchronously. Raises ``TokenizerError``, ``OpenAIError``."""
+        ...
+
+    async def acount(self, counter: PromptCounter, body: dict[str, Any], options: ChatOptions) -> CountedPrompt:
+        """The prompt's tokens (the counter offloads long texts). Raises as :meth:`count_now`."""
+        ...
 
 
 def sequences_error(num: int, seqs: int, cap: int, body: dict[str, Any]) -> OpenAIError:
@@ -242,42 +169,7 @@ def sequences_error(num: int, seqs: int, cap: int, body: dict[str, Any]) -> Open
     )
 
 
-def suffix_tokens(counter: PromptCounter, body: dict[str, Any]) -> int:
-    """Tokens of a completions ``suffix`` (only ever accepted for ``openai`` upstreams, see
-    :mod:`gateway.admission.fields`), counted as prompt text added to every prompt; 0 without one. Raises
-    :class:`OpenAIError` 400 (``param`` ``suffix``) for a counter that counts prompts only."""
-    suffix = body.get("suffix")
-    if not isinstance(suffix, str) or not suffix:
-        return 0
-    try:
-        return counter.count_text(suffix)
-    except NotImplementedError:  # an engine-tokenize counter
-        raise OpenAIError(
-            400, "'suffix' is not supported for this model.", code=ErrorCode.INVALID_REQUEST, param="suffix"
-        ) from None
-
-
-def _longest_text_chars(body: dict[str, Any], route: str) -> int:
-    """Characters of the request's longest prompt text (chat: every string content and text
-    part of every message together; completions: the longest string prompt). Validated bodies only."""
-    if route == "chat":
-        n = 0
-        for m in body.get("messages") or ():
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                n += len(c)
-            elif isinstance(c, list):
-                n += sum(len(p["text"]) for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-        return n
-    p = body.get("prompt")
-    if isinstance(p, str):
-        return len(p)
-    if isinstance(p, list) and p and isinstance(p[0], str):
-        return max(map(len, p))
-    return 0
-
-
-def too_long_to_count(entry: ModelEntry, body: dict[str, Any], route: str, limit: int | None = None) -> None:
+def too_long_to_count(entry: ModelEntry, body: dict[str, Any], route: PromptRoute, limit: int | None = None) -> None:
     """Refuse, without counting it, a prompt whose text alone is certainly longer than the
     model's ``context_length``: no token covers more than the counter's ``max_token_chars``
     characters, so ``chars // max_token_chars`` is a lower bound of its tokens (the template,
@@ -289,10 +181,10 @@ def too_long_to_count(entry: ModelEntry, body: dict[str, Any], route: str, limit
     per = entry.counter.max_token_chars
     if not per:
         return
-    at_least = _longest_text_chars(body, route) // per
+    at_least = route.longest_text_chars(body) // per
     limit = entry.config.context_length if limit is None else limit
     if at_least > limit:
-        raise over_context_error(limit, at_least, "messages" if route == "chat" else "prompt")
+        raise over_context_error(limit, at_least, route.prompt_param)
 
 
 def over_context_error(limit: int, at_least: int, where: str) -> OpenAIError:
@@ -310,101 +202,59 @@ def over_context_error(limit: int, at_least: int, where: str) -> OpenAIError:
     )
 
 
-def _count_now(entry: ModelEntry, body: dict[str, Any], route: str, limit: int | None = None) -> PromptTally:
+def _count_now(entry: ModelEntry, body: dict[str, Any], route: PromptRoute, limit: int | None = None) -> CountedPrompt:
     """:func:`count_prompt`'s work done synchronously (in a worker thread), prompt text included;
     a prompt too long for the model is refused first without counting (:func:`too_long_to_count`)."""
-    counter = entry.counter
-    options = fields.check_request(body, route, entry.engines, entry.config.images, counter.special_token_texts)
+    options = route.check_fields(body, entry)
     too_long_to_count(entry, body, route, limit)
     try:
-        if route == "chat":
-            c = counter.count_chat(body["messages"], body.get("tools"), options)
-            return PromptTally(c, c, 1, prompt_text_of(body, route))
-        pc = counter.count_prompt(body["prompt"])
-        extra = suffix_tokens(counter, body)
+        counted = route.count_now(entry.counter, body, options)
     except TokenizerError as e:
         raise e.to_openai() from None
-    num = len(pc.per_prompt)
-    return PromptTally(pc.largest + extra, pc.total + num * extra, num, prompt_text_of(body, route))
+    return replace(counted, text=route.prompt_text(body))
 
 
 async def count_prompt(
-    entry: ModelEntry, body: dict[str, Any], route: str, *, max_sequences: int | None = None, limit: int | None = None
-) -> PromptTally:
-    """``(largest, total, number_of_prompts)`` prompt tokens of the request, as the engines
-    serving ``entry`` will build the prompt: the engines' field policy is applied first
-    (:func:`gateway.admission.fields.check_request`: fields they do not accept refused, prompt-changing
-    fields turned into :class:`~tokenizer.chat.ChatOptions`). Raises :class:`OpenAIError` 400 for
-    refused fields and invalid messages/prompt/token ids (``param`` names the field).
+    entry: ModelEntry,
+    body: dict[str, Any],
+    route: PromptRoute,
+    *,
+    max_sequences: int | None = None,
+    limit: int | None = None,
+) -> CountedPrompt:
+    """The request's prompt tokens, as the engines serving ``entry`` will build the prompt: the
+    engines' field policy is applied first (the route's ``check_fields``: fields they do not
+    accept refused, prompt-changing fields turned into :class:`~tokenizer.chat.ChatOptions`).
+    Raises :class:`OpenAIError` 400 for refused fields and invalid messages/prompt/token ids
+    (``param`` names the field).
 
     ``max_sequences`` (the tenant's ``max_sequences_per_request``): a batch of more prompts x
     sequences is refused before anything is counted (:func:`sequences_error`, the answer
     :func:`decide` would give). A request whose counting costs more than the counter's
-    ``offload_chars`` (:func:`request_cost`) is checked and counted in a worker thread, its prompt
+    ``offload_chars`` (the route's ``cost``) is checked and counted in a worker thread, its prompt
     text gathered there too, so no request holds the event loop for long; there a prompt whose
     text alone is over ``limit`` (the effective limit, :func:`too_long_to_count`) is refused first."""
-    if max_sequences is not None and route == "completions":
-        p = body.get("prompt")
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            seqs = sequences_of(body)
-            if len(p) * seqs > max_sequences:
-                raise sequences_error(len(p), seqs, max_sequences, body)
+    if max_sequences is not None:
+        route.check_batch(body, max_sequences)
     counter = entry.counter
-    heavy = request_cost(body, route, counter.offload_chars) > counter.offload_chars
+    heavy = route.cost(body, counter.offload_chars) > counter.offload_chars
     if heavy and counter.counts_sync:
         return await asyncio.to_thread(_count_now, entry, body, route, limit)
-    policy = (body, route, entry.engines, entry.config.images, counter.special_token_texts)
     if heavy:
-        options = await asyncio.to_thread(fields.check_request, *policy)
+        options = await asyncio.to_thread(route.check_fields, body, entry)
     else:
-        options = fields.check_request(*policy)
+        options = route.check_fields(body, entry)
     try:
-        if route == "chat":
-            c = await counter.acount_chat(body["messages"], body.get("tools"), options)
-            return PromptTally(c, c, 1)
-        pc = await counter.acount_prompt(body["prompt"])
-        extra = suffix_tokens(counter, body)
-        num = len(pc.per_prompt)
-        return PromptTally(pc.largest + extra, pc.total + num * extra, num)
+        return await route.acount(counter, body, options)
     except TokenizerError as e:
         raise e.to_openai() from None
 
 
-def prompt_text_of(body: dict[str, Any], route: str) -> str:
-    """The request's prompt text (chat: every text part of every message, joined by newlines;
-    completions: the string prompts). Token-id prompts contribute nothing."""
-    if route == "chat":
-        out = []
-        for m in body.get("messages") or ():
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                out.append(c)
-            elif isinstance(c, list):
-                out.extend(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-        return "\n".join(out)
-    p = body.get("prompt")
-    if isinstance(p, str):
-        return p
-    if isinstance(p, list) and p and isinstance(p[0], str):  # validated: a list of strings, or of ids
-        return "\n".join(p)
-    return ""
-
-
-#: The fields that carry a route's completion bound, in precedence order (the first one present
-#: wins; the others are dropped when forwarding). SGLang and vLLM both read
-#: ``max_completion_tokens or max_tokens`` (SGLang protocol.py ``to_sampling_params``, vLLM
-#: chat_completion/protocol.py ``build_tok_params``), the bundled backend the same.
-BOUND_FIELDS: dict[str, tuple[str, ...]] = {
-    "chat": ("max_completion_tokens", "max_tokens"),
-    "completions": ("max_tokens",),
-}
-
-
-def requested_max_tokens(body: dict[str, Any], route: str) -> tuple[int | None, str]:
-    """``(value, field)``: the first of :data:`BOUND_FIELDS` ``[route]`` present in ``body``
-    (chat: ``max_completion_tokens`` over ``max_tokens``); ``(None, last alias)`` when none is.
-    Validation (:func:`gateway.admission.body.validate`) has already refused 0 and non-integers."""
-    aliases = BOUND_FIELDS.get(route, ("max_tokens",))
+def requested_max_tokens(body: dict[str, Any], route: BoundRoute) -> tuple[int | None, str]:
+    """``(value, field)``: the first of the route's ``bound_fields`` present in ``body`` (chat:
+    ``max_completion_tokens`` over ``max_tokens``); ``(None, last alias)`` when none is.
+    Validation has already refused 0 and non-integers."""
+    aliases = route.bound_fields
     for name in aliases:
         v = body.get(name)
         if v is not None:
@@ -430,37 +280,12 @@ def _sequence_param(body: dict[str, Any]) -> str:
     return "best_of" if (body.get("best_of") or 1) > n else "n"
 
 
-def decide(
-    entry: ModelEntry,
-    tenant: TenantConfig,
-    body: dict[str, Any],
-    route: str,
-    prompt: tuple[int, int, int],
-    pool_limit: int,
-) -> Admission:
-    """Apply the completion-bound rules and the gates to a counted request (docs/gateway.md,
-    "The gate's invariant"). ``prompt``: ``(largest, total, number of prompts)`` in tokens.
-
-    - bound: the requested one (:func:`requested_max_tokens`), refused above the tenant's
-      ``max_tokens_cap``; absent, ``min(default_max_tokens, cap, limit - largest prompt, what the
-      KV demand leaves)``: always an explicit value >= 1, forwarded under one field;
-    - sequences: prompts x max(n, best_of) <= ``max_sequences_per_request`` (400 naming
-      ``prompt``, ``n`` or ``best_of``);
-    - context gate: ``largest + bound <= limit`` (400 ``context_length_exceeded``);
-    - KV demand: ``max(n, best_of) x (total + prompts x bound) <= pool_limit`` (400 naming ``n``,
-      ``best_of`` or the prompt); the same number is what the quotas reserve.
-
-    Raises :class:`OpenAIError` 400."""
-    largest, total, num = prompt
-    limit = effective_limit(entry, tenant, pool_limit)
-    seqs = sequences_of(body)
-    cap_seqs = tenant.max_sequences_per_request
-    if num * seqs > cap_seqs:
-        raise sequences_error(num, seqs, cap_seqs, body)
+def completion_bound(tenant: TenantConfig, body: dict[str, Any], route: BoundRoute, room: int) -> tuple[int, bool]:
+    """``(max_tokens, defaulted)``: the requested bound (:func:`requested_max_tokens`), refused
+    above the tenant's ``max_tokens_cap`` (400 naming its field); absent, ``min(default_max_tokens,
+    cap, room)`` (``room``: what the limit and the KV demand leave one completion), at least 1."""
     requested, field = requested_max_tokens(body, route)
     cap = tenant.max_tokens_cap
-    chat = route == "chat"
-    prompt_param = "messages" if chat else "prompt"
     if requested is not None:
         if cap is not None and requested > cap:
             raise OpenAIError(
@@ -469,20 +294,46 @@ def decide(
                 code=ErrorCode.INVALID_REQUEST,
                 param=field,
             )
-        max_tokens = requested
-        defaulted = False
-    else:
-        max_tokens = min(tenant.default_max_tokens, limit - largest, (pool_limit // seqs - total) // num)
-        if cap is not None:
-            max_tokens = min(max_tokens, cap)
-        max_tokens = max(max_tokens, 1)  # below 1 nothing fits: the gates below say which
-        defaulted = True
+        return requested, False
+    max_tokens = min(tenant.default_max_tokens, room)
+    if cap is not None:
+        max_tokens = min(max_tokens, cap)
+    return max(max_tokens, 1), True  # below 1 nothing fits: the gates say which
+
+
+def decide(
+    entry: ModelEntry,
+    tenant: TenantConfig,
+    body: dict[str, Any],
+    route: BoundRoute,
+    prompt: CountedPrompt,
+    pool_limit: int,
+) -> Admission:
+    """Apply the completion-bound rule and the gates to a counted request of any route with a
+    completion (docs/gateway.md, "The gate's invariant"):
+
+    - bound: :func:`completion_bound`, always an explicit value >= 1, forwarded under one field;
+    - sequences: prompts x max(n, best_of) <= ``max_sequences_per_request`` (400 naming
+      ``prompt``, ``n`` or ``best_of``);
+    - context gate: ``largest + bound <= limit`` (400 ``context_length_exceeded``);
+    - KV demand: ``max(n, best_of) x (total + prompts x bound) <= pool_limit`` (400 naming ``n``,
+      ``best_of`` or the prompt); the same number is what the quotas reserve.
+
+    Raises :class:`OpenAIError` 400."""
+    largest, total, num = prompt.largest, prompt.total, prompt.num_prompts
+    limit = effective_limit(entry, tenant, pool_limit)
+    seqs = sequences_of(body)
+    cap_seqs = tenant.max_sequences_per_request
+    if num * seqs > cap_seqs:
+        raise sequences_error(num, seqs, cap_seqs, body)
+    room = min(limit - largest, (pool_limit // seqs - total) // num)
+    max_tokens, defaulted = completion_bound(tenant, body, route, room)
     if largest + max_tokens > limit:
         raise OpenAIError(
             400,
-            context_length_message(limit, largest, max_tokens, messages=chat),
+            route.length_message(limit, largest, max_tokens),
             code=ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            param=prompt_param,
+            param=route.prompt_param,
             prompt_tokens=total,
         )
     fields.check_bounded(body, max_tokens, entry.counter.vocab_size)
@@ -494,18 +345,12 @@ def decide(
             f"{num} x {max_tokens} completion tokens)); the engines serving this model hold at most "
             f"{pool_limit} for one request. Reduce 'n', the batch or the completion.",
             code=ErrorCode.INVALID_REQUEST,
-            param=_sequence_param(body) if seqs > 1 else prompt_param,
+            param=_sequence_param(body) if seqs > 1 else route.prompt_param,
         )
-    text = getattr(prompt, "text", None)
-    return Admission(
-        entry,
-        PromptCount(largest, total, num, text if text is not None else prompt_text_of(body, route)),
-        CompletionBound(max_tokens, defaulted, fields.bound_field(entry.engines, route)),
-        limit,
-        body.get("n") or 1,
-        num * seqs,
-        demand,
-    )
+    if prompt.text is None:
+        prompt = replace(prompt, text=route.prompt_text(body))
+    bound = CompletionBound(max_tokens, defaulted, route.forwarded_bound(entry.engines))
+    return Admission(entry, prompt, bound, limit, body.get("n") or 1, num * seqs, demand)
 
 
 def client_wants_usage(body: dict[str, Any]) -> bool:
@@ -515,11 +360,12 @@ def client_wants_usage(body: dict[str, Any]) -> bool:
 
 
 def upstream_body(body: dict[str, Any], adm: Admission, cache_salt: str) -> bytes:
-    """The body to forward, as JSON bytes; ``body`` is changed in place. ``model`` becomes the
-    model's ``upstream_model``; ``cache_salt`` the tenant's (any client salt is dropped); the
-    completion bound the gate checked goes under the one field the engines read
-    (``adm.bound_field``), every other alias removed (:func:`gateway.admission.fields.set_bound`); a stream
-    that did not ask for usage gets ``stream_options.include_usage: true`` (the quota settle needs it)."""
+    """The body to forward for chat and completions, as JSON bytes; ``body`` is changed in
+    place. ``model`` becomes the model's ``upstream_model``; ``cache_salt`` the tenant's (any
+    client salt is dropped); the completion bound the gate checked goes under the one field the
+    engines read (``adm.bound_field``), every other alias removed
+    (:func:`gateway.admission.fields.set_bound`); a stream that did not ask for usage gets
+    ``stream_options.include_usage: true`` (the quota settle needs it)."""
     body["model"] = adm.model.upstream_model
     body["cache_salt"] = cache_salt
     fields.set_bound(body, adm.bound_field, adm.max_tokens)

@@ -12,9 +12,8 @@ import hashlib
 import re
 from functools import cache
 
-from gateway.admission import body as requests
-from gateway.admission import fields
-from gateway.routes import api_routes
+from gateway.admission import checks, fields
+from gateway.routes import API_ROUTES, TOKEN_ROUTES
 
 _SEGMENT = re.compile(r"\[(\d+)\]|\[([^\]]*)\]|([^.\[\]]+)")
 
@@ -30,9 +29,9 @@ _NESTED = (
 @cache
 def known_names() -> frozenset[str]:
     """Every field name of every route's table, message keys, extensions and :data:`_NESTED`."""
-    names = set(requests.CHAT_FIELDS) | set(requests.COMPLETION_FIELDS) | set(requests.EXTENSION_FIELDS)
-    for table in api_routes.FIELDS.values():
-        names |= set(table)
+    names = set(checks.EXTENSION_FIELDS)
+    for api in (*API_ROUTES, *TOKEN_ROUTES):
+        names |= set(api.fields)
     return frozenset(names | fields.MESSAGE_KEYS | set(_NESTED))
 
 

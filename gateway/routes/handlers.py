@@ -23,7 +23,9 @@ from config.errors import OpenAIError
 from config.models import TenantConfig
 from gateway.admission.admit import AdmitContext, Arrival, Refused, admit, authenticate_request
 from gateway.admission.body import ClientGone, body_declared, closing
-from gateway.admission.gate import ModelEntry, effective_limit
+from gateway.admission.gate import effective_limit
+from gateway.admission.registry import ModelEntry
+from gateway.admission.route import ApiRoute
 from gateway.ops import access_log as glog
 from gateway.ops.log_param import loggable_param
 from gateway.relay.finish import FinishContext, finish
@@ -101,13 +103,14 @@ def refusal(gw: HandlerContext, err: OpenAIError, rid: str, t0: float, tenant: s
     return Response(err.body_bytes(), status_code=err.status, media_type="application/json", headers=headers)
 
 
-async def handle_completion(gw: HandlerContext, request: Request, route: str) -> Response:
-    """``POST /v1/chat/completions`` (``route`` ``chat``) and ``/v1/completions`` (``completions``)."""
+async def handle_completion(gw: HandlerContext, request: Request, route: ApiRoute) -> Response:
+    """``POST`` to an admitted and forwarded route (:data:`gateway.routes.API_ROUTES`: chat,
+    completions, Responses, embeddings)."""
     arrival = Arrival(request_id_of(request.headers.get("x-request-id")), route, time.perf_counter())
     try:
         admitted = await admit(gw, request, arrival)
     except Refused as r:
-        return refusal(gw, r.error, arrival.request_id, arrival.t_perf, r.tenant_id, route)
+        return refusal(gw, r.error, arrival.request_id, arrival.t_perf, r.tenant_id, route.name)
     except ClientGone:
         return Response(status_code=499)
     outcome = RelayOutcome(admitted)
