@@ -15,50 +15,32 @@ from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
 from gateway.quotas.stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
+from tests.fixtures.redis_keys import REDIS_URL
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 WINDOW_MS = 60_000
 TTL_MS = 120_000
 
 
-@pytest.fixture()
-async def redis_store():
-    prefix = f"kvgate-test-q-{uuid.uuid4().hex[:10]}"
-    client = redis_client_from_url(REDIS_URL, 0.5)
-    store = RedisQuotaStore(client, prefix=prefix)
-    yield store
-    keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
-    if keys:
-        await client.delete(*keys)
-    await store.aclose()
-
-
-@pytest.fixture(params=["redis", "local"])
-async def store(request, redis_store):
-    """Both stores must give the same answers to the same calls."""
-    return redis_store if request.param == "redis" else LocalQuotaStore()
-
-
-async def test_tpm_refusal_spends_no_rpm_slot_and_no_lease(store) -> None:
+async def test_tpm_refusal_spends_no_rpm_slot_and_no_lease(quota_store) -> None:
     lim = QuotaLimits(rpm=3, tpm=1000, max_concurrent=5)
-    d = await store.reserve("t", lim, "a", 900, WINDOW_MS, TTL_MS)
+    d = await quota_store.reserve("t", lim, "a", 900, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.refused, d.remaining_requests, d.remaining_tokens) == (True, (), 2, 100)
-    d = await store.reserve("t", lim, "b", 200, WINDOW_MS, TTL_MS)
+    d = await quota_store.reserve("t", lim, "b", 200, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.refused, d.remaining_requests, d.remaining_tokens) == (False, ("tpm",), 2, 100)
     # the refusal took nothing: two more requests fit the RPM, and the TPM still has 100
-    d = await store.reserve("t", lim, "c", 100, WINDOW_MS, TTL_MS)
+    d = await quota_store.reserve("t", lim, "c", 100, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.remaining_requests, d.remaining_tokens) == (True, 1, 0)
-    d = await store.reserve("t", lim, "d", 0, WINDOW_MS, TTL_MS)
+    d = await quota_store.reserve("t", lim, "d", 0, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.remaining_requests, d.remaining_tokens) == (True, 0, 0)
-    d = await store.reserve("t", lim, "e", 0, WINDOW_MS, TTL_MS)
+    d = await quota_store.reserve("t", lim, "e", 0, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.refused) == (False, ("rpm",))
 
 
-async def test_concurrency_refusal_spends_nothing_and_settle_frees_the_lease(store) -> None:
+async def test_concurrency_refusal_spends_nothing_and_settle_frees_the_lease(quota_store) -> None:
     lim = QuotaLimits(rpm=10, tpm=None, max_concurrent=2)
-    assert (await store.reserve("t", lim, "a", 5, WINDOW_MS, TTL_MS)).admitted
-    assert (await store.reserve("t", lim, "b", 5, WINDOW_MS, TTL_MS)).admitted
-    d = await store.reserve("t", lim, "c", 5, WINDOW_MS, TTL_MS)
+    assert (await quota_store.reserve("t", lim, "a", 5, WINDOW_MS, TTL_MS)).admitted
+    assert (await quota_store.reserve("t", lim, "b", 5, WINDOW_MS, TTL_MS)).admitted
+    d = await quota_store.reserve("t", lim, "c", 5, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.refused, d.retry_after_ms, d.remaining_requests, d.remaining_tokens) == (
         False,
         ("concurrency",),
@@ -66,42 +48,42 @@ async def test_concurrency_refusal_spends_nothing_and_settle_frees_the_lease(sto
         8,
         -1,
     )
-    await store.settle("t", lim, "a", 5, 5, WINDOW_MS)
-    d = await store.reserve("t", lim, "c", 5, WINDOW_MS, TTL_MS)
+    await quota_store.settle("t", lim, "a", 5, 5, WINDOW_MS)
+    d = await quota_store.reserve("t", lim, "c", 5, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.remaining_requests) == (True, 7)
 
 
-async def test_all_refused_dimensions_are_named(store) -> None:
+async def test_all_refused_dimensions_are_named(quota_store) -> None:
     lim = QuotaLimits(rpm=1, tpm=100, max_concurrent=1)
-    assert (await store.reserve("t", lim, "a", 100, WINDOW_MS, TTL_MS)).admitted
-    d = await store.reserve("t", lim, "b", 1, WINDOW_MS, TTL_MS)
+    assert (await quota_store.reserve("t", lim, "a", 100, WINDOW_MS, TTL_MS)).admitted
+    d = await quota_store.reserve("t", lim, "b", 1, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.refused, d.too_large) == (False, ("rpm", "tpm", "concurrency"), False)
 
 
-async def test_settle_corrects_tpm_to_real_usage(store) -> None:
+async def test_settle_corrects_tpm_to_real_usage(quota_store) -> None:
     lim = QuotaLimits(rpm=None, tpm=1000, max_concurrent=None)
-    assert (await store.reserve("t", lim, "a", 700, WINDOW_MS, TTL_MS)).remaining_tokens == 300
-    await store.settle("t", lim, "a", 250, 700, WINDOW_MS)  # refund 450
-    d = await store.reserve("t", lim, "b", 750, WINDOW_MS, TTL_MS)
+    assert (await quota_store.reserve("t", lim, "a", 700, WINDOW_MS, TTL_MS)).remaining_tokens == 300
+    await quota_store.settle("t", lim, "a", 250, 700, WINDOW_MS)  # refund 450
+    d = await quota_store.reserve("t", lim, "b", 750, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.remaining_tokens, d.remaining_requests) == (True, 0, -1)
-    await store.settle("t", lim, "b", 760, 750, WINDOW_MS)  # usage above the reservation is debited too
-    d = await store.reserve("t", lim, "c", 1, WINDOW_MS, TTL_MS)
+    await quota_store.settle("t", lim, "b", 760, 750, WINDOW_MS)  # usage above the reservation is debited too
+    d = await quota_store.reserve("t", lim, "c", 1, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.remaining_tokens) == (False, 0)
 
 
-async def test_settle_after_the_debit_left_the_window_charges_only_the_excess(store) -> None:
+async def test_settle_after_the_debit_left_the_window_charges_only_the_excess(quota_store) -> None:
     lim = QuotaLimits(rpm=None, tpm=100, max_concurrent=None)
-    assert (await store.reserve("t", lim, "a", 60, 200, TTL_MS)).admitted
+    assert (await quota_store.reserve("t", lim, "a", 60, 200, TTL_MS)).admitted
     await asyncio.sleep(0.25)  # the 200 ms window has moved past the debit
-    await store.settle("t", lim, "a", 70, 60, 200)  # 10 tokens over the reservation
-    d = await store.reserve("t", lim, "b", 90, 200, TTL_MS)
+    await quota_store.settle("t", lim, "a", 70, 60, 200)  # 10 tokens over the reservation
+    d = await quota_store.reserve("t", lim, "b", 90, 200, TTL_MS)
     assert (d.admitted, d.remaining_tokens) == (True, 0)
-    d = await store.reserve("t", lim, "c", 1, 200, TTL_MS)
+    d = await quota_store.reserve("t", lim, "c", 1, 200, TTL_MS)
     assert d.admitted is False
 
 
-async def test_request_larger_than_tpm_and_rpm_zero_are_refused_for_a_whole_window(store) -> None:
-    d = await store.reserve("t", QuotaLimits(None, 100, None), "a", 101, WINDOW_MS, TTL_MS)
+async def test_request_larger_than_tpm_and_rpm_zero_are_refused_for_a_whole_window(quota_store) -> None:
+    d = await quota_store.reserve("t", QuotaLimits(None, 100, None), "a", 101, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.refused, d.too_large, d.retry_after_ms, d.remaining_tokens) == (
         False,
         ("tpm",),
@@ -109,22 +91,22 @@ async def test_request_larger_than_tpm_and_rpm_zero_are_refused_for_a_whole_wind
         WINDOW_MS,
         100,
     )
-    d = await store.reserve("t", QuotaLimits(0, None, None), "b", 1, WINDOW_MS, TTL_MS)
+    d = await quota_store.reserve("t", QuotaLimits(0, None, None), "b", 1, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.refused, d.retry_after_ms, d.remaining_requests) == (False, ("rpm",), WINDOW_MS, 0)
 
 
-async def test_lease_expires_after_its_ttl_without_settle(store) -> None:
+async def test_lease_expires_after_its_ttl_without_settle(quota_store) -> None:
     lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
-    assert (await store.reserve("t", lim, "dead-replica", 1, WINDOW_MS, 600)).admitted
-    assert (await store.reserve("t", lim, "b", 1, WINDOW_MS, 600)).refused == ("concurrency",)
+    assert (await quota_store.reserve("t", lim, "dead-replica", 1, WINDOW_MS, 600)).admitted
+    assert (await quota_store.reserve("t", lim, "b", 1, WINDOW_MS, 600)).refused == ("concurrency",)
     await asyncio.sleep(0.65)
-    assert (await store.reserve("t", lim, "b", 1, WINDOW_MS, 600)).admitted
+    assert (await quota_store.reserve("t", lim, "b", 1, WINDOW_MS, 600)).admitted
     # renewing a live lease keeps it; renewing an expired one does not bring it back
-    assert await store.renew("t", ["b", "dead-replica"], 600) == 1
+    assert await quota_store.renew("t", ["b", "dead-replica"], 600) == 1
     await asyncio.sleep(0.4)
-    assert await store.renew("t", ["b"], 600) == 1
+    assert await quota_store.renew("t", ["b"], 600) == 1
     await asyncio.sleep(0.4)  # 800 ms after b was admitted, but renewed 400 ms ago
-    assert (await store.reserve("t", lim, "c", 1, WINDOW_MS, 600)).refused == ("concurrency",)
+    assert (await quota_store.reserve("t", lim, "c", 1, WINDOW_MS, 600)).refused == ("concurrency",)
 
 
 async def test_cancel_undoes_a_reservation_and_skips_unknown_ones(redis_store) -> None:

@@ -12,52 +12,37 @@ import pytest
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
-from gateway.quotas.stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
-from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
+from gateway.quotas.stores import LocalQuotaStore, QuotaLimits
+from gateway.quotas.tenant_quotas import TenantQuotas
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 WINDOW_MS = 60_000
 TTL_MS = 120_000
-
-
-@pytest.fixture()
-async def redis_store():
-    prefix = f"kvgate-test-q2-{uuid.uuid4().hex[:10]}"
-    client = redis_client_from_url(REDIS_URL, 0.5)
-    store = RedisQuotaStore(client, prefix=prefix)
-    yield store
-    keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
-    if keys:
-        await client.delete(*keys)
-    await store.aclose()
-
-
-@pytest.fixture(params=["redis", "local"])
-async def store(request, redis_store):
-    return redis_store if request.param == "redis" else LocalQuotaStore()
 
 
 def answer(d):
     return (d.admitted, d.refused, d.remaining_requests, d.remaining_tokens, d.too_large)
 
 
-async def test_begin_takes_rpm_and_a_lease_or_nothing_and_tokens_take_tpm_or_nothing(store) -> None:
+async def test_begin_takes_rpm_and_a_lease_or_nothing_and_tokens_take_tpm_or_nothing(quota_store) -> None:
     lim = QuotaLimits(rpm=2, tpm=100, max_concurrent=1)
-    assert answer(await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)) == (True, (), 1, -1, False)
-    d = await store.begin("t", lim, "b", WINDOW_MS, TTL_MS)  # the lease is held: nothing spent
+    assert answer(await quota_store.begin("t", lim, "a", WINDOW_MS, TTL_MS)) == (True, (), 1, -1, False)
+    d = await quota_store.begin("t", lim, "b", WINDOW_MS, TTL_MS)  # the lease is held: nothing spent
     assert (answer(d), d.retry_after_ms) == ((False, ("concurrency",), 1, -1, False), 1000)
-    assert answer(await store.take_tokens("t", lim, "a", 60, WINDOW_MS)) == (True, (), -1, 40, False)
-    d = await store.take_tokens("t", lim, "a2", 50, WINDOW_MS)
+    assert answer(await quota_store.take_tokens("t", lim, "a", 60, WINDOW_MS)) == (True, (), -1, 40, False)
+    d = await quota_store.take_tokens("t", lim, "a2", 50, WINDOW_MS)
     assert answer(d) == (False, ("tpm",), -1, 40, False) and 59_000 < d.retry_after_ms <= 60_000
-    d = await store.take_tokens("t", lim, "a3", 101, WINDOW_MS)
+    d = await quota_store.take_tokens("t", lim, "a3", 101, WINDOW_MS)
     assert (answer(d), d.retry_after_ms) == ((False, ("tpm",), -1, 40, True), WINDOW_MS)
-    await store.settle("t", lim, "a", 10, 60, WINDOW_MS)  # lease released, debit corrected to 10
-    assert answer(await store.begin("t", lim, "c", WINDOW_MS, TTL_MS)) == (True, (), 0, -1, False)
-    assert answer(await store.take_tokens("t", lim, "c", 90, WINDOW_MS)) == (True, (), -1, 0, False)
-    await store.settle("t", lim, "c", 0, 90, WINDOW_MS)  # refused later: refunded
-    d = await store.begin("t", lim, "d", WINDOW_MS, TTL_MS)  # two requests spent the RPM
+    await quota_store.settle("t", lim, "a", 10, 60, WINDOW_MS)  # lease released, debit corrected to 10
+    assert answer(await quota_store.begin("t", lim, "c", WINDOW_MS, TTL_MS)) == (True, (), 0, -1, False)
+    assert answer(await quota_store.take_tokens("t", lim, "c", 90, WINDOW_MS)) == (True, (), -1, 0, False)
+    await quota_store.settle("t", lim, "c", 0, 90, WINDOW_MS)  # refused later: refunded
+    d = await quota_store.begin("t", lim, "d", WINDOW_MS, TTL_MS)  # two requests spent the RPM
     assert answer(d) == (False, ("rpm",), 0, -1, False) and 59_000 < d.retry_after_ms <= 60_000
-    assert answer(await store.reserve("t", QuotaLimits(None, 100, None), "e", 90, WINDOW_MS, TTL_MS))[:2] == (True, ())
+    assert answer(await quota_store.reserve("t", QuotaLimits(None, 100, None), "e", 90, WINDOW_MS, TTL_MS))[:2] == (
+        True,
+        (),
+    )
 
 
 async def test_the_stage_releases_a_refused_request_and_keeps_its_rpm_spent(redis_store) -> None:
