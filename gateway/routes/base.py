@@ -10,6 +10,7 @@ from typing import Any
 from config.models import TenantConfig
 from gateway.admission.gate import Admission, CountedPrompt, count_prompt, decide, effective_limit, upstream_body
 from gateway.admission.registry import ModelEntry
+from gateway.relay.stream_protocol import CHAT_SSE, StreamProtocol
 
 
 class PromptApiRoute:
@@ -24,7 +25,7 @@ class PromptApiRoute:
     prompt_param: str
     tasks: tuple[str, ...] = ("chat",)
     id_fields: tuple[str, ...] = ("prompt", "input")
-    stream_protocol: Any = "chat_chunks"  # placeholder until gateway.relay defines the protocol objects
+    stream_protocol: StreamProtocol = CHAT_SSE
     streams = True
     adds_usage = True
     verified = True

@@ -16,6 +16,7 @@ from config.models import TenantConfig
 from gateway.admission.checks import Check, anything, check_fields, int_in, one_of, string
 from gateway.admission.gate import Admission, CompletionBound, CountedPrompt, effective_limit
 from gateway.admission.registry import ModelEntry
+from gateway.relay.stream_protocol import StreamProtocol
 from tokenizer import TokenizerError
 from tokenizer.embeddings import acount_embedding_input
 
@@ -127,7 +128,7 @@ class EmbeddingsRoute:
     tasks: tuple[str, ...] = ("embedding",)
     id_fields: tuple[str, ...] = ("prompt", "input")
     fields = EMBEDDINGS_FIELDS
-    stream_protocol: Any = None  # never streamed
+    stream_protocol: StreamProtocol | None = None  # never streamed
     streams = False
     adds_usage = False
     verified = False

@@ -42,6 +42,7 @@ from gateway.admission.fields import check_output_constraints, check_tool_defini
 from gateway.admission.gate import Admission, CountedPrompt, decide
 from gateway.admission.grammar_bounds import schema_problem
 from gateway.admission.registry import ModelEntry
+from gateway.relay.stream_protocol import RESPONSES_SSE, StreamProtocol
 from tokenizer import TokenizerError
 from tokenizer.chat import string_chars
 from tokenizer.responses import ResponsesPrompt, acount_responses, responses_text, responses_to_chat
@@ -311,7 +312,7 @@ class ResponsesRoute:
     upstream_path = "/responses"
     tasks: tuple[str, ...] = ("chat",)
     id_fields: tuple[str, ...] = ("prompt", "input")
-    stream_protocol: Any = "response_events"  # placeholder until gateway.relay defines the protocol objects
+    stream_protocol: StreamProtocol = RESPONSES_SSE
     streams = True
     adds_usage = False
     verified = True
