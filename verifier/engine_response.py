@@ -39,9 +39,8 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, TypeGuard
 
 import orjson
@@ -89,11 +88,23 @@ class EngineOutput:
         return "".join(self.texts.values())
 
 
-_NO_SNAPSHOTS: Mapping[str, str] = MappingProxyType({})
+class _NoSnapshots(Mapping[str, str]):
+    """The empty, read-only (and so shareable) ``snapshots`` of an event that repeats no text."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__
+
+    def __getitem__(self, key: str) -> str:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
 
 
-def _no_snapshots() -> Mapping[str, str]:
-    return _NO_SNAPSHOTS
+_NO_SNAPSHOTS: Mapping[str, str] = _NoSnapshots()
 
 
 @dataclass(slots=True)
@@ -121,7 +132,7 @@ class StreamEvent(EngineOutput):
     kind: str = "other"
     error: dict[str, Any] | None = None
     sequence_number: int | None = None
-    snapshots: Mapping[str, str] = field(default_factory=_no_snapshots)
+    snapshots: Mapping[str, str] = _NO_SNAPSHOTS
 
     @property
     def starts(self) -> bool:
@@ -157,6 +168,10 @@ _CHOICE_KNOWN = frozenset({"message", "delta", "text", "logprobs", "index", "fin
 _MESSAGE_KNOWN = frozenset(
     {"content", "reasoning_content", "reasoning", "refusal", "audio", "tool_calls", "function_call", "role"}
 )
+#: keys not read as ``other`` text: of a choice, of a message / delta, of the object
+_CHOICE_SKIP = _CHOICE_KNOWN | META_KEYS
+_MESSAGE_SKIP = _MESSAGE_KNOWN | META_KEYS
+_TOP_SKIP = META_KEYS | {"choices", "usage"}
 
 
 def _strings(obj: Any, out: list[str], depth: int = 0) -> None:
@@ -180,7 +195,7 @@ def _unknown_strings(choice: dict[str, Any], holder: str) -> list[str]:
     """Strings of a choice outside the fields :func:`_choice_fields` reads and the metadata."""
     out: list[str] = []
     for k, v in choice.items():
-        if k not in _CHOICE_KNOWN and k not in META_KEYS:
+        if k not in _CHOICE_SKIP:
             _strings(v, out)
     inner = choice.get(holder)
     if isinstance(inner, dict):
@@ -192,7 +207,7 @@ def _message_unknown_strings(inner: dict[str, Any], out: list[str]) -> None:
     """The strings of a ``message`` / ``delta`` outside its named fields: unknown keys, content
     parts' other keys, tool calls' other keys (their ``function``'s too)."""
     for k, v in inner.items():
-        if k not in _MESSAGE_KNOWN and k not in META_KEYS:
+        if k not in _MESSAGE_SKIP:
             _strings(v, out)
     content = inner.get("content")
     if isinstance(content, list):  # parts other than text / refusal (their other strings)
@@ -311,7 +326,7 @@ def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> Engine
                 position += 1
     top: list[str] = []
     for k, v in obj.items():
-        if k not in ("choices", "usage") and k not in META_KEYS:
+        if k not in _TOP_SKIP:
             _strings(v, top)
     if top:
         out.fields["-:other"] = " ".join(top)

@@ -224,15 +224,6 @@ class _Events:
                 self.hold.started = True
                 yield b"", True  # the response starts now, even when the guard holds every event back
 
-    def stop(self) -> bool:
-        """After a read: true when the stream ended (the end marker); raises the
-        :class:`SSEEventTooLarge` that ends it."""
-        if self.done:
-            return True
-        if self.too_large is not None:
-            raise self.too_large
-        return False
-
     def _engine_error(self, ev: StreamEvent, out: list[bytes]) -> bool:
         """An engine error event: raised before the response started; after it, counted and,
         where the protocol says so, replaced by the gateway's error event (true: done with it)."""
@@ -297,8 +288,10 @@ async def relay_stream(
                     yield marker
             for piece in hold.offer(out):
                 yield piece
-            if step.stop():
+            if step.done:
                 break
+            if step.too_large is not None:
+                raise step.too_large
     except UpstreamError:
         if hold.started and hold.held:
             yield b"".join(hold.held), True
