@@ -2,8 +2,9 @@
 (verifier.stage.PendingWrite, gateway.quotas.stores.RedisQuotaStore._call_with): one pipeline
 holds the reservation and the index write. What lands in Redis, what happens when Redis lost
 the scripts (NOSCRIPT), when the reservation makes no round trip (unlimited tenant), when the
-round trip fails; and through the real app, where the write follows the token reservation so
-that only an admitted prompt is indexed."""
+round trip fails; the write in the quota store's next coalesced round trip
+(``TenantQuotas.send_writes``); and through the real app, where the write follows the token
+reservation so that only an admitted prompt is indexed."""
 
 from __future__ import annotations
 
@@ -151,9 +152,11 @@ async def test_a_failed_round_trip_counts_a_store_error_and_the_quota_policy_app
 
 def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes):
     """A chat through the real app with Redis quotas and the verifier: the admitted prompt's
-    fingerprints are in Redis under its tenant, written once its tokens were reserved (the
-    verifier's own write: a write riding the reservation could not depend on its answer); the
-    next chat, over the tenant's RPM, is refused before its body is read and indexes nothing."""
+    fingerprints are in Redis under its tenant, written once its tokens were reserved (in the
+    quota store's next round trip, not the verifier's own: a write riding the reservation itself
+    could not depend on its answer); the next chat, over the tenant's RPM, is refused before its
+    body is read and indexes nothing."""
+    from verifier.leak_index import _ADD_LUA
     from tests.gateway_harness import SECRETS as APP_SECRETS
     from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream
     from tests.mock_engine import MockEngine
@@ -164,6 +167,7 @@ def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes)
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
     svc = build_verifier(s, secrets=APP_SECRETS, key_prefix=prefix + ":v:")
     g = Gateway(s, tenants(rpm=1, tpm=10_000), quotas=quotas, verifier=svc).start()
+    redis.Redis.from_url(REDIS_URL).script_load(_ADD_LUA)  # else NOSCRIPT: the verifier sends it itself
     try:
         with g.client() as c:
             r = c.post("/v1/chat/completions", json=chat(PROMPT))
@@ -174,7 +178,7 @@ def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes)
             )
             r = c.post("/v1/chat/completions", json=chat(WARMUP_PROMPT))
             assert (r.status_code, r.json()["error"]["code"]) == (429, "rate_limit_exceeded")
-        assert own_writes == ["tenant-a"]
+        assert own_writes == []
         fps, _ = svc.ingest.fingerprint(ex(LIMITED, PROMPT), PROMPT)
         assert fps and {frozenset(o) for o in svc.index.store.owners(sorted(fps))} == {frozenset({"tenant-a"})}
         refused, _ = svc.ingest.fingerprint(ex(LIMITED, WARMUP_PROMPT), WARMUP_PROMPT)
@@ -183,3 +187,33 @@ def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes)
     finally:
         g.stop()
         engine.stop()
+
+
+async def test_the_index_write_rides_the_next_coalesced_round_trip(tmp_path, prefix, own_writes):
+    """``send_writes``: the index write goes out with the other quota calls of the same turn of
+    the event loop (one round trip for both); it lands under its tenant, none sent on its own."""
+    import asyncio
+
+    from verifier.leak_index import _ADD_LUA
+
+    svc = build_verifier(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
+    store = RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q")
+    quotas = TenantQuotas(QuotaSettings(), store)
+    try:
+        redis.Redis.from_url(REDIS_URL).script_load(_ADD_LUA)
+        warm = await quotas.begin(WARMUP, "warm")  # the quota script loaded
+        await quotas.settle(warm, 0)
+        e = ex(LIMITED, PROMPT)
+        pending = await svc.admit(e, defer_write=True)
+        assert pending is not None
+        trips = store.round_trips
+        lease, _ = await asyncio.gather(quotas.begin(WARMUP, "other"), quotas.send_writes(pending))
+        await pending.finish()
+        assert store.round_trips == trips + 1
+        assert own_writes == []
+        assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"a"})}
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (1, 0, 0)
+        await quotas.settle(lease, 0)
+    finally:
+        await quotas.aclose()
+        await svc.aclose()

@@ -335,7 +335,12 @@ async def _admit_tenant(
     if route.verified:  # embeddings have no output text to verify: their inputs are not indexed
         # only an admitted prompt is indexed, before it can be forwarded
         exchange = verifier_exchange(arrival, tenant, adm, body, forward.stream)
-        await ctx.verifier.admit(exchange, adm.model.counter.adecode)
+        pending = await ctx.verifier.admit(exchange, adm.model.counter.adecode, defer_write=True)
+        if pending is not None:  # the index write rides the quota store's round trip
+            try:
+                await ctx.quotas.send_writes(pending)
+            finally:
+                await pending.finish()
     return Admitted(arrival, tenant, adm, lease, candidates, forward, exchange)
 
 

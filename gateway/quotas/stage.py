@@ -54,6 +54,13 @@ class QuotaStage(Protocol):
         either way (the caller settles it)."""
         ...
 
+    async def send_writes(self, writes: PendingWrite) -> None:
+        """Send ``writes.calls`` (the verifier's index write of an admitted prompt) in the
+        round trip of this turn's other quota calls, when the store coalesces them (Redis, not a
+        cluster); their outcome goes to ``writes.sent``. Otherwise leaves them unsent (the
+        caller's ``writes.finish()`` sends them). Never raises, except ``asyncio.CancelledError``."""
+        ...
+
     async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
         """Release the concurrency lease and correct TPM to ``used_tokens`` (prompt + completion
         actually produced); ``used_tokens`` 0 for a request refused after :meth:`begin`. Never
@@ -78,6 +85,9 @@ class NullQuotas:
 
     async def reserve_tokens(self, tenant: TenantConfig, lease: QuotaLease, tokens: int) -> None:
         lease.reserved_tokens = tokens
+
+    async def send_writes(self, writes: PendingWrite) -> None:
+        return None
 
     async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
         return None

@@ -165,29 +165,37 @@ def load_script(name: str) -> str:
     return resources.files("gateway.quotas").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
 
 
-def _answer(reply: asyncio.Future[Any], result: Any) -> None:
+def _unavailable(e: BaseException) -> QuotaStoreUnavailable:
+    return e if isinstance(e, QuotaStoreUnavailable) else QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}")
+
+
+def _answer(q: _Queued, result: Any) -> None:
     """Hand a coalesced call's ``result`` to its caller (unless it gave up): a value, or an
-    exception, which becomes a :class:`QuotaStoreUnavailable` of its own."""
-    if reply.done():
+    exception, which becomes a :class:`QuotaStoreUnavailable` of its own (a ``raw`` call's
+    caller gets the exception itself as its result: :meth:`RedisQuotaStore.send_calls`)."""
+    if q.reply.done():
         return
-    if isinstance(result, BaseException):
+    if isinstance(result, BaseException) and not q.raw:
         err = QuotaStoreUnavailable(
             str(result) if isinstance(result, QuotaStoreUnavailable) else f"redis: {type(result).__name__}: {result}"
         )
         err.__cause__ = result
-        reply.set_exception(err)
+        q.reply.set_exception(err)
     else:
-        reply.set_result(result)
+        q.reply.set_result(result)
 
 
 @dataclass
 class _Queued:
-    """A script call waiting for this turn's round trip (:meth:`RedisQuotaStore._call`)."""
+    """A Lua call waiting for this turn's round trip (:meth:`RedisQuotaStore._call`): one of this
+    store's scripts, or (``raw``, ``script`` ``None``) another part's call by its SHA-1 alone."""
 
-    script: Any
+    sha: str
     keys: list[str]
     args: list[Any]
     reply: asyncio.Future[Any]
+    script: Any = None
+    raw: bool = False
 
 
 class RedisQuotaStore:
@@ -247,12 +255,29 @@ class RedisQuotaStore:
         if not self.coalesce:
             self.round_trips += 1
             return await self._retrying(lambda: script(keys=keys, args=args))
-        loop = asyncio.get_running_loop()
-        queued = _Queued(script, keys, args, loop.create_future())
-        self._queued.append(queued)
-        if len(self._queued) == 1:
-            loop.call_soon(self._flush)
+        queued = _Queued(script.sha, keys, args, asyncio.get_running_loop().create_future(), script)
+        self._enqueue([queued])
         return await queued.reply  # a caller that gives up (its deadline) cancels only its own reply
+
+    async def send_calls(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
+        """Other parts' Lua calls (``(sha1, keys, args)``, e.g. the leak index's write,
+        :class:`verifier.stage.PendingWrite`) in this turn's round trip, coalescing or not. Returns
+        their replies in order, a failed call's exception in its place (``NOSCRIPT`` included:
+        the caller loads its own script); a round trip that failed: a :class:`QuotaStoreUnavailable`
+        in every place. Raises only ``asyncio.CancelledError``."""
+        loop = asyncio.get_running_loop()
+        queued = [_Queued(sha, keys, args, loop.create_future(), raw=True) for sha, keys, args in calls]
+        self.calls += len(queued)
+        if self.coalesce:
+            self._enqueue(queued)
+        else:
+            self._start(queued)
+        return list(await asyncio.gather(*(q.reply for q in queued)))
+
+    def _enqueue(self, queued: list[_Queued]) -> None:
+        if not self._queued:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._queued.extend(queued)
 
     def _flush(self) -> None:
         """Send what this turn queued, as one round trip, in a task of its own (callers wait on
@@ -260,29 +285,32 @@ class RedisQuotaStore:
         batch = [q for q in self._queued if not q.reply.done()]
         self._queued = []
         if batch:
-            self.round_trips += 1
-            task = asyncio.ensure_future(self._send(batch))
-            self._sending.add(task)
-            task.add_done_callback(self._sending.discard)
+            self._start(batch)
+
+    def _start(self, batch: list[_Queued]) -> None:
+        self.round_trips += 1
+        task = asyncio.ensure_future(self._send(batch))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _send(self, batch: list[_Queued]) -> None:
         """One round trip for ``batch`` (a lone call as it is, more as a pipeline); each reply
         gets its result or a :class:`QuotaStoreUnavailable` of its own."""
         results: list[Any]
         try:
-            if len(batch) == 1:
+            if len(batch) == 1 and batch[0].script is not None:
                 one = batch[0]
                 results = [await self._retrying(lambda: one.script(keys=one.keys, args=one.args))]
             else:
                 results = await self._retrying(lambda: self._pipeline(batch))
         except Exception as e:  # QuotaStoreUnavailable: the round trip failed, for every call in it
-            results = [e] * len(batch)
+            results = [_unavailable(e)] * len(batch)
         except BaseException as e:  # cancelled (shutdown): every caller learns it
-            results = [e] * len(batch)
+            results = [_unavailable(e)] * len(batch)
             raise
         finally:
             for q, r in zip(batch, results, strict=True):
-                _answer(q.reply, r)
+                _answer(q, r)
 
     async def _pipeline(self, batch: list[_Queued]) -> list[Any]:
         """``batch`` as one pipeline of ``EVALSHA`` calls; the replies in order (a failed call's
@@ -293,11 +321,11 @@ class RedisQuotaStore:
         async def once(calls: list[_Queued]) -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for q in calls:
-                pipe.evalsha(q.script.sha, len(q.keys), *q.keys, *q.args)
+                pipe.evalsha(q.sha, len(q.keys), *q.keys, *q.args)
             return list(await pipe.execute(raise_on_error=False))
 
         results = await once(batch)
-        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError) and batch[i].script is not None]
         if missing:
             for script in {batch[i].script.sha: batch[i].script for i in missing}.values():
                 await self.client.script_load(script.script)

@@ -314,6 +314,20 @@ class TenantQuotas:
         held = self._hold(store, tenant.id, limits, lease_id)
         return QuotaLease(tenant.id, request_id, 0, rate_limit_headers(requests, decision), held)
 
+    async def send_writes(self, writes: PendingWrite) -> None:
+        """``writes.calls`` in the store's next coalesced round trip
+        (:meth:`RedisQuotaStore.send_calls`), within the decision deadline; the outcome to
+        ``writes.sent`` (a failed or late round trip: its :class:`QuotaStoreUnavailable`). Left
+        unsent (to ``writes.finish()``) when the store does not coalesce or is backing off."""
+        store = self.store
+        if not isinstance(store, RedisQuotaStore) or not store.coalesce or not writes.calls or self._backoff.down:
+            return
+        try:
+            outcome: list[Any] | BaseException = await self._bounded(store.send_calls(writes.calls))
+        except QuotaStoreUnavailable as e:
+            outcome = e
+        writes.sent(outcome)
+
     async def reserve_tokens(self, tenant: TenantConfig, lease: QuotaLease, tokens: int) -> None:
         """Reserve ``tokens`` (the request's KV demand, counted) against TPM for a request
         :meth:`begin` admitted (``tokens.lua``); sets ``lease.reserved_tokens`` and the tokens pair
