@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 import redis
-from conftest import SEEDS
+from conftest import ROOT, SEEDS
 
 from verifier.canary import CANARY_RE, CanaryRegistry, CanaryScanner, find_canaries, new_canary, surfaced
 from verifier.drift import check_finish, check_usage
@@ -421,3 +421,20 @@ def test_squeeze_runs_shortens_runs_of_one_character_and_of_any_whitespace():
         text = "".join(parts)
         assert squeeze_runs(text) == reference(text), repr(text)
     assert squeeze_runs(" \t" * 500_000 + "x") == " \t" * 32 + "x"
+
+
+def test_squeeze_runs_quick_path_on_real_text():
+    """The demo texts (English and multilingual), short and long: no run to squeeze, the text
+    itself back; a run of 65 (one character, or mixed whitespace) put in is squeezed to 64,
+    on either side of the quick path's size bound."""
+    from verifier.shingles import _QUICK_CHARS, squeeze_runs
+
+    for path in sorted((ROOT / "gateway" / "stack" / "demo_texts").glob("*.txt")):
+        full = path.read_text(encoding="utf-8")
+        for text in (full[:900], full[:_QUICK_CHARS], full * (1 + 2 * _QUICK_CHARS // len(full))):
+            assert squeeze_runs(text) is text
+            # between two letters, neither of them the run's own character
+            pair = (text[i - 1 : i + 1] for i in range(len(text) // 2, len(text)))
+            mid = len(text) // 2 + next(j for j, p in enumerate(pair) if p.isalpha() and "\u00e9" not in p)
+            for run in ("\u00e9" * 65, " \t\n\u3000" * 17):
+                assert squeeze_runs(text[:mid] + run + text[mid:]) == text[:mid] + run[:64] + text[mid:]

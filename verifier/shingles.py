@@ -20,6 +20,7 @@ Nothing here keeps text; callers get integers.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -43,6 +44,11 @@ MAX_RUN_CHARS = 64
 #: whether a code point is whitespace (``str.isspace``, the pre-tokenizer's ``\s``; none is
 #: above U+3000; the last entry, U+3001, stands for every code point above it)
 _IS_WHITESPACE = np.array([chr(c).isspace() for c in range(0x3002)], dtype=bool)
+#: a whitespace run longer than MAX_RUN_CHARS (``re``'s ``\s`` is ``str.isspace``, code point for code point)
+_WS_RUN = re.compile(rf"\s{{{MAX_RUN_CHARS + 1}}}")
+#: texts of at most this many characters are first searched with :data:`_WS_RUN` (a regex
+#: holds the GIL: tens of microseconds here, milliseconds on a megabyte)
+_QUICK_CHARS = 16_384
 
 
 def squeeze_runs(text: str) -> str:
@@ -60,11 +66,13 @@ def squeeze_runs(text: str) -> str:
         a = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     else:
         a = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    # a table lookup (a few ms per MB); code points past the table are no whitespace
-    ws = _IS_WHITESPACE[a if a.dtype == np.uint8 else np.minimum(a, np.uint32(len(_IS_WHITESPACE) - 1))]
     change = np.flatnonzero(a[1:] != a[:-1]) + 1
     starts = np.concatenate(([0], change))
     ends = np.concatenate((change, [len(a)]))
+    if len(a) <= _QUICK_CHARS and int((ends - starts).max()) <= MAX_RUN_CHARS and not _WS_RUN.search(text):
+        return text  # a short text without a long run (the common prompt): no whitespace table
+    # a table lookup (a few ms per MB); code points past the table are no whitespace
+    ws = _IS_WHITESPACE[a if a.dtype == np.uint8 else np.minimum(a, np.uint32(len(_IS_WHITESPACE) - 1))]
     same = np.flatnonzero((ends - starts > MAX_RUN_CHARS) & ~ws[starts])  # whitespace: below
     zero = np.zeros(1, dtype=np.int8)
     edges = np.diff(ws.view(np.int8), prepend=zero, append=zero)
