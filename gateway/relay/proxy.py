@@ -38,7 +38,7 @@ from gateway.edge.body_budget import BodyBudget
 from gateway.ops.metrics import GatewayMetrics
 from gateway.relay.sse import SSEEventTooLarge
 from gateway.relay.stream import NOTHING, Chunk, Produced, StreamOptions, Tally, relay_stream
-from gateway.relay.stream_protocol import stream_protocol_for
+from gateway.relay.stream_protocol import StreamProtocol
 from gateway.relay.upstream_client import (
     ConnectFailed,
     ConnectTimeout,
@@ -105,9 +105,10 @@ def event_too_large(outcome: RelayOutcome, e: SSEEventTooLarge) -> OpenAIError:
 
 
 def stream_error_tail(outcome: RelayOutcome, err: OpenAIError) -> bytes:
-    """The bytes that end a started stream with ``err``, in its route's protocol: an error chunk
-    and ``[DONE]`` (chat, completions), the Responses ``error`` event (``/v1/responses``)."""
-    protocol = stream_protocol_for(outcome.admitted.arrival.route)
+    """The bytes that end a started stream with ``err``, in its route's protocol (the route
+    value's ``stream_protocol``): an error chunk and ``[DONE]`` (chat, completions), the
+    Responses ``error`` event (``/v1/responses``)."""
+    protocol: StreamProtocol = outcome.admitted.arrival.api.stream_protocol
     return protocol.error_tail(err, outcome.produced.sequence_number)
 
 
@@ -178,7 +179,7 @@ def _answer(
         a.tenant.id,
         a.arrival.request_id,
     )
-    return relay_stream(resp, stream_protocol_for(a.arrival.route), guard, tally, opts)
+    return relay_stream(resp, a.arrival.api.stream_protocol, guard, tally, opts)
 
 
 async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[UpstreamResponse, float]:

@@ -1,5 +1,6 @@
 """A route's stream protocol: what the one relay loop (:func:`gateway.relay.stream.relay_stream`)
-needs to know about an event stream besides its bytes. Two protocols, one instance each:
+needs to know about an event stream besides its bytes. Two protocols, one instance each, which the
+route values (:mod:`gateway.routes`) carry as ``stream_protocol``:
 
 - :data:`CHAT_SSE` (``/v1/chat/completions``, ``/v1/completions``): chunks read by
   :func:`gateway.relay.sse.inspect`; the stream ends with ``data: [DONE]`` (the engine's is
@@ -110,9 +111,3 @@ RESPONSES_SSE = StreamProtocol(
     strips_usage=False,
     checks_snapshots=True,
 )
-
-
-def stream_protocol_for(route: str) -> StreamProtocol:
-    """The stream protocol of a route (``responses``: :data:`RESPONSES_SSE`; every other
-    streaming route: :data:`CHAT_SSE`)."""
-    return RESPONSES_SSE if route == "responses" else CHAT_SSE
