@@ -1,6 +1,6 @@
 """Field policy per engine (docs/design.md, Contracts: "The gate's invariant", upstream ``engine``).
 
-Validation (:mod:`gateway.admission.body`) knows every field's type and range. This module decides,
+Validation (:mod:`gateway.admission.checks`) knows every field's type and range. This module decides,
 for the engines that serve a model, which engine extension fields reach them and what the
 prompt-changing fields do to the count:
 

@@ -20,7 +20,7 @@ bound, which field a too-long prompt is named by, how a prompt is counted) is th
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
@@ -211,7 +211,7 @@ def _count_now(entry: ModelEntry, body: dict[str, Any], route: PromptRoute, limi
         counted = route.count_now(entry.counter, body, options)
     except TokenizerError as e:
         raise e.to_openai() from None
-    return replace(counted, text=route.prompt_text(body))
+    return CountedPrompt(counted.largest, counted.total, counted.num_prompts, route.prompt_text(body))
 
 
 async def count_prompt(
@@ -348,7 +348,7 @@ def decide(
             param=_sequence_param(body) if seqs > 1 else route.prompt_param,
         )
     if prompt.text is None:
-        prompt = replace(prompt, text=route.prompt_text(body))
+        prompt = CountedPrompt(largest, total, num, route.prompt_text(body), prompt.per_prompt)
     bound = CompletionBound(max_tokens, defaulted, route.forwarded_bound(entry.engines))
     return Admission(entry, prompt, bound, limit, body.get("n") or 1, num * seqs, demand)
 

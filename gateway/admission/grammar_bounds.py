@@ -1,7 +1,7 @@
 """Bounds on guided-decoding grammars (``regex``, ``ebnf``, ``json_schema``, ``response_format``
 and Responses ``text.format`` schemas) before an engine compiles them into a finite-state machine.
 
-Refused, each as a problem string for a 400 naming the field (:mod:`gateway.admission.body`):
+Refused, each as a problem string for a 400 naming the field (:mod:`gateway.admission.checks`):
 
 - counted repetition above :data:`MAX_REPEAT_COUNT` (``a{1001}``, ``a{2,1001}``), also as the
   product of nested counts (``(a{40}){40}``), and JSON-schema ``minItems``/``maxItems``/

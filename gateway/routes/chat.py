@@ -77,8 +77,11 @@ class ChatRoute(PromptApiRoute):
         """Every text part of every message, joined by newlines."""
         out: list[str] = []
         for m in body.get("messages") or ():
-            if isinstance(m, dict):
-                out.extend(_content_texts(m.get("content")))
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                out.append(c)
+            elif isinstance(c, list):
+                out.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
         return "\n".join(out)
 
     def verifier_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], list[str]]:

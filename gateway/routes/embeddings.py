@@ -6,7 +6,6 @@ total. Embeddings have no output text to verify: their inputs are not indexed.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -115,7 +114,7 @@ def decide_embeddings(
     n = len(counts.per_prompt)
     if counts.total > pool_limit:  # the engine holds the whole batch's KV at once, as a completion's
         raise batch_over_pool(counts.total, n, pool_limit)
-    prompt = replace(counts, text=embeddings_text(body))
+    prompt = CountedPrompt(counts.largest, counts.total, n, embeddings_text(body), counts.per_prompt)
     return Admission(entry, prompt, CompletionBound(0, False, "max_tokens"), limit, 1, n, counts.total)
 
 

@@ -6,7 +6,7 @@ upstream and yields the answer's bytes while it fills a :class:`~gateway.relay.p
 :func:`~gateway.relay.finish.finish` settles the quota, counts and logs it; the
 :class:`~gateway.relay.response.RelayResponse` shell carries the bytes to the client. Kept free of
 pydantic model building per request: the body is a dict from orjson, checked by
-:mod:`gateway.admission.body`."""
+the route's field table (:mod:`gateway.admission.checks`)."""
 
 from __future__ import annotations
 
