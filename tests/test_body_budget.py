@@ -13,9 +13,8 @@ import pytest
 
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
 from tests.gateway_harness import MODEL, Gateway, settings_for, upstream, wait_for
-from tests.mock_engine import MockEngine
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.engine(pool_tokens=1 << 20, context_length=1 << 20)]
 
 MiB = 1 << 20
 
@@ -124,15 +123,6 @@ def spent(monkeypatch) -> list[tuple[str, int]]:
 
     monkeypatch.setattr(BodyBudget, "take", take)
     return calls
-
-
-@pytest.fixture
-def engine():
-    e = MockEngine()
-    e.state.pool_tokens = e.state.context_length = 1 << 20
-    e.start()
-    yield e
-    e.stop()
 
 
 def test_only_the_bytes_past_a_body_first_64_kib_are_paced_and_small_bodies_never(engine, spent):

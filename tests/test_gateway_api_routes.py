@@ -23,17 +23,10 @@ from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, tenants
 from tests.mock_api_engine import COUNTER, ApiMockEngine, response_stream
 from verifier.build import build_verifier
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.engine("api")]
 
 EMB = "embed-tiny"
 LIMIT = 200  # tenant-a's max_context_tokens: the effective limit (the pool allows more)
-
-
-@pytest.fixture
-def engine():
-    e = ApiMockEngine().start()
-    yield e
-    e.stop()
 
 
 def settings(

@@ -9,23 +9,13 @@ import httpx
 import pytest
 
 from tests.gateway_harness import MODEL, Gateway, chat, closed_port_url, settings_for, upstream, wait_for
-from tests.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def engine():
-    e = MockEngine().start()
-    yield e
-    e.stop()
-
-
-@pytest.fixture
-def engine2():
-    e = MockEngine().start()
-    yield e
-    e.stop()
+def engine2(engines):
+    return engines()
 
 
 def err(r: httpx.Response) -> tuple[int, str | None]:

@@ -4,13 +4,11 @@ openai SDK (stream relaying: tests/test_gateway_relay.py)."""
 
 from __future__ import annotations
 
-
 import httpx
 import openai
 import pytest
 
 from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, chat, settings_for, tenants, upstream
-from tests.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -18,13 +16,6 @@ CTX_MSG = (
     "This model's maximum context length is 200 tokens. However, you requested 201 tokens "
     "({p} in the {w}, {c} in the completion). Please reduce the length of the {w} or completion."
 )
-
-
-@pytest.fixture
-def engine():
-    e = MockEngine().start()
-    yield e
-    e.stop()
 
 
 @pytest.fixture

@@ -29,7 +29,6 @@ from tests.gateway_harness import (
     upstream,
     wait_for,
 )
-from tests.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,13 +54,6 @@ class LedgerQuotas:
 
     async def aclose(self):
         return None
-
-
-@pytest.fixture
-def engine():
-    e = MockEngine().start()
-    yield e
-    e.stop()
 
 
 @pytest.fixture

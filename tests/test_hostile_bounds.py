@@ -14,7 +14,6 @@ import pytest
 from config.errors import MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, OpenAIError, bounded, openai_error
 from gateway.ops.access_log import MAX_FIELD_CHARS, MAX_LINE_BYTES, JsonFormatter
 from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream, wait_for
-from tests.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,13 +65,6 @@ def test_log_lines_are_bounded():
     assert len(_line("boom", exc=True).encode()) <= MAX_LINE_BYTES
     huge_list = json.loads(_line("x", {"ids": list(range(100_000))}))["ids"]
     assert isinstance(huge_list, str) and huge_list.endswith(" more characters]") and len(huge_list) < 1100
-
-
-@pytest.fixture
-def engine():
-    e = MockEngine().start()
-    yield e
-    e.stop()
 
 
 def test_unknown_field_named_with_4mb_of_text_gets_a_small_400_and_a_small_log_line(engine):

@@ -19,7 +19,6 @@ from config.models import QuotaSettings
 from gateway.quotas.stores import LocalQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas
 from tests.gateway_harness import MODEL, Gateway, chat, settings_for, tenants, upstream
-from tests.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,13 +61,6 @@ class Calls:
                 return _real(*a, **kw)
 
             monkeypatch.setattr(counter, name, wrapped)
-
-
-@pytest.fixture
-def engine():
-    e = MockEngine().start()
-    yield e
-    e.stop()
 
 
 def start(engine, *, heavy: bool = False, **limits):

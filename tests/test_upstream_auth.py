@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from mock_engine import MockEngine, ServerThread
+from mock_engine import ServerThread
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -16,19 +16,8 @@ from gateway.admission.registry import ModelIndex, engine_api_key
 from gateway.ops.pool_watcher import PoolWatcher
 from tokenizer import EngineTokenizeError, make_counter
 
-pytestmark = pytest.mark.timeout(30)
-
 KEY = "sk-upstream-0123456789abcdef"
-
-
-@pytest.fixture
-def engine():
-    e = MockEngine().start()
-    e.state.api_key = KEY
-    try:
-        yield e
-    finally:
-        e.stop()
+pytestmark = [pytest.mark.timeout(30), pytest.mark.engine(api_key=KEY)]
 
 
 @pytest.mark.parametrize("source", ["sglang", "vllm"])

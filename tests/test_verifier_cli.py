@@ -6,18 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_verifier_leaky_engine import LeakyEngine
 
 from gateway.cli import main
 
-
-@pytest.fixture
-def engine():
-    e = LeakyEngine(pool_tokens=4096, context_length=8192).start()
-    try:
-        yield e
-    finally:
-        e.stop()
+pytestmark = pytest.mark.engine("leaky")
 
 
 def _dead_url() -> str:

@@ -15,7 +15,6 @@ from tokenizers import Tokenizer
 from config.models import Settings
 from gateway.cli import main
 from tests.gateway_harness import KEY_A, MODEL, Gateway, tenants, upstream
-from tests.mock_engine import MockEngine
 from verifier.shingles import encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,13 +28,6 @@ def folder(tmp_path_factory) -> Path:
     f = tmp_path_factory.mktemp("probe-hf") / "tiny-hf"
     build_folder(f, silent=True)
     return f
-
-
-@pytest.fixture
-def engine():
-    e = MockEngine().start()
-    yield e
-    e.stop()
 
 
 @pytest.fixture
