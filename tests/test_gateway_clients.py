@@ -18,14 +18,7 @@ from gateway.admission.grammar_bounds import ebnf_problem, regex_problem, schema
 from tests.gateway_harness import MODEL, Gateway, tenants, upstream
 from tests.mock_api_engine import ApiMockEngine
 
-pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def engine():
-    e = ApiMockEngine().start()
-    yield e
-    e.stop()
+pytestmark = [pytest.mark.timeout(60), pytest.mark.engine("api")]
 
 
 def start(engine: ApiMockEngine, kind: str) -> Gateway:
@@ -41,8 +34,8 @@ def start(engine: ApiMockEngine, kind: str) -> Gateway:
 
 
 @pytest.fixture(scope="module", params=["sglang", "vllm", "kvgate", "openai"])
-def gw(request, engine):
-    g = start(engine, request.param)
+def gw(request, module_engine):
+    g = start(module_engine, request.param)
     g.kind = request.param
     yield g
     g.stop()
@@ -111,34 +104,34 @@ SAMPLE = {
 }
 
 
-def test_guidellm_responses_body_is_served_where_the_engine_reads_ignore_eos(gw, engine):
+def test_guidellm_responses_body_is_served_where_the_engine_reads_ignore_eos(gw, module_engine):
     """guidellm 0.8.1's Responses body (``backends/openai/request_handlers.py``): ``stop: null``
     and ``ignore_eos: true`` beside ``max_output_tokens``."""
     body = {"input": "Say hello.", "max_output_tokens": 8, "stop": None, "ignore_eos": True, "stream": True}
     r = post(gw, "/v1/responses", body)
     if "ignore_eos" in READS[gw.kind]:
         assert r.status_code == 200, r.text
-        sent = last_forwarded(engine, "/v1/responses")
+        sent = last_forwarded(module_engine, "/v1/responses")
         assert sent["ignore_eos"] is True and sent.get("stop") is None and sent["max_output_tokens"] == 8
     else:
         assert refused(r) == unsupported("ignore_eos")
 
 
 @pytest.mark.parametrize("field", sorted(SAMPLE))
-def test_each_responses_sampling_field_passes_only_where_the_engine_reads_it(gw, engine, field):
+def test_each_responses_sampling_field_passes_only_where_the_engine_reads_it(gw, module_engine, field):
     r = post(gw, "/v1/responses", {"input": "Say hello.", "max_output_tokens": 4, field: SAMPLE[field]})
     if field in READS[gw.kind]:
         assert r.status_code == 200, r.text
-        assert last_forwarded(engine, "/v1/responses")[field] == SAMPLE[field]
+        assert last_forwarded(module_engine, "/v1/responses")[field] == SAMPLE[field]
     else:
         assert refused(r) == unsupported(field)
 
 
-def test_engine_defaults_are_dropped_where_the_engine_does_not_read_them(gw, engine):
+def test_engine_defaults_are_dropped_where_the_engine_does_not_read_them(gw, module_engine):
     body = {"input": "Hi.", "max_output_tokens": 4, "ignore_eos": False, "skip_special_tokens": True, "min_tokens": 0}
     r = post(gw, "/v1/responses", body)
     assert r.status_code == 200, r.text
-    sent = last_forwarded(engine, "/v1/responses")
+    sent = last_forwarded(module_engine, "/v1/responses")
     assert {k: sent[k] for k in ("ignore_eos", "skip_special_tokens") if k in sent} == {
         k: body[k] for k in ("ignore_eos", "skip_special_tokens") if k in READS[gw.kind]
     }

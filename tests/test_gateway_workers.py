@@ -34,6 +34,7 @@ from gateway.cli import main as cli_main
 from gateway.edge import workers as wk
 from gateway.quotas.tenant_quotas import TenantQuotas, build_quota_stage
 from tests.conftest import ROOT
+from tests.fixtures.engines import reset_state
 from tests.mock_engine import MockEngine, MockState
 from tokenizer import bundled_counter
 
@@ -237,32 +238,20 @@ def incidents(state_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[MockEngine]:
-    e = MockEngine().start()
-    yield e
-    e.stop()
-
-
 @pytest.fixture()
-def mock(engine: MockEngine) -> MockState:
-    fresh = MockState()
-    for k, v in vars(fresh).items():
-        if k not in ("requests", "cancelled"):
-            setattr(engine.state, k, v)
-    engine.state.requests.clear()
-    return engine.state
+def mock(module_engine: MockEngine) -> MockState:
+    return reset_state(module_engine)
 
 
 @pytest.fixture(scope="module")
-def fleet(engine: MockEngine, tmp_path_factory) -> Iterator[Fleet]:
+def fleet(module_engine: MockEngine, tmp_path_factory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("workers")
     tenants = [
         _tenant("a", rpm=10**6, verify_sample_rate=1.0),
         _tenant("b", rpm=10**6, verify_sample_rate=1.0),
         _tenant("hp", honeypot=True),
     ]
-    f = Fleet(work, _settings(engine, work / "state"), tenants)
+    f = Fleet(work, _settings(module_engine, work / "state"), tenants)
     try:
         f.wait_ready()
         yield f
@@ -502,9 +491,9 @@ def test_sigterm_drains_every_worker(fleet: Fleet, mock: MockState) -> None:
 
 
 # ---------------------------------------------------------------- the supervisor
-def test_workers_die_with_a_killed_supervisor(engine: MockEngine, tmp_path: Path) -> None:
+def test_workers_die_with_a_killed_supervisor(module_engine: MockEngine, tmp_path: Path) -> None:
     # no Redis needed: quotas and the verifier are off, so nothing must be shared
-    s = _settings(engine, tmp_path / "state", redis_url=None)
+    s = _settings(module_engine, tmp_path / "state", redis_url=None)
     s["quotas"]["enabled"] = False
     s["verifier"]["enabled"] = False
     f = Fleet(tmp_path, s, [_tenant("a")])
@@ -532,8 +521,8 @@ def test_workers_die_with_a_killed_supervisor(engine: MockEngine, tmp_path: Path
         f.stop()
 
 
-def test_a_worker_that_cannot_start_stops_the_gateway(engine: MockEngine, tmp_path: Path) -> None:
-    s = _settings(engine, tmp_path / "state", redis_url=None)
+def test_a_worker_that_cannot_start_stops_the_gateway(module_engine: MockEngine, tmp_path: Path) -> None:
+    s = _settings(module_engine, tmp_path / "state", redis_url=None)
     s["quotas"]["enabled"] = False
     s["verifier"]["enabled"] = False
     # valid settings, but the tokenizer folder is missing: each worker fails while building its app
@@ -548,9 +537,9 @@ def test_a_worker_that_cannot_start_stops_the_gateway(engine: MockEngine, tmp_pa
     assert not _children(f.proc.pid)
 
 
-def test_more_than_one_worker_without_redis_is_refused(engine: MockEngine, tmp_path: Path, capsys) -> None:
+def test_more_than_one_worker_without_redis_is_refused(module_engine: MockEngine, tmp_path: Path, capsys) -> None:
     cfg = tmp_path / "kvgate.yaml"
-    cfg.write_text(yaml.safe_dump(_settings(engine, tmp_path / "state", redis_url=None)))
+    cfg.write_text(yaml.safe_dump(_settings(module_engine, tmp_path / "state", redis_url=None)))
     ten = tmp_path / "tenants.yaml"
     ten.write_text(yaml.safe_dump({"tenants": [_tenant("a")]}))
     args = ["serve", "--config", str(cfg), "--tenants", str(ten), "--port", str(free_port())]
@@ -614,7 +603,7 @@ def test_default_workers_honour_the_cgroup_cpu_quota(monkeypatch, tmp_path: Path
     assert wk.usable_cores(str(v2)) == 2
 
 
-def test_reuse_port_is_the_operators_choice_and_its_risk_is_real(engine: MockEngine, tmp_path: Path) -> None:
+def test_reuse_port_is_the_operators_choice_and_its_risk_is_real(module_engine: MockEngine, tmp_path: Path) -> None:
     """``--reuse-port``: each worker binds its own SO_REUSEPORT socket; both serve, and a
     neighbour of the same user can then bind the port too (the documented risk)."""
     code = (
@@ -623,7 +612,7 @@ def test_reuse_port_is_the_operators_choice_and_its_risk_is_real(engine: MockEng
         "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)\n"
         "s.bind(('127.0.0.1', {port})); print('bound')\n"
     )
-    f = Fleet(tmp_path, _settings(engine, tmp_path / "state"), [_tenant("a")], extra=("--reuse-port",))
+    f = Fleet(tmp_path, _settings(module_engine, tmp_path / "state"), [_tenant("a")], extra=("--reuse-port",))
     try:
         f.wait_ready()
         assert f.on(0).get("/healthz").status_code == 200 and f.on(1).get("/healthz").status_code == 200
@@ -633,7 +622,7 @@ def test_reuse_port_is_the_operators_choice_and_its_risk_is_real(engine: MockEng
         f.stop()
 
 
-def test_an_operators_metrics_folder_with_foreign_files_is_refused(engine: MockEngine, tmp_path: Path) -> None:
+def test_an_operators_metrics_folder_with_foreign_files_is_refused(module_engine: MockEngine, tmp_path: Path) -> None:
     """``PROMETHEUS_MULTIPROC_DIR`` holding another application's ``important-app.db``: ``kvgate
     serve --workers 2`` refuses to start (exit 2, the message names the file) and deletes nothing;
     a folder of prometheus-client's own files only is emptied and used."""
@@ -642,7 +631,7 @@ def test_an_operators_metrics_folder_with_foreign_files_is_refused(engine: MockE
     (metrics / "important-app.db").write_bytes(b"precious")
     (metrics / "counter_123.db").write_bytes(b"old")
     cfg = tmp_path / "kvgate.yaml"
-    cfg.write_text(yaml.safe_dump(_settings(engine, tmp_path / "state")))
+    cfg.write_text(yaml.safe_dump(_settings(module_engine, tmp_path / "state")))
     ten = tmp_path / "tenants.yaml"
     ten.write_text(yaml.safe_dump({"tenants": [_tenant("a")]}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "PROMETHEUS_"))}

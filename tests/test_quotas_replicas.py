@@ -31,6 +31,7 @@ from quota_fixtures import SpareRedis, free_port
 
 from gateway.cli import main as cli_main
 from tests.conftest import ROOT
+from tests.fixtures.engines import reset_state
 from tests.mock_engine import MockEngine, MockState
 from tokenizer import bundled_counter
 
@@ -213,15 +214,9 @@ def pair(stack: Stack) -> list[Replica]:
 
 
 @pytest.fixture()
-def engine(stack: Stack) -> MockState:
+def mock(stack: Stack) -> MockState:
     """The mock engine's state, reset for each test."""
-    fresh = MockState()
-    for k, v in vars(fresh).items():
-        if k not in ("requests", "cancelled"):
-            setattr(stack.engine.state, k, v)
-    stack.engine.state.requests.clear()
-    stack.engine.state.cancelled.clear()
-    return stack.engine.state
+    return reset_state(stack.engine)
 
 
 def post(
@@ -262,7 +257,7 @@ def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:
 
 
 # ---------------------------------------------------------------- limits shared by replicas
-def test_rpm_5_with_10_concurrent_requests_across_two_replicas(pair, engine) -> None:
+def test_rpm_5_with_10_concurrent_requests_across_two_replicas(pair, mock) -> None:
     key = KEYS["rpm5"]
     with ThreadPoolExecutor(10) as pool:
         answers = list(pool.map(lambda i: post(pair[i % 2], key), range(10)))
@@ -281,14 +276,14 @@ def test_rpm_5_with_10_concurrent_requests_across_two_replicas(pair, engine) -> 
         assert 55 <= int(a.headers["retry-after"]) <= 60
         assert a.headers["x-ratelimit-remaining-requests"] == "0"
         assert "x-ratelimit-remaining-tokens" not in a.headers  # no TPM limit: no token headers
-    assert len(engine.requests) == 5  # refused requests never reached the engine
+    assert len(mock.requests) == 5  # refused requests never reached the engine
 
 
-def test_tpm_1000_with_300_token_requests_alternating_replicas(pair, engine) -> None:
+def test_tpm_1000_with_300_token_requests_alternating_replicas(pair, mock) -> None:
     content, prompt_tokens = prompt_of(280)
     max_tokens = 300 - prompt_tokens
-    engine.prompt_tokens = prompt_tokens  # the engine reports exactly what it was asked for
-    engine.text = " ".join(["w"] * max_tokens)  # the mock reports one completion token per word
+    mock.prompt_tokens = prompt_tokens  # the engine reports exactly what it was asked for
+    mock.text = " ".join(["w"] * max_tokens)  # the mock reports one completion token per word
     key = KEYS["tpm1000"]
     remaining = []
     for i in range(3):
@@ -312,15 +307,15 @@ def test_tpm_1000_with_300_token_requests_alternating_replicas(pair, engine) -> 
         assert (a.headers["x-ratelimit-limit-tokens"], a.headers["x-ratelimit-remaining-tokens"]) == ("1000", "100")
     # a request that fits the 100 left is still admitted: the refusals took nothing
     small, small_tokens = prompt_of(20)
-    engine.prompt_tokens, engine.text = small_tokens, "a b"
+    mock.prompt_tokens, mock.text = small_tokens, "a b"
     a = post(pair[1], key, content=small, max_tokens=2)
     assert (a.status_code, a.headers["x-ratelimit-remaining-tokens"]) == (200, str(100 - small_tokens - 2))
-    assert len(engine.requests) == 4
+    assert len(mock.requests) == 4
 
 
-def test_streamed_and_whole_responses_with_the_same_usage_debit_the_same(pair, engine) -> None:
+def test_streamed_and_whole_responses_with_the_same_usage_debit_the_same(pair, mock) -> None:
     content, prompt_tokens = prompt_of(40)
-    engine.prompt_tokens, engine.text = prompt_tokens, "one two three four five six"
+    mock.prompt_tokens, mock.text = prompt_tokens, "one two three four five six"
     key = KEYS["debit"]
     before = tpm_used("debit")
     a = post(pair[0], key, content=content, max_tokens=50)
@@ -338,7 +333,7 @@ def test_streamed_and_whole_responses_with_the_same_usage_debit_the_same(pair, e
         "object": "chat.completion.chunk",
         "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "stop"}],
     }
-    engine.stream_chunks = [b"data: " + json.dumps(chunk).encode() + b"\n\n", b"data: [DONE]\n\n"]
+    mock.stream_chunks = [b"data: " + json.dumps(chunk).encode() + b"\n\n", b"data: [DONE]\n\n"]
     mid = tpm_used("debit")
     c = post(pair[0], key, content=content, max_tokens=50, stream=True)
     assert c.status_code == 200 and text.encode() in c.content
@@ -347,12 +342,12 @@ def test_streamed_and_whole_responses_with_the_same_usage_debit_the_same(pair, e
     assert wait_until(lambda: tpm_used("debit") == mid + expected, 5), (tpm_used("debit") - mid, expected)
 
 
-def test_a_cancelled_stream_is_charged_what_was_produced(pair, engine) -> None:
+def test_a_cancelled_stream_is_charged_what_was_produced(pair, mock) -> None:
     content, prompt_tokens = prompt_of(30)
     words = [f" w{i}" for i in range(40)]
-    engine.prompt_tokens = prompt_tokens
-    engine.chunk_interval_seconds = 0.1
-    engine.stream_chunks = [
+    mock.prompt_tokens = prompt_tokens
+    mock.chunk_interval_seconds = 0.1
+    mock.stream_chunks = [
         b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"'
         + w.encode()
         + b'"},"finish_reason":null}]}\n\n'
@@ -385,12 +380,12 @@ def test_a_cancelled_stream_is_charged_what_was_produced(pair, engine) -> None:
     assert max(prefixes) < 100  # so a charge of the whole reservation could not pass as "produced"
 
 
-def test_max_concurrent_2_refuses_a_third_simultaneous_request(pair, engine) -> None:
-    engine.mode, engine.delay_seconds = "delay", 1.5
+def test_max_concurrent_2_refuses_a_third_simultaneous_request(pair, mock) -> None:
+    mock.mode, mock.delay_seconds = "delay", 1.5
     key = KEYS["conc2"]
     with ThreadPoolExecutor(2) as pool:
         first = [pool.submit(post, pair[i], key) for i in range(2)]
-        assert wait_until(lambda: len(engine.requests) == 2, 10)
+        assert wait_until(lambda: len(mock.requests) == 2, 10)
         third = post(pair[0], key)
         assert third.status_code == 429
         assert third.headers["retry-after"] == "1"
@@ -398,17 +393,17 @@ def test_max_concurrent_2_refuses_a_third_simultaneous_request(pair, engine) -> 
             f"Rate limit reached for tenant '{tid('conc2')}' on concurrent requests: Limit 2. Please try again in 1s."
         )
         assert [f.result().status_code for f in first] == [200, 200]
-    engine.mode = "ok"
+    mock.mode = "ok"
     assert post(pair[1], key).status_code == 200  # the two leases were released at the end
 
 
-def test_a_killed_replicas_leases_expire_and_free_the_slots(stack, pair, engine) -> None:
+def test_a_killed_replicas_leases_expire_and_free_the_slots(stack, pair, mock) -> None:
     (doomed,) = stack.start(stack.config("doomed", REDIS_URL), 1)
-    engine.mode = "hang"
+    mock.mode = "hang"
     key = KEYS["killed"]
     with ThreadPoolExecutor(2) as pool:
         held = [pool.submit(post, doomed, key, timeout=30) for _ in range(2)]
-        assert wait_until(lambda: len(engine.requests) == 2, 10)
+        assert wait_until(lambda: len(mock.requests) == 2, 10)
         time.sleep(LEASE_TTL_SECONDS)  # longer than a TTL: the live replica renewed its leases
         assert post(pair[0], key).status_code == 429
         doomed.kill()
@@ -416,15 +411,15 @@ def test_a_killed_replicas_leases_expire_and_free_the_slots(stack, pair, engine)
         for f in held:
             with pytest.raises(httpx.HTTPError):
                 f.result()
-    engine.mode = "ok"
+    mock.mode = "ok"
     assert wait_until(lambda: post(pair[1], key).status_code == 200, LEASE_TTL_SECONDS + 2, 0.2)
     assert time.monotonic() - killed_at <= LEASE_TTL_SECONDS + 2
     with ThreadPoolExecutor(2) as pool:  # both slots are free again
-        engine.mode, engine.delay_seconds = "delay", 0.5
+        mock.mode, mock.delay_seconds = "delay", 0.5
         assert [f.result().status_code for f in [pool.submit(post, pair[i], key) for i in range(2)]] == [200, 200]
 
 
-def test_tenant_edits_apply_without_restart(stack, pair, engine) -> None:
+def test_tenant_edits_apply_without_restart(stack, pair, mock) -> None:
     key = KEYS["reload"]
     tenants = str(stack.tenants_path)
     a = post(pair[0], key)
@@ -478,7 +473,7 @@ def _recovered(pair: list[Replica], key: str) -> bool:
     return True
 
 
-def test_redis_stopped_then_paused_fails_closed_within_1s_and_limits_resume(stack, engine, tmp_path) -> None:
+def test_redis_stopped_then_paused_fails_closed_within_1s_and_limits_resume(stack, mock, tmp_path) -> None:
     spare = SpareRedis(tmp_path)
     spare.start()
     try:
