@@ -46,9 +46,9 @@ def test_a_hit_does_not_encode_again_and_keeps_no_text(counter: TiktokenCounter,
     n = counter.count_text(text)
     monkeypatch.setattr(counter, "_count_one", lambda t: pytest.fail("encoded again"))
     assert counter.count_text(text) == n
-    keys = list(counter.count_cache._counts)
+    keys = [k for k, _ in counter.count_cache.items()]
     assert keys == [CountCache.key(text)] and len(keys[0]) == 16
-    assert all(isinstance(v, int) for v in counter.count_cache._counts.values())
+    assert all(isinstance(v, int) for _, v in counter.count_cache.items())
     # a different text of the same length is counted, not taken from the other's entry
     other = text[::-1]
     assert len(other) == len(text)

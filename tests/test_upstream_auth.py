@@ -76,10 +76,10 @@ def test_engine_tokenizer_takes_the_key_of_the_upstream_it_shares_a_base_url_wit
     assert engine_api_key(_settings("x"), "https://127.0.0.1:30000") is None  # another scheme
     assert engine_api_key(_settings("x"), None) is None
     counter = ModelIndex(_settings("http://127.0.0.1:30000")).by_name["m"].counter
-    assert counter._headers == {"authorization": f"Bearer {KEY}"}
+    assert counter.auth_headers == {"authorization": f"Bearer {KEY}"}
     own = ModelIndex(_settings("http://127.0.0.1:30000", "sk-tokenizer-only-1234")).by_name["m"].counter
-    assert own._headers == {"authorization": "Bearer sk-tokenizer-only-1234"}  # tokenizer.api_key wins
-    assert ModelIndex(_settings("http://127.0.0.1:39999")).by_name["m"].counter._headers is None
+    assert own.auth_headers == {"authorization": "Bearer sk-tokenizer-only-1234"}  # tokenizer.api_key wins
+    assert ModelIndex(_settings("http://127.0.0.1:39999")).by_name["m"].counter.auth_headers is None
 
 
 async def test_engine_tokenize_calls_carry_the_key(engine):

@@ -108,6 +108,12 @@ class EngineCounter(PromptCounter):
 
     counts_sync = False
 
+    @property
+    def auth_headers(self) -> dict[str, str] | None:
+        """The ``Authorization`` header sent with every tokenize and detokenize call (``None``: no
+        API key)."""
+        return self._headers
+
     def count_text(self, text: str) -> int:
         raise NotImplementedError("EngineCounter counts only through its async API")
 

@@ -54,6 +54,11 @@ class CountCache:
                 del counts[next(iter(counts))]
             counts[key] = count
 
+    def items(self) -> list[tuple[bytes, int]]:
+        """The remembered ``(digest, count)`` pairs, oldest first (a copy)."""
+        with self._lock:
+            return list(self._counts.items())
+
     def __len__(self) -> int:
         return len(self._counts)
 
