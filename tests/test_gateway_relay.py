@@ -2,8 +2,8 @@
 forwarding to an engine played by the upstream client's ``MockTransport`` (gateway/relay/
 upstream_client.py). Streams byte for byte, usage stripping, ``[DONE]`` exactly once, engine errors
 before and after the response started, a stream cut by the transport, the Responses protocol's
-own error event. (The same paths over real sockets: tests/test_gateway_http.py and
-tests/test_gateway_faults.py.)"""
+own error event, a guard's refusal before and after the response started. (The same paths over
+real sockets: tests/test_gateway_http.py and tests/test_gateway_faults.py.)"""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from gateway.relay.upstream_client import (
     UpstreamError,
 )
 from tests.gateway_harness import KEY_A, MODEL, SECRETS, chat, settings_for, tenants
+from verifier.stage import NullVerifier, ResponseWithheld
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,8 +73,11 @@ def streaming(chunks: Iterable[bytes | UpstreamError], status: int = 200, header
 class InProcess:
     """The gateway app over ``ASGITransport``, its upstreams answered by ``handler``."""
 
-    def __init__(self, handler: Callable[[MockRequest], Any], upstreams: list[dict] | None = None) -> None:
-        self.app = create_app(settings_for(upstreams or [static_upstream()]), tenants(), secrets=SECRETS)
+    def __init__(
+        self, handler: Callable[[MockRequest], Any], upstreams: list[dict] | None = None, verifier: Any = None
+    ) -> None:
+        settings = settings_for(upstreams or [static_upstream()])
+        self.app = create_app(settings, tenants(), secrets=SECRETS, verifier=verifier)
         self.gw = self.app.state.gateway
         self.transport = MockTransport(handler)
         self.gw.forwarder = UpstreamClient(transport=self.transport)
@@ -239,3 +243,67 @@ def test_a_responses_stream_is_relayed_as_sent_and_a_cut_ends_with_its_error_eve
     done = _event("response.completed", 2, response={"id": "r1", "status": "completed", "output": []})
     r, _ = post(streaming([*events, done]), body, path="/v1/responses")
     assert r.content == b"".join(events) + done  # no [DONE]: that protocol has none
+
+
+# ---------------------------------------------------------------- a guard that withholds
+
+
+class WithholdingGuard:
+    """A strict guard in miniature: passes every event on until one adds ``word``, then refuses."""
+
+    def __init__(self, word: str) -> None:
+        self.word = word
+
+    async def feed(self, delta_text: str, raw_event: bytes, pieces=None) -> list[bytes]:
+        if self.word in delta_text:
+            raise ResponseWithheld("inc-7", "test")
+        return [raw_event]
+
+    async def finish_stream(self, *, usage, finish_reason, ttft_seconds) -> list[bytes]:
+        return []
+
+    async def check_body(self, text, *, usage, finish_reason, ttft_seconds) -> None:
+        if any(self.word in t for t in text):
+            raise ResponseWithheld("inc-7", "test")
+
+
+class GuardingVerifier(NullVerifier):
+    def __init__(self, word: str) -> None:
+        self.word = word
+
+    def begin(self, exchange):
+        return WithholdingGuard(self.word)
+
+
+def guarded(chunks, body, word="secret", path="/v1/chat/completions") -> httpx.Response:
+    gw = InProcess(streaming(chunks), verifier=GuardingVerifier(word))
+    return asyncio.run(gw.post(path, body))
+
+
+WITHHELD = {
+    "message": "The response was withheld by verification (incident inc-7).",
+    "type": "server_error",
+    "param": None,
+    "code": "response_withheld",
+}
+
+
+def test_a_refusal_after_the_response_started_in_the_same_read_ends_the_stream():
+    # one read: the first event starts the response (200 sent), the guard refuses the second;
+    # nothing of that read leaves (a real strict guard holds its window back anyway)
+    read = _chunk("Hello ", False) + _chunk("the secret", False) + b"data: [DONE]\n\n"
+    r = guarded([read], chat(max_tokens=5, stream=True))
+    assert r.status_code == 200
+    error = json.dumps({"error": WITHHELD}, separators=(",", ":")).encode()
+    assert r.content == b"data: " + error + b"\n\ndata: [DONE]\n\n"
+
+
+def test_a_refusal_before_the_response_started_is_a_502():
+    r = guarded([_chunk("the secret", False), b"data: [DONE]\n\n"], chat(max_tokens=5, stream=True))
+    assert (r.status_code, error_of(r)) == (502, WITHHELD)
+    answer = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"the secret"},"finish_reason":"stop"}]}'
+    gw = InProcess(
+        lambda q: MockResponse(200, {"content-type": "application/json"}, [answer]), verifier=GuardingVerifier("secret")
+    )
+    r = asyncio.run(gw.post("/v1/chat/completions", chat(max_tokens=5)))
+    assert (r.status_code, error_of(r)) == (502, WITHHELD)
