@@ -10,10 +10,12 @@ import random
 import threading
 import time
 import uuid
+from functools import partial
 
 import pytest
 
-from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+from config.models import TenantConfig
+from tests.fixtures.settings import verifier_settings
 from tokenizer import bundled_counter
 from verifier.build import build_verifier
 from verifier.canary import new_canary
@@ -34,18 +36,8 @@ def words(seed: int, n: int) -> str:
     return " ".join(rng.choice(vocab) + (str(rng.randrange(100)) if rng.random() < 0.3 else "") for _ in range(n))
 
 
-def settings(tmp_path, **verifier) -> Settings:
-    v = {"latency_min_samples": 10, "latency_min_prompt_tokens": 512, **verifier}
-    return Settings(
-        state_dir=str(tmp_path),
-        verifier=VerifierSettings(**v),
-        models=[ModelConfig(id="m", context_length=8192)],
-        upstreams=[
-            UpstreamConfig(
-                name="up", api_url="http://127.0.0.1:1/v1", pool_source="static", static_pool_tokens=4096, models=["m"]
-            )
-        ],
-    )
+#: the shared verifier settings with this module's latency calibration
+settings = partial(verifier_settings, latency_min_samples=10, latency_min_prompt_tokens=512)
 
 
 def tenant(tid: str, **kw) -> TenantConfig:

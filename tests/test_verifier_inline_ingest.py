@@ -14,7 +14,8 @@ import uuid
 import pytest
 import redis
 
-from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+from config.models import TenantConfig
+from tests.fixtures.settings import verifier_settings
 from verifier.build import build_verifier
 from verifier.canary import new_canary
 from verifier.jobs import INLINE_INGEST_BYTES
@@ -25,20 +26,6 @@ from verifier.stage import Exchange, ExchangeRequest, ResponseWithheld
 SECRETS = {"leak_index_key": b"inline-test-key", "cache_salt_key": b"x", "admin_key": b"y"}
 A = TenantConfig(id="a", verify_sample_rate=1.0)
 STRICT = TenantConfig(id="s", strict_verify=True)
-
-
-def settings(tmp_path, redis_url: str) -> Settings:
-    return Settings(
-        state_dir=str(tmp_path),
-        redis_url=redis_url,
-        verifier=VerifierSettings(),
-        models=[ModelConfig(id="m", context_length=8192)],
-        upstreams=[
-            UpstreamConfig(
-                name="up", api_url="http://127.0.0.1:1/v1", pool_source="static", static_pool_tokens=4096, models=["m"]
-            )
-        ],
-    )
 
 
 def ex(t: TenantConfig, prompt: str) -> Exchange:
@@ -96,7 +83,7 @@ def no_thread(svc: VerifierService) -> list[int]:
 
 
 async def test_small_prompt_is_indexed_on_the_loop_and_found_by_a_strict_check(tmp_path, prefix):
-    svc = build_verifier(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(verifier_settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
     threaded = no_thread(svc)
     try:
         text = prose(INLINE_INGEST_BYTES, seed=1)
@@ -117,7 +104,7 @@ async def test_small_prompt_is_indexed_on_the_loop_and_found_by_a_strict_check(t
 
 
 async def test_the_size_boundary_picks_loop_or_thread(tmp_path, prefix):
-    svc = build_verifier(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(verifier_settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
     threaded = no_thread(svc)
     try:
         await svc.admit(ex(A, prose(INLINE_INGEST_BYTES, seed=2)))
@@ -129,7 +116,7 @@ async def test_the_size_boundary_picks_loop_or_thread(tmp_path, prefix):
 
 
 async def test_a_canary_in_a_small_prompt_is_registered(tmp_path, prefix):
-    svc = build_verifier(settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(verifier_settings(tmp_path, "redis://127.0.0.1:6379/0"), secrets=SECRETS, key_prefix=prefix)
     threaded = no_thread(svc)
     try:
         can = new_canary()
@@ -148,7 +135,9 @@ def closed_port() -> int:
 
 
 async def test_redis_down_counts_an_error_backs_off_and_lets_the_request_on(tmp_path, prefix):
-    svc = build_verifier(settings(tmp_path, f"redis://127.0.0.1:{closed_port()}/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(
+        verifier_settings(tmp_path, f"redis://127.0.0.1:{closed_port()}/0"), secrets=SECRETS, key_prefix=prefix
+    )
     threaded = no_thread(svc)
     try:
         await svc.admit(ex(A, prose(500, seed=4)))
@@ -165,7 +154,7 @@ async def test_a_hanging_redis_holds_admission_no_longer_than_its_socket_timeout
     0.25 s socket timeout; the request goes on, the error is counted."""
     server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    svc = build_verifier(settings(tmp_path, f"redis://127.0.0.1:{port}/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(verifier_settings(tmp_path, f"redis://127.0.0.1:{port}/0"), secrets=SECRETS, key_prefix=prefix)
     try:
         t0 = time.monotonic()
         await asyncio.wait_for(svc.admit(ex(A, prose(500, seed=6))), 5)
@@ -180,7 +169,7 @@ async def test_a_hanging_redis_holds_admission_no_longer_than_its_socket_timeout
 async def test_cancelled_inline_admission_releases_its_bytes(tmp_path, prefix):
     server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # never answers
     port = server.sockets[0].getsockname()[1]
-    svc = build_verifier(settings(tmp_path, f"redis://127.0.0.1:{port}/0"), secrets=SECRETS, key_prefix=prefix)
+    svc = build_verifier(verifier_settings(tmp_path, f"redis://127.0.0.1:{port}/0"), secrets=SECRETS, key_prefix=prefix)
     try:
         t = asyncio.create_task(svc.admit(ex(A, prose(700, seed=7))))
         await asyncio.sleep(0.05)
@@ -197,7 +186,7 @@ async def test_cancelled_inline_admission_releases_its_bytes(tmp_path, prefix):
 async def test_in_memory_stores_index_a_small_prompt_on_the_loop_when_the_lock_is_free(tmp_path):
     """No Redis: a small prompt is indexed on the event loop (no admission thread) when the
     state lock is free, a larger one in the thread; both are found by a strict check."""
-    svc = build_verifier(settings(tmp_path, ""), secrets=SECRETS)
+    svc = build_verifier(verifier_settings(tmp_path, ""), secrets=SECRETS)
     threaded = no_thread(svc)
     try:
         small, large = prose(INLINE_INGEST_BYTES, seed=8), prose(INLINE_INGEST_BYTES + 1, seed=9)
@@ -219,7 +208,7 @@ async def test_in_memory_stores_never_wait_for_the_lock_on_the_loop(tmp_path):
     but in the admission thread, which waits for the lock; the loop stays free meanwhile."""
     import threading
 
-    svc = build_verifier(settings(tmp_path, ""), secrets=SECRETS)
+    svc = build_verifier(verifier_settings(tmp_path, ""), secrets=SECRETS)
     threaded = no_thread(svc)
     holding, released = threading.Event(), threading.Event()
 

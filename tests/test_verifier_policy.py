@@ -25,6 +25,7 @@ import verifier.findings
 from config.models import ModelConfig, Settings, TenantConfig, TenantsFile, UpstreamConfig, VerifierSettings
 from gateway.app import create_app
 from gateway.ops.tenants import TenantRegistry
+from tests.fixtures.settings import verifier_settings
 from tests.mock_engine import ServerThread
 from tokenizer.encodings import bundled_encoding
 from verifier.build import build_verifier
@@ -277,19 +278,6 @@ def test_two_keys_of_one_actor_priming_recitable_text_quarantine_nothing_and_pub
 
 
 # ------------------------------------------------------------------ per-tenant caps, calibration
-def _settings(tmp_path, **verifier) -> Settings:
-    return Settings(
-        state_dir=str(tmp_path),
-        verifier=VerifierSettings(**verifier),
-        models=[ModelConfig(id="m", context_length=8192)],
-        upstreams=[
-            UpstreamConfig(
-                name="up", api_url="http://127.0.0.1:1/v1", pool_source="static", static_pool_tokens=4096, models=["m"]
-            )
-        ],
-    )
-
-
 def _exchange(tid: str, prompt: str, prompt_tokens: int = 10):
     from verifier.stage import Exchange, ExchangeRequest
 
@@ -302,7 +290,7 @@ async def test_a_tenant_over_its_cap_is_not_indexed_and_the_drops_are_counted(tm
     from verifier.shingles import encode
 
     svc = build_verifier(
-        _settings(tmp_path, leak_index_tenant_cap_fingerprints=40, canary_tenant_cap=3), secrets=SECRETS
+        verifier_settings(tmp_path, leak_index_tenant_cap_fingerprints=40, canary_tenant_cap=3), secrets=SECRETS
     )
     try:
         rng = random.Random(11)
@@ -352,7 +340,7 @@ async def test_latency_calibration_survives_a_restart_in_redis(tmp_path):
 
     client = redis.Redis(host="127.0.0.1", port=6379, socket_timeout=2)
     prefix = f"test-policy-{uuid.uuid4().hex[:8]}:"
-    s = _settings(tmp_path, latency_min_samples=6)
+    s = verifier_settings(tmp_path, latency_min_samples=6)
     try:
         first = build_verifier(s, secrets=SECRETS, redis=client, key_prefix=prefix)
         for i in range(6):
@@ -367,7 +355,7 @@ async def test_latency_calibration_survives_a_restart_in_redis(tmp_path):
         assert second.latency.take_unsaved() == []  # replayed samples are not saved twice
         await second.aclose()
         # without Redis calibration is in memory only
-        mem = build_verifier(_settings(tmp_path / "m"), secrets=SECRETS)
+        mem = build_verifier(verifier_settings(tmp_path / "m"), secrets=SECRETS)
         assert mem.latency_keeper.store is None and mem.latency_keeper.load() == 0
         await mem.aclose()
     finally:
@@ -470,7 +458,7 @@ async def test_public_text_is_shared_by_replicas_in_redis(tmp_path):
 
     client = redis.Redis(host="127.0.0.1", port=6379, socket_timeout=2)
     prefix = f"test-policy-{uuid.uuid4().hex[:8]}:"
-    s = _settings(tmp_path)
+    s = verifier_settings(tmp_path)
     r1 = build_verifier(s, secrets=SECRETS, redis=client, key_prefix=prefix, incident_path=str(tmp_path / "1"))
     r2 = build_verifier(s, secrets=SECRETS, redis=client, key_prefix=prefix, incident_path=str(tmp_path / "2"))
     try:

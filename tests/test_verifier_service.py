@@ -7,12 +7,14 @@ import json
 import random
 import time
 import uuid
+from functools import partial
 
 import pytest
 import redis
 from conftest import SEEDS
 
 from config.models import ModelConfig, Settings, TenantConfig, UpstreamConfig, VerifierSettings
+from tests.fixtures.settings import verifier_settings
 from verifier.build import build_verifier
 from verifier.canary import new_canary
 from verifier.incidents import read_incidents
@@ -24,18 +26,8 @@ SEED_ZH = (SEEDS / "000_cd7ee3cfd92e9ff1.txt").read_text()
 SECRETS = {"leak_index_key": b"service-test-key", "cache_salt_key": b"x", "admin_key": b"y"}
 
 
-def settings(tmp_path, **verifier) -> Settings:
-    v = {"latency_min_samples": 5, "latency_min_prompt_tokens": 100, **verifier}
-    return Settings(
-        state_dir=str(tmp_path),
-        verifier=VerifierSettings(**v),
-        models=[ModelConfig(id="m", context_length=8192)],
-        upstreams=[
-            UpstreamConfig(
-                name="up", api_url="http://127.0.0.1:1/v1", pool_source="static", static_pool_tokens=4096, models=["m"]
-            )
-        ],
-    )
+#: the shared verifier settings with this module's latency calibration
+settings = partial(verifier_settings, latency_min_samples=5, latency_min_prompt_tokens=100)
 
 
 def tenant(tid: str, **kw) -> TenantConfig:
@@ -257,19 +249,8 @@ async def test_drift_abort_and_latency(tmp_path):
         await svc.aclose()
 
 
-@pytest.fixture
-def redis_prefix():
-    c = redis.Redis(host="127.0.0.1", port=6379)
-    prefix = f"test-vsvc-{uuid.uuid4().hex[:8]}:"
-    yield c, prefix
-    keys = list(c.scan_iter(match=prefix + "*"))
-    if keys:
-        c.delete(*keys)
-    c.close()
-
-
-async def test_two_replicas_share_the_index_and_quarantine(tmp_path, redis_prefix):
-    c, prefix = redis_prefix
+async def test_two_replicas_share_the_index_and_quarantine(tmp_path, redis_client, redis_prefix):
+    c, prefix = redis_client, redis_prefix + ":"
     s = settings(tmp_path)
     r1 = build_verifier(s, secrets=SECRETS, redis=c, key_prefix=prefix, incident_path=str(tmp_path / "1.jsonl"))
     r2 = build_verifier(s, secrets=SECRETS, redis=c, key_prefix=prefix, incident_path=str(tmp_path / "2.jsonl"))
