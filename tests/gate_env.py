@@ -12,8 +12,8 @@ import contextlib
 import json
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Iterator
 
 from config.models import Settings
 from gateway.quotas.stage import QuotaLease
@@ -53,24 +53,31 @@ __all__ = [
 ]
 
 
-def make_hf_folder(folder: Path) -> Path:
-    """A tiny Hugging Face tokenizer folder (BPE trained here, no download) with
-    :data:`THINK_TEMPLATE`, for the ``mh`` model."""
+def make_bpe_folder(folder: Path, template: str, corpus: str, vocab_size: int) -> Path:
+    """A tiny Hugging Face tokenizer folder in ``folder``: byte-level BPE trained here on
+    ``corpus`` (50 times; no download) up to ``vocab_size``, with chat template ``template``."""
     import tokenizers
 
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=500,
+        vocab_size=vocab_size,
         special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(["Hello world, a b c user assistant system <think> </think> 日本語 é"] * 50, trainer)
+    tok.train_from_iterator([corpus] * 50, trainer)
     tok.save(str(folder / "tokenizer.json"))
-    config = {"chat_template": THINK_TEMPLATE, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    config = {"chat_template": template, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+def make_hf_folder(folder: Path) -> Path:
+    """:func:`make_bpe_folder` with :data:`THINK_TEMPLATE`, for the ``mh`` model."""
+    return make_bpe_folder(
+        folder, THINK_TEMPLATE, "Hello world, a b c user assistant system <think> </think> 日本語 é", 500
+    )
 
 
 class Quotas:
@@ -144,15 +151,18 @@ def gate_settings(sg: MockEngine, vl: MockEngine, hf_folder: Path) -> Settings:
 
 
 @contextlib.contextmanager
-def gate_env() -> Iterator[tuple]:
-    """``(client, sglang mock, vllm mock, quotas, HF folder of mh)`` with the gateway ready."""
+def mock_pair_env(
+    make_folder: Callable[[Path], Path], make_settings: Callable[[MockEngine, MockEngine, Path], Settings]
+) -> Iterator[tuple]:
+    """``(client, sglang mock, vllm mock, quotas, tokenizer folder)`` with the gateway ready: the
+    folder made by ``make_folder`` in a temporary directory, the gateway on ``make_settings``."""
     tmp = tempfile.TemporaryDirectory()
-    hf_folder = make_hf_folder(Path(tmp.name))
+    folder = make_folder(Path(tmp.name))
     sg, vl = MockEngine().start(), MockEngine().start()
     vl.state.vllm_max_model_len = 4096
     q = Quotas()
     reg = tenants(max_tokens_cap=CAP, default_max_tokens=16, allowed_models=[])
-    g = Gateway(gate_settings(sg, vl, hf_folder), reg, quotas=q).start()
+    g = Gateway(make_settings(sg, vl, folder), reg, quotas=q).start()
     try:
         with g.client(KEY_A, timeout=30) as c:
             deadline = time.monotonic() + 10
@@ -160,9 +170,14 @@ def gate_env() -> Iterator[tuple]:
                 if time.monotonic() > deadline:
                     raise AssertionError("gateway not ready")
                 time.sleep(0.05)
-            yield c, sg, vl, q, hf_folder
+            yield c, sg, vl, q, folder
     finally:
         g.stop()
         sg.stop()
         vl.stop()
         tmp.cleanup()
+
+
+def gate_env() -> contextlib.AbstractContextManager[tuple]:
+    """``(client, sglang mock, vllm mock, quotas, HF folder of mh)`` with the gateway ready."""
+    return mock_pair_env(make_hf_folder, gate_settings)

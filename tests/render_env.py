@@ -9,19 +9,13 @@ Pool 4096 tokens, headroom 1.25 -> live limit 3,276 tokens; tenant ``max_tokens_
 from __future__ import annotations
 
 import contextlib
-import json
-import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from config.models import Settings
-from tests.gate_env import Quotas
-from tests.gateway_harness import KEY_A, Gateway, tenants
+from tests.gate_env import make_bpe_folder, mock_pair_env
 from tests.mock_engine import MockEngine
 
 LIMIT = 3276
-CAP = 256
 #: a Qwen2.5 / Hermes-style template: tools and tool-call arguments through ``tojson``, the
 #: assistant's ``reasoning_content`` in ``<think>``, tool results as user turns, and
 #: ``reasoning_effort`` read in the generation prompt
@@ -65,23 +59,9 @@ HF_MODELS = frozenset(m for m in ENGINES if m.startswith("t"))
 
 
 def make_tojson_folder(folder: Path) -> Path:
-    """A tiny byte-level BPE tokenizer folder (trained here, no download) with :data:`TOJSON_TEMPLATE`."""
-    import tokenizers
-
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )
+    """:func:`tests.gate_env.make_bpe_folder` with :data:`TOJSON_TEMPLATE`."""
     corpus = '{"name": "get", "arguments": {"v": [2.5, "é"]}} user assistant <tool_call> 日本'
-    tok.train_from_iterator([corpus] * 50, trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    config = {"chat_template": TOJSON_TEMPLATE, "eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return make_bpe_folder(folder, TOJSON_TEMPLATE, corpus, 600)
 
 
 def _upstream(name: str, engine: str, url: str, models: list[str], sg: MockEngine, vl: MockEngine) -> dict:
@@ -137,26 +117,6 @@ def render_settings(sg: MockEngine, vl: MockEngine, folder: Path) -> Settings:
     )
 
 
-@contextlib.contextmanager
-def render_env() -> Iterator[tuple]:
+def render_env() -> contextlib.AbstractContextManager[tuple]:
     """``(client, sglang mock, vllm mock, quotas, tojson tokenizer folder)`` with the gateway ready."""
-    tmp = tempfile.TemporaryDirectory()
-    folder = make_tojson_folder(Path(tmp.name))
-    sg, vl = MockEngine().start(), MockEngine().start()
-    vl.state.vllm_max_model_len = 4096
-    q = Quotas()
-    reg = tenants(max_tokens_cap=CAP, default_max_tokens=16, allowed_models=[])
-    g = Gateway(render_settings(sg, vl, folder), reg, quotas=q).start()
-    try:
-        with g.client(KEY_A, timeout=30) as c:
-            deadline = time.monotonic() + 10
-            while c.get("/readyz").status_code != 200:
-                if time.monotonic() > deadline:
-                    raise AssertionError("gateway not ready")
-                time.sleep(0.05)
-            yield c, sg, vl, q, folder
-    finally:
-        g.stop()
-        sg.stop()
-        vl.stop()
-        tmp.cleanup()
+    return mock_pair_env(make_tojson_folder, render_settings)
