@@ -65,8 +65,13 @@ def settings_for(
     pool: dict | None = None,
     context_length: int = 8192,
     aliases: list[str] | None = None,
+    models: list[dict[str, Any]] | None = None,
+    verifier: dict | None = None,
+    quotas: dict | None = None,
 ) -> Settings:
-    """Settings with one model (bundled tokenizer) and the given upstream entries."""
+    """Settings with model :data:`MODEL` (bundled tokenizer) and ``models`` after it, and the given
+    upstream entries; ``gateway``, ``pool``, ``verifier``, ``quotas``: those sections' fields
+    (the verifier and quotas are off unless named)."""
     return Settings.model_validate(
         {
             "gateway": {
@@ -81,10 +86,13 @@ def settings_for(
                 "request_timeout_seconds": 0.5,
                 **(pool or {}),
             },
-            "models": [{"id": MODEL, "aliases": aliases or ["tiny-alias"], "context_length": context_length}],
+            "models": [
+                {"id": MODEL, "aliases": aliases or ["tiny-alias"], "context_length": context_length},
+                *(models or []),
+            ],
             "upstreams": upstreams,
-            "verifier": {"enabled": False},
-            "quotas": {"enabled": False},
+            "verifier": verifier or {"enabled": False},
+            "quotas": quotas or {"enabled": False},
         }
     )
 

@@ -15,11 +15,10 @@ import openai
 import pytest
 
 from config.errors import MAX_MESSAGE_CHARS, bounded
-from config.models import Settings
 from gateway.quotas.tenant_quotas import build_quota_stage
 from gateway.routes.embeddings import embedding_length_message
 from gateway.routes.responses import responses_length_message
-from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, tenants, upstream, wait_for
+from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, settings_for, tenants, upstream, wait_for
 from tests.mock_api_engine import COUNTER, ApiMockEngine, response_stream
 from verifier.build import build_verifier
 
@@ -29,26 +28,20 @@ EMB = "embed-tiny"
 LIMIT = 200  # tenant-a's max_context_tokens: the effective limit (the pool allows more)
 
 
-def settings(
-    engine: ApiMockEngine, *, up: dict | None = None, verifier: bool = False, quotas: bool = False
-) -> Settings:
-    return Settings.model_validate(
-        {
-            "gateway": {"max_body_bytes": 1 << 16, "connect_timeout_seconds": 1, "read_timeout_seconds": 5},
-            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 0.5},
-            "models": [
-                {"id": MODEL, "aliases": ["tiny-alias"], "context_length": 8192},
-                {"id": EMB, "context_length": 8192, "task": "embedding"},
-            ],
-            "upstreams": [{**upstream("u1", engine), "models": [MODEL, EMB], **(up or {})}],
-            "verifier": {"enabled": verifier, "strict_holdback_tokens": 16},
-            "quotas": {"enabled": quotas, "window_seconds": 60},
-        }
+def api_settings(engine: ApiMockEngine, *, up: dict | None = None, verifier: bool = False, quotas: bool = False):
+    """:func:`tests.gateway_harness.settings_for` with the embedding model :data:`EMB` beside
+    :data:`MODEL` on ``engine``."""
+    return settings_for(
+        [{**upstream("u1", engine), "models": [MODEL, EMB], **(up or {})}],
+        gateway={"max_body_bytes": 1 << 16},
+        models=[{"id": EMB, "context_length": 8192, "task": "embedding"}],
+        verifier={"enabled": verifier, "strict_holdback_tokens": 16},
+        quotas={"enabled": quotas, "window_seconds": 60},
     )
 
 
 def start(engine: ApiMockEngine, *, up: dict | None = None, verifier: bool = False, quotas: bool = False, **a: Any):
-    s = settings(engine, up=up, verifier=verifier, quotas=quotas)
+    s = api_settings(engine, up=up, verifier=verifier, quotas=quotas)
     kw: dict[str, Any] = {}
     if verifier:
         kw["verifier"] = build_verifier(s, secrets=SECRETS)
@@ -297,7 +290,7 @@ def _strict_gateway(engine: ApiMockEngine) -> Gateway:
     from config.models import TenantsFile
     from gateway.ops.tenants import TenantRegistry, hash_key
 
-    s = settings(engine, verifier=True)
+    s = api_settings(engine, verifier=True)
     reg = TenantRegistry(
         TenantsFile.model_validate(
             {
@@ -535,7 +528,7 @@ def test_tokenize_answers_the_gates_count_and_the_tenants_live_limit(gw, engine)
 
 
 def test_tokenize_of_an_engine_tokenizer_asks_the_engine(engine):
-    s = settings(engine)
+    s = api_settings(engine)
     s.models[0].tokenizer = s.models[0].tokenizer.model_validate(
         {"kind": "engine", "url": engine.url, "engine_api": "vllm"}
     )
