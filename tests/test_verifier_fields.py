@@ -29,12 +29,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from config.models import ModelConfig, Settings, TenantConfig, TenantsFile, UpstreamConfig, VerifierSettings
-from gateway.app import create_app
-from gateway.ops.tenants import TenantRegistry
-from tests.mock_engine import ServerThread
+from config.models import TenantConfig, TenantsFile
+from tests.fixtures.leak_stack import leak_stack
 from tokenizer import bundled_counter
-from verifier.build import build_verifier
 from verifier.probe import filler_words
 from verifier.service import VerifierService
 
@@ -244,35 +241,13 @@ def build_engine(st: LeakState) -> Starlette:
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fields")
     st = LeakState()
-    engine = ServerThread(build_engine(st)).start()
-    s = Settings(
-        state_dir=str(tmp),
-        verifier=VerifierSettings(strict_holdback_tokens=64, quarantine_min_prompt_tokens=1024),
-        models=[ModelConfig(id="m", context_length=8192)],
-        upstreams=[
-            UpstreamConfig(
-                name="leak", api_url=engine.url + "/v1", pool_source="static", static_pool_tokens=8192, models=["m"]
-            )
-        ],
-    )
-    svc = build_verifier(s, secrets=SECRETS)
-    gw = ServerThread(create_app(s, TenantRegistry(tenant_file()), verifier=svc, secrets=SECRETS)).start()
-    client = httpx.Client(base_url=gw.url, timeout=30)
     # the victim's passage is indexed at its admission (the engine answers it harmlessly)
     passage, _ = victim_passage()
     st.words = ["ok"]
-    r = client.post(
-        "/v1/completions",
-        json={"model": "m", "prompt": "Please keep this: " + passage, "max_tokens": 8},
-        headers={"authorization": f"Bearer {key_of('victim')}"},
-    )
-    assert r.status_code == 200
-    try:
+    victim = (key_of("victim"), "Please keep this: " + passage)
+    verifier = {"strict_holdback_tokens": 64, "quarantine_min_prompt_tokens": 1024}
+    with leak_stack(tmp, build_engine(st), tenant_file(), SECRETS, victim, **verifier) as (svc, client):
         yield st, svc, client
-    finally:
-        client.close()
-        gw.stop()
-        engine.stop()
 
 
 def _send(client: httpx.Client, tid: str, body: dict, *, chat: bool) -> tuple[int, bytes]:

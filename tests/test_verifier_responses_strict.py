@@ -24,11 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from config.models import ModelConfig, Settings, TenantConfig, TenantsFile, UpstreamConfig, VerifierSettings
-from gateway.app import create_app
-from gateway.ops.tenants import TenantRegistry
-from tests.mock_engine import ServerThread
-from verifier.build import build_verifier
+from config.models import TenantConfig, TenantsFile
+from tests.fixtures.leak_stack import leak_stack
 from verifier.probe import filler_words
 
 SECRETS = {
@@ -199,32 +196,9 @@ def tenants() -> TenantsFile:
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("respstrict")
     st = State()
-    engine = ServerThread(build_engine(st)).start()
-    s = Settings(
-        state_dir=str(tmp),
-        verifier=VerifierSettings(strict_holdback_tokens=64),
-        models=[ModelConfig(id="m", context_length=8192)],
-        upstreams=[
-            UpstreamConfig(
-                name="leak", api_url=engine.url + "/v1", pool_source="static", static_pool_tokens=8192, models=["m"]
-            )
-        ],
-    )
-    svc = build_verifier(s, secrets=SECRETS)
-    gw = ServerThread(create_app(s, TenantRegistry(tenants()), verifier=svc, secrets=SECRETS)).start()
-    client = httpx.Client(base_url=gw.url, timeout=30)
-    r = client.post(
-        "/v1/completions",
-        json={"model": "m", "prompt": "Please keep this: " + " ".join(victim_words()), "max_tokens": 8},
-        headers={"authorization": f"Bearer {key_of('victim')}"},
-    )
-    assert r.status_code == 200
-    try:
+    victim = (key_of("victim"), "Please keep this: " + " ".join(victim_words()))
+    with leak_stack(tmp, build_engine(st), tenants(), SECRETS, victim, strict_holdback_tokens=64) as (svc, client):
         yield st, svc, client
-    finally:
-        client.close()
-        gw.stop()
-        engine.stop()
 
 
 def _send(client: httpx.Client, stream: bool) -> tuple[int, bytes]:
