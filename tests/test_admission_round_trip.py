@@ -206,14 +206,17 @@ async def test_the_index_write_rides_the_next_coalesced_round_trip(tmp_path, pre
         e = ex(LIMITED, PROMPT)
         pending = await svc.admit(e, defer_write=True)
         assert pending is not None
-        trips = store.round_trips
-        lease, _ = await asyncio.gather(quotas.begin(WARMUP, "other"), quotas.send_writes(pending))
+        trips, calls = store.round_trips, store.calls
+        first, second, _ = await asyncio.gather(
+            quotas.begin(WARMUP, "first"), quotas.begin(WARMUP, "second"), quotas.send_writes(pending)
+        )
         await pending.finish()
-        assert store.round_trips == trips + 1
+        assert (store.round_trips, store.calls) == (trips + 2, calls + 3)  # the first alone, then the others
         assert own_writes == []
         assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"a"})}
         assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (1, 0, 0)
-        await quotas.settle(lease, 0)
+        await quotas.settle(first, 0)
+        await quotas.settle(second, 0)
     finally:
         await quotas.aclose()
         await svc.aclose()

@@ -214,11 +214,12 @@ class RedisQuotaStore:
     :class:`QuotaStoreUnavailable`. On a cluster a reservation carries no ``also`` writes (their
     keys live on other slots, mostly other nodes): those are left to ``also.finish``.
 
-    ``coalesce`` (default on, never on a cluster): the script calls that requests make in one
-    turn of the event loop go to Redis as one pipeline, one round trip and one connection for all
-    of them (each call stands alone, as it would on its own: no transaction); under load that is
-    most calls. Each caller still gets its own reply or error. :attr:`round_trips` and
-    :attr:`calls` count what was sent.
+    ``coalesce`` (default on, never on a cluster): while a round trip is under way, the script
+    calls that requests make in one turn of the event loop go to Redis as one pipeline, one
+    round trip and one connection for all of them (each call stands alone, as it would on its
+    own: no transaction); under load that is most calls, and a call with nothing to share a
+    round trip with goes at once. Each caller still gets its own reply or error.
+    :attr:`round_trips` and :attr:`calls` count what was sent.
     """
 
     name = "redis"
@@ -230,6 +231,7 @@ class RedisQuotaStore:
         self.coalesce = coalesce and not self.cluster
         self._queued: list[_Queued] = []
         self._sending: set[asyncio.Task[None]] = set()
+        self._inflight = 0  # round trips under way
         #: script calls made, and the round trips that carried them (coalesced: fewer)
         self.calls = 0
         self.round_trips = 0
@@ -252,11 +254,8 @@ class RedisQuotaStore:
         """Run ``script`` (:meth:`_retrying`), with the other calls of this turn of the event loop
         when coalescing. Raises :class:`QuotaStoreUnavailable`."""
         self.calls += 1
-        if not self.coalesce:
-            self.round_trips += 1
-            return await self._retrying(lambda: script(keys=keys, args=args))
         queued = _Queued(script.sha, keys, args, asyncio.get_running_loop().create_future(), script)
-        self._enqueue([queued])
+        await self._submit([queued])
         return await queued.reply  # a caller that gives up (its deadline) cancels only its own reply
 
     async def send_calls(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
@@ -268,13 +267,17 @@ class RedisQuotaStore:
         loop = asyncio.get_running_loop()
         queued = [_Queued(sha, keys, args, loop.create_future(), raw=True) for sha, keys, args in calls]
         self.calls += len(queued)
-        if self.coalesce:
-            self._enqueue(queued)
-        else:
-            self._start(queued)
+        await self._submit(queued)
         return list(await asyncio.gather(*(q.reply for q in queued)))
 
-    def _enqueue(self, queued: list[_Queued]) -> None:
+    async def _submit(self, queued: list[_Queued]) -> None:
+        """Send ``queued`` now, from the caller, when no round trip is under way and nothing
+        waits (no loop turn and no task in between: one request alone costs what it did
+        uncoalesced); else queue them for this turn's round trip (:meth:`_flush`)."""
+        if not self.coalesce or (self._inflight == 0 and not self._queued):
+            self.round_trips += 1
+            await self._send(queued)
+            return
         if not self._queued:
             asyncio.get_running_loop().call_soon(self._flush)
         self._queued.extend(queued)
@@ -297,6 +300,7 @@ class RedisQuotaStore:
         """One round trip for ``batch`` (a lone call as it is, more as a pipeline); each reply
         gets its result or a :class:`QuotaStoreUnavailable` of its own."""
         results: list[Any]
+        self._inflight += 1
         try:
             if len(batch) == 1 and batch[0].script is not None:
                 one = batch[0]
@@ -309,6 +313,7 @@ class RedisQuotaStore:
             results = [_unavailable(e)] * len(batch)
             raise
         finally:
+            self._inflight -= 1
             for q, r in zip(batch, results, strict=True):
                 _answer(q, r)
 
