@@ -69,6 +69,7 @@ if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.a
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import re
@@ -440,6 +441,7 @@ def _litellm(env: Env) -> Iterator[Target]:
         env={
             "LITELLM_LOG": "ERROR",
             "LITELLM_TELEMETRY": "False",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # its packaged cost map: no fetch (and retries) at startup
             "LITELLM_MASTER_KEY": master_key,  # it refuses to start without one (and checks it on each request)
             "PYTHONPATH": "",
             "DISABLE_SCHEMA_UPDATE": "true",
@@ -588,13 +590,13 @@ def _kvgate_full_base(env: Env) -> Iterator[Target]:
     if env.base is None:
         raise Skip("no --base checkout given")
     with full_features(env, "kvgate-full-base", 0.05, root=env.base) as t:
-        yield Target(t.url, t.headers, t.note + f", from {env.base.name}", t.server, t.metrics_dir)
+        yield dataclasses.replace(t, note=t.note + f", from {env.base.name}")
 
 
 @scenario("kvgate-responses", "kvgate-full on /v1/responses (the same turn as instructions + input)")
 def _kvgate_responses(env: Env) -> Iterator[Target]:
     with full_features(env, "kvgate-responses", 0.05) as t:
-        yield Target(t.url.replace("/v1/chat/completions", "/v1/responses"), t.headers, t.note)
+        yield dataclasses.replace(t, url=t.url.replace("/v1/chat/completions", "/v1/responses"))
 
 
 @scenario("kvgate-bare", "kvgate: auth, count, live pool, metrics; no quotas, no verifier")
