@@ -16,7 +16,8 @@ import redis
 from config.models import QuotaSettings, TenantConfig, VerifierSettings
 from gateway.quotas.stores import RedisQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
-from tests.test_verifier_inline_ingest import ex, settings
+from tests.fixtures.settings import verifier_settings as settings
+from tests.test_verifier_inline_ingest import ex
 from verifier.build import build_verifier
 from verifier.leak_index import RedisLeakStore
 from verifier.service import VerifierService
@@ -156,10 +157,10 @@ def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes)
     quota store's next round trip, not the verifier's own: a write riding the reservation itself
     could not depend on its answer); the next chat, over the tenant's RPM, is refused before its
     body is read and indexes nothing."""
-    from verifier.leak_index import _ADD_LUA
     from tests.gateway_harness import SECRETS as APP_SECRETS
     from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream
     from tests.mock_engine import MockEngine
+    from verifier.leak_index import _ADD_LUA
 
     engine = MockEngine().start()
     base = settings_for([upstream("u1", engine)])
