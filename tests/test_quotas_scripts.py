@@ -294,15 +294,16 @@ def test_local_store_trims_by_its_clock() -> None:
 
 async def test_calls_in_one_turn_share_one_round_trip_each_with_its_own_reply(redis_store) -> None:
     """The calls requests make in one turn of the event loop while a round trip is under way go
-    to Redis as one pipeline, in order (the RPM decisions are the same as one by one); a call
+    to Redis as one pipeline (the RPM decisions add up as one by one); a call
     with nothing under way goes at once; a call whose script the server does not know
     (``NOSCRIPT``) is loaded and sent again; a failing call fails alone."""
     store = redis_store
     lim = QuotaLimits(rpm=3, tpm=None, max_concurrent=None)
     trips = store.round_trips
     out = await asyncio.gather(*(store.begin("t", lim, f"l{i}", WINDOW_MS, TTL_MS) for i in range(5)))
-    assert [d.admitted for d in out] == [True, True, True, False, False]
-    assert [d.remaining_requests for d in out[:3]] == [2, 1, 0]
+    # exactly the limit admitted (which three of five concurrent calls: whichever Redis ran first)
+    assert sorted(d.remaining_requests for d in out if d.admitted) == [0, 1, 2]
+    assert sum(not d.admitted for d in out) == 2
     assert store.round_trips == trips + 2  # the first at once, the other four together
     unknown = store.client.register_script(f"return '{uuid.uuid4().hex}'")  # never loaded: NOSCRIPT first
     broken = store.client.register_script("return redis.call('NO_SUCH_COMMAND')")
