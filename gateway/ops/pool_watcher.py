@@ -14,6 +14,7 @@ and unknown fails closed (503 ``pool_size_unknown``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -42,6 +43,11 @@ log = logging.getLogger("kvgate.pool")
 #: at admission)
 _UNBOUNDED = 1 << 62
 
+#: the most bytes one pool answer may have; a longer one is a failed read. Real reports are tens
+#: of KiB (SGLang's ``/server_info`` carries every server argument, vLLM's ``/metrics`` every
+#: series); 1 MiB bounds the memory and the JSON parse (on the event loop) a broken engine costs
+MAX_POOL_BODY_BYTES = 1 << 20
+
 
 class PoolReadError(Exception):
     """A pool could not be read: unreachable, bad status, or a required field missing."""
@@ -62,6 +68,18 @@ class PoolReading:
     rank_pools: dict[str, tuple[int, ...]]
     read_from: dict[str, str]
     kv_capacity: VLLMCapacity | None = None
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One pool endpoint's answer, read whole within the byte and time bounds."""
+
+    status_code: int
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)
@@ -147,8 +165,9 @@ class PoolWatcher:
         self._task: asyncio.Task[None] | None = None
         key = upstream.api_key.get_secret_value() if upstream.api_key is not None else ""
         #: the upstream's ``api_key`` as a bearer token on every poll (vLLM and SGLang started with
-        #: ``--api-key`` answer 401 without it, and the pool would be unknown)
-        self._headers = {"authorization": f"Bearer {key}"} if key else None
+        #: ``--api-key`` answer 401 without it, and the pool would be unknown); ``identity``: the
+        #: byte bound of :meth:`_get` counts the bytes as sent, so they must be the body itself
+        self._headers = {"accept-encoding": "identity", **({"authorization": f"Bearer {key}"} if key else {})}
         if upstream.pool_source == "static":
             pool = int(upstream.static_pool_tokens or 0)
             lim = effective_pool_limit(context_length or _UNBOUNDED, pool, None, settings.headroom)
@@ -210,11 +229,28 @@ class PoolWatcher:
         }
 
     # ------------------------------------------------------------ polling
-    async def _get(self, url: str) -> httpx.Response:
+    async def _get(self, url: str) -> _Answer:
+        """``GET url`` read whole: at most :data:`MAX_POOL_BODY_BYTES` and
+        ``request_timeout_seconds`` from the connect to the body's last byte (httpx's timeout
+        bounds each wait, so an engine that trickles or never ends its body would hold the poll
+        forever). Raises :class:`PoolReadError`."""
+        timeout = self.settings.request_timeout_seconds
         try:
-            return await self.client.get(url, timeout=self.settings.request_timeout_seconds, headers=self._headers)
+            async with asyncio.timeout(timeout):
+                return await self._read_bounded(url, timeout)
+        except TimeoutError:
+            raise PoolReadError(f"{url} answered nothing whole within {timeout:g} s") from None
         except httpx.HTTPError as e:
             raise PoolReadError(f"{url} unreachable ({type(e).__name__})") from None
+
+    async def _read_bounded(self, url: str, timeout: float) -> _Answer:
+        async with self.client.stream("GET", url, timeout=timeout, headers=self._headers) as r:
+            body = bytearray()
+            async for chunk in r.aiter_raw():
+                body += chunk
+                if len(body) > MAX_POOL_BODY_BYTES:
+                    raise PoolReadError(f"{url} answered more than {MAX_POOL_BODY_BYTES} bytes")
+            return _Answer(r.status_code, bytes(body))
 
     async def _get_json(self, url: str, *, optional: bool = False) -> Any:
         """The JSON body of ``GET url``; with ``optional``, ``None`` when the engine does not serve
@@ -229,8 +265,8 @@ class PoolWatcher:
         if r.status_code != 200:
             raise PoolReadError(f"{url} answered {r.status_code}")
         try:
-            return r.json()
-        except ValueError:
+            return json.loads(r.body)
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
             raise PoolReadError(f"{url} answered non-JSON") from None
 
     async def _read_sglang_node(self, url: str) -> _NodeReading:
