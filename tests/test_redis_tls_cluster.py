@@ -1,0 +1,189 @@
+"""``rediss+cluster://`` against a real TLS Redis Cluster: three ``redis-server --port 0
+--tls-port P --tls-cluster yes --tls-replication yes --cluster-enabled yes`` masters on loopback
+(the cluster bus and replication over TLS too), joined by ``redis-cli --tls --cluster create``,
+with a certificate for 127.0.0.1 signed by a CA made in the test with ``openssl``. The quota stage
+reserves, refuses and settles through the client :func:`config.redis_client.redis_client` makes
+from the URL (docs/configuration.md, ``redis_url``); a client that trusts another CA is refused
+with ``certificate verify failed`` and the stage fails closed (docs/quotas.md, "Store modes")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+from redis_servers import REDIS_CLI, REDIS_SERVER, TlsRedis, _kill, _server, free_ports, wait_until
+
+from config.errors import OpenAIError
+from config.models import QuotaSettings, TenantConfig
+from config.redis_client import redis_client
+from gateway.quotas.stores import RedisQuotaStore
+from gateway.quotas.tenant_quotas import TenantQuotas
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class NoTls(Exception):
+    """This redis-server was built without TLS (``BUILD_TLS=no``)."""
+
+
+def _no_tls_reason(log: Path) -> str | None:
+    """The line of a node's log saying it does not know the TLS directives, else ``None``."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    lines = [ln for ln in text.splitlines() if "tls" in ln.lower() and "bad directive" in ln.lower()]
+    return lines[0].strip() if lines else None
+
+
+class TlsCluster(TlsRedis):
+    """Three TLS-only cluster masters sharing one certificate (``IP:127.0.0.1``)."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        ports = free_ports(6)
+        self.ports, self.bus_ports = ports[:3], ports[3:]
+        self.procs: list = []
+
+    @property
+    def url(self) -> str:
+        return "rediss+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports) + f"?ssl_ca_certs={self.ca}"
+
+    def _tls_args(self) -> list[str]:
+        d = self.workdir
+        return ["--tls-cert-file", str(d / "server.pem"), "--tls-key-file", str(d / "server.key")] + [
+            "--tls-ca-cert-file",
+            str(self.ca),
+            "--tls-auth-clients",
+            "no",
+        ]
+
+    def start(self) -> None:
+        self._certs()
+        for p, bus in zip(self.ports, self.bus_ports, strict=True):
+            d = self.workdir / f"node-{p}"
+            d.mkdir()
+            args = ["--port", "0", "--tls-port", str(p), "--cluster-port", str(bus), "--bind", "127.0.0.1"]
+            args += ["--tls-cluster", "yes", "--tls-replication", "yes", "--dir", str(d), "--save", ""]
+            args += ["--appendonly", "no", "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            self.procs.append(_server(args + ["--cluster-node-timeout", "1000", *self._tls_args()], d / "redis.log"))
+        for p, proc in zip(self.ports, self.procs, strict=True):
+            log = self.workdir / f"node-{p}" / "redis.log"
+            up = wait_until(lambda p=p, proc=proc: self._ping(p) or proc.poll() is not None, 15, 0.1)
+            why = _no_tls_reason(log)
+            if why:
+                raise NoTls(f"{REDIS_SERVER} lacks TLS support: {why}")
+            assert up and proc.poll() is None, f"TLS node {p} did not answer: {log.read_text()[-2000:]}"
+        subprocess.run(
+            [REDIS_CLI, "--tls", "--cacert", str(self.ca), "--cluster", "create"]
+            + [f"127.0.0.1:{p}" for p in self.ports]
+            + ["--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        assert wait_until(self._ok, 30, 0.1), "TLS cluster not ok in 30 s"
+
+    def _node(self, port: int) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(self.ca), socket_timeout=1)
+
+    def _ping(self, port: int) -> bool:
+        try:
+            with self._node(port) as r:
+                return bool(r.ping())
+        except (redis.RedisError, OSError):
+            return False
+
+    def _ok(self) -> bool:
+        try:
+            return all(self._node(p).cluster("info")["cluster_state"] == "ok" for p in self.ports)
+        except (redis.RedisError, OSError, KeyError):
+            return False
+
+    def close(self) -> None:
+        for proc in self.procs:
+            _kill(proc)
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(tmp_path_factory) -> Iterator[TlsCluster]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (the test's certificates are made with it)")
+    c = TlsCluster(tmp_path_factory.mktemp("tls-cluster"))
+    try:
+        try:
+            c.start()
+        except NoTls as e:
+            pytest.skip(str(e))
+        yield c
+    finally:
+        c.close()
+
+
+def _other_ca(d: Path) -> Path:
+    """A CA that signed nothing the cluster serves."""
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=another CA"]
+        + ["-keyout", str(d / "other.key"), "-out", str(d / "other.pem")],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return d / "other.pem"
+
+
+TENANT = TenantConfig(id="tls-cluster-tenant", api_key_sha256=["0" * 64], rpm=3, tpm=100, max_concurrent=1)
+
+
+def test_the_quota_stage_reserves_refuses_and_settles_on_a_tls_cluster(tls_cluster: TlsCluster) -> None:
+    async def round_trip() -> list[object]:
+        q = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client(tls_cluster.url, 1.0)))
+        try:
+            first = await q.reserve(TENANT, 40, "r1")
+            with pytest.raises(OpenAIError) as busy:  # the one concurrent slot is held
+                await q.reserve(TENANT, 10, "r2")
+            await q.settle(first, 5)  # the debit drops from 40 to 5 and the slot is free
+            second = await q.reserve(TENANT, 90, "r3")  # 5 + 90 <= 100: only after the settle
+            await q.settle(second, 90)
+            h1, h2 = first.headers, second.headers
+            return [busy.value.status, h1["x-ratelimit-remaining-tokens"], h2["x-ratelimit-remaining-tokens"]] + [
+                h2["x-ratelimit-remaining-requests"]
+            ]
+        finally:
+            await q.aclose()
+
+    # r2's refusal spent no RPM: 3 - r1 - r3 leaves 1
+    assert asyncio.run(round_trip()) == [429, "60", "5", "1"]
+    # the tenant's keys are on the cluster, on the master that owns its hash slot
+    nodes = [ClusterNode("127.0.0.1", p) for p in tls_cluster.ports]
+    with RedisCluster(startup_nodes=nodes, ssl=True, ssl_ca_certs=str(tls_cluster.ca)) as rc:
+        keys = rc.keys(target_nodes=RedisCluster.ALL_NODES)
+    assert any(b"{" + TENANT.id.encode() + b"}" in k for k in keys), keys
+
+
+def test_a_certificate_from_another_ca_is_refused_and_the_stage_fails_closed(
+    tls_cluster: TlsCluster, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = tls_cluster.url.split("?")[0] + f"?ssl_ca_certs={_other_ca(tmp_path)}"
+    client = redis_client(url, 1.0, sync=True)
+    with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
+        client.ping()
+    client.close()
+
+    async def refused() -> OpenAIError:
+        q = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client(url, 1.0)))
+        try:
+            with pytest.raises(OpenAIError) as e:
+                await q.reserve(TENANT, 10, "r1")
+            return e.value
+        finally:
+            await q.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="kvgate"):
+        err = asyncio.run(refused())
+    assert (err.status, err.code) == (503, "quota_backend_unavailable")
+    assert "certificate verify failed" in caplog.text, caplog.text
