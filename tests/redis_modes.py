@@ -5,7 +5,6 @@ concurrency, the verifier's cross-tenant detection, and a master failover.
 
 from __future__ import annotations
 
-import json
 import secrets
 import signal
 import time
@@ -18,9 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
-from redis_servers import Gateway, gateway_settings, start_gateways, tenant_entry, wait_until
+from redis_servers import Gateway, gateway_settings, start_gateways, tenant_entry
 
-from tests.mock_engine import MockEngine, MockState
+from tests.fixtures.engines import reset_state as reset
+from tests.fixtures.replicas import incidents, post, prompt_of, wait_until
+from tests.mock_engine import MockEngine
 from tokenizer import bundled_counter
 
 MODEL = "kvgate-tiny"
@@ -105,35 +106,6 @@ def deploy(
         engine.stop()
 
 
-def reset(engine: MockEngine) -> MockState:
-    """The mock engine's state, fresh for a test."""
-    fresh = MockState()
-    for k, v in vars(fresh).items():
-        if k not in ("requests", "cancelled"):
-            setattr(engine.state, k, v)
-    engine.state.requests.clear()
-    engine.state.cancelled.clear()
-    return engine.state
-
-
-def post(gw: Gateway, key: str, content: str = "Say hello.", timeout: float = 15, **body: Any) -> httpx.Response:
-    return httpx.post(
-        gw.url + "/v1/chat/completions",
-        timeout=timeout,
-        headers={"authorization": f"Bearer {key}"},
-        json={"model": MODEL, "messages": [{"role": "user", "content": content}], **body},
-    )
-
-
-def prompt_of(tokens: int) -> tuple[str, int]:
-    """A chat message whose prompt (ChatML included) is ``tokens`` tokens or one more."""
-    words = 1
-    while COUNTER.count_chat([{"role": "user", "content": " ok" * words}]) < tokens:
-        words += 1
-    content = " ok" * words
-    return content, COUNTER.count_chat([{"role": "user", "content": content}])
-
-
 # ---------------------------------------------------------------------- the exact limits
 def check_rpm(d: Deployment) -> None:
     """RPM 5, 12 concurrent requests over the 3 replicas: exactly 5 admitted."""
@@ -190,13 +162,6 @@ def check_concurrency(d: Deployment) -> None:
         assert [f.result().status_code for f in first] == [200, 200]
     engine.mode = "ok"
     assert post(d.gateways[2], key).status_code == 200  # both leases were released
-
-
-def incidents(state_dir: Path) -> list[dict[str, Any]]:
-    path = state_dir / "incidents.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def check_leak(d: Deployment, config: Path) -> None:

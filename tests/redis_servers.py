@@ -28,6 +28,7 @@ import yaml
 from quota_fixtures import _wait_ping, free_port
 
 from tests.conftest import ROOT
+from tests.fixtures.replicas import wait_until
 
 REDIS_SERVER = shutil.which("redis-server") or "redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "redis-cli"
@@ -46,15 +47,6 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 def _server(args: list[str], log: Path) -> subprocess.Popen[bytes]:

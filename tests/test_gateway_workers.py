@@ -35,6 +35,7 @@ from gateway.edge import workers as wk
 from gateway.quotas.tenant_quotas import TenantQuotas, build_quota_stage
 from tests.conftest import ROOT
 from tests.fixtures.engines import reset_state
+from tests.fixtures.replicas import incidents, wait_until
 from tests.mock_engine import MockEngine, MockState
 from tokenizer import bundled_counter
 
@@ -110,15 +111,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 class Fleet:
@@ -229,13 +221,6 @@ class Fleet:
 
 def value(m: dict, name: str, **labels: str) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def incidents(state_dir: Path) -> list[dict[str, Any]]:
-    path = state_dir / "incidents.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture()

@@ -32,6 +32,7 @@ from quota_fixtures import SpareRedis, free_port
 from gateway.cli import main as cli_main
 from tests.conftest import ROOT
 from tests.fixtures.engines import reset_state
+from tests.fixtures.replicas import post, prompt_of, wait_until
 from tests.mock_engine import MockEngine, MockState
 from tokenizer import bundled_counter
 
@@ -219,41 +220,12 @@ def mock(stack: Stack) -> MockState:
     return reset_state(stack.engine)
 
 
-def post(
-    replica: Replica, key: str, *, content: str = "Say hello.", timeout: float = 15, **body: Any
-) -> httpx.Response:
-    return httpx.post(
-        replica.url + "/v1/chat/completions",
-        timeout=timeout,
-        headers={"authorization": f"Bearer {key}"},
-        json={"model": MODEL, "messages": [{"role": "user", "content": content}], **body},
-    )
-
-
-def prompt_of(tokens: int) -> tuple[str, int]:
-    """A chat message whose prompt (ChatML included) is ``tokens`` tokens or one more."""
-    words = 1
-    while COUNTER.count_chat([{"role": "user", "content": " ok" * words}]) < tokens:
-        words += 1
-    content = " ok" * words
-    return content, COUNTER.count_chat([{"role": "user", "content": content}])
-
-
 def tpm_used(name: str) -> int:
     r = redis.Redis.from_url(REDIS_URL)
     try:
         return int(r.get(f"kvgate:q:{{{tid(name)}}}:tpm:sum") or 0)
     finally:
         r.close()
-
-
-def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
 
 
 # ---------------------------------------------------------------- limits shared by replicas
