@@ -19,10 +19,8 @@ CTX_MSG = (
 
 
 @pytest.fixture
-def gw(engine):
-    g = Gateway(settings_for([upstream("u1", engine)]), tenants(max_context_tokens=200)).start()
-    yield g
-    g.stop()
+def gw(engine, gateway):
+    return gateway(settings_for([upstream("u1", engine)]), tenants(max_context_tokens=200))
 
 
 def error_of(r: httpx.Response) -> dict:
