@@ -437,7 +437,10 @@ def _litellm(env: Env) -> Iterator[Target]:
     )
     p = env.spawn(
         "litellm",
-        [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "2"],
+        [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "2"]
+        # uvicorn kills a worker that does not answer its 5 s health check: on a busy machine a
+        # worker still importing LiteLLM did not, and was restarted for ever
+        + ["--timeout_worker_healthcheck", "120"],
         env={
             "LITELLM_LOG": "ERROR",
             "LITELLM_TELEMETRY": "False",
@@ -1310,6 +1313,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     load = run_wrk if shutil.which("wrk") else run_py_load
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still stops what it started
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
     os.chmod(tmp, 0o755)
     mock_port = free_port()
