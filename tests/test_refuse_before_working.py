@@ -358,7 +358,7 @@ def test_2048_embedding_inputs_of_1100_ids_are_refused_before_their_ids_are_chec
     from tests.mock_api_engine import ApiMockEngine
 
     engine = ApiMockEngine().start()
-    s = api.settings(engine)
+    s = api.api_settings(engine)
     s = s.model_copy(update={"gateway": s.gateway.model_copy(update={"max_body_bytes": 8 << 20})})
     g = Gateway(s, tenants(allowed_models=[MODEL, api.EMB])).start()  # 2,048 inputs allowed
     checked: list[int] = []
