@@ -14,6 +14,7 @@ step i the engine supplies the target position i").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,35 +82,104 @@ def _sdpa_chunked(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch
     return out
 
 
+class _Seq(NamedTuple):
+    """One sequence's share of a batch: new-token rows ``q0 .. q0 + n - 1`` attend over ``kv_len``
+    cached positions read through ``kv`` (a slot range when the pages holding them are consecutive,
+    else a [kv_len] slot index); ``mask`` ([1, n, kv_len] bool) only where neither a single query
+    (``n == 1``) nor a causal square (``start == 0``) describes which keys each query sees."""
+
+    q0: int
+    n: int
+    kv_len: int
+    kv: slice | torch.Tensor
+    mask: torch.Tensor | None
+
+
+def _kv_source(pages: list[int], kv_len: int, page_size: int, device: torch.device) -> slice | torch.Tensor:
+    """Slots of positions 0 .. kv_len - 1: a range when their pages are consecutive (read as a view,
+    no copy), else a [kv_len] long tensor of slots (read with ``index_select``)."""
+    need = -(-kv_len // page_size)
+    p0 = pages[0]
+    if pages[need - 1] - p0 == need - 1 and pages[:need] == list(range(p0, p0 + need)):
+        return slice(p0 * page_size, p0 * page_size + kv_len)
+    kpos = torch.arange(kv_len)
+    table = torch.tensor(pages[:need], dtype=torch.long)
+    return (table[kpos // page_size] * page_size + kpos % page_size).to(device)
+
+
+def _seq_mask(s: SeqSpan, device: torch.device) -> torch.Tensor | None:
+    """[1, num_new, kv_len] bool (key position <= query position), or ``None`` when no mask is
+    needed (one query sees every key; a prompt from position 0 is a causal square)."""
+    if s.num_new == 1 or s.start == 0:
+        return None
+    qpos = torch.arange(s.start, s.start + s.num_new)
+    return (torch.arange(s.start + s.num_new)[None, :] <= qpos[:, None])[None].to(device)
+
+
+def _padded_slots(seqs: list[_Seq], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """A decode batch read as one padded block: [B * Lmax] slots (row b: its positions, then its
+    first slot again), the [B, 1, 1, Lmax] bool mask of real positions (``None`` when every
+    sequence has Lmax) and Lmax."""
+    lmax = max(q.kv_len for q in seqs)
+    rows = []
+    for q in seqs:
+        src = q.kv if isinstance(q.kv, torch.Tensor) else torch.arange(q.kv.start, q.kv.stop, device=device)
+        rows.append(torch.cat((src, src[:1].expand(lmax - q.kv_len))) if q.kv_len < lmax else src)
+    if all(q.kv_len == lmax for q in seqs):
+        return torch.cat(rows), None, lmax
+    lens = torch.tensor([q.kv_len for q in seqs])
+    mask = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]
+    return torch.cat(rows), mask.to(device), lmax
+
+
+def _attend_one(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None, scale: float):
+    """One sequence: Q [1, Hq, n, D], K/V [1, Hkv, L, D] (strided views are fine) -> [1, Hq, n, D].
+    No mask: a single query sees every key, a square is causal (flash kernels skip the masked half
+    and never hold the scores)."""
+    gqa = Q.shape[1] != K.shape[1]
+    if mask is None:
+        causal = Q.shape[2] > 1
+        return F.scaled_dot_product_attention(Q, K, V, scale=scale, is_causal=causal, enable_gqa=gqa)
+    return _sdpa_chunked(Q, K, V, mask, scale)
+
+
 class PagedAttention:
     """Batch metadata + attention through the pool's page tables (the engine's path).
 
-    Built by :meth:`build` from the batch's :class:`SeqSpan` s. ``positions`` and
-    ``target_positions`` ([T] long) feed the model; ``attend`` writes then reads the pool of
-    :class:`~gpu_backend.kv_pool.KVPool` ``pool``.
+    Built from the batch's :class:`SeqSpan` s. ``positions`` and
+    ``target_positions`` ([T] long) feed the model; ``attend`` writes then reads the pool
+    ``pool`` (a :class:`~gpu_backend.kv_pool.KVPool`: ``page_size``, ``device``, ``layer_cache``).
+
+    Everything per step is computed here once, so a layer's call is a store and one attention:
+    a sequence whose pages are consecutive is read as a view of the pool (no gather), one with
+    scattered pages through ``index_select``; a decode batch of several sequences is gathered into
+    one padded block (reused by every layer) and attended in one call.
     """
 
     def __init__(self, pool, spans: list[SeqSpan]) -> None:
-        dev = pool.device
-        P = pool.page_size
+        dev, P = pool.device, pool.page_size
         self.pool = pool
-        (self.q_index, self.q_valid, self.mask, self.positions, self.target_positions, lmax) = _batch_layout(spans, dev)
-        max_pages = max(len(s.pages) for s in spans)
-        table = torch.zeros(len(spans), max_pages, dtype=torch.long)
-        for b, s in enumerate(spans):
-            if s.start + s.num_new > len(s.pages) * P:
-                raise ValueError(f"sequence needs {s.start + s.num_new} slots, has {len(s.pages) * P}")
-            table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.long)
-        kpos = torch.arange(lmax)
-        kv_len = torch.tensor([s.start + s.num_new for s in spans])
-        # Slots of positions 0..lmax-1 per sequence (positions past a sequence's length point at its
-        # first slot and are masked out anyway).
-        pidx = (kpos // P).clamp_max(max_pages - 1)
-        slots = table[:, pidx] * P + (kpos % P)[None, :]
-        slots = torch.where(kpos[None, :] < kv_len[:, None], slots, slots[:, :1])
-        self.kv_slots = slots.to(dev)
-        new = [slots[b, s.start : s.start + s.num_new] for b, s in enumerate(spans)]
-        self.slot_mapping = torch.cat(new).to(dev)
+        pos: list[int] = []
+        tgt: list[int] = []
+        slots: list[int] = []
+        self._seqs: list[_Seq] = []
+        for s in spans:
+            end = s.start + s.num_new
+            if end > len(s.pages) * P:
+                raise ValueError(f"sequence needs {end} slots, has {len(s.pages) * P}")
+            new = range(s.start, end)
+            pos.extend(new)
+            tgt.extend(max(0, m - s.target_base + 1) for m in new)
+            slots.extend(s.pages[m // P] * P + m % P for m in new)
+            kv = _kv_source(s.pages, end, P, dev)
+            self._seqs.append(_Seq(len(pos) - s.num_new, s.num_new, end, kv, _seq_mask(s, dev)))
+        self.positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        self.target_positions = torch.tensor(tgt, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        self._padded: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
+        if len(spans) > 1 and all(q.n == 1 for q in self._seqs):
+            self._padded = _padded_slots(self._seqs, dev)
+        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Store k/v ([T, Hkv, D]) at the new tokens' slots, attend q ([T, Hq, D]) over each
@@ -117,11 +187,42 @@ class PagedAttention:
         kc, vc = self.pool.layer_cache(layer)
         kc.index_copy_(0, self.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, self.slot_mapping, v.to(vc.dtype))
-        K = kc[self.kv_slots].transpose(1, 2)  # [B, Hkv, Lmax, D]
-        V = vc[self.kv_slots].transpose(1, 2)
-        Q = q[self.q_index].transpose(1, 2)  # [B, Hq, Qmax, D]
-        out = _sdpa_chunked(Q, K.to(q.dtype), V.to(q.dtype), self.mask, scale)
-        return out.transpose(1, 2)[self.q_valid]
+        if self._padded is not None:
+            return self._attend_decode_batch(kc, vc, q, scale)
+        if len(self._seqs) == 1:
+            return self._attend_seq(self._seqs[0], kc, vc, q, scale)
+        out = torch.empty_like(q)
+        for s in self._seqs:
+            out[s.q0 : s.q0 + s.n] = self._attend_seq(s, kc, vc, q, scale)
+        return out
+
+    @staticmethod
+    def _attend_seq(s: _Seq, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """One sequence's rows: [n, Hq, D]."""
+        if isinstance(s.kv, slice):
+            K, V = kc[s.kv], vc[s.kv]
+        else:
+            K, V = kc.index_select(0, s.kv), vc.index_select(0, s.kv)
+        Q = q[s.q0 : s.q0 + s.n].transpose(0, 1)[None]
+        K, V = K.to(q.dtype).transpose(0, 1)[None], V.to(q.dtype).transpose(0, 1)[None]
+        return _attend_one(Q, K, V, s.mask, scale)[0].transpose(0, 1)
+
+    def _attend_decode_batch(self, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """B sequences, one query each: their K/V gathered into one padded [B, Lmax] block (the
+        buffers are this step's, reused by every layer), one attention call; [B, Hq, D]."""
+        assert self._padded is not None
+        slots, mask, lmax = self._padded
+        if self._bufs is None:
+            self._bufs = (kc.new_empty((slots.numel(), *kc.shape[1:])), vc.new_empty((slots.numel(), *vc.shape[1:])))
+        kb, vb = self._bufs
+        torch.index_select(kc, 0, slots, out=kb)
+        torch.index_select(vc, 0, slots, out=vb)
+        B, Hq, D = q.shape
+        K = kb.view(B, lmax, *kb.shape[1:]).transpose(1, 2).to(q.dtype)
+        V = vb.view(B, lmax, *vb.shape[1:]).transpose(1, 2).to(q.dtype)
+        gqa = Hq != K.shape[1]
+        out = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return out[:, :, 0]
 
 
 class ContiguousKVCache:

@@ -90,9 +90,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, out)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (transformers' form) as ``x * cos + roll(x) * sin_signed``
+    with ``sin_signed = [-sin, sin]``: the same products (negation is exact), one op fewer."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin_signed
 
 
 class RMSNorm(nn.Module):
@@ -129,8 +130,7 @@ class Attention(nn.Module):
         q = self.q_proj(h).view(T, self.nh, self.hd)
         k = self.k_proj(h).view(T, self.nkv, self.hd)
         v = self.v_proj(h).view(T, self.nkv, self.hd)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         o = attn.attend(self.layer, q, k, v, self.scale)
         return self.o_proj(o.reshape(T, self.nh * self.hd))
 
@@ -146,7 +146,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g = F.silu(self.gate_proj(x), inplace=True)
+        return self.down_proj(g.mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -160,8 +161,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """``h`` [T, hidden] is updated in place (the model's own running residual)."""
+        h += self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaModel(nn.Module):
@@ -194,9 +196,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attn) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         freqs = attn.positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(h.dtype)[:, None, :]
-        sin = emb.sin().to(h.dtype)[:, None, :]
+        cos = freqs.cos().to(h.dtype).repeat(1, 2)[:, None, :]
+        sin = freqs.sin().to(h.dtype)
+        sin = torch.cat((-sin, sin), dim=-1)[:, None, :]  # signed for _rope
         for layer in self.model.layers:
             h = layer(h, cos, sin, attn)
         return self.model.norm(h)
