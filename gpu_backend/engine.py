@@ -65,18 +65,7 @@ class Engine:
         self.context_length, self.page_size = cfg.context_length, cfg.page_size
         self.model = shared_or_built(model, cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
         self.weight_bytes = weight_bytes(self.model)
-        layers, kv_heads, head_dim = self.model.kv_geometry
-        cell = pool_sizing.kv_cell_bytes(layers, kv_heads, head_dim, self.dtype)
-        size = pool_sizing.size_pool(
-            self.device, cfg.mem_budget_bytes, self.weight_bytes, cell, cfg.mem_fraction_static, cfg.page_size,
-            cfg.max_total_tokens, cfg.context_length,
-        )  # fmt: skip
-        self.max_total_num_tokens, self.max_req_len = size.max_total_num_tokens, size.max_req_len
-        self.max_req_input_len = size.max_req_input_len
-        self.pool_explanation = size.explanation  #: the start-up line saying how the pool got its size
-        pages = self.max_total_num_tokens // cfg.page_size
-        scrub = not self.faults.no_scrub
-        self.pool = KVPool(pages, cfg.page_size, layers, kv_heads, head_dim, self.dtype, self.device, scrub=scrub)
+        self.pool = self._build_pool(cfg)
         self.requests = RequestTable(RETIRED_MEMORY)
         self._live = self.requests.live
         self.vocab = vocab or vocab_for(cfg.model)
@@ -99,6 +88,37 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = self._ready = False  # lifecycle: ``status`` in server_info
 
+    def _build_pool(self, cfg: EngineConfig) -> KVPool:
+        """Size the pool from the memory budget left after the weights
+        (:func:`~gpu_backend.pool_sizing.size_pool`), record the limits it implies, build it."""
+        layers, kv_heads, head_dim = self.model.kv_geometry
+        size = pool_sizing.size_pool(
+            self.device,
+            cfg.mem_budget_bytes,
+            self.weight_bytes,
+            pool_sizing.kv_cell_bytes(layers, kv_heads, head_dim, self.dtype),
+            cfg.mem_fraction_static,
+            cfg.page_size,
+            cfg.max_total_tokens,
+            cfg.context_length,
+        )
+        self.max_total_num_tokens, self.max_req_len = size.max_total_num_tokens, size.max_req_len
+        self.max_req_input_len = size.max_req_input_len
+        self.pool_explanation = size.explanation  #: the start-up line saying how the pool got its size
+        pages = self.max_total_num_tokens // cfg.page_size
+        scrub = not self.faults.no_scrub
+        return KVPool(pages, cfg.page_size, layers, kv_heads, head_dim, self.dtype, self.device, scrub=scrub)
+
+    def _limits(self) -> dict:
+        """The fixed sizes of :meth:`server_info` and its ``disaggregation_mode``."""
+        return {
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_req_input_len": self.max_req_input_len,
+            "context_length": self.context_length,
+            "page_size": self.page_size,
+            "disaggregation_mode": "null",
+        }
+
     def server_info(self) -> dict:
         """SGLang ``/server_info`` fields: ``max_total_num_tokens``, ``max_req_input_len``,
         ``context_length``, ``page_size``, ``disaggregation_mode`` (``"null"``; the nodes override
@@ -106,12 +126,9 @@ class Engine:
         ``device``, and ``free_tokens`` / ``used_tokens`` read from the live pool."""
         st = self.pool.stats()
         status = "ready" if self._ready else ("stopped" if self._stopping else "starting")
-        return {
-            "max_total_num_tokens": self.max_total_num_tokens, "max_req_input_len": self.max_req_input_len,
-            "context_length": self.context_length, "page_size": self.page_size, "disaggregation_mode": "null",
-            "status": status, "version": VERSION, "model_path": self.cfg.model, "device": str(self.device),
-            "free_tokens": st["free_pages"] * self.page_size, "used_tokens": st["used_pages"] * self.page_size,
-        }  # fmt: skip
+        live = {"status": status, "version": VERSION, "model_path": self.cfg.model, "device": str(self.device)}
+        tokens = {"free_tokens": st["free_pages"] * self.page_size, "used_tokens": st["used_pages"] * self.page_size}
+        return {**self._limits(), **live, **tokens}
 
     def pool_stats(self) -> dict:
         """``{"total_pages", "free_pages", "used_pages", "page_size"}`` of the live pool."""

@@ -70,8 +70,8 @@ class Batch:
 
 def make_token(seq: Sequence, token_id: int, text: str, finish_reason: str | None) -> Token:
     """The :class:`Token` of ``seq`` for ``token_id`` (``-1`` with ``"abort"``)."""
-    return Token(token_id, text, finish_reason is not None, finish_reason, seq.reported_prompt_tokens,
-                 len(seq.completion_ids))  # fmt: skip
+    done = finish_reason is not None
+    return Token(token_id, text, done, finish_reason, seq.reported_prompt_tokens, len(seq.completion_ids))
 
 
 class Scheduler:
