@@ -519,6 +519,65 @@ def real_model_main(folder: str, batch: int, decode_tokens: int, lengths: tuple[
     return 0
 
 
+def _profile_table(prof, title: str, steps: int, top: int = 10) -> str:
+    """Markdown: the ``top`` ops by self CPU time, per step, with their share of the total."""
+    ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in ev) or 1
+    lines = [f"{title}: {total / 1000 / steps:.1f} ms self CPU per step", "", "| op | self CPU ms | share |"]
+    lines.append("|---|---|---|")
+    for e in ev[:top]:
+        lines.append(f"| {e.key} | {e.self_cpu_time_total / 1000 / steps:.2f} | {e.self_cpu_time_total / total:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def profile_main(folder: str, batch: int, context: int = 512, long_prompt: int = 2048, steps: int = 16) -> int:
+    """torch profiler over the engine's own step (scheduler, runner, sampling; no worker thread, no
+    asyncio): decode steps at batch 1 and ``batch`` after a ``context``-token prompt, and one
+    prefill of ``long_prompt`` tokens. Prints one table of the top ops each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gateway.demo_corpus import prose
+    from gpu_backend.engine import Engine, EngineConfig
+    from gpu_backend.messages import AddRequest
+    from gpu_backend.sampling import SamplingParams
+    from tokenizer.hf_counter import HFCounter
+
+    prompt = HFCounter(folder).encode_text(prose() * 4)
+    total = long_prompt + batch * (context + steps + 64)
+    budget = max(long_prompt, batch * context)
+    cfg = EngineConfig(model=folder, device="cpu", context_length=4096, max_total_tokens=total, max_batch_tokens=budget)
+    eng = Engine(cfg)
+    eng._ready = True  # stepped by hand on this thread: no worker
+
+    def add(rid: str, ids: list[int], new: int) -> None:
+        seq = eng.admit(rid, ids, SamplingParams(max_new_tokens=new, ignore_eos=True), lambda r: None)
+        eng.submit(AddRequest(seq))
+
+    def drain() -> None:
+        while eng.step():
+            pass
+
+    print(f"{torch.get_num_threads()} threads, {folder}\n")
+    add("warm", prompt[:64], 4)
+    drain()
+    for b in (1, batch):
+        for i in range(b):
+            add(f"d{b}-{i}", prompt[i * 7 : i * 7 + context], steps + 8)
+        for _ in range(4):  # prefill, then warm decode steps
+            eng.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                eng.step()
+        print(_profile_table(prof, f"decode step, batch {b}, {context}-token context", steps))
+        drain()
+    add("long", prompt[:long_prompt], 1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.step()
+    print(_profile_table(prof, f"prefill of {long_prompt} tokens (one step)", 1))
+    drain()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -534,9 +593,12 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: kvgate's engine vs transformers generate on this HF folder (e.g. a pulled SmolLM2)",
     )
     ap.add_argument("--prefill-lengths", default="512,2048", help="--real-model: prompt lengths of the prefill rows")
+    ap.add_argument("--profile", action="store_true", help="--real-model: torch profiler tables of the engine's steps")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.real_model and args.profile:
+        return profile_main(args.real_model, args.batch)
     if args.real_model:
         lengths = tuple(int(x) for x in args.prefill_lengths.split(","))
         return real_model_main(args.real_model, args.batch, args.decode_tokens, lengths)
