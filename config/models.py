@@ -177,7 +177,8 @@ class GatewaySettings(_Strict):
     ``min_chunk_bytes`` (413 for a chunked body of more chunks, or chunks averaging less),
     ``max_header_bytes`` / ``max_header_count``
     (431 above), ``header_timeout_seconds`` / ``body_timeout_seconds`` (408 when a request head or
-    body arrives slower), ``keepalive_timeout_seconds``. ``max_sse_event_bytes`` bounds one
+    body arrives slower), ``keepalive_timeout_seconds``, ``send_timeout_seconds`` (a client
+    that takes none of the answer bytes waiting for it this long is cut off). ``max_sse_event_bytes`` bounds one
     upstream stream event; ``max_body_values`` the JSON values of one request body besides its
     token-id arrays, which are parsed in slices and not counted (413 above, before it is parsed);
     ``large_body_bytes_per_second`` what the bytes past each body's first 64 KiB may take of one
@@ -217,6 +218,7 @@ class GatewaySettings(_Strict):
     header_timeout_seconds: float = Field(default=10.0, gt=0)
     body_timeout_seconds: float = Field(default=30.0, gt=0)
     keepalive_timeout_seconds: float = Field(default=5.0, gt=0)
+    send_timeout_seconds: float = Field(default=30.0, gt=0)
     max_sse_event_bytes: int = Field(default=1 << 20, ge=1024)
     max_body_values: int = Field(default=131_072, ge=1024)
     large_body_bytes_per_second: int | None = Field(default=16 * 1024 * 1024, ge=65_536)

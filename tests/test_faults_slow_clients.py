@@ -8,6 +8,7 @@ connections" and "Fault behaviour, in short")."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -16,7 +17,7 @@ import time
 import pytest
 
 from config.models import QuotaSettings
-from gateway.edge.protocol import LINGER_SECONDS
+from gateway.edge.protocol import LINGER_SECONDS, SEND_PIECE_BYTES, EdgeLimits, EdgeState
 from gateway.quotas.stores import LocalQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas
 from tests.gateway_harness import KEY_A, Gateway, chat, settings_for, tenants, upstream
@@ -75,13 +76,14 @@ def _split(answer: bytes) -> tuple[bytes, dict[str, str], bytes]:
 class Stack:
     """The mock engine, the gateway app with in-process quotas, and the edge in front of them."""
 
-    def __init__(self, **limits) -> None:
+    def __init__(self, edge: EdgeLimits = LIMITS, **limits) -> None:
         self.engine = MockEngine().start()
         self.store = LocalQuotaStore()
         quotas = TenantQuotas(QuotaSettings(), self.store, fallback=self.store)
         settings = settings_for([upstream("u1", self.engine)], gateway={"max_body_bytes": 64 * 1024})
         self.gw = Gateway(settings, tenants(**limits), quotas=quotas)
-        self.edge = EdgeServer(self.gw.app, LIMITS).__enter__()
+        self.edge = EdgeServer(self.gw.app, edge).__enter__()
+        self.state: EdgeState = self.edge.server.config.kvgate_edge_state
 
     def close(self) -> None:
         self.edge.__exit__(None, None, None)
@@ -106,7 +108,7 @@ class Stack:
 @pytest.fixture
 def stack():
     made: list[Stack] = []
-    yield lambda **limits: made.append(Stack(**limits)) or made[-1]
+    yield lambda edge=LIMITS, **limits: made.append(Stack(edge, **limits)) or made[-1]
     for s in made:
         s.close()
 
@@ -219,3 +221,123 @@ def test_a_client_that_never_reads_its_refusal_is_closed_within_the_linger_time(
     status, headers, body = _split(_read_slowly(s))
     assert status == b"HTTP/1.1 401 Unauthorized" and json.loads(body)["error"]["code"] == "invalid_api_key"
     s.close()
+
+
+# ---------------------------------------------------------------- answers a client does not read
+#: the edge limits of the write-timeout tests: a client that takes nothing of its answer for 1 s is cut off
+SEND_LIMITS = dataclasses.replace(LIMITS, send_timeout_seconds=1.0, keepalive_timeout_seconds=5.0)
+#: asyncio's (and uvloop's) default write-buffer high-water mark, which uvicorn keeps
+HIGH_WATER = 64 * 1024
+EVENT_TEXT = 8000  # characters of one large stream event
+
+
+def _event(text: str) -> bytes:
+    return b'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n' % text.encode()
+
+
+class Produced:
+    """A stream's events, made as the engine sends them: large ones until the gateway's connection
+    to its client has paused writing (``state.write_pauses``), then small ones, up to ``limit``;
+    ``count`` says how many the engine took."""
+
+    def __init__(self, state: EdgeState, limit: int = 3000) -> None:
+        self.state, self.limit, self.count = state, limit, 0
+
+    def __iter__(self):
+        while self.count < self.limit:
+            self.count += 1
+            yield _event("x" * (EVENT_TEXT if self.state.write_pauses == 0 else 10))
+        yield b"data: [DONE]\n\n"
+
+
+def _answer_socket(st: Stack, rcvbuf: int = 1) -> socket.socket:
+    """A client connection whose receive buffer is ``rcvbuf`` bytes (the kernel's smallest by
+    default) and whose server side sends through a small kernel buffer (a fixed ``SO_SNDBUF``
+    instead of loopback's autotuned megabytes), so that an answer the client does not take waits
+    in the gateway after some 80 KB instead of about 2 MB."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(10)
+    s.connect(("127.0.0.1", st.edge.port))
+    assert _wait(lambda: len(st.edge.server.server_state.connections) == 1, 3.0)
+    (conn,) = st.edge.server.server_state.connections
+    conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    return s
+
+
+def _request(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return _head(KEY_A, len(data)) + data
+
+
+def _disconnects(st: Stack) -> float:
+    value = st.gw.gw.metrics.registry.get_sample_value("kvgate_client_disconnects_total", {"route": "chat"})
+    return value or 0.0
+
+
+def _assert_let_go(st: Stack, t_paused: float) -> None:
+    """The connection is gone within the send timeout (plus slack) of the pause, nothing of the
+    request is held, and it counts as a client that went away."""
+    assert _wait(lambda: st.connections() == (0, 0), SEND_LIMITS.send_timeout_seconds + 4.0), st.connections()
+    assert time.monotonic() - t_paused < SEND_LIMITS.send_timeout_seconds + 4.0
+    assert st.state.send_timeouts == 1
+    assert _wait(lambda: st.gw.gw.in_flight == 0 and st.leases() == 0, 3.0)
+    assert _wait(lambda: _disconnects(st) == 1.0, 3.0)
+
+
+def test_a_client_that_never_reads_a_large_stream_is_cut_off_after_the_send_timeout(stack) -> None:
+    st = stack(SEND_LIMITS, rpm=100)
+    produced = Produced(st.state)
+    st.engine.state.stream_chunks = produced  # type: ignore[assignment]  # any iterable of events
+    st.engine.state.chunk_interval_seconds = 0.005
+    s = _answer_socket(st)
+    s.sendall(_request(chat(max_tokens=3000, stream=True)))  # and never reads
+    assert _wait(lambda: st.state.write_pauses > 0, 10.0), produced.count
+    t_paused = time.monotonic()
+    _assert_let_go(st, t_paused)
+    # the engine saw its client go: its stream was cancelled, not run to the end
+    assert _wait(lambda: st.engine.state.cancelled, 3.0)
+    assert produced.count < produced.limit
+    # the gateway held at most the high-water mark and one event unsent for it
+    assert st.state.peak_unsent <= HIGH_WATER + EVENT_TEXT + 1024, st.state.peak_unsent
+    s.close()
+
+
+def test_a_client_that_never_reads_a_large_whole_answer_is_cut_off_after_the_send_timeout(stack) -> None:
+    st = stack(SEND_LIMITS, rpm=100)
+    st.engine.state.text = "word " * 400_000  # a 2 MB answer
+    s = _answer_socket(st)
+    s.sendall(_request(chat(max_tokens=3000)))  # and never reads
+    assert _wait(lambda: st.state.write_pauses > 0, 15.0)
+    _assert_let_go(st, time.monotonic())
+    # the answer was written in pieces, each once the connection took the one before
+    assert st.state.peak_unsent <= HIGH_WATER + SEND_PIECE_BYTES + 1024, st.state.peak_unsent
+    s.close()
+
+
+def test_a_slow_but_steady_reader_is_not_cut_off(stack) -> None:
+    st = stack(SEND_LIMITS, rpm=100)
+    st.engine.state.stream_chunks = [_event("y" * EVENT_TEXT)] * 16 + [b"data: [DONE]\n\n"]  # ~130 KB
+    s = _answer_socket(st, rcvbuf=4096)
+    s.sendall(_request(chat(max_tokens=3000, stream=True)))
+    s.settimeout(0.05)
+    out = b""
+    t0 = time.monotonic()
+    while not out.endswith(b"0\r\n\r\n") and time.monotonic() - t0 < 30:
+        time.sleep(0.2)  # a few KB every 0.2 s: the send timeout of 1 s passes many times meanwhile
+        got = b""
+        while len(got) < 6000:
+            try:
+                piece = s.recv(6000 - len(got))
+            except TimeoutError:
+                break
+            if not piece:
+                break
+            got += piece
+        out += got
+    s.close()
+    assert out.startswith(b"HTTP/1.1 200 OK") and out.endswith(b"0\r\n\r\n"), out[-200:]
+    assert out.count(b"y" * EVENT_TEXT) == 16
+    assert st.state.write_pauses > 0  # the answer did wait for the client, often
+    assert st.state.send_timeouts == 0
+    assert time.monotonic() - t0 > 2 * SEND_LIMITS.send_timeout_seconds

@@ -28,6 +28,15 @@ header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge
   answered is not queued; the connection closes after the last queued one.
 - ``keepalive_timeout_seconds``: an idle keep-alive connection is closed after this long
   (uvicorn's ``timeout_keep_alive``).
+- ``send_timeout_seconds``: while answer bytes wait in the gateway for a client (its connection's
+  write buffer is above the high-water mark, or the connection is closing with bytes unsent),
+  the client must take some of them within this long, each time; else the connection is aborted
+  (nginx's ``send_timeout``). The app then sees a disconnect: the relay cancels its upstream
+  stream and the request ends as one whose client went away (499). The bytes waiting for one
+  client are bounded too: the app's ``send`` waits while the connection is above its high-water
+  mark (uvicorn's flow control), and a ``Content-Length`` body is written in pieces of
+  :data:`SEND_PIECE_BYTES`, each once the connection is writable, so at most the high-water mark
+  plus one piece (or one stream chunk) is buffered for it.
 - ``refusal_delay_seconds``: a 431 is answered this long after the head was refused, the
   connection not read meanwhile (``gateway.refusal_delay_seconds``, which delays a 401 as long:
   :func:`gateway.routes.handlers.refusal`): a client refused for its head waits before it can
@@ -47,6 +56,7 @@ process that builds its own config (a worker) applies them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -79,6 +89,7 @@ class EdgeLimits:
     body_timeout_seconds: float = 30.0
     max_inbound_connections: int = 1024
     keepalive_timeout_seconds: float = 5.0
+    send_timeout_seconds: float = 30.0
     refusal_delay_seconds: float = 0.5
     #: ``None``: :func:`per_client_default` of ``max_inbound_connections``
     max_connections_per_client: int | None = None
@@ -97,6 +108,7 @@ class EdgeLimits:
             body_timeout_seconds=g.body_timeout_seconds,
             max_inbound_connections=g.max_inbound_connections,
             keepalive_timeout_seconds=g.keepalive_timeout_seconds,
+            send_timeout_seconds=g.send_timeout_seconds,
             refusal_delay_seconds=g.refusal_delay_seconds,
             max_connections_per_client=g.max_connections_per_client,
             max_pipelined_requests=g.max_pipelined_requests,
@@ -127,15 +139,26 @@ FREE_CHUNKS = 64
 _API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
+#: the most bytes of one ``Content-Length`` response body written to a connection at once; a
+#: larger body is written in pieces, each once the connection is below its high-water mark
+SEND_PIECE_BYTES = 64 * 1024
+
+
 class EdgeState:
     """What the connections of one server (one process) share: the lingering connections, which
-    still count against ``max_inbound_connections``, and the connections per client address."""
+    still count against ``max_inbound_connections``, and the connections per client address; and
+    counts of how writing to clients went: ``write_pauses`` (a connection's write buffer went above
+    its high-water mark), ``send_timeouts`` (connections aborted by ``send_timeout_seconds``) and
+    ``peak_unsent`` (the most bytes one connection held unsent, after any write)."""
 
-    __slots__ = ("lingering", "per_client")
+    __slots__ = ("lingering", "peak_unsent", "per_client", "send_timeouts", "write_pauses")
 
     def __init__(self) -> None:
         self.lingering: set[Any] = set()
         self.per_client: dict[str, int] = {}
+        self.write_pauses = 0
+        self.send_timeouts = 0
+        self.peak_unsent = 0
 
 
 def refusal_bytes(status: int, message: str, code: str) -> bytes:
@@ -229,7 +252,7 @@ class _LingeringTransport:
     ``bench/hostile.py``'s 8 MiB headers got no answer. nginx does the same (``lingering_close``).
     Everything else is the wrapped transport's."""
 
-    __slots__ = ("_pace", "_protocol", "_timer", "_transport", "dropped", "lingering", "max_drop")
+    __slots__ = ("_pace", "_protocol", "_timer", "_transport", "dropped", "lingering", "max_drop", "written")
 
     def __init__(self, transport: asyncio.Transport, protocol: BoundedHttpToolsProtocol) -> None:
         self._transport = transport
@@ -239,16 +262,32 @@ class _LingeringTransport:
         self.lingering = False
         self.dropped = 0
         self.max_drop = LINGER_MAX_BYTES
+        self.written = 0  # bytes handed to write(): less the buffer's, what the client's TCP took
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """The wrapped transport's ``write``; counts the bytes and the peak left unsent."""
+        self.written += len(data)
+        t = self._transport
+        t.write(data)
+        p = self._protocol
+        if p is not None:
+            unsent = t.get_write_buffer_size()
+            if unsent > p.edge.peak_unsent:
+                p.edge.peak_unsent = unsent
 
     def close(self) -> None:
         if self.lingering:
             return
         t = self._transport
-        if t.is_closing() or not _request_unfinished(self._protocol):
+        if t.is_closing():
+            t.close()
+            return
+        p = self._protocol
+        p._watch_send()  # bytes still unsent: the client must keep taking them
+        if not _request_unfinished(p):
             t.close()
             return
         self.lingering = True
-        p = self._protocol
         if not p._discarding:
             self.max_drop = LINGER_MAX_HEAD_BYTES if p._in_head else LINGER_MAX_BYTES
         if t.can_write_eof():
@@ -321,6 +360,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._discarding = False  # the rest of what the client sends is dropped unread
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._sent_seen = 0  # bytes the client's TCP had taken when the send timer was armed
 
     # ------------------------------------------------------------ refusals
     def _refuse(self, status: int, message: str, code: str, delay_seconds: float = 0.0) -> None:
@@ -382,6 +423,50 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.limits.refusal_delay_seconds,
         )
 
+    # ------------------------------------------------------------ writing to the client
+    def _unsent_and_sent(self) -> tuple[int, int]:
+        """(bytes waiting in the transport's buffer, bytes the client's TCP has taken so far)."""
+        t = self.transport
+        unsent = t.get_write_buffer_size()
+        return unsent, getattr(t, "written", 0) - unsent
+
+    def _watch_send(self) -> None:
+        """While bytes wait to be sent, check every ``send_timeout_seconds`` that the client took
+        some since the last check (:meth:`_check_send`)."""
+        if self._send_timer is not None or self.transport is None:
+            return
+        unsent, self._sent_seen = self._unsent_and_sent()
+        if unsent > 0:
+            self._send_timer = self.loop.call_later(self.limits.send_timeout_seconds, self._check_send)
+
+    def _check_send(self) -> None:
+        self._send_timer = None
+        if self.transport is None:
+            return
+        unsent, sent = self._unsent_and_sent()
+        if unsent == 0:
+            return
+        if sent > self._sent_seen:
+            self._watch_send()
+            return
+        self.edge.send_timeouts += 1
+        log.info(
+            "aborted a client connection: none of its %d unsent bytes taken in %g seconds",
+            unsent,
+            self.limits.send_timeout_seconds,
+        )
+        self.transport.abort()  # connection_lost follows: the request sees a disconnect
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is above its high-water mark: the app's ``send`` waits
+        (uvicorn's flow control) and the send timeout watches the client."""
+        super().pause_writing()
+        self.edge.write_pauses += 1
+        self._watch_send()
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        super()._start_asgi_task(cycle, _paced_app(app, cycle))
+
     # ------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         transport = _LingeringTransport(transport, self)  # type: ignore[assignment]  # same methods
@@ -411,6 +496,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         self.edge.lingering.discard(self)
         if self._client is not None:
             left = self.edge.per_client.get(self._client, 1) - 1
@@ -557,6 +645,33 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._header_count = 0
         self._body_wire_bytes = self._body_bytes = self._chunks = 0
+
+
+def _paced_app(app: Any, cycle: Any) -> Any:
+    """``app`` (an ASGI app) whose ``send`` is :func:`_send_paced` on the request's uvicorn
+    ``RequestResponseCycle`` ``cycle``."""
+
+    async def paced(scope: Any, receive: Any, send: Any) -> None:
+        await app(scope, receive, functools.partial(_send_paced, send, cycle))
+
+    return paced
+
+
+async def _send_paced(send: Any, cycle: Any, message: Any) -> None:
+    """``send(message)``, but a ``Content-Length`` body larger than :data:`SEND_PIECE_BYTES` is
+    sent in pieces of that size: uvicorn's ``send`` waits while the connection is above its
+    high-water mark before each one, so no more than a piece is added to a buffer the client is
+    not reading. The bytes on the wire are the same; once the client is gone, the rest is dropped."""
+    body = message.get("body", b"")
+    if len(body) <= SEND_PIECE_BYTES or cycle.chunked_encoding is not False or cycle.scope["method"] == "HEAD":
+        await send(message)
+        return
+    view, more = memoryview(body), message.get("more_body", False)
+    for start in range(0, len(view), SEND_PIECE_BYTES):
+        stop = start + SEND_PIECE_BYTES
+        await send({"type": "http.response.body", "body": view[start:stop], "more_body": more or stop < len(view)})
+        if cycle.disconnected:
+            return
 
 
 #: GIL switch interval of a serving process (seconds; Python's default is 0.005). Counting, parsing

@@ -49,7 +49,7 @@ class RelayResponse(Response):
         self.raw_headers = []
         self._started = False
         self._status = 0  # the status sent (0: none yet)
-        self._finished = False  # the last body message was sent: a disconnect now is the normal end
+        self._finished = False  # the last body message was written: a disconnect now is the normal end
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
@@ -102,9 +102,9 @@ class RelayResponse(Response):
         await send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _body(self, send: Any, body: bytes, more: bool) -> None:
-        if not more:
-            self._finished = True
         await send({"type": "http.response.body", "body": body, "more_body": more})
+        if not more:
+            self._finished = True  # written: a disconnect while it waited to be is the client's
 
     async def _send_stream(self, send: Any) -> None:
         sse_headers = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
