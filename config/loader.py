@@ -277,3 +277,26 @@ def check_tenant_models(settings: Settings, tenants: TenantsFile, source: str | 
                 )
     if problems:
         raise ConfigError(str(source), problems)
+
+
+def served_tenants(settings: Settings, tenants: TenantsFile) -> tuple[TenantsFile, list[str]]:
+    """The lenient form of :func:`check_tenant_models`, for a stack that serves only some models.
+
+    Returns ``(kept, notes)``: ``kept`` holds, in file order, every tenant whose ``allowed_models``
+    is empty (every model) or names a model of ``settings``; a tenant's entries that name no model
+    of ``settings`` are dropped from its list. A tenant none of whose entries is known is left out
+    (never kept with an empty list, which would mean every model). ``notes``: one line per tenant
+    left out or narrowed. Raises nothing."""
+    kept = []
+    notes = []
+    for t in tenants.tenants:
+        known = [n for n in t.allowed_models if settings.model_by_name(n) is not None]
+        unknown = [n for n in t.allowed_models if settings.model_by_name(n) is None]
+        if not unknown:
+            kept.append(t)
+        elif known:
+            kept.append(t.model_copy(update={"allowed_models": known}))
+            notes.append(f"tenant {t.id}: allowed {', '.join(unknown)} not served by this stack; those ignored")
+        else:
+            notes.append(f"tenant {t.id}: allowed only {', '.join(unknown)}, not served by this stack; left out")
+    return tenants.model_copy(update={"tenants": kept}), notes

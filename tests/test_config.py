@@ -24,7 +24,7 @@ from config import (
     load_settings,
     load_tenants,
 )
-from config.loader import DEFAULT_CONFIG, DEFAULT_TENANTS, env_overrides
+from config.loader import DEFAULT_CONFIG, DEFAULT_TENANTS, env_overrides, served_tenants
 from config.secrets import SECRET_NAMES, SecretsError, load_secrets, permission_problems, private_dir
 
 UPSTREAM = """\
@@ -207,6 +207,24 @@ def test_tenants_file_cross_references(tmp_path):
     assert str(ei.value) == (
         "t.yaml: tenants[0].allowed_models[1]: unknown model 'm9' (not the id or an alias of any model in the settings)"
     )
+
+
+def test_served_tenants_leaves_out_tenants_of_other_models_never_widens(tmp_path):
+    settings = load_settings(write(tmp_path, MODELS), environ={})
+    text = (
+        "tenants:\n  - id: every\n  - id: tied\n    allowed_models: [m9]\n"
+        "  - id: mixed\n    allowed_models: [m9, m1-alias, m8]\n  - id: ok\n    allowed_models: [m1]\n"
+    )
+    tenants = load_tenants(write(tmp_path, text, "t.yaml"))
+    kept, notes = served_tenants(settings, tenants)
+    assert [(t.id, t.allowed_models) for t in kept.tenants] == [("every", []), ("mixed", ["m1-alias"]), ("ok", ["m1"])]
+    assert notes == [
+        "tenant tied: allowed only m9, not served by this stack; left out",
+        "tenant mixed: allowed m9, m8 not served by this stack; those ignored",
+    ]
+    check_tenant_models(settings, kept)  # what is kept passes the strict check
+    assert [t.allowed_models for t in tenants.tenants][1] == ["m9"]  # the input is not changed
+    assert served_tenants(settings, kept) == (kept, [])
 
 
 def test_tenant_entry_carries_every_contract_field():

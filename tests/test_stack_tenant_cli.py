@@ -158,3 +158,78 @@ def test_action_is_required(capsys) -> None:
         main(["tenant"])
     assert e.value.code == 2
     assert "ACTION" in capsys.readouterr().err
+
+
+COMMENTED = """\
+# header
+tenants:
+  # first tenant
+  - id: a
+    api_key_sha256: [aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa]
+    rpm: 5  # five
+  # the b team
+  - id: b
+    api_key_sha256: [bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb]
+    allowed_models: [kvgate-tiny]
+
+  # c below
+  - id: c
+    api_key_sha256: []
+# trailer
+"""
+
+
+def _remove(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["tenant", "remove", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize(
+    ("name", "gone"),
+    [
+        ("a", "  # first tenant\n  - id: a\n    api_key_sha256: [" + "a" * 64 + "]\n    rpm: 5  # five\n"),
+        ("b", "  # the b team\n  - id: b\n    api_key_sha256: [" + "b" * 64 + "]\n    allowed_models: [kvgate-tiny]\n"),
+        ("c", "  # c below\n  - id: c\n    api_key_sha256: []\n"),
+    ],
+)
+def test_remove_cuts_the_entry_and_its_comments_only(capsys, tmp_path: Path, name: str, gone: str) -> None:
+    p = tmp_path / "t.yaml"
+    p.write_text(COMMENTED)
+    rc, out, err = _remove(capsys, name, "--tenants", str(p))
+    assert (rc, out) == (0, "")
+    assert p.read_text() == COMMENTED.replace(gone, "")  # every other byte kept, in order
+    assert f"tenant '{name}' removed from {p} (2 tenant(s) left)" in err
+    assert [t.id for t in load_tenants(p).tenants] == [x for x in "abc" if x != name]
+
+
+def test_remove_from_the_shipped_file_keeps_the_other_entry(capsys, tenants_file: Path) -> None:
+    before = tenants_file.read_text()
+    start, end = before.index("  - id: demo-a\n"), before.index("  - id: demo-b\n")
+    rc, _, _ = _remove(capsys, "demo-a", "--tenants", str(tenants_file))
+    assert rc == 0
+    assert tenants_file.read_text() == before[:start] + before[end:]
+
+
+def test_remove_the_last_tenant_leaves_an_empty_list(capsys, tenants_file: Path) -> None:
+    before = tenants_file.read_text()
+    assert _remove(capsys, "demo-b", "--tenants", str(tenants_file))[0] == 0
+    rc, _, err = _remove(capsys, "demo-a", "--tenants", str(tenants_file))
+    assert rc == 0 and "(0 tenant(s) left)" in err
+    assert tenants_file.read_text() == before[: before.index("tenants:\n")] + "tenants: []\n"
+    assert load_tenants(tenants_file).tenants == []
+
+
+def test_remove_an_unknown_tenant_is_refused_and_file_untouched(capsys, tenants_file: Path) -> None:
+    before = tenants_file.read_text()
+    rc, out, err = _remove(capsys, "acme", "--tenants", str(tenants_file))
+    assert (rc, out) == (1, "")
+    assert err == f"kvgate tenant remove: {tenants_file}: no tenant 'acme'\n"
+    assert tenants_file.read_text() == before
+
+
+def test_remove_from_a_flow_style_list(capsys, tmp_path: Path) -> None:
+    p = tmp_path / "t.yaml"
+    p.write_text("tenants: [{id: x, api_key_sha256: []}, {id: y, api_key_sha256: []}]\n")
+    assert _remove(capsys, "x", "--tenants", str(p))[0] == 0
+    assert [t.id for t in load_tenants(p).tenants] == ["y"]

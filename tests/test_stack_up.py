@@ -221,3 +221,90 @@ def test_demo_once_sends_real_text_and_prints_the_table(tmp_path: Path) -> None:
     assert "kvgate demo: OK: all 16 requests got the expected answer" in r.stdout
     assert "kvgate demo: stack stopped." in r.stderr
     assert _processes_mentioning(str(tmp_path)) == []
+
+
+def _sha(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _tenant(name: str, key: str, models: str) -> str:
+    return f"  - id: {name}\n    api_key_sha256: [{_sha(key)}]\n    allowed_models: [{models}]\n"
+
+
+@pytest.mark.timeout(300)
+def test_up_leaves_out_a_tenant_tied_to_another_model_and_keeps_reloading(tmp_path: Path) -> None:
+    tenants = _tenants(tmp_path)
+    with open(tenants, "a") as f:
+        f.write(_tenant("acme", "sk-acme", "smollm2-135m-instruct"))
+        f.write(_tenant("both", "sk-both", "smollm2-135m-instruct, tiny-random"))
+    # kvgate serve alone still refuses the file: a typo in allowed_models must not start silently
+    r = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "serve", "--port", "0", "--tenants", str(tenants), "--demo"],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0
+    assert "tenants[2].allowed_models[0]: unknown model 'smollm2-135m-instruct'" in r.stderr
+    err_path = tmp_path / "up.stderr"
+    cmd = ["up", "--model", "tiny-random", "--port", "0", "--backend-port", "0", "--tenants", str(tenants)]
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", *cmd],
+            cwd=tmp_path,
+            env=_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
+    out: list[str] = []
+    try:
+        while not any("Press Ctrl-C to stop" in x for x in out):
+            try:
+                line = lines.get(timeout=180)
+            except queue.Empty:
+                pytest.fail(f"kvgate up printed no banner in 180 s:\n{''.join(out)}\n{err_path.read_text()}")
+            if line is None:
+                pytest.fail(f"kvgate up exited ({proc.wait()}):\n{''.join(out)}\n{err_path.read_text()}")
+            out.append(line)
+        base = re.search(r"OpenAI base URL:\s+(http://127\.0\.0\.1:\d+/v1)\n", "".join(out)).group(1)  # type: ignore[union-attr]
+        stderr = err_path.read_text()
+        assert (
+            f"kvgate: {tenants}: tenant acme: allowed only smollm2-135m-instruct, not served by this stack; left out"
+        ) in stderr
+        assert f"kvgate: {tenants}: tenant both: allowed smollm2-135m-instruct not served by this stack" in stderr
+
+        def complete(key: str) -> int:
+            client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=60)
+            c = client.completions.create(model="kvgate-tiny", prompt="Call me", max_tokens=2, temperature=0)
+            assert c.usage is not None
+            return c.usage.prompt_tokens
+
+        with pytest.raises(openai.AuthenticationError):
+            complete("sk-acme")  # left out, never widened to every model
+        assert complete("sk-both") > 0 and complete("sk-demo-a") > 0
+        with open(tenants, "a") as f:  # a reload filters the same way (a strict one would keep the old table)
+            f.write(_tenant("late", "sk-late", "kvgate-tiny"))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert complete("sk-late") > 0
+                break
+            except openai.AuthenticationError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        with pytest.raises(openai.AuthenticationError):
+            complete("sk-acme")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

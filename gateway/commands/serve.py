@@ -58,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --workers N > 1: each worker binds its own SO_REUSEPORT socket (gateway.reuse_port); any "
         "process of the same user may then bind the port too and receive connections",
     )
+    parser.add_argument(
+        "--tenants-for-served-models",
+        action="store_true",
+        help="serve the tenants whose allowed_models name a configured model and leave out (with a warning "
+        "per tenant, on every load and reload) those that name none, instead of refusing the tenants file; "
+        "what kvgate up / kvgate demo pass, since one tenants file serves every --model there",
+    )
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -207,7 +214,7 @@ def _load_config(args: argparse.Namespace):
         settings = load_settings(args.config)
         if args.init_tenant:
             init_tenant(args.tenants, args.init_tenant, settings.state_dir)
-        return settings, TenantRegistry.from_path(args.tenants, settings)
+        return settings, TenantRegistry.from_path(args.tenants, settings, served_only=args.tenants_for_served_models)
     except ConfigError as e:
         raise _Refused(str(e)) from None
 
@@ -319,6 +326,8 @@ def _supervise(args: argparse.Namespace, n: int, host: str, port: int, log_level
             cmd += ["--tenants", str(args.tenants)]
         if args.demo:
             cmd.append("--demo")
+        if args.tenants_for_served_models:
+            cmd.append("--tenants-for-served-models")
         if args.allow_open_secrets:
             cmd.append("--allow-open-secrets")
         return cmd + ["--log-level", log_level, "--workers", str(n), "--worker-index", str(index)]

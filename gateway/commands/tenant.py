@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import io
 import os
+import re
 import secrets
 import sys
 from collections.abc import Callable, Iterator
@@ -86,6 +87,42 @@ def _tenants_seq(doc: Any, path: Path) -> CommentedSeq:
 
 
 @contextlib.contextmanager
+def _locked(p: Path) -> Iterator[None]:
+    """Hold ``flock`` on ``p``'s directory (created when missing) for the block."""
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        lock_fd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise TenantFileError(f"{p}: cannot lock for writing: {e.strerror or e}") from e
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(lock_fd)  # releases the flock
+
+
+def _load(p: Path, y: YAML) -> tuple[str, CommentedMap]:
+    """The file's text (a new file's header when missing) and its round-trip document."""
+    try:
+        text = p.read_text(encoding="utf-8") if p.exists() else _NEW_FILE_HEADER + "tenants: []\n"
+        doc = y.load(text)
+    except OSError as e:
+        raise TenantFileError(f"{p}: cannot read: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise TenantFileError(f"{p}: not UTF-8 text: {e.reason} at byte {e.start}") from e
+    except YAMLError as e:
+        raise TenantFileError(f"{p}: invalid YAML: {e}") from e
+    return text, CommentedMap() if doc is None else doc
+
+
+def _validate(p: Path, doc: Any) -> None:
+    try:
+        TenantsFile.model_validate(_plain(doc))
+    except ValidationError as e:
+        raise TenantFileError("\n".join(f"{p}: {problem}" for problem in _format_validation(e))) from None
+
+
+@contextlib.contextmanager
 def edit_tenants(path: str | os.PathLike[str]) -> Iterator[CommentedSeq]:
     """Locked read-modify-write of a tenants file; yields the ``tenants`` list to change in place.
 
@@ -97,36 +134,66 @@ def edit_tenants(path: str | os.PathLike[str]) -> Iterator[CommentedSeq]:
     file's directory (no lock file is left behind).
     """
     p = Path(path)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        lock_fd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError as e:
-        raise TenantFileError(f"{p}: cannot lock for writing: {e.strerror or e}") from e
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    with _locked(p):
         y = _yaml()
-        try:
-            text = p.read_text(encoding="utf-8") if p.exists() else _NEW_FILE_HEADER + "tenants: []\n"
-            doc = y.load(text)
-        except OSError as e:
-            raise TenantFileError(f"{p}: cannot read: {e.strerror or e}") from e
-        except UnicodeDecodeError as e:
-            raise TenantFileError(f"{p}: not UTF-8 text: {e.reason} at byte {e.start}") from e
-        except YAMLError as e:
-            raise TenantFileError(f"{p}: invalid YAML: {e}") from e
-        if doc is None:
-            doc = CommentedMap()
+        _, doc = _load(p, y)
         seq = _tenants_seq(doc, p)
         yield seq
-        try:
-            TenantsFile.model_validate(_plain(doc))
-        except ValidationError as e:
-            raise TenantFileError("\n".join(f"{p}: {problem}" for problem in _format_validation(e))) from None
+        _validate(p, doc)
         buf = io.StringIO()
         y.dump(doc, buf)
         _atomic_write(p, buf.getvalue())
-    finally:
-        os.close(lock_fd)  # releases the flock
+
+
+def remove_tenant(path: str | os.PathLike[str], tenant_id: str) -> int:
+    """Remove tenant ``tenant_id`` from the tenants file at ``path`` (locked, validated, atomic,
+    as :func:`edit_tenants`); returns how many tenants are left (0 is allowed: ``tenants: []``).
+
+    In a block-style list the entry's lines are cut from the text, with the comment lines right
+    above it; every other byte (other entries, their comments, the comments above the next entry
+    or at the end of the file) stays. Raises :class:`TenantFileError` for an unknown tenant and as
+    :func:`edit_tenants` does."""
+    p = Path(path)
+    with _locked(p):
+        y = _yaml()
+        text, doc = _load(p, y)
+        seq = _tenants_seq(doc, p)
+        entry = find_tenant(seq, tenant_id)
+        if entry is None:
+            raise TenantFileError(f"{p}: no tenant '{tenant_id}'")
+        i = next(n for n, e in enumerate(seq) if e is entry)
+        left = len(seq) - 1
+        new_text = _cut_entry(text, seq, i, doc.lc.key("tenants")[0])
+        if new_text is None:  # a flow-style list: the round trip rewrites it
+            del seq[i]
+            buf = io.StringIO()
+            y.dump(doc, buf)
+            new_text = buf.getvalue()
+        _validate(p, y.load(new_text))
+        _atomic_write(p, new_text)
+        return left
+
+
+def _is_note(line: str) -> bool:
+    return not line.strip() or line.lstrip().startswith("#")
+
+
+def _cut_entry(text: str, seq: CommentedSeq, i: int, key_line: int) -> str | None:
+    """``text`` without entry ``i`` of the block list ``seq`` (whose key is on line ``key_line``,
+    0-based), or ``None`` when the list is not one ``- ``-item per entry."""
+    lines = text.splitlines(keepends=True)
+    start = seq.lc.item(i)[0]
+    if seq.fa.flow_style() or not lines[start].lstrip().startswith("-"):
+        return None
+    end = seq.lc.item(i + 1)[0] if i + 1 < len(seq) else len(lines)
+    while end > start + 1 and _is_note(lines[end - 1]):  # what stands above the next entry stays
+        end -= 1
+    while start > key_line + 1 and lines[start - 1].lstrip().startswith("#"):  # the entry's own comments go
+        start -= 1
+    kept = lines[:start] + lines[end:]
+    if len(seq) == 1:
+        kept[key_line] = re.sub(r"^(\s*tenants:)", r"\1 []", kept[key_line], count=1)
+    return "".join(kept)
 
 
 def _plain(node: Any) -> Any:
@@ -410,8 +477,41 @@ def _register_revoke_key(sub: Any) -> None:
     p.set_defaults(handler=_cmd_revoke_key)
 
 
+def _cmd_remove(args: argparse.Namespace) -> int:
+    path = args.tenants or default_tenants_path()
+    try:
+        left = remove_tenant(path, args.name)
+    except TenantFileError as e:
+        print(f"kvgate tenant remove: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"kvgate: tenant '{args.name}' removed from {path} ({left} tenant(s) left). A running gateway "
+        "refuses its keys once it reloads the file (on change, or SIGHUP).",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _register_remove(sub: Any) -> None:
+    p = sub.add_parser(
+        "remove",
+        help="remove a tenant and all its API keys",
+        description="Remove tenant NAME (its entry, limits and keys) from the tenants file; the "
+        "other entries and the comments stay as they are.",
+    )
+    p.add_argument("name", metavar="NAME", help="the tenant's id")
+    tenants_option(p)
+    p.set_defaults(handler=_cmd_remove)
+
+
 #: One registering function per action, in ``--help`` order.
-ACTIONS: list[Callable[[Any], None]] = [_register_add, _register_set, _register_add_key, _register_revoke_key]
+ACTIONS: list[Callable[[Any], None]] = [
+    _register_add,
+    _register_set,
+    _register_add_key,
+    _register_revoke_key,
+    _register_remove,
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

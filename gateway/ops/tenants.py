@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.loader import check_tenant_models, load_tenants
+from config.loader import check_tenant_models, load_tenants, served_tenants
 from config.models import Settings, TenantConfig, TenantsFile
+
+log = logging.getLogger("kvgate.tenants")
 
 
 def hash_key(api_key: str) -> str:
@@ -47,32 +50,56 @@ class TenantRegistry:
     usable about the key itself). ``path``: the ``tenants.yaml`` that :meth:`reload` reads.
     ``settings``: when given, every load (and reload) also checks that each tenant's
     ``allowed_models`` names a configured model (``config.loader.check_tenant_models``).
+    ``served_only`` (with ``settings``; ``kvgate serve --tenants-for-served-models``): instead of
+    refusing such a file, every load leaves out the tenants allowed none of the configured models
+    and drops unknown entries from the others (``config.loader.served_tenants``), logging a
+    warning per tenant; :attr:`notes` holds those lines of the last load.
     """
 
     def __init__(
-        self, tenants: TenantsFile, path: str | os.PathLike[str] | None = None, settings: Settings | None = None
+        self,
+        tenants: TenantsFile,
+        path: str | os.PathLike[str] | None = None,
+        settings: Settings | None = None,
+        *,
+        served_only: bool = False,
     ) -> None:
         self.path = Path(path) if path is not None else None
         self.settings = settings
-        self._check(tenants)
-        self._table = _build(tenants)
+        self.served_only = served_only
+        self.notes: list[str] = []
+        self._table = _build(self._check(tenants))
         self.version = 1
 
-    def _check(self, tenants: TenantsFile) -> None:
-        if self.settings is not None:
+    def _check(self, tenants: TenantsFile) -> TenantsFile:
+        if self.settings is None:
+            return tenants
+        if not self.served_only:
             check_tenant_models(self.settings, tenants, self.path or "tenants")
+            return tenants
+        tenants, self.notes = served_tenants(self.settings, tenants)
+        for note in self.notes:
+            log.warning("%s: %s", self.path or "tenants", note)
+        return tenants
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike[str] | None = None, settings: Settings | None = None) -> TenantRegistry:
+    def from_path(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        settings: Settings | None = None,
+        *,
+        served_only: bool = False,
+    ) -> TenantRegistry:
         """Load ``tenants.yaml`` (``config.loader.load_tenants`` rules). Raises ``ConfigError``,
-        also for an ``allowed_models`` entry unknown to ``settings`` when given."""
+        also for an ``allowed_models`` entry unknown to ``settings`` when given (unless
+        ``served_only``: see the class)."""
         p = Path(path) if path is not None else None
         tf = load_tenants(p)
         if p is None:
             from config.loader import DEFAULT_TENANTS
 
             p = Path(os.environ.get("KVGATE_TENANTS") or DEFAULT_TENANTS)
-        return cls(tf, p, settings)
+        return cls(tf, p, settings, served_only=served_only)
 
     def reload(self, tenants: TenantsFile | None = None) -> None:
         """Swap in a new table: ``tenants`` when given, else re-read :attr:`path`.
@@ -81,8 +108,7 @@ class TenantRegistry:
             if self.path is None:
                 raise ValueError("this registry has no tenants file to reload")
             tenants = load_tenants(self.path)
-        self._check(tenants)
-        self._table = _build(tenants)  # one reference assignment: atomic for readers
+        self._table = _build(self._check(tenants))  # one reference assignment: atomic for readers
         self.version += 1
 
     def lookup(self, api_key: str) -> TenantConfig | None:

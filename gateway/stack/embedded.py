@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 import yaml
 
-from config.loader import DEFAULT_TENANTS, env_overrides, load_settings, load_tenants
+from config.loader import DEFAULT_TENANTS, env_overrides, load_settings, load_tenants, served_tenants
 from config.models import ModelConfig, Settings, TokenizerConfig, UpstreamConfig
 from config.secrets import private_dir
 
@@ -328,7 +328,9 @@ def pick_gateway_port(options: StackOptions, base: Settings) -> int:
 
 
 def gateway_cmd(options: StackOptions, config_path: Path, tenants_path: Path, host: str, port: int) -> list[str]:
-    """``kvgate serve`` on the generated config, in demo mode."""
+    """``kvgate serve`` on the generated config, in demo mode, with ``--tenants-for-served-models``
+    (one tenants file serves every ``--model``: a tenant allowed only models this stack does not
+    serve is left out, never widened, on every load and reload of the file)."""
     return [
         sys.executable,
         "-m",
@@ -343,6 +345,7 @@ def gateway_cmd(options: StackOptions, config_path: Path, tenants_path: Path, ho
         "--port",
         str(port),
         "--demo",
+        "--tenants-for-served-models",
     ] + (["--workers", str(options.workers)] if options.workers is not None else [])
 
 
@@ -352,6 +355,16 @@ def tenant_models(tenants_path: Path) -> list[str]:
     try:
         return [n for t in load_tenants(tenants_path).tenants for n in t.allowed_models]
     except Exception:  # the gateway reports a bad tenants file itself, with its path
+        return []
+
+
+def tenant_notes(settings: Settings, tenants_path: Path) -> list[str]:
+    """One line per tenant of the file that the gateway on ``settings`` leaves out (or narrows)
+    because it is allowed only models those settings do not serve (``config.loader.served_tenants``);
+    ``[]`` for a file that does not load (the gateway reports it itself)."""
+    try:
+        return served_tenants(settings, load_tenants(tenants_path))[1]
+    except Exception:
         return []
 
 
@@ -424,6 +437,8 @@ class EmbeddedStack:
             self.server_info = self._wait_backend()
             self.settings = self._gateway_settings(base, host, backend_port, gateway_port)
             self.config_path.write_text(yaml.safe_dump(self.settings.model_dump(mode="json"), sort_keys=False))
+            for note in tenant_notes(self.settings, self.tenants_path):
+                print(f"kvgate: {self.tenants_path}: {note}", file=sys.stderr, flush=True)
             self.gateway = Child.spawn(
                 "gateway",
                 gateway_cmd(self.options, self.config_path, self.tenants_path, host, gateway_port),
