@@ -363,18 +363,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Bind, start the workers, supervise them until every one has exited; the exit status."""
-        self.metrics_dir = self._prepare_metrics_dir()
-        try:
-            reserve = bind_socket(self.host, self.port, reuse_port=self.reuse_port)
-        except OSError:
-            self._remove_own_metrics_dir()
-            raise
-        self.port = reserve.getsockname()[1]
-        if not self.reuse_port:  # one listening socket, inherited by every worker
-            reserve.listen(2048)
-            reserve.set_inheritable(True)
-            self._listen = reserve
-        self.env[MULTIPROC_ENV] = self.metrics_dir
+        reserve = self._bind()
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
@@ -382,21 +371,7 @@ class Supervisor:
         log.info("gateway on %s:%d with %d workers", self.host, self.port, self.count)
         try:
             self.workers = [self._spawn(i) for i in range(self.count)]
-            failed = False
-            while True:
-                for w in list(self.workers):
-                    if not w.reaped and w.proc.poll() is not None and self._reap(w):
-                        failed = True
-                if failed and not self._stopping:
-                    self._stopping = 1
-                    self._signal_all(signal.SIGTERM)
-                if self._stopping and all(w.proc.poll() is not None for w in self.workers):
-                    for w in self.workers:
-                        if not w.reaped:
-                            self._reap(w)
-                    break
-                self._wake.wait(POLL_SECONDS)
-                self._wake.clear()
+            self._supervise()
         finally:
             for s, h in previous.items():
                 with contextlib.suppress(ValueError, TypeError):
@@ -409,6 +384,48 @@ class Supervisor:
             self._remove_own_metrics_dir()
         log.info("all workers exited")
         return self._status
+
+    def _bind(self) -> socket.socket:
+        """The metrics folder, then the address: the bound socket (listening and inheritable unless
+        ``reuse_port``); ``self.port`` becomes the real port. Raises what the two raise."""
+        self.metrics_dir = self._prepare_metrics_dir()
+        try:
+            reserve = bind_socket(self.host, self.port, reuse_port=self.reuse_port)
+        except OSError:
+            self._remove_own_metrics_dir()
+            raise
+        self.port = reserve.getsockname()[1]
+        if not self.reuse_port:  # one listening socket, inherited by every worker
+            reserve.listen(2048)
+            reserve.set_inheritable(True)
+            self._listen = reserve
+        self.env[MULTIPROC_ENV] = self.metrics_dir
+        return reserve
+
+    def _supervise(self) -> None:
+        """Poll the workers (woken early by a signal) until every one has exited after a stop; a
+        worker whose exit must stop the gateway starts the drain of the others."""
+        failed = False
+        while True:
+            failed = self._reap_exited() or failed
+            if failed and not self._stopping:
+                self._stopping = 1
+                self._signal_all(signal.SIGTERM)
+            if self._stopping and all(w.proc.poll() is not None for w in self.workers):
+                for w in self.workers:
+                    if not w.reaped:
+                        self._reap(w)
+                return
+            self._wake.wait(POLL_SECONDS)
+            self._wake.clear()
+
+    def _reap_exited(self) -> bool:
+        """Reap every worker that has exited since the last poll; True when one must stop the gateway."""
+        failed = False
+        for w in list(self.workers):
+            if not w.reaped and w.proc.poll() is not None and self._reap(w):
+                failed = True
+        return failed
 
     def _remove_own_metrics_dir(self) -> None:
         if self._own_metrics_dir and self.metrics_dir:

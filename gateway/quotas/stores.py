@@ -528,13 +528,7 @@ class LocalQuotaStore:
                 too_large = True
                 retry = max(retry, window_ms)
             else:
-                need, freed, at = used + tokens - limits.tpm, 0, now
-                for ts, lid in log.tpm:
-                    freed += int(log.debits[lid][1]) if lid in log.debits else 0
-                    if freed >= need:
-                        at = ts
-                        break
-                retry = max(retry, at + window_ms - now)
+                retry = max(retry, self._tokens_freed_at(log, used + tokens - limits.tpm, now) + window_ms - now)
         if limits.max_concurrent is not None and inflight + 1 > limits.max_concurrent:
             refused.append("concurrency")
             retry = max(retry, 1000)
@@ -542,17 +536,36 @@ class LocalQuotaStore:
         rt = UNLIMITED if limits.tpm is None else max(0, limits.tpm - used)
         if refused:
             return QuotaDecision(False, tuple(refused), max(1, math.floor(retry)), rr, rt, too_large)
+        self._admit(log, limits, lease_id, tokens, now, lease_ttl_ms)
+        if limits.rpm is not None:
+            rr -= 1
+        if limits.tpm is not None:
+            rt = limits.tpm - used - int(tokens)
+        return QuotaDecision(True, (), 0, rr, rt)
+
+    @staticmethod
+    def _tokens_freed_at(log: _TenantLog, need: int, now: float) -> float:
+        """When (ms, the admission time of a window debit) the window's oldest debits add up to
+        ``need`` tokens, so that many are free one window later; ``now`` when they never do."""
+        freed = 0
+        for ts, lid in log.tpm:
+            freed += int(log.debits[lid][1]) if lid in log.debits else 0
+            if freed >= need:
+                return ts
+        return now
+
+    @staticmethod
+    def _admit(log: _TenantLog, limits: QuotaLimits, lease_id: str, tokens: int, now: float, lease_ttl_ms: int) -> None:
+        """Record an admitted request in the limits it counts against: its RPM entry, its TPM
+        debit of ``tokens``, its lease (expiring ``lease_ttl_ms`` after ``now``)."""
         if limits.rpm is not None:
             log.rpm.append((now, lease_id))
-            rr -= 1
         if limits.tpm is not None:
             log.tpm.append((now, lease_id))
             log.debits[lease_id] = [now, int(tokens)]
             log.tpm_sum += int(tokens)
-            rt = limits.tpm - used - int(tokens)
         if limits.max_concurrent is not None:
             log.leases[lease_id] = now + lease_ttl_ms
-        return QuotaDecision(True, (), 0, rr, rt)
 
     async def begin(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
