@@ -13,6 +13,8 @@ smallest value a live worker holds (-1, unknown, when any worker does not know i
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -23,73 +25,132 @@ _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+@dataclass(frozen=True)
+class MetricFamily:
+    """One metric family of :class:`GatewayMetrics`: the attribute it is held in, its kind,
+    Prometheus name (counters without ``_total``, which the client adds), help text, label names,
+    histogram bucket upper bounds (seconds; histograms only) and, for gauges, how multiprocess mode
+    merges the workers' values (prometheus-client's ``multiprocess_mode``; ``all``, its default)."""
+
+    attr: str
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = Histogram.DEFAULT_BUCKETS
+    multiprocess_mode: Literal["all", "livemin", "livesum"] = "all"
+
+    def build(self, registry: CollectorRegistry) -> Counter | Gauge | Histogram:
+        """The family, registered in ``registry``."""
+        labels = list(self.labels)
+        if self.kind is Histogram:
+            return Histogram(self.name, self.help, labels, registry=registry, buckets=self.buckets)
+        if self.kind is Gauge:
+            return Gauge(self.name, self.help, labels, registry=registry, multiprocess_mode=self.multiprocess_mode)
+        return Counter(self.name, self.help, labels, registry=registry)
+
+
+#: every family of the gateway's metrics, in exposition order
+FAMILIES: tuple[MetricFamily, ...] = (
+    MetricFamily(
+        "requests",
+        Counter,
+        "kvgate_requests",
+        "Requests answered, by tenant, route and HTTP status.",
+        ("tenant", "route", "status"),
+    ),
+    MetricFamily(
+        "rejections",
+        Counter,
+        "kvgate_rejections",
+        "Requests refused by the gateway, by reason (error code).",
+        ("reason",),
+    ),
+    MetricFamily(
+        "prompt_tokens", Counter, "kvgate_prompt_tokens", "Prompt tokens admitted (gateway count).", ("tenant",)
+    ),
+    MetricFamily(
+        "completion_tokens", Counter, "kvgate_completion_tokens", "Completion tokens the engines reported.", ("tenant",)
+    ),
+    MetricFamily(
+        "overhead",
+        Histogram,
+        "kvgate_gateway_overhead_seconds",
+        "Time spent in the gateway itself (excluding the upstream).",
+        ("route",),
+        buckets=_LATENCY_BUCKETS,
+    ),
+    MetricFamily(
+        "ttft",
+        Histogram,
+        "kvgate_upstream_ttft_seconds",
+        "Upstream time to first token (streams).",
+        ("upstream",),
+        buckets=_TTFT_BUCKETS,
+    ),
+    MetricFamily(
+        "upstream_errors",
+        Counter,
+        "kvgate_upstream_errors",
+        "Upstream failures, by upstream and kind.",
+        ("upstream", "kind"),
+    ),
+    MetricFamily(
+        "aborts",
+        Counter,
+        "kvgate_finish_reason_abort",
+        "Responses with finish_reason 'abort' under HTTP 200.",
+        ("upstream",),
+    ),
+    MetricFamily(
+        "client_disconnects", Counter, "kvgate_client_disconnects", "Requests the client abandoned.", ("route",)
+    ),
+    MetricFamily(
+        "pool_tokens",
+        Gauge,
+        "kvgate_pool_tokens",
+        "Live KV pool size per upstream (smallest prefill node); -1 when unknown.",
+        ("upstream",),
+        multiprocess_mode="livemin",
+    ),
+    MetricFamily(
+        "effective_limit",
+        Gauge,
+        "kvgate_effective_limit_tokens",
+        "Pool limit per upstream after headroom; -1 when unknown.",
+        ("upstream",),
+        multiprocess_mode="livemin",
+    ),
+    MetricFamily(
+        "in_flight", Gauge, "kvgate_in_flight_requests", "Requests being served now.", multiprocess_mode="livesum"
+    ),
+)
+
+
 class GatewayMetrics:
-    """The gateway's metric families (names below, all prefixed ``kvgate_``)."""
+    """The gateway's metric families (:data:`FAMILIES`, all prefixed ``kvgate_``), each an attribute."""
 
     content_type = CONTENT_TYPE_LATEST
+
+    requests: Counter
+    rejections: Counter
+    prompt_tokens: Counter
+    completion_tokens: Counter
+    overhead: Histogram
+    ttft: Histogram
+    upstream_errors: Counter
+    aborts: Counter
+    client_disconnects: Counter
+    pool_tokens: Gauge
+    effective_limit: Gauge
+    in_flight: Gauge
 
     def __init__(self) -> None:
         #: multiprocess mode: the directory every worker's metric files live in (else ``None``)
         self.multiprocess_dir: str | None = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
-        r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "kvgate_requests",
-            "Requests answered, by tenant, route and HTTP status.",
-            ["tenant", "route", "status"],
-            registry=r,
-        )
-        self.rejections = Counter(
-            "kvgate_rejections", "Requests refused by the gateway, by reason (error code).", ["reason"], registry=r
-        )
-        self.prompt_tokens = Counter(
-            "kvgate_prompt_tokens", "Prompt tokens admitted (gateway count).", ["tenant"], registry=r
-        )
-        self.completion_tokens = Counter(
-            "kvgate_completion_tokens", "Completion tokens the engines reported.", ["tenant"], registry=r
-        )
-        self.overhead = Histogram(
-            "kvgate_gateway_overhead_seconds",
-            "Time spent in the gateway itself (excluding the upstream).",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "kvgate_upstream_ttft_seconds",
-            "Upstream time to first token (streams).",
-            ["upstream"],
-            buckets=_TTFT_BUCKETS,
-            registry=r,
-        )
-        self.upstream_errors = Counter(
-            "kvgate_upstream_errors", "Upstream failures, by upstream and kind.", ["upstream", "kind"], registry=r
-        )
-        self.aborts = Counter(
-            "kvgate_finish_reason_abort",
-            "Responses with finish_reason 'abort' under HTTP 200.",
-            ["upstream"],
-            registry=r,
-        )
-        self.client_disconnects = Counter(
-            "kvgate_client_disconnects", "Requests the client abandoned.", ["route"], registry=r
-        )
-        self.pool_tokens = Gauge(
-            "kvgate_pool_tokens",
-            "Live KV pool size per upstream (smallest prefill node); -1 when unknown.",
-            ["upstream"],
-            registry=r,
-            multiprocess_mode="livemin",
-        )
-        self.effective_limit = Gauge(
-            "kvgate_effective_limit_tokens",
-            "Pool limit per upstream after headroom; -1 when unknown.",
-            ["upstream"],
-            registry=r,
-            multiprocess_mode="livemin",
-        )
-        self.in_flight = Gauge(
-            "kvgate_in_flight_requests", "Requests being served now.", registry=r, multiprocess_mode="livesum"
-        )
+        self.registry = CollectorRegistry(auto_describe=True)
+        for family in FAMILIES:
+            setattr(self, family.attr, family.build(self.registry))
 
     def pool_updater(self, upstream: str):
         """A callback ``(pool_tokens | None, limit | None)`` setting the pool gauges of ``upstream``."""
