@@ -127,11 +127,15 @@ class Gateway:
 
     async def start(self) -> None:
         """Install the offload executor (:mod:`gateway.edge.offload`: per-tenant shares), poll every live
-        pool once (so a healthy gateway is ready at once), then start the watchers and a stage's
-        background tasks (``start()``, when it has one: the verifier's worker and periodic probe)."""
+        pool once (so a healthy gateway is ready at once) while a stage's ``async start()`` runs (the
+        quota store's connections), then start the watchers and a stage's background tasks
+        (a plain ``start()``: the verifier's worker and periodic probe)."""
         g = self.settings.gateway
         offload.install(asyncio.get_running_loop(), g.offload_threads, g.offload_tenant_share, usable_cores())
-        await asyncio.gather(*(u.watcher.poll_once() for u in self.upstreams.all), return_exceptions=True)
+        starts = [getattr(stage, "start", None) for stage in (self.quotas, self.verifier)]
+        warm_ups = [start() for start in starts if asyncio.iscoroutinefunction(start)]
+        polls = [u.watcher.poll_once() for u in self.upstreams.all]
+        await asyncio.gather(*polls, *warm_ups, return_exceptions=True)
         for u in self.upstreams.all:
             u.watcher.start()
         for stage in (self.quotas, self.verifier):

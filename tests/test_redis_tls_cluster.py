@@ -202,3 +202,38 @@ def test_a_certificate_from_another_ca_is_refused_and_the_stage_fails_closed(
         err = asyncio.run(refused())
     assert (err.status, err.code) == (503, "quota_backend_unavailable")
     assert "certificate verify failed" in caplog.text, caplog.text
+
+
+def _cluster_counts(monitors: list[redis.Redis]) -> tuple[int, int]:
+    """``(connections accepted, CLUSTER subcommands run)`` over the nodes, read through ``monitors``
+    (connected already, so reading makes no connection and runs no CLUSTER command)."""
+    conns = sum(int(m.info("stats")["total_connections_received"]) for m in monitors)
+    stats = [m.info("commandstats") for m in monitors]
+    return conns, sum(int(v["calls"]) for s in stats for k, v in s.items() if k.startswith("cmdstat_cluster"))
+
+
+def test_after_start_the_first_decision_needs_no_connection_and_no_slot_map_read(tls_cluster: TlsCluster) -> None:
+    """The start (``TenantQuotas.start``) reads the slot map and makes the TLS connections, within
+    its own bound; the first reserve then runs under the default 0.25 s bound on those connections."""
+    monitors = [tls_cluster._node(p) for p in tls_cluster.ports]
+    tenant = TenantConfig(id="tls-cluster-warm", api_key_sha256=["0" * 64], rpm=3)
+
+    async def first_decision() -> tuple[int, int]:
+        settings = QuotaSettings()
+        q = TenantQuotas(settings, RedisQuotaStore(redis_client(tls_cluster.url, settings.redis_timeout_seconds)))
+        try:
+            await q.start()
+            before = _cluster_counts(monitors)
+            await q.settle(await q.reserve(tenant, 1, "w1"), 1)
+            after = _cluster_counts(monitors)
+            return after[0] - before[0], after[1] - before[1]
+        finally:
+            await q.aclose()
+
+    try:
+        for m in monitors:
+            m.ping()
+        assert asyncio.run(first_decision()) == (0, 0)
+    finally:
+        for m in monitors:
+            m.close()

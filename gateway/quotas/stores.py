@@ -198,6 +198,55 @@ class _Queued:
     raw: bool = False
 
 
+#: the connection options a start-up warm-up lengthens (redis-py's names)
+_TIMEOUTS = ("socket_timeout", "socket_connect_timeout")
+
+
+def _client_settings(client: Any) -> list[dict[str, Any]]:
+    """The option dicts ``client`` (a ``redis.asyncio`` ``Redis`` or ``RedisCluster``) makes new
+    connections from: its pool's, or the cluster's and each known node's."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return [pool.connection_kwargs]
+    manager = getattr(client, "nodes_manager", None)
+    if manager is None:
+        return []
+    nodes = {**manager.startup_nodes, **manager.nodes_cache}.values()
+    return [manager.connection_kwargs, *(n.connection_kwargs for n in nodes)]
+
+
+def _client_connections(client: Any) -> list[Any]:
+    """The connections ``client`` holds now (idle or in use)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        return [*getattr(pool, "_available_connections", ()), *getattr(pool, "_in_use_connections", ())]
+    manager = getattr(client, "nodes_manager", None)
+    if manager is None:
+        return []
+    nodes = {**manager.startup_nodes, **manager.nodes_cache}.values()
+    return [c for n in nodes for c in getattr(n, "_connections", ())]
+
+
+@contextlib.contextmanager
+def _longer_timeouts(client: Any, seconds: float) -> Any:
+    """Within the block, connections ``client`` makes have every connect and read bounded by
+    ``seconds``; after it, they (and later ones) have the client's own bounds again."""
+    settings = _client_settings(client)
+    own = {k: settings[0].get(k) for k in _TIMEOUTS} if settings else {}
+    for d in settings:
+        d.update(dict.fromkeys(own, seconds))
+    try:
+        yield
+    finally:
+        for d in _client_settings(client):  # nodes found inside the block copied the long bounds
+            d.update(own)
+        for conn in _client_connections(client):
+            for k, v in own.items():
+                setattr(conn, k, v)
+                if hasattr(conn, f"orig_{k}"):  # redis-py restores these after a maintenance event
+                    setattr(conn, f"orig_{k}", v)
+
+
 class RedisQuotaStore:
     """Quota state in Redis, shared by all replicas; Lua scripts: ``begin.lua`` (RPM and lease,
     at arrival) then ``tokens.lua`` (TPM, once counted), or ``reserve.lua`` (all three at once);
@@ -448,6 +497,17 @@ class RedisQuotaStore:
         if not lease_ids:
             return 0
         return int(await self._call(self._cancel, self.keys(tenant_id), list(lease_ids)))
+
+    async def warm_up(self, timeout_seconds: float) -> None:
+        """Connect before the first request (the gateway's start): one ``PING``, on a cluster one
+        to every primary (after the slot-map read), every connect and read of it bounded by
+        ``timeout_seconds`` instead of the client's timeouts; the connections it makes stay in the
+        client's pool with the client's own bounds. Raises what the client raises."""
+        with _longer_timeouts(self.client, timeout_seconds):
+            if self.cluster:
+                await self.client.ping(target_nodes=self.client.PRIMARIES)
+            else:
+                await self.client.ping()
 
     async def aclose(self) -> None:
         if self._sending:  # round trips under way finish first: their callers get their replies

@@ -59,6 +59,9 @@ RECOVER_INTERVAL_SECONDS = 0.1
 MAX_DECISION_SECONDS = 0.9
 #: At most this many failed reservations are remembered for undoing after an outage.
 UNCERTAIN_MAX = 10_000
+#: The gateway's start connects to the store within this bound (seconds; connects, TLS handshakes
+#: and a cluster's slot-map read included), longer than a request's ``redis_timeout_seconds``.
+WARM_UP_SECONDS = 5.0
 #: :meth:`TenantQuotas._cancel_uncertain`'s "every scope"
 _ALL = object()
 
@@ -226,6 +229,25 @@ class TenantQuotas:
             raise QuotaStoreUnavailable(f"no answer within {self.deadline_seconds:g}s") from e
 
     # ------------------------------------------------------------------ the stage
+    async def start(self) -> None:
+        """Connect the shared store before the first request (its ``warm_up``: a ``PING``, on a
+        cluster the slot map and every primary), within :data:`WARM_UP_SECONDS`, so the first
+        decision finds a connected client. A failure is logged and nothing else: requests then
+        meet the failure policy as they would have."""
+        warm_up = getattr(self.store, "warm_up", None)
+        if warm_up is None or self.store is self.fallback:
+            return
+        try:
+            async with asyncio.timeout(WARM_UP_SECONDS):
+                await warm_up(WARM_UP_SECONDS)
+        except Exception as e:
+            log.warning(
+                "quota store %s did not answer at start (%s): requests meet the %s policy until it does",
+                self.store.name,
+                str(e) or type(e).__name__,
+                self.settings.redis_failure_policy,
+            )
+
     async def _decide(
         self, store: QuotaStore, tenant_id: str, limits: QuotaLimits, lease_id: str, call: Callable[..., Any]
     ) -> tuple[QuotaStore, QuotaLimits, QuotaDecision]:
