@@ -149,7 +149,8 @@ def _other_ca(d: Path) -> Path:
 
 #: a fresh cluster client's first call reads the slot map and makes a TLS connection to the node
 #: of the tenant's slot (RSA handshakes) before its script: on 2 loaded cores that took longer than
-#: the default 0.25 s bound, so the first reserve failed closed; the test is about the round, not that
+#: the default 0.25 s bound, so the first reserve failed closed. The gateway's start connects first
+#: (TenantQuotas.start, as the round below does); the longer bound covers a node still settling
 COLD_START = QuotaSettings(redis_timeout_seconds=2.0)
 TENANT = TenantConfig(id="tls-cluster-tenant", api_key_sha256=["0" * 64], rpm=3, tpm=100, max_concurrent=1)
 
@@ -158,6 +159,7 @@ def test_the_quota_stage_reserves_refuses_and_settles_on_a_tls_cluster(tls_clust
     async def round_trip() -> list[object]:
         q = TenantQuotas(COLD_START, RedisQuotaStore(redis_client(tls_cluster.url, 3.0)))
         try:
+            await q.start()
             first = await q.reserve(TENANT, 40, "r1")
             with pytest.raises(OpenAIError) as busy:  # the one concurrent slot is held
                 await q.reserve(TENANT, 10, "r2")
