@@ -1,7 +1,8 @@
 """What admission asks of an API route (docs/design.md, "Routes"): each route of
 :mod:`gateway.routes` is one value carrying its path, the model tasks that serve it, its field
 table (``validate``), how its prompt is counted (``count``), its gate (``decide``), the body it
-forwards (``forward_body``), its upstream path and its stream protocol. Admission
+forwards (``forward_body``), its upstream path, its stream protocol and how it reads a whole
+answer (``whole_answer``). Admission
 (:mod:`gateway.admission.admit`) reads routes through :class:`ApiRoute` only, so it never
 imports a concrete route.
 """
@@ -15,6 +16,7 @@ from config.models import TenantConfig
 from gateway.admission.checks import Check
 from gateway.admission.gate import Admission, CountedPrompt
 from gateway.admission.registry import ModelEntry
+from verifier.engine_response import EngineOutput
 
 #: model task -> the public paths it serves (for the 400's message)
 TASK_PATHS: dict[str, tuple[str, ...]] = {
@@ -23,14 +25,19 @@ TASK_PATHS: dict[str, tuple[str, ...]] = {
 }
 
 
-class RouteBase(Protocol):
-    """Every route that reads a body: ``name`` (the metrics and access-log label, the verifier's
-    route), ``path`` (its public path), ``tasks`` (the model tasks that serve it), ``id_fields``
-    (the fields whose token-id arrays a large body has cut out and checked before its parse),
-    ``fields`` (its field table, :mod:`gateway.admission.checks`)."""
+class Route(Protocol):
+    """Every route, with a body or without (``GET /v1/models``): ``name`` (the metrics and
+    access-log label), ``path`` (its public path)."""
 
     name: str
     path: str
+
+
+class RouteBase(Route, Protocol):
+    """Every route that reads a body: ``tasks`` (the model tasks that serve it), ``id_fields``
+    (the fields whose token-id arrays a large body has cut out and checked before its parse),
+    ``fields`` (its field table, :mod:`gateway.admission.checks`)."""
+
     tasks: tuple[str, ...]
     id_fields: tuple[str, ...]
     fields: dict[str, Check]
@@ -73,6 +80,11 @@ class ApiRoute(RouteBase, Protocol):
 
     def verifier_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], list[str]]:
         """``(token-id prompts, texts an echo would repeat)`` of a validated body, for the verifier."""
+        ...
+
+    def whole_answer(self, data: Any) -> EngineOutput:
+        """What a decoded whole (not streamed) answer carries (:mod:`gateway.relay.whole_answer`).
+        Raises :class:`OpenAIError` (the engine's error) when it is an error object."""
         ...
 
 

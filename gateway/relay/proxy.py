@@ -16,7 +16,8 @@ logs. The transport (ASGI messages, client disconnect, the status) is
   (:mod:`gateway.relay.stream_protocol`); the stream cut by the engine or the transport raises
   :class:`~config.errors.OpenAIError` (the response shell turns it into the protocol's error
   tail);
-- :func:`read_whole` reads a whole JSON answer and yields it once, unchanged;
+- :func:`read_whole` reads a whole JSON answer as its route reads one (the route value's
+  ``whole_answer``, :mod:`gateway.relay.whole_answer`) and yields it once, unchanged;
 - both feed the verifier's guard; a strict guard that withholds raises 502 ``response_withheld``.
 """
 
@@ -48,7 +49,7 @@ from gateway.relay.upstream_client import (
     UpstreamResponse,
 )
 from gateway.relay.upstreams import Upstream, UpstreamSet
-from verifier.engine_response import EngineOutput, engine_error, is_error_payload, parse_body, parse_response_body
+from verifier.engine_response import engine_error
 from verifier.stage import ResponseGuard, ResponseWithheld, VerifierStage
 
 log = logging.getLogger("kvgate.proxy")
@@ -227,7 +228,7 @@ async def _send(ctx: RelayContext, u: Upstream, a: Admitted, on_sent: Callable[[
         headers["authorization"] = u.auth_header
     u.in_flight += 1
     try:
-        return await ctx.forwarder.send("POST", u.url_for(a.arrival.route), a.forward.body, headers, on_sent)
+        return await ctx.forwarder.send("POST", u.url_for(a.arrival.api), a.forward.body, headers, on_sent)
     except BaseException:
         u.in_flight -= 1
         raise
@@ -263,18 +264,6 @@ async def _check_answer(ctx: RelayContext, outcome: RelayOutcome, resp: Upstream
         raise engine_error(200, raw)
 
 
-def _whole_output(route: str, data: object) -> EngineOutput:
-    """What a whole JSON answer carries; raises the engine's error when it is one."""
-    if route == "responses":
-        answer = parse_response_body(data)
-        if answer.kind == "error":
-            raise engine_error(200, {"error": answer.error})
-        return answer
-    if is_error_payload(data):
-        raise engine_error(200, data)
-    return parse_body(data)
-
-
 async def read_whole(
     outcome: RelayOutcome, resp: UpstreamResponse, guard: ResponseGuard | None, tally: Tally
 ) -> AsyncGenerator[Chunk, None]:
@@ -290,7 +279,7 @@ async def read_whole(
         raise OpenAIError(
             502, "The upstream engine answered a body that is not JSON.", code=ErrorCode.UPSTREAM_UNAVAILABLE
         ) from None
-    out = _whole_output(outcome.admitted.arrival.route, data)
+    out = outcome.admitted.arrival.api.whole_answer(data)  # raises the engine's error when it is one
     tally.take_body(out, resp.headers.get("x-prefill-seconds"))
     if guard is not None:
         await guard.check_body(

@@ -11,66 +11,45 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 from config.models import Settings, UpstreamConfig
 from gateway.ops.pool_watcher import PoolWatcher
 
 
-@dataclass(frozen=True)
-class UpstreamRoutes:
-    """An upstream's request URLs (``api_url`` + the route's path) and bearer header, fixed at start."""
+class Routed(Protocol):
+    """What an upstream URL is built from: a route value's ``upstream_path`` (``/chat/completions``,
+    ``/completions``, ``/responses``, ``/embeddings``; :mod:`gateway.routes`)."""
 
-    chat_url: str
-    completions_url: str
-    responses_url: str
-    embeddings_url: str
-    auth_header: str | None = None
+    upstream_path: str
 
 
 @dataclass(eq=False)
 class Upstream:
-    """One engine deployment: its config, pool watcher and request URLs (fixed), and its in-flight
-    count (live: the balancer's only mutable state)."""
+    """One engine deployment: its config, pool watcher, ``base_url`` (``api_url`` without its
+    trailing ``/``) and bearer header (fixed at start), and its in-flight count (live: the
+    balancer's only mutable state)."""
 
     config: UpstreamConfig
     watcher: PoolWatcher
-    routes: UpstreamRoutes
+    base_url: str
+    auth_header: str | None = None
     in_flight: int = 0
 
     @property
     def name(self) -> str:
         return self.config.name
 
-    @property
-    def auth_header(self) -> str | None:
-        """``"Bearer <api_key>"``, or ``None`` when the upstream has no key."""
-        return self.routes.auth_header
-
-    def url_for(self, route: str) -> str:
-        """The upstream URL of ``route`` (``chat``, ``completions``, ``responses``, ``embeddings``)."""
-        if route == "chat":
-            return self.routes.chat_url
-        if route == "responses":
-            return self.routes.responses_url
-        if route == "embeddings":
-            return self.routes.embeddings_url
-        return self.routes.completions_url
+    def url_for(self, route: Routed) -> str:
+        """The upstream URL of ``route``: ``base_url`` + the route's ``upstream_path``."""
+        return self.base_url + route.upstream_path
 
 
 def make_upstream(cfg: UpstreamConfig, watcher: PoolWatcher) -> Upstream:
-    """An :class:`Upstream` with its URLs (``api_url`` + ``/chat/completions``, ``/completions``,
-    ``/responses``, ``/embeddings``)
-    and bearer header (from ``api_key``) precomputed."""
-    base = cfg.api_url.rstrip("/")
+    """An :class:`Upstream` with its base URL (``api_url`` without a trailing ``/``) and bearer
+    header (``"Bearer <api_key>"``, ``None`` when the upstream has no key) precomputed."""
     key = cfg.api_key.get_secret_value() if cfg.api_key is not None else None
-    routes = UpstreamRoutes(
-        chat_url=base + "/chat/completions",
-        completions_url=base + "/completions",
-        responses_url=base + "/responses",
-        embeddings_url=base + "/embeddings",
-        auth_header=f"Bearer {key}" if key else None,
-    )
-    return Upstream(cfg, watcher, routes)
+    return Upstream(cfg, watcher, cfg.api_url.rstrip("/"), f"Bearer {key}" if key else None)
 
 
 class UpstreamSet:

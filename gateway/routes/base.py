@@ -1,7 +1,8 @@
 """What chat and completions share as routes: the prompt counted by the gate's
 :func:`~gateway.admission.gate.count_prompt` (the route says how), the completion-bound rule of
 :func:`~gateway.admission.gate.decide`, the body forwarded by
-:func:`~gateway.admission.gate.upstream_body`, a stream that carries its usage chunk."""
+:func:`~gateway.admission.gate.upstream_body`, a stream that carries its usage chunk, a whole answer
+read by its choices."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from config.models import TenantConfig
 from gateway.admission.gate import Admission, CountedPrompt, count_prompt, decide, effective_limit, upstream_body
 from gateway.admission.registry import ModelEntry
 from gateway.relay.stream_protocol import CHAT_SSE, StreamProtocol
+from gateway.relay.whole_answer import read_choices_answer
+from verifier.engine_response import EngineOutput
 
 
 class PromptApiRoute:
@@ -43,3 +46,6 @@ class PromptApiRoute:
 
     def forward_body(self, body: dict[str, Any], adm: Admission, cache_salt: str, served: list[Any]) -> bytes:
         return upstream_body(body, adm, cache_salt)
+
+    def whole_answer(self, data: Any) -> EngineOutput:
+        return read_choices_answer(data)

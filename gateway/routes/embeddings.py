@@ -16,8 +16,10 @@ from gateway.admission.checks import Check, anything, check_fields, int_in, one_
 from gateway.admission.gate import Admission, CompletionBound, CountedPrompt, effective_limit
 from gateway.admission.registry import ModelEntry
 from gateway.relay.stream_protocol import StreamProtocol
+from gateway.relay.whole_answer import read_choices_answer
 from tokenizer import TokenizerError
 from tokenizer.embeddings import acount_embedding_input
+from verifier.engine_response import EngineOutput
 
 #: ``POST /v1/embeddings`` (OpenAI ``EmbeddingCreateParams``). vLLM's prompt-changing extensions
 #: (``truncate_prompt_tokens``, ``add_special_tokens``) are refused.
@@ -153,6 +155,9 @@ class EmbeddingsRoute:
 
     def verifier_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], list[str]]:
         return [], []
+
+    def whole_answer(self, data: Any) -> EngineOutput:
+        return read_choices_answer(data)
 
 
 EMBEDDINGS = EmbeddingsRoute()

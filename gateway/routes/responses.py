@@ -43,9 +43,11 @@ from gateway.admission.gate import Admission, CountedPrompt, decide
 from gateway.admission.grammar_bounds import schema_problem
 from gateway.admission.registry import ModelEntry
 from gateway.relay.stream_protocol import RESPONSES_SSE, StreamProtocol
+from gateway.relay.whole_answer import read_response_answer
 from tokenizer import TokenizerError
 from tokenizer.chat import string_chars
 from tokenizer.responses import ResponsesPrompt, acount_responses, responses_text, responses_to_chat
+from verifier.engine_response import EngineOutput
 
 
 def _response_stream_options(v: Any) -> str | None:
@@ -358,6 +360,9 @@ class ResponsesRoute:
 
     def prompt_text(self, body: dict[str, Any]) -> str:
         return ""  # counted with its text (count_responses)
+
+    def whole_answer(self, data: Any) -> EngineOutput:
+        return read_response_answer(data)
 
 
 RESPONSES = ResponsesRoute()
