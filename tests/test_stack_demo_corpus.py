@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.commands.demo import Case, Result, build_cases, table
+from gateway.commands.demo import CHAT, COMPLETION, Case, Result, build_cases, table
 from gateway.stack.demo_corpus import FitError, fit_chat, fit_prompt, generated_log, project_source, prose
 from tokenizer import bundled_counter
 
@@ -47,14 +47,14 @@ def test_fit_refuses_what_cannot_be_done() -> None:
 def test_the_sixteen_cases() -> None:
     cases = build_cases(limit=3276, pool_tokens=4096, max_tokens=16)
     assert len(cases) == 16
-    assert [(c.route, c.stream) for c in cases[::4]] == [
+    assert [(c.endpoint.name, c.stream) for c in cases[::4]] == [
         ("chat", False),
         ("chat", True),
         ("completion", False),
         ("completion", True),
     ]
     for c in cases:
-        counted = C.count_chat(c.body["messages"]) if c.route == "chat" else C.count_text(c.body["prompt"])
+        counted = C.count_chat(c.body["messages"]) if c.endpoint.chat else C.count_text(c.body["prompt"])
         assert counted == c.prompt_tokens
         assert c.body["max_tokens"] == 16 and c.body["temperature"] == 0
     sizes = {(c.size, c.prompt_tokens, c.expect_status, c.expect_code) for c in cases if c.size != "short"}
@@ -69,11 +69,11 @@ def test_the_sixteen_cases() -> None:
 
 
 def test_a_result_is_ok_only_when_status_code_and_usage_match() -> None:
-    case = Case("chat", "at limit", False, {}, 3260, 200)
+    case = Case(CHAT, "at limit", False, {}, 3260, 200)
     assert Result(case, 200, 5.0, usage={"prompt_tokens": 3260}).ok
     assert not Result(case, 200, 5.0, usage={"prompt_tokens": 3259}).ok  # the engine counted otherwise
     assert not Result(case, 503, 5.0, code="pool_size_unknown").ok
-    over = Case("completion", "limit + 1", True, {}, 3261, 400, "context_length_exceeded")
+    over = Case(COMPLETION, "limit + 1", True, {}, 3261, 400, "context_length_exceeded")
     assert Result(over, 400, 1.0, code="context_length_exceeded").ok
     assert not Result(over, 400, 1.0, code="invalid_request").ok
     text = table([Result(over, 400, 1.0, code="invalid_request")], 3276)

@@ -53,13 +53,33 @@ REAL_MODEL_POOLS = (1024, 4096)
 QUESTION = "What is the capital of France?"
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """An endpoint the demo sends to: ``name`` (the table's label), ``path``, ``chat`` (the
+    answer's text is each choice's ``message``/``delta`` content; else its ``text``)."""
+
+    name: str
+    path: str
+    chat: bool
+
+    def text_of(self, choice: dict[str, Any]) -> str | None:
+        """The text one choice of a whole answer or stream chunk adds."""
+        if self.chat:
+            return (choice.get("message") or choice.get("delta") or {}).get("content")
+        return choice.get("text")
+
+
+CHAT = Endpoint("chat", "/v1/chat/completions", chat=True)
+COMPLETION = Endpoint("completion", "/v1/completions", chat=False)
+
+
 @dataclass
 class Case:
-    """One demo request: ``route`` is ``chat`` or ``completion``; ``body`` the JSON sent (without
-    ``model``/``stream``); ``prompt_tokens`` the count it was built to; ``expect`` the status
-    (and for 400 the error code) the gateway must answer."""
+    """One demo request: ``endpoint`` is :data:`CHAT` or :data:`COMPLETION`; ``body`` the JSON
+    sent (without ``model``/``stream``); ``prompt_tokens`` the count it was built to; ``expect``
+    the status (and for 400 the error code) the gateway must answer."""
 
-    route: str
+    endpoint: Endpoint
     size: str
     stream: bool
     body: dict[str, Any]
@@ -70,7 +90,7 @@ class Case:
     @property
     def label(self) -> str:
         """``chat stream  at limit`` style name of the request."""
-        return f"{self.route:<10} {'streamed' if self.stream else 'whole':<8} {self.size}"
+        return f"{self.endpoint.name:<10} {'streamed' if self.stream else 'whole':<8} {self.size}"
 
 
 @dataclass
@@ -189,7 +209,8 @@ def build_cases(limit: int, pool_tokens: int, max_tokens: int, counter: PromptCo
         raise ValueError(f"the effective limit ({limit}) leaves no room for a prompt beside max_tokens={max_tokens}")
     counter = counter or bundled_counter()
     texts = _Texts.load(pool_tokens)
-    cases: list[Case] = []
+    chat: list[Case] = []
+    completion: list[Case] = []
     for stream in (False, True):
         for size in SIZES:
             if size.base:
@@ -199,21 +220,21 @@ def build_cases(limit: int, pool_tokens: int, max_tokens: int, counter: PromptCo
                 p = _short_prompts(texts, stream, counter)
             sent = {"max_tokens": max_tokens, "temperature": 0}
             expect = (size.expect_status, size.expect_code)
-            cases.append(Case("chat", size.name, stream, {"messages": p.messages, **sent}, p.chat_tokens, *expect))
-            cases.append(Case("completion", size.name, stream, {"prompt": p.prompt, **sent}, p.prompt_tokens, *expect))
-    cases.sort(key=lambda c: (c.route != "chat", c.stream))
-    return cases
+            chat.append(Case(CHAT, size.name, stream, {"messages": p.messages, **sent}, p.chat_tokens, *expect))
+            completion.append(
+                Case(COMPLETION, size.name, stream, {"prompt": p.prompt, **sent}, p.prompt_tokens, *expect)
+            )
+    return chat + completion
 
 
 def send(client: httpx.Client, base_url: str, key: str, model: str, case: Case) -> Result:
     """Send one case through the gateway; streams are read to the end (``data: [DONE]``)."""
-    path = "/v1/chat/completions" if case.route == "chat" else "/v1/completions"
     body = {"model": model, **case.body, "stream": case.stream}
     if case.stream:
         body["stream_options"] = {"include_usage": True}
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     t0 = time.perf_counter()
-    with client.stream("POST", base_url + path, content=orjson.dumps(body), headers=headers) as r:
+    with client.stream("POST", base_url + case.endpoint.path, content=orjson.dumps(body), headers=headers) as r:
         raw = r.read()
     latency_ms = (time.perf_counter() - t0) * 1000
     res = Result(case, r.status_code, latency_ms)
@@ -237,12 +258,7 @@ def send(client: httpx.Client, base_url: str, key: str, model: str, case: Case) 
         if chunk.get("usage"):
             res.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
-            piece = (
-                (choice.get("message") or choice.get("delta") or {}).get("content")
-                if case.route == "chat"
-                else choice.get("text")
-            )
-            res.text += piece or ""
+            res.text += case.endpoint.text_of(choice) or ""
             res.finish_reason = choice.get("finish_reason") or res.finish_reason
     return res
 
