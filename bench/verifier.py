@@ -154,7 +154,7 @@ def bench_flood(concurrency: int, chars: int, samples: int) -> tuple[float, floa
     flooder = TenantConfig(id="flooder", verify_sample_rate=0.0)
 
     def exchange(t: TenantConfig, prompt: str) -> Exchange:
-        request = ExchangeRequest(uuid.uuid4().hex, t, "up", "m", "/v1/completions", len(prompt) // 4, False, 0.0)
+        request = ExchangeRequest(uuid.uuid4().hex, t, "up", "m", len(prompt) // 4, False, 0.0)
         return Exchange(request, prompt)
 
     async def one_strict(svc: VerifierService) -> float:

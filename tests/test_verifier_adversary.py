@@ -50,9 +50,7 @@ STRICT = tenant("s", strict_verify=True)
 
 def ex(t: TenantConfig, prompt: str = "", *, ids=(), echo=False, stream=False, rid=None, n=None) -> Exchange:
     tokens = n if n is not None else (len(encode(prompt)) + sum(len(i) for i in ids))
-    request = ExchangeRequest(
-        rid or f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", "/v1/completions", tokens, stream, time.monotonic()
-    )
+    request = ExchangeRequest(rid or f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", tokens, stream, time.monotonic())
     return Exchange(request, prompt, prompt_ids=[list(i) for i in ids], echo=echo)
 
 

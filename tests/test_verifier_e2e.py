@@ -492,7 +492,7 @@ def test_no_false_positives_with_faults_off(tmp_path):
             ttft = (0.002 + 1e-4 * n) * (1 + lat_rng.uniform(0, 0.1))
             if lat_rng.random() < 0.01:
                 ttft *= lat_rng.uniform(1.5, 4)  # a slow outlier (queueing)
-            req = ExchangeRequest(f"syn-{j}", tcfg[t], "leaky", "m", "/v1/completions", n, False, time.monotonic())
+            req = ExchangeRequest(f"syn-{j}", tcfg[t], "leaky", "m", n, False, time.monotonic())
             ex = Exchange(req, prompt)
             g = svc.begin(ex)
             runner.run(

@@ -29,9 +29,7 @@ STRICT = TenantConfig(id="s", strict_verify=True)
 
 
 def ex(t: TenantConfig, prompt: str) -> Exchange:
-    request = ExchangeRequest(
-        f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", "/v1/completions", len(encode(prompt)), False, time.monotonic()
-    )
+    request = ExchangeRequest(f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", len(encode(prompt)), False, time.monotonic())
     return Exchange(request, prompt)
 
 

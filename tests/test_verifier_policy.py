@@ -282,7 +282,7 @@ def _exchange(tid: str, prompt: str, prompt_tokens: int = 10):
     from verifier.stage import Exchange, ExchangeRequest
 
     t = TenantConfig(id=tid, verify_sample_rate=1.0)
-    return Exchange(ExchangeRequest(f"r-{tid}", t, "up", "m", "/v1/completions", prompt_tokens, False, 0.0), prompt)
+    return Exchange(ExchangeRequest(f"r-{tid}", t, "up", "m", prompt_tokens, False, 0.0), prompt)
 
 
 async def test_a_tenant_over_its_cap_is_not_indexed_and_the_drops_are_counted(tmp_path):

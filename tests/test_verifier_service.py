@@ -40,7 +40,6 @@ def ex(t: TenantConfig, prompt: str, *, stream: bool = False, rid: str | None = 
         t,
         "up",
         "m",
-        "/v1/completions",
         len(encode(prompt)),
         stream,
         time.monotonic(),

@@ -71,7 +71,6 @@ class PeriodicProbe:
             TenantConfig(id=self.tenant_id, honeypot=True),
             target.upstream,
             target.model or "",  # ExchangeRequest.model: "" when unnamed, as in verifier/latency.py
-            "/v1/completions",
             result.limit or 0,
             False,
             time.monotonic(),

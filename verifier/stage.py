@@ -23,7 +23,6 @@ class ExchangeRequest:
     tenant: TenantConfig
     upstream: str
     model: str
-    route: str
     prompt_tokens: int
     stream: bool
     started_monotonic: float

@@ -354,9 +354,7 @@ def verifier_exchange(
     ids, echo_prompts = arrival.api.verifier_prompts(body)
     started_monotonic = time.monotonic() - (time.perf_counter() - arrival.t_perf)
     return Exchange(
-        ExchangeRequest(
-            arrival.request_id, tenant, "", adm.model.id, arrival.route, adm.prompt_tokens, stream, started_monotonic
-        ),
+        ExchangeRequest(arrival.request_id, tenant, "", adm.model.id, adm.prompt_tokens, stream, started_monotonic),
         adm.prompt_text,
         prompt_ids=ids,
         echo=body.get("echo") is True,
