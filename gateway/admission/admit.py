@@ -39,7 +39,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -51,7 +51,7 @@ from gateway.admission.body import body_declared, closing, parse_json_body, read
 from gateway.admission.density import BadIds, StringDensity, count_ids, restore_ids, split_ids, values_over
 from gateway.admission.gate import Admission, client_wants_usage, effective_limit, over_context_error
 from gateway.admission.registry import ModelEntry, ModelIndex
-from gateway.admission.route import ApiRoute, check_task
+from gateway.admission.route import ApiRoute, Route, check_task
 from gateway.edge import offload
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
 from gateway.ops.tenants import TenantRegistry
@@ -140,20 +140,24 @@ class AdmitContext(Protocol):
     def cache_salt(self, tenant_id: str) -> str: ...
 
 
+#: the route an :class:`Arrival` came in on (an arrival on a chat route is an arrival on a route)
+_R = TypeVar("_R", bound=Route, covariant=True)
+
+
 @dataclass(frozen=True, slots=True)
-class Arrival:
+class Arrival(Generic[_R]):
     """A request as it arrived: ``request_id`` (the client's ``x-request-id`` or a new one),
-    ``api`` (its route, :class:`gateway.admission.route.ApiRoute`), ``t_perf``
-    (``time.perf_counter()`` at arrival)."""
+    ``api`` (its route value: :class:`gateway.admission.route.ApiRoute` for a request admission
+    forwards), ``t_perf`` (``time.perf_counter()`` at arrival)."""
 
     request_id: str
-    api: ApiRoute
+    api: _R
     t_perf: float
 
     @property
     def route(self) -> str:
-        """The route's name (``chat``, ``completions``, ``responses``, ``embeddings``): the
-        metrics and access-log label."""
+        """The route's name (``chat``, ``completions``, ``responses``, ``embeddings``,
+        ``tokenize``, ``detokenize``, ``models``): the metrics and access-log label."""
         return self.api.name
 
 
@@ -176,7 +180,7 @@ class Admitted:
     the upstreams it may go to (``candidates``: known pool, not quarantined) and ``forward``;
     ``exchange``: the request as the verifier saw it at admission (the relay names its upstream)."""
 
-    arrival: Arrival
+    arrival: Arrival[ApiRoute]
     tenant: TenantConfig
     admission: Admission
     lease: QuotaLease
@@ -224,7 +228,7 @@ async def begin_request(ctx: AdmitContext, request: Request, request_id: str) ->
     return tenant, lease
 
 
-async def admit(ctx: AdmitContext, request: Request, arrival: Arrival) -> Admitted:
+async def admit(ctx: AdmitContext, request: Request, arrival: Arrival[ApiRoute]) -> Admitted:
     """Run steps 1-6 (module docstring) for ``request``. Raises :class:`Refused` (an OpenAI error:
     401, 400, 404, 413, 429, 503, ...) or ``gateway.admission.body.ClientGone`` (the client left while
     its body was arriving). A request refused after step 1 has its lease released and its tokens
@@ -324,7 +328,7 @@ async def _forward(
 
 
 async def _admit_tenant(
-    ctx: AdmitContext, request: Request, arrival: Arrival, tenant: TenantConfig, lease: QuotaLease
+    ctx: AdmitContext, request: Request, arrival: Arrival[ApiRoute], tenant: TenantConfig, lease: QuotaLease
 ) -> Admitted:
     route = arrival.api
     body, large = await read_request(ctx, request, tenant, route.id_fields)
@@ -345,7 +349,7 @@ async def _admit_tenant(
 
 
 def verifier_exchange(
-    arrival: Arrival, tenant: TenantConfig, adm: Admission, body: dict[str, Any], stream: bool
+    arrival: Arrival[ApiRoute], tenant: TenantConfig, adm: Admission, body: dict[str, Any], stream: bool
 ) -> Exchange:
     """The request as the verifier sees it (its upstream is named once the relay picked one):
     the prompt's text; a completions request's token-id prompts (``prompt_ids``, which the

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -25,7 +26,7 @@ from gateway.admission.admit import AdmitContext, Arrival, Refused, admit, authe
 from gateway.admission.body import ClientGone, body_declared, closing
 from gateway.admission.gate import effective_limit
 from gateway.admission.registry import ModelEntry
-from gateway.admission.route import ApiRoute
+from gateway.admission.route import ApiRoute, Route
 from gateway.ops import access_log as glog
 from gateway.ops.log_param import loggable_param
 from gateway.relay.finish import FinishContext, finish
@@ -39,6 +40,10 @@ class HandlerContext(AdmitContext, RelayContext, FinishContext, Protocol):
 
     started_at: int
 
+
+#: the route of a :func:`prologue`, and what its ``step`` returns
+R = TypeVar("R", bound=Route)
+T = TypeVar("T")
 
 _ALLOWED_RID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/+=")
 
@@ -63,15 +68,17 @@ class DelayedResponse(Response):
         await super().__call__(scope, receive, send)
 
 
-def refusal(gw: HandlerContext, err: OpenAIError, rid: str, t0: float, tenant: str, route: str) -> Response:
-    """The JSON error answer of a refused request, counted and access-logged. A 401 before any
+def refusal(gw: HandlerContext, err: OpenAIError, arrival: Arrival[Route], tenant: str) -> Response:
+    """The JSON error answer of a refused request (``tenant``: its id, ``"-"`` before
+    authentication succeeded), counted and access-logged under its route's name. A 401 before any
     tenant is known (no valid key, every route) is sent ``gateway.refusal_delay_seconds`` later
     (:class:`DelayedResponse`; counted, logged and its ``x-kvgate-overhead-ms`` measured
     without the delay): a client guessing keys, or flooding the gateway with requests it may
     not make, waits that long for each answer; the server layer delays a 431 as long
     (:mod:`gateway.edge.protocol`). In ``bench/hostile.py``, 100 unauthenticated sockets that reconnected
     as soon as they were answered had cost a fifth of the event loop (515 refusals a second)."""
-    overhead = time.perf_counter() - t0
+    rid, route = arrival.request_id, arrival.route
+    overhead = time.perf_counter() - arrival.t_perf
     headers = dict(err.headers or {})
     headers["x-request-id"] = rid
     headers["x-kvgate-overhead-ms"] = f"{overhead * 1000:.3f}"
@@ -103,17 +110,33 @@ def refusal(gw: HandlerContext, err: OpenAIError, rid: str, t0: float, tenant: s
     return Response(err.body_bytes(), status_code=err.status, media_type="application/json", headers=headers)
 
 
+async def prologue(
+    gw: HandlerContext, request: Request, route: R, step: Callable[[Arrival[R]], Awaitable[T]]
+) -> tuple[Arrival[R], T] | Response:
+    """Admission's prologue, shared by every route: the request's :class:`Arrival` (its request
+    id: the client's ``x-request-id`` when safe, else a new one; its start time), then ``step``
+    on it, which authenticates first (:func:`~gateway.admission.admit.authenticate_request`;
+    :func:`~gateway.admission.admit.begin_request` for a route that reads a body; the whole of
+    :func:`~gateway.admission.admit.admit` for a forwarded one). Returns ``(arrival, what step
+    returned)``, or the :func:`refusal` answering the :class:`Refused` it raised; ``ClientGone``
+    passes."""
+    arrival = Arrival(request_id_of(request.headers.get("x-request-id")), route, time.perf_counter())
+    try:
+        return arrival, await step(arrival)
+    except Refused as r:
+        return refusal(gw, r.error, arrival, r.tenant_id)
+
+
 async def handle_completion(gw: HandlerContext, request: Request, route: ApiRoute) -> Response:
     """``POST`` to an admitted and forwarded route (:data:`gateway.routes.API_ROUTES`: chat,
     completions, Responses, embeddings)."""
-    arrival = Arrival(request_id_of(request.headers.get("x-request-id")), route, time.perf_counter())
     try:
-        admitted = await admit(gw, request, arrival)
-    except Refused as r:
-        return refusal(gw, r.error, arrival.request_id, arrival.t_perf, r.tenant_id, route.name)
+        opened = await prologue(gw, request, route, lambda arrival: admit(gw, request, arrival))
     except ClientGone:
         return Response(status_code=499)
-    outcome = RelayOutcome(admitted)
+    if isinstance(opened, Response):
+        return opened
+    outcome = RelayOutcome(opened[1])
     return RelayResponse(relay(gw, outcome), outcome, on_close=lambda: finish(gw, outcome))
 
 
@@ -132,26 +155,40 @@ def _model_object(gw: HandlerContext, entry: ModelEntry, tenant: TenantConfig) -
     }
 
 
-def _json(body: dict[str, Any], rid: str, t0: float, request: Request) -> Response:
+def _json(body: dict[str, Any], arrival: Arrival[Route], request: Request) -> Response:
     """A ``GET``'s JSON answer; one that announced a body (never read) closes its connection."""
-    headers = {"x-request-id": rid, "x-kvgate-overhead-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
+    overhead_ms = (time.perf_counter() - arrival.t_perf) * 1000
+    headers = {"x-request-id": arrival.request_id, "x-kvgate-overhead-ms": f"{overhead_ms:.3f}"}
     if body_declared(request.headers):
         headers["connection"] = "close"
     return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
 
+class ModelsRoute:
+    """``GET /v1/models`` and ``/v1/models/{model_id}`` as a route value (:data:`MODELS`): answered
+    from the gateway's model index, without a body."""
+
+    name = "models"
+    path = "/v1/models"
+
+
+MODELS = ModelsRoute()
+
+
 async def handle_models(gw: HandlerContext, request: Request) -> Response:
     """``GET /v1/models``: the tenant's models; ``max_model_len`` is its effective limit now
     (``null`` while the pool is unknown)."""
-    t0 = time.perf_counter()
-    rid = request_id_of(request.headers.get("x-request-id"))
-    try:
-        tenant = authenticate_request(gw, request)
-    except Refused as r:
-        return refusal(gw, r.error, rid, t0, "-", "models")
+
+    async def authenticated(arrival: Arrival[ModelsRoute]) -> TenantConfig:
+        return authenticate_request(gw, request)
+
+    opened = await prologue(gw, request, MODELS, authenticated)
+    if isinstance(opened, Response):
+        return opened
+    arrival, tenant = opened
     data = [_model_object(gw, entry, tenant) for entry in gw.models.allowed(tenant)]
-    gw.metrics.requests.labels(tenant.id, "models", "200").inc()
-    return _json({"object": "list", "data": data}, rid, t0, request)
+    gw.metrics.requests.labels(tenant.id, MODELS.name, "200").inc()
+    return _json({"object": "list", "data": data}, arrival, request)
 
 
 async def handle_model(gw: HandlerContext, request: Request, model_id: str) -> Response:
@@ -160,14 +197,17 @@ async def handle_model(gw: HandlerContext, request: Request, model_id: str) -> R
     alias. Authentication comes first (401 before anything about the model); a model that is
     unknown or that the tenant may not use is 404 ``model_not_found`` in OpenAI's error shape
     (the same answer for both, so a tenant cannot probe for other tenants' models)."""
-    t0 = time.perf_counter()
-    rid = request_id_of(request.headers.get("x-request-id"))
-    try:
+
+    async def resolved(arrival: Arrival[ModelsRoute]) -> tuple[TenantConfig, ModelEntry]:
         tenant = authenticate_request(gw, request)
-        entry = gw.models.resolve(tenant, model_id)
-    except Refused as r:
-        return refusal(gw, r.error, rid, t0, "-", "models")
-    except OpenAIError as e:
-        return refusal(gw, closing(e) if body_declared(request.headers) else e, rid, t0, tenant.id, "models")
-    gw.metrics.requests.labels(tenant.id, "models", "200").inc()
-    return _json(_model_object(gw, entry, tenant), rid, t0, request)
+        try:
+            return tenant, gw.models.resolve(tenant, model_id)
+        except OpenAIError as e:
+            raise Refused(closing(e) if body_declared(request.headers) else e, tenant.id) from None
+
+    opened = await prologue(gw, request, MODELS, resolved)
+    if isinstance(opened, Response):
+        return opened
+    arrival, (tenant, entry) = opened
+    gw.metrics.requests.labels(tenant.id, MODELS.name, "200").inc()
+    return _json(_model_object(gw, entry, tenant), arrival, request)

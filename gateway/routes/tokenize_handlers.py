@@ -18,14 +18,14 @@ from starlette.responses import Response
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
-from gateway.admission.admit import Refused, begin_request, read_request
+from gateway.admission.admit import begin_request, read_request
 from gateway.admission.body import ClientGone
 from gateway.admission.gate import effective_limit
 from gateway.admission.registry import ModelEntry
 from gateway.admission.route import RouteBase, check_task
 from gateway.ops import access_log as glog
 from gateway.quotas.stage import QuotaLease
-from gateway.routes.handlers import HandlerContext, refusal, request_id_of
+from gateway.routes.handlers import HandlerContext, prologue, refusal
 from tokenizer import TokenizerError
 
 
@@ -66,28 +66,27 @@ async def _answer(
 
 async def handle_tokenize(gw: HandlerContext, request: Request, route: TokenRoute) -> Response:
     """``POST /tokenize`` (``route`` :data:`~gateway.routes.tokenize.TOKENIZE`) or ``/detokenize``
-    (:data:`~gateway.routes.tokenize.DETOKENIZE`), and their
-    ``/v1/`` aliases, through admission's own prologue: auth and one request against RPM (and a
-    concurrency lease) before the body is read (:func:`gateway.admission.admit.begin_request`), the body
-    read, density-checked and parsed as admission does, then validation, the model (its task
-    must serve the route) and the answer from the model's counter; OpenAI-shaped errors like
+    (:data:`~gateway.routes.tokenize.DETOKENIZE`), and their ``/v1/`` aliases, through admission's
+    own prologue (:func:`gateway.routes.handlers.prologue`): auth and one request against RPM
+    (and a concurrency lease) before the body is read (:func:`gateway.admission.admit.begin_request`),
+    the body read, density-checked and parsed as admission does, then validation, the model (its
+    task must serve the route) and the answer from the model's counter; OpenAI-shaped errors like
     every route."""
-    t0 = time.perf_counter()
-    rid = request_id_of(request.headers.get("x-request-id"))
-    try:
-        tenant, lease = await begin_request(gw, request, rid)
-    except Refused as r:
-        return refusal(gw, r.error, rid, t0, r.tenant_id, route.name)
+    opened = await prologue(gw, request, route, lambda arrival: begin_request(gw, request, arrival.request_id))
+    if isinstance(opened, Response):
+        return opened
+    arrival, (tenant, lease) = opened
     charged = 0
     try:
         entry, answer, charged = await _answer(gw, request, tenant, lease, route)
     except OpenAIError as e:
-        return refusal(gw, e, rid, t0, tenant.id, route.name)
+        return refusal(gw, e, arrival, tenant.id)
     except ClientGone:
         return Response(status_code=499)
     finally:
         await gw.quotas.settle(lease, charged)
-    overhead = time.perf_counter() - t0
+    rid = arrival.request_id
+    overhead = time.perf_counter() - arrival.t_perf
     out = {"x-request-id": rid, "x-kvgate-overhead-ms": f"{overhead * 1000:.3f}", **lease.headers}
     gw.metrics.requests.labels(tenant.id, route.name, "200").inc()
     gw.metrics.overhead.labels(route.name).observe(overhead)
