@@ -111,8 +111,53 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dt)
 
 
+class FusedLinear:
+    """Several ``nn.Linear`` of one input computed as one matmul: ``self(x) -> [..., sum of outs]``
+    (their outputs side by side, in the given order).
+
+    The fused weight (and bias) is built on first use; the modules' parameters then become views
+    of it, so their names, state dict and in-place loading (``load_state_dict``) are unchanged and
+    no weight is held twice. When a parameter's storage changes (``.to()``, ``deepcopy``, a new
+    ``.data``) the next call fuses again.
+    """
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+        self._fused: tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None] = ((), torch.empty(0), None)
+
+    def _ptrs(self) -> tuple[int, ...]:
+        ps = [m.weight.data_ptr() for m in self.linears]
+        return tuple(ps + [m.bias.data_ptr() for m in self.linears if m.bias is not None])
+
+    def _fuse(self) -> None:
+        # a normal tensor even when first called under inference_mode: later in-place loads work
+        with torch.inference_mode(False), torch.no_grad():
+            w = torch.cat([m.weight for m in self.linears])
+            b = torch.cat([m.bias for m in self.linears]) if self.linears[0].bias is not None else None
+            row = 0
+            for m in self.linears:
+                n = m.weight.shape[0]
+                m.weight.data = w[row : row + n]
+                if b is not None:
+                    m.bias.data = b[row : row + n]
+                row += n
+        self._fused = (self._ptrs(), w, b)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused[0] != self._ptrs():
+            self._fuse()
+        _, w, b = self._fused
+        return F.linear(x, w, b)
+
+
+def _linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``m(x)`` without the module call."""
+    return F.linear(x, m.weight, m.bias)
+
+
 class Attention(nn.Module):
-    """GQA self-attention; K/V storage and lookup are the ``attn`` object's (paged or contiguous)."""
+    """GQA self-attention; K/V storage and lookup are the ``attn`` object's (paged or contiguous).
+    q/k/v are one matmul (:class:`FusedLinear`); the parameters keep their checkpoint names."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -123,20 +168,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
         self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=b)
+        self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
+        self.split = (self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd)
         self.scale = self.hd**-0.5
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
         T = h.shape[0]
-        q = self.q_proj(h).view(T, self.nh, self.hd)
-        k = self.k_proj(h).view(T, self.nkv, self.hd)
-        v = self.v_proj(h).view(T, self.nkv, self.hd)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        o = attn.attend(self.layer, q, k, v, self.scale)
-        return self.o_proj(o.reshape(T, self.nh * self.hd))
+        q, k, v = self.qkv(h).split(self.split, dim=-1)
+        q = _rope(q.view(T, self.nh, self.hd), cos, sin)
+        k = _rope(k.view(T, self.nkv, self.hd), cos, sin)
+        o = attn.attend(self.layer, q, k, v.view(T, self.nkv, self.hd), self.scale)
+        return _linear(self.o_proj, o.reshape(T, self.nh * self.hd))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). gate and up stay two matmuls: one [2 x intermediate]
+    matmul measured slower on CPU for 8+ rows (docs/performance.md)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -146,8 +193,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = F.silu(self.gate_proj(x), inplace=True)
-        return self.down_proj(g.mul_(self.up_proj(x)))
+        g = F.silu(_linear(self.gate_proj, x), inplace=True)
+        return _linear(self.down_proj, g.mul_(_linear(self.up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -204,4 +251,4 @@ class LlamaModel(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return _linear(self.lm_head, hidden).float()
