@@ -578,6 +578,18 @@ def profile_main(folder: str, batch: int, context: int = 512, long_prompt: int =
     return 0
 
 
+def _real_model_dispatch(args: argparse.Namespace) -> int:
+    """``--real-model``: the profile, the per-step CPU times, or the side-by-side run."""
+    if args.profile:
+        return profile_main(args.real_model, args.batch)
+    if args.step_cpu:
+        from bench.step_cpu import step_cpu_main
+
+        return step_cpu_main(args.real_model, args.batch, args.step_cpu)
+    lengths = tuple(int(x) for x in args.prefill_lengths.split(","))
+    return real_model_main(args.real_model, args.batch, args.decode_tokens, lengths)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=8)
@@ -594,14 +606,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--prefill-lengths", default="512,2048", help="--real-model: prompt lengths of the prefill rows")
     ap.add_argument("--profile", action="store_true", help="--real-model: torch profiler tables of the engine's steps")
+    ap.add_argument(
+        "--step-cpu",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="--real-model: CPU time per decode step vs transformers",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.real_model and args.profile:
-        return profile_main(args.real_model, args.batch)
     if args.real_model:
-        lengths = tuple(int(x) for x in args.prefill_lengths.split(","))
-        return real_model_main(args.real_model, args.batch, args.decode_tokens, lengths)
+        return _real_model_dispatch(args)
     s = Setup(
         batch=args.batch, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens, repeats=args.repeats
     )
