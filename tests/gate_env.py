@@ -107,7 +107,7 @@ def gate_settings(sg: MockEngine, vl: MockEngine, hf_folder: Path) -> Settings:
     return Settings.model_validate(
         {
             "gateway": {"max_body_bytes": 8 * 1024 * 1024, "connect_timeout_seconds": 1, "read_timeout_seconds": 5},
-            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 0.5},
+            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 2.0},
             "models": [
                 {"id": "m", "context_length": 8192},
                 {"id": "mv", "context_length": 8192},

@@ -25,7 +25,7 @@ def start(engine: ApiMockEngine, kind: str) -> Gateway:
     s = Settings.model_validate(
         {
             "gateway": {"max_body_bytes": 1 << 17, "connect_timeout_seconds": 1, "read_timeout_seconds": 5},
-            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 0.5},
+            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 2.0},
             "models": [{"id": MODEL, "context_length": 8192}],
             "upstreams": [{**upstream("u1", engine), "engine": kind}],
         }

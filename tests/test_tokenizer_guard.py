@@ -114,7 +114,7 @@ def gw():
     s = Settings.model_validate(
         {
             "gateway": {"max_body_bytes": 4 << 20, "connect_timeout_seconds": 1, "read_timeout_seconds": 5},
-            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 0.5},
+            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 2.0},
             "models": [{"id": MODEL, "context_length": 32768}],
             "upstreams": [{**upstream("u1", engine), "models": [MODEL]}],
             "verifier": {"enabled": False},

@@ -35,7 +35,7 @@ def gw(engine, folder):
     s = Settings.model_validate(
         {
             "gateway": {"max_body_bytes": 1 << 20, "connect_timeout_seconds": 1, "read_timeout_seconds": 5},
-            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 0.5},
+            "pool": {"poll_interval_seconds": 0.2, "max_staleness_seconds": 5, "request_timeout_seconds": 2.0},
             "models": [{"id": MODEL, "context_length": 8192, "tokenizer": {"kind": "hf", "path": str(folder)}}],
             "upstreams": [upstream("u1", engine)],
             "verifier": {"enabled": False},
