@@ -313,7 +313,8 @@ _COMMON: dict[str, Check] = {
     "cache_salt": string,  # dropped: the gateway sets the tenant's own
 }
 
-_CHAT_EXTENSIONS = (
+#: the engines' sampling and decoding extensions both completion routes accept
+_SAMPLING_EXTENSIONS = (
     "top_k",
     "min_p",
     "repetition_penalty",
@@ -325,26 +326,15 @@ _CHAT_EXTENSIONS = (
     "no_stop_trim",
     "regex",
     "ebnf",
+)
+_CHAT_EXTENSIONS = _SAMPLING_EXTENSIONS + (
     "separate_reasoning",
     "stream_reasoning",
     "chat_template_kwargs",
     "continue_final_message",
     "add_generation_prompt",
 )
-_COMPLETION_EXTENSIONS = (
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "stop_token_ids",
-    "no_stop_trim",
-    "regex",
-    "ebnf",
-    "json_schema",
-)
+_COMPLETION_EXTENSIONS = _SAMPLING_EXTENSIONS + ("json_schema",)
 
 CHAT_FIELDS: dict[str, Check] = {
     **_COMMON,
