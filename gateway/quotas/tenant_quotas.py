@@ -36,6 +36,7 @@ from typing import Any
 from config.errors import ErrorCode, OpenAIError
 from config.models import QuotaSettings, Settings, TenantConfig
 from config.redis_client import StoreBackoff, redis_client
+from gateway.quotas.packing import pack_with_hiredis
 from gateway.quotas.stage import NullQuotas, QuotaLease, QuotaStage
 from gateway.quotas.stores import (
     LocalQuotaStore,
@@ -453,9 +454,9 @@ class TenantQuotas:
 def redis_client_from_url(url: str, timeout_seconds: float) -> Any:
     """The quota store's ``redis.asyncio`` client for ``url`` (any ``redis_url`` scheme; see
     :func:`config.redis_client.redis_client`): every connect and read bounded by
-    ``timeout_seconds``, so the failure policy decides within 1 s. Raises ``ValueError`` for a
-    malformed URL."""
-    return redis_client(url, timeout_seconds)
+    ``timeout_seconds``, so the failure policy decides within 1 s; its commands packed by
+    hiredis (:mod:`gateway.quotas.packing`). Raises ``ValueError`` for a malformed URL."""
+    return pack_with_hiredis(redis_client(url, timeout_seconds))
 
 
 def build_quota_stage(settings: Settings, *, key_prefix: str = "kvgate:q") -> QuotaStage:
