@@ -351,7 +351,7 @@ class RedisQuotaStore:
         results: list[Any]
         self._inflight += 1
         try:
-            if len(batch) == 1 and batch[0].script is not None:
+            if len(batch) == 1 and batch[0].script is not None and self.cluster:
                 one = batch[0]
                 results = [await self._retrying(lambda: one.script(keys=one.keys, args=one.args))]
             else:
@@ -373,10 +373,7 @@ class RedisQuotaStore:
         from redis.exceptions import NoScriptError
 
         async def once(calls: list[_Queued]) -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            for q in calls:
-                pipe.evalsha(q.sha, len(q.keys), *q.keys, *q.args)
-            return list(await pipe.execute(raise_on_error=False))
+            return await self._execute([("EVALSHA", q.sha, len(q.keys), *q.keys, *q.args) for q in calls])
 
         results = await once(batch)
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError) and batch[i].script is not None]
@@ -386,6 +383,39 @@ class RedisQuotaStore:
             for i, r in zip(missing, await once([batch[i] for i in missing]), strict=True):
                 results[i] = r
         return results
+
+    async def _execute(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """``commands`` in one round trip, unless a transaction (a pipeline without ``MULTI``);
+        the replies in order, an error reply's ``ResponseError`` in its place (``NOSCRIPT``:
+        ``NoScriptError``). Standalone and Sentinel clients: written on one pooled connection and
+        read back by this store itself, without redis-py's ``Pipeline`` (whose layers were most
+        of a coalesced round trip's CPU; the client retries nothing either way, see
+        ``config.redis_client``); a connection that fails or is cancelled mid-way is dropped,
+        never pooled with replies pending. A cluster: redis-py's pipeline. Raises what the
+        client raises for a failed connection or a timeout."""
+        from redis.exceptions import ResponseError
+
+        pool = None if self.cluster else getattr(self.client, "connection_pool", None)
+        if pool is None:
+            pipe = self.client.pipeline(transaction=False)
+            for c in commands:
+                pipe.execute_command(*c)
+            return list(await pipe.execute(raise_on_error=False))
+        conn = await pool.get_connection()
+        try:
+            await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(await conn.read_response())
+                except ResponseError as e:
+                    replies.append(e)
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        finally:
+            await pool.release(conn)
+        return replies
 
     async def _retrying(self, send: Any) -> Any:
         """Await ``send()``. A connection error (a pooled connection that Redis, restarted or
@@ -442,11 +472,9 @@ class RedisQuotaStore:
         from redis.exceptions import NoScriptError
 
         async def once() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-            for sha, ckeys, cargs in also.calls:
-                pipe.evalsha(sha, len(ckeys), *ckeys, *cargs)
-            return list(await pipe.execute(raise_on_error=False))
+            commands = [("EVALSHA", script.sha, len(keys), *keys, *args)]
+            commands += [("EVALSHA", sha, len(ckeys), *ckeys, *cargs) for sha, ckeys, cargs in also.calls]
+            return await self._execute(commands)
 
         async def send() -> list[Any]:
             results = await once()
