@@ -346,12 +346,32 @@ class LeakIndex:
         (updated in place, so a stream's repeats are not counted twice); ``record_spread``: add
         this answer's foreign shingles to the public-text count (false for answers whose own text
         is not fully known, such as echoes)."""
+        v, hashes = self.prepare_ids(ids, own, seen)
+        if hashes:
+            self.classify(v, tenant, hashes, record_spread)
+        return v
+
+    def prepare_ids(
+        self, ids: list[int], own: set[int] | frozenset[int] = frozenset(), seen: set[int] | None = None
+    ) -> tuple[LeakVerdict, list[int]]:
+        """:meth:`check_ids` up to its store call (CPU only): the verdict so far (checked, own)
+        and the fingerprints still to look up, for :meth:`classify`."""
         v = LeakVerdict()
         todo = self._new_shingles(v, ids, own, seen)
-        if todo:
-            hashes = self.hasher.hashes_at(ids, todo)
-            self._classify_stored(v, tenant, hashes, record_spread)
-        return v
+        return v, (self.hasher.hashes_at(ids, todo) if todo else [])
+
+    def classify(
+        self,
+        v: LeakVerdict,
+        tenant: str,
+        hashes: list[int],
+        record_spread: bool = True,
+        owners: list[set[str]] | None = None,
+    ) -> None:
+        """The rest of :meth:`check_ids`: count ``hashes`` (from :meth:`prepare_ids`) into ``v``
+        by their owners; ``owners``: the store's answer for ``hashes`` (same order) when the
+        caller already looked them up, else one store lookup here."""
+        self._classify_stored(v, tenant, hashes, record_spread, owners)
 
     def _new_shingles(
         self, v: LeakVerdict, ids: list[int], own: set[int] | frozenset[int], seen: set[int] | None
@@ -373,11 +393,15 @@ class LeakIndex:
             seen |= local
         return todo
 
-    def _classify_stored(self, v: LeakVerdict, tenant: str, hashes: list[int], record_spread: bool) -> None:
-        """Count the fingerprints ``hashes`` by who sent them (the store's owners): the tenant
-        itself (own), two or more tenants (public) or one other tenant (:meth:`_classify_foreign`)."""
+    def _classify_stored(
+        self, v: LeakVerdict, tenant: str, hashes: list[int], record_spread: bool, looked_up: list[set[str]] | None
+    ) -> None:
+        """Count the fingerprints ``hashes`` by who sent them (the store's owners, or
+        ``looked_up``): the tenant itself (own), two or more tenants (public) or one other tenant
+        (:meth:`_classify_foreign`)."""
         foreign: list[tuple[int, str]] = []
-        for h, owners in zip(hashes, self.store.owners(hashes), strict=True):
+        stored = self.store.owners(hashes) if looked_up is None else looked_up
+        for h, owners in zip(hashes, stored, strict=True):
             if not owners:
                 continue
             if tenant in owners:
