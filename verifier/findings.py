@@ -46,6 +46,17 @@ class CheckJob:
     ttft_seconds: float | None
 
 
+@dataclass
+class Prepared:
+    """A check job's leak-index lookups computed ahead (:meth:`Findings.prefetch_locked`):
+    ``parts``, per text, :meth:`LeakIndex.prepare_ids`'s verdict so far and fingerprints to look
+    up; ``owners``: the store's owners of those fingerprints, looked up for a whole batch of
+    jobs in one call (``None``: not looked up, the check looks them up itself)."""
+
+    parts: list[tuple[LeakVerdict, list[int]]]
+    owners: dict[int, set[str]] | None = None
+
+
 class StoreSkipped(Exception):
     """The store is in its back-off after an error."""
 
@@ -314,22 +325,59 @@ class Findings:
             (withhold if strict and lv.cached_known else out).append(inc)
         return withhold, out
 
-    def content_locked(self, ex: Exchange, texts: Sequence[str]) -> list[Incident]:
+    def _prepare_locked(self, ex: Exchange, texts: Sequence[str]) -> Prepared:
+        """The CPU part of :meth:`content_locked`'s leak-index check (no store call)."""
+        own, seen = self.own_locked(ex), set[int]()
+        texts = [strip_echo(t, ex.echo_prompts) if ex.echo else t for t in texts]
+        return Prepared([self.index.prepare_ids(encode(t), own, seen) for t in texts])
+
+    def prefetch_locked(self, jobs: Sequence[CheckJob]) -> list[Prepared | None]:
+        """For a batch of queued checks, run in this order with no prompt ingest between them:
+        each one's leak-index fingerprints (:meth:`_prepare_locked`) and their owners, in one
+        store call for the whole batch instead of one per job. Reads only; a job that could not
+        be prepared (``None``), or a failed lookup (``owners`` left ``None``), leaves that check
+        to do its own, so every check's result and every error's count is as if run alone.
+        Caller holds the lock."""
+        if len(jobs) < 2 or not self.store.backoff.usable():
+            return [None] * len(jobs)
+        out: list[Prepared | None] = []
+        for job in jobs:
+            try:
+                strict = job.exchange.request.tenant.strict_verify
+                out.append(None if strict else self._prepare_locked(job.exchange, job.texts))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException:  # e.g. a tokenizer panic: the check runs it again and counts it
+                out.append(None)
+        hashes = list(dict.fromkeys(h for p in out if p is not None for _, hs in p.parts for h in hs))
+        if hashes:
+            try:
+                table = dict(zip(hashes, self.index.store.owners(hashes), strict=True))
+            except Exception:
+                return out  # each check looks up its own, and the first counts the error
+            for p in out:
+                if p is not None:
+                    p.owners = table
+        return out
+
+    def content_locked(self, ex: Exchange, texts: Sequence[str], prepared: Prepared | None = None) -> list[Incident]:
         """Canary and leak-index incidents for whole texts (each checked on its own; the echoed
-        prompt at the start of each is skipped). Caller holds the lock."""
+        prompt at the start of each is skipped); ``prepared``: the leak-index part computed
+        ahead (:meth:`prefetch_locked`). Caller holds the lock."""
         found: list[Incident] = []
         try:
             if not self.store.up():
                 raise StoreSkipped
-            texts = [strip_echo(t, ex.echo_prompts) if ex.echo else t for t in texts]
-            cans = list(dict.fromkeys(c for t in texts for c in find_canaries(t)))
+            stripped = [strip_echo(t, ex.echo_prompts) if ex.echo else t for t in texts]
+            cans = list(dict.fromkeys(c for t in stripped for c in find_canaries(t)))
             found += self.canary(ex, cans)
-            own = self.own_locked(ex)
-            verdict, seen = LeakVerdict(), set[int]()
-            for t in texts:
-                verdict.merge(
-                    self.index.check_ids(ex.request.tenant.id, encode(t), own, seen, record_spread=trusted(ex))
-                )
+            p = prepared if prepared is not None else self._prepare_locked(ex, texts)
+            verdict, tenant, spread = LeakVerdict(), ex.request.tenant.id, trusted(ex)
+            for v, hashes in p.parts:
+                if hashes:
+                    owners = [p.owners[h] for h in hashes] if p.owners is not None else None
+                    self.index.classify(v, tenant, hashes, spread, owners)
+                verdict.merge(v)
             leak = self.leak(ex, verdict)
             if leak:
                 found.append(leak)
@@ -339,11 +387,14 @@ class Findings:
             self.store.error(e)
         return found
 
-    def check_whole_locked(self, job: CheckJob, stats: collections.Counter[Any]) -> list[Incident]:
+    def check_whole_locked(
+        self, job: CheckJob, stats: collections.Counter[Any], prepared: Prepared | None = None
+    ) -> list[Incident]:
         """Run every detector on a whole response (background or strict non-streamed) and record
         the incidents. Returns those that withhold a strict response: content findings (canary,
         leak index), an oversize text, and a latency anomaly whose cached-token count is known.
-        Caller holds the lock."""
+        ``prepared``: its leak-index lookups done ahead (:meth:`prefetch_locked`). Caller holds
+        the lock."""
         ex = job.exchange
         strict = ex.request.tenant.strict_verify
         CHECKS.labels(ex.request.upstream, "strict" if strict else "sampled").inc()
@@ -354,7 +405,7 @@ class Findings:
                 inc = self.oversize(ex, nbytes)
                 self.evidence.record([inc], withheld=True, exchange=ex)
                 return [inc]
-        content = self.content_locked(ex, job.texts)
+        content = self.content_locked(ex, job.texts, prepared)
         withhold, tail = self.tail(ex, job.usage, job.finish_reason, job.ttft_seconds, strict)
         content += withhold
         self.evidence.record(content, withheld=strict, exchange=ex)

@@ -23,7 +23,7 @@ from redis.exceptions import NoScriptError
 from config.models import VerifierSettings
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.caps import TenantCaps
-from verifier.findings import CheckJob, Findings, StoreHealth
+from verifier.findings import CheckJob, Findings, Prepared, StoreHealth
 from verifier.incidents import DROPPED, DROPPED_BYTES, JOB_FAULTS, WORKER_STOPS
 from verifier.leak_index import LeakIndex, MemoryLeakStore, RedisLeakStore
 from verifier.shingles import ShingleHasher, encode, squeeze_runs
@@ -359,12 +359,24 @@ class JobQueue:
         log.error("verifier job fault (%s): %s", kind, type(e).__name__, exc_info=(type(e), e, e.__traceback__))
 
     def _run_some(self, n: int) -> None:
-        for _ in range(n):
+        """Run up to ``n`` queued jobs, in order: a prompt ingest alone, a run of consecutive
+        checks together, their leak-index lookups in one store call (:meth:`Findings.prefetch_locked`)."""
+        while n > 0:
             with self.lock:
                 if not self.jobs:
                     return
-                job = self.jobs.popleft()
-                self._run(job)
+                batch = [self.jobs.popleft()]
+                while (
+                    isinstance(batch[0], CheckJob)
+                    and len(batch) < n
+                    and self.jobs
+                    and isinstance(self.jobs[0], CheckJob)
+                ):
+                    batch.append(self.jobs.popleft())
+                n -= len(batch)
+                ahead = self.findings.prefetch_locked(batch) if len(batch) > 1 else [None]
+                for job, prepared in zip(batch, ahead, strict=True):
+                    self._run(job, prepared)
 
     def drain_ingests_locked(self, exchange: Exchange) -> None:
         """For an exchange that skipped admission only: process queued prompt ingests now (a
@@ -383,7 +395,7 @@ class JobQueue:
         # only the left end is touched here and only the right end by appends: no lost job
         self.jobs.extendleft(reversed(keep))
 
-    def _run(self, job: IngestJob | CheckJob) -> None:
+    def _run(self, job: IngestJob | CheckJob, prepared: Prepared | None = None) -> None:
         store = self.findings.store
         try:
             if isinstance(job, IngestJob):
@@ -391,7 +403,7 @@ class JobQueue:
                     return
                 self._ingest(job)
             else:
-                self.findings.check_whole_locked(job, self.stats)
+                self.findings.check_whole_locked(job, self.stats, prepared)
         except FATAL:
             raise
         except Exception as e:  # a store error (Redis down) must not kill the worker

@@ -1,0 +1,89 @@
+"""The background worker checks a run of queued responses together, their leak-index lookups in
+one store call: every check's findings are those of the same checks run one at a time, a prompt
+ingest queued between checks is seen by the checks after it only, and a failing store counts its
+error as before."""
+
+from __future__ import annotations
+
+import uuid
+
+from conftest import SEEDS
+
+from config.models import TenantConfig
+from tests.fixtures.settings import verifier_settings
+from verifier.build import build_verifier
+from verifier.findings import CheckJob
+from verifier.service import VerifierService
+from verifier.shingles import encode
+from verifier.stage import Exchange, ExchangeRequest
+
+SEED_PL = (SEEDS / "001_85707760a0179a93.txt").read_text()
+SECRETS = {"leak_index_key": b"batch-test-key", "cache_salt_key": b"x", "admin_key": b"y"}
+A_PROMPT, C_PROMPT = SEED_PL[:3000], SEED_PL[6000:9000]
+
+
+def ex(tid: str, prompt: str) -> Exchange:
+    t = TenantConfig(id=tid, verify_sample_rate=1.0)
+    return Exchange(
+        ExchangeRequest(f"req-{uuid.uuid4().hex[:8]}", t, "up", "m", len(encode(prompt)), False, 0.0), prompt
+    )
+
+
+def queue_workload(svc: VerifierService) -> None:
+    """Prompts of a and c, and checks of answers quoting them (or not), an ingest in between."""
+    svc.begin(ex("a", A_PROMPT))  # not admitted: its prompt is queued for the worker
+    for i, (tid, text) in enumerate(
+        [("b", SEED_PL[1000:1600]), ("b", "Nothing to see here, rivers and stones."), ("a", SEED_PL[500:900])]
+        + [("d", SEED_PL[6500:7000]), ("e", SEED_PL[2000:2400] + " and " + SEED_PL[6100:6500])]
+    ):
+        if i == 3:
+            svc.begin(ex("c", C_PROMPT))  # c's prompt is indexed after the first three checks only
+        e = ex(tid, f"Question {i} about a text.")
+        e.state.sampled = True
+        svc.jobs.enqueue(CheckJob(e, [text, "" if i % 2 else text[:120]], None, "stop", None))
+
+
+def findings(svc: VerifierService) -> list[tuple[str, str, bool, dict]]:
+    out = []
+    for inc in svc.incidents.recent:
+        ev = {k: v for k, v in inc.evidence.items() if k != "request_id"}
+        out.append((inc.detector, inc.tenant, inc.confirmed, ev))
+    return out
+
+
+def run(tmp_path, name: str, per_call: int) -> tuple[list, dict, int]:
+    svc = build_verifier(verifier_settings(tmp_path / name), secrets=SECRETS)
+    queue_workload(svc)
+    store, lookups = svc.index.store, []
+    owners = store.owners
+    store.owners = lambda fps: lookups.append(len(fps)) or owners(fps)  # type: ignore[method-assign]
+    while svc.jobs.jobs:
+        svc.jobs._run_some(per_call)
+    return findings(svc), {k: v for k, v in svc.stats.items() if v}, len(lookups)
+
+
+def test_batched_checks_find_what_single_checks_find(tmp_path):
+    one = run(tmp_path, "one", 1)
+    batched = run(tmp_path, "batched", 32)
+    assert batched[:2] == one[:2]
+    assert (one[2], batched[2]) == (5, 2)  # a lookup per check; one per run of checks
+    got = {(d, t) for d, t, _, _ in one[0]}
+    assert ("leak_index", "b") in got and ("leak_index", "d") in got and ("leak_index", "e") in got
+    assert ("leak_index", "a") not in got  # its own prompt
+
+
+def test_a_failing_store_counts_as_before(tmp_path, monkeypatch):
+    def down(self, fps):
+        raise ConnectionError("store down")
+
+    def both(name: str, per_call: int):
+        svc = build_verifier(verifier_settings(tmp_path / name), secrets=SECRETS)
+        queue_workload(svc)
+        monkeypatch.setattr(type(svc.index.store), "owners", down)
+        while svc.jobs.jobs:
+            svc.jobs._run_some(per_call)
+        monkeypatch.undo()
+        return findings(svc), {k: v for k, v in svc.stats.items() if v}
+
+    one, batched = both("one", 1), both("batched", 32)
+    assert batched == one and one[1]["store_errors"] == 1 and one[1]["store_skipped"] >= 1
