@@ -536,7 +536,7 @@ def profile_main(folder: str, batch: int, context: int = 512, long_prompt: int =
     prefill of ``long_prompt`` tokens. Prints one table of the top ops each."""
     from torch.profiler import ProfilerActivity, profile
 
-    from gateway.demo_corpus import prose
+    from gateway.stack.demo_corpus import prose
     from gpu_backend.engine import Engine, EngineConfig
     from gpu_backend.messages import AddRequest
     from gpu_backend.sampling import SamplingParams
