@@ -107,6 +107,9 @@ _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
 _MASK64 = (1 << 64) - 1
+#: at most this many shingles are hashed in Python ints, not numpy: a short answer's one or two
+#: shingles cost about 3 us each that way, the array path's ten-odd operations about 15 us
+FEW_SHINGLES = 4
 
 
 class ShingleHasher:
@@ -162,6 +165,8 @@ class ShingleHasher:
         n = len(ids) - k + 1
         if n <= 0:
             return np.zeros(0, dtype=np.uint64)
+        if n <= FEW_SHINGLES:
+            return np.array([self._fast_one(ids[i : i + k]) for i in range(n)], dtype=np.uint64)
         a = np.asarray(ids, dtype=np.uint64)
         total = len(a)
         res: np.ndarray | None = None  # hashes of runs of res_len ids (total - res_len + 1 of them)
@@ -191,6 +196,18 @@ class ShingleHasher:
         h *= _M2
         h ^= h >> _S33
         return h
+
+    def _fast_one(self, window: Sequence[int]) -> int:
+        """:meth:`fast` of one shingle in Python ints (Horner, mod 2**64): the same value."""
+        poly, h = int(self._poly), 0
+        for t in window:
+            h = (h * poly + int(t)) & _MASK64
+        h ^= int(self._xor)
+        h ^= h >> 33
+        h = (h * 0xFF51AFD7ED558CCD) & _MASK64
+        h ^= h >> 33
+        h = (h * 0xC4CEB9FE1A85EC53) & _MASK64
+        return h ^ (h >> 33)
 
     def select(self, ids: Sequence[int], w: int, fast: np.ndarray | None = None) -> list[int]:
         """Start positions of the shingles winnowing keeps: in every window of ``w`` consecutive
