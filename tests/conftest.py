@@ -41,6 +41,7 @@ NEEDS_SEEDS = [
     "test_tokenizer_hf.py",
     "test_tokenizer_parallel.py",
     "test_verifier_backend.py",
+    "test_verifier_batch_checks.py",
     "test_verifier_e2e.py",
     "test_verifier_service.py",
     "test_verifier_units.py",
