@@ -116,20 +116,20 @@ def _seq_mask(s: SeqSpan, device: torch.device) -> torch.Tensor | None:
     return (torch.arange(s.start + s.num_new)[None, :] <= qpos[:, None])[None].to(device)
 
 
-def _uniform_view(seqs: list[_Seq]) -> tuple[int, int, int] | None:
-    """(first slot, slot spacing, kv_len) when a decode batch of several sequences can be read as one
-    strided view of the pool: one query each, each sequence's positions one slot range (consecutive
-    pages), all of one length, at a constant positive spacing (as a batch admitted together gets from
-    the FIFO free list). The view covers exactly each sequence's own slots. ``None`` otherwise."""
-    if len(seqs) < 2 or any(q.n != 1 or not isinstance(q.kv, slice) for q in seqs):
-        return None
-    starts = [q.kv.start for q in seqs if isinstance(q.kv, slice)]
-    step, L = starts[1] - starts[0], seqs[0].kv_len
-    if step <= 0 or any(q.kv_len != L for q in seqs):
-        return None
-    if any(b - a != step for a, b in zip(starts, starts[1:], strict=False)):
-        return None
-    return starts[0], step, L
+def _padded_slots(seqs: list[_Seq], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """A decode batch read as one padded block: [B * Lmax] slots (row b: its positions, then its
+    first slot again), the [B, 1, 1, Lmax] bool mask of real positions (``None`` when every
+    sequence has Lmax) and Lmax."""
+    lmax = max(q.kv_len for q in seqs)
+    rows = []
+    for q in seqs:
+        src = q.kv if isinstance(q.kv, torch.Tensor) else torch.arange(q.kv.start, q.kv.stop, device=device)
+        rows.append(torch.cat((src, src[:1].expand(lmax - q.kv_len))) if q.kv_len < lmax else src)
+    if all(q.kv_len == lmax for q in seqs):
+        return torch.cat(rows), None, lmax
+    lens = torch.tensor([q.kv_len for q in seqs])
+    mask = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]
+    return torch.cat(rows), mask.to(device), lmax
 
 
 def _attend_one(Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, mask: torch.Tensor | None, scale: float):
@@ -152,9 +152,8 @@ class PagedAttention:
 
     Everything per step is computed here once, so a layer's call is a store and one attention:
     a sequence whose pages are consecutive is read as a view of the pool (no gather), one with
-    scattered pages through ``index_select``; a decode batch whose sequences lie at a constant
-    spacing with one length is read as one strided view and attended in one call, any other batch
-    sequence by sequence (no padded copy: a sequence's keys are only its own slots).
+    scattered pages through ``index_select``; a decode batch of several sequences is gathered into
+    one padded block (reused by every layer) and attended in one call.
     """
 
     def __init__(self, pool, spans: list[SeqSpan]) -> None:
@@ -177,7 +176,10 @@ class PagedAttention:
         self.positions = torch.tensor(pos, dtype=torch.long, device=dev)
         self.target_positions = torch.tensor(tgt, dtype=torch.long, device=dev)
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        self._uniform = _uniform_view(self._seqs)
+        self._padded: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
+        if len(spans) > 1 and all(q.n == 1 for q in self._seqs):
+            self._padded = _padded_slots(self._seqs, dev)
+        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Store k/v ([T, Hkv, D]) at the new tokens' slots, attend q ([T, Hq, D]) over each
@@ -185,7 +187,7 @@ class PagedAttention:
         kc, vc = self.pool.layer_cache(layer)
         kc.index_copy_(0, self.slot_mapping, k.to(kc.dtype))
         vc.index_copy_(0, self.slot_mapping, v.to(vc.dtype))
-        if self._uniform is not None:
+        if self._padded is not None:
             return self._attend_decode_batch(kc, vc, q, scale)
         if len(self._seqs) == 1:
             return self._attend_seq(self._seqs[0], kc, vc, q, scale)
@@ -206,16 +208,20 @@ class PagedAttention:
         return _attend_one(Q, K, V, s.mask, scale)[0].transpose(0, 1)
 
     def _attend_decode_batch(self, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """B sequences, one query each, read as one strided [B, Hkv, L, D] view of the pool (no copy:
-        row b is sequence b's own slot range); one attention call, no mask; [B, Hq, D]."""
-        assert self._uniform is not None
-        first, step, L = self._uniform
+        """B sequences, one query each: their K/V gathered into one padded [B, Lmax] block (the
+        buffers are this step's, reused by every layer), one attention call; [B, Hq, D]."""
+        assert self._padded is not None
+        slots, mask, lmax = self._padded
+        if self._bufs is None:
+            self._bufs = (kc.new_empty((slots.numel(), *kc.shape[1:])), vc.new_empty((slots.numel(), *vc.shape[1:])))
+        kb, vb = self._bufs
+        torch.index_select(kc, 0, slots, out=kb)
+        torch.index_select(vc, 0, slots, out=vb)
         B, Hq, D = q.shape
-        st = kc.stride()
-        size, stride = (B, kc.shape[1], L, kc.shape[2]), (step * st[0], st[1], st[0], st[2])
-        K = kc.as_strided(size, stride, kc.storage_offset() + first * st[0]).to(q.dtype)
-        V = vc.as_strided(size, stride, vc.storage_offset() + first * st[0]).to(q.dtype)
-        out = F.scaled_dot_product_attention(q[:, :, None], K, V, scale=scale, enable_gqa=Hq != K.shape[1])
+        K = kb.view(B, lmax, *kb.shape[1:]).transpose(1, 2).to(q.dtype)
+        V = vb.view(B, lmax, *vb.shape[1:]).transpose(1, 2).to(q.dtype)
+        gqa = Hq != K.shape[1]
+        out = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=mask, scale=scale, enable_gqa=gqa)
         return out[:, :, 0]
 
 
