@@ -92,10 +92,8 @@ async def test_a_prompt_still_being_indexed_is_found_by_a_later_strict_check(tmp
         assert ei.value.detector == "leak_index"
         assert ingest.done() and svc.stats["ingested"] == 2 and svc.ingest_pending_bytes == 0
         # a check that begins once no ingest is in flight gets the plain guard
-        later = ex(STRICT, "hi")
-        own = svc.start_admit(later)
-        assert own is not None
-        await own  # its own ingest (a Redis round trip) ended: nothing is in flight
+        later = admitted(svc, STRICT, "hi")
+        await settle()
         assert not isinstance(svc.begin(later), BarrierGuard)
     finally:
         await svc.aclose()
