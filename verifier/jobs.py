@@ -381,8 +381,7 @@ class JobQueue:
     def drain_ingests_locked(self, exchange: Exchange) -> None:
         """For an exchange that skipped admission only: process queued prompt ingests now (a
         strict check must see every earlier prompt). An admitted exchange never does this other
-        tenants' work: its guard awaits the admission ingests in flight when it began instead
-        (the index barrier, :mod:`verifier.barrier`).
+        tenants' work: every prompt forwarded through admission was indexed before it left.
         Caller holds the lock; checks stay queued, in order, ahead of anything appended meanwhile."""
         if exchange.state.admitted or not any(isinstance(j, IngestJob) for j in list(self.jobs)):
             return
