@@ -1,13 +1,11 @@
 """The verifier stage the gateway calls (implements :class:`verifier.stage.VerifierStage`).
 
-- :meth:`VerifierService.start_admit` (admission; :meth:`VerifierService.admit` awaits the same
-  work) decodes token-id prompts with the model's tokenizer and indexes the prompt in the leak
-  index and the canary registry (every tenant, sampled or not: the index must know every prompt
-  to recognise it elsewhere), as a task the request does not wait for before it is forwarded (a
-  prompt of at most 4 KiB on the event loop, a larger one in a thread of its own: see
-  :meth:`VerifierService.admit`); a response check that begins later first awaits every ingest
-  in flight (the index barrier, :mod:`verifier.barrier`), so it finds the prompt indexed. One
-  tenant's ingests run ``ingest_concurrency_per_tenant`` at a time;
+- :meth:`VerifierService.admit` (admission, before forwarding) decodes token-id prompts with the
+  model's tokenizer and indexes the prompt in the leak index and the canary registry (every
+  tenant, sampled or not: the index must know every prompt to recognise it elsewhere), in a
+  thread of its own that the request awaits (a prompt of at most 4 KiB on the event loop: see
+  :meth:`VerifierService.admit`): a tenant's prompt costs its own time, and a later check
+  finds it indexed. One tenant's ingests run ``ingest_concurrency_per_tenant`` at a time;
   pending ingest is bounded in bytes (``max_pending_ingest_bytes``), beyond which a prompt is not
   indexed and is counted as dropped.
 - :meth:`VerifierService.begin` returns a guard when the response is sampled
@@ -250,8 +248,8 @@ class VerifierService:
     async def admit(
         self, exchange: Exchange, decode: Decoder | None = None, *, defer_write: bool = False
     ) -> PendingIndex | None:
-        """Admission-time work of one request, awaited (tests, benchmarks; the gateway runs it
-        through :meth:`start_admit`): decode ``exchange.prompt_ids`` with ``decode`` (the model tokenizer's ``adecode``;
+        """Admission-time work of one request, awaited before it is forwarded (see the module
+        doc): decode ``exchange.prompt_ids`` with ``decode`` (the model tokenizer's ``adecode``;
         a failure, or no decoder, leaves ``own_text_complete`` false and is counted as
         ``decode_failed``), then tokenize and fingerprint the prompt and add it to the leak index
         and the canary registry (a prompt of at most :data:`~verifier.jobs.INLINE_INGEST_BYTES`
