@@ -373,9 +373,6 @@ class WithholdingVerifier:
     async def admit(self, exchange, decode=None, *, defer_write=False):
         return None
 
-    def start_admit(self, exchange, decode=None, send=None):
-        return None
-
     def is_quarantined(self, upstream, prompt_tokens):
         return upstream in self.quarantined
 
@@ -471,9 +468,6 @@ def test_a_failing_stage_still_answers_openai_shaped_500(engine):
             raise RuntimeError("verifier bug")
 
         async def admit(self, exchange, decode=None, *, defer_write=False):
-            return None
-
-        def start_admit(self, exchange, decode=None, send=None):
             return None
 
         def is_quarantined(self, upstream, prompt_tokens):

@@ -36,10 +36,6 @@ class IndexingVerifier:
         self.indexed.append(exchange.request.request_id)
         return None
 
-    def start_admit(self, exchange, decode=None, send=None):
-        self.indexed.append(exchange.request.request_id)
-        return None
-
     def begin(self, exchange):
         return None
 

@@ -45,7 +45,6 @@ import time
 from typing import Any
 
 from config.models import Settings, TenantConfig
-from verifier.barrier import BarrierGuard
 from verifier.canary import CanaryRegistry
 from verifier.caps import TenantCaps
 from verifier.findings import strip_echo
@@ -57,7 +56,7 @@ from verifier.leak_index import LeakIndex
 from verifier.prober import PeriodicProbe
 from verifier.quarantine import Quarantine
 from verifier.shingles import ShingleHasher
-from verifier.stage import Decoder, Exchange, Sender
+from verifier.stage import Decoder, Exchange
 from verifier.strict import StrictChecks
 
 log = logging.getLogger("kvgate.verifier")
@@ -115,10 +114,6 @@ class VerifierService:
         self.aredis = aredis
         self._tasks: list[asyncio.Task] = []
         self._closed = False
-        #: admission ingests started by :meth:`start_admit` and not yet ended (the index barrier)
-        self._ingests: set[asyncio.Task] = set()
-        #: background checks waiting for their index barrier before they are queued
-        self._deferred: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -152,11 +147,6 @@ class VerifierService:
         return self.ingest.pending_bytes
 
     @property
-    def ingests_in_flight(self) -> int:
-        """Admission ingests started (:meth:`start_admit`) and not yet ended."""
-        return len(self._ingests)
-
-    @property
     def queued_jobs(self) -> int:
         """Jobs (prompt ingests, whole-response checks) queued for the background worker."""
         return len(self.jobs.jobs)
@@ -184,15 +174,13 @@ class VerifierService:
             self._tasks.append(loop.create_task(self.prober.loop(), name="kvgate-verifier-probe"))
 
     async def drain(self, timeout: float = 30.0) -> None:
-        """Wait until every admission ingest in flight has ended and every queued (or
-        barrier-deferred) job has been processed (tests, shutdown)."""
+        """Wait until every queued job has been processed (tests, shutdown)."""
         deadline = time.monotonic() + timeout
-        while self.jobs.jobs or self.stats["in_flight"] or self._ingests or self._deferred:
+        while self.jobs.jobs or self.stats["in_flight"]:
             if self.jobs.wake is not None:
                 self.jobs.wake.set()
             if time.monotonic() > deadline:
-                left = f"{self.queued_jobs} jobs, {len(self._ingests)} ingests left"
-                raise TimeoutError(f"verifier queue not drained: {left}")
+                raise TimeoutError(f"verifier queue not drained: {self.queued_jobs} jobs left")
             await asyncio.sleep(0.005)
 
     async def aclose(self) -> None:
@@ -201,10 +189,8 @@ class VerifierService:
             try:
                 await self.drain(timeout=5.0)
             except TimeoutError:
-                log.warning("verifier: %d jobs, %d ingests dropped at shutdown", self.queued_jobs, len(self._ingests))
+                log.warning("verifier: %d jobs dropped at shutdown", self.queued_jobs)
         self._closed = True
-        for task in [*self._ingests, *self._deferred]:
-            task.cancel()
         self.jobs.closing = True
         tasks, self._tasks = self._tasks, []
         for task in tasks:
@@ -270,49 +256,6 @@ class VerifierService:
         exchange.state.admitted = True
         return await self._index_prompt(exchange, defer_write)
 
-    def start_admit(
-        self, exchange: Exchange, decode: Decoder | None = None, send: Sender | None = None
-    ) -> asyncio.Task | None:
-        """:meth:`admit`'s work started, not awaited: the request is forwarded while its prompt is
-        indexed. The exchange counts as admitted at once; the ingest runs as a task the service
-        keeps until it ends, and a response check that begins later (:meth:`begin`) first awaits
-        every ingest in flight when it began (the index barrier), so no check misses a prompt
-        forwarded before it began. ``send``: sends a small prompt's
-        :class:`~verifier.jobs.PendingIndex` with a round trip of its own (the quota store's
-        ``send_writes``); the task then finishes it. Returns the task (it never raises; a fault is
-        counted, ``kvgate_verifier_job_faults_total{kind="ingest"}``), or ``None`` when
-        verification is off or the exchange was admitted already. Needs a running loop. Cancelling
-        the request does not cancel the ingest (its prompt may have been forwarded); only
-        :meth:`aclose` does, past the drain."""
-        if not self.cfg.enabled or exchange.state.admitted:
-            return None
-        self._arrive(exchange)
-        exchange.state.admitted = True  # begin() queues no IngestJob for it
-        task = asyncio.get_running_loop().create_task(self._ingest_admitted(exchange, decode, send))
-        self._ingests.add(task)
-        task.add_done_callback(self._ingests.discard)
-        return task
-
-    async def _ingest_admitted(self, exchange: Exchange, decode: Decoder | None, send: Sender | None) -> None:
-        """:meth:`start_admit`'s task: decode, index, send the writes; never raises but FATAL."""
-        try:
-            if exchange.prompt_ids:
-                await self._decode_prompt_ids(exchange, decode)
-            pending = await self._index_prompt(exchange, send is not None)
-            if pending is not None and send is not None:
-                try:
-                    await send(pending)
-                finally:
-                    await pending.finish()
-        except FATAL:
-            raise
-        except BaseException as e:  # a failed round trip or decoder bug: this prompt only
-            self.jobs.fault("ingest", e)
-
-    def _barrier(self) -> list[asyncio.Task]:
-        """The admission ingests in flight now (the index barrier of a check beginning now)."""
-        return [t for t in self._ingests if not t.done()]
-
     async def _decode_prompt_ids(self, exchange: Exchange, decode: Decoder | None) -> None:
         """Append the token-id prompts' text to the prompt text and the echo prompts."""
         decoded: list[str] = []
@@ -363,27 +306,20 @@ class VerifierService:
             if not started:
                 self.ingest.release(nbytes)
 
-    def begin(self, exchange: Exchange) -> BackgroundGuard | StrictGuard | BarrierGuard | None:
+    def begin(self, exchange: Exchange) -> BackgroundGuard | StrictGuard | None:
         """A guard when sampled or strict (see the module doc). An exchange that did not pass
-        :meth:`admit` has its prompt queued for the background worker. With admission ingests in
-        flight, the guard is a :class:`~verifier.barrier.BarrierGuard`: its checks first await
-        them (a strict one before it checks; a background one queues its check once they ended,
-        without holding the response)."""
+        :meth:`admit` has its prompt queued for the background worker."""
         if not self.cfg.enabled:
             return None
         sampled = self._arrive(exchange)
         tenant = exchange.request.tenant
         if not exchange.state.admitted:
             self.jobs.enqueue(IngestJob(tenant.id, exchange.prompt_text, exchange.internal_id, sampled))
-        guard: BackgroundGuard | StrictGuard
         if tenant.strict_verify:
-            guard = StrictGuard(self.strict, exchange)
-        elif sampled:
-            guard = BackgroundGuard(self.jobs, exchange)
-        else:
-            return None
-        barrier = self._barrier()
-        return BarrierGuard(guard, barrier, self._deferred) if barrier else guard
+            return StrictGuard(self.strict, exchange)
+        if sampled:
+            return BackgroundGuard(self.jobs, exchange)
+        return None
 
     def is_quarantined(self, upstream: str, prompt_tokens: int) -> bool:
         """Whether ``upstream`` is quarantined for prompts of this length."""

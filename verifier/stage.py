@@ -5,7 +5,6 @@ It lives here, not in the gateway, because dependencies point ``gateway -> verif
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -141,33 +140,19 @@ class PendingWrite(Protocol):
     async def finish(self) -> None: ...
 
 
-#: sends a :class:`PendingWrite` with a round trip of its own (the quota store's ``send_writes``)
-Sender = Callable[[PendingWrite], Awaitable[None]]
-
-
 class VerifierStage(Protocol):
     """Creates guards; owns background checking, metrics and incident records."""
 
     async def admit(
         self, exchange: Exchange, decode: Decoder | None = None, *, defer_write: bool = False
     ) -> PendingWrite | None:
-        """Admission, awaited: decode ``exchange.prompt_ids`` with ``decode`` and index the
-        prompt, so a later check finds it indexed (tests, benchmarks; the gateway uses
-        :meth:`start_admit`). Never raises for the request's sake (a
+        """Admission (before the request is forwarded): decode ``exchange.prompt_ids`` with
+        ``decode`` and index the prompt, in a worker thread this request awaits, so its cost is
+        its own and a later check finds it indexed. Never raises for the request's sake (a
         failed decode or a full ingest budget is counted and the request goes on).
         ``defer_write``: when the prompt's store write can ride another round trip, return it
         as a :class:`PendingWrite` instead of sending it (the caller must await its ``finish``);
         otherwise ``None``, the prompt indexed."""
-        ...
-
-    def start_admit(
-        self, exchange: Exchange, decode: Decoder | None = None, send: Sender | None = None
-    ) -> asyncio.Future[None] | None:
-        """Admission as the gateway runs it: :meth:`admit`'s work started, not awaited, so the
-        request is forwarded while its prompt is indexed; a response check that begins later
-        first awaits it (the index barrier). ``send``: the round trip a small prompt's
-        :class:`PendingWrite` rides. Returns an awaitable that ends with the ingest and never
-        raises (the request's finish awaits it before its lease settles), or ``None``."""
         ...
 
     def begin(self, exchange: Exchange) -> ResponseGuard | None:
@@ -188,11 +173,6 @@ class NullVerifier:
     async def admit(
         self, exchange: Exchange, decode: Decoder | None = None, *, defer_write: bool = False
     ) -> PendingWrite | None:
-        return None
-
-    def start_admit(
-        self, exchange: Exchange, decode: Decoder | None = None, send: Sender | None = None
-    ) -> asyncio.Future[None] | None:
         return None
 
     def begin(self, exchange: Exchange) -> ResponseGuard | None:

@@ -25,12 +25,9 @@ before working": a refusal comes before the work it would waste):
 5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503) and
    build the body to forward (``route.forward_body``);
 6. reserve the request's tokens against TPM (:meth:`gateway.quotas.stage.QuotaStage.reserve_tokens`),
-   then start the verifier's admission of the prompt (:meth:`verifier.stage.VerifierStage.start_admit`:
-   token-id prompts decoded, the prompt indexed, its write riding the quota store's round trip),
-   not awaited: the request is forwarded while it runs, and every response check that begins
-   later first awaits it (the verifier's index barrier), so no check misses a forwarded prompt;
-   the request's finish awaits it before the lease settles. A refused prompt is never indexed; a
-   cancelled request leaves its ingest running (its prompt may have been forwarded).
+   then hand the admitted prompt to the verifier's admission
+   (:meth:`verifier.stage.VerifierStage.admit`: token-id prompts decoded, the prompt indexed, on
+   this request's own time, before it can be forwarded): a refused prompt is never indexed.
 
 A request refused after step 1 has its lease released and its tokens refunded
 (``settle(lease, 0)``); its RPM entry stays spent, so invalid requests cost their sender RPM.
@@ -181,9 +178,7 @@ class Admitted:
     """An admitted request: who (``tenant``), what admission decided (``admission``: model, token
     counts, limit), the quota ``lease`` (settled exactly once by :func:`gateway.relay.finish.finish`),
     the upstreams it may go to (``candidates``: known pool, not quarantined) and ``forward``;
-    ``exchange``: the request as the verifier saw it at admission (the relay names its upstream);
-    ``ingest``: the verifier's admission of its prompt, still running maybe (an awaitable that
-    never raises; :func:`gateway.relay.finish.finish` awaits it), or ``None``."""
+    ``exchange``: the request as the verifier saw it at admission (the relay names its upstream)."""
 
     arrival: Arrival[ApiRoute]
     tenant: TenantConfig
@@ -192,7 +187,6 @@ class Admitted:
     candidates: list[Upstream]
     forward: Forward
     exchange: Exchange | None = None
-    ingest: asyncio.Future[None] | None = None
 
 
 class Refused(Exception):
@@ -341,14 +335,17 @@ async def _admit_tenant(
     adm, candidates, served = await _count_and_decide(ctx, tenant, body, route)
     forward = await _forward(body, route, adm, ctx.cache_salt(tenant.id), served, large)
     await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
-    exchange = ingest = None
+    exchange = None
     if route.verified:  # embeddings have no output text to verify: their inputs are not indexed
-        # only an admitted prompt is indexed; it is forwarded while it is (later checks await it),
-        # its index write riding the quota store's round trip
+        # only an admitted prompt is indexed, before it can be forwarded
         exchange = verifier_exchange(arrival, tenant, adm, body, forward.stream)
-        quotas = ctx.quotas
-        ingest = ctx.verifier.start_admit(exchange, adm.model.counter.adecode, lambda w: quotas.send_writes(w))
-    return Admitted(arrival, tenant, adm, lease, candidates, forward, exchange, ingest)
+        pending = await ctx.verifier.admit(exchange, adm.model.counter.adecode, defer_write=True)
+        if pending is not None:  # the index write rides the quota store's round trip
+            try:
+                await ctx.quotas.send_writes(pending)
+            finally:
+                await pending.finish()
+    return Admitted(arrival, tenant, adm, lease, candidates, forward, exchange)
 
 
 def verifier_exchange(

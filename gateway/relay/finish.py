@@ -40,12 +40,7 @@ class FinishContext(Protocol):
 
 
 async def finish(ctx: FinishContext, outcome: RelayOutcome) -> None:
-    """Settle, metrics, access log (module docstring). Never raises: a failing settle is logged.
-    The request's own admission ingest (``Admitted.ingest``) is awaited first, so none is left
-    running past its request (it never raises; waiting does not cancel it)."""
-    ingest = outcome.admitted.ingest
-    if ingest is not None and not ingest.done():
-        await asyncio.wait([ingest])
+    """Settle, metrics, access log (module docstring). Never raises: a failing settle is logged."""
     try:
         await ctx.quotas.settle(outcome.admitted.lease, await used_tokens(outcome))
     except Exception:
