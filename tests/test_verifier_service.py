@@ -3,6 +3,7 @@ honeypot canaries, quarantine, drift, and two replicas sharing Redis."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -439,5 +440,40 @@ async def test_background_guard_calls_never_suspend(tmp_path):
         )
         await svc.drain()
         assert svc.stats["checked"] == 2
+    finally:
+        await svc.aclose()
+
+
+@pytest.mark.parametrize("waited_before_forwarding", [False, True])
+async def test_strict_stream_first_token_is_timed_from_forwarding(tmp_path, waited_before_forwarding):
+    """A strict stream's first-token check uses the clock its calibration uses: from forwarding,
+    not from arrival. A request that spent 1 s in the gateway (counting, quotas, a queue) before
+    its engine answered in 1 ms is still too fast for a bound calibrated at ~50 ms; one forwarded
+    1 s before its first token is not."""
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
+    try:
+        prompt = SEED_PL[:1200]
+        n = len(encode(prompt))
+        for i in range(6):  # streamed TTFTs of ~100 ms from three tenants: the bound is ~50 ms
+            g = svc.begin(ex((A, C, D)[i % 3], prompt, stream=True))
+            await g.feed("ok", sse("ok"))
+            await g.finish_stream(usage={"prompt_tokens": n}, finish_reason="stop", ttft_seconds=0.1)
+        await svc.drain()
+        svc.begin(ex(A, A_PROMPT))
+        e = ex(STRICT, prompt, stream=True, rid="req-fast")
+        now = time.monotonic()
+        forwarded = now - 1.0 if waited_before_forwarding else now
+        e.request = dataclasses.replace(e.request, started_monotonic=now - 1.0, forwarded_monotonic=forwarded)
+        g = svc.begin(e)
+        with pytest.raises(ResponseWithheld):
+            await g.feed(LEAK, sse(LEAK))
+        incs = [i for i in svc.incidents.recent if i.request_id == "req-fast"]
+        det = sorted(i.detector for i in incs)
+        if waited_before_forwarding:
+            assert det == ["leak_index"]
+        else:
+            assert det == ["latency", "leak_index"]
+            (lat,) = [i for i in incs if i.detector == "latency"]
+            assert lat.evidence["ttft_ms"] < 10 and lat.evidence["bound_ms"] == pytest.approx(50, rel=0.02)
     finally:
         await svc.aclose()

@@ -271,7 +271,9 @@ class StrictGuard:
             self._withhold([self.checks.oversize(self.exchange, self._text_bytes)])
         if not self._first_text_seen:
             self._first_text_seen = True
-            self._suspect = self.checks.latency_precheck(self.exchange, now - self.exchange.request.started_monotonic)
+            req = self.exchange.request
+            t0 = req.started_monotonic if req.forwarded_monotonic is None else req.forwarded_monotonic
+            self._suspect = self.checks.latency_precheck(self.exchange, now - t0)
         ends: dict[str, int] = {}
         cans: list[str] = []
         ids_list: list[list[int]] = []

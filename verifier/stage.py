@@ -17,7 +17,10 @@ from config.models import TenantConfig
 class ExchangeRequest:
     """The request's inputs as the gateway admitted it (fixed; the gateway swaps in a copy with
     ``upstream`` set once it picks one). ``prompt_tokens``: the gateway's exact count.
-    ``started_monotonic``: ``time.monotonic()`` at arrival; ``upstream`` is ``""`` until chosen."""
+    ``started_monotonic``: ``time.monotonic()`` at arrival; ``upstream`` is ``""`` until chosen;
+    ``forwarded_monotonic``: ``time.monotonic()`` when the request was sent to that upstream (TTFT
+    is measured from it, so the gateway's own work before forwarding never counts as prefill;
+    ``None`` until forwarded)."""
 
     request_id: str
     tenant: TenantConfig
@@ -26,6 +29,7 @@ class ExchangeRequest:
     prompt_tokens: int
     stream: bool
     started_monotonic: float
+    forwarded_monotonic: float | None = None
 
 
 @dataclass

@@ -78,7 +78,8 @@ class StrictChecks:
 
     # ------------------------------------------------------------------ checks (blocking)
     def latency_precheck(self, exchange: Exchange, ttft_seconds: float) -> Incident | None:
-        """A strict stream's first text arrived ``ttft_seconds`` after the request: an incident
+        """A strict stream's first text arrived ``ttft_seconds`` after the request was forwarded
+        (the clock the calibrated TTFTs use, :class:`~verifier.stage.ExchangeRequest`): an incident
         (not recorded) when that is below the calibrated bound for the whole prompt; calibration
         is not touched. The cached-token count is not known yet, so the caller only holds the
         stream back until the end."""

@@ -169,7 +169,11 @@ def _answer(
     a = outcome.admitted
     guard = None
     if a.exchange is not None:
-        a.exchange.request = replace(a.exchange.request, upstream=outcome.upstream.name if outcome.upstream else "")
+        a.exchange.request = replace(
+            a.exchange.request,
+            upstream=outcome.upstream.name if outcome.upstream else "",
+            forwarded_monotonic=time.monotonic() - (time.perf_counter() - tally.t_forward),
+        )
         guard = ctx.verifier.begin(a.exchange)
     if not a.forward.stream:
         return read_whole(outcome, resp, guard, tally)
