@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from redis.exceptions import NoScriptError
 
 from config.models import VerifierSettings
@@ -118,7 +119,7 @@ class IngestBudget:
         if yield_gil:
             time.sleep(0)
         cans = find_canaries(text)
-        ids = encode(text, squeezed=True)
+        ids = np.array(encode(text, squeezed=True), dtype=np.uint64)  # converted once, for both hashes
         if yield_gil:
             time.sleep(0)
         fast = self.hasher.fast(ids)

@@ -24,9 +24,11 @@ import re
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from tokenizer.tiktoken_counter import TiktokenCounter, bundled_counter
+
+#: token ids: a list, or a 1-d integer array (converted to one array once by a caller that hashes twice)
+Ids = Sequence[int] | np.ndarray
 
 _COUNTER: TiktokenCounter | None = None
 
@@ -49,6 +51,12 @@ _WS_RUN = re.compile(rf"\s{{{MAX_RUN_CHARS + 1}}}")
 #: texts of at most this many characters are first searched with :data:`_WS_RUN` (a regex
 #: holds the GIL: tens of microseconds here, milliseconds on a megabyte)
 _QUICK_CHARS = 16_384
+#: the grid :func:`squeeze_runs` samples first: a run of ``MAX_RUN_CHARS + 1`` characters covers
+#: at least ``_GRID_POINTS`` consecutive points of every ``_GRID``-th character
+_GRID = 13
+_GRID_POINTS = (MAX_RUN_CHARS + 1) // _GRID
+#: on the grid: one non-whitespace character, or whitespace, at ``_GRID_POINTS`` points in a row
+_GRID_RUN = re.compile(rf"(\S)\1{{{_GRID_POINTS - 1}}}|\s{{{_GRID_POINTS}}}")
 
 
 def squeeze_runs(text: str) -> str:
@@ -59,9 +67,12 @@ def squeeze_runs(text: str) -> str:
     stalling every other thread of the gateway; a squeezed run encodes in microseconds. Mixed
     whitespace counts as one run: 1,000,000 alternating spaces and tabs before a letter
     overflow tiktoken's regex stack (a ``pyo3_runtime.PanicException``). Both sides of a
-    comparison are squeezed alike, and runs that long carry no text worth a shingle."""
-    if len(text) <= MAX_RUN_CHARS:
-        return text
+    comparison are squeezed alike, and runs that long carry no text worth a shingle. Most texts
+    have no such run, and say so on a sample of every ``_GRID``-th character: a run of one
+    non-whitespace character shows there as one character ``_GRID_POINTS`` times in a row, a
+    whitespace run (``re``'s ``\\s`` is ``str.isspace``) as that many whitespace characters."""
+    if len(text) <= MAX_RUN_CHARS or not _GRID_RUN.search(text[::_GRID]):
+        return text  # no run that long: its grid points would show it (about 2 us per KiB)
     if text.isascii():  # one byte a character: a quarter of the copying
         a = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
     else:
@@ -110,6 +121,18 @@ _MASK64 = (1 << 64) - 1
 #: at most this many shingles are hashed in Python ints, not numpy: a short answer's one or two
 #: shingles cost about 3 us each that way, the array path's ten-odd operations about 15 us
 FEW_SHINGLES = 4
+#: at most this many shingles are hashed with one matrix product (the windows of ``k`` ids times
+#: the powers of the polynomial; numpy's integer matmul wraps mod 2**64): about half the cost of
+#: the doubling's 2 log2 k array operations on a prompt of a few hundred tokens, twice it on 200,000
+MATMUL_SHINGLES = 1024
+
+
+def _windows(a: np.ndarray, w: int) -> np.ndarray:
+    """The ``len(a) - w + 1`` windows of ``w`` consecutive items of the contiguous 1-d ``a``, as a
+    read-only view (``as_strided`` without its checks, which cost more than the arithmetic here)."""
+    v = np.ndarray((len(a) - w + 1, w), a.dtype, a, 0, (a.itemsize, a.itemsize))
+    v.flags.writeable = False
+    return v
 
 
 class ShingleHasher:
@@ -131,6 +154,11 @@ class ShingleHasher:
         sel = hashlib.blake2b(key=key, digest_size=16, person=b"kvgate-select").digest()
         self._poly = np.uint64(int.from_bytes(sel[:8], "little") | 1)
         self._xor = np.uint64(int.from_bytes(sel[8:], "little"))
+        powers = [1]
+        for _ in range(k - 1):
+            powers.append((powers[-1] * int(self._poly)) & _MASK64)
+        #: ``poly ** (k - 1 - j)`` mod 2**64 for j in 0..k-1: a shingle's hash is its ids dotted with these
+        self._powers = np.array(powers[::-1], dtype=np.uint64)
 
     def hash_ids(self, window: Sequence[int]) -> int:
         """The BLAKE2b fingerprint of one shingle (``k`` token ids) as an unsigned 64-bit int."""
@@ -138,12 +166,12 @@ class ShingleHasher:
         h.update(b"".join(int(t).to_bytes(4, "little") for t in window))
         return int.from_bytes(h.digest(), "little")
 
-    def hashes(self, ids: Sequence[int]) -> list[int]:
+    def hashes(self, ids: Ids) -> list[int]:
         """BLAKE2b fingerprints of every shingle of ``ids``, in order (``len(ids) - k + 1`` of
         them, or none)."""
         return self.hashes_at(ids, range(len(ids) - self.k + 1))
 
-    def hashes_at(self, ids: Sequence[int], positions: Iterable[int]) -> list[int]:
+    def hashes_at(self, ids: Ids, positions: Iterable[int]) -> list[int]:
         """BLAKE2b fingerprints of the shingles starting at ``positions``."""
         k = self.k
         raw = np.asarray(ids, dtype="<u4").tobytes()
@@ -155,7 +183,7 @@ class ShingleHasher:
             out.append(int.from_bytes(h.digest(), "little"))
         return out
 
-    def fast(self, ids: Sequence[int]) -> np.ndarray:
+    def fast(self, ids: Ids) -> np.ndarray:
         """Selection hashes (uint64) of every shingle: a keyed polynomial hash of the ``k`` ids
         (``sum(ids[i + j] * poly ** (k - 1 - j))`` mod 2**64) with MurmurHash3's 64-bit finaliser.
         In memory only, never stored. The polynomial is built by doubling (the hash of a run of
@@ -167,7 +195,9 @@ class ShingleHasher:
             return np.zeros(0, dtype=np.uint64)
         if n <= FEW_SHINGLES:
             return np.array([self._fast_one(ids[i : i + k]) for i in range(n)], dtype=np.uint64)
-        a = np.asarray(ids, dtype=np.uint64)
+        a = np.ascontiguousarray(ids, dtype=np.uint64)
+        if n <= MATMUL_SHINGLES:
+            return self._finish(_windows(a, k) @ self._powers)
         total = len(a)
         res: np.ndarray | None = None  # hashes of runs of res_len ids (total - res_len + 1 of them)
         res_len = 0
@@ -189,7 +219,11 @@ class ShingleHasher:
             m *= 2
             pm = np.uint64((int(pm) * int(pm)) & _MASK64)  # numpy scalars warn on the (wanted) wrap
         assert res is not None and res_len == k
-        h = res ^ self._xor  # a new array: ``res`` may be ``a`` itself (k == 1)
+        return self._finish(res.copy() if res is a else res)  # k == 1: ``res`` is ``a`` itself
+
+    def _finish(self, h: np.ndarray) -> np.ndarray:
+        """The polynomial hashes ``h`` (a new array, changed in place) keyed and finalised."""
+        h ^= self._xor
         h ^= h >> _S33
         h *= _M1
         h ^= h >> _S33
@@ -197,7 +231,7 @@ class ShingleHasher:
         h ^= h >> _S33
         return h
 
-    def _fast_one(self, window: Sequence[int]) -> int:
+    def _fast_one(self, window: Ids) -> int:
         """:meth:`fast` of one shingle in Python ints (Horner, mod 2**64): the same value."""
         poly, h = int(self._poly), 0
         for t in window:
@@ -209,7 +243,7 @@ class ShingleHasher:
         h = (h * 0xC4CEB9FE1A85EC53) & _MASK64
         return h ^ (h >> 33)
 
-    def select(self, ids: Sequence[int], w: int, fast: np.ndarray | None = None) -> list[int]:
+    def select(self, ids: Ids, w: int, fast: np.ndarray | None = None) -> list[int]:
         """Start positions of the shingles winnowing keeps: in every window of ``w`` consecutive
         shingles the one with the smallest selection hash (rightmost on ties); fewer than ``w``
         shingles keep their minimum. ``fast``: :meth:`fast` of ``ids`` when the caller has it.
@@ -222,8 +256,7 @@ class ShingleHasher:
             return [int(n - 1 - h[::-1].argmin())]
         # reversed once, so each window's first minimum (argmin) is the original's rightmost
         r = np.ascontiguousarray(h[::-1])
-        win = as_strided(r, shape=(n - w + 1, w), strides=(r.strides[0], r.strides[0]), writeable=False)
-        pos = (n - 1) - (np.arange(n - w + 1) + win.argmin(axis=1))
+        pos = (n - 1) - (np.arange(n - w + 1) + _windows(r, w).argmin(axis=1))
         # window j of r is window n - w - j of h: pos runs from the last window to the first; the
         # rightmost minimum never moves left as a window slides right, so repeats are adjacent
         pos = pos[::-1]
@@ -232,7 +265,7 @@ class ShingleHasher:
         np.not_equal(pos[1:], pos[:-1], out=keep[1:])
         return pos[keep].tolist()
 
-    def fingerprints(self, ids: Sequence[int], w: int, fast: np.ndarray | None = None) -> set[int]:
+    def fingerprints(self, ids: Ids, w: int, fast: np.ndarray | None = None) -> set[int]:
         """BLAKE2b fingerprints of the winnowed shingles of ``ids`` (what is stored for a prompt).
         ``fast``: :meth:`fast` of ``ids`` when the caller has it (it is computed once)."""
         return set(self.hashes_at(ids, self.select(ids, w, fast)))
