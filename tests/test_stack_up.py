@@ -161,9 +161,10 @@ def test_up_refuses_a_taken_gateway_port(tmp_path: Path) -> None:
             timeout=60,
         )
     assert r.returncode == 1
-    assert (
-        f"kvgate up: gateway port {port} on 127.0.0.1 is in use (pick another with --port, or --port 0 for a free one)"
-    ) in r.stderr
+    # refused before anything says the stack is starting
+    assert r.stderr == (
+        f"kvgate up: gateway port {port} on 127.0.0.1 is in use (pick another with --port, or --port 0 for a free one)\n"
+    )
     assert _processes_mentioning(str(tmp_path)) == []
 
 

@@ -124,14 +124,17 @@ def start_stack(options: StackOptions, prog: str) -> EmbeddedStack:
     """Start the stack, printing progress to stderr; raises :class:`StackError` / ``KeyboardInterrupt``."""
     stack = EmbeddedStack(options)
     t0 = time.monotonic()
-    print(
-        f"{prog}: starting the bundled backend (python -m gpu_backend --role all) and the gateway; "
-        "the first start loads PyTorch and may take a while ...",
-        file=sys.stderr,
-        flush=True,
-    )
+
+    def announce() -> None:
+        print(
+            f"{prog}: starting the bundled backend (python -m gpu_backend --role all) and the gateway; "
+            "the first start loads PyTorch and may take a while ...",
+            file=sys.stderr,
+            flush=True,
+        )
+
     try:
-        stack.start()
+        stack.start(announce)
     except BaseException:
         stack.stop()
         raise

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -418,15 +418,19 @@ class EmbeddedStack:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def start(self) -> EmbeddedStack:
+    def start(self, announce: Callable[[], None] | None = None) -> EmbeddedStack:
         """Start the backend, wait for it, start the gateway, wait for ``/readyz``. On any
-        failure both children are stopped and :class:`StackError` is raised."""
+        failure both children are stopped and :class:`StackError` is raised. ``announce``: called
+        once the ports and the model are settled, just before the backend is spawned (a taken
+        port or an unknown model is refused before anything says the stack is starting)."""
         try:
             base = load_settings(self.options.config, environ={**os.environ, **self.options.extra_env})
             host = self.options.host
             backend_port = pick_backend_port(self.options, base)
             gateway_port = pick_gateway_port(self.options, base)
             self.served = resolve_served_model(base, self.options.model, echo=True)
+            if announce is not None:
+                announce()
             self.backend = Child.spawn(
                 "backend",
                 self._backend_cmd(base, host, backend_port),
