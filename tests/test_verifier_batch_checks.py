@@ -5,11 +5,15 @@ error as before."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+
+import redis
 
 from conftest import SEEDS
 
 from config.models import TenantConfig
+from tests.fixtures.redis_keys import REDIS_URL, delete_prefix, new_prefix
 from tests.fixtures.settings import verifier_settings
 from verifier.build import build_verifier
 from verifier.findings import CheckJob
@@ -87,3 +91,67 @@ def test_a_failing_store_counts_as_before(tmp_path, monkeypatch):
 
     one, batched = both("one", 1), both("batched", 32)
     assert batched == one and one[1]["store_errors"] == 1 and one[1]["store_skipped"] >= 1
+
+
+async def _work_until_empty(svc: VerifierService) -> None:
+    svc.start()
+    for _ in range(2000):
+        if not svc.jobs.jobs and not svc.stats["in_flight"]:
+            break
+        await asyncio.sleep(0.005)
+    await svc.aclose()
+
+
+def run_redis(tmp_path, name: str, *, on_loop: bool, down: bool = False) -> tuple[list, dict, list[str]]:
+    """The workload against Redis stores through the worker task (``on_loop``: as the service
+    runs it; else every batch in the thread, as before the awaited lookup). Which lookups ran:
+    ``sync`` (the worker thread's client) or ``async`` (awaited on the loop)."""
+    prefix = new_prefix(f"batch-{name}")
+    svc = build_verifier(verifier_settings(tmp_path / name, redis_url=REDIS_URL), secrets=SECRETS, key_prefix=prefix)
+    store, calls = svc.index.store, []
+    owners, aowners = store.owners, store.aowners
+
+    def sync(fps):
+        calls.append("sync")
+        if down:
+            raise redis.ConnectionError("store down")
+        return owners(fps)
+
+    async def awaited(fps):
+        calls.append("async")
+        if down:
+            raise redis.ConnectionError("store down")
+        return await aowners(fps)
+
+    store.owners, store.aowners = sync, awaited  # type: ignore[method-assign]
+    if not on_loop:
+        store.aclient = None
+    try:
+        queue_workload(svc)
+        asyncio.run(_work_until_empty(svc))
+        return findings(svc), {k: v for k, v in svc.stats.items() if v}, calls
+    finally:
+        delete_prefix(prefix)
+
+
+def test_checks_looked_up_on_the_loop_find_what_the_thread_finds(tmp_path):
+    """Redis stores: the worker takes each run of small checks, looks their owners up in one
+    awaited call (no lookup from the thread) and finds exactly what the thread's own lookups
+    find; the ingest queued between the checks still splits them into two runs."""
+    thread = run_redis(tmp_path, "thread", on_loop=False)
+    loop = run_redis(tmp_path, "loop", on_loop=True)
+    assert loop[:2] == thread[:2]
+    assert thread[2] == ["sync", "sync"] and loop[2] == ["async", "async"]
+    got = {(d, t) for d, t, _, _ in loop[0]}
+    assert ("leak_index", "b") in got and ("leak_index", "d") in got and ("leak_index", "e") in got
+    assert ("leak_index", "a") not in got
+
+
+def test_an_awaited_lookup_that_fails_counts_as_before(tmp_path):
+    """Redis down for lookups: the awaited lookup fails, the first check's own lookup counts the
+    error, the rest are skipped in the back-off: the counts the thread's lookups give."""
+    thread = run_redis(tmp_path, "thread-down", on_loop=False, down=True)
+    loop = run_redis(tmp_path, "loop-down", on_loop=True, down=True)
+    assert loop[:2] == thread[:2]
+    assert loop[1]["store_errors"] == 1 and loop[1]["store_skipped"] >= 1
+    assert loop[2] == ["async", "sync"]

@@ -340,6 +340,18 @@ class Findings:
         Caller holds the lock."""
         if len(jobs) < 2 or not self.store.backoff.usable():
             return [None] * len(jobs)
+        out, hashes = self.prepare_batch_locked(jobs)
+        if hashes:
+            try:
+                attach_owners(out, hashes, self.index.store.owners(hashes))
+            except Exception:
+                return out  # each check looks up its own, and the first counts the error
+        return out
+
+    def prepare_batch_locked(self, jobs: Sequence[CheckJob]) -> tuple[list[Prepared | None], list[int]]:
+        """:meth:`prefetch_locked` up to its store call (CPU only): each job's :class:`Prepared`
+        (``None``: strict, or it raised; the check then does its own) and the distinct
+        fingerprints of all of them, to look up. Caller holds the lock."""
         out: list[Prepared | None] = []
         for job in jobs:
             try:
@@ -349,16 +361,7 @@ class Findings:
                 raise
             except BaseException:  # e.g. a tokenizer panic: the check runs it again and counts it
                 out.append(None)
-        hashes = list(dict.fromkeys(h for p in out if p is not None for _, hs in p.parts for h in hs))
-        if hashes:
-            try:
-                table = dict(zip(hashes, self.index.store.owners(hashes), strict=True))
-            except Exception:
-                return out  # each check looks up its own, and the first counts the error
-            for p in out:
-                if p is not None:
-                    p.owners = table
-        return out
+        return out, list(dict.fromkeys(h for p in out if p is not None for _, hs in p.parts for h in hs))
 
     def content_locked(self, ex: Exchange, texts: Sequence[str], prepared: Prepared | None = None) -> list[Incident]:
         """Canary and leak-index incidents for whole texts (each checked on its own; the echoed
@@ -411,6 +414,14 @@ class Findings:
         self.evidence.record(content, withheld=strict, exchange=ex)
         self.evidence.record(tail, exchange=ex)
         return content
+
+
+def attach_owners(prepared: Sequence[Prepared | None], hashes: list[int], owners: list[set[str]]) -> None:
+    """Give every prepared check the owners the store gave for ``hashes`` (same order)."""
+    table = dict(zip(hashes, owners, strict=True))
+    for p in prepared:
+        if p is not None:
+            p.owners = table
 
 
 def trusted(exchange: Exchange) -> bool:

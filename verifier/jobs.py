@@ -24,7 +24,7 @@ from redis.exceptions import NoScriptError
 from config.models import VerifierSettings
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.caps import TenantCaps
-from verifier.findings import CheckJob, Findings, Prepared, StoreHealth
+from verifier.findings import CheckJob, Findings, Prepared, StoreHealth, attach_owners
 from verifier.incidents import DROPPED, DROPPED_BYTES, JOB_FAULTS, WORKER_STOPS
 from verifier.leak_index import LeakIndex, MemoryLeakStore, RedisLeakStore
 from verifier.shingles import ShingleHasher, encode, squeeze_runs
@@ -53,6 +53,9 @@ class IngestJob:
 #: (:meth:`IngestBudget.prepare_small`, :meth:`IngestBudget.index_small_now`: about 0.1 ms of
 #: CPU per KiB, so at most about half a millisecond); larger ones in an admission thread
 INLINE_INGEST_BYTES = 4096
+#: a run of queued checks is prepared on the event loop (their shingles, CPU only, about 0.1 ms per
+#: KiB) when its texts total at most this many characters; a larger run is prepared in the worker thread
+LOOP_PREPARE_CHARS = 8192
 
 
 class IngestBudget:
@@ -331,7 +334,10 @@ class JobQueue:
                     await wake.wait()
                 self.stats["in_flight"] += 1
                 try:
-                    await asyncio.to_thread(self._run_some, 32)
+                    if not await self._lookup_then_check(32):
+                        # with awaited lookups, the thread takes one job (an ingest, a large check) and
+                        # hands the queue back, so the checks after it are looked up on the loop
+                        await asyncio.to_thread(self._run_some, 1 if self._lookups_on_loop() else 32)
                 except FATAL:
                     raise
                 except BaseException as e:  # never let the worker die of a batch
@@ -345,6 +351,66 @@ class JobQueue:
         except BaseException:
             self._stopped()
             raise
+
+    async def _lookup_then_check(self, n: int) -> bool:
+        """Up to ``n`` queued checks at the head of the queue, their texts within
+        :data:`LOOP_PREPARE_CHARS`: prepared on the event loop under the lock
+        (:meth:`Findings.prepare_batch_locked`), their leak-index owners looked up in one awaited
+        call (``aowners``: the loop serves requests meanwhile, and no thread waits on Redis holding
+        or wanting the interpreter lock), then checked in the worker thread in order, as
+        :meth:`_run_some` would. A failed lookup leaves each check to look up its own (the first
+        counts the error). ``False``, nothing taken: an ingest or a larger check is first, the
+        store has no asyncio client or is backing off, or the lock is held."""
+        if not self._lookups_on_loop():
+            return False
+        if not self.findings.store.backoff.usable() or not self.lock.acquire(blocking=False):
+            return False
+        try:
+            batch = self._take_small_checks(n)
+            if not batch:
+                return False
+            prepared, hashes = self.findings.prepare_batch_locked(batch)
+        finally:
+            self.lock.release()
+        store = self.findings.index.store
+        assert isinstance(store, RedisLeakStore)  # _lookups_on_loop()
+        try:
+            if hashes:
+                attach_owners(prepared, hashes, await store.aowners(hashes))
+        except asyncio.CancelledError:
+            self.jobs.extendleft(reversed(batch))  # shutdown: the checks stay queued, in order
+            raise
+        except Exception:
+            pass  # no owners attached: each check looks up its own, and the first counts the error
+        await asyncio.to_thread(self._check_prepared, batch, prepared)
+        return True
+
+    def _lookups_on_loop(self) -> bool:
+        """Whether the leak store looks up on the event loop (a Redis store with an asyncio client)."""
+        store = self.findings.index.store
+        return isinstance(store, RedisLeakStore) and store.aclient is not None
+
+    def _take_small_checks(self, n: int) -> list[CheckJob]:
+        """Pop the run of at most ``n`` checks at the head whose texts (and, where the own-prompt
+        shingles are not known yet, prompts) total at most :data:`LOOP_PREPARE_CHARS`. Caller
+        holds the lock."""
+        batch: list[CheckJob] = []
+        total = 0
+        while self.jobs and len(batch) < n and isinstance(self.jobs[0], CheckJob):
+            ex = self.jobs[0].exchange
+            total += sum(map(len, self.jobs[0].texts))
+            if ex.state.own_shingles is None and ex.internal_id not in self.own_cache:
+                total += len(ex.prompt_text)
+            if total > LOOP_PREPARE_CHARS:
+                break
+            batch.append(self.jobs.popleft())
+        return batch
+
+    def _check_prepared(self, batch: list[CheckJob], prepared: list[Prepared | None]) -> None:
+        """The worker thread's part of :meth:`_lookup_then_check`."""
+        with self.lock:
+            for job, p in zip(batch, prepared, strict=True):
+                self._run(job, p)
 
     def _stopped(self) -> None:
         self.stopped = True

@@ -188,13 +188,29 @@ class RedisLeakStore:
         keys = [self._key(fp) for fp in fps]
         for i in range(0, len(keys), self.batch):
             batch = keys[i : i + self.batch]
-            for v in self.client.mget_nonatomic(batch) if self.cluster else self.client.mget(batch):
-                if v is None:
-                    out.append(set())
-                else:
-                    v = v.decode() if isinstance(v, bytes) else v
-                    out.append({PUBLIC, PUBLIC * 2} if v == PUBLIC else {v})
+            out += map(_owner_set, self.client.mget_nonatomic(batch) if self.cluster else self.client.mget(batch))
         return out
+
+    async def aowners(self, fps: list[int]) -> list[set[str]]:
+        """:meth:`owners` through ``aclient`` (one awaited ``MGET`` per ``batch`` keys). Raises
+        ``RuntimeError`` when the store has no ``aclient``, ``redis.RedisError`` when Redis is down."""
+        if self.aclient is None:
+            raise RuntimeError("this RedisLeakStore has no asyncio client")
+        out: list[set[str]] = []
+        keys = [self._key(fp) for fp in fps]
+        for i in range(0, len(keys), self.batch):
+            batch = keys[i : i + self.batch]
+            got = await (self.aclient.mget_nonatomic(batch) if self.cluster else self.aclient.mget(batch))
+            out += map(_owner_set, got)
+        return out
+
+
+def _owner_set(v: bytes | str | None) -> set[str]:
+    """One stored owner value as :meth:`RedisLeakStore.owners` reports it."""
+    if v is None:
+        return set()
+    v = v.decode() if isinstance(v, bytes) else v
+    return {PUBLIC, PUBLIC * 2} if v == PUBLIC else {v}
 
 
 _SPREAD_LUA = """
