@@ -141,6 +141,33 @@ async def test_fail_closed_against_a_server_that_never_answers(black_hole) -> No
     await stage.aclose()
 
 
+async def test_one_bound_per_round_trip_ends_every_call_it_carried(black_hole) -> None:
+    """A client with no timeouts of its own against a server that never answers: 20 calls made
+    at once (the first sent alone, the others coalesced into one pipeline) all fail with the
+    store's bound, together, in about one bound, not twenty; the stage, over such a store, sets
+    no timer of its own per call."""
+    import redis.asyncio
+
+    from gateway.quotas.stores import QuotaLimits, QuotaStoreUnavailable
+
+    store = RedisQuotaStore(redis.asyncio.Redis(port=black_hole.port))
+    assert store.bound_round_trips(0.3) and store.round_trip_seconds == 0.3
+    lim = QuotaLimits(10, None, None)
+    t0 = time.monotonic()
+    got = await asyncio.gather(
+        *(store.begin("t", lim, f"l{i}", 60_000, 30_000) for i in range(20)), return_exceptions=True
+    )
+    elapsed = time.monotonic() - t0
+    assert [str(e) for e in got] == ["no answer within 0.3s"] * 20
+    assert all(isinstance(e, QuotaStoreUnavailable) for e in got)
+    assert 0.3 <= elapsed < 1.0, elapsed
+    assert (store.calls, store.round_trips) == (20, 2)
+    await store.aclose()
+    stage = _stage(f"redis://127.0.0.1:{black_hole.port}/0")
+    assert stage._store_bounded and stage.store.round_trip_seconds == stage.deadline_seconds
+    await stage.aclose()
+
+
 async def test_local_fallback_keeps_per_replica_limits_then_returns_to_redis(spare_redis) -> None:
     stage = _stage(spare_redis.url, redis_failure_policy="local_fallback", replicas=2)
     t = _tenant(rpm=5, tpm=1000, max_concurrent=4)

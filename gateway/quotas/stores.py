@@ -281,6 +281,8 @@ class RedisQuotaStore:
         self._queued: list[_Queued] = []
         self._sending: set[asyncio.Task[None]] = set()
         self._inflight = 0  # round trips under way
+        #: each round trip's bound, seconds (:meth:`bound_round_trips`); ``None``: the caller bounds its calls
+        self.round_trip_seconds: float | None = None
         #: script calls made, and the round trips that carried them (coalesced: fewer)
         self.calls = 0
         self.round_trips = 0
@@ -290,6 +292,14 @@ class RedisQuotaStore:
         self._cancel = client.register_script(load_script("cancel"))
         self._begin = client.register_script(load_script("begin"))
         self._tokens = client.register_script(load_script("tokens"))
+
+    def bound_round_trips(self, seconds: float) -> bool:
+        """From now on, bound every round trip (both tries of :meth:`_retrying`, a ``NOSCRIPT``
+        reload included) by ``seconds``: each call it carried then fails with a
+        :class:`QuotaStoreUnavailable`, so a caller needs no deadline of its own (one timer a
+        round trip, not one a call: under load a round trip carries several calls). Returns ``True``."""
+        self.round_trip_seconds = seconds
+        return True
 
     def keys(self, tenant_id: str) -> list[str]:
         """The five keys of a tenant: rpm log, tpm log, tpm debits, tpm sum, leases."""
@@ -351,11 +361,14 @@ class RedisQuotaStore:
         results: list[Any]
         self._inflight += 1
         try:
-            if len(batch) == 1 and batch[0].script is not None and self.cluster:
-                one = batch[0]
-                results = [await self._retrying(lambda: one.script(keys=one.keys, args=one.args))]
-            else:
-                results = await self._retrying(lambda: self._pipeline(batch))
+            async with asyncio.timeout(self.round_trip_seconds):
+                if len(batch) == 1 and batch[0].script is not None and self.cluster:
+                    one = batch[0]
+                    results = [await self._retrying(lambda: one.script(keys=one.keys, args=one.args))]
+                else:
+                    results = await self._retrying(lambda: self._pipeline(batch))
+        except TimeoutError:  # the round trip's bound (the client's own timeouts raise redis' TimeoutError)
+            results = [QuotaStoreUnavailable(f"no answer within {self.round_trip_seconds:g}s")] * len(batch)
         except Exception as e:  # QuotaStoreUnavailable: the round trip failed, for every call in it
             results = [_unavailable(e)] * len(batch)
         except BaseException as e:  # cancelled (shutdown): every caller learns it

@@ -152,6 +152,8 @@ class TenantQuotas:
         self.window_ms = max(1, round(settings.window_seconds * 1000))
         self.lease_ttl_ms = max(1, round(settings.lease_ttl_seconds * 1000))
         self.deadline_seconds = min(MAX_DECISION_SECONDS, 2 * settings.redis_timeout_seconds + 0.05)
+        #: the shared store bounds its own round trips by the deadline (one timer per round trip)
+        self._store_bounded = isinstance(store, RedisQuotaStore) and store.bound_round_trips(self.deadline_seconds)
         self._backoff = StoreBackoff(PROBE_INTERVAL_SECONDS)
         self._live: dict[str, _Held] = {}
         # reservations whose call failed but may have run (tenant id, lease id): undone when
@@ -223,6 +225,11 @@ class TenantQuotas:
             )
 
     async def _bounded(self, coro: Any) -> Any:
+        """``await coro`` (a call on the shared store, or on the fallback, which never waits)
+        within :attr:`deadline_seconds`: the store's own bound when it has one, else a timer
+        here. Raises :class:`QuotaStoreUnavailable` past it."""
+        if self._store_bounded:
+            return await coro
         try:
             async with asyncio.timeout(self.deadline_seconds):
                 return await coro
