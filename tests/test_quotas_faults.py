@@ -151,7 +151,7 @@ async def test_one_bound_per_round_trip_ends_every_call_it_carried(black_hole) -
     from gateway.quotas.stores import QuotaLimits, QuotaStoreUnavailable
 
     store = RedisQuotaStore(redis.asyncio.Redis(port=black_hole.port))
-    assert store.bound_round_trips(0.3) and store.round_trip_seconds == 0.3
+    store.bound_round_trips(0.3)
     lim = QuotaLimits(10, None, None)
     t0 = time.monotonic()
     got = await asyncio.gather(

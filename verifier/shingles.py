@@ -186,9 +186,11 @@ class ShingleHasher:
     def fast(self, ids: Ids) -> np.ndarray:
         """Selection hashes (uint64) of every shingle: a keyed polynomial hash of the ``k`` ids
         (``sum(ids[i + j] * poly ** (k - 1 - j))`` mod 2**64) with MurmurHash3's 64-bit finaliser.
-        In memory only, never stored. The polynomial is built by doubling (the hash of a run of
-        ``2m`` ids is the first half's times ``poly ** m`` plus the second half's), so a shingle of
-        ``k`` ids takes about ``2 log2 k`` array operations, not ``2 k``: the same values."""
+        In memory only, never stored. Up to :data:`MATMUL_SHINGLES` shingles the polynomial is one
+        matrix product (the windows of ids times the powers of ``poly``); above, it is built by
+        doubling (the hash of a run of ``2m`` ids is the first half's times ``poly ** m`` plus the
+        second half's), so a shingle of ``k`` ids takes about ``2 log2 k`` array operations, not
+        ``2 k``: the same values either way."""
         k = self.k
         n = len(ids) - k + 1
         if n <= 0:

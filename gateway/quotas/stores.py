@@ -293,13 +293,12 @@ class RedisQuotaStore:
         self._begin = client.register_script(load_script("begin"))
         self._tokens = client.register_script(load_script("tokens"))
 
-    def bound_round_trips(self, seconds: float) -> bool:
+    def bound_round_trips(self, seconds: float) -> None:
         """From now on, bound every round trip (both tries of :meth:`_retrying`, a ``NOSCRIPT``
         reload included) by ``seconds``: each call it carried then fails with a
         :class:`QuotaStoreUnavailable`, so a caller needs no deadline of its own (one timer a
-        round trip, not one a call: under load a round trip carries several calls). Returns ``True``."""
+        round trip, not one a call: under load a round trip carries several calls)."""
         self.round_trip_seconds = seconds
-        return True
 
     def keys(self, tenant_id: str) -> list[str]:
         """The five keys of a tenant: rpm log, tpm log, tpm debits, tpm sum, leases."""

@@ -153,7 +153,9 @@ class TenantQuotas:
         self.lease_ttl_ms = max(1, round(settings.lease_ttl_seconds * 1000))
         self.deadline_seconds = min(MAX_DECISION_SECONDS, 2 * settings.redis_timeout_seconds + 0.05)
         #: the shared store bounds its own round trips by the deadline (one timer per round trip)
-        self._store_bounded = isinstance(store, RedisQuotaStore) and store.bound_round_trips(self.deadline_seconds)
+        self._store_bounded = isinstance(store, RedisQuotaStore)
+        if isinstance(store, RedisQuotaStore):
+            store.bound_round_trips(self.deadline_seconds)
         self._backoff = StoreBackoff(PROBE_INTERVAL_SECONDS)
         self._live: dict[str, _Held] = {}
         # reservations whose call failed but may have run (tenant id, lease id): undone when
