@@ -98,6 +98,35 @@ def test_a_cross_tenant_leak_is_found_across_slots(dep: rm.Deployment, cluster: 
     assert len(per_node) == 3 and sum(n > 0 for n in per_node) >= 2, per_node
 
 
+def test_leak_owners_awaited_on_the_cluster_are_the_sync_lookup_s(dep: rm.Deployment, cluster: LocalCluster) -> None:
+    """The worker's awaited lookup (``aowners``, the asyncio cluster client's ``MGET`` split by
+    slot) answers what the synchronous one does, for fingerprints on all three masters: an
+    owner, the public marker, and none."""
+    import asyncio
+    import uuid
+
+    from config.redis_client import redis_client
+    from verifier.leak_index import PUBLIC, RedisLeakStore
+
+    aclient = redis_client(cluster.url, 1.0)
+    store = RedisLeakStore(
+        redis_client(cluster.url, 1.0, sync=True), 60, f"kvgate-test-{uuid.uuid4().hex[:8]}:", aclient=aclient
+    )
+    fps = [(b << 58) | i for b in range(64) for i in (1, 2, 3)]
+    store.add("x", fps[0::3] + fps[1::3])
+    store.add("y", fps[1::3])  # a second tenant: public
+    sync = store.owners(fps)
+    assert sync == [{"x"}, {PUBLIC, PUBLIC * 2}, set()] * 64
+
+    async def awaited() -> list[set[str]]:
+        try:
+            return await store.aowners(fps)
+        finally:
+            await aclient.aclose()
+
+    assert asyncio.run(awaited()) == sync
+
+
 def test_killing_the_tenants_master_fails_closed_then_recovers(dep: rm.Deployment, cluster: LocalCluster) -> None:
     failover, calm = FAILOVER, CALM
     assert cluster.master_of("{" + failover + "}") != cluster.master_of("{" + calm + "}")

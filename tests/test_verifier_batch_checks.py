@@ -102,7 +102,9 @@ async def _work_until_empty(svc: VerifierService) -> None:
     await svc.aclose()
 
 
-def run_redis(tmp_path, name: str, *, on_loop: bool, down: bool = False) -> tuple[list, dict, list[str]]:
+def run_redis(
+    tmp_path, name: str, *, on_loop: bool, down: bool = False, workload=queue_workload
+) -> tuple[list, dict, list[str]]:
     """The workload against Redis stores through the worker task (``on_loop``: as the service
     runs it; else every batch in the thread, as before the awaited lookup). Which lookups ran:
     ``sync`` (the worker thread's client) or ``async`` (awaited on the loop)."""
@@ -127,7 +129,7 @@ def run_redis(tmp_path, name: str, *, on_loop: bool, down: bool = False) -> tupl
     if not on_loop:
         store.aclient = None
     try:
-        queue_workload(svc)
+        workload(svc)
         asyncio.run(_work_until_empty(svc))
         return findings(svc), {k: v for k, v in svc.stats.items() if v}, calls
     finally:
@@ -155,3 +157,21 @@ def test_an_awaited_lookup_that_fails_counts_as_before(tmp_path):
     assert loop[:2] == thread[:2]
     assert loop[1]["store_errors"] == 1 and loop[1]["store_skipped"] >= 1
     assert loop[2] == ["async", "sync"]
+
+
+def test_a_huge_answer_is_prepared_in_the_thread_not_on_the_loop(tmp_path):
+    """A hostile engine's 9,000-character answer (over the loop's 8,192) at the head of the queue
+    is checked in the worker thread with its own lookup; the two short answers after it are
+    looked up on the loop; all three leak a's prompt and are found."""
+
+    def workload(svc: VerifierService) -> None:
+        svc.begin(ex("a", SEED_PL[:9000]))
+        for i, text in enumerate([SEED_PL[:9000], SEED_PL[1000:1600], SEED_PL[2000:2400]]):
+            e = ex("b", f"Question {i}.")
+            e.state.sampled = True
+            svc.jobs.enqueue(CheckJob(e, [text], None, "stop", None))
+
+    got, stats, calls = run_redis(tmp_path, "huge", on_loop=True, workload=workload)
+    assert calls == ["sync", "async"]
+    assert [(d, t) for d, t, _, _ in got].count(("leak_index", "b")) == 3
+    assert stats["checked"] == 3

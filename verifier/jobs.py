@@ -366,7 +366,7 @@ class JobQueue:
         if not self.findings.store.backoff.usable() or not self.lock.acquire(blocking=False):
             return False
         try:
-            batch = self._take_small_checks(n)
+            batch = self._pop_checks(n, LOOP_PREPARE_CHARS)
             if not batch:
                 return False
             prepared, hashes = self.findings.prepare_batch_locked(batch)
@@ -390,10 +390,10 @@ class JobQueue:
         store = self.findings.index.store
         return isinstance(store, RedisLeakStore) and store.aclient is not None
 
-    def _take_small_checks(self, n: int) -> list[CheckJob]:
-        """Pop the run of at most ``n`` checks at the head whose texts (and, where the own-prompt
-        shingles are not known yet, prompts) total at most :data:`LOOP_PREPARE_CHARS`. Caller
-        holds the lock."""
+    def _pop_checks(self, n: int, max_chars: float = float("inf")) -> list[CheckJob]:
+        """Pop the run of at most ``n`` checks at the head of the queue whose texts (and, where the
+        own-prompt shingles are not known yet, prompts) total at most ``max_chars``. Caller holds
+        the lock."""
         batch: list[CheckJob] = []
         total = 0
         while self.jobs and len(batch) < n and isinstance(self.jobs[0], CheckJob):
@@ -401,7 +401,7 @@ class JobQueue:
             total += sum(map(len, self.jobs[0].texts))
             if ex.state.own_shingles is None and ex.internal_id not in self.own_cache:
                 total += len(ex.prompt_text)
-            if total > LOOP_PREPARE_CHARS:
+            if total > max_chars:
                 break
             batch.append(self.jobs.popleft())
         return batch
@@ -432,14 +432,8 @@ class JobQueue:
             with self.lock:
                 if not self.jobs:
                     return
-                batch = [self.jobs.popleft()]
-                while (
-                    isinstance(batch[0], CheckJob)
-                    and len(batch) < n
-                    and self.jobs
-                    and isinstance(self.jobs[0], CheckJob)
-                ):
-                    batch.append(self.jobs.popleft())
+                first = self.jobs.popleft()
+                batch = [first, *self._pop_checks(n - 1)] if isinstance(first, CheckJob) else [first]
                 n -= len(batch)
                 ahead = self.findings.prefetch_locked(batch) if len(batch) > 1 else [None]
                 for job, prepared in zip(batch, ahead, strict=True):
