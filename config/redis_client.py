@@ -161,6 +161,7 @@ def _sentinel_master(target: RedisTarget, opts: dict[str, Any], timeout_seconds:
         sentinel_kwargs["password"] = options.pop("sentinel_password")
     sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs, **opts)
     tls: dict[str, Any] = dict(ssl=True, **options) if target.tls else {}
+    assert target.service is not None, "parse_redis_url refuses a sentinel URL without a service name"
     return sentinel.master_for(
         target.service, db=target.db, username=target.username, password=target.password, **opts, **tls
     )
