@@ -2,8 +2,11 @@
 # Create .venv and install kvgate with every extra. Installs torch==2.13.0 first when the venv
 # has no torch (the `backend` extra's range admits it, so pip then adds nothing): the CPU build
 # unless KVGATE_TORCH=cuda, chosen and announced by scripts/torch_choice.sh (docs/demo.md). pip's output goes
-# to .venv/install.log and is shown only when a step fails. A second run with an unchanged
-# pyproject.toml skips the install (stamp: .venv/.kvgate-installed).
+# to .venv/install.log and is shown only when a step fails. Every package is held to the version in
+# constraints.txt (the set the tests last passed with; scripts/lock.sh refreshes it), so a release
+# upstream cannot change a fresh install; KVGATE_UNPINNED=1 installs the newest that pyproject.toml's
+# ranges admit instead. A second run with pyproject.toml and constraints.txt unchanged skips the
+# install (stamp: .venv/.kvgate-installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -23,8 +26,10 @@ if [ ! -x .venv/bin/python ]; then
   echo "kvgate: creating .venv with $($PY --version)"
   "$PY" -m venv .venv
 fi
+PIN=(-c constraints.txt)
+[ "${KVGATE_UNPINNED:-}" = 1 ] && PIN=()
 STAMP=.venv/.kvgate-installed
-if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && .venv/bin/python -c "import torch, gateway" >/dev/null 2>&1; then
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt constraints.txt ] && .venv/bin/python -c "import torch, gateway" >/dev/null 2>&1; then
   exit 0
 fi
 : >"$LOG"
@@ -33,8 +38,8 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   # shellcheck source=scripts/torch_choice.sh
   . scripts/torch_choice.sh
   choose_torch .venv/bin/python || exit 1
-  step "installing torch" .venv/bin/python -m pip install --disable-pip-version-check "${TORCH_PIP_ARGS[@]}"
+  step "installing torch" .venv/bin/python -m pip install --disable-pip-version-check "${PIN[@]}" "${TORCH_PIP_ARGS[@]}"
 fi
-echo "kvgate: installing kvgate[backend,hf,dev] (editable) into .venv"
-step "installing kvgate" .venv/bin/python -m pip install --disable-pip-version-check -e ".[backend,hf,dev]"
+echo "kvgate: installing kvgate[backend,hf,dev] (editable) into .venv${PIN[*]:+, versions from constraints.txt}"
+step "installing kvgate" .venv/bin/python -m pip install --disable-pip-version-check "${PIN[@]}" -e ".[backend,hf,dev]"
 touch "$STAMP"
