@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
@@ -44,6 +44,29 @@ RETIRED_MEMORY = 8192  # retired requests remembered by ``request_state``
 PLACEHOLDER_PROMPT = [0]
 
 
+def in_passing_thread(fn: Callable[..., object], *args: object) -> None:
+    """Run ``fn(*args)`` in a thread that ends when it returns; re-raise what it raised.
+
+    The engine's torch work runs on threads that end (this one for a build, the worker for the steps),
+    never on the caller's: libgomp keeps a thread's OpenMP team for as long as the thread lives, and
+    while the process holds more OpenMP threads than CPUs every parallel region waits without
+    spinning (GOMP_SPINCOUNT's fallback), which made each of the worker's decode steps about a
+    fifth slower on 2 cores once the caller had built the weights (docs/performance.md)."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # handed to the caller, whatever it is
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="kvgate-engine-build")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
 class Engine:
     """One model over one paged KV pool (nano-vllm's shape: Sequence, KVPool, Scheduler, ModelRunner).
 
@@ -63,15 +86,11 @@ class Engine:
         self.cfg, self.faults = cfg, cfg.faults
         self.device, self.dtype = resolve_device(cfg.device), DTYPES[cfg.dtype]
         self.context_length, self.page_size = cfg.context_length, cfg.page_size
-        self.model = shared_or_built(model, cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
-        self.weight_bytes = weight_bytes(self.model)
-        self.pool = self._build_pool(cfg)
         self.requests = RequestTable(RETIRED_MEMORY)
         self._live = self.requests.live
         self.vocab = vocab or vocab_for(cfg.model)
         self.counter, self.eos_token_id = self.vocab.counter, self.vocab.eos_token_id
-        self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or self.model.vocab_size)
-        self.runner = ModelRunner(self.model, self.pool, vocab_bias(self.vocab, self.vocab_size))
+        in_passing_thread(self._build, cfg, model)
         self.scheduler = Scheduler(
             self.pool,
             max_batch_tokens=cfg.max_batch_tokens,
@@ -87,6 +106,14 @@ class Engine:
         self._rng = torch.Generator().manual_seed(cfg.seed)
         self._thread: threading.Thread | None = None
         self._stopping = self._ready = False  # lifecycle: ``status`` in server_info
+
+    def _build(self, cfg: EngineConfig, model: torch.nn.Module | None) -> None:
+        """The torch work of a build: the weights, the pool, the sampling bias."""
+        self.model = shared_or_built(model, cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
+        self.weight_bytes = weight_bytes(self.model)
+        self.pool = self._build_pool(cfg)
+        self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or self.model.vocab_size)
+        self.runner = ModelRunner(self.model, self.pool, vocab_bias(self.vocab, self.vocab_size))
 
     def _build_pool(self, cfg: EngineConfig) -> KVPool:
         """Size the pool from the memory budget left after the weights
