@@ -27,7 +27,7 @@ import asyncio
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch  # noqa: E402
 
@@ -490,17 +490,12 @@ def _engine_rates(
     return asyncio.run(run())
 
 
-def _own_thread(fn: Callable[..., dict[str, float]], *args: Any) -> dict[str, float]:
-    """``fn(*args)`` in a thread that ends when it returns."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(fn, *args).result()
-
-
 def real_model_main(folder: str, batch: int, decode_tokens: int, lengths: tuple[int, ...] = (512, 2048)) -> int:
     """kvgate's engine vs transformers on ``folder`` (CPU, fp32, greedy), one run, side by side,
     with the ratios the issue sets goals for (batch-1 decode >= 1.0x transformers; batch-8
     aggregate >= 4x transformers' batch-1)."""
     from gateway.stack.demo_corpus import prose
+    from gpu_backend.engine import in_passing_thread
     from tokenizer.hf_counter import HFCounter
 
     prompt = HFCounter(folder).encode_text(prose() * 4)
@@ -518,10 +513,10 @@ def real_model_main(folder: str, batch: int, decode_tokens: int, lengths: tuple[
     # thread, and one left on this thread would slow every parallel region of the next run (the
     # engine keeps its own torch work off its caller's thread for the same reason).
     hf_args, eng_args = (folder, prompt, lengths, decode_tokens), (folder, prompt, lengths, decode_tokens, batch)
-    hf = _own_thread(_hf_rates, *hf_args)
-    eng = _own_thread(_engine_rates, *eng_args)
-    eng = {k: max(v, eng[k]) for k, v in _own_thread(_engine_rates, *eng_args).items()}
-    hf = {k: max(v, hf[k]) for k, v in _own_thread(_hf_rates, *hf_args).items()}
+    hf = in_passing_thread(_hf_rates, *hf_args)
+    eng = in_passing_thread(_engine_rates, *eng_args)
+    eng = {k: max(v, eng[k]) for k, v in in_passing_thread(_engine_rates, *eng_args).items()}
+    hf = {k: max(v, hf[k]) for k, v in in_passing_thread(_hf_rates, *hf_args).items()}
     keys = [*(f"prefill {n} tok/s" for n in lengths), "decode b1 tok/s", f"decode b{batch} aggregate tok/s"]
     print("| measure | kvgate engine | transformers | ratio |\n|---|---|---|---|")
     for k in keys:

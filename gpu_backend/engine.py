@@ -13,10 +13,12 @@ and :mod:`gpu_backend.decode_node`: ``admit``, ``register``, ``submit``, ``gener
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,29 +44,17 @@ RETIRED_MEMORY = 8192  # retired requests remembered by ``request_state``
 #: The one-token prompt an over-length prompt becomes under ``admit_rejected`` (SGLang's rejection
 #: path sets ``origin_input_ids = [0]``).
 PLACEHOLDER_PROMPT = [0]
+T = TypeVar("T")
 
 
-def in_passing_thread(fn: Callable[..., object], *args: object) -> None:
-    """Run ``fn(*args)`` in a thread that ends when it returns; re-raise what it raised.
+def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread that ends before this returns; its result, or what it raised.
 
-    The engine's torch work runs on threads that end (this one for a build, the worker for the steps),
-    never on the caller's: libgomp keeps a thread's OpenMP team for as long as the thread lives, and
-    while the process holds more OpenMP threads than CPUs every parallel region waits without
-    spinning (GOMP_SPINCOUNT's fallback), which made each of the worker's decode steps about a
-    fifth slower on 2 cores once the caller had built the weights (docs/performance.md)."""
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn(*args)
-        except BaseException as e:  # handed to the caller, whatever it is
-            failure.append(e)
-
-    thread = threading.Thread(target=run, name="kvgate-engine-build")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
+    For torch work that must not leave an OpenMP team on the caller's thread: libgomp keeps a
+    thread's team as long as the thread lives, and while a process holds more OpenMP threads than
+    CPUs each parallel region sleeps instead of spinning (libgomp manual, GOMP_SPINCOUNT)."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvgate-engine-build") as pool:
+        return pool.submit(fn, *args).result()
 
 
 class Engine:
