@@ -89,7 +89,7 @@ class Quotas:
     async def begin(self, tenant, request_id):
         return QuotaLease(tenant.id, request_id, 0, headers={})
 
-    async def reserve_tokens(self, tenant, lease, tokens):
+    async def reserve_tokens(self, tenant, lease, tokens, *, also=None):
         self.reserved.append(tokens)
         lease.reserved_tokens = tokens
 

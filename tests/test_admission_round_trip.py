@@ -3,18 +3,21 @@
 holds the reservation and the index write. What lands in Redis, what happens when Redis lost
 the scripts (NOSCRIPT), when the reservation makes no round trip (unlimited tenant), when the
 round trip fails; the write in the quota store's next coalesced round trip
-(``TenantQuotas.send_writes``); and through the real app, where the write follows the token
-reservation so that only an admitted prompt is indexed."""
+(``TenantQuotas.send_writes``); the write riding the token reservation (``reserve_tokens``),
+guarded by it: made only when the reservation is, so a refused prompt is never indexed; and
+through the real app, where a small prompt is fingerprinted before its tokens are reserved and
+its write rides that reservation's round trip."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
 import redis
 
 from config.models import QuotaSettings, TenantConfig, VerifierSettings
-from gateway.quotas.stores import RedisQuotaStore
+from gateway.quotas.stores import RedisQuotaStore, load_script
 from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
 from tests.fixtures.settings import verifier_settings as settings
 from tests.test_verifier_inline_ingest import ex
@@ -153,14 +156,13 @@ async def test_a_failed_round_trip_counts_a_store_error_and_the_quota_policy_app
 
 def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes):
     """A chat through the real app with Redis quotas and the verifier: the admitted prompt's
-    fingerprints are in Redis under its tenant, written once its tokens were reserved (in the
-    quota store's next round trip, not the verifier's own: a write riding the reservation itself
-    could not depend on its answer); the next chat, over the tenant's RPM, is refused before its
-    body is read and indexes nothing."""
+    fingerprints are in Redis under its tenant, written in its token reservation's round trip
+    (guarded by it), none by the verifier's own client; the next chat, over the tenant's RPM, is
+    refused before its body is read and indexes nothing."""
     from tests.gateway_harness import SECRETS as APP_SECRETS
     from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream
     from tests.mock_engine import MockEngine
-    from verifier.leak_index import _ADD_LUA
+    from verifier.leak_index import _ADD_IF_LUA, _ADD_LUA
 
     engine = MockEngine().start()
     base = settings_for([upstream("u1", engine)])
@@ -168,10 +170,20 @@ def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes)
     quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
     svc = build_verifier(s, secrets=APP_SECRETS, key_prefix=prefix + ":v:")
     g = Gateway(s, tenants(rpm=1, tpm=10_000), quotas=quotas, verifier=svc).start()
-    redis.Redis.from_url(REDIS_URL).script_load(_ADD_LUA)  # else NOSCRIPT: the verifier sends it itself
+    # every script loaded (an earlier test flushed them): else a NOSCRIPT reply sends the write apart
+    for script in (_ADD_LUA, _ADD_IF_LUA, *(load_script(n) for n in ("begin", "tokens", "settle"))):
+        redis.Redis.from_url(REDIS_URL).script_load(script)
     try:
         with g.client() as c:
+            trips = quotas.store.round_trips
             r = c.post("/v1/chat/completions", json=chat(PROMPT))
+            assert r.status_code == 200, r.text
+            # begin; the tokens with the index write; the settle (after the answer: awaited here)
+            deadline = time.monotonic() + 5
+            while quotas.store.round_trips < trips + 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            assert quotas.store.round_trips == trips + 3
             assert r.status_code == 200, r.text
             assert (r.headers["x-ratelimit-remaining-requests"], r.headers["x-ratelimit-remaining-tokens"]) == (
                 "0",
@@ -221,3 +233,137 @@ async def test_the_index_write_rides_the_next_coalesced_round_trip(tmp_path, pre
     finally:
         await quotas.aclose()
         await svc.aclose()
+
+
+async def reserve_tokens_with_write(svc: VerifierService, quotas: TenantQuotas, tenant: TenantConfig, tokens: int):
+    """What gateway.admission.admit does for a small prompt: begin, fingerprint, then the token
+    reservation with the index write guarded by it (discarded on refusal), then finish. Returns
+    ``(lease, error)``: the error a refused reservation raised, else ``None``."""
+    from config.errors import OpenAIError
+
+    lease = await quotas.begin(tenant, "r")
+    pending = await svc.admit(ex(tenant, PROMPT), defer_write=True)
+    assert pending is not None and len(pending.calls) == 1
+    error = None
+    try:
+        await quotas.reserve_tokens(tenant, lease, tokens, also=pending)
+    except OpenAIError as e:
+        pending.discard()
+        error = e
+    finally:
+        await pending.finish()
+    await quotas.settle(lease, 0)
+    return lease, error
+
+
+async def test_the_index_write_rides_the_token_reservation_and_only_an_admitted_one(tmp_path, prefix, own_writes):
+    """``reserve_tokens(also=...)``: the token reservation and the guarded index write share one
+    round trip. Admitted: the fingerprints land under the tenant, nothing sent on its own.
+    Refused (over TPM): the guarded write answers -1 and writes nothing, and after ``discard``
+    nothing is sent later, nothing counts as ingested, the budget is back."""
+    from verifier.leak_index import _ADD_IF_LUA
+
+    svc = build_verifier(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
+    store = RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q")
+    quotas = TenantQuotas(QuotaSettings(), store)
+    tight = TenantConfig(id="t", rpm=1000, tpm=50, verify_sample_rate=0.0)
+    try:
+        for script in (_ADD_IF_LUA, *(load_script(n) for n in ("begin", "tokens", "settle"))):
+            redis.Redis.from_url(REDIS_URL).script_load(script)
+        trips = store.round_trips
+        lease, error = await reserve_tokens_with_write(svc, quotas, tight, 51)
+        assert (error.status, error.code) == (429, "rate_limit_exceeded")
+        assert store.round_trips == trips + 3  # begin; the tokens with the write; settle
+        assert owners(svc, PROMPT) == [set()] * len(owners(svc, PROMPT))
+        assert own_writes == []
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (0, 0, 0)
+
+        trips = store.round_trips
+        lease, error = await reserve_tokens_with_write(svc, quotas, tight, 50)
+        assert error is None and lease.reserved_tokens == 50
+        assert store.round_trips == trips + 3
+        assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"t"})}
+        assert own_writes == []
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (1, 0, 0)
+    finally:
+        await quotas.aclose()
+        await svc.aclose()
+
+
+async def test_a_reservation_reloaded_after_noscript_still_indexes_only_when_admitted(tmp_path, prefix, own_writes):
+    """Redis lost the token script but not the guarded write's: the write runs first in the
+    pipeline (no reservation yet: -1, nothing written), the reservation is loaded and sent again.
+    Admitted: the verifier sends the write itself afterwards. Refused: nothing is written. Redis
+    lost both: the first write is sent apart and loads the scripts; the next one rides along."""
+    from verifier.leak_index import _ADD_IF_LUA
+
+    svc = build_verifier(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
+    store = RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q")
+    quotas = TenantQuotas(QuotaSettings(), store)
+    tight = TenantConfig(id="t", rpm=1000, tpm=50, verify_sample_rate=0.0)
+    r = redis.Redis.from_url(REDIS_URL)
+    try:
+        r.script_flush()
+        r.script_load(_ADD_IF_LUA)
+        _, error = await reserve_tokens_with_write(svc, quotas, tight, 51)
+        assert error is not None and error.status == 429
+        assert owners(svc, PROMPT) == [set()] * len(owners(svc, PROMPT)) and own_writes == []
+
+        r.script_flush()
+        r.script_load(_ADD_IF_LUA)
+        _, error = await reserve_tokens_with_write(svc, quotas, tight, 50)
+        assert error is None
+        assert own_writes == ["t"]
+        assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"t"})}
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (1, 0, 0)
+
+        r.script_flush()  # both lost: the first write goes apart and loads its scripts, the next rides
+        for _ in range(2):
+            _, error = await reserve_tokens_with_write(svc, quotas, tight, 20)
+            assert error is None
+        assert own_writes == ["t", "t"]
+        assert (svc.stats["ingested"], svc.stats["store_errors"]) == (3, 0)
+    finally:
+        r.close()
+        await quotas.aclose()
+        await svc.aclose()
+
+
+def test_through_the_app_a_prompt_refused_for_tpm_is_never_indexed(prefix, own_writes):
+    """Through the real app: a chat whose tokens exceed what is left of the tenant's TPM is
+    refused (429) after it was counted and fingerprinted, and none of its fingerprints reach
+    Redis; the admitted chat before it is indexed under its tenant."""
+    from tests.gateway_harness import SECRETS as APP_SECRETS
+    from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream
+    from tests.mock_engine import MockEngine
+    from verifier.leak_index import _ADD_IF_LUA, _ADD_LUA
+
+    engine = MockEngine().start()
+    base = settings_for([upstream("u1", engine)])
+    s = base.model_copy(update={"redis_url": REDIS_URL, "verifier": VerifierSettings()})
+    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
+    svc = build_verifier(s, secrets=APP_SECRETS, key_prefix=prefix + ":v:")
+    g = Gateway(s, tenants(rpm=10, tpm=800), quotas=quotas, verifier=svc).start()
+    for script in (_ADD_LUA, _ADD_IF_LUA, *(load_script(n) for n in ("begin", "tokens", "settle"))):
+        redis.Redis.from_url(REDIS_URL).script_load(script)
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(PROMPT))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-ratelimit-remaining-tokens"] == str(800 - 16 - 369)
+            r = c.post("/v1/chat/completions", json=chat(WARMUP_PROMPT))
+            assert (r.status_code, r.json()["error"]["code"]) == (429, "rate_limit_exceeded")
+            assert r.json()["error"]["message"].startswith(
+                "Rate limit reached for tenant 'tenant-a' on tokens per 60s window (TPM): "
+                "Limit 800, Used 373, Requested 504."  # the first chat settled at its usage (369 + 4)
+            )
+        assert len(engine.state.requests) == 1
+        assert own_writes == []
+        fps, _ = svc.ingest.fingerprint(ex(LIMITED, PROMPT), PROMPT)
+        assert {frozenset(o) for o in svc.index.store.owners(sorted(fps))} == {frozenset({"tenant-a"})}
+        refused, _ = svc.ingest.fingerprint(ex(LIMITED, WARMUP_PROMPT), WARMUP_PROMPT)
+        assert refused and svc.index.store.owners(sorted(refused)) == [set()] * len(refused)
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (1, 0, 0)
+    finally:
+        g.stop()
+        engine.stop()

@@ -333,7 +333,7 @@ class RecordingQuotas:
             )
         return QuotaLease(tenant.id, request_id, 0, headers={"x-ratelimit-remaining-requests": "9"})
 
-    async def reserve_tokens(self, tenant, lease, tokens):
+    async def reserve_tokens(self, tenant, lease, tokens, *, also=None):
         self.reserved.append(tokens)
         lease.reserved_tokens = tokens
 
@@ -369,6 +369,10 @@ class WithholdingVerifier:
                 raise ResponseWithheld("inc-2", "canary")
 
         return Guard()
+
+    def defers(self, exchange):
+
+        return False
 
     async def admit(self, exchange, decode=None, *, defer_write=False):
         return None
@@ -466,6 +470,10 @@ def test_a_failing_stage_still_answers_openai_shaped_500(engine):
     class BrokenVerifier:
         def begin(self, exchange):
             raise RuntimeError("verifier bug")
+
+        def defers(self, exchange):
+
+            return False
 
         async def admit(self, exchange, decode=None, *, defer_write=False):
             return None

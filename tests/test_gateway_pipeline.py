@@ -43,7 +43,7 @@ class LedgerQuotas:
     async def begin(self, tenant, request_id):
         return QuotaLease(tenant.id, request_id, 0)
 
-    async def reserve_tokens(self, tenant, lease, tokens):
+    async def reserve_tokens(self, tenant, lease, tokens, *, also=None):
         if lease.request_id in self.reserved:
             raise OpenAIError(500, "reserved twice", code=ErrorCode.INTERNAL_ERROR)
         self.reserved[lease.request_id] = tokens

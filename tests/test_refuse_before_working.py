@@ -32,6 +32,10 @@ class IndexingVerifier:
     def __init__(self) -> None:
         self.indexed: list[str] = []
 
+    def defers(self, exchange):
+
+        return False
+
     async def admit(self, exchange, decode=None, *, defer_write=False):
         self.indexed.append(exchange.request.request_id)
         return None

@@ -233,8 +233,9 @@ class IngestBudget:
 class PendingIndex:
     """A small prompt's leak-index (and canary) writes, computed at admission and not yet sent
     (:class:`verifier.stage.PendingWrite`): ``calls`` are the ``aadd`` Lua calls of ``writes``
-    (``(store, fingerprints)``; empty when the store is backing off). After :meth:`finish` the
-    prompt counts as ingested and its ``nbytes`` are back in the budget."""
+    (``(store, fingerprints)``; empty when the store is backing off); :meth:`guarded` the same
+    calls made conditional on a reservation. After :meth:`finish` the prompt counts as ingested
+    (unless :meth:`discard` came first) and its ``nbytes`` are back in the budget."""
 
     def __init__(self, budget: IngestBudget, tenant: str, writes: list[tuple[RedisLeakStore, list[int]]], nbytes: int):
         self.budget = budget
@@ -244,42 +245,64 @@ class PendingIndex:
         self.calls = [store.add_call(tenant, fps) for store, fps in writes]
         self._outcome: list[Any] | BaseException | None = None
         self._finished = False
+        self._discarded = False
+
+    def guarded(self, key: str, field: str) -> list[tuple[str, list[str], list[Any]]]:
+        """:attr:`calls`, each writing only if the hash ``key`` holds ``field`` when it runs
+        (else it answers ``-1``): sent right after the reservation that sets that field, in
+        one pipeline (:meth:`verifier.leak_index.RedisLeakStore.add_call`)."""
+        return [store.add_call(self.tenant, fps, guard=(key, field)) for store, fps in self.writes]
 
     def sent(self, outcome: list[Any] | BaseException) -> None:
         """The outcome of sending :attr:`calls` (see :class:`verifier.stage.PendingWrite`)."""
         self._outcome = outcome
 
+    def discard(self) -> None:
+        """The request was refused: :meth:`finish` sends nothing and counts no ingest."""
+        self._discarded = True
+
+    def _written(self, result: Any) -> bool:
+        return not isinstance(result, Exception) and result != -1  # -1: a guarded call that wrote nothing
+
     async def finish(self) -> None:
-        """Send what was not sent (or was refused with ``NOSCRIPT``: the server lost the script)
-        through the store's own client, count a failure as a store error (the store then backs
-        off), count the prompt ingested and release its bytes. Never raises, except
+        """Send what was not sent (refused with ``NOSCRIPT``: the server lost the script; or a
+        guarded call that found no reservation, ``-1``) through the store's own client, count a
+        failure as a store error (the store then backs off), count the prompt ingested and
+        release its bytes; after :meth:`discard`, only release them. Never raises, except
         :class:`asyncio.CancelledError`; the bytes are released whatever happens. A second call
         does nothing."""
         if self._finished:
             return
         self._finished = True
         try:
-            outcome = self._outcome
-            if isinstance(outcome, BaseException):
-                self.budget._store_failed(outcome)  # type: ignore[arg-type]
-            else:
-                for i, (store, fps) in enumerate(self.writes):
-                    result = outcome[i] if outcome is not None and i < len(outcome) else None
-                    if outcome is not None and not isinstance(result, Exception):
-                        continue  # written with the other round trip
-                    if isinstance(result, Exception) and not isinstance(result, NoScriptError):
-                        self.budget._store_failed(result)
-                        break
-                    try:
-                        await store.aadd(self.tenant, fps)
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception as e:
-                        self.budget._store_failed(e)
-                        break
+            if self._discarded:
+                return
+            await self._send_unsent()
             self.budget._ingested()
         finally:
             self.budget.release(self.nbytes)
+
+    async def _send_unsent(self) -> None:
+        outcome = self._outcome
+        if isinstance(outcome, BaseException):
+            self.budget._store_failed(outcome)  # type: ignore[arg-type]
+            return
+        for i, (store, fps) in enumerate(self.writes):
+            result = outcome[i] if outcome is not None and i < len(outcome) else None
+            if outcome is not None and self._written(result):
+                continue  # written with the other round trip
+            if isinstance(result, Exception) and not isinstance(result, NoScriptError):
+                self.budget._store_failed(result)
+                return
+            try:
+                if isinstance(result, NoScriptError):  # Redis lost (or never had) the scripts
+                    await store.aload_scripts()
+                await store.aadd(self.tenant, fps)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.budget._store_failed(e)
+                return
 
 
 class JobQueue:

@@ -107,6 +107,24 @@ end
 return #KEYS
 """
 
+#: :data:`_ADD_LUA` made only if the hash ``KEYS[1]`` holds the field ``ARGV[3]`` when it runs
+#: (the quota reservation sent just before it in the same pipeline, :meth:`RedisLeakStore.add_call`'s
+#: ``guard``); ``-1`` when it does not, and nothing is written
+_ADD_IF_LUA = """
+if redis.call('HEXISTS', KEYS[1], ARGV[3]) == 0 then return -1 end
+local t, ttl = ARGV[1], ARGV[2]
+for i = 2, #KEYS do
+  local k = KEYS[i]
+  local v = redis.call('GET', k)
+  if (not v) or v == t then
+    redis.call('SET', k, t, 'PX', ttl)
+  else
+    redis.call('SET', k, '*', 'PX', ttl)
+  end
+end
+return #KEYS - 1
+"""
+
 
 class RedisLeakStore:
     """Redis store shared by gateway replicas: one string key per fingerprint,
@@ -137,6 +155,7 @@ class RedisLeakStore:
         self.prefix = prefix
         self.batch = batch
         self._add = client.register_script(_ADD_LUA)
+        self._add_if = client.register_script(_ADD_IF_LUA)
         self.aclient = aclient
         self._aadd = aclient.register_script(_ADD_LUA) if aclient is not None else None
 
@@ -153,18 +172,34 @@ class RedisLeakStore:
             else:
                 self._add(keys=keys[i : i + self.batch], args=[tenant, self.ttl_ms])
 
-    def add_call(self, tenant: str, fps: Iterable[int]) -> tuple[str, list[str], list[Any]]:
+    def add_call(
+        self, tenant: str, fps: Iterable[int], guard: tuple[str, str] | None = None
+    ) -> tuple[str, list[str], list[Any]]:
         """:meth:`add` of at most ``batch`` fingerprints as one unsent Lua call, ``(sha1, keys,
         args)``, for a caller that sends it with other commands (:class:`verifier.stage.PendingWrite`;
         a server that lost the script answers ``NOSCRIPT``, and :meth:`aadd` loads it). Its keys
-        span slots: a Redis Cluster caller leaves it to :meth:`aadd`. Raises
-        ``ValueError`` for the public marker or more than ``batch`` fingerprints."""
+        span slots: a Redis Cluster caller leaves it to :meth:`aadd`. ``guard``: ``(hash key,
+        field)``: the call writes only if that hash holds that field when it runs, and answers
+        ``-1`` when it does not (a write that rides a quota reservation and must follow only an
+        admitted one). Raises ``ValueError`` for the public marker or more than ``batch``
+        fingerprints."""
         if tenant == PUBLIC:
             raise ValueError("'*' is not a tenant id")
         keys = [self._key(fp) for fp in fps]
         if len(keys) > self.batch:
             raise ValueError(f"{len(keys)} fingerprints: at most {self.batch} in one call")
+        if guard is not None:
+            return (self._add_if.sha, [guard[0], *keys], [tenant, self.ttl_ms, guard[1]])
         return (self._add.sha, keys, [tenant, self.ttl_ms])
+
+    async def aload_scripts(self) -> None:
+        """Load :meth:`add_call`'s scripts (plain and guarded) into Redis through ``aclient``,
+        after a ``NOSCRIPT`` answer: calls sent by their SHA-1 alone find them from then on.
+        Raises ``RuntimeError`` without an ``aclient``, ``redis.RedisError`` when Redis is down."""
+        if self.aclient is None:
+            raise RuntimeError("this RedisLeakStore has no asyncio client")
+        for script in (_ADD_LUA, _ADD_IF_LUA):
+            await self.aclient.script_load(script)
 
     async def aadd(self, tenant: str, fps: Iterable[int]) -> None:
         """:meth:`add` through ``aclient`` (the same Lua call, awaited on the event loop).

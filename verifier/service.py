@@ -256,6 +256,16 @@ class VerifierService:
         exchange.state.admitted = True
         return await self._index_prompt(exchange, defer_write)
 
+    def defers(self, exchange: Exchange) -> bool:
+        """Whether :meth:`admit` with ``defer_write`` would hand the prompt's writes back unsent
+        (a prompt text of at most :data:`~verifier.jobs.INLINE_INGEST_BYTES`, no token-id prompts
+        to decode, Redis stores with an asyncio client) rather than index it itself."""
+        if not self.cfg.enabled or exchange.state.admitted or exchange.prompt_ids:
+            return False
+        text = exchange.prompt_text
+        nbytes = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+        return nbytes <= INLINE_INGEST_BYTES and self.ingest.inline_store()
+
     async def _decode_prompt_ids(self, exchange: Exchange, decode: Decoder | None) -> None:
         """Append the token-id prompts' text to the prompt text and the echo prompts."""
         decoded: list[str] = []

@@ -139,7 +139,17 @@ class PendingWrite(Protocol):
 
     calls: list[tuple[str, list[str], list[Any]]]
 
+    def guarded(self, key: str, field: str) -> list[tuple[str, list[str], list[Any]]]:
+        """:attr:`calls`, each writing only if the Redis hash ``key`` holds ``field`` when it
+        runs (else answering ``-1``, which :meth:`finish` treats as unsent): for a round trip
+        whose first call is the reservation that sets that field."""
+        ...
+
     def sent(self, outcome: list[Any] | BaseException) -> None: ...
+
+    def discard(self) -> None:
+        """The request was refused: :meth:`finish` sends nothing and counts no ingest."""
+        ...
 
     async def finish(self) -> None: ...
 
@@ -157,6 +167,11 @@ class VerifierStage(Protocol):
         ``defer_write``: when the prompt's store write can ride another round trip, return it
         as a :class:`PendingWrite` instead of sending it (the caller must await its ``finish``);
         otherwise ``None``, the prompt indexed."""
+        ...
+
+    def defers(self, exchange: Exchange) -> bool:
+        """Whether :meth:`admit` with ``defer_write`` would return the prompt's writes unsent
+        (nothing indexed, no engine call made before it returns) rather than index it."""
         ...
 
     def begin(self, exchange: Exchange) -> ResponseGuard | None:
@@ -178,6 +193,9 @@ class NullVerifier:
         self, exchange: Exchange, decode: Decoder | None = None, *, defer_write: bool = False
     ) -> PendingWrite | None:
         return None
+
+    def defers(self, exchange: Exchange) -> bool:
+        return False
 
     def begin(self, exchange: Exchange) -> ResponseGuard | None:
         return None

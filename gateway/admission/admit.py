@@ -24,10 +24,12 @@ before working": a refusal comes before the work it would waste):
    ``pool_size_unknown`` (fail closed);
 5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503) and
    build the body to forward (``route.forward_body``);
-6. reserve the request's tokens against TPM (:meth:`gateway.quotas.stage.QuotaStage.reserve_tokens`),
-   then hand the admitted prompt to the verifier's admission
-   (:meth:`verifier.stage.VerifierStage.admit`: token-id prompts decoded, the prompt indexed, on
-   this request's own time, before it can be forwarded): a refused prompt is never indexed.
+6. reserve the request's tokens against TPM (:meth:`gateway.quotas.stage.QuotaStage.reserve_tokens`)
+   and index the prompt (:meth:`verifier.stage.VerifierStage.admit`: token-id prompts decoded,
+   the prompt fingerprinted and indexed, on this request's own time, before it can be
+   forwarded); a small prompt is fingerprinted first and its index write rides the
+   reservation's Redis round trip, made only if the reservation was (:func:`_reserve_and_index`):
+   a refused prompt is never indexed.
 
 A request refused after step 1 has its lease released and its tokens refunded
 (``settle(lease, 0)``); its RPM entry stays spent, so invalid requests cost their sender RPM.
@@ -334,18 +336,37 @@ async def _admit_tenant(
     body, large = await read_request(ctx, request, tenant, route.id_fields)
     adm, candidates, served = await _count_and_decide(ctx, tenant, body, route)
     forward = await _forward(body, route, adm, ctx.cache_salt(tenant.id), served, large)
-    await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
-    exchange = None
-    if route.verified:  # embeddings have no output text to verify: their inputs are not indexed
-        # only an admitted prompt is indexed, before it can be forwarded
-        exchange = verifier_exchange(arrival, tenant, adm, body, forward.stream)
-        pending = await ctx.verifier.admit(exchange, adm.model.counter.adecode, defer_write=True)
-        if pending is not None:  # the index write rides the quota store's round trip
-            try:
-                await ctx.quotas.send_writes(pending)
-            finally:
-                await pending.finish()
+    exchange = verifier_exchange(arrival, tenant, adm, body, forward.stream) if route.verified else None
+    await _reserve_and_index(ctx, tenant, lease, adm, exchange)
     return Admitted(arrival, tenant, adm, lease, candidates, forward, exchange)
+
+
+async def _reserve_and_index(
+    ctx: AdmitContext, tenant: TenantConfig, lease: QuotaLease, adm: Admission, exchange: Exchange | None
+) -> None:
+    """Step 6: reserve the request's tokens (TPM) and index its prompt (``exchange``; ``None``
+    for a route without output text to verify), so that only an admitted prompt is ever indexed.
+    A prompt whose writes the verifier can hand back (:meth:`verifier.stage.VerifierStage.defers`:
+    small, Redis stores) is fingerprinted first and its writes ride the reservation's round trip,
+    each made only if the reservation was (one round trip for both; ``discard`` on refusal);
+    any other is indexed after the reservation admitted it. Raises :class:`OpenAIError` as
+    :meth:`gateway.quotas.stage.QuotaStage.reserve_tokens`."""
+    if exchange is None or not ctx.verifier.defers(exchange):
+        await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
+        if exchange is not None:
+            await ctx.verifier.admit(exchange, adm.model.counter.adecode)
+        return
+    pending = await ctx.verifier.admit(exchange, adm.model.counter.adecode, defer_write=True)
+    if pending is None:  # verification off, or the ingest budget full: nothing to send
+        await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
+        return
+    try:
+        await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens, also=pending)
+    except BaseException:
+        pending.discard()  # refused (or the request is gone): its prompt is never indexed
+        raise
+    finally:
+        await pending.finish()
 
 
 def verifier_exchange(

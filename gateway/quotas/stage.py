@@ -48,10 +48,15 @@ class QuotaStage(Protocol):
         (no tokens yet). Raises ``config.errors.OpenAIError`` 429 / 503 as :meth:`reserve`."""
         ...
 
-    async def reserve_tokens(self, tenant: TenantConfig, lease: QuotaLease, tokens: int) -> None:
+    async def reserve_tokens(
+        self, tenant: TenantConfig, lease: QuotaLease, tokens: int, *, also: PendingWrite | None = None
+    ) -> None:
         """Add ``tokens`` (counted) to a begun request's reservation against TPM; sets
         ``lease.reserved_tokens``. Raises 429 / 503 as :meth:`reserve`; the lease stays held
-        either way (the caller settles it)."""
+        either way (the caller settles it). ``also``: the verifier's index write, sent with this
+        reservation's round trip and made only if the reservation was (``also.guarded``), or in
+        the next round trip when the reservation makes none; left unsent where neither happens
+        (the caller's ``also.finish()`` sends it, and ``also.discard()`` after a refusal)."""
         ...
 
     async def send_writes(self, writes: PendingWrite) -> None:
@@ -83,7 +88,9 @@ class NullQuotas:
     async def begin(self, tenant: TenantConfig, request_id: str) -> QuotaLease:
         return QuotaLease(tenant.id, request_id, 0)
 
-    async def reserve_tokens(self, tenant: TenantConfig, lease: QuotaLease, tokens: int) -> None:
+    async def reserve_tokens(
+        self, tenant: TenantConfig, lease: QuotaLease, tokens: int, *, also: PendingWrite | None = None
+    ) -> None:
         lease.reserved_tokens = tokens
 
     async def send_writes(self, writes: PendingWrite) -> None:

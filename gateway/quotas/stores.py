@@ -113,10 +113,19 @@ class QuotaStore(Protocol):
         ...
 
     async def take_tokens(
-        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        *,
+        also: PendingWrite | None = None,
     ) -> QuotaDecision:
         """Debit ``tokens`` against TPM for the request ``lease_id`` (begun), or nothing.
-        Raises :class:`QuotaStoreUnavailable`."""
+        ``also``: calls to send in the same round trip, if the store makes one, each made only
+        if the debit was (``also.guarded``; their outcome to ``also.sent``). Raises
+        :class:`QuotaStoreUnavailable`."""
         ...
 
     async def settle(
@@ -469,41 +478,39 @@ class RedisQuotaStore:
             int(lease_ttl_ms),
         ]
         if also is not None and also.calls and not self.cluster:
-            r = await self._call_with(self._reserve, self.keys(tenant_id), args, also)
+            r = await self._call_with(self._reserve, self.keys(tenant_id), args, also, also.calls)
         else:
             r = await self._call(self._reserve, self.keys(tenant_id), args)
         refused = tuple(x for x in _text(r[1]).split(",") if x)
         return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])))
 
-    async def _call_with(self, script: Any, keys: list[str], args: list[Any], also: PendingWrite) -> Any:
-        """:meth:`_call` with ``also.calls`` in the same pipeline (one round trip, no
-        transaction: each call stands alone), their results or exceptions handed to
-        ``also.sent`` (a round trip that failed: its exception). A ``NOSCRIPT`` reply to the
-        reservation (Redis restarted and lost its scripts) loads it and sends the pipeline once
-        more. Raises :class:`QuotaStoreUnavailable` as :meth:`_call` does."""
-        from redis.exceptions import NoScriptError
-
-        async def once() -> list[Any]:
-            commands = [("EVALSHA", script.sha, len(keys), *keys, *args)]
-            commands += [("EVALSHA", sha, len(ckeys), *ckeys, *cargs) for sha, ckeys, cargs in also.calls]
-            return await self._execute(commands)
-
-        async def send() -> list[Any]:
-            results = await once()
-            if isinstance(results[0], NoScriptError):
-                await self.client.script_load(script.script)
-                results = await once()
-            return results
-
+    async def _call_with(
+        self,
+        script: Any,
+        keys: list[str],
+        args: list[Any],
+        also: PendingWrite,
+        calls: list[tuple[str, list[str], list[Any]]],
+    ) -> Any:
+        """:meth:`_call` with ``calls`` (``also``'s, or its guarded form) right behind it in the
+        same round trip and the same pipeline (coalesced with this turn's other calls; no
+        transaction: each call stands alone, in order), their results (an exception in place of
+        a failed one, ``NOSCRIPT`` included: ``also.finish`` sends those itself) or the
+        exception that ended the round trip handed to ``also.sent``. Raises
+        :class:`QuotaStoreUnavailable` as :meth:`_call` does."""
+        loop = asyncio.get_running_loop()
+        first = _Queued(script.sha, keys, args, loop.create_future(), script)
+        rest = [_Queued(sha, ckeys, cargs, loop.create_future(), raw=True) for sha, ckeys, cargs in calls]
+        self.calls += 1 + len(rest)
+        await self._submit([first, *rest])
         try:
-            results = await self._retrying(send)
-        except BaseException as e:  # unavailable, or cancelled by the stage's deadline: fate unknown
+            reply = await first.reply
+        except asyncio.CancelledError:  # the request is gone: its caller discards ``also``
+            raise
+        except BaseException as e:  # unavailable: fate unknown
             also.sent(e)
             raise
-        also.sent(results[1:])
-        reply = results[0]
-        if isinstance(reply, Exception):
-            raise QuotaStoreUnavailable(f"redis: {type(reply).__name__}: {reply}") from reply
+        also.sent([await q.reply for q in rest])  # answered by the same round trip as ``first``
         return reply
 
     async def begin(
@@ -513,10 +520,23 @@ class RedisQuotaStore:
         return _decision(await self._call(self._begin, self.keys(tenant_id), args))
 
     async def take_tokens(
-        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        *,
+        also: PendingWrite | None = None,
     ) -> QuotaDecision:
-        args = [lease_id, _arg(limits.tpm), int(tokens), int(window_ms)]
-        return _decision(await self._call(self._tokens, self.keys(tenant_id), args))
+        """``tokens.lua``; ``also`` (not on a cluster) rides its round trip guarded by the debit
+        the script sets when it admits (the ``:tpm:debits`` hash's field ``lease_id``), so a
+        refused request's writes are never made."""
+        keys, args = self.keys(tenant_id), [lease_id, _arg(limits.tpm), int(tokens), int(window_ms)]
+        if also is not None and also.calls and not self.cluster:
+            calls = also.guarded(keys[2], lease_id)
+            return _decision(await self._call_with(self._tokens, keys, args, also, calls))
+        return _decision(await self._call(self._tokens, keys, args))
 
     async def settle(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
@@ -680,7 +700,14 @@ class LocalQuotaStore:
         return self.reserve_now(tenant_id, lease_only, lease_id, 0, window_ms, lease_ttl_ms)
 
     async def take_tokens(
-        self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        *,
+        also: PendingWrite | None = None,
     ) -> QuotaDecision:
         return self.take_tokens_now(tenant_id, limits, lease_id, tokens, window_ms)
 

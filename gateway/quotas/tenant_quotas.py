@@ -360,19 +360,28 @@ class TenantQuotas:
             outcome = e
         writes.sent(outcome)
 
-    async def reserve_tokens(self, tenant: TenantConfig, lease: QuotaLease, tokens: int) -> None:
+    async def reserve_tokens(
+        self, tenant: TenantConfig, lease: QuotaLease, tokens: int, *, also: PendingWrite | None = None
+    ) -> None:
         """Reserve ``tokens`` (the request's KV demand, counted) against TPM for a request
         :meth:`begin` admitted (``tokens.lua``); sets ``lease.reserved_tokens`` and the tokens pair
         of ``lease.headers``. Raises :class:`OpenAIError` 429 (TPM; the lease is still held: the
-        caller settles it) or 503 as :meth:`reserve` does."""
+        caller settles it) or 503 as :meth:`reserve` does. ``also`` (the verifier's index
+        write): on the shared store, sent in the reservation's own round trip, each call made
+        only if the reservation was (:meth:`RedisQuotaStore.take_tokens`); a tenant without TPM
+        makes no reservation, so it goes in the next coalesced round trip (:meth:`send_writes`);
+        otherwise left unsent (the fallback decided: the caller's ``also.finish()`` sends it)."""
         tokens = max(0, int(tokens))
         held = lease.state
         if not isinstance(held, _Held) or held.limits.tpm is None:
             lease.reserved_tokens = tokens
+            if also is not None:
+                await self.send_writes(also)
             return
 
         def call(s: QuotaStore, lim: QuotaLimits) -> Any:
-            return s.take_tokens(held.tenant_id, lim, held.lease_id, tokens, held.window_ms)
+            carried = also if s is self.store else None
+            return s.take_tokens(held.tenant_id, lim, held.lease_id, tokens, held.window_ms, also=carried)
 
         held.store, held.limits, decision = await self._decide(
             held.store, held.tenant_id, held.limits, held.lease_id, call
