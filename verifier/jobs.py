@@ -25,6 +25,7 @@ from config.models import VerifierSettings
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.caps import TenantCaps
 from verifier.findings import CheckJob, Findings, Prepared, StoreHealth, attach_owners
+from verifier.fingerprint_cache import FingerprintCache, Fingerprinted
 from verifier.incidents import DROPPED, DROPPED_BYTES, JOB_FAULTS, WORKER_STOPS
 from verifier.leak_index import LeakIndex, MemoryLeakStore, RedisLeakStore
 from verifier.shingles import ShingleHasher, encode, squeeze_runs
@@ -84,6 +85,8 @@ class IngestBudget:
         self.lock = lock
         self.stats = stats
         self.pending_bytes = 0
+        #: recently fingerprinted prompts, per tenant (:mod:`verifier.fingerprint_cache`)
+        self.fingerprints = FingerprintCache()
         self._budget_lock = threading.Lock()
         self._tenant: dict[str, asyncio.Semaphore] = {}
 
@@ -115,9 +118,20 @@ class IngestBudget:
     def fingerprint(self, exchange: Exchange, text: str, *, yield_gil: bool = False) -> tuple[set[int], list[str]]:
         """The CPU part of indexing ``text`` (no store call): its winnowed keyed fingerprints and
         the canaries it holds; keeps the own-shingle set on a sampled ``exchange``. About 0.1 ms
-        per KiB of prompt. ``yield_gil``: yield the GIL between steps (``time.sleep(0)``, in a
-        worker thread: a huge prompt never makes another request's threads wait out the
-        interpreter's switch interval)."""
+        per KiB of prompt, or a digest (about 1 us per KiB) for a prompt the same tenant sent
+        recently (:mod:`verifier.fingerprint_cache`). ``yield_gil``: yield the GIL between steps
+        (``time.sleep(0)``, in a worker thread: a huge prompt never makes another request's
+        threads wait out the interpreter's switch interval)."""
+        key = FingerprintCache.key(exchange.request.tenant.id, text)
+        done = self.fingerprints.get(key)
+        if done is None:
+            done = self._fingerprint(text, yield_gil)
+            self.fingerprints.put(key, done)
+        if exchange.state.sampled:
+            exchange.state.own_shingles = set(done.fast.tolist())
+        return set(done.fps), list(done.canaries)
+
+    def _fingerprint(self, text: str, yield_gil: bool) -> Fingerprinted:
         text = squeeze_runs(text)  # a canary holds no run that squeezing shortens
         if yield_gil:
             time.sleep(0)
@@ -129,9 +143,7 @@ class IngestBudget:
         fps = self.hasher.fingerprints(ids, self.index.w, fast)
         if yield_gil:
             time.sleep(0)
-        if exchange.state.sampled:
-            exchange.state.own_shingles = set(fast.tolist())
-        return fps, cans
+        return Fingerprinted(frozenset(fps), tuple(cans), fast)
 
     def capped(self, tenant: str, fps: set[int], cans: list[str]) -> tuple[list[int], list[str]]:
         """What of a prompt's fingerprints and canaries the tenant's caps let into the stores."""
