@@ -18,6 +18,10 @@ exact count of the bench body, so the verifier's drift check stays quiet) and th
   count, the live pool from the mock's ``/server_info``, quotas in Redis
   (``$KVGATE_BENCH_REDIS_URL``, default ``redis://127.0.0.1:6379/0``; limits never reached),
   metrics, the verifier sampling 5%; the default workers (the usable cores, Redis being set);
+- ``kvgate-full-fresh``: ``kvgate-full`` with a new prompt in every request (a 9-digit number in
+  the user message, written by wrk's Lua script; the same exact count): what a prompt costs the
+  first time it is seen, with no count- or fingerprint-cache hit (the fixed body of the other
+  scenarios hits both after its first request); needs wrk;
 - ``kvgate-responses``: ``kvgate-full`` on ``/v1/responses``, the same turn as ``instructions`` +
   ``input`` (the mock answers a fixed ``response`` object with the same exact count);
 - ``kvgate-bare``: the same without quotas and verifier (and so without Redis), same workers;
@@ -71,6 +75,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import re
 import secrets
@@ -110,6 +115,20 @@ BODY = {
     "max_tokens": 16,
     "temperature": 0,
 }
+#: :data:`BODY` with a 9-digit number in place of its last words: the same exact count (200)
+#: whatever the number, so the mock's fixed usage stays exact; ``kvgate-full-fresh`` sends a new
+#: number with every request of a run, and each run starts :data:`FRESH_RUN_STRIDE` further on,
+#: so no prompt is seen twice in a bench (no count or fingerprint cache hit)
+FRESH_MARK = "100000000"
+FRESH_RUN_STRIDE = 10_000_000
+FRESH_BODY = {
+    **BODY,
+    "messages": [
+        BODY["messages"][0],
+        {"role": "user", "content": USER_TEXT.replace("Summarise that in a line.", f"Summarise #{FRESH_MARK}.")},
+    ],
+}
+_fresh_runs = itertools.count()
 REPLY_TEXT = " tok" * 16
 #: the same turn as a Responses API request (``/v1/responses``: instructions + input)
 RESPONSES_BODY = {
@@ -121,9 +140,12 @@ RESPONSES_BODY = {
 }
 
 
-def body_for(url: str) -> dict[str, Any]:
-    """The load's body for a target URL: :data:`RESPONSES_BODY` for ``/v1/responses``, else :data:`BODY`."""
-    return RESPONSES_BODY if url.endswith("/v1/responses") else BODY
+def body_for(url: str, fresh: bool = False) -> dict[str, Any]:
+    """The load's body for a target URL: :data:`RESPONSES_BODY` for ``/v1/responses``, else
+    :data:`BODY` (``fresh``: :data:`FRESH_BODY`, its number replaced per request by the load)."""
+    if url.endswith("/v1/responses"):
+        return RESPONSES_BODY
+    return FRESH_BODY if fresh else BODY
 
 
 def fixed_response(prompt_tokens: int) -> bytes:
@@ -140,7 +162,14 @@ def prompt_tokens_of_body() -> int:
     from config.models import TokenizerConfig
     from tokenizer import make_counter
 
-    return int(make_counter(TokenizerConfig(kind="tiktoken", name="cl100k_base")).count_chat(BODY["messages"]))
+    counter = make_counter(TokenizerConfig(kind="tiktoken", name="cl100k_base"))
+    count = int(counter.count_chat(BODY["messages"]))
+    fresh = FRESH_BODY["messages"]
+    assert json.dumps(FRESH_BODY).count(FRESH_MARK) == 1
+    for n in ("100000000", "999999999", "504713086"):  # any 9-digit number: the same count as BODY
+        again = [fresh[0], {**fresh[1], "content": fresh[1]["content"].replace(FRESH_MARK, n)}]
+        assert counter.count_chat(again) == count, "FRESH_BODY must count as BODY does"
+    return count
 
 
 def fixed_reply(prompt_tokens: int) -> bytes:
@@ -343,6 +372,8 @@ class Target:
     server: subprocess.Popen[bytes] | None = None
     #: its workers' ``PROMETHEUS_MULTIPROC_DIR`` (per-worker request counts), when it has workers
     metrics_dir: Path | None = None
+    #: every request a new prompt (:data:`FRESH_BODY`, a new ticket number each; wrk only)
+    fresh: bool = False
 
 
 class Skip(Exception):
@@ -358,6 +389,7 @@ DEFAULT = [
     "naive-relay",
     "litellm",
     "kvgate-full",
+    "kvgate-full-fresh",
     "kvgate-responses",
     "kvgate-bare",
     "kvgate-verify-100",
@@ -588,6 +620,15 @@ def _kvgate_full(env: Env) -> Iterator[Target]:
         yield t
 
 
+@scenario("kvgate-full-fresh", "kvgate-full with a new prompt in every request: no count or fingerprint cached")
+def _kvgate_full_fresh(env: Env) -> Iterator[Target]:
+    if shutil.which("wrk") is None:
+        raise Skip("needs wrk (its Lua script writes each request's new prompt)")
+    note = "as kvgate-full, every prompt new (a ticket number per request)"
+    with full_features(env, "kvgate-full-fresh", 0.05, note=note) as t:
+        yield dataclasses.replace(t, fresh=True)
+
+
 @scenario("kvgate-full@base", "kvgate-full served from the --base checkout (a change's effect, within one run)")
 def _kvgate_full_base(env: Env) -> Iterator[Target]:
     if env.base is None:
@@ -709,6 +750,26 @@ wrk.body = {body}
 wrk.headers["Content-Type"] = "application/json"
 {headers}
 """
+#: :data:`WRK_LUA` plus a request function that puts a new 9-digit number in place of
+#: :data:`FRESH_MARK` in every request (thread ``t`` of ``n``: ``start + t``, ``start + t + n``, ...:
+#: no number twice in a run of fewer than :data:`FRESH_RUN_STRIDE` requests)
+WRK_FRESH_LUA = (
+    WRK_LUA
+    + """
+local threads = 0
+function setup(thread)
+  thread:set("tid", threads)
+  threads = threads + 1
+  thread:set("nthreads", 2)
+end
+local sent = 0
+function request()
+  local n = 100000000 + ({start} + sent * nthreads + tid) % 900000000
+  sent = sent + 1
+  return wrk.format(nil, nil, nil, (string.gsub(wrk.body, "{mark}", tostring(n), 1)))
+end
+"""
+)
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
@@ -723,8 +784,14 @@ def run_wrk(target: Target, connections: int, duration: float, tmp: Path) -> Loa
     """``wrk --latency`` with a Lua script for the POST (threads: 1 per 32 connections, at most 2)."""
     lua = tmp / "post.lua"
     headers = "\n".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in target.headers.items())
-    lua.write_text(WRK_LUA.format(body=json.dumps(json.dumps(body_for(target.url))), headers=headers))
     threads = max(1, min(2, connections // 32))
+    body = json.dumps(json.dumps(body_for(target.url, target.fresh)))
+    if target.fresh:
+        script = WRK_FRESH_LUA.replace('thread:set("nthreads", 2)', f'thread:set("nthreads", {threads})')
+        start = next(_fresh_runs) * FRESH_RUN_STRIDE
+        lua.write_text(script.format(body=body, headers=headers, mark=FRESH_MARK, start=start))
+    else:
+        lua.write_text(WRK_LUA.format(body=body, headers=headers))
     out = subprocess.run(
         ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration:.0f}s", "--latency"]
         + ["--timeout", "10s", "-s", str(lua), target.url],
