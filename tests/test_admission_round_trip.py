@@ -10,6 +10,7 @@ its write rides that reservation's round trip."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
@@ -74,6 +75,38 @@ def owners(svc: VerifierService, prompt: str) -> list[set[str]]:
     fps, _ = svc.ingest.fingerprint(ex(LIMITED, prompt), prompt)
     assert len(fps) >= 5
     return svc.index.store.owners(sorted(fps))
+
+
+def load_all_scripts() -> None:
+    """Every script a request's round trips use, loaded (an earlier test flushed them): else a
+    ``NOSCRIPT`` reply sends the index write apart."""
+    from verifier.leak_index import _ADD_IF_LUA, _ADD_LUA
+
+    for script in (_ADD_LUA, _ADD_IF_LUA, *(load_script(n) for n in ("begin", "tokens", "settle"))):
+        redis.Redis.from_url(REDIS_URL).script_load(script)
+
+
+@contextlib.contextmanager
+def app_with_redis(prefix: str, **limits):
+    """The real app with Redis quotas and the verifier's Redis stores under ``prefix``, tenant
+    ``tenant-a`` held to ``limits``, over a mock engine. Yields ``(gateway, engine, verifier,
+    quotas)``."""
+    from tests.gateway_harness import SECRETS as APP_SECRETS
+    from tests.gateway_harness import Gateway, settings_for, tenants, upstream
+    from tests.mock_engine import MockEngine
+
+    engine = MockEngine().start()
+    base = settings_for([upstream("u1", engine)])
+    s = base.model_copy(update={"redis_url": REDIS_URL, "verifier": VerifierSettings()})
+    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
+    svc = build_verifier(s, secrets=APP_SECRETS, key_prefix=prefix + ":v:")
+    g = Gateway(s, tenants(**limits), quotas=quotas, verifier=svc).start()
+    load_all_scripts()
+    try:
+        yield g, engine, svc, quotas
+    finally:
+        g.stop()
+        engine.stop()
 
 
 async def test_the_index_write_rides_the_reservation(tmp_path, prefix, own_writes):
@@ -159,47 +192,30 @@ def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes)
     fingerprints are in Redis under its tenant, written in its token reservation's round trip
     (guarded by it), none by the verifier's own client; the next chat, over the tenant's RPM, is
     refused before its body is read and indexes nothing."""
-    from tests.gateway_harness import SECRETS as APP_SECRETS
-    from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream
-    from tests.mock_engine import MockEngine
-    from verifier.leak_index import _ADD_IF_LUA, _ADD_LUA
+    from tests.gateway_harness import chat
 
-    engine = MockEngine().start()
-    base = settings_for([upstream("u1", engine)])
-    s = base.model_copy(update={"redis_url": REDIS_URL, "verifier": VerifierSettings()})
-    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
-    svc = build_verifier(s, secrets=APP_SECRETS, key_prefix=prefix + ":v:")
-    g = Gateway(s, tenants(rpm=1, tpm=10_000), quotas=quotas, verifier=svc).start()
-    # every script loaded (an earlier test flushed them): else a NOSCRIPT reply sends the write apart
-    for script in (_ADD_LUA, _ADD_IF_LUA, *(load_script(n) for n in ("begin", "tokens", "settle"))):
-        redis.Redis.from_url(REDIS_URL).script_load(script)
-    try:
-        with g.client() as c:
-            trips = quotas.store.round_trips
-            r = c.post("/v1/chat/completions", json=chat(PROMPT))
-            assert r.status_code == 200, r.text
-            # begin; the tokens with the index write; the settle (after the answer: awaited here)
-            deadline = time.monotonic() + 5
-            while quotas.store.round_trips < trips + 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.1)
-            assert quotas.store.round_trips == trips + 3
-            assert r.status_code == 200, r.text
-            assert (r.headers["x-ratelimit-remaining-requests"], r.headers["x-ratelimit-remaining-tokens"]) == (
-                "0",
-                str(10_000 - 16 - 369),  # the default bound (16) + the prompt's 369 tokens
-            )
-            r = c.post("/v1/chat/completions", json=chat(WARMUP_PROMPT))
-            assert (r.status_code, r.json()["error"]["code"]) == (429, "rate_limit_exceeded")
-        assert own_writes == []
-        fps, _ = svc.ingest.fingerprint(ex(LIMITED, PROMPT), PROMPT)
-        assert fps and {frozenset(o) for o in svc.index.store.owners(sorted(fps))} == {frozenset({"tenant-a"})}
-        refused, _ = svc.ingest.fingerprint(ex(LIMITED, WARMUP_PROMPT), WARMUP_PROMPT)
-        assert refused and svc.index.store.owners(sorted(refused)) == [set()] * len(refused)
-        assert svc.stats["ingested"] == 1 and svc.stats["store_errors"] == 0
-    finally:
-        g.stop()
-        engine.stop()
+    with app_with_redis(prefix, rpm=1, tpm=10_000) as (g, _, svc, quotas), g.client() as c:
+        trips = quotas.store.round_trips
+        r = c.post("/v1/chat/completions", json=chat(PROMPT))
+        assert r.status_code == 200, r.text
+        # begin; the tokens with the index write; the settle (after the answer: awaited here)
+        deadline = time.monotonic() + 5
+        while quotas.store.round_trips < trips + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert quotas.store.round_trips == trips + 3
+        assert (r.headers["x-ratelimit-remaining-requests"], r.headers["x-ratelimit-remaining-tokens"]) == (
+            "0",
+            str(10_000 - 16 - 369),  # the default bound (16) + the prompt's 369 tokens
+        )
+        r = c.post("/v1/chat/completions", json=chat(WARMUP_PROMPT))
+        assert (r.status_code, r.json()["error"]["code"]) == (429, "rate_limit_exceeded")
+    assert own_writes == []
+    fps, _ = svc.ingest.fingerprint(ex(LIMITED, PROMPT), PROMPT)
+    assert fps and {frozenset(o) for o in svc.index.store.owners(sorted(fps))} == {frozenset({"tenant-a"})}
+    refused, _ = svc.ingest.fingerprint(ex(LIMITED, WARMUP_PROMPT), WARMUP_PROMPT)
+    assert refused and svc.index.store.owners(sorted(refused)) == [set()] * len(refused)
+    assert svc.stats["ingested"] == 1 and svc.stats["store_errors"] == 0
 
 
 async def test_the_index_write_rides_the_next_coalesced_round_trip(tmp_path, prefix, own_writes):
@@ -261,15 +277,12 @@ async def test_the_index_write_rides_the_token_reservation_and_only_an_admitted_
     round trip. Admitted: the fingerprints land under the tenant, nothing sent on its own.
     Refused (over TPM): the guarded write answers -1 and writes nothing, and after ``discard``
     nothing is sent later, nothing counts as ingested, the budget is back."""
-    from verifier.leak_index import _ADD_IF_LUA
-
     svc = build_verifier(settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
     store = RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q")
     quotas = TenantQuotas(QuotaSettings(), store)
     tight = TenantConfig(id="t", rpm=1000, tpm=50, verify_sample_rate=0.0)
     try:
-        for script in (_ADD_IF_LUA, *(load_script(n) for n in ("begin", "tokens", "settle"))):
-            redis.Redis.from_url(REDIS_URL).script_load(script)
+        load_all_scripts()
         trips = store.round_trips
         lease, error = await reserve_tokens_with_write(svc, quotas, tight, 51)
         assert (error.status, error.code) == (429, "rate_limit_exceeded")
@@ -333,37 +346,22 @@ def test_through_the_app_a_prompt_refused_for_tpm_is_never_indexed(prefix, own_w
     """Through the real app: a chat whose tokens exceed what is left of the tenant's TPM is
     refused (429) after it was counted and fingerprinted, and none of its fingerprints reach
     Redis; the admitted chat before it is indexed under its tenant."""
-    from tests.gateway_harness import SECRETS as APP_SECRETS
-    from tests.gateway_harness import Gateway, chat, settings_for, tenants, upstream
-    from tests.mock_engine import MockEngine
-    from verifier.leak_index import _ADD_IF_LUA, _ADD_LUA
+    from tests.gateway_harness import chat
 
-    engine = MockEngine().start()
-    base = settings_for([upstream("u1", engine)])
-    s = base.model_copy(update={"redis_url": REDIS_URL, "verifier": VerifierSettings()})
-    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix + ":q"))
-    svc = build_verifier(s, secrets=APP_SECRETS, key_prefix=prefix + ":v:")
-    g = Gateway(s, tenants(rpm=10, tpm=800), quotas=quotas, verifier=svc).start()
-    for script in (_ADD_LUA, _ADD_IF_LUA, *(load_script(n) for n in ("begin", "tokens", "settle"))):
-        redis.Redis.from_url(REDIS_URL).script_load(script)
-    try:
-        with g.client() as c:
-            r = c.post("/v1/chat/completions", json=chat(PROMPT))
-            assert r.status_code == 200, r.text
-            assert r.headers["x-ratelimit-remaining-tokens"] == str(800 - 16 - 369)
-            r = c.post("/v1/chat/completions", json=chat(WARMUP_PROMPT))
-            assert (r.status_code, r.json()["error"]["code"]) == (429, "rate_limit_exceeded")
-            assert r.json()["error"]["message"].startswith(
-                "Rate limit reached for tenant 'tenant-a' on tokens per 60s window (TPM): "
-                "Limit 800, Used 373, Requested 504."  # the first chat settled at its usage (369 + 4)
-            )
+    with app_with_redis(prefix, rpm=10, tpm=800) as (g, engine, svc, _), g.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(PROMPT))
+        assert r.status_code == 200, r.text
+        assert r.headers["x-ratelimit-remaining-tokens"] == str(800 - 16 - 369)
+        r = c.post("/v1/chat/completions", json=chat(WARMUP_PROMPT))
+        assert (r.status_code, r.json()["error"]["code"]) == (429, "rate_limit_exceeded")
+        assert r.json()["error"]["message"].startswith(
+            "Rate limit reached for tenant 'tenant-a' on tokens per 60s window (TPM): "
+            "Limit 800, Used 373, Requested 504."  # the first chat settled at its usage (369 + 4)
+        )
         assert len(engine.state.requests) == 1
-        assert own_writes == []
-        fps, _ = svc.ingest.fingerprint(ex(LIMITED, PROMPT), PROMPT)
-        assert {frozenset(o) for o in svc.index.store.owners(sorted(fps))} == {frozenset({"tenant-a"})}
-        refused, _ = svc.ingest.fingerprint(ex(LIMITED, WARMUP_PROMPT), WARMUP_PROMPT)
-        assert refused and svc.index.store.owners(sorted(refused)) == [set()] * len(refused)
-        assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (1, 0, 0)
-    finally:
-        g.stop()
-        engine.stop()
+    assert own_writes == []
+    fps, _ = svc.ingest.fingerprint(ex(LIMITED, PROMPT), PROMPT)
+    assert {frozenset(o) for o in svc.index.store.owners(sorted(fps))} == {frozenset({"tenant-a"})}
+    refused, _ = svc.ingest.fingerprint(ex(LIMITED, WARMUP_PROMPT), WARMUP_PROMPT)
+    assert refused and svc.index.store.owners(sorted(refused)) == [set()] * len(refused)
+    assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (1, 0, 0)

@@ -94,26 +94,11 @@ class MemoryLeakStore:
 #: the value a fingerprint key takes once two tenants sent it (tenant ids never contain "*")
 PUBLIC = "*"
 
-_ADD_LUA = """
+#: sets each fingerprint key from ``KEYS[first]`` on to the tenant ``ARGV[1]`` (or to
+#: :data:`PUBLIC` when another tenant holds it), expiring ``ARGV[2]`` ms later
+_SET_OWNERS = """
 local t, ttl = ARGV[1], ARGV[2]
-for i, k in ipairs(KEYS) do
-  local v = redis.call('GET', k)
-  if (not v) or v == t then
-    redis.call('SET', k, t, 'PX', ttl)
-  else
-    redis.call('SET', k, '*', 'PX', ttl)
-  end
-end
-return #KEYS
-"""
-
-#: :data:`_ADD_LUA` made only if the hash ``KEYS[1]`` holds the field ``ARGV[3]`` when it runs
-#: (the quota reservation sent just before it in the same pipeline, :meth:`RedisLeakStore.add_call`'s
-#: ``guard``); ``-1`` when it does not, and nothing is written
-_ADD_IF_LUA = """
-if redis.call('HEXISTS', KEYS[1], ARGV[3]) == 0 then return -1 end
-local t, ttl = ARGV[1], ARGV[2]
-for i = 2, #KEYS do
+for i = first, #KEYS do
   local k = KEYS[i]
   local v = redis.call('GET', k)
   if (not v) or v == t then
@@ -122,8 +107,18 @@ for i = 2, #KEYS do
     redis.call('SET', k, '*', 'PX', ttl)
   end
 end
-return #KEYS - 1
 """
+
+_ADD_LUA = "local first = 1" + _SET_OWNERS + "return #KEYS\n"
+
+#: :data:`_ADD_LUA` made only if the hash ``KEYS[1]`` holds the field ``ARGV[3]`` when it runs
+#: (the quota reservation sent just before it in the same pipeline, :meth:`RedisLeakStore.add_call`'s
+#: ``guard``); ``-1`` when it does not, and nothing is written
+_ADD_IF_LUA = (
+    "if redis.call('HEXISTS', KEYS[1], ARGV[3]) == 0 then return -1 end\nlocal first = 2"
+    + _SET_OWNERS
+    + "return #KEYS - 1\n"
+)
 
 
 class RedisLeakStore:
