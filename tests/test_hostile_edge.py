@@ -329,6 +329,41 @@ def test_a_refused_head_is_answered_after_the_refusal_delay():
         engine.stop()
 
 
+def test_a_refusal_timer_that_fires_early_is_armed_again_until_the_delay_has_passed():
+    """The loop's timer may fire before ``time.monotonic()`` reaches the refusal's due time (uvloop
+    reads its clock once per loop turn, in whole milliseconds; a CI run answered 0.39988 s after a
+    0.4 s delay): the 431 is then held back and the timer armed for the rest, never sent early."""
+    from gateway.edge.protocol import BoundedHttpToolsProtocol
+
+    class Loop:
+        def __init__(self) -> None:
+            self.armed: list[float] = []
+
+        def call_later(self, delay, *args):
+            self.armed.append(delay)
+
+    class Transport:
+        def __init__(self) -> None:
+            self.written: list[bytes] = []
+
+        def is_closing(self) -> bool:
+            return False
+
+        def write(self, data: bytes) -> None:
+            self.written.append(data)
+
+        def close(self) -> None:
+            pass
+
+    p = object.__new__(BoundedHttpToolsProtocol)  # only what _answer_when_due and _answer touch
+    p.loop, p.transport, p.cycle, p._in_head = Loop(), Transport(), None, True
+    p._answer_when_due(time.monotonic() + 0.25, 431, "too large", "request_header_fields_too_large")
+    assert p.transport.written == [] and len(p.loop.armed) == 1 and 0.2 < p.loop.armed[0] <= 0.25
+    p._answer_when_due(time.monotonic() - 0.001, 431, "too large", "request_header_fields_too_large")
+    assert len(p.transport.written) == 1 and p.transport.written[0].startswith(b"HTTP/1.1 431 ")
+    assert len(p.loop.armed) == 1
+
+
 # ---------------------------------------------------------------- chunked bodies, keys, connections
 def chunked_head(key: str | None = KEY_A, path: str = "/v1/chat/completions") -> bytes:
     auth = f"authorization: Bearer {key}\r\n" if key else ""
