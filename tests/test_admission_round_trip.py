@@ -290,6 +290,7 @@ async def test_the_index_write_rides_the_token_reservation_and_only_an_admitted_
         assert owners(svc, PROMPT) == [set()] * len(owners(svc, PROMPT))
         assert own_writes == []
         assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (0, 0, 0)
+        assert svc.ingest.caps.leak.used("t") == 0  # what the caps let in for it is given back
 
         trips = store.round_trips
         lease, error = await reserve_tokens_with_write(svc, quotas, tight, 50)
@@ -298,6 +299,7 @@ async def test_the_index_write_rides_the_token_reservation_and_only_an_admitted_
         assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"t"})}
         assert own_writes == []
         assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (1, 0, 0)
+        assert svc.ingest.caps.leak.used("t") == len(owners(svc, PROMPT))
     finally:
         await quotas.aclose()
         await svc.aclose()

@@ -1,7 +1,8 @@
 """The admission fingerprint of a prompt the same tenant sent recently comes from the cache
 (verifier.fingerprint_cache, verifier.jobs.IngestBudget.fingerprint): the same fingerprints,
 canaries and own-shingle set as computed afresh, for any text; never another tenant's entry; the
-returned sets are the caller's own; bounded in bytes, oldest first; long texts never kept."""
+returned sets are the caller's own; bounded in bytes, least recently used first; long texts
+never kept."""
 
 from __future__ import annotations
 
@@ -93,13 +94,17 @@ def entry(n: int) -> Fingerprinted:
     return Fingerprinted(frozenset(range(n)), (), np.zeros(100, dtype=np.uint64))
 
 
-def test_the_cache_is_bounded_in_bytes_oldest_first():
-    size = entry(1).nbytes  # 800 + 40 + 200
+def test_the_cache_is_bounded_in_bytes_least_recently_used_first():
+    size = entry(1).nbytes
+    assert size == 800 + 100 + 600
     cache = FingerprintCache(max_bytes=3 * size)
     for i in range(5):
         cache.put(bytes([i]), entry(1))
     assert len(cache) == 3 and cache.nbytes == 3 * size
     assert [cache.get(bytes([i])) is not None for i in range(5)] == [False, False, True, True, True]
+    assert cache.get(bytes([2])) is not None  # used last: 3 is now the least recently used
+    cache.put(bytes([5]), entry(1))
+    assert [cache.get(bytes([i])) is not None for i in (2, 3, 4, 5)] == [True, False, True, True]
     cache.put(bytes([4]), entry(1))  # replaced, not counted twice
     assert cache.nbytes == 3 * size
     cache.put(b"big", Fingerprinted(frozenset(), (), np.zeros(1000, dtype=np.uint64)))  # larger than the bound

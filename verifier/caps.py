@@ -40,6 +40,10 @@ class TenantCap:
     def take(self, tenant: str, items: Iterable[T]) -> list[T]:
         """The part of ``items`` the tenant may still index in this window (in their order);
         the rest are counted as dropped."""
+        return self.take_in_window(tenant, items)[0]
+
+    def take_in_window(self, tenant: str, items: Iterable[T]) -> tuple[list[T], float]:
+        """:meth:`take`, and the start of the window it counted them in (for :meth:`give_back`)."""
         items = list(items)
         with self._lock:
             now = self.clock()
@@ -51,9 +55,23 @@ class TenantCap:
             self._used[tenant] = used + len(kept)
             drop = len(items) - len(kept)
             self.dropped += drop
+            window = self._window
         if drop:
             CAP_DROPPED.labels(self.store).inc(drop)
-        return kept
+        return kept, window
+
+    def used(self, tenant: str) -> int:
+        """Entries the tenant has put in during the current window."""
+        with self._lock:
+            return self._used.get(tenant, 0)
+
+    def give_back(self, tenant: str, n: int, window: float) -> None:
+        """Return ``n`` entries that :meth:`take_in_window` let in during ``window`` and that were
+        never stored (their request was refused) to the tenant's room; nothing once that window
+        has ended (the counts restarted)."""
+        with self._lock:
+            if self._window == window and n > 0:
+                self._used[tenant] = max(0, self._used.get(tenant, 0) - n)
 
 
 class TenantCaps:

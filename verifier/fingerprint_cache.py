@@ -6,8 +6,9 @@ Each entry is keyed by a 128-bit BLAKE2b digest of the tenant id and the prompt 
 itself is never kept (what is kept are the keyed fingerprints the leak index stores anyway, the
 prompt's canary markers, and its selection hashes, which only compare within the process), and
 one tenant's entry is never another's, so a cache hit tells a tenant nothing about what other
-tenants sent. Bounded by :data:`CACHE_BYTES` (oldest entries dropped first); prompts above
-:data:`MAX_TEXT_CHARS` characters are not remembered. Thread-safe.
+tenants sent. Bounded by :data:`CACHE_BYTES` per process (each gateway worker has its own; the
+least recently used entries dropped first); prompts above :data:`MAX_TEXT_CHARS` characters are
+not remembered. Thread-safe.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: the most bytes the remembered entries may hold together (their arrays and sets, estimated)
+#: the most bytes the remembered entries may hold together, per process (estimated: :attr:`Fingerprinted.nbytes`)
 CACHE_BYTES = 32 << 20
 #: prompts of more characters than this are fingerprinted every time (as the count cache does)
 MAX_TEXT_CHARS = 16_384
@@ -36,8 +37,10 @@ class Fingerprinted:
 
     @property
     def nbytes(self) -> int:
-        """An estimate of the entry's memory, in bytes (the set at about 40 bytes an element)."""
-        return int(self.fast.nbytes) + 40 * len(self.fps) + sum(len(c) for c in self.canaries) + 200
+        """An estimate of the entry's memory with its key, in bytes, on the high side: the array's
+        data, about 100 bytes per fingerprint (a 64-bit int object and its set slot), about 100
+        per canary string, and 600 for the objects, the key and its dict slot."""
+        return int(self.fast.nbytes) + 100 * len(self.fps) + sum(len(c) + 100 for c in self.canaries) + 600
 
 
 class FingerprintCache:
@@ -61,12 +64,18 @@ class FingerprintCache:
         return h.digest()
 
     def get(self, key: bytes | None) -> Fingerprinted | None:
-        """The remembered entry, or ``None``."""
-        return None if key is None else self._entries.get(key)
+        """The remembered entry (now the most recently used), or ``None``."""
+        if key is None:
+            return None
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._entries[key] = entry
+        return entry
 
     def put(self, key: bytes | None, entry: Fingerprinted) -> None:
-        """Remember ``entry`` (its ``fast`` made read-only), dropping the oldest entries while
-        the total is above :attr:`max_bytes`; an entry larger than that is not kept."""
+        """Remember ``entry`` (its ``fast`` made read-only), dropping the least recently used
+        entries while the total is above :attr:`max_bytes`; an entry larger than that is not kept."""
         size = entry.nbytes
         if key is None or size > self.max_bytes:
             return

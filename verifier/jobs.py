@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,11 +236,17 @@ class IngestBudget:
         leaks, canaries = self._stores()
         assert isinstance(leaks, RedisLeakStore) and isinstance(canaries, RedisLeakStore)  # inline_store()
         tenant = exchange.request.tenant.id
-        kept, cans = self.capped(tenant, fps, cans)
+        kept, leak_window = self.caps.leak.take_in_window(tenant, fps)
+        cans, canary_window = self.caps.canary.take_in_window(tenant, cans)
         writes = [(leaks, kept)]
         if cans:
             writes.append((canaries, [self.canaries.fingerprint(c) for c in cans]))
-        return PendingIndex(self, tenant, writes if self.store.up() else [], nbytes)
+
+        def give_back() -> None:  # a refused request's entries never reach the stores
+            self.caps.leak.give_back(tenant, len(kept), leak_window)
+            self.caps.canary.give_back(tenant, len(cans), canary_window)
+
+        return PendingIndex(self, tenant, writes if self.store.up() else [], nbytes, give_back)
 
 
 class PendingIndex:
@@ -249,8 +256,16 @@ class PendingIndex:
     calls made conditional on a reservation. After :meth:`finish` the prompt counts as ingested
     (unless :meth:`discard` came first) and its ``nbytes`` are back in the budget."""
 
-    def __init__(self, budget: IngestBudget, tenant: str, writes: list[tuple[RedisLeakStore, list[int]]], nbytes: int):
+    def __init__(
+        self,
+        budget: IngestBudget,
+        tenant: str,
+        writes: list[tuple[RedisLeakStore, list[int]]],
+        nbytes: int,
+        give_back: Callable[[], None] | None = None,
+    ):
         self.budget = budget
+        self.give_back = give_back
         self.tenant = tenant
         self.writes = writes
         self.nbytes = nbytes
@@ -270,7 +285,10 @@ class PendingIndex:
         self._outcome = outcome
 
     def discard(self) -> None:
-        """The request was refused: :meth:`finish` sends nothing and counts no ingest."""
+        """The request was refused: :meth:`finish` sends nothing and counts no ingest, and the
+        entries the tenant's caps let in for it are given back (``give_back``)."""
+        if not self._discarded and self.give_back is not None:
+            self.give_back()
         self._discarded = True
 
     def _written(self, result: Any) -> bool:

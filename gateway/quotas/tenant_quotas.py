@@ -306,8 +306,9 @@ class TenantQuotas:
         when Redis is unavailable and the policy is ``fail_closed``, 503
         ``quota_backend_unavailable`` (``Retry-After``: ``retry_after_on_failure_seconds``).
         ``also``: sent with the reservation's Redis round trip when it makes one (see
-        :meth:`gateway.quotas.stage.QuotaStage.reserve`); an unlimited tenant, the in-process store and
-        the fallback make none."""
+        :meth:`gateway.quotas.stage.QuotaStage.reserve`), made whatever the reservation's answer
+        (unguarded: the request path uses :meth:`reserve_tokens`, whose writes depend on it); an
+        unlimited tenant, the in-process store and the fallback make none."""
         limits = QuotaLimits.of(tenant)
         tokens = max(0, int(reserve_tokens))
         if limits.unlimited:
