@@ -262,8 +262,10 @@ class VerifierService:
         to decode, Redis stores with an asyncio client) rather than index it itself."""
         if not self.cfg.enabled or exchange.state.admitted or exchange.prompt_ids:
             return False
-        text = exchange.prompt_text
-        nbytes = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+        return self._writes_inline(_utf8_len(exchange.prompt_text))
+
+    def _writes_inline(self, nbytes: int) -> bool:
+        """Whether a prompt of ``nbytes`` is indexed on the loop with its writes handed back."""
         return nbytes <= INLINE_INGEST_BYTES and self.ingest.inline_store()
 
     async def _decode_prompt_ids(self, exchange: Exchange, decode: Decoder | None) -> None:
@@ -286,11 +288,11 @@ class VerifierService:
     async def _index_prompt(self, exchange: Exchange, defer_write: bool) -> PendingIndex | None:
         """:meth:`admit`'s indexing step, within the pending-bytes budget."""
         text = exchange.prompt_text
-        nbytes = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+        nbytes = _utf8_len(text)
         if not self.ingest.reserve(nbytes):
             return None
         try:
-            if nbytes <= INLINE_INGEST_BYTES and self.ingest.inline_store():
+            if self._writes_inline(nbytes):
                 pending = self.ingest.prepare_small(exchange, text, nbytes)  # no ingest slot: no thread
                 if defer_write:
                     return pending
@@ -334,6 +336,11 @@ class VerifierService:
     def is_quarantined(self, upstream: str, prompt_tokens: int) -> bool:
         """Whether ``upstream`` is quarantined for prompts of this length."""
         return self.quarantine.is_quarantined(upstream, prompt_tokens)
+
+
+def _utf8_len(text: str) -> int:
+    """The UTF-8 length of ``text`` in bytes (a lone surrogate counts as one replacement)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
 
 
 #: threads for admission ingests (started on demand, then reused); more ingests than this at once queue
