@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -269,10 +270,15 @@ class PendingIndex:
         self.tenant = tenant
         self.writes = writes
         self.nbytes = nbytes
-        self.calls = [store.add_call(tenant, fps) for store, fps in writes]
         self._outcome: list[Any] | BaseException | None = None
         self._finished = False
         self._discarded = False
+
+    @functools.cached_property
+    def calls(self) -> list[tuple[str, list[str], list[Any]]]:
+        """The writes as unsent ``aadd`` Lua calls (built when first asked for: a write that
+        rides the token reservation is sent in its :meth:`guarded` form only)."""
+        return [store.add_call(self.tenant, fps) for store, fps in self.writes]
 
     def guarded(self, key: str, field: str) -> list[tuple[str, list[str], list[Any]]]:
         """:attr:`calls`, each writing only if the hash ``key`` holds ``field`` when it runs

@@ -137,7 +137,8 @@ class PendingWrite(Protocol):
     sends what was not sent (or failed with ``NOSCRIPT``), records the outcome and releases what
     the admission held."""
 
-    calls: list[tuple[str, list[str], list[Any]]]
+    @property
+    def calls(self) -> list[tuple[str, list[str], list[Any]]]: ...
 
     def guarded(self, key: str, field: str) -> list[tuple[str, list[str], list[Any]]]:
         """:attr:`calls`, each writing only if the Redis hash ``key`` holds ``field`` when it

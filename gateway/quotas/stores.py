@@ -533,8 +533,8 @@ class RedisQuotaStore:
         the script sets when it admits (the ``:tpm:debits`` hash's field ``lease_id``), so a
         refused request's writes are never made."""
         keys, args = self.keys(tenant_id), [lease_id, _arg(limits.tpm), int(tokens), int(window_ms)]
-        if also is not None and also.calls and not self.cluster:
-            calls = also.guarded(keys[2], lease_id)
+        calls = also.guarded(keys[2], lease_id) if also is not None and not self.cluster else []
+        if also is not None and calls:
             return _decision(await self._call_with(self._tokens, keys, args, also, calls))
         return _decision(await self._call(self._tokens, keys, args))
 
