@@ -607,8 +607,8 @@ def full_features(env: Env, name: str, sample_rate: float, **kw: Any) -> Context
         name=name,
         tenant={**tenant, **kw.pop("tenant", {})},
         redis_url=url,
-        quotas={"enabled": True},
-        verifier={"enabled": True},
+        quotas=kw.pop("quotas", {"enabled": True}),
+        verifier=kw.pop("verifier", {"enabled": True}),
         note=kw.pop("note", f"auth, tiktoken count, live pool, Redis quotas, metrics, verify {sample_rate:.0%}"),
         **kw,
     )
@@ -652,6 +652,18 @@ def _kvgate_bare(env: Env) -> Iterator[Target]:
 @scenario("kvgate-verify-100", "kvgate-full with the verifier checking every response")
 def _kvgate_verify_100(env: Env) -> Iterator[Target]:
     with full_features(env, "kvgate-verify-100", 1.0) as t:
+        yield t
+
+
+@scenario("kvgate-quotas", "kvgate-bare plus the Redis quotas (no verifier): what the quota stage adds")
+def _kvgate_quotas(env: Env) -> Iterator[Target]:
+    with full_features(env, "kvgate-quotas", 0.05, verifier={"enabled": False}, note="Redis quotas, no verifier") as t:
+        yield t
+
+
+@scenario("kvgate-verifier", "kvgate-bare plus the verifier at 5% (no quotas): what the verifier adds")
+def _kvgate_verifier(env: Env) -> Iterator[Target]:
+    with full_features(env, "kvgate-verifier", 0.05, quotas={"enabled": False}, note="verifier 5%, no quotas") as t:
         yield t
 
 

@@ -11,6 +11,7 @@ import httpx
 
 from config.models import Settings, TenantsFile
 from gateway.app import create_app
+from gateway.edge.protocol import EdgeLimits, configure
 from gateway.ops.tenants import TenantRegistry, hash_key
 from tests.mock_engine import MockEngine, ServerThread
 
@@ -120,12 +121,17 @@ def tenants(**a_overrides: Any) -> TenantRegistry:
 
 
 class Gateway(ServerThread):
-    """A gateway app on a free port; ``client(key)`` gives an ``httpx.Client`` for it."""
+    """A gateway app on a free port; ``client(key)`` gives an ``httpx.Client`` for it. ``edge``:
+    served by ``kvgate serve``'s own server layer (:mod:`gateway.edge.protocol`, its limits from
+    ``settings.gateway``) instead of uvicorn's stock protocol."""
 
-    def __init__(self, settings: Settings, registry: TenantRegistry | None = None, **kw: Any) -> None:
+    def __init__(
+        self, settings: Settings, registry: TenantRegistry | None = None, *, edge: bool = False, **kw: Any
+    ) -> None:
         self.app = create_app(settings, registry or tenants(), secrets=SECRETS, **kw)
         self.gw = self.app.state.gateway
-        super().__init__(self.app)
+        limits = EdgeLimits.from_settings(settings.gateway)
+        super().__init__(self.app, (lambda config: configure(config, limits)) if edge else None)
 
     def client(self, key: str | None = KEY_A, **kw: Any) -> httpx.Client:
         headers = {"authorization": f"Bearer {key}"} if key else {}

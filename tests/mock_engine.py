@@ -248,13 +248,14 @@ def free_socket() -> socket.socket:
 class ServerThread:
     """Runs an ASGI app under uvicorn in a daemon thread on a free loopback port."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, configure: Any = None) -> None:
+        """``configure``: applied to the ``uvicorn.Config`` before the server is built (e.g.
+        ``gateway.edge.protocol.configure``: the gateway's own server layer)."""
         self.sock = free_socket()
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", lifespan="auto", timeout_graceful_shutdown=1)
-        )
+        config = uvicorn.Config(app, log_level="warning", lifespan="auto", timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(configure(config) if configure is not None else config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def start(self) -> "ServerThread":

@@ -56,6 +56,7 @@ from gateway.admission.registry import ModelEntry, ModelIndex
 from gateway.admission.route import ApiRoute, Route, check_task
 from gateway.edge import offload
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
+from gateway.edge.extensions import received_whole
 from gateway.ops.tenants import TenantRegistry
 from gateway.quotas.stage import QuotaLease, QuotaStage
 from gateway.relay.upstreams import Upstream, UpstreamSet
@@ -221,13 +222,32 @@ async def begin_request(ctx: AdmitContext, request: Request, request_id: str) ->
     before any byte of the body is read (:func:`authenticate_request`). Returns ``(tenant,
     lease)``; the caller settles the lease. Raises :class:`Refused` (401, 429, 503), with
     ``connection: close`` when a body was announced (it is never read)."""
-    headers = request.headers
     tenant = authenticate_request(ctx, request)
+    return tenant, await _begin(ctx, tenant, request_id, unread=body_declared(request.headers))
+
+
+async def _begin(ctx: AdmitContext, tenant: TenantConfig, request_id: str, *, unread: bool) -> QuotaLease:
+    """:meth:`gateway.quotas.stage.QuotaStage.begin`; its refusal as :class:`Refused`, with
+    ``connection: close`` when a body is left ``unread``."""
     try:
-        lease = await ctx.quotas.begin(tenant, request_id)
+        return await ctx.quotas.begin(tenant, request_id)
     except OpenAIError as e:  # refused before working: nothing of the body is read or parsed
-        raise Refused(closing(e) if body_declared(headers) else e, tenant.id) from None
-    return tenant, lease
+        raise Refused(closing(e) if unread else e, tenant.id) from None
+
+
+#: A request whose body is at most this many bytes and had all arrived with its head
+#: (:func:`gateway.edge.extensions.received_whole`) is decided by one quota call once it is
+#: counted (:func:`_admit_counted`): counting such a body before its RPM decision costs less than
+#: the Redis round trip it saves.
+COMBINED_BODY_BYTES = 32 * 1024
+
+
+def _received_small(request: Request) -> bool:
+    """Whether ``request`` declared a body of at most :data:`COMBINED_BODY_BYTES` and the server
+    holds all of it already (reading it waits for nothing)."""
+    length = request.headers.get("content-length")
+    small = length is not None and length.isdigit() and int(length) <= COMBINED_BODY_BYTES
+    return small and received_whole(request.scope)
 
 
 async def admit(ctx: AdmitContext, request: Request, arrival: Arrival[ApiRoute]) -> Admitted:
@@ -235,8 +255,13 @@ async def admit(ctx: AdmitContext, request: Request, arrival: Arrival[ApiRoute])
     401, 400, 404, 413, 429, 503, ...) or ``gateway.admission.body.ClientGone`` (the client left while
     its body was arriving). A request refused after step 1 has its lease released and its tokens
     refunded (its RPM entry stays spent); the returned one's lease is settled by
-    :func:`gateway.relay.finish.finish`."""
-    tenant, lease = await begin_request(ctx, request, arrival.request_id)
+    :func:`gateway.relay.finish.finish`. A small body that arrived with its head goes through
+    :func:`_admit_counted` when the quota stage :meth:`~gateway.quotas.stage.QuotaStage.combines`
+    its two calls (the same outcomes, one round trip)."""
+    tenant = authenticate_request(ctx, request)
+    if _received_small(request) and ctx.quotas.combines(tenant):
+        return await _admit_counted(ctx, request, arrival, tenant)
+    lease = await _begin(ctx, tenant, arrival.request_id, unread=body_declared(request.headers))
     try:
         return await _admit_tenant(ctx, request, arrival, tenant, lease)
     except BaseException as e:
@@ -244,6 +269,29 @@ async def admit(ctx: AdmitContext, request: Request, arrival: Arrival[ApiRoute])
         if isinstance(e, OpenAIError):
             raise Refused(e, tenant.id) from None
         raise
+
+
+async def _admit_counted(
+    ctx: AdmitContext, request: Request, arrival: Arrival[ApiRoute], tenant: TenantConfig
+) -> Admitted:
+    """Steps 2-5, then step 1's RPM entry and lease with step 6's tokens and index write in one
+    quota call (:func:`_begin_and_index`): for a small body already received, whose reading waits
+    for nothing. Outcomes as :func:`admit`'s other order: a request refused by its own content
+    (400, 404, 413, 503) is answered as step 1 would have answered it first (its RPM entry spent,
+    or the tenant's 429 when it is over RPM or concurrency); a refusal for RPM or concurrency
+    sends the tenant's next requests through step 1 first (``combines``). A client gone before
+    its received body was read spends no RPM entry."""
+    route = arrival.api
+    try:
+        body, large = await read_request(ctx, request, tenant, route.id_fields)
+        adm, candidates, served = await _count_and_decide(ctx, tenant, body, route)
+        forward = await _forward(body, route, adm, ctx.cache_salt(tenant.id), served, large)
+    except OpenAIError as e:
+        await ctx.quotas.settle(await _begin(ctx, tenant, arrival.request_id, unread=False), 0)
+        raise Refused(e, tenant.id) from None
+    exchange = verifier_exchange(arrival, tenant, adm, body, forward.stream) if route.verified else None
+    lease = await _begin_and_index(ctx, tenant, arrival.request_id, adm, exchange)
+    return Admitted(arrival, tenant, adm, lease, candidates, forward, exchange)
 
 
 async def read_request(
@@ -367,6 +415,37 @@ async def _reserve_and_index(
         raise
     finally:
         await pending.finish()
+
+
+async def _begin_and_index(
+    ctx: AdmitContext, tenant: TenantConfig, request_id: str, adm: Admission, exchange: Exchange | None
+) -> QuotaLease:
+    """:func:`_reserve_and_index` with the request's RPM entry and lease taken in the same quota
+    call (:meth:`gateway.quotas.stage.QuotaStage.begin_reserve`): a deferred index write rides it,
+    made only if the tokens were reserved; any other prompt is indexed once admitted. Returns the
+    held lease. Raises :class:`Refused` (429, 503), nothing held."""
+    defers = exchange is not None and ctx.verifier.defers(exchange)
+    pending = None
+    if exchange is not None and defers:
+        pending = await ctx.verifier.admit(exchange, adm.model.counter.adecode, defer_write=True)
+    try:
+        lease = await ctx.quotas.begin_reserve(tenant, request_id, adm.reserve_tokens, also=pending)
+    except BaseException as e:
+        if pending is not None:
+            pending.discard()  # refused (or the request is gone): its prompt is never indexed
+        if isinstance(e, OpenAIError):
+            raise Refused(e, tenant.id) from None
+        raise
+    finally:
+        if pending is not None:
+            await pending.finish()
+    if exchange is not None and not defers:
+        try:
+            await ctx.verifier.admit(exchange, adm.model.counter.adecode)
+        except BaseException:
+            await ctx.quotas.settle(lease, 0)
+            raise
+    return lease
 
 
 def verifier_exchange(

@@ -68,6 +68,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from config.errors import openai_error_bytes
+from gateway.edge.extensions import mark_complete_when
 
 log = logging.getLogger("kvgate.edge")
 
@@ -661,9 +662,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 def _paced_app(app: Any, cycle: Any) -> Any:
     """``app`` (an ASGI app) whose ``send`` is :func:`_send_paced` on the request's uvicorn
-    ``RequestResponseCycle`` ``cycle``."""
+    ``RequestResponseCycle`` ``cycle``, and whose scope says when ``cycle`` holds the whole
+    request (:data:`gateway.edge.extensions.REQUEST_COMPLETE`: its last body byte parsed)."""
 
     async def paced(scope: Any, receive: Any, send: Any) -> None:
+        mark_complete_when(scope, lambda: not cycle.more_body)
         await app(scope, receive, functools.partial(_send_paced, send, cycle))
 
     return paced

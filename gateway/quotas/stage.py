@@ -59,6 +59,21 @@ class QuotaStage(Protocol):
         (the caller's ``also.finish()`` sends it, and ``also.discard()`` after a refusal)."""
         ...
 
+    def combines(self, tenant: TenantConfig) -> bool:
+        """Whether a request of ``tenant`` whose whole body has arrived may be decided by
+        :meth:`begin_reserve` once counted, instead of :meth:`begin` before its body is read
+        (false where that saves no round trip, and for a tenant recently refused for RPM or
+        concurrency: its requests are refused before their bodies are parsed)."""
+        ...
+
+    async def begin_reserve(
+        self, tenant: TenantConfig, request_id: str, tokens: int, *, also: PendingWrite | None = None
+    ) -> QuotaLease:
+        """:meth:`begin` then :meth:`reserve_tokens` as one step (one round trip), with the same
+        outcome: the lease, or the 429 / 503 either would raise (a lease the tokens' refusal
+        leaves is released here). ``also``: as :meth:`reserve_tokens`."""
+        ...
+
     async def send_writes(self, writes: PendingWrite) -> None:
         """Send ``writes.calls`` (the verifier's index write of an admitted prompt) in the
         round trip of this turn's other quota calls, when the store coalesces them (Redis, not a
@@ -92,6 +107,14 @@ class NullQuotas:
         self, tenant: TenantConfig, lease: QuotaLease, tokens: int, *, also: PendingWrite | None = None
     ) -> None:
         lease.reserved_tokens = tokens
+
+    def combines(self, tenant: TenantConfig) -> bool:
+        return False
+
+    async def begin_reserve(
+        self, tenant: TenantConfig, request_id: str, tokens: int, *, also: PendingWrite | None = None
+    ) -> QuotaLease:
+        return QuotaLease(tenant.id, request_id, tokens)
 
     async def send_writes(self, writes: PendingWrite) -> None:
         return None

@@ -128,6 +128,23 @@ class QuotaStore(Protocol):
         :class:`QuotaStoreUnavailable`."""
         ...
 
+    async def begin_tokens(
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        lease_ttl_ms: int,
+        *,
+        also: PendingWrite | None = None,
+    ) -> tuple[QuotaDecision, QuotaDecision | None]:
+        """:meth:`begin`, then :meth:`take_tokens` (when ``limits.tpm`` is set) if it admitted, in
+        one round trip when the store makes one: ``(begin's decision, the tokens' decision, or
+        None without TPM or after a refused begin)``; ``also`` as in :meth:`take_tokens`. Raises
+        :class:`QuotaStoreUnavailable`."""
+        ...
+
     async def settle(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
     ) -> None:
@@ -325,6 +342,16 @@ class RedisQuotaStore:
         await self._submit([queued])
         return await queued.reply  # a caller that gives up (its deadline) cancels only its own reply
 
+    async def _call_all(self, scripts: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
+        """:meth:`_call` for each of ``scripts`` (``(script, keys, args)``), all in one round trip,
+        in order. Returns their replies. Raises the first failed one's
+        :class:`QuotaStoreUnavailable`."""
+        loop = asyncio.get_running_loop()
+        queued = [_Queued(script.sha, keys, args, loop.create_future(), script) for script, keys, args in scripts]
+        self.calls += len(queued)
+        await self._submit(queued)
+        return [await q.reply for q in queued]
+
     async def send_calls(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
         """Other parts' Lua calls (``(sha1, keys, args)``, e.g. the leak index's write,
         :class:`verifier.stage.PendingWrite`) in this turn's round trip, coalescing or not. Returns
@@ -478,7 +505,7 @@ class RedisQuotaStore:
             int(lease_ttl_ms),
         ]
         if also is not None and also.calls and not self.cluster:
-            r = await self._call_with(self._reserve, self.keys(tenant_id), args, also, also.calls)
+            (r,) = await self._call_with([(self._reserve, self.keys(tenant_id), args)], also, also.calls)
         else:
             r = await self._call(self._reserve, self.keys(tenant_id), args)
         refused = tuple(x for x in _text(r[1]).split(",") if x)
@@ -486,32 +513,31 @@ class RedisQuotaStore:
 
     async def _call_with(
         self,
-        script: Any,
-        keys: list[str],
-        args: list[Any],
+        scripts: list[tuple[Any, list[str], list[Any]]],
         also: PendingWrite,
         calls: list[tuple[str, list[str], list[Any]]],
-    ) -> Any:
-        """:meth:`_call` with ``calls`` (``also``'s, or its guarded form) right behind it in the
-        same round trip and the same pipeline (coalesced with this turn's other calls; no
-        transaction: each call stands alone, in order), their results (an exception in place of
-        a failed one, ``NOSCRIPT`` included: ``also.finish`` sends those itself) or the
-        exception that ended the round trip handed to ``also.sent``. Raises
-        :class:`QuotaStoreUnavailable` as :meth:`_call` does."""
+    ) -> list[Any]:
+        """:meth:`_call` for each of ``scripts`` (``(script, keys, args)``, in order) with
+        ``calls`` (``also``'s, or its guarded form) right behind them in the same round trip and
+        the same pipeline (coalesced with this turn's other calls; no transaction: each call
+        stands alone, in order), their results (an exception in place of a failed one,
+        ``NOSCRIPT`` included: ``also.finish`` sends those itself) or the exception that ended
+        the round trip handed to ``also.sent``. Returns the scripts' replies in order. Raises
+        :class:`QuotaStoreUnavailable` as :meth:`_call` does (the first failed script's)."""
         loop = asyncio.get_running_loop()
-        first = _Queued(script.sha, keys, args, loop.create_future(), script)
+        firsts = [_Queued(script.sha, keys, args, loop.create_future(), script) for script, keys, args in scripts]
         rest = [_Queued(sha, ckeys, cargs, loop.create_future(), raw=True) for sha, ckeys, cargs in calls]
-        self.calls += 1 + len(rest)
-        await self._submit([first, *rest])
+        self.calls += len(firsts) + len(rest)
+        await self._submit([*firsts, *rest])
         try:
-            reply = await first.reply
+            replies = [await q.reply for q in firsts]
         except asyncio.CancelledError:  # the request is gone: its caller discards ``also``
             raise
         except BaseException as e:  # unavailable: fate unknown
             also.sent(e)
             raise
-        also.sent([await q.reply for q in rest])  # answered by the same round trip as ``first``
-        return reply
+        also.sent([await q.reply for q in rest])  # answered by the same round trip as ``firsts``
+        return replies
 
     async def begin(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
@@ -535,8 +561,42 @@ class RedisQuotaStore:
         keys, args = self.keys(tenant_id), [lease_id, _arg(limits.tpm), int(tokens), int(window_ms)]
         calls = also.guarded(keys[2], lease_id) if also is not None and not self.cluster else []
         if also is not None and calls:
-            return _decision(await self._call_with(self._tokens, keys, args, also, calls))
+            (r,) = await self._call_with([(self._tokens, keys, args)], also, calls)
+            return _decision(r)
         return _decision(await self._call(self._tokens, keys, args))
+
+    async def begin_tokens(
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        lease_ttl_ms: int,
+        *,
+        also: PendingWrite | None = None,
+    ) -> tuple[QuotaDecision, QuotaDecision | None]:
+        """:meth:`begin` then :meth:`take_tokens` (when ``limits.tpm`` is set) in one round trip:
+        ``begin.lua``, then ``tokens.lua`` guarded by the entry ``begin.lua`` leaves (it debits
+        nothing when the request was not begun), then ``also`` guarded by the debit (not on a
+        cluster). The same scripts as the two calls, in the same order. Returns ``(begin's
+        decision, the tokens' decision, or None without TPM or after a refused begin)``. Raises
+        :class:`QuotaStoreUnavailable`."""
+        keys = self.keys(tenant_id)
+        begin = [lease_id, _arg(limits.rpm), _arg(limits.max_concurrent), int(window_ms), int(lease_ttl_ms)]
+        scripts: list[tuple[Any, list[str], list[Any]]] = [(self._begin, keys, begin)]
+        if limits.tpm is not None:
+            take = [lease_id, _arg(limits.tpm), int(tokens), int(window_ms)]
+            begun_key = "1" if limits.rpm is not None else "5" if limits.max_concurrent is not None else None
+            scripts.append((self._tokens, keys, take if begun_key is None else [*take, begun_key]))
+        rides = also is not None and limits.tpm is not None and not self.cluster
+        calls = also.guarded(keys[2], lease_id) if also is not None and rides else []
+        if also is not None and calls:
+            replies = await self._call_with(scripts, also, calls)
+        else:
+            replies = await self._call_all(scripts)
+        begun = _decision(replies[0])
+        return begun, _decision(replies[1]) if begun.admitted and len(replies) > 1 else None
 
     async def settle(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
@@ -710,6 +770,22 @@ class LocalQuotaStore:
         also: PendingWrite | None = None,
     ) -> QuotaDecision:
         return self.take_tokens_now(tenant_id, limits, lease_id, tokens, window_ms)
+
+    async def begin_tokens(
+        self,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        tokens: int,
+        window_ms: int,
+        lease_ttl_ms: int,
+        *,
+        also: PendingWrite | None = None,
+    ) -> tuple[QuotaDecision, QuotaDecision | None]:
+        begun = self.begin_now(tenant_id, limits, lease_id, window_ms, lease_ttl_ms)
+        if not begun.admitted or limits.tpm is None:
+            return begun, None
+        return begun, self.take_tokens_now(tenant_id, limits, lease_id, tokens, window_ms)
 
     def take_tokens_now(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int

@@ -27,11 +27,12 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 import uuid
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import QuotaSettings, Settings, TenantConfig
@@ -65,6 +66,8 @@ UNCERTAIN_MAX = 10_000
 WARM_UP_SECONDS = 5.0
 #: :meth:`TenantQuotas._cancel_uncertain`'s "every scope"
 _ALL = object()
+#: what a store call decides (:meth:`TenantQuotas._decide`)
+_D = TypeVar("_D")
 
 
 @dataclass
@@ -163,6 +166,10 @@ class TenantQuotas:
         self._uncertain: deque[tuple[str, str]] = deque(maxlen=UNCERTAIN_MAX)
         self._renewer: asyncio.Task[None] | None = None
         self._recoverer: asyncio.Task[None] | None = None
+        #: tenant id -> ``time.monotonic()`` until which this process takes the tenant's requests
+        #: through :meth:`begin` before their bodies are read: one was refused for RPM or
+        #: concurrency, and that refusal's Retry-After has not passed (:meth:`combines`)
+        self._refused_until: dict[str, float] = {}
 
     # ------------------------------------------------------------------ store health
     def _store_usable(self, tenant_id: str) -> bool:
@@ -259,12 +266,17 @@ class TenantQuotas:
             )
 
     async def _decide(
-        self, store: QuotaStore, tenant_id: str, limits: QuotaLimits, lease_id: str, call: Callable[..., Any]
-    ) -> tuple[QuotaStore, QuotaLimits, QuotaDecision]:
+        self,
+        store: QuotaStore,
+        tenant_id: str,
+        limits: QuotaLimits,
+        lease_id: str,
+        call: Callable[[QuotaStore, QuotaLimits], Awaitable[_D]],
+    ) -> tuple[QuotaStore, QuotaLimits, _D]:
         """``(store, limits, decision)``: ``call(store, limits)`` (a coroutine giving a
-        :class:`QuotaDecision`) on ``store``, under the failure policy when it is the shared store:
-        a call that fails is remembered for undoing, and the fallback decides with
-        ``limits // processes``. Raises :class:`OpenAIError` 503 when failing closed."""
+        :class:`QuotaDecision`, or ``begin_tokens``' pair of them) on ``store``, under the
+        failure policy when it is the shared store: a call that fails is remembered for undoing,
+        and the fallback decides with ``limits // processes``. Raises :class:`OpenAIError` 503 when failing closed."""
         if isinstance(store, LocalQuotaStore):
             return store, limits, await call(store, limits)
         if self._store_usable(tenant_id):
@@ -343,9 +355,71 @@ class TenantQuotas:
         store, limits, decision = await self._decide(self.store, tenant.id, limits, lease_id, call)
         requests = QuotaLimits(limits.rpm, None, limits.max_concurrent)  # what this step decided
         if not decision.admitted:
+            self._note_refusal(tenant.id, decision)
             raise refusal_error(tenant, requests, decision, 0, self.settings.window_seconds)
         held = self._hold(store, tenant.id, limits, lease_id)
         return QuotaLease(tenant.id, request_id, 0, rate_limit_headers(requests, decision), held)
+
+    def _note_refusal(self, tenant_id: str, decision: QuotaDecision) -> None:
+        """Remember an RPM or concurrency refusal until its Retry-After (:meth:`combines`)."""
+        self._refused_until[tenant_id] = time.monotonic() + max(1.0, decision.retry_after_ms / 1000)
+
+    def combines(self, tenant: TenantConfig) -> bool:
+        """Whether a request of ``tenant`` whose body has arrived may be decided in one step after
+        it is counted (:meth:`begin_reserve`) rather than begun before its body is read: the
+        tenant has limits, its part of the store answers (else :meth:`begin` refuses or falls
+        back at once), and no request of it was refused for RPM or concurrency in this process
+        within that refusal's Retry-After (a tenant over those limits costs no parse or count)."""
+        if QuotaLimits.of(tenant).unlimited or not self._store_usable(tenant.id):
+            return False
+        until = self._refused_until.get(tenant.id)
+        if until is None:
+            return True
+        if time.monotonic() < until:
+            return False
+        del self._refused_until[tenant.id]
+        return True
+
+    async def begin_reserve(
+        self, tenant: TenantConfig, request_id: str, tokens: int, *, also: PendingWrite | None = None
+    ) -> QuotaLease:
+        """:meth:`begin` and :meth:`reserve_tokens` as one step, for a request already counted: on
+        the shared store one round trip (``begin.lua``, then ``tokens.lua`` only if it began,
+        then ``also`` only if the tokens were debited: :meth:`RedisQuotaStore.begin_tokens`),
+        leaving what the two calls would leave. Returns the :class:`QuotaLease` (both pairs of
+        headers). Raises :class:`OpenAIError` 429 as :meth:`begin` would (RPM or concurrency:
+        nothing taken) or as :meth:`reserve_tokens` would (TPM: the RPM entry stays spent, the
+        lease is released here), or 503 as they do. ``also``: as :meth:`reserve_tokens`."""
+        limits = QuotaLimits.of(tenant)
+        tokens = max(0, int(tokens))
+        if limits.unlimited:
+            if also is not None:
+                await self.send_writes(also)
+            return QuotaLease(tenant.id, request_id, tokens)
+        lease_id = uuid.uuid4().hex
+        w, ttl = self.window_ms, self.lease_ttl_ms
+
+        def call(s: QuotaStore, lim: QuotaLimits) -> Any:
+            return s.begin_tokens(tenant.id, lim, lease_id, tokens, w, ttl, also=also if s is self.store else None)
+
+        store, limits, (begun, took) = await self._decide(self.store, tenant.id, limits, lease_id, call)
+        requests = QuotaLimits(limits.rpm, None, limits.max_concurrent)
+        if not begun.admitted:
+            self._note_refusal(tenant.id, begun)
+            raise refusal_error(tenant, requests, begun, 0, self.settings.window_seconds)
+        held = self._hold(store, tenant.id, limits, lease_id)
+        lease = QuotaLease(tenant.id, request_id, tokens, rate_limit_headers(requests, begun), held)
+        if took is None:  # no TPM limit: nothing debited, nothing to guard the writes by
+            if also is not None:
+                await self.send_writes(also)
+            return lease
+        only_tpm = QuotaLimits(None, limits.tpm, None)
+        if not took.admitted:
+            lease.reserved_tokens = 0
+            await self.settle(lease, 0)
+            raise refusal_error(tenant, only_tpm, took, tokens, self.settings.window_seconds)
+        lease.headers.update(rate_limit_headers(only_tpm, took))
+        return lease
 
     async def send_writes(self, writes: PendingWrite) -> None:
         """``writes.calls`` in the store's next coalesced round trip

@@ -1,0 +1,27 @@
+"""The ASGI scope extension the server layer (:mod:`gateway.edge.protocol`) gives the app
+(``scope["extensions"]``, ASGI spec "Extensions"): whether a request has been received whole.
+Under another server the extension is absent and the app assumes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+#: ``scope["extensions"][REQUEST_COMPLETE]``: a zero-argument callable, true once the request's
+#: head and its whole body are in the server's memory (its ``receive()`` would not wait)
+REQUEST_COMPLETE = "kvgate.request_complete"
+
+
+def mark_complete_when(scope: MutableMapping[str, Any], complete: Callable[[], bool]) -> None:
+    """Give ``scope`` the :data:`REQUEST_COMPLETE` extension, answered by ``complete``."""
+    extensions = scope.get("extensions")
+    if extensions is None:
+        scope["extensions"] = extensions = {}
+    extensions[REQUEST_COMPLETE] = complete
+
+
+def received_whole(scope: MutableMapping[str, Any]) -> bool:
+    """Whether the server says the request's whole body has arrived (false when it says nothing)."""
+    extensions = scope.get("extensions")
+    complete = extensions.get(REQUEST_COMPLETE) if extensions else None
+    return complete is not None and bool(complete())
