@@ -9,6 +9,7 @@ uvicorn's stock protocol, which goes the two-step way)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -420,3 +421,27 @@ def test_either_path_gives_every_request_the_same_answer(apps_for_the_property, 
     time.sleep(0.05)
     assert state(f"{p}:edge", "tenant-a") == state(f"{p}:stock", "tenant-a")
     assert state(f"{p}:edge", "tenant-a")[1] == 0  # no lease left behind
+
+
+async def test_a_store_round_trip_keeps_its_connection_and_reconnects_after_a_restart(tmp_path) -> None:
+    """The store keeps the connections it used between round trips (no pool checkout per round
+    trip); when Redis restarts they are stale, and the next call still succeeds on a fresh one."""
+    from tests.quota_fixtures import SpareRedis
+
+    spare = SpareRedis(tmp_path)
+    spare.start()
+    store = RedisQuotaStore(redis_client_from_url(spare.url, 0.5), prefix="k")
+    store.bound_round_trips(0.9)
+    try:
+        lim = QuotaLimits(rpm=100, tpm=None, max_concurrent=None)
+        for i in range(3):
+            assert (await store.begin("t", lim, f"a{i}", WINDOW_MS, TTL_MS)).admitted
+        assert len(store._held) == 1
+        spare.kill()
+        spare.start()
+        assert (await store.begin("t", lim, "b", WINDOW_MS, TTL_MS)).admitted
+        assert len(store._held) == 1
+        await asyncio.sleep(0)
+    finally:
+        await store.aclose()
+        spare.kill()
