@@ -253,3 +253,33 @@ async def test_decode_asks_the_engines_detokenize(engine, api, path):
         assert ei.value.status == 502
     finally:
         await counter.aclose()
+
+
+def test_a_view_equal_to_the_messages_is_not_rendered_again(monkeypatch) -> None:
+    """A chat each engine hands to the template as sent is rendered and counted once (the
+    engines' views equal the messages); one whose tool-call arguments an engine parses is
+    rendered for that engine too, and counts as the largest rendering, as before."""
+    import tokenizer.tiktoken_counter as tc
+    from tokenizer.tiktoken_counter import bundled_counter
+
+    renders: list[int] = []
+    real = tc.render_chatml
+
+    def counting(*a, **kw):
+        renders.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(tc, "render_chatml", counting)
+    counter = bundled_counter()
+    counter.engines = frozenset({"sglang", "vllm"})
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    # 5 specials, "system\nBe brief." 5, "user\nSay hello." 5, two "\n", "assistant\n" 2
+    assert counter.count_chat(plain) == 19 and len(renders) == 1
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a":  1}'}}
+    tools = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    renders.clear()
+    parsed = counter.count_chat(tools)
+    assert len(renders) == 3  # as sent (validation), then each engine's parsed arguments
+    assert parsed == max(
+        tc.chatml_token_count(real(tc.chatml_view(tools, v), None), counter.count_text, 0) for v in ("sglang", "vllm")
+    )

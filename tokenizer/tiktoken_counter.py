@@ -157,11 +157,18 @@ class TiktokenCounter(PromptCounter):
                 return
 
     def _renderings(self, messages: Any, tools: Any, options: ChatOptions) -> list[RenderedChat]:
-        """The chat rendered as each of :attr:`engines` hands it to the template (validated
-        first; :func:`tokenizer.engine_render.chatml_view`)."""
+        """The distinct renderings of the chat, one for each way :attr:`engines` hand it to the
+        template (validated first; :func:`tokenizer.engine_render.chatml_view`). An engine's
+        view equal to the messages as sent (no tool-call arguments to parse, no turn to rewrite:
+        most chats) renders as they do, so it is not rendered again."""
         rendered = render_chatml(messages, tools, options)
-        views = views_of(self.engines)
-        return [rendered if v is None else render_chatml(chatml_view(messages, v), tools, options) for v in views]
+        out: list[RenderedChat] = []
+        for v in views_of(self.engines):
+            view = messages if v is None else chatml_view(messages, v)
+            r = rendered if view == messages else render_chatml(view, tools, options)
+            if all(r is not o for o in out):
+                out.append(r)
+        return out
 
     def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
         """Prompt tokens of a chat under the ChatML template of :mod:`tokenizer.chat` (with
