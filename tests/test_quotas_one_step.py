@@ -445,3 +445,54 @@ async def test_a_store_round_trip_keeps_its_connection_and_reconnects_after_a_re
     finally:
         await store.aclose()
         spare.kill()
+
+
+async def begin_reserve_with_write(svc, quotas: TenantQuotas, tenant: TenantConfig, tokens: int):
+    """What ``_admit_counted`` does for a small prompt: fingerprint, then begin and the token
+    reservation with the index write guarded by them (discarded on refusal), then finish.
+    Returns the error a refusal raised, else ``None`` (the lease settled at 0)."""
+    pending = await svc.admit(ex(tenant, PROMPT), defer_write=True)
+    assert pending is not None and len(pending.calls) == 1
+    try:
+        lease = await quotas.begin_reserve(tenant, "r", tokens, also=pending)
+    except OpenAIError as e:
+        pending.discard()
+        return e
+    finally:
+        await pending.finish()
+    await quotas.settle(lease, 0)
+    return None
+
+
+async def test_the_one_step_write_is_made_only_when_admitted_also_after_redis_lost_its_scripts(tmp_path, prefix):
+    """The index write behind ``begin.lua`` and ``tokens.lua``: refused by RPM or by TPM, nothing
+    is written; admitted, the prompt is indexed under its tenant. After ``SCRIPT FLUSH`` the
+    quota scripts are loaded and sent again, and the write (answered ``NOSCRIPT``) is sent by the
+    verifier once the request was admitted, never for a refused one."""
+    from tests.fixtures.settings import verifier_settings
+    from tests.test_admission_round_trip import SECRETS, owners
+    from verifier.build import build_verifier
+
+    svc = build_verifier(verifier_settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
+    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix))
+    tenant = TenantConfig(id="t", rpm=2, tpm=50, verify_sample_rate=0.0)
+    r = redis.Redis.from_url(REDIS_URL)
+    nobody = [set()] * len(owners(svc, PROMPT))
+    try:
+        load_all_scripts()
+        assert (await begin_reserve_with_write(svc, quotas, tenant, 51)).status == 429  # too large for TPM
+        assert owners(svc, PROMPT) == nobody
+        r.script_flush()
+        assert await begin_reserve_with_write(svc, quotas, tenant, 50) is None
+        assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"t"})}
+        other = TenantConfig(id="u", rpm=1, tpm=50, verify_sample_rate=0.0)
+        await quotas.settle(await quotas.begin_reserve(other, "r0", 1), 1)  # its one request a minute
+        r.script_flush()
+        error = await begin_reserve_with_write(svc, quotas, other, 1)
+        assert error is not None and "(RPM): Limit 1, Used 1" in error.message
+        assert set(map(frozenset, owners(svc, PROMPT))) == {frozenset({"t"})}  # never "u"
+        assert (svc.stats["ingested"], svc.stats["store_errors"], svc.ingest_pending_bytes) == (1, 0, 0)
+    finally:
+        r.close()
+        await quotas.aclose()
+        await svc.aclose()
