@@ -667,3 +667,37 @@ async def test_local_fallback_divides_limits_by_replicas_times_workers() -> None
         await stage.reserve(t, 1, "r3")
     assert e.value.status == 429 and "Limit 2, Used 2" in e.value.message
     await stage.aclose()
+
+
+def test_a_workers_empty_metrics_file_does_not_fail_the_scrape(tmp_path: Path) -> None:
+    """A worker's metrics file exists at 0 bytes for a moment after the worker creates it (for
+    good when it was killed then): prometheus-client's own collector raises on it, failing the
+    whole scrape (a 500 on ``/metrics``); the gateway's renders every other worker's values."""
+    code = """
+import sys
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from gateway.ops.metrics import GatewayMetrics
+m = GatewayMetrics()
+m.requests.labels("a", "chat", "200").inc(3)
+open(sys.argv[1] + "/counter_4194304.db", "wb").close()  # a pid's file, created, not yet sized
+stock = CollectorRegistry()
+MultiProcessCollector(stock, path=sys.argv[1])
+try:
+    generate_latest(stock)
+    print("stock: ok")
+except Exception as e:
+    print("stock:", type(e).__module__, type(e).__name__)
+sys.stdout.write(m.render().decode())
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    first, rendered = out.stdout.split("\n", 1)
+    assert first == "stock: struct error"  # unpack_from on the empty file
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(rendered)
+        for s in fam.samples
+    }
+    assert samples[("kvgate_requests_total", (("route", "chat"), ("status", "200"), ("tenant", "a")))] == 3.0

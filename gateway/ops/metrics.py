@@ -12,17 +12,44 @@ smallest value a live worker holds (-1, unknown, when any worker does not know i
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 disable_created_metrics()  # the *_created series double every family and say nothing here
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class WrittenFilesCollector:
+    """prometheus-client's multiprocess merge over the workers' files in ``path``, skipping files
+    of 0 bytes. A worker creates its file and only then sizes it, so a file is empty for a moment
+    when a worker starts, for good when it was killed in that moment, and reading one raises
+    inside :class:`~prometheus_client.multiprocess.MultiProcessCollector`, failing every
+    family of the scrape (prometheus/client_python issue 1199): here such a file has recorded
+    nothing yet and is left out. A file removed meanwhile is left out too (the merge itself
+    skips those)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Iterable[Metric]:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        files = []
+        for f in glob.glob(os.path.join(self.path, "*.db")):
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.getsize(f) > 0:
+                    files.append(f)
+        return MultiProcessCollector.merge(files, accumulate=True)
 
 
 @dataclass(frozen=True)
@@ -170,10 +197,8 @@ class GatewayMetrics:
         (dead ones included for counters and histograms, so nothing counted is lost), summed;
         this reads one file per worker process, so the caller runs it off the event loop."""
         if self.multiprocess_dir is not None:
-            from prometheus_client.multiprocess import MultiProcessCollector
-
             registry = CollectorRegistry()
-            MultiProcessCollector(registry, path=self.multiprocess_dir)
+            registry.register(WrittenFilesCollector(self.multiprocess_dir))
             return generate_latest(registry)
         from verifier.incidents import REGISTRY as VERIFIER_REGISTRY
 
