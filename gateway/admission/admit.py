@@ -242,12 +242,18 @@ async def _begin(ctx: AdmitContext, tenant: TenantConfig, request_id: str, *, un
 COMBINED_BODY_BYTES = 32 * 1024
 
 
-def _received_small(request: Request) -> bool:
+async def _received_small(request: Request) -> bool:
     """Whether ``request`` declared a body of at most :data:`COMBINED_BODY_BYTES` and the server
-    holds all of it already (reading it waits for nothing)."""
+    holds all of it already (reading it waits for nothing). Most HTTP clients write a request's
+    head and body apart (``http.client``, httpx), so a body not yet in gets one turn of the event
+    loop, in which the server reads what its socket holds, and is asked about again."""
     length = request.headers.get("content-length")
-    small = length is not None and length.isdigit() and int(length) <= COMBINED_BODY_BYTES
-    return small and received_whole(request.scope)
+    if length is None or not length.isdigit() or int(length) > COMBINED_BODY_BYTES:
+        return False
+    if received_whole(request.scope):
+        return True
+    await asyncio.sleep(0)
+    return received_whole(request.scope)
 
 
 async def admit(ctx: AdmitContext, request: Request, arrival: Arrival[ApiRoute]) -> Admitted:
@@ -259,7 +265,7 @@ async def admit(ctx: AdmitContext, request: Request, arrival: Arrival[ApiRoute])
     :func:`_admit_counted` when the quota stage :meth:`~gateway.quotas.stage.QuotaStage.combines`
     its two calls (the same outcomes, one round trip)."""
     tenant = authenticate_request(ctx, request)
-    if _received_small(request) and ctx.quotas.combines(tenant):
+    if ctx.quotas.combines(tenant) and await _received_small(request):
         return await _admit_counted(ctx, request, arrival, tenant)
     lease = await _begin(ctx, tenant, arrival.request_id, unread=body_declared(request.headers))
     try:
