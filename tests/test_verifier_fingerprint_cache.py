@@ -58,6 +58,7 @@ def test_a_prompt_sent_again_by_its_tenant_is_not_fingerprinted_again(budget, mo
     assert computed == [text] and len(budget.fingerprints) == 1
     assert again == first and len(first[0]) >= 5 and len(first[1]) == 1
     assert again_ex.state.own_shingles == first_ex.state.own_shingles and len(first_ex.state.own_shingles) >= 100
+    assert again_ex.state.own_shingles is first_ex.state.own_shingles  # built once, shared (read only)
     first[0].clear()  # the caller's own copies: the next hit is whole
     first[1].clear()
     assert budget.fingerprint(ex(A, text), text) == again
@@ -96,7 +97,7 @@ def entry(n: int) -> Fingerprinted:
 
 def test_the_cache_is_bounded_in_bytes_least_recently_used_first():
     size = entry(1).nbytes
-    assert size == 800 + 100 + 600
+    assert size == 800 + 72 * 100 + 100 + 600  # array, own-shingle set, one fingerprint, the rest
     cache = FingerprintCache(max_bytes=3 * size)
     for i in range(5):
         cache.put(bytes([i]), entry(1))

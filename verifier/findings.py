@@ -226,7 +226,7 @@ class Findings:
         self.own_cache = own_cache
         self.planted = planted
 
-    def own_locked(self, exchange: Exchange) -> set[int]:
+    def own_locked(self, exchange: Exchange) -> set[int] | frozenset[int]:
         """The own-prompt shingle set of a checked exchange (computed at admission or ingest;
         else now, on this exchange's own time). Caller holds the lock."""
         if exchange.state.own_shingles is not None:

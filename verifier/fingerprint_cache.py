@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,22 +25,38 @@ CACHE_BYTES = 32 << 20
 MAX_TEXT_CHARS = 16_384
 
 
+#: bytes an own-shingle set holds per shingle, on the high side (a 64-bit int object and its slot)
+OWN_SET_BYTES_PER_SHINGLE = 72
+
+
 @dataclass(frozen=True)
 class Fingerprinted:
     """One prompt's fingerprinting: ``fps`` (winnowed keyed fingerprints), ``canaries`` (the
-    canary markers in it), ``fast`` (the selection hash of every shingle, read-only: the
-    own-shingle set of a sampled exchange)."""
+    canary markers in it), ``fast`` (the selection hash of every shingle, read-only), from which
+    :meth:`own_shingles` builds the own-shingle set of a sampled exchange once."""
 
     fps: frozenset[int]
     canaries: tuple[str, ...]
     fast: np.ndarray
+    _own: list[frozenset[int]] = field(default_factory=list, compare=False, repr=False)
+
+    def own_shingles(self) -> frozenset[int]:
+        """The set of :attr:`fast`, built on the first call and shared by every later one (a
+        sampled exchange only reads it): a sampled hit costs no set of its own."""
+        if not self._own:
+            self._own.append(frozenset(self.fast.tolist()))  # two threads at once: both equal, the first kept
+        return self._own[0]
 
     @property
     def nbytes(self) -> int:
         """An estimate of the entry's memory with its key, in bytes, on the high side: the array's
-        data, about 100 bytes per fingerprint (a 64-bit int object and its set slot), about 100
-        per canary string, and 600 for the objects, the key and its dict slot."""
-        return int(self.fast.nbytes) + 100 * len(self.fps) + sum(len(c) + 100 for c in self.canaries) + 600
+        data and its own-shingle set (:data:`OWN_SET_BYTES_PER_SHINGLE` a shingle, counted
+        whether or not it was built), about 100 bytes per fingerprint (a 64-bit int object and
+        its set slot), about 100 per canary string, and 600 for the objects, the key and its dict
+        slot."""
+        shingles = int(self.fast.size)
+        own = OWN_SET_BYTES_PER_SHINGLE * shingles
+        return int(self.fast.nbytes) + own + 100 * len(self.fps) + sum(len(c) + 100 for c in self.canaries) + 600
 
 
 class FingerprintCache:

@@ -130,7 +130,7 @@ class IngestBudget:
             done = self._fingerprint(text, yield_gil)
             self.fingerprints.put(key, done)
         if exchange.state.sampled:
-            exchange.state.own_shingles = set(done.fast.tolist())
+            exchange.state.own_shingles = done.own_shingles()
         return set(done.fps), list(done.canaries)
 
     def _fingerprint(self, text: str, yield_gil: bool) -> Fingerprinted:
