@@ -89,6 +89,9 @@ class Quotas:
     async def begin(self, tenant, request_id):
         return QuotaLease(tenant.id, request_id, 0, headers={})
 
+    def combines(self, tenant):
+        return False  # the two steps: begin, then reserve_tokens
+
     async def reserve_tokens(self, tenant, lease, tokens, *, also=None):
         self.reserved.append(tokens)
         lease.reserved_tokens = tokens

@@ -333,6 +333,9 @@ class RecordingQuotas:
             )
         return QuotaLease(tenant.id, request_id, 0, headers={"x-ratelimit-remaining-requests": "9"})
 
+    def combines(self, tenant):
+        return False  # the two steps: begin, then reserve_tokens
+
     async def reserve_tokens(self, tenant, lease, tokens, *, also=None):
         self.reserved.append(tokens)
         lease.reserved_tokens = tokens

@@ -43,6 +43,9 @@ class LedgerQuotas:
     async def begin(self, tenant, request_id):
         return QuotaLease(tenant.id, request_id, 0)
 
+    def combines(self, tenant):
+        return False  # the two steps: begin, then reserve_tokens
+
     async def reserve_tokens(self, tenant, lease, tokens, *, also=None):
         if lease.request_id in self.reserved:
             raise OpenAIError(500, "reserved twice", code=ErrorCode.INTERNAL_ERROR)

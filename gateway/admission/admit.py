@@ -56,7 +56,7 @@ from gateway.admission.registry import ModelEntry, ModelIndex
 from gateway.admission.route import ApiRoute, Route, check_task
 from gateway.edge import offload
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
-from gateway.edge.extensions import received_whole
+from gateway.edge.extensions import completion_of
 from gateway.ops.tenants import TenantRegistry
 from gateway.quotas.stage import QuotaLease, QuotaStage
 from gateway.relay.upstreams import Upstream, UpstreamSet
@@ -248,12 +248,13 @@ async def _received_small(request: Request) -> bool:
     head and body apart (``http.client``, httpx), so a body not yet in gets one turn of the event
     loop, in which the server reads what its socket holds, and is asked about again."""
     length = request.headers.get("content-length")
-    if length is None or not length.isdigit() or int(length) > COMBINED_BODY_BYTES:
-        return False
-    if received_whole(request.scope):
+    complete = completion_of(request.scope)
+    if complete is None or length is None or not length.isdigit() or int(length) > COMBINED_BODY_BYTES:
+        return False  # another server (it says nothing), no length, or a large body
+    if complete():
         return True
     await asyncio.sleep(0)
-    return received_whole(request.scope)
+    return complete()
 
 
 async def admit(ctx: AdmitContext, request: Request, arrival: Arrival[ApiRoute]) -> Admitted:

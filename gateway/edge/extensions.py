@@ -20,8 +20,14 @@ def mark_complete_when(scope: MutableMapping[str, Any], complete: Callable[[], b
     extensions[REQUEST_COMPLETE] = complete
 
 
+def completion_of(scope: MutableMapping[str, Any]) -> Callable[[], bool] | None:
+    """The server's "is the whole request in?" (:data:`REQUEST_COMPLETE`), or ``None`` when the
+    server says nothing about it."""
+    extensions = scope.get("extensions")
+    return extensions.get(REQUEST_COMPLETE) if extensions else None
+
+
 def received_whole(scope: MutableMapping[str, Any]) -> bool:
     """Whether the server says the request's whole body has arrived (false when it says nothing)."""
-    extensions = scope.get("extensions")
-    complete = extensions.get(REQUEST_COMPLETE) if extensions else None
+    complete = completion_of(scope)
     return complete is not None and bool(complete())
