@@ -245,6 +245,8 @@ async def count_prompt(
     else:
         options = route.check_fields(body, entry)
     try:
+        if counter.counts_sync and not heavy:  # what ``acount`` would do, without weighing the cost again
+            return route.count_now(counter, body, options)
         return await route.acount(counter, body, options)
     except TokenizerError as e:
         raise e.to_openai() from None
