@@ -33,6 +33,10 @@ before working": a refusal comes before the work it would waste):
 
 A request refused after step 1 has its lease released and its tokens refunded
 (``settle(lease, 0)``); its RPM entry stays spent, so invalid requests cost their sender RPM.
+
+A small body already in memory (:data:`COMBINED_BODY_BYTES`) takes step 1's quota call together
+with step 6's (:func:`_admit_counted`; docs/quotas.md, "Both steps in one round trip"): the same
+answers and the same Redis state, one round trip instead of two.
 """
 
 from __future__ import annotations
@@ -235,10 +239,10 @@ async def _begin(ctx: AdmitContext, tenant: TenantConfig, request_id: str, *, un
         raise Refused(closing(e) if unread else e, tenant.id) from None
 
 
-#: A request whose body is at most this many bytes and had all arrived with its head
-#: (:func:`gateway.edge.extensions.received_whole`) is decided by one quota call once it is
-#: counted (:func:`_admit_counted`): counting such a body before its RPM decision costs less than
-#: the Redis round trip it saves.
+#: A request whose body is at most this many bytes and is in the server's memory when admission
+#: starts, or one turn of the event loop later (:func:`_received_small`), is decided by one quota
+#: call once it is counted (:func:`_admit_counted`): counting such a body before its RPM decision
+#: costs less than the Redis round trip it saves.
 COMBINED_BODY_BYTES = 32 * 1024
 
 
