@@ -176,6 +176,16 @@ def _arg(v: int | None) -> int:
     return UNLIMITED if v is None else int(v)
 
 
+def _begin_args(limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int) -> list[Any]:
+    """``begin.lua``'s ARGV."""
+    return [lease_id, _arg(limits.rpm), _arg(limits.max_concurrent), int(window_ms), int(lease_ttl_ms)]
+
+
+def _tokens_args(limits: QuotaLimits, lease_id: str, tokens: int, window_ms: int) -> list[Any]:
+    """``tokens.lua``'s ARGV (without the optional begun key)."""
+    return [lease_id, _arg(limits.tpm), int(tokens), int(window_ms)]
+
+
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)
 
@@ -345,13 +355,17 @@ class RedisQuotaStore:
         await self._submit([queued])
         return await queued.reply  # a caller that gives up (its deadline) cancels only its own reply
 
+    def _calls_of(self, scripts: list[tuple[Any, list[str], list[Any]]]) -> list[_Queued]:
+        """``scripts`` (``(script, keys, args)``) as calls waiting for a round trip, counted."""
+        loop = asyncio.get_running_loop()
+        self.calls += len(scripts)
+        return [_Queued(script.sha, keys, args, loop.create_future(), script) for script, keys, args in scripts]
+
     async def _call_all(self, scripts: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
         """:meth:`_call` for each of ``scripts`` (``(script, keys, args)``), all in one round trip,
         in order. Returns their replies. Raises the first failed one's
         :class:`QuotaStoreUnavailable`."""
-        loop = asyncio.get_running_loop()
-        queued = [_Queued(script.sha, keys, args, loop.create_future(), script) for script, keys, args in scripts]
-        self.calls += len(queued)
+        queued = self._calls_of(scripts)
         await self._submit(queued)
         return [await q.reply for q in queued]
 
@@ -549,10 +563,10 @@ class RedisQuotaStore:
         ``NOSCRIPT`` included: ``also.finish`` sends those itself) or the exception that ended
         the round trip handed to ``also.sent``. Returns the scripts' replies in order. Raises
         :class:`QuotaStoreUnavailable` as :meth:`_call` does (the first failed script's)."""
+        firsts = self._calls_of(scripts)
         loop = asyncio.get_running_loop()
-        firsts = [_Queued(script.sha, keys, args, loop.create_future(), script) for script, keys, args in scripts]
         rest = [_Queued(sha, ckeys, cargs, loop.create_future(), raw=True) for sha, ckeys, cargs in calls]
-        self.calls += len(firsts) + len(rest)
+        self.calls += len(rest)
         await self._submit([*firsts, *rest])
         try:
             replies = [await q.reply for q in firsts]
@@ -567,7 +581,7 @@ class RedisQuotaStore:
     async def begin(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
     ) -> QuotaDecision:
-        args = [lease_id, _arg(limits.rpm), _arg(limits.max_concurrent), int(window_ms), int(lease_ttl_ms)]
+        args = _begin_args(limits, lease_id, window_ms, lease_ttl_ms)
         return _decision(await self._call(self._begin, self.keys(tenant_id), args))
 
     async def take_tokens(
@@ -583,7 +597,7 @@ class RedisQuotaStore:
         """``tokens.lua``; ``also`` (not on a cluster) rides its round trip guarded by the debit
         the script sets when it admits (the ``:tpm:debits`` hash's field ``lease_id``), so a
         refused request's writes are never made."""
-        keys, args = self.keys(tenant_id), [lease_id, _arg(limits.tpm), int(tokens), int(window_ms)]
+        keys, args = self.keys(tenant_id), _tokens_args(limits, lease_id, tokens, window_ms)
         calls = also.guarded(keys[2], lease_id) if also is not None and not self.cluster else []
         if also is not None and calls:
             (r,) = await self._call_with([(self._tokens, keys, args)], also, calls)
@@ -608,10 +622,10 @@ class RedisQuotaStore:
         decision, the tokens' decision, or None without TPM or after a refused begin)``. Raises
         :class:`QuotaStoreUnavailable`."""
         keys = self.keys(tenant_id)
-        begin = [lease_id, _arg(limits.rpm), _arg(limits.max_concurrent), int(window_ms), int(lease_ttl_ms)]
+        begin = _begin_args(limits, lease_id, window_ms, lease_ttl_ms)
         scripts: list[tuple[Any, list[str], list[Any]]] = [(self._begin, keys, begin)]
         if limits.tpm is not None:
-            take = [lease_id, _arg(limits.tpm), int(tokens), int(window_ms)]
+            take = _tokens_args(limits, lease_id, tokens, window_ms)
             begun_key = "1" if limits.rpm is not None else "5" if limits.max_concurrent is not None else None
             scripts.append((self._tokens, keys, take if begun_key is None else [*take, begun_key]))
         rides = also is not None and limits.tpm is not None and not self.cluster
