@@ -16,7 +16,6 @@ import json
 import re
 import socket
 import time
-import uuid
 
 import hypothesis.strategies as st
 import pytest
@@ -26,13 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig, VerifierSettings
 from gateway.admission import admit as admit_module
-from gateway.edge.extensions import REQUEST_COMPLETE, mark_complete_when, received_whole
+from gateway.edge.extensions import REQUEST_COMPLETE, completion_of, mark_complete_when
 from gateway.quotas.stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
+from tests.fixtures.redis_keys import REDIS_URL, delete_prefix, new_prefix
+from tests.gateway_harness import wait_for
 from tests.test_admission_round_trip import PROMPT, WARMUP_PROMPT, ex, load_all_scripts
 from tests.test_quotas_two_step import TTL_MS, WINDOW_MS, answer
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def state(prefix: str, tenant: str) -> tuple[int, int, int, int]:
@@ -191,12 +190,13 @@ async def test_the_in_process_fallback_decides_both_steps_when_redis_is_down() -
 # ---------------------------------------------------------------- the server's extension
 def test_the_extension_is_absent_under_another_server_and_read_when_given() -> None:
     scope: dict = {"type": "http"}
-    assert not received_whole(scope)
+    assert completion_of(scope) is None
     done = [False]
     mark_complete_when(scope, lambda: done[0])
-    assert not received_whole(scope) and REQUEST_COMPLETE in scope["extensions"]
+    complete = completion_of(scope)
+    assert complete is not None and not complete() and REQUEST_COMPLETE in scope["extensions"]
     done[0] = True
-    assert received_whole(scope)
+    assert complete()
 
 
 # ---------------------------------------------------------------- through the real app
@@ -261,17 +261,6 @@ def post(port: int, body: dict | bytes, key: str = "sk-test-tenant-a") -> Answer
 
 
 @pytest.fixture
-def prefix():
-    p = f"test-one-{uuid.uuid4().hex[:8]}"
-    yield p
-    c = redis.Redis.from_url(REDIS_URL)
-    keys = list(c.scan_iter(match=p + "*"))
-    if keys:
-        c.delete(*keys)
-    c.close()
-
-
-@pytest.fixture
 def order(monkeypatch):
     """What admission did first for each request: ``read`` (the body) or ``begin`` (step 1's
     quota call alone)."""
@@ -291,21 +280,19 @@ def order(monkeypatch):
     return seen
 
 
-def test_through_the_edge_a_chat_makes_one_round_trip_before_it_is_forwarded(prefix, order):
+def test_through_the_edge_a_chat_makes_one_round_trip_before_it_is_forwarded(redis_prefix, order):
     """On the gateway's own server layer a chat is counted first, then its RPM entry, lease,
     tokens and index write go in one round trip (two with the settle; the stock server's path
     makes three); after an RPM refusal the tenant's next request is begun before its body is
     read, and neither refused prompt is indexed."""
     from tests.gateway_harness import chat
 
-    with two_apps(prefix, verifier=True, rpm=1, tpm=10_000) as ((edge, quotas), _, engine, (svc, _)):
+    with two_apps(redis_prefix, verifier=True, rpm=1, tpm=10_000) as ((edge, quotas), _, engine, (svc, _)):
         if True:
             trips = quotas.store.round_trips
             r = post(edge.port, chat(PROMPT))
             assert r.status_code == 200, r.body
-            deadline = time.monotonic() + 5
-            while quotas.store.round_trips < trips + 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: quotas.store.round_trips >= trips + 2)
             time.sleep(0.1)
             assert quotas.store.round_trips == trips + 2
             assert (r.headers["x-ratelimit-remaining-requests"], r.headers["x-ratelimit-remaining-tokens"]) == (
@@ -325,10 +312,10 @@ def test_through_the_edge_a_chat_makes_one_round_trip_before_it_is_forwarded(pre
     assert refused and svc.index.store.owners(sorted(refused)) == [set()] * len(refused)
 
 
-def test_a_body_still_arriving_is_begun_before_it_is_read(prefix, order):
+def test_a_body_still_arriving_is_begun_before_it_is_read(redis_prefix, order):
     """A request whose body has not all arrived with its head takes step 1 first, as before:
     the gateway waits for no byte of a body before an RPM decision."""
-    with two_apps(prefix, rpm=5, tpm=10_000) as ((edge, _), _, _, _):
+    with two_apps(redis_prefix, rpm=5, tpm=10_000) as ((edge, _), _, _, _):
         body = b'{"model": "kvgate-tiny", "messages": [{"role": "user", "content": "Say hello."}]}'
         head = (
             f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-test-tenant-a\r\n"
@@ -336,9 +323,7 @@ def test_a_body_still_arriving_is_begun_before_it_is_read(prefix, order):
         ).encode()
         with socket.create_connection(("127.0.0.1", edge.port), timeout=5) as s:
             s.sendall(head + body[:10])
-            deadline = time.monotonic() + 5
-            while len(order) < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: len(order) >= 2)
             assert order == ["begin", "read"]  # begun, then reading (waiting for the rest)
             s.sendall(body[10:])
             answer_bytes = s.recv(65536)
@@ -378,7 +363,7 @@ def _seen(r) -> tuple:
 @pytest.fixture(scope="module")
 def apps_for_the_property():
     """The two apps, and a count of the requests admission took the one-step way."""
-    p = f"test-one-p-{uuid.uuid4().hex[:8]}"
+    p = new_prefix("one_step_property")
     one_step = [0]
     real = admit_module._admit_counted
 
@@ -389,11 +374,7 @@ def apps_for_the_property():
     with pytest.MonkeyPatch.context() as mp, two_apps(p, rpm=6, tpm=900) as (edge, stock, _, _):
         mp.setattr(admit_module, "_admit_counted", counted)
         yield p, edge, stock, one_step
-    c = redis.Redis.from_url(REDIS_URL)
-    keys = list(c.scan_iter(match=p + "*"))
-    if keys:
-        c.delete(*keys)
-    c.close()
+    delete_prefix(p)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -404,11 +385,7 @@ def test_either_path_gives_every_request_the_same_answer(apps_for_the_property, 
     rate-limit headers, and leaves the same RPM entries, leases and TPM debits, on the one-step
     path (the gateway's server layer) as on the two-step path (uvicorn's stock protocol)."""
     p, (edge, edge_quotas), (stock, stock_quotas), one_step = apps_for_the_property
-    c = redis.Redis.from_url(REDIS_URL)
-    keys = list(c.scan_iter(match=p + "*"))
-    if keys:
-        c.delete(*keys)
-    c.close()
+    delete_prefix(p)
     for q in (edge_quotas, stock_quotas):
         q._refused_until.clear()
     before = one_step[0]
@@ -418,9 +395,7 @@ def test_either_path_gives_every_request_the_same_answer(apps_for_the_property, 
     seen.append([_seen(_send(stock.port, n)) for n in names])
     assert one_step[0] == before and seen[0] == seen[1]
     for q in (edge_quotas, stock_quotas):  # every settle has landed (it follows the answer)
-        deadline = time.monotonic() + 5
-        while q._live and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda q=q: not q._live)
     time.sleep(0.05)
     assert state(f"{p}:edge", "tenant-a") == state(f"{p}:stock", "tenant-a")
     assert state(f"{p}:edge", "tenant-a")[1] == 0  # no lease left behind
@@ -467,7 +442,7 @@ async def begin_reserve_with_write(svc, quotas: TenantQuotas, tenant: TenantConf
     return None
 
 
-async def test_the_one_step_write_is_made_only_when_admitted_also_after_redis_lost_its_scripts(tmp_path, prefix):
+async def test_the_one_step_write_is_made_only_when_admitted_also_after_redis_lost_its_scripts(tmp_path, redis_prefix):
     """The index write behind ``begin.lua`` and ``tokens.lua``: refused by RPM or by TPM, nothing
     is written; admitted, the prompt is indexed under its tenant. After ``SCRIPT FLUSH`` the
     quota scripts are loaded and sent again, and the write (answered ``NOSCRIPT``) is sent by the
@@ -476,8 +451,8 @@ async def test_the_one_step_write_is_made_only_when_admitted_also_after_redis_lo
     from tests.test_admission_round_trip import SECRETS, owners
     from verifier.build import build_verifier
 
-    svc = build_verifier(verifier_settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=prefix + ":v:")
-    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=prefix))
+    svc = build_verifier(verifier_settings(tmp_path, REDIS_URL), secrets=SECRETS, key_prefix=redis_prefix + ":v:")
+    quotas = TenantQuotas(QuotaSettings(), RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=redis_prefix))
     tenant = TenantConfig(id="t", rpm=2, tpm=50, verify_sample_rate=0.0)
     r = redis.Redis.from_url(REDIS_URL)
     nobody = [set()] * len(owners(svc, PROMPT))

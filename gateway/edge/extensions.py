@@ -25,9 +25,3 @@ def completion_of(scope: MutableMapping[str, Any]) -> Callable[[], bool] | None:
     server says nothing about it."""
     extensions = scope.get("extensions")
     return extensions.get(REQUEST_COMPLETE) if extensions else None
-
-
-def received_whole(scope: MutableMapping[str, Any]) -> bool:
-    """Whether the server says the request's whole body has arrived (false when it says nothing)."""
-    complete = completion_of(scope)
-    return complete is not None and bool(complete())
