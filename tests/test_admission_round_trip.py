@@ -192,16 +192,14 @@ def test_through_the_app_only_the_admitted_prompt_is_indexed(prefix, own_writes)
     fingerprints are in Redis under its tenant, written in its token reservation's round trip
     (guarded by it), none by the verifier's own client; the next chat, over the tenant's RPM, is
     refused before its body is read and indexes nothing."""
-    from tests.gateway_harness import chat
+    from tests.gateway_harness import chat, wait_for
 
     with app_with_redis(prefix, rpm=1, tpm=10_000) as (g, _, svc, quotas), g.client() as c:
         trips = quotas.store.round_trips
         r = c.post("/v1/chat/completions", json=chat(PROMPT))
         assert r.status_code == 200, r.text
         # begin; the tokens with the index write; the settle (after the answer: awaited here)
-        deadline = time.monotonic() + 5
-        while quotas.store.round_trips < trips + 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: quotas.store.round_trips >= trips + 3)
         time.sleep(0.1)
         assert quotas.store.round_trips == trips + 3
         assert (r.headers["x-ratelimit-remaining-requests"], r.headers["x-ratelimit-remaining-tokens"]) == (
