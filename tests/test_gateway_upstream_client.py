@@ -12,7 +12,8 @@ import aiohttp
 import pytest
 
 from gateway.relay import upstream_client as uc
-from gateway.relay.upstream_client import UpstreamClient, as_upstream_error
+from gateway.relay.aiohttp_transport import as_upstream_error
+from gateway.relay.upstream_client import UpstreamClient
 
 pytestmark = pytest.mark.timeout(30)
 

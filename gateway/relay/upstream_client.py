@@ -1,265 +1,83 @@
-"""The gateway's HTTP client to the engines (step 7, "Forward"): aiohttp's ``ClientSession`` behind
-the small part of httpx's API that :mod:`gateway.relay.proxy` uses (``send``, ``aread``,
-``aiter_raw``, ``aclose``), raising its own small exception tree whatever the transport.
+"""The gateway's HTTP client to the engines (step 7, "Forward"): the small part of httpx's API that
+:mod:`gateway.relay.proxy` uses (``send``, ``aread``, ``aiter_raw``, ``aclose``) over a
+transport, raising its own small exception tree (:mod:`gateway.relay.upstream_base`) whatever the
+transport.
 
-Why aiohttp: ``bench/gateway.py --transports`` sends the same POST to a mock engine from one event
-loop with each client. On the 2-core dev VM (other work running) httpx's ``AsyncClient`` answered
-about 170 requests/s with 64 in flight (p99 1.6 s: its connection pool's cost grows with the
-requests in flight), httpx over aiohttp (``httpx-aiohttp``) about 850, and aiohttp itself about
-2,270 (p99 78 ms): the httpx layer above the transport costs more than the transport. So the
-forward path uses aiohttp directly; httpx stays for the pool watcher's slow polls.
+Transports (``gateway.upstream_client``): ``h1`` (the default, :mod:`gateway.relay.h1_transport`:
+asyncio protocols and httptools' parser) or ``aiohttp`` (:mod:`gateway.relay.aiohttp_transport`:
+aiohttp's ``ClientSession``), plus :class:`MockTransport`, whose handler plays the engine in the
+same process (tests and benches relay without a socket, as httpx's ``MockTransport``). Why not
+httpx: its pool cost grows with the requests in flight (``bench/gateway.py --transports``: about
+170 requests/s with 64 in flight where aiohttp made 2,270 on the 2-core dev VM); why ``h1`` over
+aiohttp: the same bench gives it about a third of aiohttp's CPU a request (docs/performance.md,
+"eighth pass"). Both pass the same tests (tests/test_gateway_upstream_client.py).
 
-:class:`UpstreamClient` ``send(method, url, content, headers, on_sent=None) -> UpstreamResponse``
-hands the request to its transport: :class:`AiohttpTransport` (the default), or a
-:class:`MockTransport` whose handler plays the engine in the same process (tests and benches
-relay without a socket, as httpx's ``MockTransport``).
+What every transport does:
 
-- ``on_sent()`` is called once the request's headers are written to an engine's connection
-  (:class:`_Request`), never when connecting fails: from then on
-  the engine may be working on the request, so the quota settle charges its prompt
-  (:mod:`gateway.relay.finish`);
-- one pooled session (``max_connections`` connections, kept alive :data:`KEEPALIVE_SECONDS`,
-  shorter than the 5 s idle timeout engines served by uvicorn use, so the gateway closes an idle
-  connection before the engine does);
-- timeouts: ``connect_timeout`` for the TCP connect and the wait for a pooled connection, and
-  ``read_timeout`` between two reads of the response (headers or body), as httpx's ``read``;
-- bodies are raw: no decompression (the proxy asks for ``identity``) and chunked framing removed,
-  as httpx's ``aiter_raw``; no header is added but ``Host``, ``Content-Length`` (and aiohttp's
-  ``Accept``); no ``User-Agent``.
-
-Exceptions (:func:`as_upstream_error` maps aiohttp's; a class's name is part of the 502 message
-the client gets, so the leaves keep httpx's names)::
-
-    UpstreamError                 an exchange with an engine failed
-    ├── ConnectFailed             nothing reached the engine: the proxy may try the next upstream
-    │   ├── ConnectError          connection refused, host unresolvable
-    │   └── ConnectTimeout        no connection in time (TCP connect, or a pooled one)
-    ├── ReadTimeout               no byte within ``read_timeout`` (headers or body)
-    └── TransportError            the connection failed otherwise
-        ├── RemoteProtocolError   the engine closed or broke the connection before or inside the response
-        ├── WriteError            reset while sending the request
-        └── ReadError             reset while reading the response
+- ``on_sent()`` is called once the request's headers are written to an engine's connection,
+  never when connecting fails: from then on the engine may be working on the request, so the
+  quota settle charges its prompt (:mod:`gateway.relay.finish`);
+- one pool of ``max_connections`` connections, an idle one kept
+  :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`;
+- timeouts: ``connect_timeout`` for the TCP (and TLS) connect and the wait for a pooled
+  connection, and ``read_timeout`` between two reads of the response (headers or body), as
+  httpx's ``read``;
+- bodies are raw: no decompression (the proxy asks for ``identity``) and chunked framing
+  removed, as httpx's ``aiter_raw``; no ``User-Agent``.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 
-#: an idle pooled connection is closed after this many seconds
-KEEPALIVE_SECONDS = 4.0
+from gateway.relay.upstream_base import (
+    KEEPALIVE_SECONDS,
+    ConnectError,
+    ConnectFailed,
+    ConnectTimeout,
+    ReadError,
+    ReadTimeout,
+    RemoteProtocolError,
+    Transport,
+    TransportError,
+    UpstreamError,
+    UpstreamResponse,
+    WriteError,
+)
+
+__all__ = [
+    "KEEPALIVE_SECONDS",
+    "ConnectError",
+    "ConnectFailed",
+    "ConnectTimeout",
+    "MockRequest",
+    "MockResponse",
+    "MockTransport",
+    "ReadError",
+    "ReadTimeout",
+    "RemoteProtocolError",
+    "Transport",
+    "TransportError",
+    "UpstreamClient",
+    "UpstreamError",
+    "UpstreamResponse",
+    "WriteError",
+    "transport_class",
+]
 
 
-class UpstreamError(Exception):
-    """An exchange with an engine failed (the tree in the module docstring)."""
+def transport_class(name: str) -> Any:
+    """The transport class named ``name`` (``"h1"`` or ``"aiohttp"``, ``gateway.upstream_client``).
+    aiohttp is imported only when asked for. Raises ``ValueError`` for another name."""
+    if name == "aiohttp":
+        from gateway.relay.aiohttp_transport import AiohttpTransport
 
-
-class ConnectFailed(UpstreamError):
-    """Nothing reached the engine (``on_sent`` was not called)."""
-
-
-class ConnectError(ConnectFailed):
-    """The connection was refused, or the host did not resolve."""
-
-
-class ConnectTimeout(ConnectFailed):
-    """No connection within ``connect_timeout`` (connecting, or waiting for a pooled one)."""
-
-
-class ReadTimeout(UpstreamError):
-    """No byte of the response within ``read_timeout``."""
-
-
-class TransportError(UpstreamError):
-    """The connection failed in another way."""
-
-
-class RemoteProtocolError(TransportError):
-    """The engine closed or broke the connection before or inside its response."""
-
-
-class WriteError(TransportError):
-    """The connection was reset while the request was sent."""
-
-
-class ReadError(TransportError):
-    """The connection was reset while the response was read."""
-
-
-def as_upstream_error(exc: BaseException, *, connecting: bool) -> UpstreamError | None:
-    """The :class:`UpstreamError` that stands for an aiohttp (or timeout) exception ``exc``, or
-    ``None`` when ``exc`` is not a transport error. ``connecting``: raised before the response's
-    headers arrived (a reset then is a failed send; afterwards, a failed read)."""
-    name = type(exc).__name__
-    msg = f"{name}: {exc}" if str(exc) else name
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return ConnectTimeout(msg)
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return ConnectError(msg)
-    if isinstance(exc, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
-        return ReadTimeout(msg)
-    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)):
-        return RemoteProtocolError(msg)
-    if isinstance(exc, (aiohttp.ClientOSError, aiohttp.ClientConnectionError, ConnectionError)):
-        return WriteError(msg) if connecting else ReadError(msg)
-    if isinstance(exc, aiohttp.ClientError):
-        return TransportError(msg)
-    return None
-
-
-class UpstreamResponse(Protocol):
-    """A response whose body is still to be read: ``status_code``, ``headers`` (case-insensitive
-    mapping), :meth:`aread`, :meth:`aiter_raw`, :meth:`aclose` (httpx's names). Reading raises
-    :class:`UpstreamError`."""
-
-    status_code: int
-    headers: Mapping[str, str]
-
-    async def aread(self) -> bytes:
-        """The whole body (bytes)."""
-        ...
-
-    def aiter_raw(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive (transfer framing removed, content left encoded)."""
-        ...
-
-    async def aclose(self) -> None:
-        """Done with the response (an unread body closes its connection)."""
-        ...
-
-
-class Transport(Protocol):
-    """Where :class:`UpstreamClient` sends: :meth:`send` (as :meth:`UpstreamClient.send`) and :meth:`aclose`."""
-
-    async def send(
-        self, method: str, url: str, content: bytes, headers: Mapping[str, str], on_sent: Callable[[], None] | None
-    ) -> UpstreamResponse: ...
-
-    async def aclose(self) -> None: ...
-
-
-class AiohttpResponse:
-    """An aiohttp response as an :class:`UpstreamResponse` (errors mapped, see the module)."""
-
-    __slots__ = ("_resp", "headers", "status_code")
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._resp = resp
-        self.status_code: int = resp.status
-        self.headers: Mapping[str, str] = resp.headers
-
-    async def aread(self) -> bytes:
-        """The whole body (bytes)."""
-        try:
-            return await self._resp.read()
-        except Exception as e:
-            mapped = as_upstream_error(e, connecting=False)
-            if mapped is None:
-                raise
-            raise mapped from e
-
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive (transfer framing removed, content left encoded)."""
-        content = self._resp.content
-        while True:
-            try:
-                chunk = await content.readany()
-            except Exception as e:
-                mapped = as_upstream_error(e, connecting=False)
-                if mapped is None:
-                    raise
-                raise mapped from e
-            if not chunk:
-                return
-            yield chunk
-
-    async def aclose(self) -> None:
-        """Done with the response: a fully read body gives the connection back to the pool; an
-        unread or partly read one closes it (so the engine sees the request abandoned)."""
-        resp = self._resp
-        if resp.content.at_eof():
-            resp.release()
-        else:
-            resp.close()
-
-
-#: the ``on_sent`` of the request being sent in this task (set by :meth:`AiohttpTransport.send`)
-_ON_SENT: ContextVar[Callable[[], None] | None] = ContextVar("kvgate_upstream_on_sent", default=None)
-
-
-class _Request(aiohttp.ClientRequest):
-    """aiohttp's request (its documented ``request_class`` hook) that calls the sending task's
-    ``on_sent`` once :meth:`send` has written the request's headers to the connection. (aiohttp's
-    ``on_request_headers_sent`` trace signal says the same, but a trace config makes aiohttp build
-    and send every other signal of every request too: 13-23% more CPU per forward in an ad-hoc
-    run against bench/mock_engine.py, where this hook measured the same as none.)"""
-
-    async def send(self, conn: Any) -> aiohttp.ClientResponse:
-        resp = await super().send(conn)
-        on_sent = _ON_SENT.get()
-        if on_sent is not None:
-            on_sent()
-        return resp
-
-
-class AiohttpTransport:
-    """One pooled aiohttp session (module docstring). ``connect_timeout``/``read_timeout`` in
-    seconds, ``max_connections`` >= 1. The session opens at the first send, inside the event loop
-    it will run on; :meth:`aclose` at shutdown."""
-
-    def __init__(self, *, connect_timeout: float, read_timeout: float, max_connections: int) -> None:
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(
-            limit=self.max_connections,
-            limit_per_host=0,
-            keepalive_timeout=KEEPALIVE_SECONDS,
-            ttl_dns_cache=10,
-            enable_cleanup_closed=False,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout, sock_read=self.read_timeout),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            trust_env=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            request_class=_Request,
-        )
-        return self._session
-
-    async def send(
-        self, method: str, url: str, content: bytes, headers: Mapping[str, str], on_sent: Callable[[], None] | None
-    ) -> UpstreamResponse:
-        """As :meth:`UpstreamClient.send`."""
-        session = self._session or self._open()
-        token = _ON_SENT.set(on_sent)
-        try:
-            resp = await session.request(method, url, data=content, headers=headers, allow_redirects=False)
-        except Exception as e:
-            mapped = as_upstream_error(e, connecting=True)
-            if mapped is None:
-                raise
-            raise mapped from e
-        finally:
-            _ON_SENT.reset(token)
-        return AiohttpResponse(resp)
-
-    async def aclose(self) -> None:
-        """Close the pooled connections."""
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        return AiohttpTransport
+    raise ValueError(f"unknown upstream client {name!r}: 'aiohttp'")
 
 
 @dataclass(frozen=True)
@@ -334,10 +152,13 @@ class MockTransport:
 
 
 class UpstreamClient:
-    """The forward path's client: :meth:`send` through ``transport``, or else an
-    :class:`AiohttpTransport` built from ``connect_timeout``/``read_timeout`` (seconds) and
-    ``max_connections`` (all three then required). Create and use it inside the event loop it will
-    run on; :meth:`aclose` at shutdown."""
+    """The forward path's client: :meth:`send` through ``transport``, or else the transport named
+    ``kind`` (:func:`transport_class`; default :attr:`default_kind`) built from
+    ``connect_timeout``/``read_timeout`` (seconds) and ``max_connections`` (all three then
+    required). Create and use it inside the event loop it will run on; :meth:`aclose` at shutdown."""
+
+    #: the transport built when none is given and no ``kind`` is named
+    default_kind = "aiohttp"
 
     def __init__(
         self,
@@ -346,13 +167,14 @@ class UpstreamClient:
         read_timeout: float | None = None,
         max_connections: int | None = None,
         transport: Transport | None = None,
+        kind: str | None = None,
     ) -> None:
         if transport is None:
             if connect_timeout is None or read_timeout is None or max_connections is None:
                 raise TypeError(
                     "UpstreamClient needs a transport, or connect_timeout, read_timeout and max_connections"
                 )
-            transport = AiohttpTransport(
+            transport = transport_class(kind or self.default_kind)(
                 connect_timeout=connect_timeout, read_timeout=read_timeout, max_connections=max_connections
             )
         self.transport: Transport = transport

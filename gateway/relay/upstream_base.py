@@ -1,0 +1,93 @@
+"""What the forward path's HTTP transports share (:mod:`gateway.relay.upstream_client` has the
+whole story): the exception tree every transport raises, the response and transport protocols,
+and how long an idle connection is kept.
+
+Exceptions (a class's name is part of the 502 message the client gets, so the leaves keep
+httpx's names)::
+
+    UpstreamError                 an exchange with an engine failed
+    ├── ConnectFailed             nothing reached the engine: the proxy may try the next upstream
+    │   ├── ConnectError          connection refused, host unresolvable, TLS handshake refused
+    │   └── ConnectTimeout        no connection in time (TCP connect, or a pooled one)
+    ├── ReadTimeout               no byte within ``read_timeout`` (headers or body)
+    └── TransportError            the connection failed otherwise
+        ├── RemoteProtocolError   the engine closed or broke the connection before or inside the response
+        ├── WriteError            reset while sending the request
+        └── ReadError             reset while reading the response
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Protocol
+
+#: an idle pooled connection is closed after this many seconds (shorter than the 5 s idle timeout
+#: of engines served by uvicorn, so the gateway drops an idle connection before the engine does)
+KEEPALIVE_SECONDS = 4.0
+
+
+class UpstreamError(Exception):
+    """An exchange with an engine failed (the tree in the module docstring)."""
+
+
+class ConnectFailed(UpstreamError):
+    """Nothing reached the engine (``on_sent`` was not called)."""
+
+
+class ConnectError(ConnectFailed):
+    """The connection was refused, or the host did not resolve."""
+
+
+class ConnectTimeout(ConnectFailed):
+    """No connection within ``connect_timeout`` (connecting, or waiting for a pooled one)."""
+
+
+class ReadTimeout(UpstreamError):
+    """No byte of the response within ``read_timeout``."""
+
+
+class TransportError(UpstreamError):
+    """The connection failed in another way."""
+
+
+class RemoteProtocolError(TransportError):
+    """The engine closed or broke the connection before or inside its response."""
+
+
+class WriteError(TransportError):
+    """The connection was reset while the request was sent."""
+
+
+class ReadError(TransportError):
+    """The connection was reset while the response was read."""
+
+
+class UpstreamResponse(Protocol):
+    """A response whose body is still to be read: ``status_code``, ``headers`` (case-insensitive
+    mapping), :meth:`aread`, :meth:`aiter_raw`, :meth:`aclose` (httpx's names). Reading raises
+    :class:`UpstreamError`."""
+
+    status_code: int
+    headers: Mapping[str, str]
+
+    async def aread(self) -> bytes:
+        """The whole body (bytes)."""
+        ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (transfer framing removed, content left encoded)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Done with the response (an unread body closes its connection)."""
+        ...
+
+
+class Transport(Protocol):
+    """Where :class:`UpstreamClient` sends: :meth:`send` (as :meth:`UpstreamClient.send`) and :meth:`aclose`."""
+
+    async def send(
+        self, method: str, url: str, content: bytes, headers: Mapping[str, str], on_sent: Callable[[], None] | None
+    ) -> UpstreamResponse: ...
+
+    async def aclose(self) -> None: ...
