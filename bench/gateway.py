@@ -1039,6 +1039,8 @@ TRANSPORTS = {
     "httpx": "httpx.AsyncClient, its default transport (httpcore)",
     "httpx-aiohttp": "httpx.AsyncClient over aiohttp (httpx_aiohttp.AiohttpTransport)",
     "aiohttp": "aiohttp.ClientSession itself",
+    "kvgate-aiohttp": "the gateway's UpstreamClient, upstream_client: aiohttp",
+    "kvgate-h1": "the gateway's UpstreamClient, upstream_client: h1 (its own transport on httptools)",
 }
 
 
@@ -1052,7 +1054,23 @@ async def _client_load(kind: str, url: str, concurrency: int, duration: float) -
     lat: list[float] = []
     errors = 0
     end = time.perf_counter() + duration
-    if kind == "aiohttp":
+    if kind.startswith("kvgate-"):
+        from gateway.relay.upstream_client import UpstreamClient
+
+        upstream = UpstreamClient(
+            connect_timeout=10, read_timeout=30, max_connections=512, kind=kind.removeprefix("kvgate-")
+        )
+
+        async def one() -> int:
+            r = await upstream.send("POST", url, body, headers)
+            try:
+                await r.aread()
+            finally:
+                await r.aclose()
+            return r.status_code
+
+        close = upstream.aclose
+    elif kind == "aiohttp":
         import aiohttp
 
         session = aiohttp.ClientSession(
@@ -1110,7 +1128,7 @@ def run_transports(env: Env, connections: int, duration: float, rounds: int) -> 
     runs: dict[str, list[tuple[Load, Load]]] = {}
     skipped: dict[str, str] = {}
     for kind in TRANSPORTS:
-        mod = {"httpx": "httpx", "httpx-aiohttp": "httpx_aiohttp", "aiohttp": "aiohttp"}[kind]
+        mod = {"httpx": "httpx", "httpx-aiohttp": "httpx_aiohttp"}.get(kind, "aiohttp")
         probe = subprocess.run([sys.executable, "-c", f"import {mod}"], capture_output=True, check=False)
         if probe.returncode != 0:
             skipped[kind] = f"{mod} is not installed"

@@ -171,7 +171,8 @@ class GatewaySettings(_Strict):
     """The HTTP edge: bind address, body limit, upstream timeouts (seconds), drain on SIGTERM.
 
     Client side (:mod:`gateway.edge.protocol`; docs/gateway.md, "Edge limits"): ``max_inbound_connections``
-    client connections per process (``max_connections`` sizes the upstream pool),
+    client connections per process (``max_connections`` sizes the upstream pool; ``upstream_client``
+    picks its transport, ``h1`` or ``aiohttp``: :mod:`gateway.relay.upstream_client`),
     ``max_connections_per_client`` of them per client address (``None``: an eighth of the total),
     ``max_pipelined_requests`` queued on one connection, ``max_body_chunks`` /
     ``min_chunk_bytes`` (413 for a chunked body of more chunks, or chunks averaging less),
@@ -205,6 +206,7 @@ class GatewaySettings(_Strict):
     read_timeout_seconds: float = Field(default=300.0, gt=0)
     drain_timeout_seconds: float = Field(default=30.0, ge=0)
     max_connections: int = Field(default=512, ge=1)
+    upstream_client: Literal["h1", "aiohttp"] = "h1"
     offload_count_chars: int = Field(default=32_768, ge=0)
     offload_threads: int | None = Field(default=None, ge=1, le=256)
     offload_tenant_share: int | None = Field(default=None, ge=1, le=256)

@@ -1,7 +1,7 @@
 """The gateway app factory (docs/design.md, "A request's way through the gateway").
 
 ``create_app(settings, tenants, *, quotas=None, verifier=None, secrets=None) -> FastAPI``. The
-app's lifespan owns one pooled :class:`~gateway.relay.upstream_client.UpstreamClient` (aiohttp: every
+app's lifespan owns one pooled :class:`~gateway.relay.upstream_client.UpstreamClient` (every
 forwarded request), one pooled ``httpx.AsyncClient`` (pool polls) and one
 :class:`~gateway.ops.pool_watcher.PoolWatcher` task per upstream. The stages are
 the contracts of :mod:`gateway.quotas.stage` / :mod:`verifier.stage`; ``None`` means switched off
@@ -95,11 +95,12 @@ class Gateway:
             limits=httpx.Limits(max_connections=g.max_connections, max_keepalive_connections=g.max_connections),
             trust_env=False,
         )
-        #: the forward path's client (aiohttp; see gateway.relay.upstream_client); ``client`` polls pools
+        #: the forward path's client (gateway.relay.upstream_client); ``client`` polls pools
         self.forwarder = UpstreamClient(
             connect_timeout=g.connect_timeout_seconds,
             read_timeout=g.read_timeout_seconds,
             max_connections=g.max_connections,
+            kind=g.upstream_client,
         )
         ups = []
         for u in settings.upstreams:

@@ -1,6 +1,8 @@
-"""The forward path's client (gateway/relay/upstream_client.py) against raw asyncio servers on loopback
-that misbehave on purpose: every aiohttp failure must reach the proxy as the client's own exception
-(gateway.relay.upstream_client's tree), bodies must come back byte for byte, and an abandoned response must close its
+"""The forward path's client (gateway/relay/upstream_client.py), each test over both transports
+(the gateway's own ``h1`` and ``aiohttp``, which serves as the reference), against raw asyncio
+servers on loopback that misbehave on purpose: every failure must reach the proxy as the client's
+own exception (gateway.relay.upstream_base's tree), bodies must come back byte for byte, a
+connection is kept only when its response allows it, and an abandoned response must close its
 connection (so the engine sees the request cancelled)."""
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import socket
 
 import aiohttp
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.relay import upstream_client as uc
 from gateway.relay.aiohttp_transport import as_upstream_error
@@ -53,6 +57,13 @@ class Server:
         return head + body
 
 
+@pytest.fixture(params=["h1", "aiohttp"], autouse=True)
+def transport_kind(request, monkeypatch) -> str:
+    """Every test runs against both transports."""
+    monkeypatch.setattr(UpstreamClient, "default_kind", request.param)
+    return request.param
+
+
 def client(**kw) -> UpstreamClient:
     return UpstreamClient(
         connect_timeout=kw.get("connect_timeout", 1.0),
@@ -64,7 +75,7 @@ def client(**kw) -> UpstreamClient:
 HEADERS = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": "rid-1"}
 
 
-async def test_a_chunked_stream_comes_back_byte_for_byte_and_the_request_as_sent() -> None:
+async def test_a_chunked_stream_comes_back_byte_for_byte_and_the_request_as_sent(transport_kind) -> None:
     events = [b'data: {"a":"\xe2\x80\xa8"}\n\n', b'data: {"b":"\xc3', b'\xa9"}\n\n', b"data: [DONE]\n\n"]
 
     async def engine(srv, reader, writer):
@@ -89,7 +100,8 @@ async def test_a_chunked_stream_comes_back_byte_for_byte_and_the_request_as_sent
     lines = head.split(b"\r\n")
     assert lines[0] == b"POST /v1/chat/completions HTTP/1.1"
     names = sorted(ln.split(b":", 1)[0].lower() for ln in lines[1:])
-    assert names == [b"accept", b"accept-encoding", b"content-length", b"content-type", b"host", b"x-request-id"]
+    added = [b"accept"] if transport_kind == "aiohttp" else []  # aiohttp's own Accept: */*
+    assert names == [*added, b"accept-encoding", b"content-length", b"content-type", b"host", b"x-request-id"]
     assert b"accept-encoding: identity" in head.lower() and body == b'{"x":1}'
 
 
@@ -278,3 +290,316 @@ def test_every_aiohttp_failure_maps_to_an_upstream_error_others_pass() -> None:
         assert isinstance(got, uc.UpstreamError)
     assert as_upstream_error(ValueError("not ours"), connecting=True) is None
     assert as_upstream_error(asyncio.CancelledError(), connecting=True) is None
+
+
+async def test_a_body_framed_by_the_close_is_read_whole_and_its_connection_not_kept() -> None:
+    peers: list[object] = []
+
+    async def engine(srv, reader, writer):
+        peers.append(writer.get_extra_info("peername"))
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.0 200 OK\r\ncontent-type: application/json\r\n\r\n" + b"x" * 5000)
+        await writer.drain()  # and the server closes: the body's end
+
+    async with Server(engine) as srv:
+        c = client()
+        for _ in range(2):
+            r = await c.send("POST", srv.url, b"{}", HEADERS)
+            assert await r.aread() == b"x" * 5000
+            await r.aclose()
+        await c.aclose()
+    assert len(peers) == 2
+
+
+async def test_connection_close_and_interim_responses() -> None:
+    """A ``Connection: close`` answer is not kept; a ``103 Early Hints`` before the answer is skipped."""
+    peers: list[object] = []
+
+    async def engine(srv, reader, writer):
+        peers.append(writer.get_extra_info("peername"))
+        while True:
+            try:
+                await srv.read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n")
+            close = len(srv.requests) == 1
+            writer.write(
+                b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n%s\r\nok" % (b"connection: close\r\n" if close else b"")
+            )
+            await writer.drain()
+            if close:
+                return
+
+    async with Server(engine) as srv:
+        c = client()
+        for _ in range(3):
+            r = await c.send("POST", srv.url, b"{}", HEADERS)
+            assert (r.status_code, "link" in r.headers, await r.aread()) == (201, False, b"ok")
+            await r.aclose()
+        await c.aclose()
+    assert len(peers) == 2  # the first connection closed; the second kept for the third request
+
+
+async def test_a_malformed_status_line_is_a_protocol_error() -> None:
+    async def engine(srv, reader, writer):
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 2OO OK\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+
+    async with Server(engine) as srv:
+        c = client()
+        with pytest.raises(uc.RemoteProtocolError):
+            await c.send("POST", srv.url, b"{}", HEADERS)
+        await c.aclose()
+
+
+async def test_a_large_body_comes_back_byte_for_byte_to_a_slow_reader() -> None:
+    body = bytes(range(256)) * 8192  # 2 MiB, well past the read-pause mark
+
+    async def engine(srv, reader, writer):
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(0, len(body), 65536):
+            part = body[i : i + 65536]
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with Server(engine) as srv:
+        c = client(read_timeout=5.0)
+        r = await c.send("POST", srv.url, b"{}", HEADERS)
+        got = []
+        async for chunk in r.aiter_raw():
+            got.append(chunk)
+            await asyncio.sleep(0.002)
+        await r.aclose()
+        await c.aclose()
+    assert b"".join(got) == body
+
+
+async def test_a_connection_the_engine_closed_while_idle_is_not_used_again() -> None:
+    async def engine(srv, reader, writer):
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()  # keep-alive allowed, then closed at once (an engine's idle timeout)
+
+    async with Server(engine) as srv:
+        c = client()
+        for _ in range(3):
+            r = await c.send("POST", srv.url, b"{}", HEADERS)
+            assert await r.aread() == b"ok"
+            await r.aclose()
+            await asyncio.sleep(0.05)
+        await c.aclose()
+    assert len(srv.requests) == 3
+
+
+async def test_h1_a_header_with_a_line_break_raises_before_anything_is_sent(transport_kind) -> None:
+    if transport_kind != "h1":
+        pytest.skip("the H1 transport's own check")
+
+    async def engine(srv, reader, writer):
+        await srv.read_request(reader)
+
+    async with Server(engine) as srv:
+        c = client()
+        for bad in ({"x-request-id": "a\r\nx-admin: 1"}, {"x-a\nb": "1"}, {"x-request-id": "a\0b"}):
+            with pytest.raises(ValueError, match="CR, LF or NUL"):
+                await c.send("POST", srv.url, b"{}", bad)
+        await c.aclose()
+    assert srv.requests == []
+
+
+async def test_h1_reset_inside_the_body_is_read_error_and_the_pool_is_shared_by_origins(transport_kind) -> None:
+    if transport_kind != "h1":
+        pytest.skip("the H1 transport's own pool and error")
+
+    async def reset(srv, reader, writer):
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nabc")
+        await writer.drain()
+        writer.transport.abort()  # RST
+
+    async def fine(srv, reader, writer):
+        while True:
+            try:
+                await srv.read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with Server(reset) as bad, Server(fine) as a, Server(fine) as b:
+        c = client(max_connections=1)
+        r = await c.send("POST", bad.url, b"{}", HEADERS)
+        with pytest.raises((uc.ReadError, uc.RemoteProtocolError)):
+            await r.aread()
+        await r.aclose()
+        for url in (a.url, b.url, a.url):  # one slot: the idle connection to the other origin is closed
+            r = await c.send("POST", url, b"{}", HEADERS)
+            assert await r.aread() == b"ok"
+            await r.aclose()
+        await c.aclose()
+    assert (len(a.requests), len(b.requests)) == (2, 1)
+
+
+async def test_h1_https_upstream_is_verified(transport_kind, tmp_path) -> None:
+    """An ``https`` engine: reached with a context that trusts its CA; refused (``ConnectError``)
+    with the default trust store, which does not."""
+    import ssl
+    import subprocess
+
+    from gateway.relay.h1_transport import H1Transport
+
+    if transport_kind != "h1":
+        pytest.skip("the H1 transport's TLS")
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def on_conn(reader, writer):
+        srv = Server(None)
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0, ssl=server_ctx)
+    url = f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+    try:
+        trusting = H1Transport(
+            connect_timeout=2, read_timeout=2, max_connections=2, ssl_context=ssl.create_default_context(cafile=cert)
+        )
+        r = await trusting.send("POST", url, b"{}", HEADERS, None)
+        assert (r.status_code, await r.aread()) == (200, b"ok")
+        await r.aclose()
+        await trusting.aclose()
+        default = H1Transport(connect_timeout=2, read_timeout=2, max_connections=2)
+        with pytest.raises(uc.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            await default.send("POST", url, b"{}", HEADERS, None)
+        await default.aclose()
+    finally:
+        server.close()
+
+
+def _framed(body: bytes, framing: str, chunk_sizes: list[int]) -> bytes:
+    """An HTTP/1.1 200 response carrying ``body`` framed by ``framing``."""
+    if framing == "length":
+        return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    if framing == "close":
+        return b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n" + body
+    out, i = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"], 0
+    for n in [*chunk_sizes, len(body)]:
+        part = body[i : i + max(n, 1)]
+        if part:
+            out.append(b"%x\r\n%s\r\n" % (len(part), part))
+        i += len(part)
+    out.append(b"0\r\n\r\n")
+    return b"".join(out)
+
+
+@given(
+    body=st.binary(max_size=3000),
+    framing=st.sampled_from(["length", "chunked", "close"]),
+    chunk_sizes=st.lists(st.integers(1, 700), max_size=6),
+    cuts=st.lists(st.integers(0, 4000), max_size=8),
+    streamed=st.booleans(),
+)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_framing_split_anywhere_gives_the_body_back_exactly(
+    transport_kind, body, framing, chunk_sizes, cuts, streamed
+):
+    """Whatever the framing and wherever the engine's writes split the response (inside the status
+    line, a header, a chunk size, a CRLF), the body comes back byte for byte, read whole or
+    streamed, over either transport."""
+    wire = _framed(body, framing, chunk_sizes)
+    points = sorted({c for c in cuts if 0 < c < len(wire)})
+    pieces = [wire[a:b] for a, b in zip([0, *points], [*points, len(wire)], strict=True)]
+
+    async def engine(srv, reader, writer):
+        await srv.read_request(reader)
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        if framing == "close":
+            writer.close()
+
+    async def run() -> bytes:
+        async with Server(engine) as srv:
+            c = client()
+            r = await c.send("POST", srv.url, b"{}", HEADERS)
+            got = b"".join([x async for x in r.aiter_raw()]) if streamed else await r.aread()
+            await r.aclose()
+            await c.aclose()
+            return got
+
+    assert asyncio.run(run()) == body
+
+
+async def test_h1_an_endless_or_crowded_response_head_is_a_protocol_error(transport_kind) -> None:
+    """httptools keeps a head's lines until it is complete: a head past 64 KiB (here an endless
+    header value) or past 256 header lines is refused instead of held."""
+    if transport_kind != "h1":
+        pytest.skip("the H1 transport's own bounds")
+
+    async def endless(srv, reader, writer):
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nx-long: ")
+        for _ in range(100):  # 6.4 MiB, never a line end
+            writer.write(b"a" * 65536)
+            await writer.drain()
+
+    async def crowded(srv, reader, writer):
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(300)) + b"\r\n")
+        await writer.drain()
+
+    for engine, what in ((endless, "over 65536 bytes"), (crowded, "more than 256 header lines")):
+        async with Server(engine) as srv:
+            c = client()
+            with pytest.raises(uc.RemoteProtocolError, match=what):
+                await c.send("POST", srv.url, b"{}", HEADERS)
+            await c.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_setting_picks_the_transport_and_both_relay_the_same_answer(engine, transport_kind, stream) -> None:
+    """``gateway.upstream_client`` names the forward path's transport; a chat through the gateway
+    over either gets the same answer from the same engine (the mock's reply is deterministic)."""
+    from pydantic import ValidationError
+
+    from gateway.relay.aiohttp_transport import AiohttpTransport
+    from gateway.relay.h1_transport import H1Transport
+    from tests.gateway_harness import Gateway, chat, settings_for, upstream, wait_for
+
+    settings = settings_for([upstream("u1", engine)], gateway={"upstream_client": transport_kind})
+    gw = Gateway(settings).start()
+    try:
+        want = {"h1": H1Transport, "aiohttp": AiohttpTransport}[transport_kind]
+        assert type(gw.gw.forwarder.transport) is want
+        with gw.client() as http:
+            assert wait_for(lambda: http.get("/readyz").status_code == 200)
+            r = http.post("/v1/chat/completions", json=chat("Say hello.", stream=stream, max_tokens=8))
+        assert r.status_code == 200
+        body = r.text if stream else r.json()["choices"][0]["message"]["content"]
+    finally:
+        gw.stop()
+    answers = _ANSWERS.setdefault(stream, {})
+    answers[transport_kind] = body
+    if len(answers) == 2:
+        assert answers["h1"] == answers["aiohttp"]
+    with pytest.raises(ValidationError, match="upstream_client"):
+        settings_for([upstream("u1", engine)], gateway={"upstream_client": "h2"})
+
+
+#: each transport's answer, by ``stream``, compared once both ran
+_ANSWERS: dict[bool, dict[str, str]] = {}

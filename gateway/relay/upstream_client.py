@@ -34,6 +34,7 @@ from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gateway.relay.h1_transport import H1Transport
 from gateway.relay.upstream_base import (
     KEEPALIVE_SECONDS,
     ConnectError,
@@ -73,11 +74,13 @@ __all__ = [
 def transport_class(name: str) -> Any:
     """The transport class named ``name`` (``"h1"`` or ``"aiohttp"``, ``gateway.upstream_client``).
     aiohttp is imported only when asked for. Raises ``ValueError`` for another name."""
+    if name == "h1":
+        return H1Transport
     if name == "aiohttp":
         from gateway.relay.aiohttp_transport import AiohttpTransport
 
         return AiohttpTransport
-    raise ValueError(f"unknown upstream client {name!r}: 'aiohttp'")
+    raise ValueError(f"unknown upstream client {name!r}: 'h1' or 'aiohttp'")
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ class UpstreamClient:
     required). Create and use it inside the event loop it will run on; :meth:`aclose` at shutdown."""
 
     #: the transport built when none is given and no ``kind`` is named
-    default_kind = "aiohttp"
+    default_kind = "h1"
 
     def __init__(
         self,

@@ -1,0 +1,484 @@
+"""The forward path's HTTP/1.1 transport: asyncio protocols over a pool of kept-alive connections,
+responses parsed by httptools (llhttp, the parser of Node.js and uvicorn).
+
+It implements :class:`gateway.relay.upstream_client.Transport` with the semantics documented
+there (``on_sent``, the pool, the two timeouts, raw bodies, the exception tree) and nothing more:
+no redirects, cookies, proxies, decompression, ``Expect: 100-continue`` or pipelining. What it
+saves over aiohttp's ``ClientSession`` is the per-request machinery a general client carries
+(request and response objects, a stream reader, a timer per read, connector bookkeeping):
+docs/performance.md, "eighth pass", has the measurement.
+
+The request goes out as one write: the request line, ``Host`` (unless given), the given headers
+(``Content-Length``/``Transfer-Encoding`` among them are dropped: the transport frames the body),
+``Content-Length``, the body. A header name or value holding CR, LF or NUL raises ``ValueError``
+(a request never goes out with a header it did not mean). A response body is framed by its
+``Content-Length``, chunked encoding or, with neither, the connection's close; a connection is
+kept for the next request only when its response was read to the end and both sides allow
+keep-alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ssl
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from gateway.relay.upstream_base import (
+    KEEPALIVE_SECONDS,
+    ConnectError,
+    ConnectTimeout,
+    ReadError,
+    ReadTimeout,
+    RemoteProtocolError,
+    UpstreamError,
+    WriteError,
+)
+
+#: buffered body bytes at which the connection stops reading until the consumer catches up
+HIGH_WATER_BYTES = 64 * 1024
+#: a response head (status line, interim answers and headers) larger, or with more header lines, is
+#: a protocol error: httptools keeps a head's header lines in memory until it is complete
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEAD_LINES = 256
+_FRAMING = frozenset({"content-length", "transfer-encoding"})
+_BAD_HEADER_CHARS = ("\r", "\n", "\0")
+
+Origin = tuple[str, str, int]  # scheme, host, port
+
+
+class _Connection(asyncio.Protocol):
+    """One connection to an engine: writes a request, parses its response, and answers the
+    :class:`H1Response` reading it. At most one request at a time."""
+
+    def __init__(self, pool: H1Transport, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        #: holds one of the pool's ``max_connections`` slots (given back once: :meth:`H1Transport._free`)
+        self.counted = True
+        self.idle_since = 0.0
+        self.response: H1Response | None = None
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head: asyncio.Future[H1Response] | None = None  # waits for the status line and headers
+        self._head_bytes = 0  # bytes received while ``_head`` waits
+        self._last_data = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._paused = False
+        self._keep_alive = False  # the last response allows the connection's reuse
+
+    # asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._last_data = self.loop.time()
+        if self._head is None and self.response is None:  # bytes nobody asked for: not a connection to keep
+            self.close()
+            return
+        if self._head is not None:
+            if (
+                self._head_bytes > MAX_HEAD_BYTES
+            ):  # checked before feeding: a head may share its last read with the body
+                self._fail(RemoteProtocolError(f"RemoteProtocolError: a response head over {MAX_HEAD_BYTES} bytes"))
+                return
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(RemoteProtocolError("RemoteProtocolError: the engine switched protocols"))
+        except httptools.HttpParserError as e:
+            self._fail(RemoteProtocolError(f"RemoteProtocolError: malformed response: {e}"))
+
+    def eof_received(self) -> bool | None:
+        return False  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._stop_timer()
+        self.pool._free(self)
+        r = self.response
+        if r is not None and not r.complete and r.until_close and exc is None:
+            r._end()  # a body framed by the connection's close
+            return
+        if isinstance(exc, OSError):  # reset, broken pipe, a TLS error
+            name = type(exc).__name__
+            err: UpstreamError = (WriteError if self._head is not None else ReadError)(f"{name}: {exc}")
+        else:
+            where = "before its response" if self._head is not None else "inside its response"
+            err = RemoteProtocolError(f"RemoteProtocolError: the engine closed the connection {where}")
+        self._fail(err)
+
+    def pause_writing(self) -> None:  # the body waits in the transport's buffer; nothing to hold back
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # httptools callbacks -----------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+        if len(self._headers) > MAX_HEAD_LINES:
+            self._fail(RemoteProtocolError(f"RemoteProtocolError: more than {MAX_HEAD_LINES} header lines"))
+            raise httptools.HttpParserError("stop")  # stop parsing; the failure above is the one reported
+
+    def on_headers_complete(self) -> None:
+        if self._head is None:  # a response to no request: never read it, never keep the connection
+            self.close()
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # an interim response (100 Continue, 103 Early Hints): the real one follows
+            self._headers = []
+            return
+        headers = CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in self._headers)
+        self._headers = []
+        framed = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower()
+        r = H1Response(self, status, CIMultiDictProxy(headers), until_close=not framed and status not in (204, 304))
+        self.response = r
+        head, self._head = self._head, None
+        if head is not None and not head.done():
+            head.set_result(r)
+
+    def on_body(self, body: bytes) -> None:
+        r = self.response
+        if r is not None and not r.complete:
+            r._feed(body)
+
+    def on_message_complete(self) -> None:
+        r = self.response
+        if r is not None and self._head is None:
+            self._keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the next message starts
+            r._end()
+
+    # the request -------------------------------------------------------------------------------
+    def send(self, data: bytes) -> asyncio.Future[H1Response]:
+        """Write one request (``data``: head and body) and return the future of its response's head."""
+        assert self.transport is not None
+        self.response = None
+        self._keep_alive = False
+        self._head_bytes = 0
+        self._head = self.loop.create_future()
+        self.transport.write(data)
+        self._start_timer()
+        return self._head
+
+    def _start_timer(self) -> None:
+        self._last_data = self.loop.time()
+        if self._timer is None:
+            self._timer = self.loop.call_at(self._last_data + self.pool.read_timeout, self._on_timer)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        """No byte within ``read_timeout`` of the request or of the last byte, while the response is
+        unfinished and reading not paused: a :class:`ReadTimeout`; else check again
+        ``read_timeout`` after the last byte (one timer a request, not one a read)."""
+        self._timer = None
+        due = self._last_data + self.pool.read_timeout
+        if self._paused or self.loop.time() < due:
+            self._timer = self.loop.call_at(max(due, self.loop.time() + 0.001), self._on_timer)
+            return
+        self._fail(ReadTimeout(f"ReadTimeout: no byte from the engine within {self.pool.read_timeout:g}s"))
+        self.close()
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self._last_data = self.loop.time()
+            self.transport.resume_reading()
+
+    def _fail(self, err: UpstreamError) -> None:
+        head, self._head = self._head, None
+        if head is not None and not head.done():
+            head.set_exception(err)
+        elif self.response is not None and not self.response.complete:
+            self.response._error(err)
+        self.close()
+
+    def finished(self, reusable: bool) -> None:
+        """The response is done with: keep the connection for the next request, or close it."""
+        self._stop_timer()
+        self.response = None
+        if reusable and not self.closed and self._keep_alive:
+            self.pool._release(self)
+        else:
+            self.close()
+            self.pool._free(self)
+
+    def close(self) -> None:
+        self._stop_timer()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+
+class H1Response:
+    """An engine's response (:class:`gateway.relay.upstream_client.UpstreamResponse`): the status
+    and headers are in; the body is read with :meth:`aread` or :meth:`aiter_raw`."""
+
+    __slots__ = (
+        "_conn",
+        "_chunks",
+        "_buffered",
+        "_waiter",
+        "_err",
+        "complete",
+        "until_close",
+        "status_code",
+        "headers",
+        "_done",
+    )
+
+    def __init__(self, conn: _Connection, status: int, headers: CIMultiDictProxy[str], until_close: bool) -> None:
+        self._conn = conn
+        self.status_code = status
+        self.headers: Mapping[str, str] = headers
+        self.until_close = until_close
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._err: UpstreamError | None = None
+        self.complete = False
+        self._done = False  # aclose ran
+
+    def _feed(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER_BYTES:
+            self._conn.pause()
+        self._wake()
+
+    def _end(self) -> None:
+        self.complete = True
+        self._conn._stop_timer()
+        self._wake()
+
+    def _error(self, err: UpstreamError) -> None:
+        self._err = err
+        self._wake()
+
+    def _wake(self) -> None:
+        w, self._waiter = self._waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _more(self) -> bool:
+        """Wait until a chunk, the end or an error is there; ``False`` at the end."""
+        while not self._chunks:
+            if self._err is not None:
+                raise self._err
+            if self.complete:
+                return False
+            self._waiter = self._conn.loop.create_future()
+            await self._waiter
+        return True
+
+    def _take(self) -> bytes:
+        data = b"".join(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
+        self._chunks.clear()
+        self._buffered = 0
+        self._conn.resume()
+        return data
+
+    async def aread(self) -> bytes:
+        """The whole body (bytes). Raises :class:`UpstreamError`."""
+        parts: list[bytes] = []
+        while await self._more():
+            parts.append(self._take())
+        return b"".join(parts) if len(parts) != 1 else parts[0]
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (chunked framing removed, content left encoded)."""
+        while await self._more():
+            yield self._take()
+
+    async def aclose(self) -> None:
+        """Done with the response: a body read to its end gives the connection back to the pool;
+        an unread or partly read one closes it (the engine sees the request abandoned)."""
+        if not self._done:
+            self._done = True
+            self._conn.finished(
+                reusable=self.complete and not self._chunks and self._err is None and not self.until_close
+            )
+
+
+class H1Transport:
+    """A pool of at most ``max_connections`` connections (all origins together), each kept
+    :data:`~gateway.relay.upstream_client.KEEPALIVE_SECONDS` when idle; ``connect_timeout`` (s)
+    bounds the TCP (and TLS) connect and the wait for a free connection, ``read_timeout`` (s) the
+    wait for the next byte of a response. ``ssl_context``: for ``https`` upstreams (default:
+    the system's trust store, hostnames checked)."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        max_connections: int,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_connections = max_connections
+        self._ssl = ssl_context
+        self._idle: dict[Origin, list[_Connection]] = {}
+        self._open = 0  # connections open or connecting, idle ones included
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._closing = False
+
+    async def send(
+        self, method: str, url: str, content: bytes, headers: Mapping[str, str], on_sent: Callable[[], None] | None
+    ) -> H1Response:
+        """As :meth:`gateway.relay.upstream_client.UpstreamClient.send`."""
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https") or not parts.hostname:
+            raise ConnectError(f"ConnectError: not an http(s) URL: {url!r}")
+        port = parts.port or (443 if scheme == "https" else 80)
+        origin = (scheme, parts.hostname, port)
+        request = _request_bytes(method, parts, content, headers)
+        conn = await self._acquire(origin)
+        try:
+            head = conn.send(request)
+        except BaseException:
+            conn.finished(reusable=False)
+            raise
+        if on_sent is not None:
+            on_sent()
+        try:
+            return await head
+        except BaseException:
+            conn.finished(reusable=False)
+            raise
+
+    async def _acquire(self, origin: Origin) -> _Connection:
+        """A kept connection to ``origin``, or a new one when the pool has room (an idle one to
+        another origin is closed to make it), or the next one freed within ``connect_timeout``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        while True:
+            idle = self._idle.get(origin)
+            while idle:
+                conn = idle.pop()
+                if not conn.closed and loop.time() - conn.idle_since < KEEPALIVE_SECONDS:
+                    return conn
+                conn.close()  # stale
+                self._free(conn)
+            if self._open >= self.max_connections:
+                self._close_an_idle_connection()
+            if self._open < self.max_connections:
+                return await self._connect(origin, deadline)
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except TimeoutError:
+                raise ConnectTimeout(f"ConnectTimeout: no free connection within {self.connect_timeout:g}s") from None
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+
+    def _close_an_idle_connection(self) -> None:
+        for conns in self._idle.values():
+            while conns:
+                conn = conns.pop(0)
+                conn.close()
+                self._free(conn)
+                return
+
+    async def _connect(self, origin: Origin, deadline: float) -> _Connection:
+        scheme, host, port = origin
+        self._open += 1
+        conn = _Connection(self, origin)
+        ctx = None
+        if scheme == "https":
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()  # once: it loads the trust store
+            ctx = self._ssl
+        try:
+            async with asyncio.timeout_at(deadline):
+                await asyncio.get_running_loop().create_connection(lambda: conn, host, port, ssl=ctx)
+        except BaseException as e:
+            conn.closed = True
+            self._free(conn)
+            if isinstance(e, TimeoutError):
+                raise ConnectTimeout(
+                    f"ConnectTimeout: no connection to {host}:{port} within {self.connect_timeout:g}s"
+                ) from None
+            if isinstance(e, (OSError, ssl.SSLError)):
+                raise ConnectError(f"ConnectError: {host}:{port}: {e}") from e
+            raise
+        return conn
+
+    def _release(self, conn: _Connection) -> None:
+        """``conn`` is free: kept for its origin (closed instead while the transport closes)."""
+        if self._closing:
+            conn.close()
+            return
+        conn.idle_since = conn.loop.time()
+        self._idle.setdefault(conn.origin, []).append(conn)
+        self._wake_one()
+
+    def _free(self, conn: _Connection) -> None:
+        """``conn`` is closed or closing: out of the idle list, its slot given back (once)."""
+        idle = self._idle.get(conn.origin)
+        if idle and conn in idle:
+            idle.remove(conn)
+        if conn.counted:
+            conn.counted = False
+            self._open -= 1
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+    async def aclose(self) -> None:
+        """Close every idle connection; a busy one closes when its response is done with."""
+        self._closing = True
+        for conns in list(self._idle.values()):
+            for conn in list(conns):
+                conn.close()
+                self._free(conn)
+        self._idle.clear()
+        await asyncio.sleep(0)
+
+
+def _request_bytes(method: str, parts: Any, content: bytes, headers: Mapping[str, str]) -> bytes:
+    """The request's head and body as one ``bytes``. Raises ``ValueError`` for a header holding CR, LF or NUL."""
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    lines = [f"{method} {target} HTTP/1.1"]
+    if not any(k.lower() == "host" for k in headers):
+        default_port = 443 if parts.scheme.lower() == "https" else 80
+        lines.append(f"Host: {parts.netloc if parts.port != default_port else parts.hostname}")
+    for k, v in headers.items():
+        if k.lower() in _FRAMING:
+            continue
+        for c in _BAD_HEADER_CHARS:
+            if c in k or c in v:
+                raise ValueError(f"header {k!r} holds a CR, LF or NUL")
+        lines.append(f"{k}: {v}")
+    lines.append(f"Content-Length: {len(content)}\r\n\r\n")
+    return "\r\n".join(lines).encode("latin-1") + content
