@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -140,6 +141,16 @@ class UpstreamConfig(_Strict):
     def _name_ok(cls, v: str) -> str:
         if not _NAME.match(v):
             raise ValueError("must be 1-64 characters of letters, digits, '.', '_' or '-'")
+        return v
+
+    @field_validator("api_url")
+    @classmethod
+    def _api_url_ok(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("must not hold credentials: put the engine's key in 'api_key'")
         return v
 
     @model_validator(mode="after")

@@ -251,6 +251,22 @@ def test_tenant_entry_carries_every_contract_field():
         UpstreamConfig(name="u", api_url="http://x/v1", models=["m"])  # kvgate pool source needs pool_urls
 
 
+@pytest.mark.parametrize(
+    ("api_url", "why"),
+    [
+        ("engine:8000/v1", "an http:// or https:// URL with a host"),
+        ("ftp://engine/v1", "an http:// or https:// URL with a host"),
+        ("http:///v1", "an http:// or https:// URL with a host"),
+        ("http://user:secret@engine:8000/v1", "must not hold credentials: put the engine's key in 'api_key'"),
+    ],
+)
+def test_an_upstream_url_is_http_with_a_host_and_no_credentials(api_url, why):
+    ok = {"name": "u", "pool_source": "static", "static_pool_tokens": 8, "models": ["m"]}
+    assert UpstreamConfig(api_url="https://engine:8443/v1", **ok).api_url == "https://engine:8443/v1"
+    with pytest.raises(ValueError, match=why):
+        UpstreamConfig(api_url=api_url, **ok)
+
+
 # ---------------------------------------------------------------- environment overrides
 def test_env_overrides(tmp_path):
     p = write(tmp_path, "gateway:\n  port: 8080\n  host: 127.0.0.1\n")

@@ -603,3 +603,24 @@ def test_the_setting_picks_the_transport_and_both_relay_the_same_answer(engine, 
 
 #: each transport's answer, by ``stream``, compared once both ran
 _ANSWERS: dict[bool, dict[str, str]] = {}
+
+
+def test_h1_the_host_header_is_the_urls_host_and_port_only() -> None:
+    from urllib.parse import urlsplit
+
+    from gateway.relay.h1_transport import _host, _request_bytes
+
+    cases = {
+        "http://engine:8000/v1": "engine:8000",
+        "http://engine/v1": "engine",
+        "http://engine:80/v1": "engine",
+        "https://engine:443/v1": "engine",
+        "https://engine:80/v1": "engine:80",
+        "http://user:secret@engine:8000/v1": "engine:8000",
+        "http://[::1]:8000/v1": "[::1]:8000",
+    }
+    assert {u: _host(urlsplit(u)) for u in cases} == cases
+    head = _request_bytes("POST", urlsplit("http://e:1/v1/chat?x=1"), b"{}", {"a": "b", "Content-Length": "9"})
+    assert head == b"POST /v1/chat?x=1 HTTP/1.1\r\nHost: e:1\r\na: b\r\nContent-Length: 2\r\n\r\n{}"
+    with pytest.raises(ValueError, match="request target"):
+        _request_bytes("POST", urlsplit("http://e:1/v1/a b"), b"", {})

@@ -465,14 +465,16 @@ class H1Transport:
 
 
 def _request_bytes(method: str, parts: Any, content: bytes, headers: Mapping[str, str]) -> bytes:
-    """The request's head and body as one ``bytes``. Raises ``ValueError`` for a header holding CR, LF or NUL."""
+    """The request's head and body as one ``bytes``. Raises ``ValueError`` for a header holding CR,
+    LF or NUL, or a target holding whitespace or a control character."""
     target = parts.path or "/"
     if parts.query:
         target += "?" + parts.query
+    if not target.isprintable() or " " in target:
+        raise ValueError(f"request target {target!r} holds whitespace or a control character")
     lines = [f"{method} {target} HTTP/1.1"]
     if not any(k.lower() == "host" for k in headers):
-        default_port = 443 if parts.scheme.lower() == "https" else 80
-        lines.append(f"Host: {parts.netloc if parts.port != default_port else parts.hostname}")
+        lines.append(f"Host: {_host(parts)}")
     for k, v in headers.items():
         if k.lower() in _FRAMING:
             continue
@@ -482,3 +484,13 @@ def _request_bytes(method: str, parts: Any, content: bytes, headers: Mapping[str
         lines.append(f"{k}: {v}")
     lines.append(f"Content-Length: {len(content)}\r\n\r\n")
     return "\r\n".join(lines).encode("latin-1") + content
+
+
+def _host(parts: Any) -> str:
+    """The ``Host`` header of a URL (RFC 9110 7.2): the host (an IPv6 one bracketed) and a port
+    other than the scheme's default; never the URL's user information."""
+    host = parts.hostname
+    if ":" in host:
+        host = f"[{host}]"
+    default_port = 443 if parts.scheme.lower() == "https" else 80
+    return host if parts.port in (None, default_port) else f"{host}:{parts.port}"
