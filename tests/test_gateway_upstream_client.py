@@ -624,3 +624,40 @@ def test_h1_the_host_header_is_the_urls_host_and_port_only() -> None:
     assert head == b"POST /v1/chat?x=1 HTTP/1.1\r\nHost: e:1\r\na: b\r\nContent-Length: 2\r\n\r\n{}"
     with pytest.raises(ValueError, match="request target"):
         _request_bytes("POST", urlsplit("http://e:1/v1/a b"), b"", {})
+
+
+async def test_a_request_waiting_for_the_full_pool_gets_the_connection_the_first_gives_back() -> None:
+    release = asyncio.Event()
+    peers: list[object] = []
+
+    async def engine(srv, reader, writer):
+        peers.append(writer.get_extra_info("peername"))
+        while True:
+            try:
+                await srv.read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            if len(srv.requests) == 1:
+                await release.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n%d" % len(srv.requests))
+            await writer.drain()
+
+    async with Server(engine) as srv:
+        c = client(max_connections=1, connect_timeout=2.0)
+
+        async def one() -> bytes:
+            r = await c.send("POST", srv.url, b"{}", HEADERS)
+            try:
+                return await r.aread()
+            finally:
+                await r.aclose()
+
+        first = asyncio.ensure_future(one())
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(one())  # waits: the one connection is busy
+        await asyncio.sleep(0.1)
+        assert not second.done()
+        release.set()
+        assert (await first, await second) == (b"1", b"2")
+        await c.aclose()
+    assert len(peers) == 1
