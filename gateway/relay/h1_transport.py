@@ -389,8 +389,14 @@ class H1Transport:
             try:
                 async with asyncio.timeout_at(deadline):
                     await waiter
-            except TimeoutError:
-                raise ConnectTimeout(f"ConnectTimeout: no free connection within {self.connect_timeout:g}s") from None
+            except BaseException as e:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken in the same turn it gave up: the freed connection goes to the next one
+                if isinstance(e, TimeoutError):
+                    raise ConnectTimeout(
+                        f"ConnectTimeout: no free connection within {self.connect_timeout:g}s"
+                    ) from None
+                raise
             finally:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
