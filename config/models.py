@@ -191,7 +191,8 @@ class GatewaySettings(_Strict):
     (431 above), ``header_timeout_seconds`` / ``body_timeout_seconds`` (408 when a request head or
     body arrives slower), ``keepalive_timeout_seconds``, ``send_timeout_seconds`` (a client
     that takes none of the answer bytes waiting for it this long is cut off). ``max_sse_event_bytes`` bounds one
-    upstream stream event; ``max_body_values`` the JSON values of one request body besides its
+    upstream stream event, ``max_response_bytes`` an upstream answer read whole (502 above);
+    ``max_body_values`` the JSON values of one request body besides its
     token-id arrays, which are parsed in slices and not counted (413 above, before it is parsed);
     ``large_body_bytes_per_second`` what the bytes past each body's first 64 KiB may take of one
     process, shared in turn by tenants (:mod:`gateway.edge.body_budget`; ``None``: unpaced);
@@ -233,6 +234,7 @@ class GatewaySettings(_Strict):
     keepalive_timeout_seconds: float = Field(default=5.0, gt=0)
     send_timeout_seconds: float = Field(default=30.0, gt=0)
     max_sse_event_bytes: int = Field(default=1 << 20, ge=1024)
+    max_response_bytes: int = Field(default=64 << 20, ge=1024)
     max_body_values: int = Field(default=131_072, ge=1024)
     large_body_bytes_per_second: int | None = Field(default=16 * 1024 * 1024, ge=65_536)
     refusal_delay_seconds: float = Field(default=0.5, ge=0, le=10)

@@ -74,9 +74,13 @@ class InProcess:
     """The gateway app over ``ASGITransport``, its upstreams answered by ``handler``."""
 
     def __init__(
-        self, handler: Callable[[MockRequest], Any], upstreams: list[dict] | None = None, verifier: Any = None
+        self,
+        handler: Callable[[MockRequest], Any],
+        upstreams: list[dict] | None = None,
+        verifier: Any = None,
+        gateway: dict[str, Any] | None = None,
     ) -> None:
-        settings = settings_for(upstreams or [static_upstream()])
+        settings = settings_for(upstreams or [static_upstream()], gateway=gateway)
         self.app = create_app(settings, tenants(), secrets=SECRETS, verifier=verifier)
         self.gw = self.app.state.gateway
         self.transport = MockTransport(handler)
@@ -215,6 +219,34 @@ def test_a_whole_answer_is_relayed_unchanged():
     r, gw = post(lambda q: MockResponse(200, {"content-type": "application/json"}, [answer[:9], answer[9:]]), chat())
     assert (r.status_code, r.content, r.headers["content-length"]) == (200, answer, str(len(answer)))
     assert 'kvgate_completion_tokens_total{tenant="tenant-a"} 2.0' in gw.metrics()
+
+
+def test_an_answer_over_max_response_bytes_is_a_502_and_an_error_body_is_read_only_for_its_message():
+    """A hostile engine's endless answer is not held: past ``gateway.max_response_bytes`` reading
+    stops; an error answer's message is read up to 64 KiB, past that it is reported without it."""
+    piece = b'{"id":"c1","choices":[],"pad":"' + b"x" * 65536
+    r, gw = post(
+        lambda q: MockResponse(200, {"content-type": "application/json"}, [piece] * 40),
+        chat(),
+        gateway={"max_response_bytes": 1 << 20},
+    )
+    assert (r.status_code, error_of(r)) == (
+        502,
+        {
+            "message": "The upstream engine answered more than 1048576 bytes (gateway.max_response_bytes).",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_unavailable",
+        },
+    )
+    assert 'kvgate_upstream_errors_total{kind="too_large",upstream="u1"} 1.0' in gw.metrics()
+    message = b'{"object":"error","message":"engine overloaded","code":503}'
+    for body, want in (
+        (message, "engine overloaded"),
+        (message + b" " * (64 * 1024), "The upstream engine answered 503."),
+    ):
+        r, _ = post(lambda q, body=body: MockResponse(503, {"content-type": "application/json"}, [body]), chat())
+        assert (r.status_code, error_of(r)["message"]) == (503, want)
 
 
 # ---------------------------------------------------------------- /v1/responses streams

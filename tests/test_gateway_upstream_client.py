@@ -661,3 +661,36 @@ async def test_a_request_waiting_for_the_full_pool_gets_the_connection_the_first
         assert (await first, await second) == (b"1", b"2")
         await c.aclose()
     assert len(peers) == 1
+
+
+async def test_aread_stops_past_its_limit_and_the_connection_is_not_kept() -> None:
+    body = b"y" * (3 << 20)
+    peers: list[object] = []
+
+    async def engine(srv, reader, writer):
+        peers.append(writer.get_extra_info("peername"))
+        while True:
+            try:
+                await srv.read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            n = len(body) if len(srv.requests) == 1 else 1 << 20
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % n)
+            try:
+                writer.write(body[:n])
+                await writer.drain()
+            except ConnectionError:
+                return
+
+    async with Server(engine) as srv:
+        c = client()
+        r = await c.send("POST", srv.url, b"{}", HEADERS)
+        with pytest.raises(uc.ResponseTooLarge, match="over 1048576 bytes") as e:
+            await r.aread(1 << 20)
+        assert e.value.limit == 1 << 20
+        await r.aclose()
+        r = await c.send("POST", srv.url, b"{}", HEADERS)  # exactly the limit: read whole
+        assert await r.aread(1 << 20) == body[: 1 << 20]
+        await r.aclose()
+        await c.aclose()
+    assert len(peers) == 2

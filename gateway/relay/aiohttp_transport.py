@@ -27,6 +27,7 @@ from gateway.relay.upstream_base import (
     UpstreamError,
     UpstreamResponse,
     WriteError,
+    over_limit,
 )
 
 
@@ -61,10 +62,20 @@ class AiohttpResponse:
         self.status_code: int = resp.status
         self.headers: Mapping[str, str] = resp.headers
 
-    async def aread(self) -> bytes:
-        """The whole body (bytes)."""
+    async def aread(self, limit: int | None = None) -> bytes:
+        """The whole body (bytes), at most ``limit`` of them (``None``: unbounded)."""
         try:
-            return await self._resp.read()
+            if limit is None:
+                return await self._resp.read()
+            parts: list[bytes] = []
+            size = 0
+            while chunk := await self._resp.content.readany():
+                parts.append(chunk)
+                size += len(chunk)
+                over_limit(size, limit)
+            return b"".join(parts)
+        except UpstreamError:
+            raise
         except Exception as e:
             mapped = as_upstream_error(e, connecting=False)
             if mapped is None:

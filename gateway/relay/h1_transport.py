@@ -39,6 +39,7 @@ from gateway.relay.upstream_base import (
     RemoteProtocolError,
     UpstreamError,
     WriteError,
+    over_limit,
 )
 
 #: buffered body bytes at which the connection stops reading until the consumer catches up
@@ -296,11 +297,15 @@ class H1Response:
         self._conn.resume()
         return data
 
-    async def aread(self) -> bytes:
-        """The whole body (bytes). Raises :class:`UpstreamError`."""
+    async def aread(self, limit: int | None = None) -> bytes:
+        """The whole body (bytes), at most ``limit`` of them (``None``: unbounded). Raises
+        :class:`UpstreamError` (:class:`ResponseTooLarge` past ``limit``)."""
         parts: list[bytes] = []
+        size = 0
         while await self._more():
             parts.append(self._take())
+            size += len(parts[-1])
+            over_limit(size, limit)
         return b"".join(parts) if len(parts) != 1 else parts[0]
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:

@@ -44,6 +44,7 @@ from gateway.relay.upstream_client import (
     ConnectFailed,
     ConnectTimeout,
     ReadTimeout,
+    ResponseTooLarge,
     UpstreamClient,
     UpstreamError,
     UpstreamResponse,
@@ -53,6 +54,10 @@ from verifier.engine_response import engine_error
 from verifier.stage import ResponseGuard, ResponseWithheld, VerifierStage
 
 log = logging.getLogger("kvgate.proxy")
+
+#: what of an engine's error answer (or a stream request's non-stream answer) is read for its
+#: message; a longer one is reported without it
+ERROR_BODY_BYTES = 64 * 1024
 
 
 class RelayContext(Protocol):
@@ -105,6 +110,23 @@ def event_too_large(outcome: RelayOutcome, e: SSEEventTooLarge) -> OpenAIError:
     )
 
 
+def answer_too_large(outcome: RelayOutcome, e: ResponseTooLarge) -> OpenAIError:
+    """The 502 ``upstream_unavailable`` for an engine's answer, read whole, of more than
+    ``gateway.max_response_bytes``."""
+    name = outcome.upstream.name if outcome.upstream is not None else "-"
+    log.warning(
+        "upstream %s answered more than %d bytes; answer dropped",
+        name,
+        e.limit,
+        extra={"fields": {"request_id": outcome.admitted.arrival.request_id}},
+    )
+    return OpenAIError(
+        502,
+        f"The upstream engine answered more than {e.limit} bytes (gateway.max_response_bytes).",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
+
+
 def stream_error_tail(outcome: RelayOutcome, err: OpenAIError) -> bytes:
     """The bytes that end a started stream with ``err``, in its route's protocol (the route
     value's ``stream_protocol``): an error chunk and ``[DONE]`` (chat, completions), the
@@ -148,6 +170,9 @@ async def relay(ctx: RelayContext, outcome: RelayOutcome) -> AsyncGenerator[Chun
         async with contextlib.aclosing(_answer(ctx, outcome, resp, tally)) as chunks:
             async for chunk in chunks:
                 yield chunk
+    except ResponseTooLarge as e:
+        ctx.metrics.upstream_errors.labels(outcome.upstream.name if outcome.upstream else "-", "too_large").inc()
+        raise answer_too_large(outcome, e) from None
     except UpstreamError as e:
         raise _transport_error(ctx, outcome.upstream, e, "read") from None
     except ResponseWithheld as w:
@@ -176,7 +201,7 @@ def _answer(
         )
         guard = ctx.verifier.begin(a.exchange)
     if not a.forward.stream:
-        return read_whole(outcome, resp, guard, tally)
+        return read_whole(outcome, resp, guard, tally, ctx.settings.gateway.max_response_bytes)
     opts = StreamOptions(
         ctx.settings.gateway.max_sse_event_bytes,
         a.forward.strip_usage,
@@ -257,25 +282,28 @@ async def _check_answer(ctx: RelayContext, outcome: RelayOutcome, resp: Upstream
     name = outcome.upstream.name if outcome.upstream is not None else "-"
     if resp.status_code != 200:
         try:
-            raw = await resp.aread()
+            raw = await resp.aread(ERROR_BODY_BYTES)
         except UpstreamError:
             raw = b""
         ctx.metrics.upstream_errors.labels(name, f"http_{resp.status_code}").inc()
         raise engine_error(resp.status_code, raw)
     if outcome.admitted.forward.stream and not resp.headers.get("content-type", "").startswith("text/event-stream"):
-        raw = await resp.aread()
+        try:
+            raw = await resp.aread(ERROR_BODY_BYTES)
+        except ResponseTooLarge:
+            raw = b""
         ctx.metrics.upstream_errors.labels(name, "not_a_stream").inc()
         raise engine_error(200, raw)
 
 
 async def read_whole(
-    outcome: RelayOutcome, resp: UpstreamResponse, guard: ResponseGuard | None, tally: Tally
+    outcome: RelayOutcome, resp: UpstreamResponse, guard: ResponseGuard | None, tally: Tally, limit: int | None = None
 ) -> AsyncGenerator[Chunk, None]:
     """Read a whole JSON answer, count what it produced in ``tally``, let the guard check it,
     and yield its bytes once, unchanged, as the last chunk. Raises :class:`OpenAIError` 502 (not
-    JSON, an error object), :class:`UpstreamError` (read failed) or
-    :class:`~verifier.stage.ResponseWithheld`."""
-    raw = await resp.aread()
+    JSON, an error object), :class:`UpstreamError` (read failed; :class:`ResponseTooLarge` past
+    ``limit`` bytes) or :class:`~verifier.stage.ResponseWithheld`."""
+    raw = await resp.aread(limit)
     t_done = time.perf_counter()
     try:
         data = orjson.loads(raw)

@@ -13,7 +13,8 @@ httpx's names)::
     └── TransportError            the connection failed otherwise
         ├── RemoteProtocolError   the engine closed or broke the connection before or inside the response
         ├── WriteError            reset while sending the request
-        └── ReadError             reset while reading the response
+        ├── ReadError             reset while reading the response
+        └── ResponseTooLarge      a body read whole ran past the reader's limit
 """
 
 from __future__ import annotations
@@ -62,6 +63,20 @@ class ReadError(TransportError):
     """The connection was reset while the response was read."""
 
 
+class ResponseTooLarge(TransportError):
+    """A body read whole ran past the reader's ``limit`` (bytes); the rest is left unread."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"ResponseTooLarge: a response body over {limit} bytes")
+        self.limit = limit
+
+
+def over_limit(size: int, limit: int | None) -> None:
+    """Raise :class:`ResponseTooLarge` when ``size`` bytes read is past ``limit`` (``None``: no limit)."""
+    if limit is not None and size > limit:
+        raise ResponseTooLarge(limit)
+
+
 class UpstreamResponse(Protocol):
     """A response whose body is still to be read: ``status_code``, ``headers`` (case-insensitive
     mapping), :meth:`aread`, :meth:`aiter_raw`, :meth:`aclose` (httpx's names). Reading raises
@@ -70,8 +85,9 @@ class UpstreamResponse(Protocol):
     status_code: int
     headers: Mapping[str, str]
 
-    async def aread(self) -> bytes:
-        """The whole body (bytes)."""
+    async def aread(self, limit: int | None = None) -> bytes:
+        """The whole body (bytes); past ``limit`` bytes (``None``: unbounded) reading stops with
+        :class:`ResponseTooLarge`."""
         ...
 
     def aiter_raw(self) -> AsyncIterator[bytes]:

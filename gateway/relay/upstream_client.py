@@ -43,11 +43,13 @@ from gateway.relay.upstream_base import (
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
+    ResponseTooLarge,
     Transport,
     TransportError,
     UpstreamError,
     UpstreamResponse,
     WriteError,
+    over_limit,
 )
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "ReadError",
     "ReadTimeout",
     "RemoteProtocolError",
+    "ResponseTooLarge",
     "Transport",
     "TransportError",
     "UpstreamClient",
@@ -107,9 +110,11 @@ class MockResponse:
     def __post_init__(self) -> None:
         self.headers = CIMultiDictProxy(CIMultiDict(self.headers))
 
-    async def aread(self) -> bytes:
-        """The whole body."""
-        return b"".join([c async for c in self.aiter_raw()])
+    async def aread(self, limit: int | None = None) -> bytes:
+        """The whole body (``ResponseTooLarge`` past ``limit`` bytes)."""
+        body = b"".join([c async for c in self.aiter_raw()])
+        over_limit(len(body), limit)
+        return body
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The chunks, one read each (raising the error chunks)."""
