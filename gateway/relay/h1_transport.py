@@ -1,8 +1,9 @@
 """The forward path's HTTP/1.1 transport: asyncio protocols over a pool of kept-alive connections,
 responses parsed by httptools (llhttp, the parser of Node.js and uvicorn).
 
-It implements :class:`gateway.relay.upstream_client.Transport` with the semantics documented
-there (``on_sent``, the pool, the two timeouts, raw bodies, the exception tree) and nothing more:
+It implements :class:`gateway.relay.upstream_base.Transport` with the semantics
+:mod:`gateway.relay.upstream_client` documents (``on_sent``, the pool, the two timeouts, raw
+bodies, the exception tree) and nothing more:
 no redirects, cookies, proxies, decompression, ``Expect: 100-continue`` or pipelining. What it
 saves over aiohttp's ``ClientSession`` is the per-request machinery a general client carries
 (request and response objects, a stream reader, a timer per read, connector bookkeeping):
@@ -14,7 +15,8 @@ The request goes out as one write: the request line, ``Host`` (unless given), th
 (a request never goes out with a header it did not mean). A response body is framed by its
 ``Content-Length``, chunked encoding or, with neither, the connection's close; a connection is
 kept for the next request only when its response was read to the end and both sides allow
-keep-alive.
+keep-alive. A response head over :data:`MAX_HEAD_BYTES` or :data:`MAX_HEAD_LINES` lines is a
+:class:`RemoteProtocolError`; reading pauses while the reader holds :data:`HIGH_WATER_BYTES`.
 """
 
 from __future__ import annotations
@@ -230,7 +232,7 @@ class _Connection(asyncio.Protocol):
 
 
 class H1Response:
-    """An engine's response (:class:`gateway.relay.upstream_client.UpstreamResponse`): the status
+    """An engine's response (:class:`gateway.relay.upstream_base.UpstreamResponse`): the status
     and headers are in; the body is read with :meth:`aread` or :meth:`aiter_raw`."""
 
     __slots__ = (
@@ -325,7 +327,7 @@ class H1Response:
 
 class H1Transport:
     """A pool of at most ``max_connections`` connections (all origins together), each kept
-    :data:`~gateway.relay.upstream_client.KEEPALIVE_SECONDS` when idle; ``connect_timeout`` (s)
+    :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS` when idle; ``connect_timeout`` (s)
     bounds the TCP (and TLS) connect and the wait for a free connection, ``read_timeout`` (s) the
     wait for the next byte of a response. ``ssl_context``: for ``https`` upstreams (default:
     the system's trust store, hostnames checked)."""
