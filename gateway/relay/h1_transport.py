@@ -3,11 +3,10 @@ responses parsed by httptools (llhttp, the parser of Node.js and uvicorn).
 
 It implements :class:`gateway.relay.upstream_base.Transport` with the semantics
 :mod:`gateway.relay.upstream_client` documents (``on_sent``, the pool, the two timeouts, raw
-bodies, the exception tree) and nothing more:
-no redirects, cookies, proxies, decompression, ``Expect: 100-continue`` or pipelining. What it
-saves over aiohttp's ``ClientSession`` is the per-request machinery a general client carries
-(request and response objects, a stream reader, a timer per read, connector bookkeeping):
-docs/performance.md, "eighth pass", has the measurement.
+bodies, the exception tree) and nothing more: no redirects, cookies, proxies, decompression,
+``Expect: 100-continue`` or pipelining. What it saves over aiohttp's ``ClientSession`` is the
+per-request machinery a general client carries (request and response objects, a stream reader, a
+timer per read, connector bookkeeping): docs/performance.md, "eighth pass", has the measurement.
 
 The request goes out as one write: the request line, ``Host`` (unless given), the given headers
 (``Content-Length``/``Transfer-Encoding`` among them are dropped: the transport frames the body),
