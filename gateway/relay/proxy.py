@@ -110,10 +110,11 @@ def event_too_large(outcome: RelayOutcome, e: SSEEventTooLarge) -> OpenAIError:
     )
 
 
-def answer_too_large(outcome: RelayOutcome, e: ResponseTooLarge) -> OpenAIError:
+def answer_too_large(ctx: RelayContext, outcome: RelayOutcome, e: ResponseTooLarge) -> OpenAIError:
     """The 502 ``upstream_unavailable`` for an engine's answer, read whole, of more than
-    ``gateway.max_response_bytes``."""
+    ``gateway.max_response_bytes`` (logged, and counted per upstream)."""
     name = outcome.upstream.name if outcome.upstream is not None else "-"
+    ctx.metrics.upstream_errors.labels(name, "too_large").inc()
     log.warning(
         "upstream %s answered more than %d bytes; answer dropped",
         name,
@@ -171,8 +172,7 @@ async def relay(ctx: RelayContext, outcome: RelayOutcome) -> AsyncGenerator[Chun
             async for chunk in chunks:
                 yield chunk
     except ResponseTooLarge as e:
-        ctx.metrics.upstream_errors.labels(outcome.upstream.name if outcome.upstream else "-", "too_large").inc()
-        raise answer_too_large(outcome, e) from None
+        raise answer_too_large(ctx, outcome, e) from None
     except UpstreamError as e:
         raise _transport_error(ctx, outcome.upstream, e, "read") from None
     except ResponseWithheld as w:

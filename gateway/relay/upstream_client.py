@@ -7,10 +7,8 @@ Transports (``gateway.upstream_client``): ``h1`` (the default, :mod:`gateway.rel
 asyncio protocols and httptools' parser) or ``aiohttp`` (:mod:`gateway.relay.aiohttp_transport`:
 aiohttp's ``ClientSession``), plus :class:`MockTransport`, whose handler plays the engine in the
 same process (tests and benches relay without a socket, as httpx's ``MockTransport``). Why not
-httpx: its pool cost grows with the requests in flight (``bench/gateway.py --transports``: about
-170 requests/s with 64 in flight where aiohttp made 2,270 on the 2-core dev VM); why ``h1`` over
-aiohttp: the same bench gives it about a third of aiohttp's CPU a request (docs/performance.md,
-"eighth pass"). Both pass the same tests (tests/test_gateway_upstream_client.py).
+httpx, and why ``h1`` over aiohttp: docs/gateway.md, "The upstream client". Both transports pass
+the same tests (tests/test_gateway_upstream_client.py).
 
 What every transport does:
 
