@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -55,6 +56,15 @@ class Server:
         body = await reader.readexactly(length)
         self.requests.append(head + body)
         return head + body
+
+    async def each_request(self, reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+        """The requests of one connection, until the client closes it (then ``closed`` is set)."""
+        while True:
+            try:
+                yield await self.read_request(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                self.closed.set()
+                return
 
 
 @pytest.fixture(params=["h1", "aiohttp"], autouse=True)
@@ -239,12 +249,7 @@ async def test_an_abandoned_response_closes_its_connection_a_read_one_is_reused(
 
     async def engine(srv, reader, writer):
         peers.append(writer.get_extra_info("peername"))
-        while True:
-            try:
-                await srv.read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                srv.closed.set()
-                return
+        async for _ in srv.each_request(reader):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             writer.write(b"5\r\nhello\r\n")
             await writer.drain()
@@ -317,11 +322,7 @@ async def test_connection_close_and_interim_responses() -> None:
 
     async def engine(srv, reader, writer):
         peers.append(writer.get_extra_info("peername"))
-        while True:
-            try:
-                await srv.read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
+        async for _ in srv.each_request(reader):
             writer.write(b"HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n")
             close = len(srv.requests) == 1
             writer.write(
@@ -423,11 +424,7 @@ async def test_h1_reset_inside_the_body_is_read_error_and_the_pool_is_shared_by_
         writer.transport.abort()  # RST
 
     async def fine(srv, reader, writer):
-        while True:
-            try:
-                await srv.read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
+        async for _ in srv.each_request(reader):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
             await writer.drain()
 
@@ -632,11 +629,7 @@ async def test_a_request_waiting_for_the_full_pool_gets_the_connection_the_first
 
     async def engine(srv, reader, writer):
         peers.append(writer.get_extra_info("peername"))
-        while True:
-            try:
-                await srv.read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
+        async for _ in srv.each_request(reader):
             if len(srv.requests) == 1:
                 await release.wait()
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\n%d" % len(srv.requests))
@@ -669,11 +662,7 @@ async def test_aread_stops_past_its_limit_and_the_connection_is_not_kept() -> No
 
     async def engine(srv, reader, writer):
         peers.append(writer.get_extra_info("peername"))
-        while True:
-            try:
-                await srv.read_request(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return
+        async for _ in srv.each_request(reader):
             n = len(body) if len(srv.requests) == 1 else 1 << 20
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % n)
             try:
