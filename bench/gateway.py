@@ -52,8 +52,9 @@ commit before a change), with kvgate-full / kvgate-full@base as within-round rat
 printed and written to ``DIR/profile.md``, the raw stacks beside it.
 
 ``--transports`` instead compares the HTTP clients the gateway could forward with (httpx's default
-transport, httpx over aiohttp via ``httpx-aiohttp``, aiohttp itself): each in its own process,
-the same POST to the mock at 1 and at 64 requests in flight.
+transport, httpx over aiohttp via ``httpx-aiohttp``, aiohttp itself, and the gateway's own
+``UpstreamClient`` over each of its transports, ``kvgate-aiohttp`` and ``kvgate-h1``): each in its
+own process, the same POST to the mock at 1 and at 64 requests in flight.
 
 Adding a scenario is one function: decorate ``f(env) -> ContextManager[Target]`` with
 ``@scenario("name", "what it measures")``; :func:`gateway_target` starts ``kvgate serve`` with
