@@ -111,7 +111,13 @@ def test_isolation_oracle_fails_with_the_incident_faults():
                 assert (r.status, r.body) == (400, W.over_length_body(req, L, ctx)), where
             elif n > L:  # the incident: admitted as a placeholder, one page sent, stale pages read
                 assert r.status == 200, where
-                assert r.prompt_tokens == n and r.completion_tokens == req.max_tokens, where
+                # the original prompt's count, as in the incident; the completion runs to max_tokens
+                # unless what the stale pages hold makes the model emit its end-of-sequence token
+                # (seen once: ids [0, 38603, 100265], finish_reason "stop" after 3 of 32)
+                ran = r.completion_tokens == req.max_tokens or (
+                    r.finish_reason == "stop" and 1 <= (r.completion_tokens or 0) <= req.max_tokens
+                )
+                assert r.prompt_tokens == n and ran, (where, r.completion_tokens, r.finish_reason)
                 assert not W.own_tokens_ok(r), where
                 smuggled.append(r)
                 if W.foreign_tenants(r):
