@@ -143,6 +143,11 @@ class Gateway:
             start = getattr(stage, "start", None)
             if callable(start) and not asyncio.iscoroutinefunction(start):
                 start()
+        log.info(
+            "forwarding to %s with upstream_client %s",
+            ", ".join(f"{u.name} ({u.base_url})" for u in self.upstreams.all),
+            g.upstream_client,
+        )
 
     async def stop(self) -> None:
         """Stop watchers, close the stages and the HTTP client."""

@@ -8,6 +8,7 @@ connection (so the engine sees the request cancelled)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator
 
@@ -569,9 +570,11 @@ async def test_h1_an_endless_or_crowded_response_head_is_a_protocol_error(transp
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_the_setting_picks_the_transport_and_both_relay_the_same_answer(engine, transport_kind, stream) -> None:
-    """``gateway.upstream_client`` names the forward path's transport; a chat through the gateway
-    over either gets the same answer from the same engine (the mock's reply is deterministic)."""
+def test_the_setting_picks_the_transport_and_both_relay_the_same_answer(engine, transport_kind, stream, caplog) -> None:
+    """``gateway.upstream_client`` names the forward path's transport (and the start-up log line
+    says which); a chat through the gateway over either gets the same answer from the same engine
+    (the mock's reply is deterministic)."""
+    caplog.set_level(logging.INFO, logger="kvgate.app")
     from pydantic import ValidationError
 
     from gateway.relay.aiohttp_transport import AiohttpTransport
@@ -583,6 +586,8 @@ def test_the_setting_picks_the_transport_and_both_relay_the_same_answer(engine, 
     try:
         want = {"h1": H1Transport, "aiohttp": AiohttpTransport}[transport_kind]
         assert type(gw.gw.forwarder.transport) is want
+        line = f"forwarding to u1 ({engine.api_url.rstrip('/')}) with upstream_client {transport_kind}"
+        assert wait_for(lambda: line in caplog.messages), caplog.messages
         with gw.client() as http:
             assert wait_for(lambda: http.get("/readyz").status_code == 200)
             r = http.post("/v1/chat/completions", json=chat("Say hello.", stream=stream, max_tokens=8))
