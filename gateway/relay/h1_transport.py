@@ -88,9 +88,8 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         if self._head is not None:
-            if (
-                self._head_bytes > MAX_HEAD_BYTES
-            ):  # checked before feeding: a head may share its last read with the body
+            # checked before feeding: a head may share its last read with the body
+            if self._head_bytes > MAX_HEAD_BYTES:
                 self._fail(RemoteProtocolError(f"RemoteProtocolError: a response head over {MAX_HEAD_BYTES} bytes"))
                 return
             self._head_bytes += len(data)
@@ -100,9 +99,6 @@ class _Connection(asyncio.Protocol):
             self._fail(RemoteProtocolError("RemoteProtocolError: the engine switched protocols"))
         except httptools.HttpParserError as e:
             self._fail(RemoteProtocolError(f"RemoteProtocolError: malformed response: {e}"))
-
-    def eof_received(self) -> bool | None:
-        return False  # close the transport: connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -119,12 +115,6 @@ class _Connection(asyncio.Protocol):
             where = "before its response" if self._head is not None else "inside its response"
             err = RemoteProtocolError(f"RemoteProtocolError: the engine closed the connection {where}")
         self._fail(err)
-
-    def pause_writing(self) -> None:  # the body waits in the transport's buffer; nothing to hold back
-        pass
-
-    def resume_writing(self) -> None:
-        pass
 
     # httptools callbacks -----------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
