@@ -361,6 +361,13 @@ class RedisQuotaStore:
         self.calls += len(scripts)
         return [_Queued(script.sha, keys, args, loop.create_future(), script) for script, keys, args in scripts]
 
+    def _raw_calls_of(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[_Queued]:
+        """Other parts' ``calls`` (``(sha1, keys, args)``: no script to reload) as calls waiting
+        for a round trip, counted."""
+        loop = asyncio.get_running_loop()
+        self.calls += len(calls)
+        return [_Queued(sha, keys, args, loop.create_future(), raw=True) for sha, keys, args in calls]
+
     async def _call_all(self, scripts: list[tuple[Any, list[str], list[Any]]]) -> list[Any]:
         """:meth:`_call` for each of ``scripts`` (``(script, keys, args)``), all in one round trip,
         in order. Returns their replies. Raises the first failed one's
@@ -375,9 +382,7 @@ class RedisQuotaStore:
         their replies in order, a failed call's exception in its place (``NOSCRIPT`` included:
         the caller loads its own script); a round trip that failed: a :class:`QuotaStoreUnavailable`
         in every place. Raises only ``asyncio.CancelledError``."""
-        loop = asyncio.get_running_loop()
-        queued = [_Queued(sha, keys, args, loop.create_future(), raw=True) for sha, keys, args in calls]
-        self.calls += len(queued)
+        queued = self._raw_calls_of(calls)
         await self._submit(queued)
         return list(await asyncio.gather(*(q.reply for q in queued)))
 
@@ -563,10 +568,7 @@ class RedisQuotaStore:
         ``NOSCRIPT`` included: ``also.finish`` sends those itself) or the exception that ended
         the round trip handed to ``also.sent``. Returns the scripts' replies in order. Raises
         :class:`QuotaStoreUnavailable` as :meth:`_call` does (the first failed script's)."""
-        firsts = self._calls_of(scripts)
-        loop = asyncio.get_running_loop()
-        rest = [_Queued(sha, ckeys, cargs, loop.create_future(), raw=True) for sha, ckeys, cargs in calls]
-        self.calls += len(rest)
+        firsts, rest = self._calls_of(scripts), self._raw_calls_of(calls)
         await self._submit([*firsts, *rest])
         try:
             replies = [await q.reply for q in firsts]
