@@ -1045,6 +1045,16 @@ TRANSPORTS = {
 }
 
 
+async def _read_whole(r: Any) -> int:
+    """Read a streamed response (httpx's or the gateway's ``UpstreamClient``'s) whole, close it,
+    and return its status code."""
+    try:
+        await r.aread()
+    finally:
+        await r.aclose()
+    return int(r.status_code)
+
+
 async def _client_load(kind: str, url: str, concurrency: int, duration: float) -> dict[str, Any]:
     """``concurrency`` tasks POSTing :data:`BODY` to ``url`` with one pooled client of ``kind`` for
     ``duration`` seconds, reading each body whole (what the gateway's forward does)."""
@@ -1063,12 +1073,7 @@ async def _client_load(kind: str, url: str, concurrency: int, duration: float) -
         )
 
         async def one() -> int:
-            r = await upstream.send("POST", url, body, headers)
-            try:
-                await r.aread()
-            finally:
-                await r.aclose()
-            return r.status_code
+            return await _read_whole(await upstream.send("POST", url, body, headers))
 
         close = upstream.aclose
     elif kind == "aiohttp":
@@ -1095,12 +1100,7 @@ async def _client_load(kind: str, url: str, concurrency: int, duration: float) -
 
         async def one() -> int:
             req = client.build_request("POST", url, content=body, headers=headers)
-            r = await client.send(req, stream=True)
-            try:
-                await r.aread()
-            finally:
-                await r.aclose()
-            return r.status_code
+            return await _read_whole(await client.send(req, stream=True))
 
         close = client.aclose
 
