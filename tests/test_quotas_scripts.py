@@ -318,3 +318,90 @@ async def test_calls_in_one_turn_share_one_round_trip_each_with_its_own_reply(re
     from gateway.quotas.stores import QuotaStoreUnavailable
 
     assert isinstance(replies[2], QuotaStoreUnavailable)
+
+
+async def _leases(store: RedisQuotaStore, tenant: str) -> int:
+    """The concurrency leases Redis holds for ``tenant`` now (read on a client of its own)."""
+    r = aioredis.from_url(REDIS_URL)
+    try:
+        return int(await r.zcard(store.keys(tenant)[4]))
+    finally:
+        await r.aclose()
+
+
+async def test_a_settle_rides_the_next_round_trip_and_runs_before_it(redis_store) -> None:
+    """A settle (its response has gone) waits for the next call's round trip: one round trip for
+    both, the settle first in it, so a tenant at its concurrency limit that settles one request
+    and begins the next is admitted."""
+    store = redis_store
+    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
+    assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
+    trips, calls = store.round_trips, store.calls
+    settling = asyncio.ensure_future(store.settle("t", lim, "a", 0, 0, WINDOW_MS))
+    await asyncio.sleep(0)  # the settle is queued, not sent
+    assert (store.round_trips, await _leases(store, "t")) == (trips, 1)
+    begun = await store.begin("t", lim, "b", WINDOW_MS, TTL_MS)
+    await settling
+    assert (begun.admitted, store.round_trips, store.calls) == (True, trips + 1, calls + 2)
+    assert await _leases(store, "t") == 1  # b's
+
+
+async def test_a_lone_settle_goes_after_the_linger(redis_store) -> None:
+    from gateway.quotas.stores import SETTLE_LINGER_SECONDS
+
+    store = redis_store
+    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
+    assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
+    trips = store.round_trips
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await store.settle("t", lim, "a", 0, 0, WINDOW_MS)
+    assert loop.time() - t0 >= SETTLE_LINGER_SECONDS * 0.9  # the loop's timer granularity
+    assert (store.round_trips, await _leases(store, "t")) == (trips + 1, 0)
+
+
+async def test_waiting_requests_resume_before_the_settles_of_their_round_trip(redis_store) -> None:
+    store = redis_store
+    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=None)
+    order: list[str] = []
+
+    async def settle() -> None:
+        await store.settle("t", lim, "a", 0, 0, WINDOW_MS)
+        order.append("settle")
+
+    async def begin() -> None:
+        await store.begin("t", lim, "b", WINDOW_MS, TTL_MS)
+        order.append("begin")
+
+    settling = asyncio.ensure_future(settle())
+    await asyncio.sleep(0)
+    await asyncio.gather(settling, begin())
+    assert order == ["begin", "settle"]
+
+
+async def test_a_cancelled_caller_does_not_fail_the_settle_it_carried(redis_store) -> None:
+    """The round trip that takes a waiting settle along runs in a task of its own: the request
+    that made it may go away (its caller cancelled) without failing the settle."""
+    store = redis_store
+    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=2)
+    assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
+    settling = asyncio.ensure_future(store.settle("t", lim, "a", 0, 0, WINDOW_MS))
+    await asyncio.sleep(0)
+    gone = asyncio.ensure_future(store.begin("t", lim, "b", WINDOW_MS, TTL_MS))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await settling  # no QuotaStoreUnavailable
+    assert gone.cancelled()
+    await asyncio.sleep(0.05)
+    assert await _leases(store, "t") == 1  # a settled; b was begun by the round trip its caller left
+
+
+async def test_closing_the_store_sends_a_waiting_settle(redis_prefix) -> None:
+    store = RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.5), prefix=redis_prefix)
+    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
+    assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
+    settling = asyncio.ensure_future(store.settle("t", lim, "a", 0, 0, WINDOW_MS))
+    await asyncio.sleep(0)
+    await store.aclose()
+    await settling
+    assert await _leases(store, "t") == 0

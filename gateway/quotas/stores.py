@@ -29,6 +29,11 @@ log = logging.getLogger("kvgate.quotas")
 
 UNLIMITED = -1
 
+#: how long a settle (sent after its response has gone) waits for another call's round trip to
+#: ride before it goes alone, seconds: at one request at a time, the next request's reservation
+#: carries the previous one's settle, one round trip a request
+SETTLE_LINGER_SECONDS = 0.002
+
 
 @dataclass(frozen=True)
 class QuotaLimits:
@@ -232,6 +237,7 @@ class _Queued:
     reply: asyncio.Future[Any]
     script: Any = None
     raw: bool = False
+    lazy: bool = False  # a settle: answered after the calls of requests still waiting
 
 
 #: the connection options a start-up warm-up lengthens (redis-py's names)
@@ -303,7 +309,8 @@ class RedisQuotaStore:
     calls that requests make in one turn of the event loop go to Redis as one pipeline, one
     round trip and one connection for all of them (each call stands alone, as it would on its
     own: no transaction); under load that is most calls, and a call with nothing to share a
-    round trip with goes at once. Each caller still gets its own reply or error.
+    round trip with goes at once. Each caller still gets its own reply or error. A settle waits
+    for the next round trip instead, :data:`SETTLE_LINGER_SECONDS` at most (:meth:`_submit`).
     :attr:`round_trips` and :attr:`calls` count what was sent.
     """
 
@@ -315,6 +322,8 @@ class RedisQuotaStore:
         self.cluster = is_cluster(client)
         self.coalesce = coalesce and not self.cluster
         self._queued: list[_Queued] = []
+        self._soon = False  # a flush of the queue is scheduled for this turn
+        self._linger: asyncio.TimerHandle | None = None  # a flush of settles only, SETTLE_LINGER_SECONDS away
         self._sending: set[asyncio.Task[None]] = set()
         self._inflight = 0  # round trips under way
         #: connections taken from the client's pool and kept between round trips (standalone and
@@ -347,12 +356,13 @@ class RedisQuotaStore:
     def scope(self, tenant_id: str) -> int | None:
         return key_slot(self.keys(tenant_id)[0]) if self.cluster else None
 
-    async def _call(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+    async def _call(self, script: Any, keys: list[str], args: list[Any], *, lazy: bool = False) -> Any:
         """Run ``script`` (:meth:`_retrying`), with the other calls of this turn of the event loop
-        when coalescing. Raises :class:`QuotaStoreUnavailable`."""
+        when coalescing (``lazy``: with the next round trip, :meth:`_submit`). Raises
+        :class:`QuotaStoreUnavailable`."""
         self.calls += 1
-        queued = _Queued(script.sha, keys, args, asyncio.get_running_loop().create_future(), script)
-        await self._submit([queued])
+        queued = _Queued(script.sha, keys, args, asyncio.get_running_loop().create_future(), script, lazy=lazy)
+        await self._submit([queued], lazy=lazy)
         return await queued.reply  # a caller that gives up (its deadline) cancels only its own reply
 
     def _calls_of(self, scripts: list[tuple[Any, list[str], list[Any]]]) -> list[_Queued]:
@@ -386,21 +396,41 @@ class RedisQuotaStore:
         await self._submit(queued)
         return list(await asyncio.gather(*(q.reply for q in queued)))
 
-    async def _submit(self, queued: list[_Queued]) -> None:
+    async def _submit(self, queued: list[_Queued], *, lazy: bool = False) -> None:
         """Send ``queued`` now, from the caller, when no round trip is under way and nothing
         waits (no loop turn and no task in between: one request alone costs what it did
-        uncoalesced); else queue them for this turn's round trip (:meth:`_flush`)."""
-        if not self.coalesce or (self._inflight == 0 and not self._queued):
+        uncoalesced); else queue them for this turn's round trip (:meth:`_flush`). ``lazy`` (a
+        settle, after its response has gone): queued for the next round trip another call
+        makes, or sent :data:`SETTLE_LINGER_SECONDS` later when none comes; a call that finds
+        lazy ones waiting takes them along, in a task of its own (its own cancellation must not
+        fail their round trip)."""
+        if not self.coalesce:
             self.round_trips += 1
             await self._send(queued)
             return
-        if not self._queued:
-            asyncio.get_running_loop().call_soon(self._flush)
+        if lazy:
+            self._queued.extend(queued)
+            if not self._soon and self._linger is None:
+                self._linger = asyncio.get_running_loop().call_later(SETTLE_LINGER_SECONDS, self._flush)
+            return
+        if self._inflight == 0 and not self._queued:
+            self.round_trips += 1
+            await self._send(queued)
+            return
         self._queued.extend(queued)
+        if self._inflight == 0 and not self._soon:  # only lazy calls wait: this one takes them now
+            self._flush()
+        elif not self._soon:
+            self._soon = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
-        """Send what this turn queued, as one round trip, in a task of its own (callers wait on
+        """Send what is queued, as one round trip, in a task of its own (callers wait on
         their replies only)."""
+        self._soon = False
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         batch = [q for q in self._queued if not q.reply.done()]
         self._queued = []
         if batch:
@@ -433,8 +463,13 @@ class RedisQuotaStore:
             raise
         finally:
             self._inflight -= 1
-            for q, r in zip(batch, results, strict=True):
-                _answer(q, r)
+            answers = list(zip(batch, results, strict=True))
+            for q, r in answers:  # requests still waiting resume first; settles (responses gone) after
+                if not q.lazy:
+                    _answer(q, r)
+            for q, r in answers:
+                if q.lazy:
+                    _answer(q, r)
 
     async def _pipeline(self, batch: list[_Queued]) -> list[Any]:
         """``batch`` as one pipeline of ``EVALSHA`` calls; the replies in order (a failed call's
@@ -646,6 +681,7 @@ class RedisQuotaStore:
             self._settle,
             self.keys(tenant_id),
             [lease_id, int(used_tokens), int(reserved_tokens), int(window_ms), "1" if limits.tpm is not None else "0"],
+            lazy=True,
         )
 
     async def renew(self, tenant_id: str, lease_ids: list[str], lease_ttl_ms: int) -> int:
@@ -671,6 +707,8 @@ class RedisQuotaStore:
                 await self.client.ping()
 
     async def aclose(self) -> None:
+        if self._queued:  # settles waiting for a round trip go now
+            self._flush()
         if self._sending:  # round trips under way finish first: their callers get their replies
             await asyncio.gather(*self._sending, return_exceptions=True)
         try:
