@@ -329,35 +329,22 @@ async def _leases(store: RedisQuotaStore, tenant: str) -> int:
         await r.aclose()
 
 
-async def test_a_settle_rides_the_next_round_trip_and_runs_before_it(redis_store) -> None:
-    """A settle (its response has gone) waits for the next call's round trip: one round trip for
-    both, the settle first in it, so a tenant at its concurrency limit that settles one request
-    and begins the next is admitted."""
+async def test_a_settle_goes_in_its_turns_round_trip_never_alone_from_its_caller(redis_store) -> None:
+    """A settle (its response has gone) is not sent from its caller even when nothing else is
+    under way: it waits for this turn's round trip, with the turn's other calls after it in the
+    same pipeline, so a tenant at its concurrency limit whose request settles while the next one
+    begins is admitted; a settle alone in its turn goes in a round trip of its own."""
     store = redis_store
     lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
     assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
     trips, calls = store.round_trips, store.calls
-    settling = asyncio.ensure_future(store.settle("t", lim, "a", 0, 0, WINDOW_MS))
-    await asyncio.sleep(0)  # the settle is queued, not sent
-    assert (store.round_trips, await _leases(store, "t")) == (trips, 1)
-    begun = await store.begin("t", lim, "b", WINDOW_MS, TTL_MS)
-    await settling
+    _, begun = await asyncio.gather(
+        store.settle("t", lim, "a", 0, 0, WINDOW_MS), store.begin("t", lim, "b", WINDOW_MS, TTL_MS)
+    )
     assert (begun.admitted, store.round_trips, store.calls) == (True, trips + 1, calls + 2)
     assert await _leases(store, "t") == 1  # b's
-
-
-async def test_a_lone_settle_goes_after_the_linger(redis_store) -> None:
-    from gateway.quotas.stores import SETTLE_LINGER_SECONDS
-
-    store = redis_store
-    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
-    assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
-    trips = store.round_trips
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    await store.settle("t", lim, "a", 0, 0, WINDOW_MS)
-    assert loop.time() - t0 >= SETTLE_LINGER_SECONDS * 0.9  # the loop's timer granularity
-    assert (store.round_trips, await _leases(store, "t")) == (trips + 1, 0)
+    await store.settle("t", lim, "b", 0, 0, WINDOW_MS)
+    assert (store.round_trips, await _leases(store, "t")) == (trips + 2, 0)
 
 
 async def test_waiting_requests_resume_before_the_settles_of_their_round_trip(redis_store) -> None:
@@ -373,22 +360,20 @@ async def test_waiting_requests_resume_before_the_settles_of_their_round_trip(re
         await store.begin("t", lim, "b", WINDOW_MS, TTL_MS)
         order.append("begin")
 
-    settling = asyncio.ensure_future(settle())
-    await asyncio.sleep(0)
-    await asyncio.gather(settling, begin())
+    await asyncio.gather(settle(), begin())  # one round trip, the settle first in it
     assert order == ["begin", "settle"]
 
 
-async def test_a_cancelled_caller_does_not_fail_the_settle_it_carried(redis_store) -> None:
-    """The round trip that takes a waiting settle along runs in a task of its own: the request
-    that made it may go away (its caller cancelled) without failing the settle."""
+async def test_a_cancelled_caller_does_not_fail_the_settle_it_shares_a_round_trip_with(redis_store) -> None:
+    """A settle's round trip runs in a task of its own: a request whose call shares it may go
+    away (its caller cancelled) without failing the settle."""
     store = redis_store
     lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=2)
     assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
     settling = asyncio.ensure_future(store.settle("t", lim, "a", 0, 0, WINDOW_MS))
-    await asyncio.sleep(0)
     gone = asyncio.ensure_future(store.begin("t", lim, "b", WINDOW_MS, TTL_MS))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # both queued for this turn's round trip
+    await asyncio.sleep(0)  # under way
     gone.cancel()
     await settling  # no QuotaStoreUnavailable
     assert gone.cancelled()

@@ -29,11 +29,6 @@ log = logging.getLogger("kvgate.quotas")
 
 UNLIMITED = -1
 
-#: how long a settle (sent after its response has gone) waits for another call's round trip to
-#: ride before it goes alone, seconds: at one request at a time, the next request's reservation
-#: carries the previous one's settle, one round trip a request
-SETTLE_LINGER_SECONDS = 0.002
-
 
 @dataclass(frozen=True)
 class QuotaLimits:
@@ -237,7 +232,7 @@ class _Queued:
     reply: asyncio.Future[Any]
     script: Any = None
     raw: bool = False
-    lazy: bool = False  # a settle: answered after the calls of requests still waiting
+    lazy: bool = False  # a settle (its response has gone): never sent from its caller, answered last
 
 
 #: the connection options a start-up warm-up lengthens (redis-py's names)
@@ -309,9 +304,8 @@ class RedisQuotaStore:
     calls that requests make in one turn of the event loop go to Redis as one pipeline, one
     round trip and one connection for all of them (each call stands alone, as it would on its
     own: no transaction); under load that is most calls, and a call with nothing to share a
-    round trip with goes at once. Each caller still gets its own reply or error. A settle waits
-    for the next round trip instead, :data:`SETTLE_LINGER_SECONDS` at most (:meth:`_submit`).
-    :attr:`round_trips` and :attr:`calls` count what was sent.
+    round trip with goes at once, except a settle (:meth:`_submit`). Each caller still gets its
+    own reply or error. :attr:`round_trips` and :attr:`calls` count what was sent.
     """
 
     name = "redis"
@@ -323,7 +317,6 @@ class RedisQuotaStore:
         self.coalesce = coalesce and not self.cluster
         self._queued: list[_Queued] = []
         self._soon = False  # a flush of the queue is scheduled for this turn
-        self._linger: asyncio.TimerHandle | None = None  # a flush of settles only, SETTLE_LINGER_SECONDS away
         self._sending: set[asyncio.Task[None]] = set()
         self._inflight = 0  # round trips under way
         #: connections taken from the client's pool and kept between round trips (standalone and
@@ -358,8 +351,7 @@ class RedisQuotaStore:
 
     async def _call(self, script: Any, keys: list[str], args: list[Any], *, lazy: bool = False) -> Any:
         """Run ``script`` (:meth:`_retrying`), with the other calls of this turn of the event loop
-        when coalescing (``lazy``: with the next round trip, :meth:`_submit`). Raises
-        :class:`QuotaStoreUnavailable`."""
+        when coalescing (``lazy``: see :meth:`_submit`). Raises :class:`QuotaStoreUnavailable`."""
         self.calls += 1
         queued = _Queued(script.sha, keys, args, asyncio.get_running_loop().create_future(), script, lazy=lazy)
         await self._submit([queued], lazy=lazy)
@@ -400,37 +392,22 @@ class RedisQuotaStore:
         """Send ``queued`` now, from the caller, when no round trip is under way and nothing
         waits (no loop turn and no task in between: one request alone costs what it did
         uncoalesced); else queue them for this turn's round trip (:meth:`_flush`). ``lazy`` (a
-        settle, after its response has gone): queued for the next round trip another call
-        makes, or sent :data:`SETTLE_LINGER_SECONDS` later when none comes; a call that finds
-        lazy ones waiting takes them along, in a task of its own (its own cancellation must not
-        fail their round trip)."""
-        if not self.coalesce:
+        settle, whose response has gone) always waits for this turn's round trip: the finished
+        request's reply and the rest of its ending then run after the requests still being
+        admitted (:meth:`_send` answers those first)."""
+        if not self.coalesce or (not lazy and self._inflight == 0 and not self._queued):
             self.round_trips += 1
             await self._send(queued)
             return
-        if lazy:
-            self._queued.extend(queued)
-            if not self._soon and self._linger is None:
-                self._linger = asyncio.get_running_loop().call_later(SETTLE_LINGER_SECONDS, self._flush)
-            return
-        if self._inflight == 0 and not self._queued:
-            self.round_trips += 1
-            await self._send(queued)
-            return
-        self._queued.extend(queued)
-        if self._inflight == 0 and not self._soon:  # only lazy calls wait: this one takes them now
-            self._flush()
-        elif not self._soon:
+        if not self._soon:
             self._soon = True
             asyncio.get_running_loop().call_soon(self._flush)
+        self._queued.extend(queued)
 
     def _flush(self) -> None:
-        """Send what is queued, as one round trip, in a task of its own (callers wait on
+        """Send what this turn queued, as one round trip, in a task of its own (callers wait on
         their replies only)."""
         self._soon = False
-        if self._linger is not None:
-            self._linger.cancel()
-            self._linger = None
         batch = [q for q in self._queued if not q.reply.done()]
         self._queued = []
         if batch:
@@ -707,7 +684,7 @@ class RedisQuotaStore:
                 await self.client.ping()
 
     async def aclose(self) -> None:
-        if self._queued:  # settles waiting for a round trip go now
+        if self._queued:  # calls waiting for this turn's round trip go now
             self._flush()
         if self._sending:  # round trips under way finish first: their callers get their replies
             await asyncio.gather(*self._sending, return_exceptions=True)
