@@ -440,13 +440,9 @@ class RedisQuotaStore:
             raise
         finally:
             self._inflight -= 1
-            answers = list(zip(batch, results, strict=True))
-            for q, r in answers:  # requests still waiting resume first; settles (responses gone) after
-                if not q.lazy:
-                    _answer(q, r)
-            for q, r in answers:
-                if q.lazy:
-                    _answer(q, r)
+            # requests still waiting resume first; settles (their responses gone) after
+            for q, r in sorted(zip(batch, results, strict=True), key=lambda qr: qr[0].lazy):
+                _answer(q, r)
 
     async def _pipeline(self, batch: list[_Queued]) -> list[Any]:
         """``batch`` as one pipeline of ``EVALSHA`` calls; the replies in order (a failed call's
