@@ -54,7 +54,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if not HAVE_SEEDS:
         terminalreporter.write_line(
             f"kvgate: {len(NEEDS_SEEDS)} test files were not run: they read the runbook texts of the shared "
-            "design folder (../shared/seeds beside the checkout), which this checkout lacks.",
+            "design folder (../shared/seeds beside the checkout), which this checkout lacks: " + ", ".join(NEEDS_SEEDS),
             yellow=True,
         )
 
