@@ -390,3 +390,19 @@ async def test_closing_the_store_sends_a_waiting_settle(redis_prefix) -> None:
     await store.aclose()
     await settling
     assert await _leases(store, "t") == 0
+
+
+async def test_a_call_made_while_a_settles_round_trip_waits_to_start_goes_after_it(redis_store) -> None:
+    """Between the turn that hands a settle to its round trip's task and that task's first step,
+    a call finds no round trip to join: it must still reach Redis after the settle (a client that
+    sends its next request at once sees the previous one settled), never be written first."""
+    store = redis_store
+    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
+    assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
+    settling = asyncio.ensure_future(store.settle("t", lim, "a", 0, 0, WINDOW_MS))
+    await asyncio.sleep(0)  # the settle queued, this turn's flush scheduled
+    await asyncio.sleep(0)  # the flush ran: the settle's task exists, its first step not yet
+    assert not store._queued and store._sending
+    begun = await store.begin("t", lim, "b", WINDOW_MS, TTL_MS)
+    await settling
+    assert begun.admitted, begun.refused

@@ -397,6 +397,7 @@ class RedisQuotaStore:
         admitted (:meth:`_send` answers those first)."""
         if not self.coalesce or (not lazy and self._inflight == 0 and not self._queued):
             self.round_trips += 1
+            self._inflight += 1
             await self._send(queued)
             return
         if not self._soon:
@@ -414,16 +415,19 @@ class RedisQuotaStore:
             self._start(batch)
 
     def _start(self, batch: list[_Queued]) -> None:
+        """``batch``'s round trip in a task of its own, under way from now: a call made before
+        the task's first step queues behind it, so it reaches Redis after ``batch``."""
         self.round_trips += 1
+        self._inflight += 1
         task = asyncio.ensure_future(self._send(batch))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
     async def _send(self, batch: list[_Queued]) -> None:
         """One round trip for ``batch`` (a lone call as it is, more as a pipeline); each reply
-        gets its result or a :class:`QuotaStoreUnavailable` of its own."""
+        gets its result or a :class:`QuotaStoreUnavailable` of its own. The caller counted it in
+        :attr:`_inflight`; it is uncounted when done."""
         results: list[Any]
-        self._inflight += 1
         try:
             async with asyncio.timeout(self.round_trip_seconds):
                 if len(batch) == 1 and batch[0].script is not None and self.cluster:
