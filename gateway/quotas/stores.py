@@ -232,7 +232,7 @@ class _Queued:
     reply: asyncio.Future[Any]
     script: Any = None
     raw: bool = False
-    lazy: bool = False  # a settle (its response has gone): never sent from its caller, answered last
+    lazy: bool = False  # a settle (its response has gone): sent in its turn's round trip, answered last
 
 
 #: the connection options a start-up warm-up lengthens (redis-py's names)
