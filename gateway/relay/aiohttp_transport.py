@@ -10,7 +10,7 @@ exception tree (:func:`as_upstream_error`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -27,7 +27,7 @@ from gateway.relay.upstream_base import (
     UpstreamError,
     UpstreamResponse,
     WriteError,
-    over_limit,
+    read_bounded,
 )
 
 
@@ -64,25 +64,17 @@ class AiohttpResponse:
 
     async def aread(self, limit: int | None = None) -> bytes:
         """The whole body (bytes), at most ``limit`` of them (``None``: unbounded)."""
+        if limit is not None:
+            return await read_bounded(self.aiter_raw(), limit)
         try:
-            if limit is None:
-                return await self._resp.read()
-            parts: list[bytes] = []
-            size = 0
-            while chunk := await self._resp.content.readany():
-                parts.append(chunk)
-                size += len(chunk)
-                over_limit(size, limit)
-            return b"".join(parts)
-        except UpstreamError:
-            raise
+            return await self._resp.read()
         except Exception as e:
             mapped = as_upstream_error(e, connecting=False)
             if mapped is None:
                 raise
             raise mapped from e
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
+    async def aiter_raw(self) -> AsyncGenerator[bytes, None]:
         """The body's bytes as they arrive (transfer framing removed, content left encoded)."""
         content = self._resp.content
         while True:

@@ -19,7 +19,8 @@ httpx's names)::
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Protocol
 
 #: an idle pooled connection is closed after this many seconds (shorter than the 5 s idle timeout
@@ -75,6 +76,19 @@ def over_limit(size: int, limit: int | None) -> None:
     """Raise :class:`ResponseTooLarge` when ``size`` bytes read is past ``limit`` (``None``: no limit)."""
     if limit is not None and size > limit:
         raise ResponseTooLarge(limit)
+
+
+async def read_bounded(chunks: AsyncGenerator[bytes, None], limit: int | None) -> bytes:
+    """``chunks`` (a response's :meth:`UpstreamResponse.aiter_raw`) joined, reading stopped (and
+    ``chunks`` closed) with :class:`ResponseTooLarge` once past ``limit`` bytes (``None``: no limit)."""
+    parts: list[bytes] = []
+    size = 0
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            parts.append(chunk)
+            size += len(chunk)
+            over_limit(size, limit)
+    return b"".join(parts)
 
 
 class UpstreamResponse(Protocol):

@@ -26,7 +26,7 @@ What every transport does:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,7 @@ from gateway.relay.upstream_base import (
     UpstreamError,
     UpstreamResponse,
     WriteError,
-    over_limit,
+    read_bounded,
 )
 
 __all__ = [
@@ -110,11 +110,9 @@ class MockResponse:
 
     async def aread(self, limit: int | None = None) -> bytes:
         """The whole body (``ResponseTooLarge`` past ``limit`` bytes)."""
-        body = b"".join([c async for c in self.aiter_raw()])
-        over_limit(len(body), limit)
-        return body
+        return await read_bounded(self.aiter_raw(), limit)
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
+    async def aiter_raw(self) -> AsyncGenerator[bytes, None]:
         """The chunks, one read each (raising the error chunks)."""
         for c in self.chunks:
             if isinstance(c, UpstreamError):
