@@ -354,7 +354,7 @@ class RedisQuotaStore:
         when coalescing (``lazy``: see :meth:`_submit`). Raises :class:`QuotaStoreUnavailable`."""
         self.calls += 1
         queued = _Queued(script.sha, keys, args, asyncio.get_running_loop().create_future(), script, lazy=lazy)
-        await self._submit([queued], lazy=lazy)
+        await self._submit([queued])
         return await queued.reply  # a caller that gives up (its deadline) cancels only its own reply
 
     def _calls_of(self, scripts: list[tuple[Any, list[str], list[Any]]]) -> list[_Queued]:
@@ -388,14 +388,14 @@ class RedisQuotaStore:
         await self._submit(queued)
         return list(await asyncio.gather(*(q.reply for q in queued)))
 
-    async def _submit(self, queued: list[_Queued], *, lazy: bool = False) -> None:
+    async def _submit(self, queued: list[_Queued]) -> None:
         """Send ``queued`` now, from the caller, when no round trip is under way and nothing
         waits (no loop turn and no task in between: one request alone costs what it did
-        uncoalesced); else queue them for this turn's round trip (:meth:`_flush`). ``lazy`` (a
-        settle, whose response has gone) always waits for this turn's round trip: the finished
+        uncoalesced); else queue them for this turn's round trip (:meth:`_flush`). A ``lazy``
+        call (a settle, whose response has gone) always waits for this turn's round trip: the finished
         request's reply and the rest of its ending then run after the requests still being
         admitted (:meth:`_send` answers those first)."""
-        if not self.coalesce or (not lazy and self._inflight == 0 and not self._queued):
+        if not self.coalesce or (self._inflight == 0 and not self._queued and not queued[0].lazy):
             self.round_trips += 1
             self._inflight += 1
             await self._send(queued)
