@@ -586,3 +586,140 @@ def test_lingering_connections_count_and_are_paced(edge):
             break
         time.sleep(0.05)
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:200]
+
+
+class Sends:
+    """Records what the server hands its client sockets' transports (one entry a write), by
+    wrapping the transport under :class:`gateway.edge.protocol._LingeringTransport`."""
+
+    def __init__(self, monkeypatch) -> None:
+        from gateway.edge import protocol
+
+        self.writes: list[bytes] = []
+        record = self.writes
+        real_init = protocol._LingeringTransport.__init__
+
+        class Recording:
+            def __init__(self, t) -> None:
+                self._t = t
+
+            def write(self, data) -> None:
+                record.append(bytes(data))
+                self._t.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self._t, name)
+
+        def init(self_, transport, proto) -> None:
+            real_init(self_, Recording(transport), proto)
+
+        monkeypatch.setattr(protocol._LingeringTransport, "__init__", init)
+
+
+def _post(body: dict, key: str = KEY_A) -> bytes:
+    data = json.dumps(body).encode()
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n"
+    ).encode() + data
+
+
+def _one_answer(s: socket.socket) -> bytes:
+    """One Content-Length answer from ``s``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(v for n, _, v in (ln.partition(b": ") for ln in head.split(b"\r\n")) if n.lower() == b"content-length")
+    )
+    while len(body) < length:
+        body += s.recv(65536)
+    return data
+
+
+def _until(s: socket.socket, end: bytes) -> bytes:
+    data = b""
+    while not data.endswith(end):
+        data += s.recv(65536)
+    return data
+
+
+def test_an_answer_leaves_in_one_write_its_head_with_its_body(edge, monkeypatch):
+    """A response's head is held back and written with its body (streamed: with its first
+    chunk): one send per whole answer, not one for the head and one for the body."""
+    sends = Sends(monkeypatch)
+    s = edge.connect()
+    for request in (get(), _post(chat(max_tokens=4))):
+        before = len(sends.writes)
+        s.sendall(request)
+        answer = _one_answer(s)
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert sends.writes[before:] == [answer]
+    before = len(sends.writes)
+    s.sendall(_post(chat(max_tokens=4, stream=True)))
+    stream = _until(s, b"0\r\n\r\n")  # the chunked body's end
+    first, *rest = sends.writes[before:]
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n") and b"data: {" in first.split(b"\r\n\r\n", 1)[1]
+    assert b"".join([first, *rest]) == stream
+    s.close()
+    s = edge.connect()  # a refusal too (401, its connection closed after it)
+    before = len(sends.writes)
+    s.sendall(_post(chat(max_tokens=4), key="sk-wrong"))
+    answer = read_all(s)
+    assert answer.startswith(b"HTTP/1.1 401 Unauthorized\r\n") and sends.writes[before:] == [answer]
+
+
+class _FakeTransport:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes]] = []
+        self.closing = False
+
+    def write(self, data) -> None:
+        self.calls.append(("write", bytes(data)))
+
+    def write_eof(self) -> None:
+        self.calls.append(("eof", b""))
+
+    def close(self) -> None:
+        self.calls.append(("close", b""))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+async def test_a_held_head_leaves_by_the_next_loop_turn_and_before_an_end():
+    """What :meth:`_LingeringTransport.hold` holds leaves at the next loop turn when no body
+    follows in this one, and before an EOF or a close (never lost, never after the end)."""
+    import asyncio
+    import types
+
+    from gateway.edge.protocol import _LingeringTransport
+
+    proto = types.SimpleNamespace(
+        loop=asyncio.get_running_loop(), edge=types.SimpleNamespace(peak_unsent=0), _in_head=True, cycle=None
+    )
+    fake = _FakeTransport()
+    t = _LingeringTransport(fake, proto)  # type: ignore[arg-type]
+    t.hold()
+    t.write(b"head")
+    assert fake.calls == []
+    await asyncio.sleep(0)
+    assert fake.calls == [("write", b"head")] and t.written == 4
+    t.hold()
+    t.write(b"a")
+    t.write(b"b")
+    t.write_eof()
+    assert fake.calls[1:] == [("write", b"ab"), ("eof", b"")]
+    t.hold()
+    t.write(b"c")
+    fake.closing = True
+    t.close()
+    assert fake.calls[3:] == [("write", b"c"), ("close", b"")]
+    t._protocol = None  # released (the connection was lost): nothing is held any more
+    t.hold()
+    t.write(b"d")
+    assert fake.calls[5:] == [("write", b"d")]

@@ -254,7 +254,7 @@ class _LingeringTransport:
     ``bench/hostile.py``'s 8 MiB headers got no answer. nginx does the same (``lingering_close``).
     Everything else is the wrapped transport's."""
 
-    __slots__ = ("_pace", "_protocol", "_timer", "_transport", "dropped", "lingering", "max_drop", "written")
+    __slots__ = ("_held", "_pace", "_protocol", "_timer", "_transport", "dropped", "lingering", "max_drop", "written")
 
     def __init__(self, transport: asyncio.Transport, protocol: BoundedHttpToolsProtocol) -> None:
         self._transport = transport
@@ -265,9 +265,28 @@ class _LingeringTransport:
         self.dropped = 0
         self.max_drop = LINGER_MAX_BYTES
         self.written = 0  # bytes handed to write(): less the buffer's, what the client's TCP took
+        self._held: list[bytes] | None = None  # writes held back by :meth:`hold`
+
+    def hold(self) -> None:
+        """Hold back what is written until :meth:`flush`, at the latest one loop turn later: a
+        response's head then leaves in one send with its body's first bytes, one system call
+        (and one wake-up of the client) fewer per response."""
+        if self._held is None and self._protocol is not None:  # not after the connection was lost
+            self._held = []
+            self._protocol.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write what :meth:`hold` held back, as one write."""
+        held, self._held = self._held, None
+        if held:
+            self.write(b"".join(held))
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        """The wrapped transport's ``write``; counts the bytes and the peak left unsent."""
+        """The wrapped transport's ``write`` (held back after :meth:`hold`); counts the bytes and
+        the peak left unsent."""
+        if self._held is not None:
+            self._held.append(bytes(data))
+            return
         self.written += len(data)
         t = self._transport
         t.write(data)
@@ -277,9 +296,14 @@ class _LingeringTransport:
             if unsent > p.edge.peak_unsent:
                 p.edge.peak_unsent = unsent
 
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
     def close(self) -> None:
         if self.lingering:
             return
+        self.flush()
         t = self._transport
         if t.is_closing():
             t.close()
@@ -676,15 +700,28 @@ async def _send_paced(send: Any, cycle: Any, message: Any) -> None:
     """``send(message)``, but a ``Content-Length`` body larger than :data:`SEND_PIECE_BYTES` is
     sent in pieces of that size: uvicorn's ``send`` waits while the connection is above its
     high-water mark before each one, so no more than a piece is added to a buffer the client is
-    not reading. The bytes on the wire are the same; once the client is gone, the rest is dropped."""
+    not reading. A response's head is held back (:meth:`_LingeringTransport.hold`) and written
+    with the first body message, when that comes in the same loop turn. The bytes on the wire are
+    the same; once the client is gone, the rest is dropped."""
+    t = cycle.transport
+    lingering = isinstance(t, _LingeringTransport)
+    if message["type"] == "http.response.start":
+        if lingering:
+            t.hold()
+        await send(message)
+        return
     body = message.get("body", b"")
     if len(body) <= SEND_PIECE_BYTES or cycle.chunked_encoding is not False or cycle.scope["method"] == "HEAD":
         await send(message)
+        if lingering:
+            t.flush()
         return
     view, more = memoryview(body), message.get("more_body", False)
     for start in range(0, len(view), SEND_PIECE_BYTES):
         stop = start + SEND_PIECE_BYTES
         await send({"type": "http.response.body", "body": view[start:stop], "more_body": more or stop < len(view)})
+        if lingering:
+            t.flush()
         if cycle.disconnected:
             return
 
