@@ -1,6 +1,6 @@
 """The gateway app factory (docs/design.md, "A request's way through the gateway").
 
-``create_app(settings, tenants, *, quotas=None, verifier=None, secrets=None) -> FastAPI``. The
+``create_app(settings, tenants, *, quotas=None, verifier=None, secrets=None) -> Starlette``. The
 app's lifespan owns one pooled :class:`~gateway.relay.upstream_client.UpstreamClient` (every
 forwarded request), one pooled ``httpx.AsyncClient`` (pool polls) and one
 :class:`~gateway.ops.pool_watcher.PoolWatcher` task per upstream. The stages are
@@ -28,7 +28,8 @@ from typing import Any
 
 import httpx
 import orjson
-from fastapi import FastAPI
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -284,7 +285,7 @@ async def model_by_id(gw: Gateway, request: Request) -> Response:
 
 
 def gateway_routes(gw: Gateway) -> list[Route]:
-    """The app's routes, each a plain Starlette route (no FastAPI dependency solving or response
+    """The app's routes, each a plain Starlette route (no dependency solving or response
     serialization per request): every API route value (:data:`gateway.routes.API_ROUTES`,
     :data:`gateway.routes.TOKEN_ROUTES`, the latter also under ``/v1``) at its path, the model
     list, liveness (``/health`` is the path vLLM and SGLang serve), readiness and metrics."""
@@ -311,23 +312,27 @@ def create_app(
     quotas: QuotaStage | None = None,
     verifier: VerifierStage | None = None,
     secrets: dict[str, bytes] | None = None,
-) -> FastAPI:
-    """Build the gateway app. ``secrets``: ``{"cache_salt_key": bytes, ...}`` (default:
+) -> Starlette:
+    """Build the gateway app: a plain Starlette app (FastAPI's layers, its OpenTelemetry and
+    body-size middleware and its exit stack, ran on every request and served nothing here;
+    docs/performance.md, tenth pass). ``secrets``: ``{"cache_salt_key": bytes, ...}`` (default:
     ``config.secrets.load_secrets(settings.state_dir)``). The :class:`Gateway` is built at once
     (``app.state.gateway``); its HTTP client and watchers start with the app's lifespan."""
     gw = Gateway(settings, tenants, quotas, verifier, secrets)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gw.start()
         try:
             yield
         finally:
             await gw.stop()
 
-    app = FastAPI(title="kvgate", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = Starlette(
+        routes=gateway_routes(gw),
+        middleware=[Middleware(DrainMiddleware, gw=gw)],
+        exception_handlers=errors.handlers(),
+        lifespan=lifespan,
+    )
     app.state.gateway = gw
-    errors.install(app)
-    app.router.routes.extend(gateway_routes(gw))
-    app.add_middleware(DrainMiddleware, gw=gw)
     return app

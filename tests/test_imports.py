@@ -180,7 +180,7 @@ def test_checker_sees_violations(tmp_path):
     }
     assert ("uvloop", 7) not in imported_top_levels(src, "gateway", include_optional=False)
     core = allowed_distributions("gateway")
-    assert {"fastapi", "starlette", "httpx", "tiktoken", "pyyaml", "redis"} <= core  # starlette: via fastapi
+    assert {"fastapi", "starlette", "httpx", "tiktoken", "pyyaml", "redis"} <= core
     assert not {"torch", "safetensors", "transformers", "tokenizers", "pytest"} & core
     assert {"tokenizers", "jinja2"} <= allowed_distributions("tokenizer")
 
