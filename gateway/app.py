@@ -130,14 +130,15 @@ class Gateway:
     async def start(self) -> None:
         """Install the offload executor (:mod:`gateway.edge.offload`: per-tenant shares), poll every live
         pool once (so a healthy gateway is ready at once) while a stage's ``async start()`` runs (the
-        quota store's connections), then start the watchers and a stage's background tasks
-        (a plain ``start()``: the verifier's worker and periodic probe)."""
+        quota store's connections) and the counters warm up (:meth:`_warm_up`), then start the
+        watchers and a stage's background tasks (a plain ``start()``: the verifier's worker and
+        periodic probe)."""
         g = self.settings.gateway
         offload.install(asyncio.get_running_loop(), g.offload_threads, g.offload_tenant_share, usable_cores())
         starts = [getattr(stage, "start", None) for stage in (self.quotas, self.verifier)]
         warm_ups = [start() for start in starts if asyncio.iscoroutinefunction(start)]
         polls = [u.watcher.poll_once() for u in self.upstreams.all]
-        await asyncio.gather(*polls, *warm_ups, return_exceptions=True)
+        await asyncio.gather(*polls, *warm_ups, asyncio.to_thread(self._warm_up), return_exceptions=True)
         for u in self.upstreams.all:
             u.watcher.start()
         for stage in (self.quotas, self.verifier):
@@ -149,6 +150,16 @@ class Gateway:
             ", ".join(f"{u.name} ({u.base_url})" for u in self.upstreams.all),
             g.upstream_client,
         )
+
+    def _warm_up(self) -> None:
+        """Build, before the first request, what counting and fingerprinting build on first use:
+        each model's counter (:meth:`ModelIndex.warm_up`) and a stage's ``warm_up()`` (the
+        verifier's shingle encoder). Without it the first request of each worker held the event
+        loop about 90 ms (docs/performance.md, tenth pass). Blocking: runs in a worker thread."""
+        self.models.warm_up()
+        warm = getattr(self.verifier, "warm_up", None)
+        if callable(warm):
+            warm()
 
     async def stop(self) -> None:
         """Stop watchers, close the stages and the HTTP client."""

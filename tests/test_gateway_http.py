@@ -502,3 +502,31 @@ def test_a_failing_stage_still_answers_openai_shaped_500(engine):
         "code": "internal_error",
     }
     assert len(q.settled) == 1  # the lease is released all the same
+
+
+def test_start_warms_the_counters_and_the_verifier_before_the_first_request(engine, monkeypatch, tmp_path):
+    """What counting and fingerprinting build on first use (tiktoken's whitespace-run pattern,
+    the verifier's shingle encoder) is built while the app starts, in a worker thread: before,
+    the first request of each worker built them on the event loop (about 90 ms)."""
+    import threading
+
+    from tests.fixtures.settings import verifier_settings
+    from tokenizer import tiktoken_safe
+    from verifier import shingles
+    from verifier.build import build_verifier
+
+    tiktoken_safe._long_run.cache_clear()
+    monkeypatch.setattr(shingles, "_COUNTER", None)
+    where: list[str] = []
+    real = shingles.bundled_counter
+    monkeypatch.setattr(shingles, "bundled_counter", lambda: where.append(threading.current_thread().name) or real())
+    svc = build_verifier(verifier_settings(tmp_path, None), secrets=SECRETS)
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), verifier=svc).start()
+    try:
+        assert tiktoken_safe._long_run.cache_info().currsize == 1
+        assert shingles._COUNTER is not None and len(where) == 1 and where[0].startswith("kvgate-offload")
+        with g.client() as c:
+            assert c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code == 200
+        assert len(where) == 1  # built once, at the start
+    finally:
+        g.stop()

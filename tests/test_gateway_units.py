@@ -225,6 +225,27 @@ def _setup(**tenant):
     return idx, t
 
 
+def test_a_counter_that_fails_to_warm_up_is_logged_and_the_rest_warm_up(monkeypatch, caplog):
+    """:meth:`ModelIndex.warm_up` (the app's start) never fails the start: a model whose counter
+    raises is logged, and its requests meet the error as they would have; the next model warms up."""
+    s = Settings.model_validate({"models": [{"id": "m", "context_length": 8192}, {"id": "n", "context_length": 8192}]})
+    idx = ModelIndex(s)
+    m, n = idx.by_name["m"].counter, idx.by_name["n"].counter
+    warmed: list[str] = []
+
+    def broken() -> None:
+        raise ValueError("template does not render")
+
+    monkeypatch.setattr(m, "warm_up", broken)
+    monkeypatch.setattr(n, "warm_up", lambda: warmed.append("n"))
+    with caplog.at_level("WARNING", logger="kvgate.models"):
+        idx.warm_up()
+    assert warmed == ["n"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "warming up the counter of model m failed: template does not render"
+    ]
+
+
 def test_gate_boundary_and_message():
     idx, t = _setup()
     e = idx.resolve(t, "m")

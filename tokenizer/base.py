@@ -166,6 +166,14 @@ class PromptCounter(ABC):
     def count_text(self, text: str) -> int:
         """Tokens of ordinary text (special-token look-alikes count as text), no BOS/EOS."""
 
+    def warm_up(self) -> None:
+        """Build what a first count builds (compiled patterns, tables, a chat template) by
+        counting one short chat, so that no request pays for it on the event loop (tiktoken's
+        whitespace-run pattern alone: about 12 ms). Nothing for a counter that counts through the
+        engine (``counts_sync`` false). Raises what :meth:`count_chat` raises."""
+        if self.counts_sync:
+            self.count_chat([{"role": "user", "content": "kvgate warm-up"}])
+
     def count_prompt_text(self, text: str) -> int:
         """Tokens of a ``/v1/completions`` string prompt as the engine encodes it: ordinary text
         plus whatever the tokenizer adds around a prompt (a BOS for Llama-family HF tokenizers).

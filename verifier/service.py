@@ -56,6 +56,7 @@ from verifier.leak_index import LeakIndex
 from verifier.prober import PeriodicProbe
 from verifier.quarantine import Quarantine
 from verifier.shingles import ShingleHasher
+from verifier.shingles import encode as shingle_ids
 from verifier.stage import Decoder, Exchange
 from verifier.strict import StrictChecks
 
@@ -157,6 +158,11 @@ class VerifierService:
         return self._tasks[0] if self._tasks else None
 
     # ------------------------------------------------------------------ lifecycle
+    def warm_up(self) -> None:
+        """Build the shingle encoder (cl100k_base with the ChatML specials: about 75 ms) before
+        the first prompt is fingerprinted on the event loop. Blocking: call it in a worker thread."""
+        shingle_ids("kvgate warm-up")
+
     def start(self) -> None:
         """Start the background worker (and the periodic probe when configured). Needs a running
         event loop; :meth:`begin` calls it lazily."""

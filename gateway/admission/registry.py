@@ -5,6 +5,7 @@ use is 404 ``model_not_found``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -12,6 +13,8 @@ from config.errors import ErrorCode, OpenAIError
 from config.models import ModelConfig, Settings, TenantConfig
 from tokenizer import PromptCounter, make_counter
 from tokenizer.images import ImageCoster
+
+log = logging.getLogger("kvgate.models")
 
 
 @dataclass
@@ -79,6 +82,15 @@ class ModelIndex:
             for n in (m.id, *m.aliases):
                 self.by_name[n] = e
         self._allowed_cache: dict[tuple[str, ...], tuple[ModelEntry, ...]] = {}
+
+    def warm_up(self) -> None:
+        """Each model's counter's :meth:`~tokenizer.PromptCounter.warm_up` (blocking: call it in
+        a worker thread); a counter that fails is logged and left to fail on its requests."""
+        for e in self.entries:
+            try:
+                e.counter.warm_up()
+            except Exception as exc:  # the model's requests meet the same error, answered as usual
+                log.warning("warming up the counter of model %s failed: %s", e.id, exc)
 
     def allowed(self, tenant: TenantConfig) -> tuple[ModelEntry, ...]:
         """The models ``tenant`` may use (``allowed_models`` names ids or aliases; empty = all)."""
