@@ -181,6 +181,11 @@ class PoolSettings(_Strict):
 class GatewaySettings(_Strict):
     """The HTTP edge: bind address, body limit, upstream timeouts (seconds), drain on SIGTERM.
 
+    Engine side: ``connect_timeout_seconds`` (a connect, or the wait for a pooled connection),
+    ``read_timeout_seconds`` (between two bytes of an answer) and ``exchange_timeout_seconds``
+    (the whole exchange, from the request written to the answer's last byte; ``None``: unbounded),
+    each 504 ``upstream_timeout`` beyond it, or a stream's error tail once the stream has started.
+
     Client side (:mod:`gateway.edge.protocol`; docs/gateway.md, "Edge limits"): ``max_inbound_connections``
     client connections per process (``max_connections`` sizes the upstream pool; ``upstream_client``
     picks its transport, ``h1`` or ``aiohttp``: :mod:`gateway.relay.upstream_client`),
@@ -216,6 +221,7 @@ class GatewaySettings(_Strict):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     connect_timeout_seconds: float = Field(default=5.0, gt=0)
     read_timeout_seconds: float = Field(default=300.0, gt=0)
+    exchange_timeout_seconds: float | None = Field(default=3600.0, gt=0)
     drain_timeout_seconds: float = Field(default=30.0, ge=0)
     max_connections: int = Field(default=512, ge=1)
     upstream_client: Literal["h1", "aiohttp"] = "h1"

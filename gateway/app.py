@@ -101,6 +101,7 @@ class Gateway:
             connect_timeout=g.connect_timeout_seconds,
             read_timeout=g.read_timeout_seconds,
             max_connections=g.max_connections,
+            exchange_timeout=g.exchange_timeout_seconds,
             kind=g.upstream_client,
         )
         ups = []

@@ -14,6 +14,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,8 @@ class MockState:
     """What the engine does. ``info_mode``: ``ok`` | ``missing`` (no max_total_num_tokens) |
     ``404`` (only ``/get_server_info`` answers) | ``500`` | ``hang``. ``mode``: ``ok`` | ``error``
     (answer ``error_status`` with ``error_body``) | ``hang`` (never answer) | ``delay`` (sleep
-    ``delay_seconds`` first) | ``reset`` (stream ``stream_chunks`` then break the connection).
+    ``delay_seconds`` first) | ``reset`` (stream ``stream_chunks`` then break the connection) |
+    ``trickle`` (a whole answer sent a byte every ``chunk_interval_seconds``).
     ``stream_chunks``: raw byte chunks of a stream (default: built from ``text``)."""
 
     pool_tokens: int = 4096
@@ -156,6 +158,19 @@ class _Reset(Exception):
     pass
 
 
+async def _trickled(state: MockState, answer: dict[str, Any], rid: str) -> AsyncIterator[bytes]:
+    """``answer``'s JSON a byte every ``state.chunk_interval_seconds`` (an engine trickling its
+    answer); a request abandoned meanwhile is recorded in ``state.cancelled``."""
+    whole = json.dumps(answer).encode()
+    try:
+        for i in range(len(whole)):
+            yield whole[i : i + 1]
+            await asyncio.sleep(state.chunk_interval_seconds)
+    except asyncio.CancelledError:
+        state.cancelled.append((rid, time.monotonic()))
+        raise
+
+
 def build_app(state: MockState) -> Starlette:
     """The mock engine's ASGI app, steered by ``state``."""
 
@@ -208,6 +223,8 @@ def build_app(state: MockState) -> Starlette:
         if state.mode == "error":
             return Response(state.error_body, status_code=state.error_status, media_type="application/json")
         if not body.get("stream"):
+            if state.mode == "trickle":
+                return StreamingResponse(_trickled(state, whole_body(state, chat), rid), media_type="application/json")
             return JSONResponse(whole_body(state, chat), headers=state.headers)
         chunks = state.stream_chunks if state.stream_chunks is not None else default_stream(state, body, chat)
         reset = state.mode == "reset"

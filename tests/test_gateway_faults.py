@@ -3,6 +3,7 @@ pools unreachable, without the field, stale, shrinking; clients that disconnect.
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -69,6 +70,39 @@ def test_hanging_upstream_is_504_and_cancelled(engine):
             assert err(r) == (504, "upstream_timeout")
         assert wait_for(lambda: engine.state.cancelled, 2.0)
         assert engine.state.cancelled[0][0] == "hang-1"
+    finally:
+        g.stop()
+
+
+def test_an_engine_trickling_its_answer_is_cut_off_at_the_exchange_timeout(engine):
+    """An engine that keeps sending, a little at a time, never trips the read timeout (1 s):
+    ``gateway.exchange_timeout_seconds`` (0.6 s) cuts it off. A whole answer not ended by then is
+    504 ``upstream_timeout``; a stream gets its error event and one ``[DONE]`` after what it
+    relayed. The engine sees both requests abandoned."""
+    engine.state.mode = "trickle"
+    engine.state.chunk_interval_seconds = 0.05
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n'
+    engine.state.stream_chunks = [first] * 100  # 5 s of content, a chunk every 50 ms
+    gateway = {"read_timeout_seconds": 1.0, "exchange_timeout_seconds": 0.6}
+    g = Gateway(settings_for([upstream("u1", engine)], gateway=gateway)).start()
+    try:
+        with g.client() as c:
+            t0 = time.monotonic()
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5), headers={"x-request-id": "trickle-1"})
+            assert err(r) == (504, "upstream_timeout")
+            assert 0.5 <= time.monotonic() - t0 < 1.5
+            t0 = time.monotonic()
+            r = c.post(
+                "/v1/chat/completions", json=chat(max_tokens=5, stream=True), headers={"x-request-id": "trickle-2"}
+            )
+            assert 0.5 <= time.monotonic() - t0 < 1.5
+        assert r.status_code == 200 and r.content.startswith(first)
+        tail = r.content.rstrip(b"\n").rsplit(b"\n\n", 2)[-2:]
+        error = json.loads(tail[0].removeprefix(b"data: "))["error"]
+        assert (error["code"], error["message"]) == ("upstream_timeout", "The upstream engine did not answer in time.")
+        assert tail[1] == b"data: [DONE]" and r.content.count(b"[DONE]") == 1
+        assert wait_for(lambda: len(engine.state.cancelled) == 2, 2.0)
+        assert [rid for rid, _ in engine.state.cancelled] == ["trickle-1", "trickle-2"]
     finally:
         g.stop()
 

@@ -80,6 +80,7 @@ def client(**kw) -> UpstreamClient:
         connect_timeout=kw.get("connect_timeout", 1.0),
         read_timeout=kw.get("read_timeout", 1.0),
         max_connections=kw.get("max_connections", 8),
+        exchange_timeout=kw.get("exchange_timeout"),
     )
 
 
@@ -156,6 +157,56 @@ async def test_no_answer_within_the_read_timeout_is_read_timeout() -> None:
             await c.send("POST", srv.url, b"{}", HEADERS)
         assert asyncio.get_running_loop().time() - t0 < 1.5
         await c.aclose()
+
+
+async def test_an_answer_trickled_past_the_exchange_timeout_is_read_timeout() -> None:
+    """An engine that sends a byte of its body every 50 ms never trips the read timeout (1 s);
+    the exchange timeout (0.4 s) cuts it off, whether the body is read whole or as it comes, and
+    a head that takes longer than the exchange timeout is cut off too. An answer that ends in
+    time leaves its connection to the next request, whose own clock starts at its send."""
+
+    async def engine(srv, reader, writer):
+        await srv.read_request(reader)
+        n = len(srv.requests)
+        if n == 3:
+            await asyncio.sleep(0.8)  # the head: later than the exchange timeout, sooner than a read timeout
+        if n in (4, 5):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
+        for _ in range(100):
+            writer.write(b"x")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    async with Server(engine) as srv:
+        c = client(read_timeout=1.0, exchange_timeout=0.4)
+        loop = asyncio.get_running_loop()
+        for read_whole in (True, False):
+            t0 = loop.time()
+            r = await c.send("POST", srv.url, b"{}", HEADERS)
+            with pytest.raises(uc.ReadTimeout):
+                if read_whole:
+                    await r.aread()
+                else:
+                    async for _ in r.aiter_raw():
+                        pass
+            assert 0.35 <= loop.time() - t0 < 0.9
+            await r.aclose()
+        t0 = loop.time()
+        with pytest.raises(uc.ReadTimeout):
+            await c.send("POST", srv.url, b"{}", HEADERS)
+        assert 0.35 <= loop.time() - t0 < 0.75
+        r = await c.send("POST", srv.url, b"{}", HEADERS)
+        assert await r.aread() == b"ok"
+        await r.aclose()
+        await asyncio.sleep(0.5)  # past the first exchange's deadline: no timer of it is left
+        r = await c.send("POST", srv.url, b"{}", HEADERS)
+        assert (r.status_code, await r.aread()) == (200, b"ok")
+        await r.aclose()
+        await c.aclose()
+    assert len(srv.requests) == 5
 
 
 async def test_a_stalled_body_is_read_timeout_and_a_cut_body_a_protocol_error() -> None:

@@ -123,9 +123,17 @@ class AiohttpTransport:
     seconds, ``max_connections`` >= 1. The session opens at the first send, inside the event loop
     it will run on; :meth:`aclose` at shutdown."""
 
-    def __init__(self, *, connect_timeout: float, read_timeout: float, max_connections: int) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        max_connections: int,
+        exchange_timeout: float | None = None,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.exchange_timeout = exchange_timeout
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
 
@@ -139,7 +147,9 @@ class AiohttpTransport:
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout, sock_read=self.read_timeout),
+            timeout=aiohttp.ClientTimeout(
+                total=self.exchange_timeout, connect=self.connect_timeout, sock_read=self.read_timeout
+            ),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
             trust_env=False,

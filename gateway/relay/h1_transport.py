@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -74,6 +75,7 @@ class _Connection(asyncio.Protocol):
         self._head: asyncio.Future[H1Response] | None = None  # waits for the status line and headers
         self._head_bytes = 0  # bytes received while ``_head`` waits
         self._last_data = 0.0
+        self._deadline = math.inf  # loop time by which the exchange must have ended (``exchange_timeout``)
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False
         self._keep_alive = False  # the last response allows the connection's reuse
@@ -165,8 +167,12 @@ class _Connection(asyncio.Protocol):
 
     def _start_timer(self) -> None:
         self._last_data = self.loop.time()
+        limit = self.pool.exchange_timeout
+        self._deadline = self._last_data + limit if limit is not None else math.inf
         if self._timer is None:
-            self._timer = self.loop.call_at(self._last_data + self.pool.read_timeout, self._on_timer)
+            self._timer = self.loop.call_at(
+                min(self._last_data + self.pool.read_timeout, self._deadline), self._on_timer
+            )
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -175,12 +181,20 @@ class _Connection(asyncio.Protocol):
 
     def _on_timer(self) -> None:
         """No byte within ``read_timeout`` of the request or of the last byte, while the response is
-        unfinished and reading not paused: a :class:`ReadTimeout`; else check again
-        ``read_timeout`` after the last byte (one timer a request, not one a read)."""
+        unfinished and reading not paused, or the response unfinished ``exchange_timeout`` after
+        the request (paused or not: an engine that trickles its answer): a :class:`ReadTimeout`;
+        else check again ``read_timeout`` after the last byte, or at the deadline if sooner (one
+        timer a request, not one a read)."""
         self._timer = None
+        now = self.loop.time()
+        if now >= self._deadline:
+            limit = self.pool.exchange_timeout
+            self._fail(ReadTimeout(f"ReadTimeout: the engine's answer did not end within {limit:g}s"))
+            self.close()
+            return
         due = self._last_data + self.pool.read_timeout
-        if self._paused or self.loop.time() < due:
-            self._timer = self.loop.call_at(max(due, self.loop.time() + 0.001), self._on_timer)
+        if self._paused or now < due:
+            self._timer = self.loop.call_at(min(max(due, now + 0.001), self._deadline), self._on_timer)
             return
         self._fail(ReadTimeout(f"ReadTimeout: no byte from the engine within {self.pool.read_timeout:g}s"))
         self.close()
@@ -318,8 +332,9 @@ class H1Transport:
     """A pool of at most ``max_connections`` connections (all origins together), each kept
     :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS` when idle; ``connect_timeout`` (s)
     bounds the TCP (and TLS) connect and the wait for a free connection, ``read_timeout`` (s) the
-    wait for the next byte of a response. ``ssl_context``: for ``https`` upstreams (default:
-    the system's trust store, hostnames checked)."""
+    wait for the next byte of a response, ``exchange_timeout`` (s; ``None``: unbounded) the whole
+    exchange, from the request written to the response's last byte. ``ssl_context``: for
+    ``https`` upstreams (default: the system's trust store, hostnames checked)."""
 
     def __init__(
         self,
@@ -327,10 +342,12 @@ class H1Transport:
         connect_timeout: float,
         read_timeout: float,
         max_connections: int,
+        exchange_timeout: float | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
+        self.exchange_timeout = exchange_timeout
         self.max_connections = max_connections
         self._ssl = ssl_context
         self._idle: dict[Origin, list[_Connection]] = {}

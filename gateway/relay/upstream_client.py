@@ -18,8 +18,9 @@ What every transport does:
 - one pool of ``max_connections`` connections, an idle one kept
   :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`;
 - timeouts: ``connect_timeout`` for the TCP (and TLS) connect and the wait for a pooled
-  connection, and ``read_timeout`` between two reads of the response (headers or body), as
-  httpx's ``read``;
+  connection, ``read_timeout`` between two reads of the response (headers or body), as
+  httpx's ``read``, and ``exchange_timeout`` (``None``: none) for the whole exchange, from the
+  send to the response's last byte, a :class:`ReadTimeout` too;
 - bodies are raw: no decompression (the proxy asks for ``identity``) and chunked framing
   removed, as httpx's ``aiter_raw``; no ``User-Agent``.
 """
@@ -159,7 +160,8 @@ class UpstreamClient:
     """The forward path's client: :meth:`send` through ``transport``, or else the transport named
     ``kind`` (:func:`transport_class`; default :attr:`default_kind`) built from
     ``connect_timeout``/``read_timeout`` (seconds) and ``max_connections`` (all three then
-    required). Create and use it inside the event loop it will run on; :meth:`aclose` at shutdown."""
+    required), and ``exchange_timeout`` (seconds; ``None``: unbounded). Create and use it inside
+    the event loop it will run on; :meth:`aclose` at shutdown."""
 
     #: the transport built when none is given and no ``kind`` is named
     default_kind = "h1"
@@ -170,6 +172,7 @@ class UpstreamClient:
         connect_timeout: float | None = None,
         read_timeout: float | None = None,
         max_connections: int | None = None,
+        exchange_timeout: float | None = None,
         transport: Transport | None = None,
         kind: str | None = None,
     ) -> None:
@@ -179,7 +182,10 @@ class UpstreamClient:
                     "UpstreamClient needs a transport, or connect_timeout, read_timeout and max_connections"
                 )
             transport = transport_class(kind or self.default_kind)(
-                connect_timeout=connect_timeout, read_timeout=read_timeout, max_connections=max_connections
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                max_connections=max_connections,
+                exchange_timeout=exchange_timeout,
             )
         self.transport: Transport = transport
 
