@@ -7,6 +7,7 @@ offload, too-long shortcut, TPM above 2,048 tokens)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -213,14 +214,23 @@ def test_an_embeddings_batch_over_the_pool_is_400_naming_input_and_at_it_is_serv
 
 
 # ---------------------------------------------------------------- /tokenize, /detokenize: admission's prologue
+def _on_a_loop() -> bool:
+    """Whether this thread is running an event loop (a worker thread is not)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _parse_threads(monkeypatch) -> list[str]:
-    """The threads the large-body parse and the small one ran on (``loop`` or ``worker``)."""
+    """The threads the large-body parse and the small one ran on (``loop``: a thread running an
+    event loop, or ``worker``)."""
     where: list[str] = []
-    loop_threads = {t.ident for t in threading.enumerate()}  # the server's loop thread is among them
     real_large, real_small = admit_module._parse_large, admit_module.parse_json_body
 
     def large(raw, *a):
-        where.append("loop" if threading.get_ident() in loop_threads else "worker")
+        where.append("loop" if _on_a_loop() else "worker")
         return real_large(raw, *a)
 
     def small(raw):
