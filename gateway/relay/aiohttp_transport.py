@@ -20,6 +20,7 @@ from gateway.relay.upstream_base import (
     KEEPALIVE_SECONDS,
     ConnectError,
     ConnectTimeout,
+    PooledTransport,
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
@@ -118,24 +119,12 @@ class _Request(aiohttp.ClientRequest):
         return resp
 
 
-class AiohttpTransport:
-    """One pooled aiohttp session (module docstring). ``connect_timeout``/``read_timeout`` in
-    seconds, ``max_connections`` >= 1. The session opens at the first send, inside the event loop
-    it will run on; :meth:`aclose` at shutdown."""
+class AiohttpTransport(PooledTransport):
+    """One pooled aiohttp session (module docstring), its limits a :class:`PooledTransport`'s. The
+    session opens at the first send, inside the event loop it will run on; :meth:`aclose` at
+    shutdown."""
 
-    def __init__(
-        self,
-        *,
-        connect_timeout: float,
-        read_timeout: float,
-        max_connections: int,
-        exchange_timeout: float | None = None,
-    ) -> None:
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.exchange_timeout = exchange_timeout
-        self.max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+    _session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(

@@ -36,6 +36,7 @@ from gateway.relay.upstream_base import (
     KEEPALIVE_SECONDS,
     ConnectError,
     ConnectTimeout,
+    PooledTransport,
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
@@ -328,13 +329,12 @@ class H1Response:
             )
 
 
-class H1Transport:
+class H1Transport(PooledTransport):
     """A pool of at most ``max_connections`` connections (all origins together), each kept
-    :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS` when idle; ``connect_timeout`` (s)
-    bounds the TCP (and TLS) connect and the wait for a free connection, ``read_timeout`` (s) the
-    wait for the next byte of a response, ``exchange_timeout`` (s; ``None``: unbounded) the whole
-    exchange, from the request written to the response's last byte. ``ssl_context``: for
-    ``https`` upstreams (default: the system's trust store, hostnames checked)."""
+    :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS` when idle; the timeouts as
+    :class:`~gateway.relay.upstream_base.PooledTransport` says (``connect_timeout`` covers the TLS
+    handshake too). ``ssl_context``: for ``https`` upstreams (default: the system's trust store,
+    hostnames checked)."""
 
     def __init__(
         self,
@@ -345,10 +345,12 @@ class H1Transport:
         exchange_timeout: float | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
-        self.exchange_timeout = exchange_timeout
-        self.max_connections = max_connections
+        super().__init__(
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_connections=max_connections,
+            exchange_timeout=exchange_timeout,
+        )
         self._ssl = ssl_context
         self._idle: dict[Origin, list[_Connection]] = {}
         self._open = 0  # connections open or connecting, idle ones included

@@ -113,6 +113,27 @@ class UpstreamResponse(Protocol):
         ...
 
 
+class PooledTransport:
+    """What a network transport is built from (:func:`gateway.relay.upstream_client.transport_class`):
+    at most ``max_connections`` pooled connections; ``connect_timeout`` (s) bounds a connect and
+    the wait for a free connection, ``read_timeout`` (s) the wait for the next byte of a
+    response, ``exchange_timeout`` (s; ``None``: unbounded) the whole exchange, from the request
+    written to the response's last byte (each a :class:`ConnectTimeout` or :class:`ReadTimeout`)."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        max_connections: int,
+        exchange_timeout: float | None = None,
+    ) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_connections = max_connections
+        self.exchange_timeout = exchange_timeout
+
+
 class Transport(Protocol):
     """Where :class:`UpstreamClient` sends: :meth:`send` (as :meth:`UpstreamClient.send`) and :meth:`aclose`."""
 
