@@ -209,6 +209,36 @@ async def test_an_answer_trickled_past_the_exchange_timeout_is_read_timeout() ->
     assert len(srv.requests) == 5
 
 
+async def test_exchange_timeout_null_leaves_a_trickle_unbounded_and_zero_or_negative_is_refused() -> None:
+    """``gateway.exchange_timeout_seconds: null`` bounds nothing: an answer trickled over 0.6 s,
+    no byte a read timeout apart, is read whole. 0 and negatives are refused when the settings
+    load (every deadline would be one already passed)."""
+    from pydantic import ValidationError
+
+    from config.models import GatewaySettings
+
+    assert GatewaySettings(exchange_timeout_seconds=None).exchange_timeout_seconds is None
+    assert GatewaySettings().exchange_timeout_seconds == 3600.0
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ValidationError):
+            GatewaySettings(exchange_timeout_seconds=bad)
+
+    async def engine(srv, reader, writer):
+        await srv.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\n")
+        for _ in range(12):
+            writer.write(b"x")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    async with Server(engine) as srv:
+        c = client(read_timeout=0.5, exchange_timeout=None)
+        r = await c.send("POST", srv.url, b"{}", HEADERS)
+        assert await r.aread() == b"x" * 12
+        await r.aclose()
+        await c.aclose()
+
+
 async def test_a_stalled_body_is_read_timeout_and_a_cut_body_a_protocol_error() -> None:
     async def engine(srv, reader, writer):
         await srv.read_request(reader)
