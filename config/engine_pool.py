@@ -50,15 +50,23 @@ class VLLMCapacity:
     source: str
 
 
+#: the largest count (tokens, blocks, ranks) taken from an engine: 2**40, a trillion tokens, is no
+#: real engine's pool; a larger number is a broken or hostile answer and reads as missing (the pool
+#: then fails closed), never as a pool that admits anything or a rank list that fills memory
+MAX_REPORTED = 1 << 40
+
+
 def _positive_int(v: Any) -> int | None:
+    """``v`` as an int in ``[1, MAX_REPORTED]`` (an int, an integral float, or a digit string as
+    Prometheus labels carry), else ``None``."""
     if isinstance(v, bool):
         return None
-    if isinstance(v, int) and v > 0:
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    elif isinstance(v, str) and 0 < len(v) <= 15 and v.isascii() and v.isdigit():
+        v = int(v)
+    if isinstance(v, int) and 0 < v <= MAX_REPORTED:
         return v
-    if isinstance(v, float) and v.is_integer() and v > 0:
-        return int(v)
-    if isinstance(v, str) and v.isdigit() and int(v) > 0:  # Prometheus label values are strings
-        return int(v)
     return None
 
 
@@ -129,11 +137,14 @@ def sglang_pool(info: Any, loads: Any | None = None) -> SGLangPool:
     ``max_total_num_tokens`` and ``max_req_input_len`` are **rank 0's** scheduler info, and
     ``dp_size`` (server args) says how many ranks there are. Every rank in ``range(dp_size)``
     needs a pool, from ``/v1/loads`` when given, else from ``internal_states``; with one rank the
-    top level also counts. A missing rank raises :class:`EnginePoolError` (unknown fails closed).
+    top level also counts. A missing rank, or a ``dp_size`` that is not a positive integer up to
+    :data:`MAX_REPORTED`, raises :class:`EnginePoolError` (unknown fails closed).
     """
     if not isinstance(info, dict):
         raise EnginePoolError("server_info is not a JSON object")
-    dp_size = _positive_int(info.get("dp_size")) or 1
+    dp_size = _positive_int(info.get("dp_size", 1))
+    if dp_size is None:  # 0, negative, a string, above MAX_REPORTED: how many ranks need a pool is unknown
+        raise EnginePoolError("server_info has no usable dp_size (a positive integer up to 2**40)")
     states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)]
     if loads is not None:
         ranks, source = _loads_ranks(loads), "/v1/loads"
@@ -143,11 +154,13 @@ def sglang_pool(info: Any, loads: Any | None = None) -> SGLangPool:
     top = _positive_int(info.get("max_total_num_tokens"))
     if dp_size == 1 and top is not None:
         ranks[0] = min(top, ranks.get(0, top))
-    missing = [r for r in range(dp_size) if r not in ranks]
-    if missing and dp_size == 1 and loads is None:
-        raise EnginePoolError("server_info has no max_total_num_tokens")
-    if missing:
-        raise EnginePoolError(f"no max_total_num_tokens for data-parallel rank {missing[0]} of {dp_size} ({source})")
+    # ranks holds at most one entry per rank the answer lists, so this never walks a range the
+    # engine's dp_size alone sized
+    missing = next((r for r in range(len(ranks) + 1) if r not in ranks), None)
+    if missing is not None and missing < dp_size:
+        if dp_size == 1 and loads is None:
+            raise EnginePoolError("server_info has no max_total_num_tokens (a positive integer up to 2**40)")
+        raise EnginePoolError(f"no max_total_num_tokens for data-parallel rank {missing} of {dp_size} ({source})")
     return SGLangPool(
         tuple(ranks[r] for r in range(dp_size)),
         source,
@@ -194,7 +207,7 @@ def vllm_capacity_from_metrics(text: str) -> VLLMCapacity | None:
             labels = sample.labels
             by_size.append(_positive_int(labels.get("kv_cache_size_tokens")))
             blocks, size = _positive_int(labels.get("num_gpu_blocks")), _positive_int(labels.get("block_size"))
-            by_blocks.append(blocks * size if blocks is not None and size is not None else None)
+            by_blocks.append(_positive_int(blocks * size) if blocks is not None and size is not None else None)
     if by_size and all(v is not None for v in by_size):
         return VLLMCapacity(min(v for v in by_size if v is not None), "kv_cache_size_tokens")
     if by_blocks and all(v is not None for v in by_blocks):

@@ -11,7 +11,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from config.engine_pool import sglang_pool, vllm_capacity_from_metrics
+from config.engine_pool import (
+    MAX_REPORTED,
+    EnginePoolError,
+    sglang_pool,
+    vllm_capacity_from_endpoint,
+    vllm_capacity_from_metrics,
+)
 from gateway.cli import main
 from gpu_backend.servers import add_common_routes, loads_body
 from tests.engine_pool_fixtures import (
@@ -229,6 +235,29 @@ def test_parsers_on_shapes_the_engines_can_send():
     # label values are strings; "None" (an unset CacheConfig field) is not a number
     assert vllm_capacity_from_metrics(vllm_cache_config_metrics([{"num_gpu_blocks": "None"}])) is None
     assert vllm_capacity_from_metrics("not prometheus {{{") is None
+
+
+def test_numbers_no_engine_reports_read_as_missing():
+    """Counts above 2**40 (MAX_REPORTED), digit strings longer than 15 characters and a dp_size
+    far above the ranks listed fail closed without sizing anything by the claimed number."""
+    with pytest.raises(EnginePoolError, match="^server_info has no max_total_num_tokens"):
+        sglang_pool({"max_total_num_tokens": 10**30})
+    assert sglang_pool({"max_total_num_tokens": MAX_REPORTED}).pool_tokens == MAX_REPORTED
+    with pytest.raises(EnginePoolError, match="^no max_total_num_tokens for data-parallel rank 1 of 1000000000 "):
+        sglang_pool({**sglang_server_info([4096]), "dp_size": 10**9})
+    for bad in (10**18, 0, -1, "-2", 1.5, True, None):
+        with pytest.raises(
+            EnginePoolError, match=r"^server_info has no usable dp_size \(a positive integer up to 2\*\*40\)$"
+        ):
+            sglang_pool({**sglang_server_info([4096]), "dp_size": bad})
+    blocks = [{"num_gpu_blocks": str(1 << 30), "block_size": str(1 << 11)}]  # 2**41 tokens
+    assert vllm_capacity_from_metrics(vllm_cache_config_metrics(blocks)) is None
+    assert vllm_capacity_from_endpoint({"kv_cache_size_tokens": "9" * 16}) is None
+    assert vllm_capacity_from_endpoint({"kv_cache_size_tokens": "9" * 5000}) is None  # int() would raise
+    assert (
+        vllm_capacity_from_metrics(vllm_cache_config_metrics([{"kv_cache_size_tokens": "4096"}])).kv_capacity_tokens
+        == 4096
+    )
 
 
 def test_bundled_backend_serves_v1_loads_for_its_one_rank():
