@@ -11,6 +11,7 @@ without changing its bytes.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 import orjson
 
@@ -44,6 +45,22 @@ def _first_end(buf: bytes, pos: int = 0) -> int:
     if j >= 0 and (i < 0 or j < i):
         return j + 4
     return i + 2 if i >= 0 else -1
+
+
+def _event_ends(buf: bytes) -> Iterator[int]:
+    """Ends (exclusive) of ``buf``'s event terminators, in order, as :func:`_first_end` would find
+    them one after another, in time linear in ``len(buf)``: each kind's next occurrence is searched
+    for once and kept until an event ends past it (asking :func:`_first_end` again after every
+    event would scan to the end of the read for the kind the stream does not use, once per event)."""
+    i = buf.find(b"\n\n")
+    j = buf.find(b"\r\n\r\n")
+    while i >= 0 or j >= 0:
+        end = j + 4 if j >= 0 and (i < 0 or j < i) else i + 2
+        yield end
+        if 0 <= i < end:
+            i = buf.find(b"\n\n", end)
+        if 0 <= j < end:
+            j = buf.find(b"\r\n\r\n", end)
 
 
 class SSESplitter:
@@ -93,10 +110,7 @@ class SSESplitter:
             chunk = chunk[k:]
         start = 0
         n = len(chunk)
-        while start < n:
-            e = _first_end(chunk, start)
-            if e < 0:
-                break
+        for e in _event_ends(chunk):
             if limit is not None and e - start > limit:
                 raise SSEEventTooLarge(e - start, limit, out)
             out.append(chunk[start:e])
