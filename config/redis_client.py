@@ -247,6 +247,15 @@ def key_slot(key: str) -> int:
     return int(_slot(key.encode()))
 
 
+def store_errors() -> tuple[type[Exception], ...]:
+    """What a failing Redis store raises: redis-py's errors, a cluster with no node answering
+    (``RedisClusterException``, not a ``RedisError``) and the socket's own ``OSError``. These back
+    a store off; anything else a store's caller meets is a fault of its own, not an outage."""
+    from redis.exceptions import RedisClusterException, RedisError
+
+    return (RedisError, RedisClusterException, OSError)
+
+
 class StoreBackoff:
     """After a store error, callers skip the store for ``interval_seconds``; the first call after
     that tries it again, so a store that answers again is used again by itself. One instance per

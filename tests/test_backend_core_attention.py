@@ -42,12 +42,19 @@ def test_decode_batch_equals_each_sequence_alone_and_reads_only_its_own_slots(ca
     pool = _pool_with(tables, [n - 1 for n in lens])
     g = torch.Generator().manual_seed(2)
     B = len(tables)
-    q, k, v = torch.randn(B, HQ, D, generator=g), torch.randn(B, HKV, D, generator=g), torch.randn(B, HKV, D, generator=g)
+    q, k, v = (
+        torch.randn(B, HQ, D, generator=g),
+        torch.randn(B, HKV, D, generator=g),
+        torch.randn(B, HKV, D, generator=g),
+    )
     spans = [SeqSpan(t, n - 1, 1) for t, n in zip(tables, lens, strict=True)]
     with torch.inference_mode():
         attn = PagedAttention(pool, spans)
         out = attn.attend(0, q, k, v, D**-0.5)
-        alone = [PagedAttention(pool, [s]).attend(0, q[b : b + 1], k[b : b + 1], v[b : b + 1], D**-0.5) for b, s in enumerate(spans)]
+        alone = [
+            PagedAttention(pool, [s]).attend(0, q[b : b + 1], k[b : b + 1], v[b : b + 1], D**-0.5)
+            for b, s in enumerate(spans)
+        ]
     assert not out.isnan().any()
     ref = torch.cat(alone)
     # one batched kernel call over padded buffers: its threads may split the rows differently (~6e-8)

@@ -44,7 +44,10 @@ def indexes(tmp_path_factory) -> dict[str, str]:
     with socket.socket() as s:  # a port nothing listens on: an index that cannot be reached
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}/simple"
-    return {k: (root / k).as_uri() for k in ("pypi", "cpu")} | {"local": str(root / "local" / "torch"), "closed": closed}
+    return {k: (root / k).as_uri() for k in ("pypi", "cpu")} | {
+        "local": str(root / "local" / "torch"),
+        "closed": closed,
+    }
 
 
 def choose(indexes: dict[str, str], **env: str) -> tuple[int, str, str, str]:

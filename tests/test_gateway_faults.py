@@ -168,7 +168,9 @@ def test_pool_without_the_field_fails_closed(engine):
         with g.client() as c:
             assert err(c.post("/v1/chat/completions", json=chat(max_tokens=5))) == (503, "pool_size_unknown")
             error = c.get("/readyz").json()["upstreams"][0]["error"]
-            assert error == f"{engine.info_url}: server_info has no max_total_num_tokens (a positive integer up to 2**40)"
+            assert (
+                error == f"{engine.info_url}: server_info has no max_total_num_tokens (a positive integer up to 2**40)"
+            )
             engine.state.info_mode = "ok"  # the field comes back: the next poll recovers
             assert wait_for(lambda: c.get("/readyz").status_code == 200, 3.0)
             assert c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code == 200

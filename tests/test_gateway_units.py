@@ -16,7 +16,8 @@ from gateway.ops.pool_watcher import PoolReadError, limit_from_server_info, limi
 from gateway.ops.tenants import TenantRegistry, hash_key
 from gateway.relay.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, strip_usage_null
 from gateway.routes.handlers import request_id_of
-from verifier.engine_response import engine_error
+from gateway.relay.stream import Tally
+from verifier.engine_response import EngineOutput, engine_error
 
 
 # ---------------------------------------------------------------- pool formula
@@ -137,6 +138,18 @@ def test_splitter_bounds_one_event():
     assert sp.tail() == b""  # the buffer is released
     unbounded = SSESplitter(max_event_bytes=None)
     assert unbounded.feed(b"data: " + b"z" * (3 << 20)) == [] and len(unbounded.tail()) == 6 + (3 << 20)
+
+
+@pytest.mark.parametrize(
+    ("header", "ttft"),
+    [("0.25", 0.25), ("0", 0.0), ("inf", None), ("nan", None), ("-1", None), ("1e999", None), ("x", None)],
+)
+def test_a_whole_answers_ttft_is_a_finite_duration_or_none(header, ttft):
+    """An engine's x-prefill-seconds is the TTFT of a whole answer only when it is a finite number
+    of seconds, at least 0 ("inf" once reached the latency sketch and backed the leak index off)."""
+    tally = Tally(0.0)
+    tally.take_body(EngineOutput(texts={0: "hi"}, finish_reason="stop"), header)
+    assert (tally.ttft_seconds, tally.texts) == (ttft, {0: ["hi"]})
 
 
 def test_inspect_kinds():

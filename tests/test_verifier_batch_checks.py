@@ -179,3 +179,34 @@ def test_a_huge_answer_is_prepared_in_the_thread_not_on_the_loop(tmp_path):
     assert calls == ["sync", "async"]
     assert [(d, t) for d, t, _, _ in got].count(("leak_index", "b")) == 3
     assert stats["checked"] == 3
+
+
+def test_a_check_that_fails_on_its_own_is_a_fault_not_a_store_outage(tmp_path):
+    """A check that raises something no store raises (before the fix an engine's
+    ``x-prefill-seconds: inf`` reached the latency sketch, which raised OverflowError) is that
+    job's fault: counted in ``job_faults``, with no store back-off, so the leak check after it
+    still finds b's copy of a's prompt. Before, the job backed the store off for 5 s and every
+    check in that window, a strict tenant's included, skipped the leak index."""
+
+    def workload(svc: VerifierService) -> None:
+        svc.begin(ex("a", A_PROMPT))
+        for i, ttft in enumerate([float("inf"), 0.01]):
+            e = ex("b", f"Question {i}.")
+            e.state.sampled = True
+            svc.jobs.enqueue(CheckJob(e, [SEED_PL[1000:1600]], None, "stop", ttft))
+
+    def raising_tail(svc: VerifierService) -> None:
+        tail = svc.jobs.findings.tail
+
+        def tail_once(ex, usage, finish, ttft, strict=False):
+            if ttft == float("inf"):
+                raise OverflowError("cannot convert float infinity to integer")
+            return tail(ex, usage, finish, ttft, strict)
+
+        svc.jobs.findings.tail = tail_once  # type: ignore[method-assign]
+        workload(svc)
+
+    found, stats, calls = run_redis(tmp_path, "fault", on_loop=True, workload=raising_tail)
+    assert [(d, t) for d, t, _, _ in found] == [("leak_index", "b")]  # the second check's; the first faulted
+    assert (stats.get("job_faults"), stats.get("store_errors"), stats.get("store_skipped")) == (1, None, None)
+    assert calls == ["async"]

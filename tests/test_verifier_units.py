@@ -308,6 +308,20 @@ def test_latency_buckets_and_bound():
     assert m.bound("u", 3000, "stream") is None and m.observe("u", 3000, 0.001, "stream").anomaly is False
 
 
+def test_latency_neither_judges_nor_keeps_a_ttft_that_is_no_duration():
+    """inf overflowed the sketch (OverflowError in the check) and NaN was kept as a sample, leaving
+    its bucket's quantiles NaN: neither is judged or recorded, nor is a negative one."""
+    m = LatencyModel(quantile=0.001, margin=0.5, min_samples=10, min_prompt_tokens=512)
+    for i in range(10):
+        m.observe("u", 3000, 0.200 + i * 0.001)
+    bound = m.bound("u", 3000)
+    for bad in (float("inf"), float("-inf"), float("nan"), -1.0):
+        v = m.observe("u", 3000, bad)
+        assert (v.anomaly, v.bound_seconds, v.bucket) == (False, None, 11)
+    assert m.samples("u", 11) == 10 and m.bound("u", 3000) == bound
+    assert m.take_unsaved()[-1][2] == pytest.approx(0.209)
+
+
 def test_latency_floor_takes_the_fixed_overhead_out_of_the_margin():
     m = LatencyModel(quantile=0.001, margin=0.5, min_samples=10, min_prompt_tokens=512)
     for i in range(10):
@@ -439,7 +453,9 @@ def test_squeeze_runs_grid_sample_never_misses_a_run(prefix: str, unit: str, rep
     from verifier.shingles import squeeze_runs
 
     text = prefix + (unit * reps)[: reps if len(unit) == 1 else 2 * reps] + suffix
-    want = re.sub(r"(.)\1{64,}", lambda m: m.group()[:64], re.sub(r"\s{65,}", lambda m: m.group()[:64], text), flags=re.S)
+    want = re.sub(
+        r"(.)\1{64,}", lambda m: m.group()[:64], re.sub(r"\s{65,}", lambda m: m.group()[:64], text), flags=re.S
+    )
     assert squeeze_runs(text) == want
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from config.models import TenantConfig, VerifierSettings
-from config.redis_client import StoreBackoff
+from config.redis_client import StoreBackoff, store_errors
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.drift import check_finish, check_usage
 from verifier.incidents import ALERTS, CHECKS, DROPPED, QUARANTINES, Incident, IncidentSink
@@ -33,6 +33,9 @@ from verifier.shingles import encode
 from verifier.stage import Exchange
 
 log = logging.getLogger("kvgate.verifier")
+
+#: what a failing leak-index or canary store raises; anything else is the check's own fault
+STORE_ERRORS = store_errors()
 
 
 @dataclass
@@ -386,7 +389,7 @@ class Findings:
                 found.append(leak)
         except StoreSkipped:
             pass
-        except Exception as e:  # the store is down: the other detectors still run
+        except STORE_ERRORS as e:  # the store is down: the other detectors still run
             self.store.error(e)
         return found
 

@@ -26,7 +26,7 @@ from redis.exceptions import NoScriptError
 from config.models import VerifierSettings
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.caps import TenantCaps
-from verifier.findings import CheckJob, Findings, Prepared, StoreHealth, attach_owners
+from verifier.findings import STORE_ERRORS, CheckJob, Findings, Prepared, StoreHealth, attach_owners
 from verifier.fingerprint_cache import FingerprintCache, Fingerprinted
 from verifier.incidents import DROPPED, DROPPED_BYTES, JOB_FAULTS, WORKER_STOPS
 from verifier.leak_index import LeakIndex, MemoryLeakStore, RedisLeakStore
@@ -526,10 +526,10 @@ class JobQueue:
                 self.findings.check_whole_locked(job, self.stats, prepared)
         except FATAL:
             raise
-        except Exception as e:  # a store error (Redis down) must not kill the worker
+        except STORE_ERRORS as e:  # Redis down: the store backs off; the worker goes on
             self.stats["errors"] += 1
             store.error(e)
-        except BaseException as e:  # e.g. tiktoken's pyo3 PanicException: this job only
+        except BaseException as e:  # a bug or e.g. tiktoken's pyo3 PanicException: this job only
             self.fault("ingest" if isinstance(job, IngestJob) else "check", e)
 
     def _ingest(self, job: IngestJob) -> None:

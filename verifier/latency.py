@@ -155,7 +155,7 @@ class LatencyModel:
     ) -> None:
         """Add a sample that was not an anomaly (anomalies are kept out of calibration);
         ``prompt_tokens``: the tokens really prefilled."""
-        if ttft_seconds <= 0:
+        if not 0 < ttft_seconds < math.inf:  # also NaN: a sketch keeps NaN, and inf overflows it
             return
         key = (upstream, model, kind, bucket_of(prompt_tokens))
         self._add(key, tenant, ttft_seconds)
@@ -212,7 +212,7 @@ class LatencyModel:
         n = self.prefilled_tokens(prompt_tokens, cached_tokens)
         b = bucket_of(n)
         known = cached_tokens is not None and 0 <= cached_tokens <= prompt_tokens
-        if ttft_seconds is None or ttft_seconds < 0:
+        if ttft_seconds is None or not 0 <= ttft_seconds < math.inf:
             return LatencyVerdict(False, None, b, known)
         bound = self.bound(upstream, n, kind, model)
         anomaly = n >= self.min_prompt_tokens and bound is not None and ttft_seconds < bound
@@ -231,9 +231,10 @@ class LatencyModel:
     ) -> LatencyVerdict:
         """Judge one TTFT (``kind``: ``stream`` or ``whole``; ``cached_tokens``: the engine's
         prefix-cache hit, ``None`` when it did not say) and, when it is no anomaly, add it to
-        ``tenant``'s calibration of the bucket of the prefilled tokens."""
+        ``tenant``'s calibration of the bucket of the prefilled tokens. A TTFT that is ``None``,
+        negative, infinite or NaN is neither judged nor recorded."""
         v = self.judge(upstream, prompt_tokens, ttft_seconds, kind, model=model, cached_tokens=cached_tokens)
-        if not v.anomaly and ttft_seconds is not None and ttft_seconds >= 0:
+        if not v.anomaly and ttft_seconds is not None:
             n = self.prefilled_tokens(prompt_tokens, cached_tokens)
             self.record(upstream, n, ttft_seconds, kind, model, tenant)
         return v

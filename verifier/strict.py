@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from config.models import VerifierSettings
-from verifier.findings import CheckJob, Evidence, Findings, StoreSkipped, incident, trusted
+from verifier.findings import STORE_ERRORS, CheckJob, Evidence, Findings, StoreSkipped, incident, trusted
 from verifier.incidents import CHECKS, Incident
 from verifier.jobs import JobQueue
 from verifier.latency import LatencyModel
@@ -118,7 +118,7 @@ class StrictChecks:
                     verdict.merge(self.index.check_ids(tenant, ids, own, seen, record_spread=spread))
             except StoreSkipped:
                 pass
-            except Exception as e:  # the store is down: fail open (counted), latency still applies
+            except STORE_ERRORS as e:  # the store is down: fail open (counted), latency still applies
                 f.store.error(e)
         leak = f.leak(exchange, verdict)
         if leak:

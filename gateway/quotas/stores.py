@@ -22,7 +22,7 @@ from importlib import resources
 from typing import Any, Protocol
 
 from config.models import TenantConfig
-from config.redis_client import is_cluster, key_slot
+from config.redis_client import is_cluster, key_slot, store_errors
 from verifier.stage import PendingWrite
 
 log = logging.getLogger("kvgate.quotas")
@@ -526,7 +526,6 @@ class RedisQuotaStore:
         a fresh one, so a Redis that answers again costs no 503; a timeout is never retried, and
         the stage's deadline bounds both tries. Raises :class:`QuotaStoreUnavailable`."""
         from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import RedisClusterException, RedisError
 
         try:
             try:
@@ -537,7 +536,7 @@ class RedisQuotaStore:
                     await self._release_held()
                     await self.client.connection_pool.disconnect(inuse_connections=False)
                 return await send()
-        except (RedisError, RedisClusterException, OSError) as e:  # the cluster's: no node answers
+        except store_errors() as e:  # also a cluster with no node answering
             raise QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}") from e
 
     async def reserve(

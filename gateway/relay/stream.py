@@ -16,6 +16,7 @@ What the stream produced is counted in a :class:`Tally`, which only the relay wr
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
@@ -87,14 +88,17 @@ class Tally:
 
     def take_body(self, out: EngineOutput, prefill_seconds: str | None) -> None:
         """A whole answer's texts, usage and finish reason; its TTFT is the engine's
-        ``x-prefill-seconds`` header when it is a number."""
+        ``x-prefill-seconds`` header when it is a finite number of seconds, at least 0 (an engine
+        sending ``inf``, ``nan`` or ``-1`` reports no TTFT)."""
         self.usage, self.finish_reason = out.usage, out.finish_reason
         self.texts = {i: [t] for i, t in out.texts.items()}
         if prefill_seconds:
             try:
-                self.ttft_seconds = float(prefill_seconds)
+                seconds = float(prefill_seconds)
             except ValueError:
-                pass
+                return
+            if math.isfinite(seconds) and seconds >= 0:
+                self.ttft_seconds = seconds
 
     def result(self) -> Produced:
         """The frozen record of what was produced so far."""
