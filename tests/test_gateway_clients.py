@@ -146,6 +146,12 @@ def test_responses_sampling_fields_are_type_checked(gw):
 
 
 # ------------------------------------------------------------------ Responses bounds (issue 22)
+#: an object nested 300 levels deep: orjson parses it, and refuses to write it
+DEEP: dict[str, Any] = {}
+for _ in range(300):
+    DEEP = {"a": DEEP}
+
+
 def schema_format(schema: dict, **kw: Any) -> dict:
     return {"format": {"type": "json_schema", "name": "out", "schema": schema, **kw}}
 
@@ -183,6 +189,9 @@ def schema_format(schema: dict, **kw: Any) -> dict:
             "'format' of type json_schema needs 'name' (a string) and 'schema' (an object)",
         ),
         ("text", schema_format({"description": "x" * 32768}), "'format' must be at most 32768 bytes as JSON"),
+        # orjson reads 1,024 levels and writes 254: these two were a 500 (its TypeError) before
+        ("text", schema_format(DEEP), "'format' is nested too deeply (more than 254 levels)"),
+        ("tool_choice", {"type": "function", "name": "f", "x": DEEP}, "is nested too deeply (more than 254 levels)"),
         (
             "text",
             schema_format({"type": "array", "maxItems": 1001}),
@@ -204,6 +213,13 @@ def test_responses_bounds_refuse_with_the_field_named(gw, field, value, problem)
 
         problem = "must be an array of " + ", ".join(INCLUDABLE)
     assert refused(post(gw, "/v1/responses", {"input": "x", field: value})) == invalid(field, problem)
+
+
+def test_a_chat_response_format_nested_too_deeply_is_refused_not_a_500(gw):
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "x": DEEP}}}
+    r = post(gw, "/v1/chat/completions", {**body, "response_format": fmt})
+    assert refused(r) == invalid("response_format", "is nested too deeply (more than 254 levels)")
 
 
 def test_responses_bounds_admit_their_limits(gw):

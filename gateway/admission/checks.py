@@ -131,6 +131,18 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_GRAMMAR_BYTES = 32 * 1024
 #: most ``stop_token_ids`` entries
 MAX_STOP_TOKEN_IDS = 64
+
+
+def json_size_problem(v: Any, limit: int = MAX_GRAMMAR_BYTES) -> str | None:
+    """Why ``v`` (a parsed JSON value) cannot be forwarded as at most ``limit`` bytes of JSON:
+    too large, or nested deeper than orjson writes (254 levels; it reads 1,024), else ``None``."""
+    try:
+        size = len(orjson.dumps(v))
+    except orjson.JSONEncodeError:
+        return "is nested too deeply (more than 254 levels)"
+    return f"must be at most {limit} bytes as JSON" if size > limit else None
+
+
 #: ``chat_template_kwargs`` keys passed through: booleans that Jinja templates read to switch
 #: reasoning on or off (Qwen3/GLM ``enable_thinking``, DeepSeek-V3.1/Kimi ``thinking``). They are
 #: given to the counting template as well, so their prompt effect is counted. Any other key
@@ -236,8 +248,8 @@ def _json_schema_str(v: Any) -> str | None:
 def _response_format(v: Any) -> str | None:
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
         return "must be an object whose 'type' is text, json_object or json_schema"
-    if len(orjson.dumps(v)) > MAX_GRAMMAR_BYTES:  # the engine compiles the schema into a grammar
-        return f"must be at most {MAX_GRAMMAR_BYTES} bytes as JSON"
+    if problem := json_size_problem(v):  # the engine compiles the schema into a grammar
+        return problem
     spec = v.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     problem = schema_problem(schema) if schema is not None else None

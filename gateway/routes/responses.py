@@ -23,7 +23,6 @@ from gateway.admission.checks import (
     EXTENSION_FIELDS,
     INT64_MAX,
     INT64_MIN,
-    MAX_GRAMMAR_BYTES,
     Check,
     anything,
     array,
@@ -31,6 +30,7 @@ from gateway.admission.checks import (
     check_fields,
     check_stream_options,
     int_in,
+    json_size_problem,
     metadata_problem,
     num_in,
     one_of,
@@ -121,9 +121,7 @@ def _tool_choice(v: Any) -> str | None:
             return f"'{key}' must be a string for type '{kind}'"
     if kind == "allowed_tools" and (v["mode"] not in ("auto", "required") or not isinstance(v.get("tools"), list)):
         return "allowed_tools needs 'mode' (auto or required) and 'tools' (an array)"
-    if len(orjson.dumps(v)) > MAX_GRAMMAR_BYTES:
-        return f"must be at most {MAX_GRAMMAR_BYTES} bytes as JSON"
-    return None
+    return json_size_problem(v)
 
 
 def _text(v: Any) -> str | None:
@@ -144,8 +142,8 @@ def _text(v: Any) -> str | None:
         return None
     if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema"), dict):
         return "'format' of type json_schema needs 'name' (a string) and 'schema' (an object)"
-    if len(orjson.dumps(fmt)) > MAX_GRAMMAR_BYTES:  # the engine compiles the schema into a grammar
-        return f"'format' must be at most {MAX_GRAMMAR_BYTES} bytes as JSON"
+    if problem := json_size_problem(fmt):  # the engine compiles the schema into a grammar
+        return f"'format' {problem}"
     problem = schema_problem(fmt["schema"])
     return None if problem is None else f"'format.schema' {problem}"
 
