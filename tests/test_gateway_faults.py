@@ -4,12 +4,14 @@ pools unreachable, without the field, stale, shrinking; clients that disconnect.
 from __future__ import annotations
 
 import json
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
-from tests.gateway_harness import MODEL, Gateway, chat, closed_port_url, settings_for, upstream, wait_for
+from tests.gateway_harness import KEY_A, MODEL, Gateway, chat, closed_port_url, settings_for, upstream, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -286,3 +288,53 @@ def test_client_disconnect_while_waiting_for_a_whole_answer(engine):
         assert engine.state.cancelled[0][1] - closed_at < 1.0
     finally:
         g.stop()
+
+
+def _pipelined(g: Gateway, body: dict, n: int, rid: str) -> socket.socket:
+    """``n`` copies of one chat request written at once on a new connection, as a pipelining
+    client sends them."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {KEY_A}\r\n"
+        f"content-type: application/json\r\nx-request-id: {rid}\r\ncontent-length: {len(data)}\r\n\r\n"
+    ).encode()
+    url = urlsplit(g.url)
+    s = socket.create_connection((url.hostname, url.port), timeout=5)
+    s.sendall((head + data) * n)
+    return s
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_with_pipelined_requests_waiting_cancels_the_one_answered(engine, stream, caplog):
+    """Two pipelined chats, then the client closes while the engine still works on the first
+    (a whole answer it never sends, or a stream's first chunk then a 3 s wait). The engine sees
+    the first cancelled within 1 s, as with one request, and nothing is logged as an error.
+    Before, uvicorn stopped reading while the second waited, so the close went unseen until
+    the read timeout (the lease and the engine's sequence held meanwhile), and it marked only
+    the waiting request disconnected: the stream's next write met the closed socket (an
+    unhandled RuntimeError, logged as a 200 with internal_error)."""
+    if stream:
+        engine.state.stream_chunks = [
+            b'data: {"choices":[{"index":0,"delta":{"content":"one"}}]}\n\n',
+            b'data: {"choices":[{"index":0,"delta":{"content":" two"}}]}\n\n',
+        ]
+        engine.state.chunk_interval_seconds = 3
+    else:
+        engine.state.mode = "hang"
+    g = Gateway(settings_for([upstream("u1", engine)]), edge=True).start()
+    try:
+        s = _pipelined(g, chat(max_tokens=5, stream=stream), 2, "piped-1")
+        if stream:
+            assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+        else:
+            assert wait_for(lambda: engine.state.requests, 2.0)
+        s.close()
+        closed_at = time.monotonic()
+        assert wait_for(lambda: engine.state.cancelled, 2.0)
+        assert engine.state.cancelled[0][0] == "piped-1" and engine.state.cancelled[0][1] - closed_at < 1.0
+        assert len(engine.state.requests) == 1  # the waiting request was never forwarded
+        with g.client() as c:
+            assert wait_for(lambda: 'kvgate_client_disconnects_total{route="chat"} 1.0' in c.get("/metrics").text, 2)
+    finally:
+        g.stop()
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []

@@ -388,6 +388,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._sent_seen = 0  # bytes the client's TCP had taken when the send timer was armed
+        self._running: Any = None  # the cycle whose app runs (uvicorn's ``cycle`` is the newest parsed)
 
     # ------------------------------------------------------------ refusals
     def _refuse(self, status: int, message: str, code: str, delay_seconds: float = 0.0) -> None:
@@ -502,7 +503,17 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._watch_send()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._running = cycle
         super()._start_asgi_task(cycle, _paced_app(app, cycle))
+
+    def _disconnect_all(self) -> None:
+        """The connection is gone: every unanswered request on it sees the disconnect, the one
+        being answered and those pipelined behind it alike (uvicorn marks only its ``cycle``,
+        the newest request parsed, which is a queued one while pipelined requests wait)."""
+        for cycle in (self._running, self.cycle, *(c for c, _ in self.pipeline)):
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
 
     # ------------------------------------------------------------ asyncio.Protocol
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -547,6 +558,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         t = self.transport
         if isinstance(t, _LingeringTransport) and t.lingering:
             t.abort_linger()  # cancels the linger timer
+        self._disconnect_all()
         super().connection_lost(exc)
         if isinstance(t, _LingeringTransport):
             t.release()
@@ -602,6 +614,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
         super().on_headers_complete()
+        if self.pipeline and self.flow.read_paused:
+            # uvicorn stops reading while a pipelined request waits, so a client that leaves is
+            # not seen until its answer is written, and the request being answered held its
+            # engine request and its tenant's lease meanwhile. Reading on sees the EOF at once;
+            # what it takes in stays bounded: max_pipelined_requests heads, and uvicorn pauses
+            # again when a queued request's body passes its high-water mark (64 KiB)
+            self.flow.resume_reading()
         if self.cycle is not None and self._without_key():
             raise _StopParsing
         if self.cycle is not None and self.cycle.more_body:
