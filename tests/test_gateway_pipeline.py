@@ -7,6 +7,7 @@ client leaving before the engine answered, and mid-stream."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import socket
 import struct
@@ -370,6 +371,39 @@ def test_hostile_usage_numbers_never_lower_the_charge(engine, access):
     ] == [(200, 2, True)] * 2
     assert 'kvgate_prompt_tokens_total{tenant="tenant-a"} 22.0' in metrics
     assert 'kvgate_completion_tokens_total{tenant="tenant-a"}' not in metrics  # nothing usable was reported
+
+
+@pytest.mark.parametrize(
+    ("usage", "settled", "completion"),
+    [
+        ({"prompt_tokens": 10**12, "completion_tokens": 2**62}, 11 + 2, 2),  # both ignored: text counted
+        ({"prompt_tokens": 11, "completion_tokens": 8192}, 11 + 8192, 8192),  # the ceiling itself
+        ({"prompt_tokens": 8193, "completion_tokens": 8193}, 11 + 2, 2),  # one token above it
+        ({"prompt_tokens": 20, "completion_tokens": 3}, 20 + 3, 3),  # more than the gateway counted: trusted
+    ],
+)
+def test_usage_no_engine_could_report_is_ignored(engine, access, usage, settled, completion):
+    """An engine's usage above what the request could use (its one sequence at the model's
+    context length, 8,192) is no count: the settle charges the admitted prompt and the text
+    relayed, as for no report. Before, 2**62 completion tokens reached the quota scripts, which
+    failed half-applied (INCRBY of a float) and answered 503 to every tenant; 10**12 prompt
+    tokens locked the tenant out for the window."""
+    engine.state.stream_chunks = [
+        b'data: {"choices": [{"index": 0, "delta": {"content": "Hello world"}, "finish_reason": "stop"}]}\n\n',
+        b'data: {"choices": [], "usage": ' + json.dumps(usage).encode() + b"}\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    q = LedgerQuotas()
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q).start()
+    try:
+        with g.client() as c:
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True), headers={"x-request-id": "u"})
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        assert wait_for(lambda: len(access("u")) == 1, 3)
+    finally:
+        g.stop()
+    assert q.settled == {"u": [settled]}
+    assert access("u")[0]["completion_tokens"] == completion
 
 
 def test_the_access_log_names_a_refused_field_by_path_never_by_client_text(engine, access):

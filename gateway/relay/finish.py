@@ -8,8 +8,9 @@ engine (every upstream failed to connect); otherwise, however it ended (answered
 engine timeout or reset, client gone before or during the answer), at least the prompt as
 admitted, every prompt x its sequences (:func:`prompt_charge`; the engine's ``usage.prompt_tokens``
 when that is more), plus the completion: the engine's ``usage.completion_tokens``, or without it
-(none sent, or the stream was cut or cancelled before it) the completion text relayed so far,
-counted with the model's tokenizer. So leaving, or making the engine fail, after the prompt was
+(none sent, the stream was cut or cancelled before it, or a number no engine could report: above
+every sequence at the model's context length) the completion text relayed so far, counted with the
+model's tokenizer. So leaving, or making the engine fail, after the prompt was
 sent never makes its prefill free.
 """
 
@@ -67,15 +68,32 @@ def error_code(outcome: RelayOutcome) -> str | None:
     return outcome.error_code or outcome.produced.error_code
 
 
+def usage_ceiling(adm: Admission) -> int:
+    """The most tokens an engine can have used for a request, in tokens: each of its sequences
+    (prompts x ``max(n, best_of)``) holds at most the model's context length, prompt and
+    completion together (or the gate's limit, where that is larger). A usage report above it is
+    no engine's count."""
+    return adm.sequences * max(adm.model.config.context_length, adm.limit)
+
+
 def _usage_count(outcome: RelayOutcome, key: str) -> int | None:
-    """``usage[key]`` when the engine reported it as an int >= 0 (not a bool), else ``None``."""
+    """``usage[key]`` when the engine reported it as an int from 0 to :func:`usage_ceiling`
+    (not a bool), else ``None``: the settle then counts the text relayed, as for no report.
+    Unbounded, one engine report of 2**62 tokens broke the quota scripts for every tenant and
+    one of 10**12 locked its tenant out for the window."""
     usage = outcome.produced.usage
     v = usage.get(key) if isinstance(usage, dict) else None
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        return None
+    if v > usage_ceiling(outcome.admitted.admission):
+        log.warning("upstream reported usage.%s %d, above what the request could use; ignored", key, v)
+        return None
+    return v
 
 
 def reported_completion_tokens(outcome: RelayOutcome) -> int | None:
-    """The engine's ``usage.completion_tokens`` when it reported an int >= 0, else ``None``."""
+    """The engine's ``usage.completion_tokens`` when it reported a plausible int (:func:`_usage_count`),
+    else ``None``."""
     return _usage_count(outcome, "completion_tokens")
 
 
