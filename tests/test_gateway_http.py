@@ -274,6 +274,21 @@ def test_engine_error_bodies(gw, engine, status, body, want):
             assert error_of(r) == want
 
 
+def test_an_engine_status_no_client_can_be_answered_with_is_a_502(gw, engine):
+    """An engine answering 499 (nginx's "client closed") would read as the gateway's own 499
+    for a client that went away; it is relayed as 502, in the OpenAI shape."""
+    engine.state.mode = "error"
+    engine.state.error_status = 499
+    engine.state.error_body = b'{"error":{"message":"closed"}}'
+    with gw.client() as c:
+        for stream in (False, True):
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=stream))
+            assert (r.status_code, error_of(r)) == (
+                502,
+                {"message": "closed", "type": "server_error", "param": None, "code": None},
+            )
+
+
 def test_abort_under_200_is_counted(gw, engine):
     engine.state.finish_reason = "abort"
     with gw.client() as c:

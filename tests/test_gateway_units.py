@@ -197,6 +197,25 @@ def test_engine_error_shapes():
     assert no_code.status == 502
 
 
+@pytest.mark.parametrize(
+    ("status", "body", "want"),
+    [
+        (600, b"{}", 502),
+        (999, b'{"error":{"message":"odd","code":400}}', 502),
+        (499, b"{}", 502),  # the gateway's own status for a client that went away
+        (204, b"", 502),
+        (200, b'{"error":{"message":"x","code":999}}', 502),
+        (200, b'{"error":{"message":"x","code":499}}', 502),
+        (200, b'{"error":{"message":"x","code":429}}', 429),
+        (599, b"{}", 599),
+    ],
+)
+def test_engine_error_status_is_one_the_gateway_can_answer(status, body, want):
+    """An engine's 600 or 999 reached the server layer, which knows no such status line: the
+    client's connection was dropped and a KeyError logged as a 500."""
+    assert engine_error(status, body).status == want
+
+
 # ---------------------------------------------------------------- parsing and validation
 @pytest.mark.parametrize(
     "raw", [b"", b"{", b"[1]", b'{"a": NaN}', b'{"a": Infinity}', b'{"a": "\xff"}', b'{"a": "\\ud800"}']

@@ -404,11 +404,17 @@ def _error_fields(data: Any) -> dict[str, Any]:
     return {}
 
 
+def _relayed_status(status: int) -> bool:
+    return 400 <= status <= 599 and status != 499
+
+
 def engine_error(status: int, body: bytes | Any) -> OpenAIError:
     """An engine's error answer as an :class:`OpenAIError`.
 
-    ``status``: the engine's HTTP status; below 400 (an error event inside a 200 stream, or an
-    error object in a 200 body) the error's numeric ``code`` when it is 4xx/5xx, else 502.
+    ``status``: the engine's HTTP status, kept when it is 4xx or 5xx but 499 (the gateway's own
+    for a client that went away); below 400 (an error event inside a 200 stream, or an error
+    object in a 200 body) the error's numeric ``code`` when it is such a status; else 502 (an
+    engine's 600 or 999 was a 500 of the server layer, which knows no such status line).
     ``body``: the raw bytes or an already parsed object. The engine's ``message`` (cut to
     :data:`MAX_ENGINE_MESSAGE_CHARS`), string ``code`` and ``param`` are kept; an OpenAI ``type``
     is kept, any other is replaced by the status's. A message naming "maximum context length"
@@ -425,8 +431,8 @@ def engine_error(status: int, body: bytes | Any) -> OpenAIError:
         text = bytes(body[:500]).decode("utf-8", "replace") if isinstance(body, (bytes, bytearray)) else ""
         message = f"The upstream engine answered {status}" + (f": {text}" if text.strip() else ".")
     raw_code = e.get("code")
-    if status < 400:
-        status = raw_code if isinstance(raw_code, int) and 400 <= raw_code <= 599 else 502
+    if not _relayed_status(status):
+        status = raw_code if status < 400 and isinstance(raw_code, int) and _relayed_status(raw_code) else 502
     code = raw_code if isinstance(raw_code, str) and raw_code else None
     if code is None and "maximum context length" in message:
         code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
