@@ -125,6 +125,9 @@ class OpenAIError(Exception):
     #: the request's prompt tokens where they were counted before the refusal (for the access log
     #: of a ``context_length_exceeded``; never in the body)
     prompt_tokens: int | None = None
+    #: the message, code and param are an engine's (:func:`verifier.engine_response.engine_error`),
+    #: text no verifier has checked
+    from_engine: bool = False
 
     def __post_init__(self) -> None:
         if len(self.message) > MAX_MESSAGE_CHARS:

@@ -104,6 +104,11 @@ class LeakState:
         self.slow_seconds = 0.0
         self.prefill_seconds: float | None = None
         self.cached_tokens: int | None = 0
+        #: answer with an error whose message is ``error_text``: ``http`` (a 400), ``in_200`` (an
+        #: error object under 200), ``stream_first`` (a stream's first event), ``stream_after``
+        #: (after the words' events); ``None``: no error
+        self.error_mode: str | None = None
+        self.error_text = ""
         self.requests: list[dict] = []
 
 
@@ -161,6 +166,9 @@ def build_engine(st: LeakState) -> Starlette:
         if st.cached_tokens is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": st.cached_tokens}
         echo = st.echo_text if st.echo_text is not None else prompt
+        error = {"error": {"message": st.error_text, "type": "BadRequestError", "param": st.error_text, "code": 400}}
+        if st.error_mode in ("http", "in_200"):
+            return JSONResponse(error, status_code=400 if st.error_mode == "http" else 200)
         # the other choices say as many words as the leaking one: interleaved one word per event
         choice_words = [st.words if i == st.leak_choice else clean_passage()[: len(st.words)] for i in range(n)]
         field = st.field
@@ -207,6 +215,8 @@ def build_engine(st: LeakState) -> Starlette:
             return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
         async def gen():
+            if st.error_mode == "stream_first":
+                yield b"data: " + json.dumps(error).encode() + b"\n\n"
             if body.get("echo") and not chat:
                 yield event(0, echo, "text", True)
             per = [_pieces(w) for w in choice_words]
@@ -215,6 +225,8 @@ def build_engine(st: LeakState) -> Starlette:
                     if k < len(p):
                         f = field if i == st.leak_choice else ("content" if chat else "text")
                         yield event(i, p[k], f, k == 0)
+            if st.error_mode == "stream_after":
+                yield b"data: " + json.dumps(error).encode() + b"\n\n"
             fin = {"id": "x1", "choices": [{"index": i, "delta": {}, "finish_reason": "stop"} for i in range(n)]}
             if not chat:
                 fin["choices"] = [{"index": i, "text": "", "finish_reason": "stop"} for i in range(n)]
@@ -486,3 +498,41 @@ def test_poisoned_calibration_still_flags_a_leak_and_an_honest_cache_hit_passes(
         ]
     finally:
         st.cached_tokens, st.prefill_seconds = 0, None
+
+
+STRICT_ENGINE_ERROR = {
+    "message": "The upstream engine answered an error (400); its message is not shown under strict verification.",
+    "type": "invalid_request_error",
+    "param": None,
+    "code": None,
+}
+
+
+@pytest.mark.parametrize("mode", ["http", "in_200", "stream_first", "stream_after"])
+def test_an_engine_error_carries_no_unchecked_text_to_a_strict_tenant(stack, mode):
+    """The engine puts the victim's passage into its error message and param: as a 400, as an
+    error object under 200, as a stream's first event and after the stream's text. The strict
+    tenant gets the status and the gateway's own message, 0 victim bytes; after the text, the
+    error event comes after the text's events, as the engine sent them (a strict stream's
+    hold-back once let it overtake them). A tenant without strict verification gets the engine's
+    message (so the test can fail). Before, each of the four relayed the passage to the strict
+    tenant."""
+    st, svc, client = stack
+    passage, _ = victim_passage()
+    st.error_mode, st.error_text = mode, "The secret plan: " + passage
+    st.field, st.n, st.leak_choice, st.words = "content", 1, 0, clean_passage()[:40]
+    stream = mode.startswith("stream")
+    try:
+        status, raw = _send(client, "s", _body(True, stream, 1), chat=True)
+        c_status, c_raw = _send(client, "c", _body(True, stream, 1), chat=True)
+    finally:
+        st.error_mode = None
+    assert MARK.encode() not in raw
+    assert MARK.encode() in c_raw and c_status == status
+    if mode == "stream_after":
+        cut = raw.index(b'data: {"error"')
+        assert status == 200 and raw.endswith(b"data: [DONE]\n\n") and raw.count(b'data: {"error"') == 1
+        assert _field_text(raw[:cut], True, 0) == " ".join(clean_passage()[:40])  # every word came first
+        assert json.loads(raw[cut + 6 : raw.index(b"\n", cut)]) == {"error": STRICT_ENGINE_ERROR}
+    else:
+        assert (status, json.loads(raw)) == (400, {"error": STRICT_ENGINE_ERROR})

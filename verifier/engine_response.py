@@ -39,6 +39,7 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
@@ -440,7 +441,22 @@ def engine_error(status: int, body: bytes | Any) -> OpenAIError:
     if etype not in OPENAI_ERROR_TYPES:
         etype = error_type_for_status(status)
     param = e.get("param") if isinstance(e.get("param"), str) else None
-    return OpenAIError(status, message[:MAX_ENGINE_MESSAGE_CHARS], code=code, param=param, type=etype)
+    return OpenAIError(status, message[:MAX_ENGINE_MESSAGE_CHARS], code=code, param=param, type=etype, from_engine=True)
+
+
+_CODE = re.compile(r"[a-z0-9_]{1,64}")
+
+
+def strict_view(err: OpenAIError) -> OpenAIError:
+    """What a tenant with strict verification is told of an engine's error ``err``: its status
+    and type, its code when it is a plain identifier (``context_length_exceeded``), and a message
+    of the gateway's own. The engine's message and param are text no verifier checked, and an
+    engine that mixed up requests can put another tenant's prompt there as well as in an answer."""
+    code = err.code if err.code is not None and _CODE.fullmatch(err.code) else None
+    message = (
+        f"The upstream engine answered an error ({err.status}); its message is not shown under strict verification."
+    )
+    return OpenAIError(err.status, message, code=code, type=err.type or error_type_for_status(err.status))
 
 
 # ------------------------------------------------------------------ /v1/responses

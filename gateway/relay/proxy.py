@@ -208,6 +208,7 @@ def _answer(
         ctx.body_budget,
         a.tenant.id,
         a.arrival.request_id,
+        a.tenant.strict_verify,
     )
     return relay_stream(resp, a.arrival.api.stream_protocol, guard, tally, opts)
 

@@ -25,6 +25,7 @@ from starlette.responses import Response
 from config.errors import ErrorCode, OpenAIError
 from gateway.relay.proxy import RelayOutcome, response_headers, stream_error_tail
 from gateway.relay.stream import Chunk
+from verifier.engine_response import strict_view
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -134,6 +135,8 @@ class RelayResponse(Response):
 
     async def _send_error(self, send: Any, err: OpenAIError) -> None:
         o = self.outcome
+        if err.from_engine and o.admitted.tenant.strict_verify:
+            err = strict_view(err)
         o.error_code = err.code
         if self._started:  # mid-stream: an error event, then the end of the stream
             await self._body(send, stream_error_tail(o, err), False)

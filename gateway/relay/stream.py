@@ -24,9 +24,9 @@ from typing import Any, TypeAlias
 
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
 from gateway.relay.sse import SSEEventTooLarge, SSESplitter, strip_usage_null
-from gateway.relay.stream_protocol import StreamProtocol, error_event
+from gateway.relay.stream_protocol import StreamProtocol
 from gateway.relay.upstream_client import UpstreamError, UpstreamResponse
-from verifier.engine_response import EngineOutput, StreamEvent, engine_error
+from verifier.engine_response import EngineOutput, StreamEvent, engine_error, strict_view
 from verifier.stage import ResponseGuard
 
 log = logging.getLogger("kvgate.proxy")
@@ -117,13 +117,16 @@ class StreamOptions:
     """One stream's settings: ``max_event_bytes`` (``gateway.max_sse_event_bytes``, also the
     hold-back bound); ``strip_usage`` (the request's ``forward.strip_usage``); the large-body
     ``budget`` spent for ``tenant_id`` while huge events are read (``None``: none);
-    ``request_id`` for the log."""
+    ``request_id`` for the log; ``strict``: the tenant's verification is strict (an engine's error
+    event is replaced by the gateway's, without the engine's text:
+    :func:`verifier.engine_response.strict_view`)."""
 
     max_event_bytes: int
     strip_usage: bool
     budget: BodyBudget | None
     tenant_id: str
     request_id: str
+    strict: bool = False
 
 
 class HoldBack:
@@ -163,7 +166,7 @@ class _Events:
     """One stream's per-event steps: read, count, strip (:meth:`_take`), then relay the reads'
     events without a guard (:meth:`take`, no await per event) or through it (:meth:`feed`)."""
 
-    __slots__ = ("done", "guard", "hold", "protocol", "raw", "streamed", "strip", "tally", "too_large")
+    __slots__ = ("done", "guard", "hold", "protocol", "raw", "streamed", "strict", "strip", "tally", "too_large")
 
     def __init__(self, protocol: StreamProtocol, guard: ResponseGuard | None, tally: Tally, opts: StreamOptions):
         self.protocol = protocol
@@ -171,6 +174,7 @@ class _Events:
         self.tally = tally
         self.hold = HoldBack(opts.max_event_bytes)
         self.strip = protocol.strips_usage and opts.strip_usage
+        self.strict = opts.strict
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
         self.done = False  # the protocol's end marker came
         self.raw = b""  # the bytes to relay of the event :meth:`_take` returned
@@ -186,9 +190,9 @@ class _Events:
             self.done = True
             return None
         self.tally.add(ev)
-        if kind == "error" and self._engine_error(ev, out):
-            return None
-        if self.strip and kind == "chunk":
+        if kind == "error":
+            raw = self._engine_error(ev, raw)
+        elif self.strip and kind == "chunk":
             if ev.usage_only:
                 return None
             raw = strip_usage_null(raw)
@@ -228,17 +232,20 @@ class _Events:
                 self.hold.started = True
                 yield b"", True  # the response starts now, even when the guard holds every event back
 
-    def _engine_error(self, ev: StreamEvent, out: list[bytes]) -> bool:
-        """An engine error event: raised before the response started; after it, counted and,
-        where the protocol says so, replaced by the gateway's error event (true: done with it)."""
+    def _engine_error(self, ev: StreamEvent, raw: bytes) -> bytes:
+        """An engine error event: raised before the response started; after it, counted, and the
+        bytes to relay in its place, in order with the events around it (through the guard's
+        hold-back when there is one): the gateway's error event where the protocol replaces the
+        engine's, or under strict verification (without the engine's text); else ``raw``."""
         err = engine_error(200, {"error": ev.error or {}})
         if not self.hold.started:
             raise err
+        if self.strict:
+            err = strict_view(err)
         self.tally.error_code = err.code
-        if self.protocol.replaces_error_events:
-            out.append(error_event(err))
-            return True
-        return False
+        if self.protocol.replaces_error_events or self.strict:
+            return self.protocol.error_in_place(err, ev.sequence_number)
+        return raw
 
     def _pieces(self, ev: StreamEvent) -> list[tuple[str, str]]:
         """What the guard checks of ``ev``: its text streams, and (protocols with snapshots) the

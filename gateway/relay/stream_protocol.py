@@ -76,7 +76,7 @@ class StreamProtocol:
     ``end_marker``: bytes the gateway sends after the last event (``b""``: none).
     ``error_tail(err, last sequence number) -> bytes``: what ends a stream the gateway cuts.
     ``replaces_error_events``: an engine error event after the response started is replaced by
-    :func:`error_event` (not fed to the guard); otherwise it is relayed as sent.
+    ``error_in_place(err, the engine event's sequence number)``; otherwise it is relayed as sent.
     ``strips_usage``: when the request's ``forward.strip_usage`` is set, the usage-only event is
     dropped and ``"usage": null`` members are removed. ``checks_snapshots``: text an event repeats
     is checked by the guard where it differs from the deltas streamed under its key."""
@@ -85,6 +85,7 @@ class StreamProtocol:
     read: Callable[[bytes], StreamEvent]
     end_marker: bytes
     error_tail: Callable[[OpenAIError, int | None], bytes]
+    error_in_place: Callable[[OpenAIError, int | None], bytes]
     replaces_error_events: bool
     strips_usage: bool
     checks_snapshots: bool
@@ -96,6 +97,7 @@ CHAT_SSE = StreamProtocol(
     read=inspect,
     end_marker=DONE_EVENT,
     error_tail=chat_error_tail,
+    error_in_place=lambda err, _seq: error_event(err),
     replaces_error_events=True,
     strips_usage=True,
     checks_snapshots=False,
@@ -107,6 +109,7 @@ RESPONSES_SSE = StreamProtocol(
     read=read_response_event,
     end_marker=b"",
     error_tail=response_error_event,
+    error_in_place=lambda err, seq: response_error_event(err, None if seq is None else seq - 1),
     replaces_error_events=False,
     strips_usage=False,
     checks_snapshots=True,
