@@ -346,5 +346,8 @@ def create_app(
         exception_handlers=errors.handlers(),
         lifespan=lifespan,
     )
+    # a path with a trailing slash is a 404 like any unknown path: Starlette's redirect to the
+    # path without it was built from the client's Host header, before any authentication
+    app.router.redirect_slashes = False
     app.state.gateway = gw
     return app

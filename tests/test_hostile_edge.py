@@ -723,3 +723,93 @@ async def test_a_held_head_leaves_by_the_next_loop_turn_and_before_an_end():
     t.hold()
     t.write(b"d")
     assert fake.calls[5:] == [("write", b"d")]
+
+
+NOT_HTTP = refusal(400, "Bad Request", "The request is not valid HTTP/1.1.", "invalid_request")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\nhello",
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n",
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: -5\r\n\r\n",
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY_A}\r\n".encode()
+        + b"transfer-encoding: chunked\r\n\r\nzz\r\nab\r\n",  # with a key: a body without one is never parsed
+        b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-a: 1\r\n folded\r\n\r\n",
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    ],
+    ids=["two-lengths", "length-and-chunked", "negative-length", "bad-chunk-size", "folded-header", "h2-preface"],
+)
+def test_bytes_that_are_not_http_get_an_openai_shaped_400(edge, raw):
+    """What httptools refuses to parse is answered like every other refusal (uvicorn's own
+    answer was text/plain "Invalid HTTP request received.")."""
+    s = edge.connect()
+    s.sendall(raw)
+    assert read_all(s) == NOT_HTTP
+    s.close()
+
+
+def _json_answer(raw: bytes) -> tuple[bytes, dict]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return head.split(b"\r\n", 1)[0], json.loads(body)
+
+
+def test_a_websocket_upgrade_is_answered_as_the_http_request_it_came_with(edge):
+    s = edge.connect()
+    s.sendall(
+        get(
+            "/v1/models",
+            b"connection: upgrade\r\nupgrade: websocket\r\nsec-websocket-version: 13\r\n"
+            b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n",
+        )
+    )
+    status, body = _json_answer(read_all(s))
+    assert (status, body["error"]["code"]) == (b"HTTP/1.1 401 Unauthorized", "invalid_api_key")
+    s.close()
+
+
+def test_a_trailing_slash_is_an_unknown_path_not_a_redirect_built_from_host(edge):
+    s = edge.connect()
+    s.sendall(
+        get("/v1/models/", f"host2: evil.example\r\nauthorization: Bearer {KEY_A}\r\nconnection: close\r\n".encode())
+    )
+    status, body = _json_answer(read_all(s))
+    assert status == b"HTTP/1.1 404 Not Found" and body["error"]["code"] == "model_not_found"
+    s = edge.connect()
+    s.sendall(
+        b"POST /v1/chat/completions/ HTTP/1.1\r\nhost: evil.example\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"
+    )
+    status, body = _json_answer(read_all(s))
+    assert (status, body) == (
+        b"HTTP/1.1 404 Not Found",
+        {
+            "error": {
+                "message": "Unknown request URL: POST /v1/chat/completions/. Please check the URL.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "not_found",
+            }
+        },
+    )
+
+
+def test_two_authorization_headers_are_refused_whichever_comes_first(edge):
+    """A proxy in front that reads the last of them would bill another tenant than the one the
+    gateway took (the first). 401 with the count, for a valid key first or second."""
+    for first, second in ((KEY_A, "nope"), ("nope", KEY_A), (KEY_A, KEY_A)):
+        s = edge.connect()
+        auth = f"authorization: Bearer {first}\r\nauthorization: Bearer {second}\r\nconnection: close\r\n"
+        s.sendall(get("/v1/models", auth.encode()))
+        status, body = _json_answer(read_all(s))
+        assert (status, body) == (
+            b"HTTP/1.1 401 Unauthorized",
+            {
+                "error": {
+                    "message": "Send one Authorization header; this request has 2.",
+                    "type": "authentication_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            },
+        )

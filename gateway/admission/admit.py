@@ -213,7 +213,7 @@ def authenticate_request(ctx: AdmitContext, request: Request) -> TenantConfig:
     never read)."""
     headers = request.headers
     try:
-        tenant = authenticate(headers.get("authorization"), ctx.tenants)
+        tenant = authenticate(headers.getlist("authorization"), ctx.tenants)
     except OpenAIError as e:  # the body is never read: the connection is not kept for it
         raise Refused(closing(e) if body_declared(headers) else e, "-") from None
     offload.set_tenant(tenant.id)

@@ -14,6 +14,7 @@ _MISSING = (
     "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
 )
 _WRONG = "Incorrect API key provided."
+_MANY = "Send one Authorization header; this request has {n}."
 
 
 def bearer_key(authorization: str | None) -> str | None:
@@ -27,10 +28,16 @@ def bearer_key(authorization: str | None) -> str | None:
     return key or None
 
 
-def authenticate(authorization: str | None, registry: TenantRegistry) -> TenantConfig:
-    """The tenant of the presented key. Raises :class:`OpenAIError` 401 ``invalid_api_key``
-    (type ``authentication_error``, as the OpenAI API answers) when the header is missing,
-    not Bearer, or the key matches no tenant."""
+def authenticate(authorization: str | list[str] | None, registry: TenantRegistry) -> TenantConfig:
+    """The tenant of the presented key. ``authorization``: the header's value, or every value
+    the request sent. Raises :class:`OpenAIError` 401 ``invalid_api_key`` (type
+    ``authentication_error``, as the OpenAI API answers) when the header is missing, sent more
+    than once (a proxy that reads another of them would bill another tenant), not Bearer, or
+    the key matches no tenant."""
+    if isinstance(authorization, list):
+        if len(authorization) > 1:
+            raise OpenAIError(401, _MANY.format(n=len(authorization)), code=ErrorCode.INVALID_API_KEY)
+        authorization = authorization[0] if authorization else None
     key = bearer_key(authorization)
     if key is None:
         raise OpenAIError(401, _MISSING, code=ErrorCode.INVALID_API_KEY)

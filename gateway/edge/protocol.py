@@ -73,6 +73,7 @@ from gateway.edge.extensions import mark_complete_when
 log = logging.getLogger("kvgate.edge")
 
 _REASONS = {
+    400: b"Bad Request",
     408: b"Request Timeout",
     413: b"Content Too Large",
     429: b"Too Many Requests",
@@ -409,6 +410,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._answer(status, message, code)
 
+    def send_400_response(self, msg: str) -> None:
+        """httptools refused the bytes as HTTP/1.1 (duplicate or negative ``Content-Length``, both
+        it and chunked, a bad chunk size, a folded header, bare LF, an HTTP/2 preface): answered
+        in the OpenAI shape with ``connection: close``, like every other refusal (uvicorn's own
+        answer is ``text/plain``)."""
+        self._refuse(400, "The request is not valid HTTP/1.1.", "invalid_request")
+
     def _answer_when_due(self, due: float, status: int, message: str, code: str) -> None:
         """:meth:`_answer` once ``time.monotonic()`` has reached ``due``: the loop's timer can fire
         early by that clock (uvloop reads its clock once per loop turn and counts whole
@@ -654,8 +662,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         )
         if not (body or path.startswith(_API_PREFIXES)):
             return False
-        auth = next((v for n, v in self.headers if n == b"authorization"), None)
-        if self._key_check(auth.decode("latin-1") if auth is not None else None):
+        auths = [v for n, v in self.headers if n == b"authorization"]
+        if len(auths) == 1 and self._key_check(auths[0].decode("latin-1")):
             return False
         self.cycle.keep_alive = False
         self._discarding = True
@@ -765,7 +773,7 @@ def tenant_key_check(registry: Any) -> Callable[[str | None], bool]:
 
 def configure(config: Any, limits: EdgeLimits, key_check: Callable[[str | None], bool] | None = None) -> Any:
     """Make ``config`` (a ``uvicorn.Config``, before it is loaded) serve with
-    :class:`BoundedHttpToolsProtocol` under ``limits``, and set this process's GIL switch interval
+    :class:`BoundedHttpToolsProtocol` under ``limits`` and without WebSockets, and set this process's GIL switch interval
     to :data:`SWITCH_INTERVAL_SECONDS`; returns ``config``. ``key_check`` (default: the tenant
     registry of the gateway app ``config.app``, :func:`tenant_key_check`) tells a tenant's key
     from a request's ``Authorization`` header; without one, bodies of requests without a key are
@@ -776,6 +784,7 @@ def configure(config: Any, limits: EdgeLimits, key_check: Callable[[str | None],
         registry = getattr(gw, "tenants", None)
         key_check = tenant_key_check(registry) if registry is not None else None
     config.http = BoundedHttpToolsProtocol
+    config.ws = "none"  # no WebSocket route: an upgrade is answered as the HTTP request it came with
     config.kvgate_edge_limits = limits
     config.kvgate_edge_state = EdgeState()
     config.kvgate_key_check = key_check
