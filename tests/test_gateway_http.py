@@ -289,6 +289,48 @@ def test_an_engine_status_no_client_can_be_answered_with_is_a_502(gw, engine):
             )
 
 
+@pytest.mark.parametrize(
+    ("chunks", "status", "error"),
+    [
+        (
+            [b'{"error":{"message":"model is loading","code":503}}'],
+            503,
+            {"message": "model is loading", "type": "server_error", "param": None, "code": None},
+        ),
+        (
+            [b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\r\r', b"data: [DONE]\r\r"],
+            502,
+            {
+                "message": "The upstream engine's event stream ended before any event could be read.",
+                "type": "server_error",
+                "param": None,
+                "code": "upstream_unavailable",
+            },
+        ),
+        (
+            [b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03+I-.\x01\x00\x0c~\x7f\xd8\x04\x00\x00\x00"],
+            502,
+            {
+                "message": "The upstream engine's event stream ended before any event could be read.",
+                "type": "server_error",
+                "param": None,
+                "code": "upstream_unavailable",
+            },
+        ),
+    ],
+    ids=["error-object-as-the-stream", "cr-only-line-endings", "gzip"],
+)
+def test_a_stream_no_event_of_which_can_be_read_is_an_error_not_an_empty_200(gw, engine, chunks, status, error):
+    """Under text/event-stream, bytes with no event terminator (an error object sent as the
+    whole stream, CR-only line endings, a gzip-encoded stream) were dropped with a warning and
+    the client got 200 with only ``[DONE]``: the engine's error or text lost, the request
+    charged as answered."""
+    engine.state.stream_chunks = chunks
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
+    assert (r.status_code, error_of(r)) == (status, error)
+
+
 def test_abort_under_200_is_counted(gw, engine):
     engine.state.finish_reason = "abort"
     with gw.client() as c:

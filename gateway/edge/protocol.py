@@ -773,11 +773,11 @@ def tenant_key_check(registry: Any) -> Callable[[str | None], bool]:
 
 def configure(config: Any, limits: EdgeLimits, key_check: Callable[[str | None], bool] | None = None) -> Any:
     """Make ``config`` (a ``uvicorn.Config``, before it is loaded) serve with
-    :class:`BoundedHttpToolsProtocol` under ``limits`` and without WebSockets, and set this process's GIL switch interval
-    to :data:`SWITCH_INTERVAL_SECONDS`; returns ``config``. ``key_check`` (default: the tenant
-    registry of the gateway app ``config.app``, :func:`tenant_key_check`) tells a tenant's key
-    from a request's ``Authorization`` header; without one, bodies of requests without a key are
-    read (and refused by the app) as any other."""
+    :class:`BoundedHttpToolsProtocol` under ``limits`` and without WebSockets, and set this
+    process's GIL switch interval to :data:`SWITCH_INTERVAL_SECONDS`; returns ``config``.
+    ``key_check`` (default: the tenant registry of the gateway app ``config.app``,
+    :func:`tenant_key_check`) tells a tenant's key from a request's ``Authorization`` header;
+    without one, bodies of requests without a key are read (and refused by the app) as any other."""
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     if key_check is None:
         gw = getattr(getattr(getattr(config, "app", None), "state", None), "gateway", None)

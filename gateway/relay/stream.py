@@ -22,6 +22,9 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+import orjson
+
+from config.errors import ErrorCode, OpenAIError
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
 from gateway.relay.sse import SSEEventTooLarge, SSESplitter, strip_usage_null
 from gateway.relay.stream_protocol import StreamProtocol
@@ -311,10 +314,32 @@ async def relay_stream(
     yield b"".join(tail) + protocol.end_marker, False
 
 
+def unreadable_stream(unfinished: bytes) -> OpenAIError:
+    """The error for a stream that ended before any event could start the response, with bytes
+    no terminator ended (``unfinished``): an error object sent as the whole stream is that
+    error; anything else (a gzip-encoded stream, CR-only line endings, plain text) is 502
+    ``upstream_unavailable``. Relayed as a 200 holding only ``[DONE]``, the engine's error or
+    text was lost and the request charged as if answered."""
+    try:
+        data = orjson.loads(unfinished)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict) and ("error" in data or data.get("object") == "error"):
+        return engine_error(200, data)
+    return OpenAIError(
+        502,
+        "The upstream engine's event stream ended before any event could be read.",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
+
+
 async def _stream_tail(step: _Events, unfinished: bytes, request_id: str) -> list[bytes]:
     """The events that end a relayed stream: those still held, then what the guard held back
     (its final checks run: a strict refusal raises :class:`~verifier.stage.ResponseWithheld`); an
-    ``unfinished`` event (bytes after the last terminator) is logged and dropped."""
+    ``unfinished`` event (bytes after the last terminator, once the response has started: before,
+    :func:`unreadable_stream` is raised) is logged and dropped."""
+    if not step.hold.started and unfinished.strip():
+        raise unreadable_stream(unfinished)
     tail = step.hold.held
     if step.guard is not None:
         t = step.tally
