@@ -331,6 +331,23 @@ def test_a_stream_no_event_of_which_can_be_read_is_an_error_not_an_empty_200(gw,
     assert (r.status_code, error_of(r)) == (status, error)
 
 
+@pytest.mark.parametrize("body", [b"[1,2,3]", b"null", b'"hello"', b"42", b"{broken"])
+def test_a_whole_answer_that_is_not_a_json_object_is_a_502(gw, engine, body):
+    """A 200 whose body was JSON but no object (an array, null, a string) was relayed as a 200."""
+    engine.state.mode, engine.state.error_status, engine.state.error_body = "error", 200, body
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+    assert (r.status_code, error_of(r)) == (
+        502,
+        {
+            "message": "The upstream engine answered a body that is not a JSON object.",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_unavailable",
+        },
+    )
+
+
 def test_abort_under_200_is_counted(gw, engine):
     engine.state.finish_reason = "abort"
     with gw.client() as c:

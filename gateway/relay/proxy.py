@@ -301,17 +301,19 @@ async def read_whole(
     outcome: RelayOutcome, resp: UpstreamResponse, guard: ResponseGuard | None, tally: Tally, limit: int | None = None
 ) -> AsyncGenerator[Chunk, None]:
     """Read a whole JSON answer, count what it produced in ``tally``, let the guard check it,
-    and yield its bytes once, unchanged, as the last chunk. Raises :class:`OpenAIError` 502 (not
-    JSON, an error object), :class:`UpstreamError` (read failed; :class:`ResponseTooLarge` past
+    and yield its bytes once, unchanged, as the last chunk. Raises :class:`OpenAIError` 502 (not a
+    JSON object, an error object), :class:`UpstreamError` (read failed; :class:`ResponseTooLarge` past
     ``limit`` bytes) or :class:`~verifier.stage.ResponseWithheld`."""
     raw = await resp.aread(limit)
     t_done = time.perf_counter()
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict):  # invalid JSON, or an array, a string, null: no answer of any API
         raise OpenAIError(
-            502, "The upstream engine answered a body that is not JSON.", code=ErrorCode.UPSTREAM_UNAVAILABLE
-        ) from None
+            502, "The upstream engine answered a body that is not a JSON object.", code=ErrorCode.UPSTREAM_UNAVAILABLE
+        )
     out = outcome.admitted.arrival.api.whole_answer(data)  # raises the engine's error when it is one
     tally.take_body(out, resp.headers.get("x-prefill-seconds"))
     if guard is not None:
