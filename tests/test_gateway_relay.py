@@ -339,3 +339,45 @@ def test_a_refusal_before_the_response_started_is_a_502():
     )
     r = asyncio.run(gw.post("/v1/chat/completions", chat(max_tokens=5)))
     assert (r.status_code, error_of(r)) == (502, WITHHELD)
+
+
+def test_a_read_of_many_events_lets_the_loop_run_between_slices(monkeypatch):
+    """One upstream read of 20 x EVENTS_PER_TURN comment events and a chunk: they are relayed in
+    21 slices with a loop turn between each two, in which another task runs (it counts turns),
+    and the client gets every byte. Relayed in one go, such a read (an engine's 22 MB of
+    comments) held every other request of the gateway for about 0.4 s."""
+    from gateway.relay import stream as stream_mod
+
+    n = 20 * stream_mod.EVENTS_PER_TURN
+    body = b": keep-alive\n\n" * n + _chunk("hi", False, "stop") + b"data: [DONE]\n\n"
+    gw = InProcess(streaming([body]))
+    turns = {"n": 0}
+    seen: list[tuple[int, int]] = []  # (events in the slice, turns counted when it was relayed)
+    take = stream_mod._Events.take
+
+    def counting_take(self, events, out):
+        seen.append((len(events), turns["n"]))
+        return take(self, events, out)
+
+    monkeypatch.setattr(stream_mod._Events, "take", counting_take)
+
+    async def run() -> httpx.Response:
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            while not stop.is_set():
+                turns["n"] += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.create_task(ticker())
+        try:
+            return await gw.post("/v1/chat/completions", chat(max_tokens=5, stream=True))
+        finally:
+            stop.set()
+            await t
+
+    r = asyncio.run(run())
+    assert r.status_code == 200 and r.content == body
+    assert [size for size, _ in seen] == [stream_mod.EVENTS_PER_TURN] * 20 + [2]  # the chunk and [DONE]
+    marks = [t for _, t in seen]
+    assert all(b > a for a, b in zip(marks, marks[1:], strict=False))  # the ticker ran between every two slices

@@ -15,6 +15,7 @@ What the stream produced is counted in a :class:`Tally`, which only the relay wr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -113,6 +114,10 @@ class Tally:
             self.error_code,
             self.sequence_number,
         )
+
+
+#: events of one upstream read relayed in one event-loop turn (:func:`_relay_read`)
+EVENTS_PER_TURN = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,15 +297,8 @@ async def relay_stream(
     hold = step.hold
     try:
         async for chunk in resp.aiter_raw():
-            out: list[bytes] = []
             events = await _split(opts, splitter, step, chunk)
-            if guard is None:
-                if step.take(events, out):
-                    yield b"", True  # the response starts now
-            else:
-                async for marker in step.feed(events, out):
-                    yield marker
-            for piece in hold.offer(out):
+            async for piece in _relay_read(step, events):
                 yield piece
             if step.done:
                 break
@@ -312,6 +310,28 @@ async def relay_stream(
         raise
     tail = await _stream_tail(step, b"" if step.done else splitter.tail(), opts.request_id)
     yield b"".join(tail) + protocol.end_marker, False
+
+
+async def _relay_read(step: _Events, events: list[bytes]) -> AsyncGenerator[Chunk, None]:
+    """One read's ``events`` through ``step`` (and its guard), as :data:`Chunk` items, in slices
+    of :data:`EVENTS_PER_TURN` with a loop turn between them: a read of many small events (an
+    engine's burst, or one sending empty comments) lets other requests run meanwhile. Unsliced,
+    one engine's 22 MB of comment events held every other request of the gateway about 0.4 s."""
+    for start in range(0, len(events), EVENTS_PER_TURN):
+        if start:
+            await asyncio.sleep(0)
+        out: list[bytes] = []
+        part = events[start : start + EVENTS_PER_TURN] if len(events) > EVENTS_PER_TURN else events
+        if step.guard is None:
+            if step.take(part, out):
+                yield b"", True  # the response starts now
+        else:
+            async for marker in step.feed(part, out):
+                yield marker
+        for piece in step.hold.offer(out):
+            yield piece
+        if step.done:
+            return
 
 
 def unreadable_stream(unfinished: bytes) -> OpenAIError:
