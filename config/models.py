@@ -17,8 +17,13 @@ _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
+#: the longest duration a setting that becomes a Redis expiry may name (a year, in seconds): above it
+#: a typo (1e300) made every reservation's PEXPIRE fail and every request a 503
+MAX_TTL_SECONDS = 365 * 24 * 3600.0
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class TokenizerConfig(_Strict):
@@ -172,7 +177,7 @@ class UpstreamConfig(_Strict):
 class PoolSettings(_Strict):
     """Live-pool watcher: ``headroom`` divides the pool (runbook: 1.25); polling and staleness in seconds."""
 
-    headroom: float = Field(default=1.25, ge=1.0)
+    headroom: float = Field(default=1.25, ge=1.0, le=100.0)
     poll_interval_seconds: float = Field(default=5.0, gt=0)
     max_staleness_seconds: float = Field(default=30.0, gt=0)
     request_timeout_seconds: float = Field(default=2.0, gt=0)
@@ -260,8 +265,8 @@ class QuotaSettings(_Strict):
     """
 
     enabled: bool = True
-    window_seconds: float = Field(default=60.0, gt=0)
-    lease_ttl_seconds: float = Field(default=120.0, gt=0)
+    window_seconds: float = Field(default=60.0, gt=0, le=MAX_TTL_SECONDS)
+    lease_ttl_seconds: float = Field(default=120.0, gt=0, le=MAX_TTL_SECONDS)
     redis_timeout_seconds: float = Field(default=0.25, gt=0)
     redis_failure_policy: Literal["fail_closed", "local_fallback"] = "fail_closed"
     replicas: int = Field(default=1, ge=1)
@@ -274,7 +279,7 @@ class VerifierSettings(_Strict):
     enabled: bool = True
     shingle_k: int = Field(default=16, ge=4)
     winnow_w: int = Field(default=35, ge=1)
-    leak_index_ttl_seconds: float = Field(default=3600.0, gt=0)
+    leak_index_ttl_seconds: float = Field(default=3600.0, gt=0, le=MAX_TTL_SECONDS)
     leak_min_shingles: int = Field(default=1, ge=1)
     leak_confirm_shingles: int = Field(default=4, ge=1)
     usage_drift_tolerance_tokens: int = Field(default=0, ge=0)

@@ -125,6 +125,23 @@ def test_wrong_type_names_path_and_value(tmp_path):
     assert problems(p) == f"{p}: (top level): expected a mapping of keys, got list"
 
 
+def test_infinite_and_absurd_numbers_are_refused_with_their_key(tmp_path):
+    """.inf passed every gt=0 bound: quotas.window_seconds and lease_ttl_seconds then stopped the
+    start with an OverflowError traceback, pool.headroom .inf made every limit 0, and a lease TTL
+    of 1e300 made every reservation's PEXPIRE fail (a 503 for every request)."""
+    p = write(tmp_path, "quotas:\n  window_seconds: .inf\n  lease_ttl_seconds: 1e300\npool:\n  headroom: .inf\n")
+    assert problems(p) == (
+        f"{p}: line 5: pool.headroom: Input should be a finite number (got inf)\n"
+        f"{p}: line 2: quotas.window_seconds: Input should be a finite number (got inf)\n"
+        f"{p}: line 3: quotas.lease_ttl_seconds: Input should be less than or equal to 31536000 (got '1e300')"
+    )
+    p = write(tmp_path, "verifier:\n  leak_index_ttl_seconds: -.inf\ngateway:\n  exchange_timeout_seconds: .nan\n")
+    assert problems(p) == (
+        f"{p}: line 4: gateway.exchange_timeout_seconds: Input should be a finite number (got nan)\n"
+        f"{p}: line 2: verifier.leak_index_ttl_seconds: Input should be a finite number (got -inf)"
+    )
+
+
 def test_missing_field_and_rule_violations(tmp_path):
     p = write(tmp_path, "models:\n  - id: m1\n")
     assert problems(p) == f"{p}: line 2: models[0].context_length: Field required"
