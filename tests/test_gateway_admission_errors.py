@@ -32,7 +32,11 @@ def test_engine_tokenize_failure_is_502_upstream_unavailable_not_a_400() -> None
     assert e.body()["error"]["type"] == "server_error"
 
 
-def test_unknown_allowed_model_refused_at_load_and_reload(tmp_path: Path) -> None:
+def test_unknown_allowed_model_refused_at_load_and_dropped_at_reload(tmp_path: Path) -> None:
+    """A start refuses a tenants file naming an unknown model. A reload applies the file with the
+    unknown names dropped (a tenant left with none is left out, never widened to every model):
+    refusing it kept the earlier table, a key revoked in the same edit included, valid while the
+    CLI said the revocation was done."""
     settings = load_settings()
     path = tmp_path / "tenants.yaml"
     path.write_text(TENANT.format(h=hash_key("sk-t1"), model="no-such-model"))
@@ -46,7 +50,13 @@ def test_unknown_allowed_model_refused_at_load_and_reload(tmp_path: Path) -> Non
     path.write_text(TENANT.format(h=hash_key("sk-t1"), model="kvgate-tiny"))
     reg = TenantRegistry.from_path(path, settings)
     assert reg.lookup("sk-t1").id == "t1"
-    path.write_text(TENANT.format(h=hash_key("sk-t2"), model="typo-model"))
-    with pytest.raises(ConfigError):
-        reg.reload()
-    assert reg.lookup("sk-t1").id == "t1" and reg.lookup("sk-t2") is None and reg.version == 1
+    two = TENANT + "  - id: t2\n    api_key_sha256: [{h2}]\n    allowed_models: [kvgate-tiny, typo-model]\n"
+    # t1's key is rotated to sk-t3 in the same edit that gives t1 only a typo'd model
+    path.write_text(two.format(h=hash_key("sk-t3"), model="typo-model", h2=hash_key("sk-t2")))
+    reg.reload()
+    assert (reg.lookup("sk-t1"), reg.lookup("sk-t3"), reg.version) == (None, None, 2)  # t1 left out
+    assert reg.lookup("sk-t2").allowed_models == ["kvgate-tiny"]
+    assert reg.notes == [
+        "tenant t1: allowed only typo-model, not served by this stack; left out",
+        "tenant t2: allowed typo-model not served by this stack; those ignored",
+    ]

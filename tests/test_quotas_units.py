@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from config.loader import ConfigError
 from gateway.ops.tenant_reload import TenantFileWatcher
 from gateway.ops.tenants import TenantRegistry, hash_key
 from gateway.quotas.stores import QuotaDecision, QuotaLimits
@@ -30,15 +31,54 @@ def test_watcher_reloads_on_change_and_keeps_the_old_table_when_the_file_is_inva
     w = TenantFileWatcher(reg, interval_seconds=3600)
     assert w.check() is False  # unchanged
     _write(p, 7, key="sk-two")
-    assert w.check() is True
+    assert w.check() is False  # changed: read once it has stayed the same for one check
+    assert reg.lookup("sk-one") is not None and w.check() is True
     assert (reg.get("acme").rpm, reg.lookup("sk-one"), reg.lookup("sk-two").id, w.reloads) == (7, None, "acme", 1)
     p.write_text("tenants:\n  - id: acme\n    rpm: -1\n")
-    assert w.check() is False
+    assert w.check() is False and w.check() is False
     assert reg.get("acme").rpm == 7 and reg.lookup("sk-two") is not None  # the previous table stays
     assert w.last_error is not None and "tenants[0].rpm: Input should be greater than or equal to 0" in w.last_error
     assert w.check() is False  # the same bad file is not re-read
     _write(p, 9, key="sk-two")
-    assert w.check() is True and reg.get("acme").rpm == 9 and w.last_error is None
+    assert w.check() is False and w.check() is True and reg.get("acme").rpm == 9 and w.last_error is None
+
+
+def test_a_file_written_in_place_is_not_read_half_written_and_an_empty_one_never_empties_the_table(
+    tmp_path: Path,
+) -> None:
+    """Written in place (``cat new > tenants.yaml``), the file reads empty for a moment: read then,
+    it was a table of no tenants, and every key got 401 until the write ended. A changed file is
+    read once it has stayed the same for one check, and an empty one is refused (the table
+    stays; an empty table is ``tenants: []``)."""
+    p = tmp_path / "tenants.yaml"
+    _write(p, 5)
+    reg = TenantRegistry.from_path(p)
+    w = TenantFileWatcher(reg, interval_seconds=3600)
+    p.write_text("")  # the truncation; the rest of the write comes later
+    assert w.check() is False and reg.lookup("sk-one") is not None
+    assert w.check() is False and reg.lookup("sk-one") is not None  # read now: empty, refused
+    assert w.last_error == f"{p}: the file is empty (being written?); an empty table is 'tenants: []'"
+    _write(p, 6)
+    assert w.check() is False and w.check() is True and reg.get("acme").rpm == 6
+    p.write_text("tenants: []\n")
+    assert w.check() is False and w.check() is True and reg.tenants == ()
+
+
+def test_a_reload_never_lets_in_a_refused_key(tmp_path: Path) -> None:
+    """kvgate serve without --demo refuses the documented demo keys at start; a reload refused
+    nothing, so a tenants file edited to accept sk-demo-a was served."""
+    p = tmp_path / "tenants.yaml"
+    _write(p, 5)
+    reg = TenantRegistry.from_path(p)
+    reg.refused_key_hashes = frozenset({hash_key("sk-demo-a")})
+    _write(p, 6, key="sk-demo-a")
+    with pytest.raises(ConfigError) as e:
+        reg.reload()
+    assert str(e.value) == (
+        f"{p}: tenant(s) acme accept a documented demo key (sk-demo-a/sk-demo-b), "
+        "and this gateway was started without --demo"
+    )
+    assert reg.lookup("sk-one") is not None and reg.lookup("sk-demo-a") is None
 
 
 def test_watcher_polls_and_sighup_forces_a_reload(tmp_path: Path) -> None:

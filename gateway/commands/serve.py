@@ -178,6 +178,10 @@ def _start(args: argparse.Namespace) -> int:
     settings, registry = _load_config(args)
     _check_files(settings)
     _check_demo_keys(registry, allow_demo=args.demo)
+    if not args.demo:  # a reload must not let them in either
+        from gateway.ops.tenants import hash_key
+
+        registry.refused_key_hashes = frozenset(hash_key(k) for k in DEMO_KEYS)
     n = _worker_count(args.workers, settings)
     settings.gateway.workers = n  # the quota stage divides local_fallback limits by replicas x workers
     listen = _Listen.of(args, settings)

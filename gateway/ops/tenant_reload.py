@@ -2,7 +2,8 @@
 or on SIGHUP, so ``kvgate tenant set / add-key / revoke-key`` take effect without a restart.
 
 The reload itself is :meth:`gateway.ops.tenants.TenantRegistry.reload` (one reference swap: a request
-sees the old table or the new one). An invalid file is logged and the previous table kept. Quota
+sees the old table or the new one). A changed file is read once it has stayed the same for one
+check. An invalid or empty file is logged and the previous table kept. Quota
 limits are read from the tenant entry on every request, so new limits apply to the next request;
 the windows already logged (in Redis or in process) stay and count against the new limits.
 """
@@ -33,8 +34,9 @@ def _signature(path: os.PathLike[str] | str) -> tuple[int, int, int] | None:
 
 class TenantFileWatcher:
     """Reloads ``registry`` (a :class:`~gateway.ops.tenants.TenantRegistry` with a ``path``) when the
-    file's (mtime, size, inode) changes, checked every ``interval_seconds`` in a daemon thread,
-    or at once after :meth:`poke` (what the SIGHUP handler calls). ``reloads`` counts successful
+    file's (mtime, size, inode) changes and then stays the same for one more check (a file
+    written in place is not read half-written), checked every ``interval_seconds`` in a daemon
+    thread, or at once after :meth:`poke` (what the SIGHUP handler calls). ``reloads`` counts successful
     reloads; ``last_error`` holds the last invalid file's message (``None`` after a good one)."""
 
     def __init__(self, registry: Any, interval_seconds: float = POLL_INTERVAL_SECONDS) -> None:
@@ -45,6 +47,7 @@ class TenantFileWatcher:
         self.reloads = 0
         self.last_error: str | None = None
         self._seen = _signature(registry.path)
+        self._changed_to: tuple[int, int, int] | None = self._seen  # what the last check saw
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -52,7 +55,8 @@ class TenantFileWatcher:
     def check(self, force: bool = False) -> bool:
         """Reload if the file changed (or ``force``); True when a new table was swapped in."""
         sig = _signature(self.registry.path)
-        if not force and sig == self._seen:
+        settling, self._changed_to = sig != self._changed_to, sig
+        if not force and (sig == self._seen or settling):
             return False
         self._seen = sig
         try:

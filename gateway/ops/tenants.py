@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.loader import check_tenant_models, load_tenants, served_tenants
+from config.loader import ConfigError, check_tenant_models, load_tenants, served_tenants
 from config.models import Settings, TenantConfig, TenantsFile
 
 log = logging.getLogger("kvgate.tenants")
@@ -53,7 +53,10 @@ class TenantRegistry:
     ``served_only`` (with ``settings``; ``kvgate serve --tenants-for-served-models``): instead of
     refusing such a file, every load leaves out the tenants allowed none of the configured models
     and drops unknown entries from the others (``config.loader.served_tenants``), logging a
-    warning per tenant; :attr:`notes` holds those lines of the last load.
+    warning per tenant; :attr:`notes` holds those lines of the last load. A reload does the same
+    whatever ``served_only`` says (module :mod:`gateway.ops.tenant_reload`). ``refused_key_hashes``:
+    hashes no table may accept (``kvgate serve`` without ``--demo``: the documented demo keys'),
+    checked on every reload (the start checks them itself, with its own message).
     """
 
     def __init__(
@@ -68,13 +71,14 @@ class TenantRegistry:
         self.settings = settings
         self.served_only = served_only
         self.notes: list[str] = []
+        self.refused_key_hashes: frozenset[str] = frozenset()
         self._table = _build(self._check(tenants))
         self.version = 1
 
-    def _check(self, tenants: TenantsFile) -> TenantsFile:
+    def _check(self, tenants: TenantsFile, *, reloading: bool = False) -> TenantsFile:
         if self.settings is None:
             return tenants
-        if not self.served_only:
+        if not (self.served_only or reloading):
             check_tenant_models(self.settings, tenants, self.path or "tenants")
             return tenants
         tenants, self.notes = served_tenants(self.settings, tenants)
@@ -102,13 +106,31 @@ class TenantRegistry:
         return cls(tf, p, settings, served_only=served_only)
 
     def reload(self, tenants: TenantsFile | None = None) -> None:
-        """Swap in a new table: ``tenants`` when given, else re-read :attr:`path`.
-        Raises ``ConfigError`` (the old table stays) when the file is invalid."""
+        """Swap in a new table: ``tenants`` when given, else re-read :attr:`path`. An
+        ``allowed_models`` entry the settings do not know is dropped from its tenant (the tenant
+        left out when none is left, never widened), with a warning, where a start refuses the
+        file: refusing the whole table kept every earlier tenant, a revoked key included, valid
+        until someone read the log. Raises ``ConfigError`` (the old table stays) when the file is
+        invalid, holds nothing (a file being written in place reads empty for a moment: an empty
+        table is ``tenants: []``), or accepts a key of :attr:`refused_key_hashes`."""
+        source = str(self.path or "tenants")
         if tenants is None:
             if self.path is None:
                 raise ValueError("this registry has no tenants file to reload")
+            if not self.path.read_bytes().strip():
+                raise ConfigError(source, ["the file is empty (being written?); an empty table is 'tenants: []'"])
             tenants = load_tenants(self.path)
-        self._table = _build(self._check(tenants))  # one reference assignment: atomic for readers
+        checked = self._check(tenants, reloading=True)
+        refused = [t.id for t in checked.tenants if self.refused_key_hashes.intersection(t.api_key_sha256)]
+        if refused:
+            raise ConfigError(
+                source,
+                [
+                    f"tenant(s) {', '.join(refused)} accept a documented demo key (sk-demo-a/sk-demo-b), "
+                    "and this gateway was started without --demo"
+                ],
+            )
+        self._table = _build(checked)  # one reference assignment: atomic for readers
         self.version += 1
 
     def lookup(self, api_key: str) -> TenantConfig | None:
