@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "$" lets a final newline in
 
 
 #: the longest duration a setting that becomes a Redis expiry may name (a year, in seconds): above it
@@ -144,7 +144,7 @@ class UpstreamConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name_ok(cls, v: str) -> str:
-        if not _NAME.match(v):
+        if not _NAME.fullmatch(v):
             raise ValueError("must be 1-64 characters of letters, digits, '.', '_' or '-'")
         return v
 
@@ -425,7 +425,7 @@ class TenantConfig(_Strict):
     @field_validator("id")
     @classmethod
     def _id_ok(cls, v: str) -> str:
-        if not _NAME.match(v):
+        if not _NAME.fullmatch(v):
             raise ValueError("must be 1-64 characters of letters, digits, '.', '_' or '-'")
         return v
 
@@ -433,7 +433,7 @@ class TenantConfig(_Strict):
     @classmethod
     def _hashes_ok(cls, v: list[str]) -> list[str]:
         for h in v:
-            if not _SHA256_HEX.match(h):
+            if not _SHA256_HEX.fullmatch(h):
                 raise ValueError("each entry must be 64 lowercase hex digits (the SHA-256 of a key)")
         return v
 

@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 from conftest import ROOT
 
 from config import (
@@ -242,6 +243,20 @@ def test_served_tenants_leaves_out_tenants_of_other_models_never_widens(tmp_path
     check_tenant_models(settings, kept)  # what is kept passes the strict check
     assert [t.allowed_models for t in tenants.tenants][1] == ["m9"]  # the input is not changed
     assert served_tenants(settings, kept) == (kept, [])
+
+
+def test_a_name_or_key_hash_with_a_final_newline_is_refused():
+    """The patterns ended in "$", which also matches before a final newline: "acme\\n" was a
+    second tenant that looked like acme in every message, and a hash written as a YAML block
+    scalar (as a template easily writes one) loaded with its newline and matched no key."""
+    digest = hashlib.sha256(b"sk").hexdigest()
+    with pytest.raises(ValidationError, match="1-64 characters"):
+        TenantConfig(id="acme\n", api_key_sha256=[digest])
+    with pytest.raises(ValidationError, match="64 lowercase hex digits"):
+        TenantConfig(id="acme", api_key_sha256=[digest + "\n"])
+    with pytest.raises(ValidationError):
+        UpstreamConfig(name="u1\n", api_url="http://x/v1", pool_source="static", static_pool_tokens=1)
+    assert TenantConfig(id="acme", api_key_sha256=[digest]).id == "acme"
 
 
 def test_tenant_entry_carries_every_contract_field():
