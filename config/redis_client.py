@@ -80,15 +80,35 @@ def _options(query: str) -> dict[str, Any]:
     return opts
 
 
+def _is_db(s: str) -> bool:
+    return s.isascii() and s.isdigit() and len(s) <= 9
+
+
+def _check_standalone(port: int | None, path: str) -> None:
+    if port == 0:
+        raise ValueError("redis URL: the port is not a number from 1 to 65535")
+    db = path.strip("/")
+    if db and not _is_db(db):
+        raise ValueError(f"redis URL: '{path}' is not a database number (redis://host:6379/0; 0-15 by default)")
+
+
 def parse_redis_url(url: str) -> RedisTarget:
     """Parse ``url`` (any scheme of :data:`SCHEMES`). Raises ``ValueError`` for an unknown
-    scheme, a sentinel URL without hosts or service name, a cluster URL without hosts or with
-    a database other than 0, or a bad port."""
+    scheme, a ``redis://`` or ``rediss://`` URL whose port is not 1-65535 or whose path is not
+    one database number (redis-py reads ``/abc`` or ``/1O`` as database 0, silently sharing it),
+    a sentinel URL without hosts or service name or with a database that is no number, a
+    cluster URL without hosts or with a database other than 0, or a bad port."""
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES:
         raise ValueError(f"redis URL: unknown scheme '{parts.scheme}://' (one of: {', '.join(SCHEMES)})")
     mode, tls = SCHEMES[parts.scheme]
     if mode == "standalone":
+        if parts.scheme != "unix":
+            try:
+                port = parts.port
+            except ValueError:
+                raise ValueError("redis URL: the port is not a number from 1 to 65535") from None
+            _check_standalone(port, parts.path)
         return RedisTarget(mode, tls)
     userinfo, _, hostlist = parts.netloc.rpartition("@")
     username = password = None
@@ -103,6 +123,8 @@ def parse_redis_url(url: str) -> RedisTarget:
             raise ValueError(
                 "sentinel URL needs hosts and a service name: redis+sentinel://host:26379[,host:26379]/service_name[/db]"
             )
+        if len(path) > 2 or (len(path) == 2 and not _is_db(path[1])):
+            raise ValueError(f"sentinel URL: '/{'/'.join(path[1:])}' is not a database number (0-15 by default)")
         db = int(path[1]) if len(path) > 1 else 0
         return RedisTarget(mode, tls, hosts, path[0], db, username, password, opts)
     if not hosts:

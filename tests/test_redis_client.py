@@ -68,11 +68,24 @@ def test_sentinel_url_parts() -> None:
         ("redis+cluster:///", "cluster URL needs at least one node"),
         ("redis+cluster://127.0.0.1:7000/3", "Redis Cluster has only database 0"),
         ("memcached://127.0.0.1", "unknown scheme 'memcached://'"),
+        # redis-py reads a path that is no number as database 0: a typo shared another deployment's
+        ("redis://127.0.0.1:6379/abc", "'/abc' is not a database number"),
+        ("redis://127.0.0.1:6379/1O", "'/1O' is not a database number"),
+        ("redis://127.0.0.1:6379/10/x", "'/10/x' is not a database number"),
+        ("redis+sentinel://127.0.0.1:26379/svc/x", "'/x' is not a database number"),
+        # a traceback from redis-py at the first connection, after the settings had loaded
+        ("redis://127.0.0.1:99999/0", "the port is not a number from 1 to 65535"),
+        ("rediss://127.0.0.1:0/0", "the port is not a number from 1 to 65535"),
     ],
 )
 def test_malformed_urls_are_refused(url: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         redis_client(url, 0.25)
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/3", "redis://127.0.0.1", "redis://h/", "unix:///r.sock?db=2"])
+def test_well_formed_standalone_urls_pass(url: str) -> None:
+    assert parse_redis_url(url).mode == "standalone"
 
 
 def test_by_slot_groups_keys_of_one_tag() -> None:
