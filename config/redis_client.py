@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 #: scheme -> (mode, TLS)
 SCHEMES: dict[str, tuple[str, bool]] = {
@@ -84,12 +84,24 @@ def _is_db(s: str) -> bool:
     return s.isascii() and s.isdigit() and len(s) <= 9
 
 
-def _check_standalone(port: int | None, path: str) -> None:
+def _check_standalone(parts: SplitResult) -> None:
+    """A ``redis://`` or ``rediss://`` URL's port and database (``parse_redis_url``)."""
+    try:
+        port = parts.port
+    except ValueError:  # outside 0-65535, or no number
+        port = 0
     if port == 0:
         raise ValueError("redis URL: the port is not a number from 1 to 65535")
-    db = path.strip("/")
+    db = parts.path.strip("/")
     if db and not _is_db(db):
-        raise ValueError(f"redis URL: '{path}' is not a database number (redis://host:6379/0; 0-15 by default)")
+        raise ValueError(f"redis URL: '{parts.path}' is not a database number (redis://host:6379/0; 0-15 by default)")
+
+
+def _sentinel_db(path: list[str]) -> int:
+    """The database of a sentinel URL's path segments after the service name (0 when none)."""
+    if len(path) > 2 or (len(path) == 2 and not _is_db(path[1])):
+        raise ValueError(f"sentinel URL: '/{'/'.join(path[1:])}' is not a database number (0-15 by default)")
+    return int(path[1]) if len(path) > 1 else 0
 
 
 def parse_redis_url(url: str) -> RedisTarget:
@@ -104,11 +116,7 @@ def parse_redis_url(url: str) -> RedisTarget:
     mode, tls = SCHEMES[parts.scheme]
     if mode == "standalone":
         if parts.scheme != "unix":
-            try:
-                port = parts.port
-            except ValueError:
-                raise ValueError("redis URL: the port is not a number from 1 to 65535") from None
-            _check_standalone(port, parts.path)
+            _check_standalone(parts)
         return RedisTarget(mode, tls)
     userinfo, _, hostlist = parts.netloc.rpartition("@")
     username = password = None
@@ -123,10 +131,7 @@ def parse_redis_url(url: str) -> RedisTarget:
             raise ValueError(
                 "sentinel URL needs hosts and a service name: redis+sentinel://host:26379[,host:26379]/service_name[/db]"
             )
-        if len(path) > 2 or (len(path) == 2 and not _is_db(path[1])):
-            raise ValueError(f"sentinel URL: '/{'/'.join(path[1:])}' is not a database number (0-15 by default)")
-        db = int(path[1]) if len(path) > 1 else 0
-        return RedisTarget(mode, tls, hosts, path[0], db, username, password, opts)
+        return RedisTarget(mode, tls, hosts, path[0], _sentinel_db(path), username, password, opts)
     if not hosts:
         raise ValueError("cluster URL needs at least one node: redis+cluster://host:6379[,host:6379...]")
     if path and path != ["0"]:
