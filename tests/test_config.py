@@ -537,3 +537,17 @@ def test_serve_init_tenant_creates_a_tenants_file_with_a_generated_key_once(tmp_
     before = path.read_text()
     assert init_tenant(str(path), "default", str(state)) is False  # an existing file is left alone
     assert path.read_text() == before and key_file.read_text().strip() == key
+
+
+@pytest.mark.parametrize("name", ["../escaped", "acme\n", "", "x" * 65])
+def test_serve_init_tenant_checks_the_name_before_writing_anything(tmp_path, name):
+    """'../escaped' wrote its key file outside the state folder, then the start refused the name."""
+    from gateway.commands.serve import init_tenant
+
+    path, state = tmp_path / "conf" / "tenants.yaml", tmp_path / "state"
+    with pytest.raises(ConfigError) as e:
+        init_tenant(str(path), name, str(state))
+    assert str(e.value) == (
+        f"{path}: --init-tenant {name!r}: Value error, must be 1-64 characters of letters, digits, '.', '_' or '-'"
+    )
+    assert not path.exists() and not state.exists() and list(tmp_path.iterdir()) == []

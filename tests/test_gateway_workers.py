@@ -536,7 +536,22 @@ def test_more_than_one_worker_without_redis_is_refused(module_engine: MockEngine
         "--workers 1.\n"
     )
     assert cli_main(args + ["--workers", "0"]) == 2
-    assert capsys.readouterr().err == "kvgate serve: workers must be at least 1, not 0\n"
+    assert capsys.readouterr().err == "kvgate serve: workers must be from 1 to 256, not 0\n"
+    # above gateway.workers' own bound: a pydantic traceback before
+    assert cli_main(args + ["--workers", "100000"]) == 2
+    assert capsys.readouterr().err == "kvgate serve: workers must be from 1 to 256, not 100000\n"
+
+
+@pytest.mark.parametrize(
+    ("port", "why"),
+    [("99999", "99999 is not a port (0 to 65535; 0 picks a free one)"), ("x", "'x' is not a port number")],
+)
+def test_a_port_no_socket_can_have_is_refused(port: str, why: str, capsys) -> None:
+    """--port 99999 was bound as 34463 (the kernel takes it modulo 65536) while the log said 99999."""
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", "--port", port])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"kvgate serve: error: argument --port: {why}"
 
 
 # ---------------------------------------------------------------- defaults and the quota divisor

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tenants", default=None, help="tenants.yaml (default: KVGATE_TENANTS or the embedded stack's)"
     )
     parser.add_argument("--host", default=None, help="bind address (default: gateway.host)")
-    parser.add_argument("--port", type=int, default=None, help="port (default: gateway.port, 8080)")
+    parser.add_argument("--port", type=_port, default=None, help="port (default: gateway.port, 8080)")
     parser.add_argument("--demo", action="store_true", help="allow the documented demo keys sk-demo-a/sk-demo-b")
     parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     parser.add_argument(
@@ -86,7 +86,10 @@ def init_tenant(tenants_path: str | None, name: str, state_dir: str) -> bool:
     that exists is left alone, so restarts keep the key. Raises ``ConfigError``."""
     from pathlib import Path
 
+    from pydantic import ValidationError
+
     from config.loader import ConfigError
+    from config.models import TenantConfig
     from config.secrets import private_dir
     from gateway.commands.tenant import TenantFileError, default_tenants_path, edit_tenants, key_sha256, new_api_key
 
@@ -94,6 +97,10 @@ def init_tenant(tenants_path: str | None, name: str, state_dir: str) -> bool:
     if path.exists():
         return False
     key = new_api_key()
+    try:  # the name is checked before it names a file: '../x' wrote its key outside state_dir
+        TenantConfig(id=name, api_key_sha256=[key_sha256(key)])
+    except ValidationError as e:
+        raise ConfigError(str(path), [f"--init-tenant {name!r}: {e.errors()[0]['msg']}"]) from None
     key_file = private_dir(state_dir) / f"{name}.key"
     try:
         fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -239,6 +246,18 @@ def _check_demo_keys(registry, *, allow_demo: bool) -> None:
             "anyone could use them. Rotate the keys (kvgate tenant ...) or start with --demo for a "
             "local demo."
         )
+
+
+def _port(text: str) -> int:
+    """``--port``: 0 (a free port) to 65535; 99999 was bound as 34463 (the kernel takes it modulo
+    65536) while the log named 99999."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0 to 65535; 0 picks a free one)")
+    return port
 
 
 def _worker_count(asked: int | None, settings) -> int:

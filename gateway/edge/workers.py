@@ -131,14 +131,19 @@ def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
     return cores
 
 
+#: the most worker processes (``gateway.workers`` has the same bound)
+MAX_WORKERS = 256
+
+
 def resolve_workers(requested: int | None, settings: Any) -> int:
     """How many workers to run: ``requested`` (``--workers``), else ``gateway.workers``, else the
-    usable cores when ``redis_url`` is set and 1 otherwise. Raises ``ValueError`` below 1."""
+    usable cores when ``redis_url`` is set and 1 otherwise. Raises ``ValueError`` below 1 or
+    above :data:`MAX_WORKERS` (``gateway.workers``' own bound)."""
     n = requested if requested is not None else settings.gateway.workers
     if n is None:
         n = usable_cores() if settings.redis_url else 1
-    if n < 1:
-        raise ValueError(f"workers must be at least 1, not {n}")
+    if not 1 <= n <= MAX_WORKERS:
+        raise ValueError(f"workers must be from 1 to {MAX_WORKERS}, not {n}")
     return n
 
 
