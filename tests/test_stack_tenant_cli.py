@@ -233,3 +233,22 @@ def test_remove_from_a_flow_style_list(capsys, tmp_path: Path) -> None:
     p.write_text("tenants: [{id: x, api_key_sha256: []}, {id: y, api_key_sha256: []}]\n")
     assert _remove(capsys, "x", "--tenants", str(p))[0] == 0
     assert [t.id for t in load_tenants(p).tenants] == ["y"]
+
+
+def test_removing_a_tenant_another_refers_to_by_anchor_is_refused_and_the_file_untouched(capsys, tmp_path: Path):
+    """The cut entry held ``&models``, which the next entry refers to: a ComposerError traceback
+    before; now a message naming why, exit 1, the file unchanged."""
+    p = tmp_path / "t.yaml"
+    p.write_text(
+        "tenants:\n  - id: base\n    api_key_sha256: []\n    allowed_models: &models [kvgate-tiny]\n"
+        "  - id: derived\n    api_key_sha256: []\n    allowed_models: *models\n"
+    )
+    before = p.read_text()
+    rc, out, err = _remove(capsys, "base", "--tenants", str(p))
+    assert (rc, out, p.read_text()) == (1, "", before)
+    assert err == (
+        f"kvgate tenant remove: {p}: removing 'base' would leave the file invalid YAML (found undefined alias "
+        "'models'); another entry refers to an anchor in it: edit the file by hand\n"
+    )
+    assert _remove(capsys, "derived", "--tenants", str(p))[0] == 0  # the entry that refers to it goes
+    assert [t.id for t in load_tenants(p).tenants] == ["base"]

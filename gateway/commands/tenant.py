@@ -169,7 +169,14 @@ def remove_tenant(path: str | os.PathLike[str], tenant_id: str) -> int:
             buf = io.StringIO()
             y.dump(doc, buf)
             new_text = buf.getvalue()
-        _validate(p, y.load(new_text))
+        try:
+            edited = y.load(new_text)
+        except YAMLError as e:  # the cut entry held an anchor (&name) another entry refers to
+            raise TenantFileError(
+                f"{p}: removing '{tenant_id}' would leave the file invalid YAML ({e.problem}); "
+                "another entry refers to an anchor in it: edit the file by hand"
+            ) from None
+        _validate(p, edited)
         _atomic_write(p, new_text)
         return left
 
