@@ -173,7 +173,7 @@ def remove_tenant(path: str | os.PathLike[str], tenant_id: str) -> int:
             edited = y.load(new_text)
         except YAMLError as e:  # the cut entry held an anchor (&name) another entry refers to
             raise TenantFileError(
-                f"{p}: removing '{tenant_id}' would leave the file invalid YAML ({e.problem}); "
+                f"{p}: removing '{tenant_id}' would leave the file invalid YAML ({getattr(e, 'problem', e)}); "
                 "another entry refers to an anchor in it: edit the file by hand"
             ) from None
         _validate(p, edited)
