@@ -551,3 +551,51 @@ def test_serve_init_tenant_checks_the_name_before_writing_anything(tmp_path, nam
         f"{path}: --init-tenant {name!r}: Value error, must be 1-64 characters of letters, digits, '.', '_' or '-'"
     )
     assert not path.exists() and not state.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("models_extra", "state", "why"),
+    [
+        (
+            "    tokenizer: {kind: hf, path: /nonexistent}\n",
+            None,
+            "models[0] (m1): tokenizer path '/nonexistent' holds no tokenizer.json",
+        ),
+        (
+            "    tokenizer: {kind: tiktoken, name: nope_base}\n",
+            None,
+            "models[0] (m1): tiktoken encoding 'nope_base' is not available offline",
+        ),
+        ("", "/proc/kv", "state_dir /proc/kv: cannot be created or used: No such file or directory"),
+    ],
+    ids=["hf-folder-missing", "tiktoken-unknown", "state-dir-impossible"],
+)
+def test_serve_refuses_a_tokenizer_or_state_dir_it_cannot_use_with_a_message(
+    tmp_path, capsys, monkeypatch, models_extra, state, why
+):
+    """Each was a traceback from deep in the start (FileNotFoundError, ValueError) after the
+    settings had loaded."""
+    import gateway.edge.server
+
+    for k in [k for k in os.environ if k.startswith("KVGATE_")]:
+        monkeypatch.delenv(k)
+    served = []
+    monkeypatch.setattr(gateway.edge.server, "run_server", lambda app, *a, **kw: served.append(app) or 0)
+    serve, args = _serve_args(tmp_path, state or tmp_path / "state")
+    cfg = tmp_path / "kvgate.yaml"
+    cfg.write_text(cfg.read_text().replace(MODELS, MODELS + models_extra))
+    assert serve.run(args) == 2 and served == []
+    assert capsys.readouterr().err.startswith(f"kvgate serve: {why}")
+
+
+@pytest.mark.parametrize("headroom", ["nan", "inf", "0.5"])
+def test_deploy_gate_and_probe_refuse_a_headroom_that_is_no_divisor(headroom, capsys):
+    from gateway.cli import main
+
+    assert main(["deploy-gate", "--headroom", headroom, "--server-info-url", "http://127.0.0.1:9/server_info"]) == 2
+    assert (
+        capsys.readouterr().err == "kvgate deploy-gate: --headroom must be from 1.0 to 100 (pool.headroom's bounds)\n"
+    )
+    probe = ["probe", "--headroom", headroom, "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--api-key", "k"]
+    assert main(probe) == 2
+    assert capsys.readouterr().err == "kvgate probe: --headroom must be from 1.0 to 100 (pool.headroom's bounds)\n"

@@ -259,8 +259,8 @@ def _human(r: NodeResult) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point; returns the exit status (0/1/2)."""
-    if args.headroom < 1.0:
-        print("kvgate deploy-gate: --headroom must be >= 1.0", file=sys.stderr)
+    if not 1.0 <= args.headroom <= 100.0:  # also nan, which compares false (a traceback before)
+        print("kvgate deploy-gate: --headroom must be from 1.0 to 100 (pool.headroom's bounds)", file=sys.stderr)
         return EXIT_UNKNOWN
     if args.context_length is not None and args.context_length < 1:
         print("kvgate deploy-gate: --context-length must be >= 1", file=sys.stderr)

@@ -472,6 +472,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1 or (args.limit is not None and args.limit < 2):
         print("kvgate probe: --max-tokens must be >= 1 and --limit >= 2", file=sys.stderr)
         return EXIT_UNKNOWN
+    if not 1.0 <= args.headroom <= 100.0:  # also nan, which compares false (a traceback before)
+        print("kvgate probe: --headroom must be from 1.0 to 100 (pool.headroom's bounds)", file=sys.stderr)
+        return EXIT_UNKNOWN
     target = ProbeTarget(
         args.base_url,
         args.model,

@@ -131,6 +131,26 @@ def model_folder_problem(settings) -> str | None:
     return None
 
 
+def tokenizer_problem(settings) -> str | None:
+    """Why a model's counter cannot be made (an HF folder without ``tokenizer.json``, a tiktoken
+    encoding not available offline), else ``None``: checked before the app is built, where it
+    was a traceback."""
+    from pathlib import Path
+
+    from tokenizer.encodings import get_encoding
+
+    for i, m in enumerate(settings.models):
+        t = m.tokenizer
+        if t.kind == "hf" and not (Path(t.path or "") / "tokenizer.json").is_file():
+            return f"models[{i}] ({m.id}): tokenizer path '{t.path}' holds no tokenizer.json"
+        if t.kind == "tiktoken":
+            try:
+                get_encoding(t.name)
+            except ValueError as e:
+                return f"models[{i}] ({m.id}): {e}"
+    return None
+
+
 def fd_limit_problem(settings) -> str | None:
     """Raise the open-file limit to what the connection limits need
     (:func:`gateway.edge.server.raise_fd_limit`; the workers inherit it); why it cannot be, else ``None``."""
@@ -232,7 +252,7 @@ def _load_config(args: argparse.Namespace):
 
 def _check_files(settings) -> None:
     """The pulled model folders are as pulled and the open-file limit is high enough."""
-    problem = model_folder_problem(settings) or fd_limit_problem(settings)
+    problem = tokenizer_problem(settings) or model_folder_problem(settings) or fd_limit_problem(settings)
     if problem:
         raise _Refused(problem)
 
@@ -276,8 +296,12 @@ def _worker_count(asked: int | None, settings) -> int:
 
 def _check_secrets_private(state_dir, *, allow_open: bool) -> None:
     """The secrets are closed to other users; with ``--allow-open-secrets`` each opening is logged instead."""
-    from config.secrets import permission_problems
+    from config.secrets import permission_problems, private_dir
 
+    try:
+        private_dir(state_dir)
+    except OSError as e:  # /proc/kv, a file, no permission: a FileNotFoundError traceback before
+        raise _Refused(f"state_dir {state_dir}: cannot be created or used: {e.strerror or e}") from None
     problems = permission_problems(state_dir)
     if problems and not allow_open:
         raise _Refused(
