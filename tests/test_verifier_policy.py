@@ -399,6 +399,18 @@ def test_an_operator_quarantines_from_the_cli(tmp_path, capsys):
         " for prompts above 2048 tokens (incident operator, detector operator)\n"
     )
     assert main(["upstream", "--config", str(cfg), "clear", "up"]) == 0
+    capsys.readouterr()
+    # --config after the action, as docs/verifier.md writes it (refused as unrecognised before)
+    assert main(["upstream", "list", "--config", str(cfg)]) == 0
+    assert capsys.readouterr().out == "no upstream is quarantined\n"
+    assert main(["upstream", "quarantine", "up", "--min-prompt-tokens", "100", "--config", str(cfg)]) == 0
+    assert main(["upstream", "clear", "up", "--config", str(cfg)]) == 0
+    # a negative bound quarantined every prompt
+    with pytest.raises(SystemExit) as e:
+        main(["upstream", "--config", str(cfg), "quarantine", "up", "--min-prompt-tokens", "-5"])
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(
+        "kvgate upstream quarantine: error: argument --min-prompt-tokens: -5 is below 0\n"
+    )
 
 
 @pytest.mark.timeout(60)

@@ -14,19 +14,34 @@ import argparse
 import sys
 import time
 
+_CONFIG_HELP = "kvgate.yaml (default: KVGATE_CONFIG or the embedded one)"
+
+
+def _tokens(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of tokens") from None
+    if n < 0:  # -5 quarantined every prompt
+        raise argparse.ArgumentTypeError(f"{n} is below 0")
+    return n
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``list`` or ``clear NAME``; ``--config`` picks kvgate.yaml (redis_url, state_dir)."""
-    parser.add_argument("--config", default=None, help="kvgate.yaml (default: KVGATE_CONFIG or the embedded one)")
+    """``list``, ``quarantine NAME`` or ``clear NAME``; ``--config`` picks kvgate.yaml (redis_url,
+    state_dir), before the action or after it (as docs/verifier.md writes it)."""
+    parser.add_argument("--config", default=None, help=_CONFIG_HELP)
     sub = parser.add_subparsers(dest="action", required=True)
-    sub.add_parser("list", help="show quarantined upstreams")
+    actions = [sub.add_parser("list", help="show quarantined upstreams")]
     put = sub.add_parser("quarantine", help="quarantine an upstream (an operator's decision after an alert)")
     put.add_argument("name", help="the upstream's name (as in kvgate.yaml)")
     put.add_argument(
-        "--min-prompt-tokens", type=int, default=None, help="refuse prompts above this (default: the config's)"
+        "--min-prompt-tokens", type=_tokens, default=None, help="refuse prompts above this (default: the config's)"
     )
     clear = sub.add_parser("clear", help="lift an upstream's quarantine")
     clear.add_argument("name", help="the upstream's name (as in kvgate.yaml)")
+    for action in [*actions, put, clear]:  # absent after the action: the one before it (or none) stays
+        action.add_argument("--config", default=argparse.SUPPRESS, help=_CONFIG_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
