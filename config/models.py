@@ -22,6 +22,11 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "$" lets a 
 MAX_TTL_SECONDS = 365 * 24 * 3600.0
 
 
+#: the largest quota limit (2**53 - 1): the quota scripts count in Lua numbers (doubles), and a
+#: limit of 2**63 made every x-ratelimit-remaining header 0 while requests were admitted
+MAX_LIMIT = (1 << 53) - 1
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
@@ -249,7 +254,7 @@ class GatewaySettings(_Strict):
     max_body_values: int = Field(default=131_072, ge=1024)
     large_body_bytes_per_second: int | None = Field(default=16 * 1024 * 1024, ge=65_536)
     refusal_delay_seconds: float = Field(default=0.5, ge=0, le=10)
-    metrics_token: SecretStr | None = None
+    metrics_token: SecretStr | None = Field(default=None, min_length=1)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     workers: int | None = Field(default=None, ge=1, le=256)
     reuse_port: bool = False
@@ -409,9 +414,9 @@ class TenantConfig(_Strict):
 
     id: str
     api_key_sha256: list[str] = Field(default_factory=list)
-    rpm: int | None = Field(default=None, ge=0)
-    tpm: int | None = Field(default=None, ge=0)
-    max_concurrent: int | None = Field(default=None, ge=0)
+    rpm: int | None = Field(default=None, ge=0, le=MAX_LIMIT)
+    tpm: int | None = Field(default=None, ge=0, le=MAX_LIMIT)
+    max_concurrent: int | None = Field(default=None, ge=0, le=MAX_LIMIT)
     max_context_tokens: int | None = Field(default=None, ge=2)
     max_tokens_cap: int | None = Field(default=None, ge=1)
     default_max_tokens: int = Field(default=256, ge=1)

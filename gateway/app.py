@@ -247,14 +247,16 @@ class DrainMiddleware:
 def ops_token_check(token: Any) -> Any:
     """``allowed(authorization_header) -> bool`` for ``/metrics`` and ``/readyz``'s details:
     always true when ``token`` (``gateway.metrics_token``, a ``SecretStr``) is unset; else true
-    only for ``Bearer <token>``, compared in constant time (SHA-256 of both sides)."""
-    if token is None or not token.get_secret_value():
+    only for ``Bearer <token>`` (the scheme in any case, as API keys take it), compared in
+    constant time (SHA-256 of both sides)."""
+    if token is None:
         return lambda header: True
-    want = hashlib.sha256(f"Bearer {token.get_secret_value()}".encode()).digest()
+    want = hashlib.sha256(token.get_secret_value().encode()).digest()
 
     def allowed(header: str | None) -> bool:
-        got = hashlib.sha256((header or "").encode("utf-8", "surrogatepass")).digest()
-        return hmac.compare_digest(got, want)
+        scheme, _, presented = (header or "").partition(" ")
+        got = hashlib.sha256(presented.encode("utf-8", "surrogatepass")).digest()
+        return hmac.compare_digest(got, want) and scheme.lower() == "bearer"
 
     return allowed
 

@@ -116,6 +116,10 @@ def test_metrics_token_guards_metrics_and_readyz_details(engine):
                 },
             )
             assert c.get("/metrics", headers={"authorization": "Bearer " + "m" * 31}).status_code == 401
+            assert c.get("/metrics", headers={"authorization": "Basic " + token}).status_code == 401
+            assert c.get("/metrics", headers={"authorization": token}).status_code == 401
+            # the scheme in any case, as API keys take it (lowercase was a 401)
+            assert c.get("/metrics", headers={"authorization": "bearer " + token}).status_code == 200
             assert c.get("/readyz").json() == {"status": "ready"}  # no upstream URLs, no pool details
             auth = {"authorization": f"Bearer {token}"}
             ok = c.get("/metrics", headers=auth)
@@ -199,3 +203,19 @@ def test_events_without_content_are_held_back_only_up_to_the_event_limit(engine)
         assert body == stream  # relayed byte-exact; the response started once 1 MiB was held
     finally:
         g.stop()
+
+
+def test_an_empty_metrics_token_and_a_limit_above_2_53_are_refused_at_load():
+    """metrics_token: "" left /metrics and /readyz's details open without a word; a limit of
+    2**63 was taken, and every x-ratelimit-remaining header then said 0 while requests were
+    admitted (the quota scripts count in doubles)."""
+    from pydantic import ValidationError
+
+    from config.models import GatewaySettings, TenantConfig
+
+    with pytest.raises(ValidationError, match="metrics_token"):
+        GatewaySettings(metrics_token="")
+    for field in ("rpm", "tpm", "max_concurrent"):
+        with pytest.raises(ValidationError, match="less than or equal to 9007199254740991"):
+            TenantConfig(id="t", **{field: 1 << 63})
+        assert getattr(TenantConfig(id="t", **{field: (1 << 53) - 1}), field) == (1 << 53) - 1
