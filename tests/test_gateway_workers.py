@@ -510,8 +510,12 @@ def test_a_worker_that_cannot_start_stops_the_gateway(module_engine: MockEngine,
     s = _settings(module_engine, tmp_path / "state", redis_url=None)
     s["quotas"]["enabled"] = False
     s["verifier"]["enabled"] = False
-    # valid settings, but the tokenizer folder is missing: each worker fails while building its app
-    s["models"][0]["tokenizer"] = {"kind": "hf", "path": str(tmp_path / "no-such-tokenizer")}
+    # valid settings, and a tokenizer.json (so the start's own check passes) that is no tokenizer:
+    # each worker fails while building its app
+    broken = tmp_path / "broken-tokenizer"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("not a tokenizer")
+    s["models"][0]["tokenizer"] = {"kind": "hf", "path": str(broken)}
     f = Fleet(tmp_path, s, [_tenant("a")])
     try:
         rc = f.proc.wait(60)
