@@ -576,11 +576,15 @@ def test_serve_refuses_a_tokenizer_or_state_dir_it_cannot_use_with_a_message(
     """Each was a traceback from deep in the start (FileNotFoundError, ValueError) after the
     settings had loaded."""
     import gateway.edge.server
+    import gateway.ops.access_log
 
     for k in [k for k in os.environ if k.startswith("KVGATE_")]:
         monkeypatch.delenv(k)
     served = []
     monkeypatch.setattr(gateway.edge.server, "run_server", lambda app, *a, **kw: served.append(app) or 0)
+    # keep pytest's handlers: a handler on this test's captured stderr outlives it, and later
+    # tests' gateways then log into the closed capture ("I/O operation on closed file")
+    monkeypatch.setattr(gateway.ops.access_log, "setup_logging", lambda *a, **kw: None)
     serve, args = _serve_args(tmp_path, state or tmp_path / "state")
     cfg = tmp_path / "kvgate.yaml"
     cfg.write_text(cfg.read_text().replace(MODELS, MODELS + models_extra))
