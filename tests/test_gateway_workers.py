@@ -551,11 +551,13 @@ def test_more_than_one_worker_without_redis_is_refused(module_engine: MockEngine
     [("99999", "99999 is not a port (0 to 65535; 0 picks a free one)"), ("x", "'x' is not a port number")],
 )
 def test_a_port_no_socket_can_have_is_refused(port: str, why: str, capsys) -> None:
-    """--port 99999 was bound as 34463 (the kernel takes it modulo 65536) while the log said 99999."""
-    with pytest.raises(SystemExit) as e:
-        cli_main(["serve", "--port", port])
-    assert e.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == f"kvgate serve: error: argument --port: {why}"
+    """--port 99999 was bound as 34463 by kvgate serve (the kernel takes it modulo 65536) while
+    the log said 99999, and was a bind() traceback in kvgate up."""
+    for command, flag in (("serve", "--port"), ("up", "--port"), ("up", "--backend-port")):
+        with pytest.raises(SystemExit) as e:
+            cli_main([command, flag, port])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"kvgate {command}: error: argument {flag}: {why}"
 
 
 # ---------------------------------------------------------------- defaults and the quota divisor

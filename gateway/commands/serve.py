@@ -21,6 +21,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from gateway.commands import port
+
 DEMO_KEYS = ("sk-demo-a", "sk-demo-b")
 
 
@@ -30,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tenants", default=None, help="tenants.yaml (default: KVGATE_TENANTS or the embedded stack's)"
     )
     parser.add_argument("--host", default=None, help="bind address (default: gateway.host)")
-    parser.add_argument("--port", type=_port, default=None, help="port (default: gateway.port, 8080)")
+    parser.add_argument("--port", type=port, default=None, help="port (default: gateway.port, 8080)")
     parser.add_argument("--demo", action="store_true", help="allow the documented demo keys sk-demo-a/sk-demo-b")
     parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     parser.add_argument(
@@ -266,18 +268,6 @@ def _check_demo_keys(registry, *, allow_demo: bool) -> None:
             "anyone could use them. Rotate the keys (kvgate tenant ...) or start with --demo for a "
             "local demo."
         )
-
-
-def _port(text: str) -> int:
-    """``--port``: 0 (a free port) to 65535; 99999 was bound as 34463 (the kernel takes it modulo
-    65536) while the log named 99999."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port (0 to 65535; 0 picks a free one)")
-    return port
 
 
 def _worker_count(asked: int | None, settings) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from config.loader import ConfigError, load_settings
+from gateway.commands import port
 from gateway.stack.embedded import (
     DEMO_KEYS,
     EmbeddedStack,
@@ -56,13 +57,13 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address both parts bind (default 127.0.0.1)")
     parser.add_argument(
         "--port",
-        type=int,
+        type=port,
         default=None,
         help="gateway port (default: gateway.port of the settings, 8080; 0 = a free port)",
     )
     parser.add_argument(
         "--backend-port",
-        type=int,
+        type=port,
         default=None,
         help="backend port (default: backend.port, 30000, or a free port if it is taken)",
     )
