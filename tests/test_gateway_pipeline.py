@@ -339,23 +339,26 @@ def test_never_reaching_an_engine_is_charged_nothing(engine, access):
     assert q.settled == {"holder": [11], "queued": [0], "waited": [0]}
 
 
+def _hello_stream_with_usage(usage: bytes) -> list[bytes]:
+    """A stream of "Hello world" (2 tokens), then a usage chunk carrying ``usage`` (JSON), then [DONE]."""
+    return [
+        b'data: {"choices": [{"index": 0, "delta": {"content": "Hello world"}, "finish_reason": "stop"}]}\n\n',
+        b'data: {"choices": [], "usage": ' + usage + b"}\n\n",
+        b"data: [DONE]\n\n",
+    ]
+
+
 def test_hostile_usage_numbers_never_lower_the_charge(engine, access):
     """An engine reporting negative or boolean usage: the admitted prompt and the counted text are
     charged, and the metrics do not break (a negative counter increment would raise)."""
-    engine.state.stream_chunks = [
-        b'data: {"choices": [{"index": 0, "delta": {"content": "Hello world"}, "finish_reason": "stop"}]}\n\n',
-        b'data: {"choices": [], "usage": {"prompt_tokens": -1000, "completion_tokens": -1000}}\n\n',
-        b"data: [DONE]\n\n",
-    ]
+    engine.state.stream_chunks = _hello_stream_with_usage(b'{"prompt_tokens": -1000, "completion_tokens": -1000}')
     q = LedgerQuotas()
     g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q).start()
     try:
         with g.client() as c:
             r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True), headers={"x-request-id": "neg"})
             assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
-            engine.state.stream_chunks[1] = (
-                b'data: {"choices": [], "usage": {"prompt_tokens": true, "completion_tokens": true}}\n\n'
-            )
+            engine.state.stream_chunks = _hello_stream_with_usage(b'{"prompt_tokens": true, "completion_tokens": true}')
             r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True), headers={"x-request-id": "bool"})
             assert r.status_code == 200
         assert wait_for(lambda: len(access("bool")) == 1, 3)
@@ -388,11 +391,7 @@ def test_usage_no_engine_could_report_is_ignored(engine, access, usage, settled,
     relayed, as for no report. Before, 2**62 completion tokens reached the quota scripts, which
     failed half-applied (INCRBY of a float) and answered 503 to every tenant; 10**12 prompt
     tokens locked the tenant out for the window."""
-    engine.state.stream_chunks = [
-        b'data: {"choices": [{"index": 0, "delta": {"content": "Hello world"}, "finish_reason": "stop"}]}\n\n',
-        b'data: {"choices": [], "usage": ' + json.dumps(usage).encode() + b"}\n\n",
-        b"data: [DONE]\n\n",
-    ]
+    engine.state.stream_chunks = _hello_stream_with_usage(json.dumps(usage).encode())
     q = LedgerQuotas()
     g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q).start()
     try:

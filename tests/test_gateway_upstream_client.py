@@ -159,6 +159,15 @@ async def test_no_answer_within_the_read_timeout_is_read_timeout() -> None:
         await c.aclose()
 
 
+async def _trickle(writer: asyncio.StreamWriter, n: int) -> None:
+    """A 200 whose ``n``-byte body arrives one byte every 50 ms (each wait within a read timeout)."""
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % n)
+    for _ in range(n):
+        writer.write(b"x")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+
+
 async def test_an_answer_trickled_past_the_exchange_timeout_is_read_timeout() -> None:
     """An engine that sends a byte of its body every 50 ms never trips the read timeout (1 s);
     the exchange timeout (0.4 s) cuts it off, whether the body is read whole or as it comes, and
@@ -174,11 +183,7 @@ async def test_an_answer_trickled_past_the_exchange_timeout_is_read_timeout() ->
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
             await writer.drain()
             return
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n")
-        for _ in range(100):
-            writer.write(b"x")
-            await writer.drain()
-            await asyncio.sleep(0.05)
+        await _trickle(writer, 100)
 
     async with Server(engine) as srv:
         c = client(read_timeout=1.0, exchange_timeout=0.4)
@@ -225,11 +230,7 @@ async def test_exchange_timeout_null_leaves_a_trickle_unbounded_and_zero_or_nega
 
     async def engine(srv, reader, writer):
         await srv.read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\n")
-        for _ in range(12):
-            writer.write(b"x")
-            await writer.drain()
-            await asyncio.sleep(0.05)
+        await _trickle(writer, 12)
 
     async with Server(engine) as srv:
         c = client(read_timeout=0.5, exchange_timeout=None)

@@ -750,6 +750,10 @@ def test_bytes_that_are_not_http_get_an_openai_shaped_400(edge, raw):
     s.close()
 
 
+def _openai_error(message: str, etype: str, code: str) -> dict:
+    return {"error": {"message": message, "type": etype, "param": None, "code": code}}
+
+
 def _json_answer(raw: bytes) -> tuple[bytes, dict]:
     head, _, body = raw.partition(b"\r\n\r\n")
     return head.split(b"\r\n", 1)[0], json.loads(body)
@@ -771,9 +775,7 @@ def test_a_websocket_upgrade_is_answered_as_the_http_request_it_came_with(edge):
 
 def test_a_trailing_slash_is_an_unknown_path_not_a_redirect_built_from_host(edge):
     s = edge.connect()
-    s.sendall(
-        get("/v1/models/", f"host2: evil.example\r\nauthorization: Bearer {KEY_A}\r\nconnection: close\r\n".encode())
-    )
+    s.sendall(get("/v1/models/", f"authorization: Bearer {KEY_A}\r\nconnection: close\r\n".encode()))
     status, body = _json_answer(read_all(s))
     assert status == b"HTTP/1.1 404 Not Found" and body["error"]["code"] == "model_not_found"
     s = edge.connect()
@@ -783,14 +785,11 @@ def test_a_trailing_slash_is_an_unknown_path_not_a_redirect_built_from_host(edge
     status, body = _json_answer(read_all(s))
     assert (status, body) == (
         b"HTTP/1.1 404 Not Found",
-        {
-            "error": {
-                "message": "Unknown request URL: POST /v1/chat/completions/. Please check the URL.",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "not_found",
-            }
-        },
+        _openai_error(
+            "Unknown request URL: POST /v1/chat/completions/. Please check the URL.",
+            "invalid_request_error",
+            "not_found",
+        ),
     )
 
 
@@ -804,12 +803,7 @@ def test_two_authorization_headers_are_refused_whichever_comes_first(edge):
         status, body = _json_answer(read_all(s))
         assert (status, body) == (
             b"HTTP/1.1 401 Unauthorized",
-            {
-                "error": {
-                    "message": "Send one Authorization header; this request has 2.",
-                    "type": "authentication_error",
-                    "param": None,
-                    "code": "invalid_api_key",
-                }
-            },
+            _openai_error(
+                "Send one Authorization header; this request has 2.", "authentication_error", "invalid_api_key"
+            ),
         )
