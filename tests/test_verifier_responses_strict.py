@@ -128,6 +128,8 @@ def stream_events(place: str, words: list[str]) -> list[dict]:
                 "annotation": annotation,
             }
         )
+    if place == "error_event":  # the engine's own error event, its message the victim's text
+        evs.append({"type": "error", "code": "server_error", "message": text, "param": None})
     evs.append({"type": "response.output_item.done", "output_index": 0, "item": msg})
     second = _second_item(place, text)
     if second is not None:
@@ -252,3 +254,34 @@ def test_strict_responses_withhold_another_tenants_text_in_every_place(stack, pl
     (inc,) = [i for i in svc.incidents.recent[n_incidents:] if i.detector == "leak_index"]
     assert (inc.tenant, inc.withheld, inc.evidence["source_tenant"]) == ("s", True, "victim")
     assert inc.evidence.get("quarantine") is None and not svc.quarantine.records()
+
+
+@pytest.mark.timeout(60)
+def test_a_strict_tenants_responses_stream_carries_the_gateways_error_event_not_the_engines(stack):
+    """The engine's ``error`` event, mid-stream, carries the victim's passage as its message: the
+    strict tenant gets the gateway's own message in an ``error`` event with the engine's
+    ``sequence_number`` (the Responses protocol relays error events as sent otherwise), after the
+    text before it, and 0 victim bytes."""
+    st, _svc, client = stack
+    st.place, st.words = "error_event", victim_words()
+    try:
+        status, raw = _send(client, True)
+    finally:
+        st.place, st.words = "", ["ok"]
+    assert status == 200 and MARK.encode() not in raw
+    events = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    errors = [e for e in events if e["type"] == "error"]
+    assert errors == [
+        {
+            "type": "error",
+            "code": "server_error",
+            "message": "The upstream engine answered an error (502); its message is not shown under strict verification.",
+            "param": None,
+            "sequence_number": 3,
+        }
+    ]
+    assert [e["type"] for e in events[:3]] == [
+        "response.created",
+        "response.output_item.added",
+        "response.output_text.delta",
+    ]
