@@ -5,10 +5,13 @@ too many client connections (503), idle keep-alive connections closed. Exact byt
 from __future__ import annotations
 
 import dataclasses
+import email.utils
 import json
+import re
 import socket
 import threading
 import time
+import types
 
 import pytest
 import uvicorn
@@ -37,7 +40,8 @@ class EdgeServer:
     def __init__(self, app, limits: EdgeLimits) -> None:
         self.sock = free_socket()
         self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
+        # as gateway.edge.server.run_server: no "server" header
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1, server_header=False)
         self.server = uvicorn.Server(configure(config, limits))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -72,6 +76,19 @@ def read_all(s: socket.socket, timeout: float = 5.0) -> bytes:
             break
         out += b
     return out
+
+
+def undated(answer: bytes) -> bytes:
+    """``answer`` without its ``date`` header, which must come right after the status line, once,
+    as an RFC 9110 IMF-fixdate within 5 seconds of now (uvicorn refreshes it each second)."""
+    status, sep, rest = answer.partition(b"\r\n")
+    line, _, rest = rest.partition(b"\r\n")
+    name, _, value = line.partition(b": ")
+    assert name == b"date", answer
+    assert re.fullmatch(rb"[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT", value), value
+    assert abs(email.utils.parsedate_to_datetime(value.decode()).timestamp() - time.time()) < 5
+    assert b"\r\ndate:" not in rest.partition(b"\r\n\r\n")[0], answer
+    return status + sep + rest
 
 
 def refusal(status: int, reason: str, message: str, code: str) -> bytes:
@@ -124,10 +141,10 @@ def test_normal_requests_pass_with_keepalive_then_idle_close(edge):
 def test_header_bytes_over_the_limit_get_431(edge):
     s = edge.connect()
     s.sendall(get(extra=b"x-big: " + b"a" * 9000 + b"\r\n"))  # a whole head, too long
-    assert read_all(s) == TOO_LARGE
+    assert undated(read_all(s)) == TOO_LARGE
     s = edge.connect()
     s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-endless: " + b"b" * 9000)  # a head that never ends
-    assert read_all(s) == TOO_LARGE
+    assert undated(read_all(s)) == TOO_LARGE
     s = edge.connect()
     s.sendall(get(extra=b"x-fits: " + b"c" * 7000 + b"\r\n"))
     assert s.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
@@ -149,7 +166,7 @@ def test_parsing_stops_at_the_refused_header(edge, monkeypatch, caplog):
     monkeypatch.setattr(BoundedHttpToolsProtocol, "on_header", counting)
     s = edge.connect()
     s.sendall(get(extra=b"".join(b"x-h%d: 1\r\n" % i for i in range(20_000))))
-    assert read_all(s) == refusal(
+    assert undated(read_all(s)) == refusal(
         431,
         "Request Header Fields Too Large",
         "The request's headers are too large: more than 20 header fields.",
@@ -176,7 +193,7 @@ def test_a_refused_head_on_a_kept_alive_connection_gets_its_answer(edge):
         first = s.recv(65536)
         assert first.startswith(b"HTTP/1.1 200 OK\r\n") and first.endswith(b'{"status":"ok"}')
         s.sendall(get(extra=extra))
-        assert read_all(s) == refusal(
+        assert undated(read_all(s)) == refusal(
             431,
             "Request Header Fields Too Large",
             f"The request's headers are too large: {why}.",
@@ -188,7 +205,7 @@ def test_a_refused_head_on_a_kept_alive_connection_gets_its_answer(edge):
 def test_too_many_headers_get_431(edge):
     s = edge.connect()
     s.sendall(get(extra=b"".join(b"x-h%d: 1\r\n" % i for i in range(20))))  # host + 20 = 21 fields
-    assert read_all(s) == refusal(
+    assert undated(read_all(s)) == refusal(
         431,
         "Request Header Fields Too Large",
         "The request's headers are too large: more than 20 header fields.",
@@ -204,7 +221,7 @@ def test_slow_head_gets_408_within_the_bound(edge):
     s = edge.connect()
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
     t0 = time.monotonic()
-    assert read_all(s) == refusal(
+    assert undated(read_all(s)) == refusal(
         408, "Request Timeout", "The request head did not arrive within 0.6 seconds.", "request_timeout"
     )
     assert time.monotonic() - t0 < 0.6 + 1.5
@@ -224,7 +241,7 @@ def test_slow_body_gets_408_within_the_bound_and_nothing_is_forwarded(edge):
     for _ in range(3):  # trickling does not extend the deadline
         time.sleep(0.1)
         s.sendall(b" ")
-    assert read_all(s) == refusal(
+    assert undated(read_all(s)) == refusal(
         408, "Request Timeout", "The request body did not arrive within 0.6 seconds.", "request_timeout"
     )
     assert time.monotonic() - t0 < 0.6 + 1.5
@@ -242,7 +259,7 @@ def test_client_connections_above_the_limit_get_503(edge):
     try:
         time.sleep(0.1)
         extra = edge.connect()
-        assert read_all(extra) == refusal(
+        assert undated(read_all(extra)) == refusal(
             503,
             "Service Unavailable",
             "The gateway holds its maximum of 6 client connections; retry shortly.",
@@ -276,7 +293,7 @@ def test_a_client_still_sending_gets_its_431_not_a_reset(edge):
     s = edge.connect()
     s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 9000)
     _send_after_the_answer(s)
-    assert read_all(s) == TOO_LARGE
+    assert undated(read_all(s)) == TOO_LARGE
     s.close()
 
 
@@ -316,7 +333,7 @@ def test_a_refused_head_is_answered_after_the_refusal_delay():
             s = srv.connect()
             t0 = time.monotonic()
             s.sendall(get(extra=b"x-big: " + b"a" * 9000 + b"\r\n"))
-            assert read_all(s) == TOO_LARGE
+            assert undated(read_all(s)) == TOO_LARGE
             assert time.monotonic() - t0 >= 0.4
             s.close()
             s = srv.connect()
@@ -357,10 +374,12 @@ def test_a_refusal_timer_that_fires_early_is_armed_again_until_the_delay_has_pas
 
     p = object.__new__(BoundedHttpToolsProtocol)  # only what _answer_when_due and _answer touch
     p.loop, p.transport, p.cycle, p._in_head = Loop(), Transport(), None, True
+    p.server_state = types.SimpleNamespace(default_headers=[(b"date", b"Sat, 05 Dec 2026 19:00:00 GMT")])
     p._answer_when_due(time.monotonic() + 0.25, 431, "too large", "request_header_fields_too_large")
     assert p.transport.written == [] and len(p.loop.armed) == 1 and 0.2 < p.loop.armed[0] <= 0.25
     p._answer_when_due(time.monotonic() - 0.001, 431, "too large", "request_header_fields_too_large")
-    assert len(p.transport.written) == 1 and p.transport.written[0].startswith(b"HTTP/1.1 431 ")
+    assert len(p.transport.written) == 1
+    assert p.transport.written[0].startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\ndate: Sat, 05 Dec 2026 19:00:00 GMT\r\n")
     assert len(p.loop.armed) == 1
 
 
@@ -408,7 +427,7 @@ def test_a_chunked_trickle_of_tiny_chunks_gets_413_after_the_free_chunks(edge, m
     before = len(edge.engine.state.requests)
     s = edge.connect()
     s.sendall(chunked_head() + chunks(b'{"model": "' + b"a" * 9990 + b'"}', 1) + b"0\r\n\r\n")
-    assert read_all(s) == refusal(
+    assert undated(read_all(s)) == refusal(
         413,
         "Content Too Large",
         "The request body's chunks average under 256 bytes; send larger chunks or a Content-Length body.",
@@ -430,7 +449,7 @@ def test_chunks_per_body_are_capped():
         with EdgeServer(gw.app, dataclasses.replace(LIMITS, max_body_chunks=100)) as srv:
             s = srv.connect()
             s.sendall(chunked_head() + chunks(b"x" * 300 * 150, 300) + b"0\r\n\r\n")
-            assert read_all(s) == refusal(
+            assert undated(read_all(s)) == refusal(
                 413, "Content Too Large", "The request body has more than 100 chunks.", TOO_LARGE_BODY
             )
     finally:
@@ -448,7 +467,7 @@ def test_chunk_framing_counts_against_the_body_limit():
             s.sendall(chunked_head())
             time.sleep(0.1)  # the head is read on its own
             s.sendall(chunks(b"x" * 256 * 40, 256, b";pad=" + b"p" * 2048) + b"0\r\n\r\n")
-            assert read_all(s) == refusal(
+            assert undated(read_all(s)) == refusal(
                 413,
                 "Content Too Large",
                 "The request body is larger than 65536 bytes (chunk framing included).",
@@ -514,7 +533,7 @@ def test_one_address_gets_its_share_of_the_connections():
         with EdgeServer(gw.app, dataclasses.replace(LIMITS, max_connections_per_client=2)) as srv:
             held = [srv.connect() for _ in range(2)]
             time.sleep(0.1)
-            assert read_all(srv.connect()) == refusal(
+            assert undated(read_all(srv.connect())) == refusal(
                 429,
                 "Too Many Requests",
                 "Your address holds its maximum of 2 connections to the gateway; reuse them or close some.",
@@ -746,7 +765,7 @@ def test_bytes_that_are_not_http_get_an_openai_shaped_400(edge, raw):
     answer was text/plain "Invalid HTTP request received.")."""
     s = edge.connect()
     s.sendall(raw)
-    assert read_all(s) == NOT_HTTP
+    assert undated(read_all(s)) == NOT_HTTP
     s.close()
 
 

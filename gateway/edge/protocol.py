@@ -60,7 +60,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,12 +164,15 @@ class EdgeState:
         self.peak_unsent = 0
 
 
-def refusal_bytes(status: int, message: str, code: str) -> bytes:
-    """A whole HTTP/1.1 response: ``status``, an OpenAI-shaped JSON body, ``connection: close``."""
+def refusal_bytes(status: int, message: str, code: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> bytes:
+    """A whole HTTP/1.1 response: ``status``, ``headers`` (the server's own, e.g. ``date``, which
+    RFC 9110 section 6.6.1 asks of a server with a clock), an OpenAI-shaped JSON body,
+    ``connection: close``."""
     body = openai_error_bytes(message, status=status, code=code)
     return b"".join(
         [
             b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
+            *(b"%s: %s\r\n" % (name, value) for name, value in headers),
             b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n\r\n",
@@ -433,7 +436,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         cycle = self.cycle  # on a kept-alive connection, the previous request's until a new head ends
         if cycle is None or not cycle.response_started or (self._in_head and cycle.response_complete):
-            self.transport.write(refusal_bytes(status, message, code))
+            self.transport.write(refusal_bytes(status, message, code, self.server_state.default_headers))
         # the close lingers (the request is unfinished): the request's cycle is marked
         # disconnected at once, so the app's receive() reports a disconnect and whatever it sends
         # is dropped
