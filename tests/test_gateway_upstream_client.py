@@ -692,7 +692,7 @@ _ANSWERS: dict[bool, dict[str, str]] = {}
 def test_h1_the_host_header_is_the_urls_host_and_port_only() -> None:
     from urllib.parse import urlsplit
 
-    from gateway.relay.h1_transport import _host, _request_bytes
+    from gateway.relay.h1_transport import _host, _parsed, _request_bytes
 
     cases = {
         "http://engine:8000/v1": "engine:8000",
@@ -704,10 +704,16 @@ def test_h1_the_host_header_is_the_urls_host_and_port_only() -> None:
         "http://[::1]:8000/v1": "[::1]:8000",
     }
     assert {u: _host(urlsplit(u)) for u in cases} == cases
-    head = _request_bytes("POST", urlsplit("http://e:1/v1/chat?x=1"), b"{}", {"a": "b", "Content-Length": "9"})
+    assert {u: _parsed(u)[2] for u in cases} == cases
+    origin, target, host = _parsed("HTTP://e:1/v1/chat?x=1")
+    assert (origin, target, host) == (("http", "e", 1), "/v1/chat?x=1", "e:1")
+    head = _request_bytes("POST", target, host, b"{}", {"a": "b", "Content-Length": "9"})
     assert head == b"POST /v1/chat?x=1 HTTP/1.1\r\nHost: e:1\r\na: b\r\nContent-Length: 2\r\n\r\n{}"
+    assert _parsed("https://e") == (("https", "e", 443), "/", "e")
     with pytest.raises(ValueError, match="request target"):
-        _request_bytes("POST", urlsplit("http://e:1/v1/a b"), b"", {})
+        _parsed("http://e:1/v1/a b")
+    with pytest.raises(uc.ConnectError, match="not an http"):
+        _parsed("ftp://e/v1")
 
 
 async def test_a_request_waiting_for_the_full_pool_gets_the_connection_the_first_gives_back() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import math
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -361,13 +362,8 @@ class H1Transport(PooledTransport):
         self, method: str, url: str, content: bytes, headers: Mapping[str, str], on_sent: Callable[[], None] | None
     ) -> H1Response:
         """As :meth:`gateway.relay.upstream_client.UpstreamClient.send`."""
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        if scheme not in ("http", "https") or not parts.hostname:
-            raise ConnectError(f"ConnectError: not an http(s) URL: {url!r}")
-        port = parts.port or (443 if scheme == "https" else 80)
-        origin = (scheme, parts.hostname, port)
-        request = _request_bytes(method, parts, content, headers)
+        origin, target, host = _parsed(url)
+        request = _request_bytes(method, target, host, content, headers)
         conn = await self._acquire(origin)
         try:
             head = conn.send(request)
@@ -485,17 +481,30 @@ class H1Transport(PooledTransport):
         await asyncio.sleep(0)
 
 
-def _request_bytes(method: str, parts: Any, content: bytes, headers: Mapping[str, str]) -> bytes:
-    """The request's head and body as one ``bytes``. Raises ``ValueError`` for a header holding CR,
-    LF or NUL, or a target holding whitespace or a control character."""
+@functools.lru_cache(maxsize=256)
+def _parsed(url: str) -> tuple[Origin, str, str]:
+    """``url``'s origin, request target and ``Host`` value, parsed once per URL (an engine's
+    URLs are few: the upstreams' routes). Raises :class:`ConnectError` for a URL that is not
+    http(s) with a host, ``ValueError`` for a target holding whitespace or a control character."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise ConnectError(f"ConnectError: not an http(s) URL: {url!r}")
+    port = parts.port or (443 if scheme == "https" else 80)
     target = parts.path or "/"
     if parts.query:
         target += "?" + parts.query
     if not target.isprintable() or " " in target:
         raise ValueError(f"request target {target!r} holds whitespace or a control character")
+    return (scheme, parts.hostname, port), target, _host(parts)
+
+
+def _request_bytes(method: str, target: str, host: str, content: bytes, headers: Mapping[str, str]) -> bytes:
+    """The request's head and body as one ``bytes``. Raises ``ValueError`` for a header holding
+    CR, LF or NUL."""
     lines = [f"{method} {target} HTTP/1.1"]
     if not any(k.lower() == "host" for k in headers):
-        lines.append(f"Host: {_host(parts)}")
+        lines.append(f"Host: {host}")
     for k, v in headers.items():
         if k.lower() in _FRAMING:
             continue
