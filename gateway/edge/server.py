@@ -128,6 +128,9 @@ def run_server(
         timeout_graceful_shutdown=max(drain_timeout_seconds, 1.0),  # type: ignore[arg-type]
         lifespan="on",
         server_header=False,
+        # nothing reads the client's address from the scope, so uvicorn's X-Forwarded-For
+        # rewriting of it (a middleware layer on every request) serves nothing
+        proxy_headers=False,
     )
     from gateway.edge.protocol import EdgeLimits, configure
 
