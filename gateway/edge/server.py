@@ -91,14 +91,22 @@ def raise_fd_limit(g: Any) -> int:
     return need
 
 
+#: net container allocations between young-generation collections in a serving process (Python's
+#: default: 700)
+GC_GEN0_THRESHOLD = 7000
+
+
 def freeze_startup_objects() -> None:
     """Move every object alive now (modules, settings, tokenizers, the app) into the cyclic
     garbage collector's permanent generation (``gc.freeze``, Python 3.7+), after one full
     collection: a later full collection then scans only what serving created. Measured under
     ``bench/hostile.py``'s attack, one full collection over the startup objects held the event
-    loop 66 ms."""
+    loop 66 ms. Then a young-generation collection comes every :data:`GC_GEN0_THRESHOLD`
+    allocations instead of Python's 700, most of a request's objects gone by then (docs/performance.md,
+    twelfth pass)."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def run_server(
