@@ -13,15 +13,28 @@ import torch
 
 from gpu_backend.errors import InvalidRequestError
 
+#: a temperature above 0 but below this samples at this (vLLM's ``_MAX_TEMP`` and
+#: ``SamplingParams.__post_init__``, vllm/sampling_params.py): ``logits / 1e-300`` overflows to
+#: +-inf, softmax to NaN, and ``torch.multinomial`` raises, failing the whole decode batch
+MIN_TEMPERATURE = 1e-2
+#: most ``stop`` strings, longest one and all together in UTF-8 bytes: every decode step scans
+#: the new text against each string on the engine's one worker thread (the gateway's caps,
+#: gateway/admission/checks.py ``MAX_STOPS``, ``MAX_STOP_BYTES``, ``MAX_STOP_TOTAL_BYTES``)
+MAX_STOPS = 16
+MAX_STOP_BYTES = 1024
+MAX_STOP_TOTAL_BYTES = 4096
+
 
 @dataclass
 class SamplingParams:
     """Per-request sampling (names as SGLang's ``SamplingParams``).
 
     ``max_new_tokens`` >= 1 (clamped at admission to what the context and pool allow, as SGLang);
-    ``temperature`` 0 means greedy (argmax); ``top_p`` in (0, 1]; ``seed`` makes temperature
+    ``temperature`` 0 means greedy (argmax), one above 0 samples at least at
+    :data:`MIN_TEMPERATURE` (as vLLM); ``top_p`` in (0, 1]; ``seed`` makes temperature
     sampling reproducible (``None``: drawn from the engine's seeded generator); ``stop``: strings
-    that end the completion (excluded from the text, finish_reason ``stop``); ``stop_token_ids``:
+    that end the completion (excluded from the text, finish_reason ``stop``; at most
+    :data:`MAX_STOPS`, see :meth:`validate`); ``stop_token_ids``:
     extra ids that end it; ``ignore_eos``: do not stop at ``<|im_end|>`` / ``<|endoftext|>``.
     """
 
@@ -58,6 +71,13 @@ class SamplingParams:
             raise bad("seed must be an integer.", "seed")
         if not isinstance(self.stop, list) or any(not isinstance(x, str) or not x for x in self.stop):
             raise bad("stop must be a list of non-empty strings.", "stop")
+        sizes = [len(x.encode("utf-8", "surrogatepass")) for x in self.stop]
+        if len(sizes) > MAX_STOPS or any(n > MAX_STOP_BYTES for n in sizes) or sum(sizes) > MAX_STOP_TOTAL_BYTES:
+            raise bad(
+                f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_BYTES} bytes each, "
+                f"{MAX_STOP_TOTAL_BYTES} bytes in all.",
+                "stop",
+            )
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids must be a list of integers.", "stop_token_ids")
 
@@ -84,13 +104,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     (a generator is needed for rows with temperature > 0). Returns B token ids.
 
     Greedy rows: ``argmax``. Other rows, each on CPU in fp32 with its own generator: softmax of
-    ``logits / temperature``, keep the smallest prefix of tokens (by descending probability) whose
+    ``logits / max(temperature, MIN_TEMPERATURE)``, keep the smallest prefix of tokens (by descending probability) whose
     mass reaches ``top_p`` (the top token always kept), renormalise, ``torch.multinomial``."""
     out = logits.argmax(dim=-1).tolist()
     for b, p in enumerate(params):
         if p.temperature <= 0.0:
             continue
-        row = logits[b].float().cpu() / float(p.temperature)
+        row = logits[b].float().cpu() / max(float(p.temperature), MIN_TEMPERATURE)
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
             sp, si = probs.sort(descending=True)
