@@ -36,6 +36,9 @@ log = logging.getLogger("gpu_backend.prefill")
 #: Above this many bytes of KV, hashing and serialising run in a worker thread.
 _OFFLOAD_BYTES = 256 * 1024
 
+#: Seconds an abort is remembered, so a prefill call that arrives after its abort is refused.
+_ABORT_MEMORY_SECONDS = 300.0
+
 
 async def prefill_export(
     engine: Engine, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None
@@ -108,16 +111,17 @@ class PrefillNode:
 
     ``transfer_timeout_seconds`` plus the engine's ``pool_wait_timeout_seconds`` bounds the send
     (the decode node may first wait for pages to reserve).
-    ``abort(request_id)`` stops a request at any point: during the forward pass the engine frees
-    its pages; afterwards the pages are already freed and the transfer is not sent.
+    ``abort(engine_id)`` stops a request at any point: during the forward pass the engine frees
+    its pages; afterwards the pages are already freed and the transfer is not sent. Requests are
+    known by their engine-side id (:func:`engine_request_id` of client id and room), never by the
+    client's id alone, so requests sharing a client id never affect each other.
     """
 
     def __init__(self, engine: Engine, sink: TransferSink, *, transfer_timeout_seconds: float = 30.0) -> None:
         self.engine = engine
         self.sink = sink
         self.transfer_timeout = transfer_timeout_seconds
-        self._live: dict[str, str] = {}
-        self._aborted: dict[str, float] = {}
+        self._aborted: dict[str, float] = {}  # engine id -> monotonic time of its abort
         self._by_room: dict[int, tuple[float, asyncio.Future]] = {}
         self.counters = {"prefilled": 0, "rejected": 0, "placeholders": 0, "aborted": 0}
 
@@ -127,18 +131,21 @@ class PrefillNode:
         info["disaggregation_mode"] = "prefill"
         return info
 
-    def _was_aborted(self, request_id: str) -> bool:
+    def _was_aborted(self, engine_id: str) -> bool:
+        """Whether ``engine_id`` was aborted in the last :data:`_ABORT_MEMORY_SECONDS` (older marks are dropped)."""
         now = time.monotonic()
-        for k in [k for k, t in self._aborted.items() if now - t > 300]:
+        for k in [k for k, t in self._aborted.items() if now - t > _ABORT_MEMORY_SECONDS]:
             del self._aborted[k]
-        return request_id in self._aborted
+        return engine_id in self._aborted
 
     async def prefill(
         self, room: int, request_id: str, prompt_ids: list[int], *, param: str = "prompt"
     ) -> PrefillOutcome:
         """Admit + prefill + send; returns the :class:`PrefillOutcome`. Raises :class:`PromptTooLongError` (400,
         ``param`` as given: ``prompt`` or ``messages``), :class:`PoolExhaustedError` (503),
-        :class:`RequestAbortedError` (499), or the decode node's refusal.
+        :class:`RequestAbortedError` (499: this room's request was aborted), or the decode node's
+        refusal. ``request_id`` is the client's id (messages, manifest); the engine-side id is
+        :func:`engine_request_id` ``(request_id, room)``.
 
         Idempotent per room: a repeated call for a room (the router retrying after a lost
         connection) gets the first call's outcome; the work runs once. Cancelling the caller does
@@ -154,19 +161,15 @@ class PrefillNode:
         return await asyncio.shield(entry[1])
 
     async def _prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
-        if self._was_aborted(request_id):
-            raise RequestAbortedError(f"request {request_id} was aborted")
         rid = engine_request_id(request_id, room)
-        self._live[request_id] = rid
+        if self._was_aborted(rid):
+            raise RequestAbortedError(f"request {request_id} was aborted")
         try:
             kv, res = await prefill_export(self.engine, rid, prompt_ids)
         except PromptTooLongError as e:
             self.counters["rejected"] += 1
             raise PromptTooLongError(e.prompt_tokens, e.max_req_input_len, request_id=request_id, param=param) from None
-        finally:
-            if self._live.get(request_id) == rid:
-                del self._live[request_id]
-        if self._was_aborted(request_id):
+        if self._was_aborted(rid):
             self.counters["aborted"] += 1
             raise RequestAbortedError(f"request {request_id} was aborted")
         self.counters["prefilled"] += 1
@@ -179,9 +182,10 @@ class PrefillNode:
         )
         return res
 
-    def abort(self, request_id: str) -> None:
-        """Abort ``request_id`` (idempotent; also before it arrives: it is then refused)."""
-        self._aborted[request_id] = time.monotonic()
-        rid = self._live.get(request_id)
-        if rid is not None:
-            self.engine.abort(rid)
+    def abort(self, engine_id: str) -> None:
+        """Abort the request with engine-side id ``engine_id`` (:func:`engine_request_id`; what
+        ``/disagg/abort`` carries as ``request_id``). Idempotent; also before it arrives: that room's
+        prefill is then refused (499) for :data:`_ABORT_MEMORY_SECONDS`. A bare client id matches
+        no request."""
+        self._aborted[engine_id] = time.monotonic()
+        self.engine.abort(engine_id)  # unknown (not yet admitted, or retired) ids are ignored

@@ -12,6 +12,11 @@ Per request (docs/design.md, "The bundled backend"; SGLang's PD router):
 4. otherwise stream decode's tokens. Client disconnect, ``/abort_request`` and timeouts release
    the room on decode and abort the request on prefill.
 
+The client's request id (``rid``, or the OpenAI id) is a label, not an identity: two requests may
+share it. Everything that frees or aborts is keyed by the room (decode) or by
+:func:`gpu_backend.wire.engine_request_id` (prefill), so one request's failure, abort or
+disconnect never touches another request with the same client id.
+
 Nodes are reached through :class:`PrefillClient` / :class:`DecodeClient`: in process for
 ``--role all`` (:class:`LocalPrefillClient`, :class:`LocalDecodeClient`) or over HTTP between
 processes (:class:`HttpPrefillClient`, :class:`HttpDecodeClient`). Errors become OpenAI errors in
@@ -33,7 +38,7 @@ import orjson
 from config.errors import ErrorCode, OpenAIError
 from gpu_backend.bootstrap import new_room
 from gpu_backend.node_errors import backend_error, remote_error
-from gpu_backend.wire import PrefillOutcome, Token
+from gpu_backend.wire import PrefillOutcome, Token, engine_request_id
 
 log = logging.getLogger("gpu_backend.router")
 
@@ -44,8 +49,9 @@ class PrefillClient(Protocol):
     async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
         """Admit + prefill + send pages to decode. Raises the node's error (e.g. 400 context_length_exceeded)."""
 
-    async def abort(self, request_id: str) -> None:
-        """Abort the request on prefill (frees its pages); idempotent."""
+    async def abort(self, engine_id: str) -> None:
+        """Abort the request whose engine-side id is ``engine_id`` (:func:`engine_request_id` of
+        its client id and room) on prefill, frees its pages; idempotent."""
 
 
 class DecodeClient(Protocol):
@@ -69,8 +75,8 @@ class LocalPrefillClient:
     async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
         return await self.node.prefill(room, request_id, prompt_ids, param=param)
 
-    async def abort(self, request_id: str) -> None:
-        self.node.abort(request_id)
+    async def abort(self, engine_id: str) -> None:
+        self.node.abort(engine_id)
 
 
 class LocalDecodeClient:
@@ -91,7 +97,8 @@ class LocalDecodeClient:
 
 
 class HttpPrefillClient:
-    """Prefill node over HTTP: ``POST /disagg/prefill`` and ``/disagg/abort`` (JSON)."""
+    """Prefill node over HTTP: ``POST /disagg/prefill`` (``room``, client ``request_id``, ...) and
+    ``/disagg/abort`` (``{"request_id": engine_id}``: the engine-side id, never the client's)."""
 
     def __init__(self, base_url: str, client: httpx.AsyncClient, timeout_seconds: float) -> None:
         self.base_url = base_url.rstrip("/")
@@ -111,8 +118,8 @@ class HttpPrefillClient:
             raise remote_error(r.status_code, body)
         return PrefillOutcome.from_json(body)
 
-    async def abort(self, request_id: str) -> None:
-        await post_retrying(self.client, f"{self.base_url}/disagg/abort", json={"request_id": request_id}, timeout=10.0)
+    async def abort(self, engine_id: str) -> None:
+        await post_retrying(self.client, f"{self.base_url}/disagg/abort", json={"request_id": engine_id}, timeout=10.0)
 
 
 class HttpDecodeClient:
@@ -193,7 +200,8 @@ def _json_or_none(raw: bytes) -> Any:
 class RouterStream:
     """An admitted request: ``outcome`` (prefill's report), then async iteration over decode's
     :class:`Token` s (the last has ``finished``). ``abort()`` ends it with ``finish_reason``
-    ``"abort"``; ``aclose()`` (or leaving early) releases the room on decode and aborts prefill."""
+    ``"abort"``; ``aclose()`` (or leaving early) releases the room on decode and aborts prefill.
+    ``request_id`` is the client's id (not unique); ``room`` and ``engine_id`` identify the request."""
 
     def __init__(
         self, router: Router, room: int, request_id: str, tokens: AsyncIterator[Token], prompt_tokens: int
@@ -201,6 +209,7 @@ class RouterStream:
         self.router = router
         self.room = room
         self.request_id = request_id
+        self.engine_id = engine_request_id(request_id, room)
         self.prompt_tokens = prompt_tokens
         self.outcome: PrefillOutcome | None = None
         self.aborted = False
@@ -265,7 +274,7 @@ class RouterStream:
             return
         self.aborted = True
         self.router._spawn(self.router.decode.release(self.room))
-        self.router._spawn(self.router.prefill.abort(self.request_id))
+        self.router._spawn(self.router.prefill.abort(self.engine_id))
 
     def close_now(self) -> None:
         """Release both sides without awaiting (safe inside a cancelled task): the network calls
@@ -278,7 +287,7 @@ class RouterStream:
             self._first.cancel()
         if not self.finished:
             self.router._spawn(self.router.decode.release(self.room))
-            self.router._spawn(self.router.prefill.abort(self.request_id))
+            self.router._spawn(self.router.prefill.abort(self.engine_id))
         self.router._spawn(_close_iter(self._tokens, self._first))
 
     async def aclose(self) -> None:
@@ -315,7 +324,8 @@ class Router:
         self.decode = decode
         self.open_timeout = open_timeout
         self.token_timeout = token_timeout
-        self.inflight: dict[str, RouterStream] = {}
+        #: client id -> room -> stream, for ``/abort_request`` (several requests may share a client id)
+        self.inflight: dict[str, dict[int, RouterStream]] = {}
         self._bg: set[asyncio.Task] = set()
 
     def _spawn(self, coro: Any) -> None:
@@ -324,15 +334,25 @@ class Router:
         task.add_done_callback(self._bg.discard)
 
     def _forget(self, stream: RouterStream) -> None:
-        if self.inflight.get(stream.request_id) is stream:
-            del self.inflight[stream.request_id]
+        rooms = self.inflight.get(stream.request_id)
+        if rooms is not None and rooms.get(stream.room) is stream:
+            del rooms[stream.room]
+            if not rooms:
+                del self.inflight[stream.request_id]
 
     def abort(self, request_id: str) -> bool:
-        """Abort an in-flight request by id; False if unknown (SGLang ``/abort_request``)."""
-        s = self.inflight.get(request_id)
-        if s is None:
+        """Abort every request with client id ``request_id`` that is in flight in this router now
+        (SGLang ``/abort_request``); True if there was one, False otherwise.
+
+        Nothing is remembered: a request that arrives later with the same id runs normally. The
+        client id is not an identity, so this also aborts another client's request that happens to
+        use the same id (as SGLang, whose abort matches ``rid`` too); the ids the server draws when a
+        request names none (``cmpl-``/``chatcmpl-``/``resp_`` + a random uuid4) cannot be guessed."""
+        rooms = self.inflight.get(request_id)
+        if not rooms:
             return False
-        s.abort()
+        for s in list(rooms.values()):
+            s.abort()
         return True
 
     async def drain(self) -> None:
@@ -346,18 +366,12 @@ class Router:
         """Run prefill and decode's reservation concurrently; return once prefill has sent the pages
         and decode produced the first token. Raises :class:`OpenAIError`: prefill's rejection
         (400 ``context_length_exceeded``, ``param`` as given), decode's 503 ``pool_exhausted`` or
-        500 ``transfer_mismatch``, 504 on timeout, 499 when aborted meanwhile."""
-        if request_id in self.inflight:
-            raise OpenAIError(
-                status=400,
-                message=f"Request id '{request_id}' is already in flight.",
-                code=ErrorCode.INVALID_REQUEST,
-                param="rid",
-            )
+        500 ``transfer_mismatch``, 504 on timeout, 499 when aborted meanwhile. ``request_id`` is
+        the client's id and need not be unique: the request is identified by its fresh room."""
         room = new_room()
         tokens = self.decode.generate(room, request_id, prompt_ids, params)
         stream = RouterStream(self, room, request_id, tokens, len(prompt_ids))
-        self.inflight[request_id] = stream
+        self.inflight.setdefault(request_id, {})[room] = stream
         first = asyncio.ensure_future(tokens.__anext__())
         stream.awaiting_first(first)
         pre = asyncio.ensure_future(self.prefill.prefill(room, request_id, prompt_ids, param))

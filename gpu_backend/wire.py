@@ -3,7 +3,8 @@
 
 - :class:`Token`: one generated token (the decode stream's NDJSON line, the router's token).
 - :class:`PrefillOutcome`: what prefill reports once it has sent a request's pages.
-- :func:`engine_request_id`: the engine-side id of a request in one bootstrap room.
+- :func:`engine_request_id`: the engine-side id of a request in one bootstrap room (the request's
+  identity on both nodes and in ``/disagg/abort``; the client's id is only a label).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class PrefillOutcome:
 
 
 def engine_request_id(request_id: str, room: int) -> str:
-    """The engine-side id of ``request_id`` in bootstrap room ``room`` (a 64-bit int): unique per
-    room, so a retried or repeated client id never collides inside an engine. Both nodes use it."""
+    """The engine-side id of ``request_id`` in bootstrap room ``room`` (an int in [0, 2**64)): unique
+    per room, so a retried or repeated client id never collides inside an engine. Both nodes use it,
+    and it is the identity the router aborts by (``/disagg/abort``'s ``request_id``): the client's id
+    alone names no request."""
     return f"{request_id}@{room:016x}"

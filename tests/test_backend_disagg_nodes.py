@@ -318,15 +318,6 @@ async def test_router_timeout_frees_both_sides():
         await s.de.stop()
 
 
-async def test_prefill_abort_before_arrival_is_refused(stack):
-    stack.pnode.abort("r-pre")
-    with pytest.raises(OpenAIError) as e:
-        await stack.router.open("r-pre", prompt(10), greedy(2))
-    assert e.value.status == 499 and e.value.code == "aborted"
-    await stack.router.drain()
-    await wait_idle(stack.pe, stack.de)
-
-
 async def test_the_same_transfer_twice_is_idempotent_a_different_one_is_refused(stack):
     from gpu_backend.decode_node import DuplicateTransferError
 
