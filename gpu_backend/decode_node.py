@@ -2,14 +2,17 @@
 reservation (docs/design.md invariant 2), then generates over the received KV.
 
 A room's life (see :mod:`gpu_backend.bootstrap`): the router's generate call reserves
-``prompt_tokens + max_new_tokens`` (waiting while the pool is momentarily full; 503
-``pool_exhausted`` after the engine's timeout, never a 400) and waits up to
-``transfer_timeout_seconds`` for prefill's pages. A transfer whose ``num_tokens`` differs from the
-reserved prompt length is refused: the room fails with :class:`TransferMismatchError` (500
-``transfer_mismatch``), the reservation is freed and nothing is generated. Under the test-only
-fault ``skip_transfer_check`` the mismatch is accepted and decode attends over every reserved
-prompt position, as in the incident. Every exit path (finish, abort, release, timeout, client
-gone) frees the reservation.
+``prompt_tokens + max_new_tokens``, ``max_new_tokens`` first clamped to what the engine can produce
+(:meth:`Engine.max_new_tokens_for`, the clamp decode applies too), waiting while the pool is
+momentarily full (503 ``pool_exhausted`` after the engine's timeout, at once when the whole pool is
+too small; never a 400), and waits up to ``transfer_timeout_seconds`` for prefill's pages. A
+transfer whose ``first_token_id`` is outside the vocabulary is refused (400 ``invalid_transfer``,
+:class:`InvalidTransferError`) before its room is touched. A transfer whose ``num_tokens``
+differs from the reserved prompt length is refused: the room fails with
+:class:`TransferMismatchError` (500 ``transfer_mismatch``), the reservation is freed and nothing is
+generated. Under the test-only fault ``skip_transfer_check`` the mismatch is accepted and decode
+attends over every reserved prompt position, as in the incident. Every exit path (finish, abort,
+release, timeout, client gone) frees the reservation.
 """
 
 from __future__ import annotations
@@ -58,6 +61,14 @@ class RoomGoneError(EngineError):
     code = ErrorCode.ROOM_CLOSED
 
 
+class InvalidTransferError(EngineError):
+    """400 ``invalid_transfer``: a well-formed transfer whose content decode cannot use (a
+    ``first_token_id`` outside the vocabulary); refused like a malformed payload, no room touched."""
+
+    status = 400
+    code = ErrorCode.INVALID_TRANSFER
+
+
 class DuplicateTransferError(EngineError):
     """409 ``duplicate_transfer``: a second transfer for a room that already received one."""
 
@@ -68,8 +79,9 @@ class DuplicateTransferError(EngineError):
 async def reserve_pages(engine: Engine, request_id: str, prompt_tokens: int, max_new_tokens: int) -> list[PageHandle]:
     """Reserve ceil((prompt_tokens + max_new_tokens) / page_size) pages for ``request_id``; returns
     their handles. Waits (in arrival order) while the pool is full; :class:`PoolExhaustedError`
-    (503) after ``pool_wait_timeout_seconds``, never a 400. :class:`InvalidRequestError` (400) for a
-    live id or non-positive sizes; 503 when the engine is not running. Cancelling frees them."""
+    (503) after ``pool_wait_timeout_seconds``, at once when they exceed the whole pool; never a
+    400. :class:`InvalidRequestError` (400) for a live id or non-positive sizes; 503 when the
+    engine is not running. Cancelling frees them."""
     if prompt_tokens < 1 or max_new_tokens < 1:
         raise InvalidRequestError("prompt_tokens and max_new_tokens must be >= 1", request_id=request_id)
     fut: asyncio.Future[PagesGranted | Failed] = asyncio.get_running_loop().create_future()
@@ -124,7 +136,7 @@ async def decode_reserved(
     except InvalidRequestError:
         engine.abort(request_id)
         raise
-    params = params.clamped(engine.max_req_len - context_tokens - 1)
+    params = params.clamped(engine.max_new_tokens_for(context_tokens))
     queue: asyncio.Queue[Reply] = asyncio.Queue()
     msg = StartDecode(
         request_id, list(prompt_ids), first_token_id, params, context_tokens, engine.generator(params), emitter(queue)
@@ -182,7 +194,8 @@ class DecodeNode:
     async def generate(
         self, room: int, request_id: str, prompt_ids: list[int], params: dict[str, Any]
     ) -> AsyncGenerator[Token, None]:
-        """Reserve, wait for the transfer, then yield the engine's :class:`Token` s.
+        """Reserve (prompt + ``max_new_tokens`` clamped as decode will clamp it), wait for the
+        transfer, then yield the engine's :class:`Token` s.
 
         Raises :class:`PoolExhaustedError` (503), :class:`TransferMismatchError` (500),
         :class:`TransferTimeoutError` (504), :class:`RoomGoneError` (410) or
@@ -193,8 +206,10 @@ class DecodeNode:
             raise InvalidRequestError("prompt_ids must not be empty", param="prompt")
         r = self._room_for_generate(room)
         rid = engine_request_id(request_id, room)
-        r.reservation = Reservation(rid, len(prompt_ids), sp.max_new_tokens)
-        reserve = asyncio.ensure_future(reserve_pages(self.engine, rid, len(prompt_ids), sp.max_new_tokens))
+        # decode clamps to the same limit over context == prompt tokens (_context_tokens); >= 1 as before
+        new = max(1, min(sp.max_new_tokens, self.engine.max_new_tokens_for(len(prompt_ids))))
+        r.reservation = Reservation(rid, len(prompt_ids), new)
+        reserve = asyncio.ensure_future(reserve_pages(self.engine, rid, len(prompt_ids), new))
         reason = "finished"
         try:
             await self._reserved(r, room, reserve)
@@ -266,10 +281,17 @@ class DecodeNode:
         checked here. Idempotent: the same manifest again gets the first call's answer. Raises
         :class:`RoomGoneError` (410), :class:`DuplicateTransferError` (409, a different transfer),
         :class:`TransferMismatchError` (500; the room fails and its pages are freed),
-        :class:`TransferTimeoutError` (504), ``TransferFormatError`` (400).
+        :class:`TransferTimeoutError` (504), ``TransferFormatError`` (400),
+        :class:`InvalidTransferError` (400; ``first_token_id`` not in ``0 .. vocab_size - 1``).
         """
         if not verified:
             verify_pages(manifest, kv)
+        if not 0 <= manifest.first_token_id < self.engine.vocab_size:
+            self.counters["transfers_refused"] += 1
+            raise InvalidTransferError(
+                f"transfer for room {manifest.room} has first_token_id {manifest.first_token_id}, "
+                f"outside the vocabulary (0 .. {self.engine.vocab_size - 1})"
+            )
         r = self._room_for_transfer(manifest.room)
         if r.transfer is not None:
             return await self._repeated_transfer(r, manifest)

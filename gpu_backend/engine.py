@@ -7,7 +7,8 @@ thread calls it in a loop; the asyncio side only builds validated sequences and 
 
 Public API: :class:`Engine` (``start``/``stop``/``step``, ``generate``, ``abort``, ``request_state``,
 ``server_info``/``pool_stats``/``check_integrity``; for the role flows in :mod:`gpu_backend.prefill_node`
-and :mod:`gpu_backend.decode_node`: ``admit``, ``register``, ``submit``, ``generator``).
+and :mod:`gpu_backend.decode_node`: ``admit``, ``register``, ``submit``, ``generator``,
+``max_new_tokens_for``).
 """
 
 from __future__ import annotations
@@ -255,7 +256,7 @@ class Engine:
         original, placeholder_ok = len(prompt_ids), export and self.faults.admit_rejected
         if original > self.max_req_input_len and placeholder_ok:
             prompt_ids = list(PLACEHOLDER_PROMPT)
-        params = params.clamped(self.max_req_len - len(prompt_ids) - 1)
+        params = params.clamped(self.max_new_tokens_for(len(prompt_ids)))
         kind = ExportSequence if export else Sequence
         seq = kind(request_id, prompt_ids, params, emit, reported_prompt_tokens=original)
         if original > self.max_req_input_len and not placeholder_ok:
@@ -267,6 +268,12 @@ class Engine:
         seq.pages_needed = self.pool.pages_for(len(prompt_ids) + (0 if export else params.max_new_tokens))
         self.register(seq)
         return seq
+
+    def max_new_tokens_for(self, context_tokens: int) -> int:
+        """The most tokens a request over ``context_tokens`` context tokens may generate (tokens):
+        ``max_req_len - context_tokens - 1`` (SGLang's clamp; < 1 when the context leaves no room).
+        The one clamp of admission, of a decode reservation and of decode itself."""
+        return self.max_req_len - context_tokens - 1
 
     def generator(self, params: SamplingParams) -> torch.Generator | None:
         """The sampler's generator (:func:`~gpu_backend.sampling.make_generator` over the engine's seed)."""

@@ -20,6 +20,11 @@ Replies go back typed (:mod:`gpu_backend.replies`: ``Token``, ``PagesGranted``, 
 Every page is allocated and freed here, so :class:`~gpu_backend.kv_pool.KVPool` needs no lock.
 Retirement has one owner: :meth:`Scheduler._finish` / :meth:`Scheduler._fail` (free every page,
 record the terminal state, then emit the final token or the :class:`~gpu_backend.replies.Failed`).
+
+Each message is handled on its own: one whose handling raises fails only the request it concerns
+(its pages freed, its caller answered with ``Failed``); the rest of the batch is handled as usual.
+A reservation for more pages than the whole pool holds is refused at once (503 ``pool_exhausted``)
+instead of blocking the reservations behind it until its wait times out.
 """
 
 from __future__ import annotations
@@ -87,8 +92,9 @@ class Scheduler:
     ``decode_batch_sizes`` (a Counter of batch size -> steps).
 
     Messages arrive through ``mailbox`` (:class:`~gpu_backend.messages.Mailbox`; ``cond`` is its
-    lock). 15 methods: the message handlers are one ``match`` in :meth:`_handle`; checks of a
+    lock). 18 methods: the message handlers are one ``match`` in :meth:`_handle`; checks of a
     payload are module functions (:func:`write_reservation`, :func:`decode_start_error`, :func:`refuse`).
+    A message whose handling raises is failed alone (:meth:`_handle_each`).
     """
 
     def __init__(
@@ -135,8 +141,7 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         """Handle messages, expire and serve page waits, pick the next batch (``None``: no work)."""
-        for msg in self.mailbox.take():
-            self._handle(msg)
+        self._handle_each(self.mailbox.take())
         self._expire_waiting()
         self.reservations.grant()
         items = self._checked(self.prefill.schedule(self.max_running_requests - len(self.decode)))
@@ -184,17 +189,25 @@ class Scheduler:
     def shutdown(self) -> None:
         """The worker's last act: refuse later messages, handle the queued ones, abort everything."""
         self.mailbox.close()
-        for msg in self.mailbox.take():
-            self._handle(msg)
-        self._handle(AbortAll())
+        self._handle_each([*self.mailbox.take(), AbortAll()])
 
     # ---- worker thread: messages ---------------------------------------------------------------
+    def _handle_each(self, msgs: list[Message]) -> None:
+        """Handle ``msgs`` oldest first, each on its own: one that raises is failed alone
+        (:meth:`_message_failed`) and the next one is handled all the same."""
+        for msg in msgs:
+            try:
+                self._handle(msg)
+            except Exception as e:
+                log.exception("handling %s failed; the request it concerns fails", type(msg).__name__)
+                self._message_failed(msg, e)
+
     def _handle(self, msg: Message) -> None:
         match msg:
             case AddRequest(seq=seq):
                 self.prefill.add(seq)
             case Reserve(reservation=res):
-                self.reservations.add(res)
+                self._reserve(res)
             case LoadPages():
                 try:
                     write_reservation(self.pool, self.reservations.get(msg.request_id), msg)
@@ -209,6 +222,34 @@ class Scheduler:
                 for rec in live:
                     if isinstance(msg, AbortAll) or rec.request_id == msg.request_id:
                         self._finish(rec, "abort")
+
+    def _reserve(self, res: PageReservation) -> None:
+        """Queue ``res`` for pages; one that needs more pages than the whole pool holds is failed at
+        once (:func:`never_fits`, 503): it would block every later reservation until its timeout."""
+        if res.pages_needed > self.pool.total_pages:
+            self._fail(res, never_fits(self.pool, res))
+        else:
+            self.reservations.add(res)
+
+    def _message_failed(self, msg: Message, err: Exception) -> None:
+        """Handling ``msg`` raised ``err``: fail the live records it concerns (:func:`records_of`;
+        pages freed, caller answered with ``Failed(err)``). A LoadPages, or a StartDecode with no
+        live record, hears ``Failed(err)`` itself (a LoadPages leaves its reservation held, as a
+        refused load does). Nothing here raises: an answer that fails again is only logged."""
+        records = records_of(msg, self.requests.live, [*self.prefill, *self.reservations, *self.decode])
+        for rec in records:
+            if isinstance(msg, StartDecode) and isinstance(rec, PageReservation):
+                rec.emit = msg.emit  # the decode call hears it (the reservation was answered)
+            try:
+                self._fail(rec, err)
+            except Exception:
+                log.exception("failing %s after a failed %s raised too", rec.request_id, type(msg).__name__)
+        reply = msg.reply if isinstance(msg, LoadPages) else msg.emit if isinstance(msg, StartDecode) else None
+        if reply is not None and not records:
+            try:
+                reply(Failed(err))
+            except Exception:
+                log.exception("answering a failed %s raised too", type(msg).__name__)
 
     def _start_decode(self, msg: StartDecode) -> None:
         res = self.reservations.get(msg.request_id)
@@ -298,6 +339,35 @@ class Scheduler:
                 seq.set_state(SeqState.ABORTED)
         self._retire(seq)
         seq.emit(Failed(err))
+
+
+def records_of(
+    msg: Message, live: dict[str, Sequence | PageReservation], every: list[Sequence | PageReservation]
+) -> list[Sequence | PageReservation]:
+    """The live records ``msg`` concerns: the one of its request id in ``live`` (none for a
+    LoadPages, which holds no pages of its own), or ``every`` live record for AbortAll."""
+    match msg:
+        case AbortAll():
+            return every
+        case LoadPages():
+            return []
+        case AddRequest(seq=rec) | Reserve(reservation=rec):
+            rid = rec.request_id
+        case StartDecode(request_id=rid) | Abort(request_id=rid):
+            pass
+    found = live.get(rid)
+    return [] if found is None else [found]
+
+
+def never_fits(pool: KVPool, res: PageReservation) -> PoolExhaustedError:
+    """The 503 ``pool_exhausted`` of reservation ``res``, which needs more pages than the whole
+    ``pool`` holds (no wait could ever grant it)."""
+    n, total, ps = res.pages_needed, pool.total_pages, pool.page_size
+    return PoolExhaustedError(
+        f"KV pool too small: {n} pages ({n * ps} tokens) needed, the whole pool holds {total} "
+        f"({total * ps} tokens); reduce max_tokens",
+        request_id=res.request_id,
+    )
 
 
 def write_reservation(pool: KVPool, seq: PageReservation | None, msg: LoadPages) -> None:
