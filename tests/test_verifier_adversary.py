@@ -427,6 +427,68 @@ async def test_pending_ingest_is_bounded_in_bytes_and_drops_are_counted(tmp_path
         await svc.aclose()
 
 
+async def test_a_tenants_queued_ingests_hold_no_budget_so_another_tenants_prompt_is_indexed(tmp_path):
+    """Tenant a sends ten 9,000-byte prompts at once into a 100,000-byte budget. Its ingests run
+    one at a time (``ingest_concurrency_per_tenant`` 1) and only the running one holds budget, so
+    tenant c's 12,000-byte prompt is indexed, and its text in b's answer is a leak. Before, a's
+    nine waiting prompts reserved 90,000 bytes first: c's prompt was dropped unindexed and the
+    leak went unseen."""
+    svc = build_verifier(settings(tmp_path, max_pending_ingest_bytes=100_000), secrets=SECRETS)
+    gate = threading.Event()
+    real = svc.ingest.index_prompt
+
+    def slow(exchange, text, nbytes):
+        if exchange.request.tenant.id == "a":
+            gate.wait(10)
+        real(exchange, text, nbytes)
+
+    svc.ingest.index_prompt = slow
+    try:
+        floods = [asyncio.create_task(svc.admit(ex(A, words(100 + i, 2000)[:9000]))) for i in range(10)]
+        await asyncio.sleep(0.05)
+        assert svc.ingest_pending_bytes == 9000  # only the ingest whose turn it is
+        secret = words(7, 3000)[:12_000]  # above the inline size: c's own threaded ingest
+        await svc.admit(ex(C, secret))
+        assert (svc.stats["ingest_dropped"], svc.stats["ingested"]) == (0, 1)
+        leak = await admitted(svc, ex(B, "Summarise the weather."))
+        await svc.begin(leak).check_body("Sure: " + secret, usage=None, finish_reason="stop", ttft_seconds=None)
+        gate.set()
+        await asyncio.gather(*floods)
+        await svc.drain()
+        found = [(i.tenant, i.detector, i.evidence.get("source_tenant")) for i in svc.incidents.recent]
+        assert ("b", "leak_index", "c") in found
+        assert svc.stats["ingested"] == 12 and svc.ingest_pending_bytes == 0  # a 10, c and b
+    finally:
+        gate.set()
+        await svc.aclose()
+
+
+async def test_a_strict_stream_scans_its_prompt_for_canaries_once(tmp_path, monkeypatch):
+    """A strict tenant's prompt holds 300 canaries and its stream repeats them, one per event:
+    every event completes a canary, and each used to rescan the whole prompt under the verifier
+    lock (CPU growing with the square of the count: 8,000 canaries took 19 s). The prompt is now
+    scanned once per exchange, and none of its own canaries is an incident."""
+    import verifier.findings as findings
+
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
+    strict = tenant("s", strict_verify=True)
+    cans = [new_canary() for _ in range(300)]
+    prompt = " ".join(cans)
+    scans: list[int] = []
+    real = findings.find_canaries
+    monkeypatch.setattr(findings, "find_canaries", lambda text: (scans.append(len(text)), real(text))[1])
+    try:
+        e = await admitted(svc, ex(strict, prompt, stream=True, n=3000))
+        guard = svc.begin(e)
+        for c in cans:
+            await guard.feed(" " + c, b'data: {"choices":[{"index":0,"text":" ' + c.encode() + b'"}]}\n\n')
+        await guard.finish_stream(usage=None, finish_reason="stop", ttft_seconds=None)
+        assert scans.count(len(prompt)) == 1
+        assert [i.detector for i in svc.incidents.recent if i.tenant == "s"] == []
+    finally:
+        await svc.aclose()
+
+
 async def test_cancelled_admission_releases_its_bytes(tmp_path):
     svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     gate = threading.Event()

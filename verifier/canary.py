@@ -46,13 +46,13 @@ class CanaryScanner:
 
     def __init__(self) -> None:
         self._tail = ""
-        self.found: list[str] = []
+        self.found: set[str] = set()
 
     def push(self, piece: str) -> list[str]:
-        """Add ``piece``; returns canaries completed by it."""
+        """Add ``piece``; returns canaries completed by it (each canary once per scanner)."""
         text = self._tail + piece
-        new = [c for c in find_canaries(text) if c not in self.found]
-        self.found.extend(new)
+        new = list(dict.fromkeys(c for c in find_canaries(text) if c not in self.found))
+        self.found.update(new)
         self._tail = text[-(CANARY_CHARS - 1) :]
         return new
 

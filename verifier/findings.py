@@ -242,8 +242,11 @@ class Findings:
 
     def canary(self, exchange: Exchange, canaries: list[str]) -> list[Incident]:
         """Incidents for canaries found in a response that its own prompt does not hold (one
-        call to the canary registry)."""
-        own = set(find_canaries(exchange.prompt_text))
+        call to the canary registry). The prompt is scanned once per exchange: a strict stream
+        calls this for every piece that completes a canary."""
+        own = exchange.state.own_canaries
+        if own is None:
+            own = exchange.state.own_canaries = frozenset(find_canaries(exchange.prompt_text))
         cans = [c for c in canaries if c not in own]
         if not cans:
             return []

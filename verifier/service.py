@@ -295,18 +295,21 @@ class VerifierService:
         """:meth:`admit`'s indexing step, within the pending-bytes budget."""
         text = exchange.prompt_text
         nbytes = _utf8_len(text)
-        if not self.ingest.reserve(nbytes):
-            return None
         try:
             if self._writes_inline(nbytes):
+                if not self.ingest.reserve(nbytes):
+                    return None
                 pending = self.ingest.prepare_small(exchange, text, nbytes)  # no ingest slot: no thread
                 if defer_write:
                     return pending
                 await pending.finish()
                 return None
-            small = nbytes <= INLINE_INGEST_BYTES and self.ingest.memory_store()
-            if small and self.ingest.index_small_now(exchange, text, nbytes):  # the lock was free
-                return None
+            if nbytes <= INLINE_INGEST_BYTES and self.ingest.memory_store():
+                if not self.ingest.reserve(nbytes):
+                    return None
+                if self.ingest.index_small_now(exchange, text, nbytes):  # the lock was free
+                    return None
+                self.ingest.release(nbytes)  # the lock was held: a thread, in the tenant's turn
             await self._ingest_in_thread(exchange, text, nbytes)
         except FATAL:
             raise
@@ -315,14 +318,13 @@ class VerifierService:
         return None
 
     async def _ingest_in_thread(self, exchange: Exchange, text: str, nbytes: int) -> None:
-        started = False
-        try:
-            async with self.ingest.semaphore(exchange.request.tenant.id):
-                started = True
-                await _in_own_thread(self.ingest.index_prompt, exchange, text, nbytes)
-        finally:
-            if not started:
-                self.ingest.release(nbytes)
+        """Index in an admission thread in the tenant's turn (``ingest_concurrency_per_tenant``),
+        then within the pending-bytes budget: a prompt waiting for its tenant's turn holds none
+        of the budget, so one tenant's queue of large prompts never leaves another tenant's
+        prompt unindexed (``ingest_bytes`` dropped)."""
+        async with self.ingest.semaphore(exchange.request.tenant.id):
+            if self.ingest.reserve(nbytes):
+                await _in_own_thread(self.ingest.index_prompt, exchange, text, nbytes)  # it releases them
 
     def begin(self, exchange: Exchange) -> BackgroundGuard | StrictGuard | None:
         """A guard when sampled or strict (see the module doc). An exchange that did not pass

@@ -37,11 +37,13 @@ class VerifierState:
     """What the verifier fills in for one exchange: ``admitted`` (the prompt was decoded and
     ingested at admission), ``sampled`` (``None`` until decided), ``own_shingles`` (the prompt's
     own-shingle set, kept for this response only; read only: a cached prompt's is shared),
-    ``own_text_complete`` (``False`` when a token-id prompt could not be decoded)."""
+    ``own_canaries`` (the canaries of the prompt, found once per response), ``own_text_complete``
+    (``False`` when a token-id prompt could not be decoded)."""
 
     admitted: bool = False
     sampled: bool | None = None
     own_shingles: set[int] | frozenset[int] | None = None
+    own_canaries: frozenset[str] | None = None
     own_text_complete: bool = True
 
 
