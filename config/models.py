@@ -298,6 +298,11 @@ class VerifierSettings(_Strict):
     probe_tenant: str | None = None
     incident_log: str | None = None
     queue_size: int = Field(default=10_000, ge=1)
+    #: characters of text the background queue may hold (checks' texts and prompts, ingests'
+    #: prompts); beyond it a job is dropped (``queue_full``), as beyond ``queue_size`` jobs
+    queue_max_chars: int = Field(default=64 * 1024 * 1024, ge=1)
+    #: most of ``queue_size`` and of ``queue_max_chars`` one tenant's jobs may hold
+    queue_tenant_share: float = Field(default=0.5, gt=0, le=1.0)
     #: most of ``latency_min_samples`` one tenant's samples may fill (no tenant calibrates alone)
     latency_tenant_share: float = Field(default=0.5, gt=0, le=1.0)
     #: prompt text (UTF-8 bytes) waiting for or in admission-time ingest; beyond it a prompt is

@@ -489,6 +489,35 @@ async def test_a_strict_stream_scans_its_prompt_for_canaries_once(tmp_path, monk
         await svc.aclose()
 
 
+async def test_one_tenants_burst_of_large_responses_leaves_room_for_the_others_checks(tmp_path):
+    """The background queue holds at most ``queue_max_chars`` of text, and one tenant at most
+    ``queue_tenant_share`` (0.5) of it. Tenant a's five sampled 30,000-character answers arrive
+    before the worker runs: one is queued (30,000 of a's 50,000), four are dropped and counted.
+    Tenant b's answer, which holds c's prompt, is still queued and checked: a leak. Without the
+    bound, a's answers filled the queue up to ``queue_size`` jobs whatever their size."""
+    from verifier.findings import CheckJob
+
+    svc = build_verifier(settings(tmp_path, queue_max_chars=100_000), secrets=SECRETS)
+    try:
+        secret = words(9, 300)
+        await admitted(svc, ex(C, secret))
+        a_jobs = [
+            CheckJob(await admitted(svc, ex(A, f"question {i}")), ["z " * 15_000], None, "stop", None) for i in range(5)
+        ]
+        leak = await admitted(svc, ex(B, "Summarise the weather."))
+        queued = [svc.jobs.enqueue(j) for j in a_jobs]
+        queued.append(svc.jobs.enqueue(CheckJob(leak, ["Sure: " + secret], None, "stop", None)))
+        assert queued == [True, False, False, False, False, True]
+        assert svc.stats["dropped"] == 4 and svc.jobs.jobs.held["a"][0] == 1
+        svc.start()
+        await svc.drain()
+        found = [(i.tenant, i.detector, i.evidence.get("source_tenant")) for i in svc.incidents.recent]
+        assert found == [("b", "leak_index", "c")]
+        assert svc.jobs.jobs.chars == 0 and svc.jobs.jobs.held == {}
+    finally:
+        await svc.aclose()
+
+
 async def test_cancelled_admission_releases_its_bytes(tmp_path):
     svc = build_verifier(settings(tmp_path), secrets=SECRETS)
     gate = threading.Event()

@@ -341,6 +341,59 @@ class PendingIndex:
                 return
 
 
+def job_chars(job: IngestJob | CheckJob) -> int:
+    """The text a queued job keeps alive (characters): an ingest's prompt; a check's texts and its
+    exchange's prompt."""
+    if isinstance(job, IngestJob):
+        return len(job.text)
+    return sum(map(len, job.texts)) + len(job.exchange.prompt_text)
+
+
+def job_tenant(job: IngestJob | CheckJob) -> str:
+    """The tenant whose request a queued job checks or indexes."""
+    return job.tenant if isinstance(job, IngestJob) else job.exchange.request.tenant.id
+
+
+class _Jobs(collections.deque):
+    """The queue's jobs in order, with ``chars`` (what :func:`job_chars` counts of them) and, per
+    tenant, ``held[tenant] = [jobs, chars]``, kept by every way in and out the queue uses
+    (``append``, ``popleft``, ``extendleft``, ``clear``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chars = 0
+        self.held: dict[str, list[int]] = {}
+
+    def _count(self, job: IngestJob | CheckJob, sign: int) -> None:
+        n = job_chars(job)
+        self.chars += sign * n
+        held = self.held.setdefault(job_tenant(job), [0, 0])
+        held[0] += sign
+        held[1] += sign * n
+        if held[0] == 0:
+            del self.held[job_tenant(job)]
+
+    def append(self, job: IngestJob | CheckJob) -> None:
+        super().append(job)
+        self._count(job, 1)
+
+    def popleft(self) -> Any:
+        job = super().popleft()
+        self._count(job, -1)
+        return job
+
+    def extendleft(self, jobs: Any) -> None:
+        jobs = list(jobs)
+        super().extendleft(jobs)
+        for job in jobs:
+            self._count(job, 1)
+
+    def clear(self) -> None:
+        super().clear()
+        self.chars = 0
+        self.held.clear()
+
+
 class JobQueue:
     """The background queue and its worker. ``jobs``: the queued :class:`IngestJob` and
     :class:`CheckJob` records, in order; ``own_cache``: own-prompt shingle sets the ingests
@@ -362,7 +415,7 @@ class JobQueue:
         self.lock = lock
         self.own_cache = own_cache
         self.stats = stats
-        self.jobs: collections.deque = collections.deque()
+        self.jobs = _Jobs()
         self.wake: asyncio.Event | None = None
         #: the worker task ended other than by :attr:`closing` (read by ``/readyz``)
         self.stopped = False
@@ -370,8 +423,19 @@ class JobQueue:
         self.closing = False
 
     def enqueue(self, job: IngestJob | CheckJob) -> bool:
-        """Queue ``job``; ``False`` (counted: ``queue_full``) when ``queue_size`` are queued."""
-        if len(self.jobs) >= self.cfg.queue_size:
+        """Queue ``job``; ``False`` (counted: ``queue_full``) when it would take the queue past
+        ``queue_size`` jobs or ``queue_max_chars`` characters, or its tenant past
+        ``queue_tenant_share`` of either (so one tenant's burst of large responses never leaves
+        another tenant's responses unchecked)."""
+        cfg, chars = self.cfg, job_chars(job)
+        jobs, held = self.jobs, self.jobs.held.get(job_tenant(job), (0, 0))
+        share = cfg.queue_tenant_share
+        if (
+            len(jobs) >= cfg.queue_size
+            or jobs.chars + chars > cfg.queue_max_chars
+            or held[0] + 1 > max(1, share * cfg.queue_size)
+            or held[1] + chars > share * cfg.queue_max_chars
+        ):
             DROPPED.labels("queue_full").inc()
             self.stats["dropped"] += 1
             return False
