@@ -319,13 +319,16 @@ async def test_poisoned_calibration_still_flags_a_leak_and_a_cache_hit_is_not_fl
 
 def test_one_tenant_cannot_dominate_calibration():
     """Without cached-token counts, one tenant's 49 fast samples neither calibrate a bucket alone
-    (it fills at most half of min_samples) nor pull its level down (upper median of tenants)."""
+    (it fills at most half of min_samples) nor pull its level down beside two honest tenants
+    (the lower median of tenants: a strict majority sets a level, so neither 1 fast of 3 nor,
+    tests/test_verifier_latency_poison.py, 2 slow of 4 move it)."""
     m = LatencyModel(min_samples=50, min_prompt_tokens=512, tenant_share=0.5)
     for _ in range(49):
         m.observe("u", 3000, 0.002, model="m", tenant="poisoner")
     assert m.bound("u", 3000, model="m") is None
     for i in range(25):
         m.observe("u", 3000, 0.40 + i * 0.001, model="m", tenant="honest")
+        m.observe("u", 3000, 0.40 + i * 0.001, model="m", tenant="honest-2")
     assert m.bound("u", 3000, model="m") == pytest.approx(0.20, rel=0.02)
     assert m.observe("u", 3000, 0.020, model="m", tenant="x").anomaly
     # per model: another model on the same upstream is not calibrated by these

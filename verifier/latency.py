@@ -7,26 +7,39 @@ are never mixed), prompts are bucketed by length (powers of two: bucket ``b`` ho
 the ``ddsketch`` package) of TTFT in seconds. Once a bucket has ``min_samples`` samples its
 *calibrated lower bound* is ``quantile(q) * margin``. Prefill time never shrinks as prompts get
 longer, so the bound that applies to a prompt is the largest bound of its bucket and every
-shorter bucket: a prompt longer than the pool (whose bucket never saw a clean sample, since every
-such prompt took the rejection path) is still held to the bound of shorter prompts.
+shorter bucket of at least ``min_prompt_tokens`` (the judged ones): a prompt longer than the pool
+(whose bucket never saw a clean sample, since every such prompt took the rejection path) is
+still held to the bound of shorter prompts. Buckets below ``min_prompt_tokens`` never raise a
+longer prompt's bound (they only give its fixed-cost ``floor``, see :meth:`LatencyModel.bound`):
+short prompts are cheap to send in bulk and their TTFT is mostly queueing, so a short bucket
+calibrated slow (by an actor's keys keeping the engine's queue full) would otherwise lift the
+bound of every longer prompt above its honest TTFT.
 
 A prompt of at least ``min_prompt_tokens`` answered faster than its bound is an anomaly: its
 prefill most likely ran on a one-token placeholder and its answer came from someone else's KV.
 
 Prefix-cache hits are not prefill: a prompt whose first ``cached_tokens`` tokens the engine
 served from its cache (OpenAI/vLLM/SGLang ``usage.prompt_tokens_details.cached_tokens``) is
-judged and calibrated by the tokens it really prefilled (``prompt_tokens - cached_tokens``), so
-an honest cache hit is neither flagged nor able to drag a long bucket's bound down. When the
-engine does not say (``cached_tokens`` is ``None``) the whole prompt counts, and the caller only
-alerts on an anomaly (see :class:`LatencyVerdict`'s ``cached_known``).
+judged by the tokens it really prefilled (``prompt_tokens - cached_tokens``), so an honest cache
+hit is not flagged; it calibrates nothing (a cached long prompt prefills few tokens but its TTFT
+still grows with the cached context, so it fits neither its prefilled-length bucket nor the
+whole prompt's). When the engine does not say (``cached_tokens`` is ``None``) the whole prompt
+counts, for judging and calibration, and the caller only alerts on an anomaly (see
+:class:`LatencyVerdict`'s ``cached_known``).
 
 No tenant dominates calibration: each bucket keeps one sketch per tenant (at most
 ``max_tenants_per_bucket``, least recently updated evicted); a tenant's samples count at most
 ``ceil(tenant_share x min_samples)`` towards ``min_samples``, and a bucket needs samples of
-``min_tenants`` (3) distinct tenants; the bucket's level is the *upper* median of the tenants'
-quantiles. A tenant can make its own requests fast (repeat a cached prompt) but not slow, so
-one tenant, or two keys of one actor, cannot calibrate a bucket alone, and fast tenants move
-the level only when they are the majority of the bucket's tenants.
+``min_tenants`` (3) distinct tenants; the bucket's level is the *lower* median of the tenants'
+quantiles. A tenant can make its own answers fast (a prompt the engine caches without saying
+so) and slow (its other keys keep the engine's queue full), so one tenant, or two keys of one
+actor, cannot calibrate a bucket alone, and slow tenants move the level only when they are a
+strict majority of the bucket's tenants (2 of 4 do not). Fast tenants move it as half of them
+(2 of 4): with an even count one side must win, and a level too low only weakens the check of
+that bucket, while one too high flags, and for strict tenants withholds, honest answers (and
+keeps them out of calibration, so it would not heal). An actor with ``min_tenants`` keys can
+still calibrate a bucket nobody else uses, and set a judged bucket's level where its keys are
+the majority.
 
 Calibration survives restarts: every sample is also appended (:meth:`LatencyModel.take_unsaved`)
 to a :class:`RedisLatencyStore` when the verifier has Redis, and a starting gateway replays what
@@ -73,7 +86,8 @@ class LatencyModel:
 
     ``quantile``: e.g. 0.001; ``margin``: multiplies the quantile (0.5 = half of it);
     ``min_samples``: samples before a bucket's bound counts; ``min_prompt_tokens``: shorter
-    prompts (prefilled tokens) are recorded but never flagged. ``relative_accuracy``: DDSketch's.
+    prompts (prefilled tokens) are recorded but never flagged, and their buckets never raise a
+    longer prompt's bound. ``relative_accuracy``: DDSketch's.
     ``tenant_share``: the most of ``min_samples`` one tenant's samples can fill (1.0: one tenant
     may calibrate a bucket alone; the service uses ``verifier.latency_tenant_share``, 0.5);
     ``max_tenants_per_bucket``: sketches kept per bucket; ``min_tenants``: distinct tenants a
@@ -117,7 +131,7 @@ class LatencyModel:
             if total >= self.min_samples:
                 qs = sorted(q for s in per.values() if (q := s.get_quantile_value(self.quantile)) is not None)
                 if qs:
-                    level = qs[len(qs) // 2]  # the upper median
+                    level = qs[(len(qs) - 1) // 2]  # the lower median: slow needs a strict majority
         self._levels[key] = level
         return level
 
@@ -126,20 +140,26 @@ class LatencyModel:
         when uncalibrated.
 
         ``L(b)`` = the level of calibrated bucket ``b`` (see the module doc); ``top`` = the
-        largest ``L`` of the prompt's bucket and every shorter one; ``floor`` = the smallest
-        ``L`` of the calibrated buckets shorter than ``top``'s (the fixed cost every request
-        pays: network, queueing, first decode step), capped at ``0.8 x top``, else 0. The bound
-        is ``floor + margin x (top - floor)``: the margin applies to the length-dependent part,
-        so a fixed overhead (large in streamed TTFTs) cannot hide a prefill that did not happen.
+        largest ``L`` of the prompt's bucket and every shorter one from ``min_prompt_tokens``'s
+        bucket on (a bucket below it never raises a longer prompt's bound); ``floor`` = the
+        smallest ``L`` of the calibrated buckets shorter than ``top``'s, short ones included (the
+        fixed cost every request pays: network, queueing, first decode step), capped at
+        ``0.8 x top``, else 0. The bound is ``floor + margin x (top - floor)``: the margin
+        applies to the length-dependent part, so a fixed overhead (large in streamed TTFTs)
+        cannot hide a prefill that did not happen. ``None`` while no bucket that may give
+        ``top`` is calibrated.
         """
+        own = bucket_of(prompt_tokens)
+        lowest = min(bucket_of(self.min_prompt_tokens), own)
         levels: list[tuple[int, float]] = []
-        for b in range(bucket_of(prompt_tokens) + 1):
+        for b in range(own + 1):
             q = self._level((upstream, model, kind, b))
             if q is not None:
                 levels.append((b, q))
-        if not levels:
+        judged = [(b, q) for b, q in levels if b >= lowest]
+        if not judged:
             return None
-        top_b, top = max(levels, key=lambda x: (x[1], x[0]))
+        top_b, top = max(judged, key=lambda x: (x[1], x[0]))
         shorter = [q for b, q in levels if b < top_b]
         floor = min(min(shorter), 0.8 * top) if shorter else 0.0
         return floor + self.margin * (top - floor)
@@ -230,13 +250,13 @@ class LatencyModel:
         cached_tokens: int | None = None,
     ) -> LatencyVerdict:
         """Judge one TTFT (``kind``: ``stream`` or ``whole``; ``cached_tokens``: the engine's
-        prefix-cache hit, ``None`` when it did not say) and, when it is no anomaly, add it to
-        ``tenant``'s calibration of the bucket of the prefilled tokens. A TTFT that is ``None``,
-        negative, infinite or NaN is neither judged nor recorded."""
+        prefix-cache hit, ``None`` when it did not say) and, when it is no anomaly and the engine
+        reported no cache hit (``cached_tokens`` ``None`` or 0), add it to ``tenant``'s
+        calibration of the bucket of the prompt. A TTFT that is ``None``, negative, infinite or
+        NaN is neither judged nor recorded."""
         v = self.judge(upstream, prompt_tokens, ttft_seconds, kind, model=model, cached_tokens=cached_tokens)
-        if not v.anomaly and ttft_seconds is not None:
-            n = self.prefilled_tokens(prompt_tokens, cached_tokens)
-            self.record(upstream, n, ttft_seconds, kind, model, tenant)
+        if not v.anomaly and ttft_seconds is not None and not cached_tokens:
+            self.record(upstream, prompt_tokens, ttft_seconds, kind, model, tenant)
         return v
 
     def samples(self, upstream: str, bucket: int, kind: str = "whole", model: str = "") -> int:
