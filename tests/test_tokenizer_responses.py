@@ -79,7 +79,8 @@ def test_input_items_map_to_chat_as_vllm_does() -> None:
         ("tool", "4"),
         ("assistant", "It is 4."),
     )
-    assert responses_text(p) == "Rules.\nWhat is \n2+2?\n4\nIt is 4."
+    # the verifier's text: every rendered string, the calls' names and arguments included
+    assert responses_text(p) == 'Rules.\nWhat is \n2+2?\nAdd.\nadd\n{"a":2,"b":2}\nlog\n{}\n4\nIt is 4.'
 
 
 def test_assistant_message_after_a_function_call_fills_its_content() -> None:

@@ -52,8 +52,9 @@ class Exchange:
     """One request as the verifier sees it: its fixed inputs (:class:`ExchangeRequest`), its
     prompt, and the verifier's per-request :class:`VerifierState`.
 
-    ``prompt_text``: the prompt's text (all messages' text joined), used only to build keyed
-    shingle hashes, never stored or logged. ``prompt_ids``: the request's token-id prompts
+    ``prompt_text``: the prompt's text (every string the engine renders, joined: the route's
+    ``prompt_text``), used only to build keyed shingle hashes, never stored or logged.
+    ``prompt_ids``: the request's token-id prompts
     (``/v1/completions``), decoded by the verifier's admission (:meth:`VerifierStage.admit`) and
     appended to ``prompt_text`` so they get the own-text exclusion and the leak index like text;
     ``echo``: the client asked the engine to echo its prompt (never evidence); ``echo_prompts``:

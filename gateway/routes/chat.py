@@ -14,6 +14,7 @@ from gateway.admission.registry import ModelEntry
 from gateway.routes.base import PromptApiRoute
 from tokenizer import PromptCounter
 from tokenizer.chat import ChatOptions, chat_cost
+from tokenizer.responses import chat_text
 
 
 def _content_texts(content: Any) -> list[str]:
@@ -74,15 +75,10 @@ class ChatRoute(PromptApiRoute):
         return CountedPrompt(c, c, 1)
 
     def prompt_text(self, body: dict[str, Any]) -> str:
-        """Every text part of every message, joined by newlines."""
-        out: list[str] = []
-        for m in body.get("messages") or ():
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, str):
-                out.append(c)
-            elif isinstance(c, list):
-                out.extend(p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
-        return "\n".join(out)
+        """Every string the engine renders: tool definitions, and per message its name,
+        reasoning, text parts, refusal and tool calls' names and arguments
+        (:func:`tokenizer.responses.chat_text`), joined by newlines."""
+        return chat_text(body.get("messages"), body.get("tools"), body.get("functions"))
 
     def verifier_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], list[str]]:
         """No token-id prompts; the last message's text (what an echo would repeat)."""

@@ -91,13 +91,18 @@ class CompletionsRoute(PromptApiRoute):
         return _with_suffix(pc, suffix_tokens(counter, body))
 
     def prompt_text(self, body: dict[str, Any]) -> str:
-        """The string prompts, joined by newlines; token-id prompts contribute nothing."""
+        """The string prompts, then the ``suffix`` (rendered after each prompt), joined by
+        newlines; token-id prompts contribute nothing (the verifier decodes them)."""
         p = body.get("prompt")
+        out: list[str] = []
         if isinstance(p, str):
-            return p
-        if isinstance(p, list) and p and isinstance(p[0], str):  # validated: a list of strings, or of ids
-            return "\n".join(p)
-        return ""
+            out.append(p)
+        elif isinstance(p, list) and p and isinstance(p[0], str):  # validated: a list of strings, or of ids
+            out.extend(p)
+        suffix = body.get("suffix")
+        if isinstance(suffix, str) and suffix:
+            out.append(suffix)
+        return "\n".join(out)
 
     def verifier_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], list[str]]:
         """The token-id prompts (the verifier decodes them) and the string prompts (an echo repeats them)."""

@@ -289,19 +289,21 @@ async def count_responses(entry: ModelEntry, body: dict[str, Any]) -> CountedPro
     check_image_urls(body, entry.config.images)
     args = (body.get("input"), body.get("instructions"), body.get("tools"))
 
-    def convert() -> ResponsesPrompt:
+    def convert() -> tuple[ResponsesPrompt, str]:
         check_tool_definitions(body.get("tools"), entry.counter.special_token_texts, entry.engines)
-        return responses_to_chat(*args)
+        prompt = responses_to_chat(*args)
+        return prompt, responses_text(prompt)
 
     try:
         if string_chars(args, entry.counter.offload_chars) > entry.counter.offload_chars:
-            prompt = await asyncio.to_thread(convert)  # a long input: check and convert off the loop
+            # a long input: check, convert and gather its text off the loop
+            prompt, text = await asyncio.to_thread(convert)
         else:
-            prompt = convert()
+            prompt, text = convert()
         tokens = await acount_responses(entry.counter, prompt)
     except TokenizerError as e:
         raise e.to_openai() from None
-    return CountedPrompt(tokens, tokens, 1, responses_text(prompt))
+    return CountedPrompt(tokens, tokens, 1, text)
 
 
 class ResponsesRoute:
