@@ -63,12 +63,31 @@ def test_set_refuses_unknown_tenant_invalid_values_and_no_change(capsys, tenants
     before = tenants_file.read_text()
     rc, _, err = _run(capsys, "set", "nobody", "--tenants", str(tenants_file), "--rpm", "5")
     assert rc == 1 and "no tenant 'nobody'" in err
-    rc, _, err = _run(capsys, "set", "demo-a", "--tenants", str(tenants_file), "--rpm", "-3")
-    assert rc == 1 and "tenants[0].rpm: Input should be greater than or equal to 0 (got -3)" in err
+    rc, out, err = _run(capsys, "set", "demo-a", "--tenants", str(tenants_file), "--rpm", "-3")
+    assert (rc, out, err) == (2, "", "kvgate tenant set: --rpm: Input should be greater than or equal to 0 (got -3)\n")
     rc, _, err = _run(capsys, "set", "demo-a", "--tenants", str(tenants_file))
     assert rc == 2 and "nothing to change" in err
     rc, _, err = _run(capsys, "set", "demo-a", "--tenants", str(tenants_file), "--rpm", "4", "--clear", "rpm")
     assert rc == 2 and "contradict" in err
+    assert tenants_file.read_text() == before
+
+
+def test_set_turns_verification_on_and_off(capsys, tenants_file: Path) -> None:
+    """``--verify-sample-rate`` and ``--strict-verify`` / ``--no-strict-verify`` write the tenant's
+    verification fields (tenants added by the CLI start with sampling 0); a rate outside [0, 1]
+    is a bad argument (2) and the file is left as it was."""
+    rc, _, err = _run(
+        capsys, "set", "demo-b", "--tenants", str(tenants_file), "--verify-sample-rate", "0.25", "--strict-verify"
+    )
+    assert rc == 0 and "verify_sample_rate=0.25, strict_verify=True" in err
+    b = load_tenants(tenants_file).tenants[1]
+    assert (b.verify_sample_rate, b.strict_verify) == (0.25, True)
+    rc, _, _ = _run(capsys, "set", "demo-b", "--tenants", str(tenants_file), "--no-strict-verify")
+    assert rc == 0 and load_tenants(tenants_file).tenants[1].strict_verify is False
+    before = tenants_file.read_text()
+    rc, out, err = _run(capsys, "set", "demo-b", "--tenants", str(tenants_file), "--verify-sample-rate", "1.5")
+    assert (rc, out) == (2, "")
+    assert err == "kvgate tenant set: --verify-sample-rate: Input should be less than or equal to 1 (got 1.5)\n"
     assert tenants_file.read_text() == before
 
 

@@ -119,9 +119,13 @@ def test_invalid_name_is_refused(capsys, tenants_file: Path, name: str) -> None:
 def test_invalid_limit_is_refused_before_writing(capsys, tenants_file: Path) -> None:
     before = tenants_file.read_text()
     rc, out, err = _add(capsys, "neg", "--tenants", str(tenants_file), "--rpm", "-1")
-    assert (rc, out) == (1, "")
-    assert f"{tenants_file}: tenants[2].rpm: Input should be greater than or equal to 0" in err
+    assert (rc, out) == (2, "")  # a bad argument, named as the flag, not as an entry of the file
+    assert err == "kvgate tenant add: --rpm: Input should be greater than or equal to 0 (got -1)\n"
     assert tenants_file.read_text() == before
+    rc, out, _ = _add(capsys, "v", "--tenants", str(tenants_file), "--verify-sample-rate", "1", "--strict-verify")
+    assert rc == 0 and KEY_RE.match(out.strip())
+    added = load_tenants(tenants_file).tenants[2]
+    assert (added.id, added.verify_sample_rate, added.strict_verify) == ("v", 1.0, True)
 
 
 def test_missing_file_is_created(capsys, tmp_path: Path) -> None:

@@ -266,18 +266,57 @@ def limit_options(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="a model the tenant may use (repeat for several)",
     )
+    v = parser.add_argument_group("verification (docs/verifier.md)")
+    v.add_argument("--verify-sample-rate", type=float, metavar="RATE", help="share of responses checked, 0-1")
+    v.add_argument(
+        "--strict-verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check every response before it is released (--no-strict-verify: off)",
+    )
+
+
+#: the tenant fields :func:`limit_options` sets, by their flag's destination
+_FIELDS = (
+    "rpm",
+    "tpm",
+    "max_concurrent",
+    "max_context_tokens",
+    "max_tokens_cap",
+    "default_max_tokens",
+    "verify_sample_rate",
+    "strict_verify",
+)
 
 
 def limits_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The tenant fields given on the command line by :func:`limit_options` (unset ones omitted)."""
     out: dict[str, Any] = {}
-    for name in ("rpm", "tpm", "max_concurrent", "max_context_tokens", "max_tokens_cap", "default_max_tokens"):
+    for name in _FIELDS:
         value = getattr(args, name, None)
         if value is not None:
             out[name] = value
     if getattr(args, "models", None):
         out["allowed_models"] = _flow(list(args.models))
     return out
+
+
+def flag_problem(name: str, fields: dict[str, Any]) -> str | None:
+    """What is wrong with the values given on the command line (``fields``, as
+    :func:`limits_from_args`; ``None`` values are cleared fields) for tenant ``name``, checked
+    alone, before the file is touched: ``--rpm: Input should be greater than or equal to 0 (got
+    -1)``; ``None`` when they are valid. Checks that need the whole entry (e.g. a default above
+    the cap) are the file's and are reported with it."""
+    given: dict[str, Any] = {k: list(v) if isinstance(v, list) else v for k, v in fields.items() if v is not None}
+    try:
+        TenantConfig.model_validate({"id": name, **given})
+    except ValidationError as e:
+        for err in e.errors():
+            loc = err.get("loc") or ()
+            if loc and loc[0] in given:
+                flag = "--model" if loc[0] == "allowed_models" else "--" + str(loc[0]).replace("_", "-")
+                return f"{flag}: {err['msg']} (got {given[loc[0]]!r})"
+    return None
 
 
 def _flow(items: list[Any]) -> CommentedSeq:
@@ -294,6 +333,10 @@ def _cmd_add(args: argparse.Namespace) -> int:
     except ValidationError as e:
         print(f"kvgate tenant add: invalid tenant name {args.name!r}: {e.errors()[0]['msg']}", file=sys.stderr)
         return 2
+    fields = limits_from_args(args)
+    if (problem := flag_problem(args.name, fields)) is not None:
+        print(f"kvgate tenant add: {problem}", file=sys.stderr)
+        return 2
     key = new_api_key()
     try:
         with edit_tenants(path) as seq:
@@ -302,7 +345,7 @@ def _cmd_add(args: argparse.Namespace) -> int:
                     f"{path}: tenant '{args.name}' already exists (to give it another key: kvgate tenant add-key)"
                 )
             entry = CommentedMap(id=args.name, api_key_sha256=_flow([key_sha256(key)]))
-            entry.update(limits_from_args(args))
+            entry.update(fields)
             seq.append(entry)
     except TenantFileError as e:
         print(f"kvgate tenant add: {e}", file=sys.stderr)
@@ -347,6 +390,9 @@ def _cmd_set(args: argparse.Namespace) -> int:
         changes[name] = None
     if not changes:
         print("kvgate tenant set: nothing to change (give --rpm, --tpm, ... or --clear FIELD)", file=sys.stderr)
+        return 2
+    if (problem := flag_problem(args.name, changes)) is not None:
+        print(f"kvgate tenant set: {problem}", file=sys.stderr)
         return 2
     try:
         with edit_tenants(path) as seq:
