@@ -14,16 +14,7 @@ from gateway.admission.registry import ModelEntry
 from gateway.routes.base import PromptApiRoute
 from tokenizer import PromptCounter
 from tokenizer.chat import ChatOptions, chat_cost
-from tokenizer.responses import chat_text
-
-
-def _content_texts(content: Any) -> list[str]:
-    """The text of one message's ``content`` (a string, or its text parts)."""
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, list):
-        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-    return []
+from tokenizer.prompt_text import chat_text, content_texts
 
 
 class ChatRoute(PromptApiRoute):
@@ -59,7 +50,7 @@ class ChatRoute(PromptApiRoute):
         n = 0
         for m in body.get("messages") or ():
             if isinstance(m, dict):
-                n += sum(map(len, _content_texts(m.get("content"))))
+                n += sum(map(len, content_texts(m.get("content"))))
         return n
 
     def check_fields(self, body: dict[str, Any], entry: ModelEntry) -> ChatOptions:
@@ -77,7 +68,7 @@ class ChatRoute(PromptApiRoute):
     def prompt_text(self, body: dict[str, Any]) -> str:
         """Every string the engine renders: tool definitions, and per message its name,
         reasoning, text parts, refusal and tool calls' names and arguments
-        (:func:`tokenizer.responses.chat_text`), joined by newlines."""
+        (:func:`tokenizer.prompt_text.chat_text`), joined by newlines."""
         return chat_text(body.get("messages"), body.get("tools"), body.get("functions"))
 
     def verifier_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], list[str]]:
@@ -87,7 +78,7 @@ class ChatRoute(PromptApiRoute):
         if isinstance(last, str):
             return [], [last]
         if isinstance(last, list):
-            return [], ["".join(_content_texts(last))]
+            return [], ["".join(content_texts(last))]
         return [], []
 
 
