@@ -71,6 +71,12 @@ async def test_a_raising_message_does_not_drop_the_abort_and_reserve_behind_it()
         await s.de.stop()
 
 
+def invalid_transfer(room: int, first_token_id: int) -> dict:
+    """The exact 400 body of a transfer whose first token is outside the cl100k vocabulary."""
+    message = f"transfer for room {room} has first_token_id {first_token_id}, outside the vocabulary (0 .. 100276)"
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_transfer"}}
+
+
 @pytest.mark.parametrize("bad", [-1, VOCAB])
 async def test_a_transfer_with_a_first_token_outside_the_vocabulary_is_a_400(bad):
     s = await make_stack()
@@ -86,14 +92,7 @@ async def test_a_transfer_with_a_first_token_outside_the_vocabulary_is_a_400(bad
             await s.dnode.accept_transfer(m, kv)
         err = backend_error(e.value)
         assert err.status == 400
-        assert err.body() == {
-            "error": {
-                "message": f"transfer for room {room} has first_token_id {bad}, outside the vocabulary (0 .. 100276)",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "invalid_transfer",
-            }
-        }
+        assert err.body() == invalid_transfer(room, bad)
         assert s.dnode.counters == {
             "transfers_accepted": 0,
             "transfers_refused": 1,
@@ -122,14 +121,7 @@ async def test_a_bad_first_token_over_http_is_the_400_body():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://decode") as c:
             r = await c.post("/disagg/transfer", content=encode_transfer(m, kv), headers={"content-type": CONTENT_TYPE})
         assert r.status_code == 400
-        assert r.json() == {
-            "error": {
-                "message": "transfer for room 7 has first_token_id -1, outside the vocabulary (0 .. 100276)",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "invalid_transfer",
-            }
-        }
+        assert r.json() == invalid_transfer(7, -1)
         assert len(s.dnode.rooms) == 0 and used(s.de) == 0
     finally:
         await s.pe.stop()

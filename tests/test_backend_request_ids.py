@@ -17,26 +17,11 @@ from gpu_backend.errors import RequestAbortedError
 from gpu_backend.router import HttpPrefillClient, LocalDecodeClient, Router
 from gpu_backend.servers import build_prefill_app
 from gpu_backend.wire import engine_request_id
-from tests.backend_procs import Backend
+from tests.test_backend_disagg_api import COUNTER, IDS, backend, client  # noqa: F401, F811  (module fixtures)
 from tests.test_backend_disagg_nodes import greedy, make_stack, prompt, wait_idle
-from tokenizer import bundled_counter
 
 pytestmark = pytest.mark.timeout(120)
-COUNTER = bundled_counter()
-IDS = [9906, 1917, 11, 420, 374, 264, 1296, 315, 279, 20237]  # "Hello world, this is a test of the router"
 TOO_LONG = [1000 + i for i in range(4091)]  # max_req_input_len is 4090
-
-
-@pytest.fixture(scope="module")
-def backend():
-    with Backend(three=False) as b:
-        yield b
-
-
-@pytest.fixture(scope="module")
-def client(backend):
-    with httpx.Client(base_url=backend.url, timeout=60) as c:
-        yield c
 
 
 def _generate(client: httpx.Client, rid: str, ids: list[int], n: int) -> httpx.Response:

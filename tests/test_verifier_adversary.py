@@ -54,6 +54,21 @@ def ex(t: TenantConfig, prompt: str = "", *, ids=(), echo=False, stream=False, r
     return Exchange(request, prompt, prompt_ids=[list(i) for i in ids], echo=echo)
 
 
+def hold_ingests(svc: VerifierService, tenant: str | None = None) -> threading.Event:
+    """Make the threaded ingests of ``tenant`` (every tenant: ``None``) wait, in their thread,
+    until the returned event is set (10 s at most)."""
+    gate = threading.Event()
+    real = svc.ingest.index_prompt
+
+    def held(exchange, text, nbytes):
+        if tenant is None or exchange.request.tenant.id == tenant:
+            gate.wait(10)
+        real(exchange, text, nbytes)
+
+    svc.ingest.index_prompt = held
+    return gate
+
+
 async def admitted(svc: VerifierService, e: Exchange) -> Exchange:
     await svc.admit(e, COUNTER.adecode)
     return e
@@ -404,14 +419,7 @@ async def test_abandoned_stream_then_next_turn_with_wrong_usage(tmp_path):
 # ------------------------------------------------------------------ bounded cost
 async def test_pending_ingest_is_bounded_in_bytes_and_drops_are_counted(tmp_path):
     svc = build_verifier(settings(tmp_path, max_pending_ingest_bytes=100_000), secrets=SECRETS)
-    gate = threading.Event()
-    real = svc.ingest.index_prompt
-
-    def slow(exchange, text, nbytes):
-        gate.wait(10)
-        real(exchange, text, nbytes)
-
-    svc.ingest.index_prompt = slow
+    gate = hold_ingests(svc)
     try:
         big = "x" * 60_000
         t1 = asyncio.create_task(svc.admit(ex(A, big)))
@@ -437,15 +445,7 @@ async def test_a_tenants_queued_ingests_hold_no_budget_so_another_tenants_prompt
     nine waiting prompts reserved 90,000 bytes first: c's prompt was dropped unindexed and the
     leak went unseen."""
     svc = build_verifier(settings(tmp_path, max_pending_ingest_bytes=100_000), secrets=SECRETS)
-    gate = threading.Event()
-    real = svc.ingest.index_prompt
-
-    def slow(exchange, text, nbytes):
-        if exchange.request.tenant.id == "a":
-            gate.wait(10)
-        real(exchange, text, nbytes)
-
-    svc.ingest.index_prompt = slow
+    gate = hold_ingests(svc, "a")
     try:
         floods = [asyncio.create_task(svc.admit(ex(A, words(100 + i, 2000)[:9000]))) for i in range(10)]
         await asyncio.sleep(0.05)
@@ -523,9 +523,7 @@ async def test_one_tenants_burst_of_large_responses_leaves_room_for_the_others_c
 
 async def test_cancelled_admission_releases_its_bytes(tmp_path):
     svc = build_verifier(settings(tmp_path), secrets=SECRETS)
-    gate = threading.Event()
-    real = svc.ingest.index_prompt
-    svc.ingest.index_prompt = lambda *a: (gate.wait(10), real(*a))
+    gate = hold_ingests(svc)
     try:
         t = asyncio.create_task(svc.admit(ex(A, "y" * 5000)))
         await asyncio.sleep(0.05)
@@ -548,15 +546,7 @@ async def test_strict_check_never_waits_for_another_tenants_ingest(tmp_path):
     """Tenant a's ingests are stuck (a slow thread); a strict request of s is admitted and
     checked meanwhile: its admission and check finish without waiting for a's."""
     svc = build_verifier(settings(tmp_path), secrets=SECRETS)
-    gate = threading.Event()
-    real = svc.ingest.index_prompt
-
-    def maybe_slow(exchange, text, nbytes):
-        if exchange.request.tenant.id == "a":
-            gate.wait(10)
-        real(exchange, text, nbytes)
-
-    svc.ingest.index_prompt = maybe_slow
+    gate = hold_ingests(svc, "a")
     try:
         flood = [asyncio.create_task(svc.admit(ex(A, words(20 + i, 2000)))) for i in range(3)]
         await asyncio.sleep(0.05)
