@@ -33,8 +33,9 @@ IMAGE_PART_TYPES = ("image_url", "input_image")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def _dumps(obj: Any) -> str:
-    """Deterministic JSON for tool definitions and tool calls (key order as given)."""
+def template_json(obj: Any) -> str:
+    """Deterministic JSON for tool definitions and tool calls (key order as given), as the
+    template writes them."""
     return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
 
 
@@ -132,14 +133,14 @@ def _tool_calls_text(tool_calls: Any, param: str) -> str:
             raise InvalidPromptError(
                 f"'{param}[{j}].function' needs a string 'name' and string 'arguments'.", f"{param}[{j}].function"
             )
-        out.append(f"<tool_call>\n{_dumps({'name': name, 'arguments': args})}\n</tool_call>")
+        out.append(f"<tool_call>\n{template_json({'name': name, 'arguments': args})}\n</tool_call>")
     return "\n".join(out)
 
 
 def _json_value(obj: Any, param: str) -> str:
-    """:func:`_dumps` of a parsed value; a nesting too deep to write is refused naming ``param``."""
+    """:func:`template_json` of a parsed value; a nesting too deep to write is refused naming ``param``."""
     try:
-        return _dumps(obj)
+        return template_json(obj)
     except RecursionError:
         raise InvalidPromptError(f"'{param}' is nested too deeply.", param) from None
 
@@ -157,7 +158,7 @@ def _tools_block(tools: Any) -> str:
     lines = []
     for j, t in enumerate(tools):
         try:
-            lines.append(_dumps(t))
+            lines.append(template_json(t))
         except RecursionError:  # a hostile nesting depth: the engine could not serialise it either
             raise InvalidPromptError(f"'tools[{j}]' is nested too deeply.", f"tools[{j}]") from None
     return "# Tools\n\n<tools>\n" + "\n".join(lines) + "\n</tools>"

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tokenizer.chat import template_json
+
 
 def _dumps(obj: Any) -> str:
-    """JSON as kvgate's ChatML template writes tool definitions (``tokenizer.chat``: ``", "`` /
-    ``": "`` separators, keys as given, non-ASCII kept); a value that cannot be written (a hostile
-    nesting depth) gives its strings instead."""
+    """JSON as kvgate's ChatML template writes tool definitions (:func:`tokenizer.chat.template_json`);
+    a value that cannot be written (a hostile nesting depth) gives its strings instead."""
     try:
-        return json.dumps(obj, ensure_ascii=False, separators=(", ", ": "))
+        return template_json(obj)
     except (RecursionError, TypeError, ValueError):
         out: list[str] = []
         _string_values(obj, out)
