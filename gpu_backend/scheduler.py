@@ -349,12 +349,12 @@ def records_of(
     match msg:
         case AbortAll():
             return every
-        case LoadPages():
-            return []
         case AddRequest(seq=rec) | Reserve(reservation=rec):
             rid = rec.request_id
         case StartDecode(request_id=rid) | Abort(request_id=rid):
             pass
+        case _:  # LoadPages, or any later kind that names no request of its own
+            return []
     found = live.get(rid)
     return [] if found is None else [found]
 
