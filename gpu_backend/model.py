@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_backend.packed_linear import LAYER_ROWS, LOGITS_ROWS, PackedMatmul
+
 
 @dataclass
 class ModelConfig:
@@ -112,22 +114,29 @@ class RMSNorm(nn.Module):
 
 
 class FusedLinear:
-    """Several ``nn.Linear`` of one input computed as one matmul: ``self(x) -> [..., sum of outs]``
-    (their outputs side by side, in the given order).
+    """One or several ``nn.Linear`` of one input computed as one matmul: ``self(x) -> [..., sum of
+    outs]`` (their outputs side by side, in the given order), through
+    :class:`~gpu_backend.packed_linear.PackedMatmul` (MKL's packed GEMM for a few rows on the CPU).
 
     The fused weight (and bias) is built on first use; the modules' parameters then become views
     of it, so their names, state dict and in-place loading (``load_state_dict``) are unchanged and
     no weight is held twice. When a parameter's storage changes (``.to()``, ``deepcopy``, a new
-    ``.data``) the next call fuses again.
+    ``.data``) the next call fuses again; when one is written in place (its version moves; the
+    fused weight's own does not, as a parameter's ``.data`` keeps its own counter) the packed copy
+    is made again.
     """
 
     def __init__(self, *linears: nn.Linear) -> None:
         self.linears = linears
         self._fused: tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None] = ((), torch.empty(0), None)
+        self._versions: tuple[int, ...] = ()
+        self._matmul = PackedMatmul(LAYER_ROWS)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [m.weight for m in self.linears] + [m.bias for m in self.linears if m.bias is not None]
 
     def _ptrs(self) -> tuple[int, ...]:
-        ps = [m.weight.data_ptr() for m in self.linears]
-        return tuple(ps + [m.bias.data_ptr() for m in self.linears if m.bias is not None])
+        return tuple(p.data_ptr() for p in self._params())
 
     def _fuse(self) -> None:
         # a normal tensor even when first called under inference_mode: later in-place loads work
@@ -143,54 +152,25 @@ class FusedLinear:
                 row += n
         self._fused = (self._ptrs(), w, b)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused weight ``[sum of outs, in]`` and bias (``None`` without one), fused now if stale."""
         if self._fused[0] != self._ptrs():
             self._fuse()
-        _, w, b = self._fused
-        return F.linear(x, w, b)
+        versions = tuple(-1 if p.is_inference() else p._version for p in self._params())
+        if versions != self._versions:
+            self._matmul.forget()
+            self._versions = versions
+        return self._fused[1], self._fused[2]
 
+    def prepack(self) -> int:
+        """Fuse and pack now (:meth:`PackedMatmul.pack`); returns the bytes the packed copy holds."""
+        w, _ = self.weights()
+        self._matmul.pack(w)
+        return self._matmul.packed_bytes(w)
 
-def _linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``m(x)`` without the module call."""
-    return F.linear(x, m.weight, m.bias)
-
-
-class OneDnnLinear:
-    """``F.linear(x, m.weight)`` for a bias-free fp32 ``nn.Linear`` on the CPU, as a oneDNN matmul
-    over a copy of the weight in oneDNN's own blocked layout (``to_mkldnn``), made on first use and
-    again whenever the weight changes (a new tensor, or written in place). ``x``: ``[rows, in]``;
-    returns ``[rows, out]`` fp32, within float rounding of ``F.linear``. Elsewhere (another device
-    or dtype, a bias, a weight made under ``inference_mode``, no oneDNN in this torch build) it
-    is ``F.linear``.
-
-    For the logits: a wide, short matmul (SmolLM2-135M: ``[B, 576] x [576, 49152]``), where MKL's
-    GEMM keeps to one thread for 8 rows and packs the 113 MB weight on each call; oneDNN on the
-    packed copy took 17 ms against 50 ms at 8 rows, 7.4 against 12 ms at 1 (2 threads). The copy
-    costs the weight's size again (a tied embedding stays as it is for the lookups).
-    """
-
-    def __init__(self) -> None:
-        self._key: tuple[int, int] | None = None
-        self._packed: torch.Tensor | None = None
-
-    def __deepcopy__(self, memo: dict) -> OneDnnLinear:
-        return OneDnnLinear()  # a copied model packs its own copied weight
-
-    def __getstate__(self) -> dict:
-        return {"_key": None, "_packed": None}
-
-    def __call__(self, m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        w = m.weight
-        if m.bias is not None or w.device.type != "cpu" or w.dtype != torch.float32 or x.dtype != torch.float32:
-            return F.linear(x, w, m.bias)
-        if not torch.backends.mkldnn.is_available() or x.dim() != 2 or not x.shape[0] or w.is_inference():
-            return F.linear(x, w)  # an inference tensor has no version to tell an in-place write by
-        key = (w.data_ptr(), w._version)  # an in-place load keeps the pointer, not the version
-        if key != self._key or self._packed is None:
-            with torch.inference_mode(False), torch.no_grad():
-                self._packed = w.detach().to_mkldnn()
-            self._key = key
-        return torch.ops.aten.mkldnn_linear(x.contiguous().to_mkldnn(), self._packed, None).to_dense()
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weights()
+        return self._matmul(x, w, b)
 
 
 class Attention(nn.Module):
@@ -207,6 +187,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=b)
         self.qkv = FusedLinear(self.q_proj, self.k_proj, self.v_proj)
+        self.o = FusedLinear(self.o_proj)
         self.split = (self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd)
         self.scale = self.hd**-0.5
 
@@ -216,7 +197,7 @@ class Attention(nn.Module):
         q = _rope(q.view(T, self.nh, self.hd), cos, sin)
         k = _rope(k.view(T, self.nkv, self.hd), cos, sin)
         o = attn.attend(self.layer, q, k, v.view(T, self.nkv, self.hd), self.scale)
-        return _linear(self.o_proj, o.reshape(T, self.nh * self.hd))
+        return self.o(o.reshape(T, self.nh * self.hd))
 
 
 class MLP(nn.Module):
@@ -229,10 +210,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=b)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
+        self.gate = FusedLinear(self.gate_proj)
+        self.up = FusedLinear(self.up_proj)
+        self.down = FusedLinear(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = F.silu(_linear(self.gate_proj, x), inplace=True)
-        return _linear(self.down_proj, g.mul_(_linear(self.up_proj, x)))
+        g = F.silu(self.gate(x), inplace=True)
+        return self.down(g.mul_(self.up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -269,7 +253,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._logits = OneDnnLinear()
+        self._logits = PackedMatmul(LOGITS_ROWS)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     # KV geometry the pool needs
@@ -290,4 +274,19 @@ class LlamaModel(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._logits(self.lm_head, hidden).float()
+        return self._logits(hidden, self.lm_head.weight).float()
+
+    def prepack(self) -> int:
+        """Pack every matmul's weight now (:class:`~gpu_backend.packed_linear.PackedMatmul`), so
+        the memory is taken before the KV pool is sized; returns the bytes the packed copies hold
+        (0 where nothing packs: another device or dtype, no MKL)."""
+        held = sum(f.prepack() for f in self._linears())
+        self._logits.pack(self.lm_head.weight)
+        return held + self._logits.packed_bytes(self.lm_head.weight)
+
+    def _linears(self) -> list[FusedLinear]:
+        out: list[FusedLinear] = []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            out += [a.qkv, a.o, m.gate, m.up, m.down]
+        return out

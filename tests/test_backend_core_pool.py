@@ -6,7 +6,7 @@ import pytest
 import torch
 from backend_core_support import make_engine  # noqa: F401  (fixture)
 
-from gpu_backend import pool_sizing
+from gpu_backend import packed_linear, pool_sizing
 from gpu_backend.errors import StaleHandleError
 from gpu_backend.kv_pool import KVPool, PageHandle
 
@@ -93,8 +93,13 @@ def test_pool_sizing_formula():
 
 async def test_engine_derives_pool_from_memory_budget(make_engine):
     eng = await make_engine(model="tiny-random", mem_budget_bytes=128 * 2**20)
-    assert eng.weight_bytes == 51_638_048  # 2 x 100,277 x 64 x 4 B + layers
-    assert eng.max_total_num_tokens == 129_824
+    # 2 x 100,277 x 64 x 4 B + layers; with MKL, the packed copies too: the logits' 100,277 x 64 x 4 B
+    # and 2 layers x 36,864 x 4 B (qkv 64 x 128, o 64 x 64, gate and up 64 x 128, down 128 x 64)
+    packed = 25_670_912 + 294_912 if packed_linear._OPS is not None else 0
+    assert eng.weight_bytes == 51_638_048 + packed
+    # (0.88 x 128 MiB - 77,603,872 B) // 512 B = 79,116 tokens -> 79,104 (page multiple)
+    tokens = 79_104 if packed else 129_824
+    assert eng.max_total_num_tokens == tokens
     assert eng.max_req_input_len == 8186
     info = eng.server_info()
     assert {
@@ -110,13 +115,13 @@ async def test_engine_derives_pool_from_memory_budget(make_engine):
             "used_tokens",
         )
     } == {
-        "max_total_num_tokens": 129_824,
+        "max_total_num_tokens": tokens,
         "max_req_input_len": 8186,
         "context_length": 8192,
         "page_size": 16,
         "disaggregation_mode": "null",
         "status": "ready",
-        "free_tokens": 129_824,
+        "free_tokens": tokens,
         "used_tokens": 0,
     }
     capped = await make_engine(
