@@ -26,7 +26,9 @@ PAGE = 16
 
 def _kvgate_steps(folder: str, prompt: torch.Tensor, sizes: tuple[int, ...]) -> dict[str, Callable[[], object]]:
     """One decode-step callable per batch size, over a pool holding each row's ``prompt`` K/V."""
-    model = load_hf_llama(folder).eval()
+    with torch.inference_mode(False):  # loaded as the engine loads it, so its matmuls pack (gpu_backend/packed_linear.py)
+        model = load_hf_llama(folder).eval()
+        model.prepack()
     rows = prompt.shape[0]
     per = (CONTEXT + PAGE) // PAGE + 1
     pool = KVPool(rows * per, PAGE, *model.kv_geometry, torch.float32, "cpu")

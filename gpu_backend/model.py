@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_backend.packed_linear import LAYER_ROWS, LOGITS_ROWS, PackedMatmul
+from gpu_backend.packed_linear import LAYER_ROWS, LOGITS_ROWS, PackedMatmul, tensor_version
 
 
 @dataclass
@@ -118,58 +118,74 @@ class FusedLinear:
     outs]`` (their outputs side by side, in the given order), through
     :class:`~gpu_backend.packed_linear.PackedMatmul` (MKL's packed GEMM for a few rows on the CPU).
 
-    The fused weight (and bias) is built on first use; the modules' parameters then become views
-    of it, so their names, state dict and in-place loading (``load_state_dict``) are unchanged and
-    no weight is held twice. When a parameter's storage changes (``.to()``, ``deepcopy``, a new
-    ``.data``) the next call fuses again; when one is written in place (its version moves; the
-    fused weight's own does not, as a parameter's ``.data`` keeps its own counter) the packed copy
-    is made again.
+    The fused weight (and bias) of several is built on first use; the modules' parameters then
+    become views of it, so their names, state dict and in-place loading (``load_state_dict``) are
+    unchanged and no weight is held twice (one linear's weight is used as it is). When a
+    parameter's storage changes (``.to()``, ``deepcopy``, a new ``.data``) the next call fuses
+    again; when one is written in place (its version moves; the fused weight's own does not, as a
+    parameter's ``.data`` keeps its own counter) the packed copy is made again. A parameter
+    without a version counter (made under ``inference_mode``) is never packed.
     """
 
     def __init__(self, *linears: nn.Linear) -> None:
         self.linears = linears
         self._fused: tuple[tuple[int, ...], torch.Tensor, torch.Tensor | None] = ((), torch.empty(0), None)
-        self._versions: tuple[int, ...] = ()
+        self._versions: tuple[int, ...] | None = None  # None: a parameter has no version counter
         self._matmul = PackedMatmul(LAYER_ROWS)
 
     def _params(self) -> list[torch.Tensor]:
+        if len(self.linears) == 1:
+            m = self.linears[0]
+            return [m.weight] if m.bias is None else [m.weight, m.bias]
         return [m.weight for m in self.linears] + [m.bias for m in self.linears if m.bias is not None]
 
-    def _ptrs(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self._params())
-
     def _fuse(self) -> None:
-        # a normal tensor even when first called under inference_mode: later in-place loads work
-        with torch.inference_mode(False), torch.no_grad():
-            w = torch.cat([m.weight for m in self.linears])
-            b = torch.cat([m.bias for m in self.linears]) if self.linears[0].bias is not None else None
-            row = 0
-            for m in self.linears:
-                n = m.weight.shape[0]
-                m.weight.data = w[row : row + n]
-                if b is not None:
-                    m.bias.data = b[row : row + n]
-                row += n
-        self._fused = (self._ptrs(), w, b)
+        if len(self.linears) == 1:
+            m = self.linears[0]
+            w, b = m.weight, m.bias
+        else:
+            # a normal tensor even when first called under inference_mode: later in-place loads work
+            with torch.inference_mode(False), torch.no_grad():
+                w = torch.cat([m.weight for m in self.linears])
+                b = torch.cat([m.bias for m in self.linears]) if self.linears[0].bias is not None else None
+                row = 0
+                for m in self.linears:
+                    n = m.weight.shape[0]
+                    m.weight.data = w[row : row + n]
+                    if b is not None:
+                        m.bias.data = b[row : row + n]
+                    row += n
+        params = self._params()
+        self._fused = (tuple(p.data_ptr() for p in params), w, b)
+        self._versions = () if all(tensor_version(p) is not None for p in params) else None
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused weight ``[sum of outs, in]`` and bias (``None`` without one), fused now if stale."""
-        if self._fused[0] != self._ptrs():
+        params = self._params()
+        ptrs, w, b = self._fused
+        if tuple(p.data_ptr() for p in params) != ptrs:
             self._fuse()
-        versions = tuple(-1 if p.is_inference() else p._version for p in self._params())
-        if versions != self._versions:
-            self._matmul.forget()
-            self._versions = versions
-        return self._fused[1], self._fused[2]
+            params = self._params()
+            _, w, b = self._fused
+        if self._versions is not None:
+            versions = tuple(p._version for p in params)
+            if versions != self._versions:
+                self._matmul.forget()
+                self._versions = versions
+        return w, b
 
     def prepack(self) -> int:
         """Fuse and pack now (:meth:`PackedMatmul.pack`); returns the bytes the packed copy holds."""
         w, _ = self.weights()
+        if self._versions is None:
+            return 0
         self._matmul.pack(w)
         return self._matmul.packed_bytes(w)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weights()
+        if self._versions is None:  # a parameter whose in-place writes cannot be told: never packed
+            return F.linear(x, w, b)
         return self._matmul(x, w, b)
 
 

@@ -36,50 +36,62 @@ def _mkl_ops() -> tuple | None:
 _OPS = _mkl_ops()
 
 
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (it moves on every in-place write), or ``None`` where it has none:
+    an inference tensor, or a parameter made under ``inference_mode`` whose ``.data`` was later
+    replaced (``is_inference()`` is false for it, yet its counter cannot be read)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 class PackedMatmul:
     """``F.linear(x, w, b)`` (x: ``[rows, in]``, w: ``[out, in]``, b: ``[out]`` or ``None``;
     returns ``[rows, out]``) that, for ``min_rows <= rows <= max_rows``, multiplies by a copy of
     ``w`` in MKL's packed layout: made by :meth:`pack` or on first use, made again whenever ``w``
     changes (a new tensor, or written in place). Results equal ``F.linear``'s within float
     rounding. Anything else (other rows, a device other than the CPU, a dtype other than fp32, a
-    weight made under ``inference_mode``, a torch without MKL) is ``F.linear`` itself. The copy
+    weight without a version counter, a torch without MKL) is ``F.linear`` itself. The copy
     holds the weight's size again in memory (:meth:`packed_bytes`).
     """
 
     def __init__(self, rows: tuple[int, int]) -> None:
         self.min_rows, self.max_rows = rows
-        self._key: tuple[int, int] | None = None
+        self._key: tuple[int, int | None] | None = None
         self._packed: torch.Tensor | None = None
+        self._weight: torch.Tensor | None = None  # held, so no new tensor can take its address
 
     def __deepcopy__(self, memo: dict) -> PackedMatmul:
         return PackedMatmul((self.min_rows, self.max_rows))  # a copied model packs its own weights
 
     def __getstate__(self) -> dict:
-        return {"min_rows": self.min_rows, "max_rows": self.max_rows, "_key": None, "_packed": None}
+        return {"min_rows": self.min_rows, "max_rows": self.max_rows, "_key": None, "_packed": None, "_weight": None}
 
     def forget(self) -> None:
         """Drop the packed copy: the next packed call packs the weight again (for a caller that
         knows the weight was written through a tensor whose version ``w`` does not share)."""
-        self._key, self._packed = None, None
+        self._key, self._packed, self._weight = None, None, None
 
     @staticmethod
     def packable(w: torch.Tensor) -> bool:
-        """Whether ``w`` can be packed: fp32, 2-D, on the CPU, not an inference tensor (it has no
-        version to tell an in-place write by), and MKL's ops are here."""
+        """Whether ``w`` can be packed: fp32, 2-D, on the CPU, with a version counter (without
+        one, an in-place write could not be told), and MKL's ops are here."""
         return (
             _OPS is not None and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
-        ) and not w.is_inference()
+        ) and tensor_version(w) is not None
 
     def pack(self, w: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of ``w`` (made now if missing or stale), or ``None`` if not packable."""
+        key = (w.data_ptr(), tensor_version(w))  # an in-place load keeps the pointer, not the version
+        if key == self._key and self._packed is not None:
+            return self._packed
         if not self.packable(w):
             return None
-        key = (w.data_ptr(), w._version)  # an in-place load keeps the pointer, not the version
-        if key != self._key or self._packed is None:
-            assert _OPS is not None
-            with torch.inference_mode(False), torch.no_grad():
-                self._packed = _OPS[0](w.detach(), PACK_ROWS_HINT)
-            self._key = key
+        assert _OPS is not None
+        with torch.inference_mode(False), torch.no_grad():
+            self._packed = _OPS[0](w.detach(), PACK_ROWS_HINT)
+        self._key, self._weight = key, w
         return self._packed
 
     def packed_bytes(self, w: torch.Tensor) -> int:

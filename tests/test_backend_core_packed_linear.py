@@ -108,3 +108,16 @@ def test_the_model_packs_every_matmul_and_counts_the_copies() -> None:
     with torch.inference_mode():
         assert torch.equal(m.model.layers[0].mlp(x), torch.zeros(5, 64))
         assert torch.equal(m.compute_logits(x), torch.zeros(5, 300))
+
+
+def test_a_model_built_under_inference_mode_is_never_packed() -> None:
+    """Its parameters have no version counter (reading it raises), so an in-place write could not
+    be told from the packed copy: every matmul stays ``F.linear``, and the copies count 0."""
+    with torch.inference_mode():
+        m = _tiny()
+        x = torch.randn(4, 64)
+        assert m.prepack() == 0
+        a = m.model.layers[0].self_attn
+        assert torch.equal(a.o(x), F.linear(x, a.o_proj.weight))
+        assert torch.equal(m.compute_logits(x), F.linear(x, m.lm_head.weight))
+    assert all(f._matmul._packed is None for f in m._linears()) and m._logits._packed is None
