@@ -444,18 +444,18 @@ async def _begin_and_index(
     except BaseException as e:
         if pending is not None:
             pending.discard()  # refused (or the request is gone): its prompt is never indexed
+            await pending.finish()
         if isinstance(e, OpenAIError):
             raise Refused(e, tenant.id) from None
         raise
-    finally:
+    try:  # the lease is held from here: whatever ends the request now releases it
         if pending is not None:
             await pending.finish()
-    if exchange is not None and not defers:
-        try:
+        if exchange is not None and not defers:
             await ctx.verifier.admit(exchange, adm.model.counter.adecode)
-        except BaseException:
-            await ctx.quotas.settle(lease, 0)
-            raise
+    except BaseException:
+        await ctx.quotas.settle(lease, 0)
+        raise
     return lease
 
 

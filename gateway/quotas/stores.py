@@ -354,8 +354,26 @@ class RedisQuotaStore:
         when coalescing (``lazy``: see :meth:`_submit`). Raises :class:`QuotaStoreUnavailable`."""
         self.calls += 1
         queued = _Queued(script.sha, keys, args, asyncio.get_running_loop().create_future(), script, lazy=lazy)
-        await self._submit([queued])
-        return await queued.reply  # a caller that gives up (its deadline) cancels only its own reply
+        try:
+            await self._submit([queued])
+            return await queued.reply  # a caller that gives up (its deadline) cancels only its own reply
+        except asyncio.CancelledError:
+            if lazy:  # a settle must reach Redis though its caller is gone
+                self._detach(queued)
+            raise
+
+    def _detach(self, q: _Queued) -> None:
+        """``q`` (a settle) lost its caller: it still goes to Redis. Queued or in a round trip under
+        way (its reply cancelled), it is sent as it is (:meth:`_flush` keeps a settle whose caller
+        left); cut short in its caller's own round trip, it is sent again in a round trip of its own
+        (``settle.lua`` run twice for one lease changes nothing the first run did not)."""
+        if q.reply.cancelled():
+            return
+        if q.reply.done():
+            q.reply.exception()  # its round trip's end (the cancellation), retrieved
+        again = _Queued(q.sha, q.keys, q.args, asyncio.get_running_loop().create_future(), q.script, lazy=True)
+        again.reply.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it
+        self._start([again])
 
     def _calls_of(self, scripts: list[tuple[Any, list[str], list[Any]]]) -> list[_Queued]:
         """``scripts`` (``(script, keys, args)``) as calls waiting for a round trip, counted."""
@@ -409,7 +427,7 @@ class RedisQuotaStore:
         """Send what this turn queued, as one round trip, in a task of its own (callers wait on
         their replies only)."""
         self._soon = False
-        batch = [q for q in self._queued if not q.reply.done()]
+        batch = [q for q in self._queued if q.lazy or not q.reply.done()]  # a settle goes though its caller left
         self._queued = []
         if batch:
             self._start(batch)

@@ -185,9 +185,20 @@ class TenantQuotas:
                 else "refusing requests with 503 (fail closed)"
             )
             log.warning("quota store %s unavailable (%s): %s until it answers again", self.store.name, err, action)
+        self._ensure_recoverer()
+
+    def _ensure_recoverer(self) -> None:
+        """Undo the uncertain reservations in the background (:meth:`_recover_loop`), if any."""
         if self._uncertain and (self._recoverer is None or self._recoverer.done()):
             with contextlib.suppress(RuntimeError):  # no running loop: the next request undoes them
                 self._recoverer = asyncio.get_running_loop().create_task(self._recover_loop())
+
+    def _undo_later(self, tenant_id: str, lease_id: str) -> None:
+        """A reservation whose caller was cancelled while its call was out (or right after it was
+        answered): Redis may have made it, and nobody will settle it, so it is undone as one
+        whose call failed (``cancel.lua``, in the background)."""
+        self._uncertain.append((tenant_id, lease_id))
+        self._ensure_recoverer()
 
     async def _recover_loop(self) -> None:
         """Undo this process's uncertain reservations as soon as the store answers again, without
@@ -222,12 +233,20 @@ class TenantQuotas:
                 keep.append((tenant_id, lease_id))
         self._uncertain.extend(keep)
         undone = 0
-        for tenant_id, ids in groups.items():  # a tenant whose store part is down waits for the next round
-            try:
-                undone += await self._bounded(self.store.cancel(tenant_id, ids))
-            except QuotaStoreUnavailable as e:
-                self._uncertain.extend((tenant_id, i) for i in ids)
-                self._mark_down(e, tenant_id)
+        todo = list(groups.items())
+        try:
+            while todo:  # a tenant whose store part is down waits for the next round
+                tenant_id, ids = todo[0]
+                try:
+                    undone += await self._bounded(self.store.cancel(tenant_id, ids))
+                except QuotaStoreUnavailable as e:
+                    self._uncertain.extend((tenant_id, i) for i in ids)
+                    self._mark_down(e, tenant_id)
+                todo.pop(0)
+        except BaseException:  # cancelled part-way: what is not known undone waits for the next round
+            self._uncertain.extend((tenant_id, i) for tenant_id, ids in todo for i in ids)
+            self._ensure_recoverer()
+            raise
         if undone:
             log.warning(
                 "quota store %s: undid %d reservation(s) it ran after their call had timed out", self.store.name, undone
@@ -272,22 +291,31 @@ class TenantQuotas:
         limits: QuotaLimits,
         lease_id: str,
         call: Callable[[QuotaStore, QuotaLimits], Awaitable[_D]],
+        *,
+        undo_on_cancel: bool = True,
     ) -> tuple[QuotaStore, QuotaLimits, _D]:
         """``(store, limits, decision)``: ``call(store, limits)`` (a coroutine giving a
         :class:`QuotaDecision`, or ``begin_tokens``' pair of them) on ``store``, under the
         failure policy when it is the shared store: a call that fails is remembered for undoing,
-        and the fallback decides with ``limits // processes``. Raises :class:`OpenAIError` 503 when failing closed."""
+        and the fallback decides with ``limits // processes``. Raises :class:`OpenAIError` 503 when failing closed.
+        ``undo_on_cancel``: a caller cancelled before it has the decision (the request is gone,
+        and what Redis made for it has no lease to settle) has the call undone as a failed one;
+        ``False`` for a call whose caller settles the lease it already holds."""
         if isinstance(store, LocalQuotaStore):
             return store, limits, await call(store, limits)
         if self._store_usable(tenant_id):
             try:
                 decision = await self._bounded(call(store, limits))
+                if self._backoff.down or self._uncertain:
+                    await self._mark_up(tenant_id)
             except QuotaStoreUnavailable as e:
                 self._uncertain.append((tenant_id, lease_id))
                 self._mark_down(e, tenant_id)
+            except asyncio.CancelledError:
+                if undo_on_cancel:
+                    self._undo_later(tenant_id, lease_id)
+                raise
             else:
-                if self._backoff.down or self._uncertain:
-                    await self._mark_up(tenant_id)
                 return store, limits, decision
         if self.fallback is None:
             raise OpenAIError(
@@ -409,6 +437,23 @@ class TenantQuotas:
             raise refusal_error(tenant, requests, begun, 0, self.settings.window_seconds)
         held = self._hold(store, tenant.id, limits, lease_id)
         lease = QuotaLease(tenant.id, request_id, tokens, rate_limit_headers(requests, begun), held)
+        try:
+            return await self._took(tenant, lease, limits, took, tokens, also)
+        except asyncio.CancelledError:  # the caller is gone and will never settle the lease it holds
+            await self.settle(lease, 0)
+            raise
+
+    async def _took(
+        self,
+        tenant: TenantConfig,
+        lease: QuotaLease,
+        limits: QuotaLimits,
+        took: QuotaDecision | None,
+        tokens: int,
+        also: PendingWrite | None,
+    ) -> QuotaLease:
+        """:meth:`begin_reserve` once begun: ``lease`` after the tokens' decision ``took`` (sending
+        ``also`` where no debit carried it), or its 429 with the lease released."""
         if took is None:  # no TPM limit: nothing debited, nothing to guard the writes by
             if also is not None:
                 await self.send_writes(also)
@@ -459,7 +504,7 @@ class TenantQuotas:
             return s.take_tokens(held.tenant_id, lim, held.lease_id, tokens, held.window_ms, also=carried)
 
         held.store, held.limits, decision = await self._decide(
-            held.store, held.tenant_id, held.limits, held.lease_id, call
+            held.store, held.tenant_id, held.limits, held.lease_id, call, undo_on_cancel=False
         )
         only_tpm = QuotaLimits(None, held.limits.tpm, None)  # what this step decided
         if not decision.admitted:
@@ -480,14 +525,14 @@ class TenantQuotas:
         if held.store is self.store and held.store is not self.fallback and not self._store_usable(held.tenant_id):
             return
         try:
+            used = max(0, int(used_tokens))
+        except (TypeError, ValueError, OverflowError):  # no count: the reservation stands (never an undercharge)
+            log.error("quota settle for tenant %s got no token count (%r)", held.tenant_id, used_tokens)
+            used = lease.reserved_tokens
+        try:
             await self._bounded(
                 held.store.settle(
-                    held.tenant_id,
-                    held.limits,
-                    held.lease_id,
-                    max(0, int(used_tokens)),
-                    lease.reserved_tokens,
-                    held.window_ms,
+                    held.tenant_id, held.limits, held.lease_id, used, lease.reserved_tokens, held.window_ms
                 )
             )
         except QuotaStoreUnavailable as e:

@@ -24,6 +24,14 @@ if maxc >= 0 then
   inflight = redis.call('ZCARD', KEYS[5])
 end
 
+-- this very call ran already (its reply was lost and the store sent it again): answer as it did
+-- then, never count the request twice nor refuse it for its own entry
+if (rpm >= 0 and redis.call('ZSCORE', KEYS[1], id)) or (maxc >= 0 and redis.call('ZSCORE', KEYS[5], id)) then
+  local rr = -1
+  if rpm >= 0 then rr = math.max(0, rpm - count) end
+  return {1, '', 0, rr, -1, 0}
+end
+
 local refused = {}
 local retry = 0
 if rpm >= 0 and count + 1 > rpm then

@@ -51,6 +51,16 @@ if maxc >= 0 then
   inflight = redis.call('ZCARD', KEYS[5])
 end
 
+-- this very call ran already (its reply was lost and the store sent it again): answer as it did
+-- then, never count the request twice nor refuse it for its own entries
+if (rpm >= 0 and redis.call('ZSCORE', KEYS[1], id)) or (tpm >= 0 and redis.call('HEXISTS', KEYS[3], id) == 1)
+    or (maxc >= 0 and redis.call('ZSCORE', KEYS[5], id)) then
+  local rr, rt = -1, -1
+  if rpm >= 0 then rr = math.max(0, rpm - count) end
+  if tpm >= 0 then rt = tpm - used end
+  return {1, '', 0, rr, rt, 0}
+end
+
 local refused = {}
 local retry = 0
 local too_large = 0

@@ -24,9 +24,10 @@ if at and cur and tonumber(at) > now - window then
   end
   return delta
 end
+local xid = id .. ':x'
+if redis.call('HEXISTS', KEYS[3], xid) == 1 then return 0 end  -- this settle ran already (its reply was lost)
 if used > reserved then
   local extra = used - reserved
-  local xid = id .. ':x'
   redis.call('ZADD', KEYS[2], now, xid)
   redis.call('HSET', KEYS[3], xid, extra)
   redis.call('INCRBY', KEYS[4], extra)

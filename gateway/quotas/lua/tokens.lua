@@ -33,6 +33,10 @@ while true do
   if #old < BATCH then break end
 end
 local used = tonumber(redis.call('GET', KEYS[4]) or '0')
+-- this very call ran already (its reply was lost and the store sent it again): debit once
+if redis.call('HEXISTS', KEYS[3], id) == 1 then
+  return {1, '', 0, -1, tpm - used, 0}
+end
 
 if used + tokens > tpm then
   if tokens > tpm then return {0, 'tpm', window, -1, math.max(0, tpm - used), 1} end
