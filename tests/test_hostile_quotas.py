@@ -217,6 +217,26 @@ async def test_a_settle_whose_caller_is_cancelled_still_reaches_redis(redis_pref
     await stage.aclose()
 
 
+async def test_a_settle_during_the_back_off_is_sent_when_the_store_answers(redis_prefix) -> None:
+    """A settle that comes while the store is in its back-off after a failure (0.5 s, for every
+    tenant of a standalone Redis) is not dropped: it is sent in the background once the store may
+    be called again, so the lease is released then, not by its TTL, and the debit corrected. Before
+    the fix the tenant's only concurrency slot stayed taken for the lease TTL (120 s)."""
+    from gateway.quotas.stores import QuotaStoreUnavailable
+
+    stage = await _redis_stage(redis_prefix)
+    tenant = _tenant(tpm=1000, max_concurrent=1)
+    lease = await stage.begin_reserve(tenant, "r1", 500)
+    stage._mark_down(QuotaStoreUnavailable("a blip"), tenant.id)  # as after a call that timed out
+    await stage.settle(lease, 100)
+    assert await _state(stage.store, tenant.id) == {"rpm": 0, "tpm": 1, "debits": [500], "sum": 500, "leases": 1}
+    await asyncio.sleep(1.0)  # the back-off (0.5 s) is over and the background round has run
+    assert await _state(stage.store, tenant.id) == {"rpm": 0, "tpm": 1, "debits": [100], "sum": 100, "leases": 0}
+    nxt = await stage.begin(tenant, "r2")  # the slot is free again
+    await stage.settle(nxt, 0)
+    await stage.aclose()
+
+
 async def test_a_begin_whose_caller_is_cancelled_in_flight_takes_nothing(redis_prefix) -> None:
     """``begin`` is cancelled after its call went out in a coalesced round trip: Redis takes the
     RPM entry and the lease, and no caller will ever settle it. The stage must undo it (as it

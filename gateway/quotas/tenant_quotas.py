@@ -164,6 +164,8 @@ class TenantQuotas:
         # reservations whose call failed but may have run (tenant id, lease id): undone when
         # the store answers again
         self._uncertain: deque[tuple[str, str]] = deque(maxlen=UNCERTAIN_MAX)
+        #: settles the store could not take (its back-off, or the call failed): sent again when it answers
+        self._unsettled: deque[tuple[_Held, int, int]] = deque(maxlen=UNCERTAIN_MAX)
         self._renewer: asyncio.Task[None] | None = None
         self._recoverer: asyncio.Task[None] | None = None
         #: tenant id -> ``time.monotonic()`` until which this process takes the tenant's requests
@@ -188,8 +190,9 @@ class TenantQuotas:
         self._ensure_recoverer()
 
     def _ensure_recoverer(self) -> None:
-        """Undo the uncertain reservations in the background (:meth:`_recover_loop`), if any."""
-        if self._uncertain and (self._recoverer is None or self._recoverer.done()):
+        """Undo the uncertain reservations and send the settles left over in the background
+        (:meth:`_recover_loop`), if any."""
+        if (self._uncertain or self._unsettled) and (self._recoverer is None or self._recoverer.done()):
             with contextlib.suppress(RuntimeError):  # no running loop: the next request undoes them
                 self._recoverer = asyncio.get_running_loop().create_task(self._recover_loop())
 
@@ -203,13 +206,40 @@ class TenantQuotas:
     async def _recover_loop(self) -> None:
         """Undo this process's uncertain reservations as soon as the store answers again, without
         waiting for this process's next request: with several workers, a worker that gets no
-        traffic for a while must not leave reservations that Redis ran late in the shared window."""
-        while self._uncertain:
+        traffic for a while must not leave reservations that Redis ran late in the shared window.
+        Settles the store could not take are sent again in the same rounds, so a lease held during
+        a short outage is released when it ends, not by its TTL."""
+        while self._uncertain or self._unsettled:
             await asyncio.sleep(RECOVER_INTERVAL_SECONDS)
             try:
                 await self._cancel_uncertain()
+                await self._settle_left_over()
             except Exception:  # the next round tries again
                 log.exception("undoing uncertain quota reservations failed")
+
+    async def _settle_left_over(self, scope: Any = _ALL) -> None:
+        """Send again the settles the store could not take (``scope``: as :meth:`_cancel_uncertain`);
+        ``settle.lua`` run late releases a lease that may have expired (nothing) and corrects the
+        debit as it would have then. One that fails again waits for the next round."""
+        todo = [u for u in self._unsettled if scope is _ALL or self.store.scope(u[0].tenant_id) == scope]
+        for u in todo:
+            self._unsettled.remove(u)
+        while todo:
+            held, used, reserved = todo[0]
+            if not self._store_usable(held.tenant_id):
+                self._unsettled.append(todo.pop(0))
+                continue
+            try:
+                await self._bounded(
+                    held.store.settle(held.tenant_id, held.limits, held.lease_id, used, reserved, held.window_ms)
+                )
+            except QuotaStoreUnavailable as e:
+                self._unsettled.append(todo[0])
+                self._mark_down(e, held.tenant_id)
+            except BaseException:
+                self._unsettled.extend(todo)
+                raise
+            todo.pop(0)
 
     async def _mark_up(self, tenant_id: str) -> None:
         scope = self.store.scope(tenant_id)
@@ -217,6 +247,8 @@ class TenantQuotas:
             log.warning("quota store %s answers again: limits are shared across replicas again", self.store.name)
         if self._uncertain:
             await self._cancel_uncertain(scope)
+        if self._unsettled:
+            await self._settle_left_over(scope)
 
     async def _cancel_uncertain(self, scope: Any = _ALL) -> None:
         """Undo the reservations whose call failed during the outage (Redis may have run them
@@ -514,21 +546,25 @@ class TenantQuotas:
 
     async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
         """Release the lease and set the request's TPM debit to ``used_tokens``. Never raises;
-        a second call for the same lease does nothing. If the store is unavailable the lease
-        ends by its TTL and the debit stays at the reservation (an overcharge, never an
-        undercharge, as reservations are upper bounds)."""
+        a second call for the same lease does nothing. If the store is unavailable the settle is
+        sent again in the background as soon as it answers (:meth:`_recover_loop`); until then
+        the lease stays held (at most its TTL) and the debit stays at the reservation (an
+        overcharge, never an undercharge, as reservations are upper bounds)."""
         held = lease.state
         if not isinstance(held, _Held) or held.settled:
             return
         held.settled = True
         self._live.pop(held.lease_id, None)
-        if held.store is self.store and held.store is not self.fallback and not self._store_usable(held.tenant_id):
-            return
         try:
             used = max(0, int(used_tokens))
         except (TypeError, ValueError, OverflowError):  # no count: the reservation stands (never an undercharge)
             log.error("quota settle for tenant %s got no token count (%r)", held.tenant_id, used_tokens)
             used = lease.reserved_tokens
+        shared = held.store is self.store and held.store is not self.fallback
+        if shared and not self._store_usable(held.tenant_id):
+            self._unsettled.append((held, used, lease.reserved_tokens))
+            self._ensure_recoverer()
+            return
         try:
             await self._bounded(
                 held.store.settle(
@@ -536,7 +572,8 @@ class TenantQuotas:
                 )
             )
         except QuotaStoreUnavailable as e:
-            if held.store is self.store:
+            if shared:
+                self._unsettled.append((held, used, lease.reserved_tokens))
                 self._mark_down(e, held.tenant_id)
         except Exception:  # settle never raises into the request path
             log.exception("quota settle failed for tenant %s", held.tenant_id)
