@@ -367,3 +367,33 @@ async def test_admission_cancelled_while_its_index_write_finishes_releases_the_l
     with pytest.raises(asyncio.CancelledError):
         await task
     assert settled == [("r-1", 0)]
+
+
+async def test_a_refused_token_call_walks_a_bounded_number_of_debits(redis_prefix) -> None:
+    """A tenant holding thousands of small debits: a refused TPM call walks at most the oldest
+    1,024 of them for its Retry-After (each walked entry costs Redis time that every tenant
+    shares), and answers the 1,024th's expiry, a lower bound, instead of walking to the exact
+    one. 2,000 one-token debits 10 ms apart, the oldest 59 s old, TPM 2,000: 1,500 more tokens
+    need the oldest 1,500 to leave (exactly in 15.99 s); the bound answers the 1,024th (11.23 s)."""
+    stage = await _redis_stage(redis_prefix)
+    tenant = _tenant(tpm=2000)
+    _, tpm_log, debits, total, _ = stage.store.keys(tenant.id)
+    r = aioredis.from_url(REDIS_URL)
+    try:
+        sec, usec = await r.time()
+        now_ms = sec * 1000 + usec // 1000
+        await r.zadd(tpm_log, {f"d{i}": now_ms - 59_000 + 10 * i for i in range(2000)})
+        await r.hset(debits, mapping={f"d{i}": 1 for i in range(2000)})
+        await r.set(total, 2000)
+    finally:
+        await r.aclose()
+    with pytest.raises(OpenAIError) as refused:  # reserve.lua
+        await stage.begin_reserve(tenant, "r1", 1500)
+    assert refused.value.status == 429
+    assert refused.value.headers["Retry-After"] == "12"  # ceil(11.23 s - the few ms since)
+    lease = await stage.begin(tenant, "r2")
+    with pytest.raises(OpenAIError) as refused:  # tokens.lua
+        await stage.reserve_tokens(tenant, lease, 1500)
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "12"
+    await stage.settle(lease, 0)
+    await stage.aclose()
