@@ -276,6 +276,12 @@ def _transport_error(ctx: RelayContext, u: Upstream | None, e: UpstreamError, ve
     return OpenAIError(502, f"The upstream engine {what} ({type(e).__name__}).", code=ErrorCode.UPSTREAM_UNAVAILABLE)
 
 
+def is_event_stream(content_type: str) -> bool:
+    """Whether a ``Content-Type`` value names ``text/event-stream``, whatever its case and
+    parameters (RFC 9110 8.3.1: type and subtype are case-insensitive)."""
+    return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
+
+
 async def _check_answer(ctx: RelayContext, outcome: RelayOutcome, resp: UpstreamResponse) -> None:
     """Raise the engine's error for a non-200 answer, or for a stream request answered without
     an event stream (an engine that does so is reporting an error in a JSON body; reading it
@@ -288,7 +294,7 @@ async def _check_answer(ctx: RelayContext, outcome: RelayOutcome, resp: Upstream
             raw = b""
         ctx.metrics.upstream_errors.labels(name, f"http_{resp.status_code}").inc()
         raise engine_error(resp.status_code, raw)
-    if outcome.admitted.forward.stream and not resp.headers.get("content-type", "").startswith("text/event-stream"):
+    if outcome.admitted.forward.stream and not is_event_stream(resp.headers.get("content-type", "")):
         try:
             raw = await resp.aread(ERROR_BODY_BYTES)
         except ResponseTooLarge:

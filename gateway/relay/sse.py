@@ -5,7 +5,10 @@ string, arrives exactly as the engine sent it. The gateway forwards each event's
 An event ends at a blank line (``\\n\\n`` or ``\\r\\n\\r\\n``, the WHATWG SSE grammar's line
 endings as engines send them). :func:`inspect` reads an event's ``data:`` payload as JSON to learn
 what it carries (text, finish reason, usage, an error; read by :mod:`verifier.engine_response`)
-without changing its bytes.
+without changing its bytes. An event's lines are read as a client reads them (WHATWG: a line ends
+at CRLF, LF or a bare CR), and :func:`is_one_event` tells when a client would read more than one
+event in what the splitter found (a blank line made with a bare CR, or ``\\n\\r\\n``): the relay
+ends such a stream, since the events it cannot see would reach the client unread.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import orjson
 from verifier.engine_response import StreamEvent, parse_chunk_event
 
 DONE_EVENT = b"data: [DONE]\n\n"
+
+#: a line's end, as the WHATWG SSE grammar (and clients: the openai SDK, browsers) reads one
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 _USAGE_NULL = re.compile(rb',\s*"usage"\s*:\s*null|"usage"\s*:\s*null\s*,?')
 
@@ -146,13 +152,31 @@ def data_of(event: bytes) -> bytes | None:
     if event.startswith(b"data: ") and event.count(b"\n") <= 2 and b"\r" not in event:
         return event[6:].rstrip(b"\n")  # the common single-line case
     parts = []
-    for line in event.replace(b"\r\n", b"\n").split(b"\n"):
+    for line in _LINE_END.split(event):
         if line.startswith(b"data:"):
             v = line[5:]
             parts.append(v[1:] if v.startswith(b" ") else v)
     if not parts:
         return None
     return b"\n".join(parts)
+
+
+def is_one_event(event: bytes) -> bool:
+    """Whether a client reading ``event`` (an event as :class:`SSESplitter` returns it) finds one
+    event in it, not several: no line with content follows a blank line, lines ending at CRLF,
+    LF or a bare CR. Without a CR the splitter's first ``\\n\\n`` is the first blank line, so
+    only events holding a CR are read line by line."""
+    if b"\r" not in event:
+        return True
+    content = blank = False
+    for line in _LINE_END.split(event):
+        if line:
+            if blank:
+                return False
+            content = True
+        elif content:
+            blank = True
+    return True
 
 
 def inspect(event: bytes) -> StreamEvent:

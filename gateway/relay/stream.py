@@ -27,9 +27,9 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
-from gateway.relay.sse import SSEEventTooLarge, SSESplitter, strip_usage_null
+from gateway.relay.sse import SSEEventTooLarge, SSESplitter, is_one_event, strip_usage_null
 from gateway.relay.stream_protocol import StreamProtocol
-from gateway.relay.upstream_client import UpstreamError, UpstreamResponse
+from gateway.relay.upstream_client import RemoteProtocolError, UpstreamError, UpstreamResponse
 from verifier.engine_response import EngineOutput, StreamEvent, engine_error, strict_view
 from verifier.stage import ResponseGuard
 
@@ -174,7 +174,19 @@ class _Events:
     """One stream's per-event steps: read, count, strip (:meth:`_take`), then relay the reads'
     events without a guard (:meth:`take`, no await per event) or through it (:meth:`feed`)."""
 
-    __slots__ = ("done", "guard", "hold", "protocol", "raw", "streamed", "strict", "strip", "tally", "too_large")
+    __slots__ = (
+        "done",
+        "errored",
+        "guard",
+        "hold",
+        "protocol",
+        "raw",
+        "streamed",
+        "strict",
+        "strip",
+        "tally",
+        "too_large",
+    )
 
     def __init__(self, protocol: StreamProtocol, guard: ResponseGuard | None, tally: Tally, opts: StreamOptions):
         self.protocol = protocol
@@ -185,13 +197,17 @@ class _Events:
         self.strict = opts.strict
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
         self.done = False  # the protocol's end marker came
+        self.errored = False  # an engine error event came (after the response started)
         self.raw = b""  # the bytes to relay of the event :meth:`_take` returned
         self.too_large: SSEEventTooLarge | None = None  # what ends the stream after this read
 
     def _take(self, raw: bytes, out: list[bytes]) -> StreamEvent | None:
         """Read and count one event; the event to relay (its bytes in :attr:`raw`), or ``None``
         when nothing more is to be done with it (the end marker, a replaced error event, a
-        stripped usage chunk)."""
+        stripped usage chunk). Raises :func:`unsplittable_event` for bytes a client would read
+        as several events (:func:`gateway.relay.sse.is_one_event`)."""
+        if not is_one_event(raw):
+            raise unsplittable_event()
         ev = self.protocol.read(raw)
         kind = ev.kind
         if kind == "done":
@@ -209,8 +225,8 @@ class _Events:
 
     def take(self, events: list[bytes], out: list[bytes]) -> bool:
         """Relay one read's ``events`` into ``out`` without a guard; true when one of them
-        started the response (nothing after it in the read can raise, so the start marker may
-        follow the read)."""
+        started the response (the start marker may follow the read: a later event of the read
+        that raises, an unsplittable one, ends the request before the response started)."""
         hold = self.hold
         started = False
         for raw in events:
@@ -250,6 +266,7 @@ class _Events:
             raise err
         if self.strict:
             err = strict_view(err)
+        self.errored = True
         self.tally.error_code = err.code
         if self.protocol.replaces_error_events or self.strict:
             return self.protocol.error_in_place(err, ev.sequence_number)
@@ -304,6 +321,8 @@ async def relay_stream(
                 break
             if step.too_large is not None:
                 raise step.too_large
+        if _ended_early(step, splitter):
+            raise RemoteProtocolError("RemoteProtocolError: the engine ended its event stream before its end")
     except UpstreamError:
         if hold.started and hold.held:
             yield b"".join(hold.held), True
@@ -332,6 +351,29 @@ async def _relay_read(step: _Events, events: list[bytes]) -> AsyncGenerator[Chun
             yield piece
         if step.done:
             return
+
+
+def _ended_early(step: _Events, splitter: SSESplitter) -> bool:
+    """The body ended (a clean end of its framing, or the close of a connection that frames it)
+    before the stream did: no end marker (``[DONE]``), no finish reason (a chunk's, a terminal
+    Responses event's) and no engine error came. A close-framed answer whose engine died looks
+    just so; relayed with the gateway's ``[DONE]``, the cut answer read as a whole one. A stream
+    that started nothing and left unfinished bytes is :func:`unreadable_stream`'s instead."""
+    if step.done or step.errored or step.tally.finish_reason is not None:
+        return False
+    return step.hold.started or not splitter.tail().strip()
+
+
+def unsplittable_event() -> OpenAIError:
+    """The 502 ``upstream_unavailable`` that ends a stream holding bytes a client reads as
+    several events where the gateway's splitter sees one (:func:`gateway.relay.sse.is_one_event`:
+    a blank line made with a bare CR). Relayed, the events inside would reach the client unread by
+    the verifier's guard and uncounted by the settle."""
+    return OpenAIError(
+        502,
+        "The upstream engine sent an event stream with bare CR line endings, which the gateway does not relay.",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
 
 
 def unreadable_stream(unfinished: bytes) -> OpenAIError:
