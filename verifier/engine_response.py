@@ -671,6 +671,8 @@ def parse_response_event(obj: Any) -> StreamEvent:
     if not isinstance(obj, dict):
         return StreamEvent()
     etype = obj.get("type")
+    if etype is not None and not isinstance(etype, str):
+        etype = ""  # an array or object as the type (unhashable in the tables below): a type no engine sends
     seq = _int(obj.get("sequence_number"))
     if etype == "error" or (etype is None and obj.get("error") is not None):
         err = obj.get("error") if isinstance(obj.get("error"), dict) else obj

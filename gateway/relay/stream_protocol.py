@@ -58,20 +58,14 @@ def chat_error_tail(err: OpenAIError, after: int | None) -> bytes:
 
 def read_response_event(event: bytes) -> StreamEvent:
     """A ``/v1/responses`` stream event's ``data`` as a :class:`StreamEvent` (``other`` when it
-    has no data or it is not JSON; an array or object ``type`` is read as an unknown type).
-    Never raises."""
+    has no data or it is not JSON). Never raises."""
     payload = data_of(event)
     if payload is None:
         return StreamEvent()
     try:
-        obj = orjson.loads(payload)
+        return parse_response_event(orjson.loads(payload))
     except orjson.JSONDecodeError:
         return StreamEvent()
-    if isinstance(obj, dict) and isinstance(obj.get("type"), (list, dict)):
-        # an array or object as the type (unhashable: the parser's table lookups raised TypeError,
-        # a 500): read as an event type no engine sends, every other string of it still read
-        obj = {**obj, "type": ""}
-    return parse_response_event(obj)
 
 
 @dataclass(frozen=True, slots=True)
