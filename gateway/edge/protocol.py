@@ -43,6 +43,16 @@ header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge
   send the next one, so a client that sends oversized heads back to back costs the gateway two
   refusals a second, not hundreds.
 
+- framing: an HTTP/1.1 request without a Host header, or with several, gets 400 (RFC 9112
+  section 3.2); a chunked body's trailer fields are dropped, never merged into the request's
+  headers (RFC 9110 section 6.5.1); ``Expect: 100-continue`` from HTTP/1.0 is ignored (section
+  10.1.1); a response that starts before its request's body has arrived (a route that does not
+  read one) closes the connection, lingering, instead of reading the body on to keep it.
+- pipelined requests: a refusal of a request queued behind one still being answered (its body
+  too slow or too large, its head too large or too slow, bytes that are not HTTP) is written after
+  that answer, never before it or inside it, then the connection closes; a queued request's body
+  deadline starts when the request does.
+
 Every refusal is an OpenAI-shaped JSON body with ``connection: close``. A connection closed while
 its request is still arriving (a refused head, or a body the app refused before reading it all)
 lingers (:class:`_LingeringTransport`): the answer, a FIN, then the client's further bytes
@@ -240,10 +250,11 @@ def _stop_counting(p: BoundedHttpToolsProtocol) -> None:
     p._cancel_timers()
     p.connections.discard(p)
     p.edge.lingering.add(p)
+    # every unanswered request sees the disconnect: the one being answered too, not only the newest
+    # parsed (a pipelined one), else its answer was written after the FIN (RuntimeError, logged)
+    p._disconnect_all()
     cycle = p.cycle
     if cycle is not None:
-        if not cycle.response_complete:
-            cycle.disconnected = True
         cycle.message_event.set()
 
 
@@ -290,6 +301,8 @@ class _LingeringTransport:
         the peak left unsent."""
         if self._held is not None:
             self._held.append(bytes(data))
+            return
+        if self.lingering:  # the answer and the FIN are out: nothing more can follow them
             return
         self.written += len(data)
         t = self._transport
@@ -372,6 +385,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     set by :func:`configure`; the defaults when absent). Parsing stops at the first refusal: a
     refused head costs the callbacks up to its limit, not its size."""
 
+    #: class-level defaults of what ``__init__`` sets per connection (read by the refusal path)
+    _running: Any = None
+    _after_earlier: bytes | None = None
+
     def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any], _loop: Any = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self.parser = _StoppableParser(self.parser)  # type: ignore[assignment]  # a proxy with the same methods
@@ -393,6 +410,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._send_timer: asyncio.TimerHandle | None = None
         self._sent_seen = 0  # bytes the client's TCP had taken when the send timer was armed
         self._running: Any = None  # the cycle whose app runs (uvicorn's ``cycle`` is the newest parsed)
+        self._after_earlier: bytes | None = None  # a refusal due once the answers before it are out
 
     # ------------------------------------------------------------ refusals
     def _refuse(self, status: int, message: str, code: str, delay_seconds: float = 0.0) -> None:
@@ -434,6 +452,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_timer = None
         if self.transport is None or self.transport.is_closing():
             return
+        if self._earlier_unanswered():
+            self._answer_after_earlier(refusal_bytes(status, message, code, self.server_state.default_headers))
+            log.info("refused a pipelined request: %d %s (answered after the requests before it)", status, code)
+            return
         cycle = self.cycle  # on a kept-alive connection, the previous request's until a new head ends
         if cycle is None or not cycle.response_started or (self._in_head and cycle.response_complete):
             self.transport.write(refusal_bytes(status, message, code, self.server_state.default_headers))
@@ -442,6 +464,57 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         # is dropped
         self.transport.close()
         log.info("refused a client connection: %d %s", status, code)
+
+    def _refused_cycle(self) -> Any:
+        """The request a refusal is for: ``None`` for a head that has not ended (no request yet),
+        else the newest parsed (whose body is arriving)."""
+        return None if self._in_head else self.cycle
+
+    def _earlier_unanswered(self) -> bool:
+        """Whether a request before the refused one (pipelined behind it) is still being answered:
+        its answer is on the wire or still to come, so a refusal written now would be read by the
+        client as that request's answer, or land inside it (a 408 in the middle of a chunked stream)."""
+        running = self._running
+        return running is not None and running is not self._refused_cycle() and not running.response_complete
+
+    def _answer_after_earlier(self, data: bytes) -> None:
+        """Keep ``data`` (a refusal) until the requests before the refused one are answered
+        (:meth:`on_response_complete` writes it, then closes); the refused request, if queued, is
+        never started, and what the client sends meanwhile is dropped, paced (as after a close)."""
+        refused = self._refused_cycle()
+        if refused is not None:
+            for entry in list(self.pipeline):
+                if entry[0] is refused:
+                    self.pipeline.remove(entry)
+            refused.disconnected = True
+            refused.message_event.set()
+        self._after_earlier = data
+        self._discarding = True
+        t = self.transport
+        if isinstance(t, _LingeringTransport):
+            t.max_drop = LINGER_MAX_HEAD_BYTES if refused is None else LINGER_MAX_BYTES
+            t.resume_reading()  # paused by a delayed refusal: the dropped bytes are paced instead
+
+    def on_response_complete(self) -> None:
+        """A response is complete: the next queued request starts (uvicorn), and its body's
+        deadline with it (a queued request's body may wait on this connection's flow control,
+        not on its client); or, when none is left, a refusal kept by
+        :meth:`_answer_after_earlier` is written and the connection closed."""
+        queued = bool(self.pipeline)
+        super().on_response_complete()
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        running = self._running
+        if running is not None and not running.response_complete:
+            if queued and running.more_body and self._body_timer is None and not self._refused and not self._discarding:
+                self._body_timer = self.loop.call_later(self.limits.body_timeout_seconds, self._body_too_slow)
+            return
+        if self._after_earlier is not None:
+            data, self._after_earlier = self._after_earlier, None
+            self._unset_keepalive_if_required()
+            t.write(data)
+            t.close()
 
     def _cancel_timers(self) -> None:
         for t in (self._head_timer, self._body_timer):
@@ -609,6 +682,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._header_count > self.limits.max_header_count:
             self._head_too_large(f"more than {self.limits.max_header_count} header fields")
             raise _StopParsing
+        if not self._in_head:
+            # a trailer field (after a chunked body): never merged into the request's header fields
+            # (RFC 9110 section 6.5.1): the app read them as the head's, after any check on the head
+            return
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -620,6 +697,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._pipeline_full():
             raise _StopParsing
+        version = self.parser.get_http_version()
+        if version == "1.1" and (hosts := sum(1 for n, _ in self.headers if n == b"host")) != 1:
+            # RFC 9112 section 3.2: 400 for an HTTP/1.1 request without a Host or with several
+            self._refuse(400, f"An HTTP/1.1 request needs one Host header; this one has {hosts}.", "invalid_request")
+            raise _StopParsing
+        if version != "1.1":
+            self.expect_100_continue = False  # RFC 9110 section 10.1.1: ignored from an HTTP/1.0 client
         self._in_head = False
         if self._head_timer is not None:
             self._head_timer.cancel()
@@ -634,7 +718,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.resume_reading()
         if self.cycle is not None and self._without_key():
             raise _StopParsing
-        if self.cycle is not None and self.cycle.more_body:
+        if self.cycle is not None and self.cycle.more_body and self._running is self.cycle:
+            # a queued (pipelined) request's deadline starts when it does (on_response_complete)
             self._body_timer = self.loop.call_later(self.limits.body_timeout_seconds, self._body_too_slow)
 
     def _pipeline_full(self) -> bool:
@@ -736,6 +821,11 @@ async def _send_paced(send: Any, cycle: Any, message: Any) -> None:
     t = cycle.transport
     lingering = isinstance(t, _LingeringTransport)
     if message["type"] == "http.response.start":
+        if cycle.more_body:
+            # answered before its body has arrived (a route that does not read one): the body is not
+            # read on to keep the connection (it was, unbounded by max_body_bytes and unpaced); the
+            # close lingers over what the client still sends
+            cycle.keep_alive = False
         if lingering:
             t.hold()
         await send(message)
