@@ -107,6 +107,12 @@ def build_parser(d: BackendSettings) -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument(
+        "--no-packed-weights",
+        dest="packed_weights",
+        action="store_false",
+        help="CPU: no MKL-packed copies of the weights (half the weights' memory, slower batched decode)",
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--enable-debug-endpoints",
@@ -227,6 +233,7 @@ def make_engine(opts: Options, side: str, model: torch.nn.Module | None = None) 
         max_running_requests=opts.max_running_requests,
         seed=opts.seed,
         dtype=opts.dtype,
+        packed_weights=opts.packed_weights,
         faults=opts.faults,
     )
     engine = Engine(cfg, vocab_for(opts.model), model)

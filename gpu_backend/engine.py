@@ -103,7 +103,8 @@ class Engine:
         self.model = shared_or_built(model, cfg.model, cfg.context_length, cfg.seed, self.dtype, self.device)
         # packed weight copies (a LlamaModel on the CPU) are made now and counted as weights
         prepack = getattr(self.model, "prepack", None)
-        self.weight_bytes = weight_bytes(self.model) + (prepack() if prepack is not None else 0)
+        packed = prepack(cfg.packed_weights) if prepack is not None else 0
+        self.weight_bytes = weight_bytes(self.model) + packed
         self.pool = self._build_pool(cfg)
         self.vocab_size = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or self.model.vocab_size)
         self.runner = ModelRunner(self.model, self.pool, vocab_bias(self.vocab, self.vocab_size))

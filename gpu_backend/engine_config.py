@@ -23,7 +23,10 @@ class EngineConfig:
     wait for pages before :class:`PoolExhaustedError` (503); ``max_batch_tokens``: tokens per
     prefill step (chunked prefill beyond); ``max_running_requests``: sequences admitted at once;
     ``seed``: tiny-random weights and unseeded sampling; ``dtype``: ``float32``/``float16``/
-    ``bfloat16``; ``faults``: the test-only :class:`~gpu_backend.faults.Faults` switches.
+    ``bfloat16``; ``packed_weights``: on the CPU, multiply a few rows (a decode batch, the logits)
+    by MKL-packed copies of the weights (:mod:`gpu_backend.packed_linear`: faster, the weights'
+    memory again, counted before the pool is sized); ``faults``: the test-only
+    :class:`~gpu_backend.faults.Faults` switches.
     """
 
     model: str = "tiny-random"
@@ -38,6 +41,7 @@ class EngineConfig:
     max_running_requests: int = 256
     seed: int = 0
     dtype: str = "float32"
+    packed_weights: bool = True
     faults: Faults = NO_FAULTS
 
     def check(self) -> None:

@@ -174,8 +174,12 @@ class FusedLinear:
                 self._versions = versions
         return w, b
 
-    def prepack(self) -> int:
-        """Fuse and pack now (:meth:`PackedMatmul.pack`); returns the bytes the packed copy holds."""
+    def prepack(self, enabled: bool = True) -> int:
+        """Fuse and pack now (:meth:`PackedMatmul.pack`); returns the bytes the packed copy holds.
+        ``enabled=False``: never pack (the copy dropped; every call ``F.linear``), 0 bytes."""
+        self._matmul.enabled = enabled
+        if not enabled:
+            self._matmul.forget()
         w, _ = self.weights()
         if self._versions is None:
             return 0
@@ -292,11 +296,15 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._logits(hidden, self.lm_head.weight).float()
 
-    def prepack(self) -> int:
+    def prepack(self, enabled: bool = True) -> int:
         """Pack every matmul's weight now (:class:`~gpu_backend.packed_linear.PackedMatmul`), so
         the memory is taken before the KV pool is sized; returns the bytes the packed copies hold
-        (0 where nothing packs: another device or dtype, no MKL)."""
-        held = sum(f.prepack() for f in self._linears())
+        (0 where nothing packs: another device or dtype, no MKL). ``enabled=False``: no matmul
+        packs (copies made earlier are dropped), 0 bytes."""
+        held = sum(f.prepack(enabled) for f in self._linears())
+        self._logits.enabled = enabled
+        if not enabled:
+            self._logits.forget()
         self._logits.pack(self.lm_head.weight)
         return held + self._logits.packed_bytes(self.lm_head.weight)
 

@@ -58,15 +58,25 @@ class PackedMatmul:
 
     def __init__(self, rows: tuple[int, int]) -> None:
         self.min_rows, self.max_rows = rows
+        self.enabled = True  #: false: always ``F.linear``, nothing packed
         self._key: tuple[int, int | None] | None = None
         self._packed: torch.Tensor | None = None
         self._weight: torch.Tensor | None = None  # held, so no new tensor can take its address
 
     def __deepcopy__(self, memo: dict) -> PackedMatmul:
-        return PackedMatmul((self.min_rows, self.max_rows))  # a copied model packs its own weights
+        copied = PackedMatmul((self.min_rows, self.max_rows))  # a copied model packs its own weights
+        copied.enabled = self.enabled
+        return copied
 
     def __getstate__(self) -> dict:
-        return {"min_rows": self.min_rows, "max_rows": self.max_rows, "_key": None, "_packed": None, "_weight": None}
+        return {
+            "min_rows": self.min_rows,
+            "max_rows": self.max_rows,
+            "enabled": self.enabled,
+            "_key": None,
+            "_packed": None,
+            "_weight": None,
+        }
 
     def forget(self) -> None:
         """Drop the packed copy: the next packed call packs the weight again (for a caller that
@@ -82,7 +92,10 @@ class PackedMatmul:
         ) and tensor_version(w) is not None
 
     def pack(self, w: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of ``w`` (made now if missing or stale), or ``None`` if not packable."""
+        """The packed copy of ``w`` (made now if missing or stale), or ``None`` if not packable
+        or not :attr:`enabled`."""
+        if not self.enabled:
+            return None
         key = (w.data_ptr(), tensor_version(w))  # an in-place load keeps the pointer, not the version
         if key == self._key and self._packed is not None:
             return self._packed
@@ -98,7 +111,7 @@ class PackedMatmul:
         """Memory the packed copy of ``w`` holds, or will once packed: the weight's own size
         (resident set measured after packing SmolLM2-135M's layers: 427 MB for 425 MB of weights;
         MKL's reported buffer size is about 4x that, most of it never touched)."""
-        return w.numel() * w.element_size() if self.packable(w) else 0
+        return w.numel() * w.element_size() if self.enabled and self.packable(w) else 0
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]

@@ -121,3 +121,25 @@ def test_a_model_built_under_inference_mode_is_never_packed() -> None:
         assert torch.equal(a.o(x), F.linear(x, a.o_proj.weight))
         assert torch.equal(m.compute_logits(x), F.linear(x, m.lm_head.weight))
     assert all(f._matmul._packed is None for f in m._linears()) and m._logits._packed is None
+
+
+def test_packing_switched_off_packs_nothing_and_counts_nothing() -> None:
+    """``prepack(False)`` (the engine's ``packed_weights=False``, ``--no-packed-weights``): every
+    matmul is ``F.linear`` itself and copies made before are dropped."""
+    m = _tiny()
+    assert m.prepack() > 0
+    assert m.prepack(False) == 0
+    assert all(f._matmul._packed is None for f in m._linears()) and m._logits._packed is None
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        a = m.model.layers[0].self_attn
+        assert torch.equal(a.o(x), F.linear(x, a.o_proj.weight))
+        assert torch.equal(m.compute_logits(x), F.linear(x, m.lm_head.weight))
+    assert all(f._matmul._packed is None for f in m._linears()) and m._logits._packed is None
+
+
+def test_the_flag_reaches_the_engine_config() -> None:
+    from gpu_backend.cli import parse_args
+
+    assert parse_args([]).packed_weights is True
+    assert parse_args(["--no-packed-weights"]).packed_weights is False

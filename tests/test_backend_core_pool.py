@@ -124,6 +124,8 @@ async def test_engine_derives_pool_from_memory_budget(make_engine):
         "free_tokens": tokens,
         "used_tokens": 0,
     }
+    unpacked = await make_engine(model="tiny-random", mem_budget_bytes=128 * 2**20, packed_weights=False)
+    assert unpacked.weight_bytes == 51_638_048 and unpacked.max_total_num_tokens == 129_824
     capped = await make_engine(
         model="copy-probe", mem_budget_bytes=128 * 2**20, max_total_tokens=1000, context_length=512
     )
