@@ -5,8 +5,11 @@ and every abort / disconnect / timeout path freeing the pages on both sides."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -80,6 +83,17 @@ async def make_stack(
     pnode = PrefillNode(pe, sink or LocalSink(dnode), transfer_timeout_seconds=transfer_timeout)
     router = Router(LocalPrefillClient(pnode), LocalDecodeClient(dnode), open_timeout=open_timeout)
     return Stack(pe, de, pnode, dnode, router)
+
+
+@contextlib.asynccontextmanager
+async def running_stack(**kw: Any) -> AsyncIterator[Stack]:
+    """:func:`make_stack` (``kw``: its options), both engines stopped on the way out."""
+    s = await make_stack(**kw)
+    try:
+        yield s
+    finally:
+        await s.pe.stop()
+        await s.de.stop()
 
 
 @pytest.fixture
@@ -169,8 +183,7 @@ async def test_invariant_2_a_long_transfer_is_refused_too(stack):
 
 
 async def test_fault_skip_transfer_check_accepts_the_short_transfer_and_attends_over_the_reservation():
-    s = await make_stack(faults=Faults(skip_transfer_check=True))
-    try:
+    async with running_stack(faults=Faults(skip_transfer_check=True)) as s:
         room = new_room()
         gen = s.dnode.generate(room, "r", prompt(40), greedy(4))
         first = asyncio.ensure_future(gen.__anext__())
@@ -181,9 +194,6 @@ async def test_fault_skip_transfer_check_accepts_the_short_transfer_and_attends_
         rest = [e async for e in gen]
         assert ev.completion_tokens == 1 and rest[-1].finished and rest[-1].prompt_tokens == 40
         assert s.dnode.counters["transfer_mismatches"] == 1 and s.dnode.counters["transfers_accepted"] == 1
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 async def test_prefill_rejection_is_a_400_and_frees_the_decode_reservation(stack):
@@ -246,8 +256,7 @@ async def test_client_disconnect_during_prefill_frees_both(stack):
 
 
 async def test_decode_waits_for_a_transfer_then_times_out_and_frees_the_reservation():
-    s = await make_stack(transfer_timeout=0.3)
-    try:
+    async with running_stack(transfer_timeout=0.3) as s:
         room = new_room()
         gen = s.dnode.generate(room, "r", prompt(40), greedy(4))
         t0 = time.monotonic()
@@ -261,14 +270,10 @@ async def test_decode_waits_for_a_transfer_then_times_out_and_frees_the_reservat
         with pytest.raises(RoomGoneError):  # a late transfer finds the room closed
             await s.dnode.accept_transfer(manifest, kv)
         await wait_idle(s.pe, s.de)
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 async def test_a_transfer_without_reservation_times_out():
-    s = await make_stack(transfer_timeout=0.2, pool_wait=0.2)
-    try:
+    async with running_stack(transfer_timeout=0.2, pool_wait=0.2) as s:
         room = new_room()
         manifest, kv = await _export(s, 20, room)
         with pytest.raises(TransferTimeoutError, match="no reservation"):
@@ -276,14 +281,10 @@ async def test_a_transfer_without_reservation_times_out():
         with pytest.raises(RoomGoneError):
             await s.dnode.generate(room, "r", prompt(20), greedy(2)).__anext__()
         await wait_idle(s.pe, s.de)
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 async def test_full_decode_pool_is_a_503_never_a_400_and_prefill_is_freed():
-    s = await make_stack(decode_pool=64, pool_wait=0.3)
-    try:
+    async with running_stack(decode_pool=64, pool_wait=0.3) as s:
         hog = await reserve_pages(s.de, "hog", 48, 16)  # all 4 pages
         with pytest.raises(OpenAIError) as e:
             await s.router.open("r-wait", prompt(20), greedy(8))
@@ -294,10 +295,7 @@ async def test_full_decode_pool_is_a_503_never_a_400_and_prefill_is_freed():
         await wait_idle(s.pe, s.de)
         ok = await s.router.open("r-after", prompt(20), greedy(8))  # the pool is back: it succeeds
         assert [t.token_id async for t in ok] == prompt(20)[:8]
-    finally:
         await s.router.drain()
-        await s.pe.stop()
-        await s.de.stop()
 
 
 async def test_router_timeout_frees_both_sides():
@@ -305,17 +303,13 @@ async def test_router_timeout_frees_both_sides():
         async def send(self, manifest, kv):
             await asyncio.sleep(3600)
 
-    s = await make_stack(sink=BlackHole(), open_timeout=0.5)
-    try:
+    async with running_stack(sink=BlackHole(), open_timeout=0.5) as s:
         with pytest.raises(OpenAIError) as e:
             await s.router.open("r-slow", prompt(40), greedy(4))
         assert e.value.status == 504 and e.value.code == "upstream_timeout"
         await s.router.drain()
         await wait_idle(s.pe, s.de)
         assert len(s.dnode.rooms) == 0 and s.router.inflight == {}
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 async def test_the_same_transfer_twice_is_idempotent_a_different_one_is_refused(stack):

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 from backend_core_support import worker_paused
-from test_backend_disagg_nodes import greedy, make_stack, prompt, wait_idle, wait_state
+from test_backend_disagg_nodes import greedy, prompt, running_stack, wait_idle, wait_state
 
 from config.errors import OpenAIError
 from gpu_backend.bootstrap import RoomState, new_room
@@ -38,9 +38,8 @@ def used(engine) -> int:
 
 
 async def test_a_raising_message_does_not_drop_the_abort_and_reserve_behind_it():
-    s = await make_stack()  # decode pool 1024 tokens = 64 pages of 16
-    de = s.de
-    try:
+    async with running_stack() as s:  # decode pool 1024 tokens = 64 pages of 16
+        de = s.de
         kv, _ = await prefill_export(s.pe, "pa", prompt(40))
         await reserve_pages(de, "A", 40, 4)  # ceil(44 / 16) = 3 pages
         await load_pages(de, "A", kv, 40)
@@ -66,9 +65,6 @@ async def test_a_raising_message_does_not_drop_the_abort_and_reserve_behind_it()
         # the engine still serves
         toks = [t async for t in de.generate("after", prompt(8), SamplingParams(max_new_tokens=3))]
         assert [t.token_id for t in toks] == prompt(3)
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 def invalid_transfer(room: int, first_token_id: int) -> dict:
@@ -79,8 +75,7 @@ def invalid_transfer(room: int, first_token_id: int) -> dict:
 
 @pytest.mark.parametrize("bad", [-1, VOCAB])
 async def test_a_transfer_with_a_first_token_outside_the_vocabulary_is_a_400(bad):
-    s = await make_stack()
-    try:
+    async with running_stack() as s:
         room = new_room()
         gen = s.dnode.generate(room, "r", prompt(40), greedy(4))
         first = asyncio.ensure_future(gen.__anext__())
@@ -107,14 +102,10 @@ async def test_a_transfer_with_a_first_token_outside_the_vocabulary_is_a_400(bad
         assert [t.token_id for t in toks] == prompt(4) and toks[-1].finish_reason == "length"
         await s.router.drain()
         await wait_idle(s.pe, s.de)
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 async def test_a_bad_first_token_over_http_is_the_400_body():
-    s = await make_stack()
-    try:
+    async with running_stack() as s:
         kv, _ = await prefill_export(s.pe, "x", prompt(20))
         m = build_manifest(room=7, request_id="r", kv=kv, num_tokens=20, first_token_id=-1)
         app = build_decode_app(s.dnode)
@@ -123,9 +114,6 @@ async def test_a_bad_first_token_over_http_is_the_400_body():
         assert r.status_code == 400
         assert r.json() == invalid_transfer(7, -1)
         assert len(s.dnode.rooms) == 0 and used(s.de) == 0
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 async def _stream(router, rid: str, ids: list[int], params: dict) -> tuple[list, float]:
@@ -138,8 +126,7 @@ async def _stream(router, rid: str, ids: list[int], params: dict) -> tuple[list,
 async def test_decode_reserves_the_clamped_max_tokens_and_blocks_nobody():
     # context 512, decode pool 256 tokens = 16 pages: max_req_len 255, so prompt 10 + max_tokens 400
     # clamps to 244 new tokens: ceil(254 / 16) = 16 pages, the whole pool (unclamped: 26, never fits)
-    s = await make_stack(decode_pool=256, pool_wait=5.0)
-    try:
+    async with running_stack(decode_pool=256, pool_wait=5.0) as s:
         assert s.de.max_req_len == 255 and s.de.pool_stats()["total_pages"] == 16
         room = new_room()
         gen = s.dnode.generate(room, "big0", prompt(10, 2000), greedy(400))
@@ -161,14 +148,10 @@ async def test_decode_reserves_the_clamped_max_tokens_and_blocks_nobody():
         assert vdt < 2.0  # not held behind the pool wait (5 s)
         await s.router.drain()
         await wait_idle(s.pe, s.de)
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 async def test_a_reservation_larger_than_the_pool_is_refused_at_once_and_blocks_nobody():
-    s = await make_stack(decode_pool=256, pool_wait=5.0)  # 16 pages of 16 tokens
-    try:
+    async with running_stack(decode_pool=256, pool_wait=5.0) as s:  # 16 pages of 16 tokens
         t0 = time.monotonic()
         huge = asyncio.ensure_future(reserve_pages(s.de, "huge", 300, 100))  # ceil(400 / 16) = 25 pages
         small = asyncio.ensure_future(reserve_pages(s.de, "small", 10, 4))
@@ -185,6 +168,3 @@ async def test_a_reservation_larger_than_the_pool_is_refused_at_once_and_blocks_
         assert used(s.de) == 1 and sorted(s.de.requests.live) == ["small"]
         s.de.abort("small")
         await wait_idle(s.de)
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
