@@ -4,6 +4,7 @@ too many client connections (503), idle keep-alive connections closed. Exact byt
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import email.utils
 import json
@@ -12,6 +13,7 @@ import socket
 import threading
 import time
 import types
+from collections.abc import Iterator
 
 import pytest
 import uvicorn
@@ -110,14 +112,23 @@ TOO_LARGE = refusal(
 )
 
 
-@pytest.fixture(scope="module")
-def edge():
+@contextlib.contextmanager
+def mock_gateway_edge() -> Iterator[EdgeServer]:
+    """The gateway over a :class:`MockEngine` (``srv.engine``) served by :class:`EdgeServer`."""
     engine = MockEngine().start()
     gw = Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 8 << 20}), tenants())
-    with EdgeServer(gw.app, LIMITS) as srv:
-        srv.engine = engine
+    try:
+        with EdgeServer(gw.app, LIMITS) as srv:
+            srv.engine = engine
+            yield srv
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def edge():
+    with mock_gateway_edge() as srv:
         yield srv
-    engine.stop()
 
 
 def get(path: str = "/healthz", extra: bytes = b"") -> bytes:
@@ -379,7 +390,9 @@ def test_a_refusal_timer_that_fires_early_is_armed_again_until_the_delay_has_pas
     assert p.transport.written == [] and len(p.loop.armed) == 1 and 0.2 < p.loop.armed[0] <= 0.25
     p._answer_when_due(time.monotonic() - 0.001, 431, "too large", "request_header_fields_too_large")
     assert len(p.transport.written) == 1
-    assert p.transport.written[0].startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\ndate: Sat, 05 Dec 2026 19:00:00 GMT\r\n")
+    assert p.transport.written[0].startswith(
+        b"HTTP/1.1 431 Request Header Fields Too Large\r\ndate: Sat, 05 Dec 2026 19:00:00 GMT\r\n"
+    )
     assert len(p.loop.armed) == 1
 
 

@@ -12,9 +12,8 @@ import time
 
 import pytest
 
-from tests.gateway_harness import KEY_A, Gateway, chat, settings_for, tenants, upstream
-from tests.mock_engine import MockEngine
-from tests.test_hostile_edge import LIMITS, NOT_HTTP, TOO_LARGE, EdgeServer, chunks, read_all, refusal, undated
+from tests.gateway_harness import KEY_A, chat
+from tests.test_hostile_edge import NOT_HTTP, TOO_LARGE, chunks, mock_gateway_edge, read_all, refusal, undated
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,12 +33,8 @@ BODY_TIMEOUT = refusal(408, "Request Timeout", "The request body did not arrive 
 
 @pytest.fixture(scope="module")
 def served():
-    engine = MockEngine().start()
-    gw = Gateway(settings_for([upstream("u1", engine)], gateway={"max_body_bytes": 8 << 20}), tenants())
-    with EdgeServer(gw.app, LIMITS) as srv:
-        srv.engine = engine
+    with mock_gateway_edge() as srv:
         yield srv
-    engine.stop()
 
 
 @pytest.fixture
