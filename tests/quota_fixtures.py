@@ -10,8 +10,8 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -161,11 +161,10 @@ def black_hole() -> Iterator[BlackHole]:
         b.close()
 
 
-class StaleProxy:
-    """A TCP forwarder to ``port`` that hides a server restart from its clients, as a NAT box, a
-    load balancer or a lost FIN does: when the server side of a connection closes, the client side
-    stays open and silent, and the client's next command on it gets a reset. New connections are
-    forwarded to the (restarted) server as usual."""
+class TcpForwarder:
+    """A TCP forwarder on loopback to the Redis on ``port``, one thread each way per connection:
+    a subclass says what each way does (``_up(client, server, event)``, ``_down(server, client,
+    event)``; ``event`` is one :class:`threading.Event` per connection that both share)."""
 
     def __init__(self, port: int) -> None:
         self.target = port
@@ -173,7 +172,6 @@ class StaleProxy:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(128)
         self.port = self.sock.getsockname()[1]
-        self.resets = 0
         self._stop = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -193,9 +191,30 @@ class StaleProxy:
             except OSError:
                 c.close()
                 continue
-            dead = threading.Event()
-            threading.Thread(target=self._down, args=(u, c, dead), daemon=True).start()
-            threading.Thread(target=self._up, args=(c, u, dead), daemon=True).start()
+            event = threading.Event()
+            threading.Thread(target=self._down, args=(u, c, event), daemon=True).start()
+            threading.Thread(target=self._up, args=(c, u, event), daemon=True).start()
+
+    def _up(self, c: socket.socket, u: socket.socket, event: threading.Event) -> None:
+        raise NotImplementedError
+
+    def _down(self, u: socket.socket, c: socket.socket, event: threading.Event) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()
+
+
+class StaleProxy(TcpForwarder):
+    """A TCP forwarder to ``port`` that hides a server restart from its clients, as a NAT box, a
+    load balancer or a lost FIN does: when the server side of a connection closes, the client side
+    stays open and silent, and the client's next command on it gets a reset. New connections are
+    forwarded to the (restarted) server as usual."""
+
+    def __init__(self, port: int) -> None:
+        self.resets = 0
+        super().__init__(port)
 
     def _down(self, u: socket.socket, c: socket.socket, dead: threading.Event) -> None:
         u.settimeout(None)
@@ -221,10 +240,6 @@ class StaleProxy:
             c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         c.close()
         u.close()
-
-    def close(self) -> None:
-        self._stop = True
-        self.sock.close()
 
 
 assert os.name == "posix"  # SIGSTOP / SIGCONT

@@ -21,6 +21,7 @@ from config.models import QuotaSettings, TenantConfig
 from gateway.quotas.stores import RedisQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
 from tests.fixtures.redis_keys import REDIS_URL
+from tests.quota_fixtures import TcpForwarder
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -47,37 +48,15 @@ async def _state(store: RedisQuotaStore, tenant_id: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- a reply lost after the script ran
-class ReplyDropProxy:
+class ReplyDropProxy(TcpForwarder):
     """A TCP forwarder to the shared Redis. While armed, the first connection that carries an
     ``EVALSHA`` has Redis's reply withheld: Redis ran the scripts, then the client's side is reset
     (a load balancer or NAT box dropping a connection, ``CLIENT KILL``, a network blip)."""
 
     def __init__(self, port: int = 6379) -> None:
-        self.target = port
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
         self.armed = threading.Event()
         self.dropped = 0
-        self._stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _accept(self) -> None:
-        self.sock.settimeout(0.1)
-        while not self._stop:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                continue
-            u = socket.create_connection(("127.0.0.1", self.target), timeout=5)
-            seen = threading.Event()  # an EVALSHA went up this connection
-            threading.Thread(target=self._up, args=(c, u, seen), daemon=True).start()
-            threading.Thread(target=self._down, args=(u, c, seen), daemon=True).start()
+        super().__init__(port)
 
     def _up(self, c: socket.socket, u: socket.socket, seen: threading.Event) -> None:
         try:
@@ -108,11 +87,6 @@ class ReplyDropProxy:
                 c.sendall(data)
         except OSError:
             pass
-
-    def close(self) -> None:
-        self._stop = True
-        self.sock.close()
-
 
 @pytest.fixture
 def drop_proxy():
