@@ -172,3 +172,25 @@ def test_gateway_app_answers_every_family_through_the_mapper():
         r = c.get("/t/bug")
         assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
         assert "internal detail" not in r.text
+
+
+def test_a_405_lists_the_allowed_methods_in_one_order():
+    """Starlette joins a route's method set into ``Allow``, so the order varied between
+    processes (replicas answered ``HEAD, GET`` and ``GET, HEAD``); the handler sorts it."""
+    import asyncio
+
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+
+    from gateway.ops.errors import handlers
+
+    request = Request({"type": "http", "method": "PUT", "path": "/healthz", "headers": [], "query_string": b""})
+    for allow in ("HEAD, GET", "GET, HEAD", "POST,GET, HEAD"):
+        exc = HTTPException(405, headers={"Allow": allow})
+        r = asyncio.run(handlers()[HTTPException](request, exc))
+        assert r.status_code == 405
+        assert r.headers["allow"] == ("GET, HEAD, POST" if "POST" in allow else "GET, HEAD")
+        assert r.body == (
+            b'{"error":{"message":"Method PUT is not allowed for /healthz.","type":"invalid_request_error",'
+            b'"param":null,"code":"method_not_allowed"}}'
+        )

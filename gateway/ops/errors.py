@@ -9,7 +9,7 @@ runs before them. The request path answers its own errors (:mod:`gateway.routes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -52,8 +52,18 @@ async def _http(request: Request, exc: Exception) -> Response:
         openai_error_bytes(msg, status=exc.status_code, code=code),
         status_code=exc.status_code,
         media_type=JSON,
-        headers=getattr(exc, "headers", None),
+        headers=_sorted_allow(getattr(exc, "headers", None)),
     )
+
+
+def _sorted_allow(headers: Mapping[str, str] | None) -> Mapping[str, str] | None:
+    """``headers`` with a 405's ``Allow`` list in alphabetical order: Starlette joins a route's
+    method set, whose order varies between processes, so replicas answered ``GET, HEAD`` and
+    ``HEAD, GET`` for the same route."""
+    if not headers or "Allow" not in headers:
+        return headers
+    methods = sorted(m.strip() for m in headers["Allow"].split(","))
+    return {**headers, "Allow": ", ".join(methods)}
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
