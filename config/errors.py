@@ -48,6 +48,7 @@ class ErrorCode:
     SERVER_SHUTTING_DOWN = "server_shutting_down"  # 503 (draining)
     INTERNAL_ERROR = "internal_error"  # 500
     METHOD_NOT_ALLOWED = "method_not_allowed"  # 405
+    HTTP_VERSION_NOT_SUPPORTED = "http_version_not_supported"  # 505 (a request line not HTTP/1.x)
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # 415 (backend)
     ABORTED = "aborted"  # 499/503 (backend: client gone or engine stopping)
     TRANSFER_MISMATCH = "transfer_mismatch"  # 500 (backend: tokens received != tokens reserved)

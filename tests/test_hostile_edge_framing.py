@@ -245,6 +245,29 @@ def test_an_http_1_1_request_needs_one_host(edge, hosts):
     s.close()
 
 
+@pytest.mark.parametrize(
+    ("line", "version"),
+    [
+        (b"GET /healthz HTTP/2.0\r\nhost: x\r\n", "2.0"),
+        (b"GET /healthz HTTP/0.9\r\n", "0.9"),
+        (b"GET /healthz\r\n", "0.9"),  # HTTP/0.9's request line: no version
+    ],
+    ids=["2.0", "0.9", "no-version"],
+)
+def test_a_request_line_not_http_1_is_refused_with_505(edge, line, version):
+    """RFC 9110 section 15.6.6: a request line naming HTTP/2.0, HTTP/0.9 or no version is not
+    HTTP/1.x. Each was answered 200, as if it were HTTP/1.1."""
+    s = edge.connect()
+    s.sendall(line + b"\r\n")
+    assert undated(read_all(s)) == refusal(
+        505,
+        "HTTP Version Not Supported",
+        f"HTTP/{version} is not supported; send HTTP/1.1.",
+        "http_version_not_supported",
+    )
+    s.close()
+
+
 @pytest.mark.parametrize("extra", [b"", b"connection: keep-alive\r\n"], ids=["plain", "keep-alive"])
 def test_an_http_1_0_request_without_host_is_answered_and_closed(edge, extra):
     """HTTP/1.0 needs no Host; its connection is closed after the answer, ``keep-alive`` or not."""

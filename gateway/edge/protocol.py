@@ -72,12 +72,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from config.errors import openai_error_bytes
+from config.errors import ErrorCode, openai_error_bytes
 from gateway.edge.extensions import mark_complete_when
 
 log = logging.getLogger("kvgate.edge")
@@ -89,6 +90,7 @@ _REASONS = {
     429: b"Too Many Requests",
     431: b"Request Header Fields Too Large",
     503: b"Service Unavailable",
+    505: b"HTTP Version Not Supported",
 }
 
 
@@ -181,7 +183,7 @@ def refusal_bytes(status: int, message: str, code: str, headers: Iterable[tuple[
     body = openai_error_bytes(message, status=status, code=code)
     return b"".join(
         [
-            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]),
+            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status) or HTTPStatus(status).phrase.encode()),
             *(b"%s: %s\r\n" % (name, value) for name, value in headers),
             b"content-type: application/json\r\n",
             b"content-length: %d\r\n" % len(body),
@@ -698,9 +700,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._pipeline_full():
             raise _StopParsing
         version = self.parser.get_http_version()
-        if version == "1.1" and (hosts := sum(1 for n, _ in self.headers if n == b"host")) != 1:
-            # RFC 9112 section 3.2: 400 for an HTTP/1.1 request without a Host or with several
-            self._refuse(400, f"An HTTP/1.1 request needs one Host header; this one has {hosts}.", "invalid_request")
+        if self._version_refused(version):
             raise _StopParsing
         if version != "1.1":
             self.expect_100_continue = False  # RFC 9110 section 10.1.1: ignored from an HTTP/1.0 client
@@ -721,6 +721,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is not None and self.cycle.more_body and self._running is self.cycle:
             # a queued (pipelined) request's deadline starts when it does (on_response_complete)
             self._body_timer = self.loop.call_later(self.limits.body_timeout_seconds, self._body_too_slow)
+
+    def _version_refused(self, version: str) -> bool:
+        """Whether the head is refused for its HTTP version (answered; parsing stops): 505 for a
+        request line that is not HTTP/1.x (RFC 9110 section 15.6.6; HTTP/0.9, no version or
+        HTTP/2.0 were answered as HTTP/1.1), 400 for HTTP/1.1 without one Host field (RFC 9112
+        section 3.2: none, or several that a proxy in front and the gateway may read apart)."""
+        if version not in ("1.0", "1.1"):
+            self._refuse(505, f"HTTP/{version} is not supported; send HTTP/1.1.", ErrorCode.HTTP_VERSION_NOT_SUPPORTED)
+            return True
+        if version == "1.1" and (hosts := sum(1 for n, _ in self.headers if n == b"host")) != 1:
+            self._refuse(400, f"An HTTP/1.1 request needs one Host header; this one has {hosts}.", "invalid_request")
+            return True
+        return False
 
     def _pipeline_full(self) -> bool:
         """A request head arrived while ``max_pipelined_requests`` wait behind the one being
