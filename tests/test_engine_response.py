@@ -18,7 +18,8 @@ def test_whole_chat_body_per_choice_texts_usage_finish():
     }
     out = parse_body(body)
     usage = {"prompt_tokens": 11, "completion_tokens": 2}
-    assert out == EngineOutput({0: "Hello", 1: ""}, "stop", usage, False, {"0:content": "Hello", "1:content": ""})
+    fields = {"0:content": "Hello", "1:content": ""}
+    assert out == EngineOutput({0: "Hello", 1: ""}, "stop", usage, False, fields, finished=(0, 1))
     assert out.text == "Hello"
 
 

@@ -170,6 +170,35 @@ def test_a_chat_stream_ended_without_done_or_finish_reason_is_relayed_as_cut():
     assert r.content == first + error_event(engine_died) + b"data: [DONE]\n\n"
 
 
+def _choice(index: int, content: str, finish: str | None = None) -> bytes:
+    obj = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": index, "delta": {"content": content}, "finish_reason": finish}],
+    }
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_a_stream_of_several_choices_ended_before_each_finished_is_relayed_as_cut():
+    """``n: 2``: choice 0 finished, choice 1 had said "Wor" when the body ended (no ``[DONE]``).
+    One finish reason ended the stream for the relay, so the gateway's ``[DONE]`` made choice 1's
+    cut text read as whole. Each choice asked for must now finish; completions count the prompts
+    too (two prompts x ``n: 1``)."""
+    a, b = _choice(0, "Hel", "stop"), _choice(1, "Wor")
+    r, _ = post(streaming([a, b]), {**STREAM, "n": 2})
+    assert (r.status_code, r.content) == (200, a + b + error_event(CUT) + b"data: [DONE]\n\n")
+    both = _choice(1, "ld", "length")
+    r, _ = post(streaming([a, b, both]), {**STREAM, "n": 2})
+    assert (r.status_code, r.content) == (200, a + b + both + b"data: [DONE]\n\n")
+    r, _ = post(streaming([a, b, b"data: [DONE]\n\n"]), {**STREAM, "n": 2})  # the engine's own end stands
+    assert (r.status_code, r.content) == (200, a + b + b"data: [DONE]\n\n")
+    completions = {"model": MODEL, "prompt": ["Say hello.", "Say hi."], "max_tokens": 5, "stream": True}
+    r, _ = post(streaming([a, b]), completions, path="/v1/completions")
+    assert (r.status_code, r.content) == (200, a + b + error_event(CUT) + b"data: [DONE]\n\n")
+    r, _ = post(streaming([a, b, both]), completions, path="/v1/completions")
+    assert (r.status_code, r.content) == (200, a + b + both + b"data: [DONE]\n\n")
+
+
 def test_a_responses_stream_ended_without_a_terminal_event_ends_with_its_error_event():
     events = [
         _event("response.created", 0, response={"id": "r1", "status": "in_progress", "output": []}),

@@ -73,7 +73,8 @@ class EngineOutput:
     call names and arguments, ``function_call``, ``text``; not logprobs), in choice order; choices
     without text are absent. ``fields``: the same per text stream, ``"<choice>:<field>"`` -> text
     (module doc), logprob token strings included: what the verifier checks, each on its own.
-    ``finish_reason``: the first non-null one among the choices. ``usage``: the ``usage`` object
+    ``finish_reason``: the first non-null one among the choices; ``finished``: the indices of the
+    choices that carry one. ``usage``: the ``usage`` object
     when it is an object. ``usage_only``: ``choices`` is an empty list and usage is set (the
     ``stream_options.include_usage`` chunk)."""
 
@@ -82,6 +83,7 @@ class EngineOutput:
     usage: dict[str, Any] | None = None
     usage_only: bool = False
     fields: dict[str, str] = field(default_factory=dict)
+    finished: tuple[int, ...] = ()
 
     @property
     def text(self) -> str:
@@ -351,8 +353,11 @@ def _add_choice(out: EngineOutput, c: dict[str, Any], key: int, holder: str, kee
     if other:
         fk = f"{key}:other"
         out.fields[fk] = out.fields.get(fk, "") + " ".join(other)
-    if out.finish_reason is None and isinstance(c.get("finish_reason"), str):
-        out.finish_reason = c["finish_reason"]
+    reason = c.get("finish_reason")
+    if isinstance(reason, str):
+        out.finished += (key,)
+        if out.finish_reason is None:
+            out.finish_reason = reason
 
 
 def parse_body(obj: Any) -> EngineOutput:

@@ -209,6 +209,7 @@ def _answer(
         a.tenant.id,
         a.arrival.request_id,
         a.tenant.strict_verify,
+        a.admission.n * a.admission.num_prompts,
     )
     return relay_stream(resp, a.arrival.api.stream_protocol, guard, tally, opts)
 

@@ -64,19 +64,29 @@ class Tally:
     """What one relay has seen so far (written only by the relay; :meth:`result` freezes it).
     ``t_forward``: ``perf_counter()`` when the request was sent (TTFT is measured from it)."""
 
-    __slots__ = ("error_code", "finish_reason", "sequence_number", "t_forward", "texts", "ttft_seconds", "usage")
+    __slots__ = (
+        "error_code",
+        "finish_reason",
+        "finished",
+        "sequence_number",
+        "t_forward",
+        "texts",
+        "ttft_seconds",
+        "usage",
+    )
 
     def __init__(self, t_forward: float) -> None:
         self.t_forward = t_forward
         self.texts: dict[int, list[str]] = {}
         self.usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
+        self.finished: set[int] = set()  # the choices a finish reason ended
         self.ttft_seconds: float | None = None
         self.error_code: str | None = None
         self.sequence_number: int | None = None
 
     def add(self, ev: StreamEvent) -> None:
-        """Count one stream event: its sequence number, usage, finish reason, texts (the first
+        """Count one stream event: its sequence number, usage, finish reasons, texts (the first
         text sets the TTFT)."""
         if ev.sequence_number is not None:
             self.sequence_number = ev.sequence_number
@@ -84,6 +94,7 @@ class Tally:
             self.usage = ev.usage
         if ev.finish_reason is not None:
             self.finish_reason = ev.finish_reason
+            self.finished.update(ev.finished)
         if ev.texts:
             for i, t in ev.texts.items():
                 self.texts.setdefault(i, []).append(t)
@@ -127,7 +138,8 @@ class StreamOptions:
     ``budget`` spent for ``tenant_id`` while huge events are read (``None``: none);
     ``request_id`` for the log; ``strict``: the tenant's verification is strict (an engine's error
     event is replaced by the gateway's, without the engine's text:
-    :func:`verifier.engine_response.strict_view`)."""
+    :func:`verifier.engine_response.strict_view`); ``choices``: the choices the request asked
+    for (prompts x ``n``), each of which must finish in a protocol whose choices finish one by one."""
 
     max_event_bytes: int
     strip_usage: bool
@@ -135,6 +147,7 @@ class StreamOptions:
     tenant_id: str
     request_id: str
     strict: bool = False
+    choices: int = 1
 
 
 class HoldBack:
@@ -175,6 +188,7 @@ class _Events:
     events without a guard (:meth:`take`, no await per event) or through it (:meth:`feed`)."""
 
     __slots__ = (
+        "choices",
         "done",
         "errored",
         "guard",
@@ -195,6 +209,7 @@ class _Events:
         self.hold = HoldBack(opts.max_event_bytes)
         self.strip = protocol.strips_usage and opts.strip_usage
         self.strict = opts.strict
+        self.choices = opts.choices if protocol.finishes_per_choice else 0  # each must finish
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
         self.done = False  # the protocol's end marker came
         self.errored = False  # an engine error event came (after the response started)
@@ -355,11 +370,16 @@ async def _relay_read(step: _Events, events: list[bytes]) -> AsyncGenerator[Chun
 
 def _ended_early(step: _Events, splitter: SSESplitter) -> bool:
     """The body ended (a clean end of its framing, or the close of a connection that frames it)
-    before the stream did: no end marker (``[DONE]``), no finish reason (a chunk's, a terminal
-    Responses event's) and no engine error came. A close-framed answer whose engine died looks
-    just so; relayed with the gateway's ``[DONE]``, the cut answer read as a whole one. A stream
-    that started nothing and left unfinished bytes is :func:`unreadable_stream`'s instead."""
-    if step.done or step.errored or step.tally.finish_reason is not None:
+    before the stream did: no end marker (``[DONE]``) and no engine error came, and no finish
+    reason (a terminal Responses event's), or, in chat and completions, not one for every
+    choice asked for (with ``n`` > 1, some choices had finished and others not). A close-framed
+    answer whose engine died looks just so; relayed with the gateway's ``[DONE]``, the cut
+    answer read as a whole one. A stream that started nothing and left unfinished bytes is
+    :func:`unreadable_stream`'s instead."""
+    if step.done or step.errored:
+        return False
+    t = step.tally
+    if t.finish_reason is not None and len(t.finished) >= step.choices:
         return False
     return step.hold.started or not splitter.tail().strip()
 

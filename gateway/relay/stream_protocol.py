@@ -79,7 +79,9 @@ class StreamProtocol:
     ``error_in_place(err, the engine event's sequence number)``; otherwise it is relayed as sent.
     ``strips_usage``: when the request's ``forward.strip_usage`` is set, the usage-only event is
     dropped and ``"usage": null`` members are removed. ``checks_snapshots``: text an event repeats
-    is checked by the guard where it differs from the deltas streamed under its key."""
+    is checked by the guard where it differs from the deltas streamed under its key.
+    ``finishes_per_choice``: each choice ends with a finish reason of its own, so a stream that
+    ends (without its end marker) before every requested choice did was cut."""
 
     name: str
     read: Callable[[bytes], StreamEvent]
@@ -89,6 +91,7 @@ class StreamProtocol:
     replaces_error_events: bool
     strips_usage: bool
     checks_snapshots: bool
+    finishes_per_choice: bool
 
 
 #: ``/v1/chat/completions`` and ``/v1/completions`` streams
@@ -101,6 +104,7 @@ CHAT_SSE = StreamProtocol(
     replaces_error_events=True,
     strips_usage=True,
     checks_snapshots=False,
+    finishes_per_choice=True,
 )
 
 #: ``/v1/responses`` streams
@@ -113,4 +117,5 @@ RESPONSES_SSE = StreamProtocol(
     replaces_error_events=False,
     strips_usage=False,
     checks_snapshots=True,
+    finishes_per_choice=False,
 )
