@@ -199,6 +199,26 @@ def test_a_stream_of_several_choices_ended_before_each_finished_is_relayed_as_cu
     assert (r.status_code, r.content) == (200, a + b + both + b"data: [DONE]\n\n")
 
 
+def test_an_error_status_with_an_event_stream_body_reads_the_error_in_its_event():
+    """A stream request answered 500 with its error as an event (``data: {"error": ...}``, as
+    an engine writes errors inside streams): the client's message was the raw ``data:`` line,
+    JSON and all. The error object inside is now read as any error body is."""
+    event = b'data: {"error":{"message":"CUDA out of memory","type":"server_error","code":"oom"}}\r\n\r\n'
+    r, _ = post(streaming([event], status=500), STREAM)
+    assert (r.status_code, error_of(r)) == (
+        500,
+        {"message": "CUDA out of memory", "type": "server_error", "param": None, "code": "oom"},
+    )
+    sglang = b'data: {"object":"error","message":"Input too long","type":"BadRequestError","code":400}\n\n'
+    r, _ = post(streaming([sglang], status=400), STREAM)
+    assert (r.status_code, error_of(r)) == (
+        400,
+        {"message": "Input too long", "type": "invalid_request_error", "param": None, "code": None},
+    )
+    r, _ = post(streaming([b"data: not json\n\n"], status=502), STREAM)  # nothing to read: quoted as before
+    assert (r.status_code, error_of(r)["message"]) == (502, "The upstream engine answered 502: data: not json\n\n")
+
+
 def test_a_responses_stream_ended_without_a_terminal_event_ends_with_its_error_event():
     events = [
         _event("response.created", 0, response={"id": "r1", "status": "in_progress", "output": []}),

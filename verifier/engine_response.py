@@ -430,7 +430,7 @@ def engine_error(status: int, body: bytes | Any) -> OpenAIError:
         try:
             data = orjson.loads(body)
         except orjson.JSONDecodeError:
-            data = None
+            data = _first_event_data(body)
     e = _error_fields(data)
     message = e.get("message")
     if not isinstance(message, str) or not message:
@@ -447,6 +447,23 @@ def engine_error(status: int, body: bytes | Any) -> OpenAIError:
         etype = error_type_for_status(status)
     param = e.get("param") if isinstance(e.get("param"), str) else None
     return OpenAIError(status, message[:MAX_ENGINE_MESSAGE_CHARS], code=code, param=param, type=etype, from_engine=True)
+
+
+def _first_event_data(body: bytes | bytearray) -> Any:
+    """The JSON ``data`` of the first event when ``body`` is an event stream (an engine answering
+    a stream request's error as ``data: {"error": ...}`` under a 4xx/5xx status, whose message
+    was the raw ``data:`` line); else ``None``. Lines end at CRLF, LF or CR (WHATWG)."""
+    lines: list[bytes] = []
+    for line in re.split(rb"\r\n|\n|\r", bytes(body[: MAX_ENGINE_MESSAGE_CHARS * 4])):
+        if not line:
+            if lines:
+                break
+        elif line.startswith(b"data:"):
+            lines.append(line[6:] if line.startswith(b"data: ") else line[5:])
+    try:
+        return orjson.loads(b"\n".join(lines)) if lines else None
+    except orjson.JSONDecodeError:
+        return None
 
 
 _CODE = re.compile(r"[a-z0-9_]{1,64}")
