@@ -37,6 +37,7 @@ from tests.fixtures.redis_keys import REDIS_URL, delete_prefix, new_prefix  # no
 NEEDS_SEEDS = [
     "test_backend_core_copy_probe.py",
     "test_gateway_http.py",
+    "test_hostile_verifier.py",
     "test_tokenizer.py",
     "test_tokenizer_hf.py",
     "test_tokenizer_parallel.py",

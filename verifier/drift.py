@@ -24,7 +24,8 @@ def check_usage(gateway_prompt_tokens: int, usage: dict[str, Any] | None, tolera
 
     ``usage``: the OpenAI ``usage`` object of the response (``None`` or without an integer
     ``prompt_tokens``: nothing to compare, returns ``None``). Evidence: both counts and the
-    difference (engine minus gateway).
+    difference (engine minus gateway), each clamped to the signed 64-bit range (the incident
+    record's JSON holds no larger integer; a hostile engine may send one).
     """
     if not usage:
         return None
@@ -38,11 +39,16 @@ def check_usage(gateway_prompt_tokens: int, usage: dict[str, Any] | None, tolera
         "usage_drift",
         {
             "gateway_prompt_tokens": gateway_prompt_tokens,
-            "engine_prompt_tokens": reported,
-            "difference_tokens": diff,
+            "engine_prompt_tokens": _int64(reported),
+            "difference_tokens": _int64(diff),
             "tolerance_tokens": tolerance_tokens,
         },
     )
+
+
+def _int64(n: int) -> int:
+    """``n`` clamped to the signed 64-bit range."""
+    return max(-(2**63), min(n, 2**63 - 1))
 
 
 def check_finish(finish_reason: str | None, status_code: int = 200) -> DriftFinding | None:

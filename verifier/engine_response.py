@@ -177,21 +177,9 @@ _MESSAGE_SKIP = _MESSAGE_KNOWN | META_KEYS
 _TOP_SKIP = META_KEYS | {"choices", "usage"}
 
 
-def _strings(obj: Any, out: list[str], depth: int = 0) -> None:
-    """Every string value in ``obj`` outside :data:`META_KEYS` (iteration is bounded by the
-    object, which orjson already built; nesting deeper than 64 is not read)."""
-    if depth > 64:
-        return
-    if isinstance(obj, str):
-        if obj:
-            out.append(obj)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            if k not in META_KEYS:
-                _strings(v, out, depth + 1)
-    elif isinstance(obj, list):
-        for v in obj:
-            _strings(v, out, depth + 1)
+def _strings(obj: Any, out: list[str]) -> None:
+    """Every string value in ``obj`` outside :data:`META_KEYS` (:func:`_strings_meta`)."""
+    _strings_meta(obj, out, META_KEYS)
 
 
 def _unknown_strings(choice: dict[str, Any], holder: str) -> list[str]:
@@ -537,19 +525,20 @@ def _rstrings(obj: Any) -> str:
     return " ".join(out)
 
 
-def _strings_meta(obj: Any, out: list[str], meta: frozenset[str], depth: int = 0) -> None:
-    if depth > 64:
-        return
-    if isinstance(obj, str):
-        if obj:
-            out.append(obj)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            if k not in meta:
-                _strings_meta(v, out, meta, depth + 1)
-    elif isinstance(obj, list):
-        for v in obj:
-            _strings_meta(v, out, meta, depth + 1)
+def _strings_meta(obj: Any, out: list[str], meta: frozenset[str]) -> None:
+    """Every non-empty string in ``obj`` outside the keys ``meta``, in document order, at any
+    depth (an explicit stack, not recursion: orjson reads nesting up to 1,024 levels, and text
+    an engine hides below any fixed depth would go unchecked). Cost: the object's size."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            if o:
+                out.append(o)
+        elif isinstance(o, dict):
+            stack.extend(reversed([v for k, v in o.items() if k not in meta]))
+        elif isinstance(o, list):
+            stack.extend(reversed(o))
 
 
 def _logprob_tokens(lp: Any) -> str:

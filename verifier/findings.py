@@ -36,6 +36,11 @@ log = logging.getLogger("kvgate.verifier")
 
 #: what a failing leak-index or canary store raises; anything else is the check's own fault
 STORE_ERRORS = store_errors()
+#: the most text streams (choice x field: ``"0:content"``, ``"0:tool:7:arguments"`` ...) one
+#: response is checked in: an engine can open one per character (a new tool-call index each),
+#: each costing a tokenizer call and, in a strict stream, some 2.6 KB of state. Past it a strict
+#: response is withheld (``oversize``); a sampled one has the rest checked as one more text.
+MAX_TEXT_STREAMS = 1024
 
 
 @dataclass
@@ -190,10 +195,17 @@ class Evidence:
         )
 
 
+#: the most characters of a request id the evidence repeats (evidence strings are at most 80; a
+#: client's ``x-request-id`` may have 128, and the incident's own ``request_id`` keeps it whole)
+EVIDENCE_ID_CHARS = 80
+
+
 def incident(detector: str, exchange: Exchange, evidence: dict, confirmed: bool = False) -> Incident:
-    """An :class:`Incident` of ``detector`` for ``exchange``: ``evidence`` plus the request id,
-    the prompt's token count and, when they apply, ``echo: true`` and ``own_text_complete: false``."""
-    ev = {"request_id": exchange.request.request_id, "prompt_tokens": exchange.request.prompt_tokens, **evidence}
+    """An :class:`Incident` of ``detector`` for ``exchange``: ``evidence`` plus the request id (its
+    first :data:`EVIDENCE_ID_CHARS` characters), the prompt's token count and, when they apply,
+    ``echo: true`` and ``own_text_complete: false``."""
+    rid = exchange.request.request_id[:EVIDENCE_ID_CHARS]
+    ev = {"request_id": rid, "prompt_tokens": exchange.request.prompt_tokens, **evidence}
     if exchange.echo:
         ev["echo"] = True
     if not exchange.state.own_text_complete:
@@ -282,11 +294,16 @@ class Findings:
         }
         return incident("leak_index", exchange, ev, confirmed=verdict.foreign >= self.cfg.leak_confirm_shingles)
 
-    def oversize(self, exchange: Exchange, text_bytes: int) -> Incident:
-        """A strict response's text (``text_bytes``) exceeds ``strict_max_text_bytes``."""
-        return incident(
-            "oversize", exchange, {"text_bytes": text_bytes, "max_text_bytes": self.cfg.strict_max_text_bytes}
-        )
+    def oversize(self, exchange: Exchange, text_bytes: int, text_streams: int = 0) -> Incident:
+        """A strict response's text (``text_bytes``) exceeds ``strict_max_text_bytes``, or its
+        text streams (``text_streams``) number more than :data:`MAX_TEXT_STREAMS`."""
+        ev = {
+            "text_bytes": text_bytes,
+            "max_text_bytes": self.cfg.strict_max_text_bytes,
+            "text_streams": text_streams,
+            "max_text_streams": MAX_TEXT_STREAMS,
+        }
+        return incident("oversize", exchange, ev)
 
     def latency_incident(self, exchange: Exchange, ttft_seconds: float, lv, cached: int | None) -> Incident:
         """A TTFT below the calibrated bound ``lv`` (a :class:`verifier.latency` verdict)."""
@@ -410,8 +427,8 @@ class Findings:
         stats["checked"] += 1
         if strict:
             nbytes = sum(len(t.encode("utf-8", "replace")) for t in job.texts)
-            if nbytes > self.cfg.strict_max_text_bytes:
-                inc = self.oversize(ex, nbytes)
+            if nbytes > self.cfg.strict_max_text_bytes or len(job.texts) > MAX_TEXT_STREAMS:
+                inc = self.oversize(ex, nbytes, len(job.texts))
                 self.evidence.record([inc], withheld=True, exchange=ex)
                 return [inc]
         content = self.content_locked(ex, job.texts, prepared)

@@ -17,16 +17,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from verifier.canary import CanaryScanner
-from verifier.findings import CheckJob
+from verifier.findings import MAX_TEXT_STREAMS, CheckJob
 from verifier.incidents import Incident
 from verifier.jobs import FATAL, JobQueue
 from verifier.leak_index import LeakVerdict
-from verifier.shingles import IncrementalShingler, ShingleHasher, encode
+from verifier.shingles import IncrementalShingler, ShingleHasher
 from verifier.stage import Exchange, ResponseWithheld
 from verifier.strict import StrictChecks
 
 #: most characters of one response a background guard keeps for its check
 MAX_CHECK_CHARS = 4 * 1024 * 1024
+#: where a background guard keeps the text of the streams past :data:`MAX_TEXT_STREAMS`
+OVERFLOW_STREAM = "-:overflow"
 
 
 class EchoStrip:
@@ -86,31 +88,45 @@ class EchoStrip:
 
 class TextStream:
     """One text stream of a strict guard (a choice's field): echo strip, canary scan, shingler,
-    and how far it has been checked: ``checked_tokens`` is the stream's token count up to the
-    last piece whose every character the shingler has encoded (text still buffered for a safe
-    cut, or swallowed as a possible echo, is not checked yet)."""
+    and how far it has been checked. Pieces are numbered in arrival order (``pieces``); once
+    every character of a piece has been encoded by the shingler (text still buffered for a safe
+    cut, or swallowed as a possible echo, is not checked yet), :meth:`after` counts the tokens
+    checked behind it, in the shingler's exact count of the text as a whole: an engine that
+    streams one character per event cannot shrink the hold-back window (each character alone
+    encodes as a token, while a 50-token run is some 200 characters)."""
 
-    __slots__ = ("_bounds", "_chars", "checked_tokens", "echo", "scanner", "shingler", "tokens")
+    __slots__ = ("_at", "_bounds", "_chars", "echo", "pieces", "scanner", "shingler")
 
     def __init__(self, hasher: ShingleHasher, exchange: Exchange) -> None:
         self.echo = EchoStrip(exchange.echo_prompts) if exchange.echo else None
         self.scanner = CanaryScanner()
         self.shingler = IncrementalShingler(hasher, max_pending_chars=256)
-        self.tokens = 0
-        self.checked_tokens = 0
+        self.pieces = 0
         self._chars = 0
-        self._bounds: collections.deque[tuple[int, int]] = collections.deque()  # (chars, tokens) at piece ends
+        self._bounds: collections.deque[tuple[int, int]] = collections.deque()  # (chars, piece) at piece ends
+        self._at: dict[int, int] = {}  # piece -> the shingler's token count once the piece was checked
 
     def _advance(self) -> None:
         pending = self.shingler.pending_chars + (self.echo.held_chars if self.echo is not None else 0)
         done = self._chars - pending
         while self._bounds and self._bounds[0][0] <= done:
-            self.checked_tokens = self._bounds.popleft()[1]
+            self._at[self._bounds.popleft()[1]] = self.shingler.tokens_seen
 
-    def push(self, piece: str, tokens: int) -> tuple[list[str], list[int]]:
+    def after(self, piece: int) -> int:
+        """Tokens checked after ``piece`` (at least; ``-1`` while the piece itself is not checked)."""
+        at = self._at.get(piece)
+        return -1 if at is None else self.shingler.tokens_seen - at
+
+    def forget(self, piece: int) -> None:
+        """``piece`` has been released."""
+        self._at.pop(piece, None)
+
+    def push(self, piece: str) -> tuple[list[str], list[int]]:
+        """Add ``piece`` (numbered ``pieces - 1`` afterwards): canaries it completes and ids
+        whose shingles are new."""
         self._chars += len(piece)
-        self.tokens += tokens
-        self._bounds.append((self._chars, self.tokens))
+        self._bounds.append((self._chars, self.pieces))
+        self.pieces += 1
         cans: list[str] = []
         ids: list[int] = []
         text = self.echo.push(piece) if self.echo is not None else piece
@@ -129,7 +145,6 @@ class TextStream:
                 cans = self.scanner.push(held)
                 runs.append(self.shingler.push(held))
         runs.append(self.shingler.flush())
-        self.checked_tokens = self.tokens
         self._bounds.clear()
         return cans, runs
 
@@ -153,9 +168,12 @@ class BackgroundGuard:
     async def feed(
         self, delta_text: str, raw_event: bytes, pieces: Sequence[tuple[str, str]] | None = None
     ) -> list[bytes]:
+        parts = self._parts
         for key, text in _pieces(delta_text, pieces):
             if self._chars < MAX_CHECK_CHARS:
-                self._parts.setdefault(key, []).append(text)
+                if key not in parts and len(parts) >= MAX_TEXT_STREAMS:
+                    key = OVERFLOW_STREAM  # the streams past the cap, checked as one text
+                parts.setdefault(key, []).append(text)
                 self._chars += len(text)
         return [raw_event]
 
@@ -179,6 +197,8 @@ class BackgroundGuard:
             if room > 0 and t:
                 texts.append(t[:room])
                 room -= len(texts[-1])
+        if len(texts) > MAX_TEXT_STREAMS:  # the rest as one text
+            texts[MAX_TEXT_STREAMS:] = ["\n".join(texts[MAX_TEXT_STREAMS:])]
         self.jobs.enqueue(CheckJob(self.exchange, texts, usage, finish_reason, ttft_seconds))
 
 
@@ -187,7 +207,8 @@ class StrictGuard:
     ``strict_holdback_tokens`` tokens and checked as shingles and canaries complete, each text
     stream (choice and field) on its own. A first token faster than the latency bound holds the
     whole rest of the stream until its end, where the usage's cached-token count decides. More
-    than ``strict_max_text_bytes`` of text cuts the stream (withheld, ``oversize``).
+    than ``strict_max_text_bytes`` of text, or more than :data:`MAX_TEXT_STREAMS` text streams,
+    cuts the stream (withheld, ``oversize``).
 
     Each call's blocking part runs in the strict thread pool
     (:meth:`StrictChecks.run`) and the call returns only when it is done; calls are
@@ -198,7 +219,7 @@ class StrictGuard:
         self.checks = checks
         self.exchange = exchange
         self.holdback = checks.cfg.strict_holdback_tokens
-        #: held events: raw bytes and, per text stream it added to, that stream's token total after it
+        #: held events: raw bytes and, per text stream it added to, the number of its piece there
         self._held: collections.deque[tuple[bytes, dict[str, int]]] = collections.deque()
         self.seen: set[int] = set()
         self.verdict = LeakVerdict()
@@ -240,9 +261,11 @@ class StrictGuard:
         streams = self._streams
         while self._held:
             raw, ends = self._held[0]
-            if any(streams[k].checked_tokens - end < self.holdback for k, end in ends.items()):
+            if any(streams[k].after(piece) < self.holdback for k, piece in ends.items()):
                 break
             self._held.popleft()
+            for k, piece in ends.items():
+                streams[k].forget(piece)
             out.append(raw)
         return out
 
@@ -259,8 +282,11 @@ class StrictGuard:
         return await self._checked(self._feed_text, ps, raw_event, time.monotonic())
 
     def _stream(self, key: str) -> TextStream:
+        """The text stream ``key``; a new one past :data:`MAX_TEXT_STREAMS` withholds (``oversize``)."""
         st = self._streams.get(key)
         if st is None:
+            if len(self._streams) >= MAX_TEXT_STREAMS:
+                self._withhold([self.checks.oversize(self.exchange, self._text_bytes, len(self._streams) + 1)])
             st = self._streams[key] = TextStream(self.checks.hasher, self.exchange)
         return st
 
@@ -268,7 +294,7 @@ class StrictGuard:
         """:meth:`feed`'s blocking part (strict pool thread): count, pre-check, check, release."""
         self._text_bytes += sum(len(t.encode("utf-8", "replace")) for _, t in pieces)
         if self._text_bytes > self.checks.cfg.strict_max_text_bytes:
-            self._withhold([self.checks.oversize(self.exchange, self._text_bytes)])
+            self._withhold([self.checks.oversize(self.exchange, self._text_bytes, len(self._streams))])
         if not self._first_text_seen:
             self._first_text_seen = True
             req = self.exchange.request
@@ -279,8 +305,8 @@ class StrictGuard:
         ids_list: list[list[int]] = []
         for key, text in pieces:
             st = self._stream(key)
-            c, ids = st.push(text, len(encode(text)))
-            ends[key] = st.tokens
+            c, ids = st.push(text)
+            ends[key] = st.pieces - 1
             cans += c
             ids_list.append(ids)
         self._held.append((raw_event, ends))

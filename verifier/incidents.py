@@ -137,7 +137,9 @@ class Incident:
 
 class IncidentSink:
     """Writes incidents: JSONL file (``path``; ``None`` = none), log line, counters. Keeps the
-    last ``keep`` in memory (:attr:`recent`) for tests and the admin view. Thread-safe."""
+    last ``keep`` in memory (:attr:`recent`) for tests and the admin view. A file that cannot be
+    written (disk full, permissions) is logged and counted (:attr:`write_errors`), never raised:
+    the incident still counts, withholds and quarantines. Thread-safe."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None, keep: int = 1000) -> None:
         self.path = Path(path) if path else None
@@ -145,6 +147,8 @@ class IncidentSink:
             private_dir(self.path.parent)  # a state directory: 0700 when kvgate creates it
         self.keep = keep
         self.recent: list[Incident] = []
+        #: incidents the file could not take
+        self.write_errors = 0
         self._lock = threading.Lock()
 
     def emit(self, incident: Incident) -> Incident:
@@ -156,8 +160,12 @@ class IncidentSink:
             if len(self.recent) > self.keep:
                 del self.recent[: len(self.recent) - self.keep]
             if self.path is not None:
-                with open(self.path, "ab") as f:
-                    f.write(line)
+                try:
+                    with open(self.path, "ab") as f:
+                        f.write(line)
+                except OSError as e:
+                    self.write_errors += 1
+                    log.error("verifier: could not write incident %s to %s: %s", incident.id, self.path, e)
         log.warning("verifier incident %s", line.decode().rstrip())
         return incident
 

@@ -357,12 +357,15 @@ def job_tenant(job: IngestJob | CheckJob) -> str:
 class _Jobs(collections.deque):
     """The queue's jobs in order, with ``chars`` (what :func:`job_chars` counts of them) and, per
     tenant, ``held[tenant] = [jobs, chars]``, kept by every way in and out the queue uses
-    (``append``, ``popleft``, ``extendleft``, ``clear``)."""
+    (``append``, ``popleft``, ``extendleft``, ``clear``). Each of those is atomic (a lock of its
+    own): the event loop appends while the worker thread pops, and an interleaved count used to
+    drop a tenant's entry under the other side's update (its count then drifted below zero)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.chars = 0
         self.held: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
 
     def _count(self, job: IngestJob | CheckJob, sign: int) -> None:
         n = job_chars(job)
@@ -374,24 +377,28 @@ class _Jobs(collections.deque):
             del self.held[job_tenant(job)]
 
     def append(self, job: IngestJob | CheckJob) -> None:
-        super().append(job)
-        self._count(job, 1)
+        with self._lock:
+            super().append(job)
+            self._count(job, 1)
 
     def popleft(self) -> Any:
-        job = super().popleft()
-        self._count(job, -1)
+        with self._lock:
+            job = super().popleft()
+            self._count(job, -1)
         return job
 
     def extendleft(self, jobs: Any) -> None:
         jobs = list(jobs)
-        super().extendleft(jobs)
-        for job in jobs:
-            self._count(job, 1)
+        with self._lock:
+            super().extendleft(jobs)
+            for job in jobs:
+                self._count(job, 1)
 
     def clear(self) -> None:
-        super().clear()
-        self.chars = 0
-        self.held.clear()
+        with self._lock:
+            super().clear()
+            self.chars = 0
+            self.held.clear()
 
 
 class JobQueue:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import random
 import sys
@@ -370,7 +371,8 @@ async def run_probe(
     register: Callable[[list[str]], Any] | None = None,
 ) -> ProbeResult:
     """Run the five steps against ``target`` (see module doc). ``register`` is called with the
-    canaries before they are sent (the gateway's verifier records them as honeypot canaries)."""
+    canaries before they are sent (the gateway's verifier records them as honeypot canaries); a
+    result that is awaitable is awaited first."""
     rng = rng or random.Random()
     headers = {"content-type": "application/json"}
     if target.api_key:
@@ -393,7 +395,9 @@ async def run_probe(
             step.error = str(e)
             continue
         if canary and register is not None:
-            register([canary])
+            registered = register([canary])
+            if inspect.isawaitable(registered):  # a coroutine (the gateway's periodic probe)
+                await registered
         await _send_step(client, target, headers, step, prompt, canary)
     _judge(result)
     return result

@@ -78,7 +78,12 @@ class PeriodicProbe:
         evidence = {"surfaced_canaries": result.surfaced, "limit_tokens": result.limit or 0}
         return incident("probe", Exchange(request, ""), evidence, confirmed=True)
 
-    def register(self, canaries: list[str]) -> None:
-        """Register the probe's canaries as the probe tenant's."""
+    async def register(self, canaries: list[str]) -> None:
+        """Register the probe's canaries as the probe tenant's, in a worker thread: the state
+        lock may be held by the background worker for a whole batch, and the store may be Redis
+        (a blocking client), neither of which the event loop may wait for."""
+        await asyncio.to_thread(self._register, canaries)
+
+    def _register(self, canaries: list[str]) -> None:
         with self.lock:
             self.canaries.register(self.tenant_id, canaries)

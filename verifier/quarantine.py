@@ -149,6 +149,10 @@ class Quarantine:
         self.inline_refresh = True
         self._view: dict[str, QuarantineRecord] = {}
         self._read_at = float("-inf")
+        self._lock = threading.Lock()
+        #: quarantines this process put, numbered: a read that began before a put may not hold it
+        self._puts = 0
+        self._put: dict[str, tuple[int, QuarantineRecord]] = {}
 
     async def refresh_loop(self) -> None:
         """Re-read the backend every ``refresh_seconds`` in a worker thread, forever (cancel to
@@ -164,11 +168,22 @@ class Quarantine:
             self.inline_refresh = True
 
     def refresh(self) -> None:
-        """Re-read the backend now."""
+        """Re-read the backend now. A quarantine this process put while the read was under way
+        stays in the view (the read may have been answered before the put was stored)."""
+        with self._lock:
+            before = self._puts
         try:
-            self._view = self.backend.load()
+            view = self.backend.load()
         except Exception:  # keep the last view; a flapping store must not lift a quarantine
-            pass
+            view = None
+        if view is not None:
+            with self._lock:
+                for upstream, (n, rec) in list(self._put.items()):
+                    if n > before:
+                        view.setdefault(upstream, rec)
+                    else:  # stored before this read began: the read is the truth
+                        del self._put[upstream]
+            self._view = view
         self._read_at = self.clock()
 
     def records(self) -> dict[str, QuarantineRecord]:
@@ -186,6 +201,9 @@ class Quarantine:
         """Quarantine ``upstream`` (the first record stays when it already is)."""
         rec = QuarantineRecord(upstream, incident_id, detector, min_prompt_tokens, time.time())
         self.backend.put(rec)
+        with self._lock:
+            self._puts += 1
+            self._put[upstream] = (self._puts, rec)
         self._view.setdefault(upstream, rec)
         return rec
 
@@ -198,6 +216,8 @@ class Quarantine:
     def clear(self, upstream: str) -> bool:
         """Lift the quarantine (and forget its evidence); ``False`` when there was none."""
         ok = self.backend.clear(upstream)
+        with self._lock:
+            self._put.pop(upstream, None)
         self._view.pop(upstream, None)
         return ok
 

@@ -17,8 +17,8 @@
   :meth:`check_body` (raises :class:`ResponseWithheld`); a stream is held back by
   ``strict_holdback_tokens`` tokens, checked incrementally (canaries and leak-index shingles as
   they complete, each choice's each text field on its own) and cut on detection, so no detected
-  text leaves. A strict response with more than ``strict_max_text_bytes`` of text is withheld
-  (never released unchecked). Their blocking work
+  text leaves. A strict response with more than ``strict_max_text_bytes`` of text, or more than
+  :data:`~verifier.findings.MAX_TEXT_STREAMS` text streams, is withheld (never released unchecked). Their blocking work
   (tokenizing, hashing, the store round trip, the service lock the worker may hold for a whole
   batch, incident records) runs in a small dedicated thread pool (:attr:`verifier.strict.StrictChecks.THREADS`), so a
   strict request never blocks the event loop; each guard call awaits its own work, so order
