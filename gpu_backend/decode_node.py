@@ -6,7 +6,8 @@ A room's life (see :mod:`gpu_backend.bootstrap`): the router's generate call res
 (:meth:`Engine.max_new_tokens_for`, the clamp decode applies too), waiting while the pool is
 momentarily full (503 ``pool_exhausted`` after the engine's timeout, at once when the whole pool is
 too small; never a 400), and waits up to ``transfer_timeout_seconds`` for prefill's pages. A
-transfer whose ``first_token_id`` is outside the vocabulary is refused (400 ``invalid_transfer``,
+transfer whose ``first_token_id`` is outside the vocabulary, or whose pages have another geometry
+than this pool's (layers, page size, KV heads, head dim), is refused (400 ``invalid_transfer``,
 :class:`InvalidTransferError`) before its room is touched. A transfer whose ``num_tokens``
 differs from the reserved prompt length is refused: the room fails with
 :class:`TransferMismatchError` (500 ``transfer_mismatch``), the reservation is freed and nothing is
@@ -37,7 +38,7 @@ from gpu_backend.kv_pool import PageHandle
 from gpu_backend.messages import LoadPages, Reserve, StartDecode
 from gpu_backend.node_errors import backend_error
 from gpu_backend.replies import Failed, Loaded, PagesGranted, Reply
-from gpu_backend.sampling import SamplingParams
+from gpu_backend.sampling import SamplingParams, sampling_params
 from gpu_backend.sequence import PageReservation
 from gpu_backend.transfer import Manifest, verify_pages
 from gpu_backend.wire import Token, engine_request_id
@@ -63,7 +64,8 @@ class RoomGoneError(EngineError):
 
 class InvalidTransferError(EngineError):
     """400 ``invalid_transfer``: a well-formed transfer whose content decode cannot use (a
-    ``first_token_id`` outside the vocabulary); refused like a malformed payload, no room touched."""
+    ``first_token_id`` outside the vocabulary, pages of another geometry than this pool's);
+    refused like a malformed payload, no room touched."""
 
     status = 400
     code = ErrorCode.INVALID_TRANSFER
@@ -139,26 +141,12 @@ async def decode_reserved(
     params = params.clamped(engine.max_new_tokens_for(context_tokens))
     queue: asyncio.Queue[Reply] = asyncio.Queue()
     msg = StartDecode(
-        request_id, list(prompt_ids), first_token_id, params, context_tokens, engine.generator(params), emitter(queue)
+        request_id, list(prompt_ids), first_token_id, params, context_tokens, engine.sample_seed(params), emitter(queue)
     )
     engine.submit(msg)
     async with contextlib.aclosing(queue_tokens(queue, lambda: engine.abort(request_id))) as tokens:
         async for tok in tokens:
             yield tok
-
-
-def sampling_params(params: dict[str, Any]) -> SamplingParams:
-    """Build and validate :class:`SamplingParams` from the router's dict (400 on bad values)."""
-    allowed = set(SamplingParams.__dataclass_fields__)
-    unknown = sorted(set(params) - allowed)
-    if unknown:
-        raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", param="sampling_params")
-    try:
-        sp = SamplingParams(**params)
-    except TypeError as e:
-        raise InvalidRequestError(f"bad sampling parameters: {e}", param="sampling_params") from e
-    sp.validate()
-    return sp
 
 
 class DecodeNode:
@@ -282,16 +270,15 @@ class DecodeNode:
         :class:`RoomGoneError` (410), :class:`DuplicateTransferError` (409, a different transfer),
         :class:`TransferMismatchError` (500; the room fails and its pages are freed),
         :class:`TransferTimeoutError` (504), ``TransferFormatError`` (400),
-        :class:`InvalidTransferError` (400; ``first_token_id`` not in ``0 .. vocab_size - 1``).
+        :class:`InvalidTransferError` (400; ``first_token_id`` not in ``0 .. vocab_size - 1``, or
+        pages of another geometry than this pool's).
         """
         if not verified:
             verify_pages(manifest, kv)
-        if not 0 <= manifest.first_token_id < self.engine.vocab_size:
+        refusal = self._unusable(manifest)
+        if refusal is not None:
             self.counters["transfers_refused"] += 1
-            raise InvalidTransferError(
-                f"transfer for room {manifest.room} has first_token_id {manifest.first_token_id}, "
-                f"outside the vocabulary (0 .. {self.engine.vocab_size - 1})"
-            )
+            raise InvalidTransferError(refusal)
         r = self._room_for_transfer(manifest.room)
         if r.transfer is not None:
             return await self._repeated_transfer(r, manifest)
@@ -308,6 +295,22 @@ class DecodeNode:
         r.signals.loaded.set()
         self.counters["transfers_accepted"] += 1
         return context
+
+    def _unusable(self, manifest: Manifest) -> str | None:
+        """Why a well-formed transfer cannot be used here, or ``None``: a ``first_token_id``
+        outside the vocabulary, or pages of another geometry than this pool's (a peer with another
+        model or page size)."""
+        pool, vocab = self.engine.pool, self.engine.vocab_size
+        if not 0 <= manifest.first_token_id < vocab:
+            return (
+                f"transfer for room {manifest.room} has first_token_id {manifest.first_token_id}, "
+                f"outside the vocabulary (0 .. {vocab - 1})"
+            )
+        page = [pool.num_layers, 2, pool.page_size, pool.num_kv_heads, pool.head_dim]
+        if manifest.shape[1:] != page:
+            shape = manifest.shape[1:]
+            return f"transfer for room {manifest.room} has pages of shape {shape}; this node's pages are {page}"
+        return None
 
     def _room_for_transfer(self, room: int) -> Room:
         """The open room for a transfer; 410 (counted as refused) when it is closed."""

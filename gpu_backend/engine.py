@@ -7,7 +7,7 @@ thread calls it in a loop; the asyncio side only builds validated sequences and 
 
 Public API: :class:`Engine` (``start``/``stop``/``step``, ``generate``, ``abort``, ``request_state``,
 ``server_info``/``pool_stats``/``check_integrity``; for the role flows in :mod:`gpu_backend.prefill_node`
-and :mod:`gpu_backend.decode_node`: ``admit``, ``register``, ``submit``, ``generator``,
+and :mod:`gpu_backend.decode_node`: ``admit``, ``register``, ``submit``, ``sample_seed``,
 ``max_new_tokens_for``).
 """
 
@@ -31,7 +31,7 @@ from gpu_backend.kv_pool import KVPool
 from gpu_backend.messages import Abort, AddRequest, Message
 from gpu_backend.model_runner import ModelRunner, vocab_bias
 from gpu_backend.replies import Reply, ReplyTo
-from gpu_backend.sampling import SamplingParams, make_generator
+from gpu_backend.sampling import SamplingParams, sample_seed
 from gpu_backend.scheduler import Scheduler
 from gpu_backend.sequence import ExportSequence, PageReservation, RequestTable, SeqState, Sequence, check_prompt_ids
 from gpu_backend.vocab import Vocab, vocab_for
@@ -267,7 +267,7 @@ class Engine:
             seq.set_state(SeqState.REJECTED)
             self.requests.retire(seq)
             raise seq.error
-        seq.generator = self.generator(params)
+        seq.sample_seed = self.sample_seed(params)
         seq.pages_needed = self.pool.pages_for(len(prompt_ids) + (0 if export else params.max_new_tokens))
         self.register(seq)
         return seq
@@ -278,9 +278,9 @@ class Engine:
         The one clamp of admission, of a decode reservation and of decode itself."""
         return self.max_req_len - context_tokens - 1
 
-    def generator(self, params: SamplingParams) -> torch.Generator | None:
-        """The sampler's generator (:func:`~gpu_backend.sampling.make_generator` over the engine's seed)."""
-        return make_generator(params, self._rng)
+    def sample_seed(self, params: SamplingParams) -> int | None:
+        """The seed of a request's draws (:func:`~gpu_backend.sampling.sample_seed` over the engine's seed)."""
+        return sample_seed(params, self._rng)
 
     def abort(self, request_id: str) -> None:
         """Abort a live request (waiting, prefilling, decoding or a reservation): the worker frees

@@ -51,7 +51,7 @@ class StartDecode:
     first_token_id: int
     params: SamplingParams  # already clamped and validated
     context_tokens: int
-    generator: torch.Generator | None
+    sample_seed: int | None
     emit: ReplyTo
 
 

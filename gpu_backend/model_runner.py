@@ -61,7 +61,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             logits = logits + self.vocab_bias[: logits.shape[-1]]
             picked = [seq for (seq, _), s in zip(batch, sample_rows, strict=True) if s]
-            toks = sample(logits, [s.params for s in picked], [s.generator for s in picked])
+            toks = sample(
+                logits, [s.params for s in picked], [s.sample_seed for s in picked], [s.num_tokens for s in picked]
+            )
             it = iter(toks)
             out = [next(it) if s else None for s in sample_rows]
         return out

@@ -27,7 +27,7 @@ from gpu_backend.messages import AddRequest
 from gpu_backend.node_errors import remote_error
 from gpu_backend.replies import Exported, Failed, Reply, unexpected
 from gpu_backend.router import post_retrying
-from gpu_backend.sampling import SamplingParams
+from gpu_backend.sampling import SamplingParams, sampling_params
 from gpu_backend.transfer import CONTENT_TYPE, Manifest, build_manifest, encode_transfer
 from gpu_backend.wire import PrefillOutcome, engine_request_id
 
@@ -139,13 +139,21 @@ class PrefillNode:
         return engine_id in self._aborted
 
     async def prefill(
-        self, room: int, request_id: str, prompt_ids: list[int], *, param: str = "prompt"
+        self,
+        room: int,
+        request_id: str,
+        prompt_ids: list[int],
+        *,
+        param: str = "prompt",
+        params: dict[str, Any] | None = None,
     ) -> PrefillOutcome:
         """Admit + prefill + send; returns the :class:`PrefillOutcome`. Raises :class:`PromptTooLongError` (400,
-        ``param`` as given: ``prompt`` or ``messages``), :class:`PoolExhaustedError` (503),
-        :class:`RequestAbortedError` (499: this room's request was aborted), or the decode node's
-        refusal. ``request_id`` is the client's id (messages, manifest); the engine-side id is
-        :func:`engine_request_id` ``(request_id, room)``.
+        ``param`` as given: ``prompt`` or ``messages``), :class:`InvalidRequestError` (400, bad
+        ``params``), :class:`PoolExhaustedError` (503), :class:`RequestAbortedError` (499: this
+        room's request was aborted), or the decode node's refusal. ``request_id`` is the client's id
+        (messages, manifest); the engine-side id is :func:`engine_request_id` ``(request_id, room)``.
+        ``params``: the request's sampling dict (the router's), which picks the first token as the
+        engine core would (default greedy).
 
         Idempotent per room: a repeated call for a room (the router retrying after a lost
         connection) gets the first call's outcome; the work runs once. Cancelling the caller does
@@ -155,17 +163,20 @@ class PrefillNode:
             del self._by_room[k]
         entry = self._by_room.get(room)
         if entry is None:
-            fut = asyncio.ensure_future(self._prefill(room, request_id, prompt_ids, param))
+            fut = asyncio.ensure_future(self._prefill(room, request_id, prompt_ids, param, params))
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             entry = self._by_room[room] = (now, fut)
         return await asyncio.shield(entry[1])
 
-    async def _prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
+    async def _prefill(
+        self, room: int, request_id: str, prompt_ids: list[int], param: str, params: dict[str, Any] | None
+    ) -> PrefillOutcome:
         rid = engine_request_id(request_id, room)
         if self._was_aborted(rid):
             raise RequestAbortedError(f"request {request_id} was aborted")
+        sp = None if params is None else sampling_params(params)
         try:
-            kv, res = await prefill_export(self.engine, rid, prompt_ids)
+            kv, res = await prefill_export(self.engine, rid, prompt_ids, sp)
         except PromptTooLongError as e:
             self.counters["rejected"] += 1
             raise PromptTooLongError(e.prompt_tokens, e.max_req_input_len, request_id=request_id, param=param) from None

@@ -5,7 +5,8 @@ Per request (docs/design.md, "The bundled backend"; SGLang's PD router):
 1. draw a bootstrap room (:func:`gpu_backend.bootstrap.new_room`);
 2. at once, ask decode to **generate** in that room (decode reserves pages for prompt +
    max_new_tokens, waits for the transfer, then streams tokens) and ask prefill to **prefill** it
-   (admit or reject, forward pass, send pages + manifest to decode);
+   (admit or reject, forward pass, the first token sampled with the request's sampling
+   parameters, send pages + manifest to decode);
 3. prefill rejected (400 ``context_length_exceeded``) or failed: decode is told to release the
    room and its reservation is freed; decode failed (pool exhausted 503, transfer mismatch 500,
    timeout): prefill is told to abort;
@@ -46,8 +47,12 @@ log = logging.getLogger("gpu_backend.router")
 class PrefillClient(Protocol):
     """How the router reaches a prefill node."""
 
-    async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
-        """Admit + prefill + send pages to decode. Raises the node's error (e.g. 400 context_length_exceeded)."""
+    async def prefill(
+        self, room: int, request_id: str, prompt_ids: list[int], param: str, params: dict[str, Any] | None = None
+    ) -> PrefillOutcome:
+        """Admit + prefill (the first token sampled with ``params``, the request's sampling dict;
+        default greedy) + send pages to decode. Raises the node's error (e.g. 400
+        context_length_exceeded)."""
 
     async def abort(self, engine_id: str) -> None:
         """Abort the request whose engine-side id is ``engine_id`` (:func:`engine_request_id` of
@@ -72,8 +77,10 @@ class LocalPrefillClient:
     def __init__(self, node: Any) -> None:
         self.node = node
 
-    async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
-        return await self.node.prefill(room, request_id, prompt_ids, param=param)
+    async def prefill(
+        self, room: int, request_id: str, prompt_ids: list[int], param: str, params: dict[str, Any] | None = None
+    ) -> PrefillOutcome:
+        return await self.node.prefill(room, request_id, prompt_ids, param=param, params=params)
 
     async def abort(self, engine_id: str) -> None:
         self.node.abort(engine_id)
@@ -97,7 +104,8 @@ class LocalDecodeClient:
 
 
 class HttpPrefillClient:
-    """Prefill node over HTTP: ``POST /disagg/prefill`` (``room``, client ``request_id``, ...) and
+    """Prefill node over HTTP: ``POST /disagg/prefill`` (``room``, client ``request_id``,
+    ``prompt_ids``, ``param``, sampling ``params``) and
     ``/disagg/abort`` (``{"request_id": engine_id}``: the engine-side id, never the client's)."""
 
     def __init__(self, base_url: str, client: httpx.AsyncClient, timeout_seconds: float) -> None:
@@ -105,12 +113,15 @@ class HttpPrefillClient:
         self.client = client
         self.timeout = timeout_seconds
 
-    async def prefill(self, room: int, request_id: str, prompt_ids: list[int], param: str) -> PrefillOutcome:
+    async def prefill(
+        self, room: int, request_id: str, prompt_ids: list[int], param: str, params: dict[str, Any] | None = None
+    ) -> PrefillOutcome:
+        call = {"room": room, "request_id": request_id, "prompt_ids": prompt_ids, "param": param, "params": params}
         r = await post_retrying(
             self.client,
             f"{self.base_url}/disagg/prefill",
             timeout=self.timeout,
-            content=orjson.dumps({"room": room, "request_id": request_id, "prompt_ids": prompt_ids, "param": param}),
+            content=orjson.dumps(call),
             headers={"content-type": "application/json"},
         )
         body = _json_or_none(r.content)
@@ -374,7 +385,7 @@ class Router:
         self.inflight.setdefault(request_id, {})[room] = stream
         first = asyncio.ensure_future(tokens.__anext__())
         stream.awaiting_first(first)
-        pre = asyncio.ensure_future(self.prefill.prefill(room, request_id, prompt_ids, param))
+        pre = asyncio.ensure_future(self.prefill.prefill(room, request_id, prompt_ids, param, params))
         try:
             outcome, tok = await self._both(pre, first)
         except BaseException as e:

@@ -262,7 +262,7 @@ class Scheduler:
             self._fail(res, err)
             return
         self.reservations.remove(res)
-        seq = Sequence.decoding_from(res, msg.prompt_ids, msg.params, msg.context_tokens, msg.generator, msg.emit)
+        seq = Sequence.decoding_from(res, msg.prompt_ids, msg.params, msg.context_tokens, msg.sample_seed, msg.emit)
         self.requests.replace(res, seq)
         seq.set_state(SeqState.DECODING)
         self.decode.add(seq)

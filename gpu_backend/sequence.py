@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from gpu_backend.errors import InvalidRequestError
 from gpu_backend.kv_pool import KVPool, PageHandle
 from gpu_backend.replies import Exported, Failed, PagesGranted, ReplyTo
@@ -76,7 +74,7 @@ class Sequence:
         self.pages_needed = 0
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
-        self.generator: torch.Generator | None = None
+        self.sample_seed: int | None = None  # the seed of its draws (sampling.sample_seed)
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
         self.abort_requested = False
@@ -92,14 +90,15 @@ class Sequence:
         prompt_ids: list[int],
         params: SamplingParams,
         context_tokens: int,
-        generator: torch.Generator | None,
+        sample_seed: int | None,
         emit: ReplyTo,
     ) -> Sequence:
         """The WAITING request that decodes over the first ``context_tokens`` positions of loaded
         reservation ``res``, taking over its pages (worker thread). ``prompt_tokens`` of its tokens
         is ``len(prompt_ids)``."""
         seq = cls(res.request_id, prompt_ids, params, emit)
-        seq.pages, seq.pages_needed, seq.arrival, seq.generator = res.pages, res.pages_needed, res.arrival, generator
+        seq.pages, seq.pages_needed, seq.arrival = res.pages, res.pages_needed, res.arrival
+        seq.sample_seed = sample_seed
         seq.num_context_tokens = seq.num_cached = context_tokens
         return seq
 

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import orjson
 from fastapi import FastAPI, Request
@@ -513,6 +513,12 @@ def _is_int_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
+def _is_room(value: Any) -> TypeGuard[int]:
+    """A bootstrap room: an integer >= 0 (a manifest refuses any other, so no transfer could
+    ever fill it)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 class PrefillRoutes:
     """The prefill node's internal API: ``POST /disagg/prefill`` and ``/disagg/abort`` (JSON)."""
 
@@ -526,12 +532,17 @@ class PrefillRoutes:
         return self.node.server_info()
 
     async def prefill(self, request: Request) -> Response:
-        """Prefill a prompt into room ``room``; the answer is the prefill outcome."""
+        """Prefill a prompt into room ``room`` (its first token sampled with the optional sampling
+        ``params``, else greedy); the answer is the prefill outcome."""
         body = await read_json(request)
         room, rid, ids, param = body.get("room"), body.get("request_id"), body.get("prompt_ids"), body.get("param")
-        if not isinstance(room, int) or not isinstance(rid, str) or not _is_int_list(ids):
-            raise api.bad_request("body needs integer 'room', string 'request_id', integer list 'prompt_ids'.")
-        out = await self.node.prefill(room, rid, ids, param=param if param in ("prompt", "messages") else "prompt")
+        params = body.get("params")
+        if not _is_room(room) or not isinstance(rid, str) or not _is_int_list(ids):
+            raise api.bad_request("body needs integer 'room' >= 0, string 'request_id', integer list 'prompt_ids'.")
+        if params is not None and not isinstance(params, dict):
+            raise api.bad_request("'params' must be an object of sampling parameters.", "params")
+        param = param if param in ("prompt", "messages") else "prompt"
+        out = await self.node.prefill(room, rid, ids, param=param, params=params)
         return json_response(out.to_json())
 
     async def abort(self, request: Request) -> Response:
@@ -550,19 +561,21 @@ def build_prefill_app(node: Any, *, debug_pools: DebugPools | None = None, lifes
 
 
 def _generate_args(body: dict[str, Any]) -> tuple[int, str, list[int], dict[str, Any], int]:
-    """``room``, ``request_id``, ``prompt_ids``, ``params`` and ``from`` (default 0) of a decode
-    generate call; 400 when one is missing or of the wrong type."""
+    """``room`` (>= 0), ``request_id``, ``prompt_ids``, ``params`` and ``from`` (default 0) of a
+    decode generate call; 400 when one is missing, of the wrong type or out of range."""
     room, rid, ids, params = body.get("room"), body.get("request_id"), body.get("prompt_ids"), body.get("params")
     start = body.get("from", 0)
     if not (
-        isinstance(room, int)
+        _is_room(room)
         and isinstance(rid, str)
         and isinstance(ids, list)
         and isinstance(params, dict)
         and isinstance(start, int)
         and start >= 0
     ):
-        raise api.bad_request("body needs 'room', 'request_id', 'prompt_ids', 'params' (and optional 'from').")
+        raise api.bad_request(
+            "body needs 'room' (an integer >= 0), 'request_id', 'prompt_ids', 'params' (and optional 'from')."
+        )
     return room, rid, ids, params, start
 
 

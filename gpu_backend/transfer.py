@@ -10,6 +10,7 @@ learnt (first token id, prefill seconds, whether the prompt was a rejection plac
 :func:`decode_transfer` parses the safetensors header itself (8-byte little-endian length + JSON)
 and checks every field before ``safetensors.torch.load`` touches the data, so a pickle (or any
 other) payload is rejected as malformed: nothing received over the network is ever unpickled.
+Pages holding a NaN or infinity are refused too (:func:`verify_pages`).
 In-process transfer (``--role all``) hands the same :class:`Manifest` and tensor across without
 serialising; decode verifies both paths alike (:func:`verify_pages`).
 """
@@ -190,8 +191,10 @@ def build_manifest(
 
 
 def verify_pages(manifest: Manifest, kv: torch.Tensor) -> None:
-    """Check that ``kv`` is exactly what ``manifest`` describes: shape, dtype and every page's
-    checksum. Raises :class:`TransferFormatError` naming the first mismatch."""
+    """Check that ``kv`` is exactly what ``manifest`` describes (shape, dtype, every page's
+    checksum) and holds only finite values: a NaN or infinity in one request's pages would make
+    its sampling raise and fail every request of the decode batch it joins. Raises
+    :class:`TransferFormatError` naming the first mismatch or page."""
     manifest.check_geometry()
     if [int(d) for d in kv.shape] != manifest.shape:
         raise TransferFormatError(f"pages have shape {list(kv.shape)}, manifest says {manifest.shape}")
@@ -200,6 +203,9 @@ def verify_pages(manifest: Manifest, kv: torch.Tensor) -> None:
     for i, (got, want) in enumerate(zip(page_checksums(kv), manifest.checksums, strict=True)):
         if got != want:
             raise TransferFormatError(f"page {i} checksum {got} does not match the manifest's {want}")
+    bad = (~torch.isfinite(kv)).reshape(kv.shape[0], -1).any(dim=1).nonzero()
+    if bad.numel():
+        raise TransferFormatError(f"page {int(bad[0])} holds a value that is not finite (NaN or infinity)")
 
 
 def encode_transfer(manifest: Manifest, kv: torch.Tensor) -> bytes:

@@ -13,7 +13,7 @@ from backend_core_support import collect, make_engine, worker_paused  # noqa: F4
 from gateway.admission import checks
 from gpu_backend import sampling
 from gpu_backend.errors import InvalidRequestError
-from gpu_backend.sampling import SamplingParams, sample
+from gpu_backend.sampling import SamplingParams, draw_generator, sample
 
 SMALL = dict(model="tiny-random", max_total_tokens=1024, context_length=1024)
 
@@ -28,10 +28,12 @@ def test_a_tiny_temperature_samples_at_the_floor_and_never_yields_nan(temperatur
     by 1 (at 0.01 the others weigh e**-100, 0 in fp32), so it is the argmax exactly; row 1 is a
     plain temperature-1 row sharing the batch and sampled as before."""
     logits = torch.tensor([[0.0, 3.0, 2.0, -1.0], [0.5, 0.1, 0.2, 0.3]])
-    params = [SamplingParams(max_new_tokens=1, temperature=temperature), SamplingParams(max_new_tokens=1, temperature=1.0)]
-    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
-    expected_row1 = int(torch.multinomial(torch.softmax(logits[1], -1), 1, generator=torch.Generator().manual_seed(2)))
-    assert sample(logits, params, gens) == [1, expected_row1]
+    params = [
+        SamplingParams(max_new_tokens=1, temperature=temperature),
+        SamplingParams(max_new_tokens=1, temperature=1.0),
+    ]
+    expected_row1 = int(torch.multinomial(torch.softmax(logits[1], -1), 1, generator=draw_generator(2, 9)))
+    assert sample(logits, params, [1, 2], [5, 9]) == [1, expected_row1]
 
 
 async def test_a_tiny_temperature_fails_no_one_in_its_decode_batch(make_engine):
