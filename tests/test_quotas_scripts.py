@@ -13,7 +13,7 @@ from quota_fixtures import spare_redis  # noqa: F401 (fixture)
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
-from gateway.quotas.stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
+from gateway.quotas.stores import BUSY_SECONDS, LocalQuotaStore, QuotaLimits, RedisQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
 from tests.fixtures.redis_keys import REDIS_URL
 
@@ -347,6 +347,46 @@ async def test_a_settle_goes_in_its_turns_round_trip_never_alone_from_its_caller
     assert (store.round_trips, await _leases(store, "t")) == (trips + 2, 0)
 
 
+async def test_while_requests_arrive_a_settle_rides_the_next_requests_round_trip(redis_store) -> None:
+    """One client's requests back to back: its next request's call comes turns after the settle
+    of the one before (its answer had to reach the client first), so each request cost two round
+    trips. While requests arrive, a settle with no request's call in its turn waits for the next
+    one and goes in its pipeline, before it: one round trip, and a tenant at its concurrency
+    limit of 1 is admitted for the next request."""
+    store = redis_store
+    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
+    assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted  # a request's call: requests arrive
+    trips, calls = store.round_trips, store.calls
+    settle = asyncio.ensure_future(store.settle("t", lim, "a", 0, 0, WINDOW_MS))
+    for _ in range(5):  # the turns in which the answer goes out and the next request is read
+        await asyncio.sleep(0)
+    assert (settle.done(), store.round_trips, store._settle_wait is not None) == (False, trips, True)
+    begun = await store.begin("t", lim, "b", WINDOW_MS, TTL_MS)
+    await settle
+    assert (begun.admitted, store.round_trips, store.calls, store._settle_wait) == (True, trips + 1, calls + 2, None)
+    assert await _leases(store, "t") == 1  # b's
+
+
+async def test_a_settle_waits_for_no_request_when_none_came_lately(redis_store) -> None:
+    """Requests not arriving back to back (none within ``BUSY_SECONDS``): a settle goes in its
+    own turn's round trip, as before, so its slot is free at once for any replica. One that
+    waited and saw no request goes alone when its wait ends."""
+    store = redis_store
+    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
+    assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
+    store._request_call_at -= BUSY_SECONDS  # the last request's call was a while ago
+    trips = store.round_trips
+    settle = asyncio.ensure_future(store.settle("t", lim, "a", 0, 0, WINDOW_MS))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert (store._settle_wait, store.round_trips) == (None, trips + 1)  # under way in its turn
+    await settle
+    assert await _leases(store, "t") == 0
+    assert (await store.begin("t", lim, "b", WINDOW_MS, TTL_MS)).admitted  # requests arrive again
+    await store.settle("t", lim, "b", 0, 0, WINDOW_MS)  # waited for a request that never came
+    assert (store.round_trips, store._settle_wait, await _leases(store, "t")) == (trips + 3, None, 0)
+
+
 async def test_waiting_requests_resume_before_the_settles_of_their_round_trip(redis_store) -> None:
     store = redis_store
     lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=None)
@@ -399,6 +439,7 @@ async def test_a_call_made_while_a_settles_round_trip_waits_to_start_goes_after_
     store = redis_store
     lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
     assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
+    store._request_call_at -= BUSY_SECONDS  # not back to back: the settle goes in its own turn
     settling = asyncio.ensure_future(store.settle("t", lim, "a", 0, 0, WINDOW_MS))
     await asyncio.sleep(0)  # the settle queued, this turn's flush scheduled
     await asyncio.sleep(0)  # the flush ran: the settle's task exists, its first step not yet

@@ -28,6 +28,10 @@ from verifier.stage import PendingWrite
 log = logging.getLogger("kvgate.quotas")
 
 UNLIMITED = -1
+#: while requests arrive back to back (a request's call within :data:`BUSY_SECONDS`), a round
+#: trip of settles alone waits up to this long (seconds) for the next request's call to share it
+SETTLE_WAIT_SECONDS = 0.001
+BUSY_SECONDS = 0.002
 
 
 @dataclass(frozen=True)
@@ -304,8 +308,9 @@ class RedisQuotaStore:
     calls that requests make in one turn of the event loop go to Redis as one pipeline, one
     round trip and one connection for all of them (each call stands alone, as it would on its
     own: no transaction); under load that is most calls, and a call with nothing to share a
-    round trip with goes at once, except a settle (:meth:`_submit`). Each caller still gets its
-    own reply or error. :attr:`round_trips` and :attr:`calls` count what was sent.
+    round trip with goes at once, except a settle, which goes in its turn's round trip or, while
+    requests arrive back to back, rides the next request's (:meth:`_submit`). Each caller still
+    gets its own reply or error. :attr:`round_trips` and :attr:`calls` count what was sent.
     """
 
     name = "redis"
@@ -316,7 +321,9 @@ class RedisQuotaStore:
         self.cluster = is_cluster(client)
         self.coalesce = coalesce and not self.cluster
         self._queued: list[_Queued] = []
-        self._soon = False  # a flush of the queue is scheduled for this turn
+        self._soon = False  # a flush of the queue is scheduled (for this turn, or after a settle's wait)
+        self._settle_wait: asyncio.TimerHandle | None = None  # the flush of settles waiting for a request
+        self._request_call_at = -math.inf  # loop time of the last request's (not a settle's) call
         self._sending: set[asyncio.Task[None]] = set()
         self._inflight = 0  # round trips under way
         #: connections taken from the client's pool and kept between round trips (standalone and
@@ -410,23 +417,43 @@ class RedisQuotaStore:
         """Send ``queued`` now, from the caller, when no round trip is under way and nothing
         waits (no loop turn and no task in between: one request alone costs what it did
         uncoalesced); else queue them for this turn's round trip (:meth:`_flush`). A ``lazy``
-        call (a settle, whose response has gone) always waits for this turn's round trip: the finished
-        request's reply and the rest of its ending then run after the requests still being
-        admitted (:meth:`_send` answers those first)."""
-        if not self.coalesce or (self._inflight == 0 and not self._queued and not queued[0].lazy):
+        call (a settle, whose response has gone) always waits for a round trip of its turn: the
+        finished request's reply and the rest of its ending then run after the requests still
+        being admitted (:meth:`_send` answers those first). While requests arrive back to back
+        (a request's call within :data:`BUSY_SECONDS`), settles with no request's call in their
+        turn wait up to :data:`SETTLE_WAIT_SECONDS` for the next one, whose round trip carries
+        them before it: a single client's next request arrives after its answer has gone, later
+        than the settle's turn, and two round trips per request became one (docs/performance.md,
+        "fourteenth pass"). The next request then sees the slot its predecessor held free, in
+        the same pipeline; elsewhere the slot stays held up to that much longer, never shorter."""
+        lazy = queued[0].lazy
+        loop = asyncio.get_running_loop()
+        if not lazy:
+            self._request_call_at = loop.time()
+        if not self.coalesce or (self._inflight == 0 and not self._queued and not lazy):
             self.round_trips += 1
             self._inflight += 1
             await self._send(queued)
             return
         if not self._soon:
             self._soon = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            if lazy and loop.time() - self._request_call_at < BUSY_SECONDS:
+                self._settle_wait = loop.call_later(SETTLE_WAIT_SECONDS, self._flush)
+            else:
+                loop.call_soon(self._flush)
+        elif not lazy and self._settle_wait is not None:  # the request the settles waited for: go this turn
+            self._settle_wait.cancel()
+            self._settle_wait = None
+            loop.call_soon(self._flush)
         self._queued.extend(queued)
 
     def _flush(self) -> None:
         """Send what this turn queued, as one round trip, in a task of its own (callers wait on
         their replies only)."""
         self._soon = False
+        if self._settle_wait is not None:
+            self._settle_wait.cancel()
+            self._settle_wait = None
         batch = [q for q in self._queued if q.lazy or not q.reply.done()]  # a settle goes though its caller left
         self._queued = []
         if batch:
