@@ -221,6 +221,8 @@ class Env:
     #: another checkout of kvgate (``--base``): ``kvgate-full@base`` serves from it, for a change's
     #: effect as a ratio within one run
     base: Path | None = None
+    #: folders put before the checkout on the served gateway's ``PYTHONPATH`` (bench/timeline.py's marks)
+    site: list[Path] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def spawn(
@@ -576,7 +578,7 @@ def gateway_target(
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-gateway", protocol, *files]
         workers = 1
     n = workers if workers is not None else (usable_cores() if settings.get("redis_url") else 1)
-    extra = {"PYTHONPATH": str(root)}
+    extra = {"PYTHONPATH": os.pathsep.join([*map(str, env.site), str(root)])}
     metrics_dir = env.tmp / f"{name}-metrics" if n > 1 else None  # the workers' files: requests per worker
     if metrics_dir is not None:
         extra["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
