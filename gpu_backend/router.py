@@ -127,7 +127,10 @@ class HttpPrefillClient:
         body = _json_or_none(r.content)
         if r.status_code != 200:
             raise remote_error(r.status_code, body)
-        return PrefillOutcome.from_json(body)
+        try:
+            return PrefillOutcome.from_json(body)
+        except ValueError as e:
+            raise off_protocol("prefill", e) from None
 
     async def abort(self, engine_id: str) -> None:
         await post_retrying(self.client, f"{self.base_url}/disagg/abort", json={"request_id": engine_id}, timeout=10.0)
@@ -164,10 +167,7 @@ class HttpDecodeClient:
                     async for line in r.aiter_lines():
                         if not line:
                             continue
-                        obj = orjson.loads(line)
-                        if "error" in obj:
-                            raise remote_error(int(obj.get("status", 500)), obj)
-                        tok = Token.from_json(obj)
+                        tok = _token_of(line)
                         received += 1
                         yield tok
                         if tok.finished:
@@ -184,6 +184,30 @@ class HttpDecodeClient:
 
     async def release(self, room: int) -> None:
         await post_retrying(self.client, f"{self.base_url}/disagg/release", json={"room": room}, timeout=10.0)
+
+
+def _token_of(line: str) -> Token:
+    """One line of a decode stream: its token; the node's in-band error (``{"error": ...,
+    "status": n}``) raised as :func:`remote_error`; any other line :func:`off_protocol`."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        obj = None
+    if isinstance(obj, dict) and "error" in obj:
+        status = obj.get("status")
+        raise remote_error(status if isinstance(status, int) and not isinstance(status, bool) else 500, obj)
+    try:
+        return Token.from_json(obj)
+    except ValueError as e:
+        raise off_protocol("decode", e) from None
+
+
+def off_protocol(node: str, e: ValueError) -> OpenAIError:
+    """The 502 ``upstream_unavailable`` for an answer of a peer ``node`` that is not its protocol's
+    (a faulty or foreign peer): ``e`` says what was wrong with it."""
+    return OpenAIError(
+        status=502, message=f"The {node} node answered outside its protocol: {e}.", code=ErrorCode.UPSTREAM_UNAVAILABLE
+    )
 
 
 #: Transport failures after which an idempotent internal call is sent once more.

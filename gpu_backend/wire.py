@@ -39,9 +39,9 @@ class Token:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Token:
-        """Inverse of :meth:`to_json`; ``TypeError`` for missing or unknown fields."""
-        return cls(**obj)
+    def from_json(cls, obj: Any) -> Token:
+        """Inverse of :meth:`to_json`; ``ValueError`` for a missing, unknown or mistyped field."""
+        return cls(**_fields_of(cls, obj))
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,33 @@ class PrefillOutcome:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> PrefillOutcome:
-        """Inverse of :meth:`to_json`; ``TypeError`` for missing or unknown fields."""
-        return cls(**obj)
+    def from_json(cls, obj: Any) -> PrefillOutcome:
+        """Inverse of :meth:`to_json`; ``ValueError`` for a missing, unknown or mistyped field."""
+        return cls(**_fields_of(cls, obj))
+
+
+#: whether a JSON value fits a wire field, by the field's annotation (a bool is no int)
+_FITS = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "str | None": lambda v: v is None or isinstance(v, str),
+}
+
+
+def _fields_of(cls: Any, obj: Any) -> dict[str, Any]:
+    """``obj`` (a JSON object a peer node sent) when it has exactly the fields of the wire type
+    ``cls``, each of its type; else ``ValueError`` naming the first misfit. Unchecked, a faulty
+    peer's line raised ``TypeError`` deep in the router (a 500), or its wrong types went on."""
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    if not isinstance(obj, dict) or set(obj) != set(names):
+        raise ValueError(f"a {cls.__name__} has exactly the fields {', '.join(names)}")
+    for f in fields:
+        if not _FITS[str(f.type)](obj[f.name]):
+            raise ValueError(f"{cls.__name__}.{f.name} must be {f.type}, not {type(obj[f.name]).__name__}")
+    return obj
 
 
 def engine_request_id(request_id: str, room: int) -> str:

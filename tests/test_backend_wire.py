@@ -24,24 +24,35 @@ def test_token_json_is_the_six_fields_and_round_trips():
     assert Token.from_json(orjson.loads(orjson.dumps(tok.to_json()))) == tok
 
 
+FIELDS = "token_id, text, finished, finish_reason, prompt_tokens, completion_tokens"
+TOKEN = {
+    "token_id": 1,
+    "text": "",
+    "finished": False,
+    "finish_reason": None,
+    "prompt_tokens": 1,
+    "completion_tokens": 1,
+}
+
+
 @pytest.mark.parametrize(
-    "obj",
+    ("obj", "message"),
     [
-        {"token_id": 1, "text": "", "finished": False, "finish_reason": None, "prompt_tokens": 1},  # one missing
-        {
-            "token_id": 1,
-            "text": "",
-            "finished": False,
-            "finish_reason": None,
-            "prompt_tokens": 1,
-            "completion_tokens": 1,
-            "extra": 1,
-        },  # fmt: skip
+        ({k: v for k, v in TOKEN.items() if k != "completion_tokens"}, f"a Token has exactly the fields {FIELDS}"),
+        ({**TOKEN, "extra": 1}, f"a Token has exactly the fields {FIELDS}"),
+        ([1, "", False], f"a Token has exactly the fields {FIELDS}"),
+        ({**TOKEN, "token_id": "7"}, "Token.token_id must be int, not str"),
+        ({**TOKEN, "token_id": True}, "Token.token_id must be int, not bool"),
+        ({**TOKEN, "finished": 0}, "Token.finished must be bool, not int"),
+        ({**TOKEN, "finish_reason": 3}, "Token.finish_reason must be str | None, not int"),
     ],
 )
-def test_token_from_json_refuses_missing_or_unknown_fields(obj):
-    with pytest.raises(TypeError):
+def test_token_from_json_refuses_missing_unknown_or_mistyped_fields(obj, message):
+    """What a faulty decode peer may send: each refused with a ValueError naming the misfit (the
+    router answers 502), never a TypeError from the constructor or a token of the wrong types."""
+    with pytest.raises(ValueError) as e:
         Token.from_json(obj)
+    assert str(e.value) == message
 
 
 def test_prefill_outcome_json_round_trips_and_compares_by_value():
@@ -54,8 +65,10 @@ def test_prefill_outcome_json_round_trips_and_compares_by_value():
         "original_prompt_tokens": 40,
     }
     assert PrefillOutcome.from_json(orjson.loads(orjson.dumps(out.to_json()))) == out
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="^a PrefillOutcome has exactly the fields num_tokens, first_token_id, "):
         PrefillOutcome.from_json({**out.to_json(), "kv": []})
+    with pytest.raises(ValueError, match="^PrefillOutcome.prefill_seconds must be float, not str$"):
+        PrefillOutcome.from_json({**out.to_json(), "prefill_seconds": "0.25"})
 
 
 def test_engine_request_id_is_unique_per_room_and_fixed_width():

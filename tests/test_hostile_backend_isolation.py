@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import orjson
 import pytest
 import torch
 from backend_core_support import collect
@@ -16,7 +17,7 @@ from gpu_backend.bootstrap import RoomState, new_room
 from gpu_backend.errors import EngineError
 from gpu_backend.node_errors import backend_error
 from gpu_backend.prefill_node import prefill_export
-from gpu_backend.router import HttpPrefillClient, LocalDecodeClient, Router
+from gpu_backend.router import HttpDecodeClient, HttpPrefillClient, LocalDecodeClient, Router
 from gpu_backend.sampling import SamplingParams
 from gpu_backend.servers import build_decode_app, build_prefill_app
 from gpu_backend.transfer import TransferFormatError, build_manifest
@@ -197,3 +198,46 @@ async def test_the_first_token_is_sampled_with_the_request_s_own_parameters(over
             await s.router.drain()
         assert firsts == expected
         await wait_idle(s.pe, s.de)
+
+
+async def test_a_peer_answering_outside_its_protocol_is_a_502_naming_the_misfit():
+    """A faulty or foreign node: prefill answering 200 with a body that is not a prefill outcome,
+    decode streaming a line that is not a token (mistyped, not JSON, an error line whose status
+    is not a number). Each raised ``TypeError`` or ``ValueError`` in the router: a 500. Each is
+    now 502 ``upstream_unavailable`` saying what was wrong."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/disagg/prefill":
+            return httpx.Response(200, json={"num_tokens": 3, "first_token_id": 7, "kv": []})
+        return httpx.Response(200, content=lines.pop(0))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://node") as c:
+        with pytest.raises(OpenAIError) as e:
+            await HttpPrefillClient("http://node", c, 5.0).prefill(1, "r", [1, 2, 3], "prompt")
+        assert (e.value.status, e.value.code, e.value.message) == (
+            502,
+            "upstream_unavailable",
+            "The prefill node answered outside its protocol: a PrefillOutcome has exactly the fields "
+            "num_tokens, first_token_id, prefill_seconds, placeholder, original_prompt_tokens.",
+        )
+        token = {"token_id": "9", "text": "", "finished": False, "finish_reason": None}
+        lines = [
+            orjson.dumps({**token, "prompt_tokens": 3, "completion_tokens": 1}) + b"\n",
+            b"not json\n",
+            b'{"error": {"message": "pool full", "code": "pool_exhausted"}, "status": "503"}\n',
+        ]
+        found = []
+        for _ in range(3):
+            with pytest.raises(OpenAIError) as e:
+                async for _tok in HttpDecodeClient("http://node", c, 5.0).generate(1, "r", [1, 2, 3], {}):
+                    pass
+            found.append((e.value.status, e.value.message))
+    assert found == [
+        (502, "The decode node answered outside its protocol: Token.token_id must be int, not str."),
+        (
+            502,
+            "The decode node answered outside its protocol: a Token has exactly the fields token_id, text, "
+            "finished, finish_reason, prompt_tokens, completion_tokens.",
+        ),
+        (500, "pool full"),
+    ]
