@@ -233,13 +233,16 @@ class DrainMiddleware:
             await send({"type": "http.response.body", "body": body})
             gw.metrics.rejections.labels(ErrorCode.SERVER_SHUTTING_DOWN).inc()
             return
+        counted = scope["path"] not in _ALWAYS  # the gauge: requests served, not probes or scrapes
         gw.in_flight += 1
-        gw.metrics.in_flight.inc()
+        if counted:
+            gw.metrics.in_flight.inc()
         try:
             await self.app(scope, receive, send)
         finally:
             gw.in_flight -= 1
-            gw.metrics.in_flight.dec()
+            if counted:
+                gw.metrics.in_flight.dec()
             if gw.in_flight == 0:
                 gw._idle.set()
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, chat, settings_for, tenants, upstream
+from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, chat, settings_for, tenants, upstream, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -161,6 +161,27 @@ def test_unknown_route_and_method_are_openai_shaped(gw):
         assert r.status_code == 404 and error_of(r)["code"] == "not_found"
         r = c.get("/v1/chat/completions")
         assert r.status_code == 405 and error_of(r)["type"] == "invalid_request_error"
+
+
+def test_the_in_flight_gauge_counts_requests_not_scrapes(gw, engine):
+    """``kvgate_in_flight_requests`` read 1 on an idle gateway: the ``/metrics`` request counted
+    itself (and a probe would too), so an HPA threshold on it was off by one. It counts the
+    requests being served: 0 idle, 1 while a chat waits on the engine."""
+    import threading
+
+    def gauge(c: httpx.Client) -> str:
+        return next(line for line in c.get("/metrics").text.splitlines() if line.startswith("kvgate_in_flight"))
+
+    with gw.client() as c:
+        c.get("/healthz")
+        assert gauge(c) == "kvgate_in_flight_requests 0.0"
+        engine.state.mode, engine.state.delay_seconds = "delay", 1.0
+        t = threading.Thread(target=lambda: gw.client().post("/v1/chat/completions", json=chat(max_tokens=5)))
+        t.start()
+        assert wait_for(lambda: len(engine.state.requests) == 1)
+        assert gauge(c) == "kvgate_in_flight_requests 1.0"
+        t.join()
+        assert gauge(c) == "kvgate_in_flight_requests 0.0"
 
 
 # ---------------------------------------------------------------- what is forwarded
