@@ -19,13 +19,14 @@ def _dumps(obj: Any) -> str:
         return template_json(obj)
     except (RecursionError, TypeError, ValueError):
         out: list[str] = []
-        _string_values(obj, out)
+        string_values(obj, out)
         return "\n".join(out)
 
 
-def _string_values(obj: Any, out: list[str]) -> None:
-    """Append every string value inside ``obj`` (dicts, lists, strings; keys left out), in order.
-    Iterative, so a deep nesting cannot overflow the stack."""
+def string_values(obj: Any, out: list[str], skip: frozenset[str] = frozenset()) -> None:
+    """Append every non-empty string value inside ``obj`` (dicts, lists, strings; keys left out,
+    and the values of keys in ``skip`` at any depth), in document order. Iterative, so any
+    nesting depth (orjson reads up to 1,024 levels) is read whole and cannot overflow the stack."""
     stack = [obj]
     while stack:
         x = stack.pop()
@@ -33,7 +34,7 @@ def _string_values(obj: Any, out: list[str]) -> None:
             if x:
                 out.append(x)
         elif isinstance(x, dict):
-            stack.extend(reversed(list(x.values())))
+            stack.extend(reversed([v for k, v in x.items() if k not in skip]))
         elif isinstance(x, list):
             stack.extend(reversed(x))
 
@@ -49,7 +50,7 @@ def _arguments_texts(args: Any, out: list[str]) -> None:
                 parsed = json.loads(args)
             except (RecursionError, ValueError):
                 return
-            _string_values(parsed, out)
+            string_values(parsed, out)
     elif isinstance(args, (dict, list)):
         out.append(_dumps(args))
 

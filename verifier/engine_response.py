@@ -47,6 +47,7 @@ from typing import Any, TypeGuard
 import orjson
 
 from config.errors import ErrorCode, OpenAIError, error_type_for_status
+from tokenizer.prompt_text import string_values
 
 #: OpenAI ``error.type`` values passed through from an engine; any other becomes the status's type
 OPENAI_ERROR_TYPES = frozenset(
@@ -178,8 +179,8 @@ _TOP_SKIP = META_KEYS | {"choices", "usage"}
 
 
 def _strings(obj: Any, out: list[str]) -> None:
-    """Every string value in ``obj`` outside :data:`META_KEYS` (:func:`_strings_meta`)."""
-    _strings_meta(obj, out, META_KEYS)
+    """Every string value in ``obj`` outside :data:`META_KEYS`, at any depth."""
+    string_values(obj, out, META_KEYS)
 
 
 def _unknown_strings(choice: dict[str, Any], holder: str) -> list[str]:
@@ -521,24 +522,8 @@ def _rstrings(obj: Any) -> str:
     out: list[str] = []
     if isinstance(obj, dict):
         obj = {k: v for k, v in obj.items() if k not in RESPONSE_META_KEYS}
-    _strings_meta(obj, out, RESPONSE_META_KEYS)
+    string_values(obj, out, RESPONSE_META_KEYS)
     return " ".join(out)
-
-
-def _strings_meta(obj: Any, out: list[str], meta: frozenset[str]) -> None:
-    """Every non-empty string in ``obj`` outside the keys ``meta``, in document order, at any
-    depth (an explicit stack, not recursion: orjson reads nesting up to 1,024 levels, and text
-    an engine hides below any fixed depth would go unchecked). Cost: the object's size."""
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, str):
-            if o:
-                out.append(o)
-        elif isinstance(o, dict):
-            stack.extend(reversed([v for k, v in o.items() if k not in meta]))
-        elif isinstance(o, list):
-            stack.extend(reversed(o))
 
 
 def _logprob_tokens(lp: Any) -> str:
