@@ -83,15 +83,8 @@ from gateway.edge.extensions import mark_complete_when
 
 log = logging.getLogger("kvgate.edge")
 
-_REASONS = {
-    400: b"Bad Request",
-    408: b"Request Timeout",
-    413: b"Content Too Large",
-    429: b"Too Many Requests",
-    431: b"Request Header Fields Too Large",
-    503: b"Service Unavailable",
-    505: b"HTTP Version Not Supported",
-}
+#: reason phrases where RFC 9110 renamed Python's ``HTTPStatus`` phrase; every other status takes its
+_REASONS = {413: b"Content Too Large"}
 
 
 @dataclass(frozen=True)
