@@ -343,6 +343,58 @@ async def test_probe_canary_registration_does_not_block_the_event_loop(tmp_path)
     await svc.aclose()
 
 
+async def test_probe_leak_is_recorded_off_the_event_loop(tmp_path, monkeypatch):
+    """A leak the periodic probe finds is an incident (a file write) and a quarantine (a Redis
+    write with the blocking client when shared): recorded on the event loop, a slow store stalled
+    every request. It must be recorded in a thread, and still quarantine the upstream."""
+    import asyncio
+    import threading
+
+    import verifier.probe as probe_mod
+    from verifier.probe import ProbeResult, ProbeTarget
+
+    svc = build_verifier(
+        settings(tmp_path, probe_interval_seconds=0.01), secrets=SECRETS, incident_path=str(tmp_path / "incidents")
+    )
+    assert svc.prober is not None
+    target = ProbeTarget("http://127.0.0.1:1/v1", "m", limit=4096, upstream="up")
+
+    async def one_leak(targets, **kw):
+        return [(target, ProbeResult("leak", 4096, surfaced=1))]
+
+    monkeypatch.setattr(probe_mod, "run_probe_targets", one_leak)
+    put = svc.prober.evidence.quarantine.put
+    threads: list[threading.Thread] = []
+
+    def slow_put(*a, **kw):
+        threads.append(threading.current_thread())
+        time.sleep(0.5)  # a Redis at the end of its timeout
+        return put(*a, **kw)
+
+    monkeypatch.setattr(svc.prober.evidence.quarantine, "put", slow_put)
+    ticks: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.005)
+
+    tick = asyncio.create_task(ticker())
+    loop = asyncio.create_task(svc.prober.loop())
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if threads and svc.prober.evidence.quarantine.is_quarantined("up", 5000):
+            break
+    loop.cancel()
+    tick.cancel()
+    assert threads and threading.main_thread() not in threads
+    assert svc.prober.evidence.quarantine.is_quarantined("up", 5000) is True
+    assert max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 0.25  # the put took 0.5 s
+    incidents = [json.loads(line) for line in (tmp_path / "incidents").read_text().splitlines()]
+    assert [(i["detector"], i["upstream"], i["confirmed"]) for i in incidents][:1] == [("probe", "up", True)]
+    await svc.aclose()
+
+
 def test_memory_store_add_sweeps_a_bounded_slice_not_the_whole_store():
     """With in-process stores a small prompt is indexed on the event loop; the add that triggers
     the periodic sweep must not walk the whole store (0.33 s per million entries, every 10,000

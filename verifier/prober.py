@@ -1,6 +1,6 @@
 """The gateway's periodic probe (``verifier.probe_interval_seconds``): :mod:`verifier.probe`'s
 canary probe against each target, its canaries registered as the probe tenant's, a confirmed
-``probe`` incident recorded for each leak (which quarantines the upstream)."""
+``probe`` incident recorded for each leak (which quarantines the upstream), in a worker thread."""
 
 from __future__ import annotations
 
@@ -59,10 +59,10 @@ class PeriodicProbe:
             except Exception as e:
                 log.warning("verifier probe failed to run: %s", e)
                 continue
-            for target, result in results:
-                self.stats["probes"] += 1
-                if result.outcome == "leak":
-                    self.evidence.record([self._incident(target, result)])
+            self.stats["probes"] += len(results)
+            leaks = [self._incident(target, result) for target, result in results if result.outcome == "leak"]
+            if leaks:  # the incident log is a file and the quarantine may be Redis: off the loop
+                await asyncio.to_thread(self.evidence.record, leaks)
 
     def _incident(self, target: ProbeTarget, result: ProbeResult) -> Incident:
         """The confirmed ``probe`` incident of a leak ``result`` through ``target``."""
