@@ -312,6 +312,9 @@ class VerifierSettings(_Strict):
     ingest_concurrency_per_tenant: int = Field(default=1, ge=1)
     #: a strict response with more text (UTF-8 bytes, every field) is withheld whole
     strict_max_text_bytes: int = Field(default=1024 * 1024, ge=1)
+    #: raw event bytes a strict stream may hold back at once (a fast first token holds the whole
+    #: rest; events without text queue behind held text); beyond it the stream is cut (withheld)
+    strict_max_held_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     #: window in which leak evidence from two distinct source tenants raises a high-severity alert
     #: (it never quarantines: only kvgate's own canaries or an operator do)
     quarantine_window_seconds: float = Field(default=600.0, gt=0)

@@ -210,6 +210,36 @@ def _tool_pieces(start: int, n: int) -> list[tuple[str, str]]:
     return [(f"0:tool:{j}:arguments", "x") for j in range(start, start + n)]
 
 
+async def test_strict_stream_of_events_without_text_behind_held_text_is_cut(tmp_path):
+    """A hostile engine sends a little text (held back: fewer than 64 tokens behind it), then
+    events without text forever (64 KiB each). They queue behind the held text; unbounded, the
+    gateway held the whole stream in memory. Past ``strict_max_held_bytes`` the stream is cut as
+    oversize, nothing held; text that releases normally keeps the held bytes at what is held."""
+    svc = build_verifier(settings(tmp_path, strict_max_held_bytes=1 << 20), secrets=SECRETS)
+    try:
+        g = svc.begin(ex(STRICT, "hello", stream=True))
+        assert await g.feed("Hello", sse("Hello")) == []  # held: no 64 tokens behind it yet
+        pad = b": " + b"x" * (64 * 1024 - 3) + b"\n"
+        with pytest.raises(ResponseWithheld) as ei:
+            for _ in range(100):
+                assert await g.feed("", pad) == []
+        assert ei.value.detector == "oversize"
+        inc = svc.incidents.recent[-1]
+        held = len(sse("Hello")) + 16 * len(pad)
+        assert (inc.evidence["held_bytes"], inc.evidence["max_held_bytes"]) == (held, 1 << 20)
+        assert (len(g._held), g._held_bytes) == (0, 0)
+
+        g = svc.begin(ex(STRICT, "hello", stream=True))
+        released = []
+        for i in range(300):  # 300 words, one event each: released 64 tokens behind
+            released += await g.feed(f" w{i}", sse(f" w{i}"))
+            released += await g.feed("", pad[:1024])
+        assert len(released) > 400
+        assert g._held_bytes == sum(len(raw) for raw, _ in g._held) < 1 << 20
+    finally:
+        await svc.aclose()
+
+
 async def test_strict_stream_with_thousands_of_tool_call_streams_is_withheld(tmp_path):
     """An engine that opens a new text stream per character (a tool call index per event, about
     2.6 KB of state each): the strict stream is cut as oversize at 1,024 streams, not kept."""

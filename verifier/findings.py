@@ -294,14 +294,17 @@ class Findings:
         }
         return incident("leak_index", exchange, ev, confirmed=verdict.foreign >= self.cfg.leak_confirm_shingles)
 
-    def oversize(self, exchange: Exchange, text_bytes: int, text_streams: int = 0) -> Incident:
-        """A strict response's text (``text_bytes``) exceeds ``strict_max_text_bytes``, or its
-        text streams (``text_streams``) number more than :data:`MAX_TEXT_STREAMS`."""
+    def oversize(self, exchange: Exchange, text_bytes: int, text_streams: int = 0, held_bytes: int = 0) -> Incident:
+        """A strict response's text (``text_bytes``) exceeds ``strict_max_text_bytes``, its text
+        streams (``text_streams``) number more than :data:`MAX_TEXT_STREAMS`, or a strict stream
+        holds back more than ``strict_max_held_bytes`` of events (``held_bytes``)."""
         ev = {
             "text_bytes": text_bytes,
             "max_text_bytes": self.cfg.strict_max_text_bytes,
             "text_streams": text_streams,
             "max_text_streams": MAX_TEXT_STREAMS,
+            "held_bytes": held_bytes,
+            "max_held_bytes": self.cfg.strict_max_held_bytes,
         }
         return incident("oversize", exchange, ev)
 

@@ -207,8 +207,8 @@ class StrictGuard:
     ``strict_holdback_tokens`` tokens and checked as shingles and canaries complete, each text
     stream (choice and field) on its own. A first token faster than the latency bound holds the
     whole rest of the stream until its end, where the usage's cached-token count decides. More
-    than ``strict_max_text_bytes`` of text, or more than :data:`MAX_TEXT_STREAMS` text streams,
-    cuts the stream (withheld, ``oversize``).
+    than ``strict_max_text_bytes`` of text, more than :data:`MAX_TEXT_STREAMS` text streams, or
+    more than ``strict_max_held_bytes`` of events held back cuts the stream (withheld, ``oversize``).
 
     Each call's blocking part runs in the strict thread pool
     (:meth:`StrictChecks.run`) and the call returns only when it is done; calls are
@@ -221,6 +221,7 @@ class StrictGuard:
         self.holdback = checks.cfg.strict_holdback_tokens
         #: held events: raw bytes and, per text stream it added to, the number of its piece there
         self._held: collections.deque[tuple[bytes, dict[str, int]]] = collections.deque()
+        self._held_bytes = 0
         self.seen: set[int] = set()
         self.verdict = LeakVerdict()
         self._streams: dict[str, TextStream] = {}
@@ -234,6 +235,7 @@ class StrictGuard:
             found = [*found, self._suspect]  # the first token was too fast as well: say so
         self._suspect = None
         self._held.clear()
+        self._held_bytes = 0
         self._cut = self.checks.withhold(self.exchange, found)
         raise self._cut
 
@@ -247,6 +249,7 @@ class StrictGuard:
             raise
         except BaseException as e:
             self._held.clear()
+            self._held_bytes = 0
             self._cut = self.checks.fault(self.exchange, e)
             raise self._cut from None
 
@@ -264,6 +267,7 @@ class StrictGuard:
             if any(streams[k].after(piece) < self.holdback for k, piece in ends.items()):
                 break
             self._held.popleft()
+            self._held_bytes -= len(raw)
             for k, piece in ends.items():
                 streams[k].forget(piece)
             out.append(raw)
@@ -275,8 +279,9 @@ class StrictGuard:
         if self._cut is not None:
             raise self._cut
         ps = _pieces(delta_text, pieces)
-        if not ps:  # no tokens, nothing to check: no thread hop
-            self._held.append((raw_event, {}))
+        if not ps:  # no tokens, nothing to check: no thread hop (but to withhold)
+            if not self._hold(raw_event, {}):
+                await self._checked(self._withhold_held)
             return self._release()
         # the first text's arrival time is taken here, not after the hop
         return await self._checked(self._feed_text, ps, raw_event, time.monotonic())
@@ -309,12 +314,24 @@ class StrictGuard:
             ends[key] = st.pieces - 1
             cans += c
             ids_list.append(ids)
-        self._held.append((raw_event, ends))
+        held = self._hold(raw_event, ends)
         if cans or any(ids_list):
             found = self.checks.check_piece(self.exchange, self.verdict, self.seen, cans, ids_list)
             if found:
                 self._withhold(found)
+        if not held:
+            self._withhold_held()
         return self._release()
+
+    def _hold(self, raw_event: bytes, ends: dict[str, int]) -> bool:
+        """Hold ``raw_event`` back; ``False`` once the held events pass ``strict_max_held_bytes``."""
+        self._held.append((raw_event, ends))
+        self._held_bytes += len(raw_event)
+        return self._held_bytes <= self.checks.cfg.strict_max_held_bytes
+
+    def _withhold_held(self) -> None:
+        """Withhold the stream as ``oversize``: it holds back more than ``strict_max_held_bytes``."""
+        self._withhold([self.checks.oversize(self.exchange, self._text_bytes, len(self._streams), self._held_bytes)])
 
     async def finish_stream(
         self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
@@ -343,6 +360,7 @@ class StrictGuard:
             self._withhold(withhold)
         out = [raw for raw, _ in self._held]
         self._held.clear()
+        self._held_bytes = 0
         return out
 
     async def check_body(

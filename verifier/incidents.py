@@ -27,7 +27,7 @@ log = logging.getLogger("kvgate.verifier")
 #: Detectors: ``canary`` (a planted canary in another request's response), ``leak_index``
 #: (another tenant's prompt shingles), ``latency`` (TTFT below the calibrated bound),
 #: ``usage_drift``, ``finish_abort``, ``probe`` (a canary probe surfaced a canary), ``oversize``
-#: (a strict response with more text than ``strict_max_text_bytes``, withheld unchecked),
+#: (a strict response past ``strict_max_text_bytes``, ``MAX_TEXT_STREAMS`` or ``strict_max_held_bytes``),
 #: ``check_fault`` (a strict response whose check raised, e.g. a tokenizer panic: withheld).
 DETECTORS = ("canary", "leak_index", "latency", "usage_drift", "finish_abort", "probe", "oversize", "check_fault")
 

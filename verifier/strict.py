@@ -141,10 +141,10 @@ class StrictChecks:
         self.evidence.record(tail, exchange=exchange)
         return withhold
 
-    def oversize(self, exchange: Exchange, text_bytes: int, text_streams: int = 0) -> Incident:
-        """The incident of a strict response past ``strict_max_text_bytes`` or
-        :data:`~verifier.findings.MAX_TEXT_STREAMS`."""
-        return self.findings.oversize(exchange, text_bytes, text_streams)
+    def oversize(self, exchange: Exchange, text_bytes: int, text_streams: int = 0, held_bytes: int = 0) -> Incident:
+        """The incident of a strict response past ``strict_max_text_bytes``,
+        :data:`~verifier.findings.MAX_TEXT_STREAMS` or ``strict_max_held_bytes``."""
+        return self.findings.oversize(exchange, text_bytes, text_streams, held_bytes)
 
     # ------------------------------------------------------------------ outcomes
     def withhold(self, exchange: Exchange, found: list[Incident]) -> ResponseWithheld:
