@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 import re
+import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from config.models import Settings, TenantsFile
 
@@ -63,6 +64,20 @@ def _parse_loc(text: str) -> tuple[Any, ...]:
     return tuple(int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"\[\d+\]|[^.\[\]]+", text))
 
 
+#: keys whose values are secrets, or (``api_key_sha256``) where a key is pasted instead of its hash:
+#: a problem with one never shows the value
+_SECRET_KEYS = frozenset({"api_key", "metrics_token", "api_key_sha256"})
+#: a URL's user and password (up to the last ``@``) and a password in its query string
+_URL_SECRETS = re.compile(r"(?<=://).*(?=@)|(?<=password=)[^&\s]*", re.S)
+
+
+def _shown(path: tuple[Any, ...], value: Any) -> str | None:
+    """``repr(value)`` for an error line, with a URL's credentials masked; ``None`` for a secret."""
+    if _SECRET_KEYS.intersection(p for p in path if isinstance(p, str)):
+        return None
+    return repr(_URL_SECRETS.sub("***", value) if isinstance(value, str) else value)
+
+
 def _format_validation(
     err: ValidationError,
     lines: Mapping[tuple[Any, ...], int] | None = None,
@@ -86,8 +101,9 @@ def _format_validation(
             "input" in e
             and e["type"] not in ("missing", "extra_forbidden")
             and not isinstance(e["input"], (dict, list))
+            and (shown := _shown(path, e["input"])) is not None
         ):
-            msg = f"{msg} (got {e['input']!r})"
+            msg = f"{msg} (got {shown})"
         var = next((v for p, v in (env_vars or {}).items() if path[: len(p)] == p), None)
         if var:
             msg = f"{msg} (from environment variable {var})"
@@ -105,13 +121,15 @@ def _format_validation(
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently).
+    A key that overrides one of a merge (``<<: *base``) is not given twice: that is what merges are for."""
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=True)
         try:
             first = seen.get(key)
@@ -122,6 +140,7 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any
                 None, None, f"duplicate key {key!r} (first given on line {first + 1})", key_node.start_mark
             )
         seen[key] = key_node.start_mark.line
+    loader.flatten_mapping(node)  # merged keys first: the mapping's own keys win
     return loader.construct_mapping(node, deep=True)
 
 
@@ -129,21 +148,30 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 
 
 def _line_map(
-    node: yaml.Node | None, path: tuple[Any, ...] = (), out: dict[tuple[Any, ...], int] | None = None
+    node: yaml.Node | None,
+    path: tuple[Any, ...] = (),
+    out: dict[tuple[Any, ...], int] | None = None,
+    seen: set[int] | None = None,
 ) -> dict[tuple[Any, ...], int]:
-    """``{key path: 1-based line}`` for every mapping key and sequence item under ``node``."""
+    """``{key path: 1-based line}`` for every mapping key and sequence item under ``node``. An
+    aliased node (``*name``) is walked once, at its anchor: walking every alias of aliases (a
+    "billion laughs" file) took time exponential in the file's length."""
     out = {} if out is None else out
+    seen = set() if seen is None else seen
+    if id(node) in seen:
+        return out
+    seen.add(id(node))
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             if isinstance(key_node, yaml.ScalarNode):
                 sub = (*path, key_node.value)
                 out[sub] = key_node.start_mark.line + 1
-                _line_map(value_node, sub, out)
+                _line_map(value_node, sub, out, seen)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             sub = (*path, i)
             out[sub] = item.start_mark.line + 1
-            _line_map(item, sub, out)
+            _line_map(item, sub, out, seen)
     return out
 
 
@@ -154,6 +182,10 @@ def _parse(path: Path) -> tuple[dict[str, Any], dict[tuple[Any, ...], int]]:
         raise ConfigError(str(path), [f"cannot read: {e.strerror or e}"]) from e
     except UnicodeDecodeError as e:
         raise ConfigError(str(path), [f"not UTF-8 text: {e.reason} at byte {e.start}"]) from e
+    return _parse_text(text, path)
+
+
+def _parse_text(text: str, path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[tuple[Any, ...], int]]:
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
@@ -178,13 +210,31 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _parse(Path(path))[0]
 
 
+def _union_args(annotation: Any) -> tuple[Any, ...]:
+    return get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+
+
+def _takes_text(model: type[BaseModel], parts: tuple[str, ...]) -> bool:
+    """Whether ``parts`` names a field of ``model`` (through nested settings) that holds text only."""
+    annotation: Any = model
+    for part in parts:
+        sub = next((a for a in _union_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if sub is None or part not in sub.model_fields:
+            return False
+        annotation = sub.model_fields[part].annotation
+    args = [a for a in _union_args(annotation) if a is not type(None)]
+    return bool(args) and all(a in (str, SecretStr) for a in args)
+
+
 def env_override_items(
     model: type[BaseModel], environ: Mapping[str, str] | None = None
 ) -> list[tuple[tuple[str, ...], str, Any]]:
     """``(key path, variable name, value)`` for each ``KVGATE_<SECTION>__<KEY>`` (or
     ``KVGATE_<KEY>``) variable whose first part is a field of ``model``, sorted by name.
     Values are parsed as YAML scalars/flow collections (``9000`` -> int, ``[a, b]`` -> list,
-    ``null`` or the empty string -> ``None``); text that is not YAML stays a string."""
+    ``null`` or the empty string -> ``None``); text that is not YAML stays a string. A field that
+    holds only text (``redis_url``, ``gateway.metrics_token``, ``state_dir``) takes the value as it
+    is: YAML read a token ``#x...`` as a comment (``None``: no token) and ``0123`` as a number."""
     environ = os.environ if environ is None else environ
     fields = set(model.model_fields)
     items = []
@@ -196,7 +246,7 @@ def env_override_items(
             continue
         raw = environ[name]
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
+            value = None if raw == "" else raw if _takes_text(model, parts) else yaml.safe_load(raw)
         except yaml.YAMLError:
             value = raw
         items.append((parts, name, value))
@@ -226,6 +276,16 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
         else:
             merged[k] = v
     return merged
+
+
+def validate_yaml_text(text: str, model: type[M], source: str | os.PathLike[str]) -> M:
+    """Validate ``text`` as the file ``source`` would be by :func:`load_yaml_model` (no environment),
+    before it is written there. Raises :class:`ConfigError` as it does."""
+    data, lines = _parse_text(text, source)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(str(source), _format_validation(e, lines)) from None
 
 
 def load_yaml_model(

@@ -8,10 +8,11 @@ Two files carry them (docs/design.md, Contracts): ``config/kvgate.yaml`` -> :cla
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "$" lets a final newline in
@@ -27,8 +28,24 @@ MAX_TTL_SECONDS = 365 * 24 * 3600.0
 MAX_LIMIT = (1 << 53) - 1
 
 
+def _numeric_not_bool(annotation: Any) -> bool:
+    """Whether a field of this type takes a number but no boolean (``int``, ``float | None``, ...)."""
+    args = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    return bool({int, float} & set(args)) and bool not in args
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """pydantic reads ``true`` as 1 for a number: ``rpm: yes`` was a limit of 1 request,
+        ``max_concurrent: off`` one of 0."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(v, bool) and field is not None and _numeric_not_bool(field.annotation):
+            raise ValueError("must be a number, not a boolean (YAML reads true/false, yes/no and on/off as booleans)")
+        return v
 
 
 class TokenizerConfig(_Strict):
@@ -466,6 +483,8 @@ class TenantsFile(_Strict):
                 raise ValueError(f"tenants[{i}].id: tenant id '{t.id}' is used twice")
             ids.add(t.id)
             for j, h in enumerate(t.api_key_sha256):
+                if hashes.get(h) == t.id:
+                    raise ValueError(f"tenants[{i}].api_key_sha256[{j}]: this API key hash is listed twice")
                 if h in hashes:
                     raise ValueError(
                         f"tenants[{i}].api_key_sha256[{j}]: this API key hash also belongs to tenant '{hashes[h]}'"

@@ -31,7 +31,7 @@ MIN_SECRET_BYTES = 16
 
 
 class SecretsError(ValueError):
-    """A secret is unusable: too short, or its file is not a secrets file."""
+    """A secret is unusable: too short, or its file is not a secrets file or cannot be read."""
 
 
 def private_dir(path: str | os.PathLike[str]) -> Path:
@@ -90,10 +90,12 @@ def secret_env_name(name: str) -> str:
 
 
 def _read(path: Path) -> dict[str, str]:
-    if not path.exists():
-        return {}
     try:
+        if not path.exists():
+            return {}
         stored = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:  # another user's 0600 file, a folder: was a traceback from kvgate serve
+        raise SecretsError(f"{path}: cannot read: {e.strerror or e}") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise SecretsError(f"{path}: not a kvgate secrets file ({e}); remove it to generate new secrets") from None
     if not isinstance(stored, dict) or not all(isinstance(v, str) and v for v in stored.values()):
@@ -124,7 +126,7 @@ def load_secrets(state_dir: str | os.PathLike[str], environ: Mapping[str, str] |
     ``<state_dir>/secrets.json``, which is created (32 random bytes, hex, per missing key; the
     file 0600, the folders 0700) on first use and never rewritten once it holds every key. Raises
     ``OSError`` when the state directory cannot be written and :class:`SecretsError` (a
-    ``ValueError``) when the file is not a secrets file or a secret, from the environment or the
+    ``ValueError``) when the file cannot be read or is not a secrets file or a secret, from the environment or the
     file, is shorter than :data:`MIN_SECRET_BYTES` bytes (the message names it, never its value).
     """
     env = os.environ if environ is None else environ

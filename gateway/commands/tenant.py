@@ -28,12 +28,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml as pyyaml
 from pydantic import ValidationError
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import YAMLError
+from ruamel.yaml.scalarstring import SingleQuotedScalarString
 
-from config.loader import DEFAULT_TENANTS, _format_validation
+from config.loader import DEFAULT_TENANTS, ConfigError, _format_validation, validate_yaml_text
 from config.models import TenantConfig, TenantsFile
 
 #: Prefix of generated keys (``sk-kvg-`` + 43 url-safe base64 characters = 256 random bits).
@@ -115,11 +117,23 @@ def _load(p: Path, y: YAML) -> tuple[str, CommentedMap]:
     return text, CommentedMap() if doc is None else doc
 
 
-def _validate(p: Path, doc: Any) -> None:
+def _validate(p: Path, doc: Any, text: str) -> None:
+    """``doc`` is a valid tenants file, and so is ``text`` (its dump) as the gateway reads it:
+    with PyYAML (YAML 1.1, where ``on``, ``no``, ``yes``, ``off`` are booleans), not ruamel (1.2)."""
     try:
         TenantsFile.model_validate(_plain(doc))
     except ValidationError as e:
         raise TenantFileError("\n".join(f"{p}: {problem}" for problem in _format_validation(e))) from None
+    try:
+        validate_yaml_text(text, TenantsFile, p)
+    except ConfigError as e:
+        raise TenantFileError(f"{e}\n{p}: (as the gateway reads the file: YAML 1.1; quote such a value)") from None
+
+
+def _text(value: str) -> str:
+    """``value``, single-quoted in the file when YAML 1.1 reads it as no string (``on``: true)."""
+    tag = pyyaml.resolver.Resolver().resolve(pyyaml.ScalarNode, value, (True, False))
+    return value if tag == "tag:yaml.org,2002:str" else SingleQuotedScalarString(value)
 
 
 @contextlib.contextmanager
@@ -127,8 +141,10 @@ def edit_tenants(path: str | os.PathLike[str]) -> Iterator[CommentedSeq]:
     """Locked read-modify-write of a tenants file; yields the ``tenants`` list to change in place.
 
     The list holds ruamel ``CommentedMap`` entries (use them like dicts). On normal exit the whole
-    document is validated as :class:`~config.models.TenantsFile` and written atomically (temporary
-    file + ``os.replace``, the old file's mode kept); if the block raises, nothing is written.
+    document is validated as :class:`~config.models.TenantsFile`, as written and as the gateway
+    reads it (YAML 1.1: an ``id`` such as ``on`` is quoted), and written atomically (temporary
+    file + ``os.replace``, the old file's mode and, where allowed, owner kept); if the block
+    raises, nothing is written.
     A missing file is created. Raises :class:`TenantFileError` (file unreadable, not YAML, invalid
     after the edit, or not writable). Concurrent editors are serialised with ``flock`` on the
     file's directory (no lock file is left behind).
@@ -139,9 +155,12 @@ def edit_tenants(path: str | os.PathLike[str]) -> Iterator[CommentedSeq]:
         _, doc = _load(p, y)
         seq = _tenants_seq(doc, p)
         yield seq
-        _validate(p, doc)
+        for entry in seq:  # `kvgate serve --init-tenant on` appends a plain dict
+            if isinstance(entry, dict) and isinstance(entry.get("id"), str) and _text(entry["id"]) is not entry["id"]:
+                entry["id"] = _text(entry["id"])
         buf = io.StringIO()
         y.dump(doc, buf)
+        _validate(p, doc, buf.getvalue())
         _atomic_write(p, buf.getvalue())
 
 
@@ -176,7 +195,7 @@ def remove_tenant(path: str | os.PathLike[str], tenant_id: str) -> int:
                 f"{p}: removing '{tenant_id}' would leave the file invalid YAML ({getattr(e, 'problem', e)}); "
                 "another entry refers to an anchor in it: edit the file by hand"
             ) from None
-        _validate(p, edited)
+        _validate(p, edited, new_text)
         _atomic_write(p, new_text)
         return left
 
@@ -203,17 +222,23 @@ def _cut_entry(text: str, seq: CommentedSeq, i: int, key_line: int) -> str | Non
     return "".join(kept)
 
 
-def _plain(node: Any) -> Any:
-    """ruamel containers -> plain dicts/lists for pydantic."""
-    if isinstance(node, dict):
-        return {str(k): _plain(v) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_plain(v) for v in node]
-    return node
+def _plain(node: Any, done: dict[int, Any] | None = None) -> Any:
+    """ruamel containers -> plain dicts/lists for pydantic. An aliased container (``*name``) is
+    converted once: converting every alias of aliases ("billion laughs") took exponential time."""
+    done = {} if done is None else done
+    if not isinstance(node, (dict, list)):
+        return node
+    if id(node) not in done:
+        if isinstance(node, dict):
+            done[id(node)] = {str(k): _plain(v, done) for k, v in node.items()}
+        else:
+            done[id(node)] = [_plain(v, done) for v in node]
+    return done[id(node)]
 
 
 def _atomic_write(p: Path, text: str) -> None:
-    mode = p.stat().st_mode & 0o777 if p.exists() else 0o600
+    st = p.stat() if p.exists() else None
+    mode = st.st_mode & 0o777 if st else 0o600
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -222,6 +247,11 @@ def _atomic_write(p: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
+        if st and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+            # `sudo kvgate tenant ...` made the gateway's 0600 file root's: its reloads then failed
+            # and kept the old table, a revoked key included
+            with contextlib.suppress(PermissionError):
+                os.chown(tmp, st.st_uid, st.st_gid)
         os.replace(tmp, p)
     except OSError as e:
         with contextlib.suppress(OSError):
@@ -297,7 +327,7 @@ def limits_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             out[name] = value
     if getattr(args, "models", None):
-        out["allowed_models"] = _flow(list(args.models))
+        out["allowed_models"] = _flow([_text(m) for m in args.models])
     return out
 
 
@@ -493,9 +523,10 @@ def _cmd_revoke_key(args: argparse.Namespace) -> int:
                 [h for h in hashes if prefix and str(h).startswith(prefix)]
             )
             if not matches:
-                shown = f" '{prefix}'" if prefix else ""  # never echo what may be a key
+                # never echo what may be a key: a hex key (openssl rand -hex) reads as a long prefix
+                shown = f" '{prefix[:12]}'" if prefix else ""
                 raise TenantFileError(
-                    f"tenant '{args.name}' holds no key matching{shown} (give the key itself, or at "
+                    f"{path}: tenant '{args.name}' holds no key matching{shown} (give the key itself, or at "
                     f"least {MIN_HASH_PREFIX} leading hex digits of its SHA-256)"
                 )
             if len(matches) > 1:
