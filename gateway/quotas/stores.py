@@ -496,18 +496,24 @@ class RedisQuotaStore:
     async def _pipeline(self, batch: list[_Queued]) -> list[Any]:
         """``batch`` as one pipeline of ``EVALSHA`` calls; the replies in order (a failed call's
         error in its place). Calls answered ``NOSCRIPT`` (Redis restarted and lost its scripts)
-        have their scripts loaded and are sent once more."""
+        have their scripts loaded and are sent once more, with every call of this store's after the
+        first of them: a later call may depend on an earlier one (``tokens.lua`` on the entry
+        ``begin.lua`` leaves), and a script another replica had loaded again ran without it.
+        Each of these scripts run twice answers as it did once."""
         from redis.exceptions import NoScriptError
 
         async def once(calls: list[_Queued]) -> list[Any]:
             return await self._execute([("EVALSHA", q.sha, len(q.keys), *q.keys, *q.args) for q in calls])
 
         results = await once(batch)
-        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError) and batch[i].script is not None]
-        if missing:
-            for script in {batch[i].script.sha: batch[i].script for i in missing}.values():
+        own = [i for i, q in enumerate(batch) if q.script is not None]
+        first = next((i for i in own if isinstance(results[i], NoScriptError)), None)
+        if first is not None:
+            again = [i for i in own if i >= first]
+            missing = [batch[i].script for i in again if isinstance(results[i], NoScriptError)]
+            for script in {s.sha: s for s in missing}.values():
                 await self.client.script_load(script.script)
-            for i, r in zip(missing, await once([batch[i] for i in missing]), strict=True):
+            for i, r in zip(again, await once([batch[i] for i in again]), strict=True):
                 results[i] = r
         return results
 

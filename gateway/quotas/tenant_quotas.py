@@ -575,6 +575,13 @@ class TenantQuotas:
             if shared:
                 self._unsettled.append((held, used, lease.reserved_tokens))
                 self._mark_down(e, held.tenant_id)
+        except asyncio.CancelledError:
+            # the store still sends it, but nobody learns if that fails: sent again in the
+            # background as a failed one is (settle.lua run twice changes nothing more)
+            if shared:
+                self._unsettled.append((held, used, lease.reserved_tokens))
+                self._ensure_recoverer()
+            raise
         except Exception:  # settle never raises into the request path
             log.exception("quota settle failed for tenant %s", held.tenant_id)
 

@@ -11,7 +11,7 @@ for i = 1, #ARGV do
   local d = redis.call('HGET', KEYS[3], id)
   if d then
     redis.call('HDEL', KEYS[3], id)
-    redis.call('DECRBY', KEYS[4], tonumber(d))
+    if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('DECRBY', KEYS[4], tonumber(d)) end  -- gone: rebuilt by tokens.lua
   end
   if hit > 0 then n = n + 1 end
 end

@@ -48,7 +48,26 @@ if tpm >= 0 then
     if freed ~= 0 then redis.call('DECRBY', KEYS[4], freed) end
     if #old < BATCH then break end
   end
-  used = tonumber(redis.call('GET', KEYS[4]) or '0')
+  local sum = redis.call('GET', KEYS[4])
+  used = tonumber(sum or '0')
+  -- the sum, the log and the debits agree unless a key was evicted (a maxmemory policy) or lost
+  -- alone: then the sum is rebuilt from the logged debits, never left negative nor holding tokens
+  -- no debit accounts for (each admission's PEXPIRE would keep such a sum for good)
+  local n = redis.call('HLEN', KEYS[3])
+  if (not sum and n > 0) or used < 0 or (n == 0 and used ~= 0) or n ~= redis.call('ZCARD', KEYS[2]) then
+    used = 0
+    local kv = redis.call('HGETALL', KEYS[3])
+    for i = 1, #kv, 2 do
+      if redis.call('ZSCORE', KEYS[2], kv[i]) then used = used + tonumber(kv[i + 1])
+      else redis.call('HDEL', KEYS[3], kv[i]) end
+    end
+    local ids = redis.call('ZRANGE', KEYS[2], 0, -1)
+    for i = 1, #ids do
+      if redis.call('HEXISTS', KEYS[3], ids[i]) == 0 then redis.call('ZREM', KEYS[2], ids[i]) end
+    end
+    redis.call('SET', KEYS[4], used)
+    for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window + 1000) end
+  end
 end
 if maxc >= 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)

@@ -20,7 +20,8 @@ if at and cur and tonumber(at) > now - window then
   local delta = used - tonumber(cur)
   if delta ~= 0 then
     redis.call('HSET', KEYS[3], id, used)
-    redis.call('INCRBY', KEYS[4], delta)
+    -- a sum that is gone (evicted) stays gone: tokens.lua rebuilds it from the debits
+    if redis.call('EXISTS', KEYS[4]) == 1 then redis.call('INCRBY', KEYS[4], delta) end
   end
   return delta
 end
@@ -28,9 +29,14 @@ local xid = id .. ':x'
 if redis.call('HEXISTS', KEYS[3], xid) == 1 then return 0 end  -- this settle ran already (its reply was lost)
 if used > reserved then
   local extra = used - reserved
+  local alone = redis.call('HLEN', KEYS[3]) == 0  -- no debit left: the sum holds nothing else
   redis.call('ZADD', KEYS[2], now, xid)
   redis.call('HSET', KEYS[3], xid, extra)
-  redis.call('INCRBY', KEYS[4], extra)
+  if alone then
+    redis.call('SET', KEYS[4], extra)
+  elseif redis.call('EXISTS', KEYS[4]) == 1 then
+    redis.call('INCRBY', KEYS[4], extra)
+  end
   for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window + 1000) end
   return extra
 end

@@ -1,0 +1,210 @@
+"""A hostile review of Redis faults as the quota stage meets them, on a redis-server of the test's
+own: Redis restarted mid-traffic (scripts and keys gone, another call having reloaded only some
+scripts), a tenant's quota keys evicted one at a time (a ``maxmemory`` policy: simulated by
+deleting the key the policy would pick), and ``maxmemory`` hit under ``noeviction``. Each must give
+the documented answer (docs/quotas.md, "When Redis fails"): an admission, a 429 for a real limit or
+an OpenAI-shaped 503, and counters that stay exact, never negative nor holding phantom tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from config.errors import OpenAIError
+from config.models import QuotaSettings, TenantConfig
+from gateway.quotas.stores import RedisQuotaStore
+from gateway.quotas.tenant_quotas import PROBE_INTERVAL_SECONDS, TenantQuotas, redis_client_from_url
+from tests.quota_fixtures import SpareRedis
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[SpareRedis]:
+    """A redis-server of this test's own (no persistence), killed after it."""
+    r = SpareRedis(tmp_path)
+    r.start()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def _tenant(**kw: Any) -> TenantConfig:
+    return TenantConfig(id=f"rf-{uuid.uuid4().hex[:8]}", **kw)
+
+
+def _stage(server: SpareRedis, **settings: Any) -> TenantQuotas:
+    store = RedisQuotaStore(redis_client_from_url(server.url, 0.25), prefix=f"rf-{uuid.uuid4().hex[:6]}")
+    return TenantQuotas(QuotaSettings(**settings), store)
+
+
+def _state(server: SpareRedis, stage: TenantQuotas, tenant_id: str) -> dict[str, Any]:
+    """The tenant's keys as Redis holds them: RPM entries, TPM entries, debits, TPM sum, leases."""
+    assert isinstance(stage.store, RedisQuotaStore)
+    rpm, tpm, debits, total, leases = stage.store.keys(tenant_id)
+    with redis.Redis(port=server.port) as r:
+        value: Any = r.get(total)
+        return {
+            "rpm": r.zcard(rpm),
+            "tpm": r.zcard(tpm),
+            "debits": sorted(int(v) for v in r.hvals(debits)),
+            "sum": None if value is None else int(value),
+            "leases": r.zcard(leases),
+        }
+
+
+def _evict(server: SpareRedis, stage: TenantQuotas, tenant_id: str, *which: int) -> None:
+    """What an eviction policy does to a tenant's keys: some go (by index in ``store.keys``)."""
+    assert isinstance(stage.store, RedisQuotaStore)
+    keys = stage.store.keys(tenant_id)
+    with redis.Redis(port=server.port) as r:
+        assert r.delete(*(keys[i] for i in which)) == len(which)
+
+
+async def test_begin_reserve_after_a_restart_that_reloaded_only_tokens_lua(server: SpareRedis) -> None:
+    """Redis restarts without persistence; a request begun before it reserves its tokens, which
+    loads ``tokens.lua`` alone again. The next one-step request's pipeline then met ``NOSCRIPT``
+    for ``begin.lua`` while ``tokens.lua`` ran, found no begin and answered "begin"; the store
+    re-ran only ``begin.lua``, so the request got a 429 naming no limit ("... on . Please try
+    again in 1s.", remaining tokens 0) and lost its RPM entry. It must be admitted."""
+    stage = _stage(server)
+    t = _tenant(rpm=10, tpm=1000, max_concurrent=5)
+    before = await stage.begin(t, "before")
+    server.kill()
+    server.start()  # same port, empty: keys and scripts gone
+    await stage.reserve_tokens(t, before, 100)  # the stale connection reconnects; tokens.lua is loaded again
+    lease = await stage.begin_reserve(t, "after", 200)
+    assert lease.headers == {
+        "x-ratelimit-limit-requests": "10",
+        "x-ratelimit-remaining-requests": "9",
+        "x-ratelimit-limit-tokens": "1000",
+        "x-ratelimit-remaining-tokens": "700",
+    }
+    await stage.settle(lease, 150)
+    await stage.settle(before, 80)  # settles against a window that lost its begin: nothing negative
+    assert _state(server, stage, t.id) == {"rpm": 1, "tpm": 2, "debits": [80, 150], "sum": 230, "leases": 0}
+    await stage.aclose()
+
+
+async def test_an_evicted_tpm_sum_is_rebuilt_not_driven_negative(server: SpareRedis) -> None:
+    """The TPM sum is evicted while the debits stay; the request then settles below its
+    reservation. ``settle.lua`` added the refund to a missing key (sum -500), and the tenant was
+    admitted 950 more tokens with 100 already in the window of a 1000 TPM."""
+    stage = _stage(server)
+    t = _tenant(tpm=1000)
+    lease = await stage.begin_reserve(t, "a", 600)
+    _evict(server, stage, t.id, 3)
+    await stage.settle(lease, 100)
+    with pytest.raises(OpenAIError) as ei:
+        await stage.begin_reserve(t, "b", 950)
+    assert (ei.value.status, ei.value.code) == (429, "rate_limit_exceeded")
+    assert ei.value.message == (
+        f"Rate limit reached for tenant '{t.id}' on tokens per 60s window (TPM): "
+        "Limit 1000, Used 100, Requested 950. Please try again in 60s."
+    )
+    assert ei.value.headers == {
+        "Retry-After": "60",
+        "x-ratelimit-limit-tokens": "1000",
+        "x-ratelimit-remaining-tokens": "900",
+    }
+    assert _state(server, stage, t.id) == {"rpm": 0, "tpm": 1, "debits": [100], "sum": 100, "leases": 0}
+    await stage.aclose()
+
+
+async def test_evicted_debits_leave_no_phantom_tokens_in_the_sum(server: SpareRedis) -> None:
+    """The TPM log and its debits are evicted, the sum stays (900 of 1000). Every admission
+    renewed the sum's expiry, so those 900 tokens, which no debit accounts for, never left the
+    window: two windows later a 200-token request got a 429 with nothing in the window."""
+    stage = _stage(server, window_seconds=1)
+    t = _tenant(tpm=1000)
+    await stage.settle(await stage.begin_reserve(t, "a", 900), 900)
+    _evict(server, stage, t.id, 1, 2)
+    await asyncio.sleep(1.1)
+    await stage.settle(await stage.begin_reserve(t, "b", 100), 100)
+    await asyncio.sleep(1.1)  # "b" has left the window too: the window is empty
+    lease = await stage.begin_reserve(t, "c", 200)
+    assert lease.headers == {"x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "800"}
+    await stage.settle(lease, 200)
+    assert _state(server, stage, t.id) == {"rpm": 0, "tpm": 1, "debits": [200], "sum": 200, "leases": 0}
+    await stage.aclose()
+
+
+async def test_a_late_settle_and_a_cancel_on_an_evicted_sum_keep_it_exact(server: SpareRedis) -> None:
+    """With the sum evicted, a settle charging above a reservation that left the window (its
+    ``:x`` debit) and a cancel of a reservation whose call failed must not create a sum of
+    their own (``extra``, or minus the debit) that the next admission takes as the window's."""
+    stage = _stage(server)
+    t = _tenant(tpm=1000)
+    kept = await stage.begin_reserve(t, "kept", 300)
+    gone = await stage.begin_reserve(t, "gone", 200)
+    _evict(server, stage, t.id, 3)
+    assert isinstance(stage.store, RedisQuotaStore)
+    assert await stage.store.cancel(t.id, [gone.state.lease_id]) == 1
+    _evict(server, stage, t.id, 1, 2)  # now the log and debits go, the sum (absent) stays absent
+    await stage.settle(kept, 500)  # its debit is gone: only usage above the reservation, 200, is debited
+    assert _state(server, stage, t.id) == {"rpm": 0, "tpm": 1, "debits": [200], "sum": 200, "leases": 0}
+    lease = await stage.begin_reserve(t, "next", 800)
+    assert lease.headers == {"x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "0"}
+    await stage.settle(lease, 800)
+    await stage.aclose()
+
+
+async def test_maxmemory_with_noeviction_is_a_503_and_leaves_nothing_behind(server: SpareRedis) -> None:
+    """``maxmemory`` reached under ``noeviction``: a write-first script is refused with ``OOM``.
+    The request gets the fail-closed 503 (OpenAI shape), the begin its pipeline made is undone,
+    and limits hold again once memory is freed."""
+    stage = _stage(server)
+    t = _tenant(rpm=10, tpm=1000, max_concurrent=2)
+    held = await stage.begin_reserve(t, "held", 100)
+    with redis.Redis(port=server.port) as r:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)
+        try:
+            with pytest.raises(OpenAIError) as ei:
+                await stage.begin_reserve(t, "oom", 100)
+        finally:
+            r.config_set("maxmemory", 0)
+    assert (ei.value.status, ei.value.headers) == (503, {"Retry-After": "1"})
+    assert ei.value.body() == {
+        "error": {
+            "message": "The quota store is unavailable, so the request cannot be admitted. Please try again shortly.",
+            "type": "server_error",
+            "param": None,
+            "code": "quota_backend_unavailable",
+        }
+    }
+    await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.1)  # the background round undoes the "oom" begin
+    await stage.settle(held, 60)
+    assert _state(server, stage, t.id) == {"rpm": 1, "tpm": 1, "debits": [60], "sum": 60, "leases": 0}
+    await stage.aclose()
+
+
+async def test_a_settle_cancelled_while_redis_is_paused_is_sent_again(server: SpareRedis) -> None:
+    """The client leaves while its request's settle is out and Redis is paused (SIGSTOP): the
+    settle goes on without its caller and times out. It was dropped there, so the lease stayed
+    held until its TTL (a concurrency slot lost for 2 minutes) instead of being sent again once
+    Redis answers, as a failed settle is."""
+    stage = _stage(server)
+    t = _tenant(max_concurrent=1)
+    lease = await stage.begin(t, "a")
+    server.pause()
+    try:
+        task = asyncio.ensure_future(stage.settle(lease, 0))
+        await asyncio.sleep(0.1)  # the settle's round trip is out
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(stage.deadline_seconds + 0.1)  # its round trip has timed out
+    finally:
+        server.resume()
+    await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.3)
+    assert _state(server, stage, t.id)["leases"] == 0
+    await stage.settle(await stage.begin(t, "b"), 0)
+    await stage.aclose()
