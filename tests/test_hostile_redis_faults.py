@@ -3,7 +3,9 @@ own: Redis restarted mid-traffic (scripts and keys gone, another call having rel
 scripts), a tenant's quota keys evicted one at a time (a ``maxmemory`` policy: simulated by
 deleting the key the policy would pick), and ``maxmemory`` hit under ``noeviction``. Each must give
 the documented answer (docs/quotas.md, "When Redis fails"): an admission, a 429 for a real limit or
-an OpenAI-shaped 503, and counters that stay exact, never negative nor holding phantom tokens."""
+an OpenAI-shaped 503, and counters that stay exact, never negative nor holding phantom tokens.
+And a failover behind one address (a DNS name or proxy): the old primary, now a replica, answers
+``READONLY`` on the connections the store keeps."""
 
 from __future__ import annotations
 
@@ -208,3 +210,39 @@ async def test_a_settle_cancelled_while_redis_is_paused_is_sent_again(server: Sp
     assert _state(server, stage, t.id)["leases"] == 0
     await stage.settle(await stage.begin(t, "b"), 0)
     await stage.aclose()
+
+
+async def test_failover_behind_one_address_reconnects_past_readonly(tmp_path: Path) -> None:
+    """A managed Redis fails over behind one DNS name: the old primary becomes a replica of the
+    new and answers every write ``READONLY`` on the connections the store kept; new connections
+    reach the new primary. The store took READONLY as a reply: every request got a 503 until
+    the gateway restarted. It must reconnect once, inside the deadline, and count there."""
+    from quota_fixtures import StaleProxy
+
+    old, new = SpareRedis(tmp_path / "old"), SpareRedis(tmp_path / "new")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old.start()
+    new.start()
+    proxy = StaleProxy(old.port)  # the DNS name: new connections go where it points
+    try:
+        store = RedisQuotaStore(redis_client_from_url(proxy.url, 0.25), prefix=f"rf-{uuid.uuid4().hex[:6]}")
+        stage = TenantQuotas(QuotaSettings(), store)
+        t = _tenant(rpm=5)
+        await stage.settle(await stage.reserve(t, 1, "before"), 1)
+        with redis.Redis(port=old.port) as r:
+            r.replicaof("127.0.0.1", new.port)  # demoted: writes answer READONLY
+        proxy.target = new.port
+        for i in range(4):
+            await stage.settle(await stage.reserve(t, 1, f"after-{i}"), 1)  # a 503 raises
+        await stage.reserve(t, 1, "last")  # the new primary counted the four: one left
+        with pytest.raises(OpenAIError) as refused:
+            await stage.reserve(t, 1, "refused")
+        assert refused.value.status == 429 and "Limit 5, Used 5, Requested 1" in refused.value.message
+        with redis.Redis(port=new.port) as r:
+            assert r.zcard(store.keys(t.id)[0]) == 5
+        await stage.aclose()
+    finally:
+        proxy.close()
+        old.close()
+        new.close()

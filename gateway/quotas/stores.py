@@ -529,8 +529,9 @@ class RedisQuotaStore:
         their own and the write no ``wait_for`` task; a connection that fails or is cancelled
         mid-way is disconnected and given back, never kept with replies pending. A cluster:
         redis-py's pipeline. Raises what the client raises for a failed connection or a
-        timeout."""
-        from redis.exceptions import ResponseError
+        timeout, and a connection error when a reply is ``READONLY``."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import ReadOnlyError, ResponseError
 
         pool = None if self.cluster else getattr(self.client, "connection_pool", None)
         if pool is None:
@@ -558,6 +559,13 @@ class RedisQuotaStore:
             await conn.disconnect(nowait=True)
             await pool.release(conn)
             raise
+        if any(isinstance(r, ReadOnlyError) for r in replies):
+            # the address leads to a replica now (a failover behind one DNS name or proxy): this
+            # connection is the old primary's, and a fresh one may reach the new (Sentinel's
+            # client does the same; a cluster's follows MOVED itself)
+            await conn.disconnect(nowait=True)
+            await pool.release(conn)
+            raise RedisConnectionError("READONLY: the server is a replica now")
         self._held.append(conn)
         return replies
 
@@ -573,9 +581,10 @@ class RedisQuotaStore:
 
     async def _retrying(self, send: Any) -> Any:
         """Await ``send()``. A connection error (a pooled connection that Redis, restarted or
-        failed over, no longer knows) drops every idle pooled connection and tries once more on
-        a fresh one, so a Redis that answers again costs no 503; a timeout is never retried, and
-        the stage's deadline bounds both tries. Raises :class:`QuotaStoreUnavailable`."""
+        failed over, no longer knows, or one to a primary demoted to a replica) drops every idle
+        pooled connection and tries once more on a fresh one, so a Redis that answers again costs
+        no 503; a timeout is never retried, and the stage's deadline bounds both tries. Raises
+        :class:`QuotaStoreUnavailable`."""
         from redis.exceptions import ConnectionError as RedisConnectionError
 
         try:
