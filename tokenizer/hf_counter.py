@@ -37,6 +37,7 @@ from tokenizer.base import PromptCounter
 from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions, render_chatml
 from tokenizer.engine_render import (
     engine_tools,
+    schema_forms,
     sglang_messages,
     sglang_parts_messages,
     views_of,
@@ -442,10 +443,12 @@ class HFCounter(PromptCounter):
         options: ChatOptions = DEFAULT_CHAT,
         engine: str | None = None,
         parts: bool = False,
+        rewrite_schema: bool = True,
     ) -> tuple[str, list]:
         """``(prompt text, image parts)``: the chat rendered with the model's template as
         ``transformers``' ``apply_chat_template`` does with ``options``, after ``engine``'s
-        pre-template steps (:func:`_plain_messages`; ``None``: the messages as sent) (generation prompt,
+        pre-template steps (:func:`_plain_messages`; ``None``: the messages as sent; tools as
+        :func:`~tokenizer.engine_render.engine_tools` gives them with ``rewrite_schema``) (generation prompt,
         ``continue_final_message``: the text cut where the final message ends, as transformers >= 5,
         template kwargs as variables). Raises :class:`InvalidPromptError` for a bad shape, no
         template, a template that rejects the chat, or a final message that cannot be continued
@@ -456,7 +459,7 @@ class HFCounter(PromptCounter):
         if self._template is None:
             raise InvalidPromptError(NO_TEMPLATE, "messages")
         plain = _plain_messages(messages, engine, parts)
-        tools = engine_tools(tools, engine)
+        tools = engine_tools(tools, engine, rewrite_schema)
         variables: dict[str, Any] = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
         variables.update(options.template_kwargs)
         variables["add_generation_prompt"] = options.add_generation_prompt and not options.continue_final_message
@@ -502,9 +505,10 @@ class HFCounter(PromptCounter):
         (:func:`tokenizer.engine_render.views_of`)."""
         out = []
         for v in views_of(self.engines):
-            out.append(self.render_chat(messages, tools, options, v))
-            if v in self._parts_engines:  # the engine may hand this template content as parts
-                out.append(self.render_chat(messages, tools, options, v, parts=True))
+            for rewrite in schema_forms(tools, v):
+                out.append(self.render_chat(messages, tools, options, v, rewrite_schema=rewrite))
+                if v in self._parts_engines:  # the engine may hand this template content as parts
+                    out.append(self.render_chat(messages, tools, options, v, parts=True, rewrite_schema=rewrite))
         return out
 
     def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:

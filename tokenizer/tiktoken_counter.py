@@ -11,7 +11,7 @@ import tiktoken
 from tokenizer.base import PromptCounter
 from tokenizer.chat import DEFAULT_CHAT, ChatOptions, RenderedChat, chatml_token_count, chatml_token_ids, render_chatml
 from tokenizer.encodings import IM_END_ID, IM_START_ID, bundled_encoding, get_encoding, valid_id_mask
-from tokenizer.engine_render import chatml_view, engine_tools, views_of
+from tokenizer.engine_render import chatml_view, engine_tools, schema_forms, views_of
 from tokenizer.guard import fault_param, guarded
 from tokenizer.parallel import parallel_count
 from tokenizer.tiktoken_safe import encode_ordinary as safe_encode_ordinary
@@ -165,10 +165,11 @@ class TiktokenCounter(PromptCounter):
         out: list[RenderedChat] = []
         for v in views_of(self.engines):
             view = messages if v is None else chatml_view(messages, v)
-            vtools = engine_tools(tools, v)  # the engine's template gets each tool's model_dump()
-            r = rendered if view == messages and vtools == tools else render_chatml(view, vtools, options)
-            if all(r is not o for o in out):
-                out.append(r)
+            for rewrite in schema_forms(tools, v):
+                vtools = engine_tools(tools, v, rewrite)  # the engine's template gets each tool's model_dump()
+                r = rendered if view == messages and vtools == tools else render_chatml(view, vtools, options)
+                if all(r is not o for o in out):
+                    out.append(r)
         return out
 
     def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
