@@ -43,6 +43,33 @@ def test_watcher_reloads_on_change_and_keeps_the_old_table_when_the_file_is_inva
     assert w.check() is False and w.check() is True and reg.get("acme").rpm == 9 and w.last_error is None
 
 
+def test_a_failed_reload_shows_in_the_metrics_until_the_file_is_fixed(tmp_path: Path) -> None:
+    """A tenants file that fails to read keeps the previous tenants, revoked keys included, and
+    said so only in a log line: ``kvgate_tenants_file_valid`` is 0 from the failed read until a
+    good one, and each failed read counts in ``kvgate_tenants_reload_failures_total``."""
+    from gateway.ops.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    p = tmp_path / "tenants.yaml"
+    _write(p, 5)
+    w = TenantFileWatcher(TenantRegistry.from_path(p), interval_seconds=3600, on_result=m.tenant_reloaded)
+
+    def shown() -> tuple[float | None, float | None]:
+        return (
+            m.registry.get_sample_value("kvgate_tenants_file_valid"),
+            m.registry.get_sample_value("kvgate_tenants_reload_failures_total"),
+        )
+
+    assert shown() == (1.0, 0.0)
+    p.write_text("tenants:\n  - id: acme\n    rpm: yes\n")
+    assert w.check() is False and w.check() is False
+    assert shown() == (0.0, 1.0)
+    p.write_text("tenants: [\n")
+    assert w.check() is False and w.check() is False and shown() == (0.0, 2.0)
+    _write(p, 6)
+    assert w.check() is False and w.check() is True and shown() == (1.0, 2.0)
+
+
 def test_a_file_written_in_place_is_not_read_half_written_and_an_empty_one_never_empties_the_table(
     tmp_path: Path,
 ) -> None:

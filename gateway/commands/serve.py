@@ -338,7 +338,8 @@ def _serve(args: argparse.Namespace, settings, registry, secrets, listen: _Liste
     app.state.gateway.worker = args.worker_index
     from gateway.ops.tenant_reload import TenantFileWatcher
 
-    watcher = TenantFileWatcher(registry).start()  # tenant edits apply without a restart
+    # tenant edits apply without a restart; a file that fails to read is counted in /metrics
+    watcher = TenantFileWatcher(registry, on_result=app.state.gateway.metrics.tenant_reloaded).start()
     watcher.install_sighup()
     return run_server(
         app,

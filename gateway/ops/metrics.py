@@ -151,6 +151,20 @@ FAMILIES: tuple[MetricFamily, ...] = (
     MetricFamily(
         "in_flight", Gauge, "kvgate_in_flight_requests", "Requests being served now.", multiprocess_mode="livesum"
     ),
+    MetricFamily(
+        "tenant_reload_failures",
+        Counter,
+        "kvgate_tenants_reload_failures",
+        "Reads of the changed tenants file that failed (invalid or unreadable); the previous tenants stay.",
+    ),
+    MetricFamily(
+        "tenants_file_valid",
+        Gauge,
+        "kvgate_tenants_file_valid",
+        "1 while the tenants in force are the file's; 0 once a read of it failed (the previous tenants, "
+        "revoked keys included, stay in force until it is fixed).",
+        multiprocess_mode="livemin",
+    ),
 )
 
 
@@ -171,6 +185,8 @@ class GatewayMetrics:
     pool_tokens: Gauge
     effective_limit: Gauge
     in_flight: Gauge
+    tenant_reload_failures: Counter
+    tenants_file_valid: Gauge
 
     def __init__(self) -> None:
         #: multiprocess mode: the directory every worker's metric files live in (else ``None``)
@@ -178,6 +194,13 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         for family in FAMILIES:
             setattr(self, family.attr, family.build(self.registry))
+        self.tenants_file_valid.set(1)
+
+    def tenant_reloaded(self, ok: bool) -> None:
+        """A read of the changed tenants file succeeded (``ok``) or failed: the reload metrics."""
+        self.tenants_file_valid.set(1 if ok else 0)
+        if not ok:
+            self.tenant_reload_failures.inc()
 
     def pool_updater(self, upstream: str):
         """A callback ``(pool_tokens | None, limit | None)`` setting the pool gauges of ``upstream``."""

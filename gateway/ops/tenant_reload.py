@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from config.loader import ConfigError
@@ -37,13 +38,20 @@ class TenantFileWatcher:
     file's (mtime, size, inode) changes and then stays the same for one more check (a file
     written in place is not read half-written), checked every ``interval_seconds`` in a daemon
     thread, or at once after :meth:`poke` (what the SIGHUP handler calls). ``reloads`` counts successful
-    reloads; ``last_error`` holds the last invalid file's message (``None`` after a good one)."""
+    reloads; ``last_error`` holds the last invalid file's message (``None`` after a good one);
+    ``on_result(ok)`` is told of each read (the gateway's reload metrics)."""
 
-    def __init__(self, registry: Any, interval_seconds: float = POLL_INTERVAL_SECONDS) -> None:
+    def __init__(
+        self,
+        registry: Any,
+        interval_seconds: float = POLL_INTERVAL_SECONDS,
+        on_result: Callable[[bool], None] | None = None,
+    ) -> None:
         if registry.path is None:
             raise ValueError("the tenant registry has no file to watch")
         self.registry = registry
         self.interval_seconds = interval_seconds
+        self.on_result = on_result
         self.reloads = 0
         self.last_error: str | None = None
         self._seen = _signature(registry.path)
@@ -64,9 +72,13 @@ class TenantFileWatcher:
         except (ConfigError, OSError, ValueError) as e:
             self.last_error = str(e)
             log.warning("tenants file %s is invalid; keeping the previous tenants: %s", self.registry.path, e)
+            if self.on_result is not None:
+                self.on_result(False)
             return False
         self.reloads += 1
         self.last_error = None
+        if self.on_result is not None:
+            self.on_result(True)
         log.info("tenants reloaded from %s: %d tenant(s)", self.registry.path, len(self.registry.tenants))
         return True
 
