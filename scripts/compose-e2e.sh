@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # docker-compose.yml under a real Docker engine, as a new user runs it: build both images, `up`, wait
 # for every health check, read the generated key, check /v1/models, a prompt at the context limit (200)
-# and one token over it (400 context_length_exceeded), a streamed chat, /metrics; restart the gateway
-# and check the same key still works; `down -v`. Prints its total time; exits non-zero on any failure.
+# and one token over it (400 context_length_exceeded), a streamed chat, /metrics; a second gateway in
+# a container of its own (another host on the compose network) sharing Redis and the state volume,
+# and one tenant's RPM window enforced across both; restart the gateway and check the same key still
+# works; `down -v`. Prints its total time; exits non-zero on any failure.
 #
 # Works on a fresh Debian machine with no image registry: installs docker.io, docker-compose and
 # debootstrap when missing, starts its own dockerd (own data root, exec root, pidfile and socket; stopped
@@ -57,7 +59,7 @@ PY=$(command -v python3) || die "python3 is missing"
 # --- our own dockerd ----------------------------------------------------------------------------
 RUN=$(mktemp -d /tmp/kvgate-e2e.XXXXXX)  # short: unix socket paths are limited to 108 bytes
 export DOCKER_HOST="unix://$RUN/docker.sock"
-INDEX_PID="" STACK_UP=0
+INDEX_PID="" STACK_UP=0 GW2=kvgate-e2e-gateway-2
 cleanup() {
   local rc=$?
   set +e
@@ -66,6 +68,7 @@ cleanup() {
       docker-compose logs --no-color --tail=40 >&2
       docker-compose ps >&2
     fi
+    docker rm -f "$GW2" >/dev/null 2>&1
     docker-compose down -v --remove-orphans >/dev/null 2>&1
   fi
   [ -n "$INDEX_PID" ] && kill "$INDEX_PID" 2>/dev/null
@@ -206,6 +209,22 @@ KEY=$(docker-compose exec -T gateway cat /var/lib/kvgate/state/default.key | tr 
 [[ "$KEY" == sk-kvg-* ]] || die "no generated key in the gateway's state volume"
 phase "checks through 127.0.0.1:$PORT"
 BASE="http://127.0.0.1:$PORT" KEY="$KEY" "$PY" scripts/compose_e2e_checks.py full
+
+phase "a second gateway host: its own container and address, sharing Redis and the state volume"
+RPM_KEY=$(docker-compose exec -T gateway kvgate tenant add e2e-replicas --rpm 4 | tr -d '\r\n')
+[[ "$RPM_KEY" == sk-kvg-* ]] || die "kvgate tenant add printed no key"
+docker-compose run -d --no-deps --name "$GW2" gateway >/dev/null
+tries=0
+until docker-compose exec -T gateway python -c \
+  "import urllib.request; urllib.request.urlopen('http://$GW2:8080/readyz', timeout=2)" >/dev/null 2>&1; do
+  tries=$((tries + 1))
+  [ "$tries" -lt 120 ] || { docker logs --tail 40 "$GW2" >&2; die "$GW2 is not ready after 120 tries"; }
+  sleep 1
+done
+say "$GW2 ready after $tries retries"
+docker-compose exec -T -e BASE=http://127.0.0.1:8080 -e BASE2="http://$GW2:8080" -e KEY="$RPM_KEY" \
+  gateway python - replicas <scripts/compose_e2e_checks.py
+docker rm -f "$GW2" >/dev/null
 
 phase "docker-compose restart gateway"
 docker-compose restart gateway >/dev/null

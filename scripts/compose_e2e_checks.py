@@ -2,7 +2,9 @@
 
 Standard library only (it runs with the host's python3, no venv). ``BASE`` (http://127.0.0.1:PORT)
 and ``KEY`` (the gateway's generated key) come from the environment; argv[1] is ``full`` (every
-check) or ``key`` (after a restart: the same key still gets a 200). Exits 1 on the first failure.
+check), ``key`` (after a restart: the same key still gets a 200) or ``replicas`` (run inside the
+compose network: ``BASE`` and ``BASE2`` are two gateway containers sharing Redis, ``KEY`` a tenant
+with RPM 4). Exits 1 on the first failure.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import json
 import os
 import re
 import sys
+import time
 import urllib.error
 import urllib.request
+from email.message import Message
 
 BASE = os.environ["BASE"]
 KEY = os.environ["KEY"]
@@ -20,17 +24,25 @@ MODEL = "kvgate-tiny"
 
 
 def call(method: str, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, str, str]:
-    """(status, content type, body text) of one request; HTTP errors are answers too."""
+    """(status, content type, body text) of one request to ``BASE``; HTTP errors are answers too."""
+    status, headers, text = call_headers(method, path, body, key)
+    return status, headers.get("Content-Type", ""), text
+
+
+def call_headers(
+    method: str, path: str, body: dict | None = None, key: str | None = KEY, base: str = BASE
+) -> tuple[int, Message, str]:
+    """(status, headers (names in any case), body text) of one request; HTTP errors are answers too."""
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(BASE + path, data=data, headers=headers, method=method)
+    req = urllib.request.Request(base + path, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+            return r.status, r.headers, r.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, e.headers.get("Content-Type", ""), e.read().decode()
+        return e.code, e.headers, e.read().decode()
 
 
 def expect(ok: bool, what: str, detail: object = "") -> None:
@@ -128,7 +140,43 @@ def metrics(limit: int) -> None:
     expect(effective == limit, f"kvgate_effective_limit_tokens{{upstream=bundled}} == {limit}", effective)
 
 
+def replicas() -> None:
+    """Two gateway hosts sharing Redis enforce one RPM window: the tenant's four requests,
+    alternating hosts, each say how many remain across both (3, 2, 1, 0), then each host
+    answers the fifth and sixth with the 429 and its exact message."""
+    base2 = os.environ["BASE2"]
+    deadline = time.monotonic() + 30
+    while call("GET", "/v1/models")[0] != 200:  # the first host re-reads the tenants file (polled)
+        expect(time.monotonic() < deadline, "the first gateway knows the new tenant within 30 s")
+        time.sleep(0.5)
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi."}]}
+    for i, base in enumerate([base2, BASE, base2, BASE]):
+        status, headers, text = call_headers("POST", "/v1/chat/completions", body, base=base)
+        left = headers.get("x-ratelimit-remaining-requests")
+        expect(
+            status == 200 and left == str(3 - i),
+            f"request {i + 1} via {base} -> 200, {3 - i} left",
+            (status, left, text),
+        )
+    want = re.compile(
+        r"Rate limit reached for tenant 'e2e-replicas' on requests per 60s window \(RPM\): "
+        r"Limit 4, Used 4, Requested 1\. Please try again in \d+s\."
+    )
+    for base in (BASE, base2):
+        status, headers, text = call_headers("POST", "/v1/chat/completions", body, base=base)
+        err = json.loads(text)["error"] if status == 429 else {}
+        expect(
+            status == 429 and err.get("code") == "rate_limit_exceeded" and want.fullmatch(err.get("message", "")),
+            f"request over the RPM via {base} -> 429 rate_limit_exceeded, Used 4",
+            text,
+        )
+        expect(headers.get("x-ratelimit-limit-requests") == "4", "x-ratelimit-limit-requests: 4", headers)
+
+
 def main() -> None:
+    if sys.argv[1:] == ["replicas"]:
+        replicas()
+        return
     if sys.argv[1:] == ["key"]:
         models()
         body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Say hello."}]}
