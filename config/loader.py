@@ -226,6 +226,10 @@ def _takes_text(model: type[BaseModel], parts: tuple[str, ...]) -> bool:
     return bool(args) and all(a in (str, SecretStr) for a in args)
 
 
+#: values a variable unsets its setting with (YAML's null, as every setting reads it; empty too)
+_YAML_NULLS = frozenset(("", "null", "Null", "NULL", "~"))
+
+
 def env_override_items(
     model: type[BaseModel], environ: Mapping[str, str] | None = None
 ) -> list[tuple[tuple[str, ...], str, Any]]:
@@ -234,7 +238,8 @@ def env_override_items(
     Values are parsed as YAML scalars/flow collections (``9000`` -> int, ``[a, b]`` -> list,
     ``null`` or the empty string -> ``None``); text that is not YAML stays a string. A field that
     holds only text (``redis_url``, ``gateway.metrics_token``, ``state_dir``) takes the value as it
-    is: YAML read a token ``#x...`` as a comment (``None``: no token) and ``0123`` as a number."""
+    is, but for YAML's null: YAML read a token ``#x...`` as a comment (``None``: no token) and
+    ``0123`` as a number."""
     environ = os.environ if environ is None else environ
     fields = set(model.model_fields)
     items = []
@@ -246,7 +251,10 @@ def env_override_items(
             continue
         raw = environ[name]
         try:
-            value = None if raw == "" else raw if _takes_text(model, parts) else yaml.safe_load(raw)
+            if raw in _YAML_NULLS:
+                value = None
+            else:
+                value = raw if _takes_text(model, parts) else yaml.safe_load(raw)
         except yaml.YAMLError:
             value = raw
         items.append((parts, name, value))

@@ -272,6 +272,21 @@ def test_sent_body_is_forwarded_unrewritten(env):
     assert sg.state.requests[-1]["body"]["tools"] == tools
 
 
+def test_a_schema_nested_past_the_comparison_is_a_400_not_a_500(env):
+    """About 1,000 levels of ``properties`` (orjson reads up to 1,024): comparing the rewritten
+    schema with the one sent recursed past the interpreter's limit before the template's own
+    check, an internal error behind the tojson template; it is the usual 400 naming the tool."""
+    client = env[0]
+    deep = '{"properties": {"a": ' * 500 + '{"type": "object"}' + "}}" * 500
+    body = (
+        '{"model": "ts", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], '
+        '"tools": [{"type": "function", "function": {"name": "get", "parameters": ' + deep + "}}]}"
+    )
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "tools[0]"
+
+
 def test_deep_schema_through_the_app_is_never_a_500(env):
     client = env[0]
     deep: dict = {"type": "int"}

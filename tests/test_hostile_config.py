@@ -176,6 +176,9 @@ def test_environment_text_settings_are_taken_as_given(tmp_path):
         assert (s.gateway.metrics_token.get_secret_value(), s.state_dir) == (token, "0755")
     s = load_settings(p, environ={"KVGATE_GATEWAY__PORT": "9000", "KVGATE_GATEWAY__METRICS_TOKEN": ""})
     assert (s.gateway.port, s.gateway.metrics_token) == (9000, None)
+    for null in ("null", "~", "NULL"):  # YAML's null still unsets a text setting (not a file named ./null)
+        s = load_settings(p, environ={"KVGATE_VERIFIER__INCIDENT_LOG": null, "KVGATE_GATEWAY__METRICS_TOKEN": null})
+        assert (s.verifier.incident_log, s.gateway.metrics_token) == (None, None)
 
 
 # ---------------------------------------------------------------- tenants and keys

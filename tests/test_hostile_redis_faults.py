@@ -246,3 +246,34 @@ async def test_failover_behind_one_address_reconnects_past_readonly(tmp_path: Pa
         proxy.close()
         old.close()
         new.close()
+
+
+async def test_a_redis_6_script_readonly_error_also_reconnects(server: SpareRedis, monkeypatch) -> None:
+    """Redis 6 wraps a script's refused write: ``ERR Error running script ... -READONLY ...``, a
+    plain ``ResponseError`` to redis-py, not a ``ReadOnlyError``; it is a failover all the same.
+    The first reply is made such an error (the call itself ran): the store reconnects, sends the
+    call again, and the reservation, which knows its own lease id, counts once."""
+    from redis.asyncio.connection import AbstractConnection
+    from redis.exceptions import ResponseError
+
+    stage = _stage(server)
+    t = _tenant(rpm=5)
+    await stage.settle(await stage.reserve(t, 1, "warm"), 1)
+    real = AbstractConnection.read_response
+    wrapped: list[int] = []
+
+    async def once_readonly(self, *a, **kw):
+        reply = await real(self, *a, **kw)
+        if not wrapped:
+            wrapped.append(1)
+            raise ResponseError(
+                "Error running script (call to f_0): @user_script:12: @user_script: 12: "
+                "-READONLY You can't write against a read only replica."
+            )
+        return reply
+
+    monkeypatch.setattr(AbstractConnection, "read_response", once_readonly)
+    await stage.settle(await stage.reserve(t, 1, "after"), 1)  # a 503 raises
+    assert wrapped == [1]
+    assert _state(server, stage, t.id)["rpm"] == 2
+    await stage.aclose()

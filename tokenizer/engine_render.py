@@ -435,14 +435,17 @@ def schema_forms(tools: Any, engine: str | None) -> tuple[bool, ...]:
         return (True,)
     for t in tools:
         found = _tool_parts(t)
-        if found is not None and sglang_schema(found[1].get("parameters")) != found[1].get("parameters"):
+        try:
+            if found is not None and sglang_schema(found[1].get("parameters")) != found[1].get("parameters"):
+                return (True, False)
+        except RecursionError:  # nested past the comparison's reach: the rendering refuses it (a 400)
             return (True, False)
     return (True,)
 
 
 def _wrapped(call: dict[str, Any]) -> dict[str, Any]:
     fn = call["function"]
-    if "arguments" not in fn:  # SGLang parses only arguments that are there
+    if "arguments" not in fn:  # none to wrap (a ChatML view of the messages as sent)
         return call
     return {**call, "function": {**fn, "arguments": ParsedArguments(fn["arguments"])}}
 

@@ -559,10 +559,13 @@ class RedisQuotaStore:
             await conn.disconnect(nowait=True)
             await pool.release(conn)
             raise
-        if any(isinstance(r, ReadOnlyError) for r in replies):
+        if any(
+            isinstance(r, ReadOnlyError) or (isinstance(r, ResponseError) and "-READONLY" in str(r)) for r in replies
+        ):
             # the address leads to a replica now (a failover behind one DNS name or proxy): this
             # connection is the old primary's, and a fresh one may reach the new (Sentinel's
-            # client does the same; a cluster's follows MOVED itself)
+            # client does the same; a cluster's follows MOVED itself). Redis 7 answers a script's
+            # refused write READONLY; Redis 6 wraps it: "ERR Error running script ... -READONLY ..."
             await conn.disconnect(nowait=True)
             await pool.release(conn)
             raise RedisConnectionError("READONLY: the server is a replica now")
