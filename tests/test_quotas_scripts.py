@@ -347,12 +347,17 @@ async def test_a_settle_goes_in_its_turns_round_trip_never_alone_from_its_caller
     assert (store.round_trips, await _leases(store, "t")) == (trips + 2, 0)
 
 
-async def test_while_requests_arrive_a_settle_rides_the_next_requests_round_trip(redis_store) -> None:
+async def test_while_requests_arrive_a_settle_rides_the_next_requests_round_trip(redis_store, monkeypatch) -> None:
     """One client's requests back to back: its next request's call comes turns after the settle
     of the one before (its answer had to reach the client first), so each request cost two round
     trips. While requests arrive, a settle with no request's call in its turn waits for the next
     one and goes in its pipeline, before it: one round trip, and a tenant at its concurrency
-    limit of 1 is admitted for the next request."""
+    limit of 1 is admitted for the next request. (Both windows widened: on a loaded machine the
+    test's own steps took longer than 2 ms and 1 ms.)"""
+    import gateway.quotas.stores as stores
+
+    monkeypatch.setattr(stores, "BUSY_SECONDS", 5.0)
+    monkeypatch.setattr(stores, "SETTLE_WAIT_SECONDS", 5.0)
     store = redis_store
     lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=1)
     assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted  # a request's call: requests arrive
