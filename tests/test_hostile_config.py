@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from config.loader import DEFAULT_TENANTS, ConfigError, load_settings, load_tenants
+from config.loader import DEFAULT_CONFIG, DEFAULT_TENANTS, ConfigError, load_settings, load_tenants
 from config.secrets import SecretsError, load_secrets
 from gateway.cli import main
 
@@ -243,3 +243,22 @@ def test_an_unreadable_secrets_file_is_named_not_a_traceback(tmp_path, capsys, m
     assert serve.run(parser.parse_args(["--config", str(cfg), "--tenants", str(ten)])) == 2
     assert capsys.readouterr().err == f"kvgate serve: {expected}\n"
     assert (state / "secrets.json").is_dir()  # left alone
+
+
+def test_a_misspelt_model_is_warned_of_when_the_settings_are_named(capsys, tenants_file, monkeypatch):
+    """`kvgate tenant add --model <typo>` exited 0 in silence: a running gateway then left the
+    tenant out (its key: 401) and the next start refused the whole file. With KVGATE_CONFIG set,
+    each unknown model is warned of (the file is still written: the settings may be another
+    machine's); without it, nothing is said."""
+    monkeypatch.setenv("KVGATE_CONFIG", str(DEFAULT_CONFIG))
+    rc, out, err = _cli(capsys, "add", "typo", "--tenants", str(tenants_file), "--model", "kvgate-tiy")
+    assert rc == 0 and out.startswith("sk-kvg-")
+    assert err.splitlines()[0] == (
+        f"kvgate tenant add: warning: model 'kvgate-tiy' is no model id or alias in {DEFAULT_CONFIG} "
+        "(KVGATE_CONFIG): a running gateway leaves this tenant out, and the next 'kvgate serve' refuses the file"
+    )
+    rc, _, err = _cli(capsys, "set", "typo", "--tenants", str(tenants_file), "--model", "tiny-random")
+    assert rc == 0 and "warning" not in err  # an alias of kvgate-tiny
+    monkeypatch.delenv("KVGATE_CONFIG")
+    rc, _, err = _cli(capsys, "set", "typo", "--tenants", str(tenants_file), "--model", "kvgate-tiy")
+    assert rc == 0 and "warning" not in err

@@ -282,7 +282,7 @@ def limit_options(parser: argparse.ArgumentParser) -> None:
     """Add the tenant-limit flags (``--rpm``, ``--tpm``, ``--max-concurrent``,
     ``--max-context-tokens``, ``--max-tokens-cap``, ``--default-max-tokens``, ``--model``) whose
     values :func:`limits_from_args` collects. Unset flags leave the field as it is."""
-    g = parser.add_argument_group("limits (docs/design.md, tenant entry)")
+    g = parser.add_argument_group("limits (docs/configuration.md, tenants.yaml)")
     g.add_argument("--rpm", type=int, help="requests per quota window")
     g.add_argument("--tpm", type=int, help="prompt + completion tokens per quota window")
     g.add_argument("--max-concurrent", type=int, help="requests in flight at once")
@@ -356,6 +356,30 @@ def _flow(items: list[Any]) -> CommentedSeq:
 
 
 # ---------------------------------------------------------------- actions
+def _warn_unknown_models(command: str, models: list[str] | None) -> None:
+    """Warn (stderr) of each ``--model`` that is no model id or alias of the settings
+    ``KVGATE_CONFIG`` names: a running gateway leaves such a tenant out, and the next ``kvgate
+    serve`` refuses the whole file. No ``KVGATE_CONFIG`` (the embedded stack makes its settings
+    from the model it serves), or settings that do not load: no warning."""
+    source = os.environ.get("KVGATE_CONFIG")
+    if not models or not source:
+        return
+    from config.loader import load_settings
+
+    try:
+        settings = load_settings(source)
+    except Exception:  # the settings are the gateway's business: the tenants file is still written
+        return
+    for name in models:
+        if settings.model_by_name(name) is None:
+            print(
+                f"kvgate tenant {command}: warning: model '{name}' is no model id or alias in {source} "
+                "(KVGATE_CONFIG): a running gateway leaves this tenant out, and the next 'kvgate serve' "
+                "refuses the file",
+                file=sys.stderr,
+            )
+
+
 def _cmd_add(args: argparse.Namespace) -> int:
     path = args.tenants or default_tenants_path()
     try:
@@ -380,6 +404,7 @@ def _cmd_add(args: argparse.Namespace) -> int:
     except TenantFileError as e:
         print(f"kvgate tenant add: {e}", file=sys.stderr)
         return 1
+    _warn_unknown_models("add", getattr(args, "models", None))
     print(
         f"kvgate: tenant '{args.name}' added to {path}. Its API key is printed below, once: "
         "only its SHA-256 is stored. A running gateway picks it up when it re-reads the file (it watches "
@@ -433,6 +458,7 @@ def _cmd_set(args: argparse.Namespace) -> int:
     except TenantFileError as e:
         print(f"kvgate tenant set: {e}", file=sys.stderr)
         return 1
+    _warn_unknown_models("set", getattr(args, "models", None))
     shown = ", ".join(
         f"{k}={'null' if v is None else (list(v) if isinstance(v, list) else v)}" for k, v in changes.items()
     )
