@@ -84,6 +84,9 @@ class Gateway:
         self._salt_key = secrets["cache_salt_key"]
         self._salts: dict[str, str] = {}
         self.metrics = GatewayMetrics()
+        watch = getattr(self.quotas, "watch_store", None)  # a shared store's state, as a gauge
+        if callable(watch):
+            watch(lambda up: self.metrics.quota_store_up.set(1 if up else 0))
         self.models = ModelIndex(settings, settings.gateway.offload_count_chars)
         g = settings.gateway
         self.client = httpx.AsyncClient(

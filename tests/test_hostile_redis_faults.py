@@ -277,3 +277,46 @@ async def test_a_redis_6_script_readonly_error_also_reconnects(server: SpareRedi
     assert wrapped == [1]
     assert _state(server, stage, t.id)["rpm"] == 2
     await stage.aclose()
+
+
+async def test_the_quota_store_state_reaches_the_gateways_gauge(server: SpareRedis) -> None:
+    """The compose stack's Redis refused every gateway for a whole round and nothing showed it
+    but a log line. ``kvgate_quota_store_up`` is 0 from a failed start or call until a call
+    succeeds again, each change told once."""
+    from gateway.app import create_app
+    from tests.gateway_harness import SECRETS, closed_port_url, settings_for, tenants, upstream
+
+    dead_url = closed_port_url().replace("http://", "redis://") + "/0"
+    dead = RedisQuotaStore(redis_client_from_url(dead_url, 0.25), prefix="rf-dead")
+    stage = TenantQuotas(QuotaSettings(), dead)
+    app = create_app(
+        settings_for([upstream("u1", api_url=closed_port_url() + "/v1", pool_urls=[closed_port_url() + "/x"])]),
+        tenants(),
+        quotas=stage,
+        secrets=SECRETS,
+    )
+    gauge = app.state.gateway.metrics.registry
+
+    def up() -> float | None:
+        return gauge.get_sample_value("kvgate_quota_store_up")
+
+    assert up() == 1.0
+    await stage.start()  # nothing answers: as a failed call
+    assert up() == 0.0
+    await stage.aclose()
+
+    changes: list[bool] = []
+    stage = _stage(server)
+    stage.watch_store(changes.append)
+    await stage.start()
+    t = _tenant(rpm=5)
+    await stage.settle(await stage.reserve(t, 1, "a"), 1)
+    server.kill()
+    with pytest.raises(OpenAIError) as e:
+        await stage.reserve(t, 1, "b")
+    assert e.value.status == 503 and changes == [False]
+    server.start()
+    await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.1)
+    await stage.settle(await stage.reserve(t, 1, "c"), 1)
+    assert changes == [False, True]
+    await stage.aclose()

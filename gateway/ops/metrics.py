@@ -152,6 +152,14 @@ FAMILIES: tuple[MetricFamily, ...] = (
         "in_flight", Gauge, "kvgate_in_flight_requests", "Requests being served now.", multiprocess_mode="livesum"
     ),
     MetricFamily(
+        "quota_store_up",
+        Gauge,
+        "kvgate_quota_store_up",
+        "1 while the shared quota store (Redis) answers; 0 from a failed call or start until a call succeeds "
+        "(limited tenants meet redis_failure_policy meanwhile). Always 1 with quotas kept in the process.",
+        multiprocess_mode="livemin",
+    ),
+    MetricFamily(
         "tenant_reload_failures",
         Counter,
         "kvgate_tenants_reload_failures",
@@ -185,6 +193,7 @@ class GatewayMetrics:
     pool_tokens: Gauge
     effective_limit: Gauge
     in_flight: Gauge
+    quota_store_up: Gauge
     tenant_reload_failures: Counter
     tenants_file_valid: Gauge
 
@@ -195,6 +204,7 @@ class GatewayMetrics:
         for family in FAMILIES:
             setattr(self, family.attr, family.build(self.registry))
         self.tenants_file_valid.set(1)
+        self.quota_store_up.set(1)
 
     def tenant_reloaded(self, ok: bool) -> None:
         """A read of the changed tenants file succeeded (``ok``) or failed: the reload metrics."""

@@ -172,6 +172,13 @@ class TenantQuotas:
         #: through :meth:`begin` before their bodies are read: one was refused for RPM or
         #: concurrency, and that refusal's Retry-After has not passed (:meth:`combines`)
         self._refused_until: dict[str, float] = {}
+        #: told ``False`` when the shared store stops answering (a call or the start), ``True``
+        #: when it answers again (:meth:`watch_store`: the gateway's ``kvgate_quota_store_up``)
+        self._store_state: Callable[[bool], None] | None = None
+
+    def watch_store(self, callback: Callable[[bool], None]) -> None:
+        """Tell ``callback`` each change of the shared store's state (``True``: it answers)."""
+        self._store_state = callback
 
     # ------------------------------------------------------------------ store health
     def _store_usable(self, tenant_id: str) -> bool:
@@ -181,6 +188,8 @@ class TenantQuotas:
 
     def _mark_down(self, err: Exception, tenant_id: str) -> None:
         if self._backoff.failed(self.store.scope(tenant_id)):
+            if self._store_state is not None:
+                self._store_state(False)
             action = (
                 f"per-process local limits (limit // {self.processes})"
                 if self.fallback is not None
@@ -245,6 +254,8 @@ class TenantQuotas:
         scope = self.store.scope(tenant_id)
         if self._backoff.succeeded(scope):
             log.warning("quota store %s answers again: limits are shared across replicas again", self.store.name)
+            if self._store_state is not None:
+                self._store_state(True)
         if self._uncertain:
             await self._cancel_uncertain(scope)
         if self._unsettled:
@@ -300,8 +311,8 @@ class TenantQuotas:
     async def start(self) -> None:
         """Connect the shared store before the first request (its ``warm_up``: a ``PING``, on a
         cluster the slot map and every primary), within :data:`WARM_UP_SECONDS`, so the first
-        decision finds a connected client. A failure is logged and nothing else: requests then
-        meet the failure policy as they would have."""
+        decision finds a connected client. A failure is logged and counts as a failed call: the
+        store backs off, and requests then meet the failure policy as they would have."""
         warm_up = getattr(self.store, "warm_up", None)
         if warm_up is None or self.store is self.fallback:
             return
@@ -315,6 +326,8 @@ class TenantQuotas:
                 str(e) or type(e).__name__,
                 self.settings.redis_failure_policy,
             )
+            if self._backoff.failed() and self._store_state is not None:  # the whole store, as a failed call
+                self._store_state(False)
 
     async def _decide(
         self,
