@@ -123,8 +123,8 @@ def stream() -> None:
 def metric(text: str, name: str, **labels: str) -> float:
     """The sum of ``name`` over the samples whose labels include ``labels``."""
     total = 0.0
-    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+    for m in re.finditer(rf"^{name}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
         if all(have.get(k) == v for k, v in labels.items()):
             total += float(m.group(2))
     return total
@@ -138,6 +138,8 @@ def metrics(limit: int) -> None:
     expect(ok >= 2 and refused >= 1, f"/metrics counts the 200s ({ok:g}) and the refusal ({refused:g})")
     effective = metric(text, "kvgate_effective_limit_tokens", upstream="bundled")
     expect(effective == limit, f"kvgate_effective_limit_tokens{{upstream=bundled}} == {limit}", effective)
+    store_up = metric(text, "kvgate_quota_store_up")
+    expect(store_up == 1, "kvgate_quota_store_up == 1 (the gateway's Redis answers)", store_up)
 
 
 def replicas() -> None:
