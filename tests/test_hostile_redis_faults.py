@@ -320,3 +320,29 @@ async def test_the_quota_store_state_reaches_the_gateways_gauge(server: SpareRed
     await stage.settle(await stage.reserve(t, 1, "c"), 1)
     assert changes == [False, True]
     await stage.aclose()
+
+
+async def test_settles_left_over_from_an_outage_go_together(server: SpareRedis) -> None:
+    """The settles the store could not take during an outage were sent again one round trip
+    each, in the path of the request whose call found Redis back (up to 10,000 of them: seconds,
+    and a deque.remove each). They go together, riding the store's round trips, and every lease
+    is released."""
+    import time
+
+    stage = _stage(server)
+    assert isinstance(stage.store, RedisQuotaStore)
+    t = _tenant(max_concurrent=1000)
+    leases = [await stage.begin(t, f"l{i}") for i in range(300)]
+    server.pause()
+    try:
+        for lease in leases:  # the first fails at the deadline; the rest wait for the back-off
+            await stage.settle(lease, 0)
+    finally:
+        server.resume()
+    trips = stage.store.round_trips
+    deadline = time.monotonic() + 10
+    while (stage._unsettled or _state(server, stage, t.id)["leases"]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert (len(stage._unsettled), _state(server, stage, t.id)["leases"]) == (0, 0)
+    assert stage.store.round_trips - trips <= 5  # 300 before
+    await stage.aclose()

@@ -229,26 +229,35 @@ class TenantQuotas:
     async def _settle_left_over(self, scope: Any = _ALL) -> None:
         """Send again the settles the store could not take (``scope``: as :meth:`_cancel_uncertain`);
         ``settle.lua`` run late releases a lease that may have expired (nothing) and corrects the
-        debit as it would have then. One that fails again waits for the next round."""
-        todo = [u for u in self._unsettled if scope is _ALL or self.store.scope(u[0].tenant_id) == scope]
-        for u in todo:
-            self._unsettled.remove(u)
-        while todo:
-            held, used, reserved = todo[0]
-            if not self._store_usable(held.tenant_id):
-                self._unsettled.append(todo.pop(0))
-                continue
-            try:
-                await self._bounded(
-                    held.store.settle(held.tenant_id, held.limits, held.lease_id, used, reserved, held.window_ms)
-                )
-            except QuotaStoreUnavailable as e:
-                self._unsettled.append(todo[0])
-                self._mark_down(e, held.tenant_id)
-            except BaseException:
-                self._unsettled.extend(todo)
-                raise
-            todo.pop(0)
+        debit as it would have then. They go together, riding the store's round trips (after a
+        long outage thousands wait, and the request whose call found the store back waits for
+        them: one round trip each took seconds). One that fails again waits for the next round."""
+        ready: list[tuple[_Held, int, int]] = []
+        keep: list[tuple[_Held, int, int]] = []
+        for u in self._unsettled:  # not a deque.remove each (10,000 of them: 10^8 comparisons)
+            tenant_id = u[0].tenant_id
+            mine = scope is _ALL or self.store.scope(tenant_id) == scope
+            (ready if mine and self._store_usable(tenant_id) else keep).append(u)
+        self._unsettled.clear()
+        self._unsettled.extend(keep)  # other parts of the store, or backing off: the next round
+        try:
+            results = await asyncio.gather(
+                *(
+                    self._bounded(h.store.settle(h.tenant_id, h.limits, h.lease_id, used, reserved, h.window_ms))
+                    for h, used, reserved in ready
+                ),
+                return_exceptions=True,
+            )
+        except BaseException:  # cancelled: all are sent again (settle.lua run twice changes nothing more)
+            self._unsettled.extend(ready)
+            raise
+        for u, r in zip(ready, results, strict=True):
+            if isinstance(r, BaseException):
+                self._unsettled.append(u)
+                if isinstance(r, QuotaStoreUnavailable):
+                    self._mark_down(r, u[0].tenant_id)
+                else:
+                    log.error("quota settle for tenant %s failed again: %r", u[0].tenant_id, r)
 
     async def _mark_up(self, tenant_id: str) -> None:
         scope = self.store.scope(tenant_id)
@@ -275,21 +284,25 @@ class TenantQuotas:
             else:
                 keep.append((tenant_id, lease_id))
         self._uncertain.extend(keep)
-        undone = 0
         todo = list(groups.items())
-        try:
-            while todo:  # a tenant whose store part is down waits for the next round
-                tenant_id, ids = todo[0]
-                try:
-                    undone += await self._bounded(self.store.cancel(tenant_id, ids))
-                except QuotaStoreUnavailable as e:
-                    self._uncertain.extend((tenant_id, i) for i in ids)
-                    self._mark_down(e, tenant_id)
-                todo.pop(0)
+        try:  # together, riding the store's round trips (one each took seconds after a long outage)
+            results = await asyncio.gather(
+                *(self._bounded(self.store.cancel(tenant_id, ids)) for tenant_id, ids in todo), return_exceptions=True
+            )
         except BaseException:  # cancelled part-way: what is not known undone waits for the next round
             self._uncertain.extend((tenant_id, i) for tenant_id, ids in todo for i in ids)
             self._ensure_recoverer()
             raise
+        undone = 0
+        for (tenant_id, ids), r in zip(todo, results, strict=True):
+            if isinstance(r, BaseException):  # a tenant whose store part is down waits for the next round
+                self._uncertain.extend((tenant_id, i) for i in ids)
+                if isinstance(r, QuotaStoreUnavailable):
+                    self._mark_down(r, tenant_id)
+                else:
+                    log.error("quota store %s: undoing reservations of %s failed: %r", self.store.name, tenant_id, r)
+            else:
+                undone += r
         if undone:
             log.warning(
                 "quota store %s: undid %d reservation(s) it ran after their call had timed out", self.store.name, undone
