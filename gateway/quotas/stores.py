@@ -200,9 +200,16 @@ def _decision(r: Any) -> QuotaDecision:
     return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])))
 
 
+#: scripts that start with a shared part (a script runs alone in Redis, without imports)
+_PRELUDES = {"reserve": "tpm_window", "tokens": "tpm_window"}
+
+
 def load_script(name: str) -> str:
-    """The text of ``gateway/quotas/lua/<name>.lua`` (package data)."""
-    return resources.files("gateway.quotas").joinpath("lua", f"{name}.lua").read_text(encoding="utf-8")
+    """The text of ``gateway/quotas/lua/<name>.lua`` (package data), after its shared part."""
+    lua = resources.files("gateway.quotas").joinpath("lua")
+    text = lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+    prelude = _PRELUDES.get(name)
+    return text if prelude is None else lua.joinpath(f"{prelude}.lua").read_text(encoding="utf-8") + text
 
 
 def _unavailable(e: BaseException) -> QuotaStoreUnavailable:
