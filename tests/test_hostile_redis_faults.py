@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +21,15 @@ from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
 from gateway.quotas.stores import RedisQuotaStore
 from gateway.quotas.tenant_quotas import PROBE_INTERVAL_SECONDS, TenantQuotas, redis_client_from_url
-from tests.quota_fixtures import SpareRedis
+from tests.quota_fixtures import SpareRedis, spare_redis  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[SpareRedis]:
+def server(spare_redis: SpareRedis) -> SpareRedis:  # noqa: F811 (the fixture)
     """A redis-server of this test's own (no persistence), killed after it."""
-    r = SpareRedis(tmp_path)
-    r.start()
-    try:
-        yield r
-    finally:
-        r.close()
+    return spare_redis
 
 
 def _tenant(**kw: Any) -> TenantConfig:

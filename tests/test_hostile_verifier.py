@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -330,6 +331,32 @@ def test_quarantine_put_during_a_refresh_is_not_lost_from_the_view(tmp_path):
     assert q.records() == {}
 
 
+class _LoopTicks:
+    """Ticks of the event loop every 5 ms while entered (``async with``); :attr:`longest_gap`:
+    the longest time between two, seconds (how long something held the loop)."""
+
+    def __init__(self) -> None:
+        self.ticks: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            self.ticks.append(time.monotonic())
+            await asyncio.sleep(0.005)
+
+    async def __aenter__(self) -> _LoopTicks:
+        self._task = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    @property
+    def longest_gap(self) -> float:
+        return max(b - a for a, b in zip(self.ticks, self.ticks[1:], strict=False))
+
+
 async def test_probe_canary_registration_does_not_block_the_event_loop(tmp_path):
     """The periodic probe registers its canaries under the state lock, which the background
     worker holds for whole batches (and the Redis store answers within its timeout): done on the
@@ -352,23 +379,15 @@ async def test_probe_canary_registration_does_not_block_the_event_loop(tmp_path)
 
     threading.Thread(target=busy_worker).start()
     assert held.wait(5)
-    ticks: list[float] = []
-
-    async def ticker() -> None:
-        while True:
-            ticks.append(time.monotonic())
-            await asyncio.sleep(0.005)
-
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0.02)
-    can = new_canary()
-    got = svc.prober.register([can])
-    if inspect.isawaitable(got):
-        await got
-    await asyncio.sleep(0.02)
-    task.cancel()
+    async with _LoopTicks() as loop:
+        await asyncio.sleep(0.02)
+        can = new_canary()
+        got = svc.prober.register([can])
+        if inspect.isawaitable(got):
+            await got
+        await asyncio.sleep(0.02)
     assert done.is_set()
-    assert max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 0.5  # it held the lock 1 s
+    assert loop.longest_gap < 0.5  # it held the lock 1 s
     assert [m.owners for m in svc.canaries.lookup([can])] == [{"kvgate-probe"}]
     await svc.aclose()
 
@@ -402,24 +421,16 @@ async def test_probe_leak_is_recorded_off_the_event_loop(tmp_path, monkeypatch):
         return put(*a, **kw)
 
     monkeypatch.setattr(svc.prober.evidence.quarantine, "put", slow_put)
-    ticks: list[float] = []
-
-    async def ticker() -> None:
-        while True:
-            ticks.append(time.monotonic())
-            await asyncio.sleep(0.005)
-
-    tick = asyncio.create_task(ticker())
-    loop = asyncio.create_task(svc.prober.loop())
-    for _ in range(200):
-        await asyncio.sleep(0.01)
-        if threads and svc.prober.evidence.quarantine.is_quarantined("up", 5000):
-            break
-    loop.cancel()
-    tick.cancel()
+    async with _LoopTicks() as loop:
+        probing = asyncio.create_task(svc.prober.loop())
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if threads and svc.prober.evidence.quarantine.is_quarantined("up", 5000):
+                break
+        probing.cancel()
     assert threads and threading.main_thread() not in threads
     assert svc.prober.evidence.quarantine.is_quarantined("up", 5000) is True
-    assert max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) < 0.25  # the put took 0.5 s
+    assert loop.longest_gap < 0.25  # the put took 0.5 s
     incidents = [json.loads(line) for line in (tmp_path / "incidents").read_text().splitlines()]
     assert [(i["detector"], i["upstream"], i["confirmed"]) for i in incidents][:1] == [("probe", "up", True)]
     await svc.aclose()
