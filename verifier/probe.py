@@ -9,14 +9,18 @@ Steps (``L`` = the live limit, prompt + ``max_tokens`` tokens; ``@n`` = a prompt
 3. ``plant@L+1``, then ``fresh@L+1`` - one past the boundary (the rejection path), then fresh.
 
 Every response BODY (never the status: a 200 proves nothing, a 400 is fine) is searched for
-canaries its own prompt does not hold. Prompts are sized exactly with the served model's own
-count: the target's vLLM-shaped ``/tokenize`` (the gateway's answers from the gate's counter;
-:class:`RemoteCounter`), iterating until prompt + ``max_tokens`` is the step's target; only
-without one, the bundled cl100k tokenizer. The at-limit steps must be answered 200, else the
-boundary was never exercised and the outcome is ``unknown``. Runs through the gateway as a
-probe tenant (``--base-url http://gw:8080/v1 --api-key ...``) or straight at an engine's OpenAI
-base URL. Exit status: 0 clean, 1 a canary surfaced, 2 could not tell (no limit, transport
-errors, no step got a 2xx, or an at-limit step was not answered 200).
+canaries its own prompt does not hold. Evidence is a canary in a ``fresh`` step's body (its prompt
+holds none to imitate), or one planted by an earlier step in a ``plant`` step's body; any other
+canary-shaped string in a ``plant`` body is ``unmatched``, counted but no evidence: a model that
+sees its own canary repeated may echo it mistyped or write new ones in its pattern.
+
+Prompts are sized exactly with the served model's own count: the target's vLLM-shaped ``/tokenize``
+(the gateway's answers from the gate's counter; :class:`RemoteCounter`), iterating until prompt +
+``max_tokens`` is the step's target; only without one, the bundled cl100k tokenizer. The at-limit
+steps must be answered 200, else the boundary was never exercised and the outcome is ``unknown``.
+Runs through the gateway as a probe tenant (``--base-url http://gw:8080/v1 --api-key ...``) or
+straight at an engine's OpenAI base URL. Exit status: 0 clean, 1 a canary surfaced, 2 could not
+tell (no limit, transport errors, no step got a 2xx, or an at-limit step was not answered 200).
 """
 
 from __future__ import annotations
@@ -231,20 +235,22 @@ class RemoteCounter:
 @dataclass
 class ProbeStep:
     """One request: ``label`` (e.g. ``fresh@L+1``), prompt and completion sizes, HTTP status
-    (``None`` on a transport error), ``surfaced``: canaries in the body not planted in it (count)."""
+    (``None`` on a transport error), ``surfaced``: canaries in the body that are evidence (see the
+    module doc; count), ``unmatched``: other canary-shaped strings in a ``plant`` step's body."""
 
     label: str
     prompt_tokens: int
     max_tokens: int
     status: int | None = None
     surfaced: int = 0
+    unmatched: int = 0
     error: str | None = None
 
 
 @dataclass
 class ProbeResult:
-    """``outcome``: ``clean``, ``leak`` or ``unknown``; ``surfaced``: canaries found in bodies
-    that did not plant them; ``limit``: the live limit probed."""
+    """``outcome``: ``clean``, ``leak`` or ``unknown``; ``surfaced``: the steps' evidence canaries
+    (see the module doc); ``limit``: the live limit probed."""
 
     outcome: str
     limit: int | None
@@ -327,9 +333,11 @@ async def _send_step(
     step: ProbeStep,
     prompt: str,
     canary: str | None,
+    earlier: frozenset[str],
 ) -> None:
-    """Send one step's completion request; fills ``step.status`` and ``step.surfaced`` (canaries
-    in the body other than its own), or ``step.error`` on a transport error."""
+    """Send one step's completion request; fills ``step.status``, ``step.surfaced`` and
+    ``step.unmatched`` (``earlier``: the canaries planted by the steps before it; see the module
+    doc), or ``step.error`` on a transport error."""
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": step.max_tokens, "temperature": 0}
     if target.model:
         body["model"] = target.model
@@ -339,7 +347,9 @@ async def _send_step(
         step.error = f"{type(e).__name__}: {e}"[:300]
         return
     step.status = r.status_code
-    step.surfaced = len([c for c in find_canaries(r.text) if c != canary])
+    found = [c for c in find_canaries(r.text) if c != canary]
+    step.surfaced = len(found) if canary is None else len([c for c in found if c in earlier])
+    step.unmatched = len(found) - step.surfaced
 
 
 def _judge(result: ProbeResult) -> None:
@@ -385,6 +395,7 @@ async def run_probe(
     if limit is None:
         return ProbeResult("unknown", None, reason="live limit unknown (no --limit and no readable pool)")
     result = ProbeResult("clean", limit)
+    planted: list[str] = []
     for label, total, plant in _plan(limit):
         step = ProbeStep(label, total - max_tokens, max_tokens)
         result.steps.append(step)
@@ -398,7 +409,8 @@ async def run_probe(
             registered = register([canary])
             if inspect.isawaitable(registered):  # a coroutine (the gateway's periodic probe)
                 await registered
-        await _send_step(client, target, headers, step, prompt, canary)
+        await _send_step(client, target, headers, step, prompt, canary, frozenset(planted))
+        planted += [canary] if canary else []
     _judge(result)
     return result
 
@@ -502,7 +514,7 @@ def run(args: argparse.Namespace) -> int:
             what = f"HTTP {s.status}" if s.status is not None else f"error: {s.error}"
             print(
                 f"  {s.label:<10} prompt={s.prompt_tokens} max_tokens={s.max_tokens} {what} "
-                f"surfaced_canaries={s.surfaced}"
+                f"surfaced_canaries={s.surfaced}" + (f" unmatched_canaries={s.unmatched}" if s.unmatched else "")
             )
         print(
             {
