@@ -5,6 +5,10 @@ thread calls it in a loop; the asyncio side only builds validated sequences and 
 (:mod:`gpu_backend.messages`), so every page is allocated and freed on the worker. Typed replies
 (:mod:`gpu_backend.replies`) come back with ``loop.call_soon_threadsafe`` into per-request queues or futures.
 
+A forward pass that raises fails only the requests that fail on their own: its rows are run again
+in halves (:func:`bisect_rows`), the rows that pass go on, and each row that fails alone gets its
+own error (pages freed); the engine keeps running.
+
 Public API: :class:`Engine` (``start``/``stop``/``step``, ``generate``, ``abort``, ``request_state``,
 ``server_info``/``pool_stats``/``check_integrity``; for the role flows in :mod:`gpu_backend.prefill_node`
 and :mod:`gpu_backend.decode_node`: ``admit``, ``register``, ``submit``, ``sample_seed``,
@@ -32,7 +36,7 @@ from gpu_backend.messages import Abort, AddRequest, Message
 from gpu_backend.model_runner import ModelRunner, vocab_bias
 from gpu_backend.replies import Reply, ReplyTo
 from gpu_backend.sampling import SamplingParams, sample_seed
-from gpu_backend.scheduler import Scheduler
+from gpu_backend.scheduler import Batch, Scheduler
 from gpu_backend.sequence import ExportSequence, PageReservation, RequestTable, SeqState, Sequence, check_prompt_ids
 from gpu_backend.vocab import Vocab, vocab_for
 from gpu_backend.weights import DTYPES, shared_or_built, weight_bytes
@@ -46,6 +50,47 @@ RETIRED_MEMORY = 8192  # retired requests remembered by ``request_state``
 #: path sets ``origin_input_ids = [0]``).
 PLACEHOLDER_PROMPT = [0]
 T = TypeVar("T")
+
+
+#: ``ModelRunner.run``'s shape: (sequence, new tokens) pairs and their sample flags -> a token or
+#: ``None`` per pair.
+RunRows = Callable[[list[tuple[Sequence, int]], list[bool]], list[int | None]]
+
+
+def bisect_rows(run: RunRows, batch: Batch, err: Exception) -> tuple[dict[int, int | None], dict[int, Exception]]:
+    """The rows of ``batch`` that fail on their own, found after its pass raised ``err``.
+
+    The rows are run again (``run``) in halves, and a half that raises is halved again down to
+    single rows (the bisection of delta debugging). Returns ``(ran, failed)``: ``ran`` maps the
+    index of each row whose last pass succeeded to its token (``None`` where not sampled);
+    ``failed`` maps the index of each row that raised alone to its error (a batch of one is not
+    run again: ``err``). Cost in extra passes: about ``2 log2 B`` for one bad row among ``B``;
+    ``2B - 2`` for a fault every row meets alone (out of memory, a lost device), which fails them all.
+
+    Running rows again is safe: ``ModelRunner.run`` reads the sequences only (``postprocess``
+    advances them), a pass writes each row's K/V into that row's own pages at the same positions
+    (a later pass over the row overwrites what an earlier, failed one wrote), and each sampled
+    token is drawn from a generator made for that draw from the request's seed and the token's
+    position (:func:`~gpu_backend.sampling.draw_generator`), so no state moves between passes.
+    """
+    ran: dict[int, int | None] = {}
+    failed: dict[int, Exception] = {}
+    suspects = [(list(range(len(batch.items))), err)]
+    while suspects:
+        rows, raised = suspects.pop()
+        if len(rows) == 1:
+            failed[rows[0]] = raised
+            continue
+        half = len(rows) // 2
+        for group in (rows[:half], rows[half:]):
+            sub = batch.rows(group)
+            try:
+                tokens = run(sub.items, sub.sample_rows)
+            except Exception as e:
+                suspects.append((group, e))
+            else:
+                ran.update(zip(group, tokens, strict=True))
+    return ran, failed
 
 
 def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -186,18 +231,31 @@ class Engine:
 
     def step(self) -> bool:
         """One round on the worker thread: schedule -> run -> postprocess. True if a forward pass
-        ran. A failing forward pass fails its batch's requests and leaves the engine running."""
+        ran. A failing forward pass fails only the rows that fail on their own (:meth:`_isolate`);
+        the others go on, and the engine keeps running. A pass that raises nothing costs nothing more."""
         batch = self.scheduler.schedule()
         if batch is None:
             return False
         try:
             tokens = self.runner.run(batch.items, batch.sample_rows)
         except Exception as e:
-            log.exception("forward pass failed")
-            self.scheduler.fail(batch, e)
-            return True
+            log.exception("forward pass over %d sequences failed; running them again in halves", len(batch.items))
+            batch, tokens = self._isolate(batch, e)
+            if not batch.items:
+                return True
         self.scheduler.postprocess(batch, tokens)
         return True
+
+    def _isolate(self, batch: Batch, err: Exception) -> tuple[Batch, list[int | None]]:
+        """``batch``'s forward pass raised ``err``: fail (pages freed, caller answered with its own
+        error) each row whose pass fails alone (:func:`bisect_rows`); returns the batch of the rows
+        that ran and their tokens, in batch order, for ``postprocess``."""
+        ran, failed = bisect_rows(self.runner.run, batch, err)
+        for i, e in sorted(failed.items()):
+            log.error("request %s fails alone: %s: %s", batch.items[i][0].request_id, type(e).__name__, e)
+            self.scheduler.fail(batch.rows([i]), e)
+        keep = sorted(ran)
+        return batch.rows(keep), [ran[i] for i in keep]
 
     def _worker(self) -> None:
         while not self._stopping:

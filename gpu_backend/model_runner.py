@@ -42,7 +42,10 @@ class ModelRunner:
         prompt tokens ``num_cached .. num_cached + num_new - 1`` while prefilling, else its last
         token. ``sample_rows[b]``: sample a next token for sequence b. Returns a token id per
         sequence (``None`` where not sampled). Reads the sequences only: the scheduler advances
-        their ``num_cached`` in ``postprocess``."""
+        their ``num_cached`` in ``postprocess``. So a call may be repeated over any subset of the
+        rows (the engine does after a pass raised, :func:`~gpu_backend.engine.bisect_rows`): each
+        row writes the same positions of its own pages again and samples with the same per-draw
+        generator (:func:`~gpu_backend.sampling.draw_generator`)."""
         spans, ids = [], []
         for seq, n in batch:
             start = seq.num_cached

@@ -72,6 +72,10 @@ class Batch:
     items: list[tuple[Sequence, int]]
     sample_rows: list[bool]
 
+    def rows(self, indices: list[int]) -> Batch:
+        """The batch of items ``indices`` only (in that order), each with its own sample flag."""
+        return Batch(self.prefill, [self.items[i] for i in indices], [self.sample_rows[i] for i in indices])
+
 
 def make_token(seq: Sequence, token_id: int, text: str, finish_reason: str | None) -> Token:
     """The :class:`Token` of ``seq`` for ``token_id`` (``-1`` with ``"abort"``)."""
@@ -182,7 +186,9 @@ class Scheduler:
             self._append(seq, tok)
 
     def fail(self, batch: Batch, err: BaseException) -> None:
-        """The forward pass raised (a bug or a device error): fail its sequences, keep the engine."""
+        """Fail every sequence of ``batch`` with ``err`` (a forward pass over them raised: a bug or a
+        device error), freeing their pages; the engine keeps running. The engine calls it with the
+        rows that fail alone (:func:`~gpu_backend.engine.bisect_rows`), never with rows that ran."""
         for seq, _ in batch.items:
             self._fail(seq, err)
 
