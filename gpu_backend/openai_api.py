@@ -36,7 +36,7 @@ DEFAULT_CHAT_MAX_TOKENS = 256
 #: Default SGLang ``max_new_tokens`` for /generate.
 DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
 #: Parameters we refuse rather than silently ignore (they change the response's meaning).
-_UNSUPPORTED = {
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "echo": (None, False),
@@ -46,6 +46,27 @@ _UNSUPPORTED = {
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
     "response_format": (None, {"type": "text"}),
+    # vLLM's and SGLang's extension samplers (their neutral values pass: vLLM and SGLang both read
+    # top_k -1 and 0 as off, min_p 0, repetition_penalty 1, min_tokens 0)
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_tokens": (None, 0),
+}
+#: ``/generate``'s ``sampling_params`` refused unless neutral (SGLang's names,
+#: ``sglang/srt/sampling/sampling_params.py``; structured output included)
+_UNSUPPORTED_GENERATE: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_new_tokens": (None, 0),
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "structural_tag": (None,),
+    "logit_bias": (None, {}),
 }
 
 
@@ -131,13 +152,21 @@ def _bool(body: dict[str, Any], key: str, default: bool = False) -> bool:
     return v
 
 
-def _check_unsupported(body: dict[str, Any]) -> None:
-    for k, allowed in _UNSUPPORTED.items():
-        if k in body and body[k] not in allowed:
+def _check_unsupported(body: dict[str, Any], table: dict[str, tuple[Any, ...]] = _UNSUPPORTED) -> None:
+    """400 naming the first field of ``table`` that ``body`` sets to a value the engine would not
+    honour: anything but the field's neutral values (a boolean only where the table lists it)."""
+    for k, allowed in table.items():
+        if k in body and not _neutral(body[k], allowed):
             raise bad_request(f"'{k}' is not supported by this backend.", k)
     n = body.get("n", 1)
     if n not in (None, 1) or isinstance(n, bool):
         raise bad_request("Only 'n' = 1 is supported by this backend.", "n")
+
+
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    if isinstance(value, bool):
+        return any(a is value for a in allowed)
+    return value in allowed
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -292,6 +321,7 @@ def parse_generate(
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise bad_request("'sampling_params' must be an object.", "sampling_params")
+    _check_unsupported(sp, _UNSUPPORTED_GENERATE)
     max_new = _int(sp, "max_new_tokens", minimum=1, default=DEFAULT_GENERATE_MAX_NEW_TOKENS)
     check_context(len(ids), max_new, context_length, chat=False)
     rid = body.get("rid")
