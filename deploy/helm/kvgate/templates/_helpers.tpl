@@ -24,11 +24,29 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
+
+{{/* An image reference: repository:tag (the chart's appVersion when tag is empty), and @digest
+     when one is given, so a node runs exactly the image pinned. Args: (list $ .Values.image). */}}
+{{- define "kvgate.image" -}}
+{{- $ctx := index . 0 -}}
+{{- $img := index . 1 -}}
+{{- printf "%s:%s" $img.repository ($img.tag | default $ctx.Chart.AppVersion) -}}
+{{- with $img.digest -}}@{{ . }}{{- end -}}
+{{- end -}}
+
 {{/* Selector labels of the gateway pods */}}
 {{- define "kvgate.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "kvgate.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: gateway
+{{- end -}}
+
+{{/* Labels of the gateway's pod template: the selector labels plus the recommended labels that
+     change between releases (never in the selector, which is immutable). */}}
+{{- define "kvgate.podLabels" -}}
+{{ include "kvgate.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{- define "kvgate.serviceAccountName" -}}
@@ -223,10 +241,17 @@ app.kubernetes.io/component: gateway
 {{- end -}}
 {{- end -}}
 {{- if ne .Values.redis.mode "none" -}}
+{{- if and (eq .Values.redis.mode "cluster") (ne (int .Values.redis.db) 0) -}}
+{{- fail (printf "redis.db (%d): Redis Cluster has only database 0, which the gateway would then use (shared with whatever else uses the cluster); set redis.db: 0" (int .Values.redis.db)) -}}
+{{- end -}}
 {{- if not .Values.redis.hosts -}}{{- fail (printf "redis.mode %s needs redis.hosts (HOST:PORT entries)" .Values.redis.mode) -}}{{- end -}}
 {{- if and (eq .Values.redis.mode "standalone") (gt (len .Values.redis.hosts) 1) -}}
 {{- fail "redis.mode standalone takes one entry in redis.hosts (use sentinel or cluster for several)" -}}
 {{- end -}}
+{{- end -}}
+{{- $q := $cfg.quotas | default dict -}}
+{{- if and (hasKey $q "replicas") (lt (int $q.replicas) (include "kvgate.maxPods" . | int)) -}}
+{{- fail (printf "config.quotas.replicas (%d) is below the most gateway pods there can be (%d): under redis_failure_policy local_fallback the pods together would admit more than each limit. Leave it out (the chart sets it) or raise it" (int $q.replicas) (include "kvgate.maxPods" . | int)) -}}
 {{- end -}}
 {{- if and .Values.autoscaling.enabled (gt (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
 {{- fail (printf "autoscaling.minReplicas (%d) is above autoscaling.maxReplicas (%d)" (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
