@@ -102,9 +102,10 @@ async def test_a_store_lost_between_the_two_steps_takes_the_failure_policy() -> 
     stage = TenantQuotas(QuotaSettings(replicas=2), TokensDown(), fallback=fallback)
     lease = await stage.begin(tenant, "r1")
     await stage.reserve_tokens(tenant, lease, 50)  # decided locally, against 100 // 2
+    # undone later but for its RPM entry: the request goes on (docs/quotas.md, "When Redis fails")
     assert (lease.headers["x-ratelimit-remaining-tokens"], list(stage._uncertain)) == (
         "0",
-        [("t", lease.state.lease_id)],
+        [("t", lease.state.lease_id, True)],
     )
     assert lease.state.store is fallback and fallback._tenants["t"].tpm_sum == 50
     await stage.settle(lease, 20)
@@ -114,6 +115,7 @@ async def test_a_store_lost_between_the_two_steps_takes_the_failure_policy() -> 
     with pytest.raises(OpenAIError) as e:
         await closed.reserve_tokens(tenant, lease, 50)
     assert (e.value.status, e.value.code) == (503, "quota_backend_unavailable")
+    assert list(closed._uncertain) == [("t", lease.state.lease_id, False)]  # refused: all undone
     await closed.settle(lease, 0)
     await stage.aclose()
     await closed.aclose()

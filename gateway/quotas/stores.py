@@ -32,6 +32,9 @@ UNLIMITED = -1
 #: trip of settles alone waits up to this long (seconds) for the next request's call to share it
 SETTLE_WAIT_SECONDS = 0.001
 BUSY_SECONDS = 0.002
+#: how long (ms) ``cancel.lua``'s tombstones and ``settle.lua``'s marks of a charged overage live
+#: unless the stage says (:meth:`RedisQuotaStore.remember_ended_for`): twice the default lease TTL
+DEFAULT_ENDED_MS = 240_000
 
 
 @dataclass(frozen=True)
@@ -161,9 +164,11 @@ class QuotaStore(Protocol):
         Raises :class:`QuotaStoreUnavailable`."""
         ...
 
-    async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
-        """Undo these reservations if they were made (a reserve that timed out may have run);
-        returns how many were undone. Raises :class:`QuotaStoreUnavailable`."""
+    async def cancel(self, tenant_id: str, lease_ids: list[str], *, keep_rpm: bool = False) -> int:
+        """Undo these reservations if they were made (a reserve that timed out may have run), and
+        make them no-ops if they run later; ``keep_rpm``: undo only what a begun request's token
+        step took and its lease, keeping its RPM entry (the fallback went on with the request).
+        Returns how many were undone. Raises :class:`QuotaStoreUnavailable`."""
         ...
 
     def scope(self, tenant_id: str) -> int | None:
@@ -201,7 +206,7 @@ def _decision(r: Any) -> QuotaDecision:
 
 
 #: scripts that start with a shared part (a script runs alone in Redis, without imports)
-_PRELUDES = {"reserve": "tpm_window", "tokens": "tpm_window"}
+_PRELUDES = {"reserve": "tpm_window", "tokens": "tpm_window", "cancel": "ended", "settle": "ended"}
 
 
 def load_script(name: str) -> str:
@@ -302,8 +307,10 @@ class RedisQuotaStore:
     whose call timed out.
 
     Keys (``prefix`` default ``kvgate:q``), all with the ``{tenant}`` hash tag (Redis Cluster
-    safe): ``kvgate:q:{t}:rpm``, ``:tpm``, ``:tpm:debits``, ``:tpm:sum``, ``:leases``. Every key
-    expires one window (leases: one TTL) after its last write, so idle tenants cost nothing.
+    safe): ``kvgate:q:{t}:rpm``, ``:tpm``, ``:tpm:debits``, ``:tpm:sum``, ``:leases``, and
+    ``:ended`` (:meth:`ended_key`: lease ids cancelled, or settled above their reservation, which
+    the scripts must not count again; written only then). Every key expires one window (leases:
+    one TTL; ``:ended``: :attr:`ended_ms`) after its last write, so idle tenants cost nothing.
 
     ``client``: a ``redis.asyncio`` client whose socket timeouts bound each call (the stage
     adds an overall deadline): ``Redis`` (standalone or a Sentinel's master) or ``RedisCluster``
@@ -338,6 +345,8 @@ class RedisQuotaStore:
         self._held: list[Any] = []
         #: each round trip's bound, seconds (:meth:`bound_round_trips`); ``None``: the caller bounds its calls
         self.round_trip_seconds: float | None = None
+        #: how long (ms) a cancelled or overage-settled lease id is remembered (:meth:`remember_ended_for`)
+        self.ended_ms = DEFAULT_ENDED_MS
         #: script calls made, and the round trips that carried them (coalesced: fewer)
         self.calls = 0
         self.round_trips = 0
@@ -355,10 +364,25 @@ class RedisQuotaStore:
         round trip, not one a call: under load a round trip carries several calls)."""
         self.round_trip_seconds = seconds
 
+    def remember_ended_for(self, ms: int) -> None:
+        """From now on, a lease id ``cancel.lua`` undid (a reservation of it that reaches Redis
+        later is a no-op) or ``settle.lua`` charged above its reservation (a settle of it sent
+        again charges nothing more) is remembered ``ms`` milliseconds (at least 1)."""
+        self.ended_ms = max(1, int(ms))
+
     def keys(self, tenant_id: str) -> list[str]:
         """The five keys of a tenant: rpm log, tpm log, tpm debits, tpm sum, leases."""
         base = f"{self.prefix}:{{{tenant_id}}}"
         return [f"{base}:rpm", f"{base}:tpm", f"{base}:tpm:debits", f"{base}:tpm:sum", f"{base}:leases"]
+
+    def ended_key(self, tenant_id: str) -> str:
+        """The tenant's ended set (``ended.lua``): a sorted set, lease id -> when it is forgotten
+        (ms, Redis's clock), on the same hash slot as :meth:`keys`."""
+        return f"{self.prefix}:{{{tenant_id}}}:ended"
+
+    def _script_keys(self, tenant_id: str) -> list[str]:
+        """The KEYS of the tenant's scripts but ``renew.lua``: :meth:`keys`, then :meth:`ended_key`."""
+        return [*self.keys(tenant_id), self.ended_key(tenant_id)]
 
     def scope(self, tenant_id: str) -> int | None:
         return key_slot(self.keys(tenant_id)[0]) if self.cluster else None
@@ -630,9 +654,9 @@ class RedisQuotaStore:
             int(lease_ttl_ms),
         ]
         if also is not None and also.calls and not self.cluster:
-            (r,) = await self._call_with([(self._reserve, self.keys(tenant_id), args)], also, also.calls)
+            (r,) = await self._call_with([(self._reserve, self._script_keys(tenant_id), args)], also, also.calls)
         else:
-            r = await self._call(self._reserve, self.keys(tenant_id), args)
+            r = await self._call(self._reserve, self._script_keys(tenant_id), args)
         refused = tuple(x for x in _text(r[1]).split(",") if x)
         return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])))
 
@@ -665,7 +689,7 @@ class RedisQuotaStore:
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, window_ms: int, lease_ttl_ms: int
     ) -> QuotaDecision:
         args = _begin_args(limits, lease_id, window_ms, lease_ttl_ms)
-        return _decision(await self._call(self._begin, self.keys(tenant_id), args))
+        return _decision(await self._call(self._begin, self._script_keys(tenant_id), args))
 
     async def take_tokens(
         self,
@@ -680,7 +704,7 @@ class RedisQuotaStore:
         """``tokens.lua``; ``also`` (not on a cluster) rides its round trip guarded by the debit
         the script sets when it admits (the ``:tpm:debits`` hash's field ``lease_id``), so a
         refused request's writes are never made."""
-        keys, args = self.keys(tenant_id), _tokens_args(limits, lease_id, tokens, window_ms)
+        keys, args = self._script_keys(tenant_id), _tokens_args(limits, lease_id, tokens, window_ms)
         calls = also.guarded(keys[2], lease_id) if also is not None and not self.cluster else []
         if also is not None and calls:
             (r,) = await self._call_with([(self._tokens, keys, args)], also, calls)
@@ -704,7 +728,7 @@ class RedisQuotaStore:
         cluster). The same scripts as the two calls, in the same order. Returns ``(begin's
         decision, the tokens' decision, or None without TPM or after a refused begin)``. Raises
         :class:`QuotaStoreUnavailable`."""
-        keys = self.keys(tenant_id)
+        keys = self._script_keys(tenant_id)
         begin = _begin_args(limits, lease_id, window_ms, lease_ttl_ms)
         scripts: list[tuple[Any, list[str], list[Any]]] = [(self._begin, keys, begin)]
         if limits.tpm is not None:
@@ -723,12 +747,9 @@ class RedisQuotaStore:
     async def settle(
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
     ) -> None:
-        await self._call(
-            self._settle,
-            self.keys(tenant_id),
-            [lease_id, int(used_tokens), int(reserved_tokens), int(window_ms), "1" if limits.tpm is not None else "0"],
-            lazy=True,
-        )
+        track = "1" if limits.tpm is not None else "0"
+        args = [lease_id, int(used_tokens), int(reserved_tokens), int(window_ms), track, self.ended_ms]
+        await self._call(self._settle, self._script_keys(tenant_id), args, lazy=True)
 
     async def renew(self, tenant_id: str, lease_ids: list[str], lease_ttl_ms: int) -> int:
         if not lease_ids:
@@ -736,10 +757,14 @@ class RedisQuotaStore:
         n = await self._call(self._renew, [self.keys(tenant_id)[4]], [int(lease_ttl_ms), *lease_ids])
         return int(n)
 
-    async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
+    async def cancel(self, tenant_id: str, lease_ids: list[str], *, keep_rpm: bool = False) -> int:
+        """``cancel.lua``: each lease's entries removed (with ``keep_rpm``, all but its RPM
+        entry) and a tombstone left for :attr:`ended_ms`, so a reservation of it that Redis runs
+        later (a paused server, a connection's bytes delivered late) changes nothing."""
         if not lease_ids:
             return 0
-        return int(await self._call(self._cancel, self.keys(tenant_id), list(lease_ids)))
+        args = [self.ended_ms, "1" if keep_rpm else "0", *lease_ids]
+        return int(await self._call(self._cancel, self._script_keys(tenant_id), args))
 
     async def warm_up(self, timeout_seconds: float) -> None:
         """Connect before the first request (the gateway's start): one ``PING``, on a cluster one
@@ -949,7 +974,7 @@ class LocalQuotaStore:
                 n += 1
         return n
 
-    async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
+    async def cancel(self, tenant_id: str, lease_ids: list[str], *, keep_rpm: bool = False) -> int:
         return 0  # in-process calls never time out half-way
 
     def scope(self, tenant_id: str) -> int | None:

@@ -61,6 +61,10 @@ RECOVER_INTERVAL_SECONDS = 0.1
 MAX_DECISION_SECONDS = 0.9
 #: At most this many failed reservations are remembered for undoing after an outage.
 UNCERTAIN_MAX = 10_000
+#: Redis remembers a lease id it undid (``cancel.lua``: a reservation of it run later is a no-op)
+#: or charged above its reservation (``settle.lua``: a settle of it sent again charges nothing
+#: more) for this many times the longer of the window and the lease TTL.
+ENDED_SPANS = 2
 #: The gateway's start connects to the store within this bound (seconds; connects, TLS handshakes
 #: and a cluster's slot-map read included), longer than a request's ``redis_timeout_seconds``.
 WARM_UP_SECONDS = 5.0
@@ -159,11 +163,13 @@ class TenantQuotas:
         self._store_bounded = isinstance(store, RedisQuotaStore)
         if isinstance(store, RedisQuotaStore):
             store.bound_round_trips(self.deadline_seconds)
+            store.remember_ended_for(ENDED_SPANS * max(self.window_ms, self.lease_ttl_ms))
         self._backoff = StoreBackoff(PROBE_INTERVAL_SECONDS)
         self._live: dict[str, _Held] = {}
-        # reservations whose call failed but may have run (tenant id, lease id): undone when
-        # the store answers again
-        self._uncertain: deque[tuple[str, str]] = deque(maxlen=UNCERTAIN_MAX)
+        # reservations whose call failed but may have run (tenant id, lease id, keep its RPM
+        # entry: a begun request's token step the fallback went on with): undone when the store
+        # answers again
+        self._uncertain: deque[tuple[str, str, bool]] = deque(maxlen=UNCERTAIN_MAX)
         #: settles the store could not take (its back-off, or the call failed): sent again when it answers
         self._unsettled: deque[tuple[_Held, int, int]] = deque(maxlen=UNCERTAIN_MAX)
         self._renewer: asyncio.Task[None] | None = None
@@ -209,7 +215,7 @@ class TenantQuotas:
         """A reservation whose caller was cancelled while its call was out (or right after it was
         answered): Redis may have made it, and nobody will settle it, so it is undone as one
         whose call failed (``cancel.lua``, in the background)."""
-        self._uncertain.append((tenant_id, lease_id))
+        self._uncertain.append((tenant_id, lease_id, False))
         self._ensure_recoverer()
 
     async def _recover_loop(self) -> None:
@@ -271,32 +277,34 @@ class TenantQuotas:
             await self._settle_left_over(scope)
 
     async def _cancel_uncertain(self, scope: Any = _ALL) -> None:
-        """Undo the reservations whose call failed during the outage (Redis may have run them
-        late); they were refused or handled locally, so they must not count in Redis. ``scope``:
+        """Undo the reservations whose call failed during the outage (Redis may have run them,
+        or may run them later: ``cancel.lua`` leaves a tombstone that makes them no-ops); they were
+        refused or handled locally, so they must not count in Redis (but for the RPM entry of a
+        begun request whose token step the fallback took: it goes on, so it stays). ``scope``:
         only those of tenants in that part of the store (a request's path undoes its own slot's,
         never waiting on a cluster node that is still down); default: all (the background loop)."""
-        groups: dict[str, list[str]] = defaultdict(list)
-        keep: list[tuple[str, str]] = []
+        groups: dict[tuple[str, bool], list[str]] = defaultdict(list)
+        keep: list[tuple[str, str, bool]] = []
         while self._uncertain:
-            tenant_id, lease_id = self._uncertain.popleft()
+            tenant_id, lease_id, keep_rpm = self._uncertain.popleft()
             if scope is _ALL or self.store.scope(tenant_id) == scope:
-                groups[tenant_id].append(lease_id)
+                groups[(tenant_id, keep_rpm)].append(lease_id)
             else:
-                keep.append((tenant_id, lease_id))
+                keep.append((tenant_id, lease_id, keep_rpm))
         self._uncertain.extend(keep)
         todo = list(groups.items())
         try:  # together, riding the store's round trips (one each took seconds after a long outage)
             results = await asyncio.gather(
-                *(self._bounded(self.store.cancel(tenant_id, ids)) for tenant_id, ids in todo), return_exceptions=True
+                *(self._bounded(self._cancel(t, ids, k)) for (t, k), ids in todo), return_exceptions=True
             )
         except BaseException:  # cancelled part-way: what is not known undone waits for the next round
-            self._uncertain.extend((tenant_id, i) for tenant_id, ids in todo for i in ids)
+            self._uncertain.extend((t, i, k) for (t, k), ids in todo for i in ids)
             self._ensure_recoverer()
             raise
         undone = 0
-        for (tenant_id, ids), r in zip(todo, results, strict=True):
+        for ((tenant_id, keep_rpm), ids), r in zip(todo, results, strict=True):
             if isinstance(r, BaseException):  # a tenant whose store part is down waits for the next round
-                self._uncertain.extend((tenant_id, i) for i in ids)
+                self._uncertain.extend((tenant_id, i, keep_rpm) for i in ids)
                 if isinstance(r, QuotaStoreUnavailable):
                     self._mark_down(r, tenant_id)
                 else:
@@ -307,6 +315,13 @@ class TenantQuotas:
             log.warning(
                 "quota store %s: undid %d reservation(s) it ran after their call had timed out", self.store.name, undone
             )
+
+    def _cancel(self, tenant_id: str, lease_ids: list[str], keep_rpm: bool) -> Awaitable[int]:
+        """``store.cancel`` of ``lease_ids``; ``keep_rpm`` is passed only when set, so a store
+        whose ``cancel`` predates it still undoes the others."""
+        if keep_rpm:
+            return self.store.cancel(tenant_id, lease_ids, keep_rpm=True)
+        return self.store.cancel(tenant_id, lease_ids)
 
     async def _bounded(self, coro: Any) -> Any:
         """``await coro`` (a call on the shared store, or on the fallback, which never waits)
@@ -351,6 +366,7 @@ class TenantQuotas:
         call: Callable[[QuotaStore, QuotaLimits], Awaitable[_D]],
         *,
         undo_on_cancel: bool = True,
+        token_step: bool = False,
     ) -> tuple[QuotaStore, QuotaLimits, _D]:
         """``(store, limits, decision)``: ``call(store, limits)`` (a coroutine giving a
         :class:`QuotaDecision`, or ``begin_tokens``' pair of them) on ``store``, under the
@@ -358,7 +374,10 @@ class TenantQuotas:
         and the fallback decides with ``limits // processes``. Raises :class:`OpenAIError` 503 when failing closed.
         ``undo_on_cancel``: a caller cancelled before it has the decision (the request is gone,
         and what Redis made for it has no lease to settle) has the call undone as a failed one;
-        ``False`` for a call whose caller settles the lease it already holds."""
+        ``False`` for a call whose caller settles the lease it already holds. ``token_step``: the
+        call is the token step of a request Redis began; when it fails and the fallback goes on
+        with the request (which may then reach an engine), the undo keeps the RPM entry
+        ``begin.lua`` made, as for any begun request; failing closed (a 503) it is refunded."""
         if isinstance(store, LocalQuotaStore):
             return store, limits, await call(store, limits)
         if self._store_usable(tenant_id):
@@ -367,7 +386,7 @@ class TenantQuotas:
                 if self._backoff.down or self._uncertain:
                     await self._mark_up(tenant_id)
             except QuotaStoreUnavailable as e:
-                self._uncertain.append((tenant_id, lease_id))
+                self._uncertain.append((tenant_id, lease_id, token_step and self.fallback is not None))
                 self._mark_down(e, tenant_id)
             except asyncio.CancelledError:
                 if undo_on_cancel:
@@ -562,7 +581,7 @@ class TenantQuotas:
             return s.take_tokens(held.tenant_id, lim, held.lease_id, tokens, held.window_ms, also=carried)
 
         held.store, held.limits, decision = await self._decide(
-            held.store, held.tenant_id, held.limits, held.lease_id, call, undo_on_cancel=False
+            held.store, held.tenant_id, held.limits, held.lease_id, call, undo_on_cancel=False, token_step=True
         )
         only_tpm = QuotaLimits(None, held.limits.tpm, None)  # what this step decided
         if not decision.admitted:

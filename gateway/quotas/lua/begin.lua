@@ -1,11 +1,13 @@
 -- kvgate request admission, taken right after authentication (docs/gateway.md, "Refuse before
 -- working"): one request against RPM and a concurrency lease, admitted together or not at all; the
 -- request's tokens follow once they are counted (tokens.lua). A refusal changes nothing.
--- Window algorithm and keys: as reserve.lua (sliding-window log; the five {tenant} keys).
+-- Window algorithm and keys: as reserve.lua (sliding-window log; the six {tenant} keys).
 -- ARGV: lease_id, rpm, max_concurrent (-1 = unlimited), window_ms, lease_ttl_ms
 -- Returns {admitted 1|0, refused "rpm,concurrency" subset, retry_after_ms,
---          remaining_requests (-1 = unlimited), -1, 0}
+--          remaining_requests (-1 = unlimited), -1, 0}; {0, "cancelled", 0, -1, -1, 0} after cancel.lua
 local id = ARGV[1]
+-- cancel.lua undid this call already (it reached Redis late, the gateway had given up on it): no-op
+if redis.call('ZSCORE', KEYS[6], id) then return {0, 'cancelled', 0, -1, -1, 0} end
 local rpm = tonumber(ARGV[2])
 local maxc = tonumber(ARGV[3])
 local window = tonumber(ARGV[4])

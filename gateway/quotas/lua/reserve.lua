@@ -10,11 +10,15 @@
 -- KEYS[3] tpm debits   HASH  lease id -> tokens debited
 -- KEYS[4] tpm sum      STRING the sum of KEYS[3]
 -- KEYS[5] leases       ZSET  lease id -> lease expiry (ms)
--- All five carry the {tenant} hash tag, so the script runs on Redis Cluster.
+-- KEYS[6] ended        ZSET  lease id -> forgotten after (ms): cancel.lua's tombstones, settle.lua's marks (ended.lua)
+-- All six carry the {tenant} hash tag, so the script runs on Redis Cluster.
 -- ARGV: lease_id, rpm, tpm, max_concurrent (-1 = unlimited), tokens, window_ms, lease_ttl_ms
 -- Returns {admitted 1|0, refused "rpm,tpm,concurrency" subset, retry_after_ms,
---          remaining_requests (-1 = unlimited), remaining_tokens (-1 = unlimited), too_large 1|0}
+--          remaining_requests (-1 = unlimited), remaining_tokens (-1 = unlimited), too_large 1|0};
+-- {0, "cancelled", 0, -1, -1, 0} when cancel.lua undid this call before it ran (a no-op).
 local id = ARGV[1]
+-- cancel.lua undid this call already (it reached Redis late, the gateway had given up on it): no-op
+if redis.call('ZSCORE', KEYS[6], id) then return {0, 'cancelled', 0, -1, -1, 0} end
 local rpm = tonumber(ARGV[2])
 local tpm = tonumber(ARGV[3])
 local maxc = tonumber(ARGV[4])

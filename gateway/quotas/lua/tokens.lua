@@ -1,17 +1,20 @@
 -- kvgate token reservation for a request begin.lua admitted, once its tokens are counted: the
 -- request's KV demand against TPM, or nothing. A refusal changes nothing (the request's RPM entry
 -- stays spent; its lease is released by settle.lua).
--- Window algorithm and keys: as reserve.lua (sliding-window log; the five {tenant} keys).
+-- Window algorithm and keys: as reserve.lua (sliding-window log; the six {tenant} keys).
 -- ARGV: lease_id, tpm, tokens, window_ms[, begun_key]
 -- begun_key (optional, "1" or "5"): the index of the key where begin.lua left lease_id (the rpm
 -- log, or the leases without an RPM limit); when it does not hold lease_id, begin.lua refused this
 -- request and nothing is debited: {0, "begin", 0, -1, -1, 0}. For begin.lua and this script sent in
 -- one round trip, one behind the other (RedisQuotaStore.begin_tokens).
--- Returns {admitted 1|0, "tpm" or "", retry_after_ms, -1, remaining_tokens, too_large 1|0}
+-- Returns {admitted 1|0, "tpm" or "", retry_after_ms, -1, remaining_tokens, too_large 1|0};
+-- {0, "cancelled", 0, -1, -1, 0} when cancel.lua undid this call before it ran (a no-op).
 local id = ARGV[1]
 local tpm = tonumber(ARGV[2])
 local tokens = tonumber(ARGV[3])
 local window = tonumber(ARGV[4])
+-- cancel.lua undid this call already (it reached Redis late, the gateway had given up on it): no-op
+if redis.call('ZSCORE', KEYS[6], id) then return {0, 'cancelled', 0, -1, -1, 0} end
 if ARGV[5] and not redis.call('ZSCORE', KEYS[tonumber(ARGV[5])], id) then
   return {0, 'begin', 0, -1, -1, 0}
 end
