@@ -139,6 +139,7 @@ async def test_prefill_batching_and_continuous_decode_batching(make_engine):
     # a late request joins a running decode batch (continuous batching)
     first = eng.generate("long", _prompt(8, 3000), SamplingParams(max_new_tokens=400, ignore_eos=True))
     got = [await first.__anext__() for _ in range(3)]
+    assert [t.finish_reason for t in got] == [None, None, None]
     with worker_paused(eng):  # the worker is between steps: "long" cannot finish meanwhile
         assert eng.request_state("long") == "decoding"
         remaining = 400 - len(eng._live["long"].completion_ids)

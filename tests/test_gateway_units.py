@@ -6,17 +6,18 @@ from __future__ import annotations
 import pytest
 
 from config.errors import OpenAIError
+from config.loader import ConfigError
 from config.models import Settings, TenantConfig
 from config.pool import effective_pool_limit, pool_limit_from_headroom
 from gateway.admission.body import parse_json_body
 from gateway.admission.gate import CountedPrompt, decide
 from gateway.admission.registry import ModelIndex
-from gateway.routes import CHAT, COMPLETIONS
 from gateway.ops.pool_watcher import PoolReadError, limit_from_server_info, limit_from_vllm_models
 from gateway.ops.tenants import TenantRegistry, hash_key
 from gateway.relay.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, strip_usage_null
-from gateway.routes.handlers import request_id_of
 from gateway.relay.stream import Tally
+from gateway.routes import CHAT, COMPLETIONS
+from gateway.routes.handlers import request_id_of
 from verifier.engine_response import EngineOutput, engine_error
 
 
@@ -264,7 +265,7 @@ def test_registry_lookup_and_atomic_reload(tmp_path):
     reg.reload()
     assert reg.lookup("k1") is None and reg.lookup("k2").id == "two"
     path.write_text("tenants: [{id: 'bad id!'}]\n")
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError, match=r"line 1: tenants\[0\]\.id: must be 1-64 characters .* \(got 'bad id!'\)"):
         reg.reload()
     assert reg.lookup("k2").id == "two"  # the old table stays
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from conftest import SEEDS
+from pydantic import ValidationError
 
 from config.models import TokenizerConfig
 from tokenizer import (
@@ -279,7 +280,7 @@ def test_images_cost_image_tokens(bundled):
     assert custom.count_chat(with_image) == bundled.count_chat(text_only) + 1000
     with pytest.raises(ImagesNotSupportedError):
         bundled.encode_chat(with_image)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="image_tokens\n  Input should be greater than or equal to 1"):
         TokenizerConfig(image_tokens=0)  # an image is never free
 
 
