@@ -10,7 +10,10 @@ admission's prologue is :mod:`gateway.routes.tokenize_handlers`.
 - ``{"prompt": str, "add_special_tokens": true, "return_token_strs": false}`` or
   ``{"messages": [...], "tools": [...], "add_generation_prompt": true, "continue_final_message":
   false, "chat_template_kwargs": {...}}`` ->
-  ``{"count", "max_model_len", "tokens", "token_strs"}``; image parts are refused (400).
+  ``{"count", "max_model_len", "tokens", "token_strs"}``; image parts are refused (400), and so
+  is what chat refuses before counting (:func:`check_chat_content`: unknown message keys, tool
+  definitions holding the model's special tokens, ``chat_template_kwargs`` other than chat's), so
+  a count is never answered for a chat the gate would not count.
 - ``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids are validated against the vocabulary (400
   naming ``tokens``).
 """
@@ -21,7 +24,8 @@ import asyncio
 from typing import Any
 
 from config.errors import ErrorCode, OpenAIError
-from gateway.admission.checks import Check, array, bad_value, boolean, check_fields, obj, string
+from gateway.admission.checks import CHAT_FIELDS, Check, array, bad_value, boolean, check_fields, string
+from gateway.admission.fields import MESSAGE_KEYS, check_tool_definitions
 from gateway.admission.gate import over_context_error, too_long_to_count
 from gateway.admission.registry import ModelEntry
 from gateway.routes.chat import CHAT
@@ -40,8 +44,9 @@ TOKENIZE_FREE_TOKENS = 2048
 
 #: ``POST /tokenize`` (vLLM ``TokenizeCompletionRequest`` / ``TokenizeChatRequest``): the chat
 #: switches the gate counts (``add_generation_prompt``, ``continue_final_message``,
-#: ``chat_template_kwargs``, as :class:`~tokenizer.chat.ChatOptions`); a custom ``chat_template``
-#: is refused.
+#: ``chat_template_kwargs``, as :class:`~tokenizer.chat.ChatOptions`; ``chat_template_kwargs``
+#: under chat's own check: only the keys chat passes, booleans); a custom ``chat_template`` is
+#: refused.
 TOKENIZE_FIELDS: dict[str, Check] = {
     "model": string,
     "prompt": string,
@@ -50,7 +55,7 @@ TOKENIZE_FIELDS: dict[str, Check] = {
     "add_special_tokens": boolean,
     "add_generation_prompt": boolean,
     "continue_final_message": boolean,
-    "chat_template_kwargs": obj,
+    "chat_template_kwargs": CHAT_FIELDS["chat_template_kwargs"],
     "return_token_strs": boolean,
 }
 
@@ -68,6 +73,25 @@ def chat_options(body: dict[str, Any]) -> ChatOptions:
         continue_final_message=cfm,
         template_kwargs=tuple(sorted((body.get("chat_template_kwargs") or {}).items())),
     )
+
+
+def check_chat_content(entry: ModelEntry, body: dict[str, Any]) -> None:
+    """What chat refuses in a chat before counting it (``gateway.admission.fields.check_chat_request``,
+    without the engines' extension table, which vLLM's ``/tokenize`` does not apply), for a
+    ``/tokenize`` body with ``messages``: a message key outside
+    :data:`~gateway.admission.fields.MESSAGE_KEYS` (400 naming ``messages[i].key``, chat's
+    wording) and a tool definition holding one of the model's special tokens
+    (:func:`~gateway.admission.fields.check_tool_definitions`). Raises :class:`OpenAIError`."""
+    for i, m in enumerate(body["messages"]):
+        for k in m if isinstance(m, dict) else ():
+            if k not in MESSAGE_KEYS:
+                raise OpenAIError(
+                    400,
+                    f"Unrecognized message field: 'messages[{i}].{k}'.",
+                    code=ErrorCode.INVALID_REQUEST,
+                    param=f"messages[{i}].{k}",
+                )
+    check_tool_definitions(body.get("tools"), entry.counter.special_token_texts, entry.engines)
 
 
 async def _tokenize(counter: Any, body: dict[str, Any]) -> Tokenized:
@@ -171,9 +195,13 @@ class TokenizeRoute:
     async def answer(
         self, entry: ModelEntry, body: dict[str, Any], limit: int, max_model_len: int | None
     ) -> tuple[dict[str, Any], int]:
-        """``(answer, tokens to charge)``: a prompt certainly longer than ``limit`` is refused
-        before it is tokenized; a count above :data:`TOKENIZE_FREE_TOKENS` is charged."""
-        too_long_to_count(entry, body, CHAT if body.get("messages") is not None else COMPLETIONS, limit)
+        """``(answer, tokens to charge)``: a chat is checked as chat checks it
+        (:func:`check_chat_content`) and a prompt certainly longer than ``limit`` is refused,
+        both before anything is tokenized; a count above :data:`TOKENIZE_FREE_TOKENS` is charged."""
+        chat = body.get("messages") is not None
+        if chat:
+            check_chat_content(entry, body)
+        too_long_to_count(entry, body, CHAT if chat else COMPLETIONS, limit)
         t = await _tokenize(entry.counter, body)
         charge = t.count if t.count > TOKENIZE_FREE_TOKENS else 0
         return {
