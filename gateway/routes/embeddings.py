@@ -12,11 +12,12 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
-from gateway.admission.checks import Check, anything, check_fields, int_in, one_of, string
+from gateway.admission.checks import INT64_MAX, Check, anything, check_fields, int_in, one_of, string
 from gateway.admission.gate import Admission, CompletionBound, CountedPrompt, effective_limit
 from gateway.admission.registry import ModelEntry
 from gateway.relay.stream_protocol import StreamProtocol
 from gateway.relay.whole_answer import read_choices_answer
+from gateway.routes.responses import drop_nulls
 from tokenizer import TokenizerError
 from tokenizer.embeddings import acount_embedding_input
 from verifier.engine_response import EngineOutput
@@ -27,7 +28,7 @@ EMBEDDINGS_FIELDS: dict[str, Check] = {
     "model": string,
     "input": anything,  # shape: validated while counting (tokenizer.embeddings)
     "encoding_format": one_of("float", "base64"),
-    "dimensions": int_in(1),
+    "dimensions": int_in(1, INT64_MAX),
     "user": string,
 }
 
@@ -148,7 +149,10 @@ class EmbeddingsRoute:
         return decide_embeddings(entry, tenant, body, prompt, pool_limit)
 
     def forward_body(self, body: dict[str, Any], adm: Admission, cache_salt: str, served: list[Any]) -> bytes:
-        """``model`` becomes the ``upstream_model`` and any client ``cache_salt`` is dropped."""
+        """``model`` becomes the ``upstream_model``; any client ``cache_salt`` and every field
+        sent as ``null`` (:func:`~gateway.routes.responses.drop_nulls`: vLLM refuses a ``null``
+        ``encoding_format``) are left out."""
+        drop_nulls(body)
         body["model"] = adm.model.upstream_model
         body.pop("cache_salt", None)
         return orjson.dumps(body)

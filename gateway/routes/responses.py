@@ -160,8 +160,8 @@ RESPONSES_OPENAI_FIELDS: dict[str, Check] = {
     "tools": array,
     "tool_choice": _tool_choice,
     "parallel_tool_calls": boolean,
-    "max_output_tokens": int_in(1),
-    "max_tool_calls": int_in(1),
+    "max_output_tokens": int_in(1, INT64_MAX),
+    "max_tool_calls": int_in(1, INT64_MAX),
     "temperature": num_in(0, 2),
     "top_p": num_in(0, 1),
     "top_logprobs": int_in(0, 20),
@@ -267,6 +267,17 @@ def check_image_urls(body: dict[str, Any], policy: ImagePolicy) -> None:
                     )
 
 
+def drop_nulls(body: dict[str, Any]) -> None:
+    """Remove (in place) the top-level fields of ``body`` that are ``null``: validation reads
+    ``null`` as "absent" (:func:`gateway.admission.checks.check_fields`), and so must the engine.
+    vLLM's request models take some fields only as values (``ResponsesRequest``: ``tools: list``,
+    ``tool_choice``, ``service_tier``; ``EmbeddingCompletionRequest``: ``encoding_format``), so a
+    forwarded ``null`` there was the engine's 400 after kvgate had admitted the request and
+    charged its prompt."""
+    for key in [k for k, v in body.items() if v is None]:
+        del body[key]
+
+
 def responses_length_message(limit: int, prompt_tokens: int, max_output_tokens: int) -> str:
     """Chat's ``context_length_exceeded`` wording (its first sentences kept: clients parse them),
     in the Responses API's terms: ``input`` and ``max_output_tokens``."""
@@ -344,9 +355,11 @@ class ResponsesRoute:
         return decide(entry, tenant, body, self, prompt, pool_limit)
 
     def forward_body(self, body: dict[str, Any], adm: Admission, cache_salt: str, served: list[Any]) -> bytes:
-        """``model`` becomes the ``upstream_model``, the tenant's ``cache_salt`` replaces any
-        client one, ``max_output_tokens`` is the gated bound (always explicit) and, unless
-        stateful features pass, ``store: false``."""
+        """``model`` becomes the ``upstream_model``, a field sent as ``null`` is left out
+        (:func:`drop_nulls`), the tenant's ``cache_salt`` replaces any client one,
+        ``max_output_tokens`` is the gated bound (always explicit) and, unless stateful features
+        pass, ``store: false``."""
+        drop_nulls(body)
         body["model"] = adm.model.upstream_model
         body.pop("cache_salt", None)
         body["cache_salt"] = cache_salt
