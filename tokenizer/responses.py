@@ -292,9 +292,13 @@ def _continues(item: dict[str, Any], itype: object) -> bool:
 
 def _retarget(e: TokenizerError, prompt: ResponsesPrompt) -> TokenizerError:
     """A counting error raised on the converted messages names the input field it came from
-    (:attr:`ResponsesPrompt.params`), else ``input`` instead of ``messages``."""
+    (:attr:`ResponsesPrompt.params`), else ``input`` instead of ``messages``, in its ``param``
+    and in its message (a Responses request has no ``messages``: the chat path quoted there,
+    ``'messages[2].tool_calls[0].function.arguments'``, named a field the client never sent)."""
     if e.param is not None and e.param.startswith("messages"):
-        e.param = prompt.params.get(e.param, "input")
+        chat_path = e.param
+        e.param = prompt.params.get(chat_path, "input")
+        e.message = e.message.replace(f"'{chat_path}'", f"'{e.param}'")
     return e
 
 
