@@ -14,7 +14,9 @@ everywhere:
 TLS options ride in the query string of every scheme: ``ssl_ca_certs`` (a PEM file of the CAs to
 trust), ``ssl_certfile`` / ``ssl_keyfile`` (a client certificate), ``ssl_cert_reqs``
 (``required``, the default, ``optional`` or ``none``) and ``ssl_check_hostname`` (``true`` /
-``false``). See docs/quotas.md, "Redis URLs".
+``false``). On ``rediss+sentinel://`` they apply to the sentinels as well as to the master (the
+sentinels of a TLS deployment listen on ``tls-port`` only); ``sentinel_ssl=false`` keeps plaintext
+sentinels in front of a TLS master. See docs/quotas.md, "Redis URLs".
 """
 
 from __future__ import annotations
@@ -39,13 +41,18 @@ SCHEMES: dict[str, tuple[str, bool]] = {
 #: every query parameter to redis-py's ``from_url`` as it is)
 TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
 DEFAULT_PORTS = {"sentinel": 26379, "cluster": 6379}
+#: query parameters only a Sentinel URL takes (redis-py's clients of the other modes refuse them
+#: with a ``TypeError`` at their first connection)
+SENTINEL_OPTIONS = ("sentinel_password", "sentinel_ssl")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
 class RedisTarget:
     """A parsed ``redis_url``. ``mode``: ``standalone`` | ``sentinel`` | ``cluster``; ``hosts``:
     the sentinels or the cluster's startup nodes (empty for standalone); ``service``: the
-    Sentinel service name; ``options``: TLS options and ``sentinel_password`` from the query."""
+    Sentinel service name; ``options``: TLS options, ``sentinel_password`` and ``sentinel_ssl``
+    (a bool; absent: the sentinels speak TLS exactly when the master does) from the query."""
 
     mode: str
     tls: bool
@@ -70,14 +77,41 @@ def _hosts(hostlist: str, default_port: int) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def _flag(name: str, value: str) -> bool:
+    """A boolean query parameter. Raises ``ValueError`` for anything but 1/0, true/false, yes/no,
+    on/off (a typo must not turn a TLS check off or on unnoticed)."""
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise ValueError(f"redis URL: {name} must be true or false, not '{value}'")
+
+
 def _options(query: str) -> dict[str, Any]:
     raw = {k: v[0] for k, v in parse_qs(query).items()}
-    opts: dict[str, Any] = {k: raw[k] for k in TLS_OPTIONS if k in raw}
-    if "ssl_check_hostname" in opts:
-        opts["ssl_check_hostname"] = opts["ssl_check_hostname"].lower() in ("1", "true", "yes")
-    if "sentinel_password" in raw:
-        opts["sentinel_password"] = raw["sentinel_password"]
+    opts: dict[str, Any] = {k: raw[k] for k in TLS_OPTIONS + SENTINEL_OPTIONS if k in raw}
+    for name in ("ssl_check_hostname", "sentinel_ssl"):
+        if name in opts:
+            opts[name] = _flag(name, opts[name])
     return opts
+
+
+def _tls_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The TLS options of ``options`` (a :class:`RedisTarget`'s), as connection keywords."""
+    return {k: options[k] for k in TLS_OPTIONS if k in options}
+
+
+def _check_sentinel_options(mode: str, tls: bool, query: str) -> None:
+    """Refuse a ``sentinel_*`` query parameter on a URL of another mode (redis-py's clients for
+    those raise ``TypeError`` at their first connection), and ``sentinel_ssl=true`` on
+    ``redis+sentinel://`` (it would leave the master in plaintext)."""
+    given = parse_qs(query)
+    if mode != "sentinel":
+        stray = [k for k in SENTINEL_OPTIONS if k in given]
+        if stray:
+            raise ValueError(f"redis URL: {', '.join(stray)} applies to redis+sentinel:// and rediss+sentinel:// only")
+    elif not tls and _flag("sentinel_ssl", given.get("sentinel_ssl", ["false"])[0]):
+        raise ValueError("sentinel URL: sentinel_ssl=true needs rediss+sentinel:// (TLS to the master too)")
 
 
 def _is_db(s: str) -> bool:
@@ -109,11 +143,14 @@ def parse_redis_url(url: str) -> RedisTarget:
     scheme, a ``redis://`` or ``rediss://`` URL whose port is not 1-65535 or whose path is not
     one database number (redis-py reads ``/abc`` or ``/1O`` as database 0, silently sharing it),
     a sentinel URL without hosts or service name or with a database that is no number, a
-    cluster URL without hosts or with a database other than 0, or a bad port."""
+    cluster URL without hosts or with a database other than 0, a bad port, an
+    ``ssl_check_hostname`` or ``sentinel_ssl`` that is no boolean, ``sentinel_ssl=true`` on
+    ``redis+sentinel://``, or a ``sentinel_*`` parameter on a URL of another mode."""
     parts = urlsplit(url)
     if parts.scheme not in SCHEMES:
         raise ValueError(f"redis URL: unknown scheme '{parts.scheme}://' (one of: {', '.join(SCHEMES)})")
     mode, tls = SCHEMES[parts.scheme]
+    _check_sentinel_options(mode, tls, parts.query)
     if mode == "standalone":
         if parts.scheme != "unix":
             _check_standalone(parts)
@@ -177,17 +214,30 @@ def redis_client(url: str, timeout_seconds: float, *, sync: bool = False) -> Any
     return _sentinel_master(target, opts, timeout_seconds, sync)
 
 
+def _sentinel_kwargs(target: RedisTarget, timeout_seconds: float) -> dict[str, Any]:
+    """The connection options of the sentinel clients: bounded by ``timeout_seconds``, the
+    ``sentinel_password``, and on ``rediss+sentinel://`` (unless ``sentinel_ssl=false``) TLS with
+    the URL's TLS options. redis-py gives the sentinels these and nothing of the master's options
+    (``redis.sentinel.Sentinel``: ``Redis(host, port, **sentinel_kwargs)``); it adds a ``Retry``
+    of 0 retries, as master discovery moves on to the next sentinel."""
+    kwargs: dict[str, Any] = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
+    if "sentinel_password" in target.options:
+        kwargs["password"] = target.options["sentinel_password"]
+    if target.options.get("sentinel_ssl", target.tls):
+        kwargs.update(ssl=True, **_tls_options(target.options))
+    return kwargs
+
+
 def _sentinel_master(target: RedisTarget, opts: dict[str, Any], timeout_seconds: float, sync: bool) -> Any:
+    """The master client of a sentinel URL. With TLS (``ssl=True``) redis-py's
+    ``SentinelConnectionPool`` connects to the master the sentinels name through
+    ``SentinelManagedSSLConnection``, with the URL's TLS options."""
     if sync:
         from redis.sentinel import Sentinel
     else:
         from redis.asyncio.sentinel import Sentinel  # type: ignore[assignment]
-    options = dict(target.options)
-    sentinel_kwargs: dict[str, Any] = dict(socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds)
-    if "sentinel_password" in options:
-        sentinel_kwargs["password"] = options.pop("sentinel_password")
-    sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs, **opts)
-    tls: dict[str, Any] = dict(ssl=True, **options) if target.tls else {}
+    sentinel = Sentinel(list(target.hosts), sentinel_kwargs=_sentinel_kwargs(target, timeout_seconds), **opts)
+    tls: dict[str, Any] = dict(ssl=True, **_tls_options(target.options)) if target.tls else {}
     assert target.service is not None, "parse_redis_url refuses a sentinel URL without a service name"
     return sentinel.master_for(
         target.service, db=target.db, username=target.username, password=target.password, **opts, **tls
@@ -200,7 +250,7 @@ def _cluster(target: RedisTarget, timeout_seconds: float, sync: bool) -> Any:
     else:
         from redis.asyncio.cluster import ClusterNode, RedisCluster  # type: ignore[assignment]
     opts = _bounded(timeout_seconds, sync=sync, retries=1)
-    tls: dict[str, Any] = dict(ssl=True, **target.options) if target.tls else {}
+    tls: dict[str, Any] = dict(ssl=True, **_tls_options(target.options)) if target.tls else {}
 
     def make() -> Any:
         return RedisCluster(
