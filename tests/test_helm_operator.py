@@ -144,6 +144,35 @@ def test_sentinel_egress_opens_the_master_port() -> None:
     assert "minimum: got 0, want 1" in render_fails("sentinel", "redis.sentinelMasterPort=0")
 
 
+def test_tls_sentinels_follow_redis_tls_unless_told_otherwise(tmp_path: Path) -> None:
+    """rediss+sentinel:// speaks TLS to the sentinels too (config/redis_client.py);
+    ``redis.tls.sentinels: false`` keeps plaintext sentinels in front of a TLS master."""
+    hosts = ",".join(f"redis-sentinel-{i}.redis-sentinel.data.svc.cluster.local:26379" for i in range(3))
+    base = f"rediss+sentinel://:$(REDIS_PASSWORD)@{hosts}/kvgate/2?sentinel_password=$(REDIS_SENTINEL_PASSWORD)"
+    ca = "ssl_ca_certs=/etc/kvgate/redis-tls/ca.crt"
+    tls = ("redis.tls.enabled=true", "redis.tls.caSecret.name=redis-ca")
+    assert _redis_url(render("sentinel", *tls)) == f"{base}&{ca}"
+    off = _redis_url(render("sentinel", *tls, "redis.tls.sentinels=false"))
+    assert off == f"{base}&{ca}&sentinel_ssl=false"
+    # without TLS, or outside sentinel mode, the knob adds nothing
+    assert "sentinel_ssl" not in _redis_url(render("sentinel", "redis.tls.sentinels=false"))
+    assert "sentinel_ssl" not in _redis_url(render("cluster", "redis.tls.sentinels=false"))
+    assert "got string, want boolean" in render_fails("sentinel", 'json:redis.tls.sentinels="no"')
+    from config.redis_client import parse_redis_url
+
+    assert (
+        parse_redis_url(off.replace("$(REDIS_PASSWORD)", "p").replace("$(REDIS_SENTINEL_PASSWORD)", "s")).options[
+            "sentinel_ssl"
+        ]
+        is False
+    )
+
+
+def _redis_url(objs: list[dict[str, Any]]) -> str:
+    env = {e["name"]: e.get("value") for e in gateway_container(objs)["env"]}
+    return str(env["KVGATE_REDIS_URL"])
+
+
 # ---------------------------------------------------------------------------------------- shutdown
 
 

@@ -138,6 +138,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and $r.tls.enabled $r.tls.caSecret.name -}}
 {{- $query = append $query (printf "ssl_ca_certs=/etc/kvgate/redis-tls/%s" $r.tls.caSecret.key) -}}
 {{- end -}}
+{{- if and $r.tls.enabled (eq $r.mode "sentinel") (eq (toString $r.tls.sentinels) "false") -}}
+{{- $query = append $query "sentinel_ssl=false" -}}
+{{- end -}}
 {{- printf "%s://%s%s%s" $scheme $user (join "," $r.hosts) $path -}}
 {{- if $query -}}?{{ join "&" $query }}{{- end -}}
 {{- end -}}
