@@ -129,7 +129,10 @@ def refusal_error(
         msg = (
             f"Rate limit reached for tenant '{tenant.id}' on " + "; ".join(parts) + f". Please try again in {retry_s}s."
         )
-    headers = {"Retry-After": str(retry_s), **rate_limit_headers(limits, decision)}
+    # a request above the whole TPM limit never fits: no Retry-After, and the header the openai
+    # SDKs read before retrying (openai-python ``BaseClient._should_retry``) says not to
+    wait = {"x-should-retry": "false"} if decision.too_large else {"Retry-After": str(retry_s)}
+    headers = {**wait, **rate_limit_headers(limits, decision)}
     return OpenAIError(429, msg, code=ErrorCode.RATE_LIMIT_EXCEEDED, headers=headers)
 
 
