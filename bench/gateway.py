@@ -11,6 +11,8 @@ exact count of the bench body, so the verifier's drift check stays quiet) and th
 - ``nginx``: through nginx (1 worker, upstream keep-alive); skipped without nginx;
 - ``naive-relay``: the frozen featureless FastAPI + httpx relay ``../shared/bench/naive_relay.py``
   (beside the checkout; ``--naive-relay`` names another copy) under ``uvicorn --workers 2``;
+- ``python-floor``: ``bench/floor_relay.py``, bytes copied between sockets on uvloop with
+  ``Content-Length`` framing, 2 processes: the least any Python relay on asyncio adds here;
 - ``litellm``: LiteLLM's proxy with 2 workers, from its own virtualenv so it cannot change
   kvgate's dependencies (``--litellm-venv``, default ``.venv-litellm`` in the checkout: ``python -m
   venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'``); skipped without it;
@@ -440,6 +442,18 @@ def _naive_relay(env: Env) -> Iterator[Target]:
     )
     wait_http(f"http://127.0.0.1:{port}/v1/models", p)  # relayed: the mock's 404 is not 200
     yield Target(f"http://127.0.0.1:{port}/v1/chat/completions", note=f"{relay.name}, 2 uvicorn workers")
+
+
+@scenario("python-floor", "the least a Python relay on asyncio adds: bench/floor_relay.py, 2 workers")
+def _python_floor(env: Env) -> Iterator[Target]:
+    port = free_port()
+    upstream = env.mock_url.removeprefix("http://")
+    p = env.spawn(
+        "python-floor",
+        [sys.executable, str(ROOT / "bench" / "floor_relay.py"), "--port", str(port), "--upstream", upstream],
+    )
+    wait_http(f"http://127.0.0.1:{port}/server_info", p)
+    yield Target(f"http://127.0.0.1:{port}/v1/chat/completions", note="uvloop, Content-Length framing, bytes copied")
 
 
 @scenario("litellm", "LiteLLM's proxy, 2 workers, its own virtualenv")

@@ -3,7 +3,8 @@
 Serves a ``bench/gateway.py`` scenario (default ``kvgate-full-1w``: every feature on, one
 worker, so every request meets the same event loop) in front of its nginx mock, with
 ``bench/timeline_site`` first on its ``PYTHONPATH``: its ``sitecustomize`` marks each stage (client bytes
-in, admission, each Redis round trip, the forward, engine bytes in, the answer's writes, the
+in, admission and its parts: the body read, the count, the forward body, the verifier's admission,
+the quota call; each Redis round trip, the forward, engine bytes in, the answer's writes, the
 finish) with ``perf_counter_ns``. After one wrk run at 1 connection, the requests are split at
 each arrival; for those of the most common stage sequence (the first quarter skipped as warm-up)
 it prints the median time between consecutive marks. The marks cost a little time themselves:

@@ -67,6 +67,17 @@ if OUT:
     _around(finish, "finish", "finish", "finished")  # settle, metrics, log
     import gateway.routes.handlers as handlers
 
+    # inside admission: the small-body check, the body read, the count, the forward body, the
+    # verifier's admission, the quota call up to its round trip
+    _around(admit, "_received_small", "small", "small_end")
+    _around(admit, "read_request", "read", "read_end")
+    _around(admit, "_count_and_decide", "count", "count_end")
+    _around(admit, "_forward", "fwd", "fwd_end")
+    import gateway.quotas.tenant_quotas as tq
+    import verifier.service as vs
+
+    _around(vs.VerifierService, "admit", "v_admit", "v_admit_end")
+    _around(tq.TenantQuotas, "begin_reserve", "quota", "quota_end")
     handlers.admit, handlers.finish = admit.admit, finish.finish  # the names it imported
 
     atexit.register(_dump)
