@@ -221,6 +221,14 @@ def _unavailable(e: BaseException) -> QuotaStoreUnavailable:
     return e if isinstance(e, QuotaStoreUnavailable) else QuotaStoreUnavailable(f"redis: {type(e).__name__}: {e}")
 
 
+def _retrieve_all(queued: list[_Queued]) -> None:
+    """Mark the replies of ``queued`` retrieved (now, or when they are answered): a caller that
+    stopped at its first failed reply of a round trip leaves the others unread, and asyncio logs
+    each such exception ("Future exception was never retrieved") when the reply is collected."""
+    for q in queued:
+        q.reply.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 def _answer(q: _Queued, result: Any) -> None:
     """Hand a coalesced call's ``result`` to its caller (unless it gave up): a value, or an
     exception, which becomes a :class:`QuotaStoreUnavailable` of its own (a ``raw`` call's
@@ -432,7 +440,11 @@ class RedisQuotaStore:
         :class:`QuotaStoreUnavailable`."""
         queued = self._calls_of(scripts)
         await self._submit(queued)
-        return [await q.reply for q in queued]
+        try:
+            return [await q.reply for q in queued]
+        except BaseException:
+            _retrieve_all(queued)
+            raise
 
     async def send_calls(self, calls: list[tuple[str, list[str], list[Any]]]) -> list[Any]:
         """Other parts' Lua calls (``(sha1, keys, args)``, e.g. the leak index's write,
@@ -678,8 +690,10 @@ class RedisQuotaStore:
         try:
             replies = [await q.reply for q in firsts]
         except asyncio.CancelledError:  # the request is gone: its caller discards ``also``
+            _retrieve_all([*firsts, *rest])
             raise
         except BaseException as e:  # unavailable: fate unknown
+            _retrieve_all([*firsts, *rest])
             also.sent(e)
             raise
         also.sent([await q.reply for q in rest])  # answered by the same round trip as ``firsts``

@@ -103,12 +103,23 @@ def _fmt_seconds(s: float) -> str:
     return f"{s:g}s"
 
 
+def never_fits(tenant: TenantConfig, decision: QuotaDecision, tokens: int) -> bool:
+    """Whether ``decision`` refused ``tokens`` that no wait admits: more than the tenant's whole
+    TPM. A store's ``too_large`` against a smaller share (the ``local_fallback``'s ``tpm //
+    processes`` while Redis is down) is not: the request fits once Redis answers again."""
+    tpm = tenant.tpm
+    return decision.too_large and tpm is not None and tokens > tpm
+
+
 def refusal_error(
     tenant: TenantConfig, limits: QuotaLimits, decision: QuotaDecision, tokens: int, window_seconds: float
 ) -> OpenAIError:
     """The 429 ``rate_limit_exceeded`` for a refused reservation, worded like the OpenAI API's
-    ("Rate limit reached for ... Limit L, Used U, Requested R. Please try again in Ns.")."""
+    ("Rate limit reached for ... Limit L, Used U, Requested R. Please try again in Ns."); for a
+    request above the tenant's whole TPM (:func:`never_fits`) "Request too large ...", without
+    ``Retry-After`` and with ``x-should-retry: false``."""
     retry_s = max(1, math.ceil(decision.retry_after_ms / 1000))
+    too_large = never_fits(tenant, decision, tokens)
     window = _fmt_seconds(window_seconds)
     parts = []
     if "rpm" in decision.refused:
@@ -119,10 +130,10 @@ def refusal_error(
         parts.append(f"tokens per {window} window (TPM): Limit {limits.tpm}, Used {used}, Requested {tokens}")
     if "concurrency" in decision.refused:
         parts.append(f"concurrent requests: Limit {limits.max_concurrent}")
-    if decision.too_large:
+    if too_large:
         msg = (
             f"Request too large for tenant '{tenant.id}' on tokens per {window} window (TPM): "
-            f"Limit {limits.tpm}, Requested {tokens} (prompt + max_tokens). "
+            f"Limit {tenant.tpm}, Requested {tokens} (prompt + max_tokens). "
             "Reduce the prompt or max_tokens."
         )
     else:
@@ -131,7 +142,7 @@ def refusal_error(
         )
     # a request above the whole TPM limit never fits: no Retry-After, and the header the openai
     # SDKs read before retrying (openai-python ``BaseClient._should_retry``) says not to
-    wait = {"x-should-retry": "false"} if decision.too_large else {"Retry-After": str(retry_s)}
+    wait = {"x-should-retry": "false"} if too_large else {"Retry-After": str(retry_s)}
     headers = {**wait, **rate_limit_headers(limits, decision)}
     return OpenAIError(429, msg, code=ErrorCode.RATE_LIMIT_EXCEEDED, headers=headers)
 
@@ -378,9 +389,10 @@ class TenantQuotas:
         ``undo_on_cancel``: a caller cancelled before it has the decision (the request is gone,
         and what Redis made for it has no lease to settle) has the call undone as a failed one;
         ``False`` for a call whose caller settles the lease it already holds. ``token_step``: the
-        call is the token step of a request Redis began; when it fails and the fallback goes on
-        with the request (which may then reach an engine), the undo keeps the RPM entry
-        ``begin.lua`` made, as for any begun request; failing closed (a 503) it is refunded."""
+        call is the token step of a request Redis began; when it fails, or the store is backing
+        off, and the fallback goes on with the request (which may then reach an engine), Redis's
+        lease of it is undone once the store answers, keeping the RPM entry ``begin.lua`` made,
+        as for any begun request; failing closed (a 503) after a failed call it is refunded."""
         if isinstance(store, LocalQuotaStore):
             return store, limits, await call(store, limits)
         if self._store_usable(tenant_id):
@@ -397,6 +409,9 @@ class TenantQuotas:
                 raise
             else:
                 return store, limits, decision
+        elif token_step and self.fallback is not None:  # the fallback decides without a call
+            self._uncertain.append((tenant_id, lease_id, True))  # begin.lua's lease is undone, as above
+            self._ensure_recoverer()
         if self.fallback is None:
             raise OpenAIError(
                 503,
