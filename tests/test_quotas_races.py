@@ -354,3 +354,22 @@ async def test_fail_closed_refunds_the_rpm_entry_of_a_request_refused_at_its_tok
     await _recovered(stage)
     assert _state(spare_redis, store, t.id) == {"rpm": 0, "tpm": 0, "debits": [], "sum": 0, "leases": 0}
     await stage.aclose()
+
+
+async def test_a_large_undo_goes_in_chunks_of_500_in_one_round_trip(spare_redis: SpareRedis) -> None:  # noqa: F811
+    """10,000 ids in one ``cancel.lua`` held Redis 28.7 ms for every tenant; they go 500 a script,
+    the scripts in one round trip, and every id is undone or tombstoned as before."""
+    prefix = f"race-{uuid.uuid4().hex[:6]}"
+    store = RedisQuotaStore(redis_client_from_url(spare_redis.url, 1.0), prefix=prefix)
+    lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=5)
+    held = [f"held-{i}" for i in range(3)]
+    for lease in held:
+        assert (await store.begin("t", lim, lease, WINDOW_MS, TTL_MS)).admitted
+    ids = [f"gone-{i}" for i in range(1198)] + held  # 1,201: chunks of 500, 500 and 201
+    calls, trips = store.calls, store.round_trips
+    assert await store.cancel("t", ids) == 3
+    assert (store.calls - calls, store.round_trips - trips) == (3, 1)
+    assert _state(spare_redis, store, "t")["leases"] == 0
+    with redis.Redis(port=spare_redis.port) as r:
+        assert r.zcard(store.ended_key("t")) == 1201
+    await store.aclose()

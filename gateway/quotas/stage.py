@@ -39,8 +39,9 @@ class QuotaStage(Protocol):
         ``also``: other Redis calls (the verifier's index write) to send in the same round trip
         when this reservation makes one; their outcome goes to ``also.sent`` (left unsent
         otherwise: the caller's ``also.finish()`` sends it). Raises
-        ``config.errors.OpenAIError``: 429 ``rate_limit_exceeded`` (with ``Retry-After`` and
-        rate-limit headers) or 503 when the store is down and the policy is fail closed."""
+        ``config.errors.OpenAIError``: 429 ``rate_limit_exceeded`` (with ``Retry-After``, or for
+        a request above the whole TPM ``x-should-retry: false``, and rate-limit headers) or 503
+        when the store is down and the policy is fail closed."""
         ...
 
     async def begin(self, tenant: TenantConfig, request_id: str) -> QuotaLease:

@@ -32,6 +32,8 @@ UNLIMITED = -1
 #: trip of settles alone waits up to this long (seconds) for the next request's call to share it
 SETTLE_WAIT_SECONDS = 0.001
 BUSY_SECONDS = 0.002
+#: lease ids per ``cancel.lua`` call (:meth:`RedisQuotaStore.cancel`)
+CANCEL_CHUNK = 500
 #: how long (ms) ``cancel.lua``'s tombstones and ``settle.lua``'s marks of a charged overage live
 #: unless the stage says (:meth:`RedisQuotaStore.remember_ended_for`): twice the default lease TTL
 DEFAULT_ENDED_MS = 240_000
@@ -774,11 +776,17 @@ class RedisQuotaStore:
     async def cancel(self, tenant_id: str, lease_ids: list[str], *, keep_rpm: bool = False) -> int:
         """``cancel.lua``: each lease's entries removed (with ``keep_rpm``, all but its RPM
         entry) and a tombstone left for :attr:`ended_ms`, so a reservation of it that Redis runs
-        later (a paused server, a connection's bytes delivered late) changes nothing."""
+        later (a paused server, a connection's bytes delivered late) changes nothing. At most
+        :data:`CANCEL_CHUNK` ids a script, the chunks in one round trip: a script holds Redis
+        for every tenant while it runs (10,000 ids took 28.7 ms in one)."""
         if not lease_ids:
             return 0
-        args = [self.ended_ms, "1" if keep_rpm else "0", *lease_ids]
-        return int(await self._call(self._cancel, self._script_keys(tenant_id), args))
+        keys, flag = self._script_keys(tenant_id), "1" if keep_rpm else "0"
+        chunks = [lease_ids[i : i + CANCEL_CHUNK] for i in range(0, len(lease_ids), CANCEL_CHUNK)]
+        if len(chunks) == 1:
+            return int(await self._call(self._cancel, keys, [self.ended_ms, flag, *chunks[0]]))
+        done = await self._call_all([(self._cancel, keys, [self.ended_ms, flag, *c]) for c in chunks])
+        return sum(int(n) for n in done)
 
     async def warm_up(self, timeout_seconds: float) -> None:
         """Connect before the first request (the gateway's start): one ``PING``, on a cluster one

@@ -8,7 +8,8 @@ calls, built from settings by :func:`build_quota_stage`.
 - Leases have a TTL (``lease_ttl_seconds``); this process renews its live leases every TTL / 3,
   so a replica that dies frees its slots within one TTL.
 - Over quota: :class:`~config.errors.OpenAIError` 429 ``rate_limit_exceeded`` with ``Retry-After``
-  (whole seconds until the window admits the request, rounded up) and the OpenAI rate-limit
+  (whole seconds until the window admits the request, rounded up; a request above the whole TPM,
+  which no wait admits, has ``x-should-retry: false`` instead) and the OpenAI rate-limit
   headers; the same headers (``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
   ``x-ratelimit-limit-tokens``, ``x-ratelimit-remaining-tokens``) are in
   :attr:`QuotaLease.headers` of every admitted request, one pair per limited dimension (header
