@@ -37,9 +37,9 @@ class Engine:
         return httpx.Response(200, json={"choices": [{"index": 0, "text": text, "finish_reason": "length"}]})
 
 
-async def _probe(engine: Engine):
+async def _probe(engine: Engine, known=None):
     async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
-        return await run_probe(client, ProbeTarget("http://engine/v1", limit=LIMIT), max_tokens=16)
+        return await run_probe(client, ProbeTarget("http://engine/v1", limit=LIMIT), max_tokens=16, known=known)
 
 
 def _own(prompt: str) -> list[str]:
@@ -92,3 +92,46 @@ async def test_any_canary_in_a_fresh_answer_is_a_leak(garbled: bool):
     result = await _probe(Engine(answer))
     assert (result.outcome, result.surfaced) == ("leak", 2)
     assert [(s.label, s.surfaced, s.unmatched) for s in result.steps][2::2] == [("fresh@L", 1, 0), ("fresh@L+1", 1, 0)]
+
+
+def _garbled(canary: str, digits: int) -> str:
+    """``canary`` with its last ``digits`` hex digits changed."""
+    tail = "".join("0" if ch != "0" else "1" for ch in canary[-digits:])
+    return canary[:-digits] + tail
+
+
+@pytest.mark.parametrize(("digits", "outcome", "surfaced"), [(1, "leak", 2), (4, "leak", 2), (9, "clean", 0)])
+async def test_a_garbled_copy_of_an_earlier_steps_canary_in_a_plant_answer(digits: int, outcome: str, surfaced: int):
+    """Decode reading stale pages copies them imperfectly: a copy of an earlier step's canary
+    with up to 4 of 16 hex digits wrong is evidence; one that far off is noise (unmatched)."""
+
+    def answer(prompt: str, seen: list[str]) -> str:
+        earlier = [c for p in seen for c in _own(p)]
+        return f"stale: {_garbled(earlier[0], digits)}" if earlier and _own(prompt) else "nothing"
+
+    result = await _probe(Engine(answer))
+    assert (result.outcome, result.surfaced) == (outcome, surfaced)
+    assert [(s.label, s.surfaced, s.unmatched) for s in result.steps][1::2] == [
+        ("plant@L", surfaced // 2, 1 - surfaced // 2),
+        ("plant@L+1", surfaced // 2, 1 - surfaced // 2),
+    ]
+
+
+@pytest.mark.parametrize("registry", [True, False])
+async def test_another_runs_canary_in_a_plant_answer_is_a_leak_when_the_registry_knows_it(registry: bool):
+    """A canary no step of this run planted, but the registry knows (the previous periodic
+    probe's, another replica's, a honeypot tenant's), is evidence; unknown, it is unmatched."""
+    previous = "KVGATE-CANARY-00112233445566ff"
+    asked: list[list[str]] = []
+
+    async def known(canaries: list[str]) -> list[bool]:
+        asked.append(canaries)
+        return [c == previous for c in canaries]
+
+    def answer(prompt: str, seen: list[str]) -> str:
+        return f"stale: {previous}" if _own(prompt) else "nothing"
+
+    result = await _probe(Engine(answer), known=known if registry else None)
+    assert (result.outcome, result.surfaced) == (("leak", 3) if registry else ("clean", 0))
+    assert [s.unmatched for s in result.steps] == ([0] * 5 if registry else [1, 1, 0, 1, 0])
+    assert asked == ([[previous]] * 3 if registry else [])

@@ -9,10 +9,13 @@ Steps (``L`` = the live limit, prompt + ``max_tokens`` tokens; ``@n`` = a prompt
 3. ``plant@L+1``, then ``fresh@L+1`` - one past the boundary (the rejection path), then fresh.
 
 Every response BODY (never the status: a 200 proves nothing, a 400 is fine) is searched for
-canaries its own prompt does not hold. Evidence is a canary in a ``fresh`` step's body (its prompt
-holds none to imitate), or one planted by an earlier step in a ``plant`` step's body; any other
-canary-shaped string in a ``plant`` body is ``unmatched``, counted but no evidence: a model that
-sees its own canary repeated may echo it mistyped or write new ones in its pattern.
+canaries its own prompt does not hold. Evidence is any canary in a ``fresh`` step's body (its
+prompt holds none to imitate). In a ``plant`` step's body a model that sees its own canary
+repeated may echo it mistyped or write new ones in its pattern, so there a canary is evidence when
+an earlier step planted it, when it is a garbled copy of one (at most :data:`NEAR_DIGITS` of its 16
+hex digits differ, and it is not as near the step's own), or when the canary registry knows it
+(``known``: another run's, another replica's or a honeypot tenant's canary); any other is
+``unmatched``, counted but no evidence.
 
 Prompts are sized exactly with the served model's own count: the target's vLLM-shaped ``/tokenize``
 (the gateway's answers from the gate's counter; :class:`RemoteCounter`), iterating until prompt +
@@ -245,6 +248,7 @@ class ProbeStep:
     surfaced: int = 0
     unmatched: int = 0
     error: str | None = None
+    found: list[str] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -333,11 +337,10 @@ async def _send_step(
     step: ProbeStep,
     prompt: str,
     canary: str | None,
-    earlier: frozenset[str],
 ) -> None:
-    """Send one step's completion request; fills ``step.status``, ``step.surfaced`` and
-    ``step.unmatched`` (``earlier``: the canaries planted by the steps before it; see the module
-    doc), or ``step.error`` on a transport error."""
+    """Send one step's completion request; fills ``step.status`` and ``step.found`` (the canaries
+    in the body other than its own; judged by :func:`judge_found` into ``step.surfaced`` and
+    ``step.unmatched`` (:func:`judge_found`), or ``step.error`` on a transport error."""
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": step.max_tokens, "temperature": 0}
     if target.model:
         body["model"] = target.model
@@ -347,9 +350,48 @@ async def _send_step(
         step.error = f"{type(e).__name__}: {e}"[:300]
         return
     step.status = r.status_code
-    found = [c for c in find_canaries(r.text) if c != canary]
-    step.surfaced = len(found) if canary is None else len([c for c in found if c in earlier])
-    step.unmatched = len(found) - step.surfaced
+    step.found = [c for c in find_canaries(r.text) if c != canary]
+
+
+#: hex digits (of a canary's 16) in which a garbled copy may differ from the canary it copies
+NEAR_DIGITS = 4
+
+#: which canaries the registry knows (``True`` each: some tenant planted it); may be a coroutine
+Known = Callable[[list[str]], Any]
+
+
+def _distance(a: str, b: str) -> int:
+    """Hex digits in which two canaries differ."""
+    return sum(x != y for x, y in zip(a[-16:], b[-16:], strict=True))
+
+
+def _evidence_in_plant(c: str, own: str, earlier: frozenset[str]) -> bool | None:
+    """A canary in a ``plant`` step's body: evidence (``True``), an echo of its own (``False``),
+    or not known from this run (``None``)."""
+    if c in earlier:
+        return True
+    near_own = _distance(c, own)
+    nearest = min((_distance(c, e) for e in earlier), default=17)
+    if nearest <= NEAR_DIGITS and nearest < near_own:
+        return True  # a garbled copy of an earlier step's canary
+    return False if near_own <= NEAR_DIGITS else None
+
+
+async def judge_found(step: ProbeStep, canary: str | None, earlier: frozenset[str], known: Known | None) -> None:
+    """``step.surfaced`` and ``step.unmatched`` from ``step.found`` (see the module doc):
+    ``canary``: the step's own (``None``: a fresh step, whose every canary is evidence);
+    ``earlier``: those of the steps before it; ``known``: the registry's lookup, or ``None``."""
+    if canary is None:
+        step.surfaced, step.unmatched = len(step.found), 0
+        return
+    verdicts = [_evidence_in_plant(c, canary, earlier) for c in step.found]
+    unknown = [c for c, v in zip(step.found, verdicts, strict=True) if v is None]
+    registered: list[bool] = []
+    if unknown and known is not None:
+        got = known(unknown)
+        registered = list(await got if inspect.isawaitable(got) else got)
+    step.surfaced = verdicts.count(True) + sum(registered)
+    step.unmatched = len(step.found) - step.surfaced
 
 
 def _judge(result: ProbeResult) -> None:
@@ -379,10 +421,12 @@ async def run_probe(
     max_tokens: int = 64,
     rng: random.Random | None = None,
     register: Callable[[list[str]], Any] | None = None,
+    known: Known | None = None,
 ) -> ProbeResult:
     """Run the five steps against ``target`` (see module doc). ``register`` is called with the
-    canaries before they are sent (the gateway's verifier records them as honeypot canaries); a
-    result that is awaitable is awaited first."""
+    canaries before they are sent (the gateway's verifier records them as honeypot canaries);
+    ``known`` says which canaries of a ``plant`` answer the registry knows (:func:`judge_found`).
+    A result of either that is awaitable is awaited first."""
     rng = rng or random.Random()
     headers = {"content-type": "application/json"}
     if target.api_key:
@@ -409,7 +453,8 @@ async def run_probe(
             registered = register([canary])
             if inspect.isawaitable(registered):  # a coroutine (the gateway's periodic probe)
                 await registered
-        await _send_step(client, target, headers, step, prompt, canary, frozenset(planted))
+        await _send_step(client, target, headers, step, prompt, canary)
+        await judge_found(step, canary, frozenset(planted), known)
         planted += [canary] if canary else []
     _judge(result)
     return result
@@ -447,12 +492,13 @@ async def run_probe_targets(
     max_tokens: int = 64,
     timeout_seconds: float = 120.0,
     register: Callable[[list[str]], Any] | None = None,
+    known: Known | None = None,
 ) -> list[tuple[ProbeTarget, ProbeResult]]:
-    """Probe each target in turn."""
+    """Probe each target in turn (``register``, ``known``: as :func:`run_probe`)."""
     out = []
     async with httpx.AsyncClient(timeout=timeout_seconds) as client:
         for t in targets:
-            out.append((t, await run_probe(client, t, max_tokens=max_tokens, register=register)))
+            out.append((t, await run_probe(client, t, max_tokens=max_tokens, register=register, known=known)))
     return out
 
 
@@ -507,7 +553,10 @@ def run(args: argparse.Namespace) -> int:
 
     result = asyncio.run(go())
     if args.json:
-        print(json.dumps({**asdict(result), "exit_code": result.exit_code}))
+        doc = asdict(result)
+        for step in doc["steps"]:
+            del step["found"]  # counts only: the canaries themselves stay out of logs
+        print(json.dumps({**doc, "exit_code": result.exit_code}))
     else:
         print(f"probe of {args.base_url}: live limit {result.limit}")
         for s in result.steps:

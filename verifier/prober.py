@@ -55,11 +55,19 @@ class PeriodicProbe:
             await asyncio.sleep(interval)
             try:
                 targets = self.targets or targets_from_settings(self.settings)
-                results = await run_probe_targets(targets, register=self.register)
+                results = await run_probe_targets(targets, register=self.register, known=self.known)
             except Exception as e:
                 log.warning("verifier probe failed to run: %s", e)
                 continue
             self.stats["probes"] += len(results)
+            for target, result in results:
+                if unmatched := sum(s.unmatched for s in result.steps):
+                    log.warning(
+                        "verifier probe of %s: %d canary-shaped strings no step planted and no tenant"
+                        " registered (a model echoing its own canary mistyped, or inventing some)",
+                        target.upstream,
+                        unmatched,
+                    )
             leaks = [self._incident(target, result) for target, result in results if result.outcome == "leak"]
             if leaks:  # the incident log is a file and the quarantine may be Redis: off the loop
                 await asyncio.to_thread(self.evidence.record, leaks)
@@ -83,6 +91,15 @@ class PeriodicProbe:
         lock may be held by the background worker for a whole batch, and the store may be Redis
         (a blocking client), neither of which the event loop may wait for."""
         await asyncio.to_thread(self._register, canaries)
+
+    async def known(self, canaries: list[str]) -> list[bool]:
+        """Whether some tenant registered each canary (a probe of another run or replica, a
+        honeypot tenant), in a worker thread as :meth:`register`."""
+        return await asyncio.to_thread(self._known, canaries)
+
+    def _known(self, canaries: list[str]) -> list[bool]:
+        with self.lock:
+            return [bool(m.owners) for m in self.canaries.lookup(canaries)]
 
     def _register(self, canaries: list[str]) -> None:
         with self.lock:
