@@ -52,6 +52,19 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "min_p": (None, 0),
     "repetition_penalty": (None, 1),
     "min_tokens": (None, 0),
+    # vLLM's structured output, token filters, prompt truncation and beam search: nothing here applies them
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "use_beam_search": (None, False),
+    "prompt_logprobs": (None,),
+    # no tool call is ever forced: the engine returns text
+    "tool_choice": (None, "auto", "none"),
 }
 #: ``/generate``'s ``sampling_params`` refused unless neutral (SGLang's names,
 #: ``sglang/srt/sampling/sampling_params.py``; structured output included)
@@ -67,7 +80,11 @@ _UNSUPPORTED_GENERATE: dict[str, tuple[Any, ...]] = {
     "ebnf": (None,),
     "structural_tag": (None,),
     "logit_bias": (None, {}),
+    "stop_regex": (None, "", []),
+    "sampling_seed": (None,),  # the engine reads ``seed``
 }
+#: ``/generate``'s top-level fields refused unless neutral
+_UNSUPPORTED_GENERATE_TOP: dict[str, tuple[Any, ...]] = {"return_logprob": (None, False)}
 
 
 def bad_request(message: str, param: str | None = None, code: str = ErrorCode.INVALID_REQUEST) -> OpenAIError:
@@ -321,6 +338,7 @@ def parse_generate(
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
         raise bad_request("'sampling_params' must be an object.", "sampling_params")
+    _check_unsupported(body, _UNSUPPORTED_GENERATE_TOP)
     _check_unsupported(sp, _UNSUPPORTED_GENERATE)
     max_new = _int(sp, "max_new_tokens", minimum=1, default=DEFAULT_GENERATE_MAX_NEW_TOKENS)
     check_context(len(ids), max_new, context_length, chat=False)

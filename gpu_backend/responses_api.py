@@ -50,12 +50,21 @@ STATEFUL = {
 }
 
 
+def _check_text_format(text: Any) -> None:
+    """``text.format`` other than plain text (``json_object``, ``json_schema``) asks for structured
+    output, which this engine does not apply: a 400 naming it, never free text with a 200."""
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_request('\'text.format\' is not supported by this backend; only {"type": "text"}.', "text.format")
+
+
 def parse_responses(
     body: dict[str, Any], counter: Any, *, context_length: int, model_names: Iterable[str], served_model_name: str
 ) -> GenRequest:
     """Parse ``/v1/responses`` into a :class:`GenRequest` (``kind`` ``responses``). Raises
     :class:`OpenAIError` 400 naming the field (stateful features, bad input, context)."""
     _check_unsupported(body)
+    _check_text_format(body.get("text"))
     model = _check_model(body, model_names, served_model_name)
     for key, asks in STATEFUL.items():
         if asks(body.get(key)):

@@ -59,6 +59,16 @@ REFUSED = [
     ("frequency_penalty", 0.5),
     ("logit_bias", {"5": 1}),
     ("echo", True),
+    ("guided_json", {"type": "object"}),
+    ("guided_regex", "[a-z]+"),
+    ("structured_outputs", {"json": {"type": "object"}}),
+    ("bad_words", ["x"]),
+    ("allowed_token_ids", [1, 2]),
+    ("truncate_prompt_tokens", 5),
+    ("use_beam_search", True),
+    ("prompt_logprobs", 1),
+    ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
 ]
 
 
@@ -75,7 +85,8 @@ def test_a_sampler_the_engine_does_not_apply_is_refused(parse, field, value):
 @pytest.mark.parametrize(
     ("field", "value"),
     [("top_k", -1), ("top_k", 0), ("top_k", None), ("min_p", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)]
-    + [("logprobs", False), ("echo", False), ("frequency_penalty", 0.0)],
+    + [("logprobs", False), ("echo", False), ("frequency_penalty", 0.0)]
+    + [("tool_choice", "auto"), ("tool_choice", "none"), ("use_beam_search", False), ("bad_words", [])],
 )
 def test_neutral_values_pass(parse, field, value):
     assert parse(**{field: value}).params["max_new_tokens"] > 0
@@ -94,6 +105,8 @@ def test_neutral_values_pass(parse, field, value):
         ("regex", "[a-z]+"),
         ("ebnf", 'root ::= "a"'),
         ("logit_bias", {"1": -100}),
+        ("stop_regex", "\\d+"),
+        ("sampling_seed", 7),
     ],
 )
 def test_generate_refuses_sampling_params_it_would_not_apply(field, value):
@@ -115,3 +128,31 @@ def test_generate_refuses_n_above_1():
 def test_generate_takes_neutral_and_applied_params():
     req = generate(top_k=-1, min_p=0, repetition_penalty=1.0, n=1, temperature=0, top_p=0.9, seed=3)
     assert (req.params["max_new_tokens"], req.params["temperature"], req.params["top_p"]) == (4, 0.0, 0.9)
+
+
+def test_generate_refuses_logprobs_it_would_not_return():
+    with pytest.raises(OpenAIError) as e:
+        parse_generate({"input_ids": [1, 2], "return_logprob": True}, Ids(), context_length=4096, served_model_name="m")
+    assert (e.value.status, e.value.param, e.value.message) == (
+        400,
+        "return_logprob",
+        "'return_logprob' is not supported by this backend.",
+    )
+
+
+@pytest.mark.parametrize(
+    "fmt", [{"type": "json_object"}, {"type": "json_schema", "name": "x", "schema": {"type": "object"}}]
+)
+def test_responses_refuses_structured_text_format(fmt):
+    with pytest.raises(OpenAIError) as e:
+        responses(text={"format": fmt})
+    assert (e.value.status, e.value.param, e.value.message) == (
+        400,
+        "text.format",
+        """'text.format' is not supported by this backend; only {"type": "text"}.""",
+    )
+
+
+def test_responses_takes_a_plain_text_format():
+    assert responses(text={"format": {"type": "text"}}).kind == "responses"
+    assert responses(text={}).kind == "responses"
