@@ -232,6 +232,8 @@ def test_responses_bounds_admit_their_limits(gw):
         "tool_choice": "auto",
         "text": schema_format({"type": "array", "maxItems": 1000, "items": {"pattern": "^[a-z]+(,[a-z]+)*$"}}),
     }
+    if gw.kind == "kvgate":  # applies no structured output: refused (test_structured_output_is_refused_...)
+        body["text"] = {"format": {"type": "text"}}
     assert post(gw, "/v1/responses", body).status_code == 200
 
 
@@ -359,6 +361,45 @@ def test_model_pull_keeps_pips_output_in_a_log_and_shows_it_only_on_failure(tmp_
 
 
 # ------------------------------------------------------------------ tools vs output constraints
+def test_structured_output_is_refused_before_the_engine_where_nothing_applies_it(gw):
+    """The bundled backend applies no structured output: the gateway answers the 400 itself (the
+    engine would, after the prompt was charged); every other engine gets the request."""
+    structured = [
+        (
+            "/v1/chat/completions",
+            "response_format",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 4,
+                "response_format": {"type": "json_object"},
+            },
+        ),
+        (
+            "/v1/responses",
+            "text.format",
+            {
+                "input": "x",
+                "max_output_tokens": 4,
+                "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}},
+            },
+        ),
+    ]
+    for path, param, body in structured:
+        r = post(gw, path, body)
+        if gw.kind == "kvgate":
+            assert refused(r) == {
+                "message": f"'{param}' asks for structured output, but the engines serving this model apply none "
+                '(they answer with free text); send {"type": "text"} or leave it out.',
+                "type": "invalid_request_error",
+                "param": param,
+                "code": "invalid_request",
+            }
+        else:
+            assert r.status_code == 200, r.text
+    plain = {"input": "x", "max_output_tokens": 4, "text": {"format": {"type": "text"}}}
+    assert post(gw, "/v1/responses", plain).status_code == 200
+
+
 def test_tools_are_counted_everywhere_but_a_forced_tool_call_is_refused_where_nothing_parses_it(gw):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "tools": tools}

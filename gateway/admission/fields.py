@@ -245,16 +245,31 @@ NO_TOOL_PARSER = frozenset({"kvgate"})
 
 def check_output_constraints(body: dict[str, Any], engines: frozenset[str]) -> None:
     """Refuse what asks the engines to constrain the answer when they cannot (docs/gateway.md,
-    "Tools, response_format and the rule between them"): ``tool_choice`` other than ``auto`` /
-    ``none`` for engines that parse no tool calls (``tools`` alone change only the prompt: counted
-    and passed). Raises :class:`OpenAIError` 400 naming ``tool_choice``."""
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none") and engines and engines <= NO_TOOL_PARSER:
+    "Tools, response_format and the rule between them"), for engines that parse no tool calls
+    and apply no structured output (the bundled backend): ``tool_choice`` other than ``auto`` /
+    ``none`` (``tools`` alone change only the prompt: counted and passed), chat's
+    ``response_format`` or the Responses API's ``text.format`` other than text. Before the engine
+    is asked, so the refusal charges no prompt. Raises :class:`OpenAIError` 400 naming the field."""
+    if not engines or not engines <= NO_TOOL_PARSER:
+        return
+    if body.get("tool_choice") not in (None, "auto", "none"):
         raise _refuse(
             "tool_choice",
             "'tool_choice' asks for a tool call, but the engines serving this model parse no tool calls "
             "(they answer with text); send 'auto' or 'none', or leave it out.",
         )
+    text = body.get("text")
+    for param, fmt in (("response_format", body.get("response_format")), ("text.format", _format_of(text))):
+        if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+            raise _refuse(
+                param,
+                f"'{param}' asks for structured output, but the engines serving this model apply none "
+                '(they answer with free text); send {"type": "text"} or leave it out.',
+            )
+
+
+def _format_of(text: Any) -> Any:
+    return text.get("format") if isinstance(text, dict) else None
 
 
 def filter_extensions(body: dict[str, Any], route: str, engines: frozenset[str], openai_fields: frozenset[str]) -> None:
