@@ -182,7 +182,7 @@ def test_a_failed_slot_costs_only_its_tenants_and_never_delays_another() -> None
         async def renew(self, tenant_id: str, lease_ids: list[str], ttl_ms: int) -> int:
             return len(lease_ids)
 
-        async def cancel(self, tenant_id: str, lease_ids: list[str]) -> int:
+        async def cancel(self, tenant_id: str, lease_ids: list[str], *, keep_rpm: bool = False) -> int:
             await asyncio.sleep(10 if tenant_id == "down" else 0)
             return 0
 

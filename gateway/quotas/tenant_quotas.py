@@ -310,7 +310,8 @@ class TenantQuotas:
         todo = list(groups.items())
         try:  # together, riding the store's round trips (one each took seconds after a long outage)
             results = await asyncio.gather(
-                *(self._bounded(self._cancel(t, ids, k)) for (t, k), ids in todo), return_exceptions=True
+                *(self._bounded(self.store.cancel(t, ids, keep_rpm=k)) for (t, k), ids in todo),
+                return_exceptions=True,
             )
         except BaseException:  # cancelled part-way: what is not known undone waits for the next round
             self._uncertain.extend((t, i, k) for (t, k), ids in todo for i in ids)
@@ -330,13 +331,6 @@ class TenantQuotas:
             log.warning(
                 "quota store %s: undid %d reservation(s) it ran after their call had timed out", self.store.name, undone
             )
-
-    def _cancel(self, tenant_id: str, lease_ids: list[str], keep_rpm: bool) -> Awaitable[int]:
-        """``store.cancel`` of ``lease_ids``; ``keep_rpm`` is passed only when set, so a store
-        whose ``cancel`` predates it still undoes the others."""
-        if keep_rpm:
-            return self.store.cancel(tenant_id, lease_ids, keep_rpm=True)
-        return self.store.cancel(tenant_id, lease_ids)
 
     async def _bounded(self, coro: Any) -> Any:
         """``await coro`` (a call on the shared store, or on the fallback, which never waits)
