@@ -394,6 +394,17 @@ OPENAI_FIELDS: dict[str, frozenset[str]] = {
 }
 
 
+def drop_nulls(body: dict[str, Any]) -> None:
+    """Remove (in place) the top-level fields of ``body`` that are ``null``: validation reads
+    ``null`` as "absent" (:func:`check_fields`), and so must the engine. vLLM's request models
+    take some fields only as values (``ResponsesRequest``: ``tools: list``, ``tool_choice``,
+    ``service_tier``; ``EmbeddingCompletionRequest``: ``encoding_format``), so a forwarded
+    ``null`` there was the engine's 400 after kvgate had admitted the request and charged its
+    prompt."""
+    for key in [k for k, v in body.items() if v is None]:
+        del body[key]
+
+
 def check_fields(body: dict[str, Any], fields: dict[str, Check], required: tuple[str, ...]) -> None:
     """Check every top-level field of a request body against a route's table: ``required``
     fields present, known ``fields`` of the right type and range (``null`` is accepted for

@@ -148,7 +148,8 @@ MESSAGE_KEYS = frozenset(
 )
 
 
-def _check_message_keys(body: dict[str, Any]) -> None:
+def check_message_keys(body: dict[str, Any]) -> None:
+    """400 naming ``messages[i].key`` for a message key outside :data:`MESSAGE_KEYS`."""
     for i, m in enumerate(body.get("messages") or ()):
         if isinstance(m, dict):
             for k in m:
@@ -328,7 +329,7 @@ def check_chat_request(
     refuses ``tools`` holding one of the model's ``specials`` (:func:`check_tool_definitions`).
     Raises :class:`OpenAIError` 400 naming the field."""
     _check_common(body, "chat", engines)
-    _check_message_keys(body)
+    check_message_keys(body)
     check_output_constraints(body, engines)
     check_tool_definitions(body.get("tools"), specials, engines)
     _check_images(body, images)

@@ -12,12 +12,11 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
-from gateway.admission.checks import INT64_MAX, Check, anything, check_fields, int_in, one_of, string
+from gateway.admission.checks import INT64_MAX, Check, anything, check_fields, drop_nulls, int_in, one_of, string
 from gateway.admission.gate import Admission, CompletionBound, CountedPrompt, effective_limit
 from gateway.admission.registry import ModelEntry
 from gateway.relay.stream_protocol import StreamProtocol
 from gateway.relay.whole_answer import read_choices_answer
-from gateway.routes.responses import drop_nulls
 from tokenizer import TokenizerError
 from tokenizer.embeddings import acount_embedding_input
 from verifier.engine_response import EngineOutput
@@ -150,7 +149,7 @@ class EmbeddingsRoute:
 
     def forward_body(self, body: dict[str, Any], adm: Admission, cache_salt: str, served: list[Any]) -> bytes:
         """``model`` becomes the ``upstream_model``; any client ``cache_salt`` and every field
-        sent as ``null`` (:func:`~gateway.routes.responses.drop_nulls`: vLLM refuses a ``null``
+        sent as ``null`` (:func:`~gateway.admission.checks.drop_nulls`: vLLM refuses a ``null``
         ``encoding_format``) are left out."""
         drop_nulls(body)
         body["model"] = adm.model.upstream_model

@@ -29,6 +29,7 @@ from gateway.admission.checks import (
     boolean,
     check_fields,
     check_stream_options,
+    drop_nulls,
     int_in,
     json_size_problem,
     metadata_problem,
@@ -267,17 +268,6 @@ def check_image_urls(body: dict[str, Any], policy: ImagePolicy) -> None:
                     )
 
 
-def drop_nulls(body: dict[str, Any]) -> None:
-    """Remove (in place) the top-level fields of ``body`` that are ``null``: validation reads
-    ``null`` as "absent" (:func:`gateway.admission.checks.check_fields`), and so must the engine.
-    vLLM's request models take some fields only as values (``ResponsesRequest``: ``tools: list``,
-    ``tool_choice``, ``service_tier``; ``EmbeddingCompletionRequest``: ``encoding_format``), so a
-    forwarded ``null`` there was the engine's 400 after kvgate had admitted the request and
-    charged its prompt."""
-    for key in [k for k, v in body.items() if v is None]:
-        del body[key]
-
-
 def responses_length_message(limit: int, prompt_tokens: int, max_output_tokens: int) -> str:
     """Chat's ``context_length_exceeded`` wording (its first sentences kept: clients parse them),
     in the Responses API's terms: ``input`` and ``max_output_tokens``."""
@@ -356,7 +346,7 @@ class ResponsesRoute:
 
     def forward_body(self, body: dict[str, Any], adm: Admission, cache_salt: str, served: list[Any]) -> bytes:
         """``model`` becomes the ``upstream_model``, a field sent as ``null`` is left out
-        (:func:`drop_nulls`), the tenant's ``cache_salt`` replaces any client one,
+        (:func:`~gateway.admission.checks.drop_nulls`), the tenant's ``cache_salt`` replaces any client one,
         ``max_output_tokens`` is the gated bound (always explicit) and, unless stateful features
         pass, ``store: false``."""
         drop_nulls(body)

@@ -25,7 +25,7 @@ from typing import Any
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.admission.checks import CHAT_FIELDS, Check, array, bad_value, boolean, check_fields, string
-from gateway.admission.fields import MESSAGE_KEYS, check_tool_definitions
+from gateway.admission.fields import check_message_keys, check_tool_definitions
 from gateway.admission.gate import over_context_error, too_long_to_count
 from gateway.admission.registry import ModelEntry
 from gateway.routes.chat import CHAT
@@ -82,15 +82,7 @@ def check_chat_content(entry: ModelEntry, body: dict[str, Any]) -> None:
     :data:`~gateway.admission.fields.MESSAGE_KEYS` (400 naming ``messages[i].key``, chat's
     wording) and a tool definition holding one of the model's special tokens
     (:func:`~gateway.admission.fields.check_tool_definitions`). Raises :class:`OpenAIError`."""
-    for i, m in enumerate(body["messages"]):
-        for k in m if isinstance(m, dict) else ():
-            if k not in MESSAGE_KEYS:
-                raise OpenAIError(
-                    400,
-                    f"Unrecognized message field: 'messages[{i}].{k}'.",
-                    code=ErrorCode.INVALID_REQUEST,
-                    param=f"messages[{i}].{k}",
-                )
+    check_message_keys(body)
     check_tool_definitions(body.get("tools"), entry.counter.special_token_texts, entry.engines)
 
 
