@@ -783,8 +783,6 @@ class RedisQuotaStore:
             return 0
         keys, flag = self._script_keys(tenant_id), "1" if keep_rpm else "0"
         chunks = [lease_ids[i : i + CANCEL_CHUNK] for i in range(0, len(lease_ids), CANCEL_CHUNK)]
-        if len(chunks) == 1:
-            return int(await self._call(self._cancel, keys, [self.ended_ms, flag, *chunks[0]]))
         done = await self._call_all([(self._cancel, keys, [self.ended_ms, flag, *c]) for c in chunks])
         return sum(int(n) for n in done)
 

@@ -31,7 +31,7 @@ import math
 import time
 import uuid
 from collections import defaultdict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -195,7 +195,7 @@ class TenantQuotas:
         self._refused_until: dict[str, float] = {}
         #: told ``False`` when the shared store stops answering (a call or the start), ``True``
         #: when it answers again (:meth:`watch_store`: the gateway's ``kvgate_quota_store_up``)
-        self._store_state: Callable[[bool], None] | None = None
+        self._store_state: Callable[[bool], None] = lambda up: None
 
     def watch_store(self, callback: Callable[[bool], None]) -> None:
         """Tell ``callback`` each change of the shared store's state (``True``: it answers)."""
@@ -209,8 +209,7 @@ class TenantQuotas:
 
     def _mark_down(self, err: Exception, tenant_id: str) -> None:
         if self._backoff.failed(self.store.scope(tenant_id)):
-            if self._store_state is not None:
-                self._store_state(False)
+            self._store_state(False)
             action = (
                 f"per-process local limits (limit // {self.processes})"
                 if self.fallback is not None
@@ -261,31 +260,35 @@ class TenantQuotas:
             (ready if mine and self._store_usable(tenant_id) else keep).append(u)
         self._unsettled.clear()
         self._unsettled.extend(keep)  # other parts of the store, or backing off: the next round
+        calls = [
+            h.store.settle(h.tenant_id, h.limits, h.lease_id, used, reserved, h.window_ms)
+            for h, used, reserved in ready
+        ]
         try:
-            results = await asyncio.gather(
-                *(
-                    self._bounded(h.store.settle(h.tenant_id, h.limits, h.lease_id, used, reserved, h.window_ms))
-                    for h, used, reserved in ready
-                ),
-                return_exceptions=True,
-            )
+            results = await self._together(calls, [h.tenant_id for h, _, _ in ready], "settling again")
         except BaseException:  # cancelled: all are sent again (settle.lua run twice changes nothing more)
             self._unsettled.extend(ready)
             raise
-        for u, r in zip(ready, results, strict=True):
-            if isinstance(r, BaseException):
-                self._unsettled.append(u)
-                if isinstance(r, QuotaStoreUnavailable):
-                    self._mark_down(r, u[0].tenant_id)
-                else:
-                    log.error("quota settle for tenant %s failed again: %r", u[0].tenant_id, r)
+        self._unsettled.extend(u for u, r in zip(ready, results, strict=True) if isinstance(r, BaseException))
+
+    async def _together(self, calls: Sequence[Awaitable[Any]], tenant_ids: list[str], what: str) -> list[Any]:
+        """Await ``calls`` (store calls, one per tenant of ``tenant_ids``) together, each within
+        :meth:`_bounded`, riding the store's round trips; returns each one's result or exception.
+        A :class:`QuotaStoreUnavailable` marks that tenant's part of the store down; any other
+        exception is logged. Cancelled, it raises (the caller queues the calls again)."""
+        results = await asyncio.gather(*(self._bounded(c) for c in calls), return_exceptions=True)
+        for tenant_id, r in zip(tenant_ids, results, strict=True):
+            if isinstance(r, QuotaStoreUnavailable):
+                self._mark_down(r, tenant_id)
+            elif isinstance(r, BaseException):
+                log.error("quota store %s: %s for tenant %s failed: %r", self.store.name, what, tenant_id, r)
+        return results
 
     async def _mark_up(self, tenant_id: str) -> None:
         scope = self.store.scope(tenant_id)
         if self._backoff.succeeded(scope):
             log.warning("quota store %s answers again: limits are shared across replicas again", self.store.name)
-            if self._store_state is not None:
-                self._store_state(True)
+            self._store_state(True)
         if self._uncertain:
             await self._cancel_uncertain(scope)
         if self._unsettled:
@@ -309,10 +312,8 @@ class TenantQuotas:
         self._uncertain.extend(keep)
         todo = list(groups.items())
         try:  # together, riding the store's round trips (one each took seconds after a long outage)
-            results = await asyncio.gather(
-                *(self._bounded(self.store.cancel(t, ids, keep_rpm=k)) for (t, k), ids in todo),
-                return_exceptions=True,
-            )
+            calls = [self.store.cancel(t, ids, keep_rpm=k) for (t, k), ids in todo]
+            results = await self._together(calls, [t for (t, _), _ in todo], "undoing reservations")
         except BaseException:  # cancelled part-way: what is not known undone waits for the next round
             self._uncertain.extend((t, i, k) for (t, k), ids in todo for i in ids)
             self._ensure_recoverer()
@@ -321,10 +322,6 @@ class TenantQuotas:
         for ((tenant_id, keep_rpm), ids), r in zip(todo, results, strict=True):
             if isinstance(r, BaseException):  # a tenant whose store part is down waits for the next round
                 self._uncertain.extend((tenant_id, i, keep_rpm) for i in ids)
-                if isinstance(r, QuotaStoreUnavailable):
-                    self._mark_down(r, tenant_id)
-                else:
-                    log.error("quota store %s: undoing reservations of %s failed: %r", self.store.name, tenant_id, r)
             else:
                 undone += r
         if undone:
@@ -363,7 +360,7 @@ class TenantQuotas:
                 str(e) or type(e).__name__,
                 self.settings.redis_failure_policy,
             )
-            if self._backoff.failed() and self._store_state is not None:  # the whole store, as a failed call
+            if self._backoff.failed():  # the whole store, as a failed call
                 self._store_state(False)
 
     async def _decide(
