@@ -35,6 +35,13 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 256
 #: Default SGLang ``max_new_tokens`` for /generate.
 DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
+#: vLLM's and SGLang's extension samplers, under the same names on both APIs, with their neutral
+#: values (both read top_k -1 and 0 as off, min_p 0, repetition_penalty 1): refused otherwise
+_EXTENSION_SAMPLERS: dict[str, tuple[Any, ...]] = {
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+}
 #: Parameters we refuse rather than silently ignore (they change the response's meaning).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False, 0),
@@ -46,11 +53,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
     "response_format": (None, {"type": "text"}),
-    # vLLM's and SGLang's extension samplers (their neutral values pass: vLLM and SGLang both read
-    # top_k -1 and 0 as off, min_p 0, repetition_penalty 1, min_tokens 0)
-    "top_k": (None, -1, 0),
-    "min_p": (None, 0),
-    "repetition_penalty": (None, 1),
+    **_EXTENSION_SAMPLERS,
     "min_tokens": (None, 0),
     # vLLM's structured output, token filters, prompt truncation and beam search: nothing here applies them
     "guided_json": (None,),
@@ -71,9 +74,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 _UNSUPPORTED_GENERATE: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0),
     "presence_penalty": (None, 0),
-    "top_k": (None, -1, 0),
-    "min_p": (None, 0),
-    "repetition_penalty": (None, 1),
+    **_EXTENSION_SAMPLERS,
     "min_new_tokens": (None, 0),
     "json_schema": (None,),
     "regex": (None,),

@@ -339,8 +339,8 @@ async def _send_step(
     canary: str | None,
 ) -> None:
     """Send one step's completion request; fills ``step.status`` and ``step.found`` (the canaries
-    in the body other than its own; judged by :func:`judge_found` into ``step.surfaced`` and
-    ``step.unmatched`` (:func:`judge_found`), or ``step.error`` on a transport error."""
+    in the body other than its own, for :func:`judge_found`), or ``step.error`` on a transport
+    error."""
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": step.max_tokens, "temperature": 0}
     if target.model:
         body["model"] = target.model
@@ -358,6 +358,12 @@ NEAR_DIGITS = 4
 
 #: which canaries the registry knows (``True`` each: some tenant planted it); may be a coroutine
 Known = Callable[[list[str]], Any]
+
+
+async def _settled(value: Any) -> Any:
+    """``value``, awaited first when it is awaitable (a callback may be a plain function or a
+    coroutine function)."""
+    return await value if inspect.isawaitable(value) else value
 
 
 def _distance(a: str, b: str) -> int:
@@ -388,8 +394,7 @@ async def judge_found(step: ProbeStep, canary: str | None, earlier: frozenset[st
     unknown = [c for c, v in zip(step.found, verdicts, strict=True) if v is None]
     registered: list[bool] = []
     if unknown and known is not None:
-        got = known(unknown)
-        registered = list(await got if inspect.isawaitable(got) else got)
+        registered = list(await _settled(known(unknown)))
     step.surfaced = verdicts.count(True) + sum(registered)
     step.unmatched = len(step.found) - step.surfaced
 
@@ -450,9 +455,7 @@ async def run_probe(
             step.error = str(e)
             continue
         if canary and register is not None:
-            registered = register([canary])
-            if inspect.isawaitable(registered):  # a coroutine (the gateway's periodic probe)
-                await registered
+            await _settled(register([canary]))  # a coroutine from the gateway's periodic probe
         await _send_step(client, target, headers, step, prompt, canary)
         await judge_found(step, canary, frozenset(planted), known)
         planted += [canary] if canary else []
