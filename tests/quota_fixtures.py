@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -243,3 +244,21 @@ class StaleProxy(TcpForwarder):
 
 
 assert os.name == "posix"  # SIGSTOP / SIGCONT
+
+
+def quota_state(server: SpareRedis, store: Any, tenant_id: str) -> dict[str, Any]:
+    """A tenant's quota keys as Redis holds them, read on a connection of their own: RPM entries,
+    TPM entries, debits (sorted), TPM sum (``None`` when absent), leases. ``store``: the
+    :class:`~gateway.quotas.stores.RedisQuotaStore` whose keys they are."""
+    import redis
+
+    rpm, tpm, debits, total, leases = store.keys(tenant_id)
+    with redis.Redis(port=server.port) as r:
+        value: Any = r.get(total)
+        return {
+            "rpm": r.zcard(rpm),
+            "tpm": r.zcard(tpm),
+            "debits": sorted(int(v) for v in r.hvals(debits)),
+            "sum": None if value is None else int(value),
+            "leases": r.zcard(leases),
+        }

@@ -239,6 +239,41 @@ class SentinelGroup:
             _kill(proc)
 
 
+class NoTls(Exception):
+    """This redis-server was built without TLS (``BUILD_TLS=no``)."""
+
+
+def started_tls(make: Callable[[], Any]) -> Any:
+    """A module fixture's body for servers with TLS: ``make()`` builds them (an object with
+    ``start`` and ``close``), started and yielded, closed afterwards even when starting failed;
+    skipped, saying why, without ``openssl`` or when this redis-server knows no TLS (:class:`NoTls`)."""
+    import pytest
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (the test's certificates are made with it)")
+    servers = make()
+    try:
+        try:
+            servers.start()
+        except NoTls as e:
+            pytest.skip(str(e))
+        yield servers
+    finally:
+        servers.close()
+
+
+def other_ca(d: Path) -> Path:
+    """A self-signed CA (``d/other.pem``) that signed nothing a test server serves."""
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=another CA"]
+        + ["-keyout", str(d / "other.key"), "-out", str(d / "other.pem")],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return d / "other.pem"
+
+
 class TlsRedis:
     """A ``redis-server --tls-port`` (plain port off) with a certificate for 127.0.0.1 signed by
     a self-signed CA made here with ``openssl``; ``ca`` is the CA's PEM file."""

@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -50,14 +49,14 @@ import httpx
 import pytest
 
 from config.errors import context_length_message
-from config.loader import DEFAULT_TENANTS
 from config.models import QuotaSettings
 from gateway.quotas.stores import LocalQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas
 from gateway.stack.demo_corpus import fit_chat, prose
-from gateway.stack.embedded import EmbeddedStack, StackOptions
+from gateway.stack.embedded import EmbeddedStack
 from tests.gateway_harness import KEY_A, MODEL, Gateway, settings_for, tenants, upstream
 from tests.mock_api_engine import COUNTER, ApiMockEngine
+from tests.test_sdk_openai import demo_stack
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.engine("api")]
 
@@ -159,17 +158,7 @@ def lite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiteLLM]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
     """The embedded stack of tests/test_sdk_openai.py (bundled backend + ``kvgate serve``)."""
-    d = tmp_path_factory.mktemp("litellm-stack")
-    shutil.copy(DEFAULT_TENANTS, d / "tenants.yaml")
-    opts = StackOptions(
-        tenants=d / "tenants.yaml",
-        gateway_port=0,
-        backend_port=0,
-        run_dir=d,
-        startup_timeout_seconds=150,
-        extra_env={"KVGATE_STATE_DIR": str(d / "state")},
-    )
-    with EmbeddedStack(opts) as s:
+    with demo_stack(tmp_path_factory.mktemp("litellm-stack")) as s:
         yield s
 
 

@@ -21,7 +21,7 @@ from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
 from gateway.quotas.stores import RedisQuotaStore
 from gateway.quotas.tenant_quotas import PROBE_INTERVAL_SECONDS, TenantQuotas, redis_client_from_url
-from tests.quota_fixtures import SpareRedis, spare_redis  # noqa: F401 (fixture)
+from tests.quota_fixtures import SpareRedis, quota_state, spare_redis  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -42,18 +42,9 @@ def _stage(server: SpareRedis, **settings: Any) -> TenantQuotas:
 
 
 def _state(server: SpareRedis, stage: TenantQuotas, tenant_id: str) -> dict[str, Any]:
-    """The tenant's keys as Redis holds them: RPM entries, TPM entries, debits, TPM sum, leases."""
+    """The tenant's keys as Redis holds them (:func:`quota_state` of the stage's store)."""
     assert isinstance(stage.store, RedisQuotaStore)
-    rpm, tpm, debits, total, leases = stage.store.keys(tenant_id)
-    with redis.Redis(port=server.port) as r:
-        value: Any = r.get(total)
-        return {
-            "rpm": r.zcard(rpm),
-            "tpm": r.zcard(tpm),
-            "debits": sorted(int(v) for v in r.hvals(debits)),
-            "sum": None if value is None else int(value),
-            "leases": r.zcard(leases),
-        }
+    return quota_state(server, stage.store, tenant_id)
 
 
 def _evict(server: SpareRedis, stage: TenantQuotas, tenant_id: str, *which: int) -> None:

@@ -30,7 +30,7 @@ from config.models import QuotaSettings, TenantConfig
 from config.redis_client import key_slot
 from gateway.quotas.stores import QuotaLimits, RedisQuotaStore
 from gateway.quotas.tenant_quotas import PROBE_INTERVAL_SECONDS, TenantQuotas, redis_client_from_url
-from tests.quota_fixtures import SpareRedis, TcpForwarder, spare_redis  # noqa: F401 (fixture)
+from tests.quota_fixtures import SpareRedis, TcpForwarder, quota_state, spare_redis  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,20 +111,6 @@ def _stage(url: str, **settings: Any) -> TenantQuotas:
     return TenantQuotas(QuotaSettings(**settings), store, fallback=fallback)
 
 
-def _state(server: SpareRedis, store: RedisQuotaStore, tenant_id: str) -> dict[str, Any]:
-    """The tenant's quota keys as Redis holds them, read on a connection of their own."""
-    rpm, tpm, debits, total, leases = store.keys(tenant_id)
-    with redis.Redis(port=server.port) as r:
-        value: Any = r.get(total)
-        return {
-            "rpm": r.zcard(rpm),
-            "tpm": r.zcard(tpm),
-            "debits": sorted(int(v) for v in r.hvals(debits)),
-            "sum": None if value is None else int(value),
-            "leases": r.zcard(leases),
-        }
-
-
 async def _recovered(stage: TenantQuotas, budget: float = 5.0) -> None:
     """Wait until the stage's background round has undone every failed call and sent every
     settle left over (its task ends then)."""
@@ -187,7 +173,7 @@ async def test_a_reservation_that_reaches_redis_after_its_cancel_counts_nothing(
     }
     _assert_503(await _late_after_cancel(stage, hold_proxy, calls[step]()))
     assert not [r for r in caplog.records if "undid" in r.getMessage()]  # nothing was there to undo
-    assert _state(spare_redis, store, t.id) == {"rpm": 0, "tpm": 0, "debits": [], "sum": None, "leases": 0}
+    assert quota_state(spare_redis, store, t.id) == {"rpm": 0, "tpm": 0, "debits": [], "sum": None, "leases": 0}
     await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.05)  # the store is asked again
     first = await stage.begin(t, "a")  # the slot is free and both requests are left
     assert first.headers == {"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "1"}
@@ -218,7 +204,7 @@ async def test_every_reservation_script_run_after_cancel_is_a_no_op(spare_redis:
     begun, took = await late.begin_tokens("t", lim, "c", 100, WINDOW_MS, TTL_MS)
     assert (begun.admitted, took) == (False, None)
     assert not (await late.take_tokens("t", lim, "served", 100, WINDOW_MS)).admitted
-    assert _state(spare_redis, gateway, "t") == {"rpm": 1, "tpm": 0, "debits": [], "sum": None, "leases": 0}
+    assert quota_state(spare_redis, gateway, "t") == {"rpm": 1, "tpm": 0, "debits": [], "sum": None, "leases": 0}
     d = await late.reserve("t", lim, "d", 1000, WINDOW_MS, TTL_MS)
     assert (d.admitted, d.remaining_requests, d.remaining_tokens) == (True, 3, 0)
     ended = gateway.ended_key("t")
@@ -254,7 +240,7 @@ async def test_a_settle_sent_again_past_the_window_charges_its_overage_once(spar
     assert (await store.reserve("t", lim, "b", 100, window, TTL_MS)).admitted
     await asyncio.sleep(window / 1000 + 0.05)
     await store.settle("t", lim, "b", 150, 100, window)
-    assert _state(spare_redis, store, "t")["debits"] == [0, 50, 100]  # probe-a and b still logged
+    assert quota_state(spare_redis, store, "t")["debits"] == [0, 50, 100]  # probe-a and b still logged
     await asyncio.sleep(window / 1000 + 0.05)
     d = await store.reserve("t", lim, "probe-b", 100, window, TTL_MS)  # trims b and its overage
     assert (d.admitted, d.remaining_tokens) == (True, 0)
@@ -299,7 +285,7 @@ async def test_local_fallback_keeps_the_rpm_entry_of_a_request_it_served(spare_r
     assert lease.headers["x-ratelimit-remaining-tokens"] == "900"
     await _recovered(stage)
     await stage.settle(lease, 80)
-    assert _state(spare_redis, store, t.id) == {"rpm": 1, "tpm": 0, "debits": [], "sum": 0, "leases": 0}
+    assert quota_state(spare_redis, store, t.id) == {"rpm": 1, "tpm": 0, "debits": [], "sum": 0, "leases": 0}
     await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.05)
     for left in ("1", "0"):
         other = await stage.begin(t, "next")
@@ -328,7 +314,7 @@ async def test_local_fallback_a_late_token_step_after_its_undo_debits_nothing(
     assert await _late_after_cancel(stage, hold_proxy, stage.reserve_tokens(t, lease, 100)) is None
     assert lease.state.store is stage.fallback
     await stage.settle(lease, 80)
-    assert _state(spare_redis, store, t.id) == {"rpm": 1, "tpm": 0, "debits": [], "sum": None, "leases": 0}
+    assert quota_state(spare_redis, store, t.id) == {"rpm": 1, "tpm": 0, "debits": [], "sum": None, "leases": 0}
     await stage.aclose()
 
 
@@ -352,7 +338,7 @@ async def test_fail_closed_refunds_the_rpm_entry_of_a_request_refused_at_its_tok
         spare_redis.resume()
     _assert_503(ei.value)
     await _recovered(stage)
-    assert _state(spare_redis, store, t.id) == {"rpm": 0, "tpm": 0, "debits": [], "sum": 0, "leases": 0}
+    assert quota_state(spare_redis, store, t.id) == {"rpm": 0, "tpm": 0, "debits": [], "sum": 0, "leases": 0}
     await stage.aclose()
 
 
@@ -369,7 +355,7 @@ async def test_a_large_undo_goes_in_chunks_of_500_in_one_round_trip(spare_redis:
     calls, trips = store.calls, store.round_trips
     assert await store.cancel("t", ids) == 3
     assert (store.calls - calls, store.round_trips - trips) == (3, 1)
-    assert _state(spare_redis, store, "t")["leases"] == 0
+    assert quota_state(spare_redis, store, "t")["leases"] == 0
     with redis.Redis(port=spare_redis.port) as r:
         assert r.zcard(store.ended_key("t")) == 1201
     await store.aclose()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ import pytest
 import redis
 import redis.asyncio.sentinel
 import redis.sentinel
-from redis_servers import REDIS_SERVER, TlsRedis, _kill, _server, free_ports, wait_until
+from redis_servers import REDIS_SERVER, NoTls, TlsRedis, _kill, _server, free_ports, other_ca, started_tls, wait_until
 
 from config.redis_client import parse_redis_url, redis_client
 
@@ -31,10 +29,6 @@ pytestmark = pytest.mark.timeout(60)
 SERVICE = "mymaster"
 PLAIN_SERVICE = "plainmaster"  # the same master, as the plaintext sentinel names it
 SCRIPT = "redis.call('SET', KEYS[1], ARGV[1]); return redis.call('STRLEN', KEYS[1])"
-
-
-class NoTls(Exception):
-    """This redis-server was built without TLS (``BUILD_TLS=no``)."""
 
 
 class TlsSentinel(TlsRedis):
@@ -108,29 +102,7 @@ class TlsSentinel(TlsRedis):
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory) -> Iterator[TlsSentinel]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed (the test's certificates are made with it)")
-    g = TlsSentinel(tmp_path_factory.mktemp("tls-sentinel"))
-    try:
-        try:
-            g.start()
-        except NoTls as e:
-            pytest.skip(str(e))
-        yield g
-    finally:
-        g.close()
-
-
-def _other_ca(d: Path) -> Path:
-    """A CA that signed nothing the group serves."""
-    subprocess.run(
-        [shutil.which("openssl") or "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
-        + ["-subj", "/CN=another CA", "-keyout", str(d / "other.key"), "-out", str(d / "other.pem")],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return d / "other.pem"
+    yield from started_tls(lambda: TlsSentinel(tmp_path_factory.mktemp("tls-sentinel")))
 
 
 def _sync_round(url: str, timeout: float = 2.0) -> list[Any]:
@@ -197,7 +169,7 @@ def test_asyncio_client_asks_a_tls_only_sentinel_and_speaks_tls_to_the_master(gr
 
 
 def test_a_ca_that_signed_nothing_finds_no_master(group: TlsSentinel, tmp_path: Path) -> None:
-    url = group.url(f"?ssl_ca_certs={_other_ca(tmp_path)}")
+    url = group.url(f"?ssl_ca_certs={other_ca(tmp_path)}")
     sync_err, async_err = _sync_error(url), _async_error(url)
     assert type(sync_err) is redis.sentinel.MasterNotFoundError
     assert type(async_err) is redis.asyncio.sentinel.MasterNotFoundError

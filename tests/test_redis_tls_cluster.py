@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,18 @@ from pathlib import Path
 import pytest
 import redis
 from redis.cluster import ClusterNode, RedisCluster
-from redis_servers import REDIS_CLI, REDIS_SERVER, TlsRedis, _kill, _server, free_ports, wait_until
+from redis_servers import (
+    REDIS_CLI,
+    REDIS_SERVER,
+    NoTls,
+    TlsRedis,
+    _kill,
+    _server,
+    free_ports,
+    other_ca,
+    started_tls,
+    wait_until,
+)
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
@@ -27,10 +37,6 @@ from gateway.quotas.stores import RedisQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas
 
 pytestmark = pytest.mark.timeout(90)
-
-
-class NoTls(Exception):
-    """This redis-server was built without TLS (``BUILD_TLS=no``)."""
 
 
 def _no_tls_reason(log: Path) -> str | None:
@@ -122,29 +128,7 @@ class TlsCluster(TlsRedis):
 
 @pytest.fixture(scope="module")
 def tls_cluster(tmp_path_factory) -> Iterator[TlsCluster]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed (the test's certificates are made with it)")
-    c = TlsCluster(tmp_path_factory.mktemp("tls-cluster"))
-    try:
-        try:
-            c.start()
-        except NoTls as e:
-            pytest.skip(str(e))
-        yield c
-    finally:
-        c.close()
-
-
-def _other_ca(d: Path) -> Path:
-    """A CA that signed nothing the cluster serves."""
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=another CA"]
-        + ["-keyout", str(d / "other.key"), "-out", str(d / "other.pem")],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return d / "other.pem"
+    yield from started_tls(lambda: TlsCluster(tmp_path_factory.mktemp("tls-cluster")))
 
 
 #: a fresh cluster client's first call reads the slot map and makes a TLS connection to the node
@@ -185,7 +169,7 @@ def test_the_quota_stage_reserves_refuses_and_settles_on_a_tls_cluster(tls_clust
 def test_a_certificate_from_another_ca_is_refused_and_the_stage_fails_closed(
     tls_cluster: TlsCluster, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    url = tls_cluster.url.split("?")[0] + f"?ssl_ca_certs={_other_ca(tmp_path)}"
+    url = tls_cluster.url.split("?")[0] + f"?ssl_ca_certs={other_ca(tmp_path)}"
     client = redis_client(url, 1.0, sync=True)
     with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
         client.ping()

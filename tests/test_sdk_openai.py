@@ -12,8 +12,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import openai
 import pytest
@@ -38,9 +38,9 @@ MAX_TOKENS = 8
 COUNTER = bundled_counter()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
-    d = tmp_path_factory.mktemp("sdk-stack")
+def demo_stack(d: Path) -> EmbeddedStack:
+    """The embedded stack (bundled backend + ``kvgate serve``, the demo tenants, free ports)
+    under ``d``, not yet started (a context manager)."""
     tenants = d / "tenants.yaml"
     shutil.copy(DEFAULT_TENANTS, tenants)
     opts = StackOptions(
@@ -51,7 +51,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
         startup_timeout_seconds=150,
         extra_env={"KVGATE_STATE_DIR": str(d / "state")},
     )
-    with EmbeddedStack(opts) as s:
+    return EmbeddedStack(opts)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStack]:
+    with demo_stack(tmp_path_factory.mktemp("sdk-stack")) as s:
         yield s
 
 
