@@ -361,7 +361,7 @@ def test_model_pull_keeps_pips_output_in_a_log_and_shows_it_only_on_failure(tmp_
 
 
 # ------------------------------------------------------------------ tools vs output constraints
-def test_structured_output_is_refused_before_the_engine_where_nothing_applies_it(gw):
+def test_structured_output_is_refused_before_the_engine_where_nothing_applies_it(gw, module_engine):
     """The bundled backend applies no structured output: the gateway answers the 400 itself (the
     engine would, after the prompt was charged); every other engine gets the request."""
     structured = [
@@ -385,7 +385,9 @@ def test_structured_output_is_refused_before_the_engine_where_nothing_applies_it
         ),
     ]
     for path, param, body in structured:
+        sent = len(module_engine.state.requests)
         r = post(gw, path, body)
+        assert len(module_engine.state.requests) == sent + (0 if gw.kind == "kvgate" else 1)
         if gw.kind == "kvgate":
             assert refused(r) == {
                 "message": f"'{param}' asks for structured output, but the engines serving this model apply none "
