@@ -410,18 +410,21 @@ async def test_waiting_requests_resume_before_the_settles_of_their_round_trip(re
 
 
 async def test_a_cancelled_caller_does_not_fail_the_settle_it_shares_a_round_trip_with(redis_store) -> None:
-    """A settle's round trip runs in a task of its own: a request whose call shares it may go
-    away (its caller cancelled) without failing the settle."""
+    """A settle waiting for the next request rides that request's round trip, sent from the
+    request's own task: the request may go away (its caller cancelled) mid-way without failing
+    the settle, which is sent again in a round trip of its own."""
     store = redis_store
+    store.bound_round_trips(5.0)  # as the gateway's stage does: the write is not a task of its own
     lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=2)
     assert (await store.begin("t", lim, "a", WINDOW_MS, TTL_MS)).admitted
     settling = asyncio.ensure_future(store.settle("t", lim, "a", 0, 0, WINDOW_MS))
     gone = asyncio.ensure_future(store.begin("t", lim, "b", WINDOW_MS, TTL_MS))
-    await asyncio.sleep(0)  # both queued for this turn's round trip
-    await asyncio.sleep(0)  # under way
+    trips = store.round_trips
+    await asyncio.sleep(0)  # the settle waits; the begin takes it along, written, its replies unread
+    assert (store.round_trips, store._queued, store._settle_wait) == (trips + 1, [], None)
     gone.cancel()
     await settling  # no QuotaStoreUnavailable
-    assert gone.cancelled()
+    assert (gone.cancelled(), store.round_trips) == (True, trips + 2)
     await asyncio.sleep(0.05)
     assert await _leases(store, "t") == 1  # a settled; b was begun by the round trip its caller left
 

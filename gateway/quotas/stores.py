@@ -461,7 +461,9 @@ class RedisQuotaStore:
     async def _submit(self, queued: list[_Queued]) -> None:
         """Send ``queued`` now, from the caller, when no round trip is under way and nothing
         waits (no loop turn and no task in between: one request alone costs what it did
-        uncoalesced); else queue them for this turn's round trip (:meth:`_flush`). A ``lazy``
+        uncoalesced), or only settles that wait for a request (they go first, in the round trip
+        of this request's calls, from its task); else queue them for this turn's round trip
+        (:meth:`_flush`). A ``lazy``
         call (a settle, whose response has gone) always waits for a round trip of its turn: the
         finished request's reply and the rest of its ending then run after the requests still
         being admitted (:meth:`_send` answers those first). While requests arrive back to back
@@ -479,6 +481,17 @@ class RedisQuotaStore:
             self.round_trips += 1
             self._inflight += 1
             await self._send(queued)
+            return
+        if not lazy and self._inflight == 0 and self._settle_wait is not None:
+            # the settles queued (only they) waited for this request: they go first in its round
+            # trip, sent now from its own task, with no loop turn or task in between
+            self._settle_wait.cancel()
+            self._settle_wait = None
+            self._soon = False
+            batch, self._queued = [*self._queued, *queued], []
+            self.round_trips += 1
+            self._inflight += 1
+            await self._send(batch, carried=True)
             return
         if not self._soon:
             self._soon = True
@@ -513,11 +526,14 @@ class RedisQuotaStore:
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def _send(self, batch: list[_Queued]) -> None:
+    async def _send(self, batch: list[_Queued], *, carried: bool = False) -> None:
         """One round trip for ``batch`` (a lone call as it is, more as a pipeline); each reply
         gets its result or a :class:`QuotaStoreUnavailable` of its own. The caller counted it in
-        :attr:`_inflight`; it is uncounted when done."""
+        :attr:`_inflight`; it is uncounted when done. ``carried``: sent from a request's task,
+        whose cancellation (the client gone) sends the settles in ``batch`` again in a round trip
+        of their own instead of failing them (``settle.lua`` run twice changes nothing more)."""
         results: list[Any]
+        cancelled = False
         try:
             async with asyncio.timeout(self.round_trip_seconds):
                 if len(batch) == 1 and batch[0].script is not None and self.cluster:
@@ -529,14 +545,18 @@ class RedisQuotaStore:
             results = [QuotaStoreUnavailable(f"no answer within {self.round_trip_seconds:g}s")] * len(batch)
         except Exception as e:  # QuotaStoreUnavailable: the round trip failed, for every call in it
             results = [_unavailable(e)] * len(batch)
-        except BaseException as e:  # cancelled (shutdown): every caller learns it
+        except BaseException as e:  # cancelled (shutdown, or the request carrying settles): every caller learns it
             results = [_unavailable(e)] * len(batch)
+            cancelled = True
             raise
         finally:
             self._inflight -= 1
             # requests still waiting resume first; settles (their responses gone) after
             for q, r in sorted(zip(batch, results, strict=True), key=lambda qr: qr[0].lazy):
-                _answer(q, r)
+                if cancelled and carried and q.lazy and not q.reply.done():
+                    self._start([q])
+                else:
+                    _answer(q, r)
 
     async def _pipeline(self, batch: list[_Queued]) -> list[Any]:
         """``batch`` as one pipeline of ``EVALSHA`` calls; the replies in order (a failed call's
