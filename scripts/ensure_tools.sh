@@ -15,13 +15,17 @@ fi
 if ! bash "$(dirname "$0")/ensure_helm.sh"; then
   echo "tools: could not install helm; tests/test_helm.py will say so" >&2
 fi
-LITELLM_VENV="$(cd "$(dirname "$0")/.." && pwd)/.venv-litellm"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+LITELLM_VENV="$ROOT/.venv-litellm"
+# its dependencies pinned as the tests last passed with (scripts/lock.sh), unless KVGATE_UNPINNED is set
+LITELLM_PIN=()
+[ -z "${KVGATE_UNPINNED:-}" ] && [ -f "$ROOT/constraints-litellm.txt" ] && LITELLM_PIN=(-c "$ROOT/constraints-litellm.txt")
 if ! "$LITELLM_VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('litellm') != '$LITELLM_VERSION')" >/dev/null 2>&1; then
   echo "tools: installing litellm $LITELLM_VERSION into .venv-litellm"
   PY=${PYTHON:-python3.11}
   command -v "$PY" >/dev/null 2>&1 || PY=python3
   if ! out=$({ [ -x "$LITELLM_VENV/bin/python" ] || "$PY" -m venv "$LITELLM_VENV"; } 2>&1 \
-    && "$LITELLM_VENV/bin/python" -m pip install --disable-pip-version-check -q "litellm==$LITELLM_VERSION" 2>&1); then
+    && "$LITELLM_VENV/bin/python" -m pip install --disable-pip-version-check -q "${LITELLM_PIN[@]}" "litellm==$LITELLM_VERSION" 2>&1); then
     echo "tools: could not install litellm $LITELLM_VERSION; tests/test_client_litellm.py will say so:" >&2
     echo "$out" | tail -n 20 >&2
   fi
