@@ -217,6 +217,13 @@ def test_values_schema_refuses_typos_and_chart_owned_keys() -> None:
     assert "at '/config/gateway': 'not' failed" in render_fails("minimal", "config.gateway.port=9000")
     assert "minimum: got 0, want 1" in render_fails("minimal", "autoscaling.minReplicas=0")
     assert "at '/redis/mode': value must be one of" in render_fails("minimal", "redis.mode=sentinal")
+    # a pod label the chart owns: relabelled off its selector, a pod is no longer the Deployment's
+    for key in ("name", "instance", "component", "version", "managed-by"):
+        err = render_fails("minimal", f"podLabels.app\\.kubernetes\\.io/{key}=other")
+        assert f"invalid propertyName 'app.kubernetes.io/{key}'" in err
+    deployment = one(render("minimal", "podLabels.team=inference"), "Deployment")
+    labels, selector = deployment["spec"]["template"]["metadata"]["labels"], deployment["spec"]["selector"]
+    assert labels["team"] == "inference" and selector["matchLabels"].items() <= labels.items()
     # an engine's key inline in values is refused: it would land in the ConfigMap
     assert "additional properties 'api_key' not allowed" in render_fails("minimal", "upstreams[0].api_key=sk-inline")
     assert "at '/extraEnv/0': 'not' failed" in render_fails(
