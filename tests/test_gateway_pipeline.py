@@ -380,17 +380,19 @@ def test_hostile_usage_numbers_never_lower_the_charge(engine, access):
     ("usage", "settled", "completion"),
     [
         ({"prompt_tokens": 10**12, "completion_tokens": 2**62}, 11 + 2, 2),  # both ignored: text counted
-        ({"prompt_tokens": 11, "completion_tokens": 8192}, 11 + 8192, 8192),  # the ceiling itself
-        ({"prompt_tokens": 8193, "completion_tokens": 8193}, 11 + 2, 2),  # one token above it
+        ({"prompt_tokens": 8192, "completion_tokens": 5}, 8192 + 5, 5),  # the ceilings themselves
+        ({"prompt_tokens": 8193, "completion_tokens": 6}, 11 + 2, 2),  # one token above each
+        ({"prompt_tokens": 11, "completion_tokens": 8192}, 11 + 2, 2),  # the context, not max_tokens 5
         ({"prompt_tokens": 20, "completion_tokens": 3}, 20 + 3, 3),  # more than the gateway counted: trusted
     ],
 )
 def test_usage_no_engine_could_report_is_ignored(engine, access, usage, settled, completion):
-    """An engine's usage above what the request could use (its one sequence at the model's
-    context length, 8,192) is no count: the settle charges the admitted prompt and the text
-    relayed, as for no report. Before, 2**62 completion tokens reached the quota scripts, which
-    failed half-applied (INCRBY of a float) and answered 503 to every tenant; 10**12 prompt
-    tokens locked the tenant out for the window."""
+    """An engine's usage above what the request could use (prompt: its one sequence at the
+    model's context length, 8,192; completion: the max_tokens of 5 it was sent) is no count: the
+    settle charges the admitted prompt and the text relayed, as for no report. Before, 2**62
+    completion tokens reached the quota scripts, which failed half-applied (INCRBY of a float)
+    and answered 503 to every tenant; 10**12 prompt tokens locked the tenant out for the window;
+    8,192 completion tokens for max_tokens 5 were charged as reported."""
     engine.state.stream_chunks = _hello_stream_with_usage(json.dumps(usage).encode())
     q = LedgerQuotas()
     g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q).start()

@@ -9,7 +9,7 @@ engine timeout or reset, client gone before or during the answer), at least the 
 admitted, every prompt x its sequences (:func:`prompt_charge`; the engine's ``usage.prompt_tokens``
 when that is more), plus the completion: the engine's ``usage.completion_tokens``, or without it
 (none sent, the stream was cut or cancelled before it, or a number no engine could report: above
-every sequence at the model's context length) the completion text relayed so far, counted with the
+``max_tokens`` for every sequence, :func:`_usage_count`) the completion text relayed so far, counted with the
 model's tokenizer. So leaving, or making the engine fail, after the prompt was
 sent never makes its prefill free.
 """
@@ -77,16 +77,21 @@ def usage_ceiling(adm: Admission) -> int:
 
 
 def _usage_count(outcome: RelayOutcome, key: str) -> int | None:
-    """``usage[key]`` when the engine reported it as an int from 0 to :func:`usage_ceiling`
-    (not a bool), else ``None``: the settle then counts the text relayed, as for no report.
-    Unbounded, one engine report of 2**62 tokens broke the quota scripts for every tenant and
-    one of 10**12 locked its tenant out for the window."""
+    """``usage[key]`` when the engine reported it as an int from 0 to its ceiling (not a bool),
+    else ``None``: the settle then counts the text relayed, as for no report. The ceiling:
+    :func:`usage_ceiling` for ``prompt_tokens``; for ``completion_tokens`` the completion bound
+    the engine was sent, ``max_tokens`` for each of the request's sequences (vLLM and SGLang stop
+    every sequence there, reasoning included). Unbounded, one engine report of 2**62 tokens broke
+    the quota scripts for every tenant and one of 10**12 locked its tenant out for the window;
+    bounded by the context alone, an engine could charge a 5-token request 8,192."""
     usage = outcome.produced.usage
     v = usage.get(key) if isinstance(usage, dict) else None
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         return None
-    if v > usage_ceiling(outcome.admitted.admission):
-        log.warning("upstream reported usage.%s %d, above what the request could use; ignored", key, v)
+    adm = outcome.admitted.admission
+    ceiling = adm.sequences * adm.max_tokens if key == "completion_tokens" else usage_ceiling(adm)
+    if v > ceiling:
+        log.warning("upstream reported usage.%s %d, above what the request could use (%d); ignored", key, v, ceiling)
         return None
     return v
 
