@@ -10,7 +10,9 @@ And a failover behind one address (a DNS name or proxy): the old primary, now a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +172,107 @@ async def test_maxmemory_with_noeviction_is_a_503_and_leaves_nothing_behind(serv
     await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.1)  # the background round undoes the "oom" begin
     await stage.settle(held, 60)
     assert _state(server, stage, t.id) == {"rpm": 1, "tpm": 1, "debits": [60], "sum": 60, "leases": 0}
+    await stage.aclose()
+
+
+_UNAVAILABLE = {
+    "error": {
+        "message": "The quota store is unavailable, so the request cannot be admitted. Please try again shortly.",
+        "type": "server_error",
+        "param": None,
+        "code": "quota_backend_unavailable",
+    }
+}
+
+
+@contextlib.contextmanager
+def _oom(server: SpareRedis) -> Iterator[None]:
+    """``maxmemory`` reached under ``noeviction`` while the block runs (lifted after it)."""
+    with redis.Redis(port=server.port) as r:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)
+        try:
+            yield
+        finally:
+            r.config_set("maxmemory", 0)
+
+
+async def test_a_begin_under_noeviction_is_a_503_and_writes_nothing(server: SpareRedis) -> None:
+    """``begin.lua`` trimmed the tenant's expired entries before adding its own. A removal is a
+    write, and Redis refuses a script's adding command under ``noeviction`` only while the script
+    has written nothing: every begin was admitted past ``maxmemory``. It must get the 503, its
+    trims not made either, and the limits hold once memory is freed."""
+    stage = _stage(server, window_seconds=1)
+    t = _tenant(rpm=2, max_concurrent=3)
+    await stage.settle(await stage.begin(t, "old"), 0)
+    await asyncio.sleep(1.1)  # "old" has left the window; its entry is still in the log
+    with _oom(server):
+        with pytest.raises(OpenAIError) as ei:
+            await stage.begin(t, "oom")
+        assert _state(server, stage, t.id) == {"rpm": 1, "tpm": 0, "debits": [], "sum": None, "leases": 0}
+    assert (ei.value.status, ei.value.headers, ei.value.body()) == (503, {"Retry-After": "1"}, _UNAVAILABLE)
+    await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.1)  # the background round undoes the "oom" begin
+    first = await stage.begin(t, "a")
+    second = await stage.begin(t, "b")
+    assert second.headers == {"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": "0"}
+    with pytest.raises(OpenAIError) as refused:
+        await stage.begin(t, "c")
+    assert (refused.value.status, refused.value.message) == (
+        429,
+        f"Rate limit reached for tenant '{t.id}' on requests per 1s window (RPM): "
+        "Limit 2, Used 2, Requested 1. Please try again in 1s.",
+    )
+    await stage.settle(first, 0)
+    await stage.settle(second, 0)
+    assert _state(server, stage, t.id) == {"rpm": 2, "tpm": 0, "debits": [], "sum": None, "leases": 0}
+    await stage.aclose()
+
+
+@pytest.mark.parametrize("step", ["begin_reserve", "reserve_tokens", "reserve"])
+async def test_a_reservation_with_an_expired_debit_to_trim_under_noeviction_is_a_503(
+    server: SpareRedis, step: str
+) -> None:
+    """``tokens.lua`` and ``reserve.lua`` trimmed the expired debits before adding: with one to
+    trim the script had written before its first adding command, so Redis ran it whole under
+    ``noeviction`` at ``maxmemory`` (refused only with nothing to trim). Each step must get the
+    503 with nothing written, the begin undone, and the limits hold once memory is freed."""
+    stage = _stage(server, window_seconds=1)
+    t = _tenant(rpm=10, tpm=1000, max_concurrent=3)
+    await stage.settle(await stage.begin_reserve(t, "old", 300), 300)
+    await asyncio.sleep(1.1)  # "old"'s debit has left the window: an expired debit to trim
+    begun = await stage.begin(t, "two-step") if step == "reserve_tokens" else None  # trims the RPM log only
+    before = _state(server, stage, t.id)
+    leases = 0 if begun is None else 1
+    assert before == {"rpm": 1, "tpm": 1, "debits": [300], "sum": 300, "leases": leases}
+    with _oom(server):
+        with pytest.raises(OpenAIError) as ei:
+            if begun is not None:
+                await stage.reserve_tokens(t, begun, 100)
+            elif step == "reserve":
+                await stage.reserve(t, 100, "oom")
+            else:
+                await stage.begin_reserve(t, "oom", 100)
+        assert _state(server, stage, t.id) == before
+    assert (ei.value.status, ei.value.headers, ei.value.body()) == (503, {"Retry-After": "1"}, _UNAVAILABLE)
+    if begun is not None:
+        await stage.settle(begun, 0)
+    await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.1)  # the background round undoes the "oom" call
+    lease = await stage.begin_reserve(t, "after", 1000)
+    assert lease.headers == {
+        "x-ratelimit-limit-requests": "10",
+        "x-ratelimit-remaining-requests": "9",
+        "x-ratelimit-limit-tokens": "1000",
+        "x-ratelimit-remaining-tokens": "0",
+    }
+    with pytest.raises(OpenAIError) as refused:
+        await stage.begin_reserve(t, "over", 1)
+    assert (refused.value.status, refused.value.message) == (
+        429,
+        f"Rate limit reached for tenant '{t.id}' on tokens per 1s window (TPM): "
+        "Limit 1000, Used 1000, Requested 1. Please try again in 1s.",
+    )
+    await stage.settle(lease, 1000)
+    assert _state(server, stage, t.id) == {"rpm": 2, "tpm": 1, "debits": [1000], "sum": 1000, "leases": 0}
     await stage.aclose()
 
 

@@ -15,20 +15,30 @@ local ttl = tonumber(ARGV[5])
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cutoff = now - window
+local c, n = string.format('%d', cutoff), string.format('%d', now)
 
+-- reads first, the admission's own entries the first write, trims after: under maxmemory with
+-- noeviction Redis refuses an adding command only while the script has written nothing (removals
+-- included), so an admission is refused whole and a refusal writes no more than its trims
 local count, inflight = 0, 0
-if rpm >= 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-  count = redis.call('ZCARD', KEYS[1])
+if rpm >= 0 then count = redis.call('ZCOUNT', KEYS[1], '(' .. c, '+inf') end
+if maxc >= 0 then inflight = redis.call('ZCOUNT', KEYS[5], '(' .. n, '+inf') end
+
+local function trim()
+  if rpm >= 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', c) end
+  if maxc >= 0 then redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', n) end
 end
-if maxc >= 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
-  inflight = redis.call('ZCARD', KEYS[5])
+
+local function live(key, bound)
+  local s = redis.call('ZSCORE', key, id)
+  return s and tonumber(s) > bound
 end
 
 -- this very call ran already (its reply was lost and the store sent it again): answer as it did
 -- then, never count the request twice nor refuse it for its own entry
-if (rpm >= 0 and redis.call('ZSCORE', KEYS[1], id)) or (maxc >= 0 and redis.call('ZSCORE', KEYS[5], id)) then
+if (rpm >= 0 and live(KEYS[1], cutoff)) or (maxc >= 0 and live(KEYS[5], now)) then
+  trim()
   local rr = -1
   if rpm >= 0 then rr = math.max(0, rpm - count) end
   return {1, '', 0, rr, -1, 0}
@@ -36,32 +46,30 @@ end
 
 local refused = {}
 local retry = 0
-if rpm >= 0 and count + 1 > rpm then
-  table.insert(refused, 'rpm')
-  if rpm == 0 then
-    retry = window
-  else
-    local e = redis.call('ZRANGE', KEYS[1], count - rpm, count - rpm, 'WITHSCORES')
-    retry = tonumber(e[2]) + window - now
-  end
-end
-if maxc >= 0 and inflight + 1 > maxc then
-  table.insert(refused, 'concurrency')
-  retry = math.max(retry, 1000)
-end
+if rpm >= 0 and count + 1 > rpm then table.insert(refused, 'rpm') end
+if maxc >= 0 and inflight + 1 > maxc then table.insert(refused, 'concurrency') end
 
 local rr = -1
 if rpm >= 0 then rr = math.max(0, rpm - count) end
 if #refused > 0 then
+  trim()
+  if rpm >= 0 and count + 1 > rpm then
+    if rpm == 0 then
+      retry = window
+    else
+      local e = redis.call('ZRANGE', KEYS[1], count - rpm, count - rpm, 'WITHSCORES')
+      retry = tonumber(e[2]) + window - now
+    end
+  end
+  if maxc >= 0 and inflight + 1 > maxc then retry = math.max(retry, 1000) end
   return {0, table.concat(refused, ','), math.max(1, retry), rr, -1, 0}
 end
+if rpm >= 0 then redis.call('ZADD', KEYS[1], now, id) end
+if maxc >= 0 then redis.call('ZADD', KEYS[5], now + ttl, id) end
+trim()
 if rpm >= 0 then
-  redis.call('ZADD', KEYS[1], now, id)
   redis.call('PEXPIRE', KEYS[1], window + 1000)
   rr = rpm - count - 1
 end
-if maxc >= 0 then
-  redis.call('ZADD', KEYS[5], now + ttl, id)
-  redis.call('PEXPIRE', KEYS[5], ttl + 1000)
-end
+if maxc >= 0 then redis.call('PEXPIRE', KEYS[5], ttl + 1000) end
 return {1, '', 0, rr, -1, 0}

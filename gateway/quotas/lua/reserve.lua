@@ -35,23 +35,36 @@ local BATCH = 256
 -- bounded time however many small debits the tenant holds
 local WALK_MAX = 1024
 
+local c, n = string.format('%d', cutoff), string.format('%d', now)
+
+-- reads first, the admission's own entries the first write, trims after: under maxmemory with
+-- noeviction Redis refuses an adding command only while the script has written nothing (removals
+-- included), so an admission is refused whole and a refusal writes no more than its trims
 local count, used, inflight = 0, 0, 0
-if rpm >= 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff)
-  count = redis.call('ZCARD', KEYS[1])
-end
+local win
+if rpm >= 0 then count = redis.call('ZCOUNT', KEYS[1], '(' .. c, '+inf') end
 if tpm >= 0 then
-  used = tpm_used(cutoff, window, BATCH)
+  win = tpm_window(cutoff, BATCH)
+  used = win.used
 end
-if maxc >= 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
-  inflight = redis.call('ZCARD', KEYS[5])
+if maxc >= 0 then inflight = redis.call('ZCOUNT', KEYS[5], '(' .. n, '+inf') end
+
+local function trim(keep)
+  -- the TPM window's first: a rebuilt sum is an adding write (tpm_window.lua)
+  if tpm >= 0 then tpm_trim(win, window, keep) end
+  if rpm >= 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', c) end
+  if maxc >= 0 then redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', n) end
+end
+
+local function live(key, bound)
+  local s = redis.call('ZSCORE', key, id)
+  return s and tonumber(s) > bound
 end
 
 -- this very call ran already (its reply was lost and the store sent it again): answer as it did
 -- then, never count the request twice nor refuse it for its own entries
-if (rpm >= 0 and redis.call('ZSCORE', KEYS[1], id)) or (tpm >= 0 and redis.call('HEXISTS', KEYS[3], id) == 1)
-    or (maxc >= 0 and redis.call('ZSCORE', KEYS[5], id)) then
+if (rpm >= 0 and live(KEYS[1], cutoff)) or (tpm >= 0 and tpm_holds(win, id)) or (maxc >= 0 and live(KEYS[5], now)) then
+  trim()
   local rr, rt = -1, -1
   if rpm >= 0 then rr = math.max(0, rpm - count) end
   if tpm >= 0 then rt = tpm - used end
@@ -61,6 +74,9 @@ end
 local refused = {}
 local retry = 0
 local too_large = 0
+if (rpm >= 0 and count + 1 > rpm) or (tpm >= 0 and used + tokens > tpm) or (maxc >= 0 and inflight + 1 > maxc) then
+  trim()
+end
 if rpm >= 0 and count + 1 > rpm then
   table.insert(refused, 'rpm')
   if rpm == 0 then
@@ -112,21 +128,20 @@ if #refused > 0 then
   return {0, table.concat(refused, ','), math.max(1, retry), rr, rt, too_large}
 end
 
+if rpm >= 0 then redis.call('ZADD', KEYS[1], now, id) end
+if tpm >= 0 then redis.call('ZADD', KEYS[2], now, id) end
+if maxc >= 0 then redis.call('ZADD', KEYS[5], now + ttl, id) end
+trim(id)
 local rr, rt = -1, -1
 if rpm >= 0 then
-  redis.call('ZADD', KEYS[1], now, id)
   redis.call('PEXPIRE', KEYS[1], window + 1000)
   rr = rpm - count - 1
 end
 if tpm >= 0 then
-  redis.call('ZADD', KEYS[2], now, id)
   redis.call('HSET', KEYS[3], id, tokens)
   redis.call('INCRBY', KEYS[4], tokens)
   for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window + 1000) end
   rt = tpm - used - tokens
 end
-if maxc >= 0 then
-  redis.call('ZADD', KEYS[5], now + ttl, id)
-  redis.call('PEXPIRE', KEYS[5], ttl + 1000)
-end
+if maxc >= 0 then redis.call('PEXPIRE', KEYS[5], ttl + 1000) end
 return {1, '', 0, rr, rt, 0}

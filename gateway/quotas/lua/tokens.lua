@@ -28,13 +28,16 @@ local BATCH = 256
 -- bounded time however many small debits the tenant holds
 local WALK_MAX = 1024
 
-local used = tpm_used(cutoff, window, BATCH)
+local win = tpm_window(cutoff, BATCH)
+local used = win.used
 -- this very call ran already (its reply was lost and the store sent it again): debit once
-if redis.call('HEXISTS', KEYS[3], id) == 1 then
+if tpm_holds(win, id) then
+  tpm_trim(win, window)
   return {1, '', 0, -1, tpm - used, 0}
 end
 
 if used + tokens > tpm then
+  tpm_trim(win, window)
   if tokens > tpm then return {0, 'tpm', window, -1, math.max(0, tpm - used), 1} end
   local need = used + tokens - tpm
   local freed = 0
@@ -58,7 +61,10 @@ if used + tokens > tpm then
   return {0, 'tpm', math.max(1, at + window - now), -1, math.max(0, tpm - used), 0}
 end
 
+-- the admission's own entry is the first write (tpm_window.lua): under maxmemory with noeviction
+-- Redis refuses it and the script writes nothing
 redis.call('ZADD', KEYS[2], now, id)
+tpm_trim(win, window, id)
 redis.call('HSET', KEYS[3], id, tokens)
 redis.call('INCRBY', KEYS[4], tokens)
 for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window + 1000) end

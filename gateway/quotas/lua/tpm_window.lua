@@ -1,40 +1,82 @@
 -- The TPM window, shared by reserve.lua and tokens.lua (RedisQuotaStore loads it in front of each:
 -- a script runs alone, without imports). Keys as reserve.lua's: KEYS[2] the tpm log, KEYS[3] the
 -- debits, KEYS[4] their sum.
--- tpm_used(cutoff, window, batch): trims the debits logged at or before cutoff (batch at a time)
--- and returns the tokens the window holds.
-local function tpm_used(cutoff, window, batch)
-  while true do
-    local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', cutoff, 'LIMIT', 0, batch)
-    if #old == 0 then break end
+-- Reads first, writes after: under maxmemory with noeviction Redis refuses an adding command only
+-- while the script has written nothing, removals included, so a script's first write must be the
+-- admission's own (or the rebuilt sum's).
+-- tpm_window(cutoff, batch): reads only. Returns the window w: w.used (the tokens it holds once
+-- the debits logged at or before cutoff are dropped), and what tpm_trim(w, ...) then writes.
+-- tpm_holds(w, id): whether id's debit is in the window (it stays after tpm_trim).
+-- tpm_trim(w, window, keep): drops the expired debits (the log's, the hash's, the sum's) and, when
+-- the keys disagreed (a key evicted or lost alone), sets the sum rebuilt from the logged debits
+-- first (never left negative nor holding tokens no debit accounts for: each admission's PEXPIRE
+-- would keep such a sum for good), dropping debits without a log entry and entries without a
+-- debit but keep (the id just logged again).
+local function tpm_window(cutoff, batch)
+  local w = {cutoff = cutoff, c = string.format('%d', cutoff), expired = {}, freed = 0}
+  local gone = redis.call('ZCOUNT', KEYS[2], '-inf', w.c)
+  local fields = 0
+  for start = 0, gone - 1, batch do
+    local old = redis.call('ZRANGE', KEYS[2], start, math.min(start + batch, gone) - 1)
     local debits = redis.call('HMGET', KEYS[3], unpack(old))
-    local freed = 0
-    for i = 1, #debits do freed = freed + (tonumber(debits[i]) or 0) end
-    redis.call('ZREM', KEYS[2], unpack(old))
-    redis.call('HDEL', KEYS[3], unpack(old))
-    if freed ~= 0 then redis.call('DECRBY', KEYS[4], freed) end
-    if #old < batch then break end
+    for i = 1, #old do
+      w.expired[#w.expired + 1] = old[i]
+      if debits[i] then
+        fields = fields + 1
+        w.freed = w.freed + (tonumber(debits[i]) or 0)
+      end
+    end
   end
   local sum = redis.call('GET', KEYS[4])
-  local used = tonumber(sum or '0')
-  -- the sum, the log and the debits agree unless a key was evicted (a maxmemory policy) or lost
-  -- alone: then the sum is rebuilt from the logged debits, never left negative nor holding tokens
-  -- no debit accounts for (each admission's PEXPIRE would keep such a sum for good)
-  local n = redis.call('HLEN', KEYS[3])
-  if (not sum and n > 0) or used < 0 or (n == 0 and used ~= 0) or n ~= redis.call('ZCARD', KEYS[2]) then
+  local used = tonumber(sum or '0') - w.freed
+  local n = redis.call('HLEN', KEYS[3]) - fields
+  local has_sum = sum or w.freed ~= 0
+  if (not has_sum and n > 0) or used < 0 or (n == 0 and used ~= 0) or n ~= redis.call('ZCARD', KEYS[2]) - gone then
     used = 0
+    w.rebuild = {debits = {}, log = {}}
     local kv = redis.call('HGETALL', KEYS[3])
     for i = 1, #kv, 2 do
-      if redis.call('ZSCORE', KEYS[2], kv[i]) then used = used + tonumber(kv[i + 1])
-      else redis.call('HDEL', KEYS[3], kv[i]) end
+      local s = redis.call('ZSCORE', KEYS[2], kv[i])
+      if not s then table.insert(w.rebuild.debits, kv[i])
+      elseif tonumber(s) > cutoff then used = used + tonumber(kv[i + 1]) end
     end
-    local ids = redis.call('ZRANGE', KEYS[2], 0, -1)
+    local ids = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. w.c, '+inf')
     for i = 1, #ids do
-      if redis.call('HEXISTS', KEYS[3], ids[i]) == 0 then redis.call('ZREM', KEYS[2], ids[i]) end
+      if redis.call('HEXISTS', KEYS[3], ids[i]) == 0 then table.insert(w.rebuild.log, ids[i]) end
     end
-    redis.call('SET', KEYS[4], used)
-    for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window + 1000) end
   end
-  return used
+  w.used = used
+  return w
 end
 
+local function tpm_holds(w, id)
+  if redis.call('HEXISTS', KEYS[3], id) == 0 then return false end
+  local s = redis.call('ZSCORE', KEYS[2], id)
+  if s then return tonumber(s) > w.cutoff end
+  return not w.rebuild
+end
+
+local function tpm_trim(w, window, keep)
+  local function each(cmd, key, ids, skip)
+    local part = {}
+    for i = 1, #ids do
+      if ids[i] ~= skip then part[#part + 1] = ids[i] end
+      if #part == 256 or (i == #ids and #part > 0) then
+        redis.call(cmd, key, unpack(part))
+        part = {}
+      end
+    end
+  end
+  if w.rebuild then redis.call('SET', KEYS[4], w.used) end
+  if #w.expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', w.c)
+    each('HDEL', KEYS[3], w.expired)
+  end
+  if w.rebuild then
+    each('HDEL', KEYS[3], w.rebuild.debits)
+    each('ZREM', KEYS[2], w.rebuild.log, keep)
+    for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window + 1000) end
+  elseif w.freed ~= 0 then
+    redis.call('DECRBY', KEYS[4], w.freed)
+  end
+end
