@@ -13,6 +13,7 @@ from quota_fixtures import spare_redis  # noqa: F401 (fixture)
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
+from gateway.quotas import stores as stores_module
 from gateway.quotas.stores import BUSY_SECONDS, LocalQuotaStore, QuotaLimits, RedisQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
 from tests.fixtures.redis_keys import REDIS_URL
@@ -409,10 +410,14 @@ async def test_waiting_requests_resume_before_the_settles_of_their_round_trip(re
     assert order == ["begin", "settle"]
 
 
-async def test_a_cancelled_caller_does_not_fail_the_settle_it_shares_a_round_trip_with(redis_store) -> None:
+async def test_a_cancelled_caller_does_not_fail_the_settle_it_shares_a_round_trip_with(
+    redis_store, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A settle waiting for the next request rides that request's round trip, sent from the
     request's own task: the request may go away (its caller cancelled) mid-way without failing
     the settle, which is sent again in a round trip of its own."""
+    # requests back to back however slowly this machine runs them: the settle waits for the next
+    monkeypatch.setattr(stores_module, "BUSY_SECONDS", 60.0)
     store = redis_store
     store.bound_round_trips(5.0)  # as the gateway's stage does: the write is not a task of its own
     lim = QuotaLimits(rpm=None, tpm=None, max_concurrent=2)
