@@ -463,10 +463,9 @@ class RedisQuotaStore:
         waits (no loop turn and no task in between: one request alone costs what it did
         uncoalesced), or only settles that wait for a request (they go first, in the round trip
         of this request's calls, from its task); else queue them for this turn's round trip
-        (:meth:`_flush`). A ``lazy``
-        call (a settle, whose response has gone) always waits for a round trip of its turn: the
-        finished request's reply and the rest of its ending then run after the requests still
-        being admitted (:meth:`_send` answers those first). While requests arrive back to back
+        (:meth:`_flush`). A ``lazy`` call (a settle, whose response has gone) always waits for a
+        round trip of its turn: the finished request's reply and the rest of its ending then run
+        after the requests still being admitted (:meth:`_send` answers those first). While requests arrive back to back
         (a request's call within :data:`BUSY_SECONDS`), settles with no request's call in their
         turn wait up to :data:`SETTLE_WAIT_SECONDS` for the next one, whose round trip carries
         them before it: a single client's next request arrives after its answer has gone, later
@@ -545,7 +544,7 @@ class RedisQuotaStore:
             results = [QuotaStoreUnavailable(f"no answer within {self.round_trip_seconds:g}s")] * len(batch)
         except Exception as e:  # QuotaStoreUnavailable: the round trip failed, for every call in it
             results = [_unavailable(e)] * len(batch)
-        except BaseException as e:  # cancelled (shutdown, or the request carrying settles): every caller learns it
+        except BaseException as e:  # cancelled (shutdown, the client gone): all but carried settles learn it
             results = [_unavailable(e)] * len(batch)
             cancelled = True
             raise
