@@ -262,3 +262,12 @@ def quota_state(server: SpareRedis, store: Any, tenant_id: str) -> dict[str, Any
             "sum": None if value is None else int(value),
             "leases": r.zcard(leases),
         }
+
+
+async def load_scripts(store: Any) -> None:
+    """Every Lua script of ``store`` (a :class:`~gateway.quotas.stores.RedisQuotaStore`) loaded in
+    its Redis, so that a test's first call of each meets no ``NOSCRIPT``."""
+    from gateway.quotas.stores import load_script
+
+    for name in ("begin", "tokens", "reserve", "settle", "renew", "cancel"):
+        await store.client.script_load(load_script(name))

@@ -30,7 +30,7 @@ from config.models import QuotaSettings, TenantConfig
 from config.redis_client import key_slot
 from gateway.quotas.stores import QuotaLimits, RedisQuotaStore
 from gateway.quotas.tenant_quotas import PROBE_INTERVAL_SECONDS, TenantQuotas, redis_client_from_url
-from tests.quota_fixtures import SpareRedis, TcpForwarder, quota_state, spare_redis  # noqa: F401 (fixture)
+from tests.quota_fixtures import SpareRedis, TcpForwarder, load_scripts, quota_state, spare_redis  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -294,6 +294,43 @@ async def test_local_fallback_keeps_the_rpm_entry_of_a_request_it_served(spare_r
     with pytest.raises(OpenAIError) as refused:
         await stage.begin(t, "over")
     assert refused.value.status == 429 and "Limit 3, Used 3, Requested 1" in refused.value.message
+    await stage.aclose()
+
+
+async def test_local_fallback_counts_the_concurrency_of_a_request_whose_token_step_it_took(
+    spare_redis: SpareRedis,  # noqa: F811 (the fixture)
+) -> None:
+    """Redis began the request (its lease there is undone once Redis answers again), then paused
+    while its tokens were reserved: the fallback took the token step and the request went on.
+    Before the fix the fallback took its tokens but no lease, so with ``max_concurrent: 2`` two
+    more requests were admitted beside it while Redis was down: three in flight."""
+    stage = _stage(spare_redis.url, redis_failure_policy="local_fallback")
+    store = stage.store
+    assert isinstance(store, RedisQuotaStore)
+    await load_scripts(store)
+    t = _tenant(rpm=10, tpm=1000, max_concurrent=2)
+    first = await stage.begin(t, "first")
+    spare_redis.pause()
+    try:
+        await stage.reserve_tokens(t, first, 100)  # decided by the fallback, which holds its lease now
+        assert first.headers["x-ratelimit-remaining-tokens"] == "900"
+        second = await stage.begin(t, "second")  # the store is backing off: the fallback decides
+        with pytest.raises(OpenAIError) as refused:
+            await stage.begin(t, "third")
+    finally:
+        spare_redis.resume()
+    assert (refused.value.status, refused.value.message) == (
+        429,
+        f"Rate limit reached for tenant '{t.id}' on concurrent requests: Limit 2. Please try again in 1s.",
+    )
+    await stage.settle(first, 80)
+    await stage.settle(second, 0)
+    await _recovered(stage)
+    await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.05)  # Redis decides again
+    # Redis ran the token step once it woke, then its undo: the first's RPM entry alone is left
+    assert quota_state(spare_redis, store, t.id) == {"rpm": 1, "tpm": 0, "debits": [], "sum": 0, "leases": 0}
+    for name in ("a", "b"):  # both slots free again
+        await stage.begin(t, name)
     await stage.aclose()
 
 

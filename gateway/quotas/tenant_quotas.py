@@ -586,18 +586,27 @@ class TenantQuotas:
                 await self.send_writes(also)
             return
 
+        began_in = held.store
+
         def call(s: QuotaStore, lim: QuotaLimits) -> Any:
+            if s is self.fallback and began_in is not self.fallback:
+                # the fallback goes on with a request Redis began (whose lease there is undone):
+                # it takes the request's lease with its tokens, so its concurrency still counts
+                with_lease = QuotaLimits(None, lim.tpm, lim.max_concurrent)
+                return s.reserve(held.tenant_id, with_lease, held.lease_id, tokens, held.window_ms, self.lease_ttl_ms)
             carried = also if s is self.store else None
             return s.take_tokens(held.tenant_id, lim, held.lease_id, tokens, held.window_ms, also=carried)
 
         held.store, held.limits, decision = await self._decide(
             held.store, held.tenant_id, held.limits, held.lease_id, call, undo_on_cancel=False, token_step=True
         )
-        only_tpm = QuotaLimits(None, held.limits.tpm, None)  # what this step decided
+        leased = held.store is self.fallback and began_in is not self.fallback
+        # what this step decided: TPM, and the fallback's lease when it took one
+        decided = QuotaLimits(None, held.limits.tpm, held.limits.max_concurrent if leased else None)
         if not decision.admitted:
-            raise refusal_error(tenant, only_tpm, decision, tokens, self.settings.window_seconds)
+            raise refusal_error(tenant, decided, decision, tokens, self.settings.window_seconds)
         lease.reserved_tokens = tokens
-        lease.headers.update(rate_limit_headers(only_tpm, decision))
+        lease.headers.update(rate_limit_headers(decided, decision))
 
     async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
         """Release the lease and set the request's TPM debit to ``used_tokens``. Never raises;
