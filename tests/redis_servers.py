@@ -243,6 +243,17 @@ class NoTls(Exception):
     """This redis-server was built without TLS (``BUILD_TLS=no``)."""
 
 
+def no_tls_reason(log: Path) -> str | None:
+    """Why a redis-server that was given TLS options exited, read from its ``log``, when it was
+    built without TLS: it stops at the first ``tls-*`` option with "Bad directive or wrong number
+    of arguments", the directive on the line above. ``None`` for any other log."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if "bad directive" not in text.lower():
+        return None
+    named = [ln.strip() for ln in text.splitlines() if "tls" in ln.lower()]
+    return f"{REDIS_SERVER} lacks TLS support: {named[0]}: Bad directive" if named else None
+
+
 def started_tls(make: Callable[[], Any]) -> Any:
     """A module fixture's body for servers with TLS: ``make()`` builds them (an object with
     ``start`` and ``close``), started and yielded, closed afterwards even when starting failed;
@@ -318,7 +329,10 @@ class TlsRedis:
             except (redis.RedisError, OSError):
                 return False
 
-        if not wait_until(up, 15, 0.1):
+        if not wait_until(lambda: up() or self.proc.poll() is not None, 15, 0.1) or self.proc.poll() is not None:
+            why = no_tls_reason(d / "redis.log")
+            if why:
+                raise NoTls(why)
             raise RuntimeError("TLS redis did not answer in 15 s")
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ import pytest
 import redis
 import redis.asyncio.sentinel
 import redis.sentinel
-from redis_servers import REDIS_SERVER, NoTls, TlsRedis, _kill, _server, free_ports, other_ca, started_tls, wait_until
+from redis_servers import NoTls, TlsRedis, _kill, _server, free_ports, no_tls_reason, other_ca, started_tls, wait_until
 
 from config.redis_client import parse_redis_url, redis_client
 
@@ -56,10 +56,11 @@ class TlsSentinel(TlsRedis):
         """Raise for a server that exited: ``NoTls`` when its log says it knows no TLS directive."""
         for proc, name in zip(self.procs, ("master", "sentinel-tls", "sentinel-plain"), strict=True):
             if proc.poll() is not None:
-                text = (self.workdir / f"{name}.log").read_text(errors="replace")
-                if "bad directive" in text.lower() and "tls" in text.lower():
-                    raise NoTls(f"{REDIS_SERVER} lacks TLS support: {text.strip().splitlines()[-1]}")
-                raise RuntimeError(f"{name} exited {proc.returncode}: {text[-2000:]}")
+                log = self.workdir / f"{name}.log"
+                why = no_tls_reason(log)
+                if why:
+                    raise NoTls(why)
+                raise RuntimeError(f"{name} exited {proc.returncode}: {log.read_text(errors='replace')[-2000:]}")
 
     def start(self) -> None:
         self._certs()

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from redis_servers import TlsRedis
+from redis_servers import TlsRedis, started_tls
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
@@ -24,12 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory) -> Iterator[TlsRedis]:
-    server = TlsRedis(tmp_path_factory.mktemp("tls"))
-    try:
-        server.start()
-        yield server
-    finally:
-        server.close()
+    yield from started_tls(lambda: TlsRedis(tmp_path_factory.mktemp("tls")))
 
 
 def _tenant() -> TenantConfig:

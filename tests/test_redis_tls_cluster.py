@@ -19,12 +19,12 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis_servers import (
     REDIS_CLI,
-    REDIS_SERVER,
     NoTls,
     TlsRedis,
     _kill,
     _server,
     free_ports,
+    no_tls_reason,
     other_ca,
     started_tls,
     wait_until,
@@ -37,13 +37,6 @@ from gateway.quotas.stores import RedisQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _no_tls_reason(log: Path) -> str | None:
-    """The line of a node's log saying it does not know the TLS directives, else ``None``."""
-    text = log.read_text(errors="replace") if log.exists() else ""
-    lines = [ln for ln in text.splitlines() if "tls" in ln.lower() and "bad directive" in ln.lower()]
-    return lines[0].strip() if lines else None
 
 
 class TlsCluster(TlsRedis):
@@ -80,9 +73,9 @@ class TlsCluster(TlsRedis):
         for p, proc in zip(self.ports, self.procs, strict=True):
             log = self.workdir / f"node-{p}" / "redis.log"
             up = wait_until(lambda p=p, proc=proc: self._ping(p) or proc.poll() is not None, 15, 0.1)
-            why = _no_tls_reason(log)
+            why = no_tls_reason(log)
             if why:
-                raise NoTls(f"{REDIS_SERVER} lacks TLS support: {why}")
+                raise NoTls(why)
             assert up and proc.poll() is None, f"TLS node {p} did not answer: {log.read_text()[-2000:]}"
         subprocess.run(
             [REDIS_CLI, "--tls", "--cacert", str(self.ca), "--cluster", "create"]
