@@ -276,6 +276,42 @@ async def test_a_reservation_with_an_expired_debit_to_trim_under_noeviction_is_a
     await stage.aclose()
 
 
+@pytest.mark.parametrize("step", ["reserve_tokens", "reserve"])
+async def test_a_tpm_refusal_that_rebuilds_the_sum_under_noeviction_is_still_a_429(
+    server: SpareRedis, step: str
+) -> None:
+    """A TPM refusal writes nothing but its trims and, when the sum was lost alone, the rebuilt
+    sum. That ``SET`` was then the script's first write, which Redis refuses under ``noeviction``
+    at ``maxmemory``: the 429 became a 503 (and under ``local_fallback`` a local admission of a
+    request Redis refuses). The refusal must stand, the sum left to the next admission."""
+    stage = _stage(server)
+    t = _tenant(rpm=10, tpm=100, max_concurrent=3)
+    held = await stage.begin_reserve(t, "held", 90)
+    begun = await stage.begin(t, "two-step") if step == "reserve_tokens" else None
+    _evict(server, stage, t.id, 3)  # the TPM sum lost alone: the next script rebuilds it
+    before = _state(server, stage, t.id)
+    with _oom(server):
+        with pytest.raises(OpenAIError) as ei:
+            if begun is not None:
+                await stage.reserve_tokens(t, begun, 50)
+            else:
+                await stage.reserve(t, 50, "over")
+        assert _state(server, stage, t.id) == before
+    assert (ei.value.status, ei.value.message) == (
+        429,
+        f"Rate limit reached for tenant '{t.id}' on tokens per 60s window (TPM): "
+        "Limit 100, Used 90, Requested 50. Please try again in 60s.",
+    )
+    if begun is not None:
+        await stage.settle(begun, 0)
+    lease = await stage.begin_reserve(t, "fits", 10)  # the sum rebuilt by this admission
+    assert lease.headers["x-ratelimit-remaining-tokens"] == "0"
+    await stage.settle(lease, 10)
+    await stage.settle(held, 90)
+    assert _state(server, stage, t.id)["sum"] == 100
+    await stage.aclose()
+
+
 async def test_a_settle_cancelled_while_redis_is_paused_is_sent_again(server: SpareRedis) -> None:
     """The client leaves while its request's settle is out and Redis is paused (SIGSTOP): the
     settle goes on without its caller and times out. It was dropped there, so the lease stayed

@@ -67,7 +67,13 @@ local function tpm_trim(w, window, keep)
       end
     end
   end
-  if w.rebuild then redis.call('SET', KEYS[4], w.used) end
+  if w.rebuild then
+    -- a refusal's or a re-sent call's one adding write: under noeviction at maxmemory Redis
+    -- refuses it when nothing was written before, and the answer stands (the decision was made
+    -- from w.used); the next admission rebuilds the sum. Any other error fails the script.
+    local set = redis.pcall('SET', KEYS[4], w.used)
+    if type(set) == 'table' and set.err and not string.find(set.err, 'maxmemory', 1, true) then error(set.err) end
+  end
   if #w.expired > 0 then
     redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', w.c)
     each('HDEL', KEYS[3], w.expired)
