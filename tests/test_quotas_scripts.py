@@ -5,6 +5,7 @@ lease TTL, Retry-After values, key layout."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 
 import pytest
@@ -411,7 +412,7 @@ async def test_waiting_requests_resume_before_the_settles_of_their_round_trip(re
 
 
 async def test_a_cancelled_caller_does_not_fail_the_settle_it_shares_a_round_trip_with(
-    redis_store, monkeypatch: pytest.MonkeyPatch
+    redis_store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A settle waiting for the next request rides that request's round trip, sent from the
     request's own task: the request may go away (its caller cancelled) mid-way without failing
@@ -432,6 +433,9 @@ async def test_a_cancelled_caller_does_not_fail_the_settle_it_shares_a_round_tri
     assert (gone.cancelled(), store.round_trips) == (True, trips + 2)
     await asyncio.sleep(0.05)
     assert await _leases(store, "t") == 1  # a settled; b was begun by the round trip its caller left
+    del gone
+    gc.collect()  # the cancelled request's own reply, failed and never awaited: retrieved, not logged
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
 async def test_closing_the_store_sends_a_waiting_settle(redis_prefix) -> None:

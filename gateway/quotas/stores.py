@@ -556,6 +556,8 @@ class RedisQuotaStore:
                     self._start([q])
                 else:
                     _answer(q, r)
+            if cancelled:  # a cancelled request's own calls: nobody awaits their replies now
+                _retrieve_all([q for q in batch if not q.lazy])
 
     async def _pipeline(self, batch: list[_Queued]) -> list[Any]:
         """``batch`` as one pipeline of ``EVALSHA`` calls; the replies in order (a failed call's
