@@ -588,8 +588,11 @@ class TenantQuotas:
 
         began_in = held.store
 
+        def taken_over(s: QuotaStore) -> bool:
+            return s is self.fallback and began_in is not self.fallback
+
         def call(s: QuotaStore, lim: QuotaLimits) -> Any:
-            if s is self.fallback and began_in is not self.fallback:
+            if taken_over(s):
                 # the fallback goes on with a request Redis began (whose lease there is undone):
                 # it takes the request's lease with its tokens, so its concurrency still counts
                 with_lease = QuotaLimits(None, lim.tpm, lim.max_concurrent)
@@ -600,9 +603,8 @@ class TenantQuotas:
         held.store, held.limits, decision = await self._decide(
             held.store, held.tenant_id, held.limits, held.lease_id, call, undo_on_cancel=False, token_step=True
         )
-        leased = held.store is self.fallback and began_in is not self.fallback
         # what this step decided: TPM, and the fallback's lease when it took one
-        decided = QuotaLimits(None, held.limits.tpm, held.limits.max_concurrent if leased else None)
+        decided = QuotaLimits(None, held.limits.tpm, held.limits.max_concurrent if taken_over(held.store) else None)
         if not decision.admitted:
             raise refusal_error(tenant, decided, decision, tokens, self.settings.window_seconds)
         lease.reserved_tokens = tokens
