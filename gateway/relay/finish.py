@@ -80,10 +80,13 @@ def _usage_count(outcome: RelayOutcome, key: str) -> int | None:
     """``usage[key]`` when the engine reported it as an int from 0 to its ceiling (not a bool),
     else ``None``: the settle then counts the text relayed, as for no report. The ceiling:
     :func:`usage_ceiling` for ``prompt_tokens``; for ``completion_tokens`` the completion bound
-    the engine was sent, ``max_tokens`` for each of the request's sequences (vLLM and SGLang stop
-    every sequence there, reasoning included). Unbounded, one engine report of 2**62 tokens broke
-    the quota scripts for every tenant and one of 10**12 locked its tenant out for the window;
-    bounded by the context alone, an engine could charge a 5-token request 8,192."""
+    the engine was sent, ``max_tokens`` for each of the request's sequences: vLLM stops a
+    sequence once ``num_output_tokens >= max_tokens`` (``vllm/v1/core/sched/utils.py``,
+    ``check_stop``), SGLang once ``len(output_ids) >= max_new_tokens``
+    (``python/sglang/srt/managers/schedule_batch.py``, ``Req.check_finished``), reasoning
+    included. Unbounded, one engine report of 2**62 tokens broke the quota scripts for every
+    tenant and one of 10**12 locked its tenant out for the window; bounded by the context alone,
+    an engine could charge a 5-token request 8,192."""
     usage = outcome.produced.usage
     v = usage.get(key) if isinstance(usage, dict) else None
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
