@@ -20,13 +20,17 @@ from gpu_backend.sequence import PageReservation, SeqState, Sequence
 
 
 class PrefillManager:
-    """Sequences ``waiting`` for pages, then ``prefilling``; ``max_batch_tokens`` prompt tokens per step."""
+    """Sequences ``waiting`` for pages, then ``prefilling``; ``max_batch_tokens`` prompt tokens per step.
+    ``out_of_pages``: the last :meth:`schedule` left the head of ``waiting`` there because the pool
+    could not give it its pages (not for the token budget or the slots): only then are the waiting
+    ones waiting for pages."""
 
     def __init__(self, pool: KVPool, max_batch_tokens: int) -> None:
         self.pool = pool
         self.max_batch_tokens = max_batch_tokens
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.prefilling: list[Sequence] = []
+        self.out_of_pages = False
 
     def __iter__(self) -> Iterator[Sequence]:
         return iter([*self.waiting, *self.prefilling])
@@ -41,6 +45,7 @@ class PrefillManager:
         waits otherwise: FIFO, no starvation of long prompts). A longer prompt goes in chunks."""
         budget = self.max_batch_tokens
         batch: list[tuple[Sequence, int]] = []
+        self.out_of_pages = False
         for seq in self.prefilling:
             if budget <= 0:
                 break
@@ -51,6 +56,7 @@ class PrefillManager:
             seq = self.waiting[0]
             pages = self.pool.try_alloc(seq.pages_needed, seq.request_id)
             if pages is None:
+                self.out_of_pages = True
                 break
             self.waiting.popleft()
             seq.pages = pages

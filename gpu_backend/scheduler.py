@@ -4,13 +4,15 @@
 scheduler.schedule()``, ``tokens = runner.run(batch)``, ``scheduler.postprocess(batch, tokens)``.
 
 - :meth:`Scheduler.schedule` handles the typed messages of :mod:`gpu_backend.messages` (add, reserve,
-  load pages, start decode, abort), times out requests that waited for pages longer than
-  ``pool_wait_timeout_seconds`` (:class:`PoolExhaustedError`, 503), gives pages to waiting
-  reservations, then picks one batch: **prefill** first when there is prefill work (partially
-  prefilled sequences continue, then waiting ones are admitted in arrival order while
-  ``max_batch_tokens`` and ``max_running_requests`` allow and their pages can be allocated; a prompt
-  longer than the token budget is prefilled in chunks, SGLang's chunked prefill), else **decode**
-  (every decoding sequence advances one token: continuous batching).
+  load pages, start decode, abort), gives pages to waiting reservations, picks one batch:
+  **prefill** first when there is prefill work (partially prefilled sequences continue, then waiting
+  ones are admitted in arrival order while ``max_batch_tokens`` and ``max_running_requests`` allow
+  and their pages can be allocated; a prompt longer than the token budget is prefilled in chunks,
+  SGLang's chunked prefill), else **decode** (every decoding sequence advances one token: continuous
+  batching); and only then times out the requests the pool could not serve in this round that
+  arrived more than ``pool_wait_timeout_seconds`` ago (:class:`PoolExhaustedError`, 503). A request
+  that arrived while a long forward pass ran is offered the pool first: the time the worker spent
+  computing is no wait for pages, and the pool may be empty.
 - :meth:`Scheduler.postprocess` advances the cursors (``num_cached``), appends the sampled tokens,
   emits them and retires what finished; the runner only prepares, runs and samples.
 
@@ -144,11 +146,12 @@ class Scheduler:
         self.mailbox.wait(0.02 if self.prefill.waiting or self.reservations.waiting else 0.5)
 
     def schedule(self) -> Batch | None:
-        """Handle messages, expire and serve page waits, pick the next batch (``None``: no work)."""
+        """Handle messages, serve page waits, pick the next batch (``None``: no work), then expire
+        the page waits the pool could not serve (:meth:`_expire_waiting`)."""
         self._handle_each(self.mailbox.take())
-        self._expire_waiting()
         self.reservations.grant()
         items = self._checked(self.prefill.schedule(self.max_running_requests - len(self.decode)))
+        self._expire_waiting()
         if items:
             return Batch(True, items, [seq.num_cached + n == seq.num_context_tokens for seq, n in items])
         items = self._checked(self.decode.schedule())
@@ -276,8 +279,13 @@ class Scheduler:
 
     # ---- worker thread: scheduling ---------------------------------------------------------------
     def _expire_waiting(self) -> None:
+        """Fail with 503 ``pool_exhausted`` each record still waiting for pages after this round's
+        grants and admissions that arrived over ``pool_wait_timeout_seconds`` ago. Waiting
+        sequences count only when the pool refused the head of the queue (they wait behind it);
+        a sequence left waiting for the token budget or a slot waits for compute, not pages."""
         now = time.monotonic()
-        waits: list[Sequence | PageReservation] = [*self.prefill.waiting, *self.reservations.waiting]
+        prefill_waits = self.prefill.waiting if self.prefill.out_of_pages else ()
+        waits: list[Sequence | PageReservation] = [*prefill_waits, *self.reservations.waiting]
         for seq in [s for s in waits if now - s.arrival > self.pool_wait_timeout_seconds]:
             n = seq.pages_needed
             self._fail(
