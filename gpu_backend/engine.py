@@ -282,7 +282,7 @@ class Engine:
         queue: asyncio.Queue[Reply] = asyncio.Queue()
         seq = self.admit(request_id, prompt_ids, params, emitter(queue))
         self.submit(AddRequest(seq))
-        async with contextlib.aclosing(queue_tokens(queue, lambda: self.abort(request_id))) as tokens:
+        async with contextlib.aclosing(queue_tokens(queue, lambda: self.abort(request_id, seq))) as tokens:
             async for tok in tokens:
                 yield tok
 
@@ -340,10 +340,15 @@ class Engine:
         """The seed of a request's draws (:func:`~gpu_backend.sampling.sample_seed` over the engine's seed)."""
         return sample_seed(params, self._rng)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, record: Sequence | PageReservation | None = None) -> None:
         """Abort a live request (waiting, prefilling, decoding or a reservation): the worker frees
-        every page at the next step boundary; its tokens end with ``"abort"``. Unknown ids ignored."""
-        if request_id in self._live:
+        every page at the next step boundary; its tokens end with ``"abort"``. Unknown ids ignored.
+        ``record``: abort only while the id is still that record's. A caller leaving after its
+        request retired must not end a later request that reuses the id (the id is free once
+        retired, :meth:`RequestTable.retire`); the Abort reaches the worker before that request's
+        AddRequest, so it cannot find it."""
+        live = self._live.get(request_id)
+        if live is not None and (record is None or live is record):
             self.submit(Abort(request_id))
 
     def request_state(self, request_id: str) -> str | None:
