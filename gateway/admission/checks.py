@@ -173,7 +173,9 @@ def _logit_bias(v: Any) -> str | None:
     if not isinstance(v, dict) or len(v) > 300:
         return problem
     for k, b in v.items():
-        if not (k.isdigit() and len(k) <= 10) or not _is_num(b) or not -100 <= b <= 100:
+        # ASCII digits only: str.isdigit() is also true for '²' or '١', which int() refuses or reads
+        # as another number than the engines parsing the key as a JSON token id
+        if not (k.isascii() and k.isdigit() and len(k) <= 10) or not _is_num(b) or not -100 <= b <= 100:
             return problem
     return None
 
