@@ -98,11 +98,16 @@ MAX_STOP_TOTAL_BYTES = 4096
 
 
 def stop_problem(v: Any) -> str | None:
-    """``stop``: a string or at most :data:`MAX_STOPS` strings, each at most
-    :data:`MAX_STOP_BYTES` and all together at most :data:`MAX_STOP_TOTAL_BYTES` (UTF-8)."""
+    """``stop``: a string or at most :data:`MAX_STOPS` strings, none empty, each at most
+    :data:`MAX_STOP_BYTES` and all together at most :data:`MAX_STOP_TOTAL_BYTES` (UTF-8). An
+    empty string is the engines' own 400 (vLLM ``SamplingParams._verify_args``: "stop cannot
+    contain an empty string"; the bundled backend's ``gpu_backend/openai_api.py`` ``_stop``), which
+    came after the request was admitted and its prompt charged."""
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) for s in stops):
         return f"must be a string or an array of at most {MAX_STOPS} strings"
+    if not all(stops):
+        return "must not contain an empty string"
     total = 0
     for s in stops:
         size = len(s) if len(s) > MAX_STOP_BYTES else len(s.encode("utf-8", "surrogatepass"))  # bytes >= chars
@@ -248,14 +253,48 @@ def _json_schema_str(v: Any) -> str | None:
 
 
 def _response_format(v: Any) -> str | None:
+    """``response_format``: ``type`` text, json_object or json_schema; for json_schema, a
+    ``json_schema`` object with a string ``name`` and, when given, an object ``schema`` (OpenAI's
+    ``ResponseFormatJSONSchema``; vLLM's and SGLang's ``JsonSchemaResponseFormat`` in their
+    ``protocol.py``: ``name: str``, ``schema`` an optional dict; a missing ``json_schema`` fails
+    their ``to_sampling_params`` / ``serving_chat.py``), within the grammar bounds."""
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
         return "must be an object whose 'type' is text, json_object or json_schema"
     if problem := json_size_problem(v):  # the engine compiles the schema into a grammar
         return problem
     spec = v.get("json_schema")
+    if v["type"] == "json_schema" and not (
+        isinstance(spec, dict)
+        and isinstance(spec.get("name"), str)
+        and (spec.get("schema") is None or isinstance(spec["schema"], dict))
+    ):
+        return "of type json_schema needs 'json_schema': an object with 'name' (a string) and 'schema' (an object)"
     schema = spec.get("schema") if isinstance(spec, dict) else None
     problem = schema_problem(schema) if schema is not None else None
     return None if problem is None else f"'json_schema.schema' {problem}"
+
+
+#: chat ``tool_choice`` object types (OpenAI ``ChatCompletionToolChoiceOptionParam``) -> the key
+#: holding the object with the tool's string ``name`` (``None``: no name needed)
+_CHAT_TOOL_CHOICE_TYPES: dict[str, str | None] = {"function": "function", "custom": "custom", "allowed_tools": None}
+
+
+def _chat_tool_choice(v: Any) -> str | None:
+    """Chat ``tool_choice``: ``none``, ``auto``, ``required`` or an object of a type in
+    :data:`_CHAT_TOOL_CHOICE_TYPES` (``function``: ``{"type": "function", "function": {"name":
+    ...}}``, the only object vLLM's ``ChatCompletionNamedToolChoiceParam`` and SGLang's
+    ``ToolChoice`` take, so any other value was the engine's 400 after the prompt was charged)."""
+    problem = "must be none, auto, required or an object whose 'type' is " + ", ".join(_CHAT_TOOL_CHOICE_TYPES)
+    if isinstance(v, str):
+        return None if v in ("none", "auto", "required") else problem
+    kind = v.get("type") if isinstance(v, dict) else None
+    if not isinstance(kind, str) or kind not in _CHAT_TOOL_CHOICE_TYPES:
+        return problem
+    key = _CHAT_TOOL_CHOICE_TYPES[kind]
+    named = v.get(key) if key is not None else None
+    if key is not None and not (isinstance(named, dict) and isinstance(named.get("name"), str)):
+        return f"'{key}.name' must be a string for type '{kind}'"
+    return json_size_problem(v)
 
 
 def _stop_token_ids(v: Any) -> str | None:
@@ -357,7 +396,7 @@ CHAT_FIELDS: dict[str, Check] = {
     "logprobs": boolean,
     "top_logprobs": int_in(0, 20),
     "tools": array,
-    "tool_choice": str_or_obj,
+    "tool_choice": _chat_tool_choice,
     "parallel_tool_calls": boolean,
     "response_format": _response_format,
     "functions": array,

@@ -18,8 +18,10 @@ prompt-changing fields do to the count:
   ``logprobs`` (prompt logprobs: a vocabulary-sized row per prompt token on the engine;
   accepted only for ``openai``), image URLs (``data:`` only unless the model's
   ``images.allowed_url_hosts`` lists the host).
-- tool definitions holding the text of one of the model's special tokens are refused for engines
-  that parse special tokens in the rendered prompt (:func:`check_tool_definitions`);
+- tool definitions without a ``function`` holding a string ``name`` are refused, as the engines'
+  request models refuse them (:func:`check_tool_shapes`); those holding the text of one of the
+  model's special tokens are refused for engines that parse special tokens in the rendered prompt
+  (:func:`check_tool_definitions`);
 - bound-dependent checks (:func:`check_bounded`): ``min_tokens`` <= the completion bound,
   ``stop_token_ids`` and ``logit_bias`` ids inside the model's vocabulary.
 
@@ -211,6 +213,29 @@ def check_tool_definitions(tools: Any, specials: frozenset[str], engines: frozen
             )
 
 
+def check_tool_shapes(tools: Any, engines: frozenset[str]) -> None:
+    """Refuse a chat tool definition whose ``function`` is not an object holding a string
+    ``name``: the request models of vLLM (``ChatCompletionToolsParam``, ``FunctionDefinition(name:
+    str)``) and SGLang (``Tool``, ``Function(name: str)``) in their ``protocol.py`` refuse it, so it
+    was their 400 after kvgate had admitted the request and charged its prompt (the counters
+    render such a tool as sent: :func:`tokenizer.engine_render._tool_parts`). Not checked when
+    every engine is ``openai`` (its ``custom`` tools have no ``function``). Checked up to the first
+    entry that is not an object (the counter's 400 names it). Raises :class:`OpenAIError` 400 naming
+    ``tools[i].function`` or ``tools[i].function.name``."""
+    if not isinstance(tools, list) or (engines and engines <= {"openai"}):
+        return
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            return  # the counter's 400 names it first
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            param = f"tools[{i}].function"
+            raise _refuse(param, f"'{param}' must be an object with the function's 'name'.")
+        if not isinstance(fn.get("name"), str):
+            param = f"tools[{i}].function.name"
+            raise _refuse(param, f"'{param}' must be a string.")
+
+
 def _check_images(body: dict[str, Any], policy: ImagePolicy) -> None:
     allowed = {h.lower() for h in policy.allowed_url_hosts}
     for i, m in enumerate(body.get("messages") or ()):
@@ -331,6 +356,7 @@ def check_chat_request(
     _check_common(body, "chat", engines)
     check_message_keys(body)
     check_output_constraints(body, engines)
+    check_tool_shapes(body.get("tools"), engines)
     check_tool_definitions(body.get("tools"), specials, engines)
     _check_images(body, images)
     agp = body.get("add_generation_prompt")

@@ -12,8 +12,9 @@ admission's prologue is :mod:`gateway.routes.tokenize_handlers`.
   false, "chat_template_kwargs": {...}}`` ->
   ``{"count", "max_model_len", "tokens", "token_strs"}``; image parts are refused (400), and so
   is what chat refuses before counting (:func:`check_chat_content`: unknown message keys, tool
-  definitions holding the model's special tokens, ``chat_template_kwargs`` other than chat's), so
-  a count is never answered for a chat the gate would not count.
+  definitions without a function name or holding the model's special tokens,
+  ``chat_template_kwargs`` other than chat's), so a count is never answered for a chat the gate
+  would not count.
 - ``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids are validated against the vocabulary (400
   naming ``tokens``).
 """
@@ -25,7 +26,7 @@ from typing import Any
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.admission.checks import CHAT_FIELDS, Check, array, bad_value, boolean, check_fields, string
-from gateway.admission.fields import check_message_keys, check_tool_definitions
+from gateway.admission.fields import check_message_keys, check_tool_definitions, check_tool_shapes
 from gateway.admission.gate import over_context_error, too_long_to_count
 from gateway.admission.registry import ModelEntry
 from gateway.routes.chat import CHAT
@@ -80,9 +81,11 @@ def check_chat_content(entry: ModelEntry, body: dict[str, Any]) -> None:
     without the engines' extension table, which vLLM's ``/tokenize`` does not apply), for a
     ``/tokenize`` body with ``messages``: a message key outside
     :data:`~gateway.admission.fields.MESSAGE_KEYS` (400 naming ``messages[i].key``, chat's
-    wording) and a tool definition holding one of the model's special tokens
-    (:func:`~gateway.admission.fields.check_tool_definitions`). Raises :class:`OpenAIError`."""
+    wording), a tool definition without a function name
+    (:func:`~gateway.admission.fields.check_tool_shapes`) and one holding one of the model's special
+    tokens (:func:`~gateway.admission.fields.check_tool_definitions`). Raises :class:`OpenAIError`."""
     check_message_keys(body)
+    check_tool_shapes(body.get("tools"), entry.engines)
     check_tool_definitions(body.get("tools"), entry.counter.special_token_texts, entry.engines)
 
 
