@@ -295,7 +295,11 @@ async def metrics(gw: Gateway, ops_allowed: Any, request: Request) -> Response:
             headers={"www-authenticate": "Bearer"},
         )
     m = gw.metrics
-    body = await asyncio.to_thread(m.render) if m.multiprocess_dir is not None else m.render()
+    if m.multiprocess_dir is None:
+        body = m.render()
+    else:  # the workers' files, read in a thread on the ops share: a flood of scrapes waits there
+        offload.set_tenant(offload.OPS_SHARE)
+        body = await asyncio.to_thread(m.render)
     return Response(body, media_type=m.content_type)
 
 

@@ -5,14 +5,19 @@ every tenant shares."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import types
 from collections import deque
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
+import gateway.app as app_module
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
+from gateway.edge import offload
 from gateway.quotas.stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
 from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
 from tests.fixtures.redis_keys import REDIS_URL
@@ -97,3 +102,49 @@ async def test_the_in_process_store_answers_the_retry_after_redis_answers() -> N
         if keys:
             await client.delete(*keys)
         await client.aclose()
+
+
+# ---------------------------------------------------------------- /metrics on the ops share
+class _BlockingMetrics:
+    """A multiprocess ``GatewayMetrics`` stand-in whose render waits for ``release``."""
+
+    multiprocess_dir = "workers"
+    content_type = "text/plain; version=0.0.4; charset=utf-8"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def render(self) -> bytes:
+        self.release.wait(10)
+        return b"# rendered\n"
+
+
+async def test_a_flood_of_metrics_scrapes_holds_one_share_of_the_offload_threads_not_all():
+    """Before: ``/metrics`` rendered its workers' files in ``asyncio.to_thread`` with no tenant
+    set, so scrapes (no token by default) could take every offload thread and a tenant's counting
+    queued behind them. Now they run on :data:`gateway.edge.offload.OPS_SHARE`: 8 scrapes on a
+    pool of 4 threads (a share of 1) hold one thread, and a tenant's job still starts at once."""
+    loop = asyncio.get_running_loop()
+    executor = offload.TenantExecutor(max_workers=4, share=1)
+    old = getattr(loop, "_default_executor", None)
+    loop.set_default_executor(executor)
+    m = _BlockingMetrics()
+    gw = types.SimpleNamespace(metrics=m)
+    request = types.SimpleNamespace(headers={})
+    try:
+        scrapes = [asyncio.ensure_future(app_module.metrics(gw, lambda _h: True, request)) for _ in range(8)]
+        await asyncio.sleep(0.2)
+        assert (executor.running(offload.OPS_SHARE), executor.waiting(offload.OPS_SHARE)) == (1, 7)
+
+        async def tenant_job() -> str:
+            offload.set_tenant("tenant-a")
+            return await asyncio.wait_for(asyncio.to_thread(lambda: "counted"), 2)
+
+        assert await asyncio.ensure_future(tenant_job()) == "counted"
+        m.release.set()
+        answers = await asyncio.wait_for(asyncio.gather(*scrapes), 10)
+        assert [(r.status_code, r.body) for r in answers] == [(200, b"# rendered\n")] * 8
+    finally:
+        m.release.set()
+        loop._default_executor = old  # the loop's own again (set_default_executor refuses None)
+        executor.shutdown(wait=False)

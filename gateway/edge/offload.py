@@ -23,6 +23,12 @@ from typing import Any
 _TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvgate_offload_tenant", default=None)
 
 
+#: the share the gateway's own endpoints offload on (``/metrics``' multiprocess render): not a
+#: tenant id (those start with a letter or digit), so anyone who can reach them holds at most one
+#: tenant's share of the threads, never the threads the tenants' counting needs
+OPS_SHARE = "-ops"
+
+
 def set_tenant(tenant_id: str) -> None:
     """Offload the current task's work (and its children's) on ``tenant_id``'s share."""
     _TENANT.set(tenant_id)
