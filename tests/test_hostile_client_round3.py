@@ -16,7 +16,11 @@ The findings this file holds fixed:
   ``ChatCompletionNamedToolChoiceParam`` / ``ToolChoice``, ``JsonSchemaResponseFormat(name: str)``,
   ``FunctionDefinition(name: str)`` / ``Function(name: str)``), so the client got the engine's 400
   after its prompt had been charged against TPM (gateway/relay/finish.py: an engine's error is
-  settled at the prompt as admitted).
+  settled at the prompt as admitted);
+- a completions ``prompt`` or an embeddings ``input`` of 0 tokens (``""``) was forwarded: vLLM
+  refuses an empty prompt for generation and pooling alike
+  (``vllm/v1/engine/input_processor.py``, ``InputProcessor._validate_prompt_len``), as does the
+  bundled engine, and OpenAI's embeddings ``input`` "cannot be an empty string".
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import openai
 import pytest
 
 from tests.gateway_harness import MODEL
-from tests.test_gateway_api_routes import error_of, forwarded, sdk
+from tests.test_gateway_api_routes import EMB, error_of, forwarded, sdk
 from tests.test_hostile_routes import REFUSED, Ledger, _invalid, _post, _start
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.engine("api")]
@@ -43,6 +47,12 @@ TOOL_CHOICE = (
     "Invalid value for 'tool_choice': must be none, auto, required or an object whose 'type' is function, custom, "
     "allowed_tools"
 )
+
+
+def _empty(param: str) -> str:
+    return f"Invalid value for '{param}': the prompt is empty (0 tokens); engines refuse an empty prompt."
+
+
 RESPONSE_FORMAT = (
     "Invalid value for 'response_format': of type json_schema needs 'json_schema': an object with 'name' (a string) "
     "and 'schema' (an object)"
@@ -135,6 +145,27 @@ REFUSED_BODIES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
         "/tokenize",
         {"messages": MSG, "tools": [{}]},
         _invalid("'tools[0].function' must be an object with the function's 'name'.", "tools[0].function"),
+    ),
+    # a prompt of 0 tokens (cl100k adds no BOS): vLLM's InputProcessor._validate_prompt_len refuses it
+    ("completions prompt ''", "/v1/completions", {"prompt": ""}, _invalid(_empty("prompt"), "prompt")),
+    (
+        "completions prompt ['a', '']",
+        "/v1/completions",
+        {"prompt": ["a", ""]},
+        _invalid(_empty("prompt[1]"), "prompt[1]"),
+    ),
+    ("embeddings input ''", "/v1/embeddings", {"model": EMB, "input": ""}, _invalid(_empty("input"), "input")),
+    (
+        "embeddings input ['']",
+        "/v1/embeddings",
+        {"model": EMB, "input": [""]},
+        _invalid(_empty("input[0]"), "input[0]"),
+    ),
+    (
+        "embeddings input ['a', '']",
+        "/v1/embeddings",
+        {"model": EMB, "input": ["a", ""]},
+        _invalid(_empty("input[1]"), "input[1]"),
     ),
 ]
 

@@ -609,8 +609,9 @@ def test_bodies_at_and_over_the_size_limit(gw, module_engine):
 def oracle(value: Any) -> list[int] | None:
     """Per-input tokens the engine holds for ``input`` (tests/gate_oracle.py: strings encoded with
     tiktoken, ids counted), or ``None`` for what no engine takes: another shape (OpenAI's and vLLM's
-    ``str | list[str] | list[int] | list[list[int]]``, no bools, no floats, nothing empty but a
-    string) or an id outside the vocabulary."""
+    ``str | list[str] | list[int] | list[list[int]]``, no bools, no floats, nothing empty), an id
+    outside the vocabulary, or an input of 0 tokens (``""``: vLLM's
+    ``InputProcessor._validate_prompt_len`` refuses an empty prompt, and OpenAI an empty string)."""
     if not isinstance(value, str):
         ok = isinstance(value, list) and bool(value)
         kinds = {type(x) for x in value} if ok else set()
@@ -620,7 +621,8 @@ def oracle(value: Any) -> list[int] | None:
         ids = [t for x in value for t in x] if nested else value if kinds == {int} else []
         if not all(valid_id(t) for t in ids):
             return None
-    return completion_prompt_tokens(value)
+    counts = completion_prompt_tokens(value)
+    return counts if all(counts) else None
 
 
 _IDS = st.one_of(

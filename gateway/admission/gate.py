@@ -37,7 +37,8 @@ from tokenizer.chat import ChatOptions
 class CountedPrompt:
     """A request's prompts as counted, in tokens, on every route: ``largest`` (what the gate
     checks), ``total`` (every prompt of a batch), ``num_prompts``; ``per_prompt``: each prompt's
-    tokens where the gate checks them one by one (embeddings), else empty; ``text``: the prompt's
+    tokens where the gate checks them one by one (completions: none may be empty; embeddings:
+    each against the limit too), else empty; ``text``: the prompt's
     text for the verifier (never logged), ``None`` until it is gathered (a heavy request gathers
     it off the event loop with the count; :func:`decide` gathers it otherwise)."""
 
@@ -211,7 +212,9 @@ def _count_now(entry: ModelEntry, body: dict[str, Any], route: PromptRoute, limi
         counted = route.count_now(entry.counter, body, options)
     except TokenizerError as e:
         raise e.to_openai() from None
-    return CountedPrompt(counted.largest, counted.total, counted.num_prompts, route.prompt_text(body))
+    return CountedPrompt(
+        counted.largest, counted.total, counted.num_prompts, route.prompt_text(body), counted.per_prompt
+    )
 
 
 async def count_prompt(
@@ -303,6 +306,25 @@ def completion_bound(tenant: TenantConfig, body: dict[str, Any], route: BoundRou
     return max(max_tokens, 1), True  # below 1 nothing fits: the gates say which
 
 
+def refuse_empty_prompts(per_prompt: tuple[int, ...], param: str, single: bool) -> None:
+    """Refuse a request whose prompt (one of ``per_prompt``, tokens as the engine encodes each)
+    holds no token: vLLM refuses an empty prompt for generation and pooling alike
+    (``vllm/v1/engine/input_processor.py``, ``InputProcessor._validate_prompt_len``: "The decoder
+    prompt cannot be empty"), the bundled engine too (docs/backend.md), and OpenAI's embeddings
+    ``input`` "cannot be an empty string"; admitted, it was the engine's 400 after the request
+    was charged. A string the tokenizer gives a BOS is not empty (the engine sees that token).
+    Raises :class:`OpenAIError` 400 naming ``param`` (``single``) or ``param[i]``, the first."""
+    for i, c in enumerate(per_prompt):
+        if c == 0:
+            where = param if single else f"{param}[{i}]"
+            raise OpenAIError(
+                400,
+                f"Invalid value for '{where}': the prompt is empty (0 tokens); engines refuse an empty prompt.",
+                code=ErrorCode.INVALID_REQUEST,
+                param=where,
+            )
+
+
 def decide(
     entry: ModelEntry,
     tenant: TenantConfig,
@@ -315,6 +337,8 @@ def decide(
     completion (docs/gateway.md, "The gate's invariant"):
 
     - bound: :func:`completion_bound`, always an explicit value >= 1, forwarded under one field;
+    - no empty prompt (each of ``per_prompt`` at least one token) unless every engine is
+      ``openai`` (:func:`refuse_empty_prompts`);
     - sequences: prompts x max(n, best_of) <= ``max_sequences_per_request`` (400 naming
       ``prompt``, ``n`` or ``best_of``);
     - context gate: ``largest + bound <= limit`` (400 ``context_length_exceeded``);
@@ -323,6 +347,11 @@ def decide(
 
     Raises :class:`OpenAIError` 400."""
     largest, total, num = prompt.largest, prompt.total, prompt.num_prompts
+    if prompt.per_prompt and not (entry.engines and entry.engines <= {"openai"}):  # OpenAI completes an empty prompt
+        p = body.get(route.prompt_param)
+        refuse_empty_prompts(
+            prompt.per_prompt, route.prompt_param, not (isinstance(p, list) and p and isinstance(p[0], (str, list)))
+        )
     limit = effective_limit(entry, tenant, pool_limit)
     seqs = sequences_of(body)
     cap_seqs = tenant.max_sequences_per_request

@@ -35,7 +35,8 @@ def suffix_tokens(counter: PromptCounter, body: dict[str, Any]) -> int:
 
 def _with_suffix(pc: PromptCount, extra: int) -> CountedPrompt:
     num = len(pc.per_prompt)
-    return CountedPrompt(pc.largest + extra, pc.total + num * extra, num)
+    per_prompt = tuple(n + extra for n in pc.per_prompt)
+    return CountedPrompt(pc.largest + extra, pc.total + num * extra, num, per_prompt=per_prompt)
 
 
 class CompletionsRoute(PromptApiRoute):

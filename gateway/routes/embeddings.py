@@ -13,7 +13,7 @@ import orjson
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
 from gateway.admission.checks import INT64_MAX, Check, anything, check_fields, drop_nulls, int_in, one_of, string
-from gateway.admission.gate import Admission, CompletionBound, CountedPrompt, effective_limit
+from gateway.admission.gate import Admission, CompletionBound, CountedPrompt, effective_limit, refuse_empty_prompts
 from gateway.admission.registry import ModelEntry
 from gateway.relay.stream_protocol import StreamProtocol
 from gateway.relay.whole_answer import read_choices_answer
@@ -96,7 +96,8 @@ def embeddings_text(body: dict[str, Any]) -> str:
 def decide_embeddings(
     entry: ModelEntry, tenant: TenantConfig, body: dict[str, Any], counts: CountedPrompt, pool_limit: int
 ) -> Admission:
-    """Each input ``<= limit`` (the first one above it is named: ``input`` or ``input[i]``: 400
+    """No input empty (:func:`~gateway.admission.gate.refuse_empty_prompts`), each ``<= limit``
+    (the first one above it is named: ``input`` or ``input[i]``: 400
     ``context_length_exceeded``) and the inputs' total ``<= pool_limit`` (400 naming ``input``);
     the reservation is the total, with no completion. Raises :class:`OpenAIError`."""
     limit = effective_limit(entry, tenant, pool_limit)
@@ -104,6 +105,7 @@ def decide_embeddings(
     single = len(counts.per_prompt) == 1 and not (
         isinstance(value, list) and value and isinstance(value[0], (str, list))
     )
+    refuse_empty_prompts(counts.per_prompt, "input", single)
     for i, c in enumerate(counts.per_prompt):
         if c > limit:
             raise OpenAIError(
