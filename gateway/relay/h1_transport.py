@@ -14,8 +14,11 @@ The request goes out as one write: the request line, ``Host`` (unless given), th
 (a request never goes out with a header it did not mean). A response body is framed by its
 ``Content-Length``, chunked encoding or, with neither, the connection's close; a connection is
 kept for the next request only when its response was read to the end and both sides allow
-keep-alive. A response head over :data:`MAX_HEAD_BYTES` or :data:`MAX_HEAD_LINES` lines is a
-:class:`RemoteProtocolError`; reading pauses while the reader holds :data:`HIGH_WATER_BYTES`.
+keep-alive, and no byte came after it (RFC 9112 6.3: such bytes are never read as the next
+request's response). Trailer fields are discarded. A response head over :data:`MAX_HEAD_BYTES` or
+:data:`MAX_HEAD_LINES` lines, or chunk framing or a trailer section of more than
+:data:`MAX_HEAD_BYTES` between two body bytes, is a :class:`RemoteProtocolError`; reading pauses
+while the reader holds :data:`HIGH_WATER_BYTES`.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class _Connection(asyncio.Protocol):
         self.response: H1Response | None = None
         self._headers: list[tuple[bytes, bytes]] = []
         self._head: asyncio.Future[H1Response] | None = None  # waits for the status line and headers
-        self._head_bytes = 0  # bytes received while ``_head`` waits
+        self._head_bytes = 0  # bytes received while ``_head`` waits, or since the response's last body byte
         self._last_data = 0.0
         self._deadline = math.inf  # loop time by which the exchange must have ended (``exchange_timeout``)
         self._timer: asyncio.TimerHandle | None = None
@@ -91,12 +94,14 @@ class _Connection(asyncio.Protocol):
         if self._head is None and self.response is None:  # bytes nobody asked for: not a connection to keep
             self.close()
             return
-        if self._head is not None:
-            # checked before feeding: a head may share its last read with the body
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._fail(RemoteProtocolError(f"RemoteProtocolError: a response head over {MAX_HEAD_BYTES} bytes"))
-                return
-            self._head_bytes += len(data)
+        # checked before feeding: a head may share its last read with the body; the bytes between two
+        # body bytes (chunk lines, a trailer section) are bounded as a head is: httptools keeps a
+        # trailer field's value until its line ends
+        if self._head_bytes > MAX_HEAD_BYTES:
+            what = "head" if self._head is not None else "chunk framing or trailer section"
+            self._fail(RemoteProtocolError(f"RemoteProtocolError: a response {what} over {MAX_HEAD_BYTES} bytes"))
+            return
+        self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -120,8 +125,28 @@ class _Connection(asyncio.Protocol):
             err = RemoteProtocolError(f"RemoteProtocolError: the engine closed the connection {where}")
         self._fail(err)
 
+    @property
+    def open(self) -> bool:
+        """Neither closed nor closing: :meth:`close` (a parser error, bytes nobody asked for) only
+        starts closing, and the engine may not see the close before the pool would hand the
+        connection to the next request."""
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
+
     # httptools callbacks -----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._head is None:
+            # bytes after the response's end that no request asked for (a Content-Length shorter
+            # than the body, a second answer): never read as the next request's response (RFC 9112
+            # 6.3: a client MUST NOT process such extra data as a separate response); held by the
+            # parser, they would be prepended to it. The response before them stands.
+            self.close()
+            raise httptools.HttpParserError("stop")
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._head is None:
+            # a trailer field (after a chunked body's last chunk): discarded (RFC 9112 7.1.2), never
+            # merged into a header section (RFC 9110 6.5.1), least of all the next response's
+            return
         self._headers.append((name, value))
         if len(self._headers) > MAX_HEAD_LINES:
             self._fail(RemoteProtocolError(f"RemoteProtocolError: more than {MAX_HEAD_LINES} header lines"))
@@ -145,6 +170,7 @@ class _Connection(asyncio.Protocol):
             head.set_result(r)
 
     def on_body(self, body: bytes) -> None:
+        self._head_bytes = 0
         r = self.response
         if r is not None and not r.complete:
             r._feed(body)
@@ -224,7 +250,7 @@ class _Connection(asyncio.Protocol):
         """The response is done with: keep the connection for the next request, or close it."""
         self._stop_timer()
         self.response = None
-        if reusable and not self.closed and self._keep_alive:
+        if reusable and self.open and self._keep_alive:
             self.pool._release(self)
         else:
             self.close()
@@ -387,7 +413,7 @@ class H1Transport(PooledTransport):
             idle = self._idle.get(origin)
             while idle:
                 conn = idle.pop()
-                if not conn.closed and loop.time() - conn.idle_since < KEEPALIVE_SECONDS:
+                if conn.open and loop.time() - conn.idle_since < KEEPALIVE_SECONDS:
                     return conn
                 conn.close()  # stale
                 self._free(conn)
