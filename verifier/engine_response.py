@@ -538,6 +538,16 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _sequence_number(v: Any) -> int | None:
+    """A Responses event's ``sequence_number`` when it is an int from 0 to ``2**63 - 2``, else
+    ``None`` (read as absent): the gateway numbers an event of its own after the last one
+    (:func:`gateway.relay.stream_protocol.response_error_event`) and must be able to write that
+    number as a JSON int (orjson writes 64 bits). After an engine's ``2**64 - 1`` it could not:
+    the error event that ends a cut stream raised instead."""
+    n = _int(v)
+    return n if n is not None and 0 <= n < 2**63 - 1 else None
+
+
 def response_usage(usage: Any) -> dict[str, Any] | None:
     """A Responses ``usage`` (``input_tokens``, ``output_tokens``) in chat names; ``None`` unless
     both are non-negative ints."""
@@ -669,7 +679,7 @@ def parse_response_event(obj: Any) -> StreamEvent:
     etype = obj.get("type")
     if etype is not None and not isinstance(etype, str):
         etype = ""  # an array or object as the type (unhashable in the tables below): a type no engine sends
-    seq = _int(obj.get("sequence_number"))
+    seq = _sequence_number(obj.get("sequence_number"))
     if etype == "error" or (etype is None and obj.get("error") is not None):
         err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
         return StreamEvent(kind="error", error=err, sequence_number=seq)
