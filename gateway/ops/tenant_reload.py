@@ -3,7 +3,8 @@ or on SIGHUP, so ``kvgate tenant set / add-key / revoke-key`` take effect withou
 
 The reload itself is :meth:`gateway.ops.tenants.TenantRegistry.reload` (one reference swap: a request
 sees the old table or the new one). A changed file is read once it has stayed the same for one
-check. An invalid or empty file is logged and the previous table kept. Quota
+check, and is not applied when it changed while it was read. An invalid or empty file, or one
+with no ``tenants`` list, is logged and the previous table kept. Quota
 limits are read from the tenant entry on every request, so new limits apply to the next request;
 the windows already logged (in Redis or in process) stay and count against the new limits.
 """
@@ -11,26 +12,18 @@ the windows already logged (in Redis or in process) stay and count against the n
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from config.loader import ConfigError
+from gateway.ops.tenants import Signature, file_signature
 
 log = logging.getLogger("kvgate.tenants")
 
 #: How often the tenants file is checked for a change (seconds).
 POLL_INTERVAL_SECONDS = 1.0
-
-
-def _signature(path: os.PathLike[str] | str) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 class TenantFileWatcher:
@@ -39,7 +32,9 @@ class TenantFileWatcher:
     written in place is not read half-written), checked every ``interval_seconds`` in a daemon
     thread, or at once after :meth:`poke` (what the SIGHUP handler calls). ``reloads`` counts successful
     reloads; ``last_error`` holds the last invalid file's message (``None`` after a good one);
-    ``on_result(ok)`` is told of each read (the gateway's reload metrics)."""
+    ``on_result(ok)`` is told of each read (the gateway's reload metrics). The first check compares
+    with the file as the registry read it (``registry.signature``), not as it is when the watcher
+    starts."""
 
     def __init__(
         self,
@@ -54,21 +49,24 @@ class TenantFileWatcher:
         self.on_result = on_result
         self.reloads = 0
         self.last_error: str | None = None
-        self._seen = _signature(registry.path)
-        self._changed_to: tuple[int, int, int] | None = self._seen  # what the last check saw
+        # the file as the registry read it (an edit made since, while the gateway was starting, is
+        # a change to load: the file as it is now was taken for the one read, a revoked key kept)
+        seen = getattr(registry, "signature", None)
+        self._seen = seen if seen is not None else file_signature(registry.path)
+        self._changed_to: Signature | None = self._seen  # what the last check saw
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def check(self, force: bool = False) -> bool:
         """Reload if the file changed (or ``force``); True when a new table was swapped in."""
-        sig = _signature(self.registry.path)
+        sig = file_signature(self.registry.path)
         settling, self._changed_to = sig != self._changed_to, sig
         if not force and (sig == self._seen or settling):
             return False
         self._seen = sig
         try:
-            self.registry.reload()
+            self.registry.reload(expect=sig)  # a write begun since this check is not read half done
         except (ConfigError, OSError, ValueError) as e:
             self.last_error = str(e)
             log.warning("tenants file %s is invalid; keeping the previous tenants: %s", self.registry.path, e)

@@ -14,10 +14,24 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from config.loader import ConfigError, check_tenant_models, load_tenants, served_tenants
+from config.loader import ConfigError, check_tenant_models, load_tenants, served_tenants, validate_yaml_text
 from config.models import Settings, TenantConfig, TenantsFile
 
 log = logging.getLogger("kvgate.tenants")
+
+
+#: what identifies one version of the tenants file: ``(st_mtime_ns, st_size, st_ino)``
+Signature = tuple[int, int, int]
+
+
+def file_signature(path: str | os.PathLike[str] | int) -> Signature | None:
+    """``(mtime in ns, size in bytes, inode)`` of ``path`` (symlinks followed) or of an open file
+    descriptor; ``None`` when it cannot be read (missing, no permission)."""
+    try:
+        st = os.fstat(path) if isinstance(path, int) else os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
 
 
 def hash_key(api_key: str) -> str:
@@ -56,7 +70,10 @@ class TenantRegistry:
     warning per tenant; :attr:`notes` holds those lines of the last load. A reload does the same
     whatever ``served_only`` says (module :mod:`gateway.ops.tenant_reload`). ``refused_key_hashes``:
     hashes no table may accept (``kvgate serve`` without ``--demo``: the documented demo keys'),
-    checked on every reload (the start checks them itself, with its own message).
+    checked on every reload (the start checks them itself, with its own message). ``signature``:
+    :func:`file_signature` of the file as it was before the table in force was read from it
+    (``None`` when not read from :attr:`path`), where a watcher starts (an edit made while the
+    gateway started is then reloaded, not taken for the file already read).
     """
 
     def __init__(
@@ -74,6 +91,7 @@ class TenantRegistry:
         self.refused_key_hashes: frozenset[str] = frozenset()
         self._table = _build(self._check(tenants))
         self.version = 1
+        self.signature: Signature | None = None
 
     def _check(self, tenants: TenantsFile, *, reloading: bool = False) -> TenantsFile:
         if self.settings is None:
@@ -97,29 +115,31 @@ class TenantRegistry:
         """Load ``tenants.yaml`` (``config.loader.load_tenants`` rules). Raises ``ConfigError``,
         also for an ``allowed_models`` entry unknown to ``settings`` when given (unless
         ``served_only``: see the class)."""
-        p = Path(path) if path is not None else None
-        tf = load_tenants(p)
-        if p is None:
+        if path is None:
             from config.loader import DEFAULT_TENANTS
 
-            p = Path(os.environ.get("KVGATE_TENANTS") or DEFAULT_TENANTS)
-        return cls(tf, p, settings, served_only=served_only)
+            path = os.environ.get("KVGATE_TENANTS") or DEFAULT_TENANTS
+        p = Path(path)
+        signature = file_signature(p)  # before the read: an edit during it is a change still to load
+        registry = cls(load_tenants(p), p, settings, served_only=served_only)
+        registry.signature = signature
+        return registry
 
-    def reload(self, tenants: TenantsFile | None = None) -> None:
-        """Swap in a new table: ``tenants`` when given, else re-read :attr:`path`. An
+    def reload(self, tenants: TenantsFile | None = None, *, expect: Signature | None = None) -> None:
+        """Swap in a new table: ``tenants`` when given, else re-read :attr:`path` (once). An
         ``allowed_models`` entry the settings do not know is dropped from its tenant (the tenant
         left out when none is left, never widened), with a warning, where a start refuses the
         file: refusing the whole table kept every earlier tenant, a revoked key included, valid
         until someone read the log. Raises ``ConfigError`` (the old table stays) when the file is
-        invalid, holds nothing (a file being written in place reads empty for a moment: an empty
-        table is ``tenants: []``), or accepts a key of :attr:`refused_key_hashes`."""
+        invalid, holds no ``tenants`` list (a file being written in place reads empty, or as its
+        first comment lines, for a moment: an empty table is ``tenants: []``), changed while it
+        was read or since its :func:`file_signature` was ``expect`` (a half-written file, read
+        again once it stays the same), or accepts a key of :attr:`refused_key_hashes`; ``OSError``
+        when it cannot be read."""
         source = str(self.path or "tenants")
+        signature = self.signature
         if tenants is None:
-            if self.path is None:
-                raise ValueError("this registry has no tenants file to reload")
-            if not self.path.read_bytes().strip():
-                raise ConfigError(source, ["the file is empty (being written?); an empty table is 'tenants: []'"])
-            tenants = load_tenants(self.path)
+            tenants, signature = self._read(expect)
         checked = self._check(tenants, reloading=True)
         refused = [t.id for t in checked.tenants if self.refused_key_hashes.intersection(t.api_key_sha256)]
         if refused:
@@ -131,7 +151,33 @@ class TenantRegistry:
                 ],
             )
         self._table = _build(checked)  # one reference assignment: atomic for readers
+        self.signature = signature
         self.version += 1
+
+    def _read(self, expect: Signature | None) -> tuple[TenantsFile, Signature | None]:
+        """:attr:`path` read once and validated, with its :func:`file_signature` before the read
+        (see :meth:`reload`). Reading it twice (is it empty? then parse it) let a write between
+        the two reads make an empty table, every key a 401."""
+        if self.path is None:
+            raise ValueError("this registry has no tenants file to reload")
+        source = str(self.path)
+        with open(self.path, "rb") as f:
+            before = file_signature(f.fileno())
+            data = f.read()
+        if before != file_signature(self.path) or (expect is not None and before != expect):
+            raise ConfigError(
+                source, ["the file changed while it was read (being written?); read again once it stays the same"]
+            )
+        if not data.strip():
+            raise ConfigError(source, ["the file is empty (being written?); an empty table is 'tenants: []'"])
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(source, [f"not UTF-8 text: {e.reason} at byte {e.start}"]) from None
+        tenants = validate_yaml_text(text, TenantsFile, self.path)
+        if "tenants" not in tenants.model_fields_set:
+            raise ConfigError(source, ["no 'tenants' list (being written?); an empty table is 'tenants: []'"])
+        return tenants, before
 
     def lookup(self, api_key: str) -> TenantConfig | None:
         """The tenant whose hash list holds ``sha256(api_key)``, else ``None``."""
