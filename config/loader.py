@@ -69,13 +69,22 @@ def _parse_loc(text: str) -> tuple[Any, ...]:
 _SECRET_KEYS = frozenset({"api_key", "metrics_token", "api_key_sha256"})
 #: a URL's user and password (up to the last ``@``) and a password in its query string
 _URL_SECRETS = re.compile(r"(?<=://).*(?=@)|(?<=password=)[^&\s]*", re.S)
+#: a secret key and its value run together in one scalar: ``api_key:sk-...`` (no space after the
+#: colon: YAML reads one string), a section's value or, in a flow mapping, a key
+_INLINE_SECRETS = re.compile(r"((?:api_key|metrics_token)\s*[:=]\s*)\S+")
+
+
+def _masked(text: str) -> str:
+    """``text`` with a URL's credentials and an inline ``api_key:VALUE`` masked as ``***``."""
+    return _INLINE_SECRETS.sub(r"\1***", _URL_SECRETS.sub("***", text))
 
 
 def _shown(path: tuple[Any, ...], value: Any) -> str | None:
-    """``repr(value)`` for an error line, with a URL's credentials masked; ``None`` for a secret."""
+    """``repr(value)`` for an error line, with a URL's credentials and an inline ``api_key:VALUE``
+    masked; ``None`` for a secret."""
     if _SECRET_KEYS.intersection(p for p in path if isinstance(p, str)):
         return None
-    return repr(_URL_SECRETS.sub("***", value) if isinstance(value, str) else value)
+    return repr(_masked(value) if isinstance(value, str) else value)
 
 
 def _format_validation(
@@ -91,7 +100,7 @@ def _format_validation(
     problems = []
     for e in err.errors(include_url=False):
         path = tuple(p for p in e["loc"] if p not in ("function-after",))
-        loc = _loc(path)
+        loc = _masked(_loc(path))  # an unknown key `metrics_token:tok` (a flow mapping's typo) is one
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (not a kvgate setting; check the spelling)"
@@ -190,18 +199,21 @@ def _parse_text(text: str, path: str | os.PathLike[str]) -> tuple[dict[str, Any]
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
+        lines = _line_map(node) if isinstance(data, dict) else {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(str(path), [f"invalid YAML: {where}{problem}"]) from e
+    except RecursionError:  # PyYAML composes and constructs recursively: `[[[...` 300 deep was a traceback
+        raise ConfigError(str(path), ["invalid YAML: lists or mappings nested too deeply to parse"]) from None
     finally:
         loader.dispose()
     if data is None:
         return {}, {}
     if not isinstance(data, dict):
         raise ConfigError(str(path), [f"(top level): expected a mapping of keys, got {type(data).__name__}"])
-    return data, _line_map(node)
+    return data, lines
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -255,7 +267,7 @@ def env_override_items(
                 value = None
             else:
                 value = raw if _takes_text(model, parts) else yaml.safe_load(raw)
-        except yaml.YAMLError:
+        except (yaml.YAMLError, RecursionError):  # `[[[...` nested too deep for PyYAML: text, as any non-YAML
             value = raw
         items.append((parts, name, value))
     return items
