@@ -114,6 +114,8 @@ def _load(p: Path, y: YAML) -> tuple[str, CommentedMap]:
         raise TenantFileError(f"{p}: not UTF-8 text: {e.reason} at byte {e.start}") from e
     except YAMLError as e:
         raise TenantFileError(f"{p}: invalid YAML: {e}") from e
+    except RecursionError:  # ruamel composes recursively: `[[[...` some 300 deep was a traceback
+        raise TenantFileError(f"{p}: invalid YAML: lists or mappings nested too deeply to parse") from None
     return text, CommentedMap() if doc is None else doc
 
 
@@ -136,6 +138,14 @@ def _text(value: str) -> str:
     return value if tag == "tag:yaml.org,2002:str" else SingleQuotedScalarString(value)
 
 
+def _target(path: str | os.PathLike[str]) -> Path:
+    """The file ``path`` names, symlinks followed: ``os.replace`` onto a symlink replaced the link
+    with a regular file, and a gateway reading the link's target never saw the edit (nor did a
+    second editor through the target, which locked another folder)."""
+    p = Path(path)
+    return Path(os.path.realpath(p)) if p.is_symlink() else p
+
+
 @contextlib.contextmanager
 def edit_tenants(path: str | os.PathLike[str]) -> Iterator[CommentedSeq]:
     """Locked read-modify-write of a tenants file; yields the ``tenants`` list to change in place.
@@ -147,9 +157,9 @@ def edit_tenants(path: str | os.PathLike[str]) -> Iterator[CommentedSeq]:
     raises, nothing is written.
     A missing file is created. Raises :class:`TenantFileError` (file unreadable, not YAML, invalid
     after the edit, or not writable). Concurrent editors are serialised with ``flock`` on the
-    file's directory (no lock file is left behind).
+    file's directory (no lock file is left behind). A symlink is followed: its target is edited.
     """
-    p = Path(path)
+    p = _target(path)
     with _locked(p):
         y = _yaml()
         _, doc = _load(p, y)
@@ -172,7 +182,7 @@ def remove_tenant(path: str | os.PathLike[str], tenant_id: str) -> int:
     above it; every other byte (other entries, their comments, the comments above the next entry
     or at the end of the file) stays. Raises :class:`TenantFileError` for an unknown tenant and as
     :func:`edit_tenants` does."""
-    p = Path(path)
+    p = _target(path)
     with _locked(p):
         y = _yaml()
         text, doc = _load(p, y)
