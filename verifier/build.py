@@ -166,7 +166,7 @@ def build_verifier(
     jobs = JobQueue(cfg, sh.findings, sh.lock, sh.own_cache, sh.stats, sh.caps)
     prober = None
     if cfg.probe_interval_seconds:
-        prober = PeriodicProbe(settings, probe_targets, sh.canaries, sh.evidence, sh.lock, sh.stats)
+        prober = PeriodicProbe(settings, probe_targets, sh.canaries, sh.evidence, sh.lock, sh.stats, planted)
     return VerifierService(
         settings,
         ingest=IngestBudget(cfg, sh.hasher, sh.index, sh.canaries, sh.health, sh.lock, sh.stats, sh.caps),

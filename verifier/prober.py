@@ -1,6 +1,8 @@
 """The gateway's periodic probe (``verifier.probe_interval_seconds``): :mod:`verifier.probe`'s
 canary probe against each target, its canaries registered as the probe tenant's, a confirmed
-``probe`` incident recorded for each leak (which quarantines the upstream), in a worker thread."""
+``probe`` incident recorded for each leak (which quarantines the upstream), in a worker thread.
+A canary of a ``plant`` answer that no step planted is evidence only when kvgate planted it (a
+probe's, a honeypot's: docs/design.md step 8); any tenant can register a canary by sending it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from config.models import Settings, TenantConfig
@@ -27,7 +30,9 @@ class PeriodicProbe:
     """Probes every ``settings.verifier.probe_interval_seconds``. ``targets``: a list of
     :class:`verifier.probe.ProbeTarget` (``None``: every upstream, straight at the engine);
     ``lock``: the state lock the canary registry is used under; ``stats``: the verifier's
-    counters (``probes``)."""
+    counters (``probes``); ``planted``: ``tenant id -> bool``, whether that tenant's canaries
+    were planted by kvgate itself (:func:`verifier.findings.kvgate_planted`; default: the probe
+    tenant's only)."""
 
     def __init__(
         self,
@@ -37,6 +42,7 @@ class PeriodicProbe:
         evidence: Evidence,
         lock: threading.Lock,
         stats: collections.Counter,
+        planted: Callable[[str], bool] | None = None,
     ) -> None:
         self.settings = settings
         self.targets = targets
@@ -45,6 +51,7 @@ class PeriodicProbe:
         self.lock = lock
         self.stats = stats
         self.tenant_id = settings.verifier.probe_tenant or "kvgate-probe"
+        self.planted = planted or (lambda tenant: tenant == self.tenant_id)
 
     async def loop(self) -> None:
         """Run the probe every interval, forever (the service cancels it)."""
@@ -93,13 +100,16 @@ class PeriodicProbe:
         await asyncio.to_thread(self._register, canaries)
 
     async def known(self, canaries: list[str]) -> list[bool]:
-        """Whether some tenant registered each canary (a probe of another run or replica, a
-        honeypot tenant), in a worker thread as :meth:`register`."""
+        """Whether kvgate planted each canary (a probe of another run or replica, a honeypot
+        tenant: a tenant :attr:`planted` says so registered it), in a worker thread as
+        :meth:`register`. A regular tenant's canary is not: one that registered
+        ``KVGATE-CANARY-0123456789abcdef`` would have the probe quarantine an honest upstream
+        whose model writes canaries in the pattern of the ones it reads."""
         return await asyncio.to_thread(self._known, canaries)
 
     def _known(self, canaries: list[str]) -> list[bool]:
         with self.lock:
-            return [bool(m.owners) for m in self.canaries.lookup(canaries)]
+            return [any(map(self.planted, m.owners)) for m in self.canaries.lookup(canaries)]
 
     def _register(self, canaries: list[str]) -> None:
         with self.lock:
