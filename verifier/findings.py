@@ -29,7 +29,7 @@ from verifier.incidents import ALERTS, CHECKS, DROPPED, QUARANTINES, Incident, I
 from verifier.latency import LatencyModel, cached_tokens_of
 from verifier.leak_index import LeakIndex, LeakVerdict
 from verifier.quarantine import Quarantine
-from verifier.shingles import encode
+from verifier.shingles import encode, fold
 from verifier.stage import Exchange
 
 log = logging.getLogger("kvgate.verifier")
@@ -355,7 +355,7 @@ class Findings:
         """The CPU part of :meth:`content_locked`'s leak-index check (no store call)."""
         own, seen = self.own_locked(ex), set[int]()
         texts = [strip_echo(t, ex.echo_prompts) if ex.echo else t for t in texts]
-        return Prepared([self.index.prepare_ids(encode(t), own, seen) for t in texts])
+        return Prepared([self.index.prepare_ids(encode(fold(t)), own, seen) for t in texts])
 
     def prefetch_locked(self, jobs: Sequence[CheckJob]) -> list[Prepared | None]:
         """For a batch of queued checks, run in this order with no prompt ingest between them:

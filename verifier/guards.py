@@ -100,7 +100,7 @@ class TextStream:
     def __init__(self, hasher: ShingleHasher, exchange: Exchange) -> None:
         self.echo = EchoStrip(exchange.echo_prompts) if exchange.echo else None
         self.scanner = CanaryScanner()
-        self.shingler = IncrementalShingler(hasher, max_pending_chars=256)
+        self.shingler = IncrementalShingler(hasher, max_pending_chars=256, folded=True)
         self.pieces = 0
         self._chars = 0
         self._bounds: collections.deque[tuple[int, int]] = collections.deque()  # (chars, piece) at piece ends

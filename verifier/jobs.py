@@ -30,7 +30,7 @@ from verifier.findings import STORE_ERRORS, CheckJob, Findings, Prepared, StoreH
 from verifier.fingerprint_cache import FingerprintCache, Fingerprinted
 from verifier.incidents import DROPPED, DROPPED_BYTES, JOB_FAULTS, WORKER_STOPS
 from verifier.leak_index import LeakIndex, MemoryLeakStore, RedisLeakStore
-from verifier.shingles import ShingleHasher, encode, squeeze_runs
+from verifier.shingles import ShingleHasher, encode, fold, squeeze_runs
 from verifier.stage import Exchange
 
 log = logging.getLogger("kvgate.verifier")
@@ -134,7 +134,9 @@ class IngestBudget:
         return set(done.fps), list(done.canaries)
 
     def _fingerprint(self, text: str, yield_gil: bool) -> Fingerprinted:
-        text = squeeze_runs(text)  # a canary holds no run that squeezing shortens
+        # folded, then squeezed, as ``encode(fold(text))`` (squeezing bounds any run NFKC made);
+        # a canary is ASCII: folding and squeezing leave it whole
+        text = squeeze_runs(fold(text))
         if yield_gil:
             time.sleep(0)
         cans = find_canaries(text)
@@ -605,7 +607,7 @@ class JobQueue:
 
     def _ingest(self, job: IngestJob) -> None:
         f = self.findings
-        ids = encode(job.text)
+        ids = encode(fold(job.text))
         fast = f.index.hasher.fast(ids)
         f.index.store.add(
             job.tenant, self.caps.leak.take(job.tenant, f.index.hasher.fingerprints(ids, f.index.w, fast))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from config.redis_client import ascript_by_slot, is_cluster, script_by_slot
-from verifier.shingles import ShingleHasher, encode
+from verifier.shingles import ShingleHasher, encode, fold
 
 
 class LeakStore(Protocol):
@@ -374,12 +374,12 @@ class LeakIndex:
 
     def prompt_fingerprints(self, text: str) -> set[int]:
         """Winnowed fingerprints of a prompt's text."""
-        return self.hasher.fingerprints(encode(text), self.w)
+        return self.hasher.fingerprints(encode(fold(text)), self.w)
 
     def ingest(self, tenant: str, text: str, *, keep_own: bool = False) -> tuple[int, set[int] | None]:
         """Record ``tenant``'s prompt. Returns how many fingerprints were stored and, with
         ``keep_own``, the prompt's own-shingle set (see :meth:`own_shingles`)."""
-        ids = encode(text)
+        ids = encode(fold(text))
         fast = self.hasher.fast(ids)
         fps = self.hasher.fingerprints(ids, self.w, fast)
         self.store.add(tenant, fps)
@@ -388,7 +388,7 @@ class LeakIndex:
     def own_shingles(self, text: str) -> set[int]:
         """Selection hashes of every shingle of a prompt (kept in memory by the service for the
         life of one response, never stored): a response quoting its own prompt is never evidence."""
-        return set(self.hasher.fast(encode(text)).tolist())
+        return set(self.hasher.fast(encode(fold(text))).tolist())
 
     def check_ids(
         self,
@@ -490,4 +490,4 @@ class LeakIndex:
 
     def check_text(self, tenant: str, text: str, own: set[int] | frozenset[int] = frozenset()) -> LeakVerdict:
         """Check a whole response's text."""
-        return self.check_ids(tenant, encode(text), own)
+        return self.check_ids(tenant, encode(fold(text)), own)

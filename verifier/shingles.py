@@ -2,12 +2,14 @@
 for document fingerprinting", SIGMOD 2003).
 
 Text is tokenized with the bundled cl100k encoding (the verifier's own, whatever the model's:
-both sides of a comparison only need the same tokenizer). A *shingle* is ``k`` consecutive token
-ids; its fingerprint is a 64-bit keyed BLAKE2b hash (the key is the ``leak_index_key`` secret,
-so stored fingerprints cannot be tested against guessed text without it). Winnowing keeps, from
-every window of ``w`` consecutive shingles, the one with the smallest *selection hash* (rightmost
-on ties), which guarantees: any run of at least ``w + k - 1`` tokens shared by two texts contains
-a shingle kept by the winnowing of either text (k = 16, w = 35 -> 50 tokens).
+both sides of a comparison only need the same tokenizer), once :func:`fold`-ed (NFKC, no
+invisible characters, line breaks and runs of spaces one space) alike on both sides. A
+*shingle* is ``k`` consecutive token ids; its fingerprint is a 64-bit keyed BLAKE2b hash (the
+key is the ``leak_index_key`` secret, so stored fingerprints cannot be tested against guessed
+text without it). Winnowing keeps, from every window of ``w`` consecutive shingles, the one with
+the smallest *selection hash* (rightmost on ties), which guarantees: any run of at least
+``w + k - 1`` tokens shared by two texts contains a shingle kept by the winnowing of either
+text (k = 16, w = 35 -> 50 tokens).
 
 Speed: the selection hash is a keyed polynomial hash of the shingle computed for all shingles at
 once with numpy (plus a 64-bit finaliser); only the selected shingles (about 2 / (w + 1) of them)
@@ -19,8 +21,10 @@ Nothing here keeps text; callers get integers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -103,9 +107,33 @@ def squeeze_runs(text: str) -> str:
     return "".join(out)
 
 
+#: invisible format characters :func:`fold` drops: soft hyphen, zero-width space, non-joiner and
+#: joiner, word joiner, byte-order mark (text pasted from the web carries them; a model copying
+#: the text need not)
+_INVISIBLE = re.compile("[\u00ad\u200b\u200c\u200d\u2060\ufeff]")
+#: a run of spaces (:func:`fold` makes it one, once line breaks are spaces)
+_SPACES = re.compile(" {2,}")
+
+
+def fold(text: str) -> str:
+    """``text`` as it is shingled: without :data:`_INVISIBLE` characters, in Unicode NFKC (an
+    NFD prompt comes back NFC from an engine whose tokenizer normalizes, e.g. Qwen2's ``NFC``
+    normalizer in its ``tokenizer.json``; full-width punctuation comes back ASCII from NFKC
+    ones), and with every line break and every run of spaces and line breaks one space (a model
+    copying a text re-wraps its lines and drops double spaces). Both sides of a comparison are
+    folded alike. Tabs and other whitespace are kept (runs of them are :func:`squeeze_runs`'s).
+    ASCII text is only searched for line breaks and double spaces."""
+    if not text.isascii():
+        text = unicodedata.normalize("NFKC", _INVISIBLE.sub("", text))
+    if "\n" in text or "\r" in text:  # str.replace: a regex match per line costs more than encoding
+        text = text.replace("\r", " ").replace("\n", " ")
+    return _SPACES.sub(" ", text) if "  " in text else text
+
+
 def encode(text: str, *, squeezed: bool = False) -> list[int]:
-    """Token ids of ``text`` for shingling (cl100k_base, ordinary text: special-token look-alikes
-    are text), after :func:`squeeze_runs` (``squeezed``: the caller already did)."""
+    """Token ids of ``text`` (cl100k_base, ordinary text: special-token look-alikes are text),
+    after :func:`squeeze_runs` (``squeezed``: the caller already did). Shingles are of
+    ``encode(fold(text))``."""
     return _counter().encode_text(text if squeezed else squeeze_runs(text))
 
 
@@ -304,19 +332,62 @@ def fingerprints(hasher: ShingleHasher, ids: Sequence[int], w: int) -> set[int]:
     return hasher.fingerprints(ids, w)
 
 
+#: characters that canonical composition joins to the starter before them although they are
+#: starters themselves (Indic and Sinhala vowel signs and length marks, two Tibetan subjoined
+#: letters, ...): NFKC of a text cut before one differs from NFKC of the whole. Every second
+#: character of a two-character canonical decomposition with combining class 0 (Unicode 14,
+#: ``unicodedata.decomposition``; tests/test_verifier_hostile_round3.py recomputes it)
+_COMPOSES_BACK = frozenset(
+    (0x09BE, 0x09D7, 0x0B3E, 0x0B56, 0x0B57, 0x0BBE, 0x0BD7, 0x0CC2, 0x0CD5, 0x0CD6, 0x0D3E, 0x0D57, 0x0DCF)
+    + (0x0DDF, 0x0FB5, 0x0FB7, 0x102E, 0x1B35, 0x11127, 0x1133E, 0x11357, 0x114B0, 0x114BA, 0x114BD)
+    + (0x115AF, 0x11930)
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _folds_apart(a: str, c: str) -> bool:
+    """Whether :func:`fold` of a text cut between the letter ``a`` and the non-letter ``c`` is
+    the two halves folded apart, still split by cl100k there: ``a`` folds to text ending in a
+    letter, ``c`` is kept, composes with nothing before it and folds to text starting with a
+    starter that is no letter, digit or line break."""
+    fa, fc = unicodedata.normalize("NFKC", a), unicodedata.normalize("NFKC", c)
+    c0 = fc[0]
+    return (
+        fa[-1].isalpha()
+        and not _INVISIBLE.match(c)
+        and not unicodedata.combining(c)
+        and ord(c) not in _COMPOSES_BACK
+        and not unicodedata.combining(c0)
+        and ord(c0) not in _COMPOSES_BACK
+        and not c0.isalpha()
+        and not c0.isnumeric()
+        and c0 not in "\r\n"
+    )
+
+
 def is_cut_point(text: str, p: int) -> bool:
-    """Whether cl100k's pre-tokenizer always splits ``text`` at index ``p``, whatever follows.
+    """Whether cl100k's pre-tokenizer always splits :func:`fold`-ed ``text`` at index ``p``,
+    whatever follows.
 
     True when ``text[p-1]`` is a letter, ``text[p]`` is neither a letter, a digit nor a line
     break, and ``text[p+1]`` is a letter: the letter run before ends at ``p`` and a new
     pre-token (``[^\\r\\n\\p{L}\\p{N}]?\\p{L}+`` or a contraction) starts at ``p``. BPE never
     merges across pre-tokens, so encoding ``text[:p]`` and ``text[p:]`` separately gives the
-    same ids as encoding ``text`` (this is what makes incremental stream shingling exact).
+    same ids as encoding ``text`` (this is what makes incremental stream shingling exact). A
+    non-ASCII pair must also fold apart (:func:`_folds_apart`: NFKC neither composes across
+    ``p`` nor turns ``text[p]`` into a letter, e.g. ``™`` into ``TM``).
     """
     if p <= 0 or p + 1 >= len(text):
         return False
     a, c, b = text[p - 1], text[p], text[p + 1]
-    return a.isalpha() and b.isalpha() and not c.isalpha() and not c.isnumeric() and c not in "\r\n"
+    return (
+        a.isalpha()
+        and b.isalpha()
+        and not c.isalpha()
+        and not c.isnumeric()
+        and c not in "\r\n"
+        and ((a + c).isascii() or _folds_apart(a, c))
+    )
 
 
 def last_cut_point(text: str, start: int = 0) -> int:
@@ -336,18 +407,20 @@ class IncrementalShingler:
     empty list when nothing was encoded); :meth:`flush` encodes the rest. Keeps only the last
     ``k - 1`` ids and the unencoded tail. ``max_pending_chars`` bounds the tail: past it the
     tail is encoded anyway (at worst a shingle or two around that cut differs from whole-text
-    encoding).
+    encoding). ``folded``: the ids are those of ``encode(fold(text))`` (what the leak index
+    shingles), else of ``encode(text)``; every cut point is safe for both.
     """
 
-    def __init__(self, hasher: ShingleHasher, max_pending_chars: int = 4096) -> None:
+    def __init__(self, hasher: ShingleHasher, max_pending_chars: int = 4096, *, folded: bool = False) -> None:
         self.hasher = hasher
         self.max_pending_chars = max_pending_chars
+        self.folded = folded
         self._pending = ""
         self._carry: list[int] = []
         self.tokens_seen = 0
 
     def _emit(self, text: str) -> list[int]:
-        ids = encode(text)
+        ids = encode(fold(text) if self.folded else text)
         self.tokens_seen += len(ids)
         seq = self._carry + ids
         self._carry = seq[-(self.hasher.k - 1) :] if self.hasher.k > 1 else []
