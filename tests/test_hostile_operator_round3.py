@@ -5,6 +5,7 @@ generated that holds only its header comment, YAML nested too deeply for the par
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,44 @@ def test_a_secret_typed_without_the_space_after_its_colon_is_never_shown(tmp_pat
         load_settings(p, environ={})
     assert str(e.value) == f"{p}: {problem}"
     assert "hunter2" not in str(e.value)
+
+
+# ---------------------------------------------------------------- kvgate serve --init-tenant
+def test_init_tenant_makes_a_leftover_key_file_private(tmp_path):
+    """``O_CREAT``'s mode applies only to a new file: a key file left from an earlier try with
+    mode 0644 kept it, while the log line said 0600."""
+    from gateway.commands.serve import init_tenant
+
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    key_file = state / "default.key"
+    key_file.write_text("stale\n")
+    key_file.chmod(0o644)
+    assert init_tenant(str(tmp_path / "tenants.yaml"), "default", str(state)) is True
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert key_file.read_text().startswith("sk-kvg-")
+
+
+def test_init_tenant_beside_a_replica_that_created_the_file_first_keeps_its_key(tmp_path, monkeypatch):
+    """Two replicas started together with ``--init-tenant`` both saw no tenants file: the second
+    overwrote the key file with its own key, then failed validation ("used twice"), leaving a key
+    file whose key the tenants file does not hold. Now the one that takes the lock second sees
+    the file and writes nothing."""
+    import gateway.commands.tenant as tenant_cli
+    from gateway.commands.serve import init_tenant
+    from gateway.ops.tenants import TenantRegistry, hash_key
+
+    path, state = tmp_path / "tenants.yaml", tmp_path / "state"
+    real = tenant_cli.edit_tenants
+
+    def first_replica_wins(p):  # the other replica creates the file while this one waits for the lock
+        state.mkdir(mode=0o700, exist_ok=True)
+        (state / "default.key").write_text("sk-other-replica\n")
+        path.write_text(f"tenants:\n  - id: default\n    api_key_sha256: ['{hash_key('sk-other-replica')}']\n")
+        return real(p)
+
+    monkeypatch.setattr(tenant_cli, "edit_tenants", first_replica_wins)
+    before = path.exists()
+    assert (before, init_tenant(str(path), "default", str(state))) == (False, False)
+    assert (state / "default.key").read_text() == "sk-other-replica\n"
+    assert TenantRegistry.from_path(path).lookup("sk-other-replica").id == "default"

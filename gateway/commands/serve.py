@@ -80,12 +80,19 @@ def demo_tenants(registry) -> list[str]:
     return out
 
 
+class _CreatedMeanwhile(Exception):
+    """Another process created the tenants file first (:func:`init_tenant`)."""
+
+
 def init_tenant(tenants_path: str | None, name: str, state_dir: str) -> bool:
     """``--init-tenant NAME``: when the tenants file (``tenants_path``, else ``$KVGATE_TENANTS``,
     else the embedded one) does not exist, create it holding tenant ``name`` with a fresh key
     (:func:`gateway.commands.tenant.new_api_key`; only its SHA-256 is stored) and write the key to
-    ``<state_dir>/<name>.key`` (0600, folder 0700). Returns whether it created the file; a file
-    that exists is left alone, so restarts keep the key. Raises ``ConfigError``."""
+    ``<state_dir>/<name>.key`` (0600 whatever a leftover file's mode, folder 0700). Returns
+    whether it created the file; a file that exists is left alone, so restarts keep the key,
+    and so is one another process (a replica started beside this one) created while this one
+    waited for the tenants file's lock: the key file stays that process's, whose hash the file
+    holds. Raises ``ConfigError``."""
     from pathlib import Path
 
     from pydantic import ValidationError
@@ -105,12 +112,17 @@ def init_tenant(tenants_path: str | None, name: str, state_dir: str) -> bool:
         raise ConfigError(str(path), [f"--init-tenant {name!r}: {e.errors()[0]['msg']}"]) from None
     key_file = private_dir(state_dir) / f"{name}.key"
     try:
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(key + "\n")
         private_dir(path.parent)
-        with edit_tenants(path) as seq:
+        with edit_tenants(path) as seq:  # locked: replicas starting together create it once
+            if path.exists():  # another process created it while this one waited for the lock
+                raise _CreatedMeanwhile
             seq.append({"id": name, "api_key_sha256": [key_sha256(key)]})
+            fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)  # a leftover key file keeps its mode through O_CREAT
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(key + "\n")
+    except _CreatedMeanwhile:  # its key file is that process's; nothing here is written
+        return False
     except (OSError, TenantFileError) as e:
         raise ConfigError(str(path), [f"cannot create the first tenant: {e}"]) from None
     logging.getLogger("kvgate.serve").warning(
