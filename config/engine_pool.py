@@ -193,12 +193,22 @@ def vllm_capacity_from_metrics(text: str) -> VLLMCapacity | None:
     ``log_metrics_info``, commit a6f0308: every ``CacheConfig`` field as a string label, one series
     per ``engine`` label under data parallelism). ``kv_cache_size_tokens`` wins when every
     engine reports it (it is right on hybrid models, where blocks x block size is not); else
-    ``num_gpu_blocks x block_size``. The smallest over engines; ``None`` when neither is there."""
+    ``num_gpu_blocks x block_size``. The smallest over engines; ``None`` when neither is there or
+    the gauge's lines do not parse. Only the gauge's own lines (and its ``# HELP`` / ``# TYPE``)
+    are parsed: a page of a megabyte of other series costs a line scan, and a line elsewhere that
+    prometheus_client's parser fails on (0.26 ``parser.py`` ``_unquote_unescape`` raises
+    ``IndexError`` on an empty label name after a comma) cannot hide it or crash a caller."""
     by_size: list[int | None] = []
     by_blocks: list[int | None] = []
+    name = "vllm:cache_config_info"
+    own = [
+        line
+        for line in text.splitlines()
+        if line.startswith(name) or (line.startswith("#") and name in line.split(None, 3)[2:3])
+    ]
     try:
-        families = list(text_string_to_metric_families(text))
-    except ValueError:
+        families = list(text_string_to_metric_families("\n".join(own) + "\n"))
+    except Exception:  # the parser's ValueError, and what it raises besides on a malformed line
         return None
     for family in families:
         for sample in family.samples:

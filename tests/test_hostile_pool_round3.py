@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from config.engine_pool import VLLMCapacity, vllm_capacity_from_metrics
 from config.models import PoolSettings, UpstreamConfig
 from gateway.ops.pool_watcher import MAX_POOL_BODY_BYTES, PoolWatcher
 from tests.engine_pool_fixtures import vllm_cache_config_metrics, vllm_models
@@ -118,3 +119,14 @@ async def test_a_1_mib_metrics_body_is_parsed_off_the_event_loop() -> None:
     # in a thread it still holds the GIL between switches: the loop's timer runs late by up to
     # about 0.15 s here, not by the whole parse (2.7 s before)
     assert max(gaps) < 0.6, (max(gaps), took)
+
+
+def test_the_capacity_is_read_from_its_own_lines_whatever_else_the_page_holds() -> None:
+    """``vllm_capacity_from_metrics`` is what ``kvgate deploy-gate`` calls too: a line of another
+    series that the parser fails on (``IndexError``) crashed it with a traceback instead of its
+    exit 2 ("could not tell"). Only the gauge's own lines are parsed now: another series' bad line
+    cannot hide the capacity, and a bad gauge line is capacity unknown."""
+    good = vllm_cache_config_metrics([{"num_gpu_blocks": "256", "block_size": "16"}])
+    other = 'vllm:num_requests_running{engine="0", ="x"} 1\n' + "a 1\n" * 1000
+    assert vllm_capacity_from_metrics(other + good) == VLLMCapacity(4096, "num_gpu_blocks x block_size")
+    assert vllm_capacity_from_metrics(good.replace('block_size="16"', 'block_size="16", ="x"')) is None

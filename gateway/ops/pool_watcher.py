@@ -120,20 +120,6 @@ def limit_from_vllm_models(data: Any, headroom: float, context_length: int | Non
     return pool, effective_pool_limit(context_length or _UNBOUNDED, pool, None, headroom)
 
 
-def _capacity_from_metrics(text: str) -> VLLMCapacity | None:
-    """:func:`config.engine_pool.vllm_capacity_from_metrics` on a ``/metrics`` body, ``None`` when
-    prometheus_client's parser fails otherwise than with ``ValueError`` (0.26 ``parser.py``
-    ``_unquote_unescape`` raises ``IndexError`` on an empty label name after a comma, as in
-    ``m{a="b", ="c"} 1``): the KV capacity is reported, never gated on, so no ``/metrics`` body
-    may make the gate's pool unknown. Blocking (a pure-Python parse: about 2 s for
-    :data:`MAX_POOL_BODY_BYTES` of short lines on 2 cores), so the watcher runs it in a worker
-    thread, off the event loop that admits requests."""
-    try:
-        return vllm_capacity_from_metrics(text)
-    except Exception:
-        return None
-
-
 def _fallback_url(url: str) -> str | None:
     if url.endswith("/get_server_info"):
         return url[: -len("/get_server_info")] + "/server_info"
@@ -308,7 +294,8 @@ class PoolWatcher:
                 cap = vllm_capacity_from_endpoint(await self._get_json(base + "/v1/server/kv-cache", optional=True))
                 if cap is None:
                     r = await self._get(base + "/metrics")
-                    cap = await asyncio.to_thread(_capacity_from_metrics, r.text) if r.status_code == 200 else None
+                    # a line scan and a parse of the gauge's lines: a megabyte of page, off the loop
+                    cap = await asyncio.to_thread(vllm_capacity_from_metrics, r.text) if r.status_code == 200 else None
             except PoolReadError:
                 cap = None
             if cap is None:
