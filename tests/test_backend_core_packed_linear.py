@@ -1,11 +1,13 @@
-"""fp32 matmuls on the CPU through MKL's packed GEMM (:class:`gpu_backend.packed_linear.PackedMatmul`):
-every row count in range gives ``F.linear``'s values (the weight is packed once, for a hint of 8
-rows), a weight changed after the first call (in place, or a new tensor) is packed again, never
-read stale, and the model's layers and logits take the packed path."""
+"""fp32 matmuls on the CPU through a packed GEMM (:class:`gpu_backend.packed_linear.PackedMatmul`):
+every row count in range gives ``F.linear``'s values with either library (MKL's, oneDNN's; the
+weight is packed once, for a hint of 8 rows), the faster library is picked once per weight shape,
+a weight changed after the first call (in place, or a new tensor) is packed again, never read
+stale, and the model's layers and logits take the packed path."""
 
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -13,9 +15,9 @@ import torch.nn.functional as F
 
 from gpu_backend import packed_linear
 from gpu_backend.model import LlamaModel, ModelConfig
-from gpu_backend.packed_linear import LAYER_ROWS, LOGITS_ROWS, PackedMatmul
+from gpu_backend.packed_linear import LAYER_ROWS, LOGITS_ROWS, PACKERS, PackedMatmul, Packer
 
-pytestmark = pytest.mark.skipif(packed_linear._OPS is None, reason="no MKL packed GEMM in this torch build")
+pytestmark = pytest.mark.skipif(not PACKERS, reason="no packed GEMM (MKL, oneDNN) in this torch build")
 
 
 def _weight(out_features: int = 1000, in_features: int = 64) -> torch.Tensor:
@@ -23,8 +25,10 @@ def _weight(out_features: int = 1000, in_features: int = 64) -> torch.Tensor:
     return torch.nn.Linear(in_features, out_features, bias=False).weight
 
 
+@pytest.mark.parametrize("packer", PACKERS, ids=[p.name for p in PACKERS])
 @pytest.mark.parametrize("rows", range(1, 17))
-def test_every_row_count_in_range_gives_f_linear_s_values(rows: int) -> None:
+def test_every_row_count_in_range_gives_f_linear_s_values(rows: int, packer: Packer, monkeypatch) -> None:
+    monkeypatch.setitem(packed_linear._FASTEST, (1000, 64), packer)
     w, f = _weight(), PackedMatmul(LOGITS_ROWS)
     b = torch.randn(1000)
     x = torch.randn(rows, 64)
@@ -33,7 +37,36 @@ def test_every_row_count_in_range_gives_f_linear_s_values(rows: int) -> None:
         assert got.shape == (rows, 1000) and got.dtype == torch.float32 and not got.is_mkldnn
         assert torch.allclose(got, F.linear(x, w), atol=1e-5, rtol=1e-5)
         assert torch.allclose(biased, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-        assert f._packed is not None and f._packed.is_mkldnn
+        assert f._packed is not None and f._packed.is_mkldnn and f._packer is packer
+
+
+def test_the_faster_library_is_picked_once_per_weight_shape(monkeypatch) -> None:
+    """Two packers, one 5 ms slower a call: the quicker is picked for a shape after one warm-up
+    and :data:`~gpu_backend.packed_linear.TIMED_CALLS` timed calls of each, and remembered: a second
+    weight of that shape times nothing, a weight of another shape is timed afresh."""
+    calls = {"slow": 0, "quick": 0}
+
+    def make(name: str, delay: float) -> Packer:
+        def linear(x, packed, w, b, rows):
+            calls[name] += 1
+            time.sleep(delay)
+            return F.linear(x, packed, b)
+
+        return Packer(name, lambda w, rows: w.clone(), linear)
+
+    slow, quick = make("slow", 0.005), make("quick", 0.0)
+    monkeypatch.setattr(packed_linear, "PACKERS", (slow, quick))
+    monkeypatch.setattr(packed_linear, "_FASTEST", {})
+    w = _weight()
+    assert packed_linear.fastest(w) is quick
+    timed = 1 + packed_linear.TIMED_CALLS
+    assert calls == {"slow": timed, "quick": timed}
+    assert packed_linear.fastest(_weight().detach().clone()) is quick and calls == {"slow": timed, "quick": timed}
+    assert packed_linear.fastest(_weight(10, 64)) is quick and calls == {"slow": 2 * timed, "quick": 2 * timed}
+    f = PackedMatmul(LOGITS_ROWS)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        assert torch.allclose(f(x, w), F.linear(x, w)) and f._packer is quick
 
 
 def test_rows_outside_the_range_take_f_linear_and_pack_nothing() -> None:

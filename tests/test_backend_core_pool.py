@@ -93,9 +93,9 @@ def test_pool_sizing_formula():
 
 async def test_engine_derives_pool_from_memory_budget(make_engine):
     eng = await make_engine(model="tiny-random", mem_budget_bytes=128 * 2**20)
-    # 2 x 100,277 x 64 x 4 B + layers; with MKL, the packed copies too: the logits' 100,277 x 64 x 4 B
+    # 2 x 100,277 x 64 x 4 B + layers; with a packed GEMM, the packed copies too: the logits' 100,277 x 64 x 4 B
     # and 2 layers x 36,864 x 4 B (qkv 64 x 128, o 64 x 64, gate and up 64 x 128, down 128 x 64)
-    packed = 25_670_912 + 294_912 if packed_linear._OPS is not None else 0
+    packed = 25_670_912 + 294_912 if packed_linear.PACKERS else 0
     assert eng.weight_bytes == 51_638_048 + packed
     # (0.88 x 128 MiB - 77,603,872 B) // 512 B = 79,116 tokens -> 79,104 (page multiple)
     tokens = 79_104 if packed else 129_824
