@@ -240,3 +240,29 @@ async def test_a_regular_tenants_canary_does_not_frame_the_periodic_probe(tmp_pa
         ]
     finally:
         await svc.aclose()
+
+
+#: tenant a's prompt: code, every line shorter than a shingle (16 tokens), 60 lines
+CODE = "\n".join(f"    t{i} = part({i}, w={i * 7 % 13})" for i in range(60))
+
+
+@pytest.mark.parametrize("ensure_ascii", [False, True])
+async def test_a_leak_inside_a_tool_calls_escaped_arguments_is_an_incident(tmp_path, ensure_ascii):
+    """Tenant a's multi-line prompt handed to tenant b as a tool call's ``arguments``, a JSON
+    string whose line breaks are ``\\n`` (and, from a parser serializing with ``ensure_ascii``,
+    every non-ASCII character a ``\\uXXXX``): shingled as escaped text, no shingle matched across
+    the escapes, and lines shorter than a shingle matched nothing. The check now also shingles
+    the arguments' parsed string values, as the prompt side indexes them: a confirmed incident."""
+    svc = build_verifier(settings(tmp_path), secrets=SECRETS)
+    svc.start()
+    try:
+        await svc.admit(ex(A, "Popraw ten kod, zażółć:\n" + CODE))
+        g = svc.begin(await _admitted(svc, ex(tenant("b"), "Zapisz plik.")))
+        arguments = json.dumps({"path": "a.py", "content": "zażółć\n" + CODE}, ensure_ascii=ensure_ascii)
+        assert "\\n" in arguments and not {s for s in CODE.split("\n") if len(encode(s)) >= 16}
+        await g.check_body(["", arguments], usage=None, finish_reason="tool_calls", ttft_seconds=None)
+        await svc.drain(10)
+        (inc,) = [i for i in svc.incidents.recent if i.detector == "leak_index"]
+        assert (inc.tenant, inc.confirmed, inc.evidence["source_tenant"]) == ("b", True, "a")
+    finally:
+        await svc.aclose()

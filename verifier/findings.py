@@ -21,8 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from config.models import TenantConfig, VerifierSettings
 from config.redis_client import StoreBackoff, store_errors
+from tokenizer.prompt_text import string_values
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.drift import check_finish, check_usage
 from verifier.incidents import ALERTS, CHECKS, DROPPED, QUARANTINES, Incident, IncidentSink
@@ -352,9 +355,11 @@ class Findings:
         return withhold, out
 
     def _prepare_locked(self, ex: Exchange, texts: Sequence[str]) -> Prepared:
-        """The CPU part of :meth:`content_locked`'s leak-index check (no store call)."""
+        """The CPU part of :meth:`content_locked`'s leak-index check (no store call), on each text
+        and on the string values of each one that is escaped JSON (:func:`unescaped_values`)."""
         own, seen = self.own_locked(ex), set[int]()
         texts = [strip_echo(t, ex.echo_prompts) if ex.echo else t for t in texts]
+        texts += [v for t in texts for v in unescaped_values(t)]
         return Prepared([self.index.prepare_ids(encode(fold(t)), own, seen) for t in texts])
 
     def prefetch_locked(self, jobs: Sequence[CheckJob]) -> list[Prepared | None]:
@@ -454,6 +459,23 @@ def trusted(exchange: Exchange) -> bool:
     """Whether the exchange's own text is fully known (no echo, every token-id prompt decoded):
     only then does its answer count towards the public-text rule."""
     return not exchange.echo and exchange.state.own_text_complete
+
+
+def unescaped_values(text: str) -> list[str]:
+    """The string values of ``text`` when it is a JSON object or array holding an escape (a tool
+    call's ``arguments`` as the engine serialized them: a line break as ``\\n``, ``é`` as
+    ``\\u00e9``), else ``[]``. Another tenant's text leaked there is made of those values, not of
+    the escaped string, which shares no shingle with it across each escape; the prompt side
+    indexes parsed arguments alike (:func:`tokenizer.prompt_text.string_values`)."""
+    if "\\" not in text or text.lstrip()[:1] not in ("{", "["):
+        return []
+    try:
+        parsed = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return []
+    out: list[str] = []
+    string_values(parsed, out)
+    return out
 
 
 def strip_echo(text: str, prompts: Sequence[str]) -> str:
