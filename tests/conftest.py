@@ -44,6 +44,7 @@ NEEDS_SEEDS = [
     "test_verifier_backend.py",
     "test_verifier_batch_checks.py",
     "test_verifier_e2e.py",
+    "test_verifier_hostile_round3.py",
     "test_verifier_service.py",
     "test_verifier_units.py",
 ]
