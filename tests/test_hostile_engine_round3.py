@@ -29,6 +29,7 @@ from gateway.relay.upstream_client import (
 from tests.gateway_harness import KEY_A, MODEL, SECRETS, chat, settings_for, tenants
 from tests.test_gateway_pipeline import LedgerQuotas
 from tests.test_gateway_relay import SSE, static_upstream
+from tests.test_hostile_relay import loopback_gateway
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -95,24 +96,12 @@ async def _gateway(
 ) -> tuple[list[httpx.Response], LedgerQuotas, list[int]]:
     """``bodies`` posted one after the other (request ids ``p0``, ``p1``...) to a gateway whose one
     upstream is ``engine``: the responses, the quota ledger, what is left in flight."""
-    up = {**static_upstream(), "api_url": f"http://127.0.0.1:{engine.port}/v1"}
-    q = LedgerQuotas()
-    app = create_app(settings_for([up]), tenants(), secrets=SECRETS, quotas=q)
-    gw = app.state.gateway
-    await gw.start()
-    try:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app),
-            base_url="http://gateway.test",
-            headers={"authorization": f"Bearer {KEY_A}"},
-        ) as c:
-            out = [
-                await c.post("/v1/chat/completions", json=b, headers={"x-request-id": f"p{i}"})
-                for i, b in enumerate(bodies)
-            ]
+    async with loopback_gateway(engine.port) as (c, q, gw):
+        out = [
+            await c.post("/v1/chat/completions", json=b, headers={"x-request-id": f"p{i}"})
+            for i, b in enumerate(bodies)
+        ]
         return out, q, [u.in_flight for u in gw.upstreams.all]
-    finally:
-        await gw.stop()
 
 
 def _transport() -> H1Transport:

@@ -9,8 +9,10 @@ Engines are played in-process (the upstream client's ``MockTransport``, the app 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -250,6 +252,30 @@ async def _serve_once(answer: bytes) -> tuple[asyncio.AbstractServer, int]:
     return server, server.sockets[0].getsockname()[1]
 
 
+@contextlib.asynccontextmanager
+async def loopback_gateway(
+    port: int, headers: dict[str, str] | None = None
+) -> AsyncIterator[tuple[httpx.AsyncClient, LedgerQuotas, Any]]:
+    """The whole app over httpx's ``ASGITransport``, its one upstream the engine on loopback
+    ``port`` (through the gateway's own HTTP/1.1 transport), quotas kept in a
+    :class:`~tests.test_gateway_pipeline.LedgerQuotas`: yields ``(client, ledger, gateway)``,
+    the client sending tenant a's key and ``headers``; the gateway is stopped on exit."""
+    up = {**static_upstream(), "api_url": f"http://127.0.0.1:{port}/v1"}
+    q = LedgerQuotas()
+    app = create_app(settings_for([up]), tenants(), secrets=SECRETS, quotas=q)
+    gw = app.state.gateway
+    await gw.start()
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://gateway.test",
+            headers={"authorization": f"Bearer {KEY_A}", **(headers or {})},
+        ) as c:
+            yield c, q, gw
+    finally:
+        await gw.stop()
+
+
 def test_an_engine_dying_inside_a_close_framed_stream_is_a_cut_and_settles_once():
     """An answer framed by the connection's close (no Content-Length, no chunking) whose engine
     died after "Hel": the close is the body's end, so the client got "Hel" and ``[DONE]``, a
@@ -261,21 +287,11 @@ def test_an_engine_dying_inside_a_close_framed_stream_is_a_cut_and_settles_once(
 
     async def run() -> tuple[httpx.Response, LedgerQuotas, list[int]]:
         server, port = await _serve_once(head + first)
-        up = {**static_upstream(), "api_url": f"http://127.0.0.1:{port}/v1"}
-        q = LedgerQuotas()
-        app = create_app(settings_for([up]), tenants(), secrets=SECRETS, quotas=q)
-        gw = app.state.gateway
-        await gw.start()
         try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app),
-                base_url="http://gateway.test",
-                headers={"authorization": f"Bearer {KEY_A}", "x-request-id": "cut-1"},
-            ) as c:
+            async with loopback_gateway(port, {"x-request-id": "cut-1"}) as (c, q, gw):
                 r = await c.post("/v1/chat/completions", json=STREAM)
-            return r, q, [u.in_flight for u in gw.upstreams.all]
+                return r, q, [u.in_flight for u in gw.upstreams.all]
         finally:
-            await gw.stop()
             server.close()
 
     r, q, in_flight = asyncio.run(run())
