@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("gateway.commands.demo", "run the embedded stack and send real text through it"),
     "backend": ("gateway.commands.backend", "run the bundled engine (python -m gpu_backend)"),
     "model": ("gateway.commands.model", "pull a named model into the state dir, or list them"),
-    "tenant": ("gateway.commands.tenant", "add tenants, set limits, rotate and revoke API keys"),
+    "tenant": ("gateway.commands.tenant", "add, list and show tenants, set limits, rotate and revoke API keys"),
     "upstream": ("gateway.commands.upstream", "list, quarantine or clear the upstreams' quarantine"),
     "deploy-gate": ("verifier.deploy_gate", "check live KV pools against context length x headroom"),
     "probe": ("verifier.probe", "plant canaries at the live limit and look for them in responses"),

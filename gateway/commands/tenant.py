@@ -1,4 +1,4 @@
-"""``kvgate tenant ACTION ...``: edit the tenants file (``config/tenants.yaml`` or ``--tenants``).
+"""``kvgate tenant ACTION ...``: edit or show the tenants file (``config/tenants.yaml`` or ``--tenants``).
 
 Actions are argparse sub-subcommands. Each one is registered by a function in :data:`ACTIONS`
 that adds its parser to the subparsers and sets ``handler`` (``handler(args) -> int``); adding an
@@ -8,6 +8,7 @@ action is one such function plus one line in :data:`ACTIONS`. Helpers shared by 
 - :func:`edit_tenants` opens the file for a locked read-modify-write that keeps comments, key
   order and flow style (ruamel.yaml round trip), validates the result as
   :class:`config.models.TenantsFile` before anything is written, and replaces the file atomically;
+- :func:`read_tenants` reads the file as the gateway does, for ``list`` and ``show``;
 - :func:`new_api_key` / :func:`key_sha256` make a key and the hash that is stored (never the key).
 
 A running gateway reads the file at start and on reload; an edit changes nothing until then.
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import hashlib
 import io
+import json
 import os
 import re
 import secrets
@@ -119,7 +122,7 @@ def _load(p: Path, y: YAML) -> tuple[str, CommentedMap]:
     return text, CommentedMap() if doc is None else doc
 
 
-def _validate(p: Path, doc: Any, text: str) -> None:
+def _validate(p: Path, doc: Any, text: str) -> TenantsFile:
     """``doc`` is a valid tenants file, and so is ``text`` (its dump) as the gateway reads it:
     with PyYAML (YAML 1.1, where ``on``, ``no``, ``yes``, ``off`` are booleans), not ruamel (1.2)."""
     try:
@@ -127,7 +130,7 @@ def _validate(p: Path, doc: Any, text: str) -> None:
     except ValidationError as e:
         raise TenantFileError("\n".join(f"{p}: {problem}" for problem in _format_validation(e))) from None
     try:
-        validate_yaml_text(text, TenantsFile, p)
+        return validate_yaml_text(text, TenantsFile, p)
     except ConfigError as e:
         raise TenantFileError(f"{e}\n{p}: (as the gateway reads the file: YAML 1.1; quote such a value)") from None
 
@@ -172,6 +175,18 @@ def edit_tenants(path: str | os.PathLike[str]) -> Iterator[CommentedSeq]:
         y.dump(doc, buf)
         _validate(p, doc, buf.getvalue())
         _atomic_write(p, buf.getvalue())
+
+
+def read_tenants(path: str | os.PathLike[str]) -> TenantsFile:
+    """The tenants file at ``path`` (a symlink followed) as the gateway reads it. Raises
+    :class:`TenantFileError` as :func:`edit_tenants` does, and for a missing file."""
+    p = _target(path)
+    if not p.exists():
+        raise TenantFileError(f"{p}: cannot read: {os.strerror(errno.ENOENT)}")
+    text, doc = _load(p, _yaml())
+    if not isinstance(doc, CommentedMap) or doc.get("tenants") is not None:  # `tenants:` (null) is no list
+        _tenants_seq(doc, p)
+    return _validate(p, doc, text)
 
 
 def remove_tenant(path: str | os.PathLike[str], tenant_id: str) -> int:
@@ -284,7 +299,7 @@ def tenants_option(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="PATH",
-        help="tenants file to edit (default: $KVGATE_TENANTS or config/tenants.yaml)",
+        help="tenants file (default: $KVGATE_TENANTS or config/tenants.yaml)",
     )
 
 
@@ -624,6 +639,102 @@ def _register_remove(sub: Any) -> None:
     p.set_defaults(handler=_cmd_remove)
 
 
+#: Hex digits of a key's SHA-256 that ``list`` and ``show`` print, as ``add-key`` does.
+SHOWN_HASH_DIGITS = 12
+#: ``kvgate tenant list`` columns: heading, field of :func:`tenant_view` (``show`` prints every field)
+_COLUMNS = (
+    ("ID", "id"),
+    ("MODELS", "allowed_models"),
+    ("RPM", "rpm"),
+    ("TPM", "tpm"),
+    ("CONCURRENT", "max_concurrent"),
+    ("CONTEXT", "max_context_tokens"),
+    ("VERIFY", "verify_sample_rate"),
+    ("STRICT", "strict_verify"),
+    ("KEYS", "api_key_sha256_prefixes"),
+)
+#: what an empty list means, per field
+_EMPTY = {"allowed_models": "(all)", "api_key_sha256_prefixes": "(none)"}
+
+
+def tenant_view(t: TenantConfig) -> dict[str, Any]:
+    """What ``list`` / ``show`` print of ``t`` (and ``--json`` gives): its fields by name, its
+    keys only as the SHA-256 prefixes ``add-key`` prints and ``revoke-key`` takes."""
+    view = t.model_dump(exclude={"api_key_sha256"})
+    view["api_key_sha256_prefixes"] = [h[:SHOWN_HASH_DIGITS] for h in t.api_key_sha256]
+    return view
+
+
+def _cell(field: str, value: Any) -> str:
+    """``value`` for a table: ``unlimited`` for null, a list comma-joined; text with a character
+    that is not printable (a model name may hold a newline) as its ``repr``, on one line."""
+    if value is None:
+        return "unlimited"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(_cell(field, v) for v in value) or _EMPTY.get(field, "")
+    text = str(value)
+    return text if text.isprintable() else repr(text)
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    path = args.tenants or default_tenants_path()
+    try:
+        views = [tenant_view(t) for t in read_tenants(path).tenants]
+    except TenantFileError as e:
+        print(f"kvgate tenant {args.action}: {e}", file=sys.stderr)
+        return 1
+    if args.action == "show":
+        return _show(path, args, views)
+    if args.json:
+        print(json.dumps(views, indent=2))
+    elif not views:
+        print(f"kvgate: {path} holds no tenant", file=sys.stderr)
+    else:
+        rows = [[h for h, _ in _COLUMNS]] + [[_cell(f, v[f]) for _, f in _COLUMNS] for v in views]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+        print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows))
+    return 0
+
+
+def _show(path: Path, args: argparse.Namespace, views: list[dict[str, Any]]) -> int:
+    view = next((v for v in views if v["id"] == args.name), None)
+    if view is None:
+        print(f"kvgate tenant show: {path}: no tenant '{args.name}'", file=sys.stderr)
+        return 1
+    width = max(map(len, view))
+    shown = "\n".join(f"{k.ljust(width)}  {_cell(k, v)}" for k, v in view.items())
+    print(json.dumps(view, indent=2) if args.json else shown)
+    return 0
+
+
+def _register_list(sub: Any) -> None:
+    p = sub.add_parser(
+        "list",
+        help="list the tenants: limits, models, key hash prefixes",
+        description="Print every tenant of the tenants file, one line each: its models, limits "
+        f"('unlimited' where none is set), verification and keys (the first {SHOWN_HASH_DIGITS} hex digits of "
+        "each key's SHA-256, as revoke-key takes them). The file is only read.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON list (every field) instead")
+    tenants_option(p)
+    p.set_defaults(handler=_cmd_list)
+
+
+def _register_show(sub: Any) -> None:
+    p = sub.add_parser(
+        "show",
+        help="print every field of one tenant",
+        description="Print every field of tenant NAME, its keys as the first "
+        f"{SHOWN_HASH_DIGITS} hex digits of their SHA-256 (as revoke-key takes them). The file is only read.",
+    )
+    p.add_argument("name", metavar="NAME", help="the tenant's id")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    tenants_option(p)
+    p.set_defaults(handler=_cmd_list)
+
+
 #: One registering function per action, in ``--help`` order.
 ACTIONS: list[Callable[[Any], None]] = [
     _register_add,
@@ -631,6 +742,8 @@ ACTIONS: list[Callable[[Any], None]] = [
     _register_add_key,
     _register_revoke_key,
     _register_remove,
+    _register_list,
+    _register_show,
 ]
 
 
