@@ -12,7 +12,10 @@ The request goes out as one write: the request line, ``Host`` (unless given), th
 (``Content-Length``/``Transfer-Encoding`` among them are dropped: the transport frames the body),
 ``Content-Length``, the body. A header name or value holding CR, LF or NUL raises ``ValueError``
 (a request never goes out with a header it did not mean). A response body is framed by its
-``Content-Length``, chunked encoding or, with neither, the connection's close; a connection is
+``Content-Length``, chunked encoding or, with neither, the connection's close; a response whose
+``Transfer-Encoding`` names any coding but ``chunked`` (``gzip, chunked``: the request sends no
+``TE``, so none may be applied, RFC 9112 7.4) is a :class:`RemoteProtocolError`, its body never
+read as the answer (a ``Content-Encoding`` is not the transport's: bodies are raw); a connection is
 kept for the next request only when its response was read to the end and both sides allow
 keep-alive, and no byte came after it (RFC 9112 6.3: such bytes are never read as the next
 request's response). Trailer fields are discarded. A response head over :data:`MAX_HEAD_BYTES` or
@@ -162,7 +165,15 @@ class _Connection(asyncio.Protocol):
             return
         headers = CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in self._headers)
         self._headers = []
-        framed = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower()
+        te = headers.getall("transfer-encoding", [])
+        if te and transfer_codings(te) != ["chunked"]:
+            # a transfer coding is the message's framing, which the gateway must undo to read the
+            # body; the request sends no TE, so an engine may apply no coding but chunked (RFC 9112
+            # 7.4, RFC 9110 10.1.4): its body is bytes nobody here can read, never the answer
+            named = ", ".join(te)
+            self._fail(RemoteProtocolError(f"RemoteProtocolError: the engine answered Transfer-Encoding {named!r}"))
+            raise httptools.HttpParserError("stop")  # stop parsing; the failure above is the one reported
+        framed = "content-length" in headers or bool(te)
         r = H1Response(self, status, CIMultiDictProxy(headers), until_close=not framed and status not in (204, 304))
         self.response = r
         head, self._head = self._head, None
@@ -540,6 +551,14 @@ def _request_bytes(method: str, target: str, host: str, content: bytes, headers:
         lines.append(f"{k}: {v}")
     lines.append(f"Content-Length: {len(content)}\r\n\r\n")
     return "\r\n".join(lines).encode("latin-1") + content
+
+
+def transfer_codings(values: list[str]) -> list[str]:
+    """The list elements of ``Transfer-Encoding`` field values, in order, trimmed and lower-cased
+    (RFC 9112 7: coding names are case-insensitive). Empty elements and parameters are kept: the
+    transport reads a body only under ``["chunked"]``, and llhttp, which frames it, reads
+    ``chunked,`` or ``chunked;x=1`` as no chunked coding at all."""
+    return [c.strip().lower() for v in values for c in v.split(",")]
 
 
 def _host(parts: Any) -> str:

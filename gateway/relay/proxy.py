@@ -286,15 +286,26 @@ def is_event_stream(content_type: str) -> bool:
 async def _check_answer(ctx: RelayContext, outcome: RelayOutcome, resp: UpstreamResponse) -> None:
     """Raise the engine's error for a non-200 answer, or for a stream request answered without
     an event stream (an engine that does so is reporting an error in a JSON body; reading it
-    may raise :class:`UpstreamError`)."""
+    may raise :class:`UpstreamError`), or for an answer in a content coding the gateway did not
+    accept (it asks for ``identity``; the transport hands bodies on raw): a 200's is 502
+    ``upstream_unavailable`` naming the coding, an error status's body is not read for a message."""
     name = outcome.upstream.name if outcome.upstream is not None else "-"
+    coding = resp.headers.get("content-encoding", "").strip()
+    coded = coding.lower() not in ("", "identity")
     if resp.status_code != 200:
         try:
-            raw = await resp.aread(ERROR_BODY_BYTES)
+            raw = b"" if coded else await resp.aread(ERROR_BODY_BYTES)
         except UpstreamError:
             raw = b""
         ctx.metrics.upstream_errors.labels(name, f"http_{resp.status_code}").inc()
         raise engine_error(resp.status_code, raw)
+    if coded:
+        ctx.metrics.upstream_errors.labels(name, "content_encoding").inc()
+        raise OpenAIError(
+            502,
+            f"The upstream engine answered with Content-Encoding {coding!r}, which the gateway does not accept.",
+            code=ErrorCode.UPSTREAM_UNAVAILABLE,
+        )
     if outcome.admitted.forward.stream and not is_event_stream(resp.headers.get("content-type", "")):
         try:
             raw = await resp.aread(ERROR_BODY_BYTES)

@@ -3,12 +3,17 @@ decoding it, so a multi-byte UTF-8 character cut across network reads, or U+2028
 string, arrives exactly as the engine sent it. The gateway forwards each event's original bytes.
 
 An event ends at a blank line (``\\n\\n`` or ``\\r\\n\\r\\n``, the WHATWG SSE grammar's line
-endings as engines send them). :func:`inspect` reads an event's ``data:`` payload as JSON to learn
-what it carries (text, finish reason, usage, an error; read by :mod:`verifier.engine_response`)
-without changing its bytes. An event's lines are read as a client reads them (WHATWG: a line ends
-at CRLF, LF or a bare CR), and :func:`is_one_event` tells when a client would read more than one
-event in what the splitter found (a blank line made with a bare CR, or ``\\n\\r\\n``): the relay
-ends such a stream, since the events it cannot see would reach the client unread.
+endings as engines send them). One UTF-8 byte order mark (``EF BB BF``) at the very start of a
+stream is dropped, as the WHATWG SSE algorithm drops it ("Event stream interpretation": one
+leading U+FEFF is ignored): relayed, it made the first line's field name ``\\ufeffdata``, so the
+gateway read no data in the first event (its text unguarded and uncounted) and the openai SDK,
+whose UTF-8 decoding keeps the mark, lost the event, while a browser read it. :func:`inspect`
+reads an event's ``data:`` payload as JSON to learn what it carries (text, finish reason, usage,
+an error; read by :mod:`verifier.engine_response`) without changing its bytes. An event's lines
+are read as a client reads them (WHATWG: a line ends at CRLF, LF or a bare CR), and
+:func:`is_one_event` tells when a client would read more than one event in what the splitter found
+(a blank line made with a bare CR, or ``\\n\\r\\n``): the relay ends such a stream, since the
+events it cannot see would reach the client unread.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import orjson
 from verifier.engine_response import StreamEvent, parse_chunk_event
 
 DONE_EVENT = b"data: [DONE]\n\n"
+
+#: the UTF-8 byte order mark one of which a stream may start with (WHATWG: ignored)
+BOM = b"\xef\xbb\xbf"
 
 #: a line's end, as the WHATWG SSE grammar (and clients: the openai SDK, browsers) reads one
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -78,19 +86,32 @@ class SSESplitter:
     reads costs time linear in its size and never grows one buffer read by read.
     ``max_event_bytes`` bounds one event, terminator included, and the unfinished tail kept between
     reads: past it, :meth:`feed` raises :class:`SSEEventTooLarge` and drops the tail (``None``:
-    unbounded)."""
+    unbounded). One :data:`BOM` at the start of the stream is dropped (module docstring), however
+    the reads cut it; a second one, or one later in the stream, is not (a client does not drop it
+    either: the line's field name then starts with U+FEFF, and the line is read as no field)."""
 
-    __slots__ = ("_parts", "_size", "_last3", "max_event_bytes")
+    __slots__ = ("_parts", "_size", "_last3", "_start", "max_event_bytes")
 
     def __init__(self, max_event_bytes: int | None = None) -> None:
         self._parts: list[bytes] = []  # the unfinished event, read by read
         self._size = 0
         self._last3 = b""  # its last 3 bytes
+        #: the stream's first bytes while they may still be a BOM (``None``: past the start)
+        self._start: bytes | None = b""
         self.max_event_bytes = max_event_bytes
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """Complete events in ``chunk`` (with what was buffered before); keeps the incomplete tail.
         Raises :class:`SSEEventTooLarge` when an event or the tail exceeds ``max_event_bytes``."""
+        if self._start is not None:  # the stream's start: drop one BOM, even cut across reads
+            rest = self._after_bom(chunk)
+            if rest is None:
+                return []
+            chunk = rest
+        return self._events(chunk)
+
+    def _events(self, chunk: bytes) -> list[bytes]:
+        """:meth:`feed` past the stream's start."""
         limit = self.max_event_bytes
         out: list[bytes] = []
         if self._parts:
@@ -131,6 +152,16 @@ class SSESplitter:
             self._last3 = rest[-3:]
         return out
 
+    def _after_bom(self, chunk: bytes) -> bytes | None:
+        """The stream's first bytes (``chunk`` after those held) without a leading :data:`BOM`, or
+        ``None`` (held) while they are too few to tell whether they start with one."""
+        head = (self._start or b"") + chunk
+        if len(head) < len(BOM) and BOM.startswith(head):
+            self._start = head
+            return None
+        self._start = None
+        return head[len(BOM) :] if head.startswith(BOM) else head
+
     def _drop(self) -> None:
         self._parts = []
         self._size = 0
@@ -139,11 +170,12 @@ class SSESplitter:
     @property
     def pending_bytes(self) -> int:
         """Bytes of the unfinished event held so far (0 when the last read ended an event)."""
-        return self._size
+        return self._size + len(self._start or b"")
 
     def tail(self) -> bytes:
-        """Bytes after the last complete event (an event the upstream never finished)."""
-        return b"".join(self._parts)
+        """Bytes after the last complete event (an event the upstream never finished; the start
+        of a BOM, when the stream ended inside one)."""
+        return (self._start or b"") + b"".join(self._parts)
 
 
 def data_of(event: bytes) -> bytes | None:
