@@ -30,6 +30,7 @@ from gateway.admission.checks import (
     check_fields,
     check_stream_options,
     drop_nulls,
+    enum,
     int_in,
     json_size_problem,
     metadata_problem,
@@ -65,7 +66,9 @@ def _response_stream_options(v: Any) -> str | None:
 #: ``reasoning.effort`` (OpenAI ``ReasoningEffort``) and ``reasoning.summary`` values
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _REASONING_SUMMARIES = ("auto", "concise", "detailed")
-#: ``include`` values (OpenAI ``ResponseIncludable``)
+#: ``include`` values: OpenAI's ``ResponseIncludable`` that the engines' ``ResponsesRequest`` take
+#: (vLLM ``responses/protocol.py``: a ``Literal`` of these six). The two ``web_search_call.*`` ones
+#: were the engine's 400 after the prompt was charged (and web search, a built-in tool, is refused).
 INCLUDABLE = (
     "code_interpreter_call.outputs",
     "computer_call_output.output.image_url",
@@ -73,9 +76,12 @@ INCLUDABLE = (
     "message.input_image.image_url",
     "message.output_text.logprobs",
     "reasoning.encrypted_content",
-    "web_search_call.action.sources",
-    "web_search_call.results",
 )
+#: ``service_tier`` values vLLM's ``ResponsesRequest`` takes (a ``Literal``; OpenAI's SDK adds
+#: ``fast`` and ``ultrafast``): any other string was the engine's 400 after the prompt was charged
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
+#: the keys of a message item (OpenAI ``EasyInputMessage``, ``Message``, ``ResponseOutputMessage``)
+MESSAGE_ITEM_KEYS = frozenset(("type", "role", "content", "status", "id", "phase"))
 #: ``tool_choice`` object types (OpenAI ``ToolChoice``) -> the string keys each needs
 _TOOL_CHOICE_TYPES: dict[str, tuple[str, ...]] = {
     "function": ("name",),
@@ -174,7 +180,7 @@ RESPONSES_OPENAI_FIELDS: dict[str, Check] = {
     "conversation": str_or_obj,
     "metadata": metadata_problem,
     "user": string,
-    "service_tier": string,
+    "service_tier": enum(*SERVICE_TIERS),
     "truncation": one_of("auto", "disabled"),
     "text": _text,
     "reasoning": _reasoning,
@@ -268,6 +274,94 @@ def check_image_urls(body: dict[str, Any], policy: ImagePolicy) -> None:
                     )
 
 
+def check_input_items(body: dict[str, Any]) -> None:
+    """Refuse what an ``input`` item carries into the engine's prompt that kvgate does not count:
+    a message item's key beyond :data:`MESSAGE_ITEM_KEYS` (vLLM hands a user, system or developer
+    message item to its chat parser as sent, which keeps ``name`` for the template; an older vLLM
+    and SGLang do the same with an assistant one, keeping ``tool_calls`` and
+    ``reasoning_content``; OpenAI refuses the key) and a ``function_call``'s ``namespace`` (vLLM
+    renders the call's name as ``<namespace>__<name>``). Raises :class:`OpenAIError` 400 naming
+    ``input[i].<key>``; other shapes are the counter's to refuse."""
+    items = body.get("input")
+    if not isinstance(items, list):
+        return
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            extra = next((k for k in item if k not in MESSAGE_ITEM_KEYS), None)
+            if extra is not None:
+                param = f"input[{i}].{extra[:64]}"
+                raise OpenAIError(
+                    400,
+                    f"Unknown parameter: '{param}'. A message item holds only "
+                    + ", ".join(sorted(MESSAGE_ITEM_KEYS))
+                    + "; the engine would pass other keys on to the chat template, a prompt kvgate did not count.",
+                    code=ErrorCode.INVALID_REQUEST,
+                    param=param,
+                )
+        elif kind == "function_call" and item.get("namespace") is not None:
+            param = f"input[{i}].namespace"
+            raise OpenAIError(
+                400,
+                f"'{param}' is not supported: kvgate serves 'function' tools only, and the engine would render "
+                "the call's name with its namespace, a prompt kvgate did not count.",
+                code=ErrorCode.INVALID_REQUEST,
+                param=param,
+            )
+
+
+def check_tool_choice_target(body: dict[str, Any]) -> None:
+    """A ``tool_choice`` of type ``function`` or ``custom`` must name one of ``tools`` (when
+    ``tools`` are given): vLLM refuses any other name ("Tool '...' has not been passed in
+    ``tools``"), after kvgate had admitted the request and charged its prompt; OpenAI refuses it
+    too. Raises :class:`OpenAIError` 400 naming ``tool_choice``."""
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    if not isinstance(choice, dict) or choice.get("type") not in ("function", "custom") or not tools:
+        return
+    kind, name = choice["type"], choice.get("name")
+    if isinstance(tools, list) and any(
+        isinstance(t, dict) and t.get("type") == kind and t.get("name") == name for t in tools
+    ):
+        return
+    raise OpenAIError(
+        400,
+        f"'tool_choice' names the {kind} tool {str(name)[:64]!r}, which is not in 'tools'.",
+        code=ErrorCode.INVALID_REQUEST,
+        param="tool_choice",
+    )
+
+
+#: OpenAI ``FunctionTool``'s fields, in its declaration order. vLLM hands the chat template each
+#: function tool as ``FunctionTool.model_dump()`` (every field, ``None`` when unset) less ``type``,
+#: through its ``FunctionDefinition`` (``responses/utils.py`` ``construct_tool_dicts``; extra keys
+#: kept): ``"strict": null`` and the rest are in the prompt. The newest SDK's fields; an engine on
+#: an older SDK renders fewer (counted a little high, never low).
+FUNCTION_TOOL_FIELDS = (
+    "name",
+    "parameters",
+    "strict",
+    "type",
+    "allowed_callers",
+    "async_",
+    "defer_loading",
+    "description",
+    "output_schema",
+)
+
+
+def vllm_function_tools(tools: Any) -> Any:
+    """``tools`` with every ``function`` tool holding all of :data:`FUNCTION_TOOL_FIELDS` (unset ones
+    ``None``), as vLLM's Responses path dumps them for the template; anything else as sent."""
+    if not isinstance(tools, list):
+        return tools
+    return [
+        {**dict.fromkeys(FUNCTION_TOOL_FIELDS), **t} if isinstance(t, dict) and t.get("type") == "function" else t
+        for t in tools
+    ]
+
+
 def responses_length_message(limit: int, prompt_tokens: int, max_output_tokens: int) -> str:
     """Chat's ``context_length_exceeded`` wording (its first sentences kept: clients parse them),
     in the Responses API's terms: ``input`` and ``max_output_tokens``."""
@@ -288,7 +382,13 @@ async def count_responses(entry: ModelEntry, body: dict[str, Any]) -> CountedPro
     filter_extensions(body, "responses", entry.engines, frozenset(RESPONSES_OPENAI_FIELDS))
     check_output_constraints(body, entry.engines)
     check_image_urls(body, entry.config.images)
-    args = (body.get("input"), body.get("instructions"), body.get("tools"))
+    check_input_items(body)
+    tools = body.get("tools")
+    args = (
+        body.get("input"),
+        body.get("instructions"),
+        vllm_function_tools(tools) if "vllm" in entry.engines else tools,
+    )
 
     def convert() -> tuple[ResponsesPrompt, str]:
         check_tool_definitions(body.get("tools"), entry.counter.special_token_texts, entry.engines)
@@ -326,6 +426,7 @@ class ResponsesRoute:
     def validate(self, body: dict[str, Any]) -> None:
         check_fields(body, self.fields, ("input",))
         check_stream_options(body)
+        check_tool_choice_target(body)
 
     def forwarded_bound(self, engines: frozenset[str]) -> str:
         return "max_output_tokens"
