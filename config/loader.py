@@ -10,7 +10,10 @@ A key that is not a setting, and a key given twice in one mapping, are errors, n
 Environment overrides (docs/design.md, Contracts): ``KVGATE_<SECTION>__<KEY>=value`` sets
 ``section.key`` (values parsed as YAML scalars, so ``8081`` is an int and ``[a, b]`` a list);
 a top-level key is ``KVGATE_<KEY>`` (e.g. ``KVGATE_REDIS_URL``). Variables whose first part is not
-a settings key (``KVGATE_FAULTS``, ``KVGATE_CONFIG``) are not settings and are left alone.
+a settings key (``KVGATE_FAULTS``, ``KVGATE_CONFIG``) are not settings and are left alone, unless
+their name, its underscores aside, spells a setting exactly: ``KVGATE_GATEWAY_PORT`` (one
+underscore) or ``KVGATE_REDIS__URL`` is an error naming the spelling that is read
+(:func:`env_name_problems`), not a setting silently left at its default.
 """
 
 from __future__ import annotations
@@ -113,9 +116,9 @@ def _format_validation(
             and (shown := _shown(path, e["input"])) is not None
         ):
             msg = f"{msg} (got {shown})"
-        var = next((v for p, v in (env_vars or {}).items() if path[: len(p)] == p), None)
+        var = _env_source(path, msg, env_vars or {})
         if var:
-            msg = f"{msg} (from environment variable {var})"
+            msg = f"{msg} (from {var})"
         line = None
         if lines and not var:
             for n in range(len(path), 0, -1):
@@ -127,6 +130,22 @@ def _format_validation(
         prefix = f"line {line}: " if line else ""
         problems.append(f"{prefix}{loc}: {msg}" if path else f"{prefix}{msg}")
     return problems
+
+
+def _env_source(path: tuple[Any, ...], msg: str, env_vars: Mapping[tuple[str, ...], str]) -> str | None:
+    """``environment variable NAME`` when the problem at ``path`` is in a value set by the
+    environment: the variable that set ``path`` or a mapping above it, else, for a rule across the
+    keys of the mapping at ``path`` (``pool: poll_interval_seconds (60) must be less than
+    max_staleness_seconds (0.5)``), the variables that set the keys ``msg`` names."""
+    var = next((v for p, v in env_vars.items() if path[: len(p)] == p), None)
+    if var:
+        return f"environment variable {var}"
+    named = [
+        v
+        for p, v in env_vars.items()
+        if path and len(p) == len(path) + 1 and p[:-1] == path and re.search(rf"\b{re.escape(p[-1])}\b", msg)
+    ]
+    return f"environment variable{'s' if len(named) > 1 else ''} {', '.join(named)}" if named else None
 
 
 class _Loader(yaml.SafeLoader):
@@ -273,6 +292,68 @@ def env_override_items(
     return items
 
 
+def _sections(model: type[BaseModel]) -> dict[str, type[BaseModel]]:
+    """The fields of ``model`` that hold settings of their own (``gateway``, ``pool``, ...): the
+    ``<SECTION>`` of ``KVGATE_<SECTION>__<KEY>``. A list of settings (``models``) is no section."""
+    out: dict[str, type[BaseModel]] = {}
+    for name, field in model.model_fields.items():
+        sub = next((a for a in _union_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if sub is not None:
+            out[name] = sub
+    return out
+
+
+def _settings_spelt(model: type[BaseModel], words: list[str]) -> list[tuple[str, str]]:
+    """Every setting of ``model`` that ``words`` (a name split at its underscores) spells exactly,
+    as ``(key path, the variable that sets it)``: the top-level key ``"_".join(words)`` (not a
+    section: ``KVGATE_GATEWAY__`` lacks its key), and each section and key of that section that
+    ``words`` split in two make."""
+    found = []
+    whole = "_".join(words)
+    sections = _sections(model)
+    if whole in model.model_fields and whole not in sections:
+        found.append((whole, ENV_PREFIX + whole.upper()))
+    for i in range(1, len(words)):
+        section, key = "_".join(words[:i]), "_".join(words[i:])
+        if section in sections and key in sections[section].model_fields:
+            found.append((f"{section}.{key}", f"{ENV_PREFIX}{section.upper()}__{key.upper()}"))
+    return found
+
+
+def env_name_problems(model: type[BaseModel], environ: Mapping[str, str] | None = None) -> list[str]:
+    """One problem line per ``KVGATE_`` variable that :func:`env_override_items` does not read but
+    that is meant as a setting, sorted by name: its name, underscores aside, spells a setting
+    exactly (``KVGATE_GATEWAY_PORT``, ``KVGATE_POOL_HEADROOM``: one underscore between section and
+    key; ``KVGATE_REDIS__URL``; ``KVGATE_GATEWAY____PORT``), or it starts with a setting but has an
+    empty part (``KVGATE_GATEWAY____NOPE``). The line names the variable and the spelling that is
+    read. Every other variable (``KVGATE_FAULTS``, ``KVGATE_CONFIG``, ``KVGATE_SECRET_ADMIN_KEY``)
+    is no setting and no problem; a variable that is read and names a key its section lacks
+    (``KVGATE_GATEWAY__PROT``) is refused by validation (``gateway.prot: unknown key``)."""
+    environ = os.environ if environ is None else environ
+    problems = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX) :].lower()
+        parts = rest.split("__")
+        if parts[0] in model.model_fields and all(parts):
+            continue  # read by env_override_items
+        spelt = _settings_spelt(model, [w for w in rest.split("_") if w])
+        if len(spelt) == 1:
+            path, good = spelt[0]
+            how = "a top-level key is KVGATE_<KEY>" if "." not in path else "two underscores between section and key"
+            problems.append(f"{path}: environment variable {name} is not read: write {good} ({how})")
+        elif spelt:  # a section and a top-level key, or two sections, whose names share words
+            goods = " or ".join(f"{good} ({path})" for path, good in spelt)
+            problems.append(f"environment variable {name} is not read: write {goods}")
+        elif parts[0] in model.model_fields:
+            problems.append(
+                f"{parts[0]}: environment variable {name} is not read: a part between its double underscores is "
+                "empty (KVGATE_<SECTION>__<KEY>, or KVGATE_<KEY> for a top-level key)"
+            )
+    return problems
+
+
 def env_overrides(model: type[BaseModel], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Collect ``KVGATE_<SECTION>__<KEY>`` overrides that name fields of ``model``, as a nested dict."""
     out: dict[str, Any] = {}
@@ -314,19 +395,25 @@ def load_yaml_model(
     """Read ``path`` and validate it as ``model``; with ``use_env``, apply environment overrides.
 
     Raises :class:`ConfigError` naming the file and, for every problem, its line, key path and,
-    for a value set by the environment, the variable.
+    for a value set by the environment, the variable; with ``use_env``, also a variable meant as a
+    setting but misspelt so that it is not read (:func:`env_name_problems`).
     """
     data, lines = _parse(Path(path))
     env_vars: dict[tuple[str, ...], str] = {}
+    problems: list[str] = []
     if use_env:
+        problems = env_name_problems(model, environ)
         over = env_overrides(model, environ)
         if over:
             data = _merge(data, over)
             env_vars = {parts: name for parts, name, _ in env_override_items(model, environ)}
     try:
-        return model.model_validate(data)
+        loaded = model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(str(path), _format_validation(e, lines, env_vars)) from None
+        problems += _format_validation(e, lines, env_vars)
+    if problems:
+        raise ConfigError(str(path), problems)
+    return loaded
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> Settings:

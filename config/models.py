@@ -197,12 +197,29 @@ class UpstreamConfig(_Strict):
 
 
 class PoolSettings(_Strict):
-    """Live-pool watcher: ``headroom`` divides the pool (runbook: 1.25); polling and staleness in seconds."""
+    """Live-pool watcher: ``headroom`` divides the pool (runbook: 1.25); polling and staleness in seconds.
+
+    ``poll_interval_seconds`` must be below ``max_staleness_seconds``: otherwise every reading is
+    stale before the next poll and admission and ``/readyz`` fail (503 ``pool_size_unknown``)
+    between polls. ``request_timeout_seconds`` is not part of the rule: a poll that fails (one
+    that takes its whole timeout too) drops the reading at once, so the timeout never keeps a
+    reading alive; and a staleness below interval + timeout is how a hung pool read fails closed
+    before its timeout."""
 
     headroom: float = Field(default=1.25, ge=1.0, le=100.0)
     poll_interval_seconds: float = Field(default=5.0, gt=0)
     max_staleness_seconds: float = Field(default=30.0, gt=0)
     request_timeout_seconds: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _polled_before_stale(self) -> PoolSettings:
+        if self.poll_interval_seconds >= self.max_staleness_seconds:
+            raise ValueError(
+                f"poll_interval_seconds ({self.poll_interval_seconds:.15g}) must be less than max_staleness_seconds "
+                f"({self.max_staleness_seconds:.15g}): every reading would go stale before the next poll, and "
+                "admission and /readyz would fail with 503 pool_size_unknown between polls"
+            )
+        return self
 
 
 class GatewaySettings(_Strict):

@@ -181,16 +181,26 @@ def test_pool_without_the_field_fails_closed(engine):
 
 
 def test_stale_pool_fails_closed(engine):
-    # one poll at start, the next not before 60 s: the reading goes stale after 0.5 s
+    """A poll in flight longer than ``max_staleness_seconds`` (the engine's pool endpoint hangs;
+    its timeout, 10 s, is far off): the last good reading ages past 0.5 s and is not trusted."""
     g = Gateway(
-        settings_for([upstream("u1", engine)], pool={"poll_interval_seconds": 60, "max_staleness_seconds": 0.5})
+        settings_for(
+            [upstream("u1", engine)],
+            pool={"poll_interval_seconds": 0.1, "max_staleness_seconds": 0.5, "request_timeout_seconds": 10},
+        )
     ).start()
     try:
         with g.client() as c:
             assert c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code == 200
-            time.sleep(0.6)
+            engine.state.info_mode = "hang"  # the next poll waits on /server_info
+            assert wait_for(lambda: c.get("/readyz").status_code == 503, 3.0)
             assert err(c.post("/v1/chat/completions", json=chat(max_tokens=5))) == (503, "pool_size_unknown")
-            assert c.get("/readyz").status_code == 503
+            ready = c.get("/readyz")
+            assert ready.status_code == 503
+            pool = ready.json()["upstreams"][0]
+            # stale, not failed: the reading is kept (its pool, no error) and older than 0.5 s
+            assert (pool["known"], pool["pool_tokens"], pool["error"]) == (False, 4096, None)
+            assert pool["age_seconds"] > 0.5
     finally:
         g.stop()
 

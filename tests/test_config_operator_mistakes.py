@@ -1,0 +1,255 @@
+"""Operator mistakes the settings loader used to accept in silence: an environment override
+misspelt so that it was never read (``KVGATE_GATEWAY_PORT=9000``: one underscore, and the gateway
+listened on 8080), and a pool poll interval no shorter than the pool's staleness bound (every
+reading stale before the next poll: admission and /readyz 503 between polls)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from config import ConfigError, Settings, load_settings
+from config.loader import DEFAULT_CONFIG, env_name_problems, env_overrides
+from config.models import PoolSettings
+
+STALE = (
+    "every reading would go stale before the next poll, and admission and /readyz would fail "
+    "with 503 pool_size_unknown between polls"
+)
+
+#: every KVGATE_ variable the project reads that is no setting (gateway/, config/, gpu_backend/,
+#: verifier/, tokenizer/, scripts/, docker/, deploy/, bench/, tests/): each stays accepted and ignored
+NOT_SETTINGS = [
+    "KVGATE_BENCH_REDIS_URL",
+    "KVGATE_CONFIG",
+    "KVGATE_E2E_CACHE",
+    "KVGATE_E2E_DATA_ROOT",
+    "KVGATE_E2E_MIRROR",
+    "KVGATE_E2E_SUITE",
+    "KVGATE_E2E_TORCH_INDEX_URL",
+    "KVGATE_FAULTS",
+    "KVGATE_LISTEN_FD",
+    "KVGATE_PUBLISH_HOST",
+    "KVGATE_PUBLISH_PORT",
+    "KVGATE_SECRET_ADMIN_KEY",
+    "KVGATE_SECRET_CACHE_SALT_KEY",
+    "KVGATE_SECRET_LEAK_INDEX_KEY",
+    "KVGATE_STATE_DIR_FOR_TESTS",
+    "KVGATE_SUPERVISOR_PID",
+    "KVGATE_TENANTS",
+    "KVGATE_TEST_REDIS_PORT",
+    "KVGATE_TEST_STATE_DIR",
+    "KVGATE_TORCH",
+    "KVGATE_TORCH_CPU_INDEX",
+    "KVGATE_TORCH_INDEX_URL",
+    "KVGATE_TORCH_VERSION",
+    "KVGATE_UNPINNED",
+]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "kvgate.yaml"
+    p.write_text(textwrap.dedent(text), encoding="utf-8")
+    return p
+
+
+def problems(path: Path, environ: dict[str, str]) -> str:
+    with pytest.raises(ConfigError) as ei:
+        load_settings(path, environ=environ)
+    assert ei.value.source == str(path)
+    return str(ei.value)
+
+
+# ---------------------------------------------------------------- misspelt environment overrides
+@pytest.mark.parametrize(
+    ("var", "path", "good"),
+    [
+        ("KVGATE_GATEWAY_PORT", "gateway.port", "KVGATE_GATEWAY__PORT"),
+        ("KVGATE_POOL_HEADROOM", "pool.headroom", "KVGATE_POOL__HEADROOM"),
+        ("KVGATE_QUOTAS_ENABLED", "quotas.enabled", "KVGATE_QUOTAS__ENABLED"),
+        (
+            "KVGATE_VERIFIER_PROBE_INTERVAL_SECONDS",
+            "verifier.probe_interval_seconds",
+            "KVGATE_VERIFIER__PROBE_INTERVAL_SECONDS",
+        ),
+        ("KVGATE_BACKEND_SEED", "backend.seed", "KVGATE_BACKEND__SEED"),
+        # stray underscores: an empty part, or one before the section
+        ("KVGATE_GATEWAY____PORT", "gateway.port", "KVGATE_GATEWAY__PORT"),
+        ("KVGATE__GATEWAY__PORT", "gateway.port", "KVGATE_GATEWAY__PORT"),
+        ("KVGATE_GATEWAY__PORT__", "gateway.port", "KVGATE_GATEWAY__PORT"),
+    ],
+)
+def test_a_section_key_misspelt_is_refused_naming_the_spelling_that_is_read(tmp_path, var, path, good):
+    p = write(tmp_path, "gateway:\n  port: 8080\n")
+    assert problems(p, {var: "9000"}) == (
+        f"{p}: {path}: environment variable {var} is not read: write {good} (two underscores between section and key)"
+    )
+
+
+@pytest.mark.parametrize(("var", "good"), [("KVGATE_REDIS__URL", "redis_url"), ("KVGATE_STATE__DIR", "state_dir")])
+def test_a_top_level_key_split_by_two_underscores_is_refused(tmp_path, var, good):
+    p = write(tmp_path, "")
+    assert problems(p, {var: "x"}) == (
+        f"{p}: {good}: environment variable {var} is not read: write KVGATE_{good.upper()} "
+        "(a top-level key is KVGATE_<KEY>)"
+    )
+
+
+def test_an_empty_part_after_a_section_is_refused(tmp_path):
+    """Read as ``gateway`` with an empty key, it was dropped; with no setting to point to, the
+    message says what is wrong and the two shapes."""
+    p = write(tmp_path, "")
+    tail = (
+        "is not read: a part between its double underscores is empty "
+        "(KVGATE_<SECTION>__<KEY>, or KVGATE_<KEY> for a top-level key)"
+    )
+    assert problems(p, {"KVGATE_GATEWAY__": "1"}) == f"{p}: gateway: environment variable KVGATE_GATEWAY__ {tail}"
+    assert problems(p, {"KVGATE_GATEWAY____NOPE": "1"}) == (
+        f"{p}: gateway: environment variable KVGATE_GATEWAY____NOPE {tail}"
+    )
+
+
+def test_a_key_its_section_lacks_is_refused_naming_the_variable(tmp_path):
+    """``KVGATE_GATEWAY__NOPE`` is read (its section exists) and refused as a file's unknown key is."""
+    p = write(tmp_path, "")
+    assert problems(p, {"KVGATE_GATEWAY__NOPE": "1"}) == (
+        f"{p}: gateway.nope: unknown key (not a kvgate setting; check the spelling) "
+        "(from environment variable KVGATE_GATEWAY__NOPE)"
+    )
+
+
+def test_every_misspelt_variable_is_named_in_one_error_with_the_files_problems(tmp_path):
+    p = write(tmp_path, "gateway:\n  port: eighty\n")
+    env = {"KVGATE_POOL_HEADROOM": "2", "KVGATE_GATEWAY_PORT": "9000", "KVGATE_FAULTS": "x"}
+    assert problems(p, env).splitlines() == [
+        f"{p}: gateway.port: environment variable KVGATE_GATEWAY_PORT is not read: write KVGATE_GATEWAY__PORT "
+        "(two underscores between section and key)",
+        f"{p}: pool.headroom: environment variable KVGATE_POOL_HEADROOM is not read: write KVGATE_POOL__HEADROOM "
+        "(two underscores between section and key)",
+        f"{p}: line 2: gateway.port: Input should be a valid integer, unable to parse string as an integer "
+        "(got 'eighty')",
+    ]
+
+
+def test_legitimate_variables_of_each_kind_still_work(tmp_path):
+    p = write(tmp_path, "gateway:\n  port: 8080\n")
+    env = {
+        "KVGATE_GATEWAY__PORT": "9000",  # a section's key
+        "KVGATE_POOL__MAX_STALENESS_SECONDS": "40",  # a key with underscores
+        "KVGATE_REDIS_URL": "redis://127.0.0.1:6379/5",  # a top-level key with an underscore
+        "KVGATE_STATE_DIR": str(tmp_path / "state"),
+        "KVGATE_MODELS": "[{id: m, context_length: 4096}]",  # a list, whole
+        **{name: "1" for name in NOT_SETTINGS},  # not settings: accepted, ignored
+        "KVGATE_GATEWAY_NOT_A_KEY": "1",  # a section, but no key of it: no setting spelt, ignored
+        "KVGATE_": "1",
+        "OTHER_GATEWAY_PORT": "1",
+    }
+    s = load_settings(p, environ=env)
+    assert (s.gateway.port, s.pool.max_staleness_seconds, s.redis_url) == (9000, 40.0, "redis://127.0.0.1:6379/5")
+    assert (s.state_dir, [m.id for m in s.models]) == (str(tmp_path / "state"), ["m"])
+    assert env_name_problems(Settings, env) == []
+    assert env_overrides(Settings, {name: "1" for name in NOT_SETTINGS}) == {}
+
+
+def test_kvgate_serve_refuses_a_misspelt_variable_in_its_environment(tmp_path, capsys, monkeypatch):
+    """Through ``kvgate serve`` (``load_settings(args.config)``, the process environment)."""
+    from gateway.commands import serve
+
+    for k in [k for k in os.environ if k.startswith("KVGATE_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("KVGATE_GATEWAY_PORT", "9000")
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--config", str(DEFAULT_CONFIG), "--tenants", str(tmp_path / "tenants.yaml")])
+    assert serve.run(args) == 2
+    assert capsys.readouterr().err == (
+        f"kvgate serve: {DEFAULT_CONFIG}: gateway.port: environment variable KVGATE_GATEWAY_PORT is not read: "
+        "write KVGATE_GATEWAY__PORT (two underscores between section and key)\n"
+    )
+    monkeypatch.delenv("KVGATE_GATEWAY_PORT")
+    monkeypatch.setenv("KVGATE_GATEWAY__PORT", "9000")
+    assert load_settings().gateway.port == 9000  # the process environment, as serve reads it
+
+
+class _Sub(BaseModel):
+    b_c: int = 0
+    c: int = 0
+
+
+class _Ambiguous(BaseModel):
+    """Names that share words: a section ``a`` with a key ``b_c``, a section ``a_b`` with a key
+    ``c``, a top-level key ``a_b_d``, and a section ``x`` with a key ``y`` beside a top-level ``x_y``."""
+
+    a: _Sub = _Sub()
+    a_b: _Sub = _Sub()
+    a_b_d: int = 0
+    x: _Sub = _Sub()
+    x_y: int = 0
+
+
+def test_names_sharing_words_resolve_to_what_is_read_or_name_every_reading():
+    # a top-level key is read as itself, never as a section's misspelt key
+    assert env_name_problems(_Ambiguous, {"KVGATE_A_B_D": "1", "KVGATE_X_Y": "1"}) == []
+    assert env_overrides(_Ambiguous, {"KVGATE_A_B_D": "1", "KVGATE_X_Y": "1"}) == {"a_b_d": 1, "x_y": 1}
+    # a_b is a section: KVGATE_A_B__C is read (a_b.c), and so is KVGATE_A__B_C (a.b_c)
+    assert env_name_problems(_Ambiguous, {"KVGATE_A_B__C": "1", "KVGATE_A__B_C": "1"}) == []
+    # one underscore throughout: both readings are settings, both are named
+    assert env_name_problems(_Ambiguous, {"KVGATE_A_B_C": "1"}) == [
+        "environment variable KVGATE_A_B_C is not read: write KVGATE_A__B_C (a.b_c) or KVGATE_A_B__C (a_b.c)"
+    ]
+
+
+# ---------------------------------------------------------------- pool: poll before stale
+def test_a_poll_interval_not_below_the_staleness_bound_is_refused():
+    assert PoolSettings(poll_interval_seconds=4.99, max_staleness_seconds=5).poll_interval_seconds == 4.99
+    for poll in (5, 5.01, 60):
+        with pytest.raises(ValidationError) as ei:
+            PoolSettings(poll_interval_seconds=poll, max_staleness_seconds=5)
+        assert ei.value.errors()[0]["msg"] == (
+            f"Value error, poll_interval_seconds ({poll}) must be less than max_staleness_seconds (5): {STALE}"
+        )
+    # the request timeout is not in the rule: a staleness bound below interval + timeout is how a
+    # hung pool read fails closed before its timeout
+    assert PoolSettings(poll_interval_seconds=1, max_staleness_seconds=2, request_timeout_seconds=10)
+
+
+@pytest.mark.parametrize(
+    ("pool", "line", "values"),
+    [
+        ("pool:\n  poll_interval_seconds: 30\n", 3, "(30) must be less than max_staleness_seconds (30)"),
+        (
+            "pool:\n  poll_interval_seconds: 60\n  max_staleness_seconds: 0.5\n",
+            3,
+            "(60) must be less than max_staleness_seconds (0.5)",
+        ),
+    ],
+)
+def test_the_loader_refuses_it_naming_the_file_and_line(tmp_path, pool, line, values):
+    p = write(tmp_path, "gateway:\n  port: 8080\n" + pool)
+    assert problems(p, {}) == f"{p}: line {line}: pool: poll_interval_seconds {values}: {STALE}"
+
+
+def test_the_loader_accepts_just_below_and_names_the_variables_that_broke_it(tmp_path):
+    p = write(tmp_path, "pool:\n  poll_interval_seconds: 5\n  max_staleness_seconds: 5.5\n")
+    assert load_settings(p, environ={}).pool.poll_interval_seconds == 5
+    assert problems(p, {"KVGATE_POOL__MAX_STALENESS_SECONDS": "5"}) == (
+        f"{p}: pool: poll_interval_seconds (5) must be less than max_staleness_seconds (5): {STALE} "
+        "(from environment variable KVGATE_POOL__MAX_STALENESS_SECONDS)"
+    )
+    env = {"KVGATE_POOL__POLL_INTERVAL_SECONDS": "9", "KVGATE_POOL__MAX_STALENESS_SECONDS": "8"}
+    env["KVGATE_POOL__HEADROOM"] = "2"  # not in the rule: not named
+    assert problems(p, env) == (
+        f"{p}: pool: poll_interval_seconds (9) must be less than max_staleness_seconds (8): {STALE} "
+        "(from environment variables KVGATE_POOL__MAX_STALENESS_SECONDS, KVGATE_POOL__POLL_INTERVAL_SECONDS)"
+    )
+
+
+def test_the_shipped_settings_poll_well_before_stale():
+    s = load_settings(environ={})
+    assert (s.pool.poll_interval_seconds, s.pool.max_staleness_seconds) == (5, 30)
+    assert Settings().pool.poll_interval_seconds < Settings().pool.max_staleness_seconds
