@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from config.errors import ErrorCode, OpenAIError
 from config.models import ImagePolicy
 from gateway.admission.checks import OPENAI_FIELDS
-from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions
+from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, TEXT_PART_TYPES, ChatOptions
 from tokenizer.images import image_url_of
 
 ENGINES = ("sglang", "vllm", "kvgate", "openai")
@@ -157,6 +157,129 @@ def check_message_keys(body: dict[str, Any]) -> None:
             for k in m:
                 if k not in MESSAGE_KEYS:
                     raise _refuse(f"messages[{i}].{k}", f"Unrecognized message field: 'messages[{i}].{k}'.")
+
+
+def check_part_uuids(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """For vLLM, 400 naming ``messages[i].content[j].uuid`` for a ``text`` or ``refusal`` part
+    whose ``uuid`` is not ``null``. vLLM reads a part's ``type`` only when its ``uuid`` is
+    ``None`` (``vllm/entrypoints/chat_utils.py@001eadcf`` ``_parse_chat_message_content_mm_part``);
+    otherwise the part is what its first media key says (``image_url``, ``audio_url``,
+    ``input_audio``, ``video_url``, ...) or, with none, its 400 ("Missing 'type' field in
+    multimodal part."). Such a text part was counted as its text and its URL never vetted
+    (:func:`_check_images` reads image parts), while vLLM fetched the URL and held an image's
+    tokens. An image part's ``uuid`` is left alone: vLLM finds its ``image_url`` first."""
+    if "vllm" not in engines:
+        return
+    for i, m in enumerate(body.get("messages") or ()):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES and part.get("uuid") is not None:
+                param = f"messages[{i}].content[{j}].uuid"
+                raise _refuse(
+                    param,
+                    f"'{param}' is set on a text part: the engines serving this model then read the part by its "
+                    "other keys (as an image, audio or video) or refuse it. Send 'uuid' on media parts only.",
+                )
+
+
+#: SGLang's content parts among those kvgate counts (``protocol.py@004c82e0``
+#: ``ChatCompletionMessageContentPart``: text, thinking, image_url, video_url, audio_url,
+#: tool_reference; no ``refusal``, no ``input_image``)
+SGLANG_PART_TYPES = ("text", "image_url")
+#: ``ChatCompletionMessageContentImageURL.detail`` (``Optional[Literal["auto", "low", "high"]]``)
+SGLANG_IMAGE_DETAILS = ("auto", "low", "high")
+
+
+def _sglang_part_problem(part: Any, param: str) -> tuple[str, str] | None:
+    """``(param, message)`` for a content part SGLang's request model refuses, else ``None``
+    (parts that are no object, or of a type kvgate does not count, are the counter's 400)."""
+    if not isinstance(part, dict):
+        return None
+    ptype = part.get("type")
+    if ptype in TEXT_PART_TYPES + IMAGE_PART_TYPES and ptype not in SGLANG_PART_TYPES:
+        p = f"{param}.type"
+        return (
+            p,
+            f"'{p}' is '{ptype}': the engines serving this model take content parts of type 'text' and "
+            "'image_url' only.",
+        )
+    if ptype != "image_url":
+        return None
+    image = part.get("image_url")
+    if not isinstance(image, dict) or not isinstance(image.get("url"), str):
+        p = f"{param}.image_url"
+        return p, f"'{p}' must be an object with the image's 'url' (a string)."
+    detail = image.get("detail")
+    if detail is not None and detail not in SGLANG_IMAGE_DETAILS:
+        p = f"{param}.image_url.detail"
+        return p, f"'{p}' must be one of {', '.join(SGLANG_IMAGE_DETAILS)}."
+    return None
+
+
+def _sglang_calls_problem(calls: Any, param: str) -> tuple[str, str] | None:
+    """``(param, message)`` for an assistant's tool call SGLang's ``ToolCall`` refuses (``id:
+    Optional[str]``, ``type: Literal["function"] = "function"``), else ``None`` (a call that is
+    not an object: the counter's 400)."""
+    for j, call in enumerate(calls if isinstance(calls, list) else ()):
+        if not isinstance(call, dict):
+            continue
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            p = f"{param}[{j}].id"
+            return p, f"'{p}' must be a string."
+        if "type" in call and call["type"] != "function":
+            p = f"{param}[{j}].type"
+            return p, f"'{p}' must be 'function'."
+    return None
+
+
+def _sglang_message_problem(m: dict[str, Any], param: str) -> tuple[str, str] | None:
+    """``(param, message)`` for a message SGLang's request model refuses, else ``None``."""
+    if m.get("role") == "user":
+        # ChatCompletionMessageUserParam: content: Union[str, List[...]] (required, not Optional);
+        # the user's other keys are ignored (pydantic's default)
+        if m.get("content") is None:
+            p = f"{param}.content"
+            return p, (
+                f"'{p}' is missing or null: the engines serving this model require a user message's content "
+                "(a string or content parts)."
+            )
+    else:
+        # ChatCompletionMessageGenericParam: tool_call_id, name, reasoning_content: Optional[str]
+        # (pydantic does not coerce a number to a string); name: the counter's 400
+        for key in ("tool_call_id", "reasoning_content"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                p = f"{param}.{key}"
+                return p, f"'{p}' must be a string."
+        found = _sglang_calls_problem(m.get("tool_calls"), f"{param}.tool_calls")
+        if found is not None:
+            return found
+    content = m.get("content")
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        found = _sglang_part_problem(part, f"{param}.content[{j}]")
+        if found is not None:
+            return found
+    return None
+
+
+def check_sglang_messages(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """For SGLang, 400 naming the field for a message its request model refuses
+    (``python/sglang/srt/entrypoints/openai/protocol.py@004c82e0``): a user message whose
+    ``content`` is missing or ``null``; a ``refusal`` or ``input_image`` part; an ``image_url``
+    that is not an object with a string ``url``, or whose ``detail`` is not auto/low/high; a
+    ``tool_call_id`` or ``reasoning_content`` that is not a string; a tool call whose ``id`` is
+    not a string or whose ``type`` is not ``function``. SGLang answered each with its 400 after
+    kvgate had admitted the request and charged its prompt. Shapes the counter refuses (a message
+    that is not an object, an unknown part type) are left to its 400."""
+    if "sglang" not in engines:
+        return
+    for i, m in enumerate(body.get("messages") or ()):
+        if not isinstance(m, dict):
+            return
+        found = _sglang_message_problem(m, f"messages[{i}]")
+        if found is not None:
+            raise _refuse(*found)
 
 
 #: engines known to encode request text without special-token parsing (special tokens come only
@@ -355,6 +478,8 @@ def check_chat_request(
     Raises :class:`OpenAIError` 400 naming the field."""
     _check_common(body, "chat", engines)
     check_message_keys(body)
+    check_part_uuids(body, engines)
+    check_sglang_messages(body, engines)
     check_output_constraints(body, engines)
     check_tool_shapes(body.get("tools"), engines)
     check_tool_definitions(body.get("tools"), specials, engines)
