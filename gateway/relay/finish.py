@@ -9,9 +9,9 @@ engine timeout or reset, client gone before or during the answer), at least the 
 admitted, every prompt x its sequences (:func:`prompt_charge`; the engine's ``usage.prompt_tokens``
 when that is more), plus the completion: the engine's ``usage.completion_tokens``, or without it
 (none sent, the stream was cut or cancelled before it, or a number no engine could report: above
-``max_tokens`` for every sequence, :func:`_usage_count`) the completion text relayed so far, counted with the
-model's tokenizer. So leaving, or making the engine fail, after the prompt was
-sent never makes its prefill free.
+``max_tokens`` for every sequence, or fewer than the events of text relayed, :func:`_usage_count`) the
+completion text relayed so far, counted with the model's tokenizer. So leaving, or making the
+engine fail, after the prompt was sent never makes its prefill free.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def usage_ceiling(adm: Admission) -> int:
 
 
 def _usage_count(outcome: RelayOutcome, key: str) -> int | None:
-    """``usage[key]`` when the engine reported it as an int from 0 to its ceiling (not a bool),
+    """``usage[key]`` when the engine reported it as an int from 0 to its ceiling (not a bool) and,
+    for ``completion_tokens``, not below what the text relayed took (:func:`least_completion_tokens`),
     else ``None``: the settle then counts the text relayed, as for no report. The ceiling:
     :func:`usage_ceiling` for ``prompt_tokens``; for ``completion_tokens`` the completion bound
     the engine was sent, ``max_tokens`` for each of the request's sequences: vLLM stops a
@@ -96,7 +97,32 @@ def _usage_count(outcome: RelayOutcome, key: str) -> int | None:
     if v > ceiling:
         log.warning("upstream reported usage.%s %d, above what the request could use (%d); ignored", key, v, ceiling)
         return None
+    if key == "completion_tokens" and outcome.produced.pieces:
+        least = least_completion_tokens(outcome)
+        if v < least:
+            log.warning(
+                "upstream reported usage.completion_tokens %d, fewer than the %d events of text it sent; ignored",
+                v,
+                least,
+            )
+            return None
     return v
+
+
+def least_completion_tokens(outcome: RelayOutcome) -> int:
+    """The fewest completion tokens the text relayed can have taken: one per event that carried
+    non-empty text of a choice (``Produced.pieces``; a whole answer's choice with text is one),
+    summed over the choices, less one per choice when the request asked for an ``echo`` (an
+    echoed prompt may come as an event of its own, before any token is generated). An engine
+    decodes at least one token per step and sends at most one event per choice and step (several
+    tokens an event with speculative decoding or a stream interval; an event with empty text, a
+    role or a finish reason alone, is not counted), so an honest count is never below it: a
+    ``completion_tokens`` of 0 after text made the text free."""
+    pieces = outcome.produced.pieces.values()
+    ex = outcome.admitted.exchange
+    if ex is not None and ex.echo:
+        return sum(max(n - 1, 0) for n in pieces)
+    return sum(pieces)
 
 
 def reported_completion_tokens(outcome: RelayOutcome) -> int | None:

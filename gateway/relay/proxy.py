@@ -174,7 +174,7 @@ async def relay(ctx: RelayContext, outcome: RelayOutcome) -> AsyncGenerator[Chun
     except ResponseTooLarge as e:
         raise answer_too_large(ctx, outcome, e) from None
     except UpstreamError as e:
-        raise _transport_error(ctx, outcome.upstream, e, "read") from None
+        raise _transport_error(ctx, outcome, e, "read") from None
     except ResponseWithheld as w:
         raise withheld_error(w) from None
     except SSEEventTooLarge as e:
@@ -242,7 +242,7 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
             continue
         except UpstreamError as e:
             outcome.upstream = u
-            raise _transport_error(ctx, u, e, "answer") from None
+            raise _transport_error(ctx, outcome, e, "answer") from None
         outcome.upstream = u
         outcome.forwarded = True
         return resp, t_forward
@@ -265,10 +265,29 @@ async def _send(ctx: RelayContext, u: Upstream, a: Admitted, on_sent: Callable[[
         raise
 
 
-def _transport_error(ctx: RelayContext, u: Upstream | None, e: UpstreamError, verb: str) -> OpenAIError:
+#: characters of a transport failure's detail written to the log (:func:`_transport_error`)
+MAX_LOGGED_DETAIL_CHARS = 300
+
+
+def _transport_error(ctx: RelayContext, outcome: RelayOutcome, e: UpstreamError, verb: str) -> OpenAIError:
     """504 ``upstream_timeout`` or 502 ``upstream_unavailable`` for a failed upstream exchange
-    (``verb``: ``answer`` while sending, ``read`` while reading the answer); counted per upstream."""
+    (``verb``: ``answer`` while sending, ``read`` while reading the answer); counted per upstream
+    and logged once (a warning naming the upstream and the request id). The client is told the
+    failure's class only; the log has its detail (``the engine answered Transfer-Encoding 'gzip,
+    chunked'``), cut to :data:`MAX_LOGGED_DETAIL_CHARS` and written as its ``repr``: an engine
+    can shape it (a malformed status line is quoted), and CR/LF in it must not start a line."""
+    u = outcome.upstream
     name = u.name if u is not None else "-"
+    detail = str(e)
+    if len(detail) > MAX_LOGGED_DETAIL_CHARS:
+        detail = detail[:MAX_LOGGED_DETAIL_CHARS] + "..."
+    log.warning(
+        "upstream %s failed (%s): %r",
+        name,
+        type(e).__name__,
+        detail,
+        extra={"fields": {"request_id": outcome.admitted.arrival.request_id, "upstream": name}},
+    )
     if isinstance(e, (ReadTimeout, ConnectTimeout)):
         ctx.metrics.upstream_errors.labels(name, "timeout").inc()
         return OpenAIError(504, "The upstream engine did not answer in time.", code=ErrorCode.UPSTREAM_TIMEOUT)

@@ -13,11 +13,14 @@ an error; read by :mod:`verifier.engine_response`) without changing its bytes. A
 are read as a client reads them (WHATWG: a line ends at CRLF, LF or a bare CR), and
 :func:`is_one_event` tells when a client would read more than one event in what the splitter found
 (a blank line made with a bare CR, or ``\\n\\r\\n``): the relay ends such a stream, since the
-events it cannot see would reach the client unread.
+events it cannot see would reach the client unread. For the same reason an event whose JSON orjson
+refuses but a client's laxer reader takes (:func:`lenient_reads`: a lone surrogate escape, ``NaN``)
+is read as ``lenient``, and the relay ends the stream there.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
@@ -211,11 +214,32 @@ def is_one_event(event: bytes) -> bool:
     return True
 
 
+def lenient_reads(payload: bytes) -> bool:
+    """Whether a client's JSON reader takes ``payload``, which orjson refused (call it only then:
+    it is the slow path). orjson reads JSON as an honest engine writes it (vLLM and SGLang
+    serialise with pydantic or orjson): valid UTF-8, no lone surrogate escape, no ``NaN`` or
+    ``Infinity``, numbers a double holds, at most 1024 levels deep. Clients are laxer: Python's
+    ``json`` (the openai SDK) takes a lone surrogate escape, ``NaN``, ``Infinity``, ``1e999``; a
+    browser's ``JSON.parse``, after its UTF-8 decoding replaced an invalid byte, takes that byte,
+    the lone surrogate, ``1e999``, an integer of any length and any depth. Read here as
+    Python's ``json`` reads the payload decoded as a browser decodes it; an integer past its
+    digit limit, or nesting past its recursion limit, counts as read (a browser reads both). A
+    payload no reader takes (plain text, a cut object) is not read by a client either."""
+    try:
+        json.loads(payload.decode("utf-8", "replace"))
+    except json.JSONDecodeError:
+        return False
+    except (ValueError, RecursionError):  # an integer past Python's digit limit, nesting past its depth
+        return True
+    return True
+
+
 def inspect(event: bytes) -> StreamEvent:
     """A chat/completions event as a :class:`~verifier.engine_response.StreamEvent`: ``done``
     (``[DONE]``), ``error`` (an engine error object), ``chunk`` (a JSON completion chunk:
-    per-choice texts, finish reason, usage), ``other`` (no data, not JSON, not an object). Never
-    raises on odd input."""
+    per-choice texts, finish reason, usage), ``lenient`` (JSON that orjson refuses and a client
+    reads: :func:`lenient_reads`; the relay ends the stream there), ``other`` (no data, not JSON
+    for any reader, not an object). Never raises on odd input."""
     payload = data_of(event)
     if payload is None:
         return StreamEvent()
@@ -224,7 +248,7 @@ def inspect(event: bytes) -> StreamEvent:
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return StreamEvent()
+        return StreamEvent(kind="lenient") if lenient_reads(payload) else StreamEvent()
     return parse_chunk_event(obj)
 
 

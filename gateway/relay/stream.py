@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import orjson
@@ -43,10 +43,14 @@ Chunk: TypeAlias = tuple[bytes, bool]
 class Produced:
     """What the engine produced, as far as it was relayed. ``texts``: choice (or output) index ->
     the text it produced (what a settle without usage counts); ``usage``: the engine's usage
-    object (chat names); ``finish_reason``: the last one seen; ``ttft_seconds``: from forwarding
+    object (chat names; of several, each count the largest reported: :func:`merge_usage`);
+    ``finish_reason``: the last one seen; ``ttft_seconds``: from forwarding
     to the first text (streams) or the engine's ``x-prefill-seconds`` (whole answers);
     ``error_code``: the code of an engine error relayed inside the stream; ``sequence_number``:
-    the last one of a ``/v1/responses`` stream (the gateway's own error event follows it)."""
+    the last one of a ``/v1/responses`` stream (the gateway's own error event follows it);
+    ``pieces``: choice (or output) index -> how many events (a whole answer: 1) carried non-empty
+    text of it, each of which took at least one generated token (the settle's lower bound on
+    ``usage.completion_tokens``: :func:`gateway.relay.finish.least_completion_tokens`)."""
 
     texts: Mapping[int, str]
     usage: dict[str, Any] | None = None
@@ -54,6 +58,7 @@ class Produced:
     ttft_seconds: float | None = None
     error_code: str | None = None
     sequence_number: int | None = None
+    pieces: Mapping[int, int] = field(default_factory=dict)
 
 
 #: what a relay that never read an answer produced
@@ -86,12 +91,12 @@ class Tally:
         self.sequence_number: int | None = None
 
     def add(self, ev: StreamEvent) -> None:
-        """Count one stream event: its sequence number, usage, finish reasons, texts (the first
-        text sets the TTFT)."""
+        """Count one stream event: its sequence number, usage (several: :func:`merge_usage`),
+        finish reasons, texts (the first text sets the TTFT)."""
         if ev.sequence_number is not None:
             self.sequence_number = ev.sequence_number
         if ev.usage is not None:
-            self.usage = ev.usage
+            self.usage = ev.usage if self.usage is None else merge_usage(self.usage, ev.usage)
         if ev.finish_reason is not None:
             self.finish_reason = ev.finish_reason
             self.finished.update(ev.finished)
@@ -124,7 +129,35 @@ class Tally:
             self.ttft_seconds,
             self.error_code,
             self.sequence_number,
+            {i: sum(map(bool, parts)) for i, parts in self.texts.items()},
         )
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def merge_usage(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Two usage reports of one stream as one: per field, the larger count (an int, not a bool;
+    an int wins over any other value); any other field as the later report has it. vLLM's
+    continuous usage stats grow chunk by chunk and an engine's final report holds the most, so
+    an honest stream is charged its last report; kept last-wins, an engine sending (11, 5) then
+    (11, 1) was charged 12. ``new`` itself when no count of ``old`` is larger (the honest case,
+    no copy), else a new dict: neither report is changed."""
+    for k, v in old.items():
+        if _is_count(v):
+            n = new.get(k)
+            if not _is_count(n) or v > n:
+                break
+    else:
+        return new
+    merged = {**old, **new}
+    for k, v in old.items():
+        if _is_count(v):
+            n = new.get(k)
+            if not _is_count(n) or v > n:
+                merged[k] = v
+    return merged
 
 
 #: events of one upstream read relayed in one event-loop turn (:func:`_relay_read`)
@@ -220,7 +253,8 @@ class _Events:
         """Read and count one event; the event to relay (its bytes in :attr:`raw`), or ``None``
         when nothing more is to be done with it (the end marker, a replaced error event, a
         stripped usage chunk). Raises :func:`unsplittable_event` for bytes a client would read
-        as several events (:func:`gateway.relay.sse.is_one_event`)."""
+        as several events (:func:`gateway.relay.sse.is_one_event`), :func:`lenient_json_event`
+        for JSON only a client's laxer reader reads (:func:`gateway.relay.sse.lenient_reads`)."""
         if not is_one_event(raw):
             raise unsplittable_event()
         ev = self.protocol.read(raw)
@@ -228,6 +262,8 @@ class _Events:
         if kind == "done":
             self.done = True
             return None
+        if kind == "lenient":
+            raise lenient_json_event()
         self.tally.add(ev)
         if kind == "error":
             raw = self._engine_error(ev, raw)
@@ -392,6 +428,19 @@ def unsplittable_event() -> OpenAIError:
     return OpenAIError(
         502,
         "The upstream engine sent an event stream with bare CR line endings, which the gateway does not relay.",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
+
+
+def lenient_json_event() -> OpenAIError:
+    """The 502 ``upstream_unavailable`` that ends a stream holding an event whose JSON orjson
+    refuses and a client reads (:func:`gateway.relay.sse.lenient_reads`: a lone surrogate escape,
+    ``NaN``, ``1e999``, an invalid UTF-8 byte, ...). Relayed, its text reached the client unread by
+    the verifier's guard and uncounted by the settle; no honest engine writes such JSON."""
+    return OpenAIError(
+        502,
+        "The upstream engine sent a stream event whose JSON the gateway does not read (a lone surrogate, "
+        "NaN or Infinity, a number out of range, invalid UTF-8 or nesting too deep), which it does not relay.",
         code=ErrorCode.UPSTREAM_UNAVAILABLE,
     )
 

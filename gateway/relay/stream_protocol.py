@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from config.errors import OpenAIError
-from gateway.relay.sse import DONE_EVENT, data_of, inspect
+from gateway.relay.sse import DONE_EVENT, data_of, inspect, lenient_reads
 from verifier.engine_response import StreamEvent, parse_response_event
 
 
@@ -58,14 +58,16 @@ def chat_error_tail(err: OpenAIError, after: int | None) -> bytes:
 
 def read_response_event(event: bytes) -> StreamEvent:
     """A ``/v1/responses`` stream event's ``data`` as a :class:`StreamEvent` (``other`` when it
-    has no data or it is not JSON). Never raises."""
+    has no data or it is not JSON for any reader; ``lenient`` for JSON that orjson refuses and a
+    client reads, :func:`gateway.relay.sse.lenient_reads`). Never raises."""
     payload = data_of(event)
     if payload is None:
         return StreamEvent()
     try:
-        return parse_response_event(orjson.loads(payload))
+        obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return StreamEvent()
+        return StreamEvent(kind="lenient") if lenient_reads(payload) else StreamEvent()
+    return parse_response_event(obj)
 
 
 @dataclass(frozen=True, slots=True)
