@@ -50,7 +50,7 @@ def test_chat_cost_counts_elements_and_stops_early():
 SETTINGS = Settings.model_validate(
     {
         "models": [{"id": "m", "context_length": 8192}],
-        "upstreams": [{"name": "u", "api_url": "http://x/v1", "pool_urls": ["x"], "models": ["m"]}],
+        "upstreams": [{"name": "u", "api_url": "http://x/v1", "pool_urls": ["x"], "models": ["m"], "engine": "sglang"}],
     }
 )
 
