@@ -81,6 +81,20 @@ def _dumps(x: Any) -> str:
     return json.dumps(x, ensure_ascii=False, separators=(", ", ": "))
 
 
+def _segments(content: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """A message content's text segments (cut at each image) and its image parts."""
+    if isinstance(content, str):
+        return [content], []
+    segments, images = [""], []
+    for part in content if isinstance(content, list) else ():
+        if part["type"] in ("text", "refusal"):  # kvgate's ChatML: concatenated as they are
+            segments[-1] += part[part["type"]]
+        else:
+            images.append(part)
+            segments.append("")
+    return segments, images
+
+
 def chat_tokens(body: dict[str, Any], image_cost: Any, add_generation_prompt: bool = True, parsed: bool = False) -> int:
     """Prompt tokens the engine holds for a received chat ``body``. ``image_cost(part) -> int``;
     ``parsed``: tool-call arguments were parsed by the engine (:func:`chatml_tool_calls`)."""
@@ -92,17 +106,9 @@ def chat_tokens(body: dict[str, Any], image_cost: Any, add_generation_prompt: bo
     if tools_text and not leading_system:
         total += 1 + text_tokens("system\n" + tools_text) + 1 + text_tokens("\n")
     for i, m in enumerate(messages):
-        content = m.get("content")
-        segments = [""]
-        if isinstance(content, str):
-            segments = [content]
-        elif isinstance(content, list):
-            for part in content:
-                if part["type"] == "text":
-                    segments[-1] += part["text"]
-                else:
-                    total += image_cost(part)
-                    segments.append("")
+        segments, images = _segments(m.get("content"))
+        # images in the text, then those the engine left out of it (charged all the same)
+        total += sum(image_cost(part) for part in images + list(m.get(DROPPED_IMAGES) or ()))
         calls = chatml_tool_calls(m.get("tool_calls"), parsed)
         if calls:
             segments[-1] += ("\n" if segments[-1] else "") + calls
@@ -235,17 +241,80 @@ class EngineRefusal(Exception):
         self.param = param
 
 
-def vllm_conversation(messages: list[dict[str, Any]], chatml: bool = False) -> list[dict[str, Any]]:
+#: where an engine's placeholder for an image goes in the oracle's content: a part the ChatML
+#: renderer costs as an image (``image_cost``) and cuts the text around
+_IMAGE_SLOT = object()
+#: a message key of the oracle's own: image parts the engine dropped from the text, still charged
+DROPPED_IMAGES = "_oracle_dropped_images"
+
+
+def vllm_string_parts(content: Any, interleave: bool = False) -> Any:
+    """A message's content as vLLM builds it for a "string"-format template (kvgate's ChatML has
+    no ``for`` over a message's content, so ``_detect_content_format`` in vllm/renderers/hf.py
+    resolves "string"), step by step after vllm/entrypoints/chat_utils.py@001eadcf:
+
+    ``_parse_chat_message_content``: ``if content is None: content = []`` / ``elif
+    isinstance(content, str): content = [ChatCompletionContentPartTextParam(type="text",
+    text=content)]``; ``_parse_chat_message_content_parts`` with ``wrap_dicts=False``: each part
+    through ``_parse_chat_message_content_part`` (text and refusal parts: ``return str_content``;
+    an image: ``mm_parser.parse_image`` stores the model's placeholder and the part yields
+    ``MODALITY_PLACEHOLDERS_MAP[modality] if interleave_strings else None``), kept ``if
+    parse_res:``; then ``text_prompt = "\\n".join(texts)`` when no placeholder was stored, else
+    ``_get_full_multimodal_text_prompt``: ``"\\n".join(missing_placeholders + [text_prompt])`` (or
+    the placeholders alone when ``text_prompt`` is empty); with ``interleave_strings``
+    (``--interleave-mm-strings``) ``_get_interleaved_text_prompt`` puts each placeholder where
+    its mark is and joins with ``"\\n"``, leaving none missing.
+
+    The model's placeholder text is model-specific: here it is the image part itself (the ChatML
+    oracle costs it with ``image_cost`` and cuts the text around it). Returns a string when no
+    image was sent, else parts for :func:`chat_tokens`."""
+    if content is None:
+        content = []
+    elif isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    parsed: list[Any] = []  # _parse_chat_message_content_parts' ``content``
+    storage: list[dict[str, Any]] = []  # the placeholders the parser stored, in order
+    for part in content:
+        if part["type"] in ("text", "refusal"):
+            parse_res = part.get(part["type"])
+        else:
+            storage.append(part)
+            parse_res = _IMAGE_SLOT if interleave else None
+        if parse_res:
+            parsed.append(parse_res)
+    if not storage:
+        return "\n".join(parsed)
+    if interleave:
+        placeholders = list(storage)
+        pieces = [placeholders.pop(0) if x is _IMAGE_SLOT else x for x in parsed]
+    else:
+        text_prompt = "\n".join(parsed)
+        pieces = storage + [text_prompt] if text_prompt else list(storage)
+    out: list[dict[str, Any]] = []
+    for k, piece in enumerate(pieces):
+        if k:
+            out.append({"type": "text", "text": "\n"})  # multimodal_content_part_separator
+        out.append({"type": "text", "text": piece} if isinstance(piece, str) else piece)
+    return out
+
+
+def vllm_conversation(  # noqa: C901 (vLLM's steps, in its order)
+    messages: list[dict[str, Any]], chatml: bool = False, interleave: bool = False
+) -> list[dict[str, Any]]:
     """vLLM's conversation for a string-content template: vllm/entrypoints/chat_utils.py@001eadcf
     ``_parse_chat_message_content`` (content: None -> [], a string -> one text part, text parts
     joined with "\\n"; assistant: ``tool_calls`` if not None, ``reasoning`` also as
     ``reasoning_content``; tool: ``tool_call_id``; ``name`` if a string) then
-    ``_postprocess_messages``. ``chatml``: keep content as sent (kvgate's ChatML renders parts)."""
+    ``_postprocess_messages``. ``chatml``: the content as :func:`vllm_string_parts` builds it
+    (images in place of their placeholders, ``interleave``: ``--interleave-mm-strings``); else
+    the text parts joined with "\\n" (images costed apart by the caller)."""
     conversation = []
     for msg in copy.deepcopy(messages):
         role = msg["role"]
         content = msg.get("content")
-        if not chatml:
+        if chatml:
+            content = vllm_string_parts(content, interleave)
+        else:
             parts = (
                 [] if content is None else [{"type": "text", "text": content}] if isinstance(content, str) else content
             )
@@ -444,7 +513,9 @@ def templated_tools(engine: str | None, tools: Any, rewrite_schema: bool = True)
     return tools_as_templated(engine, tools)
 
 
-def sglang_messages(messages: list[dict[str, Any]], chatml: bool = False) -> list[dict[str, Any]]:
+def sglang_messages(  # noqa: C901 (SGLang's steps, in its order)
+    messages: list[dict[str, Any]], chatml: bool = False
+) -> list[dict[str, Any]]:
     """SGLang's messages for a string-format Jinja template:
     python/sglang/srt/entrypoints/openai/serving_chat.py@002897c2 ``_apply_jinja_template``:
     each assistant tool call as ``ToolCall.model_dump()`` (``{id, index, type, function: {name,
@@ -454,7 +525,11 @@ def sglang_messages(messages: list[dict[str, Any]], chatml: bool = False) -> lis
     ``process_content_for_template_format`` (python/sglang/srt/parser/jinja_template_utils.py
     @0b9c3848, "string": text parts joined with " ", None values dropped),
     ``normalize_tool_content``, then ``_handle_last_assistant_message`` (continue_final_message
-    is never sent to SGLang by kvgate). ``chatml``: content as sent."""
+    is never sent to SGLang by kvgate). kvgate's ChatML is a "string"-format template for SGLang
+    too (``detect_jinja_template_content_format``: no image/audio/video/vision keyword, no ``for``
+    over ``message['content']``). ``chatml``: the same content, and the image parts SGLang's
+    "string" branch drops (``# Note: For string format, we ignore images/audio``) listed under
+    :data:`DROPPED_IMAGES`: kvgate charges them anyway."""
     import orjson
 
     messages = copy.deepcopy(messages)
@@ -479,9 +554,6 @@ def sglang_messages(messages: list[dict[str, Any]], chatml: bool = False) -> lis
                 function["arguments"] = parsed
     out = []
     for msg_dict in messages:
-        if chatml:
-            out.append({k: v for k, v in msg_dict.items() if v is not None})
-            continue
         if msg_dict.get("content") is None:
             msg_dict["content"] = ""
         if not isinstance(msg_dict.get("content"), list):
@@ -494,18 +566,27 @@ def sglang_messages(messages: list[dict[str, Any]], chatml: bool = False) -> lis
             ]
             processed = {**msg_dict, "content": " ".join(text_parts) if text_parts else ""}
             processed = {k: v for k, v in processed.items() if v is not None}
+            dropped = [c for c in msg_dict["content"] if isinstance(c, dict) and c.get("type") == "image_url"]
+            if chatml and dropped:
+                processed[DROPPED_IMAGES] = dropped
         out.append(processed)
     if out and out[-1].get("role") == "assistant":
         last_content = out[-1].get("content")
-        if isinstance(last_content, str) or chatml:
+        if isinstance(last_content, str):
+            dropped = out[-1].get(DROPPED_IMAGES)
             out[-1] = {"role": "user", "content": last_content}
+            if dropped:  # the oracle's charge goes with the rewritten turn
+                out[-1][DROPPED_IMAGES] = dropped
     return out
 
 
-def engine_messages(engine: str, messages: list[dict[str, Any]], chatml: bool = False) -> list[dict[str, Any]]:
-    """The messages ``engine``'s template sees (``kvgate``, ``openai``: as received)."""
+def engine_messages(
+    engine: str, messages: list[dict[str, Any]], chatml: bool = False, interleave: bool = False
+) -> list[dict[str, Any]]:
+    """The messages ``engine``'s template sees (``kvgate``, ``openai``: as received; vLLM:
+    ``interleave`` as :func:`vllm_conversation`)."""
     if engine == "vllm":
-        return vllm_conversation(messages, chatml)
+        return vllm_conversation(messages, chatml, interleave)
     if engine == "sglang":
         return sglang_messages(messages, chatml)
     return copy.deepcopy(messages)
@@ -528,12 +609,20 @@ def engine_chat_tokens(
 ) -> int:
     """:func:`chat_tokens` after ``engine``'s pre-template steps (kvgate's ChatML renders role,
     name, content and tool calls, so only the steps that change those matter; ``rewrite_schema``:
-    :func:`templated_tools`'). Raises :class:`EngineRefusal` where the engine answers 400."""
-    messages = engine_messages(engine, body["messages"], chatml=True)
+    :func:`templated_tools`'). vLLM with an image sent: the larger of its two placements of the
+    image placeholders (in front, and with ``--interleave-mm-strings`` in place), as the
+    server's flag is not known. Raises :class:`EngineRefusal` where the engine answers 400."""
+    sent_image = any(
+        isinstance(m.get("content"), list) and any(p["type"] not in ("text", "refusal") for p in m["content"])
+        for m in body["messages"]
+    )
     tools = templated_tools(engine, body.get("tools"), rewrite_schema)
-    return chat_tokens(
-        {**body, "messages": messages, "tools": tools},
-        image_cost,
-        add_generation_prompt,
-        parsed=engine in ("vllm", "sglang"),
+    return max(
+        chat_tokens(
+            {**body, "messages": engine_messages(engine, body["messages"], chatml=True, interleave=il), "tools": tools},
+            image_cost,
+            add_generation_prompt,
+            parsed=engine in ("vllm", "sglang"),
+        )
+        for il in ((False, True) if engine == "vllm" and sent_image else (False,))
     )

@@ -8,6 +8,9 @@ backend (to build the prompt), so for that backend the two counts are equal by c
 
 - ``content``: a string, ``null`` or parts; ``text``/``refusal`` parts are concatenated as they
   are, image parts (``image_url``, ``input_image``) cost a configured number of tokens instead.
+  This is what the bundled backend renders (the messages as sent); behind vLLM or SGLang the
+  counter renders each engine's view instead (:func:`tokenizer.engine_render.chatml_views`: text
+  parts joined with ``\n`` or a space before the template runs).
 - tool calls: ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` per call, joined by
   ``\n``, after the content (``\n`` between when the content is not empty).
 - ``tools``: ``# Tools\n\n<tools>\n`` + one JSON object per line + ``\n</tools>``, appended after
@@ -25,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenizer.engine_render import ParsedArguments
+from tokenizer.engine_render import DroppedImage, ParsedArguments
 from tokenizer.errors import ImagesNotSupportedError, InvalidPromptError, UnknownContentPartError
 
 TEXT_PART_TYPES = ("text", "refusal")
@@ -83,9 +86,28 @@ IM_START_PIECE = 0
 IM_END_PIECE = 1
 
 
+def _part(part: Any, pparam: str) -> str | dict | DroppedImage:
+    """A content part (at ``pparam``) validated: its text, or the part itself for an image (an
+    engine view's :class:`~tokenizer.engine_render.DroppedImage` as it is)."""
+    if isinstance(part, DroppedImage):
+        return part
+    if not isinstance(part, dict):
+        raise InvalidPromptError(f"'{pparam}' must be an object with a 'type'.", pparam)
+    ptype = part.get("type")
+    if ptype in TEXT_PART_TYPES:
+        text = part.get(ptype)
+        if not isinstance(text, str):
+            raise InvalidPromptError(f"'{pparam}.{ptype}' must be a string.", f"{pparam}.{ptype}")
+        return text
+    if ptype in IMAGE_PART_TYPES:
+        return part
+    raise UnknownContentPartError(ptype, f"{pparam}.type")
+
+
 def _text_of_content(content: Any, param: str, image_parts: list[dict] | None = None) -> tuple[list[str], int]:
     """Texts (split around images) and the image count of one message's ``content``; image parts
-    are appended to ``image_parts`` when given."""
+    are appended to ``image_parts`` when given. A :class:`~tokenizer.engine_render.DroppedImage`
+    (an image the engine leaves out of the text) is counted as an image without a split."""
     if content is None:
         return [""], 0
     if isinstance(content, str):
@@ -95,22 +117,15 @@ def _text_of_content(content: Any, param: str, image_parts: list[dict] | None = 
     texts: list[str] = [""]
     images = 0
     for j, part in enumerate(content):
-        pparam = f"{param}[{j}]"
-        if not isinstance(part, dict):
-            raise InvalidPromptError(f"'{pparam}' must be an object with a 'type'.", pparam)
-        ptype = part.get("type")
-        if ptype in TEXT_PART_TYPES:
-            text = part.get(ptype)
-            if not isinstance(text, str):
-                raise InvalidPromptError(f"'{pparam}.{ptype}' must be a string.", f"{pparam}.{ptype}")
-            texts[-1] += text
-        elif ptype in IMAGE_PART_TYPES:
-            images += 1
-            if image_parts is not None:
-                image_parts.append(part)
+        p = _part(part, f"{param}[{j}]")
+        if isinstance(p, str):
+            texts[-1] += p
+            continue
+        images += 1
+        if image_parts is not None:
+            image_parts.append(p.part if isinstance(p, DroppedImage) else p)
+        if not isinstance(p, DroppedImage):
             texts.append("")
-        else:
-            raise UnknownContentPartError(ptype, f"{pparam}.type")
     return texts, images
 
 

@@ -7,13 +7,16 @@ as sent, by construction) and ``openai`` (counts on its side) take the messages 
 as ``file@commit`` and function:
 
 - vLLM ``vllm/entrypoints/chat_utils.py@001eadcf`` ``_parse_chat_message_content`` (the message
-  rebuilt from its known keys) and ``_postprocess_messages`` (tool-call arguments parsed).
+  rebuilt from its known keys; for a "string"-format template, such as kvgate's ChatML, a
+  message's text parts joined with ``\n`` and its images' placeholders put in front:
+  :func:`vllm_string_content`) and ``_postprocess_messages`` (tool-call arguments parsed).
 - SGLang ``python/sglang/srt/entrypoints/openai/serving_chat.py@002897c2``
   ``_apply_jinja_template``: ``normalize_assistant_tool_call_arguments`` (arguments parsed
   with orjson, refused unless a JSON object), ``process_content_for_template_format``
   (``python/sglang/srt/parser/jinja_template_utils.py@0b9c3848``: text parts joined with a space,
-  ``None`` values dropped) and ``_handle_last_assistant_message`` (a trailing assistant turn
-  becomes a user turn of its text); each assistant tool call as its pydantic ``ToolCall`` dump
+  images dropped, ``None`` values dropped: :func:`sglang_text`, :func:`sglang_chatml_content`)
+  and ``_handle_last_assistant_message`` (a trailing assistant turn becomes a user turn of its
+  text); each assistant tool call as its pydantic ``ToolCall`` dump
   (``protocol.py@004c82e0``: ``{id, index, type, function: {name, arguments}}``, unset ones
   ``None``). ``_validate_request`` rewrites type aliases in every tool's ``parameters``
   (``normalize_json_schema_types``, ``python/sglang/srt/function_call/utils.py@00ca197b``)
@@ -27,6 +30,7 @@ what is counted.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +48,23 @@ class ParsedArguments:
     ChatML template receives it: written as that value's JSON, not as the string sent."""
 
     value: Any
+
+
+@dataclass(frozen=True)
+class DroppedImage:
+    """An image part the engine leaves out of the message's text (SGLang's "string" content
+    format drops it: :func:`sglang_chatml_content`). kvgate's ChatML still charges it its cost
+    (``tokenizer.chat``: counted as an image, the text not cut around it), in case the engine's
+    template is a multimodal one after all; that is an overcount of the text-only prompt, never
+    an undercount."""
+
+    part: dict[str, Any]
+
+
+#: content part types kvgate's counters take (``tokenizer.chat.TEXT_PART_TYPES`` /
+#: ``IMAGE_PART_TYPES``; repeated here, as ``tokenizer.chat`` imports this module)
+_TEXT_PARTS = ("text", "refusal")
+_IMAGE_PARTS = ("image_url", "input_image")
 
 
 def views_of(engines: frozenset[str] | tuple[str, ...]) -> list[str | None]:
@@ -134,7 +155,8 @@ def vllm_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     then ``_postprocess_messages``): ``role`` and ``content``; an assistant's ``tool_calls``
     (arguments parsed, an empty list dropped) and ``reasoning`` (also as ``reasoning_content``;
     a ``reasoning_content`` sent alone is not kept); a tool message's ``tool_call_id``; a string
-    ``name``. Every other key is dropped. Content stays as sent (the counter flattens it)."""
+    ``name``. Every other key is dropped. Content stays as sent (the counter flattens it:
+    :func:`vllm_string_content` for a "string"-format template)."""
     out = []
     for i, m in enumerate(messages):
         role = m.get("role")
@@ -154,10 +176,76 @@ def vllm_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _vllm_kept(content: Any) -> list[Any]:
+    """The parts vLLM keeps of a message's content, in order: each non-empty text's string, each
+    image part (see :func:`vllm_string_content`)."""
+    if content is None:
+        content = []
+    elif isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    items: list[Any] = []
+    for p in content:
+        ptype = p.get("type")
+        if ptype in _TEXT_PARTS:
+            if p.get(ptype):  # ``if parse_res``: "" is not kept
+                items.append(p[ptype])
+        elif ptype in _IMAGE_PARTS:
+            items.append(p)
+    return items
+
+
+def vllm_string_content(content: Any, interleave: bool = False) -> Any:
+    """A message's content as vLLM hands it to a "string"-format template (kvgate's ChatML: it
+    never loops over ``message['content']``, so ``_detect_content_format`` in
+    ``vllm/renderers/hf.py`` finds no ``_iter_nodes_assign_content_item`` and resolves "string").
+    ``vllm/entrypoints/chat_utils.py@001eadcf``, for ``wrap_dicts=False``:
+
+    - ``_parse_chat_message_content``: ``None`` is no parts, a string one text part
+      (``content = [ChatCompletionContentPartTextParam(type="text", text=content)]``);
+    - ``_parse_chat_message_content_part``: a ``text`` or ``refusal`` part is its string
+      (``if part_type in ("text", "input_text", "output_text", "refusal", "thinking")``); an image
+      part goes to the multimodal parser, which records the model's placeholder, and yields
+      ``None`` (``MODALITY_PLACEHOLDERS_MAP[modality] if interleave_strings else None``);
+    - ``_parse_chat_message_content_parts``: ``if parse_res: content.append(parse_res)``, so an
+      empty text part is dropped as the images are; then ``text_prompt = "\n".join(texts)``
+      without images, else ``_get_full_multimodal_text_prompt``: the placeholders go in front
+      (``multimodal_content_part_separator.join(missing_placeholders + [text_prompt])``, the
+      separator ``"\n"``; the placeholders alone when no text is left), or, under
+      ``--interleave-mm-strings`` (``interleave``), each where its image was
+      (``_get_interleaved_text_prompt``: ``"\n".join(texts)``).
+
+    A plain string is returned where no image is left; else a list of parts in which each image
+    part stands for its placeholder (costed as an image, the text cut around it) and the ``\n``
+    separators are text parts. Validated content only (parts are objects of known types)."""
+    items = _vllm_kept(content)
+    texts = [x for x in items if isinstance(x, str)]
+    if len(texts) == len(items):
+        return "\n".join(texts)
+    if interleave:
+        seq = items
+    else:
+        joined = "\n".join(texts)
+        seq = [x for x in items if not isinstance(x, str)] + ([joined] if joined else [])
+    parts: list[dict[str, Any]] = []
+    for k, x in enumerate(seq):
+        if k:
+            parts.append({"type": "text", "text": "\n"})
+        parts.append({"type": "text", "text": x} if isinstance(x, str) else x)
+    return parts
+
+
+def vllm_string_messages(messages: list[dict[str, Any]], interleave: bool = False) -> list[dict[str, Any]]:
+    """:func:`vllm_messages` with each content as :func:`vllm_string_content` makes it."""
+    return [{**m, "content": vllm_string_content(m.get("content"), interleave)} for m in vllm_messages(messages)]
+
+
 def sglang_text(content: Any) -> Any:
     """SGLang ``process_content_for_template_format`` for string-format templates
-    (jinja_template_utils.py@0b9c3848): a parts list becomes its ``text`` parts joined by a
-    space (other parts dropped); ``None`` becomes ``""`` (serving_chat.py ``_apply_jinja_template``)."""
+    (jinja_template_utils.py@0b9c3848, ``elif content_format == "string":``): a parts list becomes
+    its ``text``/``input_text`` parts joined by a space (``" ".join(text_parts) if text_parts
+    else ""``: an empty text part is kept, a ``refusal`` part, which SGLang's request model
+    refuses, and every image dropped); ``None`` becomes ``""`` (serving_chat.py@002897c2
+    ``_apply_jinja_template``: ``if msg_dict.get("content") is None: msg_dict["content"] = ""``)."""
     if content is None:
         return ""
     if isinstance(content, list):
@@ -165,23 +253,37 @@ def sglang_text(content: Any) -> Any:
     return content
 
 
-def sglang_messages(messages: list[dict[str, Any]], flatten: bool = True) -> list[dict[str, Any]]:
+def sglang_chatml_content(content: Any) -> Any:
+    """:func:`sglang_text`, for kvgate's ChatML: the text as SGLang joins it, each image part it
+    drops kept as a :class:`DroppedImage` after it (charged, the text not cut). A string where
+    there is no image."""
+    text = sglang_text(content)
+    if not isinstance(content, list):
+        return text
+    images = [DroppedImage(p) for p in content if isinstance(p, dict) and p.get("type") in _IMAGE_PARTS]
+    return [{"type": "text", "text": text}, *images] if images else text
+
+
+def sglang_messages(
+    messages: list[dict[str, Any]], flatten: Callable[[Any], Any] = sglang_text
+) -> list[dict[str, Any]]:
     """The messages SGLang templates (serving_chat.py@002897c2 ``_apply_jinja_template``):
     tool calls dumped and their arguments parsed (:func:`sglang_call`; refused unless a JSON
-    object), content flattened (``flatten``; :func:`sglang_text`) and ``None`` values
-    dropped, then ``_handle_last_assistant_message``: a final assistant message whose content is
-    a string becomes ``{"role": "user", "content": <that string>}`` (its tool calls, name and
-    reasoning are gone). ``flatten=False`` keeps content as sent (kvgate's ChatML renders parts
-    itself); a final assistant message is then rewritten whatever its content."""
+    object), content flattened by ``flatten`` (:func:`sglang_text`; for kvgate's ChatML
+    :func:`sglang_chatml_content`) and ``None`` values dropped, then
+    ``_handle_last_assistant_message``: a final assistant message whose content is a string
+    becomes ``{"role": "user", "content": <that string>}`` (its tool calls, name and reasoning are
+    gone). Flattened content is always a string on SGLang's side (the images a
+    :class:`DroppedImage` list carries are not in it), so the final assistant turn is always
+    rewritten."""
     out = []
     for i, m in enumerate(messages):
         msg = dict(m)
         if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
             msg["tool_calls"] = _sglang_calls(m, i)
-        if flatten:
-            msg["content"] = sglang_text(msg.get("content"))
+        msg["content"] = flatten(msg.get("content"))
         out.append({k: v for k, v in msg.items() if v is not None})
-    if out and out[-1].get("role") == "assistant" and (isinstance(out[-1].get("content"), str) or not flatten):
+    if out and out[-1].get("role") == "assistant":
         out[-1] = {"role": "user", "content": out[-1].get("content")}
     return out
 
@@ -462,12 +564,27 @@ def wrap_parsed(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def chatml_view(messages: list[dict[str, Any]], engine: str | None) -> list[dict[str, Any]]:
+def chatml_views(messages: list[dict[str, Any]], engine: str | None) -> list[list[dict[str, Any]]]:
     """Validated ``messages`` as ``engine`` hands them to a ChatML template (kvgate's, which
-    renders role, name, content and tool calls only): arguments parsed; for SGLang, the final
-    assistant turn rewritten. ``None``: as sent."""
+    renders role, name, content and tool calls only, and never loops over a message's content:
+    the "string" content format for both engines), one list per layout the engine may use:
+    arguments parsed; content flattened (vLLM: :func:`vllm_string_content`, text parts joined
+    with ``\n``, both image layouts when an image is sent, as kvgate cannot know whether
+    ``--interleave-mm-strings`` is set; SGLang: :func:`sglang_chatml_content`, joined with a
+    space); for SGLang, the final assistant turn rewritten. ``None``: as sent."""
     if engine == "vllm":
-        return wrap_parsed(vllm_messages(messages))
+        with_image = any(
+            isinstance(p, dict) and p.get("type") in _IMAGE_PARTS
+            for m in messages
+            if isinstance(m.get("content"), list)
+            for p in m["content"]
+        )
+        return [wrap_parsed(vllm_string_messages(messages, il)) for il in ((False, True) if with_image else (False,))]
     if engine == "sglang":
-        return wrap_parsed(sglang_messages(messages, flatten=False))
-    return messages
+        return [wrap_parsed(sglang_messages(messages, sglang_chatml_content))]
+    return [messages]
+
+
+def chatml_view(messages: list[dict[str, Any]], engine: str | None) -> list[dict[str, Any]]:
+    """The first of :func:`chatml_views` (vLLM: the placeholders in front, its default)."""
+    return chatml_views(messages, engine)[0]

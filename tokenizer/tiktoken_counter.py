@@ -11,7 +11,8 @@ import tiktoken
 from tokenizer.base import PromptCounter
 from tokenizer.chat import DEFAULT_CHAT, ChatOptions, RenderedChat, chatml_token_count, chatml_token_ids, render_chatml
 from tokenizer.encodings import IM_END_ID, IM_START_ID, bundled_encoding, get_encoding, valid_id_mask
-from tokenizer.engine_render import chatml_view, engine_tools, schema_forms, views_of
+from tokenizer.engine_render import chatml_view as chatml_view  # re-exported: one engine's first view
+from tokenizer.engine_render import chatml_views, engine_tools, schema_forms, views_of
 from tokenizer.guard import fault_param, guarded
 from tokenizer.parallel import parallel_count
 from tokenizer.tiktoken_safe import encode_ordinary as safe_encode_ordinary
@@ -158,18 +159,19 @@ class TiktokenCounter(PromptCounter):
 
     def _renderings(self, messages: Any, tools: Any, options: ChatOptions) -> list[RenderedChat]:
         """The distinct renderings of the chat, one for each way :attr:`engines` hand it to the
-        template (validated first; :func:`tokenizer.engine_render.chatml_view`). An engine's
-        view equal to the messages as sent (no tool-call arguments to parse, no turn to rewrite:
-        most chats) renders as they do, so it is not rendered again."""
+        template (validated first; :func:`tokenizer.engine_render.chatml_views`: arguments
+        parsed, content parts joined as each engine joins them, vLLM's two image layouts). An
+        engine's view equal to the messages as sent (no tool-call arguments to parse, no parts to
+        join, no turn to rewrite: most chats) renders as they do, so it is not rendered again."""
         rendered = render_chatml(messages, tools, options)
         out: list[RenderedChat] = []
         for v in views_of(self.engines):
-            view = messages if v is None else chatml_view(messages, v)
-            for rewrite in schema_forms(tools, v):
-                vtools = engine_tools(tools, v, rewrite)  # the engine's template gets each tool's model_dump()
-                r = rendered if view == messages and vtools == tools else render_chatml(view, vtools, options)
-                if all(r is not o for o in out):
-                    out.append(r)
+            for view in [messages] if v is None else chatml_views(messages, v):
+                for rewrite in schema_forms(tools, v):
+                    vtools = engine_tools(tools, v, rewrite)  # the engine's template gets each tool's model_dump()
+                    r = rendered if view == messages and vtools == tools else render_chatml(view, vtools, options)
+                    if all(r is not o for o in out):
+                        out.append(r)
         return out
 
     def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
