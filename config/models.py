@@ -9,10 +9,20 @@ from __future__ import annotations
 
 import re
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "$" lets a final newline in
@@ -124,7 +134,10 @@ class ModelConfig(_Strict):
     ``images``: the image cost and URL policy (:class:`ImagePolicy`).
     ``task``: what it serves (docs/design.md, "New keys"): ``chat`` (``/v1/chat/completions``,
     ``/v1/completions``, ``/v1/responses``) or ``embedding`` (``/v1/embeddings``); both serve
-    ``/tokenize`` and ``/detokenize``."""
+    ``/tokenize`` and ``/detokenize``. ``matryoshka`` (embedding models): which ``dimensions`` the
+    engine takes, as vLLM reads the model's config (``is_matryoshka``, ``matryoshka_dimensions``):
+    ``false`` none (``dimensions`` is refused), ``true`` any, or the list of those it takes
+    (:func:`gateway.admission.engine_refusals.check_embedding_dimensions`)."""
 
     id: str
     aliases: list[str] = Field(default_factory=list)
@@ -133,6 +146,13 @@ class ModelConfig(_Strict):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     images: ImagePolicy = Field(default_factory=ImagePolicy)
     task: Literal["chat", "embedding"] = "chat"
+    matryoshka: StrictBool | Annotated[list[Annotated[StrictInt, Field(ge=1)]], Field(min_length=1)] = False
+
+    @model_validator(mode="after")
+    def _matryoshka_embeds(self) -> ModelConfig:
+        if self.matryoshka is not False and self.task != "embedding":
+            raise ValueError("'matryoshka' is for embedding models (task: embedding)")
+        return self
 
 
 class UpstreamConfig(_Strict):
@@ -435,6 +455,23 @@ class Settings(_Strict):
                     raise ValueError(
                         f"upstreams[{i}].models[{j}]: unknown model '{n}' "
                         "(not the id or an alias of any entry in 'models')"
+                    )
+        return self
+
+    @model_validator(mode="after")
+    def _embeddings_served(self) -> Settings:
+        """No upstream whose engine is the bundled backend (``kvgate``, which has no
+        ``/v1/embeddings``) serves an embedding model: its every request would be admitted,
+        charged and answered 404."""
+        for i, u in enumerate(self.upstreams):
+            if u.engine != "kvgate":
+                continue
+            for j, n in enumerate(u.models):
+                m = self.model_by_name(n)
+                if m is not None and m.task == "embedding":
+                    raise ValueError(
+                        f"upstreams[{i}].models[{j}]: model '{m.id}' has task 'embedding', but upstream '{u.name}' "
+                        "has engine 'kvgate' (the bundled backend serves no /v1/embeddings)"
                     )
         return self
 

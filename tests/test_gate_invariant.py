@@ -472,8 +472,8 @@ def test_numeric_fields_of_the_wrong_kind_refused(env):
     status, param, message = refusal(env, "chat", head + b'"logit_bias": {"5": NaN}}')  # nested: not named
     assert (status, param) == (400, None) and message.startswith("We could not parse the JSON body")
     # the edges pass
-    status, _, got = post(env, "chat", user(model="m", temperature=2, top_p=0, top_logprobs=20, logprobs=True, n=1))
-    assert status == 200 and (got["temperature"], got["top_p"], got["top_logprobs"]) == (2, 0, 20)
+    status, _, got = post(env, "chat", user(model="m", temperature=2, top_p=1e-9, top_logprobs=20, logprobs=True, n=1))
+    assert status == 200 and (got["temperature"], got["top_p"], got["top_logprobs"]) == (2, 1e-9, 20)
 
 
 def _text_len(folder, text: str) -> int:

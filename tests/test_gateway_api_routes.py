@@ -34,7 +34,7 @@ def api_settings(engine: ApiMockEngine, *, up: dict | None = None, verifier: boo
     return settings_for(
         [{**upstream("u1", engine), "models": [MODEL, EMB], **(up or {})}],
         gateway={"max_body_bytes": 1 << 16},
-        models=[{"id": EMB, "context_length": 8192, "task": "embedding"}],
+        models=[{"id": EMB, "context_length": 8192, "task": "embedding", "matryoshka": True}],
         verifier={"enabled": verifier, "strict_holdback_tokens": 16},
         quotas={"enabled": quotas, "window_seconds": 60},
     )
@@ -91,7 +91,7 @@ def test_responses_at_the_limit_is_served_and_one_over_is_context_length_exceede
 def gw_bundled(engine):
     """The gateway with the mock declared the bundled engine (``engine: kvgate``), which takes
     tool-call arguments as sent, as the mock counts (SGLang and vLLM parse them first)."""
-    g = start(engine, up={"engine": "kvgate"})
+    g = start(engine, up={"engine": "kvgate", "models": [MODEL]})
     yield g
     g.stop()
 

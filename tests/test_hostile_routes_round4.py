@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
+from gateway.admission.engine_refusals import BUNDLED_NEUTRAL
 from gateway.quotas.tenant_quotas import build_quota_stage
-from gateway.routes.completions import BUNDLED_NEUTRAL
 from tests.gateway_harness import MODEL, Gateway, tenants
 from tests.test_gateway_api_routes import EMB, LIMIT, api_settings, error_of, forwarded
 from tests.test_hostile_routes import REFUSED, Ledger, _invalid, _post
@@ -41,8 +41,10 @@ ENGINES = ("sglang", "vllm", "kvgate", "openai")
 
 
 def _start(engine: Any, policy: str) -> Gateway:
-    """tests/test_hostile_routes.py's gateway, its upstream declared served by ``policy``."""
-    s = api_settings(engine, up={"engine": policy}, quotas=True)
+    """tests/test_hostile_routes.py's gateway, its upstream declared served by ``policy`` (the
+    bundled backend, which has no ``/v1/embeddings``, without the embedding model)."""
+    up: dict[str, Any] = {"engine": policy, **({"models": [MODEL]} if policy == "kvgate" else {})}
+    s = api_settings(engine, up=up, quotas=True)
     s.quotas.window_seconds = 3600
     limits = {"rpm": 10**6, "tpm": 10**9, "max_concurrent": 64, "max_embedding_inputs": 8}
     reg = tenants(max_context_tokens=LIMIT, allowed_models=[MODEL, EMB], **limits)
@@ -127,7 +129,7 @@ ADMITTED: list[tuple[str, dict[str, Any]]] = [
     # the bundled backend's neutral values, and a one-prompt list
     ("kvgate", {"prompt": ["hi"]}),
     ("kvgate", {"prompt": [[1, 2]]}),
-    ("kvgate", {k: v[0] for k, v in BUNDLED_NEUTRAL.items()}),
+    ("kvgate", {k: v[0] for k, v in BUNDLED_NEUTRAL["completions"].items()}),
     # OpenAI itself: none of the engines' refusals apply
     ("openai", {"top_p": 0, "temperature": 0, "n": 2, "echo": True, "prompt": ["a", "b"]}),
 ]
@@ -164,6 +166,6 @@ def test_the_bundled_backend_refuses_each_value_the_gateway_now_refuses_for_it()
         with pytest.raises(OpenAIError) as e:
             parse(**body)
         assert (e.value.status, e.value.param) == (400, error["param"]), body
-    for key, neutral in BUNDLED_NEUTRAL.items():
+    for key, neutral in BUNDLED_NEUTRAL["completions"].items():
         for value in neutral:
             parse(**{key: value})

@@ -394,12 +394,13 @@ NO_TOOL_PARSER = frozenset({"kvgate"})
 
 def check_output_constraints(body: dict[str, Any], engines: frozenset[str]) -> None:
     """Refuse what asks the engines to constrain the answer when they cannot (docs/gateway.md,
-    "Tools, response_format and the rule between them"), for engines that parse no tool calls
-    and apply no structured output (the bundled backend): ``tool_choice`` other than ``auto`` /
-    ``none`` (``tools`` alone change only the prompt: counted and passed), chat's
-    ``response_format`` or the Responses API's ``text.format`` other than text. Before the engine
-    is asked, so the refusal charges no prompt. Raises :class:`OpenAIError` 400 naming the field."""
-    if not engines or not engines <= NO_TOOL_PARSER:
+    "Tools, response_format and the rule between them"), where an engine that parses no tool
+    calls and applies no structured output (the bundled backend) serves the model, beside others
+    or alone (any of them may get the request): ``tool_choice`` other than ``auto`` / ``none``
+    (``tools`` alone change only the prompt: counted and passed), chat's ``response_format`` or
+    the Responses API's ``text.format`` other than text. Before the engine is asked, so the
+    refusal charges no prompt. Raises :class:`OpenAIError` 400 naming the field."""
+    if not engines & NO_TOOL_PARSER:
         return
     if body.get("tool_choice") not in (None, "auto", "none"):
         raise _refuse(

@@ -9,6 +9,7 @@ from typing import Any
 from config.errors import context_length_message
 from gateway.admission import fields
 from gateway.admission.checks import CHAT_FIELDS, check_fields, check_stream_options
+from gateway.admission.engine_refusals import check_engine_refusals
 from gateway.admission.gate import CountedPrompt
 from gateway.admission.registry import ModelEntry
 from gateway.routes.base import PromptApiRoute
@@ -54,8 +55,13 @@ class ChatRoute(PromptApiRoute):
         return n
 
     def check_fields(self, body: dict[str, Any], entry: ModelEntry) -> ChatOptions:
+        """The engines' field policy (:func:`gateway.admission.fields.check_chat_request`), then
+        the values they would refuse after admission
+        (:func:`gateway.admission.engine_refusals.check_engine_refusals`)."""
         specials = entry.counter.special_token_texts
-        return fields.check_chat_request(body, entry.engines, entry.config.images, specials)
+        options = fields.check_chat_request(body, entry.engines, entry.config.images, specials)
+        check_engine_refusals(body, entry.engines, self.name)
+        return options
 
     def count_now(self, counter: PromptCounter, body: dict[str, Any], options: ChatOptions) -> CountedPrompt:
         c = counter.count_chat(body["messages"], body.get("tools"), options)

@@ -13,6 +13,7 @@ import orjson
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
 from gateway.admission.checks import INT64_MAX, Check, anything, check_fields, drop_nulls, int_in, one_of, string
+from gateway.admission.engine_refusals import check_embedding_dimensions
 from gateway.admission.gate import Admission, CompletionBound, CountedPrompt, effective_limit, refuse_empty_prompts
 from gateway.admission.registry import ModelEntry
 from gateway.relay.stream_protocol import StreamProtocol
@@ -142,7 +143,11 @@ class EmbeddingsRoute:
     async def count(
         self, entry: ModelEntry, tenant: TenantConfig, body: dict[str, Any], served: list[Any], live: int | None
     ) -> CountedPrompt:
-        return await count_embeddings(entry, tenant, body, live)  # a batch certainly over live: refused uncounted
+        """``dimensions`` as the model's ``matryoshka`` setting allows
+        (:func:`~gateway.admission.engine_refusals.check_embedding_dimensions`), then the inputs
+        counted (:func:`count_embeddings`; a batch certainly over ``live`` is refused uncounted)."""
+        check_embedding_dimensions(body, entry.engines, entry.config.matryoshka)
+        return await count_embeddings(entry, tenant, body, live)
 
     def decide(
         self, entry: ModelEntry, tenant: TenantConfig, body: dict[str, Any], prompt: CountedPrompt, pool_limit: int
