@@ -90,7 +90,7 @@ async def reserve_pages(engine: Engine, request_id: str, prompt_tokens: int, max
     res = PageReservation(request_id, engine.pool.pages_for(prompt_tokens + max_new_tokens), future_setter(fut))
     engine.register(res)
     engine.submit(Reserve(res))
-    match await one_reply(fut, lambda: engine.abort(request_id)):
+    match await one_reply(fut, lambda: engine.abort(request_id, res)):
         case PagesGranted(pages=pages):
             return pages
         case Failed(error=error):
@@ -133,10 +133,13 @@ async def decode_reserved(
     and :class:`TransferMismatchError` when ``context_tokens`` differs from the ``num_tokens`` given
     to :func:`load_pages` (invariant 2 held by the engine too; lifted by ``skip_transfer_check``).
     """
+    res = engine.requests.live.get(request_id)  # the reservation this call decodes from
+    res = res if isinstance(res, PageReservation) else None
     try:
         params.validate()
     except InvalidRequestError:
-        engine.abort(request_id)
+        if res is not None:
+            engine.abort(request_id, res)
         raise
     params = params.clamped(engine.max_new_tokens_for(context_tokens))
     queue: asyncio.Queue[Reply] = asyncio.Queue()
@@ -144,7 +147,15 @@ async def decode_reserved(
         request_id, list(prompt_ids), first_token_id, params, context_tokens, engine.sample_seed(params), emitter(queue)
     )
     engine.submit(msg)
-    async with contextlib.aclosing(queue_tokens(queue, lambda: engine.abort(request_id))) as tokens:
+
+    def leave() -> None:
+        """Abort this call's request only: its reservation, or the sequence the worker made of it
+        (which answers to ``msg.emit``); once it retired, a later request may hold the id."""
+        live = engine.requests.live.get(request_id)
+        if live is not None and (live is res or getattr(live, "emit", None) is msg.emit):
+            engine.abort(request_id, live)
+
+    async with contextlib.aclosing(queue_tokens(queue, leave)) as tokens:
         async for tok in tokens:
             yield tok
 
@@ -290,6 +301,9 @@ class DecodeNode:
         except Exception as e:
             self._fail(manifest.room, r, "load_pages failed", e)
             raise
+        if r.signals.closed.is_set():  # released while loading: the abort behind the load freed the pages
+            self.counters["transfers_refused"] += 1
+            raise RoomGoneError(f"bootstrap room {manifest.room} is closed ({r.close_reason})")
         transfer.context_tokens = context
         r.state = RoomState.LOADED
         r.signals.loaded.set()
@@ -354,7 +368,18 @@ class DecodeNode:
     def _context_tokens(self, r: Room, res: Reservation, manifest: Manifest) -> int:
         """The positions decode attends over: the transfer's ``num_tokens`` when it matches the
         reserved prompt length. A mismatch fails the room (500) unless ``skip_transfer_check``,
-        under which decode attends over every reserved prompt position."""
+        under which decode attends over every reserved prompt position. A transfer built for
+        another request (its ``request_id`` is not the room's) fails the room (500) whatever the
+        faults: its pages hold another prompt's KV."""
+        if engine_request_id(manifest.request_id, manifest.room) != res.request_id:
+            self.counters["transfer_mismatches"] += 1
+            own = res.request_id.rsplit("@", 1)[0]
+            mismatch = TransferMismatchError(
+                f"transfer for room {manifest.room} was built for request {manifest.request_id!r}, "
+                f"the room's request is {own!r}"
+            )
+            self._fail(manifest.room, r, "transfer for another request", mismatch)
+            raise mismatch
         if manifest.num_tokens == res.prompt_tokens:
             return manifest.num_tokens
         self.counters["transfer_mismatches"] += 1

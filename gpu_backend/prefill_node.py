@@ -55,13 +55,13 @@ async def prefill_export(
     params = dataclasses.replace(params or SamplingParams(max_new_tokens=1), max_new_tokens=1)
     seq = engine.admit(request_id, prompt_ids, params, future_setter(fut), export=True)
     engine.submit(AddRequest(seq))
-    match await one_reply(fut, lambda: engine.abort(request_id)):
+    match await one_reply(fut, lambda: engine.abort(request_id, seq)):
         case Exported(kv=kv, outcome=outcome):
             return kv, outcome
         case Failed(error=error):
             raise error
         case other:
-            engine.abort(request_id)
+            engine.abort(request_id, seq)
             raise unexpected(other)
 
 
