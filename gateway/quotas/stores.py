@@ -43,6 +43,9 @@ DEFAULT_ENDED_MS = 240_000
 #: that the in-process store, which decides on the event loop every tenant shares, answers as
 #: Redis does at a bounded cost
 TPM_WALK_MAX = 1024
+#: the largest token count a settle charges: 2^53 - 1, what the scripts count exactly (Lua numbers
+#: are doubles: a larger one was written back as text such as ``1e+17`` and added rounded)
+MAX_COUNT = 2**53 - 1
 
 
 @dataclass(frozen=True)
@@ -82,8 +85,10 @@ class QuotaDecision:
     ``refused``: the refused dimensions, a subset of ``("rpm", "tpm", "concurrency")`` (empty
     when admitted). ``retry_after_ms``: when every refused dimension admits the request again
     (RPM/TPM: exact, from the log; concurrency: 1000, as a lease ends with its request).
-    ``remaining_*``: what is left in the window after this decision (``-1`` = unlimited).
-    ``too_large``: the request alone reserves more tokens than the whole TPM.
+    ``remaining_*``: what is left in the window after this decision (``-1`` = unlimited; never
+    negative). ``too_large``: the request alone reserves more tokens than the whole TPM.
+    ``used_*`` (a refusal's; ``-1`` = not told): the requests / tokens the window holds, which
+    is more than the limit where a reload lowered it (the 429 says so; ``remaining_*`` is 0).
     """
 
     admitted: bool
@@ -92,6 +97,8 @@ class QuotaDecision:
     remaining_requests: int
     remaining_tokens: int
     too_large: bool = False
+    used_requests: int = -1
+    used_tokens: int = -1
 
 
 class QuotaStoreUnavailable(Exception):
@@ -208,9 +215,11 @@ def _text(v: Any) -> str:
 
 
 def _decision(r: Any) -> QuotaDecision:
-    """A script's reply ``{admitted, refused, retry_ms, remaining_requests, remaining_tokens, too_large}``."""
+    """A script's reply ``{admitted, refused, retry_ms, remaining_requests, remaining_tokens,
+    too_large[, used_requests, used_tokens]}`` (a refusal's has the last two)."""
     refused = tuple(x for x in _text(r[1]).split(",") if x)
-    return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])))
+    used = (int(r[6]), int(r[7])) if len(r) >= 8 else (-1, -1)
+    return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])), *used)
 
 
 #: scripts that start with a shared part (a script runs alone in Redis, without imports)
@@ -698,8 +707,7 @@ class RedisQuotaStore:
             (r,) = await self._call_with([(self._reserve, self._script_keys(tenant_id), args)], also, also.calls)
         else:
             r = await self._call(self._reserve, self._script_keys(tenant_id), args)
-        refused = tuple(x for x in _text(r[1]).split(",") if x)
-        return QuotaDecision(bool(int(r[0])), refused, int(r[2]), int(r[3]), int(r[4]), bool(int(r[5])))
+        return _decision(r)
 
     async def _call_with(
         self,
@@ -791,7 +799,8 @@ class RedisQuotaStore:
         self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
     ) -> None:
         track = "1" if limits.tpm is not None else "0"
-        args = [lease_id, int(used_tokens), int(reserved_tokens), int(window_ms), track, self.ended_ms]
+        used, reserved = min(int(used_tokens), MAX_COUNT), min(int(reserved_tokens), MAX_COUNT)
+        args = [lease_id, used, reserved, int(window_ms), track, self.ended_ms]
         await self._call(self._settle, self._script_keys(tenant_id), args, lazy=True)
 
     async def renew(self, tenant_id: str, lease_ids: list[str], lease_ttl_ms: int) -> int:
@@ -914,7 +923,9 @@ class LocalQuotaStore:
         rr = UNLIMITED if limits.rpm is None else max(0, limits.rpm - count)
         rt = UNLIMITED if limits.tpm is None else max(0, limits.tpm - used)
         if refused:
-            return QuotaDecision(False, tuple(refused), max(1, math.floor(retry)), rr, rt, too_large)
+            ur = UNLIMITED if limits.rpm is None else count
+            ut = UNLIMITED if limits.tpm is None else used
+            return QuotaDecision(False, tuple(refused), max(1, math.floor(retry)), rr, rt, too_large, ur, ut)
         self._admit(log, limits, lease_id, tokens, now, lease_ttl_ms)
         if limits.rpm is not None:
             rr -= 1

@@ -41,6 +41,7 @@ from config.redis_client import StoreBackoff, redis_client
 from gateway.quotas.packing import pack_with_hiredis
 from gateway.quotas.stage import NullQuotas, QuotaLease, QuotaStage
 from gateway.quotas.stores import (
+    MAX_COUNT,
     LocalQuotaStore,
     QuotaDecision,
     QuotaLimits,
@@ -112,6 +113,12 @@ def never_fits(tenant: TenantConfig, decision: QuotaDecision, tokens: int) -> bo
     return decision.too_large and tpm is not None and tokens > tpm
 
 
+def _used(limit: int | None, remaining: int, used: int) -> int:
+    """What a refusal's window holds: the store's count (``used`` >= 0; above ``limit`` where a
+    reload lowered it), else ``limit - remaining``."""
+    return used if used >= 0 else (limit or 0) - max(0, remaining)
+
+
 def refusal_error(
     tenant: TenantConfig, limits: QuotaLimits, decision: QuotaDecision, tokens: int, window_seconds: float
 ) -> OpenAIError:
@@ -124,10 +131,10 @@ def refusal_error(
     window = _fmt_seconds(window_seconds)
     parts = []
     if "rpm" in decision.refused:
-        used = (limits.rpm or 0) - max(0, decision.remaining_requests)
+        used = _used(limits.rpm, decision.remaining_requests, decision.used_requests)
         parts.append(f"requests per {window} window (RPM): Limit {limits.rpm}, Used {used}, Requested 1")
     if "tpm" in decision.refused:
-        used = (limits.tpm or 0) - max(0, decision.remaining_tokens)
+        used = _used(limits.tpm, decision.remaining_tokens, decision.used_tokens)
         parts.append(f"tokens per {window} window (TPM): Limit {limits.tpm}, Used {used}, Requested {tokens}")
     if "concurrency" in decision.refused:
         parts.append(f"concurrent requests: Limit {limits.max_concurrent}")
@@ -622,7 +629,7 @@ class TenantQuotas:
         held.settled = True
         self._live.pop(held.lease_id, None)
         try:
-            used = max(0, int(used_tokens))
+            used = min(max(0, int(used_tokens)), MAX_COUNT)  # an engine's lie past any count: capped
         except (TypeError, ValueError, OverflowError):  # no count: the reservation stands (never an undercharge)
             log.error("quota settle for tenant %s got no token count (%r)", held.tenant_id, used_tokens)
             used = lease.reserved_tokens

@@ -4,7 +4,9 @@
 -- Window algorithm and keys: as reserve.lua (sliding-window log; the six {tenant} keys).
 -- ARGV: lease_id, rpm, max_concurrent (-1 = unlimited), window_ms, lease_ttl_ms
 -- Returns {admitted 1|0, refused "rpm,concurrency" subset, retry_after_ms,
---          remaining_requests (-1 = unlimited), -1, 0}; {0, "cancelled", 0, -1, -1, 0} after cancel.lua
+--          remaining_requests (-1 = unlimited), -1, 0}; a refusal's has two more: the requests the
+--          window holds (-1 = unlimited; above rpm where a reload lowered it, for its 429) and -1;
+--          {0, "cancelled", 0, -1, -1, 0} after cancel.lua
 local id = ARGV[1]
 -- cancel.lua undid this call already (it reached Redis late, the gateway had given up on it): no-op
 if redis.call('ZSCORE', KEYS[6], id) then return {0, 'cancelled', 0, -1, -1, 0} end
@@ -62,7 +64,7 @@ if #refused > 0 then
     end
   end
   if maxc >= 0 and inflight + 1 > maxc then retry = math.max(retry, 1000) end
-  return {0, table.concat(refused, ','), math.max(1, retry), rr, -1, 0}
+  return {0, table.concat(refused, ','), math.max(1, retry), rr, -1, 0, rpm >= 0 and count or -1, -1}
 end
 if rpm >= 0 then redis.call('ZADD', KEYS[1], now, id) end
 if maxc >= 0 then redis.call('ZADD', KEYS[5], now + ttl, id) end

@@ -14,7 +14,9 @@
 -- All six carry the {tenant} hash tag, so the script runs on Redis Cluster.
 -- ARGV: lease_id, rpm, tpm, max_concurrent (-1 = unlimited), tokens, window_ms, lease_ttl_ms
 -- Returns {admitted 1|0, refused "rpm,tpm,concurrency" subset, retry_after_ms,
---          remaining_requests (-1 = unlimited), remaining_tokens (-1 = unlimited), too_large 1|0};
+--          remaining_requests (-1 = unlimited), remaining_tokens (-1 = unlimited), too_large 1|0}; a
+--          refusal's has two more: the requests and the tokens the window holds (-1 = unlimited; above
+--          the limit where a reload lowered it, for its 429);
 -- {0, "cancelled", 0, -1, -1, 0} when cancel.lua undid this call before it ran (a no-op).
 local id = ARGV[1]
 -- cancel.lua undid this call already (it reached Redis late, the gateway had given up on it): no-op
@@ -125,7 +127,10 @@ if #refused > 0 then
   local rr, rt = -1, -1
   if rpm >= 0 then rr = math.max(0, rpm - count) end
   if tpm >= 0 then rt = math.max(0, tpm - used) end
-  return {0, table.concat(refused, ','), math.max(1, retry), rr, rt, too_large}
+  local ur, ut = -1, -1
+  if rpm >= 0 then ur = count end
+  if tpm >= 0 then ut = used end
+  return {0, table.concat(refused, ','), math.max(1, retry), rr, rt, too_large, ur, ut}
 end
 
 if rpm >= 0 then redis.call('ZADD', KEYS[1], now, id) end

@@ -7,7 +7,8 @@
 -- log, or the leases without an RPM limit); when it does not hold lease_id, begin.lua refused this
 -- request and nothing is debited: {0, "begin", 0, -1, -1, 0}. For begin.lua and this script sent in
 -- one round trip, one behind the other (RedisQuotaStore.begin_tokens).
--- Returns {admitted 1|0, "tpm" or "", retry_after_ms, -1, remaining_tokens, too_large 1|0};
+-- Returns {admitted 1|0, "tpm" or "", retry_after_ms, -1, remaining_tokens, too_large 1|0}; a TPM
+-- refusal's has two more: -1 and the tokens the window holds (above tpm where a reload lowered it);
 -- {0, "cancelled", 0, -1, -1, 0} when cancel.lua undid this call before it ran (a no-op).
 local id = ARGV[1]
 local tpm = tonumber(ARGV[2])
@@ -38,7 +39,7 @@ end
 
 if used + tokens > tpm then
   tpm_trim(win, window)
-  if tokens > tpm then return {0, 'tpm', window, -1, math.max(0, tpm - used), 1} end
+  if tokens > tpm then return {0, 'tpm', window, -1, math.max(0, tpm - used), 1, -1, used} end
   local need = used + tokens - tpm
   local freed = 0
   local start = 0
@@ -58,7 +59,7 @@ if used + tokens > tpm then
     start = start + BATCH
   end
   if at == nil then at = (start >= WALK_MAX and last) or now end
-  return {0, 'tpm', math.max(1, at + window - now), -1, math.max(0, tpm - used), 0}
+  return {0, 'tpm', math.max(1, at + window - now), -1, math.max(0, tpm - used), 0, -1, used}
 end
 
 -- the admission's own entry is the first write (tpm_window.lua): under maxmemory with noeviction
