@@ -111,7 +111,9 @@ class ImagePolicy(_Strict):
     then ``(h / 28) x (w / 28)`` tokens plus 2 for the vision start/end tokens). Images whose size
     cannot be read from the bytes (any URL that is not ``data:``) cost the formula's maximum.
     ``allowed_url_hosts``: host names whose ``http(s)`` image URLs may be forwarded (the engine
-    fetches them); empty (the default) means ``data:`` URLs only.
+    fetches them); empty (the default) means ``data:`` URLs only. A model served by an upstream
+    whose engine is ``kvgate`` (the bundled backend, text only) takes no images: its image parts
+    are a 400, and a policy other than the default is a load error (:meth:`Settings._images_served`).
     """
 
     cost: Literal["fixed", "openai_tiles", "qwen2_vl"] = "fixed"
@@ -472,6 +474,27 @@ class Settings(_Strict):
                     raise ValueError(
                         f"upstreams[{i}].models[{j}]: model '{m.id}' has task 'embedding', but upstream '{u.name}' "
                         "has engine 'kvgate' (the bundled backend serves no /v1/embeddings)"
+                    )
+        return self
+
+    @model_validator(mode="after")
+    def _images_served(self) -> Settings:
+        """No upstream whose engine is the bundled backend (``kvgate``, which encodes its prompt as
+        text and refuses image parts) serves a model whose ``images`` policy differs from the
+        default (any key: a cost formula, its sizes, ``allowed_url_hosts``): the policy says the
+        model takes images, and the gateway refuses every image for it (any of its upstreams may
+        get the request). The default policy, which every model has, written out or not, loads."""
+        default = ImagePolicy()
+        for i, u in enumerate(self.upstreams):
+            if u.engine != "kvgate":
+                continue
+            for j, n in enumerate(u.models):
+                m = self.model_by_name(n)
+                if m is not None and m.images != default:
+                    raise ValueError(
+                        f"upstreams[{i}].models[{j}]: model '{m.id}' has an 'images' policy, but upstream '{u.name}' "
+                        "has engine 'kvgate' (the bundled backend takes no images); remove the policy or serve the "
+                        "model elsewhere"
                     )
         return self
 

@@ -1,6 +1,7 @@
 """The values an engine serving the model refuses only after kvgate admitted the request
 (:func:`check_engine_refusals`, for ``/v1/completions``, ``/v1/chat/completions`` and
-``/v1/responses``; :func:`check_embedding_dimensions` for ``/v1/embeddings``).
+``/v1/responses``; :func:`check_image_parts` for image content parts on chat and Responses;
+:func:`check_embedding_dimensions` for ``/v1/embeddings``).
 
 An engine's 400 came after the prompt had been counted, reserved and charged
 (``gateway/relay/finish.py``: an engine's error is settled at the prompt x its sequences), so these
@@ -24,6 +25,8 @@ from typing import Any
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.admission.checks import bad_value
+from tokenizer.chat import IMAGE_PART_TYPES
+from tokenizer.responses import IMAGE_PARTS as RESPONSES_IMAGE_PARTS
 
 #: SGLang reads a temperature in [0, this) as greedy and sets ``top_k`` to 1 before ``verify``
 #: (``_SAMPLING_EPS``, ``SamplingParams.__post_init__``)
@@ -113,6 +116,47 @@ def _check_bundled(body: dict[str, Any], route: str) -> None:
         value = body.get(key)
         if value is not None and value not in neutral:  # validated: no bool poses as a number here
             raise _unsupported(key)
+
+
+#: engines that take no image content parts: the bundled backend encodes its prompt as text only
+#: (``tokenizer/chat.py`` ``chatml_token_ids``, ``tokenizer/hf_counter.py`` ``encode_chat``:
+#: ``ImagesNotSupportedError``, its 400 "This model does not accept image content parts.")
+NO_IMAGES = frozenset({"kvgate"})
+
+#: per route, where a validated body holds content parts: chat ``messages[i].content`` (any role;
+#: ``image_url`` and vLLM's ``input_image``, as the counters read them), Responses ``input[i].content``
+#: and a ``function_call_output``'s ``input[i].output``
+_IMAGE_PARTS: dict[str, tuple[str, tuple[str, ...], frozenset[str]]] = {
+    "chat": ("messages", ("content",), frozenset(IMAGE_PART_TYPES)),
+    "responses": ("input", ("content", "output"), frozenset(RESPONSES_IMAGE_PARTS)),
+}
+
+
+def check_image_parts(body: dict[str, Any], engines: frozenset[str], route: str) -> None:
+    """Refuse an image content part where an engine in ``engines`` takes no images
+    (:data:`NO_IMAGES`: the bundled backend, alone or beside other engines: any of them may get the
+    request), on ``route`` (``chat`` or ``responses``): 400 naming the part
+    (``messages[0].content[1]``, ``input[0].content[1]``, ``input[1].output[0]``), where the
+    engine's 400 came after the image had been counted, reserved and charged. Called before the
+    model's image URL policy (:func:`gateway.admission.fields.check_chat_request`,
+    :func:`gateway.routes.responses.count_responses`): no URL makes such an image acceptable."""
+    if not engines & NO_IMAGES or route not in _IMAGE_PARTS:
+        return
+    key, holders, types = _IMAGE_PARTS[route]
+    items = body.get(key)
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if not isinstance(item, dict):
+            continue
+        for holder in holders:
+            parts = item.get(holder)
+            for j, part in enumerate(parts if isinstance(parts, list) else ()):
+                if isinstance(part, dict) and part.get("type") in types:
+                    param = f"{key}[{i}].{holder}[{j}]"
+                    raise _refused(
+                        param,
+                        f"'{param}' is an image, but the engines serving this model take no images "
+                        "(they read text only); send text parts only.",
+                    )
 
 
 def check_engine_refusals(body: dict[str, Any], engines: frozenset[str], route: str) -> None:

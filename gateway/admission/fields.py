@@ -17,7 +17,8 @@ prompt-changing fields do to the count:
   fill-in-the-middle text, vLLM refuses it: accepted only for ``openai``), ``echo`` with
   ``logprobs`` (prompt logprobs: a vocabulary-sized row per prompt token on the engine;
   accepted only for ``openai``), image URLs (``data:`` only unless the model's
-  ``images.allowed_url_hosts`` lists the host).
+  ``images.allowed_url_hosts`` lists the host; no image at all where the bundled backend serves
+  the model: :func:`gateway.admission.engine_refusals.check_image_parts`).
 - tool definitions without a ``function`` holding a string ``name`` are refused, as the engines'
   request models refuse them (:func:`check_tool_shapes`); those holding the text of one of the
   model's special tokens are refused for engines that parse special tokens in the rendered prompt
@@ -41,6 +42,7 @@ from urllib.parse import urlsplit
 from config.errors import ErrorCode, OpenAIError
 from config.models import ImagePolicy
 from gateway.admission.checks import OPENAI_FIELDS
+from gateway.admission.engine_refusals import check_image_parts
 from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, TEXT_PART_TYPES, ChatOptions
 from tokenizer.images import image_url_of
 
@@ -475,8 +477,10 @@ def check_chat_request(
     """Apply the engines' field policy to a validated chat ``body`` before counting. Returns the
     :class:`~tokenizer.chat.ChatOptions` the prompt must be counted with. Drops (in place)
     extension fields that are ``null`` or the engines' own default and not in their table;
-    refuses ``tools`` holding one of the model's ``specials`` (:func:`check_tool_definitions`).
-    Raises :class:`OpenAIError` 400 naming the field."""
+    refuses ``tools`` holding one of the model's ``specials`` (:func:`check_tool_definitions`), an
+    image part where an engine takes no images
+    (:func:`gateway.admission.engine_refusals.check_image_parts`), then image URLs outside the
+    model's ``images`` policy. Raises :class:`OpenAIError` 400 naming the field."""
     _check_common(body, "chat", engines)
     check_message_keys(body)
     check_part_uuids(body, engines)
@@ -484,6 +488,7 @@ def check_chat_request(
     check_output_constraints(body, engines)
     check_tool_shapes(body.get("tools"), engines)
     check_tool_definitions(body.get("tools"), specials, engines)
+    check_image_parts(body, engines, "chat")  # before the URL policy: no URL makes it acceptable
     _check_images(body, images)
     agp = body.get("add_generation_prompt")
     cfm = body.get("continue_final_message")

@@ -40,7 +40,7 @@ from gateway.admission.checks import (
     str_or_obj,
     string,
 )
-from gateway.admission.engine_refusals import check_engine_refusals
+from gateway.admission.engine_refusals import check_engine_refusals, check_image_parts
 from gateway.admission.fields import check_output_constraints, check_tool_definitions, filter_extensions
 from gateway.admission.gate import Admission, CountedPrompt, decide
 from gateway.admission.grammar_bounds import schema_problem
@@ -377,14 +377,17 @@ async def count_responses(entry: ModelEntry, body: dict[str, Any]) -> CountedPro
     """The prompt's tokens (and its text, for the verifier) as the chat vLLM builds from
     ``input``, after the engines' field policy (:func:`gateway.admission.fields.filter_extensions`)
     and the values they would refuse after admission
-    (:func:`gateway.admission.engine_refusals.check_engine_refusals`). Raises
+    (:func:`gateway.admission.engine_refusals.check_engine_refusals`; an image part where an
+    engine takes no images: :func:`gateway.admission.engine_refusals.check_image_parts`). Raises
     :class:`OpenAIError` 400 naming the field (an extension field no engine of the model reads,
-    ``top_p`` 0, ``input[2].content[0].type``, ``tools[0].type``; ``tools[0].name`` holding one of
-    the model's special tokens: :func:`gateway.admission.fields.check_tool_definitions`) or 502 for
-    an engine tokenizer."""
+    ``top_p`` 0, ``input[0].content[1]`` (an image, for the bundled backend),
+    ``input[2].content[0].type``, ``tools[0].type``; ``tools[0].name`` holding one of the model's
+    special tokens: :func:`gateway.admission.fields.check_tool_definitions`) or 502 for an engine
+    tokenizer."""
     filter_extensions(body, "responses", entry.engines, frozenset(RESPONSES_OPENAI_FIELDS))
     check_output_constraints(body, entry.engines)
     check_engine_refusals(body, entry.engines, "responses")
+    check_image_parts(body, entry.engines, "responses")  # before the URL policy: no URL makes it acceptable
     check_image_urls(body, entry.config.images)
     check_input_items(body)
     tools = body.get("tools")
