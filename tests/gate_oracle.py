@@ -148,24 +148,50 @@ def qwen2_vl_cost(width: int, height: int, min_pixels: int = 56 * 56, max_pixels
 
 
 _HF: dict[str, Any] = {}
+#: the model's image placeholder in the oracle's Hugging Face tokenizer: one special token, which
+#: the engine's multimodal processor replaces with the image's tokens (Qwen2-VL's ``<|image_pad|>``,
+#: there between ``<|vision_start|>`` and ``<|vision_end|>``; the image policy's cost covers all of
+#: them). Added as a special token where the folder lacks it.
+HF_IMAGE_PLACEHOLDER = "<|image_pad|>"
+IMAGE_TYPES = ("image_url", "input_image")
 
 
-def _hf(folder: Any) -> Any:
-    key = str(folder)
+def _hf(folder: Any, placeholder: str | None = None) -> Any:
+    key = f"{folder}\0{placeholder or ''}"
     if key not in _HF:
         import transformers
 
-        _HF[key] = transformers.PreTrainedTokenizerFast.from_pretrained(key)
+        tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
+        if placeholder:
+            tok.add_special_tokens({"additional_special_tokens": [placeholder]})
+        _HF[key] = tok
     return _HF[key]
 
 
 def hf_chat_tokens(
-    folder: Any, body: dict[str, Any], image_tokens: int = 765, engine: str | None = None, rewrite_schema: bool = True
+    folder: Any,
+    body: dict[str, Any],
+    image_tokens: int = 765,
+    engine: str | None = None,
+    rewrite_schema: bool = True,
+    image_cost: Any = None,
+    placeholder: str = HF_IMAGE_PLACEHOLDER,
 ) -> int:
     """Prompt tokens of a received chat ``body`` for a Hugging Face model, as ``engine`` builds them:
-    its pre-template steps (:func:`engine_messages`; ``None``, ``kvgate``, ``openai``: every key as
-    received, text parts joined with ``\\n``), then ``transformers``' ``apply_chat_template``
-    with the variables the engine passes, plus ``image_tokens`` per image part.
+    its pre-template steps (:func:`engine_messages`, for the content format the engine detects in
+    the template: vLLM :func:`vllm_content_format`, SGLang :func:`sglang_content_format`;
+    ``None``, ``kvgate``, ``openai``: every key as received, text and refusal parts joined with
+    ``\\n``), then ``transformers``' ``apply_chat_template`` with the variables the engine passes.
+
+    Images (``image_cost(part)``, else ``image_tokens`` each): the model's ``placeholder`` is one
+    special token; the engine's processor replaces each in the prompt with the image's tokens, so
+    the count is the prompt's tokens less the placeholders plus the images' costs. vLLM's "string"
+    format writes the placeholders itself (:func:`vllm_string_parts`: in front, ``\\n`` after each,
+    or in place for ``--interleave-mm-strings``: the larger count); in the "openai" format the
+    template writes them for the ``{"type": "image"}`` parts. Where the prompt does not hold one
+    placeholder per image the model's processor refuses it (:class:`EngineRefusal`). SGLang's
+    "string" format drops the images (never loaded); kvgate charges them all the same, and so does
+    this count. ``None``, ``kvgate``, ``openai``: the images' costs on top of the text.
 
     vLLM (and ``None``): the body's ``add_generation_prompt``, ``continue_final_message``,
     ``chat_template_kwargs`` and ``reasoning_effort`` (a template variable); ``kvgate``,
@@ -175,18 +201,35 @@ def hf_chat_tokens(
     (``_convert_to_internal_request`` moves it onto the request), then ``chat_template_kwargs``.
     ``rewrite_schema``: :func:`templated_tools`'. Raises :class:`EngineRefusal` where the engine
     answers 400."""
-    images = sum(
-        1 for m in body["messages"] if isinstance(m.get("content"), list) for p in m["content"] if p["type"] != "text"
-    )
-    if engine in ("vllm", "sglang"):
-        messages = engine_messages(engine, body["messages"])
+    images = [
+        p
+        for m in body["messages"]
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if p["type"] in IMAGE_TYPES
+    ]
+    cost = sum(image_cost(p) if image_cost is not None else image_tokens for p in images)
+    tok = _hf(folder, placeholder if images else None)
+    in_prompt = False  # whether the engine puts the images' placeholders in the prompt
+    if engine == "vllm":
+        fmt = vllm_content_format(tok.chat_template)
+        in_prompt = bool(images)
+        layouts = (False, True) if images and fmt == "string" else (False,)
+        views = [
+            engine_messages(engine, body["messages"], interleave=il, fmt=fmt, placeholder=placeholder) for il in layouts
+        ]
+    elif engine == "sglang":
+        fmt = sglang_content_format(tok.chat_template)
+        in_prompt = bool(images) and fmt == "openai"
+        views = [engine_messages(engine, body["messages"], fmt=fmt)]
     else:
         messages = []
         for m in body["messages"]:
             content = m.get("content")
             if isinstance(content, list):
-                content = "\n".join(p["text"] for p in content if p["type"] == "text")
+                content = "\n".join(p[p["type"]] for p in content if p["type"] in ("text", "refusal"))
             messages.append({**m, "content": "" if content is None else content})
+        views = [messages]
     ctk = dict(body.get("chat_template_kwargs") or {})
     agp, cfm = body.get("add_generation_prompt", True), body.get("continue_final_message", False)
     if engine == "sglang":
@@ -200,16 +243,25 @@ def hf_chat_tokens(
         # (gpu_backend/openai_api.py encode_chat) and an OpenAI upstream pass none
         if body.get("reasoning_effort") is not None and engine in (None, "vllm"):
             kwargs["reasoning_effort"] = body["reasoning_effort"]
-    ids = _hf(folder).apply_chat_template(
-        messages,
-        tools=templated_tools(engine, body.get("tools"), rewrite_schema) or None,
-        add_generation_prompt=agp,
-        continue_final_message=cfm,
-        tokenize=True,
-        return_dict=False,
-        **kwargs,
-    )
-    return len(ids) + images * image_tokens
+    counts = []
+    for messages in views:
+        ids = tok.apply_chat_template(
+            messages,
+            tools=templated_tools(engine, body.get("tools"), rewrite_schema) or None,
+            add_generation_prompt=agp,
+            continue_final_message=cfm,
+            tokenize=True,
+            return_dict=False,
+            **kwargs,
+        )
+        if not in_prompt:
+            counts.append(len(ids) + cost)
+            continue
+        held = ids.count(tok.convert_tokens_to_ids(placeholder))
+        if held != len(images):  # the processor finds a placeholder per image, or refuses
+            raise EngineRefusal("messages")
+        counts.append(len(ids) - held + cost)
+    return max(counts)
 
 
 def hf_prompt_tokens(folder: Any, prompt: Any) -> list[int]:
@@ -225,6 +277,135 @@ def hf_prompt_tokens(folder: Any, prompt: Any) -> list[int]:
 def hf_vocab(folder: Any) -> int:
     """The Hugging Face model's vocabulary size (added tokens included)."""
     return len(_hf(folder))
+
+
+# vllm/renderers/hf.py@02e64f58, ``_detect_content_format`` and the helpers it calls, line for line
+def _vllm_is_var_access(node: Any, varname: str) -> bool:
+    import jinja2.nodes
+
+    if isinstance(node, jinja2.nodes.Name):
+        return node.ctx == "load" and node.name == varname
+    return False
+
+
+def _vllm_is_attr_access(node: Any, varname: str, key: str) -> bool:
+    import jinja2.nodes
+
+    if isinstance(node, jinja2.nodes.Getitem):
+        return (
+            _vllm_is_var_access(node.node, varname)
+            and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == key
+        )
+    if isinstance(node, jinja2.nodes.Getattr):
+        return _vllm_is_var_access(node.node, varname) and node.attr == key
+    return False
+
+
+def _vllm_is_var_or_elems_access(node: Any, varname: str, key: str | None = None) -> bool:
+    import jinja2.nodes
+
+    if isinstance(node, jinja2.nodes.Filter):
+        return node.node is not None and _vllm_is_var_or_elems_access(node.node, varname, key)
+    if isinstance(node, jinja2.nodes.Test):
+        return _vllm_is_var_or_elems_access(node.node, varname, key)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _vllm_is_var_or_elems_access(node.node, varname, key)
+    return _vllm_is_attr_access(node, varname, key) if key else _vllm_is_var_access(node, varname)
+
+
+def _vllm_iter_nodes_assign_var_or_elems(root: Any, varname: str) -> Any:
+    import collections
+
+    import jinja2.nodes
+
+    yield root, varname
+    related_varnames = collections.deque([varname])
+    while related_varnames:
+        related_varname = related_varnames.popleft()
+        for assign_ast in root.find_all(jinja2.nodes.Assign):
+            lhs = assign_ast.target
+            rhs = assign_ast.node
+            if _vllm_is_var_or_elems_access(rhs, related_varname):
+                assert isinstance(lhs, jinja2.nodes.Name)
+                yield assign_ast, lhs.name
+                if lhs.name != related_varname:
+                    related_varnames.append(lhs.name)
+
+
+def _vllm_iter_nodes_assign_messages_item(root: Any) -> Any:
+    import jinja2.nodes
+
+    messages_varnames = [varname for _, varname in _vllm_iter_nodes_assign_var_or_elems(root, "messages")]
+    for loop_ast in root.find_all(jinja2.nodes.For):
+        for varname in messages_varnames:
+            if _vllm_is_var_or_elems_access(loop_ast.iter, varname):
+                assert isinstance(loop_ast.target, jinja2.nodes.Name)
+                yield loop_ast, loop_ast.target.name
+                break
+
+
+def _vllm_iter_nodes_assign_content_item(root: Any) -> Any:
+    import jinja2.nodes
+
+    message_varnames = [varname for _, varname in _vllm_iter_nodes_assign_messages_item(root)]
+    for loop_ast in root.find_all(jinja2.nodes.For):
+        for varname in message_varnames:
+            if _vllm_is_var_or_elems_access(loop_ast.iter, varname, "content"):
+                assert isinstance(loop_ast.target, jinja2.nodes.Name)
+                yield loop_ast, loop_ast.target.name
+                break
+
+
+def _jinja_ast(chat_template: str) -> Any:
+    """The template's AST as both engines parse it (``_try_extract_ast``: transformers'
+    ``_compile_jinja_template`` environment), else ``None``."""
+    import transformers.utils.chat_template_utils as hf_chat_utils
+
+    try:
+        return hf_chat_utils._compile_jinja_template(chat_template).environment.parse(chat_template)
+    except Exception:
+        return None
+
+
+def vllm_content_format(chat_template: str | None) -> str:
+    """vLLM's content format for ``chat_template`` (``--chat-template-content-format auto``:
+    vllm/renderers/hf.py@02e64f58 ``_resolve_chat_template_content_format`` /
+    ``_detect_content_format(default="string")``): "openai" when some ``for`` loops over
+    ``<message>['content']`` (or ``.content``, through filters, tests, slices), ``<message>`` the
+    target of a ``for`` over ``messages`` or over a name assigned from it; else "string"."""
+    if chat_template is None:
+        return "string"
+    jinja_ast = _jinja_ast(chat_template)
+    if jinja_ast is None:
+        return "string"
+    try:
+        next(_vllm_iter_nodes_assign_content_item(jinja_ast))
+    except StopIteration:
+        return "string"
+    except Exception:
+        return "string"
+    return "openai"
+
+
+def sglang_content_format(chat_template: str | None) -> str:
+    """SGLang's content format for ``chat_template``
+    (python/sglang/srt/parser/jinja_template_utils.py@0b9c3848 ``detect_jinja_template_content_format``):
+    "openai" for any template that mentions image, audio, video or vision (its multimodal
+    shortcut), or that loops over ``message``/``msg``/``m`` ``['content']``; else "string"."""
+    if chat_template is None:
+        return "string"
+    if any(keyword in chat_template for keyword in ["image", "audio", "video", "vision"]):
+        return "openai"
+    jinja_ast = _jinja_ast(chat_template)
+    if jinja_ast is None:
+        return "string"
+    import jinja2.nodes
+
+    for loop_ast in jinja_ast.find_all(jinja2.nodes.For):
+        if any(_vllm_is_var_or_elems_access(loop_ast.iter, v, "content") for v in ("message", "msg", "m")):
+            return "openai"
+    return "string"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,27 +479,50 @@ def vllm_string_parts(content: Any, interleave: bool = False) -> Any:
     return out
 
 
+def vllm_openai_parts(content: Any) -> list[dict[str, Any]]:
+    """A message's content as vLLM hands it to an "openai"-format template
+    (vllm/entrypoints/chat_utils.py@001eadcf, ``_parse_chat_message_content_parts`` with
+    ``wrap_dicts=True``): None -> [], a string -> one text part; a text or refusal part ->
+    ``{"type": "text", "text": str_content}``, an image -> ``{"type": modality}``; every result is
+    a dict, so ``if parse_res:`` keeps them all (an empty text too)."""
+    if content is None:
+        content = []
+    elif isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    out: list[dict[str, Any]] = []
+    for part in content:
+        if part["type"] in ("text", "refusal"):
+            out.append({"type": "text", "text": part[part["type"]]})
+        else:
+            out.append({"type": "image"})
+    return out
+
+
 def vllm_conversation(  # noqa: C901 (vLLM's steps, in its order)
-    messages: list[dict[str, Any]], chatml: bool = False, interleave: bool = False
+    messages: list[dict[str, Any]],
+    chatml: bool = False,
+    interleave: bool = False,
+    fmt: str = "string",
+    placeholder: str = HF_IMAGE_PLACEHOLDER,
 ) -> list[dict[str, Any]]:
-    """vLLM's conversation for a string-content template: vllm/entrypoints/chat_utils.py@001eadcf
-    ``_parse_chat_message_content`` (content: None -> [], a string -> one text part, text parts
-    joined with "\\n"; assistant: ``tool_calls`` if not None, ``reasoning`` also as
-    ``reasoning_content``; tool: ``tool_call_id``; ``name`` if a string) then
-    ``_postprocess_messages``. ``chatml``: the content as :func:`vllm_string_parts` builds it
-    (images in place of their placeholders, ``interleave``: ``--interleave-mm-strings``); else
-    the text parts joined with "\\n" (images costed apart by the caller)."""
+    """vLLM's conversation: vllm/entrypoints/chat_utils.py@001eadcf ``_parse_chat_message_content``
+    (content as below; assistant: ``tool_calls`` if not None, ``reasoning`` also as
+    ``reasoning_content``; tool: ``tool_call_id``, and in the "openai" format a content of text
+    parts only as their texts joined with "\\n"; ``name`` if a string) then
+    ``_postprocess_messages``. Content, for a "string"-format template (``fmt``): as
+    :func:`vllm_string_parts` builds it (``interleave``: ``--interleave-mm-strings``);
+    ``chatml``: with the image parts where their placeholders go (:func:`chat_tokens` costs them),
+    else a string with the model's ``placeholder`` text there. "openai": :func:`vllm_openai_parts`."""
     conversation = []
     for msg in copy.deepcopy(messages):
         role = msg["role"]
         content = msg.get("content")
-        if chatml:
-            content = vllm_string_parts(content, interleave)
+        if fmt == "openai":
+            content = vllm_openai_parts(content)
         else:
-            parts = (
-                [] if content is None else [{"type": "text", "text": content}] if isinstance(content, str) else content
-            )
-            content = "\n".join(p.get(p["type"]) for p in parts if p["type"] in ("text", "refusal"))
+            content = vllm_string_parts(content, interleave)
+            if not chatml and isinstance(content, list):
+                content = "".join(placeholder if p["type"] in IMAGE_TYPES else p["text"] for p in content)
         result_msg: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
             if "tool_calls" in msg and msg["tool_calls"] is not None:  # "The 'tool_calls' is not None check"
@@ -326,8 +530,14 @@ def vllm_conversation(  # noqa: C901 (vLLM's steps, in its order)
             if msg.get("reasoning") is not None:
                 result_msg["reasoning"] = msg["reasoning"]
                 result_msg["reasoning_content"] = msg["reasoning"]  # "keep compatibility"
-        elif role == "tool" and "tool_call_id" in msg:
-            result_msg["tool_call_id"] = msg["tool_call_id"]
+        elif role == "tool":
+            if "tool_call_id" in msg:
+                result_msg["tool_call_id"] = msg["tool_call_id"]
+            msg_content = result_msg.get("content")
+            if isinstance(msg_content, list):  # "Normalize tool message content from OpenAI array format"
+                if not any(isinstance(item, dict) and item.get("type") != "text" for item in msg_content):
+                    texts = [item.get("text", "") for item in msg_content if item.get("type") == "text"]
+                    result_msg["content"] = "\n".join(texts) if texts else ""
         if "name" in msg and isinstance(msg["name"], str):
             result_msg["name"] = msg["name"]
         conversation.append(result_msg)
@@ -514,7 +724,7 @@ def templated_tools(engine: str | None, tools: Any, rewrite_schema: bool = True)
 
 
 def sglang_messages(  # noqa: C901 (SGLang's steps, in its order)
-    messages: list[dict[str, Any]], chatml: bool = False
+    messages: list[dict[str, Any]], chatml: bool = False, fmt: str = "string"
 ) -> list[dict[str, Any]]:
     """SGLang's messages for a string-format Jinja template:
     python/sglang/srt/entrypoints/openai/serving_chat.py@002897c2 ``_apply_jinja_template``:
@@ -529,7 +739,12 @@ def sglang_messages(  # noqa: C901 (SGLang's steps, in its order)
     too (``detect_jinja_template_content_format``: no image/audio/video/vision keyword, no ``for``
     over ``message['content']``). ``chatml``: the same content, and the image parts SGLang's
     "string" branch drops (``# Note: For string format, we ignore images/audio``) listed under
-    :data:`DROPPED_IMAGES`: kvgate charges them anyway."""
+    :data:`DROPPED_IMAGES`: kvgate charges them anyway. ``fmt`` "openai" (a Hugging Face template
+    :func:`sglang_content_format` judges so): ``process_content_for_template_format``'s "openai"
+    branch (text parts ``{"type": "text", "text"}``, images ``{"type": "image"}``, other parts
+    dropped), then serving_chat.py@002897c2 ``normalize_tool_content`` (a tool message of text
+    parts only becomes their texts joined with " "), and the final assistant turn rewritten only
+    when its content is a string."""
     import orjson
 
     messages = copy.deepcopy(messages)
@@ -558,6 +773,19 @@ def sglang_messages(  # noqa: C901 (SGLang's steps, in its order)
             msg_dict["content"] = ""
         if not isinstance(msg_dict.get("content"), list):
             processed = {k: v for k, v in msg_dict.items() if v is not None}
+        elif fmt == "openai":
+            parts = []
+            for chunk in msg_dict["content"]:
+                if isinstance(chunk, dict) and chunk.get("type") in ("image_url", "input_image"):
+                    parts.append({"type": "image"})
+                elif isinstance(chunk, dict) and chunk.get("type") in ("text", "input_text"):
+                    parts.append({"type": "text", "text": chunk["text"]})
+            processed = {k: v for k, v in msg_dict.items() if v is not None and k != "content"}
+            processed["content"] = parts
+            if processed.get("role") == "tool" and all(
+                (isinstance(p, dict) and p.get("type") == "text") or isinstance(p, str) for p in parts
+            ):
+                processed["content"] = " ".join(p.get("text", "") if isinstance(p, dict) else p for p in parts)
         else:
             text_parts = [
                 c["text"]
@@ -581,14 +809,20 @@ def sglang_messages(  # noqa: C901 (SGLang's steps, in its order)
 
 
 def engine_messages(
-    engine: str, messages: list[dict[str, Any]], chatml: bool = False, interleave: bool = False
+    engine: str,
+    messages: list[dict[str, Any]],
+    chatml: bool = False,
+    interleave: bool = False,
+    fmt: str = "string",
+    placeholder: str = HF_IMAGE_PLACEHOLDER,
 ) -> list[dict[str, Any]]:
-    """The messages ``engine``'s template sees (``kvgate``, ``openai``: as received; vLLM:
-    ``interleave`` as :func:`vllm_conversation`)."""
+    """The messages ``engine``'s template sees for a template of content format ``fmt``
+    (``kvgate``, ``openai``: as received; vLLM: ``interleave`` and ``placeholder`` as
+    :func:`vllm_conversation`)."""
     if engine == "vllm":
-        return vllm_conversation(messages, chatml, interleave)
+        return vllm_conversation(messages, chatml, interleave, fmt, placeholder)
     if engine == "sglang":
-        return sglang_messages(messages, chatml)
+        return sglang_messages(messages, chatml, fmt)
     return copy.deepcopy(messages)
 
 

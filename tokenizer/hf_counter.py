@@ -8,8 +8,10 @@ What is counted, and why it is never fewer than what the engine sees:
   tokenize=True)`` does (same Jinja environment: ``trim_blocks``, ``lstrip_blocks``, loop
   controls, its ``tojson``, ``raise_exception``, ``strftime_now``; the tokenizer's special tokens
   as variables) and the rendered text is encoded without added BOS/EOS, as vLLM and SGLang do for
-  chats. Text content parts are joined with ``"\\n"`` (vLLM's rule for string-content templates);
-  each image part costs ``image_tokens`` instead;
+  chats. Content parts are joined as each engine joins them before a "string"-format template
+  runs (:func:`_plain_messages`): behind vLLM text parts with ``"\\n"``, empty ones dropped, and
+  each image's placeholder in front of the text (or in place) with a ``"\\n"`` of its own, the
+  prompt cut where each placeholder stands; each image part costs what the image policy says;
 - a ``/v1/completions`` string prompt is encoded with the tokenizer's post-processor (BOS for
   Llama-family tokenizers), as the engines' ``tokenizer.encode(prompt)`` does;
 - a special-token look-alike (``<|im_start|>``) in any request string is counted as ordinary text:
@@ -43,6 +45,7 @@ from tokenizer.engine_render import (
     views_of,
     vllm_messages,
     vllm_parts,
+    vllm_string_content,
 )
 from tokenizer.errors import ImagesNotSupportedError, InvalidPromptError
 from tokenizer.guard import fault_param, guarded
@@ -134,27 +137,61 @@ def _marker_swap(special_re: re.Pattern[str], nonce: str, found: list[str]) -> C
 
 
 def _joined(content: Any) -> Any:
-    """Text parts joined with ``"\\n"`` (vLLM's rule for string-content templates), images left
-    out (costed apart); ``None`` (an assistant turn of tool calls) becomes ``""``."""
+    """The messages as sent (the bundled backend's own rendering, and an ``openai`` upstream's,
+    which counts on its side): text parts joined with ``"\\n"``, images left out (costed apart);
+    ``None`` (an assistant turn of tool calls) becomes ``""``. Behind vLLM see :func:`_vllm_text`."""
     if isinstance(content, list):
         return "\n".join(p.get(p["type"]) for p in content if p["type"] not in IMAGE_PART_TYPES)
     return "" if content is None else content
 
 
-def _plain_messages(messages: list[dict[str, Any]], engine: str | None, parts: bool = False) -> list[dict[str, Any]]:
+def _vllm_text(content: Any, interleave: bool, image_mark: str) -> str:
+    """A message's content as vLLM hands it to a "string"-format template, with ``image_mark``
+    where each image's placeholder goes (:func:`~tokenizer.engine_render.vllm_string_content`;
+    ``vllm/entrypoints/chat_utils.py@001eadcf`` ``_parse_chat_message_content_parts``: text and
+    refusal parts joined with ``"\\n"``, an empty one dropped by ``if parse_res:``; with an image,
+    ``_get_full_multimodal_text_prompt``: ``"\\n".join(missing_placeholders + [text_prompt])``, the
+    placeholders alone when no text is left, or, ``interleave`` (``--interleave-mm-strings``),
+    each where its image was, joined with ``"\\n"``).
+
+    The placeholder is the model's (``get_placeholder_str``: Qwen2-VL's
+    ``<|vision_start|><|image_pad|><|vision_end|>``), special tokens that the tokenizer splits the
+    text at and that the model's processor replaces with the image's tokens, which the image
+    policy costs. The mark stands for it: the rendered prompt is cut at each mark and each piece
+    encoded alone (:meth:`HFCounter.count_chat`), so the ``"\\n"`` vLLM puts beside each
+    placeholder is counted, and the placeholder itself only as the image's cost."""
+    joined = vllm_string_content(content, interleave)
+    if isinstance(joined, str):
+        return joined
+    return "".join(p["text"] if p.get("type") == "text" else image_mark for p in joined)
+
+
+def _plain_messages(
+    messages: list[dict[str, Any]],
+    engine: str | None,
+    parts: bool = False,
+    interleave: bool = False,
+    image_mark: str = "",
+) -> list[dict[str, Any]]:
     """Validated ``messages`` as ``engine`` hands them to a string-content template:
-    :func:`~tokenizer.engine_render.vllm_messages` or :func:`~tokenizer.engine_render.sglang_messages`
-    (which flattens content its own way); ``None``: every key as sent. ``parts``: as the engine
-    hands them to an "openai"-format template (content as a list of parts:
-    :func:`~tokenizer.engine_render.vllm_parts`, :func:`~tokenizer.engine_render.sglang_parts_messages`)."""
+    :func:`~tokenizer.engine_render.vllm_messages` with content as :func:`_vllm_text` makes it
+    (``interleave``, ``image_mark``), or :func:`~tokenizer.engine_render.sglang_messages` (text
+    parts joined with a space, images dropped: SGLang's "string" format never loads them);
+    ``None``: every key as sent, content as :func:`_joined`. ``parts``: as the engine hands them
+    to an "openai"-format template (content as a list of parts, each image ``{"type": "image"}``,
+    whose placeholder the template writes: :func:`~tokenizer.engine_render.vllm_parts`,
+    :func:`~tokenizer.engine_render.sglang_parts_messages`)."""
     if engine == "sglang":
         return _alias_reasoning(sglang_parts_messages(messages) if parts else sglang_messages(messages))
     if engine == "vllm" and parts:
         return _alias_reasoning(
             [{**m, "content": vllm_parts(m.get("content"), m.get("role"))} for m in vllm_messages(messages)]
         )
-    base = vllm_messages(messages) if engine == "vllm" else messages
-    return _alias_reasoning([{**m, "content": _joined(m.get("content"))} for m in base])
+    if engine == "vllm":
+        return _alias_reasoning(
+            [{**m, "content": _vllm_text(m.get("content"), interleave, image_mark)} for m in vllm_messages(messages)]
+        )
+    return _alias_reasoning([{**m, "content": _joined(m.get("content"))} for m in messages])
 
 
 def _is_content(node: Any, aliases: frozenset[str]) -> bool:
@@ -444,10 +481,13 @@ class HFCounter(PromptCounter):
         engine: str | None = None,
         parts: bool = False,
         rewrite_schema: bool = True,
+        interleave: bool = False,
+        image_mark: str = "",
     ) -> tuple[str, list]:
         """``(prompt text, image parts)``: the chat rendered with the model's template as
         ``transformers``' ``apply_chat_template`` does with ``options``, after ``engine``'s
-        pre-template steps (:func:`_plain_messages`; ``None``: the messages as sent; tools as
+        pre-template steps (:func:`_plain_messages`, with ``parts``, ``interleave`` and
+        ``image_mark``; ``None``: the messages as sent; tools as
         :func:`~tokenizer.engine_render.engine_tools` gives them with ``rewrite_schema``) (generation prompt,
         ``continue_final_message``: the text cut where the final message ends, as transformers >= 5,
         template kwargs as variables). Raises :class:`InvalidPromptError` for a bad shape, no
@@ -458,7 +498,7 @@ class HFCounter(PromptCounter):
         rendered = render_chatml(messages, tools, ChatOptions(add_generation_prompt=options.add_generation_prompt))
         if self._template is None:
             raise InvalidPromptError(NO_TEMPLATE, "messages")
-        plain = _plain_messages(messages, engine, parts)
+        plain = _plain_messages(messages, engine, parts, interleave, image_mark)
         tools = engine_tools(tools, engine, rewrite_schema)
         variables: dict[str, Any] = {k: v for k in SPECIAL_TOKEN_KEYS if (v := self._special_value(k)) is not None}
         variables.update(options.template_kwargs)
@@ -500,27 +540,41 @@ class HFCounter(PromptCounter):
             return rendered[:at]
         return rendered[:at].rstrip()
 
-    def _engine_prompts(self, messages: Any, tools: Any, options: ChatOptions) -> list[tuple[str, list]]:
-        """:meth:`render_chat` once per rendering of :attr:`engines`
-        (:func:`tokenizer.engine_render.views_of`)."""
+    def _engine_prompts(self, messages: Any, tools: Any, options: ChatOptions) -> list[tuple[list[str], list]]:
+        """``(prompt pieces, image parts)``: :meth:`render_chat` once per rendering of
+        :attr:`engines` (:func:`tokenizer.engine_render.views_of`), the prompt cut where an image's
+        placeholder stands (:func:`_vllm_text`; a mark with a random nonce per count, which no
+        request can hold). Behind vLLM with an image sent, both placements of the placeholders
+        (in front, and in place for ``--interleave-mm-strings``, which kvgate cannot see)."""
+        mark = f"\ue000{secrets.token_hex(8)}:image\ue001"
         out = []
         for v in views_of(self.engines):
             for rewrite in schema_forms(tools, v):
-                out.append(self.render_chat(messages, tools, options, v, rewrite_schema=rewrite))
+                prompt, images = self.render_chat(messages, tools, options, v, rewrite_schema=rewrite, image_mark=mark)
+                out.append((prompt.split(mark), images))
+                if v == "vllm" and images:
+                    prompt, _ = self.render_chat(
+                        messages, tools, options, v, rewrite_schema=rewrite, interleave=True, image_mark=mark
+                    )
+                    out.append((prompt.split(mark), images))
                 if v in self._parts_engines:  # the engine may hand this template content as parts
-                    out.append(self.render_chat(messages, tools, options, v, parts=True, rewrite_schema=rewrite))
+                    prompt, _ = self.render_chat(messages, tools, options, v, parts=True, rewrite_schema=rewrite)
+                    out.append(([prompt], images))
         return out
 
     def count_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
         """Prompt tokens of a chat: the rendered template (with ``options``, as each of
-        :attr:`engines` renders it: the largest count) encoded without added BOS/EOS, plus the
-        special-token surcharge of every request string, plus :meth:`images_cost` of the image parts."""
+        :attr:`engines` renders it: the largest count) encoded without added BOS/EOS (each piece
+        between two image placeholders alone: :meth:`_engine_prompts`), plus the special-token
+        surcharge of every request string, plus :meth:`images_cost` of the image parts."""
         renderings = self._engine_prompts(messages, tools, options)
         with fault_param("messages"):
-            ids = max((self._encode(p, add_special_tokens=False).ids for p, _ in renderings), key=len)
+            tokens = max(
+                sum(len(self._encode(p, add_special_tokens=False).ids) for p in pieces if p) for pieces, _ in renderings
+            )
         images = renderings[0][1]
         surcharge = sum(self.special_surcharge(s) for s in _strings([messages, tools, options.template_kwargs]))
-        return len(ids) + surcharge + self.images_cost(images)
+        return tokens + surcharge + self.images_cost(images)
 
     def prompt_token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of a completions prompt as the engine's ``tokenizer.encode`` gives them (a
@@ -534,8 +588,9 @@ class HFCounter(PromptCounter):
         renderings = self._engine_prompts(messages, tools, options)
         if renderings[0][1]:
             raise ImagesNotSupportedError("Token ids of image content parts are not known here.", "messages")
+        # no image: no placeholder mark, each rendering is one piece
         with fault_param("messages"):
-            return max((self._encode(p, add_special_tokens=False).ids for p, _ in renderings), key=len)
+            return max((self._encode(pieces[0], add_special_tokens=False).ids for pieces, _ in renderings), key=len)
 
     def token_strs(self, ids: list[int]) -> list[str]:
         """Each id's vocabulary entry (``id_to_token``; ``""`` for an id it lacks)."""
