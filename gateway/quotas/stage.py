@@ -85,7 +85,11 @@ class QuotaStage(Protocol):
     async def settle(self, lease: QuotaLease, used_tokens: int) -> None:
         """Release the concurrency lease and correct TPM to ``used_tokens`` (prompt + completion
         actually produced); ``used_tokens`` 0 for a request refused after :meth:`begin`. Never
-        raises; called exactly once per successful reserve or begin."""
+        raises, except ``asyncio.CancelledError``; called exactly once per successful reserve or
+        begin, with nothing awaited between the request's end and the call that a cancellation
+        could cut. Once called the settle is the stage's: it stops renewing the lease before its
+        first await, and a settle whose caller is cancelled while it awaits the store is still
+        made (sent again in the background)."""
         ...
 
     async def aclose(self) -> None:

@@ -11,7 +11,10 @@ when that is more), plus the completion: the engine's ``usage.completion_tokens`
 (none sent, the stream was cut or cancelled before it, or a number no engine could report: above
 ``max_tokens`` for every sequence, or fewer than the events of text relayed, :func:`_usage_count`) the
 completion text relayed so far, counted with the model's tokenizer. So leaving, or making the
-engine fail, after the prompt was sent never makes its prefill free.
+engine fail, after the prompt was sent never makes its prefill free. A count that does not finish
+(the request's task cancelled while a long completion is counted in a worker thread, or the count
+failed) settles the reservation (:func:`unfinished_count_charge`): the lease is settled however
+the request's task ends.
 """
 
 from __future__ import annotations
@@ -41,12 +44,26 @@ class FinishContext(Protocol):
 
 
 async def finish(ctx: FinishContext, outcome: RelayOutcome) -> None:
-    """Settle, metrics, access log (module docstring). Never raises: a failing settle is logged."""
+    """Settle, metrics, access log (module docstring). Never raises but a cancellation: a failing
+    settle is logged. The settle is handed to the quota stage however the count of the tokens
+    used ends: counted, failed (logged), or cut by a cancellation of the request's task (the server
+    stopping while a long completion is counted in a worker thread), the last two at
+    :func:`unfinished_count_charge`; nothing is awaited between that end and the stage's ``settle``,
+    which takes the lease over before its own first await (``QuotaStage.settle``). The metrics are
+    recorded however the settle ends; a cancellation skips only the access line."""
+    used = unfinished_count_charge(outcome)
     try:
-        await ctx.quotas.settle(outcome.admitted.lease, await used_tokens(outcome))
-    except Exception:
-        log.exception("quota settle failed")
-    record_metrics(ctx.metrics, outcome)
+        try:
+            used = await used_tokens(outcome)
+        except Exception:
+            log.exception("counting the tokens used failed; the request is settled to its reservation")
+        finally:  # no await before the stage's settle: a lease nobody settles is renewed for good
+            try:
+                await ctx.quotas.settle(outcome.admitted.lease, used)
+            except Exception:
+                log.exception("quota settle failed")
+    finally:
+        record_metrics(ctx.metrics, outcome)
     abort = outcome.produced.finish_reason == "abort" and outcome.status == 200
     if not abort and not glog.ACCESS.isEnabledFor(logging.INFO):
         return  # no line to write: build no fields
@@ -136,6 +153,15 @@ def prompt_charge(adm: Admission) -> int:
     prompts x the sequences each one generates (``max(n, best_of)``), as admitted; in tokens."""
     per_prompt = adm.sequences // adm.num_prompts if adm.num_prompts > 0 else 1
     return adm.prompt_tokens_total * max(per_prompt, 1)
+
+
+def unfinished_count_charge(outcome: RelayOutcome) -> int:
+    """What a request is settled to when the count of its tokens used (:func:`used_tokens`) did
+    not finish (its task cancelled while it awaited, or the count failed), in tokens: 0 when
+    nothing reached an engine, else its reservation (``lease.reserved_tokens``: every prompt and
+    the completion bound, for each sequence), the most an engine that keeps to the bound it was
+    sent can have used. Computed without an await, before the count starts."""
+    return outcome.admitted.lease.reserved_tokens if outcome.forwarded else 0
 
 
 async def used_tokens(outcome: RelayOutcome) -> int:

@@ -9,7 +9,9 @@ stream with an error event and ``data: [DONE]`` (``/v1/responses``: the Response
 event, :func:`gateway.relay.proxy.stream_error_tail`). Any other exception is a 500 in the same shape
 (it names no internals). A client disconnect before the end cancels the relay (status 499),
 which closes the upstream request. However it ends, the iterator is closed and ``on_close``
-(:func:`gateway.relay.finish.finish`) runs exactly once.
+(:func:`gateway.relay.finish.finish`) runs exactly once: also when the request's task is
+cancelled while the iterator closes (the relay's ``finally`` awaits the upstream response's
+close), as the server does when it stops; the cancellation is raised once ``on_close`` is done.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class RelayResponse(Response):
                 await self.body_iterator.aclose()
             except Exception:
                 log.exception("closing the relay failed")
-            await self.on_close()
+            finally:  # also when cancelled while the relay closes (the server stopping): settle it
+                await self.on_close()
 
     async def _watch(self, receive: Any, task: asyncio.Task | None) -> None:
         while True:
