@@ -48,6 +48,12 @@ header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge
   headers (RFC 9110 section 6.5.1); ``Expect: 100-continue`` from HTTP/1.0 is ignored (section
   10.1.1); a response that starts before its request's body has arrived (a route that does not
   read one) closes the connection, lingering, instead of reading the body on to keep it.
+  ``Transfer-Encoding`` from HTTP/1.0 gets 400 (RFC 9112 section 6.1), a transfer coding besides
+  chunked (``gzip, chunked``) 501, a ``Host`` that is not a host 400 (section 3.2); an upgrade
+  request (the gateway upgrades to nothing) with a body gets 400 (httptools skips its body, and
+  its bytes were parsed as the next request), one without is answered, then the connection
+  closes. A chunked body's bytes are counted against ``max_body_bytes`` as they arrive, not only
+  when a chunk-size line ends (an endless chunk extension was read until the body timeout).
 - pipelined requests: a refusal of a request queued behind one still being answered (its body
   too slow or too large, its head too large or too slow, bytes that are not HTTP) is written after
   that answer, never before it or inside it, then the connection closes; a queued request's body
@@ -68,6 +74,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -146,6 +153,10 @@ FREE_CHUNKS = 64
 #: (one 401 per connection) and a body is never read
 _API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
+
+#: a ``Host`` field value (RFC 9110 section 7.2: uri-host [ ":" port ]): an IP literal or a
+#: reg-name (unreserved, sub-delims, percent-encoded octets; empty too), then an optional port
+_HOST = re.compile(rb"(?:\[[0-9A-Za-z:.%_~-]+\]|[A-Za-z0-9\-._~!$&'()*+,;=%]*)(?::[0-9]*)?")
 
 #: the most bytes of one ``Content-Length`` response body written to a connection at once; a
 #: larger body is written in pieces, each once the connection is below its high-water mark
@@ -398,6 +409,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._body_wire_bytes = 0  # the body's bytes as sent, chunk framing included
         self._body_bytes = 0  # the body's bytes as decoded
         self._chunks = 0
+        self._chunked = False  # the request being parsed has a chunked body
         self._refused = False
         self._discarding = False  # the rest of what the client sends is dropped unread
         self._head_timer: asyncio.TimerHandle | None = None
@@ -581,6 +593,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.edge.write_pauses += 1
         self._watch_send()
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """uvicorn's two warnings for each upgrade request (one says to install a WebSocket library),
+        which a client could have logged at will: the gateway serves no upgrade by design."""
+        log.info("answered an upgrade request as HTTP/1.1, then closing the connection")
+
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._running = cycle
         super()._start_asgi_task(cycle, _paced_app(app, cycle))
@@ -670,6 +687,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_head and not self._refused and self._head_bytes > self.limits.max_header_bytes:
             # still inside the head (the headers did not end in what arrived) and already too long
             self._head_too_large(f"more than {self.limits.max_header_bytes} bytes")
+        elif (
+            self._chunked
+            and not self._in_head
+            and not (self._refused or self._discarding)
+            and self._body_wire_bytes > self.limits.max_body_bytes
+        ):
+            # counted as they arrive, not only when a chunk-size line ends: an endless chunk
+            # extension, size line or trailer field was read until the body timeout (RFC 9112, 7.1.1)
+            self._refuse(413, self._body_too_large_message(), "request_too_large")
 
     # ------------------------------------------------------------ parser callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -693,7 +719,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._pipeline_full():
             raise _StopParsing
         version = self.parser.get_http_version()
-        if self._version_refused(version):
+        if self._version_refused(version) or self._framing_refused(version):
             raise _StopParsing
         if version != "1.1":
             self.expect_100_continue = False  # RFC 9110 section 10.1.1: ignored from an HTTP/1.0 client
@@ -711,6 +737,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.resume_reading()
         if self.cycle is not None and self._without_key():
             raise _StopParsing
+        self._close_after_upgrade_request()
         if self.cycle is not None and self.cycle.more_body and self._running is self.cycle:
             # a queued (pipelined) request's deadline starts when it does (on_response_complete)
             self._body_timer = self.loop.call_later(self.limits.body_timeout_seconds, self._body_too_slow)
@@ -727,6 +754,55 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(400, f"An HTTP/1.1 request needs one Host header; this one has {hosts}.", "invalid_request")
             return True
         return False
+
+    def _framing_refused(self, version: str) -> bool:
+        """Whether the head is refused for how its body is framed (answered; parsing stops), where
+        httptools parses on: ``Transfer-Encoding`` from HTTP/1.0 (400: RFC 9112 section 6.1 has it
+        treated as faulty framing; an HTTP/1.0 proxy in front reads the body to the close), a
+        transfer coding besides chunked (501, RFC 9112 section 6.1: ``gzip, chunked`` was read as
+        plain chunked), an upgrade request with a body (400: httptools skips the body of a request
+        it takes for an upgrade, and its bytes were parsed as the next request), a ``Host`` that is
+        not a host (400, RFC 9112 section 3.2)."""
+        codings = [c.strip(b" \t").lower() for n, v in self.headers if n == b"transfer-encoding" for c in v.split(b",")]
+        codings = [c for c in codings if c]
+        te = any(n == b"transfer-encoding" for n, _ in self.headers)
+        if te and version == "1.0":
+            msg = "An HTTP/1.0 request cannot use Transfer-Encoding; send a Content-Length."
+            self._refuse(400, msg, "invalid_request")
+            return True
+        if te and codings[-1:] != [b"chunked"]:
+            # chunked not last: the body's length is unknown (RFC 9112 section 6.3), httptools' 400 (it
+            # would find it only after this, and not at all for an upgrade request, whose body it skips)
+            self.send_400_response("")
+            return True
+        if te and codings != [b"chunked"]:
+            listed = ", ".join(c.decode("latin-1") for c in codings)
+            msg = f"Transfer-Encoding {listed} is not supported; send the body chunked alone or with a Content-Length."
+            self._refuse(501, msg, "not_implemented")
+            return True
+        body = te or any(n == b"content-length" and v.strip(b" \t").lstrip(b"0") for n, v in self.headers)
+        if body and self.parser.should_upgrade():
+            msg = (
+                "The gateway upgrades to no other protocol, and a request with an Upgrade header cannot have a "
+                "body; send it without Upgrade."
+            )
+            self._refuse(400, msg, "invalid_request")
+            return True
+        if any(n == b"host" and not _HOST.fullmatch(v) for n, v in self.headers):
+            self._refuse(400, "The Host header is not a valid host.", "invalid_request")
+            return True
+        self._chunked = te
+        return False
+
+    def _close_after_upgrade_request(self) -> None:
+        """After an upgrade request's head: httptools stops there (bytes after it in the same read
+        were dropped, a later read parsed as the next request), and the gateway upgrades to nothing
+        (RFC 9110 section 7.8: it may go on with HTTP/1.1). The request is answered, the connection
+        closed after it, and nothing more is read (one with a body was refused: :meth:`_framing_refused`)."""
+        if self.cycle is None or not self.parser.should_upgrade():
+            return
+        self.cycle.keep_alive = False
+        self._discarding = True
 
     def _pipeline_full(self) -> bool:
         """A request head arrived while ``max_pipelined_requests`` wait behind the one being
@@ -763,6 +839,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._discarding = True
         return True
 
+    def _body_too_large_message(self) -> str:
+        return f"The request body is larger than {self.limits.max_body_bytes} bytes (chunk framing included)."
+
     def _refuse_body(self, message: str) -> None:
         self._refuse(413, message, "request_too_large")
         raise _StopParsing
@@ -775,7 +854,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         done = self._chunks - 1
         lim = self.limits
         if self._body_wire_bytes > lim.max_body_bytes:
-            self._refuse_body(f"The request body is larger than {lim.max_body_bytes} bytes (chunk framing included).")
+            self._refuse_body(self._body_too_large_message())
         if done > lim.max_body_chunks:
             self._refuse_body(f"The request body has more than {lim.max_body_chunks} chunks.")
         if done > FREE_CHUNKS and self._body_bytes < lim.min_chunk_bytes * done:
@@ -803,6 +882,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._header_count = 0
         self._body_wire_bytes = self._body_bytes = self._chunks = 0
+        self._chunked = False
 
 
 def _paced_app(app: Any, cycle: Any) -> Any:
