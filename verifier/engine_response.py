@@ -31,6 +31,9 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
   ``logprobs.refusal[].token``, completions ``logprobs.tokens``), read for checking only: they
   repeat the text, so they are not counted as completion text. Alternatives in
   ``top_logprobs`` are not read (they are single tokens at each position, not a text);
+- ``logprobs_bytes``: the chat logprobs' ``bytes`` (each token's UTF-8 bytes, what a client
+  rebuilds a token's text from) decoded as one text, when any of them is not its token's UTF-8
+  (an honest engine's are, but for tokens that end inside a character); checked only;
 - ``other``: every string anywhere else in the choice (``"<choice>:other"``) or the object
   (``"-:other"``), outside the known metadata (:data:`META_KEYS`: ids, object, model, role,
   type, finish reason, ...), joined by spaces: an engine that puts text in a field kvgate does
@@ -293,15 +296,36 @@ def _logprob_fields(lp: dict[str, Any], out: list[_Field]) -> None:
     """The sampled tokens' strings of a choice's ``logprobs`` (chat ``content`` / ``refusal``
     entries, completions ``tokens``), as one ``logprobs`` stream, not counted."""
     tokens: list[str] = []
+    raw: list[bytes] = []
+    differs = False
     for key in ("content", "refusal"):  # chat: [{"token", "logprob", "bytes", "top_logprobs"}]
         items = lp.get(key)
         if isinstance(items, list):
-            tokens += [t["token"] for t in items if isinstance(t, dict) and isinstance(t.get("token"), str)]
+            for t in items:
+                if not isinstance(t, dict):
+                    continue
+                tok = t.get("token")
+                if isinstance(tok, str):
+                    tokens.append(tok)
+                b = _token_bytes(t.get("bytes"))
+                if b is not None:
+                    raw.append(b)
+                    differs = differs or not isinstance(tok, str) or b != tok.encode("utf-8", "replace")
     items = lp.get("tokens")  # completions: ["tok", ...]
     if isinstance(items, list):
         tokens += [t for t in items if isinstance(t, str)]
     if tokens:
         out.append(("logprobs", "".join(tokens), False))
+    if differs:
+        out.append(("logprobs_bytes", b"".join(raw).decode("utf-8", "replace"), False))
+
+
+def _token_bytes(v: Any) -> bytes | None:
+    """A chat logprob's ``bytes`` (the token's UTF-8 bytes, a list of ints 0-255) as bytes, or
+    ``None`` when it is not such a list."""
+    if not isinstance(v, list) or not all(_is_index(x) and 0 <= x <= 255 for x in v):
+        return None
+    return bytes(v)
 
 
 def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> EngineOutput:

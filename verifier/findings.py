@@ -29,6 +29,7 @@ from tokenizer.prompt_text import string_values
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.drift import check_finish, check_usage
 from verifier.incidents import ALERTS, CHECKS, DROPPED, QUARANTINES, Incident, IncidentSink
+from verifier.json_text import json_strings
 from verifier.latency import LatencyModel, cached_tokens_of
 from verifier.leak_index import LeakIndex, LeakVerdict
 from verifier.quarantine import Quarantine
@@ -461,20 +462,30 @@ def trusted(exchange: Exchange) -> bool:
     return not exchange.echo and exchange.state.own_text_complete
 
 
-def unescaped_values(text: str) -> list[str]:
-    """The string values of ``text`` when it is a JSON object or array holding an escape (a tool
-    call's ``arguments`` as the engine serialized them: a line break as ``\\n``, ``é`` as
-    ``\\u00e9``), else ``[]``. Another tenant's text leaked there is made of those values, not of
-    the escaped string, which shares no shingle with it across each escape; the prompt side
-    indexes parsed arguments alike (:func:`tokenizer.prompt_text.string_values`)."""
-    if "\\" not in text or text.lstrip()[:1] not in ("{", "["):
-        return []
-    try:
-        parsed = orjson.loads(text)
-    except orjson.JSONDecodeError:
+#: how many times over :func:`unescaped_values` decodes a JSON text escaped inside another
+UNESCAPE_LEVELS = 3
+
+
+def unescaped_values(text: str, _level: int = 1) -> list[str]:
+    """The string values of ``text`` when it is JSON (an object, an array or a string literal)
+    holding an escape (a tool call's ``arguments`` as the engine serialized them: a line break as
+    ``\\n``, ``é`` as ``\\u00e9``), else ``[]``. Another tenant's text leaked there is made of those
+    values, not of the escaped string, which shares no shingle with it across each escape; the
+    prompt side indexes parsed arguments alike (:func:`tokenizer.prompt_text.string_values`).
+    A text that is not valid JSON (arguments cut off at ``max_tokens``) is decoded leniently
+    (:func:`verifier.json_text.json_strings`: what it holds so far), and a value that is itself
+    escaped JSON (a document inside a string) is decoded again, up to :data:`UNESCAPE_LEVELS`
+    levels: each level's values are at most its text, so at worst the text three times more."""
+    if "\\" not in text or text.lstrip()[:1] not in ("{", "[", '"'):
         return []
     out: list[str] = []
-    string_values(parsed, out)
+    try:
+        string_values(orjson.loads(text), out)
+    except orjson.JSONDecodeError:
+        decoded = json_strings(text)
+        out = [decoded] if decoded else []
+    if _level < UNESCAPE_LEVELS:
+        out += [v for x in out for v in unescaped_values(x, _level + 1)]
     return out
 
 

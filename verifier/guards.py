@@ -20,6 +20,7 @@ from verifier.canary import CanaryScanner
 from verifier.findings import MAX_TEXT_STREAMS, CheckJob
 from verifier.incidents import Incident
 from verifier.jobs import FATAL, JobQueue
+from verifier.json_text import JsonStrings
 from verifier.leak_index import LeakVerdict
 from verifier.shingles import IncrementalShingler, ShingleHasher
 from verifier.stage import Exchange, ResponseWithheld
@@ -29,6 +30,18 @@ from verifier.strict import StrictChecks
 MAX_CHECK_CHARS = 4 * 1024 * 1024
 #: where a background guard keeps the text of the streams past :data:`MAX_TEXT_STREAMS`
 OVERFLOW_STREAM = "-:overflow"
+#: the suffix of a strict stream's decoded twin: the string values of a text stream that is JSON
+#: (``"0:tool:0:arguments#json"``; a document escaped once more inside it: ``...#json#json``)
+JSON_SUFFIX = "#json"
+#: how many times over a strict stream's JSON is decoded (as :data:`verifier.findings.UNESCAPE_LEVELS`)
+JSON_LEVELS = 3
+
+
+def json_stream(key: str) -> bool:
+    """Whether text stream ``key`` is JSON from its start: a tool call's or a legacy
+    ``function_call``'s ``arguments`` (chat ``"0:tool:3:arguments"``, Responses
+    ``"1:0:arguments"``, and its ``:snapshot``)."""
+    return key.endswith(":arguments") or key.endswith(":arguments:snapshot")
 
 
 class EchoStrip:
@@ -95,10 +108,12 @@ class TextStream:
     streams one character per event cannot shrink the hold-back window (each character alone
     encodes as a token, while a 50-token run is some 200 characters)."""
 
-    __slots__ = ("_at", "_bounds", "_chars", "echo", "pieces", "scanner", "shingler")
+    __slots__ = ("_at", "_bounds", "_chars", "echo", "json", "pieces", "scanner", "shingler")
 
-    def __init__(self, hasher: ShingleHasher, exchange: Exchange) -> None:
-        self.echo = EchoStrip(exchange.echo_prompts) if exchange.echo else None
+    def __init__(self, hasher: ShingleHasher, exchange: Exchange, *, json: bool = False, echo: bool = True) -> None:
+        self.echo = EchoStrip(exchange.echo_prompts) if exchange.echo and echo else None
+        #: the decoder of this stream's text when it is JSON (its values are checked as a twin stream)
+        self.json: JsonStrings | None = JsonStrings() if json else None
         self.scanner = CanaryScanner()
         self.shingler = IncrementalShingler(hasher, max_pending_chars=256, folded=True)
         self.pieces = 0
@@ -225,6 +240,9 @@ class StrictGuard:
         self.seen: set[int] = set()
         self.verdict = LeakVerdict()
         self._streams: dict[str, TextStream] = {}
+        #: decoded twins of JSON streams (:data:`JSON_SUFFIX`), apart from the streams counted
+        #: against :data:`MAX_TEXT_STREAMS` (each is bounded by its stream's text)
+        self._twins: dict[str, TextStream] = {}
         self._cut: ResponseWithheld | None = None
         self._first_text_seen = False
         self._suspect: Incident | None = None
@@ -261,15 +279,15 @@ class StrictGuard:
         out: list[bytes] = []
         if self._suspect is not None:
             return out
-        streams = self._streams
+        streams, twins = self._streams, self._twins
         while self._held:
             raw, ends = self._held[0]
-            if any(streams[k].after(piece) < self.holdback for k, piece in ends.items()):
+            if any((streams.get(k) or twins[k]).after(piece) < self.holdback for k, piece in ends.items()):
                 break
             self._held.popleft()
             self._held_bytes -= len(raw)
             for k, piece in ends.items():
-                streams[k].forget(piece)
+                (streams.get(k) or twins[k]).forget(piece)
             out.append(raw)
         return out
 
@@ -292,8 +310,28 @@ class StrictGuard:
         if st is None:
             if len(self._streams) >= MAX_TEXT_STREAMS:
                 self._withhold([self.checks.oversize(self.exchange, self._text_bytes, len(self._streams) + 1)])
-            st = self._streams[key] = TextStream(self.checks.hasher, self.exchange)
+            st = self._streams[key] = TextStream(self.checks.hasher, self.exchange, json=json_stream(key))
         return st
+
+    def _push(self, key: str, st: TextStream, text: str, ends: dict[str, int], cans: list[str], ids: list) -> None:
+        """Push ``text`` to stream ``key`` and, when it is JSON, its decoded string values to its
+        twin (created with its first decoded text; a twin is JSON too, up to :data:`JSON_LEVELS`):
+        an event is released only once each of them has the hold-back window behind it."""
+        c, new = st.push(text)
+        ends[key] = st.pieces - 1
+        cans += c
+        ids.append(new)
+        if st.json is None:
+            return
+        decoded = st.json.push(text)
+        tkey = key + JSON_SUFFIX
+        twin = self._twins.get(tkey)
+        if twin is None:
+            if not decoded:
+                return
+            deeper = tkey.count(JSON_SUFFIX) < JSON_LEVELS
+            twin = self._twins[tkey] = TextStream(self.checks.hasher, self.exchange, json=deeper, echo=False)
+        self._push(tkey, twin, decoded, ends, cans, ids)
 
     def _feed_text(self, pieces: list[tuple[str, str]], raw_event: bytes, now: float) -> list[bytes]:
         """:meth:`feed`'s blocking part (strict pool thread): count, pre-check, check, release."""
@@ -309,11 +347,8 @@ class StrictGuard:
         cans: list[str] = []
         ids_list: list[list[int]] = []
         for key, text in pieces:
-            st = self._stream(key)
-            c, ids = st.push(text)
-            ends[key] = st.pieces - 1
-            cans += c
-            ids_list.append(ids)
+            self._push(key, self._stream(key), text, ends, cans, ids_list)
+        cans = list(dict.fromkeys(cans))  # a canary in a JSON stream completes in its twin too
         held = self._hold(raw_event, ends)
         if cans or any(ids_list):
             found = self.checks.check_piece(self.exchange, self.verdict, self.seen, cans, ids_list)
@@ -347,11 +382,11 @@ class StrictGuard:
         checks = self.checks
         cans: list[str] = []
         ids_list: list[list[int]] = []
-        for st in self._streams.values():
+        for st in [*self._streams.values(), *self._twins.values()]:
             c, runs = st.flush()
             cans += c
             ids_list += runs
-        found = checks.check_piece(self.exchange, self.verdict, self.seen, cans, ids_list)
+        found = checks.check_piece(self.exchange, self.verdict, self.seen, list(dict.fromkeys(cans)), ids_list)
         checks.checked(self.exchange)
         if found:
             self._withhold(found)
