@@ -37,9 +37,20 @@ def served():
         yield srv
 
 
+def _ready(srv) -> bool:
+    s = srv.connect()
+    s.sendall(b"GET /readyz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    return read_all(s).startswith(b"HTTP/1.1 200 ")
+
+
 @pytest.fixture
 def edge(served):
+    """The module's gateway, its live pool read: on a loaded machine one pool read can outlast its
+    timeout, and an unread pool is a 503 ``pool_size_unknown`` (by design), not what these tests test."""
     st = served.engine.state
+    deadline = time.monotonic() + 15
+    while not _ready(served) and time.monotonic() < deadline:
+        time.sleep(0.1)
     yield served
     st.mode, st.delay_seconds, st.chunk_interval_seconds, st.text = "ok", 0.0, 0.0, "Hello from the mock."
 
