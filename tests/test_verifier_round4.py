@@ -14,10 +14,10 @@ import pytest
 
 from config.models import TenantConfig
 from tests.fixtures.settings import verifier_settings
+from tokenizer.json_values import JsonStrings
 from verifier.build import build_verifier
 from verifier.engine_response import parse_body, parse_chunk_event
 from verifier.findings import unescaped_values
-from verifier.json_text import JsonStrings
 from verifier.shingles import encode
 from verifier.stage import Exchange, ExchangeRequest, ResponseWithheld
 

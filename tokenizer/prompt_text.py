@@ -6,10 +6,10 @@ own (docs/verifier.md, the leak index)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from tokenizer.chat import template_json
+from tokenizer.json_values import string_values, unescaped_values
 
 
 def _dumps(obj: Any) -> str:
@@ -23,34 +23,16 @@ def _dumps(obj: Any) -> str:
         return "\n".join(out)
 
 
-def string_values(obj: Any, out: list[str], skip: frozenset[str] = frozenset()) -> None:
-    """Append every non-empty string value inside ``obj`` (dicts, lists, strings; keys left out,
-    and the values of keys in ``skip`` at any depth), in document order. Iterative, so any
-    nesting depth (orjson reads up to 1,024 levels) is read whole and cannot overflow the stack."""
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
-            if x:
-                out.append(x)
-        elif isinstance(x, dict):
-            stack.extend(reversed([v for k, v in x.items() if k not in skip]))
-        elif isinstance(x, list):
-            stack.extend(reversed(x))
-
-
 def _arguments_texts(args: Any, out: list[str]) -> None:
     """A tool call's ``arguments``: the string as sent; when it holds a JSON escape (a newline,
-    a quote, ``\\uXXXX`` for non-ASCII), also its parsed string values, the text a model that
-    quotes them writes (a file's lines). A parsed value (not a string) is written as JSON."""
+    a quote, ``\\uXXXX`` for non-ASCII), also its decoded string values, the text a model that
+    quotes them writes (a file's lines), decoded as the response side decodes a leak of them
+    (:func:`tokenizer.json_values.unescaped_values`: a document escaped inside a value and a
+    string literal too, up to 3 levels, and arguments cut off mid-JSON leniently). A parsed value
+    (not a string) is written as JSON."""
     if isinstance(args, str):
         out.append(args)
-        if "\\" in args:
-            try:
-                parsed = json.loads(args)
-            except (RecursionError, ValueError):
-                return
-            string_values(parsed, out)
+        out.extend(unescaped_values(args))
     elif isinstance(args, (dict, list)):
         out.append(_dumps(args))
 
@@ -87,7 +69,8 @@ def chat_text(messages: Any, tools: Any = None, functions: Any = None) -> str:
     a message ``refusal``, and each tool call's (and a legacy ``function_call``'s) function name and
     arguments (:func:`_arguments_texts`). Ids (``tool_call_id``, a call's ``id``) and images carry
     no text. Empty strings are left out. At most the request's own strings, plus a tool call's
-    escaped arguments once more parsed: about twice the body at worst, gathered in one pass."""
+    escaped arguments decoded up to 3 levels (each level at most its text): about four times the
+    body at worst, gathered in one pass."""
     out: list[str] = []
     for defs in (tools, functions):
         if isinstance(defs, list):

@@ -21,15 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from config.models import TenantConfig, VerifierSettings
 from config.redis_client import StoreBackoff, store_errors
-from tokenizer.prompt_text import string_values
+from tokenizer.json_values import UNESCAPE_LEVELS as UNESCAPE_LEVELS  # re-exported: the response side's depth
+from tokenizer.json_values import unescaped_values
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.drift import check_finish, check_usage
 from verifier.incidents import ALERTS, CHECKS, DROPPED, QUARANTINES, Incident, IncidentSink
-from verifier.json_text import json_strings
 from verifier.latency import LatencyModel, cached_tokens_of
 from verifier.leak_index import LeakIndex, LeakVerdict
 from verifier.quarantine import Quarantine
@@ -357,7 +355,8 @@ class Findings:
 
     def _prepare_locked(self, ex: Exchange, texts: Sequence[str]) -> Prepared:
         """The CPU part of :meth:`content_locked`'s leak-index check (no store call), on each text
-        and on the string values of each one that is escaped JSON (:func:`unescaped_values`)."""
+        and on the string values of each one that is escaped JSON (:func:`unescaped_values`, the
+        decoder the prompt side indexes tool-call arguments with, so the two meet)."""
         own, seen = self.own_locked(ex), set[int]()
         texts = [strip_echo(t, ex.echo_prompts) if ex.echo else t for t in texts]
         texts += [v for t in texts for v in unescaped_values(t)]
@@ -460,33 +459,6 @@ def trusted(exchange: Exchange) -> bool:
     """Whether the exchange's own text is fully known (no echo, every token-id prompt decoded):
     only then does its answer count towards the public-text rule."""
     return not exchange.echo and exchange.state.own_text_complete
-
-
-#: how many times over :func:`unescaped_values` decodes a JSON text escaped inside another
-UNESCAPE_LEVELS = 3
-
-
-def unescaped_values(text: str, _level: int = 1) -> list[str]:
-    """The string values of ``text`` when it is JSON (an object, an array or a string literal)
-    holding an escape (a tool call's ``arguments`` as the engine serialized them: a line break as
-    ``\\n``, ``é`` as ``\\u00e9``), else ``[]``. Another tenant's text leaked there is made of those
-    values, not of the escaped string, which shares no shingle with it across each escape; the
-    prompt side indexes parsed arguments alike (:func:`tokenizer.prompt_text.string_values`).
-    A text that is not valid JSON (arguments cut off at ``max_tokens``) is decoded leniently
-    (:func:`verifier.json_text.json_strings`: what it holds so far), and a value that is itself
-    escaped JSON (a document inside a string) is decoded again, up to :data:`UNESCAPE_LEVELS`
-    levels: each level's values are at most its text, so at worst the text three times more."""
-    if "\\" not in text or text.lstrip()[:1] not in ("{", "[", '"'):
-        return []
-    out: list[str] = []
-    try:
-        string_values(orjson.loads(text), out)
-    except orjson.JSONDecodeError:
-        decoded = json_strings(text)
-        out = [decoded] if decoded else []
-    if _level < UNESCAPE_LEVELS:
-        out += [v for x in out for v in unescaped_values(x, _level + 1)]
-    return out
 
 
 def strip_echo(text: str, prompts: Sequence[str]) -> str:

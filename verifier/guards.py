@@ -16,11 +16,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizer.json_values import JsonStrings
 from verifier.canary import CanaryScanner
 from verifier.findings import MAX_TEXT_STREAMS, CheckJob
 from verifier.incidents import Incident
 from verifier.jobs import FATAL, JobQueue
-from verifier.json_text import JsonStrings
 from verifier.leak_index import LeakVerdict
 from verifier.shingles import IncrementalShingler, ShingleHasher
 from verifier.stage import Exchange, ResponseWithheld

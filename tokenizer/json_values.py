@@ -1,19 +1,26 @@
-"""The string values of a JSON text, decoded as it arrives in pieces (a tool call's streamed
-``arguments``), leniently: what a client's JSON parser shows of another tenant's text that an
-engine wrote JSON-escaped (``\\n`` for a line break, ``\\uXXXX`` for non-ASCII), which shares no
-shingle with the escaped string across each escape.
+"""The string values of a JSON text, decoded the one way both sides of the verifier decode a tool
+call's ``arguments``: the prompt side indexes them (:mod:`tokenizer.prompt_text`), the response side
+checks them (``verifier.findings``, and a strict stream's decoded twin in ``verifier.guards``).
+Another tenant's text that an engine wrote JSON-escaped (``\\n``
+for a line break, ``\\uXXXX`` for non-ASCII) shares no shingle with the escaped string across each
+escape, so both sides must decode alike or a leak's shingles never meet the index's.
 
-:class:`JsonStrings` never raises and never validates: text outside strings that is not JSON
-structure is skipped, a text cut off inside a string gives what it holds so far (an answer cut at
-``max_tokens``), a bad escape is kept as written, a lone surrogate is U+FFFD. Keys are left out;
-each value ends with a line break (as :func:`verifier.findings.unescaped_values` lists them and
-the prompt side joins them, ``tokenizer.prompt_text``). State is a few fields and a stack of at
-most :data:`MAX_DEPTH` containers; nothing of the text is kept but an unfinished escape.
+:func:`unescaped_values` parses a whole text (strictly, then leniently, up to
+:data:`UNESCAPE_LEVELS` levels of a document escaped inside a value). :class:`JsonStrings` is its
+lenient part, incremental: it never raises and never validates: text outside strings that is not
+JSON structure is skipped, a text cut off inside a string gives what it holds so far (an answer cut
+at ``max_tokens``), a bad escape is kept as written, a lone surrogate is U+FFFD. Keys are left out;
+each value ends with a line break (as :func:`unescaped_values` lists them and the prompt side joins
+them). State is a few fields and a stack of at most :data:`MAX_DEPTH` containers; nothing of the
+text is kept but an unfinished escape.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
+
+import orjson
 
 #: the one-character escapes of JSON
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
@@ -122,3 +129,44 @@ class JsonStrings:
 def json_strings(text: str) -> str:
     """:class:`JsonStrings` of a whole ``text``."""
     return JsonStrings().push(text)
+
+
+def string_values(obj: Any, out: list[str], skip: frozenset[str] = frozenset()) -> None:
+    """Append every non-empty string value inside ``obj`` (dicts, lists, strings; keys left out,
+    and the values of keys in ``skip`` at any depth), in document order. Iterative, so any
+    nesting depth (orjson reads up to 1,024 levels) is read whole and cannot overflow the stack."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            if x:
+                out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(reversed([v for k, v in x.items() if k not in skip]))
+        elif isinstance(x, list):
+            stack.extend(reversed(x))
+
+
+#: how many times over :func:`unescaped_values` decodes a JSON text escaped inside another
+UNESCAPE_LEVELS = 3
+
+
+def unescaped_values(text: str, _level: int = 1) -> list[str]:
+    """The string values of ``text`` when it is JSON (an object, an array or a string literal)
+    holding an escape (a tool call's ``arguments``: a line break as ``\\n``, ``é`` as ``\\u00e9``),
+    else ``[]``: what a client's JSON parser shows, and what a model quoting them writes (a file's
+    lines). A text that is not valid JSON (arguments cut off at ``max_tokens``) is decoded
+    leniently (:func:`json_strings`: what it holds so far), and a value that is itself escaped
+    JSON (a document inside a string) is decoded again, up to :data:`UNESCAPE_LEVELS` levels: each
+    level's values are at most its text, so at worst the text three times more."""
+    if "\\" not in text or text.lstrip()[:1] not in ("{", "[", '"'):
+        return []
+    out: list[str] = []
+    try:
+        string_values(orjson.loads(text), out)
+    except orjson.JSONDecodeError:
+        decoded = json_strings(text)
+        out = [decoded] if decoded else []
+    if _level < UNESCAPE_LEVELS:
+        out += [v for x in out for v in unescaped_values(x, _level + 1)]
+    return out
