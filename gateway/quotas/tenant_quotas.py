@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -203,6 +204,8 @@ class TenantQuotas:
         #: told ``False`` when the shared store stops answering (a call or the start), ``True``
         #: when it answers again (:meth:`watch_store`: the gateway's ``kvgate_quota_store_up``)
         self._store_state: Callable[[bool], None] = lambda up: None
+        #: :meth:`aclose` has begun: no background round is started again
+        self._closing = False
 
     def watch_store(self, callback: Callable[[bool], None]) -> None:
         """Tell ``callback`` each change of the shared store's state (``True``: it answers)."""
@@ -228,6 +231,8 @@ class TenantQuotas:
     def _ensure_recoverer(self) -> None:
         """Undo the uncertain reservations and send the settles left over in the background
         (:meth:`_recover_loop`), if any."""
+        if self._closing:  # aclose sends what is left once itself
+            return
         if (self._uncertain or self._unsettled) and (self._recoverer is None or self._recoverer.done()):
             with contextlib.suppress(RuntimeError):  # no running loop: the next request undoes them
                 self._recoverer = asyncio.get_running_loop().create_task(self._recover_loop())
@@ -253,22 +258,23 @@ class TenantQuotas:
             except Exception:  # the next round tries again
                 log.exception("undoing uncertain quota reservations failed")
 
-    async def _settle_left_over(self, scope: Any = _ALL) -> None:
+    async def _settle_left_over(self, scope: Any = _ALL, *, backing_off: bool = False) -> None:
         """Send again the settles the store could not take (``scope``: as :meth:`_cancel_uncertain`);
         ``settle.lua`` run late releases a lease that may have expired (nothing) and corrects the
         debit as it would have then. They go together, riding the store's round trips (after a
         long outage thousands wait, and the request whose call found the store back waits for
-        them: one round trip each took seconds). One that fails again waits for the next round."""
+        them: one round trip each took seconds). One that fails again waits for the next round.
+        ``backing_off``: send those of a part of the store that is backing off too (:meth:`aclose`'s last try)."""
         ready: list[tuple[_Held, int, int]] = []
         keep: list[tuple[_Held, int, int]] = []
         for u in self._unsettled:  # not a deque.remove each (10,000 of them: 10^8 comparisons)
             tenant_id = u[0].tenant_id
             mine = scope is _ALL or self.store.scope(tenant_id) == scope
-            (ready if mine and self._store_usable(tenant_id) else keep).append(u)
+            (ready if mine and (backing_off or self._store_usable(tenant_id)) else keep).append(u)
         self._unsettled.clear()
         self._unsettled.extend(keep)  # other parts of the store, or backing off: the next round
         calls = [
-            h.store.settle(h.tenant_id, h.limits, h.lease_id, used, reserved, h.window_ms)
+            functools.partial(h.store.settle, h.tenant_id, h.limits, h.lease_id, used, reserved, h.window_ms)
             for h, used, reserved in ready
         ]
         try:
@@ -278,12 +284,20 @@ class TenantQuotas:
             raise
         self._unsettled.extend(u for u, r in zip(ready, results, strict=True) if isinstance(r, BaseException))
 
-    async def _together(self, calls: Sequence[Awaitable[Any]], tenant_ids: list[str], what: str) -> list[Any]:
-        """Await ``calls`` (store calls, one per tenant of ``tenant_ids``) together, each within
-        :meth:`_bounded`, riding the store's round trips; returns each one's result or exception.
-        A :class:`QuotaStoreUnavailable` marks that tenant's part of the store down; any other
-        exception is logged. Cancelled, it raises (the caller queues the calls again)."""
-        results = await asyncio.gather(*(self._bounded(c) for c in calls), return_exceptions=True)
+    async def _together(
+        self, calls: Sequence[Callable[[], Awaitable[Any]]], tenant_ids: list[str], what: str
+    ) -> list[Any]:
+        """Make ``calls`` (store calls not yet made, one per tenant of ``tenant_ids``) together,
+        each within :meth:`_bounded`, riding the store's round trips; returns each one's result or
+        exception. A :class:`QuotaStoreUnavailable` marks that tenant's part of the store down; any
+        other exception is logged. Cancelled, it raises (the caller queues the calls again). Each
+        call's coroutine is made in its own task once that task runs: one cancelled before its
+        first step leaves no coroutine never awaited (Python's ``RuntimeWarning``)."""
+
+        async def one(call: Callable[[], Awaitable[Any]]) -> Any:
+            return await self._bounded(call())
+
+        results = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
         for tenant_id, r in zip(tenant_ids, results, strict=True):
             if isinstance(r, QuotaStoreUnavailable):
                 self._mark_down(r, tenant_id)
@@ -319,7 +333,7 @@ class TenantQuotas:
         self._uncertain.extend(keep)
         todo = list(groups.items())
         try:  # together, riding the store's round trips (one each took seconds after a long outage)
-            calls = [self.store.cancel(t, ids, keep_rpm=k) for (t, k), ids in todo]
+            calls = [functools.partial(self.store.cancel, t, ids, keep_rpm=k) for (t, k), ids in todo]
             results = await self._together(calls, [t for (t, _), _ in todo], "undoing reservations")
         except BaseException:  # cancelled part-way: what is not known undone waits for the next round
             self._uncertain.extend((t, i, k) for (t, k), ids in todo for i in ids)
@@ -693,7 +707,10 @@ class TenantQuotas:
                 log.exception("quota lease renewal failed")
 
     async def aclose(self) -> None:
-        """Stop lease renewal (and the undoing of uncertain reservations) and close the store's connections."""
+        """Stop lease renewal (and the undoing of uncertain reservations), send what is left
+        (:meth:`_send_left_over`) and close the store's connections (the store sends the calls it
+        has queued first)."""
+        self._closing = True
         for task in (self._renewer, self._recoverer):
             if task is not None:
                 task.cancel()
@@ -702,7 +719,29 @@ class TenantQuotas:
                 except BaseException:
                     pass
         self._renewer = self._recoverer = None
+        await self._send_left_over()
         await self.store.aclose()
+
+    async def _send_left_over(self) -> None:
+        """At close, one last try, within :attr:`deadline_seconds`, to undo the uncertain
+        reservations and send the settles left over (those of requests cancelled at a shutdown's
+        end, or handed over while the store backed off: its back-off is not waited out), so their
+        debits are corrected now rather than staying at their reservations. What fails is lost:
+        its leases expire by their TTL."""
+        if self.store is self.fallback or not (self._uncertain or self._unsettled):
+            return
+        with contextlib.suppress(Exception):  # TimeoutError included: closing goes on
+            async with asyncio.timeout(self.deadline_seconds):
+                await asyncio.gather(
+                    self._cancel_uncertain(), self._settle_left_over(backing_off=True), return_exceptions=True
+                )
+        if self._uncertain or self._unsettled:
+            log.warning(
+                "quota store %s: %d reservation undo(s) and %d settle(s) not sent at close: their leases expire by TTL",
+                self.store.name,
+                len(self._uncertain),
+                len(self._unsettled),
+            )
 
 
 # ---------------------------------------------------------------------- construction
