@@ -49,6 +49,14 @@ _UNBOUNDED = 1 << 62
 MAX_POOL_BODY_BYTES = 1 << 20
 
 
+#: the delay before the first retry of a failed poll, doubled on each further failure up to
+#: ``pool.poll_interval_seconds``: one transient failure (a non-200, a late answer) makes the pool
+#: unknown (503 ``pool_size_unknown``) for about this long, not for the whole interval. Not
+#: jittered: each watcher polls only its own upstream's few nodes, and one small GET per gateway
+#: replica at the same instant is no herd; a fixed schedule keeps the retry window predictable
+RETRY_FIRST_DELAY_SECONDS = 0.25
+
+
 class PoolReadError(Exception):
     """A pool could not be read: unreachable, bad status, or a required field missing."""
 
@@ -344,17 +352,31 @@ class PoolWatcher:
                 log.exception("pool metrics update failed")
 
     async def run(self) -> None:
-        """Poll every ``poll_interval_seconds`` until cancelled."""
+        """Poll every ``poll_interval_seconds`` until cancelled. After a failed poll the next comes
+        sooner: :data:`RETRY_FIRST_DELAY_SECONDS`, doubled on each further failure, never more than
+        the interval (after a few retries a dead engine is polled once per interval, never in a
+        tight loop); a success returns to the interval. The pool stays unknown meanwhile (fail
+        closed); a failure is logged only when it changes, not on every retry."""
+        interval = self.settings.poll_interval_seconds
+        retry = RETRY_FIRST_DELAY_SECONDS
         while True:
             try:
-                await self.poll_once()
+                ok = await self.poll_once() is not None
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # never let the watcher die
+                error = f"poll failed: {type(e).__name__}"
+                if self.reading is not None or self.last_error != error:
+                    log.exception("pool poll of %s failed", self.upstream.name)
                 self.reading = None
-                self.last_error = f"poll failed: {type(e).__name__}"
-                log.exception("pool poll of %s failed", self.upstream.name)
-            await asyncio.sleep(self.settings.poll_interval_seconds)
+                self.last_error = error
+                ok = False
+            if ok:
+                retry = RETRY_FIRST_DELAY_SECONDS
+                await asyncio.sleep(interval)
+            else:
+                await asyncio.sleep(min(retry, interval))
+                retry = min(retry * 2, interval)
 
     def start(self) -> None:
         """Start :meth:`run` as a task (live sources only)."""
