@@ -465,16 +465,12 @@ class Settings(_Strict):
         """No upstream whose engine is the bundled backend (``kvgate``, which has no
         ``/v1/embeddings``) serves an embedding model: its every request would be admitted,
         charged and answered 404."""
-        for i, u in enumerate(self.upstreams):
-            if u.engine != "kvgate":
-                continue
-            for j, n in enumerate(u.models):
-                m = self.model_by_name(n)
-                if m is not None and m.task == "embedding":
-                    raise ValueError(
-                        f"upstreams[{i}].models[{j}]: model '{m.id}' has task 'embedding', but upstream '{u.name}' "
-                        "has engine 'kvgate' (the bundled backend serves no /v1/embeddings)"
-                    )
+        for at, u, m in self._bundled_backend_models():
+            if m.task == "embedding":
+                raise ValueError(
+                    f"{at}: model '{m.id}' has task 'embedding', but upstream '{u.name}' "
+                    "has engine 'kvgate' (the bundled backend serves no /v1/embeddings)"
+                )
         return self
 
     @model_validator(mode="after")
@@ -485,18 +481,25 @@ class Settings(_Strict):
         model takes images, and the gateway refuses every image for it (any of its upstreams may
         get the request). The default policy, which every model has, written out or not, loads."""
         default = ImagePolicy()
-        for i, u in enumerate(self.upstreams):
-            if u.engine != "kvgate":
-                continue
-            for j, n in enumerate(u.models):
-                m = self.model_by_name(n)
-                if m is not None and m.images != default:
-                    raise ValueError(
-                        f"upstreams[{i}].models[{j}]: model '{m.id}' has an 'images' policy, but upstream '{u.name}' "
-                        "has engine 'kvgate' (the bundled backend takes no images); remove the policy or serve the "
-                        "model elsewhere"
-                    )
+        for at, u, m in self._bundled_backend_models():
+            if m.images != default:
+                raise ValueError(
+                    f"{at}: model '{m.id}' has an 'images' policy, but upstream '{u.name}' "
+                    "has engine 'kvgate' (the bundled backend takes no images); remove the policy or serve the "
+                    "model elsewhere"
+                )
         return self
+
+    def _bundled_backend_models(self) -> list[tuple[str, UpstreamConfig, ModelConfig]]:
+        """``(key path, upstream, model)`` for each model an upstream whose engine is the bundled
+        backend (``kvgate``) serves, the path ``upstreams[i].models[j]``."""
+        return [
+            (f"upstreams[{i}].models[{j}]", u, m)
+            for i, u in enumerate(self.upstreams)
+            if u.engine == "kvgate"
+            for j, n in enumerate(u.models)
+            if (m := self.model_by_name(n)) is not None
+        ]
 
     def model_by_name(self, name: str) -> ModelConfig | None:
         """The model whose id or alias is ``name``, else ``None``."""

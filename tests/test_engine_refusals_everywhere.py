@@ -40,6 +40,7 @@ from gateway.quotas.tenant_quotas import build_quota_stage
 from tests.gateway_harness import MODEL, Gateway, settings_for, tenants, upstream
 from tests.test_gateway_api_routes import EMB, LIMIT, error_of, forwarded
 from tests.test_hostile_routes import REFUSED, Ledger, _invalid, _post
+from tests.test_hostile_routes_round4 import GREEDY_N, TOP_K, TOP_P, _unsupported
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.engine("api")]
 
@@ -81,18 +82,6 @@ def gws(module_engine):
         g.stop()
 
 
-def _unsupported(field: str) -> dict:
-    return _invalid(f"'{field}' is not supported by the engines serving this model.", field)
-
-
-TOP_P = _invalid("Invalid value for 'top_p': must be > 0 and <= 1 (the engines serving this model refuse 0)", "top_p")
-TOP_K = _invalid(
-    "Invalid value for 'top_k': must be -1 (off) or at least 1 for the engines serving this model (SGLang)", "top_k"
-)
-GREEDY_N = _invalid(
-    "Invalid value for 'n': must be 1 when 'temperature' is 0 (greedy sampling) for the engines serving this model",
-    "n",
-)
 TOP_LOGPROBS = _invalid(
     "Invalid value for 'top_logprobs': must be 0 unless 'logprobs' is true, for the engines serving this model",
     "top_logprobs",

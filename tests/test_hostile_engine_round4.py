@@ -38,7 +38,7 @@ from tests.test_gateway_relay import (
     static_upstream,
     streaming,
 )
-from tests.test_hostile_relay import loopback_gateway
+from tests.test_hostile_relay import post_to_loopback_engine
 from tokenizer import bundled_counter
 
 pytestmark = pytest.mark.timeout(30)
@@ -65,37 +65,10 @@ def sdk_events(stream: bytes) -> list[str]:
     return [e.data for e in SSEDecoder().iter_bytes(stream[i : i + 1] for i in range(len(stream)))]
 
 
-async def _serve(answer: bytes) -> tuple[asyncio.AbstractServer, int]:
-    """A loopback engine that reads one request, writes ``answer`` and closes the connection."""
-
-    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        size = next(
-            int(v) for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")) if k.lower() == b"content-length"
-        )
-        await reader.readexactly(size)
-        writer.write(answer)
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1]
-
-
 def through_gateway(answer: bytes, body: dict[str, Any]) -> tuple[httpx.Response, LedgerQuotas, list[int]]:
     """``body`` posted (request id ``r4``) to a gateway whose one engine answers ``answer`` on
     loopback: the response, the quota ledger, what is left in flight."""
-
-    async def run() -> tuple[httpx.Response, LedgerQuotas, list[int]]:
-        server, port = await _serve(answer)
-        try:
-            async with loopback_gateway(port, {"x-request-id": "r4"}) as (c, q, gw):
-                r = await c.post("/v1/chat/completions", json=body)
-                return r, q, [u.in_flight for u in gw.upstreams.all]
-        finally:
-            server.close()
-
-    return asyncio.run(run())
+    return post_to_loopback_engine(answer, body, "r4")
 
 
 # ---------------------------------------------------------------- a stream that starts with a byte order mark

@@ -33,6 +33,7 @@ from tests.mock_engine import MockEngine
 from tests.quota_fixtures import SpareRedis, spare_redis  # noqa: F401
 from tests.test_faults_slow_clients import SEND_LIMITS, Produced, _head, _request, _wait
 from tests.test_hostile_edge import LIMITS, EdgeServer
+from tests.test_quotas_races import _recovered
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,19 +62,6 @@ async def _state(store: RedisQuotaStore, tenant_id: str, url: str = REDIS_URL) -
         }
     finally:
         await r.aclose()
-
-
-async def _recovered(stage: TenantQuotas, budget: float = 5.0) -> None:
-    """Until the stage's background round has undone every failed call and resent every settle."""
-    deadline = time.monotonic() + budget
-
-    def done() -> bool:
-        task = stage._recoverer
-        return not stage._uncertain and not stage._unsettled and (task is None or task.done())
-
-    while not done():
-        assert time.monotonic() < deadline, f"the background undo did not finish within {budget}s"
-        await asyncio.sleep(0.02)
 
 
 # ---------------------------------------------------------------- 1. cancelled at every await point

@@ -235,7 +235,7 @@ def test_a_responses_stream_ended_without_a_terminal_event_ends_with_its_error_e
     )
 
 
-async def _serve_once(answer: bytes) -> tuple[asyncio.AbstractServer, int]:
+async def serve_once(answer: bytes) -> tuple[asyncio.AbstractServer, int]:
     """A loopback engine that reads one request, writes ``answer`` and closes the connection."""
 
     async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -276,6 +276,25 @@ async def loopback_gateway(
         await gw.stop()
 
 
+def post_to_loopback_engine(
+    answer: bytes, body: dict[str, Any], request_id: str
+) -> tuple[httpx.Response, LedgerQuotas, list[int]]:
+    """``body`` posted to ``/v1/chat/completions`` (request id ``request_id``) through
+    :func:`loopback_gateway`, its engine one :func:`serve_once` answering ``answer``: the
+    response, the quota ledger, and what each upstream has left in flight."""
+
+    async def run() -> tuple[httpx.Response, LedgerQuotas, list[int]]:
+        server, port = await serve_once(answer)
+        try:
+            async with loopback_gateway(port, {"x-request-id": request_id}) as (c, q, gw):
+                r = await c.post("/v1/chat/completions", json=body)
+                return r, q, [u.in_flight for u in gw.upstreams.all]
+        finally:
+            server.close()
+
+    return asyncio.run(run())
+
+
 def test_an_engine_dying_inside_a_close_framed_stream_is_a_cut_and_settles_once():
     """An answer framed by the connection's close (no Content-Length, no chunking) whose engine
     died after "Hel": the close is the body's end, so the client got "Hel" and ``[DONE]``, a
@@ -285,16 +304,7 @@ def test_an_engine_dying_inside_a_close_framed_stream_is_a_cut_and_settles_once(
     first = _chunk("Hel", False)
     head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
 
-    async def run() -> tuple[httpx.Response, LedgerQuotas, list[int]]:
-        server, port = await _serve_once(head + first)
-        try:
-            async with loopback_gateway(port, {"x-request-id": "cut-1"}) as (c, q, gw):
-                r = await c.post("/v1/chat/completions", json=STREAM)
-                return r, q, [u.in_flight for u in gw.upstreams.all]
-        finally:
-            server.close()
-
-    r, q, in_flight = asyncio.run(run())
+    r, q, in_flight = post_to_loopback_engine(head + first, STREAM, "cut-1")
     assert (r.status_code, r.content) == (200, first + error_event(CUT) + b"data: [DONE]\n\n")
     assert (q.settled, in_flight) == ({"cut-1": [12]}, [0])
 

@@ -17,12 +17,10 @@ import warnings
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
-from config.models import QuotaSettings, TenantConfig
-from gateway.quotas.stores import QuotaLimits, RedisQuotaStore
-from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url
-from tests.fixtures.redis_keys import REDIS_URL
+from config.models import TenantConfig
+from gateway.quotas.stores import QuotaLimits
+from tests.test_hostile_quotas_round4 import _recovered, _stage, _state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,35 +29,6 @@ TURNS = 40  # loop turns a round is cancelled after: 0..TURNS-1 (one round trip 
 
 def _tenant(**kw: Any) -> TenantConfig:
     return TenantConfig(id=f"r4b-{uuid.uuid4().hex[:8]}", **kw)
-
-
-def _stage(prefix: str) -> TenantQuotas:
-    store = RedisQuotaStore(redis_client_from_url(REDIS_URL, 0.25), prefix=prefix)
-    return TenantQuotas(QuotaSettings(), store)
-
-
-async def _state(store: RedisQuotaStore, tenant_id: str) -> dict[str, Any]:
-    """The tenant's keys as Redis holds them (read on a client of its own)."""
-    r = aioredis.from_url(REDIS_URL)
-    try:
-        rpm, tpm, debits, total, leases = store.keys(tenant_id)
-        raw = await r.get(total)
-        return {
-            "rpm": int(await r.zcard(rpm)),
-            "tpm": int(await r.zcard(tpm)),
-            "debits": sorted(int(v) for v in await r.hvals(debits)),
-            "sum": None if raw is None else int(raw),
-            "leases": int(await r.zcard(leases)),
-        }
-    finally:
-        await r.aclose()
-
-
-async def _recovered(stage: TenantQuotas, budget: float = 5.0) -> None:
-    deadline = time.monotonic() + budget
-    while stage._uncertain or stage._unsettled or (stage._recoverer is not None and not stage._recoverer.done()):
-        assert time.monotonic() < deadline, f"the background round did not finish within {budget}s"
-        await asyncio.sleep(0.02)
 
 
 def _never_awaited(caught: list[warnings.WarningMessage]) -> list[str]:
