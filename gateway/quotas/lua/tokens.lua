@@ -24,10 +24,6 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cutoff = now - window
 local BATCH = 256
--- a refused TPM call walks at most this many of the oldest debits for its Retry-After (past them
--- the answer is the last walked debit's expiry, a lower bound): one refused call costs Redis a
--- bounded time however many small debits the tenant holds
-local WALK_MAX = 1024
 
 local win = tpm_window(cutoff, BATCH)
 local used = win.used
@@ -40,25 +36,7 @@ end
 if used + tokens > tpm then
   tpm_trim(win, window)
   if tokens > tpm then return {0, 'tpm', window, -1, math.max(0, tpm - used), 1, -1, used} end
-  local need = used + tokens - tpm
-  local freed = 0
-  local start = 0
-  local at = nil
-  local last = nil
-  while at == nil and start < WALK_MAX do
-    local batch = redis.call('ZRANGE', KEYS[2], start, start + BATCH - 1, 'WITHSCORES')
-    if #batch == 0 then break end
-    local ids = {}
-    for i = 1, #batch, 2 do table.insert(ids, batch[i]) end
-    local debits = redis.call('HMGET', KEYS[3], unpack(ids))
-    for i = 1, #ids do
-      freed = freed + (tonumber(debits[i]) or 0)
-      last = tonumber(batch[2 * i])
-      if freed >= need then at = last break end
-    end
-    start = start + BATCH
-  end
-  if at == nil then at = (start >= WALK_MAX and last) or now end
+  local at = tpm_freed_at(used + tokens - tpm, now, BATCH)
   return {0, 'tpm', math.max(1, at + window - now), -1, math.max(0, tpm - used), 0, -1, used}
 end
 

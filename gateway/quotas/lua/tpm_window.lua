@@ -7,6 +7,11 @@
 -- tpm_window(cutoff, batch): reads only. Returns the window w: w.used (the tokens it holds once
 -- the debits logged at or before cutoff are dropped), and what tpm_trim(w, ...) then writes.
 -- tpm_holds(w, id): whether id's debit is in the window (it stays after tpm_trim).
+-- tpm_freed_at(need, now, batch): when the window's oldest debits free ``need`` tokens (ms, the
+-- server's clock): the admission time of the debit that frees the last of them, ``now`` when the
+-- whole log frees less. It walks at most TPM_WALK_MAX of the oldest debits (past them the answer is
+-- the last walked debit's, a lower bound): one refused call costs Redis a bounded time however many
+-- small debits the tenant holds. Call it after tpm_trim, so the walk starts inside the window.
 -- tpm_trim(w, window, keep): drops the expired debits (the log's, the hash's, the sum's) and, when
 -- the keys disagreed (a key evicted or lost alone), sets the sum rebuilt from the logged debits
 -- first (never left negative nor holding tokens no debit accounts for: each admission's PEXPIRE
@@ -85,4 +90,24 @@ local function tpm_trim(w, window, keep)
   elseif w.freed ~= 0 then
     redis.call('DECRBY', KEYS[4], w.freed)
   end
+end
+
+local TPM_WALK_MAX = 1024
+
+local function tpm_freed_at(need, now, batch)
+  local freed, start, last = 0, 0, nil
+  while start < TPM_WALK_MAX do
+    local entries = redis.call('ZRANGE', KEYS[2], start, start + batch - 1, 'WITHSCORES')
+    if #entries == 0 then return now end
+    local ids = {}
+    for i = 1, #entries, 2 do table.insert(ids, entries[i]) end
+    local debits = redis.call('HMGET', KEYS[3], unpack(ids))
+    for i = 1, #ids do
+      freed = freed + (tonumber(debits[i]) or 0)
+      last = tonumber(entries[2 * i])
+      if freed >= need then return last end
+    end
+    start = start + batch
+  end
+  return last or now
 end
