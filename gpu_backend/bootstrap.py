@@ -46,11 +46,14 @@ class RoomClosedError(Exception):
 @dataclass(frozen=True)
 class Reservation:
     """What a room's generate call reserved: the engine request id, the prompt length decode
-    expects to receive and ``max_new_tokens`` (pages are held for their sum)."""
+    expects to receive and ``max_new_tokens`` (pages are held for their sum), and
+    ``prompt_ids_sha256``, the digest of the prompt the router sent (the one a transfer's
+    ``prompt_ids_sha256`` must equal; :func:`gpu_backend.transfer.prompt_ids_sha256`)."""
 
     request_id: str
     prompt_tokens: int
     max_new_tokens: int
+    prompt_ids_sha256: str
 
 
 @dataclass

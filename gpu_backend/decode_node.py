@@ -8,12 +8,15 @@ momentarily full (503 ``pool_exhausted`` after the engine's timeout, at once whe
 too small; never a 400), and waits up to ``transfer_timeout_seconds`` for prefill's pages. A
 transfer whose ``first_token_id`` is outside the vocabulary, or whose pages have another geometry
 than this pool's (layers, page size, KV heads, head dim), is refused (400 ``invalid_transfer``,
-:class:`InvalidTransferError`) before its room is touched. A transfer whose ``num_tokens``
-differs from the reserved prompt length is refused: the room fails with
-:class:`TransferMismatchError` (500 ``transfer_mismatch``), the reservation is freed and nothing is
-generated. Under the test-only fault ``skip_transfer_check`` the mismatch is accepted and decode
-attends over every reserved prompt position, as in the incident. Every exit path (finish, abort,
-release, timeout, client gone) frees the reservation.
+:class:`InvalidTransferError`) before its room is touched. A transfer that was not prefilled for
+this room's request over this room's prompt fails the room with :class:`TransferMismatchError`
+(500 ``transfer_mismatch``, counted in ``transfer_mismatches``): the reservation is freed and
+nothing is generated. Its manifest names another request id; or its ``prompt_ids_sha256`` (the
+digest of the ids prefill ran over) differs from the digest of the prompt the router's generate
+call sent, for a transfer of the reserved length: both whatever the faults; or its ``num_tokens``
+differs from the reserved prompt length, which the test-only fault ``skip_transfer_check`` accepts:
+decode then attends over every reserved prompt position, as in the incident. Every exit path
+(finish, abort, release, timeout, client gone) frees the reservation.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -40,7 +44,7 @@ from gpu_backend.node_errors import backend_error
 from gpu_backend.replies import Failed, Loaded, PagesGranted, Reply
 from gpu_backend.sampling import SamplingParams, sampling_params
 from gpu_backend.sequence import PageReservation
-from gpu_backend.transfer import Manifest, verify_pages
+from gpu_backend.transfer import Manifest, prompt_ids_sha256, verify_pages
 from gpu_backend.wire import Token, engine_request_id
 
 log = logging.getLogger("gpu_backend.decode")
@@ -203,11 +207,15 @@ class DecodeNode:
         sp = sampling_params(params)
         if not prompt_ids:
             raise InvalidRequestError("prompt_ids must not be empty", param="prompt")
+        try:
+            digest = prompt_ids_sha256(prompt_ids)  # what the room's transfer must have prefilled
+        except struct.error:
+            raise InvalidRequestError("prompt_ids must be integer token ids", param="prompt") from None
         r = self._room_for_generate(room)
         rid = engine_request_id(request_id, room)
         # decode clamps to the same limit over context == prompt tokens (_context_tokens); >= 1 as before
         new = max(1, min(sp.max_new_tokens, self.engine.max_new_tokens_for(len(prompt_ids))))
-        r.reservation = Reservation(rid, len(prompt_ids), new)
+        r.reservation = Reservation(rid, len(prompt_ids), new, digest)
         reserve = asyncio.ensure_future(reserve_pages(self.engine, rid, len(prompt_ids), new))
         reason = "finished"
         try:
@@ -369,27 +377,43 @@ class DecodeNode:
         """The positions decode attends over: the transfer's ``num_tokens`` when it matches the
         reserved prompt length. A mismatch fails the room (500) unless ``skip_transfer_check``,
         under which decode attends over every reserved prompt position. A transfer built for
-        another request (its ``request_id`` is not the room's) fails the room (500) whatever the
-        faults: its pages hold another prompt's KV."""
-        if engine_request_id(manifest.request_id, manifest.room) != res.request_id:
-            self.counters["transfer_mismatches"] += 1
+        another request (its ``request_id`` is not the room's), or one of the reserved length
+        prefilled over other token ids (its ``prompt_ids_sha256`` is not the room's prompt's),
+        fails the room (500) whatever the faults: its pages hold another prompt's KV."""
+        room = manifest.room
+        if engine_request_id(manifest.request_id, room) != res.request_id:
             own = res.request_id.rsplit("@", 1)[0]
-            mismatch = TransferMismatchError(
-                f"transfer for room {manifest.room} was built for request {manifest.request_id!r}, "
-                f"the room's request is {own!r}"
+            raise self._mismatch(
+                r,
+                "transfer for another request",
+                f"transfer for room {room} was built for request {manifest.request_id!r}, "
+                f"the room's request is {own!r}",
             )
-            self._fail(manifest.room, r, "transfer for another request", mismatch)
-            raise mismatch
         if manifest.num_tokens == res.prompt_tokens:
+            if manifest.prompt_ids_sha256 != res.prompt_ids_sha256:
+                # the digests go to the log only: the client's error must not carry another prompt's digest
+                log.warning(
+                    "room %d: transfer prefilled over prompt sha256 %s, the room's prompt is sha256 %s",
+                    room,
+                    manifest.prompt_ids_sha256,
+                    res.prompt_ids_sha256,
+                )
+                raise self._mismatch(
+                    r,
+                    "transfer of another prompt",
+                    f"transfer for room {room} was prefilled over other token ids than the room's "
+                    f"{res.prompt_tokens}-token prompt (the prompt digests differ); the request is aborted and "
+                    "nothing is generated",
+                )
             return manifest.num_tokens
-        self.counters["transfer_mismatches"] += 1
         if not self.skip_transfer_check:
-            mismatch = TransferMismatchError(
-                f"decode reserved {res.prompt_tokens} prompt tokens for room {manifest.room} but the transfer "
-                f"holds {manifest.num_tokens}; the request is aborted and nothing is generated"
+            raise self._mismatch(
+                r,
+                "transfer mismatch",
+                f"decode reserved {res.prompt_tokens} prompt tokens for room {room} but the transfer "
+                f"holds {manifest.num_tokens}; the request is aborted and nothing is generated",
             )
-            self._fail(manifest.room, r, "transfer mismatch", mismatch)
-            raise mismatch
+        self.counters["transfer_mismatches"] += 1
         log.warning(
             "fault skip_transfer_check: room %d accepted %d of %d tokens; decode attends over all "
             "%d reserved positions",
@@ -399,6 +423,14 @@ class DecodeNode:
             res.prompt_tokens,
         )
         return res.prompt_tokens
+
+    def _mismatch(self, r: Room, reason: str, message: str) -> TransferMismatchError:
+        """Count a transfer mismatch and fail room ``r`` with it (its pages freed); returns the
+        :class:`TransferMismatchError` (500 ``transfer_mismatch``) to raise."""
+        self.counters["transfer_mismatches"] += 1
+        mismatch = TransferMismatchError(message)
+        self._fail(r.room, r, reason, mismatch)
+        return mismatch
 
     def _fail(self, room: int, r: Room, reason: str, err: BaseException) -> None:
         self.rooms.close(room, reason, err)

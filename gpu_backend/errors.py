@@ -82,8 +82,9 @@ class RequestAbortedError(EngineError):
 
 
 class TransferMismatchError(EngineError):
-    """500 ``transfer_mismatch``: decode received a different number of tokens than it reserved
-    (docs/design.md invariant 2; raised by the disaggregation layer)."""
+    """500 ``transfer_mismatch``: decode received pages it did not reserve for: another number of
+    tokens, another request's, or another prompt's (its ``prompt_ids_sha256``) (docs/design.md
+    invariant 2; raised by the disaggregation layer)."""
 
     status = 500
     code = ErrorCode.TRANSFER_MISMATCH

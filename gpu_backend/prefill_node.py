@@ -6,7 +6,10 @@ prompt over ``max_req_input_len`` with :class:`PromptTooLongError` before any pa
 transfer (docs/design.md invariant 1), and the router answers the 400. Only the ``admit_rejected`` fault
 (test use) lets it through as a one-token placeholder, which is then sent as one page, as in the
 incident. The forward pass, the copy of the written pages and their release run on the engine's
-worker thread; the node then hashes, serialises and sends them.
+worker thread; the node then hashes, serialises and sends them. The manifest's ``prompt_ids_sha256``
+is the digest of the ids the engine admitted and ran the forward pass over (the sequence's own copy,
+the placeholder included), not of the request body, so decode can refuse pages of another prompt
+(invariant 2).
 """
 
 from __future__ import annotations
@@ -43,7 +46,16 @@ _ABORT_MEMORY_SECONDS = 300.0
 async def prefill_export(
     engine: Engine, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None
 ) -> tuple[torch.Tensor, PrefillOutcome]:
-    """Admit, prefill, copy the written pages out and free them; returns ``(kv, outcome)``.
+    """:func:`prefill_export_ran` without the ids: ``(kv, outcome)``."""
+    kv, outcome, _ = await prefill_export_ran(engine, request_id, prompt_ids, params)
+    return kv, outcome
+
+
+async def prefill_export_ran(
+    engine: Engine, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None
+) -> tuple[torch.Tensor, PrefillOutcome, list[int]]:
+    """Admit, prefill, copy the written pages out and free them; returns ``(kv, outcome, ran_ids)``,
+    ``ran_ids`` the token ids the forward pass ran over (the admitted sequence's prompt).
 
     ``kv``: [num_pages, num_layers, 2, page_size, num_kv_heads, head_dim], contiguous, CPU, the pool
     dtype; positions past ``outcome.num_tokens`` in the last page are zeros. Admission as
@@ -57,7 +69,7 @@ async def prefill_export(
     engine.submit(AddRequest(seq))
     match await one_reply(fut, lambda: engine.abort(request_id, seq)):
         case Exported(kv=kv, outcome=outcome):
-            return kv, outcome
+            return kv, outcome, list(seq.prompt_ids)
         case Failed(error=error):
             raise error
         case other:
@@ -176,7 +188,7 @@ class PrefillNode:
             raise RequestAbortedError(f"request {request_id} was aborted")
         sp = None if params is None else sampling_params(params)
         try:
-            kv, res = await prefill_export(self.engine, rid, prompt_ids, sp)
+            kv, res, ran_ids = await prefill_export_ran(self.engine, rid, prompt_ids, sp)
         except PromptTooLongError as e:
             self.counters["rejected"] += 1
             raise PromptTooLongError(e.prompt_tokens, e.max_req_input_len, request_id=request_id, param=param) from None
@@ -185,7 +197,7 @@ class PrefillNode:
             raise RequestAbortedError(f"request {request_id} was aborted")
         self.counters["prefilled"] += 1
         self.counters["placeholders"] += int(res.placeholder)
-        kw = dict(room=room, request_id=request_id, kv=kv, **res.to_json())
+        kw = dict(room=room, request_id=request_id, kv=kv, prompt_ids=ran_ids, **res.to_json())
         big = kv.numel() * kv.element_size() > _OFFLOAD_BYTES
         manifest = await asyncio.to_thread(lambda: build_manifest(**kw)) if big else build_manifest(**kw)
         await asyncio.wait_for(

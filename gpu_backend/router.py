@@ -6,7 +6,8 @@ Per request (docs/design.md, "The bundled backend"; SGLang's PD router):
 2. at once, ask decode to **generate** in that room (decode reserves pages for prompt +
    max_new_tokens, waits for the transfer, then streams tokens) and ask prefill to **prefill** it
    (admit or reject, forward pass, the first token sampled with the request's sampling
-   parameters, send pages + manifest to decode);
+   parameters, send pages + manifest to decode); both calls carry the same prompt ids, so decode
+   can check that the transfer's prompt digest is the one of the prompt sent to prefill;
 3. prefill rejected (400 ``context_length_exceeded``) or failed: decode is told to release the
    room and its reservation is freed; decode failed (pool exhausted 503, transfer mismatch 500,
    timeout): prefill is told to abort;

@@ -3,9 +3,12 @@
 Wire format (docs/design.md, invariant 5): one safetensors file holding a single tensor ``kv`` of shape
 ``[num_pages, num_layers, 2, page_size, num_kv_heads, head_dim]`` (the layout of
 ``Engine.prefill_export``), with the manifest as JSON text in the safetensors metadata under
-:data:`MANIFEST_KEY`. The manifest carries the bootstrap room, ``num_tokens`` (tokens actually
-written by prefill), the page geometry, one BLAKE2b-128 checksum per page, and what prefill
-learnt (first token id, prefill seconds, whether the prompt was a rejection placeholder).
+:data:`MANIFEST_KEY`. The manifest carries the bootstrap room, the request id, ``num_tokens``
+(tokens actually written by prefill), ``prompt_ids_sha256`` (:func:`prompt_ids_sha256` of the token
+ids prefill's forward pass ran over, so decode can tell pages of another prompt of the same length
+from its room's: invariant 2), the page geometry, one BLAKE2b-128 checksum per page, and what
+prefill learnt (first token id, prefill seconds, whether the prompt was a rejection placeholder).
+A manifest without a well-formed digest is refused like any other malformed one.
 
 :func:`decode_transfer` parses the safetensors header itself (8-byte little-endian length + JSON)
 and checks every field before ``safetensors.torch.load`` touches the data, so a pickle (or any
@@ -20,6 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
+import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +42,14 @@ CONTENT_TYPE = "application/x-kvgate-kv+safetensors"
 MAX_HEADER_BYTES = 64 * 1024
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+#: A SHA-256 digest as :func:`prompt_ids_sha256` writes it.
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def prompt_ids_sha256(prompt_ids: Sequence[int]) -> str:
+    """SHA-256 (lowercase hex) of the token ids, each as 8 little-endian bytes (signed int64): the
+    prompt a transfer's pages hold. Raises ``struct.error`` for an id that is not an int64."""
+    return hashlib.sha256(struct.pack(f"<{len(prompt_ids)}q", *prompt_ids)).hexdigest()
 
 
 class TransferFormatError(ValueError):
@@ -53,7 +67,9 @@ class Manifest:
     ``room``: bootstrap room (63-bit int). ``request_id``: the router's id. ``num_tokens``: prompt
     positions prefill wrote (1 for a rejection placeholder). ``num_pages`` = ceil(num_tokens /
     page_size). ``shape``/``dtype``: of the ``kv`` tensor. ``checksums``: BLAKE2b-128 hex digest of
-    each page's bytes. ``first_token_id``: the token prefill sampled. ``prefill_seconds``: prefill
+    each page's bytes. ``first_token_id``: the token prefill sampled. ``prompt_ids_sha256``:
+    :func:`prompt_ids_sha256` of the ids prefill's forward pass ran over (the placeholder's for a
+    placeholder), which decode compares with its room's prompt. ``prefill_seconds``: prefill
     forward time. ``placeholder``: the prompt was replaced by a one-token placeholder (fault
     ``admit_rejected``). ``original_prompt_tokens``: the prompt's own length.
     """
@@ -67,6 +83,7 @@ class Manifest:
     shape: list[int]
     checksums: list[str]
     first_token_id: int
+    prompt_ids_sha256: str
     prefill_seconds: float = 0.0
     placeholder: bool = False
     original_prompt_tokens: int = 0
@@ -92,7 +109,7 @@ class Manifest:
 
     def check_geometry(self) -> None:
         """Internal consistency: pages = ceil(tokens / page_size), one checksum per page, shape
-        ``[num_pages, L, 2, page_size, H, D]``. Raises :class:`TransferFormatError`."""
+        ``[num_pages, L, 2, page_size, H, D]``, a prompt digest. Raises :class:`TransferFormatError`."""
         if self.room < 0 or self.num_tokens < 1 or self.page_size < 1:
             raise TransferFormatError("manifest needs room >= 0, num_tokens >= 1, page_size >= 1")
         if self.num_pages != math.ceil(self.num_tokens / self.page_size):
@@ -112,8 +129,11 @@ class Manifest:
             raise TransferFormatError(f"manifest has {len(self.checksums)} checksums for {self.num_pages} pages")
         if self.dtype not in _DTYPES:
             raise TransferFormatError(f"manifest dtype {self.dtype!r} is not one of {', '.join(_DTYPES)}")
+        if not isinstance(self.prompt_ids_sha256, str) or not _SHA256_HEX.fullmatch(self.prompt_ids_sha256):
+            raise TransferFormatError(_NO_DIGEST)
 
 
+_NO_DIGEST = "manifest field 'prompt_ids_sha256' must be a SHA-256 hex digest (64 lowercase hex digits)"
 _INT_FIELDS = ("room", "num_tokens", "num_pages", "page_size", "first_token_id", "original_prompt_tokens", "version")
 
 
@@ -138,6 +158,8 @@ def _check_scalars(raw: dict[str, Any]) -> None:
         raise TransferFormatError("manifest fields 'request_id' and 'dtype' must be strings")
     if not isinstance(raw.get("prefill_seconds"), (int, float)) or not isinstance(raw.get("placeholder"), bool):
         raise TransferFormatError("manifest fields 'prefill_seconds' (number) and 'placeholder' (bool) are wrong")
+    if not isinstance(raw.get("prompt_ids_sha256"), str):
+        raise TransferFormatError(_NO_DIGEST)
 
 
 def _check_lists(raw: dict[str, Any]) -> None:
@@ -164,12 +186,19 @@ def build_manifest(
     kv: torch.Tensor,
     num_tokens: int,
     first_token_id: int,
+    prompt_ids: Sequence[int],
     prefill_seconds: float = 0.0,
     placeholder: bool = False,
     original_prompt_tokens: int | None = None,
 ) -> Manifest:
     """The manifest for ``kv`` (``[num_pages, L, 2, page_size, H, D]``, CPU) with checksums computed.
-    Raises :class:`TransferFormatError` when ``kv`` and ``num_tokens`` disagree."""
+    ``prompt_ids``: the token ids the forward pass that wrote ``kv`` ran over (digested into
+    ``prompt_ids_sha256``). Raises :class:`TransferFormatError` when ``kv`` and ``num_tokens``
+    disagree, or for an id that is not an int64."""
+    try:
+        digest = prompt_ids_sha256(prompt_ids)
+    except struct.error as e:
+        raise TransferFormatError(f"prompt ids are not int64 token ids: {e}") from None
     if kv.dtype not in _DTYPE_NAMES:
         raise TransferFormatError(f"unsupported KV dtype {kv.dtype}")
     m = Manifest(
@@ -182,6 +211,7 @@ def build_manifest(
         shape=[int(d) for d in kv.shape],
         checksums=page_checksums(kv),
         first_token_id=first_token_id,
+        prompt_ids_sha256=digest,
         prefill_seconds=float(prefill_seconds),
         placeholder=placeholder,
         original_prompt_tokens=num_tokens if original_prompt_tokens is None else original_prompt_tokens,

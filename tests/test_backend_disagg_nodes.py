@@ -142,7 +142,12 @@ async def test_router_round_trip_copies_the_own_prompt(stack):
 async def _export(stack: Stack, n: int, room: int):
     kv, res = await prefill_export(stack.pe, f"x{room}", prompt(n, 5000))
     return build_manifest(
-        room=room, request_id="r", kv=kv, num_tokens=res.num_tokens, first_token_id=res.first_token_id
+        room=room,
+        request_id="r",
+        kv=kv,
+        num_tokens=res.num_tokens,
+        first_token_id=res.first_token_id,
+        prompt_ids=prompt(n, 5000),
     ), kv
 
 

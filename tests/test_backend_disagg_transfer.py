@@ -25,7 +25,14 @@ def _kv(seed: int = 0) -> torch.Tensor:
 
 def _manifest(kv: torch.Tensor, num_tokens: int = 10, **kw) -> T.Manifest:
     return T.build_manifest(
-        room=12345, request_id="req-1", kv=kv, num_tokens=num_tokens, first_token_id=777, prefill_seconds=0.25, **kw
+        room=12345,
+        request_id="req-1",
+        kv=kv,
+        num_tokens=num_tokens,
+        first_token_id=777,
+        prefill_seconds=0.25,
+        prompt_ids=list(range(num_tokens)),
+        **kw,
     )
 
 

@@ -82,7 +82,7 @@ async def test_a_transfer_with_a_first_token_outside_the_vocabulary_is_a_400(bad
         await wait_state(s.dnode, room, RoomState.RESERVED)
         assert used(s.de) == 3
         kv, _ = await prefill_export(s.pe, "x", prompt(40))
-        m = build_manifest(room=room, request_id="r", kv=kv, num_tokens=40, first_token_id=bad)
+        m = build_manifest(room=room, request_id="r", kv=kv, num_tokens=40, first_token_id=bad, prompt_ids=prompt(40))
         with pytest.raises(EngineError) as e:  # decode_node.InvalidTransferError
             await s.dnode.accept_transfer(m, kv)
         err = backend_error(e.value)
@@ -96,7 +96,9 @@ async def test_a_transfer_with_a_first_token_outside_the_vocabulary_is_a_400(bad
             "released": 0,
         }
         assert s.dnode.rooms.get(room).transfer is None  # no room touched: the good transfer still fits
-        good = build_manifest(room=room, request_id="r", kv=kv, num_tokens=40, first_token_id=prompt(40)[0])
+        good = build_manifest(
+            room=room, request_id="r", kv=kv, num_tokens=40, first_token_id=prompt(40)[0], prompt_ids=prompt(40)
+        )
         assert await s.dnode.accept_transfer(good, kv) == 40
         toks = [await first] + [t async for t in gen]
         assert [t.token_id for t in toks] == prompt(4) and toks[-1].finish_reason == "length"
@@ -107,7 +109,7 @@ async def test_a_transfer_with_a_first_token_outside_the_vocabulary_is_a_400(bad
 async def test_a_bad_first_token_over_http_is_the_400_body():
     async with running_stack() as s:
         kv, _ = await prefill_export(s.pe, "x", prompt(20))
-        m = build_manifest(room=7, request_id="r", kv=kv, num_tokens=20, first_token_id=-1)
+        m = build_manifest(room=7, request_id="r", kv=kv, num_tokens=20, first_token_id=-1, prompt_ids=prompt(20))
         app = build_decode_app(s.dnode)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://decode") as c:
             r = await c.post("/disagg/transfer", content=encode_transfer(m, kv), headers={"content-type": CONTENT_TYPE})

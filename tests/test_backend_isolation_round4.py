@@ -168,7 +168,9 @@ async def test_a_release_around_the_transfer_frees_zeroes_and_the_next_tenant_re
         room, gen, first = await _reserved_room(s, "victim", secret, 6)
         handles = list(s.de._live[f"victim@{room:016x}"].pages)
         kv, res = await prefill_export(s.pe, "x", secret)
-        m = build_manifest(room=room, request_id="victim", kv=kv, num_tokens=40, first_token_id=res.first_token_id)
+        m = build_manifest(
+            room=room, request_id="victim", kv=kv, num_tokens=40, first_token_id=res.first_token_id, prompt_ids=secret
+        )
         if stage == "before_transfer":
             assert s.dnode.release(room)
             with pytest.raises(RoomGoneError):
@@ -250,7 +252,9 @@ async def test_a_transfer_built_for_another_request_is_refused_and_its_room_fail
         a, b = _ids(20, 1000), _ids(20, 3000)
         room, gen, first = await _reserved_room(s, "tenant-b", b, 5)
         kv, res = await prefill_export(s.pe, "x", a)
-        m = build_manifest(room=room, request_id="tenant-a", kv=kv, num_tokens=20, first_token_id=res.first_token_id)
+        m = build_manifest(
+            room=room, request_id="tenant-a", kv=kv, num_tokens=20, first_token_id=res.first_token_id, prompt_ids=a
+        )
         with pytest.raises(TransferMismatchError) as e:
             await s.dnode.accept_transfer(m, kv)
         msg = f"transfer for room {room} was built for request 'tenant-a', the room's request is 'tenant-b'"
@@ -267,13 +271,15 @@ async def test_a_transfer_for_a_room_that_already_finished_is_a_410_and_touches_
         ids = _ids(20, 1000)
         room, gen, first = await _reserved_room(s, "r", ids, 3)
         kv, res = await prefill_export(s.pe, "x", ids)
-        m = build_manifest(room=room, request_id="r", kv=kv, num_tokens=20, first_token_id=res.first_token_id)
+        m = build_manifest(
+            room=room, request_id="r", kv=kv, num_tokens=20, first_token_id=res.first_token_id, prompt_ids=ids
+        )
         assert await s.dnode.accept_transfer(m, kv) == 20
         assert [t.token_id for t in [await first] + [t async for t in gen]] == ids[:3]
         await wait_idle(s.pe, s.de)
         with pytest.raises(RoomGoneError):  # the same transfer again, and another one
             await s.dnode.accept_transfer(m, kv)
-        m2 = build_manifest(room=room, request_id="r", kv=kv, num_tokens=20, first_token_id=ids[1])
+        m2 = build_manifest(room=room, request_id="r", kv=kv, num_tokens=20, first_token_id=ids[1], prompt_ids=ids)
         with pytest.raises(RoomGoneError):
             await s.dnode.accept_transfer(m2, kv)
         assert s.dnode.counters["transfers_refused"] == 2 and s.de.stats["decode_steps"] == 2
@@ -427,7 +433,9 @@ async def test_a_second_generate_call_for_a_decoding_room_is_a_400_and_the_first
         ids = _ids(20, 1000)
         room, gen, first = await _reserved_room(s, "r", ids, 30)
         kv, res = await prefill_export(s.pe, "x", ids)
-        m = build_manifest(room=room, request_id="r", kv=kv, num_tokens=20, first_token_id=res.first_token_id)
+        m = build_manifest(
+            room=room, request_id="r", kv=kv, num_tokens=20, first_token_id=res.first_token_id, prompt_ids=ids
+        )
         assert await s.dnode.accept_transfer(m, kv) == 20
         got = [await first]
         with pytest.raises(InvalidRequestError, match=f"room {room} already has a generate call"):

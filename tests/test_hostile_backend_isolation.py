@@ -67,7 +67,14 @@ async def test_a_transfer_whose_pages_do_not_fit_this_pool_is_a_400_and_touches_
         kv, res = await prefill_export(s.pe, "x", prompt(40))
         assert list(kv.shape) == [3, 1, 2, 16, 1, 64]  # copy-probe: one layer, one KV head of 64
         two_layers = torch.cat([kv, kv], dim=1)
-        bad = build_manifest(room=room, request_id="r", kv=two_layers, num_tokens=40, first_token_id=res.first_token_id)
+        bad = build_manifest(
+            room=room,
+            request_id="r",
+            kv=two_layers,
+            num_tokens=40,
+            first_token_id=res.first_token_id,
+            prompt_ids=prompt(40),
+        )
         with pytest.raises(EngineError) as e:
             await s.dnode.accept_transfer(bad, two_layers)
         assert backend_error(e.value).body() == {
@@ -81,7 +88,9 @@ async def test_a_transfer_whose_pages_do_not_fit_this_pool_is_a_400_and_touches_
         }
         assert e.value.status == 400 and s.dnode.counters["transfers_refused"] == 1
         assert s.dnode.rooms.get(room).transfer is None and s.de.pool_stats()["used_pages"] == 3
-        good = build_manifest(room=room, request_id="r", kv=kv, num_tokens=40, first_token_id=res.first_token_id)
+        good = build_manifest(
+            room=room, request_id="r", kv=kv, num_tokens=40, first_token_id=res.first_token_id, prompt_ids=prompt(40)
+        )
         assert await s.dnode.accept_transfer(good, kv) == 40  # the right pages still fit the room
         toks = [await first] + [t async for t in gen]
         assert [t.token_id for t in toks] == prompt(4) and toks[-1].finish_reason == "length"
@@ -106,7 +115,14 @@ async def test_non_finite_pages_from_a_faulty_prefill_are_refused_and_fail_no_ot
         kv, res = await prefill_export(s.pe, "x", prompt(20, 3000))
         kv = kv.clone()
         kv[1, 0, 1, 3, 0, 7] = float("nan")  # one value of page 1 (V, position 19)
-        m = build_manifest(room=room, request_id="faulty", kv=kv, num_tokens=20, first_token_id=res.first_token_id)
+        m = build_manifest(
+            room=room,
+            request_id="faulty",
+            kv=kv,
+            num_tokens=20,
+            first_token_id=res.first_token_id,
+            prompt_ids=prompt(20, 3000),
+        )
         with pytest.raises(TransferFormatError) as e:
             await s.dnode.accept_transfer(m, kv)
         assert (e.value.status, e.value.code) == (400, "invalid_transfer")
