@@ -91,7 +91,7 @@ from gateway.edge.extensions import mark_complete_when
 log = logging.getLogger("kvgate.edge")
 
 #: reason phrases where RFC 9110 renamed Python's ``HTTPStatus`` phrase; every other status takes its
-_REASONS = {413: b"Content Too Large"}
+_REASONS = {413: b"Content Too Large", 414: b"URI Too Long"}
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,68 @@ _API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 #: a ``Host`` field value (RFC 9110 section 7.2: uri-host [ ":" port ]): an IP literal or a
 #: reg-name (unreserved, sub-delims, percent-encoded octets; empty too), then an optional port
 _HOST = re.compile(rb"(?:\[[0-9A-Za-z:.%_~-]+\]|[A-Za-z0-9\-._~!$&'()*+,;=%]*)(?::[0-9]*)?")
+
+#: the longest request-target read (bytes; at most ``max_header_bytes``): RFC 9110 section 4.1
+#: recommends URIs of at least 8000 octets, nginx's request line fits one 8 KiB buffer
+#: (``large_client_header_buffers``); no kvgate route reads a query
+MAX_TARGET_BYTES = 8 * 1024
+#: origin-form's path (RFC 9112 section 3.2.1; RFC 9110 section 4.1: absolute-path, 1*( "/" segment ),
+#: a segment's characters RFC 3986's pchar, a "%" only as "%" HEXDIG HEXDIG); the query after "?"
+#: is read by no route, so not checked
+_PATH = re.compile(rb"(?:/(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%[0-9A-Fa-f]{2})*)+")
+#: absolute-form (RFC 9112 section 3.2.2) of an http or https URI: its authority, then its path
+#: and query (none: the path is "/", RFC 9110 section 4.2.3)
+_ABSOLUTE_FORM = re.compile(rb"(?i:https?)://([^/?#]*)([/?].*)?", re.DOTALL)
+#: the paths that end in a path parameter: the bytes after the prefix are data (a model id with a
+#: "/" arrives as "%2F": the openai SDKs percent-encode path parameters), decoded for the app; the
+#: prefix itself is matched as sent (gateway/app.py, ``gateway_routes``: ``/v1/models/{model_id:path}``)
+PARAMETER_PREFIXES = (b"/v1/models/",)
+#: the methods some route serves, the ``allow`` of an ``OPTIONS *`` (HEAD: Starlette's, with GET)
+SERVER_METHODS = b"GET, HEAD, POST, OPTIONS"
+
+#: the 400 for bytes httptools will not parse as HTTP/1.1 (:meth:`BoundedHttpToolsProtocol.send_400_response`)
+NOT_HTTP_MESSAGE = "The request is not valid HTTP/1.1."
+
+
+def origin_form(method: bytes, target: bytes) -> bytes | str:
+    """The request-target ``target`` of a ``method`` request as the origin-form the app routes
+    (RFC 9112 section 3.2), ``b"*"`` for a server-wide ``OPTIONS``; or, as a ``str``, why it is
+    refused (400). Refused: a fragment (section 3.2: no "#" in a request-target; uvicorn and nginx
+    drop it, Envoy refuses it: a rule in front may have read the path up to it differently), ``*``
+    with another method (section 3.2.4), an http(s) URI whose authority is not a host (empty, or
+    with userinfo: RFC 9110 sections 4.2.1, 4.2.4), and a path that is not an absolute path (a
+    character a URI cannot hold, a "%" not followed by two hex digits: nginx answers 400 too).
+    Absolute-form (section 3.2.2: a server MUST accept it) becomes its path and query; the Host
+    header, which section 3.2.2 has ignored then, is read by nothing in the gateway."""
+    if method == b"CONNECT":
+        # authority-form (section 3.2.3, CONNECT's only): the gateway opens no tunnel; nginx answers
+        # 405, this stays the 400 that uvicorn's URL parser failing on ``host:port`` gave
+        return NOT_HTTP_MESSAGE
+    if b"#" in target:
+        return "A request target cannot carry a fragment ('#'); send the path and query alone."
+    if target == b"*":
+        return target if method == b"OPTIONS" else "The request target * is for OPTIONS only; send a path."
+    absolute = _ABSOLUTE_FORM.fullmatch(target)
+    if absolute is not None:
+        authority, rest = absolute.groups()
+        if authority[:1] in (b"", b":") or not _HOST.fullmatch(authority):
+            return "The request target's authority is not a host."
+        if rest is None and method == b"OPTIONS":
+            return b"*"  # RFC 9112 section 3.2.4: OPTIONS of an http URI with an empty path
+        target = rest if rest is not None and rest[:1] == b"/" else b"/" + (rest or b"")
+    if not _PATH.fullmatch(target.partition(b"?")[0]):
+        return "The request target is not a valid absolute path."
+    return target
+
+
+async def _server_options(scope: Any, receive: Any, send: Any) -> None:
+    """``OPTIONS *`` (RFC 9110 section 9.3.7): 200, the server's methods in ``allow``, no content
+    (``content-length: 0``, which the section asks for). uvicorn gave it to the app, whose 404
+    said ``Unknown request URL: OPTIONS /*``."""
+    headers = [(b"allow", SERVER_METHODS), (b"content-length", b"0")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
+
 
 #: the most bytes of one ``Content-Length`` response body written to a connection at once; a
 #: larger body is written in pieces, each once the connection is below its high-water mark
@@ -443,7 +505,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         it and chunked, a bad chunk size, a folded header, bare LF, an HTTP/2 preface): answered
         in the OpenAI shape with ``connection: close``, like every other refusal (uvicorn's own
         answer is ``text/plain``)."""
-        self._refuse(400, "The request is not valid HTTP/1.1.", "invalid_request")
+        self._refuse(400, NOT_HTTP_MESSAGE, "invalid_request")
 
     def _answer_when_due(self, due: float, status: int, message: str, code: str) -> None:
         """:meth:`_answer` once ``time.monotonic()`` has reached ``due``: the loop's timer can fire
@@ -600,6 +662,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._running = cycle
+        if cycle.scope["path"] == "*":  # OPTIONS * (another method with "*" was refused): the server's
+            app = _server_options
         super()._start_asgi_task(cycle, _paced_app(app, cycle))
 
     def _disconnect_all(self) -> None:
@@ -709,6 +773,22 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         super().on_header(name, value)
 
+    def on_url(self, url: bytes) -> None:
+        """A piece of the request-target (httptools hands it over as it arrives): one longer than
+        :data:`MAX_TARGET_BYTES` (or ``max_header_bytes``) gets 414 ``uri_too_long`` after the
+        refusal delay, as soon as it is (RFC 9112 section 3: a server MUST answer 414 to a target
+        longer than it will parse; it was a 431 about headers, nginx answers 414)."""
+        super().on_url(url)
+        limit = min(MAX_TARGET_BYTES, self.limits.max_header_bytes)
+        if len(self.url) > limit and not self._refused:
+            self._refuse(
+                414,
+                f"The request target is longer than {limit} bytes.",
+                "uri_too_long",
+                self.limits.refusal_delay_seconds,
+            )
+            raise _StopParsing
+
     def on_headers_complete(self) -> None:
         if self._refused:
             return
@@ -719,7 +799,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._pipeline_full():
             raise _StopParsing
         version = self.parser.get_http_version()
-        if self._version_refused(version) or self._framing_refused(version):
+        if self._version_refused(version) or self._framing_refused(version) or self._target_refused():
             raise _StopParsing
         if version != "1.1":
             self.expect_100_continue = False  # RFC 9110 section 10.1.1: ignored from an HTTP/1.0 client
@@ -728,6 +808,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
         super().on_headers_complete()
+        self._route_as_sent()
         if self.pipeline and self.flow.read_paused:
             # uvicorn stops reading while a pipelined request waits, so a client that leaves is
             # not seen until its answer is written, and the request being answered held its
@@ -793,6 +874,30 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return True
         self._chunked = te
         return False
+
+    def _target_refused(self) -> bool:
+        """Whether the head is refused for its request-target (400, :func:`origin_form`; answered,
+        parsing stops); else the target is made origin-form for uvicorn to parse (it took only the
+        path of an absolute-form target, and one without a path was a 400 "not valid HTTP/1.1")."""
+        target = origin_form(self.parser.get_method(), self.url)
+        if isinstance(target, str):
+            self._refuse(400, target, ErrorCode.INVALID_REQUEST)
+            return True
+        self.url = target
+        return False
+
+    def _route_as_sent(self) -> None:
+        """The app routes on the path as sent: uvicorn percent-decodes the scope's ``path``, so
+        ``/v1%2Fchat%2Fcompletions`` and ``/%6Detrics`` reached their routes, past a rule in front
+        that matched the bytes sent (Envoy, by default, neither decodes ``%2F`` nor normalizes a
+        path before its route and authorization match). A path with a "%" keeps it there, and
+        names no route (404, as ``//v1/models`` and ``/v1/../v1/models`` do: no dot segments
+        removed, no slashes merged); RFC 3986 section 2.2: an encoded "/" is data, not a
+        separator. Only the bytes after a :data:`PARAMETER_PREFIXES` prefix are decoded: a path
+        parameter's (a model id), which the route's own prefix, matched as sent, leads to."""
+        raw = self.scope["raw_path"][len(self.root_path) :]
+        if b"%" in raw and not raw.startswith(PARAMETER_PREFIXES):
+            self.scope["path"] = self.root_path + raw.decode("ascii")
 
     def _close_after_upgrade_request(self) -> None:
         """After an upgrade request's head: httptools stops there (bytes after it in the same read
