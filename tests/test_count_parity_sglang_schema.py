@@ -233,8 +233,6 @@ CASES = {
     ),
     "unknown": (int_schema(60, "internal"), {"cs": (667, 667), "ts": (1344, 1344)}),
     "prefix_boundary": (int_schema(60, "list_price"), {"cs": (727, 727), "ts": (1584, 1584)}),
-    "list": ([{"type": "int"}, {"type": "bool"}], {"cs": (70, 70), "ts": (160, 154)}),
-    "string": ("int", {"cs": (60, 60), "ts": (132, 132)}),
     "bool_schema": (True, {"cs": (59, 59), "ts": (134, 134)}),
 }
 
@@ -250,6 +248,24 @@ def test_rewritten_schemas_are_counted_exactly(env, case, model):
     tools = [_tool(parameters)]
     assert (oracle(env, model, tools), unrewritten(env, model, tools)) == expected[model]
     assert gate_count(env, model, tools) == max(expected[model])
+
+
+@pytest.mark.parametrize("parameters", [[{"type": "int"}, {"type": "bool"}], "int"])
+def test_parameters_that_are_no_schema_are_refused_before_counting(env, parameters):
+    """A list or a string as ``parameters``: SGLang's ``_validate_request`` checks each tool's
+    ``parameters`` as a JSON Schema and answers 400 (gateway/admission/engine_refusals.py cites
+    it), so the gate refuses it before counting or charging it; these were counted as sent."""
+    client, sg, vl, quotas, folder = env
+    before = len(sg.state.requests)
+    body = {"model": "cs", "messages": HI, "tools": [_tool(parameters)], "max_tokens": 16}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "'tools[0].function.parameters' must be an object (a JSON Schema).",
+        "type": "invalid_request_error",
+        "param": "tools[0].function.parameters",
+        "code": "invalid_request",
+    }
+    assert len(sg.state.requests) == before
 
 
 def test_a_type_shortened_without_bound_is_counted_as_sent(env):

@@ -409,7 +409,15 @@ def test_tools_are_counted_everywhere_but_a_forced_tool_call_is_refused_where_no
     assert post(gw, "/v1/chat/completions", {**chat, "tool_choice": "auto"}).status_code == 200
     forced = [
         ("/v1/chat/completions", {**chat, "tool_choice": "required"}),
-        ("/v1/responses", {"input": "x", "max_output_tokens": 4, "tool_choice": {"type": "function", "name": "f"}}),
+        (
+            "/v1/responses",
+            {
+                "input": "x",
+                "max_output_tokens": 4,
+                "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+                "tool_choice": {"type": "function", "name": "f"},
+            },
+        ),
     ]
     for path, body in forced:
         r = post(gw, path, body)

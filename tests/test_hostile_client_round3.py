@@ -181,23 +181,23 @@ def test_a_body_the_engines_refuse_is_refused_at_the_edge_and_changes_nothing(
 
 
 def test_the_shapes_the_engines_take_still_pass_as_sent(gw, module_engine):
-    """The neighbours of the refused bodies: a named tool choice, a schema sent as ``null`` (the
-    engines' ``Optional``), an ASCII token id, a non-empty stop: forwarded as sent."""
+    """The neighbours of the refused bodies: a named tool choice, an ASCII token id, a non-empty
+    stop: forwarded as sent. (A ``json_schema`` without its schema, and a forced tool call beside
+    a ``response_format``, are refused: tests/test_engine_refusals_sweep.py.)"""
     body = {
         "model": MODEL,
         "messages": MSG,
         "max_tokens": 2,
         "tools": TOOLS,
         "tool_choice": {"type": "function", "function": {"name": "f"}},
-        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": None}},
         "logit_bias": {"5": 1},
         "stop": ["a"],
     }
     r = _post(gw, "/v1/chat/completions", body)
     assert r.status_code == 200, r.text
     sent = forwarded(module_engine, "/v1/chat/completions")[-1]
-    assert {k: sent[k] for k in ("tools", "tool_choice", "response_format", "logit_bias", "stop")} == {
-        k: body[k] for k in ("tools", "tool_choice", "response_format", "logit_bias", "stop")
+    assert {k: sent[k] for k in ("tools", "tool_choice", "logit_bias", "stop")} == {
+        k: body[k] for k in ("tools", "tool_choice", "logit_bias", "stop")
     }
 
 

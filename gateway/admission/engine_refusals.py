@@ -16,7 +16,11 @@ protocol.py@002032ee`` (``ChatCompletionRequest.check_logprobs``), ``vllm/poolin
 (``PoolingParams._set_default_parameters``); SGLang ``python/sglang/srt/sampling/
 sampling_params.py@00c17caf`` (``SamplingParams.__post_init__``, ``verify``); the bundled backend's
 ``gpu_backend/openai_api.py`` (``_UNSUPPORTED``, ``_check_unsupported``, ``_sampling``,
-``_prompt_ids``) and ``gpu_backend/responses_api.py`` (``parse_responses``).
+``_prompt_ids``) and ``gpu_backend/responses_api.py`` (``parse_responses``). The tool, stop and
+output-constraint rules (:func:`_check_vllm_stop`, :func:`_check_chat_tools`,
+:func:`_check_json_schema_format`, :func:`_check_responses_tools`, :func:`_check_sglang_constraints`,
+:func:`_check_vllm_schema_nesting`) cite vLLM 0.34.0 and SGLang 0.5.23 by file and line (``vllm/...``
+and ``python/sglang/srt/...``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,18 @@ from tokenizer.responses import IMAGE_PARTS as RESPONSES_IMAGE_PARTS
 #: SGLang reads a temperature in [0, this) as greedy and sets ``top_k`` to 1 before ``verify``
 #: (``_SAMPLING_EPS``, ``SamplingParams.__post_init__``)
 SGLANG_GREEDY_BELOW = 1e-6
+
+#: vLLM's default ``VLLM_MAX_STOP_STRINGS`` (``vllm/envs.py:116``, read at ``:1219``): its
+#: ``StopParam`` (``vllm/entrypoints/generate/base/protocol.py:26``, the ``stop`` of chat, completions
+#: and Responses) takes a string or a list of at most this many strings; a longer list is its
+#: pydantic 400. kvgate's own bound (:data:`gateway.admission.checks.MAX_STOPS`) is larger.
+VLLM_MAX_STOP_STRINGS = 4
+
+#: vLLM's ``MAX_STRUCTURED_OUTPUT_JSON_NESTING`` (``vllm/sampling_params.py:39``): a structured-output
+#: JSON Schema whose objects and arrays nest this deep or deeper below its root is its 400
+#: (``check_json_nesting``, ``:242-260``, from ``_validate_structured_outputs``, ``:1294``). kvgate's own
+#: bound is orjson's 254 levels (:func:`gateway.admission.checks.json_size_problem`).
+VLLM_MAX_SCHEMA_NESTING = 64
 
 #: The bundled backend (``kvgate``), per route: an OpenAI field of that route -> the values it
 #: takes; any other is its 400 ("'<field>' is not supported by this backend."; ``n``: "Only 'n' =
@@ -102,6 +118,255 @@ def _check_vllm_chat(body: dict[str, Any], engines: frozenset[str]) -> None:
         raise bad_value("top_logprobs", "must be 0 unless 'logprobs' is true, for the engines serving this model")
 
 
+def _check_vllm_stop(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """vLLM, every route: ``stop`` as a list of more than :data:`VLLM_MAX_STOP_STRINGS` strings
+    (``StopParam``'s ``max_length``; SGLang takes up to 32, ``sampling_params.py:44``)."""
+    stop = body.get("stop")
+    if "vllm" in engines and isinstance(stop, list) and len(stop) > VLLM_MAX_STOP_STRINGS:
+        raise bad_value(
+            "stop",
+            f"must be a string or an array of at most {VLLM_MAX_STOP_STRINGS} strings for the engines serving "
+            "this model (vLLM)",
+        )
+
+
+def _not_in_tools(kind: str, name: Any) -> OpenAIError:
+    return _refused("tool_choice", f"'tool_choice' names the {kind} tool {str(name)[:64]!r}, which is not in 'tools'.")
+
+
+def _check_chat_tool_choice(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """Chat ``tool_choice`` (validated: none, auto, required, or an object of type function,
+    custom or allowed_tools; ``function.name`` a string) against ``tools``:
+
+    - an object whose type is not ``function``: vLLM ``chat_completion/protocol.py:1026-1034``
+      (``check_tool_usage``: "Invalid value for `function`") and SGLang ``entrypoints/openai/
+      protocol.py:869-873`` (``ToolChoice.type: Literal["function"]``);
+    - any value but ``none`` without ``tools`` (absent or ``null``) on vLLM (``:1000-1006``: "When
+      using `tool_choice`, `tools` must be set."; ``tools: []`` with auto/required is read as
+      ``none`` there, ``:985-988``);
+    - ``required`` with no tool on SGLang (``serving_chat.py:1139-1144``: "Tools cannot be empty if
+      tool choice is set to required.");
+    - a named function that is not in ``tools``: vLLM ``:1048-1057``, SGLang ``serving_chat.py:
+      1146-1154``; an empty name on vLLM (``:1041-1047``)."""
+    choice = body.get("tool_choice")
+    if choice is None or choice == "none":
+        return
+    tools = body.get("tools")
+    if isinstance(choice, dict) and choice.get("type") != "function":
+        raise _refused(
+            "tool_choice",
+            f"'tool_choice' of type {str(choice.get('type'))[:64]!r} is not supported by the engines serving this "
+            'model; send none, auto, required or {"type": "function", "function": {"name": ...}}.',
+        )
+    if "vllm" in engines and tools is None:
+        raise _refused(
+            "tool_choice",
+            "'tool_choice' is set but 'tools' is not: the engines serving this model (vLLM) take a 'tool_choice' "
+            "other than 'none' only with 'tools'; leave it out.",
+        )
+    if "sglang" in engines and choice == "required" and not tools:
+        raise _refused("tool_choice", "'tool_choice' is 'required', but 'tools' is empty: there is no tool to call.")
+    if not isinstance(choice, dict):
+        return
+    name = choice["function"]["name"]
+    if name == "" and "vllm" in engines:
+        raise _refused(
+            "tool_choice.function.name",
+            "'tool_choice.function.name' must not be empty for the engines serving this model (vLLM).",
+        )
+    if not any(isinstance(t, dict) and (t.get("function") or {}).get("name") == name for t in tools or ()):
+        raise _not_in_tools("function", name)
+
+
+def _tool_definition_problem(tool: dict[str, Any], prefix: str, engines: frozenset[str]) -> tuple[str, str] | None:
+    """``(param, message)`` for the ``description`` or ``parameters`` of one function tool
+    (``prefix``: where they sit, ``tools[i].function`` or ``tools[i]``) that vLLM or SGLang
+    refuses, else ``None``. Both read ``description`` as ``Optional[str]`` and ``parameters`` as an
+    object; SGLang's chat takes a boolean JSON Schema too (it checks ``parameters`` with
+    ``Draft202012Validator.check_schema``), vLLM's chat and both engines' Responses tools do not."""
+    desc = tool.get("description")
+    if desc is not None and not isinstance(desc, str):
+        return f"{prefix}.description", f"'{prefix}.description' must be a string."
+    params = tool.get("parameters")
+    bool_ok = prefix.endswith(".function") and "vllm" not in engines
+    if params is not None and not isinstance(params, dict) and not (bool_ok and isinstance(params, bool)):
+        return f"{prefix}.parameters", f"'{prefix}.parameters' must be an object (a JSON Schema)."
+    return None
+
+
+def _check_chat_tools(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """Chat ``tools`` (each entry validated as an object whose ``function`` holds a string name, up
+    to the first one that is not an object) as vLLM and SGLang read them: ``type`` other than
+    ``function`` on vLLM (``chat_completion/protocol.py:208-210``, ``ChatCompletionToolsParam.type:
+    Literal["function"]``; SGLang's ``Tool.type`` is any string, ``protocol.py:844-847``),
+    ``function.description`` not a string and ``function.parameters`` not an object (vLLM
+    ``generate/base/protocol.py:298-301`` ``FunctionDefinition``; SGLang ``protocol.py:813-815``
+    and ``serving_chat.py:1161-1173``), then :func:`_check_chat_tool_choice`."""
+    tools = body.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if not isinstance(tool, dict):
+            break  # the counter's 400 names it
+        if "vllm" in engines and tool.get("type", "function") != "function":
+            raise _refused(
+                f"tools[{i}].type", f"'tools[{i}].type' must be 'function' for the engines serving this model."
+            )
+        found = _tool_definition_problem(tool["function"], f"tools[{i}].function", engines)
+        if found is not None:
+            raise _refused(*found)
+    _check_chat_tool_choice(body, engines)
+
+
+def _check_json_schema_format(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """Chat ``response_format`` of type ``json_schema`` (validated: ``json_schema`` an object with
+    a string ``name``; ``schema`` an object when given) without its ``schema``: SGLang
+    ``serving_chat.py:1192-1195`` ("schema_ is required for json_schema response format
+    request."); vLLM turns it into ``StructuredOutputsParams(json=None)`` (``generate/base/
+    protocol.py:193-195``), which holds no constraint (``sampling_params.py:138-142``: "You must use
+    one kind of structured outputs constraint"). And on SGLang a ``strict`` that is not a boolean
+    (``protocol.py:245``, ``StrictBool``)."""
+    fmt = body.get("response_format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return
+    spec = fmt["json_schema"]
+    if spec.get("schema") is None:
+        raise _refused(
+            "response_format.json_schema.schema",
+            "'response_format.json_schema.schema' is missing: the engines serving this model need the JSON "
+            "Schema to constrain the answer (send it, or use type 'json_object').",
+        )
+    strict = spec.get("strict")
+    if "sglang" in engines and strict is not None and not isinstance(strict, bool):
+        raise _refused("response_format.json_schema.strict", "'response_format.json_schema.strict' must be a boolean.")
+
+
+def _nests_at_least(spec: Any, depth: int) -> bool:
+    """Whether ``spec`` holds an object or array ``depth`` levels below its root (vLLM's
+    ``_exceeds_json_nesting``, ``vllm/sampling_params.py:217-239``: one level per pass)."""
+    level = [spec]
+    for _ in range(depth):
+        level = [
+            kid
+            for node in level
+            for kid in (node.values() if isinstance(node, dict) else node)
+            if isinstance(kid, (dict, list))
+        ]
+        if not level:
+            return False
+    return True
+
+
+def _json_schema_of(body: dict[str, Any], route: str) -> tuple[str, Any]:
+    """``(param, schema)``: the JSON Schema a chat ``response_format`` or a Responses ``text.format``
+    of type ``json_schema`` asks the engine to constrain the answer to, else ``("", None)``."""
+    if route == "chat":
+        fmt = body.get("response_format")
+        spec = fmt.get("json_schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
+        return "response_format.json_schema.schema", spec.get("schema") if isinstance(spec, dict) else None
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        return "text.format.schema", fmt.get("schema")
+    return "", None
+
+
+def _check_vllm_schema_nesting(body: dict[str, Any], engines: frozenset[str], route: str) -> None:
+    """vLLM: a structured-output schema (chat ``response_format``, Responses ``text.format``)
+    nested :data:`VLLM_MAX_SCHEMA_NESTING` levels or more ("The JSON schema is nested too deeply")."""
+    param, schema = _json_schema_of(body, route)
+    if "vllm" in engines and schema and _nests_at_least(schema, VLLM_MAX_SCHEMA_NESTING):
+        raise _refused(
+            param,
+            f"'{param}' is nested too deeply: the engines serving this model (vLLM) take a JSON Schema whose "
+            f"objects and arrays nest at most {VLLM_MAX_SCHEMA_NESTING} levels, the schema itself the first.",
+        )
+
+
+def _check_responses_tools(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """Responses ``tools`` and ``tool_choice`` (validated: ``tool_choice`` a known string or object
+    with its string keys; a named one that is absent from non-empty ``tools`` is
+    :func:`gateway.routes.responses.check_tool_choice_target`'s 400):
+
+    - ``required`` without tools: vLLM ``responses/protocol.py:881-885``, SGLang
+      ``serving_responses.py:356-362``;
+    - a named ``function``/``custom`` tool without tools: vLLM ``:886-890``, SGLang
+      ``serving_responses.py:364-372``; an empty name on vLLM (``:891-897``);
+    - a function tool's ``description`` not a string or ``parameters`` not an object (vLLM reads
+      OpenAI's ``FunctionTool``, ``responses/protocol.py:50,298``; SGLang ``protocol.py:1876-1877``),
+      an empty ``name`` on SGLang (``protocol.py:1886-1890``: "Function tools must include a name.")."""
+    tools = body.get("tools") or []
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            continue  # other shapes and types: the counter's 400
+        found = _tool_definition_problem(tool, f"tools[{i}]", engines)
+        if found is None and "sglang" in engines and tool.get("name") == "":
+            found = f"tools[{i}].name", f"'tools[{i}].name' must not be empty."
+        if found is not None:
+            raise _refused(*found)
+    choice = body.get("tool_choice")
+    if choice == "required" and not tools:
+        raise _refused(
+            "tool_choice", "'tool_choice' is 'required', but no 'tools' are given: there is no tool to call."
+        )
+    if not isinstance(choice, dict) or choice.get("type") not in ("function", "custom"):
+        return
+    if choice.get("name") == "" and "vllm" in engines:
+        raise _refused(
+            "tool_choice.name", "'tool_choice.name' must not be empty for the engines serving this model (vLLM)."
+        )
+    if not tools:
+        raise _not_in_tools(choice["type"], choice.get("name"))
+
+
+#: structured-output formats: chat ``response_format`` / Responses ``text.format`` types that
+#: SGLang turns into a ``json_schema`` constraint
+_JSON_FORMATS = ("json_object", "json_schema")
+
+
+def _check_sglang_constraints(body: dict[str, Any], engines: frozenset[str], route: str) -> None:
+    """SGLang applies one output constraint per request: a JSON format (chat ``response_format``,
+    Responses ``text.format``) with ``regex`` or ``ebnf`` (``sampling/sampling_params.py:320-329``:
+    "Only one of json_schema, regex, ebnf, or structural_tag can be set."), and ``tool_choice``
+    ``required`` or a named tool (itself a constraint on the call) with any of them (chat
+    ``entrypoints/openai/protocol.py:1263-1272``, Responses ``protocol.py:2197-2215``; SGLang takes
+    the pair only with the GLM-4.7 tool parser, ``function_call/function_call_parser.py:358-384``,
+    which kvgate cannot see)."""
+    if "sglang" not in engines or route == "completions":  # completions: gateway.admission.fields refuses a pair
+        return
+    if route == "chat":
+        fmt_param, fmt = "response_format", body.get("response_format")
+    else:
+        text = body.get("text")
+        fmt_param, fmt = "text.format", text.get("format") if isinstance(text, dict) else None
+    used = [fmt_param] if isinstance(fmt, dict) and fmt.get("type") in _JSON_FORMATS else []
+    used += [k for k in ("regex", "ebnf") if body.get(k) is not None]
+    if len(used) > 1:
+        raise _refused(
+            used[1],
+            f"'{used[0]}' and '{used[1]}' cannot both be set: the engines serving this model (SGLang) apply one "
+            "output constraint per request.",
+        )
+    choice = body.get("tool_choice")
+    if used and (choice == "required" or isinstance(choice, dict)):
+        raise _refused(
+            "tool_choice",
+            f"'tool_choice' forces a tool call, which the engines serving this model (SGLang) cannot combine with "
+            f"'{used[0]}'; send 'auto', or leave '{used[0]}' out.",
+        )
+
+
+def _check_sglang_stream_logprobs(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """SGLang's Responses API returns no logprobs on a stream: ``stream: true`` with ``include``
+    holding ``message.output_text.logprobs`` is its 400 (``serving_responses.py:380-384``: "logprobs
+    are not supported in streaming mode")."""
+    include = body.get("include") or ()
+    if "sglang" in engines and body.get("stream") is True and "message.output_text.logprobs" in include:
+        raise _refused(
+            "include",
+            "'include' asks for 'message.output_text.logprobs', which the engines serving this model (SGLang) do "
+            "not return on a stream; leave it out or set 'stream' to false.",
+        )
+
+
 def _check_bundled(body: dict[str, Any], route: str) -> None:
     """The bundled backend: on completions more than one prompt ("Batched prompts are not
     supported by this backend", ``_prompt_ids``), and on every route the fields of
@@ -159,16 +424,52 @@ def check_image_parts(body: dict[str, Any], engines: frozenset[str], route: str)
                     )
 
 
+#: engines whose request models (pydantic, in their ``protocol.py``) and request validation read
+#: ``tools``, ``tool_choice`` and the output constraints as :func:`_check_chat_tools`,
+#: :func:`_check_json_schema_format` and :func:`_check_responses_tools` say; the bundled backend
+#: refuses tool calls and structured output outright
+#: (:func:`gateway.admission.fields.check_output_constraints`)
+PYDANTIC_ENGINES = frozenset({"vllm", "sglang"})
+
+
+def _no_check(body: dict[str, Any], engines: frozenset[str]) -> None:
+    return None
+
+
+def _check_chat_request_model(body: dict[str, Any], engines: frozenset[str]) -> None:
+    _check_chat_tools(body, engines)
+    _check_json_schema_format(body, engines)
+
+
+def _check_responses_request_model(body: dict[str, Any], engines: frozenset[str]) -> None:
+    _check_responses_tools(body, engines)
+    _check_sglang_stream_logprobs(body, engines)
+
+
+#: route -> the checks of :data:`PYDANTIC_ENGINES`' request models on it (completions: none beyond
+#: :func:`_check_sampling` and :func:`_check_vllm_stop`)
+_PYDANTIC_CHECKS = {"chat": _check_chat_request_model, "responses": _check_responses_request_model}
+
+
 def check_engine_refusals(body: dict[str, Any], engines: frozenset[str], route: str) -> None:
     """Refuse (400 naming the field) what an engine in ``engines`` refuses only after admission, on
     ``route`` (``completions``, ``chat`` or ``responses``, whose validated ``body`` this is):
-    :func:`_check_sampling` on every route, :func:`_check_vllm_chat` on chat, the bundled
-    backend's :func:`_check_bundled`. Nothing for a model served only by ``openai`` upstreams."""
+    :func:`_check_sampling` and :func:`_check_vllm_stop` on every route, :func:`_check_vllm_chat` on
+    chat; where vLLM or SGLang serves the model (:data:`PYDANTIC_ENGINES`), on chat
+    :func:`_check_chat_tools` and :func:`_check_json_schema_format`, on Responses
+    :func:`_check_responses_tools` and :func:`_check_sglang_stream_logprobs`, and on both
+    :func:`_check_sglang_constraints` and :func:`_check_vllm_schema_nesting`; the bundled backend's
+    :func:`_check_bundled`. Nothing for a model served only by ``openai`` upstreams."""
     if not engines or engines <= {"openai"}:
         return
     _check_sampling(body, engines)
+    _check_vllm_stop(body, engines)
     if route == "chat":
         _check_vllm_chat(body, engines)
+    if engines & PYDANTIC_ENGINES:
+        _PYDANTIC_CHECKS.get(route, _no_check)(body, engines)
+        _check_sglang_constraints(body, engines, route)
+        _check_vllm_schema_nesting(body, engines, route)
     if "kvgate" in engines:
         _check_bundled(body, route)
 
