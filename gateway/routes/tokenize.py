@@ -1,22 +1,33 @@
 """``/tokenize`` and ``/detokenize`` as route values (:data:`TOKENIZE`, :data:`DETOKENIZE`),
-shaped like vLLM's (``vllm/entrypoints/serve/tokenize/``): their field tables and the answer from
-the model's own counter, so that ``count`` is exactly the number the context gate uses
-(:mod:`tokenizer.tokenize_api`); for ``engine`` tokenizers, the engine's ``/tokenize`` answers. A
-prompt certainly longer than the effective limit is refused before it is tokenized (400
+shaped like vLLM's (``vllm/entrypoints/serve/tokenize/protocol.py@030ea52e``:
+``TokenizeChatRequest``, ``TokenizeCompletionRequest``, ``DetokenizeRequest``): their field tables
+and the answer from the model's own counter, so that ``count`` is exactly the number the gate
+counts (:mod:`tokenizer.tokenize_api`); for ``engine`` tokenizers, the engine's ``/tokenize``
+answers. A prompt certainly longer than the effective limit is refused before it is tokenized (400
 ``context_length_exceeded``), as are more ids than it to ``/detokenize``; a count above
 :data:`TOKENIZE_FREE_TOKENS` is charged against TPM. The handler that runs them through
 admission's prologue is :mod:`gateway.routes.tokenize_handlers`.
 
-- ``{"prompt": str, "add_special_tokens": true, "return_token_strs": false}`` or
-  ``{"messages": [...], "tools": [...], "add_generation_prompt": true, "continue_final_message":
-  false, "chat_template_kwargs": {...}}`` ->
-  ``{"count", "max_model_len", "tokens", "token_strs"}``; image parts are refused (400), and so
-  is what chat refuses before counting (:func:`check_chat_content`: unknown message keys, tool
-  definitions without a function name or holding the model's special tokens,
-  ``chat_template_kwargs`` other than chat's), so a count is never answered for a chat the gate
-  would not count.
+- ``{"messages": [...], ...}``: a chat body, and ``/tokenize`` refuses and counts it as
+  ``/v1/chat/completions`` does, by calling the chat route itself
+  (:data:`~gateway.routes.chat.CHAT`): its validation (``validate``: every chat field, typed and
+  ranged), its model task, its engines' field policy and refusals (``check_fields``: extension
+  fields such as ``add_generation_prompt: false`` where no engine reads them, message shapes an
+  engine refuses, image URLs, ``reasoning_effort`` turned into template variables) and its count
+  (``acount``), so a count is never answered for a chat the route refuses, with the route's own
+  error body, and never differs from the route's. Beside the chat fields, vLLM
+  ``TokenizeChatRequest``'s own ``return_token_strs`` and ``add_special_tokens`` (false only).
+  Chat fields that do not change the prompt (``max_tokens``, sampling) are validated, not used:
+  the gate's decision (``count + max_tokens <= max_model_len``) is the client's to apply. Image
+  parts the route would count are refused (they have no token ids here).
+- ``{"prompt": str, "add_special_tokens": true, "return_token_strs": false}`` (vLLM
+  ``TokenizeCompletionRequest``): a string prompt, counted as ``/v1/completions`` and
+  ``/v1/embeddings`` count one (:meth:`~tokenizer.base.PromptCounter.count_prompt_text`; none of
+  these fields is one their field policies refuse).
 - ``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids are validated against the vocabulary (400
   naming ``tokens``).
+
+Either answer is ``{"count", "max_model_len", "tokens", "token_strs"}``.
 """
 
 from __future__ import annotations
@@ -26,104 +37,140 @@ from typing import Any
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.admission.checks import CHAT_FIELDS, Check, array, bad_value, boolean, check_fields, string
-from gateway.admission.fields import check_message_keys, check_tool_definitions, check_tool_shapes
 from gateway.admission.gate import over_context_error, too_long_to_count
 from gateway.admission.registry import ModelEntry
+from gateway.admission.route import check_task
 from gateway.routes.chat import CHAT
 from gateway.routes.completions import COMPLETIONS
 from tokenizer import render_chatml
 from tokenizer.base import TOKEN_ID_CHARS
-from tokenizer.chat import ChatOptions, chat_text_length
+from tokenizer.chat import IMAGE_PART_TYPES, ChatOptions, chat_cost
 from tokenizer.engine_counter import EngineCounter
-from tokenizer.tokenize_api import Tokenized, tokenize_chat, tokenize_prompt
+from tokenizer.tokenize_api import Tokenized, tokenize_prompt
 
 #: A ``/tokenize`` whose count is above this many tokens charges them against TPM: counting a
 #: prompt longer than a typical message is work the tenant pays for, as the chat it prepares
 #: would (a short pre-check stays free).
 TOKENIZE_FREE_TOKENS = 2048
 
-
-#: ``POST /tokenize`` (vLLM ``TokenizeCompletionRequest`` / ``TokenizeChatRequest``): the chat
-#: switches the gate counts (``add_generation_prompt``, ``continue_final_message``,
-#: ``chat_template_kwargs``, as :class:`~tokenizer.chat.ChatOptions`; ``chat_template_kwargs``
-#: under chat's own check: only the keys chat passes, booleans); a custom ``chat_template`` is
-#: refused.
-TOKENIZE_FIELDS: dict[str, Check] = {
+#: ``POST /tokenize`` with a ``prompt`` (vLLM ``TokenizeCompletionRequest``)
+TOKENIZE_PROMPT_FIELDS: dict[str, Check] = {
     "model": string,
     "prompt": string,
-    "messages": array,
-    "tools": array,
     "add_special_tokens": boolean,
-    "add_generation_prompt": boolean,
-    "continue_final_message": boolean,
-    "chat_template_kwargs": CHAT_FIELDS["chat_template_kwargs"],
     "return_token_strs": boolean,
 }
+#: ``POST /tokenize`` with ``messages``: vLLM ``TokenizeChatRequest``'s fields that a chat body
+#: lacks, beside the chat route's whole table (``CHAT.validate``); a custom ``chat_template`` is
+#: refused there, as chat refuses it
+TOKENIZE_CHAT_OWN_FIELDS: dict[str, Check] = {"add_special_tokens": boolean, "return_token_strs": boolean}
+#: every field ``/tokenize`` takes (its ``fields``: the names an error's ``param`` may log)
+TOKENIZE_FIELDS: dict[str, Check] = {**CHAT_FIELDS, **TOKENIZE_PROMPT_FIELDS}
+#: fields only a chat takes: in a ``prompt`` body, 400 "is only allowed with 'messages'"
+_CHAT_ONLY = ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 
 #: ``POST /detokenize`` (vLLM ``DetokenizeRequest``)
 DETOKENIZE_FIELDS: dict[str, Check] = {"model": string, "tokens": array}
 
 
-def chat_options(body: dict[str, Any]) -> ChatOptions:
-    """The :class:`~tokenizer.chat.ChatOptions` of a ``/tokenize`` chat body (vLLM
-    ``TokenizeChatRequest``: ``add_generation_prompt`` default true, ``continue_final_message``,
-    ``chat_template_kwargs``), as the chat route counts them."""
-    cfm = bool(body.get("continue_final_message"))
-    return ChatOptions(
-        add_generation_prompt=body.get("add_generation_prompt") is not False and not cfm,
-        continue_final_message=cfm,
-        template_kwargs=tuple(sorted((body.get("chat_template_kwargs") or {}).items())),
-    )
+def chat_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat request inside a ``/tokenize`` body with ``messages``: a copy without ``/tokenize``'s
+    own fields (:data:`TOKENIZE_CHAT_OWN_FIELDS`) and the absent ``prompt``, so the chat route may
+    check it (and drop from it what it drops) without touching ``body``."""
+    return {k: v for k, v in body.items() if k not in TOKENIZE_CHAT_OWN_FIELDS and k != "prompt"}
 
 
-def check_chat_content(entry: ModelEntry, body: dict[str, Any]) -> None:
-    """What chat refuses in a chat before counting it (``gateway.admission.fields.check_chat_request``,
-    without the engines' extension table, which vLLM's ``/tokenize`` does not apply), for a
-    ``/tokenize`` body with ``messages``: a message key outside
-    :data:`~gateway.admission.fields.MESSAGE_KEYS` (400 naming ``messages[i].key``, chat's
-    wording), a tool definition without a function name
-    (:func:`~gateway.admission.fields.check_tool_shapes`) and one holding one of the model's special
-    tokens (:func:`~gateway.admission.fields.check_tool_definitions`). Raises :class:`OpenAIError`."""
-    check_message_keys(body)
-    check_tool_shapes(body.get("tools"), entry.engines)
-    check_tool_definitions(body.get("tools"), entry.counter.special_token_texts, entry.engines)
+def _refuse_images(messages: list[Any]) -> None:
+    """400 for a counted chat holding an image part: its ids are not known here (the route counts
+    it at the model's image cost), so ``/tokenize`` cannot answer the ids its count stands for."""
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                raise OpenAIError(
+                    400,
+                    "/tokenize does not take image content parts (they have no token ids here).",
+                    code=ErrorCode.INVALID_REQUEST,
+                    param="messages",
+                )
 
 
-async def _tokenize(counter: Any, body: dict[str, Any]) -> Tokenized:
-    strs = bool(body.get("return_token_strs"))
-    messages = body.get("messages")
-    if messages is not None:
-        options = chat_options(body)
-        tools = body.get("tools")
+async def _chat_options(entry: ModelEntry, req: dict[str, Any]) -> ChatOptions:
+    """The chat route's field policy on ``req`` (``CHAT.check_fields``: what the engines serving
+    the model refuse, and the options the prompt is counted with), in a worker thread when the
+    route weighs the chat as heavy, as :func:`gateway.admission.gate.count_prompt` runs it."""
+    counter = entry.counter
+    if CHAT.cost(req, counter.offload_chars) > counter.offload_chars:
+        return await asyncio.to_thread(CHAT.check_fields, req, entry)
+    return CHAT.check_fields(req, entry)
 
-        def images() -> int:
-            return render_chatml(messages, tools, ChatOptions(options.add_generation_prompt)).images
 
-        long = chat_text_length(messages, tools, limit=counter.offload_chars) > counter.offload_chars
-        if await asyncio.to_thread(images) if long else images():
-            raise OpenAIError(
-                400,
-                "/tokenize does not take image content parts (they have no token ids here).",
-                code=ErrorCode.INVALID_REQUEST,
-                param="messages",
-            )
-        if isinstance(counter, EngineCounter):
-            payload: dict[str, Any] = {"messages": messages, "add_generation_prompt": options.add_generation_prompt}
-            if options.continue_final_message:
-                payload["continue_final_message"] = True
-            if options.template_kwargs:
-                payload["chat_template_kwargs"] = dict(options.template_kwargs)
-            if body.get("tools"):
-                payload["tools"] = body["tools"]
-            count, ids = await counter.atokenize_ids(payload)
-            return Tokenized(count, ids)
-        return await tokenize_chat(counter, messages, body.get("tools"), strs, options)
+async def _engine_chat(counter: EngineCounter, req: dict[str, Any], options: ChatOptions) -> Tokenized:
+    """An ``engine`` tokenizer's count and ids of a chat the route admitted, in one engine call:
+    the chat validated by the render the counter's own ``acount_chat`` runs first (in a worker
+    thread when it weighs as much), image parts refused before anything is sent, then the payload
+    that ``acount_chat`` sends."""
+    messages, tools = req["messages"], req.get("tools")
+
+    def render() -> None:
+        render_chatml(messages, tools, ChatOptions(options.add_generation_prompt))
+
+    long = chat_cost(messages, tools, counter.offload_chars) > counter.offload_chars
+    await asyncio.to_thread(render) if long else render()
+    _refuse_images(messages)
+    payload: dict[str, Any] = {"messages": messages, "add_generation_prompt": options.add_generation_prompt}
+    if options.continue_final_message:
+        payload["continue_final_message"] = True
+    if options.template_kwargs:
+        payload["chat_template_kwargs"] = dict(options.template_kwargs)
+    if tools:
+        payload["tools"] = tools
+    count, ids = await counter.atokenize_ids(payload)
+    return Tokenized(count, ids)
+
+
+async def _local_chat(counter: Any, req: dict[str, Any], options: ChatOptions, strs: bool) -> Tokenized:
+    """A local counter's answer for a chat the route admitted: ``count`` the chat route's own
+    (``CHAT.acount``), then image parts refused, then the rendered template's ids (in a worker
+    thread for a chat whose :func:`~tokenizer.chat.chat_cost` the counter offloads)."""
+    count = (await CHAT.acount(counter, req, options)).largest
+    messages, tools = req["messages"], req.get("tools")
+    _refuse_images(messages)
+
+    def ids() -> Tokenized:
+        tokens = counter.chat_token_ids(messages, tools, options)
+        return Tokenized(count, tokens, counter.token_strs(tokens) if strs else None)
+
+    long = chat_cost(messages, tools, counter.offload_chars) > counter.offload_chars
+    return await asyncio.to_thread(ids) if long else ids()
+
+
+async def _tokenize_chat(entry: ModelEntry, body: dict[str, Any], limit: int) -> Tokenized:
+    """A ``/tokenize`` chat as the chat route takes it: the model must serve chat
+    (:func:`~gateway.admission.route.check_task`), then ``CHAT.check_fields``, the too-long
+    shortcut and the count, each the route's own; raises what the route raises for the same body."""
+    check_task(entry, CHAT)
+    req = chat_body(body)
+    options = await _chat_options(entry, req)
+    too_long_to_count(entry, req, CHAT, limit)
+    counter = entry.counter
+    if isinstance(counter, EngineCounter):
+        return await _engine_chat(counter, req, options)
+    return await _local_chat(counter, req, options, bool(body.get("return_token_strs")))
+
+
+async def _tokenize_prompt(entry: ModelEntry, body: dict[str, Any], limit: int) -> Tokenized:
+    """A ``/tokenize`` string prompt: refused uncounted when its text alone is longer than
+    ``limit`` (as completions refuses it), else counted as completions and embeddings count a
+    string (``add_special_tokens`` false: its text alone), by the engine for ``engine`` tokenizers."""
+    too_long_to_count(entry, body, COMPLETIONS, limit)
     add = body.get("add_special_tokens")
     add = True if add is None else add
+    counter = entry.counter
     if isinstance(counter, EngineCounter):
         count, ids = await counter.atokenize_ids({"prompt": body["prompt"], "add_special_tokens": add})
         return Tokenized(count, ids)
-    return await tokenize_prompt(counter, body["prompt"], add, strs)
+    return await tokenize_prompt(counter, body["prompt"], add, bool(body.get("return_token_strs")))
 
 
 def _check_token_ids(counter: Any, ids: list[Any]) -> None:
@@ -165,9 +212,10 @@ class TokenizeRoute:
     fields = TOKENIZE_FIELDS
 
     def validate(self, body: dict[str, Any]) -> None:
-        """The field table, then exactly one of ``prompt`` and ``messages``, the chat switches
-        only with ``messages``, and ``add_special_tokens`` only with ``prompt``."""
-        check_fields(body, self.fields, ())
+        """Exactly one of ``prompt`` and ``messages``. A ``prompt`` body: no chat-only field,
+        then :data:`TOKENIZE_PROMPT_FIELDS`. A ``messages`` body: ``/tokenize``'s own fields
+        (``add_special_tokens`` false only), then the chat route's own validation of the rest
+        (``CHAT.validate``: its errors, word for word)."""
         has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
         if has_prompt == has_messages:
             raise OpenAIError(
@@ -177,27 +225,28 @@ class TokenizeRoute:
                 param="prompt" if has_prompt else "messages",
             )
         if has_prompt:
-            for key in ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+            for key in _CHAT_ONLY:
                 if body.get(key) is not None:
                     raise bad_value(key, "is only allowed with 'messages'")
-        if body.get("add_generation_prompt") and body.get("continue_final_message"):
-            raise bad_value("continue_final_message", "cannot be true together with 'add_generation_prompt'")
-        if has_messages and body.get("add_special_tokens"):
+            check_fields({k: v for k, v in body.items() if k != "messages"}, TOKENIZE_PROMPT_FIELDS, ())
+            return
+        check_fields({k: body[k] for k in TOKENIZE_CHAT_OWN_FIELDS if k in body}, TOKENIZE_CHAT_OWN_FIELDS, ())
+        if body.get("add_special_tokens"):
             raise bad_value(
                 "add_special_tokens", "must be false with 'messages' (the template adds what the model needs)"
             )
+        CHAT.validate(chat_body(body))
 
     async def answer(
         self, entry: ModelEntry, body: dict[str, Any], limit: int, max_model_len: int | None
     ) -> tuple[dict[str, Any], int]:
-        """``(answer, tokens to charge)``: a chat is checked as chat checks it
-        (:func:`check_chat_content`) and a prompt certainly longer than ``limit`` is refused,
-        both before anything is tokenized; a count above :data:`TOKENIZE_FREE_TOKENS` is charged."""
-        chat = body.get("messages") is not None
-        if chat:
-            check_chat_content(entry, body)
-        too_long_to_count(entry, body, CHAT if chat else COMPLETIONS, limit)
-        t = await _tokenize(entry.counter, body)
+        """``(answer, tokens to charge)``: a chat as the chat route checks and counts it
+        (:func:`_tokenize_chat`), a prompt certainly longer than ``limit`` refused before it is
+        tokenized; a count above :data:`TOKENIZE_FREE_TOKENS` is charged."""
+        if body.get("messages") is not None:
+            t = await _tokenize_chat(entry, body, limit)
+        else:
+            t = await _tokenize_prompt(entry, body, limit)
         charge = t.count if t.count > TOKENIZE_FREE_TOKENS else 0
         return {
             "count": t.count,
