@@ -3,6 +3,8 @@ reason, usage, error objects), on whole bodies and on stream chunks, honest and 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from verifier.engine_response import EngineOutput, is_error_payload, parse_body, parse_chunk
@@ -38,21 +40,23 @@ def test_chunk_texts_leave_out_empty_deltas_and_read_usage_only_chunk():
 
 
 @pytest.mark.parametrize(
-    "obj",
+    ("obj", "fields"),
     [
-        None,
-        [],
-        "text",
-        {"choices": "nope"},
-        {"choices": [1, None, "x", []]},
-        {"choices": [{"message": "not an object", "text": 5}]},
-        {"choices": [{"delta": {"content": 7}, "finish_reason": 3}], "usage": [1]},
-        {"choices": [{"index": True, "message": {"content": None}}]},
+        (None, {}),
+        ([], {}),
+        ("text", {}),
+        ({"choices": "nope"}, {"-:other": "nope"}),
+        ({"choices": [1, None, "x", []]}, {"-:other": "x"}),
+        ({"choices": [{"message": "not an object", "text": 5}]}, {"0:other": "not an object"}),
+        ({"choices": [{"delta": {"content": 7}, "finish_reason": 3}], "usage": [1]}, {}),
+        ({"choices": [{"index": True, "message": {"content": None}}]}, {}),
     ],
 )
-def test_hostile_shapes_read_as_nothing(obj):
-    assert parse_body(obj) == EngineOutput()
-    assert parse_chunk(obj) == EngineOutput()
+def test_hostile_shapes_read_as_no_choice_text(obj, fields):
+    """No choice's text; a string where the protocol puts none is still read, as ``other`` text
+    the leak check sees (a hostile engine's leak in a wrong-typed field is not released unread)."""
+    assert parse_body(obj) == replace(EngineOutput(), fields=fields)
+    assert parse_chunk(obj) == replace(EngineOutput(), fields=fields)
 
 
 def test_repeated_and_bool_indexes():
@@ -156,25 +160,24 @@ def test_completions_text_and_logprob_tokens():
     out = parse_body(
         {"choices": [{"index": 0, "text": "ab", "logprobs": {"tokens": ["a", "b", 3], "top_logprobs": [{"zz": -1}]}}]}
     )
-    assert (out.fields, out.texts) == ({"0:text": "ab", "0:logprobs": "ab"}, {0: "ab"})
+    assert (out.fields, out.texts) == ({"0:text": "ab", "0:logprobs": "ab", "0:logprobs_top:0": "zz"}, {0: "ab"})
     only_lp = parse_chunk({"choices": [{"index": 0, "text": "", "logprobs": {"tokens": ["q"]}}]})
     assert (only_lp.fields, only_lp.texts, only_lp.text) == ({"0:logprobs": "q"}, {}, "")
 
 
 @pytest.mark.parametrize(
-    "message",
+    ("message", "fields"),
     [
-        {"tool_calls": "nope"},
-        {"tool_calls": [None, 1, {"function": "x"}, {"function": {"name": 5, "arguments": None}}]},
-        {"function_call": ["a"]},
-        {"reasoning_content": 7, "refusal": None, "audio": {"transcript": 1}},
-        {"content": [None, {"type": "text", "text": 1}]},
+        ({"tool_calls": "nope"}, {"0:other": "nope"}),
+        ({"tool_calls": [None, 1, {"function": "x"}, {"function": {"name": 5, "arguments": None}}]}, {"0:other": "x"}),
+        ({"function_call": ["a"]}, {"0:other": "a"}),
+        ({"reasoning_content": 7, "refusal": None, "audio": {"transcript": 1}}, {}),
+        ({"content": [None, {"type": "text", "text": 1}]}, {}),
     ],
 )
-def test_hostile_field_shapes_read_as_nothing(message):
-    assert (
-        parse_body({"choices": [{"message": message, "logprobs": {"content": [None, {"token": 1}]}}]}) == EngineOutput()
-    )
+def test_hostile_field_shapes_read_as_no_choice_text(message, fields):
+    out = parse_body({"choices": [{"message": message, "logprobs": {"content": [None, {"token": 1}]}}]})
+    assert out == replace(EngineOutput(), fields=fields)
 
 
 def test_strings_in_fields_kvgate_does_not_know_are_read_as_other_text():

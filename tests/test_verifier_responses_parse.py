@@ -175,6 +175,7 @@ def test_every_string_of_an_item_is_a_text_stream():
         "2:0:output_text": "Hi",
         "2:0:annotations": "A page https://e.x/",
         "2:0:logprobs": "Hi",
+        "2:0:logprobs_top:0": "alt",
         "3:other": "weather",
     }
     # completion text: names, inputs and outputs; annotations, logprobs and unknown strings are checked only

@@ -279,7 +279,8 @@ def test_usage_drift_exact():
     assert check_usage(624, {"prompt_tokens": 626}, 2) is None
     assert check_usage(624, {"prompt_tokens": 627}, 2).evidence["difference_tokens"] == 3
     assert check_usage(624, None, 0) is None
-    assert check_usage(624, {"prompt_tokens": "1"}, 0) is None
+    # a count that is not an integer is drift too: a broken or hostile engine's usage compares with nothing
+    assert check_usage(624, {"prompt_tokens": "1"}, 0).evidence["malformed_usage"] == ["prompt_tokens:str"]
     assert check_finish("abort").evidence == {"status_code": 200}
     assert check_finish("stop") is None and check_finish("abort", 500) is None
 

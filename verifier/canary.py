@@ -4,6 +4,12 @@ A canary is planted in a prompt; found in a response whose own prompt does not h
 proof that text crossed between requests (the runbook's signal 2). :class:`CanaryRegistry`
 remembers which tenant planted which canary (as keyed hashes, with a TTL, in the same stores as
 the leak index) so the gateway can recognise a honeypot's canary in any other tenant's response.
+
+Text is searched for canaries as the leak index reads it (:func:`verifier.shingles.fold_chars`:
+without zero-width characters, soft hyphens and byte-order marks, in NFKC), prompts and responses
+alike: a canary with a zero-width space between its letters, or in full-width or mathematical
+digits, is the same canary to a reader and to a copy-paste, and was not found before. Case,
+homoglyphs and other obfuscation are not folded (as the leak index's).
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from verifier.leak_index import LeakStore
+from verifier.shingles import INVISIBLE_CHARS, fold_chars
 
 CANARY_PREFIX = "KVGATE-CANARY-"
 CANARY_RE = re.compile(r"KVGATE-CANARY-[0-9a-f]{16}")
@@ -28,8 +36,22 @@ def new_canary() -> str:
 
 
 def find_canaries(text: str) -> list[str]:
-    """Every whole canary in ``text``, distinct, in order of first appearance."""
-    return list(dict.fromkeys(CANARY_RE.findall(text)))
+    """Every whole canary in ``text`` read folded (module doc), distinct, in order of first
+    appearance, each as planted (ASCII)."""
+    return list(dict.fromkeys(CANARY_RE.findall(canary_text(text))))
+
+
+def canary_text(text: str) -> str:
+    """``text`` as canaries are searched in it (:func:`verifier.shingles.fold_chars`); text
+    already so (ASCII, or NFKC without invisible characters: most text, checked in one pass)
+    is returned as it is."""
+    if text.isascii() or (unicodedata.is_normalized("NFKC", text) and not _has_invisible(text)):
+        return text
+    return fold_chars(text)
+
+
+def _has_invisible(text: str) -> bool:
+    return any(c in text for c in INVISIBLE_CHARS)
 
 
 def surfaced(response_text: str, own_prompt_text: str) -> list[str]:
@@ -41,8 +63,9 @@ def surfaced(response_text: str, own_prompt_text: str) -> list[str]:
 
 class CanaryScanner:
     """Finds whole canaries in a text that arrives in pieces: keeps only the last
-    ``CANARY_CHARS - 1`` characters between pieces so a canary split across pieces is found
-    once, when its last digit arrives."""
+    ``CANARY_CHARS - 1`` characters of the text read folded (:func:`canary_text`) between
+    pieces so a canary split across pieces is found once, when its last digit arrives (with
+    zero-width characters between its letters it is longer than that raw, not folded)."""
 
     def __init__(self) -> None:
         self._tail = ""
@@ -50,7 +73,7 @@ class CanaryScanner:
 
     def push(self, piece: str) -> list[str]:
         """Add ``piece``; returns canaries completed by it (each canary once per scanner)."""
-        text = self._tail + piece
+        text = canary_text(self._tail + piece)
         new = list(dict.fromkeys(c for c in find_canaries(text) if c not in self.found))
         self.found.update(new)
         self._tail = text[-(CANARY_CHARS - 1) :]

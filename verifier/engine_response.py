@@ -26,22 +26,39 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
 - ``tool:<j>:name`` / ``tool:<j>:arguments`` for ``tool_calls[]`` (``j``: the call's ``index``,
   which streamed fragments carry, else its position), ``function_call:name`` /
   ``function_call:arguments`` (the legacy field);
-- ``text`` (``/v1/completions``);
+- ``text`` (``/v1/completions``; read beside a ``message`` / ``delta`` too);
 - ``logprobs``: the token strings of the sampled tokens (chat ``logprobs.content[].token`` and
   ``logprobs.refusal[].token``, completions ``logprobs.tokens``), read for checking only: they
-  repeat the text, so they are not counted as completion text. Alternatives in
-  ``top_logprobs`` are not read (they are single tokens at each position, not a text);
+  repeat the text, so they are not counted as completion text;
 - ``logprobs_bytes``: the chat logprobs' ``bytes`` (each token's UTF-8 bytes, what a client
   rebuilds a token's text from) decoded as one text, when any of them is not its token's UTF-8
   (an honest engine's are, but for tokens that end inside a character); checked only;
-- ``other``: every string anywhere else in the choice (``"<choice>:other"``) or the object
-  (``"-:other"``), outside the known metadata (:data:`META_KEYS`: ids, object, model, role,
-  type, finish reason, ...), joined by spaces: an engine that puts text in a field kvgate does
-  not know still has it checked. Not counted as completion text.
+- ``logprobs_top:<r>`` (and ``logprobs_top_bytes:<r>``): the rank-``r`` alternatives of
+  ``top_logprobs`` at each position (chat entries, completions' ``{token: logprob}`` keys),
+  joined; checked only. A client receives them as it does the sampled tokens, and the second
+  most likely token at each position spelled another tenant's prompt unread before
+  (OpenAI's ``ChatCompletionTokenLogprob.top_logprobs``; vLLM
+  ``vllm/entrypoints/openai/protocol.py``, ``ChatCompletionLogProbsContent.top_logprobs``);
+- ``other``: every other string of the choice (``"<choice>:other"``) or the object
+  (``"-:other"``), joined by spaces: a field kvgate does not know, at any depth; a known field
+  holding another type than the protocol's (a ``message`` that is a string, a ``content`` that
+  is an object, ``arguments`` that are an object: a client still receives them); a choice that
+  is not an object; ``usage``'s strings; a chunk's ``message`` (a body's ``delta``); and key
+  names that are not identifiers (:data:`_IDENTIFIER`). Not counted as completion text. Only
+  the protocol's metadata, where it sits (ids, ``object``, ``model``, ``created``, ``role``,
+  a tool call's ``type``, ``index``, ``finish_reason``, ``stop_reason``, a content part's
+  ``type``, the audio's ``id`` / ``data``), is not text, and only while it is as short as
+  metadata (:data:`META_MAX_CHARS`): before, those keys were skipped at any depth and any
+  length, so an unknown field's ``{"id": ...}`` entries or a ``model`` holding a prompt went
+  unread.
+
+A choice's index is its ``index`` when it is an integer (JSON's ``1.0`` included: the same number
+to every client), else its position.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -50,7 +67,6 @@ from typing import Any, TypeGuard
 import orjson
 
 from config.errors import ErrorCode, OpenAIError, error_type_for_status
-from tokenizer.prompt_text import string_values
 
 #: OpenAI ``error.type`` values passed through from an engine; any other becomes the status's type
 OPENAI_ERROR_TYPES = frozenset(
@@ -151,8 +167,9 @@ class StreamEvent(EngineOutput):
 
 #: reasoning and refusal fields of a ``message`` / ``delta``, read as they are named
 _PLAIN_FIELDS = ("reasoning_content", "reasoning", "refusal")
-#: keys whose string values are metadata, not text (OpenAI's chat/completions objects, vLLM's
-#: and SGLang's additions); any other string is read as ``other`` text
+#: keys whose string values are metadata, not text, in the ``/v1/responses`` objects (at the top
+#: of an item, a part or an event: :func:`_rstrings`); chat's metadata is read by where it sits
+#: (the ``_*_META`` sets below)
 META_KEYS = frozenset(
     {
         "id",
@@ -171,52 +188,134 @@ META_KEYS = frozenset(
         "bytes",
     }
 )
-#: keys of a choice / message / delta read as named fields (not ``other``)
-_CHOICE_KNOWN = frozenset({"message", "delta", "text", "logprobs", "index", "finish_reason", "stop_reason"})
-_MESSAGE_KNOWN = frozenset(
-    {"content", "reasoning_content", "reasoning", "refusal", "audio", "tool_calls", "function_call", "role"}
-)
-#: keys not read as ``other`` text: of a choice, of a message / delta, of the object
-_CHOICE_SKIP = _CHOICE_KNOWN | META_KEYS
-_MESSAGE_SKIP = _MESSAGE_KNOWN | META_KEYS
-_TOP_SKIP = META_KEYS | {"choices", "usage"}
+#: a metadata value (an id, a model name, a role, a type, a finish reason) longer than this is
+#: read as text: no honest id or name is that long, and a client receives whatever an engine
+#: puts there (a ``model`` of 1,100 characters holding another tenant's prompt was skipped)
+META_MAX_CHARS = 256
+#: metadata of a chat/completions object, by where it sits (OpenAI's objects; vLLM's and
+#: SGLang's additions are read as text): every other string, at any depth, is text
+_TOP_META = frozenset({"id", "object", "created", "model", "system_fingerprint", "service_tier"})
+_CHOICE_META = frozenset({"index", "finish_reason", "stop_reason"})
+_MESSAGE_META = frozenset({"role"})
+_TOOL_META = frozenset({"id", "type", "index"})
+_PART_META = frozenset({"type"})
+_AUDIO_META = frozenset({"id", "expires_at"})
+_NO_META: frozenset[str] = frozenset()
+#: keys read by name, with the type the named reader reads (a value of another type is read as
+#: ``other`` text: an engine whose ``content`` is an object, or whose ``arguments`` are, still has
+#: it checked); a key absent here is text or metadata
+_CHOICE_READ: dict[str, dict[str, type | tuple[type, ...]]] = {
+    holder: {holder: dict, "text": str, "logprobs": dict} for holder in ("message", "delta")
+}
+_MESSAGE_READ: dict[str, type | tuple[type, ...]] = {
+    "content": (str, list),
+    "reasoning_content": str,
+    "reasoning": str,
+    "refusal": str,
+    "audio": dict,
+    "tool_calls": list,
+    "function_call": dict,
+}
+_PART_READ: dict[str, type | tuple[type, ...]] = {"text": str, "refusal": str}
+#: ``data`` is the base64 audio (not text, whatever its length)
+_AUDIO_READ: dict[str, type | tuple[type, ...]] = {"transcript": str, "data": str}
+_TOOL_READ: dict[str, type | tuple[type, ...]] = {"function": dict}
+_FUNCTION_READ: dict[str, type | tuple[type, ...]] = {"name": str, "arguments": str}
+_LOGPROBS_READ: dict[str, type | tuple[type, ...]] = {
+    "content": list,
+    "refusal": list,
+    "tokens": list,
+    "top_logprobs": list,
+}
+#: a logprob entry (chat, Responses): its ``bytes`` are read apart (:meth:`_TokenTexts._bytes`)
+_ENTRY_READ: dict[str, type | tuple[type, ...]] = {"token": str, "top_logprobs": list, "bytes": list}
+_ALTERNATIVE_READ: dict[str, type | tuple[type, ...]] = {"token": str, "bytes": list}
+#: an embeddings answer's ``data`` items (vectors or base64, not text)
+_EMBEDDING_READ: dict[str, type | tuple[type, ...]] = {"embedding": (list, str)}
+_EMBEDDING_META = frozenset({"object", "index"})
+_TOP_READ: dict[str, type | tuple[type, ...]] = {"choices": list, "data": list}
 
 
-def _strings(obj: Any, out: list[str]) -> None:
-    """Every string value in ``obj`` outside :data:`META_KEYS`, at any depth."""
-    string_values(obj, out, META_KEYS)
+#: a key name an engine's own fields have (``matched_stop``, ``token_ids``, a token id): any other
+#: key name (words with spaces, another script, more than 64 characters) is text a client receives
+_IDENTIFIER = re.compile(r"[A-Za-z0-9_$@][A-Za-z0-9_.:$@/-]{0,63}")
 
 
-def _unknown_strings(choice: dict[str, Any], holder: str) -> list[str]:
-    """Strings of a choice outside the fields :func:`_choice_fields` reads and the metadata."""
-    out: list[str] = []
-    for k, v in choice.items():
-        if k not in _CHOICE_SKIP:
-            _strings(v, out)
-    inner = choice.get(holder)
-    if isinstance(inner, dict):
-        _message_unknown_strings(inner, out)
-    return out
+@functools.lru_cache(maxsize=1024)
+def _is_identifier(key: str) -> bool:
+    """Whether a key name is an identifier (:data:`_IDENTIFIER`); remembered, as an engine's
+    field names repeat in every event."""
+    return _IDENTIFIER.fullmatch(key) is not None
 
 
-def _message_unknown_strings(inner: dict[str, Any], out: list[str]) -> None:
-    """The strings of a ``message`` / ``delta`` outside its named fields: unknown keys, content
-    parts' other keys, tool calls' other keys (their ``function``'s too)."""
-    for k, v in inner.items():
-        if k not in _MESSAGE_SKIP:
-            _strings(v, out)
-    content = inner.get("content")
-    if isinstance(content, list):  # parts other than text / refusal (their other strings)
-        for p in content:
-            if isinstance(p, dict):
-                _strings({k: v for k, v in p.items() if k not in ("text", "refusal")}, out)
-    calls = inner.get("tool_calls")
-    for tc in calls if isinstance(calls, list) else ():
-        if isinstance(tc, dict):
-            _strings({k: v for k, v in tc.items() if k != "function"}, out)
-            fn = tc.get("function")
-            if isinstance(fn, dict):
-                _strings({k: v for k, v in fn.items() if k not in ("name", "arguments")}, out)
+#: the types of JSON values without a string inside (what orjson reads a number or a bool as)
+_NUMBERS = (int, float, bool)
+
+
+def _text_values(obj: Any, out: list[str]) -> None:
+    """Every non-empty string inside ``obj``, at any depth, in document order
+    (:func:`tokenizer.json_values.string_values`), and every key name that is not an identifier
+    (:data:`_IDENTIFIER`): an engine can put text in a key as well as in a value. Iterative (any
+    depth orjson reads)."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            if x:
+                out.append(x)
+        elif isinstance(x, dict):
+            items: list[Any] = []
+            for k, v in x.items():
+                if not _is_identifier(k):
+                    items.append(k)
+                items.append(v)
+            stack.extend(reversed(items))
+        elif isinstance(x, list):
+            stack.extend(reversed(x))
+
+
+def _meta(v: Any, out: list[str]) -> None:
+    """A metadata field's value: nothing when it is what metadata holds (a number, a bool,
+    ``null``, a string of at most :data:`META_MAX_CHARS`); otherwise its strings are text."""
+    if isinstance(v, str):
+        if len(v) > META_MAX_CHARS:
+            out.append(v)
+    elif isinstance(v, (dict, list)):
+        _text_values(v, out)
+
+
+def _rest(
+    obj: dict[str, Any], read: Mapping[str, type | tuple[type, ...]], meta: frozenset[str], out: list[str]
+) -> None:
+    """The strings of ``obj`` no named reader takes, into ``out``: a key of ``read`` whose value
+    has the type given there is read by name (skipped here), a key of ``meta`` is metadata
+    (:func:`_meta`), and every other value, whatever its type and depth, is text."""
+    for k, v in obj.items():
+        t = read.get(k)
+        if t is not None:
+            if v is None or isinstance(v, t):
+                continue
+        elif k in meta:
+            if v is not None:
+                _meta(v, out)
+            continue
+        elif not _is_identifier(k):
+            out.append(k)
+        if v is not None and type(v) not in _NUMBERS:
+            _text_values(v, out)
+
+
+def _index(v: Any, position: int) -> int:
+    """A choice's (or a tool call's) key: its ``index`` when that is an integer, an integral
+    number included (JSON's ``1.0`` is the number 1 to every client: ``JSON.parse`` and Python's
+    ``1.0 == 1`` alike, so a choice sent as ``1`` and ``1.0`` by turns is one choice there, and
+    read apart it was two streams here, each with every other piece of the text); else
+    ``position``."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return position
 
 
 def _is_index(v: Any) -> TypeGuard[int]:
@@ -227,97 +326,200 @@ def _is_index(v: Any) -> TypeGuard[int]:
 _Field = tuple[str, str, bool]
 
 
-def _choice_fields(choice: dict[str, Any], holder: str) -> list[_Field]:
-    """``(field, text, counted)`` of one choice, in a fixed order; only string values (an empty
-    string included). ``holder``: ``message`` (whole) or ``delta`` (chunk)."""
+def _choice_fields(choice: dict[str, Any], holder: str) -> tuple[list[_Field], list[str]]:
+    """``(field, text, counted)`` of one choice, in a fixed order (only string values, an empty
+    string included), and the choice's ``other`` strings: every string no field reads that is
+    not metadata where it sits. ``holder``: ``message`` (whole) or ``delta`` (chunk); a chunk's
+    ``message`` (or a body's ``delta``) is read as ``other``."""
     out: list[_Field] = []
+    other: list[str] = []
+    _rest(choice, _CHOICE_READ[holder], _CHOICE_META, other)
     inner = choice.get(holder)
     if isinstance(inner, dict):
-        _message_fields(inner, out)
-    elif isinstance(choice.get("text"), str):
-        out.append(("text", choice["text"], True))
+        _message_fields(inner, out, other)
+    text = choice.get("text")
+    if isinstance(text, str):
+        out.append(("text", text, True))
     lp = choice.get("logprobs")
     if isinstance(lp, dict):
-        _logprob_fields(lp, out)
-    return out
+        _logprob_fields(lp, out, other)
+    return out, other
 
 
-def _message_fields(inner: dict[str, Any], out: list[_Field]) -> None:
+def _message_fields(inner: dict[str, Any], out: list[_Field], other: list[str]) -> None:
     """A ``message`` / ``delta``'s text streams: content (and its parts), reasoning, refusal,
-    the audio transcript, tool calls, the legacy ``function_call``."""
+    the audio transcript, tool calls, the legacy ``function_call``; the rest into ``other``."""
+    _rest(inner, _MESSAGE_READ, _MESSAGE_META, other)
     content = inner.get("content")
     if isinstance(content, str):
         out.append(("content", content, True))
     elif isinstance(content, list):
-        _content_part_fields(content, out)
+        _content_part_fields(content, out, other)
     for name in _PLAIN_FIELDS:
         v = inner.get(name)
         if isinstance(v, str):
             out.append((name, v, True))
     audio = inner.get("audio")
-    if isinstance(audio, dict) and isinstance(audio.get("transcript"), str):
-        out.append(("audio", audio["transcript"], True))
+    if isinstance(audio, dict):
+        _audio_fields(audio, out, other)
     calls = inner.get("tool_calls")
     if isinstance(calls, list):
-        _tool_call_fields(calls, out)
+        _tool_call_fields(calls, out, other)
     fc = inner.get("function_call")
     if isinstance(fc, dict):
-        _function_fields(fc, "function_call", out)
+        _function_fields(fc, "function_call", out, other)
 
 
-def _content_part_fields(content: list[Any], out: list[_Field]) -> None:
-    """A list of content parts: its ``text`` parts as ``content``, its ``refusal`` parts as ``refusal``."""
-    texts = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-    refusals = [p["refusal"] for p in content if isinstance(p, dict) and isinstance(p.get("refusal"), str)]
+def _audio_fields(audio: dict[str, Any], out: list[_Field], other: list[str]) -> None:
+    if isinstance(audio.get("transcript"), str):
+        out.append(("audio", audio["transcript"], True))
+    _rest(audio, _AUDIO_READ, _AUDIO_META, other)
+
+
+def _content_part_fields(content: list[Any], out: list[_Field], other: list[str]) -> None:
+    """A list of content parts: its ``text`` parts as ``content``, its ``refusal`` parts as
+    ``refusal``; a part that is not an object, and a part's other strings, into ``other``."""
+    texts: list[str] = []
+    refusals: list[str] = []
+    for p in content:
+        if not isinstance(p, dict):
+            _text_values(p, other)
+            continue
+        if isinstance(p.get("text"), str):
+            texts.append(p["text"])
+        if isinstance(p.get("refusal"), str):
+            refusals.append(p["refusal"])
+        _rest(p, _PART_READ, _PART_META, other)
     if texts:
         out.append(("content", "".join(texts), True))
     if refusals:
         out.append(("refusal", "".join(refusals), True))
 
 
-def _tool_call_fields(calls: list[Any], out: list[_Field]) -> None:
-    """``tool:<j>:name`` / ``tool:<j>:arguments`` of each tool call (``j``: its ``index``, else its position)."""
+def _tool_call_fields(calls: list[Any], out: list[_Field], other: list[str]) -> None:
+    """``tool:<j>:name`` / ``tool:<j>:arguments`` of each tool call (``j``: its ``index``, else
+    its position); a call that is not an object, and a call's other strings, into ``other``."""
     for pos, tc in enumerate(calls):
         if not isinstance(tc, dict):
+            _text_values(tc, other)
             continue
+        _rest(tc, _TOOL_READ, _TOOL_META, other)
         fn = tc.get("function")
         if isinstance(fn, dict):
-            j = tc.get("index") if _is_index(tc.get("index")) else pos
-            _function_fields(fn, f"tool:{j}", out)
+            _function_fields(fn, f"tool:{_index(tc.get('index'), pos)}", out, other)
 
 
-def _function_fields(fn: dict[str, Any], prefix: str, out: list[_Field]) -> None:
+def _function_fields(fn: dict[str, Any], prefix: str, out: list[_Field], other: list[str]) -> None:
     for part in ("name", "arguments"):
         if isinstance(fn.get(part), str):
             out.append((f"{prefix}:{part}", fn[part], True))
+    _rest(fn, _FUNCTION_READ, _NO_META, other)
 
 
-def _logprob_fields(lp: dict[str, Any], out: list[_Field]) -> None:
-    """The sampled tokens' strings of a choice's ``logprobs`` (chat ``content`` / ``refusal``
-    entries, completions ``tokens``), as one ``logprobs`` stream, not counted."""
-    tokens: list[str] = []
-    raw: list[bytes] = []
-    differs = False
+class _TokenTexts:
+    """The token strings of one choice's (or one Responses part's) logprobs, read in one pass:
+    the sampled tokens (``tokens``), their UTF-8 ``bytes`` (``raw``; ``differs``: one of them is
+    not its token's UTF-8) and, per rank, the alternatives (``alts[r]``: the ``r``-th entry of
+    each position's ``top_logprobs``, a :class:`_TokenTexts` of its own)."""
+
+    __slots__ = ("alts", "differs", "raw", "tokens")
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.raw: list[bytes] = []
+        self.differs = False
+        self.alts: list[_TokenTexts] = []
+
+    def entry(self, t: Any, other: list[str], read: Mapping[str, type | tuple[type, ...]] = _ENTRY_READ) -> None:
+        """One logprob entry ``{"token", "logprob", "bytes", "top_logprobs"}`` (an alternative:
+        ``read`` is :data:`_ALTERNATIVE_READ`, its own ``top_logprobs`` are ``other``); anything
+        else it carries into ``other``."""
+        if not isinstance(t, dict):
+            _text_values(t, other)
+            return
+        tok = t.get("token")
+        if isinstance(tok, str):
+            self.tokens.append(tok)
+        self._bytes(tok, t.get("bytes"), other)
+        tops = t.get("top_logprobs")
+        if read is _ENTRY_READ and isinstance(tops, list):
+            for r, alt in enumerate(tops):
+                self._rank(r).entry(alt, other, _ALTERNATIVE_READ)
+        _rest(t, read, _NO_META, other)
+
+    def _bytes(self, tok: Any, v: Any, other: list[str]) -> None:
+        """An entry's ``bytes``: kept (and ``differs`` set when they are not its token's UTF-8),
+        or, when they are not a list of byte values, read as ``other`` text."""
+        if type(v) is not list:  # absent; anything else is ``other`` text (:func:`_rest`)
+            return
+        if isinstance(tok, str):
+            own = tok.encode("utf-8", "replace")
+            if len(v) == len(own) and v == list(own):  # the honest case, compared in C
+                self.raw.append(own)
+                return
+        b = _token_bytes(v)
+        if b is None:
+            _text_values(v, other)
+            return
+        self.raw.append(b)
+        self.differs = True
+
+    def keyed(self, position: Any, other: list[str]) -> None:
+        """One position of completions' ``top_logprobs``: ``{token: logprob}``, the tokens by rank."""
+        if not isinstance(position, dict):
+            _text_values(position, other)
+            return
+        for r, (tok, logprob) in enumerate(position.items()):
+            self._rank(r).tokens.append(tok)
+            _text_values(logprob, other)
+
+    def _rank(self, r: int) -> _TokenTexts:
+        while len(self.alts) <= r:
+            self.alts.append(_TokenTexts())
+        return self.alts[r]
+
+    def streams(self) -> list[tuple[str, str]]:
+        """``(name, text)``: ``logprobs`` (the sampled tokens), ``logprobs_bytes`` (their bytes,
+        when one differs from its token), ``logprobs_top:<r>`` and ``logprobs_top_bytes:<r>``
+        (the rank-``r`` alternatives)."""
+        out = self._own("logprobs", "logprobs_bytes")
+        for r, alt in enumerate(self.alts):
+            out += alt._own(f"logprobs_top:{r}", f"logprobs_top_bytes:{r}")
+        return out
+
+    def _own(self, name: str, bytes_name: str) -> list[tuple[str, str]]:
+        out = [(name, "".join(self.tokens))] if self.tokens else []
+        if self.differs:
+            out.append((bytes_name, b"".join(self.raw).decode("utf-8", "replace")))
+        return out
+
+
+def _logprob_fields(lp: dict[str, Any], out: list[_Field], other: list[str]) -> None:
+    """The token strings of a choice's ``logprobs`` (chat ``content`` / ``refusal`` entries and
+    their ``top_logprobs``, completions ``tokens`` and ``top_logprobs``), as the streams of
+    :meth:`_TokenTexts.streams`, not counted: they repeat the text, or are alternatives to it. A
+    client receives the alternatives too (the second most likely token at each position can
+    spell a text the sampled ones do not), so each rank is a text stream of its own. Anything else
+    the logprobs carry into ``other``."""
+    acc = _TokenTexts()
     for key in ("content", "refusal"):  # chat: [{"token", "logprob", "bytes", "top_logprobs"}]
         items = lp.get(key)
         if isinstance(items, list):
             for t in items:
-                if not isinstance(t, dict):
-                    continue
-                tok = t.get("token")
-                if isinstance(tok, str):
-                    tokens.append(tok)
-                b = _token_bytes(t.get("bytes"))
-                if b is not None:
-                    raw.append(b)
-                    differs = differs or not isinstance(tok, str) or b != tok.encode("utf-8", "replace")
+                acc.entry(t, other)
     items = lp.get("tokens")  # completions: ["tok", ...]
     if isinstance(items, list):
-        tokens += [t for t in items if isinstance(t, str)]
-    if tokens:
-        out.append(("logprobs", "".join(tokens), False))
-    if differs:
-        out.append(("logprobs_bytes", b"".join(raw).decode("utf-8", "replace"), False))
+        for t in items:
+            if isinstance(t, str):
+                acc.tokens.append(t)
+            else:
+                _text_values(t, other)
+    tops = lp.get("top_logprobs")  # completions: [{"tok": logprob, ...}, ...]
+    if isinstance(tops, list):
+        for position in tops:
+            acc.keyed(position, other)
+    _rest(lp, _LOGPROBS_READ, _NO_META, other)
+    out += [(name, text, False) for name, text in acc.streams()]
 
 
 def _token_bytes(v: Any) -> bytes | None:
@@ -330,21 +532,29 @@ def _token_bytes(v: Any) -> bytes | None:
 
 def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> EngineOutput:
     """Fill ``out`` from a body or chunk ``obj`` (``holder``: ``message`` or ``delta``;
-    ``keep_empty``: empty strings are read as texts too)."""
+    ``keep_empty``: empty strings are read as texts too). Strings outside the choices and the
+    metadata (a choice that is not an object, ``usage``'s, unknown keys') are ``"-:other"``."""
     if not isinstance(obj, dict):
         return out
+    top: list[str] = []
     choices = obj.get("choices")
     if isinstance(choices, list):
         position = 0
         for c in choices:
             if isinstance(c, dict):
                 i = c.get("index")
-                _add_choice(out, c, i if _is_index(i) else position, holder, keep_empty)
+                _add_choice(out, c, i if type(i) is int else _index(i, position), holder, keep_empty)
                 position += 1
-    top: list[str] = []
-    for k, v in obj.items():
-        if k not in _TOP_SKIP:
-            _strings(v, top)
+            else:
+                _text_values(c, top)
+    data = obj.get("data")
+    if isinstance(data, list):  # embeddings: the vectors are not text, the rest is
+        for item in data:
+            if isinstance(item, dict):
+                _rest(item, _EMBEDDING_READ, _EMBEDDING_META, top)
+            else:
+                _text_values(item, top)
+    _rest(obj, _TOP_READ, _TOP_META, top)
     if top:
         out.fields["-:other"] = " ".join(top)
     usage = obj.get("usage")
@@ -356,14 +566,14 @@ def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> Engine
 
 def _add_choice(out: EngineOutput, c: dict[str, Any], key: int, holder: str, keep_empty: bool) -> None:
     """One choice's texts, fields and finish reason into ``out`` (a repeated index adds to its streams)."""
-    for name, t, counted in _choice_fields(c, holder):
+    fields, other = _choice_fields(c, holder)
+    for name, t, counted in fields:
         if not t and not keep_empty:
             continue
         fk = f"{key}:{name}"
         out.fields[fk] = out.fields.get(fk, "") + t
         if counted:
             out.texts[key] = out.texts.get(key, "") + t
-    other = _unknown_strings(c, holder)
     if other:
         fk = f"{key}:other"
         out.fields[fk] = out.fields.get(fk, "") + " ".join(other)
@@ -502,9 +712,12 @@ def strict_view(err: OpenAIError) -> OpenAIError:
 # reasoning (``response.reasoning_text.delta``, ``response.reasoning_summary_text.delta``;
 # reasoning items' ``content`` and ``summary``) and function-call arguments
 # (``response.function_call_arguments.delta``; ``function_call`` items' ``arguments``), keyed by
-# ``output_index`` (a body's item position). Usage (``input_tokens`` / ``output_tokens``) is given
-# back in the chat names (``prompt_tokens`` / ``completion_tokens`` / ``total_tokens``) that quotas
-# and the verifier read. How it ended: ``response.completed`` / status ``completed`` ->
+# ``output_index`` (a body's item position); logprobs as chat's (tokens, bytes, alternatives by
+# rank); every other string as ``other`` (:func:`_rother`: metadata only at an object's own top
+# level and while short). Usage (``input_tokens`` / ``output_tokens`` / ``input_tokens_details``)
+# is given back as reported, in the chat names (``prompt_tokens`` / ``completion_tokens`` /
+# ``total_tokens`` / ``prompt_tokens_details``) that quotas and the verifier read
+# (:func:`reported_usage`). How it ended: ``response.completed`` / status ``completed`` ->
 # ``finish_reason`` ``stop``, ``response.incomplete`` -> ``length`` (or the
 # ``incomplete_details.reason`` when it is another), ``response.failed`` and ``error`` events -> an
 # error.
@@ -542,21 +755,53 @@ COUNTED_STREAMS = frozenset(
 )
 
 
-def _rstrings(obj: Any) -> str:
-    """Every string in ``obj`` outside :data:`RESPONSE_META_KEYS`, joined by spaces."""
+#: Responses fields that are opaque whatever their length (a reasoning item's encrypted state)
+_OPAQUE: dict[str, type | tuple[type, ...]] = {"encrypted_content": str}
+
+
+def _rread(*keys: str) -> dict[str, type | tuple[type, ...]]:
+    """The read map (:func:`_rest`) of a Responses object whose ``keys`` are read by name as strings."""
+    return {**_OPAQUE, **dict.fromkeys(keys, str)}
+
+
+def _rother(obj: dict[str, Any], read: Mapping[str, type | tuple[type, ...]] = _OPAQUE) -> str:
+    """The strings of a Responses object (an item, a part, an event, an annotation) outside
+    ``read`` and its metadata, joined by spaces: a key of :data:`RESPONSE_META_KEYS` at its top
+    level is metadata (:func:`_meta`: text only past :data:`META_MAX_CHARS`), and every string
+    below it, in whatever field, is text (before, those keys were skipped at any depth: an
+    unknown field's ``{"status": ...}`` entries hid a text)."""
     out: list[str] = []
-    if isinstance(obj, dict):
-        obj = {k: v for k, v in obj.items() if k not in RESPONSE_META_KEYS}
-    string_values(obj, out, RESPONSE_META_KEYS)
+    _rest(obj, read, RESPONSE_META_KEYS, out)
     return " ".join(out)
 
 
-def _logprob_tokens(lp: Any) -> str:
-    """The sampled tokens' strings of a Responses ``logprobs`` list (``[{"token", "logprob",
-    "top_logprobs"}]``); alternatives are not read (as chat)."""
+def _rstrings(obj: Any) -> str:
+    """Every string of ``obj`` (:func:`_rother` of an object, each of a list's objects, any
+    other value's strings), joined by spaces."""
+    if isinstance(obj, dict):
+        return _rother(obj)
+    out: list[str] = []
+    if isinstance(obj, list):
+        out += [s for x in obj if (s := _rstrings(x))]
+    else:
+        _text_values(obj, out)
+    return " ".join(out)
+
+
+def _put_logprobs(out: dict[str, str], prefix: str, lp: Any, other: list[str]) -> None:
+    """A Responses ``logprobs`` list (``[{"token", "logprob", "bytes", "top_logprobs"}]``, chat's
+    entries) as the streams ``<prefix>:logprobs``, ``<prefix>:logprobs_bytes``,
+    ``<prefix>:logprobs_top:<r>`` ... (:meth:`_TokenTexts.streams`); any other string into ``other``."""
+    if lp is None:
+        return
     if not isinstance(lp, list):
-        return ""
-    return "".join(t["token"] for t in lp if isinstance(t, dict) and isinstance(t.get("token"), str))
+        _text_values(lp, other)
+        return
+    acc = _TokenTexts()
+    for t in lp:
+        acc.entry(t, other)
+    for name, text in acc.streams():
+        _put(out, f"{prefix}:{name}", text)
 
 
 def _int(v: Any) -> int | None:
@@ -584,13 +829,38 @@ def response_usage(usage: Any) -> dict[str, Any] | None:
     return {"prompt_tokens": it, "completion_tokens": ot, "total_tokens": it + ot}
 
 
+def reported_usage(usage: Any) -> dict[str, Any] | None:
+    """A Responses ``usage`` as the engine reported it, in chat names (what the parsers give as
+    ``usage``): ``input_tokens`` as ``prompt_tokens`` and ``output_tokens`` as
+    ``completion_tokens``, each when present, whatever it holds (the quota settle takes only a
+    plausible int, :func:`gateway.relay.finish._usage_count`; the verifier names anything else as
+    drift, :func:`verifier.drift.check_usage`), ``total_tokens`` when both are counts
+    (:func:`response_usage`), and ``input_tokens_details`` as ``prompt_tokens_details``: its
+    ``cached_tokens`` is the prefix-cache hit (OpenAI's ``ResponseUsage``, vLLM's
+    ``serving_responses`` the same), which the latency detector reads. ``None`` without a usage
+    object. Before, a usage whose counts were not both non-negative ints was dropped whole (no
+    drift compared) and the cached count always (a strict answer too fast was never withheld)."""
+    if not isinstance(usage, dict):
+        return None
+    out: dict[str, Any] = {}
+    for theirs, ours in (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens")):
+        if theirs in usage:
+            out[ours] = usage[theirs]
+    valid = response_usage(usage)
+    if valid is not None:
+        out["total_tokens"] = valid["total_tokens"]
+    if "input_tokens_details" in usage:
+        out["prompt_tokens_details"] = usage["input_tokens_details"]
+    return out
+
+
 def _put(out: dict[str, str], key: str, text: str) -> None:
     if text:
         out[key] = out[key] + " " + text if key in out else text
 
 
-#: a content part's keys read by name (the rest of its strings are its ``other`` text)
-_PART_KEYS = frozenset({"text", "refusal", "annotations", "logprobs"})
+#: a content part's keys read apart from its text (the rest of its strings are its ``other`` text)
+_PART_APART = frozenset({"annotations", "logprobs"})
 #: item types whose named string fields are streams of their own -> those fields
 _ITEM_STRINGS = {
     "function_call": ("arguments", "name"),
@@ -602,14 +872,18 @@ _ITEM_STRINGS = {
 
 def _part_fields(part: dict[str, Any], index: int, j: int, name: str, out: dict[str, str]) -> None:
     """One content part's text streams: its text (or refusal) under ``name``, the strings of
-    its ``annotations`` (titles, URLs), its ``logprobs`` tokens, and every other string."""
+    its ``annotations`` (titles, URLs), its ``logprobs`` tokens (and their alternatives), and
+    every other string (a text that is not a string, a refusal part's ``text``, ...)."""
     refusal = part.get("type") == "refusal"
-    t = part.get("refusal") if refusal else part.get("text")
+    key = "refusal" if refusal else "text"
+    t = part.get(key)
     if isinstance(t, str) and t:
         out[f"{index}:{j}:{'refusal' if refusal and name == 'output_text' else name}"] = t
     _put(out, f"{index}:{j}:annotations", _rstrings(part.get("annotations")))
-    _put(out, f"{index}:{j}:logprobs", _logprob_tokens(part.get("logprobs")))
-    _put(out, f"{index}:{j}:other", _rstrings({k: v for k, v in part.items() if k not in _PART_KEYS}))
+    other: list[str] = []
+    _put_logprobs(out, f"{index}:{j}", part.get("logprobs"), other)
+    _put(out, f"{index}:{j}:other", " ".join(other))
+    _put(out, f"{index}:{j}:other", _rother({k: v for k, v in part.items() if k not in _PART_APART}, _rread(key)))
 
 
 def _item_fields(item: Any, index: int) -> dict[str, str]:
@@ -617,30 +891,29 @@ def _item_fields(item: Any, index: int) -> dict[str, str]:
     fields of its type, its content parts, and every other string (``"<index>:other"``): an
     item type kvgate does not know is read whole."""
     out: dict[str, str] = {}
-    if isinstance(item, str):
-        _put(out, f"{index}:other", item)
-        return out
     if not isinstance(item, dict):
+        _put(out, f"{index}:other", _rstrings(item))
         return out
     itype = item.get("type")
-    named = _ITEM_STRINGS.get(str(itype), ())
-    for key in named:
+    read: dict[str, type | tuple[type, ...]] = dict(_OPAQUE)
+    for key in _ITEM_STRINGS.get(str(itype), ()):
         v = item.get(key)
-        if isinstance(v, str) and v:
-            out[f"{index}:0:{key}"] = v
+        if isinstance(v, str):  # another type (``arguments`` as an object) is ``other`` text
+            read[key] = str
+            if v:
+                out[f"{index}:0:{key}"] = v
     keys = (("content", "reasoning"), ("summary", "reasoning_summary")) if itype == "reasoning" else (("content", ""),)
-    read = set(named)
     for key, name in keys:
         parts = item.get(key)
         if not isinstance(parts, list):
             continue
-        read.add(key)
+        read[key] = list
         for j, p in enumerate(parts):
             if isinstance(p, dict):
                 _part_fields(p, index, j, name or "output_text", out)
             else:
                 _put(out, f"{index}:other", _rstrings(p))
-    _put(out, f"{index}:other", _rstrings({k: v for k, v in item.items() if k not in read}))
+    _put(out, f"{index}:other", _rother(item, read))
     return out
 
 
@@ -686,8 +959,8 @@ def parse_response_body(obj: Any) -> StreamEvent:
         out.fields.update(f)
         if text := _counted(f):
             out.texts[i] = text
-    _put(out.fields, "-:other", _rstrings({k: v for k, v in obj.items() if k not in ("output", "usage", "error")}))
-    out.usage = response_usage(obj.get("usage"))
+    _put(out.fields, "-:other", _rother(obj, {**_OPAQUE, "output": list}))
+    out.usage = reported_usage(obj.get("usage"))
     out.finish_reason = _finish_of(obj)
     return out
 
@@ -719,7 +992,7 @@ def parse_response_event(obj: Any) -> StreamEvent:
     if etype == "response.output_text.annotation.added":
         read.add("annotation")
         _put(fields, f"{i}:{j}:annotations", _rstrings(obj.get("annotation")))
-    _put(fields, f"{i}:other", _rstrings({k: v for k, v in obj.items() if k not in read}))
+    _put(fields, f"{i}:other", _rother({k: v for k, v in obj.items() if k not in read}))
     if etype in TERMINAL_EVENTS:
         got = obj.get("response")
         resp = got if isinstance(got, dict) else {}
@@ -727,7 +1000,7 @@ def parse_response_event(obj: Any) -> StreamEvent:
             err = resp.get("error")
             return StreamEvent(kind="error", error=err if isinstance(err, dict) else {}, sequence_number=seq)
         finish = _finish_of(resp) or TERMINAL_EVENTS[etype]
-        usage = response_usage(resp.get("usage"))
+        usage = reported_usage(resp.get("usage"))
         return StreamEvent(
             kind="terminal", finish_reason=finish, usage=usage, sequence_number=seq, snapshots=snaps, fields=fields
         )
@@ -745,8 +1018,10 @@ def _delta_event(obj: dict[str, Any], etype: str, i: int, j: int, seq: int | Non
     if isinstance(d, str) and d:
         fields[f"{i}:{j}:{name}"] = d
         texts[i] = d
-    _put(fields, f"{i}:{j}:logprobs", _logprob_tokens(obj.get("logprobs")))
-    _put(fields, f"{i}:other", _rstrings({k: v for k, v in obj.items() if k not in ("delta", "logprobs")}))
+    other: list[str] = []
+    _put_logprobs(fields, f"{i}:{j}", obj.get("logprobs"), other)
+    _put(fields, f"{i}:other", " ".join(other))
+    _put(fields, f"{i}:other", _rother({k: v for k, v in obj.items() if k != "logprobs"}, _rread("delta")))
     return StreamEvent(texts, kind="text" if texts else "other", sequence_number=seq, fields=fields)
 
 
@@ -777,12 +1052,15 @@ def _snapshots(obj: dict[str, Any], etype: Any) -> tuple[dict[str, str], set[str
     if etype in _DONE_TEXT:
         key, name = _DONE_TEXT[etype]
         t = obj.get(key)
-        read.add(key)
-        if isinstance(t, str) and t:
-            out[f"{i}:{j}:{name}"] = t
-        if etype == "response.output_text.done":
+        if isinstance(t, str):  # another type is read as the event's other text
+            read.add(key)
+            if t:
+                out[f"{i}:{j}:{name}"] = t
+        if etype == "response.output_text.done" and isinstance(obj.get("logprobs"), list):
             read.add("logprobs")
-            _put(out, f"{i}:{j}:logprobs", _logprob_tokens(obj.get("logprobs")))
+            other: list[str] = []
+            _put_logprobs(out, f"{i}:{j}", obj.get("logprobs"), other)
+            _put(out, f"{i}:{j}:other", " ".join(other))
         return out, read
     part = obj.get("part")
     if isinstance(part, dict):  # content_part.* / reasoning_summary_part.*
@@ -800,6 +1078,5 @@ def _snapshots(obj: dict[str, Any], etype: Any) -> tuple[dict[str, str], set[str
         output = resp.get("output")
         for k, it in enumerate(output if isinstance(output, list) else ()):
             out.update(_item_fields(it, k))
-        rest = {key: v for key, v in resp.items() if key not in ("output", "usage", "error", "incomplete_details")}
-        _put(out, "-:response", _rstrings(rest))
+        _put(out, "-:response", _rother(resp, {**_OPAQUE, "output": list}))
     return out, read

@@ -110,21 +110,29 @@ def squeeze_runs(text: str) -> str:
 #: invisible format characters :func:`fold` drops: soft hyphen, zero-width space, non-joiner and
 #: joiner, word joiner, byte-order mark (text pasted from the web carries them; a model copying
 #: the text need not)
-_INVISIBLE = re.compile("[\u00ad\u200b\u200c\u200d\u2060\ufeff]")
+INVISIBLE_CHARS = "\u00ad\u200b\u200c\u200d\u2060\ufeff"
+_INVISIBLE = re.compile(f"[{INVISIBLE_CHARS}]")
 #: a run of spaces (:func:`fold` makes it one, once line breaks are spaces)
 _SPACES = re.compile(" {2,}")
+
+
+def fold_chars(text: str) -> str:
+    """:func:`fold`'s character step: ``text`` without :data:`_INVISIBLE` characters, in Unicode
+    NFKC (ASCII text as it is). The canary scan reads text so (:func:`verifier.canary.find_canaries`)."""
+    if text.isascii():
+        return text
+    return unicodedata.normalize("NFKC", _INVISIBLE.sub("", text))
 
 
 def fold(text: str) -> str:
     """``text`` as it is shingled: without :data:`_INVISIBLE` characters, in Unicode NFKC (an
     NFD prompt comes back NFC from an engine whose tokenizer normalizes, e.g. Qwen2's ``NFC``
     normalizer in its ``tokenizer.json``; full-width punctuation comes back ASCII from NFKC
-    ones), and with every line break and every run of spaces and line breaks one space (a model
-    copying a text re-wraps its lines and drops double spaces). Both sides of a comparison are
-    folded alike. Tabs and other whitespace are kept (runs of them are :func:`squeeze_runs`'s).
-    ASCII text is only searched for line breaks and double spaces."""
-    if not text.isascii():
-        text = unicodedata.normalize("NFKC", _INVISIBLE.sub("", text))
+    ones; :func:`fold_chars`), and with every line break and every run of spaces and line
+    breaks one space (a model copying a text re-wraps its lines and drops double spaces). Both
+    sides of a comparison are folded alike. Tabs and other whitespace are kept (runs of them are
+    :func:`squeeze_runs`'s). ASCII text is only searched for line breaks and double spaces."""
+    text = fold_chars(text)
     if "\n" in text or "\r" in text:  # str.replace: a regex match per line costs more than encoding
         text = text.replace("\r", " ").replace("\n", " ")
     return _SPACES.sub(" ", text) if "  " in text else text
