@@ -55,6 +55,13 @@ class ErrorCode:
     INVALID_TRANSFER = "invalid_transfer"  # 400 (backend: malformed transfer payload)
     ROOM_CLOSED = "room_closed"  # 410 (backend: bootstrap room already released)
     DUPLICATE_TRANSFER = "duplicate_transfer"  # 409 (backend: second transfer for a room)
+    # the edge's refusals of a connection or a request head, before the app (gateway/edge/protocol.py)
+    REQUEST_TIMEOUT = "request_timeout"  # 408 (head or body too slow)
+    URI_TOO_LONG = "uri_too_long"  # 414 (request-target over its limit)
+    REQUEST_HEADER_FIELDS_TOO_LARGE = "request_header_fields_too_large"  # 431
+    TOO_MANY_CONNECTIONS = "too_many_connections"  # 429 (one client address's connection cap)
+    NOT_IMPLEMENTED = "not_implemented"  # 501 (a transfer coding other than chunked)
+    SERVER_BUSY = "server_busy"  # 503 (the gateway's connection cap)
 
     @classmethod
     def members(cls) -> frozenset[str]:

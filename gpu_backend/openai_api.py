@@ -88,7 +88,7 @@ _UNSUPPORTED_GENERATE: dict[str, tuple[Any, ...]] = {
 _UNSUPPORTED_GENERATE_TOP: dict[str, tuple[Any, ...]] = {"return_logprob": (None, False)}
 
 
-def bad_request(message: str, param: str | None = None, code: str = ErrorCode.INVALID_REQUEST) -> OpenAIError:
+def bad_request(message: str, param: str | None = None, *, code: str = ErrorCode.INVALID_REQUEST) -> OpenAIError:
     """A 400 ``invalid_request_error`` in the OpenAI shape."""
     return OpenAIError(status=400, message=message, code=code, param=param)
 

@@ -61,6 +61,20 @@ def test_no_error_code_is_a_string_literal():
     assert unknown == [] and literal == []
 
 
+def test_no_function_takes_an_error_code_positionally():
+    """The scan above sees a code passed as ``code=``; a parameter ``code`` that may be passed by
+    position would hide a literal from it (the edge's refusals passed theirs so, and six of their
+    codes were no ErrorCode member). Every function's ``code`` is keyword-only."""
+    positional = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if "code" in [a.arg for a in node.args.posonlyargs + node.args.args]:
+                        positional.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno} {node.name}")
+    assert positional == []
+
+
 def test_code_scanner_sees_every_spelling(tmp_path):
     """Control: keyword, class attribute, dict entry and conditional spellings are all found;
     ErrorCode members and engine-supplied variables are not literals."""

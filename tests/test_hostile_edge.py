@@ -386,9 +386,9 @@ def test_a_refusal_timer_that_fires_early_is_armed_again_until_the_delay_has_pas
     p = object.__new__(BoundedHttpToolsProtocol)  # only what _answer_when_due and _answer touch
     p.loop, p.transport, p.cycle, p._in_head = Loop(), Transport(), None, True
     p.server_state = types.SimpleNamespace(default_headers=[(b"date", b"Sat, 05 Dec 2026 19:00:00 GMT")])
-    p._answer_when_due(time.monotonic() + 0.25, 431, "too large", "request_header_fields_too_large")
+    p._answer_when_due(time.monotonic() + 0.25, (431, "too large", "request_header_fields_too_large"))
     assert p.transport.written == [] and len(p.loop.armed) == 1 and 0.2 < p.loop.armed[0] <= 0.25
-    p._answer_when_due(time.monotonic() - 0.001, 431, "too large", "request_header_fields_too_large")
+    p._answer_when_due(time.monotonic() - 0.001, (431, "too large", "request_header_fields_too_large"))
     assert len(p.transport.written) == 1
     assert p.transport.written[0].startswith(
         b"HTTP/1.1 431 Request Header Fields Too Large\r\ndate: Sat, 05 Dec 2026 19:00:00 GMT\r\n"

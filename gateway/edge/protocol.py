@@ -242,7 +242,7 @@ class EdgeState:
         self.peak_unsent = 0
 
 
-def refusal_bytes(status: int, message: str, code: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> bytes:
+def refusal_bytes(status: int, message: str, *, code: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> bytes:
     """A whole HTTP/1.1 response: ``status``, ``headers`` (the server's own, e.g. ``date``, which
     RFC 9110 section 6.6.1 asks of a server with a clock), an OpenAI-shaped JSON body,
     ``connection: close``."""
@@ -482,7 +482,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._after_earlier: bytes | None = None  # a refusal due once the answers before it are out
 
     # ------------------------------------------------------------ refusals
-    def _refuse(self, status: int, message: str, code: str, delay_seconds: float = 0.0) -> None:
+    def _refuse(self, status: int, message: str, *, code: str, delay_seconds: float = 0.0) -> None:
         """Answer ``status`` (unless a response has begun) and close, lingering. With
         ``delay_seconds`` (a 431: ``limits.refusal_delay_seconds``), the connection is not read
         meanwhile and the answer goes out that much later: a client refused for its head waits
@@ -496,38 +496,41 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if delay_seconds > 0:
             self.transport.pause_reading()
             due = time.monotonic() + delay_seconds
-            self._head_timer = self.loop.call_later(delay_seconds, self._answer_when_due, due, status, message, code)
+            self._head_timer = self.loop.call_later(delay_seconds, self._answer_when_due, due, (status, message, code))
             return
-        self._answer(status, message, code)
+        self._answer(status, message, code=code)
 
     def send_400_response(self, msg: str) -> None:
         """httptools refused the bytes as HTTP/1.1 (duplicate or negative ``Content-Length``, both
         it and chunked, a bad chunk size, a folded header, bare LF, an HTTP/2 preface): answered
         in the OpenAI shape with ``connection: close``, like every other refusal (uvicorn's own
         answer is ``text/plain``)."""
-        self._refuse(400, NOT_HTTP_MESSAGE, "invalid_request")
+        self._refuse(400, NOT_HTTP_MESSAGE, code=ErrorCode.INVALID_REQUEST)
 
-    def _answer_when_due(self, due: float, status: int, message: str, code: str) -> None:
-        """:meth:`_answer` once ``time.monotonic()`` has reached ``due``: the loop's timer can fire
+    def _answer_when_due(self, due: float, refusal: tuple[int, str, str]) -> None:
+        """:meth:`_answer` of ``refusal`` (status, message, code) once ``time.monotonic()`` has reached ``due``: the loop's timer can fire
         early by that clock (uvloop reads its clock once per loop turn and counts whole
         milliseconds: a CI run answered after 0.39988 of 0.4 s), so it is armed again for the rest."""
         left = due - time.monotonic()
         if left > 0:
-            self._head_timer = self.loop.call_later(left, self._answer_when_due, due, status, message, code)
+            self._head_timer = self.loop.call_later(left, self._answer_when_due, due, refusal)
             return
-        self._answer(status, message, code)
+        status, message, code = refusal
+        self._answer(status, message, code=code)
 
-    def _answer(self, status: int, message: str, code: str) -> None:
+    def _answer(self, status: int, message: str, *, code: str) -> None:
         self._head_timer = None
         if self.transport is None or self.transport.is_closing():
             return
         if self._earlier_unanswered():
-            self._answer_after_earlier(refusal_bytes(status, message, code, self.server_state.default_headers))
+            self._answer_after_earlier(
+                refusal_bytes(status, message, code=code, headers=self.server_state.default_headers)
+            )
             log.info("refused a pipelined request: %d %s (answered after the requests before it)", status, code)
             return
         cycle = self.cycle  # on a kept-alive connection, the previous request's until a new head ends
         if cycle is None or not cycle.response_started or (self._in_head and cycle.response_complete):
-            self.transport.write(refusal_bytes(status, message, code, self.server_state.default_headers))
+            self.transport.write(refusal_bytes(status, message, code=code, headers=self.server_state.default_headers))
         # the close lingers (the request is unfinished): the request's cycle is marked
         # disconnected at once, so the app's receive() reports a disconnect and whatever it sends
         # is dropped
@@ -595,7 +598,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(
             408,
             f"The request head did not arrive within {self.limits.header_timeout_seconds:g} seconds.",
-            "request_timeout",
+            code=ErrorCode.REQUEST_TIMEOUT,
         )
 
     def _body_too_slow(self) -> None:
@@ -603,15 +606,15 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(
             408,
             f"The request body did not arrive within {self.limits.body_timeout_seconds:g} seconds.",
-            "request_timeout",
+            code=ErrorCode.REQUEST_TIMEOUT,
         )
 
     def _head_too_large(self, what: str) -> None:
         self._refuse(
             431,
             f"The request's headers are too large: {what}.",
-            "request_header_fields_too_large",
-            self.limits.refusal_delay_seconds,
+            code=ErrorCode.REQUEST_HEADER_FIELDS_TOO_LARGE,
+            delay_seconds=self.limits.refusal_delay_seconds,
         )
 
     # ------------------------------------------------------------ writing to the client
@@ -684,7 +687,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 503,
                 f"The gateway holds its maximum of {self.limits.max_inbound_connections} client connections; "
                 "retry shortly.",
-                "server_busy",
+                code=ErrorCode.SERVER_BUSY,
             )
             return
         peer = transport.get_extra_info("peername")
@@ -695,7 +698,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 429,
                 f"Your address holds its maximum of {self.limits.per_client} connections to the gateway; "
                 "reuse them or close some.",
-                "too_many_connections",
+                code=ErrorCode.TOO_MANY_CONNECTIONS,
             )
             return
         self.edge.per_client[client] = held + 1
@@ -759,7 +762,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         ):
             # counted as they arrive, not only when a chunk-size line ends: an endless chunk
             # extension, size line or trailer field was read until the body timeout (RFC 9112, 7.1.1)
-            self._refuse(413, self._body_too_large_message(), "request_too_large")
+            self._refuse(413, self._body_too_large_message(), code=ErrorCode.REQUEST_TOO_LARGE)
 
     # ------------------------------------------------------------ parser callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -784,8 +787,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(
                 414,
                 f"The request target is longer than {limit} bytes.",
-                "uri_too_long",
-                self.limits.refusal_delay_seconds,
+                code=ErrorCode.URI_TOO_LONG,
+                delay_seconds=self.limits.refusal_delay_seconds,
             )
             raise _StopParsing
 
@@ -829,10 +832,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         HTTP/2.0 were answered as HTTP/1.1), 400 for HTTP/1.1 without one Host field (RFC 9112
         section 3.2: none, or several that a proxy in front and the gateway may read apart)."""
         if version not in ("1.0", "1.1"):
-            self._refuse(505, f"HTTP/{version} is not supported; send HTTP/1.1.", ErrorCode.HTTP_VERSION_NOT_SUPPORTED)
+            self._refuse(
+                505, f"HTTP/{version} is not supported; send HTTP/1.1.", code=ErrorCode.HTTP_VERSION_NOT_SUPPORTED
+            )
             return True
         if version == "1.1" and (hosts := sum(1 for n, _ in self.headers if n == b"host")) != 1:
-            self._refuse(400, f"An HTTP/1.1 request needs one Host header; this one has {hosts}.", "invalid_request")
+            self._refuse(
+                400, f"An HTTP/1.1 request needs one Host header; this one has {hosts}.", code=ErrorCode.INVALID_REQUEST
+            )
             return True
         return False
 
@@ -849,7 +856,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         te = any(n == b"transfer-encoding" for n, _ in self.headers)
         if te and version == "1.0":
             msg = "An HTTP/1.0 request cannot use Transfer-Encoding; send a Content-Length."
-            self._refuse(400, msg, "invalid_request")
+            self._refuse(400, msg, code=ErrorCode.INVALID_REQUEST)
             return True
         if te and codings[-1:] != [b"chunked"]:
             # chunked not last: the body's length is unknown (RFC 9112 section 6.3), httptools' 400 (it
@@ -859,7 +866,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if te and codings != [b"chunked"]:
             listed = ", ".join(c.decode("latin-1") for c in codings)
             msg = f"Transfer-Encoding {listed} is not supported; send the body chunked alone or with a Content-Length."
-            self._refuse(501, msg, "not_implemented")
+            self._refuse(501, msg, code=ErrorCode.NOT_IMPLEMENTED)
             return True
         body = te or any(n == b"content-length" and v.strip(b" \t").lstrip(b"0") for n, v in self.headers)
         if body and self.parser.should_upgrade():
@@ -867,10 +874,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 "The gateway upgrades to no other protocol, and a request with an Upgrade header cannot have a "
                 "body; send it without Upgrade."
             )
-            self._refuse(400, msg, "invalid_request")
+            self._refuse(400, msg, code=ErrorCode.INVALID_REQUEST)
             return True
         if any(n == b"host" and not _HOST.fullmatch(v) for n, v in self.headers):
-            self._refuse(400, "The Host header is not a valid host.", "invalid_request")
+            self._refuse(400, "The Host header is not a valid host.", code=ErrorCode.INVALID_REQUEST)
             return True
         self._chunked = te
         return False
@@ -881,7 +888,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         path of an absolute-form target, and one without a path was a 400 "not valid HTTP/1.1")."""
         target = origin_form(self.parser.get_method(), self.url)
         if isinstance(target, str):
-            self._refuse(400, target, ErrorCode.INVALID_REQUEST)
+            self._refuse(400, target, code=ErrorCode.INVALID_REQUEST)
             return True
         self.url = target
         return False
@@ -948,7 +955,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         return f"The request body is larger than {self.limits.max_body_bytes} bytes (chunk framing included)."
 
     def _refuse_body(self, message: str) -> None:
-        self._refuse(413, message, "request_too_large")
+        self._refuse(413, message, code=ErrorCode.REQUEST_TOO_LARGE)
         raise _StopParsing
 
     def on_chunk_header(self) -> None:
