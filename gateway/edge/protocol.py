@@ -508,9 +508,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(400, NOT_HTTP_MESSAGE, code=ErrorCode.INVALID_REQUEST)
 
     def _answer_when_due(self, due: float, refusal: tuple[int, str, str]) -> None:
-        """:meth:`_answer` of ``refusal`` (status, message, code) once ``time.monotonic()`` has reached ``due``: the loop's timer can fire
-        early by that clock (uvloop reads its clock once per loop turn and counts whole
-        milliseconds: a CI run answered after 0.39988 of 0.4 s), so it is armed again for the rest."""
+        """:meth:`_answer` of ``refusal`` (status, message, code) once ``time.monotonic()`` has
+        reached ``due``: the loop's timer can fire early by that clock (uvloop reads its clock once
+        per loop turn and counts whole milliseconds: a CI run answered after 0.39988 of 0.4 s), so
+        it is armed again for the rest."""
         left = due - time.monotonic()
         if left > 0:
             self._head_timer = self.loop.call_later(left, self._answer_when_due, due, refusal)
