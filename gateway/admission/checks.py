@@ -346,6 +346,8 @@ EXTENSION_FIELDS: dict[str, Check] = {
     "chat_template_kwargs": _template_kwargs,
     "continue_final_message": boolean,
     "add_generation_prompt": boolean,
+    # completions only (an OpenAI field of chat): vLLM's and SGLang's CompletionRequest take it
+    "response_format": _response_format,
 }
 
 #: OpenAI fields common to both routes (the official SDK's completion_create_params).
@@ -387,7 +389,7 @@ _CHAT_EXTENSIONS = _SAMPLING_EXTENSIONS + (
     "continue_final_message",
     "add_generation_prompt",
 )
-_COMPLETION_EXTENSIONS = _SAMPLING_EXTENSIONS + ("json_schema",)
+_COMPLETION_EXTENSIONS = _SAMPLING_EXTENSIONS + ("json_schema", "response_format")
 
 CHAT_FIELDS: dict[str, Check] = {
     **_COMMON,
@@ -401,7 +403,9 @@ CHAT_FIELDS: dict[str, Check] = {
     "response_format": _response_format,
     "functions": array,
     "function_call": str_or_obj,
-    "reasoning_effort": enum("none", "minimal", "low", "medium", "high", "xhigh"),
+    # "max": vLLM's and SGLang's extension (vllm/renderers/params.py:27, SGLang protocol.py:879-881),
+    # refused for an ``openai`` upstream (gateway.admission.fields)
+    "reasoning_effort": enum("none", "minimal", "low", "medium", "high", "xhigh", "max"),
     "modalities": str_list_of("text", "audio"),
     "verbosity": enum("low", "medium", "high"),
     "prediction": obj,
@@ -435,14 +439,14 @@ OPENAI_FIELDS: dict[str, frozenset[str]] = {
 }
 
 
-def drop_nulls(body: dict[str, Any]) -> None:
-    """Remove (in place) the top-level fields of ``body`` that are ``null``: validation reads
-    ``null`` as "absent" (:func:`check_fields`), and so must the engine. vLLM's request models
-    take some fields only as values (``ResponsesRequest``: ``tools: list``, ``tool_choice``,
-    ``service_tier``; ``EmbeddingCompletionRequest``: ``encoding_format``), so a forwarded
-    ``null`` there was the engine's 400 after kvgate had admitted the request and charged its
-    prompt."""
-    for key in [k for k, v in body.items() if v is None]:
+def drop_nulls(body: dict[str, Any], keep: frozenset[str] = frozenset()) -> None:
+    """Remove (in place) the top-level fields of ``body`` that are ``null``, but those named in
+    ``keep``: validation reads ``null`` as "absent" (:func:`check_fields`), and so must the engine.
+    vLLM's request models take some fields only as values (``ResponsesRequest``: ``tools: list``,
+    ``tool_choice``, ``service_tier``; ``EmbeddingCompletionRequest``: ``encoding_format``), so a
+    forwarded ``null`` there was the engine's 400 after kvgate had admitted the request and
+    charged its prompt (chat and completions: :func:`gateway.admission.gate.upstream_body`)."""
+    for key in [k for k, v in body.items() if v is None and k not in keep]:
         del body[key]
 
 
@@ -468,7 +472,14 @@ def check_fields(body: dict[str, Any], fields: dict[str, Check], required: tuple
 
 
 def check_stream_options(body: dict[str, Any]) -> None:
-    """400 (``param`` ``stream_options``) for ``stream_options`` without ``stream: true``."""
+    """400 (``param`` ``stream_options``) for ``stream_options`` that sets an option without
+    ``stream: true``, as vLLM refuses it (``vllm/entrypoints/openai/chat_completion/protocol.py:865``,
+    ``completion/protocol.py:604``: ``data.get("stream_options") and not data.get("stream")``) and
+    the bundled backend (``gpu_backend/openai_api.py`` ``_stream_flags``); SGLang never checks. An
+    empty ``stream_options`` asks for nothing (every option's default is off): vLLM takes it without
+    a stream, so it is removed from ``body`` here (the bundled backend would refuse it)."""
+    if body.get("stream_options") == {} and not body.get("stream"):
+        del body["stream_options"]
     if body.get("stream_options") is not None and not body.get("stream"):
         raise OpenAIError(
             400,

@@ -59,14 +59,16 @@ ENGINE_EXTENSIONS: dict[str, dict[str, frozenset[str]]] = {
             + ("stop_token_ids", "no_stop_trim", "regex", "ebnf", "separate_reasoning", "stream_reasoning")
             + ("chat_template_kwargs",)
         ),
-        "completions": frozenset(_SGLANG_SAMPLING + ("stop_token_ids", "no_stop_trim", "regex", "ebnf", "json_schema")),
+        "completions": frozenset(
+            _SGLANG_SAMPLING + ("stop_token_ids", "no_stop_trim", "regex", "ebnf", "json_schema", "response_format")
+        ),
     },
     "vllm": {
         "chat": frozenset(
             _VLLM_SAMPLING
             + ("stop_token_ids", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
         ),
-        "completions": frozenset(_VLLM_SAMPLING + ("stop_token_ids",)),
+        "completions": frozenset(_VLLM_SAMPLING + ("stop_token_ids", "response_format")),
     },
     "kvgate": {
         "chat": frozenset(("stop_token_ids", "ignore_eos")),
@@ -94,17 +96,24 @@ ENGINE_EXTENSIONS["openai"]["responses"] = frozenset()
 #: extension fields whose value, when it is the engines' own default, means "absent": dropped
 #: for an engine that does not read the field (vLLM's ``SamplingParams`` and SGLang's
 #: ``SamplingParams`` defaults: ``ignore_eos`` false, ``skip_special_tokens`` true,
-#: ``min_tokens`` 0), so a benchmark client that always sends them works on every engine
+#: ``min_tokens`` 0; completions ``response_format`` text, no constraint), so a benchmark client
+#: that always sends them works on every engine
 _NO_OP_DEFAULTS: dict[str, Any] = {
     "add_generation_prompt": True,
     "continue_final_message": False,
     "ignore_eos": False,
     "skip_special_tokens": True,
     "min_tokens": 0,
+    "response_format": {"type": "text"},
 }
 
 #: OpenAI fields only some engines honour: field -> engines that accept it (others: 400)
 _OPENAI_ONLY_ON = {"suffix": frozenset({"openai"})}
+#: values of OpenAI fields that only the engines' own extensions take: (field, value) -> engines
+#: that refuse it. ``reasoning_effort: "max"``: vLLM (``vllm/renderers/params.py:27``) and SGLang
+#: (``protocol.py:879-881``) take it, the bundled backend ignores the field, OpenAI's enum ends at
+#: ``xhigh``
+_NOT_ON: dict[tuple[str, Any], frozenset[str]] = {("reasoning_effort", "max"): frozenset({"openai"})}
 
 
 def allowed_extensions(engines: frozenset[str], route: str) -> frozenset[str]:
@@ -445,11 +454,15 @@ def filter_extensions(body: dict[str, Any], route: str, engines: frozenset[str],
 
 def _check_common(body: dict[str, Any], route: str, engines: frozenset[str]) -> None:
     """The policy chat and completions share: extension fields filtered for ``route``'s table
-    (:func:`filter_extensions`), OpenAI fields only some engines honour, at most one grammar."""
+    (:func:`filter_extensions`), OpenAI fields (and values, :data:`_NOT_ON`) only some engines
+    honour, at most one grammar."""
     filter_extensions(body, route, engines, OPENAI_FIELDS[route])
     for key, ok in _OPENAI_ONLY_ON.items():
         if body.get(key) is not None and not engines <= ok:
             raise _refuse(key, f"'{key}' is not supported by the engines serving this model.")
+    for (key, value), refusing in _NOT_ON.items():
+        if body.get(key) == value and engines & refusing:
+            raise _refuse(key, f"'{key}' {value!r} is not supported by the engines serving this model.")
     grammars = [k for k in ("regex", "ebnf", "json_schema") if body.get(k) is not None]
     if len(grammars) > 1:
         raise _refuse(grammars[1], f"Only one of 'regex', 'ebnf' and 'json_schema' may be set; got {grammars}.")

@@ -28,6 +28,7 @@ import orjson
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
 from gateway.admission import fields
+from gateway.admission.checks import drop_nulls
 from gateway.admission.registry import ModelEntry
 from tokenizer import PromptCounter, TokenizerError
 from tokenizer.chat import ChatOptions
@@ -390,13 +391,35 @@ def client_wants_usage(body: dict[str, Any]) -> bool:
     return bool(body.get("stream") and isinstance(so, dict) and so.get("include_usage"))
 
 
+#: top-level fields forwarded even when ``null`` (:func:`upstream_body` drops every other ``null``):
+#: vLLM 0.34.0 reads ``tool_choice: null`` as "tools in the prompt, no tool call parsed"
+#: (``vllm/entrypoints/openai/chat_completion/message_assembly.py:94``) and takes it on every
+#: server, while an absent one with ``tools`` becomes ``auto`` (``chat_completion/protocol.py:992-993``),
+#: which a server started without a tool parser refuses (``vllm/renderers/online_renderer.py:272-281``);
+#: SGLang reads ``null`` as absent (``protocol.py:1075-1085``), the bundled backend takes it
+#: (``gpu_backend/openai_api.py`` ``_UNSUPPORTED``). The prompt is the same either way.
+KEPT_NULLS = frozenset({"tool_choice"})
+
+
 def upstream_body(body: dict[str, Any], adm: Admission, cache_salt: str) -> bytes:
     """The body to forward for chat and completions, as JSON bytes; ``body`` is changed in
-    place. ``model`` becomes the model's ``upstream_model``; ``cache_salt`` the tenant's (any
-    client salt is dropped); the completion bound the gate checked goes under the one field the
-    engines read (``adm.bound_field``), every other alias removed
-    (:func:`gateway.admission.fields.set_bound`); a stream that did not ask for usage gets
-    ``stream_options.include_usage: true`` (the quota settle needs it)."""
+    place. A top-level ``null`` is left out, as the Responses route does
+    (:func:`gateway.admission.checks.drop_nulls`; but :data:`KEPT_NULLS`): validation and the gate
+    read ``null`` as absent (OpenAI's meaning: the default; ``max_tokens: null`` is gated and
+    reserved as the default bound), and SGLang 0.5.23's request models refuse it for their fields
+    that are no ``Optional`` (``python/sglang/srt/entrypoints/openai/protocol.py``
+    ``CompletionRequest`` ``:374-408``, ``ChatCompletionRequest`` ``:924-1018``: ``n``, ``stream``,
+    ``echo``, chat ``logprobs``, completions ``temperature`` / ``top_p``, the penalties,
+    ``ignore_eos``, ``min_tokens``, ...), vLLM 0.34.0's for completions ``n`` and, on both routes,
+    ``ignore_eos``, ``min_tokens``, ``spaces_between_special_tokens``, chat ``add_generation_prompt`` and
+    ``continue_final_message`` (``vllm/entrypoints/openai/completion/protocol.py:65,85-88``,
+    ``chat_completion/protocol.py:296-299,334,342``):
+    each was the engine's 400 after the prompt had been charged. ``model`` becomes the model's
+    ``upstream_model``; ``cache_salt`` the tenant's (any client salt is dropped); the completion
+    bound the gate checked goes under the one field the engines read (``adm.bound_field``), every
+    other alias removed (:func:`gateway.admission.fields.set_bound`); a stream that did not ask
+    for usage gets ``stream_options.include_usage: true`` (the quota settle needs it)."""
+    drop_nulls(body, keep=KEPT_NULLS)
     body["model"] = adm.model.upstream_model
     body["cache_salt"] = cache_salt
     fields.set_bound(body, adm.bound_field, adm.max_tokens)
