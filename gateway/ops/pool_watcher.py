@@ -7,8 +7,10 @@
 - ``static``: ``static_pool_tokens``; always known, reported as not live.
 
 Parsing lives in :mod:`config.engine_pool`, the limit formula in :mod:`config.pool`. Any failed
-read, a missing rank or a reading older than ``max_staleness_seconds`` makes the pool unknown,
-and unknown fails closed (503 ``pool_size_unknown``).
+read, a missing rank or a reading older than ``max_staleness_seconds`` (counted from the poll's
+start) makes the pool unknown, and unknown fails closed (503 ``pool_size_unknown``). The gate
+holds the smallest reading of the last ``max_staleness_seconds``: engines of unequal pools behind
+one address answer the polls in turn, and a request may land on any of them.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -38,6 +41,8 @@ from config.models import PoolSettings, UpstreamConfig
 from config.pool import effective_pool_limit, signal_1_required_tokens
 
 log = logging.getLogger("kvgate.pool")
+
+_T = TypeVar("_T")
 
 #: context length used when neither the engine nor config bounds it (the model's own is applied
 #: at admission)
@@ -64,7 +69,8 @@ class PoolReadError(Exception):
 @dataclass
 class PoolReading:
     """One successful poll. ``pool_tokens``: the smallest pool over nodes and data-parallel ranks;
-    ``limit``: the smallest node limit (tokens); ``fetched_at``: ``time.monotonic()``;
+    ``limit``: the smallest node limit (tokens); ``fetched_at``: ``time.monotonic()`` when the poll
+    began (its first answer may be that old when the last one arrives);
     ``per_node``: url -> limit; ``rank_pools``: url -> each rank's pool (tokens); ``read_from``:
     url -> the endpoint the pool came from; ``kv_capacity``: vLLM's KV capacity (signal 1), else
     ``None``."""
@@ -128,6 +134,19 @@ def limit_from_vllm_models(data: Any, headroom: float, context_length: int | Non
     return pool, effective_pool_limit(context_length or _UNBOUNDED, pool, None, headroom)
 
 
+def _parsed(url: str, parse: Callable[..., _T], *args: Any) -> _T:
+    """``parse(*args)`` on what ``url`` answered. A report the parser cannot use is a failed read of
+    that URL (:class:`PoolReadError` naming it), whatever the parser raised: an engine's answer of a
+    shape it never foresaw (a number where ``internal_states`` or ``data`` holds a list) fails the
+    poll closed with the URL and the exception's type, never escapes it as an error of the watcher."""
+    try:
+        return parse(*args)
+    except (EnginePoolError, PoolReadError) as e:
+        raise PoolReadError(f"{url}: {e}") from None
+    except Exception as e:  # the parser met a shape it did not foresee
+        raise PoolReadError(f"{url}: unreadable pool report ({type(e).__name__})") from None
+
+
 def _fallback_url(url: str) -> str | None:
     if url.endswith("/get_server_info"):
         return url[: -len("/get_server_info")] + "/server_info"
@@ -167,7 +186,14 @@ class PoolWatcher:
         self.context_length = context_length
         self.on_update = on_update
         self.clock = clock
+        #: the newest reading (``None``: unknown); the gate holds :meth:`_floor`'s
         self.reading: PoolReading | None = None
+        #: the readings of the last ``max_staleness_seconds`` that may still be the smallest, oldest
+        #: first, each of smaller limit than every one after it (a sliding-window minimum): its front
+        #: is the one the gate holds, and it holds at most one reading per poll of that window
+        self._recent: deque[PoolReading] = deque()
+        #: the last pool read, kept across failures: a restart's new pool is logged against the old
+        self._last_pool_tokens: int | None = None
         self.last_error: str | None = "not polled yet"
         self.live = upstream.pool_source != "static"
         self._task: asyncio.Task[None] | None = None
@@ -186,25 +212,40 @@ class PoolWatcher:
 
     # ------------------------------------------------------------ reading
     def limit_now(self) -> int | None:
-        """The limit in tokens, or ``None`` when unknown or older than ``max_staleness_seconds``."""
+        """The limit in tokens: the smallest of the readings of the last ``max_staleness_seconds``;
+        ``None`` when the newest reading is missing or older than that."""
+        floor = self._floor()
+        return floor.limit if floor is not None else None
+
+    def _floor(self) -> PoolReading | None:
+        """The reading the gate holds: of the readings no older than ``max_staleness_seconds``, the
+        one of smallest limit. A pool that differs from one poll to the next (engines of unequal
+        pools behind one address, answering in turn) is held at its smallest value; a larger one
+        counts once the smaller has aged out. ``None`` when the newest reading is missing or stale."""
         r = self.reading
-        if r is None:
+        if r is None or not self.live:
+            return r
+        now = self.clock()
+        stale = self.settings.max_staleness_seconds
+        if now - r.fetched_at > stale:
             return None
-        if self.live and self.clock() - r.fetched_at > self.settings.max_staleness_seconds:
-            return None
-        return r.limit
+        # the newest reading is the deque's last and fresh: the loop stops at it at the latest
+        while now - self._recent[0].fetched_at > stale:
+            self._recent.popleft()
+        return self._recent[0]
 
     def status(self) -> dict[str, Any]:
         """A JSON-able report: name, source, live, known, pool_tokens, limit, age_seconds, error,
         each node's rank pools and endpoint, and the runbook's signal 1 (:meth:`signal_1`)."""
         r = self.reading
-        lim = self.limit_now()
+        floor = self._floor()
+        lim = floor.limit if floor is not None else None
         return {
             "upstream": self.upstream.name,
             "pool_source": self.upstream.pool_source,
             "live": self.live,
             "known": lim is not None,
-            "pool_tokens": r.pool_tokens if r else None,
+            "pool_tokens": (floor or r).pool_tokens if r else None,
             "limit_tokens": lim,
             "age_seconds": (round(self.clock() - r.fetched_at, 3) if r and self.live else None),
             "error": self.last_error if lim is None else None,
@@ -281,15 +322,13 @@ class PoolWatcher:
         info = await self._get_json(url)
         base = server_info_base(url)
         loads = await self._get_json(f"{base}/v1/loads?{SGLANG_LOADS_QUERY}", optional=True) if base else None
-        try:
-            node = sglang_pool(info, loads)
-        except EnginePoolError as e:
-            raise PoolReadError(f"{url}: {e}") from None
+        node = _parsed(url, sglang_pool, info, loads)
         lim = _node_limit(node, self.settings.headroom, self.context_length)
         return _NodeReading(node.pool_tokens, lim, node.rank_pools_tokens, node.source)
 
     async def _read_vllm_node(self, url: str) -> _NodeReading:
-        pool, lim = limit_from_vllm_models(await self._get_json(url), self.settings.headroom, self.context_length)
+        data = await self._get_json(url)
+        pool, lim = _parsed(url, limit_from_vllm_models, data, self.settings.headroom, self.context_length)
         return _NodeReading(pool, lim, (pool,), "/v1/models")
 
     async def _read_vllm_capacity(self) -> VLLMCapacity | None:
@@ -312,37 +351,77 @@ class PoolWatcher:
         return min(found, key=lambda c: c.kv_capacity_tokens) if found else None
 
     async def _read_all(self) -> PoolReading:
+        """Every node's pool, then vLLM's capacity. Its ``fetched_at`` is the poll's start: the first
+        node's answer is as old as the whole poll when the last arrives, so a reading's age is never
+        less than its oldest part's. Raises :class:`PoolReadError`, also when the poll took longer
+        than ``max_staleness_seconds`` (the reading would be stale on arrival)."""
+        started = self.clock()
         vllm = self.upstream.pool_source == "vllm"
         nodes = {
             u: await (self._read_vllm_node(u) if vllm else self._read_sglang_node(u)) for u in self.upstream.pool_urls
         }
-        return PoolReading(
+        reading = PoolReading(
             min(n.pool_tokens for n in nodes.values()),
             min(n.limit for n in nodes.values()),
-            self.clock(),
+            started,
             {u: n.limit for u, n in nodes.items()},
             {u: n.rank_pools for u, n in nodes.items()},
             {u: n.read_from for u, n in nodes.items()},
             await self._read_vllm_capacity() if vllm else None,
         )
+        stale = self.settings.max_staleness_seconds
+        if self.clock() - started > stale:
+            raise PoolReadError(f"reading the pool took longer than pool.max_staleness_seconds ({stale:g} s)")
+        return reading
 
     async def poll_once(self) -> int | None:
-        """Read every node now; returns the new limit, or ``None`` (pool unknown) on any failure."""
+        """Read every node now; returns the limit the gate now holds (:meth:`limit_now`), or
+        ``None`` (pool unknown) on any failure."""
         if not self.live:
             return self.limit_now()
         try:
             reading = await self._read_all()
         except PoolReadError as e:
-            if self.reading is not None or self.last_error != str(e):
+            if self._fail(str(e)):
                 log.warning("pool of upstream %s unknown: %s", self.upstream.name, e)
-            self.reading = None
-            self.last_error = str(e)
-            self._notify(None, None)
             return None
+        held = self._hold(reading)
+        self._notify(held.pool_tokens, held.limit)
+        return held.limit
+
+    def _hold(self, reading: PoolReading) -> PoolReading:
+        """Make ``reading`` the newest and return the one the gate now holds (:meth:`_floor`). A
+        pool unlike the last one read (a restart, engines of unequal pools behind one address) is
+        logged, with the pool the gate holds."""
+        while self._recent and self._recent[-1].limit >= reading.limit:
+            self._recent.pop()  # older and no smaller: never the smallest again
+        self._recent.append(reading)
         self.reading = reading
         self.last_error = None
-        self._notify(reading.pool_tokens, reading.limit)
-        return reading.limit
+        held = self._recent[0]
+        last, self._last_pool_tokens = self._last_pool_tokens, reading.pool_tokens
+        if last is not None and last != reading.pool_tokens:
+            log.warning(
+                "pool of upstream %s read %d tokens (last read: %d); the gate holds the smallest reading of the "
+                "last %g s: %d tokens, limit %d",
+                self.upstream.name,
+                reading.pool_tokens,
+                last,
+                self.settings.max_staleness_seconds,
+                held.pool_tokens,
+                held.limit,
+            )
+        return held
+
+    def _fail(self, error: str) -> bool:
+        """Drop every reading (unknown fails closed), keep ``error``, set the gauges to unknown.
+        True when this is news (a known pool lost, or another error): the caller logs it then."""
+        news = self.reading is not None or self.last_error != error
+        self.reading = None
+        self._recent.clear()
+        self.last_error = error
+        self._notify(None, None)
+        return news
 
     def _notify(self, pool: int | None, limit: int | None) -> None:
         if self.on_update is not None:
@@ -365,11 +444,8 @@ class PoolWatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # never let the watcher die
-                error = f"poll failed: {type(e).__name__}"
-                if self.reading is not None or self.last_error != error:
+                if self._fail(f"poll failed: {type(e).__name__}"):
                     log.exception("pool poll of %s failed", self.upstream.name)
-                self.reading = None
-                self.last_error = error
                 ok = False
             if ok:
                 retry = RETRY_FIRST_DELAY_SECONDS
