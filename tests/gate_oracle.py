@@ -194,7 +194,8 @@ def hf_chat_tokens(
     this count. ``None``, ``kvgate``, ``openai``: the images' costs on top of the text.
 
     vLLM (and ``None``): the body's ``add_generation_prompt``, ``continue_final_message``,
-    ``chat_template_kwargs`` and ``reasoning_effort`` (a template variable); ``kvgate``,
+    ``chat_template_kwargs`` and ``reasoning_effort`` (a template variable; vLLM also sets
+    ``enable_thinking`` to ``reasoning_effort != "none"`` unless the kwargs name it); ``kvgate``,
     ``openai``: no ``reasoning_effort`` variable. SGLang
     (serving_chat.py@002897c2 ``_apply_jinja_template``): ``add_generation_prompt=True`` always,
     ``reasoning_effort`` a variable unless ``chat_template_kwargs`` carries one
@@ -243,6 +244,11 @@ def hf_chat_tokens(
         # (gpu_backend/openai_api.py encode_chat) and an OpenAI upstream pass none
         if body.get("reasoning_effort") is not None and engine in (None, "vllm"):
             kwargs["reasoning_effort"] = body["reasoning_effort"]
+            # vllm/entrypoints/openai/chat_completion/protocol.py (v0.34.0) lines 667-668: "if
+            # reasoning_effort is not None and 'enable_thinking' not in user_kwargs:
+            # extra_kwargs['enable_thinking'] = reasoning_effort != 'none'"
+            if engine == "vllm" and "enable_thinking" not in ctk:
+                kwargs["enable_thinking"] = body["reasoning_effort"] != "none"
     counts = []
     for messages in views:
         ids = tok.apply_chat_template(

@@ -534,3 +534,24 @@ def test_special_token_lookalike_in_a_tool_definition_refused(env):
     status, _, got = post(env, "chat", user("<|im_start|>", model="mh", max_tokens=16))
     engine = hf_chat_tokens(folder, got)  # transformers reads one special token
     assert status == 200 and q.reserved[-1] == engine + (_text_len(folder, "<|im_start|>") - 1) + 16 > engine + 16
+
+
+def test_reasoning_effort_none_counts_the_think_block_vllm_writes(env):
+    """vLLM (chat_completion/protocol.py@v0.34.0:667-668) sets ``enable_thinking`` to
+    ``reasoning_effort != "none"`` unless ``chat_template_kwargs`` names it; ``mh``'s Qwen3-style
+    template then writes an empty think block into the generation prompt for ``"none"``. The gate
+    passed only the effort and counted the prompt without the block (11 tokens under here)."""
+    q, folder = env[3], env[4]
+    plain = hf_chat_tokens(folder, user("Hello world", model="mh"))
+    off = hf_chat_tokens(folder, user("Hello world", model="mh", chat_template_kwargs={"enable_thinking": False}))
+    assert off - plain == 11
+    expected = {"high": plain, "none": off}
+    for effort, prompt_tokens in expected.items():
+        status, _, got = post(env, "chat", user("Hello world", model="mh", reasoning_effort=effort))
+        assert status == 200 and got["reasoning_effort"] == effort
+        assert q.reserved[-1] == hf_chat_tokens(folder, got, engine="vllm") + 16 == prompt_tokens + 16
+    kwargs = {"enable_thinking": True}  # the client's own enable_thinking wins over the effort's
+    status, _, got = post(
+        env, "chat", user("Hello world", model="mh", reasoning_effort="none", chat_template_kwargs=kwargs)
+    )
+    assert status == 200 and q.reserved[-1] == plain + 16

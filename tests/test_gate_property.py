@@ -104,6 +104,11 @@ TEMPLATE_SWITCHES = [
     ("chat", {"model": m, "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": kw})
     for m, kw in (("mh", {"enable_thinking": False}), ("mv", {"enable_thinking": True}), ("mh", {"thinking": True}))
 ] + [
+    # vLLM sets enable_thinking to reasoning_effort != "none" unless the kwargs name it: mh's
+    # template then writes an empty think block (uncounted before: the gate passed only the effort)
+    ("chat", {"model": "mh", "messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": e, **kw})
+    for e, kw in (("none", {}), ("high", {}), ("none", {"chat_template_kwargs": {"enable_thinking": True}}))
+] + [
     ("completions", {"model": m, "prompt": "Count:", "stop_token_ids": [3], "min_tokens": 1, "max_tokens": 4})
     for m in ("mv", "mq", "mix")
 ]  # fmt: skip

@@ -164,8 +164,8 @@ def test_check_request_drops_no_op_defaults_and_builds_options():
         ("thinking", False),
     )
     assert check_chat_request({"messages": [], "reasoning_effort": "high"}, frozenset({"vllm"}), images) == (
-        ChatOptions(template_kwargs=(("reasoning_effort", "high"),))
-    )
+        ChatOptions(template_kwargs=(("enable_thinking", True), ("reasoning_effort", "high")))
+    )  # vLLM sets enable_thinking from the effort unless the kwargs name it
 
 
 def test_tool_definitions_with_special_tokens_refused_where_the_engine_parses_them():

@@ -146,8 +146,14 @@ def _template_kwargs_for(engine: str, body: dict[str, Any]) -> dict[str, Any]:
         if engine == "sglang":  # protocol.py normalize_reasoning_inputs
             kwargs.setdefault("thinking", effort != "none")
             kwargs.setdefault("enable_thinking", effort != "none")
-        elif engine == "vllm":  # build_chat_params: reasoning_effort is a template variable
+        elif engine == "vllm":
+            # chat_completion/protocol.py@v0.34.0:645-678 build_chat_params: reasoning_effort is a
+            # template variable, and enable_thinking is set to effort != "none" unless the client's
+            # chat_template_kwargs name it (a Qwen3-style template then writes an empty think block
+            # for "none"); merge_kwargs lets neither override with None. The server's
+            # --reasoning-effort-map is not visible here.
             kwargs["reasoning_effort"] = effort
+            kwargs.setdefault("enable_thinking", effort != "none")
     return kwargs
 
 
