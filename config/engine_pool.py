@@ -145,7 +145,8 @@ def sglang_pool(info: Any, loads: Any | None = None) -> SGLangPool:
     dp_size = _positive_int(info.get("dp_size", 1))
     if dp_size is None:  # 0, negative, a string, above MAX_REPORTED: how many ranks need a pool is unknown
         raise EnginePoolError("server_info has no usable dp_size (a positive integer up to 2**40)")
-    states = [s for s in info.get("internal_states") or [] if isinstance(s, dict)]
+    listed = info.get("internal_states")
+    states = [s for s in listed if isinstance(s, dict)] if isinstance(listed, list) else []
     if loads is not None:
         ranks, source = _loads_ranks(loads), "/v1/loads"
     else:
@@ -174,7 +175,8 @@ def vllm_max_model_len(models: Any) -> int:
     vllm/entrypoints/openai/protocol.py ``ModelCard.max_model_len``); raises
     :class:`EnginePoolError` when no entry reports one."""
     entries = models.get("data") if isinstance(models, dict) else None
-    found = _smallest([e.get("max_model_len") for e in entries or [] if isinstance(e, dict)])
+    listed = entries if isinstance(entries, list) else []
+    found = _smallest([e.get("max_model_len") for e in listed if isinstance(e, dict)])
     if found is None:
         raise EnginePoolError("/v1/models reports no max_model_len")
     return found

@@ -284,3 +284,18 @@ def test_bundled_backend_serves_v1_loads_for_its_one_rank():
         assert c.get("/v1/loads", params={"include": "bogus"}).status_code == 400
         assert c.get("/v1/loads", params={"dp_rank": "1"}).status_code == 400
     assert loads_body(info, None, "0")["num_accelerators"] == 1
+
+
+@pytest.mark.parametrize("listed", [5, "x", True, {"a": 1}])
+def test_a_list_field_of_another_type_is_an_engine_pool_error(listed):
+    """``internal_states`` or ``data`` that is not a list: the parsers iterated it (a number raised
+    ``TypeError``: ``kvgate deploy-gate`` ended in a traceback); now the usual pool error, and a
+    well-formed top-level pool is still read."""
+    from config.engine_pool import vllm_max_model_len
+
+    with pytest.raises(EnginePoolError, match=r"^/v1/models reports no max_model_len$"):
+        vllm_max_model_len({"data": listed})
+    with pytest.raises(EnginePoolError, match=r"^server_info has no max_total_num_tokens"):
+        sglang_pool({"internal_states": listed})
+    pool = sglang_pool({"internal_states": listed, "max_total_num_tokens": 4096, "max_req_input_len": 4000})
+    assert (pool.rank_pools_tokens, pool.max_req_input_len) == ((4096,), 4000)

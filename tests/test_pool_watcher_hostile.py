@@ -323,17 +323,46 @@ def test_a_pool_no_engine_reports_fails_closed_and_recovers(case: str) -> None:
             engine.stop()
 
 
+@pytest.mark.parametrize("source", ["sglang", "vllm"])
+def test_a_report_the_parser_trips_on_is_a_failed_read_of_its_url(source: str, monkeypatch) -> None:
+    # a parser that raises what nobody foresaw (a number where it iterated a list raised TypeError
+    # before config/engine_pool.py checked the type). Before: it escaped the poll, the watcher's
+    # loop caught it ("poll failed: TypeError", no URL) and never told the gauges, so /metrics
+    # kept the last pool (4096) while the gate refused every request
+    import gateway.ops.pool_watcher as pool_watcher
+
+    engine = MockEngine().start()
+    with HostileEngine() as hostile:
+        g = _hostile_gateway(engine, hostile, source, poll_interval_seconds=0.2)
+        g.start()
+        try:
+            with g.client() as c:
+                assert wait_for(lambda: _status(c)["known"], 5.0)
+
+                def trips(*args: object) -> None:
+                    raise TypeError("'int' object is not iterable")
+
+                monkeypatch.setattr(pool_watcher, "sglang_pool" if source == "sglang" else "vllm_max_model_len", trips)
+                want = f"{hostile.url}{hostile.hostile_path}: unreadable pool report (TypeError)"
+                assert wait_for(lambda: _status(c)["error"] is not None, 5.0)
+                assert _status(c)["error"] == want
+                assert _gauges(c) == ("-1.0", "-1.0")
+                r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+                assert (r.status_code, r.json()) == (503, {"error": POOL_UNKNOWN})
+        finally:
+            g.stop()
+            engine.stop()
+
+
 @pytest.mark.parametrize(
-    ("source", "body"),
+    ("source", "body", "error"),
     [
-        ("sglang", b'{"max_total_num_tokens": 4096, "internal_states": 5}'),
-        ("vllm", b'{"object": "list", "data": 5}'),
+        # dp_size 1: the top-level pool is rank 0's and the whole node's; the stray field is ignored
+        ("sglang", b'{"max_total_num_tokens": 4096, "internal_states": 5}', None),
+        ("vllm", b'{"object": "list", "data": 5}', "/v1/models reports no max_model_len"),
     ],
 )
-def test_a_report_the_parser_trips_on_is_a_failed_read_of_its_url(source: str, body: bytes) -> None:
-    # a number where the parser iterates a list: TypeError. Before: it escaped the poll, the
-    # watcher's loop caught it ("poll failed: TypeError", no URL) and never told the gauges, so
-    # /metrics kept the last pool (4096) while the gate refused every request
+def test_a_list_field_of_another_type_is_read_as_absent(source: str, body: bytes, error: str | None) -> None:
     engine = MockEngine().start()
     with HostileEngine() as hostile:
         g = _hostile_gateway(engine, hostile, source, poll_interval_seconds=0.2)
@@ -342,12 +371,13 @@ def test_a_report_the_parser_trips_on_is_a_failed_read_of_its_url(source: str, b
             with g.client() as c:
                 assert wait_for(lambda: _status(c)["known"], 5.0)
                 hostile.raw, hostile.mode = _answer("200 OK", body), "raw"
-                want = f"{hostile.url}{hostile.hostile_path}: unreadable pool report (TypeError)"
+                if error is None:
+                    time.sleep(0.6)  # polls of the stray field's report
+                    assert (_status(c)["known"], _status(c)["limit_tokens"]) == (True, LIMIT)
+                    return
                 assert wait_for(lambda: _status(c)["error"] is not None, 5.0)
-                assert _status(c)["error"] == want
+                assert _status(c)["error"] == f"{hostile.url}{hostile.hostile_path}: {error}"
                 assert _gauges(c) == ("-1.0", "-1.0")
-                r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
-                assert (r.status_code, r.json()) == (503, {"error": POOL_UNKNOWN})
         finally:
             g.stop()
             engine.stop()
