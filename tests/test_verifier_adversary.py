@@ -266,9 +266,11 @@ async def test_shingle_evidence_from_one_source_quarantines_nothing(tmp_path):
 # ------------------------------------------------------------------ latency
 def test_cached_tokens_of_shapes():
     assert cached_tokens_of({"prompt_tokens_details": {"cached_tokens": 7}}) == 7
-    for bad in (None, {}, {"prompt_tokens_details": None}, {"prompt_tokens_details": {"cached_tokens": -1}}):
-        assert cached_tokens_of(bad) is None
-    assert cached_tokens_of({"prompt_tokens_details": {"cached_tokens": True}}) is None
+    for bad in (None, {}, {"prompt_tokens_details": None}):
+        assert cached_tokens_of(bad) is None  # not said
+    # impossible counts are no evidence of a cache hit: nothing cached, known
+    assert cached_tokens_of({"prompt_tokens_details": {"cached_tokens": -1}}) == 0
+    assert cached_tokens_of({"prompt_tokens_details": {"cached_tokens": True}}) == 0
     assert LatencyModel.prefilled_tokens(3000, 2990) == 10
     assert LatencyModel.prefilled_tokens(3000, 4000) == 3000  # impossible: counted as no hit
     assert LatencyModel.prefilled_tokens(3000, None) == 3000

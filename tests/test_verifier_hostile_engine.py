@@ -316,11 +316,6 @@ def test_usage_in_a_chunk_before_the_last_is_still_compared(stack):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="the relay merges a stream's usage reports into one (gateway/relay/stream.py merge_usage: the "
-    "largest of each count) before the verifier sees it; the fix belongs there",
-)
 def test_usage_reports_that_disagree_within_a_stream_are_an_incident(stack):
     """A stream reporting 1 prompt token in one chunk and the right count in its last: an
     engine's prompt count does not change within one answer, so the two reports disagreeing is

@@ -13,12 +13,22 @@ from 0 to ``prompt_tokens``. Every engine kvgate fronts writes them as ints (vLL
 so a malformed report is a broken or hostile engine's: before, it compared with nothing and left
 no trace, and an impossible cache hit only made the latency detector treat the count as unsaid.
 No usage object at all is not drift: there is nothing to compare.
+
+So are a stream's usage reports that disagree on ``prompt_tokens`` (``prompt_tokens:disagree``;
+the relay hands them over as a :class:`verifier.stage.StreamUsage`): an engine's prompt does not
+change within one answer, and vLLM's continuous usage stats repeat the same count in every chunk
+(``vllm/entrypoints/openai/serving_chat.py``, ``chat_completion_stream_generator``:
+``num_prompt_tokens`` in each chunk's ``UsageInfo``). The relay keeps each count's largest
+(:func:`gateway.relay.stream.merge_usage`, what the quota charges), so a stream reporting 1 in one
+chunk and the right count in another reached this check as the right count alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from verifier.stage import StreamUsage
 
 #: what a field absent from the usage object reads as
 _ABSENT = object()
@@ -39,8 +49,10 @@ def check_usage(gateway_prompt_tokens: int, usage: dict[str, Any] | None, tolera
     ``usage``: the OpenAI ``usage`` object of the response (``None``: nothing to compare, returns
     ``None``). Evidence: both counts and the difference (engine minus gateway; ``None`` when the
     engine's is not an int), each clamped to the signed 64-bit range (the incident record's JSON
-    holds no larger integer; a hostile engine may send one), and ``malformed_usage``, the list of
-    what was malformed (only when something was).
+    holds no larger integer; a hostile engine may send one), ``malformed_usage``, the list of
+    what was malformed (only when something was), and, for a stream whose reports disagreed
+    (a :class:`~verifier.stage.StreamUsage`), ``engine_prompt_tokens_reported``: the distinct
+    values reported, in the order first sent (``engine_prompt_tokens`` is their largest count).
     """
     if not isinstance(usage, dict):
         return None
@@ -58,6 +70,8 @@ def check_usage(gateway_prompt_tokens: int, usage: dict[str, Any] | None, tolera
     }
     if problems:
         evidence["malformed_usage"] = problems
+    if isinstance(usage, StreamUsage):
+        evidence["engine_prompt_tokens_reported"] = list(usage.prompt_tokens_reported)
     return DriftFinding("usage_drift", evidence)
 
 
@@ -67,7 +81,25 @@ def usage_problems(usage: dict[str, Any]) -> list[str]:
     ``null``, ``bool``, ``float``, ``str``, ``list``, ``object``); ``prompt_tokens_details:<kind>``
     when the details are neither an object nor ``null``; ``cached_tokens:<kind>`` when the cached
     count is neither an int nor ``null``, ``cached_tokens<0``, and ``cached_tokens>prompt_tokens``
-    (a cache hit larger than the prompt the engine itself reported)."""
+    (a cache hit larger than the prompt the engine itself reported); last,
+    ``prompt_tokens:disagree`` for a stream whose reports disagreed (a
+    :class:`~verifier.stage.StreamUsage`)."""
+    problems = _report_problems(usage)
+    if isinstance(usage, StreamUsage):
+        problems.append("prompt_tokens:disagree")
+    return problems
+
+
+def reported_count(usage: dict[str, Any]) -> int | str:
+    """``usage.prompt_tokens`` as evidence may name it: the count (clamped to 64 bits), or the
+    kind of a value that is not one (``missing``, ``null``, ``bool``, ``float``, ``str``,
+    ``list``, ``object``), never an engine's string itself."""
+    v = usage.get("prompt_tokens", _ABSENT)
+    return _int64(v) if _is_count(v) else _kind(v)
+
+
+def _report_problems(usage: dict[str, Any]) -> list[str]:
+    """:func:`usage_problems` of one report."""
     reported = usage.get("prompt_tokens", _ABSENT)
     problems = [] if _is_count(reported) else [f"prompt_tokens:{_kind(reported)}"]
     details = usage.get("prompt_tokens_details")

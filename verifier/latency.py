@@ -25,7 +25,12 @@ hit is not flagged; it calibrates nothing (a cached long prompt prefills few tok
 still grows with the cached context, so it fits neither its prefilled-length bucket nor the
 whole prompt's). When the engine does not say (``cached_tokens`` is ``None``) the whole prompt
 counts, for judging and calibration, and the caller only alerts on an anomaly (see
-:class:`LatencyVerdict`'s ``cached_known``).
+:class:`LatencyVerdict`'s ``cached_known``). A count the engine did send but that cannot be one
+(negative, not an integer, above the prompt: :func:`cached_tokens_of`,
+:func:`verifier.drift.usage_problems`) is known to be no cache hit: the engine's claim is not
+evidence of one, so the whole prompt counts as prefilled, and a strict answer too fast for it is
+withheld like one whose engine said 0. Before, it read as "not said", so such an engine turned a
+withheld answer into an alert by writing ``"cached_tokens": -1``.
 
 No tenant dominates calibration: each bucket keeps one sketch per tenant (at most
 ``max_tenants_per_bucket``, least recently updated evicted); a tenant's samples count at most
@@ -213,7 +218,7 @@ class LatencyModel:
     def prefilled_tokens(prompt_tokens: int, cached_tokens: int | None) -> int:
         """Tokens the engine really prefilled: ``prompt_tokens - cached_tokens`` (the gateway's
         count less the engine's cache hit; ``None`` or a value outside ``[0, prompt_tokens]``
-        counts as no hit)."""
+        counts as no hit: the whole prompt)."""
         if cached_tokens is None or not 0 <= cached_tokens <= prompt_tokens:
             return prompt_tokens
         return prompt_tokens - cached_tokens
@@ -228,10 +233,11 @@ class LatencyModel:
         model: str = "",
         cached_tokens: int | None = None,
     ) -> LatencyVerdict:
-        """Judge one TTFT without recording it (see :meth:`observe`)."""
+        """Judge one TTFT without recording it (see :meth:`observe`). A ``cached_tokens`` outside
+        ``[0, prompt_tokens]`` (the gateway's count) is known: no cache hit, the whole prompt."""
         n = self.prefilled_tokens(prompt_tokens, cached_tokens)
         b = bucket_of(n)
-        known = cached_tokens is not None and 0 <= cached_tokens <= prompt_tokens
+        known = cached_tokens is not None
         if ttft_seconds is None or not 0 <= ttft_seconds < math.inf:
             return LatencyVerdict(False, None, b, known)
         bound = self.bound(upstream, n, kind, model)
@@ -267,14 +273,27 @@ class LatencyModel:
 
 def cached_tokens_of(usage: dict | None) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field; vLLM and SGLang send the
-    same when prefix caching reports it), or ``None`` when absent or not a non-negative int."""
+    same when prefix caching reports it, an int: ``PromptTokenUsageInfo.cached_tokens:
+    Optional[int]`` in ``vllm/entrypoints/openai/protocol.py``). ``None`` when the engine did not
+    say (no usage object, the details or the count absent or ``null``); 0 when what it said
+    cannot be a count of cached prompt tokens (details that are not an object, a count that is
+    not an int, negative, or above the usage's own ``prompt_tokens``: what
+    :func:`verifier.drift.usage_problems` reports as drift), since a claim that cannot be true is
+    no evidence of a cache hit."""
     if not isinstance(usage, dict):
         return None
     d = usage.get("prompt_tokens_details")
-    c = d.get("cached_tokens") if isinstance(d, dict) else None
-    if isinstance(c, int) and not isinstance(c, bool) and c >= 0:
-        return c
-    return None
+    if d is None:
+        return None
+    c = d.get("cached_tokens") if isinstance(d, dict) else 0
+    if c is None:
+        return None
+    if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+        return 0
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int) and not isinstance(prompt, bool) and c > prompt:
+        return 0
+    return c
 
 
 class RedisLatencyStore:

@@ -76,6 +76,28 @@ class Exchange:
 Decoder = Callable[[list[int]], Awaitable[str]]
 
 
+class StreamUsage(dict[str, Any]):
+    """A stream's usage as the relay hands it to :meth:`ResponseGuard.finish_stream` when the
+    engine's usage reports disagreed: the merged report (each count the largest reported, what
+    the client's quota is charged: :func:`gateway.relay.stream.merge_usage`), and
+    ``prompt_tokens_reported``, the distinct ``prompt_tokens`` values of the reports in the order
+    first sent (at most :data:`MAX_PROMPT_TOKENS_REPORTED`), each a count, or the kind of a value
+    that is not one (``"str"``, ``"missing"``...: :func:`verifier.drift.reported_count`). The
+    values are an attribute, not a key, so no engine can write them; a stream whose reports
+    agreed is handed its plain merged dict."""
+
+    __slots__ = ("prompt_tokens_reported",)
+
+    def __init__(self, merged: dict[str, Any], prompt_tokens_reported: Sequence[int | str]) -> None:
+        super().__init__(merged)
+        self.prompt_tokens_reported = tuple(prompt_tokens_reported)
+
+
+#: the most distinct ``prompt_tokens`` values a :class:`StreamUsage` keeps (an engine can send a
+#: new one in every chunk)
+MAX_PROMPT_TOKENS_REPORTED = 8
+
+
 class ResponseWithheld(Exception):
     """Raised by a guard of a strict tenant when detected text must not leave. The gateway
     answers 502 ``response_withheld`` (or, mid-stream, an error event) naming ``incident_id``."""
@@ -113,8 +135,9 @@ class ResponseGuard(Protocol):
         self, *, usage: dict[str, Any] | None, finish_reason: str | None, ttft_seconds: float | None
     ) -> list[bytes]:
         """End of stream: runs the final checks and returns the held-back events, in order.
-        ``usage``: the engine's usage object, if sent; ``ttft_seconds``: seconds from forwarding
-        to the first text. Raises :class:`ResponseWithheld`."""
+        ``usage``: the engine's usage object, if sent (several reports merged; a
+        :class:`StreamUsage` naming the ``prompt_tokens`` values when they disagreed);
+        ``ttft_seconds``: seconds from forwarding to the first text. Raises :class:`ResponseWithheld`."""
         ...
 
     async def check_body(

@@ -38,8 +38,17 @@ from gateway.admission.admit import Admitted
 from gateway.edge.body_budget import BodyBudget
 from gateway.ops.metrics import GatewayMetrics
 from gateway.relay.sse import SSEEventTooLarge
-from gateway.relay.stream import NOTHING, Chunk, Produced, StreamOptions, Tally, relay_stream
-from gateway.relay.stream_protocol import StreamProtocol
+from gateway.relay.stream import (
+    NOTHING,
+    Chunk,
+    Produced,
+    StreamOptions,
+    Tally,
+    odd_choice_index,
+    odd_index_event,
+    relay_stream,
+)
+from gateway.relay.stream_protocol import CHAT_SSE, StreamProtocol
 from gateway.relay.upstream_client import (
     ConnectFailed,
     ConnectTimeout,
@@ -210,6 +219,7 @@ def _answer(
         a.arrival.request_id,
         a.tenant.strict_verify,
         a.admission.n * a.admission.num_prompts,
+        a.admission.num_prompts,
     )
     return relay_stream(resp, a.arrival.api.stream_protocol, guard, tally, opts)
 
@@ -339,8 +349,9 @@ async def read_whole(
 ) -> AsyncGenerator[Chunk, None]:
     """Read a whole JSON answer, count what it produced in ``tally``, let the guard check it,
     and yield its bytes once, unchanged, as the last chunk. Raises :class:`OpenAIError` 502 (not a
-    JSON object, an error object), :class:`UpstreamError` (read failed; :class:`ResponseTooLarge` past
-    ``limit`` bytes) or :class:`~verifier.stage.ResponseWithheld`."""
+    JSON object, an error object, a chat/completions choice whose index is not one of the choices
+    asked for: :func:`gateway.relay.stream.odd_choice_index`), :class:`UpstreamError` (read failed;
+    :class:`ResponseTooLarge` past ``limit`` bytes) or :class:`~verifier.stage.ResponseWithheld`."""
     raw = await resp.aread(limit)
     t_done = time.perf_counter()
     try:
@@ -351,7 +362,12 @@ async def read_whole(
         raise OpenAIError(
             502, "The upstream engine answered a body that is not a JSON object.", code=ErrorCode.UPSTREAM_UNAVAILABLE
         )
-    out = outcome.admitted.arrival.api.whole_answer(data)  # raises the engine's error when it is one
+    a = outcome.admitted
+    out = a.arrival.api.whole_answer(data)  # raises the engine's error when it is one
+    if a.arrival.api.stream_protocol is CHAT_SSE and odd_choice_index(
+        data.get("choices"), a.admission.n * a.admission.num_prompts
+    ):
+        raise odd_index_event()
     tally.take_body(out, resp.headers.get("x-prefill-seconds"))
     if guard is not None:
         await guard.check_body(

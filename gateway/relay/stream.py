@@ -11,6 +11,10 @@ raises what ended a stream early: the engine's :class:`~config.errors.OpenAIErro
 
 What the stream produced is counted in a :class:`Tally`, which only the relay writes;
 :meth:`Tally.result` freezes it into the :class:`Produced` record the settle and the logs read.
+
+Refused as outside the protocol (the stream ends with 502 ``upstream_unavailable``, an error event
+once it started): bytes a client reads as several events, JSON only a client's laxer reader reads,
+and a chat/completions choice whose ``index`` clients group apart (:func:`odd_choice_index`).
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
-from gateway.relay.sse import SSEEventTooLarge, SSESplitter, is_one_event, strip_usage_null
-from gateway.relay.stream_protocol import StreamProtocol
+from gateway.relay.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, is_one_event, strip_usage_null
+from gateway.relay.stream_protocol import CHAT_SSE, StreamProtocol
 from gateway.relay.upstream_client import RemoteProtocolError, UpstreamError, UpstreamResponse
-from verifier.engine_response import EngineOutput, StreamEvent, engine_error, strict_view
-from verifier.stage import ResponseGuard
+from verifier.drift import reported_count
+from verifier.engine_response import EngineOutput, StreamEvent, engine_error, parse_chunk_event, strict_view
+from verifier.stage import MAX_PROMPT_TOKENS_REPORTED, ResponseGuard, StreamUsage
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -67,12 +72,19 @@ NOTHING = Produced({})
 
 class Tally:
     """What one relay has seen so far (written only by the relay; :meth:`result` freezes it).
-    ``t_forward``: ``perf_counter()`` when the request was sent (TTFT is measured from it)."""
+    ``t_forward``: ``perf_counter()`` when the request was sent (TTFT is measured from it).
+    ``first_usage``: the stream's first usage report (``first_prompt``: its ``prompt_tokens``);
+    ``prompt_reports``: ``None`` while every report's ``prompt_tokens`` equals the first's, else
+    their distinct values (:func:`verifier.drift.reported_count`, at most
+    :data:`~verifier.stage.MAX_PROMPT_TOKENS_REPORTED`) in the order first sent."""
 
     __slots__ = (
         "error_code",
         "finish_reason",
         "finished",
+        "first_prompt",
+        "first_usage",
+        "prompt_reports",
         "sequence_number",
         "t_forward",
         "texts",
@@ -89,14 +101,27 @@ class Tally:
         self.ttft_seconds: float | None = None
         self.error_code: str | None = None
         self.sequence_number: int | None = None
+        self.first_usage: dict[str, Any] = {}
+        self.first_prompt: Any = None
+        self.prompt_reports: list[int | str] | None = None
 
     def add(self, ev: StreamEvent) -> None:
-        """Count one stream event: its sequence number, usage (several: :func:`merge_usage`),
+        """Count one stream event: its sequence number, usage (several: :func:`merge_usage`, and
+        a ``prompt_tokens`` that differs from the first report's noted: :meth:`_disagreed`),
         finish reasons, texts (the first text sets the TTFT)."""
         if ev.sequence_number is not None:
             self.sequence_number = ev.sequence_number
-        if ev.usage is not None:
-            self.usage = ev.usage if self.usage is None else merge_usage(self.usage, ev.usage)
+        u = ev.usage
+        if u is not None:
+            usage = self.usage
+            if usage is None:
+                self.usage = self.first_usage = u
+                self.first_prompt = u.get("prompt_tokens")
+            else:
+                p, p0 = u.get("prompt_tokens"), self.first_prompt
+                if p.__class__ is not p0.__class__ or p != p0:  # all an honest report costs beyond the merge
+                    self._disagreed(u)
+                self.usage = merge_usage(usage, u)
         if ev.finish_reason is not None:
             self.finish_reason = ev.finish_reason
             self.finished.update(ev.finished)
@@ -105,6 +130,23 @@ class Tally:
                 self.texts.setdefault(i, []).append(t)
             if self.ttft_seconds is None:
                 self.ttft_seconds = time.perf_counter() - self.t_forward
+
+    def _disagreed(self, u: dict[str, Any]) -> None:
+        """Note the ``prompt_tokens`` of ``u``, a report that disagrees with the first."""
+        reports = self.prompt_reports
+        if reports is None:
+            reports = self.prompt_reports = [reported_count(self.first_usage)]
+        v = reported_count(u)
+        if v not in reports and len(reports) < MAX_PROMPT_TOKENS_REPORTED:
+            reports.append(v)
+
+    def usage_to_check(self) -> dict[str, Any] | None:
+        """The usage the verifier checks: :attr:`usage`, or, when the reports disagreed on
+        ``prompt_tokens``, the same as a :class:`~verifier.stage.StreamUsage` naming their values
+        (the drift check's ``prompt_tokens:disagree``)."""
+        if self.prompt_reports is None or self.usage is None:
+            return self.usage
+        return StreamUsage(self.usage, self.prompt_reports)
 
     def take_body(self, out: EngineOutput, prefill_seconds: str | None) -> None:
         """A whole answer's texts, usage and finish reason; its TTFT is the engine's
@@ -172,7 +214,11 @@ class StreamOptions:
     ``request_id`` for the log; ``strict``: the tenant's verification is strict (an engine's error
     event is replaced by the gateway's, without the engine's text:
     :func:`verifier.engine_response.strict_view`); ``choices``: the choices the request asked
-    for (prompts x ``n``), each of which must finish in a protocol whose choices finish one by one."""
+    for (prompts x ``n``), each of which must finish in a protocol whose choices finish one by one
+    (and whose ``index`` must name one of them: :func:`odd_choice_index`); ``prompts``: the
+    request's prompts (with several, usage reports that disagree on ``prompt_tokens`` are not
+    handed on as disagreeing: vLLM's continuous usage stats give each prompt's own count, then
+    their sum, ``vllm/entrypoints/openai/serving_completion.py``, ``completion_stream_generator``)."""
 
     max_event_bytes: int
     strip_usage: bool
@@ -181,6 +227,7 @@ class StreamOptions:
     request_id: str
     strict: bool = False
     choices: int = 1
+    prompts: int = 1
 
 
 class HoldBack:
@@ -226,8 +273,10 @@ class _Events:
         "errored",
         "guard",
         "hold",
+        "one_prompt",
         "protocol",
         "raw",
+        "read",
         "streamed",
         "strict",
         "strip",
@@ -243,6 +292,8 @@ class _Events:
         self.strip = protocol.strips_usage and opts.strip_usage
         self.strict = opts.strict
         self.choices = opts.choices if protocol.finishes_per_choice else 0  # each must finish
+        self.one_prompt = opts.prompts == 1
+        self.read = self._read_chat if protocol is CHAT_SSE else protocol.read
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
         self.done = False  # the protocol's end marker came
         self.errored = False  # an engine error event came (after the response started)
@@ -254,16 +305,19 @@ class _Events:
         when nothing more is to be done with it (the end marker, a replaced error event, a
         stripped usage chunk). Raises :func:`unsplittable_event` for bytes a client would read
         as several events (:func:`gateway.relay.sse.is_one_event`), :func:`lenient_json_event`
-        for JSON only a client's laxer reader reads (:func:`gateway.relay.sse.lenient_reads`)."""
+        for JSON only a client's laxer reader reads (:func:`gateway.relay.sse.lenient_reads`),
+        :func:`odd_index_event` for a choice index clients group apart (:func:`odd_choice_index`)."""
         if not is_one_event(raw):
             raise unsplittable_event()
-        ev = self.protocol.read(raw)
+        ev = self.read(raw)
         kind = ev.kind
         if kind == "done":
             self.done = True
             return None
         if kind == "lenient":
             raise lenient_json_event()
+        if kind == "odd_index":
+            raise odd_index_event()
         self.tally.add(ev)
         if kind == "error":
             raw = self._engine_error(ev, raw)
@@ -273,6 +327,21 @@ class _Events:
             raw = strip_usage_null(raw)
         self.raw = raw
         return ev
+
+    def _read_chat(self, raw: bytes) -> StreamEvent:
+        """A chat/completions event as :func:`gateway.relay.sse.inspect` reads it, or ``odd_index``
+        for a chunk with a choice whose ``index`` :func:`odd_choice_index` refuses. The JSON is
+        decoded once, here, for both (what orjson refuses, ``[DONE]`` included, is ``inspect``'s)."""
+        payload = data_of(raw)
+        if payload is not None:
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                return inspect(raw)
+            if type(obj) is dict and odd_choice_index(obj.get("choices"), self.choices):
+                return StreamEvent(kind="odd_index")
+            return parse_chunk_event(obj)
+        return inspect(raw)
 
     def take(self, events: list[bytes], out: list[bytes]) -> bool:
         """Relay one read's ``events`` into ``out`` without a guard; true when one of them
@@ -432,6 +501,50 @@ def unsplittable_event() -> OpenAIError:
     )
 
 
+def odd_choice_index(choices: Any, asked: int) -> bool:
+    """Whether a chat/completions answer's (or chunk's) ``choices`` hold a choice object whose
+    ``index`` is not one of the ``asked`` choices: an integer (an integral float is the same
+    number to every client's JSON reader, and to the verifier,
+    :func:`verifier.engine_response._index`) from 0 to ``asked - 1``. Not: a string, a bool,
+    ``null``, a fraction, absent, negative or past the choices asked for.
+
+    vLLM and SGLang always send it, an int (``index: int``, required, in their
+    ``ChatCompletionResponseStreamChoice`` and ``CompletionResponseStreamChoice``:
+    ``vllm/entrypoints/openai/protocol.py``, ``python/sglang/srt/entrypoints/openai/protocol.py``;
+    vLLM numbers a completions batch's choices ``prompt x n + j``), so only a broken or hostile
+    engine sends anything else, and clients group such a choice apart: the openai SDK keeps the
+    value unvalidated (``construct``: a missing index reads as ``None``) and its stream helper
+    indexes a list with it (``src/openai/lib/streaming/chat/_completions.py``,
+    ``_accumulate_chunk``: ``completion_snapshot.choices[choice.index]``: ``True`` is choice 1,
+    ``-1`` the last choice; a string, ``None``, ``1.0`` or an index past the choices raises),
+    JavaScript's ``choices[true]`` is a property named ``"true"``, not choice 1, and the verifier
+    read a non-number at its position and ``-1`` as a choice of its own. An engine could so split
+    a text across two streams the verifier reads apart and a client joins (one choice sent as
+    ``1`` and ``true``, or ``1`` and ``-1``, by turns). Refused like JSON only a lax reader reads."""
+    if type(choices) is not list:
+        return False
+    for c in choices:
+        if type(c) is dict:
+            i = c.get("index")
+            if type(i) is int:
+                if not 0 <= i < asked:
+                    return True
+            elif type(i) is not float or not i.is_integer() or not 0 <= i < asked:
+                return True
+    return False
+
+
+def odd_index_event() -> OpenAIError:
+    """The 502 ``upstream_unavailable`` that ends a stream (or answers a whole answer) holding a
+    choice whose ``index`` clients group apart (:func:`odd_choice_index`)."""
+    return OpenAIError(
+        502,
+        "The upstream engine sent a choice whose index is not one of the choices asked for "
+        "(not an integer, absent, negative or too large), which the gateway does not relay.",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
+
+
 def lenient_json_event() -> OpenAIError:
     """The 502 ``upstream_unavailable`` that ends a stream holding an event whose JSON orjson
     refuses and a client reads (:func:`gateway.relay.sse.lenient_reads`: a lone surrogate escape,
@@ -475,7 +588,9 @@ async def _stream_tail(step: _Events, unfinished: bytes, request_id: str) -> lis
     if step.guard is not None:
         t = step.tally
         tail += await step.guard.finish_stream(
-            usage=t.usage, finish_reason=t.finish_reason, ttft_seconds=t.ttft_seconds
+            usage=t.usage_to_check() if step.one_prompt else t.usage,
+            finish_reason=t.finish_reason,
+            ttft_seconds=t.ttft_seconds,
         )
     if unfinished.strip():
         log.warning("upstream stream ended inside an event", extra={"fields": {"request_id": request_id}})
