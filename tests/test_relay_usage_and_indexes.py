@@ -164,8 +164,9 @@ def test_honest_continuous_usage_stats_are_no_incident(stack):
 def test_several_prompts_reporting_their_own_counts_are_not_a_disagreement(stack):
     """``/v1/completions`` with two prompts and vLLM's continuous usage stats: each chunk reports
     its own prompt's count and the last the sum (vLLM ``serving_completion.py``,
-    ``completion_stream_generator``): honest, not ``prompt_tokens:disagree``. (The sum against
-    the gateway's count, the longest prompt's, is the drift check's own matter: unchanged.)"""
+    ``completion_stream_generator``): honest, not ``prompt_tokens:disagree``, and no drift either:
+    the sum is compared with the gateway's count of both prompts (it was compared with the longest
+    prompt's alone, so every honest batch was a ``usage_drift`` incident)."""
     sc, svc, client = stack
     prompts = [PROMPT, "Hi"]
     counts = [len(COUNTER.encode_text(p)) for p in prompts]
@@ -176,10 +177,14 @@ def test_several_prompts_reporting_their_own_counts_are_not_a_disagreement(stack
     body = {"model": "m", "stream": True, "prompt": prompts, "max_tokens": 8}
     with client.stream("POST", "/v1/completions", json=body, headers={"authorization": f"Bearer {key_of('s')}"}) as r:
         assert (r.status_code, b"".join(r.iter_raw())) == (200, b"".join(map(sse, sc.events[:-1])) + DONE)
-    assert [
-        (e["engine_prompt_tokens"], e.get("malformed_usage"), e.get("engine_prompt_tokens_reported"))
-        for e in drift_evidence(svc, n)
-    ] == [(sum(counts), None, None)]
+    assert drift_evidence(svc, n) == []
+    sc.events[-1] = usage_chunk(usage(sum(counts) - 1))  # one token short of the batch: drift
+    n = len(svc.incidents.recent)
+    with client.stream("POST", "/v1/completions", json=body, headers={"authorization": f"Bearer {key_of('s')}"}) as r:
+        assert r.status_code == 200 and r.read()
+    assert [(e["gateway_prompt_tokens"], e["engine_prompt_tokens"]) for e in drift_evidence(svc, n)] == [
+        (sum(counts), sum(counts) - 1)
+    ]
 
 
 def test_one_report_or_agreeing_reports_are_handed_on_as_they_are():

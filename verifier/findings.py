@@ -331,7 +331,11 @@ class Findings:
         withholds a strict response only when the engine said how many prompt tokens it served
         from its prefix cache (otherwise a cache hit cannot be told from a leak: reported)."""
         out = []
-        d = check_usage(exchange.request.prompt_tokens, usage, self.cfg.usage_drift_tolerance_tokens)
+        req = exchange.request
+        # an engine reports a batch's prompts together (vLLM serving_completion.py sums the
+        # prompts' counts; SGLang's UsageProcessor likewise, each prompt once whatever n)
+        expected = req.prompt_tokens if req.prompt_tokens_total is None else req.prompt_tokens_total
+        d = check_usage(expected, usage, self.cfg.usage_drift_tolerance_tokens)
         if d:
             out.append(incident(d.detector, exchange, d.evidence))
         f = check_finish(finish_reason)

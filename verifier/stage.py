@@ -16,7 +16,9 @@ from config.models import TenantConfig
 @dataclass(frozen=True)
 class ExchangeRequest:
     """The request's inputs as the gateway admitted it (fixed; the gateway swaps in a copy with
-    ``upstream`` set once it picks one). ``prompt_tokens``: the gateway's exact count.
+    ``upstream`` set once it picks one). ``prompt_tokens``: the gateway's exact count (a batch's
+    largest prompt's); ``prompt_tokens_total``: the batch's prompts together, what an engine's
+    ``usage.prompt_tokens`` reports for it (``None``: one prompt, the same as ``prompt_tokens``).
     ``started_monotonic``: ``time.monotonic()`` at arrival; ``upstream`` is ``""`` until chosen;
     ``forwarded_monotonic``: ``time.monotonic()`` when the request was sent to that upstream (TTFT
     is measured from it, so the gateway's own work before forwarding never counts as prefill;
@@ -30,6 +32,7 @@ class ExchangeRequest:
     stream: bool
     started_monotonic: float
     forwarded_monotonic: float | None = None
+    prompt_tokens_total: int | None = None
 
 
 @dataclass

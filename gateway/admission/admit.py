@@ -469,7 +469,16 @@ def verifier_exchange(
     ids, echo_prompts = arrival.api.verifier_prompts(body)
     started_monotonic = time.monotonic() - (time.perf_counter() - arrival.t_perf)
     return Exchange(
-        ExchangeRequest(arrival.request_id, tenant, "", adm.model.id, adm.prompt_tokens, stream, started_monotonic),
+        ExchangeRequest(
+            arrival.request_id,
+            tenant,
+            "",
+            adm.model.id,
+            adm.prompt_tokens,
+            stream,
+            started_monotonic,
+            prompt_tokens_total=adm.prompt_tokens_total if adm.num_prompts > 1 else None,
+        ),
         adm.prompt_text,
         prompt_ids=ids,
         echo=body.get("echo") is True,
