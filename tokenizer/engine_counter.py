@@ -65,6 +65,23 @@ def _counts_of(data: Any, expected: int) -> list[int]:
     raise EngineTokenizeError(f"engine tokenize answered without a usable 'count' or 'tokens' for {expected} prompt(s)")
 
 
+def chat_tokenize_payload(messages: list[Any], tools: Any, options: ChatOptions) -> dict[str, Any]:
+    """A chat tokenize request's body without ``model`` (vLLM ``TokenizeChatRequest``): the
+    messages without their image parts, ``add_generation_prompt``, and the fields that change the
+    prompt when they are set (``continue_final_message``, ``chat_template_kwargs``, ``tools``)."""
+    payload: dict[str, Any] = {
+        "messages": _without_images(messages),
+        "add_generation_prompt": options.add_generation_prompt,
+    }
+    if options.continue_final_message:
+        payload["continue_final_message"] = True
+    if options.template_kwargs:
+        payload["chat_template_kwargs"] = dict(options.template_kwargs)
+    if tools:
+        payload["tools"] = tools
+    return payload
+
+
 def _without_images(messages: list[Any]) -> list[Any]:
     out = []
     for m in messages:
@@ -215,18 +232,7 @@ class EngineCounter(PromptCounter):
         """Validate and render the chat locally (shapes, part types, image parts) and encode the
         tokenize request's JSON body."""
         rendered = render_chatml(messages, tools, ChatOptions(add_generation_prompt=options.add_generation_prompt))
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "messages": _without_images(messages),
-            "add_generation_prompt": options.add_generation_prompt,
-        }
-        if options.continue_final_message:
-            payload["continue_final_message"] = True
-        if options.template_kwargs:
-            payload["chat_template_kwargs"] = dict(options.template_kwargs)
-        if tools:
-            payload["tools"] = tools
-        return rendered, orjson.dumps(payload)
+        return rendered, orjson.dumps({"model": self.model, **chat_tokenize_payload(messages, tools, options)})
 
     async def atokenize_ids(self, payload: dict[str, Any]) -> tuple[int, list[int]]:
         """``(count, tokens)`` of one tokenize request (``{"prompt", "add_special_tokens"}`` or

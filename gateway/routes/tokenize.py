@@ -45,7 +45,7 @@ from gateway.routes.completions import COMPLETIONS
 from tokenizer import render_chatml
 from tokenizer.base import TOKEN_ID_CHARS
 from tokenizer.chat import IMAGE_PART_TYPES, ChatOptions, chat_cost
-from tokenizer.engine_counter import EngineCounter
+from tokenizer.engine_counter import EngineCounter, chat_tokenize_payload
 from tokenizer.tokenize_api import Tokenized, tokenize_prompt
 
 #: A ``/tokenize`` whose count is above this many tokens charges them against TPM: counting a
@@ -118,14 +118,7 @@ async def _engine_chat(counter: EngineCounter, req: dict[str, Any], options: Cha
     long = chat_cost(messages, tools, counter.offload_chars) > counter.offload_chars
     await asyncio.to_thread(render) if long else render()
     _refuse_images(messages)
-    payload: dict[str, Any] = {"messages": messages, "add_generation_prompt": options.add_generation_prompt}
-    if options.continue_final_message:
-        payload["continue_final_message"] = True
-    if options.template_kwargs:
-        payload["chat_template_kwargs"] = dict(options.template_kwargs)
-    if tools:
-        payload["tools"] = tools
-    count, ids = await counter.atokenize_ids(payload)
+    count, ids = await counter.atokenize_ids(chat_tokenize_payload(messages, tools, options))
     return Tokenized(count, ids)
 
 
