@@ -184,10 +184,11 @@ ADMITTED: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
-@pytest.mark.parametrize(("route", "policy", "body"), ADMITTED, ids=_ids(ADMITTED))
-def test_what_the_engine_takes_is_still_forwarded_as_sent(gws, module_engine, route, policy, body):
+def assert_forwarded_as_sent(gws, module_engine, route: tuple[str, dict], policy: str, body: dict) -> None:
+    """``body`` on ``route`` (its path and base body) to the gateway of engine set ``policy``: 200,
+    its fields reach the engine as sent, one RPM entry taken and no lease left."""
     g = gws[policy]
-    path, base = ROUTES[route]
+    path, base = route
     ledger = Ledger(g, module_engine)
     r = _post(g, path, {"model": MODEL, **base, **body})
     assert r.status_code == 200, r.text
@@ -195,6 +196,11 @@ def test_what_the_engine_takes_is_still_forwarded_as_sent(gws, module_engine, ro
     assert {k: got.get(k) for k in body} == body
     change = ledger.delta()
     assert (change["engine"], change["rpm"], change["leases"]) == (1, 1, 0)
+
+
+@pytest.mark.parametrize(("route", "policy", "body"), ADMITTED, ids=_ids(ADMITTED))
+def test_what_the_engine_takes_is_still_forwarded_as_sent(gws, module_engine, route, policy, body):
+    assert_forwarded_as_sent(gws, module_engine, ROUTES[route], policy, body)
 
 
 def test_the_bundled_backend_refuses_each_chat_value_the_gateway_now_refuses_for_it():

@@ -36,7 +36,7 @@ from config.errors import OpenAIError
 from gateway.admission.engine_refusals import VLLM_MAX_SCHEMA_NESTING, VLLM_MAX_STOP_STRINGS, check_engine_refusals
 from tests import test_engine_refusals_everywhere as everywhere
 from tests.gateway_harness import MODEL
-from tests.test_gateway_api_routes import error_of, forwarded
+from tests.test_gateway_api_routes import error_of
 from tests.test_hostile_routes import REFUSED, Ledger, _invalid, _post
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.engine("api")]
@@ -369,15 +369,7 @@ ADMITTED: list[tuple[str, str, dict[str, Any]]] = [
 
 @pytest.mark.parametrize(("route", "policy", "body"), ADMITTED, ids=_ids(ADMITTED))
 def test_what_the_engine_takes_is_still_forwarded_as_sent(gws, module_engine, route, policy, body):
-    g = gws[policy]
-    path, base = ROUTES[route]
-    ledger = Ledger(g, module_engine)
-    r = _post(g, path, {"model": MODEL, **base, **body})
-    assert r.status_code == 200, r.text
-    got = forwarded(module_engine, path)[-1]
-    assert {k: got.get(k) for k in body} == body
-    change = ledger.delta()
-    assert (change["engine"], change["rpm"], change["leases"]) == (1, 1, 0)
+    everywhere.assert_forwarded_as_sent(gws, module_engine, ROUTES[route], policy, body)
 
 
 def test_a_model_served_only_by_openai_or_the_bundled_backend_gets_none_of_these_refusals():
