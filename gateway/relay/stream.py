@@ -14,7 +14,9 @@ What the stream produced is counted in a :class:`Tally`, which only the relay wr
 
 Refused as outside the protocol (the stream ends with 502 ``upstream_unavailable``, an error event
 once it started): bytes a client reads as several events, JSON only a client's laxer reader reads,
-and a chat/completions choice whose ``index`` clients group apart (:func:`odd_choice_index`).
+and an index clients group apart from the verifier: a chat/completions choice's
+(:func:`odd_choice_index`), a streamed tool call's (:func:`odd_tool_call_index`), a ``/v1/responses``
+text event's ``output_index`` / ``content_index`` / ``summary_index`` (:func:`odd_output_index`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -32,10 +34,17 @@ import orjson
 from config.errors import ErrorCode, OpenAIError
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
 from gateway.relay.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, is_one_event, strip_usage_null
-from gateway.relay.stream_protocol import CHAT_SSE, StreamProtocol
+from gateway.relay.stream_protocol import CHAT_SSE, RESPONSES_SSE, StreamProtocol, read_response_event
 from gateway.relay.upstream_client import RemoteProtocolError, UpstreamError, UpstreamResponse
 from verifier.drift import reported_count
-from verifier.engine_response import EngineOutput, StreamEvent, engine_error, parse_chunk_event, strict_view
+from verifier.engine_response import (
+    EngineOutput,
+    StreamEvent,
+    engine_error,
+    parse_chunk_event,
+    parse_response_event,
+    strict_view,
+)
 from verifier.stage import MAX_PROMPT_TOKENS_REPORTED, ResponseGuard, StreamUsage
 
 log = logging.getLogger("kvgate.proxy")
@@ -293,7 +302,11 @@ class _Events:
         self.strict = opts.strict
         self.choices = opts.choices if protocol.finishes_per_choice else 0  # each must finish
         self.one_prompt = opts.prompts == 1
-        self.read = self._read_chat if protocol is CHAT_SSE else protocol.read
+        self.read: Callable[[bytes], StreamEvent] = protocol.read
+        if protocol is CHAT_SSE:
+            self.read = self._read_chat
+        elif protocol is RESPONSES_SSE:
+            self.read = self._read_responses
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
         self.done = False  # the protocol's end marker came
         self.errored = False  # an engine error event came (after the response started)
@@ -306,7 +319,8 @@ class _Events:
         stripped usage chunk). Raises :func:`unsplittable_event` for bytes a client would read
         as several events (:func:`gateway.relay.sse.is_one_event`), :func:`lenient_json_event`
         for JSON only a client's laxer reader reads (:func:`gateway.relay.sse.lenient_reads`),
-        :func:`odd_index_event` for a choice index clients group apart (:func:`odd_choice_index`)."""
+        :func:`odd_index_event`, :func:`odd_tool_index_event` or :func:`odd_output_index_event` for
+        an index clients group apart from the verifier (:data:`REFUSED_EVENTS`)."""
         if not is_one_event(raw):
             raise unsplittable_event()
         ev = self.read(raw)
@@ -314,10 +328,9 @@ class _Events:
         if kind == "done":
             self.done = True
             return None
-        if kind == "lenient":
-            raise lenient_json_event()
-        if kind == "odd_index":
-            raise odd_index_event()
+        refused = REFUSED_EVENTS.get(kind)
+        if refused is not None:
+            raise refused()
         self.tally.add(ev)
         if kind == "error":
             raw = self._engine_error(ev, raw)
@@ -329,19 +342,37 @@ class _Events:
         return ev
 
     def _read_chat(self, raw: bytes) -> StreamEvent:
-        """A chat/completions event as :func:`gateway.relay.sse.inspect` reads it, or ``odd_index``
-        for a chunk with a choice whose ``index`` :func:`odd_choice_index` refuses. The JSON is
-        decoded once, here, for both (what orjson refuses, ``[DONE]`` included, is ``inspect``'s)."""
+        """A chat/completions event as :func:`gateway.relay.sse.inspect` reads it, or the kind
+        :func:`odd_chunk_index` gives a chunk with a choice or a tool call whose ``index`` clients
+        group apart. The JSON is decoded once, here, for both (what orjson refuses, ``[DONE]``
+        included, is ``inspect``'s)."""
         payload = data_of(raw)
         if payload is not None:
             try:
                 obj = orjson.loads(payload)
             except orjson.JSONDecodeError:
                 return inspect(raw)
-            if type(obj) is dict and odd_choice_index(obj.get("choices"), self.choices):
-                return StreamEvent(kind="odd_index")
+            if type(obj) is dict:
+                odd = odd_chunk_index(obj.get("choices"), self.choices)
+                if odd is not None:
+                    return StreamEvent(kind=odd)
             return parse_chunk_event(obj)
         return inspect(raw)
+
+    def _read_responses(self, raw: bytes) -> StreamEvent:
+        """A ``/v1/responses`` event as :func:`gateway.relay.stream_protocol.read_response_event`
+        reads it, or ``odd_output_index`` for a text event whose indexes :func:`odd_output_index`
+        refuses; the JSON decoded once, here, for both (what orjson refuses is the protocol's)."""
+        payload = data_of(raw)
+        if payload is None:
+            return StreamEvent()
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return read_response_event(raw)
+        if type(obj) is dict and odd_output_index(obj):
+            return StreamEvent(kind="odd_output_index")
+        return parse_response_event(obj)
 
     def take(self, events: list[bytes], out: list[bytes]) -> bool:
         """Relay one read's ``events`` into ``out`` without a guard; true when one of them
@@ -523,14 +554,140 @@ def odd_choice_index(choices: Any, asked: int) -> bool:
     ``1`` and ``true``, or ``1`` and ``-1``, by turns). Refused like JSON only a lax reader reads."""
     if type(choices) is not list:
         return False
+    return any(type(c) is dict and _odd_choice(c.get("index"), asked) for c in choices)
+
+
+def _odd_choice(i: Any, asked: int) -> bool:
+    """Whether a choice's ``index`` ``i`` is not one of the ``asked`` choices (:func:`odd_choice_index`)."""
+    if type(i) is int:
+        return not 0 <= i < asked
+    return type(i) is not float or not i.is_integer() or not 0 <= i < asked
+
+
+def odd_chunk_index(choices: Any, asked: int) -> str | None:
+    """What a chat/completions chunk's ``choices`` call for: ``odd_index`` when a choice's
+    ``index`` is not one of the ``asked`` choices (:func:`odd_choice_index`), ``odd_tool_index``
+    when a choice's ``delta.tool_calls`` hold a call whose ``index`` clients group apart
+    (:func:`odd_tool_call_index`), else ``None``. An honest chunk costs a type check and a
+    comparison per choice, and two lookups."""
+    if type(choices) is not list:
+        return None
     for c in choices:
         if type(c) is dict:
             i = c.get("index")
-            if type(i) is int:
-                if not 0 <= i < asked:
-                    return True
-            elif type(i) is not float or not i.is_integer() or not 0 <= i < asked:
+            if (type(i) is not int or not 0 <= i < asked) and _odd_choice(i, asked):
+                return "odd_index"
+            d = c.get("delta")
+            if type(d) is dict:
+                calls = d.get("tool_calls")
+                if type(calls) is list and odd_tool_call_index(calls):
+                    return "odd_tool_index"
+    return None
+
+
+#: indexes every JSON reader reads exactly: past them a double (JavaScript's ``JSON.parse``)
+#: rounds, so ``2**53`` and ``2**53 + 1`` are one index there and two to the verifier
+JSON_SAFE_INDEXES = 2**53
+
+
+def odd_tool_call_index(calls: list[Any]) -> bool:
+    """Whether a streamed chat chunk's ``delta.tool_calls`` hold a call object whose ``index`` is
+    not a whole number from 0 to ``2**53 - 1`` (:data:`JSON_SAFE_INDEXES`; an integral float is
+    the number it names to every reader and to the verifier,
+    :func:`verifier.engine_response._index`): a bool, a string, ``null``, absent, a fraction,
+    negative or larger. (A whole answer's calls arrive whole, each its own text to a client, and
+    vLLM and OpenAI send them without ``index``: not read there.)
+
+    vLLM and SGLang always stream an int from 0, the call's ordinal (vLLM ``DeltaToolCall``,
+    ``index: int``, required: ``vllm/entrypoints/generate/base/protocol.py``, its parsers
+    ``index=self.current_tool_id``; SGLang ``ToolCall(index=call_item.tool_index)``:
+    ``python/sglang/srt/entrypoints/openai/serving_chat.py``, ``ToolCallItem.tool_index: int``
+    from the detector's ``current_tool_id``, ``python/sglang/srt/function_call/``), so only a
+    broken or hostile engine sends anything else, and clients group such a call apart from the
+    verifier (which read a non-number at the call's position, ``-1`` as a call of its own): the
+    openai SDK (3.60) reads an ``Optional`` field in pydantic's lax mode (``src/openai/_models.py``,
+    ``construct_type``: ``true`` is 1, ``false`` 0, ``"1"`` 1) and its stream helper accumulates
+    the fragments in a list indexed by it (``src/openai/lib/streaming/_deltas.py``,
+    ``accumulate_delta``: ``-1`` is the last call; ``null``, absent, a fraction or an index past
+    the calls raises), and the JavaScript helper indexes an array with it
+    (``src/lib/ChatCompletionStream.ts``: ``tool_calls[index]``, ``"1"`` the same element as
+    ``1``). An engine could so split a text across two calls the verifier reads apart and a client
+    joins (one call's arguments sent as ``1`` and ``true``, ``"1"`` or ``-1``, by turns)."""
+    for tc in calls:
+        if type(tc) is dict:
+            i = tc.get("index")
+            if (type(i) is not int or not 0 <= i < JSON_SAFE_INDEXES) and (
+                type(i) is not float or not i.is_integer() or not 0 <= i < JSON_SAFE_INDEXES
+            ):
                 return True
+    return False
+
+
+_TEXT_INDEXES = (("output_index", "content_index"), ())
+_SUMMARY_INDEXES = (("output_index", "summary_index"), ("content_index",))
+_ITEM_INDEXES = (("output_index",), ("content_index", "summary_index"))
+#: the text delta events of ``/v1/responses`` (:data:`verifier.engine_response.TEXT_DELTA_EVENTS`)
+#: -> the index members the event's type has (the openai SDK's types: ``ResponseTextDeltaEvent``
+#: ``output_index`` and ``content_index``, ``ResponseReasoningSummaryTextDeltaEvent``
+#: ``output_index`` and ``summary_index``, an arguments, input or code delta ``output_index``
+#: alone, ``ResponseAudioTranscriptDeltaEvent`` none), and the members the verifier keys the text
+#: by that the type does not have (``output_index``; ``content_index``, else ``summary_index``)
+RESPONSE_DELTA_INDEXES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "response.output_text.delta": _TEXT_INDEXES,
+    "response.refusal.delta": _TEXT_INDEXES,
+    "response.reasoning_text.delta": _TEXT_INDEXES,
+    "response.reasoning_summary_text.delta": _SUMMARY_INDEXES,
+    "response.function_call_arguments.delta": _ITEM_INDEXES,
+    "response.custom_tool_call_input.delta": _ITEM_INDEXES,
+    "response.mcp_call_arguments.delta": _ITEM_INDEXES,
+    "response.code_interpreter_call_code.delta": _ITEM_INDEXES,
+    "response.audio.transcript.delta": ((), ("output_index", "content_index", "summary_index")),
+}
+
+
+def odd_output_index(event: dict[str, Any]) -> bool:
+    """Whether a ``/v1/responses`` stream event is a text delta (:data:`RESPONSE_DELTA_INDEXES`)
+    with an index member of its type that is not an int from 0 to ``2**53 - 1`` (a float, a bool,
+    a string, negative, larger: :data:`JSON_SAFE_INDEXES`), or with a member its type does not
+    have. One absent or ``null`` is not refused: the verifier reads it as 0 and no client groups
+    it with a number (the openai SDK's helper keys an item under ``None`` and cannot index a part
+    with it; JavaScript's finds no item or part under it and raises), so the verifier joins more
+    than a client there, never less. Any other event is not read here (an event that repeats text is
+    checked where its text differs from the deltas under its key, whatever its indexes).
+
+    vLLM and SGLang send each text delta with the int indexes of its type, from 0, and no other
+    (vLLM builds the openai types, ``vllm/entrypoints/openai/responses/streaming_events.py``:
+    ``ResponseTextDeltaEvent(content_index=state.current_content_index,
+    output_index=state.current_output_index, ...)``, an arguments delta with ``output_index`` and
+    ``item_id`` alone; SGLang ``python/sglang/srt/entrypoints/openai/serving_responses.py``:
+    ``output_index`` with ``content_index``, or ``summary_index`` for a summary, ``output_index``
+    alone for arguments and code), so only a broken or hostile engine sends anything else, and
+    clients group such a text apart from the verifier, which keyed a text by
+    ``output_index`` and ``content_index`` (else ``summary_index``) read as 0 unless an int
+    (:func:`verifier.engine_response.parse_response_event`): the openai SDK (3.60) reads the event
+    in pydantic's lax mode (``1.0``, ``true`` and ``"1"`` are 1) and its stream helper keys output
+    items by ``output_index`` in a dict and content parts by ``content_index`` in a list
+    (``src/openai/lib/streaming/responses/_responses.py``, ``accumulate_event``: ``-1`` is the
+    last part), JavaScript's indexes arrays with them (``src/lib/responses/ResponseStream.ts``:
+    ``"1"`` and ``1.0`` are 1), and no client reads a member the type does not have (a
+    ``content_index`` on an arguments delta), which the verifier made part of the key. An engine
+    could so split a text across streams the verifier reads apart and a client joins (one part's
+    text under ``content_index`` ``1`` and ``true``, or one item's under ``output_index`` ``1``
+    and ``1.0``, by turns)."""
+    etype = event.get("type")
+    if type(etype) is not str:
+        return False
+    members = RESPONSE_DELTA_INDEXES.get(etype)
+    if members is None:
+        return False
+    has, has_not = members
+    for m in has:
+        v = event.get(m)
+        if v is not None and (type(v) is not int or not 0 <= v < JSON_SAFE_INDEXES):
+            return True
+    for m in has_not:  # a loop, not any(): no generator per event
+        if m in event:
+            return True
     return False
 
 
@@ -541,6 +698,29 @@ def odd_index_event() -> OpenAIError:
         502,
         "The upstream engine sent a choice whose index is not one of the choices asked for "
         "(not an integer, absent, negative or too large), which the gateway does not relay.",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
+
+
+def odd_tool_index_event() -> OpenAIError:
+    """The 502 ``upstream_unavailable`` that ends a chat stream holding a tool call whose
+    ``index`` clients group apart (:func:`odd_tool_call_index`)."""
+    return OpenAIError(
+        502,
+        "The upstream engine sent a tool call whose index is not a whole number from 0 to 2**53 - 1, "
+        "which the gateway does not relay.",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
+
+
+def odd_output_index_event() -> OpenAIError:
+    """The 502 ``upstream_unavailable`` that ends a ``/v1/responses`` stream holding a text event
+    whose indexes clients group apart (:func:`odd_output_index`)."""
+    return OpenAIError(
+        502,
+        "The upstream engine sent a Responses text event with an output_index, content_index or "
+        "summary_index that is not an integer from 0 to 2**53 - 1, or one its type does not have, "
+        "which the gateway does not relay.",
         code=ErrorCode.UPSTREAM_UNAVAILABLE,
     )
 
@@ -556,6 +736,16 @@ def lenient_json_event() -> OpenAIError:
         "NaN or Infinity, a number out of range, invalid UTF-8 or nesting too deep), which it does not relay.",
         code=ErrorCode.UPSTREAM_UNAVAILABLE,
     )
+
+
+#: the kinds of stream events (:attr:`~verifier.engine_response.StreamEvent.kind`) that end a
+#: stream as outside the protocol -> the error that ends it
+REFUSED_EVENTS: dict[str, Callable[[], OpenAIError]] = {
+    "lenient": lenient_json_event,
+    "odd_index": odd_index_event,
+    "odd_tool_index": odd_tool_index_event,
+    "odd_output_index": odd_output_index_event,
+}
 
 
 def unreadable_stream(unfinished: bytes) -> OpenAIError:
