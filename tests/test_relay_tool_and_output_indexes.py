@@ -330,12 +330,13 @@ def verifier_key(event: dict) -> list[str]:
 #: the second text's delta D under another form of its index: (field, form) -> what the SDK
 #: shows of each text, the verifier's key for D
 RESPONSE_SPLITS: dict[str, tuple[str, Any, Any, list[str]]] = {
-    "output-1.0": ("output_index", 1.0, {(0, 0): "AC", (1, 0): "BDE"}, ["0:0:output_text"]),
+    # 1.0: the verifier now reads it as 1, as the SDK does (it read it as 0)
+    "output-1.0": ("output_index", 1.0, {(0, 0): "AC", (1, 0): "BDE"}, ["1:0:output_text"]),
     "output-true": ("output_index", True, {(0, 0): "AC", (1, 0): "BDE"}, ["0:0:output_text"]),
     "output-string": ("output_index", "1", {(0, 0): "AC", (1, 0): "BDE"}, ["0:0:output_text"]),
     "content-true": ("content_index", True, {(0, 0): "AC", (0, 1): "BDE"}, ["0:0:output_text"]),
     "content-string": ("content_index", "1", {(0, 0): "AC", (0, 1): "BDE"}, ["0:0:output_text"]),
-    "content-1.0": ("content_index", 1.0, {(0, 0): "AC", (0, 1): "BDE"}, ["0:0:output_text"]),
+    "content-1.0": ("content_index", 1.0, {(0, 0): "AC", (0, 1): "BDE"}, ["0:1:output_text"]),
     "content-negative": ("content_index", -1, {(0, 0): "AC", (0, 1): "BDE"}, ["0:-1:output_text"]),
     "content-false": ("content_index", False, {(0, 0): "ACD", (0, 1): "BE"}, ["0:0:output_text"]),
     # absent or null: no client groups it with a number (the verifier joins it with 0: more, not less)
@@ -348,9 +349,10 @@ RESPONSE_SPLITS: dict[str, tuple[str, Any, Any, list[str]]] = {
 def test_the_openai_sdk_groups_responses_text_by_a_value_the_verifier_read_apart(form):
     """Why the relay refuses them: texts A, C (item 0, part 0) and B, E (the second text), and D
     of the second text under another form of its index: the SDK's helper shows D inside the
-    second text, while the verifier read ``1.0``, ``true`` and ``"1"`` as 0 (the first text's
-    stream) and ``-1`` apart. Absent or ``null``, the helper cannot place D (nor groups it with a
-    number), and the verifier reads it with the first text: relayed."""
+    second text, while the verifier reads ``true`` and ``"1"`` as 0 (the first text's stream)
+    and ``-1`` apart (``1.0`` it read as 0 too; now as 1, with the SDK). Absent or ``null``,
+    the helper cannot place D (nor groups it with a number), and the verifier reads it with the
+    first text: relayed."""
     field, odd, sdk, key = RESPONSE_SPLITS[form]
     evs = split_response(["A", "C"], ["B", "D", "E"], field, lambda k: odd if k == 1 else 1)
     (d,) = [e for e in evs if e.get("delta") == "D"]

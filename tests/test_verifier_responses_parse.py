@@ -208,3 +208,20 @@ def test_every_string_of_an_event_is_read():
     assert (odd.kind, odd.fields) == ("other", {"4:other": "hello"})
     extra = parse_response_event({"type": "response.output_text.delta", "delta": "a", "x_note": "b", "item_id": "m"})
     assert extra.fields == {"0:0:output_text": "a", "0:other": "b"}
+
+
+def test_an_integral_float_index_keys_the_same_text_as_the_int():
+    """JSON's ``1.0`` is 1 to every client (the openai SDK keys output items by it in a dict, where
+    ``1.0 == 1``); it was read as 0 here, so a part sent under ``output_index`` 1 and 1.0 by turns
+    was two texts to the verifier and one to a client (the relay now refuses such a stream too)."""
+    one = parse_response_event(
+        {"type": "response.output_text.delta", "output_index": 1, "content_index": 2, "delta": "ab"}
+    )
+    other = parse_response_event(
+        {"type": "response.output_text.delta", "output_index": 1.0, "content_index": 2.0, "delta": "cd"}
+    )
+    assert (one.fields, other.fields) == ({"1:2:output_text": "ab"}, {"1:2:output_text": "cd"})
+    done = parse_response_event(
+        {"type": "response.output_text.done", "output_index": 1.0, "content_index": 2.0, "text": "abcd"}
+    )
+    assert done.snapshots == {"1:2:output_text": "abcd"}

@@ -306,7 +306,8 @@ def _rest(
 
 
 def _index(v: Any, position: int) -> int:
-    """A choice's (or a tool call's) key: its ``index`` when that is an integer, an integral
+    """A choice's (or a tool call's, or a Responses event's output or content) key: its ``index``
+    when that is an integer, an integral
     number included (JSON's ``1.0`` is the number 1 to every client: ``JSON.parse`` and Python's
     ``1.0 == 1`` alike, so a choice sent as ``1`` and ``1.0`` by turns is one choice there, and
     read apart it was two streams here, each with every other piece of the text); else
@@ -981,10 +982,8 @@ def parse_response_event(obj: Any) -> StreamEvent:
     if etype == "error" or (etype is None and obj.get("error") is not None):
         err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
         return StreamEvent(kind="error", error=err, sequence_number=seq)
-    i = _int(obj.get("output_index"))
-    i = 0 if i is None else i
-    j = _int(obj.get("content_index", obj.get("summary_index")))
-    j = 0 if j is None else j
+    i = _index(obj.get("output_index"), 0)
+    j = _index(obj.get("content_index", obj.get("summary_index")), 0)
     if etype in TEXT_DELTA_EVENTS:
         return _delta_event(obj, str(etype), i, j, seq)
     snaps, read = _snapshots(obj, etype)
@@ -1043,10 +1042,8 @@ _PART_NAMES = {"output_text": "output_text", "refusal": "refusal", "reasoning_te
 def _snapshots(obj: dict[str, Any], etype: Any) -> tuple[dict[str, str], set[str]]:
     """The texts an event repeats (see :attr:`StreamEvent.snapshots`) and the event keys
     read for them (with the metadata); never raises."""
-    i = _int(obj.get("output_index"))
-    i = 0 if i is None else i
-    j = _int(obj.get("content_index", obj.get("summary_index")))
-    j = 0 if j is None else j
+    i = _index(obj.get("output_index"), 0)
+    j = _index(obj.get("content_index", obj.get("summary_index")), 0)
     read = {"type"}
     out: dict[str, str] = {}
     if etype in _DONE_TEXT:
