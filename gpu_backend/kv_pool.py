@@ -42,8 +42,9 @@ class KVPool:
     ``num_kv_heads`` x ``head_dim``, ``dtype`` on ``device``. Pages are handed out FIFO from the free
     list (released pages go to its back, as SGLang's token allocator).
 
-    16 members, more than the team's ~15: four are read-only properties and ``page_is_zero`` is a
-    test helper; the rest are accounting, allocation and page IO, which belong together.
+    17 members, more than the team's ~15: four are read-only properties, ``page_is_zero`` is a
+    test helper and ``_unfreeable`` is :meth:`free`'s check; the rest are accounting, allocation
+    and page IO, which belong together.
     """
 
     def __init__(
@@ -146,18 +147,22 @@ class KVPool:
     def free(self, handles: Sequence[PageHandle], ignore_stale: bool = False) -> int:
         """Release pages: zero them and bump their generation (scrub), then return them to the free
         list. Returns the number of pages freed. A stale handle (a double free, or a page that was
-        released and handed to someone else since) raises :class:`StaleHandleError` with nothing
-        freed, or with ``ignore_stale`` is skipped (a sequence handed stale pages frees only its own)."""
+        released and handed to someone else since), a handle given twice in one call (it would
+        put its page on the free list twice, to be handed to two requests) or one naming no page
+        of the pool (a negative index would name another page) raises :class:`StaleHandleError`
+        with nothing freed, or with ``ignore_stale`` is skipped (a sequence handed stale pages
+        frees only its own, each once)."""
         if not handles:
             return 0
-        live = []
+        live: list[PageHandle] = []
+        seen: set[int] = set()
         for h in handles:
-            if self.generation[h.index] != h.generation or self.owner[h.index] is None:
+            why = self._unfreeable(h, seen)
+            if why is not None:
                 if ignore_stale:
                     continue
-                raise StaleHandleError(
-                    f"free through stale handle {tuple(h)} (page generation {self.generation[h.index]})"
-                )
+                raise StaleHandleError(f"free through handle {tuple(h)}: {why}")
+            seen.add(h.index)
             live.append(h)
         if not live:
             return 0
@@ -169,6 +174,16 @@ class KVPool:
             self.owner[i] = None
             self._free.append(i)
         return len(idx)
+
+    def _unfreeable(self, h: PageHandle, seen: set[int]) -> str | None:
+        """Why :meth:`free` must not free through ``h`` (``seen``: pages this call frees already), or ``None``."""
+        if not 0 <= h.index < self.num_pages:
+            return f"no page {h.index} in a pool of {self.num_pages}"
+        if h.index in seen:
+            return "given twice in one call"
+        if self.generation[h.index] != h.generation or self.owner[h.index] is None:
+            return f"stale (page generation {self.generation[h.index]})"
+        return None
 
     def check(self, handles: Sequence[PageHandle]) -> None:
         """Raise :class:`StaleHandleError` if any handle's generation moved on (no-op without scrub)."""
