@@ -151,12 +151,7 @@ def test_a_request_the_engine_would_refuse_is_refused_at_the_edge_and_changes_no
 ):
     """Before: 200 here (the mock takes anything) and the body forwarded as sent; the real engine
     answers 400 after the gateway reserved and then settled the prompt against TPM."""
-    g = gws[policy]
-    path, base = ROUTES[route]
-    ledger = Ledger(g, module_engine)
-    r = _post(g, path, {"model": MODEL, **base, **body})
-    assert (r.status_code, error_of(r)) == (400, error)
-    assert ledger.delta() == REFUSED
+    assert_refused_before_the_charge(gws, module_engine, ROUTES[route], policy, body, error)
 
 
 ADMITTED: list[tuple[str, str, dict[str, Any]]] = [
@@ -182,6 +177,19 @@ ADMITTED: list[tuple[str, str, dict[str, Any]]] = [
     ("responses", "kvgate", {"top_logprobs": 0, "top_p": 1}),
     ("responses", "openai", {"top_p": 0, "top_logprobs": 2}),
 ]
+
+
+def assert_refused_before_the_charge(
+    gws, module_engine, route: tuple[str, dict], policy: str, body: dict, error: dict
+) -> None:
+    """``body`` on ``route`` (its path and base body) to the gateway of engine set ``policy``: the
+    400 ``error``, and nothing charged beyond the request's own RPM entry."""
+    g = gws[policy]
+    path, base = route
+    ledger = Ledger(g, module_engine)
+    r = _post(g, path, {"model": MODEL, **base, **body})
+    assert (r.status_code, error_of(r)) == (400, error)
+    assert ledger.delta() == REFUSED
 
 
 def assert_forwarded_as_sent(gws, module_engine, route: tuple[str, dict], policy: str, body: dict) -> None:

@@ -35,9 +35,7 @@ import pytest
 from config.errors import OpenAIError
 from gateway.admission.engine_refusals import VLLM_MAX_SCHEMA_NESTING, VLLM_MAX_STOP_STRINGS, check_engine_refusals
 from tests import test_engine_refusals_everywhere as everywhere
-from tests.gateway_harness import MODEL
-from tests.test_gateway_api_routes import error_of
-from tests.test_hostile_routes import REFUSED, Ledger, _invalid, _post
+from tests.test_hostile_routes import _invalid
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.engine("api")]
 
@@ -321,12 +319,7 @@ REFUSED_BODIES: list[tuple[str, str, dict[str, Any], dict[str, Any]]] = [
 def test_a_request_the_engine_would_refuse_is_refused_before_the_charge(gws, module_engine, route, policy, body, error):
     """Before: 200 here (the mock takes anything) and the body forwarded as sent; the real engine
     answers 400 after the gateway reserved and then settled the prompt against TPM."""
-    g = gws[policy]
-    path, base = ROUTES[route]
-    ledger = Ledger(g, module_engine)
-    r = _post(g, path, {"model": MODEL, **base, **body})
-    assert (r.status_code, error_of(r)) == (400, error)
-    assert ledger.delta() == REFUSED
+    everywhere.assert_refused_before_the_charge(gws, module_engine, ROUTES[route], policy, body, error)
 
 
 ADMITTED: list[tuple[str, str, dict[str, Any]]] = [
