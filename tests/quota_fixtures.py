@@ -3,6 +3,7 @@ and restart, a sentinel in front of it, and a TCP server that accepts and never 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -271,3 +272,17 @@ async def load_scripts(store: Any) -> None:
 
     for name in ("begin", "tokens", "reserve", "settle", "renew", "cancel"):
         await store.client.script_load(load_script(name))
+
+
+async def recovered(stage: Any, budget: float = 5.0) -> None:
+    """Wait until the stage's background round has undone every failed call and sent every
+    settle left over (its task ends then)."""
+    deadline = time.monotonic() + budget
+
+    def done() -> bool:
+        task = stage._recoverer
+        return not stage._uncertain and not stage._unsettled and (task is None or task.done())
+
+    while not done():
+        assert time.monotonic() < deadline, f"the background undo did not finish within {budget}s"
+        await asyncio.sleep(0.02)

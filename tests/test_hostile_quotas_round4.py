@@ -30,10 +30,9 @@ from gateway.quotas.tenant_quotas import TenantQuotas, redis_client_from_url, re
 from tests.fixtures.redis_keys import REDIS_URL
 from tests.gateway_harness import KEY_A, Gateway, chat, settings_for, tenants, upstream
 from tests.mock_engine import MockEngine
-from tests.quota_fixtures import SpareRedis, spare_redis  # noqa: F401
+from tests.quota_fixtures import SpareRedis, recovered, spare_redis  # noqa: F401
 from tests.test_faults_slow_clients import SEND_LIMITS, Produced, _head, _request, _wait
 from tests.test_hostile_edge import LIMITS, EdgeServer
-from tests.test_quotas_races import _recovered
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,7 +109,7 @@ async def test_a_caller_cancelled_at_any_point_leaves_no_lease_and_no_tokens(red
                 await stage.settle(out, 30)
             else:
                 assert isinstance(out, asyncio.CancelledError), out
-        await _recovered(stage)
+        await recovered(stage)
         await asyncio.sleep(0.05)  # a settle's coalesced round trip
         state = await _state(stage.store, tenant.id)  # type: ignore[arg-type]
         assert state["leases"] == 0, state
@@ -309,7 +308,7 @@ async def test_a_begin_redis_runs_after_the_gateway_gave_up_leaves_no_lease(spar
         assert time.monotonic() - t0 < 0.9
         assert await blocker == 1
         await asyncio.sleep(0.6)  # past the back-off
-        await _recovered(stage)
+        await recovered(stage)
         state = await _state(stage.store, tenant.id, spare_redis.url)  # type: ignore[arg-type]
         assert (state["rpm"], state["leases"]) == (0, 0), state
         lease = await stage.begin(tenant, "r2")

@@ -12,7 +12,7 @@ import time
 import uuid
 
 import pytest
-from quota_fixtures import black_hole, spare_redis  # noqa: F401 (fixtures)
+from quota_fixtures import black_hole, recovered, spare_redis  # noqa: F401 (fixtures)
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, Settings, TenantConfig
@@ -111,6 +111,7 @@ async def test_fail_closed_when_redis_is_paused_then_resumed(spare_redis, caplog
     finally:
         spare_redis.resume()
     await _wait_for_recovery(stage)
+    await recovered(stage)  # the background round, once the back-off has passed
     # the paused server ran the reservations waiting in its sockets when it resumed; the gateway
     # had refused them with 503, so it undid them
     assert any(

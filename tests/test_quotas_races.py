@@ -17,7 +17,6 @@ import asyncio
 import logging
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -30,7 +29,7 @@ from config.models import QuotaSettings, TenantConfig
 from config.redis_client import key_slot
 from gateway.quotas.stores import QuotaLimits, RedisQuotaStore
 from gateway.quotas.tenant_quotas import PROBE_INTERVAL_SECONDS, TenantQuotas, redis_client_from_url
-from tests.quota_fixtures import SpareRedis, TcpForwarder, load_scripts, quota_state, spare_redis  # noqa: F401 (fixture)
+from tests.quota_fixtures import SpareRedis, TcpForwarder, load_scripts, quota_state, recovered, spare_redis  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,20 +110,6 @@ def _stage(url: str, **settings: Any) -> TenantQuotas:
     return TenantQuotas(QuotaSettings(**settings), store, fallback=fallback)
 
 
-async def _recovered(stage: TenantQuotas, budget: float = 5.0) -> None:
-    """Wait until the stage's background round has undone every failed call and sent every
-    settle left over (its task ends then)."""
-    deadline = time.monotonic() + budget
-
-    def done() -> bool:
-        task = stage._recoverer
-        return not stage._uncertain and not stage._unsettled and (task is None or task.done())
-
-    while not done():
-        assert time.monotonic() < deadline, f"the background undo did not finish within {budget}s"
-        await asyncio.sleep(0.02)
-
-
 async def _late_after_cancel(stage: TenantQuotas, proxy: HoldProxy, call: Any) -> Any:
     """Arm ``proxy``, await ``call`` (its round trip held back: it fails or falls back), wait
     until the stage's background round has run ``cancel.lua`` for it, then let the held bytes
@@ -135,7 +120,7 @@ async def _late_after_cancel(stage: TenantQuotas, proxy: HoldProxy, call: Any) -
     except OpenAIError as e:
         out = e
     assert not proxy.armed.is_set(), "the call's round trip was not held"
-    await _recovered(stage)
+    await recovered(stage)
     proxy.released.set()
     assert await asyncio.to_thread(proxy.delivered.wait, 10), "Redis never answered the late call"
     return out
@@ -283,7 +268,7 @@ async def test_local_fallback_keeps_the_rpm_entry_of_a_request_it_served(spare_r
     finally:
         spare_redis.resume()
     assert lease.headers["x-ratelimit-remaining-tokens"] == "900"
-    await _recovered(stage)
+    await recovered(stage)
     await stage.settle(lease, 80)
     assert quota_state(spare_redis, store, t.id) == {"rpm": 1, "tpm": 0, "debits": [], "sum": 0, "leases": 0}
     await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.05)
@@ -325,7 +310,7 @@ async def test_local_fallback_counts_the_concurrency_of_a_request_whose_token_st
     )
     await stage.settle(first, 80)
     await stage.settle(second, 0)
-    await _recovered(stage)
+    await recovered(stage)
     await asyncio.sleep(PROBE_INTERVAL_SECONDS + 0.05)  # Redis decides again
     # Redis ran the token step once it woke, then its undo: the first's RPM entry alone is left
     assert quota_state(spare_redis, store, t.id) == {"rpm": 1, "tpm": 0, "debits": [], "sum": 0, "leases": 0}
@@ -374,7 +359,7 @@ async def test_fail_closed_refunds_the_rpm_entry_of_a_request_refused_at_its_tok
     finally:
         spare_redis.resume()
     _assert_503(ei.value)
-    await _recovered(stage)
+    await recovered(stage)
     assert quota_state(spare_redis, store, t.id) == {"rpm": 0, "tpm": 0, "debits": [], "sum": 0, "leases": 0}
     await stage.aclose()
 

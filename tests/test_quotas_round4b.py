@@ -20,7 +20,8 @@ import pytest
 
 from config.models import TenantConfig
 from gateway.quotas.stores import QuotaLimits
-from tests.test_hostile_quotas_round4 import _recovered, _stage, _state
+from tests.quota_fixtures import recovered
+from tests.test_hostile_quotas_round4 import _stage, _state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +77,7 @@ async def test_a_round_cancelled_at_any_turn_leaves_no_coroutine_unawaited_and_i
                 await asyncio.gather(task, return_exceptions=True)
                 gc.collect()
             stage._ensure_recoverer()
-            await _recovered(stage)
+            await recovered(stage)
             await asyncio.sleep(0.05)  # a settle's coalesced round trip
             gc.collect()
         assert _never_awaited(caught) == []

@@ -33,8 +33,9 @@ from gateway.relay.upstream_client import MockResponse, MockTransport, UpstreamC
 from tests.fixtures.redis_keys import REDIS_URL
 from tests.gate_oracle import text_tokens
 from tests.gateway_harness import KEY_A, MODEL, SECRETS, chat, settings_for, tenants
+from tests.quota_fixtures import recovered
 from tests.test_gateway_relay import SSE, _chunk, _event, static_upstream
-from tests.test_hostile_quotas_round4 import _recovered, _state
+from tests.test_hostile_quotas_round4 import _state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -292,7 +293,7 @@ async def _run(
         count_gate.release.set()
         await asyncio.wait([task], timeout=5)
         assert task.done()
-        await _recovered(stage)
+        await recovered(stage)
         await asyncio.sleep(0.05)  # a settle's coalesced round trip
         state = await _state(stage.store, TENANT)  # type: ignore[arg-type]
     finally:

@@ -446,7 +446,7 @@ class TenantQuotas:
             log.warning("quota store %s answers again: limits are shared across replicas again", self.store.name)
             self._store_state(True)
 
-    async def _cancel_uncertain(self, scope: Any = _ALL) -> None:
+    async def _cancel_uncertain(self, scope: Any = _ALL, *, backing_off: bool = False) -> None:
         """Undo the reservations whose call failed during the outage (Redis may have run them,
         or may run them later: ``cancel.lua`` leaves a tombstone that makes them no-ops); they were
         refused or handled locally, so they must not count in Redis (but for the RPM entry of a
@@ -454,12 +454,16 @@ class TenantQuotas:
         only those of tenants in that part of the store; default: all. In slices of
         :data:`BACKLOG_SLICE` lease ids, one tenant's after the other's (:meth:`_Backlog.take`),
         each slice in one round trip; an undo that fails waits for the next round, and so, in this
-        one, do those of its part of the store (:meth:`_failing`)."""
+        one, do those of its part of the store (:meth:`_failing`). A part of the store that is
+        backing off is left alone (``backing_off``: not at :meth:`aclose`'s last try): the round
+        neither extends its back-off nor takes a slice out of the backlog while an outage's failed
+        calls are still joining it (the slice out, the cap let in more than it holds)."""
         undone = 0
         failing: set[Any] = set()
 
         def wanted(tenant_id: str) -> bool:
-            return self._in_scope(tenant_id, scope) and self.store.scope(tenant_id) not in failing
+            usable = backing_off or self._store_usable(tenant_id)
+            return usable and self._in_scope(tenant_id, scope) and self.store.scope(tenant_id) not in failing
 
         try:
             while batch := self._uncertain.take(BACKLOG_SLICE, wanted):
@@ -891,7 +895,9 @@ class TenantQuotas:
             with contextlib.suppress(Exception):  # TimeoutError included: closing goes on
                 async with asyncio.timeout(CLOSE_DRAIN_SECONDS):
                     await asyncio.gather(
-                        self._cancel_uncertain(), self._settle_left_over(backing_off=True), return_exceptions=True
+                        self._cancel_uncertain(backing_off=True),
+                        self._settle_left_over(backing_off=True),
+                        return_exceptions=True,
                     )
         self._report_dropped()
         if self._uncertain or self._unsettled:
