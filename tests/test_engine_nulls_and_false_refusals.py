@@ -62,6 +62,8 @@ def _sent(got: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- nulls: left out, gated as defaults
+#: the sampling fields chat and completions share
+SAMPLING = ("temperature", "top_p", "frequency_penalty", "presence_penalty", "stop", "seed")
 CHAT_NULLS = {
     k: None
     for k in (
@@ -72,12 +74,7 @@ CHAT_NULLS = {
         "stream_options",
         "logprobs",
         "top_logprobs",
-        "temperature",
-        "top_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "stop",
-        "seed",
+        *SAMPLING,
         "logit_bias",
         "tools",
         "response_format",
@@ -105,12 +102,7 @@ COMPLETION_NULLS = {
         "echo",
         "logprobs",
         "suffix",
-        "temperature",
-        "top_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "stop",
-        "seed",
+        *SAMPLING,
         "user",
         "top_k",
         "min_tokens",

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
 
 import httpx
 import orjson
 import pytest
 import torch
 from backend_core_support import collect
-from test_backend_disagg_nodes import greedy, prompt, running_stack, wait_idle, wait_state
+from test_backend_disagg_nodes import Stack, greedy, prompt, running_stack, wait_idle, wait_state
 
 from config.errors import OpenAIError
 from gpu_backend.bootstrap import RoomState, new_room
@@ -20,9 +22,29 @@ from gpu_backend.prefill_node import prefill_export
 from gpu_backend.router import HttpDecodeClient, HttpPrefillClient, LocalDecodeClient, Router
 from gpu_backend.sampling import SamplingParams
 from gpu_backend.servers import build_decode_app, build_prefill_app
-from gpu_backend.transfer import TransferFormatError, build_manifest
+from gpu_backend.transfer import Manifest, TransferFormatError, build_manifest
+from gpu_backend.wire import Token
 
 pytestmark = pytest.mark.timeout(60)
+
+
+async def reserve(
+    s: Stack, request_id: str, ids: list[int], params: dict[str, Any]
+) -> tuple[int, AsyncGenerator[Token, None], asyncio.Future[Token]]:
+    """A new room on decode, reserved for ``request_id`` (``ids``, ``params``): the room, its token
+    stream, and the stream's first token as a future (pending until the room's transfer)."""
+    room = new_room()
+    stream = s.dnode.generate(room, request_id, ids, params)
+    first = asyncio.ensure_future(stream.__anext__())
+    await wait_state(s.dnode, room, RoomState.RESERVED)
+    return room, stream, first
+
+
+def manifest(room: int, request_id: str, kv: torch.Tensor, first_token_id: int, ids: list[int]) -> Manifest:
+    """The manifest prefill sends with pages ``kv`` of prompt ``ids`` (one token id per position)."""
+    return build_manifest(
+        room=room, request_id=request_id, kv=kv, num_tokens=len(ids), first_token_id=first_token_id, prompt_ids=ids
+    )
 
 
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
@@ -60,21 +82,11 @@ async def test_a_transfer_whose_pages_do_not_fit_this_pool_is_a_400_and_touches_
     ``internal_error`` naming only ``ValueError``. Like a bad ``first_token_id``, it is a 400
     ``invalid_transfer`` now, refused before any room is touched."""
     async with running_stack() as s:
-        room = new_room()
-        gen = s.dnode.generate(room, "r", prompt(40), greedy(4))
-        first = asyncio.ensure_future(gen.__anext__())
-        await wait_state(s.dnode, room, RoomState.RESERVED)
+        room, gen, first = await reserve(s, "r", prompt(40), greedy(4))
         kv, res = await prefill_export(s.pe, "x", prompt(40))
         assert list(kv.shape) == [3, 1, 2, 16, 1, 64]  # copy-probe: one layer, one KV head of 64
         two_layers = torch.cat([kv, kv], dim=1)
-        bad = build_manifest(
-            room=room,
-            request_id="r",
-            kv=two_layers,
-            num_tokens=40,
-            first_token_id=res.first_token_id,
-            prompt_ids=prompt(40),
-        )
+        bad = manifest(room, "r", two_layers, res.first_token_id, prompt(40))
         with pytest.raises(EngineError) as e:
             await s.dnode.accept_transfer(bad, two_layers)
         assert backend_error(e.value).body() == {
@@ -88,9 +100,7 @@ async def test_a_transfer_whose_pages_do_not_fit_this_pool_is_a_400_and_touches_
         }
         assert e.value.status == 400 and s.dnode.counters["transfers_refused"] == 1
         assert s.dnode.rooms.get(room).transfer is None and s.de.pool_stats()["used_pages"] == 3
-        good = build_manifest(
-            room=room, request_id="r", kv=kv, num_tokens=40, first_token_id=res.first_token_id, prompt_ids=prompt(40)
-        )
+        good = manifest(room, "r", kv, res.first_token_id, prompt(40))
         assert await s.dnode.accept_transfer(good, kv) == 40  # the right pages still fit the room
         toks = [await first] + [t async for t in gen]
         assert [t.token_id for t in toks] == prompt(4) and toks[-1].finish_reason == "length"
@@ -107,22 +117,12 @@ async def test_non_finite_pages_from_a_faulty_prefill_are_refused_and_fail_no_ot
         p = prompt(40)
         victim = await s.router.open("victim", p, {**greedy(460), "ignore_eos": True})
         got = [await victim.__anext__()]
-        room = new_room()
         params = {**greedy(50), "temperature": 1.0, "seed": 1, "ignore_eos": True}
-        gen = s.dnode.generate(room, "faulty", prompt(20, 3000), params)
-        first = asyncio.ensure_future(gen.__anext__())
-        await wait_state(s.dnode, room, RoomState.RESERVED)
+        room, gen, first = await reserve(s, "faulty", prompt(20, 3000), params)
         kv, res = await prefill_export(s.pe, "x", prompt(20, 3000))
         kv = kv.clone()
         kv[1, 0, 1, 3, 0, 7] = float("nan")  # one value of page 1 (V, position 19)
-        m = build_manifest(
-            room=room,
-            request_id="faulty",
-            kv=kv,
-            num_tokens=20,
-            first_token_id=res.first_token_id,
-            prompt_ids=prompt(20, 3000),
-        )
+        m = manifest(room, "faulty", kv, res.first_token_id, prompt(20, 3000))
         with pytest.raises(TransferFormatError) as e:
             await s.dnode.accept_transfer(m, kv)
         assert (e.value.status, e.value.code) == (400, "invalid_transfer")

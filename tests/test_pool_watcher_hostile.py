@@ -9,11 +9,13 @@ at the first normal answer (docs/gateway.md, "Live pool limit")."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socketserver
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -42,23 +44,24 @@ POOL_UNKNOWN = {
 
 class HostileEngine(socketserver.ThreadingTCPServer):
     """Raw HTTP/1.1 on loopback: ``/server_info`` answers SGLang's report, ``/v1/loads`` 404,
-    except the path ``hostile_path``, which answers as ``mode`` says. ``sent`` records the body
-    bytes each hostile answer got out before the client went away (or it ended)."""
+    except the path ``hostile_path``, which answers as ``mode`` says (``ok`` until set; the other
+    arguments: the attributes of the same names). ``sent`` records the body bytes each hostile
+    answer got out before the client went away (or it ended)."""
 
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self) -> None:
+    def __init__(self, mode: str = "ok", delay_seconds: float = 0.0, flap_pools: list[int] | None = None) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        self.mode = "ok"
+        self.mode = mode
         self.hostile_path = "/server_info"
         self.sent: list[int] = []
         #: mode ``raw``: the whole HTTP answer; ``late``: the delay before a good one; ``flap``: the
         #: pools answered in turn (``answers`` counts them)
         self.raw = b""
-        self.delay_seconds = 0.0
-        self.flap_pools: list[int] = []
+        self.delay_seconds = delay_seconds
+        self.flap_pools: list[int] = flap_pools or []
         self.answers = 0
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
@@ -182,50 +185,65 @@ def _status(c: httpx.Client) -> dict[str, Any]:
     return c.get("/readyz").json()["upstreams"][0]
 
 
+@contextlib.contextmanager
+def _watched(
+    source: str = "sglang", hostile: HostileEngine | None = None, **pool: float
+) -> Iterator[tuple[HostileEngine, httpx.Client]]:
+    """The gateway on a mock engine (upstream ``u1``) whose pool is read from ``hostile`` (a new
+    :class:`HostileEngine` by default; started here) at ``/server_info`` (``source`` ``sglang``) or
+    ``/v1/models`` (``vllm``), every 0.2 s with a ``TIMEOUT`` timeout (``pool``: other pool
+    settings, or these). Yields the pool engine (its ``hostile_path`` that URL's path) and a client
+    of the gateway; stops the gateway and both engines on the way out."""
+    engine = MockEngine().start()
+    with hostile or HostileEngine() as served:
+        path = "/v1/models" if source == "vllm" else "/server_info"
+        served.hostile_path = path
+        up = upstream("u1", engine, pool_urls=[served.url + path], pool_source=source)
+        g = Gateway(settings_for([up], pool={"request_timeout_seconds": TIMEOUT, "poll_interval_seconds": 0.2, **pool}))
+        g.start()
+        try:
+            with g.client() as c:
+                yield served, c
+        finally:
+            g.stop()
+            engine.stop()
+
+
 @pytest.mark.parametrize(
     ("path", "mode"),
     [("/server_info", m) for m in CASES] + [("/v1/loads", "endless"), ("/v1/loads", "slow")],
 )
 def test_a_hostile_pool_endpoint_is_bounded_fails_closed_and_recovers(path: str, mode: str) -> None:
-    engine = MockEngine().start()
-    with HostileEngine() as hostile:
+    with _watched() as (hostile, c):
         hostile.hostile_path = path
         info = hostile.url + "/server_info"
-        up = upstream("u1", engine, pool_urls=[info])
-        g = Gateway(settings_for([up], pool={"request_timeout_seconds": TIMEOUT, "poll_interval_seconds": 0.2}))
-        g.start()
-        try:
-            with g.client() as c:
-                assert wait_for(lambda: _status(c)["known"], 5.0)  # a normal engine first
-                hostile.mode = mode
-                url = info if path == "/server_info" else hostile.url + LOADS
-                want = f"{url}{CASES[mode]}"
-                t0 = time.monotonic()
-                assert wait_for(lambda: _status(c)["error"] == want, 10.0), _status(c)
-                # the first hostile poll started at most one interval after the switch and ended within the timeout
-                assert time.monotonic() - t0 < 0.2 + TIMEOUT + 2.0
-                r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
-                assert (r.status_code, r.json(), r.headers["retry-after"]) == (503, {"error": POOL_UNKNOWN}, "1")
-                ready = c.get("/readyz")
-                assert ready.status_code == 503 and ready.json()["upstreams"][0]["limit_tokens"] is None
-                # the loop keeps answering while the watcher keeps meeting the hostile engine
-                latencies = []
-                for _ in range(5):
-                    t = time.monotonic()
-                    assert c.get("/healthz").status_code == 200
-                    latencies.append(time.monotonic() - t)
-                    time.sleep(0.1)
-                assert max(latencies) < 1.0, latencies
-                # the bound, plus what loopback's socket buffers took in (autotuned: up to about 16 MiB
-                # here) before the poll's close reached the engine; unbounded, the poll read all 256 MiB
-                assert hostile.sent and max(hostile.sent) < 32 << 20, hostile.sent
-                hostile.mode = "ok"
-                assert wait_for(lambda: _status(c)["known"], 5.0), _status(c)
-                assert _status(c)["limit_tokens"] == LIMIT and _status(c)["error"] is None
-                assert c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code == 200
-        finally:
-            g.stop()
-            engine.stop()
+        assert wait_for(lambda: _status(c)["known"], 5.0)  # a normal engine first
+        hostile.mode = mode
+        url = info if path == "/server_info" else hostile.url + LOADS
+        want = f"{url}{CASES[mode]}"
+        t0 = time.monotonic()
+        assert wait_for(lambda: _status(c)["error"] == want, 10.0), _status(c)
+        # the first hostile poll started at most one interval after the switch and ended within the timeout
+        assert time.monotonic() - t0 < 0.2 + TIMEOUT + 2.0
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+        assert (r.status_code, r.json(), r.headers["retry-after"]) == (503, {"error": POOL_UNKNOWN}, "1")
+        ready = c.get("/readyz")
+        assert ready.status_code == 503 and ready.json()["upstreams"][0]["limit_tokens"] is None
+        # the loop keeps answering while the watcher keeps meeting the hostile engine
+        latencies = []
+        for _ in range(5):
+            t = time.monotonic()
+            assert c.get("/healthz").status_code == 200
+            latencies.append(time.monotonic() - t)
+            time.sleep(0.1)
+        assert max(latencies) < 1.0, latencies
+        # the bound, plus what loopback's socket buffers took in (autotuned: up to about 16 MiB
+        # here) before the poll's close reached the engine; unbounded, the poll read all 256 MiB
+        assert hostile.sent and max(hostile.sent) < 32 << 20, hostile.sent
+        hostile.mode = "ok"
+        assert wait_for(lambda: _status(c)["known"], 5.0), _status(c)
+        assert _status(c)["limit_tokens"] == LIMIT and _status(c)["error"] is None
+        assert c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code == 200
 
 
 # ---------------------------------------------------------------- what the engine reports
@@ -258,13 +276,6 @@ def _gauges(c: httpx.Client) -> tuple[str, str]:
     pool = next(x for x in lines if x.startswith('kvgate_pool_tokens{upstream="u1"}'))
     limit = next(x for x in lines if x.startswith('kvgate_effective_limit_tokens{upstream="u1"}'))
     return pool.split()[-1], limit.split()[-1]
-
-
-def _hostile_gateway(engine: MockEngine, hostile: HostileEngine, source: str = "sglang", **pool: float) -> Gateway:
-    path = "/v1/models" if source == "vllm" else "/server_info"
-    hostile.hostile_path = path
-    up = upstream("u1", engine, pool_urls=[hostile.url + path], pool_source=source)
-    return Gateway(settings_for([up], pool={"request_timeout_seconds": TIMEOUT, **pool}))
 
 
 #: (source, what the pool URL answers (a whole HTTP answer; None: mode ``stall``), the error after the URL)
@@ -302,25 +313,17 @@ VALUES: dict[str, tuple[str, bytes | None, str]] = {
 @pytest.mark.parametrize("case", list(VALUES))
 def test_a_pool_no_engine_reports_fails_closed_and_recovers(case: str) -> None:
     source, raw, error = VALUES[case]
-    engine = MockEngine().start()
-    with HostileEngine() as hostile:
-        g = _hostile_gateway(engine, hostile, source, poll_interval_seconds=0.2)
-        g.start()
-        try:
-            with g.client() as c:
-                assert wait_for(lambda: _status(c)["known"], 5.0)
-                url = hostile.url + hostile.hostile_path
-                hostile.raw, hostile.mode = raw or b"", "stall" if raw is None else "raw"
-                assert wait_for(lambda: _status(c)["error"] == url + error, 5.0), _status(c)
-                r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
-                assert (r.status_code, r.json()) == (503, {"error": POOL_UNKNOWN})
-                assert _gauges(c) == ("-1.0", "-1.0")
-                hostile.mode = "ok"
-                assert wait_for(lambda: _status(c)["known"], 5.0), _status(c)
-                assert (_status(c)["limit_tokens"], _gauges(c)) == (LIMIT, ("4096.0", "3276.0"))
-        finally:
-            g.stop()
-            engine.stop()
+    with _watched(source) as (hostile, c):
+        assert wait_for(lambda: _status(c)["known"], 5.0)
+        url = hostile.url + hostile.hostile_path
+        hostile.raw, hostile.mode = raw or b"", "stall" if raw is None else "raw"
+        assert wait_for(lambda: _status(c)["error"] == url + error, 5.0), _status(c)
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+        assert (r.status_code, r.json()) == (503, {"error": POOL_UNKNOWN})
+        assert _gauges(c) == ("-1.0", "-1.0")
+        hostile.mode = "ok"
+        assert wait_for(lambda: _status(c)["known"], 5.0), _status(c)
+        assert (_status(c)["limit_tokens"], _gauges(c)) == (LIMIT, ("4096.0", "3276.0"))
 
 
 @pytest.mark.parametrize("source", ["sglang", "vllm"])
@@ -331,27 +334,19 @@ def test_a_report_the_parser_trips_on_is_a_failed_read_of_its_url(source: str, m
     # kept the last pool (4096) while the gate refused every request
     import gateway.ops.pool_watcher as pool_watcher
 
-    engine = MockEngine().start()
-    with HostileEngine() as hostile:
-        g = _hostile_gateway(engine, hostile, source, poll_interval_seconds=0.2)
-        g.start()
-        try:
-            with g.client() as c:
-                assert wait_for(lambda: _status(c)["known"], 5.0)
+    with _watched(source) as (hostile, c):
+        assert wait_for(lambda: _status(c)["known"], 5.0)
 
-                def trips(*args: object) -> None:
-                    raise TypeError("'int' object is not iterable")
+        def trips(*args: object) -> None:
+            raise TypeError("'int' object is not iterable")
 
-                monkeypatch.setattr(pool_watcher, "sglang_pool" if source == "sglang" else "vllm_max_model_len", trips)
-                want = f"{hostile.url}{hostile.hostile_path}: unreadable pool report (TypeError)"
-                assert wait_for(lambda: _status(c)["error"] is not None, 5.0)
-                assert _status(c)["error"] == want
-                assert _gauges(c) == ("-1.0", "-1.0")
-                r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
-                assert (r.status_code, r.json()) == (503, {"error": POOL_UNKNOWN})
-        finally:
-            g.stop()
-            engine.stop()
+        monkeypatch.setattr(pool_watcher, "sglang_pool" if source == "sglang" else "vllm_max_model_len", trips)
+        want = f"{hostile.url}{hostile.hostile_path}: unreadable pool report (TypeError)"
+        assert wait_for(lambda: _status(c)["error"] is not None, 5.0)
+        assert _status(c)["error"] == want
+        assert _gauges(c) == ("-1.0", "-1.0")
+        r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+        assert (r.status_code, r.json()) == (503, {"error": POOL_UNKNOWN})
 
 
 @pytest.mark.parametrize(
@@ -363,79 +358,52 @@ def test_a_report_the_parser_trips_on_is_a_failed_read_of_its_url(source: str, m
     ],
 )
 def test_a_list_field_of_another_type_is_read_as_absent(source: str, body: bytes, error: str | None) -> None:
-    engine = MockEngine().start()
-    with HostileEngine() as hostile:
-        g = _hostile_gateway(engine, hostile, source, poll_interval_seconds=0.2)
-        g.start()
-        try:
-            with g.client() as c:
-                assert wait_for(lambda: _status(c)["known"], 5.0)
-                hostile.raw, hostile.mode = _answer("200 OK", body), "raw"
-                if error is None:
-                    time.sleep(0.6)  # polls of the stray field's report
-                    assert (_status(c)["known"], _status(c)["limit_tokens"]) == (True, LIMIT)
-                    return
-                assert wait_for(lambda: _status(c)["error"] is not None, 5.0)
-                assert _status(c)["error"] == f"{hostile.url}{hostile.hostile_path}: {error}"
-                assert _gauges(c) == ("-1.0", "-1.0")
-        finally:
-            g.stop()
-            engine.stop()
+    with _watched(source) as (hostile, c):
+        assert wait_for(lambda: _status(c)["known"], 5.0)
+        hostile.raw, hostile.mode = _answer("200 OK", body), "raw"
+        if error is None:
+            time.sleep(0.6)  # polls of the stray field's report
+            assert (_status(c)["known"], _status(c)["limit_tokens"]) == (True, LIMIT)
+            return
+        assert wait_for(lambda: _status(c)["error"] is not None, 5.0)
+        assert _status(c)["error"] == f"{hostile.url}{hostile.hostile_path}: {error}"
+        assert _gauges(c) == ("-1.0", "-1.0")
 
 
 def test_a_reading_is_as_old_as_its_slowest_answer() -> None:
     # the pool answers 0.5 s after it is asked (within the 2 s timeout). The reading's age counts
     # from the poll's start, so a reading is never younger than what it holds. Before: from the
     # poll's end, and /readyz showed ages near 0 right after each poll
-    engine = MockEngine().start()
-    with HostileEngine() as hostile:
-        hostile.mode, hostile.delay_seconds = "late", 0.5
-        g = _hostile_gateway(engine, hostile, poll_interval_seconds=0.2, request_timeout_seconds=2.0)
-        g.start()
-        try:
-            with g.client() as c:
-                assert wait_for(lambda: _status(c)["known"], 5.0)
-                ages: list[float] = []
-                deadline = time.monotonic() + 2.0
-                while time.monotonic() < deadline:
-                    ages.append(_status(c)["age_seconds"])
-                    time.sleep(0.02)
-                assert min(ages) >= 0.5, ages
-                assert _status(c)["limit_tokens"] == LIMIT
-        finally:
-            g.stop()
-            engine.stop()
+    late = HostileEngine(mode="late", delay_seconds=0.5)
+    with _watched(hostile=late, request_timeout_seconds=2.0) as (_, c):
+        assert wait_for(lambda: _status(c)["known"], 5.0)
+        ages: list[float] = []
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            ages.append(_status(c)["age_seconds"])
+            time.sleep(0.02)
+        assert min(ages) >= 0.5, ages
+        assert _status(c)["limit_tokens"] == LIMIT
 
 
 def test_an_answer_slower_than_the_staleness_bound_is_never_trusted() -> None:
     # the pool answers 1.2 s after it is asked: within the 3 s timeout, past the 1 s staleness
     # bound. Before: each late reading counted as fresh when it arrived and was admitted against
     # for the next second (known about two thirds of the time, with no error)
-    engine = MockEngine().start()
-    with HostileEngine() as hostile:
-        hostile.mode, hostile.delay_seconds = "late", 1.2
-        pool = {"poll_interval_seconds": 0.2, "max_staleness_seconds": 1.0, "request_timeout_seconds": 3.0}
-        g = _hostile_gateway(engine, hostile, **pool)
-        g.start()
-        try:
-            with g.client() as c:
-                want = "reading the pool took longer than pool.max_staleness_seconds (1 s)"
-                assert wait_for(lambda: _status(c)["error"] == want, 6.0), _status(c)
-                seen = []
-                deadline = time.monotonic() + 3.0
-                while time.monotonic() < deadline:
-                    seen.append(
-                        (_status(c)["known"], c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code)
-                    )
-                    time.sleep(0.05)
-                assert set(seen) == {(False, 503)}, seen
-                assert _gauges(c) == ("-1.0", "-1.0")
-                hostile.delay_seconds = 0.0
-                assert wait_for(lambda: _status(c)["known"], 5.0), _status(c)
-                assert _status(c)["limit_tokens"] == LIMIT
-        finally:
-            g.stop()
-            engine.stop()
+    late = HostileEngine(mode="late", delay_seconds=1.2)
+    with _watched(hostile=late, max_staleness_seconds=1.0, request_timeout_seconds=3.0) as (hostile, c):
+        want = "reading the pool took longer than pool.max_staleness_seconds (1 s)"
+        assert wait_for(lambda: _status(c)["error"] == want, 6.0), _status(c)
+        seen = []
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            seen.append((_status(c)["known"], c.post("/v1/chat/completions", json=chat(max_tokens=5)).status_code))
+            time.sleep(0.05)
+        assert set(seen) == {(False, 503)}, seen
+        assert _gauges(c) == ("-1.0", "-1.0")
+        hostile.delay_seconds = 0.0
+        assert wait_for(lambda: _status(c)["known"], 5.0), _status(c)
+        assert _status(c)["limit_tokens"] == LIMIT
 
 
 def test_a_pool_that_flaps_is_gated_on_its_smallest_recent_reading(caplog: pytest.LogCaptureFixture) -> None:
@@ -444,38 +412,30 @@ def test_a_pool_that_flaps_is_gated_on_its_smallest_recent_reading(caplog: pytes
     # last max_staleness_seconds. Before: the newest reading, and a request of 1,003 tokens was
     # admitted after each 4,096 answer (to be forwarded, perhaps, to the 1,024 engine)
     caplog.set_level(logging.WARNING, logger="kvgate.pool")
-    engine = MockEngine().start()
-    with HostileEngine() as hostile:
-        hostile.mode, hostile.flap_pools = "flap", [4096, 1024]
-        g = _hostile_gateway(engine, hostile, poll_interval_seconds=0.2, max_staleness_seconds=2.0)
-        g.start()
-        try:
-            with g.client() as c:
-                assert wait_for(lambda: hostile.answers >= 3, 5.0)
-                seen = []
-                deadline = time.monotonic() + 1.5
-                while time.monotonic() < deadline:
-                    r = c.post("/v1/completions", json=COMPLETION)
-                    seen.append((_status(c)["limit_tokens"], r.status_code, r.json()))
-                    time.sleep(0.05)
-                assert {(lim, code) for lim, code, _ in seen} == {(819, 400)}, seen
-                assert all(body == {"error": OVER_819} for _, _, body in seen)
-                assert _gauges(c) == ("1024.0", "819.0")
-                logged = {r.getMessage() for r in caplog.records}
-                hold = "; the gate holds the smallest reading of the last 2 s: 1024 tokens, limit 819"
-                assert "pool of upstream u1 read 1024 tokens (last read: 4096)" + hold in logged, logged
-                assert "pool of upstream u1 read 4096 tokens (last read: 1024)" + hold in logged, logged
-                # the flapping stops at 4,096: the last 1,024 reading is held until it is 2 s old
-                hostile.flap_pools = [4096]
-                switched = time.monotonic()
-                while time.monotonic() < switched + 1.2:
-                    assert _status(c)["limit_tokens"] == 819
-                    time.sleep(0.05)
-                assert wait_for(lambda: _status(c)["limit_tokens"] == LIMIT, 3.0), _status(c)
-                assert c.post("/v1/completions", json=COMPLETION).status_code == 200
-        finally:
-            g.stop()
-            engine.stop()
+    flap = HostileEngine(mode="flap", flap_pools=[4096, 1024])
+    with _watched(hostile=flap, max_staleness_seconds=2.0) as (hostile, c):
+        assert wait_for(lambda: hostile.answers >= 3, 5.0)
+        seen = []
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            r = c.post("/v1/completions", json=COMPLETION)
+            seen.append((_status(c)["limit_tokens"], r.status_code, r.json()))
+            time.sleep(0.05)
+        assert {(lim, code) for lim, code, _ in seen} == {(819, 400)}, seen
+        assert all(body == {"error": OVER_819} for _, _, body in seen)
+        assert _gauges(c) == ("1024.0", "819.0")
+        logged = {r.getMessage() for r in caplog.records}
+        hold = "; the gate holds the smallest reading of the last 2 s: 1024 tokens, limit 819"
+        assert "pool of upstream u1 read 1024 tokens (last read: 4096)" + hold in logged, logged
+        assert "pool of upstream u1 read 4096 tokens (last read: 1024)" + hold in logged, logged
+        # the flapping stops at 4,096: the last 1,024 reading is held until it is 2 s old
+        hostile.flap_pools = [4096]
+        switched = time.monotonic()
+        while time.monotonic() < switched + 1.2:
+            assert _status(c)["limit_tokens"] == 819
+            time.sleep(0.05)
+        assert wait_for(lambda: _status(c)["limit_tokens"] == LIMIT, 3.0), _status(c)
+        assert c.post("/v1/completions", json=COMPLETION).status_code == 200
 
 
 def test_the_incident_a_restart_with_a_smaller_pool(caplog: pytest.LogCaptureFixture) -> None:
@@ -484,57 +444,43 @@ def test_the_incident_a_restart_with_a_smaller_pool(caplog: pytest.LogCaptureFix
     # reading from before the restart is held), and the change logged against the old pool.
     # Before: the same gate, but the new pool was not logged (the failures had dropped the old one)
     caplog.set_level(logging.WARNING, logger="kvgate.pool")
-    engine = MockEngine().start()
-    with HostileEngine() as hostile:
-        g = _hostile_gateway(engine, hostile, poll_interval_seconds=0.2)
-        g.start()
-        try:
-            with g.client() as c:
-                assert wait_for(lambda: _status(c)["known"], 5.0)
-                assert c.post("/v1/completions", json=COMPLETION).status_code == 200
-                hostile.raw, hostile.mode = b"", "raw"
-                want = f"{hostile.url}/server_info unreachable (RemoteProtocolError)"
-                assert wait_for(lambda: _status(c)["error"] == want, 5.0), _status(c)
-                r = c.post("/v1/completions", json=COMPLETION)
-                assert (r.status_code, r.json()) == (503, {"error": POOL_UNKNOWN})
-                hostile.mode, hostile.flap_pools = "flap", [1024]
-                assert wait_for(lambda: _status(c)["known"], 5.0), _status(c)
-                assert _status(c)["limit_tokens"] == 819
-                r = c.post("/v1/completions", json=COMPLETION)
-                assert (r.status_code, r.json()) == (400, {"error": OVER_819})
-                logged = {r.getMessage() for r in caplog.records}
-                want_log = (
-                    "pool of upstream u1 read 1024 tokens (last read: 4096); the gate holds the smallest reading "
-                    "of the last 5 s: 1024 tokens, limit 819"
-                )
-                assert want_log in logged, logged
-        finally:
-            g.stop()
-            engine.stop()
+    with _watched() as (hostile, c):
+        assert wait_for(lambda: _status(c)["known"], 5.0)
+        assert c.post("/v1/completions", json=COMPLETION).status_code == 200
+        hostile.raw, hostile.mode = b"", "raw"
+        want = f"{hostile.url}/server_info unreachable (RemoteProtocolError)"
+        assert wait_for(lambda: _status(c)["error"] == want, 5.0), _status(c)
+        r = c.post("/v1/completions", json=COMPLETION)
+        assert (r.status_code, r.json()) == (503, {"error": POOL_UNKNOWN})
+        hostile.mode, hostile.flap_pools = "flap", [1024]
+        assert wait_for(lambda: _status(c)["known"], 5.0), _status(c)
+        assert _status(c)["limit_tokens"] == 819
+        r = c.post("/v1/completions", json=COMPLETION)
+        assert (r.status_code, r.json()) == (400, {"error": OVER_819})
+        logged = {r.getMessage() for r in caplog.records}
+        want_log = (
+            "pool of upstream u1 read 1024 tokens (last read: 4096); the gate holds the smallest reading "
+            "of the last 5 s: 1024 tokens, limit 819"
+        )
+        assert want_log in logged, logged
 
 
 def test_a_redirect_is_not_followed() -> None:
     # the pool URL answers 302 to another host that serves a good pool: a pool read elsewhere is
     # not this engine's, so the answer is a failed read and the other host is never asked
-    engine = MockEngine().start()
     elsewhere = MockEngine().start()
-    with HostileEngine() as hostile:
-        g = _hostile_gateway(engine, hostile, poll_interval_seconds=0.2)
-        g.start()
-        try:
-            with g.client() as c:
-                assert wait_for(lambda: _status(c)["known"], 5.0)
-                location = f"location: {elsewhere.info_url}\r\n"
-                hostile.raw, hostile.mode = _answer("302 Found", b"", extra=location), "raw"
-                want = f"{hostile.url}/server_info answered 302"
-                assert wait_for(lambda: _status(c)["error"] == want, 5.0), _status(c)
-                r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
-                assert (r.status_code, r.json()) == (503, {"error": POOL_UNKNOWN})
-                assert elsewhere.state.info_hits == 0
-        finally:
-            g.stop()
-            engine.stop()
-            elsewhere.stop()
+    try:
+        with _watched() as (hostile, c):
+            assert wait_for(lambda: _status(c)["known"], 5.0)
+            location = f"location: {elsewhere.info_url}\r\n"
+            hostile.raw, hostile.mode = _answer("302 Found", b"", extra=location), "raw"
+            want = f"{hostile.url}/server_info answered 302"
+            assert wait_for(lambda: _status(c)["error"] == want, 5.0), _status(c)
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5))
+            assert (r.status_code, r.json()) == (503, {"error": POOL_UNKNOWN})
+            assert elsewhere.state.info_hits == 0
+    finally:
+        elsewhere.stop()
 
 
 def test_a_pool_host_that_does_not_resolve_fails_closed() -> None:

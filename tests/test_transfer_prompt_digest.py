@@ -15,12 +15,14 @@ import asyncio
 import hashlib
 import json
 import struct
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
 import pytest
+import torch
 from safetensors.torch import save as st_save
-from test_backend_disagg_nodes import greedy, make_stack, prompt, wait_idle, wait_state
+from test_backend_disagg_nodes import Stack, greedy, prompt, running_stack, wait_idle, wait_state
 
 from config.errors import OpenAIError
 from gpu_backend.bootstrap import RoomState, new_room
@@ -40,6 +42,7 @@ from gpu_backend.transfer import (
     build_manifest,
     encode_transfer,
 )
+from gpu_backend.wire import Token
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,6 +84,27 @@ async def pages_back(*engines: Engine, scrubbed: bool) -> None:
     raise AssertionError([e.pool_stats() for e in engines])
 
 
+async def reserved_room(
+    s: Stack, ids: list[int], n: int
+) -> tuple[int, AsyncGenerator[Token, None], asyncio.Future[Token]]:
+    """Decode reserves a new room for request ``"r"``: ``ids`` and ``n`` greedy tokens. Returns the
+    room, its token stream and the stream's first token (a future, pending until the transfer)."""
+    room = new_room()
+    gen = s.dnode.generate(room, "r", ids, greedy(n))
+    first = asyncio.ensure_future(gen.__anext__())
+    await wait_state(s.dnode, room, RoomState.RESERVED)
+    return room, gen, first
+
+
+async def prefilled(s: Stack, room: int, ids: list[int]) -> tuple[torch.Tensor, Manifest]:
+    """Prefill's pages of ``ids`` (a forward pass on ``s.pe``) and their manifest for ``room`` and
+    request ``"r"``: ``(kv, manifest)``."""
+    kv, res = await prefill_export(s.pe, "x", ids)
+    return kv, build_manifest(
+        room=room, request_id="r", kv=kv, num_tokens=len(ids), first_token_id=res.first_token_id, prompt_ids=ids
+    )
+
+
 @pytest.mark.parametrize(
     "faults",
     [NO_FAULTS, Faults(skip_transfer_check=True), Faults(admit_rejected=True, skip_transfer_check=True, no_scrub=True)],
@@ -90,8 +114,7 @@ async def test_a_prefill_over_another_prompt_of_the_same_length_fails_the_room_a
     faults, monkeypatch
 ):
     monkeypatch.setattr("gpu_backend.router.new_room", lambda: 4242)
-    s = await make_stack(faults=faults)
-    try:
+    async with running_stack(faults=faults) as s:
         mine, theirs = prompt(40, 1000), prompt(40, 7000)  # copy-probe: decode would copy `theirs`
         router = Router(PrefillOverAnotherPrompt(s.pnode, theirs), LocalDecodeClient(s.dnode))
         free_before = s.de.pool_stats()["free_pages"]
@@ -119,24 +142,14 @@ async def test_a_prefill_over_another_prompt_of_the_same_length_fails_the_room_a
         ok = await Router(LocalPrefillClient(s.pnode), LocalDecodeClient(s.dnode)).open("next", mine, greedy(8))
         assert [t.token_id async for t in ok] == mine[:8]
         await pages_back(s.pe, s.de, scrubbed=not faults.no_scrub)
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 async def test_a_transfer_over_another_prompt_over_http_is_the_500_body_and_frees_the_room():
-    s = await make_stack()
-    try:
+    async with running_stack() as s:
         mine, theirs = prompt(20, 1000), prompt(20, 7000)
-        room = new_room()
-        gen = s.dnode.generate(room, "r", mine, greedy(4))
-        first = asyncio.ensure_future(gen.__anext__())
-        await wait_state(s.dnode, room, RoomState.RESERVED)
+        room, gen, first = await reserved_room(s, mine, 4)
         assert s.de.pool_stats()["free_pages"] == 64 - 2  # ceil((20 + 4) / 16)
-        kv, res = await prefill_export(s.pe, "x", theirs)
-        m = build_manifest(
-            room=room, request_id="r", kv=kv, num_tokens=20, first_token_id=res.first_token_id, prompt_ids=theirs
-        )
+        kv, m = await prefilled(s, room, theirs)
         assert m.prompt_ids_sha256 == sha256_of_ids(theirs) != sha256_of_ids(mine)
         app = build_decode_app(s.dnode)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://decode") as c:
@@ -155,9 +168,6 @@ async def test_a_transfer_over_another_prompt_over_http_is_the_500_body_and_free
         await gen.aclose()
         await wait_idle(s.pe, s.de)
         assert s.de.pool_stats()["free_pages"] == 64 and s.de.stats["decode_steps"] == 0
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 # ---- the honest path, tiny random model ----------------------------------------------------------------
@@ -214,17 +224,10 @@ async def test_the_honest_path_generates_the_same_tokens_as_before():
 
 
 async def test_a_manifest_without_the_digest_is_a_400_and_touches_no_room():
-    s = await make_stack()
-    try:
+    async with running_stack() as s:
         ids = prompt(20, 1000)
-        room = new_room()
-        gen = s.dnode.generate(room, "r", ids, greedy(3))
-        first = asyncio.ensure_future(gen.__anext__())
-        await wait_state(s.dnode, room, RoomState.RESERVED)
-        kv, res = await prefill_export(s.pe, "x", ids)
-        m = build_manifest(
-            room=room, request_id="r", kv=kv, num_tokens=20, first_token_id=res.first_token_id, prompt_ids=ids
-        )
+        room, gen, first = await reserved_room(s, ids, 3)
+        kv, m = await prefilled(s, room, ids)
         raw = json.loads(m.to_json())
         del raw["prompt_ids_sha256"]
         payload = st_save({"kv": kv.contiguous()}, metadata={MANIFEST_KEY: json.dumps(raw)})
@@ -245,23 +248,13 @@ async def test_a_manifest_without_the_digest_is_a_400_and_touches_no_room():
         assert await s.dnode.accept_transfer(m, kv) == 20  # the whole manifest still fits the room
         assert [t.token_id for t in [await first] + [t async for t in gen]] == ids[:3]
         await wait_idle(s.pe, s.de)
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 async def test_the_same_manifest_twice_gets_the_same_answer_another_digest_a_409():
-    s = await make_stack()
-    try:
+    async with running_stack() as s:
         ids = prompt(20, 1000)
-        room = new_room()
-        gen = s.dnode.generate(room, "r", ids, greedy(3))
-        first = asyncio.ensure_future(gen.__anext__())
-        await wait_state(s.dnode, room, RoomState.RESERVED)
-        kv, res = await prefill_export(s.pe, "x", ids)
-        m = build_manifest(
-            room=room, request_id="r", kv=kv, num_tokens=20, first_token_id=res.first_token_id, prompt_ids=ids
-        )
+        room, gen, first = await reserved_room(s, ids, 3)
+        kv, m = await prefilled(s, room, ids)
         app = build_decode_app(s.dnode)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://decode") as c:
             answers = []
@@ -277,9 +270,6 @@ async def test_the_same_manifest_twice_gets_the_same_answer_another_digest_a_409
         assert [t.token_id for t in [await first] + [t async for t in gen]] == ids[:3]
         assert s.dnode.counters["transfers_accepted"] == 1 and s.dnode.counters["transfer_mismatches"] == 0
         await wait_idle(s.pe, s.de)
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
 
 
 def test_the_digest_is_sha256_over_little_endian_int64_ids():
@@ -292,12 +282,8 @@ def test_the_digest_is_sha256_over_little_endian_int64_ids():
 
 @pytest.mark.parametrize("bad", [[1000, "x"], [1000, 2**63]])
 async def test_a_generate_call_whose_prompt_ids_cannot_be_digested_is_a_400_and_opens_no_room(bad):
-    s = await make_stack()
-    try:
+    async with running_stack() as s:
         with pytest.raises(InvalidRequestError) as e:
             await s.dnode.generate(new_room(), "r", bad, greedy(2)).__anext__()
         assert (e.value.status, e.value.param, str(e.value)) == (400, "prompt", "prompt_ids must be integer token ids")
         assert len(s.dnode.rooms) == 0 and s.de.pool_stats()["used_pages"] == 0
-    finally:
-        await s.pe.stop()
-        await s.de.stop()
