@@ -10,7 +10,8 @@ Two modes, both against ``bench/gateway.py``'s nginx mock engine and its scenari
   before a change) served side by side, measured in ``--pairs`` interleaved pairs of short runs
   (the order flips every pair) at c=1 and at c=64; prints each side's median and the median and
   quartiles of the within-pair ratios A/B, for p50 (c=1), requests/s (c=64) and CPU per request.
-  ``--kind`` picks what both serve: ``bare``, ``quotas`` (Redis quotas, no verifier) or ``full``.
+  ``--kind`` picks what both serve: ``bare``, ``quotas`` (Redis quotas, no verifier), ``full``
+  or ``verify100`` (``full`` with the verifier checking every response).
 
 Run: ``.venv/bin/python bench/cpu_pairs.py cpu --scenarios kvgate-bare,kvgate-full`` or
 ``.venv/bin/python bench/cpu_pairs.py pairs --a . --b /tmp/base --kind bare --pairs 10``. Needs
@@ -91,9 +92,9 @@ def run_cpu(scenarios: list[str], seconds: float) -> None:
 
 
 def served(env: G.Env, name: str, root: Path, kind: str):
-    """kvgate of checkout ``root`` as ``kind`` (``bare``, ``quotas``, ``full``)."""
-    if kind == "full":
-        return G.full_features(env, name, 0.05, root=root)
+    """kvgate of checkout ``root`` as ``kind`` (``bare``, ``quotas``, ``full``, ``verify100``)."""
+    if kind in ("full", "verify100"):
+        return G.full_features(env, name, 1.0 if kind == "verify100" else 0.05, root=root)
     if kind == "quotas":
         return G.full_features(env, name, 0.05, root=root, verifier={"enabled": False})
     return G.gateway_target(env, name=name, workers=G.usable_cores(), root=root)
@@ -137,7 +138,7 @@ def main() -> int:
     pairs = sub.add_parser("pairs", help="two checkouts side by side, in interleaved pairs of runs")
     pairs.add_argument("--a", type=Path, required=True, help="checkout A (e.g. .)")
     pairs.add_argument("--b", type=Path, required=True, help="checkout B (e.g. a worktree of the base)")
-    pairs.add_argument("--kind", choices=["bare", "quotas", "full"], default="full")
+    pairs.add_argument("--kind", choices=["bare", "quotas", "full", "verify100"], default="full")
     pairs.add_argument("--pairs", type=int, default=10)
     pairs.add_argument("--seconds", type=float, default=2.0)
     args = ap.parse_args()
