@@ -7,8 +7,8 @@ An engine's 400 came after the prompt had been counted, reserved and charged
 (``gateway/relay/finish.py``: an engine's error is settled at the prompt x its sequences), so these
 are the gateway's own 400 naming the field, before anything is counted. Every engine in
 ``engines`` may get the request, so each one's refusals apply; ``openai`` upstreams are left to
-OpenAI. Checked after the field policy (:mod:`gateway.admission.fields`), so a field it already
-refuses keeps that error.
+OpenAI, but for completions ``best_of`` below ``n`` (:func:`_check_openai_best_of`). Checked after
+the field policy (:mod:`gateway.admission.fields`), so a field it already refuses keeps that error.
 
 Sources: vLLM ``vllm/sampling_params.py@00388f65`` (``SamplingParams._verify_args``,
 ``_verify_greedy_sampling``, ``__post_init__``), ``vllm/entrypoints/openai/chat_completion/
@@ -19,8 +19,8 @@ sampling_params.py@00c17caf`` (``SamplingParams.__post_init__``, ``verify``); th
 ``_prompt_ids``) and ``gpu_backend/responses_api.py`` (``parse_responses``). The tool, stop and
 output-constraint rules (:func:`_check_vllm_stop`, :func:`_check_chat_tools`,
 :func:`_check_json_schema_format`, :func:`_check_responses_tools`, :func:`_check_sglang_constraints`,
-:func:`_check_vllm_schema_nesting`) cite vLLM 0.34.0 and SGLang 0.5.23 by file and line (``vllm/...``
-and ``python/sglang/srt/...``).
+:func:`_check_vllm_schema_nesting`, :func:`_check_completion_format`) and :func:`_check_openai_best_of`
+cite vLLM 0.34.0 and SGLang 0.5.23 by file and line (``vllm/...`` and ``python/sglang/srt/...``).
 """
 
 from __future__ import annotations
@@ -330,7 +330,9 @@ def _check_sglang_constraints(body: dict[str, Any], engines: frozenset[str], rou
     ``entrypoints/openai/protocol.py:1263-1272``, Responses ``protocol.py:2197-2215``; SGLang takes
     the pair only with the GLM-4.7 tool parser, ``function_call/function_call_parser.py:358-384``,
     which kvgate cannot see)."""
-    if "sglang" not in engines or route == "completions":  # completions: gateway.admission.fields refuses a pair
+    # completions: a response_format pair is _check_completion_format's (which calls this as chat), a
+    # regex / ebnf / json_schema one the field policy's (gateway.admission.fields)
+    if "sglang" not in engines or route == "completions":
         return
     if route == "chat":
         fmt_param, fmt = "response_format", body.get("response_format")
@@ -447,8 +449,55 @@ def _check_responses_request_model(body: dict[str, Any], engines: frozenset[str]
 
 
 #: route -> the checks of :data:`PYDANTIC_ENGINES`' request models on it (completions: none beyond
-#: :func:`_check_sampling` and :func:`_check_vllm_stop`)
+#: :func:`_check_sampling` and :func:`_check_vllm_stop` here; its ``response_format`` is
+#: :func:`_check_completion_format`'s)
 _PYDANTIC_CHECKS = {"chat": _check_chat_request_model, "responses": _check_responses_request_model}
+
+
+def _check_openai_best_of(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """Completions ``best_of`` below ``n``: 400 naming ``best_of`` where an ``openai`` upstream
+    serves the model (OpenAI: "best_of must be greater than n"). vLLM 0.34.0's ``CompletionRequest``
+    has no ``best_of`` (``vllm/entrypoints/openai/completion/protocol.py:49-75``: an extra field,
+    ignored) and SGLang 0.5.23 reads it nowhere (``protocol.py:373``, its only mention): both generate
+    ``n``; the bundled backend takes ``best_of`` 1 only (:data:`BUNDLED_NEUTRAL`). The gate reserves
+    ``max(n, best_of)`` sequences either way."""
+    best_of, n = body.get("best_of"), body.get("n")
+    if "openai" in engines and best_of is not None and n is not None and best_of < n:
+        raise bad_value("best_of", "must be >= 'n'")
+
+
+#: what chat's ``response_format`` checks read of a completions body (:func:`_check_completion_format`)
+_FORMAT_FIELDS = ("response_format", "regex", "ebnf")
+
+
+def _check_completion_format(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """Completions ``response_format`` (an engine extension here: vLLM 0.34.0's and SGLang 0.5.23's
+    ``CompletionRequest`` take it, the field policy passes it only where every engine of the model
+    does) is read as on chat: vLLM turns it into the same structured output
+    (``vllm/entrypoints/openai/completion/protocol.py:352-357,427``, ``generate/base/protocol.py:181-211``),
+    SGLang into the same ``json_schema`` sampling parameter (``serving_completions.py:177-187``, as
+    ``serving_chat.py`` does). It constrains the completion only; the prompt is unchanged. So a JSON
+    format beside the ``json_schema`` extension is refused, whatever the engines (SGLang would take
+    the format's schema and drop the other without a word), then, where vLLM or SGLang serves the
+    model, chat's refusals of it, on the fields they read (:data:`_FORMAT_FIELDS`): a ``json_schema``
+    without its ``schema`` and a ``strict`` that is no boolean on SGLang
+    (:func:`_check_json_schema_format`), a JSON format beside ``regex`` / ``ebnf`` on SGLang
+    (:func:`_check_sglang_constraints`), a schema nested too deep for vLLM
+    (:func:`_check_vllm_schema_nesting`), each in chat's words."""
+    fmt = body.get("response_format")
+    if not isinstance(fmt, dict):
+        return
+    if fmt.get("type") in _JSON_FORMATS and body.get("json_schema") is not None:
+        raise _refused(
+            "json_schema",
+            "'response_format' and 'json_schema' cannot both be set: the engines serving this model apply one "
+            "output constraint per request.",
+        )
+    if engines & PYDANTIC_ENGINES:
+        read = {k: body[k] for k in _FORMAT_FIELDS if k in body}
+        _check_json_schema_format(read, engines)
+        _check_sglang_constraints(read, engines, "chat")
+        _check_vllm_schema_nesting(read, engines, "chat")
 
 
 def check_engine_refusals(body: dict[str, Any], engines: frozenset[str], route: str) -> None:
@@ -459,19 +508,23 @@ def check_engine_refusals(body: dict[str, Any], engines: frozenset[str], route: 
     :func:`_check_chat_tools` and :func:`_check_json_schema_format`, on Responses
     :func:`_check_responses_tools` and :func:`_check_sglang_stream_logprobs`, and on both
     :func:`_check_sglang_constraints` and :func:`_check_vllm_schema_nesting`; the bundled backend's
-    :func:`_check_bundled`. Nothing for a model served only by ``openai`` upstreams."""
-    if not engines or engines <= {"openai"}:
-        return
-    _check_sampling(body, engines)
-    _check_vllm_stop(body, engines)
-    if route == "chat":
-        _check_vllm_chat(body, engines)
-    if engines & PYDANTIC_ENGINES:
-        _PYDANTIC_CHECKS.get(route, _no_check)(body, engines)
-        _check_sglang_constraints(body, engines, route)
-        _check_vllm_schema_nesting(body, engines, route)
-    if "kvgate" in engines:
-        _check_bundled(body, route)
+    :func:`_check_bundled`; then on completions :func:`_check_openai_best_of` and
+    :func:`_check_completion_format`, in this order. Raises :class:`OpenAIError` 400. Nothing for a
+    model served only by ``openai`` upstreams but those two completions checks."""
+    if engines and not engines <= {"openai"}:
+        _check_sampling(body, engines)
+        _check_vllm_stop(body, engines)
+        if route == "chat":
+            _check_vllm_chat(body, engines)
+        if engines & PYDANTIC_ENGINES:
+            _PYDANTIC_CHECKS.get(route, _no_check)(body, engines)
+            _check_sglang_constraints(body, engines, route)
+            _check_vllm_schema_nesting(body, engines, route)
+        if "kvgate" in engines:
+            _check_bundled(body, route)
+    if route == "completions":
+        _check_openai_best_of(body, engines)
+        _check_completion_format(body, engines)
 
 
 def check_embedding_dimensions(body: dict[str, Any], engines: frozenset[str], matryoshka: bool | list[int]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from config.errors import ErrorCode, OpenAIError, context_length_message
 from gateway.admission import fields
-from gateway.admission.checks import COMPLETION_FIELDS, bad_value, check_fields, check_stream_options
+from gateway.admission.checks import COMPLETION_FIELDS, check_fields, check_stream_options
 from gateway.admission.engine_refusals import check_engine_refusals
 from gateway.admission.gate import CountedPrompt, sequences_error, sequences_of
 from gateway.admission.registry import ModelEntry
@@ -39,50 +39,6 @@ def _with_suffix(pc: PromptCount, extra: int) -> CountedPrompt:
     num = len(pc.per_prompt)
     per_prompt = tuple(n + extra for n in pc.per_prompt)
     return CountedPrompt(pc.largest + extra, pc.total + num * extra, num, per_prompt=per_prompt)
-
-
-def check_best_of(body: dict[str, Any], engines: frozenset[str]) -> None:
-    """``best_of`` below ``n``: 400 naming ``best_of`` where an ``openai`` upstream serves the
-    model (OpenAI: "best_of must be greater than n"). vLLM 0.34.0's ``CompletionRequest`` has no
-    ``best_of`` (``vllm/entrypoints/openai/completion/protocol.py:49-75``: an extra field, ignored)
-    and SGLang 0.5.23 reads it nowhere (``protocol.py:373``, its only mention): both generate ``n``;
-    the bundled backend takes ``best_of`` 1 only (:mod:`gateway.admission.engine_refusals`). The gate
-    reserves ``max(n, best_of)`` sequences either way."""
-    best_of, n = body.get("best_of"), body.get("n")
-    if "openai" in engines and best_of is not None and n is not None and best_of < n:
-        raise bad_value("best_of", "must be >= 'n'")
-
-
-#: ``response_format`` types that constrain the completion to JSON
-_JSON_FORMATS = ("json_object", "json_schema")
-#: what the chat route's ``response_format`` checks read of a body
-_FORMAT_FIELDS = ("response_format", "regex", "ebnf")
-
-
-def check_response_format(body: dict[str, Any], engines: frozenset[str]) -> None:
-    """``response_format`` (an engine extension here: vLLM 0.34.0's and SGLang 0.5.23's
-    ``CompletionRequest`` take it, the field policy passes it only where every engine of the model
-    does) is read as on chat: vLLM turns it into the same structured output
-    (``vllm/entrypoints/openai/completion/protocol.py:352-357,427``, ``generate/base/protocol.py:181-211``),
-    SGLang into the same ``json_schema`` sampling parameter (``serving_completions.py:177-187``, as
-    ``serving_chat.py`` does). It constrains the completion only; the prompt is unchanged. So the
-    chat route's refusals of it apply (:func:`~gateway.admission.engine_refusals.check_engine_refusals`
-    on the fields they read: a ``json_schema`` without its ``schema``, a ``strict`` that is no
-    boolean on SGLang, a JSON format beside ``regex`` / ``ebnf`` on SGLang, a schema nested too deep
-    for vLLM), and a JSON format beside the ``json_schema`` extension is refused (SGLang would take
-    the format's schema and drop the other without a word). Raises :class:`OpenAIError` 400."""
-    fmt = body.get("response_format")
-    if not isinstance(fmt, dict):
-        return
-    if fmt.get("type") in _JSON_FORMATS and body.get("json_schema") is not None:
-        raise OpenAIError(
-            400,
-            "'response_format' and 'json_schema' cannot both be set: the engines serving this model apply one "
-            "output constraint per request.",
-            code=ErrorCode.INVALID_REQUEST,
-            param="json_schema",
-        )
-    check_engine_refusals({k: body[k] for k in _FORMAT_FIELDS if k in body}, engines, "chat")
 
 
 class CompletionsRoute(PromptApiRoute):
@@ -127,12 +83,10 @@ class CompletionsRoute(PromptApiRoute):
     def check_fields(self, body: dict[str, Any], entry: ModelEntry) -> ChatOptions:
         """The engines' field policy (:func:`gateway.admission.fields.check_completion_request`),
         then the values they would refuse after admission
-        (:func:`gateway.admission.engine_refusals.check_engine_refusals`,
-        :func:`check_best_of`, :func:`check_response_format`)."""
+        (:func:`gateway.admission.engine_refusals.check_engine_refusals`: ``best_of`` and
+        ``response_format`` among them)."""
         options = fields.check_completion_request(body, entry.engines)
         check_engine_refusals(body, entry.engines, self.name)
-        check_best_of(body, entry.engines)
-        check_response_format(body, entry.engines)
         return options
 
     def count_now(self, counter: PromptCounter, body: dict[str, Any], options: ChatOptions) -> CountedPrompt:
