@@ -27,6 +27,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeAlias
 
 import orjson
@@ -42,7 +43,6 @@ from verifier.engine_response import (
     StreamEvent,
     engine_error,
     parse_chunk_event,
-    parse_response_event,
     strict_view,
 )
 from verifier.stage import MAX_PROMPT_TOKENS_REPORTED, ResponseGuard, StreamUsage
@@ -305,8 +305,8 @@ class _Events:
         self.read: Callable[[bytes], StreamEvent] = protocol.read
         if protocol is CHAT_SSE:
             self.read = self._read_chat
-        elif protocol is RESPONSES_SSE:
-            self.read = self._read_responses
+        elif protocol is RESPONSES_SSE:  # a text event whose indexes clients group apart is refused
+            self.read = partial(read_response_event, odd_index=odd_output_index)
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
         self.done = False  # the protocol's end marker came
         self.errored = False  # an engine error event came (after the response started)
@@ -358,21 +358,6 @@ class _Events:
                     return StreamEvent(kind=odd)
             return parse_chunk_event(obj)
         return inspect(raw)
-
-    def _read_responses(self, raw: bytes) -> StreamEvent:
-        """A ``/v1/responses`` event as :func:`gateway.relay.stream_protocol.read_response_event`
-        reads it, or ``odd_output_index`` for a text event whose indexes :func:`odd_output_index`
-        refuses; the JSON decoded once, here, for both (what orjson refuses is the protocol's)."""
-        payload = data_of(raw)
-        if payload is None:
-            return StreamEvent()
-        try:
-            obj = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return read_response_event(raw)
-        if type(obj) is dict and odd_output_index(obj):
-            return StreamEvent(kind="odd_output_index")
-        return parse_response_event(obj)
 
     def take(self, events: list[bytes], out: list[bytes]) -> bool:
         """Relay one read's ``events`` into ``out`` without a guard; true when one of them

@@ -56,10 +56,12 @@ def chat_error_tail(err: OpenAIError, after: int | None) -> bytes:
     return error_event(err) + DONE_EVENT
 
 
-def read_response_event(event: bytes) -> StreamEvent:
+def read_response_event(event: bytes, odd_index: Callable[[dict[str, Any]], bool] | None = None) -> StreamEvent:
     """A ``/v1/responses`` stream event's ``data`` as a :class:`StreamEvent` (``other`` when it
     has no data or it is not JSON for any reader; ``lenient`` for JSON that orjson refuses and a
-    client reads, :func:`gateway.relay.sse.lenient_reads`). Never raises."""
+    client reads, :func:`gateway.relay.sse.lenient_reads`). With ``odd_index`` (the relay passes
+    :func:`gateway.relay.stream.odd_output_index`), an event object it holds true for is read as
+    ``odd_output_index``: the JSON is decoded once for both. Never raises (``odd_index`` aside)."""
     payload = data_of(event)
     if payload is None:
         return StreamEvent()
@@ -67,6 +69,8 @@ def read_response_event(event: bytes) -> StreamEvent:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return StreamEvent(kind="lenient") if lenient_reads(payload) else StreamEvent()
+    if odd_index is not None and type(obj) is dict and odd_index(obj):
+        return StreamEvent(kind="odd_output_index")
     return parse_response_event(obj)
 
 
