@@ -12,12 +12,15 @@ JSON structure is skipped, a text cut off inside a string gives what it holds so
 at ``max_tokens``), a bad escape is kept as written, a lone surrogate is U+FFFD. Keys are left out;
 each value ends with a line break (as :func:`unescaped_values` lists them and the prompt side joins
 them). State is a few fields and a stack of at most :data:`MAX_DEPTH` containers; nothing of the
-text is kept but an unfinished escape.
+text is kept but an unfinished escape. :func:`string_values` walks a parsed value's strings, for
+both sides too: the prompt side's values, and the verifier's reading of an engine's answer (values
+and the key names that are not identifiers).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -131,10 +134,18 @@ def json_strings(text: str) -> str:
     return JsonStrings().push(text)
 
 
-def string_values(obj: Any, out: list[str], skip: frozenset[str] = frozenset()) -> None:
-    """Append every non-empty string value inside ``obj`` (dicts, lists, strings; keys left out,
-    and the values of keys in ``skip`` at any depth), in document order. Iterative, so any
-    nesting depth (orjson reads up to 1,024 levels) is read whole and cannot overflow the stack."""
+def string_values(
+    obj: Any,
+    out: list[str],
+    skip: frozenset[str] = frozenset(),
+    keys: Callable[[str], bool] | None = None,
+) -> None:
+    """Append every non-empty string inside ``obj`` (dicts, lists, strings; numbers, bools and
+    ``None`` hold none), in document order. Keys are left out, and the values of keys in ``skip``
+    at any depth; with ``keys``, a key name for which ``keys(name)`` is true is appended too, just
+    before its value (the verifier's key names that are not identifiers: an engine can put text in
+    a key). Iterative, so any nesting depth (orjson reads up to 1,024 levels; a value built in
+    Python, deeper) is read whole and cannot overflow the stack."""
     stack = [obj]
     while stack:
         x = stack.pop()
@@ -142,7 +153,17 @@ def string_values(obj: Any, out: list[str], skip: frozenset[str] = frozenset()) 
             if x:
                 out.append(x)
         elif isinstance(x, dict):
-            stack.extend(reversed([v for k, v in x.items() if k not in skip]))
+            if keys is None:
+                stack.extend(reversed([v for k, v in x.items() if k not in skip]))
+                continue
+            items: list[Any] = []
+            for k, v in x.items():
+                if k in skip:
+                    continue
+                if keys(k):
+                    items.append(k)
+                items.append(v)
+            stack.extend(reversed(items))
         elif isinstance(x, list):
             stack.extend(reversed(x))
 

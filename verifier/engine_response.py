@@ -67,6 +67,7 @@ from typing import Any, TypeGuard
 import orjson
 
 from config.errors import ErrorCode, OpenAIError, error_type_for_status
+from tokenizer.json_values import string_values
 
 #: OpenAI ``error.type`` values passed through from an engine; any other becomes the status's type
 OPENAI_ERROR_TYPES = frozenset(
@@ -242,36 +243,16 @@ _IDENTIFIER = re.compile(r"[A-Za-z0-9_$@][A-Za-z0-9_.:$@/-]{0,63}")
 
 
 @functools.lru_cache(maxsize=1024)
-def _is_identifier(key: str) -> bool:
-    """Whether a key name is an identifier (:data:`_IDENTIFIER`); remembered, as an engine's
-    field names repeat in every event."""
-    return _IDENTIFIER.fullmatch(key) is not None
+def _is_text_key(key: str) -> bool:
+    """Whether a key name is text a client receives: not an identifier (:data:`_IDENTIFIER`).
+    Every :func:`~tokenizer.json_values.string_values` walk here passes it as ``keys``, so the
+    key names an engine put text in are read with the values. Remembered, as an engine's field
+    names repeat in every event."""
+    return _IDENTIFIER.fullmatch(key) is None
 
 
 #: the types of JSON values without a string inside (what orjson reads a number or a bool as)
 _NUMBERS = (int, float, bool)
-
-
-def _text_values(obj: Any, out: list[str]) -> None:
-    """Every non-empty string inside ``obj``, at any depth, in document order
-    (:func:`tokenizer.json_values.string_values`), and every key name that is not an identifier
-    (:data:`_IDENTIFIER`): an engine can put text in a key as well as in a value. Iterative (any
-    depth orjson reads)."""
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, str):
-            if x:
-                out.append(x)
-        elif isinstance(x, dict):
-            items: list[Any] = []
-            for k, v in x.items():
-                if not _is_identifier(k):
-                    items.append(k)
-                items.append(v)
-            stack.extend(reversed(items))
-        elif isinstance(x, list):
-            stack.extend(reversed(x))
 
 
 def _meta(v: Any, out: list[str]) -> None:
@@ -281,7 +262,7 @@ def _meta(v: Any, out: list[str]) -> None:
         if len(v) > META_MAX_CHARS:
             out.append(v)
     elif isinstance(v, (dict, list)):
-        _text_values(v, out)
+        string_values(v, out, keys=_is_text_key)
 
 
 def _rest(
@@ -299,10 +280,10 @@ def _rest(
             if v is not None:
                 _meta(v, out)
             continue
-        elif not _is_identifier(k):
+        elif _is_text_key(k):
             out.append(k)
         if v is not None and type(v) not in _NUMBERS:
-            _text_values(v, out)
+            string_values(v, out, keys=_is_text_key)
 
 
 def _index(v: Any, position: int) -> int:
@@ -384,7 +365,7 @@ def _content_part_fields(content: list[Any], out: list[_Field], other: list[str]
     refusals: list[str] = []
     for p in content:
         if not isinstance(p, dict):
-            _text_values(p, other)
+            string_values(p, other, keys=_is_text_key)
             continue
         if isinstance(p.get("text"), str):
             texts.append(p["text"])
@@ -402,7 +383,7 @@ def _tool_call_fields(calls: list[Any], out: list[_Field], other: list[str]) -> 
     its position); a call that is not an object, and a call's other strings, into ``other``."""
     for pos, tc in enumerate(calls):
         if not isinstance(tc, dict):
-            _text_values(tc, other)
+            string_values(tc, other, keys=_is_text_key)
             continue
         _rest(tc, _TOOL_READ, _TOOL_META, other)
         fn = tc.get("function")
@@ -436,7 +417,7 @@ class _TokenTexts:
         ``read`` is :data:`_ALTERNATIVE_READ`, its own ``top_logprobs`` are ``other``); anything
         else it carries into ``other``."""
         if not isinstance(t, dict):
-            _text_values(t, other)
+            string_values(t, other, keys=_is_text_key)
             return
         tok = t.get("token")
         if isinstance(tok, str):
@@ -460,7 +441,7 @@ class _TokenTexts:
                 return
         b = _token_bytes(v)
         if b is None:
-            _text_values(v, other)
+            string_values(v, other, keys=_is_text_key)
             return
         self.raw.append(b)
         self.differs = True
@@ -468,11 +449,11 @@ class _TokenTexts:
     def keyed(self, position: Any, other: list[str]) -> None:
         """One position of completions' ``top_logprobs``: ``{token: logprob}``, the tokens by rank."""
         if not isinstance(position, dict):
-            _text_values(position, other)
+            string_values(position, other, keys=_is_text_key)
             return
         for r, (tok, logprob) in enumerate(position.items()):
             self._rank(r).tokens.append(tok)
-            _text_values(logprob, other)
+            string_values(logprob, other, keys=_is_text_key)
 
     def _rank(self, r: int) -> _TokenTexts:
         while len(self.alts) <= r:
@@ -514,7 +495,7 @@ def _logprob_fields(lp: dict[str, Any], out: list[_Field], other: list[str]) -> 
             if isinstance(t, str):
                 acc.tokens.append(t)
             else:
-                _text_values(t, other)
+                string_values(t, other, keys=_is_text_key)
     tops = lp.get("top_logprobs")  # completions: [{"tok": logprob, ...}, ...]
     if isinstance(tops, list):
         for position in tops:
@@ -547,14 +528,14 @@ def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> Engine
                 _add_choice(out, c, i if type(i) is int else _index(i, position), holder, keep_empty)
                 position += 1
             else:
-                _text_values(c, top)
+                string_values(c, top, keys=_is_text_key)
     data = obj.get("data")
     if isinstance(data, list):  # embeddings: the vectors are not text, the rest is
         for item in data:
             if isinstance(item, dict):
                 _rest(item, _EMBEDDING_READ, _EMBEDDING_META, top)
             else:
-                _text_values(item, top)
+                string_values(item, top, keys=_is_text_key)
     _rest(obj, _TOP_READ, _TOP_META, top)
     if top:
         out.fields["-:other"] = " ".join(top)
@@ -785,7 +766,7 @@ def _rstrings(obj: Any) -> str:
     if isinstance(obj, list):
         out += [s for x in obj if (s := _rstrings(x))]
     else:
-        _text_values(obj, out)
+        string_values(obj, out, keys=_is_text_key)
     return " ".join(out)
 
 
@@ -796,7 +777,7 @@ def _put_logprobs(out: dict[str, str], prefix: str, lp: Any, other: list[str]) -
     if lp is None:
         return
     if not isinstance(lp, list):
-        _text_values(lp, other)
+        string_values(lp, other, keys=_is_text_key)
         return
     acc = _TokenTexts()
     for t in lp:
