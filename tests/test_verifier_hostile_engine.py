@@ -826,3 +826,44 @@ def test_a_canary_split_across_events_was_already_withheld(stack):
     before = svc.stats["withheld"]
     status, raw = send(client, "s", "chat", True)
     _withheld(svc, before, status, raw, True)
+
+
+@pytest.mark.timeout(60)
+def test_another_tenants_text_in_an_annotation_nested_600_lists_deep_is_withheld(stack):
+    """A Responses stream whose ``response.output_text.annotation.added`` event carries the
+    victim's passage inside 600 nested lists (orjson reads up to 1,024): the stream is read and
+    the leak withheld. Before, the annotation reader recursed once per list and raised
+    ``RecursionError`` from 498 levels on."""
+    sc, svc, client = stack
+    msg = _message_item(_part(SAID))
+
+    def events(words: list[str]) -> list[dict]:
+        annotation: Any = {"type": "url_citation", "title": " ".join(words), "url": "https://example.com/"}
+        for _ in range(600):
+            annotation = [annotation]
+        evs: list[dict] = [
+            {"type": "response.created", "response": {"id": "resp_1", "status": "in_progress", "output": []}},
+            {"type": "response.output_item.added", "output_index": 0, "item": {**msg, "content": []}},
+            *[{"type": "response.output_text.delta", "output_index": 0, "content_index": 0, "delta": s} for s in SAID],
+            {
+                "type": "response.output_text.annotation.added",
+                "output_index": 0,
+                "content_index": 0,
+                "annotation_index": 0,
+                "annotation": annotation,
+            },
+            {"type": "response.output_item.done", "output_index": 0, "item": msg},
+            {"type": "response.completed", "response": response_body({"input_tokens": 9, "output_tokens": 2}, [msg])},
+        ]
+        return [{**e, "sequence_number": n} for n, e in enumerate(evs)]
+
+    sc.events, sc.done, sc.body = events(CONTROL), False, None
+    status, raw = send(client, "s", "responses", True)
+    assert status == 200 and b"response_withheld" not in raw
+    assert all(p.strip().encode() in raw for p in CONTROL)
+    sc.events = events(pieces(VICTIM))
+    before, n = svc.stats["withheld"], len(svc.incidents.recent)
+    status, raw = send(client, "s", "responses", True)
+    assert MARK.encode() not in raw
+    _withheld(svc, before, status, raw, True)
+    _leak_named(svc, n)
