@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import orjson
 
@@ -234,12 +235,15 @@ def lenient_reads(payload: bytes) -> bool:
     return True
 
 
-def inspect(event: bytes) -> StreamEvent:
+def inspect(event: bytes, odd: Callable[[dict[str, Any]], str | None] | None = None) -> StreamEvent:
     """A chat/completions event as a :class:`~verifier.engine_response.StreamEvent`: ``done``
     (``[DONE]``), ``error`` (an engine error object), ``chunk`` (a JSON completion chunk:
     per-choice texts, finish reason, usage), ``lenient`` (JSON that orjson refuses and a client
     reads: :func:`lenient_reads`; the relay ends the stream there), ``other`` (no data, not JSON
-    for any reader, not an object). Never raises on odd input."""
+    for any reader, not an object). With ``odd`` (the relay passes a check built on
+    :func:`gateway.relay.stream.odd_chunk_index`), an event object for which it returns a kind is
+    read as that kind: the JSON is decoded once for both. Never raises on odd input (``odd``
+    aside)."""
     payload = data_of(event)
     if payload is None:
         return StreamEvent()
@@ -249,6 +253,10 @@ def inspect(event: bytes) -> StreamEvent:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return StreamEvent(kind="lenient") if lenient_reads(payload) else StreamEvent()
+    if odd is not None and type(obj) is dict:
+        kind = odd(obj)
+        if kind is not None:
+            return StreamEvent(kind=kind)
     return parse_chunk_event(obj)
 
 

@@ -34,17 +34,11 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
-from gateway.relay.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, is_one_event, strip_usage_null
+from gateway.relay.sse import SSEEventTooLarge, SSESplitter, inspect, is_one_event, strip_usage_null
 from gateway.relay.stream_protocol import CHAT_SSE, RESPONSES_SSE, StreamProtocol, read_response_event
 from gateway.relay.upstream_client import RemoteProtocolError, UpstreamError, UpstreamResponse
 from verifier.drift import reported_count
-from verifier.engine_response import (
-    EngineOutput,
-    StreamEvent,
-    engine_error,
-    parse_chunk_event,
-    strict_view,
-)
+from verifier.engine_response import EngineOutput, StreamEvent, engine_error, strict_view
 from verifier.stage import MAX_PROMPT_TOKENS_REPORTED, ResponseGuard, StreamUsage
 
 log = logging.getLogger("kvgate.proxy")
@@ -303,8 +297,8 @@ class _Events:
         self.choices = opts.choices if protocol.finishes_per_choice else 0  # each must finish
         self.one_prompt = opts.prompts == 1
         self.read: Callable[[bytes], StreamEvent] = protocol.read
-        if protocol is CHAT_SSE:
-            self.read = self._read_chat
+        if protocol is CHAT_SSE:  # a chunk with a choice or tool-call index clients group apart is refused
+            self.read = partial(inspect, odd=lambda obj: odd_chunk_index(obj.get("choices"), self.choices))
         elif protocol is RESPONSES_SSE:  # a text event whose indexes clients group apart is refused
             self.read = partial(read_response_event, odd_index=odd_output_index)
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
@@ -340,24 +334,6 @@ class _Events:
             raw = strip_usage_null(raw)
         self.raw = raw
         return ev
-
-    def _read_chat(self, raw: bytes) -> StreamEvent:
-        """A chat/completions event as :func:`gateway.relay.sse.inspect` reads it, or the kind
-        :func:`odd_chunk_index` gives a chunk with a choice or a tool call whose ``index`` clients
-        group apart. The JSON is decoded once, here, for both (what orjson refuses, ``[DONE]``
-        included, is ``inspect``'s)."""
-        payload = data_of(raw)
-        if payload is not None:
-            try:
-                obj = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                return inspect(raw)
-            if type(obj) is dict:
-                odd = odd_chunk_index(obj.get("choices"), self.choices)
-                if odd is not None:
-                    return StreamEvent(kind=odd)
-            return parse_chunk_event(obj)
-        return inspect(raw)
 
     def take(self, events: list[bytes], out: list[bytes]) -> bool:
         """Relay one read's ``events`` into ``out`` without a guard; true when one of them
