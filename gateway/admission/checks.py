@@ -1,8 +1,9 @@
 """The validator kit (step 3): a route's field table maps each top-level field to a check that
 returns a problem (``"must be ..."``) or ``None``; :func:`check_fields` applies a table. Here are
-the checks every table is built from, the engine extension fields' checks, and the tables of
-``/v1/chat/completions`` and ``/v1/completions`` (the other routes build theirs in
-:mod:`gateway.routes`).
+the checks of the fields shared by routes and of the engine extension fields (built from
+:mod:`gateway.admission.value_checks`; a structural tag's are :mod:`gateway.admission.structural_tag`'s),
+and the tables of ``/v1/chat/completions`` and ``/v1/completions`` (the other routes build theirs
+in :mod:`gateway.routes`).
 
 Validation is by hand (a table of field checks), not by building pydantic models per request: it
 is on the hot path. Every failure is a 400 ``invalid_request_error`` whose ``param`` names the
@@ -12,80 +13,32 @@ typed errors naming ``messages[i].content[j].type`` etc.).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.admission.grammar_bounds import ebnf_problem, regex_problem, schema_problem
-
-Check = Callable[[Any], str | None]  # returns a problem ("must be ...") or None
+from gateway.admission.structural_tag import structural_tag_problem
+from gateway.admission.value_checks import (
+    Check,
+    anything,
+    array,
+    boolean,
+    enum,
+    int_in,
+    is_int,
+    is_num,
+    num_in,
+    obj,
+    str_or_obj,
+    string,
+)
 
 
 def bad_value(param: str, problem: str) -> OpenAIError:
     """The 400 ``Invalid value for 'param': problem`` (``param`` the field)."""
     return OpenAIError(400, f"Invalid value for '{param}': {problem}", code=ErrorCode.INVALID_REQUEST, param=param)
-
-
-# ------------------------------------------------------------------ field checks
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return (isinstance(v, (int, float))) and not isinstance(v, bool)
-
-
-def _in_range(is_kind: Callable[[Any], bool], kind: str, lo: float | None, hi: float | None) -> Check:
-    def check(v: Any) -> str | None:
-        if not is_kind(v):
-            out = isinstance(v, float) and lo is not None and hi is not None and not lo <= v <= hi
-            if is_kind is _is_int and out and v.is_integer():
-                # orjson reads an integer beyond 64 bits as a float: say so, with the range
-                return f"must be an integer from {lo} to {hi}"
-            return f"must be {kind}"
-        if lo is not None and v < lo:
-            return f"must be >= {lo}"
-        if hi is not None and v > hi:
-            return f"must be <= {hi}"
-        return None
-
-    return check
-
-
-def int_in(lo: int | None = None, hi: int | None = None) -> Check:
-    """A check: an integer (not a bool) in ``[lo, hi]``."""
-    return _in_range(_is_int, "an integer", lo, hi)
-
-
-def num_in(lo: float | None = None, hi: float | None = None) -> Check:
-    """A check: a number (int or float, not a bool) in ``[lo, hi]``."""
-    return _in_range(_is_num, "a number", lo, hi)
-
-
-def boolean(v: Any) -> str | None:
-    return None if isinstance(v, bool) else "must be a boolean"
-
-
-def string(v: Any) -> str | None:
-    return None if isinstance(v, str) else "must be a string"
-
-
-def obj(v: Any) -> str | None:
-    return None if isinstance(v, dict) else "must be an object"
-
-
-def array(v: Any) -> str | None:
-    return None if isinstance(v, list) else "must be an array"
-
-
-def str_or_obj(v: Any) -> str | None:
-    return None if isinstance(v, (str, dict)) else "must be a string or an object"
-
-
-def anything(v: Any) -> str | None:
-    return None
 
 
 #: most ``stop`` strings (the OpenAI schema's 4; vLLM and SGLang take any number)
@@ -155,24 +108,6 @@ def json_size_problem(v: Any, limit: int = MAX_GRAMMAR_BYTES) -> str | None:
 TEMPLATE_KWARGS_ALLOWED = ("enable_thinking", "thinking")
 
 
-def one_of(*values: str) -> Check:
-    """A check: one of ``values`` (any JSON value compared; the problem quotes them)."""
-
-    def check(v: Any) -> str | None:
-        return None if v in values else "must be one of " + ", ".join(repr(x) for x in values)
-
-    return check
-
-
-def enum(*values: str) -> Check:
-    """A check: a string among ``values``."""
-
-    def check(v: Any) -> str | None:
-        return None if isinstance(v, str) and v in values else f"must be one of {', '.join(values)}"
-
-    return check
-
-
 def _logit_bias(v: Any) -> str | None:
     problem = "must be an object of at most 300 token ids (as strings) mapping to numbers in [-100, 100]"
     if not isinstance(v, dict) or len(v) > 300:
@@ -180,7 +115,7 @@ def _logit_bias(v: Any) -> str | None:
     for k, b in v.items():
         # ASCII digits only: str.isdigit() is also true for '²' or '١', which int() refuses or reads
         # as another number than the engines parsing the key as a JSON token id
-        if not (k.isascii() and k.isdigit() and len(k) <= 10) or not _is_num(b) or not -100 <= b <= 100:
+        if not (k.isascii() and k.isdigit() and len(k) <= 10) or not is_num(b) or not -100 <= b <= 100:
             return problem
     return None
 
@@ -252,16 +187,25 @@ def _json_schema_str(v: Any) -> str | None:
     return schema_problem(parsed)
 
 
+#: ``response_format`` types: OpenAI's, and vLLM's and SGLang's ``structural_tag`` (refused where
+#: another engine serves the model: :mod:`gateway.admission.fields`)
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
+
+
 def _response_format(v: Any) -> str | None:
-    """``response_format``: ``type`` text, json_object or json_schema; for json_schema, a
-    ``json_schema`` object with a string ``name`` and, when given, an object ``schema`` (OpenAI's
-    ``ResponseFormatJSONSchema``; vLLM's and SGLang's ``JsonSchemaResponseFormat`` in their
-    ``protocol.py``: ``name: str``, ``schema`` an optional dict; a missing ``json_schema`` fails
-    their ``to_sampling_params`` / ``serving_chat.py``), within the grammar bounds."""
-    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
-        return "must be an object whose 'type' is text, json_object or json_schema"
+    """``response_format``: ``type`` one of :data:`RESPONSE_FORMAT_TYPES`, at most
+    :data:`MAX_GRAMMAR_BYTES` as JSON; for json_schema, a ``json_schema`` object with a string
+    ``name`` and, when given, an object ``schema`` (OpenAI's ``ResponseFormatJSONSchema``; vLLM's and
+    SGLang's ``JsonSchemaResponseFormat`` in their ``protocol.py``: ``name: str``, ``schema`` an
+    optional dict; a missing ``json_schema`` fails their ``to_sampling_params`` /
+    ``serving_chat.py``), within the grammar bounds; for structural_tag,
+    :func:`gateway.admission.structural_tag.structural_tag_problem`."""
+    if not isinstance(v, dict) or v.get("type") not in RESPONSE_FORMAT_TYPES:
+        return "must be an object whose 'type' is text, json_object, json_schema or structural_tag"
     if problem := json_size_problem(v):  # the engine compiles the schema into a grammar
         return problem
+    if v["type"] == "structural_tag":
+        return structural_tag_problem(v)
     spec = v.get("json_schema")
     if v["type"] == "json_schema" and not (
         isinstance(spec, dict)
@@ -298,7 +242,7 @@ def _chat_tool_choice(v: Any) -> str | None:
 
 
 def _stop_token_ids(v: Any) -> str | None:
-    if isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS and all(_is_int(t) and 0 <= t < (1 << 31) for t in v):
+    if isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS and all(is_int(t) and 0 <= t < (1 << 31) for t in v):
         return None
     return f"must be an array of at most {MAX_STOP_TOKEN_IDS} token ids (integers >= 0)"
 
@@ -319,7 +263,7 @@ def _template_kwargs(v: Any) -> str | None:
 
 def _positive_at_most(hi: float) -> Check:
     def check(v: Any) -> str | None:
-        if not _is_num(v):
+        if not is_num(v):
             return "must be a number"
         return None if 0 < v <= hi else f"must be > 0 and <= {hi}"
 

@@ -18,8 +18,9 @@ sampling_params.py@00c17caf`` (``SamplingParams.__post_init__``, ``verify``); th
 ``gpu_backend/openai_api.py`` (``_UNSUPPORTED``, ``_check_unsupported``, ``_sampling``,
 ``_prompt_ids``) and ``gpu_backend/responses_api.py`` (``parse_responses``). The tool, stop and
 output-constraint rules (:func:`_check_vllm_stop`, :func:`_check_chat_tools`,
-:func:`_check_json_schema_format`, :func:`_check_responses_tools`, :func:`_check_sglang_constraints`,
-:func:`_check_vllm_schema_nesting`, :func:`_check_completion_format`) and :func:`_check_openai_best_of`
+:func:`_check_json_schema_format`, :func:`_check_structural_tag`, :func:`_check_responses_tools`,
+:func:`_check_sglang_constraints`, :func:`_check_vllm_schema_nesting`, :func:`_check_completion_format`)
+and :func:`_check_openai_best_of`
 cite vLLM 0.34.0 and SGLang 0.5.23 by file and line (``vllm/...`` and ``python/sglang/srt/...``).
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.admission.checks import bad_value
+from gateway.admission.structural_tag import structural_tag_formats
 from tokenizer.chat import IMAGE_PART_TYPES
 from tokenizer.responses import IMAGE_PARTS as RESPONSES_IMAGE_PARTS
 
@@ -47,6 +49,13 @@ VLLM_MAX_STOP_STRINGS = 4
 #: (``check_json_nesting``, ``:242-260``, from ``_validate_structured_outputs``, ``:1294``). kvgate's own
 #: bound is orjson's 254 levels (:func:`gateway.admission.checks.json_size_problem`).
 VLLM_MAX_SCHEMA_NESTING = 64
+
+#: vLLM's bound on a structural tag: ``MAX_STRUCTURED_OUTPUT_JSON_NESTING`` plus
+#: ``STRUCTURAL_TAG_WRAPPER_NESTING`` (``vllm/sampling_params.py:39-47``), over the whole
+#: ``response_format`` (``check_json_nesting(..., structural_tag=True)``, ``:242-260``, from
+#: ``vllm/entrypoints/generate/base/protocol.py:259-261``): objects and arrays this deep or deeper
+#: below it are its 400.
+VLLM_MAX_STRUCTURAL_TAG_NESTING = 80
 
 #: The bundled backend (``kvgate``), per route: an OpenAI field of that route -> the values it
 #: takes; any other is its 400 ("'<field>' is not supported by this backend."; ``n``: "Only 'n' =
@@ -281,6 +290,96 @@ def _check_vllm_schema_nesting(body: dict[str, Any], engines: frozenset[str], ro
         )
 
 
+#: structural tag format type -> its fields that hold a token or an array of tokens (xgrammar
+#: ``TokenFormat``, ``ExcludeTokenFormat``, ``AnyTokensFormat``, ``TokenTriggeredTagsFormat``,
+#: ``TokenDispatchFormat``; the last one's ``rules`` begin with a token too)
+_TOKEN_FIELDS: dict[str, tuple[str, ...]] = {
+    "token": ("token",),
+    "exclude_token": ("exclude_tokens",),
+    "any_tokens": ("exclude_tokens",),
+    "token_triggered_tags": ("trigger_tokens", "exclude_tokens"),
+    "token_dispatch": ("exclude_tokens",),
+}
+
+
+def _token_string(path: str, kind: str, node: dict[str, Any]) -> str | None:
+    """The path of the first token given as a string in one format of a structural tag, else ``None``."""
+    for name in _TOKEN_FIELDS.get(kind, ()):
+        value = node.get(name)
+        tokens = value if isinstance(value, list) else [value]
+        found = next((i for i, t in enumerate(tokens) if isinstance(t, str)), None)
+        if found is not None:
+            return f"{path}.{name}[{found}]" if isinstance(value, list) else f"{path}.{name}"
+    rules = node["rules"] if kind == "token_dispatch" else ()
+    return next((f"{path}.rules[{i}][0]" for i, rule in enumerate(rules) if isinstance(rule[0], str)), None)
+
+
+def _check_vllm_structural_tag(fmt: dict[str, Any]) -> None:
+    """vLLM validates a structural tag before admission
+    (``vllm/entrypoints/generate/base/protocol.py:245-272``): objects and arrays nested
+    :data:`VLLM_MAX_STRUCTURAL_TAG_NESTING` levels or more below ``response_format``; then xgrammar
+    without a tokenizer (``vllm/v1/structured_output/backend_xgrammar.py:561-580``), which refuses a
+    token given as a string ("Token string resolution requires tokenizer_info") and a legacy
+    structure without its ``schema`` (``json.dumps(None)`` becomes ``JSONSchemaFormat(json_schema=
+    None)``, a validation error)."""
+    if _nests_at_least(fmt, VLLM_MAX_STRUCTURAL_TAG_NESTING):
+        raise _refused(
+            "response_format",
+            "'response_format' is nested too deeply: the engines serving this model (vLLM) take a structural tag "
+            f"whose objects and arrays nest at most {VLLM_MAX_STRUCTURAL_TAG_NESTING} levels, response_format "
+            "itself the first.",
+        )
+    if "structures" in fmt:
+        missing = next((i for i, s in enumerate(fmt["structures"]) if s.get("schema") is None), None)
+        if missing is not None:
+            param = f"response_format.structures[{missing}].schema"
+            raise _refused(
+                param,
+                f"'{param}' is missing: the engines serving this model (vLLM) need a JSON Schema for each "
+                "structure (send {} for any JSON).",
+            )
+        return
+    found = next((p for at, kind, node in structural_tag_formats(fmt) if (p := _token_string(at, kind, node))), None)
+    if found is not None:
+        param = f"response_format.{found}"
+        raise _refused(
+            param,
+            f"'{param}' is a token string: the engines serving this model (vLLM) take token ids (integers) only.",
+        )
+
+
+#: structural tag format type -> the fields vLLM's xgrammar (0.2.8) applies and SGLang's (0.2.7)
+#: request model drops (its ``JSONSchemaFormat`` has no ``excludes``, its ``QwenXMLParameterFormat``
+#: only ``json_schema``: ``python/xgrammar/structural_tag.py:27-68``, ``:428-458``)
+_SGLANG_DROPS: dict[str, tuple[str, ...]] = {
+    "json_schema": ("excludes",),
+    "qwen_xml_parameter": ("any_order", "max_whitespace_cnt", "excludes"),
+}
+
+
+def _check_structural_tag(body: dict[str, Any], engines: frozenset[str]) -> None:
+    """A ``response_format`` of type ``structural_tag`` (validated:
+    :func:`gateway.admission.structural_tag.structural_tag_problem`, what both engines refuse) as one of
+    them alone refuses it: vLLM (:func:`_check_vllm_structural_tag`; SGLang reads a legacy
+    structure's missing ``schema`` as ``{}``, ``constrained/xgrammar_backend.py:361-365``, and
+    resolves token strings with the model's tokenizer), and SGLang: a field of
+    :data:`_SGLANG_DROPS` set, which its request model (``entrypoints/openai/protocol.py:267-269``:
+    xgrammar's models, whose extra fields pydantic ignores) drops, so the answer would not be held
+    to it."""
+    fmt = body.get("response_format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "structural_tag":
+        return
+    if "vllm" in engines:
+        _check_vllm_structural_tag(fmt)
+    if "sglang" not in engines or "structures" in fmt:
+        return
+    for path, kind, node in structural_tag_formats(fmt):
+        dropped = next((k for k in _SGLANG_DROPS.get(kind, ()) if node.get(k)), None)
+        if dropped is not None:
+            param = f"response_format.{path}.{dropped}"
+            raise _refused(param, f"'{param}' is not applied by the engines serving this model (SGLang); leave it out.")
+
+
 def _check_responses_tools(body: dict[str, Any], engines: frozenset[str]) -> None:
     """Responses ``tools`` and ``tool_choice`` (validated: ``tool_choice`` a known string or object
     with its string keys; a named one that is absent from non-empty ``tools`` is
@@ -320,11 +419,16 @@ def _check_responses_tools(body: dict[str, Any], engines: frozenset[str]) -> Non
 #: structured-output formats: chat ``response_format`` / Responses ``text.format`` types that
 #: SGLang turns into a ``json_schema`` constraint
 _JSON_FORMATS = ("json_object", "json_schema")
+#: chat and completions ``response_format`` types that SGLang turns into an output constraint: the
+#: JSON formats and ``structural_tag`` (its ``structural_tag`` sampling parameter,
+#: ``entrypoints/openai/protocol.py:1250-1253``, ``serving_completions.py:188-193``)
+_CONSTRAINT_FORMATS = _JSON_FORMATS + ("structural_tag",)
 
 
 def _check_sglang_constraints(body: dict[str, Any], engines: frozenset[str], route: str) -> None:
-    """SGLang applies one output constraint per request: a JSON format (chat ``response_format``,
-    Responses ``text.format``) with ``regex`` or ``ebnf`` (``sampling/sampling_params.py:320-329``:
+    """SGLang applies one output constraint per request: a JSON format or a structural tag (chat
+    ``response_format``; Responses ``text.format``, which has no structural tag) with ``regex`` or
+    ``ebnf`` (``sampling/sampling_params.py:320-329``:
     "Only one of json_schema, regex, ebnf, or structural_tag can be set."), and ``tool_choice``
     ``required`` or a named tool (itself a constraint on the call) with any of them (chat
     ``entrypoints/openai/protocol.py:1263-1272``, Responses ``protocol.py:2197-2215``; SGLang takes
@@ -339,7 +443,7 @@ def _check_sglang_constraints(body: dict[str, Any], engines: frozenset[str], rou
     else:
         text = body.get("text")
         fmt_param, fmt = "text.format", text.get("format") if isinstance(text, dict) else None
-    used = [fmt_param] if isinstance(fmt, dict) and fmt.get("type") in _JSON_FORMATS else []
+    used = [fmt_param] if isinstance(fmt, dict) and fmt.get("type") in _CONSTRAINT_FORMATS else []
     used += [k for k in ("regex", "ebnf") if body.get(k) is not None]
     if len(used) > 1:
         raise _refused(
@@ -441,6 +545,7 @@ def _no_check(body: dict[str, Any], engines: frozenset[str]) -> None:
 def _check_chat_request_model(body: dict[str, Any], engines: frozenset[str]) -> None:
     _check_chat_tools(body, engines)
     _check_json_schema_format(body, engines)
+    _check_structural_tag(body, engines)
 
 
 def _check_responses_request_model(body: dict[str, Any], engines: frozenset[str]) -> None:
@@ -476,18 +581,20 @@ def _check_completion_format(body: dict[str, Any], engines: frozenset[str]) -> N
     does) is read as on chat: vLLM turns it into the same structured output
     (``vllm/entrypoints/openai/completion/protocol.py:352-357,427``, ``generate/base/protocol.py:181-211``),
     SGLang into the same ``json_schema`` sampling parameter (``serving_completions.py:177-187``, as
-    ``serving_chat.py`` does). It constrains the completion only; the prompt is unchanged. So a JSON
-    format beside the ``json_schema`` extension is refused, whatever the engines (SGLang would take
-    the format's schema and drop the other without a word), then, where vLLM or SGLang serves the
-    model, chat's refusals of it, on the fields they read (:data:`_FORMAT_FIELDS`): a ``json_schema``
-    without its ``schema`` and a ``strict`` that is no boolean on SGLang
-    (:func:`_check_json_schema_format`), a JSON format beside ``regex`` / ``ebnf`` on SGLang
-    (:func:`_check_sglang_constraints`), a schema nested too deep for vLLM
-    (:func:`_check_vllm_schema_nesting`), each in chat's words."""
+    ``serving_chat.py`` does; a structural tag into its ``structural_tag`` parameter,
+    ``serving_completions.py:188-193``). It constrains the completion only; the prompt is unchanged.
+    So a JSON format or a structural tag beside the ``json_schema`` extension is refused, whatever
+    the engines (SGLang would take the format's schema and drop the other without a word, or refuse
+    two constraints after admission), then, where vLLM or SGLang serves the model, chat's refusals of
+    it, on the fields they read (:data:`_FORMAT_FIELDS`): a ``json_schema`` without its ``schema``
+    and a ``strict`` that is no boolean on SGLang (:func:`_check_json_schema_format`), a structural
+    tag one engine refuses (:func:`_check_structural_tag`), a JSON format or structural tag beside
+    ``regex`` / ``ebnf`` on SGLang (:func:`_check_sglang_constraints`), a schema nested too deep for
+    vLLM (:func:`_check_vllm_schema_nesting`), each in chat's words."""
     fmt = body.get("response_format")
     if not isinstance(fmt, dict):
         return
-    if fmt.get("type") in _JSON_FORMATS and body.get("json_schema") is not None:
+    if fmt.get("type") in _CONSTRAINT_FORMATS and body.get("json_schema") is not None:
         raise _refused(
             "json_schema",
             "'response_format' and 'json_schema' cannot both be set: the engines serving this model apply one "
@@ -496,6 +603,7 @@ def _check_completion_format(body: dict[str, Any], engines: frozenset[str]) -> N
     if engines & PYDANTIC_ENGINES:
         read = {k: body[k] for k in _FORMAT_FIELDS if k in body}
         _check_json_schema_format(read, engines)
+        _check_structural_tag(read, engines)
         _check_sglang_constraints(read, engines, "chat")
         _check_vllm_schema_nesting(read, engines, "chat")
 
@@ -505,8 +613,8 @@ def check_engine_refusals(body: dict[str, Any], engines: frozenset[str], route: 
     ``route`` (``completions``, ``chat`` or ``responses``, whose validated ``body`` this is):
     :func:`_check_sampling` and :func:`_check_vllm_stop` on every route, :func:`_check_vllm_chat` on
     chat; where vLLM or SGLang serves the model (:data:`PYDANTIC_ENGINES`), on chat
-    :func:`_check_chat_tools` and :func:`_check_json_schema_format`, on Responses
-    :func:`_check_responses_tools` and :func:`_check_sglang_stream_logprobs`, and on both
+    :func:`_check_chat_tools`, :func:`_check_json_schema_format` and :func:`_check_structural_tag`,
+    on Responses :func:`_check_responses_tools` and :func:`_check_sglang_stream_logprobs`, and on both
     :func:`_check_sglang_constraints` and :func:`_check_vllm_schema_nesting`; the bundled backend's
     :func:`_check_bundled`; then on completions :func:`_check_openai_best_of` and
     :func:`_check_completion_format`, in this order. Raises :class:`OpenAIError` 400. Nothing for a

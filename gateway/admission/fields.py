@@ -114,6 +114,16 @@ _OPENAI_ONLY_ON = {"suffix": frozenset({"openai"})}
 #: (``protocol.py:879-881``) take it, the bundled backend ignores the field, OpenAI's enum ends at
 #: ``xhigh``
 _NOT_ON: dict[tuple[str, Any], frozenset[str]] = {("reasoning_effort", "max"): frozenset({"openai"})}
+#: ``type`` values of OpenAI object fields that only the engines' own extensions take: (field,
+#: type) -> engines that refuse it. ``response_format`` ``structural_tag``: vLLM
+#: (``vllm/entrypoints/generate/base/protocol.py:146-178``, chat and completions) and SGLang
+#: (``protocol.py:252-272``, ``:412``, ``:940``) take it; the bundled backend applies no structured
+#: output (``gpu_backend/openai_api.py`` ``_UNSUPPORTED``: ``response_format`` text only), OpenAI's
+#: ``response_format`` has no such type. Its checks: :mod:`gateway.admission.checks`,
+#: :mod:`gateway.admission.engine_refusals`.
+_TYPE_NOT_ON: dict[tuple[str, str], frozenset[str]] = {
+    ("response_format", "structural_tag"): frozenset({"kvgate", "openai"}),
+}
 
 
 def allowed_extensions(engines: frozenset[str], route: str) -> frozenset[str]:
@@ -460,8 +470,8 @@ def filter_extensions(body: dict[str, Any], route: str, engines: frozenset[str],
 
 def _check_common(body: dict[str, Any], route: str, engines: frozenset[str]) -> None:
     """The policy chat and completions share: extension fields filtered for ``route``'s table
-    (:func:`filter_extensions`), OpenAI fields (and values, :data:`_NOT_ON`) only some engines
-    honour, at most one grammar."""
+    (:func:`filter_extensions`), OpenAI fields (and values, :data:`_NOT_ON`, and object types,
+    :data:`_TYPE_NOT_ON`) only some engines honour, at most one grammar."""
     filter_extensions(body, route, engines, OPENAI_FIELDS[route])
     for key, ok in _OPENAI_ONLY_ON.items():
         if body.get(key) is not None and not engines <= ok:
@@ -469,6 +479,10 @@ def _check_common(body: dict[str, Any], route: str, engines: frozenset[str]) -> 
     for (key, value), refusing in _NOT_ON.items():
         if body.get(key) == value and engines & refusing:
             raise _refuse(key, f"'{key}' {value!r} is not supported by the engines serving this model.")
+    for (key, kind), refusing in _TYPE_NOT_ON.items():
+        value = body.get(key)
+        if isinstance(value, dict) and value.get("type") == kind and engines & refusing:
+            raise _refuse(key, f"'{key}' of type {kind!r} is not supported by the engines serving this model.")
     grammars = [k for k in ("regex", "ebnf", "json_schema") if body.get(k) is not None]
     if len(grammars) > 1:
         raise _refuse(grammars[1], f"Only one of 'regex', 'ebnf' and 'json_schema' may be set; got {grammars}.")

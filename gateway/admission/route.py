@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
-from gateway.admission.checks import Check
 from gateway.admission.gate import Admission, CountedPrompt
 from gateway.admission.registry import ModelEntry
+from gateway.admission.value_checks import Check
 from verifier.engine_response import EngineOutput
 
 #: model task -> the public paths it serves (for the 400's message)

@@ -12,10 +12,11 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
-from gateway.admission.checks import INT64_MAX, Check, anything, check_fields, drop_nulls, int_in, one_of, string
+from gateway.admission.checks import INT64_MAX, check_fields, drop_nulls
 from gateway.admission.engine_refusals import check_embedding_dimensions
 from gateway.admission.gate import Admission, CompletionBound, CountedPrompt, effective_limit, refuse_empty_prompts
 from gateway.admission.registry import ModelEntry
+from gateway.admission.value_checks import Check, anything, int_in, one_of, string
 from gateway.relay.stream_protocol import StreamProtocol
 from gateway.relay.whole_answer import read_choices_answer
 from tokenizer import TokenizerError

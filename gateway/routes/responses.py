@@ -23,28 +23,30 @@ from gateway.admission.checks import (
     EXTENSION_FIELDS,
     INT64_MAX,
     INT64_MIN,
-    Check,
-    anything,
-    array,
-    boolean,
     check_fields,
     check_stream_options,
     drop_nulls,
-    enum,
-    int_in,
     json_size_problem,
     metadata_problem,
-    num_in,
-    one_of,
     stop_problem,
-    str_or_obj,
-    string,
 )
 from gateway.admission.engine_refusals import check_engine_refusals, check_image_parts
 from gateway.admission.fields import check_output_constraints, check_tool_definitions, filter_extensions
 from gateway.admission.gate import Admission, CountedPrompt, decide
 from gateway.admission.grammar_bounds import schema_problem
 from gateway.admission.registry import ModelEntry
+from gateway.admission.value_checks import (
+    Check,
+    anything,
+    array,
+    boolean,
+    enum,
+    int_in,
+    num_in,
+    one_of,
+    str_or_obj,
+    string,
+)
 from gateway.relay.stream_protocol import RESPONSES_SSE, StreamProtocol
 from gateway.relay.whole_answer import read_response_answer
 from tokenizer import TokenizerError

@@ -36,10 +36,11 @@ import asyncio
 from typing import Any
 
 from config.errors import ErrorCode, OpenAIError
-from gateway.admission.checks import CHAT_FIELDS, Check, array, bad_value, boolean, check_fields, string
+from gateway.admission.checks import CHAT_FIELDS, bad_value, check_fields
 from gateway.admission.gate import over_context_error, too_long_to_count
 from gateway.admission.registry import ModelEntry
 from gateway.admission.route import check_task
+from gateway.admission.value_checks import Check, array, boolean, string
 from gateway.routes.chat import CHAT
 from gateway.routes.completions import COMPLETIONS
 from tokenizer import render_chatml
