@@ -584,14 +584,25 @@ def parse_chunk(obj: Any) -> EngineOutput:
 def parse_chunk_event(obj: Any) -> StreamEvent:
     """One chat/completions SSE event's ``data`` (already JSON-decoded) as a :class:`StreamEvent`:
     ``error`` (with the error's fields) for an engine error object (:func:`is_error_payload`),
-    ``other`` for a JSON value that is not an object, else ``chunk`` (:func:`parse_chunk`'s
-    reading). Never raises."""
+    ``other`` for a JSON value that is not an object (its strings ``"-:other"`` text), else
+    ``chunk`` (:func:`parse_chunk`'s reading). Never raises."""
     if not isinstance(obj, dict):
-        return StreamEvent()
+        return _not_an_object(obj)
     if is_error_payload(obj):
         return StreamEvent(kind="error", error=_error_fields(obj))
     out = StreamEvent(kind="chunk")
     _parse(obj, "delta", False, out)
+    return out
+
+
+def _not_an_object(obj: Any) -> StreamEvent:
+    """An event whose data is JSON but not an object (an array, a string): ``other``, no event of
+    either protocol, but a client that reads the event still receives its strings: they are its
+    ``"-:other"`` text, checked as any other."""
+    out = StreamEvent()
+    strings: list[str] = []
+    string_values(obj, strings, keys=_is_text_key)
+    _put(out.fields, "-:other", " ".join(strings))
     return out
 
 
@@ -611,8 +622,14 @@ def _error_fields(data: Any) -> dict[str, Any]:
         return {"message": err}
     if data.get("object") == "error" or "message" in data:
         return data
-    if "detail" in data:
-        return {"message": str(data["detail"])}
+    if "detail" in data:  # FastAPI's error body: a string, or its validation errors (a list)
+        detail = data["detail"]
+        if isinstance(detail, str):
+            return {"message": detail}
+        try:  # the JSON text the engine sent (Python's repr of it recurses once per level)
+            return {"message": orjson.dumps(detail).decode()}
+        except orjson.JSONEncodeError:  # nested past the 254 levels orjson writes: no message of its own
+            return {}
     return {}
 
 
@@ -628,9 +645,10 @@ def engine_error(status: int, body: bytes | Any) -> OpenAIError:
     object in a 200 body) the error's numeric ``code`` when it is such a status; else 502 (an
     engine's 600 or 999 was a 500 of the server layer, which knows no such status line).
     ``body``: the raw bytes or an already parsed object. The engine's ``message`` (cut to
-    :data:`MAX_ENGINE_MESSAGE_CHARS`), string ``code`` and ``param`` are kept; an OpenAI ``type``
-    is kept, any other is replaced by the status's. A message naming "maximum context length"
-    without a code gets ``context_length_exceeded``."""
+    :data:`MAX_ENGINE_MESSAGE_CHARS`; FastAPI's ``detail`` when there is none: a string, or the
+    JSON text of another value), string ``code`` and ``param`` are kept; an OpenAI ``type`` is
+    kept, any other (a list or object too) is replaced by the status's. A message naming "maximum
+    context length" without a code gets ``context_length_exceeded``."""
     data = body
     if isinstance(body, (bytes, bytearray)):
         try:
@@ -649,7 +667,7 @@ def engine_error(status: int, body: bytes | Any) -> OpenAIError:
     if code is None and "maximum context length" in message:
         code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
     etype = e.get("type")
-    if etype not in OPENAI_ERROR_TYPES:
+    if not isinstance(etype, str) or etype not in OPENAI_ERROR_TYPES:  # a list or object is unhashable
         etype = error_type_for_status(status)
     param = e.get("param") if isinstance(e.get("param"), str) else None
     return OpenAIError(status, message[:MAX_ENGINE_MESSAGE_CHARS], code=code, param=param, type=etype, from_engine=True)
@@ -701,7 +719,7 @@ def strict_view(err: OpenAIError) -> OpenAIError:
 # ``total_tokens`` / ``prompt_tokens_details``) that quotas and the verifier read
 # (:func:`reported_usage`). How it ended: ``response.completed`` / status ``completed`` ->
 # ``finish_reason`` ``stop``, ``response.incomplete`` -> ``length`` (or the
-# ``incomplete_details.reason`` when it is another), ``response.failed`` and ``error`` events -> an
+# ``incomplete_details.reason`` when it is another string), ``response.failed`` and ``error`` events -> an
 # error.
 
 #: stream event types whose ``delta`` is text the response carries -> the text stream's name
@@ -891,7 +909,8 @@ def _item_fields(item: Any, index: int) -> dict[str, str]:
         return out
     itype = item.get("type")
     read: dict[str, type | tuple[type, ...]] = dict(_OPAQUE)
-    for key in _ITEM_STRINGS.get(str(itype), ()):
+    # a type that is not a string names no type; its strings are read with the item's other ones
+    for key in _ITEM_STRINGS.get(itype, ()) if isinstance(itype, str) else ():
         v = item.get(key)
         if isinstance(v, str):  # another type (``arguments`` as an object) is ``other`` text
             read[key] = str
@@ -924,7 +943,8 @@ def _finish_of(resp: dict[str, Any]) -> str | None:
     if status == "incomplete":
         details = resp.get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
-        return "length" if reason in (None, "max_output_tokens") else str(reason)
+        # a reason that is not a string is read as absent, as chat reads a choice's finish_reason
+        return reason if isinstance(reason, str) and reason != "max_output_tokens" else "length"
     return None
 
 
@@ -966,9 +986,10 @@ def parse_response_event(obj: Any) -> StreamEvent:
     what an event repeats (``*.done``, ``*.added``, the ``response`` object) as snapshots; any
     other string (an annotation, a field or an event type kvgate does not know) as new text of
     the stream ``"<output index>:other"`` (``"<output index>:<part>:annotations"`` for
-    ``response.output_text.annotation.added``). Never raises on odd shapes."""
+    ``response.output_text.annotation.added``); a JSON value that is not an object, as
+    ``"-:other"``. Never raises on odd shapes."""
     if not isinstance(obj, dict):
-        return StreamEvent()
+        return _not_an_object(obj)
     etype = obj.get("type")
     if etype is not None and not isinstance(etype, str):
         etype = ""  # an array or object as the type (unhashable in the tables below): a type no engine sends
@@ -1035,10 +1056,10 @@ _PART_NAMES = {"output_text": "output_text", "refusal": "refusal", "reasoning_te
 
 def _snapshots(obj: dict[str, Any], etype: Any) -> tuple[dict[str, str], set[str]]:
     """The texts an event repeats (see :attr:`StreamEvent.snapshots`) and the event keys
-    read for them (with the metadata); never raises."""
+    read for them (its metadata, ``type`` included, is :func:`_rother`'s); never raises."""
     i = _index(obj.get("output_index"), 0)
     j = _index(obj.get("content_index", obj.get("summary_index")), 0)
-    read = {"type"}
+    read: set[str] = set()  # ``type`` is left to :func:`_rother`: metadata while a short string, else text
     out: dict[str, str] = {}
     if etype in _DONE_TEXT:
         key, name = _DONE_TEXT[etype]
@@ -1056,7 +1077,9 @@ def _snapshots(obj: dict[str, Any], etype: Any) -> tuple[dict[str, str], set[str
     part = obj.get("part")
     if isinstance(part, dict):  # content_part.* / reasoning_summary_part.*
         read.add("part")
-        name = "reasoning_summary" if "summary_index" in obj else _PART_NAMES.get(str(part.get("type")), "output_text")
+        ptype = part.get("type")
+        named = _PART_NAMES.get(ptype, "output_text") if isinstance(ptype, str) else "output_text"
+        name = "reasoning_summary" if "summary_index" in obj else named
         _part_fields(part, i, j, name, out)
         return out, read
     item = obj.get("item")
