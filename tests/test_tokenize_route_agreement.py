@@ -472,3 +472,25 @@ def test_tokenize_and_chat_agree_on_every_generated_chat(env):
     print("\ntokenize/chat agreement:", json.dumps(seen, sort_keys=True), sorted(params))
     assert seen["counted"] >= 120 and seen["refused"] >= 500 and seen["image"] >= 3, seen
     assert len(params) >= 10, params
+
+
+def test_a_chat_too_deeply_nested_to_forward_is_refused_by_both(env):
+    """Tool parameters nested 260 objects deep: counted, but more than the 254 levels orjson
+    writes back, so the chat route refuses the body it cannot forward. Before, ``/tokenize``
+    answered 200 with a count for it."""
+    params: dict = {"type": "string"}
+    for _ in range(260):
+        params = {"p": params}
+    body = {
+        "model": "cs",
+        "messages": HI,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
+    }
+    error = {
+        "message": "The request body is nested too deeply to forward.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_request",
+    }
+    assert chat_prompt_tokens(env, body) == (400, error)
+    assert tokenize(env, body) == (400, error)

@@ -55,7 +55,7 @@ from config.models import Settings, TenantConfig
 from gateway.admission.auth import authenticate
 from gateway.admission.body import body_declared, closing, parse_json_body, read_body
 from gateway.admission.density import BadIds, StringDensity, count_ids, restore_ids, split_ids, values_over
-from gateway.admission.gate import Admission, client_wants_usage, effective_limit, over_context_error
+from gateway.admission.gate import Admission, client_wants_usage, effective_limit, nested_too_deeply, over_context_error
 from gateway.admission.registry import ModelEntry, ModelIndex
 from gateway.admission.route import ApiRoute, Route, check_task
 from gateway.edge import offload
@@ -382,9 +382,7 @@ async def _forward(
     try:
         forwarded = await asyncio.to_thread(route.forward_body, *args) if large else route.forward_body(*args)
     except orjson.JSONEncodeError:  # orjson writes 254 levels of nesting at most (it reads 1024)
-        raise OpenAIError(
-            400, "The request body is nested too deeply to forward.", code=ErrorCode.INVALID_REQUEST
-        ) from None
+        raise nested_too_deeply() from None
     return Forward(forwarded, stream, strip_usage)
 
 

@@ -189,6 +189,12 @@ def too_long_to_count(entry: ModelEntry, body: dict[str, Any], route: PromptRout
         raise over_context_error(limit, at_least, route.prompt_param)
 
 
+def nested_too_deeply() -> OpenAIError:
+    """The 400 for a body the gateway cannot write back to forward: orjson writes 254 levels of
+    nesting at most (it reads 1,024)."""
+    return OpenAIError(400, "The request body is nested too deeply to forward.", code=ErrorCode.INVALID_REQUEST)
+
+
 def over_context_error(limit: int, at_least: int, where: str) -> OpenAIError:
     """The 400 ``context_length_exceeded`` for a prompt refused before it is counted: ``limit``
     the limit the gate quotes (:func:`effective_limit`), ``at_least`` a lower bound of its tokens, ``where`` the

@@ -35,9 +35,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
+
 from config.errors import ErrorCode, OpenAIError
 from gateway.admission.checks import CHAT_FIELDS, bad_value, check_fields
-from gateway.admission.gate import over_context_error, too_long_to_count
+from gateway.admission.gate import nested_too_deeply, over_context_error, too_long_to_count
 from gateway.admission.registry import ModelEntry
 from gateway.admission.route import check_task
 from gateway.admission.value_checks import Check, array, boolean, string
@@ -142,15 +144,23 @@ async def _local_chat(counter: Any, req: dict[str, Any], options: ChatOptions, s
 async def _tokenize_chat(entry: ModelEntry, body: dict[str, Any], limit: int) -> Tokenized:
     """A ``/tokenize`` chat as the chat route takes it: the model must serve chat
     (:func:`~gateway.admission.route.check_task`), then ``CHAT.check_fields``, the too-long
-    shortcut and the count, each the route's own; raises what the route raises for the same body."""
+    shortcut, the count, and the body written back as the route forwards it (too deeply nested:
+    :func:`~gateway.admission.gate.nested_too_deeply`), each the route's own; raises what the
+    route raises for the same body."""
     check_task(entry, CHAT)
     req = chat_body(body)
     options = await _chat_options(entry, req)
     too_long_to_count(entry, req, CHAT, limit)
     counter = entry.counter
     if isinstance(counter, EngineCounter):
-        return await _engine_chat(counter, req, options)
-    return await _local_chat(counter, req, options, bool(body.get("return_token_strs")))
+        out = await _engine_chat(counter, req, options)
+    else:
+        out = await _local_chat(counter, req, options, bool(body.get("return_token_strs")))
+    try:  # the route writes the body back to forward it, after its count
+        orjson.dumps(req)
+    except orjson.JSONEncodeError:
+        raise nested_too_deeply() from None
+    return out
 
 
 async def _tokenize_prompt(entry: ModelEntry, body: dict[str, Any], limit: int) -> Tokenized:
