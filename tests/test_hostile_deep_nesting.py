@@ -33,13 +33,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import orjson
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 from test_verifier_fields import MARK, key_of, tenant_file, victim_passage
 
 from gateway.quotas.tenant_quotas import build_quota_stage
@@ -47,6 +42,7 @@ from tests.fixtures.leak_stack import leak_stack
 from tests.fixtures.redis_keys import REDIS_URL, delete_prefix, new_prefix
 from tests.gateway_harness import MODEL, SECRETS, Gateway, settings_for, tenants, upstream
 from tests.quota_fixtures import quota_state
+from tests.test_verifier_hostile_engine import Script, build_engine, send
 from verifier.build import build_verifier
 from verifier.engine_response import parse_response_body, parse_response_event
 from verifier.service import VerifierService
@@ -373,45 +369,14 @@ def test_a_client_value_nested_1000_or_1025_levels_is_a_clean_400(client_gw, mod
 
 
 # ====================================================================== engine side
-class Script:
-    """What the engine answers next: ``status`` and ``body`` (bytes) to a whole request, the raw
-    ``events`` (bytes each) to a stream request."""
-
-    def __init__(self) -> None:
-        self.status = 200
-        self.body = b'{"id":"v","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}'
-        self.events: list[bytes] = []
-
-
-def build_engine(sc: Script) -> Starlette:
-    async def answer(request: Request) -> Response:
-        if not orjson.loads(await request.body()).get("stream"):
-            return Response(sc.body, status_code=sc.status, media_type="application/json")
-        events = list(sc.events)
-
-        async def gen():
-            for e in events:
-                yield e
-
-        return StreamingResponse(gen(), media_type="text/event-stream")
-
-    async def server_info(request: Request) -> Response:
-        return Response(b'{"max_total_num_tokens": 16384, "context_length": 8192}', media_type="application/json")
-
-    return Starlette(
-        routes=[
-            Route("/server_info", server_info),
-            *(Route(p, answer, methods=["POST"]) for p in ("/v1/chat/completions", "/v1/completions", "/v1/responses")),
-        ]
-    )
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """``(script, verifier, client)``: the scripted engine behind a gateway with its verifier; the
     victim's passage indexed (tenants of :func:`test_verifier_fields.tenant_file`: ``s`` strict,
     ``a`` sampled)."""
     sc = Script()
+    sc.body = b'{"id":"v","object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}'
+    sc.done = False  # the raw events carry their own end
     passage, _ = victim_passage()
     victim = (key_of("victim"), "Please keep this: " + passage)
     verifier = {"strict_holdback_tokens": 64, "quarantine_min_prompt_tokens": 1024}
@@ -422,26 +387,6 @@ def stack(tmp_path_factory):
 
 #: the victim's words that carry the marker (the canary left out): what the leak cases plant
 LEAK = " ".join(w for w in victim_passage()[1] if w.startswith(MARK))
-ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
-
-
-def send(client: httpx.Client, tid: str, route: str, stream: bool) -> tuple[int, bytes]:
-    """Status and the exact bytes the client received."""
-    body: dict[str, Any] = {"model": "m", "stream": stream}
-    if route == "chat":
-        body.update(messages=[{"role": "user", "content": "Tell me about the weather."}], max_tokens=400)
-    elif route == "completions":
-        body.update(prompt="Tell me about the weather.", max_tokens=400)
-    else:
-        body.update(input="Tell me about the weather.", max_output_tokens=400)
-    h = {"authorization": f"Bearer {key_of(tid)}"}
-    if stream:
-        with client.stream("POST", ROUTES[route], json=body, headers=h) as r:
-            return r.status_code, b"".join(r.iter_raw())
-    r = client.post(ROUTES[route], json=body, headers=h)
-    return r.status_code, r.content
-
-
 #: an error code a strict tenant is shown (:func:`verifier.engine_response.strict_view`)
 _PLAIN_CODE = re.compile(r"[a-z0-9_]{1,64}")
 

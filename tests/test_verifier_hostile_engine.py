@@ -58,10 +58,12 @@ VICTIM = [w for w in victim_passage()[1] if w.startswith(MARK)]
 
 
 class Script:
-    """What the engine answers next: ``body`` (a whole answer) or ``events`` (a stream: each a
-    JSON object sent as one ``data:`` event), ended with ``[DONE]`` when ``done``."""
+    """What the engine answers next: ``status`` and ``body`` (a whole answer: an object, or bytes
+    sent as they are) or ``events`` (a stream: each a JSON object sent as one ``data:`` event, or
+    bytes sent as they are), ended with ``[DONE]`` when ``done``."""
 
     def __init__(self) -> None:
+        self.status = 200
         self.body: Any = None
         self.events: list[Any] = []
         self.done = True
@@ -73,12 +75,13 @@ def build_engine(sc: Script) -> Starlette:
         body = await request.json()
         sc.requests.append(body)
         if not body.get("stream"):
-            return Response(json.dumps(sc.body).encode(), media_type="application/json")
+            whole = sc.body if isinstance(sc.body, bytes) else json.dumps(sc.body).encode()
+            return Response(whole, status_code=sc.status, media_type="application/json")
         events = list(sc.events)
 
         async def gen():
             for e in events:
-                yield b"data: " + json.dumps(e).encode() + b"\n\n"
+                yield e if isinstance(e, bytes) else b"data: " + json.dumps(e).encode() + b"\n\n"
             if sc.done:
                 yield b"data: [DONE]\n\n"
 
