@@ -244,11 +244,17 @@ _IDENTIFIER = re.compile(r"[A-Za-z0-9_$@][A-Za-z0-9_.:$@/-]{0,63}")
 
 @functools.lru_cache(maxsize=1024)
 def _is_text_key(key: str) -> bool:
-    """Whether a key name is text a client receives: not an identifier (:data:`_IDENTIFIER`).
-    Every :func:`~tokenizer.json_values.string_values` walk here passes it as ``keys``, so the
-    key names an engine put text in are read with the values. Remembered, as an engine's field
-    names repeat in every event."""
+    """Whether a key name is text a client receives: not an identifier (:data:`_IDENTIFIER`);
+    :func:`_texts` reads such keys with the values. Remembered, as an engine's field names repeat
+    in every event."""
     return _IDENTIFIER.fullmatch(key) is None
+
+
+def _texts(value: Any, out: list[str]) -> None:
+    """Every string of ``value`` into ``out`` as the verifier reads an engine's answer: its
+    values and the key names an engine put text in (:func:`_is_text_key`), in document order, at
+    any depth (:func:`tokenizer.json_values.string_values`)."""
+    string_values(value, out, keys=_is_text_key)
 
 
 #: the types of JSON values without a string inside (what orjson reads a number or a bool as)
@@ -262,7 +268,7 @@ def _meta(v: Any, out: list[str]) -> None:
         if len(v) > META_MAX_CHARS:
             out.append(v)
     elif isinstance(v, (dict, list)):
-        string_values(v, out, keys=_is_text_key)
+        _texts(v, out)
 
 
 def _rest(
@@ -283,7 +289,7 @@ def _rest(
         elif _is_text_key(k):
             out.append(k)
         if v is not None and type(v) not in _NUMBERS:
-            string_values(v, out, keys=_is_text_key)
+            _texts(v, out)
 
 
 def _index(v: Any, position: int) -> int:
@@ -365,7 +371,7 @@ def _content_part_fields(content: list[Any], out: list[_Field], other: list[str]
     refusals: list[str] = []
     for p in content:
         if not isinstance(p, dict):
-            string_values(p, other, keys=_is_text_key)
+            _texts(p, other)
             continue
         if isinstance(p.get("text"), str):
             texts.append(p["text"])
@@ -383,7 +389,7 @@ def _tool_call_fields(calls: list[Any], out: list[_Field], other: list[str]) -> 
     its position); a call that is not an object, and a call's other strings, into ``other``."""
     for pos, tc in enumerate(calls):
         if not isinstance(tc, dict):
-            string_values(tc, other, keys=_is_text_key)
+            _texts(tc, other)
             continue
         _rest(tc, _TOOL_READ, _TOOL_META, other)
         fn = tc.get("function")
@@ -417,7 +423,7 @@ class _TokenTexts:
         ``read`` is :data:`_ALTERNATIVE_READ`, its own ``top_logprobs`` are ``other``); anything
         else it carries into ``other``."""
         if not isinstance(t, dict):
-            string_values(t, other, keys=_is_text_key)
+            _texts(t, other)
             return
         tok = t.get("token")
         if isinstance(tok, str):
@@ -441,7 +447,7 @@ class _TokenTexts:
                 return
         b = _token_bytes(v)
         if b is None:
-            string_values(v, other, keys=_is_text_key)
+            _texts(v, other)
             return
         self.raw.append(b)
         self.differs = True
@@ -449,11 +455,11 @@ class _TokenTexts:
     def keyed(self, position: Any, other: list[str]) -> None:
         """One position of completions' ``top_logprobs``: ``{token: logprob}``, the tokens by rank."""
         if not isinstance(position, dict):
-            string_values(position, other, keys=_is_text_key)
+            _texts(position, other)
             return
         for r, (tok, logprob) in enumerate(position.items()):
             self._rank(r).tokens.append(tok)
-            string_values(logprob, other, keys=_is_text_key)
+            _texts(logprob, other)
 
     def _rank(self, r: int) -> _TokenTexts:
         while len(self.alts) <= r:
@@ -495,7 +501,7 @@ def _logprob_fields(lp: dict[str, Any], out: list[_Field], other: list[str]) -> 
             if isinstance(t, str):
                 acc.tokens.append(t)
             else:
-                string_values(t, other, keys=_is_text_key)
+                _texts(t, other)
     tops = lp.get("top_logprobs")  # completions: [{"tok": logprob, ...}, ...]
     if isinstance(tops, list):
         for position in tops:
@@ -528,14 +534,14 @@ def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> Engine
                 _add_choice(out, c, i if type(i) is int else _index(i, position), holder, keep_empty)
                 position += 1
             else:
-                string_values(c, top, keys=_is_text_key)
+                _texts(c, top)
     data = obj.get("data")
     if isinstance(data, list):  # embeddings: the vectors are not text, the rest is
         for item in data:
             if isinstance(item, dict):
                 _rest(item, _EMBEDDING_READ, _EMBEDDING_META, top)
             else:
-                string_values(item, top, keys=_is_text_key)
+                _texts(item, top)
     _rest(obj, _TOP_READ, _TOP_META, top)
     if top:
         out.fields["-:other"] = " ".join(top)
@@ -601,7 +607,7 @@ def _not_an_object(obj: Any) -> StreamEvent:
     ``"-:other"`` text, checked as any other."""
     out = StreamEvent()
     strings: list[str] = []
-    string_values(obj, strings, keys=_is_text_key)
+    _texts(obj, strings)
     _put(out.fields, "-:other", " ".join(strings))
     return out
 
@@ -787,7 +793,7 @@ def _rstrings(obj: Any) -> str:
         return _rother(obj)
     out: list[str] = []
     if not isinstance(obj, list):
-        string_values(obj, out, keys=_is_text_key)
+        _texts(obj, out)
         return " ".join(out)
     stack: list[Iterator[Any]] = [iter(obj)]
     while stack:
@@ -808,7 +814,7 @@ def _put_logprobs(out: dict[str, str], prefix: str, lp: Any, other: list[str]) -
     if lp is None:
         return
     if not isinstance(lp, list):
-        string_values(lp, other, keys=_is_text_key)
+        _texts(lp, other)
         return
     acc = _TokenTexts()
     for t in lp:
