@@ -300,7 +300,9 @@ class _Events:
         if protocol is CHAT_SSE:  # a chunk with a choice or tool-call index clients group apart is refused
             self.read = partial(inspect, odd=lambda obj: odd_chunk_index(obj.get("choices"), self.choices))
         elif protocol is RESPONSES_SSE:  # a text event whose indexes clients group apart is refused
-            self.read = partial(read_response_event, odd_index=odd_output_index)
+            self.read = partial(
+                read_response_event, odd=lambda obj: "odd_output_index" if odd_output_index(obj) else None
+            )
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
         self.done = False  # the protocol's end marker came
         self.errored = False  # an engine error event came (after the response started)

@@ -56,12 +56,13 @@ def chat_error_tail(err: OpenAIError, after: int | None) -> bytes:
     return error_event(err) + DONE_EVENT
 
 
-def read_response_event(event: bytes, odd_index: Callable[[dict[str, Any]], bool] | None = None) -> StreamEvent:
+def read_response_event(event: bytes, odd: Callable[[dict[str, Any]], str | None] | None = None) -> StreamEvent:
     """A ``/v1/responses`` stream event's ``data`` as a :class:`StreamEvent` (``other`` when it
     has no data or it is not JSON for any reader; ``lenient`` for JSON that orjson refuses and a
-    client reads, :func:`gateway.relay.sse.lenient_reads`). With ``odd_index`` (the relay passes
-    :func:`gateway.relay.stream.odd_output_index`), an event object it holds true for is read as
-    ``odd_output_index``: the JSON is decoded once for both. Never raises (``odd_index`` aside)."""
+    client reads, :func:`gateway.relay.sse.lenient_reads`). With ``odd``, as
+    :func:`gateway.relay.sse.inspect` takes it (the relay passes a check built on
+    :func:`gateway.relay.stream.odd_output_index`), an event object for which it returns a kind is
+    read as that kind: the JSON is decoded once for both. Never raises (``odd`` aside)."""
     payload = data_of(event)
     if payload is None:
         return StreamEvent()
@@ -69,8 +70,10 @@ def read_response_event(event: bytes, odd_index: Callable[[dict[str, Any]], bool
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return StreamEvent(kind="lenient") if lenient_reads(payload) else StreamEvent()
-    if odd_index is not None and type(obj) is dict and odd_index(obj):
-        return StreamEvent(kind="odd_output_index")
+    if odd is not None and type(obj) is dict:
+        kind = odd(obj)
+        if kind is not None:
+            return StreamEvent(kind=kind)
     return parse_response_event(obj)
 
 
