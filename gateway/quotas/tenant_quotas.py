@@ -453,7 +453,8 @@ class TenantQuotas:
         begun request whose token step the fallback took: it goes on, so it stays). ``scope``:
         only those of tenants in that part of the store; default: all. In slices of
         :data:`BACKLOG_SLICE` lease ids, one tenant's after the other's (:meth:`_Backlog.take`),
-        each slice in one round trip; an undo that fails waits for the next round, and so, in this
+        each slice's calls together (the first goes out at once, the rest in the next round
+        trip: :meth:`RedisQuotaStore._submit`); an undo that fails waits for the next round, and so, in this
         one, do those of its part of the store (:meth:`_failing`). A part of the store that is
         backing off is left alone (``backing_off``: not at :meth:`aclose`'s last try): the round
         neither extends its back-off nor takes a slice out of the backlog while an outage's failed
