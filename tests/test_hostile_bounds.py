@@ -174,7 +174,7 @@ def test_an_8_mib_stream_event_ends_the_stream_with_an_error_event(engine):
             r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=True))
         assert (r.status_code, r.json()) == (502, TOO_BIG_EVENT)
         # exactly at the limit passes byte-exact
-        edge_event = b"data: " + b"y" * ((1 << 20) - 8) + b"\n\n"
+        edge_event = b'data: "' + b"y" * ((1 << 20) - 10) + b'"\n\n'  # JSON: data that is not is refused
         ok = [_event("a"), edge_event, b"data: [DONE]\n\n"]
         engine.state.stream_chunks = [b"".join(ok)]
         with g.client() as c:

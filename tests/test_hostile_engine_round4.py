@@ -309,6 +309,16 @@ LENIENT = {
     "param": None,
     "code": "upstream_unavailable",
 }
+#: the 502 that ends a stream holding an event whose data no JSON reader takes
+NOT_JSON = {
+    "message": (
+        "The upstream engine sent a stream event whose data is not JSON (plain text, a cut object "
+        "or an object followed by text), which the gateway does not relay."
+    ),
+    "type": "server_error",
+    "param": None,
+    "code": "upstream_unavailable",
+}
 HELLO = _chunk("Hello ", False)
 HELLO_TOKENS = bundled_counter().count_text("Hello ")
 CLOSE_FRAMED = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
@@ -413,14 +423,15 @@ def test_an_error_event_only_a_lenient_json_reader_reads_ends_the_stream(strict)
     assert q.settled == {"r4": [11 + HELLO_TOKENS]}
 
 
-def test_text_that_is_not_json_for_any_reader_is_still_relayed():
-    """Data no JSON reader takes (plain text, a cut object) carries no text a client reads: it is
-    relayed as before (the fallback reader runs only where orjson already failed)."""
-    odd = [b"data: hello\n\n", b'data: {"choices": [\n\n', b'data: {"a": 1} x\n\n']
-    stream = HELLO + b"".join(odd) + _chunk("", False, "stop") + DONE
-    r, q, _ = through_gateway_as([stream], STREAM_BODY, strict=False)
-    assert (r.status_code, r.content) == (200, stream)
-    assert q.settled == {"r4": [11 + HELLO_TOKENS]}
+def test_text_that_is_not_json_for_any_reader_ends_the_stream():
+    """Data no JSON reader takes (plain text, a cut object) was relayed as carrying no text a
+    client reads; but a client receives it (a browser's ``EventSource`` hands it to the page, the
+    openai SDK's ``JSONDecodeError`` holds it) while the verifier read nothing in it. It now ends
+    the stream as JSON only a lax reader reads does (tests/test_relay_non_object_events.py)."""
+    for odd in (b"data: hello\n\n", b'data: {"choices": [\n\n', b'data: {"a": 1} x\n\n'):
+        r, q, _ = through_gateway_as([HELLO, odd, _chunk("", False, "stop"), DONE], STREAM_BODY, strict=False)
+        assert (r.status_code, r.content) == (200, HELLO + error_event(NOT_JSON) + DONE)
+        assert q.settled == {"r4": [11 + HELLO_TOKENS]}
 
 
 def _responses_error_event(error: dict[str, Any], seq: int) -> bytes:

@@ -138,8 +138,9 @@ class StreamEvent(EngineOutput):
 
     - ``chunk`` (a chat/completions chunk), ``text`` (a Responses text delta), ``terminal``
       (``response.completed`` / ``incomplete``; a whole answer), ``snapshot`` (an event that
-      repeats text), ``other`` (no data, not JSON, nothing known), ``lenient`` (JSON that orjson
-      refuses and a client's laxer reader takes: the relay ends the stream there);
+      repeats text), ``other`` (no data, blank data, nothing known), ``lenient`` (JSON that orjson
+      refuses and a client's laxer reader takes), ``not_json`` (text no JSON reader takes: the
+      relay ends the stream at either);
     - ``done``: chat's ``data: [DONE]``;
     - ``error``: an engine error (an error object in chat; an ``error`` event, ``response.failed``
       or an error body in Responses); ``error`` holds its fields (``message``, ``code``,

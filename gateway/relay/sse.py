@@ -15,7 +15,8 @@ are read as a client reads them (WHATWG: a line ends at CRLF, LF or a bare CR), 
 (a blank line made with a bare CR, or ``\\n\\r\\n``): the relay ends such a stream, since the
 events it cannot see would reach the client unread. For the same reason an event whose JSON orjson
 refuses but a client's laxer reader takes (:func:`lenient_reads`: a lone surrogate escape, ``NaN``)
-is read as ``lenient``, and the relay ends the stream there.
+is read as ``lenient``, and data no JSON reader takes but a client still receives (plain text, a
+cut object) as ``not_json`` (:func:`unparsed`): the relay ends the stream at either.
 """
 
 from __future__ import annotations
@@ -235,15 +236,29 @@ def lenient_reads(payload: bytes) -> bool:
     return True
 
 
+def unparsed(payload: bytes) -> StreamEvent:
+    """An event whose ``data`` (``payload``) orjson refused: ``lenient`` when a client's JSON
+    reader takes it (:func:`lenient_reads`), ``not_json`` when it holds text no JSON reader takes
+    (plain text, a cut object, an object followed by text), ``other`` when it is empty or blank.
+    A client still receives such text (a browser's ``EventSource`` hands it to the page; the
+    openai SDK raises ``json.JSONDecodeError`` holding it as its ``doc``) and the verifier reads
+    nothing in it, so the relay ends the stream there, as for ``lenient``; no honest engine sends
+    it (vLLM and SGLang write each event's data as JSON, or ``[DONE]``)."""
+    if lenient_reads(payload):
+        return StreamEvent(kind="lenient")
+    return StreamEvent(kind="not_json") if payload.strip() else StreamEvent()
+
+
 def inspect(event: bytes, odd: Callable[[dict[str, Any]], str | None] | None = None) -> StreamEvent:
     """A chat/completions event as a :class:`~verifier.engine_response.StreamEvent`: ``done``
     (``[DONE]``), ``error`` (an engine error object), ``chunk`` (a JSON completion chunk:
     per-choice texts, finish reason, usage), ``lenient`` (JSON that orjson refuses and a client
-    reads: :func:`lenient_reads`; the relay ends the stream there), ``other`` (no data, not JSON
-    for any reader, not an object). With ``odd`` (the relay passes a check built on
-    :func:`gateway.relay.stream.odd_chunk_index`), an event object for which it returns a kind is
-    read as that kind: the JSON is decoded once for both. Never raises on odd input (``odd``
-    aside)."""
+    reads: :func:`lenient_reads`), ``not_json`` (text no JSON reader takes: :func:`unparsed`; the
+    relay ends the stream at either), ``other`` (no data, blank data, a JSON value that is not an
+    object: its strings are checked as ``"-:other"`` text). With ``odd`` (the relay passes a check
+    built on :func:`gateway.relay.stream.odd_chunk_index`), an event object for which it returns a
+    kind is read as that kind: the JSON is decoded once for both. Never raises on odd input
+    (``odd`` aside)."""
     payload = data_of(event)
     if payload is None:
         return StreamEvent()
@@ -252,7 +267,7 @@ def inspect(event: bytes, odd: Callable[[dict[str, Any]], str | None] | None = N
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return StreamEvent(kind="lenient") if lenient_reads(payload) else StreamEvent()
+        return unparsed(payload)
     if odd is not None and type(obj) is dict:
         kind = odd(obj)
         if kind is not None:

@@ -14,6 +14,7 @@ What the stream produced is counted in a :class:`Tally`, which only the relay wr
 
 Refused as outside the protocol (the stream ends with 502 ``upstream_unavailable``, an error event
 once it started): bytes a client reads as several events, JSON only a client's laxer reader reads,
+data that is text no JSON reader takes (a client receives it; the verifier reads nothing in it),
 and an index clients group apart from the verifier: a chat/completions choice's
 (:func:`odd_choice_index`), a streamed tool call's (:func:`odd_tool_call_index`), a ``/v1/responses``
 text event's ``output_index`` / ``content_index`` / ``summary_index`` (:func:`odd_output_index`).
@@ -315,6 +316,7 @@ class _Events:
         stripped usage chunk). Raises :func:`unsplittable_event` for bytes a client would read
         as several events (:func:`gateway.relay.sse.is_one_event`), :func:`lenient_json_event`
         for JSON only a client's laxer reader reads (:func:`gateway.relay.sse.lenient_reads`),
+        :func:`not_json_event` for data no JSON reader takes (:func:`gateway.relay.sse.unparsed`),
         :func:`odd_index_event`, :func:`odd_tool_index_event` or :func:`odd_output_index_event` for
         an index clients group apart from the verifier (:data:`REFUSED_EVENTS`)."""
         if not is_one_event(raw):
@@ -701,10 +703,25 @@ def lenient_json_event() -> OpenAIError:
     )
 
 
+def not_json_event() -> OpenAIError:
+    """The 502 ``upstream_unavailable`` that ends a stream holding an event whose data no JSON
+    reader takes and is not blank (:func:`gateway.relay.sse.unparsed`: plain text, a cut object,
+    an object followed by text). A client still receives it (a browser's ``EventSource`` hands it
+    to the page, the openai SDK's ``json.JSONDecodeError`` holds it as its ``doc``, the JavaScript
+    SDK logs it), while the verifier's guard read nothing in it; no honest engine sends it."""
+    return OpenAIError(
+        502,
+        "The upstream engine sent a stream event whose data is not JSON (plain text, a cut object "
+        "or an object followed by text), which the gateway does not relay.",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
+
+
 #: the kinds of stream events (:attr:`~verifier.engine_response.StreamEvent.kind`) that end a
 #: stream as outside the protocol -> the error that ends it
 REFUSED_EVENTS: dict[str, Callable[[], OpenAIError]] = {
     "lenient": lenient_json_event,
+    "not_json": not_json_event,
     "odd_index": odd_index_event,
     "odd_tool_index": odd_tool_index_event,
     "odd_output_index": odd_output_index_event,

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from config.errors import OpenAIError
-from gateway.relay.sse import DONE_EVENT, data_of, inspect, lenient_reads
+from gateway.relay.sse import DONE_EVENT, data_of, inspect, unparsed
 from verifier.engine_response import StreamEvent, parse_response_event
 
 
@@ -58,9 +58,10 @@ def chat_error_tail(err: OpenAIError, after: int | None) -> bytes:
 
 def read_response_event(event: bytes, odd: Callable[[dict[str, Any]], str | None] | None = None) -> StreamEvent:
     """A ``/v1/responses`` stream event's ``data`` as a :class:`StreamEvent` (``other`` when it
-    has no data or it is not JSON for any reader; ``lenient`` for JSON that orjson refuses and a
-    client reads, :func:`gateway.relay.sse.lenient_reads`). With ``odd``, as
-    :func:`gateway.relay.sse.inspect` takes it (the relay passes a check built on
+    has no data, blank data or ``[DONE]``, the chat end marker, at which the openai SDK stops in
+    either protocol: relayed as sent; ``lenient`` for JSON that orjson refuses and a client reads,
+    ``not_json`` for other text no JSON reader takes: :func:`gateway.relay.sse.unparsed`). With
+    ``odd``, as :func:`gateway.relay.sse.inspect` takes it (the relay passes a check built on
     :func:`gateway.relay.stream.odd_output_index`), an event object for which it returns a kind is
     read as that kind: the JSON is decoded once for both. Never raises (``odd`` aside)."""
     payload = data_of(event)
@@ -69,7 +70,7 @@ def read_response_event(event: bytes, odd: Callable[[dict[str, Any]], str | None
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
-        return StreamEvent(kind="lenient") if lenient_reads(payload) else StreamEvent()
+        return StreamEvent() if payload.strip() == b"[DONE]" else unparsed(payload)
     if odd is not None and type(obj) is dict:
         kind = odd(obj)
         if kind is not None:
