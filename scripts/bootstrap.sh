@@ -40,6 +40,6 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   choose_torch .venv/bin/python || exit 1
   step "installing torch" .venv/bin/python -m pip install --disable-pip-version-check "${PIN[@]}" "${TORCH_PIP_ARGS[@]}"
 fi
-echo "kvgate: installing kvgate[backend,hf,dev] (editable) into .venv${PIN[*]:+, versions from constraints.txt}"
+echo "kvgate: installing kvgate[backend,hf,dev] (editable) into .venv${PIN[*]:+, versions from constraints.txt} (a first run: 1-2 min, quiet until done)"
 step "installing kvgate" .venv/bin/python -m pip install --disable-pip-version-check "${PIN[@]}" -e ".[backend,hf,dev]"
 touch "$STAMP"

@@ -309,3 +309,24 @@ def test_up_leaves_out_a_tenant_tied_to_another_model_and_keeps_reloading(tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_the_banner_names_its_log_and_tenant_files_by_absolute_path(tmp_path, monkeypatch) -> None:
+    """Started with relative paths (``--run-dir .kvgate/run``, ``--tenants my.yaml``), the banner
+    still names the logs and the tenants file in full: it is read from another terminal, whose
+    working directory may be anywhere (before: ``logs: .kvgate/run/backend.log``)."""
+    from types import SimpleNamespace
+
+    from gateway.commands.up import banner
+
+    monkeypatch.chdir(tmp_path)
+    stack = SimpleNamespace(
+        gateway_url="http://127.0.0.1:8080",
+        model="kvgate-tiny",
+        options=SimpleNamespace(echo_logs=False),
+        run_dir=Path(".kvgate/run"),
+        tenants_path=Path("my.yaml"),
+    )
+    text = banner(stack, 3276)  # type: ignore[arg-type]
+    assert f"  logs:             {tmp_path}/.kvgate/run/backend.log, gateway.log\n" in text
+    assert f"SIGHUP reloads the tenants file ({tmp_path}/my.yaml).\n" in text

@@ -168,7 +168,8 @@ def banner(stack: EmbeddedStack, limit: int | None) -> str:
     url = stack.gateway_url
     keys = "   ".join(f"{tenant}: {key}" for tenant, key in DEMO_KEYS.items())
     limit_text = f" (effective context limit now: {limit} tokens)" if limit else ""
-    logs = "" if stack.options.echo_logs else f"\n  logs:             {stack.run_dir}/backend.log, gateway.log"
+    run_dir = stack.run_dir.resolve()  # read from another terminal, whose directory may be anywhere
+    logs = "" if stack.options.echo_logs else f"\n  logs:             {run_dir}/backend.log, gateway.log"
     return f"""
   kvgate is up.
   OpenAI base URL:  {url}/v1
@@ -180,7 +181,7 @@ def banner(stack: EmbeddedStack, limit: int | None) -> str:
     -H "Authorization: Bearer {DEMO_KEYS["demo-a"]}" -H "Content-Type: application/json" \\
     -d '{{"model": "{stack.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
 
-  Press Ctrl-C to stop (or send SIGTERM). SIGHUP reloads the tenants file ({stack.tenants_path}).
+  Press Ctrl-C to stop (or send SIGTERM). SIGHUP reloads the tenants file ({stack.tenants_path.resolve()}).
 """
 
 
