@@ -55,7 +55,7 @@ DROPPED_BYTES = Counter(
 )
 JOB_FAULTS = Counter(
     "kvgate_verifier_job_faults_total",
-    "Background verifier jobs that raised (the worker recorded the fault and went on), by job kind",
+    "Background verifier jobs or periodic rounds that raised (recorded; the task went on), by kind",
     ["kind"],
     registry=REGISTRY,
 )
@@ -81,6 +81,17 @@ QUARANTINES = Counter(
 )
 
 _ALLOWED_EVIDENCE = (int, float, bool, type(None))
+
+
+def round_fault(kind: str, e: BaseException, stats: Any = None) -> None:
+    """A round of a periodic task (``kind``: ``probe``, ``quarantine_refresh``, ``latency``) raised
+    ``e``, a native library's panic (a ``BaseException``) included: counted
+    (``kvgate_verifier_job_faults_total{kind}``, ``stats["job_faults"]`` when given) and logged with
+    its traceback, as the worker's job faults are; the task goes on with its next round."""
+    JOB_FAULTS.labels(kind).inc()
+    if stats is not None:
+        stats["job_faults"] += 1
+    log.error("verifier job fault (%s): %s", kind, type(e).__name__, exc_info=(type(e), e, e.__traceback__))
 
 
 def _check_evidence(value: Any, path: str = "evidence") -> None:

@@ -57,10 +57,13 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ddsketch import DDSketch
+
+from config.background import stopping
+from verifier.incidents import round_fault
 
 log = logging.getLogger("kvgate.verifier")
 
@@ -392,8 +395,18 @@ class LatencyKeeper:
             log.warning("verifier: could not save %d latency samples: %s", len(samples), e)
 
     async def loop(self) -> None:
-        """Load, then save every :attr:`SAVE_SECONDS`, forever (cancel to stop)."""
-        await asyncio.to_thread(self.load)
+        """Load, then save every :attr:`SAVE_SECONDS`, forever (cancel to stop). A load or save that
+        raises past its own store-error handling (a native panic) is counted and logged
+        (:func:`verifier.incidents.round_fault`, kind ``latency``); the saves go on."""
+        await self._guarded(self.load)
         while True:
             await asyncio.sleep(self.SAVE_SECONDS)
-            await asyncio.to_thread(self.save)
+            await self._guarded(self.save)
+
+    async def _guarded(self, fn: Callable[[], object]) -> None:
+        try:
+            await asyncio.to_thread(fn)
+        except BaseException as e:
+            if stopping(e):
+                raise
+            round_fault("latency", e, self.stats)

@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from config.background import stopping
 from config.models import Settings, TenantConfig
 from verifier.canary import CanaryRegistry
 from verifier.findings import Evidence, incident
-from verifier.incidents import Incident
+from verifier.incidents import Incident, round_fault
 from verifier.stage import Exchange, ExchangeRequest
 
 if TYPE_CHECKING:  # verifier.probe imports httpx: only the probe loop needs it
@@ -55,29 +56,38 @@ class PeriodicProbe:
 
     async def loop(self) -> None:
         """Run the probe every interval, forever (the service cancels it)."""
-        from verifier.probe import run_probe_targets, targets_from_settings
-
         interval = float(self.settings.verifier.probe_interval_seconds or 0)
         while True:
             await asyncio.sleep(interval)
             try:
-                targets = self.targets or targets_from_settings(self.settings)
-                results = await run_probe_targets(targets, register=self.register, known=self.known)
-            except Exception as e:
-                log.warning("verifier probe failed to run: %s", e)
-                continue
-            self.stats["probes"] += len(results)
-            for target, result in results:
-                if unmatched := sum(s.unmatched for s in result.steps):
-                    log.warning(
-                        "verifier probe of %s: %d canary-shaped strings no step planted and no tenant"
-                        " registered (a model echoing its own canary mistyped, or inventing some)",
-                        target.upstream,
-                        unmatched,
-                    )
-            leaks = [self._incident(target, result) for target, result in results if result.outcome == "leak"]
-            if leaks:  # the incident log is a file and the quarantine may be Redis: off the loop
-                await asyncio.to_thread(self.evidence.record, leaks)
+                await self._round()
+            except BaseException as e:  # a round's fault, a native panic or its incident's store included
+                if stopping(e):
+                    raise
+                round_fault("probe", e, self.stats)
+
+    async def _round(self) -> None:
+        """One probe of every target, its leaks recorded as incidents."""
+        from verifier.probe import run_probe_targets, targets_from_settings
+
+        try:
+            targets = self.targets or targets_from_settings(self.settings)
+            results = await run_probe_targets(targets, register=self.register, known=self.known)
+        except Exception as e:
+            log.warning("verifier probe failed to run: %s", e)
+            return
+        self.stats["probes"] += len(results)
+        for target, result in results:
+            if unmatched := sum(s.unmatched for s in result.steps):
+                log.warning(
+                    "verifier probe of %s: %d canary-shaped strings no step planted and no tenant"
+                    " registered (a model echoing its own canary mistyped, or inventing some)",
+                    target.upstream,
+                    unmatched,
+                )
+        leaks = [self._incident(target, result) for target, result in results if result.outcome == "leak"]
+        if leaks:  # the incident log is a file and the quarantine may be Redis: off the loop
+            await asyncio.to_thread(self.evidence.record, leaks)
 
     def _incident(self, target: ProbeTarget, result: ProbeResult) -> Incident:
         """The confirmed ``probe`` incident of a leak ``result`` through ``target``."""

@@ -26,7 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from config.background import stopping
 from config.secrets import private_dir
+from verifier.incidents import round_fault
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,12 @@ class Quarantine:
 
         try:
             while True:
-                await asyncio.to_thread(self.refresh)
+                try:
+                    await asyncio.to_thread(self.refresh)
+                except BaseException as e:  # a read's fault (a native panic): the last view stays
+                    if stopping(e):
+                        raise
+                    round_fault("quarantine_refresh", e)
                 await asyncio.sleep(self.refresh_seconds)
         finally:
             self.inline_refresh = True

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from config.background import stopping
 from config.engine_pool import (
     SGLANG_LOADS_QUERY,
     EnginePoolError,
@@ -435,24 +436,50 @@ class PoolWatcher:
         sooner: :data:`RETRY_FIRST_DELAY_SECONDS`, doubled on each further failure, never more than
         the interval (after a few retries a dead engine is polled once per interval, never in a
         tight loop); a success returns to the interval. The pool stays unknown meanwhile (fail
-        closed); a failure is logged only when it changes, not on every retry."""
+        closed); a failure is logged only when it changes, not on every retry. A poll that raises
+        anything but a stop (:func:`config.background.stopping`), a ``BaseException`` such as a native library's
+        panic included, is a failed poll, logged with its traceback; should the task end anyway,
+        the pool is unknown from then on (:meth:`_stopped`), never held at its last reading."""
         interval = self.settings.poll_interval_seconds
         retry = RETRY_FIRST_DELAY_SECONDS
-        while True:
-            try:
-                ok = await self.poll_once() is not None
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # never let the watcher die
-                if self._fail(f"poll failed: {type(e).__name__}"):
-                    log.exception("pool poll of %s failed", self.upstream.name)
-                ok = False
-            if ok:
-                retry = RETRY_FIRST_DELAY_SECONDS
-                await asyncio.sleep(interval)
-            else:
-                await asyncio.sleep(min(retry, interval))
-                retry = min(retry * 2, interval)
+        try:
+            while True:
+                try:
+                    ok = await self.poll_once() is not None
+                except BaseException as e:  # never let the watcher die of one poll
+                    if stopping(e):
+                        raise
+                    if self._fail(f"poll failed: {type(e).__name__}"):
+                        log.exception("pool poll of %s failed", self.upstream.name)
+                    ok = False
+                if ok:
+                    retry = RETRY_FIRST_DELAY_SECONDS
+                    await asyncio.sleep(interval)
+                else:
+                    await asyncio.sleep(min(retry, interval))
+                    retry = min(retry * 2, interval)
+        except BaseException as e:
+            if not stopping(e):
+                self._stopped(e)
+            raise
+
+    def _stopped(self, e: BaseException) -> None:
+        """The polling task ends other than at a stop (``e``; e.g. the failure's own log line
+        raised): the pool is unknown from now on, ``/readyz`` says why, the gauges read -1, and it
+        is logged. State first: a report that raises again leaves the gate closed."""
+        self.reading = None
+        self._recent.clear()
+        self.last_error = f"pool watcher stopped: {type(e).__name__}"
+        try:
+            log.error(
+                "pool watcher of upstream %s stopped (%s): its pool is unknown, and requests for it are refused "
+                "(503 pool_size_unknown), until the gateway restarts",
+                self.upstream.name,
+                type(e).__name__,
+                exc_info=(type(e), e, e.__traceback__),
+            )
+        finally:
+            self._notify(None, None)
 
     def start(self) -> None:
         """Start :meth:`run` as a task (live sources only)."""
@@ -465,6 +492,6 @@ class PoolWatcher:
             self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):
+            except BaseException:  # cancelled, or it had stopped of a fault (logged by _stopped)
                 pass
             self._task = None

@@ -92,8 +92,30 @@ class TenantFileWatcher:
                 return
             try:
                 self.check(force=poked)
-            except Exception:  # the watcher must outlive any surprise
-                log.exception("tenant reload failed")
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # the watcher must outlive any surprise, a native panic included
+                try:
+                    self._failed(e)
+                except Exception:  # its report failed too (a broken log handler): the next edit is still read
+                    pass
+
+    def _failed(self, e: BaseException) -> None:
+        """A check raised ``e`` outside the expected errors (:meth:`check`'s ``ConfigError``,
+        ``OSError``, ``ValueError``): a failed read as theirs is, counted (``on_result(False)``:
+        ``kvgate_tenants_reload_failures_total``, ``kvgate_tenants_file_valid`` 0) and logged with
+        its traceback; the previous tenants stay. State first, the log line last."""
+        self.last_error = f"{self.registry.path}: reading it failed ({type(e).__name__})"
+        try:
+            if self.on_result is not None:
+                self.on_result(False)
+        finally:
+            log.error(
+                "reading tenants file %s failed (%s); the previous tenants stay in force",
+                self.registry.path,
+                type(e).__name__,
+                exc_info=(type(e), e, e.__traceback__),
+            )
 
     def start(self) -> TenantFileWatcher:
         """Start the polling thread (idempotent); returns ``self``."""

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from config.background import stopping
 from config.errors import ErrorCode, OpenAIError
 from config.models import QuotaSettings, Settings, TenantConfig
 from config.redis_client import StoreBackoff, redis_client
@@ -362,7 +363,9 @@ class TenantQuotas:
             try:
                 await self._cancel_uncertain()
                 await self._settle_left_over()
-            except Exception:  # the next round tries again
+            except BaseException as e:  # the next round tries again (a native panic included)
+                if stopping(e):
+                    raise
                 log.exception("undoing uncertain quota reservations failed")
             self._report_dropped()
 
@@ -863,7 +866,9 @@ class TenantQuotas:
             await asyncio.sleep(interval)
             try:
                 await self.renew_now()
-            except Exception:  # a heartbeat must never kill the loop
+            except BaseException as e:  # a heartbeat must never kill the loop (a native panic included)
+                if stopping(e):
+                    raise
                 log.exception("quota lease renewal failed")
 
     async def aclose(self) -> None:
