@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from config.background import stopping
 from config.errors import ErrorCode, openai_error_bytes
 from config.models import Settings
 from gateway.admission.registry import ModelIndex
@@ -122,6 +123,8 @@ class Gateway:
         self.worker: int | None = None
         self.in_flight = 0
         self._idle = asyncio.Event()
+        #: named checks :meth:`start` failed (``/readyz`` 503 until a restart): ``warm_up``
+        self.start_faults: dict[str, str] = {}
 
     def cache_salt(self, tenant_id: str) -> str:
         """The tenant's ``cache_salt``: hex HMAC-SHA256 of its id under the ``cache_salt_key`` secret."""
@@ -136,13 +139,34 @@ class Gateway:
         pool once (so a healthy gateway is ready at once) while a stage's ``async start()`` runs (the
         quota store's connections) and the counters warm up (:meth:`_warm_up`), then start the
         watchers and a stage's background tasks (a plain ``start()``: the verifier's worker and
-        periodic probe)."""
+        periodic probe).
+
+        A step of the concurrent part that raises does not stop the others, and is never dropped
+        (:meth:`_start_fault`): each is logged with its traceback and treated as that step's later
+        faults are. A pool poll (its own ``PoolReadError`` it handles) leaves the pool unknown:
+        ``/readyz`` 503 and ``pool_size_unknown`` until its watcher reads it (fail closed, as a
+        failed poll). A stage's ``async start()`` (the quota stage logs its store's failures
+        itself; what escapes it is a ``BaseException`` such as a native panic) leaves its store
+        unconnected, and requests meet its failure policy as on any failed store call (degrade,
+        logged). The warm-up (each model's counter logs its own failure: that model's requests
+        meet it) failing, the verifier's shingle encoder not built, means its checks would fault
+        on every sampled response, as with a stopped worker: ``/readyz`` 503 with ``"checks":
+        {"warm_up": false}`` until a restart. A stop (:func:`config.background.stopping`) is
+        raised."""
         g = self.settings.gateway
         offload.install(asyncio.get_running_loop(), g.offload_threads, g.offload_tenant_share, usable_cores())
-        starts = [getattr(stage, "start", None) for stage in (self.quotas, self.verifier)]
-        warm_ups = [start() for start in starts if asyncio.iscoroutinefunction(start)]
-        polls = [u.watcher.poll_once() for u in self.upstreams.all]
-        await asyncio.gather(*polls, *warm_ups, asyncio.to_thread(self._warm_up), return_exceptions=True)
+        steps: list[tuple[str, Any]] = [
+            (f"pool poll of upstream {u.name}", u.watcher.poll_once()) for u in self.upstreams.all
+        ]
+        for what, stage in (("quota stage", self.quotas), ("verifier stage", self.verifier)):
+            start = getattr(stage, "start", None)
+            if asyncio.iscoroutinefunction(start):
+                steps.append((f"{what} start", start()))
+        steps.append(("warm_up", asyncio.to_thread(self._warm_up)))
+        results = await asyncio.gather(*(step for _, step in steps), return_exceptions=True)
+        for (what, _), result in zip(steps, results, strict=True):
+            if isinstance(result, BaseException):
+                self._start_fault(what, result)
         for u in self.upstreams.all:
             u.watcher.start()
         for stage in (self.quotas, self.verifier):
@@ -154,6 +178,34 @@ class Gateway:
             ", ".join(f"{u.name} ({u.base_url})" for u in self.upstreams.all),
             g.upstream_client,
         )
+
+    def _start_fault(self, what: str, e: BaseException) -> None:
+        """Step ``what`` of :meth:`start` raised ``e`` (see there): logged with its traceback; the
+        warm-up's also fails ``/readyz`` (:attr:`start_faults`). A stop is raised."""
+        if stopping(e):
+            raise e
+        if what == "warm_up":
+            self.start_faults["warm_up"] = type(e).__name__
+            log.error(
+                "warm-up failed at start (%s): a model's counter or the verifier's shingle encoder is not built; "
+                "/readyz fails until a restart",
+                type(e).__name__,
+                exc_info=(type(e), e, e.__traceback__),
+            )
+        elif what.startswith("pool poll"):
+            log.error(
+                "%s failed at start (%s); its pool is unknown until its watcher reads it",
+                what,
+                type(e).__name__,
+                exc_info=(type(e), e, e.__traceback__),
+            )
+        else:
+            log.error(
+                "%s failed (%s); requests meet its failure policy until its store answers",
+                what,
+                type(e).__name__,
+                exc_info=(type(e), e, e.__traceback__),
+            )
 
     def _warm_up(self) -> None:
         """Build, before the first request, what counting and fingerprinting build on first use:
@@ -179,10 +231,11 @@ class Gateway:
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
         """``(ready, report)``: ready when not draining, every upstream's limit is known and fresh,
-        and every named check of the verifier stage (``report["checks"]``) passes."""
+        every named check of the verifier stage (``report["checks"]``) passes, and no step of
+        :meth:`start` failed that fails them (``"warm_up": false``)."""
         ups = [u.watcher.status() for u in self.upstreams.all]
         health = getattr(self.verifier, "health", None)  # a stage's named checks (the verifier's worker)
-        checks: dict[str, bool] = health() if callable(health) else {}
+        checks: dict[str, bool] = {**(health() if callable(health) else {}), **dict.fromkeys(self.start_faults, False)}
         ok = not self.draining and bool(ups) and all(s["known"] for s in ups) and all(checks.values())
         report: dict[str, Any] = {"status": "ready" if ok else "not_ready", "draining": self.draining, "upstreams": ups}
         if checks:

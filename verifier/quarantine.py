@@ -28,7 +28,7 @@ from typing import Any
 
 from config.background import stopping
 from config.secrets import private_dir
-from verifier.incidents import round_fault
+from verifier.incidents import JOB_FAULTS, log, round_fault
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,10 @@ class RedisQuarantineBackend:
 
 class Quarantine:
     """Cached view of the quarantine state. :meth:`is_quarantined` is cheap (a dict lookup; the
-    backend is re-read at most every ``refresh_seconds``, and a read error keeps the last view).
+    backend is re-read at most every ``refresh_seconds``, and a read error keeps the last view:
+    while it fails, quarantines other replicas set are not seen here, so each failed read counts in
+    ``kvgate_verifier_job_faults_total{kind="quarantine_refresh"}`` and the first one, then the
+    first read that works again, is logged: :meth:`refresh`).
 
     ``inline_refresh``: when true (the default, for CLI use), a stale view is re-read on the
     caller's thread; a server sets it false and runs :meth:`refresh_loop` instead, so the
@@ -155,6 +158,8 @@ class Quarantine:
         #: quarantines this process put, numbered: a read that began before a put may not hold it
         self._puts = 0
         self._put: dict[str, tuple[int, QuarantineRecord]] = {}
+        #: store reads failed in a row (0: the last read worked)
+        self.failed_reads = 0
 
     async def refresh_loop(self) -> None:
         """Re-read the backend every ``refresh_seconds`` in a worker thread, forever (cancel to
@@ -176,22 +181,44 @@ class Quarantine:
 
     def refresh(self) -> None:
         """Re-read the backend now. A quarantine this process put while the read was under way
-        stays in the view (the read may have been answered before the put was stored)."""
+        stays in the view (the read may have been answered before the put was stored). A read that
+        raises an ``Exception`` (the store is down) keeps the last view, a flapping store must not
+        lift a quarantine, but it is no silent one: quarantines other replicas set meanwhile are
+        not seen here, so it counts in ``kvgate_verifier_job_faults_total{kind="quarantine_refresh"}``
+        (every failed read: alert on its increase), and the first failed read of a run is logged
+        with its error, as is the first read that works again (once each, not once a round)."""
         with self._lock:
             before = self._puts
         try:
             view = self.backend.load()
-        except Exception:  # keep the last view; a flapping store must not lift a quarantine
-            view = None
-        if view is not None:
+        except Exception as e:
+            JOB_FAULTS.labels("quarantine_refresh").inc()
             with self._lock:
-                for upstream, (n, rec) in list(self._put.items()):
-                    if n > before:
-                        view.setdefault(upstream, rec)
-                    else:  # stored before this read began: the read is the truth
-                        del self._put[upstream]
-            self._view = view
+                self.failed_reads += 1
+                first = self.failed_reads == 1
+            if first:
+                log.error(
+                    "quarantine view not refreshed: reading the store failed (%s: %s); the last view stays "
+                    "(%d upstream(s) quarantined), and quarantines set elsewhere are not seen here until a read works",
+                    type(e).__name__,
+                    e,
+                    len(self._view),
+                )
+            self._read_at = self.clock()
+            return
+        with self._lock:
+            for upstream, (n, rec) in list(self._put.items()):
+                if n > before:
+                    view.setdefault(upstream, rec)
+                else:  # stored before this read began: the read is the truth
+                    del self._put[upstream]
+            failed, self.failed_reads = self.failed_reads, 0
+        self._view = view
         self._read_at = self.clock()
+        if failed:
+            log.warning(
+                "quarantine view refreshed again after %d failed read(s): %d upstream(s) quarantined", failed, len(view)
+            )
 
     def records(self) -> dict[str, QuarantineRecord]:
         """Current records by upstream."""

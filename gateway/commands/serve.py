@@ -366,7 +366,7 @@ def _serve(args: argparse.Namespace, settings, registry, secrets, listen: _Liste
 def _supervise(args: argparse.Namespace, n: int, host: str, port: int, log_level: str, reuse_port: bool) -> int:
     """Run ``n`` workers of this command on ``host:port`` (:class:`gateway.edge.workers.Supervisor`),
     sharing one listening socket unless ``reuse_port``."""
-    from gateway.edge.workers import MetricsDirError, Supervisor
+    from gateway.edge.workers import MetricsDirError, Supervisor, WorkerStartError
 
     def command(index: int, bound_port: int) -> list[str]:
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", host, "--port", str(bound_port)]
@@ -387,6 +387,9 @@ def _supervise(args: argparse.Namespace, n: int, host: str, port: int, log_level
     except MetricsDirError as e:
         print(f"kvgate serve: {e}", file=sys.stderr)
         return 2
+    except WorkerStartError as e:  # a fork or exec, not the address: never "cannot bind"
+        print(f"kvgate serve: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"kvgate serve: cannot bind {host}:{port}: {e}", file=sys.stderr)
         return 1

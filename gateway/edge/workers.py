@@ -208,6 +208,12 @@ class MetricsDirError(ValueError):
     """The operator's ``PROMETHEUS_MULTIPROC_DIR`` holds files that are not prometheus-client's."""
 
 
+class WorkerStartError(RuntimeError):
+    """A worker's process could not be started, at the gateway's start or restarting a dead one:
+    the ``OSError`` of its fork or exec (``EAGAIN``, ``ENOMEM``: a process or memory limit), the
+    message naming the worker. Not an ``OSError``, so it is never reported as the address's."""
+
+
 def metrics_dir_refusal(path: str) -> str | None:
     """Why ``path`` (an operator's ``PROMETHEUS_MULTIPROC_DIR``) cannot be the metrics folder, or
     ``None``: a folder that does not exist yet, is empty or holds only prometheus-client's files
@@ -261,7 +267,8 @@ class Supervisor:
     ``SO_REUSEPORT`` socket (see the module docstring for the risk). :meth:`run` returns the exit
     status: 0 after a drain, else the status of a worker that failed within its start grace (1 if
     it was killed by a signal); it raises ``OSError`` (the address) and :class:`MetricsDirError`
-    before any worker starts."""
+    before any worker starts, and :class:`WorkerStartError` when a worker's process cannot be
+    started (at the start, or restarting one that died: the others are then killed)."""
 
     def __init__(
         self,
@@ -308,15 +315,21 @@ class Supervisor:
         self._own_metrics_dir = True
         return tempfile.mkdtemp(prefix="kvgate-metrics-")
 
-    def _spawn(self, index: int) -> _Worker:
+    def _spawn(self, index: int, *, restart: bool = False) -> _Worker:
+        """Start worker ``index``'s process. Raises :class:`WorkerStartError` when its fork or exec
+        fails (an ``OSError``)."""
         env = {**self.env, MULTIPROC_ENV: self.metrics_dir or "", SUPERVISOR_PID_ENV: str(os.getpid())}
         pass_fds: tuple[int, ...] = ()
         if self._listen is not None:
             env[LISTEN_FD_ENV] = str(self._listen.fileno())
             pass_fds = (self._listen.fileno(),)
-        proc = subprocess.Popen(
-            self.command(index, self.port), env=env, stdin=subprocess.DEVNULL, pass_fds=pass_fds, process_group=0
-        )
+        try:
+            proc = subprocess.Popen(
+                self.command(index, self.port), env=env, stdin=subprocess.DEVNULL, pass_fds=pass_fds, process_group=0
+            )
+        except OSError as e:
+            what = "restart" if restart else "start"
+            raise WorkerStartError(f"cannot {what} worker {index}: starting its process (fork/exec) failed: {e}") from e
         w = _Worker(index, proc, time.monotonic())
         log.info("worker %d started (pid %d)", index, proc.pid)
         return w
@@ -363,7 +376,7 @@ class Supervisor:
             self._status = 1
             return True
         log.error("worker %d (pid %d) exited %s after %.0f s: starting it again", w.index, w.proc.pid, rc, lived)
-        self.workers[self.workers.index(w)] = self._spawn(w.index)
+        self.workers[self.workers.index(w)] = self._spawn(w.index, restart=True)
         return False
 
     def run(self) -> int:
