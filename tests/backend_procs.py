@@ -121,12 +121,15 @@ class Backend:
             out[side] = httpx.get(u + "/debug/pool", timeout=10.0).json()[side]
         return out
 
-    def wait_idle(self, timeout: float = 20.0) -> dict[str, dict]:
-        """Poll until every page on both nodes is free and zeroed (or ``timeout``); returns the last view."""
+    def wait_idle(self, timeout: float = 20.0, *, zeroed: bool = True) -> dict[str, dict]:
+        """Poll until every page on both nodes is free and zeroed (or ``timeout``); returns the last view.
+        ``zeroed=False``: until every page is free (``no_scrub`` backends: their pages are never zeroed,
+        and a scrubbing pool zeroes a page before it is free again, so waiting longer shows nothing new)."""
         deadline = time.monotonic() + timeout
         while True:
             pools = self.pools()
-            if all(p["all_free"] and p["all_zero"] for p in pools.values()) or time.monotonic() > deadline:
+            idle = all(p["all_free"] and (p["all_zero"] or not zeroed) for p in pools.values())
+            if idle or time.monotonic() > deadline:
                 return pools
             time.sleep(0.2)
 

@@ -201,15 +201,19 @@ class Truth:
     def foreign_canaries(self, tid: str, text: str) -> list[str]:
         return [c for c in find_canaries(text) if self.canaries.get(c) not in (None, tid)]
 
-    def longest_foreign_run(self, tid: str, text: str) -> int:
+    def longest_foreign_run(self, tid: str, text: str, enough: int | None = None) -> int:
+        """The longest run of ``text``'s tokens found in another tenant's prompt; ``enough``: stop
+        at the first run at least that long (for a caller that only asks whether one is)."""
         r = encode(text)
         best = 0
-        for owner, sm in self._matchers:
+        for owner, sm in reversed(self._matchers):  # the latest first: a leak reads recently freed pages
             if owner == tid:
                 continue
             sm.set_seq1(r)
             m = sm.find_longest_match(0, len(r), 0, len(sm.b))
             best = max(best, m.size)
+            if enough is not None and best >= enough:
+                break
         return best
 
 
@@ -256,9 +260,8 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
             rid = f"e2e-{uuid.uuid4().hex[:12]}"
             got = _send(client, gw.url, tid, prompt, max_tokens, stream, rid)
             truth.add_prompt(tid, prompt)
-            records.append(
-                (rid, tid, len(encode(prompt)), len(encode(prompt)) > engine.state.pool_tokens, got, max_tokens, stream)
-            )
+            n_tok = len(encode(prompt))
+            records.append((rid, tid, n_tok, n_tok > engine.state.pool_tokens, got, max_tokens, stream))
 
         # calibration: admitted prompts of 2,100-3,300 tokens (one length bucket), under the pool;
         # 20 streamed and 20 whole, so both kinds are calibrated (min_samples 10) before any leak
@@ -304,7 +307,7 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
         # non-strict: the verifier saw the whole text (sampled at 100%, checked in the background)
         assert got["text"] == out_text
         cans = truth.foreign_canaries(tid, out_text)
-        run = truth.longest_foreign_run(tid, out_text)
+        run = truth.longest_foreign_run(tid, out_text, enough=50)  # only run >= 50, or its length below 50, counts
         if cans:
             n_canary += 1
             n_canary_hit += "canary" in det
