@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from config.background import stopping
 from config.errors import ErrorCode, openai_error_bytes
-from config.models import Settings
+from config.models import GatewaySettings, Settings
 from gateway.admission.registry import ModelIndex
 from gateway.edge import offload
 from gateway.edge.body_budget import BodyBudget
@@ -57,6 +57,32 @@ log = logging.getLogger("kvgate.app")
 
 #: paths that keep answering while the gateway drains
 _ALWAYS = frozenset({"/health", "/livez", "/healthz", "/readyz", "/metrics"})
+
+
+def _poll_client(g: GatewaySettings) -> httpx.AsyncClient:
+    """The client the pool watchers poll with (``g``: the gateway settings' timeouts and
+    connection limit); the forward path has its own (:class:`UpstreamClient`)."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            connect=g.connect_timeout_seconds,
+            read=g.read_timeout_seconds,
+            write=g.read_timeout_seconds,
+            pool=g.connect_timeout_seconds,
+        ),
+        limits=httpx.Limits(max_connections=g.max_connections, max_keepalive_connections=g.max_connections),
+        trust_env=False,
+    )
+
+
+def _upstreams(settings: Settings, client: httpx.AsyncClient, metrics: GatewayMetrics) -> UpstreamSet:
+    """Each configured upstream with its pool watcher (polling through ``client``, reporting to
+    ``metrics``), bounded by the longest context length of the models it serves."""
+    ups = []
+    for u in settings.upstreams:
+        ctx = max((m.context_length for n in u.models if (m := settings.model_by_name(n))), default=None)
+        w = PoolWatcher(u, settings.pool, client, ctx, metrics.pool_updater(u.name))
+        ups.append(make_upstream(u, w))
+    return UpstreamSet(settings, ups)
 
 
 class Gateway:
@@ -90,16 +116,7 @@ class Gateway:
             watch(lambda up: self.metrics.quota_store_up.set(1 if up else 0))
         self.models = ModelIndex(settings, settings.gateway.offload_count_chars)
         g = settings.gateway
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=g.connect_timeout_seconds,
-                read=g.read_timeout_seconds,
-                write=g.read_timeout_seconds,
-                pool=g.connect_timeout_seconds,
-            ),
-            limits=httpx.Limits(max_connections=g.max_connections, max_keepalive_connections=g.max_connections),
-            trust_env=False,
-        )
+        self.client = _poll_client(g)
         #: the forward path's client (gateway.relay.upstream_client); ``client`` polls pools
         self.forwarder = UpstreamClient(
             connect_timeout=g.connect_timeout_seconds,
@@ -108,12 +125,7 @@ class Gateway:
             exchange_timeout=g.exchange_timeout_seconds,
             kind=g.upstream_client,
         )
-        ups = []
-        for u in settings.upstreams:
-            ctx = max((m.context_length for n in u.models if (m := settings.model_by_name(n))), default=None)
-            w = PoolWatcher(u, settings.pool, self.client, ctx, self.metrics.pool_updater(u.name))
-            ups.append(make_upstream(u, w))
-        self.upstreams = UpstreamSet(settings, ups)
+        self.upstreams = _upstreams(settings, self.client, self.metrics)
         rate = g.large_body_bytes_per_second
         #: what bodies past their first 64 KiB may take of this process (``None``: unpaced)
         self.body_budget: BodyBudget | None = BodyBudget(rate) if rate else None
