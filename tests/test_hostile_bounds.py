@@ -189,7 +189,8 @@ def test_an_8_mib_stream_event_ends_the_stream_with_an_error_event(engine):
 def test_events_without_content_are_held_back_only_up_to_the_event_limit(engine):
     g = Gateway(settings_for([upstream("u1", engine)]), tenants()).start()
     try:
-        comments = [b": " + b"k" * 1000 + b"\n\n"] * 1200  # 1.2 MB of events that start nothing
+        # 1.2 MB of events that start nothing (blank data: relayed as sent; a comment's text is not)
+        comments = [b"data:" + b" " * 1000 + b"\n\n"] * 1200
         stream = b"".join(comments) + _event("late") + b"data: [DONE]\n\n"
         engine.state.stream_chunks = [stream[i : i + 65536] for i in range(0, len(stream), 65536)]
         with g.client() as c:

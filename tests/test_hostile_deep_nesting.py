@@ -813,10 +813,11 @@ def test_the_strings_of_an_event_that_is_no_object_or_has_no_string_type_are_rea
     def events(words: str) -> list[bytes]:
         texts = [json.dumps(first), event % words]
         if route == "responses":
-            return [
+            return [  # each named by its type; the odd event by none (a name other than its type is refused)
                 sse(route, json.dumps(created), "response.created"),
-                *(sse(route, t, "x") for t in texts),
-                sse(route, json.dumps(last), "x"),
+                sse(route, texts[0], first["type"]),
+                sse(route, texts[1], ""),
+                sse(route, json.dumps(last), "response.completed"),
             ]
         return [*(sse(route, t, "") for t in texts), b"data: [DONE]\n\n"]
 

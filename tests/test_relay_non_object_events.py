@@ -18,9 +18,9 @@ makes of each, whether the verifier reads what the client receives, and what the
   write each event's data with pydantic or orjson, or ``[DONE]``), so the stream now ends there
   with 502 ``upstream_unavailable``, as for JSON only a lax reader reads: an error event once the
   response started (the Responses ``error`` event in ``/v1/responses``), a 502 before.
-- **events without text**: SSE comments (``: keep-alive``), ``event:``, ``id:`` or ``retry:``
-  lines alone, empty or blank ``data``, and ``[DONE]`` in a ``/v1/responses`` stream are relayed
-  as before.
+- **events without text**: vLLM's keep-alive comment (``: keep-alive``), a bare ``:``, empty or
+  blank ``data``, and ``[DONE]`` in a ``/v1/responses`` stream are relayed as before (comments
+  with other text, ``event:``, ``id:`` and ``retry:`` lines: tests/test_relay_sse_fields.py).
 
 Engines: the in-process engine of tests/test_hostile_engine_round4.py (exact bytes and the quota
 ledger) and the scripted engine of tests/test_verifier_hostile_engine.py behind the real gateway
@@ -180,13 +180,11 @@ def test_a_responses_event_whose_data_is_not_json_ends_the_stream(form, strict):
 
 # ------------------------------------------------------------------ relayed as before
 
-#: events without text: comments, fields without data, empty or blank data
+#: events without text: vLLM's keep-alive comment, a bare comment, empty or blank data (comments
+#: with other text and fields without data: tests/test_relay_sse_fields.py)
 NO_TEXT = [
     b": keep-alive\n\n",
     b":\n\n",
-    b"event: ping\n\n",
-    b"id: 7\n\n",
-    b"retry: 100\n\n",
     b"data:\n\n",
     b"data: \n\n",
     b"data:   \t\n\n",
@@ -198,9 +196,9 @@ NOT_OBJECTS = [b'data: "hi"\n\n', b'data: ["hi", 1]\n\n', b"data: 42\n\n", b"dat
 
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
 def test_events_without_text_and_json_that_is_not_an_object_are_relayed_as_sent(strict):
-    """Comments, ``event:`` / ``id:`` / ``retry:`` alone, empty or blank data, and JSON values
-    that are not objects: relayed byte for byte in a chat stream, in order, before and after the
-    response started; the settle counts the prompt and the chunks' text."""
+    """vLLM's keep-alive and bare comments, empty or blank data, and JSON values that are not
+    objects: relayed byte for byte in a chat stream, in order, before and after the response
+    started; the settle counts the prompt and the chunks' text."""
     odd = b"".join(NO_TEXT + NOT_OBJECTS)
     stream = odd + HELLO + odd + STOP + DONE
     r, q, in_flight = through_gateway_as([stream], STREAM_BODY, strict=strict)

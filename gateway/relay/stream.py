@@ -17,7 +17,10 @@ once it started): bytes a client reads as several events, JSON only a client's l
 data that is text no JSON reader takes (a client receives it; the verifier reads nothing in it),
 and an index clients group apart from the verifier: a chat/completions choice's
 (:func:`odd_choice_index`), a streamed tool call's (:func:`odd_tool_call_index`), a ``/v1/responses``
-text event's ``output_index`` / ``content_index`` / ``summary_index`` (:func:`odd_output_index`).
+text event's ``output_index`` / ``content_index`` / ``summary_index`` (:func:`odd_output_index`),
+and an ``event:`` field other than the data's ``type`` (:func:`odd_event_type_event`). A comment with
+text, and ``id:``, ``retry:`` and other fields' lines, reach the client as bare ``:`` comments
+(:func:`gateway.relay.sse.relayed_fields`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,15 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
-from gateway.relay.sse import SSEEventTooLarge, SSESplitter, inspect, is_one_event, strip_usage_null
+from gateway.relay.sse import (
+    SSEEventTooLarge,
+    SSESplitter,
+    inspect,
+    is_one_event,
+    lf_fields,
+    screened_fields,
+    strip_usage_null,
+)
 from gateway.relay.stream_protocol import CHAT_SSE, RESPONSES_SSE, StreamProtocol, read_response_event
 from gateway.relay.upstream_client import RemoteProtocolError, UpstreamError, UpstreamResponse
 from verifier.drift import reported_count
@@ -275,6 +286,7 @@ class _Events:
         "choices",
         "done",
         "errored",
+        "etype",
         "guard",
         "hold",
         "one_prompt",
@@ -301,13 +313,12 @@ class _Events:
         if protocol is CHAT_SSE:  # a chunk with a choice or tool-call index clients group apart is refused
             self.read = partial(inspect, odd=lambda obj: odd_chunk_index(obj.get("choices"), self.choices))
         elif protocol is RESPONSES_SSE:  # a text event whose indexes clients group apart is refused
-            self.read = partial(
-                read_response_event, odd=lambda obj: "odd_output_index" if odd_output_index(obj) else None
-            )
+            self.read = partial(read_response_event, odd=self._odd_response)
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
         self.done = False  # the protocol's end marker came
         self.errored = False  # an engine error event came (after the response started)
         self.raw = b""  # the bytes to relay of the event :meth:`_take` returned
+        self.etype: bytes | None = None  # the ``type`` of the event's data (Responses), read by :meth:`_take`
         self.too_large: SSEEventTooLarge | None = None  # what ends the stream after this read
 
     def _take(self, raw: bytes, out: list[bytes]) -> StreamEvent | None:
@@ -318,9 +329,13 @@ class _Events:
         for JSON only a client's laxer reader reads (:func:`gateway.relay.sse.lenient_reads`),
         :func:`not_json_event` for data no JSON reader takes (:func:`gateway.relay.sse.unparsed`),
         :func:`odd_index_event`, :func:`odd_tool_index_event` or :func:`odd_output_index_event` for
-        an index clients group apart from the verifier (:data:`REFUSED_EVENTS`)."""
-        if not is_one_event(raw):
-            raise unsplittable_event()
+        an index clients group apart from the verifier (:data:`REFUSED_EVENTS`), and
+        :func:`odd_event_type_event` for an ``event:`` field other than the data's ``type``. A
+        comment's text and ``id:`` / ``retry:`` / other fields' lines are relayed as bare comments
+        (:func:`gateway.relay.sse.relayed_fields`)."""
+        raw, names = _relayed_lines(raw)
+        if names:
+            self.etype = None  # set by the read when the data is an object with a string ``type``
         ev = self.read(raw)
         kind = ev.kind
         if kind == "done":
@@ -329,6 +344,8 @@ class _Events:
         refused = REFUSED_EVENTS.get(kind)
         if refused is not None:
             raise refused()
+        if names and (len(names) > 1 or names[0] != self.etype):
+            self._check_types(names)
         self.tally.add(ev)
         if kind == "error":
             raw = self._engine_error(ev, raw)
@@ -338,6 +355,21 @@ class _Events:
             raw = strip_usage_null(raw)
         self.raw = raw
         return ev
+
+    def _check_types(self, names: tuple[bytes, ...]) -> None:
+        """Raise :func:`odd_event_type_event` when one of an event's ``event:`` values ``names``
+        is neither empty nor its data's ``type`` (:attr:`etype`; ``None`` in chat/completions)."""
+        etype = self.etype
+        for name in names:
+            if name and name != etype:
+                raise odd_event_type_event()
+
+    def _odd_response(self, obj: dict[str, Any]) -> str | None:
+        """The ``odd`` check of a ``/v1/responses`` event object (:func:`odd_output_index`); notes
+        its ``type`` (UTF-8, when a string) in :attr:`etype`, which its ``event:`` field must equal."""
+        t = obj.get("type")
+        self.etype = t.encode() if type(t) is str else None
+        return "odd_output_index" if odd_output_index(obj) else None
 
     def take(self, events: list[bytes], out: list[bytes]) -> bool:
         """Relay one read's ``events`` into ``out`` without a guard; true when one of them
@@ -483,6 +515,19 @@ def _ended_early(step: _Events, splitter: SSESplitter) -> bool:
     if t.finish_reason is not None and len(t.finished) >= step.choices:
         return False
     return step.hold.started or not splitter.tail().strip()
+
+
+def _relayed_lines(raw: bytes) -> tuple[bytes, tuple[bytes, ...]]:
+    """:func:`gateway.relay.sse.relayed_fields` of ``raw``, after :func:`gateway.relay.sse.is_one_event`
+    (raises :func:`unsplittable_event`), the CR both look for looked for once: an event of one
+    ``data:`` line without a CR, most of a stream, costs that, a ``startswith`` and a ``find``."""
+    if raw.find(b"\r") >= 0:  # (``find`` costs half what ``in`` does)
+        if not is_one_event(raw):
+            raise unsplittable_event()
+        return screened_fields(raw)
+    if raw.startswith(b"data:") and raw.find(b"\n") == len(raw) - 2:
+        return raw, ()
+    return lf_fields(raw)
 
 
 def unsplittable_event() -> OpenAIError:
@@ -713,6 +758,24 @@ def not_json_event() -> OpenAIError:
         502,
         "The upstream engine sent a stream event whose data is not JSON (plain text, a cut object "
         "or an object followed by text), which the gateway does not relay.",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+    )
+
+
+def odd_event_type_event() -> OpenAIError:
+    """The 502 ``upstream_unavailable`` that ends a stream holding an event whose ``event:`` field
+    (its type to a client: a browser's ``EventSource`` dispatches it under that name, the openai
+    SDK reads ``thread.*`` and ``error`` apart) is not empty and not its data's ``type``: any in a
+    chat/completions stream, whose data has none. The verifier reads the data, not the field.
+    vLLM and SGLang name a ``/v1/responses`` event by its data's ``type``
+    (``vllm/entrypoints/openai/responses/api_router.py``, ``_convert_stream_to_sse_events``;
+    ``python/sglang/srt/entrypoints/openai/serving_responses.py``, ``_send_event``) and send none
+    in chat (SGLang's ``event: sglext_ids`` only when the request carries ``x-sglext-ids-framed:
+    1``, a header the gateway never sends upstream), as OpenAI does."""
+    return OpenAIError(
+        502,
+        "The upstream engine sent a stream event whose event field is not the type of its data, "
+        "which the gateway does not relay.",
         code=ErrorCode.UPSTREAM_UNAVAILABLE,
     )
 
