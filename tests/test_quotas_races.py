@@ -381,3 +381,35 @@ async def test_a_large_undo_goes_in_chunks_of_500_in_one_round_trip(spare_redis:
     with redis.Redis(port=spare_redis.port) as r:
         assert r.zcard(store.ended_key("t")) == 1201
     await store.aclose()
+
+
+@pytest.mark.parametrize("script", ["begin", "reserve"])
+async def test_a_resent_admission_counts_once_and_answers_the_remaining_requests_as_of_now(
+    spare_redis: SpareRedis,  # noqa: F811
+    script: str,
+) -> None:
+    """A reservation whose reply was lost is sent again (the store's retry); admitted requests of
+    other replicas may have come in between. The resend is admitted again without counting twice,
+    and answers the remaining requests as of the resend: the later ones counted, never more than
+    its first answer said (so two of 5 admitted requests can both say 1 remaining, as
+    tests/test_quotas_replicas.py's RPM-5 test saw in CI; the first answer itself cannot be
+    recovered when admissions share a millisecond, the RPM log's score)."""
+    store = RedisQuotaStore(redis_client_from_url(spare_redis.url, 1.0), prefix=f"race-{uuid.uuid4().hex[:6]}")
+    lim = QuotaLimits(rpm=5, tpm=None, max_concurrent=None)
+
+    async def admit(lease_id: str) -> int:
+        if script == "begin":
+            d = await store.begin("t", lim, lease_id, WINDOW_MS, TTL_MS)
+        else:
+            d = await store.reserve("t", lim, lease_id, 1, WINDOW_MS, TTL_MS)
+        assert d.admitted
+        return d.remaining_requests
+
+    try:
+        assert [await admit(i) for i in ("a", "b", "c")] == [4, 3, 2]
+        assert await admit("d") == 1  # another replica's request
+        assert [await admit(i) for i in ("c", "b", "a")] == [1, 1, 1]  # the resends, as of now
+        assert await admit("e") == 0
+        assert quota_state(spare_redis, store, "t")["rpm"] == 5
+    finally:
+        await store.aclose()

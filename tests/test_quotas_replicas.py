@@ -236,7 +236,10 @@ def test_rpm_5_with_10_concurrent_requests_across_two_replicas(pair, mock) -> No
     ok = [a for a in answers if a.status_code == 200]
     refused = [a for a in answers if a.status_code == 429]
     assert (len(ok), len(refused)) == (5, 5), [a.status_code for a in answers]
-    assert sorted(a.headers["x-ratelimit-remaining-requests"] for a in ok) == ["0", "1", "2", "3", "4"]
+    # each admitted request's remaining requests; a round trip resent under load (its reply lost)
+    # answers as of the resend, never more than its first answer said (test_quotas_races.py)
+    remaining = sorted(int(a.headers["x-ratelimit-remaining-requests"]) for a in ok)
+    assert remaining[0] == 0 and all(r <= i for i, r in enumerate(remaining)), remaining
     assert {a.headers["x-ratelimit-limit-requests"] for a in answers} == {"5"}
     for a in refused:
         err = a.json()["error"]

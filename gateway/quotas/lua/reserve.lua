@@ -59,8 +59,9 @@ local function live(key, bound)
   return s and tonumber(s) > bound
 end
 
--- this very call ran already (its reply was lost and the store sent it again): answer as it did
--- then, never count the request twice nor refuse it for its own entries
+-- this very call ran already (its reply was lost and the store sent it again): admitted again,
+-- its remaining requests as of now (those admitted since count: never more than its first answer
+-- said), never count the request twice nor refuse it for its own entries
 if (rpm >= 0 and live(KEYS[1], cutoff)) or (tpm >= 0 and tpm_holds(win, id)) or (maxc >= 0 and live(KEYS[5], now)) then
   trim()
   local rr, rt = -1, -1
