@@ -25,28 +25,11 @@ from gateway.commands import serve
 from gateway.ops.pool_watcher import PoolReading
 from tests.gateway_harness import Gateway, settings_for, upstream, wait_for
 from tests.mock_engine import MockEngine
-from verifier.incidents import REGISTRY as VERIFIER_REGISTRY
+from tests.test_background_tasks_die_loudly import Panic, job_faults, records
 from verifier.quarantine import Quarantine, QuarantineRecord
 from verifier.stage import NullVerifier
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Panic(BaseException):
-    """Stands for ``pyo3_runtime.PanicException`` (a ``BaseException``, not an ``Exception``)."""
-
-
-def records(caplog: pytest.LogCaptureFixture, logger: str) -> list[tuple[str, str, str | None]]:
-    """``(level, message, exception type)`` of each record of ``logger``."""
-    return [
-        (r.levelname, r.getMessage(), r.exc_info[0].__name__ if r.exc_info and r.exc_info[0] else None)
-        for r in caplog.records
-        if r.name == logger
-    ]
-
-
-def job_faults(kind: str) -> float:
-    return VERIFIER_REGISTRY.get_sample_value("kvgate_verifier_job_faults_total", {"kind": kind}) or 0.0
 
 
 # ---------------------------------------------------------------------- 1. quarantine refresh
