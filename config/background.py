@@ -4,6 +4,8 @@ periodic tasks) and what only fails one of its rounds. Shared by the gateway and
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
 
 
 def stopping(e: BaseException) -> bool:
@@ -16,3 +18,17 @@ def stopping(e: BaseException) -> bool:
         task = asyncio.current_task()
         return task is None or task.cancelling() > 0
     return isinstance(e, (KeyboardInterrupt, SystemExit))
+
+
+@contextlib.contextmanager
+def one_round(fault: Callable[[BaseException], None]) -> Iterator[None]:
+    """One round of a background loop: what the body raises ends the loop when it is a stop
+    (:func:`stopping`, re-raised); anything else, a ``BaseException`` such as a native panic
+    included, is handed to ``fault`` (which counts or logs it) and goes no further, so the loop
+    runs its next round. ``with one_round(fault): await poll()``."""
+    try:
+        yield
+    except BaseException as e:
+        if stopping(e):
+            raise
+        fault(e)

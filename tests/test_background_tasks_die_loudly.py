@@ -536,3 +536,37 @@ async def test_an_offloaded_job_that_panics_reaches_its_caller_and_frees_the_ten
     with pytest.raises(Panic):
         await asyncio.to_thread(panics)
     assert await asyncio.to_thread(lambda: "next") == "next"
+
+
+# ---------------------------------------------------------------------- the shared round guard
+async def test_one_round_hands_a_fault_on_and_lets_a_stop_through() -> None:
+    """``config.background.one_round``, which every loop above runs its rounds in: a panic and a
+    ``CancelledError`` nobody asked for go to the fault handler and no further; a cancel of the
+    task itself and ``KeyboardInterrupt`` end the loop."""
+    from config.background import one_round
+
+    faults: list[str] = []
+
+    def fault(e: BaseException) -> None:
+        faults.append(type(e).__name__)
+
+    for raised in (Panic("regex stack overflow"), asyncio.CancelledError(), ValueError("x")):
+        with one_round(fault):
+            raise raised
+    assert faults == ["Panic", "CancelledError", "ValueError"]
+    with pytest.raises(KeyboardInterrupt), one_round(fault):
+        raise KeyboardInterrupt
+    started = asyncio.Event()
+
+    async def loop() -> None:
+        while True:
+            with one_round(fault):
+                started.set()
+                await asyncio.sleep(3600)
+
+    task = asyncio.ensure_future(loop())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert faults == ["Panic", "CancelledError", "ValueError"]

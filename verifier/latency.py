@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 from ddsketch import DDSketch
 
-from config.background import stopping
+from config.background import one_round
 from verifier.incidents import round_fault
 
 log = logging.getLogger("kvgate.verifier")
@@ -404,9 +404,5 @@ class LatencyKeeper:
             await self._guarded(self.save)
 
     async def _guarded(self, fn: Callable[[], object]) -> None:
-        try:
+        with one_round(lambda e: round_fault("latency", e, self.stats)):
             await asyncio.to_thread(fn)
-        except BaseException as e:
-            if stopping(e):
-                raise
-            round_fault("latency", e, self.stats)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from config.background import stopping
+from config.background import one_round
 from config.models import Settings, TenantConfig
 from verifier.canary import CanaryRegistry
 from verifier.findings import Evidence, incident
@@ -59,12 +59,10 @@ class PeriodicProbe:
         interval = float(self.settings.verifier.probe_interval_seconds or 0)
         while True:
             await asyncio.sleep(interval)
-            try:
+            with one_round(
+                lambda e: round_fault("probe", e, self.stats)
+            ):  # a native panic or its incident's store included
                 await self._round()
-            except BaseException as e:  # a round's fault, a native panic or its incident's store included
-                if stopping(e):
-                    raise
-                round_fault("probe", e, self.stats)
 
     async def _round(self) -> None:
         """One probe of every target, its leaks recorded as incidents."""

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from config.background import stopping
+from config.background import one_round, stopping
 from config.engine_pool import (
     SGLANG_LOADS_QUERY,
     EnginePoolError,
@@ -444,14 +444,9 @@ class PoolWatcher:
         retry = RETRY_FIRST_DELAY_SECONDS
         try:
             while True:
-                try:
+                ok = False
+                with one_round(self._poll_fault):  # never let the watcher die of one poll
                     ok = await self.poll_once() is not None
-                except BaseException as e:  # never let the watcher die of one poll
-                    if stopping(e):
-                        raise
-                    if self._fail(f"poll failed: {type(e).__name__}"):
-                        log.exception("pool poll of %s failed", self.upstream.name)
-                    ok = False
                 if ok:
                     retry = RETRY_FIRST_DELAY_SECONDS
                     await asyncio.sleep(interval)
@@ -462,6 +457,12 @@ class PoolWatcher:
             if not stopping(e):
                 self._stopped(e)
             raise
+
+    def _poll_fault(self, e: BaseException) -> None:
+        """A poll raised ``e`` past its own ``PoolReadError`` handling: a failed poll, logged with
+        its traceback when the failure changes (:meth:`_fail`)."""
+        if self._fail(f"poll failed: {type(e).__name__}"):
+            log.error("pool poll of %s failed", self.upstream.name, exc_info=(type(e), e, e.__traceback__))
 
     def _stopped(self, e: BaseException) -> None:
         """The polling task ends other than at a stop (``e``; e.g. the failure's own log line

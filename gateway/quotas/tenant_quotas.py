@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from config.background import stopping
+from config.background import one_round
 from config.errors import ErrorCode, OpenAIError
 from config.models import QuotaSettings, Settings, TenantConfig
 from config.redis_client import StoreBackoff, redis_client
@@ -195,6 +195,12 @@ class _Held:
     lease_id: str
     window_ms: int
     settled: bool = False
+
+
+def _round_fault(what: str, e: BaseException) -> None:
+    """A round of a background loop (``what``) raised ``e``: logged with its traceback; the next
+    round tries again."""
+    log.error("%s failed", what, exc_info=(type(e), e, e.__traceback__))
 
 
 def rate_limit_headers(limits: QuotaLimits, decision: QuotaDecision) -> dict[str, str]:
@@ -360,13 +366,11 @@ class TenantQuotas:
         a short outage is released when it ends, not by its TTL."""
         while self._uncertain or self._unsettled:
             await asyncio.sleep(RECOVER_INTERVAL_SECONDS)
-            try:
+            with one_round(
+                functools.partial(_round_fault, "undoing uncertain quota reservations")
+            ):  # the next round tries again
                 await self._cancel_uncertain()
                 await self._settle_left_over()
-            except BaseException as e:  # the next round tries again (a native panic included)
-                if stopping(e):
-                    raise
-                log.exception("undoing uncertain quota reservations failed")
             self._report_dropped()
 
     def _report_dropped(self) -> None:
@@ -864,12 +868,10 @@ class TenantQuotas:
         interval = max(0.05, self.settings.lease_ttl_seconds / 3)
         while self._live:
             await asyncio.sleep(interval)
-            try:
+            with one_round(
+                functools.partial(_round_fault, "quota lease renewal")
+            ):  # a heartbeat must never kill the loop
                 await self.renew_now()
-            except BaseException as e:  # a heartbeat must never kill the loop (a native panic included)
-                if stopping(e):
-                    raise
-                log.exception("quota lease renewal failed")
 
     async def aclose(self) -> None:
         """Stop lease renewal (and the undoing of uncertain reservations), send what is left
