@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -57,6 +58,28 @@ log = logging.getLogger("kvgate.app")
 
 #: paths that keep answering while the gateway drains
 _ALWAYS = frozenset({"/health", "/livez", "/healthz", "/readyz", "/metrics"})
+
+
+@dataclasses.dataclass(frozen=True)
+class _StartStep:
+    """A step of :meth:`Gateway.start` run beside the others: what it is, what follows when it
+    raises (the log line's end), and the ``/readyz`` check it fails until a restart (``None``:
+    none; the step's own later rounds mend it)."""
+
+    what: str
+    after: str
+    check: str | None = None
+
+
+#: a first pool poll that raised: fail closed, as after any failed poll
+_POOL_UNKNOWN = "its pool is unknown until its watcher reads it"
+#: a stage's ``async start()`` that raised: as on any failed store call
+_STAGE_DEGRADED = "requests meet its failure policy until its store answers"
+_WARM_UP = _StartStep(
+    "warm-up",
+    "a model's counter or the verifier's shingle encoder is not built; /readyz fails until a restart",
+    check="warm_up",
+)
 
 
 def _poll_client(g: GatewaySettings) -> httpx.AsyncClient:
@@ -167,18 +190,19 @@ class Gateway:
         raised."""
         g = self.settings.gateway
         offload.install(asyncio.get_running_loop(), g.offload_threads, g.offload_tenant_share, usable_cores())
-        steps: list[tuple[str, Any]] = [
-            (f"pool poll of upstream {u.name}", u.watcher.poll_once()) for u in self.upstreams.all
+        steps: list[tuple[_StartStep, Any]] = [
+            (_StartStep(f"pool poll of upstream {u.name}", _POOL_UNKNOWN), u.watcher.poll_once())
+            for u in self.upstreams.all
         ]
         for what, stage in (("quota stage", self.quotas), ("verifier stage", self.verifier)):
             start = getattr(stage, "start", None)
             if asyncio.iscoroutinefunction(start):
-                steps.append((f"{what} start", start()))
-        steps.append(("warm_up", asyncio.to_thread(self._warm_up)))
-        results = await asyncio.gather(*(step for _, step in steps), return_exceptions=True)
-        for (what, _), result in zip(steps, results, strict=True):
+                steps.append((_StartStep(what, _STAGE_DEGRADED), start()))
+        steps.append((_WARM_UP, asyncio.to_thread(self._warm_up)))
+        results = await asyncio.gather(*(run for _, run in steps), return_exceptions=True)
+        for (step, _), result in zip(steps, results, strict=True):
             if isinstance(result, BaseException):
-                self._start_fault(what, result)
+                self._start_fault(step, result)
         for u in self.upstreams.all:
             u.watcher.start()
         for stage in (self.quotas, self.verifier):
@@ -191,33 +215,21 @@ class Gateway:
             g.upstream_client,
         )
 
-    def _start_fault(self, what: str, e: BaseException) -> None:
-        """Step ``what`` of :meth:`start` raised ``e`` (see there): logged with its traceback; the
-        warm-up's also fails ``/readyz`` (:attr:`start_faults`). A stop is raised."""
+    def _start_fault(self, step: _StartStep, e: BaseException) -> None:
+        """``step`` of :meth:`start` raised ``e`` (see there): logged with its traceback and what
+        follows from it; a step with a ``check`` also fails ``/readyz`` (:attr:`start_faults`). A
+        stop is raised."""
         if stopping(e):
             raise e
-        if what == "warm_up":
-            self.start_faults["warm_up"] = type(e).__name__
-            log.error(
-                "warm-up failed at start (%s): a model's counter or the verifier's shingle encoder is not built; "
-                "/readyz fails until a restart",
-                type(e).__name__,
-                exc_info=(type(e), e, e.__traceback__),
-            )
-        elif what.startswith("pool poll"):
-            log.error(
-                "%s failed at start (%s); its pool is unknown until its watcher reads it",
-                what,
-                type(e).__name__,
-                exc_info=(type(e), e, e.__traceback__),
-            )
-        else:
-            log.error(
-                "%s failed (%s); requests meet its failure policy until its store answers",
-                what,
-                type(e).__name__,
-                exc_info=(type(e), e, e.__traceback__),
-            )
+        if step.check is not None:
+            self.start_faults[step.check] = type(e).__name__
+        log.error(
+            "%s failed at start (%s); %s",
+            step.what,
+            type(e).__name__,
+            step.after,
+            exc_info=(type(e), e, e.__traceback__),
+        )
 
     def _warm_up(self) -> None:
         """Build, before the first request, what counting and fingerprinting build on first use:

@@ -121,7 +121,7 @@ def test_a_warm_up_that_fails_at_start_fails_readyz_and_is_logged(caplog: pytest
         assert [r for r in records(caplog, "kvgate.app") if r[0] != "INFO"] == [
             (
                 "ERROR",
-                "warm-up failed at start (RuntimeError): a model's counter or the verifier's shingle encoder is not "
+                "warm-up failed at start (RuntimeError); a model's counter or the verifier's shingle encoder is not "
                 "built; /readyz fails until a restart",
                 "RuntimeError",
             )
@@ -162,7 +162,7 @@ def test_a_stage_start_or_a_pool_poll_that_raises_at_start_is_logged(caplog: pyt
             ),
             (
                 "ERROR",
-                "quota stage start failed (Panic); requests meet its failure policy until its store answers",
+                "quota stage failed at start (Panic); requests meet its failure policy until its store answers",
                 "Panic",
             ),
         ]
