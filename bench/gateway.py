@@ -4,8 +4,11 @@ the relays a user would compare it with, in one run on this machine.
 The mock engine is nginx answering one fixed chat completion (``usage.prompt_tokens`` = kvgate's
 exact count of the bench body, so the verifier's drift check stays quiet) and the SGLang
 ``/server_info`` the gateway reads its live pool from; without nginx, ``bench/mock_engine.py``
-(raw asyncio, ``--count``). The load is ``wrk`` in its own process (a Python load process when
-``wrk`` is absent) with a ~200-token chat body. Scenarios (``--only`` picks; the default set first):
+(raw asyncio, ``--count``). Started with ``stream`` (``bench/cpu_pairs.py --stream``), the mock
+answers the same completion as an event stream (16 token chunks, a finish chunk, a usage chunk,
+``[DONE]``: :func:`fixed_stream`) and the load's chat body asks ``"stream": true``. The load is
+``wrk`` in its own process (a Python load process when ``wrk`` is absent) with a ~200-token chat
+body. Scenarios (``--only`` picks; the default set first):
 
 - ``direct``: straight to the mock engine (the baseline every "added" column subtracts);
 - ``nginx``: through nginx (1 worker, upstream keep-alive); skipped without nginx;
@@ -132,7 +135,9 @@ FRESH_BODY = {
     ],
 }
 _fresh_runs = itertools.count()
-REPLY_TEXT = " tok" * 16
+#: the mock's 16 completion tokens, one per streamed chunk; :data:`REPLY_TEXT` is them joined
+REPLY_PIECES = [" tok"] * 16
+REPLY_TEXT = "".join(REPLY_PIECES)
 #: the same turn as a Responses API request (``/v1/responses``: instructions + input)
 RESPONSES_BODY = {
     "model": MODEL,
@@ -143,12 +148,14 @@ RESPONSES_BODY = {
 }
 
 
-def body_for(url: str, fresh: bool = False) -> dict[str, Any]:
+def body_for(url: str, fresh: bool = False, stream: bool = False) -> dict[str, Any]:
     """The load's body for a target URL: :data:`RESPONSES_BODY` for ``/v1/responses``, else
-    :data:`BODY` (``fresh``: :data:`FRESH_BODY`, its number replaced per request by the load)."""
+    :data:`BODY` (``fresh``: :data:`FRESH_BODY`, its number replaced per request by the load;
+    ``stream``: with ``"stream": true``, chat completions only)."""
     if url.endswith("/v1/responses"):
         return RESPONSES_BODY
-    return FRESH_BODY if fresh else BODY
+    body = FRESH_BODY if fresh else BODY
+    return {**body, "stream": True} if stream else body
 
 
 def fixed_response(prompt_tokens: int) -> bytes:
@@ -190,6 +197,31 @@ def fixed_reply(prompt_tokens: int) -> bytes:
         },
         separators=(",", ":"),
     ).encode()
+
+
+def fixed_stream(prompt_tokens: int) -> bytes:
+    """The mock's one chat completion as a Server-Sent-Events stream, as vLLM and SGLang stream it:
+    ``data: {json}`` events, each ended by a blank line: one ``chat.completion.chunk`` per token of
+    :data:`REPLY_PIECES` (16; the first also carries the role), a chunk with ``finish_reason``
+    ``length``, a usage chunk (``choices`` empty; the exact prompt count, 16 completion tokens) and
+    ``data: [DONE]``."""
+    head = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return b"data: " + json.dumps({**head, "choices": choices, **extra}, separators=(",", ":")).encode() + b"\n\n"
+
+    def choice(delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    events = [
+        event([choice({"role": "assistant", "content": t} if i == 0 else {"content": t})])
+        for i, t in enumerate(REPLY_PIECES)
+    ]
+    events.append(event([choice({"content": ""}, "length")]))
+    n = len(REPLY_PIECES)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+    events.append(event([], usage=usage))
+    return b"".join(events) + b"data: [DONE]\n\n"
 
 
 SERVER_INFO = {
@@ -317,7 +349,7 @@ NGINX_MOCK = """
     location = /health {{ return 200 ''; }}
     location = /server_info {{ return 200 '{info}'; }}
     location = /get_server_info {{ return 200 '{info}'; }}
-    location = /v1/chat/completions {{ return 200 '{reply}'; }}
+    location = /v1/chat/completions {{ default_type {reply_type}; return 200 '{reply}'; }}
     location = /v1/responses {{ return 200 '{responses_reply}'; }}
   }}
 }}
@@ -349,20 +381,43 @@ def start_nginx(env: Env, name: str, server_block: str) -> subprocess.Popen[byte
     return env.spawn(name, [nginx, "-p", str(env.tmp), "-c", str(conf), "-g", "daemon off;"])
 
 
-def start_mock(env: Env, port: int, prefer_nginx: bool = True) -> tuple[subprocess.Popen[bytes], str]:
+def nginx_literal(text: str) -> str:
+    """``text`` as the inside of a single-quoted nginx ``return`` string, unchanged: raises
+    ``ValueError`` for a character nginx would read otherwise (a quote, a backslash escape, a
+    ``$`` variable). Newlines stay real newline characters, which a quoted string may hold."""
+    odd = sorted({c for c in text if c in "'\\$"})
+    if odd:
+        raise ValueError(f"the mock's reply holds {odd!r}, which nginx's return string would not keep")
+    return text
+
+
+def start_mock(
+    env: Env, port: int, prefer_nginx: bool = True, stream: bool = False
+) -> tuple[subprocess.Popen[bytes], str]:
     """The mock engine on ``port``: nginx with a fixed reply when installed, else the Python mock.
-    Returns the process and a one-line description."""
+    ``stream``: nginx answers ``/v1/chat/completions`` with :func:`fixed_stream` (``text/event-stream``,
+    whatever the request asks; the Python mock streams when a request asks). Returns the process
+    and a one-line description."""
     if prefer_nginx and find_nginx():
-        reply = fixed_reply(prompt_tokens_of_body()).decode()
-        responses_reply = fixed_response(prompt_tokens_of_body()).decode()  # the same turn: the same count
+        count = prompt_tokens_of_body()
+        reply = (fixed_stream(count) if stream else fixed_reply(count)).decode()
+        responses_reply = fixed_response(count).decode()  # the same turn: the same count
         info = json.dumps(SERVER_INFO, separators=(",", ":"))
-        mock = NGINX_MOCK.format(port=port, info=info, reply=reply, responses_reply=responses_reply)
+        mock = NGINX_MOCK.format(
+            port=port,
+            info=nginx_literal(info),
+            reply=nginx_literal(reply),
+            reply_type="text/event-stream" if stream else "application/json",
+            responses_reply=nginx_literal(responses_reply),
+        )
         p = start_nginx(env, "mock", mock)
+        if stream:
+            return p, f"nginx, one fixed chat completion stream ({len(REPLY_PIECES)} token chunks, exact usage)"
         return p, "nginx, one fixed chat completion (exact usage)"
     p = env.spawn(
         "mock", [sys.executable, str(HERE / "mock_engine.py"), "--port", str(port), "--model", MODEL, "--count"]
     )
-    return p, "bench/mock_engine.py (raw asyncio, --count)"
+    return p, "bench/mock_engine.py (raw asyncio, --count" + (", streams when asked)" if stream else ")")
 
 
 # ---------------------------------------------------------------- scenarios
@@ -379,6 +434,48 @@ class Target:
     metrics_dir: Path | None = None
     #: every request a new prompt (:data:`FRESH_BODY`, a new ticket number each; wrk only)
     fresh: bool = False
+    #: chat completions streamed (``"stream": true``; the mock started with ``stream``): see :func:`probe`
+    stream: bool = False
+
+
+def probe(name: str, target: Target) -> None:
+    """One request through ``target`` (httpx, the load's body) before it is measured; raises
+    ``RuntimeError`` unless it answers 200 and, for a streamed target, an event stream that ends
+    with ``data: [DONE]``, carries text, and holds no error event (the gateway ends a stream it
+    refused with an error event and ``[DONE]`` under the 200 a load generator counts)."""
+    body = body_for(target.url, stream=target.stream)
+    if target.stream and not body.get("stream"):
+        raise RuntimeError(f"{name}: streams are measured on chat completions only, not {target.url}")
+    r = httpx.post(target.url, json=body, headers=target.headers, timeout=10, trust_env=False)
+    if r.status_code != 200:
+        raise RuntimeError(f"{name}: probe request answered {r.status_code}: {r.text[:300]}")
+    if target.stream:
+        problem = stream_problem(r.headers.get("content-type", ""), r.content)
+        if problem:
+            raise RuntimeError(f"{name}: the streamed probe answered {problem}")
+
+
+def stream_problem(content_type: str, content: bytes) -> str | None:
+    """What is wrong with a streamed chat completion's answer (``None``: nothing): not
+    ``text/event-stream``, no ``data: [DONE]`` at its end, an event whose data is not a JSON
+    object or is an error (the gateway's or an engine's), or no text in any chunk."""
+    if not content_type.startswith("text/event-stream"):
+        return f"{content_type!r}, not an event stream: {content[:300]!r}"
+    if not content.endswith(b"data: [DONE]\n\n"):
+        return f"a stream that does not end with data: [DONE]: ...{content[-300:]!r}"
+    text = ""
+    for event in content.replace(b"\r\n", b"\n").split(b"\n\n"):
+        data = b"\n".join(ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:"))
+        if not data or data == b"[DONE]":
+            continue
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict) or "error" in obj or obj.get("object") == "error":
+            return f"an error or unreadable event: {data[:300]!r}"
+        text += "".join((c.get("delta") or {}).get("content") or "" for c in obj.get("choices") or [])
+    return None if text else f"no text: {content[:300]!r}"
 
 
 class Skip(Exception):
@@ -764,13 +861,15 @@ def _quotas_local(env: Env) -> Iterator[Target]:
 # ---------------------------------------------------------------- load
 @dataclass
 class Load:
-    """One load run's result: requests/s, latency percentiles in ms, failed requests."""
+    """One load run's result: requests/s, latency percentiles in ms, failed requests (``errors``:
+    non-2xx answers and socket errors; ``non2xx``: the answers alone, where the load tells them apart)."""
 
     rps: float
     p50_ms: float
     p99_ms: float
     errors: int
     requests: int
+    non2xx: int = 0
 
 
 WRK_LUA = """
@@ -814,7 +913,7 @@ def run_wrk(target: Target, connections: int, duration: float, tmp: Path) -> Loa
     lua = tmp / "post.lua"
     headers = "\n".join(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in target.headers.items())
     threads = max(1, min(2, connections // 32))
-    body = json.dumps(json.dumps(body_for(target.url, target.fresh)))
+    body = json.dumps(json.dumps(body_for(target.url, target.fresh, target.stream)))
     if target.fresh:
         script = WRK_FRESH_LUA.replace('thread:set("nthreads", 2)', f'thread:set("nthreads", {threads})')
         start = next(_fresh_runs) * FRESH_RUN_STRIDE
@@ -840,15 +939,17 @@ def run_wrk(target: Target, connections: int, duration: float, tmp: Path) -> Loa
     total = int(re.search(r"(\d+) requests in", text).group(1))  # type: ignore[union-attr]
     non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
-    errors = (int(non2xx.group(1)) if non2xx else 0) + (sum(map(int, sock.groups())) if sock else 0)
-    return Load(rps, _ms(pct["50"]), _ms(pct["99"]), errors, total)
+    bad = int(non2xx.group(1)) if non2xx else 0
+    errors = bad + (sum(map(int, sock.groups())) if sock else 0)
+    return Load(rps, _ms(pct["50"]), _ms(pct["99"]), errors, total, bad)
 
 
 def run_py_load(target: Target, connections: int, duration: float, tmp: Path) -> Load:
     """The same load from a separate Python process (this file, ``--load``) when wrk is absent."""
     out = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--load", "--url", target.url]
-        + ["--connections", str(connections), "--duration", str(duration), "--headers", json.dumps(target.headers)],
+        + ["--connections", str(connections), "--duration", str(duration), "--headers", json.dumps(target.headers)]
+        + (["--stream-body"] if target.stream else []),
         capture_output=True,
         check=False,
         text=True,
@@ -859,11 +960,13 @@ def run_py_load(target: Target, connections: int, duration: float, tmp: Path) ->
     return Load(**json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-async def _py_load(url: str, connections: int, duration: float, headers: dict[str, str]) -> dict[str, Any]:
+async def _py_load(
+    url: str, connections: int, duration: float, headers: dict[str, str], stream: bool = False
+) -> dict[str, Any]:
     import asyncio
 
     u = httpx.URL(url)
-    body = json.dumps(body_for(url)).encode()
+    body = json.dumps(body_for(url, stream=stream)).encode()
     head = (
         f"POST {u.raw_path.decode()} HTTP/1.1\r\nHost: {u.host}:{u.port}\r\nContent-Type: application/json\r\n"
         + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
@@ -903,7 +1006,14 @@ async def _py_load(url: str, connections: int, duration: float, headers: dict[st
     elapsed = time.perf_counter() - t0
     lat.sort()
     q = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))] * 1000
-    return {"rps": len(lat) / elapsed, "p50_ms": q(0.5), "p99_ms": q(0.99), "errors": errors, "requests": len(lat)}
+    return {
+        "rps": len(lat) / elapsed,
+        "p50_ms": q(0.5),
+        "p99_ms": q(0.99),
+        "errors": errors,
+        "requests": len(lat),
+        "non2xx": errors,
+    }
 
 
 # ---------------------------------------------------------------- per worker: requests and profiles
@@ -1398,6 +1508,7 @@ def main() -> int:
     ap.add_argument("--client-load", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--headers", default="{}", help=argparse.SUPPRESS)
+    ap.add_argument("--stream-body", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--serve-gateway", choices=["httptools", "h11"], help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--tenants", help=argparse.SUPPRESS)
@@ -1416,7 +1527,9 @@ def main() -> int:
         if args.client_load:
             out = asyncio.run(_client_load(args.client_load, args.url, args.connections, args.duration))
         else:
-            out = asyncio.run(_py_load(args.url, args.connections, args.duration, json.loads(args.headers)))
+            out = asyncio.run(
+                _py_load(args.url, args.connections, args.duration, json.loads(args.headers), args.stream_body)
+            )
         print(json.dumps(out))
         return 0
 
@@ -1468,11 +1581,7 @@ def main() -> int:
                     skipped[name] = str(e)
                     print(f"  {name}: skipped ({e})", flush=True)
                     continue
-                probe = httpx.post(
-                    target.url, json=body_for(target.url), headers=target.headers, timeout=10, trust_env=False
-                )
-                if probe.status_code != 200:
-                    raise RuntimeError(f"{name}: probe request answered {probe.status_code}: {probe.text[:300]}")
+                probe(name, target)
                 load(target, args.connections, 1.0, tmp)  # warm-up (every worker, every pool)
                 targets[name] = (target, target.note or help_)
             if args.profile is not None:
