@@ -8,7 +8,10 @@
   warm-up that failed left the gateway ready with no log; a stage start or a pool poll that
   raised left no trace. Each is now logged; a failed warm-up fails ``/readyz``.
 - A worker the supervisor could not restart (its fork failing: ``EAGAIN``) was reported as
-  ``cannot bind host:port``; it now names the worker and the fork's error.
+  ``cannot bind host:port``; it now names the worker and the fork's error. One failed fork of a
+  restart no longer SIGKILLs the healthy workers: it is tried again (back-off, counted in the
+  restart budget) while they serve, and a budget spent drains them. A first start that fails
+  drains the workers started before it.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import signal
 import subprocess
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from gateway.commands import serve
+from gateway.edge import workers
 from gateway.ops.pool_watcher import PoolReading
 from tests.gateway_harness import Gateway, settings_for, upstream, wait_for
 from tests.mock_engine import MockEngine
@@ -173,6 +180,16 @@ def test_a_stage_start_or_a_pool_poll_that_raises_at_start_is_logged(caplog: pyt
 
 
 # ---------------------------------------------------------------------- 3. the worker supervisor
+CANNOT_RESTART_0 = (
+    "cannot restart worker 0: starting its process (fork/exec) failed: [Errno 11] Resource temporarily unavailable"
+)
+
+
+def _eagain() -> OSError:
+    """A fork refused at a process limit."""
+    return OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+
 class _DeadWorker:
     """A worker process that was killed (SIGKILL) right away."""
 
@@ -183,28 +200,188 @@ class _DeadWorker:
         return self.returncode
 
 
-def test_a_worker_that_cannot_be_restarted_is_not_reported_as_a_bind_failure(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A dead worker's restart whose fork failed (``EAGAIN``: a process limit) ended ``kvgate
-    serve`` with ``cannot bind 127.0.0.1:0``: the address was bound all along."""
+class _Proc:
+    """A worker process that runs until a signal (then drains for ``drain`` seconds and exits 0)
+    or a kill; it records both. ``on_poll(self)`` runs at each poll."""
+
+    def __init__(self, pid: int, drain: float = 0.0, on_poll: Callable[[_Proc], None] | None = None) -> None:
+        self.pid = pid
+        self.drain = drain
+        self.on_poll = on_poll
+        self.returncode: int | None = None
+        self.signals: list[int] = []
+        self.killed = False
+        self.polls = 0
+        self._exit_at: float | None = None
+
+    def poll(self) -> int | None:
+        self.polls += 1
+        if self.on_poll is not None:
+            self.on_poll(self)
+        if self.returncode is None and self._exit_at is not None and time.monotonic() >= self._exit_at:
+            self.returncode = 0
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+        if self._exit_at is None:
+            self._exit_at = time.monotonic() + self.drain
+
+    def kill(self) -> None:
+        self.killed = True
+        self.returncode = -9
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 60.0)
+        while (rc := self.poll()) is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("worker", timeout or 0.0)
+            time.sleep(0.002)
+        return rc
+
+
+def _popen(monkeypatch: pytest.MonkeyPatch, plan: list[Any]) -> list[list[str]]:
+    """Replace ``subprocess.Popen``: each start takes the next of ``plan`` (a process, or an
+    ``OSError`` to raise), then a new running :class:`_Proc`; the argvs asked for, in order."""
     spawns: list[list[str]] = []
 
-    def popen(argv: list[str], **kw: Any) -> _DeadWorker:
+    def popen(argv: list[str], **kw: Any) -> Any:
         spawns.append(argv)
-        if len(spawns) == 1:
-            return _DeadWorker()
-        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        step = plan.pop(0) if plan else _Proc(9000 + len(spawns))
+        if isinstance(step, OSError):
+            raise step
+        return step
 
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     monkeypatch.setattr(subprocess, "Popen", popen)
-    args = argparse.Namespace(
+    return spawns
+
+
+@pytest.fixture
+def fast_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The supervisor polls every 5 ms and tries a failed restart again after 10 ms, then 20 ms."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setattr(workers, "POLL_SECONDS", 0.005)
+    monkeypatch.setattr(workers, "RESTART_BACKOFF_SECONDS", 0.01, raising=False)
+    monkeypatch.setattr(workers, "RESTART_BACKOFF_MAX_SECONDS", 0.02, raising=False)
+
+
+def _serve_args() -> argparse.Namespace:
+    return argparse.Namespace(
         config=None, tenants=None, demo=False, tenants_for_served_models=False, allow_open_secrets=False
     )
-    assert serve._supervise(args, 1, "127.0.0.1", 0, "info", False) == 1
+
+
+def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvgate.workers" and r.levelno >= logging.ERROR]
+
+
+def test_a_worker_that_cannot_be_restarted_is_not_reported_as_a_bind_failure(
+    fast_supervisor: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A dead worker's restart whose fork failed (``EAGAIN``: a process limit) ended ``kvgate
+    serve`` with ``cannot bind 127.0.0.1:0``: the address was bound all along. Its restart is now
+    tried again until the restart budget is spent, and only then does ``kvgate serve`` end, once."""
+    spawns = _popen(monkeypatch, [_DeadWorker()] + [_eagain() for _ in range(workers.MAX_RESTARTS)])
+    assert serve._supervise(_serve_args(), 1, "127.0.0.1", 0, "info", False) == 1
+    assert len(spawns) == 1 + workers.MAX_RESTARTS
+    assert capsys.readouterr().err == f"kvgate serve: {CANNOT_RESTART_0}\n"
+
+
+def test_a_restart_whose_fork_fails_is_tried_again_while_the_others_serve(
+    fast_supervisor: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One failed fork of a restart (``EAGAIN``) ended the gateway: it SIGKILLed the healthy
+    worker, its requests in flight cut off. Now worker 1 is left alone, the failed tries are
+    logged, the third try starts worker 0, and the gateway runs until it is stopped: exit 0."""
+    caplog.set_level(logging.INFO, "kvgate.workers")
+    sup = workers.Supervisor(2, "127.0.0.1", 0, lambda index, port: ["worker", str(index)])
+    healthy = _Proc(1001)
+    at_stop: list[tuple[list[int], bool]] = []
+
+    def stop_once_supervised(p: _Proc) -> None:  # the restarted worker 0, polled by the supervisor
+        if p.polls == 3:
+            at_stop.append((list(healthy.signals), healthy.killed))
+            sup._on_stop(signal.SIGTERM, None)
+
+    restarted = _Proc(1002, on_poll=stop_once_supervised)
+    dead = _Proc(1000)
+    dead.returncode = -9
+    spawns = _popen(monkeypatch, [dead, healthy, _eagain(), _eagain(), restarted])
+    assert sup.run() == 0
+    assert spawns == [["worker", "0"], ["worker", "1"]] + [["worker", "0"]] * 3
+    assert at_stop == [([], False)]  # untouched until the stop
+    assert (healthy.signals, healthy.killed) == ([signal.SIGTERM], False)
+    assert (restarted.signals, restarted.killed) == ([signal.SIGTERM], False)
+    assert _errors(caplog) == [
+        "worker 0 (pid 1000) exited -9 after 0 s: starting it again",
+        f"{CANNOT_RESTART_0}; trying again in 0.01 s",
+        f"{CANNOT_RESTART_0}; trying again in 0.02 s",
+    ]
+
+
+def test_a_restart_that_keeps_failing_drains_the_others_and_ends_serve(
+    fast_supervisor: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every try counts in the restart budget: once it is spent the healthy worker gets one
+    SIGTERM (it drains, never a SIGKILL) and ``kvgate serve`` exits 1, saying why once."""
+    caplog.set_level(logging.INFO, "kvgate.workers")
+    healthy = _Proc(1001, drain=0.05)
+    dead = _Proc(1000)
+    dead.returncode = -9
+    spawns = _popen(monkeypatch, [dead, healthy] + [_eagain() for _ in range(workers.MAX_RESTARTS)])
+    assert serve._supervise(_serve_args(), 2, "127.0.0.1", 0, "info", False) == 1
+    assert len(spawns) == 2 + workers.MAX_RESTARTS
+    assert (healthy.signals, healthy.killed) == ([signal.SIGTERM], False)
+    assert capsys.readouterr().err == f"kvgate serve: {CANNOT_RESTART_0}\n"
+    errors = _errors(caplog)
+    assert len([e for e in errors if e.startswith(f"{CANNOT_RESTART_0}; trying again in ")]) == workers.MAX_RESTARTS
+    assert errors[-1] == (
+        "worker 0 cannot be restarted and more than 5 restarts or tries came in 60 s: stopping the gateway"
+    )
+
+
+def test_a_stop_cancels_a_pending_restart(
+    fast_supervisor: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SIGTERM while a failed restart waits for its next try: no worker is started after the
+    stop, though the other worker drains long past the try's time (10 ms)."""
+    caplog.set_level(logging.INFO, "kvgate.workers")
+    sup = workers.Supervisor(2, "127.0.0.1", 0, lambda index, port: ["worker", str(index)])
+    healthy = _Proc(1001, drain=0.2)
+    dead = _Proc(1000)
+    dead.returncode = -9
+    spawns = _popen(monkeypatch, [dead, healthy, _eagain()])
+
+    def stop_after_the_failed_try(p: _Proc) -> None:
+        if len(spawns) == 3 and not sup._stopping:
+            sup._on_stop(signal.SIGTERM, None)
+
+    healthy.on_poll = stop_after_the_failed_try
+    assert sup.run() == 0
+    assert len(spawns) == 3
+    assert (healthy.signals, healthy.killed) == ([signal.SIGTERM], False)
+    assert _errors(caplog) == [
+        "worker 0 (pid 1000) exited -9 after 0 s: starting it again",
+        f"{CANNOT_RESTART_0}; trying again in 0.01 s",
+    ]
+
+
+def test_a_worker_that_cannot_start_drains_the_workers_started_before_it(
+    fast_supervisor: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Worker 1's first fork failed: worker 0, already started (and maybe serving), was left to
+    the supervisor's exit (a SIGKILL by ``PR_SET_PDEATHSIG``, or nothing off Linux). It now gets a
+    SIGTERM and drains before ``kvgate serve`` exits 1 with the same message as before."""
+    started = _Proc(1000, drain=0.05)
+    spawns = _popen(monkeypatch, [started, _eagain()])
+    assert serve._supervise(_serve_args(), 2, "127.0.0.1", 0, "info", False) == 1
     assert len(spawns) == 2
+    assert (started.signals, started.killed, started.returncode) == ([signal.SIGTERM], False, 0)
     assert capsys.readouterr().err == (
-        "kvgate serve: cannot restart worker 0: starting its process (fork/exec) failed: "
+        "kvgate serve: cannot start worker 1: starting its process (fork/exec) failed: "
         "[Errno 11] Resource temporarily unavailable\n"
     )
 

@@ -31,6 +31,10 @@ processes, each a whole gateway (``kvgate serve --worker-index I``) on the same 
   again; one that exits with an error status within :data:`START_GRACE_SECONDS` of its start
   stops the whole gateway with that status (a bad config or a taken port fails fast rather than
   looping), and so do more than :data:`MAX_RESTARTS` restarts in :data:`RESTART_WINDOW_SECONDS`.
+  A restart whose fork or exec fails (``EAGAIN``, ``ENOMEM``) is logged and tried again after a
+  back-off (:data:`RESTART_BACKOFF_SECONDS`, doubling), each try counted in that budget, while the
+  other workers keep serving; a stop cancels it. A worker whose first start fails stops the
+  gateway, the workers started before it drained (SIGTERM) first.
   Workers run in a process group of their own (a terminal's Ctrl-C reaches the supervisor only,
   so it is one drain, not two signals) and die with the supervisor if it is killed (``PR_SET_PDEATHSIG`` on Linux).
 """
@@ -64,6 +68,15 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_SECONDS = 60.0
 #: how often the supervisor looks at its workers (seconds)
 POLL_SECONDS = 0.2
+#: a restart whose fork or exec failed is tried again after this, doubling after each failed try
+#: up to :data:`RESTART_BACKOFF_MAX_SECONDS` (seconds); every try counts in :data:`MAX_RESTARTS`.
+#: A cap under ``RESTART_WINDOW_SECONDS / MAX_RESTARTS`` makes a restart that keeps failing spend
+#: the budget (with these values, five failed tries: the gateway stops about 25 s after the death)
+RESTART_BACKOFF_SECONDS = 1.0
+RESTART_BACKOFF_MAX_SECONDS = 10.0
+#: a worker whose first start failed: how long the workers started before it may drain before
+#: they are killed (seconds)
+START_DRAIN_SECONDS = 30.0
 #: the supervisor's pid, as its workers see it (they exit when their parent is another)
 SUPERVISOR_PID_ENV = "KVGATE_SUPERVISOR_PID"
 #: the supervisor's listening socket's descriptor, inherited by every worker (unless ``reuse_port``)
@@ -257,6 +270,15 @@ class _Worker:
     reaped: bool = False
 
 
+@dataclass
+class _PendingRestart:
+    """A dead worker's restart whose last try failed: tried again at ``due`` (monotonic seconds)."""
+
+    due: float
+    delay: float  # the back-off after the next failed try (seconds)
+    error: WorkerStartError  # the last try's
+
+
 class Supervisor:
     """Runs ``count`` workers on ``host:port`` until a signal has drained them all.
 
@@ -266,9 +288,12 @@ class Supervisor:
     ``reuse_port``, ``KVGATE_LISTEN_FD`` are added. ``reuse_port``: each worker binds its own
     ``SO_REUSEPORT`` socket (see the module docstring for the risk). :meth:`run` returns the exit
     status: 0 after a drain, else the status of a worker that failed within its start grace (1 if
-    it was killed by a signal); it raises ``OSError`` (the address) and :class:`MetricsDirError`
-    before any worker starts, and :class:`WorkerStartError` when a worker's process cannot be
-    started (at the start, or restarting one that died: the others are then killed)."""
+    it was killed by a signal, or after too many restarts); it raises ``OSError`` (the address) and
+    :class:`MetricsDirError` before any worker starts, and :class:`WorkerStartError` when a
+    worker's process cannot be started: at the start (those already started get SIGTERM and
+    :data:`START_DRAIN_SECONDS` to drain), or restarting one that died when its tries (back-off
+    :data:`RESTART_BACKOFF_SECONDS`, doubling) spent the restart budget, raised once the others
+    have drained. Until then a failed restart is logged and the other workers keep serving."""
 
     def __init__(
         self,
@@ -295,6 +320,8 @@ class Supervisor:
         self._wake = threading.Event()
         self._status = 0
         self._restarts: list[float] = []  # monotonic times
+        self._pending: dict[int, _PendingRestart] = {}  # by worker index
+        self._gave_up: WorkerStartError | None = None  # a restart that spent the budget
         self._listen: socket.socket | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -334,6 +361,18 @@ class Supervisor:
         log.info("worker %d started (pid %d)", index, proc.pid)
         return w
 
+    def _adopt(self, w: _Worker) -> None:
+        """Put a started worker in its place (``self.workers[w.index]``). A stop that came while it
+        was being started may have missed it: it gets a SIGTERM (had it got one already, the second
+        stops it at once, and it serves nothing yet)."""
+        if w.index < len(self.workers):
+            self.workers[w.index] = w
+        else:
+            self.workers.append(w)
+        if self._stopping:
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.send_signal(signal.SIGTERM)
+
     # ------------------------------------------------------------------ signals
     def _on_stop(self, sig: int, _frame: Any) -> None:
         self._stopping += 1
@@ -362,25 +401,69 @@ class Supervisor:
                 multiprocess.mark_process_dead(w.proc.pid, self.metrics_dir)
         if self._stopping:
             return False
-        now = time.monotonic()
-        lived = now - w.started
+        lived = time.monotonic() - w.started
         if rc is not None and rc > 0 and lived < START_GRACE_SECONDS:
             log.error("worker %d exited %s within %.1f s of its start: stopping the gateway", w.index, rc, lived)
             self._status = rc
             return True
-        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_SECONDS] + [now]
-        if len(self._restarts) > MAX_RESTARTS:
+        if self._budget_spent():
             log.error(
                 "workers restarted %d times in %.0f s: stopping the gateway", MAX_RESTARTS, RESTART_WINDOW_SECONDS
             )
-            self._status = 1
             return True
         log.error("worker %d (pid %d) exited %s after %.0f s: starting it again", w.index, w.proc.pid, rc, lived)
-        self.workers[self.workers.index(w)] = self._spawn(w.index, restart=True)
+        self._try_restart(w.index, RESTART_BACKOFF_SECONDS)
+        return False
+
+    def _budget_spent(self) -> bool:
+        """Count a restart (or a try of one) in the restart budget; True (status 1) when that makes
+        more than :data:`MAX_RESTARTS` within :data:`RESTART_WINDOW_SECONDS`."""
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_SECONDS] + [now]
+        if len(self._restarts) <= MAX_RESTARTS:
+            return False
+        self._status = 1
+        return True
+
+    def _try_restart(self, index: int, delay: float) -> None:
+        """Start dead worker ``index`` again. When its fork or exec fails, log it and try again
+        after ``delay`` seconds (:meth:`_retry_due`), the back-off doubling up to the cap."""
+        try:
+            w = self._spawn(index, restart=True)
+        except WorkerStartError as e:
+            log.error("%s; trying again in %g s", e, delay)
+            nxt = min(delay * 2, RESTART_BACKOFF_MAX_SECONDS)
+            self._pending[index] = _PendingRestart(time.monotonic() + delay, nxt, e)
+            return
+        self._pending.pop(index, None)
+        self._adopt(w)
+
+    def _retry_due(self) -> bool:
+        """Try again each pending restart whose back-off has passed, none after a stop; True when a
+        try finds the restart budget spent (the gateway stops; :meth:`run` then raises its error)."""
+        now = time.monotonic()
+        for index, pending in list(self._pending.items()):
+            if self._stopping:
+                return False
+            if pending.due > now:
+                continue
+            if self._budget_spent():
+                log.error(
+                    "worker %d cannot be restarted and more than %d restarts or tries came in %.0f s: "
+                    "stopping the gateway",
+                    index,
+                    MAX_RESTARTS,
+                    RESTART_WINDOW_SECONDS,
+                )
+                self._gave_up = pending.error
+                self._pending.clear()
+                return True
+            self._try_restart(index, pending.delay)
         return False
 
     def run(self) -> int:
-        """Bind, start the workers, supervise them until every one has exited; the exit status."""
+        """Bind, start the workers, supervise them until every one has exited; the exit status.
+        Raises what the class docstring names."""
         reserve = self._bind()
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         signal.signal(signal.SIGTERM, self._on_stop)
@@ -388,7 +471,7 @@ class Supervisor:
         signal.signal(signal.SIGHUP, self._on_hup)
         log.info("gateway on %s:%d with %d workers", self.host, self.port, self.count)
         try:
-            self.workers = [self._spawn(i) for i in range(self.count)]
+            self._start_all()
             self._supervise()
         finally:
             for s, h in previous.items():
@@ -401,7 +484,35 @@ class Supervisor:
             reserve.close()
             self._remove_own_metrics_dir()
         log.info("all workers exited")
+        if self._gave_up is not None:
+            raise self._gave_up
         return self._status
+
+    def _start_all(self) -> None:
+        """Start the workers (none more after a stop). When one's process cannot be started, those
+        already started get SIGTERM and up to :data:`START_DRAIN_SECONDS` to drain, then its
+        :class:`WorkerStartError` is raised."""
+        for index in range(self.count):
+            if self._stopping:
+                return
+            try:
+                self._adopt(self._spawn(index))
+            except WorkerStartError as e:
+                if self.workers:
+                    log.error("%s: stopping the %d worker(s) already started", e, len(self.workers))
+                    self._drain_started()
+                raise
+
+    def _drain_started(self) -> None:
+        """SIGTERM the workers (unless a stop already sent it) and wait up to
+        :data:`START_DRAIN_SECONDS` for them; :meth:`run` kills any still running after that."""
+        if not self._stopping:
+            self._stopping = 1
+            self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + START_DRAIN_SECONDS
+        for w in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(max(0.0, deadline - time.monotonic()))
 
     def _bind(self) -> socket.socket:
         """The metrics folder, then the address: the bound socket (listening and inheritable unless
@@ -426,6 +537,8 @@ class Supervisor:
         failed = False
         while True:
             failed = self._reap_exited() or failed
+            if not self._stopping:
+                failed = self._retry_due() or failed
             if failed and not self._stopping:
                 self._stopping = 1
                 self._signal_all(signal.SIGTERM)
