@@ -22,9 +22,7 @@ makes of each, whether the verifier reads what the client receives, and what the
   blank ``data``, and ``[DONE]`` in a ``/v1/responses`` stream are relayed as before (comments
   with other text, ``event:``, ``id:`` and ``retry:`` lines: tests/test_relay_sse_fields.py).
 
-Engines: the in-process engine of tests/test_hostile_engine_round4.py (exact bytes and the quota
-ledger) and the scripted engine of tests/test_verifier_hostile_engine.py behind the real gateway
-and verifier (its victim passage indexed).
+Engines, events and request bodies: tests/relay_harness.py.
 """
 
 from __future__ import annotations
@@ -37,30 +35,38 @@ import openai
 import pytest
 
 from tests import test_verifier_hostile_engine
-from tests.gateway_harness import MODEL
-from tests.test_gateway_relay import _chunk, _event, error_of
-from tests.test_hostile_engine_round4 import (
+from tests.relay_harness import (
+    COMPLETED,
+    CONTROL,
+    CREATED,
     DONE,
+    HEL,
+    HEL_TOKENS,
     HELLO,
     HELLO_TOKENS,
+    MARK,
     NOT_JSON,
+    RESPONSES_BODY,
+    SAID,
+    STOP,
     STREAM_BODY,
+    VICTIM,
+    _chunk,
+    _leak_named,
     _responses_error_event,
+    _withheld,
+    chat_stream_ended_by,
     error_event,
+    error_of,
+    pieces,
+    send,
     through_gateway_as,
 )
-from tests.test_verifier_hostile_engine import CONTROL, MARK, SAID, VICTIM, _leak_named, _withheld, pieces, send
-from tokenizer import bundled_counter
 
 pytestmark = pytest.mark.timeout(60)
 #: the scripted engine behind the real gateway and verifier (module-scoped: this module's own)
 stack = test_verifier_hostile_engine.stack
 
-STOP = _chunk("", False, "stop")
-RESPONSES_BODY = {"model": MODEL, "input": "Say hello.", "stream": True, "max_output_tokens": 5}
-CREATED = _event("response.created", 0, response={"id": "r1", "status": "in_progress", "output": []})
-HEL = _event("response.output_text.delta", 1, output_index=0, content_index=0, delta="Hel")
-COMPLETED = _event("response.completed", 3, response={"id": "r1", "status": "completed", "output": []})
 SECRET_CHUNK = json.loads(_chunk("the secret", False)[len(b"data: ") :])
 
 
@@ -153,13 +159,9 @@ def test_a_chat_event_whose_data_is_not_json_ends_the_stream(form, strict):
     stream ends there, for every tenant, as for JSON only a lax reader reads: an error event after
     the response started, a 502 before; the settle counts the prompt and the text relayed, and
     nothing is left in flight."""
-    hidden = NOT_JSON_DATA[form]
-    r, q, in_flight = through_gateway_as([HELLO, hidden, STOP, DONE], STREAM_BODY, strict=strict)
-    assert (r.status_code, r.content) == (200, HELLO + error_event(NOT_JSON) + DONE)
-    assert (q.settled, in_flight) == ({"r4": [11 + HELLO_TOKENS]}, [0])
-    r, q, in_flight = through_gateway_as([hidden, DONE], STREAM_BODY, strict=strict)
-    assert (r.status_code, error_of(r)) == (502, NOT_JSON)
-    assert (q.settled, in_flight) == ({"r4": [11]}, [0])
+    started, first = chat_stream_ended_by(NOT_JSON_DATA[form], strict=strict)
+    assert started == (200, HELLO + error_event(NOT_JSON) + DONE, {"r4": [11 + HELLO_TOKENS]}, [0])
+    assert first == (502, NOT_JSON, {"r4": [11]}, [0])
 
 
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
@@ -172,8 +174,7 @@ def test_a_responses_event_whose_data_is_not_json_ends_the_stream(form, strict):
     path = "/v1/responses"
     r, q, in_flight = through_gateway_as([CREATED, HEL, hidden, COMPLETED], RESPONSES_BODY, strict=strict, path=path)
     assert (r.status_code, r.content) == (200, CREATED + HEL + _responses_error_event(NOT_JSON, 2))
-    hel = bundled_counter().count_text("Hel")
-    assert (q.settled, in_flight) == ({"r4": [q.reserved["r4"] - 5 + hel]}, [0])
+    assert (q.settled, in_flight) == ({"r4": [q.reserved["r4"] - 5 + HEL_TOKENS]}, [0])
     r, q, in_flight = through_gateway_as([CREATED, hidden, COMPLETED], RESPONSES_BODY, strict=strict, path=path)
     assert (r.status_code, error_of(r), in_flight) == (502, NOT_JSON, [0])
 

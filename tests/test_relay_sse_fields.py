@@ -24,9 +24,7 @@ gateway never sends upstream). So:
   response started (the Responses ``error`` event in ``/v1/responses``), a 502 before;
 - every event an honest engine sends is relayed byte for byte.
 
-Engines: the in-process engine of tests/test_hostile_engine_round4.py (exact bytes and the quota
-ledger) and the scripted engine of tests/test_verifier_hostile_engine.py behind the real gateway
-and verifier (its victim passage indexed).
+Engines, events and request bodies: tests/relay_harness.py.
 """
 
 from __future__ import annotations
@@ -39,19 +37,28 @@ from openai._streaming import SSEDecoder
 
 from gateway.relay import sse
 from tests import test_verifier_hostile_engine
-from tests.test_gateway_relay import _event, error_of
-from tests.test_hostile_engine_round4 import (
+from tests.relay_harness import (
+    COMPLETED,
+    CREATED,
     DONE,
+    HEL,
+    HEL_TOKENS,
     HELLO,
     HELLO_TOKENS,
+    MARK,
+    RESPONSES_BODY,
+    SAID,
+    STOP,
     STREAM_BODY,
+    VICTIM,
+    _event,
     _responses_error_event,
     error_event,
+    error_of,
+    pieces,
+    send,
     through_gateway_as,
 )
-from tests.test_relay_non_object_events import COMPLETED, CREATED, HEL, RESPONSES_BODY, STOP
-from tests.test_verifier_hostile_engine import MARK, SAID, VICTIM, pieces, send
-from tokenizer import bundled_counter
 
 pytestmark = pytest.mark.timeout(60)
 #: the scripted engine behind the real gateway and verifier (module-scoped: this module's own)
@@ -68,8 +75,6 @@ ODD_TYPE = {
 }
 #: a chat chunk without choices or text (an honest shape: the usage chunk's, without usage)
 EMPTY = b'data: {"id": "c1", "choices": []}\n\n'
-#: the settle of a Responses stream that relayed "Hel" before it was cut (tests/test_relay_non_object_events.py)
-HEL_TOKENS = bundled_counter().count_text("Hel")
 
 # ------------------------------------------------------------------ comments, id, retry: rewritten
 

@@ -24,9 +24,7 @@
 A whole answer has no index a client groups by: a Responses body's items and parts are lists,
 and a chat body's tool calls each arrive whole (vLLM and OpenAI send them without ``index``).
 
-Engines: the scripted engine of tests/test_verifier_hostile_engine.py behind the real gateway and
-verifier (its victim passage indexed), and the in-process engine of
-tests/test_hostile_engine_round4.py (exact bytes and the quota ledger).
+Engines, events and request bodies: tests/relay_harness.py.
 """
 
 from __future__ import annotations
@@ -44,19 +42,31 @@ from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import ResponseStreamEvent
 
 from tests import test_verifier_hostile_engine
-from tests.gateway_harness import MODEL, chat
-from tests.test_gateway_relay import _event, error_of
-from tests.test_hostile_engine_round4 import (
+from tests.gateway_harness import chat
+from tests.relay_harness import (
+    COMPLETED,
+    CONTROL,
+    CREATED,
     DONE,
+    HEL_TOKENS,
     HELLO,
     HELLO_TOKENS,
+    MARK,
+    RESPONSES_BODY,
+    SAID,
     STREAM_BODY,
+    VICTIM,
+    _event,
+    _leak_named,
     _responses_error_event,
+    _withheld,
+    chat_stream_ended_by,
     error_event,
+    error_of,
+    pieces,
+    send,
     through_gateway_as,
 )
-from tests.test_verifier_hostile_engine import CONTROL, MARK, SAID, VICTIM, _leak_named, _withheld, pieces, send
-from tokenizer import bundled_counter
 from verifier.engine_response import TEXT_DELTA_EVENTS, parse_chunk_event, parse_response_event
 
 pytestmark = pytest.mark.timeout(60)
@@ -187,12 +197,9 @@ def test_a_stream_chunk_with_an_odd_tool_call_index_ends_the_stream(form, strict
     Now the stream ends there, for every tenant: an error event once the response started (the
     settle counts the prompt and the text relayed), a 502 before."""
     odd = tool_event(ODD_TOOL_INDEXES[form])
-    r, q, in_flight = through_gateway_as([HELLO, odd, tool_event(0, ""), DONE], STREAM_BODY, strict=strict)
-    assert (r.status_code, r.content) == (200, HELLO + error_event(ODD_TOOL) + DONE)
-    assert (q.settled, in_flight) == ({"r4": [11 + HELLO_TOKENS]}, [0])
-    r, q, in_flight = through_gateway_as([odd, DONE], STREAM_BODY, strict=strict)
-    assert (r.status_code, error_of(r)) == (502, ODD_TOOL)
-    assert (q.settled, in_flight) == ({"r4": [11]}, [0])
+    started, first = chat_stream_ended_by(odd, strict=strict, rest=tool_event(0, ""))
+    assert started == (200, HELLO + error_event(ODD_TOOL) + DONE, {"r4": [11 + HELLO_TOKENS]}, [0])
+    assert first == (502, ODD_TOOL, {"r4": [11]}, [0])
 
 
 def test_tool_calls_as_vllm_and_sglang_stream_them_are_relayed_as_sent():
@@ -423,8 +430,6 @@ ODD_RESPONSE_EVENTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "output-index-on-a-transcript": ("response.audio.transcript.delta", {"output_index": 1}),
 }
-RESPONSES_BODY = {"model": MODEL, "input": "Say hello.", "stream": True, "max_output_tokens": 5}
-CREATED = _event("response.created", 0, response={"id": "r1", "status": "in_progress", "output": []})
 
 
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
@@ -436,13 +441,11 @@ def test_a_responses_text_event_with_an_odd_index_ends_the_stream(form, strict):
     etype, members = ODD_RESPONSE_EVENTS[form]
     hidden = _event(etype, 2, item_id="x_0", **_without(members), delta="the secret")
     delta = _text_event(1, 0, 0, "Hel")
-    done = _event("response.completed", 3, response={"id": "r1", "status": "completed", "output": []})
     path = "/v1/responses"
-    r, q, in_flight = through_gateway_as([CREATED, delta, hidden, done], RESPONSES_BODY, strict=strict, path=path)
+    r, q, in_flight = through_gateway_as([CREATED, delta, hidden, COMPLETED], RESPONSES_BODY, strict=strict, path=path)
     assert (r.status_code, r.content) == (200, CREATED + delta + _responses_error_event(ODD_OUTPUT, 2))
-    hel = bundled_counter().count_text("Hel")
-    assert (q.settled, in_flight) == ({"r4": [q.reserved["r4"] - 5 + hel]}, [0])
-    r, q, in_flight = through_gateway_as([CREATED, hidden, done], RESPONSES_BODY, strict=strict, path=path)
+    assert (q.settled, in_flight) == ({"r4": [q.reserved["r4"] - 5 + HEL_TOKENS]}, [0])
+    r, q, in_flight = through_gateway_as([CREATED, hidden, COMPLETED], RESPONSES_BODY, strict=strict, path=path)
     assert (r.status_code, error_of(r), in_flight) == (502, ODD_OUTPUT, [0])
 
 
