@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from config.background import stopping
+from config.background import one_round, stopping
 from config.errors import ErrorCode, openai_error_bytes
 from config.models import GatewaySettings, Settings
 from gateway.admission.registry import ModelIndex
@@ -77,9 +77,14 @@ _POOL_UNKNOWN = "its pool is unknown until its watcher reads it"
 _STAGE_DEGRADED = "requests meet its failure policy until its store answers"
 _WARM_UP = _StartStep(
     "warm-up",
-    "a model's counter or the verifier's shingle encoder is not built; /readyz fails until a restart",
+    "a model's counter or the verifier's shingle encoder is not built; /readyz fails until a later try succeeds",
     check="warm_up",
 )
+#: a warm-up that failed is tried again after this, doubling up to :data:`WARM_UP_RETRY_MAX_SECONDS`
+#: (seconds): a fault that passes (a panic under memory pressure, a volume mounted late) must not
+#: leave the replica unready until someone restarts it, while its liveness probe passes
+WARM_UP_RETRY_FIRST_SECONDS = 5.0
+WARM_UP_RETRY_MAX_SECONDS = 60.0
 
 
 def _poll_client(g: GatewaySettings) -> httpx.AsyncClient:
@@ -160,6 +165,7 @@ class Gateway:
         self._idle = asyncio.Event()
         #: named checks :meth:`start` failed (``/readyz`` 503 until a restart): ``warm_up``
         self.start_faults: dict[str, str] = {}
+        self._rewarm: asyncio.Task[None] | None = None
 
     def cache_salt(self, tenant_id: str) -> str:
         """The tenant's ``cache_salt``: hex HMAC-SHA256 of its id under the ``cache_salt_key`` secret."""
@@ -203,6 +209,8 @@ class Gateway:
         for (step, _), result in zip(steps, results, strict=True):
             if isinstance(result, BaseException):
                 self._start_fault(step, result)
+        if _WARM_UP.check in self.start_faults:
+            self._rewarm = asyncio.create_task(self._warm_up_again())
         for u in self.upstreams.all:
             u.watcher.start()
         for stage in (self.quotas, self.verifier):
@@ -241,8 +249,38 @@ class Gateway:
         if callable(warm):
             warm()
 
+    async def _warm_up_again(self) -> None:
+        """Try a warm-up that failed at start again (:data:`WARM_UP_RETRY_FIRST_SECONDS`, doubling
+        up to :data:`WARM_UP_RETRY_MAX_SECONDS`) until one succeeds; then ``/readyz`` passes again
+        (its other checks allowing) and it is logged. A try that fails is logged at warning, its
+        traceback only when the fault is not the one before."""
+        delay = WARM_UP_RETRY_FIRST_SECONDS
+        while _WARM_UP.check in self.start_faults:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, WARM_UP_RETRY_MAX_SECONDS)
+            with one_round(partial(self._warm_up_failed_again, next_s=delay)):
+                await asyncio.to_thread(self._warm_up)
+                fault = self.start_faults.pop(_WARM_UP.check, None)
+                log.warning("warm-up succeeded on a later try (it failed with %s); /readyz passes again", fault)
+
+    def _warm_up_failed_again(self, e: BaseException, *, next_s: float) -> None:
+        """A later try of the warm-up raised ``e``: ``/readyz`` keeps failing, naming it; the next
+        try comes in ``next_s`` seconds."""
+        check = _WARM_UP.check or "warm_up"
+        same = self.start_faults.get(check) == type(e).__name__
+        self.start_faults[check] = type(e).__name__
+        log.warning(
+            "warm-up failed again (%s); /readyz keeps failing, next try in %g s",
+            type(e).__name__,
+            next_s,
+            exc_info=None if same else (type(e), e, e.__traceback__),
+        )
+
     async def stop(self) -> None:
-        """Stop watchers, close the stages and the HTTP client."""
+        """Stop the warm-up's tries and the watchers, close the stages and the HTTP client."""
+        if self._rewarm is not None:
+            self._rewarm.cancel()
+            await asyncio.gather(self._rewarm, return_exceptions=True)
         for u in self.upstreams.all:
             await u.watcher.stop()
         for stage in (self.quotas, self.verifier):

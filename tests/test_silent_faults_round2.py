@@ -6,7 +6,8 @@
   first failed read of an outage and the first read that works again are logged, once each.
 - A step of the gateway's start that raised was dropped (``gather(return_exceptions=True)``): a
   warm-up that failed left the gateway ready with no log; a stage start or a pool poll that
-  raised left no trace. Each is now logged; a failed warm-up fails ``/readyz``.
+  raised left no trace. Each is now logged; a failed warm-up fails ``/readyz`` and is tried
+  again (back-off) until it works.
 - A worker the supervisor could not restart (its fork failing: ``EAGAIN``) was reported as
   ``cannot bind host:port``; it now names the worker and the fork's error. One failed fork of a
   restart no longer SIGKILLs the healthy workers: it is tried again (back-off, counted in the
@@ -129,13 +130,87 @@ def test_a_warm_up_that_fails_at_start_fails_readyz_and_is_logged(caplog: pytest
             (
                 "ERROR",
                 "warm-up failed at start (RuntimeError); a model's counter or the verifier's shingle encoder is not "
-                "built; /readyz fails until a restart",
+                "built; /readyz fails until a later try succeeds",
                 "RuntimeError",
             )
         ]
     finally:
         g.stop()
         engine.stop()
+
+
+class _FlakyVerifier(_Verifier):
+    """A verifier stage whose warm-up fails ``fails`` times (the first two alike, then another
+    fault), then succeeds."""
+
+    def __init__(self, fails: int) -> None:
+        self.tries = 0
+        self.fails = fails
+
+    def warm_up(self) -> None:
+        self.tries += 1
+        if self.tries <= self.fails:
+            raise (RuntimeError if self.tries <= 2 else MemoryError)("encoder not built")
+
+
+def test_a_warm_up_that_fails_at_start_is_tried_again_until_it_works(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failed warm-up left ``/readyz`` failing until a restart, while ``/livez`` passed: a fault
+    that had passed (a panic under memory pressure, a volume mounted late) kept the replica out of
+    service until someone restarted it by hand. It is tried again with a back-off; the replica is
+    ready once a try works, each failed try logged (its traceback only for a fault not seen just
+    before) and the fault named in ``/readyz`` meanwhile."""
+    from gateway import app
+
+    monkeypatch.setattr(app, "WARM_UP_RETRY_FIRST_SECONDS", 0.05)
+    engine = MockEngine().start()
+    caplog.set_level(logging.INFO, "kvgate.app")
+    verifier = _FlakyVerifier(fails=3)
+    g = Gateway(settings_for([upstream("u1", engine)]), verifier=verifier).start()
+    try:
+        client = g.client(None)
+        assert wait_for(lambda: client.get("/readyz").status_code == 200, timeout=10)
+        assert client.get("/readyz").json()["checks"] == {"verifier_worker": True}
+        assert verifier.tries == 4
+        assert [r for r in records(caplog, "kvgate.app") if r[0] != "INFO"] == [
+            (
+                "ERROR",
+                "warm-up failed at start (RuntimeError); a model's counter or the verifier's shingle encoder is not "
+                "built; /readyz fails until a later try succeeds",
+                "RuntimeError",
+            ),
+            ("WARNING", "warm-up failed again (RuntimeError); /readyz keeps failing, next try in 0.1 s", None),
+            ("WARNING", "warm-up failed again (MemoryError); /readyz keeps failing, next try in 0.2 s", "MemoryError"),
+            ("WARNING", "warm-up succeeded on a later try (it failed with MemoryError); /readyz passes again", None),
+        ]
+    finally:
+        g.stop()
+        engine.stop()
+
+
+def test_a_warm_up_still_failing_names_its_fault_and_stops_with_the_gateway(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the tries keep failing ``/readyz`` names the last fault; stopping the gateway ends them."""
+    from gateway import app
+
+    monkeypatch.setattr(app, "WARM_UP_RETRY_FIRST_SECONDS", 0.02)
+    engine = MockEngine().start()
+    verifier = _FlakyVerifier(fails=10**9)
+    g = Gateway(settings_for([upstream("u1", engine)]), verifier=verifier).start()
+    try:
+        client = g.client(None)
+        assert wait_for(lambda: verifier.tries >= 3, timeout=10)
+        ready = client.get("/readyz")
+        assert (ready.status_code, ready.json()["checks"]) == (503, {"verifier_worker": True, "warm_up": False})
+        assert g.gw.start_faults == {"warm_up": "MemoryError"}
+    finally:
+        g.stop()
+        engine.stop()
+    tries = verifier.tries
+    time.sleep(0.3)
+    assert verifier.tries == tries
 
 
 def test_a_stage_start_or_a_pool_poll_that_raises_at_start_is_logged(caplog: pytest.LogCaptureFixture) -> None:
