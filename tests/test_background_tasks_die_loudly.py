@@ -570,3 +570,24 @@ async def test_one_round_hands_a_fault_on_and_lets_a_stop_through() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert faults == ["Panic", "CancelledError", "ValueError"]
+
+
+def test_a_fault_that_persists_in_a_fast_loop_is_one_line_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    """The quota stage's undo rounds run every 0.1 s while a backlog waits: a fault that came back
+    every round logged ten tracebacks a second. ``config.background.FaultLog`` logs a new kind of
+    fault at once, the same one again once a minute with how many came between."""
+    from config.background import FaultLog
+
+    now = [0.0]
+    faults = FaultLog(logging.getLogger("kvgate.quotas"), "undoing uncertain quota reservations", clock=lambda: now[0])
+    caplog.set_level(logging.INFO, "kvgate.quotas")
+    for i in range(1201):  # two minutes of rounds, 0.1 s apart
+        now[0] = i / 10
+        faults(Panic("regex stack overflow") if i != 700 else OSError("disk"))
+    assert faults.faults == 1201
+    assert records(caplog, "kvgate.quotas") == [
+        ("ERROR", "undoing uncertain quota reservations failed", "Panic"),
+        ("ERROR", "undoing uncertain quota reservations failed (599 more like it since the last report)", "Panic"),
+        ("ERROR", "undoing uncertain quota reservations failed", "OSError"),
+        ("ERROR", "undoing uncertain quota reservations failed", "Panic"),  # at 70.1 s: the next, 130.1 s
+    ]

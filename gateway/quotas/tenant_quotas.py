@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from config.background import one_round
+from config.background import FaultLog, one_round
 from config.errors import ErrorCode, OpenAIError
 from config.models import QuotaSettings, Settings, TenantConfig
 from config.redis_client import StoreBackoff, redis_client
@@ -197,12 +197,6 @@ class _Held:
     settled: bool = False
 
 
-def _round_fault(what: str, e: BaseException) -> None:
-    """A round of a background loop (``what``) raised ``e``: logged with its traceback; the next
-    round tries again."""
-    log.error("%s failed", what, exc_info=(type(e), e, e.__traceback__))
-
-
 def rate_limit_headers(limits: QuotaLimits, decision: QuotaDecision) -> dict[str, str]:
     """``x-ratelimit-limit-*`` / ``x-ratelimit-remaining-*`` for each limited dimension
     (requests: RPM, tokens: TPM); values are decimal integers, remaining never negative."""
@@ -295,6 +289,9 @@ class TenantQuotas:
         self.fallback = fallback
         self.window_ms = max(1, round(settings.window_seconds * 1000))
         self.lease_ttl_ms = max(1, round(settings.lease_ttl_seconds * 1000))
+        #: the background rounds' fault handlers (a fault that persists: one line a minute)
+        self._undo_faults = FaultLog(log, "undoing uncertain quota reservations")
+        self._renew_faults = FaultLog(log, "quota lease renewal")
         self.deadline_seconds = min(MAX_DECISION_SECONDS, 2 * settings.redis_timeout_seconds + 0.05)
         #: the shared store bounds its own round trips by the deadline (one timer per round trip)
         self._store_bounded = isinstance(store, RedisQuotaStore)
@@ -366,9 +363,7 @@ class TenantQuotas:
         a short outage is released when it ends, not by its TTL."""
         while self._uncertain or self._unsettled:
             await asyncio.sleep(RECOVER_INTERVAL_SECONDS)
-            with one_round(
-                functools.partial(_round_fault, "undoing uncertain quota reservations")
-            ):  # the next round tries again
+            with one_round(self._undo_faults):  # the next round tries again
                 await self._cancel_uncertain()
                 await self._settle_left_over()
             self._report_dropped()
@@ -868,9 +863,7 @@ class TenantQuotas:
         interval = max(0.05, self.settings.lease_ttl_seconds / 3)
         while self._live:
             await asyncio.sleep(interval)
-            with one_round(
-                functools.partial(_round_fault, "quota lease renewal")
-            ):  # a heartbeat must never kill the loop
+            with one_round(self._renew_faults):  # a heartbeat must never kill the loop
                 await self.renew_now()
 
     async def aclose(self) -> None:
