@@ -36,29 +36,46 @@ def one_round(fault: Callable[[BaseException], None]) -> Iterator[None]:
         fault(e)
 
 
-class FaultLog:
-    """The fault handler of a loop whose rounds come often (:func:`one_round`'s ``fault``): a
-    fault is logged at error with its traceback when its type is not the last one's, and a fault
-    like the last at most once every ``every_s`` seconds, saying how many came since, so a fault
-    that persists in a loop of 10 rounds a second is one line a minute, not ten tracebacks a
-    second. ``log``: the logger; ``what``: the round, as in "<what> failed"; ``clock``: monotonic
-    seconds. ``faults``: how many it was handed in all."""
+class Repeats:
+    """When a loop whose rounds come often reports a fault: a fault whose type is not the last
+    one's at once, a fault like the last at most once every ``every_s`` seconds, with how many
+    came since; so a fault that persists in a loop of 10 rounds a second is one line a minute,
+    not ten tracebacks a second. ``clock``: monotonic seconds. ``faults``: how many it has seen."""
 
-    def __init__(
-        self, log: logging.Logger, what: str, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.log, self.what, self.every_s, self.clock = log, what, every_s, clock
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_s, self.clock = every_s, clock
         self.faults = 0
         self._last: str | None = None
-        self._logged_at = 0.0
-        self._since = 0  # faults like the last not logged since the last line
+        self._reported_at = 0.0
+        self._since = 0  # faults like the last not reported since the last report
 
-    def __call__(self, e: BaseException) -> None:
+    def due(self, e: BaseException) -> int | None:
+        """``None`` when fault ``e`` is not to be reported now, else how many faults like it were
+        not reported since the last report (0 for a new kind of fault)."""
         self.faults += 1
         kind, now = type(e).__name__, self.clock()
-        if kind == self._last and now - self._logged_at < self.every_s:
+        if kind == self._last and now - self._reported_at < self.every_s:
             self._since += 1
-            return
-        since = f" ({self._since} more like it since the last report)" if kind == self._last and self._since else ""
-        self._last, self._logged_at, self._since = kind, now, 0
-        self.log.error("%s failed%s", self.what, since, exc_info=(type(e), e, e.__traceback__))
+            return None
+        since = self._since if kind == self._last else 0
+        self._last, self._reported_at, self._since = kind, now, 0
+        return since
+
+
+def since_text(n: int) -> str:
+    """What a report of a fault says of the ``n`` like it not reported (:meth:`Repeats.due`)."""
+    return f" ({n} more like it since the last report)" if n else ""
+
+
+class FaultLog:
+    """:func:`one_round`'s ``fault`` for a loop whose rounds come often: "<what> failed" logged at
+    error with its traceback when :class:`Repeats` says so. ``log``: the logger."""
+
+    def __init__(self, log: logging.Logger, what: str, repeats: Repeats | None = None) -> None:
+        self.log, self.what = log, what
+        self.repeats = repeats if repeats is not None else Repeats()
+
+    def __call__(self, e: BaseException) -> None:
+        since = self.repeats.due(e)
+        if since is not None:
+            self.log.error("%s failed%s", self.what, since_text(since), exc_info=(type(e), e, e.__traceback__))

@@ -576,18 +576,44 @@ def test_a_fault_that_persists_in_a_fast_loop_is_one_line_a_minute(caplog: pytes
     """The quota stage's undo rounds run every 0.1 s while a backlog waits: a fault that came back
     every round logged ten tracebacks a second. ``config.background.FaultLog`` logs a new kind of
     fault at once, the same one again once a minute with how many came between."""
-    from config.background import FaultLog
+    from config.background import FaultLog, Repeats
 
     now = [0.0]
-    faults = FaultLog(logging.getLogger("kvgate.quotas"), "undoing uncertain quota reservations", clock=lambda: now[0])
+    repeats = Repeats(clock=lambda: now[0])
+    faults = FaultLog(logging.getLogger("kvgate.quotas"), "undoing uncertain quota reservations", repeats)
     caplog.set_level(logging.INFO, "kvgate.quotas")
     for i in range(1201):  # two minutes of rounds, 0.1 s apart
         now[0] = i / 10
         faults(Panic("regex stack overflow") if i != 700 else OSError("disk"))
-    assert faults.faults == 1201
+    assert repeats.faults == 1201
     assert records(caplog, "kvgate.quotas") == [
         ("ERROR", "undoing uncertain quota reservations failed", "Panic"),
         ("ERROR", "undoing uncertain quota reservations failed (599 more like it since the last report)", "Panic"),
         ("ERROR", "undoing uncertain quota reservations failed", "OSError"),
         ("ERROR", "undoing uncertain quota reservations failed", "Panic"),  # at 70.1 s: the next, 130.1 s
+    ]
+
+
+def test_a_verifier_round_fault_that_persists_is_counted_each_time_and_logged_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The latency keeper saves every second: a save that panicked every round logged a traceback
+    a second. Each fault still counts in ``kvgate_verifier_job_faults_total``; the log says it
+    once a minute, with how many came since."""
+    from config.background import Repeats
+    from verifier.incidents import round_fault
+
+    now = [0.0]
+    repeats = Repeats(clock=lambda: now[0])
+    stats: collections.Counter = collections.Counter()
+    caplog.set_level(logging.INFO, "kvgate.verifier")
+    before = job_faults("latency")
+    for second in range(121):
+        now[0] = float(second)
+        round_fault("latency", Panic("regex stack overflow"), stats, repeats)
+    assert (job_faults("latency") - before, stats["job_faults"]) == (121.0, 121)
+    assert records(caplog, "kvgate.verifier") == [
+        ("ERROR", "verifier job fault (latency): Panic", "Panic"),
+        ("ERROR", "verifier job fault (latency): Panic (59 more like it since the last report)", "Panic"),
+        ("ERROR", "verifier job fault (latency): Panic (59 more like it since the last report)", "Panic"),
     ]

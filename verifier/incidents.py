@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter
 
+from config.background import Repeats, since_text
 from config.secrets import private_dir
 
 log = logging.getLogger("kvgate.verifier")
@@ -83,15 +84,25 @@ QUARANTINES = Counter(
 _ALLOWED_EVIDENCE = (int, float, bool, type(None))
 
 
-def round_fault(kind: str, e: BaseException, stats: Any = None) -> None:
+def round_fault(kind: str, e: BaseException, stats: Any = None, repeats: Repeats | None = None) -> None:
     """A round of a periodic task (``kind``: ``probe``, ``quarantine_refresh``, ``latency``) raised
     ``e``, a native library's panic (a ``BaseException``) included: counted
     (``kvgate_verifier_job_faults_total{kind}``, ``stats["job_faults"]`` when given) and logged with
-    its traceback, as the worker's job faults are; the task goes on with its next round."""
+    its traceback, as the worker's job faults are, or, given the task's ``repeats``, when they say
+    so (a fault that persists in a task of frequent rounds: once a minute, with a count); the task
+    goes on with its next round."""
     JOB_FAULTS.labels(kind).inc()
     if stats is not None:
         stats["job_faults"] += 1
-    log.error("verifier job fault (%s): %s", kind, type(e).__name__, exc_info=(type(e), e, e.__traceback__))
+    since = 0 if repeats is None else repeats.due(e)
+    if since is not None:
+        log.error(
+            "verifier job fault (%s): %s%s",
+            kind,
+            type(e).__name__,
+            since_text(since),
+            exc_info=(type(e), e, e.__traceback__),
+        )
 
 
 def _check_evidence(value: Any, path: str = "evidence") -> None:

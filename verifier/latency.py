@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 from ddsketch import DDSketch
 
-from config.background import one_round
+from config.background import Repeats, one_round
 from verifier.incidents import round_fault
 
 log = logging.getLogger("kvgate.verifier")
@@ -366,6 +366,8 @@ class LatencyKeeper:
         self.store = store
         self.lock = lock
         self.stats = stats
+        #: a fault that persists in the saves (every second) is logged once a minute
+        self._repeats = Repeats()
 
     def load(self) -> int:
         """Replay the stored samples into the model; returns how many. A store error is logged
@@ -404,5 +406,5 @@ class LatencyKeeper:
             await self._guarded(self.save)
 
     async def _guarded(self, fn: Callable[[], object]) -> None:
-        with one_round(lambda e: round_fault("latency", e, self.stats)):
+        with one_round(lambda e: round_fault("latency", e, self.stats, self._repeats)):
             await asyncio.to_thread(fn)

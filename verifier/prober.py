@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from config.background import one_round
+from config.background import Repeats, one_round
 from config.models import Settings, TenantConfig
 from verifier.canary import CanaryRegistry
 from verifier.findings import Evidence, incident
@@ -51,6 +51,8 @@ class PeriodicProbe:
         self.evidence = evidence
         self.lock = lock
         self.stats = stats
+        #: a fault that persists in the probe's rounds (an operator's interval) is logged once a minute
+        self._repeats = Repeats()
         self.tenant_id = settings.verifier.probe_tenant or "kvgate-probe"
         self.planted = planted or (lambda tenant: tenant == self.tenant_id)
 
@@ -59,9 +61,8 @@ class PeriodicProbe:
         interval = float(self.settings.verifier.probe_interval_seconds or 0)
         while True:
             await asyncio.sleep(interval)
-            with one_round(
-                lambda e: round_fault("probe", e, self.stats)
-            ):  # a native panic or its incident's store included
+            # a round's fault, a native panic or its incident's store included
+            with one_round(lambda e: round_fault("probe", e, self.stats, self._repeats)):
                 await self._round()
 
     async def _round(self) -> None:
