@@ -7,6 +7,7 @@ tenants hold becomes public.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import contextlib
 import hashlib
@@ -199,6 +200,31 @@ def test_the_worker_survives_a_real_panic_and_a_base_exception_and_records_the_n
     drain(gw, svc)
     (inc,) = [i for i in svc.incidents.recent if i.detector == "leak_index"]
     assert (inc.tenant, inc.evidence["source_tenant"], inc.confirmed) == ("p", "victim", True)
+
+
+@pytest.mark.timeout(60)
+def test_a_cancellederror_nobody_asked_for_fails_one_batch_not_the_worker(stack, monkeypatch):
+    """A ``CancelledError`` raised inside a check (a library's stray one, not the worker task's
+    cancel) ended the verifier's worker: every later sampled answer went unchecked, ``/readyz``
+    503. It is that batch's fault now (``kvgate_verifier_job_faults_total{kind="batch"}``) and the
+    worker goes on."""
+    st, svc, client, gw = stack
+    raw = bundled_encoding()
+
+    def encode(text: str) -> list[int]:
+        if text == "stray":
+            raise asyncio.CancelledError()
+        return raw.encode_ordinary(text)
+
+    monkeypatch.setattr(verifier.findings, "encode", encode)
+    faults = metric("kvgate_verifier_job_faults_total", kind="batch")
+    st.text = "stray"
+    assert ask(client, "p", "Say something.").status_code == 200
+    drain(gw, svc)
+    assert metric("kvgate_verifier_job_faults_total", kind="batch") == faults + 1
+    assert not svc.worker.done()
+    ready = client.get("/readyz")
+    assert (ready.status_code, ready.json()["checks"]) == (200, {"verifier_worker": True})
 
 
 @pytest.mark.timeout(60)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from redis.exceptions import NoScriptError
 
+from config.background import one_round
 from config.models import VerifierSettings
 from verifier.canary import CanaryRegistry, find_canaries
 from verifier.caps import TenantCaps
@@ -37,8 +38,10 @@ log = logging.getLogger("kvgate.verifier")
 
 __all__ = ["FATAL", "CheckJob", "IngestBudget", "IngestJob", "JobQueue", "PendingIndex"]
 
-#: what a job may raise that ends the worker (the process is stopping); any other
-#: ``BaseException`` (tiktoken's ``pyo3_runtime.PanicException`` is one) is that job's fault
+#: what a job raises in the worker thread that the thread passes on rather than recording as that
+#: job's fault (tiktoken's ``pyo3_runtime.PanicException`` is recorded); on the event loop the
+#: worker's batch then decides (:func:`config.background.one_round`): a stop ends the worker, a
+#: ``CancelledError`` nobody asked for is that batch's fault
 FATAL = (KeyboardInterrupt, SystemExit, asyncio.CancelledError)
 
 
@@ -455,8 +458,10 @@ class JobQueue:
 
     async def work(self) -> None:
         """The worker task: batches of up to 32 jobs in a thread. A job that raises anything but
-        :data:`FATAL` is recorded (:meth:`fault`) and the worker goes on; should the task end
-        anyway, :attr:`stopped` turns true (``/readyz`` fails, ``kvgate_verifier_worker_stops_total``)."""
+        :data:`FATAL` is recorded (:meth:`fault`, its kind); a batch that raises anything but a stop
+        (a ``CancelledError`` nobody asked for included) is recorded as kind ``batch``; the worker
+        goes on. Should the task end anyway, :attr:`stopped` turns true (``/readyz`` fails,
+        ``kvgate_verifier_worker_stops_total``)."""
         self.wake = wake = self.wake or asyncio.Event()
         self.stopped = False
         try:
@@ -466,14 +471,12 @@ class JobQueue:
                     await wake.wait()
                 self.stats["in_flight"] += 1
                 try:
-                    if not await self._lookup_then_check(32):
-                        # with awaited lookups, the thread takes one job (an ingest, a large check) and
-                        # hands the queue back, so the checks after it are looked up on the loop
-                        await asyncio.to_thread(self._run_some, 1 if self._lookups_on_loop() else 32)
-                except FATAL:
-                    raise
-                except BaseException as e:  # never let the worker die of a batch
-                    self.fault("batch", e)
+                    # never let the worker die of a batch (a panic, a CancelledError nobody asked for)
+                    with one_round(functools.partial(self.fault, "batch")):
+                        if not await self._lookup_then_check(32):
+                            # with awaited lookups, the thread takes one job (an ingest, a large check)
+                            # and hands the queue back, so the checks after it are looked up on the loop
+                            await asyncio.to_thread(self._run_some, 1 if self._lookups_on_loop() else 32)
                 finally:
                     self.stats["in_flight"] -= 1
         except asyncio.CancelledError:
