@@ -63,7 +63,7 @@ _ALWAYS = frozenset({"/health", "/livez", "/healthz", "/readyz", "/metrics"})
 @dataclasses.dataclass(frozen=True)
 class _StartStep:
     """A step of :meth:`Gateway.start` run beside the others: what it is, what follows when it
-    raises (the log line's end), and the ``/readyz`` check it fails until a restart (``None``:
+    raises (the log line's end), and the ``/readyz`` check it fails until it is mended (``None``:
     none; the step's own later rounds mend it)."""
 
     what: str
@@ -163,7 +163,7 @@ class Gateway:
         self.worker: int | None = None
         self.in_flight = 0
         self._idle = asyncio.Event()
-        #: named checks :meth:`start` failed (``/readyz`` 503 until a restart): ``warm_up``
+        #: named checks :meth:`start` failed (``/readyz`` 503 until a later try works): ``warm_up``
         self.start_faults: dict[str, str] = {}
         self._rewarm: asyncio.Task[None] | None = None
 
@@ -192,8 +192,8 @@ class Gateway:
         logged). The warm-up (each model's counter logs its own failure: that model's requests
         meet it) failing, the verifier's shingle encoder not built, means its checks would fault
         on every sampled response, as with a stopped worker: ``/readyz`` 503 with ``"checks":
-        {"warm_up": false}`` until a restart. A stop (:func:`config.background.stopping`) is
-        raised."""
+        {"warm_up": false}`` until a later try works (:meth:`_warm_up_again`). A stop
+        (:func:`config.background.stopping`) is raised."""
         g = self.settings.gateway
         offload.install(asyncio.get_running_loop(), g.offload_threads, g.offload_tenant_share, usable_cores())
         steps: list[tuple[_StartStep, Any]] = [
@@ -209,7 +209,7 @@ class Gateway:
         for (step, _), result in zip(steps, results, strict=True):
             if isinstance(result, BaseException):
                 self._start_fault(step, result)
-        if _WARM_UP.check in self.start_faults:
+        if "warm_up" in self.start_faults:
             self._rewarm = asyncio.create_task(self._warm_up_again())
         for u in self.upstreams.all:
             u.watcher.start()
@@ -255,20 +255,19 @@ class Gateway:
         (its other checks allowing) and it is logged. A try that fails is logged at warning, its
         traceback only when the fault is not the one before."""
         delay = WARM_UP_RETRY_FIRST_SECONDS
-        while _WARM_UP.check in self.start_faults:
+        while "warm_up" in self.start_faults:
             await asyncio.sleep(delay)
             delay = min(delay * 2, WARM_UP_RETRY_MAX_SECONDS)
             with one_round(partial(self._warm_up_failed_again, next_s=delay)):
                 await asyncio.to_thread(self._warm_up)
-                fault = self.start_faults.pop(_WARM_UP.check, None)
+                fault = self.start_faults.pop("warm_up", None)
                 log.warning("warm-up succeeded on a later try (it failed with %s); /readyz passes again", fault)
 
     def _warm_up_failed_again(self, e: BaseException, *, next_s: float) -> None:
         """A later try of the warm-up raised ``e``: ``/readyz`` keeps failing, naming it; the next
         try comes in ``next_s`` seconds."""
-        check = _WARM_UP.check or "warm_up"
-        same = self.start_faults.get(check) == type(e).__name__
-        self.start_faults[check] = type(e).__name__
+        same = self.start_faults.get("warm_up") == type(e).__name__
+        self.start_faults["warm_up"] = type(e).__name__
         log.warning(
             "warm-up failed again (%s); /readyz keeps failing, next try in %g s",
             type(e).__name__,
