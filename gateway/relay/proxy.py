@@ -23,12 +23,13 @@ logs. The transport (ASGI messages, client disconnect, the status) is
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -88,7 +89,8 @@ class RelayOutcome:
     ``overhead_seconds`` (time spent in the gateway: arrival to forwarding, plus a whole answer's
     post-processing) and, once it ends, ``produced``. The response shell sets ``status`` (the
     HTTP status the client got; 499: it went away), ``error_code`` (the code of the error it
-    answered or ended the stream with) and ``disconnected``."""
+    answered or ended the stream with) and ``disconnected``. ``client``: the server's record of
+    the client's request (:func:`client_of`), or ``None``."""
 
     admitted: Admitted
     upstream: Upstream | None = None
@@ -98,6 +100,22 @@ class RelayOutcome:
     status: int = 0
     error_code: str | None = None
     disconnected: bool = False
+    client: Any = None
+
+
+def client_of(receive: Any) -> Any:
+    """The server's record of a request, whose ``disconnected`` is true once its client has gone,
+    from the request's ASGI ``receive``: under uvicorn (its own protocols, and the server layer
+    of :mod:`gateway.edge.protocol`) ``receive`` is a method of the request's cycle, whose
+    ``connection_lost`` sets the flag. ``None`` under a server that gives no such record (the
+    relay then learns of a disconnect from the response shell alone)."""
+    return getattr(receive, "__self__", None)
+
+
+class ClientLeftBeforeSend(asyncio.CancelledError):
+    """The client was gone before its request was sent upstream (:func:`open_upstream`): the
+    relay ends as the response shell's disconnect watcher would have ended it, by cancellation
+    with ``outcome.disconnected`` set (499), nothing forwarded (settled 0)."""
 
 
 def event_too_large(outcome: RelayOutcome, e: SSEEventTooLarge) -> OpenAIError:
@@ -229,8 +247,15 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
     ``outcome.upstream`` (whose ``in_flight`` stays counted until :func:`relay` ends) and
     ``forwarded`` (as soon as the request was written to an engine's connection, before its answer:
     an engine that then times out or breaks, or a client that leaves, does not undo it). Raises
-    :class:`OpenAIError` 503/504 (no upstream took it) or 502."""
+    :class:`OpenAIError` 503/504 (no upstream took it) or 502, or :class:`ClientLeftBeforeSend`
+    when the server already knows the client is gone: it may have left while admission awaited
+    the quota store, and the response shell's watcher, which has not run yet, would learn it
+    only after a pooled connection had taken the request without a loop turn."""
     a = outcome.admitted
+    if getattr(outcome.client, "disconnected", False):
+        outcome.disconnected = True
+        outcome.overhead_seconds = time.perf_counter() - a.arrival.t_perf
+        raise ClientLeftBeforeSend()
     last: ConnectFailed | None = None
 
     def on_sent() -> None:  # the request is on its way to an engine: from now on it is charged

@@ -30,7 +30,7 @@ from gateway.admission.route import ApiRoute, Route
 from gateway.ops import access_log as glog
 from gateway.ops.log_param import loggable_param
 from gateway.relay.finish import FinishContext, finish
-from gateway.relay.proxy import RelayContext, RelayOutcome, relay
+from gateway.relay.proxy import RelayContext, RelayOutcome, client_of, relay
 from gateway.relay.response import RelayResponse
 
 
@@ -110,6 +110,41 @@ def refusal(gw: HandlerContext, err: OpenAIError, arrival: Arrival[Route], tenan
     return Response(err.body_bytes(), status_code=err.status, media_type="application/json", headers=headers)
 
 
+def client_gone(gw: HandlerContext, arrival: Arrival[Route], tenant: str) -> Response:
+    """The 499 of a request whose client left before its body was all read (``ClientGone``; also
+    one whose body was too slow, which the server layer answered 408 and closed, so the app saw
+    the same disconnect): nobody reads it, but it is counted as the relay counts a client that
+    left during its answer (``kvgate_requests_total`` status 499 under ``tenant``, ``"-"`` when
+    unknown, and its route; ``kvgate_client_disconnects_total``; the overhead) and access-logged
+    with ``client_disconnected``."""
+    route = arrival.route
+    overhead = time.perf_counter() - arrival.t_perf
+    m = gw.metrics
+    m.requests.labels(tenant, route, "499").inc()
+    m.client_disconnects.labels(route).inc()
+    m.overhead.labels(route).observe(overhead)
+    glog.access(
+        {
+            "request_id": arrival.request_id,
+            "tenant": tenant,
+            "route": route,
+            "status": 499,
+            "client_disconnected": True,
+            "overhead_ms": round(overhead * 1000, 3),
+        }
+    )
+    return Response(status_code=499)
+
+
+def _tenant_id(gw: HandlerContext, request: Request) -> str:
+    """The id of the tenant whose key ``request`` carries (authenticated again: admission does not
+    hand it back when the client leaves), ``"-"`` when none does (now)."""
+    try:
+        return authenticate_request(gw, request).id
+    except Refused:
+        return "-"
+
+
 async def prologue(
     gw: HandlerContext, request: Request, route: R, step: Callable[[Arrival[R]], Awaitable[T]]
 ) -> tuple[Arrival[R], T] | Response:
@@ -118,25 +153,24 @@ async def prologue(
     on it, which authenticates first (:func:`~gateway.admission.admit.authenticate_request`;
     :func:`~gateway.admission.admit.begin_request` for a route that reads a body; the whole of
     :func:`~gateway.admission.admit.admit` for a forwarded one). Returns ``(arrival, what step
-    returned)``, or the :func:`refusal` answering the :class:`Refused` it raised; ``ClientGone``
-    passes."""
+    returned)``, or the :func:`refusal` answering the :class:`Refused` it raised, or the
+    :func:`client_gone` 499 of a ``ClientGone`` (the client left while its body arrived)."""
     arrival = Arrival(request_id_of(request.headers.get("x-request-id")), route, time.perf_counter())
     try:
         return arrival, await step(arrival)
     except Refused as r:
         return refusal(gw, r.error, arrival, r.tenant_id)
+    except ClientGone:
+        return client_gone(gw, arrival, _tenant_id(gw, request))
 
 
 async def handle_completion(gw: HandlerContext, request: Request, route: ApiRoute) -> Response:
     """``POST`` to an admitted and forwarded route (:data:`gateway.routes.API_ROUTES`: chat,
     completions, Responses, embeddings)."""
-    try:
-        opened = await prologue(gw, request, route, lambda arrival: admit(gw, request, arrival))
-    except ClientGone:
-        return Response(status_code=499)
+    opened = await prologue(gw, request, route, lambda arrival: admit(gw, request, arrival))
     if isinstance(opened, Response):
         return opened
-    outcome = RelayOutcome(opened[1])
+    outcome = RelayOutcome(opened[1], client=client_of(request.receive))
     return RelayResponse(relay(gw, outcome), outcome, on_close=lambda: finish(gw, outcome))
 
 

@@ -25,7 +25,7 @@ from gateway.admission.registry import ModelEntry
 from gateway.admission.route import RouteBase, check_task
 from gateway.ops import access_log as glog
 from gateway.quotas.stage import QuotaLease
-from gateway.routes.handlers import HandlerContext, prologue, refusal
+from gateway.routes.handlers import HandlerContext, client_gone, prologue, refusal
 from tokenizer import TokenizerError
 
 
@@ -82,7 +82,7 @@ async def handle_tokenize(gw: HandlerContext, request: Request, route: TokenRout
     except OpenAIError as e:
         return refusal(gw, e, arrival, tenant.id)
     except ClientGone:
-        return Response(status_code=499)
+        return client_gone(gw, arrival, tenant.id)
     finally:
         await gw.quotas.settle(lease, charged)
     rid = arrival.request_id

@@ -1,0 +1,129 @@
+"""A client that leaves before its request is sent upstream is counted and logged, and charged
+nothing: one that leaves while its body arrives (admission's ``ClientGone``, chat and
+``/tokenize``) gets status 499 in ``kvgate_requests_total``, a client disconnect and one
+``kvgate.access`` line with ``client_disconnected``; one that leaves while admission waits on
+the quota store is not forwarded, even when a pooled upstream connection is idle (docs/quotas.md:
+"the client left while the gateway was still connecting" is charged 0). Served by the gateway's
+own server layer, as ``kvgate serve`` serves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+
+from tests.gateway_harness import KEY_A, Gateway, chat, settings_for, tenants, upstream, wait_for
+from tests.test_gateway_pipeline import LedgerQuotas, access  # noqa: F401  (the access fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class SlowReserveQuotas(LedgerQuotas):
+    """:class:`LedgerQuotas` whose token reservation (admission's second quota round trip, after
+    the body is read) takes ``delay`` seconds for the request ids in ``slow``."""
+
+    def __init__(self, slow: set[str], delay: float = 0.5) -> None:
+        super().__init__()
+        self.slow, self.delay = slow, delay
+
+    async def reserve_tokens(self, tenant, lease, tokens, *, also=None):
+        if lease.request_id in self.slow:
+            await asyncio.sleep(self.delay)
+        await super().reserve_tokens(tenant, lease, tokens, also=also)
+
+
+def _send_and_leave(g: Gateway, path: str, rid: str, body: bytes, declared: int, linger: float) -> None:
+    """Write a request whose ``Content-Length`` is ``declared`` and ``body`` (all or part of it),
+    wait ``linger`` seconds, then close the connection without reading an answer."""
+    host, port = g.url.removeprefix("http://").split(":")
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {KEY_A}\r\n"
+        f"content-type: application/json\r\nx-request-id: {rid}\r\ncontent-length: {declared}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(head.encode() + body)
+        time.sleep(linger)
+
+
+def _metric(g: Gateway, line_start: str) -> list[str]:
+    with g.client() as c:
+        text = c.get("/metrics").text
+    return [line for line in text.splitlines() if line.startswith(line_start)]
+
+
+def _gone_line(rid: str, route: str) -> dict:
+    return {"request_id": rid, "tenant": "tenant-a", "route": route, "status": 499, "client_disconnected": True}
+
+
+@pytest.mark.parametrize(("path", "route"), [("/v1/chat/completions", "chat"), ("/tokenize", "tokenize")])
+def test_client_leaving_during_the_body_is_counted_and_logged(engine, access, path, route):  # noqa: F811
+    """Before the fix the handler answered a bare 499: the lease was settled 0, but no status
+    499, no client disconnect, no access line."""
+    q = LedgerQuotas()
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q, edge=True).start()
+    try:
+        body = json.dumps(chat(max_tokens=5)).encode()
+        _send_and_leave(g, path, "half", body[:10], len(body), 0.1)
+        assert wait_for(lambda: len(access("half")) == 1, 3)
+        requests = _metric(g, "kvgate_requests_total{")
+        disconnects = _metric(g, "kvgate_client_disconnects_total{")
+    finally:
+        g.stop()
+    assert q.settled == {"half": [0]}  # the RPM entry is spent (begun), no token charged
+    assert q.reserved == {}
+    assert engine.state.requests == []
+    assert requests == [f'kvgate_requests_total{{route="{route}",status="499",tenant="tenant-a"}} 1.0']
+    assert disconnects == [f'kvgate_client_disconnects_total{{route="{route}"}} 1.0']
+    line = access("half")[0]
+    assert line.pop("overhead_ms") >= 0
+    assert line == _gone_line("half", route)
+
+
+@pytest.mark.parametrize("edge", [True, False], ids=["edge", "uvicorn"])
+def test_client_leaving_during_admission_is_not_forwarded_on_a_warm_pool(engine, access, edge):  # noqa: F811
+    """The client sends its whole request, then leaves while admission waits 0.5 s on the quota
+    store. Before the fix the relay took an idle pooled connection without a loop turn, sent the
+    request (the engine got it: prefill for nobody) and the settle charged the prompt (11); on a
+    cold pool the same request was settled 0. Now it is never sent, whatever the pool holds
+    (served by the gateway's server layer, and by uvicorn's own protocol)."""
+    q = SlowReserveQuotas({"left"})
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q, edge=edge).start()
+    try:
+        with g.client() as c:  # warm the pool: one connection to the engine stays idle in it
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5), headers={"x-request-id": "warm"})
+            assert r.status_code == 200
+        assert wait_for(lambda: len(access("warm")) == 1, 3)
+        body = json.dumps(chat(max_tokens=5)).encode()
+        _send_and_leave(g, "/v1/chat/completions", "left", body, len(body), 0.1)
+        assert wait_for(lambda: len(access("left")) == 1, 3)
+        time.sleep(0.2)  # anything sent late would reach the engine by now
+        requests = _metric(g, "kvgate_requests_total{")
+        disconnects = _metric(g, "kvgate_client_disconnects_total{")
+        in_flight = [u.in_flight for u in g.gw.upstreams.all]
+    finally:
+        g.stop()
+    assert [r["headers"]["x-request-id"] for r in engine.state.requests] == ["warm"]  # "left" never sent
+    assert q.settled == {"warm": [11 + 4], "left": [0]}  # the engine reports 4 completion tokens
+    assert q.reserved == {"warm": 11 + 5, "left": 11 + 5}
+    assert in_flight == [0]
+    assert sorted(requests) == [
+        'kvgate_requests_total{route="chat",status="200",tenant="tenant-a"} 1.0',
+        'kvgate_requests_total{route="chat",status="499",tenant="tenant-a"} 1.0',
+    ]
+    assert disconnects == ['kvgate_client_disconnects_total{route="chat"} 1.0']
+    line = access("left")[0]
+    assert line.pop("overhead_ms") >= 0 and line.pop("total_ms") >= 0 and line.pop("limit_tokens") > 0
+    assert line == {
+        **_gone_line("left", "chat"),
+        "model": "kvgate-tiny",
+        "upstream": None,
+        "stream": False,
+        "prompt_tokens": 11,
+        "max_tokens": 5,
+        "completion_tokens": None,
+        "finish_reason": None,
+        "ttft_ms": None,
+    }
