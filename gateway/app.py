@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import orjson
@@ -47,6 +47,7 @@ from gateway.ops.metrics import GatewayMetrics
 from gateway.ops.pool_watcher import PoolWatcher
 from gateway.ops.tenants import TenantRegistry
 from gateway.quotas.stage import NullQuotas, QuotaStage
+from gateway.relay.response import SHUTDOWN_CUT
 from gateway.relay.upstream_client import UpstreamClient
 from gateway.relay.upstreams import UpstreamSet, make_upstream
 from gateway.routes import API_ROUTES, TOKEN_ROUTES
@@ -116,7 +117,8 @@ def _upstreams(settings: Settings, client: httpx.AsyncClient, metrics: GatewayMe
 class Gateway:
     """Everything one gateway app shares across requests: settings, tenants, models, upstreams
     with their pool watchers, the pooled HTTP client, metrics, the stages, the secrets, and the
-    drain state (``draining``; ``in_flight`` HTTP requests)."""
+    drain state (``draining``; ``in_flight`` HTTP requests, each with its task and ASGI scope,
+    which :meth:`cut_in_flight` ends when the drain times out)."""
 
     def __init__(
         self,
@@ -163,6 +165,8 @@ class Gateway:
         self.worker: int | None = None
         self.in_flight = 0
         self._idle = asyncio.Event()
+        #: the HTTP requests in flight: each one's task and its ASGI scope (:class:`DrainMiddleware`)
+        self.requests: dict[asyncio.Task[Any], dict[str, Any]] = {}
         #: named checks :meth:`start` failed (``/readyz`` 503 until a later try works): ``warm_up``
         self.start_faults: dict[str, str] = {}
         self._rewarm: asyncio.Task[None] | None = None
@@ -314,6 +318,40 @@ class Gateway:
         except TimeoutError:
             return self.in_flight == 0
 
+    def cut_in_flight(self) -> int:
+        """End every request in flight (the drain timed out): mark its scope
+        (:data:`gateway.relay.response.SHUTDOWN_CUT`) and cancel its task. A relay then ends its
+        stream with a ``server_shutting_down`` error event (or answers 503 when nothing was sent)
+        and settles as usual; any other request answers 503 (:class:`DrainMiddleware`). Returns
+        how many were cut. A relay already finishing (its scope holds the key) is left to settle."""
+        cut = [(task, scope) for task, scope in self.requests.items() if SHUTDOWN_CUT not in scope]
+        for task, scope in cut:
+            scope[SHUTDOWN_CUT] = True
+            task.cancel()
+        return len(cut)
+
+
+async def _refuse_draining(send: Any) -> None:
+    """Answer 503 ``server_shutting_down`` (the connection then closes)."""
+    body = openai_error_bytes(
+        "The gateway is shutting down; retry on another replica.",
+        status=503,
+        code=ErrorCode.SERVER_SHUTTING_DOWN,
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"connection", b"close"),
+                (b"retry-after", b"1"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
 
 class DrainMiddleware:
     """Pure ASGI middleware: counts HTTP requests in flight (until their response is fully sent,
@@ -330,33 +368,25 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if gw.draining and scope["path"] not in _ALWAYS:
-            body = openai_error_bytes(
-                "The gateway is shutting down; retry on another replica.",
-                status=503,
-                code=ErrorCode.SERVER_SHUTTING_DOWN,
-            )
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 503,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"connection", b"close"),
-                        (b"retry-after", b"1"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
+            await _refuse_draining(send)
             gw.metrics.rejections.labels(ErrorCode.SERVER_SHUTTING_DOWN).inc()
             return
         counted = scope["path"] not in _ALWAYS  # the gauge: requests served, not probes or scrapes
         gw.in_flight += 1
         if counted:
             gw.metrics.in_flight.inc()
+        task = cast("asyncio.Task[Any]", asyncio.current_task())  # a request always runs in a task
+        gw.requests[task] = scope
         try:
             await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not scope.get(SHUTDOWN_CUT):
+                raise
+            task.uncancel()  # cut by the drain's end before anything answered it (a relay answers itself)
+            with contextlib.suppress(Exception):  # a response already started: the connection closes
+                await _refuse_draining(send)
         finally:
+            del gw.requests[task]
             gw.in_flight -= 1
             if counted:
                 gw.metrics.in_flight.dec()

@@ -4,7 +4,12 @@ drains in-flight requests before exit").
 On the first SIGTERM or SIGINT the gateway starts draining: requests in flight run to their end
 (streams included), new API requests get 503 ``server_shutting_down`` (``/readyz`` turns 503 so a
 load balancer stops sending), and once nothing is in flight, or after ``drain_timeout_seconds``,
-uvicorn stops. A second signal stops at once.
+uvicorn stops. A request still in flight then is ended by the gateway
+(:meth:`gateway.app.Gateway.cut_in_flight`: a stream gets a ``server_shutting_down`` error event
+and its end, a request nothing was sent for a 503), settled and logged, within
+:data:`CUT_GRACE_SECONDS`; uvicorn then waits at most :data:`GRACEFUL_SHUTDOWN_SECONDS` more. So
+the process exits about ``drain_timeout_seconds`` + 1.5 s after the signal at the most (plus the
+app's own shutdown). A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from typing import Any
 import uvicorn
 
 log = logging.getLogger("kvgate.server")
+
+#: seconds the requests cut at the drain's end have to write their last bytes, settle and log
+CUT_GRACE_SECONDS = 0.5
+#: uvicorn's own wait for connections and tasks once it stops (the drain already waited)
+GRACEFUL_SHUTDOWN_SECONDS = 1.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -49,8 +59,13 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
-        idle = await self.gateway.wait_idle(self.drain_timeout_seconds)
-        log.info("drained" if idle else "drain timed out; stopping with requests in flight")
+        if await self.gateway.wait_idle(self.drain_timeout_seconds):
+            log.info("drained")
+        else:
+            n = self.gateway.cut_in_flight()
+            log.warning("drain timed out; ending %d request(s) in flight with server_shutting_down", n)
+            if not await self.gateway.wait_idle(CUT_GRACE_SECONDS):
+                log.warning("%d request(s) still in flight; stopping", self.gateway.in_flight)
         self.should_exit = True
 
 
@@ -132,8 +147,9 @@ def run_server(
         log_level=log_level,
         access_log=False,
         log_config=None,
-        # uvicorn annotates int but only hands it to asyncio.wait_for, which takes float seconds
-        timeout_graceful_shutdown=max(drain_timeout_seconds, 1.0),  # type: ignore[arg-type]
+        # the drain (DrainingServer) waited for the requests in flight and ended the rest; uvicorn
+        # annotates int but only hands it to asyncio.timeout, which takes float seconds
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,  # type: ignore[arg-type]
         lifespan="on",
         server_header=False,
         # nothing reads the client's address from the scope, so uvicorn's X-Forwarded-For

@@ -8,7 +8,10 @@ raised before the response started is answered as an OpenAI-shaped JSON error wi
 stream with an error event and ``data: [DONE]`` (``/v1/responses``: the Responses ``error``
 event, :func:`gateway.relay.proxy.stream_error_tail`). Any other exception is a 500 in the same shape
 (it names no internals). A client disconnect before the end cancels the relay (status 499),
-which closes the upstream request. However it ends, the iterator is closed and ``on_close``
+which closes the upstream request. A request the drain's end cuts (:data:`SHUTDOWN_CUT`,
+:meth:`gateway.app.Gateway.cut_in_flight`) is ended the same way, then answered as an
+:class:`OpenAIError` ``server_shutting_down`` (an error event when the stream has started, else
+a 503). However it ends, the iterator is closed and ``on_close``
 (:func:`gateway.relay.finish.finish`) runs exactly once: also when the request's task is
 cancelled while the iterator closes (the relay's ``finally`` awaits the upstream response's
 close), as the server does when it stops; the cancellation is raised once ``on_close`` is done.
@@ -30,6 +33,10 @@ from gateway.relay.stream import Chunk
 from verifier.engine_response import strict_view
 
 log = logging.getLogger("kvgate.proxy")
+
+#: the ASGI scope key :meth:`gateway.app.Gateway.cut_in_flight` sets (``True``) on a request it
+#: cuts when the drain times out; a relay that is already finishing sets it ``False`` (not cut)
+SHUTDOWN_CUT = "kvgate.shutdown_cut"
 
 _SSE = b"text/event-stream; charset=utf-8"
 _JSON = b"application/json"
@@ -76,20 +83,47 @@ class RelayResponse(Response):
                 )
                 await self._send_error(send, err)
         except asyncio.CancelledError:
-            if not o.disconnected or task is None:
+            cut = not o.disconnected and scope.get(SHUTDOWN_CUT) is True
+            if task is None or not (o.disconnected or cut):
                 raise
             task.uncancel()
-            left = True
+            left = not cut
+            if cut:
+                await self._send_cut(send)
         finally:
+            scope.setdefault(SHUTDOWN_CUT, False)  # finishing: the drain's end leaves it to settle
             o.status = 499 if left else self._status
             self._finished = True
             watcher.cancel()
             try:
-                await self.body_iterator.aclose()
-            except Exception:
-                log.exception("closing the relay failed")
+                await self._close_relay()
             finally:  # also when cancelled while the relay closes (the server stopping): settle it
                 await self.on_close()
+
+    async def _close_relay(self) -> None:
+        """Close the relay's iterator (the upstream response with it); a failure is logged."""
+        try:
+            await self.body_iterator.aclose()
+        except Exception:
+            log.exception("closing the relay failed")
+
+    async def _send_cut(self, send: Any) -> None:
+        """End a request the drain's end cut (:data:`SHUTDOWN_CUT`): close the relay (the upstream
+        request is cancelled, ``outcome.produced`` set), then a ``server_shutting_down`` error event
+        and the stream's end, or the 503 answer when nothing was sent yet."""
+        await self._close_relay()
+        log.info(
+            "request %s ended: the gateway is shutting down (drain timed out)",
+            self.outcome.admitted.arrival.request_id,
+        )
+        if self._finished:
+            return  # its last bytes were written: nothing left to tell
+        err = OpenAIError(
+            503,
+            "The gateway is shutting down; the request was ended. Retry on another replica.",
+            code=ErrorCode.SERVER_SHUTTING_DOWN,
+        )
+        await self._send_error(send, err)
 
     async def _watch(self, receive: Any, task: asyncio.Task | None) -> None:
         while True:
