@@ -253,7 +253,7 @@ class GatewaySettings(_Strict):
     each 504 ``upstream_timeout`` beyond it, or a stream's error tail once the stream has started.
 
     Client side (:mod:`gateway.edge.protocol`; docs/gateway.md, "Edge limits"): ``max_inbound_connections``
-    client connections per process (``max_connections`` sizes the upstream pool; ``upstream_client``
+    client connections per process (``max_connections`` sizes each upstream's connection pool; ``upstream_client``
     picks its transport, ``h1`` or ``aiohttp``: :mod:`gateway.relay.upstream_client`),
     ``max_connections_per_client`` of them per client address (``None``: an eighth of the total),
     ``max_pipelined_requests`` queued on one connection, ``max_body_chunks`` /

@@ -1,7 +1,8 @@
 """The forward path's transport over aiohttp's ``ClientSession`` (``gateway.upstream_client:
 aiohttp``; the default is :mod:`gateway.relay.h1_transport`). It keeps the semantics of
-:class:`gateway.relay.upstream_base.Transport`: ``on_sent``, one pool of ``max_connections``
-kept :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`, the two timeouts, raw bodies (no
+:class:`gateway.relay.upstream_base.Transport`: ``on_sent``, pools of ``max_connections`` per
+upstream (host and port: aiohttp's ``limit_per_host``; no bound across them) kept
+:data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`, the two timeouts, raw bodies (no
 decompression: the proxy asks for ``identity``; chunked framing removed), no header added but
 ``Host``, ``Content-Length`` and aiohttp's own ``Accept``; every aiohttp failure mapped onto the
 exception tree (:func:`as_upstream_error`).
@@ -128,8 +129,8 @@ class AiohttpTransport(PooledTransport):
 
     def _open(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
-            limit=self.max_connections,
-            limit_per_host=0,
+            limit=0,  # no bound across upstreams: a hung one must not make the others wait
+            limit_per_host=self.max_connections,
             keepalive_timeout=KEEPALIVE_SECONDS,
             ttl_dns_cache=10,
             enable_cleanup_closed=False,

@@ -75,7 +75,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
-        #: holds one of the pool's ``max_connections`` slots (given back once: :meth:`H1Transport._free`)
+        #: holds one of its origin's ``max_connections`` slots (given back once: :meth:`H1Transport._free`)
         self.counted = True
         self.idle_since = 0.0
         self.response: H1Response | None = None
@@ -367,8 +367,30 @@ class H1Response:
             )
 
 
+class _OriginPool:
+    """One origin's share of the transport: its idle connections (most recently freed last), the
+    connections open or connecting (idle ones included) and the requests waiting for one."""
+
+    __slots__ = ("idle", "open", "waiters")
+
+    def __init__(self) -> None:
+        self.idle: list[_Connection] = []
+        self.open = 0
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    def wake_one(self) -> None:
+        while self.waiters:
+            w = self.waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+
 class H1Transport(PooledTransport):
-    """A pool of at most ``max_connections`` connections (all origins together), each kept
+    """Pools of at most ``max_connections`` connections per origin (scheme, host, port: one per
+    upstream), so an engine that holds all of its connections (hung, or slow) never makes a request
+    to another one wait; across origins, an idle connection is closed to make room while the
+    transport holds ``max_connections`` or more in all. Each idle connection is kept
     :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS` when idle; the timeouts as
     :class:`~gateway.relay.upstream_base.PooledTransport` says (``connect_timeout`` covers the TLS
     handshake too). ``ssl_context``: for ``https`` upstreams (default: the system's trust store,
@@ -390,9 +412,9 @@ class H1Transport(PooledTransport):
             exchange_timeout=exchange_timeout,
         )
         self._ssl = ssl_context
-        self._idle: dict[Origin, list[_Connection]] = {}
-        self._open = 0  # connections open or connecting, idle ones included
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._pools: dict[Origin, _OriginPool] = {}
+        self._idle: dict[Origin, list[_Connection]] = {}  # each origin's pool's idle list, the same list
+        self._open = 0  # connections open or connecting, all origins together, idle ones included
         self._closing = False
 
     async def send(
@@ -416,50 +438,59 @@ class H1Transport(PooledTransport):
             raise
 
     async def _acquire(self, origin: Origin) -> _Connection:
-        """A kept connection to ``origin``, or a new one when the pool has room (an idle one to
-        another origin is closed to make it), or the next one freed within ``connect_timeout``."""
+        """A kept connection to ``origin``, or a new one while ``origin`` holds fewer than
+        ``max_connections`` (an idle one to another origin is closed first while the transport
+        holds ``max_connections`` in all), or the next one to ``origin`` freed within
+        ``connect_timeout``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.connect_timeout
+        pool = self._pools.get(origin)
+        if pool is None:
+            pool = self._pools[origin] = _OriginPool()
+            self._idle[origin] = pool.idle
         while True:
-            idle = self._idle.get(origin)
+            idle = pool.idle
             while idle:
                 conn = idle.pop()
                 if conn.open and loop.time() - conn.idle_since < KEEPALIVE_SECONDS:
                     return conn
                 conn.close()  # stale
                 self._free(conn)
-            if self._open >= self.max_connections:
-                self._close_an_idle_connection()
-            if self._open < self.max_connections:
-                return await self._connect(origin, deadline)
+            if pool.open < self.max_connections:
+                if self._open >= self.max_connections:
+                    self._close_an_idle_connection()
+                return await self._connect(origin, pool, deadline)
             waiter = loop.create_future()
-            self._waiters.append(waiter)
+            pool.waiters.append(waiter)
             try:
                 async with asyncio.timeout_at(deadline):
                     await waiter
             except BaseException as e:
                 if waiter.done() and not waiter.cancelled():
-                    self._wake_one()  # woken in the same turn it gave up: the freed connection goes to the next one
+                    pool.wake_one()  # woken in the same turn it gave up: the freed connection goes to the next one
                 if isinstance(e, TimeoutError):
                     raise ConnectTimeout(
-                        f"ConnectTimeout: no free connection within {self.connect_timeout:g}s"
+                        f"ConnectTimeout: no free connection to {origin[1]}:{origin[2]} "
+                        f"within {self.connect_timeout:g}s"
                     ) from None
                 raise
             finally:
                 with contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
+                    pool.waiters.remove(waiter)
 
     def _close_an_idle_connection(self) -> None:
-        for conns in self._idle.values():
-            while conns:
-                conn = conns.pop(0)
+        """Close the longest-idle connection of the first origin that has one (none: nothing)."""
+        for idle in self._idle.values():
+            if idle:
+                conn = idle.pop(0)
                 conn.close()
                 self._free(conn)
                 return
 
-    async def _connect(self, origin: Origin, deadline: float) -> _Connection:
+    async def _connect(self, origin: Origin, pool: _OriginPool, deadline: float) -> _Connection:
         scheme, host, port = origin
         self._open += 1
+        pool.open += 1
         conn = _Connection(self, origin)
         ctx = None
         if scheme == "https":
@@ -487,34 +518,28 @@ class H1Transport(PooledTransport):
             conn.close()
             return
         conn.idle_since = conn.loop.time()
-        self._idle.setdefault(conn.origin, []).append(conn)
-        self._wake_one()
+        pool = self._pools[conn.origin]
+        pool.idle.append(conn)
+        pool.wake_one()
 
     def _free(self, conn: _Connection) -> None:
-        """``conn`` is closed or closing: out of the idle list, its slot given back (once)."""
-        idle = self._idle.get(conn.origin)
-        if idle and conn in idle:
-            idle.remove(conn)
+        """``conn`` is closed or closing: out of its origin's idle list, its slot given back (once)."""
+        pool = self._pools[conn.origin]
+        if conn in pool.idle:
+            pool.idle.remove(conn)
         if conn.counted:
             conn.counted = False
             self._open -= 1
-            self._wake_one()
-
-    def _wake_one(self) -> None:
-        while self._waiters:
-            w = self._waiters.popleft()
-            if not w.done():
-                w.set_result(None)
-                return
+            pool.open -= 1
+            pool.wake_one()
 
     async def aclose(self) -> None:
         """Close every idle connection; a busy one closes when its response is done with."""
         self._closing = True
-        for conns in list(self._idle.values()):
-            for conn in list(conns):
+        for idle in self._idle.values():
+            for conn in list(idle):
                 conn.close()
                 self._free(conn)
-        self._idle.clear()
         await asyncio.sleep(0)
 
 

@@ -266,6 +266,7 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
         try:
             resp = await _send(ctx, u, a, on_sent)
         except ConnectFailed as e:
+            u.connect_failed()  # to the back of the order for a while (gateway.relay.upstreams)
             ctx.metrics.upstream_errors.labels(u.name, "connect").inc()
             log.warning(
                 "upstream %s: connect failed (%s), trying the next",
@@ -277,7 +278,10 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
             continue
         except UpstreamError as e:
             outcome.upstream = u
+            u.connected()
             raise _transport_error(ctx, outcome, e, "answer") from None
+        if u.connect_failures:
+            u.connected()
         outcome.upstream = u
         outcome.forwarded = True
         return resp, t_forward

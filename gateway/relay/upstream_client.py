@@ -15,8 +15,9 @@ What every transport does:
 - ``on_sent()`` is called once the request's headers are written to an engine's connection,
   never when connecting fails: from then on the engine may be working on the request, so the
   quota settle charges its prompt (:mod:`gateway.relay.finish`);
-- one pool of ``max_connections`` connections, an idle one kept
-  :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`;
+- a pool of ``max_connections`` connections per upstream origin (scheme, host, port), an idle
+  one kept :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`: an engine that holds all of
+  its connections (hung, or slow) never makes a request to another engine wait;
 - timeouts: ``connect_timeout`` for the TCP (and TLS) connect and the wait for a pooled
   connection, ``read_timeout`` between two reads of the response (headers or body), as
   httpx's ``read``, and ``exchange_timeout`` (``None``: none) for the whole exchange, from the
@@ -159,8 +160,8 @@ class MockTransport:
 class UpstreamClient:
     """The forward path's client: :meth:`send` through ``transport``, or else the transport named
     ``kind`` (:func:`transport_class`; default :attr:`default_kind`) built from
-    ``connect_timeout``/``read_timeout`` (seconds) and ``max_connections`` (all three then
-    required), and ``exchange_timeout`` (seconds; ``None``: unbounded). Create and use it inside
+    ``connect_timeout``/``read_timeout`` (seconds) and ``max_connections`` (per upstream origin;
+    all three then required), and ``exchange_timeout`` (seconds; ``None``: unbounded). Create and use it inside
     the event loop it will run on; :meth:`aclose` at shutdown."""
 
     #: the transport built when none is given and no ``kind`` is named
