@@ -78,6 +78,41 @@ def _serve(tmp_path, engine: MockEngine, *, drain_timeout_seconds: float) -> tup
     return proc, f"http://127.0.0.1:{port}", ten
 
 
+def _ready_client(proc: subprocess.Popen, url: str) -> httpx.Client:
+    """A client of the served gateway, once its ``/readyz`` answers 200 (the process still runs)."""
+    client = httpx.Client(base_url=url, headers={"authorization": f"Bearer {KEY_A}"}, timeout=10)
+
+    def ready() -> bool:
+        try:
+            return client.get("/readyz").status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None
+
+    assert wait_for(ready, 30, 0.1) and proc.poll() is None
+    return client
+
+
+def _stream_in_background(url: str, result: dict) -> threading.Thread:
+    """A streamed chat sent from a thread, returned once its first bytes came: the thread puts the
+    answer's ``status`` and raw ``body`` in ``result`` when the stream ends."""
+    started = threading.Event()
+
+    def in_flight() -> None:
+        with httpx.Client(base_url=url, headers={"authorization": f"Bearer {KEY_A}"}, timeout=10) as c:
+            with c.stream("POST", "/v1/chat/completions", json=chat(max_tokens=8, stream=True)) as r:
+                result["status"] = r.status_code
+                body = b""
+                for piece in r.iter_raw():
+                    body += piece
+                    started.set()
+                result["body"] = body
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    assert started.wait(10)
+    return t
+
+
 @pytest.mark.timeout(60)
 def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
     engine = MockEngine().start()
@@ -87,15 +122,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
     proc, url, ten = _serve(tmp_path, engine, drain_timeout_seconds=10)
     result: dict = {}
     try:
-        client = httpx.Client(base_url=url, headers={"authorization": f"Bearer {KEY_A}"}, timeout=10)
-
-        def ready() -> bool:
-            try:
-                return client.get("/readyz").status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None
-
-        assert wait_for(ready, 30, 0.1) and proc.poll() is None
+        client = _ready_client(proc, url)
         # a key added to the tenants file works without a restart (SIGHUP asks for the reload now)
         new = {"authorization": "Bearer sk-added-later"}
         assert client.get("/v1/models", headers=new).status_code == 401
@@ -111,21 +138,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(tmp_path):
         )
         proc.send_signal(signal.SIGHUP)
         assert wait_for(lambda: client.get("/v1/models", headers=new).status_code == 200, 5)
-        started = threading.Event()
-
-        def in_flight() -> None:
-            with httpx.Client(base_url=url, headers={"authorization": f"Bearer {KEY_A}"}, timeout=10) as c2:
-                with c2.stream("POST", "/v1/chat/completions", json=chat(max_tokens=8, stream=True)) as r:
-                    result["status"] = r.status_code
-                    body = b""
-                    for piece in r.iter_raw():
-                        body += piece
-                        started.set()
-                    result["body"] = body
-
-        t = threading.Thread(target=in_flight)
-        t.start()
-        assert started.wait(10)
+        t = _stream_in_background(url, result)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         r = client.post("/v1/chat/completions", json=chat(max_tokens=8))
@@ -167,31 +180,9 @@ def test_sigterm_ends_a_stream_that_outlives_the_drain(tmp_path):
     proc, url, _ = _serve(tmp_path, engine, drain_timeout_seconds=drain)
     result: dict = {}
     try:
-        client = httpx.Client(base_url=url, headers={"authorization": f"Bearer {KEY_A}"}, timeout=10)
-
-        def ready() -> bool:
-            try:
-                return client.get("/readyz").status_code == 200
-            except httpx.HTTPError:
-                return proc.poll() is not None
-
-        assert wait_for(ready, 30, 0.1) and proc.poll() is None
+        client = _ready_client(proc, url)
         client.close()
-        started = threading.Event()
-
-        def in_flight() -> None:
-            with httpx.Client(base_url=url, headers={"authorization": f"Bearer {KEY_A}"}, timeout=10) as c:
-                with c.stream("POST", "/v1/chat/completions", json=chat(max_tokens=8, stream=True)) as r:
-                    result["status"] = r.status_code
-                    body = b""
-                    for piece in r.iter_raw():
-                        body += piece
-                        started.set()
-                    result["body"] = body
-
-        t = threading.Thread(target=in_flight)
-        t.start()
-        assert started.wait(10)
+        t = _stream_in_background(url, result)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
