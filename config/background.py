@@ -37,29 +37,30 @@ def one_round(fault: Callable[[BaseException], None]) -> Iterator[None]:
 
 
 class Repeats:
-    """When a loop whose rounds come often reports a fault: a fault whose type is not the last
-    one's at once, a fault like the last at most once every ``every_s`` seconds, with how many
-    came since; so a fault that persists in a loop of 10 rounds a second is one line a minute,
-    not ten tracebacks a second. ``clock``: monotonic seconds. ``faults``: how many it has seen."""
+    """When a loop whose rounds come often reports a fault: a fault of a type not reported in the
+    last ``every_s`` seconds at once, else not, counted, and reported with that count once
+    ``every_s`` has passed since its type's last report; so a fault that persists in a loop of 10
+    rounds a second is one line a minute, not ten tracebacks a second, also when two types take
+    turns (a flapping store's refused and timed-out connects). ``clock``: monotonic seconds.
+    ``faults``: how many it has seen."""
 
     def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.every_s, self.clock = every_s, clock
         self.faults = 0
-        self._last: str | None = None
-        self._reported_at = 0.0
-        self._since = 0  # faults like the last not reported since the last report
+        #: per fault type: when it was last reported, and how many like it since
+        self._types: dict[str, list[float]] = {}
 
     def due(self, e: BaseException) -> int | None:
-        """``None`` when fault ``e`` is not to be reported now, else how many faults like it were
-        not reported since the last report (0 for a new kind of fault)."""
+        """``None`` when fault ``e`` is not to be reported now, else how many faults of its type
+        were not reported since that type's last report (0 for a type not seen lately)."""
         self.faults += 1
         kind, now = type(e).__name__, self.clock()
-        if kind == self._last and now - self._reported_at < self.every_s:
-            self._since += 1
+        seen = self._types.get(kind)
+        if seen is not None and now - seen[0] < self.every_s:
+            seen[1] += 1
             return None
-        since = self._since if kind == self._last else 0
-        self._last, self._reported_at, self._since = kind, now, 0
-        return since
+        self._types[kind] = [now, 0]
+        return int(seen[1]) if seen is not None else 0
 
 
 def since_text(n: int) -> str:

@@ -383,6 +383,7 @@ class DrainMiddleware:
             if not scope.get(SHUTDOWN_CUT):
                 raise
             task.uncancel()  # cut by the drain's end before anything answered it (a relay answers itself)
+            gw.metrics.rejections.labels(ErrorCode.SERVER_SHUTTING_DOWN).inc()  # as a draining refusal
             with contextlib.suppress(Exception):  # a response already started: the connection closes
                 await _refuse_draining(send)
         finally:

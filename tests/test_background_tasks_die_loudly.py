@@ -575,7 +575,8 @@ async def test_one_round_hands_a_fault_on_and_lets_a_stop_through() -> None:
 def test_a_fault_that_persists_in_a_fast_loop_is_one_line_a_minute(caplog: pytest.LogCaptureFixture) -> None:
     """The quota stage's undo rounds run every 0.1 s while a backlog waits: a fault that came back
     every round logged ten tracebacks a second. ``config.background.FaultLog`` logs a new kind of
-    fault at once, the same one again once a minute with how many came between."""
+    fault at once, the same one again once a minute with how many came between, also when two
+    kinds take turns."""
     from config.background import FaultLog, Repeats
 
     now = [0.0]
@@ -590,7 +591,18 @@ def test_a_fault_that_persists_in_a_fast_loop_is_one_line_a_minute(caplog: pytes
         ("ERROR", "undoing uncertain quota reservations failed", "Panic"),
         ("ERROR", "undoing uncertain quota reservations failed (599 more like it since the last report)", "Panic"),
         ("ERROR", "undoing uncertain quota reservations failed", "OSError"),
-        ("ERROR", "undoing uncertain quota reservations failed", "Panic"),  # at 70.1 s: the next, 130.1 s
+        ("ERROR", "undoing uncertain quota reservations failed (598 more like it since the last report)", "Panic"),
+    ]
+    caplog.clear()
+    for i in range(1200):  # a flapping store: two kinds of fault taking turns
+        now[0] = 200 + i / 10
+        faults(ConnectionRefusedError() if i % 2 else TimeoutError())
+    failed, again = "undoing uncertain quota reservations failed", " (299 more like it since the last report)"
+    assert records(caplog, "kvgate.quotas") == [
+        ("ERROR", failed, "TimeoutError"),
+        ("ERROR", failed, "ConnectionRefusedError"),
+        ("ERROR", failed + again, "TimeoutError"),
+        ("ERROR", failed + again, "ConnectionRefusedError"),
     ]
 
 

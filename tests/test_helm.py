@@ -395,11 +395,14 @@ def test_drain_fits_the_grace_period(example: str, tmp_path: Path) -> None:
     assert spec["terminationGracePeriodSeconds"] == sleep_seconds + drain + 10
 
 
-def test_a_grace_period_shorter_than_the_drain_is_refused() -> None:
-    assert render("minimal", "drain.terminationGracePeriodSeconds=35")
-    assert "below preStopSleepSeconds + gateway.drain_timeout_seconds (35)" in render_fails(
-        "minimal", "drain.terminationGracePeriodSeconds=20"
-    )
+def test_a_grace_period_shorter_than_the_drain_and_its_end_is_refused() -> None:
+    """preStop 5 s + drain 30 s, then up to about 1.5 s for ending what is still in flight."""
+    assert render("minimal", "drain.terminationGracePeriodSeconds=37")
+    for short in (20, 35, 36):
+        assert (
+            "below preStopSleepSeconds + gateway.drain_timeout_seconds + 2 s for ending the requests still in "
+            "flight (37)"
+        ) in render_fails("minimal", f"drain.terminationGracePeriodSeconds={short}")
 
 
 def test_sentinel_drain_timeout_reaches_the_grace_period() -> None:

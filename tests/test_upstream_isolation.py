@@ -131,9 +131,18 @@ def test_backoff_order_and_growth():
     now = 1000.0
     a.connected()
     backoffs = []
-    for _ in range(8):
+    for _ in range(8):  # each failure as the back-off before it ends
         a.connect_failed(now=now)
         backoffs.append(a.backoff_until - now)
+        now = a.backoff_until
     assert backoffs == [1, 2, 4, 8, 16, BACKOFF_MAX_SECONDS, BACKOFF_MAX_SECONDS, BACKOFF_MAX_SECONDS]
+    a.connected()
+    for _ in range(8):  # eight requests that were connecting together: one back-off, not 2**8
+        a.connect_failed(now=2000.0)
+    assert (a.connect_failures, a.backoff_until) == (1, 2001.0)
+    a.connect_failed(now=2001.0)  # as it ends: the next, doubled
+    assert a.backoff_until == 2003.0
+    a.connect_failed(now=2003.0 + BACKOFF_MAX_SECONDS + 1)  # long after: from the first again
+    assert (a.connect_failures, a.backoff_until - (2003.0 + BACKOFF_MAX_SECONDS + 1)) == (1, 1.0)
     a.connected()
     assert not a.backing_off(time.monotonic()) and a.connect_failures == 0

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from config.background import stopping
+from config.background import one_round
 from config.secrets import private_dir
 from verifier.incidents import JOB_FAULTS, log, round_fault
 
@@ -169,12 +169,9 @@ class Quarantine:
 
         try:
             while True:
-                try:
+                # a read's fault (a native panic): the last view stays
+                with one_round(lambda e: round_fault("quarantine_refresh", e)):
                     await asyncio.to_thread(self.refresh)
-                except BaseException as e:  # a read's fault (a native panic): the last view stays
-                    if stopping(e):
-                        raise
-                    round_fault("quarantine_refresh", e)
                 await asyncio.sleep(self.refresh_seconds)
         finally:
             self.inline_refresh = True

@@ -58,10 +58,16 @@ class Upstream:
 
     def connect_failed(self, now: float | None = None) -> None:
         """A connect to it failed (refused, timed out, no free connection): it backs off
-        :data:`BACKOFF_FIRST_SECONDS` doubled per failure in a row before this one, at most
-        :data:`BACKOFF_MAX_SECONDS`, from ``now`` (``time.monotonic()`` seconds; default: now)."""
+        :data:`BACKOFF_FIRST_SECONDS` doubled per back-off in a row before this one, at most
+        :data:`BACKOFF_MAX_SECONDS`, from ``now`` (``time.monotonic()`` seconds; default: now).
+        Failures within a back-off (requests that were connecting together) count once, and a
+        failure long after the last back-off ended starts again at the first."""
         if now is None:
             now = time.monotonic()
+        if now < self.backoff_until:
+            return
+        if now - self.backoff_until > BACKOFF_MAX_SECONDS:
+            self.connect_failures = 0
         backoff = min(BACKOFF_FIRST_SECONDS * 2.0 ** min(self.connect_failures, 16), BACKOFF_MAX_SECONDS)
         self.connect_failures += 1
         self.backoff_until = now + backoff

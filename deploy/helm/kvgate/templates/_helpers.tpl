@@ -105,14 +105,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
 {{- define "kvgate.terminationGracePeriodSeconds" -}}
-{{- $need := add (int .Values.drain.preStopSleepSeconds) (include "kvgate.drainTimeoutSeconds" . | int) -}}
+{{- $drain := add (int .Values.drain.preStopSleepSeconds) (include "kvgate.drainTimeoutSeconds" . | int) -}}
+{{- $need := add $drain 2 -}}
 {{- if .Values.drain.terminationGracePeriodSeconds -}}
 {{- if lt (int .Values.drain.terminationGracePeriodSeconds) $need -}}
-{{- fail (printf "drain.terminationGracePeriodSeconds (%d) is below preStopSleepSeconds + gateway.drain_timeout_seconds (%d): the kubelet would kill requests still draining" (int .Values.drain.terminationGracePeriodSeconds) $need) -}}
+{{- fail (printf "drain.terminationGracePeriodSeconds (%d) is below preStopSleepSeconds + gateway.drain_timeout_seconds + 2 s for ending the requests still in flight (%d): the kubelet would kill them before they are ended and settled" (int .Values.drain.terminationGracePeriodSeconds) $need) -}}
 {{- end -}}
 {{- .Values.drain.terminationGracePeriodSeconds | int -}}
 {{- else -}}
-{{- add $need 10 -}}
+{{- add $drain 10 -}}
 {{- end -}}
 {{- end -}}
 
