@@ -413,7 +413,6 @@ class H1Transport(PooledTransport):
         )
         self._ssl = ssl_context
         self._pools: dict[Origin, _OriginPool] = {}
-        self._idle: dict[Origin, list[_Connection]] = {}  # each origin's pool's idle list, the same list
         self._open = 0  # connections open or connecting, all origins together, idle ones included
         self._closing = False
 
@@ -447,7 +446,6 @@ class H1Transport(PooledTransport):
         pool = self._pools.get(origin)
         if pool is None:
             pool = self._pools[origin] = _OriginPool()
-            self._idle[origin] = pool.idle
         while True:
             idle = pool.idle
             while idle:
@@ -480,9 +478,9 @@ class H1Transport(PooledTransport):
 
     def _close_an_idle_connection(self) -> None:
         """Close the longest-idle connection of the first origin that has one (none: nothing)."""
-        for idle in self._idle.values():
-            if idle:
-                conn = idle.pop(0)
+        for pool in self._pools.values():
+            if pool.idle:
+                conn = pool.idle.pop(0)
                 conn.close()
                 self._free(conn)
                 return
@@ -533,11 +531,16 @@ class H1Transport(PooledTransport):
             pool.open -= 1
             pool.wake_one()
 
+    @property
+    def _idle(self) -> dict[Origin, list[_Connection]]:
+        """Each origin's idle connections (its pool's list, derived)."""
+        return {origin: pool.idle for origin, pool in self._pools.items()}
+
     async def aclose(self) -> None:
         """Close every idle connection; a busy one closes when its response is done with."""
         self._closing = True
-        for idle in self._idle.values():
-            for conn in list(idle):
+        for pool in self._pools.values():
+            for conn in list(pool.idle):
                 conn.close()
                 self._free(conn)
         await asyncio.sleep(0)
