@@ -87,6 +87,9 @@ def test_sse_lines_are_read_as_a_client_reads_them():
         assert sse.is_one_event(one), one
     for several in (b"data: x\r\rdata: y\n\n", b"data: x\n\r\ndata: y\n\n", b"data: x\r\n\rdata: y\r\n\r\n"):
         assert not sse.is_one_event(several), several
+        with pytest.raises(sse.SeveralEvents):  # what the relay reads them with
+            sse.relayed_fields(several)
+    assert sse.relayed_fields(b"data: x\r\n\r\n") == (b"data: x\r\n\r\n", ())
 
 
 def test_a_bare_cr_in_an_event_does_not_hide_its_text_from_the_guard():

@@ -39,12 +39,11 @@ import orjson
 from config.errors import ErrorCode, OpenAIError
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
 from gateway.relay.sse import (
+    SeveralEvents,
     SSEEventTooLarge,
     SSESplitter,
     inspect,
-    is_one_event,
-    lf_fields,
-    screened_fields,
+    relayed_fields,
     strip_usage_null,
 )
 from gateway.relay.stream_protocol import CHAT_SSE, RESPONSES_SSE, StreamProtocol, read_response_event
@@ -333,7 +332,10 @@ class _Events:
         :func:`odd_event_type_event` for an ``event:`` field other than the data's ``type``. A
         comment's text and ``id:`` / ``retry:`` / other fields' lines are relayed as bare comments
         (:func:`gateway.relay.sse.relayed_fields`)."""
-        raw, names = _relayed_lines(raw)
+        try:
+            raw, names = relayed_fields(raw)
+        except SeveralEvents:
+            raise unsplittable_event() from None
         if names:
             self.etype = None  # set by the read when the data is an object with a string ``type``
         ev = self.read(raw)
@@ -515,19 +517,6 @@ def _ended_early(step: _Events, splitter: SSESplitter) -> bool:
     if t.finish_reason is not None and len(t.finished) >= step.choices:
         return False
     return step.hold.started or not splitter.tail().strip()
-
-
-def _relayed_lines(raw: bytes) -> tuple[bytes, tuple[bytes, ...]]:
-    """:func:`gateway.relay.sse.relayed_fields` of ``raw``, after :func:`gateway.relay.sse.is_one_event`
-    (raises :func:`unsplittable_event`), the CR both look for looked for once: an event of one
-    ``data:`` line without a CR, most of a stream, costs that, a ``startswith`` and a ``find``."""
-    if raw.find(b"\r") >= 0:  # (``find`` costs half what ``in`` does)
-        if not is_one_event(raw):
-            raise unsplittable_event()
-        return screened_fields(raw)
-    if raw.startswith(b"data:") and raw.find(b"\n") == len(raw) - 2:
-        return raw, ()
-    return lf_fields(raw)
 
 
 def unsplittable_event() -> OpenAIError:
