@@ -163,7 +163,6 @@ class Gateway:
         self.draining = False
         #: this process's index among the workers of one ``kvgate serve`` (``None``: the only one)
         self.worker: int | None = None
-        self.in_flight = 0
         self._idle = asyncio.Event()
         #: the HTTP requests in flight: each one's task and its ASGI scope (:class:`DrainMiddleware`)
         self.requests: dict[asyncio.Task[Any], dict[str, Any]] = {}
@@ -307,6 +306,11 @@ class Gateway:
             report["checks"] = checks
         return ok, report
 
+    @property
+    def in_flight(self) -> int:
+        """How many HTTP requests are in flight (probes and scrapes included)."""
+        return len(self.requests)
+
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight (or ``timeout`` seconds); True when idle."""
         if self.in_flight == 0:
@@ -372,7 +376,6 @@ class DrainMiddleware:
             gw.metrics.rejections.labels(ErrorCode.SERVER_SHUTTING_DOWN).inc()
             return
         counted = scope["path"] not in _ALWAYS  # the gauge: requests served, not probes or scrapes
-        gw.in_flight += 1
         if counted:
             gw.metrics.in_flight.inc()
         task = cast("asyncio.Task[Any]", asyncio.current_task())  # a request always runs in a task
@@ -388,10 +391,9 @@ class DrainMiddleware:
                 await _refuse_draining(send)
         finally:
             del gw.requests[task]
-            gw.in_flight -= 1
             if counted:
                 gw.metrics.in_flight.dec()
-            if gw.in_flight == 0:
+            if not gw.requests:
                 gw._idle.set()
 
 
