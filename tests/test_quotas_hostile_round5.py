@@ -7,7 +7,8 @@ redis-server of the test's own where the test pauses it (docs/quotas.md, "When R
   settle queue (settles the store could not take) hold a share per tenant: a tenant flooding either
   loses its own oldest entries, never another tenant's;
 - a backlog goes to Redis in round trips of at most ``BACKLOG_SLICE`` entries, every tenant's first
-  entries first, also at close (for at most ``CLOSE_DRAIN_SECONDS``);
+  entries first, also at close (for at most ``CLOSE_DRAIN_SECONDS``); each slice sized by the time
+  per entry its predecessor took, so that a slow store gets smaller slices;
 - a request that succeeds never waits for the backlog (one round trip, as alone);
 - a reload that lowers a tenant's limits between a request's begin and its token step: the token
   step keeps begin's limits (one tenant entry per request), and the window bounds what that gives.
@@ -26,7 +27,7 @@ import pytest
 
 from config.errors import OpenAIError
 from config.models import QuotaSettings, TenantConfig
-from gateway.quotas.stores import QuotaLimits, RedisQuotaStore
+from gateway.quotas.stores import LocalQuotaStore, QuotaLimits, RedisQuotaStore
 from gateway.quotas.tenant_quotas import (
     BACKLOG_SLICE,
     CLOSE_DRAIN_SECONDS,
@@ -34,6 +35,7 @@ from gateway.quotas.tenant_quotas import (
     UNCERTAIN_MAX,
     TenantQuotas,
     _Backlog,
+    _Held,
     redis_client_from_url,
 )
 from tests.quota_fixtures import SpareRedis, load_scripts, quota_state, recovered, spare_redis  # noqa: F401 (fixture)
@@ -263,12 +265,28 @@ async def test_a_request_that_succeeds_never_waits_for_the_backlog(redis_prefix)
         await stage.aclose()
 
 
+def _recorded(backlog: _Backlog[Any], slices: list[int], then: Any = None) -> None:
+    """``backlog.take`` from now on appends the size of each slice it hands out to ``slices``,
+    then calls ``then(slices)``."""
+    take = backlog.take
+
+    def recorded(most: int, wanted: Any) -> list[Any]:
+        batch = take(most, wanted)
+        if batch:
+            slices.append(len(batch))
+            if then is not None:
+                then(slices)
+        return batch
+
+    backlog.take = recorded  # type: ignore[method-assign]
+
+
 async def test_a_backlog_goes_in_round_trips_of_one_slice(redis_prefix) -> None:
     """10,000 undos of 10,000 tenants and 10,000 settles of one tenant, queued while the store backs
-    off: once it answers, the background round sends them in round trips of at most
-    ``BACKLOG_SLICE`` (500) calls (before the fix: one round trip of
-    10,000 settles and one of 9,999 undos, 236 ms and 349 ms on 2 cores, which any request's call
-    sharing them waited for, near the 0.55 s bound that fails every call a round trip carries).
+    off: once it answers, the background round sends them in slices of at most ``BACKLOG_SLICE``
+    (500) calls, each in round trips of its own, a drain's first slice 20 (before the fix: one round
+    trip of 10,000 settles and one of 9,999 undos, 236 ms and 349 ms on 2 cores, which any request's
+    call sharing them waited for, near the 0.55 s bound that fails every call a round trip carries).
     Every entry is then done exactly."""
     # a round trip's bound well above a slice's time: on a loaded 2-core machine one slice of 500
     # scripts once took more than the default 0.55 s, the store backed off for the hour set below,
@@ -276,6 +294,10 @@ async def test_a_backlog_goes_in_round_trips_of_one_slice(redis_prefix) -> None:
     stage = _stage(redis_prefix, redis_timeout_seconds=2.0)
     store: RedisQuotaStore = stage.store  # type: ignore[assignment]
     sizes: list[int] = []
+    undo_slices: list[int] = []
+    settle_slices: list[int] = []
+    _recorded(stage._uncertain, undo_slices)
+    _recorded(stage._unsettled, settle_slices)
     execute = store._execute
 
     async def counted(commands: list[Any]) -> list[Any]:
@@ -303,10 +325,13 @@ async def test_a_backlog_goes_in_round_trips_of_one_slice(redis_prefix) -> None:
         stage._backoff.succeeded()  # the store answers again
         await recovered(stage, budget=30)
         await asyncio.sleep(0.05)
-        slices = UNCERTAIN_MAX // BACKLOG_SLICE
         # an undo slice: its first call goes out at once (nothing else waits), the others in the
         # next round trip; a settle slice waits for one round trip of its turn (lazy)
-        assert sizes == [1, BACKLOG_SLICE - 1] * slices + [BACKLOG_SLICE] * slices
+        undo_trips = [n for k in undo_slices for n in ([1, k - 1] if k > 1 else [1])]
+        assert sizes == undo_trips + settle_slices
+        assert (sum(undo_slices), sum(settle_slices)) == (UNCERTAIN_MAX, UNCERTAIN_MAX)
+        assert (undo_slices[0], settle_slices[0]) == (20, 20)
+        assert max(undo_slices + settle_slices) <= BACKLOG_SLICE
         state = await _state(store, one.id)
         assert state == {
             "rpm": UNCERTAIN_MAX,
@@ -316,6 +341,69 @@ async def test_a_backlog_goes_in_round_trips_of_one_slice(redis_prefix) -> None:
             "leases": 0,
         }
         assert [await _state(store, t.id) for t in many[:: UNCERTAIN_MAX // 10]] == [{**EMPTY, "sum": 0}] * 10
+    finally:
+        await stage.aclose()
+
+
+class _PricedStore(LocalQuotaStore):
+    """The in-process store, each entry of a backlog's slice (a settle, or a lease id to undo)
+    costing ``per_entry`` seconds on a clock of its own (:attr:`now`): a round trip whose time is in
+    proportion to what it carries, as Redis's is (10,000 settles: 236 ms on 2 idle cores; a slice of
+    500 past the 0.55 s bound on 2 loaded ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.per_entry = 0.0
+        self.undone = 0
+
+    async def settle(
+        self, tenant_id: str, limits: QuotaLimits, lease_id: str, used_tokens: int, reserved_tokens: int, window_ms: int
+    ) -> None:
+        self.now += self.per_entry
+        await super().settle(tenant_id, limits, lease_id, used_tokens, reserved_tokens, window_ms)
+
+    async def cancel(self, tenant_id: str, lease_ids: list[str], *, keep_rpm: bool = False) -> int:
+        self.now += self.per_entry * len(lease_ids)
+        self.undone += len(lease_ids)
+        return len(lease_ids)
+
+
+@pytest.mark.parametrize("backlog", ["undos", "settles"])
+async def test_a_slow_stores_slices_shrink_under_the_target_and_grow_back(backlog: str) -> None:
+    """A backlog of 2,000 entries of 20 tenants, sent to a store whose round trips take 2 ms per
+    entry (on a clock of the test's own) for the first 6 slices, then 0.01 ms: a drain's first
+    slice holds 20 entries, each next one as many as fit in a tenth of the 0.55 s round-trip bound
+    at its predecessor's time per entry, at most twice its predecessor's and at most 500. So the
+    slow slices shrink to 27 entries (54 ms each), and the fast ones grow back to 500. Before the
+    fix every slice held 500 entries: at 2 ms each a round trip of 1 s, past the bound that fails
+    every call it carries (the store then backs off, failing requests closed)."""
+    store = _PricedStore()
+    stage = TenantQuotas(QuotaSettings(), store)
+    stage._slice_clock = lambda: store.now
+    slow, fast = 0.002, 0.00001
+    slices: list[int] = []
+
+    def price(taken: list[int]) -> None:  # the slice just taken: the 6 first are slow
+        store.per_entry = slow if len(taken) <= 6 else fast
+
+    tenants = [_tenant(rpm=10, tpm=10_000, max_concurrent=10) for _ in range(20)]
+    try:
+        for t in tenants:
+            for _ in range(100):
+                lease_id = uuid.uuid4().hex
+                if backlog == "undos":
+                    stage._uncertain.append((t.id, lease_id, False))
+                else:
+                    held = _Held(store, t.id, QuotaLimits.of(t), lease_id, stage.window_ms)
+                    stage._unsettled.append((held, 30, 100))
+        queue = stage._uncertain if backlog == "undos" else stage._unsettled
+        _recorded(queue, slices, price)
+        await (stage._cancel_uncertain() if backlog == "undos" else stage._settle_left_over())
+        assert slices == [20, 27, 27, 27, 27, 27, 27, 54, 108, 216, 432, 500, 500, 8]
+        assert stage.deadline_seconds == pytest.approx(0.55)
+        assert [round(n * slow, 6) for n in slices[:6]] == [0.04, 0.054, 0.054, 0.054, 0.054, 0.054]  # <= 0.055
+        assert (len(queue), store.undone) == (0, 2000 if backlog == "undos" else 0)
     finally:
         await stage.aclose()
 

@@ -21,8 +21,8 @@ calls, built from settings by :func:`build_quota_stage`.
   After a failure Redis is tried again within :data:`PROBE_INTERVAL_SECONDS`, so limits resume by
   themselves. No Redis URL: limits kept in process memory (a warning says they are per process).
 - What a failed call leaves for later (reservations to undo, settles to send again) waits in a
-  :class:`_Backlog` of per-tenant shares, sent in the background in round trips of
-  :data:`BACKLOG_SLICE` entries, every tenant's first entries first; never on a request's path.
+  :class:`_Backlog` of per-tenant shares, sent in the background in slices sized by their time
+  (:class:`_Slices`), every tenant's first entries first; never on a request's path.
 """
 
 from __future__ import annotations
@@ -69,11 +69,21 @@ MAX_DECISION_SECONDS = 0.9
 #: At most this many failed reservations are remembered for undoing after an outage, and as many
 #: settles for sending again: each a :class:`_Backlog` of per-tenant shares.
 UNCERTAIN_MAX = 10_000
-#: A backlog goes to the store in round trips of at most this many entries (lease ids to undo, or
-#: settles): a request's call that shares one waits for at most a slice (22 ms at most on 2 cores),
-#: not for the whole backlog (one round trip of 10,000 settles took 236 ms, of 10,000 undos of
-#: 10,000 tenants 430 ms, near the 0.55 s bound that fails every call a round trip carries).
+#: A backlog goes to the store in slices (lease ids to undo, or settles) of at most this many
+#: entries: a request's call that shares a slice's round trip waits for that slice, not for the
+#: whole backlog (one round trip of 10,000 settles took 236 ms, of 10,000 undos of 10,000 tenants
+#: 430 ms, near the 0.55 s bound that fails every call a round trip carries).
 BACKLOG_SLICE = 500
+#: Each slice is sized by time, not count (:class:`_Slices`): to take at most this share of the
+#: store's round-trip bound (:attr:`TenantQuotas.deadline_seconds`) at the time per entry its
+#: predecessor took. 500 entries took 22 ms on 2 idle cores, and more than the 0.55 s bound on 2
+#: loaded ones (the store then backed off, failing requests closed).
+BACKLOG_SLICE_SHARE = 0.1
+#: A drain's first slice, and the fewest entries any slice holds (a backlog always moves): within
+#: the share up to 2.75 ms an entry, 2.5 times the slowest seen.
+BACKLOG_SLICE_MIN = 20
+#: A slice holds at most this many times the entries of the one before it.
+BACKLOG_SLICE_GROWTH = 2
 #: At close the backlog is sent for at most this long (seconds), slice after slice while the
 #: store answers (a failed call ends it for its part of the store): one pipeline of 10,000 undos of 10,000
 #: tenants and 10,000 settles, bounded by the decision deadline, took 1.5 to 3.6 s on 2 loaded
@@ -93,6 +103,8 @@ _ALL = object()
 _D = TypeVar("_D")
 #: an entry of a :class:`_Backlog`
 _E = TypeVar("_E")
+#: what a backlog slice's round trips give (:meth:`_Slices.timed`)
+_R = TypeVar("_R")
 
 
 class _Backlog(Generic[_E]):
@@ -183,6 +195,29 @@ class _Backlog(Generic[_E]):
             self._top = new
         elif old == self._top and old not in self._sizes:
             self._top = max(self._sizes, default=0)
+
+
+class _Slices:
+    """How many entries the next slice of one drain of a backlog takes (:attr:`size`): the first
+    :data:`BACKLOG_SLICE_MIN`; then as many as fit in ``target_seconds`` at the time per entry the
+    last slice took (:meth:`timed`), at most :data:`BACKLOG_SLICE_GROWTH` times its entries, and
+    between :data:`BACKLOG_SLICE_MIN` and :data:`BACKLOG_SLICE`. ``clock``: seconds, monotonic."""
+
+    def __init__(self, target_seconds: float, clock: Callable[[], float]) -> None:
+        self.target_seconds = target_seconds
+        self.clock = clock
+        self.size = BACKLOG_SLICE_MIN
+
+    async def timed(self, entries: int, slice_sent: Awaitable[_R]) -> _R:
+        """``await slice_sent`` (the round trips of a slice of ``entries`` entries); its time sizes
+        the next slice. Raising (cancelled), it sizes nothing."""
+        started = self.clock()
+        out = await slice_sent
+        seconds = self.clock() - started
+        most = min(BACKLOG_SLICE, BACKLOG_SLICE_GROWTH * entries)
+        fits = most if seconds <= 0 else int(self.target_seconds * entries / seconds)
+        self.size = max(BACKLOG_SLICE_MIN, min(most, fits))
+        return out
 
 
 @dataclass
@@ -317,6 +352,8 @@ class TenantQuotas:
         self._store_state: Callable[[bool], None] = lambda up: None
         #: :meth:`aclose` has begun: no background round is started again
         self._closing = False
+        #: the clock timing the backlogs' slices (:class:`_Slices`)
+        self._slice_clock: Callable[[], float] = time.monotonic
 
     def watch_store(self, callback: Callable[[bool], None]) -> None:
         """Tell ``callback`` each change of the shared store's state (``True``: it answers)."""
@@ -383,6 +420,11 @@ class TenantQuotas:
                     tenant_id,
                 )
 
+    def _slices(self) -> _Slices:
+        """A drain's slice sizes: each slice's round trips within :data:`BACKLOG_SLICE_SHARE` of the
+        bound (:class:`_Slices`)."""
+        return _Slices(BACKLOG_SLICE_SHARE * self.deadline_seconds, self._slice_clock)
+
     def _in_scope(self, tenant_id: str, scope: Any) -> bool:
         """Whether ``tenant_id``'s state lives in ``scope`` (:meth:`QuotaStore.scope`; ``_ALL``: yes)."""
         return scope is _ALL or self.store.scope(tenant_id) == scope
@@ -390,26 +432,28 @@ class TenantQuotas:
     async def _settle_left_over(self, scope: Any = _ALL, *, backing_off: bool = False) -> None:
         """Send again the settles the store could not take (``scope``: as :meth:`_cancel_uncertain`);
         ``settle.lua`` run late releases a lease that may have expired (nothing) and corrects the
-        debit as it would have then. They go in slices of :data:`BACKLOG_SLICE`, one tenant's
-        after the other's (:meth:`_Backlog.take`), each slice's together, riding one round trip
+        debit as it would have then. They go in slices sized by their time (:meth:`_slices`), one
+        tenant's after the other's (:meth:`_Backlog.take`), each slice's together, riding one round trip
         (after a long outage thousands wait: one round trip each took seconds, one for them all
         236 ms for 10,000, which every call sharing it waited for). A settle that fails waits for
         the next round, and so, in this one, do those of its part of the store (:meth:`_failing`).
         ``backing_off``: send those of a part of the store that is backing off too
         (:meth:`aclose`'s last try)."""
         failing: set[Any] = set()
+        slices = self._slices()
 
         def wanted(tenant_id: str) -> bool:
             usable = backing_off or self._store_usable(tenant_id)
             return usable and self._in_scope(tenant_id, scope) and self.store.scope(tenant_id) not in failing
 
-        while batch := self._unsettled.take(BACKLOG_SLICE, wanted):
+        while batch := self._unsettled.take(slices.size, wanted):
             calls = [
                 functools.partial(h.store.settle, h.tenant_id, h.limits, h.lease_id, used, reserved, h.window_ms)
                 for h, used, reserved in batch
             ]
             try:
-                results = await self._together(calls, [h.tenant_id for h, _, _ in batch], "settling again")
+                sent = self._together(calls, [h.tenant_id for h, _, _ in batch], "settling again")
+                results = await slices.timed(len(batch), sent)
             except BaseException:  # cancelled: all are sent again (settle.lua run twice changes nothing more)
                 self._unsettled.extend(batch)
                 raise
@@ -453,8 +497,8 @@ class TenantQuotas:
         or may run them later: ``cancel.lua`` leaves a tombstone that makes them no-ops); they were
         refused or handled locally, so they must not count in Redis (but for the RPM entry of a
         begun request whose token step the fallback took: it goes on, so it stays). ``scope``:
-        only those of tenants in that part of the store; default: all. In slices of
-        :data:`BACKLOG_SLICE` lease ids, one tenant's after the other's (:meth:`_Backlog.take`),
+        only those of tenants in that part of the store; default: all. In slices of lease ids sized
+        by their time (:meth:`_slices`), one tenant's after the other's (:meth:`_Backlog.take`),
         each slice's calls together (the first goes out at once, the rest in the next round
         trip: :meth:`RedisQuotaStore._submit`); an undo that fails waits for the next round, and so, in this
         one, do those of its part of the store (:meth:`_failing`). A part of the store that is
@@ -463,14 +507,15 @@ class TenantQuotas:
         calls are still joining it (the slice out, the cap let in more than it holds)."""
         undone = 0
         failing: set[Any] = set()
+        slices = self._slices()
 
         def wanted(tenant_id: str) -> bool:
             usable = backing_off or self._store_usable(tenant_id)
             return usable and self._in_scope(tenant_id, scope) and self.store.scope(tenant_id) not in failing
 
         try:
-            while batch := self._uncertain.take(BACKLOG_SLICE, wanted):
-                done, failed = await self._undo(batch)
+            while batch := self._uncertain.take(slices.size, wanted):
+                done, failed = await slices.timed(len(batch), self._undo(batch))
                 undone += done
                 failing |= self._failing(failed)
         finally:
@@ -886,8 +931,8 @@ class TenantQuotas:
         """At close, one last try to undo the uncertain reservations and send the settles left over
         (those of requests cancelled at a shutdown's end, or handed over while the store backed
         off: its back-off is not waited out), so their debits are corrected now rather than staying
-        at their reservations. Both backlogs go as in the background rounds, in slices of
-        :data:`BACKLOG_SLICE`, every tenant's first entries first (a tenant's flood delays no other
+        at their reservations. Both backlogs go as in the background rounds, in slices sized by their
+        time (:meth:`_slices`), every tenant's first entries first (a tenant's flood delays no other
         tenant's few), for at most :data:`CLOSE_DRAIN_SECONDS`; a call that fails ends the round for
         its part of the store (a store that does not answer costs one decision deadline). What is left
         is lost, logged with its count: those reservations stay counted, those leases held, until
