@@ -41,8 +41,8 @@ class Repeats:
     last ``every_s`` seconds at once, else not, counted, and reported with that count once
     ``every_s`` has passed since its type's last report; so a fault that persists in a loop of 10
     rounds a second is one line a minute, not ten tracebacks a second, also when two types take
-    turns (a flapping store's refused and timed-out connects). ``clock``: monotonic seconds.
-    ``faults``: how many it has seen."""
+    turns (a flapping store's refused and timed-out connects). ``every_s=0``: every fault at once.
+    ``clock``: monotonic seconds. ``faults``: how many it has seen."""
 
     def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.every_s, self.clock = every_s, clock
@@ -69,8 +69,9 @@ def since_text(n: int) -> str:
 
 
 class FaultLog:
-    """:func:`one_round`'s ``fault`` for a loop whose rounds come often: "<what> failed" logged at
-    error with its traceback when :class:`Repeats` says so. ``log``: the logger."""
+    """:func:`one_round`'s ``fault`` for a loop whose rounds come often: :meth:`message` ("<what>
+    failed") logged at error with its traceback when :class:`Repeats` says so (default: a new
+    type of fault at once, one like it once a minute with a count). ``log``: the logger."""
 
     def __init__(self, log: logging.Logger, what: str, repeats: Repeats | None = None) -> None:
         self.log, self.what = log, what
@@ -79,4 +80,8 @@ class FaultLog:
     def __call__(self, e: BaseException) -> None:
         since = self.repeats.due(e)
         if since is not None:
-            self.log.error("%s failed%s", self.what, since_text(since), exc_info=(type(e), e, e.__traceback__))
+            self.log.error("%s%s", self.message(e), since_text(since), exc_info=(type(e), e, e.__traceback__))
+
+    def message(self, e: BaseException) -> str:
+        """What the report of fault ``e`` says before its count of those not reported."""
+        return f"{self.what} failed"

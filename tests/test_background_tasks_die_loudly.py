@@ -476,6 +476,38 @@ async def test_a_quarantine_read_that_panics_is_counted_and_refreshing_goes_on(
     assert q.inline_refresh  # stopped: the CLI-style inline mode is back
 
 
+class _FailingBackend:
+    """A quarantine store whose first ``panics`` reads panic; ``done`` is set by the read after."""
+
+    def __init__(self, panics: int, done: asyncio.Event, loop: asyncio.AbstractEventLoop) -> None:
+        self.reads, self.panics = 0, panics
+        self.done, self.loop = done, loop
+
+    def load(self) -> dict[str, QuarantineRecord]:
+        self.reads += 1
+        if self.reads <= self.panics:
+            raise Panic("the store's client panicked")
+        self.loop.call_soon_threadsafe(self.done.set)
+        return {}
+
+
+async def test_a_quarantine_read_that_keeps_panicking_is_counted_each_round_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The refresher's rounds come every ``refresh_seconds`` (1 s by default); a panic that
+    persisted logged a traceback each round. Each is counted; the log has one line a minute."""
+    done = asyncio.Event()
+    q = Quarantine(_FailingBackend(5, done, asyncio.get_running_loop()), refresh_seconds=0.01)
+    q.inline_refresh = False
+    caplog.set_level(logging.INFO, "kvgate.verifier")
+    before = job_faults("quarantine_refresh")
+    task = asyncio.ensure_future(q.refresh_loop())
+    await first_of(task, done)
+    assert job_faults("quarantine_refresh") - before == 5.0
+    assert records(caplog, "kvgate.verifier") == [("ERROR", "verifier job fault (quarantine_refresh): Panic", "Panic")]
+    await cancelled_at_shutdown(task)
+
+
 class _LatencyStore:
     """A latency store whose first save panics."""
 
@@ -613,16 +645,17 @@ def test_a_verifier_round_fault_that_persists_is_counted_each_time_and_logged_on
     a second. Each fault still counts in ``kvgate_verifier_job_faults_total``; the log says it
     once a minute, with how many came since."""
     from config.background import Repeats
-    from verifier.incidents import round_fault
+    from verifier.incidents import RoundFaults
 
     now = [0.0]
     repeats = Repeats(clock=lambda: now[0])
     stats: collections.Counter = collections.Counter()
+    faults = RoundFaults("latency", stats, repeats)
     caplog.set_level(logging.INFO, "kvgate.verifier")
     before = job_faults("latency")
     for second in range(121):
         now[0] = float(second)
-        round_fault("latency", Panic("regex stack overflow"), stats, repeats)
+        faults(Panic("regex stack overflow"))
     assert (job_faults("latency") - before, stats["job_faults"]) == (121.0, 121)
     assert records(caplog, "kvgate.verifier") == [
         ("ERROR", "verifier job fault (latency): Panic", "Panic"),

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import MutableMapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter
 
-from config.background import Repeats, since_text
+from config.background import FaultLog, Repeats
 from config.secrets import private_dir
 
 log = logging.getLogger("kvgate.verifier")
@@ -84,25 +85,27 @@ QUARANTINES = Counter(
 _ALLOWED_EVIDENCE = (int, float, bool, type(None))
 
 
-def round_fault(kind: str, e: BaseException, stats: Any = None, repeats: Repeats | None = None) -> None:
-    """A round of a periodic task (``kind``: ``probe``, ``quarantine_refresh``, ``latency``) raised
-    ``e``, a native library's panic (a ``BaseException``) included: counted
-    (``kvgate_verifier_job_faults_total{kind}``, ``stats["job_faults"]`` when given) and logged with
-    its traceback, as the worker's job faults are, or, given the task's ``repeats``, when they say
-    so (a fault that persists in a task of frequent rounds: once a minute, with a count); the task
-    goes on with its next round."""
-    JOB_FAULTS.labels(kind).inc()
-    if stats is not None:
-        stats["job_faults"] += 1
-    since = 0 if repeats is None else repeats.due(e)
-    if since is not None:
-        log.error(
-            "verifier job fault (%s): %s%s",
-            kind,
-            type(e).__name__,
-            since_text(since),
-            exc_info=(type(e), e, e.__traceback__),
-        )
+class RoundFaults(FaultLog):
+    """:func:`config.background.one_round`'s ``fault`` for a periodic task's rounds (``kind``:
+    ``probe``, ``quarantine_refresh``, ``latency``): every fault, a native library's panic (a
+    ``BaseException``) included, is counted (``kvgate_verifier_job_faults_total{kind}``,
+    ``stats["job_faults"]`` when given) and reported as "verifier job fault (<kind>): <type>"
+    with its traceback, as the worker's job faults are, when ``repeats`` says so (default: a
+    fault that persists in a task of frequent rounds once a minute, with a count); the task goes
+    on with its next round."""
+
+    def __init__(self, kind: str, stats: MutableMapping[str, int] | None = None, repeats: Repeats | None = None):
+        super().__init__(log, f"verifier job fault ({kind})", repeats)
+        self.kind, self.stats = kind, stats
+
+    def __call__(self, e: BaseException) -> None:
+        JOB_FAULTS.labels(self.kind).inc()
+        if self.stats is not None:
+            self.stats["job_faults"] += 1
+        super().__call__(e)
+
+    def message(self, e: BaseException) -> str:
+        return f"{self.what}: {type(e).__name__}"
 
 
 def _check_evidence(value: Any, path: str = "evidence") -> None:

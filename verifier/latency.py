@@ -62,8 +62,8 @@ from dataclasses import dataclass
 
 from ddsketch import DDSketch
 
-from config.background import Repeats, one_round
-from verifier.incidents import round_fault
+from config.background import one_round
+from verifier.incidents import RoundFaults
 
 log = logging.getLogger("kvgate.verifier")
 
@@ -367,7 +367,7 @@ class LatencyKeeper:
         self.lock = lock
         self.stats = stats
         #: a fault that persists in the saves (every second) is logged once a minute
-        self._repeats = Repeats()
+        self._faults = RoundFaults("latency", stats)
 
     def load(self) -> int:
         """Replay the stored samples into the model; returns how many. A store error is logged
@@ -399,12 +399,12 @@ class LatencyKeeper:
     async def loop(self) -> None:
         """Load, then save every :attr:`SAVE_SECONDS`, forever (cancel to stop). A load or save that
         raises past its own store-error handling (a native panic) is counted and logged
-        (:func:`verifier.incidents.round_fault`, kind ``latency``); the saves go on."""
+        (:class:`verifier.incidents.RoundFaults`, kind ``latency``); the saves go on."""
         await self._guarded(self.load)
         while True:
             await asyncio.sleep(self.SAVE_SECONDS)
             await self._guarded(self.save)
 
     async def _guarded(self, fn: Callable[[], object]) -> None:
-        with one_round(lambda e: round_fault("latency", e, self.stats, self._repeats)):
+        with one_round(self._faults):
             await asyncio.to_thread(fn)

@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from config.background import Repeats, one_round
+from config.background import one_round
 from config.models import Settings, TenantConfig
 from verifier.canary import CanaryRegistry
 from verifier.findings import Evidence, incident
-from verifier.incidents import Incident, round_fault
+from verifier.incidents import Incident, RoundFaults
 from verifier.stage import Exchange, ExchangeRequest
 
 if TYPE_CHECKING:  # verifier.probe imports httpx: only the probe loop needs it
@@ -52,7 +52,7 @@ class PeriodicProbe:
         self.lock = lock
         self.stats = stats
         #: a fault that persists in the probe's rounds (an operator's interval) is logged once a minute
-        self._repeats = Repeats()
+        self._faults = RoundFaults("probe", stats)
         self.tenant_id = settings.verifier.probe_tenant or "kvgate-probe"
         self.planted = planted or (lambda tenant: tenant == self.tenant_id)
 
@@ -62,7 +62,7 @@ class PeriodicProbe:
         while True:
             await asyncio.sleep(interval)
             # a round's fault, a native panic or its incident's store included
-            with one_round(lambda e: round_fault("probe", e, self.stats, self._repeats)):
+            with one_round(self._faults):
                 await self._round()
 
     async def _round(self) -> None:

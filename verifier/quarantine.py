@@ -28,7 +28,7 @@ from typing import Any
 
 from config.background import one_round
 from config.secrets import private_dir
-from verifier.incidents import JOB_FAULTS, log, round_fault
+from verifier.incidents import JOB_FAULTS, RoundFaults, log
 
 
 @dataclass(frozen=True)
@@ -167,10 +167,11 @@ class Quarantine:
         switched back on when the loop ends."""
         import asyncio
 
+        faults = RoundFaults("quarantine_refresh")  # a persistent fault: once a minute, counted each round
         try:
             while True:
                 # a read's fault (a native panic): the last view stays
-                with one_round(lambda e: round_fault("quarantine_refresh", e)):
+                with one_round(faults):
                     await asyncio.to_thread(self.refresh)
                 await asyncio.sleep(self.refresh_seconds)
         finally:
