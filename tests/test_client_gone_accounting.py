@@ -4,7 +4,8 @@ nothing: one that leaves while its body arrives (admission's ``ClientGone``, cha
 ``kvgate.access`` line with ``client_disconnected``; one that leaves while admission waits on
 the quota store is not forwarded, even when a pooled upstream connection is idle (docs/quotas.md:
 "the client left while the gateway was still connecting" is charged 0). Served by the gateway's
-own server layer, as ``kvgate serve`` serves."""
+own server layer, as ``kvgate serve`` serves. A body too slow, which that server layer answers
+408 and closes, is recorded as that 408, not as a client that left."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 
 import pytest
 
+import gateway.admission.admit as admit_module
 from tests.gateway_harness import KEY_A, Gateway, chat, settings_for, tenants, upstream, wait_for
 from tests.test_gateway_pipeline import LedgerQuotas, access  # noqa: F401  (the access fixture)
 
@@ -35,17 +37,33 @@ class SlowReserveQuotas(LedgerQuotas):
         await super().reserve_tokens(tenant, lease, tokens, also=also)
 
 
+def _head(host: str, path: str, rid: str, declared: int) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {KEY_A}\r\n"
+        f"content-type: application/json\r\nx-request-id: {rid}\r\ncontent-length: {declared}\r\n\r\n"
+    ).encode()
+
+
 def _send_and_leave(g: Gateway, path: str, rid: str, body: bytes, declared: int, linger: float) -> None:
     """Write a request whose ``Content-Length`` is ``declared`` and ``body`` (all or part of it),
     wait ``linger`` seconds, then close the connection without reading an answer."""
     host, port = g.url.removeprefix("http://").split(":")
-    head = (
-        f"POST {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {KEY_A}\r\n"
-        f"content-type: application/json\r\nx-request-id: {rid}\r\ncontent-length: {declared}\r\n\r\n"
-    )
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(head.encode() + body)
+        s.sendall(_head(host, path, rid, declared) + body)
         time.sleep(linger)
+
+
+def _count_authentications(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each tenant id admission authenticates a request as (``authenticate``, from the headers)."""
+    real, seen = admit_module.authenticate, []
+
+    def counted(authorization, registry):
+        tenant = real(authorization, registry)
+        seen.append(tenant.id)
+        return tenant
+
+    monkeypatch.setattr(admit_module, "authenticate", counted)
+    return seen
 
 
 def _metric(g: Gateway, line_start: str) -> list[str]:
@@ -58,12 +76,16 @@ def _gone_line(rid: str, route: str) -> dict:
     return {"request_id": rid, "tenant": "tenant-a", "route": route, "status": 499, "client_disconnected": True}
 
 
+@pytest.mark.parametrize("edge", [True, False], ids=["edge", "uvicorn"])
 @pytest.mark.parametrize(("path", "route"), [("/v1/chat/completions", "chat"), ("/tokenize", "tokenize")])
-def test_client_leaving_during_the_body_is_counted_and_logged(engine, access, path, route):  # noqa: F811
+def test_client_leaving_during_the_body_is_counted_and_logged(engine, access, monkeypatch, path, route, edge):  # noqa: F811
     """Before the fix the handler answered a bare 499: the lease was settled 0, but no status
-    499, no client disconnect, no access line."""
+    499, no client disconnect, no access line. The tenant is the one admission authenticated,
+    carried by ``ClientGone``: the key is checked once (a chat request's was checked again when
+    its client left, so twice). Under stock uvicorn too."""
+    authenticated = _count_authentications(monkeypatch)
     q = LedgerQuotas()
-    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q, edge=True).start()
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=q, edge=edge).start()
     try:
         body = json.dumps(chat(max_tokens=5)).encode()
         _send_and_leave(g, path, "half", body[:10], len(body), 0.1)
@@ -72,6 +94,7 @@ def test_client_leaving_during_the_body_is_counted_and_logged(engine, access, pa
         disconnects = _metric(g, "kvgate_client_disconnects_total{")
     finally:
         g.stop()
+    assert authenticated == ["tenant-a"]
     assert q.settled == {"half": [0]}  # the RPM entry is spent (begun), no token charged
     assert q.reserved == {}
     assert engine.state.requests == []
@@ -80,6 +103,84 @@ def test_client_leaving_during_the_body_is_counted_and_logged(engine, access, pa
     line = access("half")[0]
     assert line.pop("overhead_ms") >= 0
     assert line == _gone_line("half", route)
+
+
+def _chunked(host: str, path: str, rid: str, body: bytes, chunk_bytes: int) -> tuple[bytes, bytes]:
+    """The head of a request whose ``body`` goes in chunks of ``chunk_bytes``, and its chunks
+    (unfinished: no last chunk)."""
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {KEY_A}\r\n"
+        f"content-type: application/json\r\nx-request-id: {rid}\r\ntransfer-encoding: chunked\r\n\r\n"
+    ).encode()
+    pieces = [body[i : i + chunk_bytes] for i in range(0, len(body), chunk_bytes)]
+    return head, b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+
+
+#: the server layer's own refusals of a body the app is reading: the gateway settings, what is sent
+#: (``slow``: a tenth of the body, then nothing; ``framing``: 1,000 bytes in 100-byte chunks, 1,060
+#: bytes with their framing), and what the client reads
+SERVER_REFUSALS = {
+    "slow": (
+        {"body_timeout_seconds": 0.5},
+        408,
+        b"HTTP/1.1 408 Request Timeout",
+        "request_timeout",
+        "The request body did not arrive within 0.5 seconds.",
+    ),
+    "framing": (
+        {"max_body_bytes": 1024},
+        413,
+        b"HTTP/1.1 413 Content Too Large",
+        "request_too_large",
+        "The request body is larger than 1024 bytes (chunk framing included).",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(SERVER_REFUSALS))
+@pytest.mark.parametrize(("path", "route"), [("/v1/chat/completions", "chat"), ("/tokenize", "tokenize")])
+def test_a_body_the_server_layer_refused_is_recorded_as_the_answer_the_client_got(engine, access, path, route, kind):  # noqa: F811
+    """The gateway's server layer answers a body not complete within ``body_timeout_seconds``
+    (408), or a chunked one past ``max_body_bytes`` with its framing (413), and closes the
+    connection, so admission's read sees a disconnect. Before the fix that was recorded as a
+    client that left: status 499, a client disconnect, ``client_disconnected`` in the access line,
+    though the client had read the 408 or 413. Now as that answer, under its tenant."""
+    gateway, status, status_line, code, message = SERVER_REFUSALS[kind]
+    q = LedgerQuotas()
+    g = Gateway(settings_for([upstream("u1", engine)], gateway=gateway), tenants(), quotas=q, edge=True).start()
+    host, port = g.url.removeprefix("http://").split(":")
+    body = json.dumps(chat(max_tokens=5, content="x" * 1000)).encode()
+    if kind == "slow":
+        parts = (_head(host, path, kind, len(body)), body[:100])
+    else:  # the chunks in a read of their own: the edge counts a read's framing with the head's apart
+        parts = _chunked(host, path, kind, body[:1000], 100)
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            for part in parts:
+                s.sendall(part)
+                time.sleep(0.05)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        assert wait_for(lambda: len(access(kind)) == 1, 3)
+        requests = _metric(g, "kvgate_requests_total{")
+        disconnects = _metric(g, "kvgate_client_disconnects_total{")
+        rejections = _metric(g, "kvgate_rejections_total{")
+    finally:
+        g.stop()
+    head, _, error = answer.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == status_line
+    error_type = "invalid_request_error"
+    assert json.loads(error) == {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    assert q.settled == {kind: [0]}  # the RPM entry is spent (begun), no token charged
+    assert q.reserved == {}
+    assert engine.state.requests == []
+    assert requests == [f'kvgate_requests_total{{route="{route}",status="{status}",tenant="tenant-a"}} 1.0']
+    assert disconnects == []
+    assert rejections == [f'kvgate_rejections_total{{reason="{code}"}} 1.0']
+    line = access(kind)[0]
+    assert line.pop("overhead_ms") >= 0
+    assert line == {"request_id": kind, "tenant": "tenant-a", "route": route, "status": status, "error_code": code}
 
 
 @pytest.mark.parametrize("edge", [True, False], ids=["edge", "uvicorn"])

@@ -53,14 +53,14 @@ from starlette.requests import Request
 from config.errors import ErrorCode, OpenAIError
 from config.models import Settings, TenantConfig
 from gateway.admission.auth import authenticate
-from gateway.admission.body import body_declared, closing, parse_json_body, read_body
+from gateway.admission.body import ClientGone, body_declared, closing, parse_json_body, read_body
 from gateway.admission.density import BadIds, StringDensity, count_ids, restore_ids, split_ids, values_over
 from gateway.admission.gate import Admission, client_wants_usage, effective_limit, nested_too_deeply, over_context_error
 from gateway.admission.registry import ModelEntry, ModelIndex
 from gateway.admission.route import ApiRoute, Route, check_task
 from gateway.edge import offload
 from gateway.edge.body_budget import FREE_BODY_BYTES, BodyBudget
-from gateway.edge.extensions import completion_of
+from gateway.edge.extensions import completion_of, refusal_of
 from gateway.ops.tenants import TenantRegistry
 from gateway.quotas.stage import QuotaLease, QuotaStage
 from gateway.relay.upstreams import Upstream, UpstreamSet
@@ -264,7 +264,8 @@ async def _received_small(request: Request) -> bool:
 async def admit(ctx: AdmitContext, request: Request, arrival: Arrival[ApiRoute]) -> Admitted:
     """Run steps 1-6 (module docstring) for ``request``. Raises :class:`Refused` (an OpenAI error:
     401, 400, 404, 413, 429, 503, ...) or ``gateway.admission.body.ClientGone`` (the client left while
-    its body was arriving). A request refused after step 1 has its lease released and its tokens
+    its body was arriving, or the server layer answered it itself, a body too slow its 408; with
+    the tenant's id, :func:`read_request`). A request refused after step 1 has its lease released and its tokens
     refunded (its RPM entry stays spent); the returned one's lease is settled by
     :func:`gateway.relay.finish.finish`. A small body that arrived with its head goes through
     :func:`_admit_counted` when the quota stage :meth:`~gateway.quotas.stage.QuotaStage.combines`
@@ -313,14 +314,19 @@ async def read_request(
     large is density-checked as it arrives, :func:`_density_check`) and parsed as strict JSON;
     ``large`` (over :data:`OFFLOAD_BODY_BYTES`): parsed in a worker thread (:func:`_parse_large`),
     a token-id array in one of ``id_fields`` longer than the effective limit refused before its
-    ids are parsed. Raises :class:`OpenAIError` (413, 400) or ``ClientGone``."""
+    ids are parsed. Raises :class:`OpenAIError` (413, 400) or ``ClientGone``, which carries
+    ``tenant``'s id and the answer the server layer gave the request itself, if it did
+    (:func:`gateway.edge.extensions.refusal_of`)."""
     headers = request.headers
     length = headers.get("content-length")
     small = length is not None and length.isdigit() and int(length) <= OFFLOAD_BODY_BYTES
     # a body that may be large is counted as it arrives: a dense one is refused before it is all read
     check = None if small else _density_check(ctx.settings.gateway.max_body_values)
     pace = ctx.body_budget.pacer(tenant.id) if ctx.body_budget is not None else None
-    raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check, pace)
+    try:
+        raw = await read_body(request.receive, length, ctx.settings.gateway.max_body_bytes, check, pace)
+    except ClientGone:
+        raise ClientGone(tenant.id, refusal_of(request.scope)) from None
     if len(raw) <= OFFLOAD_BODY_BYTES:
         return parse_json_body(raw), False
 

@@ -110,7 +110,8 @@ async def read_body(
     ``pace``: awaited with the bytes of each read past the body's first
     :data:`gateway.edge.body_budget.FREE_BODY_BYTES` (:meth:`gateway.edge.body_budget.BodyBudget.pacer`)
     before the next read is taken. Every refusal (413, 400, what ``check`` raises) is raised
-    with ``connection: close`` (:func:`closing`)."""
+    with ``connection: close`` (:func:`closing`); a disconnect before the body's end raises
+    :class:`ClientGone` (its tenant ``"-"``: the caller knows it)."""
     try:
         return await _read(receive, headers_content_length, limit, check, pace)
     except OpenAIError as e:  # refused before the body was all read: the connection is not kept for it
@@ -159,4 +160,13 @@ async def _read(
 
 
 class ClientGone(Exception):
-    """The client disconnected before its request body arrived."""
+    """The client disconnected before its request body arrived: ``tenant_id``, the tenant whose
+    body it was (``"-"`` when the reader did not say); ``refused``, ``(status, code)`` when the
+    server layer had answered the request itself and closed the connection (a body too slow: 408;
+    :func:`gateway.edge.extensions.refusal_of`), so that the client got that answer rather than
+    leaving."""
+
+    def __init__(self, tenant_id: str = "-", refused: tuple[int, str] | None = None) -> None:
+        super().__init__(tenant_id, refused)
+        self.tenant_id = tenant_id
+        self.refused = refused

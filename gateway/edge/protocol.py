@@ -13,7 +13,8 @@ header bytes (``h11_max_incomplete_event_size``) but parses slower (``bench/edge
   longer gets 408 ``request_timeout`` and the connection is closed (slow headers).
 - ``body_timeout_seconds``: a body that is not complete this long after its head gets 408 (when
   no response has started) and the connection is closed (slow bodies: the app's ``receive()``
-  then reports a disconnect).
+  then reports a disconnect, the refusal first put in the request's scope,
+  :func:`gateway.edge.extensions.mark_refused`, so that the app records the 408, not a client gone).
 - ``max_inbound_connections``: a client connection beyond this many open ones (in this process,
   lingering ones included) gets 503 ``server_busy`` and is closed at once;
   ``max_connections_per_client`` (default an eighth of it): one beyond this many from one client
@@ -86,7 +87,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from config.errors import ErrorCode, openai_error_bytes
-from gateway.edge.extensions import mark_complete_when
+from gateway.edge.extensions import mark_complete_when, mark_refused
 
 log = logging.getLogger("kvgate.edge")
 
@@ -532,6 +533,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle  # on a kept-alive connection, the previous request's until a new head ends
         if cycle is None or not cycle.response_started or (self._in_head and cycle.response_complete):
             self.transport.write(refusal_bytes(status, message, code=code, headers=self.server_state.default_headers))
+            if not self._in_head and cycle is not None:  # the refusal answers the request whose body arrives
+                scope: Any = cycle.scope  # (uvicorn's HTTPScope names only ASGI's keys)
+                mark_refused(scope, status, code)  # its app records what the client got, not a 499
         # the close lingers (the request is unfinished): the request's cycle is marked
         # disconnected at once, so the app's receive() reports a disconnect and whatever it sends
         # is dropped

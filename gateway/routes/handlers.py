@@ -110,39 +110,41 @@ def refusal(gw: HandlerContext, err: OpenAIError, arrival: Arrival[Route], tenan
     return Response(err.body_bytes(), status_code=err.status, media_type="application/json", headers=headers)
 
 
-def client_gone(gw: HandlerContext, arrival: Arrival[Route], tenant: str) -> Response:
-    """The 499 of a request whose client left before its body was all read (``ClientGone``; also
-    one whose body was too slow, which the server layer answered 408 and closed, so the app saw
-    the same disconnect): nobody reads it, but it is counted as the relay counts a client that
-    left during its answer (``kvgate_requests_total`` status 499 under ``tenant``, ``"-"`` when
-    unknown, and its route; ``kvgate_client_disconnects_total``; the overhead) and access-logged
-    with ``client_disconnected``."""
+def client_gone(gw: HandlerContext, arrival: Arrival[Route], tenant: str, refused: tuple[int, str] | None) -> Response:
+    """The 499 of a request whose client left before its body was all read (``ClientGone``): nobody
+    reads it, but it is counted as the relay counts a client that left during its answer
+    (``kvgate_requests_total`` status 499 under ``tenant`` and its route;
+    ``kvgate_client_disconnects_total``; the overhead) and access-logged with
+    ``client_disconnected``. With ``refused`` (``ClientGone.refused``: the server layer answered
+    the request ``(status, code)`` itself and closed the connection, so the app saw a disconnect:
+    a body too slow, 408 ``request_timeout``) it is recorded as that answer, the one the client
+    got: that status, ``kvgate_rejections_total`` under ``code``, no client disconnect, the access
+    line with ``error_code``. Stock uvicorn answers no such refusal and says nothing
+    (:func:`gateway.edge.extensions.refusal_of`): there it stays a 499."""
     route = arrival.route
     overhead = time.perf_counter() - arrival.t_perf
     m = gw.metrics
-    m.requests.labels(tenant, route, "499").inc()
-    m.client_disconnects.labels(route).inc()
+    why: dict[str, Any]
+    if refused is None:
+        status, why = 499, {"client_disconnected": True}
+        m.client_disconnects.labels(route).inc()
+    else:
+        status, code = refused
+        why = {"error_code": code}
+        m.rejections.labels(code).inc()
+    m.requests.labels(tenant, route, str(status)).inc()
     m.overhead.labels(route).observe(overhead)
     glog.access(
         {
             "request_id": arrival.request_id,
             "tenant": tenant,
             "route": route,
-            "status": 499,
-            "client_disconnected": True,
+            "status": status,
+            **why,
             "overhead_ms": round(overhead * 1000, 3),
         }
     )
-    return Response(status_code=499)
-
-
-def _tenant_id(gw: HandlerContext, request: Request) -> str:
-    """The id of the tenant whose key ``request`` carries (authenticated again: admission does not
-    hand it back when the client leaves), ``"-"`` when none does (now)."""
-    try:
-        return authenticate_request(gw, request).id
-    except Refused:
-        return "-"
+    return Response(status_code=status)
 
 
 async def prologue(
@@ -154,14 +156,15 @@ async def prologue(
     :func:`~gateway.admission.admit.begin_request` for a route that reads a body; the whole of
     :func:`~gateway.admission.admit.admit` for a forwarded one). Returns ``(arrival, what step
     returned)``, or the :func:`refusal` answering the :class:`Refused` it raised, or the
-    :func:`client_gone` 499 of a ``ClientGone`` (the client left while its body arrived)."""
+    :func:`client_gone` 499 of a ``ClientGone`` (the client left while its body arrived; the
+    server layer's own answer when it gave one: a body too slow's 408), under the tenant it carries."""
     arrival = Arrival(request_id_of(request.headers.get("x-request-id")), route, time.perf_counter())
     try:
         return arrival, await step(arrival)
     except Refused as r:
         return refusal(gw, r.error, arrival, r.tenant_id)
-    except ClientGone:
-        return client_gone(gw, arrival, _tenant_id(gw, request))
+    except ClientGone as gone:
+        return client_gone(gw, arrival, gone.tenant_id, gone.refused)
 
 
 async def handle_completion(gw: HandlerContext, request: Request, route: ApiRoute) -> Response:

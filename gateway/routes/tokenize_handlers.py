@@ -81,8 +81,8 @@ async def handle_tokenize(gw: HandlerContext, request: Request, route: TokenRout
         entry, answer, charged = await _answer(gw, request, tenant, lease, route)
     except OpenAIError as e:
         return refusal(gw, e, arrival, tenant.id)
-    except ClientGone:
-        return client_gone(gw, arrival, tenant.id)
+    except ClientGone as gone:
+        return client_gone(gw, arrival, tenant.id, gone.refused)
     finally:
         await gw.quotas.settle(lease, charged)
     rid = arrival.request_id
