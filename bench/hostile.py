@@ -190,7 +190,7 @@ def serve(config: str, tenants: str) -> int:
     from gateway.ops.tenants import TenantRegistry
 
     settings = load_settings(config)
-    raise_fd_limit(settings.gateway)
+    raise_fd_limit(settings)
     registry = TenantRegistry.from_path(tenants, settings)
     setup_logging("warning")
     secrets_ = load_secrets(settings.state_dir)

@@ -1,5 +1,6 @@
 """``kvgate serve`` as a real process, at its start: the open-file limit is raised to what the
-connection limits need (refused, with the fix named, when the hard limit is too low), a failed
+connection limits need, ``max_connections`` for each upstream origin (refused, with the sum and
+the fix named, when the hard limit is too low), a failed
 model pull leaves private folders that do not stop the start, and a pulled model folder whose
 file changed since the pull (an edited ``tokenizer_config.json``) refuses the start of the
 gateway and of the engine, naming the file."""
@@ -15,12 +16,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 import yaml
 
 from config.model_manifest import MANIFEST, describe_files
+from config.models import Settings
+from gateway.edge import server
 from gateway.ops.tenants import hash_key
 from tests.backend_procs import free_port
 from tests.conftest import ROOT
@@ -30,11 +34,19 @@ from tests.mock_engine import MockEngine
 pytestmark = pytest.mark.timeout(120)
 
 
-def write_config(tmp: Path, engine: MockEngine, state: Path, tokenizer: dict | None = None) -> list[str]:
+def write_config(
+    tmp: Path, engine: MockEngine, state: Path, tokenizer: dict | None = None, more_upstreams: tuple[str, ...] = ()
+) -> list[str]:
+    """The command serving ``engine`` as ``u1`` (and a ``static`` upstream at each of ``more_upstreams``'
+    API URLs, never polled)."""
     cfg = tmp / "kvgate.yaml"
     model: dict = {"id": MODEL, "context_length": 8192}
     if tokenizer:
         model["tokenizer"] = tokenizer
+    static = [
+        {"name": f"u{i}", "api_url": url, "pool_source": "static", "static_pool_tokens": 100_000, "models": [MODEL]}
+        for i, url in enumerate(more_upstreams, 2)
+    ]
     cfg.write_text(
         yaml.safe_dump(
             {
@@ -50,7 +62,8 @@ def write_config(tmp: Path, engine: MockEngine, state: Path, tokenizer: dict | N
                         "pool_source": "sglang",
                         "pool_urls": [engine.info_url],
                         "models": [MODEL],
-                    }
+                    },
+                    *static,
                 ],
             }
         )
@@ -113,26 +126,101 @@ def _nofile(soft: int, hard: int):
 
 
 def test_the_open_file_limit_is_raised_to_what_the_limits_need(module_engine, tmp_path):
-    """Soft 256, hard 4096: serving, the soft limit is 1,792 (1,024 client + 512 upstream
-    connections + 256). Hard 512: refused at start (exit 2), the limits and the fix named.
-    The limit used to stay at 256, and accepts failed long before 1,024 connections."""
-    cmd = write_config(tmp_path, module_engine, tmp_path / "state")
+    """Soft 256, hard 4096, upstreams at 3 origins (4 upstreams: two at the engine's origin, one
+    through ``localhost``, one over ``https``): serving, the soft limit is 2,816 (1,024 client + 3 x
+    512 upstream connections + 256); it was 1,792, as for one origin. One origin, hard 512: refused
+    at start (exit 2), the sum and the fix named. The limit used to stay at 256, and accepts
+    failed long before 1,024 connections."""
+    port = urlsplit(module_engine.api_url).port
+    more = (f"HTTP://127.0.0.1:{port}/v1/", f"http://localhost:{port}/v1", f"https://127.0.0.1:{port}/v1")
+    cmd = write_config(tmp_path, module_engine, tmp_path / "state", more_upstreams=more)
     s = Served(cmd, tmp_path, _nofile(256, 4096))
     try:
         assert s.wait() is None, s.output()
         limits = Path(f"/proc/{s.proc.pid}/limits").read_text()
         line = next(x for x in limits.splitlines() if x.startswith("Max open files"))
-        assert line.split()[3:5] == ["1792", "4096"]
+        assert line.split()[3:5] == ["2816", "4096"]
     finally:
         s.stop()
-    s = Served(cmd, tmp_path, _nofile(512, 512))
+    s = Served(write_config(tmp_path, module_engine, tmp_path / "state"), tmp_path, _nofile(512, 512))
     assert s.wait() == 2
     assert s.output().endswith(
         "kvgate serve: the open-file limit (RLIMIT_NOFILE) is 512 (hard 512), below the 1792 descriptors "
-        "gateway.max_inbound_connections (1024) + gateway.max_connections (512) + 256 need. Raise the hard "
-        "limit (ulimit -Hn, systemd LimitNOFILE=, docker --ulimit nofile=) or lower "
-        "gateway.max_inbound_connections.\n"
+        "gateway.max_inbound_connections (1024) + 1 upstream origin x gateway.max_connections (512) + 256 need. "
+        "Raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, docker --ulimit nofile=) or lower "
+        "gateway.max_inbound_connections or gateway.max_connections.\n"
     )
+
+
+def _settings(*api_urls: str) -> Settings:
+    upstreams = [
+        {"name": f"u{i}", "api_url": u, "pool_source": "static", "static_pool_tokens": 1000, "models": ["m"]}
+        for i, u in enumerate(api_urls)
+    ]
+    return Settings.model_validate(
+        {
+            "gateway": {"max_inbound_connections": 1000, "max_connections": 100},
+            "models": [{"id": "m", "context_length": 8192}],
+            "upstreams": upstreams,
+        }
+    )
+
+
+#: five upstreams at three origins, each origin spelled two ways but the https one
+THREE_ORIGINS = (
+    "http://10.0.0.1:8000/v1",
+    "HTTP://10.0.0.1:8000/other/v1",
+    "http://engine-b/v1",
+    "http://ENGINE-B:80/v1",
+    "https://engine-b/v1",
+)
+
+
+def test_the_upstream_connections_counted_are_max_connections_per_origin_as_both_transports_pool():
+    """Five upstreams at 3 origins (scheme, host and port; case, path and a default port written
+    out do not make another): 1,000 client + 3 x 100 upstream + 256 = 1,556 descriptors. The
+    check counted 100 upstream connections whatever the origins, while each origin's pool holds
+    100. The origins are the transports' pool keys: the h1 transport's and aiohttp's (host, port,
+    TLS) group the URLs alike."""
+    import yarl
+
+    from gateway.relay.h1_transport import url_origin
+
+    settings = _settings(*THREE_ORIGINS)
+    assert server.upstream_origins(settings) == 3
+    assert server.fds_needed(settings) == 1000 + 3 * 100 + 256 == 1556
+    assert len({url_origin(u) for u in THREE_ORIGINS}) == 3
+    assert len({(yarl.URL(u).host, yarl.URL(u).port, yarl.URL(u).scheme == "https") for u in THREE_ORIGINS}) == 3
+    assert server.fds_needed(_settings("http://10.0.0.1:8000/v1")) == 1000 + 100 + 256
+    assert server.fds_needed(_settings()) == 1000 + 256
+
+
+def test_the_soft_limit_is_raised_to_the_need_never_lowered_and_a_hard_limit_below_it_refused(monkeypatch):
+    """Under 3 origins (1,556 needed): soft 256 is raised to 1,556 (the hard limit kept), soft 2,000
+    and an unlimited soft limit are left alone, an unlimited hard limit allows the raise; hard 1,500
+    is refused, the message giving the sum term by term."""
+    inf = resource.RLIM_INFINITY
+    now: list[tuple[int, int]] = []
+    set_to: list[tuple[int, int]] = []
+    monkeypatch.setattr(server.resource, "getrlimit", lambda what: now[-1])
+    monkeypatch.setattr(server.resource, "setrlimit", lambda what, limits: set_to.append(limits))
+    settings = _settings(*THREE_ORIGINS)
+    got = []
+    for limits in [(256, 4096), (2000, 4096), (inf, inf), (256, inf)]:
+        now.append(limits)
+        got.append(server.raise_fd_limit(settings))
+    assert got == [1556, 2000, inf, 1556]
+    assert set_to == [(1556, 4096), (1556, inf)]
+    now.append((256, 1500))
+    with pytest.raises(server.FdLimitError) as e:
+        server.raise_fd_limit(settings)
+    assert str(e.value) == (
+        "the open-file limit (RLIMIT_NOFILE) is 256 (hard 1500), below the 1556 descriptors "
+        "gateway.max_inbound_connections (1000) + 3 upstream origins x gateway.max_connections (100) + 256 need. "
+        "Raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, docker --ulimit nofile=) or lower "
+        "gateway.max_inbound_connections or gateway.max_connections."
+    )
+    assert set_to == [(1556, 4096), (1556, inf)]
 
 
 def test_a_failed_pull_leaves_private_folders_and_serve_starts(module_engine, tmp_path):

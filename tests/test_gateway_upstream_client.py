@@ -8,9 +8,12 @@ connection (so the engine sees the request cancelled)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -776,3 +779,109 @@ async def test_aread_stops_past_its_limit_and_the_connection_is_not_kept() -> No
         await r.aclose()
         await c.aclose()
     assert len(peers) == 2
+
+
+def sockets_to(*ports: int) -> int:
+    """This process's TCP sockets whose peer's port is one of ``ports`` (Linux: the inodes of
+    /proc/net/tcp's rows among /proc/self/fd's sockets), connecting ones included."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                mine.add(link[8:-1])
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for row in f:
+                cols = row.split()
+                n += int(cols[2].rsplit(":", 1)[1], 16) in ports and cols[9] in mine
+    return n
+
+
+async def test_the_pools_hold_max_connections_per_origin_what_the_open_file_check_counts() -> None:
+    """``max_connections`` 2, three engines that answer nothing, three requests to each: 6 sockets
+    (2 per origin; the third request of each waits), the 3 x 2 that
+    ``gateway.edge.server.fds_needed`` counts for 3 origins; none once the requests are cancelled."""
+
+    async def hang(srv, reader, writer):
+        await srv.read_request(reader)
+        await asyncio.sleep(10)
+
+    async with Server(hang) as a, Server(hang) as b, Server(hang) as d:
+        ports = [urlsplit(s.url).port or 0 for s in (a, b, d)]
+        c = client(max_connections=2, connect_timeout=5.0, read_timeout=5.0)
+        sends = [asyncio.ensure_future(c.send("POST", s.url, b"{}", HEADERS)) for s in (a, b, d) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        held = sockets_to(*ports)
+        for t in sends:
+            t.cancel()
+        await asyncio.gather(*sends, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        left = sockets_to(*ports)
+        await c.aclose()
+    assert (held, left) == (6, 0)
+
+
+async def test_a_connection_given_up_on_an_engine_that_reads_nothing_closes_its_descriptor() -> None:
+    """An engine that accepts and reads nothing (hung; its receive buffer 4 KiB): a 16 MiB body
+    stays partly unsent, and the request ends in a ``ReadTimeout``. With ``max_connections`` 1,
+    after each of 3 such requests no socket to it is left. Each used to stay open, waiting to write
+    the rest of its body (a close flushes first), while its slot was given back and the next
+    request opened another: 1, 2, 3 sockets, past what the pool is counted to hold."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # never accepted: the kernel completes the handshakes and reads 4 KiB
+        port = listener.getsockname()[1]
+        c = client(max_connections=1, read_timeout=0.3, exchange_timeout=0.6)
+        left = []
+        for _ in range(3):
+            with pytest.raises(uc.ReadTimeout):
+                await c.send("POST", f"http://127.0.0.1:{port}/v1/chat/completions", b"x" * (16 << 20), HEADERS)
+            await asyncio.sleep(0.05)
+            left.append(sockets_to(port))
+        await c.aclose()
+    assert left == [0, 0, 0]
+
+
+async def test_a_connect_to_a_host_of_two_addresses_holds_one_socket_at_a_time(monkeypatch) -> None:
+    """``engine.test`` resolves to 127.0.0.1 and 127.0.0.2, neither answering a connect (accept
+    queues full: the kernel drops the SYNs): 0.6 s into one connect, the client holds 1 socket.
+    aiohttp's Happy Eyeballs had opened a second to the next address after 0.25 s, one descriptor
+    past ``limit_per_host`` for each connect in flight."""
+    fillers: list[socket.socket] = []
+    with socket.socket() as one, socket.socket() as two:
+        one.bind(("127.0.0.1", 0))
+        port = one.getsockname()[1]
+        two.bind(("127.0.0.2", port))
+        for listener in (one, two):
+            listener.listen(0)
+            for _ in range(2):  # the first fills the accept queue, the second's SYN is dropped
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex(listener.getsockname())
+                fillers.append(s)
+        await asyncio.sleep(0.1)
+        loop = asyncio.get_running_loop()
+        resolve = loop.getaddrinfo
+
+        async def getaddrinfo(host, p, *args, **kw):
+            if host != "engine.test":
+                return await resolve(host, p, *args, **kw)
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, p)) for ip in ("127.0.0.1", "127.0.0.2")]
+
+        monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+        before = sockets_to(port)
+        c = client(max_connections=1, connect_timeout=3.0)
+        send = asyncio.ensure_future(c.send("POST", f"http://engine.test:{port}/v1/chat/completions", b"{}", HEADERS))
+        await asyncio.sleep(0.6)
+        connecting = sockets_to(port) - before
+        send.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        await c.aclose()
+        for s in fillers:
+            s.close()
+    assert connecting == 1

@@ -171,7 +171,7 @@ def fd_limit_problem(settings) -> str | None:
     from gateway.edge.server import FdLimitError, raise_fd_limit
 
     try:
-        raise_fd_limit(settings.gateway)
+        raise_fd_limit(settings)
     except FdLimitError as e:
         return str(e)
     return None

@@ -18,9 +18,12 @@ import asyncio
 import gc
 import logging
 import resource
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
+
+if TYPE_CHECKING:
+    from config.models import Settings
 
 log = logging.getLogger("kvgate.server")
 
@@ -78,28 +81,49 @@ class FdLimitError(RuntimeError):
     """The hard ``RLIMIT_NOFILE`` is below what the connection limits need."""
 
 
-def fds_needed(g: Any) -> int:
-    """File descriptors one gateway process may hold under ``g`` (a
-    :class:`config.models.GatewaySettings`): every client connection (lingering ones included),
-    every upstream connection, and :data:`FD_HEADROOM`."""
-    return int(g.max_inbound_connections) + int(g.max_connections) + FD_HEADROOM
+def upstream_origins(settings: Settings) -> int:
+    """The distinct origins (scheme, host, port: :func:`gateway.relay.h1_transport.url_origin`)
+    of the upstreams' ``api_url``: each has a pool of its own in either transport. A URL whose
+    origin cannot be read (a port out of range) counts as one of its own."""
+    from gateway.relay.h1_transport import url_origin
+    from gateway.relay.upstream_base import ConnectError
+
+    origins: set[object] = set()
+    for u in settings.upstreams:
+        try:
+            origins.add(url_origin(u.api_url))
+        except (ConnectError, ValueError):
+            origins.add(u.api_url)
+    return len(origins)
 
 
-def raise_fd_limit(g: Any) -> int:
+def fds_needed(settings: Settings) -> int:
+    """File descriptors one gateway process may hold under ``settings``: every client connection
+    (``gateway.max_inbound_connections``, lingering ones included), every upstream connection
+    (``gateway.max_connections`` per upstream origin, busy and idle: :func:`upstream_origins`
+    times it), and :data:`FD_HEADROOM`."""
+    g = settings.gateway
+    return int(g.max_inbound_connections) + upstream_origins(settings) * int(g.max_connections) + FD_HEADROOM
+
+
+def raise_fd_limit(settings: Settings) -> int:
     """Raise this process's soft ``RLIMIT_NOFILE`` to :func:`fds_needed` (never lowers it, never
     above the hard limit); returns the soft limit now. Raises :class:`FdLimitError` when the hard
-    limit is lower than needed (the message says which limits and how to fix it): without it, the
-    process runs out of descriptors before ``max_inbound_connections`` and every accept fails."""
-    need = fds_needed(g)
+    limit is lower than needed (the message says the sum, the limits and how to fix it): without
+    it, the process runs out of descriptors before ``max_inbound_connections`` and every accept
+    fails."""
+    need = fds_needed(settings)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return int(soft)
     if hard != resource.RLIM_INFINITY and hard < need:
+        g, n = settings.gateway, upstream_origins(settings)
         raise FdLimitError(
             f"the open-file limit (RLIMIT_NOFILE) is {soft} (hard {hard}), below the {need} descriptors "
-            f"gateway.max_inbound_connections ({g.max_inbound_connections}) + gateway.max_connections "
-            f"({g.max_connections}) + {FD_HEADROOM} need. Raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, "
-            "docker --ulimit nofile=) or lower gateway.max_inbound_connections."
+            f"gateway.max_inbound_connections ({g.max_inbound_connections}) + {n} upstream "
+            f"origin{'' if n == 1 else 's'} x gateway.max_connections ({g.max_connections}) + {FD_HEADROOM} need. "
+            "Raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, docker --ulimit nofile=) or lower "
+            "gateway.max_inbound_connections or gateway.max_connections."
         )
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
     log.info("raised the open-file limit from %d to %d", soft, need)

@@ -1,11 +1,15 @@
 """The forward path's transport over aiohttp's ``ClientSession`` (``gateway.upstream_client:
 aiohttp``; the default is :mod:`gateway.relay.h1_transport`). It keeps the semantics of
 :class:`gateway.relay.upstream_base.Transport`: ``on_sent``, pools of ``max_connections`` per
-upstream (host and port: aiohttp's ``limit_per_host``; no bound across them) kept
-:data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`, the two timeouts, raw bodies (no
-decompression: the proxy asks for ``identity``; chunked framing removed), no header added but
-``Host``, ``Content-Length`` and aiohttp's own ``Accept``; every aiohttp failure mapped onto the
-exception tree (:func:`as_upstream_error`).
+upstream (host, port and TLS: aiohttp's ``limit_per_host``, busy and idle connections together;
+no bound across them) kept :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`, the two
+timeouts, raw bodies (no decompression: the proxy asks for ``identity``; chunked framing removed),
+no header added but ``Host``, ``Content-Length`` and aiohttp's own ``Accept``; every aiohttp
+failure mapped onto the exception tree (:func:`as_upstream_error`). A pooled connection holds
+one descriptor at most: an upstream's addresses are tried one at a time (no Happy Eyeballs, which
+opens a socket per address while the first still connects) and a connection aiohttp closes is
+aborted (:func:`_abort_closing`), so the sockets are at most ``max_connections`` times the
+origins sent to (what :func:`gateway.edge.server.fds_needed` counts).
 """
 
 from __future__ import annotations
@@ -57,10 +61,11 @@ def as_upstream_error(exc: BaseException, *, connecting: bool) -> UpstreamError 
 class AiohttpResponse:
     """An aiohttp response as an :class:`UpstreamResponse` (errors mapped, see the module)."""
 
-    __slots__ = ("_resp", "headers", "status_code")
+    __slots__ = ("_resp", "_transports", "headers", "status_code")
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, transports: list[asyncio.Transport]) -> None:
         self._resp = resp
+        self._transports = transports
         self.status_code: int = resp.status
         self.headers: Mapping[str, str] = resp.headers
 
@@ -99,24 +104,48 @@ class AiohttpResponse:
             resp.release()
         else:
             resp.close()
+        _abort_closing(self._transports)
 
 
-#: the ``on_sent`` of the request being sent in this task (set by :meth:`AiohttpTransport.send`)
-_ON_SENT: ContextVar[Callable[[], None] | None] = ContextVar("kvgate_upstream_on_sent", default=None)
+class _Exchange:
+    """One :meth:`AiohttpTransport.send`: its ``on_sent`` and the transports its request was
+    written on (aiohttp sends it again on a new connection when a kept one fails)."""
+
+    __slots__ = ("on_sent", "transports")
+
+    def __init__(self, on_sent: Callable[[], None] | None) -> None:
+        self.on_sent = on_sent
+        self.transports: list[asyncio.Transport] = []
+
+
+#: the exchange of the request being sent in this task (set by :meth:`AiohttpTransport.send`)
+_EXCHANGE: ContextVar[_Exchange | None] = ContextVar("kvgate_upstream_exchange", default=None)
+
+
+def _abort_closing(transports: list[asyncio.Transport]) -> None:
+    """Abort those of ``transports`` aiohttp closed: its close waits to write the request bytes
+    not yet sent, keeping the descriptor while an engine that reads nothing never takes them, and
+    gives the connection's ``limit_per_host`` slot back meanwhile. One still open is left alone."""
+    for t in transports:
+        if t.is_closing():
+            t.abort()
 
 
 class _Request(aiohttp.ClientRequest):
-    """aiohttp's request (its documented ``request_class`` hook) that calls the sending task's
-    ``on_sent`` once :meth:`send` has written the request's headers to the connection. (aiohttp's
-    ``on_request_headers_sent`` trace signal says the same, but a trace config makes aiohttp build
-    and send every other signal of every request too: 13-23% more CPU per forward in an ad-hoc
-    run against bench/mock_engine.py, where this hook measured the same as none.)"""
+    """aiohttp's request (its documented ``request_class`` hook) that records the connection's
+    transport in the sending task's :class:`_Exchange` and calls its ``on_sent`` once :meth:`send`
+    has written the request's headers to the connection. (aiohttp's ``on_request_headers_sent``
+    trace signal says the same, but a trace config makes aiohttp build and send every other signal
+    of every request too: 13-23% more CPU per forward in an ad-hoc run against
+    bench/mock_engine.py, where this hook measured the same as none.)"""
 
     async def send(self, conn: Any) -> aiohttp.ClientResponse:
+        exchange = _EXCHANGE.get()
+        if exchange is not None and conn.transport is not None:
+            exchange.transports.append(conn.transport)
         resp = await super().send(conn)
-        on_sent = _ON_SENT.get()
-        if on_sent is not None:
-            on_sent()
+        if exchange is not None and exchange.on_sent is not None:
+            exchange.on_sent()
         return resp
 
 
@@ -131,6 +160,9 @@ class AiohttpTransport(PooledTransport):
         connector = aiohttp.TCPConnector(
             limit=0,  # no bound across upstreams: a hung one must not make the others wait
             limit_per_host=self.max_connections,
+            # one address at a time, as the h1 transport connects: Happy Eyeballs (RFC 8305) opens
+            # a socket per address tried while the first is still connecting, past limit_per_host
+            happy_eyeballs_delay=None,
             keepalive_timeout=KEEPALIVE_SECONDS,
             ttl_dns_cache=10,
             enable_cleanup_closed=False,
@@ -153,7 +185,8 @@ class AiohttpTransport(PooledTransport):
     ) -> UpstreamResponse:
         """As :meth:`UpstreamClient.send`."""
         session = self._session or self._open()
-        token = _ON_SENT.set(on_sent)
+        exchange = _Exchange(on_sent)
+        token = _EXCHANGE.set(exchange)
         try:
             resp = await session.request(method, url, data=content, headers=headers, allow_redirects=False)
         except Exception as e:
@@ -162,8 +195,9 @@ class AiohttpTransport(PooledTransport):
                 raise
             raise mapped from e
         finally:
-            _ON_SENT.reset(token)
-        return AiohttpResponse(resp)
+            _EXCHANGE.reset(token)
+            _abort_closing(exchange.transports)
+        return AiohttpResponse(resp, exchange.transports)
 
     async def aclose(self) -> None:
         """Close the pooled connections."""

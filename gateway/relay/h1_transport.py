@@ -18,7 +18,8 @@ The request goes out as one write: the request line, ``Host`` (unless given), th
 read as the answer (a ``Content-Encoding`` is not the transport's: bodies are raw); a connection is
 kept for the next request only when its response was read to the end and both sides allow
 keep-alive, and no byte came after it (RFC 9112 6.3: such bytes are never read as the next
-request's response). Trailer fields are discarded. A response head over :data:`MAX_HEAD_BYTES` or
+request's response); one that is not kept is aborted, its descriptor closed at once and request
+bytes not yet sent dropped. Trailer fields are discarded. A response head over :data:`MAX_HEAD_BYTES` or
 :data:`MAX_HEAD_LINES` lines, or chunk framing or a trailer section of more than
 :data:`MAX_HEAD_BYTES` between two body bytes, is a :class:`RemoteProtocolError`; reading pauses
 while the reader holds :data:`HIGH_WATER_BYTES`.
@@ -34,7 +35,7 @@ import math
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -268,9 +269,13 @@ class _Connection(asyncio.Protocol):
             self.pool._free(self)
 
     def close(self) -> None:
+        """Close at once, dropping request bytes not yet sent (``abort``, also for a transport
+        already closing): a closing transport keeps its descriptor until its unsent bytes are
+        written, which an engine that reads nothing never lets happen, while the connection's
+        slot is given back and filled by a new connection."""
         self._stop_timer()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class H1Response:
@@ -388,9 +393,11 @@ class _OriginPool:
 
 class H1Transport(PooledTransport):
     """Pools of at most ``max_connections`` connections per origin (scheme, host, port: one per
-    upstream), so an engine that holds all of its connections (hung, or slow) never makes a request
-    to another one wait; across origins, an idle connection is closed to make room while the
-    transport holds ``max_connections`` or more in all. Each idle connection is kept
+    upstream; :func:`url_origin`), busy, idle and connecting together, so an engine that holds all
+    of its connections (hung, or slow) never makes a request to another one wait; across origins,
+    an idle connection is closed to make room while the transport holds ``max_connections`` or
+    more in all, a busy one never: the transport may hold ``max_connections`` times the origins it
+    sends to (what :func:`gateway.edge.server.fds_needed` counts). Each idle connection is kept
     :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS` when idle; the timeouts as
     :class:`~gateway.relay.upstream_base.PooledTransport` says (``connect_timeout`` covers the TLS
     handshake too). ``ssl_context``: for ``https`` upstreams (default: the system's trust store,
@@ -552,16 +559,28 @@ def _parsed(url: str) -> tuple[Origin, str, str]:
     URLs are few: the upstreams' routes). Raises :class:`ConnectError` for a URL that is not
     http(s) with a host, ``ValueError`` for a target holding whitespace or a control character."""
     parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https") or not parts.hostname:
-        raise ConnectError(f"ConnectError: not an http(s) URL: {url!r}")
-    port = parts.port or (443 if scheme == "https" else 80)
+    origin = _origin(parts, url)
     target = parts.path or "/"
     if parts.query:
         target += "?" + parts.query
     if not target.isprintable() or " " in target:
         raise ValueError(f"request target {target!r} holds whitespace or a control character")
-    return (scheme, parts.hostname, port), target, _host(parts)
+    return origin, target, _host(parts)
+
+
+def url_origin(url: str) -> Origin:
+    """The origin whose pool a request to ``url`` uses: the scheme and host lower-cased, the
+    port (the scheme's default when the URL has none). aiohttp keys its pools by the same three
+    (host, port and TLS). Raises :class:`ConnectError` for a URL that is not http(s) with a host,
+    ``ValueError`` for a port out of range."""
+    return _origin(urlsplit(url), url)
+
+
+def _origin(parts: SplitResult, url: str) -> Origin:
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise ConnectError(f"ConnectError: not an http(s) URL: {url!r}")
+    return scheme, parts.hostname, parts.port or (443 if scheme == "https" else 80)
 
 
 def _request_bytes(method: str, target: str, host: str, content: bytes, headers: Mapping[str, str]) -> bytes:
