@@ -173,19 +173,37 @@ STREAM_OPTIONS = _invalid("'stream_options' is only allowed when 'stream' is tru
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("extra", [{}, {"stream": False}], ids=["no-stream", "stream-false"])
-def test_empty_stream_options_without_stream_is_dropped_not_refused(gws, module_engine, policy, route, extra):
+@pytest.mark.parametrize(
+    "options", [{}, {"include_usage": None, "continuous_usage_stats": None}], ids=["empty", "nulls"]
+)
+def test_empty_stream_options_without_stream_is_dropped_not_refused(gws, module_engine, policy, route, extra, options):
     """Before: 400 ``stream_options`` on every engine. vLLM refuses only a non-empty one
     (``data.get("stream_options") and not data.get("stream")``), SGLang none; the bundled backend
-    refuses any, so it is left out of the forwarded body."""
+    refuses any, so it is left out of the forwarded body. Options set to ``null`` are left out as
+    a top-level ``null`` is (they were refused: "'include_usage' must be a boolean")."""
     path, base = ROUTES[route]
     g = gws[policy]
     ledger = Ledger(g, module_engine)
-    r = _post(g, path, {"model": MODEL, **base, **extra, "stream_options": {}})
+    r = _post(g, path, {"model": MODEL, **base, **extra, "stream_options": options})
     assert r.status_code == 200, r.text
     got = forwarded(module_engine, path)[-1]
     assert "stream_options" not in got and got.get("stream") == extra.get("stream")
     change = ledger.delta()
     assert (change["engine"], change["rpm"], change["leases"]) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_null_stream_option_on_a_stream_reads_as_absent(gws, module_engine, route):
+    """``include_usage: null`` asks for no usage chunk (its default): the gateway asks the engine
+    for it (the settle needs it) and strips it; ``continuous_usage_stats: null`` is left out."""
+    path, base = ROUTES[route]
+    ledger = Ledger(gws["vllm"], module_engine)
+    options = {"include_usage": None, "continuous_usage_stats": None}
+    r = _post(gws["vllm"], path, {"model": MODEL, **base, "stream": True, "stream_options": options})
+    assert r.status_code == 200, r.text
+    assert forwarded(module_engine, path)[-1]["stream_options"] == {"include_usage": True}
+    assert b'"usage"' not in r.content.split(b"data: [DONE]")[0].split(b"\n\n")[-2]
+    assert ledger.delta()["engine"] == 1
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -77,7 +77,7 @@ def _stream_options(v: Any) -> str | None:
         return "must be an object"
     for k, b in v.items():
         if k in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
-            if not isinstance(b, bool):
+            if not isinstance(b, bool) and b is not None:  # null: absent (:func:`check_stream_options`)
                 return f"'{k}' must be a boolean"
         else:
             return f"unknown option '{k}'"
@@ -420,8 +420,13 @@ def check_stream_options(body: dict[str, Any]) -> None:
     ``stream: true``, as vLLM refuses it (``vllm/entrypoints/openai/chat_completion/protocol.py:865``,
     ``completion/protocol.py:604``: ``data.get("stream_options") and not data.get("stream")``) and
     the bundled backend (``gpu_backend/openai_api.py`` ``_stream_flags``); SGLang never checks. An
+    option set to ``null`` is left out, as a top-level ``null`` is (vLLM's ``StreamOptions``
+    declares each ``bool | None``; clients that write unset fields as ``null`` send it). An
     empty ``stream_options`` asks for nothing (every option's default is off): vLLM takes it without
     a stream, so it is removed from ``body`` here (the bundled backend would refuse it)."""
+    options = body.get("stream_options")
+    if isinstance(options, dict) and None in options.values():
+        body["stream_options"] = {k: v for k, v in options.items() if v is not None}
     if body.get("stream_options") == {} and not body.get("stream"):
         del body["stream_options"]
     if body.get("stream_options") is not None and not body.get("stream"):
