@@ -6,6 +6,7 @@ stateful refusals, quotas (429), strict withholding, a stream's exact bytes, dis
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import time
 from typing import Any
@@ -547,6 +548,107 @@ def test_tokenize_of_an_engine_tokenizer_asks_the_engine(engine):
         g.stop()
     assert r.json() == {"count": 2, "max_model_len": LIMIT, "tokens": [15339, 1917], "token_strs": None}
     assert [q["path"] for q in engine.state.requests] == ["/tokenize"]
+
+
+CANARY_TEXT = "the secret of tenant b: KVGATE-CANARY-0123456789abcdef"
+
+
+def _engine_tokenizer_gateway(engine: ApiMockEngine) -> Gateway:
+    """The verifier on, :data:`MODEL` counted by ``engine`` (vLLM shapes), tenant-a sampled at
+    rate 1 and ``strict`` strict."""
+    from config.models import TenantsFile
+    from gateway.ops.tenants import TenantRegistry, hash_key
+
+    s = api_settings(engine, verifier=True)
+    s.models[0].tokenizer = s.models[0].tokenizer.model_validate(
+        {"kind": "engine", "url": engine.url, "engine_api": "vllm"}
+    )
+    a = {"id": "tenant-a", "api_key_sha256": [hash_key(KEY_A)], "allowed_models": [MODEL], "verify_sample_rate": 1.0}
+    strict = {
+        "id": "strict",
+        "api_key_sha256": [hash_key("sk-strict")],
+        "strict_verify": True,
+        "allowed_models": [MODEL],
+    }
+    reg = TenantRegistry(TenantsFile.model_validate({"tenants": [a, strict]}))
+    g = Gateway(s, reg, verifier=build_verifier(s, secrets=SECRETS))
+    g.start()
+    return g
+
+
+def _engine_answers(engine: ApiMockEngine, body: dict) -> None:
+    """Every later request to ``engine`` is answered 200 with ``body``."""
+    engine.state.mode, engine.state.error_status, engine.state.error_body = "error", 200, json.dumps(body).encode()
+
+
+def _withheld(inc_id: str) -> dict:
+    """The relay's 502 body of a withheld whole answer (gateway.relay.proxy.withheld_error)."""
+    message = f"The response was withheld by verification (incident {inc_id})."
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": "response_withheld"}}
+
+
+def test_detokenize_of_an_engine_tokenizer_goes_through_the_strict_guard(engine):
+    """The engine's /detokenize text is engine output: a strict tenant gets it only when the guard
+    passes it (an honest decode: 200, the exact text); a canary, or another tenant's prompt, is
+    withheld with the relay's own 502 for a whole answer, naming the incident recorded."""
+    g = _engine_tokenizer_gateway(engine)
+    svc = g.gw.verifier
+    try:
+        _plant(g)
+        with g.client("sk-strict") as c:
+            r = c.post("/detokenize", json={"model": MODEL, "tokens": [15339, 1917]})
+            assert (r.status_code, r.json()) == (200, {"prompt": "hello world"})
+            for text, detector in ((CANARY_TEXT, "canary"), (PLANTED, "leak_index")):
+                before = len(svc.incidents.recent)
+                _engine_answers(engine, {"prompt": text})
+                r = c.post("/detokenize", json={"model": MODEL, "tokens": [15339, 1917]})
+                incs = svc.incidents.recent[before:]
+                assert (r.status_code, [(i.detector, i.withheld, i.tenant) for i in incs]) == (
+                    502,
+                    [(detector, True, "strict")],
+                )
+                assert r.json() == _withheld(incs[0].id)
+                engine.state.mode = "ok"
+    finally:
+        g.stop()
+    assert [q["body"]["tokens"] for q in engine.state.requests if q["path"] == "/detokenize"] == [[15339, 1917]] * 3
+
+
+def test_detokenize_of_an_engine_tokenizer_is_sampled_for_a_tenant_that_is_not_strict(engine):
+    """A sampled tenant gets the engine's text (200, exact) and the background checker records
+    the canary in it, not withheld."""
+    g = _engine_tokenizer_gateway(engine)
+    svc = g.gw.verifier
+    try:
+        _engine_answers(engine, {"prompt": CANARY_TEXT})
+        with g.client() as c:
+            r = c.post("/v1/detokenize", json={"model": MODEL, "tokens": [15339, 1917]})
+        assert (r.status_code, r.json()) == (200, {"prompt": CANARY_TEXT})
+        assert wait_for(lambda: svc.incidents.recent)
+        assert [(i.detector, i.withheld, i.tenant) for i in svc.incidents.recent] == [("canary", False, "tenant-a")]
+    finally:
+        g.stop()
+
+
+def test_detokenize_of_an_engine_tokenizer_bounds_the_engines_text(engine):
+    """At most 1,024 characters an id (ENGINE_TOKEN_CHARS: an engine tokenizer has no
+    max_token_chars): 2 ids and 2,048 characters are answered, 2,049 are the engine's fault."""
+    g = _engine_tokenizer_gateway(engine)
+    try:
+        with g.client() as c:
+            _engine_answers(engine, {"prompt": "x" * 2048})
+            r = c.post("/detokenize", json={"model": MODEL, "tokens": [15339, 1917]})
+            assert (r.status_code, r.json()) == (200, {"prompt": "x" * 2048})
+            _engine_answers(engine, {"prompt": "x" * 2049})
+            r = c.post("/detokenize", json={"model": MODEL, "tokens": [15339, 1917]})
+    finally:
+        g.stop()
+    message = f"engine detokenize at {engine.url}/detokenize answered 2049 characters "
+    message += "for 2 token ids (at most 1024 each)"
+    assert (r.status_code, r.json()) == (
+        502,
+        {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_unavailable"}},
+    )
 
 
 def test_a_long_responses_input_is_converted_and_counted_off_the_loop_exactly(gw, engine):

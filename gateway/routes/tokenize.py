@@ -25,7 +25,11 @@ admission's prologue is :mod:`gateway.routes.tokenize_handlers`.
   ``/v1/embeddings`` count one (:meth:`~tokenizer.base.PromptCounter.count_prompt_text`; none of
   these fields is one their field policies refuse).
 - ``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids are validated against the vocabulary (400
-  naming ``tokens``).
+  naming ``tokens``). For ``engine`` tokenizers the text is the engine's: at most
+  :data:`ENGINE_TOKEN_CHARS` characters an id (else the engine's fault, 502), and it goes through
+  the verifier's guard as a whole answer does (:meth:`DetokenizeRoute.guard`): a strict tenant's
+  is withheld with the relay's 502 ``response_withheld``, a sampled one's is checked in the
+  background.
 
 Either answer is ``{"count", "max_model_len", "tokens", "token_strs"}``.
 """
@@ -33,23 +37,29 @@ Either answer is ``{"count", "max_model_len", "tokens", "token_strs"}``.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import orjson
 
 from config.errors import ErrorCode, OpenAIError
+from config.models import TenantConfig
+from gateway.admission.admit import Arrival
 from gateway.admission.checks import CHAT_FIELDS, bad_value, check_fields
 from gateway.admission.gate import nested_too_deeply, over_context_error, too_long_to_count
 from gateway.admission.registry import ModelEntry
 from gateway.admission.route import check_task
 from gateway.admission.value_checks import Check, array, boolean, string
+from gateway.relay.proxy import withheld_error
 from gateway.routes.chat import CHAT
 from gateway.routes.completions import COMPLETIONS
 from tokenizer import render_chatml
 from tokenizer.base import TOKEN_ID_CHARS
 from tokenizer.chat import IMAGE_PART_TYPES, ChatOptions, chat_cost
 from tokenizer.engine_counter import EngineCounter, chat_tokenize_payload
+from tokenizer.errors import EngineTokenizeError
 from tokenizer.tokenize_api import Tokenized, tokenize_prompt
+from verifier.stage import Exchange, ExchangeRequest, ResponseWithheld, VerifierStage
 
 #: A ``/tokenize`` whose count is above this many tokens charges them against TPM: counting a
 #: prompt longer than a typical message is work the tenant pays for, as the chat it prepares
@@ -74,6 +84,10 @@ _CHAT_ONLY = ("tools", "add_generation_prompt", "continue_final_message", "chat_
 
 #: ``POST /detokenize`` (vLLM ``DetokenizeRequest``)
 DETOKENIZE_FIELDS: dict[str, Check] = {"model": string, "tokens": array}
+#: the most characters an engine's ``/detokenize`` text may hold per id where the counter knows
+#: no ``max_token_chars`` of its own (an ``engine`` tokenizer: its vocabulary is not known here);
+#: eight times the bundled tokenizer's longest token (128)
+ENGINE_TOKEN_CHARS = 1024
 
 
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -200,10 +214,43 @@ async def _detokenize(counter: Any, body: dict[str, Any], limit: int) -> str:
         await asyncio.to_thread(_check_token_ids, counter, ids)
     else:
         _check_token_ids(counter, ids)
+    if isinstance(counter, EngineCounter):
+        return _engine_text(counter, ids, await counter.adecode(ids))
     adecode = getattr(counter, "adecode", None)
     if adecode is not None:
         return await adecode(ids)
     return await asyncio.to_thread(counter.decode, ids) if heavy else counter.decode(ids)
+
+
+def _engine_text(counter: EngineCounter, ids: list[int], text: str) -> str:
+    """``text``, the engine's ``/detokenize`` answer for ``ids``, when it holds at most ``len(ids)``
+    times the counter's ``max_token_chars`` characters (:data:`ENGINE_TOKEN_CHARS` where it has
+    none): no ids decode to more. Else raises :class:`~tokenizer.errors.EngineTokenizeError` (502
+    ``upstream_unavailable``: the engine's fault, as any other malformed answer of it)."""
+    per = counter.max_token_chars or ENGINE_TOKEN_CHARS
+    if len(text) > len(ids) * per:
+        raise EngineTokenizeError(
+            f"engine detokenize at {counter.detokenize_url} answered {len(text)} characters for "
+            f"{len(ids)} token ids (at most {per} each)"
+        )
+    return text
+
+
+async def guard_engine_text(verifier: VerifierStage, exchange: Exchange, text: str) -> None:
+    """An engine's text through the guard a whole answer of ``exchange``'s tenant goes through
+    (:func:`gateway.relay.proxy.read_whole`: ``admit``, ``begin``, ``check_body``; no usage,
+    finish reason or TTFT to judge): a strict tenant's is checked before this returns, and one the
+    guard withholds raises the relay's 502 ``response_withheld``
+    (:func:`gateway.relay.proxy.withheld_error`); a sampled tenant's is queued for the background
+    checker; any other's is not looked at."""
+    await verifier.admit(exchange)
+    guard = verifier.begin(exchange)
+    if guard is None:
+        return
+    try:
+        await guard.check_body(text, usage=None, finish_reason=None, ttft_seconds=None)
+    except ResponseWithheld as w:
+        raise withheld_error(w) from None
 
 
 class TokenizeRoute:
@@ -259,6 +306,19 @@ class TokenizeRoute:
             "token_strs": t.token_strs,
         }, charge
 
+    async def guard(
+        self,
+        verifier: VerifierStage,
+        arrival: Arrival[Any],
+        tenant: TenantConfig,
+        entry: ModelEntry,
+        body: dict[str, Any],
+        answer: dict[str, Any],
+    ) -> None:
+        """Nothing to check: an engine answers ids and counts here, never text (``token_strs``
+        come from the gateway's own counters only)."""
+        return None
+
 
 class DetokenizeRoute:
     """``POST /detokenize`` (and ``/v1/detokenize``): ids -> their text."""
@@ -277,6 +337,26 @@ class DetokenizeRoute:
     ) -> tuple[dict[str, Any], int]:
         """``({"prompt": text}, 0)``; more ids than ``limit`` refused before they are checked."""
         return {"prompt": await _detokenize(entry.counter, body, limit)}, 0
+
+    async def guard(
+        self,
+        verifier: VerifierStage,
+        arrival: Arrival[Any],
+        tenant: TenantConfig,
+        entry: ModelEntry,
+        body: dict[str, Any],
+        answer: dict[str, Any],
+    ) -> None:
+        """An ``engine`` tokenizer's text (the engine's output) through ``tenant``'s guard
+        (:func:`guard_engine_text`; raises 502 ``response_withheld``). The exchange has no prompt
+        text (the ids are the prompt, and decoding them means asking the same engine again),
+        ``prompt_tokens`` the number of ids, and no upstream (the tokenizer's engine is none the
+        gateway picked). A local counter's text is the gateway's own, not checked."""
+        if not isinstance(entry.counter, EngineCounter):
+            return
+        started = time.monotonic() - (time.perf_counter() - arrival.t_perf)
+        request = ExchangeRequest(arrival.request_id, tenant, "", entry.id, len(body["tokens"]), False, started)
+        await guard_engine_text(verifier, Exchange(request, ""), answer["prompt"])
 
 
 TOKENIZE = TokenizeRoute()

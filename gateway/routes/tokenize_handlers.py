@@ -4,7 +4,8 @@ are :mod:`gateway.routes.tokenize`). ``max_model_len`` is the tenant's live effe
 max_model_len``. Each call goes through admission's prologue (:mod:`gateway.admission.admit`):
 one request against RPM and a concurrency lease before its body is read, the body read,
 density-checked and parsed (off the loop when large) as admission does, then the route's
-validation, the model (its task must serve the route) and the route's answer.
+validation, the model (its task must serve the route), the route's answer, and the route's
+``guard``: an engine's ``/detokenize`` text goes through the tenant's verifier guard.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from starlette.responses import Response
 
 from config.errors import ErrorCode, OpenAIError
 from config.models import TenantConfig
-from gateway.admission.admit import begin_request, read_request
+from gateway.admission.admit import Arrival, begin_request, read_request
 from gateway.admission.body import ClientGone
 from gateway.admission.gate import effective_limit
 from gateway.admission.registry import ModelEntry
@@ -27,6 +28,7 @@ from gateway.ops import access_log as glog
 from gateway.quotas.stage import QuotaLease
 from gateway.routes.handlers import HandlerContext, client_gone, prologue, refusal
 from tokenizer import TokenizerError
+from verifier.stage import VerifierStage
 
 
 class TokenRoute(RouteBase, Protocol):
@@ -36,14 +38,30 @@ class TokenRoute(RouteBase, Protocol):
         self, entry: ModelEntry, body: dict[str, Any], limit: int, max_model_len: int | None
     ) -> tuple[dict[str, Any], int]: ...
 
+    async def guard(
+        self,
+        verifier: VerifierStage,
+        arrival: Arrival[Any],
+        tenant: TenantConfig,
+        entry: ModelEntry,
+        body: dict[str, Any],
+        answer: dict[str, Any],
+    ) -> None: ...
+
 
 async def _answer(
-    gw: HandlerContext, request: Request, tenant: TenantConfig, lease: QuotaLease, route: TokenRoute
+    gw: HandlerContext,
+    request: Request,
+    arrival: Arrival[Any],
+    tenant: TenantConfig,
+    lease: QuotaLease,
+    route: TokenRoute,
 ) -> tuple[ModelEntry, dict[str, Any], int]:
     """``(model, answer, tokens to charge)`` for a begun request: admission's body prologue
     (:func:`gateway.admission.admit.read_request`), validation, the model, the too-long shortcut, the
-    answer; a ``/tokenize`` count above :data:`TOKENIZE_FREE_TOKENS` is reserved against TPM
-    (429 over it). Raises :class:`OpenAIError` or ``ClientGone``."""
+    answer, an engine's text through the tenant's verifier guard (the route's ``guard``: 502
+    ``response_withheld``); a ``/tokenize`` count above :data:`TOKENIZE_FREE_TOKENS` is reserved
+    against TPM (429 over it). Raises :class:`OpenAIError` or ``ClientGone``."""
     body, _ = await read_request(gw, request, tenant, route.id_fields)
     route.validate(body)
     entry = gw.models.resolve(tenant, body.get("model"))
@@ -59,6 +77,7 @@ async def _answer(
         raise OpenAIError(
             400, f"The model `{entry.id}`'s tokenizer cannot answer {route.name}.", code=ErrorCode.INVALID_REQUEST
         ) from None
+    await route.guard(gw.verifier, arrival, tenant, entry, body, answer)
     if charge:
         await gw.quotas.reserve_tokens(tenant, lease, charge)
     return entry, answer, charge
@@ -78,7 +97,7 @@ async def handle_tokenize(gw: HandlerContext, request: Request, route: TokenRout
     arrival, (tenant, lease) = opened
     charged = 0
     try:
-        entry, answer, charged = await _answer(gw, request, tenant, lease, route)
+        entry, answer, charged = await _answer(gw, request, arrival, tenant, lease, route)
     except OpenAIError as e:
         return refusal(gw, e, arrival, tenant.id)
     except ClientGone as gone:
