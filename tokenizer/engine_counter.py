@@ -22,7 +22,11 @@ offers the path). Image parts are removed from the messages sent and cost what t
 policy says, as with the other counters. Chat options that change the prompt
 (``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``) are sent too.
 A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError` (502): the
-engine's fault, never the client's 400 and never a 500.
+engine's fault, never the client's 400 and never a 500. Every call is bounded as the gateway's
+other engine clients are (the pool watcher's ``_get``, the forward path): it asks for
+``identity`` and refuses any other content coding, reads at most :data:`MAX_ENGINE_BODY_BYTES`,
+takes at most ``timeout_seconds`` from the connect to the answer's last byte, and parses with
+orjson, whose nesting limit is a parse failure like any other.
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ from tokenizer.errors import EngineTokenizeError
 ENGINE_APIS = ("sglang", "vllm")
 #: tokenize requests in flight for one batch prompt
 MAX_CONCURRENT_REQUESTS = 8
+#: the most bytes one tokenize or detokenize answer may have; a longer one is the engine's fault
+#: (502). The largest honest answers: a body of the default ``gateway.max_body_bytes`` (8 MiB)
+#: holds at most 4 Mi token ids (``0,`` each), and ``/tokenize`` of a prompt that long writes each
+#: id in at most 12 bytes (10 digits, a comma, a space): 48 MiB. ``/detokenize`` answers the text
+#: of at most a context's ids, the text a completion of as many tokens answers, which the forward
+#: path reads whole under ``gateway.max_response_bytes`` (default 64 MiB). This bounds the memory
+#: and the parse (on the event loop) a broken engine costs
+MAX_ENGINE_BODY_BYTES = 64 << 20
 
 
 def _is_count(x: Any) -> TypeGuard[int]:
@@ -98,7 +110,10 @@ class EngineCounter(PromptCounter):
     the sync methods raise ``NotImplementedError``. ``vocab_size`` bounds token-id validation (the
     engine's vocabulary is not known here). Token ids are validated locally, never sent.
     ``api_key``: sent as ``Authorization: Bearer`` on every tokenize call (an engine started with
-    ``--api-key`` answers 401 without it, which is a 502 here)."""
+    ``--api-key`` answers 401 without it, which is a 502 here). ``timeout_seconds`` bounds each
+    call whole, from the connect to the answer's last byte (httpx's timeout bounds each wait in
+    it, so an engine that trickles its answer would hold the request, and its tenant's lease,
+    for as long as it likes)."""
 
     def __init__(
         self,
@@ -118,9 +133,16 @@ class EngineCounter(PromptCounter):
         self.api = api
         self.vocab_size = vocab_size
         self.image_tokens = image_tokens
-        self._client = client or httpx.AsyncClient(timeout=timeout_seconds)
+        self.timeout_seconds = timeout_seconds
+        self._client = client or httpx.AsyncClient(timeout=timeout_seconds, trust_env=False)
         self.url = f"{self.base_url}/v1/tokenize" if api == "sglang" else f"{self.base_url}/tokenize"
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        #: ``identity``: the byte bound counts the bytes as sent, so they must be the body itself
+        self._post_headers = {
+            "content-type": "application/json",
+            "accept-encoding": "identity",
+            **(self._headers or {}),
+        }
         self.detokenize_url = f"{self.base_url}/v1/detokenize" if api == "sglang" else f"{self.base_url}/detokenize"
 
     counts_sync = False
@@ -145,18 +167,42 @@ class EngineCounter(PromptCounter):
         return await self._ask_raw(orjson.dumps({"model": self.model, **payload}), expected)
 
     async def _ask_raw(self, body: bytes, expected: int = 1) -> list[int]:
-        headers = {"content-type": "application/json", **(self._headers or {})}
+        return _counts_of(await self._post_json(self.url, body, "tokenize"), expected)
+
+    async def _post_json(self, url: str, body: bytes, what: str) -> Any:
+        """``POST body`` to ``url`` and the answer's JSON, bounded as the module docstring says
+        (``what``: ``tokenize`` or ``detokenize``, for the message). Raises
+        :class:`EngineTokenizeError` for a failure, a late, coded or oversized answer, a non-200,
+        or a body orjson cannot parse (nesting past its limit included)."""
         try:
-            r = await self._client.post(self.url, content=body, headers=headers)
+            async with asyncio.timeout(self.timeout_seconds):
+                raw = await self._read_bounded(url, body, what)
+        except TimeoutError:
+            raise EngineTokenizeError(
+                f"engine {what} at {url} answered nothing whole within {self.timeout_seconds:g} s"
+            ) from None
         except httpx.HTTPError as e:
-            raise EngineTokenizeError(f"engine tokenize at {self.url} failed: {type(e).__name__}") from None
-        if r.status_code != 200:
-            raise EngineTokenizeError(f"engine tokenize at {self.url} answered HTTP {r.status_code}")
+            raise EngineTokenizeError(f"engine {what} at {url} failed: {type(e).__name__}") from None
         try:
-            data = r.json()
-        except ValueError:
-            raise EngineTokenizeError(f"engine tokenize at {self.url} answered a body that is not JSON") from None
-        return _counts_of(data, expected)
+            return orjson.loads(raw)
+        except (ValueError, RecursionError):
+            raise EngineTokenizeError(f"engine {what} at {url} answered a body that is not JSON") from None
+
+    async def _read_bounded(self, url: str, body: bytes, what: str) -> bytearray:
+        async with self._client.stream("POST", url, content=body, headers=self._post_headers) as r:
+            if r.status_code != 200:
+                raise EngineTokenizeError(f"engine {what} at {url} answered HTTP {r.status_code}")
+            coding = r.headers.get("content-encoding", "").strip()
+            if coding.lower() not in ("", "identity"):
+                raise EngineTokenizeError(f"engine {what} at {url} answered with Content-Encoding {coding!r}")
+            raw = bytearray()
+            async for chunk in r.aiter_bytes():  # the bytes as sent: no coding is left to undo
+                raw += chunk
+                if len(raw) > MAX_ENGINE_BODY_BYTES:
+                    raise EngineTokenizeError(
+                        f"engine {what} at {url} answered more than {MAX_ENGINE_BODY_BYTES} bytes"
+                    )
+            return raw
 
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError("EngineCounter decodes only through its async API")
@@ -165,19 +211,7 @@ class EngineCounter(PromptCounter):
         """The engine's text of ``ids`` (its ``/detokenize``: SGLang ``text``, vLLM ``prompt``).
         Raises :class:`EngineTokenizeError` when the engine fails or answers another shape."""
         url = self.detokenize_url
-        headers = {"content-type": "application/json", **(self._headers or {})}
-        try:
-            r = await self._client.post(
-                url, content=orjson.dumps({"model": self.model, "tokens": list(ids)}), headers=headers
-            )
-        except httpx.HTTPError as e:
-            raise EngineTokenizeError(f"engine detokenize at {url} failed: {type(e).__name__}") from None
-        if r.status_code != 200:
-            raise EngineTokenizeError(f"engine detokenize at {url} answered HTTP {r.status_code}")
-        try:
-            data = r.json()
-        except ValueError:
-            raise EngineTokenizeError(f"engine detokenize at {url} answered a body that is not JSON") from None
+        data = await self._post_json(url, orjson.dumps({"model": self.model, "tokens": list(ids)}), "detokenize")
         text = data.get("text", data.get("prompt")) if isinstance(data, dict) else None
         if not isinstance(text, str):
             raise EngineTokenizeError(f"engine detokenize at {url} answered without a 'text' string")
@@ -240,14 +274,7 @@ class EngineCounter(PromptCounter):
         the engine answers it: ``count`` is the engine's (``len(tokens)`` when it sends none).
         Raises :class:`EngineTokenizeError` for a failure or an answer without a list of int
         ``tokens``. (kvgate's ``/tokenize`` for ``engine`` tokenizers.)"""
-        headers = {"content-type": "application/json", **(self._headers or {})}
-        try:
-            r = await self._client.post(
-                self.url, content=orjson.dumps({"model": self.model, **payload}), headers=headers
-            )
-            data = r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as e:
-            raise EngineTokenizeError(f"engine tokenize at {self.url} failed: {type(e).__name__}") from None
+        data = await self._post_json(self.url, orjson.dumps({"model": self.model, **payload}), "tokenize")
         answer = data if isinstance(data, dict) else {}
         tokens = answer.get("tokens")
         if not isinstance(tokens, list) or not all(_is_count(t) for t in tokens):
