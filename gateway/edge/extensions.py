@@ -35,7 +35,7 @@ def completion_of(scope: MutableMapping[str, Any]) -> Callable[[], bool] | None:
     return extensions.get(REQUEST_COMPLETE) if extensions else None
 
 
-def mark_refused(scope: MutableMapping[str, Any], status: int, code: str) -> None:
+def mark_refused(scope: MutableMapping[str, Any], status: int, *, code: str) -> None:
     """Give ``scope`` the :data:`SERVER_REFUSED` extension: the server answered it ``status``."""
     extensions = scope.get("extensions")
     if extensions is None:

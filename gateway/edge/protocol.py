@@ -535,7 +535,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.write(refusal_bytes(status, message, code=code, headers=self.server_state.default_headers))
             if not self._in_head and cycle is not None:  # the refusal answers the request whose body arrives
                 scope: Any = cycle.scope  # (uvicorn's HTTPScope names only ASGI's keys)
-                mark_refused(scope, status, code)  # its app records what the client got, not a 499
+                mark_refused(scope, status, code=code)  # its app records what the client got, not a 499
         # the close lingers (the request is unfinished): the request's cycle is marked
         # disconnected at once, so the app's receive() reports a disconnect and whatever it sends
         # is dropped
