@@ -26,6 +26,7 @@ from config.models import GatewaySettings, Settings, TenantsFile
 from gateway.ops.tenants import TenantRegistry, hash_key
 from gateway.quotas.tenant_quotas import build_quota_stage
 from tests.gateway_harness import KEY_A, Gateway, closed_port_url, wait_for
+from tokenizer.errors import EngineTokenizeError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -187,11 +188,16 @@ def ask(g: Gateway, path: str) -> tuple[httpx.Response, tuple[int, ...], float]:
     return r, tuple(a - b for a, b in zip(footprint(g), before, strict=True)), took
 
 
-def engine_error(engine: Any, message: str, what: str = "tokenize") -> dict:
+def engine_error(caplog: pytest.LogCaptureFixture, engine: Any, message: str, what: str = "tokenize") -> dict:
+    """The client's 502 body, once the gateway's log holds the fault's detail (``message``), which
+    names the engine's URL: the client reads a fixed sentence."""
     port = engine.server_address[1]
+    detail = f"engine {what} at http://127.0.0.1:{port}/{what} {message}"
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvgate.tokenizer"]
+    assert logged[-1:] == [f"engine tokenizer failed: {detail!r}"]
     return {
         "error": {
-            "message": f"engine {what} at http://127.0.0.1:{port}/{what} {message}",
+            "message": EngineTokenizeError.CLIENT_MESSAGE,
             "type": "server_error",
             "param": None,
             "code": "upstream_unavailable",
@@ -203,24 +209,24 @@ def engine_error(engine: Any, message: str, what: str = "tokenize") -> dict:
 REFUSED = (1, 0, 0, 0)
 
 
-def test_an_engine_500_is_the_refusal_each_fault_matches(gw, engine):
+def test_an_engine_500_is_the_refusal_each_fault_matches(gw, engine, caplog):
     """The existing path each fault below now takes: the engine's 500 is the client's 502."""
     engine.mode = "500"
     r, delta, _ = ask(gw, "/v1/chat/completions")
-    assert (r.status_code, r.json(), delta) == (502, engine_error(engine, "answered HTTP 500"), REFUSED)
+    assert (r.status_code, r.json(), delta) == (502, engine_error(caplog, engine, "answered HTTP 500"), REFUSED)
 
 
-def test_a_gzip_answer_is_refused_unread(gw, engine):
+def test_a_gzip_answer_is_refused_unread(gw, engine, caplog):
     """The client asks for ``identity``; a coded answer is the engine's fault, never inflated
     (it was: 2 KB here became 2 MB, over the cap, and counted)."""
     engine.mode = "gzip"
     engine.codings.clear()
     r, delta, _ = ask(gw, "/v1/chat/completions")
-    assert (r.status_code, r.json()) == (502, engine_error(engine, "answered with Content-Encoding 'gzip'"))
+    assert (r.status_code, r.json()) == (502, engine_error(caplog, engine, "answered with Content-Encoding 'gzip'"))
     assert delta == REFUSED and engine.codings == ["identity"]
 
 
-def test_an_answer_over_the_cap_is_refused_and_one_at_it_counted(gw, engine):
+def test_an_answer_over_the_cap_is_refused_and_one_at_it_counted(gw, engine, caplog):
     engine.mode = "at-cap"
     r, delta, _ = ask(gw, "/v1/chat/completions")
     assert (r.status_code, r.json()["usage"], delta) == (
@@ -230,28 +236,28 @@ def test_an_answer_over_the_cap_is_refused_and_one_at_it_counted(gw, engine):
     )
     engine.mode = "over-cap"
     r, delta, _ = ask(gw, "/v1/chat/completions")
-    assert (r.status_code, r.json()) == (502, engine_error(engine, f"answered more than {CAP} bytes"))
+    assert (r.status_code, r.json()) == (502, engine_error(caplog, engine, f"answered more than {CAP} bytes"))
     assert delta == REFUSED
 
 
 @pytest.mark.parametrize("path", list(ROUTES))
-def test_deep_nesting_is_the_engines_fault_not_a_500(gw, engine, path):
+def test_deep_nesting_is_the_engines_fault_not_a_500(gw, engine, path, caplog):
     """orjson's nesting limit (1,024) is a parse failure like any other (``json`` raised
     ``RecursionError``: 500 ``internal_error`` on every route)."""
     engine.mode = "deep"
     r, delta, _ = ask(gw, path)
     what = "detokenize" if path == "/detokenize" else "tokenize"
-    assert (r.status_code, r.json()) == (502, engine_error(engine, "answered a body that is not JSON", what))
+    assert (r.status_code, r.json()) == (502, engine_error(caplog, engine, "answered a body that is not JSON", what))
     assert delta == REFUSED
 
 
-def test_a_trickled_answer_ends_at_the_deadline(gw, engine, monkeypatch):
+def test_a_trickled_answer_ends_at_the_deadline(gw, engine, monkeypatch, caplog):
     """Each byte comes well within the per-read timeout, the whole not within ``timeout_seconds``
     (0.5 s here): the request ends then, its lease given back."""
     monkeypatch.setattr(gw.gw.models.by_name[MODEL].counter, "timeout_seconds", 0.5, raising=False)
     engine.mode = "trickle"
     r, delta, took = ask(gw, "/v1/chat/completions")
-    assert (r.status_code, r.json()) == (502, engine_error(engine, "answered nothing whole within 0.5 s"))
+    assert (r.status_code, r.json()) == (502, engine_error(caplog, engine, "answered nothing whole within 0.5 s"))
     assert delta == REFUSED and took < 2
 
 

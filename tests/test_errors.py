@@ -168,7 +168,7 @@ def test_gateway_app_answers_every_family_through_the_mapper():
             502,
             {
                 "error": {
-                    "message": "engine tokenize answered 500",
+                    "message": tokenizer_errors.EngineTokenizeError.CLIENT_MESSAGE,  # the detail is logged
                     "type": "server_error",
                     "param": None,
                     "code": "upstream_unavailable",

@@ -21,6 +21,7 @@ from gateway.routes.embeddings import embedding_length_message
 from gateway.routes.responses import responses_length_message
 from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, settings_for, tenants, upstream, wait_for
 from tests.mock_api_engine import COUNTER, ApiMockEngine, response_stream
+from tokenizer.errors import EngineTokenizeError
 from verifier.build import build_verifier
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.engine("api")]
@@ -630,7 +631,7 @@ def test_detokenize_of_an_engine_tokenizer_is_sampled_for_a_tenant_that_is_not_s
         g.stop()
 
 
-def test_detokenize_of_an_engine_tokenizer_bounds_the_engines_text(engine):
+def test_detokenize_of_an_engine_tokenizer_bounds_the_engines_text(engine, caplog):
     """At most 1,024 characters an id (ENGINE_TOKEN_CHARS: an engine tokenizer has no
     max_token_chars): 2 ids and 2,048 characters are answered, 2,049 are the engine's fault."""
     g = _engine_tokenizer_gateway(engine)
@@ -643,12 +644,16 @@ def test_detokenize_of_an_engine_tokenizer_bounds_the_engines_text(engine):
             r = c.post("/detokenize", json={"model": MODEL, "tokens": [15339, 1917]})
     finally:
         g.stop()
-    message = f"engine detokenize at {engine.url}/detokenize answered 2049 characters "
-    message += "for 2 token ids (at most 1024 each)"
+    message = EngineTokenizeError.CLIENT_MESSAGE
     assert (r.status_code, r.json()) == (
         502,
         {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_unavailable"}},
     )
+    detail = f"engine detokenize at {engine.url}/detokenize answered 2049 characters for 2 token ids"
+    detail += " (at most 1024 each)"
+    assert [r.getMessage() for r in caplog.records if r.name == "kvgate.tokenizer"] == [
+        f"engine tokenizer failed: {detail!r}"
+    ]
 
 
 def test_a_long_responses_input_is_converted_and_counted_off_the_loop_exactly(gw, engine):

@@ -4,7 +4,14 @@ field as the OpenAI API does (``messages[2].content[1].type``, ``prompt[1]``).""
 
 from __future__ import annotations
 
+import logging
+
 from config.errors import ErrorCode, OpenAIError
+
+log = logging.getLogger("kvgate.tokenizer")
+
+#: characters of an engine tokenizer fault's detail written to the log (:class:`EngineTokenizeError`)
+MAX_LOGGED_DETAIL_CHARS = 300
 
 
 def _short(value: object) -> str:
@@ -73,10 +80,25 @@ class ImagesNotSupportedError(TokenizerError):
 
 class EngineTokenizeError(TokenizerError):
     """The engine's tokenize endpoint failed or answered an unexpected shape: the engine's fault,
-    not the request's, so it is a 502 ``upstream_unavailable``."""
+    not the request's, so it is a 502 ``upstream_unavailable``. ``detail`` (its ``str``) names the
+    engine's URL and what it answered: the log gets it (:meth:`to_openai`), the client a fixed
+    :attr:`message`, as the forward path tells a client a transport failure's class only."""
 
     status = 502
     code = ErrorCode.UPSTREAM_UNAVAILABLE
+    #: what the client reads
+    CLIENT_MESSAGE = "The upstream engine's tokenizer failed to answer; the request was not forwarded."
+
+    def __init__(self, detail: str, param: str | None = None) -> None:
+        super().__init__(detail, param)
+        self.detail = detail
+        self.message = self.CLIENT_MESSAGE
+
+    def to_openai(self) -> OpenAIError:
+        """The client's 502, the detail logged as a warning (its ``repr``, cut to
+        :data:`MAX_LOGGED_DETAIL_CHARS`: an engine shapes part of it)."""
+        log.warning("engine tokenizer failed: %s", repr(self.detail)[:MAX_LOGGED_DETAIL_CHARS])
+        return super().to_openai()
 
 
 class TokenizerFaultError(TokenizerError):
