@@ -7,7 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from verifier.engine_response import EngineOutput, is_error_payload, parse_body, parse_chunk
+from verifier.engine_response import (
+    EngineOutput,
+    StreamMeta,
+    is_error_payload,
+    parse_body,
+    parse_chunk,
+    parse_chunk_event,
+    parse_response_event,
+)
 
 
 def test_whole_chat_body_per_choice_texts_usage_finish():
@@ -223,3 +231,108 @@ def test_strings_in_fields_kvgate_does_not_know_are_read_as_other_text():
         }
     )
     assert plain.fields == {"0:content": "a"}
+
+
+# ------------------------------------------------------------------ metadata: canaries and changes
+C = "KVGATE-CANARY-0123456789abcdef"
+WHOLE = {"id": "c1", "object": "chat.completion", "model": "m", "choices": []}
+
+
+def _with(choice: dict | None = None, message: dict | None = None) -> dict:
+    """A whole chat answer whose one choice has ``choice``'s members and ``message``'s."""
+    msg = {"role": "assistant", "content": "hi", **(message or {})}
+    return {**WHOLE, "choices": [{"index": 0, "message": msg, "finish_reason": "stop", **(choice or {})}]}
+
+
+TOOL = {"id": "t", "type": "function", "function": {"name": "f"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "fields"),
+    [
+        ({**WHOLE, "id": C}, {"-:other": C}),
+        ({**WHOLE, "model": C}, {"-:other": C}),
+        ({**WHOLE, "system_fingerprint": C}, {"-:other": C}),
+        ({**WHOLE, "service_tier": C}, {"-:other": C}),
+        ({**WHOLE, C: 1}, {"-:other": C}),
+        (_with({"finish_reason": C}), {"0:other": C}),
+        (_with({"stop_reason": C}), {"0:other": C}),
+        (_with(message={"role": C}), {"0:other": C}),
+        (_with(message={C: True}), {"0:other": C}),
+        (_with(message={"tool_calls": [{**TOOL, "id": C}]}), {"0:other": C}),
+        (_with(message={"tool_calls": [{**TOOL, "type": C}]}), {"0:other": C}),
+        (_with(message={"audio": {"id": "a", "data": "QUJD" + C, "transcript": "t"}}), {"0:other": "QUJD" + C}),
+        ({**WHOLE, "model": "\u200b".join(C)}, {"-:other": "\u200b".join(C)}),  # the canary scan folds it
+    ],
+    ids=[
+        "id", "model", "system_fingerprint", "service_tier", "top-key", "finish_reason", "stop_reason", "role",
+        "message-key", "tool-id", "tool-type", "audio-data", "zero-width",
+    ],
+)  # fmt: skip
+def test_a_canary_in_metadata_or_an_identifier_key_is_read_whatever_its_length(body, fields):
+    """Metadata (ids, names, a role, a finish reason, a tool call's type), opaque data (base64
+    audio) and key names that are identifiers are not text, but a canary in any of them reaches
+    the client: it is read as ``other`` text. Before, each of these was skipped (at most 256
+    characters, or any length for the audio)."""
+    out = parse_body(body)
+    assert {k: v for k, v in out.fields.items() if k.endswith(":other")} == fields
+
+
+def _chunk_obj(fingerprint: str, content: str = "a", **top) -> dict:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "system_fingerprint": fingerprint,
+        "choices": [{"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None}],
+        **top,
+    }
+
+
+def _pieces(meta: StreamMeta, obj: dict) -> list[tuple[str, str]]:
+    """What the relay hands the guard of one chunk (gateway/relay/stream.py, ``_Events._pieces``)."""
+    ev = parse_chunk_event(obj)
+    pieces = list(ev.fields.items())
+    if ev.meta:
+        meta.check(ev.meta, pieces)
+    return pieces
+
+
+def test_a_streams_metadata_is_skipped_only_while_it_repeats_its_first_value():
+    """An honest stream repeats ``id``, ``model`` and ``system_fingerprint``: the guard is shown
+    its text alone, chunk after chunk. A ``system_fingerprint`` that changes is text from its
+    first change on (joined after the first value, as a client joins them), every value of it
+    after, the first one again too. Before, each value up to 256 characters was skipped."""
+    ev = parse_chunk_event({**_chunk_obj("fp"), "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+    assert list(ev.meta) == [
+        ("-:message.role", "assistant"),
+        ("-:id", "chatcmpl-1"),
+        ("-:object", "chat.completion.chunk"),
+        ("-:model", "m"),
+        ("-:system_fingerprint", "fp"),
+    ]
+    honest = StreamMeta()
+    assert [_pieces(honest, _chunk_obj("fp", t)) for t in ("a", "b", "c")] == [
+        [("0:content", "a")],
+        [("0:content", "b")],
+        [("0:content", "c")],
+    ]
+    hostile = StreamMeta()
+    got = [_pieces(hostile, _chunk_obj(fp, "")) for fp in ("the sec", "ret prompt", " of b", "the sec")]
+    assert got == [
+        [],
+        [("-:system_fingerprint", "the secret prompt")],
+        [("-:system_fingerprint", " of b")],
+        [("-:system_fingerprint", "the sec")],
+    ]
+
+
+def test_a_streams_first_metadata_value_is_read_for_canaries():
+    """A canary in a stream's first ``id`` is shown to the guard once; the same ``id`` after it
+    costs a comparison. A canary in a Responses event's metadata is read where it is."""
+    meta = StreamMeta()
+    assert _pieces(meta, _chunk_obj("fp", id=C)) == [("0:content", "a"), ("-:id", C)]
+    assert _pieces(meta, _chunk_obj("fp", id=C)) == [("0:content", "a")]
+    event = {"type": "response.output_text.delta", "item_id": C, "output_index": 0, "content_index": 0, "delta": "hi"}
+    assert parse_response_event(event).fields == {"0:0:output_text": "hi", "0:other": C}

@@ -4,11 +4,17 @@ openai SDK (stream relaying: tests/test_gateway_relay.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import httpx
 import openai
 import pytest
 
+from gateway.app import create_app
+from gateway.relay.upstream_client import MockResponse, MockTransport, UpstreamClient
 from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, chat, settings_for, tenants, upstream, wait_for
+from tests.test_gateway_relay import GuardingVerifier, static_upstream
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -282,6 +288,16 @@ def test_models_readyz_healthz_metrics(gw, engine):
             b'{"object":"error","message":"pool full, retry","code":503}',
             {"message": "pool full, retry", "type": "server_error", "param": None, "code": None},
         ),
+        (  # the client's to hear (vLLM's answer to an unknown previous_response_id): not the gateway's key
+            404,
+            b'{"object":"error","message":"Response with id \'resp_1\' not found.","type":"NotFoundError","code":404}',
+            {
+                "message": "Response with id 'resp_1' not found.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            },
+        ),
     ],
 )
 def test_engine_error_bodies(gw, engine, status, body, want):
@@ -293,6 +309,99 @@ def test_engine_error_bodies(gw, engine, status, body, want):
             r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=stream))
             assert r.status_code == status
             assert error_of(r) == want
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "said"),
+    [
+        (401, b'{"error":"Unauthorized"}', "Unauthorized"),
+        (403, b'{"error":{"message":"Forbidden","type":"permission_error","code":"forbidden"}}', "Forbidden"),
+        (407, b'{"detail":"Proxy Authentication Required"}', "Proxy Authentication Required"),
+        (200, b'{"error":{"message":"invalid api key","type":"authentication_error","code":401}}', "invalid api key"),
+    ],
+    ids=["401", "403", "407", "code-401-in-200"],
+)
+def test_an_engine_refusing_the_gateways_credentials_is_a_502(gw, engine, caplog, status, body, said):
+    """An engine's 401, 403 or 407 (or an error object whose code is one) after the gateway
+    accepted the client's key: the gateway's own upstream key is wrong or rotated. Relayed under
+    its status before, so the client was told its key was bad (the openai SDK's
+    ``AuthenticationError``, which LiteLLM never retries); now a 502 ``upstream_unavailable``
+    naming the gateway's credentials, logged at error once a minute per upstream."""
+    engine.state.mode = "error"
+    engine.state.error_status = status
+    engine.state.error_body = body
+    code = status if status != 200 else 401
+    want = {
+        "message": f"The upstream engine refused the gateway's own credentials ({code}); "
+        f"the client's key was accepted. The engine said: {said}",
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_unavailable",
+    }
+    with caplog.at_level(logging.ERROR, logger="kvgate.proxy"), gw.client() as c:
+        for stream in (False, True, False):
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=5, stream=stream))
+            assert (r.status_code, error_of(r)) == (502, want)
+    logged = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "kvgate.proxy"]
+    assert logged == [
+        (
+            logging.ERROR,
+            f"upstream u1 refused the gateway's credentials ({code}): its api_key is wrong or was rotated; "
+            "its answers are 502 upstream_unavailable",
+        )
+    ]
+
+
+async def _answered(status: int, headers: list[dict[str, str]], strict: bool) -> list[httpx.Response]:
+    """Tenant a's chat request (strict or not) once per entry of ``headers``, each answered by an
+    engine's ``status`` with those headers (in-process: tests/test_gateway_relay.py's harness)."""
+    body = b'{"error":{"message":"engine busy","type":"rate_limit_error","code":"rate_limit_exceeded"}}'
+    answers = iter(headers)
+    app = create_app(
+        settings_for([static_upstream()]),
+        tenants(strict_verify=strict),
+        secrets=SECRETS,
+        verifier=GuardingVerifier("secret") if strict else None,
+    )
+    gw = app.state.gateway
+    handler = lambda q: MockResponse(status, {"content-type": "application/json", **next(answers)}, [body])  # noqa: E731
+    gw.forwarder = UpstreamClient(transport=MockTransport(handler))
+    await gw.start()
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app),
+            base_url="http://gateway.test",
+            headers={"authorization": f"Bearer {KEY_A}"},
+        ) as c:
+            return [await c.post("/v1/chat/completions", json=chat(max_tokens=5)) for _ in headers]
+    finally:
+        await gw.stop()
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["not-strict", "strict"])
+def test_an_engines_retry_after_on_429_and_503_is_passed_on(strict):
+    """An engine's 429 or 503 with ``Retry-After`` in seconds (0 to 3600): the client's error
+    answer carries it (under strict verification too: the gateway's own number, not the engine's
+    text). Anything else (an HTTP-date, a sign, a fraction, a unit, more than an hour, several
+    values) is dropped, as is the header of any other status. Before, every one was dropped."""
+    good = {"30": "30", "0": "0", "3600": "3600", " 007\t": "7"}
+    rs = asyncio.run(_answered(429, [{"retry-after": v} for v in good], strict))
+    assert [(r.status_code, r.headers.get("retry-after")) for r in rs] == [(429, w) for w in good.values()]
+    assert rs[0].json()["error"]["code"] == "rate_limit_exceeded"
+    if not strict:
+        assert error_of(rs[0]) == {
+            "message": "engine busy",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    bogus = ["Wed, 21 Oct 2015 07:28:00 GMT", "-1", "+5", "1.5", "5s", "3601", "99999999999", "", "30, 30", "\u0665"]
+    rs = asyncio.run(_answered(429, [{"retry-after": v} for v in bogus], strict))
+    assert [(r.status_code, r.headers.get("retry-after")) for r in rs] == [(429, None)] * len(bogus)
+    (r,) = asyncio.run(_answered(503, [{"retry-after": "5"}], strict))
+    assert (r.status_code, r.headers.get("retry-after")) == (503, "5")
+    (r,) = asyncio.run(_answered(500, [{"retry-after": "5"}], strict))
+    assert (r.status_code, r.headers.get("retry-after")) == (500, None)
 
 
 def test_an_engine_status_no_client_can_be_answered_with_is_a_502(gw, engine):

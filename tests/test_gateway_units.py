@@ -18,7 +18,7 @@ from gateway.relay.sse import SSEEventTooLarge, SSESplitter, data_of, inspect, s
 from gateway.relay.stream import Tally
 from gateway.routes import CHAT, COMPLETIONS
 from gateway.routes.handlers import request_id_of
-from verifier.engine_response import EngineOutput, engine_error
+from verifier.engine_response import EngineOutput, engine_error, strict_view
 
 
 # ---------------------------------------------------------------- pool formula
@@ -215,6 +215,38 @@ def test_engine_error_status_is_one_the_gateway_can_answer(status, body, want):
     """An engine's 600 or 999 reached the server layer, which knows no such status line: the
     client's connection was dropped and a KeyError logged as a 500."""
     assert engine_error(status, body).status == want
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "engine_status"),
+    [
+        (401, b'{"error":"Unauthorized"}', 401),
+        (403, b"", 403),
+        (407, b'{"detail":"Proxy Authentication Required"}', 407),
+        (200, b'{"error":{"message":"bad key","code":403}}', 403),  # an error event's or body's code
+        (200, b'{"object":"error","message":"bad key","code":401}', 401),
+    ],
+)
+def test_an_engine_refusing_the_gateways_credentials_is_502_upstream_unavailable(status, body, engine_status):
+    """401, 403 and 407 from an engine refuse the gateway's own key, not the client's: 502
+    ``upstream_unavailable`` (the engine's message after the gateway's words), not relayed."""
+    err = engine_error(status, body)
+    assert (err.status, err.code, err.type, err.param, err.engine_status) == (
+        502,
+        "upstream_unavailable",
+        None,
+        None,
+        engine_status,
+    )
+    assert err.message.startswith(f"The upstream engine refused the gateway's own credentials ({engine_status}); ")
+    assert engine_error(404, b'{"error":{"message":"no such response","code":404}}').status == 404
+
+
+def test_strict_view_keeps_the_gateways_retry_after():
+    err = engine_error(429, b'{"error":{"message":"tenant b: busy"}}')
+    err.headers = {"Retry-After": "30"}
+    view = strict_view(err)
+    assert (view.status, view.headers, "tenant b" in view.message) == (429, {"Retry-After": "30"}, False)
 
 
 # ---------------------------------------------------------------- parsing and validation

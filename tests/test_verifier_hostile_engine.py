@@ -642,6 +642,84 @@ def test_another_tenants_text_in_a_long_model_name_is_withheld(stack, stream):
     _leak_named(svc, n)
 
 
+def _sse(obj: Any) -> bytes:
+    """An event as the scripted engine writes it (``json.dumps``' separators)."""
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _withheld_tail(inc_id: str) -> bytes:
+    """What ends a strict stream withheld after it started: the error event and ``[DONE]``."""
+    withheld = {
+        "message": f"The response was withheld by verification (incident {inc_id}).",
+        "type": "server_error",
+        "param": None,
+        "code": "response_withheld",
+    }
+    return b"data: " + json.dumps({"error": withheld}, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def _fingerprint_events(fingerprints: list[str]) -> list[dict]:
+    """A chat stream whose first chunk says ``ok`` and whose every chunk carries the next of
+    ``fingerprints`` as its ``system_fingerprint`` (``id`` and ``model`` the same throughout)."""
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    events = [
+        {**chunk, "system_fingerprint": fp, "choices": [{"index": 0, "delta": {"content": "ok" if k == 0 else ""}}]}
+        for k, fp in enumerate(fingerprints)
+    ]
+    fin = {"index": 0, "delta": {}, "finish_reason": "stop"}
+    return [*events, {**chunk, "system_fingerprint": fingerprints[-1], "choices": [fin]}]
+
+
+@pytest.mark.timeout(60)
+def test_another_tenants_text_spread_over_a_streams_system_fingerprint_is_withheld(stack):
+    """A metadata field that changes from chunk to chunk: each chunk's ``system_fingerprint`` the
+    next 40 characters of the victim's passage, which a client joins (the openai SDK hands every
+    chunk's ``system_fingerprint`` on). Each was at most 256 characters, so each was skipped as
+    metadata, and a strict tenant got the whole passage with 200. Now a value is metadata only
+    while it equals the stream's first (:class:`verifier.engine_response.StreamMeta`): the leak
+    index finds the passage and the stream ends as any withheld stream does, nothing of it
+    released. An honest stream, the same fingerprint in every chunk, is relayed byte for byte."""
+    sc, svc, client = stack
+    honest = _fingerprint_events(["fp_0a1b2c3d"] * 12)
+    sc.events, sc.done = honest, True
+    status, raw = send(client, "s", "chat", True)
+    assert (status, raw) == (200, b"".join(map(_sse, honest)) + b"data: [DONE]\n\n")
+    leak = " ".join(VICTIM)
+    sc.events = _fingerprint_events([leak[i : i + 40] for i in range(0, len(leak), 40)])
+    before, n = svc.stats["withheld"], len(svc.incidents.recent)
+    status, raw = send(client, "s", "chat", True)
+    _leak_named(svc, n)
+    (inc,) = [i for i in svc.incidents.recent[n:] if i.withheld]
+    assert (status, raw) == (200, _withheld_tail(inc.id))
+    assert svc.stats["withheld"] == before + 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("field", ["id", "model"])
+def test_a_canary_in_an_answers_id_or_model_is_withheld(stack, field, stream):
+    """The victim's canary as the answer's ``id`` or ``model`` (in every chunk of a stream, the
+    same: the stream's first value): 30 characters, metadata's length, so it was never shown to
+    the guard. Every metadata string is now read for canaries whatever its length: a ``canary``
+    incident naming the victim, withheld."""
+    sc, svc, client = stack
+    meta = {"id": "chatcmpl-1", "model": "m", field: CANARY}
+    if stream:
+        chunk = {**meta, "object": "chat.completion.chunk"}
+        sc.events = [{**chunk, "choices": [{"index": 0, "delta": {"content": s}}]} for s in SAID]
+        sc.events.append({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        sc.done = True
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(SAID)}, "finish_reason": "stop"}
+        sc.body = {**meta, "object": "chat.completion", "choices": [choice]}
+    before, n = svc.stats["withheld"], len(svc.incidents.recent)
+    status, raw = send(client, "s", "chat", stream)
+    assert CANARY.encode() not in raw
+    _withheld(svc, before, status, raw, stream)
+    (inc,) = [i for i in svc.incidents.recent[n:] if i.detector == "canary"]
+    assert (inc.tenant, inc.confirmed, inc.withheld, inc.evidence["source_tenants"]) == ("s", True, True, ["victim"])
+
+
 @pytest.mark.timeout(60)
 def test_a_stream_chunk_carrying_a_message_instead_of_a_delta_is_withheld(stack):
     """A chunk whose choice holds a ``message`` (a whole answer's key): read as the chunk's text

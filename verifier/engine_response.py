@@ -50,7 +50,12 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
   ``type``, the audio's ``id`` / ``data``), is not text, and only while it is as short as
   metadata (:data:`META_MAX_CHARS`): before, those keys were skipped at any depth and any
   length, so an unknown field's ``{"id": ...}`` entries or a ``model`` holding a prompt went
-  unread.
+  unread. In a chat stream a metadata value is metadata only while it repeats the stream's
+  first value of its field (:class:`StreamMeta`, which the relay keeps): a changed value is
+  text, of the stream ``"-:<field>"`` (``"-:system_fingerprint"``, ``"-:choices.finish_reason"``).
+- canaries: a string read as none of the above (a metadata value, the audio's base64 ``data``,
+  a Responses ``encrypted_content``, a key name that is an identifier) is ``other`` text when it
+  holds a canary (:func:`has_canary`), whatever its length: a client receives it.
 
 A choice's index is its ``index`` when it is an integer (JSON's ``1.0`` included: the same number
 to every client), else its position.
@@ -60,7 +65,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -68,6 +73,7 @@ import orjson
 
 from config.errors import ErrorCode, OpenAIError, error_type_for_status
 from tokenizer.json_values import string_values
+from verifier.canary import CANARY_PREFIX, CANARY_RE, canary_text
 
 #: OpenAI ``error.type`` values passed through from an engine; any other becomes the status's type
 OPENAI_ERROR_TYPES = frozenset(
@@ -153,12 +159,17 @@ class StreamEvent(EngineOutput):
     hostile engine could put text there alone). Empty (and read-only) for chat. A Responses
     text stream's key is ``"<output index>:<part index>:<name>"`` (names: ``output_text``,
     ``refusal``, ``reasoning``, ``reasoning_summary``, ``arguments``, ...); its ``usage`` is given
-    in chat names."""
+    in chat names. ``meta``: a chat chunk's metadata strings not read as text (ids, ``model``,
+    ``system_fingerprint``, a role, a finish reason, ... of at most :data:`META_MAX_CHARS`), as
+    ``(name, value)``, which the relay holds against the stream's first values
+    (:class:`StreamMeta`); empty otherwise (a Responses event's are read for canaries where they
+    are)."""
 
     kind: str = "other"
     error: dict[str, Any] | None = None
     sequence_number: int | None = None
     snapshots: Mapping[str, str] = _NO_SNAPSHOTS
+    meta: Sequence[tuple[str, str]] = ()
 
     @property
     def starts(self) -> bool:
@@ -194,15 +205,27 @@ META_KEYS = frozenset(
 #: read as text: no honest id or name is that long, and a client receives whatever an engine
 #: puts there (a ``model`` of 1,100 characters holding another tenant's prompt was skipped)
 META_MAX_CHARS = 256
+
+
+def _named(where: str, *keys: str) -> dict[str, str]:
+    """Metadata keys of one place of a chat object -> the name a stream remembers each value
+    under, which is also the text stream a changed value is checked as (:class:`StreamMeta`)."""
+    return {k: f"-:{where}{k}" for k in keys}
+
+
 #: metadata of a chat/completions object, by where it sits (OpenAI's objects; vLLM's and
-#: SGLang's additions are read as text): every other string, at any depth, is text
-_TOP_META = frozenset({"id", "object", "created", "model", "system_fingerprint", "service_tier"})
-_CHOICE_META = frozenset({"index", "finish_reason", "stop_reason"})
-_MESSAGE_META = frozenset({"role"})
-_TOOL_META = frozenset({"id", "type", "index"})
-_PART_META = frozenset({"type"})
-_AUDIO_META = frozenset({"id", "expires_at"})
-_NO_META: frozenset[str] = frozenset()
+#: SGLang's additions are read as text): every other string, at any depth, is text. Each key maps
+#: to the name :class:`StreamMeta` remembers a stream's value under.
+_TOP_META = _named("", "id", "object", "created", "model", "system_fingerprint", "service_tier")
+_CHOICE_META = _named("choices.", "index", "finish_reason", "stop_reason")
+_MESSAGE_META = _named("message.", "role")
+_TOOL_META = _named("tool_calls.", "id", "type", "index")
+_PART_META = _named("content.", "type")
+_AUDIO_META = _named("audio.", "id", "expires_at")
+_NO_META: dict[str, str] = {}
+#: the read type (:func:`_rest`) of a string that is opaque data, not text (base64 audio,
+#: encrypted state), whatever its length: read only for canaries
+_OPAQUE_STR: tuple[type, ...] = (str,)
 #: keys read by name, with the type the named reader reads (a value of another type is read as
 #: ``other`` text: an engine whose ``content`` is an object, or whose ``arguments`` are, still has
 #: it checked); a key absent here is text or metadata
@@ -220,7 +243,7 @@ _MESSAGE_READ: dict[str, type | tuple[type, ...]] = {
 }
 _PART_READ: dict[str, type | tuple[type, ...]] = {"text": str, "refusal": str}
 #: ``data`` is the base64 audio (not text, whatever its length)
-_AUDIO_READ: dict[str, type | tuple[type, ...]] = {"transcript": str, "data": str}
+_AUDIO_READ: dict[str, type | tuple[type, ...]] = {"transcript": str, "data": _OPAQUE_STR}
 _TOOL_READ: dict[str, type | tuple[type, ...]] = {"function": dict}
 _FUNCTION_READ: dict[str, type | tuple[type, ...]] = {"name": str, "arguments": str}
 _LOGPROBS_READ: dict[str, type | tuple[type, ...]] = {
@@ -234,7 +257,7 @@ _ENTRY_READ: dict[str, type | tuple[type, ...]] = {"token": str, "top_logprobs":
 _ALTERNATIVE_READ: dict[str, type | tuple[type, ...]] = {"token": str, "bytes": list}
 #: an embeddings answer's ``data`` items (vectors or base64, not text)
 _EMBEDDING_READ: dict[str, type | tuple[type, ...]] = {"embedding": (list, str)}
-_EMBEDDING_META = frozenset({"object", "index"})
+_EMBEDDING_META = _named("data.", "object", "index")
 _TOP_READ: dict[str, type | tuple[type, ...]] = {"choices": list, "data": list}
 
 
@@ -245,10 +268,22 @@ _IDENTIFIER = re.compile(r"[A-Za-z0-9_$@][A-Za-z0-9_.:$@/-]{0,63}")
 
 @functools.lru_cache(maxsize=1024)
 def _is_text_key(key: str) -> bool:
-    """Whether a key name is text a client receives: not an identifier (:data:`_IDENTIFIER`);
-    :func:`_texts` reads such keys with the values. Remembered, as an engine's field names repeat
-    in every event."""
-    return _IDENTIFIER.fullmatch(key) is None
+    """Whether a key name is text a client receives: not an identifier (:data:`_IDENTIFIER`), or
+    one holding a canary (:func:`has_canary`: ``KVGATE-CANARY-`` and its hex digits are an
+    identifier's characters); :func:`_texts` reads such keys with the values. Remembered, as an
+    engine's field names repeat in every event."""
+    return _IDENTIFIER.fullmatch(key) is None or has_canary(key)
+
+
+def has_canary(text: str) -> bool:
+    """Whether ``text`` holds a whole canary, read as the canary scan reads text
+    (:func:`verifier.canary.canary_text`: a zero-width character between its letters, or a
+    full-width digit, is the same canary). What the readers show the guard of a string they do
+    not read as text (metadata, opaque data, identifier key names): a canary is evidence wherever
+    a client receives it, whatever the string's length."""
+    if text.isascii():
+        return CANARY_PREFIX in text and CANARY_RE.search(text) is not None
+    return CANARY_RE.search(canary_text(text)) is not None
 
 
 def _texts(value: Any, out: list[str]) -> None:
@@ -262,29 +297,99 @@ def _texts(value: Any, out: list[str]) -> None:
 _NUMBERS = (int, float, bool)
 
 
+#: a stream's metadata strings as a chunk carries them: ``(name, value)`` (:class:`StreamMeta`)
+Skipped = list[tuple[str, str]]
+
+
 def _meta(v: Any, out: list[str]) -> None:
     """A metadata field's value: nothing when it is what metadata holds (a number, a bool,
-    ``null``, a string of at most :data:`META_MAX_CHARS`); otherwise its strings are text."""
+    ``null``, a string of at most :data:`META_MAX_CHARS` without a canary); otherwise its strings
+    are text."""
     if isinstance(v, str):
-        if len(v) > META_MAX_CHARS:
+        if len(v) > META_MAX_CHARS or has_canary(v):
             out.append(v)
     elif isinstance(v, (dict, list)):
         _texts(v, out)
 
 
+class StreamMeta:
+    """A chat/completions stream's metadata as first sent, kept by the relay for the stream
+    (:mod:`gateway.relay.stream`), which holds each chunk's :attr:`StreamEvent.meta` against it
+    (:meth:`check`). An honest engine sends ``id``, ``object``, ``model`` and
+    ``system_fingerprint`` unchanged in every chunk (OpenAI's chunk format: every chunk has the
+    same ``id``; vLLM ``vllm/entrypoints/openai/serving_chat.py``,
+    ``chat_completion_stream_generator``, builds each chunk with ``id=request_id`` and
+    ``model=model_name``; SGLang ``python/sglang/srt/entrypoints/openai/serving_chat.py``, with
+    ``id=content["meta_info"]["id"]`` and ``model=request.model``), and a role, a tool call's
+    ``type`` and a finish reason alike. So a value is metadata only while it equals the first
+    value of its name in the stream: the first is read for canaries only (:func:`has_canary`), an
+    equal one costs a comparison, and from the first change on every value of that name is text,
+    checked as the text stream of its name (the first value joined to its first change: what a
+    client that joins the field rebuilds). Before, each value was skipped while at most
+    :data:`META_MAX_CHARS`, chunk by chunk: an engine sent another tenant's prompt 40 characters
+    a chunk in ``system_fingerprint``, and a strict tenant rebuilt it whole, none of it checked."""
+
+    __slots__ = ("_first", "_same")
+
+    def __init__(self) -> None:
+        #: name -> the stream's first value of it; ``None`` once a value differed
+        self._first: dict[str, str | None] = {}
+        #: the last chunk's metadata when each of its values was its name's first: an honest
+        #: chunk's equals it, checked in one comparison of the two lists
+        self._same: Sequence[tuple[str, str]] = ()
+
+    def check(self, meta: Sequence[tuple[str, str]], pieces: list[tuple[str, str]]) -> None:
+        """Hold one chunk's metadata strings ``meta`` (:attr:`StreamEvent.meta`) against the
+        stream's first values, and append what the guard must check to ``pieces`` (``(name,
+        text)``, as :attr:`EngineOutput.fields` items): a first value holding a canary, a changed
+        value (at its first change, joined after the first value)."""
+        if meta == self._same:
+            return
+        first = self._first
+        same = True
+        for name, v in meta:
+            f = first.get(name)
+            if f == v:
+                continue
+            if f is not None:  # the first change: the first value and this one, as a client joins them
+                first[name] = None
+                pieces.append((name, f + v))
+                same = False
+            elif name in first:  # changed before: every value is text
+                pieces.append((name, v))
+                same = False
+            else:
+                first[name] = v
+                if has_canary(v):
+                    pieces.append((name, v))
+        self._same = meta if same else ()
+
+
 def _rest(
-    obj: dict[str, Any], read: Mapping[str, type | tuple[type, ...]], meta: frozenset[str], out: list[str]
+    obj: dict[str, Any],
+    read: Mapping[str, type | tuple[type, ...]],
+    meta: Mapping[str, str],
+    out: list[str],
+    skipped: Skipped | None = None,
 ) -> None:
     """The strings of ``obj`` no named reader takes, into ``out``: a key of ``read`` whose value
-    has the type given there is read by name (skipped here), a key of ``meta`` is metadata
-    (:func:`_meta`), and every other value, whatever its type and depth, is text."""
+    has the type given there is read by name (skipped here; an opaque string, :data:`_OPAQUE_STR`,
+    only for canaries), a key of ``meta`` is metadata (:func:`_meta`), and every other value,
+    whatever its type and depth, is text. In a stream (``skipped`` given) a metadata string of at
+    most :data:`META_MAX_CHARS` goes to ``skipped`` unread, as ``(its name in meta, value)``: the
+    relay holds it against the stream's first value (:class:`StreamMeta`), which alone is read for
+    canaries."""
     for k, v in obj.items():
         t = read.get(k)
         if t is not None:
             if v is None or isinstance(v, t):
+                if t is _OPAQUE_STR and type(v) is str and has_canary(v):
+                    out.append(v)
                 continue
-        elif k in meta:
-            if v is not None:
+        elif (name := meta.get(k)) is not None:
+            if skipped is not None and type(v) is str and len(v) <= META_MAX_CHARS:
+                skipped.append((name, v))
+            elif v is not None:
                 _meta(v, out)
             continue
         elif _is_text_key(k):
@@ -315,17 +420,18 @@ def _is_index(v: Any) -> TypeGuard[int]:
 _Field = tuple[str, str, bool]
 
 
-def _choice_fields(choice: dict[str, Any], holder: str) -> tuple[list[_Field], list[str]]:
+def _choice_fields(choice: dict[str, Any], holder: str, skipped: Skipped | None) -> tuple[list[_Field], list[str]]:
     """``(field, text, counted)`` of one choice, in a fixed order (only string values, an empty
     string included), and the choice's ``other`` strings: every string no field reads that is
-    not metadata where it sits. ``holder``: ``message`` (whole) or ``delta`` (chunk); a chunk's
-    ``message`` (or a body's ``delta``) is read as ``other``."""
+    not metadata where it sits (a stream's metadata into ``skipped``: :func:`_meta`). ``holder``:
+    ``message`` (whole) or ``delta`` (chunk); a chunk's ``message`` (or a body's ``delta``) is
+    read as ``other``."""
     out: list[_Field] = []
     other: list[str] = []
-    _rest(choice, _CHOICE_READ[holder], _CHOICE_META, other)
+    _rest(choice, _CHOICE_READ[holder], _CHOICE_META, other, skipped)
     inner = choice.get(holder)
     if isinstance(inner, dict):
-        _message_fields(inner, out, other)
+        _message_fields(inner, out, other, skipped)
     text = choice.get("text")
     if isinstance(text, str):
         out.append(("text", text, True))
@@ -335,37 +441,37 @@ def _choice_fields(choice: dict[str, Any], holder: str) -> tuple[list[_Field], l
     return out, other
 
 
-def _message_fields(inner: dict[str, Any], out: list[_Field], other: list[str]) -> None:
+def _message_fields(inner: dict[str, Any], out: list[_Field], other: list[str], skipped: Skipped | None) -> None:
     """A ``message`` / ``delta``'s text streams: content (and its parts), reasoning, refusal,
     the audio transcript, tool calls, the legacy ``function_call``; the rest into ``other``."""
-    _rest(inner, _MESSAGE_READ, _MESSAGE_META, other)
+    _rest(inner, _MESSAGE_READ, _MESSAGE_META, other, skipped)
     content = inner.get("content")
     if isinstance(content, str):
         out.append(("content", content, True))
     elif isinstance(content, list):
-        _content_part_fields(content, out, other)
+        _content_part_fields(content, out, other, skipped)
     for name in _PLAIN_FIELDS:
         v = inner.get(name)
         if isinstance(v, str):
             out.append((name, v, True))
     audio = inner.get("audio")
     if isinstance(audio, dict):
-        _audio_fields(audio, out, other)
+        _audio_fields(audio, out, other, skipped)
     calls = inner.get("tool_calls")
     if isinstance(calls, list):
-        _tool_call_fields(calls, out, other)
+        _tool_call_fields(calls, out, other, skipped)
     fc = inner.get("function_call")
     if isinstance(fc, dict):
         _function_fields(fc, "function_call", out, other)
 
 
-def _audio_fields(audio: dict[str, Any], out: list[_Field], other: list[str]) -> None:
+def _audio_fields(audio: dict[str, Any], out: list[_Field], other: list[str], skipped: Skipped | None) -> None:
     if isinstance(audio.get("transcript"), str):
         out.append(("audio", audio["transcript"], True))
-    _rest(audio, _AUDIO_READ, _AUDIO_META, other)
+    _rest(audio, _AUDIO_READ, _AUDIO_META, other, skipped)
 
 
-def _content_part_fields(content: list[Any], out: list[_Field], other: list[str]) -> None:
+def _content_part_fields(content: list[Any], out: list[_Field], other: list[str], skipped: Skipped | None) -> None:
     """A list of content parts: its ``text`` parts as ``content``, its ``refusal`` parts as
     ``refusal``; a part that is not an object, and a part's other strings, into ``other``."""
     texts: list[str] = []
@@ -378,21 +484,21 @@ def _content_part_fields(content: list[Any], out: list[_Field], other: list[str]
             texts.append(p["text"])
         if isinstance(p.get("refusal"), str):
             refusals.append(p["refusal"])
-        _rest(p, _PART_READ, _PART_META, other)
+        _rest(p, _PART_READ, _PART_META, other, skipped)
     if texts:
         out.append(("content", "".join(texts), True))
     if refusals:
         out.append(("refusal", "".join(refusals), True))
 
 
-def _tool_call_fields(calls: list[Any], out: list[_Field], other: list[str]) -> None:
+def _tool_call_fields(calls: list[Any], out: list[_Field], other: list[str], skipped: Skipped | None) -> None:
     """``tool:<j>:name`` / ``tool:<j>:arguments`` of each tool call (``j``: its ``index``, else
     its position); a call that is not an object, and a call's other strings, into ``other``."""
     for pos, tc in enumerate(calls):
         if not isinstance(tc, dict):
             _texts(tc, other)
             continue
-        _rest(tc, _TOOL_READ, _TOOL_META, other)
+        _rest(tc, _TOOL_READ, _TOOL_META, other, skipped)
         fn = tc.get("function")
         if isinstance(fn, dict):
             _function_fields(fn, f"tool:{_index(tc.get('index'), pos)}", out, other)
@@ -519,10 +625,11 @@ def _token_bytes(v: Any) -> bytes | None:
     return bytes(v)
 
 
-def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> EngineOutput:
+def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput, skipped: Skipped | None = None) -> EngineOutput:
     """Fill ``out`` from a body or chunk ``obj`` (``holder``: ``message`` or ``delta``;
-    ``keep_empty``: empty strings are read as texts too). Strings outside the choices and the
-    metadata (a choice that is not an object, ``usage``'s, unknown keys') are ``"-:other"``."""
+    ``keep_empty``: empty strings are read as texts too; ``skipped``: a stream's metadata strings,
+    :func:`_meta`). Strings outside the choices and the metadata (a choice that is not an object,
+    ``usage``'s, unknown keys') are ``"-:other"``."""
     if not isinstance(obj, dict):
         return out
     top: list[str] = []
@@ -532,7 +639,7 @@ def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> Engine
         for c in choices:
             if isinstance(c, dict):
                 i = c.get("index")
-                _add_choice(out, c, i if type(i) is int else _index(i, position), holder, keep_empty)
+                _add_choice(out, c, i if type(i) is int else _index(i, position), holder, keep_empty, skipped)
                 position += 1
             else:
                 _texts(c, top)
@@ -540,10 +647,10 @@ def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> Engine
     if isinstance(data, list):  # embeddings: the vectors are not text, the rest is
         for item in data:
             if isinstance(item, dict):
-                _rest(item, _EMBEDDING_READ, _EMBEDDING_META, top)
+                _rest(item, _EMBEDDING_READ, _EMBEDDING_META, top, skipped)
             else:
                 _texts(item, top)
-    _rest(obj, _TOP_READ, _TOP_META, top)
+    _rest(obj, _TOP_READ, _TOP_META, top, skipped)
     if top:
         out.fields["-:other"] = " ".join(top)
     usage = obj.get("usage")
@@ -553,9 +660,11 @@ def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput) -> Engine
     return out
 
 
-def _add_choice(out: EngineOutput, c: dict[str, Any], key: int, holder: str, keep_empty: bool) -> None:
+def _add_choice(
+    out: EngineOutput, c: dict[str, Any], key: int, holder: str, keep_empty: bool, skipped: Skipped | None
+) -> None:
     """One choice's texts, fields and finish reason into ``out`` (a repeated index adds to its streams)."""
-    fields, other = _choice_fields(c, holder)
+    fields, other = _choice_fields(c, holder, skipped)
     for name, t, counted in fields:
         if not t and not keep_empty:
             continue
@@ -592,13 +701,15 @@ def parse_chunk_event(obj: Any) -> StreamEvent:
     """One chat/completions SSE event's ``data`` (already JSON-decoded) as a :class:`StreamEvent`:
     ``error`` (with the error's fields) for an engine error object (:func:`is_error_payload`),
     ``other`` for a JSON value that is not an object (its strings ``"-:other"`` text), else
-    ``chunk`` (:func:`parse_chunk`'s reading). Never raises."""
+    ``chunk`` (:func:`parse_chunk`'s reading, its short metadata strings in ``meta`` unread, for
+    the relay's :class:`StreamMeta`). Never raises."""
     if not isinstance(obj, dict):
         return _not_an_object(obj)
     if is_error_payload(obj):
         return StreamEvent(kind="error", error=_error_fields(obj))
-    out = StreamEvent(kind="chunk")
-    _parse(obj, "delta", False, out)
+    meta: Skipped = []
+    out = StreamEvent(kind="chunk", meta=meta)
+    _parse(obj, "delta", False, out, meta)
     return out
 
 
@@ -644,6 +755,35 @@ def _relayed_status(status: int) -> bool:
     return 400 <= status <= 599 and status != 499
 
 
+#: an engine's statuses that refuse the gateway's own credentials (its upstream ``api_key``, wrong
+#: or rotated): the client's key was accepted before the request went upstream, so they are not
+#: the client's to hear (the openai SDK raises ``AuthenticationError`` for a 401, and LiteLLM
+#: treats one as permanent); 404 is relayed (vLLM answers it for an unknown
+#: ``previous_response_id``, which the client sent)
+CREDENTIAL_STATUSES = frozenset({401, 403, 407})
+
+
+@dataclass
+class CredentialsRefused(OpenAIError):
+    """The 502 ``upstream_unavailable`` an engine's refusal of the gateway's credentials becomes
+    (:data:`CREDENTIAL_STATUSES`); ``engine_status``: the engine's status (or error code)."""
+
+    engine_status: int = 0
+
+
+def credentials_refused(status: int, message: str) -> CredentialsRefused:
+    """The error a client gets for an engine that refused the gateway's credentials with
+    ``status`` and ``message`` (the engine's, kept after the gateway's own words)."""
+    return CredentialsRefused(
+        502,
+        f"The upstream engine refused the gateway's own credentials ({status}); "
+        f"the client's key was accepted. The engine said: {message}",
+        code=ErrorCode.UPSTREAM_UNAVAILABLE,
+        from_engine=True,
+        engine_status=status,
+    )
+
+
 def engine_error(status: int, body: bytes | Any) -> OpenAIError:
     """An engine's error answer as an :class:`OpenAIError`.
 
@@ -655,7 +795,9 @@ def engine_error(status: int, body: bytes | Any) -> OpenAIError:
     :data:`MAX_ENGINE_MESSAGE_CHARS`; FastAPI's ``detail`` when there is none: a string, or the
     JSON text of another value), string ``code`` and ``param`` are kept; an OpenAI ``type`` is
     kept, any other (a list or object too) is replaced by the status's. A message naming "maximum
-    context length" without a code gets ``context_length_exceeded``."""
+    context length" without a code gets ``context_length_exceeded``. A status (or code) of
+    :data:`CREDENTIAL_STATUSES` is :func:`credentials_refused` (502 ``upstream_unavailable``): the
+    gateway's upstream credentials were refused, not the client's."""
     data = body
     if isinstance(body, (bytes, bytearray)):
         try:
@@ -670,6 +812,8 @@ def engine_error(status: int, body: bytes | Any) -> OpenAIError:
     raw_code = e.get("code")
     if not _relayed_status(status):
         status = raw_code if status < 400 and isinstance(raw_code, int) and _relayed_status(raw_code) else 502
+    if status in CREDENTIAL_STATUSES:
+        return credentials_refused(status, message[:MAX_ENGINE_MESSAGE_CHARS])
     code = raw_code if isinstance(raw_code, str) and raw_code else None
     if code is None and "maximum context length" in message:
         code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
@@ -704,12 +848,15 @@ def strict_view(err: OpenAIError) -> OpenAIError:
     """What a tenant with strict verification is told of an engine's error ``err``: its status
     and type, its code when it is a plain identifier (``context_length_exceeded``), and a message
     of the gateway's own. The engine's message and param are text no verifier checked, and an
-    engine that mixed up requests can put another tenant's prompt there as well as in an answer."""
+    engine that mixed up requests can put another tenant's prompt there as well as in an answer.
+    Its headers (the gateway's own: a ``Retry-After`` it checked) are kept."""
     code = err.code if err.code is not None and _CODE.fullmatch(err.code) else None
     message = (
         f"The upstream engine answered an error ({err.status}); its message is not shown under strict verification."
     )
-    return OpenAIError(err.status, message, code=code, type=err.type or error_type_for_status(err.status))
+    return OpenAIError(
+        err.status, message, code=code, type=err.type or error_type_for_status(err.status), headers=err.headers
+    )
 
 
 # ------------------------------------------------------------------ /v1/responses
@@ -766,7 +913,10 @@ COUNTED_STREAMS = frozenset(
 _END = object()
 
 #: Responses fields that are opaque whatever their length (a reasoning item's encrypted state)
-_OPAQUE: dict[str, type | tuple[type, ...]] = {"encrypted_content": str}
+_OPAQUE: dict[str, type | tuple[type, ...]] = {"encrypted_content": _OPAQUE_STR}
+#: :data:`RESPONSE_META_KEYS` as :func:`_rest` reads metadata (a Responses stream's values are
+#: not remembered: each is read for canaries where it is, :func:`_meta`)
+_RESPONSE_META = dict.fromkeys(RESPONSE_META_KEYS, "")
 
 
 def _rread(*keys: str) -> dict[str, type | tuple[type, ...]]:
@@ -781,7 +931,7 @@ def _rother(obj: dict[str, Any], read: Mapping[str, type | tuple[type, ...]] = _
     below it, in whatever field, is text (before, those keys were skipped at any depth: an
     unknown field's ``{"status": ...}`` entries hid a text)."""
     out: list[str] = []
-    _rest(obj, read, RESPONSE_META_KEYS, out)
+    _rest(obj, read, _RESPONSE_META, out)
     return " ".join(out)
 
 

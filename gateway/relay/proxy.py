@@ -11,7 +11,10 @@ logs. The transport (ASGI messages, client disconnect, the status) is
   connect timeout, pool full) moves to the next before any byte is sent; the last failure is 503
   ``upstream_unavailable`` (504 ``upstream_timeout`` when it timed out);
 - an engine's non-200 answer, or a JSON answer to a stream request, is mapped to the OpenAI
-  shape with the engine's status (:func:`verifier.engine_response.engine_error`);
+  shape with the engine's status (:func:`verifier.engine_response.engine_error`), its 429's or
+  503's ``Retry-After`` kept when it is a number of seconds (:func:`retry_after`); an engine that
+  refuses the gateway's own credentials (401, 403, 407) is 502 ``upstream_unavailable``, logged
+  at error once a minute per upstream (:func:`credentials_refused`);
 - :func:`gateway.relay.stream.relay_stream` relays a stream in its route's protocol
   (:mod:`gateway.relay.stream_protocol`); the stream cut by the engine or the transport raises
   :class:`~config.errors.OpenAIError` (the response shell turns it into the protocol's error
@@ -26,13 +29,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
+import weakref
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import orjson
 
+from config.background import Repeats, since_text
 from config.errors import ErrorCode, OpenAIError
 from config.models import Settings
 from gateway.admission.admit import Admitted
@@ -60,7 +66,7 @@ from gateway.relay.upstream_client import (
     UpstreamResponse,
 )
 from gateway.relay.upstreams import Upstream, UpstreamSet
-from verifier.engine_response import engine_error
+from verifier.engine_response import CredentialsRefused, engine_error
 from verifier.stage import ResponseGuard, ResponseWithheld, VerifierStage
 
 log = logging.getLogger("kvgate.proxy")
@@ -206,6 +212,9 @@ async def relay(ctx: RelayContext, outcome: RelayOutcome) -> AsyncGenerator[Chun
         raise withheld_error(w) from None
     except SSEEventTooLarge as e:
         raise event_too_large(outcome, e) from None
+    except CredentialsRefused as e:
+        credentials_refused(outcome, e)
+        raise
     finally:
         outcome.produced = tally.result()
         if outcome.upstream is not None:
@@ -335,6 +344,52 @@ def _transport_error(ctx: RelayContext, outcome: RelayOutcome, e: UpstreamError,
     return OpenAIError(502, f"The upstream engine {what} ({type(e).__name__}).", code=ErrorCode.UPSTREAM_UNAVAILABLE)
 
 
+#: the longest ``Retry-After`` of an engine's passed on to a client (seconds)
+MAX_RETRY_AFTER_SECONDS = 3600
+_DELAY_SECONDS = re.compile(r"[0-9]{1,10}")
+
+
+def retry_after(value: str | None) -> str | None:
+    """An engine's ``Retry-After`` as the gateway passes it on: its delay in seconds (RFC 9110
+    10.2.3 ``delay-seconds``, leading zeros dropped) when that is from 0 to
+    :data:`MAX_RETRY_AFTER_SECONDS`; ``None`` for anything else (absent, an HTTP-date, a
+    fraction, a sign, a longer wait), which is dropped. Before, every engine's was dropped: a
+    client told 429 or 503 retried at once, or after its own back-off."""
+    if value is None:
+        return None
+    v = value.strip(" \t")
+    if _DELAY_SECONDS.fullmatch(v) is None or int(v) > MAX_RETRY_AFTER_SECONDS:
+        return None
+    return str(int(v))
+
+
+#: per upstream, when its refusals of the gateway's credentials were last logged (:func:`credentials_refused`)
+_REFUSALS: weakref.WeakKeyDictionary[Upstream, Repeats] = weakref.WeakKeyDictionary()
+
+
+def credentials_refused(outcome: RelayOutcome, e: CredentialsRefused) -> None:
+    """Log an engine's refusal of the gateway's own credentials (its 401, 403 or 407: the
+    upstream's ``api_key`` is wrong or was rotated) at error, once a minute per upstream with a
+    count of those since (:class:`config.background.Repeats`): every request to it fails alike
+    until an operator fixes the key."""
+    u = outcome.upstream
+    if u is None:
+        return
+    repeats = _REFUSALS.get(u)
+    if repeats is None:
+        repeats = _REFUSALS[u] = Repeats()
+    since = repeats.due(e)
+    if since is not None:
+        log.error(
+            "upstream %s refused the gateway's credentials (%d): its api_key is wrong or was rotated; "
+            "its answers are 502 upstream_unavailable%s",
+            u.name,
+            e.engine_status,
+            since_text(since),
+            extra={"fields": {"request_id": outcome.admitted.arrival.request_id, "upstream": u.name}},
+        )
+
+
 def is_event_stream(content_type: str) -> bool:
     """Whether a ``Content-Type`` value names ``text/event-stream``, whatever its case and
     parameters (RFC 9110 8.3.1: type and subtype are case-insensitive)."""
@@ -356,7 +411,11 @@ async def _check_answer(ctx: RelayContext, outcome: RelayOutcome, resp: Upstream
         except UpstreamError:
             raw = b""
         ctx.metrics.upstream_errors.labels(name, f"http_{resp.status_code}").inc()
-        raise engine_error(resp.status_code, raw)
+        err = engine_error(resp.status_code, raw)
+        wait = retry_after(resp.headers.get("retry-after")) if resp.status_code in (429, 503) else None
+        if wait is not None:
+            err.headers = {"Retry-After": wait}
+        raise err
     if coded:
         ctx.metrics.upstream_errors.labels(name, "content_encoding").inc()
         raise OpenAIError(

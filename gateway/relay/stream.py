@@ -49,7 +49,7 @@ from gateway.relay.sse import (
 from gateway.relay.stream_protocol import CHAT_SSE, RESPONSES_SSE, StreamProtocol, read_response_event
 from gateway.relay.upstream_client import RemoteProtocolError, UpstreamError, UpstreamResponse
 from verifier.drift import reported_count
-from verifier.engine_response import EngineOutput, StreamEvent, engine_error, strict_view
+from verifier.engine_response import EngineOutput, StreamEvent, StreamMeta, engine_error, strict_view
 from verifier.stage import MAX_PROMPT_TOKENS_REPORTED, ResponseGuard, StreamUsage
 
 log = logging.getLogger("kvgate.proxy")
@@ -288,6 +288,7 @@ class _Events:
         "etype",
         "guard",
         "hold",
+        "meta",
         "one_prompt",
         "protocol",
         "raw",
@@ -314,6 +315,7 @@ class _Events:
         elif protocol is RESPONSES_SSE:  # a text event whose indexes clients group apart is refused
             self.read = partial(read_response_event, odd=self._odd_response)
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
+        self.meta = StreamMeta()  # the chunks' metadata as first sent (a changed value is text)
         self.done = False  # the protocol's end marker came
         self.errored = False  # an engine error event came (after the response started)
         self.raw = b""  # the bytes to relay of the event :meth:`_take` returned
@@ -423,9 +425,13 @@ class _Events:
         return raw
 
     def _pieces(self, ev: StreamEvent) -> list[tuple[str, str]]:
-        """What the guard checks of ``ev``: its text streams, and (protocols with snapshots) the
-        text it repeats where that differs from the deltas streamed under the same key."""
+        """What the guard checks of ``ev``: its text streams, its metadata where it differs from
+        the stream's first (or holds a canary: :class:`~verifier.engine_response.StreamMeta`),
+        and (protocols with snapshots) the text it repeats where that differs from the deltas
+        streamed under the same key."""
         pieces = list(ev.fields.items())
+        if ev.meta:
+            self.meta.check(ev.meta, pieces)
         if not self.protocol.checks_snapshots:
             return pieces
         streamed = self.streamed
