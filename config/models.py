@@ -38,6 +38,18 @@ MAX_TTL_SECONDS = 365 * 24 * 3600.0
 MAX_LIMIT = (1 << 53) - 1
 
 
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """``(scheme, host, port)`` of ``url``, lowercased, the scheme's default port filled in (as
+    :func:`gateway.admission.registry.engine_api_key` matches a tokenizer to its upstream)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:
+        port = None
+    return scheme, (parts.hostname or "").lower(), port
+
+
 def _numeric_not_bool(annotation: Any) -> bool:
     """Whether a field of this type takes a number but no boolean (``int``, ``float | None``, ...)."""
     args = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
@@ -489,6 +501,37 @@ class Settings(_Strict):
                     "model elsewhere"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _chats_countable(self) -> Settings:
+        """No chat model (``task: chat``) is counted by SGLang's ``/v1/tokenize`` (``kind: engine``,
+        ``engine_api: sglang``), which takes no ``messages`` (docs/tokenizer.md, "engine"): every
+        chat would be a 502 ``upstream_unavailable`` while ``/readyz`` says 200. The bundled
+        backend (engine ``kvgate``) takes ``messages`` on that path, so a model it counts loads;
+        which engine answers is :meth:`_tokenize_engines`'s reading."""
+        for i, m in enumerate(self.models):
+            tok = m.tokenizer
+            if m.task != "chat" or tok.kind != "engine" or tok.engine_api != "sglang":
+                continue
+            engines = self._tokenize_engines(m)
+            if "sglang" in engines and "kvgate" not in engines:
+                raise ValueError(
+                    f"models[{i}].tokenizer: model '{m.id}' serves chats (task: chat), but kind 'engine' with "
+                    "engine_api 'sglang' asks SGLang's /v1/tokenize, which takes no messages: every chat request "
+                    "would answer 502 upstream_unavailable. Count it with the model's own tokenizer files (kind: hf, "
+                    "path: a folder with its tokenizer.json and tokenizer_config.json) or with vLLM's /tokenize "
+                    "(engine_api: vllm, url: a vLLM server of the model)"
+                )
+        return self
+
+    def _tokenize_engines(self, m: ModelConfig) -> set[str | None]:
+        """The engines behind ``m.tokenizer.url`` as far as the settings say: those of the upstreams
+        whose ``api_url`` has its scheme, host and port, else (none has) those of the upstreams
+        serving ``m``."""
+        want = _origin(m.tokenizer.url or "")
+        at: set[str | None] = {u.engine for u in self.upstreams if _origin(u.api_url) == want}
+        names = {m.id, *m.aliases}
+        return at or {u.engine for u in self.upstreams if names.intersection(u.models)}
 
     def _bundled_backend_models(self) -> list[tuple[str, UpstreamConfig, ModelConfig]]:
         """``(key path, upstream, model)`` for each model an upstream whose engine is the bundled

@@ -99,7 +99,7 @@ async def test_engine_tokenize_calls_carry_the_key(engine):
         bad = make_counter(cfg, "m")
         with pytest.raises(EngineTokenizeError) as ei:
             await bad.acount_prompt("hello")
-        assert ei.value.status == 502 and ei.value.message.endswith("answered HTTP 401")
+        assert ei.value.status == 502 and ei.value.detail.endswith("answered HTTP 401")
         assert seen == [f"Bearer {KEY}", None]
         await good.aclose()
         await bad.aclose()
