@@ -1,7 +1,9 @@
 """Operator mistakes the settings loader used to accept in silence: an environment override
 misspelt so that it was never read (``KVGATE_GATEWAY_PORT=9000``: one underscore, and the gateway
-listened on 8080), and a pool poll interval no shorter than the pool's staleness bound (every
-reading stale before the next poll: admission and /readyz 503 between polls)."""
+listened on 8080), a pool poll interval no shorter than the pool's staleness bound (every
+reading stale before the next poll: admission and /readyz 503 between polls), and a chat model
+counted by SGLang's /v1/tokenize, which takes no messages (every chat a 502 while /readyz said 200:
+the Helm chart's minimal example did it)."""
 
 from __future__ import annotations
 
@@ -253,3 +255,98 @@ def test_the_shipped_settings_poll_well_before_stale():
     s = load_settings(environ={})
     assert (s.pool.poll_interval_seconds, s.pool.max_staleness_seconds) == (5, 30)
     assert Settings().pool.poll_interval_seconds < Settings().pool.max_staleness_seconds
+
+
+# ---------------------------------------------------------------- chats counted by SGLang's /v1/tokenize
+SGLANG_CHATS = (
+    "models[0].tokenizer: model 'llama' serves chats (task: chat), but kind 'engine' with engine_api 'sglang' "
+    "asks SGLang's /v1/tokenize, which takes no messages: every chat request would answer 502 "
+    "upstream_unavailable. Count it with the model's own tokenizer files (kind: hf, path: a folder with its "
+    "tokenizer.json and tokenizer_config.json) or with vLLM's /tokenize (engine_api: vllm, url: a vLLM server "
+    "of the model)"
+)
+SGLANG_MODEL = """\
+models:
+  - id: llama
+    context_length: 8192
+    tokenizer:
+      kind: engine
+      url: http://sglang.llm.svc:30000
+      engine_api: sglang
+upstreams:
+  - name: sglang
+    api_url: http://sglang.llm.svc:30000/v1
+    pool_source: sglang
+    pool_urls: [http://sglang.llm.svc:30000/server_info]
+    models: [llama]
+"""
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"      engine_api: sglang\n": ""},  # sglang is engine_api's default
+        {"    context_length: 8192\n": "    context_length: 8192\n    task: chat\n"},
+        # the tokenizer's URL is no upstream's: the model's upstreams say which engine answers
+        {"      url: http://sglang.llm.svc:30000\n": "      url: http://sglang-tok.llm.svc:30000\n"},
+        # the url's upstream is SGLang, also named by engine rather than pool_source
+        {"    pool_source: sglang\n": "    pool_source: static\n    static_pool_tokens: 8192\n    engine: sglang\n"},
+    ],
+)
+def test_a_chat_model_counted_by_sglangs_tokenize_is_refused(tmp_path, change):
+    text = SGLANG_MODEL
+    for old, new in change.items():
+        assert old in text
+        text = text.replace(old, new)
+    line = text.splitlines().index("    tokenizer:") + 1  # the key path's line
+    assert problems(write(tmp_path, text), {}) == f"{tmp_path / 'kvgate.yaml'}: line {line}: {SGLANG_CHATS}"
+
+
+def test_upstreams_from_the_environment_count_too(tmp_path):
+    """The Helm chart passes upstreams with an engine key through ``KVGATE_UPSTREAMS``."""
+    p = write(tmp_path, SGLANG_MODEL.replace("pool_source: sglang", "pool_source: vllm"))
+    assert load_settings(p, environ={}).models[0].tokenizer.engine_api == "sglang"  # vLLM there: not SGLang's
+    ups = '[{"name": "s", "api_url": "http://sglang.llm.svc:30000/v1", "pool_source": "sglang", "pool_urls": ["x"], '
+    ups += '"models": ["llama"]}]'
+    assert problems(p, {"KVGATE_UPSTREAMS": ups}) == f"{p}: line 4: {SGLANG_CHATS}"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # the bundled backend's router takes messages on /v1/tokenize (the Helm chart's backend model)
+        {"    pool_source: sglang\n": "    pool_source: kvgate\n"},
+        {"engine_api: sglang": "engine_api: vllm"},  # vLLM's /tokenize renders chats
+        {
+            "      kind: engine\n      url: http://sglang.llm.svc:30000\n      engine_api: sglang\n": (
+                "      kind: hf\n      path: /models/llama\n"
+            )
+        },
+        {"    context_length: 8192\n": "    context_length: 8192\n    task: embedding\n"},  # no chats
+        # a URL that is no upstream's and a model no SGLang upstream serves: nothing says SGLang
+        {
+            "      url: http://sglang.llm.svc:30000\n": "      url: http://tok.llm.svc:30000\n",
+            "models: [llama]": "models: []",
+        },
+    ],
+)
+def test_chats_counted_elsewhere_load(tmp_path, change):
+    text = SGLANG_MODEL
+    for old, new in change.items():
+        assert old in text
+        text = text.replace(old, new)
+    assert load_settings(write(tmp_path, text), environ={}).models[0].id == "llama"
+
+
+def test_kvgate_serve_exits_2_naming_it(tmp_path, capsys, monkeypatch):
+    """At start, before any request: the pod's log says why, where /readyz used to say 200."""
+    from gateway.commands import serve
+
+    for k in [k for k in os.environ if k.startswith("KVGATE_")]:
+        monkeypatch.delenv(k)
+    p = write(tmp_path, SGLANG_MODEL)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert serve.run(parser.parse_args(["--config", str(p), "--tenants", str(tmp_path / "tenants.yaml")])) == 2
+    assert capsys.readouterr().err == f"kvgate serve: {p}: line 4: {SGLANG_CHATS}\n"

@@ -10,6 +10,10 @@ exact values, plus two behaviours of kvgate the chart relies on, run here.
   are refused;
 - values.schema.json refuses misspelt kvgate.yaml keys (drift-checked against config.models) and
   secrets that would land in the ConfigMap or a plain env value;
+- ``tenants.existingSecret`` naming a Secret the chart renders itself is refused (kubectl could
+  not create it, and the upgrade would delete the Secret the pods mount);
+- every example that counts with a tokenizer folder (``kind: hf``: SGLang's /v1/tokenize takes no
+  chats) mounts it read-only;
 - pods carry the recommended version and managed-by labels; ``image.digest`` pins an image;
 - a tenants file mounted from a Secret (the kubelet swaps a ``..data`` symlink) is reloaded.
 
@@ -272,6 +276,51 @@ def test_schema_config_keys_follow_kvgate_settings() -> None:
     assert _schema_keys(models["properties"]["images"]) == set(ImagePolicy.model_fields)
     tenant = schema["properties"]["tenants"]["properties"]["list"]["items"]
     assert _schema_keys(tenant) == set(TenantConfig.model_fields)
+
+
+def _own_secret_refusal(name: str) -> str:
+    return (
+        f'Error: execution error at (kvgate/templates/configmap.yaml:1:4): tenants.existingSecret "{name}" is a '
+        f"Secret this chart renders and Helm owns ({FULLNAME}-tenants: tenants.list and the first tenant; "
+        f"{FULLNAME}-secrets: the generated keys): creating it with kubectl fails (AlreadyExists), and naming "
+        f"{FULLNAME}-tenants here stops the chart rendering it, so the upgrade deletes the Secret the pods mount. "
+        "Put your tenants file in a Secret of another name, e.g. kvgate-my-tenants"
+    )
+
+
+def test_tenants_existing_secret_of_the_charts_own_name_is_refused() -> None:
+    """docs/deployment.md used to create ``kvgate-tenants`` with kubectl and upgrade with
+    ``tenants.existingSecret=kvgate-tenants``: the chart's own Secret of that name made the create
+    fail (AlreadyExists), and the upgrade, no longer rendering it, would have deleted it while the
+    Deployment mounted that name."""
+    for name in (f"{FULLNAME}-tenants", f"{FULLNAME}-secrets"):
+        err = render_fails("minimal", f"tenants.existingSecret={name}")
+        assert err.splitlines()[0] == _own_secret_refusal(name)
+    objs = render("minimal", "tenants.existingSecret=kvgate-my-tenants")
+    volumes = {v["name"]: v for v in one(objs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tenants"]["secret"]["secretName"] == "kvgate-my-tenants"
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "Secret"] == [f"{FULLNAME}-secrets"]
+
+
+def test_tokenizer_folders_are_mounted_read_only() -> None:
+    """An example counting with the model's tokenizer files (``kind: hf``) mounts the folder from a
+    volume of its own, read-only, in the gateway container; none asks SGLang's /v1/tokenize."""
+    folders = 0
+    for example in EXAMPLES:
+        objs = render(example.stem.removeprefix("values-"))
+        spec = one(objs, "Deployment")["spec"]["template"]["spec"]
+        mounts = gateway_container(objs)["volumeMounts"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for m in yaml.safe_load(one(objs, "ConfigMap")["data"]["kvgate.yaml"])["models"]:
+            tok = m.get("tokenizer", {})
+            assert (tok.get("kind"), tok.get("engine_api", "sglang")) != ("engine", "sglang"), (example.name, m["id"])
+            if tok.get("kind") != "hf":
+                continue
+            (mount,) = [x for x in mounts if tok["path"].startswith(x["mountPath"].rstrip("/") + "/")]
+            assert mount["readOnly"] is True
+            assert volumes[mount["name"]]["persistentVolumeClaim"]["readOnly"] is True
+            folders += 1
+    assert folders == 2  # values-minimal.yaml and values-cluster.yaml, both in front of SGLang
 
 
 # ---------------------------------------------------------------------------------------- labels and images

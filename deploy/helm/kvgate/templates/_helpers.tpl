@@ -234,6 +234,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (not .Values.upstreams) (not .Values.backend.enabled) -}}
 {{- fail "no upstreams: list your engines under upstreams, or set backend.enabled" -}}
 {{- end -}}
+{{- $own := list (printf "%s-tenants" (include "kvgate.fullname" .)) (include "kvgate.secretName" .) -}}
+{{- if has .Values.tenants.existingSecret $own -}}
+{{- fail (printf "tenants.existingSecret %q is a Secret this chart renders and Helm owns (%s: tenants.list and the first tenant; %s: the generated keys): creating it with kubectl fails (AlreadyExists), and naming %s here stops the chart rendering it, so the upgrade deletes the Secret the pods mount. Put your tenants file in a Secret of another name, e.g. kvgate-my-tenants" .Values.tenants.existingSecret (index $own 0) (index $own 1) (index $own 0)) -}}
+{{- end -}}
 {{- $quotasOn := ternary ($cfg.quotas | default dict).enabled true (hasKey ($cfg.quotas | default dict) "enabled") -}}
 {{- $verifierOn := ternary ($cfg.verifier | default dict).enabled true (hasKey ($cfg.verifier | default dict) "enabled") -}}
 {{- if and (eq .Values.redis.mode "none") (or $quotasOn $verifierOn) -}}
