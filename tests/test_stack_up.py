@@ -330,3 +330,42 @@ def test_the_banner_names_its_log_and_tenant_files_by_absolute_path(tmp_path, mo
     text = banner(stack, 3276)  # type: ignore[arg-type]
     assert f"  logs:             {tmp_path}/.kvgate/run/backend.log, gateway.log\n" in text
     assert f"SIGHUP reloads the tenants file ({tmp_path}/my.yaml).\n" in text
+
+
+def test_up_with_a_tenants_file_of_its_own_lists_the_keys_it_accepts(tmp_path, monkeypatch) -> None:
+    """``kvgate up --tenants`` a file made by ``kvgate tenant add`` (no demo tenant): the banner's
+    limit was read with ``sk-demo-a``, whose 401 ended ``kvgate up`` (exit 1) once the stack was
+    up. The banner now lists the demo keys the gateway accepts, and none when it accepts none."""
+    from types import SimpleNamespace
+
+    import httpx
+
+    from gateway.commands import up
+
+    stack = SimpleNamespace(
+        gateway_url="http://127.0.0.1:8080",
+        model="kvgate-tiny",
+        options=SimpleNamespace(echo_logs=True),
+        run_dir=tmp_path,
+        tenants_path=tmp_path / "mine.yaml",
+    )
+    models = {"data": [{"id": "kvgate-tiny", "max_model_len": 3276}]}
+    accepted: set[str] = set()
+
+    def answer(_stack, key):
+        request = httpx.Request("GET", "http://127.0.0.1:8080/v1/models")
+        return (
+            httpx.Response(200, json=models, request=request)
+            if key in accepted
+            else httpx.Response(401, request=request)
+        )
+
+    monkeypatch.setattr(up, "_models", answer)
+    assert up.demo_access(stack) == ({}, None)  # type: ignore[arg-type]
+    text = up.banner(stack, None, {})  # type: ignore[arg-type]
+    assert f"  API keys:         those of your tenants ({tmp_path}/mine.yaml; the demo keys are not in it)\n" in text
+    assert '-H "Authorization: Bearer $YOUR_KEY"' in text and "model:            kvgate-tiny\n" in text
+    accepted.add("sk-demo-b")
+    assert up.demo_access(stack) == ({"demo-b": "sk-demo-b"}, 3276)  # type: ignore[arg-type]
+    text = up.banner(stack, 3276, {"demo-b": "sk-demo-b"})  # type: ignore[arg-type]
+    assert "  API keys:         demo-b: sk-demo-b\n" in text and '-H "Authorization: Bearer sk-demo-b"' in text

@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -150,23 +151,54 @@ def start_stack(options: StackOptions, prog: str) -> EmbeddedStack:
     return stack
 
 
-def effective_limit(stack: EmbeddedStack, key: str) -> int | None:
-    """The tenant's effective limit now: ``max_model_len`` of the served model in the gateway's
-    ``GET /v1/models`` (``None`` if the gateway does not say)."""
-    r = httpx.get(
+def _models(stack: EmbeddedStack, key: str) -> httpx.Response:
+    """The gateway's ``GET /v1/models`` as the tenant of ``key`` sees it."""
+    return httpx.get(
         stack.gateway_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10, trust_env=False
     )
-    r.raise_for_status()
-    for m in r.json().get("data", []):
+
+
+def _limit_in(stack: EmbeddedStack, models: Any) -> int | None:
+    """``max_model_len`` of the served model in a ``/v1/models`` answer (``None`` if it says none)."""
+    for m in models.get("data", []) if isinstance(models, dict) else []:
         if m.get("id") == stack.model and isinstance(m.get("max_model_len"), int):
             return int(m["max_model_len"])
     return None
 
 
-def banner(stack: EmbeddedStack, limit: int | None) -> str:
-    """What ``kvgate up`` prints once the stack is ready: URL, keys, a curl example, how to stop."""
+def effective_limit(stack: EmbeddedStack, key: str) -> int | None:
+    """The tenant's effective limit now: ``max_model_len`` of the served model in the gateway's
+    ``GET /v1/models`` (``None`` if the gateway does not say). Raises ``httpx.HTTPStatusError``
+    when the gateway refuses ``key``."""
+    r = _models(stack, key)
+    r.raise_for_status()
+    return _limit_in(stack, r.json())
+
+
+def demo_access(stack: EmbeddedStack) -> tuple[dict[str, str], int | None]:
+    """``(tenant -> key, limit)``: the demo tenants (:data:`DEMO_KEYS`) whose key the running
+    gateway accepts, and the effective limit the first of them sees. A tenants file of the
+    operator's own may hold none of them: then ``({}, None)``, and the banner says so."""
+    keys: dict[str, str] = {}
+    limit = None
+    for tenant, key in DEMO_KEYS.items():
+        r = _models(stack, key)
+        if r.status_code == 401:
+            continue
+        r.raise_for_status()
+        keys[tenant] = key
+        limit = _limit_in(stack, r.json()) if limit is None else limit
+    return keys, limit
+
+
+def banner(stack: EmbeddedStack, limit: int | None, keys: dict[str, str] = DEMO_KEYS) -> str:
+    """What ``kvgate up`` prints once the stack is ready: URL, ``keys`` (the demo tenants' the
+    gateway accepts), a curl example, how to stop."""
     url = stack.gateway_url
-    keys = "   ".join(f"{tenant}: {key}" for tenant, key in DEMO_KEYS.items())
+    tenants_path = stack.tenants_path.resolve()
+    listed = "   ".join(f"{tenant}: {key}" for tenant, key in keys.items())
+    listed = listed or f"those of your tenants ({tenants_path}; the demo keys are not in it)"
+    example_key = next(iter(keys.values()), "$YOUR_KEY")
     limit_text = f" (effective context limit now: {limit} tokens)" if limit else ""
     run_dir = stack.run_dir.resolve()  # read from another terminal, whose directory may be anywhere
     logs = "" if stack.options.echo_logs else f"\n  logs:             {run_dir}/backend.log, gateway.log"
@@ -174,14 +206,14 @@ def banner(stack: EmbeddedStack, limit: int | None) -> str:
   kvgate is up.
   OpenAI base URL:  {url}/v1
   model:            {stack.model}{limit_text}
-  API keys:         {keys}
+  API keys:         {listed}
   metrics:          {url}/metrics{logs}
 
   curl {url}/v1/chat/completions \\
-    -H "Authorization: Bearer {DEMO_KEYS["demo-a"]}" -H "Content-Type: application/json" \\
+    -H "Authorization: Bearer {example_key}" -H "Content-Type: application/json" \\
     -d '{{"model": "{stack.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
 
-  Press Ctrl-C to stop (or send SIGTERM). SIGHUP reloads the tenants file ({stack.tenants_path.resolve()}).
+  Press Ctrl-C to stop (or send SIGTERM). SIGHUP reloads the tenants file ({tenants_path}).
 """
 
 
@@ -196,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
         stack: EmbeddedStack | None = None
         try:
             stack = start_stack(stack_options(args), "kvgate up")
-            print(banner(stack, effective_limit(stack, DEMO_KEYS["demo-a"])), flush=True)
+            keys, limit = demo_access(stack)
+            print(banner(stack, limit, keys), flush=True)
             status = serve_until_interrupted(stack)
             print("kvgate up: stopping ...", file=sys.stderr, flush=True)
             return status
