@@ -4,13 +4,16 @@ free loopback port in a thread of the test process.
 It speaks the shapes kvgate reads: SGLang ``/server_info`` (and ``/get_server_info``), vLLM
 ``/v1/models``, and OpenAI ``/v1/chat/completions`` / ``/v1/completions`` (JSON or SSE). Tests
 steer it through :class:`MockState` (``engine.state``) and read back what it received
-(``engine.state.requests``) and which requests it saw cancelled (``engine.state.cancelled``).
+(``engine.state.requests``) and which requests it saw cancelled (``engine.state.cancelled``), by
+the ``x-request-id`` the gateway sent: its own id for the request (:func:`gateway_id`), never the
+client's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -56,6 +59,23 @@ class MockState:
     #: (as vLLM and SGLang started with ``--api-key`` do)
     api_key: str | None = None
     info_auth: list[str | None] = field(default_factory=list)
+
+    def request_ids(self) -> list[str]:
+        """The ``x-request-id`` of each completion request received, in order ("" when none)."""
+        return [r["headers"].get("x-request-id", "") for r in self.requests]
+
+    def cancelled_ids(self) -> list[str]:
+        """The ``x-request-id`` of each request seen abandoned, in order."""
+        return [rid for rid, _ in self.cancelled]
+
+
+def gateway_id(value: Any, client_id: str | None = None) -> str:
+    """``value``, asserted to be an id the gateway made for the engine (the ``x-request-id`` it
+    forwards, the access line's ``upstream_request_id``): 32 lowercase hex digits, and not the
+    client's ``client_id``."""
+    assert isinstance(value, str) and re.fullmatch(r"[0-9a-f]{32}", value), value
+    assert value != client_id
+    return value
 
 
 def _chat_chunk(rid: str, delta: dict, finish: str | None, usage_null: bool) -> bytes:

@@ -18,6 +18,7 @@ import pytest
 
 import gateway.admission.admit as admit_module
 from tests.gateway_harness import KEY_A, Gateway, chat, settings_for, tenants, upstream, wait_for
+from tests.mock_engine import gateway_id
 from tests.test_gateway_pipeline import LedgerQuotas, access  # noqa: F401  (the access fixture)
 
 pytestmark = pytest.mark.timeout(60)
@@ -206,7 +207,8 @@ def test_client_leaving_during_admission_is_not_forwarded_on_a_warm_pool(engine,
         in_flight = [u.in_flight for u in g.gw.upstreams.all]
     finally:
         g.stop()
-    assert [r["headers"]["x-request-id"] for r in engine.state.requests] == ["warm"]  # "left" never sent
+    warm = gateway_id(access("warm")[0]["upstream_request_id"], "warm")
+    assert engine.state.request_ids() == [warm]  # "left" never sent
     assert q.settled == {"warm": [11 + 4], "left": [0]}  # the engine reports 4 completion tokens
     assert q.reserved == {"warm": 11 + 5, "left": 11 + 5}
     assert in_flight == [0]
@@ -221,6 +223,7 @@ def test_client_leaving_during_admission_is_not_forwarded_on_a_warm_pool(engine,
         **_gone_line("left", "chat"),
         "model": "kvgate-tiny",
         "upstream": None,
+        "upstream_request_id": None,
         "stream": False,
         "prompt_tokens": 11,
         "max_tokens": 5,

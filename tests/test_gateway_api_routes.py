@@ -21,6 +21,8 @@ from gateway.routes.embeddings import embedding_length_message
 from gateway.routes.responses import responses_length_message
 from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, settings_for, tenants, upstream, wait_for
 from tests.mock_api_engine import COUNTER, ApiMockEngine, response_stream
+from tests.mock_engine import gateway_id
+from tests.test_gateway_pipeline import access  # noqa: F401  (the access fixture)
 from tokenizer.errors import EngineTokenizeError
 from verifier.build import build_verifier
 
@@ -254,13 +256,16 @@ def test_stream_cut_after_output_ends_with_a_responses_error_event(gw, engine):
     assert tail.endswith(b'"param":null,"sequence_number":5}\n\n') and b"[DONE]" not in raw
 
 
-def test_client_disconnect_cancels_the_upstream_response(gw, engine):
+def test_client_disconnect_cancels_the_upstream_response(gw, engine, access):  # noqa: F811
     engine.state.mode = "hang"
     with httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {KEY_A}"}, timeout=0.5) as c:
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/responses", json={"model": MODEL, "input": "hi"}, headers={"x-request-id": "gone-r"})
     assert wait_for(lambda: engine.state.cancelled, 2.0)
-    assert engine.state.cancelled[0][0] == "gone-r"
+    assert wait_for(lambda: len(access("gone-r")) == 1, 2.0)
+    sent = gateway_id(access("gone-r")[0]["upstream_request_id"], "gone-r")  # the engine's id for it
+    assert engine.state.request_ids() == [sent]
+    assert engine.state.cancelled_ids() == [sent]
 
 
 # ---------------------------------------------------------------- strict mode reads every text field

@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from tests.gateway_harness import KEY_A, MODEL, Gateway, chat, closed_port_url, settings_for, upstream, wait_for
+from tests.mock_engine import gateway_id
+from tests.test_gateway_pipeline import access  # noqa: F401  (the access fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,6 +25,14 @@ def engine2(engines):
 
 def err(r: httpx.Response) -> tuple[int, str | None]:
     return r.status_code, r.json()["error"]["code"]
+
+
+def sent_id(lines, rid: str) -> str:
+    """The ``x-request-id`` the gateway sent the engine for the one request of client id ``rid``
+    (its access line's ``upstream_request_id``, waited for; ``lines``: the ``access`` fixture),
+    asserted to be the gateway's own."""
+    assert wait_for(lambda: len(lines(rid)) == 1, 2.0)
+    return gateway_id(lines(rid)[0]["upstream_request_id"], rid)
 
 
 # ---------------------------------------------------------------- upstreams
@@ -63,7 +73,7 @@ def test_two_live_upstreams_share_the_load(engine, engine2):
     assert (len(engine.state.requests), len(engine2.state.requests)) == (3, 3)
 
 
-def test_hanging_upstream_is_504_and_cancelled(engine):
+def test_hanging_upstream_is_504_and_cancelled(engine, access):  # noqa: F811
     engine.state.mode = "hang"
     g = Gateway(settings_for([upstream("u1", engine)], gateway={"read_timeout_seconds": 0.5})).start()
     try:
@@ -71,12 +81,13 @@ def test_hanging_upstream_is_504_and_cancelled(engine):
             r = c.post("/v1/chat/completions", json=chat(max_tokens=5), headers={"x-request-id": "hang-1"})
             assert err(r) == (504, "upstream_timeout")
         assert wait_for(lambda: engine.state.cancelled, 2.0)
-        assert engine.state.cancelled[0][0] == "hang-1"
+        sent = sent_id(access, "hang-1")
+        assert (engine.state.request_ids(), engine.state.cancelled_ids()) == ([sent], [sent])
     finally:
         g.stop()
 
 
-def test_an_engine_trickling_its_answer_is_cut_off_at_the_exchange_timeout(engine):
+def test_an_engine_trickling_its_answer_is_cut_off_at_the_exchange_timeout(engine, access):  # noqa: F811
     """An engine that keeps sending, a little at a time, never trips the read timeout (1 s):
     ``gateway.exchange_timeout_seconds`` (0.6 s) cuts it off. A whole answer not ended by then is
     504 ``upstream_timeout``; a stream gets its error event and one ``[DONE]`` after what it
@@ -104,7 +115,9 @@ def test_an_engine_trickling_its_answer_is_cut_off_at_the_exchange_timeout(engin
         assert (error["code"], error["message"]) == ("upstream_timeout", "The upstream engine did not answer in time.")
         assert tail[1] == b"data: [DONE]" and r.content.count(b"[DONE]") == 1
         assert wait_for(lambda: len(engine.state.cancelled) == 2, 2.0)
-        assert [rid for rid, _ in engine.state.cancelled] == ["trickle-1", "trickle-2"]
+        sent = [sent_id(access, "trickle-1"), sent_id(access, "trickle-2")]
+        assert sent[0] != sent[1]
+        assert (engine.state.request_ids(), engine.state.cancelled_ids()) == (sent, sent)
     finally:
         g.stop()
 
@@ -255,7 +268,7 @@ def test_get_server_info_fallback_vllm_and_static(engine, engine2):
 
 
 # ---------------------------------------------------------------- client disconnects
-def test_client_disconnect_mid_stream_cancels_upstream_within_1s(engine):
+def test_client_disconnect_mid_stream_cancels_upstream_within_1s(engine, access):  # noqa: F811
     engine.state.stream_chunks = [
         b'data: {"choices":[{"index":0,"delta":{"content":"one"}}]}\n\n',
         b'data: {"choices":[{"index":0,"delta":{"content":" two"}}]}\n\n',
@@ -276,8 +289,9 @@ def test_client_disconnect_mid_stream_cancels_upstream_within_1s(engine):
                 time.sleep(0.1)
             closed_at = time.monotonic()
         assert wait_for(lambda: engine.state.cancelled, 2.0)
-        rid, at = engine.state.cancelled[0]
-        assert rid == "gone-1"
+        at = engine.state.cancelled[0][1]
+        sent = sent_id(access, "gone-1")
+        assert (engine.state.request_ids(), engine.state.cancelled_ids()) == ([sent], [sent])
         assert at - closed_at < 1.0
         with g.client() as c2:
             assert wait_for(lambda: 'kvgate_client_disconnects_total{route="chat"} 1.0' in c2.get("/metrics").text, 2)
@@ -285,7 +299,7 @@ def test_client_disconnect_mid_stream_cancels_upstream_within_1s(engine):
         g.stop()
 
 
-def test_client_disconnect_while_waiting_for_a_whole_answer(engine):
+def test_client_disconnect_while_waiting_for_a_whole_answer(engine, access):  # noqa: F811
     engine.state.mode = "hang"
     g = Gateway(settings_for([upstream("u1", engine)])).start()
     try:
@@ -294,7 +308,8 @@ def test_client_disconnect_while_waiting_for_a_whole_answer(engine):
                 c.post("/v1/chat/completions", json=chat(max_tokens=5), headers={"x-request-id": "gone-2"})
             closed_at = time.monotonic()
         assert wait_for(lambda: engine.state.cancelled, 2.0)
-        assert engine.state.cancelled[0][0] == "gone-2"
+        sent = sent_id(access, "gone-2")
+        assert (engine.state.request_ids(), engine.state.cancelled_ids()) == ([sent], [sent])
         assert engine.state.cancelled[0][1] - closed_at < 1.0
     finally:
         g.stop()
@@ -315,7 +330,7 @@ def _pipelined(g: Gateway, body: dict, n: int, rid: str) -> socket.socket:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_client_that_leaves_with_pipelined_requests_waiting_cancels_the_one_answered(engine, stream, caplog):
+def test_a_client_that_leaves_with_pipelined_requests_waiting_cancels_the_one_answered(engine, stream, caplog, access):  # noqa: F811
     """Two pipelined chats, then the client closes while the engine still works on the first
     (a whole answer it never sends, or a stream's first chunk then a 3 s wait). The engine sees
     the first cancelled within 1 s, as with one request, and nothing is logged as an error.
@@ -341,8 +356,9 @@ def test_a_client_that_leaves_with_pipelined_requests_waiting_cancels_the_one_an
         s.close()
         closed_at = time.monotonic()
         assert wait_for(lambda: engine.state.cancelled, 2.0)
-        assert engine.state.cancelled[0][0] == "piped-1" and engine.state.cancelled[0][1] - closed_at < 1.0
-        assert len(engine.state.requests) == 1  # the waiting request was never forwarded
+        assert engine.state.cancelled[0][1] - closed_at < 1.0
+        sent = sent_id(access, "piped-1")  # one access line: the waiting request was never forwarded
+        assert (engine.state.request_ids(), engine.state.cancelled_ids()) == ([sent], [sent])
         with g.client() as c:
             assert wait_for(lambda: 'kvgate_client_disconnects_total{route="chat"} 1.0' in c.get("/metrics").text, 2)
     finally:

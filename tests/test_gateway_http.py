@@ -14,6 +14,8 @@ import pytest
 from gateway.app import create_app
 from gateway.relay.upstream_client import MockResponse, MockTransport, UpstreamClient
 from tests.gateway_harness import KEY_A, KEY_B, MODEL, SECRETS, Gateway, chat, settings_for, tenants, upstream, wait_for
+from tests.mock_engine import gateway_id
+from tests.test_gateway_pipeline import access  # noqa: F401  (the access fixture)
 from tests.test_gateway_relay import GuardingVerifier, static_upstream
 
 pytestmark = pytest.mark.timeout(60)
@@ -191,7 +193,7 @@ def test_the_in_flight_gauge_counts_requests_not_scrapes(gw, engine):
 
 
 # ---------------------------------------------------------------- what is forwarded
-def test_forwarded_request_salt_request_id_alias(gw, engine):
+def test_forwarded_request_salt_request_id_alias(gw, engine, access):  # noqa: F811
     import hashlib
     import hmac
 
@@ -212,12 +214,14 @@ def test_forwarded_request_salt_request_id_alias(gw, engine):
         "cache_salt": want_salt,
         "max_tokens": 5,
     }
-    assert got["headers"]["x-request-id"] == "req-42"
+    # the engine gets the gateway's own id for the request, not the client's (tenants choose theirs)
+    assert wait_for(lambda: len(access("req-42")) == 1, 2.0)
+    assert got["headers"]["x-request-id"] == gateway_id(access("req-42")[0]["upstream_request_id"], "req-42")
     assert "authorization" not in got["headers"]  # the client's key never goes upstream
     assert got["path"] == "/v1/chat/completions"
 
 
-def test_upstream_api_key_and_upstream_model(engine):
+def test_upstream_api_key_and_upstream_model(engine, access):  # noqa: F811
     s = settings_for([upstream("u1", engine, api_key="sk-upstream")])
     s.models[0].upstream_model = "served-name"
     g = Gateway(s).start()
@@ -228,8 +232,9 @@ def test_upstream_api_key_and_upstream_model(engine):
         got = engine.state.requests[0]
         assert got["headers"]["authorization"] == "Bearer sk-upstream"
         assert got["body"]["model"] == "served-name"
-        assert len(got["headers"]["x-request-id"]) == 32 == len(r.headers["x-request-id"])
-        assert got["headers"]["x-request-id"] == r.headers["x-request-id"]
+        rid = r.headers["x-request-id"]  # the gateway's id for a client that sent none
+        assert len(rid) == 32 and wait_for(lambda: len(access(rid)) == 1, 2.0)
+        assert got["headers"]["x-request-id"] == gateway_id(access(rid)[0]["upstream_request_id"], rid)
     finally:
         g.stop()
 

@@ -30,6 +30,7 @@ from tests.gateway_harness import (
     upstream,
     wait_for,
 )
+from tests.mock_engine import gateway_id
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -146,8 +147,10 @@ def test_client_leaving_before_the_engine_answers(engine, access):
     finally:
         g.stop()
     assert q.settled == {"gone": [11]}
-    assert engine.state.cancelled and engine.state.cancelled[0][0] == "gone"  # the engine had it, and saw it go
     line = access("gone")[0]
+    sent = gateway_id(line["upstream_request_id"], "gone")  # the engine's id for it, not the client's
+    assert engine.state.request_ids() == [sent]
+    assert engine.state.cancelled_ids() == [sent]  # the engine had it, and saw it go
     assert (line["status"], line["client_disconnected"]) == (499, True)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import difflib
 import hashlib
+import logging
 import random
 import time
 import uuid
@@ -37,6 +38,7 @@ from config.models import (
 )
 from gateway.app import create_app
 from gateway.ops.tenants import TenantRegistry
+from tests.mock_engine import gateway_id
 from verifier.build import build_verifier
 from verifier.canary import find_canaries, new_canary
 from verifier.probe import filler_words
@@ -224,8 +226,22 @@ def _wait_idle(svc: VerifierService, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def _upstream_request_ids(caplog: pytest.LogCaptureFixture, rids: list[str], timeout: float = 5.0) -> dict[str, str]:
+    """Each client request id of ``rids`` -> the ``x-request-id`` the gateway sent the engine for
+    it (its access line's ``upstream_request_id``, each asserted to be the gateway's own id),
+    waiting up to ``timeout`` seconds for the last lines."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = {r.fields["request_id"]: r.fields for r in caplog.records if r.name == "kvgate.access"}
+        if all(rid in lines for rid in rids) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    return {rid: gateway_id(lines[rid]["upstream_request_id"], rid) for rid in rids}
+
+
 @pytest.mark.timeout(150)
-def test_incident_detected_end_to_end(leaky_stack, tmp_path):
+def test_incident_detected_end_to_end(leaky_stack, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvgate.access")
     engine, svc, gw = leaky_stack
     truth = Truth()
     texts = {tid: TenantText(tid, i) for i, tid in enumerate(NORMAL + STRICT)}
@@ -278,15 +294,17 @@ def test_incident_detected_end_to_end(leaky_stack, tmp_path):
     for inc in svc.incidents.recent:
         incidents.setdefault(inc.request_id, set()).add(inc.detector)
     # ground truth: what the ENGINE produced for each request (the client of a strict tenant may
-    # have received nothing); the engine echoes the admitted prompts, leaks for the others
+    # have received nothing); the engine echoes the admitted prompts, leaks for the others. The
+    # engine knows a request by the gateway's id for it, its access line's upstream_request_id
     produced = {r["x_request_id"]: r for r in engine.state.requests if r.get("x_request_id")}
+    sent = _upstream_request_ids(caplog, [rec[0] for rec in records])
     leaking = [rec for rec in records if rec[3]]
     admitted = [rec for rec in records if not rec[3]]
     n_canary = n_canary_hit = n_long = n_long_hit = n_short = n_short_hit = n_lat = 0
     strict_leaks = strict_clean_received = 0
     strict_by = {"canary": 0, "leak_index": 0, "latency": 0}
     for rid, tid, n, _, got, mt, stream in leaking:
-        out_text = produced[rid]["output_text"]
+        out_text = produced[sent[rid]]["output_text"]
         det = incidents.get(rid, set())
         n_lat += "latency" in det
         if "latency" not in det:

@@ -234,6 +234,7 @@ def access_fields(outcome: RelayOutcome) -> dict[str, Any]:
         "status": outcome.status,
         "model": adm.model.id,
         "upstream": u.name if u else None,
+        "upstream_request_id": outcome.upstream_request_id if outcome.forwarded else None,
         "stream": a.forward.stream,
         "prompt_tokens": adm.prompt_tokens_total,
         "max_tokens": adm.max_tokens,

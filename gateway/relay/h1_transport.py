@@ -45,6 +45,7 @@ from gateway.relay.upstream_base import (
     ConnectError,
     ConnectTimeout,
     PooledTransport,
+    PoolTimeout,
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
@@ -474,9 +475,8 @@ class H1Transport(PooledTransport):
                 if waiter.done() and not waiter.cancelled():
                     pool.wake_one()  # woken in the same turn it gave up: the freed connection goes to the next one
                 if isinstance(e, TimeoutError):
-                    raise ConnectTimeout(
-                        f"ConnectTimeout: no free connection to {origin[1]}:{origin[2]} "
-                        f"within {self.connect_timeout:g}s"
+                    raise PoolTimeout(
+                        f"PoolTimeout: no free connection to {origin[1]}:{origin[2]} within {self.connect_timeout:g}s"
                     ) from None
                 raise
             finally:

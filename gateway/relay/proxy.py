@@ -29,11 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import time
 import weakref
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import orjson
@@ -59,6 +60,7 @@ from gateway.relay.stream_protocol import CHAT_SSE, StreamProtocol
 from gateway.relay.upstream_client import (
     ConnectFailed,
     ConnectTimeout,
+    PoolTimeout,
     ReadTimeout,
     ResponseTooLarge,
     UpstreamClient,
@@ -107,6 +109,10 @@ class RelayOutcome:
     error_code: str | None = None
     disconnected: bool = False
     client: Any = None
+    #: the ``x-request-id`` the engine gets: the gateway's own, never the client's (vLLM takes the
+    #: header as its engine request id, ``serving_engine.py`` ``_base_request_id``: two tenants
+    #: sending one id would share an engine request id)
+    upstream_request_id: str = field(default_factory=lambda: os.urandom(16).hex())
 
 
 def client_of(receive: Any) -> Any:
@@ -273,16 +279,9 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
     for u in ctx.upstreams.order(a.candidates):
         t_forward = time.perf_counter()
         try:
-            resp = await _send(ctx, u, a, on_sent)
+            resp = await _send(ctx, u, a, on_sent, outcome.upstream_request_id)
         except ConnectFailed as e:
-            u.connect_failed()  # to the back of the order for a while (gateway.relay.upstreams)
-            ctx.metrics.upstream_errors.labels(u.name, "connect").inc()
-            log.warning(
-                "upstream %s: connect failed (%s), trying the next",
-                u.name,
-                type(e).__name__,
-                extra={"fields": {"request_id": a.arrival.request_id}},
-            )
+            _connect_failed(ctx, u, e, a.arrival.request_id)
             last = e
             continue
         except UpstreamError as e:
@@ -299,10 +298,31 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
     raise OpenAIError(503, "No upstream engine for this model is reachable.", code=ErrorCode.UPSTREAM_UNAVAILABLE)
 
 
-async def _send(ctx: RelayContext, u: Upstream, a: Admitted, on_sent: Callable[[], None]) -> UpstreamResponse:
-    """Send the request to ``u``, counted in its ``in_flight`` from now on (given back here when
-    no answer came: the send failed, or was cancelled because the client left)."""
-    headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": a.arrival.request_id}
+def _connect_failed(ctx: RelayContext, u: Upstream, e: ConnectFailed, request_id: str) -> None:
+    """Record that nothing reached ``u``: counted (``kvgate_upstream_errors_total`` kind
+    ``connect``, or ``pool`` for a :class:`PoolTimeout`) and logged; a failed connect sends ``u``
+    to the back of the order for a while (:meth:`gateway.relay.upstreams.Upstream.connect_failed`),
+    a busy pool does not (the engine answers; its connections are all taken)."""
+    busy = isinstance(e, PoolTimeout)
+    if not busy:
+        u.connect_failed()
+    ctx.metrics.upstream_errors.labels(u.name, "pool" if busy else "connect").inc()
+    log.warning(
+        "upstream %s: %s (%s), trying the next",
+        u.name,
+        "no free connection" if busy else "connect failed",
+        type(e).__name__,
+        extra={"fields": {"request_id": request_id}},
+    )
+
+
+async def _send(
+    ctx: RelayContext, u: Upstream, a: Admitted, on_sent: Callable[[], None], request_id: str
+) -> UpstreamResponse:
+    """Send the request to ``u`` with ``x-request-id: request_id``, counted in its ``in_flight``
+    from now on (given back here when no answer came: the send failed, or was cancelled because
+    the client left)."""
+    headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": request_id}
     if u.auth_header:
         headers["authorization"] = u.auth_header
     u.in_flight += 1

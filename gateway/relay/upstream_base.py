@@ -9,6 +9,7 @@ httpx's names)::
     ├── ConnectFailed             nothing reached the engine: the proxy may try the next upstream
     │   ├── ConnectError          connection refused, host unresolvable, TLS handshake refused
     │   └── ConnectTimeout        no connection in time (TCP connect, or a pooled one)
+    │       └── PoolTimeout       every connection of the upstream's pool stayed busy (h1)
     ├── ReadTimeout               no byte within ``read_timeout`` (headers or body)
     └── TransportError            the connection failed otherwise
         ├── RemoteProtocolError   the engine closed or broke the connection before or inside the response
@@ -42,6 +43,13 @@ class ConnectError(ConnectFailed):
 
 class ConnectTimeout(ConnectFailed):
     """No connection within ``connect_timeout`` (connecting, or waiting for a pooled one)."""
+
+
+class PoolTimeout(ConnectTimeout):
+    """No connection of the upstream's pool came free within ``connect_timeout``: its
+    ``max_connections`` are all busy with other requests (the engine is slow or at capacity, not
+    unreachable). The h1 transport tells it apart; aiohttp's ``connect`` timeout covers the pool's
+    wait and the connect together, so there it is a :class:`ConnectTimeout`."""
 
 
 class ReadTimeout(UpstreamError):
