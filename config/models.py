@@ -38,9 +38,10 @@ MAX_TTL_SECONDS = 365 * 24 * 3600.0
 MAX_LIMIT = (1 << 53) - 1
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
-    """``(scheme, host, port)`` of ``url``, lowercased, the scheme's default port filled in (as
-    :func:`gateway.admission.registry.engine_api_key` matches a tokenizer to its upstream)."""
+def url_origin(url: str) -> tuple[str, str, int | None]:
+    """``(scheme, host, port)`` of ``url``, lowercased, the scheme's default port filled in
+    (``None`` for an unknown scheme or a port out of range): how a tokenizer's URL is matched to
+    the upstream at the same address (here, and :func:`gateway.admission.registry.engine_api_key`)."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     try:
@@ -531,8 +532,8 @@ class Settings(_Strict):
         """The engines behind ``m.tokenizer.url`` as far as the settings say: those of the upstreams
         whose ``api_url`` has its scheme, host and port, else (none has) those of the upstreams
         serving ``m``."""
-        want = _origin(m.tokenizer.url or "")
-        at: set[str | None] = {u.engine for u in self.upstreams if _origin(u.api_url) == want}
+        want = url_origin(m.tokenizer.url or "")
+        at: set[str | None] = {u.engine for u in self.upstreams if url_origin(u.api_url) == want}
         names = {m.id, *m.aliases}
         return at or {u.engine for u in self.upstreams if names.intersection(u.models)}
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from config.errors import ErrorCode, OpenAIError
-from config.models import ModelConfig, Settings, TenantConfig
+from config.models import ModelConfig, Settings, TenantConfig, url_origin
 from tokenizer import PromptCounter, make_counter
 from tokenizer.images import ImageCoster
 
@@ -35,25 +34,15 @@ class ModelEntry:
         return self.config.upstream_model or self.config.id
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    try:
-        port = parts.port or {"http": 80, "https": 443}.get(scheme)
-    except ValueError:
-        port = None
-    return scheme, (parts.hostname or "").lower(), port
-
-
 def engine_api_key(settings: Settings, tokenize_url: str | None) -> str | None:
     """The ``api_key`` of the first upstream whose ``api_url`` shares the scheme, host and port of
     ``tokenize_url`` (an engine tokenizer's base URL), else ``None``. ``tokenizer.api_key``, when
     set, wins over it (:func:`tokenizer.make_counter`)."""
     if not tokenize_url:
         return None
-    want = _origin(tokenize_url)
+    want = url_origin(tokenize_url)
     for u in settings.upstreams:
-        if u.api_key is not None and _origin(u.api_url) == want:
+        if u.api_key is not None and url_origin(u.api_url) == want:
             return u.api_key.get_secret_value() or None
     return None
 
