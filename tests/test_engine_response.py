@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import pytest
 
+from gateway.relay.stream_protocol import read_response_event
+from tests.mock_api_engine import ApiMockState, response_stream
 from verifier.engine_response import (
     EngineOutput,
     StreamMeta,
@@ -14,6 +16,7 @@ from verifier.engine_response import (
     parse_body,
     parse_chunk,
     parse_chunk_event,
+    parse_response_body,
     parse_response_event,
 )
 
@@ -215,6 +218,8 @@ def test_strings_in_fields_kvgate_does_not_know_are_read_as_other_text():
     out = parse_body(body)
     assert out.fields["0:other"] == "\n\n leaked B leaked C D"
     assert out.fields["-:other"] == "leaked A"
+    # the key names that name no field, apart from the values (engine_response._key_names)
+    assert out.fields["-:key_names"] == "x_debug trace x_note x y"
     assert out.texts == {0: "hitf"}  # other text is checked, not counted
     # an ordinary chunk has none
     plain = parse_chunk(
@@ -336,3 +341,146 @@ def test_a_streams_first_metadata_value_is_read_for_canaries():
     assert _pieces(meta, _chunk_obj("fp", id=C)) == [("0:content", "a")]
     event = {"type": "response.output_text.delta", "item_id": C, "output_index": 0, "content_index": 0, "delta": "hi"}
     assert parse_response_event(event).fields == {"0:0:output_text": "hi", "0:other": C}
+
+
+# ------------------------------------------------------------------ key names that name no field
+def test_a_whole_answers_key_names_that_name_no_field_are_text_apart_from_its_values():
+    """A whole answer's identifier key names outside the protocol's fields (OpenAI's, vLLM's,
+    SGLang's: ``KEY_NAMES``) are its ``-:key_names`` text, each once, apart from the values (one
+    before each value, they would break up the text the leak index looks for). Before, they were
+    read only for canaries. Honest vLLM and SGLang answers, their own fields included, have none;
+    nor are a completions alternative's tokens (read as the alternatives) key names."""
+    secret = parse_body(_with({"the_secret_of_tenant_b": 1}, {"iban_de89": {"x_note": "zqa"}}))
+    assert (secret.fields["-:key_names"], secret.fields["0:other"]) == (
+        "the_secret_of_tenant_b iban_de89 x_note",
+        "zqa",
+    )
+    vllm = {
+        **_with({"stop_reason": None, "token_ids": [1, 2]}, {"reasoning": "r", "annotations": None}),
+        "prompt_logprobs": [None, {"9906": {"logprob": -1.0, "rank": 1, "decoded_token": "Hi"}}],
+        "prompt_token_ids": [1],
+        "kv_transfer_params": None,
+        "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3, "prompt_tokens_details": None},
+    }
+    sglang = {
+        **_with({"matched_stop": 2, "hidden_states": [0.5], "meta_info": {"id": "r"}}),
+        "metadata": None,
+        "sglext": {"routed_experts": "e", "cached_tokens_details": {"device": 1, "host": 0}},
+        "usage": {"prompt_tokens": 1, "reasoning_tokens": 0, "prompt_tokens_details": {"cached_tokens": 0}},
+    }
+    assert parse_body(vllm).fields == {"0:content": "hi", "0:reasoning": "r", "-:other": "Hi"}
+    assert parse_body(sglang).fields == {"0:content": "hi", "0:other": "r", "-:other": "e"}
+    completions = parse_body({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "top_logprobs": [{"zz": -1}]}}]})
+    assert "-:key_names" not in completions.fields
+
+
+def _keyed(content: str, **more) -> dict:
+    """A vLLM chunk (``token_ids`` in its choice) saying ``content``, with ``more`` at its top."""
+    choice = {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None, "token_ids": [5]}
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+        **more,
+    }
+
+
+def test_a_streams_new_key_names_are_text_once_after_its_first_chunk():
+    """In a stream, the key names of the first chunk that name no field are metadata (up to 256
+    characters of them), and so are they when repeated; a name first sent in a later chunk is
+    text, once, of ``-:key_names`` (each its own piece: the name and a space), wherever it sits
+    (inside ``usage`` too). Before, every identifier key name was read only for canaries: a new
+    one per chunk spelled another tenant's text unread. An honest vLLM chunk holds no key name
+    for the relay to compare: its metadata is what it was."""
+    assert not [m for m in parse_chunk_event(_keyed("a")).meta if m[0] == "-:key_names"]
+    meta = StreamMeta()
+    got = [
+        _pieces(meta, _keyed("a", x_engine_step=1)),
+        _pieces(meta, _keyed("b", x_engine_step=2)),
+        _pieces(meta, _keyed("", x_engine_step=3, the_secret_of_tenant_b=1)),
+        _pieces(meta, _keyed("", x_engine_step=4, the_secret_of_tenant_b=1, iban_de89=1)),
+        _pieces(meta, {**_keyed(""), "choices": [], "usage": {"prompt_tokens": 1, "x_note": 1}}),
+        _pieces(meta, _keyed("", **{C: 1})),
+    ]
+    assert got == [
+        [("0:content", "a")],
+        [("0:content", "b")],
+        [("-:key_names", "the_secret_of_tenant_b ")],
+        [("-:key_names", "iban_de89 ")],
+        [("-:key_names", "x_note ")],
+        [("-:other", C)],  # a canary is read where it is, as before
+    ]
+    crowded = StreamMeta()  # past 256 characters, a first chunk's names are text too
+    names = {f"k{n:03d}_{'x' * 55}": 1 for n in range(5)}  # 60 characters each
+    assert _pieces(crowded, _keyed("a", **names)) == [("0:content", "a"), ("-:key_names", list(names)[4] + " ")]
+
+
+def _rpieces(meta: StreamMeta, obj: dict) -> list[tuple[str, str]]:
+    """What the relay hands the guard of one Responses event, its snapshots left out."""
+    ev = parse_response_event(obj)
+    pieces = list(ev.fields.items())
+    if ev.meta:
+        meta.check(ev.meta, pieces)
+    return pieces
+
+
+def test_a_responses_events_metadata_is_a_word_of_its_vocabulary_or_an_id_the_stream_introduced():
+    """A Responses value of a fixed vocabulary (``type``, ``status``, ``role``, ...) is metadata
+    only while it is one of its words; ``obfuscation`` (OpenAI's padding; vLLM and SGLang send
+    none) is text; an ``item_id`` is metadata only when it names an item the stream introduced
+    (an item's ``id`` in ``response.output_item.added``, or in a ``response``'s output), a
+    ``response``'s ``id`` and ``model`` only while they repeat the first. Before, each was skipped
+    up to 256 characters. The mock vLLM stream shows the guard nothing of its metadata."""
+    honest = StreamMeta()
+    for raw in response_stream(ApiMockState(text="hello there"), {"input": "hi"}):
+        ev = read_response_event(raw)
+        pieces = list(ev.fields.items())
+        honest.check(ev.meta, pieces)
+        assert [p for p in pieces if p[0] in ("-:item_ids", "-:response.id", "-:response.model")] == []
+    delta = {"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0, "content_index": 0}
+    added = {"type": "response.output_item.added", "output_index": 0, "item": {"type": "message", "id": "msg_1"}}
+    resp = {"type": "response.in_progress", "response": {"id": "resp_1", "model": "m", "status": "in_progress"}}
+    meta = StreamMeta()
+    got = [
+        _rpieces(meta, {**delta, "delta": "a"}),
+        _rpieces(meta, added),
+        _rpieces(meta, {**delta, "delta": "b"}),
+        _rpieces(meta, {**delta, "delta": "", "obfuscation": "the secret"}),
+        _rpieces(meta, {**delta, "delta": "", "status": "of tenant b"}),
+        _rpieces(meta, {**delta, "delta": "", "status": "in_progress", "role": "assistant"}),
+        _rpieces(meta, resp),
+        _rpieces(meta, {**resp, "response": {**resp["response"], "model": "n"}}),
+    ]
+    assert got == [
+        [("0:0:output_text", "a"), ("-:item_ids", "msg_1 ")],  # no item was added yet
+        [],
+        [("0:0:output_text", "b")],
+        [("0:other", "the secret")],
+        [("0:other", "of tenant b")],
+        [],
+        [],
+        [("-:response.model", "mn")],
+    ]
+    odd = parse_response_event({**added, "item": {"type": "a note", "id": "msg_1", "role": "reader"}})
+    assert odd.snapshots == {"0:other": "a note reader"}  # an item's strings are what the event repeats
+    whole = parse_response_body({"output": [{"type": "message", "id": "m", "status": "the secret", "content": []}]})
+    assert whole.fields == {"0:other": "the secret"}
+
+
+def test_a_responses_stream_introduces_item_ids_up_to_a_bound():
+    """A stream's items introduce their ids up to ``ITEM_IDS_MAX_CHARS`` characters in all: an
+    engine that adds an item an event cannot send 256 characters of text in each one's id. Past
+    the bound an added item's id is text, once: an ``item_id`` naming it afterwards is not."""
+    from verifier.engine_response import ITEM_IDS_MAX_CHARS
+
+    meta = StreamMeta()
+    ids = [f"msg_{n:03d}_{'x' * 200}" for n in range(ITEM_IDS_MAX_CHARS // 208 + 1)]  # 208 characters each
+    got = [
+        _rpieces(meta, {"type": "response.output_item.added", "output_index": k, "item": {"type": "message", "id": i}})
+        for k, i in enumerate(ids)
+    ]
+    assert got == [[]] * (len(ids) - 1) + [[("-:item_ids", ids[-1] + " ")]]
+    delta = {"type": "response.output_text.delta", "item_id": ids[-1], "output_index": len(ids) - 1, "delta": "a"}
+    assert _rpieces(meta, delta) == [(f"{len(ids) - 1}:0:output_text", "a")]

@@ -694,6 +694,136 @@ def test_another_tenants_text_spread_over_a_streams_system_fingerprint_is_withhe
     assert svc.stats["withheld"] == before + 1
 
 
+# ------------------------------------------------------------------ key names and Responses ids
+def _victims_incident(svc: VerifierService, since: int, detector: str) -> Any:
+    """The one withheld incident since ``since``: ``detector``'s (``leak_index`` or ``canary``), of
+    the strict tenant, naming the victim."""
+    (inc,) = [i for i in svc.incidents.recent[since:] if i.withheld]
+    if detector == "leak_index":
+        assert (inc.detector, inc.tenant, inc.evidence["source_tenant"]) == (detector, "s", "victim")
+    else:
+        assert (inc.detector, inc.tenant, inc.evidence["source_tenants"]) == (detector, "s", ["victim"])
+    return inc
+
+
+_CHUNK = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "x_engine_step": 0}
+
+
+def _keyed_chunks(said: list[str], names: list[str]) -> list[dict]:
+    """A vLLM-like chat stream (``token_ids`` and ``stop_reason`` in its choices; an engine field
+    of its own, ``x_engine_step``, in every chunk) saying ``said``, one piece a chunk, then one
+    chunk for each of ``names`` carrying it as a key name of its own (value 1)."""
+
+    def choice(delta: dict, **more: Any) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, "token_ids": [7], **more}
+
+    events = [{**_CHUNK, "choices": [choice({"role": "assistant", "content": said[0]})]}]
+    events += [{**_CHUNK, "choices": [choice({"content": s})]} for s in said[1:]]
+    events += [{**_CHUNK, "choices": [choice({"content": ""})], name: 1} for name in names]
+    fin = choice({}, finish_reason="stop", stop_reason=None)
+    return [*events, {**_CHUNK, "choices": [fin]}]
+
+
+@pytest.mark.timeout(60)
+def test_another_tenants_text_spread_over_a_streams_key_names_is_withheld(stack):
+    """A key name that names no field, a new one in each chunk: the victim's words one a chunk
+    (a client that prints the JSON reads them; the openai SDK keeps them in ``model_extra``).
+    Identifier key names were read only for canaries, so a strict tenant got the passage with
+    200. Now a key name no earlier chunk sent is text (:class:`verifier.engine_response.StreamMeta`):
+    the leak index finds the passage and the stream ends as any withheld stream does, nothing of
+    it released; a canary as a key name is a canary incident (as before). The same names in a
+    whole answer are its ``-:key_names`` text: 502 ``response_withheld``. An honest stream, the
+    engine's own ``x_engine_step`` in every chunk, is relayed byte for byte."""
+    sc, svc, client = stack
+    honest = _keyed_chunks(SAID[:12], [])
+    sc.events, sc.done = honest, True
+    assert send(client, "s", "chat", True) == (200, b"".join(map(_sse, honest)) + b"data: [DONE]\n\n")
+    for names, detector in ((VICTIM, "leak_index"), (["x_trace", CANARY], "canary")):
+        sc.events = _keyed_chunks(["ok"], names)
+        before, n = svc.stats["withheld"], len(svc.incidents.recent)
+        status, raw = send(client, "s", "chat", True)
+        assert MARK.encode() not in raw and CANARY.encode() not in raw
+        inc = _victims_incident(svc, n, detector)
+        assert (status, raw) == (200, _withheld_tail(inc.id))
+        assert svc.stats["withheld"] == before + 1
+    choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+    sc.body = {"id": "x1", "object": "chat.completion", "model": "m", "choices": [choice], **dict.fromkeys(VICTIM, 1)}
+    before, n = svc.stats["withheld"], len(svc.incidents.recent)
+    status, raw = send(client, "s", "chat", False)
+    assert MARK.encode() not in raw
+    inc = _victims_incident(svc, n, "leak_index")
+    message = f"The response was withheld by verification (incident {inc.id})."
+    error = {"message": message, "type": "server_error", "param": None, "code": "response_withheld"}
+    assert (status, json.loads(raw)) == (502, {"error": error})
+    assert svc.stats["withheld"] == before + 1
+
+
+def _response_events(
+    said: list[str], place: str = "", leak: list[str] | None = None, numbered: bool = True
+) -> list[dict]:
+    """A vLLM-like ``/v1/responses`` stream (``response.created``, the message item added, its
+    part, one text delta a piece of ``said``, the ``*.done`` events, ``response.completed``),
+    numbered when ``numbered``. With ``place``, one delta more for each piece of ``leak``, which
+    it carries as that delta's ``item_id`` or as an ``obfuscation`` or ``status`` member."""
+    resp = {"id": "resp_1", "object": "response", "created_at": 1, "model": "m", "status": "in_progress", "output": []}
+    where = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    evs: list[dict] = [
+        {"type": "response.created", "response": resp},
+        {"type": "response.output_item.added", "output_index": 0, "item": _message_item(status="in_progress")},
+        {"type": "response.content_part.added", **where, "part": part},
+    ]
+    evs += [{"type": "response.output_text.delta", **where, "delta": s, "logprobs": []} for s in said]
+    evs += [{"type": "response.output_text.delta", **where, "delta": "", "logprobs": [], place: x} for x in leak or ()]
+    text = "".join(said)
+    msg = _message_item(_part([text]))
+    evs += [
+        {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
+        {"type": "response.content_part.done", **where, "part": msg["content"][0]},
+        {"type": "response.output_item.done", "output_index": 0, "item": msg},
+        {"type": "response.completed", "response": {**resp, "status": "completed", "output": [msg], "usage": None}},
+    ]
+    for k, e in enumerate(evs if numbered else ()):
+        e["sequence_number"] = k
+    return evs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("place", ["item_id", "obfuscation", "status"])
+def test_another_tenants_text_in_a_responses_streams_item_ids_or_metadata_is_withheld(stack, place):
+    """``/v1/responses``: each event's metadata was skipped up to 256 characters (a canary read):
+    the victim's passage 40 characters an event in ``item_id`` (no item of that id was added),
+    ``obfuscation`` (OpenAI's random padding, which vLLM and SGLang do not send) or ``status`` (a
+    word of a fixed vocabulary) reached a strict tenant whole with 200. Now an ``item_id`` is
+    metadata only when it names an item the stream added, a ``status`` only when it is a status,
+    and ``obfuscation`` is text: the stream ends with the Responses error event (the events carry
+    no ``sequence_number``, so it has none), nothing of it released; a canary there is a canary
+    incident (as before). An honest vLLM stream is relayed byte for byte."""
+    sc, svc, client = stack
+    honest = _response_events(SAID[:12])
+    sc.events, sc.done = honest, False
+    assert send(client, "s", "responses", True) == (200, b"".join(map(_sse, honest)))
+    leak = " ".join(VICTIM)
+    planted = [leak[i : i + 40] for i in range(0, len(leak), 40)]
+    for pieces_, detector in ((planted, "leak_index"), ([CANARY], "canary")):
+        sc.events = _response_events(["ok"], place, pieces_, numbered=False)
+        before, n = svc.stats["withheld"], len(svc.incidents.recent)
+        status, raw = send(client, "s", "responses", True)
+        assert MARK.encode() not in raw and CANARY.encode() not in raw
+        inc = _victims_incident(svc, n, detector)
+        error = {
+            "type": "error",
+            "code": "response_withheld",
+            "message": f"The response was withheld by verification (incident {inc.id}).",
+            "param": None,
+        }
+        assert (status, raw) == (
+            200,
+            b"event: error\ndata: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n",
+        )
+        assert svc.stats["withheld"] == before + 1
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("field", ["id", "model"])

@@ -53,6 +53,12 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
   unread. In a chat stream a metadata value is metadata only while it repeats the stream's
   first value of its field (:class:`StreamMeta`, which the relay keeps): a changed value is
   text, of the stream ``"-:<field>"`` (``"-:system_fingerprint"``, ``"-:choices.finish_reason"``).
+- ``key_names`` (``"-:key_names"``): the key names that are identifiers but name no field of
+  the protocol (:data:`KEY_NAMES`, :func:`_is_text_name`), each once, apart from the values
+  (:func:`_key_names`). In a chat stream a name the stream's first chunk sent is metadata, and
+  one first sent later is text, once (:class:`StreamMeta`). Before, they were read only for
+  canaries: an engine sent another tenant's text one word a new key name in each chunk, which
+  the openai SDK keeps (``model_extra``) and a client that prints the JSON shows.
 - canaries: a string read as none of the above (a metadata value, the audio's base64 ``data``,
   a Responses ``encrypted_content``, a key name that is an identifier) is ``other`` text when it
   holds a canary (:func:`has_canary`), whatever its length: a client receives it.
@@ -64,6 +70,7 @@ to every client), else its position.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -159,11 +166,11 @@ class StreamEvent(EngineOutput):
     hostile engine could put text there alone). Empty (and read-only) for chat. A Responses
     text stream's key is ``"<output index>:<part index>:<name>"`` (names: ``output_text``,
     ``refusal``, ``reasoning``, ``reasoning_summary``, ``arguments``, ...); its ``usage`` is given
-    in chat names. ``meta``: a chat chunk's metadata strings not read as text (ids, ``model``,
-    ``system_fingerprint``, a role, a finish reason, ... of at most :data:`META_MAX_CHARS`), as
-    ``(name, value)``, which the relay holds against the stream's first values
-    (:class:`StreamMeta`); empty otherwise (a Responses event's are read for canaries where they
-    are)."""
+    in chat names. ``meta``: the event's metadata strings not read as text, as ``(name,
+    value)``, which the relay holds against the stream's (:class:`StreamMeta`): a chat chunk's
+    ids, ``model``, ``system_fingerprint``, a role, a finish reason, ... of at most
+    :data:`META_MAX_CHARS`, and its key names that name no field of the protocol; a Responses
+    event's ids (:data:`_EVENT_IDS`, :data:`_ITEM_IDS`, :data:`_RESPONSE_IDS`)."""
 
     kind: str = "other"
     error: dict[str, Any] | None = None
@@ -180,27 +187,6 @@ class StreamEvent(EngineOutput):
 
 #: reasoning and refusal fields of a ``message`` / ``delta``, read as they are named
 _PLAIN_FIELDS = ("reasoning_content", "reasoning", "refusal")
-#: keys whose string values are metadata, not text, in the ``/v1/responses`` objects (at the top
-#: of an item, a part or an event: :func:`_rstrings`); chat's metadata is read by where it sits
-#: (the ``_*_META`` sets below)
-META_KEYS = frozenset(
-    {
-        "id",
-        "object",
-        "created",
-        "model",
-        "system_fingerprint",
-        "service_tier",
-        "role",
-        "type",
-        "finish_reason",
-        "stop_reason",
-        "index",
-        "expires_at",
-        "data",  # audio.data: base64 audio, not text
-        "bytes",
-    }
-)
 #: a metadata value (an id, a model name, a role, a type, a finish reason) longer than this is
 #: read as text: no honest id or name is that long, and a client receives whatever an engine
 #: puts there (a ``model`` of 1,100 characters holding another tenant's prompt was skipped)
@@ -275,6 +261,44 @@ def _is_text_key(key: str) -> bool:
     return _IDENTIFIER.fullmatch(key) is None or has_canary(key)
 
 
+#: the key names of the chat/completions (and embeddings) objects engines send, wherever they sit:
+#: OpenAI's (the openai SDK's ``ChatCompletion``, ``ChatCompletionChunk``, ``Completion``,
+#: ``CompletionUsage``, ``ChatCompletionTokenLogprob``), vLLM's additions
+#: (``vllm/entrypoints/openai/chat_completion/protocol.py``: ``prompt_logprobs``,
+#: ``prompt_token_ids``, ``kv_transfer_params``, a choice's ``stop_reason`` and ``token_ids``,
+#: ``DeltaMessage.reasoning``; a prompt logprob's ``rank`` and ``decoded_token``) and SGLang's
+#: (``python/sglang/srt/entrypoints/openai/protocol.py``: ``metadata``, ``sglext`` with its
+#: ``routed_experts`` and ``cached_tokens_details``, a choice's ``matched_stop``,
+#: ``hidden_states`` and ``meta_info``, ``UsageInfo.reasoning_tokens``). Any other key name is
+#: text a client receives (:func:`_is_text_name`)
+KEY_NAMES = frozenset(
+    """
+    id object created model choices usage system_fingerprint service_tier obfuscation data embedding
+    metadata prompt_logprobs prompt_token_ids kv_transfer_params sglext routed_experts cached_tokens_details
+    device host storage storage_backend rank decoded_token
+    index message delta text logprobs finish_reason stop_reason token_ids matched_stop hidden_states meta_info
+    role content refusal reasoning reasoning_content tool_calls function_call audio annotations
+    type url_citation start_index end_index url title function name arguments expires_at transcript
+    token logprob bytes top_logprobs text_offset token_logprobs tokens
+    prompt_tokens completion_tokens total_tokens prompt_tokens_details completion_tokens_details cached_tokens
+    audio_tokens reasoning_tokens accepted_prediction_tokens rejected_prediction_tokens text_tokens image_tokens
+    video_tokens cache_write_tokens
+    """.split()
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_text_name(key: str) -> bool:
+    """Whether a chat/completions key name is text a client receives: a text key
+    (:func:`_is_text_key`), or an identifier that names no field of the protocol
+    (:data:`KEY_NAMES`; a name of digits, vLLM's token ids in ``prompt_logprobs``, spells no word
+    and is not text either). A client that prints the JSON, or the openai SDK (which keeps
+    unknown fields in ``model_extra``), receives it: an engine put another tenant's text one word
+    a key name in each chunk, read before for canaries only. Identifiers are read apart from the
+    values (:func:`_key_names`; a stream's are held by :class:`StreamMeta`)."""
+    return _is_text_key(key) or not (key in KEY_NAMES or key.isdigit())
+
+
 def has_canary(text: str) -> bool:
     """Whether ``text`` holds a whole canary, read as the canary scan reads text
     (:func:`verifier.canary.canary_text`: a zero-width character between its letters, or a
@@ -286,11 +310,26 @@ def has_canary(text: str) -> bool:
     return CANARY_RE.search(canary_text(text)) is not None
 
 
-def _texts(value: Any, out: list[str]) -> None:
+def _texts(value: Any, out: list[str], skipped: Skipped | None = None) -> None:
     """Every string of ``value`` into ``out`` as the verifier reads an engine's answer: its
     values and the key names an engine put text in (:func:`_is_text_key`), in document order, at
-    any depth (:func:`tokenizer.json_values.string_values`)."""
-    string_values(value, out, keys=_is_text_key)
+    any depth (:func:`tokenizer.json_values.string_values`). In a chat stream (``skipped``
+    given) a key name that is an identifier naming no field goes to ``skipped``
+    (:func:`_held_name`); a whole answer's are read apart (:func:`_key_names`): between the
+    values, one before each, they broke up the text the leak index looks for."""
+    string_values(value, out, keys=_is_text_key if skipped is None else functools.partial(_held_name, skipped))
+
+
+def _held_name(skipped: Skipped, key: str) -> bool:
+    """:func:`_texts`' key reader in a chat stream: whether ``key`` is read with the values
+    (:func:`_is_text_key`); an identifier naming no field of the protocol (:func:`_is_text_name`)
+    goes to ``skipped`` as ``(KEY_NAMES_STREAM, key)``, for :class:`StreamMeta`."""
+    if not _is_text_name(key):
+        return False
+    if _is_text_key(key):
+        return True
+    skipped.append((KEY_NAMES_STREAM, key))
+    return False
 
 
 #: the types of JSON values without a string inside (what orjson reads a number or a bool as)
@@ -300,21 +339,37 @@ _NUMBERS = (int, float, bool)
 #: a stream's metadata strings as a chunk carries them: ``(name, value)`` (:class:`StreamMeta`)
 Skipped = list[tuple[str, str]]
 
+#: the name in :attr:`StreamEvent.meta` of a chat chunk's key name that is no field of the
+#: protocol (:func:`_is_text_name`), and the text stream it is checked as when it is text
+KEY_NAMES_STREAM = "-:key_names"
+#: the name in :attr:`StreamEvent.meta` of a Responses event's ``item_id``, and the text stream an
+#: item id (or call id) is checked as when it is text (:meth:`StreamMeta.check`)
+ITEM_IDS_STREAM = "-:item_ids"
+#: the name in :attr:`StreamEvent.meta` of an item's ``id`` or ``call_id`` (an ``item`` of a
+#: ``response.output_item.*`` event, an item of a ``response`` object's ``output``): the ids it
+#: introduces
+NEW_ITEM_IDS = "-:new_item_ids"
+_HELD_APART = frozenset({KEY_NAMES_STREAM, ITEM_IDS_STREAM, NEW_ITEM_IDS})
+#: the most characters of item ids (and call ids) a Responses stream introduces as metadata: an
+#: honest one's are a few (vLLM: ``msg_``, ``rs_``, ``fc_`` or ``call_`` and 32 hex digits each);
+#: past it an introduced id is text
+ITEM_IDS_MAX_CHARS = 8 * META_MAX_CHARS
 
-def _meta(v: Any, out: list[str]) -> None:
+
+def _meta(v: Any, out: list[str], skipped: Skipped | None = None) -> None:
     """A metadata field's value: nothing when it is what metadata holds (a number, a bool,
     ``null``, a string of at most :data:`META_MAX_CHARS` without a canary); otherwise its strings
-    are text."""
+    are text (:func:`_texts`)."""
     if isinstance(v, str):
         if len(v) > META_MAX_CHARS or has_canary(v):
             out.append(v)
     elif isinstance(v, (dict, list)):
-        _texts(v, out)
+        _texts(v, out, skipped)
 
 
 class StreamMeta:
-    """A chat/completions stream's metadata as first sent, kept by the relay for the stream
-    (:mod:`gateway.relay.stream`), which holds each chunk's :attr:`StreamEvent.meta` against it
+    """A stream's metadata as first sent, kept by the relay for the stream
+    (:mod:`gateway.relay.stream`), which holds each event's :attr:`StreamEvent.meta` against it
     (:meth:`check`). An honest engine sends ``id``, ``object``, ``model`` and
     ``system_fingerprint`` unchanged in every chunk (OpenAI's chunk format: every chunk has the
     same ``id``; vLLM ``vllm/entrypoints/openai/serving_chat.py``,
@@ -327,27 +382,56 @@ class StreamMeta:
     checked as the text stream of its name (the first value joined to its first change: what a
     client that joins the field rebuilds). Before, each value was skipped while at most
     :data:`META_MAX_CHARS`, chunk by chunk: an engine sent another tenant's prompt 40 characters
-    a chunk in ``system_fingerprint``, and a strict tenant rebuilt it whole, none of it checked."""
+    a chunk in ``system_fingerprint``, and a strict tenant rebuilt it whole, none of it checked.
 
-    __slots__ = ("_first", "_same")
+    Held apart from the first values (:data:`_HELD_APART`):
+
+    - a chat chunk's key names that name no field of the protocol (:data:`KEY_NAMES_STREAM`):
+      metadata when the stream's first chunk with metadata sent them (at most
+      :data:`META_MAX_CHARS` characters of them), or when they repeat a name already read; a name
+      first sent later is text, once, of :data:`KEY_NAMES_STREAM` (each its own piece). Honest
+      chunks repeat the keys of their fields (vLLM's ``ChatCompletionStreamResponse`` and
+      SGLang's, by field name in :data:`KEY_NAMES`), which never come here;
+    - a Responses stream's item ids: an item's ``id`` and ``call_id`` introduce it
+      (:data:`NEW_ITEM_IDS`; up to :data:`ITEM_IDS_MAX_CHARS` characters in all, then text),
+      and an event's ``item_id`` (:data:`ITEM_IDS_STREAM`) is metadata only when it names an item
+      introduced before (vLLM sends every event of an item with the ``id`` its
+      ``response.output_item.added`` gave it: ``streaming_events.py``,
+      ``state.current_item_id``); else it is text of :data:`ITEM_IDS_STREAM`, every time. Before,
+      each was skipped while at most :data:`META_MAX_CHARS`: 256 characters of another tenant's
+      text in each event's ``item_id``."""
+
+    __slots__ = ("_first", "_id_room", "_key_room", "_names", "_opening", "_same")
 
     def __init__(self) -> None:
         #: name -> the stream's first value of it; ``None`` once a value differed
         self._first: dict[str, str | None] = {}
-        #: the last chunk's metadata when each of its values was its name's first: an honest
-        #: chunk's equals it, checked in one comparison of the two lists
+        #: the last event's metadata when each of its values was metadata: an honest chunk's
+        #: equals it, checked in one comparison of the two lists
         self._same: Sequence[tuple[str, str]] = ()
+        #: the key names and item ids read so far (as metadata or as text)
+        self._names: set[str] = set()
+        #: no event's metadata has been held yet
+        self._opening = True
+        #: characters of unknown key names the first chunk may still send as metadata
+        self._key_room = META_MAX_CHARS
+        #: characters of item ids the stream may still introduce as metadata
+        self._id_room = ITEM_IDS_MAX_CHARS
 
     def check(self, meta: Sequence[tuple[str, str]], pieces: list[tuple[str, str]]) -> None:
-        """Hold one chunk's metadata strings ``meta`` (:attr:`StreamEvent.meta`) against the
+        """Hold one event's metadata strings ``meta`` (:attr:`StreamEvent.meta`) against the
         stream's first values, and append what the guard must check to ``pieces`` (``(name,
         text)``, as :attr:`EngineOutput.fields` items): a first value holding a canary, a changed
-        value (at its first change, joined after the first value)."""
+        value (at its first change, joined after the first value), a key name or an item id that
+        is text."""
         if meta == self._same:
             return
         first = self._first
         same = True
         for name, v in meta:
+            if name in _HELD_APART:
+                same = self._held_apart(name, v, pieces) and same
+                continue
             f = first.get(name)
             if f == v:
                 continue
@@ -362,7 +446,27 @@ class StreamMeta:
                 first[name] = v
                 if has_canary(v):
                     pieces.append((name, v))
+        self._opening = False
         self._same = meta if same else ()
+
+    def _held_apart(self, name: str, v: str, pieces: list[tuple[str, str]]) -> bool:
+        """A key name or an item id (:data:`_HELD_APART`): whether it is metadata; when it is
+        text, its piece (the name and a space, as a client's words) is appended to ``pieces``."""
+        names = self._names
+        if v in names:
+            return True
+        if name == KEY_NAMES_STREAM:
+            names.add(v)  # text once: a client that receives it again reads no new text
+            if self._opening and len(v) <= self._key_room:
+                self._key_room -= len(v)
+                return True
+        elif name == NEW_ITEM_IDS:
+            names.add(v)
+            if len(v) <= self._id_room:
+                self._id_room -= len(v)
+                return True
+        pieces.append((KEY_NAMES_STREAM if name == KEY_NAMES_STREAM else ITEM_IDS_STREAM, v + " "))
+        return False
 
 
 def _rest(
@@ -375,10 +479,12 @@ def _rest(
     """The strings of ``obj`` no named reader takes, into ``out``: a key of ``read`` whose value
     has the type given there is read by name (skipped here; an opaque string, :data:`_OPAQUE_STR`,
     only for canaries), a key of ``meta`` is metadata (:func:`_meta`), and every other value,
-    whatever its type and depth, is text. In a stream (``skipped`` given) a metadata string of at
-    most :data:`META_MAX_CHARS` goes to ``skipped`` unread, as ``(its name in meta, value)``: the
-    relay holds it against the stream's first value (:class:`StreamMeta`), which alone is read for
-    canaries."""
+    whatever its type and depth, is text, and so is its key name unless it names a field of the
+    protocol (:func:`_is_text_name`): with the value when it is no identifier, else apart
+    (:func:`_text_name`). In a stream (``skipped`` given) a metadata string of at most
+    :data:`META_MAX_CHARS` goes to ``skipped`` unread, as ``(its name in meta, value)``, and so
+    does such an identifier, as ``(KEY_NAMES_STREAM, name)``: the relay holds them against the
+    stream's first ones (:class:`StreamMeta`), which alone are read for canaries."""
     for k, v in obj.items():
         t = read.get(k)
         if t is not None:
@@ -390,12 +496,22 @@ def _rest(
             if skipped is not None and type(v) is str and len(v) <= META_MAX_CHARS:
                 skipped.append((name, v))
             elif v is not None:
-                _meta(v, out)
+                _meta(v, out, skipped)
             continue
-        elif _is_text_key(k):
-            out.append(k)
+        elif _is_text_name(k):
+            _text_name(k, out, skipped)
         if v is not None and type(v) not in _NUMBERS:
-            _texts(v, out)
+            _texts(v, out, skipped)
+
+
+def _text_name(k: str, out: list[str], skipped: Skipped | None) -> None:
+    """A key name that is text (:func:`_is_text_name`): into ``out`` when it is no identifier
+    (:func:`_is_text_key`); else, in a stream (``skipped`` given), into ``skipped`` as
+    ``(KEY_NAMES_STREAM, k)`` for :class:`StreamMeta` (a whole answer's: :func:`_key_names`)."""
+    if _is_text_key(k):
+        out.append(k)
+    elif skipped is not None:
+        skipped.append((KEY_NAMES_STREAM, k))
 
 
 def _index(v: Any, position: int) -> int:
@@ -437,7 +553,7 @@ def _choice_fields(choice: dict[str, Any], holder: str, skipped: Skipped | None)
         out.append(("text", text, True))
     lp = choice.get("logprobs")
     if isinstance(lp, dict):
-        _logprob_fields(lp, out, other)
+        _logprob_fields(lp, out, other, skipped)
     return out, other
 
 
@@ -462,7 +578,7 @@ def _message_fields(inner: dict[str, Any], out: list[_Field], other: list[str], 
         _tool_call_fields(calls, out, other, skipped)
     fc = inner.get("function_call")
     if isinstance(fc, dict):
-        _function_fields(fc, "function_call", out, other)
+        _function_fields(fc, "function_call", out, other, skipped)
 
 
 def _audio_fields(audio: dict[str, Any], out: list[_Field], other: list[str], skipped: Skipped | None) -> None:
@@ -478,7 +594,7 @@ def _content_part_fields(content: list[Any], out: list[_Field], other: list[str]
     refusals: list[str] = []
     for p in content:
         if not isinstance(p, dict):
-            _texts(p, other)
+            _texts(p, other, skipped)
             continue
         if isinstance(p.get("text"), str):
             texts.append(p["text"])
@@ -496,41 +612,45 @@ def _tool_call_fields(calls: list[Any], out: list[_Field], other: list[str], ski
     its position); a call that is not an object, and a call's other strings, into ``other``."""
     for pos, tc in enumerate(calls):
         if not isinstance(tc, dict):
-            _texts(tc, other)
+            _texts(tc, other, skipped)
             continue
         _rest(tc, _TOOL_READ, _TOOL_META, other, skipped)
         fn = tc.get("function")
         if isinstance(fn, dict):
-            _function_fields(fn, f"tool:{_index(tc.get('index'), pos)}", out, other)
+            _function_fields(fn, f"tool:{_index(tc.get('index'), pos)}", out, other, skipped)
 
 
-def _function_fields(fn: dict[str, Any], prefix: str, out: list[_Field], other: list[str]) -> None:
+def _function_fields(
+    fn: dict[str, Any], prefix: str, out: list[_Field], other: list[str], skipped: Skipped | None
+) -> None:
     for part in ("name", "arguments"):
         if isinstance(fn.get(part), str):
             out.append((f"{prefix}:{part}", fn[part], True))
-    _rest(fn, _FUNCTION_READ, _NO_META, other)
+    _rest(fn, _FUNCTION_READ, _NO_META, other, skipped)
 
 
 class _TokenTexts:
     """The token strings of one choice's (or one Responses part's) logprobs, read in one pass:
     the sampled tokens (``tokens``), their UTF-8 ``bytes`` (``raw``; ``differs``: one of them is
     not its token's UTF-8) and, per rank, the alternatives (``alts[r]``: the ``r``-th entry of
-    each position's ``top_logprobs``, a :class:`_TokenTexts` of its own)."""
+    each position's ``top_logprobs``, a :class:`_TokenTexts` of its own). ``skipped``: a chat
+    stream's metadata sink (:func:`_rest`)."""
 
-    __slots__ = ("alts", "differs", "raw", "tokens")
+    __slots__ = ("alts", "differs", "raw", "skipped", "tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, skipped: Skipped | None = None) -> None:
         self.tokens: list[str] = []
         self.raw: list[bytes] = []
         self.differs = False
         self.alts: list[_TokenTexts] = []
+        self.skipped = skipped
 
     def entry(self, t: Any, other: list[str], read: Mapping[str, type | tuple[type, ...]] = _ENTRY_READ) -> None:
         """One logprob entry ``{"token", "logprob", "bytes", "top_logprobs"}`` (an alternative:
         ``read`` is :data:`_ALTERNATIVE_READ`, its own ``top_logprobs`` are ``other``); anything
         else it carries into ``other``."""
         if not isinstance(t, dict):
-            _texts(t, other)
+            _texts(t, other, self.skipped)
             return
         tok = t.get("token")
         if isinstance(tok, str):
@@ -540,7 +660,7 @@ class _TokenTexts:
         if read is _ENTRY_READ and isinstance(tops, list):
             for r, alt in enumerate(tops):
                 self._rank(r).entry(alt, other, _ALTERNATIVE_READ)
-        _rest(t, read, _NO_META, other)
+        _rest(t, read, _NO_META, other, self.skipped)
 
     def _bytes(self, tok: Any, v: Any, other: list[str]) -> None:
         """An entry's ``bytes``: kept (and ``differs`` set when they are not its token's UTF-8),
@@ -554,7 +674,7 @@ class _TokenTexts:
                 return
         b = _token_bytes(v)
         if b is None:
-            _texts(v, other)
+            _texts(v, other, self.skipped)
             return
         self.raw.append(b)
         self.differs = True
@@ -562,15 +682,15 @@ class _TokenTexts:
     def keyed(self, position: Any, other: list[str]) -> None:
         """One position of completions' ``top_logprobs``: ``{token: logprob}``, the tokens by rank."""
         if not isinstance(position, dict):
-            _texts(position, other)
+            _texts(position, other, self.skipped)
             return
         for r, (tok, logprob) in enumerate(position.items()):
             self._rank(r).tokens.append(tok)
-            _texts(logprob, other)
+            _texts(logprob, other, self.skipped)
 
     def _rank(self, r: int) -> _TokenTexts:
         while len(self.alts) <= r:
-            self.alts.append(_TokenTexts())
+            self.alts.append(_TokenTexts(self.skipped))
         return self.alts[r]
 
     def streams(self) -> list[tuple[str, str]]:
@@ -589,14 +709,14 @@ class _TokenTexts:
         return out
 
 
-def _logprob_fields(lp: dict[str, Any], out: list[_Field], other: list[str]) -> None:
+def _logprob_fields(lp: dict[str, Any], out: list[_Field], other: list[str], skipped: Skipped | None) -> None:
     """The token strings of a choice's ``logprobs`` (chat ``content`` / ``refusal`` entries and
     their ``top_logprobs``, completions ``tokens`` and ``top_logprobs``), as the streams of
     :meth:`_TokenTexts.streams`, not counted: they repeat the text, or are alternatives to it. A
     client receives the alternatives too (the second most likely token at each position can
     spell a text the sampled ones do not), so each rank is a text stream of its own. Anything else
     the logprobs carry into ``other``."""
-    acc = _TokenTexts()
+    acc = _TokenTexts(skipped)
     for key in ("content", "refusal"):  # chat: [{"token", "logprob", "bytes", "top_logprobs"}]
         items = lp.get(key)
         if isinstance(items, list):
@@ -608,12 +728,12 @@ def _logprob_fields(lp: dict[str, Any], out: list[_Field], other: list[str]) -> 
             if isinstance(t, str):
                 acc.tokens.append(t)
             else:
-                _texts(t, other)
+                _texts(t, other, skipped)
     tops = lp.get("top_logprobs")  # completions: [{"tok": logprob, ...}, ...]
     if isinstance(tops, list):
         for position in tops:
             acc.keyed(position, other)
-    _rest(lp, _LOGPROBS_READ, _NO_META, other)
+    _rest(lp, _LOGPROBS_READ, _NO_META, other, skipped)
     out += [(name, text, False) for name, text in acc.streams()]
 
 
@@ -642,14 +762,14 @@ def _parse(obj: Any, holder: str, keep_empty: bool, out: EngineOutput, skipped: 
                 _add_choice(out, c, i if type(i) is int else _index(i, position), holder, keep_empty, skipped)
                 position += 1
             else:
-                _texts(c, top)
+                _texts(c, top, skipped)
     data = obj.get("data")
     if isinstance(data, list):  # embeddings: the vectors are not text, the rest is
         for item in data:
             if isinstance(item, dict):
                 _rest(item, _EMBEDDING_READ, _EMBEDDING_META, top, skipped)
             else:
-                _texts(item, top)
+                _texts(item, top, skipped)
     _rest(obj, _TOP_READ, _TOP_META, top, skipped)
     if top:
         out.fields["-:other"] = " ".join(top)
@@ -682,11 +802,48 @@ def _add_choice(
             out.finish_reason = reason
 
 
+#: the key a completions ``top_logprobs`` list is walked under by :func:`_key_names`: its
+#: positions' keys are tokens, read as the alternatives' text (:meth:`_TokenTexts.keyed`)
+_TOKEN_KEYS = "logprobs.top_logprobs"
+
+
+def _key_names(obj: Any) -> str:
+    """The key names in ``obj``, at any depth, that are identifiers naming no field of the
+    protocol (:func:`_is_text_name`; a name that is no identifier is read with its value, a
+    completions alternative's token with the alternatives), each once, an object's before those
+    of the objects inside it, joined by spaces: a whole answer's ``"-:key_names"`` text, apart
+    from the values (one before each, they broke up the text the leak index looks for). Walked
+    without recursion, as :func:`_rstrings`."""
+    names: dict[str, None] = {}
+    stack: list[Iterator[tuple[str, Any]]] = [iter((("", obj),))]
+    while stack:
+        pair = next(stack[-1], None)
+        if pair is None:
+            stack.pop()
+            continue
+        key, x = pair
+        if isinstance(x, list):
+            stack.append(zip(itertools.repeat(key), x))
+        elif isinstance(x, dict):
+            if key != _TOKEN_KEYS:
+                names.update(
+                    dict.fromkeys(k for k in x if k not in KEY_NAMES and _is_text_name(k) and not _is_text_key(k))
+                )
+            if key == "logprobs" and "top_logprobs" in x:
+                stack.append(((_TOKEN_KEYS if k == "top_logprobs" else k, v) for k, v in x.items()))
+            else:
+                stack.append(iter(x.items()))
+    return " ".join(names)
+
+
 def parse_body(obj: Any) -> EngineOutput:
     """A whole response object (already JSON-decoded) as :class:`EngineOutput`; never raises on
     odd shapes (a non-object, choices that are not objects, non-string texts read as absent).
-    A choice's index is its ``index`` field when it is an int, else its position."""
-    return _parse(obj, "message", True, EngineOutput())
+    A choice's index is its ``index`` field when it is an int, else its position. Its key names
+    that name no field of the protocol are the text ``"-:key_names"`` (:func:`_key_names`)."""
+    out = _parse(obj, "message", True, EngineOutput())
+    _put(out.fields, "-:key_names", _key_names(obj))
+    return out
 
 
 def parse_chunk(obj: Any) -> EngineOutput:
@@ -716,11 +873,13 @@ def parse_chunk_event(obj: Any) -> StreamEvent:
 def _not_an_object(obj: Any) -> StreamEvent:
     """An event whose data is JSON but not an object (an array, a string): ``other``, no event of
     either protocol, but a client that reads the event still receives its strings: they are its
-    ``"-:other"`` text, checked as any other."""
+    ``"-:other"`` text, checked as any other, and its key names that name no chat/completions
+    field its ``"-:key_names"`` (:func:`_key_names`)."""
     out = StreamEvent()
     strings: list[str] = []
     _texts(obj, strings)
     _put(out.fields, "-:other", " ".join(strings))
+    _put(out.fields, "-:key_names", _key_names(obj))
     return out
 
 
@@ -868,7 +1027,8 @@ def strict_view(err: OpenAIError) -> OpenAIError:
 # (``response.function_call_arguments.delta``; ``function_call`` items' ``arguments``), keyed by
 # ``output_index`` (a body's item position); logprobs as chat's (tokens, bytes, alternatives by
 # rank); every other string as ``other`` (:func:`_rother`: metadata only at an object's own top
-# level and while short). Usage (``input_tokens`` / ``output_tokens`` / ``input_tokens_details``)
+# level, and only a value of its vocabulary or a short id, which a stream holds against its own:
+# :class:`StreamMeta`). Usage (``input_tokens`` / ``output_tokens`` / ``input_tokens_details``)
 # is given back as reported, in the chat names (``prompt_tokens`` / ``completion_tokens`` /
 # ``total_tokens`` / ``prompt_tokens_details``) that quotas and the verifier read
 # (:func:`reported_usage`). How it ended: ``response.completed`` / status ``completed`` ->
@@ -890,18 +1050,59 @@ TEXT_DELTA_EVENTS = {
 }
 #: terminal events -> the finish reason they mean (``None``: failed)
 TERMINAL_EVENTS = {"response.completed": "stop", "response.incomplete": "length", "response.failed": None}
-#: string values that are protocol metadata in Responses items and events (ids, enums), besides
-#: :data:`META_KEYS`; every other string is read as text (a function's ``name`` is text)
-RESPONSE_META_KEYS = META_KEYS | {
-    "call_id",
-    "item_id",
-    "status",
-    "encrypted_content",
-    "previous_response_id",
-    "truncation",
-    "created_at",
-    "obfuscation",  # random padding OpenAI adds to stream deltas
+#: Responses stream event types (the openai SDK's ``ResponseStreamEvent``), less ``response.``;
+#: vLLM's ``reasoning_part.added`` / ``.done`` too (``vllm/entrypoints/openai/responses/protocol.py``)
+_EVENT_TYPES = """
+    audio.delta audio.done audio.transcript.delta audio.transcript.done code_interpreter_call.completed
+    code_interpreter_call.in_progress code_interpreter_call.interpreting code_interpreter_call_code.delta
+    code_interpreter_call_code.done compaction.compacting completed content_part.added content_part.done created
+    custom_tool_call_input.delta custom_tool_call_input.done failed file_search_call.completed
+    file_search_call.in_progress file_search_call.searching function_call_arguments.delta
+    function_call_arguments.done image_generation_call.completed image_generation_call.generating
+    image_generation_call.in_progress image_generation_call.partial_image in_progress incomplete
+    mcp_call.completed mcp_call.failed mcp_call.in_progress mcp_call_arguments.delta mcp_call_arguments.done
+    mcp_list_tools.completed mcp_list_tools.failed mcp_list_tools.in_progress output_item.added output_item.done
+    output_text.annotation.added output_text.delta output_text.done queued reasoning_part.added
+    reasoning_part.done reasoning_summary_part.added reasoning_summary_part.done reasoning_summary_text.delta
+    reasoning_summary_text.done reasoning_text.delta reasoning_text.done refusal.delta refusal.done
+    shell_call_command.added shell_call_command.delta shell_call_command.done shell_call_output_content.delta
+    shell_call_output_content.done web_search_call.completed web_search_call.in_progress
+    web_search_call.searching
+"""
+#: the ``type`` of an output item (``ResponseOutputItem``), a content or summary part, an annotation
+_OBJECT_TYPES = """
+    additional_tools apply_patch_call apply_patch_call_output code_interpreter_call compaction computer_call
+    computer_call_output container_file_citation custom_tool_call custom_tool_call_output file_citation
+    file_path file_search_call function_call function_call_output image_generation_call local_shell_call
+    local_shell_call_output mcp_approval_request mcp_approval_response mcp_call mcp_list_tools message
+    output_text program program_output reasoning reasoning_text refusal shell_call shell_call_output
+    summary_text tool_search_call tool_search_output url_citation web_search_call
+"""
+#: Responses metadata of a fixed vocabulary, by key -> its values (the openai SDK's types, 3.60:
+#: event, item, part and annotation types, ``ResponseStatus`` and an item's ``status``, a message's
+#: ``role``, ``service_tier``, ``truncation``): a value is metadata only while it is one of them
+#: (at the top of an item, a part, an event, an annotation or the ``response``), any other is text.
+#: Before, any value up to :data:`META_MAX_CHARS` was skipped: 256 characters of another tenant's
+#: text in each event's ``type`` or ``status``
+RESPONSE_VOCABULARY: dict[str, frozenset[str]] = {
+    "type": frozenset(["error", *("response." + t for t in _EVENT_TYPES.split()), *_OBJECT_TYPES.split()]),
+    "status": frozenset(
+        "in_progress completed incomplete failed cancelled queued searching generating interpreting calling".split()
+    ),
+    "role": frozenset("assistant user system developer tool critic discriminator unknown".split()),
+    "object": frozenset({"response"}),
+    "service_tier": frozenset("auto default flex scale priority fast ultrafast".split()),
+    "truncation": frozenset({"auto", "disabled"}),
 }
+#: Responses metadata without a vocabulary (ids, a model name), by where it sits -> the name a
+#: stream holds it under (:class:`StreamMeta`): an event's ``item_id``; an item's ``id`` and
+#: ``call_id``; a ``response`` object's ``id``, ``model`` and ``previous_response_id``. Metadata up to
+#: :data:`META_MAX_CHARS` without a canary (a stream's, only as :class:`StreamMeta` says); any other
+#: key (``obfuscation``: OpenAI's random padding, which vLLM and SGLang do not send; a chat name
+#: such as ``system_fingerprint``) is text
+_EVENT_IDS = {"item_id": ITEM_IDS_STREAM}
+_ITEM_IDS = {"id": NEW_ITEM_IDS, "call_id": NEW_ITEM_IDS}
+_RESPONSE_IDS = _named("response.", "id", "model", "previous_response_id")
 #: text streams that are completion text (counted as the response's output); the others
 #: (``logprobs``, ``annotations``, ``other``) are checked only, as chat's logprobs and ``other``
 COUNTED_STREAMS = frozenset(
@@ -914,9 +1115,6 @@ _END = object()
 
 #: Responses fields that are opaque whatever their length (a reasoning item's encrypted state)
 _OPAQUE: dict[str, type | tuple[type, ...]] = {"encrypted_content": _OPAQUE_STR}
-#: :data:`RESPONSE_META_KEYS` as :func:`_rest` reads metadata (a Responses stream's values are
-#: not remembered: each is read for canaries where it is, :func:`_meta`)
-_RESPONSE_META = dict.fromkeys(RESPONSE_META_KEYS, "")
 
 
 def _rread(*keys: str) -> dict[str, type | tuple[type, ...]]:
@@ -924,15 +1122,50 @@ def _rread(*keys: str) -> dict[str, type | tuple[type, ...]]:
     return {**_OPAQUE, **dict.fromkeys(keys, str)}
 
 
-def _rother(obj: dict[str, Any], read: Mapping[str, type | tuple[type, ...]] = _OPAQUE) -> str:
-    """The strings of a Responses object (an item, a part, an event, an annotation) outside
-    ``read`` and its metadata, joined by spaces: a key of :data:`RESPONSE_META_KEYS` at its top
-    level is metadata (:func:`_meta`: text only past :data:`META_MAX_CHARS`), and every string
-    below it, in whatever field, is text (before, those keys were skipped at any depth: an
-    unknown field's ``{"status": ...}`` entries hid a text)."""
+def _rother(
+    obj: dict[str, Any],
+    read: Mapping[str, type | tuple[type, ...]] = _OPAQUE,
+    ids: Mapping[str, str] = _NO_META,
+    meta: Skipped | None = None,
+) -> str:
+    """The strings of a Responses object (an item, a part, an event, an annotation, the
+    ``response``) outside ``read`` and its metadata, joined by spaces: at its top level a value of
+    :data:`RESPONSE_VOCABULARY` and a key of ``ids`` (:data:`_EVENT_IDS`, :data:`_ITEM_IDS`,
+    :data:`_RESPONSE_IDS`) are metadata as :func:`_response_meta` says, and every other string,
+    in whatever field and at whatever depth, is text (before, the metadata keys were skipped at
+    any depth: an unknown field's ``{"status": ...}`` entries hid a text). A key name is text only
+    when it is not an identifier (:func:`_is_text_key`). In a stream (``meta`` given) the ids go
+    to ``meta`` for the relay (:class:`StreamMeta`)."""
     out: list[str] = []
-    _rest(obj, read, _RESPONSE_META, out)
+    for k, v in obj.items():
+        t = read.get(k)
+        if t is not None and (v is None or isinstance(v, t)):
+            if t is _OPAQUE_STR and type(v) is str and has_canary(v):
+                out.append(v)
+            continue
+        if type(v) is str and _response_meta(k, v, ids, meta):
+            continue
+        if _is_text_key(k):
+            out.append(k)
+        if v is not None and type(v) not in _NUMBERS:
+            _texts(v, out)
     return " ".join(out)
+
+
+def _response_meta(k: str, v: str, ids: Mapping[str, str], meta: Skipped | None) -> bool:
+    """Whether the string ``v`` of a Responses object's key ``k`` is metadata: a value of its
+    key's vocabulary (:data:`RESPONSE_VOCABULARY`), or an id of ``ids`` of at most
+    :data:`META_MAX_CHARS` without a canary, which in a stream is appended to ``meta`` under its
+    name there (:class:`StreamMeta` holds it against the stream's)."""
+    vocabulary = RESPONSE_VOCABULARY.get(k)
+    if vocabulary is not None:
+        return v in vocabulary
+    name = ids.get(k)
+    if name is None or len(v) > META_MAX_CHARS or has_canary(v):
+        return False
+    if meta is not None:
+        meta.append((name, v))
+    return True
 
 
 def _rstrings(obj: Any) -> str:
@@ -1056,10 +1289,11 @@ def _part_fields(part: dict[str, Any], index: int, j: int, name: str, out: dict[
     _put(out, f"{index}:{j}:other", _rother({k: v for k, v in part.items() if k not in _PART_APART}, _rread(key)))
 
 
-def _item_fields(item: Any, index: int) -> dict[str, str]:
+def _item_fields(item: Any, index: int, meta: Skipped | None = None) -> dict[str, str]:
     """The text streams of one output item (see :attr:`StreamEvent.fields`): the named
     fields of its type, its content parts, and every other string (``"<index>:other"``): an
-    item type kvgate does not know is read whole."""
+    item type kvgate does not know is read whole. Its ``id`` and ``call_id`` are ids
+    (:data:`_ITEM_IDS`; a stream's into ``meta``)."""
     out: dict[str, str] = {}
     if not isinstance(item, dict):
         _put(out, f"{index}:other", _rstrings(item))
@@ -1084,7 +1318,7 @@ def _item_fields(item: Any, index: int) -> dict[str, str]:
                 _part_fields(p, index, j, name or "output_text", out)
             else:
                 _put(out, f"{index}:other", _rstrings(p))
-    _put(out, f"{index}:other", _rother(item, read))
+    _put(out, f"{index}:other", _rother(item, read, _ITEM_IDS, meta))
     return out
 
 
@@ -1131,7 +1365,7 @@ def parse_response_body(obj: Any) -> StreamEvent:
         out.fields.update(f)
         if text := _counted(f):
             out.texts[i] = text
-    _put(out.fields, "-:other", _rother(obj, {**_OPAQUE, "output": list}))
+    _put(out.fields, "-:other", _rother(obj, {**_OPAQUE, "output": list}, _RESPONSE_IDS))
     out.usage = reported_usage(obj.get("usage"))
     out.finish_reason = _finish_of(obj)
     return out
@@ -1156,14 +1390,15 @@ def parse_response_event(obj: Any) -> StreamEvent:
         return StreamEvent(kind="error", error=err, sequence_number=seq)
     i = _index(obj.get("output_index"), 0)
     j = _index(obj.get("content_index", obj.get("summary_index")), 0)
+    meta: Skipped = []
     if etype in TEXT_DELTA_EVENTS:
-        return _delta_event(obj, str(etype), i, j, seq)
-    snaps, read = _snapshots(obj, etype)
+        return _delta_event(obj, str(etype), i, j, seq, meta)
+    snaps, read = _snapshots(obj, etype, meta)
     fields: dict[str, str] = {}
     if etype == "response.output_text.annotation.added":
         read.add("annotation")
         _put(fields, f"{i}:{j}:annotations", _rstrings(obj.get("annotation")))
-    _put(fields, f"{i}:other", _rother({k: v for k, v in obj.items() if k not in read}))
+    _put(fields, f"{i}:other", _rother({k: v for k, v in obj.items() if k not in read}, _OPAQUE, _EVENT_IDS, meta))
     if etype in TERMINAL_EVENTS:
         got = obj.get("response")
         resp = got if isinstance(got, dict) else {}
@@ -1173,15 +1408,21 @@ def parse_response_event(obj: Any) -> StreamEvent:
         finish = _finish_of(resp) or TERMINAL_EVENTS[etype]
         usage = reported_usage(resp.get("usage"))
         return StreamEvent(
-            kind="terminal", finish_reason=finish, usage=usage, sequence_number=seq, snapshots=snaps, fields=fields
+            kind="terminal",
+            finish_reason=finish,
+            usage=usage,
+            sequence_number=seq,
+            snapshots=snaps,
+            fields=fields,
+            meta=meta,
         )
     kind = "snapshot" if snaps else "other"
-    return StreamEvent(kind=kind, sequence_number=seq, snapshots=snaps, fields=fields)
+    return StreamEvent(kind=kind, sequence_number=seq, snapshots=snaps, fields=fields, meta=meta)
 
 
-def _delta_event(obj: dict[str, Any], etype: str, i: int, j: int, seq: int | None) -> StreamEvent:
+def _delta_event(obj: dict[str, Any], etype: str, i: int, j: int, seq: int | None, meta: Skipped) -> StreamEvent:
     """A text delta event: its ``delta`` (text, counted), its ``logprobs`` tokens and any other
-    string it carries (checked only)."""
+    string it carries (checked only); its ``item_id`` into ``meta``."""
     fields: dict[str, str] = {}
     d = obj.get("delta")
     name = TEXT_DELTA_EVENTS[etype]
@@ -1192,8 +1433,9 @@ def _delta_event(obj: dict[str, Any], etype: str, i: int, j: int, seq: int | Non
     other: list[str] = []
     _put_logprobs(fields, f"{i}:{j}", obj.get("logprobs"), other)
     _put(fields, f"{i}:other", " ".join(other))
-    _put(fields, f"{i}:other", _rother({k: v for k, v in obj.items() if k != "logprobs"}, _rread("delta")))
-    return StreamEvent(texts, kind="text" if texts else "other", sequence_number=seq, fields=fields)
+    rest = {k: v for k, v in obj.items() if k != "logprobs"}
+    _put(fields, f"{i}:other", _rother(rest, _rread("delta"), _EVENT_IDS, meta))
+    return StreamEvent(texts, kind="text" if texts else "other", sequence_number=seq, fields=fields, meta=meta)
 
 
 #: ``*.done`` events that repeat one text stream whole: event type -> (its text field, stream name)
@@ -1211,12 +1453,13 @@ _DONE_TEXT = {
 _PART_NAMES = {"output_text": "output_text", "refusal": "refusal", "reasoning_text": "reasoning"}
 
 
-def _snapshots(obj: dict[str, Any], etype: Any) -> tuple[dict[str, str], set[str]]:
+def _snapshots(obj: dict[str, Any], etype: Any, meta: Skipped) -> tuple[dict[str, str], set[str]]:
     """The texts an event repeats (see :attr:`StreamEvent.snapshots`) and the event keys
-    read for them (its metadata, ``type`` included, is :func:`_rother`'s); never raises."""
+    read for them (its metadata, ``type`` included, is :func:`_rother`'s; the ids of its items
+    and its ``response`` go to ``meta``); never raises."""
     i = _index(obj.get("output_index"), 0)
     j = _index(obj.get("content_index", obj.get("summary_index")), 0)
-    read: set[str] = set()  # ``type`` is left to :func:`_rother`: metadata while a short string, else text
+    read: set[str] = set()  # ``type`` is left to :func:`_rother`: metadata while in its vocabulary, else text
     out: dict[str, str] = {}
     if etype in _DONE_TEXT:
         key, name = _DONE_TEXT[etype]
@@ -1242,12 +1485,12 @@ def _snapshots(obj: dict[str, Any], etype: Any) -> tuple[dict[str, str], set[str
     item = obj.get("item")
     if "item" in obj:  # output_item.*
         read.add("item")
-        return _item_fields(item, i), read
+        return _item_fields(item, i, meta), read
     resp = obj.get("response")
     if isinstance(resp, dict):  # response.created / in_progress / completed ...
         read.add("response")
         output = resp.get("output")
         for k, it in enumerate(output if isinstance(output, list) else ()):
-            out.update(_item_fields(it, k))
-        _put(out, "-:response", _rother(resp, {**_OPAQUE, "output": list}))
+            out.update(_item_fields(it, k, meta))
+        _put(out, "-:response", _rother(resp, {**_OPAQUE, "output": list}, _RESPONSE_IDS, meta))
     return out, read

@@ -315,7 +315,7 @@ class _Events:
         elif protocol is RESPONSES_SSE:  # a text event whose indexes clients group apart is refused
             self.read = partial(read_response_event, odd=self._odd_response)
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
-        self.meta = StreamMeta()  # the chunks' metadata as first sent (a changed value is text)
+        self.meta = StreamMeta()  # the events' metadata as first sent, key names, item ids (a change: text)
         self.done = False  # the protocol's end marker came
         self.errored = False  # an engine error event came (after the response started)
         self.raw = b""  # the bytes to relay of the event :meth:`_take` returned
@@ -426,9 +426,10 @@ class _Events:
 
     def _pieces(self, ev: StreamEvent) -> list[tuple[str, str]]:
         """What the guard checks of ``ev``: its text streams, its metadata where it differs from
-        the stream's first (or holds a canary: :class:`~verifier.engine_response.StreamMeta`),
-        and (protocols with snapshots) the text it repeats where that differs from the deltas
-        streamed under the same key."""
+        the stream's first (or holds a canary), a chat chunk's key name no earlier chunk sent, a
+        Responses ``item_id`` that names no item the stream introduced
+        (:class:`~verifier.engine_response.StreamMeta`), and (protocols with snapshots) the text it
+        repeats where that differs from the deltas streamed under the same key."""
         pieces = list(ev.fields.items())
         if ev.meta:
             self.meta.check(ev.meta, pieces)
