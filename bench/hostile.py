@@ -23,7 +23,10 @@ Phases (``--seconds`` each):
    - connection hog: 400 idle sockets from one address (:data:`HOG_ADDR`), each reopened when closed;
    - pipelined 401s: 20 sockets writing 40 pipelined ``GET /v1/models`` without a key at once;
    (before it, a column of its own: a tenant held to ``rpm: 1, max_concurrent: 1`` floods heavy
-   chats of 270 KB, :data:`FLOOD_SENDERS` at a time: goal, normal p50 within 1.5x idle);
+   chats of 270 KB, :data:`FLOOD_SENDERS` at a time: goal, normal p50 within 1.5x idle; and
+   another, ``loop-flood``: the attacker tenant floods chats just under
+   ``gateway.offload_count_chars``, each counted on the event loop while its share of the loop
+   lasts, :data:`LOOP_FLOOD_SENDERS` at a time: goal, normal p50 within 1.5x idle);
 3. ``rate``: the same traffic and attackers, but each attack starts ``--attack-rate`` tries a
    second (20) whatever the answers, at most its closed-loop count in flight;
 4. ``after``: 10 s after the attack stops, the gateway's RSS again.
@@ -63,6 +66,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import secrets
 import shutil
@@ -558,6 +562,33 @@ def heavy_chat() -> bytes:
     return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()
 
 
+#: concurrent senders of the flood of chats just under ``offload_count_chars``
+LOOP_FLOOD_SENDERS = 4
+
+
+def under_offload_chat(key: str) -> Any:
+    """``i -> raw request``: the ``loop-flood`` attacker's chats, random printable text whose
+    counting cost is just under the default ``gateway.offload_count_chars`` (so small enough to be
+    counted on the event loop), different in each try (so the counter's cache knows none of them),
+    with ``max_tokens`` the whole context: a 400 once counted, never forwarded."""
+    import random
+    import string
+
+    from config.models import GatewaySettings
+    from tokenizer.chat import chat_cost
+
+    n = GatewaySettings().offload_count_chars - chat_cost([{"role": "user", "content": ""}])
+    rng = random.Random(1)
+    text = "".join(rng.choice(string.ascii_letters + string.digits + string.punctuation + " ") for _ in range(n + 4096))
+
+    def make(i: int) -> bytes:
+        content = f"{i:09d}" + text[i % 4096 : i % 4096 + n - 9]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": CONTEXT}
+        return http_post("/v1/chat/completions", json.dumps(body).encode(), key)
+
+    return make
+
+
 #: 40 requests without a key in one write (one connection)
 PIPELINED_401 = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n" * 40
 
@@ -615,6 +646,12 @@ class Attackers:
         if "flood" in only:  # the rate-limited tenant's heavy chats, closed loop
             flood = http_post("/v1/chat/completions", heavy_chat(), limited_key(run.attack_key))
             kinds["flood"] = (FLOOD_SENDERS, lambda i: self._send("rate-limited heavy chat", flood, i))
+        if "loop-flood" in only:  # chats just under offload_count_chars, closed loop, each text new
+            under, tries = under_offload_chat(run.attack_key), itertools.count()
+            kinds["loop-flood"] = (
+                LOOP_FLOOD_SENDERS,
+                lambda i: self._send("chat just under offload_count_chars", under(next(tries)), i),
+            )
         if "pipelined-401" in only:
             kinds["pipelined-401"] = (20, lambda i: self._send("pipelined 40 x 401", PIPELINED_401, i))
         self.kinds = kinds
@@ -767,6 +804,7 @@ async def bench(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     idle = await probe(run, reset=True)
     idle["canary"] = canary_result(c_idle)
     flood = await attack_column(run, args, 0.0, only="flood")  # the rate-limited flood, alone
+    loop_flood = await attack_column(run, args, 0.0, only="loop-flood")  # chats under the offload size, alone
     closed = await attack_column(run, args, 0.0)
     await asyncio.sleep(5)  # held connections of the closed loop end
     await probe(run, reset=True)
@@ -776,10 +814,11 @@ async def bench(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "idle": (idle_lat, idle_status, idle, idle_over),
         "flood": flood["col"],
+        "loop_flood": loop_flood["col"],
         "attack": closed["col"],
         "rate": fixed["col"],
         "after": after,
-        "results": closed["results"] + flood["results"],
+        "results": closed["results"] + flood["results"] + loop_flood["results"],
         "rate_results": fixed["results"],
         "held_body": closed["held"]["held_body"],
         "held_head": closed["held"]["held_head"],
@@ -798,8 +837,10 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
         + f", from 127.0.0.2-10 (normal traffic from 127.0.0.1); 1-minute load average {args.load_start:.2f} at "
         f"the start, {os.getloadavg()[0]:.2f} at the end\n"
     )
-    print(f"{'':26}{'idle':>14}{'r-l flood':>16}{'closed loop':>16}{f'{args.attack_rate:g}/s each':>16}")
-    cols = [out["idle"], out["flood"], out["attack"], out["rate"]]
+    print(
+        f"{'':26}{'idle':>14}{'r-l flood':>16}{'loop flood':>16}{'closed loop':>16}{f'{args.attack_rate:g}/s each':>16}"
+    )
+    cols = [out["idle"], out["flood"], out["loop_flood"], out["attack"], out["rate"]]
     rows = [
         ("normal p50 ms", [pct(c[0], 0.5) for c in cols]),
         ("normal p99 ms", [pct(c[0], 0.99) for c in cols]),
@@ -846,6 +887,11 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
     print(
         f"  normal p50 under a rate-limited tenant's flood of heavy chats <= 1.5x idle p50: "
         f"{p50_flood:.1f} <= {1.5 * p50_idle:.1f} ms: {p50_flood <= 1.5 * p50_idle}"
+    )
+    p50_loop = pct(out["loop_flood"][0], 0.5)
+    print(
+        f"  normal p50 under another tenant's flood of chats just under offload_count_chars <= 1.5x idle p50: "
+        f"{p50_loop:.1f} <= {1.5 * p50_idle:.1f} ms: {p50_loop <= 1.5 * p50_idle}"
     )
     for title, key in (("closed loop", "attack"), ("fixed rate", "rate")):
         p99_atk, lag = pct(out[key][0], 0.99), out[key][2]["p99"]

@@ -284,6 +284,9 @@ class GatewaySettings(_Strict):
     :func:`gateway.routes.handlers.refusal`) or a 431 (a head too large: :mod:`gateway.edge.protocol`)
     waits before it is answered (0: at once);
     ``metrics_token``, when set, is the bearer token ``/metrics`` and ``/readyz``'s details need.
+    ``offload_count_chars``: a request whose counting costs more (characters plus element weights,
+    :func:`tokenizer.base.prompt_cost`) is counted in a worker thread, as are a tenant's shorter
+    ones once it has spent its share of the event loop (:mod:`gateway.edge.offload`).
     ``offload_threads``: threads of the pool that parses large bodies and counts (``None``:
     ``min(32, usable cores + 4)``); ``offload_tenant_share``: the most of them one tenant holds at
     once (``None``: a quarter, at least 1; :mod:`gateway.edge.offload`).
@@ -304,7 +307,7 @@ class GatewaySettings(_Strict):
     drain_timeout_seconds: float = Field(default=30.0, ge=0)
     max_connections: int = Field(default=512, ge=1)
     upstream_client: Literal["h1", "aiohttp"] = "h1"
-    offload_count_chars: int = Field(default=32_768, ge=0)
+    offload_count_chars: int = Field(default=16_384, ge=0)
     offload_threads: int | None = Field(default=None, ge=1, le=256)
     offload_tenant_share: int | None = Field(default=None, ge=1, le=256)
     max_inbound_connections: int = Field(default=1024, ge=1)

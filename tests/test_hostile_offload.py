@@ -25,14 +25,14 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_prompt_cost_counts_elements_and_stops_early():
-    assert (PROMPT_ELEMENT_CHARS, TOKEN_ID_CHARS, CHAT_ELEMENT_CHARS, OFFLOAD_CHARS) == (32, 4, 16, 32768)
+    assert (PROMPT_ELEMENT_CHARS, TOKEN_ID_CHARS, CHAT_ELEMENT_CHARS, OFFLOAD_CHARS) == (32, 4, 16, 16384)
     assert prompt_cost("hello") == 5 + 32
     assert prompt_cost(["", "ab"]) == 32 + 34
     assert prompt_cost([1, 2, 3]) == 12
     assert prompt_cost([[1, 2], [3]]) == (8 + 32) + (4 + 32)
     assert prompt_cost([""] * 2_000_000, limit=OFFLOAD_CHARS) == 8_000_000  # judged by length alone
-    assert prompt_cost([""] * 2000, limit=OFFLOAD_CHARS) == 32 * 1025  # stops once past the limit
-    assert prompt_cost([""] * 1000, limit=OFFLOAD_CHARS) == 32_000  # under it: counted on the loop
+    assert prompt_cost([""] * 2000, limit=OFFLOAD_CHARS) == 32 * 513  # stops once past the limit
+    assert prompt_cost([""] * 500, limit=OFFLOAD_CHARS) == 16_000  # under it: counted on the loop
     assert prompt_cost(None) == 32
 
 
@@ -41,7 +41,7 @@ def test_chat_cost_counts_elements_and_stops_early():
     # nodes: [messages, None] stack -> None, the list, the dict, 2 keys, 2 values = 7 x 16, plus 4 + 4 + 7 + 1 chars
     assert chat_cost(one) == 7 * 16 + 16
     assert chat_cost([{"role": "user", "content": ""}] * 400_000, limit=OFFLOAD_CHARS) == 6_400_000
-    assert chat_cost([{}] * 2000, limit=OFFLOAD_CHARS) == 32 + 2000 * 16  # empty dicts are not free
+    assert chat_cost([{}] * 1000, limit=OFFLOAD_CHARS) == 32 + 1000 * 16  # empty dicts are not free
     assert chat_cost([{}] * 2100, limit=OFFLOAD_CHARS) == 33_600
     many_keys = [{f"k{i}": "" for i in range(5000)}]
     assert chat_cost(many_keys, limit=OFFLOAD_CHARS) > OFFLOAD_CHARS

@@ -1,26 +1,106 @@
-"""The prompt-counting interface: an OpenAI request in, an exact prompt-token count out."""
+"""The prompt-counting interface: an OpenAI request in, an exact prompt-token count out; and
+where a count runs (:func:`on_loop`): on the event loop when it is short and its payer's share of
+the loop's time allows, else in a worker thread."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from time import perf_counter
+from typing import Any, TypeVar
 
 from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chat_cost
 from tokenizer.errors import InvalidPromptError, InvalidTokenIdError
 from tokenizer.guard import fault_param
 
+_T = TypeVar("_T")
+
 #: Above this cost (characters, plus the per-element weights below), the async API counts in a
-#: worker thread.
-OFFLOAD_CHARS = 32_768
+#: worker thread: sized so that counting the worst text this long (random characters from all of
+#: Unicode) holds the event loop about 10 ms with tiktoken (docs/gateway.md, step 5 "Count").
+OFFLOAD_CHARS = 16_384
 #: What each element costs against ``offload_chars``, in characters, besides its own text: counting
 #: an empty prompt costs about as much as encoding 32 characters, checking one token id about 4
 #: (measured with the bundled tokenizer), so ``[""] * 2_000_000`` or two million ids are offloaded
 #: although they hold no text.
 PROMPT_ELEMENT_CHARS = 32
 TOKEN_ID_CHARS = 4
+
+
+class LoopAccount:
+    """One payer's share of the event loop's time for counting: a token bucket holding up to
+    ``burst`` seconds of loop, refilled at ``rate`` seconds per second (``0 < rate <= 1``, the
+    fraction of the loop's time it may take). Kept as one number, :attr:`due`, the
+    ``time.perf_counter`` instant at which all it spent is paid back (the generic cell rate
+    algorithm), so :func:`on_loop` checks it with a comparison and :func:`charge_loop` charges it
+    with an addition. Only the event loop's thread uses it. Raises ``ValueError`` for a rate or
+    burst out of range."""
+
+    __slots__ = ("due", "slack", "stretch")
+
+    def __init__(self, rate: float, burst: float) -> None:
+        if not 0 < rate <= 1 or burst < 0:
+            raise ValueError(f"a loop account needs 0 < rate <= 1 and burst >= 0, not {rate}, {burst}")
+        #: the instant its spending is paid back (in the past: its bucket is full)
+        self.due = 0.0
+        #: seconds of refill each second of loop it spends costs (``1 / rate``)
+        self.stretch = 1.0 / rate
+        #: how far :attr:`due` may run ahead of now while it still counts on the loop (``burst / rate``)
+        self.slack = burst / rate
+
+
+#: the account the current task's counting on the event loop is charged to (``None``: not limited;
+#: the gateway sets the tenant's at authentication, ``gateway.edge.offload.set_tenant``)
+LOOP_ACCOUNT: contextvars.ContextVar[LoopAccount | None] = contextvars.ContextVar("kvgate_loop_account", default=None)
+
+
+def on_loop(cost: int, limit: int) -> float | None:
+    """Where a count of ``cost`` (characters and element weights, as :func:`prompt_cost` and
+    :func:`tokenizer.chat.chat_cost` weigh it) runs, for a counter whose ``offload_chars`` is
+    ``limit``: the ``perf_counter`` instant it starts on the event loop, which the caller hands
+    to :func:`charge_loop` once the count is done (however it ends), or ``None``: in a worker
+    thread, because it is over ``limit`` or the current task's :data:`LOOP_ACCOUNT` has spent its
+    share of the loop, so a flood of short counts waits in its payer's own threads::
+
+        start = on_loop(cost, counter.offload_chars)
+        if start is None:
+            return await asyncio.to_thread(count, ...)
+        try:
+            return count(...)
+        finally:
+            charge_loop(start)
+    """
+    if cost > limit:
+        return None
+    now = perf_counter()
+    account = LOOP_ACCOUNT.get()
+    if account is None or account.due <= now + account.slack:
+        return now
+    return None
+
+
+def charge_loop(start: float) -> None:
+    """Charge the event loop's time since ``start`` (from :func:`on_loop`) to the current task's
+    :data:`LOOP_ACCOUNT`, if it has one."""
+    account = LOOP_ACCOUNT.get()
+    if account is not None:
+        account.due = max(account.due, start) + (perf_counter() - start) * account.stretch
+
+
+async def off_loop(cost: int, limit: int, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` where :func:`on_loop` puts a job of ``cost`` for a counter whose
+    ``offload_chars`` is ``limit``: on the event loop, charged to the payer's share of it, or in a
+    worker thread. Raises what ``fn`` raises."""
+    start = on_loop(cost, limit)
+    if start is None:
+        return await asyncio.to_thread(fn, *args)
+    try:
+        return fn(*args)
+    finally:
+        charge_loop(start)
 
 
 @dataclass(frozen=True)
@@ -130,7 +210,8 @@ class PromptCounter(ABC):
     Subclasses implement the synchronous ``count_*`` methods; the ``acount_*`` coroutines run them
     in a worker thread when counting would cost more than ``offload_chars`` characters
     (:func:`prompt_cost`, :func:`tokenizer.chat.chat_cost`: text plus a weight per prompt, token id
-    and message), so the event loop is never blocked, however many empty elements a request holds.
+    and message), so the event loop is never blocked, however many empty elements a request holds,
+    and when the payer has spent its share of the loop's time (:func:`on_loop`).
     """
 
     #: model's vocabulary size (ids are valid in ``[0, vocab_size)`` when defined)
@@ -205,11 +286,9 @@ class PromptCounter(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot decode token ids")
 
     async def adecode(self, ids: list[int]) -> str:
-        """:meth:`decode`, in a worker thread for long input (over ``offload_chars`` ids).
-        Raises what :meth:`decode` raises."""
-        if len(ids) > self.offload_chars:
-            return await asyncio.to_thread(self.decode, ids)
-        return self.decode(ids)
+        """:meth:`decode`, in a worker thread for long input (over ``offload_chars`` ids) or when
+        the payer's share of the loop is spent (:func:`on_loop`). Raises what :meth:`decode` raises."""
+        return await off_loop(len(ids), self.offload_chars, self.decode, ids)
 
     def check_ids(self, ids: list[int], param: str) -> None:
         """Raise :class:`InvalidTokenIdError` (with ``param``) for the first id that is negative or
@@ -236,16 +315,15 @@ class PromptCounter(ABC):
         return PromptCount(tuple(counts))
 
     async def acount_prompt(self, prompt: Any) -> PromptCount:
-        """:meth:`count_prompt`, in a worker thread for long input."""
-        if prompt_cost(prompt, self.offload_chars) > self.offload_chars:
-            return await asyncio.to_thread(self.count_prompt, prompt)
-        return self.count_prompt(prompt)
+        """:meth:`count_prompt`, in a worker thread for long input or when the payer's share of
+        the event loop is spent (:func:`on_loop`)."""
+        return await off_loop(prompt_cost(prompt, self.offload_chars), self.offload_chars, self.count_prompt, prompt)
 
     async def acount_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
-        """:meth:`count_chat`, in a worker thread for long input."""
-        if chat_cost(messages, tools, self.offload_chars) > self.offload_chars:
-            return await asyncio.to_thread(self.count_chat, messages, tools, options)
-        return self.count_chat(messages, tools, options)
+        """:meth:`count_chat`, in a worker thread for long input or when the payer's share of
+        the event loop is spent (:func:`on_loop`)."""
+        cost = chat_cost(messages, tools, self.offload_chars)
+        return await off_loop(cost, self.offload_chars, self.count_chat, messages, tools, options)
 
     # ------------------------------------------------------------ token ids (/tokenize)
     def prompt_token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:

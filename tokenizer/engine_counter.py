@@ -37,7 +37,7 @@ from typing import Any, TypeGuard
 import httpx
 import orjson
 
-from tokenizer.base import PromptCount, PromptCounter, prompt_cost, prompt_param, split_completion_prompt
+from tokenizer.base import PromptCount, PromptCounter, off_loop, prompt_cost, prompt_param, split_completion_prompt
 from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, ChatOptions, chat_cost, render_chatml
 from tokenizer.errors import EngineTokenizeError
 
@@ -236,10 +236,8 @@ class EngineCounter(PromptCounter):
         of the engine in a request of its own (a single string is the shape every engine takes;
         up to :data:`MAX_CONCURRENT_REQUESTS` at once). Raises the typed errors of
         :mod:`tokenizer.errors`."""
-        if prompt_cost(prompt, self.offload_chars) > self.offload_chars:
-            counts, texts = await asyncio.to_thread(self._local_part, prompt)
-        else:
-            counts, texts = self._local_part(prompt)
+        cost = prompt_cost(prompt, self.offload_chars)
+        counts, texts = await off_loop(cost, self.offload_chars, self._local_part, prompt)
         sem = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
 
         async def one(text: str) -> int:
@@ -256,10 +254,8 @@ class EngineCounter(PromptCounter):
         (image parts are not sent). Every field that changes the engine's prompt goes to its
         tokenize endpoint: ``messages``, ``tools``, ``add_generation_prompt``,
         ``continue_final_message`` and ``chat_template_kwargs`` (vLLM ``TokenizeChatRequest``)."""
-        if chat_cost(messages, tools, self.offload_chars) > self.offload_chars:
-            rendered, body = await asyncio.to_thread(self._chat_payload, messages, tools, options)
-        else:
-            rendered, body = self._chat_payload(messages, tools, options)
+        cost = chat_cost(messages, tools, self.offload_chars)
+        rendered, body = await off_loop(cost, self.offload_chars, self._chat_payload, messages, tools, options)
         return (await self._ask_raw(body))[0] + self.images_cost(rendered.image_parts)
 
     def _chat_payload(self, messages: Any, tools: Any, options: ChatOptions) -> tuple[Any, bytes]:

@@ -15,16 +15,16 @@ For Hugging Face tokenizers, a request string holding a special-token look-alike
 (``<|im_start|>`` typed as text) is counted as its text encoding (kvgate never undercounts,
 docs/tokenizer.md) while ``tokens`` are the engine tokenizer's ids, so there ``count`` exceeds
 ``len(tokens)`` by that surcharge; otherwise they are equal. Image parts have no ids here and are
-refused (400). Long inputs are tokenized in a worker thread.
+refused (400). Long inputs are tokenized in a worker thread, and so are short ones once the
+payer has spent its share of the event loop (:func:`tokenizer.base.on_loop`).
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizer.base import PromptCounter
+from tokenizer.base import PromptCounter, off_loop
 from tokenizer.chat import DEFAULT_CHAT, ChatOptions, chat_text_length
 from tokenizer.guard import fault_param
 
@@ -39,12 +39,6 @@ class Tokenized:
     token_strs: list[str] | None = None
 
 
-async def _off_loop(counter: PromptCounter, chars: int, fn: Any, *args: Any) -> Any:
-    if chars > counter.offload_chars:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
-
-
 async def tokenize_prompt(
     counter: PromptCounter, text: str, add_special_tokens: bool = True, return_token_strs: bool = False
 ) -> Tokenized:
@@ -57,7 +51,7 @@ async def tokenize_prompt(
             ids = counter.prompt_token_ids(text, add_special_tokens)
         return Tokenized(count, ids, counter.token_strs(ids) if return_token_strs else None)
 
-    return await _off_loop(counter, len(text), run)
+    return await off_loop(len(text), counter.offload_chars, run)
 
 
 async def tokenize_chat(
@@ -76,4 +70,5 @@ async def tokenize_chat(
         ids = counter.chat_token_ids(messages, tools, options)
         return Tokenized(count, ids, counter.token_strs(ids) if return_token_strs else None)
 
-    return await _off_loop(counter, chat_text_length(messages, tools, limit=counter.offload_chars + 1), run)
+    limit = counter.offload_chars
+    return await off_loop(chat_text_length(messages, tools, limit=limit + 1), limit, run)

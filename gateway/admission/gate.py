@@ -31,6 +31,7 @@ from gateway.admission import fields
 from gateway.admission.checks import drop_nulls
 from gateway.admission.registry import ModelEntry
 from tokenizer import PromptCounter, TokenizerError
+from tokenizer.base import charge_loop, on_loop
 from tokenizer.chat import ChatOptions
 
 
@@ -247,16 +248,22 @@ async def count_prompt(
     if max_sequences is not None:
         route.check_batch(body, max_sequences)
     counter = entry.counter
-    heavy = route.cost(body, counter.offload_chars) > counter.offload_chars
-    if heavy and counter.counts_sync:
+    start = on_loop(route.cost(body, counter.offload_chars), counter.offload_chars)
+    if start is None and counter.counts_sync:
         return await asyncio.to_thread(_count_now, entry, body, route, limit)
-    if heavy:
+    if start is None:
         options = await asyncio.to_thread(route.check_fields, body, entry)
     else:
-        options = route.check_fields(body, entry)
+        try:  # on the event loop, charged to the tenant's share of it (never across an await)
+            options = route.check_fields(body, entry)
+            if counter.counts_sync:  # what ``acount`` would do, without weighing the cost again
+                try:
+                    return route.count_now(counter, body, options)
+                except TokenizerError as e:
+                    raise e.to_openai() from None
+        finally:
+            charge_loop(start)
     try:
-        if counter.counts_sync and not heavy:  # what ``acount`` would do, without weighing the cost again
-            return route.count_now(counter, body, options)
         return await route.acount(counter, body, options)
     except TokenizerError as e:
         raise e.to_openai() from None

@@ -6,6 +6,12 @@ threads, never for everyone's (docs/gateway.md, "Refuse before working").
 so every ``asyncio.to_thread`` on the request path takes it, the tokenizers' own included. The
 tenant is a context variable the request's task sets after authentication (:func:`set_tenant`);
 work submitted without one (the loop's own, e.g. name resolution) is not limited per tenant.
+
+Short counts run on the event loop, which every tenant shares, so each tenant also has a share
+of the loop's time for them: :func:`set_tenant` makes the tenant's :class:`~tokenizer.base.LoopAccount`
+(:func:`loop_account`) the task's ``tokenizer.base.LOOP_ACCOUNT``, and once a tenant has counted
+for more than :data:`LOOP_SHARE` of the loop's time (beyond a burst of :data:`LOOP_BURST_SECONDS`)
+its counts of any size go to its threads here (:func:`tokenizer.base.on_loop`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from tokenizer.base import LOOP_ACCOUNT, LoopAccount
+
 #: the tenant on whose behalf the current task offloads work (``None``: none yet)
 _TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvgate_offload_tenant", default=None)
 
@@ -29,9 +37,29 @@ _TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvgate_off
 OPS_SHARE = "-ops"
 
 
+#: the fraction of the event loop's time one tenant's counts may take on it, on average
+LOOP_SHARE = 0.1
+#: the loop time (seconds) one tenant may count for beyond :data:`LOOP_SHARE` at once, after idling
+LOOP_BURST_SECONDS = 0.05
+
+#: each tenant's account of counting on the event loop, for this process (whose loop it is)
+_LOOP_ACCOUNTS: dict[str, LoopAccount] = {}
+
+
+def loop_account(tenant_id: str) -> LoopAccount:
+    """``tenant_id``'s share of this process's event loop for counting (made on first use, with
+    :data:`LOOP_SHARE` and :data:`LOOP_BURST_SECONDS`)."""
+    account = _LOOP_ACCOUNTS.get(tenant_id)
+    if account is None:
+        account = _LOOP_ACCOUNTS[tenant_id] = LoopAccount(LOOP_SHARE, LOOP_BURST_SECONDS)
+    return account
+
+
 def set_tenant(tenant_id: str) -> None:
-    """Offload the current task's work (and its children's) on ``tenant_id``'s share."""
+    """Offload the current task's work (and its children's) on ``tenant_id``'s share, and charge
+    its counting on the event loop to ``tenant_id``'s :func:`loop_account`."""
     _TENANT.set(tenant_id)
+    LOOP_ACCOUNT.set(loop_account(tenant_id))
 
 
 def default_threads(cores: int) -> int:

@@ -19,7 +19,6 @@ the request's task ends.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -31,6 +30,7 @@ from gateway.ops.metrics import GatewayMetrics
 from gateway.quotas.stage import QuotaStage
 from gateway.relay.proxy import RelayOutcome
 from tokenizer import PromptCounter
+from tokenizer.base import OFFLOAD_CHARS, off_loop
 from tokenizer.errors import TokenizerFaultError
 
 log = logging.getLogger("kvgate.proxy")
@@ -186,15 +186,13 @@ async def completion_tokens_of(counter: PromptCounter, texts: Iterable[str | Seq
     (:class:`~tokenizer.errors.TokenizerFaultError`), falls back to the UTF-8 byte length, which
     never undercounts (a token is at least a byte)."""
     total = 0
+    limit = getattr(counter, "offload_chars", OFFLOAD_CHARS)
     for t in texts:
         text = t if isinstance(t, str) else "".join(t)
         if not text:
             continue
         try:
-            if len(text) > getattr(counter, "offload_chars", 32_768):
-                total += await asyncio.to_thread(counter.count_text, text)
-            else:
-                total += counter.count_text(text)
+            total += await off_loop(len(text), limit, counter.count_text, text)
         except (NotImplementedError, TokenizerFaultError):  # a tokenizer fault on engine text: never fewer
             total += len(text.encode("utf-8", "surrogatepass"))
     return total

@@ -10,7 +10,6 @@ nothing kvgate did not gate. Usage comes in ``response.completed``: no ``stream_
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,6 +49,7 @@ from gateway.admission.value_checks import (
 from gateway.relay.stream_protocol import RESPONSES_SSE, StreamProtocol
 from gateway.relay.whole_answer import read_response_answer
 from tokenizer import TokenizerError
+from tokenizer.base import off_loop
 from tokenizer.chat import string_chars
 from tokenizer.responses import ResponsesPrompt, acount_responses, responses_text, responses_to_chat
 from verifier.engine_response import EngineOutput
@@ -405,11 +405,8 @@ async def count_responses(entry: ModelEntry, body: dict[str, Any]) -> CountedPro
         return prompt, responses_text(prompt)
 
     try:
-        if string_chars(args, entry.counter.offload_chars) > entry.counter.offload_chars:
-            # a long input: check, convert and gather its text off the loop
-            prompt, text = await asyncio.to_thread(convert)
-        else:
-            prompt, text = convert()
+        limit = entry.counter.offload_chars  # a long input is checked, converted and gathered off the loop
+        prompt, text = await off_loop(string_chars(args, limit), limit, convert)
         tokens = await acount_responses(entry.counter, prompt)
     except TokenizerError as e:
         raise e.to_openai() from None

@@ -36,7 +36,6 @@ Either answer is ``{"count", "max_model_len", "tokens", "token_strs"}``.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -54,7 +53,7 @@ from gateway.relay.proxy import withheld_error
 from gateway.routes.chat import CHAT
 from gateway.routes.completions import COMPLETIONS
 from tokenizer import render_chatml
-from tokenizer.base import TOKEN_ID_CHARS
+from tokenizer.base import TOKEN_ID_CHARS, off_loop
 from tokenizer.chat import IMAGE_PART_TYPES, ChatOptions, chat_cost
 from tokenizer.engine_counter import EngineCounter, chat_tokenize_payload
 from tokenizer.errors import EngineTokenizeError
@@ -117,9 +116,7 @@ async def _chat_options(entry: ModelEntry, req: dict[str, Any]) -> ChatOptions:
     the model refuse, and the options the prompt is counted with), in a worker thread when the
     route weighs the chat as heavy, as :func:`gateway.admission.gate.count_prompt` runs it."""
     counter = entry.counter
-    if CHAT.cost(req, counter.offload_chars) > counter.offload_chars:
-        return await asyncio.to_thread(CHAT.check_fields, req, entry)
-    return CHAT.check_fields(req, entry)
+    return await off_loop(CHAT.cost(req, counter.offload_chars), counter.offload_chars, CHAT.check_fields, req, entry)
 
 
 async def _engine_chat(counter: EngineCounter, req: dict[str, Any], options: ChatOptions) -> Tokenized:
@@ -132,8 +129,7 @@ async def _engine_chat(counter: EngineCounter, req: dict[str, Any], options: Cha
     def render() -> None:
         render_chatml(messages, tools, ChatOptions(options.add_generation_prompt))
 
-    long = chat_cost(messages, tools, counter.offload_chars) > counter.offload_chars
-    await asyncio.to_thread(render) if long else render()
+    await off_loop(chat_cost(messages, tools, counter.offload_chars), counter.offload_chars, render)
     _refuse_images(messages)
     count, ids = await counter.atokenize_ids(chat_tokenize_payload(messages, tools, options))
     return Tokenized(count, ids)
@@ -151,8 +147,7 @@ async def _local_chat(counter: Any, req: dict[str, Any], options: ChatOptions, s
         tokens = counter.chat_token_ids(messages, tools, options)
         return Tokenized(count, tokens, counter.token_strs(tokens) if strs else None)
 
-    long = chat_cost(messages, tools, counter.offload_chars) > counter.offload_chars
-    return await asyncio.to_thread(ids) if long else ids()
+    return await off_loop(chat_cost(messages, tools, counter.offload_chars), counter.offload_chars, ids)
 
 
 async def _tokenize_chat(entry: ModelEntry, body: dict[str, Any], limit: int) -> Tokenized:
@@ -209,17 +204,14 @@ async def _detokenize(counter: Any, body: dict[str, Any], limit: int) -> str:
     ids = body["tokens"]
     if len(ids) > limit:
         raise over_context_error(limit, len(ids), "tokens")
-    heavy = len(ids) * TOKEN_ID_CHARS > counter.offload_chars
-    if heavy:
-        await asyncio.to_thread(_check_token_ids, counter, ids)
-    else:
-        _check_token_ids(counter, ids)
+    cost = len(ids) * TOKEN_ID_CHARS
+    await off_loop(cost, counter.offload_chars, _check_token_ids, counter, ids)
     if isinstance(counter, EngineCounter):
         return _engine_text(counter, ids, await counter.adecode(ids))
     adecode = getattr(counter, "adecode", None)
     if adecode is not None:
         return await adecode(ids)
-    return await asyncio.to_thread(counter.decode, ids) if heavy else counter.decode(ids)
+    return await off_loop(cost, counter.offload_chars, counter.decode, ids)
 
 
 def _engine_text(counter: EngineCounter, ids: list[int], text: str) -> str:
