@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -111,6 +112,34 @@ class Bundled:
                 self.proc.wait()
         if self.proc.stderr:
             self.proc.stderr.close()
+
+
+def test_the_backend_freezes_its_startup_heap(monkeypatch):
+    """Before it serves, the backend process moves its startup objects out of the collector's
+    scans: unfrozen, a full collection on an engine's worker thread (91-107 ms on 2 cores) landed
+    inside a leaky one-token prefill and hid it from the latency detector in about half of the runs
+    of the incident test below."""
+    import uvicorn
+
+    from gpu_backend import cli
+
+    seen = {}
+
+    def serve(app, **kw):  # stands in for uvicorn.run: what the server would start with
+        tracked = gc.get_objects()
+        objs = [app, app.state.engines["prefill"].model, app.state.engines["decode"].pool]
+        seen["tracked"] = [any(o is x for o in tracked) for x in objs]
+        seen["frozen"] = gc.get_freeze_count()
+        seen["port"] = kw["port"]
+
+    monkeypatch.setattr(uvicorn, "run", serve)
+    gc.unfreeze()  # whatever this process froze before is tracked again
+    try:
+        assert cli.main(["--role", "all", "--model", "tiny-random", "--device", "cpu", "--port", "30999"]) == 0
+    finally:
+        gc.unfreeze()
+    assert (seen["tracked"], seen["port"]) == ([False, False, False], 30999)
+    assert seen["frozen"] > 0
 
 
 @pytest.mark.timeout(120)
@@ -265,11 +294,7 @@ def test_incident_detected_against_the_bundled_backend(tmp_path):
     print(f"  false positives on admitted responses: content {len(content_fp)}, latency {len(lat_fp)}")
     assert c["canary"] > 0 and c["canary_hit"] == c["canary"]
     assert c["long"] > 0 and c["long_hit"] == c["long"]
-    # at most one whole answer unflagged: its TTFT is the prefill the engine reports
-    # (x-prefill-seconds), and the backend reported one leaky prefill at 98 ms against a 13 ms bound
-    # (the others 2-3 ms) in every clean-clone CI run of 2026-12-07 and in 2-5 runs of 6 alone; not
-    # understood yet (the session's note): the other detectors' counts stay exact
-    assert c["lat_whole"] > 0 and c["lat_whole_hit"] >= c["lat_whole"] - 1
+    assert c["lat_whole"] > 0 and c["lat_whole_hit"] == c["lat_whole"]
     assert c["lat_stream"] > 0 and c["lat_stream_hit"] == c["lat_stream"]
     assert c["strict"] > 0 and strict_longest == 0
     assert content_fp == []
