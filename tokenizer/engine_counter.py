@@ -24,9 +24,10 @@ policy says, as with the other counters. Chat options that change the prompt
 A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError` (502): the
 engine's fault, never the client's 400 and never a 500. Every call is bounded as the gateway's
 other engine clients are (the pool watcher's ``_get``, the forward path): it asks for
-``identity`` and refuses any other content coding, reads at most :data:`MAX_ENGINE_BODY_BYTES`,
-takes at most ``timeout_seconds`` from the connect to the answer's last byte, and parses with
-orjson, whose nesting limit is a parse failure like any other.
+``identity`` and refuses any other content coding, reads at most :data:`MAX_ENGINE_BODY_BYTES`
+(in all, for the calls of one batch prompt: :class:`ByteBudget`), takes at most
+``timeout_seconds`` from the connect to the answer's last byte, and parses with orjson, whose
+nesting limit is a parse failure like any other.
 """
 
 from __future__ import annotations
@@ -50,8 +51,31 @@ MAX_CONCURRENT_REQUESTS = 8
 #: id in at most 12 bytes (10 digits, a comma, a space): 48 MiB. ``/detokenize`` answers the text
 #: of at most a context's ids, the text a completion of as many tokens answers, which the forward
 #: path reads whole under ``gateway.max_response_bytes`` (default 64 MiB). This bounds the memory
-#: and the parse (on the event loop) a broken engine costs
+#: and the parse (on the event loop) a broken engine costs one request: the answers to a batch
+#: prompt's strings share it (:class:`ByteBudget`), as the strings share one body (their ids
+#: together are those of one string as long; each answer adds some tens of bytes of framing, and
+#: a batch holds at most a tenant's ``max_embedding_inputs``, default 2,048, strings)
 MAX_ENGINE_BODY_BYTES = 64 << 20
+
+
+class ByteBudget:
+    """The bytes the engine's answers to one request's calls may still hold, all calls together:
+    :data:`MAX_ENGINE_BODY_BYTES` (read when the budget is made). ``calls``: how many calls share
+    it (for the message)."""
+
+    __slots__ = ("calls", "left", "limit")
+
+    def __init__(self, calls: int = 1) -> None:
+        self.limit = self.left = MAX_ENGINE_BODY_BYTES
+        self.calls = calls
+
+    def take(self, what: str, url: str, n: int) -> None:
+        """Charge ``n`` more bytes of an answer, before they are kept. Raises
+        :class:`EngineTokenizeError` when they are more than the budget has left."""
+        if n > self.left:
+            shared = f" in all to {self.calls} calls" if self.calls > 1 else ""
+            raise EngineTokenizeError(f"engine {what} at {url} answered more than {self.limit} bytes{shared}")
+        self.left -= n
 
 
 def _is_count(x: Any) -> TypeGuard[int]:
@@ -163,20 +187,21 @@ class EngineCounter(PromptCounter):
         """Ids in ``[0, vocab_size)``."""
         return 0 <= token_id < self.vocab_size
 
-    async def _ask(self, payload: dict[str, Any], expected: int = 1) -> list[int]:
-        return await self._ask_raw(orjson.dumps({"model": self.model, **payload}), expected)
+    async def _ask(self, payload: dict[str, Any], expected: int = 1, budget: ByteBudget | None = None) -> list[int]:
+        return await self._ask_raw(orjson.dumps({"model": self.model, **payload}), expected, budget)
 
-    async def _ask_raw(self, body: bytes, expected: int = 1) -> list[int]:
-        return _counts_of(await self._post_json(self.url, body, "tokenize"), expected)
+    async def _ask_raw(self, body: bytes, expected: int = 1, budget: ByteBudget | None = None) -> list[int]:
+        return _counts_of(await self._post_json(self.url, body, "tokenize", budget), expected)
 
-    async def _post_json(self, url: str, body: bytes, what: str) -> Any:
+    async def _post_json(self, url: str, body: bytes, what: str, budget: ByteBudget | None = None) -> Any:
         """``POST body`` to ``url`` and the answer's JSON, bounded as the module docstring says
-        (``what``: ``tokenize`` or ``detokenize``, for the message). Raises
+        (``what``: ``tokenize`` or ``detokenize``, for the message; ``budget``: the bytes it may
+        read, shared with the request's other calls; a budget of its own when ``None``). Raises
         :class:`EngineTokenizeError` for a failure, a late, coded or oversized answer, a non-200,
         or a body orjson cannot parse (nesting past its limit included)."""
         try:
             async with asyncio.timeout(self.timeout_seconds):
-                raw = await self._read_bounded(url, body, what)
+                raw = await self._read_bounded(url, body, what, budget or ByteBudget())
         except TimeoutError:
             raise EngineTokenizeError(
                 f"engine {what} at {url} answered nothing whole within {self.timeout_seconds:g} s"
@@ -188,7 +213,7 @@ class EngineCounter(PromptCounter):
         except (ValueError, RecursionError):
             raise EngineTokenizeError(f"engine {what} at {url} answered a body that is not JSON") from None
 
-    async def _read_bounded(self, url: str, body: bytes, what: str) -> bytearray:
+    async def _read_bounded(self, url: str, body: bytes, what: str, budget: ByteBudget) -> bytearray:
         async with self._client.stream("POST", url, content=body, headers=self._post_headers) as r:
             if r.status_code != 200:
                 raise EngineTokenizeError(f"engine {what} at {url} answered HTTP {r.status_code}")
@@ -197,11 +222,8 @@ class EngineCounter(PromptCounter):
                 raise EngineTokenizeError(f"engine {what} at {url} answered with Content-Encoding {coding!r}")
             raw = bytearray()
             async for chunk in r.aiter_bytes():  # the bytes as sent: no coding is left to undo
+                budget.take(what, url, len(chunk))
                 raw += chunk
-                if len(raw) > MAX_ENGINE_BODY_BYTES:
-                    raise EngineTokenizeError(
-                        f"engine {what} at {url} answered more than {MAX_ENGINE_BODY_BYTES} bytes"
-                    )
             return raw
 
     def decode(self, ids: list[int]) -> str:
@@ -233,21 +255,34 @@ class EngineCounter(PromptCounter):
 
     async def acount_prompt(self, prompt: Any) -> PromptCount:
         """Counts of a completions ``prompt``: ids validated and counted here, each string asked
-        of the engine in a request of its own (a single string is the shape every engine takes;
-        up to :data:`MAX_CONCURRENT_REQUESTS` at once). Raises the typed errors of
+        of the engine in a request of its own (:meth:`_count_texts`). Raises the typed errors of
         :mod:`tokenizer.errors`."""
         cost = prompt_cost(prompt, self.offload_chars)
         counts, texts = await off_loop(cost, self.offload_chars, self._local_part, prompt)
+        answers = await self._count_texts([t for _, t in texts])
+        for (i, _), n in zip(texts, answers, strict=True):
+            counts[i] = n
+        return PromptCount(tuple(int(c) for c in counts if c is not None))
+
+    async def _count_texts(self, texts: list[str]) -> list[int]:
+        """The engine's count of each of ``texts``, one request each (a single string is the shape
+        every engine takes), up to :data:`MAX_CONCURRENT_REQUESTS` at once, their answers reading
+        one :class:`ByteBudget` together (N strings never cost N answers' worth of memory). The
+        first failure ends the others (cancelled, not left reading after the request's 502) and is
+        raised as it is."""
+        budget = ByteBudget(len(texts))
         sem = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
 
         async def one(text: str) -> int:
             async with sem:
-                return (await self._ask({"prompt": text, "add_special_tokens": True}))[0]
+                return (await self._ask({"prompt": text, "add_special_tokens": True}, budget=budget))[0]
 
-        answers = await asyncio.gather(*(one(t) for _, t in texts))
-        for (i, _), n in zip(texts, answers, strict=True):
-            counts[i] = n
-        return PromptCount(tuple(int(c) for c in counts if c is not None))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(one(t)) for t in texts]
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None
+        return [t.result() for t in tasks]
 
     async def acount_chat(self, messages: Any, tools: Any = None, options: ChatOptions = DEFAULT_CHAT) -> int:
         """Tokens of a chat as the engine renders it, plus :meth:`images_cost` of the image parts
