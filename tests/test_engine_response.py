@@ -283,21 +283,25 @@ def test_a_canary_in_metadata_or_an_identifier_key_is_read_whatever_its_length(b
     assert {k: v for k, v in out.fields.items() if k.endswith(":other")} == fields
 
 
-def _chunk_obj(fingerprint: str, content: str = "a", **top) -> dict:
+def _chunk(content: str = "a", *, fingerprint: str | None = None, vllm: bool = False, **top) -> dict:
+    """A chat stream's chunk saying ``content``, with ``system_fingerprint`` when ``fingerprint``
+    is given, ``token_ids`` in its choice when ``vllm`` (a vLLM chunk), and ``top`` at its top."""
+    choice = {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
     return {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk",
         "created": 1,
         "model": "m",
-        "system_fingerprint": fingerprint,
-        "choices": [{"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None}],
+        **({} if fingerprint is None else {"system_fingerprint": fingerprint}),
+        "choices": [{**choice, "token_ids": [5]} if vllm else choice],
         **top,
     }
 
 
-def _pieces(meta: StreamMeta, obj: dict) -> list[tuple[str, str]]:
-    """What the relay hands the guard of one chunk (gateway/relay/stream.py, ``_Events._pieces``)."""
-    ev = parse_chunk_event(obj)
+def _pieces(meta: StreamMeta, obj: dict, parse=parse_chunk_event) -> list[tuple[str, str]]:
+    """What the relay hands the guard of one chunk (gateway/relay/stream.py, ``_Events._pieces``);
+    ``parse``: the event's reader (:func:`_rpieces`: a Responses event's)."""
+    ev = parse(obj)
     pieces = list(ev.fields.items())
     if ev.meta:
         meta.check(ev.meta, pieces)
@@ -309,7 +313,7 @@ def test_a_streams_metadata_is_skipped_only_while_it_repeats_its_first_value():
     its text alone, chunk after chunk. A ``system_fingerprint`` that changes is text from its
     first change on (joined after the first value, as a client joins them), every value of it
     after, the first one again too. Before, each value up to 256 characters was skipped."""
-    ev = parse_chunk_event({**_chunk_obj("fp"), "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+    ev = parse_chunk_event({**_chunk(fingerprint="fp"), "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
     assert list(ev.meta) == [
         ("-:message.role", "assistant"),
         ("-:id", "chatcmpl-1"),
@@ -318,13 +322,13 @@ def test_a_streams_metadata_is_skipped_only_while_it_repeats_its_first_value():
         ("-:system_fingerprint", "fp"),
     ]
     honest = StreamMeta()
-    assert [_pieces(honest, _chunk_obj("fp", t)) for t in ("a", "b", "c")] == [
+    assert [_pieces(honest, _chunk(t, fingerprint="fp")) for t in ("a", "b", "c")] == [
         [("0:content", "a")],
         [("0:content", "b")],
         [("0:content", "c")],
     ]
     hostile = StreamMeta()
-    got = [_pieces(hostile, _chunk_obj(fp, "")) for fp in ("the sec", "ret prompt", " of b", "the sec")]
+    got = [_pieces(hostile, _chunk("", fingerprint=fp)) for fp in ("the sec", "ret prompt", " of b", "the sec")]
     assert got == [
         [],
         [("-:system_fingerprint", "the secret prompt")],
@@ -337,8 +341,8 @@ def test_a_streams_first_metadata_value_is_read_for_canaries():
     """A canary in a stream's first ``id`` is shown to the guard once; the same ``id`` after it
     costs a comparison. A canary in a Responses event's metadata is read where it is."""
     meta = StreamMeta()
-    assert _pieces(meta, _chunk_obj("fp", id=C)) == [("0:content", "a"), ("-:id", C)]
-    assert _pieces(meta, _chunk_obj("fp", id=C)) == [("0:content", "a")]
+    assert _pieces(meta, _chunk(fingerprint="fp", id=C)) == [("0:content", "a"), ("-:id", C)]
+    assert _pieces(meta, _chunk(fingerprint="fp", id=C)) == [("0:content", "a")]
     event = {"type": "response.output_text.delta", "item_id": C, "output_index": 0, "content_index": 0, "delta": "hi"}
     assert parse_response_event(event).fields == {"0:0:output_text": "hi", "0:other": C}
 
@@ -374,19 +378,6 @@ def test_a_whole_answers_key_names_that_name_no_field_are_text_apart_from_its_va
     assert "-:key_names" not in completions.fields
 
 
-def _keyed(content: str, **more) -> dict:
-    """A vLLM chunk (``token_ids`` in its choice) saying ``content``, with ``more`` at its top."""
-    choice = {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None, "token_ids": [5]}
-    return {
-        "id": "chatcmpl-1",
-        "object": "chat.completion.chunk",
-        "created": 1,
-        "model": "m",
-        "choices": [choice],
-        **more,
-    }
-
-
 def test_a_streams_new_key_names_are_text_once_after_its_first_chunk():
     """In a stream, the key names of the first chunk that name no field are metadata (up to 256
     characters of them), and so are they when repeated; a name first sent in a later chunk is
@@ -394,15 +385,15 @@ def test_a_streams_new_key_names_are_text_once_after_its_first_chunk():
     (inside ``usage`` too). Before, every identifier key name was read only for canaries: a new
     one per chunk spelled another tenant's text unread. An honest vLLM chunk holds no key name
     for the relay to compare: its metadata is what it was."""
-    assert not [m for m in parse_chunk_event(_keyed("a")).meta if m[0] == "-:key_names"]
+    assert not [m for m in parse_chunk_event(_chunk("a", vllm=True)).meta if m[0] == "-:key_names"]
     meta = StreamMeta()
     got = [
-        _pieces(meta, _keyed("a", x_engine_step=1)),
-        _pieces(meta, _keyed("b", x_engine_step=2)),
-        _pieces(meta, _keyed("", x_engine_step=3, the_secret_of_tenant_b=1)),
-        _pieces(meta, _keyed("", x_engine_step=4, the_secret_of_tenant_b=1, iban_de89=1)),
-        _pieces(meta, {**_keyed(""), "choices": [], "usage": {"prompt_tokens": 1, "x_note": 1}}),
-        _pieces(meta, _keyed("", **{C: 1})),
+        _pieces(meta, _chunk("a", vllm=True, x_engine_step=1)),
+        _pieces(meta, _chunk("b", vllm=True, x_engine_step=2)),
+        _pieces(meta, _chunk("", vllm=True, x_engine_step=3, the_secret_of_tenant_b=1)),
+        _pieces(meta, _chunk("", vllm=True, x_engine_step=4, the_secret_of_tenant_b=1, iban_de89=1)),
+        _pieces(meta, {**_chunk("", vllm=True), "choices": [], "usage": {"prompt_tokens": 1, "x_note": 1}}),
+        _pieces(meta, _chunk("", vllm=True, **{C: 1})),
     ]
     assert got == [
         [("0:content", "a")],
@@ -414,16 +405,15 @@ def test_a_streams_new_key_names_are_text_once_after_its_first_chunk():
     ]
     crowded = StreamMeta()  # past 256 characters, a first chunk's names are text too
     names = {f"k{n:03d}_{'x' * 55}": 1 for n in range(5)}  # 60 characters each
-    assert _pieces(crowded, _keyed("a", **names)) == [("0:content", "a"), ("-:key_names", list(names)[4] + " ")]
+    assert _pieces(crowded, _chunk("a", vllm=True, **names)) == [
+        ("0:content", "a"),
+        ("-:key_names", list(names)[4] + " "),
+    ]
 
 
 def _rpieces(meta: StreamMeta, obj: dict) -> list[tuple[str, str]]:
     """What the relay hands the guard of one Responses event, its snapshots left out."""
-    ev = parse_response_event(obj)
-    pieces = list(ev.fields.items())
-    if ev.meta:
-        meta.check(ev.meta, pieces)
-    return pieces
+    return _pieces(meta, obj, parse_response_event)
 
 
 def test_a_responses_events_metadata_is_a_word_of_its_vocabulary_or_an_id_the_stream_introduced():
