@@ -4,7 +4,7 @@ client's: vLLM takes the header as its engine request id (``serving_engine.py``
 ``_base_request_id``), so two tenants sending one id shared an engine request id (aborts by id,
 "request id already running", one engine log for both). The client still gets its own id back,
 and the access line carries both (``upstream_request_id``: ``None`` when nothing was forwarded).
-And a pool with every connection busy (h1 transport: ``PoolTimeout``) is counted as
+And a pool with every connection busy (``PoolTimeout``) is counted as
 ``kvgate_upstream_errors_total{kind="pool"}`` and sends the upstream into no connect back-off:
 the engine answers, its connections are all taken."""
 

@@ -1,31 +1,47 @@
 """The forward path's transport over aiohttp's ``ClientSession`` (``gateway.upstream_client:
 aiohttp``; the default is :mod:`gateway.relay.h1_transport`). It keeps the semantics of
 :class:`gateway.relay.upstream_base.Transport`: ``on_sent``, pools of ``max_connections`` per
-upstream (host, port and TLS: aiohttp's ``limit_per_host``, busy and idle connections together;
-no bound across them) kept :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`, the two
-timeouts, raw bodies (no decompression: the proxy asks for ``identity``; chunked framing removed),
-no header added but ``Host``, ``Content-Length`` and aiohttp's own ``Accept``; every aiohttp
-failure mapped onto the exception tree (:func:`as_upstream_error`). A pooled connection holds
-one descriptor at most: an upstream's addresses are tried one at a time (no Happy Eyeballs, which
-opens a socket per address while the first still connects) and a connection aiohttp closes is
-aborted (:func:`_abort_closing`), so the sockets are at most ``max_connections`` times the
-origins sent to (what :func:`gateway.edge.server.fds_needed` counts).
+upstream origin (scheme, host and port: :func:`~gateway.relay.h1_transport.url_origin`, busy and
+idle connections together; no bound across them) kept
+:data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`, the two timeouts, raw bodies (no
+decompression: the proxy asks for ``identity``; chunked framing removed), no header added but
+``Host``, ``Content-Length`` and aiohttp's own ``Accept``; every aiohttp failure mapped onto the
+exception tree (:func:`as_upstream_error`).
+
+The pool's bound is the transport's own (:class:`_Slots`), not aiohttp's ``limit_per_host``:
+aiohttp's ``connect`` timeout covers the wait for a pooled connection and the connect together,
+so a busy engine (its connections all held by other requests) and an unreachable one would both be
+a :class:`ConnectTimeout`, and the busy one backed off. A request first takes one of its origin's
+``max_connections`` slots, waiting at most ``connect_timeout`` (else a :class:`PoolTimeout`, the
+h1 transport's message), and only then goes to aiohttp, whose connector has no limit and never
+waits: its ``connect`` timeout is a connect's alone. The slot is given back once, when the send
+fails or is cancelled, or when its response is closed (after aiohttp has let go of the
+connection). A pooled connection holds one descriptor at most: an upstream's addresses are tried
+one at a time (no Happy Eyeballs, which opens a socket per address while the first still connects)
+and a connection aiohttp closes is aborted (:func:`_abort_closing`) before its slot is given
+back, so the sockets are at most ``max_connections`` times the origins sent to (what
+:func:`gateway.edge.server.fds_needed` counts).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import functools
 from collections.abc import AsyncGenerator, Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
 
+from gateway.relay.h1_transport import Origin, url_origin
 from gateway.relay.upstream_base import (
     KEEPALIVE_SECONDS,
     ConnectError,
     ConnectTimeout,
     PooledTransport,
+    PoolTimeout,
     ReadError,
     ReadTimeout,
     RemoteProtocolError,
@@ -58,14 +74,59 @@ def as_upstream_error(exc: BaseException, *, connecting: bool) -> UpstreamError 
     return None
 
 
+class _Slots:
+    """One origin's ``max_connections`` slots (module docstring): ``free`` ones, and the requests
+    waiting for one, first come first served (a slot given back goes to the first of them)."""
+
+    __slots__ = ("free", "origin", "waiters")
+
+    def __init__(self, origin: Origin, size: int) -> None:
+        self.origin = origin
+        self.free = size
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self, timeout: float) -> None:
+        """Take a slot: at once when one is free, else the next given back within ``timeout``
+        seconds; raises :class:`PoolTimeout` when none is."""
+        if self.free > 0:
+            self.free -= 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        except BaseException as e:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # handed a slot in the turn it gave up: it goes to the next one
+            if isinstance(e, TimeoutError):
+                _, host, port = self.origin
+                raise PoolTimeout(f"PoolTimeout: no free connection to {host}:{port} within {timeout:g}s") from None
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self.waiters.remove(waiter)
+
+    def release(self) -> None:
+        """Give a slot back: to the first request still waiting, else to the free ones."""
+        while self.waiters:
+            w = self.waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+        self.free += 1
+
+
 class AiohttpResponse:
-    """An aiohttp response as an :class:`UpstreamResponse` (errors mapped, see the module)."""
+    """An aiohttp response as an :class:`UpstreamResponse` (errors mapped, see the module); it
+    holds its origin's slot until :meth:`aclose`."""
 
-    __slots__ = ("_resp", "_transports", "headers", "status_code")
+    __slots__ = ("_resp", "_slots", "_transports", "headers", "status_code")
 
-    def __init__(self, resp: aiohttp.ClientResponse, transports: list[asyncio.Transport]) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, transports: list[asyncio.Transport], slots: _Slots) -> None:
         self._resp = resp
         self._transports = transports
+        self._slots: _Slots | None = slots
         self.status_code: int = resp.status
         self.headers: Mapping[str, str] = resp.headers
 
@@ -98,13 +159,19 @@ class AiohttpResponse:
 
     async def aclose(self) -> None:
         """Done with the response: a fully read body gives the connection back to the pool; an
-        unread or partly read one closes it (so the engine sees the request abandoned)."""
+        unread or partly read one closes it (so the engine sees the request abandoned). Then the
+        origin's slot is given back (the first call only)."""
         resp = self._resp
-        if resp.content.at_eof():
-            resp.release()
-        else:
-            resp.close()
-        _abort_closing(self._transports)
+        try:
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()
+            _abort_closing(self._transports)
+        finally:
+            slots, self._slots = self._slots, None
+            if slots is not None:
+                slots.release()
 
 
 class _Exchange:
@@ -124,8 +191,9 @@ _EXCHANGE: ContextVar[_Exchange | None] = ContextVar("kvgate_upstream_exchange",
 
 def _abort_closing(transports: list[asyncio.Transport]) -> None:
     """Abort those of ``transports`` aiohttp closed: its close waits to write the request bytes
-    not yet sent, keeping the descriptor while an engine that reads nothing never takes them, and
-    gives the connection's ``limit_per_host`` slot back meanwhile. One still open is left alone."""
+    not yet sent, keeping the descriptor while an engine that reads nothing never takes them,
+    and the origin's slot, given back next, would let a new connection open meanwhile. One still
+    open is left alone."""
     for t in transports:
         if t.is_closing():
             t.abort()
@@ -149,19 +217,40 @@ class _Request(aiohttp.ClientRequest):
         return resp
 
 
+#: a URL's origin (:func:`~gateway.relay.h1_transport.url_origin`), parsed once per URL (an
+#: engine's URLs are few: the upstreams' routes)
+_origin_of = functools.lru_cache(maxsize=256)(url_origin)
+
+
 class AiohttpTransport(PooledTransport):
     """One pooled aiohttp session (module docstring), its limits a :class:`PooledTransport`'s. The
     session opens at the first send, inside the event loop it will run on; :meth:`aclose` at
     shutdown."""
 
     _session: aiohttp.ClientSession | None = None
+    _pools: dict[Origin, _Slots] | None = None
+
+    def _slots_for(self, url: str) -> _Slots:
+        """The slots of ``url``'s origin (created at its first request)."""
+        pools = self._pools
+        if pools is None:
+            pools = self._pools = {}
+        origin = _origin_of(url)
+        slots = pools.get(origin)
+        if slots is None:
+            slots = pools[origin] = _Slots(origin, self.max_connections)
+        return slots
 
     def _open(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
-            limit=0,  # no bound across upstreams: a hung one must not make the others wait
-            limit_per_host=self.max_connections,
+            # no bound across upstreams (a hung one must not make the others wait), nor per host:
+            # an origin's bound is its slots (:class:`_Slots`), taken before aiohttp gets the
+            # request and given back after it let go of the connection, so aiohttp never waits
+            # for one of its own (a wait its ``connect`` timeout would count as a connect's)
+            limit=0,
+            limit_per_host=0,
             # one address at a time, as the h1 transport connects: Happy Eyeballs (RFC 8305) opens
-            # a socket per address tried while the first is still connecting, past limit_per_host
+            # a socket per address tried while the first is still connecting, past the origin's slots
             happy_eyeballs_delay=None,
             keepalive_timeout=KEEPALIVE_SECONDS,
             ttl_dns_cache=10,
@@ -183,21 +272,26 @@ class AiohttpTransport(PooledTransport):
     async def send(
         self, method: str, url: str, content: bytes, headers: Mapping[str, str], on_sent: Callable[[], None] | None
     ) -> UpstreamResponse:
-        """As :meth:`UpstreamClient.send`."""
+        """As :meth:`UpstreamClient.send`: once one of the origin's slots is taken (else
+        :class:`PoolTimeout` after ``connect_timeout``), given back when the send fails."""
         session = self._session or self._open()
+        slots = self._slots_for(url)
+        await slots.acquire(self.connect_timeout)
         exchange = _Exchange(on_sent)
         token = _EXCHANGE.set(exchange)
         try:
             resp = await session.request(method, url, data=content, headers=headers, allow_redirects=False)
-        except Exception as e:
-            mapped = as_upstream_error(e, connecting=True)
+        except BaseException as e:
+            _abort_closing(exchange.transports)
+            slots.release()
+            mapped = as_upstream_error(e, connecting=True) if isinstance(e, Exception) else None
             if mapped is None:
                 raise
             raise mapped from e
         finally:
             _EXCHANGE.reset(token)
-            _abort_closing(exchange.transports)
-        return AiohttpResponse(resp, exchange.transports)
+        _abort_closing(exchange.transports)
+        return AiohttpResponse(resp, exchange.transports, slots)
 
     async def aclose(self) -> None:
         """Close the pooled connections."""

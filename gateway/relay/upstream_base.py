@@ -9,7 +9,7 @@ httpx's names)::
     ├── ConnectFailed             nothing reached the engine: the proxy may try the next upstream
     │   ├── ConnectError          connection refused, host unresolvable, TLS handshake refused
     │   └── ConnectTimeout        no connection in time (TCP connect, or a pooled one)
-    │       └── PoolTimeout       every connection of the upstream's pool stayed busy (h1)
+    │       └── PoolTimeout       every connection of the upstream's pool stayed busy
     ├── ReadTimeout               no byte within ``read_timeout`` (headers or body)
     └── TransportError            the connection failed otherwise
         ├── RemoteProtocolError   the engine closed or broke the connection before or inside the response
@@ -48,8 +48,8 @@ class ConnectTimeout(ConnectFailed):
 class PoolTimeout(ConnectTimeout):
     """No connection of the upstream's pool came free within ``connect_timeout``: its
     ``max_connections`` are all busy with other requests (the engine is slow or at capacity, not
-    unreachable). The h1 transport tells it apart; aiohttp's ``connect`` timeout covers the pool's
-    wait and the connect together, so there it is a :class:`ConnectTimeout`."""
+    unreachable). Both transports tell it apart (the aiohttp one waits for its own slots before
+    aiohttp gets the request: :mod:`gateway.relay.aiohttp_transport`)."""
 
 
 class ReadTimeout(UpstreamError):
