@@ -266,7 +266,9 @@ class GatewaySettings(_Strict):
     each 504 ``upstream_timeout`` beyond it, or a stream's error tail once the stream has started.
 
     Client side (:mod:`gateway.edge.protocol`; docs/gateway.md, "Edge limits"): ``max_inbound_connections``
-    client connections per process (``max_connections`` sizes each upstream's connection pool; ``upstream_client``
+    client connections per process (``max_connections`` sizes each upstream's connection pool, of which
+    one tenant holds at most ``upstream_tenant_share``, a fraction in (0, 1]: ``max(1, floor(share x
+    max_connections))`` connections, 1 no cap; :mod:`gateway.relay.upstreams`; ``upstream_client``
     picks its transport, ``h1`` or ``aiohttp``: :mod:`gateway.relay.upstream_client`),
     ``max_connections_per_client`` of them per client address (``None``: an eighth of the total),
     ``max_pipelined_requests`` queued on one connection, ``max_body_chunks`` /
@@ -306,6 +308,7 @@ class GatewaySettings(_Strict):
     exchange_timeout_seconds: float | None = Field(default=3600.0, gt=0)
     drain_timeout_seconds: float = Field(default=30.0, ge=0)
     max_connections: int = Field(default=512, ge=1)
+    upstream_tenant_share: float = Field(default=0.75, gt=0, le=1)
     upstream_client: Literal["h1", "aiohttp"] = "h1"
     offload_count_chars: int = Field(default=16_384, ge=0)
     offload_threads: int | None = Field(default=None, ge=1, le=256)

@@ -36,7 +36,13 @@ def test_a_hung_upstream_holding_its_connections_does_not_block_another(engines,
     settings = settings_for(
         [upstream("u1", hung), upstream("u2", ok, models=[OTHER])],
         models=[{"id": OTHER, "context_length": 8192}],
-        gateway={"max_connections": 2, "connect_timeout_seconds": 1, "upstream_client": kind},
+        # one tenant fills u1's whole pool here: no per-tenant share (tests/test_upstream_tenant_share.py)
+        gateway={
+            "max_connections": 2,
+            "connect_timeout_seconds": 1,
+            "upstream_client": kind,
+            "upstream_tenant_share": 1.0,
+        },
     )
     g = gateway(settings, tenants(allowed_models=[MODEL, OTHER]))
     holders = [

@@ -9,7 +9,11 @@ logs. The transport (ASGI messages, client disconnect, the status) is
 
 - :func:`open_upstream` tries the candidates in balance order; a connect failure (refused,
   connect timeout, pool full) moves to the next before any byte is sent; the last failure is 503
-  ``upstream_unavailable`` (504 ``upstream_timeout`` when it timed out);
+  ``upstream_unavailable`` (504 ``upstream_timeout`` when it timed out). A candidate whose origin
+  the tenant already holds its share of (``gateway.upstream_tenant_share``,
+  :class:`~gateway.relay.upstreams.TenantShare`) is tried after the others, once one of the
+  tenant's own connections to it is given back (waiting at most ``connect_timeout``; in vain,
+  as a pool wait in vain);
 - an engine's non-200 answer, or a JSON answer to a stream request, is mapped to the OpenAI
   shape with the engine's status (:func:`verifier.engine_response.engine_error`), its 429's or
   503's ``Retry-After`` kept when it is a number of seconds (:func:`retry_after`); an engine that
@@ -67,7 +71,7 @@ from gateway.relay.upstream_client import (
     UpstreamError,
     UpstreamResponse,
 )
-from gateway.relay.upstreams import Upstream, UpstreamSet
+from gateway.relay.upstreams import TenantShare, TenantShareTimeout, Upstream, UpstreamSet
 from verifier.engine_response import CredentialsRefused, engine_error
 from verifier.stage import ResponseGuard, ResponseWithheld, VerifierStage
 
@@ -223,9 +227,14 @@ async def relay(ctx: RelayContext, outcome: RelayOutcome) -> AsyncGenerator[Chun
         raise
     finally:
         outcome.produced = tally.result()
-        if outcome.upstream is not None:
-            outcome.upstream.in_flight -= 1
-        await resp.aclose()
+        u = outcome.upstream
+        if u is not None:
+            u.in_flight -= 1
+        try:
+            await resp.aclose()
+        finally:  # the connection is back in the pool (or closed): the tenant's share of it too
+            if u is not None and u.share is not None:
+                u.share.release(outcome.admitted.tenant.id)
 
 
 def _answer(
@@ -259,61 +268,136 @@ def _answer(
 
 async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[UpstreamResponse, float]:
     """``(the upstream's response, its headers read; perf_counter when it was sent)``. Sets
-    ``outcome.upstream`` (whose ``in_flight`` stays counted until :func:`relay` ends) and
-    ``forwarded`` (as soon as the request was written to an engine's connection, before its answer:
-    an engine that then times out or breaks, or a client that leaves, does not undo it). Raises
-    :class:`OpenAIError` 503/504 (no upstream took it) or 502, or :class:`ClientLeftBeforeSend`
-    when the server already knows the client is gone: it may have left while admission awaited
-    the quota store, and the response shell's watcher, which has not run yet, would learn it
-    only after a pooled connection had taken the request without a loop turn."""
+    ``outcome.upstream`` (whose ``in_flight``, and the tenant's share of its origin, stay counted
+    until :func:`relay` ends) and ``forwarded`` (as soon as the request was written to an engine's
+    connection, before its answer: an engine that then times out or breaks, or a client that
+    leaves, does not undo it). The candidates are tried in balance order, those whose origin the
+    tenant holds its share of last, each once one of the tenant's own connections to it is given
+    back (:func:`_try_at_share`). Raises :class:`OpenAIError` 503/504 (no upstream took it) or 502,
+    or :class:`ClientLeftBeforeSend` when the server already knows the client is gone: it may have
+    left while admission awaited the quota store, and the response shell's watcher, which has not
+    run yet, would learn it only after a pooled connection had taken the request without a loop
+    turn."""
     a = outcome.admitted
     if getattr(outcome.client, "disconnected", False):
         outcome.disconnected = True
         outcome.overhead_seconds = time.perf_counter() - a.arrival.t_perf
         raise ClientLeftBeforeSend()
     last: ConnectFailed | None = None
-
-    def on_sent() -> None:  # the request is on its way to an engine: from now on it is charged
-        outcome.forwarded = True
-
+    at_share: list[tuple[Upstream, TenantShare]] = []  # candidates whose origin the tenant holds its share of
     for u in ctx.upstreams.order(a.candidates):
-        t_forward = time.perf_counter()
-        try:
-            resp = await _send(ctx, u, a, on_sent, outcome.upstream_request_id)
-        except ConnectFailed as e:
-            _connect_failed(ctx, u, e, a.arrival.request_id)
-            last = e
+        if u.share is not None and not u.share.try_take(a.tenant.id):
+            at_share.append((u, u.share))
             continue
-        except UpstreamError as e:
-            outcome.upstream = u
-            u.connected()
-            raise _transport_error(ctx, outcome, e, "answer") from None
-        if u.connect_failures:
-            u.connected()
-        outcome.upstream = u
-        outcome.forwarded = True
-        return resp, t_forward
+        opened = await _try(ctx, outcome, u)
+        if not isinstance(opened, ConnectFailed):
+            return opened
+        last = opened
+    if at_share:
+        opened = await _try_at_share(ctx, outcome, at_share)
+        if not isinstance(opened, ConnectFailed):
+            return opened
+        last = opened
     if isinstance(last, ConnectTimeout):
         raise OpenAIError(504, "No upstream engine accepted the connection in time.", code=ErrorCode.UPSTREAM_TIMEOUT)
     raise OpenAIError(503, "No upstream engine for this model is reachable.", code=ErrorCode.UPSTREAM_UNAVAILABLE)
 
 
+async def _try_at_share(
+    ctx: RelayContext, outcome: RelayOutcome, at_share: list[tuple[Upstream, TenantShare]]
+) -> tuple[UpstreamResponse, float] | ConnectFailed:
+    """:func:`_try` the candidates whose origin the tenant holds its share of (``at_share``, not
+    empty: each with that share, in balance order), each as one of the tenant's own connections
+    to it is given back (whichever first), waiting ``connect_timeout`` in all; in vain, a
+    :class:`~gateway.relay.upstreams.TenantShareTimeout` for each left (:func:`_share_timed_out`).
+    Returns as :func:`_try`."""
+    a = outcome.admitted
+    deadline = asyncio.get_running_loop().time() + ctx.settings.gateway.connect_timeout_seconds
+    left = list(at_share)
+    while True:
+        try:
+            share = await TenantShare.take_any([s for _, s in left], a.tenant.id, deadline)
+        except TimeoutError:
+            return _share_timed_out(ctx, outcome, left)
+        u = left.pop(next(i for i, (_, s) in enumerate(left) if s is share))[0]
+        opened = await _try(ctx, outcome, u)
+        if not isinstance(opened, ConnectFailed) or not left:
+            return opened
+
+
+def _share_timed_out(
+    ctx: RelayContext, outcome: RelayOutcome, left: list[tuple[Upstream, TenantShare]]
+) -> TenantShareTimeout:
+    """Record that the tenant held its share of each upstream ``left`` (not empty) for all of
+    ``connect_timeout``, as a pool wait in vain is (no back-off) but counted ``tenant_share``;
+    the last one's :class:`~gateway.relay.upstreams.TenantShareTimeout`."""
+    a = outcome.admitted
+    timeout_seconds = ctx.settings.gateway.connect_timeout_seconds
+    errors = [
+        TenantShareTimeout(
+            f"TenantShareTimeout: tenant {a.tenant.id} held its {s.cap_connections} connections to "
+            f"{u.name} for {timeout_seconds:g}s"
+        )
+        for u, s in left
+    ]
+    for (u, _), e in zip(left, errors, strict=True):
+        _connect_failed(ctx, u, e, a.arrival.request_id)
+    return errors[-1]
+
+
+async def _try(ctx: RelayContext, outcome: RelayOutcome, u: Upstream) -> tuple[UpstreamResponse, float] | ConnectFailed:
+    """Send the request to ``u``, the tenant's share of its origin (if capped) already taken:
+    ``(its response, perf_counter when it was sent)``, or the :class:`ConnectFailed` that kept it
+    from ``u`` (recorded: :func:`_connect_failed`). Raises :class:`OpenAIError` for another failure."""
+    a = outcome.admitted
+    t_forward = time.perf_counter()
+
+    def on_sent() -> None:  # the request is on its way to an engine: from now on it is charged
+        outcome.forwarded = True
+
+    try:
+        resp = await _send(ctx, u, a, on_sent, outcome.upstream_request_id)
+    except ConnectFailed as e:
+        _connect_failed(ctx, u, e, a.arrival.request_id)
+        return e
+    except UpstreamError as e:
+        outcome.upstream = u
+        u.connected()
+        raise _transport_error(ctx, outcome, e, "answer") from None
+    if u.connect_failures:
+        u.connected()
+    outcome.upstream = u
+    outcome.forwarded = True
+    return resp, t_forward
+
+
 def _connect_failed(ctx: RelayContext, u: Upstream, e: ConnectFailed, request_id: str) -> None:
     """Record that nothing reached ``u``: counted (``kvgate_upstream_errors_total`` kind
-    ``connect``, or ``pool`` for a :class:`PoolTimeout`) and logged; a failed connect sends ``u``
+    ``connect``, ``pool`` for a :class:`PoolTimeout`, ``tenant_share`` for a
+    :class:`~gateway.relay.upstreams.TenantShareTimeout`) and logged; a failed connect sends ``u``
     to the back of the order for a while (:meth:`gateway.relay.upstreams.Upstream.connect_failed`),
-    a busy pool does not (the engine answers; its connections are all taken)."""
+    a busy pool does not (the engine answers; its connections are all taken), nor a tenant that
+    holds its share of them."""
     busy = isinstance(e, PoolTimeout)
     if not busy:
         u.connect_failed()
-    ctx.metrics.upstream_errors.labels(u.name, "pool" if busy else "connect").inc()
+    kind = "tenant_share" if isinstance(e, TenantShareTimeout) else "pool" if busy else "connect"
+    ctx.metrics.upstream_errors.labels(u.name, kind).inc()
     log.warning(
         "upstream %s: %s (%s), trying the next",
         u.name,
-        "no free connection" if busy else "connect failed",
+        _CONNECT_FAILURES[kind],
         type(e).__name__,
         extra={"fields": {"request_id": request_id}},
     )
+
+
+#: how the log names each kind of connect failure (:func:`_connect_failed`)
+_CONNECT_FAILURES = {
+    "connect": "connect failed",
+    "pool": "no free connection",
+    "tenant_share": "the tenant holds its share of the connections",
+}
 
 
 async def _send(
@@ -321,7 +405,7 @@ async def _send(
 ) -> UpstreamResponse:
     """Send the request to ``u`` with ``x-request-id: request_id``, counted in its ``in_flight``
     from now on (given back here when no answer came: the send failed, or was cancelled because
-    the client left)."""
+    the client left; so is the tenant's share of ``u``'s origin, which the caller took)."""
     headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": request_id}
     if u.auth_header:
         headers["authorization"] = u.auth_header
@@ -330,6 +414,8 @@ async def _send(
         return await ctx.forwarder.send("POST", u.url_for(a.arrival.api), a.forward.body, headers, on_sent)
     except BaseException:
         u.in_flight -= 1
+        if u.share is not None:
+            u.share.release(a.tenant.id)
         raise
 
 

@@ -9,22 +9,120 @@ still tried when every other candidate failed or is backing off too.
 Only upstreams whose pool limit is known and fresh are eligible; the limit a request of a model
 is gated against is the smallest limit among them, so a retry on any of them still fits. An
 upstream the verifier has quarantined for prompts of this length is skipped.
+
+A tenant holds at most its share of an upstream origin's ``gateway.max_connections`` at once in
+one process (:class:`TenantShare`, ``gateway.upstream_tenant_share``): a tenant's slow streams
+otherwise held the whole pool, and every other tenant's request waited ``connect_timeout`` for a
+connection and got 504. Upstreams at one origin share one pool in the transport, so they share
+one :class:`TenantShare` too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import math
 import time
+from collections import deque
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Protocol
 
-from config.models import Settings, UpstreamConfig
+from config.models import GatewaySettings, Settings, UpstreamConfig, url_origin
 from gateway.ops.pool_watcher import PoolWatcher
+from gateway.relay.upstream_base import PoolTimeout
 
 #: seconds an upstream stays at the back of the order after its first connect failure in a row
 BACKOFF_FIRST_SECONDS = 1.0
 #: the longest back-off (seconds): each further failure in a row doubles it up to this
 BACKOFF_MAX_SECONDS = 30.0
+
+
+def tenant_cap_connections(g: GatewaySettings) -> int | None:
+    """The connections one tenant may hold to one upstream origin at once in one process:
+    ``max(1, floor(upstream_tenant_share x max_connections))``, the share taken as the decimal
+    written (0.29 of 100 is 29, not the 28 of its binary float). ``None`` (no cap) when that is
+    the whole pool: a share of 1, or a pool too small to share (one connection)."""
+    share = g.upstream_tenant_share
+    cap = max(1, math.floor(Fraction(repr(share)) * g.max_connections))
+    return cap if cap < g.max_connections else None
+
+
+class TenantShareTimeout(PoolTimeout):
+    """A tenant held its whole share of an origin's connections (:class:`TenantShare`) for all of
+    ``connect_timeout``: the client gets what a pool wait in vain gets (504 ``upstream_timeout``)
+    and, the engine being healthy, the upstream no back-off; counted ``kind="tenant_share"``."""
+
+
+class TenantShare:
+    """The connections each tenant holds to one upstream origin in this process, at most
+    ``cap_connections`` each (:func:`tenant_cap_connections`). ``held_connections``: tenant id
+    -> how many it holds (only tenants holding one). Taken (:meth:`try_take`, :meth:`take_any`)
+    before the relay asks the transport for a connection, given back (:meth:`release`) once the
+    relay is done with it, whatever the end. A tenant at its cap waits for one of its own to be
+    given back, first come first served: one given back passes straight to the tenant's first
+    waiter, so a later request of the tenant cannot take it first."""
+
+    def __init__(self, cap_connections: int) -> None:
+        self.cap_connections = cap_connections
+        self.held_connections: dict[str, int] = {}
+        #: tenant id -> its requests waiting for one of its own, in arrival order (a waiter on
+        #: several origins is in each of their queues; the first given back is its result)
+        self._waiters: dict[str, deque[asyncio.Future[TenantShare]]] = {}
+
+    def try_take(self, tenant_id: str) -> bool:
+        """Take one for ``tenant_id`` when it holds fewer than its cap; whether it did."""
+        n = self.held_connections.get(tenant_id, 0)
+        if n >= self.cap_connections:
+            return False
+        self.held_connections[tenant_id] = n + 1
+        return True
+
+    def release(self, tenant_id: str) -> None:
+        """Give one of ``tenant_id``'s back: to its first waiter, else off its count."""
+        queue = self._waiters.get(tenant_id)
+        while queue:
+            waiter = queue.popleft()
+            if not waiter.done():
+                waiter.set_result(self)
+                return
+        n = self.held_connections[tenant_id] - 1
+        if n:
+            self.held_connections[tenant_id] = n
+        else:
+            del self.held_connections[tenant_id]
+
+    @staticmethod
+    async def take_any(shares: list[TenantShare], tenant_id: str, deadline: float) -> TenantShare:
+        """One of ``shares`` taken for ``tenant_id``: the first with room, else the first to give
+        one of the tenant's own back before ``deadline`` (the loop's ``time()``). Raises
+        ``TimeoutError`` (or the cancellation) holding none."""
+        for share in shares:
+            if share.try_take(tenant_id):
+                return share
+        waiter: asyncio.Future[TenantShare] = asyncio.get_running_loop().create_future()
+        unique = list(dict.fromkeys(shares))  # upstreams of one origin share one
+        for share in unique:
+            share._waiters.setdefault(tenant_id, deque()).append(waiter)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                waiter.result().release(tenant_id)  # handed one in the turn it gave up: it passes on
+            raise
+        finally:
+            for share in unique:
+                share._forget(tenant_id, waiter)
+
+    def _forget(self, tenant_id: str, waiter: asyncio.Future[TenantShare]) -> None:
+        queue = self._waiters.get(tenant_id)
+        if queue is None:
+            return
+        if waiter in queue:
+            queue.remove(waiter)
+        if not queue:
+            del self._waiters[tenant_id]
 
 
 class Routed(Protocol):
@@ -38,7 +136,9 @@ class Routed(Protocol):
 class Upstream:
     """One engine deployment: its config, pool watcher, ``base_url`` (``api_url`` without its
     trailing ``/``) and bearer header (fixed at start); live, the balancer's state: its in-flight
-    count, its connect failures in a row and the ``time.monotonic()`` until which it backs off."""
+    count, its connect failures in a row and the ``time.monotonic()`` until which it backs off.
+    ``share``: the tenants' connections to its origin (:class:`TenantShare`, shared by the
+    upstreams of one origin; ``None``: no per-tenant cap)."""
 
     config: UpstreamConfig
     watcher: PoolWatcher
@@ -47,6 +147,7 @@ class Upstream:
     in_flight: int = 0
     connect_failures: int = 0
     backoff_until: float = 0.0
+    share: TenantShare | None = None
 
     @property
     def name(self) -> str:
@@ -89,11 +190,29 @@ def make_upstream(cfg: UpstreamConfig, watcher: PoolWatcher) -> Upstream:
     return Upstream(cfg, watcher, cfg.api_url.rstrip("/"), f"Bearer {key}" if key else None)
 
 
+def share_origins(upstreams: list[Upstream], cap_connections: int | None) -> None:
+    """Give each upstream its origin's :class:`TenantShare` of ``cap_connections`` (one for all
+    the upstreams of an origin; ``None``: no cap, none)."""
+    shares: dict[tuple[str, str, int | None], TenantShare] = {}
+    for u in upstreams:
+        if cap_connections is None:
+            u.share = None
+            continue
+        origin = url_origin(u.base_url)
+        share = shares.get(origin)
+        if share is None:
+            share = shares[origin] = TenantShare(cap_connections)
+        u.share = share
+
+
 class UpstreamSet:
-    """Model id -> the upstreams serving it (``models`` in an upstream entry may name aliases)."""
+    """Model id -> the upstreams serving it (``models`` in an upstream entry may name aliases).
+    Each upstream is given its origin's :class:`TenantShare` (one per origin: the transport's
+    pool is per origin), unless ``gateway.upstream_tenant_share`` leaves the pool uncapped."""
 
     def __init__(self, settings: Settings, upstreams: list[Upstream]) -> None:
         self.all = upstreams
+        share_origins(upstreams, tenant_cap_connections(settings.gateway))
         self.by_model: dict[str, list[Upstream]] = {}
         for u in upstreams:
             for name in u.config.models:

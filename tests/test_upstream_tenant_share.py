@@ -1,0 +1,443 @@
+"""One tenant holds at most its share of an upstream origin's connections in a gateway process
+(``gateway.upstream_tenant_share``: max(1, floor(share x ``max_connections``)) connections;
+:class:`gateway.relay.upstreams.TenantShare`). Before, a tenant's slow streams could hold all of an
+upstream's ``max_connections`` (its concurrency quota may allow it, and two keys of one tenant
+together surely did), and every other tenant's request waited ``connect_timeout_seconds`` for a
+pooled connection and got 504.
+
+A request of a tenant at its cap waits for one of its own connections to that origin, at most
+``connect_timeout_seconds``, and then gets what a pool wait in vain gets (504 ``upstream_timeout``,
+no back-off for the healthy upstream, counted ``kind="tenant_share"``); another tenant is served
+at once; a tenant at its cap on one upstream goes to another serving the model. The gateway
+forwards through its real transport to :class:`HoldingEngine`, whose streams hold their
+connection until the test lets them end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from config import ConfigError, load_settings
+from config.models import GatewaySettings, TenantsFile
+from gateway.ops.tenants import TenantRegistry, hash_key
+from tests.gateway_harness import MODEL, chat, settings_for, upstream, wait_for
+from tests.mock_engine import MockState, ServerThread, default_stream, whole_body
+
+pytestmark = pytest.mark.timeout(120)
+
+KEY_A1 = "sk-share-tenant-a-1"  # two keys of one tenant: one share between them
+KEY_A2 = "sk-share-tenant-a-2"
+KEY_B = "sk-share-tenant-b"
+KEY_C = "sk-share-tenant-c"
+OTHER = "other-model"
+
+#: what a request gets when no connection came free within ``connect_timeout_seconds``: the pool
+#: wait in vain of today, and the tenant's wait for its own share in vain
+POOL_WAIT_504 = (
+    b'{"error":{"message":"No upstream engine accepted the connection in time.",'
+    b'"type":"server_error","param":null,"code":"upstream_timeout"}}'
+)
+#: a whole answer as the engine sends it and the client gets it (:func:`tests.mock_engine.whole_body`)
+WHOLE = JSONResponse(whole_body(MockState(), True)).body
+#: the engine's 500 answer (:class:`HoldingEngine`, prompt ``fail``) and what the client gets of it
+ENGINE_500 = {"error": {"message": "engine boom", "type": "server_error", "code": "engine_boom"}}
+RELAYED_500 = b'{"error":{"message":"engine boom","type":"server_error","param":null,"code":"engine_boom"}}'
+#: a stream answer as the engine sends it and the client gets it (:func:`tests.mock_engine.default_stream`)
+STREAM_EVENTS = default_stream(MockState(), {"stream": True}, True)
+STREAM = b"".join(STREAM_EVENTS)
+#: what the client gets of a stream the engine breaks after its first two events
+CUT_STREAM = (
+    STREAM_EVENTS[0]
+    + STREAM_EVENTS[1]
+    + b'data: {"error":{"message":"The upstream engine broke the connection (RemoteProtocolError).",'
+    b'"type":"server_error","param":null,"code":"upstream_unavailable"}}\n\ndata: [DONE]\n\n'
+)
+
+
+class HoldingEngine(ServerThread):
+    """An SGLang-like engine (``/server_info``, ``/v1/chat/completions``) on a free loopback
+    port. A stream request whose prompt is ``hold <name>`` gets its first event at once, then
+    holds its connection until :meth:`release` names it (or the gateway goes away); ``fail``: a
+    500 error answer; ``cut``: a stream broken after its first event; any other prompt: answered
+    at once (whole or streamed). ``seen``: the prompts received, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.released: set[str] = set()
+        self.release_all = False
+        super().__init__(self._app())
+
+    @property
+    def api_url(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def info_url(self) -> str:
+        return self.url + "/server_info"
+
+    def release(self, name: str) -> None:
+        self.released.add(name)
+
+    def stop(self) -> None:
+        self.release_all = True
+        super().stop()
+
+    def _app(self) -> Starlette:
+        async def server_info(request: Request) -> Response:
+            return JSONResponse({"max_total_num_tokens": 4096, "page_size": 16, "context_length": 8192, "status": "ok"})
+
+        async def completion(request: Request) -> Response:
+            body = json.loads(await request.body())
+            prompt = body["messages"][0]["content"]
+            self.seen.append(prompt)
+            if prompt == "fail":
+                return JSONResponse(ENGINE_500, status_code=500)
+            if not body.get("stream"):
+                return JSONResponse(whole_body(MockState(), True))
+            return StreamingResponse(self._events(prompt, body), media_type="text/event-stream")
+
+        return Starlette(
+            routes=[
+                Route("/server_info", server_info),
+                Route("/v1/chat/completions", completion, methods=["POST"]),
+            ]
+        )
+
+    async def _events(self, prompt: str, body: dict[str, Any]) -> Any:
+        chunks = default_stream(MockState(), body, True)
+        yield chunks[0] + chunks[1]  # the role and the first words: the gateway starts its answer
+        if prompt == "cut":
+            raise ConnectionResetError("the engine broke the stream")
+        name = prompt.removeprefix("hold ")
+        while prompt.startswith("hold ") and name not in self.released and not self.release_all:
+            await asyncio.sleep(0.01)
+        for c in chunks[2:]:
+            yield c
+
+
+@pytest.fixture
+def holding_engines() -> Iterator[Any]:
+    """``holding_engines()`` starts a :class:`HoldingEngine`; all stop after the test."""
+    with ExitStack() as stack:
+
+        def start() -> HoldingEngine:
+            e = HoldingEngine().start()
+            stack.callback(e.stop)
+            return e  # type: ignore[return-value]
+
+        yield start
+
+
+def _registry() -> TenantRegistry:
+    """``tenant-a`` (keys :data:`KEY_A1`, :data:`KEY_A2`), ``tenant-b`` (:data:`KEY_B`) and
+    ``tenant-c`` (:data:`KEY_C`), all allowed :data:`MODEL` and :data:`OTHER`, no quotas."""
+    keys = {"tenant-a": [KEY_A1, KEY_A2], "tenant-b": [KEY_B], "tenant-c": [KEY_C]}
+    entries = [
+        {"id": tid, "api_key_sha256": [hash_key(k) for k in ks], "allowed_models": [MODEL, OTHER]}
+        for tid, ks in keys.items()
+    ]
+    return TenantRegistry(TenantsFile.model_validate({"tenants": entries}))
+
+
+def _gateway(gateway: Any, engine: HoldingEngine, share: float, connect_timeout_seconds: float = 1.0) -> Any:
+    """A gateway with ``max_connections`` 4 and ``upstream_tenant_share`` ``share`` (0.5: 2 a
+    tenant) and one upstream, ``u1``, to ``engine``."""
+    settings = settings_for(
+        [upstream("u1", api_url=engine.api_url, pool_urls=[engine.info_url])],
+        gateway={
+            "max_connections": 4,
+            "upstream_tenant_share": share,
+            "connect_timeout_seconds": connect_timeout_seconds,
+            "read_timeout_seconds": 60,
+        },
+    )
+    return gateway(settings, _registry())
+
+
+def _open_stream(stack: ExitStack, g: Any, key: str, prompt: str, model: str = MODEL) -> httpx.Response:
+    """A stream request whose answer has started (so the gateway holds its upstream connection);
+    it stays open until ``stack`` closes or it is read to its end."""
+    c = stack.enter_context(httpx.Client(base_url=g.url, headers={"authorization": f"Bearer {key}"}, timeout=15))
+    body = chat(prompt, model=model, max_tokens=5, stream=True)
+    r = stack.enter_context(c.stream("POST", "/v1/chat/completions", json=body))
+    assert r.status_code == 200
+    return r
+
+
+def _post(g: Any, key: str, prompt: str, *, stream: bool = False, timeout: float = 15) -> tuple[int, bytes, float]:
+    """``(status, body, seconds it took)`` of a chat request."""
+    t0 = time.monotonic()
+    with httpx.Client(base_url=g.url, headers={"authorization": f"Bearer {key}"}, timeout=timeout) as c:
+        r = c.post("/v1/chat/completions", json=chat(prompt, max_tokens=5, stream=stream))
+    return r.status_code, r.content, time.monotonic() - t0
+
+
+def _upstream_errors(g: Any) -> list[str]:
+    with httpx.Client(base_url=g.url, timeout=5) as c:
+        text = c.get("/metrics").text
+    return [line for line in text.splitlines() if line.startswith("kvgate_upstream_errors_total{")]
+
+
+def _shares(g: Any) -> list[Any]:
+    """Each upstream's :class:`~gateway.relay.upstreams.TenantShare` (asserted to be there)."""
+    shares = [getattr(u, "share", None) for u in g.gw.upstreams.all]
+    assert all(s is not None for s in shares)
+    return shares
+
+
+def _idle(g: Any) -> bool:
+    """No tenant holds or waits for a connection of any upstream's share."""
+    return all(s.held_connections == {} and s._waiters == {} for s in _shares(g))
+
+
+def test_a_tenant_at_its_share_waits_then_gets_the_pool_wait_504_while_another_is_served(holding_engines, gateway):
+    """Share 0.5 of 4 connections: tenant A holds 2 streams, one per key; its third request
+    waits ``connect_timeout_seconds`` (1 s) and gets the pool wait's 504, byte for byte, never
+    reaching the engine; meanwhile tenant B's request is answered 200 at once. Counted
+    ``kind="tenant_share"``; the upstream is not backed off. Before, the third request was
+    forwarded at once (A could hold the whole pool)."""
+    engine = holding_engines()
+    g = _gateway(gateway, engine, 0.5)
+    with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        held = [_open_stream(stack, g, KEY_A1, "hold a1"), _open_stream(stack, g, KEY_A2, "hold a2")]
+        third: Future[tuple[int, bytes, float]] = pool.submit(_post, g, KEY_A1, "third")
+        time.sleep(0.3)
+        assert not third.done()  # waiting for one of A's own connections
+        status_b, body_b, took_b = _post(g, KEY_B, "b now")
+        assert (status_b, body_b) == (200, WHOLE) and took_b < 0.5
+        status, body, took = third.result()
+        assert (status, body) == (504, POOL_WAIT_504)
+        assert 1.0 <= took < 1.8
+        u1 = g.gw.upstreams.all[0]
+        assert (u1.backoff_until, u1.connect_failures) == (0.0, 0)
+        assert _shares(g)[0].held_connections == {"tenant-a": 2}
+        for name, r in zip(("a1", "a2"), held, strict=True):
+            engine.release(name)
+            assert r.read() == STREAM
+    assert engine.seen == ["hold a1", "hold a2", "b now"]
+    assert _upstream_errors(g) == ['kvgate_upstream_errors_total{kind="tenant_share",upstream="u1"} 1.0']
+    assert wait_for(lambda: _idle(g), 3)
+
+
+def test_when_one_of_its_streams_ends_the_waiting_request_goes_on(holding_engines, gateway):
+    """Tenant A holds its 2; its third request waits; as soon as one of A's streams ends, the
+    third is forwarded and answered 200 (well within ``connect_timeout_seconds``, 3 s). Before,
+    it was forwarded at once, before either stream ended."""
+    engine = holding_engines()
+    g = _gateway(gateway, engine, 0.5, connect_timeout_seconds=3.0)
+    with ExitStack() as stack, ThreadPoolExecutor(1) as pool:
+        a1 = _open_stream(stack, g, KEY_A1, "hold a1")
+        _open_stream(stack, g, KEY_A1, "hold a2")
+        third = pool.submit(_post, g, KEY_A2, "third", stream=True)
+        time.sleep(0.3)
+        assert not third.done() and engine.seen == ["hold a1", "hold a2"]
+        engine.release("a1")
+        assert a1.read() == STREAM
+        status, body, took = third.result()
+        assert (status, body) == (200, STREAM)
+        assert 0.3 <= took < 1.5
+        assert engine.seen == ["hold a1", "hold a2", "third"]
+        assert wait_for(lambda: _shares(g)[0].held_connections == {"tenant-a": 1}, 3)  # a2 still held
+        engine.release("a2")
+    assert wait_for(lambda: _idle(g), 3)
+    assert _upstream_errors(g) == []
+
+
+def test_a_tenant_at_its_share_of_one_upstream_uses_another_and_none_backs_off(holding_engines, gateway):
+    """``max_connections`` 8, share 0.25: 2 a tenant. u1 serves :data:`MODEL`, u2 it and
+    :data:`OTHER`; tenants B and C hold 2 streams each on u2 (only it serves OTHER). Tenant A's
+    streams go to u1, the upstream with fewest in flight, until A holds its 2 there; its next
+    two go to u2 though u1 still has fewer in flight. A's fifth request then waits for whichever
+    of its own comes back first, ``connect_timeout_seconds`` (1 s) in all (not one wait per
+    upstream), and gets the pool wait's 504. Neither upstream backs off: B's next requests still
+    go to u1, the one with fewest in flight. Before, A's third stream went to u1."""
+    e1, e2 = holding_engines(), holding_engines()
+    settings = settings_for(
+        [
+            upstream("u1", api_url=e1.api_url, pool_urls=[e1.info_url]),
+            upstream("u2", api_url=e2.api_url, pool_urls=[e2.info_url], models=[MODEL, OTHER]),
+        ],
+        models=[{"id": OTHER, "context_length": 8192}],
+        gateway={
+            "max_connections": 8,
+            "upstream_tenant_share": 0.25,
+            "connect_timeout_seconds": 1.0,
+            "read_timeout_seconds": 60,
+        },
+    )
+    g = gateway(settings, _registry())
+    with ExitStack() as stack:
+        for i, key in enumerate((KEY_B, KEY_B, KEY_C, KEY_C)):
+            _open_stream(stack, g, key, f"hold o{i}", model=OTHER)
+        for i in range(4):
+            _open_stream(stack, g, (KEY_A1, KEY_A2)[i % 2], f"hold a{i}")
+        assert (e1.seen, e2.seen) == (
+            ["hold a0", "hold a1"],
+            ["hold o0", "hold o1", "hold o2", "hold o3", "hold a2", "hold a3"],
+        )
+        assert [u.in_flight for u in g.gw.upstreams.all] == [2, 6]
+        status, body, took = _post(g, KEY_A1, "fifth")
+        assert (status, body) == (504, POOL_WAIT_504)
+        assert 1.0 <= took < 1.8  # one wait for both, not one each
+        assert [(u.backoff_until, u.connect_failures) for u in g.gw.upstreams.all] == [(0.0, 0), (0.0, 0)]
+        answers = [_post(g, KEY_B, f"b{i}") for i in range(3)]
+        assert [(s, b) for s, b, _ in answers] == [(200, WHOLE)] * 3
+        assert all(t < 0.5 for _, _, t in answers)
+        assert e1.seen[2:] == ["b0", "b1", "b2"] and "fifth" not in e2.seen
+        e1.release_all = e2.release_all = True
+    assert _upstream_errors(g) == [
+        'kvgate_upstream_errors_total{kind="tenant_share",upstream="u1"} 1.0',
+        'kvgate_upstream_errors_total{kind="tenant_share",upstream="u2"} 1.0',
+    ]
+    assert wait_for(lambda: _idle(g), 3)
+
+
+def test_no_share_leaks_after_errors_cuts_and_clients_that_leave(holding_engines, gateway):
+    """Many of tenant A's requests end otherwise than well: the engine's 500 (relayed: 500 with
+    the engine's error), streams the engine breaks (200 and the stream's error tail), clients
+    that leave mid-stream, and clients that leave while waiting at the cap. Afterwards no
+    connection of A's is counted, and A can hold exactly its 2 again: a third waits and gets
+    the 504. Before, A's third request was forwarded at once."""
+    engine = holding_engines()
+    g = _gateway(gateway, engine, 0.5)
+    for _ in range(6):
+        assert _post(g, KEY_A1, "fail")[:2] == (500, RELAYED_500)
+    for _ in range(6):
+        status, body, _ = _post(g, KEY_A2, "cut", stream=True)
+        assert (status, body) == (200, CUT_STREAM)
+    for i in range(6):  # clients that leave mid-stream
+        with ExitStack() as stack:
+            _open_stream(stack, g, KEY_A1, f"hold left{i}")
+    with ExitStack() as stack:  # clients that leave while waiting for one of A's own
+        _open_stream(stack, g, KEY_A1, "hold x1")
+        _open_stream(stack, g, KEY_A2, "hold x2")
+        for _ in range(4):
+            with pytest.raises(httpx.ReadTimeout):
+                _post(g, KEY_A1, "gave up", timeout=0.3)
+        assert _shares(g)[0].held_connections == {"tenant-a": 2}
+    assert wait_for(lambda: _idle(g), 3)
+    with ExitStack() as stack, ThreadPoolExecutor(1) as pool:
+        _open_stream(stack, g, KEY_A1, "hold y1")
+        _open_stream(stack, g, KEY_A2, "hold y2")
+        third = pool.submit(_post, g, KEY_A1, "third")
+        status, body, took = third.result()
+        assert (status, body) == (504, POOL_WAIT_504)
+        assert 1.0 <= took < 1.8
+        engine.release_all = True
+    assert wait_for(lambda: _idle(g), 3)
+    assert "gave up" not in engine.seen and "third" not in engine.seen
+
+
+def test_share_one_keeps_the_whole_pool_for_one_tenant(holding_engines, gateway):
+    """``upstream_tenant_share`` 1.0: no cap, as before. Tenant A holds all 4 connections; then
+    A's next request and tenant B's both wait for the pool and get the same 504, counted
+    ``kind="pool"``; when one stream ends, B's next request is served."""
+    engine = holding_engines()
+    g = _gateway(gateway, engine, 1.0)
+    with ExitStack() as stack:
+        held = [_open_stream(stack, g, (KEY_A1, KEY_A2)[i % 2], f"hold a{i}") for i in range(4)]
+        assert _post(g, KEY_A1, "fifth")[:2] == (504, POOL_WAIT_504)
+        assert _post(g, KEY_B, "b waits")[:2] == (504, POOL_WAIT_504)
+        engine.release("a0")
+        assert held[0].read() == STREAM
+        status, body, _ = _post(g, KEY_B, "b served")
+        assert (status, body) == (200, WHOLE)
+        engine.release_all = True
+    assert engine.seen == [f"hold a{i}" for i in range(4)] + ["b served"]
+    assert _upstream_errors(g) == ['kvgate_upstream_errors_total{kind="pool",upstream="u1"} 2.0']
+
+
+@pytest.mark.parametrize(
+    ("share", "max_connections", "cap"),
+    [(0.5, 4, 2), (0.75, 512, 384), (0.29, 100, 29), (0.1, 4, 1), (0.001, 512, 1), (0.75, 1, None), (1.0, 512, None)],
+)
+def test_the_cap_is_the_floor_of_the_share_at_least_one(share, max_connections, cap):
+    """max(1, floor(share x max_connections)), the share as the decimal written (0.29 of 100 is
+    29, not the 28 of 0.29 x 100 in binary floats); ``None`` (no cap) when it is the whole pool."""
+    from gateway.relay.upstreams import tenant_cap_connections
+
+    g = GatewaySettings(upstream_tenant_share=share, max_connections=max_connections)
+    assert tenant_cap_connections(g) == cap
+    assert GatewaySettings().upstream_tenant_share == 0.75
+
+
+def test_a_connection_given_back_passes_to_the_first_waiter_and_a_waiter_that_leaves_holds_none():
+    """The share's own rules: a given-back connection goes to the tenant's first waiter (a later
+    request of the tenant cannot take it first); a waiter handed one in the turn it gives up
+    passes it on; a waiter on two origins takes the first one given back and leaves the other's
+    queue; other tenants are not counted against it."""
+
+    from gateway.relay.upstreams import TenantShare
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        s, t = TenantShare(1), TenantShare(1)
+        assert s.try_take("a") and not s.try_take("a") and s.try_take("b")
+        first = asyncio.ensure_future(TenantShare.take_any([s], "a", loop.time() + 5))
+        second = asyncio.ensure_future(TenantShare.take_any([s], "a", loop.time() + 5))
+        await asyncio.sleep(0)
+        s.release("a")
+        assert not s.try_take("a")  # handed to ``first``, not free for a newcomer
+        assert await first is s and not second.done()
+        s.release("a")
+        second.cancel()  # handed one, then cancelled in the same turn: it passes on
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert s.held_connections == {"b": 1} and s._waiters == {}
+        assert s.try_take("a")
+        with pytest.raises(TimeoutError):
+            await TenantShare.take_any([s], "a", loop.time() + 0.05)
+        assert s.held_connections == {"a": 1, "b": 1} and s._waiters == {}
+        assert t.try_take("a")
+        both = asyncio.ensure_future(TenantShare.take_any([s, t], "a", loop.time() + 5))
+        await asyncio.sleep(0)
+        t.release("a")
+        assert await both is t
+        assert s._waiters == {} and t._waiters == {}
+        for share, tenant in ((s, "a"), (s, "b"), (t, "a")):
+            share.release(tenant)
+        assert s.held_connections == {} and t.held_connections == {}
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("0", "Input should be greater than 0 (got 0)"),
+        ("-0.25", "Input should be greater than 0 (got -0.25)"),
+        ("1.5", "Input should be less than or equal to 1 (got 1.5)"),
+        ("half", "Input should be a valid number, unable to parse string as a number (got 'half')"),
+        (
+            "true",
+            "must be a number, not a boolean (YAML reads true/false, yes/no and on/off as booleans) (got True)",
+        ),
+    ],
+)
+def test_a_bad_share_is_a_config_error_naming_the_key(tmp_path: Path, value: str, problem: str):
+    p = tmp_path / "kvgate.yaml"
+    p.write_text(f"gateway:\n  upstream_tenant_share: {value}\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as ei:
+        load_settings(p, environ={})
+    assert str(ei.value) == f"{p}: line 2: gateway.upstream_tenant_share: {problem}"
+    q = tmp_path / "empty.yaml"
+    q.write_text("", encoding="utf-8")
+    with pytest.raises(ConfigError) as ei:
+        load_settings(q, environ={"KVGATE_GATEWAY__UPSTREAM_TENANT_SHARE": value})
+    assert str(ei.value) == (
+        f"{q}: gateway.upstream_tenant_share: {problem} "
+        "(from environment variable KVGATE_GATEWAY__UPSTREAM_TENANT_SHARE)"
+    )
