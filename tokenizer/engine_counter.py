@@ -25,9 +25,9 @@ A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError
 engine's fault, never the client's 400 and never a 500. Every call is bounded as the gateway's
 other engine clients are (the pool watcher's ``_get``, the forward path): it asks for
 ``identity`` and refuses any other content coding, reads at most :data:`MAX_ENGINE_BODY_BYTES`
-(in all, for the calls of one batch prompt: :class:`ByteBudget`), takes at most
-``timeout_seconds`` from the connect to the answer's last byte, and parses with orjson, whose
-nesting limit is a parse failure like any other.
+(in all, for the calls of one batch prompt, and for the decodes of one request's token-id
+prompts: :class:`ByteBudget`), takes at most ``timeout_seconds`` from the connect to the answer's
+last byte, and parses with orjson, whose nesting limit is a parse failure like any other.
 """
 
 from __future__ import annotations
@@ -54,28 +54,41 @@ MAX_CONCURRENT_REQUESTS = 8
 #: and the parse (on the event loop) a broken engine costs one request: the answers to a batch
 #: prompt's strings share it (:class:`ByteBudget`), as the strings share one body (their ids
 #: together are those of one string as long; each answer adds some tens of bytes of framing, and
-#: a batch holds at most a tenant's ``max_embedding_inputs``, default 2,048, strings)
+#: a batch holds at most a tenant's ``max_embedding_inputs``, default 2,048, strings); so do the
+#: ``/detokenize`` answers to a batch's token-id prompts (their ids share one body too)
 MAX_ENGINE_BODY_BYTES = 64 << 20
 
 
 class ByteBudget:
     """The bytes the engine's answers to one request's calls may still hold, all calls together:
     :data:`MAX_ENGINE_BODY_BYTES` (read when the budget is made). ``calls``: how many calls share
-    it (for the message)."""
+    it (for the message). Once an answer went over it, it is ``spent``: the calls that share it
+    read nothing more, and a call not yet made is not made (:meth:`check`)."""
 
-    __slots__ = ("calls", "left", "limit")
+    __slots__ = ("calls", "left", "limit", "spent")
 
     def __init__(self, calls: int = 1) -> None:
         self.limit = self.left = MAX_ENGINE_BODY_BYTES
         self.calls = calls
+        self.spent = False
 
     def take(self, what: str, url: str, n: int) -> None:
         """Charge ``n`` more bytes of an answer, before they are kept. Raises
-        :class:`EngineTokenizeError` when they are more than the budget has left."""
-        if n > self.left:
-            shared = f" in all to {self.calls} calls" if self.calls > 1 else ""
-            raise EngineTokenizeError(f"engine {what} at {url} answered more than {self.limit} bytes{shared}")
+        :class:`EngineTokenizeError` when they are more than the budget has left, or it is spent."""
+        if self.spent or n > self.left:
+            self.spent = True
+            raise self._over(what, url)
         self.left -= n
+
+    def check(self, what: str, url: str) -> None:
+        """Before a call is made: raises :class:`EngineTokenizeError` (the message :meth:`take`
+        raised) when the budget is spent, so the call is never asked."""
+        if self.spent:
+            raise self._over(what, url)
+
+    def _over(self, what: str, url: str) -> EngineTokenizeError:
+        shared = f" in all to {self.calls} calls" if self.calls > 1 else ""
+        return EngineTokenizeError(f"engine {what} at {url} answered more than {self.limit} bytes{shared}")
 
 
 def _is_count(x: Any) -> TypeGuard[int]:
@@ -198,10 +211,13 @@ class EngineCounter(PromptCounter):
         (``what``: ``tokenize`` or ``detokenize``, for the message; ``budget``: the bytes it may
         read, shared with the request's other calls; a budget of its own when ``None``). Raises
         :class:`EngineTokenizeError` for a failure, a late, coded or oversized answer, a non-200,
-        or a body orjson cannot parse (nesting past its limit included)."""
+        or a body orjson cannot parse (nesting past its limit included), and without asking when
+        ``budget`` is already spent."""
+        budget = budget or ByteBudget()
+        budget.check(what, url)
         try:
             async with asyncio.timeout(self.timeout_seconds):
-                raw = await self._read_bounded(url, body, what, budget or ByteBudget())
+                raw = await self._read_bounded(url, body, what, budget)
         except TimeoutError:
             raise EngineTokenizeError(
                 f"engine {what} at {url} answered nothing whole within {self.timeout_seconds:g} s"
@@ -229,11 +245,15 @@ class EngineCounter(PromptCounter):
     def decode(self, ids: list[int]) -> str:
         raise NotImplementedError("EngineCounter decodes only through its async API")
 
-    async def adecode(self, ids: list[int]) -> str:
+    async def adecode(self, ids: list[int], budget: ByteBudget | None = None) -> str:
         """The engine's text of ``ids`` (its ``/detokenize``: SGLang ``text``, vLLM ``prompt``).
-        Raises :class:`EngineTokenizeError` when the engine fails or answers another shape."""
+        ``budget``: the bytes the answer may hold, shared with the other decodes of one request's
+        token-id prompts (:func:`gateway.admission.admit.prompt_decoder`); a budget of its own when
+        ``None``. Raises :class:`EngineTokenizeError` when the engine fails or answers another
+        shape, or the budget is over (or was spent by an earlier answer: the engine is not asked)."""
         url = self.detokenize_url
-        data = await self._post_json(url, orjson.dumps({"model": self.model, "tokens": list(ids)}), "detokenize")
+        body = orjson.dumps({"model": self.model, "tokens": list(ids)})
+        data = await self._post_json(url, body, "detokenize", budget)
         text = data.get("text", data.get("prompt")) if isinstance(data, dict) else None
         if not isinstance(text, str):
             raise EngineTokenizeError(f"engine detokenize at {url} answered without a 'text' string")

@@ -275,7 +275,9 @@ class VerifierService:
         return nbytes <= INLINE_INGEST_BYTES and self.ingest.inline_store()
 
     async def _decode_prompt_ids(self, exchange: Exchange, decode: Decoder | None) -> None:
-        """Append the token-id prompts' text to the prompt text and the echo prompts."""
+        """Append the token-id prompts' text to the prompt text and the echo prompts. ``decode`` is
+        made for this request: an engine tokenizer's reads one byte budget for all of its prompts,
+        and once an answer spent it each prompt left fails at once (counted, as any failure)."""
         decoded: list[str] = []
         for ids in exchange.prompt_ids:
             try:

@@ -26,6 +26,7 @@ before working": a refusal comes before the work it would waste):
    build the body to forward (``route.forward_body``);
 6. reserve the request's tokens against TPM (:meth:`gateway.quotas.stage.QuotaStage.reserve_tokens`)
    and index the prompt (:meth:`verifier.stage.VerifierStage.admit`: token-id prompts decoded,
+   an engine tokenizer's answers to them reading one byte budget in all (:func:`prompt_decoder`),
    the prompt fingerprinted and indexed, on this request's own time, before it can be
    forwarded); a small prompt is fingerprinted first and its index write rides the
    reservation's Redis round trip, made only if the reservation was (:func:`_reserve_and_index`):
@@ -42,6 +43,7 @@ answers and the same Redis state, one round trip instead of two.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,7 +66,9 @@ from gateway.edge.extensions import completion_of, refusal_of
 from gateway.ops.tenants import TenantRegistry
 from gateway.quotas.stage import QuotaLease, QuotaStage
 from gateway.relay.upstreams import Upstream, UpstreamSet
-from verifier.stage import Exchange, ExchangeRequest, VerifierStage
+from tokenizer import PromptCounter
+from tokenizer.engine_counter import ByteBudget, EngineCounter
+from verifier.stage import Decoder, Exchange, ExchangeRequest, VerifierStage
 
 #: A body larger than this (bytes) is parsed, and its forwarded form encoded, in a worker thread:
 #: orjson builds one object per element, and 64 KiB of ``[""]`` is about 22,000 of them (about a
@@ -417,9 +421,9 @@ async def _reserve_and_index(
     if exchange is None or not ctx.verifier.defers(exchange):
         await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
         if exchange is not None:
-            await ctx.verifier.admit(exchange, adm.model.counter.adecode)
+            await ctx.verifier.admit(exchange, prompt_decoder(adm.model.counter, exchange))
         return
-    pending = await ctx.verifier.admit(exchange, adm.model.counter.adecode, defer_write=True)
+    pending = await ctx.verifier.admit(exchange, prompt_decoder(adm.model.counter, exchange), defer_write=True)
     if pending is None:  # verification off, or the ingest budget full: nothing to send
         await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
         return
@@ -442,7 +446,7 @@ async def _begin_and_index(
     defers = exchange is not None and ctx.verifier.defers(exchange)
     pending = None
     if exchange is not None and defers:
-        pending = await ctx.verifier.admit(exchange, adm.model.counter.adecode, defer_write=True)
+        pending = await ctx.verifier.admit(exchange, prompt_decoder(adm.model.counter, exchange), defer_write=True)
     try:
         lease = await ctx.quotas.begin_reserve(tenant, request_id, adm.reserve_tokens, also=pending)
     except BaseException as e:
@@ -456,11 +460,21 @@ async def _begin_and_index(
         if pending is not None:
             await pending.finish()
         if exchange is not None and not defers:
-            await ctx.verifier.admit(exchange, adm.model.counter.adecode)
+            await ctx.verifier.admit(exchange, prompt_decoder(adm.model.counter, exchange))
     except BaseException:
         await ctx.quotas.settle(lease, 0)
         raise
     return lease
+
+
+def prompt_decoder(counter: PromptCounter, exchange: Exchange) -> Decoder:
+    """The decoder of ``exchange``'s token-id prompts, made once per request: an engine
+    tokenizer's ``adecode`` with one :class:`~tokenizer.engine_counter.ByteBudget` for all of
+    them (a batch's ids share one body, so their text together is bounded as one prompt's; N
+    prompts never hold N answers' worth of the engine's text), any other counter's ``adecode``."""
+    if isinstance(counter, EngineCounter):
+        return functools.partial(counter.adecode, budget=ByteBudget(len(exchange.prompt_ids)))
+    return counter.adecode
 
 
 def verifier_exchange(
