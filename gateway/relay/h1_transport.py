@@ -400,8 +400,9 @@ class H1Transport(PooledTransport):
     more in all, a busy one never: the transport may hold ``max_connections`` times the origins it
     sends to (what :func:`gateway.edge.server.fds_needed` counts). Each idle connection is kept
     :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS` when idle; the timeouts as
-    :class:`~gateway.relay.upstream_base.PooledTransport` says (``connect_timeout`` covers the TLS
-    handshake too). ``ssl_context``: for ``https`` upstreams (default: the system's trust store,
+    :class:`~gateway.relay.upstream_base.PooledTransport` says (``connect_timeout`` bounds the
+    wait for a free connection and, apart from it, each connect, the TLS handshake included:
+    :meth:`_acquire`). ``ssl_context``: for ``https`` upstreams (default: the system's trust store,
     hostnames checked)."""
 
     def __init__(
@@ -448,9 +449,14 @@ class H1Transport(PooledTransport):
         """A kept connection to ``origin``, or a new one while ``origin`` holds fewer than
         ``max_connections`` (an idle one to another origin is closed first while the transport
         holds ``max_connections`` in all), or the next one to ``origin`` freed within
-        ``connect_timeout``."""
+        ``connect_timeout`` (else a :class:`PoolTimeout`). Two bounds, each ``connect_timeout``:
+        the wait for a free slot, and a connect, which whenever it starts (at once, or when a
+        slot freed by a closed connection needs a new one) has a full ``connect_timeout`` of its
+        own (else a :class:`ConnectTimeout`): a request that waited for a slot is not left a
+        sliver of time to connect, and a busy engine slow to accept is not taken for an
+        unreachable one (a connect failure backs its upstream off for every tenant)."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.connect_timeout
+        pool_deadline = loop.time() + self.connect_timeout
         pool = self._pools.get(origin)
         if pool is None:
             pool = self._pools[origin] = _OriginPool()
@@ -465,11 +471,11 @@ class H1Transport(PooledTransport):
             if pool.open < self.max_connections:
                 if self._open >= self.max_connections:
                     self._close_an_idle_connection()
-                return await self._connect(origin, pool, deadline)
+                return await self._connect(origin, pool)
             waiter = loop.create_future()
             pool.waiters.append(waiter)
             try:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(pool_deadline):
                     await waiter
             except BaseException as e:
                 if waiter.done() and not waiter.cancelled():
@@ -492,7 +498,9 @@ class H1Transport(PooledTransport):
                 self._free(conn)
                 return
 
-    async def _connect(self, origin: Origin, pool: _OriginPool, deadline: float) -> _Connection:
+    async def _connect(self, origin: Origin, pool: _OriginPool) -> _Connection:
+        """A new connection to ``origin`` (its slot taken now), within ``connect_timeout`` from
+        now, however long the request waited for the slot."""
         scheme, host, port = origin
         self._open += 1
         pool.open += 1
@@ -503,7 +511,7 @@ class H1Transport(PooledTransport):
                 self._ssl = ssl.create_default_context()  # once: it loads the trust store
             ctx = self._ssl
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout(self.connect_timeout):
                 await asyncio.get_running_loop().create_connection(lambda: conn, host, port, ssl=ctx)
         except BaseException as e:
             conn.closed = True
