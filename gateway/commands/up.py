@@ -211,7 +211,8 @@ def banner(stack: EmbeddedStack, limit: int | None, keys: dict[str, str] = DEMO_
 
   curl {url}/v1/chat/completions \\
     -H "Authorization: Bearer {example_key}" -H "Content-Type: application/json" \\
-    -d '{{"model": "{stack.model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
+    -d '{{"model": "{stack.model}", "max_tokens": 16, "temperature": 0,
+         "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
   Press Ctrl-C to stop (or send SIGTERM). SIGHUP reloads the tenants file ({tenants_path}).
 """
