@@ -83,7 +83,8 @@ class Detokenizer:
 @pytest.fixture(scope="module")
 def gw(module_engine, tmp_path_factory) -> Iterator[Gateway]:
     """A gateway on the mock engine (a static pool) whose model :data:`ENG` counts with an
-    ``engine`` tokenizer at :data:`ENGINE` (vLLM paths), the verifier on (in-process stores)."""
+    ``engine`` tokenizer at :data:`ENGINE` (vLLM paths), the verifier on (in-process stores),
+    bodies of up to 128 KiB and a 32k context (a batch of thousands of ids fits both)."""
     s = settings_for(
         [
             upstream(
@@ -98,12 +99,13 @@ def gw(module_engine, tmp_path_factory) -> Iterator[Gateway]:
         models=[
             {
                 "id": ENG,
-                "context_length": 8192,
+                "context_length": 32768,
                 "tokenizer": {"kind": "engine", "url": ENGINE, "engine_api": "vllm"},
             }
         ],
         verifier={"enabled": True},
     )
+    s.gateway.max_body_bytes = 128 << 10
     s.state_dir = str(tmp_path_factory.mktemp("state"))
     registry = tenants(allowed_models=[MODEL, ENG])
     g = Gateway(s, registry, verifier=build_verifier(s, secrets=SECRETS)).start()
@@ -193,3 +195,56 @@ def test_an_honest_batch_of_token_id_prompts_is_decoded_and_served(gw, monkeypat
     assert r.json()["choices"] == [{"index": 0, "text": "Hello from the mock.", "finish_reason": "stop"}]
     assert seen == [("\n".join(text_of(ids) for ids in BATCH), True)]
     assert [text_of(ids) for ids in BATCH[:2]] == ["10 20 30", "11 21 31"]
+
+
+#: cl100k_base's longest token: its text is 128 spaces, 128 bytes of answer for 6 bytes of body
+SPACES_ID = 58040
+#: eight prompts of 1,152 such ids (9,216 in all): their honest text, 1,179,648 bytes, and its
+#: answers' framing are more than :data:`BUDGET`, though the ids take a fraction of one body
+SPACES_BATCH = [[SPACES_ID] * 1152 for _ in range(8)]
+
+
+def spaces(ids: list[int]) -> bytes:
+    """The honest answer for ``ids`` of :data:`SPACES_ID`."""
+    assert set(ids) == {SPACES_ID}
+    return answer(" " * 128 * len(ids))
+
+
+def test_an_honest_batch_whose_text_outgrows_one_cap_is_decoded_whole(gw, monkeypatch, seen):
+    """The review's honest batch, at the tests' scale: each id's text is 128 spaces, so the eight
+    answers hold 1,179,752 bytes, more than :data:`BUDGET`, though each prompt is well within the
+    model's context. The budget is sized by the ids (9,216 of them, 768 bytes each at most:
+    7,077,888 bytes), so all eight are decoded, none counted as failed, and the prompt's own
+    text is whole. Before, the batch read one :data:`BUDGET`: the eighth answer went over it, its
+    text was lost, one decode failed and the request's own text was marked incomplete."""
+    engine = Detokenizer(spaces)
+    r, failed = ask(gw, monkeypatch, engine, SPACES_BATCH)
+    answers = [spaces(ids) for ids in SPACES_BATCH]
+    assert sum(map(len, answers)) == 1_179_752 > BUDGET
+    assert (r.status_code, failed, engine.read, engine.asked) == (200, 0, 1_179_752, SPACES_BATCH)
+    assert r.json()["choices"] == [{"index": 0, "text": "Hello from the mock.", "finish_reason": "stop"}]
+    assert seen == [("\n".join([" " * 128 * 1152] * 8), True)]
+
+
+@pytest.mark.parametrize(
+    ("batch", "limit"),
+    [
+        ([[SPACES_ID]] * 8, BUDGET),  # 8 ids: 6,144 bytes is less than one cap; the cap it is
+        ([[SPACES_ID] * 4096] * 2, 2 * BUDGET),  # 8,192 ids: 6,291,456 bytes; at most a cap a prompt
+        (SPACES_BATCH, 9216 * 768),  # 9,216 ids: 7,077,888 bytes, less than eight caps
+    ],
+    ids=["eight-single-ids", "a-cap-a-prompt", "by-the-ids"],
+)
+def test_a_hostile_batch_reads_no_more_than_its_ids_can_honestly_answer(gw, monkeypatch, seen, batch, limit):
+    """Each prompt answered with 20 MiB: each answer stops one piece past its own cap
+    (:data:`BUDGET`, the test's ``MAX_ENGINE_BODY_BYTES``), its bytes charged to the batch's
+    budget, ``max(BUDGET, min(prompts x BUDGET, ids x 768))``; once that is spent (one piece past
+    it in all) the prompts left are never asked, and each prompt counts as failed; the request is
+    served as ever. Eight prompts of one id each read one :data:`BUDGET` in all, not eight."""
+    engine = Detokenizer(lambda ids: LARGE)
+    r, failed = ask(gw, monkeypatch, engine, batch)
+    asked = -(-(limit + CHUNK) // (BUDGET + CHUNK))  # prompts of BUDGET + CHUNK each, the last cut short
+    assert (r.status_code, failed, engine.read, engine.asked) == (200, len(batch), limit + CHUNK, batch[:asked])
+    assert asked == {BUDGET: 1, 2 * BUDGET: 2, 9216 * 768: 7}[limit]
+    assert r.json()["choices"] == [{"index": 0, "text": "Hello from the mock.", "finish_reason": "stop"}]
+    assert seen == [("", False)]

@@ -25,14 +25,16 @@ A failed or malformed answer is an :class:`~tokenizer.errors.EngineTokenizeError
 engine's fault, never the client's 400 and never a 500. Every call is bounded as the gateway's
 other engine clients are (the pool watcher's ``_get``, the forward path): it asks for
 ``identity`` and refuses any other content coding, reads at most :data:`MAX_ENGINE_BODY_BYTES`
-(in all, for the calls of one batch prompt, and for the decodes of one request's token-id
-prompts: :class:`ByteBudget`), takes at most ``timeout_seconds`` from the connect to the answer's
-last byte, and parses with orjson, whose nesting limit is a parse failure like any other.
+(in all, for the calls of one batch prompt: :class:`ByteBudget`; the decodes of one request's
+token-id prompts share one budget, sized by what their ids can honestly answer:
+:func:`decode_budget`), takes at most ``timeout_seconds`` from the connect to the answer's last
+byte, and parses with orjson, whose nesting limit is a parse failure like any other.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any, TypeGuard
 
 import httpx
@@ -55,20 +57,29 @@ MAX_CONCURRENT_REQUESTS = 8
 #: prompt's strings share it (:class:`ByteBudget`), as the strings share one body (their ids
 #: together are those of one string as long; each answer adds some tens of bytes of framing, and
 #: a batch holds at most a tenant's ``max_embedding_inputs``, default 2,048, strings); so do the
-#: ``/detokenize`` answers to a batch's token-id prompts (their ids share one body too)
+#: ``/detokenize`` answers to a batch's token-id prompts, up to what their ids can honestly answer
+#: (:func:`decode_budget`)
 MAX_ENGINE_BODY_BYTES = 64 << 20
+#: the most bytes one token id's text can take in an honest ``/detokenize`` answer: the longest
+#: token of the vocabularies kvgate ships or counts with (128 bytes: cl100k_base's longest, 128
+#: spaces; SmolLM2's is 81) times 6. Each byte of a token decodes to at most one character (a byte
+#: that is no whole character becomes U+FFFD), and a character's JSON is at most 6 bytes a UTF-16
+#: unit (``\uXXXX``; a 4-byte character is two units, 12 bytes, 3 a byte). A token's text is not
+#: bounded by the id's few bytes in the request body, so a batch's ids do not bound its text
+MAX_ANSWER_BYTES_PER_ID = 128 * 6
 
 
 class ByteBudget:
     """The bytes the engine's answers to one request's calls may still hold, all calls together:
-    :data:`MAX_ENGINE_BODY_BYTES` (read when the budget is made). ``calls``: how many calls share
-    it (for the message). Once an answer went over it, it is ``spent``: the calls that share it
-    read nothing more, and a call not yet made is not made (:meth:`check`)."""
+    ``limit``, :data:`MAX_ENGINE_BODY_BYTES` (read when the budget is made) when ``None``.
+    ``calls``: how many calls share it (for the message). Once an answer went over it, it is
+    ``spent``: the calls that share it read nothing more, and a call not yet made is not made
+    (:meth:`check`)."""
 
     __slots__ = ("calls", "left", "limit", "spent")
 
-    def __init__(self, calls: int = 1) -> None:
-        self.limit = self.left = MAX_ENGINE_BODY_BYTES
+    def __init__(self, calls: int = 1, limit: int | None = None) -> None:
+        self.limit = self.left = MAX_ENGINE_BODY_BYTES if limit is None else limit
         self.calls = calls
         self.spent = False
 
@@ -89,6 +100,19 @@ class ByteBudget:
     def _over(self, what: str, url: str) -> EngineTokenizeError:
         shared = f" in all to {self.calls} calls" if self.calls > 1 else ""
         return EngineTokenizeError(f"engine {what} at {url} answered more than {self.limit} bytes{shared}")
+
+
+def decode_budget(prompt_ids: Sequence[Sequence[int]]) -> ByteBudget:
+    """The one budget of the ``/detokenize`` answers to one request's token-id prompts: what an
+    honest engine can answer for their ids (:data:`MAX_ANSWER_BYTES_PER_ID` each; an answer's
+    framing, some tens of bytes, fits in what its ids leave: no token of those vocabularies takes
+    more than 128 bytes of JSON, even escaped to ASCII), at least :data:`MAX_ENGINE_BODY_BYTES`
+    (one answer's cap) and at most that cap a prompt (what each decode read on its own before
+    they shared a budget)."""
+    ids = sum(map(len, prompt_ids))
+    prompts = len(prompt_ids)
+    limit = max(MAX_ENGINE_BODY_BYTES, min(prompts * MAX_ENGINE_BODY_BYTES, ids * MAX_ANSWER_BYTES_PER_ID))
+    return ByteBudget(prompts, limit)
 
 
 def _is_count(x: Any) -> TypeGuard[int]:
@@ -239,6 +263,10 @@ class EngineCounter(PromptCounter):
             raw = bytearray()
             async for chunk in r.aiter_bytes():  # the bytes as sent: no coding is left to undo
                 budget.take(what, url, len(chunk))
+                if len(raw) + len(chunk) > MAX_ENGINE_BODY_BYTES:  # one answer's own cap, whatever the budget left
+                    raise EngineTokenizeError(
+                        f"engine {what} at {url} answered more than {MAX_ENGINE_BODY_BYTES} bytes"
+                    )
                 raw += chunk
             return raw
 

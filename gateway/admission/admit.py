@@ -26,9 +26,9 @@ before working": a refusal comes before the work it would waste):
    build the body to forward (``route.forward_body``);
 6. reserve the request's tokens against TPM (:meth:`gateway.quotas.stage.QuotaStage.reserve_tokens`)
    and index the prompt (:meth:`verifier.stage.VerifierStage.admit`: token-id prompts decoded,
-   an engine tokenizer's answers to them reading one byte budget in all (:func:`prompt_decoder`),
-   the prompt fingerprinted and indexed, on this request's own time, before it can be
-   forwarded); a small prompt is fingerprinted first and its index write rides the
+   an engine tokenizer's answers to them reading one byte budget in all, sized by their ids
+   (:func:`prompt_decoder`), the prompt fingerprinted and indexed, on this request's own time,
+   before it can be forwarded); a small prompt is fingerprinted first and its index write rides the
    reservation's Redis round trip, made only if the reservation was (:func:`_reserve_and_index`):
    a refused prompt is never indexed.
 
@@ -67,7 +67,7 @@ from gateway.ops.tenants import TenantRegistry
 from gateway.quotas.stage import QuotaLease, QuotaStage
 from gateway.relay.upstreams import Upstream, UpstreamSet
 from tokenizer import PromptCounter
-from tokenizer.engine_counter import ByteBudget, EngineCounter
+from tokenizer.engine_counter import EngineCounter, decode_budget
 from verifier.stage import Decoder, Exchange, ExchangeRequest, VerifierStage
 
 #: A body larger than this (bytes) is parsed, and its forwarded form encoded, in a worker thread:
@@ -470,10 +470,12 @@ async def _begin_and_index(
 def prompt_decoder(counter: PromptCounter, exchange: Exchange) -> Decoder:
     """The decoder of ``exchange``'s token-id prompts, made once per request: an engine
     tokenizer's ``adecode`` with one :class:`~tokenizer.engine_counter.ByteBudget` for all of
-    them (a batch's ids share one body, so their text together is bounded as one prompt's; N
-    prompts never hold N answers' worth of the engine's text), any other counter's ``adecode``."""
+    them, sized by what an honest engine can answer for their ids
+    (:func:`~tokenizer.engine_counter.decode_budget`: an id's text is not bounded by its bytes in
+    the body; N prompts of a few ids never hold N answers' worth of the engine's text), any other
+    counter's ``adecode``."""
     if isinstance(counter, EngineCounter):
-        return functools.partial(counter.adecode, budget=ByteBudget(len(exchange.prompt_ids)))
+        return functools.partial(counter.adecode, budget=decode_budget(exchange.prompt_ids))
     return counter.adecode
 
 
