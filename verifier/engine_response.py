@@ -53,12 +53,18 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
   unread. In a chat stream a metadata value is metadata only while it repeats the stream's
   first value of its field (:class:`StreamMeta`, which the relay keeps): a changed value is
   text, of the stream ``"-:<field>"`` (``"-:system_fingerprint"``, ``"-:choices.finish_reason"``).
+  In a whole answer, which has no first value to hold one against, a metadata string is
+  metadata only while it is spelled as an engine's ids, names and types are (:func:`_is_id_like`:
+  one word of letters, digits and ``_ . : / @ -``); else it is text.
 - ``key_names`` (``"-:key_names"``): the key names that are identifiers but name no field of
-  the protocol (:data:`KEY_NAMES`, :func:`_is_text_name`), each once, apart from the values
-  (:func:`_key_names`). In a chat stream a name the stream's first chunk sent is metadata, and
-  one first sent later is text, once (:class:`StreamMeta`). Before, they were read only for
-  canaries: an engine sent another tenant's text one word a new key name in each chunk, which
-  the openai SDK keeps (``model_extra``) and a client that prints the JSON shows.
+  the protocol (:data:`KEY_NAMES`, :func:`_is_text_name`; Responses: :data:`RESPONSE_KEY_NAMES`,
+  but inside the client's own free-form values, :data:`_FREE_FORM`), each once, apart from the
+  values (:func:`_key_names`), and their join when a canary is split across them
+  (:func:`_split_canary`). In a stream a name the stream's first event sent is metadata, and
+  one first sent later is text, once (:class:`StreamMeta`), the names of one event joined for
+  canaries. Before, they were read only for canaries: an engine sent another tenant's text one
+  word a new key name in each chunk (in each Responses event until this change), which the
+  openai SDK keeps (``model_extra``) and a client that prints the JSON shows.
 - canaries: a string read as none of the above (a metadata value, the audio's base64 ``data``,
   a Responses ``encrypted_content``, a key name that is an identifier) is ``other`` text when it
   holds a canary (:func:`has_canary`), whatever its length: a client receives it.
@@ -70,7 +76,6 @@ to every client), else its position.
 from __future__ import annotations
 
 import functools
-import itertools
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -170,7 +175,8 @@ class StreamEvent(EngineOutput):
     value)``, which the relay holds against the stream's (:class:`StreamMeta`): a chat chunk's
     ids, ``model``, ``system_fingerprint``, a role, a finish reason, ... of at most
     :data:`META_MAX_CHARS`, and its key names that name no field of the protocol; a Responses
-    event's ids (:data:`_EVENT_IDS`, :data:`_ITEM_IDS`, :data:`_RESPONSE_IDS`)."""
+    event's ids (:data:`_EVENT_IDS`, :data:`_ITEM_IDS`, :data:`_RESPONSE_IDS`) and its key names
+    that name no field (:data:`RESPONSE_KEY_NAMES`)."""
 
     kind: str = "other"
     error: dict[str, Any] | None = None
@@ -356,12 +362,30 @@ _HELD_APART = frozenset({KEY_NAMES_STREAM, ITEM_IDS_STREAM, NEW_ITEM_IDS})
 ITEM_IDS_MAX_CHARS = 8 * META_MAX_CHARS
 
 
+#: what an engine spells a metadata string of a whole answer or an item id with: one word of
+#: letters, digits and ``_ . : / @ -`` (vLLM's ``msg_``, ``rs_``, ``fc_``, ``call_`` and
+#: ``chatcmpl-tool-`` ids and 32 hex digits, SGLang's and OpenAI's prefixed hex or base62 ids,
+#: Kimi's ``functions.get_weather:0``, ``fp_`` fingerprints, a model such as
+#: ``meta-llama/Llama-3.1-8B-Instruct``, a role, a type, a finish reason). A string with a space,
+#: another script or other punctuation is no id: the words the leak index matches are apart
+#: (:func:`verifier.shingles.fold`), and one such word holds no run of them
+_ID_LIKE = re.compile(r"[A-Za-z0-9_.:/@-]+")
+
+
+def _is_id_like(v: str) -> bool:
+    """Whether ``v`` is spelled as an engine's metadata is (:data:`_ID_LIKE`)."""
+    return _ID_LIKE.fullmatch(v) is not None
+
+
 def _meta(v: Any, out: list[str], skipped: Skipped | None = None) -> None:
     """A metadata field's value: nothing when it is what metadata holds (a number, a bool,
-    ``null``, a string of at most :data:`META_MAX_CHARS` without a canary); otherwise its strings
-    are text (:func:`_texts`)."""
+    ``null``, a string of at most :data:`META_MAX_CHARS` without a canary, and, in a whole answer,
+    spelled as metadata is: :func:`_is_id_like`); otherwise its strings are text (:func:`_texts`).
+    (A stream's short strings never come here: :class:`StreamMeta` holds them.) Before, a whole
+    answer's every metadata string up to 256 characters was skipped, one per content part or tool
+    call: 256 characters of another tenant's text in each part's ``type`` or each call's ``id``."""
     if isinstance(v, str):
-        if len(v) > META_MAX_CHARS or has_canary(v):
+        if len(v) > META_MAX_CHARS or has_canary(v) or not _is_id_like(v):
             out.append(v)
     elif isinstance(v, (dict, list)):
         _texts(v, out, skipped)
@@ -386,14 +410,17 @@ class StreamMeta:
 
     Held apart from the first values (:data:`_HELD_APART`):
 
-    - a chat chunk's key names that name no field of the protocol (:data:`KEY_NAMES_STREAM`):
-      metadata when the stream's first chunk with metadata sent them (at most
-      :data:`META_MAX_CHARS` characters of them), or when they repeat a name already read; a name
-      first sent later is text, once, of :data:`KEY_NAMES_STREAM` (each its own piece). Honest
-      chunks repeat the keys of their fields (vLLM's ``ChatCompletionStreamResponse`` and
-      SGLang's, by field name in :data:`KEY_NAMES`), which never come here;
+    - an event's key names that name no field of the protocol (:data:`KEY_NAMES_STREAM`; a
+      chat chunk's, a Responses event's): metadata when the stream's first event with metadata
+      sent them (at most :data:`META_MAX_CHARS` characters of them), or when they repeat a name
+      already read; a name first sent later is text, once, of :data:`KEY_NAMES_STREAM` (each its
+      own piece). The names of one event, joined without a break, are read for a canary split
+      across them (:func:`_split_canary`). Honest chunks repeat the keys of their fields (vLLM's
+      ``ChatCompletionStreamResponse`` and SGLang's, by field name in :data:`KEY_NAMES`; their
+      Responses objects', :data:`RESPONSE_KEY_NAMES`), which never come here;
     - a Responses stream's item ids: an item's ``id`` and ``call_id`` introduce it
-      (:data:`NEW_ITEM_IDS`; up to :data:`ITEM_IDS_MAX_CHARS` characters in all, then text),
+      (:data:`NEW_ITEM_IDS`; while spelled as an id, :func:`_is_id_like`, and up to
+      :data:`ITEM_IDS_MAX_CHARS` characters in all; else text, once),
       and an event's ``item_id`` (:data:`ITEM_IDS_STREAM`) is metadata only when it names an item
       introduced before (vLLM sends every event of an item with the ``id`` its
       ``response.output_item.added`` gave it: ``streaming_events.py``,
@@ -428,8 +455,11 @@ class StreamMeta:
             return
         first = self._first
         same = True
+        names: list[str] = []
         for name, v in meta:
             if name in _HELD_APART:
+                if name == KEY_NAMES_STREAM:
+                    names.append(v)
                 same = self._held_apart(name, v, pieces) and same
                 continue
             f = first.get(name)
@@ -446,6 +476,8 @@ class StreamMeta:
                 first[name] = v
                 if has_canary(v):
                     pieces.append((name, v))
+        if len(names) > 1 and _split_canary(names, pieces):
+            same = False
         self._opening = False
         self._same = meta if same else ()
 
@@ -462,11 +494,24 @@ class StreamMeta:
                 return True
         elif name == NEW_ITEM_IDS:
             names.add(v)
-            if len(v) <= self._id_room:
+            if len(v) <= self._id_room and _is_id_like(v):
                 self._id_room -= len(v)
                 return True
         pieces.append((KEY_NAMES_STREAM if name == KEY_NAMES_STREAM else ITEM_IDS_STREAM, v + " "))
         return False
+
+
+def _split_canary(names: Sequence[str], pieces: list[tuple[str, str]]) -> bool:
+    """Whether the key names of one event (or one answer), joined in order without a break, hold
+    a canary (:func:`has_canary`) split across them; if so the join is a piece of
+    :data:`KEY_NAMES_STREAM` (a name that holds a whole one is text already: :func:`_is_text_key`).
+    A client that prints the JSON shows ``"KVGATE-CANARY-0f1e":1,"2d3c4b5a6978":1``: read one
+    name at a time, the canary was found in neither (and, as text, a space came between them)."""
+    joined = "".join(names)
+    if not has_canary(joined):
+        return False
+    pieces.append((KEY_NAMES_STREAM, joined + " "))
+    return True
 
 
 def _rest(
@@ -807,33 +852,47 @@ def _add_choice(
 _TOKEN_KEYS = "logprobs.top_logprobs"
 
 
-def _key_names(obj: Any) -> str:
+#: the types of JSON values that hold others, as orjson reads them (an exact type is one set lookup:
+#: half an ``isinstance`` of a tuple)
+_CONTAINERS = frozenset({dict, list})
+
+
+def _key_names(obj: Any, vocabulary: frozenset[str] = KEY_NAMES, free: frozenset[str] = frozenset()) -> str:
     """The key names in ``obj``, at any depth, that are identifiers naming no field of the
-    protocol (:func:`_is_text_name`; a name that is no identifier is read with its value, a
-    completions alternative's token with the alternatives), each once, an object's before those
-    of the objects inside it, joined by spaces: a whole answer's ``"-:key_names"`` text, apart
-    from the values (one before each, they broke up the text the leak index looks for). Walked
-    without recursion, as :func:`_rstrings`."""
+    protocol (``vocabulary``: :data:`KEY_NAMES`, or :data:`RESPONSE_KEY_NAMES`; a name that is no
+    identifier is read with its value, a completions alternative's token with the alternatives;
+    nor are the names inside the value of a key of ``free``, the client's own:
+    :data:`_FREE_FORM`), each once, an object's before those of the objects inside it, joined by
+    spaces: a whole answer's ``"-:key_names"`` text, apart from the values (one before each, they
+    broke up the text the leak index looks for), and their join when it holds a canary split
+    across them (:func:`_split_canary`). Walked without recursion (depth first, in document
+    order)."""
     names: dict[str, None] = {}
-    stack: list[Iterator[tuple[str, Any]]] = [iter((("", obj),))]
+    stack: list[tuple[str, Any]] = [("", obj)]
     while stack:
-        pair = next(stack[-1], None)
-        if pair is None:
-            stack.pop()
-            continue
-        key, x = pair
+        key, x = stack.pop()
         if isinstance(x, list):
-            stack.append(zip(itertools.repeat(key), x))
+            stack += reversed([(key, v) for v in x if type(v) in _CONTAINERS])
         elif isinstance(x, dict):
-            if key != _TOKEN_KEYS:
+            if key != _TOKEN_KEYS and not x.keys() <= vocabulary:
                 names.update(
-                    dict.fromkeys(k for k in x if k not in KEY_NAMES and _is_text_name(k) and not _is_text_key(k))
+                    dict.fromkeys(k for k in x if k not in vocabulary and not k.isdigit() and not _is_text_key(k))
                 )
-            if key == "logprobs" and "top_logprobs" in x:
-                stack.append(((_TOKEN_KEYS if k == "top_logprobs" else k, v) for k, v in x.items()))
-            else:
-                stack.append(iter(x.items()))
-    return " ".join(names)
+            stack += reversed(_inner(key, x, free))
+    found: list[tuple[str, str]] = []
+    if len(names) > 1:
+        _split_canary(list(names), found)
+    return " ".join([*names, *(t.rstrip() for _, t in found)])
+
+
+def _inner(key: str, x: dict[str, Any], free: frozenset[str]) -> list[tuple[str, Any]]:
+    """The members :func:`_key_names` walks into in the object ``x`` under ``key``, in order: its
+    objects and lists, but those of ``free``; a completions ``logprobs``' ``top_logprobs`` under
+    :data:`_TOKEN_KEYS` (not a logprob entry's, with its ``token``: a Responses ``logprobs``
+    list's entries come here under ``logprobs`` too, and their alternatives' names are key names)."""
+    if key == "logprobs" and "top_logprobs" in x and "token" not in x:
+        return [(_TOKEN_KEYS if k == "top_logprobs" else k, v) for k, v in x.items() if type(v) in _CONTAINERS]
+    return [(k, v) for k, v in x.items() if type(v) in _CONTAINERS and k not in free]
 
 
 def parse_body(obj: Any) -> EngineOutput:
@@ -1103,6 +1162,64 @@ RESPONSE_VOCABULARY: dict[str, frozenset[str]] = {
 _EVENT_IDS = {"item_id": ITEM_IDS_STREAM}
 _ITEM_IDS = {"id": NEW_ITEM_IDS, "call_id": NEW_ITEM_IDS}
 _RESPONSE_IDS = _named("response.", "id", "model", "previous_response_id")
+#: the key names of the Responses objects engines send, wherever they sit: the openai SDK's (3.60:
+#: every field of ``Response`` and of the ``ResponseStreamEvent`` types, at any depth: items,
+#: parts, annotations, tools, usage), vLLM's additions (``vllm/entrypoints/openai/responses/
+#: protocol.py``: ``ResponsesResponse.input_messages`` / ``output_messages`` and the harmony
+#: messages in them, ``InputTokensDetails`` / ``OutputTokensDetails`` per turn), SGLang's
+#: (``python/sglang/srt/entrypoints/openai/protocol.py``, ``ResponsesResponse.store``), and
+#: ``output_text``, ``created`` (other servers'); and the hints of an MCP tool's ``annotations``.
+#: Any other identifier key name is text a client receives (:func:`_rother`, :func:`_rtexts`),
+#: but inside the value of a key of :data:`_FREE_FORM`
+RESPONSE_KEY_NAMES = frozenset(
+    """
+    access_programs acknowledged_safety_checks action actions allowed_callers allowed_domains allowed_tools always
+    annotation annotation_index annotations approval_request_id approve arguments async attributes authorization
+    background button bytes cache_missed_tokens cache_write_tokens cache_write_tokens_details cached_image_tokens
+    cached_text_tokens cached_tokens cached_tokens_details call_id caller caller_id categories
+    category_applied_input_types category_scores city code command command_index commands comparison_response_id
+    comparison_reusable_tokens completed_at complexity connector_id container container_id content content_index
+    context context_compression conversation country created_at created_by cyber data defer_loading definition delta
+    description detail detailed_explanation diff display_height display_width domain domain_secrets effort
+    embedding_weight encrypted_content end_index env environment error error_type execution exit_code
+    external_web_access file_data file_id file_ids file_url filename filters fingerprint flagged format frame_count
+    frame_duration_ms generate_summary headers hybrid_search id image image_gen image_tokens image_url
+    incomplete_details index input input_fidelity input_image_mask input_schema input_tokens input_tokens_details
+    input_transformations instructions item item_id key keys logprob logprobs logs max_num_results max_output_length
+    max_output_tokens max_tool_calls media_type memory_limit message metadata misalignment mode model moderation
+    moderation_details moderation_stage name namespace network_policy never num_requests obfuscation object
+    operation outcome output output_compression output_format output_index output_schema output_tokens
+    output_tokens_details outputs parallel_tool_calls param parameters part partial_image_b64 partial_image_index
+    partial_images path pattern pending_safety_checks phase previous_response_id prompt prompt_cache_breakpoint
+    prompt_cache_diagnostics prompt_cache_key prompt_cache_options prompt_cache_retention quality queries query
+    ranker ranking_options read_only reason reasoning reasoning_tokens refusal region require_approval response
+    result results review_target revised_prompt role safety_identifier schema score score_threshold scroll_x
+    scroll_y search_content_types search_context_size sequence_number server_description server_label server_url
+    service_tier size skill_id skills source sources start_index status stderr stdout steer strict summary
+    summary_index svg svg_usage syntax temperature text text_tokens text_weight timeout_ms timezone title token
+    tool_choice tool_names tool_usage tools top_logprobs top_p total_tokens truncation ttl ttl_12h_tokens
+    ttl_30m_tokens tunnel_id type url usage user user_location value variables vector_store_ids verbosity version
+    web_search working_directory x y
+    input_messages output_messages input_tokens_per_turn cached_tokens_per_turn tool_output_tokens
+    output_tokens_per_turn tool_output_tokens_per_turn tokens author channel recipient content_type
+    store output_text created frequency_penalty presence_penalty top_k
+    readOnlyHint destructiveHint idempotentHint openWorldHint
+    """.split()
+)
+#: keys of a Responses object whose value is a free-form map, its key names not the protocol's
+#: (the openai SDK types them ``Dict`` or ``object``): a function tool's JSON schema
+#: (``parameters``, ``output_schema``), ``text.format``'s ``schema``, an MCP tool's
+#: ``input_schema`` and ``headers``, ``metadata``, a prompt's ``variables``, a file search result's
+#: ``attributes``, a moderation's categories. What is in them is the client's own (the
+#: ``response`` echoes the request's tools, text format, metadata and prompt: vLLM
+#: ``ResponsesResponse.from_request``, SGLang's alike), or its tools' servers': their key names are
+#: not read (the strings are, as any)
+_FREE_FORM = frozenset(
+    """
+    parameters output_schema schema input_schema headers metadata variables attributes
+    categories category_scores category_applied_input_types
+    """.split()
+)
 #: text streams that are completion text (counted as the response's output); the others
 #: (``logprobs``, ``annotations``, ``other``) are checked only, as chat's logprobs and ``other``
 COUNTED_STREAMS = frozenset(
@@ -1133,9 +1250,11 @@ def _rother(
     :data:`RESPONSE_VOCABULARY` and a key of ``ids`` (:data:`_EVENT_IDS`, :data:`_ITEM_IDS`,
     :data:`_RESPONSE_IDS`) are metadata as :func:`_response_meta` says, and every other string,
     in whatever field and at whatever depth, is text (before, the metadata keys were skipped at
-    any depth: an unknown field's ``{"status": ...}`` entries hid a text). A key name is text only
-    when it is not an identifier (:func:`_is_text_key`). In a stream (``meta`` given) the ids go
-    to ``meta`` for the relay (:class:`StreamMeta`)."""
+    any depth: an unknown field's ``{"status": ...}`` entries hid a text). A key name that names
+    no field (:data:`RESPONSE_KEY_NAMES`) is text: with its value when it is no identifier, else,
+    in a stream, apart (:func:`_response_name`; a whole answer's: :func:`_key_names`). In a
+    stream (``meta`` given) the ids and those names go to ``meta`` for the relay
+    (:class:`StreamMeta`)."""
     out: list[str] = []
     for k, v in obj.items():
         t = read.get(k)
@@ -1145,18 +1264,80 @@ def _rother(
             continue
         if type(v) is str and _response_meta(k, v, ids, meta):
             continue
-        if _is_text_key(k):
-            out.append(k)
+        if k not in RESPONSE_KEY_NAMES:
+            _response_name(k, out, meta)
         if v is not None and type(v) not in _NUMBERS:
-            _texts(v, out)
+            _rtexts(v, out, None if k in _FREE_FORM else meta)
     return " ".join(out)
+
+
+def _response_name(k: str, out: list[Any], meta: Skipped | None) -> None:
+    """A Responses key name that names no field (:data:`RESPONSE_KEY_NAMES`): into ``out`` when
+    it is read with its value (no identifier, or one holding a canary: :func:`_is_text_key`);
+    else, in a stream (``meta`` given), into ``meta`` as ``(KEY_NAMES_STREAM, k)``, which
+    :class:`StreamMeta` holds as it does a chat chunk's (a name of digits spells no word). Before,
+    an identifier was read only for canaries: a new one in each event spelled another tenant's
+    text, which a client that prints the JSON reads (the openai SDK keeps it in ``model_extra``)."""
+    if _is_text_key(k):
+        out.append(k)
+    elif meta is not None and not k.isdigit():
+        meta.append((KEY_NAMES_STREAM, k))
+
+
+class _Free:
+    """A value of a key of :data:`_FREE_FORM` on :func:`_rtexts`' stack: its strings are read,
+    its key names are not (:func:`_texts`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _rtexts(value: Any, out: list[str], meta: Skipped | None) -> None:
+    """:func:`_texts` of a value inside a Responses object: its strings and the key names read
+    with them (:func:`_is_text_key`), in document order; in a stream (``meta`` given) the key
+    names that name no field go to ``meta`` too (:func:`_response_name`), but inside the value
+    of a key of :data:`_FREE_FORM`. Iterative, as :func:`tokenizer.json_values.string_values`."""
+    if meta is None or not isinstance(value, (dict, list)):
+        _texts(value, out)
+        return
+    stack: list[Any] = [value]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            if x:
+                out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(reversed(_rmembers(x, meta)))
+        elif isinstance(x, list):
+            stack.extend(reversed(x))
+        elif isinstance(x, _Free):
+            _texts(x.value, out)
+
+
+def _rmembers(x: dict[str, Any], meta: Skipped) -> list[Any]:
+    """What :func:`_rtexts` reads of the object ``x``, in order: each value, after its name when
+    that is read with it; a free-form one wrapped (:class:`_Free`); names naming no field into
+    ``meta`` (:func:`_response_name`)."""
+    items: list[Any] = []
+    for k, v in x.items():
+        if k not in RESPONSE_KEY_NAMES:
+            _response_name(k, items, meta)
+        elif k in _FREE_FORM and isinstance(v, (dict, list)):
+            items.append(_Free(v))
+            continue
+        items.append(v)
+    return items
 
 
 def _response_meta(k: str, v: str, ids: Mapping[str, str], meta: Skipped | None) -> bool:
     """Whether the string ``v`` of a Responses object's key ``k`` is metadata: a value of its
     key's vocabulary (:data:`RESPONSE_VOCABULARY`), or an id of ``ids`` of at most
     :data:`META_MAX_CHARS` without a canary, which in a stream is appended to ``meta`` under its
-    name there (:class:`StreamMeta` holds it against the stream's)."""
+    name there (:class:`StreamMeta` holds it against the stream's) and in a whole answer must be
+    spelled as an id is (:func:`_is_id_like`): each of its items' ids held 256 characters of
+    another tenant's text unread before."""
     vocabulary = RESPONSE_VOCABULARY.get(k)
     if vocabulary is not None:
         return v in vocabulary
@@ -1165,19 +1346,20 @@ def _response_meta(k: str, v: str, ids: Mapping[str, str], meta: Skipped | None)
         return False
     if meta is not None:
         meta.append((name, v))
-    return True
+        return True
+    return _is_id_like(v)
 
 
-def _rstrings(obj: Any) -> str:
+def _rstrings(obj: Any, meta: Skipped | None = None) -> str:
     """Every string of ``obj`` (:func:`_rother` of an object, each object of a list and of the
     lists inside it, any other value's strings), joined by spaces, in document order. Lists are
     walked without recursion: a hostile engine's annotation nested 1,000 lists deep (orjson reads
-    1,024) is read, not a ``RecursionError``."""
+    1,024) is read, not a ``RecursionError``. ``meta``: a stream's (:func:`_rother`)."""
     if isinstance(obj, dict):
-        return _rother(obj)
+        return _rother(obj, meta=meta)
     out: list[str] = []
     if not isinstance(obj, list):
-        _texts(obj, out)
+        _rtexts(obj, out, meta)
         return " ".join(out)
     stack: list[Iterator[Any]] = [iter(obj)]
     while stack:
@@ -1186,21 +1368,22 @@ def _rstrings(obj: Any) -> str:
             stack.pop()
         elif isinstance(x, list):
             stack.append(iter(x))
-        elif s := _rstrings(x):
+        elif s := _rstrings(x, meta):
             out.append(s)
     return " ".join(out)
 
 
-def _put_logprobs(out: dict[str, str], prefix: str, lp: Any, other: list[str]) -> None:
+def _put_logprobs(out: dict[str, str], prefix: str, lp: Any, other: list[str], meta: Skipped | None = None) -> None:
     """A Responses ``logprobs`` list (``[{"token", "logprob", "bytes", "top_logprobs"}]``, chat's
     entries) as the streams ``<prefix>:logprobs``, ``<prefix>:logprobs_bytes``,
-    ``<prefix>:logprobs_top:<r>`` ... (:meth:`_TokenTexts.streams`); any other string into ``other``."""
+    ``<prefix>:logprobs_top:<r>`` ... (:meth:`_TokenTexts.streams`); any other string into
+    ``other`` (``meta``: a stream's, :func:`_rother`)."""
     if lp is None:
         return
     if not isinstance(lp, list):
-        _texts(lp, other)
+        _rtexts(lp, other, meta)
         return
-    acc = _TokenTexts()
+    acc = _TokenTexts(meta)
     for t in lp:
         acc.entry(t, other)
     for name, text in acc.streams():
@@ -1273,20 +1456,24 @@ _ITEM_STRINGS = {
 }
 
 
-def _part_fields(part: dict[str, Any], index: int, j: int, name: str, out: dict[str, str]) -> None:
+def _part_fields(
+    part: dict[str, Any], index: int, j: int, name: str, out: dict[str, str], meta: Skipped | None = None
+) -> None:
     """One content part's text streams: its text (or refusal) under ``name``, the strings of
     its ``annotations`` (titles, URLs), its ``logprobs`` tokens (and their alternatives), and
-    every other string (a text that is not a string, a refusal part's ``text``, ...)."""
+    every other string (a text that is not a string, a refusal part's ``text``, ...). ``meta``: a
+    stream's (:func:`_rother`)."""
     refusal = part.get("type") == "refusal"
     key = "refusal" if refusal else "text"
     t = part.get(key)
     if isinstance(t, str) and t:
         out[f"{index}:{j}:{'refusal' if refusal and name == 'output_text' else name}"] = t
-    _put(out, f"{index}:{j}:annotations", _rstrings(part.get("annotations")))
+    _put(out, f"{index}:{j}:annotations", _rstrings(part.get("annotations"), meta))
     other: list[str] = []
-    _put_logprobs(out, f"{index}:{j}", part.get("logprobs"), other)
+    _put_logprobs(out, f"{index}:{j}", part.get("logprobs"), other, meta)
     _put(out, f"{index}:{j}:other", " ".join(other))
-    _put(out, f"{index}:{j}:other", _rother({k: v for k, v in part.items() if k not in _PART_APART}, _rread(key)))
+    rest = {k: v for k, v in part.items() if k not in _PART_APART}
+    _put(out, f"{index}:{j}:other", _rother(rest, _rread(key), _NO_META, meta))
 
 
 def _item_fields(item: Any, index: int, meta: Skipped | None = None) -> dict[str, str]:
@@ -1296,7 +1483,7 @@ def _item_fields(item: Any, index: int, meta: Skipped | None = None) -> dict[str
     (:data:`_ITEM_IDS`; a stream's into ``meta``)."""
     out: dict[str, str] = {}
     if not isinstance(item, dict):
-        _put(out, f"{index}:other", _rstrings(item))
+        _put(out, f"{index}:other", _rstrings(item, meta))
         return out
     itype = item.get("type")
     read: dict[str, type | tuple[type, ...]] = dict(_OPAQUE)
@@ -1315,9 +1502,9 @@ def _item_fields(item: Any, index: int, meta: Skipped | None = None) -> dict[str
         read[key] = list
         for j, p in enumerate(parts):
             if isinstance(p, dict):
-                _part_fields(p, index, j, name or "output_text", out)
+                _part_fields(p, index, j, name or "output_text", out, meta)
             else:
-                _put(out, f"{index}:other", _rstrings(p))
+                _put(out, f"{index}:other", _rstrings(p, meta))
     _put(out, f"{index}:other", _rother(item, read, _ITEM_IDS, meta))
     return out
 
@@ -1366,6 +1553,7 @@ def parse_response_body(obj: Any) -> StreamEvent:
         if text := _counted(f):
             out.texts[i] = text
     _put(out.fields, "-:other", _rother(obj, {**_OPAQUE, "output": list}, _RESPONSE_IDS))
+    _put(out.fields, "-:key_names", _key_names(obj, RESPONSE_KEY_NAMES, _FREE_FORM))
     out.usage = reported_usage(obj.get("usage"))
     out.finish_reason = _finish_of(obj)
     return out
@@ -1397,7 +1585,7 @@ def parse_response_event(obj: Any) -> StreamEvent:
     fields: dict[str, str] = {}
     if etype == "response.output_text.annotation.added":
         read.add("annotation")
-        _put(fields, f"{i}:{j}:annotations", _rstrings(obj.get("annotation")))
+        _put(fields, f"{i}:{j}:annotations", _rstrings(obj.get("annotation"), meta))
     _put(fields, f"{i}:other", _rother({k: v for k, v in obj.items() if k not in read}, _OPAQUE, _EVENT_IDS, meta))
     if etype in TERMINAL_EVENTS:
         got = obj.get("response")
@@ -1431,7 +1619,7 @@ def _delta_event(obj: dict[str, Any], etype: str, i: int, j: int, seq: int | Non
         fields[f"{i}:{j}:{name}"] = d
         texts[i] = d
     other: list[str] = []
-    _put_logprobs(fields, f"{i}:{j}", obj.get("logprobs"), other)
+    _put_logprobs(fields, f"{i}:{j}", obj.get("logprobs"), other, meta)
     _put(fields, f"{i}:other", " ".join(other))
     rest = {k: v for k, v in obj.items() if k != "logprobs"}
     _put(fields, f"{i}:other", _rother(rest, _rread("delta"), _EVENT_IDS, meta))
@@ -1471,7 +1659,7 @@ def _snapshots(obj: dict[str, Any], etype: Any, meta: Skipped) -> tuple[dict[str
         if etype == "response.output_text.done" and isinstance(obj.get("logprobs"), list):
             read.add("logprobs")
             other: list[str] = []
-            _put_logprobs(out, f"{i}:{j}", obj.get("logprobs"), other)
+            _put_logprobs(out, f"{i}:{j}", obj.get("logprobs"), other, meta)
             _put(out, f"{i}:{j}:other", " ".join(other))
         return out, read
     part = obj.get("part")
@@ -1480,7 +1668,7 @@ def _snapshots(obj: dict[str, Any], etype: Any, meta: Skipped) -> tuple[dict[str
         ptype = part.get("type")
         named = _PART_NAMES.get(ptype, "output_text") if isinstance(ptype, str) else "output_text"
         name = "reasoning_summary" if "summary_index" in obj else named
-        _part_fields(part, i, j, name, out)
+        _part_fields(part, i, j, name, out, meta)
         return out, read
     item = obj.get("item")
     if "item" in obj:  # output_item.*
