@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -441,3 +442,186 @@ def test_a_bad_share_is_a_config_error_naming_the_key(tmp_path: Path, value: str
         f"{q}: gateway.upstream_tenant_share: {problem} "
         "(from environment variable KVGATE_GATEWAY__UPSTREAM_TENANT_SHARE)"
     )
+
+
+#: what a request gets when every upstream it was tried on refused the connect (the last failure)
+UNREACHABLE_503 = (
+    b'{"error":{"message":"No upstream engine for this model is reachable.",'
+    b'"type":"server_error","param":null,"code":"upstream_unavailable"}}'
+)
+
+
+@pytest.mark.parametrize("transport_kind", ["h1", "aiohttp"])
+def test_the_share_wait_and_the_pool_wait_after_it_end_at_one_deadline(holding_engines, gateway, transport_kind):
+    """``max_connections`` 2, share 0.5: 1 a tenant. A and B hold one stream each (the pool is
+    full). A's second request waits for A's share; C's request (C has room) waits for the pool.
+    0.8 s into A's wait A's stream ends: A's share passes to the waiting request, the connection
+    to C's, which came first. A's request then waits for the pool only for what is left of its
+    ``connect_timeout_seconds`` (1 s): its 504 comes about 1 s after it was sent. Before, the pool
+    wait had a full second of its own: the 504 came after 1.8 s."""
+    engine = holding_engines()
+    settings = settings_for(
+        [upstream("u1", api_url=engine.api_url, pool_urls=[engine.info_url])],
+        gateway={
+            "max_connections": 2,
+            "upstream_tenant_share": 0.5,
+            "connect_timeout_seconds": 1.0,
+            "read_timeout_seconds": 60,
+            "upstream_client": transport_kind,
+        },
+    )
+    g = gateway(settings, _registry())
+    with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        a1 = _open_stream(stack, g, KEY_A1, "hold a1")
+        _open_stream(stack, g, KEY_B, "hold b1")
+        a2 = pool.submit(_post, g, KEY_A2, "a2")
+        time.sleep(0.1)
+        c1 = pool.submit(_open_stream, stack, g, KEY_C, "hold c1")
+        time.sleep(0.7)
+        assert not a2.done() and not c1.done()
+        engine.release("a1")
+        assert a1.read() == STREAM
+        status, body, took = a2.result()
+        assert (status, body) == (504, POOL_WAIT_504)
+        assert 1.0 <= took < 1.5  # one deadline; before: 0.8 s of share wait + 1 s of pool wait
+        assert c1.result().status_code == 200
+        assert _shares(g)[0].held_connections == {"tenant-b": 1, "tenant-c": 1}
+        engine.release_all = True
+    assert engine.seen == ["hold a1", "hold b1", "hold c1"]
+    assert _upstream_errors(g) == ['kvgate_upstream_errors_total{kind="pool",upstream="u1"} 1.0']
+    assert wait_for(lambda: _idle(g), 3)
+
+
+def _refused_url() -> str:
+    """An API URL on a loopback port nothing listens on (a connect to it is refused)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def test_a_tenant_at_its_share_waits_for_it_before_an_upstream_that_backs_off(holding_engines, gateway):
+    """u1 serves; u2 (another origin, connects refused) backs off. Tenant A holds its 2 of u1's
+    connections (share 0.5 of 4). A's third request waits for its share of u1, not for a connect
+    to u2: when one of A's streams ends it is answered 200 by u1, and nothing was tried on u2.
+    A's next request, when no stream of A's ends, waits its ``connect_timeout_seconds`` in vain
+    and only then is tried on u2, refused: 503. Before, each of A's requests at its share was
+    first sent to u2 (a connect failure counted each time; a full ``connect_timeout_seconds``
+    when the engine's connects hang) and then waited for its share (the last failure a 504)."""
+    engine = holding_engines()
+    settings = settings_for(
+        [
+            upstream("u1", api_url=engine.api_url, pool_urls=[engine.info_url]),
+            upstream("u2", api_url=_refused_url(), pool_urls=[engine.info_url]),
+        ],
+        gateway={
+            "max_connections": 4,
+            "upstream_tenant_share": 0.5,
+            "connect_timeout_seconds": 1.0,
+            "read_timeout_seconds": 60,
+        },
+    )
+    g = gateway(settings, _registry())
+    u1, u2 = g.gw.upstreams.all
+    u2.connect_failures, u2.backoff_until = 1, time.monotonic() + 60  # a connect to it just failed
+    with ExitStack() as stack, ThreadPoolExecutor(1) as pool:
+        a1 = _open_stream(stack, g, KEY_A1, "hold a1")
+        _open_stream(stack, g, KEY_A2, "hold a2")
+        third = pool.submit(_post, g, KEY_A1, "third")
+        time.sleep(0.3)
+        assert not third.done()
+        assert _upstream_errors(g) == []  # not sent to u2 meanwhile
+        engine.release("a1")
+        assert a1.read() == STREAM
+        status, body, took = third.result()
+        assert (status, body) == (200, WHOLE) and took < 1.0
+        assert _upstream_errors(g) == []
+        _open_stream(stack, g, KEY_A1, "hold a3")  # A holds its 2 again
+        status, body, took = _post(g, KEY_A2, "fourth")
+        assert (status, body) == (503, UNREACHABLE_503)
+        assert took >= 1.0
+        engine.release_all = True
+    assert engine.seen == ["hold a1", "hold a2", "third", "hold a3"]
+    assert _upstream_errors(g) == [
+        'kvgate_upstream_errors_total{kind="tenant_share",upstream="u1"} 1.0',
+        'kvgate_upstream_errors_total{kind="connect",upstream="u2"} 1.0',
+    ]
+    assert (u1.backoff_until, u1.connect_failures) == (0.0, 0)
+    assert wait_for(lambda: _idle(g), 3)
+
+
+def test_a_share_wait_in_vain_is_counted_and_logged_once_per_origin_with_tenant_and_cap(
+    holding_engines, gateway, caplog
+):
+    """u1 and u2 are two upstreams at one origin (one pool, one share). Tenant A holds its 2;
+    its third request waits 0.5 s in vain: one ``tenant_share`` count and one log line, naming
+    the tenant, its cap and both upstreams, saying no upstream is left. Before, the one wait
+    was counted and logged once per upstream, each line ending "trying the next", without the
+    tenant or the cap."""
+    caplog.set_level(logging.WARNING, logger="kvgate.proxy")
+    engine = holding_engines()
+    settings = settings_for(
+        [
+            upstream("u1", api_url=engine.api_url, pool_urls=[engine.info_url]),
+            upstream("u2", api_url=engine.api_url + "/", pool_urls=[engine.info_url]),
+        ],
+        gateway={
+            "max_connections": 4,
+            "upstream_tenant_share": 0.5,
+            "connect_timeout_seconds": 0.5,
+            "read_timeout_seconds": 60,
+        },
+    )
+    g = gateway(settings, _registry())
+    with ExitStack() as stack:
+        _open_stream(stack, g, KEY_A1, "hold a1")
+        _open_stream(stack, g, KEY_A2, "hold a2")
+        assert _post(g, KEY_A1, "third")[:2] == (504, POOL_WAIT_504)
+        engine.release_all = True
+    assert _upstream_errors(g) == ['kvgate_upstream_errors_total{kind="tenant_share",upstream="u1"} 1.0']
+    records = [r for r in caplog.records if r.name == "kvgate.proxy"]
+    assert [r.getMessage() for r in records] == [
+        "upstream u1: the tenant holds its share of the connections (TenantShareTimeout: tenant tenant-a "
+        "held its 2 connections to u1, u2 for 0.5s), no upstream left to try"
+    ]
+    assert len(records[0].fields["request_id"]) == 32  # type: ignore[attr-defined]
+    assert wait_for(lambda: _idle(g), 3)
+
+
+def test_a_failing_close_of_the_upstream_response_keeps_the_answer_and_frees_the_share(
+    holding_engines, gateway, monkeypatch, caplog
+):
+    """The transport's ``aclose`` of the engine's response raises (after closing it): the
+    client still gets what it would have (the engine's 500 relayed, a whole answer, a stream, a
+    stream cut with its error tail), the failure is logged with the request id, and the
+    tenant's share and the upstream's in-flight count are given back once each. Before, the
+    engine's 500 became the gateway's own 500 (``aclose``'s exception replaced it)."""
+    from gateway.relay.h1_transport import H1Response
+
+    original = H1Response.aclose
+
+    async def failing_aclose(self: H1Response) -> None:
+        await original(self)
+        raise RuntimeError("aclose blew up")
+
+    monkeypatch.setattr(H1Response, "aclose", failing_aclose)
+    caplog.set_level(logging.ERROR, logger="kvgate.proxy")
+    engine = holding_engines()
+    g = _gateway(gateway, engine, 0.5)
+    assert _post(g, KEY_A1, "fail")[:2] == (500, RELAYED_500)
+    assert _post(g, KEY_A1, "w")[:2] == (200, WHOLE)
+    assert _post(g, KEY_A1, "s", stream=True)[:2] == (200, STREAM)
+    assert _post(g, KEY_A1, "cut", stream=True)[:2] == (200, CUT_STREAM)
+    assert wait_for(lambda: _idle(g), 3)
+    assert g.gw.upstreams.all[0].in_flight == 0
+    assert wait_for(lambda: len([r for r in caplog.records if r.levelno == logging.ERROR]) >= 4, 3)
+    records = [r for r in caplog.records if r.name == "kvgate.proxy" and r.levelno == logging.ERROR]
+    assert [r.getMessage() for r in records] == ["closing the upstream response failed"] * 4
+    assert all(str(r.exc_info[1]) == "aclose blew up" for r in records if r.exc_info)
+    assert len({r.fields["request_id"] for r in records}) == 4  # type: ignore[attr-defined]
+    assert _upstream_errors(g) == [
+        'kvgate_upstream_errors_total{kind="http_500",upstream="u1"} 1.0',
+        'kvgate_upstream_errors_total{kind="reset",upstream="u1"} 1.0',
+    ]

@@ -270,13 +270,20 @@ class AiohttpTransport(PooledTransport):
         return self._session
 
     async def send(
-        self, method: str, url: str, content: bytes, headers: Mapping[str, str], on_sent: Callable[[], None] | None
+        self,
+        method: str,
+        url: str,
+        content: bytes,
+        headers: Mapping[str, str],
+        on_sent: Callable[[], None] | None,
+        pool_timeout: float | None = None,
     ) -> UpstreamResponse:
         """As :meth:`UpstreamClient.send`: once one of the origin's slots is taken (else
-        :class:`PoolTimeout` after ``connect_timeout``), given back when the send fails."""
+        :class:`PoolTimeout` after ``pool_timeout``, default ``connect_timeout``), given back
+        when the send fails."""
         session = self._session or self._open()
         slots = self._slots_for(url)
-        await slots.acquire(self.connect_timeout)
+        await slots.acquire(self.connect_timeout if pool_timeout is None else pool_timeout)
         exchange = _Exchange(on_sent)
         token = _EXCHANGE.set(exchange)
         try:

@@ -426,12 +426,18 @@ class H1Transport(PooledTransport):
         self._closing = False
 
     async def send(
-        self, method: str, url: str, content: bytes, headers: Mapping[str, str], on_sent: Callable[[], None] | None
+        self,
+        method: str,
+        url: str,
+        content: bytes,
+        headers: Mapping[str, str],
+        on_sent: Callable[[], None] | None,
+        pool_timeout: float | None = None,
     ) -> H1Response:
         """As :meth:`gateway.relay.upstream_client.UpstreamClient.send`."""
         origin, target, host = _parsed(url)
         request = _request_bytes(method, target, host, content, headers)
-        conn = await self._acquire(origin)
+        conn = await self._acquire(origin, self.connect_timeout if pool_timeout is None else pool_timeout)
         try:
             head = conn.send(request)
         except BaseException:
@@ -445,18 +451,19 @@ class H1Transport(PooledTransport):
             conn.finished(reusable=False)
             raise
 
-    async def _acquire(self, origin: Origin) -> _Connection:
+    async def _acquire(self, origin: Origin, pool_timeout: float) -> _Connection:
         """A kept connection to ``origin``, or a new one while ``origin`` holds fewer than
         ``max_connections`` (an idle one to another origin is closed first while the transport
         holds ``max_connections`` in all), or the next one to ``origin`` freed within
-        ``connect_timeout`` (else a :class:`PoolTimeout`). Two bounds, each ``connect_timeout``:
-        the wait for a free slot, and a connect, which whenever it starts (at once, or when a
+        ``pool_timeout`` seconds (else a :class:`PoolTimeout`). Two bounds: the wait for a free
+        slot (``pool_timeout``: ``connect_timeout``, or what is left of the relay's wait for the
+        tenant's share), and a connect, which whenever it starts (at once, or when a
         slot freed by a closed connection needs a new one) has a full ``connect_timeout`` of its
         own (else a :class:`ConnectTimeout`): a request that waited for a slot is not left a
         sliver of time to connect, and a busy engine slow to accept is not taken for an
         unreachable one (a connect failure backs its upstream off for every tenant)."""
         loop = asyncio.get_running_loop()
-        pool_deadline = loop.time() + self.connect_timeout
+        pool_deadline = loop.time() + pool_timeout
         pool = self._pools.get(origin)
         if pool is None:
             pool = self._pools[origin] = _OriginPool()
@@ -482,7 +489,7 @@ class H1Transport(PooledTransport):
                     pool.wake_one()  # woken in the same turn it gave up: the freed connection goes to the next one
                 if isinstance(e, TimeoutError):
                     raise PoolTimeout(
-                        f"PoolTimeout: no free connection to {origin[1]}:{origin[2]} within {self.connect_timeout:g}s"
+                        f"PoolTimeout: no free connection to {origin[1]}:{origin[2]} within {pool_timeout:g}s"
                     ) from None
                 raise
             finally:

@@ -11,9 +11,10 @@ logs. The transport (ASGI messages, client disconnect, the status) is
   connect timeout, pool full) moves to the next before any byte is sent; the last failure is 503
   ``upstream_unavailable`` (504 ``upstream_timeout`` when it timed out). A candidate whose origin
   the tenant already holds its share of (``gateway.upstream_tenant_share``,
-  :class:`~gateway.relay.upstreams.TenantShare`) is tried after the others, once one of the
-  tenant's own connections to it is given back (waiting at most ``connect_timeout``; in vain,
-  as a pool wait in vain);
+  :class:`~gateway.relay.upstreams.TenantShare`) is tried after the others that are not backing
+  off, once one of the tenant's own connections to it is given back (that wait and the wait for
+  a pooled connection after it: at most ``connect_timeout`` together; in vain, as a pool wait in
+  vain); upstreams backing off come after that;
 - an engine's non-200 answer, or a JSON answer to a stream request, is mapped to the OpenAI
   shape with the engine's status (:func:`verifier.engine_response.engine_error`), its 429's or
   503's ``Retry-After`` kept when it is a number of seconds (:func:`retry_after`); an engine that
@@ -232,6 +233,11 @@ async def relay(ctx: RelayContext, outcome: RelayOutcome) -> AsyncGenerator[Chun
             u.in_flight -= 1
         try:
             await resp.aclose()
+        except Exception:  # the answer's outcome (relayed, or its mapped error) stands
+            log.exception(
+                "closing the upstream response failed",
+                extra={"fields": {"request_id": outcome.admitted.arrival.request_id}},
+            )
         finally:  # the connection is back in the pool (or closed): the tenant's share of it too
             if u is not None and u.share is not None:
                 u.share.release(outcome.admitted.tenant.id)
@@ -271,9 +277,11 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
     ``outcome.upstream`` (whose ``in_flight``, and the tenant's share of its origin, stay counted
     until :func:`relay` ends) and ``forwarded`` (as soon as the request was written to an engine's
     connection, before its answer: an engine that then times out or breaks, or a client that
-    leaves, does not undo it). The candidates are tried in balance order, those whose origin the
-    tenant holds its share of last, each once one of the tenant's own connections to it is given
-    back (:func:`_try_at_share`). Raises :class:`OpenAIError` 503/504 (no upstream took it) or 502,
+    leaves, does not undo it). The candidates are tried in balance order: first those not backing
+    off, then those backing off (a connect to an engine that just failed one is the last resort,
+    not the price of a tenant's wait for its share); in each group those whose origin the tenant
+    holds its share of last, once one of the tenant's own connections to it is given back
+    (:func:`_try_group`). Raises :class:`OpenAIError` 503/504 (no upstream took it) or 502,
     or :class:`ClientLeftBeforeSend` when the server already knows the client is gone: it may have
     left while admission awaited the quota store, and the response shell's watcher, which has not
     run yet, would learn it only after a pooled connection had taken the request without a loop
@@ -283,18 +291,15 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
         outcome.disconnected = True
         outcome.overhead_seconds = time.perf_counter() - a.arrival.t_perf
         raise ClientLeftBeforeSend()
+    ordered = ctx.upstreams.order(a.candidates)
+    now = time.monotonic()
+    backing = [u for u in ordered if u.backing_off(now)]
+    ready = [u for u in ordered if not u.backing_off(now)] if backing else ordered
     last: ConnectFailed | None = None
-    at_share: list[tuple[Upstream, TenantShare]] = []  # candidates whose origin the tenant holds its share of
-    for u in ctx.upstreams.order(a.candidates):
-        if u.share is not None and not u.share.try_take(a.tenant.id):
-            at_share.append((u, u.share))
+    for group, then in ((ready, bool(backing)), (backing, False)):
+        opened = await _try_group(ctx, outcome, group, then)
+        if opened is None:
             continue
-        opened = await _try(ctx, outcome, u)
-        if not isinstance(opened, ConnectFailed):
-            return opened
-        last = opened
-    if at_share:
-        opened = await _try_at_share(ctx, outcome, at_share)
         if not isinstance(opened, ConnectFailed):
             return opened
         last = opened
@@ -303,52 +308,89 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
     raise OpenAIError(503, "No upstream engine for this model is reachable.", code=ErrorCode.UPSTREAM_UNAVAILABLE)
 
 
+async def _try_group(
+    ctx: RelayContext, outcome: RelayOutcome, group: list[Upstream], then: bool
+) -> tuple[UpstreamResponse, float] | ConnectFailed | None:
+    """:func:`_try` the upstreams of ``group`` (in order) where the tenant has room in its share of
+    the origin, then, none of them having taken the request, wait for the tenant's share of the
+    others (:func:`_try_at_share`). ``then``: another group is tried after this one (the log
+    says so). Returns as :func:`_try`, or ``None`` for an empty group."""
+    tenant_id = outcome.admitted.tenant.id
+    last: ConnectFailed | None = None
+    at_share: list[tuple[Upstream, TenantShare]] = []  # candidates whose origin the tenant holds its share of
+    for i, u in enumerate(group):
+        if u.share is not None and not u.share.try_take(tenant_id):
+            at_share.append((u, u.share))
+            continue
+        more = then or bool(at_share) or i < len(group) - 1
+        opened = await _try(ctx, outcome, u, more)
+        if not isinstance(opened, ConnectFailed):
+            return opened
+        last = opened
+    if at_share:
+        return await _try_at_share(ctx, outcome, at_share, then)
+    return last
+
+
 async def _try_at_share(
-    ctx: RelayContext, outcome: RelayOutcome, at_share: list[tuple[Upstream, TenantShare]]
+    ctx: RelayContext, outcome: RelayOutcome, at_share: list[tuple[Upstream, TenantShare]], then: bool
 ) -> tuple[UpstreamResponse, float] | ConnectFailed:
     """:func:`_try` the candidates whose origin the tenant holds its share of (``at_share``, not
     empty: each with that share, in balance order), each as one of the tenant's own connections
-    to it is given back (whichever first), waiting ``connect_timeout`` in all; in vain, a
-    :class:`~gateway.relay.upstreams.TenantShareTimeout` for each left (:func:`_share_timed_out`).
-    Returns as :func:`_try`."""
+    to it is given back (whichever first). The wait for the share and the transport's wait for a
+    free connection of the pool after it end at one deadline, ``connect_timeout`` from the start
+    (the connect, if one is needed, has its own ``connect_timeout``); a share wait in vain is a
+    :class:`~gateway.relay.upstreams.TenantShareTimeout` (:func:`_share_timed_out`). ``then``:
+    as :func:`_try_group`'s. Returns as :func:`_try`."""
     a = outcome.admitted
-    deadline = asyncio.get_running_loop().time() + ctx.settings.gateway.connect_timeout_seconds
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ctx.settings.gateway.connect_timeout_seconds
     left = list(at_share)
     while True:
         try:
             share = await TenantShare.take_any([s for _, s in left], a.tenant.id, deadline)
         except TimeoutError:
-            return _share_timed_out(ctx, outcome, left)
+            return _share_timed_out(ctx, outcome, left, then)
         u = left.pop(next(i for i, (_, s) in enumerate(left) if s is share))[0]
-        opened = await _try(ctx, outcome, u)
+        opened = await _try(ctx, outcome, u, then or bool(left), max(0.0, deadline - loop.time()))
         if not isinstance(opened, ConnectFailed) or not left:
             return opened
 
 
 def _share_timed_out(
-    ctx: RelayContext, outcome: RelayOutcome, left: list[tuple[Upstream, TenantShare]]
+    ctx: RelayContext, outcome: RelayOutcome, left: list[tuple[Upstream, TenantShare]], then: bool
 ) -> TenantShareTimeout:
-    """Record that the tenant held its share of each upstream ``left`` (not empty) for all of
-    ``connect_timeout``, as a pool wait in vain is (no back-off) but counted ``tenant_share``;
-    the last one's :class:`~gateway.relay.upstreams.TenantShareTimeout`."""
+    """Record that the tenant held its share of each origin of the upstreams ``left`` (not empty)
+    for all of ``connect_timeout``: once per origin (its upstreams share one
+    :class:`~gateway.relay.upstreams.TenantShare`), under the name of its first upstream in
+    ``left``, as a pool wait in vain is (no back-off) but counted ``tenant_share``, and logged
+    with the tenant and its cap. ``then``: as :func:`_try_group`'s. The last origin's
+    :class:`~gateway.relay.upstreams.TenantShareTimeout`."""
     a = outcome.admitted
     timeout_seconds = ctx.settings.gateway.connect_timeout_seconds
+    origins: dict[TenantShare, list[Upstream]] = {}
+    for u, s in left:
+        origins.setdefault(s, []).append(u)
     errors = [
         TenantShareTimeout(
             f"TenantShareTimeout: tenant {a.tenant.id} held its {s.cap_connections} connections to "
-            f"{u.name} for {timeout_seconds:g}s"
+            f"{', '.join(u.name for u in us)} for {timeout_seconds:g}s"
         )
-        for u, s in left
+        for s, us in origins.items()
     ]
-    for (u, _), e in zip(left, errors, strict=True):
-        _connect_failed(ctx, u, e, a.arrival.request_id)
+    for n, (us, e) in enumerate(zip(origins.values(), errors, strict=True), 1):
+        _connect_failed(ctx, us[0], e, a.arrival.request_id, then or n < len(errors))
     return errors[-1]
 
 
-async def _try(ctx: RelayContext, outcome: RelayOutcome, u: Upstream) -> tuple[UpstreamResponse, float] | ConnectFailed:
+async def _try(
+    ctx: RelayContext, outcome: RelayOutcome, u: Upstream, more: bool, pool_timeout: float | None = None
+) -> tuple[UpstreamResponse, float] | ConnectFailed:
     """Send the request to ``u``, the tenant's share of its origin (if capped) already taken:
     ``(its response, perf_counter when it was sent)``, or the :class:`ConnectFailed` that kept it
-    from ``u`` (recorded: :func:`_connect_failed`). Raises :class:`OpenAIError` for another failure."""
+    from ``u`` (recorded: :func:`_connect_failed`; ``more``: another upstream is tried next).
+    ``pool_timeout``: the longest wait for a free connection of the pool (``None``:
+    ``connect_timeout``). Raises :class:`OpenAIError` for another failure."""
     a = outcome.admitted
     t_forward = time.perf_counter()
 
@@ -356,9 +398,9 @@ async def _try(ctx: RelayContext, outcome: RelayOutcome, u: Upstream) -> tuple[U
         outcome.forwarded = True
 
     try:
-        resp = await _send(ctx, u, a, on_sent, outcome.upstream_request_id)
+        resp = await _send(ctx, u, a, on_sent, outcome.upstream_request_id, pool_timeout)
     except ConnectFailed as e:
-        _connect_failed(ctx, u, e, a.arrival.request_id)
+        _connect_failed(ctx, u, e, a.arrival.request_id, more)
         return e
     except UpstreamError as e:
         outcome.upstream = u
@@ -371,10 +413,11 @@ async def _try(ctx: RelayContext, outcome: RelayOutcome, u: Upstream) -> tuple[U
     return resp, t_forward
 
 
-def _connect_failed(ctx: RelayContext, u: Upstream, e: ConnectFailed, request_id: str) -> None:
+def _connect_failed(ctx: RelayContext, u: Upstream, e: ConnectFailed, request_id: str, more: bool) -> None:
     """Record that nothing reached ``u``: counted (``kvgate_upstream_errors_total`` kind
     ``connect``, ``pool`` for a :class:`PoolTimeout`, ``tenant_share`` for a
-    :class:`~gateway.relay.upstreams.TenantShareTimeout`) and logged; a failed connect sends ``u``
+    :class:`~gateway.relay.upstreams.TenantShareTimeout`) and logged (``more``: another upstream
+    is tried next, else none is left); a failed connect sends ``u``
     to the back of the order for a while (:meth:`gateway.relay.upstreams.Upstream.connect_failed`),
     a busy pool does not (the engine answers; its connections are all taken), nor a tenant that
     holds its share of them."""
@@ -384,10 +427,11 @@ def _connect_failed(ctx: RelayContext, u: Upstream, e: ConnectFailed, request_id
     kind = "tenant_share" if isinstance(e, TenantShareTimeout) else "pool" if busy else "connect"
     ctx.metrics.upstream_errors.labels(u.name, kind).inc()
     log.warning(
-        "upstream %s: %s (%s), trying the next",
+        "upstream %s: %s (%s), %s",
         u.name,
         _CONNECT_FAILURES[kind],
-        type(e).__name__,
+        str(e) if kind == "tenant_share" else type(e).__name__,
+        "trying the next" if more else "no upstream left to try",
         extra={"fields": {"request_id": request_id}},
     )
 
@@ -401,17 +445,26 @@ _CONNECT_FAILURES = {
 
 
 async def _send(
-    ctx: RelayContext, u: Upstream, a: Admitted, on_sent: Callable[[], None], request_id: str
+    ctx: RelayContext,
+    u: Upstream,
+    a: Admitted,
+    on_sent: Callable[[], None],
+    request_id: str,
+    pool_timeout: float | None,
 ) -> UpstreamResponse:
-    """Send the request to ``u`` with ``x-request-id: request_id``, counted in its ``in_flight``
-    from now on (given back here when no answer came: the send failed, or was cancelled because
-    the client left; so is the tenant's share of ``u``'s origin, which the caller took)."""
+    """Send the request to ``u`` with ``x-request-id: request_id`` (waiting at most
+    ``pool_timeout`` for a free connection; ``None``: ``connect_timeout``), counted in its
+    ``in_flight`` from now on (given back here when no answer came: the send failed, or was
+    cancelled because the client left; so is the tenant's share of ``u``'s origin, which the
+    caller took)."""
     headers = {"content-type": "application/json", "accept-encoding": "identity", "x-request-id": request_id}
     if u.auth_header:
         headers["authorization"] = u.auth_header
     u.in_flight += 1
     try:
-        return await ctx.forwarder.send("POST", u.url_for(a.arrival.api), a.forward.body, headers, on_sent)
+        return await ctx.forwarder.send(
+            "POST", u.url_for(a.arrival.api), a.forward.body, headers, on_sent, pool_timeout
+        )
     except BaseException:
         u.in_flight -= 1
         if u.share is not None:

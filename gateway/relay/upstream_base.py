@@ -146,7 +146,13 @@ class Transport(Protocol):
     """Where :class:`UpstreamClient` sends: :meth:`send` (as :meth:`UpstreamClient.send`) and :meth:`aclose`."""
 
     async def send(
-        self, method: str, url: str, content: bytes, headers: Mapping[str, str], on_sent: Callable[[], None] | None
+        self,
+        method: str,
+        url: str,
+        content: bytes,
+        headers: Mapping[str, str],
+        on_sent: Callable[[], None] | None,
+        pool_timeout: float | None = None,
     ) -> UpstreamResponse: ...
 
     async def aclose(self) -> None: ...

@@ -19,9 +19,10 @@ What every transport does:
   one kept :data:`~gateway.relay.upstream_base.KEEPALIVE_SECONDS`: an engine that holds all of
   its connections (hung, or slow) never makes a request to another engine wait;
 - timeouts: ``connect_timeout`` for the TCP (and TLS) connect and the wait for a pooled
-  connection, ``read_timeout`` between two reads of the response (headers or body), as
-  httpx's ``read``, and ``exchange_timeout`` (``None``: none) for the whole exchange, from the
-  send to the response's last byte, a :class:`ReadTimeout` too;
+  connection (a send's ``pool_timeout`` may bound that wait shorter), ``read_timeout`` between
+  two reads of the response (headers or body), as httpx's ``read``, and ``exchange_timeout``
+  (``None``: none) for the whole exchange, from the send to the response's last byte, a
+  :class:`ReadTimeout` too;
 - bodies are raw: no decompression (the proxy asks for ``identity``) and chunked framing
   removed, as httpx's ``aiter_raw``; no ``User-Agent``.
 """
@@ -142,7 +143,13 @@ class MockTransport:
         self.requests: list[MockRequest] = []
 
     async def send(
-        self, method: str, url: str, content: bytes, headers: Mapping[str, str], on_sent: Callable[[], None] | None
+        self,
+        method: str,
+        url: str,
+        content: bytes,
+        headers: Mapping[str, str],
+        on_sent: Callable[[], None] | None,
+        pool_timeout: float | None = None,
     ) -> UpstreamResponse:
         request = MockRequest(method, url, content, dict(headers))
         self.requests.append(request)
@@ -199,12 +206,16 @@ class UpstreamClient:
         content: bytes,
         headers: Mapping[str, str],
         on_sent: Callable[[], None] | None = None,
+        pool_timeout: float | None = None,
     ) -> UpstreamResponse:
         """Send the request and return once the response's headers are in (the body is read from
         the returned :class:`UpstreamResponse`). ``on_sent`` is called once the request's headers
         have been written to a connection to the engine (so the engine may be working on it,
-        whatever happens next); never when connecting failed. Raises :class:`UpstreamError`."""
-        return await self.transport.send(method, url, content, headers, on_sent)
+        whatever happens next); never when connecting failed. ``pool_timeout``: the longest wait
+        for a free connection of the origin's pool, in seconds (``None``: ``connect_timeout``; the
+        relay passes what is left of a request's wait for its tenant's share); a connect keeps
+        its own ``connect_timeout``. Raises :class:`UpstreamError`."""
+        return await self.transport.send(method, url, content, headers, on_sent, pool_timeout)
 
     async def aclose(self) -> None:
         """Close the transport's connections."""
