@@ -1,6 +1,6 @@
 """The verifier's decodes of a completions batch's token-id prompts through an ``engine``
 tokenizer's ``/detokenize`` share one byte budget per request
-(:class:`tokenizer.engine_counter.ByteBudget`, :func:`gateway.admission.admit.prompt_decoder`), as
+(:class:`tokenizer.engine_counter.ByteBudget`, :meth:`tokenizer.engine_counter.EngineCounter.prompt_decoder`), as
 the ``/tokenize`` calls of one batch prompt do (tests/test_engine_tokenizer_budget.py, whose
 budget, piece size and engine URL this file reads under).
 

@@ -334,8 +334,9 @@ async def test_admission_cancelled_while_its_index_write_finishes_releases_the_l
             settled.append((lease.request_id, used))
 
     ctx = SimpleNamespace(verifier=Verifier(), quotas=Quotas())
-    adm = SimpleNamespace(reserve_tokens=10, model=SimpleNamespace(counter=SimpleNamespace(adecode=None)))
-    task = asyncio.create_task(_begin_and_index(ctx, _tenant(), "r-1", adm, object()))  # type: ignore[arg-type]
+    counter = SimpleNamespace(prompt_decoder=lambda prompt_ids: None)
+    adm = SimpleNamespace(reserve_tokens=10, model=SimpleNamespace(counter=counter))
+    task = asyncio.create_task(_begin_and_index(ctx, _tenant(), "r-1", adm, SimpleNamespace(prompt_ids=[])))  # type: ignore[arg-type]
     await asyncio.wait_for(finishing.wait(), 5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

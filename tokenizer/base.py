@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, TypeVar
@@ -289,6 +289,12 @@ class PromptCounter(ABC):
         """:meth:`decode`, in a worker thread for long input (over ``offload_chars`` ids) or when
         the payer's share of the loop is spent (:func:`on_loop`). Raises what :meth:`decode` raises."""
         return await off_loop(len(ids), self.offload_chars, self.decode, ids)
+
+    def prompt_decoder(self, prompt_ids: Sequence[Sequence[int]]) -> Callable[[list[int]], Awaitable[str]]:
+        """The decoder of one request's token-id prompts ``prompt_ids``, made once per request and
+        called once per prompt: :meth:`adecode` here (a local tokenizer answers in bounded memory);
+        a counter that decodes over the network bounds what all the answers may hold together."""
+        return self.adecode
 
     def check_ids(self, ids: list[int], param: str) -> None:
         """Raise :class:`InvalidTokenIdError` (with ``param``) for the first id that is negative or

@@ -34,7 +34,8 @@ byte, and parses with orjson, whose nesting limit is a parse failure like any ot
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import functools
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeGuard
 
 import httpx
@@ -276,7 +277,7 @@ class EngineCounter(PromptCounter):
     async def adecode(self, ids: list[int], budget: ByteBudget | None = None) -> str:
         """The engine's text of ``ids`` (its ``/detokenize``: SGLang ``text``, vLLM ``prompt``).
         ``budget``: the bytes the answer may hold, shared with the other decodes of one request's
-        token-id prompts (:func:`gateway.admission.admit.prompt_decoder`); a budget of its own when
+        token-id prompts (:meth:`prompt_decoder`); a budget of its own when
         ``None``. Raises :class:`EngineTokenizeError` when the engine fails or answers another
         shape, or the budget is over (or was spent by an earlier answer: the engine is not asked)."""
         url = self.detokenize_url
@@ -286,6 +287,13 @@ class EngineCounter(PromptCounter):
         if not isinstance(text, str):
             raise EngineTokenizeError(f"engine detokenize at {url} answered without a 'text' string")
         return text
+
+    def prompt_decoder(self, prompt_ids: Sequence[Sequence[int]]) -> Callable[[list[int]], Awaitable[str]]:
+        """:meth:`adecode` with one :class:`ByteBudget` for all of one request's token-id prompts
+        ``prompt_ids``, sized by what an honest engine can answer for their ids
+        (:func:`decode_budget`: an id's text is not bounded by its bytes in the body; N prompts of
+        a few ids never hold N answers' worth of the engine's text)."""
+        return functools.partial(self.adecode, budget=decode_budget(prompt_ids))
 
     def _local_part(self, prompt: Any) -> tuple[list[int | None], list[tuple[int, str]]]:
         """Split ``prompt``; count and check its token-id prompts here. Returns the counts so far

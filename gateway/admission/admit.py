@@ -25,12 +25,12 @@ before working": a refusal comes before the work it would waste):
 5. skip the upstreams the verifier quarantined for prompts of this length (none left: 503) and
    build the body to forward (``route.forward_body``);
 6. reserve the request's tokens against TPM (:meth:`gateway.quotas.stage.QuotaStage.reserve_tokens`)
-   and index the prompt (:meth:`verifier.stage.VerifierStage.admit`: token-id prompts decoded,
-   an engine tokenizer's answers to them reading one byte budget in all, sized by their ids
-   (:func:`prompt_decoder`), the prompt fingerprinted and indexed, on this request's own time,
-   before it can be forwarded); a small prompt is fingerprinted first and its index write rides the
-   reservation's Redis round trip, made only if the reservation was (:func:`_reserve_and_index`):
-   a refused prompt is never indexed.
+   and index the prompt (:meth:`verifier.stage.VerifierStage.admit`: token-id prompts decoded by
+   the counter's :meth:`~tokenizer.base.PromptCounter.prompt_decoder`, an engine tokenizer's
+   answers to them reading one byte budget in all, sized by their ids; the prompt fingerprinted
+   and indexed, on this request's own time, before it can be forwarded); a small prompt is
+   fingerprinted first and its index write rides the reservation's Redis round trip, made only if
+   the reservation was (:func:`_reserve_and_index`): a refused prompt is never indexed.
 
 A request refused after step 1 has its lease released and its tokens refunded
 (``settle(lease, 0)``); its RPM entry stays spent, so invalid requests cost their sender RPM.
@@ -43,7 +43,6 @@ answers and the same Redis state, one round trip instead of two.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,8 +65,6 @@ from gateway.edge.extensions import completion_of, refusal_of
 from gateway.ops.tenants import TenantRegistry
 from gateway.quotas.stage import QuotaLease, QuotaStage
 from gateway.relay.upstreams import Upstream, UpstreamSet
-from tokenizer import PromptCounter
-from tokenizer.engine_counter import EngineCounter, decode_budget
 from verifier.stage import Decoder, Exchange, ExchangeRequest, VerifierStage
 
 #: A body larger than this (bytes) is parsed, and its forwarded form encoded, in a worker thread:
@@ -421,9 +418,9 @@ async def _reserve_and_index(
     if exchange is None or not ctx.verifier.defers(exchange):
         await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
         if exchange is not None:
-            await ctx.verifier.admit(exchange, prompt_decoder(adm.model.counter, exchange))
+            await ctx.verifier.admit(exchange, _decoder(adm, exchange))
         return
-    pending = await ctx.verifier.admit(exchange, prompt_decoder(adm.model.counter, exchange), defer_write=True)
+    pending = await ctx.verifier.admit(exchange, _decoder(adm, exchange), defer_write=True)
     if pending is None:  # verification off, or the ingest budget full: nothing to send
         await ctx.quotas.reserve_tokens(tenant, lease, adm.reserve_tokens)
         return
@@ -446,7 +443,7 @@ async def _begin_and_index(
     defers = exchange is not None and ctx.verifier.defers(exchange)
     pending = None
     if exchange is not None and defers:
-        pending = await ctx.verifier.admit(exchange, prompt_decoder(adm.model.counter, exchange), defer_write=True)
+        pending = await ctx.verifier.admit(exchange, _decoder(adm, exchange), defer_write=True)
     try:
         lease = await ctx.quotas.begin_reserve(tenant, request_id, adm.reserve_tokens, also=pending)
     except BaseException as e:
@@ -460,23 +457,16 @@ async def _begin_and_index(
         if pending is not None:
             await pending.finish()
         if exchange is not None and not defers:
-            await ctx.verifier.admit(exchange, prompt_decoder(adm.model.counter, exchange))
+            await ctx.verifier.admit(exchange, _decoder(adm, exchange))
     except BaseException:
         await ctx.quotas.settle(lease, 0)
         raise
     return lease
 
 
-def prompt_decoder(counter: PromptCounter, exchange: Exchange) -> Decoder:
-    """The decoder of ``exchange``'s token-id prompts, made once per request: an engine
-    tokenizer's ``adecode`` with one :class:`~tokenizer.engine_counter.ByteBudget` for all of
-    them, sized by what an honest engine can answer for their ids
-    (:func:`~tokenizer.engine_counter.decode_budget`: an id's text is not bounded by its bytes in
-    the body; N prompts of a few ids never hold N answers' worth of the engine's text), any other
-    counter's ``adecode``."""
-    if isinstance(counter, EngineCounter):
-        return functools.partial(counter.adecode, budget=decode_budget(exchange.prompt_ids))
-    return counter.adecode
+def _decoder(adm: Admission, exchange: Exchange) -> Decoder:
+    """The decoder of ``exchange``'s token-id prompts, made once per request by the model's counter."""
+    return adm.model.counter.prompt_decoder(exchange.prompt_ids)
 
 
 def verifier_exchange(
