@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import (
     BaseModel,
@@ -38,17 +38,32 @@ MAX_TTL_SECONDS = 365 * 24 * 3600.0
 MAX_LIMIT = (1 << 53) - 1
 
 
-def url_origin(url: str) -> tuple[str, str, int | None]:
-    """``(scheme, host, port)`` of ``url``, lowercased, the scheme's default port filled in
-    (``None`` for an unknown scheme or a port out of range): how a tokenizer's URL is matched to
-    the upstream at the same address (here, and :func:`gateway.admission.registry.engine_api_key`)."""
-    parts = urlsplit(url)
+#: the port of each scheme an origin is read for (:func:`split_origin`) when its URL names none
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def split_origin(parts: SplitResult) -> tuple[str, str, int | None]:
+    """``(scheme, host, port)`` of a split URL, the one reading of an origin: the scheme
+    lower-cased; the host as ``SplitResult.hostname`` has it (lower-cased, an IPv6 one without
+    its brackets and its zone id as written: ``%eth0`` and ``%ETH0`` name two interfaces; never
+    the user information; ``""`` for none); the URL's port, else the scheme's default
+    (:data:`DEFAULT_PORTS`), ``None`` for another scheme or a port out of range or not a number.
+    The forward path's pools read it strictly (:func:`gateway.relay.h1_transport.url_origin`)."""
     scheme = parts.scheme.lower()
     try:
-        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+        port = parts.port or DEFAULT_PORTS.get(scheme)
     except ValueError:
         port = None
-    return scheme, (parts.hostname or "").lower(), port
+    return scheme, parts.hostname or "", port
+
+
+def url_origin(url: str) -> tuple[str, str, int | None]:
+    """:func:`split_origin` of ``url``: how a tokenizer's URL is matched to the upstream at the
+    same address (here, and :func:`gateway.admission.registry.engine_api_key`) and which
+    upstreams share a tenant's share of one origin's pool
+    (:func:`gateway.relay.upstreams.share_origins`). Raises ``ValueError`` only where
+    ``urlsplit`` does (a bracketed host that is not an IP address, a bracket left open)."""
+    return split_origin(urlsplit(url))
 
 
 def _numeric_not_bool(annotation: Any) -> bool:

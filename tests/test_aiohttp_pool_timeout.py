@@ -324,3 +324,44 @@ def test_a_busy_pool_backs_nothing_off_through_the_gateway(engines, access, then
     assert r.status_code == status
     assert r.json() == {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     assert (line["status"], line["upstream"], line["upstream_request_id"]) == (status, None, None)
+
+
+async def test_a_wake_skips_waiters_that_left_and_only_the_slots_count_one_given_back_to_none() -> None:
+    """``wake_first`` (one loop for the aiohttp transport's slots, the h1 transport's pools and a
+    tenant's share): waiters cancelled or already woken are dropped, the first still waiting gets
+    the result. Given back with none waiting, the aiohttp slot is counted free; the h1 pool's
+    wake-up (a hint to look again: its idle list and open count are the state) counts nothing."""
+    from collections import deque
+
+    from gateway.relay.aiohttp_transport import _Slots
+    from gateway.relay.h1_transport import _OriginPool
+    from gateway.relay.upstream_base import wake_first
+
+    loop = asyncio.get_running_loop()
+    left, woken, first, second = (loop.create_future() for _ in range(4))
+    left.cancel()
+    woken.set_result("elsewhere")  # a waiter queued in two places, woken by the other
+    waiters: deque[asyncio.Future[str]] = deque([left, woken, first, second])
+    assert wake_first(waiters, "given") is True
+    assert (first.result(), list(waiters), second.done()) == ("given", [second], False)
+    second.cancel()
+    assert (wake_first(waiters, "given"), list(waiters)) == (False, [])
+
+    slots = _Slots(("http", "h", 80), 1)
+    slots.free = 0
+    gone, waiting = loop.create_future(), loop.create_future()
+    gone.cancel()
+    slots.waiters.extend([gone, waiting])
+    slots.release()
+    assert (waiting.done(), slots.free, list(slots.waiters)) == (True, 0, [])
+    slots.release()
+    assert slots.free == 1
+
+    pool = _OriginPool()
+    gone, waiting = loop.create_future(), loop.create_future()
+    gone.cancel()
+    pool.waiters.extend([gone, waiting])
+    pool.wake_one()
+    assert (waiting.done(), pool.open, list(pool.waiters)) == (True, 0, [])
+    pool.wake_one()
+    assert (pool.open, pool.idle, list(pool.waiters)) == (0, [], [])

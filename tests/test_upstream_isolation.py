@@ -132,8 +132,8 @@ def test_backoff_order_and_growth():
     us = UpstreamSet(settings, ups)
     a, b = ups
     a.connect_failed(now=time.monotonic())
-    assert [list(us.order([a, b]))[0] for _ in range(4)] == [b] * 4  # a last whatever the rotation
-    assert list(us.order([a])) == [a]  # the only one: still tried
+    assert [us.order([a, b]) for _ in range(4)] == [([b], [a])] * 4  # a last whatever the rotation
+    assert us.order([a]) == ([], [a])  # the only one: still tried
     now = 1000.0
     a.connected()
     backoffs = []
@@ -152,3 +152,28 @@ def test_backoff_order_and_growth():
     assert (a.connect_failures, a.backoff_until - (2003.0 + BACKOFF_MAX_SECONDS + 1)) == (1, 1.0)
     a.connected()
     assert not a.backing_off(time.monotonic()) and a.connect_failures == 0
+
+
+def test_order_splits_once_ready_by_in_flight_round_robin_then_backing_by_end():
+    """``UpstreamSet.order`` at one ``now``: ``(ready, backing)``, each candidate in one of them;
+    ready ones fewest in flight first, ties in round-robin turn (the rotation advances once per
+    call with two or more candidates); backing ones whose back-off ends first first."""
+    urls = [f"http://127.0.0.1:{port}/v1" for port in range(1, 6)]
+    settings = settings_for([upstream(f"u{i}", api_url=u, pool_urls=[u]) for i, u in enumerate(urls)])
+    ups = [make_upstream(cfg, None) for cfg in settings.upstreams]  # type: ignore[arg-type]
+    us = UpstreamSet(settings, ups)
+    u0, u1, u2, u3, u4 = ups
+    u1.in_flight = 3
+    u3.backoff_until = 110.0  # backing off at 100, ends last
+    u4.backoff_until = 105.0  # backing off at 100, ends first
+    u2.backoff_until = 100.0  # ends at 100: not backing off then
+    turns = [us.order(ups, now=100.0) for _ in range(4)]  # rotations u0.., u1.., u2.., u3..
+    assert [([u.name for u in r], [u.name for u in b]) for r, b in turns] == [
+        (["u0", "u2", "u1"], ["u4", "u3"]),
+        (["u2", "u0", "u1"], ["u4", "u3"]),
+        (["u2", "u0", "u1"], ["u4", "u3"]),
+        (["u0", "u2", "u1"], ["u4", "u3"]),
+    ]
+    assert us.order(ups, now=110.0)[1] == []  # every back-off over: none backing
+    assert us.order([u3], now=100.0) == ([], [u3])
+    assert us.order([], now=100.0) == ([], [])

@@ -375,6 +375,43 @@ def test_the_cap_is_the_floor_of_the_share_at_least_one(share, max_connections, 
     assert GatewaySettings().upstream_tenant_share == 0.75
 
 
+def test_upstreams_share_one_tenant_share_exactly_when_their_requests_share_one_pool():
+    """The tenant share of an origin (``config.models.url_origin``) and the transport's pool
+    (``gateway.relay.h1_transport.url_origin``, the aiohttp transport's too) read one origin: host
+    case and a port written as the scheme's default make none of their own. An IPv6 zone id's
+    case does (``%25eth0`` and ``%25ETH0`` name two interfaces): the pools kept it, the share
+    lower-cased it, so one share capped a tenant across two pools."""
+    from types import SimpleNamespace
+
+    from config.models import url_origin
+    from gateway.relay.h1_transport import url_origin as pool_origin
+    from gateway.relay.upstreams import UpstreamSet, make_upstream
+
+    urls = [
+        "http://Engine.Example/v1",
+        "http://engine.example:80/v2",
+        "http://[FE80::1%25ETH0]:8000/v1",
+        "http://[fe80::1%25ETH0]:8000/v2",
+        "http://[fe80::1%25eth0]:8000/v1",
+    ]
+    settings = settings_for(
+        [upstream(f"u{i}", api_url=u, pool_urls=[u]) for i, u in enumerate(urls)],
+        gateway={"max_connections": 4, "upstream_tenant_share": 0.5},
+    )
+    ups = [make_upstream(cfg, None) for cfg in settings.upstreams]  # type: ignore[arg-type]
+    UpstreamSet(settings, ups)
+    route = SimpleNamespace(upstream_path="/chat/completions")
+    pools = [pool_origin(u.url_for(route)) for u in ups]
+    assert pools == [("http", "engine.example", 80)] * 2 + [("http", "fe80::1%25ETH0", 8000)] * 2 + [
+        ("http", "fe80::1%25eth0", 8000)
+    ]
+    assert [url_origin(u) for u in urls] == pools
+    shares = [u.share for u in ups]
+    assert [[j for j, t in enumerate(shares) if t is s] for s in shares] == [[0, 1], [0, 1], [2, 3], [2, 3], [4]]
+    assert [[j for j, p in enumerate(pools) if p == q] for q in pools] == [[0, 1], [0, 1], [2, 3], [2, 3], [4]]
+    assert {s.cap_connections for s in shares if s is not None} == {2}
+
+
 def test_a_connection_given_back_passes_to_the_first_waiter_and_a_waiter_that_leaves_holds_none():
     """The share's own rules: a given-back connection goes to the tenant's first waiter (a later
     request of the tenant cannot take it first); a waiter handed one in the turn it gives up

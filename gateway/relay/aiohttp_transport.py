@@ -50,6 +50,7 @@ from gateway.relay.upstream_base import (
     UpstreamResponse,
     WriteError,
     read_bounded,
+    wake_first,
 )
 
 
@@ -108,13 +109,10 @@ class _Slots:
                 self.waiters.remove(waiter)
 
     def release(self) -> None:
-        """Give a slot back: to the first request still waiting, else to the free ones."""
-        while self.waiters:
-            w = self.waiters.popleft()
-            if not w.done():
-                w.set_result(None)
-                return
-        self.free += 1
+        """Give a slot back: handed to the first request still waiting (it holds it from now on,
+        :meth:`acquire` passing it on if it gave up in that turn), else counted free."""
+        if not wake_first(self.waiters, None):
+            self.free += 1
 
 
 class AiohttpResponse:

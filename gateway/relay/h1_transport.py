@@ -40,6 +40,7 @@ from urllib.parse import SplitResult, urlsplit
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from config.models import DEFAULT_PORTS, split_origin
 from gateway.relay.upstream_base import (
     KEEPALIVE_SECONDS,
     ConnectError,
@@ -52,6 +53,7 @@ from gateway.relay.upstream_base import (
     UpstreamError,
     WriteError,
     over_limit,
+    wake_first,
 )
 
 #: buffered body bytes at which the connection stops reading until the consumer catches up
@@ -385,11 +387,10 @@ class _OriginPool:
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     def wake_one(self) -> None:
-        while self.waiters:
-            w = self.waiters.popleft()
-            if not w.done():
-                w.set_result(None)
-                return
+        """A connection was freed (kept idle, or its slot given back): the first request still
+        waiting looks again (:meth:`H1Transport._acquire`; it is handed nothing, and a request
+        arriving meanwhile may take the connection first); none waiting, nothing to do."""
+        wake_first(self.waiters, None)
 
 
 class H1Transport(PooledTransport):
@@ -584,18 +585,23 @@ def _parsed(url: str) -> tuple[Origin, str, str]:
 
 
 def url_origin(url: str) -> Origin:
-    """The origin whose pool a request to ``url`` uses: the scheme and host lower-cased, the
-    port (the scheme's default when the URL has none). aiohttp keys its pools by the same three
-    (host, port and TLS). Raises :class:`ConnectError` for a URL that is not http(s) with a host,
-    ``ValueError`` for a port out of range."""
+    """The origin whose pool a request to ``url`` uses: :func:`config.models.split_origin`'s
+    (scheme and host lower-cased but an IPv6 zone id, the scheme's default port when the URL has
+    none; the upstreams' tenant shares are keyed by the same reading), for http(s) URLs with a
+    host only.
+    aiohttp keys its pools by the same three (host, port and TLS). Raises :class:`ConnectError`
+    for a URL that is not http(s) with a host, ``ValueError`` for a port out of range or not a
+    number."""
     return _origin(urlsplit(url), url)
 
 
 def _origin(parts: SplitResult, url: str) -> Origin:
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https") or not parts.hostname:
+    scheme, host, port = split_origin(parts)
+    if scheme not in ("http", "https") or not host:
         raise ConnectError(f"ConnectError: not an http(s) URL: {url!r}")
-    return scheme, parts.hostname, parts.port or (443 if scheme == "https" else 80)
+    if port is None:
+        raise ValueError(f"the port of {url!r} is not a number from 0 to 65535")
+    return scheme, host, port
 
 
 def _request_bytes(method: str, target: str, host: str, content: bytes, headers: Mapping[str, str]) -> bytes:
@@ -629,5 +635,5 @@ def _host(parts: Any) -> str:
     host = parts.hostname
     if ":" in host:
         host = f"[{host}]"
-    default_port = 443 if parts.scheme.lower() == "https" else 80
+    default_port = DEFAULT_PORTS.get(parts.scheme.lower())
     return host if parts.port in (None, default_port) else f"{host}:{parts.port}"

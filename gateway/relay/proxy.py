@@ -291,10 +291,7 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
         outcome.disconnected = True
         outcome.overhead_seconds = time.perf_counter() - a.arrival.t_perf
         raise ClientLeftBeforeSend()
-    ordered = ctx.upstreams.order(a.candidates)
-    now = time.monotonic()
-    backing = [u for u in ordered if u.backing_off(now)]
-    ready = [u for u in ordered if not u.backing_off(now)] if backing else ordered
+    ready, backing = ctx.upstreams.order(a.candidates)
     last: ConnectFailed | None = None
     for group, then in ((ready, bool(backing)), (backing, False)):
         opened = await _try_group(ctx, outcome, group, then)

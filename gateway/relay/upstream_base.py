@@ -1,6 +1,7 @@
 """What the forward path's HTTP transports share (:mod:`gateway.relay.upstream_client` has the
 whole story): the exception tree every transport raises, the response and transport protocols,
-and how long an idle connection is kept.
+how long an idle connection is kept, and how a first-come-first-served queue of waiters is woken
+(:func:`wake_first`).
 
 Exceptions (a class's name is part of the 502 message the client gets, so the leaves keep
 httpx's names)::
@@ -20,13 +21,34 @@ httpx's names)::
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 #: an idle pooled connection is closed after this many seconds (shorter than the 5 s idle timeout
 #: of engines served by uvicorn, so the gateway drops an idle connection before the engine does)
 KEEPALIVE_SECONDS = 4.0
+
+
+_T = TypeVar("_T")
+
+
+def wake_first(waiters: collections.deque[asyncio.Future[_T]], result: _T) -> bool:
+    """Wake the first of ``waiters`` (futures in arrival order) that still waits: those done
+    (cancelled, or already given a result: a waiter queued in several places) are dropped from
+    the left, the first not done gets ``result`` and is dropped too. Whether one was woken
+    (``False``: none waits, ``waiters`` is empty). What a wake means is the caller's: the h1
+    transport's pool wakes a waiter to look again (nothing is handed over, nothing counted when
+    none waits), the aiohttp transport's slots and a tenant's share hand it what was given back
+    (counted free again when none waits)."""
+    while waiters:
+        waiter = waiters.popleft()
+        if not waiter.done():
+            waiter.set_result(result)
+            return True
+    return False
 
 
 class UpstreamError(Exception):

@@ -30,7 +30,7 @@ from typing import Protocol
 
 from config.models import GatewaySettings, Settings, UpstreamConfig, url_origin
 from gateway.ops.pool_watcher import PoolWatcher
-from gateway.relay.upstream_base import PoolTimeout
+from gateway.relay.upstream_base import PoolTimeout, wake_first
 
 #: seconds an upstream stays at the back of the order after its first connect failure in a row
 BACKOFF_FIRST_SECONDS = 1.0
@@ -81,11 +81,8 @@ class TenantShare:
     def release(self, tenant_id: str) -> None:
         """Give one of ``tenant_id``'s back: to its first waiter, else off its count."""
         queue = self._waiters.get(tenant_id)
-        while queue:
-            waiter = queue.popleft()
-            if not waiter.done():
-                waiter.set_result(self)
-                return
+        if queue and wake_first(queue, self):
+            return
         n = self.held_connections[tenant_id] - 1
         if n:
             self.held_connections[tenant_id] = n
@@ -237,16 +234,27 @@ class UpstreamSet:
             limit = lim if limit is None else min(limit, lim)
         return out, limit
 
-    def order(self, candidates: list[Upstream]) -> list[Upstream]:
-        """Candidates in the order to try them: those not backing off first, fewest in flight
-        first, ties round-robin; then those backing off, the one whose back-off ends first first.
-        The caller records each try's connect (:meth:`Upstream.connect_failed`,
-        :meth:`Upstream.connected`; :func:`gateway.relay.proxy.open_upstream`)."""
+    def order(self, candidates: list[Upstream], now: float | None = None) -> tuple[list[Upstream], list[Upstream]]:
+        """``(ready, backing)``: the candidates in the order to try them, split once at ``now``
+        (``time.monotonic()`` seconds; default: now). ``ready``: those not backing off, fewest in
+        flight first, ties round-robin; ``backing``: those backing off
+        (:meth:`Upstream.backing_off`), the one whose back-off ends first first. Each candidate is
+        in exactly one of them. The caller records each try's connect
+        (:meth:`Upstream.connect_failed`, :meth:`Upstream.connected`;
+        :func:`gateway.relay.proxy.open_upstream`)."""
+        if now is None:
+            now = time.monotonic()
         if len(candidates) <= 1:
-            return list(candidates)
-        start = next(self._rr)
-        n = len(candidates)
-        rotated = [candidates[(start + i) % n] for i in range(n)]
-        now = time.monotonic()
+            rotated = list(candidates)
+        else:
+            start = next(self._rr)
+            n = len(candidates)
+            rotated = [candidates[(start + i) % n] for i in range(n)]
+        ready: list[Upstream] = []
+        backing: list[Upstream] = []
+        for u in rotated:
+            (backing if u.backing_off(now) else ready).append(u)
         # stable: rotation breaks ties
-        return sorted(rotated, key=lambda u: (1, u.backoff_until) if u.backing_off(now) else (0, u.in_flight))
+        ready.sort(key=lambda u: u.in_flight)
+        backing.sort(key=lambda u: u.backoff_until)
+        return ready, backing
