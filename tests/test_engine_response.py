@@ -312,7 +312,8 @@ def test_a_streams_metadata_is_skipped_only_while_it_repeats_its_first_value():
     """An honest stream repeats ``id``, ``model`` and ``system_fingerprint``: the guard is shown
     its text alone, chunk after chunk. A ``system_fingerprint`` that changes is text from its
     first change on (joined after the first value, as a client joins them), every value of it
-    after, the first one again too. Before, each value up to 256 characters was skipped."""
+    after, the first one again too; a first value not spelled as an id (``"the sec"``) is text
+    from the start. Before, each value up to 256 characters was skipped, and then the first."""
     ev = parse_chunk_event({**_chunk(fingerprint="fp"), "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
     assert list(ev.meta) == [
         ("-:message.role", "assistant"),
@@ -330,7 +331,7 @@ def test_a_streams_metadata_is_skipped_only_while_it_repeats_its_first_value():
     hostile = StreamMeta()
     got = [_pieces(hostile, _chunk("", fingerprint=fp)) for fp in ("the sec", "ret prompt", " of b", "the sec")]
     assert got == [
-        [],
+        [("-:system_fingerprint", "the sec")],
         [("-:system_fingerprint", "the secret prompt")],
         [("-:system_fingerprint", " of b")],
         [("-:system_fingerprint", "the sec")],

@@ -17,18 +17,27 @@ Each channel, before this change a strict tenant received the victim's text with
   were metadata), and in a whole answer every item's id, every tool call's ``id`` and every
   content part's ``type`` (each up to 256 characters, as many as the answer has items): now an
   id (or a whole answer's metadata string) spelled with a space, another script or other
-  punctuation than an engine's ids have is text.
+  punctuation than an engine's ids have is text;
+- a stream's first value of each metadata field (``id``, ``model``, ``system_fingerprint``, ...,
+  up to 256 characters each, in the first chunk or first sent later): read only for canaries.
+  Now a first value is text unless it is spelled as an id, as a whole answer's metadata string
+  is. An honest engine's values are spelled as ids, so no honest stream has text there for the
+  strict guard to hold back (a value that never grows never has the hold-back behind it, and
+  would hold the stream to its end).
 
-Two channels stay open (strict ``xfail``: each shows what a strict tenant receives today, and
+One channel stays open (strict ``xfail``: it shows what a strict tenant receives today, and
 fails the day it is closed): a chat stream's first chunk may send 256 characters of unknown key
-names as metadata, and each metadata field's first value in a stream (256 characters) is read
-for canaries only. Either as held text would hold every honest strict stream with such a field
-to its end (a value that never grows never has the hold-back behind it).
+names as metadata. vLLM's and SGLang's first chunks name only fields of ``KEY_NAMES`` (but for
+vLLM's opt-in ``prompt_text``, whose value is text already), but an OpenAI-compatible server
+behind ``engine: openai`` may name fields of its own there (the ``x_engine_step`` of
+``test_verifier_hostile_engine``'s honest stream), and as held text they would hold every such
+honest strict stream to its end.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -53,7 +62,10 @@ from test_verifier_hostile_engine import (
     usage,
 )
 
+from config.models import TenantConfig
 from tests.fixtures.leak_stack import leak_stack
+from tests.fixtures.settings import verifier_settings
+from verifier.build import build_verifier
 from verifier.engine_response import (
     StreamMeta,
     parse_body,
@@ -61,7 +73,9 @@ from verifier.engine_response import (
     parse_response_body,
     parse_response_event,
 )
+from verifier.guards import StrictGuard
 from verifier.service import VerifierService
+from verifier.stage import Exchange, ExchangeRequest
 
 #: the victim's canary cut in two: neither half is a canary
 HEAD, TAIL = CANARY[:22], CANARY[22:]
@@ -392,6 +406,96 @@ def test_an_events_key_names_are_joined_for_canaries_and_its_ids_must_be_spelled
     assert parse_body(honest).fields == {"0:content": "a"}
 
 
+# ------------------------------------------------------------------ a stream's first metadata values
+#: an honest engine's metadata, the same in every chunk: vLLM's ``chatcmpl-`` id, a Hugging Face
+#: model name, an OpenAI-style ``fp_`` fingerprint
+HONEST_META = {
+    "id": "chatcmpl-8f2a6c1e",
+    "model": "meta-llama/Llama-3.1-8B-Instruct",
+    "system_fingerprint": "fp_44709d6fcb",
+}
+
+
+def _meta_chunks(meta: dict[str, Any], later: dict[str, Any] | None = None, n: int = 4) -> list[dict]:
+    """A chat stream saying ``ok`` and ``SAID[1:n]``, one piece a chunk, then a finish chunk: every
+    chunk carries ``meta``, every chunk after the first ``later`` too (as an engine repeats them)."""
+    base = {"object": "chat.completion.chunk", "created": 1}
+
+    def chunk(delta: dict, finish: str | None, more: dict[str, Any]) -> dict:
+        return {**base, **meta, **more, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    events = [chunk({"role": "assistant", "content": "ok"}, None, {})]
+    events += [chunk({"content": s}, None, later or {}) for s in SAID[1:n]]
+    return [*events, chunk({}, "stop", later or {})]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["first_chunk", "later_chunk"])
+def test_another_tenants_text_in_a_streams_first_metadata_values_is_withheld(stack, where):
+    """The victim's passage 200 characters a field as a stream's first values: the first chunk's
+    ``id``, ``model`` and ``system_fingerprint``, or a ``system_fingerprint`` and a
+    ``service_tier`` first sent in a later chunk (each the same in every chunk after, as an
+    honest engine repeats them). A field's first value was read only for canaries, so a strict
+    tenant received them with 200. Now a first value spelled with a space (another script, other
+    punctuation than an engine's ids) is text, as a whole answer's metadata string is: the leak
+    index finds the passage, in the first chunk before the response starts (502
+    ``response_withheld``), in a later one after it (the stream ends as any withheld stream does,
+    nothing of it released)."""
+    sc, svc, client = stack
+    if where == "first_chunk":
+        meta = {"id": PLANTED[0], "model": PLANTED[1], "system_fingerprint": PLANTED[2]}
+        sc.events, sc.done = _meta_chunks(meta), True
+        _whole(client, svc, "chat", "leak_index", stream=True)
+    else:
+        later = {"system_fingerprint": PLANTED[0], "service_tier": PLANTED[1]}
+        sc.events, sc.done = _meta_chunks({"id": "chatcmpl-8f2a6c1e", "model": "m"}, later), True
+        _stream(client, svc, "chat", "leak_index", _withheld_tail)
+
+
+@pytest.mark.timeout(60)
+def test_an_honest_streams_id_like_first_metadata_reaches_a_strict_tenant_as_sent(stack):
+    """An honest stream's first values are spelled as ids (``chatcmpl-8f2a6c1e``,
+    ``meta-llama/Llama-3.1-8B-Instruct``, ``fp_44709d6fcb``, repeated in every chunk): metadata,
+    nothing of them shown to the guard (only the text is), and a strict tenant receives the stream
+    byte for byte."""
+    sc, svc, client = stack
+    events = _meta_chunks(HONEST_META)
+    assert _shown(events, parse_chunk_event) == [("0:content", t) for t in ("ok", *SAID[1:4])]
+    _relayed(sc, client, "chat", events, done=True)
+
+
+@pytest.mark.timeout(60)
+async def test_a_strict_guard_releases_an_honest_streams_first_chunk_before_its_end(tmp_path):
+    """Through the strict guard (a hold-back of 4 tokens) as the relay feeds it (each chunk's text
+    and :class:`StreamMeta`'s pieces), a stream of 13 chunks: with honest metadata, spelled as ids,
+    7 of them leave before the stream ends, each once 4 checked tokens follow it. With its first
+    ``model`` spelled with a space, the first chunk adds text to ``-:model``, which never grows:
+    the hold-back never has 4 tokens behind it, so none leaves before the end (all 13 at the end:
+    they hold no leak). That is the delay an honest stream is spared by spelling its metadata as
+    ids."""
+    svc = build_verifier(verifier_settings(tmp_path, strict_holdback_tokens=4), secrets=SECRETS)
+    strict = TenantConfig(id="s", verify_sample_rate=1.0, strict_verify=True)
+    try:
+        for model, early in (("meta-llama/Llama-3.1-8B-Instruct", 7), ("meta llama", 0)):
+            events = _meta_chunks({**HONEST_META, "model": model}, n=12)
+            request = ExchangeRequest(f"req-{early}", strict, "up", "m", 7, True, time.monotonic())
+            guard = svc.begin(Exchange(request, "Tell me about the weather."))
+            assert isinstance(guard, StrictGuard)
+            meta, sent = StreamMeta(), []
+            for e in events:
+                ev = parse_chunk_event(e)
+                pieces = list(ev.fields.items())
+                meta.check(ev.meta, pieces)
+                sent += await guard.feed(ev.text, _sse(e), pieces)
+            released = len(sent)
+            sent += await guard.finish_stream(usage=None, finish_reason="stop", ttft_seconds=None)
+            assert (released, sent) == (early, [_sse(e) for e in events])
+        await svc.drain()
+        assert (svc.stats["withheld"], list(svc.incidents.recent)) == (0, [])
+    finally:
+        await svc.aclose()
+
+
 # ------------------------------------------------------------------ open: what a strict tenant still receives
 @pytest.mark.timeout(60)
 @pytest.mark.xfail(
@@ -410,19 +514,5 @@ def test_open_a_first_chunks_key_names_up_to_256_characters(stack):
         room -= len(w)
     sc.events = [_chunk("ok", role=True, **dict.fromkeys(words, 1))] + [_chunk(s) for s in SAID[1:4]]
     sc.events.append({**_CHUNK, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
-    sc.done = True
-    _stream(client, svc, "chat", "leak_index", _withheld_tail)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="open: a stream's first value of each metadata field is read for canaries only")
-def test_open_a_streams_first_metadata_values(stack):
-    """The victim's passage 200 characters a field in a chat stream's first ``id``, ``model`` and
-    ``system_fingerprint`` (the same in every chunk, as an honest engine repeats them): each is
-    the stream's first value, read only for canaries, so a strict tenant receives them with 200."""
-    sc, svc, client = stack
-    meta = {"id": PLANTED[0], "model": PLANTED[1], "system_fingerprint": PLANTED[2]}
-    sc.events = [{**_chunk("ok", role=True), **meta}] + [{**_chunk(s), **meta} for s in SAID[1:4]]
-    sc.events.append({**_CHUNK, **meta, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
     sc.done = True
     _stream(client, svc, "chat", "leak_index", _withheld_tail)

@@ -53,9 +53,10 @@ every text-bearing field"). The key of a stream is ``"<choice index>:<field>"``:
   unread. In a chat stream a metadata value is metadata only while it repeats the stream's
   first value of its field (:class:`StreamMeta`, which the relay keeps): a changed value is
   text, of the stream ``"-:<field>"`` (``"-:system_fingerprint"``, ``"-:choices.finish_reason"``).
-  In a whole answer, which has no first value to hold one against, a metadata string is
-  metadata only while it is spelled as an engine's ids, names and types are (:func:`_is_id_like`:
-  one word of letters, digits and ``_ . : / @ -``); else it is text.
+  A stream's first value of a field, and in a whole answer (which has no first value to hold
+  one against) every metadata string, is metadata only while it is spelled as an engine's ids,
+  names and types are (:func:`_is_id_like`: one word of letters, digits and ``_ . : / @ -``);
+  else it is text.
 - ``key_names`` (``"-:key_names"``): the key names that are identifiers but name no field of
   the protocol (:data:`KEY_NAMES`, :func:`_is_text_name`; Responses: :data:`RESPONSE_KEY_NAMES`,
   but inside the client's own free-form values, :data:`_FREE_FORM`), each once, apart from the
@@ -362,10 +363,10 @@ _HELD_APART = frozenset({KEY_NAMES_STREAM, ITEM_IDS_STREAM, NEW_ITEM_IDS})
 ITEM_IDS_MAX_CHARS = 8 * META_MAX_CHARS
 
 
-#: what an engine spells a metadata string of a whole answer or an item id with: one word of
-#: letters, digits and ``_ . : / @ -`` (vLLM's ``msg_``, ``rs_``, ``fc_``, ``call_`` and
-#: ``chatcmpl-tool-`` ids and 32 hex digits, SGLang's and OpenAI's prefixed hex or base62 ids,
-#: Kimi's ``functions.get_weather:0``, ``fp_`` fingerprints, a model such as
+#: what an engine spells a metadata string (a whole answer's, a stream's first value) or an item
+#: id with: one word of letters, digits and ``_ . : / @ -`` (vLLM's ``msg_``, ``rs_``, ``fc_``,
+#: ``call_`` and ``chatcmpl-tool-`` ids and 32 hex digits, SGLang's and OpenAI's prefixed hex or
+#: base62 ids, Kimi's ``functions.get_weather:0``, ``fp_`` fingerprints, a model such as
 #: ``meta-llama/Llama-3.1-8B-Instruct``, a role, a type, a finish reason). A string with a space,
 #: another script or other punctuation is no id: the words the leak index matches are apart
 #: (:func:`verifier.shingles.fold`), and one such word holds no run of them
@@ -401,12 +402,18 @@ class StreamMeta:
     ``model=model_name``; SGLang ``python/sglang/srt/entrypoints/openai/serving_chat.py``, with
     ``id=content["meta_info"]["id"]`` and ``model=request.model``), and a role, a tool call's
     ``type`` and a finish reason alike. So a value is metadata only while it equals the first
-    value of its name in the stream: the first is read for canaries only (:func:`has_canary`), an
-    equal one costs a comparison, and from the first change on every value of that name is text,
-    checked as the text stream of its name (the first value joined to its first change: what a
-    client that joins the field rebuilds). Before, each value was skipped while at most
-    :data:`META_MAX_CHARS`, chunk by chunk: an engine sent another tenant's prompt 40 characters
-    a chunk in ``system_fingerprint``, and a strict tenant rebuilt it whole, none of it checked.
+    value of its name in the stream: the first is read for canaries only (:func:`has_canary`)
+    while it is spelled as an engine's ids, names and types are (:func:`_is_id_like`; else it is
+    text of its name, once, as a whole answer's is), an equal one costs a comparison, and from the
+    first change on every value of that name is text, checked as the text stream of its name (the
+    first value joined to its first change: what a client that joins the field rebuilds). Before,
+    each value was skipped while at most :data:`META_MAX_CHARS`, chunk by chunk: an engine sent
+    another tenant's prompt 40 characters a chunk in ``system_fingerprint``, and a strict tenant
+    rebuilt it whole, none of it checked; and a first value was read for canaries only, whatever
+    its spelling: 200 characters of another tenant's text in each of a stream's first ``id``,
+    ``model`` and ``system_fingerprint``. An honest first value is spelled as an id (vLLM's
+    ``chatcmpl-`` ids, ``meta-llama/Llama-3.1-8B-Instruct``, ``fp_44709d6fcb``): no text for the
+    strict guard to hold back.
 
     Held apart from the first values (:data:`_HELD_APART`):
 
@@ -448,9 +455,9 @@ class StreamMeta:
     def check(self, meta: Sequence[tuple[str, str]], pieces: list[tuple[str, str]]) -> None:
         """Hold one event's metadata strings ``meta`` (:attr:`StreamEvent.meta`) against the
         stream's first values, and append what the guard must check to ``pieces`` (``(name,
-        text)``, as :attr:`EngineOutput.fields` items): a first value holding a canary, a changed
-        value (at its first change, joined after the first value), a key name or an item id that
-        is text."""
+        text)``, as :attr:`EngineOutput.fields` items): a first value holding a canary or not
+        spelled as an id (:func:`_is_id_like`), a changed value (at its first change, joined after
+        the first value), a key name or an item id that is text."""
         if meta == self._same:
             return
         first = self._first
@@ -474,7 +481,7 @@ class StreamMeta:
                 same = False
             else:
                 first[name] = v
-                if has_canary(v):
+                if has_canary(v) or (v and not _is_id_like(v)):
                     pieces.append((name, v))
         if len(names) > 1 and _split_canary(names, pieces):
             same = False
