@@ -422,7 +422,7 @@ def test_a_connection_given_back_passes_to_the_first_waiter_and_a_waiter_that_le
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
-        s, t = TenantShare(1), TenantShare(1)
+        s, t = TenantShare(1, 4), TenantShare(1, 4)
         assert s.try_take("a") and not s.try_take("a") and s.try_take("b")
         first = asyncio.ensure_future(TenantShare.take_any([s], "a", loop.time() + 5))
         second = asyncio.ensure_future(TenantShare.take_any([s], "a", loop.time() + 5))
@@ -489,13 +489,17 @@ UNREACHABLE_503 = (
 
 
 @pytest.mark.parametrize("transport_kind", ["h1", "aiohttp"])
-def test_the_share_wait_and_the_pool_wait_after_it_end_at_one_deadline(holding_engines, gateway, transport_kind):
-    """``max_connections`` 2, share 0.5: 1 a tenant. A and B hold one stream each (the pool is
-    full). A's second request waits for A's share; C's request (C has room) waits for the pool.
-    0.8 s into A's wait A's stream ends: A's share passes to the waiting request, the connection
-    to C's, which came first. A's request then waits for the pool only for what is left of its
-    ``connect_timeout_seconds`` (1 s): its 504 comes about 1 s after it was sent. Before, the pool
-    wait had a full second of its own: the 504 came after 1.8 s."""
+def test_a_wait_for_a_full_origin_is_a_share_wait_first_come_first_served_among_equals(
+    holding_engines, gateway, transport_kind
+):
+    """``max_connections`` 2, share 0.5: 1 a tenant. A and B hold one stream each (the origin is
+    full). A's second request waits for A's share; then C's (C has room) waits for the origin.
+    0.8 s into A's wait A's stream ends: its connection goes to A's waiting request (each of the
+    two holds none; A's came first), a stream that goes on, and C's request waits out its
+    ``connect_timeout_seconds`` (1 s) in the share, not in the pool after it: 504, counted
+    ``kind="pool"`` (every connection held by others, C below its cap), nothing back-off. Before,
+    A's share passed to A's request and the connection to C's (the pool's first waiter), and
+    A's request then waited in the pool and got the 504."""
     engine = holding_engines()
     settings = settings_for(
         [upstream("u1", api_url=engine.api_url, pool_urls=[engine.info_url])],
@@ -511,21 +515,57 @@ def test_the_share_wait_and_the_pool_wait_after_it_end_at_one_deadline(holding_e
     with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
         a1 = _open_stream(stack, g, KEY_A1, "hold a1")
         _open_stream(stack, g, KEY_B, "hold b1")
-        a2 = pool.submit(_post, g, KEY_A2, "a2")
+        a2 = pool.submit(_post, g, KEY_A2, "hold a2", stream=True)
         time.sleep(0.1)
-        c1 = pool.submit(_open_stream, stack, g, KEY_C, "hold c1")
+        c1 = pool.submit(_post, g, KEY_C, "c1")
         time.sleep(0.7)
         assert not a2.done() and not c1.done()
         engine.release("a1")
         assert a1.read() == STREAM
-        status, body, took = a2.result()
+        status, body, took = c1.result()
         assert (status, body) == (504, POOL_WAIT_504)
-        assert 1.0 <= took < 1.5  # one deadline; before: 0.8 s of share wait + 1 s of pool wait
-        assert c1.result().status_code == 200
-        assert _shares(g)[0].held_connections == {"tenant-b": 1, "tenant-c": 1}
+        assert 1.0 <= took < 1.5
+        assert _shares(g)[0].held_connections == {"tenant-a": 1, "tenant-b": 1}
+        u1 = g.gw.upstreams.all[0]
+        assert (u1.backoff_until, u1.connect_failures) == (0.0, 0)
+        engine.release("a2")
+        assert a2.result()[:2] == (200, STREAM)
         engine.release_all = True
-    assert engine.seen == ["hold a1", "hold b1", "hold c1"]
+    assert engine.seen == ["hold a1", "hold b1", "hold a2"]
     assert _upstream_errors(g) == ['kvgate_upstream_errors_total{kind="pool",upstream="u1"} 1.0']
+    assert wait_for(lambda: _idle(g), 3)
+
+
+def test_two_tenants_holding_the_whole_origin_pass_the_next_connection_to_a_third(holding_engines, gateway):
+    """``max_connections`` 4, share 0.75: 3 a tenant, so two tenants below their caps hold the
+    whole origin (A and B two streams each). A's third stream request waits, then C's request:
+    when one of A's streams ends, its connection goes to C (holding none), not to A's waiting
+    request (A still holds one), which came first; when one of B's ends, to A's. Before, both
+    waited in the transport's pool first come first served: A's third took the first connection
+    given back and C waited for the second."""
+    engine = holding_engines()
+    g = _gateway(gateway, engine, 0.75, connect_timeout_seconds=5.0)
+    with ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        a1 = _open_stream(stack, g, KEY_A1, "hold a1")
+        _open_stream(stack, g, KEY_A2, "hold a2")
+        b1 = _open_stream(stack, g, KEY_B, "hold b1")
+        _open_stream(stack, g, KEY_B, "hold b2")
+        a3 = pool.submit(_post, g, KEY_A1, "hold a3", stream=True)
+        time.sleep(0.2)
+        c = pool.submit(_post, g, KEY_C, "c now")
+        time.sleep(0.2)
+        assert not a3.done() and not c.done()
+        engine.release("a1")
+        assert a1.read() == STREAM
+        assert c.result()[:2] == (200, WHOLE)
+        assert not a3.done()
+        engine.release("a3")
+        engine.release("b1")
+        assert b1.read() == STREAM
+        assert a3.result()[:2] == (200, STREAM)
+        engine.release_all = True
+    assert engine.seen == ["hold a1", "hold a2", "hold b1", "hold b2", "c now", "hold a3"]
+    assert _upstream_errors(g) == []
     assert wait_for(lambda: _idle(g), 3)
 
 

@@ -356,25 +356,32 @@ async def _try_at_share(
 
 def _share_timed_out(
     ctx: RelayContext, outcome: RelayOutcome, left: list[tuple[Upstream, TenantShare]], then: bool
-) -> TenantShareTimeout:
-    """Record that the tenant held its share of each origin of the upstreams ``left`` (not empty)
-    for all of ``connect_timeout``: once per origin (its upstreams share one
+) -> PoolTimeout:
+    """Record that no connection to each origin of the upstreams ``left`` (not empty) came to the
+    tenant for all of ``connect_timeout``: once per origin (its upstreams share one
     :class:`~gateway.relay.upstreams.TenantShare`), under the name of its first upstream in
-    ``left``, as a pool wait in vain is (no back-off) but counted ``tenant_share``, and logged
-    with the tenant and its cap. ``then``: as :func:`_try_group`'s. The last origin's
-    :class:`~gateway.relay.upstreams.TenantShareTimeout`."""
+    ``left``, as a pool wait in vain is (no back-off): a
+    :class:`~gateway.relay.upstreams.TenantShareTimeout` (counted ``tenant_share``, logged with
+    the tenant and its cap) where the tenant holds its cap, a :class:`PoolTimeout` (``pool``)
+    where every connection of the origin was held by others. ``then``: as :func:`_try_group`'s.
+    The last origin's error."""
     a = outcome.admitted
     timeout_seconds = ctx.settings.gateway.connect_timeout_seconds
     origins: dict[TenantShare, list[Upstream]] = {}
     for u, s in left:
         origins.setdefault(s, []).append(u)
-    errors = [
-        TenantShareTimeout(
-            f"TenantShareTimeout: tenant {a.tenant.id} held its {s.cap_connections} connections to "
-            f"{', '.join(u.name for u in us)} for {timeout_seconds:g}s"
-        )
-        for s, us in origins.items()
-    ]
+    errors: list[PoolTimeout] = []
+    for s, us in origins.items():
+        names = ", ".join(u.name for u in us)
+        if s.at_cap(a.tenant.id):
+            errors.append(
+                TenantShareTimeout(
+                    f"TenantShareTimeout: tenant {a.tenant.id} held its {s.cap_connections} connections to "
+                    f"{names} for {timeout_seconds:g}s"
+                )
+            )
+        else:
+            errors.append(PoolTimeout(f"PoolTimeout: all {s.pool_connections} connections to {names} held"))
     for n, (us, e) in enumerate(zip(origins.values(), errors, strict=True), 1):
         _connect_failed(ctx, us[0], e, a.arrival.request_id, then or n < len(errors))
     return errors[-1]

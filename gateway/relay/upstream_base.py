@@ -41,8 +41,8 @@ def wake_first(waiters: collections.deque[asyncio.Future[_T]], result: _T) -> bo
     the left, the first not done gets ``result`` and is dropped too. Whether one was woken
     (``False``: none waits, ``waiters`` is empty). What a wake means is the caller's: the h1
     transport's pool wakes a waiter to look again (nothing is handed over, nothing counted when
-    none waits), the aiohttp transport's slots and a tenant's share hand it what was given back
-    (counted free again when none waits)."""
+    none waits), the aiohttp transport's slots hand it what was given back (counted free again
+    when none waits)."""
     while waiters:
         waiter = waiters.popleft()
         if not waiter.done():

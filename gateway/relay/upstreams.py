@@ -14,7 +14,8 @@ A tenant holds at most its share of an upstream origin's ``gateway.max_connectio
 one process (:class:`TenantShare`, ``gateway.upstream_tenant_share``): a tenant's slow streams
 otherwise held the whole pool, and every other tenant's request waited ``connect_timeout`` for a
 connection and got 504. Upstreams at one origin share one pool in the transport, so they share
-one :class:`TenantShare` too.
+one :class:`TenantShare` too, which hands each connection given back to the waiting tenant that
+holds fewest (tenants that together hold the whole pool cannot keep it).
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import asyncio
 import itertools
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
 
 from config.models import GatewaySettings, Settings, UpstreamConfig, url_origin
 from gateway.ops.pool_watcher import PoolWatcher
-from gateway.relay.upstream_base import PoolTimeout, wake_first
+from gateway.relay.upstream_base import PoolTimeout
 
 #: seconds an upstream stays at the back of the order after its first connect failure in a row
 BACKOFF_FIRST_SECONDS = 1.0
@@ -55,44 +55,84 @@ class TenantShareTimeout(PoolTimeout):
 
 
 class TenantShare:
-    """The connections each tenant holds to one upstream origin in this process, at most
-    ``cap_connections`` each (:func:`tenant_cap_connections`). ``held_connections``: tenant id
-    -> how many it holds (only tenants holding one). Taken (:meth:`try_take`, :meth:`take_any`)
-    before the relay asks the transport for a connection, given back (:meth:`release`) once the
-    relay is done with it, whatever the end. A tenant at its cap waits for one of its own to be
-    given back, first come first served: one given back passes straight to the tenant's first
-    waiter, so a later request of the tenant cannot take it first."""
+    """The connections each tenant holds to one upstream origin in this process: at most
+    ``cap_connections`` each (:func:`tenant_cap_connections`) and ``pool_connections`` in all
+    (``gateway.max_connections``, the transport's pool for the origin). ``held_connections``:
+    tenant id -> how many it holds (only tenants holding one). Taken (:meth:`try_take`,
+    :meth:`take_any`) before the relay asks the transport for a connection, given back
+    (:meth:`release`) once the relay is done with it, whatever the end.
 
-    def __init__(self, cap_connections: int) -> None:
+    A request that finds its tenant at its cap, or every connection held, waits. One given back
+    passes straight to a waiter (a later request cannot take it first): of the tenants waiting
+    below their cap, the one holding fewest, ties to the earliest waiter (max-min fair). So
+    tenants that together hold the whole pool (two at a cap of 0.75 each) pass the next
+    connection given back to a third tenant waiting with none, not to their own next request."""
+
+    def __init__(self, cap_connections: int, pool_connections: int) -> None:
         self.cap_connections = cap_connections
+        self.pool_connections = pool_connections
         self.held_connections: dict[str, int] = {}
-        #: tenant id -> its requests waiting for one of its own, in arrival order (a waiter on
-        #: several origins is in each of their queues; the first given back is its result)
-        self._waiters: dict[str, deque[asyncio.Future[TenantShare]]] = {}
+        self.total_held = 0
+        #: tenant id -> its requests waiting (future -> arrival number), in arrival order (a
+        #: waiter on several origins is in each of their queues; the first handed one is its result)
+        self._waiters: dict[str, dict[asyncio.Future[TenantShare], int]] = {}
+        self._arrivals = itertools.count()
 
     def try_take(self, tenant_id: str) -> bool:
-        """Take one for ``tenant_id`` when it holds fewer than its cap; whether it did."""
-        n = self.held_connections.get(tenant_id, 0)
-        if n >= self.cap_connections:
+        """Take one for ``tenant_id`` when it holds fewer than its cap and the origin has one not
+        held; whether it did."""
+        if self.held_connections.get(tenant_id, 0) >= self.cap_connections:
             return False
-        self.held_connections[tenant_id] = n + 1
+        if self.total_held >= self.pool_connections:
+            return False
+        self._count(tenant_id, 1)
         return True
 
+    def at_cap(self, tenant_id: str) -> bool:
+        """Whether ``tenant_id`` holds its whole cap (else a wait is for the origin's pool)."""
+        return self.held_connections.get(tenant_id, 0) >= self.cap_connections
+
     def release(self, tenant_id: str) -> None:
-        """Give one of ``tenant_id``'s back: to its first waiter, else off its count."""
-        queue = self._waiters.get(tenant_id)
-        if queue and wake_first(queue, self):
-            return
-        n = self.held_connections[tenant_id] - 1
+        """Give one of ``tenant_id``'s back: handed to the fairest waiter (the class docstring),
+        else off the counts."""
+        self._count(tenant_id, -1)
+        picked = self._fairest_waiter()
+        if picked is not None:
+            waiter_tenant, waiter = picked
+            self._forget(waiter_tenant, waiter)
+            self._count(waiter_tenant, 1)
+            waiter.set_result(self)
+
+    def _count(self, tenant_id: str, delta: int) -> None:
+        n = self.held_connections.get(tenant_id, 0) + delta
         if n:
             self.held_connections[tenant_id] = n
         else:
             del self.held_connections[tenant_id]
+        self.total_held += delta
+
+    def _fairest_waiter(self) -> tuple[str, asyncio.Future[TenantShare]] | None:
+        """``(tenant id, its first waiter)`` of the tenant below its cap holding fewest, ties to
+        the earliest waiter; ``None`` when no such waiter still waits. Waiters already done (gave
+        up, or handed one by another origin) are dropped on the way."""
+        best: tuple[int, int] | None = None
+        picked = None
+        for tenant_id, queue in list(self._waiters.items()):
+            first = next((w for w in queue if not w.done()), None)
+            for done in [w for w in queue if w.done()]:
+                self._forget(tenant_id, done)
+            held = self.held_connections.get(tenant_id, 0)
+            if first is None or held >= self.cap_connections:
+                continue
+            key = (held, queue[first])
+            if best is None or key < best:
+                best, picked = key, (tenant_id, first)
+        return picked
 
     @staticmethod
     async def take_any(shares: list[TenantShare], tenant_id: str, deadline: float) -> TenantShare:
-        """One of ``shares`` taken for ``tenant_id``: the first with room, else the first to give
-        one of the tenant's own back before ``deadline`` (the loop's ``time()``). Raises
+        """One of ``shares`` taken for ``tenant_id``: the first with room, else the first to hand
+        the tenant one given back before ``deadline`` (the loop's ``time()``). Raises
         ``TimeoutError`` (or the cancellation) holding none."""
         for share in shares:
             if share.try_take(tenant_id):
@@ -100,7 +140,7 @@ class TenantShare:
         waiter: asyncio.Future[TenantShare] = asyncio.get_running_loop().create_future()
         unique = list(dict.fromkeys(shares))  # upstreams of one origin share one
         for share in unique:
-            share._waiters.setdefault(tenant_id, deque()).append(waiter)
+            share._waiters.setdefault(tenant_id, {})[waiter] = next(share._arrivals)
         try:
             async with asyncio.timeout_at(deadline):
                 return await waiter
@@ -116,8 +156,7 @@ class TenantShare:
         queue = self._waiters.get(tenant_id)
         if queue is None:
             return
-        if waiter in queue:
-            queue.remove(waiter)
+        queue.pop(waiter, None)
         if not queue:
             del self._waiters[tenant_id]
 
@@ -187,9 +226,10 @@ def make_upstream(cfg: UpstreamConfig, watcher: PoolWatcher) -> Upstream:
     return Upstream(cfg, watcher, cfg.api_url.rstrip("/"), f"Bearer {key}" if key else None)
 
 
-def share_origins(upstreams: list[Upstream], cap_connections: int | None) -> None:
-    """Give each upstream its origin's :class:`TenantShare` of ``cap_connections`` (one for all
-    the upstreams of an origin; ``None``: no cap, none)."""
+def share_origins(upstreams: list[Upstream], cap_connections: int | None, pool_connections: int) -> None:
+    """Give each upstream its origin's :class:`TenantShare` of ``cap_connections`` a tenant and
+    ``pool_connections`` in all (one for all the upstreams of an origin; ``cap_connections``
+    ``None``: no cap, none)."""
     shares: dict[tuple[str, str, int | None], TenantShare] = {}
     for u in upstreams:
         if cap_connections is None:
@@ -198,7 +238,7 @@ def share_origins(upstreams: list[Upstream], cap_connections: int | None) -> Non
         origin = url_origin(u.base_url)
         share = shares.get(origin)
         if share is None:
-            share = shares[origin] = TenantShare(cap_connections)
+            share = shares[origin] = TenantShare(cap_connections, pool_connections)
         u.share = share
 
 
@@ -209,7 +249,7 @@ class UpstreamSet:
 
     def __init__(self, settings: Settings, upstreams: list[Upstream]) -> None:
         self.all = upstreams
-        share_origins(upstreams, tenant_cap_connections(settings.gateway))
+        share_origins(upstreams, tenant_cap_connections(settings.gateway), settings.gateway.max_connections)
         self.by_model: dict[str, list[Upstream]] = {}
         for u in upstreams:
             for name in u.config.models:
