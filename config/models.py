@@ -66,6 +66,20 @@ def url_origin(url: str) -> tuple[str, str, int | None]:
     return split_origin(urlsplit(url))
 
 
+def http_url(url: str) -> str:
+    """``url`` when it is an http(s) URL with a host, a port from 0 to 65535 (or none) and no
+    credentials (a field validator's check of an engine's URL: a request to it would fail every
+    time). Raises ``ValueError`` naming what is wrong."""
+    parts = urlsplit(url)  # a bracket left open: ValueError "Invalid IPv6 URL"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    if split_origin(parts)[2] is None:  # urllib raises for a port out of range or not a number
+        raise ValueError("must have a port from 0 to 65535 (or none)")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not hold credentials: put the engine's key in 'api_key'")
+    return url
+
+
 def _numeric_not_bool(annotation: Any) -> bool:
     """Whether a field of this type takes a number but no boolean (``int``, ``float | None``, ...)."""
     args = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
@@ -107,6 +121,11 @@ class TokenizerConfig(_Strict):
     chat_template: Literal["chatml", "hf"] = "chatml"
     image_tokens: int = Field(default=765, ge=1)
     api_key: SecretStr | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url_ok(cls, v: str | None) -> str | None:
+        return None if v is None else http_url(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -223,12 +242,7 @@ class UpstreamConfig(_Strict):
     @field_validator("api_url")
     @classmethod
     def _api_url_ok(cls, v: str) -> str:
-        parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        if parts.username is not None or parts.password is not None:
-            raise ValueError("must not hold credentials: put the engine's key in 'api_key'")
-        return v
+        return http_url(v)
 
     @model_validator(mode="after")
     def _engine_follows_pool_source(self) -> UpstreamConfig:

@@ -350,3 +350,30 @@ def test_kvgate_serve_exits_2_naming_it(tmp_path, capsys, monkeypatch):
     serve.add_arguments(parser)
     assert serve.run(parser.parse_args(["--config", str(p), "--tenants", str(tmp_path / "tenants.yaml")])) == 2
     assert capsys.readouterr().err == f"kvgate serve: {p}: line 4: {SGLANG_CHATS}\n"
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://127.0.0.1:99999", "must have a port from 0 to 65535 (or none)"),
+        ("http://vllm.llm.svc:8OOO", "must have a port from 0 to 65535 (or none)"),
+        ("grpc://vllm.llm.svc:8000", "must be an http:// or https:// URL with a host"),
+        ("http://user:secret@vllm.llm.svc:8000", "must not hold credentials: put the engine's key in 'api_key'"),
+    ],
+)
+@pytest.mark.parametrize("where", ["api_url", "tokenizer url"])
+def test_an_engine_url_no_request_could_reach_is_refused_naming_its_line(tmp_path, url, problem, where):
+    """An upstream's ``api_url`` or an engine tokenizer's ``url`` that is no http(s) URL with a
+    host, a port from 0 to 65535 and no credentials is refused at load, naming the key's line.
+    Before, a port out of range or not a number, or a tokenizer URL of another scheme, loaded,
+    and every request counted or forwarded to it failed."""
+    text = SGLANG_MODEL.replace("engine_api: sglang", "engine_api: vllm")
+    key = "    api_url: " if where == "api_url" else "      url: "
+    old = next(line for line in text.splitlines() if line.startswith(key))
+    text = text.replace(old, key + url)
+    line = text.splitlines().index(key + url) + 1
+    path = "upstreams[0].api_url" if where == "api_url" else "models[0].tokenizer.url"
+    got = problems(write(tmp_path, text), {})
+    shown = url.replace("user:secret@", "***@")  # the loader never echoes credentials
+    assert got == f"{tmp_path / 'kvgate.yaml'}: line {line}: {path}: {problem} (got {shown!r})"

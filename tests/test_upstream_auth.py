@@ -70,11 +70,11 @@ def _settings(tok_url: str, tok_key: str | None = None) -> Settings:
 
 def test_engine_tokenizer_takes_the_key_of_the_upstream_it_shares_a_base_url_with():
     assert engine_api_key(_settings("http://127.0.0.1:30000"), "http://127.0.0.1:30000") == KEY
-    assert engine_api_key(_settings("x"), "http://127.0.0.1:30000/") == KEY
-    assert engine_api_key(_settings("x"), "HTTP://127.0.0.1:30000") == KEY
-    assert engine_api_key(_settings("x"), "http://127.0.0.1:30001") is None  # another port
-    assert engine_api_key(_settings("x"), "https://127.0.0.1:30000") is None  # another scheme
-    assert engine_api_key(_settings("x"), None) is None
+    assert engine_api_key(_settings("http://tokenizer.invalid"), "http://127.0.0.1:30000/") == KEY
+    assert engine_api_key(_settings("http://tokenizer.invalid"), "HTTP://127.0.0.1:30000") == KEY
+    assert engine_api_key(_settings("http://tokenizer.invalid"), "http://127.0.0.1:30001") is None  # another port
+    assert engine_api_key(_settings("http://tokenizer.invalid"), "https://127.0.0.1:30000") is None  # another scheme
+    assert engine_api_key(_settings("http://tokenizer.invalid"), None) is None
     counter = ModelIndex(_settings("http://127.0.0.1:30000")).by_name["m"].counter
     assert counter.auth_headers == {"authorization": f"Bearer {KEY}"}
     own = ModelIndex(_settings("http://127.0.0.1:30000", "sk-tokenizer-only-1234")).by_name["m"].counter
