@@ -104,7 +104,12 @@ class TenantShare:
             waiter.set_result(self)
 
     def _count(self, tenant_id: str, delta: int) -> None:
+        """Add ``delta`` to ``tenant_id``'s connections and the origin's. Raises ``RuntimeError``
+        for a release the tenant holds none for (a double release would let the share admit more
+        than the pool holds)."""
         n = self.held_connections.get(tenant_id, 0) + delta
+        if n < 0:
+            raise RuntimeError(f"tenant {tenant_id} gave back a connection it does not hold")
         if n:
             self.held_connections[tenant_id] = n
         else:
@@ -112,17 +117,18 @@ class TenantShare:
         self.total_held += delta
 
     def _fairest_waiter(self) -> tuple[str, asyncio.Future[TenantShare]] | None:
-        """``(tenant id, its first waiter)`` of the tenant below its cap holding fewest, ties to
-        the earliest waiter; ``None`` when no such waiter still waits. Waiters already done (gave
-        up, or handed one by another origin) are dropped on the way."""
+        """``(tenant id, its first waiter still waiting)`` of the tenant below its cap holding
+        fewest, ties to the earliest waiter; ``None`` when there is none. A tenant at its cap is
+        passed over unread; one whose waiters are all done (gave up, or handed one by another
+        origin: :meth:`take_any` forgets them) has none. Costs one step per waiting tenant."""
         best: tuple[int, int] | None = None
         picked = None
-        for tenant_id, queue in list(self._waiters.items()):
-            first = next((w for w in queue if not w.done()), None)
-            for done in [w for w in queue if w.done()]:
-                self._forget(tenant_id, done)
+        for tenant_id, queue in self._waiters.items():
             held = self.held_connections.get(tenant_id, 0)
-            if first is None or held >= self.cap_connections:
+            if held >= self.cap_connections:
+                continue
+            first = next((w for w in queue if not w.done()), None)
+            if first is None:
                 continue
             key = (held, queue[first])
             if best is None or key < best:
