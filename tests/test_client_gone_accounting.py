@@ -5,7 +5,8 @@ nothing: one that leaves while its body arrives (admission's ``ClientGone``, cha
 the quota store is not forwarded, even when a pooled upstream connection is idle (docs/quotas.md:
 "the client left while the gateway was still connecting" is charged 0). Served by the gateway's
 own server layer, as ``kvgate serve`` serves. A body too slow, which that server layer answers
-408 and closes, is recorded as that 408, not as a client that left."""
+408 and closes, is recorded as that 408, not as a client that left. One that leaves after its
+request reached the engine has the upstream named in its access line."""
 
 from __future__ import annotations
 
@@ -224,6 +225,38 @@ def test_client_leaving_during_admission_is_not_forwarded_on_a_warm_pool(engine,
         "model": "kvgate-tiny",
         "upstream": None,
         "upstream_request_id": None,
+        "stream": False,
+        "prompt_tokens": 11,
+        "max_tokens": 5,
+        "completion_tokens": None,
+        "finish_reason": None,
+        "ttft_ms": None,
+    }
+
+
+def test_client_leaving_after_the_engine_got_its_request_names_the_upstream(engine, access):  # noqa: F811
+    """The engine takes 2 s before its answer's headers; the client leaves 0.3 s after sending.
+    The request reached the engine (charged its prompt), so its access line names the upstream it
+    was written to beside the ``upstream_request_id`` the engine got. Before, the line said
+    ``"upstream": null`` with that id set: an operator could not tell which engine had it."""
+    engine.state.mode, engine.state.delay_seconds = "delay", 2.0
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants(), quotas=LedgerQuotas()).start()
+    try:
+        body = json.dumps(chat(max_tokens=5)).encode()
+        _send_and_leave(g, "/v1/chat/completions", "gone", body, len(body), 0.3)
+        assert wait_for(lambda: len(access("gone")) == 1, 5)
+        in_flight = [u.in_flight for u in g.gw.upstreams.all]
+    finally:
+        g.stop()
+    line = access("gone")[0]
+    assert engine.state.request_ids() == [gateway_id(line["upstream_request_id"], "gone")]
+    assert in_flight == [0]
+    assert line.pop("overhead_ms") >= 0 and line.pop("total_ms") >= 0 and line.pop("limit_tokens") > 0
+    assert line.pop("upstream_request_id") is not None
+    assert line == {
+        **_gone_line("gone", "chat"),
+        "model": "kvgate-tiny",
+        "upstream": "u1",
         "stream": False,
         "prompt_tokens": 11,
         "max_tokens": 5,

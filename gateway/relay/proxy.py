@@ -96,7 +96,8 @@ class RelayContext(Protocol):
 
 @dataclass
 class RelayOutcome:
-    """One admitted request's relay. The relay sets ``upstream`` (the one tried last),
+    """One admitted request's relay. The relay sets ``upstream`` (the one the request was written
+    to, as soon as it was, or whose answer failed),
     ``forwarded`` (the request was written to an upstream's connection: the engine may have
     started on it, whether or not it answered; never set by a connect failure),
     ``overhead_seconds`` (time spent in the gateway: arrival to forwarding, plus a whole answer's
@@ -400,6 +401,7 @@ async def _try(
 
     def on_sent() -> None:  # the request is on its way to an engine: from now on it is charged
         outcome.forwarded = True
+        outcome.upstream = u  # named in the access line even if the client leaves before its answer
 
     try:
         resp = await _send(ctx, u, a, on_sent, outcome.upstream_request_id, pool_timeout)
