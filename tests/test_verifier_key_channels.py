@@ -472,16 +472,18 @@ async def test_a_strict_guard_releases_an_honest_streams_first_chunk_before_its_
     ``model`` spelled with a space, the first chunk adds text to ``-:model``, which never grows:
     the hold-back never has 4 tokens behind it, so none leaves before the end (all 13 at the end:
     they hold no leak). That is the delay an honest stream is spared by spelling its metadata as
-    ids."""
+    ids, or by echoing the model name the gateway forwarded (``sent_model``: an operator may
+    serve ``"meta llama"``; the relay passes ``upstream_model``): 7 again."""
     svc = build_verifier(verifier_settings(tmp_path, strict_holdback_tokens=4), secrets=SECRETS)
     strict = TenantConfig(id="s", verify_sample_rate=1.0, strict_verify=True)
     try:
-        for model, early in (("meta-llama/Llama-3.1-8B-Instruct", 7), ("meta llama", 0)):
+        cases = (("meta-llama/Llama-3.1-8B-Instruct", "", 7), ("meta llama", "", 0), ("meta llama", "meta llama", 7))
+        for i, (model, sent_model, early) in enumerate(cases):
             events = _meta_chunks({**HONEST_META, "model": model}, n=12)
-            request = ExchangeRequest(f"req-{early}", strict, "up", "m", 7, True, time.monotonic())
+            request = ExchangeRequest(f"req-{i}", strict, "up", "m", 7, True, time.monotonic())
             guard = svc.begin(Exchange(request, "Tell me about the weather."))
             assert isinstance(guard, StrictGuard)
-            meta, sent = StreamMeta(), []
+            meta, sent = StreamMeta(sent_model), []
             for e in events:
                 ev = parse_chunk_event(e)
                 pieces = list(ev.fields.items())

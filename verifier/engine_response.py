@@ -435,9 +435,12 @@ class StreamMeta:
       each was skipped while at most :data:`META_MAX_CHARS`: 256 characters of another tenant's
       text in each event's ``item_id``."""
 
-    __slots__ = ("_first", "_id_room", "_key_room", "_names", "_opening", "_same")
+    __slots__ = ("_first", "_id_room", "_key_room", "_names", "_opening", "_same", "_sent_model")
 
-    def __init__(self) -> None:
+    def __init__(self, sent_model: str = "") -> None:
+        #: the model name the gateway forwarded (an engine echoes it in ``model``): metadata as a
+        #: first value whatever its spelling (an operator may serve ``"Llama 3 8B"``)
+        self._sent_model = sent_model
         #: name -> the stream's first value of it; ``None`` once a value differed
         self._first: dict[str, str | None] = {}
         #: the last event's metadata when each of its values was metadata: an honest chunk's
@@ -455,9 +458,9 @@ class StreamMeta:
     def check(self, meta: Sequence[tuple[str, str]], pieces: list[tuple[str, str]]) -> None:
         """Hold one event's metadata strings ``meta`` (:attr:`StreamEvent.meta`) against the
         stream's first values, and append what the guard must check to ``pieces`` (``(name,
-        text)``, as :attr:`EngineOutput.fields` items): a first value holding a canary or not
-        spelled as an id (:func:`_is_id_like`), a changed value (at its first change, joined after
-        the first value), a key name or an item id that is text."""
+        text)``, as :attr:`EngineOutput.fields` items): a first value holding a canary, or not
+        spelled as an id (:func:`_is_id_like`) nor the model name forwarded; a changed value (at
+        its first change, joined after the first value); a key name or an item id that is text."""
         if meta == self._same:
             return
         first = self._first
@@ -481,7 +484,7 @@ class StreamMeta:
                 same = False
             else:
                 first[name] = v
-                if has_canary(v) or (v and not _is_id_like(v)):
+                if has_canary(v) or (v and v != self._sent_model and not _is_id_like(v)):
                     pieces.append((name, v))
         if len(names) > 1 and _split_canary(names, pieces):
             same = False

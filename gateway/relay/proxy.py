@@ -269,6 +269,7 @@ def _answer(
         a.tenant.strict_verify,
         a.admission.n * a.admission.num_prompts,
         a.admission.num_prompts,
+        a.admission.model.upstream_model,
     )
     return relay_stream(resp, a.arrival.api.stream_protocol, guard, tally, opts)
 

@@ -232,7 +232,9 @@ class StreamOptions:
     (and whose ``index`` must name one of them: :func:`odd_choice_index`); ``prompts``: the
     request's prompts (with several, usage reports that disagree on ``prompt_tokens`` are not
     handed on as disagreeing: vLLM's continuous usage stats give each prompt's own count, then
-    their sum, ``vllm/entrypoints/openai/serving_completion.py``, ``completion_stream_generator``)."""
+    their sum, ``vllm/entrypoints/openai/serving_completion.py``, ``completion_stream_generator``);
+    ``model``: the model name forwarded (what an engine echoes: metadata whatever its spelling,
+    :class:`verifier.engine_response.StreamMeta`)."""
 
     max_event_bytes: int
     strip_usage: bool
@@ -242,6 +244,7 @@ class StreamOptions:
     strict: bool = False
     choices: int = 1
     prompts: int = 1
+    model: str = ""
 
 
 class HoldBack:
@@ -315,7 +318,7 @@ class _Events:
         elif protocol is RESPONSES_SSE:  # a text event whose indexes clients group apart is refused
             self.read = partial(read_response_event, odd=self._odd_response)
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
-        self.meta = StreamMeta()  # the events' metadata as first sent, key names, item ids (a change: text)
+        self.meta = StreamMeta(opts.model)  # the events' metadata as first sent, key names, item ids (a change: text)
         self.done = False  # the protocol's end marker came
         self.errored = False  # an engine error event came (after the response started)
         self.raw = b""  # the bytes to relay of the event :meth:`_take` returned
