@@ -11,10 +11,11 @@ logs. The transport (ASGI messages, client disconnect, the status) is
   connect timeout, pool full) moves to the next before any byte is sent; the last failure is 503
   ``upstream_unavailable`` (504 ``upstream_timeout`` when it timed out). A candidate whose origin
   the tenant already holds its share of (``gateway.upstream_tenant_share``,
-  :class:`~gateway.relay.upstreams.TenantShare`) is tried after the others that are not backing
-  off, once one of the tenant's own connections to it is given back (that wait and the wait for
-  a pooled connection after it: at most ``connect_timeout`` together; in vain, as a pool wait in
-  vain); upstreams backing off come after that;
+  :class:`~gateway.relay.upstreams.TenantShare`), or whose connections are all held, is tried
+  after the others that are not backing off, once its share hands the tenant a connection given
+  back (fairest first; that wait and the wait for a pooled connection after it: at most
+  ``connect_timeout`` together; in vain, as a pool wait in vain); upstreams backing off come
+  after that;
 - an engine's non-200 answer, or a JSON answer to a stream request, is mapped to the OpenAI
   shape with the engine's status (:func:`verifier.engine_response.engine_error`), its 429's or
   503's ``Retry-After`` kept when it is a number of seconds (:func:`retry_after`); an engine that
@@ -282,8 +283,8 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
     leaves, does not undo it). The candidates are tried in balance order: first those not backing
     off, then those backing off (a connect to an engine that just failed one is the last resort,
     not the price of a tenant's wait for its share); in each group those whose origin the tenant
-    holds its share of last, once one of the tenant's own connections to it is given back
-    (:func:`_try_group`). Raises :class:`OpenAIError` 503/504 (no upstream took it) or 502,
+    holds its share of, or that is full, last, once a connection given back is handed to the
+    tenant (:func:`_try_group`). Raises :class:`OpenAIError` 503/504 (no upstream took it) or 502,
     or :class:`ClientLeftBeforeSend` when the server already knows the client is gone: it may have
     left while admission awaited the quota store, and the response shell's watcher, which has not
     run yet, would learn it only after a pooled connection had taken the request without a loop
@@ -310,13 +311,14 @@ async def open_upstream(ctx: RelayContext, outcome: RelayOutcome) -> tuple[Upstr
 async def _try_group(
     ctx: RelayContext, outcome: RelayOutcome, group: list[Upstream], then: bool
 ) -> tuple[UpstreamResponse, float] | ConnectFailed | None:
-    """:func:`_try` the upstreams of ``group`` (in order) where the tenant has room in its share of
-    the origin, then, none of them having taken the request, wait for the tenant's share of the
-    others (:func:`_try_at_share`). ``then``: another group is tried after this one (the log
-    says so). Returns as :func:`_try`, or ``None`` for an empty group."""
+    """:func:`_try` the upstreams of ``group`` (in order) whose origin's share lets the tenant take
+    a connection (below its cap, the origin not full), then, none of them having taken the
+    request, wait for the others' shares (:func:`_try_at_share`). ``then``: another group is
+    tried after this one (the log says so). Returns as :func:`_try`, or ``None`` for an empty
+    group."""
     tenant_id = outcome.admitted.tenant.id
     last: ConnectFailed | None = None
-    at_share: list[tuple[Upstream, TenantShare]] = []  # candidates whose origin the tenant holds its share of
+    at_share: list[tuple[Upstream, TenantShare]] = []  # candidates whose share took none (tenant at cap, or full)
     for i, u in enumerate(group):
         if u.share is not None and not u.share.try_take(tenant_id):
             at_share.append((u, u.share))
@@ -334,11 +336,12 @@ async def _try_group(
 async def _try_at_share(
     ctx: RelayContext, outcome: RelayOutcome, at_share: list[tuple[Upstream, TenantShare]], then: bool
 ) -> tuple[UpstreamResponse, float] | ConnectFailed:
-    """:func:`_try` the candidates whose origin the tenant holds its share of (``at_share``, not
-    empty: each with that share, in balance order), each as one of the tenant's own connections
-    to it is given back (whichever first). The wait for the share and the transport's wait for a
-    free connection of the pool after it end at one deadline, ``connect_timeout`` from the start
-    (the connect, if one is needed, has its own ``connect_timeout``); a share wait in vain is a
+    """:func:`_try` the candidates whose share took none for the tenant (``at_share``, not empty:
+    each with that share, in balance order; the tenant at its cap or the origin full), each as
+    its share hands the tenant a connection given back (whichever first). The wait for the share
+    and the transport's wait for a free connection of the pool after it end at one deadline,
+    ``connect_timeout`` from the start (the connect, if one is needed, has its own
+    ``connect_timeout``); a share wait in vain is a
     :class:`~gateway.relay.upstreams.TenantShareTimeout` (:func:`_share_timed_out`). ``then``:
     as :func:`_try_group`'s. Returns as :func:`_try`."""
     a = outcome.admitted
