@@ -23,21 +23,27 @@ Each channel, before this change a strict tenant received the victim's text with
   Now a first value is text unless it is spelled as an id, as a whole answer's metadata string
   is. An honest engine's values are spelled as ids, so no honest stream has text there for the
   strict guard to hold back (a value that never grows never has the hold-back behind it, and
-  would hold the stream to its end).
+  would hold the stream to its end);
+- a chat stream's first chunk's unknown key names, metadata up to 256 characters: now text
+  behind an upstream whose ``engine`` is vLLM, SGLang or the bundled backend (their chunks name
+  only fields of ``KEY_NAMES``, the first included; vLLM's ``prompt_text`` needs
+  ``return_prompt_text``, which the gateway does not forward).
 
 One channel stays open (strict ``xfail``: it shows what a strict tenant receives today, and
-fails the day it is closed): a chat stream's first chunk may send 256 characters of unknown key
-names as metadata. vLLM's and SGLang's first chunks name only fields of ``KEY_NAMES`` (but for
-vLLM's opt-in ``prompt_text``, whose value is text already), but an OpenAI-compatible server
-behind ``engine: openai`` may name fields of its own there (the ``x_engine_step`` of
-``test_verifier_hostile_engine``'s honest stream), and as held text they would hold every such
-honest strict stream to its end.
+fails the day it is closed): behind ``engine: openai`` the first chunk may still send 256
+characters of unknown key names as metadata. An OpenAI-compatible server may name fields of its
+own there (the ``x_engine_step`` of ``test_verifier_hostile_engine``'s honest stream, Azure's
+``prompt_filter_results``), and as held text they would hold every such honest strict stream to
+its end.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -63,10 +69,13 @@ from test_verifier_hostile_engine import (
 )
 
 from config.models import TenantConfig
+from gateway.relay.stream import NAMES_ONLY_PROTOCOL_FIELDS
+from gpu_backend.openai_api import GenRequest, chunk, usage_chunk
 from tests.fixtures.leak_stack import leak_stack
 from tests.fixtures.settings import verifier_settings
 from verifier.build import build_verifier
 from verifier.engine_response import (
+    META_MAX_CHARS,
     StreamMeta,
     parse_body,
     parse_chunk_event,
@@ -109,17 +118,23 @@ ECHOED = {
 }
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """``(script, verifier service, client)``: ``test_verifier_hostile_engine``'s stack, of its own."""
+@contextmanager
+def _key_stack(tmp: Path, engine: str | None = None) -> Iterator[tuple[Script, VerifierService, httpx.Client]]:
+    """``(script, verifier service, client)``: ``test_verifier_hostile_engine``'s stack, of its
+    own, its upstream's ``engine`` as given (left out: ``openai``)."""
     sc = Script()
     sc.body = {"id": "v", "object": "text_completion", "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]}
     passage, _ = victim_passage()
     victim = (key_of("victim"), "Please keep this: " + passage)
     verifier = {"strict_holdback_tokens": 64, "quarantine_min_prompt_tokens": 1024}
-    tmp = tmp_path_factory.mktemp("key_channels")
-    with leak_stack(tmp, build_engine(sc), tenant_file(), SECRETS, victim, **verifier) as (svc, client):
+    with leak_stack(tmp, build_engine(sc), tenant_file(), SECRETS, victim, engine=engine, **verifier) as (svc, client):
         yield sc, svc, client
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with _key_stack(tmp_path_factory.mktemp("key_channels")) as stack:
+        yield stack
 
 
 def _responses_withheld(inc_id: str) -> bytes:
@@ -329,10 +344,10 @@ def test_another_tenants_text_in_a_whole_answers_metadata_strings_is_withheld(st
 
 
 # ------------------------------------------------------------------ what honest answers show the guard
-def _shown(events: list[dict], parse: Any) -> list[tuple[str, str]]:
+def _shown(events: list[dict], parse: Any, first_key_chars: int = META_MAX_CHARS) -> list[tuple[str, str]]:
     """What the relay hands the guard of ``events`` (gateway/relay/stream.py ``_Events._pieces``,
     snapshots left out): each event's text streams and :class:`StreamMeta`'s pieces."""
-    meta, shown = StreamMeta(), []
+    meta, shown = StreamMeta("", first_key_chars), []
     for e in events:
         ev = parse(e)
         pieces = list(ev.fields.items())
@@ -498,23 +513,77 @@ async def test_a_strict_guard_releases_an_honest_streams_first_chunk_before_its_
         await svc.aclose()
 
 
-# ------------------------------------------------------------------ open: what a strict tenant still receives
-@pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True, reason="open: a chat stream's first chunk sends 256 characters of key names as metadata"
-)
-def test_open_a_first_chunks_key_names_up_to_256_characters(stack):
-    """The first 256 characters of the victim's words (about 90 tokens) as key names of a chat
-    stream's first chunk: metadata (an engine's own fields are named in its first chunk), so a
-    strict tenant receives them with 200."""
-    sc, svc, client = stack
-    room, words = 256, []
+# ------------------------------------------------------------------ the first chunk's key names
+def _first_chunk_names() -> list[str]:
+    """The victim's first words, 256 characters of them (about 90 tokens): as many as a first
+    chunk may name as metadata behind an OpenAI-compatible server."""
+    room, words = META_MAX_CHARS, []
     for w in VICTIM:
         if room < len(w):
             break
         words.append(w)
         room -= len(w)
-    sc.events = [_chunk("ok", role=True, **dict.fromkeys(words, 1))] + [_chunk(s) for s in SAID[1:4]]
-    sc.events.append({**_CHUNK, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
-    sc.done = True
-    _stream(client, svc, "chat", "leak_index", _withheld_tail)
+    return words
+
+
+def _named_first_chunk_stream() -> list[dict]:
+    """A chat stream whose first chunk names the victim's first words as key names of its own."""
+    events = [_chunk("ok", role=True, **dict.fromkeys(_first_chunk_names(), 1))] + [_chunk(s) for s in SAID[1:4]]
+    return [*events, {**_CHUNK, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+
+
+@pytest.fixture(scope="module", params=sorted(NAMES_ONLY_PROTOCOL_FIELDS))
+def engine_stack(request, tmp_path_factory):
+    """``stack`` with the upstream's ``engine`` one whose streams name only the protocol's fields."""
+    with _key_stack(tmp_path_factory.mktemp(f"key_channels_{request.param}"), request.param) as stack:
+        yield stack
+
+
+@pytest.mark.timeout(60)
+def test_a_first_chunks_key_names_are_text_behind_an_engine_that_names_only_protocol_fields(engine_stack):
+    """The victim's first 256 characters of words as key names of a chat stream's first chunk,
+    from an upstream whose ``engine`` is vLLM, SGLang or the bundled backend (whose chunks name
+    only fields of the protocol, the first included). The first chunk's names were metadata up
+    to 256 characters whatever the engine, so a strict tenant received them with 200 (a strict
+    ``xfail``). Now they are text there, as a later chunk's are: the leak index finds them before
+    the response starts (502 ``response_withheld``)."""
+    sc, svc, client = engine_stack
+    sc.events, sc.done = _named_first_chunk_stream(), True
+    _whole(client, svc, "chat", "leak_index", stream=True)
+
+
+@pytest.mark.timeout(60)
+def test_honest_first_chunks_of_engines_that_name_only_protocol_fields_show_the_guard_only_text():
+    """What the relay shows the guard of honest streams when the first chunk may name nothing
+    unknown (``first_key_chars=0``): only their text. The bundled backend's own chunks
+    (``gpu_backend.openai_api.chunk``, ``usage_chunk``) and vLLM's first chunk as its stream
+    generator builds it with continuous usage stats (``chat_completion/serving.py``, the
+    ``if first_iteration:`` block: ``model_dump_json(exclude_unset=True)`` of
+    ``ChatCompletionStreamResponse``)."""
+    req = GenRequest("chat", "m", [1, 2], {}, stream=True, include_usage=True)
+    bundled = [chunk(req, "chatcmpl-1", role=True), chunk(req, "chatcmpl-1", text="ok")]
+    bundled += [chunk(req, "chatcmpl-1", finish_reason="stop"), usage_chunk(req, "chatcmpl-1", 2, 1)]
+    events = [json.loads(raw.removeprefix(b"data: ")) for raw in bundled]
+    assert _shown(events, parse_chunk_event, first_key_chars=0) == [("0:content", "ok")]
+    details = {"reasoning_tokens": 0}
+    usage_0 = {"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7, "completion_tokens_details": details}
+    delta = {"role": "assistant", "content": ""}
+    first = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+    vllm = {"id": "chatcmpl-9", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [first]}
+    later = {**vllm, "choices": [{"index": 0, "delta": {"content": "ok"}, "token_ids": [5]}]}
+    assert _shown([{**vllm, "usage": usage_0}, later], parse_chunk_event, first_key_chars=0) == [("0:content", "ok")]
+
+
+# ------------------------------------------------------------------ open: what a strict tenant still receives
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: behind engine 'openai', a chat stream's first chunk sends 256 characters of key names as metadata",
+)
+def test_open_a_first_chunks_key_names_up_to_256_characters(stack):
+    """The same first chunk from an upstream whose ``engine`` is ``openai`` (an OpenAI-compatible
+    server, which may name fields of its own there: Azure's ``prompt_filter_results``): metadata,
+    so a strict tenant receives them with 200."""
+    sc, svc, client = stack
+    sc.events, sc.done = _named_first_chunk_stream(), True
+    _whole(client, svc, "chat", "leak_index", stream=True)

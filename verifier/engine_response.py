@@ -419,10 +419,15 @@ class StreamMeta:
 
     - an event's key names that name no field of the protocol (:data:`KEY_NAMES_STREAM`; a
       chat chunk's, a Responses event's): metadata when the stream's first event with metadata
-      sent them (at most :data:`META_MAX_CHARS` characters of them), or when they repeat a name
+      sent them (at most ``first_key_chars`` characters of them), or when they repeat a name
       already read; a name first sent later is text, once, of :data:`KEY_NAMES_STREAM` (each its
-      own piece). The names of one event, joined without a break, are read for a canary split
-      across them (:func:`_split_canary`). Honest chunks repeat the keys of their fields (vLLM's
+      own piece). ``first_key_chars`` is :data:`META_MAX_CHARS` for an OpenAI-compatible server,
+      which may name fields of its own from its first event on (as text they would hold an honest
+      strict stream to its end), and 0 for an engine whose events name only the protocol's
+      fields (vLLM, SGLang, the bundled backend; the relay knows which an upstream is), whose
+      first event's unknown names are then text as any later event's are. The names of one
+      event, joined without a break, are read for a canary split across them
+      (:func:`_split_canary`). Honest chunks repeat the keys of their fields (vLLM's
       ``ChatCompletionStreamResponse`` and SGLang's, by field name in :data:`KEY_NAMES`; their
       Responses objects', :data:`RESPONSE_KEY_NAMES`), which never come here;
     - a Responses stream's item ids: an item's ``id`` and ``call_id`` introduce it
@@ -437,7 +442,7 @@ class StreamMeta:
 
     __slots__ = ("_first", "_id_room", "_key_room", "_names", "_opening", "_same", "_sent_model")
 
-    def __init__(self, sent_model: str = "") -> None:
+    def __init__(self, sent_model: str = "", first_key_chars: int = META_MAX_CHARS) -> None:
         #: the model name the gateway forwarded (an engine echoes it in ``model``): metadata as a
         #: first value whatever its spelling (an operator may serve ``"Llama 3 8B"``)
         self._sent_model = sent_model
@@ -450,8 +455,8 @@ class StreamMeta:
         self._names: set[str] = set()
         #: no event's metadata has been held yet
         self._opening = True
-        #: characters of unknown key names the first chunk may still send as metadata
-        self._key_room = META_MAX_CHARS
+        #: characters of unknown key names the first event may still send as metadata
+        self._key_room = first_key_chars
         #: characters of item ids the stream may still introduce as metadata
         self._id_room = ITEM_IDS_MAX_CHARS
 

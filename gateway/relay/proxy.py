@@ -271,6 +271,7 @@ def _answer(
         a.admission.n * a.admission.num_prompts,
         a.admission.num_prompts,
         a.admission.model.upstream_model,
+        (outcome.upstream.config.engine if outcome.upstream is not None else None) or "openai",
     )
     return relay_stream(resp, a.arrival.api.stream_protocol, guard, tally, opts)
 

@@ -49,7 +49,7 @@ from gateway.relay.sse import (
 from gateway.relay.stream_protocol import CHAT_SSE, RESPONSES_SSE, StreamProtocol, read_response_event
 from gateway.relay.upstream_client import RemoteProtocolError, UpstreamError, UpstreamResponse
 from verifier.drift import reported_count
-from verifier.engine_response import EngineOutput, StreamEvent, StreamMeta, engine_error, strict_view
+from verifier.engine_response import META_MAX_CHARS, EngineOutput, StreamEvent, StreamMeta, engine_error, strict_view
 from verifier.stage import MAX_PROMPT_TOKENS_REPORTED, ResponseGuard, StreamUsage
 
 log = logging.getLogger("kvgate.proxy")
@@ -234,7 +234,9 @@ class StreamOptions:
     handed on as disagreeing: vLLM's continuous usage stats give each prompt's own count, then
     their sum, ``vllm/entrypoints/openai/serving_completion.py``, ``completion_stream_generator``);
     ``model``: the model name forwarded (what an engine echoes: metadata whatever its spelling,
-    :class:`verifier.engine_response.StreamMeta`)."""
+    :class:`verifier.engine_response.StreamMeta`); ``engine``: the upstream's ``engine`` (for
+    one of :data:`NAMES_ONLY_PROTOCOL_FIELDS`, key names of the first event that name no field
+    of the protocol are text, as a later event's are)."""
 
     max_event_bytes: int
     strip_usage: bool
@@ -245,6 +247,19 @@ class StreamOptions:
     choices: int = 1
     prompts: int = 1
     model: str = ""
+    engine: str = "openai"
+
+
+#: the upstream ``engine`` kinds whose stream events name only fields of the protocol, the first
+#: event's included (:data:`verifier.engine_response.KEY_NAMES`, ``RESPONSE_KEY_NAMES``): vLLM's
+#: ``ChatCompletionStreamResponse`` (``vllm/entrypoints/openai/chat_completion/protocol.py``; its
+#: first chunk's ``prompt_text`` needs ``return_prompt_text``, which the gateway does not
+#: forward), SGLang's (``python/sglang/srt/entrypoints/openai/protocol.py``) and the bundled
+#: backend's (``gpu_backend/openai_api.py``, ``chunk``). An OpenAI-compatible server (``openai``)
+#: may name fields of its own in its first event: those names are metadata up to
+#: :data:`verifier.engine_response.META_MAX_CHARS` characters (as text they would hold its
+#: honest strict streams to their end).
+NAMES_ONLY_PROTOCOL_FIELDS = frozenset({"vllm", "sglang", "kvgate"})
 
 
 class HoldBack:
@@ -318,7 +333,8 @@ class _Events:
         elif protocol is RESPONSES_SSE:  # a text event whose indexes clients group apart is refused
             self.read = partial(read_response_event, odd=self._odd_response)
         self.streamed: dict[str, list[str]] = {}  # text stream key -> its deltas (what a snapshot must repeat)
-        self.meta = StreamMeta(opts.model)  # the events' metadata as first sent, key names, item ids (a change: text)
+        first_key_chars = 0 if opts.engine in NAMES_ONLY_PROTOCOL_FIELDS else META_MAX_CHARS
+        self.meta = StreamMeta(opts.model, first_key_chars)  # the events' metadata as first sent (a change: text)
         self.done = False  # the protocol's end marker came
         self.errored = False  # an engine error event came (after the response started)
         self.raw = b""  # the bytes to relay of the event :meth:`_take` returned
