@@ -71,6 +71,7 @@ from test_verifier_hostile_engine import (
 from config.models import TenantConfig
 from gateway.relay.stream import NAMES_ONLY_PROTOCOL_FIELDS
 from gpu_backend.openai_api import GenRequest, chunk, usage_chunk
+from gpu_backend.responses_api import ResponseEvents
 from tests.fixtures.leak_stack import leak_stack
 from tests.fixtures.settings import verifier_settings
 from verifier.build import build_verifier
@@ -372,7 +373,7 @@ def test_honest_responses_key_names_show_the_guard_nothing():
     raw = [{"type": "raw_message_tokens", "message": "hi", "tokens": [1, 2]}]
     events = _responses_with([], **echoed)
     events[-1]["response"].update(usage={**u, "total_tokens": 11}, input_messages=raw, output_messages=raw)
-    assert [p for p in _shown(events, parse_response_event) if "key_names" in p[0]] == []
+    assert [p for p in _shown(events, parse_response_event, first_key_chars=0) if "key_names" in p[0]] == []
     whole = {**events[-1]["response"], "store": False}
     assert "-:key_names" not in parse_response_body(whole).fields
     hostile = _responses_with([{"x_trace": {"the_secret": 1, "parameters": {"own": 1}}}], **echoed)
@@ -555,8 +556,9 @@ def test_a_first_chunks_key_names_are_text_behind_an_engine_that_names_only_prot
 @pytest.mark.timeout(60)
 def test_honest_first_chunks_of_engines_that_name_only_protocol_fields_show_the_guard_only_text():
     """What the relay shows the guard of honest streams when the first chunk may name nothing
-    unknown (``first_key_chars=0``): only their text. The bundled backend's own chunks
-    (``gpu_backend.openai_api.chunk``, ``usage_chunk``) and vLLM's first chunk as its stream
+    unknown (``first_key_chars=0``): only their text. The bundled backend's own chat chunks
+    (``gpu_backend.openai_api.chunk``, ``usage_chunk``) and Responses events
+    (``gpu_backend.responses_api.ResponseEvents``), and vLLM's first chunk as its stream
     generator builds it with continuous usage stats (``chat_completion/serving.py``, the
     ``if first_iteration:`` block: ``model_dump_json(exclude_unset=True)`` of
     ``ChatCompletionStreamResponse``)."""
@@ -572,6 +574,10 @@ def test_honest_first_chunks_of_engines_that_name_only_protocol_fields_show_the_
     vllm = {"id": "chatcmpl-9", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [first]}
     later = {**vllm, "choices": [{"index": 0, "delta": {"content": "ok"}, "token_ids": [5]}]}
     assert _shown([{**vllm, "usage": usage_0}, later], parse_chunk_event, first_key_chars=0) == [("0:content", "ok")]
+    responses = ResponseEvents(GenRequest("responses", "m", [1, 2], {}, stream=True), "resp_abc123")
+    raw = responses.start() + responses.delta("ok") + responses.finish("ok", "stop", 2, 1)
+    events = [json.loads(e.split(b"data: ", 1)[1]) for e in raw.split(b"\n\n") if e]
+    assert _shown(events, parse_response_event, first_key_chars=0) == [("0:0:output_text", "ok")]
 
 
 # ------------------------------------------------------------------ open: what a strict tenant still receives
