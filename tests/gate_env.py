@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from config.models import Settings
 from gateway.quotas.stage import QuotaLease
@@ -155,16 +156,20 @@ def gate_settings(sg: MockEngine, vl: MockEngine, hf_folder: Path) -> Settings:
 
 @contextlib.contextmanager
 def mock_pair_env(
-    make_folder: Callable[[Path], Path], make_settings: Callable[[MockEngine, MockEngine, Path], Settings]
+    make_folder: Callable[[Path], Path],
+    make_settings: Callable[[MockEngine, MockEngine, Path], Settings],
+    **tenant: Any,
 ) -> Iterator[tuple]:
     """``(client, sglang mock, vllm mock, quotas, tokenizer folder)`` with the gateway ready: the
-    folder made by ``make_folder`` in a temporary directory, the gateway on ``make_settings``."""
+    folder made by ``make_folder`` in a temporary directory, the gateway on ``make_settings``;
+    ``tenant``: limits of :data:`KEY_A`'s tenant over the defaults (cap :data:`CAP`, 16 tokens
+    by default, every model)."""
     tmp = tempfile.TemporaryDirectory()
     folder = make_folder(Path(tmp.name))
     sg, vl = MockEngine().start(), MockEngine().start()
     vl.state.vllm_max_model_len = 4096
     q = Quotas()
-    reg = tenants(max_tokens_cap=CAP, default_max_tokens=16, allowed_models=[])
+    reg = tenants(**{"max_tokens_cap": CAP, "default_max_tokens": 16, "allowed_models": [], **tenant})
     g = Gateway(make_settings(sg, vl, folder), reg, quotas=q).start()
     try:
         with g.client(KEY_A, timeout=30) as c:
@@ -181,6 +186,7 @@ def mock_pair_env(
         tmp.cleanup()
 
 
-def gate_env() -> contextlib.AbstractContextManager[tuple]:
-    """``(client, sglang mock, vllm mock, quotas, HF folder of mh)`` with the gateway ready."""
-    return mock_pair_env(make_hf_folder, gate_settings)
+def gate_env(**tenant: Any) -> contextlib.AbstractContextManager[tuple]:
+    """``(client, sglang mock, vllm mock, quotas, HF folder of mh)`` with the gateway ready;
+    ``tenant``: :func:`mock_pair_env`'s."""
+    return mock_pair_env(make_hf_folder, gate_settings, **tenant)

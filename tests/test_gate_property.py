@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from config.errors import context_length_message
 from tests.gate_env import CAP, ENGINES, LIMIT, MAX_SEQUENCES, gate_env
 from tests.gate_oracle import (
     VOCAB,
@@ -406,3 +407,81 @@ def test_hostile_bodies_never_walk_around_the_gate():
         assert covered.get(feature, 0) >= 3, (feature, covered)
     for feature in ("continue_final_message", "chat_template_kwargs"):
         assert covered.get(feature, 0) >= 3, (feature, covered)
+
+
+#: the tenant's ``max_context_tokens`` in :func:`test_the_gate_admits_exactly_what_fits`: below
+#: the live pool's limit (:data:`LIMIT`), within reach of the drawn prompts plus a bound
+TENANT_CONTEXT = 300
+#: one model per engine table the gate's count follows (SGLang, vLLM, OpenAI; cl100k_base ChatML)
+EXACT_MODELS = ("m", "mv", "mo")
+
+
+@st.composite
+def sized_request(draw):
+    """A chat or completions body with an explicit bound of 1..:data:`TENANT_CONTEXT` (the
+    tenant's cap here) and ``n`` of 1..3,
+    whose prompt (text messages, or one non-empty prompt) plus bound lands on either side of
+    :data:`TENANT_CONTEXT`; the KV demand (at most 3 x (prompt + 300)) stays inside the pool."""
+    body: dict = {"model": draw(st.sampled_from(EXACT_MODELS)), "n": draw(st.integers(1, 3))}
+    if draw(st.booleans()):
+        body["messages"] = draw(st.lists(text_message, min_size=1, max_size=4))
+        field = draw(st.sampled_from(["max_tokens", "max_completion_tokens"]))
+    else:
+        body["prompt"] = draw(st.lists(st.sampled_from(PIECES), min_size=1, max_size=40).map("".join))
+        field = "max_tokens"
+    # hypothesis favours small integers: a third of the bounds are drawn down from the limit, a
+    # third leave the prompt one token short of it, exactly at it, or one over
+    bound = st.integers(1, TENANT_CONTEXT)
+    edge = TENANT_CONTEXT - sent_prompt_tokens(body) + draw(st.sampled_from([-1, 0, 1]))
+    body[field] = draw(st.one_of(bound, bound.map(lambda b: TENANT_CONTEXT + 1 - b), st.just(max(1, edge))))
+    return body
+
+
+def sent_prompt_tokens(body: dict) -> int:
+    """The prompt tokens every engine serving ``body``'s model renders from the body as sent (the
+    oracle's, as :func:`check_forwarded` counts what an engine received)."""
+    if "messages" in body:
+        return max(engine_chat_tokens(e, body, image_cost(body["model"])) for e in ENGINES[body["model"]])
+    (count,) = completion_prompt_tokens(body["prompt"])
+    return count
+
+
+@pytest.mark.timeout(240)
+def test_the_gate_admits_exactly_what_fits():
+    """The gate's invariant as an equivalence, through the real app: a body whose prompt (counted
+    by the oracle from the body as sent) plus its bound fits the tenant's context
+    (``max_context_tokens`` :data:`TENANT_CONTEXT`, below the pool's limit) is admitted and
+    reserved exactly ``n x (prompt + bound)``; one that does not is refused with OpenAI's
+    ``context_length_exceeded`` 400, its message quoting the exact counts, and nothing reaches an
+    engine. A gate that ignored the tenant's limit, or refused at the limit itself, passed the
+    hostile-bodies property above (it checks only what was admitted, against the pool)."""
+    seen = {"admitted": 0, "refused": 0, "at_limit": 0}
+    with gate_env(max_context_tokens=TENANT_CONTEXT, max_tokens_cap=TENANT_CONTEXT) as (client, sg, vl, quotas, _):
+
+        @settings(max_examples=400, deadline=None, database=None, derandomize=True)
+        @given(sized_request())
+        def one(body):
+            before = (len(sg.state.requests), len(vl.state.requests), len(quotas.reserved))
+            chat = "messages" in body
+            r = client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+            received = sg.state.requests[before[0] :] + vl.state.requests[before[1] :]
+            prompt_tokens = sent_prompt_tokens(body)
+            bound = body.get("max_tokens") or body["max_completion_tokens"]
+            if prompt_tokens + bound <= TENANT_CONTEXT:
+                seen["admitted"] += 1
+                seen["at_limit"] += prompt_tokens + bound == TENANT_CONTEXT
+                assert (r.status_code, len(received)) == (200, 1), r.text
+                assert quotas.reserved[before[2] :] == [body["n"] * (prompt_tokens + bound)]
+                return
+            seen["refused"] += 1
+            where = "messages" if chat else "prompt"
+            message = context_length_message(TENANT_CONTEXT, prompt_tokens, bound, messages=chat)
+            error = {"message": message, "type": "invalid_request_error", "param": where}
+            assert (r.status_code, r.json()["error"]) == (400, {**error, "code": "context_length_exceeded"})
+            assert (received, quotas.reserved[before[2] :]) == ([], [])
+
+        one = example({"model": "m", "prompt": "a" * 8, "max_tokens": TENANT_CONTEXT - 1, "n": 1})(one)
+        one = example({"model": "mo", "prompt": "a" * 8, "max_tokens": TENANT_CONTEXT, "n": 2})(one)
+        one()
+    print(f"\ngate equivalence: {seen}")
+    assert seen["admitted"] >= 100 and seen["refused"] >= 100 and seen["at_limit"] >= 50, seen
