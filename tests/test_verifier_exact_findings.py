@@ -5,10 +5,8 @@ are anomalies, and how many distinct source tenants count against an upstream.""
 from __future__ import annotations
 
 import math
-import uuid
 
 import pytest
-import redis
 
 from verifier.canary import find_canaries
 from verifier.drift import check_finish, check_usage
@@ -133,23 +131,11 @@ def test_a_canary_with_invisible_characters_between_its_letters_is_found(mark):
 
 
 # ------------------------------------------------------------------ quarantine
-@pytest.fixture
-def redis_prefix():
-    c = redis.Redis(host="127.0.0.1", port=6379, db=0)
-    prefix = f"test-exact-findings-{uuid.uuid4().hex[:8]}:"
-    yield c, prefix
-    keys = list(c.scan_iter(match=prefix + "*"))
-    if keys:
-        c.delete(*keys)
-    c.close()
-
-
 @pytest.mark.parametrize("kind", ["file", "redis"])
-def test_evidence_counts_distinct_sources_per_upstream_within_the_window(kind, tmp_path, redis_prefix):
+def test_evidence_counts_distinct_sources_per_upstream_within_the_window(kind, tmp_path, redis_client, redis_prefix):
     """Both backends: a source counts once however often it recurs, per upstream, and drops out
     exactly ``window`` seconds after its last evidence (at ``now - window`` it is gone)."""
-    c, prefix = redis_prefix
-    b = FileQuarantineBackend(tmp_path) if kind == "file" else RedisQuarantineBackend(c, prefix)
+    b = FileQuarantineBackend(tmp_path) if kind == "file" else RedisQuarantineBackend(redis_client, redis_prefix + ":")
     got = [
         b.add_evidence("up", "a", 1000.0, 60),
         b.add_evidence("up", "a", 1030.0, 60),
