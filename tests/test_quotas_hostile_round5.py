@@ -59,6 +59,14 @@ async def _status(call: Any) -> int:
     return 200
 
 
+def _back_off_until_told(stage: TenantQuotas) -> None:
+    """A call failed a moment ago: settles and undos wait for the store until the test says it
+    answers again (``stage._backoff.succeeded()``). The back-off's own 0.5 s would end while a slow
+    machine still queues 10,000 entries, and the background round would send them (twice in CI)."""
+    stage._backoff.interval_seconds = 3600.0
+    stage._backoff.failed()
+
+
 async def _in_slices(calls: list[Any], size: int = 20) -> list[Any]:
     """``calls`` (coroutines) awaited ``size`` at a time: a test's setup stays under the bounds
     (slices of 500 outlasted the 0.55 s decision deadline once in a loaded CI run, slices of 100
@@ -186,10 +194,11 @@ async def test_settles_of_a_hostile_tenant_never_drop_another_tenants_settles(re
     try:
         mine = [await stage.begin_reserve(victim, "v", 100) for _ in range(4)]
         theirs = await _in_slices([stage.begin(hostile, "h") for _ in range(UNCERTAIN_MAX)])
-        stage._backoff.failed()  # a call failed a moment ago: settles wait for the store
+        _back_off_until_told(stage)
         for lease in [*mine, *theirs]:
             await stage.settle(lease, 30 if lease in mine else 0)
         assert len(stage._unsettled) == UNCERTAIN_MAX
+        stage._backoff.succeeded()  # the store answers again
         await recovered(stage, budget=30)
         await asyncio.sleep(0.05)
         state = await _state(stage.store, victim.id)  # type: ignore[arg-type]
@@ -219,7 +228,7 @@ async def test_close_sends_another_tenants_undos_and_settles_first_within_the_de
             limits = QuotaLimits.of(tenant)
             await _in_slices([stage.store.reserve(tenant.id, limits, i, 100, w, ttl) for i in ids])
             setup.append((tenant, ids, await _in_slices([stage.reserve(tenant, 100, "r") for _ in range(n)])))
-        stage._backoff.failed()  # a call failed a moment ago: settles wait for the store
+        _back_off_until_told(stage)
         for tenant, ids, leases in setup:  # the victim's first
             for i in ids:
                 stage._undo_later(tenant.id, i)  # as for a request cancelled while its call was out
@@ -316,8 +325,7 @@ async def test_a_backlog_goes_in_round_trips_of_one_slice(redis_prefix) -> None:
         # backing off until every entry has joined the backlogs: a settle made once the back-off
         # ends goes to the store itself, and may ride a slice's round trip (on a slow machine the
         # 10,000 settles outlasted the 0.5 s back-off, and one did: 501 calls)
-        stage._backoff.interval_seconds = 3600.0
-        stage._backoff.failed()
+        _back_off_until_told(stage)
         for t, i in pairs:
             stage._undo_later(t.id, i)
         for lease in leases:
