@@ -375,3 +375,44 @@ async def test_a_count_that_fails_settles_the_reservation(redis_prefix, case, mo
     stage, state, reached = await _run(redis_prefix, case, (), monkeypatch, count_fault=True)
     assert reached == []
     _assert_settled_once(stage, state, case, RESERVED)
+
+
+@pytest.mark.parametrize("case", ["whole", "stream", "client_gone_sending", "server_stopping"])
+async def test_the_request_is_counted_in_the_metrics_before_its_lease_is_released(
+    redis_prefix, case, monkeypatch
+) -> None:
+    """``finish`` records the metrics just before the settle, with no await between: whoever sees
+    the lease released (a test's ledger, a scrape beside a concurrency check) sees the request
+    counted. Before, the metrics came after the settle's await, and a reader in another thread
+    once saw the lease gone and ``kvgate_prompt_tokens_total`` still 0 (a red CI run)."""
+    order: list[str] = []
+    record, settle = finish_module.record_metrics, RecordingQuotas.settle
+
+    def recorded(m: Any, outcome: Any) -> None:
+        record(m, outcome)
+        order.append("metrics")
+
+    async def settled(self: RecordingQuotas, lease: QuotaLease, used_tokens: int) -> None:
+        order.append("settle")
+        await settle(self, lease, used_tokens)
+
+    monkeypatch.setattr(finish_module, "record_metrics", recorded)
+    monkeypatch.setattr(RecordingQuotas, "settle", settled)
+    stage, state, _ = await _run(redis_prefix, case, (), monkeypatch)
+    assert order == ["metrics", "settle"]
+    _assert_settled_once(stage, state, case, CASES[case][-1])
+
+
+async def test_a_metrics_fault_still_settles_what_the_request_used(redis_prefix, monkeypatch, caplog) -> None:
+    """A fault recording the metrics (a registry that raises, as a label the client never should
+    reach) is logged, and the lease is settled to the tokens used as for any end."""
+
+    def broken(m: Any, outcome: Any) -> None:
+        raise ValueError("a label the registry refuses")
+
+    monkeypatch.setattr(finish_module, "record_metrics", broken)
+    stage, state, _ = await _run(redis_prefix, "stream", (), monkeypatch)
+    _assert_settled_once(stage, state, "stream", CASES["stream"][-1])
+    assert [r.getMessage() for r in caplog.records if r.exc_info and r.name.startswith("kvgate")] == [
+        "recording the request's metrics failed"
+    ]

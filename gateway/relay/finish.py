@@ -50,20 +50,22 @@ async def finish(ctx: FinishContext, outcome: RelayOutcome) -> None:
     stopping while a long completion is counted in a worker thread), the last two at
     :func:`unfinished_count_charge`; nothing is awaited between that end and the stage's ``settle``,
     which takes the lease over before its own first await (``QuotaStage.settle``). The metrics are
-    recorded however the settle ends; a cancellation skips only the access line."""
+    recorded just before the settle (synchronously, so a released lease means a counted request)
+    and however the count ends; a cancellation skips only the access line."""
     used = unfinished_count_charge(outcome)
     try:
+        used = await used_tokens(outcome)
+    except Exception:
+        log.exception("counting the tokens used failed; the request is settled to its reservation")
+    finally:  # no await before the stage's settle: a lease nobody settles is renewed for good
         try:
-            used = await used_tokens(outcome)
+            record_metrics(ctx.metrics, outcome)
         except Exception:
-            log.exception("counting the tokens used failed; the request is settled to its reservation")
-        finally:  # no await before the stage's settle: a lease nobody settles is renewed for good
-            try:
-                await ctx.quotas.settle(outcome.admitted.lease, used)
-            except Exception:
-                log.exception("quota settle failed")
-    finally:
-        record_metrics(ctx.metrics, outcome)
+            log.exception("recording the request's metrics failed")
+        try:
+            await ctx.quotas.settle(outcome.admitted.lease, used)
+        except Exception:
+            log.exception("quota settle failed")
     abort = outcome.produced.finish_reason == "abort" and outcome.status == 200
     if not abort and not glog.ACCESS.isEnabledFor(logging.INFO):
         return  # no line to write: build no fields
