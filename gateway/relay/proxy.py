@@ -250,12 +250,13 @@ def _answer(
 ) -> AsyncGenerator[Chunk, None]:
     """The relay of the answer: the stream in the route's protocol, or the whole answer; both
     through the verifier's guard (none for a request the verifier does not see: embeddings)."""
-    a = outcome.admitted
+    a, u = outcome.admitted, outcome.upstream
+    assert u is not None, "open_upstream sets the upstream before the answer is relayed"
     guard = None
     if a.exchange is not None:
         a.exchange.request = replace(
             a.exchange.request,
-            upstream=outcome.upstream.name if outcome.upstream else "",
+            upstream=u.name,
             forwarded_monotonic=time.monotonic() - (time.perf_counter() - tally.t_forward),
         )
         guard = ctx.verifier.begin(a.exchange)
@@ -271,7 +272,7 @@ def _answer(
         a.admission.n * a.admission.num_prompts,
         a.admission.num_prompts,
         a.admission.model.upstream_model,
-        (outcome.upstream.config.engine if outcome.upstream is not None else None) or "openai",
+        u.config.engine or "openai",  # validation fills it; the type still allows None
     )
     return relay_stream(resp, a.arrival.api.stream_protocol, guard, tally, opts)
 
