@@ -7,7 +7,7 @@ stale, and the model's layers and logits take the packed path."""
 from __future__ import annotations
 
 import copy
-import time
+import types
 
 import pytest
 import torch
@@ -43,18 +43,22 @@ def test_every_row_count_in_range_gives_f_linear_s_values(rows: int, packer: Pac
 def test_the_faster_library_is_picked_once_per_weight_shape(monkeypatch) -> None:
     """Two packers, one 5 ms slower a call: the quicker is picked for a shape after one warm-up
     and :data:`~gpu_backend.packed_linear.TIMED_CALLS` timed calls of each, and remembered: a second
-    weight of that shape times nothing, a weight of another shape is timed afresh."""
+    weight of that shape times nothing, a weight of another shape is timed afresh. The clock the
+    module reads advances by each call's delay alone (with ``time.sleep`` and the real clock, three
+    quick calls each preempted for over 5 ms on a loaded machine once picked the slow one)."""
     calls = {"slow": 0, "quick": 0}
+    now = [0.0]
 
     def make(name: str, delay: float) -> Packer:
         def linear(x, packed, w, b, rows):
             calls[name] += 1
-            time.sleep(delay)
+            now[0] += delay
             return F.linear(x, packed, b)
 
         return Packer(name, lambda w, rows: w.clone(), linear)
 
     slow, quick = make("slow", 0.005), make("quick", 0.0)
+    monkeypatch.setattr(packed_linear, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(packed_linear, "PACKERS", (slow, quick))
     monkeypatch.setattr(packed_linear, "_FASTEST", {})
     w = _weight()
