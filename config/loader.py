@@ -417,7 +417,7 @@ def load_yaml_model(
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, *, environ: Mapping[str, str] | None = None) -> Settings:
-    """Load ``kvgate.yaml`` (default: the embedded stack's, beside this module) with env overrides.
+    """Load ``kvgate.yaml`` (default: the one beside this module, ``config/kvgate.yaml``) with env overrides.
     ``KVGATE_CONFIG`` names the file when ``path`` is ``None``."""
     env = os.environ if environ is None else environ
     path = path or env.get("KVGATE_CONFIG") or DEFAULT_CONFIG

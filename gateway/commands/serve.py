@@ -27,9 +27,16 @@ DEMO_KEYS = ("sk-demo-a", "sk-demo-b")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="kvgate.yaml (default: KVGATE_CONFIG or the embedded stack's)")
     parser.add_argument(
-        "--tenants", default=None, help="tenants.yaml (default: KVGATE_TENANTS or the embedded stack's)"
+        "--config",
+        default=None,
+        help="kvgate.yaml (default: KVGATE_CONFIG, else the checkout's config/kvgate.yaml: model kvgate-tiny on "
+        "one bundled backend at 127.0.0.1:30000; kvgate up writes its own for the model it serves)",
+    )
+    parser.add_argument(
+        "--tenants",
+        default=None,
+        help="tenants.yaml (default: KVGATE_TENANTS, else the checkout's config/tenants.yaml)",
     )
     parser.add_argument("--host", default=None, help="bind address (default: gateway.host)")
     parser.add_argument("--port", type=port, default=None, help="port (default: gateway.port, 8080)")
@@ -86,7 +93,7 @@ class _CreatedMeanwhile(Exception):
 
 def init_tenant(tenants_path: str | None, name: str, state_dir: str) -> bool:
     """``--init-tenant NAME``: when the tenants file (``tenants_path``, else ``$KVGATE_TENANTS``,
-    else the embedded one) does not exist, create it holding tenant ``name`` with a fresh key
+    else config/tenants.yaml) does not exist, create it holding tenant ``name`` with a fresh key
     (:func:`gateway.commands.tenant.new_api_key`; only its SHA-256 is stored) and write the key to
     ``<state_dir>/<name>.key`` (0600 whatever a leftover file's mode, folder 0700). Returns
     whether it created the file; a file that exists is left alone, so restarts keep the key,

@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-_CONFIG_HELP = "kvgate.yaml (default: KVGATE_CONFIG or the embedded one)"
+_CONFIG_HELP = "kvgate.yaml (default: KVGATE_CONFIG, else the checkout's config/kvgate.yaml)"
 
 
 def _tokens(text: str) -> int:
