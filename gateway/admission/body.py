@@ -7,6 +7,7 @@ a 400 ``invalid_request_error``. Validation against a route's field table is
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -46,7 +47,6 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
 
 _NON_FINITE = re.compile(r"-?(?:nan|inf(?:inity)?)", re.IGNORECASE)
 _NON_FINITE_NUMBER = re.compile(r"-?[0-9][0-9.eE+-]*")
-_MARK = "\x00kvgate:non-finite"
 
 
 def non_finite_member(e: orjson.JSONDecodeError) -> str | None:
@@ -54,7 +54,8 @@ def non_finite_member(e: orjson.JSONDecodeError) -> str | None:
     non-finite number (``NaN``, ``Infinity``, ``-Infinity`` in any case, or a number beyond a
     double such as ``1e999``); else ``None`` (nested, or another syntax error). The body is parsed
     once more with that value replaced by a marker string, so this costs one more parse, on
-    the error path only."""
+    the error path only. The marker is drawn for each call: a fixed one, which a client can
+    send as another field's value, got that field named instead."""
     doc, pos = e.doc, e.pos
     if not isinstance(doc, str) or not 0 <= pos < len(doc):
         return None
@@ -64,13 +65,14 @@ def non_finite_member(e: orjson.JSONDecodeError) -> str | None:
         m = _NON_FINITE_NUMBER.match(doc, start)
     if m is None:
         return None
+    mark = f"\x00kvgate:non-finite:{secrets.token_hex(16)}"
     try:
-        data = orjson.loads(doc[:start] + orjson.dumps(_MARK).decode() + doc[m.end() :])
+        data = orjson.loads(doc[:start] + orjson.dumps(mark).decode() + doc[m.end() :])
     except orjson.JSONDecodeError:
         return None
     if isinstance(data, dict):
         for k, v in data.items():
-            if v == _MARK:
+            if v == mark:
                 return k
     return None
 
