@@ -1,5 +1,5 @@
-"""The end of an admitted request (docs/design.md step 6's settle, and the gateway's records): settle
-the quota lease exactly once, record metrics, write one JSON access-log line. Called by the
+"""The end of an admitted request (docs/design.md step 6's settle, and the gateway's records): record
+metrics, settle the quota lease exactly once, write one JSON access-log line. Called by the
 response shell (:mod:`gateway.relay.response`) however the request ended: answered, refused by the
 engine, cut, withheld, or abandoned by the client.
 
@@ -44,7 +44,7 @@ class FinishContext(Protocol):
 
 
 async def finish(ctx: FinishContext, outcome: RelayOutcome) -> None:
-    """Settle, metrics, access log (module docstring). Never raises but a cancellation: a failing
+    """Metrics, settle, access log (module docstring). Never raises but a cancellation: a failing
     settle is logged. The settle is handed to the quota stage however the count of the tokens
     used ends: counted, failed (logged), or cut by a cancellation of the request's task (the server
     stopping while a long completion is counted in a worker thread), the last two at
