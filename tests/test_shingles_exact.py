@@ -3,16 +3,29 @@
 The leak check trusts three small pieces: which window minima winnowing keeps (the reference
 :func:`winnow` and the vectorised :meth:`ShingleHasher.select`), where a stream may be cut
 before encoding (:func:`is_cut_point`, :func:`last_cut_point`), and which non-ASCII pairs fold
-apart. Each test pins the exact set, positions or verdict for a small input whose answer changes
-when one condition, bound or constant in those functions does.
+apart; and the hashes themselves (the stored BLAKE2b and the selection hash, on each of its
+paths), which an index written by one release must read the same in the next. Each test pins the
+exact set, positions, verdict or hash for a small input whose answer changes when one condition,
+bound or constant in those functions does.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
-from verifier.shingles import IncrementalShingler, ShingleHasher, fold, is_cut_point, last_cut_point, winnow
+from verifier.shingles import (
+    IncrementalShingler,
+    ShingleHasher,
+    _windows,
+    encode,
+    fold,
+    is_cut_point,
+    last_cut_point,
+    winnow,
+)
 
 
 # ---------------------------------------------------------------- winnowing
@@ -131,3 +144,45 @@ def test_each_push_returns_the_last_k_minus_1_ids_seen_then_the_new_ones(k, firs
     assert inc.pending_chars == 4
     assert inc.flush() == rest
     assert (inc.pending_chars, inc.tokens_seen, inc.flush()) == (0, 3, [])
+
+
+# ---------------------------------------------------------------- hashing: keys, k, pinned values
+def test_k_below_one_is_refused_and_k_of_one_is_not():
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        ShingleHasher(b"exact", 0)
+    assert ShingleHasher(b"exact", 1).k == 1
+
+
+def test_a_key_over_64_bytes_is_first_hashed_to_64_and_a_64_byte_key_is_not():
+    long_key = b"x" * 65
+    digest = hashlib.blake2b(long_key).digest()  # 64 bytes
+    assert ShingleHasher(long_key, 1).hash_ids([7]) == ShingleHasher(digest, 1).hash_ids([7]) == 9603302129266802163
+    assert ShingleHasher(b"x" * 64, 1).hash_ids([7]) == 1789151785535727914
+
+
+def test_stored_and_selection_hashes_are_pinned():
+    """The stored (BLAKE2b) and selection (polynomial) hashes of one key and k are fixed values:
+    an index written by one release is read by the next."""
+    h = ShingleHasher(b"exact", 3)
+    assert h.hash_ids([1, 2, 3]) == 14006063425949885594
+    assert h.hashes([1, 2, 3, 4]) == [14006063425949885594, 13839932152386090692]
+    assert h.hashes_at([1, 2, 3, 4, 5], [2, 0]) == [3949009967008188582, 14006063425949885594]
+    assert h.fast([1, 2, 3, 4]).tolist() == [10779229278603197799, 12827126622088289457]  # Python-int path
+    # the matrix path (8 shingles) and the doubling path (1998 shingles) give the same values
+    assert h.fast(list(range(10))).tolist()[:3] == [3963769682590037304, 10779229278603197799, 12827126622088289457]
+    long = h.fast(list(range(2000))).tolist()
+    assert (len(long), long[1], long[-1], sum(long) % 2**64) == (1998, 10779229278603197799, 9950101658931204189, 13981966776736613017)
+
+
+def test_windows_is_a_read_only_view():
+    a = np.arange(5, dtype=np.uint64)
+    v = _windows(a, 3)
+    assert v.tolist() == [[0, 1, 2], [1, 2, 3], [2, 3, 4]]
+    with pytest.raises(ValueError, match="read-only"):
+        v[0, 0] = 9
+    assert a.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_encode_squeezes_long_runs_unless_told_it_was_done():
+    assert encode(" " * 1000 + "x") == encode(" " * 64 + "x") == [15628, 865]
+    assert len(encode(" " * 1000 + "x", squeezed=True)) == 10
