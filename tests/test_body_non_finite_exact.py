@@ -14,8 +14,8 @@ import pytest
 
 from config.errors import OpenAIError
 from gateway.admission.body import parse_json_body
+from tests.test_gate_bounds_exact import FINITE
 
-FINITE = "Invalid value for '{}': must be a finite number (NaN, Infinity and numbers beyond a double are not JSON)"
 NOT_UTF8 = "The request body is not valid UTF-8 JSON."
 
 
