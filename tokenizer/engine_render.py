@@ -155,7 +155,8 @@ def vllm_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     then ``_postprocess_messages``): ``role`` and ``content``; an assistant's ``tool_calls``
     (arguments parsed, an empty list dropped) and ``reasoning`` (also as ``reasoning_content``;
     a ``reasoning_content`` sent alone is not kept); a tool message's ``tool_call_id``; a string
-    ``name``. Every other key is dropped. Content stays as sent (the counter flattens it:
+    ``name``; a developer message's ``tools`` (``None``: a template may test it). Every other key
+    is dropped. Content stays as sent (the counter flattens it:
     :func:`vllm_string_content` for a "string"-format template)."""
     out = []
     for i, m in enumerate(messages):
@@ -172,6 +173,8 @@ def vllm_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             conv["tool_call_id"] = m["tool_call_id"]
         if isinstance(m.get("name"), str):
             conv["name"] = m["name"]
+        if role == "developer":  # ``result_msg["tools"] = message.get("tools", None)``
+            conv["tools"] = m.get("tools")  # always None: admission refuses a message's tools
         out.append(conv)
     return out
 
