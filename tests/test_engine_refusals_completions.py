@@ -23,6 +23,9 @@ NO_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "x"}}
 STRICT_ONE = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": 1}}
 
 BEST_OF = _invalid("Invalid value for 'best_of': must be >= 'n'", "best_of")
+BEST_OF_21 = _invalid(
+    "Invalid value for 'best_of': must be <= 20 (the engines serving this model refuse more)", "best_of"
+)
 STRICT = _invalid("'response_format.json_schema.strict' must be a boolean.", "response_format.json_schema.strict")
 WITH_JSON_SCHEMA = _invalid(
     "'response_format' and 'json_schema' cannot both be set: the engines serving this model apply one output "
@@ -46,6 +49,9 @@ def _error(body: dict[str, Any], engines: str) -> dict[str, Any] | None:
 REFUSED: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("openai", {"n": 3, "best_of": 2}, BEST_OF),
     ("openai+vllm", {"n": 3, "best_of": 2}, BEST_OF),
+    # OpenAI's API reference: best_of at most 20; 21 is its 400 after admission otherwise
+    ("openai", {"best_of": 21}, BEST_OF_21),
+    ("openai+sglang", {"n": 2, "best_of": 21}, BEST_OF_21),
     ("sglang", {"response_format": JSON_SCHEMA, "json_schema": '{"type": "object"}'}, WITH_JSON_SCHEMA),
     ("sglang", {"response_format": JSON_OBJECT, "json_schema": '{"type": "object"}'}, WITH_JSON_SCHEMA),
     ("vllm", {"response_format": NO_SCHEMA_FORMAT}, NO_SCHEMA),
@@ -92,6 +98,8 @@ TAKEN: list[tuple[str, dict[str, Any]]] = [
     ("vllm", {"n": 3, "best_of": 2}),
     ("sglang", {"n": 3, "best_of": 2}),
     ("openai", {"n": 2, "best_of": 2}),
+    ("openai", {"best_of": 20}),
+    ("vllm+sglang", {"best_of": 128}),
     ("sglang", {"response_format": JSON_OBJECT}),
     ("vllm+sglang", {"response_format": JSON_SCHEMA}),
     ("sglang", {"response_format": {"type": "text"}, "regex": "a+"}),

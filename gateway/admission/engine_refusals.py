@@ -559,16 +559,26 @@ def _check_responses_request_model(body: dict[str, Any], engines: frozenset[str]
 _PYDANTIC_CHECKS = {"chat": _check_chat_request_model, "responses": _check_responses_request_model}
 
 
+#: most completions ``best_of`` OpenAI takes (its API reference, ``CreateCompletionRequest``:
+#: ``best_of`` maximum 20); the field's own bound is 128 (:mod:`gateway.admission.checks`)
+OPENAI_MAX_BEST_OF = 20
+
+
 def _check_openai_best_of(body: dict[str, Any], engines: frozenset[str]) -> None:
-    """Completions ``best_of`` below ``n``: 400 naming ``best_of`` where an ``openai`` upstream
-    serves the model (OpenAI: "best_of must be greater than n"). vLLM 0.34.0's ``CompletionRequest``
+    """Completions ``best_of`` below ``n``, or above :data:`OPENAI_MAX_BEST_OF`: 400 naming
+    ``best_of`` where an ``openai`` upstream serves the model (OpenAI: "best_of must be greater
+    than n"; maximum 20). vLLM 0.34.0's ``CompletionRequest``
     has no ``best_of`` (``vllm/entrypoints/openai/completion/protocol.py:49-75``: an extra field,
     ignored) and SGLang 0.5.23 reads it nowhere (``protocol.py:373``, its only mention): both generate
     ``n``; the bundled backend takes ``best_of`` 1 only (:data:`BUNDLED_NEUTRAL`). The gate reserves
     ``max(n, best_of)`` sequences either way."""
     best_of, n = body.get("best_of"), body.get("n")
-    if "openai" in engines and best_of is not None and n is not None and best_of < n:
+    if "openai" not in engines or best_of is None:
+        return
+    if n is not None and best_of < n:
         raise bad_value("best_of", "must be >= 'n'")
+    if best_of > OPENAI_MAX_BEST_OF:
+        raise bad_value("best_of", f"must be <= {OPENAI_MAX_BEST_OF} (the engines serving this model refuse more)")
 
 
 #: what chat's ``response_format`` checks read of a completions body (:func:`_check_completion_format`)
