@@ -93,32 +93,6 @@ def test_splitter_finds_terminators_cut_across_reads_and_mixed_endings():
             assert sp.tail() == b""
 
 
-class _Scanned(bytes):
-    """bytes that add up how far each ``find`` looked (from its start to the match's end, or to
-    the end of the buffer when there is none)"""
-
-    scanned = 0
-
-    def find(self, sub, start=0, *rest):  # type: ignore[override]
-        i = super().find(sub, start, *rest)
-        _Scanned.scanned += (len(self) if i < 0 else i + len(sub)) - start
-        return i
-
-
-@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n"])
-def test_splitter_scans_one_read_in_linear_time(sep):
-    """A read of many small events (an engine's burst, or one sending empty comments) is scanned
-    about twice, once per terminator kind, whichever kind the stream uses: searching afresh for
-    both after every event looked to the end of the read each time for the kind not used
-    (16,000 events of one read took 6.4 s on the event loop)."""
-    event = b'data: {"choices":[{"index":0,"delta":{"content":" tok"}}]}' + sep
-    read = _Scanned(event * 4000)
-    _Scanned.scanned = 0
-    got = SSESplitter(max_event_bytes=1 << 20).feed(read)
-    assert got == [event] * 4000
-    assert _Scanned.scanned <= 2 * len(read)
-
-
 def test_splitter_bounds_one_event():
     ev = b"data: " + b"x" * 94 + b"\n\n"  # 102 bytes
     sp = SSESplitter(max_event_bytes=102)
