@@ -109,11 +109,6 @@ _NO_OP_DEFAULTS: dict[str, Any] = {
 
 #: OpenAI fields only some engines honour: field -> engines that accept it (others: 400)
 _OPENAI_ONLY_ON = {"suffix": frozenset({"openai"})}
-#: values of OpenAI fields that only the engines' own extensions take: (field, value) -> engines
-#: that refuse it. ``reasoning_effort: "max"``: vLLM (``vllm/renderers/params.py:27``) and SGLang
-#: (``protocol.py:879-881``) take it, the bundled backend ignores the field, OpenAI's enum ends at
-#: ``xhigh``
-_NOT_ON: dict[tuple[str, Any], frozenset[str]] = {("reasoning_effort", "max"): frozenset({"openai"})}
 #: ``type`` values of OpenAI object fields that only the engines' own extensions take: (field,
 #: type) -> engines that refuse it. ``response_format`` ``structural_tag``: vLLM
 #: (``vllm/entrypoints/generate/base/protocol.py:146-178``, chat and completions) and SGLang
@@ -470,15 +465,12 @@ def filter_extensions(body: dict[str, Any], route: str, engines: frozenset[str],
 
 def _check_common(body: dict[str, Any], route: str, engines: frozenset[str]) -> None:
     """The policy chat and completions share: extension fields filtered for ``route``'s table
-    (:func:`filter_extensions`), OpenAI fields (and values, :data:`_NOT_ON`, and object types,
-    :data:`_TYPE_NOT_ON`) only some engines honour, at most one grammar."""
+    (:func:`filter_extensions`), OpenAI fields (and object types, :data:`_TYPE_NOT_ON`) only some
+    engines honour, at most one grammar."""
     filter_extensions(body, route, engines, OPENAI_FIELDS[route])
     for key, ok in _OPENAI_ONLY_ON.items():
         if body.get(key) is not None and not engines <= ok:
             raise _refuse(key, f"'{key}' is not supported by the engines serving this model.")
-    for (key, value), refusing in _NOT_ON.items():
-        if body.get(key) == value and engines & refusing:
-            raise _refuse(key, f"'{key}' {value!r} is not supported by the engines serving this model.")
     for (key, kind), refusing in _TYPE_NOT_ON.items():
         value = body.get(key)
         if isinstance(value, dict) and value.get("type") == kind and engines & refusing:
