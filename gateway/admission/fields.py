@@ -46,8 +46,6 @@ from gateway.admission.engine_refusals import check_image_parts
 from tokenizer.chat import DEFAULT_CHAT, IMAGE_PART_TYPES, TEXT_PART_TYPES, ChatOptions
 from tokenizer.images import image_url_of
 
-ENGINES = ("sglang", "vllm", "kvgate", "openai")
-
 _SGLANG_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens")
 _VLLM_SAMPLING = _SGLANG_SAMPLING + ("spaces_between_special_tokens",)
 
