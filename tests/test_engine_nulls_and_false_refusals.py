@@ -320,6 +320,19 @@ def test_best_of_below_n_is_still_refused_for_openai_and_the_bundled_backend(env
         assert ledger.delta() == REFUSED
 
 
+def test_best_of_above_openais_bound_is_refused_before_the_engine(gws, module_engine):
+    """OpenAI's API reference bounds ``best_of`` at 20: 21 on an ``openai`` upstream is kvgate's
+    400, not OpenAI's after admission; nothing reaches the engine, nothing is charged."""
+    path, base = ROUTES["completions"]
+    ledger = Ledger(gws["openai"], module_engine)
+    r = _post(gws["openai"], path, {"model": MODEL, **base, "best_of": 21})
+    assert (r.status_code, error_of(r)) == (
+        400,
+        _invalid("Invalid value for 'best_of': must be <= 20 (the engines serving this model refuse more)", "best_of"),
+    )
+    assert ledger.delta() == REFUSED
+
+
 # ---------------------------------------------------------------- reasoning_effort "max"
 @pytest.mark.parametrize("policy", ["sglang", "vllm", "kvgate", "openai"])
 def test_reasoning_effort_max_is_served_where_every_engine_takes_it(gws, module_engine, policy):
