@@ -158,15 +158,16 @@ def gate_settings(sg: MockEngine, vl: MockEngine, hf_folder: Path) -> Settings:
 def mock_pair_env(
     make_folder: Callable[[Path], Path],
     make_settings: Callable[[MockEngine, MockEngine, Path], Settings],
+    engine: Callable[[], MockEngine] = MockEngine,
     **tenant: Any,
 ) -> Iterator[tuple]:
     """``(client, sglang mock, vllm mock, quotas, tokenizer folder)`` with the gateway ready: the
-    folder made by ``make_folder`` in a temporary directory, the gateway on ``make_settings``;
-    ``tenant``: limits of :data:`KEY_A`'s tenant over the defaults (cap :data:`CAP`, 16 tokens
-    by default, every model)."""
+    folder made by ``make_folder`` in a temporary directory, the gateway on ``make_settings``,
+    the two mocks made by ``engine``; ``tenant``: limits of :data:`KEY_A`'s tenant over the
+    defaults (cap :data:`CAP`, 16 tokens by default, every model)."""
     tmp = tempfile.TemporaryDirectory()
     folder = make_folder(Path(tmp.name))
-    sg, vl = MockEngine().start(), MockEngine().start()
+    sg, vl = engine().start(), engine().start()
     vl.state.vllm_max_model_len = 4096
     q = Quotas()
     reg = tenants(**{"max_tokens_cap": CAP, "default_max_tokens": 16, "allowed_models": [], **tenant})

@@ -9,6 +9,7 @@ Pool 4096 tokens, headroom 1.25 -> live limit 3,276 tokens; tenant ``max_tokens_
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 from config.models import Settings
@@ -117,6 +118,7 @@ def render_settings(sg: MockEngine, vl: MockEngine, folder: Path) -> Settings:
     )
 
 
-def render_env() -> contextlib.AbstractContextManager[tuple]:
-    """``(client, sglang mock, vllm mock, quotas, tojson tokenizer folder)`` with the gateway ready."""
-    return mock_pair_env(make_tojson_folder, render_settings)
+def render_env(engine: Callable[[], MockEngine] = MockEngine) -> contextlib.AbstractContextManager[tuple]:
+    """``(client, sglang mock, vllm mock, quotas, tojson tokenizer folder)`` with the gateway
+    ready, the mocks made by ``engine``."""
+    return mock_pair_env(make_tojson_folder, render_settings, engine)

@@ -166,13 +166,13 @@ def schema_format(schema: dict, **kw: Any) -> dict:
         (
             "reasoning",
             {"effort": "maximal"},
-            "must be an object with 'effort' (none, minimal, low, medium, high, xhigh) and 'summary' "
+            "must be an object with 'effort' (none, minimal, low, medium, high, xhigh, max) and 'summary' "
             "(auto, concise, detailed)",
         ),
         (
             "reasoning",
             {"effort": "low", "budget": 5},
-            "must be an object with 'effort' (none, minimal, low, medium, high, xhigh) and 'summary' "
+            "must be an object with 'effort' (none, minimal, low, medium, high, xhigh, max) and 'summary' "
             "(auto, concise, detailed)",
         ),
         ("include", ["everything"], None),

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizer.base import PromptCounter
+from tokenizer.chat import DEFAULT_CHAT, ChatOptions
 from tokenizer.errors import InvalidPromptError, TokenizerError
 from tokenizer.prompt_text import chat_text
 
@@ -302,21 +303,22 @@ def _retarget(e: TokenizerError, prompt: ResponsesPrompt) -> TokenizerError:
     return e
 
 
-def count_responses(counter: PromptCounter, prompt: ResponsesPrompt) -> int:
+def count_responses(counter: PromptCounter, prompt: ResponsesPrompt, options: ChatOptions = DEFAULT_CHAT) -> int:
     """Prompt tokens of a converted Responses request (generation prompt included), as
-    :meth:`PromptCounter.count_chat` counts a chat. Raises the typed errors of
-    :mod:`tokenizer.errors` (``param`` ``input`` for what the template rejects)."""
+    :meth:`PromptCounter.count_chat` counts a chat with ``options`` (the template variables the
+    engine sets). Raises the typed errors of :mod:`tokenizer.errors` (``param`` ``input`` for
+    what the template rejects)."""
     try:
-        return counter.count_chat(prompt.messages, prompt.tools)
+        return counter.count_chat(prompt.messages, prompt.tools, options)
     except TokenizerError as e:
         raise _retarget(e, prompt) from None
 
 
-async def acount_responses(counter: PromptCounter, prompt: ResponsesPrompt) -> int:
+async def acount_responses(counter: PromptCounter, prompt: ResponsesPrompt, options: ChatOptions = DEFAULT_CHAT) -> int:
     """:func:`count_responses` through the counter's async API (a worker thread for long input;
     the engine's tokenize endpoint for ``engine`` tokenizers)."""
     try:
-        return await counter.acount_chat(prompt.messages, prompt.tools)
+        return await counter.acount_chat(prompt.messages, prompt.tools, options)
     except TokenizerError as e:
         raise _retarget(e, prompt) from None
 

@@ -13,7 +13,8 @@ prompt-changing fields do to the count:
   ``continue_final_message`` and ``chat_template_kwargs`` (counted through
   :class:`tokenizer.chat.ChatOptions`; refused where the engine does not read them),
   ``reasoning_effort`` (SGLang turns it into ``thinking``/``enable_thinking`` template kwargs,
-  vLLM passes it to the template: counted as such), ``suffix`` (SGLang inserts it as
+  vLLM passes it to the template: counted as such; ``/v1/responses`` ``reasoning.effort`` the
+  same way: :func:`responses_chat_options`), ``suffix`` (SGLang inserts it as
   fill-in-the-middle text, vLLM refuses it: accepted only for ``openai``), ``echo`` with
   ``logprobs`` (prompt logprobs: a vocabulary-sized row per prompt token on the engine;
   accepted only for ``openai``), image URLs (``data:`` only unless the model's
@@ -158,6 +159,42 @@ def _template_kwargs_for(engine: str, body: dict[str, Any]) -> dict[str, Any]:
             kwargs["reasoning_effort"] = effort
             kwargs.setdefault("enable_thinking", effort != "none")
     return kwargs
+
+
+def _responses_template_kwargs_for(engine: str, reasoning: Any) -> dict[str, Any]:
+    """The template variables ``engine`` sets from a Responses request's ``reasoning`` object.
+
+    vLLM ``responses/protocol.py@010a69ce`` ``ResponsesRequest.build_chat_params``:
+    ``reasoning_effort=reasoning.effort`` (OpenAI's ``Reasoning``: no default), dropped when
+    ``None`` by ``merge_kwargs``. SGLang ``serving_responses.py`` ``_make_request`` builds a
+    ``ChatCompletionRequest`` with ``reasoning_effort=request.reasoning.effort``, which its chat
+    path turns into template variables as for chat (:func:`_template_kwargs_for`); its
+    ``ResponseReasoningParam`` (``protocol.py@004c82e0``) defaults ``effort`` to ``"medium"``,
+    so a ``reasoning`` object without ``effort`` reaches the template as ``"medium"`` there
+    (its ``normalize_reasoning_to_thinking`` sets for ``"none"`` what the chat path sets too).
+    The bundled backend and an OpenAI upstream pass none."""
+    if not isinstance(reasoning, dict):
+        return {}
+    if engine == "vllm" and reasoning.get("effort") is not None:
+        return {"reasoning_effort": reasoning["effort"]}
+    if engine == "sglang":
+        return _template_kwargs_for("sglang", {"reasoning_effort": reasoning.get("effort", "medium")})
+    return {}
+
+
+def responses_chat_options(body: dict[str, Any], engines: frozenset[str]) -> ChatOptions:
+    """How the engines serving a model render a Responses request's chat: its generation prompt,
+    with the template variables its ``reasoning`` object sets
+    (:func:`_responses_template_kwargs_for`). Raises :class:`OpenAIError` 400 naming
+    ``reasoning.effort`` where those variables differ between the engines."""
+    per_engine = [_responses_template_kwargs_for(e, body.get("reasoning")) for e in sorted(engines)] or [{}]
+    kwargs = per_engine[0]
+    if any(k != kwargs for k in per_engine[1:]):
+        raise _refuse(
+            "reasoning.effort",
+            "'reasoning.effort' changes the prompt differently on the engines serving this model; leave it out.",
+        )
+    return ChatOptions(template_kwargs=tuple(sorted(kwargs.items())))
 
 
 #: keys a chat message may carry (the OpenAI message params, plus the reasoning text that vLLM and

@@ -30,7 +30,12 @@ from gateway.admission.checks import (
     stop_problem,
 )
 from gateway.admission.engine_refusals import check_engine_refusals, check_image_parts
-from gateway.admission.fields import check_output_constraints, check_tool_definitions, filter_extensions
+from gateway.admission.fields import (
+    check_output_constraints,
+    check_tool_definitions,
+    filter_extensions,
+    responses_chat_options,
+)
 from gateway.admission.gate import Admission, CountedPrompt, decide
 from gateway.admission.grammar_bounds import schema_problem
 from gateway.admission.registry import ModelEntry
@@ -66,8 +71,9 @@ def _response_stream_options(v: Any) -> str | None:
     return None
 
 
-#: ``reasoning.effort`` (OpenAI ``ReasoningEffort``) and ``reasoning.summary`` values
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+#: ``reasoning.effort`` (OpenAI ``ReasoningEffort``, the type vLLM's ``Reasoning`` takes; SGLang's
+#: ``ReasoningEffortTier``, ``protocol.py@004c82e0``) and ``reasoning.summary`` values
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _REASONING_SUMMARIES = ("auto", "concise", "detailed")
 #: ``include`` values: OpenAI's ``ResponseIncludable`` that the engines' ``ResponsesRequest`` take
 #: (vLLM ``responses/protocol.py``: a ``Literal`` of these six). The two ``web_search_call.*`` ones
@@ -392,6 +398,7 @@ async def count_responses(entry: ModelEntry, body: dict[str, Any]) -> CountedPro
     check_image_parts(body, entry.engines, "responses")  # before the URL policy: no URL makes it acceptable
     check_image_urls(body, entry.config.images)
     check_input_items(body)
+    options = responses_chat_options(body, entry.engines)
     tools = body.get("tools")
     args = (
         body.get("input"),
@@ -407,7 +414,7 @@ async def count_responses(entry: ModelEntry, body: dict[str, Any]) -> CountedPro
     try:
         limit = entry.counter.offload_chars  # a long input is checked, converted and gathered off the loop
         prompt, text = await off_loop(string_chars(args, limit), limit, convert)
-        tokens = await acount_responses(entry.counter, prompt)
+        tokens = await acount_responses(entry.counter, prompt, options)
     except TokenizerError as e:
         raise e.to_openai() from None
     return CountedPrompt(tokens, tokens, 1, text)
