@@ -454,10 +454,13 @@ def test_structural_tag_refused_where_no_engine_takes_it(engine: str) -> None:
 
 
 #: ``/v1/responses``: SGLang ``protocol.py@004c82e0`` ``ResponsesRequest`` ("SGLang sampling
-#: extras", read by ``to_sampling_params``); the bundled backend's ``_sampling`` (``seed``,
-#: ``stop``, ``stop_token_ids``, ``ignore_eos``)
+#: extras", read by ``to_sampling_params``); vLLM ``responses/protocol.py@010a69ce``
+#: ``ResponsesRequest`` (``top_k``, ``skip_special_tokens``, ``repetition_penalty``, ``seed``,
+#: ``stop``, ``ignore_eos``: passed to ``SamplingParams.from_optional``); the bundled backend's
+#: ``_sampling`` (``seed``, ``stop``, ``stop_token_ids``, ``ignore_eos``)
 RESPONSES = {
     "sglang": ("stop", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"),
+    "vllm": ("stop", "top_k", "repetition_penalty", "seed", "ignore_eos", "skip_special_tokens"),
     "kvgate": ("stop", "seed", "stop_token_ids", "ignore_eos"),
 }
 
@@ -467,6 +470,16 @@ def test_responses_sampling_fields_pass(engine: str, field: str) -> None:
     body = {field: "sent"}
     filter_extensions(body, "responses", frozenset({engine}), frozenset())
     assert body == {field: "sent"}
+
+
+@pytest.mark.parametrize("field", ["min_p", "min_tokens", "frequency_penalty"])
+def test_responses_fields_vllm_does_not_read_are_refused(field: str) -> None:
+    """vLLM's ``ResponsesRequest`` declares none of these (its ``OpenAIBaseModel`` ignores an
+    unknown field with a warning): refused rather than dropped unread."""
+    assert _refusal(filter_extensions, {field: 1}, "responses", frozenset({"vllm"}), frozenset()) == _body(
+        field,
+        f"Unrecognized request argument supplied: {field} (the engines serving this model do not accept it).",
+    )
 
 
 def test_responses_fields_sglang_does_not_read_are_refused() -> None:
