@@ -519,7 +519,8 @@ def vllm_conversation(  # noqa: C901 (vLLM's steps, in its order)
     """vLLM's conversation: vllm/entrypoints/chat_utils.py@001eadcf ``_parse_chat_message_content``
     (content as below; assistant: ``tool_calls`` if not None, ``reasoning`` also as
     ``reasoning_content``; tool: ``tool_call_id``, and in the "openai" format a content of text
-    parts only as their texts joined with "\\n"; ``name`` if a string) then
+    parts only as their texts joined with "\\n"; ``name`` if a string; developer: ``tools``, ``None``
+    when absent) then
     ``_postprocess_messages``. Content, for a "string"-format template (``fmt``): as
     :func:`vllm_string_parts` builds it (``interleave``: ``--interleave-mm-strings``);
     ``chatml``: with the image parts where their placeholders go (:func:`chat_tokens` costs them),
@@ -551,6 +552,8 @@ def vllm_conversation(  # noqa: C901 (vLLM's steps, in its order)
                     result_msg["content"] = "\n".join(texts) if texts else ""
         if "name" in msg and isinstance(msg["name"], str):
             result_msg["name"] = msg["name"]
+        if role == "developer":
+            result_msg["tools"] = msg.get("tools", None)
         conversation.append(result_msg)
     # _postprocess_messages, line for line
     for i, message in enumerate(conversation):
