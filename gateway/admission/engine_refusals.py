@@ -567,10 +567,10 @@ OPENAI_MAX_BEST_OF = 20
 def _check_openai_best_of(body: dict[str, Any], engines: frozenset[str]) -> None:
     """Completions ``best_of`` below ``n``, or above :data:`OPENAI_MAX_BEST_OF`: 400 naming
     ``best_of`` where an ``openai`` upstream serves the model (OpenAI: "best_of must be greater
-    than n"; maximum 20). vLLM 0.34.0's ``CompletionRequest``
-    has no ``best_of`` (``vllm/entrypoints/openai/completion/protocol.py:49-75``: an extra field,
-    ignored) and SGLang 0.5.23 reads it nowhere (``protocol.py:373``, its only mention): both generate
-    ``n``; the bundled backend takes ``best_of`` 1 only (:data:`BUNDLED_NEUTRAL`). The gate reserves
+    than n"; maximum 20). vLLM 0.34.0's ``CompletionRequest`` has no ``best_of``
+    (``vllm/entrypoints/openai/completion/protocol.py:49-75``: an extra field, ignored) and
+    SGLang 0.5.23 reads it nowhere (``protocol.py:373``, its only mention): both generate ``n``;
+    the bundled backend takes ``best_of`` 1 only (:data:`BUNDLED_NEUTRAL`). The gate reserves
     ``max(n, best_of)`` sequences either way."""
     best_of, n = body.get("best_of"), body.get("n")
     if "openai" not in engines or best_of is None:
