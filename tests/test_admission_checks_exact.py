@@ -352,6 +352,17 @@ def test_stop_counts_and_sizes_at_their_bounds():
     assert comp_refused("stop", ["s"] * 17) == bad("stop", STOP_SHAPE)
 
 
+def test_size_checks_count_a_lone_surrogate_as_three_bytes_and_never_raise():
+    """The body parser (orjson) refuses lone surrogates before any check runs, so this is the
+    checks' own contract: called directly on one, they count it as the 3 bytes its code point
+    takes in UTF-8's scheme (``surrogatepass``) instead of raising ``UnicodeEncodeError``."""
+    assert stop_problem("\ud800" * 341) is None  # 1,023 bytes
+    assert stop_problem("\ud800" * 342) == "each stop string must be at most 1024 bytes (UTF-8)"
+    grammar = EXTENSION_FIELDS["regex"]
+    assert grammar("\udfff" * 10922) is None  # 32,766 bytes
+    assert grammar("\udfff" * 10923) == "must be at most 32768 bytes"
+
+
 # ---------------------------------------------------------------- stream_options
 def test_stream_options_keys_and_values():
     for key in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
