@@ -232,3 +232,24 @@ def test_set_tenant_charges_each_tenant_its_own_account(monkeypatch):
 def test_the_default_offload_threshold():
     """Lowered so the worst text under it is counted in about 10 ms (docs/configuration.md)."""
     assert base.OFFLOAD_CHARS == GatewaySettings().offload_count_chars == 16_384
+
+
+def test_the_gateway_charges_a_request_to_the_tenant_that_authenticated(monkeypatch):
+    """Through the real app: a chat from tenant ``a`` is counted on the loop and charged to its
+    account, and to no other (``admit`` authenticates, then ``set_tenant``); without that step
+    a flood's counts would be charged to no one and never leave the shared loop."""
+    from tests.gateway_harness import KEY_A, Gateway, chat, settings_for, tenants, upstream
+    from tests.mock_engine import MockEngine
+
+    monkeypatch.setattr(offload, "_LOOP_ACCOUNTS", {})
+    a, b = offload.loop_account("tenant-a"), offload.loop_account("tenant-b")
+    engine = MockEngine().start()
+    g = Gateway(settings_for([upstream("u1", engine)]), tenants()).start()
+    try:
+        with g.client(KEY_A) as c:
+            assert c.post("/v1/chat/completions", json=chat()).status_code == 200
+    finally:
+        g.stop()
+        engine.stop()
+    assert a.due > 0.0 and b.due == 0.0
+    assert set(offload._LOOP_ACCOUNTS) == {"tenant-a", "tenant-b"}
