@@ -161,6 +161,18 @@ def _template_kwargs_for(engine: str, body: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def _same_on_every_engine(per_engine: list[dict[str, Any]], param: str) -> dict[str, Any]:
+    """The template variables every engine of a model sets (``per_engine``: one dict per
+    engine, at least one). Raises :class:`OpenAIError` 400 naming ``param`` where they differ:
+    no one count would hold for all of them."""
+    kwargs = per_engine[0]
+    if any(k != kwargs for k in per_engine[1:]):
+        raise _refuse(
+            param, f"'{param}' changes the prompt differently on the engines serving this model; leave it out."
+        )
+    return kwargs
+
+
 def _responses_template_kwargs_for(engine: str, reasoning: Any) -> dict[str, Any]:
     """The template variables ``engine`` sets from a Responses request's ``reasoning`` object.
 
@@ -188,13 +200,7 @@ def responses_chat_options(body: dict[str, Any], engines: frozenset[str]) -> Cha
     (:func:`_responses_template_kwargs_for`). Raises :class:`OpenAIError` 400 naming
     ``reasoning.effort`` where those variables differ between the engines."""
     per_engine = [_responses_template_kwargs_for(e, body.get("reasoning")) for e in sorted(engines)] or [{}]
-    kwargs = per_engine[0]
-    if any(k != kwargs for k in per_engine[1:]):
-        raise _refuse(
-            "reasoning.effort",
-            "'reasoning.effort' changes the prompt differently on the engines serving this model; leave it out.",
-        )
-    return ChatOptions(template_kwargs=tuple(sorted(kwargs.items())))
+    return ChatOptions(template_kwargs=tuple(sorted(_same_on_every_engine(per_engine, "reasoning.effort").items())))
 
 
 #: keys a chat message may carry (the OpenAI message params, plus the reasoning text that vLLM and
@@ -561,12 +567,7 @@ def check_chat_request(
     per_engine = [_template_kwargs_for(e, body) for e in sorted(engines)] or [
         dict(body.get("chat_template_kwargs") or {})
     ]
-    kwargs = per_engine[0]
-    if any(k != kwargs for k in per_engine[1:]):
-        raise _refuse(
-            "reasoning_effort",
-            "'reasoning_effort' changes the prompt differently on the engines serving this model; leave it out.",
-        )
+    kwargs = _same_on_every_engine(per_engine, "reasoning_effort")
     return ChatOptions(
         add_generation_prompt=bool(cfm is not True and agp is not False),
         continue_final_message=bool(cfm),
